@@ -1,0 +1,661 @@
+"""The schema library: one human-readable, git-diffable JSON file per schema in a folder (default ./schemas).
+
+A schema file holds, in this key order:
+
+    {"name": str, "version": int >= 1, "description": str,
+     "questions": {id: {"type": "noul"|"choice"|"score", "instructions": str | JSON, "criteria": ...}},
+     "examples": [{"name": str, "state": any JSON}, ...]}      # optional: example states to try on the Decide page
+
+`questions` is exactly the System One `questions` map (spec §5), so it goes into a request unchanged. Files are
+written with indent 2, UTF-8, a trailing newline and a fixed key order, so edits show up as small git diffs.
+
+Validation applies the limits published for hosted Clef; `lint` adds warnings about schemas that are valid but
+likely to give poor answers. Every message names the question and the field it concerns.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import os
+import re
+import unicodedata
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+# Published limits for hosted Clef (spec §5).
+MIN_QUESTIONS = 1
+MAX_QUESTIONS = 64
+MIN_CHOICE_OPTIONS = 2
+MAX_CHOICE_OPTIONS = 255
+MIN_SCORE_LEVELS = 2
+MAX_SCORE_LEVELS = 10
+QUESTION_ID_PATTERN = re.compile(r"[A-Za-z0-9_.\-]{1,100}")
+QUESTION_TYPES = ("noul", "choice", "score")
+NOUL_CRITERIA_KEYS = ("true", "false")
+
+# Descriptions at least this similar (difflib ratio) inside one question are probably copy-paste mistakes:
+# the model cannot tell such options apart.
+NEAR_DUPLICATE_RATIO = 0.9
+
+# An option whose id (underscores read as spaces) or description matches these gives the model a way out when no
+# real option fits. Descriptions need a stricter pattern: "other" or "none" appear in ordinary descriptions too.
+UNKNOWN_OPTION_ID_PATTERN = re.compile(
+    r"\b(unknown|none|other|others|unsure|unclear|undetermined|indeterminate|cannot tell|cant tell|cannot determine|"
+    r"na|n a|not applicable|insufficient|needs more (?:data|info|information)|no match|neither|uncertain)\b",
+    re.IGNORECASE,
+)
+UNKNOWN_DESCRIPTION_PATTERN = re.compile(
+    r"\b(none of (?:these|the above|the options)|unknown|can(?:not|'t) (?:tell|determine|decide)|"
+    r"not enough (?:information|evidence|data)|insufficient (?:information|evidence|data)|not applicable)\b",
+    re.IGNORECASE,
+)
+
+SCHEMAS_DIR_ENV = "CLEF_SCHEMAS_DIR"
+DEFAULT_SCHEMAS_DIR = Path("schemas")
+SCHEMA_FILE_SUFFIX = ".json"
+SLUG_PATTERN = re.compile(r"[a-z0-9][a-z0-9-]{0,79}")
+MAX_IMPORT_BYTES = 2 * 1024 * 1024  # a 64-question schema with 255 long options each stays far below this
+
+Severity = Literal["error", "warning"]
+
+
+@dataclass(frozen=True)
+class SchemaProblem:
+    """One thing wrong with a schema. `loc` is a path into the schema file, e.g. ("questions", "q1", "criteria")."""
+
+    loc: tuple[str | int, ...]
+    msg: str
+    severity: Severity = "error"
+
+    @property
+    def question_id(self) -> str | None:
+        """The question this problem concerns, when it concerns one."""
+        if len(self.loc) >= 2 and self.loc[0] == "questions":
+            return str(self.loc[1])
+        return None
+
+    def __str__(self) -> str:
+        return f"{self.severity}: {self.msg}"
+
+
+class SchemaError(ValueError):
+    """A schema is invalid (or a file is not a schema). `problems` lists every error found, not just the first."""
+
+    def __init__(self, problems: list[SchemaProblem], *, source: str | None = None):
+        self.problems = list(problems)
+        self.source = source
+        prefix = f"{source}: " if source else ""
+        super().__init__(prefix + "; ".join(p.msg for p in self.problems))
+
+
+class _PairsDict(dict):
+    """A dict that remembers keys that occurred more than once in the JSON text (json keeps only the last one)."""
+
+    duplicate_keys: tuple[str, ...] = ()
+
+
+def _pairs_hook(pairs: list[tuple[str, Any]]) -> _PairsDict:
+    result = _PairsDict()
+    duplicates = []
+    for key, value in pairs:
+        if key in result and key not in duplicates:
+            duplicates.append(key)
+        result[key] = value
+    result.duplicate_keys = tuple(duplicates)
+    return result
+
+
+def loads_schema_json(text: str, *, source: str = "schema") -> Any:
+    """Parse JSON text, keeping track of duplicate keys so that validation can report duplicate ids.
+
+    Raises SchemaError naming the line and column of a syntax error.
+    """
+    try:
+        return json.loads(text, object_pairs_hook=_pairs_hook)
+    except json.JSONDecodeError as exc:
+        raise SchemaError(
+            [SchemaProblem((), f"not valid JSON: {exc.msg} at line {exc.lineno}, column {exc.colno}")], source=source
+        ) from None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Validation and lint
+
+
+def _q(qid: str, fieldname: str) -> str:
+    return f'question "{qid}", field "{fieldname}"'
+
+
+def _is_blank_instruction(instructions: Any) -> bool:
+    if instructions is None:
+        return True
+    if isinstance(instructions, str):
+        return not instructions.strip()
+    if isinstance(instructions, dict | list):
+        return len(instructions) == 0
+    return False
+
+
+def _validate_question(qid: str, question: Any) -> list[SchemaProblem]:
+    loc = ("questions", qid)
+    problems: list[SchemaProblem] = []
+    if not isinstance(question, dict):
+        return [SchemaProblem(loc, f'question "{qid}": must be an object with "type", "instructions", "criteria"')]
+    unknown = [k for k in question if k not in ("type", "instructions", "criteria")]
+    for key in unknown:
+        problems.append(SchemaProblem((*loc, key), f"{_q(qid, key)}: unknown field (allowed: type, instructions, "
+                                                   "criteria)"))
+    qtype = question.get("type")
+    if qtype not in QUESTION_TYPES:
+        problems.append(SchemaProblem((*loc, "type"), f"{_q(qid, 'type')}: must be one of noul, choice, score "
+                                                      f"(got {json.dumps(qtype)})"))
+        return problems
+    criteria = question.get("criteria")
+    cloc = (*loc, "criteria")
+    if qtype == "noul":
+        if criteria is not None:
+            if not isinstance(criteria, dict):
+                problems.append(SchemaProblem(cloc, f"{_q(qid, 'criteria')}: a noul question takes null or a map "
+                                                    '{"true": description, "false": description}'))
+            else:
+                for key, desc in criteria.items():
+                    if key not in NOUL_CRITERIA_KEYS:
+                        problems.append(SchemaProblem((*cloc, key), f'{_q(qid, "criteria")}: key "{key}" is not '
+                                                                    'allowed; a noul question has only "true" and '
+                                                                    '"false"'))
+                    elif not isinstance(desc, str):
+                        problems.append(SchemaProblem((*cloc, key), f'{_q(qid, "criteria")}: the "{key}" '
+                                                                    "description must be a string"))
+    elif qtype == "choice":
+        if not isinstance(criteria, dict):
+            problems.append(SchemaProblem(cloc, f"{_q(qid, 'criteria')}: a choice question needs a map of option "
+                                                "id -> description (description may be null)"))
+        else:
+            n = len(criteria)
+            if not MIN_CHOICE_OPTIONS <= n <= MAX_CHOICE_OPTIONS:
+                problems.append(SchemaProblem(cloc, f"{_q(qid, 'criteria')}: a choice question needs "
+                                                    f"{MIN_CHOICE_OPTIONS}–{MAX_CHOICE_OPTIONS} options (has {n})"))
+            for dup in getattr(criteria, "duplicate_keys", ()):
+                problems.append(SchemaProblem((*cloc, dup), f'{_q(qid, "criteria")}: option id "{dup}" appears '
+                                                            "more than once"))
+            for option_id, desc in criteria.items():
+                if not option_id.strip():
+                    problems.append(SchemaProblem((*cloc, option_id), f"{_q(qid, 'criteria')}: an option id is "
+                                                                      "empty"))
+                if desc is not None and not isinstance(desc, str):
+                    problems.append(SchemaProblem((*cloc, option_id), f'{_q(qid, "criteria")}: the description of '
+                                                                      f'option "{option_id}" must be a string or '
+                                                                      "null"))
+    else:  # score
+        if not isinstance(criteria, list):
+            problems.append(SchemaProblem(cloc, f"{_q(qid, 'criteria')}: a score question needs a list of level "
+                                                "descriptions, lowest first"))
+        else:
+            n = len(criteria)
+            if not MIN_SCORE_LEVELS <= n <= MAX_SCORE_LEVELS:
+                problems.append(SchemaProblem(cloc, f"{_q(qid, 'criteria')}: a score question needs "
+                                                    f"{MIN_SCORE_LEVELS}–{MAX_SCORE_LEVELS} levels (has {n})"))
+            for i, desc in enumerate(criteria):
+                if not isinstance(desc, str):
+                    problems.append(SchemaProblem((*cloc, i), f"{_q(qid, 'criteria')}: level {i} must be a "
+                                                              "description string"))
+    return problems
+
+
+def validate_questions(questions: Any) -> list[SchemaProblem]:
+    """Errors that make `questions` unusable as a System One questions map (published limits, types, shapes)."""
+    if not isinstance(questions, dict):
+        return [SchemaProblem(("questions",), '"questions" must be a map of question id -> question')]
+    problems: list[SchemaProblem] = []
+    n = len(questions)
+    if not MIN_QUESTIONS <= n <= MAX_QUESTIONS:
+        problems.append(SchemaProblem(("questions",), f"a schema needs {MIN_QUESTIONS}–{MAX_QUESTIONS} questions "
+                                                      f"(has {n})"))
+    for dup in getattr(questions, "duplicate_keys", ()):
+        problems.append(SchemaProblem(("questions", dup), f'question "{dup}": the id appears more than once; '
+                                                          "only the last one would be kept"))
+    for qid, question in questions.items():
+        if not QUESTION_ID_PATTERN.fullmatch(qid):
+            problems.append(SchemaProblem(("questions", qid), f'question "{qid}", field "id": ids are 1–100 '
+                                                              "letters, digits, _ . or -"))
+        problems.extend(_validate_question(qid, question))
+    return problems
+
+
+def _descriptions(question: dict) -> list[tuple[str, str]]:
+    """(label, description) pairs of the answers a question offers, as the model would read them."""
+    criteria = question.get("criteria")
+    qtype = question.get("type")
+    if qtype == "choice" and isinstance(criteria, dict):
+        return [(f'option "{k}"', v) for k, v in criteria.items() if isinstance(v, str)]
+    if qtype == "score" and isinstance(criteria, list):
+        return [(f"level {i}", v) for i, v in enumerate(criteria) if isinstance(v, str)]
+    if qtype == "noul" and isinstance(criteria, dict):
+        return [(f'"{k}"', v) for k, v in criteria.items() if isinstance(v, str)]
+    return []
+
+
+def _normalized(text: str) -> str:
+    return " ".join(text.lower().split())
+
+
+def lint_questions(questions: Any) -> list[SchemaProblem]:
+    """Warnings about a questions map that is valid but likely to give poor or ambiguous answers."""
+    if not isinstance(questions, dict):
+        return []
+    warnings: list[SchemaProblem] = []
+    seen_folded: dict[str, str] = {}
+    for qid, question in questions.items():
+        folded = qid.casefold()
+        if folded in seen_folded:
+            warnings.append(SchemaProblem(("questions", qid), f'question "{qid}", field "id": differs from '
+                                                              f'"{seen_folded[folded]}" only in letter case',
+                                          "warning"))
+        seen_folded.setdefault(folded, qid)
+        if not isinstance(question, dict) or question.get("type") not in QUESTION_TYPES:
+            continue
+        if _is_blank_instruction(question.get("instructions")):
+            warnings.append(SchemaProblem(("questions", qid, "instructions"),
+                                          f"{_q(qid, 'instructions')}: empty; the model will read only the id "
+                                          f'"{qid}" as the question', "warning"))
+        criteria = question.get("criteria")
+        if question["type"] == "choice" and isinstance(criteria, dict):
+            has_way_out = any(UNKNOWN_OPTION_ID_PATTERN.search(re.sub(r"[_.\-]+", " ", k))
+                              or UNKNOWN_DESCRIPTION_PATTERN.search(v or "") for k, v in criteria.items())
+            if not has_way_out:
+                warnings.append(SchemaProblem(("questions", qid, "criteria"),
+                                              f"{_q(qid, 'criteria')}: no \"unknown\" / \"none of these\" option; "
+                                              "when nothing fits, the model must still pick one of the listed "
+                                              "options", "warning"))
+            folded_ids: dict[str, str] = {}
+            for option_id in criteria:
+                key = _normalized(option_id)
+                if key in folded_ids:
+                    warnings.append(SchemaProblem(("questions", qid, "criteria", option_id),
+                                                  f'{_q(qid, "criteria")}: option ids "{folded_ids[key]}" and '
+                                                  f'"{option_id}" differ only in case or spaces', "warning"))
+                folded_ids.setdefault(key, option_id)
+        described = _descriptions(question)
+        for i, (label_a, desc_a) in enumerate(described):
+            for label_b, desc_b in described[i + 1:]:
+                a, b = _normalized(desc_a), _normalized(desc_b)
+                if not a or not b:
+                    continue
+                ratio = difflib.SequenceMatcher(None, a, b).ratio()
+                if ratio >= NEAR_DUPLICATE_RATIO:
+                    warnings.append(SchemaProblem(("questions", qid, "criteria"),
+                                                  f"{_q(qid, 'criteria')}: {label_a} and {label_b} have nearly the "
+                                                  f"same description ({ratio:.0%} similar); the model can hardly "
+                                                  "tell them apart", "warning"))
+        if question["type"] == "choice" and isinstance(criteria, dict):
+            for option_id, desc in criteria.items():
+                if desc is None or (isinstance(desc, str) and not desc.strip()):
+                    warnings.append(SchemaProblem(("questions", qid, "criteria", option_id),
+                                                  f'{_q(qid, "criteria")}: option "{option_id}" has no '
+                                                  "description; the model sees only its id", "warning"))
+    return warnings
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The schema document
+
+
+@dataclass
+class Schema:
+    """One schema of the library. `questions` is the System One questions map, in the order the model reads it."""
+
+    name: str
+    questions: dict[str, Any]
+    version: int = 1
+    description: str = ""
+    examples: list[dict[str, Any]] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The file's content, keys in the fixed order name, version, description, questions, examples."""
+        data: dict[str, Any] = {
+            "name": self.name,
+            "version": self.version,
+            "description": self.description,
+            "questions": {qid: _canonical_question(q) for qid, q in self.questions.items()},
+        }
+        if self.examples:
+            data["examples"] = [_canonical_example(e) for e in self.examples]
+        return data
+
+    def to_json(self) -> str:
+        """Indent 2, UTF-8 text, trailing newline: the exact bytes of the library file."""
+        return json.dumps(self.to_dict(), indent=2, ensure_ascii=False) + "\n"
+
+    @classmethod
+    def from_dict(cls, data: Any, *, source: str = "schema") -> Schema:
+        """Build a Schema from parsed JSON. Raises SchemaError listing every error (file shape and questions)."""
+        problems = validate_schema_dict(data)
+        if problems:
+            raise SchemaError(problems, source=source)
+        return cls(
+            name=data["name"].strip(),
+            version=data.get("version", 1),
+            description=data.get("description", ""),
+            questions=_plain(data["questions"]),
+            examples=_plain(data.get("examples", [])),
+        )
+
+    @classmethod
+    def from_json(cls, text: str, *, source: str = "schema") -> Schema:
+        return cls.from_dict(loads_schema_json(text, source=source), source=source)
+
+    def problems(self) -> list[SchemaProblem]:
+        """Errors and warnings, errors first."""
+        return validate_schema_dict(self.to_dict()) + lint_questions(self.questions)
+
+
+def _plain(value: Any) -> Any:
+    """Turn _PairsDicts back into plain dicts (recursively), keeping order."""
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    return value
+
+
+def _canonical_question(question: dict[str, Any]) -> dict[str, Any]:
+    # Fixed key order so files diff cleanly; choice options and score levels keep the author's order
+    # (the response echoes choice ids in that order; score level order is meaning).
+    out = {k: question[k] for k in ("type", "instructions", "criteria") if k in question}
+    out.update({k: v for k, v in question.items() if k not in out})
+    return out
+
+
+def _canonical_example(example: dict[str, Any]) -> dict[str, Any]:
+    out = {k: example[k] for k in ("name", "state") if k in example}
+    out.update({k: v for k, v in example.items() if k not in out})
+    return out
+
+
+def validate_schema_dict(data: Any) -> list[SchemaProblem]:
+    """Errors in a parsed schema file: top-level fields, examples, and every question."""
+    if not isinstance(data, dict):
+        return [SchemaProblem((), "a schema file must hold a JSON object with name, version, description, "
+                                  "questions")]
+    problems: list[SchemaProblem] = []
+    for dup in getattr(data, "duplicate_keys", ()):
+        problems.append(SchemaProblem((dup,), f'the top-level field "{dup}" appears more than once'))
+    name = data.get("name")
+    if not isinstance(name, str) or not name.strip():
+        problems.append(SchemaProblem(("name",), 'field "name": required, a non-empty string'))
+    elif len(name) > 200:
+        problems.append(SchemaProblem(("name",), 'field "name": at most 200 characters'))
+    version = data.get("version", 1)
+    if not isinstance(version, int) or isinstance(version, bool) or version < 1:
+        problems.append(SchemaProblem(("version",), f'field "version": must be a whole number ≥ 1 (got '
+                                                    f"{json.dumps(version)})"))
+    if not isinstance(data.get("description", ""), str):
+        problems.append(SchemaProblem(("description",), 'field "description": must be a string'))
+    if "questions" not in data:
+        problems.append(SchemaProblem(("questions",), 'field "questions": required'))
+    else:
+        problems.extend(validate_questions(data["questions"]))
+    examples = data.get("examples", [])
+    if not isinstance(examples, list):
+        problems.append(SchemaProblem(("examples",), 'field "examples": must be a list of {"name", "state"}'))
+    else:
+        for i, example in enumerate(examples):
+            if not isinstance(example, dict) or "state" not in example:
+                problems.append(SchemaProblem(("examples", i), f'example {i + 1}: must be an object with "name" '
+                                                               'and "state"'))
+            elif not isinstance(example.get("name", ""), str):
+                problems.append(SchemaProblem(("examples", i, "name"), f'example {i + 1}, field "name": must be a '
+                                                                       "string"))
+    known = {"name", "version", "description", "questions", "examples"}
+    for key in data:
+        if key not in known:
+            allowed = ", ".join(sorted(known))
+            problems.append(SchemaProblem((key,), f'unknown top-level field "{key}" (allowed: {allowed})'))
+    return problems
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Builder rows: the editable, list-shaped form of a questions map (the Decide page's schema builder).
+#
+# A row is {"id", "type", "instructions", "options": [{"id", "description"}], "levels": [str],
+#           "true": str, "false": str}. Rows are a list, so a duplicated id stays visible instead of being merged.
+
+
+def question_to_row(qid: str, question: dict[str, Any]) -> dict[str, Any]:
+    """One question of a questions map as an editable row."""
+    criteria = question.get("criteria")
+    instructions = question.get("instructions", "")
+    row: dict[str, Any] = {
+        "id": qid,
+        "type": question.get("type", "noul"),
+        "instructions": instructions if isinstance(instructions, str) else json.dumps(instructions),
+        "options": [],
+        "levels": [],
+        "true": "",
+        "false": "",
+    }
+    if row["type"] == "choice" and isinstance(criteria, dict):
+        row["options"] = [{"id": k, "description": v or ""} for k, v in criteria.items()]
+    elif row["type"] == "score" and isinstance(criteria, list):
+        row["levels"] = [str(v) for v in criteria]
+    elif row["type"] == "noul" and isinstance(criteria, dict):
+        row["true"] = criteria.get("true", "") or ""
+        row["false"] = criteria.get("false", "") or ""
+    return row
+
+
+def questions_to_rows(questions: dict[str, Any]) -> list[dict[str, Any]]:
+    return [question_to_row(qid, q) for qid, q in questions.items()]
+
+
+def row_to_question(row: dict[str, Any]) -> dict[str, Any]:
+    """An editable row as a System One question. Blank option descriptions become null; blank noul sides drop."""
+    qtype = row.get("type", "noul")
+    instructions = row.get("instructions", "")
+    question: dict[str, Any] = {"type": qtype, "instructions": instructions}
+    if qtype == "choice":
+        question["criteria"] = {
+            str(o.get("id", "")).strip(): (o.get("description") or "").strip() or None
+            for o in row.get("options", [])
+            if str(o.get("id", "")).strip()
+        }
+    elif qtype == "score":
+        question["criteria"] = [str(level) for level in row.get("levels", [])]
+    else:
+        sides = {k: (row.get(k) or "").strip() for k in NOUL_CRITERIA_KEYS if (row.get(k) or "").strip()}
+        question["criteria"] = sides or None
+    return question
+
+
+def rows_to_questions(rows: Iterable[dict[str, Any]]) -> tuple[dict[str, Any], list[SchemaProblem]]:
+    """Rows as a questions map, plus errors the map alone could not show (duplicate ids, options dropped).
+
+    The errors from validate_questions on the result are included, so the caller needs only this list.
+    """
+    questions = _PairsDict()
+    problems: list[SchemaProblem] = []
+    duplicates: list[str] = []
+    for index, row in enumerate(rows):
+        qid = str(row.get("id", "")).strip()
+        if not qid:
+            problems.append(SchemaProblem(("questions", index), f'question {index + 1}, field "id": required'))
+            continue
+        if qid in questions:
+            duplicates.append(qid)
+            continue
+        if row.get("type") == "choice":
+            option_ids = [str(o.get("id", "")).strip() for o in row.get("options", [])]
+            seen: set[str] = set()
+            for option_id in option_ids:
+                if option_id and option_id in seen:
+                    problems.append(SchemaProblem(("questions", qid, "criteria", option_id),
+                                                  f'{_q(qid, "criteria")}: option id "{option_id}" appears more '
+                                                  "than once"))
+                seen.add(option_id)
+            if any(not o for o in option_ids):
+                problems.append(SchemaProblem(("questions", qid, "criteria"),
+                                              f"{_q(qid, 'criteria')}: an option has no id"))
+        questions[qid] = row_to_question(row)
+    questions.duplicate_keys = tuple(dict.fromkeys(duplicates))
+    problems.extend(validate_questions(questions))
+    return _plain(questions), problems
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The library folder
+
+
+def slugify(name: str) -> str:
+    """A safe file stem for a schema name: lowercase ASCII letters, digits and dashes, at most 80 characters."""
+    ascii_name = unicodedata.normalize("NFKD", name).encode("ascii", "ignore").decode("ascii")
+    slug = re.sub(r"[^a-z0-9]+", "-", ascii_name.lower()).strip("-")[:80].strip("-")
+    return slug or "schema"
+
+
+@dataclass(frozen=True)
+class SchemaEntry:
+    """A line of the library listing. `problem` is set (and the rest partly empty) when the file does not load."""
+
+    slug: str
+    path: Path
+    name: str
+    version: int
+    description: str
+    question_count: int
+    problem: str | None = None
+
+
+class SchemaLibrary:
+    """The schema files of one folder. Slugs (file stems) are the ids; they never contain path separators."""
+
+    def __init__(self, directory: str | os.PathLike[str] | None = None):
+        if directory is None:
+            directory = os.environ.get(SCHEMAS_DIR_ENV) or DEFAULT_SCHEMAS_DIR
+        self.directory = Path(directory)
+
+    def path_of(self, slug: str) -> Path:
+        """The file of a slug. Refuses anything that is not a plain slug, so no name can leave the folder."""
+        if not isinstance(slug, str) or not SLUG_PATTERN.fullmatch(slug):
+            raise SchemaError([SchemaProblem((), f"{slug!r} is not a schema id (lowercase letters, digits, dashes)")])
+        return self.directory / f"{slug}{SCHEMA_FILE_SUFFIX}"
+
+    def slugs(self) -> list[str]:
+        if not self.directory.is_dir():
+            return []
+        return sorted(p.stem for p in self.directory.glob(f"*{SCHEMA_FILE_SUFFIX}")
+                      if p.is_file() and SLUG_PATTERN.fullmatch(p.stem))
+
+    def list(self) -> list[SchemaEntry]:
+        """Every schema file, sorted by slug; files that fail to load are listed with their problem."""
+        entries = []
+        for slug in self.slugs():
+            path = self.path_of(slug)
+            try:
+                schema = self.load(slug)
+            except SchemaError as exc:
+                entries.append(SchemaEntry(slug, path, slug, 0, "", 0, problem=str(exc)))
+                continue
+            entries.append(SchemaEntry(slug, path, schema.name, schema.version, schema.description,
+                                       len(schema.questions)))
+        return entries
+
+    def exists(self, slug: str) -> bool:
+        return self.path_of(slug).is_file()
+
+    def load(self, slug: str) -> Schema:
+        path = self.path_of(slug)
+        try:
+            text = path.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            raise SchemaError([SchemaProblem((), f'no schema "{slug}" in {self.directory}')]) from None
+        except UnicodeDecodeError:
+            raise SchemaError([SchemaProblem((), "the file is not UTF-8 text")], source=path.name) from None
+        return Schema.from_json(text, source=path.name)
+
+    def _write(self, slug: str, schema: Schema) -> None:
+        problems = validate_schema_dict(schema.to_dict())
+        if problems:
+            raise SchemaError(problems, source=schema.name)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        path = self.path_of(slug)
+        tmp = path.with_name(f".{path.name}.tmp")
+        # Write then rename, so a crash never leaves a half-written schema file.
+        tmp.write_text(schema.to_json(), encoding="utf-8")
+        os.replace(tmp, path)
+
+    def unique_slug(self, name: str) -> str:
+        base = slugify(name)
+        slug, n = base, 2
+        while self.exists(slug):
+            suffix = f"-{n}"
+            slug = base[: 80 - len(suffix)] + suffix
+            n += 1
+        return slug
+
+    def create(self, schema: Schema) -> str:
+        """Save a new schema under a fresh slug derived from its name; returns the slug. Never overwrites."""
+        slug = self.unique_slug(schema.name)
+        self._write(slug, schema)
+        return slug
+
+    def update(self, slug: str, schema: Schema) -> Schema:
+        """Overwrite an existing schema. The version goes up by one when the questions changed; returns what was
+        saved. The slug (file name) stays, even if the name changed, so references to it keep working."""
+        current = self.load(slug)
+        version = max(schema.version, current.version)
+        if _plain(schema.questions) != current.questions:
+            version = current.version + 1
+        saved = Schema(name=schema.name, questions=_plain(schema.questions), version=version,
+                       description=schema.description, examples=list(schema.examples))
+        self._write(slug, saved)
+        return saved
+
+    def duplicate(self, slug: str, new_name: str | None = None) -> str:
+        """Copy a schema under a new name (default "<name> (copy)"), starting again at version 1."""
+        original = self.load(slug)
+        copy = Schema(name=new_name or f"{original.name} (copy)", questions=original.questions, version=1,
+                      description=original.description, examples=original.examples)
+        return self.create(copy)
+
+    def delete(self, slug: str) -> None:
+        path = self.path_of(slug)
+        if not path.is_file():
+            raise SchemaError([SchemaProblem((), f'no schema "{slug}" in {self.directory}')])
+        path.unlink()
+
+    def import_json(self, data: bytes | str, *, filename: str | None = None, overwrite: bool = False) -> str:
+        """Add a schema from uploaded JSON. The file name the user gave is used only in messages (never as a path);
+        the slug comes from the schema's name. Also accepts a bare questions map or a System One request, then
+        named after the file. Returns the slug. With overwrite, a schema of the same slug is replaced."""
+        source = filename or "upload"
+        if isinstance(data, bytes):
+            if len(data) > MAX_IMPORT_BYTES:
+                raise SchemaError([SchemaProblem((), f"the file is {len(data):,} bytes; at most "
+                                                     f"{MAX_IMPORT_BYTES:,} are accepted")], source=source)
+            try:
+                data = data.decode("utf-8-sig")
+            except UnicodeDecodeError:
+                raise SchemaError([SchemaProblem((), "the file is not UTF-8 text")], source=source) from None
+        parsed = loads_schema_json(data, source=source)
+        if isinstance(parsed, dict) and "name" not in parsed:
+            # A System One request or a bare questions map: wrap it, naming it after the uploaded file.
+            stem = Path(filename).stem if filename else "imported schema"
+            if "questions" in parsed:
+                questions = parsed["questions"]
+            else:
+                questions = parsed
+            wrapped = _PairsDict(name=stem, version=1, description=f"Imported from {source}", questions=questions)
+            parsed = wrapped
+        schema = Schema.from_dict(parsed, source=source)
+        slug = slugify(schema.name)
+        if overwrite and self.exists(slug):
+            self._write(slug, schema)
+            return slug
+        return self.create(schema)
+
+    def export_json(self, slug: str) -> str:
+        """The schema file's canonical text (what a download gives)."""
+        return self.load(slug).to_json()

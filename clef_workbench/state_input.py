@@ -1,0 +1,277 @@
+"""What the Decide page turns into a System One request: the state text, the attached media, and the schema.
+
+- `parse_state`: the editor's text as a plain-text state or a JSON value; JSON errors name the line and column.
+- `check_image` / `check_video`: an upload's real type from its bytes (not its file name), size and pixel limits.
+- `build_request`: state + questions + media → the request dict sent to the engine (and shown to the user).
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+# Upload limits, shown in the UI next to the uploaders. Images follow the limits published for hosted Clef
+# (spec §5: up to 4 images, 16 MP each); the byte limits keep one request's upload and base64 copy small.
+MAX_IMAGES = 4
+MAX_IMAGE_PIXELS = 16_000_000
+MAX_IMAGE_BYTES = 20 * 1024 * 1024
+# Videos cost many tokens (2 frames per second are sampled) and have no published limit; these keep a single
+# Decide request reasonable on one GPU.
+MAX_VIDEOS = 2
+MAX_VIDEO_BYTES = 64 * 1024 * 1024
+MAX_VIDEO_SECONDS = 120.0
+# Streamlit text areas get slow long before this; a state this long cannot fit a 16k-token context anyway.
+MAX_STATE_CHARS = 2_000_000
+
+IMAGE_TYPES = {"image/png": "PNG", "image/jpeg": "JPEG", "image/webp": "WebP"}
+VIDEO_TYPES = {"video/mp4": "MP4", "video/webm": "WebM", "video/quicktime": "MOV"}
+IMAGE_EXTENSIONS = ("png", "jpg", "jpeg", "webp")
+VIDEO_EXTENSIONS = ("mp4", "webm", "mov")
+
+StateMode = Literal["auto", "text", "json"]
+
+
+class StateInputError(ValueError):
+    """The state text cannot be used. `line` and `column` (1-based) point at the problem when there is one."""
+
+    def __init__(self, message: str, *, line: int | None = None, column: int | None = None):
+        self.message = message
+        self.line = line
+        self.column = column
+        where = f" (line {line}, column {column})" if line is not None else ""
+        super().__init__(message + where)
+
+
+@dataclass(frozen=True)
+class ParsedState:
+    """The state to send: `value` is a str for plain text, any JSON value otherwise."""
+
+    value: Any
+    kind: Literal["text", "json"]
+    warnings: tuple[str, ...] = ()
+
+
+def _line_col(text: str, pos: int) -> tuple[int, int]:
+    line = text.count("\n", 0, pos) + 1
+    column = pos - (text.rfind("\n", 0, pos) + 1) + 1
+    return line, column
+
+
+class _NonStandardConstant(ValueError):
+    pass
+
+
+def _reject_constant(name: str) -> Any:
+    # Python's json accepts NaN and Infinity, but they are not JSON: the request could not be serialized for HTTP.
+    raise _NonStandardConstant(name)
+
+
+def looks_like_json(text: str) -> bool:
+    """Auto mode treats text starting with { or [ as JSON; anything else is a plain-text state."""
+    return text.lstrip()[:1] in ("{", "[")
+
+
+def parse_state(text: str, mode: StateMode = "auto") -> ParsedState:
+    """Turn the editor's text into a state. Raises StateInputError with line/column for bad JSON.
+
+    mode "text": the text as is. mode "json": must be one JSON value. mode "auto": JSON when it starts with { or [.
+    """
+    if not text.strip():
+        raise StateInputError("The state is empty: write the record the model should read (plain text or JSON).")
+    if len(text) > MAX_STATE_CHARS:
+        raise StateInputError(f"The state has {len(text):,} characters; at most {MAX_STATE_CHARS:,} are accepted.")
+    if mode == "text" or (mode == "auto" and not looks_like_json(text)):
+        return ParsedState(text, "text")
+    duplicates: list[str] = []
+
+    def pairs_hook(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        obj: dict[str, Any] = {}
+        for key, value in pairs:
+            if key in obj:
+                duplicates.append(key)
+            obj[key] = value
+        return obj
+
+    try:
+        value = json.loads(text, object_pairs_hook=pairs_hook, parse_constant=_reject_constant)
+    except json.JSONDecodeError as exc:
+        raise StateInputError(f"The state is not valid JSON: {exc.msg}.", line=exc.lineno, column=exc.colno) from None
+    except _NonStandardConstant as exc:
+        match = re.search(rf"(?<![\w\"]){re.escape(str(exc))}", text)
+        line, column = _line_col(text, match.start()) if match else (None, None)
+        raise StateInputError(f"The state is not valid JSON: {exc} is not a JSON value (use null or a string).",
+                              line=line, column=column) from None
+    warnings = tuple(f'The key "{key}" appears more than once; only its last value is kept.'
+                     for key in dict.fromkeys(duplicates))
+    return ParsedState(value, "json", warnings)
+
+
+def state_to_text(state: Any) -> str:
+    """A state as editor text: strings as they are, anything else as indented JSON."""
+    if isinstance(state, str):
+        return state
+    return json.dumps(state, indent=2, ensure_ascii=False)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Media
+
+
+class MediaError(ValueError):
+    """An upload cannot be sent to the model. The message names the file and says what is wrong."""
+
+
+@dataclass(frozen=True)
+class Media:
+    """An accepted image or video: its bytes, its sniffed content type, and what the UI shows about it."""
+
+    kind: Literal["image", "video"]
+    name: str
+    content_type: str
+    data: bytes = field(repr=False)
+    width: int
+    height: int
+    duration_s: float | None = None
+
+    @property
+    def size_bytes(self) -> int:
+        return len(self.data)
+
+    def data_url(self) -> str:
+        """The form a System One request carries media in."""
+        return f"data:{self.content_type};base64,{base64.b64encode(self.data).decode('ascii')}"
+
+
+def sniff_content_type(data: bytes) -> str | None:
+    """The media type from the file's first bytes, or None when it is none of the accepted formats."""
+    if data.startswith(b"\x89PNG\r\n\x1a\n"):
+        return "image/png"
+    if data.startswith(b"\xff\xd8\xff"):
+        return "image/jpeg"
+    if data[:4] == b"RIFF" and data[8:12] == b"WEBP":
+        return "image/webp"
+    if data[4:8] == b"ftyp":
+        # ISO base media: QuickTime brands are MOV, everything else we accept as MP4.
+        return "video/quicktime" if data[8:12] == b"qt  " else "video/mp4"
+    if data[4:8] in (b"moov", b"mdat", b"wide", b"free"):
+        return "video/quicktime"  # old QuickTime files without an ftyp box
+    if data.startswith(b"\x1a\x45\xdf\xa3"):
+        return "video/webm"  # EBML header: WebM (or Matroska, which the decoder also reads)
+    return None
+
+
+def _mb(n: int) -> str:
+    return f"{n / (1024 * 1024):.0f} MB"
+
+
+def check_image(name: str, data: bytes) -> Media:
+    """Accept a PNG, JPEG or WebP image within the limits, or raise MediaError saying why not."""
+    if len(data) > MAX_IMAGE_BYTES:
+        raise MediaError(f"{name}: {len(data) / 1048576:.1f} MB is over the {_mb(MAX_IMAGE_BYTES)} image limit.")
+    content_type = sniff_content_type(data)
+    if content_type not in IMAGE_TYPES:
+        what = f"a {content_type} file" if content_type else "not a PNG, JPEG or WebP image"
+        raise MediaError(f"{name}: {what}; images must be PNG, JPEG or WebP.")
+    from PIL import (  # Pillow is imported only when an image is checked
+        Image,
+        UnidentifiedImageError,
+    )
+
+    try:
+        with Image.open(io.BytesIO(data)) as image:
+            width, height = image.size
+            image.verify()  # catches truncated or corrupt files before the engine sees them
+    except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as exc:
+        raise MediaError(f"{name}: the image cannot be decoded ({exc}).") from None
+    if width * height > MAX_IMAGE_PIXELS:
+        raise MediaError(f"{name}: {width}×{height} = {width * height / 1e6:.1f} MP is over the "
+                         f"{MAX_IMAGE_PIXELS / 1e6:.0f} MP limit per image.")
+    return Media("image", name, content_type, data, width, height)
+
+
+def check_video(name: str, data: bytes) -> Media:
+    """Accept an MP4, WebM or MOV video within the limits whose first video stream decodes, or raise MediaError."""
+    if len(data) > MAX_VIDEO_BYTES:
+        raise MediaError(f"{name}: {len(data) / 1048576:.1f} MB is over the {_mb(MAX_VIDEO_BYTES)} video limit.")
+    content_type = sniff_content_type(data)
+    if content_type not in VIDEO_TYPES:
+        what = f"a {content_type} file" if content_type else "not an MP4, WebM or MOV video"
+        raise MediaError(f"{name}: {what}; videos must be MP4, WebM or MOV.")
+    import av  # PyAV, imported only when a video is checked
+
+    try:
+        with av.open(io.BytesIO(data)) as container:
+            if not container.streams.video:
+                raise MediaError(f"{name}: the file has no video stream.")
+            stream = container.streams.video[0]
+            width, height = stream.codec_context.width, stream.codec_context.height
+            if stream.duration is not None and stream.time_base is not None:
+                duration = float(stream.duration * stream.time_base)
+            elif container.duration is not None:
+                duration = container.duration / av.time_base
+            else:
+                duration = None
+            next(container.decode(stream), None)  # one frame proves the codec is readable
+    except MediaError:
+        raise
+    except (av.error.FFmpegError, StopIteration, ValueError) as exc:
+        raise MediaError(f"{name}: the video cannot be decoded ({exc}).") from None
+    if duration is not None and duration > MAX_VIDEO_SECONDS:
+        raise MediaError(f"{name}: {duration:.0f} s is longer than the {MAX_VIDEO_SECONDS:.0f} s limit per video.")
+    return Media("video", name, content_type, data, width, height, duration)
+
+
+def check_media_counts(images: Sequence[Any], videos: Sequence[Any]) -> None:
+    """Raise MediaError when more files are attached than a request may carry."""
+    if len(images) > MAX_IMAGES:
+        raise MediaError(f"{len(images)} images attached; a request carries at most {MAX_IMAGES}.")
+    if len(videos) > MAX_VIDEOS:
+        raise MediaError(f"{len(videos)} videos attached; a request carries at most {MAX_VIDEOS}.")
+
+
+def media_limits_text() -> str:
+    """The limits in one sentence, for the UI."""
+    return (f"Images: PNG, JPEG or WebP, up to {MAX_IMAGES} per request, {_mb(MAX_IMAGE_BYTES)} and "
+            f"{MAX_IMAGE_PIXELS / 1e6:.0f} MP each. Videos: MP4, WebM or MOV, up to {MAX_VIDEOS} per request, "
+            f"{_mb(MAX_VIDEO_BYTES)} and {MAX_VIDEO_SECONDS:.0f} s each.")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Request
+
+
+DEFAULT_MODEL_NAME = "clef"
+
+
+def build_request(state: Any, questions: dict[str, Any], *, images: Sequence[Media] = (),
+                  videos: Sequence[Media] = (), model: str = DEFAULT_MODEL_NAME) -> dict[str, Any]:
+    """The System One request for a state, a questions map and accepted media (images before videos, in the order
+    given). Media travel as data URLs. `images`/`videos` keys are present only when there are any."""
+    check_media_counts(images, videos)
+    request: dict[str, Any] = {"model": model, "state": state, "questions": questions}
+    if images:
+        request["images"] = [m.data_url() for m in images]
+    if videos:
+        request["videos"] = [m.data_url() for m in videos]
+    return request
+
+
+def redact_media(request: dict[str, Any], images: Sequence[Media] = (), videos: Sequence[Media] = (),
+                 keep_chars: int = 48) -> dict[str, Any]:
+    """A copy of a request for display: each data URL shortened to its start plus the file name and size, because
+    megabytes of base64 in a code block make the page unusable. The full request is offered as a download."""
+    shown = dict(request)
+    for key, items in (("images", images), ("videos", videos)):
+        urls = request.get(key)
+        if not urls:
+            continue
+        shown[key] = []
+        for i, url in enumerate(urls):
+            label = f"{items[i].name}, {items[i].size_bytes:,} bytes" if i < len(items) else f"{len(url):,} chars"
+            shown[key].append(url if len(url) <= keep_chars else f"{url[:keep_chars]}… [{label}]")
+    return shown
