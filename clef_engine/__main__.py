@@ -1,0 +1,90 @@
+"""Command line: `python -m clef_engine tiny DIR`, `info SOURCE`, `serve --model SOURCE`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from .errors import ClefError
+
+
+def cmd_tiny(args: argparse.Namespace) -> int:
+    from .tiny import build_tiny_release
+
+    path = build_tiny_release(args.directory, seed=args.seed)
+    print(f"wrote a tiny Clef-format release (random weights, seed {args.seed}) to {path}")
+    return 0
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    from . import release
+    from .engine import fast_kernels_available
+
+    checked = release.check(release.resolve(args.source, args.revision), source=args.source, revision=args.revision)
+    described = release.describe(checked)
+    described["fast_kernels_importable"] = fast_kernels_available()
+    if args.load:
+        from .engine import load
+
+        engine = load(args.source, device=args.device, dtype=args.dtype, revision=args.revision)
+        described["loaded"] = engine.info()
+    else:
+        described["parameters"] = count_parameters(checked)
+    print(json.dumps(described, indent=2, default=str))
+    return 0
+
+
+def count_parameters(checked) -> dict[str, int]:
+    """Parameter counts from the safetensors headers alone (no weights read)."""
+    from safetensors import safe_open
+
+    counts = {"backbone": 0, "vision": 0, "head": 0}
+    for file in checked.weight_files:
+        with safe_open(checked.path / file, framework="pt") as handle:
+            for name in handle.keys():
+                numel = 1
+                for size in handle.get_slice(name).get_shape():
+                    numel *= size
+                counts["backbone"] += numel
+                if ".visual." in name or name.startswith("visual."):
+                    counts["vision"] += numel
+    with safe_open(checked.path / "joint_head.safetensors", framework="pt") as handle:
+        for name in handle.keys():
+            numel = 1
+            for size in handle.get_slice(name).get_shape():
+                numel *= size
+            counts["head"] += numel
+    return counts
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m clef_engine", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+    tiny = commands.add_parser("tiny", help="write a tiny Clef-format release with random weights")
+    tiny.add_argument("directory")
+    tiny.add_argument("--seed", type=int, default=0)
+    tiny.set_defaults(run=cmd_tiny)
+    info = commands.add_parser("info", help="what a release holds and which fast kernels are importable")
+    info.add_argument("source", help="release folder or Hugging Face repo id")
+    info.add_argument("--revision")
+    info.add_argument("--load", action="store_true", help="also load it and report device, memory, kernels")
+    info.add_argument("--device")
+    info.add_argument("--dtype")
+    info.set_defaults(run=cmd_info)
+    try:
+        from .serve_cli import add_serve_parser
+    except ImportError:
+        add_serve_parser = None
+    if add_serve_parser is not None:
+        add_serve_parser(commands)
+    args = parser.parse_args(argv)
+    try:
+        return args.run(args)
+    except ClefError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,249 @@
+"""The resident engine: a loaded release, an encoder, and the GPU worker that runs batches.
+
+`Engine.decide` / `decide_many` / `submit` encode in the caller's thread (so a bad request fails fast, off the
+GPU), then hand records to the scheduler. The worker thread runs `forward_batch`: backbone, then the joint head
+over the whole batch, one host sync per batch.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from . import backbone, release
+from .encoding import DEFAULT_MAX_LENGTH, EncodedRecord, Encoder
+from .errors import RequestError, TokenBudgetError
+from .head import JointSchemaHead, layout, load_head, option_probabilities
+from .protocol import format_answer, parse_questions
+from .scheduler import Scheduler
+
+GiB = 2**30
+
+
+def fast_kernels_available() -> dict[str, bool]:
+    """Which optional fast kernels can be imported here (they are used only on CUDA)."""
+    return {name: importlib.util.find_spec(module) is not None
+            for name, module in (("flash-linear-attention", "fla"), ("causal-conv1d", "causal_conv1d"))}
+
+
+def memory_stats(device: torch.device) -> dict[str, int]:
+    if device.type != "cuda":
+        return {}
+    return {"allocated": torch.cuda.memory_allocated(device),
+            "peak_allocated": torch.cuda.max_memory_allocated(device),
+            "peak_reserved": torch.cuda.max_memory_reserved(device)}
+
+
+class Engine:
+    def __init__(self, checked: release.Release, model, head: JointSchemaHead, encoder: Encoder,
+                 device: torch.device, dtype: torch.dtype, *, load_seconds: float = 0.0,
+                 token_budget: int | None = None):
+        self.release = checked
+        self.model = model
+        self.head = head
+        self.encoder = encoder
+        self.device = device
+        self.dtype = dtype
+        self.load_seconds = load_seconds
+        self.model_id = checked.source
+        self.output_embeddings = model.lm_head.weight  # the head reads it as a table (untied in Clef)
+        self.loaded_bytes = memory_stats(device).get("allocated", 0)
+        if token_budget is None:
+            token_budget = 65_536 if device.type == "cuda" else 16_384
+        self.token_budget = token_budget
+        self.forward_batch: Callable[[list[EncodedRecord]], list[list[list[float]]]] = self.forward_padded
+        self.scheduler = Scheduler(self._run_batch, token_budget=token_budget)
+        self._lock = threading.Lock()
+
+    # ---- requests ---------------------------------------------------------------------------------------------
+
+    def validate(self, request: Any) -> None:
+        """Raise RequestError if `request` breaks the System One contract (no tokenization, no media decode)."""
+        parse_questions(request)
+
+    def encode(self, request: Any, *, max_length: int | None = None, overflow: str = "refuse") -> EncodedRecord:
+        return self.encoder.encode(request, max_length=max_length, overflow=overflow)
+
+    def count_tokens(self, request: Any, *, max_length: int | None = None) -> dict[str, int]:
+        """Token count of each part and how many state tokens would be cut at `max_length` (for a budget bar)."""
+        limit = DEFAULT_MAX_LENGTH if max_length is None else max_length
+        record = self.encoder.encode(request, max_length=2**31 - 1)
+        counts = dict(record.token_counts)
+        counts["max_length"] = limit
+        fixed = counts["total"] - counts["state"]
+        counts["state_tokens_over"] = max(0, min(counts["state"], counts["total"] - limit))
+        counts["fixed_tokens_over"] = max(0, fixed - limit)
+        return counts
+
+    def submit(self, requests: list[dict], *, priority: str = "interactive", max_length: int | None = None,
+               overflow: str = "refuse") -> Future:
+        """Encode now (raising RequestError / TokenBudgetError for a bad request), run on the GPU worker later.
+        The future resolves to one System One response per request."""
+        started = time.perf_counter()
+        records = [self.encode(r, max_length=max_length, overflow=overflow) for r in requests]
+
+        def respond(probabilities: list) -> list[dict]:
+            latency_ms = (time.perf_counter() - started) * 1000
+            return [self.response(request, record, probs, latency_ms)
+                    for request, record, probs in zip(requests, records, probabilities)]
+
+        return self.scheduler.submit(records, priority=priority, finalize=respond)
+
+    def decide(self, request: dict, *, max_length: int | None = None, overflow: str = "refuse") -> dict:
+        return self.submit([request], priority="interactive", max_length=max_length, overflow=overflow).result()[0]
+
+    def decide_many(self, requests: list[dict], *, max_length: int | None = None, overflow: str = "refuse",
+                    priority: str = "bulk") -> list[dict]:
+        if not requests:
+            return []
+        return self.submit(requests, priority=priority, max_length=max_length, overflow=overflow).result()
+
+    def response(self, request: dict, record: EncodedRecord, probabilities: list[list[float]],
+                 latency_ms: float) -> dict:
+        answers = {q.id: format_answer(q, probs) for q, probs in zip(record.questions, probabilities)}
+        return {
+            "model": request.get("model") if isinstance(request.get("model"), str) else self.model_id,
+            "answers": answers,
+            "usage": {"input_tokens": len(record), "output_tokens": 0},
+            "x_latency_ms": round(latency_ms, 2),
+            "x_token_counts": dict(record.token_counts),
+            "x_truncated_state_tokens": record.truncated_state_tokens,
+        }
+
+    def queue_depth(self) -> int:
+        return self.scheduler.queue_depth()
+
+    # ---- the GPU worker ---------------------------------------------------------------------------------------
+
+    def _run_batch(self, records: list[EncodedRecord]) -> list[list[list[float]]]:
+        """Split a scheduler batch into backbone batches (text vs media, similar lengths, token budget) and run."""
+        results: dict[int, list[list[float]]] = {}
+        order = sorted(range(len(records)), key=lambda i: (records[i].has_media, len(records[i])))
+        chunk: list[int] = []
+        for index in order + [None]:
+            if index is not None and chunk:
+                same_kind = records[chunk[0]].has_media == records[index].has_media
+                padded_tokens = (len(chunk) + 1) * len(records[index])
+                if same_kind and padded_tokens <= self.token_budget:
+                    chunk.append(index)
+                    continue
+            if chunk:
+                for i, probs in zip(chunk, self.forward_batch([records[i] for i in chunk])):
+                    results[i] = probs
+            chunk = [index] if index is not None else []
+        return [results[i] for i in range(len(records))]
+
+    @torch.inference_mode()
+    def forward_padded(self, records: list[EncodedRecord]) -> list[list[list[float]]]:
+        """The plain path: padded backbone batch, then the batched head."""
+        hidden = backbone.run_padded(self.model, records, self.encoder.pad_token_id)
+        batch_size, padded_length, width = hidden.shape
+        lengths = [len(r) for r in records]
+        offsets = [b * padded_length for b in range(batch_size)]
+        return self.head_probabilities(hidden.reshape(-1, width), records, offsets, lengths)
+
+    def head_probabilities(self, hidden_flat: torch.Tensor, records: list[EncodedRecord], offsets: list[int],
+                           lengths: list[int]) -> list[list[list[float]]]:
+        batch = layout(records, offsets, lengths).to(self.device)
+        logits = self.head(hidden_flat.to(self.dtype), self.output_embeddings, batch)
+        flat = option_probabilities(logits, batch).cpu().tolist()  # the one host sync of the batch
+        out, cursor = [], 0
+        for record in records:
+            per_question = []
+            for spans in record.option_spans:
+                per_question.append(flat[cursor: cursor + len(spans)])
+                cursor += len(spans)
+            out.append(per_question)
+        return out
+
+    # ---- status -----------------------------------------------------------------------------------------------
+
+    def memory(self) -> dict[str, int]:
+        stats = memory_stats(self.device)
+        if stats:
+            stats["loaded"] = self.loaded_bytes
+        return stats
+
+    def info(self) -> dict:
+        parameters = sum(p.numel() for p in self.model.parameters())
+        return {
+            "model": self.model_id,
+            "revision": self.release.revision,
+            "path": str(self.release.path),
+            "device": str(self.device),
+            "device_name": torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "CPU",
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "backbone_parameters": parameters,
+            "head_parameters": sum(p.numel() for p in self.head.parameters()),
+            "load_seconds": round(self.load_seconds, 2),
+            "kernels": {"available": fast_kernels_available(), "path": self.forward_batch.__name__},
+            "memory": self.memory(),
+            "queue_depth": self.queue_depth(),
+            "scheduler": vars(self.scheduler.stats).copy(),
+            "demo": is_demo_release(self.release.path),
+        }
+
+    def close(self) -> None:
+        self.scheduler.close()
+
+
+def load(source: str | os.PathLike, *, device: str | torch.device | None = None,
+         dtype: str | torch.dtype | None = None, revision: str | None = None) -> Engine:
+    """Load a release (folder, repo id, or 'clef' / 'clef-flash') and keep it resident on `device`."""
+    started = time.perf_counter()
+    path = release.resolve(source, revision)
+    checked = release.check(path, source=str(source), revision=revision)
+    device = torch.device(device) if device is not None else release.default_device()
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise release.ReleaseError("device cuda was asked for but no CUDA GPU is visible")
+    dtype = release.parse_dtype(dtype, device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    model = release.load_backbone(checked, device, dtype)
+    try:
+        head = load_head(checked.head_config, release.load_head_state(checked), device, dtype)
+    except RuntimeError as error:  # strict load: names or shapes differ
+        raise release.ReleaseError(f"{checked.path / release.HEAD_WEIGHTS} does not match the head: {error}") from error
+    encoder = Encoder(release.load_processor(checked))
+    return Engine(checked, model, head, encoder, device, dtype, load_seconds=time.perf_counter() - started)
+
+
+# ---- the demo model ---------------------------------------------------------------------------------------------
+
+DEMO_MARKER = ".clef-demo-release"
+
+
+def demo_release(directory: str | os.PathLike | None = None) -> Path:
+    """The tiny random-weight release, built once into a cache folder (CLEF_CACHE_DIR or ~/.cache/clef-workbench)."""
+    from .tiny import build_tiny_release
+
+    root = Path(directory or os.environ.get("CLEF_CACHE_DIR") or Path.home() / ".cache" / "clef-workbench")
+    target = root / "demo-release-v1"
+    if (target / DEMO_MARKER).exists():
+        return target
+    root.mkdir(parents=True, exist_ok=True)
+    staging = root / f".demo-release-{os.getpid()}-{threading.get_ident()}"
+    build_tiny_release(staging)
+    (staging / DEMO_MARKER).write_text("random weights: answers mean nothing\n")
+    try:
+        staging.rename(target)  # atomic: concurrent builders race harmlessly
+    except OSError:
+        import shutil
+
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def is_demo_release(path: Path) -> bool:
+    return (Path(path) / DEMO_MARKER).exists()
+
+
+__all__ = ["Engine", "load", "demo_release", "RequestError", "TokenBudgetError"]

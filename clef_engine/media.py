@@ -1,0 +1,156 @@
+"""Turn what callers send as images and videos into what the processor takes: PIL images and sampled frames.
+
+Accepted images: PIL images, bytes, file paths, data URLs, or {"content_type", "base64"} (PNG, JPEG, WebP).
+Accepted videos: a T×H×W×3 uint8 array (+ fps), {"frames", "fps"}, bytes, file paths, data URLs or
+{"content_type", "base64"} (MP4, WebM, MOV), decoded with PyAV at their real frame rate. Only the frames the video
+processor will sample are decoded and kept, so a long video costs what the model reads, not its full length.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from PIL import Image
+
+IMAGE_FORMATS = {"PNG": "image/png", "JPEG": "image/jpeg", "WEBP": "image/webp"}
+VIDEO_CONTENT_TYPES = ("video/mp4", "video/webm", "video/quicktime")
+MAX_IMAGE_PIXELS = 16_000_000  # published limit: 16 MP per image
+MAX_MEDIA_BYTES = 64 * 1024 * 1024
+
+
+class MediaError(ValueError):
+    """A media item cannot be used; the message says why."""
+
+
+@dataclass
+class Video:
+    """Sampled frames (T×H×W×3 uint8), the video's real fps, the source frame index of each sampled frame,
+    and the source's frame count."""
+
+    frames: np.ndarray
+    fps: float
+    frame_indices: list[int]
+    total_frames: int
+
+
+def _bytes_from(item: Any, allowed_types: tuple[str, ...]) -> bytes | None:
+    """Bytes of a data URL / {content_type, base64} / bytes / path item; None if it is none of those."""
+    if isinstance(item, (bytes, bytearray, memoryview)):
+        return bytes(item)
+    if isinstance(item, dict) and "base64" in item:
+        content_type = str(item.get("content_type", ""))
+        if content_type and content_type not in allowed_types:
+            raise MediaError(f"content_type {content_type!r} not accepted; use one of {', '.join(allowed_types)}")
+        return _b64(item["base64"])
+    if isinstance(item, str) and item.startswith("data:"):
+        header, _, payload = item.partition(",")
+        content_type = header[5:].split(";")[0]
+        if content_type not in allowed_types:
+            raise MediaError(f"data URL type {content_type!r} not accepted; use one of {', '.join(allowed_types)}")
+        if ";base64" not in header:
+            raise MediaError("data URL must be base64-encoded")
+        return _b64(payload)
+    if isinstance(item, (str, os.PathLike)):
+        path = Path(item)
+        if not path.is_file():
+            raise MediaError(f"file not found: {path}")
+        if path.stat().st_size > MAX_MEDIA_BYTES:
+            raise MediaError(f"{path} is larger than {MAX_MEDIA_BYTES // 2**20} MiB")
+        return path.read_bytes()
+    return None
+
+
+def _b64(payload: Any) -> bytes:
+    if not isinstance(payload, str):
+        raise MediaError("base64 payload must be a string")
+    if len(payload) > MAX_MEDIA_BYTES * 4 // 3 + 4:
+        raise MediaError(f"media larger than {MAX_MEDIA_BYTES // 2**20} MiB")
+    try:
+        return base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError) as error:
+        raise MediaError(f"invalid base64 ({error})") from error
+
+
+def load_image(item: Any) -> Image.Image:
+    """An RGB PIL image from any accepted form; checks format and the 16 MP limit before decoding pixels."""
+    if isinstance(item, Image.Image):
+        image = item
+    else:
+        data = _bytes_from(item, tuple(IMAGE_FORMATS.values()))
+        if data is None:
+            raise MediaError("an image must be a data URL, {content_type, base64}, bytes, a file path or a PIL image")
+        try:
+            image = Image.open(io.BytesIO(data))
+        except Exception as error:  # PIL raises many types for corrupt data
+            raise MediaError(f"not a readable image ({error})") from error
+        if image.format not in IMAGE_FORMATS:
+            raise MediaError(f"image format {image.format} not accepted; use PNG, JPEG or WebP")
+    if image.width * image.height > MAX_IMAGE_PIXELS:
+        raise MediaError(f"image is {image.width}×{image.height} = {image.width * image.height / 1e6:.1f} MP; "
+                         f"the limit is {MAX_IMAGE_PIXELS / 1e6:.0f} MP")
+    try:
+        return image.convert("RGB")
+    except Exception as error:
+        raise MediaError(f"image cannot be decoded ({error})") from error
+
+
+def load_video(item: Any, sample_indices) -> Video:
+    """Sampled frames of a video. `sample_indices(total_frames, fps) -> indices` is the video processor's rule."""
+    if isinstance(item, Video):
+        return item
+    if isinstance(item, np.ndarray) or (isinstance(item, dict) and "frames" in item):
+        frames = np.asarray(item["frames"] if isinstance(item, dict) else item)
+        fps = float(item.get("fps", 2.0)) if isinstance(item, dict) else 2.0
+        if frames.ndim != 4 or frames.shape[-1] != 3 or frames.dtype != np.uint8:
+            raise MediaError(f"video frames must be a T×H×W×3 uint8 array, got {frames.dtype} {frames.shape}")
+        if not np.isfinite(fps) or fps <= 0:
+            raise MediaError(f"video fps must be positive, got {fps}")
+        indices = list(sample_indices(len(frames), fps))
+        return Video(frames[indices], fps, indices, len(frames))
+    data = _bytes_from(item, VIDEO_CONTENT_TYPES)
+    if data is None:
+        raise MediaError("a video must be frames, a data URL, {content_type, base64}, bytes or a file path")
+    return decode_video(data, sample_indices)
+
+
+def decode_video(data: bytes, sample_indices) -> Video:
+    """Decode only the sampled frames of an MP4/WebM/MOV file with PyAV."""
+    import av
+
+    try:
+        with av.open(io.BytesIO(data)) as container:
+            if not container.streams.video:
+                raise MediaError("the file has no video stream")
+            stream = container.streams.video[0]
+            fps = float(stream.average_rate or stream.guessed_rate or 0) or 24.0
+            total = stream.frames or 0
+            if total <= 0:  # some containers do not store a frame count: count by demuxing (cheap, no decode)
+                total = sum(1 for packet in container.demux(stream) if packet.size)
+                container.seek(0)
+            if total <= 0:
+                raise MediaError("the video has no frames")
+            wanted = list(sample_indices(total, fps))
+            wanted_set = set(wanted)
+            frames: dict[int, np.ndarray] = {}
+            for index, frame in enumerate(container.decode(stream)):
+                if index in wanted_set:
+                    frames[index] = frame.to_ndarray(format="rgb24")
+                if index >= wanted[-1]:
+                    break
+    except MediaError:
+        raise
+    except Exception as error:  # PyAV raises its own error types for corrupt or unsupported files
+        raise MediaError(f"not a readable video ({type(error).__name__}: {error})") from error
+    if not frames:
+        raise MediaError("no frame could be decoded")
+    last = frames[max(frames)]
+    # A stored frame count can overstate what decodes; repeat the last decoded frame for any missing index.
+    stacked = np.stack([frames.get(i, last) for i in wanted])
+    return Video(stacked, fps, wanted, total)

@@ -1,0 +1,209 @@
+"""Find and check a Clef release, then load its backbone, head and processor.
+
+A release is a folder (or a Hugging Face repo resolved to one through huggingface_hub). We check the cheap facts
+first — files, architecture, head width, shard index — so a wrong folder fails in milliseconds, not after minutes
+of loading 55 GB of weights.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from .errors import ReleaseError
+
+ARCHITECTURE = "Qwen3_5ForConditionalGeneration"
+HEAD_WEIGHTS = "joint_head.safetensors"
+HEAD_CONFIG = "joint_head_config.json"
+REQUIRED_FILES = (
+    "config.json",
+    HEAD_WEIGHTS,
+    HEAD_CONFIG,
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "processor_config.json",
+)
+KNOWN_MODELS = {"clef": "Cloudflare/clef", "clef-flash": "Cloudflare/clef-flash"}
+
+
+@dataclass(frozen=True)
+class HeadConfig:
+    hidden_size: int
+    width: int = 1024
+    routing_layers: int = 2
+    layers: int = 4
+    heads: int = 16
+    feedforward: int = 4096
+
+
+@dataclass(frozen=True)
+class Release:
+    """A checked release folder and what we read from its small files."""
+
+    path: Path
+    source: str  # what the user asked for: a folder or a repo id
+    revision: str | None
+    config: dict
+    head_config: HeadConfig
+    weight_files: tuple[str, ...]
+
+    @property
+    def text_config(self) -> dict:
+        return self.config.get("text_config", {})
+
+
+def resolve(source: str | os.PathLike, revision: str | None = None) -> Path:
+    """A local folder as is; otherwise a Hugging Face repo id, from the local cache first, then the Hub."""
+    source = str(source)
+    source = KNOWN_MODELS.get(source.lower(), source)
+    path = Path(source).expanduser()
+    if path.is_dir():
+        return path
+    if path.exists():
+        raise ReleaseError(f"{source} is a file; expected a release folder or a Hugging Face repo id")
+    if source.startswith((".", "/", "~")) or source.count("/") != 1:
+        raise ReleaseError(f"release folder {path} does not exist (expected a folder or a repo id like Cloudflare/clef)")
+
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+
+    try:
+        return Path(snapshot_download(source, revision=revision, local_files_only=True))
+    except (LocalEntryNotFoundError, FileNotFoundError, OSError):
+        pass
+    if constants.HF_HUB_OFFLINE:
+        raise ReleaseError(
+            f"{source}{'@' + revision if revision else ''} is not in the local Hugging Face cache "
+            f"({constants.HF_HUB_CACHE}) and HF_HUB_OFFLINE is set. Download it first on a machine with internet: "
+            f"`hf download {source}{' --revision ' + revision if revision else ''}`, or pass the release folder."
+        )
+    try:
+        return Path(snapshot_download(source, revision=revision))
+    except (HfHubHTTPError, OSError, ValueError) as error:
+        raise ReleaseError(
+            f"could not get {source}{'@' + revision if revision else ''}: not in the local Hugging Face cache "
+            f"({constants.HF_HUB_CACHE}) and the download failed ({type(error).__name__}: {error}). "
+            f"Download it with `hf download {source}` or pass the release folder."
+        ) from error
+
+
+def check(path: Path, *, source: str | None = None, revision: str | None = None) -> Release:
+    """Check a release folder without loading weights. Raises ReleaseError saying what is wrong and where."""
+    missing = [name for name in REQUIRED_FILES if not (path / name).is_file()]
+    if missing:
+        raise ReleaseError(f"{path} is not a complete Clef release: missing {', '.join(missing)}")
+    config = _read_json(path / "config.json")
+    architectures = config.get("architectures") or []
+    if ARCHITECTURE not in architectures:
+        raise ReleaseError(f"{path / 'config.json'}: architecture is {architectures}, expected {ARCHITECTURE}")
+    head_json = _read_json(path / HEAD_CONFIG)
+    known = set(HeadConfig.__dataclass_fields__)
+    try:
+        head_config = HeadConfig(**{k: v for k, v in head_json.items() if k in known})
+    except TypeError as error:
+        raise ReleaseError(f"{path / HEAD_CONFIG}: {error}") from error
+    backbone_hidden = config.get("text_config", {}).get("hidden_size")
+    if head_config.hidden_size != backbone_hidden:
+        raise ReleaseError(
+            f"{path / HEAD_CONFIG}: head hidden_size {head_config.hidden_size} != backbone hidden_size "
+            f"{backbone_hidden} in config.json — head and backbone are from different releases"
+        )
+    return Release(path, str(source or path), revision, config, head_config, _weight_files(path))
+
+
+def _weight_files(path: Path) -> tuple[str, ...]:
+    index_file = path / "model.safetensors.index.json"
+    if index_file.is_file():
+        index = _read_json(index_file)
+        shards = sorted(set(index.get("weight_map", {}).values()))
+        if not shards:
+            raise ReleaseError(f"{index_file}: empty weight_map")
+        missing = [s for s in shards if not (path / s).is_file()]
+        if missing:
+            raise ReleaseError(f"{index_file} lists shards that are missing: {', '.join(missing)}")
+        return tuple(shards)
+    if (path / "model.safetensors").is_file():
+        return ("model.safetensors",)
+    raise ReleaseError(f"{path}: no model.safetensors.index.json and no model.safetensors")
+
+
+def _read_json(file: Path) -> dict:
+    try:
+        return json.loads(file.read_text())
+    except (OSError, json.JSONDecodeError) as error:
+        raise ReleaseError(f"{file}: cannot read JSON ({error})") from error
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def default_dtype(device: torch.device) -> torch.dtype:
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def parse_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
+    if dtype is None:
+        return default_dtype(device)
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    names = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32,
+             "fp16": torch.float16, "float16": torch.float16}
+    if dtype not in names:
+        raise ReleaseError(f"unknown dtype {dtype!r}; use one of {', '.join(names)}")
+    return names[dtype]
+
+
+def load_backbone(release: Release, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+    """The release's backbone through transformers' own class, in eval mode on `device`."""
+    from transformers import Qwen3_5ForConditionalGeneration
+
+    model = Qwen3_5ForConditionalGeneration.from_pretrained(release.path, dtype=dtype, device_map=str(device))
+    return model.eval().requires_grad_(False)
+
+
+def load_head_state(release: Release) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(release.path / HEAD_WEIGHTS)
+
+
+def load_processor(release: Release):
+    from transformers import AutoProcessor
+
+    return AutoProcessor.from_pretrained(release.path)
+
+
+def describe(release: Release) -> dict:
+    """What `python -m clef_engine info` prints: files, architecture, sizes, head config."""
+    text = release.text_config
+    vision = release.config.get("vision_config", {})
+    files = sorted(p.name for p in release.path.iterdir() if p.is_file())
+    return {
+        "path": str(release.path),
+        "source": release.source,
+        "revision": release.revision,
+        "files": files,
+        "architecture": ARCHITECTURE,
+        "dtype": release.config.get("dtype") or release.config.get("torch_dtype") or text.get("dtype"),
+        "text": {k: text.get(k) for k in ("hidden_size", "intermediate_size", "num_hidden_layers",
+                                          "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size",
+                                          "linear_num_key_heads", "linear_num_value_heads")},
+        "layer_types": _count(text.get("layer_types") or []),
+        "vision": {k: vision.get(k) for k in ("depth", "hidden_size", "patch_size", "spatial_merge_size",
+                                              "temporal_patch_size", "out_hidden_size")},
+        "weight_shards": list(release.weight_files),
+        "weights_on_disk_bytes": sum((release.path / f).stat().st_size for f in release.weight_files),
+        "head": asdict(release.head_config),
+    }
+
+
+def _count(items: list[str]) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for item in items:
+        counts[item] = counts.get(item, 0) + 1
+    return counts

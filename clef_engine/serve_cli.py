@@ -1,0 +1,98 @@
+"""`python -m clef_engine serve`: the System One API on a resident engine, standalone.
+
+    python -m clef_engine serve --model SOURCE [--host 127.0.0.1] [--port 8000] [--api-key-env VAR]
+                                [--device cuda|cpu] [--dtype bfloat16|float32] [--revision REV] [--max-body-mb 32]
+
+The model loads before the server listens, so once /health answers the server is ready.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import logging
+import os
+import sys
+
+from clef_engine.server import DEFAULT_MAX_BODY_BYTES
+
+
+def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Add the `serve` subcommand to `python -m clef_engine`'s subparsers."""
+    parser = subparsers.add_parser(
+        "serve",
+        help="serve the Jev / System One HTTP API from a resident model",
+        description="Serve POST /v1/systemone, GET /v1/models, GET /health and GET /metrics from one resident model.",
+    )
+    parser.add_argument("--model", required=True, help="release folder or Hugging Face repo id")
+    parser.add_argument("--revision", default=None, help="revision of a Hugging Face repo id")
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    parser.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
+    parser.add_argument("--api-key-env", default=None, metavar="VAR",
+                        help="name of an environment variable holding the API key; clients then must send "
+                             "'Authorization: Bearer <key>'")
+    parser.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda when present)")
+    parser.add_argument("--dtype", default=None, help="bfloat16, float16 or float32 (default: bf16 on CUDA)")
+    parser.add_argument("--max-body-mb", type=float, default=DEFAULT_MAX_BODY_BYTES / 2**20,
+                        help="largest request body accepted, in MiB (default %(default)s)")
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    parser.set_defaults(run=run_serve)
+    return parser
+
+
+def _api_key_from_env(var: str | None) -> str | None:
+    if var is None:
+        return None
+    key = os.environ.get(var, "").strip()
+    if not key:
+        raise SystemExit(f"--api-key-env {var}: the environment variable {var} is not set or empty")
+    return key
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    """Load the model, then serve until interrupted. Returns the exit status."""
+    import uvicorn
+
+    import clef_engine
+    from clef_engine.errors import ReleaseError
+    from clef_engine.server import create_app
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    api_key = _api_key_from_env(args.api_key_env)
+    if not _is_loopback(args.host) and api_key is None:
+        print(f"warning: serving on {args.host} without an API key; anyone who can reach it can use the model",
+              file=sys.stderr)
+    print(f"loading {args.model} …", file=sys.stderr, flush=True)
+    try:
+        engine = clef_engine.load(args.model, device=args.device, dtype=args.dtype, revision=args.revision)
+    except ReleaseError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    app = create_app(engine, api_key=api_key, max_body_bytes=int(args.max_body_mb * 2**20))
+    print(f"serving {args.model} on http://{args.host}:{args.port} (auth {'on' if api_key else 'off'})",
+          file=sys.stderr, flush=True)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
+                timeout_graceful_shutdown=5)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run `serve` on its own (`python -m clef_engine.serve_cli --model ...`)."""
+    parser = argparse.ArgumentParser(prog="python -m clef_engine")
+    subparsers = parser.add_subparsers(dest="command", required=True)
+    add_serve_parser(subparsers)
+    args = parser.parse_args(["serve", *(sys.argv[1:] if argv is None else argv)])
+    return args.run(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
