@@ -66,7 +66,7 @@ def resolve(source: str | os.PathLike, revision: str | None = None) -> Path:
     if path.exists():
         raise ReleaseError(f"{source} is a file; expected a release folder or a Hugging Face repo id")
     if source.startswith((".", "/", "~")) or source.count("/") != 1:
-        raise ReleaseError(f"release folder {path} does not exist (expected a folder or a repo id like Cloudflare/clef)")
+        raise ReleaseError(f"release folder {path} does not exist (want a folder or a repo id, e.g. Cloudflare/clef)")
 
     from huggingface_hub import constants, snapshot_download
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
