@@ -1,0 +1,385 @@
+"""Case sets in and out: CSV / JSONL import with column mapping, JSONL / CSV export, results export, and building
+System One requests from a stored case and a schema.
+
+A schema here is a dict {name, version, description, questions} where `questions` is the System One map
+id → {type, instructions, criteria}. Expected answers are stored as: choice → option id (str), noul → bool,
+score → level index (int).
+"""
+
+from __future__ import annotations
+
+import base64
+import csv
+import io
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from clef_workbench.stats import answer_frame
+from clef_workbench.store import Store, sniff_content_type
+
+
+class CaseImportError(ValueError):
+    """An import was refused; `problems` lists every bad cell as 'row N, column C: what is wrong'. Nothing was
+    imported."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = list(problems)
+        shown = "; ".join(self.problems[:10])
+        more = f" (and {len(self.problems) - 10} more)" if len(self.problems) > 10 else ""
+        super().__init__(f"{len(self.problems)} problem(s), nothing imported: {shown}{more}")
+
+
+# -- requests ---------------------------------------------------------------------------------------------------
+
+def data_url(content_type: str, data: bytes) -> str:
+    return f"data:{content_type};base64,{base64.b64encode(data).decode('ascii')}"
+
+
+def build_request(case: dict, schema: dict, *, model: str = "clef") -> dict:
+    """System One request for a stored case (Store.get_case with media) and a schema."""
+    request: dict[str, Any] = {"model": model, "state": case["state"], "questions": schema["questions"]}
+    if case.get("images"):
+        request["images"] = [data_url(m["content_type"], m["data"]) for m in case["images"]]
+    if case.get("videos"):
+        request["videos"] = [data_url(m["content_type"], m["data"]) for m in case["videos"]]
+    return request
+
+
+# -- expected answers -------------------------------------------------------------------------------------------
+
+def option_ids(question: dict) -> list[str]:
+    """Answer keys of a question, as used in distributions and expected answers."""
+    if question["type"] == "noul":
+        return ["true", "false"]
+    if question["type"] == "score":
+        return [str(i) for i in range(len(question.get("criteria") or []))]
+    return [str(k) for k in (question.get("criteria") or {})]
+
+
+def coerce_expected(question_id: str, question: dict, value: Any) -> str | bool | int:
+    """Turn a raw expected answer (from CSV text or JSON) into the stored form; ValueError says what is allowed."""
+    qtype = question["type"]
+    if qtype == "noul":
+        if isinstance(value, bool):
+            return value
+        text = str(value).strip().lower()
+        if text in ("true", "yes", "y", "1"):
+            return True
+        if text in ("false", "no", "n", "0"):
+            return False
+        raise ValueError(f"{value!r} is not an answer to yes/no question {question_id!r} (use true/false or yes/no)")
+    if qtype == "score":
+        levels = len(question.get("criteria") or [])
+        try:
+            number = float(value)
+            if not number.is_integer():
+                raise ValueError
+            level = int(number)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"{value!r} is not a level number of score question {question_id!r} "
+                             f"(0 to {levels - 1})") from exc
+        if not 0 <= level < levels:
+            raise ValueError(f"level {level} is out of range for score question {question_id!r} (0 to {levels - 1})")
+        return level
+    allowed = option_ids(question)
+    text = str(value).strip()
+    if text not in allowed:
+        raise ValueError(f"{value!r} is not an option of question {question_id!r} (allowed: {', '.join(allowed)})")
+    return text
+
+
+# -- CSV import -------------------------------------------------------------------------------------------------
+
+@dataclass
+class CsvMapping:
+    """How CSV columns become a case.
+
+    state_columns: columns that become fields of a JSON-object state (a dotted name like `customer.tier` nests);
+    state_text_column: alternatively one column whose text is the whole state (JSON text is parsed if it is an
+    object or array); expected_columns: column → question id; tags_column: tags separated by ';' or ',';
+    image_columns / video_columns: file paths (relative to the CSV's folder) or data URLs."""
+
+    state_columns: list[str] = field(default_factory=list)
+    state_text_column: str | None = None
+    expected_columns: dict[str, str] = field(default_factory=dict)
+    tags_column: str | None = None
+    image_columns: list[str] = field(default_factory=list)
+    video_columns: list[str] = field(default_factory=list)
+    infer_types: bool = True
+
+
+def csv_columns(csv_text: str) -> list[str]:
+    """Header of a CSV text, for the mapping UI."""
+    return next(csv.reader(io.StringIO(csv_text)), [])
+
+
+def _infer_scalar(text: str) -> Any:
+    """CSV cell → JSON scalar: integers, finite floats and true/false become numbers and booleans."""
+    lowered = text.strip().lower()
+    if lowered in ("true", "false"):
+        return lowered == "true"
+    try:
+        return int(text)
+    except ValueError:
+        pass
+    try:
+        number = float(text)
+        return number if math.isfinite(number) else text
+    except ValueError:
+        return text
+
+
+def _set_dotted(target: dict, dotted: str, value: Any) -> None:
+    parts = dotted.split(".")
+    for part in parts[:-1]:
+        target = target.setdefault(part, {})
+    target[parts[-1]] = value
+
+
+def _load_media(ref: str, kind: str, base_dir: Path | None) -> bytes:
+    ref = ref.strip()
+    if ref.startswith("data:"):
+        header, _, payload = ref.partition(",")
+        if ";base64" not in header:
+            raise ValueError("data URL must be base64-encoded")
+        data = base64.b64decode(payload, validate=True)
+    else:
+        path = Path(ref)
+        if not path.is_absolute() and base_dir is not None:
+            path = base_dir / path
+        if not path.is_file():
+            raise ValueError(f"{kind} file {str(path)!r} not found")
+        data = path.read_bytes()
+    sniff_content_type(data, kind)  # raises with a clear message if the bytes are not a supported format
+    return data
+
+
+def parse_csv(csv_text: str, mapping: CsvMapping, schema: dict | None = None, *,
+              base_dir: Path | None = None) -> list[dict]:
+    """CSV text → case dicts (state, expected, tags, images, videos). Raises CaseImportError listing every bad
+    cell (row numbers count the header as row 1, like a spreadsheet)."""
+    reader = csv.DictReader(io.StringIO(csv_text))
+    header = reader.fieldnames or []
+    problems: list[str] = []
+    used = list(mapping.state_columns) + list(mapping.expected_columns) + list(mapping.image_columns) + list(
+        mapping.video_columns) + [c for c in (mapping.state_text_column, mapping.tags_column) if c]
+    for column in used:
+        if column not in header:
+            problems.append(f"column {column!r} is not in the CSV (columns: {', '.join(header)})")
+    if not mapping.state_columns and not mapping.state_text_column:
+        problems.append("map at least one column to the state")
+    questions = (schema or {}).get("questions", {})
+    for column, question_id in mapping.expected_columns.items():
+        if schema is not None and question_id not in questions:
+            problems.append(f"column {column!r} is mapped to question {question_id!r}, which the schema "
+                            f"{schema.get('name')!r} does not have")
+    if problems:
+        raise CaseImportError(problems)
+    cases = []
+    for row_number, row in enumerate(reader, start=2):
+        where = f"row {row_number}"
+        state: Any
+        if mapping.state_text_column:
+            text = row[mapping.state_text_column] or ""
+            state = text
+            if text.strip().startswith(("{", "[")):
+                try:
+                    state = json.loads(text)
+                except json.JSONDecodeError as exc:
+                    problems.append(f"{where}, column {mapping.state_text_column!r}: looks like JSON but does not "
+                                    f"parse ({exc.msg} at line {exc.lineno} column {exc.colno})")
+                    continue
+        else:
+            state = {}
+            for column in mapping.state_columns:
+                cell = row[column]
+                if cell is None or cell == "":
+                    continue  # empty cells are left out of the state rather than sent as ""
+                _set_dotted(state, column, _infer_scalar(cell) if mapping.infer_types else cell)
+        expected: dict[str, Any] = {}
+        for column, question_id in mapping.expected_columns.items():
+            cell = (row[column] or "").strip()
+            if not cell:
+                continue
+            try:
+                expected[question_id] = (coerce_expected(question_id, questions[question_id], cell)
+                                         if schema is not None else cell)
+            except ValueError as exc:
+                problems.append(f"{where}, column {column!r}: {exc}")
+        tags: list[str] = []
+        if mapping.tags_column and row[mapping.tags_column]:
+            tags = [t.strip() for t in row[mapping.tags_column].replace(",", ";").split(";") if t.strip()]
+        media: dict[str, list[bytes]] = {"images": [], "videos": []}
+        for kind, columns in (("image", mapping.image_columns), ("video", mapping.video_columns)):
+            for column in columns:
+                if row[column]:
+                    try:
+                        media[kind + "s"].append(_load_media(row[column], kind, base_dir))
+                    except (ValueError, OSError) as exc:
+                        problems.append(f"{where}, column {column!r}: {exc}")
+        cases.append({"state": state, "expected": expected, "tags": tags, **media})
+    if problems:
+        raise CaseImportError(problems)
+    if not cases:
+        raise CaseImportError(["the CSV has no data rows"])
+    return cases
+
+
+def parse_jsonl(jsonl_text: str, schema: dict | None = None, *, base_dir: Path | None = None) -> list[dict]:
+    """JSONL → case dicts. Each line: {"state": any, "expected"?: {question: answer}, "tags"?: [str],
+    "images"?: [data URL | {"content_type", "base64"} | path], "videos"?: same}. Blank lines are skipped."""
+    problems: list[str] = []
+    cases = []
+    questions = (schema or {}).get("questions", {})
+    for line_number, line in enumerate(jsonl_text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        where = f"line {line_number}"
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as exc:
+            problems.append(f"{where}: not JSON ({exc.msg} at column {exc.colno})")
+            continue
+        if not isinstance(record, dict) or "state" not in record:
+            problems.append(f"{where}: each line must be an object with a 'state' field")
+            continue
+        expected: dict[str, Any] = {}
+        for question_id, value in (record.get("expected") or {}).items():
+            if schema is None:
+                expected[question_id] = value
+            elif question_id not in questions:
+                problems.append(f"{where}, expected.{question_id}: the schema {schema.get('name')!r} has no such "
+                                "question")
+            else:
+                try:
+                    expected[question_id] = coerce_expected(question_id, questions[question_id], value)
+                except ValueError as exc:
+                    problems.append(f"{where}, expected.{question_id}: {exc}")
+        media: dict[str, list[bytes]] = {"images": [], "videos": []}
+        for kind in ("image", "video"):
+            for index, ref in enumerate(record.get(kind + "s") or []):
+                try:
+                    if isinstance(ref, dict):
+                        data = base64.b64decode(ref["base64"], validate=True)
+                        sniff_content_type(data, kind)
+                    else:
+                        data = _load_media(str(ref), kind, base_dir)
+                    media[kind + "s"].append(data)
+                except (ValueError, KeyError, OSError) as exc:
+                    problems.append(f"{where}, {kind}s[{index}]: {exc}")
+        tags = record.get("tags") or []
+        if not isinstance(tags, list) or not all(isinstance(t, str) for t in tags):
+            problems.append(f"{where}, tags: must be a list of strings")
+            tags = []
+        cases.append({"state": record["state"], "expected": expected, "tags": tags, **media})
+    if problems:
+        raise CaseImportError(problems)
+    if not cases:
+        raise CaseImportError(["the file has no records"])
+    return cases
+
+
+def import_cases(store: Store, case_set_id: int, cases: list[dict]) -> list[int]:
+    """Add parsed cases to a case set in one transaction."""
+    return store.add_cases(case_set_id, cases)
+
+
+# -- export -----------------------------------------------------------------------------------------------------
+
+def export_jsonl(store: Store, case_set_id: int) -> str:
+    """The case set as JSONL, media inlined as data URLs (re-importable with parse_jsonl)."""
+    lines = []
+    for summary in store.list_cases(case_set_id):
+        case = store.get_case(summary["id"])
+        record: dict[str, Any] = {"state": case["state"], "expected": case["expected"], "tags": case["tags"]}
+        if case["images"]:
+            record["images"] = [data_url(m["content_type"], m["data"]) for m in case["images"]]
+        if case["videos"]:
+            record["videos"] = [data_url(m["content_type"], m["data"]) for m in case["videos"]]
+        lines.append(json.dumps(record, ensure_ascii=False))
+    return "\n".join(lines) + ("\n" if lines else "")
+
+
+def cases_table(store: Store, case_set_id: int) -> pd.DataFrame:
+    """One row per case: id, state (object states flattened to `state.<key>`, values JSON-encoded unless
+    scalar), expected.<question>, tags ('; '-joined), images, videos (counts)."""
+    cases = store.list_cases(case_set_id)
+    rows = []
+    flatten = bool(cases) and all(isinstance(c["state"], dict) for c in cases)
+    for case in cases:
+        row: dict[str, Any] = {"id": case["id"]}
+        if flatten:
+            for key, value in case["state"].items():
+                row[f"state.{key}"] = value if isinstance(value, str | int | float | bool) or value is None \
+                    else json.dumps(value, ensure_ascii=False)
+        else:
+            state = case["state"]
+            row["state"] = state if isinstance(state, str) else json.dumps(state, ensure_ascii=False)
+        for question_id, value in case["expected"].items():
+            row[f"expected.{question_id}"] = value
+        row["tags"] = "; ".join(case["tags"])
+        row["images"] = case["image_count"]
+        row["videos"] = case["video_count"]
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def export_csv(store: Store, case_set_id: int) -> str:
+    """The case set as CSV (see cases_table; media are counted, not inlined — use JSONL to carry them)."""
+    return cases_table(store, case_set_id).to_csv(index=False)
+
+
+def results_table(store: Store, run_id: int) -> pd.DataFrame:
+    """One row per case × question of a run: answer, confidence, margin, expected, correct, score, and one
+    `p:<option>` column per option with that option's probability (empty for options of other questions).
+    Failed cases appear once with their error."""
+    run = store.get_run(run_id)
+    results = store.list_results(run_id)
+    frame = answer_frame(results, run["schema"])
+    rows = []
+    for row in frame.itertuples(index=False):
+        out = {"run_id": run_id, "case_id": row.case_id, "position": row.position, "question_id": row.question_id,
+               "question_type": row.question_type, "predicted": row.predicted, "confidence": row.confidence,
+               "margin": row.margin, "score": row.score, "expected": row.expected, "correct": row.correct,
+               "latency_ms": row.latency_ms, "input_tokens": row.input_tokens, "error": None}
+        out.update({f"p:{option}": p for option, p in row.distribution.items()})
+        rows.append(out)
+    for result in results:
+        if result.get("error"):
+            rows.append({"run_id": run_id, "case_id": result["case_id"], "position": result["position"],
+                         "error": result["error"]})
+    table = pd.DataFrame(rows)
+    if not table.empty:
+        table = table.sort_values(["position", "question_id"], kind="stable", na_position="last")
+    return table.reset_index(drop=True)
+
+
+def export_results_csv(store: Store, run_id: int) -> str:
+    return results_table(store, run_id).to_csv(index=False)
+
+
+def export_results_jsonl(store: Store, run_id: int) -> str:
+    """One JSON object per case × question with a `probabilities` map of every option."""
+    run = store.get_run(run_id)
+    results = store.list_results(run_id)
+    frame = answer_frame(results, run["schema"])
+    lines = []
+    for row in frame.itertuples(index=False):
+        lines.append(json.dumps({
+            "run_id": run_id, "case_id": int(row.case_id), "question_id": row.question_id,
+            "question_type": row.question_type, "predicted": row.predicted, "confidence": row.confidence,
+            "margin": row.margin, "probabilities": row.distribution,
+            "score": None if pd.isna(row.score) else row.score, "expected": row.expected,
+            "correct": None if pd.isna(row.correct) else bool(row.correct),
+            "latency_ms": row.latency_ms, "input_tokens": None if pd.isna(row.input_tokens)
+            else int(row.input_tokens),
+        }, ensure_ascii=False))
+    for result in results:
+        if result.get("error"):
+            lines.append(json.dumps({"run_id": run_id, "case_id": result["case_id"], "error": result["error"]}))
+    return "\n".join(lines) + ("\n" if lines else "")

@@ -1,0 +1,170 @@
+"""Review queue rules: which answers of a run need a human, why (frozen at queue time), and the golden-set export.
+
+An answer is queued when any enabled rule fires: its confidence (top-1 probability) is below a threshold, its
+margin (top-1 − top-2) is below a threshold, the model chose an "unknown"-type option, or it disagrees with the
+case's expected answer. The queue is ordered worst first: smallest margin (Store.list_review_items).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import pandas as pd
+
+from clef_workbench.schemas import UNKNOWN_DESCRIPTION_PATTERN, UNKNOWN_OPTION_ID_PATTERN
+from clef_workbench.stats import answer_frame
+from clef_workbench.store import Store
+
+
+@dataclass
+class ReviewRules:
+    """Per-schema rules. A threshold of None disables that rule; `questions` None means every question."""
+
+    confidence_below: float | None = None
+    margin_below: float | None = 0.2
+    unknown_option: bool = True
+    disagree_with_expected: bool = True
+    questions: list[str] | None = None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict | None) -> ReviewRules:
+        if not data:
+            return cls()
+        known = {k: v for k, v in data.items() if k in cls.__dataclass_fields__}
+        return cls(**known)
+
+
+def load_rules(store: Store, schema_name: str) -> ReviewRules:
+    """The saved rules for a schema, or the defaults."""
+    return ReviewRules.from_dict(store.get_review_rules(schema_name))
+
+
+def save_rules(store: Store, schema_name: str, rules: ReviewRules) -> None:
+    store.save_review_rules(schema_name, rules.to_dict())
+
+
+def unknown_options(question: dict) -> set[str]:
+    """Ids of a choice question's unknown-type options (empty for noul and score questions). Uses the schema
+    lint's patterns, so the options the lint accepts as a way out are exactly the ones this rule watches: the id
+    (with _ . - read as spaces) names unknown / none / other / unclear / cannot tell …, or the description says
+    "none of these", "cannot tell", "not enough information" …"""
+    if question.get("type") != "choice":
+        return set()
+    return {
+        str(option_id) for option_id, description in (question.get("criteria") or {}).items()
+        if UNKNOWN_OPTION_ID_PATTERN.search(re.sub(r"[_.\-]+", " ", str(option_id)))
+        or (isinstance(description, str) and UNKNOWN_DESCRIPTION_PATTERN.search(description))
+    }
+
+
+def _reasons(row: Any, rules: ReviewRules, unknown_ids: set[str]) -> list[str]:
+    reasons = []
+    if rules.margin_below is not None and row.margin < rules.margin_below:
+        reasons.append(f"margin {row.margin:.3f} < {rules.margin_below:g}")
+    if rules.confidence_below is not None and row.confidence < rules.confidence_below:
+        reasons.append(f"confidence {row.confidence:.3f} < {rules.confidence_below:g}")
+    if rules.unknown_option and row.predicted in unknown_ids:
+        reasons.append(f"chose unknown-type option {row.predicted!r}")
+    if rules.disagree_with_expected and row.expected is not None and row.predicted != row.expected:
+        reasons.append(f"answered {row.predicted!r}, expected {row.expected!r}")
+    return reasons
+
+
+def candidates(store: Store, run_id: int, rules: ReviewRules) -> list[dict]:
+    """The review items these rules would queue for a run (not yet written), worst first."""
+    run = store.get_run(run_id)
+    schema = run["schema"]
+    frame = answer_frame(store.list_results(run_id), schema)
+    items = []
+    for row in frame.itertuples(index=False):
+        if rules.questions is not None and row.question_id not in rules.questions:
+            continue
+        reasons = _reasons(row, rules, unknown_options(schema["questions"][row.question_id]))
+        if reasons:
+            items.append({
+                "run_id": run_id, "case_id": int(row.case_id), "question_id": row.question_id,
+                "question_type": row.question_type, "distribution": row.distribution, "predicted": row.predicted,
+                "confidence": float(row.confidence), "margin": float(row.margin), "reason": "; ".join(reasons),
+                "model_id": run["model_id"] + (f"@{run['model_revision']}" if run.get("model_revision") else ""),
+                "schema_name": run["schema_name"], "schema_version": run["schema_version"],
+            })
+    items.sort(key=lambda i: (i["margin"], i["confidence"]))
+    return items
+
+
+def preview(store: Store, run_id: int, rules: ReviewRules) -> dict[str, Any]:
+    """How many items these rules would queue: total, new (not queued before), distinct cases, and counts per
+    question and per rule."""
+    items = candidates(store, run_id, rules)
+    queued = {(i["case_id"], i["question_id"]) for i in store.list_review_items(run_id)}
+    by_rule: dict[str, int] = {"margin": 0, "confidence": 0, "unknown option": 0, "disagrees with expected": 0}
+    for item in items:
+        for part in item["reason"].split("; "):
+            key = ("margin" if part.startswith("margin") else "confidence" if part.startswith("confidence")
+                   else "unknown option" if part.startswith("chose") else "disagrees with expected")
+            by_rule[key] += 1
+    return {
+        "items": len(items),
+        "new": sum((i["case_id"], i["question_id"]) not in queued for i in items),
+        "cases": len({i["case_id"] for i in items}),
+        "by_question": pd.Series([i["question_id"] for i in items], dtype=object).value_counts().to_dict(),
+        "by_rule": by_rule,
+    }
+
+
+def apply_rules(store: Store, run_id: int, rules: ReviewRules) -> int:
+    """Queue the items the rules select, freezing each one's reason, distribution, model and schema version now.
+    Items already queued are kept as they are. Returns how many were added."""
+    return store.queue_review_items(candidates(store, run_id, rules))
+
+
+def next_item(store: Store, run_id: int, *, after_item_id: int | None = None) -> dict | None:
+    """The worst open item; if none, the worst skipped one (skipping `after_item_id`, so skip moves on)."""
+    for statuses in (("open",), ("skipped",)):
+        for item in store.list_review_items(run_id, statuses=statuses):
+            if item["id"] != after_item_id:
+                return item
+    return None
+
+
+def export_golden_set(store: Store, run_id: int, name: str, *, keep_other_expected: bool = True) -> int:
+    """A new case set of every case with at least one accepted or corrected item, whose expected answers are the
+    reviewed labels (and, with keep_other_expected, the case's original expected answers for questions nobody
+    reviewed). Items marked unknown give no label but a tag `unknown:<question>`. Media are copied."""
+    run = store.get_run(run_id)
+    items = [i for i in store.list_review_items(run_id) if i["status"] in ("accepted", "corrected", "unknown")]
+    if not any(i["status"] in ("accepted", "corrected") for i in items):
+        raise ValueError(f"run {run_id} has no accepted or corrected review items to export")
+    by_case: dict[int, list[dict]] = {}
+    for item in items:
+        by_case.setdefault(item["case_id"], []).append(item)
+    cases = []
+    for case_id, case_items in by_case.items():
+        labels = {i["question_id"]: i["label"] for i in case_items if i["status"] in ("accepted", "corrected")}
+        if not labels:
+            continue
+        case = store.get_case(case_id)
+        expected = dict(case["expected"]) if keep_other_expected else {}
+        for unknown in (i["question_id"] for i in case_items if i["status"] == "unknown"):
+            expected.pop(unknown, None)
+        expected.update(labels)
+        tags = list(dict.fromkeys(case["tags"] + ["golden"] + [f"unknown:{i['question_id']}" for i in case_items
+                                                               if i["status"] == "unknown"]))
+        cases.append({"state": case["state"], "expected": expected, "tags": tags,
+                      "images": [m["data"] for m in case["images"]], "videos": [m["data"] for m in case["videos"]]})
+    case_set_id = store.create_case_set(
+        name, schema_name=run["schema_name"],
+        description=f"Golden set reviewed from run {run_id} ({run['case_set_name']}, schema {run['schema_name']} "
+                    f"v{run['schema_version']}, model {run['model_id']})",
+    )
+    try:
+        store.add_cases(case_set_id, cases)
+    except Exception:
+        store.delete_case_set(case_set_id)  # no half-made golden set left behind
+        raise
+    return case_set_id

@@ -1,0 +1,296 @@
+"""Statistics of a run: latency, throughput, accuracy, confusion, calibration, and run-to-run comparison.
+
+Definitions used throughout (shown in the UI next to the numbers):
+
+* **Percentiles** use linear interpolation between closest ranks (numpy's default ``method="linear"``,
+  Hyndman & Fan type 7, the same as ``pandas.Series.quantile``): for sorted samples x_0..x_{n-1} the q-quantile
+  is x_i + (h - i)(x_{i+1} - x_i) with h = (n - 1) q and i = floor(h).
+* **Predicted answer** of a question: the option with the highest probability (noul: ``true`` when
+  P(true) >= 0.5; score: the most probable level, i.e. the mode, not the rounded expected value).
+* **Confidence** = probability of the predicted answer (top-1 probability; for noul max(p, 1 - p)). This is the
+  release code's ``confidence`` for choice and score, not TypeSafe's rescaled or Workers AI's Σp² variants.
+* **Margin** = top-1 probability minus top-2 probability (for noul |2p - 1|).
+* **Calibration** bins confidence into ``bins`` equal-width bins on [0, 1] (the last bin includes 1.0);
+  ECE = Σ_b (n_b / N) · |accuracy_b - mean confidence_b| over non-empty bins.
+* **Brier score**: noul uses the binary form mean (P(true) - y)²; choice and score use the multi-class form
+  mean Σ_k (p_k - y_k)² over all of the question's options (Brier 1950), with y the one-hot expected answer.
+* **Throughput** divides by *busy time*: the union of the [started, finished] intervals of the chunks that
+  produced results, so the pause between a cancelled run and its resumption does not count.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+PERCENTILE_METHOD = "linear"
+
+
+def _label_key(value: Any) -> str | None:
+    """Expected answers as distribution keys: bools and yes/no → 'true'/'false', ints → '2', strings as is."""
+    if value is None or (isinstance(value, float) and np.isnan(value)):
+        return None
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    return str(value)
+
+
+def distribution_of(question_type: str, answer: dict) -> dict[str, float]:
+    """Every option's probability from one System One answer, keyed like expected answers."""
+    if question_type == "noul":
+        p_true = float(answer["noul"])
+        return {"true": p_true, "false": 1.0 - p_true}
+    return {str(k): float(v) for k, v in answer["probabilities"].items()}
+
+
+def top_two(distribution: dict[str, float]) -> tuple[str, float, float]:
+    """(predicted option, its probability, margin over the runner-up). Ties go to the first option listed."""
+    ordered = sorted(distribution.items(), key=lambda kv: -kv[1])
+    best, p_best = ordered[0]
+    p_second = ordered[1][1] if len(ordered) > 1 else 0.0
+    return best, p_best, p_best - p_second
+
+
+def answer_frame(results: list[dict], schema: dict) -> pd.DataFrame:
+    """One row per (case, question) of the successful results of a run.
+
+    Columns: case_id, position, question_id, question_type, predicted, confidence, margin, distribution (dict),
+    expected (key or None), correct (bool, NaN without expected), score (score questions: Σ i·p_i),
+    expected_level (score questions), latency_ms, input_tokens. `results` are Store.list_results rows."""
+    questions = schema["questions"]
+    rows = []
+    for result in results:
+        response = result.get("response")
+        if not response or result.get("error"):
+            continue
+        expected = result.get("expected") or {}
+        for question_id, question in questions.items():
+            answer = response.get("answers", {}).get(question_id)
+            if answer is None:
+                continue
+            qtype = question["type"]
+            distribution = distribution_of(qtype, answer)
+            predicted, confidence, margin = top_two(distribution)
+            if qtype == "noul":  # p = 0.5 exactly counts as true, as documented
+                predicted = "true" if distribution["true"] >= 0.5 else "false"
+            expected_key = _label_key(expected.get(question_id))
+            if qtype == "noul" and expected_key is not None:
+                expected_key = {"yes": "true", "no": "false", "1": "true", "0": "false"}.get(
+                    expected_key.lower(), expected_key.lower()
+                )
+            rows.append(
+                {
+                    "case_id": result["case_id"],
+                    "position": result.get("position"),
+                    "question_id": question_id,
+                    "question_type": qtype,
+                    "predicted": predicted,
+                    "confidence": confidence,
+                    "margin": margin,
+                    "distribution": distribution,
+                    "expected": expected_key,
+                    "correct": np.nan if expected_key is None else float(predicted == expected_key),
+                    "score": float(answer["score"]) if qtype == "score" else np.nan,
+                    "expected_level": float(expected_key) if qtype == "score" and expected_key is not None
+                    else np.nan,
+                    "latency_ms": result.get("latency_ms"),
+                    "input_tokens": result.get("input_tokens"),
+                }
+            )
+    columns = ["case_id", "position", "question_id", "question_type", "predicted", "confidence", "margin",
+               "distribution", "expected", "correct", "score", "expected_level", "latency_ms", "input_tokens"]
+    return pd.DataFrame(rows, columns=columns)
+
+
+def _results_frame(results: list[dict]) -> pd.DataFrame:
+    frame = pd.DataFrame(results)
+    if frame.empty:
+        return pd.DataFrame(columns=["case_id", "latency_ms", "input_tokens", "error", "started_at", "finished_at"])
+    return frame
+
+
+def latency_stats(results: list[dict]) -> dict[str, Any]:
+    """p50 / p95 / p99 / max / mean latency in ms over successful results, the sample count, and the time window
+    (first chunk start to last result, ISO strings, plus its length in seconds)."""
+    frame = _results_frame(results)
+    ok = frame[frame["error"].isna()] if "error" in frame else frame
+    latency = pd.to_numeric(ok["latency_ms"], errors="coerce").dropna()
+    out: dict[str, Any] = {"count": int(latency.size), "errors": int(len(frame) - len(ok))}
+    for name, q in (("p50", 0.5), ("p95", 0.95), ("p99", 0.99)):
+        out[name] = float(np.percentile(latency, q * 100, method=PERCENTILE_METHOD)) if latency.size else None
+    out["max"] = float(latency.max()) if latency.size else None
+    out["mean"] = float(latency.mean()) if latency.size else None
+    if len(frame):
+        start = pd.to_datetime(frame["started_at"], utc=True, format="ISO8601").min()
+        end = pd.to_datetime(frame["finished_at"], utc=True, format="ISO8601").max()
+        out.update(window_start=start.isoformat(), window_end=end.isoformat(),
+                   window_s=(end - start).total_seconds())
+    else:
+        out.update(window_start=None, window_end=None, window_s=0.0)
+    return out
+
+
+def busy_seconds(results: list[dict]) -> float:
+    """Length of the union of the results' [started_at, finished_at] intervals, in seconds."""
+    frame = _results_frame(results)
+    if frame.empty:
+        return 0.0
+    starts = pd.to_datetime(frame["started_at"], utc=True, format="ISO8601")
+    ends = pd.to_datetime(frame["finished_at"], utc=True, format="ISO8601")
+    intervals = sorted(zip(starts, ends, strict=True))
+    total = 0.0
+    current_start, current_end = intervals[0]
+    for start, end in intervals[1:]:
+        if start <= current_end:
+            current_end = max(current_end, end)
+        else:
+            total += (current_end - current_start).total_seconds()
+            current_start, current_end = start, end
+    return total + (current_end - current_start).total_seconds()
+
+
+def throughput(results: list[dict], n_questions: int) -> dict[str, float | None]:
+    """records/s, decisions/s (records × questions), input tokens/s over busy time; tokens per record (mean and
+    median over successful results)."""
+    frame = _results_frame(results)
+    ok = frame[frame["error"].isna()] if "error" in frame else frame
+    busy = busy_seconds(results)
+    tokens = pd.to_numeric(ok["input_tokens"], errors="coerce").dropna()
+    records = len(ok)
+    return {
+        "busy_s": busy,
+        "records_per_s": records / busy if busy > 0 else None,
+        "decisions_per_s": records * n_questions / busy if busy > 0 else None,
+        "tokens_per_s": float(tokens.sum()) / busy if busy > 0 else None,
+        "tokens_per_record_mean": float(tokens.mean()) if tokens.size else None,
+        "tokens_per_record_median": float(tokens.median()) if tokens.size else None,
+    }
+
+
+def accuracy_by_question(frame: pd.DataFrame) -> pd.DataFrame:
+    """Per question: cases with an expected answer, how many the model got right, accuracy (NaN if none)."""
+    if frame.empty:
+        return pd.DataFrame(columns=["question_id", "n_expected", "n_correct", "accuracy"])
+    grouped = frame.groupby("question_id", sort=False)["correct"]
+    out = pd.DataFrame({"n_expected": grouped.count(), "n_correct": grouped.sum(min_count=0)})
+    out["n_correct"] = out["n_correct"].fillna(0).astype(int)
+    out["accuracy"] = np.where(out["n_expected"] > 0, out["n_correct"] / out["n_expected"].replace(0, 1), np.nan)
+    return out.reset_index()
+
+
+def confusion_matrix(frame: pd.DataFrame, question_id: str, labels: list[str] | None = None) -> pd.DataFrame:
+    """Counts with expected answers as rows and predicted answers as columns, over cases with an expected answer.
+    `labels` (e.g. the schema's option ids) fixes the order and includes options never seen."""
+    rows = frame[(frame["question_id"] == question_id) & frame["expected"].notna()]
+    seen = list(dict.fromkeys(list(rows["expected"]) + list(rows["predicted"])))
+    order = list(labels or []) + [x for x in seen if x not in (labels or [])]
+    table = pd.crosstab(rows["expected"], rows["predicted"]) if len(rows) else pd.DataFrame()
+    table = table.reindex(index=order, columns=order, fill_value=0).fillna(0).astype(int)
+    table.index.name, table.columns.name = "expected", "predicted"
+    return table
+
+
+def score_mae(frame: pd.DataFrame) -> pd.DataFrame:
+    """Per score question: mean |Σ i·p_i − expected level| over cases with an expected level."""
+    rows = frame[(frame["question_type"] == "score") & frame["expected_level"].notna()]
+    if rows.empty:
+        return pd.DataFrame(columns=["question_id", "n_expected", "mae"])
+    errors = (rows["score"] - rows["expected_level"]).abs()
+    out = errors.groupby(rows["question_id"], sort=False).agg(["count", "mean"])
+    return out.rename(columns={"count": "n_expected", "mean": "mae"}).reset_index()
+
+
+def calibration(frame: pd.DataFrame, question_id: str, bins: int = 10) -> dict[str, Any]:
+    """Reliability bins, ECE and Brier score of one question over cases with an expected answer.
+
+    Returns {"bins": DataFrame(bin_low, bin_high, count, mean_confidence, accuracy), "ece", "brier", "n"}."""
+    rows = frame[(frame["question_id"] == question_id) & frame["expected"].notna()]
+    edges = np.round(np.linspace(0.0, 1.0, bins + 1), 10)  # 0.7, not 0.7000000000000001, in the table
+    empty = pd.DataFrame({"bin_low": edges[:-1], "bin_high": edges[1:], "count": 0,
+                          "mean_confidence": np.nan, "accuracy": np.nan})
+    if rows.empty:
+        return {"bins": empty, "ece": None, "brier": None, "n": 0}
+    confidence = rows["confidence"].to_numpy(dtype=float)
+    correct = rows["correct"].to_numpy(dtype=float)
+    # bin b holds [edge_b, edge_b+1); confidence 1.0 goes into the last bin
+    # rounding first keeps 0.7 (stored as 0.69999…) in the 0.7 bin rather than the one below
+    index = np.clip(np.floor(np.round(confidence * bins, 9)).astype(int), 0, bins - 1)
+    table = empty.copy()
+    for b in range(bins):
+        mask = index == b
+        if mask.any():
+            table.loc[b, ["count", "mean_confidence", "accuracy"]] = [int(mask.sum()), confidence[mask].mean(),
+                                                                      correct[mask].mean()]
+    table["count"] = table["count"].astype(int)
+    filled = table[table["count"] > 0]
+    ece = float((filled["count"] / len(rows) * (filled["accuracy"] - filled["mean_confidence"]).abs()).sum())
+    qtype = rows["question_type"].iloc[0]
+    if qtype == "noul":
+        p_true = np.array([d["true"] for d in rows["distribution"]])
+        y_true = (rows["expected"] == "true").to_numpy(dtype=float)
+        brier = float(np.mean((p_true - y_true) ** 2))
+    else:
+        brier = float(np.mean([
+            sum((p - (1.0 if option == expected else 0.0)) ** 2 for option, p in distribution.items())
+            for distribution, expected in zip(rows["distribution"], rows["expected"], strict=True)
+        ]))
+    return {"bins": table, "ece": ece, "brier": brier, "n": len(rows)}
+
+
+def calibration_summary(frame: pd.DataFrame, bins: int = 10) -> pd.DataFrame:
+    """ECE, Brier and sample count for every question that has expected answers."""
+    rows = []
+    for question_id in dict.fromkeys(frame["question_id"]):
+        result = calibration(frame, question_id, bins)
+        if result["n"]:
+            rows.append({"question_id": question_id, "n": result["n"], "ece": result["ece"],
+                         "brier": result["brier"]})
+    return pd.DataFrame(rows, columns=["question_id", "n", "ece", "brier"])
+
+
+def slowest_cases(results: list[dict], n: int = 10) -> pd.DataFrame:
+    """The n successful results with the highest latency, slowest first."""
+    frame = _results_frame(results)
+    ok = frame[frame["error"].isna()] if "error" in frame else frame
+    columns = [c for c in ("case_id", "position", "latency_ms", "input_tokens") if c in ok]
+    return ok.sort_values("latency_ms", ascending=False, kind="stable").head(n)[columns].reset_index(drop=True)
+
+
+def least_confident(frame: pd.DataFrame, n: int = 10) -> pd.DataFrame:
+    """The n (case, question) answers with the smallest margin, then lowest confidence."""
+    columns = ["case_id", "position", "question_id", "predicted", "confidence", "margin", "expected"]
+    if frame.empty:
+        return pd.DataFrame(columns=columns)
+    return frame.sort_values(["margin", "confidence"], kind="stable").head(n)[columns].reset_index(drop=True)
+
+
+def compare_runs(frame_a: pd.DataFrame, frame_b: pd.DataFrame) -> dict[str, Any]:
+    """Compare two runs of the same case set (A = baseline, B = new).
+
+    Returns {"accuracy": per-question accuracy in A and B and the change B − A, "flipped": (case, question) pairs
+    whose predicted answer differs, with both answers and whether each was correct, "shifts": one row per
+    (case, question, option) present in both runs with p_a, p_b and shift = p_b − p_a (for the histogram)}."""
+    acc_a = accuracy_by_question(frame_a)[["question_id", "accuracy"]].rename(columns={"accuracy": "accuracy_a"})
+    acc_b = accuracy_by_question(frame_b)[["question_id", "accuracy"]].rename(columns={"accuracy": "accuracy_b"})
+    accuracy = acc_a.merge(acc_b, on="question_id", how="outer")
+    accuracy["change"] = accuracy["accuracy_b"] - accuracy["accuracy_a"]
+    keys = ["case_id", "question_id"]
+    joined = frame_a.merge(frame_b, on=keys, suffixes=("_a", "_b"))
+    flipped = joined[joined["predicted_a"] != joined["predicted_b"]]
+    flipped = flipped[keys + ["position_a", "expected_a", "predicted_a", "predicted_b", "correct_a", "correct_b",
+                              "confidence_a", "confidence_b"]].rename(columns={"position_a": "position",
+                                                                                "expected_a": "expected"})
+    shift_rows = []
+    for row in joined.itertuples(index=False):
+        for option, p_a in row.distribution_a.items():
+            if option in row.distribution_b:
+                shift_rows.append({"case_id": row.case_id, "question_id": row.question_id, "option": option,
+                                   "p_a": p_a, "p_b": row.distribution_b[option],
+                                   "shift": row.distribution_b[option] - p_a})
+    shifts = pd.DataFrame(shift_rows, columns=["case_id", "question_id", "option", "p_a", "p_b", "shift"])
+    return {"accuracy": accuracy, "flipped": flipped.reset_index(drop=True), "shifts": shifts,
+            "compared": len(joined)}
