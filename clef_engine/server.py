@@ -353,7 +353,8 @@ class SystemOneApi:
         scheme, _, token = header.partition(" ")
         if scheme.lower() != "bearer" or not token.strip():
             raise _error(401, "authentication_error", "the Authorization header must be 'Bearer <key>'")
-        if not hmac.compare_digest(token.strip().encode("utf-8"), self._key):
+        # Starlette decodes header bytes as latin-1; encoding back gives the bytes sent (a UTF-8 key compares right).
+        if not hmac.compare_digest(token.strip().encode("latin-1"), self._key):
             raise _error(403, "authentication_error", "invalid API key")
 
     async def _read_body(self, request: Request) -> bytes:

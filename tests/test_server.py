@@ -1,0 +1,551 @@
+"""The System One HTTP API, tested as clients see it: a real `python -m clef_engine serve` process on the tiny
+release (conftest's `tiny_release`, the code behind `python -m clef_engine tiny`), spoken to over HTTP by httpx and
+by the official TypeSafe SDK."""
+
+from __future__ import annotations
+
+import base64
+import gzip
+import io
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+REPO = Path(__file__).resolve().parents[1]
+API_KEY = "test-key-\u00e9-not-secret"  # non-ASCII on purpose: the comparison must work on bytes
+SDK_KEY = "sdk-key-ascii-only"  # the SDK only sends printable ASCII keys
+STARTUP_SECONDS = 180
+
+
+# --- server processes ------------------------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class ServerProcess:
+    def __init__(self, release: Path, log_path: Path, *extra: str, env: dict[str, str] | None = None):
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
+        command = [sys.executable, "-m", "clef_engine", "serve", "--model", str(release), "--device", "cpu",
+                   "--port", str(self.port), *extra]
+        self.process = subprocess.Popen(command, cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT,
+                                        env={**os.environ, **(env or {})})
+        deadline = time.monotonic() + STARTUP_SECONDS
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"server exited with {self.process.returncode}:\n{self.log()}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.3)
+        self.stop()
+        raise RuntimeError(f"server not healthy after {STARTUP_SECONDS}s:\n{self.log()}")
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")[-5000:]
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def stop(self) -> None:
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+        self._log.close()
+
+
+@pytest.fixture(scope="module")
+def server(tiny_release: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    process = ServerProcess(tiny_release, tmp_path_factory.mktemp("logs") / "server.log")
+    yield process
+    process.stop()
+
+
+@pytest.fixture(scope="module")
+def auth_server(tiny_release: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    process = ServerProcess(tiny_release, tmp_path_factory.mktemp("logs") / "auth-server.log",
+                            "--api-key-env", "CLEF_TEST_API_KEY", "--max-body-mb", "1",
+                            env={"CLEF_TEST_API_KEY": API_KEY})
+    yield process
+    process.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server: ServerProcess) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=server.url, timeout=120) as http:
+        yield http
+
+
+# --- requests and what a correct answer looks like -------------------------------------------------------------
+
+TONES = ["neutral", "angry", "calm"]  # deliberately not sorted: answers must keep the caller's order
+
+
+def make_request(i: int, model: str = "jev-latest") -> dict:
+    """A request with one question of each type; `i` varies the state and the schema."""
+    return {
+        "model": model,
+        "state": {"ticket": f"Customer {i} says: I was charged {i + 1} times for order {1000 + i}.",
+                  "amount": 12.5 * (i + 1), "tags": ["billing"] * (i % 3)},
+        "questions": {
+            "billing": {"type": "noul", "instructions": f"Is ticket {i} about billing?"},
+            "tone": {"type": "choice", "instructions": {"ask": "What is the tone?", "variant": i},
+                     "criteria": {t: (None if t == "calm" else f"The customer sounds {t}.") for t in TONES}},
+            "urgency": {"type": "score", "instructions": "How urgent is it?",
+                        "criteria": ["can wait", {"level": "this week"}, "today", "now"][: 2 + i % 3]},
+        },
+        "some_future_field": {"ignored": True},  # unknown top-level fields are ignored
+    }
+
+
+def check_answers(request: dict, response: dict) -> None:
+    """What a client relies on: every question answered with finite, normalised, self-consistent numbers."""
+    assert response["model"] == request["model"]
+    assert list(response["answers"]) == list(request["questions"])
+    json.dumps(response, allow_nan=False)  # every number finite
+    for qid, question in request["questions"].items():
+        answer = response["answers"][qid]
+        assert answer["type"] == question["type"]
+        if question["type"] == "noul":
+            assert 0.0 <= answer["noul"] <= 1.0
+            continue
+        probabilities = answer["probabilities"]
+        assert all(0.0 <= p <= 1.0 for p in probabilities.values())
+        assert abs(sum(probabilities.values()) - 1.0) <= 5e-5 * len(probabilities) + 1e-9  # 4-decimal rounding
+        if question["type"] == "choice":
+            assert list(probabilities) == list(question["criteria"])
+            assert probabilities[answer["choice"]] == max(probabilities.values())
+            assert answer["confidence"] == probabilities[answer["choice"]]
+        else:
+            levels = [str(i) for i in range(len(question["criteria"]))]
+            assert list(probabilities) == levels
+            assert list(answer["legend"]) == levels
+            assert list(answer["legend"].values()) == question["criteria"]
+            expectation = sum(i * probabilities[level] for i, level in enumerate(levels))
+            assert abs(answer["score"] - expectation) <= 5e-5 * sum(range(len(levels))) + 1e-4
+            assert 0 <= answer["score"] <= len(levels) - 1
+    assert isinstance(response["usage"]["input_tokens"], int) and response["usage"]["input_tokens"] > 0
+    assert response["usage"]["output_tokens"] == 0
+    assert response["x_latency_ms"] > 0
+    assert response["x_token_counts"]["total"] == response["usage"]["input_tokens"]
+    assert response["x_truncated_state_tokens"] == 0
+
+
+def same_answers(a: dict, b: dict, tolerance: float = 2e-4) -> None:
+    """Answers equal up to batch-vs-single float noise plus one unit of 4-decimal rounding."""
+    assert a.keys() == b.keys()
+    for qid, x in a.items():
+        y = b[qid]
+        if x["type"] == "noul":
+            assert abs(x["noul"] - y["noul"]) <= tolerance, qid
+            continue
+        assert x["probabilities"].keys() == y["probabilities"].keys()
+        for option in x["probabilities"]:
+            assert abs(x["probabilities"][option] - y["probabilities"][option]) <= tolerance, (qid, option)
+        top = sorted(x["probabilities"].values(), reverse=True)
+        if top[0] - top[1] > 2 * tolerance:  # a near tie may legitimately flip
+            assert x.get("choice") == y.get("choice")
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Prometheus text → {'name{labels}': value}."""
+    samples = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            samples[name] = float(value)
+    return samples
+
+
+def metric(samples: dict[str, float], key: str) -> float:
+    return samples.get(key, 0.0)
+
+
+# --- the official SDK ------------------------------------------------------------------------------------------
+
+
+def test_typesafe_sdk_parses_noul_choice_and_score(server: ServerProcess) -> None:
+    from typesafe_sdk import Choice, Noul, RetryPolicy, Score, TypeSafeClient
+
+    with TypeSafeClient(api_key="any-key-auth-is-off", base_url=server.url, compression=False, timeout=120,
+                        retry=RetryPolicy(max_retries=0)) as sdk:
+        result = sdk.system_one(
+            state="I was charged twice for my order. Please help!",
+            questions={
+                "billing": Noul(instructions="Is this about billing?"),
+                "tone": Choice(instructions="What is the tone?", criteria={"calm": None, "angry": "upset, hostile"}),
+                "urgency": Score(instructions="How urgent?", criteria=["can wait", "this week", "today"]),
+            },
+        )
+        assert result.model == "jev-latest"  # the SDK's default model name, echoed
+        assert 0.0 <= result.nouls["billing"].noul <= 1.0
+        tone = result.choices["tone"]
+        assert tone.choice in {"calm", "angry"}
+        assert tone.probabilities[tone.choice] == max(tone.probabilities.values())
+        assert abs(sum(tone.probabilities.values()) - 1) <= 1e-4
+        urgency = result.scores["urgency"]
+        assert set(urgency.probabilities) == {0, 1, 2}
+        assert urgency.legend == {0: "can wait", 1: "this week", 2: "today"}
+        assert abs(urgency.score - sum(k * p for k, p in urgency.probabilities.items())) <= 2e-4
+        assert result.usage.input_tokens > 0
+        assert result.raw_http_response.json()["x_token_counts"]["total"] == result.usage.input_tokens
+
+        models = sdk.models.list()
+        names = [m.name for m in models.models]
+        assert "jev-latest" in names and len(names) == 2
+        assert all(re.fullmatch(r"\d{4}-\d{2}-\d{2}", m.release_date) for m in models.models)
+
+
+def test_typesafe_sdk_zstd_bodies_and_image_assets(server: ServerProcess) -> None:
+    from PIL import Image as PILImage
+    from typesafe_sdk import (
+        Image,
+        Noul,
+        RetryPolicy,
+        TypeSafeClient,
+        TypeSafeUnprocessableEntityError,
+    )
+
+    long_state = {"notes": ["The parcel arrived with a dented corner and a torn label."] * 40}
+    with TypeSafeClient(api_key="k", base_url=server.url, compression="zstd", timeout=120,
+                        retry=RetryPolicy(max_retries=0)) as sdk:
+        # Over 1 KiB, so the SDK compresses the body with zstd.
+        result = sdk.system_one(state=long_state, questions={"damaged": Noul(instructions="Is it damaged?")},
+                                model="clef-anything")
+        assert result.model == "clef-anything"
+        plain_tokens = result.usage.input_tokens
+
+        buffer = io.BytesIO()
+        PILImage.new("RGB", (64, 64), (200, 30, 30)).save(buffer, format="PNG")
+        photo = Image(buffer.getvalue())
+        with sdk.attach_assets(photo):  # sent as multipart/form-data with the JSON in a 'request' part
+            with_image = sdk.system_one(state={**long_state, "photo": str(photo)},
+                                        questions={"damaged": Noul(instructions="Is it damaged?")})
+        counts = with_image.raw_http_response.json()["x_token_counts"]
+        assert counts["media"] > 0
+        assert with_image.usage.input_tokens > plain_tokens
+
+        with pytest.raises(TypeSafeUnprocessableEntityError) as error:
+            sdk.system_one(state="x", questions={"bad id!": Noul(instructions="?")})
+        assert "bad id!" in str(error.value)
+
+
+# --- concurrency and batching ----------------------------------------------------------------------------------
+
+
+def test_32_concurrent_clients_get_their_own_answers_batched(server: ServerProcess, client: httpx.Client) -> None:
+    requests = [make_request(i) for i in range(32)]
+    singles = []
+    for request in requests:
+        response = client.post("/v1/systemone", json=request)
+        assert response.status_code == 200, response.text
+        check_answers(request, response.json())
+        singles.append(response.json())
+    before = parse_metrics(client.get("/metrics").text)
+
+    barrier = threading.Barrier(len(requests))
+
+    def one_client(i: int) -> dict:
+        with httpx.Client(base_url=server.url, timeout=300) as own:  # one connection per client
+            barrier.wait()
+            response = own.post("/v1/systemone", json=requests[i])
+        assert response.status_code == 200, response.text
+        return response.json()
+
+    with ThreadPoolExecutor(len(requests)) as pool:
+        together = list(pool.map(one_client, range(len(requests))))
+    for request, single, concurrent in zip(requests, singles, together, strict=True):
+        check_answers(request, concurrent)
+        same_answers(single["answers"], concurrent["answers"])
+        assert concurrent["usage"] == single["usage"]
+
+    after = parse_metrics(client.get("/metrics").text)
+    assert metric(after, 'clef_api_requests_total{path="/v1/systemone",status="200"}') - metric(
+        before, 'clef_api_requests_total{path="/v1/systemone",status="200"}') == 32
+    assert metric(after, "clef_api_requests_in_flight_max") > 1
+    # The engine's scheduler put them into fewer batches than requests: several clients shared a forward pass.
+    records = metric(after, "clef_engine_batch_records_total") - metric(before, "clef_engine_batch_records_total")
+    batches = metric(after, "clef_engine_batches_total") - metric(before, "clef_engine_batches_total")
+    assert records == 32
+    assert 1 <= batches < 32, f"32 records took {batches} batches"
+    assert after["clef_engine_batch_records_max"] > 1
+
+
+# --- the wire contract -----------------------------------------------------------------------------------------
+
+
+def test_wire_contract_state_shapes_structured_text_and_images(client: httpx.Client) -> None:
+    for state in ["plain text", {"nested": {"a": [1, 2, {"b": None}]}, "ünï": "cödé"}, [1, "two", {"three": 3}]]:
+        request = make_request(1) | {"state": state}
+        response = client.post("/v1/systemone", json=request)
+        assert response.status_code == 200, response.text
+        check_answers(request, response.json())
+
+    buffer = io.BytesIO()
+    from PIL import Image as PILImage
+
+    PILImage.new("RGB", (48, 32), (10, 200, 10)).save(buffer, format="PNG")
+    png = base64.b64encode(buffer.getvalue()).decode()
+    request = make_request(2) | {"images": [f"data:image/png;base64,{png}", {"content_type": "image/png",
+                                                                             "base64": png}]}
+    response = client.post("/v1/systemone", json=request)
+    assert response.status_code == 200, response.text
+    check_answers(request, response.json())
+    assert response.json()["x_token_counts"]["media"] > 0
+
+
+def test_errors_are_422_with_locations(client: httpx.Client) -> None:
+    response = client.post("/v1/systemone", content=b'{"state": "x", "questions": ', headers={
+        "content-type": "application/json"})
+    assert response.status_code == 422
+    [problem] = response.json()["detail"]
+    assert problem["type"] == "json_invalid" and problem["loc"][0] == "body" and "line 1" in problem["msg"]
+
+    for body in (b"[1, 2]", b'"text"', b"null", b"3"):
+        response = client.post("/v1/systemone", content=body)
+        assert response.status_code == 422, body
+        assert "JSON object" in response.json()["detail"][0]["msg"]
+
+    response = client.post("/v1/systemone", content=b'{"state": NaN, "questions": {}}')
+    assert response.status_code == 422
+
+    bad = make_request(0)
+    bad["questions"]["tone"]["criteria"] = {"only_one": None}
+    bad["questions"]["urgency"]["criteria"] = "not a list"
+    response = client.post("/v1/systemone", json=bad)
+    assert response.status_code == 422
+    locations = [problem["loc"] for problem in response.json()["detail"]]
+    assert ["body", "questions", "tone", "criteria"] in locations
+    assert ["body", "questions", "urgency", "criteria"] in locations
+    assert all({"loc", "msg", "type"} <= problem.keys() for problem in response.json()["detail"])
+
+    response = client.post("/v1/systemone", json={"model": 5, "state": "x", "questions": {}})
+    assert response.status_code == 422
+    response = client.post("/v1/systemone", json=make_request(0) | {"x_overflow": "silently"})
+    assert response.status_code == 422 and response.json()["detail"][0]["loc"] == ["body", "x_overflow"]
+
+
+def test_token_budget_refuses_unless_truncation_is_asked_for(client: httpx.Client) -> None:
+    request = make_request(3) | {"state": "The customer wrote a very long message about billing. " * 60}
+    counts = client.post("/v1/systemone", json=request).json()["x_token_counts"]
+    budget = counts["total"] - counts["state"] + 10  # room for 10 state tokens only
+
+    refused = client.post("/v1/systemone", json=request | {"x_max_length": budget})
+    assert refused.status_code == 413
+    detail = refused.json()["detail"]
+    assert detail["error_type"] == "token_budget_exceeded"
+    assert detail["over_by"] == counts["state"] - 10 and detail["max_length"] == budget
+
+    truncated = client.post("/v1/systemone", json=request | {"x_max_length": budget, "x_overflow": "truncate_state"})
+    assert truncated.status_code == 200, truncated.text
+    body = truncated.json()
+    assert body["x_truncated_state_tokens"] == counts["state"] - 10
+    assert body["usage"]["input_tokens"] == budget
+
+
+def test_body_size_limit_and_compression(auth_server: ServerProcess) -> None:
+    headers = {"authorization": f"Bearer {API_KEY}".encode()}
+    with httpx.Client(base_url=auth_server.url, timeout=120, headers=headers) as http:
+        big = json.dumps(make_request(0) | {"padding": "x" * (2 * 2**20)}).encode()
+        response = http.post("/v1/systemone", content=big)
+        assert response.status_code == 413 and response.json()["detail"]["error_type"] == "request_too_large"
+
+        bomb = gzip.compress(b" " * (8 * 2**20))  # small on the wire, 8 MiB unpacked: over the 1 MiB limit
+        response = http.post("/v1/systemone", content=bomb, headers={"content-encoding": "gzip"})
+        assert response.status_code == 413
+
+        small = gzip.compress(json.dumps(make_request(4)).encode())
+        response = http.post("/v1/systemone", content=small, headers={"content-encoding": "gzip"})
+        assert response.status_code == 200, response.text
+        check_answers(make_request(4), response.json())
+
+        response = http.post("/v1/systemone", content=b"junk", headers={"content-encoding": "br"})
+        assert response.status_code == 415
+        response = http.post("/v1/systemone", content=b"junk", headers={"content-encoding": "gzip"})
+        assert response.status_code == 422
+    assert auth_server.alive()
+
+
+# --- authentication --------------------------------------------------------------------------------------------
+
+
+def test_auth_on(auth_server: ServerProcess) -> None:
+    from typesafe_sdk import RetryPolicy, TypeSafeClient, TypeSafePermissionDeniedError
+
+    url = f"{auth_server.url}/v1/systemone"
+    missing = httpx.post(url, json=make_request(0), timeout=60)
+    assert missing.status_code == 401
+    assert missing.json()["detail"]["error_type"] == "authentication_error"
+    for header in ("Bearer wrong", f"Bearer {API_KEY}x", "Bearer", "Token abc", f"Basic {API_KEY}"):
+        response = httpx.post(url, json=make_request(0), headers={"authorization": header.encode()}, timeout=60)
+        assert response.status_code in (401, 403), header
+        assert response.json()["detail"]["error_type"] == "authentication_error"
+    wrong = httpx.post(url, json=make_request(0), headers={"authorization": "Bearer wrong"}, timeout=60)
+    assert wrong.status_code == 403
+    assert httpx.get(f"{auth_server.url}/v1/models", timeout=60).status_code == 401
+    assert httpx.get(f"{auth_server.url}/metrics", timeout=60).status_code == 401
+    assert httpx.get(f"{auth_server.url}/health", timeout=60).status_code == 200  # probes need no key
+
+    good = httpx.post(url, json=make_request(0), headers={"authorization": f"Bearer {API_KEY}".encode()},
+                      timeout=120)
+    assert good.status_code == 200, good.text
+    check_answers(make_request(0), good.json())
+
+    with TypeSafeClient(api_key="not-the-key", base_url=auth_server.url, compression=False,
+                        retry=RetryPolicy(max_retries=0), timeout=60) as sdk, \
+            pytest.raises(TypeSafePermissionDeniedError):
+        sdk.models.list()
+
+
+def test_auth_off_ignores_authorization_header(client: httpx.Client) -> None:
+    response = client.post("/v1/systemone", json=make_request(5), headers={"authorization": "Bearer whatever"})
+    assert response.status_code == 200
+    check_answers(make_request(5), response.json())
+
+
+# --- health and metrics ----------------------------------------------------------------------------------------
+
+
+def test_health_and_models(client: httpx.Client, tiny_release: Path) -> None:
+    health = client.get("/health")
+    assert health.status_code == 200
+    body = health.json()
+    assert body["ready"] is True and body["device"] == "cpu" and body["model"]
+    assert "revision" in body
+    models = client.get("/v1/models").json()["models"]
+    assert [m["name"] for m in models][1] == "jev-latest"
+    assert client.get("/nope").status_code == 404
+    assert client.get("/v1/systemone").status_code == 405
+
+
+def test_metrics_count_what_happened(server: ServerProcess, client: httpx.Client) -> None:
+    before = parse_metrics(client.get("/metrics").text)
+    tokens = 0
+    for i in range(3):
+        response = client.post("/v1/systemone", json=make_request(i))
+        assert response.status_code == 200
+        tokens += response.json()["usage"]["input_tokens"]
+    for _ in range(2):
+        assert client.post("/v1/systemone", content=b"{").status_code == 422
+    text = client.get("/metrics").text
+    after = parse_metrics(text)
+
+    def delta(key: str) -> float:
+        return metric(after, key) - metric(before, key)
+
+    assert delta('clef_api_requests_total{path="/v1/systemone",status="200"}') == 3
+    assert delta('clef_api_requests_total{path="/v1/systemone",status="422"}') == 2
+    assert delta("clef_api_request_duration_seconds_count") == 5
+    assert delta('clef_api_request_duration_seconds_bucket{le="+Inf"}') == 5
+    assert delta("clef_api_request_duration_seconds_sum") > 0
+    assert delta("clef_api_input_tokens_total") == tokens
+    assert delta("clef_api_decisions_total") == 9
+    assert delta('clef_api_requests_total{path="/metrics",status="200"}') == 1
+    assert after["clef_engine_ready"] == 1
+    assert after["clef_engine_queue_depth"] == 0
+    assert any(k.startswith("clef_engine_memory_bytes{") for k in after), text
+    # The exposition is well formed: every sample's metric family has a TYPE line.
+    families = set(re.findall(r"^# TYPE (\S+) ", text, re.MULTILINE))
+    for key in after:
+        name = key.split("{")[0]
+        assert any(name == f or name.startswith(f + "_") for f in families), name
+
+
+# --- fuzzing: no input gets a 5xx or kills the server ----------------------------------------------------------
+
+json_scalars = st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats(allow_nan=False,
+                                                                                    allow_infinity=False) | st.text(
+    max_size=30)
+json_values = st.recursive(json_scalars, lambda children: st.lists(children, max_size=4) | st.dictionaries(
+    st.text(max_size=12), children, max_size=4), max_leaves=12)
+question_like = st.fixed_dictionaries({}, optional={
+    "type": st.sampled_from(["noul", "choice", "score", "box", "", "NOUL"]) | json_values,
+    "instructions": json_values,
+    "criteria": json_values | st.dictionaries(st.text(max_size=8), json_values | st.none(), max_size=5)
+    | st.lists(json_values, max_size=12),
+})
+image_like = st.sampled_from(["data:image/png;base64,AAAA", "data:image/gif;base64,R0lGODlh", "data:,", "http://x",
+                              "data:image/png;base64,!!!"]) | st.fixed_dictionaries(
+    {}, optional={"content_type": st.sampled_from(["image/png", "image/jpeg", "text/plain"]) | json_values,
+                  "base64": st.text(max_size=20) | json_values}) | json_values
+request_like = st.fixed_dictionaries({}, optional={
+    "model": json_values,
+    "state": json_values,
+    "questions": st.dictionaries(st.text(max_size=110) | st.sampled_from(["q", "a.b-c_1", "x" * 101]),
+                                 question_like, max_size=4) | json_values,
+    "images": st.lists(image_like, max_size=6) | json_values,
+    "videos": st.lists(image_like, max_size=2) | json_values,
+    "x_overflow": st.sampled_from(["refuse", "truncate_state", "drop"]) | json_values,
+    "x_max_length": st.integers(-5, 40) | json_values,
+    "assets": json_values | st.dictionaries(st.text(max_size=8), st.fixed_dictionaries(
+        {}, optional={"type": json_values, "data_base64": st.text(max_size=12), "part": json_values}), max_size=2),
+})
+raw_bodies = (
+    st.binary(max_size=300)
+    | json_values.map(lambda v: json.dumps(v).encode())
+    | request_like.map(lambda v: json.dumps(v).encode())
+    | st.integers(1, 3000).map(lambda depth: b"[" * depth + b"]" * depth)
+    | st.integers(1, 3000).map(lambda depth: b'{"state":' + b"[" * depth + b"]" * depth + b', "questions": {}}')
+    | st.sampled_from([b'{"state": Infinity}', b'{"a": 1e999}', b"\xff\xfe{}", b'{"state": "\\ud800"}'])
+)
+content_types = st.sampled_from(["application/json", "text/plain", "multipart/form-data; boundary=xyz",
+                                 "multipart/form-data", "application/x-www-form-urlencoded", ""])
+encodings = st.sampled_from([None, None, None, "gzip", "zstd", "deflate"])
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+@given(body=raw_bodies, content_type=content_types, encoding=encodings)
+def test_fuzzed_bodies_never_get_a_5xx(server: ServerProcess, client: httpx.Client, body: bytes,
+                                       content_type: str, encoding: str | None) -> None:
+    headers = {"content-type": content_type} if content_type else {}
+    if encoding:
+        headers["content-encoding"] = encoding
+    response = client.post("/v1/systemone", content=body, headers=headers)
+    assert response.status_code in (200, 413, 415, 422), (response.status_code, response.text[:500])
+    if response.status_code == 200:
+        json.dumps(response.json(), allow_nan=False)
+    else:
+        assert "detail" in response.json()
+
+
+def test_server_survives_fuzzing(server: ServerProcess, client: httpx.Client) -> None:
+    # Runs after the fuzz test (file order): the same process is still up and answering correctly.
+    assert server.alive()
+    assert client.get("/health").json()["ready"] is True
+    response = client.post("/v1/systemone", json=make_request(7))
+    assert response.status_code == 200
+    check_answers(make_request(7), response.json())
+    assert not re.search(r"Traceback", server.log()), server.log()
+
+
+def test_serve_refuses_missing_api_key_env(tiny_release: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "CLEF_NO_SUCH_KEY"}
+    result = subprocess.run([sys.executable, "-m", "clef_engine", "serve", "--model", str(tiny_release),
+                             "--device", "cpu", "--api-key-env", "CLEF_NO_SUCH_KEY"], cwd=REPO, env=env, check=False,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0
+    assert "CLEF_NO_SUCH_KEY" in result.stderr
