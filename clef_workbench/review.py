@@ -70,7 +70,7 @@ def _reasons(row: Any, rules: ReviewRules, unknown_ids: set[str]) -> list[str]:
         reasons.append(f"confidence {row.confidence:.3f} < {rules.confidence_below:g}")
     if rules.unknown_option and row.predicted in unknown_ids:
         reasons.append(f"chose unknown-type option {row.predicted!r}")
-    if rules.disagree_with_expected and row.expected is not None and row.predicted != row.expected:
+    if rules.disagree_with_expected and isinstance(row.expected, str) and row.predicted != row.expected:
         reasons.append(f"answered {row.predicted!r}, expected {row.expected!r}")
     return reasons
 

@@ -103,7 +103,10 @@ def answer_frame(results: list[dict], schema: dict) -> pd.DataFrame:
             )
     columns = ["case_id", "position", "question_id", "question_type", "predicted", "confidence", "margin",
                "distribution", "expected", "correct", "score", "expected_level", "latency_ms", "input_tokens"]
-    return pd.DataFrame(rows, columns=columns)
+    frame = pd.DataFrame(rows, columns=columns)
+    # pandas turns None into NaN in some column mixes; keep "no expected answer" as None for every consumer
+    frame["expected"] = frame["expected"].astype(object).where(frame["expected"].notna(), None)
+    return frame
 
 
 def _results_frame(results: list[dict]) -> pd.DataFrame:

@@ -1,0 +1,135 @@
+"""Background batch runs on the real tiny engine and a real SQLite file: results as they arrive, per-case errors,
+cancel and resume, and resuming after the process running the job is killed (SIGKILL) mid-run."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from clef_workbench.jobs import JobAlreadyRunningError, JobRunner
+from clef_workbench.store import Store
+
+ROOT = Path(__file__).resolve().parent.parent
+PNG = b"\x89PNG\r\n\x1a\n" + b"\x00" * 16
+SMALL_SCHEMA = {"name": "small", "version": "1", "questions": {
+    "urgent": {"type": "noul", "instructions": "Is it urgent?"},
+    "team": {"type": "choice", "instructions": "Which team?", "criteria": {"billing": None, "tech": None}},
+}}
+# The shipped support-ticket schema makes each record ~1,500 tokens: slow enough on the CPU to kill mid-run.
+TICKET_SCHEMA = json.loads((ROOT / "schemas" / "support-ticket-routing.json").read_text())
+
+
+def wait_for(predicate, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def test_run_writes_every_result_and_records_bad_cases_as_errors(tmp_path, tiny_engine):
+    store = Store(tmp_path / "w.db")
+    set_id = store.create_case_set("mixed")
+    good = store.add_cases(set_id, [{"state": f"ticket {i}: my invoice is wrong"} for i in range(5)])
+    too_many_images = store.add_case(set_id, state="five photos", images=[PNG] * 5)
+    too_long = store.add_case(set_id, state="word " * 400)  # over max_length=400 with overflow refuse
+    run_id = store.create_run(set_id, schema=SMALL_SCHEMA, model_id="demo",
+                              settings={"chunk_size": 4, "max_length": 400, "overflow": "refuse"})
+    runner = JobRunner(store)
+    runner.start(run_id, tiny_engine)
+    assert runner.wait(run_id, timeout=120)
+
+    run = store.get_run(run_id)
+    assert (run["status"], run["total"], run["done"], run["errors"]) == ("finished", 7, 7, 2)
+    results = {r["case_id"]: r for r in store.list_results(run_id)}
+    assert "images" in results[too_many_images]["error"] and "RequestError" in results[too_many_images]["error"]
+    assert results[too_long]["error"].startswith("TokenBudgetError")
+    for case_id in good:
+        response = results[case_id]["response"]
+        assert set(response["answers"]) == {"urgent", "team"}
+        assert results[case_id]["latency_ms"] > 0 and results[case_id]["input_tokens"] > 0
+        assert results[case_id]["token_counts"]["total"] == results[case_id]["input_tokens"]
+    assert runner.progress(run_id)["remaining"] == 0
+
+
+def test_cancel_then_resume_finishes_without_redoing_cases(tmp_path, tiny_engine):
+    store = Store(tmp_path / "w.db")
+    set_id = store.create_case_set("tickets")
+    store.add_cases(set_id, [{"state": example["state"]} for example in TICKET_SCHEMA["examples"]] * 2)
+    run_id = store.create_run(set_id, schema=TICKET_SCHEMA, model_id="demo", settings={"chunk_size": 2})
+    runner = JobRunner(store)
+    runner.start(run_id, tiny_engine)
+    with pytest.raises(JobAlreadyRunningError):
+        runner.start(run_id, tiny_engine)
+    progress = wait_for(lambda: (p := runner.progress(run_id))["done"] >= 2 and p, 120, "the first chunk")
+    assert progress["live"] and progress["rate_per_s"] > 0 and progress["eta_s"] > 0
+    assert runner.cancel(run_id)
+    assert runner.wait(run_id, timeout=120)
+    run = store.get_run(run_id)
+    assert run["status"] == "cancelled" and 2 <= run["done"] < run["total"]
+    first_results = {r["case_id"]: r["finished_at"] for r in store.list_results(run_id)}
+
+    runner.start(run_id, tiny_engine)
+    assert runner.wait(run_id, timeout=120)
+    run = store.get_run(run_id)
+    assert run["status"] == "finished" and run["done"] == run["total"] == 10
+    after = {r["case_id"]: r["finished_at"] for r in store.list_results(run_id)}
+    assert all(after[case_id] == stamp for case_id, stamp in first_results.items())  # not redone
+
+
+CHILD = """
+import sys, clef_engine
+from clef_workbench.store import Store
+from clef_workbench.jobs import JobRunner
+store = Store(sys.argv[1])
+runner = JobRunner(store)
+runner.start(int(sys.argv[2]), clef_engine.load(sys.argv[3], device="cpu", dtype="float32"))
+runner.wait(int(sys.argv[2]))
+"""
+
+
+def test_resume_after_the_running_process_is_killed(tmp_path, tiny_release, tiny_engine):
+    db = tmp_path / "w.db"
+    store = Store(db)
+    set_id = store.create_case_set("tickets")
+    case_ids = store.add_cases(set_id, [{"state": example["state"]} for example in TICKET_SCHEMA["examples"]] * 3)
+    run_id = store.create_run(set_id, schema=TICKET_SCHEMA, model_id="demo", settings={"chunk_size": 2})
+    child = subprocess.Popen([sys.executable, "-c", CHILD, str(db), str(run_id), str(tiny_release)], cwd=ROOT,
+                             env={**os.environ, "PYTHONPATH": str(ROOT)}, stderr=subprocess.PIPE)
+    try:
+        wait_for(lambda: store.get_run(run_id)["done"] >= 2 or child.poll() is not None, 180, "first results")
+        assert child.poll() is None, child.stderr.read().decode()[-2000:]
+        child.send_signal(signal.SIGKILL)  # no clean-up code runs: like a crash or a power cut
+        child.wait(timeout=30)
+    finally:
+        if child.poll() is None:
+            child.kill()
+    child.stderr.close()
+
+    run = store.get_run(run_id)
+    killed_at = run["done"]
+    assert run["status"] == "running" and 2 <= killed_at < len(case_ids)
+    before = {r["case_id"]: (r["id"], r["finished_at"], json.dumps(r["response"])) for r in store.list_results(run_id)}
+
+    runner = JobRunner(store)  # a fresh process-wide runner, as after a restart
+    assert runner.progress(run_id)["interrupted"]
+    runner.start(run_id, tiny_engine)
+    assert runner.wait(run_id, timeout=180)
+
+    results = store.list_results(run_id)
+    assert store.get_run(run_id)["status"] == "finished"
+    assert sorted(r["case_id"] for r in results) == sorted(case_ids)  # none lost, none duplicated
+    assert all(r["response"] and not r["error"] for r in results)
+    for r in results:
+        if r["case_id"] in before:  # finished before the kill: kept exactly as written, not redone
+            assert (r["id"], r["finished_at"], json.dumps(r["response"])) == before[r["case_id"]]
+    assert len(results) - len(before) == len(case_ids) - killed_at
