@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Create .venv (Python 3.11+) and install the project's packages. Idempotent: a second run installs nothing new.
+# Usage: bash scripts/setup.sh [--test]   (--test adds test tools and Debian's chromium for the browser tests)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+python3 -c 'import sys; assert sys.version_info >= (3, 11), "Python 3.11+ is required"'
+[ -x .venv/bin/python ] || python3 -m venv .venv
+requirements=requirements.txt
+[ "${1:-}" = "--test" ] && requirements=requirements-test.txt
+stamp=".venv/.installed-$(cat requirements.txt "$requirements" | sha256sum | cut -c1-16)"
+if [ ! -f "$stamp" ]; then
+  .venv/bin/python -m pip install -q --upgrade pip
+  .venv/bin/python -m pip install -q -r "$requirements"
+  touch "$stamp"
+fi
+if [ "${1:-}" = "--test" ] && [ ! -x /usr/bin/chromium ]; then
+  # The browser tests drive Debian's chromium with Playwright (never a browser download).
+  SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
+  $SUDO apt-get update -q && DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -q chromium
+fi
