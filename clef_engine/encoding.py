@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -96,6 +97,9 @@ class Encoder:
     def __init__(self, processor):
         self.processor = processor
         self.tokenizer = processor.tokenizer
+        # HF tokenizer wrappers reconfigure the Rust tokenizer on each call; concurrent calls can collide
+        # ("Already borrowed"), so callers from many threads take turns. Tokenizing is cheap next to the GPU.
+        self._lock = threading.Lock()
         self.prefix_ids = self.tokenize(PREFIX)
         self.suffix_ids = self.tokenize(SUFFIX)
         self.pad_token_id = self.tokenizer.pad_token_id
@@ -103,10 +107,12 @@ class Encoder:
             self.pad_token_id = self.tokenizer.convert_tokens_to_ids("<|endoftext|>")
 
     def tokenize(self, text: str) -> list[int]:
-        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        with self._lock:
+            return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
     def tokenize_many(self, texts: list[str]) -> list[list[int]]:
-        return self.tokenizer(texts, add_special_tokens=False)["input_ids"]
+        with self._lock:
+            return self.tokenizer(texts, add_special_tokens=False)["input_ids"]
 
     def video_sample_indices(self, total_frames: int, fps: float) -> list[int]:
         from transformers.video_utils import VideoMetadata
@@ -146,7 +152,8 @@ class Encoder:
             ]
             kwargs["do_sample_frames"] = False  # frames are already the processor's own sample (see media.py)
             kwargs["cap_pixels_per_frame"] = False  # transformers' current default, stated to silence its warning
-        outputs = self.processor(text=[text], return_tensors="pt", add_special_tokens=False, **kwargs)
+        with self._lock:
+            outputs = self.processor(text=[text], return_tensors="pt", add_special_tokens=False, **kwargs)
         ids = outputs["input_ids"][0].tolist()
         tensors = {k: outputs[k] for k in ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")
                    if k in outputs}
@@ -225,6 +232,5 @@ def _digest(tensors: dict[str, torch.Tensor]) -> str:
         tensor = tensors[name].contiguous().cpu()
         hasher.update(name.encode())
         hasher.update(str(tuple(tensor.shape)).encode())
-        hasher.update(tensor.view(torch.uint8).numpy().tobytes() if tensor.dtype != torch.uint8
-                      else tensor.numpy().tobytes())
+        hasher.update(tensor.numpy().tobytes())
     return hasher.hexdigest()
