@@ -470,6 +470,36 @@ def row_to_question(row: dict[str, Any]) -> dict[str, Any]:
     return question
 
 
+def options_to_text(options: Iterable[dict[str, Any]]) -> str:
+    """Choice options as editor text: one option per line, `id: description` (or just `id`)."""
+    lines = []
+    for option in options:
+        description = (option.get("description") or "").strip()
+        lines.append(f"{option['id']}: {description}" if description else str(option["id"]))
+    return "\n".join(lines)
+
+
+def text_to_options(text: str) -> list[dict[str, str]]:
+    """Editor text back to options. Each non-blank line is `id: description` or `id`; the id ends at the first
+    colon, so ids typed in the builder cannot contain one (schema files can)."""
+    options = []
+    for line in text.splitlines():
+        if not line.strip():
+            continue
+        option_id, _, description = line.partition(":")
+        options.append({"id": option_id.strip(), "description": description.strip()})
+    return options
+
+
+def levels_to_text(levels: Iterable[str]) -> str:
+    """Score levels as editor text: one per line, lowest first."""
+    return "\n".join(str(level) for level in levels)
+
+
+def text_to_levels(text: str) -> list[str]:
+    return [line.strip() for line in text.splitlines() if line.strip()]
+
+
 def rows_to_questions(rows: Iterable[dict[str, Any]]) -> tuple[dict[str, Any], list[SchemaProblem]]:
     """Rows as a questions map, plus errors the map alone could not show (duplicate ids, options dropped).
 

@@ -275,3 +275,12 @@ def redact_media(request: dict[str, Any], images: Sequence[Media] = (), videos: 
             label = f"{items[i].name}, {items[i].size_bytes:,} bytes" if i < len(items) else f"{len(url):,} chars"
             shown[key].append(url if len(url) <= keep_chars else f"{url[:keep_chars]}… [{label}]")
     return shown
+
+
+def sampled_video_frames(engine: Any, video: Media) -> Any:
+    """The frames of a video that the engine's video processor samples (what the model sees), as a
+    clef_engine.media.Video: frames T×H×W×3 uint8, fps, source frame indices, source frame count.
+    Raises MediaError (the engine's) when the video cannot be decoded."""
+    from clef_engine import media as engine_media
+
+    return engine_media.load_video(video.data, engine.encoder.video_sample_indices)

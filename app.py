@@ -1,0 +1,33 @@
+"""Clef Workbench: `streamlit run app.py`. The shell: navigation over pages/, the sidebar model selector and status.
+
+Pages that are not there yet (other parts of the workbench) are simply not listed.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import streamlit as st
+
+from ui_common import render_sidebar
+
+PAGES_DIR = Path(__file__).resolve().parent / "pages"
+# (file, title, icon); the first existing one is the default page.
+PAGE_SPECS = [
+    ("decide.py", "Decide", ":material/psychology:"),
+    ("schemas.py", "Schemas", ":material/schema:"),
+    ("cases.py", "Case sets", ":material/dataset:"),
+    ("runs.py", "Runs", ":material/speed:"),
+    ("review.py", "Review", ":material/fact_check:"),
+]
+
+st.set_page_config(page_title="Clef Workbench", page_icon=":material/psychology:", layout="wide")
+
+pages = [st.Page(PAGES_DIR / name, title=title, icon=icon, default=(i == 0))
+         for i, (name, title, icon) in enumerate(spec for spec in PAGE_SPECS if (PAGES_DIR / spec[0]).is_file())]
+navigation = st.navigation(pages)
+try:
+    navigation.run()
+finally:
+    # After the page: the page has waited for a model load to finish, and the status shows its runs' effects.
+    render_sidebar()

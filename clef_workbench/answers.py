@@ -1,0 +1,227 @@
+"""Turn a System One response into what the Decide page shows: per-option tables, margins, charts, labels.
+
+Confidence conventions (the spec notes servers differ): for choice and score we show the response's own
+`confidence` (the release code's P(choice) / max p). Noul answers carry none; we derive max(p, 1 − p), i.e. the
+probability of the more likely side, so all three types read the same way.
+Margin is top1 − top2 over the question's option probabilities (for noul |2p − 1|).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import altair as alt
+import pandas as pd
+
+NOUL_DEFAULT_DESCRIPTIONS = {
+    "true": "The proposition is true or the answer is yes.",
+    "false": "The proposition is false or the answer is no.",
+}
+CHOSEN_COLOR = "#f38020"  # highlighted bar
+OTHER_COLOR = "#9aa5b1"
+BUDGET_PARTS = ("prefix", "media", "state", "schema", "suffix")
+BUDGET_COLORS = ("#9aa5b1", "#8e6bd8", "#2f80ed", "#27ae60", "#cbd2d9")
+
+
+@dataclass(frozen=True)
+class AnswerSummary:
+    """The numbers on one question's card."""
+
+    question_id: str
+    type: str
+    top_option: str  # "true"/"false", a choice id, or a score level "0".."n-1"
+    top_probability: float
+    confidence: float
+    margin: float
+    score: float | None  # expected level Σ i·p_i, score questions only
+    label: str | bool | int  # the answer as an expected label: bool (noul), option id (choice), level int (score)
+
+
+def option_table(question: dict[str, Any], answer: dict[str, Any]) -> pd.DataFrame:
+    """One row per option, in the order the author wrote them: option, label (for axes), description, probability,
+    chosen. For score questions the chosen level is the most probable one."""
+    qtype = answer.get("type", question.get("type"))
+    criteria = question.get("criteria")
+    rows: list[dict[str, Any]] = []
+    if qtype == "noul":
+        p_true = float(answer["noul"])
+        sides = criteria if isinstance(criteria, dict) else {}
+        for option, p in (("true", p_true), ("false", 1.0 - p_true)):
+            rows.append({"option": option, "label": option,
+                         "description": sides.get(option) or NOUL_DEFAULT_DESCRIPTIONS[option], "probability": p})
+        chosen = "true" if p_true >= 0.5 else "false"
+    elif qtype == "choice":
+        descriptions = criteria if isinstance(criteria, dict) else {}
+        for option, p in answer["probabilities"].items():
+            rows.append({"option": option, "label": option, "description": descriptions.get(option) or "",
+                         "probability": float(p)})
+        chosen = answer["choice"]
+    elif qtype == "score":
+        legend = answer.get("legend") or {}
+        for level, p in answer["probabilities"].items():
+            description = legend.get(level, "")
+            rows.append({"option": level, "label": f"{level}: {_shorten(description)}" if description else level,
+                         "description": description, "probability": float(p)})
+        chosen = max(rows, key=lambda r: r["probability"])["option"]
+    else:
+        raise ValueError(f"unknown answer type {qtype!r}")
+    table = pd.DataFrame(rows, columns=["option", "label", "description", "probability"])
+    table["chosen"] = table["option"] == chosen
+    return table
+
+
+def _shorten(text: str, limit: int = 40) -> str:
+    return text if len(text) <= limit else text[: limit - 1].rstrip() + "…"
+
+
+def margin(probabilities: list[float] | pd.Series) -> float:
+    """top1 − top2; 1.0 when there is a single option."""
+    ordered = sorted((float(p) for p in probabilities), reverse=True)
+    if len(ordered) < 2:
+        return 1.0
+    return ordered[0] - ordered[1]
+
+
+def summarize(question_id: str, question: dict[str, Any], answer: dict[str, Any]) -> AnswerSummary:
+    table = option_table(question, answer)
+    top = table.loc[table["chosen"]].iloc[0]
+    qtype = answer["type"]
+    if qtype == "noul":
+        p_true = float(answer["noul"])
+        confidence = max(p_true, 1.0 - p_true)
+        label: str | bool | int = p_true >= 0.5
+        score = None
+    else:
+        confidence = float(answer.get("confidence", top["probability"]))
+        if qtype == "score":
+            label = int(top["option"])
+            score = float(answer["score"])
+        else:
+            label = str(top["option"])
+            score = None
+    return AnswerSummary(question_id, qtype, str(top["option"]), float(top["probability"]), confidence,
+                         margin(table["probability"]), score, label)
+
+
+def expected_labels(questions: dict[str, Any], response: dict[str, Any]) -> dict[str, str | bool | int]:
+    """The response's answers as expected labels for a case: what the store and the review queue compare to."""
+    return {qid: summarize(qid, questions.get(qid, {}), answer).label
+            for qid, answer in response.get("answers", {}).items()}
+
+
+def probability_chart(table: pd.DataFrame, *, title: str | None = None) -> alt.Chart:
+    """Horizontal bars of every option's probability, author's order top to bottom, the chosen one highlighted."""
+    data = table.assign(percent=(table["probability"] * 100).round(1).astype(str) + "%",
+                        answer=table["chosen"].map({True: "chosen", False: "other"}))
+    order = list(data["label"])
+    base = alt.Chart(data, title=title or alt.Undefined).encode(
+        y=alt.Y("label:N", sort=order, title=None, axis=alt.Axis(labelLimit=260)),
+        x=alt.X("probability:Q", scale=alt.Scale(domain=[0, 1]), axis=alt.Axis(format="%"), title="probability"),
+    )
+    bars = base.mark_bar().encode(
+        color=alt.Color("answer:N", scale=alt.Scale(domain=["chosen", "other"], range=[CHOSEN_COLOR, OTHER_COLOR]),
+                        legend=None),
+        tooltip=[alt.Tooltip("option:N"), alt.Tooltip("description:N"), alt.Tooltip("probability:Q", format=".4f")],
+    )
+    labels = base.mark_text(align="left", dx=3).encode(text="percent:N")
+    return (bars + labels).properties(height=max(60, 26 * len(data)))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Token budget
+
+
+@dataclass(frozen=True)
+class BudgetStatus:
+    """What the budget bar says: does the record fit max_length, and if not, what happens."""
+
+    total: int
+    max_length: int
+    state_tokens_over: int  # state tokens that would be cut (from the end) with overflow="truncate_state"
+    fixed_tokens_over: int  # prefix + media + schema + suffix over max_length: cannot run at all
+
+    @property
+    def fits(self) -> bool:
+        return self.state_tokens_over == 0 and self.fixed_tokens_over == 0
+
+    @property
+    def message(self) -> str:
+        if self.fixed_tokens_over:
+            return (f"Even without the state, this record is {self.fixed_tokens_over:,} tokens over max_length "
+                    f"{self.max_length:,}: shorten the schema, attach fewer or smaller media, or raise max_length.")
+        if self.state_tokens_over:
+            return (f"The record is {self.total:,} tokens; max_length is {self.max_length:,}. The last "
+                    f"{self.state_tokens_over:,} tokens of the state would be cut. Choose: refuse (the run fails "
+                    "with an error) or truncate the state.")
+        return f"{self.total:,} of {self.max_length:,} tokens used."
+
+
+def budget_status(counts: dict[str, int]) -> BudgetStatus:
+    """From engine.count_tokens output."""
+    total = int(counts["total"])
+    limit = int(counts["max_length"])
+    fixed = total - int(counts["state"])
+    state_over = int(counts.get("state_tokens_over", max(0, min(counts["state"], total - limit))))
+    fixed_over = int(counts.get("fixed_tokens_over", max(0, fixed - limit)))
+    return BudgetStatus(total, limit, state_over, fixed_over)
+
+
+def budget_table(counts: dict[str, int]) -> pd.DataFrame:
+    """One row per part in encoding order with start/end offsets, for a stacked bar."""
+    rows, start = [], 0
+    for part in BUDGET_PARTS:
+        tokens = int(counts.get(part, 0))
+        rows.append({"part": part, "tokens": tokens, "start": start, "end": start + tokens})
+        start += tokens
+    return pd.DataFrame(rows)
+
+
+def budget_chart(counts: dict[str, int]) -> alt.LayerChart:
+    """A stacked horizontal bar of the parts with a red rule at max_length."""
+    table = budget_table(counts)
+    limit = int(counts["max_length"])
+    x_max = max(limit, int(table["end"].max())) * 1.02
+    scale = alt.Scale(domain=[0, x_max])
+    bars = alt.Chart(table).mark_bar(height=26).encode(
+        x=alt.X("start:Q", scale=scale, title="tokens"),
+        x2="end:Q",
+        color=alt.Color("part:N", sort=list(BUDGET_PARTS),
+                        scale=alt.Scale(domain=list(BUDGET_PARTS), range=list(BUDGET_COLORS)),
+                        legend=alt.Legend(orient="bottom", title=None)),
+        tooltip=["part:N", alt.Tooltip("tokens:Q", format=",")],
+    )
+    rule = alt.Chart(pd.DataFrame({"max_length": [limit]})).mark_rule(color="#d64545", strokeWidth=2).encode(
+        x=alt.X("max_length:Q", scale=scale), tooltip=[alt.Tooltip("max_length:Q", format=",")])
+    return (bars + rule).properties(height=60)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Errors next to fields
+
+
+def field_of(loc: tuple | list) -> str:
+    """Which part of the Decide page an engine Problem's loc concerns: "state", "images", "videos", "schema",
+    "question:<id>", or "request" for anything else (model name, unknown fields)."""
+    loc = tuple(loc)
+    if not loc:
+        return "request"
+    head = loc[0]
+    if head == "state":
+        return "state"
+    if head in ("images", "videos"):
+        return head
+    if head == "questions":
+        return f"question:{loc[1]}" if len(loc) > 1 else "schema"
+    return "request"
+
+
+def problems_by_field(problems: list[Any]) -> dict[str, list[str]]:
+    """Group RequestError problems (objects with .loc/.msg or dicts) by the page field they concern."""
+    grouped: dict[str, list[str]] = {}
+    for problem in problems:
+        loc = problem["loc"] if isinstance(problem, dict) else problem.loc
+        msg = problem["msg"] if isinstance(problem, dict) else problem.msg
+        where = ".".join(str(part) for part in loc)
+        grouped.setdefault(field_of(loc), []).append(f"{where}: {msg}" if where else msg)
+    return grouped

@@ -1,0 +1,197 @@
+"""Schemas: the library of saved schemas (one JSON file each) — browse, lint, create, edit, duplicate, delete,
+import, export, and open one in the Decide page's builder."""
+
+from __future__ import annotations
+
+import streamlit as st
+
+from clef_workbench import schemas
+from ui_common import get_library, page_key
+
+K = page_key("schemas")
+library = get_library()
+
+
+def flash(kind: str, message: str) -> None:
+    st.session_state[K("flash")] = (kind, message)
+
+
+def editor_key(slug: str) -> str:
+    return K(f"json.{slug}")
+
+
+def reset_editor(slug: str) -> None:
+    st.session_state.pop(editor_key(slug), None)
+
+
+def create_schema() -> None:
+    name = st.session_state.get(K("new_name"), "").strip()
+    if not name:
+        flash("error", "Give the new schema a name.")
+        return
+    starter = {"q1": {"type": "noul", "instructions": "Replace this with your first question.", "criteria": None}}
+    description = st.session_state.get(K("new_description"), "")
+    slug = library.create(schemas.Schema(name=name, questions=starter, description=description))
+    st.session_state[K("selected")] = slug
+    flash("success", f"Created {slug}.json with one starter question: edit it below or open it in Decide.")
+
+
+def save_json(slug: str) -> None:
+    text = st.session_state.get(editor_key(slug), "")
+    try:
+        schema = schemas.Schema.from_json(text, source=f"{slug}.json")
+        saved = library.update(slug, schema)
+    except schemas.SchemaError as exc:
+        st.session_state[K("edit_problems")] = (slug, [p.msg for p in exc.problems])
+        return
+    st.session_state.pop(K("edit_problems"), None)
+    reset_editor(slug)
+    flash("success", f"Saved {slug}.json (version {saved.version}).")
+
+
+def duplicate_schema(slug: str) -> None:
+    new_name = st.session_state.get(K(f"dup_name.{slug}"), "").strip() or None
+    try:
+        new_slug = library.duplicate(slug, new_name)
+    except schemas.SchemaError as exc:
+        flash("error", str(exc))
+        return
+    st.session_state[K("selected")] = new_slug
+    flash("success", f"Duplicated as {new_slug}.json.")
+
+
+def delete_schema(slug: str) -> None:
+    if not st.session_state.get(K(f"confirm_delete.{slug}")):
+        flash("error", "Tick the confirmation box first.")
+        return
+    try:
+        library.delete(slug)
+    except schemas.SchemaError as exc:
+        flash("error", str(exc))
+        return
+    st.session_state.pop(K("selected"), None)
+    reset_editor(slug)
+    flash("success", f"Deleted {slug}.json.")
+
+
+def import_schema() -> None:
+    upload = st.session_state.get(K("import_file"))
+    if upload is None:
+        flash("error", "Choose a JSON file to import first.")
+        return
+    try:
+        slug = library.import_json(upload.getvalue(), filename=upload.name,
+                                   overwrite=bool(st.session_state.get(K("import_overwrite"))))
+    except schemas.SchemaError as exc:
+        flash("error", f"Not imported. {exc}")
+        return
+    st.session_state[K("selected")] = slug
+    reset_editor(slug)
+    flash("success", f"Imported {upload.name} as {slug}.json.")
+
+
+st.title("Schema library")
+st.caption(f"Folder: `{library.directory}` (set CLEF_SCHEMAS_DIR to change). One JSON file per schema, "
+           "indented and in a fixed key order, so changes diff cleanly in git.")
+
+message = st.session_state.pop(K("flash"), None)
+if message:
+    getattr(st, message[0])(message[1])
+
+entries = library.list()
+lint_by_slug: dict[str, list[schemas.SchemaProblem]] = {}
+loaded: dict[str, schemas.Schema] = {}
+for entry in entries:
+    if entry.problem is None:
+        loaded[entry.slug] = library.load(entry.slug)
+        lint_by_slug[entry.slug] = loaded[entry.slug].problems()
+
+table = [{
+    "file": f"{e.slug}.json",
+    "name": e.name,
+    "version": e.version if e.problem is None else None,
+    "questions": e.question_count if e.problem is None else None,
+    "lint": ("cannot load" if e.problem else
+             f"{len(lint_by_slug[e.slug])} warning(s)" if lint_by_slug[e.slug] else "ok"),
+    "description": e.description,
+} for e in entries]
+if table:
+    st.dataframe(table, hide_index=True, width="stretch")
+else:
+    st.info("The library is empty: create a schema or import one below.")
+
+with st.expander("Create a new schema", icon=":material/add:"):
+    st.text_input("Name", key=K("new_name"), placeholder="Refund request triage")
+    st.text_area("Description", key=K("new_description"), height=68)
+    st.button("Create", key=K("create"), on_click=create_schema)
+
+with st.expander("Import a schema file", icon=":material/upload:"):
+    st.caption("A schema file exported from here, a bare System One questions map, or a whole request (its "
+               "questions are taken). The file name is never used as a path.")
+    st.file_uploader("JSON file", type=["json"], key=K("import_file"))
+    st.checkbox("Replace a schema with the same name", key=K("import_overwrite"))
+    st.button("Import", key=K("import"), on_click=import_schema)
+
+if not entries:
+    st.stop()
+
+slugs = [e.slug for e in entries]
+if st.session_state.get(K("selected")) not in slugs:
+    st.session_state[K("selected")] = slugs[0]
+slug = st.selectbox("Schema", slugs, key=K("selected"),
+                    format_func=lambda s: next(f"{e.name} ({s}.json)" for e in entries if e.slug == s))
+entry = next(e for e in entries if e.slug == slug)
+
+if entry.problem:
+    st.error(f"This file does not load: {entry.problem}")
+schema = loaded.get(slug)
+
+tabs = st.tabs(["Overview and lint", "Edit JSON", "Duplicate, delete, export"])
+with tabs[0]:
+    if schema is not None:
+        st.markdown(f"**{schema.name}** · version {schema.version} · {len(schema.questions)} questions · "
+                    f"{len(schema.examples)} example states")
+        if schema.description:
+            st.write(schema.description)
+        rows = []
+        for qid, question in schema.questions.items():
+            criteria = question.get("criteria")
+            answers_text = {"noul": "true / false",
+                            "choice": ", ".join(criteria) if isinstance(criteria, dict) else "",
+                            "score": f"{len(criteria)} levels" if isinstance(criteria, list) else ""}
+            rows.append({"id": qid, "type": question["type"], "instructions": question.get("instructions"),
+                         "answers": answers_text.get(question["type"], "")})
+        st.dataframe(rows, hide_index=True, width="stretch")
+        problems = lint_by_slug.get(slug, [])
+        if not problems:
+            st.success("Lint: no warnings.")
+        for problem in problems:
+            (st.error if problem.severity == "error" else st.warning)(problem.msg)
+        if st.button("Open in Decide", key=K("open_decide"), type="primary", icon=":material/psychology:"):
+            st.session_state["decide.pending_load"] = slug
+            st.switch_page("pages/decide.py")
+
+with tabs[1]:
+    if editor_key(slug) not in st.session_state:
+        st.session_state[editor_key(slug)] = (library.path_of(slug).read_text(encoding="utf-8")
+                                              if entry.problem else library.export_json(slug))
+    st.text_area("Schema file", key=editor_key(slug), height=480, label_visibility="collapsed")
+    edit_problems = st.session_state.get(K("edit_problems"))
+    if edit_problems and edit_problems[0] == slug:
+        for msg in edit_problems[1]:
+            st.error(msg)
+    cols = st.columns(2)
+    cols[0].button("Save changes", key=K("save"), type="primary", on_click=save_json, args=(slug,))
+    cols[1].button("Discard changes", key=K("discard"), on_click=reset_editor, args=(slug,))
+    st.caption("The version goes up by one when the questions change.")
+
+with tabs[2]:
+    st.text_input("Name of the copy", key=K(f"dup_name.{slug}"), placeholder=f"{entry.name} (copy)")
+    st.button("Duplicate", key=K("duplicate"), on_click=duplicate_schema, args=(slug,))
+    st.divider()
+    if schema is not None:
+        st.download_button("Export (download JSON)", library.export_json(slug), file_name=f"{slug}.json",
+                           mime="application/json", key=K("export"))
+    st.divider()
+    st.checkbox(f"Yes, delete {slug}.json", key=K(f"confirm_delete.{slug}"))
+    st.button("Delete", key=K("delete"), on_click=delete_schema, args=(slug,))

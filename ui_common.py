@@ -1,0 +1,191 @@
+"""Shared Streamlit pieces: the process-wide engine and store, the sidebar (model choice and status), the demo
+banner, and running requests through the one GPU queue with "queued, n ahead" feedback.
+
+Pages import from here and from clef_workbench; nothing here knows SQL or tensors.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import streamlit as st
+
+from clef_workbench.model_loader import (
+    CLEF_FLASH_REPO,
+    CLEF_REPO,
+    DEMO_SOURCE,
+    LoadState,
+    ModelManager,
+    default_source,
+    label_of,
+)
+from clef_workbench.schemas import SchemaLibrary
+
+DB_ENV = "CLEF_DB"
+DEFAULT_DB = Path("data") / "workbench.sqlite3"
+POLL_SECONDS = 0.2
+DEMO_BANNER = ("**Demo model.** Its weights are random: the answers mean nothing. It is here so you can try the "
+               "workbench without a GPU. Choose Clef or Clef-Flash in the sidebar on a GPU machine.")
+
+
+@st.cache_resource(show_spinner=False)
+def model_manager() -> ModelManager:
+    """One per process, shared by all sessions: one resident model, one GPU queue."""
+    manager = ModelManager()
+    manager.request(default_source())
+    return manager
+
+
+@st.cache_resource(show_spinner=False)
+def get_store():
+    """The workbench's SQLite store, path from CLEF_DB (default data/workbench.sqlite3)."""
+    from clef_workbench.store import Store
+
+    return Store(os.environ.get(DB_ENV) or DEFAULT_DB)
+
+
+def get_library() -> SchemaLibrary:
+    """The schema library folder (CLEF_SCHEMAS_DIR, default ./schemas). Cheap: reads files on demand."""
+    return SchemaLibrary()
+
+
+def get_engine(*, show_errors: bool = True):
+    """The resident engine, waiting (with progress) while a load runs. Returns None if no model could be loaded;
+    the reason is shown unless show_errors is False."""
+    manager = model_manager()
+    state = manager.state()
+    if state.loading_source is not None:
+        with st.status(f"Loading {label_of(state.loading_source)}…", expanded=True) as status:
+            line = st.empty()
+            while state.loading_source is not None:
+                line.write(f"{state.loading_seconds:.0f} s elapsed. Clef reads 55 GB of weights, Clef-Flash 19 GB; "
+                           "the demo model takes a few seconds.")
+                state = manager.wait(timeout=1.0)
+            if state.engine is None:
+                status.update(label="Loading failed", state="error", expanded=False)
+            else:
+                status.update(label=f"Loaded {label_of(state.source)}", state="complete", expanded=False)
+    if show_errors:
+        show_load_messages(state)
+    return state.engine
+
+
+def show_load_messages(state: LoadState) -> None:
+    if state.error:
+        st.error(state.error, icon="⚠️")
+    if state.notice:
+        st.info(state.notice)
+    if state.engine is not None and state.is_demo:
+        st.warning(DEMO_BANNER, icon="🎲")
+
+
+def _gib(n: int | None) -> str:
+    return "–" if not n else f"{n / 2**30:.1f} GiB"
+
+
+def render_sidebar() -> None:
+    """Model selector and the resident model's status. Rendered by app.py on every page."""
+    manager = model_manager()
+    state = manager.state()
+    with st.sidebar:
+        st.subheader("Model")
+        choices = {"Clef (27B)": CLEF_REPO, "Clef-Flash (9B)": CLEF_FLASH_REPO, "Local release folder": "local",
+                   "Demo model (random weights)": DEMO_SOURCE}
+        current = state.loading_source or state.source
+        current_label = next((label for label, src in choices.items() if src == current),
+                             "Local release folder" if current else "Demo model (random weights)")
+        picked = st.selectbox("Model (shared by all sessions)", list(choices), index=list(choices).index(current_label),
+                              key="sidebar.model_choice")
+        source = choices[picked]
+        if source == "local":
+            source = st.text_input("Release folder", value=current if current_label == "Local release folder" else "",
+                                   key="sidebar.local_folder", placeholder="/models/clef-flash").strip()
+        if source and source != current:
+            st.caption("Switching reloads the model for every open session.")
+            if st.button(f"Load {label_of(source)}", key="sidebar.load"):
+                manager.request(source)
+                st.rerun()
+        st.divider()
+        render_status(state)
+
+
+def render_status(state: LoadState) -> None:
+    if state.loading_source:
+        st.caption(f"Loading {label_of(state.loading_source)}… {state.loading_seconds:.0f} s")
+    engine = state.engine
+    if engine is None:
+        st.caption("No model loaded.")
+        return
+    info = engine.info()
+    memory = info.get("memory") or {}
+    kernels = info.get("kernels") or {}
+    available = kernels.get("available") or {}
+    fast = kernels.get("path", "") != "forward_padded"
+    rows = {
+        "model": label_of(state.source or info.get("model", "?")) if state.is_demo else info.get("model", "?"),
+        "revision": info.get("revision") or "–",
+        "device": f"{info.get('device')} ({info.get('device_name', '')})",
+        "dtype": info.get("dtype", "?"),
+        "GPU memory loaded": _gib(memory.get("loaded")),
+        "peak allocated": _gib(memory.get("peak_allocated")),
+        "peak reserved": _gib(memory.get("peak_reserved")),
+        "fast kernels": ("on" if fast else "off") + f" ({kernels.get('path', '?')}; "
+                        + ", ".join(f"{k} {'✓' if v else '✗'}" for k, v in available.items()) + ")",
+        "queue depth": str(engine.queue_depth()),
+    }
+    st.markdown("\n".join(f"- **{k}:** {v}" for k, v in rows.items()))
+
+
+def run_queued(engine, requests: list[dict], *, max_length: int | None = None, overflow: str = "refuse",
+               on_wait: Callable[[str], None] | None = None) -> list[dict]:
+    """Run requests on the shared GPU queue at interactive priority, reporting "queued, n ahead" while waiting.
+    Raises what engine.submit raises for a bad request (RequestError, TokenBudgetError) or BusyError."""
+    future = engine.submit(requests, priority="interactive", max_length=max_length, overflow=overflow)
+    started = time.monotonic()
+    while not future.done():
+        position = engine.scheduler.position(future) if hasattr(engine, "scheduler") else None
+        if on_wait is not None:
+            if position:
+                on_wait(f"Queued, {position} ahead (queue depth {engine.queue_depth()}) — "
+                        f"{time.monotonic() - started:.0f} s")
+            else:
+                on_wait(f"Running on {engine.info().get('device', 'the device')}… {time.monotonic() - started:.1f} s")
+        try:
+            return future.result(timeout=POLL_SECONDS)
+        except TimeoutError:
+            continue
+    return future.result()
+
+
+def page_key(page: str) -> Callable[[str], str]:
+    """Namespaced session-state keys per page: key("rows") -> "decide.rows"."""
+    return lambda name: f"{page}.{name}"
+
+
+KEEP_PREFIX = "_keep."
+
+
+def kept_widget(widget: Callable[..., Any], label: str, key: str, default: Any = None, **kwargs: Any) -> Any:
+    """A widget whose value survives page switches. Streamlit drops a widget's state when a run does not render it
+    (another page), so we keep a copy under a non-widget key and restore it when the widget comes back."""
+    if key not in st.session_state:
+        st.session_state[key] = st.session_state.get(KEEP_PREFIX + key, default)
+    value = widget(label, key=key, **kwargs)
+    st.session_state[KEEP_PREFIX + key] = value
+    return value
+
+
+def set_widget(key: str, value: Any) -> None:
+    """Set a kept widget's value from a callback (before the widget renders)."""
+    st.session_state[key] = value
+    st.session_state[KEEP_PREFIX + key] = value
+
+
+def format_json(value: Any) -> str:
+    import json
+
+    return json.dumps(value, indent=2, ensure_ascii=False)
