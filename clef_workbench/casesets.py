@@ -383,3 +383,40 @@ def export_results_jsonl(store: Store, run_id: int) -> str:
         if result.get("error"):
             lines.append(json.dumps({"run_id": run_id, "case_id": result["case_id"], "error": result["error"]}))
     return "\n".join(lines) + ("\n" if lines else "")
+
+
+# -- shipped examples ---------------------------------------------------------------------------------------------
+
+EXAMPLES_DIR = Path(__file__).resolve().parent.parent / "examples" / "casesets"
+
+
+def example_case_set_name(schema_name: str) -> str:
+    return f"Example: {schema_name}"
+
+
+def load_example_case_sets(store: Store, schemas_dir: Path | None = None,
+                           examples_dir: Path | None = None) -> dict[str, int]:
+    """Import each shipped example case set (examples/casesets/<schema slug>.jsonl, media paths relative to that
+    folder) whose schema is in the library, as "Example: <schema name>". Sets that already exist are left alone.
+    Returns {schema slug: case set id}."""
+    from clef_workbench.schemas import SchemaLibrary  # the library module is the other half of the workbench
+
+    library = SchemaLibrary(schemas_dir)
+    folder = Path(examples_dir or EXAMPLES_DIR)
+    loaded: dict[str, int] = {}
+    for path in sorted(folder.glob("*.jsonl")):
+        slug = path.stem
+        if not library.exists(slug):
+            continue
+        schema = library.load(slug)
+        name = example_case_set_name(schema.name)
+        existing = [s for s in store.list_case_sets() if s["name"] == name]
+        if existing:
+            loaded[slug] = existing[0]["id"]
+            continue
+        cases = parse_jsonl(path.read_text(encoding="utf-8"), schema.to_dict(), base_dir=folder)
+        case_set_id = store.create_case_set(name, schema_name=slug,
+                                            description=f"Shipped example cases for the schema {schema.name!r}")
+        store.add_cases(case_set_id, cases)
+        loaded[slug] = case_set_id
+    return loaded

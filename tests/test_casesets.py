@@ -6,6 +6,7 @@ import base64
 import csv
 import io
 import json
+from pathlib import Path
 
 import pytest
 
@@ -13,6 +14,7 @@ from clef_workbench import casesets
 from clef_workbench.casesets import CaseImportError, CsvMapping
 from clef_workbench.store import Store
 
+ROOT = Path(__file__).resolve().parent.parent
 PNG = b"\x89PNG\r\n\x1a\n" + b"\x00" * 16
 SCHEMA = {"name": "tickets", "version": "2", "questions": {
     "team": {"type": "choice", "instructions": "Team?", "criteria": {"billing": "Money", "tech": None}},
@@ -143,3 +145,20 @@ def test_results_export_has_one_row_per_case_and_question_with_every_probability
     assert lines[0]["probabilities"] == {"billing": 0.7, "tech": 0.3} and lines[0]["correct"] is False
     assert lines[-1] == {"run_id": run_id, "case_id": bad_case, "error": "RequestError: images: too many"}
     assert "p:billing" in casesets.export_results_csv(store, run_id).splitlines()[0]
+
+
+def test_shipped_example_case_sets_load_with_expected_answers_for_their_schemas(tmp_path):
+    store = Store(tmp_path / "w.db")
+    loaded = casesets.load_example_case_sets(store, ROOT / "schemas")
+    assert set(loaded) == {p.stem for p in (ROOT / "examples" / "casesets").glob("*.jsonl")}
+    assert len(loaded) == 4
+    for slug, set_id in loaded.items():
+        schema = json.loads((ROOT / "schemas" / f"{slug}.json").read_text())
+        cases = store.list_cases(set_id)
+        assert 8 <= len(cases) <= 12, slug
+        for case in cases:  # parse_jsonl already checked every answer against the schema's options
+            assert case["expected"] and set(case["expected"]) <= set(schema["questions"]), slug
+        assert store.get_case_set(set_id)["schema_name"] == slug
+    photos = store.list_cases(loaded["vehicle-damage-claim-photo"])
+    assert all(case["image_count"] == 1 for case in photos)
+    assert casesets.load_example_case_sets(store, ROOT / "schemas") == loaded  # idempotent
