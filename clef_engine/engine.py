@@ -18,10 +18,12 @@ from typing import Any
 
 import torch
 
-from . import backbone, release
+from . import backbone, kernels, release
+from .cache import PrefixState, StateCache, prefix_key
 from .encoding import DEFAULT_MAX_LENGTH, EncodedRecord, Encoder
 from .errors import RequestError, TokenBudgetError
 from .head import JointSchemaHead, layout, load_head, option_probabilities
+from .packed import FastBackbone, pack_ids
 from .protocol import format_answer, parse_questions
 from .scheduler import Scheduler
 
@@ -32,6 +34,21 @@ def fast_kernels_available() -> dict[str, bool]:
     """Which optional fast kernels can be imported here (they are used only on CUDA)."""
     return {name: importlib.util.find_spec(module) is not None
             for name, module in (("flash-linear-attention", "fla"), ("causal-conv1d", "causal_conv1d"))}
+
+
+def slow_kernels_allowed(allow_slow_kernels: bool | None) -> bool:
+    if allow_slow_kernels is not None:
+        return allow_slow_kernels
+    return os.environ.get("CLEF_ALLOW_SLOW_KERNELS", "").lower() in ("1", "true", "yes")
+
+
+def check_fast_kernels(device: torch.device, allow_slow_kernels: bool | None) -> None:
+    """On CUDA, refuse to run on the per-record torch fallbacks unless told to (they are many times slower)."""
+    if device.type == "cuda" and not kernels.fla_importable() and not slow_kernels_allowed(allow_slow_kernels):
+        raise release.ReleaseError(
+            "flash-linear-attention (package `fla`) is not importable, so the Gated DeltaNet layers would run on "
+            "slow per-record PyTorch fallbacks. Install flash-linear-attention (and fla-core), or allow the slow "
+            "path with allow_slow_kernels=True / CLEF_ALLOW_SLOW_KERNELS=1.")
 
 
 def memory_stats(device: torch.device) -> dict[str, int]:
@@ -45,7 +62,8 @@ def memory_stats(device: torch.device) -> dict[str, int]:
 class Engine:
     def __init__(self, checked: release.Release, model, head: JointSchemaHead, encoder: Encoder,
                  device: torch.device, dtype: torch.dtype, *, load_seconds: float = 0.0,
-                 token_budget: int | None = None):
+                 token_budget: int | None = None, packed: bool = True, allow_slow_kernels: bool | None = None,
+                 state_cache_bytes: int | None = None):
         self.release = checked
         self.model = model
         self.head = head
@@ -60,6 +78,17 @@ class Engine:
             token_budget = 65_536 if device.type == "cuda" else 16_384
         self.token_budget = token_budget
         self.forward_batch: Callable[[list[EncodedRecord]], list[list[list[float]]]] = self.forward_padded
+        self.fast: FastBackbone | None = None
+        self.state_cache: StateCache | None = None
+        if packed:  # text records packed through our layer loop; media records stay on the padded path
+            check_fast_kernels(device, allow_slow_kernels)
+            self.fast = FastBackbone(model)
+            self.forward_batch = self.forward_packed
+            cache_bytes = state_cache_bytes if state_cache_bytes is not None else (
+                8 * GiB if device.type == "cuda" else GiB // 4)
+            self.state_cache = StateCache(device, device_bytes=cache_bytes,
+                                          host_bytes=4 * cache_bytes if device.type == "cuda" else 0,
+                                          enabled=cache_bytes > 0)
         self.scheduler = Scheduler(self._run_batch, token_budget=token_budget)
         self._lock = threading.Lock()
 
@@ -125,6 +154,8 @@ class Engine:
 
     def _run_batch(self, records: list[EncodedRecord]) -> list[list[list[float]]]:
         """Split a scheduler batch into backbone batches (text vs media, similar lengths, token budget) and run."""
+        if self.forward_batch == self.forward_packed:
+            return self.forward_packed(records)  # packs by its own token budget
         results: dict[int, list[list[float]]] = {}
         order = sorted(range(len(records)), key=lambda i: (records[i].has_media, len(records[i])))
         chunk: list[int] = []
@@ -142,6 +173,81 @@ class Engine:
         return [results[i] for i in range(len(records))]
 
     @torch.inference_mode()
+    def forward_packed(self, records: list[EncodedRecord]) -> list[list[list[float]]]:
+        """The fast path: text records packed (no padding) up to the token budget; a record whose long state
+        prefix is cached (or, alone in its batch, worth caching) continues from the cache; media records go to
+        the padded path."""
+        results: dict[int, list[list[float]]] = {}
+        media = [i for i, r in enumerate(records) if r.has_media]
+        text = [i for i, r in enumerate(records) if not r.has_media]
+        cache = self.state_cache
+        packable = []
+        for i in text:
+            record = records[i]
+            if cache is not None and cache.eligible(record.state_end) and record.state_end < len(record):
+                cached = self._cached_prefix(record, store=len(records) == 1)
+                if cached is not None:
+                    results[i] = self.forward_after_prefix(record, cached)
+                    continue
+            packable.append(i)
+        pack: list[int] = []
+        tokens = 0
+        for i in packable + [None]:
+            if i is not None and (not pack or tokens + len(records[i]) <= self.token_budget):
+                pack.append(i)
+                tokens += len(records[i])
+                continue
+            if pack:
+                chosen = [records[j] for j in pack]
+                lengths = [len(r) for r in chosen]
+                segments = kernels.make_segments(lengths, self.device)
+                hidden, _ = self.fast.forward(pack_ids(chosen, self.device), segments)
+                for j, probs in zip(pack, self.head_probabilities(hidden, chosen, segments.starts, lengths)):
+                    results[j] = probs
+            pack, tokens = ([i], len(records[i])) if i is not None else ([], 0)
+        chunk: list[int] = []
+        for i in media + [None]:  # padded batches of similar length, as the plain path does
+            if i is not None and (not chunk or (len(chunk) + 1) * len(records[i]) <= self.token_budget):
+                chunk.append(i)
+                continue
+            if chunk:
+                for j, probs in zip(chunk, self.forward_padded([records[j] for j in chunk])):
+                    results[j] = probs
+            chunk = [i] if i is not None else []
+        return [results[i] for i in range(len(records))]
+
+    def _cached_prefix(self, record: EncodedRecord, *, store: bool) -> PrefixState | None:
+        """The cached state of the record's prefix; on a miss, compute and store it if `store`."""
+        key = prefix_key(f"{self.model_id}@{self.release.revision}", record.input_ids[: record.state_end],
+                         record.media_digest)
+        state = self.state_cache.get(key)
+        if state is not None or not store:
+            return state
+        length = record.state_end
+        segments = kernels.make_segments([length], self.device)
+        ids = torch.tensor(record.input_ids[:length], dtype=torch.long).to(self.device, non_blocking=True)
+        hidden, layers = self.fast.forward(ids, segments, collect=True)
+        _, memory = self.head.token_memory(hidden.to(self.dtype))
+        state = PrefixState(length, layers, memory)
+        self.state_cache.put(key, state)
+        return state
+
+    def forward_after_prefix(self, record: EncodedRecord, state: PrefixState) -> list[list[float]]:
+        """Backbone over the schema + suffix tokens only, continuing from the cached prefix; then the head over the
+        cached + new memory."""
+        start = state.length
+        segments = kernels.make_segments([len(record) - start], self.device, first_position=start)
+        ids = torch.tensor(record.input_ids[start:], dtype=torch.long).to(self.device, non_blocking=True)
+        hidden, _ = self.fast.forward(ids, segments, prefix=state.layers, prefix_length=start)
+        normed_new, memory_new = self.head.token_memory(hidden.to(self.dtype))
+        normed = normed_new.new_zeros(len(record), normed_new.shape[-1])  # prefix rows: never read by the head
+        normed[start:] = normed_new
+        memory = torch.cat([state.memory.to(memory_new.dtype), memory_new])
+        batch = layout([record], [0], [len(record)]).to(self.device)
+        logits = self.head.decide_from_memory(normed, memory, self.output_embeddings, batch)
+        return self._split_probabilities(logits, batch, [record])[0]
+
+    @torch.inference_mode()
     def forward_padded(self, records: list[EncodedRecord]) -> list[list[list[float]]]:
         """The plain path: padded backbone batch, then the batched head."""
         hidden = backbone.run_padded(self.model, records, self.encoder.pad_token_id)
@@ -154,6 +260,10 @@ class Engine:
                            lengths: list[int]) -> list[list[list[float]]]:
         batch = layout(records, offsets, lengths).to(self.device)
         logits = self.head(hidden_flat.to(self.dtype), self.output_embeddings, batch)
+        return self._split_probabilities(logits, batch, records)
+
+    @staticmethod
+    def _split_probabilities(logits: torch.Tensor, batch, records: list[EncodedRecord]) -> list[list[list[float]]]:
         flat = option_probabilities(logits, batch).cpu().tolist()  # the one host sync of the batch
         out, cursor = [], 0
         for record in records:
@@ -184,20 +294,36 @@ class Engine:
             "backbone_parameters": parameters,
             "head_parameters": sum(p.numel() for p in self.head.parameters()),
             "load_seconds": round(self.load_seconds, 2),
-            "kernels": {"available": fast_kernels_available(), "path": self.forward_batch.__name__},
+            "kernels": self.kernel_info(),
             "memory": self.memory(),
             "queue_depth": self.queue_depth(),
             "scheduler": vars(self.scheduler.stats).copy(),
             "demo": is_demo_release(self.release.path),
+            "state_cache": self.state_cache.stats() if self.state_cache is not None else None,
         }
+
+    def kernel_info(self) -> dict:
+        """Which path and which kernels answer requests here."""
+        info: dict[str, Any] = {"available": fast_kernels_available(), "path": self.forward_batch.__name__}
+        if self.fast is not None:
+            info["packed"] = self.fast.kernels.describe()
+            info["slow_fallbacks"] = self.fast.kernels.slow if self.device.type == "cuda" else []
+            info["fused_projections"] = True
+            info["media_records"] = "forward_padded (multimodal model, padded batch)"
+        return info
 
     def close(self) -> None:
         self.scheduler.close()
 
 
 def load(source: str | os.PathLike, *, device: str | torch.device | None = None,
-         dtype: str | torch.dtype | None = None, revision: str | None = None) -> Engine:
-    """Load a release (folder, repo id, or 'clef' / 'clef-flash') and keep it resident on `device`."""
+         dtype: str | torch.dtype | None = None, revision: str | None = None, packed: bool = True,
+         allow_slow_kernels: bool | None = None, state_cache_bytes: int | None = None) -> Engine:
+    """Load a release (folder, repo id, or 'clef' / 'clef-flash') and keep it resident on `device`.
+
+    `packed` (default) answers text records through the packed fast path (packed.py); on CUDA that needs
+    flash-linear-attention unless `allow_slow_kernels` (or CLEF_ALLOW_SLOW_KERNELS=1). `state_cache_bytes` bounds
+    the device tier of the state cache (0 turns it off)."""
     started = time.perf_counter()
     path = release.resolve(source, revision)
     checked = release.check(path, source=str(source), revision=revision)
@@ -205,6 +331,8 @@ def load(source: str | os.PathLike, *, device: str | torch.device | None = None,
     if device.type == "cuda" and not torch.cuda.is_available():
         raise release.ReleaseError("device cuda was asked for but no CUDA GPU is visible")
     dtype = release.parse_dtype(dtype, device)
+    if packed:
+        check_fast_kernels(device, allow_slow_kernels)  # before minutes of loading
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     model = release.load_backbone(checked, device, dtype)
@@ -213,7 +341,8 @@ def load(source: str | os.PathLike, *, device: str | torch.device | None = None,
     except RuntimeError as error:  # strict load: names or shapes differ
         raise release.ReleaseError(f"{checked.path / release.HEAD_WEIGHTS} does not match the head: {error}") from error
     encoder = Encoder(release.load_processor(checked))
-    return Engine(checked, model, head, encoder, device, dtype, load_seconds=time.perf_counter() - started)
+    return Engine(checked, model, head, encoder, device, dtype, load_seconds=time.perf_counter() - started,
+                  packed=packed, allow_slow_kernels=allow_slow_kernels, state_cache_bytes=state_cache_bytes)
 
 
 # ---- the demo model ---------------------------------------------------------------------------------------------

@@ -1,0 +1,149 @@
+"""State cache: what the backbone and the head need to continue a record after its state prefix.
+
+A record's state prefix is tokens [0, state_end) — prefix + media + state, everything before the schema. For a
+prefix we keep, per layer, the full-attention K/V or the Gated DeltaNet conv tail and recurrent state
+(`packed.LayerState`), plus the head's memory projection of the prefix tokens. The head's normalized hidden states
+of the prefix are not kept: the head reads them only at question spans, option spans and the last token, all of
+which lie in the schema and suffix.
+
+Entries are keyed by model, the prefix token ids and the media digest, bounded in bytes: first on the engine's
+device, then (on CUDA) in host memory; least recently used entries move down a tier, then out. One GPU worker
+thread uses it; a lock keeps `stats()` readers safe.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import torch
+
+from .packed import LayerState
+
+GiB = 2**30
+
+
+@dataclass
+class PrefixState:
+    length: int
+    layers: list[LayerState]
+    memory: torch.Tensor  # [length, head width]: the head's memory projection of the prefix tokens
+
+    @property
+    def nbytes(self) -> int:
+        tensors = [t for layer in self.layers for t in layer.tensors()] + [self.memory]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    @property
+    def device(self) -> torch.device:
+        return self.memory.device
+
+    def to(self, device: torch.device | str) -> PrefixState:
+        return PrefixState(self.length, [layer.to(device) for layer in self.layers], self.memory.to(device))
+
+
+def prefix_key(model_id: str, token_ids: list[int], media_digest: str = "") -> str:
+    hasher = hashlib.blake2b(digest_size=20)
+    hasher.update(model_id.encode())
+    hasher.update(b"\0")
+    hasher.update(media_digest.encode())
+    hasher.update(b"\0")
+    hasher.update(torch.tensor(token_ids, dtype=torch.int64).numpy().tobytes())
+    return hasher.hexdigest()
+
+
+@dataclass
+class CacheStats:
+    hits: int = 0
+    misses: int = 0
+    stored: int = 0
+    evicted: int = 0
+    moved_to_host: int = 0
+    device_bytes: int = 0
+    host_bytes: int = 0
+    entries: int = 0
+
+
+@dataclass
+class StateCache:
+    device: torch.device
+    device_bytes: int = 8 * GiB
+    host_bytes: int = 32 * GiB
+    min_prefix_tokens: int = 2048  # shorter prefixes are cheaper to recompute than to split the forward for
+    enabled: bool = True
+    _device_entries: OrderedDict = field(default_factory=OrderedDict)
+    _host_entries: OrderedDict = field(default_factory=OrderedDict)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+    _stats: CacheStats = field(default_factory=CacheStats)
+
+    def eligible(self, prefix_tokens: int) -> bool:
+        return self.enabled and prefix_tokens >= self.min_prefix_tokens
+
+    def get(self, key: str) -> PrefixState | None:
+        with self._lock:
+            entry = self._device_entries.get(key)
+            if entry is not None:
+                self._device_entries.move_to_end(key)
+                self._stats.hits += 1
+                return entry
+            entry = self._host_entries.pop(key, None)
+            if entry is None:
+                self._stats.misses += 1
+                return None
+            self._stats.hits += 1
+        entry = entry.to(self.device)  # promote back to the device tier
+        self._insert(key, entry)
+        return entry
+
+    def put(self, key: str, state: PrefixState) -> None:
+        if state.nbytes > max(self.device_bytes, self.host_bytes):
+            return  # larger than the whole cache: not worth keeping
+        self._insert(key, state)
+        with self._lock:
+            self._stats.stored += 1
+
+    def _insert(self, key: str, state: PrefixState) -> None:
+        spill: list[tuple[str, PrefixState]] = []
+        with self._lock:
+            self._device_entries.pop(key, None)
+            self._host_entries.pop(key, None)
+            self._device_entries[key] = state
+            while self._tier_bytes(self._device_entries) > self.device_bytes and len(self._device_entries) > 1:
+                spill.append(self._device_entries.popitem(last=False))
+            if self._tier_bytes(self._device_entries) > self.device_bytes:
+                spill.append(self._device_entries.popitem(last=False))
+        for old_key, old_state in spill:
+            if self.device.type == "cuda" and old_state.nbytes <= self.host_bytes:
+                moved = old_state.to("cpu")
+                with self._lock:
+                    self._host_entries[old_key] = moved
+                    self._stats.moved_to_host += 1
+            else:
+                with self._lock:
+                    self._stats.evicted += 1
+        with self._lock:
+            while self._host_entries and self._tier_bytes(self._host_entries) > self.host_bytes:
+                self._host_entries.popitem(last=False)
+                self._stats.evicted += 1
+
+    @staticmethod
+    def _tier_bytes(entries: OrderedDict) -> int:
+        return sum(state.nbytes for state in entries.values())
+
+    def clear(self) -> None:
+        with self._lock:
+            self._device_entries.clear()
+            self._host_entries.clear()
+
+    def stats(self) -> dict:
+        with self._lock:
+            stats = CacheStats(**{k: v for k, v in vars(self._stats).items()})
+            stats.device_bytes = self._tier_bytes(self._device_entries)
+            stats.host_bytes = self._tier_bytes(self._host_entries)
+            stats.entries = len(self._device_entries) + len(self._host_entries)
+        out = vars(stats).copy()
+        out.update(enabled=self.enabled, device_limit=self.device_bytes, host_limit=self.host_bytes,
+                   min_prefix_tokens=self.min_prefix_tokens)
+        return out
