@@ -2,6 +2,7 @@
 
     python -m clef_engine serve --model SOURCE [--host 127.0.0.1] [--port 8000] [--api-key-env VAR]
                                 [--device cuda|cpu] [--dtype bfloat16|float32] [--revision REV] [--max-body-mb 32]
+                                [--max-queued-records N]
 
 The model loads before the server listens, so once /health answers the server is ready.
 """
@@ -35,6 +36,8 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     parser.add_argument("--dtype", default=None, help="bfloat16, float16 or float32 (default: bf16 on CUDA)")
     parser.add_argument("--max-body-mb", type=float, default=DEFAULT_MAX_BODY_BYTES / 2**20,
                         help="largest request body accepted, in MiB (default %(default)s)")
+    parser.add_argument("--max-queued-records", type=int, default=None, metavar="N",
+                        help="bound of the engine's GPU queue; past it requests get 429 (default: the engine's)")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     parser.set_defaults(run=run_serve)
     return parser
@@ -77,6 +80,9 @@ def run_serve(args: argparse.Namespace) -> int:
     except ReleaseError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    if args.max_queued_records is not None:
+        # The scheduler reads this bound on every submit, so setting it after load takes effect at once.
+        engine.scheduler.max_queued_records = max(1, args.max_queued_records)
     app = create_app(engine, api_key=api_key, max_body_bytes=int(args.max_body_mb * 2**20))
     print(f"serving {args.model} on http://{args.host}:{args.port} (auth {'on' if api_key else 'off'})",
           file=sys.stderr, flush=True)

@@ -202,20 +202,43 @@ def _safe_call(fn: Callable[[], Any], default: Any) -> Any:
         return default
 
 
-def _check_depth(value: Any) -> None:
-    """Refuse JSON nested deeper than MAX_JSON_DEPTH, iteratively (no recursion to blow)."""
-    stack = [(value, 1)]
+def _check_json_tree(value: Any) -> None:
+    """Refuse JSON nested deeper than MAX_JSON_DEPTH, and strings that are not Unicode (JSON allows escaped lone
+    surrogates like "\\ud800"; nothing downstream can encode them). Iterative: no recursion to blow."""
+    stack: list[tuple[Any, list[str | int]]] = [(value, [])]
     while stack:
-        item, depth = stack.pop()
+        item, loc = stack.pop()
+        if isinstance(item, str):
+            _check_text(item, loc)
+            continue
         if isinstance(item, dict):
-            children = item.values()
+            children: list[tuple[str | int, Any]] = list(item.items())
+            for key in item:
+                _check_text(key, [*loc, key])
         elif isinstance(item, list):
-            children = item
+            children = list(enumerate(item))
         else:
             continue
-        if depth > MAX_JSON_DEPTH:
-            raise _invalid([], f"JSON nested deeper than {MAX_JSON_DEPTH} levels", "json_too_deep")
-        stack.extend((child, depth + 1) for child in children)
+        if len(loc) >= MAX_JSON_DEPTH:
+            raise _invalid(loc[:8], f"JSON nested deeper than {MAX_JSON_DEPTH} levels", "json_too_deep")
+        stack.extend((child, [*loc, key]) for key, child in children)
+
+
+def _check_text(text: str, loc: list[str | int]) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        where = [part.encode("utf-8", "backslashreplace").decode("utf-8") if isinstance(part, str) else part
+                 for part in loc]
+        raise _invalid(where, f"string has an unpaired UTF-16 surrogate at character {exc.start}: not valid "
+                              "Unicode", "string_unicode") from None
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"number {text[:20]} is out of range")
+    return value
 
 
 def _reject_constant(name: str) -> None:
@@ -229,7 +252,7 @@ def parse_json_body(raw: bytes) -> dict:
     except UnicodeDecodeError as exc:
         raise _invalid([exc.start], f"body is not UTF-8: {exc.reason} at byte {exc.start}", "json_invalid") from None
     try:
-        value = json.loads(text, parse_constant=_reject_constant)
+        value = json.loads(text, parse_constant=_reject_constant, parse_float=_finite_float)
     except json.JSONDecodeError as exc:
         raise _invalid([exc.pos], f"JSON decode error: {exc.msg} (line {exc.lineno}, column {exc.colno})",
                        "json_invalid") from None
@@ -239,7 +262,7 @@ def parse_json_body(raw: bytes) -> dict:
         raise _invalid([], f"JSON nested deeper than {MAX_JSON_DEPTH} levels", "json_too_deep") from None
     if not isinstance(value, dict):
         raise _invalid([], f"the body must be a JSON object, not {_json_type(value)}", "model_attributes_type")
-    _check_depth(value)
+    _check_json_tree(value)
     return value
 
 
@@ -436,7 +459,7 @@ class SystemOneApi:
             engine = await self._engine()
             answer = await self._decide(engine, body)
             status = 200
-            return JSONResponse(answer, headers={"x-typesafe-request-id": request_id})
+            return SafeJSONResponse(answer, headers={"x-typesafe-request-id": request_id})
         except ApiError as exc:
             status = exc.status
             return _error_response(exc, request_id)
@@ -589,11 +612,22 @@ def _release_date(info: dict) -> str:
     return when.strftime("%Y-%m-%d")
 
 
+class SafeJSONResponse(JSONResponse):
+    """JSON as UTF-8; if some string cannot be UTF-8 (a surrogate that slipped through), \\u-escape instead of
+    failing: an error answer must always be deliverable."""
+
+    def render(self, content: Any) -> bytes:
+        try:
+            return json.dumps(content, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode("utf-8")
+        except UnicodeEncodeError:
+            return json.dumps(content, ensure_ascii=True, allow_nan=False, separators=(",", ":")).encode("ascii")
+
+
 def _error_response(exc: ApiError, request_id: str | None = None) -> JSONResponse:
     headers = dict(exc.headers)
     if request_id:
         headers["x-typesafe-request-id"] = request_id
-    return JSONResponse({"detail": exc.detail}, status_code=exc.status, headers=headers)
+    return SafeJSONResponse({"detail": exc.detail}, status_code=exc.status, headers=headers)
 
 
 async def _http_exception(request: Request, exc: Exception) -> Response:

@@ -89,6 +89,7 @@ def server(tiny_release: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
 def auth_server(tiny_release: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     process = ServerProcess(tiny_release, tmp_path_factory.mktemp("logs") / "auth-server.log",
                             "--api-key-env", "CLEF_TEST_API_KEY", "--max-body-mb", "1",
+                            "--max-queued-records", "1",
                             env={"CLEF_TEST_API_KEY": API_KEY})
     yield process
     process.stop()
@@ -390,6 +391,31 @@ def test_body_size_limit_and_compression(auth_server: ServerProcess) -> None:
     assert auth_server.alive()
 
 
+def test_full_queue_gets_429_and_the_server_recovers(auth_server: ServerProcess) -> None:
+    headers = {"authorization": f"Bearer {API_KEY}".encode()}
+    long_request = make_request(6) | {"state": "Tickets pile up while the queue is bounded to one record. " * 40}
+    barrier = threading.Barrier(24)
+
+    def one_client(_: int) -> httpx.Response:
+        with httpx.Client(base_url=auth_server.url, timeout=300, headers=headers) as own:
+            barrier.wait()
+            return own.post("/v1/systemone", json=long_request)
+
+    with ThreadPoolExecutor(24) as pool:
+        responses = list(pool.map(one_client, range(24)))
+    statuses = [r.status_code for r in responses]
+    assert set(statuses) <= {200, 429}, statuses
+    assert 429 in statuses and 200 in statuses, statuses
+    busy = next(r for r in responses if r.status_code == 429)
+    assert busy.json()["detail"]["error_type"] == "overloaded" and busy.headers["retry-after"] == "1"
+    for response in responses:
+        if response.status_code == 200:
+            check_answers(long_request, response.json())
+    # Once the burst is over the same server answers again.
+    again = httpx.post(f"{auth_server.url}/v1/systemone", json=long_request, headers=headers, timeout=120)
+    assert again.status_code == 200
+
+
 # --- authentication --------------------------------------------------------------------------------------------
 
 
@@ -504,27 +530,80 @@ request_like = st.fixed_dictionaries({}, optional={
     "assets": json_values | st.dictionaries(st.text(max_size=8), st.fixed_dictionaries(
         {}, optional={"type": json_values, "data_base64": st.text(max_size=12), "part": json_values}), max_size=2),
 })
+
+
+def _paths(value: object, path: tuple = ()) -> list[tuple]:
+    """Every path into a JSON value (dict keys and list indices)."""
+    found = [path]
+    if isinstance(value, dict):
+        for key, child in value.items():
+            found += _paths(child, (*path, key))
+    elif isinstance(value, list):
+        for index, child in enumerate(value):
+            found += _paths(child, (*path, index))
+    return found
+
+
+@st.composite
+def mutated_requests(draw: st.DrawFn) -> bytes:
+    """A valid request with 0–3 random edits (replace a subtree, delete it, or add a key), so the fuzz reaches the
+    engine's encoding and the model too, not only the parser."""
+    request = make_request(draw(st.integers(0, 5)))
+    if draw(st.booleans()):
+        request["x_max_length"] = draw(st.integers(1, 900))
+        request["x_overflow"] = draw(st.sampled_from(["refuse", "truncate_state"]))
+    for _ in range(draw(st.integers(0, 3))):
+        path = draw(st.sampled_from(_paths(request)[1:]))
+        parent = request
+        for step in path[:-1]:
+            parent = parent[step]
+        action = draw(st.sampled_from(["replace", "replace", "delete", "add"]))
+        if action == "replace":
+            parent[path[-1]] = draw(json_values | st.sampled_from(["", "\ud800", "x" * 300, None, [], {}]))
+        elif action == "delete":
+            del parent[path[-1]]
+        elif isinstance(parent, dict):
+            parent[draw(st.text(max_size=10))] = draw(json_values)
+        if not isinstance(request, dict) or not _paths(request)[1:]:
+            break
+    return json.dumps(request).encode()
+
+
 raw_bodies = (
-    st.binary(max_size=300)
+    mutated_requests()
+    | mutated_requests()
+    | st.binary(max_size=300)
     | json_values.map(lambda v: json.dumps(v).encode())
     | request_like.map(lambda v: json.dumps(v).encode())
     | st.integers(1, 3000).map(lambda depth: b"[" * depth + b"]" * depth)
     | st.integers(1, 3000).map(lambda depth: b'{"state":' + b"[" * depth + b"]" * depth + b', "questions": {}}')
     | st.sampled_from([b'{"state": Infinity}', b'{"a": 1e999}', b"\xff\xfe{}", b'{"state": "\\ud800"}'])
 )
-content_types = st.sampled_from(["application/json", "text/plain", "multipart/form-data; boundary=xyz",
-                                 "multipart/form-data", "application/x-www-form-urlencoded", ""])
-encodings = st.sampled_from([None, None, None, "gzip", "zstd", "deflate"])
+content_types = st.sampled_from(["application/json"] * 6 + [
+    "text/plain", "multipart/form-data; boundary=xyz", "multipart/form-data", "application/x-www-form-urlencoded", ""])
+# (header, whether the body really is compressed that way): mostly honest, sometimes lying or unsupported.
+encodings = st.sampled_from([(None, False)] * 6 + [("gzip", True), ("zstd", True), ("gzip", False), ("zstd", False),
+                                                   ("deflate", False)])
+
+
+def encode_body(body: bytes, encoding: str | None, honest: bool) -> bytes:
+    if not honest:
+        return body
+    if encoding == "gzip":
+        return gzip.compress(body)
+    from backports.zstd import compress
+
+    return compress(body)
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
 @given(body=raw_bodies, content_type=content_types, encoding=encodings)
 def test_fuzzed_bodies_never_get_a_5xx(server: ServerProcess, client: httpx.Client, body: bytes,
-                                       content_type: str, encoding: str | None) -> None:
+                                       content_type: str, encoding: tuple[str | None, bool]) -> None:
     headers = {"content-type": content_type} if content_type else {}
-    if encoding:
-        headers["content-encoding"] = encoding
-    response = client.post("/v1/systemone", content=body, headers=headers)
+    if encoding[0]:
+        headers["content-encoding"] = encoding[0]
+    response = client.post("/v1/systemone", content=encode_body(body, *encoding), headers=headers)
     assert response.status_code in (200, 413, 415, 422), (response.status_code, response.text[:500])
     if response.status_code == 200:
         json.dumps(response.json(), allow_nan=False)
@@ -549,3 +628,49 @@ def test_serve_refuses_missing_api_key_env(tiny_release: Path) -> None:
                             capture_output=True, text=True, timeout=120)
     assert result.returncode != 0
     assert "CLEF_NO_SUCH_KEY" in result.stderr
+
+
+def test_workbench_and_api_in_one_process(tiny_release: Path, tmp_path: Path) -> None:
+    """`streamlit run serve_workbench.py`: the Streamlit UI and the API on one port, one resident engine."""
+    port = _free_port()
+    log_path = tmp_path / "workbench.log"
+    env = {**os.environ, "CLEF_MODEL": str(tiny_release), "CLEF_DB": str(tmp_path / "wb.sqlite3"),
+           "CLEF_API_KEY": SDK_KEY}
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen([sys.executable, "-m", "streamlit", "run", "serve_workbench.py",
+                                    "--server.headless", "true", "--server.address", "127.0.0.1",
+                                    "--server.port", str(port), "--browser.gatherUsageStats", "false"],
+                                   cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + STARTUP_SECONDS
+        health = None
+        while time.monotonic() < deadline and process.poll() is None:
+            try:
+                health = httpx.get(f"{url}/health", timeout=2)
+                if health.status_code == 200:
+                    break
+                assert health.status_code == 503 and health.json()["ready"] is False  # loading
+            except httpx.TransportError:
+                pass
+            time.sleep(0.5)
+        assert health is not None and health.status_code == 200, log_path.read_text(errors="replace")[-3000:]
+        assert health.json()["model"] == str(tiny_release)
+
+        from typesafe_sdk import Noul, RetryPolicy, TypeSafeClient
+
+        with TypeSafeClient(api_key=SDK_KEY, base_url=url, compression=False, timeout=120,
+                            retry=RetryPolicy(max_retries=0)) as sdk:
+            result = sdk.system_one(state="hello", questions={"greeting": Noul(instructions="Is it a greeting?")})
+        assert 0 <= result.nouls["greeting"].noul <= 1
+        assert httpx.post(f"{url}/v1/systemone", json=make_request(0), timeout=60).status_code == 401
+        assert httpx.get(f"{url}/_stcore/health", timeout=10).text == "ok"  # Streamlit's own routes still work
+        page = httpx.get(f"{url}/", timeout=10)
+        assert page.status_code == 200 and "<title>" in page.text  # the workbench UI is served beside the API
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
