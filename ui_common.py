@@ -21,6 +21,7 @@ from clef_workbench.model_loader import (
     LoadState,
     ModelManager,
     default_source,
+    kernel_summary,
     label_of,
 )
 from clef_workbench.schemas import SchemaLibrary
@@ -46,6 +47,20 @@ def get_store():
     from clef_workbench.store import Store
 
     return Store(os.environ.get(DB_ENV) or DEFAULT_DB)
+
+
+def get_job_runner():
+    """The process-wide batch-run runner of the current database: runs keep going across page switches, reloads
+    and sessions."""
+    return _job_runner(str(get_store().path))
+
+
+@st.cache_resource(show_spinner=False)
+def _job_runner(db_path: str):
+    from clef_workbench.jobs import JobRunner
+    from clef_workbench.store import Store
+
+    return JobRunner(Store(db_path))
 
 
 def get_library() -> SchemaLibrary:
@@ -122,9 +137,7 @@ def render_status(state: LoadState) -> None:
         return
     info = engine.info()
     memory = info.get("memory") or {}
-    kernels = info.get("kernels") or {}
-    available = kernels.get("available") or {}
-    fast = kernels.get("path", "") != "forward_padded"
+    fast, kernel_detail = kernel_summary(info.get("kernels") or {})
     rows = {
         "model": label_of(state.source or info.get("model", "?")) if state.is_demo else info.get("model", "?"),
         "revision": info.get("revision") or "–",
@@ -133,8 +146,7 @@ def render_status(state: LoadState) -> None:
         "GPU memory loaded": _gib(memory.get("loaded")),
         "peak allocated": _gib(memory.get("peak_allocated")),
         "peak reserved": _gib(memory.get("peak_reserved")),
-        "fast kernels": ("on" if fast else "off") + f" ({kernels.get('path', '?')}; "
-                        + ", ".join(f"{k} {'✓' if v else '✗'}" for k, v in available.items()) + ")",
+        "fast kernels": f"{'on' if fast else 'off'} ({kernel_detail})",
         "queue depth": str(engine.queue_depth()),
     }
     st.markdown("\n".join(f"- **{k}:** {v}" for k, v in rows.items()))

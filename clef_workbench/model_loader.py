@@ -59,6 +59,18 @@ def request_model_name(source: str | None) -> str:
     return names.get(source.lower(), Path(source).name or source)
 
 
+def kernel_summary(kernels: dict[str, Any]) -> tuple[bool, str]:
+    """(fast kernels on?, a one-line detail) from engine.info()["kernels"]. "On" means the packed path runs with
+    optimized kernels (e.g. flash-linear-attention's gated delta rule), not the PyTorch reference ones."""
+    packed = kernels.get("packed") or {}
+    compute = [v for k, v in packed.items() if k not in ("reason",) and isinstance(v, str)]
+    fast = bool(compute) and any(not name.endswith("_torch") for name in compute
+                                 if "delta" in name or "conv" in name) and not kernels.get("slow_fallbacks")
+    available = ", ".join(f"{name} {'✓' if ok else '✗'}" for name, ok in (kernels.get("available") or {}).items())
+    detail = "; ".join(part for part in (kernels.get("path", ""), packed.get("reason", ""), available) if part)
+    return fast, detail
+
+
 def describe_failure(source: str, error: BaseException) -> str:
     """What failed and what to do, in one paragraph, for any exception a load can raise."""
     from clef_engine.errors import ReleaseError

@@ -41,7 +41,7 @@ def video_bytes(container: str = "mp4", codec: str = "mpeg4", frames: int = 8, f
         stream = out.add_stream(codec, rate=fps)
         stream.width, stream.height, stream.pix_fmt = 64, 48, "yuv420p"
         for i in range(frames):
-            frame = av.VideoFrame.from_ndarray(np.full((48, 64, 3), i * 30, np.uint8), format="rgb24")
+            frame = av.VideoFrame.from_ndarray(np.full((48, 64, 3), (i * 30) % 256, np.uint8), format="rgb24")
             for packet in stream.encode(frame):
                 out.mux(packet)
         for packet in stream.encode():
@@ -218,3 +218,16 @@ def test_build_request_refuses_too_many_images():
     image = Media("image", "a.png", "image/png", image_bytes(), 32, 24)
     with pytest.raises(MediaError, match="at most 4"):
         build_request("s", QUESTIONS, images=[image] * 5)
+
+
+def test_video_preview_shows_the_frames_the_engine_sends(tiny_engine):
+    """The Decide page previews sampled_video_frames; they must be the frames the encoder feeds the model."""
+    clip = check_video("clip.mp4", video_bytes(frames=20, fps=10))
+    preview = state_input.sampled_video_frames(tiny_engine, clip)
+    request = build_request("s", QUESTIONS, videos=[clip])
+    record = tiny_engine.encode(request)
+    (sent,) = record.videos
+    assert preview.frame_indices == sent.frame_indices
+    assert preview.total_frames == 20 and preview.fps == pytest.approx(10)
+    assert len(preview.frames) < 20, "2 fps sampling of a 10 fps clip keeps a subset"
+    np.testing.assert_array_equal(preview.frames, sent.frames)

@@ -1,0 +1,302 @@
+"""The workbench shell, Decide and Schemas pages through Streamlit's AppTest, on the real demo model and a real
+SQLite store and schema folder (temporary)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from streamlit.testing.v1 import AppTest
+
+import ui_common
+from clef_workbench.schemas import SchemaLibrary
+from clef_workbench.store import Store
+
+REPO = Path(__file__).resolve().parents[1]
+APP = str(REPO / "app.py")
+TIMEOUT = 120
+
+
+@pytest.fixture
+def workbench(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """Env for one app: a copy of the shipped schemas, an empty database. The engine is shared (cache_resource)."""
+    schemas_dir = tmp_path / "schemas"
+    shutil.copytree(REPO / "schemas", schemas_dir)
+    monkeypatch.setenv("CLEF_SCHEMAS_DIR", str(schemas_dir))
+    monkeypatch.setenv("CLEF_DB", str(tmp_path / "workbench.sqlite3"))
+    monkeypatch.delenv("CLEF_MODEL", raising=False)
+    monkeypatch.chdir(REPO)
+    ui_common.get_store.clear()  # the store's path comes from CLEF_DB, which differs per test
+    yield tmp_path
+    ui_common.get_store.clear()
+
+
+def start() -> AppTest:
+    at = AppTest.from_file(APP, default_timeout=TIMEOUT)
+    at.run()
+    assert not at.exception, [e.message for e in at.exception]
+    return at
+
+
+def no_exceptions(at: AppTest) -> None:
+    assert not at.exception, [(e.message, e.stack_trace[-3:]) for e in at.exception]
+
+
+def button(at: AppTest, label: str):
+    matches = [b for b in at.button if b.label == label]
+    assert matches, f"no button {label!r}: {[b.label for b in at.button]}"
+    return matches[0]
+
+
+def engine():
+    return ui_common.model_manager().state().engine
+
+
+def charts(at: AppTest) -> int:
+    return len(at.get("vega_lite_chart"))
+
+
+def code_json(at: AppTest, index: int) -> dict:
+    return json.loads(at.code[index].value)
+
+
+# --- shell -------------------------------------------------------------------------------------------------------
+
+
+def test_shell_starts_on_the_demo_model_and_a_page_load_runs_nothing(workbench):
+    at = start()
+    assert [t.value for t in at.title] == ["Decide"]
+    assert any("Its weights are random: the answers mean nothing" in w.value for w in at.warning)
+    status = at.sidebar.markdown[0].value
+    assert "**model:** Demo model (random weights)" in status
+    assert "**device:** cpu" in status and "**dtype:** float32" in status
+    assert "**fast kernels:** off" in status and "**queue depth:** 0" in status
+    assert at.sidebar.selectbox(key="sidebar.model_choice").value == "Demo model (random weights)"
+    records_before = engine().info()["scheduler"]["records"]
+    at.run()
+    at.switch_page("pages/schemas.py")
+    at.run()
+    no_exceptions(at)
+    assert engine().info()["scheduler"]["records"] == records_before, "loading pages must not run the model"
+
+
+def test_shell_lists_only_existing_pages(workbench):
+    at = start()
+    # The navigation is built from the files in pages/; Decide and Schemas always exist.
+    at.switch_page("pages/schemas.py")
+    at.run()
+    no_exceptions(at)
+    assert [t.value for t in at.title] == ["Schema library"]
+
+
+# --- Decide ------------------------------------------------------------------------------------------------------
+
+
+def test_decide_runs_the_example_schema_and_shows_one_card_per_question(workbench):
+    at = start()
+    schema = SchemaLibrary(workbench / "schemas").load("support-ticket-routing")
+    assert at.text_area(key="decide.state_text").value == schema.examples[0]["state"]
+    assert any(c.value.startswith("Read as plain text") for c in at.caption)
+    assert charts(at) == 1, "only the token budget bar before running"
+    assert any("tokens used" in s.value for s in at.success)
+    button(at, "Run").click()
+    at.run()
+    no_exceptions(at)
+    answer_metrics = [m for m in at.metric if m.label == "Answer"]
+    assert len(answer_metrics) == len(schema.questions) == 5
+    assert charts(at) == 1 + 5
+    assert any(m.label == "Score" for m in at.metric), "the score question shows its expected score"
+    latency = next(m for m in at.metric if m.label == "Latency")
+    assert latency.value.endswith(" ms")
+    response, request = code_json(at, 0), code_json(at, 1)
+    assert list(response["answers"]) == list(schema.questions)
+    assert request["state"] == schema.examples[0]["state"] and request["questions"] == schema.questions
+    assert response["model"] == request["model"] == "clef-demo"
+    for answer in response["answers"].values():
+        if answer["type"] == "choice":
+            assert sum(answer["probabilities"].values()) == pytest.approx(1, abs=1e-3)
+
+
+def test_invalid_json_state_shows_line_and_column_and_blocks_run(workbench):
+    at = start()
+    at.text_area(key="decide.state_text").input('{\n  "vendor": "ACME",\n  "total": ,\n}').run()
+    no_exceptions(at)
+    errors = [e.value for e in at.error]
+    assert any("The state is not valid JSON: Expecting value. (line 3, column 12)" in e for e in errors), errors
+    assert button(at, "Run").disabled
+    at.text_area(key="decide.state_text").input('{"vendor": "ACME", "total": 12}').run()
+    assert any(c.value == "Read as JSON object · 2 keys" for c in at.caption)
+    assert not button(at, "Run").disabled
+
+
+def test_builder_adds_reorders_removes_and_validates_questions(workbench):
+    shutil.rmtree(workbench / "schemas")
+    at = start()
+    assert any("No questions yet" in i.value for i in at.info)
+    assert button(at, "Run").disabled
+    for qtype in ("noul", "choice", "score"):
+        at.selectbox(key="decide.new_type").select(qtype).run()
+        button(at, "Add question").click().run()
+    no_exceptions(at)
+    ids = [t.value for t in at.text_input if t.key.endswith(".id")]
+    assert ids == ["q1", "q2", "q3"]
+    types = [s.value for s in at.selectbox if s.key.startswith("decide.q") and s.key.endswith(".type")]
+    assert types == ["noul", "choice", "score"]
+
+    # A duplicate id is an error shown on the question, and blocks the run.
+    at.text_input(key="decide.q1.id").input("q1").run()
+    assert any('question "q1": the id appears more than once' in e.value for e in at.error)
+    assert button(at, "Run").disabled
+    at.text_input(key="decide.q1.id").input("team").run()
+    at.text_input(key="decide.q0.id").input("is_urgent").run()
+    at.text_area(key="decide.q0.instructions").input("Is this urgent?").run()
+    at.text_area(key="decide.q1.instructions").input("Which team?").run()
+    at.text_area(key="decide.q2.instructions").input("How angry is the customer?").run()
+    # Only one option is an error (2–255 needed), named with question and field.
+    at.text_area(key="decide.q1.options").input("billing: Money").run()
+    assert any('question "team", field "criteria": a choice question needs 2–255 options (has 1)' in e.value
+               for e in at.error)
+    at.text_area(key="decide.q1.options").input("billing: Money\ntech: Broken things\nunknown: None of these").run()
+    assert [e.value for e in at.error] == ["The state is empty: write the record the model should read (plain text "
+                                           "or JSON)."], "only the (still empty) state is wrong now"
+
+    # Move the score question to the top, then remove the noul question.
+    at.button(key="decide.q2.up").click().run()
+    at.button(key="decide.q2.up").click().run()
+    assert [t.value for t in at.text_input if t.key.endswith(".id")] == ["q3", "is_urgent", "team"]
+    at.button(key="decide.q0.remove").click().run()
+    assert [t.value for t in at.text_input if t.key.endswith(".id")] == ["q3", "team"]
+
+    at.text_area(key="decide.state_text").input('{"body": "My invoice is wrong!"}').run()
+    button(at, "Run").click().run()
+    no_exceptions(at)
+    response = code_json(at, 0)
+    assert list(response["answers"]) == ["q3", "team"]
+    assert list(response["answers"]["team"]["probabilities"]) == ["billing", "tech", "unknown"]
+    assert response["answers"]["q3"]["legend"] == {"0": "Low", "1": "Medium", "2": "High"}
+
+
+def test_token_budget_refuse_then_truncate(workbench):
+    at = start()
+    at.text_area(key="decide.state_text").input("word " * 3000).run()
+    at.number_input(key="decide.max_length").set_value(2000).run()
+    no_exceptions(at)
+    warnings = [w.value for w in at.warning]
+    assert any("tokens of the state would be cut" in w for w in warnings), warnings
+    button(at, "Run").click().run()
+    no_exceptions(at)
+    errors = [e.value for e in at.error]
+    assert any("over max_length 2000" in e and "allow truncation" in e for e in errors), errors
+    assert not [m for m in at.metric if m.label == "Answer"], "a refused request has no answers"
+    at.radio(key="decide.overflow").set_value("truncate_state").run()
+    button(at, "Run").click().run()
+    no_exceptions(at)
+    truncated = next(m for m in at.metric if m.label == "Truncated state tokens")
+    assert int(truncated.value.replace(",", "")) > 0
+    assert any("were cut to fit max_length" in w.value for w in at.warning)
+    assert code_json(at, 0)["usage"]["input_tokens"] == 2000
+
+
+def test_save_as_case_with_confirmed_labels(workbench):
+    at = start()
+    button(at, "Run").click().run()
+    response = code_json(at, 0)
+    at.checkbox(key="decide.confirm_labels").check().run()
+    at.text_input(key="decide.case_tags").input("smoke, demo").run()
+    button(at, "Save as case").click().run()
+    no_exceptions(at)
+    assert any("Saved case #" in s.value and "with expected labels" in s.value for s in at.success)
+    store = Store(workbench / "workbench.sqlite3")
+    (case_set,) = store.list_case_sets()
+    assert case_set["name"] == "Support ticket routing cases" and case_set["case_count"] == 1
+    (case,) = store.list_cases(case_set["id"])
+    schema = SchemaLibrary(workbench / "schemas").load("support-ticket-routing")
+    assert case["state"] == schema.examples[0]["state"]
+    assert case["tags"] == ["smoke", "demo"]
+    assert case["expected"]["team"] == response["answers"]["team"]["choice"]
+    assert case["expected"]["churn_threat"] == (response["answers"]["churn_threat"]["noul"] >= 0.5)
+
+
+def test_save_builder_schema_to_library(workbench):
+    at = start()
+    at.text_input(key="decide.schema_name").input("Routing v2").run()
+    button(at, "Save as new schema").click().run()
+    no_exceptions(at)
+    assert any("Saved as routing-v2.json" in s.value for s in at.success)
+    library = SchemaLibrary(workbench / "schemas")
+    original = library.load("support-ticket-routing")
+    assert library.load("routing-v2").questions == original.questions
+
+
+# --- Schemas page ------------------------------------------------------------------------------------------------
+
+
+def open_schemas(at: AppTest) -> AppTest:
+    at.switch_page("pages/schemas.py")
+    at.run()
+    no_exceptions(at)
+    return at
+
+
+def test_schemas_page_lists_and_lints_the_library(workbench):
+    at = open_schemas(start())
+    listing = at.dataframe[0].value
+    assert list(listing["file"]) == ["invoice-triage.json", "security-alert-triage.json",
+                                     "support-ticket-routing.json", "vehicle-damage-claim-photo.json"]
+    assert set(listing["lint"]) == {"ok"}
+    assert any(s.value == "Lint: no warnings." for s in at.success)
+
+
+def test_schemas_page_create_edit_duplicate_delete(workbench):
+    library = SchemaLibrary(workbench / "schemas")
+    at = open_schemas(start())
+    at.text_input(key="schemas.new_name").input("Refund triage").run()
+    button(at, "Create").click().run()
+    no_exceptions(at)
+    assert library.load("refund-triage").version == 1
+    assert at.selectbox(key="schemas.selected").value == "refund-triage"
+
+    # A syntax error names line and column; nothing is written.
+    editor = at.text_area(key="schemas.json.refund-triage")
+    before = (workbench / "schemas" / "refund-triage.json").read_text()
+    editor.input(before.replace('"version": 1,', '"version": 1')).run()
+    button(at, "Save changes").click().run()
+    assert any("not valid JSON: Expecting ',' delimiter at line 4, column 3" in e.value for e in at.error)
+    assert (workbench / "schemas" / "refund-triage.json").read_text() == before
+
+    # A valid edit that changes the questions bumps the version.
+    data = json.loads(before)
+    data["questions"]["q1"]["instructions"] = "Is the customer asking for their money back?"
+    at.text_area(key="schemas.json.refund-triage").input(json.dumps(data)).run()
+    button(at, "Save changes").click().run()
+    no_exceptions(at)
+    assert library.load("refund-triage").version == 2
+    assert library.load("refund-triage").questions["q1"]["instructions"].startswith("Is the customer")
+    assert at.text_area(key="schemas.json.refund-triage").value == library.export_json("refund-triage")
+
+    at.text_input(key="schemas.dup_name.refund-triage").input("Refund triage EU").run()
+    button(at, "Duplicate").click().run()
+    assert library.load("refund-triage-eu").name == "Refund triage EU"
+    assert at.selectbox(key="schemas.selected").value == "refund-triage-eu"
+
+    button(at, "Delete").click().run()
+    assert any("Tick the confirmation box first" in e.value for e in at.error)
+    assert library.exists("refund-triage-eu")
+    at.checkbox(key="schemas.confirm_delete.refund-triage-eu").check().run()
+    button(at, "Delete").click().run()
+    no_exceptions(at)
+    assert not library.exists("refund-triage-eu") and library.exists("refund-triage")
+
+
+def test_open_in_decide_loads_the_schema_into_the_builder(workbench):
+    at = open_schemas(start())
+    at.selectbox(key="schemas.selected").select("security-alert-triage").run()
+    button(at, "Open in Decide").click().run()
+    no_exceptions(at)
+    assert [t.value for t in at.title] == ["Decide"]
+    ids = [t.value for t in at.text_input if t.key.startswith("decide.q") and t.key.endswith(".id")]
+    assert ids == ["verdict", "attack_tactic", "severity", "page_oncall", "privileged_account"]
+    state = json.loads(at.text_area(key="decide.state_text").value)
+    assert state["rule"] == "Credential dumping: LSASS process access"

@@ -1,0 +1,137 @@
+"""The process-wide model manager: default model choice, one load at a time, clear failures, demo fallback."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+
+import clef_engine
+from clef_engine.errors import ReleaseError
+from clef_workbench import model_loader
+from clef_workbench.model_loader import DEMO_SOURCE, ModelManager
+
+
+class FakeEngine:
+    def __init__(self, source):
+        self.source = str(source)
+        self.closed = False
+
+    def close(self):
+        self.closed = True
+
+
+def test_default_source():
+    assert model_loader.default_source({"CLEF_MODEL": " /models/flash "}, cuda=False) == "/models/flash"
+    assert model_loader.default_source({}, cuda=True) == "Cloudflare/clef"
+    assert model_loader.default_source({}, cuda=False) == DEMO_SOURCE
+
+
+def test_request_model_name():
+    assert model_loader.request_model_name("Cloudflare/clef") == "clef"
+    assert model_loader.request_model_name("cloudflare/clef-flash") == "clef-flash"
+    assert model_loader.request_model_name(DEMO_SOURCE) == "clef-demo"
+    assert model_loader.request_model_name("/models/my-release") == "my-release"
+
+
+def test_loads_once_even_when_many_sessions_ask():
+    calls = []
+    gate = threading.Event()
+
+    def loader(source):
+        calls.append(source)
+        gate.wait(5)
+        return FakeEngine(source)
+
+    manager = ModelManager(loader=loader, demo_path=lambda: Path("/demo"))
+    for _ in range(5):
+        manager.request("/models/a")
+    assert manager.state().loading_source == "/models/a"
+    gate.set()
+    state = manager.wait(5)
+    assert calls == ["/models/a"]
+    assert state.engine.source == "/models/a" and state.error is None and not state.is_demo
+    manager.request("/models/a")  # already resident: nothing happens
+    assert manager.wait(5).engine is state.engine and calls == ["/models/a"]
+
+
+def test_failed_first_load_falls_back_to_demo_with_the_reason():
+    def loader(source):
+        if str(source) == "/missing":
+            raise ReleaseError("release folder /missing does not exist")
+        return FakeEngine(source)
+
+    manager = ModelManager(loader=loader, demo_path=lambda: Path("/demo-release"))
+    manager.request("/missing")
+    state = manager.wait(5)
+    assert state.is_demo and state.engine.source == "/demo-release"
+    assert state.error == "Could not load /missing: release folder /missing does not exist"
+    assert "demo model" in state.notice
+
+
+def test_failed_switch_keeps_the_resident_model():
+    def loader(source):
+        if str(source) == "/broken":
+            raise MemoryError("CUDA out of memory")
+        return FakeEngine(source)
+
+    manager = ModelManager(loader=loader, demo_path=lambda: Path("/demo"))
+    manager.request("/good")
+    first = manager.wait(5).engine
+    manager.request("/broken")
+    state = manager.wait(5)
+    assert state.engine is first and state.source == "/good" and not first.closed
+    assert "the GPU ran out of memory" in state.error
+
+
+def test_switching_closes_the_old_engine():
+    manager = ModelManager(loader=FakeEngine, demo_path=lambda: Path("/demo"))
+    manager.request("/a")
+    first = manager.wait(5).engine
+    manager.request(DEMO_SOURCE)
+    state = manager.wait(5)
+    assert state.is_demo and first.closed
+
+
+def test_published_models_are_refused_without_cuda(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setattr(model_loader, "cuda_available", lambda: False)
+    loaded = []
+    manager = ModelManager(loader=lambda s: loaded.append(str(s)) or FakeEngine(s), demo_path=lambda: Path("/demo"))
+    manager.request("Cloudflare/clef")
+    state = manager.wait(5)
+    assert "Clef (27B) needs a CUDA GPU and none is visible here" in state.error
+    assert loaded == ["/demo"], "the 27B model must not even start loading on a CPU machine"
+
+
+def test_describe_failure_for_unexpected_errors():
+    assert model_loader.describe_failure("/x", ImportError("No module named 'av'")).startswith(
+        "Could not load /x: a Python package is missing")
+    assert "Check CLEF_MODEL" in model_loader.describe_failure("/x", RuntimeError("boom"))
+
+
+def test_real_demo_release_loads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """The real path: the demo release built into a cache folder, loaded on the CPU, answers a request."""
+    monkeypatch.setenv("CLEF_CACHE_DIR", str(tmp_path))
+    manager = ModelManager()
+    manager.request(DEMO_SOURCE)
+    state = manager.wait(120)
+    assert state.error is None and state.is_demo
+    assert clef_engine.is_demo_release(Path(state.engine.info()["path"]))
+    response = state.engine.decide({"state": "hello", "questions": {"q": {"type": "noul", "instructions": "Hi?"}}})
+    assert 0.0 <= response["answers"]["q"]["noul"] <= 1.0
+    state.engine.close()
+
+
+def test_kernel_summary():
+    cpu = {"available": {"flash-linear-attention": False}, "path": "forward_packed",
+           "packed": {"gated_delta": "kernels.gated_delta_torch", "causal_conv": "kernels.causal_conv_torch",
+                      "reason": "CPU: PyTorch reference kernels"}, "slow_fallbacks": []}
+    fast, detail = model_loader.kernel_summary(cpu)
+    assert not fast and detail == "forward_packed; CPU: PyTorch reference kernels; flash-linear-attention ✗"
+    gpu = {"available": {"flash-linear-attention": True}, "path": "forward_packed",
+           "packed": {"gated_delta": "fla.chunk_gated_delta_rule", "causal_conv": "kernels.causal_conv_torch"},
+           "slow_fallbacks": []}
+    assert model_loader.kernel_summary(gpu)[0]
+    assert not model_loader.kernel_summary({**gpu, "slow_fallbacks": ["gated_delta"]})[0]
+    assert not model_loader.kernel_summary({"path": "forward_padded", "available": {}})[0]
