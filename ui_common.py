@@ -91,11 +91,11 @@ def get_engine(*, show_errors: bool = True):
 
 def show_load_messages(state: LoadState) -> None:
     if state.error:
-        st.error(state.error, icon="⚠️")
+        st.error(state.error, icon=":material/warning:")
     if state.notice:
         st.info(state.notice)
     if state.engine is not None and state.is_demo:
-        st.warning(DEMO_BANNER, icon="🎲")
+        st.warning(DEMO_BANNER, icon=":material/casino:")
 
 
 def _gib(n: int | None) -> str:

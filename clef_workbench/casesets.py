@@ -420,3 +420,101 @@ def load_example_case_sets(store: Store, schemas_dir: Path | None = None,
         store.add_cases(case_set_id, cases)
         loaded[slug] = case_set_id
     return loaded
+
+
+# -- table editing ------------------------------------------------------------------------------------------------
+
+EDITOR_COLUMNS = ["id", "state", "expected", "tags", "images", "videos"]
+
+
+def state_text(state: Any) -> str:
+    return state if isinstance(state, str) else json.dumps(state, ensure_ascii=False)
+
+
+def editor_frame(store: Store, case_set_id: int) -> pd.DataFrame:
+    """The case set as an editable table: state (text, or JSON for non-string states), expected (JSON object),
+    tags (comma separated), and media counts (read-only)."""
+    rows = [{"id": c["id"], "state": state_text(c["state"]),
+             "expected": json.dumps(c["expected"], ensure_ascii=False) if c["expected"] else "",
+             "tags": ", ".join(c["tags"]), "images": c["image_count"], "videos": c["video_count"]}
+            for c in store.list_cases(case_set_id)]
+    return pd.DataFrame(rows, columns=EDITOR_COLUMNS)
+
+
+def _parsestate_text(text: str) -> Any:
+    if text.strip().startswith(("{", "[")):
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"looks like JSON but does not parse ({exc.msg} at line {exc.lineno} column "
+                             f"{exc.colno})") from exc
+    return text
+
+
+def apply_case_edits(store: Store, case_set_id: int, edited: pd.DataFrame, schema: dict | None) -> dict[str, int]:
+    """Write an edited editor_frame back: rows without an id are added, rows whose state, expected or tags changed
+    are updated, ids missing from `edited` are deleted. Every row is checked first; on any problem nothing is
+    written and CaseImportError names each bad row (1-based, as shown) and column."""
+    current = {c["id"]: c for c in store.list_cases(case_set_id)}
+    questions = (schema or {}).get("questions")
+    problems: list[str] = []
+    to_add: list[dict] = []
+    to_update: list[tuple[int, dict]] = []
+    kept: set[int] = set()
+    for number, row in enumerate(edited.to_dict("records"), start=1):
+        raw_id = row.get("id")
+        case_id = None if raw_id is None or (isinstance(raw_id, float) and math.isnan(raw_id)) else int(raw_id)
+        state_text = row.get("state")
+        if state_text is None or (isinstance(state_text, float) and math.isnan(state_text)) or not str(
+                state_text).strip():
+            problems.append(f"row {number}, state: must not be empty")
+            continue
+        try:
+            state = _parsestate_text(str(state_text))
+        except ValueError as exc:
+            problems.append(f"row {number}, state: {exc}")
+            continue
+        expected: dict[str, Any] = {}
+        expected_text = row.get("expected")
+        if isinstance(expected_text, str) and expected_text.strip():
+            try:
+                raw = json.loads(expected_text)
+                if not isinstance(raw, dict):
+                    raise ValueError("must be a JSON object {question: answer}")
+                for question_id, value in raw.items():
+                    if questions is not None:
+                        if question_id not in questions:
+                            raise ValueError(f"the schema has no question {question_id!r}")
+                        value = coerce_expected(question_id, questions[question_id], value)
+                    expected[question_id] = value
+            except json.JSONDecodeError as exc:
+                problems.append(f"row {number}, expected: not JSON ({exc.msg} at column {exc.colno})")
+                continue
+            except ValueError as exc:
+                problems.append(f"row {number}, expected: {exc}")
+                continue
+        tags_text = row.get("tags")
+        tags = [t.strip() for t in str(tags_text).split(",") if t.strip()] if isinstance(tags_text, str) else []
+        fields = {"state": state, "expected": expected, "tags": tags}
+        if case_id is None:
+            to_add.append(fields)
+        elif case_id not in current:
+            problems.append(f"row {number}, id: case {case_id} is not in this case set")
+        else:
+            kept.add(case_id)
+            old = current[case_id]
+            if (old["state"], old["expected"], old["tags"]) != (state, expected, tags):
+                to_update.append((case_id, fields))
+    if problems:
+        raise CaseImportError(problems)
+    to_delete = [case_id for case_id in current if case_id not in kept]
+    for case_id in to_delete:  # refused (StoreError) for cases with results: checked before anything changes
+        if store.list_runs(case_set_id):
+            raise CaseImportError([f"case {case_id} cannot be deleted: the case set has runs whose results use it"])
+    for case_id, fields in to_update:
+        store.update_case(case_id, **fields)
+    if to_add:
+        store.add_cases(case_set_id, to_add)
+    for case_id in to_delete:
+        store.delete_case(case_id)
+    return {"added": len(to_add), "updated": len(to_update), "deleted": len(to_delete)}

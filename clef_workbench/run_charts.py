@@ -1,0 +1,100 @@
+"""Altair charts for the Runs and Review pages, built from clef_workbench.stats outputs (no Streamlit here)."""
+
+from __future__ import annotations
+
+import altair as alt
+import pandas as pd
+
+from clef_workbench.answers import CHOSEN_COLOR, OTHER_COLOR
+
+
+def latency_histogram(results: list[dict], *, bins: int = 30) -> alt.Chart:
+    """Histogram of per-record latency (ms) over successful results, with p50 and p95 rules."""
+    data = pd.DataFrame([{"latency_ms": r["latency_ms"]} for r in results
+                         if not r.get("error") and r.get("latency_ms") is not None])
+    if data.empty:
+        data = pd.DataFrame({"latency_ms": pd.Series(dtype=float)})
+    bars = alt.Chart(data).mark_bar(color="#2f80ed").encode(
+        x=alt.X("latency_ms:Q", bin=alt.Bin(maxbins=bins), title="latency (ms)"),
+        y=alt.Y("count():Q", title="records"),
+        tooltip=[alt.Tooltip("count():Q", title="records")],
+    )
+    quantiles = pd.DataFrame({
+        "quantile": ["p50", "p95"],
+        "latency_ms": [data["latency_ms"].quantile(0.5), data["latency_ms"].quantile(0.95)] if len(data) else [0, 0],
+    })
+    rules = alt.Chart(quantiles).mark_rule(color=CHOSEN_COLOR, strokeDash=[4, 3]).encode(
+        x="latency_ms:Q", tooltip=["quantile:N", alt.Tooltip("latency_ms:Q", format=".1f")])
+    return (bars + rules).properties(height=220, title="Latency per record")
+
+
+def accuracy_chart(accuracy: pd.DataFrame) -> alt.Chart:
+    """Bars of accuracy per question (questions without expected answers are left out)."""
+    data = accuracy.dropna(subset=["accuracy"])
+    return alt.Chart(data).mark_bar(color="#27ae60").encode(
+        y=alt.Y("question_id:N", title=None, sort=list(data["question_id"])),
+        x=alt.X("accuracy:Q", scale=alt.Scale(domain=[0, 1]), axis=alt.Axis(format="%")),
+        tooltip=["question_id", "n_expected", "n_correct", alt.Tooltip("accuracy:Q", format=".1%")],
+    ).properties(height=max(60, 26 * len(data)), title="Accuracy vs expected answers")
+
+
+def confusion_heatmap(matrix: pd.DataFrame, question_id: str) -> alt.LayerChart:
+    """Expected (rows) × predicted (columns) counts with the numbers printed in the cells."""
+    order = list(matrix.index)
+    data = matrix.reset_index().melt(id_vars="expected", var_name="predicted", value_name="count")
+    base = alt.Chart(data).encode(
+        y=alt.Y("expected:N", sort=order, title="expected"),
+        x=alt.X("predicted:N", sort=order, title="predicted"),
+    )
+    cells = base.mark_rect().encode(color=alt.Color("count:Q", scale=alt.Scale(scheme="blues"), legend=None),
+                                    tooltip=["expected", "predicted", "count"])
+    text = base.mark_text().encode(text="count:Q")
+    size = max(160, 34 * len(order))
+    return (cells + text).properties(width=size, height=size, title=f"Confusion: {question_id}")
+
+
+def reliability_diagram(bins: pd.DataFrame, question_id: str) -> alt.LayerChart:
+    """Accuracy against mean confidence per bin (points sized by count) and the diagonal of perfect calibration."""
+    filled = bins[bins["count"] > 0]
+    diagonal = alt.Chart(pd.DataFrame({"x": [0.0, 1.0], "y": [0.0, 1.0]})).mark_line(
+        color=OTHER_COLOR, strokeDash=[4, 3]).encode(x="x:Q", y="y:Q")
+    points = alt.Chart(filled).mark_circle(color=CHOSEN_COLOR, opacity=0.9).encode(
+        x=alt.X("mean_confidence:Q", scale=alt.Scale(domain=[0, 1]), title="mean confidence"),
+        y=alt.Y("accuracy:Q", scale=alt.Scale(domain=[0, 1]), title="accuracy"),
+        size=alt.Size("count:Q", legend=None),
+        tooltip=["bin_low", "bin_high", "count", alt.Tooltip("mean_confidence:Q", format=".3f"),
+                 alt.Tooltip("accuracy:Q", format=".3f")],
+    )
+    line = alt.Chart(filled).mark_line(color=CHOSEN_COLOR).encode(x="mean_confidence:Q", y="accuracy:Q")
+    return (diagonal + line + points).properties(width=220, height=220, title=f"Reliability: {question_id}")
+
+
+def shift_histogram(shifts: pd.DataFrame) -> alt.Chart:
+    """Histogram of per-option probability changes p_B − p_A between two runs."""
+    data = shifts if not shifts.empty else pd.DataFrame({"shift": pd.Series(dtype=float)})
+    return alt.Chart(data).mark_bar(color="#8e6bd8").encode(
+        x=alt.X("shift:Q", bin=alt.Bin(extent=[-1, 1], step=0.05), title="p(B) − p(A) per option"),
+        y=alt.Y("count():Q", title="options"),
+    ).properties(height=220, title="Probability shift")
+
+
+def distribution_table(question: dict, distribution: dict[str, float], predicted: str) -> pd.DataFrame:
+    """A review item's frozen distribution as the table answers.probability_chart draws: option, label,
+    description, probability, chosen."""
+    qtype = question.get("type")
+    criteria = question.get("criteria")
+    rows = []
+    for option, p in distribution.items():
+        if qtype == "choice":
+            description = (criteria or {}).get(option) or ""
+            label = option
+        elif qtype == "score":
+            levels = criteria or []
+            description = levels[int(option)] if option.isdigit() and int(option) < len(levels) else ""
+            label = f"{option}: {description[:38]}…" if len(description) > 38 else f"{option}: {description}"
+        else:
+            description = ((criteria or {}) if isinstance(criteria, dict) else {}).get(option) or ""
+            label = option
+        rows.append({"option": option, "label": label, "description": description, "probability": float(p),
+                     "chosen": option == predicted})
+    return pd.DataFrame(rows, columns=["option", "label", "description", "probability", "chosen"])

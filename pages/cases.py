@@ -1,0 +1,213 @@
+"""Case sets: create, import CSV / JSONL with a column mapping, edit in a table, export. Rendering only: parsing,
+validation and storage are in clef_workbench.casesets and clef_workbench.store."""
+
+from __future__ import annotations
+
+import re
+
+import streamlit as st
+
+from clef_workbench import casesets
+from clef_workbench.casesets import CaseImportError, CsvMapping
+from clef_workbench.schemas import SchemaError
+from clef_workbench.store import StoreError
+from ui_common import get_library, get_store, kept_widget, page_key
+
+K = page_key("cases")
+NO_SCHEMA = "(none)"
+NOT_MAPPED = "(not mapped)"
+
+st.title("Case sets")
+st.caption("A case set is a named list of records (state, images, videos, expected answers, tags) to run against a "
+           "schema. Media are stored with the case in the workbench database.")
+store = get_store()
+library = get_library()
+schema_slugs = library.slugs()
+
+
+def load_schema(slug: str | None) -> dict | None:
+    if not slug or slug not in schema_slugs:
+        return None
+    try:
+        return library.load(slug).to_dict()
+    except SchemaError as exc:
+        st.warning(f"Schema {slug!r} does not load, so expected answers are not checked: {exc}")
+        return None
+
+
+def show_problems(exc: CaseImportError) -> None:
+    st.error(f"Nothing was changed: {len(exc.problems)} problem(s).")
+    st.markdown("\n".join(f"- {p}" for p in exc.problems[:50]))
+
+
+top = st.columns([3, 2])
+with top[1]:
+    if st.button("Load the example case sets", key=K("load_examples"), icon=":material/library_add:",
+                 help="One example set per shipped schema, with expected answers."):
+        loaded = casesets.load_example_case_sets(store, library.directory)
+        st.success(f"Example case sets ready: {len(loaded)}.")
+    with st.popover("New case set", icon=":material/add:"):
+        with st.form(K("create_form"), clear_on_submit=True):
+            name = st.text_input("Name", key=K("new_name"))
+            schema_pick = st.selectbox("Schema it is meant for", [NO_SCHEMA] + schema_slugs, key=K("new_schema"))
+            description = st.text_area("Description", key=K("new_description"))
+            if st.form_submit_button("Create"):
+                try:
+                    new_id = store.create_case_set(name, schema_name=None if schema_pick == NO_SCHEMA else schema_pick,
+                                                   description=description)
+                except (StoreError, ValueError) as exc:
+                    st.error(str(exc))
+                else:
+                    st.session_state[K("selected")] = new_id
+                    st.session_state["_keep." + K("selected")] = new_id
+                    st.success(f"Created case set #{new_id}.")
+
+sets = store.list_case_sets()
+if not sets:
+    st.info("No case sets yet. Create one, load the examples, or save cases from the Decide page.")
+    st.stop()
+labels = {s["id"]: f"{s['name']} ({s['case_count']} cases)" for s in sets}
+ids = list(labels)
+if st.session_state.get(K("selected")) not in ids:
+    st.session_state.pop(K("selected"), None)
+    st.session_state["_keep." + K("selected")] = ids[0]
+with top[0]:
+    case_set_id = kept_widget(st.selectbox, "Case set", K("selected"), default=ids[0], options=ids,
+                              format_func=lambda i: labels[i])
+case_set = store.get_case_set(case_set_id)
+schema = load_schema(case_set["schema_name"])
+st.caption(f"Schema: **{case_set['schema_name'] or 'none'}** · {case_set['case_count']} cases · created "
+           f"{case_set['created_at'][:19].replace('T', ' ')} · {case_set['description'] or ''}")
+
+tab_cases, tab_import, tab_export, tab_settings = st.tabs(["Cases", "Import", "Export", "Settings"])
+
+with tab_cases:
+    st.caption("Edit states (text, or JSON for structured states), expected answers as a JSON object "
+               "`{question: answer}` (choice: option id, yes/no: true/false, score: level number) and tags. "
+               "Add rows at the bottom; delete rows with the row menu. Nothing is written until you save.")
+    frame = casesets.editor_frame(store, case_set_id)
+    edited = st.data_editor(
+        frame, key=K(f"editor.{case_set_id}"), num_rows="dynamic", hide_index=True, width="stretch",
+        column_config={
+            "id": st.column_config.NumberColumn("id", disabled=True),
+            "state": st.column_config.TextColumn("state", width="large", required=True),
+            "expected": st.column_config.TextColumn("expected (JSON)", width="medium"),
+            "tags": st.column_config.TextColumn("tags"),
+            "images": st.column_config.NumberColumn("images", disabled=True),
+            "videos": st.column_config.NumberColumn("videos", disabled=True),
+        },
+    )
+    if st.button("Save changes", key=K("save_edits"), icon=":material/save:"):
+        try:
+            counts = casesets.apply_case_edits(store, case_set_id, edited, schema)
+        except CaseImportError as exc:
+            show_problems(exc)
+        else:
+            st.session_state.pop(K(f"editor.{case_set_id}"), None)
+            st.success(f"Saved: {counts['added']} added, {counts['updated']} updated, {counts['deleted']} deleted.")
+            st.rerun()
+
+with tab_import:
+    upload = st.file_uploader("CSV or JSONL file", type=["csv", "jsonl", "json"], key=K("upload"),
+                              help="JSONL: one object per line with state, and optionally expected, tags, images and "
+                                   "videos (data URLs). CSV: map the columns below.")
+    if upload is not None:
+        text = upload.getvalue().decode("utf-8-sig", errors="replace")
+        parsed = None
+        if upload.name.lower().endswith(".csv"):
+            columns = casesets.csv_columns(text)
+            st.write(f"Columns: {', '.join(f'`{c}`' for c in columns)}")
+            questions = list((schema or {}).get("questions", {}))
+
+            def guess(question_id: str) -> str:
+                for column in columns:
+                    plain = re.sub(r"^(expected[._ ]?)", "", column.lower())
+                    if plain == question_id.lower():
+                        return column
+                return NOT_MAPPED
+
+            expected_map: dict[str, str] = {}
+            if questions:
+                st.markdown("**Expected answers** (column per question)")
+                cols = st.columns(min(3, len(questions)))
+                for index, question_id in enumerate(questions):
+                    options = [NOT_MAPPED] + columns
+                    picked = cols[index % len(cols)].selectbox(question_id, options,
+                                                               index=options.index(guess(question_id)),
+                                                               key=K(f"map.expected.{question_id}"))
+                    if picked != NOT_MAPPED:
+                        expected_map[picked] = question_id
+            else:
+                st.caption("This case set has no schema, so expected answers cannot be mapped (set one under "
+                           "Settings).")
+            tags_column = st.selectbox("Tags column", [NOT_MAPPED] + columns, key=K("map.tags"),
+                                       index=([NOT_MAPPED] + columns).index("tags") if "tags" in columns else 0)
+            state_mode = st.radio("State", ["Fields from columns", "Whole state from one column"], horizontal=True,
+                                  key=K("map.state_mode"))
+            used = set(expected_map) | ({tags_column} - {NOT_MAPPED})
+            if state_mode == "Fields from columns":
+                state_columns = st.multiselect("Columns that become state fields (a.b nests)", columns,
+                                               default=[c for c in columns if c not in used], key=K("map.state"))
+                mapping = CsvMapping(state_columns=state_columns, expected_columns=expected_map,
+                                     tags_column=None if tags_column == NOT_MAPPED else tags_column)
+            else:
+                state_column = st.selectbox("State column", columns, key=K("map.state_text"))
+                mapping = CsvMapping(state_text_column=state_column, expected_columns=expected_map,
+                                     tags_column=None if tags_column == NOT_MAPPED else tags_column)
+            try:
+                parsed = casesets.parse_csv(text, mapping, schema)
+            except CaseImportError as exc:
+                show_problems(exc)
+        else:
+            try:
+                parsed = casesets.parse_jsonl(text, schema)
+            except CaseImportError as exc:
+                show_problems(exc)
+        if parsed:
+            st.markdown(f"**Preview** — {len(parsed)} case(s)")
+            st.dataframe([{"state": casesets.state_text(c["state"])[:200], "expected": c["expected"],
+                           "tags": ", ".join(c["tags"]), "images": len(c["images"]), "videos": len(c["videos"])}
+                          for c in parsed[:10]], hide_index=True, width="stretch")
+            if st.button(f"Import {len(parsed)} cases", key=K("do_import"), type="primary",
+                         icon=":material/upload:"):
+                try:
+                    casesets.import_cases(store, case_set_id, parsed)
+                except (StoreError, ValueError) as exc:
+                    st.error(f"Nothing imported: {exc}")
+                else:
+                    st.session_state.pop(K(f"editor.{case_set_id}"), None)
+                    st.success(f"Imported {len(parsed)} cases into “{case_set['name']}”.")
+
+with tab_export:
+    slug = re.sub(r"[^a-z0-9]+", "-", case_set["name"].lower()).strip("-") or "cases"
+    st.download_button("Download JSONL (with media)", casesets.export_jsonl(store, case_set_id),
+                       file_name=f"{slug}.jsonl", mime="application/jsonl", key=K("export_jsonl"),
+                       icon=":material/download:")
+    st.download_button("Download CSV (media counted, not included)", casesets.export_csv(store, case_set_id),
+                       file_name=f"{slug}.csv", mime="text/csv", key=K("export_csv"), icon=":material/download:")
+
+with tab_settings:
+    with st.form(K(f"settings.{case_set_id}")):
+        new_name = st.text_input("Name", value=case_set["name"])
+        current_schema = case_set["schema_name"] if case_set["schema_name"] in schema_slugs else NO_SCHEMA
+        options = [NO_SCHEMA] + schema_slugs
+        new_schema = st.selectbox("Schema", options, index=options.index(current_schema))
+        new_description = st.text_area("Description", value=case_set["description"])
+        if st.form_submit_button("Save settings"):
+            try:
+                store.update_case_set(case_set_id, name=new_name,
+                                      schema_name="" if new_schema == NO_SCHEMA else new_schema,
+                                      description=new_description)
+            except (StoreError, ValueError) as exc:
+                st.error(str(exc))
+            else:
+                st.rerun()
+    if st.button("Delete this case set", key=K("delete"), icon=":material/delete:"):
+        try:
+            store.delete_case_set(case_set_id)
+        except StoreError as exc:
+            st.error(str(exc))
+        else:
+            st.session_state.pop(K("selected"), None)
+            st.session_state.pop("_keep." + K("selected"), None)
+            st.rerun()

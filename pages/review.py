@@ -1,0 +1,265 @@
+"""Review: build a run's queue from per-schema rules (with a preview count), then work through it worst first —
+evidence, full distribution, the frozen reason — with accept / correct / unknown / skip, keyboard shortcuts,
+auto-advance and undo. Every action goes to the append-only audit log. Export the labels as a golden set.
+Rendering only: rules in clef_workbench.review, actions and conflicts in clef_workbench.store."""
+
+from __future__ import annotations
+
+import json
+
+import pandas as pd
+import streamlit as st
+import streamlit.components.v1 as components
+
+from clef_engine.media import load_video
+from clef_workbench import review, run_charts
+from clef_workbench.answers import probability_chart
+from clef_workbench.review import ReviewRules
+from clef_workbench.store import ReviewConflictError, StoreError
+from ui_common import get_store, kept_widget, model_manager, page_key
+
+K = page_key("review")
+MAX_SHORTCUT_OPTIONS = 9
+
+# Streamlit has no key bindings: this script (in a same-origin iframe) listens on the page and clicks the button
+# whose container has the matching key class. It ignores keys typed into inputs and does nothing on other pages.
+KEYBOARD_SCRIPT = """
+<script>
+const doc = window.parent.document;
+if (!doc.__clefReviewKeys) {
+  doc.__clefReviewKeys = true;
+  doc.addEventListener("keydown", (event) => {
+    const target = event.target;
+    if (event.ctrlKey || event.metaKey || event.altKey) return;
+    if (target && (["INPUT", "TEXTAREA", "SELECT"].includes(target.tagName) || target.isContentEditable)) return;
+    if (!doc.querySelector(".st-key-review-card")) return;
+    const names = {a: "accept", u: "unknown", s: "skip", z: "undo"};
+    const key = event.key.toLowerCase();
+    const name = names[key] || (/^[1-9]$/.test(key) ? "correct-" + key : null);
+    if (!name) return;
+    const button = doc.querySelector(".st-key-review-" + name + " button");
+    if (button && !button.disabled) { event.preventDefault(); button.click(); }
+  });
+}
+</script>
+"""
+
+st.title("Review")
+store = get_store()
+runs = [r for r in store.list_runs() if r["done"]]
+if not runs:
+    st.info("No run has results yet. Start one on the Runs page.")
+    st.stop()
+
+reviewer = kept_widget(st.text_input, "Your name (recorded with every action)", K("reviewer"), default="",
+                       placeholder="e.g. ana.lopez").strip()
+run_labels = {r["id"]: f"#{r['id']} {r['case_set_name']} · {r['schema_name']} v{r['schema_version']} · "
+                       f"{r['model_id']}" for r in runs}
+run_ids = list(run_labels)
+if st.session_state.get(K("run")) not in run_ids:
+    st.session_state.pop(K("run"), None)
+    st.session_state["_keep." + K("run")] = run_ids[0]
+run_id = kept_widget(st.selectbox, "Run", K("run"), default=run_ids[0], options=run_ids,
+                     format_func=lambda i: run_labels[i])
+run = store.get_run(run_id)
+questions = run["schema"]["questions"]
+
+# -- rules and queue building -----------------------------------------------------------------------------------
+
+progress = store.review_progress(run_id)
+with st.expander(f"Queue rules for schema “{run['schema_name']}”", expanded=progress["total"] == 0,
+                 icon=":material/rule:"):
+    saved = review.load_rules(store, run["schema_name"])
+    cols = st.columns(2)
+    use_margin = cols[0].checkbox("Margin (top-1 − top-2) below", value=saved.margin_below is not None,
+                                  key=K(f"rules.use_margin.{run_id}"))
+    margin = cols[0].slider("margin threshold", 0.0, 1.0, saved.margin_below if saved.margin_below is not None else 0.2,
+                            0.01, key=K(f"rules.margin.{run_id}"), disabled=not use_margin,
+                            label_visibility="collapsed")
+    use_confidence = cols[1].checkbox("Confidence (top-1 probability) below",
+                                      value=saved.confidence_below is not None, key=K(f"rules.use_conf.{run_id}"))
+    confidence = cols[1].slider("confidence threshold", 0.0, 1.0,
+                                saved.confidence_below if saved.confidence_below is not None else 0.5, 0.01,
+                                key=K(f"rules.conf.{run_id}"), disabled=not use_confidence,
+                                label_visibility="collapsed")
+    cols = st.columns(2)
+    unknown = cols[0].checkbox("An unknown-type option was chosen", value=saved.unknown_option,
+                               key=K(f"rules.unknown.{run_id}"),
+                               help="Options such as unknown / none of these / other / cannot tell: "
+                                    + "; ".join(f"{q}: {', '.join(sorted(ids))}" for q, spec in questions.items()
+                                                if (ids := review.unknown_options(spec))))
+    disagree = cols[1].checkbox("Disagrees with the expected answer", value=saved.disagree_with_expected,
+                                key=K(f"rules.disagree.{run_id}"))
+    picked_questions = st.multiselect("Questions", list(questions), default=saved.questions or list(questions),
+                                      key=K(f"rules.questions.{run_id}"))
+    rules = ReviewRules(confidence_below=confidence if use_confidence else None,
+                        margin_below=margin if use_margin else None, unknown_option=unknown,
+                        disagree_with_expected=disagree,
+                        questions=None if set(picked_questions) == set(questions) else picked_questions)
+    preview = review.preview(store, run_id, rules)
+    st.markdown(f"These rules select **{preview['items']} item(s)** in {preview['cases']} case(s); "
+                f"**{preview['new']} new** to the queue.")
+    if preview["items"]:
+        st.caption(" · ".join(f"{k}: {v}" for k, v in preview["by_rule"].items() if v) + " — per question: "
+                   + ", ".join(f"{k} {v}" for k, v in preview["by_question"].items()))
+    if st.button(f"Add {preview['new']} item(s) to the queue", key=K(f"apply.{run_id}"), type="primary",
+                 disabled=preview["new"] == 0):
+        review.save_rules(store, run["schema_name"], rules)
+        added = review.apply_rules(store, run_id, rules)
+        st.success(f"Queued {added} item(s); their reasons are frozen as of now.")
+        st.rerun()
+
+progress = store.review_progress(run_id)
+if progress["total"] == 0:
+    st.info("The queue of this run is empty. Set the rules above and add items.")
+    st.stop()
+st.progress(progress["reviewed"] / progress["total"],
+            text=f"{progress['reviewed']} of {progress['total']} reviewed · {progress['open']} open · "
+                 f"{progress['skipped']} skipped · {progress['accepted']} accepted · {progress['corrected']} "
+                 f"corrected · {progress['unknown']} unknown")
+
+# -- the current item -------------------------------------------------------------------------------------------
+
+current_key = K(f"current.{run_id}")
+notice_key = K("notice")
+
+
+def current_item() -> dict | None:
+    item_id = st.session_state.get(current_key)
+    if item_id is not None:
+        item = store.get_review_item(item_id)
+        if item["status"] in ("open", "skipped"):
+            return item
+    item = review.next_item(store, run_id)
+    st.session_state[current_key] = None if item is None else item["id"]
+    return item
+
+
+def act(item: dict, action: str, label=None) -> None:
+    """Apply an action as of the version shown, then advance to the next worst item."""
+    if not reviewer:
+        st.session_state[notice_key] = ("error", "Enter your name first: every action is recorded with it.")
+        return
+    try:
+        store.apply_review_action(item["id"], reviewer=reviewer, action=action, label=label,
+                                  expected_version=item["version"])
+    except ReviewConflictError as exc:
+        st.session_state[notice_key] = ("warning", str(exc))
+    except (ValueError, StoreError) as exc:
+        st.session_state[notice_key] = ("error", str(exc))
+    else:
+        st.session_state[notice_key] = ("success", f"{action.capitalize()} saved for case {item['case_id']} · "
+                                                   f"{item['question_id']}.")
+        following = review.next_item(store, run_id, after_item_id=item["id"])
+        st.session_state[current_key] = None if following is None else following["id"]
+
+
+def undo() -> None:
+    if not reviewer:
+        st.session_state[notice_key] = ("error", "Enter your name first: you can undo only your own actions.")
+        return
+    try:
+        item = store.undo_last_action(reviewer, run_id=run_id)
+    except (ReviewConflictError, StoreError) as exc:
+        st.session_state[notice_key] = ("warning", str(exc))
+    else:
+        st.session_state[current_key] = item["id"]
+        st.session_state[notice_key] = ("info", f"Undone: case {item['case_id']} · {item['question_id']} is "
+                                                f"{item['status']} again.")
+
+
+if K("notice") in st.session_state:
+    kind, message = st.session_state.pop(notice_key)
+    getattr(st, kind)(message)
+if not reviewer:
+    st.warning("Enter your name above to review.")
+
+item = current_item()
+if item is None:
+    st.success("Nothing left to review in this run's queue.")
+    st.button("Undo my last action [Z]", key="review-undo", on_click=undo, disabled=not reviewer)
+else:
+    question = questions.get(item["question_id"], {"type": item["question_type"]})
+    components.html(KEYBOARD_SCRIPT, height=0)
+    with st.container(key="review-card", border=True):
+        header = st.columns([3, 2])
+        header[0].markdown(f"### Case {item['case_id']} · `{item['question_id']}` ({item['question_type']})")
+        header[0].markdown(f"**Question:** {question.get('instructions') or item['question_id']}")
+        header[1].markdown(f"**Why queued:** {item['reason']}  \n"
+                           f"Model **{item['model_id']}** · schema **{item['schema_name']} v{item['schema_version']}**"
+                           f"  \nQueued {item['created_at'][:19].replace('T', ' ')} UTC · status {item['status']}")
+        body = st.columns([3, 2])
+        case = store.get_case(item["case_id"])
+        with body[0]:
+            st.markdown("**State**")
+            if isinstance(case["state"], str):
+                st.text(case["state"])
+            else:
+                st.json(case["state"], expanded=True)
+            for index, image in enumerate(case["images"]):
+                st.image(image["data"], caption=f"image {index + 1}", width=360)
+            for index, video in enumerate(case["videos"]):
+                st.markdown(f"**Video {index + 1}**")
+                st.video(video["data"], format=video["content_type"])
+                try:
+                    engine = model_manager().state().engine
+                    if engine is not None:  # the frames the model actually saw
+                        sampled = load_video(video["data"], engine.encoder.video_sample_indices)
+                        frames = list(sampled.frames[:: max(1, len(sampled.frames) // 8)])
+                        st.image(frames, width=120, caption=[f"frame {i}" for i in range(len(frames))])
+                except Exception as exc:  # noqa: BLE001 — a preview problem must not block the review
+                    st.caption(f"Sampled frames unavailable: {exc}")
+            expected = case["expected"].get(item["question_id"])
+            if expected is not None:
+                st.markdown(f"**Expected answer in the case set:** `{json.dumps(expected)}`")
+        with body[1]:
+            table = run_charts.distribution_table(question, item["distribution"], item["predicted"])
+            st.altair_chart(probability_chart(table, title="Model's distribution (at queue time)"),
+                            width="stretch")
+            st.caption(f"Answer **{item['predicted']}** · confidence {item['confidence']:.3f} · "
+                       f"margin {item['margin']:.3f}")
+        buttons = st.columns(4)
+        buttons[0].button(f"Accept “{item['predicted']}” [A]", key="review-accept", on_click=act,
+                          args=(item, "accept"), type="primary", disabled=not reviewer)
+        buttons[1].button("Mark unknown [U]", key="review-unknown", on_click=act, args=(item, "unknown"),
+                          disabled=not reviewer)
+        buttons[2].button("Skip [S]", key="review-skip", on_click=act, args=(item, "skip"), disabled=not reviewer)
+        buttons[3].button("Undo my last action [Z]", key="review-undo", on_click=undo, disabled=not reviewer)
+        st.markdown("**Correct to:**")
+        options = list(item["distribution"])
+        option_cols = st.columns(min(len(options), 5))
+        for index, option in enumerate(options):
+            shortcut = f" [{index + 1}]" if index < MAX_SHORTCUT_OPTIONS else ""
+            label = True if option == "true" else False if option == "false" else option
+            option_cols[index % len(option_cols)].button(
+                f"{option}{shortcut}", key=f"review-correct-{index + 1}", on_click=act,
+                args=(item, "correct", label), disabled=not reviewer or option == item["predicted"])
+        st.caption("Keys: A accept · U unknown · S skip · Z undo · 1–9 correct to that option. Each action moves "
+                   "to the next item (smallest margin first).")
+
+# -- log and export ---------------------------------------------------------------------------------------------
+
+with st.expander("Audit log", icon=":material/history:"):
+    log = store.list_review_actions(run_id=run_id)
+    st.dataframe(pd.DataFrame([{"#": a["id"], "when": a["at"][:23].replace("T", " "), "who": a["reviewer"],
+                                "action": a["action"], "case": a["case_id"], "question": a["question_id"],
+                                "before": json.dumps(a["before"]), "after": json.dumps(a["after"])} for a in log]),
+                 hide_index=True, width="stretch")
+
+with st.expander("Export reviewed labels", icon=":material/download:"):
+    reviewed = [i for i in store.list_review_items(run_id) if i["status"] in ("accepted", "corrected", "unknown")]
+    st.download_button("Reviewed labels (CSV)", pd.DataFrame(
+        [{"case_id": i["case_id"], "question_id": i["question_id"], "status": i["status"],
+          "label": json.dumps(i["label"]), "model_answer": i["predicted"], "reviewer": i["reviewer"],
+          "reason": i["reason"]} for i in reviewed]).to_csv(index=False), file_name=f"review-run-{run_id}.csv",
+        mime="text/csv", key=K(f"labels_csv.{run_id}"))
+    golden_name = st.text_input("Golden set name", value=f"Golden: {run['case_set_name']} (run {run_id})",
+                                key=K(f"golden_name.{run_id}"))
+    if st.button("Export as a new case set", key=K(f"golden.{run_id}"), icon=":material/workspace_premium:"):
+        try:
+            golden_id = review.export_golden_set(store, run_id, golden_name)
+        except (ValueError, StoreError) as exc:
+            st.error(str(exc))
+        else:
+            st.success(f"Created case set #{golden_id} “{golden_name}” with "
+                       f"{store.get_case_set(golden_id)['case_count']} cases. Open it on the Case sets page.")

@@ -1,0 +1,280 @@
+"""Runs: start, cancel and resume batch runs of a case set against a schema; progress with ETA; latency,
+throughput, accuracy, confusion, calibration; compare two runs; export results. Rendering only: the job lives in
+the process-wide JobRunner (clef_workbench.jobs), numbers come from clef_workbench.stats."""
+
+from __future__ import annotations
+
+import re
+
+import streamlit as st
+
+from clef_engine import DEFAULT_MAX_LENGTH
+from clef_workbench import casesets, run_charts, stats
+from clef_workbench.answers import option_table, probability_chart
+from clef_workbench.jobs import JobAlreadyRunningError
+from clef_workbench.model_loader import request_model_name
+from clef_workbench.schemas import SchemaError
+from ui_common import get_engine, get_job_runner, get_library, get_store, kept_widget, model_manager, page_key
+
+K = page_key("runs")
+STATUS_ICONS = {"pending": "⏳", "running": "▶️", "cancelled": "⏹️", "finished": "✅", "failed": "❌"}
+
+st.title("Runs")
+store = get_store()
+runner = get_job_runner()
+library = get_library()
+sets = store.list_case_sets()
+runs = store.list_runs()
+
+
+def fmt_ms(value: float | None) -> str:
+    return "–" if value is None else f"{value:,.1f} ms"
+
+
+def fmt_rate(value: float | None, unit: str) -> str:
+    return "–" if value is None else f"{value:,.2f} {unit}/s"
+
+
+def fmt_seconds(value: float | None) -> str:
+    if value is None:
+        return "–"
+    minutes, seconds = divmod(int(round(value)), 60)
+    return f"{minutes} min {seconds:02d} s" if minutes else f"{seconds} s"
+
+
+# -- start a run ------------------------------------------------------------------------------------------------
+
+with st.expander("Start a run", expanded=not runs, icon=":material/play_arrow:"):
+    if not sets:
+        st.info("No case sets yet: create or import one on the Case sets page.")
+    else:
+        set_labels = {s["id"]: f"{s['name']} ({s['case_count']} cases)" for s in sets}
+        start_set = st.selectbox("Case set", list(set_labels), format_func=lambda i: set_labels[i],
+                                 key=K("start.case_set"))
+        slugs = library.slugs()
+        default_slug = next((s["schema_name"] for s in sets if s["id"] == start_set), None)
+        schema_slug = st.selectbox("Schema", slugs, index=slugs.index(default_slug) if default_slug in slugs else 0,
+                                   key=K(f"start.schema.{start_set}")) if slugs else None
+        cols = st.columns(3)
+        chunk_size = cols[0].number_input("Records per batch", 1, 256, 8, key=K("start.chunk"),
+                                          help="Sent to the engine together at bulk priority (interactive requests "
+                                               "from the Decide page go first).")
+        max_length = cols[1].number_input("max_length (tokens)", 256, 262_144, DEFAULT_MAX_LENGTH, step=1024,
+                                          key=K("start.max_length"))
+        overflow = cols[2].radio("If a state does not fit", ["refuse", "truncate_state"], key=K("start.overflow"),
+                                 help="refuse: the case gets an error result; truncate_state: the end of the state "
+                                      "is cut (counted in the results).")
+        if st.button("Start run", key=K("start.go"), type="primary", icon=":material/play_arrow:",
+                     disabled=schema_slug is None):
+            try:
+                schema = library.load(schema_slug).to_dict()
+            except SchemaError as exc:
+                st.error(f"Schema {schema_slug!r} does not load: {exc}")
+                st.stop()
+            schema.pop("examples", None)
+            engine = get_engine()
+            if engine is None:
+                st.error("No model is loaded, so the run cannot start. Choose a model in the sidebar.")
+                st.stop()
+            info = engine.info()
+            model_id = request_model_name(model_manager().state().source)
+            run_id = store.create_run(start_set, schema=schema, model_id=model_id, model_revision=info.get("revision"),
+                                      settings={"chunk_size": int(chunk_size), "max_length": int(max_length),
+                                                "overflow": overflow, "schema_slug": schema_slug,
+                                                "device": info.get("device"), "dtype": info.get("dtype")})
+            runner.start(run_id, engine)
+            st.session_state[K("selected")] = run_id
+            st.session_state["_keep." + K("selected")] = run_id
+            st.rerun()
+
+if not runs:
+    st.info("No runs yet.")
+    st.stop()
+
+# -- pick a run -------------------------------------------------------------------------------------------------
+
+run_labels = {r["id"]: (f"#{r['id']} {STATUS_ICONS.get(r['status'], '')} {r['case_set_name']} · {r['schema_name']} "
+                        f"v{r['schema_version']} · {r['model_id']} · {r['done']}/{r['total']}") for r in runs}
+run_ids = list(run_labels)
+if st.session_state.get(K("selected")) not in run_ids:
+    st.session_state.pop(K("selected"), None)
+    st.session_state["_keep." + K("selected")] = run_ids[0]
+run_id = kept_widget(st.selectbox, "Run", K("selected"), default=run_ids[0], options=run_ids,
+                     format_func=lambda i: run_labels[i])
+with st.expander("All runs", icon=":material/list:"):
+    st.dataframe([{"run": r["id"], "status": r["status"], "case set": r["case_set_name"],
+                   "schema": f"{r['schema_name']} v{r['schema_version']}", "model": r["model_id"],
+                   "revision": r["model_revision"], "done": r["done"], "total": r["total"], "errors": r["errors"],
+                   "created": r["created_at"][:19].replace("T", " ")} for r in runs],
+                 hide_index=True, width="stretch")
+
+
+def render_progress(run_id: int) -> None:
+    progress = runner.progress(run_id)
+    total = max(progress["total"], 1)
+    st.progress(progress["done"] / total,
+                text=f"{progress['done']} / {progress['total']} cases · {progress['errors']} errors · "
+                     f"status **{progress['status']}**")
+    if progress["live"]:
+        cols = st.columns([3, 1])
+        eta = fmt_seconds(progress["eta_s"]) if progress["eta_s"] is not None else "after the first batch"
+        rate = f"{progress['rate_per_s']:.2f} cases/s" if progress["rate_per_s"] else "measuring…"
+        cols[0].markdown(f"**Running** · {rate} · ETA {eta}"
+                         + (" · cancelling after the batch in flight…" if progress["cancelling"] else ""))
+        if cols[1].button("Cancel", key=K(f"cancel.{run_id}"), icon=":material/stop:"):
+            runner.cancel(run_id)
+    else:
+        if progress["interrupted"]:
+            st.warning("This run was interrupted (the workbench stopped while it ran). Its finished results are "
+                       "saved; resume to run the remaining cases.")
+        if progress["error"] and progress["status"] == "failed":
+            st.error(f"The run failed: {progress['error']}")
+        if progress["remaining"] and progress["status"] != "pending":
+            if st.button(f"Resume ({progress['remaining']} cases left)", key=K(f"resume.{run_id}"),
+                         icon=":material/play_arrow:"):
+                engine = get_engine()
+                if engine is None:
+                    st.error("No model is loaded; choose one in the sidebar.")
+                else:
+                    try:
+                        runner.start(run_id, engine)
+                    except JobAlreadyRunningError as exc:
+                        st.info(str(exc))
+                    st.rerun()
+    # the fragment polls only while a job is live; when it ends, the whole page reruns to show the final stats
+    if st.session_state.get(K(f"was_live.{run_id}")) and not progress["live"]:
+        st.session_state[K(f"was_live.{run_id}")] = False
+        st.rerun(scope="app")
+    st.session_state[K(f"was_live.{run_id}")] = progress["live"]
+
+
+live = runner.is_running(run_id)
+st.fragment(render_progress, run_every=1.0 if live else None)(run_id)
+
+run = store.get_run(run_id)
+schema = run["schema"]
+questions = schema["questions"]
+results = store.list_results(run_id)
+st.caption(f"Schema **{run['schema_name']} v{run['schema_version']}** · model **{run['model_id']}**"
+           f"{' @ ' + run['model_revision'] if run['model_revision'] else ''} · batch "
+           f"{run['settings'].get('chunk_size', '?')} · max_length {run['settings'].get('max_length', '?')} "
+           f"({run['settings'].get('overflow', 'refuse')}) · started {(run['started_at'] or '–')[:19]}")
+if not results:
+    st.info("No results yet.")
+    st.stop()
+
+frame = stats.answer_frame(results, schema)
+
+# -- speed ------------------------------------------------------------------------------------------------------
+
+st.subheader("Latency and throughput")
+latency = stats.latency_stats(results)
+speed = stats.throughput(results, len(questions))
+cols = st.columns(5)
+cols[0].metric("p50 latency", fmt_ms(latency["p50"]))
+cols[1].metric("p95 latency", fmt_ms(latency["p95"]))
+cols[2].metric("p99 latency", fmt_ms(latency["p99"]))
+cols[3].metric("max latency", fmt_ms(latency["max"]))
+cols[4].metric("samples", f"{latency['count']}", help=f"{latency['errors']} error results excluded")
+st.caption(f"Window {str(latency['window_start'])[:19]} → {str(latency['window_end'])[:19]} UTC "
+           f"({latency['window_s']:.1f} s). Latency = time from submitting a record's batch to its responses "
+           "(the engine's x_latency_ms); percentiles use linear interpolation (numpy 'linear').")
+cols = st.columns(4)
+cols[0].metric("records/s", fmt_rate(speed["records_per_s"], "rec"))
+cols[1].metric("decisions/s", fmt_rate(speed["decisions_per_s"], "dec"))
+cols[2].metric("tokens/s", fmt_rate(speed["tokens_per_s"], "tok"))
+cols[3].metric("tokens per record", "–" if speed["tokens_per_record_mean"] is None
+               else f"{speed['tokens_per_record_mean']:,.0f} (median {speed['tokens_per_record_median']:,.0f})")
+st.caption(f"Throughput over {speed['busy_s']:.1f} s of busy time (pauses between cancel and resume excluded).")
+st.altair_chart(run_charts.latency_histogram(results), width="stretch")
+
+# -- quality ----------------------------------------------------------------------------------------------------
+
+st.subheader("Accuracy against expected answers")
+accuracy = stats.accuracy_by_question(frame)
+if accuracy["n_expected"].sum() == 0:
+    st.info("No case in this set has expected answers, so accuracy and calibration cannot be computed.")
+else:
+    cols = st.columns([1, 1])
+    cols[0].dataframe(accuracy, hide_index=True, width="stretch",
+                      column_config={"accuracy": st.column_config.NumberColumn(format="percent")})
+    cols[1].altair_chart(run_charts.accuracy_chart(accuracy), width="stretch")
+    mae = stats.score_mae(frame)
+    if not mae.empty:
+        st.markdown("**Score questions — mean absolute error** of Σ i·p_i against the expected level")
+        st.dataframe(mae, hide_index=True)
+    choice_questions = [q for q, spec in questions.items() if spec["type"] == "choice"]
+    if choice_questions:
+        st.markdown("**Confusion matrices** (choice questions; rows expected, columns predicted)")
+        chart_cols = st.columns(min(2, len(choice_questions)))
+        for index, question_id in enumerate(choice_questions):
+            matrix = stats.confusion_matrix(frame, question_id, labels=casesets.option_ids(questions[question_id]))
+            if matrix.to_numpy().sum():
+                chart_cols[index % len(chart_cols)].altair_chart(run_charts.confusion_heatmap(matrix, question_id))
+    st.markdown("**Calibration** — confidence = probability of the predicted answer; 10 equal-width bins; "
+                "ECE = Σ (n_b/N)·|accuracy_b − confidence_b|; Brier: yes/no (p − y)², choice/score Σ_k (p_k − y_k)²")
+    summary = stats.calibration_summary(frame)
+    st.dataframe(summary, hide_index=True, column_config={"ece": st.column_config.NumberColumn(format="%.3f"),
+                                                          "brier": st.column_config.NumberColumn(format="%.3f")})
+    diagram_cols = st.columns(3)
+    for index, question_id in enumerate(summary["question_id"]):
+        result = stats.calibration(frame, question_id)
+        diagram_cols[index % 3].altair_chart(run_charts.reliability_diagram(result["bins"], question_id))
+
+st.subheader("Slowest and least confident cases")
+cols = st.columns(2)
+cols[0].markdown("**Slowest**")
+cols[0].dataframe(stats.slowest_cases(results, 10), hide_index=True, width="stretch")
+cols[1].markdown("**Least confident** (smallest margin top-1 − top-2)")
+cols[1].dataframe(stats.least_confident(frame, 10), hide_index=True, width="stretch")
+errors = [r for r in results if r.get("error")]
+if errors:
+    with st.expander(f"{len(errors)} error result(s)", icon=":material/error:"):
+        st.dataframe([{"case": r["case_id"], "error": r["error"]} for r in errors], hide_index=True,
+                     width="stretch")
+        if st.button("Clear errors so that Resume retries them", key=K(f"clear_errors.{run_id}")):
+            store.delete_error_results(run_id)
+            st.rerun()
+
+with st.expander("One case's answers", icon=":material/search:"):
+    case_ids = [r["case_id"] for r in results if r.get("response")]
+    if case_ids:
+        picked_case = st.selectbox("Case", case_ids, key=K(f"inspect.{run_id}"))
+        response = next(r["response"] for r in results if r["case_id"] == picked_case)
+        for question_id, answer in response["answers"].items():
+            table = option_table(questions.get(question_id, {}), answer)
+            st.altair_chart(probability_chart(table, title=question_id), width="stretch")
+
+# -- export -----------------------------------------------------------------------------------------------------
+
+st.subheader("Export")
+slug = re.sub(r"[^a-z0-9]+", "-", f"run-{run_id}-{run['case_set_name']}".lower()).strip("-")
+cols = st.columns(2)
+cols[0].download_button("Results CSV (case × question, every option's probability)",
+                        casesets.export_results_csv(store, run_id), file_name=f"{slug}.csv", mime="text/csv",
+                        key=K(f"export_csv.{run_id}"), icon=":material/download:")
+cols[1].download_button("Results JSONL", casesets.export_results_jsonl(store, run_id), file_name=f"{slug}.jsonl",
+                        mime="application/jsonl", key=K(f"export_jsonl.{run_id}"), icon=":material/download:")
+
+# -- compare ----------------------------------------------------------------------------------------------------
+
+st.subheader("Compare with another run of the same case set")
+others = [r for r in runs if r["case_set_id"] == run["case_set_id"] and r["id"] != run_id and r["done"]]
+if not others:
+    st.caption("No other run of this case set yet: run it again with another schema version or model.")
+else:
+    other_labels = {r["id"]: run_labels[r["id"]] for r in others}
+    baseline_id = st.selectbox("Baseline run (A); this run is B", list(other_labels),
+                               format_func=lambda i: other_labels[i], key=K(f"compare.{run_id}"))
+    baseline = store.get_run(baseline_id)
+    frame_a = stats.answer_frame(store.list_results(baseline_id), baseline["schema"])
+    comparison = stats.compare_runs(frame_a, frame)
+    st.caption(f"{comparison['compared']} (case, question) pairs answered in both runs.")
+    cols = st.columns(2)
+    cols[0].markdown("**Accuracy change per question** (B − A)")
+    cols[0].dataframe(comparison["accuracy"], hide_index=True, width="stretch",
+                      column_config={c: st.column_config.NumberColumn(format="percent")
+                                     for c in ("accuracy_a", "accuracy_b", "change")})
+    cols[1].altair_chart(run_charts.shift_histogram(comparison["shifts"]), width="stretch")
+    st.markdown(f"**Flipped answers** — {len(comparison['flipped'])}")
+    st.dataframe(comparison["flipped"], hide_index=True, width="stretch")
