@@ -11,13 +11,18 @@ Wire contract beyond spec §5:
 - Overflow: a record over the token budget gets 413 unless the request body opts in with the top-level field
   `"x_overflow": "truncate_state"` (the reference's behaviour: cut the end of the state; the response says how many
   state tokens were dropped in `x_truncated_state_tokens`). `"x_max_length": N` raises or lowers the budget.
-- Images: `images` as data URLs or `{"content_type", "base64"}` objects (the engine checks formats and limits).
-  The TypeSafe SDK's `assets` (JSON `{"format", "data_base64"}` or multipart parts) are accepted too: each asset
-  becomes one image, in order, and its placeholder in the text is replaced by `[image N]`.
-- Bodies may be `Content-Encoding: gzip` or `zstd` (the TypeSafe SDK compresses with zstd when it can).
+- Media: `images` (PNG/JPEG/WebP, up to 4, 16 MP each) and `videos` (MP4/WebM/MOV) as data URLs or
+  `{"content_type", "base64"}` objects; the engine checks formats and limits. File paths, which the engine accepts
+  from Python callers, are refused over HTTP (they would read the server's disk). The TypeSafe SDK's `assets` (JSON
+  `{"format", "data_base64"}` or multipart parts) are accepted too: each asset becomes one image, in order, and its
+  placeholder in the text is replaced by `[image N]`.
+- Bodies: JSON (or the SDK's multipart form), at most `max_body_bytes` (default 32 MiB) before and after
+  decompression, nested at most 64 deep, strings valid Unicode, numbers finite. `Content-Encoding: gzip` or `zstd`
+  (the TypeSafe SDK compresses with zstd when it can).
 - Errors: 422 `{"detail": [{"loc", "msg", "type"}]}` for invalid requests (locations start with "body", as in the
   ecosystem); other errors `{"detail": {"error_type", "message"}}`: 401/403 authentication_error, 413
-  request_too_large / token_budget_exceeded, 415 unsupported_encoding, 429 overloaded. A 5xx means a server fault.
+  request_too_large / token_budget_exceeded, 415 unsupported_encoding, 429 overloaded (Retry-After: 1), 503 not_ready
+  while no model is loaded. Any other 5xx is a server fault, never the request's.
 - With an API key configured, `/v1/*` and `/metrics` need `Authorization: Bearer KEY`; without one an
   Authorization header is ignored.
 """
@@ -54,11 +59,14 @@ from starlette.routing import Route
 
 from clef_engine.errors import BusyError, RequestError, TokenBudgetError
 
-try:  # zstd is what the TypeSafe SDK sends when it has it; optional here too.
-    from backports.zstd import ZstdDecompressor, ZstdError
-except ImportError:  # pragma: no cover - depends on the environment
-    ZstdDecompressor = None  # type: ignore[assignment,misc]
-    ZstdError = ValueError  # type: ignore[assignment,misc]
+try:  # zstd is what the TypeSafe SDK sends when it has it; stdlib from Python 3.14, else the backport, else off.
+    from compression.zstd import ZstdDecompressor, ZstdError  # type: ignore[import-not-found]
+except ImportError:
+    try:
+        from backports.zstd import ZstdDecompressor, ZstdError
+    except ImportError:  # pragma: no cover - depends on the environment
+        ZstdDecompressor = None  # type: ignore[assignment,misc]
+        ZstdError = ValueError  # type: ignore[assignment,misc]
 
 log = logging.getLogger("clef_engine.server")
 
@@ -74,7 +82,7 @@ EngineProvider = Callable[[], Any]
 # The engine scheduler's own counters (Engine.info()["scheduler"]): every batch of the process, the workbench's too.
 SCHEDULER_METRICS = (
     ("batches", "clef_engine_batches_total", "counter", "Batches the GPU worker ran."),
-    ("records", "clef_engine_batch_records_total", "counter", "Records in those batches (÷ batches = mean size)."),
+    ("records", "clef_engine_batch_records_total", "counter", "Records in those batches; over batches: mean size."),
     ("tokens", "clef_engine_batch_tokens_total", "counter", "Tokens in those batches."),
     ("largest_batch_records", "clef_engine_batch_records_max", "gauge", "Most records in one batch so far."),
     ("last_batch_records", "clef_engine_batch_records_last", "gauge", "Records in the latest batch."),
@@ -363,7 +371,9 @@ class SystemOneApi:
     async def _engine(self) -> Any:
         engine = await run_in_threadpool(self.engine_or_none)
         if engine is None:
-            raise _error(503, "not_ready", "the model is not loaded yet; see GET /health")
+            error = _error(503, "not_ready", "the model is not loaded yet; see GET /health")
+            error.headers["retry-after"] = "5"
+            raise error
         return engine
 
     # --- auth and body ---------------------------------------------------------------------------------------
@@ -519,8 +529,7 @@ class SystemOneApi:
         return response
 
     def _model_name(self, engine: Any) -> str:
-        info = _safe_call(engine.info, default={})
-        return str(info.get("model") or MODEL_ALIAS)
+        return _public_model_name(_safe_call(engine.info, default={}))
 
     async def models(self, request: Request) -> Response:
         status = 500
@@ -528,7 +537,7 @@ class SystemOneApi:
             self._authenticate(request)
             engine = await self._engine()
             info = await run_in_threadpool(_safe_call, engine.info, {})
-            name = str(info.get("model") or "clef")
+            name = _public_model_name(info)
             released = _release_date(info)
             description = (f"Clef decision model {name} (revision {info.get('revision') or 'local'}) on "
                            f"{info.get('device', '?')}. Any model name, including {MODEL_ALIAS}, maps to it.")
@@ -567,6 +576,12 @@ class SystemOneApi:
         info = await run_in_threadpool(_safe_call, engine.info, {}) if engine is not None else {}
         text = await run_in_threadpool(self.metrics.render, engine, info)
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+def _public_model_name(info: dict) -> str:
+    """A repo id as is; a local release folder by its folder name (clients need not see server paths)."""
+    source = str(info.get("model") or "clef")
+    return Path(source).name if ("/" in source or "\\" in source) and Path(source).exists() else source
 
 
 def _looks_like_engine(obj: Any) -> bool:
