@@ -34,6 +34,8 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                              "'Authorization: Bearer <key>'")
     parser.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda when present)")
     parser.add_argument("--dtype", default=None, help="bfloat16, float16 or float32 (default: bf16 on CUDA)")
+    parser.add_argument("--allow-slow-kernels", action="store_true", default=None,
+                        help="on CUDA, start even without the fast kernels (or set CLEF_ALLOW_SLOW_KERNELS=1)")
     parser.add_argument("--max-body-mb", type=float, default=DEFAULT_MAX_BODY_BYTES / 2**20,
                         help="largest request body accepted, in MiB (default %(default)s)")
     parser.add_argument("--max-queued-records", type=int, default=None, metavar="N",
@@ -66,7 +68,7 @@ def run_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     import clef_engine
-    from clef_engine.errors import ReleaseError
+    from clef_engine.errors import ClefError
     from clef_engine.server import create_app
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -76,8 +78,9 @@ def run_serve(args: argparse.Namespace) -> int:
               file=sys.stderr)
     print(f"loading {args.model} …", file=sys.stderr, flush=True)
     try:
-        engine = clef_engine.load(args.model, device=args.device, dtype=args.dtype, revision=args.revision)
-    except ReleaseError as exc:
+        engine = clef_engine.load(args.model, device=args.device, dtype=args.dtype, revision=args.revision,
+                                  allow_slow_kernels=args.allow_slow_kernels)
+    except ClefError as exc:  # a missing or broken release, no fast kernels on CUDA: say so, no traceback
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if args.max_queued_records is not None:
