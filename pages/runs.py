@@ -49,21 +49,26 @@ with st.expander("Start a run", expanded=not runs, icon=":material/play_arrow:")
         st.info("No case sets yet: create or import one on the Case sets page.")
     else:
         set_labels = {s["id"]: f"{s['name']} ({s['case_count']} cases)" for s in sets}
-        start_set = st.selectbox("Case set", list(set_labels), format_func=lambda i: set_labels[i],
-                                 key=K("start.case_set"))
+        for stale_key in (K("start.case_set"), "_keep." + K("start.case_set")):
+            if st.session_state.get(stale_key, sets[0]["id"]) not in set_labels:  # e.g. the set was deleted
+                st.session_state.pop(stale_key, None)
+        # kept widgets: the choices survive a visit to another page
+        start_set = kept_widget(st.selectbox, "Case set", K("start.case_set"), sets[0]["id"], options=list(set_labels),
+                                format_func=lambda i: set_labels[i])
         slugs = library.slugs()
         default_slug = next((s["schema_name"] for s in sets if s["id"] == start_set), None)
-        schema_slug = st.selectbox("Schema", slugs, index=slugs.index(default_slug) if default_slug in slugs else 0,
-                                   key=K(f"start.schema.{start_set}")) if slugs else None
+        schema_slug = kept_widget(st.selectbox, "Schema", K(f"start.schema.{start_set}"),
+                                  default_slug if default_slug in slugs else slugs[0], options=slugs) if slugs else None
         cols = st.columns(3)
-        chunk_size = cols[0].number_input("Records per batch", 1, 256, 8, key=K("start.chunk"),
-                                          help="Sent to the engine together at bulk priority (interactive requests "
-                                               "from the Decide page go first).")
-        max_length = cols[1].number_input("max_length (tokens)", 256, 262_144, DEFAULT_MAX_LENGTH, step=1024,
-                                          key=K("start.max_length"))
-        overflow = cols[2].radio("If a state does not fit", ["refuse", "truncate_state"], key=K("start.overflow"),
-                                 help="refuse: the case gets an error result; truncate_state: the end of the state "
-                                      "is cut (counted in the results).")
+        chunk_size = kept_widget(cols[0].number_input, "Records per batch", K("start.chunk"), 8, min_value=1,
+                                 max_value=256, help="Sent to the engine together at bulk priority (interactive "
+                                                     "requests from the Decide page go first).")
+        max_length = kept_widget(cols[1].number_input, "max_length (tokens)", K("start.max_length"),
+                                 DEFAULT_MAX_LENGTH, min_value=256, max_value=262_144, step=1024)
+        overflow = kept_widget(cols[2].radio, "If a state does not fit", K("start.overflow"), "refuse",
+                               options=["refuse", "truncate_state"],
+                               help="refuse: the case gets an error result; truncate_state: the end of the state "
+                                    "is cut (counted in the results).")
         if st.button("Start run", key=K("start.go"), type="primary", icon=":material/play_arrow:",
                      disabled=schema_slug is None):
             try:

@@ -1,0 +1,247 @@
+"""The Case sets, Runs and Review pages through Streamlit's AppTest, on the real demo model and a real SQLite file.
+(File upload and the table editor are not drivable in AppTest; the browser test covers CSV import.)"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+from streamlit.testing.v1 import AppTest
+
+import ui_common
+from clef_workbench import casesets
+from clef_workbench.store import Store
+
+REPO = Path(__file__).resolve().parents[1]
+APP = str(REPO / "app.py")
+TIMEOUT = 180
+
+
+@pytest.fixture
+def workbench(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    schemas_dir = tmp_path / "schemas"
+    shutil.copytree(REPO / "schemas", schemas_dir)
+    monkeypatch.setenv("CLEF_SCHEMAS_DIR", str(schemas_dir))
+    monkeypatch.setenv("CLEF_DB", str(tmp_path / "workbench.sqlite3"))
+    monkeypatch.delenv("CLEF_MODEL", raising=False)
+    monkeypatch.chdir(REPO)
+    ui_common.get_store.clear()
+    yield tmp_path
+    ui_common.get_store.clear()
+
+
+def open_page(page: str) -> AppTest:
+    at = AppTest.from_file(APP, default_timeout=TIMEOUT)
+    at.run()
+    at.switch_page(page)
+    at.run()
+    ok(at)
+    return at
+
+
+def ok(at: AppTest) -> None:
+    assert not at.exception, [(e.message, e.stack_trace[-4:]) for e in at.exception]
+
+
+def button(at: AppTest, label: str, *, startswith: bool = False):
+    found = [b for b in at.button if (b.label.startswith(label) if startswith else b.label == label)]
+    assert found, f"no button {label!r}: {[b.label for b in at.button]}"
+    return found[0]
+
+
+def texts(at: AppTest) -> str:
+    return "\n".join([m.value for m in at.markdown] + [c.value for c in at.caption] + [s.value for s in at.success]
+                     + [w.value for w in at.warning] + [e.value for e in at.error] + [i.value for i in at.info])
+
+
+def metric(at: AppTest, label: str) -> str:
+    return next(m.value for m in at.metric if m.label == label)
+
+
+def wait_for_run(run_id: int, timeout: float = TIMEOUT) -> None:
+    assert ui_common.get_job_runner().wait(run_id, timeout), f"run {run_id} did not end within {timeout} s"
+
+
+def test_cases_page_creates_loads_examples_renames_and_guards_delete(workbench):
+    at = open_page("pages/cases.py")
+    assert "No case sets yet" in texts(at)
+    at.text_input(key="cases.new_name").input("Escalations")
+    at.selectbox(key="cases.new_schema").select("support-ticket-routing")
+    button(at, "Create").click()
+    at.run()
+    ok(at)
+    store = Store(workbench / "workbench.sqlite3")
+    created = store.list_case_sets()[0]
+    assert (created["name"], created["schema_name"]) == ("Escalations", "support-ticket-routing")
+    assert at.selectbox(key="cases.selected").value == created["id"]
+
+    button(at, "Load the example case sets").click()
+    at.run()
+    ok(at)
+    assert "Example case sets ready: 4." in texts(at)
+    names = {s["name"]: s for s in store.list_case_sets()}
+    assert names["Example: Support ticket routing"]["case_count"] == 12
+    # pick the example set: its export buttons are there and its settings form shows its schema
+    example_id = names["Example: Support ticket routing"]["id"]
+    at.selectbox(key="cases.selected").select(example_id)
+    at.run()
+    ok(at)
+    assert "Schema: **support-ticket-routing** · 12 cases" in texts(at)
+    assert len(at.get("download_button")) == 2
+
+    # a case set with runs cannot be deleted: the page says why and nothing is lost
+    store.create_run(example_id, schema={"name": "x", "questions": {"q": {"type": "noul"}}}, model_id="demo")
+    button(at, "Delete this case set").click()
+    at.run()
+    assert "has 1 run(s); delete the runs first" in texts(at)
+    assert store.get_case_set(example_id)["case_count"] == 12
+
+
+def test_runs_page_runs_cancels_resumes_and_shows_stats(workbench):
+    store = Store(workbench / "workbench.sqlite3")
+    loaded = casesets.load_example_case_sets(store, workbench / "schemas")
+    set_id = loaded["support-ticket-routing"]
+    at = open_page("pages/runs.py")
+    at.selectbox(key="runs.start.case_set").select(set_id)
+    at.run()
+    assert at.selectbox(key=f"runs.start.schema.{set_id}").value == "support-ticket-routing"
+    at.number_input(key="runs.start.chunk").set_value(2)
+    button(at, "Start run").click()
+    at.run()
+    ok(at)
+    run_id = store.list_runs()[0]["id"]
+    runner = ui_common.get_job_runner()
+    assert runner.is_running(run_id)
+    assert store.get_run(run_id)["settings"]["chunk_size"] == 2
+
+    # the job belongs to the process, not the page: switch away and back, it is still going
+    at.switch_page("pages/review.py")
+    at.run()
+    at.switch_page("pages/runs.py")
+    at.run()
+    ok(at)
+    deadline = time.monotonic() + TIMEOUT
+    while store.get_run(run_id)["done"] < 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    at.run()
+    assert "**Running**" in texts(at) and "ETA" in texts(at)
+    button(at, "Cancel").click()
+    at.run()
+    wait_for_run(run_id)
+    at.run()
+    ok(at)
+    run = store.get_run(run_id)
+    assert run["status"] == "cancelled" and run["done"] < 12
+    resume = button(at, "Resume (", startswith=True)
+    assert resume.label == f"Resume ({12 - run['done']} cases left)"
+    resume.click()
+    at.run()
+    wait_for_run(run_id)
+    at.run()
+    ok(at)
+    assert store.get_run(run_id)["status"] == "finished"
+
+    assert metric(at, "samples") == "12"
+    for label in ("p50 latency", "p95 latency", "p99 latency", "max latency"):
+        assert metric(at, label).endswith(" ms")
+    assert metric(at, "records/s").endswith("rec/s") and metric(at, "tokens per record") != "–"
+    assert "Window " in texts(at) and "linear interpolation" in texts(at)
+    frames = [df.value for df in at.dataframe]
+    accuracy = next(f for f in frames if "n_expected" in f.columns)
+    assert set(accuracy["question_id"]) == {"team", "priority", "customer_mood", "churn_threat", "needs_human_agent"}
+    assert (accuracy["n_expected"] == 12).all()
+    assert any("ece" in f.columns for f in frames)
+    assert len(at.get("vega_lite_chart")) >= 5  # latency, accuracy, confusion ×2, reliability
+    assert len(at.get("download_button")) == 2
+
+    # a second run of the same set can be compared with the first
+    button(at, "Start run").click()
+    at.run()
+    second = store.list_runs()[0]["id"]
+    wait_for_run(second)
+    at.run()
+    ok(at)
+    assert at.selectbox(key="runs.selected").value == second
+    assert "pairs answered in both runs" in texts(at)
+    assert "**Flipped answers**" in texts(at)
+
+
+def _finished_run(workbench: Path) -> tuple[Store, int]:
+    store = Store(workbench / "workbench.sqlite3")
+    set_id = casesets.load_example_case_sets(store, workbench / "schemas")["support-ticket-routing"]
+    schema = ui_common.get_library().load("support-ticket-routing").to_dict()
+    schema.pop("examples")
+    run_id = store.create_run(set_id, schema=schema, model_id="clef-demo", settings={"chunk_size": 6})
+    ui_common.get_job_runner().start(run_id, ui_common.get_engine(show_errors=False))
+    wait_for_run(run_id)
+    return store, run_id
+
+
+def test_review_page_queue_actions_conflict_undo_and_golden_set(workbench):
+    AppTest.from_file(APP, default_timeout=TIMEOUT).run()  # loads the demo model in this process
+    store, run_id = _finished_run(workbench)
+    at = open_page("pages/review.py")
+    assert "The queue of this run is empty" in texts(at)
+    # preview before applying: margin only, then only the team question
+    at.checkbox(key=f"review.rules.unknown.{run_id}").uncheck()
+    at.checkbox(key=f"review.rules.disagree.{run_id}").uncheck()
+    at.slider(key=f"review.rules.margin.{run_id}").set_value(1.0)
+    at.multiselect(key=f"review.rules.questions.{run_id}").set_value(["team"])
+    at.run()
+    ok(at)
+    assert "These rules select **12 item(s)** in 12 case(s); **12 new** to the queue." in texts(at)
+    assert store.list_review_items(run_id) == []
+    button(at, "Add 12 item(s) to the queue").click()
+    at.run()
+    ok(at)
+    queue = store.list_review_items(run_id)
+    assert len(queue) == 12 and [i["margin"] for i in queue] == sorted(i["margin"] for i in queue)
+
+    # no name, no action
+    assert button(at, f"Accept “{queue[0]['predicted']}” [A]").disabled
+    assert "Enter your name above to review." in texts(at)
+    at.text_input(key="review.reviewer").input("ana")
+    at.run()
+    assert f"### Case {queue[0]['case_id']} · `team` (choice)" in texts(at)  # worst first
+    assert f"**Why queued:** {queue[0]['reason']}" in texts(at)
+    button(at, f"Accept “{queue[0]['predicted']}” [A]").click()
+    at.run()
+    ok(at)
+    assert store.get_review_item(queue[0]["id"])["status"] == "accepted"
+    assert f"### Case {queue[1]['case_id']}" in texts(at)  # advanced to the next worst
+
+    # correct to an option that is not the model's answer
+    other = next(o for o in queue[1]["distribution"] if o != queue[1]["predicted"])
+    index = list(queue[1]["distribution"]).index(other) + 1
+    button(at, f"{other} [{index}]").click()
+    at.run()
+    assert store.get_review_item(queue[1]["id"])["label"] == other
+
+    # another session acts on the item this one shows: our click is refused, not applied twice
+    shown = store.get_review_item(queue[2]["id"])
+    store.apply_review_action(shown["id"], reviewer="ben", action="skip", expected_version=shown["version"])
+    button(at, "Mark unknown [U]").click()
+    at.run()
+    ok(at)
+    assert "was changed by ben" in texts(at)
+    assert [a["reviewer"] for a in store.list_review_actions(item_id=shown["id"])] == ["ben"]
+
+    # undo my last action (the correction): appended to the log, the item is open again
+    at.run()
+    button(at, "Undo my last action [Z]").click()
+    at.run()
+    ok(at)
+    assert store.get_review_item(queue[1]["id"])["status"] == "open"
+    assert [a["action"] for a in store.list_review_actions(run_id=run_id)] == ["accept", "correct", "skip", "undo"]
+    progress = store.review_progress(run_id)
+    assert (progress["reviewed"], progress["skipped"], progress["open"]) == (1, 1, 10)
+
+    at.text_input(key=f"review.golden_name.{run_id}").input("Tickets golden")
+    button(at, "Export as a new case set").click()
+    at.run()
+    ok(at)
+    golden = next(s for s in store.list_case_sets() if s["name"] == "Tickets golden")
+    assert golden["case_count"] == 1
+    assert store.list_cases(golden["id"])[0]["expected"]["team"] == queue[0]["predicted"]
