@@ -40,15 +40,26 @@ class Question:
     caller_option_ids: tuple[str, ...]  # the order the caller wrote them (choice); used for the response
 
 
+def _is_text(value: str) -> bool:
+    """Valid JSON can carry unpaired surrogates ("\\ud800") that no tokenizer or UTF-8 encoder accepts."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def _is_json_value(value: Any) -> bool:
-    if value is None or isinstance(value, (str, bool, int)):
+    if isinstance(value, str):
+        return _is_text(value)
+    if value is None or isinstance(value, (bool, int)):
         return True
     if isinstance(value, float):
         return math.isfinite(value)
     if isinstance(value, list):
         return all(_is_json_value(v) for v in value)
     if isinstance(value, dict):
-        return all(isinstance(k, str) and _is_json_value(v) for k, v in value.items())
+        return all(isinstance(k, str) and _is_text(k) and _is_json_value(v) for k, v in value.items())
     return False
 
 
@@ -60,7 +71,8 @@ def parse_questions(request: Any) -> list[Question]:
     if "state" not in request:
         problems.append(Problem(("state",), "field required", "value_error.missing"))
     elif not _is_json_value(request["state"]):
-        problems.append(Problem(("state",), "state must be a JSON value (no NaN or infinity)", "type_error.json"))
+        problems.append(Problem(("state",), "state must be a JSON value (no NaN, infinity or unpaired surrogates)",
+                                "type_error.json"))
 
     questions = request.get("questions")
     parsed: list[Question] = []
@@ -140,7 +152,7 @@ def _parse_question(question_id: Any, question: Any, problems: list[Problem]) ->
             problems.append(Problem(criteria_loc, f"choice needs {MIN_CHOICE_OPTIONS}–{MAX_CHOICE_OPTIONS} options, "
                                                   f"got {len(criteria)}", "value_error.length"))
         for option_id, description in criteria.items():
-            if not option_id or len(option_id) > MAX_OPTION_ID_CHARS:
+            if not option_id or len(option_id) > MAX_OPTION_ID_CHARS or not _is_text(option_id):
                 problems.append(Problem(criteria_loc + (option_id,),
                                         f"option id must be 1–{MAX_OPTION_ID_CHARS} characters", "value_error.id"))
             if not _is_json_value(description):
@@ -158,8 +170,8 @@ def _parse_question(question_id: Any, question: Any, problems: list[Problem]) ->
             problems.append(Problem(criteria_loc, f"score needs {MIN_SCORE_LEVELS}–{MAX_SCORE_LEVELS} levels, "
                                                   f"got {len(criteria)}", "value_error.length"))
         for index, description in enumerate(criteria):
-            if not _is_json_value(description):
-                problems.append(Problem(criteria_loc + (index,), "description must be text, JSON or null",
+            if description is None or not _is_json_value(description):  # the legend shows every level
+                problems.append(Problem(criteria_loc + (index,), "level description must be text or JSON",
                                         "type_error.json"))
         option_ids = tuple(str(i) for i in range(len(criteria)))
         caller_ids = option_ids

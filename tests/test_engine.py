@@ -112,8 +112,11 @@ def test_text_image_and_video_records_in_one_batch(tiny_engine):
     frames = np.random.default_rng(3).integers(0, 256, (8, 32, 32, 3), dtype=np.uint8)
     requests = [REQUEST, dict(REQUEST, images=[png_bytes(32, 64)]), dict(REQUEST, videos=[{"frames": frames,
                                                                                            "fps": 4.0}])]
-    for request, response in zip(requests, tiny_engine.decide_many(requests)):
+    responses = tiny_engine.decide_many(requests)
+    assert len(responses) == 3
+    for response in responses:
         check_response(response, REQUEST)
+    assert responses[1]["x_token_counts"]["media"] > 0 and responses[2]["x_token_counts"]["media"] > 0
 
 
 def test_overflow_policies_through_decide(tiny_engine):
@@ -173,6 +176,9 @@ BAD_REQUESTS = [
      ("videos", 0), "not a readable video"),
     ({"state": float("nan"), "questions": {"a": {"type": "noul"}}}, ("state",), "NaN"),
     ("not an object", (), "JSON object"),
+    ({"state": "bad \ud800 text", "questions": {"a": {"type": "noul"}}}, ("state",), "unpaired surrogates"),
+    ({"state": "x", "questions": {"a": {"type": "score", "criteria": ["low", None]}}},
+     ("questions", "a", "criteria", 1), "level description"),
 ]
 
 
