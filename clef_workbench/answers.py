@@ -22,6 +22,7 @@ CHOSEN_COLOR = "#f38020"  # highlighted bar
 OTHER_COLOR = "#9aa5b1"
 BUDGET_PARTS = ("prefix", "media", "state", "schema", "suffix")
 BUDGET_COLORS = ("#9aa5b1", "#8e6bd8", "#2f80ed", "#27ae60", "#cbd2d9")
+BUDGET_CHART_HEIGHT = 110  # pixels with the legend and axis
 
 
 @dataclass(frozen=True)
@@ -125,7 +126,12 @@ def probability_chart(table: pd.DataFrame, *, title: str | None = None) -> alt.C
         tooltip=[alt.Tooltip("option:N"), alt.Tooltip("description:N"), alt.Tooltip("probability:Q", format=".4f")],
     )
     labels = base.mark_text(align="left", dx=3).encode(text="percent:N")
-    return (bars + labels).properties(height=max(60, 26 * len(data)))
+    return (bars + labels).properties(height=probability_chart_height(len(data)))
+
+
+def probability_chart_height(option_count: int) -> int:
+    """Pixels for the whole chart, axes included: Streamlit fits the chart, axes and all, into its height."""
+    return 28 * option_count + 50
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -168,32 +174,34 @@ def budget_status(counts: dict[str, int]) -> BudgetStatus:
 
 
 def budget_table(counts: dict[str, int]) -> pd.DataFrame:
-    """One row per part in encoding order with start/end offsets, for a stacked bar."""
+    """One row per part in encoding order with start/end offsets, for a stacked bar; then "free" up to max_length,
+    or "over max_length" from max_length to the total (drawn over the parts it overlaps)."""
     rows, start = [], 0
     for part in BUDGET_PARTS:
         tokens = int(counts.get(part, 0))
         rows.append({"part": part, "tokens": tokens, "start": start, "end": start + tokens})
         start += tokens
+    limit = int(counts.get("max_length", start))
+    if start < limit:
+        rows.append({"part": "free", "tokens": limit - start, "start": start, "end": limit})
+    elif start > limit:
+        rows.append({"part": "over max_length", "tokens": start - limit, "start": limit, "end": start})
     return pd.DataFrame(rows)
 
 
-def budget_chart(counts: dict[str, int]) -> alt.LayerChart:
-    """A stacked horizontal bar of the parts with a red rule at max_length."""
+def budget_chart(counts: dict[str, int]) -> alt.Chart:
+    """A stacked horizontal bar: the parts, then free space up to max_length (or the overflow in red)."""
     table = budget_table(counts)
-    limit = int(counts["max_length"])
-    x_max = max(limit, int(table["end"].max())) * 1.02
-    scale = alt.Scale(domain=[0, x_max])
-    bars = alt.Chart(table).mark_bar(height=26).encode(
-        x=alt.X("start:Q", scale=scale, title="tokens"),
+    domain = [*BUDGET_PARTS, "free", "over max_length"]
+    return alt.Chart(table).mark_bar(height=26).encode(
+        x=alt.X("start:Q", title="tokens", scale=alt.Scale(domain=[0, int(table["end"].max())])),
         x2="end:Q",
-        color=alt.Color("part:N", sort=list(BUDGET_PARTS),
-                        scale=alt.Scale(domain=list(BUDGET_PARTS), range=list(BUDGET_COLORS)),
-                        legend=alt.Legend(orient="bottom", title=None)),
-        tooltip=["part:N", alt.Tooltip("tokens:Q", format=",")],
-    )
-    rule = alt.Chart(pd.DataFrame({"max_length": [limit]})).mark_rule(color="#d64545", strokeWidth=2).encode(
-        x=alt.X("max_length:Q", scale=scale), tooltip=[alt.Tooltip("max_length:Q", format=",")])
-    return (bars + rule).properties(height=60)
+        color=alt.Color("part:N", sort=domain, scale=alt.Scale(domain=domain, range=[*BUDGET_COLORS, "#eef1f4",
+                                                                                     "#d64545"]),
+                        legend=alt.Legend(orient="top", title=None, direction="horizontal")),
+        tooltip=["part:N", alt.Tooltip("tokens:Q", format=","), alt.Tooltip("start:Q", format=","),
+                 alt.Tooltip("end:Q", format=",")],
+    ).properties(height=BUDGET_CHART_HEIGHT)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -15,7 +15,7 @@ import streamlit as st
 from clef_engine import DEFAULT_MAX_LENGTH
 from clef_engine.errors import BusyError, ClefError, RequestError, TokenBudgetError
 from clef_workbench import answers, schemas, state_input
-from clef_workbench.model_loader import label_of, request_model_name
+from clef_workbench.model_loader import request_model_name
 from clef_workbench.store import StoreError
 from ui_common import (
     format_json,
@@ -144,9 +144,9 @@ def _init_page() -> None:
 
 def show_messages(container, errors: list[str], warnings: list[str] = ()) -> None:
     for message in errors:
-        container.error(message, icon="⛔")
+        container.error(message, icon=":material/error:")
     for message in warnings:
-        container.warning(message, icon="⚠️")
+        container.warning(message, icon=":material/warning:")
 
 
 def render_question(position: int, uid: int, count: int) -> tuple[dict[str, Any], Any]:
@@ -160,11 +160,12 @@ def render_question(position: int, uid: int, count: int) -> tuple[dict[str, Any]
         with top[1]:
             qtype = kept_widget(st.selectbox, "Type", keys["type"], "noul", options=QUESTION_TYPES,
                                 help="noul: yes/no · choice: one of several options · score: ordered levels")
-        top[2].button("↑", key=K(f"q{uid}.up"), on_click=move_question, args=(uid, -1), disabled=position == 0,
-                      help="Move up")
-        top[3].button("↓", key=K(f"q{uid}.down"), on_click=move_question, args=(uid, 1),
+        top[2].button(":material/arrow_upward:", key=K(f"q{uid}.up"), on_click=move_question, args=(uid, -1),
+                      disabled=position == 0, help="Move up")
+        top[3].button(":material/arrow_downward:", key=K(f"q{uid}.down"), on_click=move_question, args=(uid, 1),
                       disabled=position == count - 1, help="Move down")
-        top[4].button("✕", key=K(f"q{uid}.remove"), on_click=remove_question, args=(uid,), help="Remove")
+        top[4].button(":material/delete:", key=K(f"q{uid}.remove"), on_click=remove_question, args=(uid,),
+                      help="Remove")
         instructions = kept_widget(st.text_area, "Instructions", keys["instructions"], "", height=68,
                                    placeholder="The question the model answers about the state")
         row: dict[str, Any] = {"id": qid, "type": qtype, "instructions": instructions}
@@ -198,13 +199,9 @@ def render_answer_card(qid: str, question: dict[str, Any], answer: dict[str, Any
         if instructions:
             st.caption(instructions if isinstance(instructions, str) else json.dumps(instructions))
         metrics = st.columns(4 if summary.score is not None else 3)
-        if summary.type == "noul":
-            answer_text = f"{summary.top_option} (P(true) {answer['noul']:.2f})"
-        elif summary.type == "score":
-            answer_text = f"level {summary.top_option}"
-        else:
-            answer_text = summary.top_option
-        metrics[0].metric("Answer", answer_text)
+        answer_text = f"level {summary.top_option}" if summary.type == "score" else summary.top_option
+        metrics[0].metric("Answer", answer_text,
+                          help=f"P(true) = {answer['noul']:.4f}" if summary.type == "noul" else None)
         metrics[1].metric("Confidence", f"{summary.confidence:.1%}",
                           help="choice/score: P(chosen option) / max p, as the response reports it; "
                                "noul: max(p, 1 − p)")
@@ -212,7 +209,8 @@ def render_answer_card(qid: str, question: dict[str, Any], answer: dict[str, Any
         if summary.score is not None:
             metrics[3].metric("Score", f"{summary.score:.2f}",
                               help=f"Σ level × probability over levels 0–{len(table) - 1}")
-        st.altair_chart(answers.probability_chart(table), width="stretch")
+        st.altair_chart(answers.probability_chart(table), width="stretch",
+                        height=answers.probability_chart_height(len(table)))
         if answer["type"] == "score":
             legend = " · ".join(f"**{level}** {desc}" for level, desc in answer.get("legend", {}).items())
             st.caption(f"Legend: {legend}")
@@ -321,7 +319,7 @@ with right:
         question_messages.append(messages)
     if not uids:
         st.info("No questions yet: add one below or load a schema from the library.")
-    add_cols = st.columns([2, 2, 3], vertical_alignment="bottom")
+    add_cols = st.columns([1, 1], vertical_alignment="bottom")
     new_type = add_cols[0].selectbox("New question type", QUESTION_TYPES, key=K("new_type"))
     add_cols[1].button("Add question", key=K("add"), on_click=add_question, args=(new_type,), icon=":material/add:")
     schema_messages = st.container()
@@ -443,7 +441,7 @@ else:
         budget_messages.error("The engine refused this request; see the messages next to the fields above.")
     else:
         status = answers.budget_status(counts)
-        budget_messages.altair_chart(answers.budget_chart(counts), width="stretch")
+        budget_messages.altair_chart(answers.budget_chart(counts), width="stretch", height=answers.BUDGET_CHART_HEIGHT)
         parts = " · ".join(f"{part} {counts.get(part, 0):,}" for part in answers.BUDGET_PARTS)
         budget_messages.caption(f"{parts} = {counts['total']:,} tokens; max_length {max_length:,}")
         if status.fixed_tokens_over:
@@ -482,7 +480,7 @@ wait_line = run_cols[1].empty()
 if run_clicked and request is not None and engine is not None:
     try:
         response = run_queued(engine, [request], max_length=max_length, overflow=overflow,
-                              on_wait=lambda text: wait_line.info(text, icon="⏳"))[0]
+                              on_wait=lambda text: wait_line.info(text, icon=":material/hourglass_top:"))[0]
     except RequestError as exc:
         st.session_state[K("last_error")] = {"fingerprint": fingerprint,
                                              "by_field": answers.problems_by_field(exc.problems)}
@@ -505,7 +503,7 @@ if run_clicked and request is not None and engine is not None:
             "images": [(m.name, m.content_type, m.data, m.size_bytes) for m in images],
             "videos": [(m.name, m.content_type, m.data, m.size_bytes) for m in videos],
             "schema_name": schema_name or st.session_state.get(K("loaded_slug")) or "",
-            "model_label": label_of(model_manager().state().source or ""),
+            "model_label": request_model_name(model_manager().state().source),
             "device": engine.info().get("device", ""),
         }
 

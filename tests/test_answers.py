@@ -104,13 +104,16 @@ def test_budget_fixed_parts_over():
     assert status.message.startswith("Even without the state, this record is 49 tokens over max_length 300")
 
 
-def test_budget_table_and_chart():
-    table = answers.budget_table(COUNTS)
-    assert list(table["part"]) == list(answers.BUDGET_PARTS)
-    assert list(table["end"]) == [35, 35, 535, 835, 849]
+def test_budget_table_shows_free_space_or_the_overflow():
+    table = answers.budget_table({**COUNTS, "max_length": 1000})
+    assert list(table["part"]) == [*answers.BUDGET_PARTS, "free"]
+    assert list(table["end"]) == [35, 35, 535, 835, 849, 1000]
+    over = answers.budget_table({**COUNTS, "max_length": 800})
+    assert over.iloc[-1].to_dict() == {"part": "over max_length", "tokens": 49, "start": 800, "end": 849}
+    exact = answers.budget_table({**COUNTS, "max_length": 849})
+    assert list(exact["part"]) == list(answers.BUDGET_PARTS)
     spec = answers.budget_chart({**COUNTS, "max_length": 800}).to_dict()
-    rule = spec["layer"][1]
-    assert rule["mark"]["type"] == "rule"
+    assert spec["encoding"]["color"]["scale"]["range"][-1] == "#d64545", "the overflow is drawn in red"
 
 
 def test_problems_are_grouped_by_the_field_they_concern():

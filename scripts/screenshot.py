@@ -1,0 +1,47 @@
+"""Take docs/screenshot-decide.png: the Decide page after a run of the support-ticket example on the demo model.
+
+Usage: .venv/bin/python scripts/screenshot.py [OUTPUT]   (needs Debian's chromium at /usr/bin/chromium)
+Starts `streamlit run app.py` on a free port with a throw-away database, drives headless Chromium with Playwright.
+"""
+
+from __future__ import annotations
+
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from playwright.sync_api import expect, sync_playwright  # noqa: E402
+
+from clef_workbench.browser_harness import REPO, launch_chromium, running_workbench  # noqa: E402
+
+
+def main(output: Path) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        env = {"CLEF_DB": str(Path(tmp) / "workbench.sqlite3"), "CLEF_SCHEMAS_DIR": str(REPO / "schemas")}
+        with running_workbench(env, log_path=Path(tmp) / "streamlit.log") as url, sync_playwright() as playwright:
+            browser = launch_chromium(playwright)
+            page = browser.new_page(viewport={"width": 1440, "height": 1500}, device_scale_factor=1)
+            page.goto(url)
+            run = page.get_by_role("button", name="Run", exact=True)
+            expect(run).to_be_enabled(timeout=180_000)
+            run.click()
+            answers = page.locator('[data-testid="stMetricLabel"]', has_text="Answer")
+            expect(answers).to_have_count(5, timeout=180_000)
+            charts = page.locator('[data-testid="stVegaLiteChart"] canvas, [data-testid="stVegaLiteChart"] svg.marks')
+            expect(charts).to_have_count(6)
+            # Streamlit scrolls its main area, not the document: bring the budget, Run and the answers into view.
+            page.get_by_role("heading", name="Token budget").scroll_into_view_if_needed()
+            page.evaluate("document.querySelector('[data-testid=\"stMain\"]').scrollBy(0, "
+                          "document.evaluate(\"//h3[contains(., 'Token budget')]\", document, null, 9, null)"
+                          ".singleNodeValue.getBoundingClientRect().top - 80)")
+            page.wait_for_timeout(1000)  # let vega finish drawing
+            output.parent.mkdir(parents=True, exist_ok=True)
+            page.screenshot(path=str(output))
+            browser.close()
+    print(f"wrote {output}")
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]) if len(sys.argv) > 1 else REPO / "docs" / "screenshot-decide.png")

@@ -1,0 +1,149 @@
+"""The Decide page in a real browser: `streamlit run app.py` as a subprocess, Debian's headless Chromium through
+Playwright. Writes a JSON state, builds a schema with one question of each type, runs it on the demo model, sees
+the charts, attaches an image and runs again."""
+
+from __future__ import annotations
+
+import io
+import json
+import re
+from pathlib import Path
+
+import pytest
+from PIL import Image
+
+from clef_workbench.browser_harness import CHROMIUM_PATH, launch_chromium, running_workbench
+
+playwright_api = pytest.importorskip("playwright.sync_api")
+expect = playwright_api.expect
+
+pytestmark = [
+    pytest.mark.browser,
+    pytest.mark.skipif(not Path(CHROMIUM_PATH).is_file(),
+                       reason=f"{CHROMIUM_PATH} missing: apt-get install -y chromium (bash scripts/setup.sh --test)"),
+]
+
+LONG = 120_000  # ms: the first page load builds/loads the demo model
+
+
+def settle(page) -> None:
+    """Wait for the rerun an interaction started: Streamlit marks the elements of a running script stale."""
+    page.wait_for_timeout(300)
+    page.wait_for_function("document.querySelectorAll('[data-stale=\"true\"]').length === 0")
+
+
+def commit(locator) -> None:
+    """Streamlit text widgets send their value on blur."""
+    locator.press("Tab")
+    settle(locator.page)
+
+
+def pick(page, label: str, option: str) -> None:
+    """Choose in a Streamlit selectbox (a react-aria combobox). Its list sometimes does not open when the page
+    rerenders at the same moment, so open it again until the option shows."""
+    box = page.get_by_role("combobox", name=label)
+    wanted = page.get_by_role("option", name=option, exact=True)
+    for _ in range(5):
+        settle(page)
+        box.focus()
+        box.press("ArrowDown")
+        try:
+            wanted.wait_for(state="visible", timeout=3000)
+        except playwright_api.TimeoutError:
+            box.press("Escape")
+            continue
+        wanted.click()
+        break
+    expect(box).to_have_value(option)
+    settle(page)
+
+
+@pytest.fixture
+def workbench_url(tmp_path: Path):
+    env = {"CLEF_DB": str(tmp_path / "workbench.sqlite3"), "CLEF_SCHEMAS_DIR": str(tmp_path / "schemas")}
+    with running_workbench(env, log_path=tmp_path / "streamlit.log") as url:
+        yield url
+
+
+@pytest.fixture
+def page(workbench_url):
+    with playwright_api.sync_playwright() as playwright:
+        browser = launch_chromium(playwright)
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        page.set_default_timeout(60_000)
+        page.goto(workbench_url)
+        yield page
+        browser.close()
+
+
+def test_decide_in_a_real_browser(page, tmp_path: Path):
+    expect(page.get_by_text("Its weights are random: the answers mean nothing")).to_be_visible(timeout=LONG)
+    expect(page.get_by_text("No questions yet")).to_be_visible()
+
+    # A JSON state with a syntax error shows line and column; fixed, it is read as a JSON object.
+    state = page.locator('textarea[aria-label="State"]')
+    state.fill('{\n  "subject": "Refund please",\n  "body": }')
+    commit(state)
+    expect(page.get_by_text("The state is not valid JSON: Expecting value. (line 3, column 11)")).to_be_visible()
+    state.fill(json.dumps({"subject": "Charged twice", "body": "You billed my card twice, refund one now!",
+                           "plan": "Business"}, indent=2))
+    commit(state)
+    expect(page.get_by_text("Read as JSON object · 3 keys")).to_be_visible()
+
+    # One question of each type.
+    for qtype in ("noul", "choice", "score"):
+        pick(page, "New question type", qtype)
+        page.get_by_role("button", name="Add question").click()
+        settle(page)
+        expect(page.get_by_label(re.compile(r"^Question \d id$"))).to_have_count(("noul", "choice", "score")
+                                                                                 .index(qtype) + 1)
+    instructions = ["Does the customer ask for a refund?", "Which team should handle it?", "How angry are they?"]
+    for i, text in enumerate(instructions):
+        box = page.locator('textarea[aria-label="Instructions"]').nth(i)
+        box.fill(text)
+        commit(box)
+    options = page.locator('textarea[aria-label="Options — one per line: id: description"]')
+    options.fill("billing: Charges, refunds, invoices\ntech: Something is broken\nunknown: None of these")
+    commit(options)
+    levels = page.locator('textarea[aria-label="Levels — one per line, lowest first"]')
+    levels.fill("calm\nannoyed\nfurious")
+    commit(levels)
+    expect(page.get_by_text("tokens used.")).to_be_visible()
+
+    run = page.get_by_role("button", name="Run", exact=True)
+    expect(run).to_be_enabled()
+    run.click()
+    expect(page.locator('[data-testid="stMetricLabel"]', has_text="Answer")).to_have_count(3, timeout=LONG)
+    settle(page)
+    # Budget bar + one chart per question, each drawn by vega-embed.
+    expect(page.locator('[data-testid="stVegaLiteChart"]')).to_have_count(4)
+    expect(page.locator('[data-testid="stVegaLiteChart"] canvas, [data-testid="stVegaLiteChart"] svg.marks')
+           ).to_have_count(4)
+    expect(page.get_by_text(re.compile(r"^Legend: 0 calm · 1 annoyed · 2 furious$"))).to_be_visible()
+    response = json.loads(page.locator('[data-testid="stCode"]').first.inner_text())
+    assert list(response["answers"]) == ["q1", "q2", "q3"]
+    assert list(response["answers"]["q2"]["probabilities"]) == ["billing", "tech", "unknown"]
+    assert response["x_token_counts"]["media"] == 0
+    page.screenshot(path=str(tmp_path / "after-first-run.png"), full_page=True)
+
+    # Attach an image: preview, then a second run whose request carries it.
+    photo = tmp_path / "photo.png"
+    buffer = io.BytesIO()
+    Image.new("RGB", (64, 48), (200, 40, 40)).save(buffer, format="PNG")
+    photo.write_bytes(buffer.getvalue())
+    uploader = page.locator('[data-testid="stFileUploader"]').filter(has_text="Images")
+    uploader.locator('input[type="file"]').set_input_files(str(photo))
+    expect(page.get_by_text(re.compile(r"photo\.png · 64×48"))).to_be_visible()
+    run.click()
+    expect(page.get_by_text(re.compile(r"^Tokens: prefix \d+ · media [1-9]\d*"))).to_be_visible(timeout=LONG)
+    # The caption renders before the JSON further down: wait for the new response there too.
+    expect(page.locator('[data-testid="stCode"]').first).to_contain_text(re.compile(r'"media": [1-9]'))
+    settle(page)
+    response = json.loads(page.locator('[data-testid="stCode"]').first.inner_text())
+    assert response["x_token_counts"]["media"] > 0
+    assert list(response["answers"]) == ["q1", "q2", "q3"]
+    page.get_by_role("tab", name="Request JSON").click()
+    request_text = page.locator('[data-testid="stCode"]').nth(1).inner_text()
+    assert '"data:image/png;base64,' in request_text and "[photo.png, " in request_text
+    expect(page.locator('[data-testid="stVegaLiteChart"] canvas, [data-testid="stVegaLiteChart"] svg.marks')
+           ).to_have_count(4)
