@@ -300,3 +300,42 @@ def test_open_in_decide_loads_the_schema_into_the_builder(workbench):
     assert ids == ["verdict", "attack_tactic", "severity", "page_oncall", "privileged_account"]
     state = json.loads(at.text_area(key="decide.state_text").value)
     assert state["rule"] == "Credential dumping: LSASS process access"
+
+
+def test_run_queued_reports_queue_position_then_running():
+    """While other jobs hold the GPU, the Decide page shows "Queued, n ahead"; then "Running"."""
+    import threading
+    from concurrent.futures import Future
+
+    class FakeScheduler:
+        def __init__(self):
+            self.positions = [2, 1, None]
+
+        def position(self, future):
+            return self.positions.pop(0) if self.positions else None
+
+    class FakeEngine:
+        def __init__(self):
+            self.scheduler = FakeScheduler()
+            self.submitted = []
+
+        def submit(self, requests, **kwargs):
+            self.submitted.append(kwargs)
+            future = Future()
+            threading.Timer(1.0, future.set_result, args=([{"answers": {}}],)).start()
+            return future
+
+        def queue_depth(self):
+            return 3
+
+        def info(self):
+            return {"device": "cuda:0"}
+
+    fake = FakeEngine()
+    seen: list[str] = []
+    result = ui_common.run_queued(fake, [{"state": "x"}], max_length=100, on_wait=seen.append)
+    assert result == [{"answers": {}}]
+    assert fake.submitted == [{"priority": "interactive", "max_length": 100, "overflow": "refuse"}]
+    assert seen[0].startswith("Queued, 2 ahead (queue depth 3)")
+    assert seen[1].startswith("Queued, 1 ahead")
+    assert seen[-1].startswith("Running on cuda:0")
