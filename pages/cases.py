@@ -182,9 +182,10 @@ with tab_export:
     slug = re.sub(r"[^a-z0-9]+", "-", case_set["name"].lower()).strip("-") or "cases"
     st.download_button("Download JSONL (with media)", casesets.export_jsonl(store, case_set_id),
                        file_name=f"{slug}.jsonl", mime="application/jsonl", key=K("export_jsonl"),
-                       icon=":material/download:")
+                       icon=":material/download:", on_click="ignore")
     st.download_button("Download CSV (media counted, not included)", casesets.export_csv(store, case_set_id),
-                       file_name=f"{slug}.csv", mime="text/csv", key=K("export_csv"), icon=":material/download:")
+                       file_name=f"{slug}.csv", mime="text/csv", key=K("export_csv"),
+                       icon=":material/download:", on_click="ignore")
 
 with tab_settings:
     with st.form(K(f"settings.{case_set_id}")):

@@ -9,40 +9,16 @@ import json
 
 import pandas as pd
 import streamlit as st
-import streamlit.components.v1 as components
 
 from clef_engine.media import load_video
 from clef_workbench import review, run_charts
-from clef_workbench.answers import probability_chart
+from clef_workbench.answers import probability_chart, probability_chart_height
 from clef_workbench.review import ReviewRules
 from clef_workbench.store import ReviewConflictError, StoreError
 from ui_common import get_store, kept_widget, model_manager, page_key
 
 K = page_key("review")
 MAX_SHORTCUT_OPTIONS = 9
-
-# Streamlit has no key bindings: this script (in a same-origin iframe) listens on the page and clicks the button
-# whose container has the matching key class. It ignores keys typed into inputs and does nothing on other pages.
-KEYBOARD_SCRIPT = """
-<script>
-const doc = window.parent.document;
-if (!doc.__clefReviewKeys) {
-  doc.__clefReviewKeys = true;
-  doc.addEventListener("keydown", (event) => {
-    const target = event.target;
-    if (event.ctrlKey || event.metaKey || event.altKey) return;
-    if (target && (["INPUT", "TEXTAREA", "SELECT"].includes(target.tagName) || target.isContentEditable)) return;
-    if (!doc.querySelector(".st-key-review-card")) return;
-    const names = {a: "accept", u: "unknown", s: "skip", z: "undo"};
-    const key = event.key.toLowerCase();
-    const name = names[key] || (/^[1-9]$/.test(key) ? "correct-" + key : null);
-    if (!name) return;
-    const button = doc.querySelector(".st-key-review-" + name + " button");
-    if (button && !button.disabled) { event.preventDefault(); button.click(); }
-  });
-}
-</script>
-"""
 
 st.title("Review")
 store = get_store()
@@ -177,10 +153,9 @@ if not reviewer:
 item = current_item()
 if item is None:
     st.success("Nothing left to review in this run's queue.")
-    st.button("Undo my last action [Z]", key="review-undo", on_click=undo, disabled=not reviewer)
+    st.button("Undo my last action", key="review-undo", on_click=undo, disabled=not reviewer, shortcut="Z")
 else:
     question = questions.get(item["question_id"], {"type": item["question_type"]})
-    components.html(KEYBOARD_SCRIPT, height=0)
     with st.container(key="review-card", border=True):
         header = st.columns([3, 2])
         header[0].markdown(f"### Case {item['case_id']} · `{item['question_id']}` ({item['question_type']})")
@@ -188,7 +163,7 @@ else:
         header[1].markdown(f"**Why queued:** {item['reason']}  \n"
                            f"Model **{item['model_id']}** · schema **{item['schema_name']} v{item['schema_version']}**"
                            f"  \nQueued {item['created_at'][:19].replace('T', ' ')} UTC · status {item['status']}")
-        body = st.columns([3, 2])
+        body = st.columns([1, 1])
         case = store.get_case(item["case_id"])
         with body[0]:
             st.markdown("**State**")
@@ -214,26 +189,29 @@ else:
                 st.markdown(f"**Expected answer in the case set:** `{json.dumps(expected)}`")
         with body[1]:
             table = run_charts.distribution_table(question, item["distribution"], item["predicted"])
-            st.altair_chart(probability_chart(table, title="Model's distribution (at queue time)"),
-                            width="stretch")
+            st.markdown("**Model's distribution** (frozen at queue time)")
+            st.altair_chart(probability_chart(table), width="stretch", height=probability_chart_height(len(table)))
             st.caption(f"Answer **{item['predicted']}** · confidence {item['confidence']:.3f} · "
                        f"margin {item['margin']:.3f}")
         buttons = st.columns(4)
-        buttons[0].button(f"Accept “{item['predicted']}” [A]", key="review-accept", on_click=act,
-                          args=(item, "accept"), type="primary", disabled=not reviewer)
-        buttons[1].button("Mark unknown [U]", key="review-unknown", on_click=act, args=(item, "unknown"),
-                          disabled=not reviewer)
-        buttons[2].button("Skip [S]", key="review-skip", on_click=act, args=(item, "skip"), disabled=not reviewer)
-        buttons[3].button("Undo my last action [Z]", key="review-undo", on_click=undo, disabled=not reviewer)
+        # Streamlit's own button shortcuts: they ignore keys typed into inputs, so the name field is safe
+        buttons[0].button(f"Accept “{item['predicted']}”", key="review-accept", on_click=act,
+                          args=(item, "accept"), type="primary", disabled=not reviewer, shortcut="A")
+        buttons[1].button("Mark unknown", key="review-unknown", on_click=act, args=(item, "unknown"),
+                          disabled=not reviewer, shortcut="U")
+        buttons[2].button("Skip", key="review-skip", on_click=act, args=(item, "skip"), disabled=not reviewer,
+                          shortcut="S")
+        buttons[3].button("Undo my last action", key="review-undo", on_click=undo, disabled=not reviewer,
+                          shortcut="Z")
         st.markdown("**Correct to:**")
         options = list(item["distribution"])
         option_cols = st.columns(min(len(options), 5))
         for index, option in enumerate(options):
-            shortcut = f" [{index + 1}]" if index < MAX_SHORTCUT_OPTIONS else ""
             label = True if option == "true" else False if option == "false" else option
             option_cols[index % len(option_cols)].button(
-                f"{option}{shortcut}", key=f"review-correct-{index + 1}", on_click=act,
-                args=(item, "correct", label), disabled=not reviewer or option == item["predicted"])
+                option, key=f"review-correct-{index + 1}", on_click=act, args=(item, "correct", label),
+                disabled=not reviewer or option == item["predicted"],
+                shortcut=str(index + 1) if index < MAX_SHORTCUT_OPTIONS else None)
         st.caption("Keys: A accept · U unknown · S skip · Z undo · 1–9 correct to that option. Each action moves "
                    "to the next item (smallest margin first).")
 
@@ -252,14 +230,20 @@ with st.expander("Export reviewed labels", icon=":material/download:"):
         [{"case_id": i["case_id"], "question_id": i["question_id"], "status": i["status"],
           "label": json.dumps(i["label"]), "model_answer": i["predicted"], "reviewer": i["reviewer"],
           "reason": i["reason"]} for i in reviewed]).to_csv(index=False), file_name=f"review-run-{run_id}.csv",
-        mime="text/csv", key=K(f"labels_csv.{run_id}"))
+        # the key changes with the data: a download button kept under one key can serve its first file again
+        mime="text/csv", key=K(f"labels_csv.{run_id}.{len(log)}"), on_click="ignore")
     golden_name = st.text_input("Golden set name", value=f"Golden: {run['case_set_name']} (run {run_id})",
                                 key=K(f"golden_name.{run_id}"))
     if st.button("Export as a new case set", key=K(f"golden.{run_id}"), icon=":material/workspace_premium:"):
         try:
             golden_id = review.export_golden_set(store, run_id, golden_name)
         except (ValueError, StoreError) as exc:
-            st.error(str(exc))
+            golden_result = ("error", str(exc))
         else:
-            st.success(f"Created case set #{golden_id} “{golden_name}” with "
-                       f"{store.get_case_set(golden_id)['case_count']} cases. Open it on the Case sets page.")
+            golden_result = ("success", f"Created case set #{golden_id} “{golden_name}” with "
+                                        f"{store.get_case_set(golden_id)['case_count']} cases. Open it on the Case "
+                                        "sets page.")
+        st.session_state[K("golden_result")] = golden_result
+if K("golden_result") in st.session_state:  # outside the expander, so it stays visible if the expander closes
+    kind, message = st.session_state.pop(K("golden_result"))
+    getattr(st, kind)(message)

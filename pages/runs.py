@@ -10,7 +10,7 @@ import streamlit as st
 
 from clef_engine import DEFAULT_MAX_LENGTH
 from clef_workbench import casesets, run_charts, stats
-from clef_workbench.answers import option_table, probability_chart
+from clef_workbench.answers import option_table, probability_chart, probability_chart_height
 from clef_workbench.jobs import JobAlreadyRunningError
 from clef_workbench.model_loader import request_model_name
 from clef_workbench.schemas import SchemaError
@@ -248,7 +248,8 @@ with st.expander("One case's answers", icon=":material/search:"):
         response = next(r["response"] for r in results if r["case_id"] == picked_case)
         for question_id, answer in response["answers"].items():
             table = option_table(questions.get(question_id, {}), answer)
-            st.altair_chart(probability_chart(table, title=question_id), width="stretch")
+            st.altair_chart(probability_chart(table, title=question_id), width="stretch",
+                            height=probability_chart_height(len(table)) + 20)
 
 # -- export -----------------------------------------------------------------------------------------------------
 
@@ -257,9 +258,10 @@ slug = re.sub(r"[^a-z0-9]+", "-", f"run-{run_id}-{run['case_set_name']}".lower()
 cols = st.columns(2)
 cols[0].download_button("Results CSV (case × question, every option's probability)",
                         casesets.export_results_csv(store, run_id), file_name=f"{slug}.csv", mime="text/csv",
-                        key=K(f"export_csv.{run_id}"), icon=":material/download:")
+                        key=K(f"export_csv.{run_id}.{len(results)}"), icon=":material/download:", on_click="ignore")
 cols[1].download_button("Results JSONL", casesets.export_results_jsonl(store, run_id), file_name=f"{slug}.jsonl",
-                        mime="application/jsonl", key=K(f"export_jsonl.{run_id}"), icon=":material/download:")
+                        mime="application/jsonl", key=K(f"export_jsonl.{run_id}.{len(results)}"),
+                        icon=":material/download:", on_click="ignore")
 
 # -- compare ----------------------------------------------------------------------------------------------------
 

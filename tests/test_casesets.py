@@ -162,3 +162,32 @@ def test_shipped_example_case_sets_load_with_expected_answers_for_their_schemas(
     photos = store.list_cases(loaded["vehicle-damage-claim-photo"])
     assert all(case["image_count"] == 1 for case in photos)
     assert casesets.load_example_case_sets(store, ROOT / "schemas") == loaded  # idempotent
+
+
+def test_table_edits_update_add_and_delete_and_refuse_bad_rows(tmp_path):
+    store = Store(tmp_path / "w.db")
+    set_id = store.create_case_set("t", schema_name="tickets")
+    first, second = store.add_cases(set_id, [{"state": {"a": 1}}, {"state": "plain"}])
+    table = casesets.editor_frame(store, set_id)
+    assert list(table["state"]) == ['{"a": 1}', "plain"]
+    bad = table.copy()
+    bad.loc[0, "state"] = '{"a": '
+    bad.loc[1, "expected"] = '{"team": "hr"}'
+    with pytest.raises(CaseImportError) as error:
+        casesets.apply_case_edits(store, set_id, bad, SCHEMA)
+    assert error.value.problems[0].startswith("row 1, state: looks like JSON but does not parse")
+    assert error.value.problems[1].startswith("row 2, expected: 'hr' is not an option of question 'team'")
+    assert store.get_case(first)["state"] == {"a": 1}  # nothing written
+
+    edited = table.copy()
+    edited.loc[0, "expected"] = '{"urgent": "yes", "priority": 2}'
+    edited.loc[0, "tags"] = "vip, late"
+    edited = edited.drop(index=1)
+    edited.loc[len(edited) + 5] = {"id": None, "state": "new ticket", "expected": "", "tags": "", "images": 0,
+                                   "videos": 0}
+    counts = casesets.apply_case_edits(store, set_id, edited, SCHEMA)
+    assert counts == {"added": 1, "updated": 1, "deleted": 1}
+    cases = store.list_cases(set_id)
+    assert [c["state"] for c in cases] == [{"a": 1}, "new ticket"]
+    assert cases[0]["expected"] == {"urgent": True, "priority": 2} and cases[0]["tags"] == ["vip", "late"]
+    assert second not in [c["id"] for c in cases]

@@ -200,13 +200,13 @@ def test_review_page_queue_actions_conflict_undo_and_golden_set(workbench):
     assert len(queue) == 12 and [i["margin"] for i in queue] == sorted(i["margin"] for i in queue)
 
     # no name, no action
-    assert button(at, f"Accept “{queue[0]['predicted']}” [A]").disabled
+    assert button(at, f"Accept “{queue[0]['predicted']}”").disabled
     assert "Enter your name above to review." in texts(at)
     at.text_input(key="review.reviewer").input("ana")
     at.run()
     assert f"### Case {queue[0]['case_id']} · `team` (choice)" in texts(at)  # worst first
     assert f"**Why queued:** {queue[0]['reason']}" in texts(at)
-    button(at, f"Accept “{queue[0]['predicted']}” [A]").click()
+    button(at, f"Accept “{queue[0]['predicted']}”").click()
     at.run()
     ok(at)
     assert store.get_review_item(queue[0]["id"])["status"] == "accepted"
@@ -214,15 +214,14 @@ def test_review_page_queue_actions_conflict_undo_and_golden_set(workbench):
 
     # correct to an option that is not the model's answer
     other = next(o for o in queue[1]["distribution"] if o != queue[1]["predicted"])
-    index = list(queue[1]["distribution"]).index(other) + 1
-    button(at, f"{other} [{index}]").click()
+    button(at, other).click()
     at.run()
     assert store.get_review_item(queue[1]["id"])["label"] == other
 
     # another session acts on the item this one shows: our click is refused, not applied twice
     shown = store.get_review_item(queue[2]["id"])
     store.apply_review_action(shown["id"], reviewer="ben", action="skip", expected_version=shown["version"])
-    button(at, "Mark unknown [U]").click()
+    button(at, "Mark unknown").click()
     at.run()
     ok(at)
     assert "was changed by ben" in texts(at)
@@ -230,7 +229,7 @@ def test_review_page_queue_actions_conflict_undo_and_golden_set(workbench):
 
     # undo my last action (the correction): appended to the log, the item is open again
     at.run()
-    button(at, "Undo my last action [Z]").click()
+    button(at, "Undo my last action").click()
     at.run()
     ok(at)
     assert store.get_review_item(queue[1]["id"])["status"] == "open"
