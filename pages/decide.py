@@ -38,6 +38,7 @@ NEW_QUESTION_DEFAULTS = {
     "score": {"levels": ["Low", "Medium", "High"]},
 }
 PREFERRED_START_SCHEMA = "support-ticket-routing"
+MAX_LENGTH_CHOICES = sorted({512, 1024, 2048, 4096, 8192, DEFAULT_MAX_LENGTH, 32_768, 65_536, 131_072, 262_144})
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -153,18 +154,19 @@ def render_question(position: int, uid: int, count: int) -> tuple[dict[str, Any]
     """One question's editor; returns its row and a container for its messages."""
     keys = _row_keys(uid)
     with st.container(border=True, key=K(f"card{uid}")):
-        top = st.columns([3, 2, 0.5, 0.5, 0.5], vertical_alignment="bottom")
+        top = st.columns([3, 2, 0.6, 0.6, 0.6], vertical_alignment="bottom", gap="xsmall")
         with top[0]:
             qid = kept_widget(st.text_input, f"Question {position + 1} id", keys["id"], "",
                               help="Letters, digits, _ . - (1–100 characters). Answers are keyed by it.")
         with top[1]:
             qtype = kept_widget(st.selectbox, "Type", keys["type"], "noul", options=QUESTION_TYPES,
                                 help="noul: yes/no · choice: one of several options · score: ordered levels")
-        top[2].button(":material/arrow_upward:", key=K(f"q{uid}.up"), on_click=move_question, args=(uid, -1),
+        top[2].button("", icon=":material/arrow_upward:", key=K(f"q{uid}.up"), on_click=move_question, args=(uid, -1),
                       disabled=position == 0, help="Move up")
-        top[3].button(":material/arrow_downward:", key=K(f"q{uid}.down"), on_click=move_question, args=(uid, 1),
+        top[3].button("", icon=":material/arrow_downward:", key=K(f"q{uid}.down"), on_click=move_question,
+                      args=(uid, 1),
                       disabled=position == count - 1, help="Move down")
-        top[4].button(":material/delete:", key=K(f"q{uid}.remove"), on_click=remove_question, args=(uid,),
+        top[4].button("", icon=":material/delete:", key=K(f"q{uid}.remove"), on_click=remove_question, args=(uid,),
                       help="Remove")
         instructions = kept_widget(st.text_area, "Instructions", keys["instructions"], "", height=68,
                                    placeholder="The question the model answers about the state")
@@ -415,8 +417,10 @@ if save_new or save_update:
 st.divider()
 st.subheader("Token budget")
 budget_cols = st.columns([1, 2])
-max_length = int(kept_widget(budget_cols[0].number_input, "max_length (tokens)", K("max_length"), DEFAULT_MAX_LENGTH,
-                             min_value=64, max_value=262_144, step=1024))
+# A fixed list rather than a free number field: budgets are powers of two in practice, and a list cannot be
+# left empty or mistyped to a value that refuses every request.
+max_length = int(kept_widget(budget_cols[0].selectbox, "max_length (tokens)", K("max_length"), DEFAULT_MAX_LENGTH,
+                             options=MAX_LENGTH_CHOICES, format_func="{:,}".format))
 overflow = kept_widget(budget_cols[1].radio, "If the state does not fit", K("overflow"), "refuse",
                        options=["refuse", "truncate_state"], horizontal=True,
                        format_func={"refuse": "refuse (show an error)",

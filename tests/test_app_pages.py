@@ -181,14 +181,14 @@ def test_builder_adds_reorders_removes_and_validates_questions(workbench):
 def test_token_budget_refuse_then_truncate(workbench):
     at = start()
     at.text_area(key="decide.state_text").input("word " * 3000).run()
-    at.number_input(key="decide.max_length").set_value(2000).run()
+    at.selectbox(key="decide.max_length").select(2048).run()
     no_exceptions(at)
     warnings = [w.value for w in at.warning]
     assert any("tokens of the state would be cut" in w for w in warnings), warnings
     button(at, "Run").click().run()
     no_exceptions(at)
     errors = [e.value for e in at.error]
-    assert any("over max_length 2000" in e and "allow truncation" in e for e in errors), errors
+    assert any("over max_length 2048" in e and "allow truncation" in e for e in errors), errors
     assert not [m for m in at.metric if m.label == "Answer"], "a refused request has no answers"
     at.radio(key="decide.overflow").set_value("truncate_state").run()
     button(at, "Run").click().run()
@@ -196,7 +196,7 @@ def test_token_budget_refuse_then_truncate(workbench):
     truncated = next(m for m in at.metric if m.label == "Truncated state tokens")
     assert int(truncated.value.replace(",", "")) > 0
     assert any("were cut to fit max_length" in w.value for w in at.warning)
-    assert code_json(at, 0)["usage"]["input_tokens"] == 2000
+    assert code_json(at, 0)["usage"]["input_tokens"] == 2048
 
 
 def test_save_as_case_with_confirmed_labels(workbench):

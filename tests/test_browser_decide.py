@@ -16,6 +16,7 @@ from clef_workbench.browser_harness import CHROMIUM_PATH, launch_chromium, runni
 
 playwright_api = pytest.importorskip("playwright.sync_api")
 expect = playwright_api.expect
+expect.set_options(timeout=30_000)  # two CPU cores shared with the model: reruns can take seconds
 
 pytestmark = [
     pytest.mark.browser,
@@ -77,6 +78,17 @@ def page(workbench_url):
 
 
 def test_decide_in_a_real_browser(page, tmp_path: Path):
+    try:
+        decide_scenario(page, tmp_path)
+    except Exception:
+        # What the user would have seen: the page's messages and a screenshot next to the test's temp files.
+        page.screenshot(path=str(tmp_path / "failure.png"), full_page=True)
+        alerts = page.locator('[data-testid="stAlert"]').all_inner_texts()
+        print(f"messages on the page: {alerts}\nscreenshot: {tmp_path / 'failure.png'}")
+        raise
+
+
+def decide_scenario(page, tmp_path: Path) -> None:
     expect(page.get_by_text("Its weights are random: the answers mean nothing")).to_be_visible(timeout=LONG)
     expect(page.get_by_text("No questions yet")).to_be_visible()
 
@@ -120,7 +132,9 @@ def test_decide_in_a_real_browser(page, tmp_path: Path):
     expect(page.locator('[data-testid="stVegaLiteChart"] canvas, [data-testid="stVegaLiteChart"] svg.marks')
            ).to_have_count(4)
     expect(page.get_by_text(re.compile(r"^Legend: 0 calm · 1 annoyed · 2 furious$"))).to_be_visible()
-    response = json.loads(page.locator('[data-testid="stCode"]').first.inner_text())
+    response_code = page.locator('[data-testid="stCode"]').first
+    expect(response_code).to_contain_text('"q3"')
+    response = json.loads(response_code.inner_text())
     assert list(response["answers"]) == ["q1", "q2", "q3"]
     assert list(response["answers"]["q2"]["probabilities"]) == ["billing", "tech", "unknown"]
     assert response["x_token_counts"]["media"] == 0
@@ -143,7 +157,8 @@ def test_decide_in_a_real_browser(page, tmp_path: Path):
     assert response["x_token_counts"]["media"] > 0
     assert list(response["answers"]) == ["q1", "q2", "q3"]
     page.get_by_role("tab", name="Request JSON").click()
-    request_text = page.locator('[data-testid="stCode"]').nth(1).inner_text()
-    assert '"data:image/png;base64,' in request_text and "[photo.png, " in request_text
+    request_code = page.locator('[data-testid="stCode"]').nth(1)
+    expect(request_code).to_contain_text('"data:image/png;base64,')
+    expect(request_code).to_contain_text("[photo.png, ")
     expect(page.locator('[data-testid="stVegaLiteChart"] canvas, [data-testid="stVegaLiteChart"] svg.marks')
            ).to_have_count(4)
