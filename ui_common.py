@@ -34,6 +34,17 @@ DEMO_BANNER = ("**Demo model.** Its weights are random: the answers mean nothing
 
 
 @st.cache_resource(show_spinner=False)
+def use_app_navigation() -> None:
+    """Call first on every page. Streamlit treats a `pages/` folder beside app.py as an old-style multipage app until
+    app.py's st.navigation has run once in the process, so a deep link (/review) on a fresh server would run the page
+    alone — no sidebar, file names as titles. Switch to app.py's navigation and rerun the same URL through it."""
+    from streamlit.runtime.pages_manager import PagesManager
+
+    if PagesManager.uses_pages_directory:
+        PagesManager.uses_pages_directory = False
+        st.rerun()
+
+
 def model_manager() -> ModelManager:
     """One per process, shared by all sessions: one resident model, one GPU queue."""
     manager = ModelManager()

@@ -11,7 +11,9 @@ from clef_workbench import casesets
 from clef_workbench.casesets import CaseImportError, CsvMapping
 from clef_workbench.schemas import SchemaError
 from clef_workbench.store import StoreError
-from ui_common import get_library, get_store, kept_widget, page_key
+from ui_common import get_library, get_store, kept_widget, page_key, use_app_navigation
+
+use_app_navigation()
 
 K = page_key("cases")
 NO_SCHEMA = "(none)"

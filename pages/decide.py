@@ -27,7 +27,10 @@ from ui_common import (
     page_key,
     run_queued,
     set_widget,
+    use_app_navigation,
 )
+
+use_app_navigation()
 
 K = page_key("decide")
 QUESTION_TYPES = list(schemas.QUESTION_TYPES)

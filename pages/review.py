@@ -15,7 +15,9 @@ from clef_workbench import review, run_charts
 from clef_workbench.answers import probability_chart, probability_chart_height
 from clef_workbench.review import ReviewRules
 from clef_workbench.store import ReviewConflictError, StoreError
-from ui_common import get_store, kept_widget, model_manager, page_key
+from ui_common import get_store, kept_widget, model_manager, page_key, use_app_navigation
+
+use_app_navigation()
 
 K = page_key("review")
 MAX_SHORTCUT_OPTIONS = 9

@@ -14,7 +14,18 @@ from clef_workbench.answers import option_table, probability_chart, probability_
 from clef_workbench.jobs import JobAlreadyRunningError
 from clef_workbench.model_loader import request_model_name
 from clef_workbench.schemas import SchemaError
-from ui_common import get_engine, get_job_runner, get_library, get_store, kept_widget, model_manager, page_key
+from ui_common import (
+    get_engine,
+    get_job_runner,
+    get_library,
+    get_store,
+    kept_widget,
+    model_manager,
+    page_key,
+    use_app_navigation,
+)
+
+use_app_navigation()
 
 K = page_key("runs")
 STATUS_ICONS = {"pending": "⏳", "running": "▶️", "cancelled": "⏹️", "finished": "✅", "failed": "❌"}

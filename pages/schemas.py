@@ -6,7 +6,9 @@ from __future__ import annotations
 import streamlit as st
 
 from clef_workbench import schemas
-from ui_common import get_library, page_key
+from ui_common import get_library, page_key, use_app_navigation
+
+use_app_navigation()
 
 K = page_key("schemas")
 library = get_library()
