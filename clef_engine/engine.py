@@ -23,7 +23,7 @@ from .cache import PrefixState, StateCache, prefix_key
 from .encoding import DEFAULT_MAX_LENGTH, EncodedRecord, Encoder
 from .errors import RequestError, TokenBudgetError
 from .head import JointSchemaHead, layout, load_head, option_probabilities
-from .packed import FastBackbone, pack_ids
+from .packed import FastBackbone, GraphedPrefill, pack_ids
 from .protocol import format_answer, parse_questions
 from .scheduler import Scheduler
 
@@ -79,11 +79,14 @@ class Engine:
         self.token_budget = token_budget
         self.forward_batch: Callable[[list[EncodedRecord]], list[list[list[float]]]] = self.forward_padded
         self.fast: FastBackbone | None = None
+        self.graphs: GraphedPrefill | None = None
         self.state_cache: StateCache | None = None
         if packed:  # text records packed through our layer loop; media records stay on the padded path
             check_fast_kernels(device, allow_slow_kernels)
             self.fast = FastBackbone(model)
             self.forward_batch = self.forward_packed
+            if device.type == "cuda" and os.environ.get("CLEF_CUDA_GRAPHS", "1") != "0":
+                self.graphs = GraphedPrefill(self.fast)
             cache_bytes = state_cache_bytes if state_cache_bytes is not None else (
                 8 * GiB if device.type == "cuda" else GiB // 4)
             self.state_cache = StateCache(device, device_bytes=cache_bytes,
@@ -201,7 +204,12 @@ class Engine:
                 chosen = [records[j] for j in pack]
                 lengths = [len(r) for r in chosen]
                 segments = kernels.make_segments(lengths, self.device)
-                hidden, _ = self.fast.forward(pack_ids(chosen, self.device), segments)
+                ids = pack_ids(chosen, self.device)
+                hidden = None
+                if len(chosen) == 1 and self.graphs is not None and self.graphs.usable(lengths[0]):
+                    hidden = self.graphs.run(ids)
+                if hidden is None:
+                    hidden, _ = self.fast.forward(ids, segments)
                 for j, probs in zip(pack, self.head_probabilities(hidden, chosen, segments.starts, lengths)):
                     results[j] = probs
             pack, tokens = ([i], len(records[i])) if i is not None else ([], 0)
@@ -310,6 +318,7 @@ class Engine:
             info["slow_fallbacks"] = self.fast.kernels.slow if self.device.type == "cuda" else []
             info["fused_projections"] = True
             info["media_records"] = "forward_padded (multimodal model, padded batch)"
+            info["cuda_graphs"] = self.graphs.describe() if self.graphs is not None else None
         return info
 
     def close(self) -> None:

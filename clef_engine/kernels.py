@@ -54,8 +54,9 @@ def make_segments(lengths: list[int], device: torch.device, *, first_position: i
         cursor += length
     positions = torch.cat([torch.arange(first_position, first_position + n) for n in lengths])
     positions = positions.to(device, non_blocking=True)
-    if len(lengths) == 1:
-        return Segments(lengths, starts, positions, None, None, None, lengths[0])
+    if len(lengths) == 1:  # no varlen for fla; the attention kernel still takes [0, n]
+        cu_single = torch.tensor([0, lengths[0]], dtype=torch.int32).to(device, non_blocking=True)
+        return Segments(lengths, starts, positions, None, cu_single, None, lengths[0])
     cu_host = torch.tensor([0] + [s + n for s, n in zip(starts, lengths)], dtype=torch.long)
     chunk_counts = [(n + CHUNK - 1) // CHUNK for n in lengths]
     chunk_indices = torch.tensor([[r, c] for r, count in enumerate(chunk_counts) for c in range(count)],
@@ -79,16 +80,18 @@ def rms_norm_torch(x: torch.Tensor, weight_plus_one: torch.Tensor, eps: float,
 
 def rms_norm_fla(x: torch.Tensor, weight_plus_one: torch.Tensor, eps: float,
                  residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """One Triton kernel for add + RMSNorm (fp32 inside); the residual sum is stored in x's dtype."""
+    """Triton RMSNorm (fp32 inside). The residual add stays a torch op in x's dtype: normalizing the rounded sum,
+    as the decoder layer does, keeps bf16 answers closer to the release path than fla's fp32 fused add."""
     from fla.modules.norm.layernorm import layer_norm_fwd
 
+    if residual is not None:
+        x = residual + x
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
     if not x2.is_contiguous():
         x2 = x2.contiguous()
-    res = residual.reshape(-1, shape[-1]) if residual is not None else None
-    y, _, _, res_out = layer_norm_fwd(x2, weight_plus_one, None, eps=eps, residual=res, is_rms_norm=True)
-    return y.view(shape), res_out.view(shape)
+    y, _, _, _ = layer_norm_fwd(x2, weight_plus_one, None, eps=eps, residual=None, is_rms_norm=True)
+    return y.view(shape), x
 
 
 def gated_rms_norm_torch(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -126,9 +129,9 @@ def causal_conv_fla(x: torch.Tensor, weight: torch.Tensor, segments: Segments) -
     """fla's Triton varlen conv (reads the strided projection output in place)."""
     from fla.modules.causal_conv1d import causal_conv1d
 
-    y, _ = causal_conv1d(x[None], weight, None, activation="silu", cu_seqlens=segments.cu_seqlens,
+    y, _ = causal_conv1d(x[None], weight, None, activation=None, cu_seqlens=segments.cu_seqlens,
                          chunk_indices=segments.chunk_indices)
-    return y[0]
+    return F.silu(y[0])  # SiLU on the bf16-rounded conv output, as transformers' path does
 
 
 def causal_conv_after(x: torch.Tensor, weight: torch.Tensor, tail: torch.Tensor) -> torch.Tensor:
@@ -230,10 +233,7 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments
         else:
             repeat = q.shape[1] // k.shape[1]
             k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
-    if segments.cu_seqlens_int32 is None:
-        cu = torch.tensor([0, q.shape[0]], dtype=torch.int32, device=q.device)
-    else:
-        cu = segments.cu_seqlens_int32
+    cu = segments.cu_seqlens_int32
     return varlen_attn(q.contiguous(), k.contiguous(), v.contiguous(), cu, cu, segments.max_length,
                        segments.max_length, **kwargs)
 
@@ -318,7 +318,7 @@ def select_kernels(device: torch.device, dtype: torch.dtype, *, heads: int, kv_h
     kernels = Kernels()
     if fla_importable():
         kernels.rms_norm = rms_norm_fla
-        kernels.gated_rms_norm = gated_rms_norm_fla
+        # the gated norm stays torch: its bf16 rounding points match the release path (fla's is fp32 throughout)
         kernels.causal_conv = causal_conv_fla
         kernels.gated_delta = gated_delta_fla
     else:

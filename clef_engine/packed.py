@@ -217,3 +217,71 @@ def pack_ids(records, device: torch.device) -> torch.Tensor:
     """The records' token ids concatenated, on `device` (one host-to-device copy)."""
     flat = [token for record in records for token in record.input_ids]
     return torch.tensor(flat, dtype=torch.long).to(device, non_blocking=True)
+
+
+class GraphedPrefill:
+    """CUDA graphs for one record of up to `max_tokens` tokens: short records are bound by the CPU launching
+    kernels, and a graph replays the whole 64-layer forward with one launch.
+
+    The record is right-padded to a bucket length (multiples of 64 up to 1k tokens, 128 up to 2k, 256 beyond);
+    padding after the last real token changes nothing before it (the backbone is causal). One graph per bucket,
+    captured on first use, all sharing one memory pool (they never run at the same time: one GPU worker). If a
+    capture fails, graphs are switched off and the reason kept (`disabled`); the eager path answers instead.
+    """
+
+    def __init__(self, fast: FastBackbone, max_tokens: int = 4096):
+        self.fast = fast
+        self.max_tokens = max_tokens
+        self.graphs: dict[int, tuple] = {}
+        self.pool = None
+        self.disabled: str | None = None
+        self.captures = 0
+        self.replays = 0
+
+    @staticmethod
+    def bucket(n: int) -> int:
+        step = 64 if n <= 1024 else 128 if n <= 2048 else 256
+        return -(-n // step) * step
+
+    def usable(self, n: int) -> bool:
+        return self.disabled is None and n <= self.max_tokens
+
+    def _capture(self, length: int) -> tuple:
+        device = self.fast.device
+        segments = K.make_segments([length], device)
+        ids = torch.zeros(length, dtype=torch.long, device=device)
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):  # eager warm-up: compiles and autotunes every kernel for these shapes
+            self.fast.forward(ids, segments)
+        torch.cuda.current_stream(device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+            hidden, _ = self.fast.forward(ids, segments)
+        self.pool = graph.pool()
+        self.captures += 1
+        return graph, ids, hidden, segments
+
+    def run(self, input_ids: torch.Tensor) -> torch.Tensor | None:
+        """Hidden states [n, hidden] of one record (a view into the graph's output: read it before the next
+        call), or None if graphs are off."""
+        n = input_ids.shape[0]
+        length = self.bucket(n)
+        entry = self.graphs.get(length)
+        if entry is None:
+            try:
+                entry = self._capture(length)
+            except Exception as error:  # noqa: BLE001 — fall back to eager for good, and say why
+                self.disabled = f"{type(error).__name__}: {error}"[:500]
+                torch.cuda.synchronize()
+                return None
+            self.graphs[length] = entry
+        graph, ids, hidden, _ = entry
+        ids[:n].copy_(input_ids)
+        graph.replay()
+        self.replays += 1
+        return hidden[:n]
+
+    def describe(self) -> dict:
+        return {"max_tokens": self.max_tokens, "buckets": sorted(self.graphs), "captures": self.captures,
+                "replays": self.replays, "disabled": self.disabled}

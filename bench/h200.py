@@ -1,0 +1,522 @@
+# ruff: noqa: B023 — the timed closures run at once, inside the loop iteration that defines them
+"""Clef-27B architecture on one H200: the release code's path (baseline) and our engine, same run, same records.
+
+    python bench/h200.py RESULTS_DIR            (CUDA; flash-linear-attention installed)
+    BENCH_CPU_SMOKE=1 python bench/h200.py DIR  (a scaled-down model on the CPU: checks the script, times nothing)
+
+Baseline = `clef_engine.reference.reference_decide`: the transformers text model on a right-padded batch with
+use_cache=False, then the per-record / per-question / per-option Python-loop head, bf16. Ours = the engine's
+packed path (`Engine.forward_batch`, `decide`, `decide_many`). Records are real requests encoded by the engine's
+Encoder with the tiny release's tokenizer: a state of ordinary words sized to the target length, then a schema of
+typed questions (so question and option spans are realistic). Times: CUDA-synchronized wall clock, median after
+warm-up. Each section is independent: an error is recorded and the next section runs. Results are written to
+RESULTS_DIR/h200.json after every section.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import statistics
+import sys
+import threading
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench import build  # noqa: E402
+
+SMOKE = os.environ.get("BENCH_CPU_SMOKE") == "1"
+DEVICE = torch.device("cpu" if SMOKE else "cuda")
+DEADLINE = time.perf_counter() + float(os.environ.get("BENCH_DEADLINE_S", "540"))
+FLOOR_TOKENS_PER_S = 15_800
+WORDS = ("the invoice ticket customer payment refund amount total due date vendor alert security login password "
+         "damage claim photo car vehicle image video order status approved rejected billing shipping delivery").split()
+
+results: dict = {"sections": {}, "errors": {}}
+OUT: Path
+
+
+def save() -> None:
+    (OUT / "h200.json").write_text(json.dumps(results, indent=1, default=str))
+
+
+def left() -> float:
+    return DEADLINE - time.perf_counter()
+
+
+def sync() -> None:
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed(fn, repeats: int, warmup: int = 1) -> dict:
+    for _ in range(warmup):
+        fn()
+    sync()
+    times = []
+    for _ in range(repeats):
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append((time.perf_counter() - t0) * 1000)
+    times.sort()
+    return {"p50": round(statistics.median(times), 2), "min": round(times[0], 2),
+            "p95": round(times[min(len(times) - 1, int(round(0.95 * (len(times) - 1))))], 2), "n": repeats}
+
+
+def section(name: str, needs_s: float = 0.0):
+    def wrap(fn):
+        def run(*args, **kwargs):
+            if left() < needs_s:
+                results["errors"][name] = f"skipped: {left():.0f} s left, needs ~{needs_s:.0f} s"
+                print(f"[{name}] skipped (time)", flush=True)
+                save()
+                return None
+            started = time.perf_counter()
+            if DEVICE.type == "cuda":
+                torch.cuda.reset_peak_memory_stats()
+            try:
+                value = fn(*args, **kwargs)
+                if isinstance(value, dict) and DEVICE.type == "cuda":
+                    value["peak_allocated_gib"] = build.gib(torch.cuda.max_memory_allocated())
+                    value["peak_reserved_gib"] = build.gib(torch.cuda.max_memory_reserved())
+                results["sections"][name] = value
+            except Exception as error:  # noqa: BLE001 — record and carry on
+                results["errors"][name] = f"{type(error).__name__}: {error}\n{traceback.format_exc()[-3000:]}"
+                print(f"[{name}] ERROR {type(error).__name__}: {error}", flush=True)
+                value = None
+            print(f"[{name}] {time.perf_counter() - started:.1f} s", flush=True)
+            save()
+            return value
+        return run
+    return wrap
+
+
+# ---- records ------------------------------------------------------------------------------------------------------
+
+def schema(questions: int, options: int, seed: int) -> dict:
+    rng = random.Random(seed)
+    out = {}
+    for q in range(questions):
+        if options == 2 and q % 2 == 0:
+            out[f"q{q}"] = {"type": "noul", "instructions": f"Is the {rng.choice(WORDS)} {rng.choice(WORDS)} due?"}
+        else:
+            out[f"q{q}"] = {"type": "choice", "instructions": f"Which {rng.choice(WORDS)} applies to the "
+                                                                f"{rng.choice(WORDS)}?",
+                            "criteria": {f"{rng.choice(WORDS)}_{k}": f"the {rng.choice(WORDS)} {rng.choice(WORDS)}"
+                                         for k in range(options)}}
+    return out
+
+
+def sized_request(engine, tokens: int, questions: int = 4, options: int = 3, seed: int = 0) -> dict:
+    """A request of about `tokens` tokens (never more): words of state, then the schema."""
+    rng = random.Random(seed)
+    words = [rng.choice(WORDS) for _ in range(tokens + 16)]
+    request = {"model": "clef", "state": "", "questions": schema(questions, options, seed)}
+    fixed = engine.count_tokens(request, max_length=2**31 - 1)["total"]
+    budget = tokens - fixed
+    low, high = 0, len(words)
+    while low < high:  # most words whose state encodes within the budget
+        mid = (low + high + 1) // 2
+        if len(engine.encoder.tokenize(" ".join(words[:mid]))) <= budget:
+            low = mid
+        else:
+            high = mid - 1
+    request["state"] = " ".join(words[:low])
+    return request
+
+
+def compare(ours: list, base: list) -> dict:
+    worst, argmax_diff, options = 0.0, 0, 0
+    for record_ours, record_base in zip(ours, base):
+        for q_ours, q_base in zip(record_ours, record_base):
+            worst = max(worst, max(abs(a - b) for a, b in zip(q_ours, q_base)))
+            argmax_diff += int(max(range(len(q_ours)), key=q_ours.__getitem__)
+                               != max(range(len(q_base)), key=q_base.__getitem__))
+            options += len(q_ours)
+    return {"max_abs_dp": round(worst, 6), "argmax_differences": argmax_diff, "options": options,
+            "ok": worst <= 2e-2 and argmax_diff == 0}
+
+
+# ---- sections -----------------------------------------------------------------------------------------------------
+
+@section("environment")
+def environment(engine) -> dict:
+    import transformers
+
+    try:
+        import fla
+        fla_version = getattr(fla, "__version__", "?")
+    except ImportError as error:
+        fla_version = f"absent ({error})"
+    import triton
+    return {"torch": torch.__version__, "transformers": transformers.__version__, "triton": triton.__version__,
+            "fla": fla_version, "device": torch.cuda.get_device_name() if DEVICE.type == "cuda" else "cpu",
+            "kernels": engine.kernel_info()}
+
+
+@section("smoke_parity_1k", needs_s=20)
+def smoke(engine, ref) -> dict:
+    record = engine.encode(sized_request(engine, 1024, seed=11))
+    base = ref([record])
+    ours = engine.forward_batch([record])
+    two = engine.forward_batch([engine.encode(sized_request(engine, 700, seed=12)), record])
+    out = compare(ours, base)
+    out["packed_two_vs_base"] = compare(two[1:], base)
+    # the release path's own bf16 noise: the same record alone vs right-padded in a batch with a longer one
+    longer = engine.encode(sized_request(engine, 1500, seed=13))
+    out["baseline_noise_batch_vs_alone"] = compare(ref([record, longer])[:1], base)
+    out["tokens"] = len(record)
+    out["example_probabilities_ours"] = [[round(p, 4) for p in q] for q in ours[0]]
+    out["example_probabilities_baseline"] = [[round(p, 4) for p in q] for q in base[0]]
+    return out
+
+
+def diagnose(engine, ref) -> dict:
+    """If our path errs or disagrees, swap fla kernels for the torch ones one at a time and keep what works."""
+    from clef_engine import kernels as K
+
+    record = engine.encode(sized_request(engine, 1024, seed=11))
+    base = ref([record])
+    found = {}
+    for name, fallback in (("attention", K.attention_sdpa), ("gated_delta", K.gated_delta_torch),
+                           ("causal_conv", K.causal_conv_torch), ("rms_norm", K.rms_norm_torch),
+                           ("gated_rms_norm", K.gated_rms_norm_torch)):
+        try:
+            ok = compare(engine.forward_batch([record]), base)["ok"]
+        except Exception as error:  # noqa: BLE001
+            ok, found[f"error_before_{name}"] = False, repr(error)[:300]
+        if ok:
+            break
+        setattr(engine.fast.kernels, name, fallback)
+        found[name] = "replaced by torch fallback"
+    return found
+
+
+@section("single_record", needs_s=60)
+def single_record(engine, ref, lengths, base_repeats) -> dict:
+    engine.state_cache.enabled = False  # cold prefill every time: no cached prefixes here
+    out = {}
+    for n in lengths:
+        if left() < 30:
+            out[str(n)] = "skipped (time)"
+            continue
+        record = engine.encode(sized_request(engine, n, seed=n))
+        repeats = base_repeats(n)
+        base_probs = ref([record])
+        row = {"tokens": len(record), "floor_ms": build.floor_ms(len(record))}
+        row["baseline"] = timed(lambda: ref([record]), repeats, warmup=1)
+        row["ours"] = timed(lambda: engine.forward_batch([record]), max(5, repeats), warmup=2)
+        row["parity"] = compare(engine.forward_batch([record]), base_probs)
+        row["speedup"] = round(row["baseline"]["p50"] / row["ours"]["p50"], 2)
+        row["ours_tokens_per_s"] = round(len(record) / row["ours"]["p50"] * 1000)
+        out[str(n)] = row
+        print(f"  {n}: base {row['baseline']['p50']} ms, ours {row['ours']['p50']} ms, x{row['speedup']}, "
+              f"{row['parity']}", flush=True)
+        save()
+    request = sized_request(engine, 1024, seed=1024)
+    out["decide_1k_end_to_end"] = timed(lambda: engine.decide(request), 8, warmup=2)
+    engine.state_cache.enabled = True
+    return out
+
+
+@section("head_alone", needs_s=20)
+def head_alone(engine) -> dict:
+    from clef_engine.reference import reference_logits
+
+    out = {}
+    for questions, options in ((1, 2), (4, 3), (16, 5), (64, 10)):
+        request = sized_request(engine, 0, questions, options, seed=questions)  # state empty: schema-sized record
+        request["state"] = " ".join(WORDS * 8)
+        record = engine.encode(request, max_length=2**31 - 1)
+        hidden = torch.randn(len(record), engine.fast.config.hidden_size, device=DEVICE, dtype=engine.dtype)
+
+        def baseline():
+            logits = reference_logits(engine.head, hidden, engine.output_embeddings, record)
+            return [torch.softmax(q.float(), 0).tolist() for q in logits]
+
+        def ours():
+            return engine.head_probabilities(hidden, [record], [0], [len(record)])
+
+        with torch.inference_mode():
+            row = {"tokens": len(record), "baseline": timed(baseline, 8, warmup=2), "ours": timed(ours, 20, warmup=3)}
+            row["parity"] = compare(ours()[0:1], [baseline()])
+        row["speedup"] = round(row["baseline"]["p50"] / row["ours"]["p50"], 2)
+        out[f"{questions}x{options}"] = row
+        print(f"  head {questions}x{options}: base {row['baseline']['p50']} ms ours {row['ours']['p50']} ms",
+              flush=True)
+    return out
+
+
+@section("case_set", needs_s=90)
+def case_set(engine, ref, count: int, baseline_count: int, batch: int) -> dict:
+    rng = random.Random(7)
+    requests = [sized_request(engine, rng.randint(700, 1300), seed=1000 + i) for i in range(count)]
+    records = [engine.encode(r) for r in requests]
+    tokens = sum(len(r) for r in records)
+    engine.forward_batch(records[:24])  # warm-up (autotune for varlen shapes)
+    sync()
+    t0 = time.perf_counter()
+    ours = engine.forward_batch(records)
+    sync()
+    ours_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    engine.decide_many(requests)
+    sync()
+    decide_many_s = time.perf_counter() - t0
+    out = {"records": count, "tokens": tokens,
+           "ours": {"seconds": round(ours_s, 2), "tokens_per_s": round(tokens / ours_s),
+                    "records_per_s": round(count / ours_s, 2)},
+           "ours_decide_many_incl_encoding": {"seconds": round(decide_many_s, 2),
+                                              "tokens_per_s": round(tokens / decide_many_s)}}
+    save()
+    base_records = records[:baseline_count]
+    base_tokens = sum(len(r) for r in base_records)
+    ref(base_records[:batch])  # warm-up
+    sync()
+    t0 = time.perf_counter()
+    base = []
+    for start in range(0, len(base_records), batch):
+        if left() < 15:
+            break
+        base.extend(ref(base_records[start: start + batch]))
+    sync()
+    base_s = time.perf_counter() - t0
+    if not base:
+        raise RuntimeError(f"no time left for the baseline; ours: {out}")
+    done_tokens = sum(len(r) for r in base_records[: len(base)])
+    out["baseline"] = {"records": len(base), "batch": batch, "seconds": round(base_s, 2),
+                       "tokens_per_s": round(done_tokens / base_s), "records_per_s": round(len(base) / base_s, 2)}
+    out["speedup_tokens_per_s"] = round(out["ours"]["tokens_per_s"] / out["baseline"]["tokens_per_s"], 2)
+    out["parity"] = compare(ours[: len(base)], base)
+    same = records[: len(base)]
+    sync()
+    t0 = time.perf_counter()
+    engine.forward_batch(same)
+    sync()
+    out["ours_same_records"] = {"records": len(same), "tokens_per_s": round(done_tokens / (time.perf_counter() - t0))}
+    out["speedup_same_records"] = round(out["ours_same_records"]["tokens_per_s"] / out["baseline"]["tokens_per_s"], 2)
+    out["floor_fraction"] = round(out["ours"]["tokens_per_s"] / FLOOR_TOKENS_PER_S, 2)
+    del base_tokens
+    return out
+
+
+@section("concurrent_8", needs_s=40)
+def concurrent(engine, clients: int = 8, each: int = 6) -> dict:
+    engine.state_cache.enabled = False
+    requests = [[sized_request(engine, 1024, seed=5000 + c * 100 + i) for i in range(each)] for c in range(clients)]
+    engine.decide_many([r for mine in requests for r in mine[:1]], priority="interactive")  # warm-up: pack shapes
+    single = timed(lambda: engine.decide(requests[0][0]), 8, warmup=2)
+    latencies: list[float] = []
+    lock = threading.Lock()
+
+    def client(mine):
+        for request in mine:
+            t0 = time.perf_counter()
+            engine.decide(request)
+            with lock:
+                latencies.append((time.perf_counter() - t0) * 1000)
+
+    threads = [threading.Thread(target=client, args=(requests[c],)) for c in range(clients)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    latencies.sort()
+    p95 = latencies[int(round(0.95 * (len(latencies) - 1)))]
+    engine.state_cache.enabled = True
+    return {"clients": clients, "requests_each": each, "single_decide_ms": single,
+            "p50_ms": round(statistics.median(latencies), 1), "p95_ms": round(p95, 1),
+            "p95_over_single": round(p95 / single["p50"], 2), "wall_s": round(wall, 2),
+            "records_per_s": round(clients * each / wall, 2), "scheduler": vars(engine.scheduler.stats).copy()}
+
+
+@section("cached_state_16k", needs_s=30)
+def cached_state(engine, ref, tokens: int = 16_384) -> dict:
+    engine.state_cache.clear()
+    engine.state_cache.enabled = True
+    base_request = sized_request(engine, tokens - 400, seed=77)
+    state = base_request["state"]
+    variants = []
+    for v in range(4):
+        request = {"model": "clef", "state": state, "questions": schema(4, 3, seed=900 + v)}
+        variants.append(request)
+    t0 = time.perf_counter()
+    first = engine.decide(variants[0])  # miss: computes the prefix, stores it, then continues
+    sync()
+    first_ms = (time.perf_counter() - t0) * 1000
+    hit_times = []
+    for request in variants[1:]:
+        sync()
+        t0 = time.perf_counter()
+        engine.decide(request)
+        sync()
+        hit_times.append((time.perf_counter() - t0) * 1000)
+    # parity of a hit against the baseline and against our uncached path on the same record
+    record = engine.encode(variants[-1])
+    hit = engine.forward_batch([record])
+    engine.state_cache.enabled = False
+    uncached = engine.forward_batch([record])
+    engine.state_cache.enabled = True
+    base = ref([record])
+    return {"tokens": len(record), "state_prefix_tokens": record.state_end,
+            "schema_suffix_tokens": len(record) - record.state_end,
+            "first_decide_ms_miss_and_store": round(first_ms, 1),
+            "new_schema_decide_ms": sorted(hit_times), "new_schema_p50_ms": round(statistics.median(hit_times), 1),
+            "parity_hit_vs_baseline": compare(hit, base), "parity_hit_vs_uncached": compare(hit, uncached),
+            "cache": engine.state_cache.stats(), "first_answer_model": first["model"]}
+
+
+@section("gemm_fusion", needs_s=20)
+def gemm_fusion(engine) -> dict:
+    """Fused projection GEMMs vs the separate ones they replace (one GDN layer and one MLP)."""
+    import torch.nn.functional as F
+
+    layer = engine.fast.layers[0]
+    gdn = engine.model.model.language_model.layers[0].linear_attn
+    mlp = engine.model.model.language_model.layers[0].mlp
+    out = {}
+    for n in (512, 4096):
+        x = torch.randn(n, engine.fast.config.hidden_size, device=DEVICE, dtype=engine.dtype)
+        with torch.inference_mode():
+            row = {
+                "gdn_in_fused": timed(lambda: F.linear(x, layer.in_proj), 20, 3)["p50"],
+                "gdn_in_separate": timed(lambda: [F.linear(x, m.weight) for m in
+                                                  (gdn.in_proj_qkv, gdn.in_proj_z, gdn.in_proj_b, gdn.in_proj_a)],
+                                         20, 3)["p50"],
+                "mlp_gate_up_fused": timed(lambda: F.linear(x, layer.gate_up), 20, 3)["p50"],
+                "mlp_gate_up_separate": timed(lambda: [F.linear(x, mlp.gate_proj.weight),
+                                                       F.linear(x, mlp.up_proj.weight)], 20, 3)["p50"],
+            }
+        out[str(n)] = row
+    return out
+
+
+def table() -> str:
+    s = results["sections"]
+    lines = ["| case | baseline | ours | ratio | target | met |", "|---|---|---|---|---|---|"]
+
+    def add(name, base, ours, ratio, target, met):
+        lines.append(f"| {name} | {base} | {ours} | {ratio} | {target} | {met} |")
+
+    single = s.get("single_record") or {}
+    targets = {"512": 3.0, "1024": 2.2, "16384": 1.4}
+    for n, row in single.items():
+        if isinstance(row, dict) and "baseline" in row and "speedup" in row:
+            target = targets.get(n)
+            add(f"one record, {row['tokens']} tokens", f"{row['baseline']['p50']} ms", f"{row['ours']['p50']} ms",
+                f"{row['speedup']}x", f">= {target}x" if target else "", ("yes" if row["speedup"] >= target else "no")
+                if target else "")
+    for name, row in (s.get("head_alone") or {}).items():
+        if not isinstance(row, dict):
+            continue
+        target = "<= 5 ms" if name == "64x10" else ""
+        add(f"head alone {name}", f"{row['baseline']['p50']} ms", f"{row['ours']['p50']} ms", f"{row['speedup']}x",
+            target, ("yes" if row["ours"]["p50"] <= 5 else "no") if target else "")
+    case = s.get("case_set")
+    if case and "baseline" in case:
+        add(f"case set ({case['records']} records)", f"{case['baseline']['tokens_per_s']} tok/s",
+            f"{case['ours']['tokens_per_s']} tok/s", f"{case['speedup_tokens_per_s']}x", ">= 1.6x and >= 11k tok/s",
+            "yes" if case["speedup_tokens_per_s"] >= 1.6 and case["ours"]["tokens_per_s"] >= 11_000 else "no")
+    conc = s.get("concurrent_8")
+    if conc:
+        add("8 concurrent clients, 1k", "", f"p50 {conc['p50_ms']} / p95 {conc['p95_ms']} ms",
+            f"p95 = {conc['p95_over_single']}x single", "p95 <= 2.5x single", "yes" if conc["p95_over_single"] <= 2.5
+            else "no")
+    cached = s.get("cached_state_16k")
+    if cached:
+        base16 = (single.get("16384") or {}).get("baseline", {}).get("p50", "")
+        add("new schema on cached 16k state", f"{base16} ms", f"{cached['new_schema_p50_ms']} ms", "", "<= 120 ms",
+            "yes" if cached["new_schema_p50_ms"] <= 120 else "no")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    global OUT
+    OUT = Path(sys.argv[1])
+    OUT.mkdir(parents=True, exist_ok=True)
+    import clef_engine
+    from clef_engine.encoding import Encoder
+    from clef_engine.reference import reference_decide
+    from clef_engine.release import ARCHITECTURE, Release, load_processor
+    from clef_engine.tiny import build_tiny_release
+
+    tiny = build_tiny_release(Path(os.environ.get("BENCH_TINY_DIR", "/tmp/clef-bench-tiny")))
+    config = build.clef_config("clef", tiny)
+    if SMOKE:  # a scaled-down copy of the architecture so the whole script runs on a CPU
+        t = config["text_config"]
+        t.update(hidden_size=256, intermediate_size=512, num_hidden_layers=4, layer_types=t["layer_types"][:4],
+                 num_attention_heads=4, head_dim=64, vocab_size=2048, linear_num_value_heads=32,
+                 linear_key_head_dim=32, linear_value_head_dim=32)
+        config["vision_config"].update(depth=1, out_hidden_size=256)
+    t0 = time.perf_counter()
+    if DEVICE.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    model = build.build_model(config, device=str(DEVICE))
+    hidden = config["text_config"]["hidden_size"]
+    head, head_config = build.build_head(hidden, device=str(DEVICE), width=1024 if not SMOKE else 64)
+    sync()
+    results["build_s"] = round(time.perf_counter() - t0, 1)
+    results["backbone_parameters"] = build.parameter_count(model)
+    results["head_parameters"] = build.parameter_count(head)
+    checked = Release(path=tiny, source="clef-27b-shaped-random", revision=None, config=config,
+                      head_config=head_config, weight_files=())
+    assert ARCHITECTURE in config["architectures"]
+    encoder = Encoder(load_processor(checked))
+    dtype = torch.float32 if SMOKE else torch.bfloat16
+    if SMOKE:
+        model, head = model.float(), head.float()
+    engine = clef_engine.Engine(checked, model, head, encoder, DEVICE, dtype, packed=True)
+    results["memory_loaded_gib"] = build.gib(engine.loaded_bytes) if DEVICE.type == "cuda" else None
+    results["command"] = " ".join(sys.argv)
+    print("built", results["build_s"], "s", results["backbone_parameters"] / 1e9, "B params", flush=True)
+
+    def ref(records):
+        return reference_decide(engine, records)
+
+    environment(engine)
+    only = os.environ.get("BENCH_ONLY")
+    if only:  # a follow-up run of some sections only
+        if "concurrent" in only:
+            concurrent(engine, 8, 6)
+        if "case" in only:
+            case_set(engine, ref, 256, int(os.environ.get("BENCH_BASELINE_RECORDS", "96")), 8)
+        results["kernels_final"] = engine.kernel_info()
+        results["table"] = table()
+        save()
+        print(results["table"])
+        return 0
+    parity = smoke(engine, ref)
+    if parity is None or not parity.get("ok"):
+        results["diagnosis"] = diagnose(engine, ref)
+        print("diagnosis", results["diagnosis"], flush=True)
+        results["sections"]["environment_after_diagnosis"] = engine.kernel_info()
+    lengths = [512, 1024, 2048] if SMOKE else [512, 1024, 2048, 4096, 8192, 16384]
+    single_record(engine, ref, lengths, lambda n: 2 if SMOKE else (4 if n <= 4096 else 2))
+    head_alone(engine)
+    cached_state(engine, ref, 16_384 if not SMOKE else 2_600)
+    concurrent(engine, 8, 2 if SMOKE else 6)
+    case_set(engine, ref, 24 if SMOKE else 256, 16 if SMOKE else 256, 8)
+    gemm_fusion(engine)
+    results["kernels_final"] = engine.kernel_info()
+    if DEVICE.type == "cuda":
+        results["memory_run_peak_allocated_gib"] = build.gib(torch.cuda.max_memory_allocated())
+    results["table"] = table()
+    save()
+    print(results["table"])
+    print("errors:", list(results["errors"]))
+    engine.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,165 @@
+"""The fast paths (packed prefill, state cache) give the plain path's answers: CPU, tiny release, float32."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from clef_engine import kernels
+from clef_engine.cache import PrefixState, StateCache, prefix_key
+from clef_engine.engine import check_fast_kernels
+from clef_engine.errors import ReleaseError
+from clef_engine.packed import LayerState
+from clef_engine.reference import reference_decide
+
+TOLERANCE = 1e-5
+
+
+def request(words: int, seed: int = 0) -> dict:
+    vocabulary = "the invoice ticket customer payment refund amount total due date vendor alert".split()
+    state = " ".join(vocabulary[(i * 7 + seed) % len(vocabulary)] for i in range(words))
+    return {"state": state, "questions": {
+        "paid": {"type": "noul", "instructions": "Is the invoice paid?"},
+        "priority": {"type": "choice", "instructions": f"Priority {seed}",
+                     "criteria": {"high": "urgent", "medium": None, "low": "can wait"}},
+        "severity": {"type": "score", "instructions": "How bad is it", "criteria": ["fine", "bad", "awful"]}}}
+
+
+def max_difference(a: list, b: list) -> float:
+    return max(abs(x - y) for ra, rb in zip(a, b) for qa, qb in zip(ra, rb) for x, y in zip(qa, qb))
+
+
+@pytest.fixture(scope="module")
+def records(tiny_engine):
+    # very different lengths in one pack: a few tokens of state up to ~1,700 tokens
+    return [tiny_engine.encode(request(n, seed)) for seed, n in enumerate((1, 300, 7, 2400, 40))]
+
+
+def test_engine_uses_the_packed_path_and_says_so(tiny_engine):
+    info = tiny_engine.info()["kernels"]
+    assert info["path"] == "forward_packed"
+    assert info["packed"]["gated_delta"] == "kernels.gated_delta_torch"
+    assert info["packed"]["causal_conv"] == "kernels.causal_conv_torch"
+
+
+def test_packed_matches_padded_and_reference(tiny_engine, records):
+    lengths = sorted(len(r) for r in records)
+    assert lengths[-1] > 5 * lengths[0]
+    packed = tiny_engine.forward_packed(records)
+    padded = tiny_engine.forward_padded(records)
+    reference = reference_decide(tiny_engine, records)
+    assert max_difference(packed, padded) <= TOLERANCE
+    assert max_difference(packed, reference) <= TOLERANCE
+
+
+def test_no_leakage_between_records_of_a_pack(tiny_engine, records):
+    together = tiny_engine.forward_packed(records)
+    for record, answer in zip(records, together):
+        alone = tiny_engine.forward_packed([record])
+        assert max_difference(alone, [answer]) <= TOLERANCE
+
+
+def test_records_that_differ_only_in_an_earlier_record_of_the_pack_get_the_same_answer(tiny_engine, records):
+    target = records[1]
+    first = tiny_engine.forward_packed([records[0], target])[1]
+    second = tiny_engine.forward_packed([records[3], target])[1]
+    assert max_difference([first], [second]) <= TOLERANCE
+
+
+def test_state_cache_hit_and_miss_give_the_uncached_answer(tiny_engine):
+    cache = tiny_engine.state_cache
+    cache.clear()
+    old_threshold = cache.min_prefix_tokens
+    cache.min_prefix_tokens = 64
+    try:
+        state_request = request(600, 3)
+        first = tiny_engine.encode(state_request)
+        other_schema = dict(state_request, questions={
+            "kind": {"type": "choice", "instructions": "Which kind of ticket",
+                     "criteria": {"billing": None, "technical": "a fault", "other": None, "shipping": None}}})
+        second = tiny_engine.encode(other_schema)
+        assert first.input_ids[: first.state_end] == second.input_ids[: second.state_end]
+        plain = reference_decide(tiny_engine, [first, second])
+        before = cache.stats()
+        miss = tiny_engine.forward_packed([first])  # alone: computes and stores the prefix
+        after_miss = cache.stats()
+        assert after_miss["stored"] == before["stored"] + 1 and after_miss["misses"] == before["misses"] + 1
+        hit = tiny_engine.forward_packed([second])  # a new schema on the cached state
+        assert cache.stats()["hits"] == after_miss["hits"] + 1
+        assert max_difference(miss, plain[:1]) <= TOLERANCE
+        assert max_difference(hit, plain[1:]) <= TOLERANCE
+        response = tiny_engine.decide(other_schema)  # the public path answers the same
+        probabilities = response["answers"]["kind"]["probabilities"]
+        ids = sorted(probabilities)
+        assert max(abs(probabilities[i] - p) for i, p in zip(ids, plain[1][0])) <= 1e-4
+    finally:
+        cache.min_prefix_tokens = old_threshold
+        cache.clear()
+
+
+def test_short_prefixes_and_batches_do_not_fill_the_cache(tiny_engine, records):
+    cache = tiny_engine.state_cache
+    cache.clear()
+    tiny_engine.forward_packed(records)  # a batch: nothing stored
+    tiny_engine.forward_packed(records[:1])  # alone, but a prefix far under min_prefix_tokens
+    assert cache.stats()["entries"] == 0
+
+
+def test_cache_is_bounded_in_bytes_least_recently_used_out():
+    cache = StateCache(torch.device("cpu"), device_bytes=2500, host_bytes=0)
+
+    def state() -> PrefixState:  # 500 + 500 bytes
+        return PrefixState(10, [LayerState(recurrent=torch.ones(125))], torch.ones(125))
+
+    assert state().nbytes == 1000
+    for name in "abc":
+        cache.put(name, state())
+        if name == "b":
+            assert cache.get("a") is not None  # touch a: b is now the least recently used
+    assert cache.stats()["entries"] == 2
+    assert cache.get("b") is None
+    assert cache.get("a") is not None and cache.get("c") is not None
+    assert cache.stats()["device_bytes"] <= 2500
+    cache.put("huge", PrefixState(1, [], torch.ones(1000)))  # larger than the whole cache: not kept
+    assert cache.get("huge") is None
+
+
+def test_prefix_key_depends_on_model_tokens_and_media():
+    base = prefix_key("clef", [1, 2, 3])
+    assert base == prefix_key("clef", [1, 2, 3])
+    assert base != prefix_key("clef-flash", [1, 2, 3])
+    assert base != prefix_key("clef", [1, 2, 4])
+    assert base != prefix_key("clef", [1, 2, 3], "digest")
+
+
+def test_cuda_refuses_slow_kernels_unless_allowed(monkeypatch):
+    monkeypatch.setattr(kernels, "fla_importable", lambda: False)
+    monkeypatch.delenv("CLEF_ALLOW_SLOW_KERNELS", raising=False)
+    with pytest.raises(ReleaseError, match="allow_slow_kernels"):
+        check_fast_kernels(torch.device("cuda"), None)
+    check_fast_kernels(torch.device("cuda"), True)
+    monkeypatch.setenv("CLEF_ALLOW_SLOW_KERNELS", "1")
+    check_fast_kernels(torch.device("cuda"), None)
+    check_fast_kernels(torch.device("cpu"), False)  # the CPU always runs the torch kernels
+
+
+def test_segments_restart_positions_per_record():
+    segments = kernels.make_segments([3, 1, 2], torch.device("cpu"))
+    assert segments.positions.tolist() == [0, 1, 2, 0, 0, 1]
+    assert segments.cu_seqlens.tolist() == [0, 3, 4, 6]
+    assert segments.chunk_indices.tolist() == [[0, 0], [1, 0], [2, 0]]
+    continued = kernels.make_segments([2], torch.device("cpu"), first_position=5)
+    assert continued.positions.tolist() == [5, 6] and continued.cu_seqlens is None
+
+
+def test_conv_does_not_read_across_records():
+    torch.manual_seed(0)
+    x = torch.randn(9, 6)
+    weight = torch.randn(6, 4)
+    segments = kernels.make_segments([4, 5], torch.device("cpu"))
+    together = kernels.causal_conv_torch(x, weight, segments)
+    alone = kernels.causal_conv_torch(x[4:], weight, kernels.make_segments([5], torch.device("cpu")))
+    assert torch.allclose(together[4:], alone, atol=1e-6)
+    changed = x.clone()
+    changed[:4] += 10.0  # the first record changes; the second's outputs must not
+    assert torch.allclose(kernels.causal_conv_torch(changed, weight, segments)[4:], together[4:], atol=1e-6)
