@@ -9,7 +9,7 @@ from pathlib import Path
 
 import streamlit as st
 
-from ui_common import render_sidebar
+from ui_common import app_shell, render_sidebar
 
 PAGES_DIR = Path(__file__).resolve().parent / "pages"
 # (file, title, icon); the first existing one is the default page.
@@ -27,7 +27,8 @@ pages = [st.Page(PAGES_DIR / name, title=title, icon=icon, default=(i == 0))
          for i, (name, title, icon) in enumerate(spec for spec in PAGE_SPECS if (PAGES_DIR / spec[0]).is_file())]
 navigation = st.navigation(pages)
 try:
-    navigation.run()
+    with app_shell():
+        navigation.run()
 finally:
     # After the page: the page has waited for a model load to finish, and the status shows its runs' effects.
     render_sidebar()
