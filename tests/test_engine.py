@@ -357,3 +357,14 @@ def test_concurrent_callers_share_batches(tiny_engine):
             for key, value in answer.items():
                 if isinstance(value, float):
                     assert abs(value - expected[i][question_id][key]) <= 1e-4
+
+
+def test_warm_up_answers_before_any_user_request(tiny_release):
+    engine = clef_engine.load(tiny_release, device="cpu")
+    try:
+        records_before = engine.scheduler.stats.records
+        assert engine.warm_up() > 0
+        assert engine.scheduler.stats.records == records_before + 3
+        assert engine.info()["warm_up_seconds"] > 0
+    finally:
+        engine.close()
