@@ -94,7 +94,6 @@ class Engine:
                                           host_bytes=4 * cache_bytes if device.type == "cuda" else 0,
                                           enabled=cache_bytes > 0)
         self.scheduler = Scheduler(self._run_batch, token_budget=token_budget)
-        self._lock = threading.Lock()
 
     # ---- requests ---------------------------------------------------------------------------------------------
 

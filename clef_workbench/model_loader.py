@@ -45,6 +45,14 @@ def default_source(env: dict[str, str] | None = None, *, cuda: bool | None = Non
     return CLEF_REPO if cuda else DEMO_SOURCE
 
 
+def load_options(env: dict[str, str] | None = None) -> dict[str, str]:
+    """clef_engine.load keyword arguments from CLEF_REVISION, CLEF_DEVICE and CLEF_DTYPE (unset ones are left out,
+    so the engine's defaults apply: cuda/bf16 when a GPU is present, else cpu/float32)."""
+    env = os.environ if env is None else env
+    names = {"revision": "CLEF_REVISION", "device": "CLEF_DEVICE", "dtype": "CLEF_DTYPE"}
+    return {key: env[name].strip() for key, name in names.items() if (env.get(name) or "").strip()}
+
+
 def label_of(source: str) -> str:
     return MODEL_LABELS.get(source, source)
 
@@ -157,7 +165,7 @@ class ModelManager:
 
             raise ReleaseError(f"{label_of(source)} needs a CUDA GPU and none is visible here. Run the workbench on "
                                "a GPU machine (see README), or use the demo model to try the workbench.")
-        return self._loader(source)
+        return self._loader(source, **load_options())
 
     def _load(self, source: str) -> None:
         engine, error, notice = None, None, None

@@ -135,3 +135,11 @@ def test_kernel_summary():
     assert model_loader.kernel_summary(gpu)[0]
     assert not model_loader.kernel_summary({**gpu, "slow_fallbacks": ["gated_delta"]})[0]
     assert not model_loader.kernel_summary({"path": "forward_padded", "available": {}})[0]
+
+
+def test_load_options_come_from_the_environment():
+    from clef_workbench.model_loader import load_options
+
+    assert load_options({}) == {}
+    assert load_options({"CLEF_REVISION": "2f3de3d", "CLEF_DEVICE": "cuda:1", "CLEF_DTYPE": "bf16",
+                         "CLEF_MODEL": "x"}) == {"revision": "2f3de3d", "device": "cuda:1", "dtype": "bf16"}
