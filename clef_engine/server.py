@@ -58,6 +58,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
 from clef_engine.errors import BusyError, RequestError, TokenBudgetError
+from clef_engine.media import sniff_content_type
 
 try:  # zstd is what the TypeSafe SDK sends when it has it; stdlib from Python 3.14, else the backport, else off.
     from compression.zstd import ZstdDecompressor, ZstdError  # type: ignore[import-not-found]
@@ -282,16 +283,6 @@ def _json_type(value: Any) -> str:
     )
 
 
-def _sniff_image_type(data: bytes) -> str | None:
-    if data.startswith(b"\x89PNG\r\n\x1a\n"):
-        return "image/png"
-    if data.startswith(b"\xff\xd8\xff"):
-        return "image/jpeg"
-    if data[:4] == b"RIFF" and data[8:12] == b"WEBP":
-        return "image/webp"
-    return None
-
-
 def _replace_placeholders(value: Any, names: dict[str, str]) -> Any:
     if isinstance(value, str):
         for placeholder, label in names.items():
@@ -336,8 +327,8 @@ def assets_to_images(body: dict, parts: dict[str, tuple[str | None, bytes]]) -> 
             except (binascii.Error, ValueError):
                 raise _invalid([*loc, "data_base64"], "data_base64 is not valid base64", "value_error") from None
         # The bytes say what the image is (as the hosted API does); a declared format is not trusted.
-        content_type = _sniff_image_type(data)
-        if content_type is None:
+        content_type = sniff_content_type(data)
+        if content_type is None or not content_type.startswith("image/"):
             raise _invalid(loc, "the asset is not a PNG, JPEG or WebP image", "value_error")
         images.append(f"data:{content_type};base64,{base64.b64encode(data).decode('ascii')}")
         labels[placeholder] = f"[image {len(images)}]"

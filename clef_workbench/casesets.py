@@ -20,7 +20,7 @@ from typing import Any
 import pandas as pd
 
 from clef_workbench.stats import answer_frame
-from clef_workbench.store import Store, sniff_content_type
+from clef_workbench.store import Store, media_content_type
 
 
 class CaseImportError(ValueError):
@@ -155,7 +155,7 @@ def _load_media(ref: str, kind: str, base_dir: Path | None) -> bytes:
         if not path.is_file():
             raise ValueError(f"{kind} file {str(path)!r} not found")
         data = path.read_bytes()
-    sniff_content_type(data, kind)  # raises with a clear message if the bytes are not a supported format
+    media_content_type(data, kind)  # raises with a clear message if the bytes are not a supported format
     return data
 
 
@@ -266,7 +266,7 @@ def parse_jsonl(jsonl_text: str, schema: dict | None = None, *, base_dir: Path |
                 try:
                     if isinstance(ref, dict):
                         data = base64.b64decode(ref["base64"], validate=True)
-                        sniff_content_type(data, kind)
+                        media_content_type(data, kind)
                     else:
                         data = _load_media(str(ref), kind, base_dir)
                     media[kind + "s"].append(data)

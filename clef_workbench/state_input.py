@@ -15,6 +15,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from clef_engine.media import sniff_content_type
+
 # Upload limits, shown in the UI next to the uploaders. Images follow the limits published for hosted Clef
 # (spec §5: up to 4 images, 16 MP each); the byte limits keep one request's upload and base64 copy small.
 MAX_IMAGES = 4
@@ -145,24 +147,6 @@ class Media:
     def data_url(self) -> str:
         """The form a System One request carries media in."""
         return f"data:{self.content_type};base64,{base64.b64encode(self.data).decode('ascii')}"
-
-
-def sniff_content_type(data: bytes) -> str | None:
-    """The media type from the file's first bytes, or None when it is none of the accepted formats."""
-    if data.startswith(b"\x89PNG\r\n\x1a\n"):
-        return "image/png"
-    if data.startswith(b"\xff\xd8\xff"):
-        return "image/jpeg"
-    if data[:4] == b"RIFF" and data[8:12] == b"WEBP":
-        return "image/webp"
-    if data[4:8] == b"ftyp":
-        # ISO base media: QuickTime brands are MOV, everything else we accept as MP4.
-        return "video/quicktime" if data[8:12] == b"qt  " else "video/mp4"
-    if data[4:8] in (b"moov", b"mdat", b"wide", b"free"):
-        return "video/quicktime"  # old QuickTime files without an ftyp box
-    if data.startswith(b"\x1a\x45\xdf\xa3"):
-        return "video/webm"  # EBML header: WebM (or Matroska, which the decoder also reads)
-    return None
 
 
 def _mb(n: int) -> str:

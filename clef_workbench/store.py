@@ -18,6 +18,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from clef_engine.media import sniff_content_type
+
 BUSY_TIMEOUT_MS = 30_000
 
 RUN_STATUSES = ("pending", "running", "cancelled", "finished", "failed")
@@ -165,23 +167,15 @@ def now_iso() -> str:
     return datetime.now(UTC).isoformat(timespec="milliseconds")
 
 
-def sniff_content_type(data: bytes, kind: str) -> str:
-    """Media type from the file's magic bytes; raises ValueError naming what was expected."""
-    if kind == "image":
-        if data.startswith(b"\x89PNG\r\n\x1a\n"):
-            return "image/png"
-        if data.startswith(b"\xff\xd8\xff"):
-            return "image/jpeg"
-        if data[:4] == b"RIFF" and data[8:12] == b"WEBP":
-            return "image/webp"
-        raise ValueError("image is not PNG, JPEG or WebP (unrecognised file header)")
-    if kind == "video":
-        if data[4:8] == b"ftyp":
-            return "video/quicktime" if data[8:10] == b"qt" else "video/mp4"
-        if data.startswith(b"\x1a\x45\xdf\xa3"):
-            return "video/webm"
-        raise ValueError("video is not MP4, WebM or MOV (unrecognised file header)")
-    raise ValueError(f"unknown media kind {kind!r}")
+def media_content_type(data: bytes, kind: str) -> str:
+    """Media type of an image or video from its magic bytes; raises ValueError naming what was expected."""
+    expected = {"image": "PNG, JPEG or WebP", "video": "MP4, WebM or MOV"}
+    if kind not in expected:
+        raise ValueError(f"unknown media kind {kind!r}")
+    content_type = sniff_content_type(data)
+    if content_type is None or not content_type.startswith(f"{kind}/"):
+        raise ValueError(f"{kind} is not {expected[kind]} (unrecognised file header)")
+    return content_type
 
 
 def _dumps(value: Any) -> str:
@@ -369,7 +363,7 @@ class Store:
         for index, case in enumerate(cases):
             try:
                 media = [
-                    (kind, position, sniff_content_type(blob, kind), bytes(blob))
+                    (kind, position, media_content_type(blob, kind), bytes(blob))
                     for kind in ("image", "video")
                     for position, blob in enumerate(case.get(kind + "s") or [])
                 ]
