@@ -132,8 +132,8 @@ def _gib(n: int | None) -> str:
     return "–" if not n else f"{n / 2**30:.1f} GiB"
 
 
-def render_sidebar() -> None:
-    """Model selector and the resident model's status. Rendered by app.py on every page."""
+def render_sidebar():
+    """Model selector and the resident model's status, drawn before the page. Returns the status slot."""
     manager = model_manager()
     state = manager.state()
     with st.sidebar:
@@ -155,7 +155,16 @@ def render_sidebar() -> None:
                 manager.request(source)
                 st.rerun()
         st.divider()
-        render_status(state)
+        status_slot = st.empty()
+    refresh_status(status_slot)
+    return status_slot
+
+
+def refresh_status(status_slot) -> None:
+    """(Re)draw the model status into the sidebar slot; app.py calls it again after the page so the status shows
+    what the page did (a load finished, runs queued). A page that stopped early keeps the first drawing."""
+    with status_slot.container():
+        render_status(model_manager().state())
 
 
 def render_status(state: LoadState) -> None:

@@ -38,6 +38,17 @@ def accuracy_chart(accuracy: pd.DataFrame) -> alt.Chart:
     ).properties(height=max(60, 26 * len(data)), title="Accuracy vs expected answers")
 
 
+def accuracy_chart_height(question_count: int) -> int:
+    """Pixels for the whole accuracy chart, axes included: Streamlit fits a chart, axes and all, into its height,
+    and without one it squeezes the band scale to a single row."""
+    return 34 * question_count + 90
+
+
+def confusion_heatmap_height(option_count: int) -> int:
+    """Pixels for the whole heatmap: the cells plus the title and the rotated option labels under it."""
+    return max(160, 34 * option_count) + 150
+
+
 def confusion_heatmap(matrix: pd.DataFrame, question_id: str) -> alt.LayerChart:
     """Expected (rows) × predicted (columns) counts with the numbers printed in the cells."""
     order = list(matrix.index)

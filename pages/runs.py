@@ -214,7 +214,8 @@ else:
     cols = st.columns([1, 1])
     cols[0].dataframe(accuracy, hide_index=True, width="stretch",
                       column_config={"accuracy": st.column_config.NumberColumn(format="percent")})
-    cols[1].altair_chart(run_charts.accuracy_chart(accuracy), width="stretch")
+    cols[1].altair_chart(run_charts.accuracy_chart(accuracy), width="stretch",
+                         height=run_charts.accuracy_chart_height(int(accuracy["accuracy"].notna().sum())))
     mae = stats.score_mae(frame)
     if not mae.empty:
         st.markdown("**Score questions — mean absolute error** of Σ i·p_i against the expected level")
@@ -226,7 +227,9 @@ else:
         for index, question_id in enumerate(choice_questions):
             matrix = stats.confusion_matrix(frame, question_id, labels=casesets.option_ids(questions[question_id]))
             if matrix.to_numpy().sum():
-                chart_cols[index % len(chart_cols)].altair_chart(run_charts.confusion_heatmap(matrix, question_id))
+                chart_cols[index % len(chart_cols)].altair_chart(
+                    run_charts.confusion_heatmap(matrix, question_id), width="stretch",
+                    height=run_charts.confusion_heatmap_height(len(matrix.index)))
     st.markdown("**Calibration** — confidence = probability of the predicted answer; 10 equal-width bins; "
                 "ECE = Σ (n_b/N)·|accuracy_b − confidence_b|; Brier: yes/no (p − y)², choice/score Σ_k (p_k − y_k)²")
     summary = stats.calibration_summary(frame)

@@ -1,4 +1,5 @@
-"""A deep link on a fresh server (/review before anyone opened /) shows the workbench, not a bare page."""
+"""A deep link on a fresh server (/review before anyone opened /) shows the workbench, not a bare page, with the
+sidebar status even though the page stops early."""
 
 from __future__ import annotations
 
@@ -20,5 +21,7 @@ def test_deep_link_on_a_fresh_server_uses_the_app_navigation(tmp_path):
             navigation = page.get_by_test_id("stSidebarNav")
             expect(navigation.get_by_text("Case sets", exact=True)).to_be_visible(timeout=30_000)
             expect(navigation.get_by_text("app", exact=True)).to_have_count(0)
+            # The Review page stops early when no run has results; the sidebar's model status is still there.
+            expect(page.get_by_test_id("stSidebar").get_by_text("queue depth")).to_be_visible(timeout=30_000)
         finally:
             browser.close()
