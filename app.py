@@ -9,7 +9,7 @@ from pathlib import Path
 
 import streamlit as st
 
-from ui_common import app_shell, refresh_status, render_sidebar
+from ui_common import app_shell, render_sidebar
 
 PAGES_DIR = Path(__file__).resolve().parent / "pages"
 # (file, title, icon); the first existing one is the default page.
@@ -26,7 +26,6 @@ st.set_page_config(page_title="Clef Workbench", page_icon=":material/psychology:
 pages = [st.Page(PAGES_DIR / name, title=title, icon=icon, default=(i == 0))
          for i, (name, title, icon) in enumerate(spec for spec in PAGE_SPECS if (PAGES_DIR / spec[0]).is_file())]
 navigation = st.navigation(pages)
-status_slot = render_sidebar()  # before the page, so a page that stops early (st.stop) still has it
+render_sidebar()  # before the page, so a page that stops early (st.stop) still has it; its status refreshes itself
 with app_shell():
     navigation.run()
-refresh_status(status_slot)  # after the page: it may have waited for a load or queued runs

@@ -31,6 +31,7 @@ from clef_workbench.schemas import SchemaLibrary
 DB_ENV = "CLEF_DB"
 DEFAULT_DB = Path("data") / "workbench.sqlite3"
 POLL_SECONDS = 0.2
+STATUS_REFRESH_SECONDS = 3.0
 DEMO_BANNER = ("**Demo model.** Its weights are random: the answers mean nothing. It is here so you can try the "
                "workbench without a GPU. Choose Clef or Clef-Flash in the sidebar on a GPU machine.")
 
@@ -132,8 +133,8 @@ def _gib(n: int | None) -> str:
     return "–" if not n else f"{n / 2**30:.1f} GiB"
 
 
-def render_sidebar():
-    """Model selector and the resident model's status, drawn before the page. Returns the status slot."""
+def render_sidebar() -> None:
+    """Model selector and the resident model's status, drawn before the page."""
     manager = model_manager()
     state = manager.state()
     with st.sidebar:
@@ -155,16 +156,14 @@ def render_sidebar():
                 manager.request(source)
                 st.rerun()
         st.divider()
-        status_slot = st.empty()
-    refresh_status(status_slot)
-    return status_slot
+        live_status()
 
 
-def refresh_status(status_slot) -> None:
-    """(Re)draw the model status into the sidebar slot; app.py calls it again after the page so the status shows
-    what the page did (a load finished, runs queued). A page that stopped early keeps the first drawing."""
-    with status_slot.container():
-        render_status(model_manager().state())
+@st.fragment(run_every=STATUS_REFRESH_SECONDS)
+def live_status() -> None:
+    """The model status, redrawn on its own every few seconds: it follows a load in progress, the queue and GPU
+    memory while pages run, and pages that stop early (st.stop) do not freeze it."""
+    render_status(model_manager().state())
 
 
 def render_status(state: LoadState) -> None:
