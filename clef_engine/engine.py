@@ -7,6 +7,7 @@ over the whole batch, one host sync per batch.
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import os
 import threading
@@ -378,7 +379,9 @@ def demo_release(directory: str | os.PathLike | None = None) -> Path:
     from .tiny import build_tiny_release
 
     root = Path(directory or os.environ.get("CLEF_CACHE_DIR") or Path.home() / ".cache" / "clef-workbench")
-    target = root / "demo-release-v1"
+    # Keyed by the builder's source, so a changed builder never reuses a release an older one wrote.
+    builder = Path(__file__).with_name("tiny.py").read_bytes() + Path(__file__).with_name("head.py").read_bytes()
+    target = root / f"demo-release-{hashlib.sha256(builder).hexdigest()[:12]}"
     if (target / DEMO_MARKER).exists():
         return target
     root.mkdir(parents=True, exist_ok=True)
