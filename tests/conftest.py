@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 import pytest
+
+REPO = Path(__file__).resolve().parents[1]
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -26,3 +29,20 @@ def tiny_engine(tiny_release):
     engine = clef_engine.load(tiny_release, device="cpu", dtype="float32")
     yield engine
     engine.close()
+
+
+@pytest.fixture
+def workbench(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """Env for one workbench app: a copy of the shipped schemas, an empty database. The engine is shared by every
+    test, as by every session of a real server (cache_resource); the store is per test (its path is CLEF_DB)."""
+    import ui_common
+
+    schemas_dir = tmp_path / "schemas"
+    shutil.copytree(REPO / "schemas", schemas_dir)
+    monkeypatch.setenv("CLEF_SCHEMAS_DIR", str(schemas_dir))
+    monkeypatch.setenv("CLEF_DB", str(tmp_path / "workbench.sqlite3"))
+    monkeypatch.delenv("CLEF_MODEL", raising=False)
+    monkeypatch.chdir(REPO)
+    ui_common.get_store.clear()
+    yield tmp_path
+    ui_common.get_store.clear()

@@ -19,20 +19,6 @@ APP = str(REPO / "app.py")
 TIMEOUT = 120
 
 
-@pytest.fixture
-def workbench(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
-    """Env for one app: a copy of the shipped schemas, an empty database. The engine is shared (cache_resource)."""
-    schemas_dir = tmp_path / "schemas"
-    shutil.copytree(REPO / "schemas", schemas_dir)
-    monkeypatch.setenv("CLEF_SCHEMAS_DIR", str(schemas_dir))
-    monkeypatch.setenv("CLEF_DB", str(tmp_path / "workbench.sqlite3"))
-    monkeypatch.delenv("CLEF_MODEL", raising=False)
-    monkeypatch.chdir(REPO)
-    ui_common.get_store.clear()  # the store's path comes from CLEF_DB, which differs per test
-    yield tmp_path
-    ui_common.get_store.clear()
-
-
 def start() -> AppTest:
     at = AppTest.from_file(APP, default_timeout=TIMEOUT)
     at.run()

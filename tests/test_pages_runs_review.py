@@ -3,11 +3,9 @@
 
 from __future__ import annotations
 
-import shutil
 import time
 from pathlib import Path
 
-import pytest
 from streamlit.testing.v1 import AppTest
 
 import ui_common
@@ -17,19 +15,6 @@ from clef_workbench.store import Store
 REPO = Path(__file__).resolve().parents[1]
 APP = str(REPO / "app.py")
 TIMEOUT = 180
-
-
-@pytest.fixture
-def workbench(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
-    schemas_dir = tmp_path / "schemas"
-    shutil.copytree(REPO / "schemas", schemas_dir)
-    monkeypatch.setenv("CLEF_SCHEMAS_DIR", str(schemas_dir))
-    monkeypatch.setenv("CLEF_DB", str(tmp_path / "workbench.sqlite3"))
-    monkeypatch.delenv("CLEF_MODEL", raising=False)
-    monkeypatch.chdir(REPO)
-    ui_common.get_store.clear()
-    yield tmp_path
-    ui_common.get_store.clear()
 
 
 def open_page(page: str) -> AppTest:
