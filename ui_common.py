@@ -229,6 +229,17 @@ def kept_widget(widget: Callable[..., Any], label: str, key: str, default: Any =
     return value
 
 
+def pick_run(runs: list[dict], key: str, label: Callable[[dict], str]) -> int:
+    """The run selector of the Runs and Review pages: kept across page switches, back to the newest run when the
+    kept one no longer exists (deleted, or another database)."""
+    labels = {run["id"]: label(run) for run in runs}
+    run_ids = list(labels)
+    if st.session_state.get(key) not in run_ids:
+        st.session_state.pop(key, None)
+        st.session_state[KEEP_PREFIX + key] = run_ids[0]
+    return kept_widget(st.selectbox, "Run", key, default=run_ids[0], options=run_ids, format_func=labels.get)
+
+
 def set_widget(key: str, value: Any) -> None:
     """Set a kept widget's value from a callback (before the widget renders)."""
     st.session_state[key] = value

@@ -15,7 +15,7 @@ from clef_workbench import review, run_charts
 from clef_workbench.answers import probability_chart, probability_chart_height
 from clef_workbench.review import ReviewRules
 from clef_workbench.store import ReviewConflictError, StoreError
-from ui_common import get_store, kept_widget, model_manager, page_key, use_app_navigation
+from ui_common import get_store, kept_widget, model_manager, page_key, pick_run, use_app_navigation
 
 use_app_navigation()
 
@@ -31,14 +31,8 @@ if not runs:
 
 reviewer = kept_widget(st.text_input, "Your name (recorded with every action)", K("reviewer"), default="",
                        placeholder="e.g. ana.lopez").strip()
-run_labels = {r["id"]: f"#{r['id']} {r['case_set_name']} · {r['schema_name']} v{r['schema_version']} · "
-                       f"{r['model_id']}" for r in runs}
-run_ids = list(run_labels)
-if st.session_state.get(K("run")) not in run_ids:
-    st.session_state.pop(K("run"), None)
-    st.session_state["_keep." + K("run")] = run_ids[0]
-run_id = kept_widget(st.selectbox, "Run", K("run"), default=run_ids[0], options=run_ids,
-                     format_func=lambda i: run_labels[i])
+run_id = pick_run(runs, K("run"), lambda r: f"#{r['id']} {r['case_set_name']} · {r['schema_name']} "
+                                          f"v{r['schema_version']} · {r['model_id']}")
 run = store.get_run(run_id)
 questions = run["schema"]["questions"]
 

@@ -22,6 +22,7 @@ from ui_common import (
     kept_widget,
     model_manager,
     page_key,
+    pick_run,
     use_app_navigation,
 )
 
@@ -109,14 +110,12 @@ if not runs:
 
 # -- pick a run -------------------------------------------------------------------------------------------------
 
-run_labels = {r["id"]: (f"#{r['id']} {STATUS_ICONS.get(r['status'], '')} {r['case_set_name']} · {r['schema_name']} "
-                        f"v{r['schema_version']} · {r['model_id']} · {r['done']}/{r['total']}") for r in runs}
-run_ids = list(run_labels)
-if st.session_state.get(K("selected")) not in run_ids:
-    st.session_state.pop(K("selected"), None)
-    st.session_state["_keep." + K("selected")] = run_ids[0]
-run_id = kept_widget(st.selectbox, "Run", K("selected"), default=run_ids[0], options=run_ids,
-                     format_func=lambda i: run_labels[i])
+def run_label(r: dict) -> str:
+    return (f"#{r['id']} {STATUS_ICONS.get(r['status'], '')} {r['case_set_name']} · {r['schema_name']} "
+            f"v{r['schema_version']} · {r['model_id']} · {r['done']}/{r['total']}")
+
+
+run_id = pick_run(runs, K("selected"), run_label)
 with st.expander("All runs", icon=":material/list:"):
     st.dataframe([{"run": r["id"], "status": r["status"], "case set": r["case_set_name"],
                    "schema": f"{r['schema_name']} v{r['schema_version']}", "model": r["model_id"],
@@ -284,7 +283,7 @@ others = [r for r in runs if r["case_set_id"] == run["case_set_id"] and r["id"] 
 if not others:
     st.caption("No other run of this case set yet: run it again with another schema version or model.")
 else:
-    other_labels = {r["id"]: run_labels[r["id"]] for r in others}
+    other_labels = {r["id"]: run_label(r) for r in others}
     baseline_id = st.selectbox("Baseline run (A); this run is B", list(other_labels),
                                format_func=lambda i: other_labels[i], key=K(f"compare.{run_id}"))
     baseline = store.get_run(baseline_id)
