@@ -60,6 +60,20 @@ def memory_stats(device: torch.device) -> dict[str, int]:
             "peak_reserved": torch.cuda.max_memory_reserved(device)}
 
 
+def padded_chunks(records: list[EncodedRecord], indices, token_budget: int) -> list[list[int]]:
+    """Indices grouped into padded batches: text apart from media, similar lengths together (sorted), each batch's
+    padded size (count × longest) within the token budget; a record longer than the budget goes alone."""
+    chunks: list[list[int]] = []
+    for index in sorted(indices, key=lambda i: (records[i].has_media, len(records[i]))):
+        chunk = chunks[-1] if chunks else None
+        if (chunk and records[chunk[0]].has_media == records[index].has_media
+                and (len(chunk) + 1) * len(records[index]) <= token_budget):
+            chunk.append(index)
+        else:
+            chunks.append([index])
+    return chunks
+
+
 class Engine:
     def __init__(self, checked: release.Release, model, head: JointSchemaHead, encoder: Encoder,
                  device: torch.device, dtype: torch.dtype, *, load_seconds: float = 0.0,
@@ -79,7 +93,7 @@ class Engine:
         if token_budget is None:
             token_budget = 65_536 if device.type == "cuda" else 16_384
         self.token_budget = token_budget
-        self.forward_batch: Callable[[list[EncodedRecord]], list[list[list[float]]]] = self.forward_padded
+        self.forward_batch: Callable[[list[EncodedRecord]], list[list[list[float]]]] = self.forward_plain
         self.fast: FastBackbone | None = None
         self.graphs: GraphedPrefill | None = None
         self.state_cache: StateCache | None = None
@@ -157,23 +171,14 @@ class Engine:
     # ---- the GPU worker ---------------------------------------------------------------------------------------
 
     def _run_batch(self, records: list[EncodedRecord]) -> list[list[list[float]]]:
-        """Split a scheduler batch into backbone batches (text vs media, similar lengths, token budget) and run."""
-        if self.forward_batch == self.forward_packed:
-            return self.forward_packed(records)  # packs by its own token budget
+        return self.forward_batch(records)
+
+    def forward_plain(self, records: list[EncodedRecord]) -> list[list[list[float]]]:
+        """The plain path for a whole scheduler batch: padded backbone batches of similar length."""
         results: dict[int, list[list[float]]] = {}
-        order = sorted(range(len(records)), key=lambda i: (records[i].has_media, len(records[i])))
-        chunk: list[int] = []
-        for index in order + [None]:
-            if index is not None and chunk:
-                same_kind = records[chunk[0]].has_media == records[index].has_media
-                padded_tokens = (len(chunk) + 1) * len(records[index])
-                if same_kind and padded_tokens <= self.token_budget:
-                    chunk.append(index)
-                    continue
-            if chunk:
-                for i, probs in zip(chunk, self.forward_batch([records[i] for i in chunk])):
-                    results[i] = probs
-            chunk = [index] if index is not None else []
+        for chunk in padded_chunks(records, range(len(records)), self.token_budget):
+            for i, probs in zip(chunk, self.forward_padded([records[i] for i in chunk])):
+                results[i] = probs
         return [results[i] for i in range(len(records))]
 
     @torch.inference_mode()
@@ -214,15 +219,9 @@ class Engine:
                 for j, probs in zip(pack, self.head_probabilities(hidden, chosen, segments.starts, lengths)):
                     results[j] = probs
             pack, tokens = ([i], len(records[i])) if i is not None else ([], 0)
-        chunk: list[int] = []
-        for i in media + [None]:  # padded batches of similar length, as the plain path does
-            if i is not None and (not chunk or (len(chunk) + 1) * len(records[i]) <= self.token_budget):
-                chunk.append(i)
-                continue
-            if chunk:
-                for j, probs in zip(chunk, self.forward_padded([records[j] for j in chunk])):
-                    results[j] = probs
-            chunk = [i] if i is not None else []
+        for chunk in padded_chunks(records, media, self.token_budget):  # as the plain path does
+            for j, probs in zip(chunk, self.forward_padded([records[j] for j in chunk])):
+                results[j] = probs
         return [results[i] for i in range(len(records))]
 
     def _cached_prefix(self, record: EncodedRecord, *, store: bool) -> PrefixState | None:

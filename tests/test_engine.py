@@ -368,3 +368,19 @@ def test_warm_up_answers_before_any_user_request(tiny_release):
         assert engine.info()["warm_up_seconds"] > 0
     finally:
         engine.close()
+
+
+def test_plain_path_answers_like_the_packed_default(tiny_release, tiny_engine):
+    """packed=False runs the release's own padded call for whole scheduler batches (text and media mixed)."""
+    plain = clef_engine.load(tiny_release, device="cpu", packed=False)
+    try:
+        assert plain.info()["kernels"]["path"] == "forward_plain"
+        requests = [REQUEST, dict(REQUEST, state="short"), dict(REQUEST, images=[png_bytes(32, 64)]),
+                    dict(REQUEST, state="word " * 300)]
+        for ours, theirs in zip(plain.decide_many(requests), tiny_engine.decide_many(requests)):
+            for question_id, answer in ours["answers"].items():
+                for option, p in answer.get("probabilities", {"true": answer.get("noul")}).items():
+                    other = theirs["answers"][question_id]
+                    assert abs(p - other.get("probabilities", {"true": other.get("noul")})[option]) <= 1e-4
+    finally:
+        plain.close()
