@@ -32,6 +32,12 @@ from ui_common import (
 
 use_app_navigation()
 
+@st.cache_data(max_entries=8, show_spinner=False)
+def sampled_frames(video: state_input.Media, model_id: str, _engine) -> Any:
+    """The frames the model reads, decoded once per video and model rather than on every rerun of the page."""
+    return state_input.sampled_video_frames(_engine, video)
+
+
 K = page_key("decide")
 QUESTION_TYPES = list(schemas.QUESTION_TYPES)
 NEW_QUESTION_DEFAULTS = {
@@ -285,7 +291,7 @@ with left:
         st.video(video.data, format=video.content_type)
         if engine is not None:
             try:
-                sampled = state_input.sampled_video_frames(engine, video)
+                sampled = sampled_frames(video, engine.model_id, engine)
             except (ClefError, ValueError) as exc:
                 media_errors.append(f"{video.name}: {exc}")
             else:
