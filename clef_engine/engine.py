@@ -90,6 +90,9 @@ class Engine:
         self.model_id = checked.source
         self.output_embeddings = model.lm_head.weight  # the head reads it as a table (untied in Clef)
         self.loaded_bytes = memory_stats(device).get("allocated", 0)
+        # counted once: info() is polled by every open workbench page
+        self.backbone_parameters = sum(p.numel() for p in model.parameters())
+        self.head_parameters = sum(p.numel() for p in head.parameters())
         if token_budget is None:
             token_budget = 65_536 if device.type == "cuda" else 16_384
         self.token_budget = token_budget
@@ -291,7 +294,6 @@ class Engine:
         return stats
 
     def info(self) -> dict:
-        parameters = sum(p.numel() for p in self.model.parameters())
         return {
             "model": self.model_id,
             "revision": self.release.revision,
@@ -299,8 +301,8 @@ class Engine:
             "device": str(self.device),
             "device_name": torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "CPU",
             "dtype": str(self.dtype).removeprefix("torch."),
-            "backbone_parameters": parameters,
-            "head_parameters": sum(p.numel() for p in self.head.parameters()),
+            "backbone_parameters": self.backbone_parameters,
+            "head_parameters": self.head_parameters,
             "load_seconds": round(self.load_seconds, 2),
             "warm_up_seconds": round(self.warm_up_seconds, 2),
             "kernels": self.kernel_info(),
