@@ -78,60 +78,51 @@ def rms_norm_torch(x: torch.Tensor, weight_plus_one: torch.Tensor, eps: float,
     return (normed * weight_plus_one).type_as(x), x
 
 
-def rms_norm_fla(x: torch.Tensor, weight_plus_one: torch.Tensor, eps: float,
-                 residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Triton RMSNorm (fp32 inside). The residual add stays a torch op in x's dtype: normalizing the rounded sum,
-    as the decoder layer does, keeps bf16 answers closer to the release path than fla's fp32 fused add."""
-    from fla.modules.norm.layernorm import layer_norm_fwd
-
-    if residual is not None:
-        x = residual + x
-    shape = x.shape
-    x2 = x.reshape(-1, shape[-1])
-    if not x2.is_contiguous():
-        x2 = x2.contiguous()
-    y, _, _, _ = layer_norm_fwd(x2, weight_plus_one, None, eps=eps, residual=None, is_rms_norm=True)
-    return y.view(shape), x
-
-
 def gated_rms_norm_torch(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Qwen3_5RMSNormGated: norm(x) * weight * silu(gate), over the last dim."""
+    """Qwen3_5RMSNormGated: norm(x) * weight * silu(gate) per head. x [N, H, V]; gate [N, H*V] -> [N*H, V]."""
+    n, heads, width = x.shape
     dtype = x.dtype
-    hidden = x.float()
+    hidden = x.reshape(n * heads, width).float()
     hidden = hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + eps)
     hidden = weight * hidden.to(dtype)
-    return (hidden * F.silu(gate.float())).to(dtype)
-
-
-def gated_rms_norm_fla(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    from fla.modules.norm.fused_norm_gate import layer_norm_gated_fwd
-
-    shape = x.shape
-    y, _, _, _ = layer_norm_gated_fwd(x.reshape(-1, shape[-1]).contiguous(), gate.reshape(-1, shape[-1]).contiguous(),
-                                      weight, None, activation="swish", eps=eps, is_rms_norm=True)
-    return y.view(shape)
+    return (hidden * F.silu(gate.reshape(n * heads, width).float())).to(dtype)
 
 
 # ---- short causal convolution (kernel 4, SiLU), never across record boundaries -------------------------------------
 
-def causal_conv_torch(x: torch.Tensor, weight: torch.Tensor, segments: Segments) -> torch.Tensor:
-    """x [N, D], weight [D, W]: per record, transformers' causal_conv1d_fn (zero left padding, SiLU)."""
+def split_qkv(conv_out: torch.Tensor, key_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return conv_out[:, :key_dim], conv_out[:, key_dim: 2 * key_dim], conv_out[:, 2 * key_dim:]
+
+
+def causal_conv_torch(x: torch.Tensor, weight: torch.Tensor, segments: Segments,
+                      key_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [N, D], weight [D, W]: per record, transformers' causal_conv1d_fn (zero left padding, SiLU); returned
+    split into (q, k, v) channel views."""
     outputs = []
     width = weight.shape[-1]
     for start, length in zip(segments.starts, segments.lengths):
         part = x[start: start + length].t()[None].to(weight.dtype)  # [1, D, L]
         out = F.conv1d(part, weight[:, None, :], None, padding=width - 1, groups=weight.shape[0])[..., :length]
         outputs.append(F.silu(out)[0].t().to(x.dtype))
-    return torch.cat(outputs) if len(outputs) > 1 else outputs[0].contiguous()
+    return split_qkv(torch.cat(outputs) if len(outputs) > 1 else outputs[0].contiguous(), key_dim)
 
 
-def causal_conv_fla(x: torch.Tensor, weight: torch.Tensor, segments: Segments) -> torch.Tensor:
+def causal_conv_fla(x: torch.Tensor, weight: torch.Tensor, segments: Segments,
+                    key_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """fla's Triton varlen conv (reads the strided projection output in place)."""
     from fla.modules.causal_conv1d import causal_conv1d
 
     y, _ = causal_conv1d(x[None], weight, None, activation=None, cu_seqlens=segments.cu_seqlens,
                          chunk_indices=segments.chunk_indices)
-    return F.silu(y[0])  # SiLU on the bf16-rounded conv output, as transformers' path does
+    return split_qkv(F.silu(y[0]), key_dim)  # SiLU on the bf16-rounded conv output, as transformers' path does
+
+
+def causal_conv_triton(x: torch.Tensor, weight: torch.Tensor, segments: Segments,
+                       key_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One fused kernel: conv + SiLU, written as contiguous q, k, v (no copies before the gated-delta kernel)."""
+    from .triton_kernels import conv_silu_split
+
+    return conv_silu_split(x, weight, segments.positions, key_dim)
 
 
 def causal_conv_after(x: torch.Tensor, weight: torch.Tensor, tail: torch.Tensor) -> torch.Tensor:
@@ -181,14 +172,15 @@ def gated_delta_torch(q, k, v, a, b, A_log, dt_bias, segments: Segments, initial
 
 def gated_delta_fla(q, k, v, a, b, A_log, dt_bias, segments: Segments, initial_state=None,
                     output_final_state: bool = False):
-    """fla's chunked kernel over the whole pack (varlen via cu_seqlens); value heads grouped natively (GVA)."""
+    """fla's chunked kernel over the whole pack (varlen via cu_seqlens); value heads grouped natively (GVA). The
+    decay g = -exp(A_log) * softplus(a + dt_bias) is computed inside fla's cumsum kernel (float32, as the release
+    path computes it); beta = sigmoid(b) stays a bf16 torch op, where the release path rounds it."""
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
-    g, beta = gdn_gates(a, b, A_log, dt_bias)
     out, state = chunk_gated_delta_rule(
-        q[None], k[None], v[None], g=g[None], beta=beta[None], initial_state=initial_state,
-        output_final_state=output_final_state, use_qk_l2norm_in_kernel=True,
-        cu_seqlens=segments.cu_seqlens, chunk_indices=segments.chunk_indices)
+        q[None], k[None], v[None], g=a[None], beta=b.sigmoid()[None], initial_state=initial_state,
+        output_final_state=output_final_state, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+        A_log=A_log, dt_bias=dt_bias, cu_seqlens=segments.cu_seqlens, chunk_indices=segments.chunk_indices)
     return out[0], state
 
 
@@ -218,24 +210,24 @@ def _varlen_function() -> Callable | None:
     return varlen_attn
 
 
-def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: Segments) -> torch.Tensor:
-    """torch's flash varlen attention over the whole pack (causal within each record)."""
-    varlen_attn = _varlen_function()
-    parameters = inspect.signature(varlen_attn).parameters
-    kwargs: dict = {}
-    if "is_causal" in parameters:
-        kwargs["is_causal"] = True
-    else:
-        kwargs["window_size"] = (-1, 0)
+def _varlen_arguments(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+    """(k, v, kwargs) for torch's varlen_attn, whose keyword names changed across torch releases."""
+    parameters = inspect.signature(_varlen_function()).parameters
+    kwargs: dict = {"is_causal": True} if "is_causal" in parameters else {"window_size": (-1, 0)}
     if q.shape[1] != k.shape[1]:
         if "enable_gqa" in parameters:
             kwargs["enable_gqa"] = True
         else:
             repeat = q.shape[1] // k.shape[1]
             k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+    return k.contiguous(), v.contiguous(), kwargs
+
+
+def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: Segments) -> torch.Tensor:
+    """torch's flash varlen attention over the whole pack (causal within each record)."""
+    k, v, kwargs = _varlen_arguments(q, k, v)
     cu = segments.cu_seqlens_int32
-    return varlen_attn(q.contiguous(), k.contiguous(), v.contiguous(), cu, cu, segments.max_length,
-                       segments.max_length, **kwargs)
+    return _varlen_function()(q.contiguous(), k, v, cu, cu, segments.max_length, segments.max_length, **kwargs)
 
 
 def attention_after_prefix(q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, prefix: int) -> torch.Tensor:
@@ -254,22 +246,109 @@ def attention_after_prefix(q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Te
     return out[0].view(kv_heads, repeat, n, dim).permute(2, 0, 1, 3).reshape(n, heads, dim)
 
 
+def attention_after_prefix_varlen(q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor,
+                                  prefix: int) -> torch.Tensor:
+    """The same with flash varlen: with fewer queries than keys its causal mask is aligned to the last key (query t
+    sees keys <= prefix + t); `select_kernels` checks that against the masked SDPA before using it."""
+    n, total = q.shape[0], k_all.shape[0]
+    k_all, v_all, kwargs = _varlen_arguments(q, k_all, v_all)
+    cu_q = torch.tensor([0, n], dtype=torch.int32).to(q.device, non_blocking=True)
+    cu_k = torch.tensor([0, total], dtype=torch.int32).to(q.device, non_blocking=True)
+    return _varlen_function()(q.contiguous(), k_all, v_all, cu_q, cu_k, n, total, **kwargs)
+
+
+# ---- full attention: q/k norm + RoPE, output gate -------------------------------------------------------------------
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Partial rotary on [N, H, D] with cos/sin [N, R] (R <= D), as transformers' apply_rotary_pos_emb."""
+    rotary = cos.shape[-1]
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    x_rot, x_pass = x[..., :rotary], x[..., rotary:]
+    return torch.cat([x_rot * cos + rotate_half(x_rot) * sin, x_pass], dim=-1)
+
+
+def norm_rope_torch(source: torch.Tensor, offset: int, head_stride: int, heads: int, dim: int,
+                    weight_plus_one: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm then RoPE of the heads read from the projection output: head h of token t is the `dim` values at
+    source[t, offset + h * head_stride:]. Returns [N, heads, dim]."""
+    n = source.shape[0]
+    x = source.as_strided((n, heads, dim), (source.stride(0), head_stride, 1), source.storage_offset() + offset)
+    normed, _ = rms_norm_torch(x.contiguous(), weight_plus_one, eps)
+    return apply_rope(normed, cos, sin)
+
+
+def norm_rope_triton(*args, **kwargs) -> torch.Tensor:
+    from .triton_kernels import norm_rope
+
+    return norm_rope(*args, **kwargs)
+
+
+def sigmoid_gate_torch(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """Attention output [N, H, D] times sigmoid(gate [N, H, D]) -> [N, H*D]."""
+    n = x.shape[0]
+    return x.reshape(n, -1) * torch.sigmoid(gate.reshape(n, -1))
+
+
+def sigmoid_gate_triton(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    from .triton_kernels import sigmoid_gate
+
+    return sigmoid_gate(x, gate)
+
+
+# ---- MLP activation -------------------------------------------------------------------------------------------------
+
+def silu_mul_torch(gate_up: torch.Tensor, intermediate: int) -> torch.Tensor:
+    return F.silu(gate_up[:, :intermediate]) * gate_up[:, intermediate:]
+
+
+def silu_mul_triton(gate_up: torch.Tensor, intermediate: int) -> torch.Tensor:
+    from .triton_kernels import silu_mul
+
+    return silu_mul(gate_up, intermediate)
+
+
+def rms_norm_triton(x: torch.Tensor, weight_plus_one: torch.Tensor, eps: float,
+                    residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Residual add (rounded to x's dtype, as the decoder layer does) and RMSNorm in one pass."""
+    from .triton_kernels import add_rms_norm
+
+    return add_rms_norm(x, weight_plus_one, eps, residual)
+
+
+def gated_rms_norm_triton(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    from .triton_kernels import gated_rms_norm
+
+    return gated_rms_norm(x, gate, weight, eps)
+
+
 # ---- the set ---------------------------------------------------------------------------------------------------------
 
 @dataclass
 class Kernels:
-    rms_norm: Callable = rms_norm_torch
+    rms_norm: Callable = rms_norm_torch  # residual add + RMSNorm
     gated_rms_norm: Callable = gated_rms_norm_torch
-    causal_conv: Callable = causal_conv_torch
+    causal_conv: Callable = causal_conv_torch  # conv + SiLU, split into q, k, v
     gated_delta: Callable = gated_delta_torch
     attention: Callable = attention_sdpa
+    attention_after_prefix: Callable = attention_after_prefix
+    norm_rope: Callable = norm_rope_torch
+    sigmoid_gate: Callable = sigmoid_gate_torch
+    silu_mul: Callable = silu_mul_torch
     notes: dict = field(default_factory=dict)
 
+    SLOTS = ("rms_norm", "gated_rms_norm", "causal_conv", "gated_delta", "attention", "attention_after_prefix",
+             "norm_rope", "sigmoid_gate", "silu_mul")
+
     def describe(self) -> dict[str, str]:
-        names = {name: f"{fn.__module__.rsplit('.', 1)[-1]}.{fn.__name__}"
-                 for name, fn in (("rms_norm", self.rms_norm), ("gated_rms_norm", self.gated_rms_norm),
-                                  ("causal_conv", self.causal_conv), ("gated_delta", self.gated_delta),
-                                  ("attention", self.attention))}
+        names = {}
+        for name in self.SLOTS:
+            fn = getattr(self, name)
+            names[name] = f"{fn.__module__.rsplit('.', 1)[-1]}.{fn.__name__}"
         names.update(self.notes)
         return names
 
@@ -311,21 +390,85 @@ def varlen_matches_sdpa(device: torch.device, dtype: torch.dtype, heads: int, kv
     return None
 
 
-def select_kernels(device: torch.device, dtype: torch.dtype, *, heads: int, kv_heads: int, head_dim: int) -> Kernels:
+def triton_matches_torch(device: torch.device, dtype: torch.dtype, *, heads: int, kv_heads: int, head_dim: int,
+                         value_head_dim: int) -> str | None:
+    """Run each fused Triton kernel against its PyTorch function on random data (two records, so boundaries are
+    exercised); None if all agree to bf16 rounding, else what failed."""
+    try:
+        from . import triton_kernels  # noqa: F401 — Triton itself may be missing or broken
+    except Exception as error:  # noqa: BLE001
+        return f"Triton unavailable: {type(error).__name__}: {error}"
+    try:
+        g = torch.Generator(device=device).manual_seed(0)
+
+        def rand(*shape):
+            return torch.randn(*shape, device=device, dtype=dtype, generator=g)
+
+        segments = make_segments([37, 90], device)
+        n = segments.total
+        checks = []
+        x, residual, weight = rand(n, 320), rand(n, 320), 1 + 0.1 * rand(320).float()
+        checks.append(("rms_norm", rms_norm_triton(x, weight, 1e-6, residual),
+                       rms_norm_torch(x, weight, 1e-6, residual)))
+        gate_up = rand(n, 2 * 200)
+        checks.append(("silu_mul", silu_mul_triton(gate_up, 200), silu_mul_torch(gate_up, 200)))
+        key_dim, value_dim = 2 * 64, 3 * 64
+        projected = rand(n, 2 * key_dim + value_dim + 10)
+        conv_weight = rand(2 * key_dim + value_dim, 4)
+        mixed = projected[:, : 2 * key_dim + value_dim]
+        checks.append(("causal_conv", causal_conv_triton(mixed, conv_weight, segments, key_dim),
+                       causal_conv_torch(mixed, conv_weight, segments, key_dim)))
+        core, z = rand(n, 3, value_head_dim), rand(n, 3 * value_head_dim + 5)
+        norm_weight = 1 + 0.1 * rand(value_head_dim)
+        checks.append(("gated_rms_norm", gated_rms_norm_triton(core, z[:, : 3 * value_head_dim], norm_weight, 1e-6),
+                       gated_rms_norm_torch(core, z[:, : 3 * value_head_dim], norm_weight, 1e-6)))
+        source = rand(n, heads * 2 * head_dim + 2 * kv_heads * head_dim)
+        rotary = max(2, head_dim // 4)
+        angle = torch.arange(n, device=device, dtype=torch.float32)[:, None] * torch.linspace(
+            0.01, 1.0, rotary, device=device)[None, :]
+        cos, sin = angle.cos().to(dtype), angle.sin().to(dtype)
+        qk_weight = 1 + 0.1 * rand(head_dim).float()
+        arguments = (source, 0, 2 * head_dim, heads, head_dim, qk_weight, cos, sin, 1e-6)
+        checks.append(("norm_rope", norm_rope_triton(*arguments), norm_rope_torch(*arguments)))
+        out = rand(n, heads, head_dim)
+        gate = source[:, : heads * 2 * head_dim].view(n, heads, 2 * head_dim)[..., head_dim:]
+        checks.append(("sigmoid_gate", sigmoid_gate_triton(out, gate), sigmoid_gate_torch(out, gate)))
+        for name, got, want in checks:
+            got = got if isinstance(got, tuple) else (got,)
+            want = want if isinstance(want, tuple) else (want,)
+            for a, b in zip(got, want):
+                a, b = a.float().reshape(b.shape), b.float()
+                # one bf16 rounding step apart at most (accumulation order may differ)
+                if not torch.allclose(a, b, atol=2e-2, rtol=1.6e-2):
+                    return f"Triton {name} differs from PyTorch by {(a - b).abs().max().item():.3g}"
+    except Exception as error:  # noqa: BLE001 — any failure means: use the PyTorch functions
+        return f"Triton kernels failed: {type(error).__name__}: {error}"[:500]
+    return None
+
+
+def select_kernels(device: torch.device, dtype: torch.dtype, *, heads: int, kv_heads: int, head_dim: int,
+                   value_head_dim: int = 128) -> Kernels:
     """The fastest set that works here (see the module docstring); `notes` say why a fallback was taken."""
     if device.type != "cuda":
         return Kernels(notes={"reason": "CPU: PyTorch reference kernels"})
     kernels = Kernels()
     if fla_importable():
-        kernels.rms_norm = rms_norm_fla
-        # the gated norm stays torch: its bf16 rounding points match the release path (fla's is fp32 throughout)
         kernels.causal_conv = causal_conv_fla
         kernels.gated_delta = gated_delta_fla
     else:
         kernels.notes["fla"] = "flash-linear-attention is not installed: per-record torch fallbacks"
+    problem = triton_matches_torch(device, dtype, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+                                   value_head_dim=value_head_dim)
+    if problem is None:
+        kernels.rms_norm, kernels.silu_mul = rms_norm_triton, silu_mul_triton
+        kernels.causal_conv, kernels.gated_rms_norm = causal_conv_triton, gated_rms_norm_triton
+        kernels.norm_rope, kernels.sigmoid_gate = norm_rope_triton, sigmoid_gate_triton
+    else:
+        kernels.notes["triton_fallback"] = problem
     problem = varlen_matches_sdpa(device, dtype, heads, kv_heads, head_dim)
     if problem is None:
         kernels.attention = attention_varlen
+        kernels.attention_after_prefix = attention_after_prefix_varlen
     else:
         kernels.notes["attention_fallback"] = problem
     return kernels

@@ -86,19 +86,6 @@ class FastLayer:
             self.o_proj = attn.o_proj.weight
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Partial rotary on [N, H, D] with cos/sin [N, R] (R <= D), as transformers' apply_rotary_pos_emb."""
-    rotary = cos.shape[-1]
-    cos, sin = cos[:, None, :], sin[:, None, :]
-    x_rot, x_pass = x[..., :rotary], x[..., rotary:]
-    return torch.cat([x_rot * cos + rotate_half(x_rot) * sin, x_pass], dim=-1)
-
-
 class FastBackbone:
     """The text model of a loaded `Qwen3_5ForConditionalGeneration`, run packed."""
 
@@ -115,7 +102,8 @@ class FastBackbone:
             self.final_norm = (1.0 + text.norm.weight.detach().float()).contiguous()
         self.kernels = kernels or K.select_kernels(self.device, self.dtype, heads=self.config.num_attention_heads,
                                                    kv_heads=self.config.num_key_value_heads,
-                                                   head_dim=self.config.head_dim)
+                                                   head_dim=self.config.head_dim,
+                                                   value_head_dim=self.config.linear_value_head_dim)
 
     # ---- one forward --------------------------------------------------------------------------------------------
 
@@ -149,8 +137,7 @@ class FastBackbone:
             if states is not None:
                 states.append(state)
             normed, residual = kern.rms_norm(branch, layer.norm2, self.eps, residual)
-            gate_up = F.linear(normed, layer.gate_up)
-            branch = F.linear(F.silu(gate_up[:, : layer.intermediate]) * gate_up[:, layer.intermediate:], layer.down)
+            branch = F.linear(kern.silu_mul(F.linear(normed, layer.gate_up), layer.intermediate), layer.down)
         hidden, _ = kern.rms_norm(branch, self.final_norm, self.eps, residual)
         return hidden, states
 
@@ -164,19 +151,18 @@ class FastBackbone:
         z = projected[:, conv_dim: conv_dim + value_dim]
         b = projected[:, conv_dim + value_dim: conv_dim + value_dim + v_heads]
         a = projected[:, conv_dim + value_dim + v_heads:]
-        if before is not None:
-            conv_out = K.causal_conv_after(mixed, layer.conv_weight, before.conv_tail)
-        else:
-            conv_out = kern.causal_conv(mixed, layer.conv_weight, segments)
         key_dim = layer.key_dim
-        q = conv_out[:, :key_dim].view(n, layer.k_heads, layer.k_head_dim)
-        k = conv_out[:, key_dim: 2 * key_dim].view(n, layer.k_heads, layer.k_head_dim)
-        v = conv_out[:, 2 * key_dim:].view(n, v_heads, layer.v_head_dim)
+        if before is not None:
+            q, k, v = K.split_qkv(K.causal_conv_after(mixed, layer.conv_weight, before.conv_tail), key_dim)
+        else:
+            q, k, v = kern.causal_conv(mixed, layer.conv_weight, segments, key_dim)
+        q = q.view(n, layer.k_heads, layer.k_head_dim)
+        k = k.view(n, layer.k_heads, layer.k_head_dim)
+        v = v.view(n, v_heads, layer.v_head_dim)
         initial = before.recurrent if before is not None else None
         core, final = kern.gated_delta(q, k, v, a, b, layer.A_log, layer.dt_bias, segments, initial_state=initial,
                                        output_final_state=collect)
-        core = kern.gated_rms_norm(core.reshape(n * v_heads, layer.v_head_dim),
-                                   z.reshape(n * v_heads, layer.v_head_dim), layer.gated_norm, layer.gated_norm_eps)
+        core = kern.gated_rms_norm(core, z, layer.gated_norm, layer.gated_norm_eps)
         out = F.linear(core.view(n, value_dim), layer.out_proj)
         state = None
         if collect:
@@ -195,20 +181,18 @@ class FastBackbone:
         kern = self.kernels
         heads, kv_heads, dim = layer.heads, layer.kv_heads, layer.head_dim
         projected = F.linear(x, layer.qkv)
-        query_gate = projected[:, : heads * dim * 2].view(n, heads, 2 * dim)
-        q, gate = query_gate[..., :dim], query_gate[..., dim:]
-        k = projected[:, heads * dim * 2: heads * dim * 2 + kv_heads * dim].view(n, kv_heads, dim)
+        # per head the projection holds [query | gate] (2 * dim), then all K heads, then all V heads
+        q = kern.norm_rope(projected, 0, 2 * dim, heads, dim, layer.q_norm, cos, sin, self.eps)
+        k = kern.norm_rope(projected, heads * dim * 2, dim, kv_heads, dim, layer.k_norm, cos, sin, self.eps)
         v = projected[:, heads * dim * 2 + kv_heads * dim:].view(n, kv_heads, dim)
-        q, _ = kern.rms_norm(q.contiguous(), layer.q_norm, self.eps)
-        k, _ = kern.rms_norm(k.contiguous(), layer.k_norm, self.eps)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        gate = projected[:, : heads * dim * 2].view(n, heads, 2 * dim)[..., dim:]
         if before is not None:
             keys, values = torch.cat([before.keys, k]), torch.cat([before.values, v])
-            out = K.attention_after_prefix(q, keys, values, prefix_length)
+            out = kern.attention_after_prefix(q, keys, values, prefix_length)
         else:
             keys, values = k, v
             out = kern.attention(q, k, v, segments)
-        out = out.reshape(n, heads * dim) * torch.sigmoid(gate.reshape(n, heads * dim))
+        out = kern.sigmoid_gate(out.reshape(n, heads, dim), gate)
         state = LayerState(keys=keys.contiguous(), values=values.contiguous()) if collect else None
         return F.linear(out, layer.o_proj), state
 

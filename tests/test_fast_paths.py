@@ -157,9 +157,13 @@ def test_conv_does_not_read_across_records():
     x = torch.randn(9, 6)
     weight = torch.randn(6, 4)
     segments = kernels.make_segments([4, 5], torch.device("cpu"))
-    together = kernels.causal_conv_torch(x, weight, segments)
-    alone = kernels.causal_conv_torch(x[4:], weight, kernels.make_segments([5], torch.device("cpu")))
+
+    def conv(inputs, segments):
+        return torch.cat(kernels.causal_conv_torch(inputs, weight, segments, 2), dim=1)  # q, k, v back together
+
+    together = conv(x, segments)
+    alone = conv(x[4:], kernels.make_segments([5], torch.device("cpu")))
     assert torch.allclose(together[4:], alone, atol=1e-6)
     changed = x.clone()
     changed[:4] += 10.0  # the first record changes; the second's outputs must not
-    assert torch.allclose(kernels.causal_conv_torch(changed, weight, segments)[4:], together[4:], atol=1e-6)
+    assert torch.allclose(conv(changed, segments)[4:], together[4:], atol=1e-6)

@@ -1,0 +1,88 @@
+"""The fused Triton kernels, run on the CPU by Triton's interpreter (TRITON_INTERPRET=1, set before the kernels are
+defined, hence a child process): each against its PyTorch function, and the whole packed backbone of the tiny
+release with every Triton kernel swapped in against the PyTorch set."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+pytest.importorskip("triton")  # a dependency of CUDA torch; the CPU wheels we install ship it too
+
+
+def run_interpreted(code: str) -> str:
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
+    result = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=ROOT, env=env, capture_output=True,
+                            text=True, timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+    return result.stdout
+
+
+def test_each_triton_kernel_matches_its_pytorch_function_in_bf16_and_float32():
+    out = run_interpreted("""
+        import torch
+        from clef_engine import kernels
+        for dtype in (torch.bfloat16, torch.float32):
+            problem = kernels.triton_matches_torch(torch.device("cpu"), dtype, heads=4, kv_heads=2, head_dim=32,
+                                                   value_head_dim=16)
+            print(dtype, problem)
+            assert problem is None, problem
+    """)
+    assert out.count("None") == 2
+
+
+def test_triton_conv_keeps_records_apart_and_splits_qkv():
+    run_interpreted("""
+        import torch
+        from clef_engine import kernels
+        torch.manual_seed(0)
+        segments = kernels.make_segments([4, 1, 9], torch.device("cpu"))
+        mixed = torch.randn(14, 2 * 8 + 12 + 3)[:, :28]  # strided rows, like a slice of the fused projection
+        weight = torch.randn(28, 4)
+        q, k, v = kernels.causal_conv_triton(mixed, weight, segments, 8)
+        assert q.shape == (14, 8) and k.shape == (14, 8) and v.shape == (14, 12)
+        assert q.is_contiguous() and k.is_contiguous() and v.is_contiguous()
+        want = torch.cat(kernels.causal_conv_torch(mixed, weight, segments, 8), dim=1)
+        assert torch.allclose(torch.cat([q, k, v], dim=1), want, atol=1e-5), (torch.cat([q, k, v], 1) - want).abs().max()
+        changed = mixed.clone()
+        changed[:5] += 10.0  # the first two records change; the third's outputs must not
+        again = torch.cat(kernels.causal_conv_triton(changed, weight, segments, 8), dim=1)
+        assert torch.equal(again[5:], torch.cat([q, k, v], dim=1)[5:])
+    """)
+
+
+def test_packed_backbone_with_triton_kernels_matches_the_pytorch_kernels():
+    out = run_interpreted("""
+        import torch
+        import clef_engine
+        from clef_engine import kernels
+        from clef_engine.packed import FastBackbone
+        engine = clef_engine.load(clef_engine.demo_release(), device="cpu")
+        vocabulary = "the invoice ticket customer payment refund amount total due date vendor alert".split()
+        requests = [{"state": " ".join(vocabulary[(i * 7 + s) % 12] for i in range(n)),
+                     "questions": {"paid": {"type": "noul", "instructions": "Is it paid?"}}}
+                    for s, n in enumerate((3, 120, 40))]
+        records = [engine.encode(r) for r in requests]
+        ids = torch.tensor([t for r in records for t in r.input_ids])
+        segments = kernels.make_segments([len(r) for r in records], torch.device("cpu"))
+        plain, _ = engine.fast.forward(ids, segments)
+        fused = kernels.Kernels(rms_norm=kernels.rms_norm_triton, gated_rms_norm=kernels.gated_rms_norm_triton,
+                                causal_conv=kernels.causal_conv_triton, norm_rope=kernels.norm_rope_triton,
+                                sigmoid_gate=kernels.sigmoid_gate_triton, silu_mul=kernels.silu_mul_triton)
+        engine.fast.kernels = fused
+        got, _ = engine.fast.forward(ids, segments)
+        error = (got - plain).abs().max().item()
+        print("max abs difference", error)
+        assert error <= 1e-4, error
+        answers = engine.forward_packed(records)
+        engine.fast.kernels = kernels.Kernels()
+        assert max(abs(a - b) for x, y in zip(answers, engine.forward_packed(records)) for qa, qb in zip(x, y)
+                   for a, b in zip(qa, qb)) <= 1e-5
+    """)
+    assert "max abs difference" in out
