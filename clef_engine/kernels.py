@@ -257,6 +257,57 @@ def attention_after_prefix_varlen(q: torch.Tensor, k_all: torch.Tensor, v_all: t
     return _varlen_function()(q.contiguous(), k_all, v_all, cu_q, cu_k, n, total, **kwargs)
 
 
+LONG_RECORD_TOKENS = 4097  # above the CUDA-graph limit: attention is a large share of a long record's time
+
+
+def attention_varlen_cudnn_long(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: Segments) -> torch.Tensor:
+    """Flash varlen, except one long record: cuDNN's fused attention (Hopper wgmma kernels), KV heads repeated.
+    Chosen by `select_kernels` only where it agreed with the varlen result and was faster on this GPU."""
+    if segments.count != 1 or segments.total < LONG_RECORD_TOKENS:
+        return attention_varlen(q, k, v, segments)
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    repeat = q.shape[1] // k.shape[1]
+    keys = k.repeat_interleave(repeat, dim=1) if repeat > 1 else k
+    values = v.repeat_interleave(repeat, dim=1) if repeat > 1 else v
+    with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+        out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys.transpose(0, 1)[None],
+                                             values.transpose(0, 1)[None], is_causal=True)
+    return out[0].transpose(0, 1)
+
+
+def cudnn_long_attention_pays(device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int,
+                              dim: int, tokens: int = 8192) -> str | None:
+    """None if cuDNN attention on one long record matches flash varlen and is faster here; else why not."""
+    import time
+
+    try:
+        generator = torch.Generator(device=device).manual_seed(1)
+        q = torch.randn(tokens, heads, dim, device=device, dtype=dtype, generator=generator)
+        k = torch.randn(tokens, kv_heads, dim, device=device, dtype=dtype, generator=generator)
+        v = torch.randn(tokens, kv_heads, dim, device=device, dtype=dtype, generator=generator)
+        segments = make_segments([tokens], device)
+        want = attention_varlen(q, k, v, segments)
+        got = attention_varlen_cudnn_long(q, k, v, segments)
+        error = (got.float() - want.float()).abs().max().item()
+        if not error <= 2e-2:
+            return f"cuDNN attention differs from flash varlen by {error:.3g}"
+        timings = []
+        for fn in (attention_varlen, attention_varlen_cudnn_long):
+            fn(q, k, v, segments)
+            torch.cuda.synchronize(device)
+            started = time.perf_counter()
+            for _ in range(3):
+                fn(q, k, v, segments)
+            torch.cuda.synchronize(device)
+            timings.append((time.perf_counter() - started) / 3 * 1000)
+        if timings[1] >= timings[0]:
+            return f"cuDNN attention not faster at {tokens} tokens ({timings[1]:.2f} vs {timings[0]:.2f} ms)"
+    except Exception as error:  # noqa: BLE001 — any failure means: keep flash varlen
+        return f"cuDNN attention unavailable: {type(error).__name__}: {error}"[:300]
+    return None
+
+
 # ---- full attention: q/k norm + RoPE, output gate -------------------------------------------------------------------
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -469,6 +520,11 @@ def select_kernels(device: torch.device, dtype: torch.dtype, *, heads: int, kv_h
     if problem is None:
         kernels.attention = attention_varlen
         kernels.attention_after_prefix = attention_after_prefix_varlen
+        slower = cudnn_long_attention_pays(device, dtype, heads, kv_heads, head_dim)
+        if slower is None:
+            kernels.attention = attention_varlen_cudnn_long
+        else:
+            kernels.notes["long_record_attention"] = slower
     else:
         kernels.notes["attention_fallback"] = problem
     return kernels
