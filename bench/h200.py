@@ -227,6 +227,19 @@ def single_record(engine, ref, lengths, base_repeats) -> dict:
     return out
 
 
+@section("profile_one_record", needs_s=30)
+def profile_one_record(engine, tokens: int = 512) -> dict:
+    """GPU time per kernel category of one eager forward (torch.profiler), for the 'what limits the rest' notes."""
+    from bench.profile_h200 import kernel_table
+    from clef_engine import kernels as K
+
+    record = engine.encode(sized_request(engine, tokens, seed=tokens))
+    ids = torch.tensor(record.input_ids, device=DEVICE)
+    segments = K.make_segments([len(record)], DEVICE)
+    engine.fast.forward(ids, segments)
+    return {"tokens": len(record), "eager": kernel_table(lambda: engine.fast.forward(ids, segments), 3)}
+
+
 @section("head_alone", needs_s=20)
 def head_alone(engine) -> dict:
     from clef_engine.reference import reference_logits
@@ -528,6 +541,8 @@ def main() -> int:
         results["sections"]["environment_after_diagnosis"] = engine.kernel_info()
     lengths = [512, 1024, 2048] if SMOKE else [512, 1024, 2048, 4096, 8192, 16384]
     single_record(engine, ref, lengths, lambda n: 2 if SMOKE else (4 if n <= 4096 else 2))
+    if DEVICE.type == "cuda":
+        profile_one_record(engine)
     head_alone(engine)
     cached_state(engine, ref, 16_384 if not SMOKE else 2_600)
     baseline_records = 16 if SMOKE else int(os.environ.get("BENCH_BASELINE_RECORDS", "128"))

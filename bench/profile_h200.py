@@ -25,8 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import build, h200  # noqa: E402
 
-OUT = Path(sys.argv[1])
-OUT.mkdir(parents=True, exist_ok=True)
+OUT = Path("profile-out")
 report: dict = {}
 
 
@@ -244,6 +243,9 @@ def pack_parity(engine, ref):
 
 
 def main() -> None:
+    global OUT
+    OUT = Path(sys.argv[1])
+    OUT.mkdir(parents=True, exist_ok=True)
     import clef_engine
     from clef_engine.encoding import Encoder
     from clef_engine.reference import reference_decide
