@@ -1,16 +1,23 @@
 """The joint schema head (spec §4), batched over records, questions and options.
 
 Parameter names and shapes match the release's `joint_head.safetensors`, so the real file loads strictly. The
-forward pass takes a whole batch at once: spans are pooled with one gather + index_add, options and fields are
-padded per record and attended with key-padding masks. Masked keys get exactly zero weight, so each record sees
-only its own memory and its own options, as in the per-record reference loop.
+forward pass takes a whole batch at once: spans are pooled as padded [spans, longest, D] gathers summed in float32,
+options and fields are padded per record and attended with key-padding masks. Masked keys get exactly zero weight,
+so each record sees only its own memory and its own options, as in the per-record reference loop. A batch of one
+record (every request that runs alone) needs no padding: no memory gather, no attention mask.
+
+The batched forward runs the layers as small functions of the modules' parameters (`attend`, `route`, `decode`)
+rather than through nn.MultiheadAttention / nn.TransformerDecoderLayer: the same math in eval mode (every dropout
+has p=0), with fewer kernels and less Python. The modules' own forwards stay for the reference loop.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
+from itertools import chain
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -47,108 +54,247 @@ class EvidenceRoutingLayer(nn.Module):
 class HeadBatch:
     """Where every question and option of a batch sits, as index tensors (built once on the CPU by `layout`).
 
-    Hidden states come as one flat [rows, hidden] tensor; `record_rows[b]` lists the rows of record b's tokens
-    (padded with row 0 where the record is shorter than the longest; `memory_padding` marks those).
+    Hidden states come as one flat [rows, hidden] tensor. Every tensor here is a view into `buffer`, so `to` moves
+    the whole batch in one host-to-device copy. Spans (question instructions, option texts) are [chunks, longest]
+    grids of rows with a keep mask; where one span is far longer than the rest, spans are cut into chunks of about
+    the mean length (`*_chunk`: the span of each chunk; None when every span is one chunk), so a grid never holds
+    much more than twice the span tokens. Grid slots past the end point at row / index 0 and are masked.
     """
 
-    record_rows: torch.Tensor  # [B, T] long
-    memory_padding: torch.Tensor  # [B, T] bool, True = not a token of the record
+    buffer: torch.Tensor  # uint8: the bytes of every tensor below
+    memory_start: int  # first row of the record's tokens, when there is one record
+    memory_length: int
+    record_rows: torch.Tensor | None  # [B, T] rows of record b's tokens; None for one record (no padding)
+    memory_padding: torch.Tensor | None  # [B, T] bool, True = not a token of the record; None for one record
     last_rows: torch.Tensor  # [B] row of each record's last token
-    question_rows: torch.Tensor  # [Kq] rows of all question-span tokens
-    question_segment: torch.Tensor  # [Kq] question index of each
+    question_rows: torch.Tensor  # [Cq, Lq] rows of question-span tokens
+    question_keep: torch.Tensor  # [Cq, Lq] bool
+    question_chunk: torch.Tensor | None  # [Cq] question of each chunk
     question_count: torch.Tensor  # [Q] tokens per question span
     question_record: torch.Tensor  # [Q]
     question_slot: torch.Tensor  # [Q] position among its record's questions
     question_type: torch.Tensor  # [Q]
-    option_rows: torch.Tensor  # [Ko]
-    option_token_ids: torch.Tensor  # [Ko] token ids, for the lexical (output-embedding) mean
-    option_segment: torch.Tensor  # [Ko] option index of each
+    record_questions: torch.Tensor | None  # [B, Qmax] question of each slot; None for one record
+    field_padding: torch.Tensor | None  # [B, Qmax] bool, True = no question there
+    option_rows: torch.Tensor  # [Co, Lo] rows of option-span tokens
+    option_token_ids: torch.Tensor  # [Co, Lo] their token ids, for the lexical (output-embedding) mean
+    option_keep: torch.Tensor  # [Co, Lo] bool
+    option_chunk: torch.Tensor | None  # [Co] option of each chunk
     option_count: torch.Tensor  # [O]
     option_question: torch.Tensor  # [O]
     option_record: torch.Tensor  # [O]
     option_record_slot: torch.Tensor  # [O] position among its record's options
     option_question_slot: torch.Tensor  # [O] position among its question's options
-    max_options_per_record: int
-    max_options_per_question: int
-    max_questions_per_record: int
+    record_options: torch.Tensor | None  # [B, Omax] option of each slot; None for one record
+    question_options: torch.Tensor  # [Q, Kmax] option of each slot
+    question_option_padding: torch.Tensor  # [Q, Kmax] bool, True = no option there
 
-    def to(self, device: torch.device) -> HeadBatch:
-        moved = {k: (v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v)
-                 for k, v in self.__dict__.items()}
-        return HeadBatch(**moved)
+    def to(self, device: torch.device | str) -> HeadBatch:
+        """The batch on `device` in one copy of `buffer` (staged in pinned memory for CUDA, so the copy does not
+        block the host)."""
+        device = torch.device(device)
+        if self.buffer.device == device:
+            return self
+        source = self.buffer
+        if device.type == "cuda" and not source.is_pinned():
+            source = torch.empty(source.shape, dtype=source.dtype, pin_memory=True).copy_(source)
+        return self.with_buffer(source.to(device, non_blocking=True))
+
+    def with_buffer(self, buffer: torch.Tensor) -> HeadBatch:
+        """The same views (offset, shape, dtype) into another copy of `buffer`."""
+        typed = {torch.int64: buffer.view(torch.int64), torch.bool: buffer.view(torch.bool)}
+        views = {}
+        for f in fields(self):
+            view = getattr(self, f.name)
+            if f.name != "buffer" and isinstance(view, torch.Tensor):
+                views[f.name] = typed[view.dtype].as_strided(view.shape, view.stride(), view.storage_offset())
+        return replace(self, buffer=buffer, **views)
+
+
+def _pack(arrays: dict[str, np.ndarray | None]) -> tuple[torch.Tensor, dict[str, torch.Tensor | None]]:
+    """One uint8 buffer with every array's bytes, and a tensor view of each: int64 arrays first (so each starts
+    8-byte aligned), then bool arrays; the length is rounded up to 8 bytes so the whole buffer views as int64."""
+    ints = [name for name, a in arrays.items() if a is not None and a.dtype != np.bool_]  # stored as int64
+    bools = [name for name, a in arrays.items() if a is not None and a.dtype == np.bool_]
+    int_bytes = 8 * sum(arrays[name].size for name in ints)
+    bool_bytes = sum(arrays[name].size for name in bools)
+    buffer = torch.empty(int_bytes + -(-bool_bytes // 8) * 8, dtype=torch.uint8)
+    raw = buffer.numpy()
+    if ints:
+        np.concatenate([arrays[name].reshape(-1) for name in ints], out=raw[:int_bytes].view(np.int64))
+    if bools:
+        np.concatenate([arrays[name].reshape(-1) for name in bools], out=raw[int_bytes: int_bytes + bool_bytes])
+    views: dict[str, torch.Tensor | None] = dict.fromkeys(arrays)
+    for names, typed, start in ((ints, buffer.view(torch.int64), 0), (bools, buffer.view(torch.bool), int_bytes)):
+        for name in names:
+            shape = arrays[name].shape
+            strides = (shape[1], 1) if len(shape) == 2 else (1,)
+            views[name] = typed.as_strided(shape, strides, start)
+            start += arrays[name].size
+    return buffer, views
+
+
+def _pairs(spans) -> np.ndarray:
+    """(start, end) spans as an [n, 2] int64 array (fromiter over a flat chain: twice as fast as np.array)."""
+    return np.fromiter(chain.from_iterable(spans), dtype=np.int64).reshape(-1, 2)
+
+
+def _first_index(counts: np.ndarray) -> np.ndarray:
+    """Index of each group's first item when groups of `counts` items lie one after another."""
+    return np.cumsum(counts) - counts
+
+
+def _grid(first: np.ndarray, counts: np.ndarray, width: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Groups of consecutive indices (first[i] .. first[i] + counts[i] - 1) as a [groups, width] grid and its keep
+    mask; slots past a group's end hold index 0 (valid, and masked by the caller)."""
+    width = int(counts.max(initial=0)) if width is None else width
+    position = np.arange(width, dtype=np.int64)
+    keep = position[None, :] < counts[:, None]
+    return np.where(keep, first[:, None] + position, 0), keep
+
+
+def _span_grid(first: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """`_grid` of token spans, cutting spans into chunks of the mean length when padding every span to the longest
+    would more than double the tokens read; returns (rows, keep, span of each chunk or None)."""
+    spans, total = len(counts), int(counts.sum())
+    if spans * int(counts.max(initial=0)) <= 2 * total:
+        rows, keep = _grid(first, counts)
+        return rows, keep, None
+    width = -(-total // spans)
+    pieces = -(-counts // width)
+    chunk_span = np.repeat(np.arange(spans, dtype=np.int64), pieces)
+    skipped = (np.arange(len(chunk_span), dtype=np.int64) - _first_index(pieces)[chunk_span]) * width
+    rows, keep = _grid(first[chunk_span] + skipped, np.minimum(counts[chunk_span] - skipped, width), width)
+    return rows, keep, chunk_span
 
 
 def layout(records: list, row_offsets: list[int], lengths: list[int], max_length: int | None = None) -> HeadBatch:
     """Index tensors for `records` (EncodedRecord-like: input_ids, question_spans, option_spans, question_types)
-    whose tokens start at flat row `row_offsets[b]`."""
-    max_tokens = max_length or max(lengths)
-    positions = torch.arange(max_tokens)
-    lengths_t = torch.tensor(lengths)
-    record_rows = torch.tensor(row_offsets)[:, None] + positions.clamp(max=max_tokens - 1)[None, :]
-    memory_padding = positions[None, :] >= lengths_t[:, None]
-    record_rows = torch.where(memory_padding, torch.zeros_like(record_rows), record_rows)
+    whose tokens start at flat row `row_offsets[b]`. Built with numpy from the spans: no Python work per token."""
+    long = np.int64
+    n_records = len(records)
+    offsets = np.asarray(row_offsets, dtype=long)
+    token_counts = np.asarray(lengths, dtype=long)
+    questions_per_record = np.array([len(r.question_spans) for r in records], dtype=long)
+    question_spans = _pairs(chain.from_iterable(r.question_spans for r in records))
+    options_per_question = np.array([len(spans) for r in records for spans in r.option_spans], dtype=long)
+    option_spans = _pairs(chain.from_iterable(chain.from_iterable(r.option_spans for r in records)))
+    question_type = np.array([QUESTION_TYPE_INDEX[t] for r in records
+                              for t in r.question_types[: len(r.question_spans)]], dtype=long)
+    n_questions, n_options = len(question_spans), len(option_spans)
 
-    q_rows, q_seg, q_count, q_record, q_slot, q_type = [], [], [], [], [], []
-    o_rows, o_ids, o_seg, o_count, o_question, o_record, o_rslot, o_qslot = [], [], [], [], [], [], [], []
-    max_options_per_record = max_options_per_question = max_questions_per_record = 1
-    for b, record in enumerate(records):
-        offset = row_offsets[b]
-        record_options = 0
-        for j, ((q_start, q_end), spans) in enumerate(zip(record.question_spans, record.option_spans)):
-            q = len(q_count)
-            q_rows.extend(range(offset + q_start, offset + q_end))
-            q_seg.extend([q] * (q_end - q_start))
-            q_count.append(q_end - q_start)
-            q_record.append(b)
-            q_slot.append(j)
-            q_type.append(QUESTION_TYPE_INDEX[record.question_types[j]])
-            for k, (o_start, o_end) in enumerate(spans):
-                o = len(o_count)
-                o_rows.extend(range(offset + o_start, offset + o_end))
-                o_ids.extend(record.input_ids[o_start:o_end])
-                o_seg.extend([o] * (o_end - o_start))
-                o_count.append(o_end - o_start)
-                o_question.append(q)
-                o_record.append(b)
-                o_rslot.append(record_options)
-                o_qslot.append(k)
-                record_options += 1
-            max_options_per_question = max(max_options_per_question, len(spans))
-        max_options_per_record = max(max_options_per_record, record_options)
-        max_questions_per_record = max(max_questions_per_record, len(record.question_spans))
+    question_record = np.repeat(np.arange(n_records, dtype=long), questions_per_record)
+    question_first = _first_index(questions_per_record)  # first question of each record
+    question_slot = np.arange(n_questions, dtype=long) - question_first[question_record]
+    option_question = np.repeat(np.arange(n_questions, dtype=long), options_per_question)
+    option_first = _first_index(options_per_question)  # first option of each question
+    option_question_slot = np.arange(n_options, dtype=long) - option_first[option_question]
+    option_record = question_record[option_question]
+    options_per_record = np.bincount(option_record, minlength=n_records).astype(long)
+    record_option_first = _first_index(options_per_record)
+    option_record_slot = np.arange(n_options, dtype=long) - record_option_first[option_record]
 
-    def long(values: list[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.long)
+    question_count = question_spans[:, 1] - question_spans[:, 0]
+    question_rows, question_keep, question_chunk = _span_grid(
+        question_spans[:, 0] + offsets[question_record], question_count)
+    option_count = option_spans[:, 1] - option_spans[:, 0]
+    option_rows, option_keep, option_chunk = _span_grid(option_spans[:, 0] + offsets[option_record], option_count)
+    option_ids = np.zeros(option_rows.shape, dtype=long)
+    option_ids[option_keep] = np.fromiter(  # kept slots in row-major order = the span tokens in order
+        chain.from_iterable(r.input_ids[s:e] for r in records for spans in r.option_spans for s, e in spans),
+        dtype=long, count=int(option_count.sum()))
+    question_options, question_option_keep = _grid(option_first, options_per_question)
 
-    return HeadBatch(
-        record_rows=record_rows,
-        memory_padding=memory_padding,
-        last_rows=long([row_offsets[b] + lengths[b] - 1 for b in range(len(records))]),
-        question_rows=long(q_rows), question_segment=long(q_seg), question_count=long(q_count),
-        question_record=long(q_record), question_slot=long(q_slot), question_type=long(q_type),
-        option_rows=long(o_rows), option_token_ids=long(o_ids), option_segment=long(o_seg),
-        option_count=long(o_count), option_question=long(o_question), option_record=long(o_record),
-        option_record_slot=long(o_rslot), option_question_slot=long(o_qslot),
-        max_options_per_record=max_options_per_record,
-        max_options_per_question=max_options_per_question,
-        max_questions_per_record=max_questions_per_record,
+    arrays: dict[str, np.ndarray | None] = dict(
+        record_rows=None, memory_padding=None, record_questions=None, field_padding=None, record_options=None,
+        last_rows=offsets + token_counts - 1,
+        question_rows=question_rows, question_keep=question_keep, question_chunk=question_chunk,
+        question_count=question_count, question_record=question_record, question_slot=question_slot,
+        question_type=question_type,
+        option_rows=option_rows, option_token_ids=option_ids, option_keep=option_keep, option_chunk=option_chunk,
+        option_count=option_count, option_question=option_question, option_record=option_record,
+        option_record_slot=option_record_slot, option_question_slot=option_question_slot,
+        question_options=question_options, question_option_padding=~question_option_keep,
     )
+    if n_records > 1:  # records of different lengths and schemas: pad per record, mask the padding
+        record_rows, memory_keep = _grid(offsets, token_counts, max_length or int(token_counts.max()))
+        record_questions, field_keep = _grid(question_first, questions_per_record)
+        record_options, _ = _grid(record_option_first, options_per_record)
+        arrays.update(record_rows=record_rows, memory_padding=~memory_keep, record_questions=record_questions,
+                      field_padding=~field_keep, record_options=record_options)
+    buffer, views = _pack(arrays)
+    return HeadBatch(buffer=buffer, memory_start=int(offsets[0]), memory_length=int(token_counts[0]), **views)
 
 
-def segment_mean(source: torch.Tensor, rows: torch.Tensor, segment: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
-    """Mean of source[rows] per segment; sums in float32 so long spans do not lose precision in bf16."""
-    sums = torch.zeros(count.shape[0], source.shape[-1], dtype=torch.float32, device=source.device)
-    sums.index_add_(0, segment, source[rows].float())
-    return (sums / count[:, None].float()).to(source.dtype)
+def segment_mean(source: torch.Tensor, index: torch.Tensor, keep: torch.Tensor, count: torch.Tensor,
+                 chunk: torch.Tensor | None = None) -> torch.Tensor:
+    """Mean of source[index] over each grid row's kept slots ([S, L] grid -> [S, D]); with `chunk`, grid rows are
+    pieces of spans, added up per span. Sums in float32 so long spans do not lose precision in bf16; a gather and a
+    reduction rather than an index_add, whose float atomics are slow on the GPU."""
+    sums = (source[index] * keep[..., None]).sum(1, dtype=torch.float32)
+    if chunk is not None:
+        sums = sums.new_zeros(count.shape[0], sums.shape[-1]).index_add_(0, chunk, sums)
+    return (sums / count[:, None]).to(source.dtype)
 
 
-def pad_segments(values: torch.Tensor, group: torch.Tensor, slot: torch.Tensor, groups: int, slots: int):
-    """Scatter rows [n, w] into a padded [groups, slots, w] tensor; returns it and a [groups, slots] padding mask."""
-    padded = values.new_zeros(groups, slots, values.shape[-1])
-    padded[group, slot] = values
-    padding = torch.ones(groups, slots, dtype=torch.bool, device=values.device)
-    padding[group, slot] = False
-    return padded, padding
+def additive_mask(padding: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[B, T] padding -> [B, 1, 1, T] SDPA mask, -inf on padding: the same as a boolean keep-mask, but built once
+    per batch (SDPA converts a boolean mask on every call). Rows are 16-aligned so the memory-efficient kernel takes
+    the mask as is instead of padding it on every call."""
+    batch, length = padding.shape
+    aligned = -(-length // 16) * 16
+    mask = torch.zeros(batch, 1, 1, aligned, dtype=dtype, device=padding.device)[..., :length]
+    return mask.masked_fill_(padding[:, None, None, :], float("-inf"))
+
+
+# ---- the layers as plain functions of the modules' parameters (eval mode: every dropout has p=0) --------------
+
+def _norm(norm: nn.LayerNorm, x: torch.Tensor) -> torch.Tensor:
+    return F.layer_norm(x, norm.normalized_shape, norm.weight, norm.bias, norm.eps)
+
+
+def _linear(linear: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    return F.linear(x, linear.weight, linear.bias)
+
+
+def _heads(x: torch.Tensor, heads: int) -> torch.Tensor:
+    batch, length, width = x.shape
+    return x.view(batch, length, heads, width // heads).transpose(1, 2)
+
+
+def attend(attention: nn.MultiheadAttention, query: torch.Tensor, memory: torch.Tensor,
+           mask: torch.Tensor | None) -> torch.Tensor:
+    """nn.MultiheadAttention(query, memory, memory) with need_weights=False, on F.scaled_dot_product_attention;
+    `memory is query` is self-attention (one packed projection). mask=None lets SDPA use flash attention."""
+    weight, bias, width = attention.in_proj_weight, attention.in_proj_bias, query.shape[-1]
+    if memory is query:
+        q, k, v = F.linear(query, weight, bias).chunk(3, dim=-1)
+    else:
+        q = F.linear(query, weight[:width], bias[:width])
+        k, v = F.linear(memory, weight[width:], bias[width:]).chunk(2, dim=-1)
+    heads = attention.num_heads
+    out = F.scaled_dot_product_attention(_heads(q, heads), _heads(k, heads), _heads(v, heads), attn_mask=mask)
+    return _linear(attention.out_proj, out.transpose(1, 2).reshape(query.shape))
+
+
+def route(layer: EvidenceRoutingLayer, options: torch.Tensor, memory: torch.Tensor,
+          mask: torch.Tensor | None) -> torch.Tensor:
+    """EvidenceRoutingLayer.forward: options read the normed memory, then the pre-norm feed-forward."""
+    options = options + attend(layer.attention, _norm(layer.query_norm, options), _norm(layer.memory_norm, memory),
+                               mask)
+    first, gelu, _, second = layer.feedforward
+    return options + _linear(second, F.gelu(_linear(first, _norm(layer.feedforward_norm, options)),
+                                            approximate=gelu.approximate))
+
+
+def decode(layer: nn.TransformerDecoderLayer, fields: torch.Tensor, memory: torch.Tensor,
+           field_mask: torch.Tensor | None, memory_mask: torch.Tensor | None) -> torch.Tensor:
+    """nn.TransformerDecoderLayer.forward with norm_first=True: self-attention, cross-attention over the (un-normed)
+    memory, feed-forward, each pre-norm and residual."""
+    normed = _norm(layer.norm1, fields)
+    fields = fields + attend(layer.self_attn, normed, normed, field_mask)
+    fields = fields + attend(layer.multihead_attn, _norm(layer.norm2, fields), memory, memory_mask)
+    return fields + _linear(layer.linear2, layer.activation(_linear(layer.linear1, _norm(layer.norm3, fields))))
 
 
 class JointSchemaHead(nn.Module):
@@ -196,62 +342,67 @@ class JointSchemaHead(nn.Module):
     def decide_from_memory(self, normed: torch.Tensor, memory_flat: torch.Tensor, output_embeddings: torch.Tensor,
                            batch: HeadBatch) -> torch.Tensor:
         width = self.config.width
-        n_records = batch.record_rows.shape[0]
-        n_questions = batch.question_count.shape[0]
-        memory = memory_flat[batch.record_rows]  # [B, T, W]
-        memory_padding = batch.memory_padding
-        global_state = normed[batch.last_rows]  # [B, D]
+        one = batch.record_rows is None  # one record: its memory is a slice and nothing needs padding
+        if one:
+            start, end = batch.memory_start, batch.memory_start + batch.memory_length
+            memory = memory_flat[start:end][None]  # [1, T, W]
+            global_state = normed[end - 1: end]  # [1, D], broadcast over the record's questions and options
+            memory_mask = None
+        else:
+            memory = memory_flat[batch.record_rows]  # [B, T, W]
+            global_state = normed[batch.last_rows]  # [B, D]
+            memory_mask = additive_mask(batch.memory_padding, memory.dtype)
 
-        question = segment_mean(normed, batch.question_rows, batch.question_segment, batch.question_count)
-        context = segment_mean(normed, batch.option_rows, batch.option_segment, batch.option_count)
-        lexical = segment_mean(output_embeddings, batch.option_token_ids, batch.option_segment, batch.option_count)
-        lexical = lexical.to(normed.dtype)
+        question = segment_mean(normed, batch.question_rows, batch.question_keep, batch.question_count,
+                                batch.question_chunk)
+        context = segment_mean(normed, batch.option_rows, batch.option_keep, batch.option_count, batch.option_chunk)
+        lexical = segment_mean(output_embeddings, batch.option_token_ids, batch.option_keep, batch.option_count,
+                               batch.option_chunk).to(normed.dtype)
 
-        queries = (self.option_context_projection(context) + self.option_lexical_projection(lexical)
-                   + self.option_question_projection(question)[batch.option_question])
-        routed, _ = pad_segments(queries, batch.option_record, batch.option_record_slot, n_records,
-                                 batch.max_options_per_record)
+        queries = (_linear(self.option_context_projection, context) + _linear(self.option_lexical_projection, lexical)
+                   + _linear(self.option_question_projection, question)[batch.option_question])
+        routed = queries[None] if one else queries[batch.record_options]  # [B, Omax, W]
         for layer in self.evidence_layers:
-            routed = layer(routed, memory, memory_padding)
-        routed = routed[batch.option_record, batch.option_record_slot]  # [O, W]
+            routed = route(layer, routed, memory, memory_mask)
+        routed = routed[0] if one else routed[batch.option_record, batch.option_record_slot]  # [O, W]
 
-        field_base = self.question_projection(question)  # [Q, W]
-        affinity = (routed * field_base[batch.option_question]).sum(-1) / math.sqrt(width)
-        affinity_padded = affinity.new_full((n_questions, batch.max_options_per_question), float("-inf"))
-        affinity_padded[batch.option_question, batch.option_question_slot] = affinity
-        routing_weights = torch.softmax(affinity_padded.float(), dim=-1).to(routed.dtype)
-        options_padded, _ = pad_segments(routed, batch.option_question, batch.option_question_slot, n_questions,
-                                         batch.max_options_per_question)
-        summary = torch.bmm(routing_weights[:, None, :], options_padded)[:, 0]  # [Q, W]
-        fields = (field_base + self.option_summary_norm(summary)
-                  + self.global_projection(global_state)[batch.question_record]
-                  + self.type_embedding(batch.question_type))
+        # Each question's options, summed with softmax weights of their affinity to the question (padded slots: 0).
+        field_base = _linear(self.question_projection, question)  # [Q, W]
+        options = routed[batch.question_options]  # [Q, Kmax, W]
+        affinity = torch.bmm(options, field_base[:, :, None])[..., 0] / math.sqrt(width)
+        affinity = affinity.float().masked_fill_(batch.question_option_padding, float("-inf"))
+        routing_weights = torch.softmax(affinity, dim=-1).to(routed.dtype)
+        summary = torch.bmm(routing_weights[:, None, :], options)[:, 0]  # [Q, W]
+        global_fields = _linear(self.global_projection, global_state)
+        fields = (field_base + _norm(self.option_summary_norm, summary)
+                  + (global_fields if one else global_fields[batch.question_record])
+                  + F.embedding(batch.question_type, self.type_embedding.weight))
 
-        fields_padded, field_padding = pad_segments(fields, batch.question_record, batch.question_slot, n_records,
-                                                    batch.max_questions_per_record)
+        fields = fields[None] if one else fields[batch.record_questions]  # [B, Qmax, W]
+        field_mask = None if one else additive_mask(batch.field_padding, fields.dtype)
         for layer in self.layers:
-            fields_padded = layer(fields_padded, memory, tgt_key_padding_mask=field_padding,
-                                  memory_key_padding_mask=memory_padding)
-        fields = self.field_norm(fields_padded)[batch.question_record, batch.question_slot]
+            fields = decode(layer, fields, memory, field_mask, memory_mask)
+        fields = _norm(self.field_norm, fields)
+        fields = fields[0] if one else fields[batch.question_record, batch.question_slot]  # [Q, W]
 
         field_of_option = fields[batch.option_question]
-        option_vectors = self.option_norm(routed)
+        option_vectors = _norm(self.option_norm, routed)
+        record_state = global_state if one else global_state[batch.option_record]
         prior = self.prior_logit_scale.clamp(max=LOGIT_SCALE_CAP).exp() * F.cosine_similarity(
-            lexical, question[batch.option_question] + global_state[batch.option_record], dim=-1
+            lexical, question[batch.option_question] + record_state, dim=-1
         )
         pair = torch.cat([field_of_option, option_vectors, field_of_option * option_vectors,
                           (field_of_option - option_vectors).abs()], dim=-1)
+        first, gelu, _, second = self.residual_scorer
+        residual = _linear(second, F.gelu(_linear(first, pair), approximate=gelu.approximate))
         joint = (self.joint_logit_scale.clamp(max=LOGIT_SCALE_CAP).exp()
-                 * F.cosine_similarity(field_of_option, option_vectors, dim=-1)
-                 + self.residual_scorer(pair).squeeze(-1))
+                 * F.cosine_similarity(field_of_option, option_vectors, dim=-1) + residual[:, 0])
         return prior + torch.sigmoid(self.residual_gate) * joint
 
 
 def option_probabilities(logits: torch.Tensor, batch: HeadBatch) -> torch.Tensor:
     """Softmax over each question's options (no temperature), flat like the logits; computed in float32."""
-    n_questions = batch.question_count.shape[0]
-    padded = logits.new_full((n_questions, batch.max_options_per_question), float("-inf"), dtype=torch.float32)
-    padded[batch.option_question, batch.option_question_slot] = logits.float()
+    padded = logits.float()[batch.question_options].masked_fill_(batch.question_option_padding, float("-inf"))
     return torch.softmax(padded, dim=-1)[batch.option_question, batch.option_question_slot]
 
 

@@ -171,3 +171,163 @@ def test_engine_answers_equal_the_reference_path(tiny_engine):
     reference = reference_decide(tiny_engine, records)
     worst = max(abs(a - b) for ro, rr in zip(ours, reference) for qo, qr in zip(ro, rr) for a, b in zip(qo, qr))
     assert worst <= 1e-5
+
+
+# ---- the batched head's fast paths --------------------------------------------------------------------------------
+
+def test_every_dropout_is_a_no_op(tiny_engine):
+    """The batched forward skips dropout and calls the layers' parameters directly: exact only while every dropout
+    has p=0 and the decoder layers are pre-norm with exact GELU."""
+    for module in tiny_engine.head.modules():
+        if isinstance(module, torch.nn.Dropout):
+            assert module.p == 0.0
+        if isinstance(module, torch.nn.MultiheadAttention):
+            assert module.dropout == 0.0 and module.batch_first and module._qkv_same_embed_dim
+        if isinstance(module, torch.nn.TransformerDecoderLayer):
+            assert module.norm_first and module.activation is torch.nn.functional.gelu
+
+
+def test_one_record_has_no_padding_and_equals_the_oracle(tiny_engine):
+    rng = random.Random(11)
+    head, embeddings = tiny_engine.head, tiny_engine.output_embeddings
+    record = random_record(rng, 64, 10, embeddings.shape[0])
+    batch = layout([record], [0], [len(record)])
+    assert batch.record_rows is None and batch.memory_padding is None and batch.record_options is None
+    assert batch_vs_reference_one(head, embeddings, record, offset=0) <= 1e-5
+    assert batch_vs_reference_one(head, embeddings, record, offset=5) <= 1e-5  # a record inside a larger pack
+
+
+def batch_vs_reference_one(head, embeddings, record, offset: int) -> float:
+    generator = torch.Generator().manual_seed(offset)
+    flat = torch.randn(offset + len(record) + 3, head.config.hidden_size, generator=generator)
+    with torch.inference_mode():
+        batched = head(flat, embeddings, layout([record], [offset], [len(record)]))
+        reference = torch.cat(reference_logits(head, flat[offset: offset + len(record)], embeddings, record))
+    return (batched - reference).abs().max().item()
+
+
+def test_mixed_batch_with_padding_equals_the_oracle(tiny_engine):
+    """Records of different lengths, question and option counts: memory, options and fields all padded."""
+    rng = random.Random(12)
+    head, embeddings = tiny_engine.head, tiny_engine.output_embeddings
+    records = [random_record(rng, n, 10, embeddings.shape[0]) for n in (1, 9, 3)]
+    records[1].input_ids += [0] * 100  # the longest by far
+    offsets = [0, len(records[0]), len(records[0]) + len(records[1])]
+    batch = layout(records, offsets, [len(r) for r in records])
+    assert batch.memory_padding.any() and batch.field_padding.any() and batch.question_option_padding.any()
+    assert batched_vs_reference(head, embeddings, records, 12) <= 1e-5
+
+
+def test_a_very_long_option_is_pooled_in_chunks(tiny_engine):
+    """One span far longer than the others is cut into chunks (the grid stays ~2x the tokens) and gives the same
+    answers."""
+    rng = random.Random(13)
+    head, embeddings = tiny_engine.head, tiny_engine.output_embeddings
+    record = random_record(rng, 4, 10, embeddings.shape[0])
+    start = len(record.input_ids)
+    record.input_ids += [rng.randrange(embeddings.shape[0]) for _ in range(300)]
+    record.option_spans[2][1] = (start, start + 300)
+    batch = layout([record], [0], [len(record)])
+    assert batch.option_chunk is not None
+    assert batch.option_rows.numel() <= 2 * int(batch.option_count.sum()) + batch.option_rows.shape[1]
+    assert batch_vs_reference_one(head, embeddings, record, offset=0) <= 1e-5
+    assert batched_vs_reference(head, embeddings, [record, random_record(rng, 2, 3, embeddings.shape[0])], 13) <= 1e-5
+
+
+def test_head_batch_moves_in_one_copy(monkeypatch):
+    rng = random.Random(14)
+    records = [random_record(rng, 5, 6, 100), random_record(rng, 2, 3, 100)]
+    batch = layout(records, [0, len(records[0])], [len(r) for r in records])
+    tensors = {name: t for name, t in vars(batch).items() if isinstance(t, torch.Tensor) and name != "buffer"}
+    assert len(tensors) > 20
+    storage = batch.buffer.untyped_storage().data_ptr()
+    assert all(t.untyped_storage().data_ptr() == storage for t in tensors.values())  # all views of one buffer
+
+    copy = batch.with_buffer(batch.buffer.clone())  # what `to` does after its one copy
+    for name, t in tensors.items():
+        moved = getattr(copy, name)
+        assert moved.untyped_storage().data_ptr() == copy.buffer.untyped_storage().data_ptr()
+        assert moved.dtype == t.dtype and torch.equal(moved, t), name
+
+    copies = []
+    original_to = torch.Tensor.to
+    monkeypatch.setattr(torch.Tensor, "to", lambda t, *a, **k: copies.append(t.shape) or original_to(t, *a, **k))
+    on_meta = batch.to(torch.device("meta"))
+    assert copies == [batch.buffer.shape]
+    assert all(getattr(on_meta, name).device.type == "meta" for name in tensors)
+    assert batch.to(torch.device("cpu")) is batch  # already there: no copy
+
+
+def slow_layout(records, offsets: list[int]) -> dict[str, list]:
+    """The batch's indices built the plain way, one token at a time."""
+    out = {k: [] for k in ("question_rows", "question_record", "question_slot", "question_type", "option_rows",
+                           "option_ids", "option_question", "option_record", "option_record_slot",
+                           "option_question_slot")}
+    for b, record in enumerate(records):
+        slot = 0
+        for j, ((start, end), spans) in enumerate(zip(record.question_spans, record.option_spans)):
+            q = len(out["question_record"])
+            out["question_rows"].append([offsets[b] + i for i in range(start, end)])
+            out["question_record"].append(b)
+            out["question_slot"].append(j)
+            out["question_type"].append({"noul": 0, "choice": 1, "score": 2}[record.questions[j].type])
+            for k, (o_start, o_end) in enumerate(spans):
+                out["option_rows"].append([offsets[b] + i for i in range(o_start, o_end)])
+                out["option_ids"].append(record.input_ids[o_start:o_end])
+                out["option_question"].append(q)
+                out["option_record"].append(b)
+                out["option_record_slot"].append(slot)
+                out["option_question_slot"].append(k)
+                slot += 1
+    return out
+
+
+def spans_of(grid: torch.Tensor, keep: torch.Tensor, chunk: torch.Tensor | None, count: int) -> list[list[int]]:
+    """The kept grid entries of each span, chunks joined in order."""
+    owner = range(grid.shape[0]) if chunk is None else chunk.tolist()
+    spans = [[] for _ in range(count)]
+    for row, span in enumerate(owner):
+        spans[span] += grid[row][keep[row]].tolist()
+    return spans
+
+
+def clef_request(questions: int, options: int) -> dict:
+    return {"state": "the invoice total is due " * 50, "questions": {
+        f"q{j}": {"type": "choice", "instructions": f"Which vendor {j} applies to the order?",
+                  "criteria": {f"v{k}": f"vendor {k}" for k in range(options)}}
+        for j in range(questions)}}
+
+
+@pytest.mark.parametrize("extra", [False, True])
+def test_layout_indices_equal_a_slow_construction(tiny_engine, extra):
+    """64 questions x 10 options of a real encoding (alone, then padded in a batch with a small record)."""
+    records = [tiny_engine.encode(clef_request(64, 10), max_length=2**31 - 1)]
+    if extra:
+        records.append(tiny_engine.encode(clef_request(2, 3), max_length=2**31 - 1))
+    offsets = [3, 3 + len(records[0]) + 7][: len(records)]
+    batch = layout(records, offsets, [len(r) for r in records])
+    slow = slow_layout(records, offsets)
+    n_questions, n_options = len(slow["question_record"]), len(slow["option_question"])
+    questions = (batch.question_keep, batch.question_chunk, n_questions)
+    options = (batch.option_keep, batch.option_chunk, n_options)
+    assert spans_of(batch.question_rows, *questions) == slow["question_rows"]
+    assert spans_of(batch.option_rows, *options) == slow["option_rows"]
+    assert spans_of(batch.option_token_ids, *options) == slow["option_ids"]
+    assert batch.question_count.tolist() == [len(r) for r in slow["question_rows"]]
+    assert batch.option_count.tolist() == [len(r) for r in slow["option_rows"]]
+    for name in ("question_record", "question_slot", "question_type", "option_question", "option_record",
+                 "option_record_slot", "option_question_slot"):
+        assert getattr(batch, name).tolist() == slow[name], name
+    assert batch.last_rows.tolist() == [o + len(r) - 1 for o, r in zip(offsets, records)]
+    options_of = [[o for o in range(n_options) if slow["option_question"][o] == q] for q in range(n_questions)]
+    assert spans_of(batch.question_options, ~batch.question_option_padding, None, n_questions) == options_of
+    if not extra:
+        assert batch.record_rows is None and (batch.memory_start, batch.memory_length) == (3, len(records[0]))
+        return
+    rows = [list(range(o, o + len(r))) for o, r in zip(offsets, records)]
+    assert spans_of(batch.record_rows, ~batch.memory_padding, None, 2) == rows
+    questions_of = [[q for q in range(n_questions) if slow["question_record"][q] == b] for b in range(2)]
+    assert spans_of(batch.record_questions, ~batch.field_padding, None, 2) == questions_of
+    options_of_record = [[o for o in range(n_options) if slow["option_record"][o] == b] for b in range(2)]
+    assert batch.record_options[0].tolist() == options_of_record[0]
+    assert batch.record_options[1][: len(options_of_record[1])].tolist() == options_of_record[1]
