@@ -49,7 +49,8 @@ def test_triton_conv_keeps_records_apart_and_splits_qkv():
         assert q.shape == (14, 8) and k.shape == (14, 8) and v.shape == (14, 12)
         assert q.is_contiguous() and k.is_contiguous() and v.is_contiguous()
         want = torch.cat(kernels.causal_conv_torch(mixed, weight, segments, 8), dim=1)
-        assert torch.allclose(torch.cat([q, k, v], dim=1), want, atol=1e-5), (torch.cat([q, k, v], 1) - want).abs().max()
+        got = torch.cat([q, k, v], dim=1)
+        assert torch.allclose(got, want, atol=1e-5), (got - want).abs().max()
         changed = mixed.clone()
         changed[:5] += 10.0  # the first two records change; the third's outputs must not
         again = torch.cat(kernels.causal_conv_triton(changed, weight, segments, 8), dim=1)
