@@ -132,10 +132,12 @@ class StateCache:
     def _tier_bytes(entries: OrderedDict) -> int:
         return sum(state.nbytes for state in entries.values())
 
-    def clear(self) -> None:
+    def clear(self, *, reset_stats: bool = False) -> None:
         with self._lock:
             self._device_entries.clear()
             self._host_entries.clear()
+            if reset_stats:
+                self._stats = CacheStats()
 
     def stats(self) -> dict:
         with self._lock:

@@ -330,12 +330,20 @@ class Engine:
         return info
 
     def warm_up(self) -> float:
-        """Answer a few small requests so Triton's compile and autotune (over a minute on a fresh H200 process, seen
-        in the benchmark) happen while loading, not in a user's first request. Returns the seconds it took."""
+        """Run each path once so Triton's compile and autotune (minutes on a fresh H200 process, seen in the
+        benchmark) happen while loading, not in a user's first request: one record alone (a CUDA graph), a pack of
+        records of uneven lengths, and a long state twice (stored in the state cache, then continued from it; the
+        entry is dropped afterwards). Returns the seconds it took."""
         started = time.perf_counter()
         request = {"state": "warm-up", "questions": {"q": {"type": "noul", "instructions": "warm-up"}}}
         self.decide(request)
-        self.decide_many([request, dict(request, state="warm-up " * 40)])
+        self.decide_many([dict(request, state="warm-up " * n) for n in (1, 40, 333, 1001)])
+        cache = self.state_cache
+        if cache is not None and cache.enabled:
+            long_state = "warm " * (cache.min_prefix_tokens + 64)
+            self.decide(dict(request, state=long_state))
+            self.decide(dict(request, state=long_state, questions={"other": {"type": "noul", "instructions": "?"}}))
+            cache.clear(reset_stats=True)
         self.warm_up_seconds = time.perf_counter() - started
         return self.warm_up_seconds
 

@@ -78,7 +78,7 @@ def silu_mul(gate_up: torch.Tensor, intermediate: int) -> torch.Tensor:
 # ---- Gated DeltaNet: short causal conv + SiLU, split into q / k / v --------------------------------------------------
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N"])  # pack sizes vary: one compiled variant for all
 def _conv_silu_split_kernel(x_ptr, stride_x, weight_ptr, positions_ptr, q_ptr, k_ptr, v_ptr, N, C, KEY_DIM,
                             W: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
     tokens = tl.program_id(0) * BT + tl.arange(0, BT)
@@ -131,7 +131,7 @@ def conv_silu_split(mixed: torch.Tensor, weight: torch.Tensor, positions: torch.
 # ---- Gated DeltaNet: gated RMSNorm (Qwen3_5RMSNormGated) ------------------------------------------------------------
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["R"])
 def _gated_rms_norm_kernel(x_ptr, gate_ptr, gate_stride, weight_ptr, out_ptr, R, HEADS, eps,
                            V: tl.constexpr, ROWS: tl.constexpr):
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)  # row = token * HEADS + head

@@ -175,3 +175,22 @@ def test_schema_alone_over_budget_is_refused_even_with_truncation(tiny_engine):
     with pytest.raises(TokenBudgetError) as caught:
         tiny_engine.encoder.encode(REQUEST, max_length=50, overflow="truncate_state")
     assert caught.value.part == "schema"
+
+
+def test_long_states_are_tokenized_once_and_encode_the_same(tiny_engine, monkeypatch):
+    from clef_engine import encoding
+
+    encoder = tiny_engine.encoder
+    state = "invoice " * 1200  # over the memo threshold
+    request = {"state": state, "questions": {"paid": {"type": "noul", "instructions": "Paid?"}}}
+    first = tiny_engine.encode(request)
+    calls = []
+    original = encoder.tokenize
+    monkeypatch.setattr(encoder, "tokenize", lambda text: calls.append(len(text)) or original(text))
+    again = tiny_engine.encode(dict(request, questions={"late": {"type": "noul", "instructions": "Late?"}}))
+    assert again.input_ids[: again.state_end] == first.input_ids[: first.state_end]
+    assert len(state) not in calls  # the state came from the memo
+    assert again.input_ids[: again.state_end] == (encoder.prefix_ids + original(state))  # and is what tokenizing gives
+    for i in range(encoding.STATE_MEMO_ENTRIES + 3):  # bounded: old states fall out
+        encoder.tokenize_state(f"{i} " + "x" * encoding.STATE_MEMO_MIN_CHARS)
+    assert len(encoder._states) == encoding.STATE_MEMO_ENTRIES
