@@ -30,6 +30,9 @@ class PrefixState:
     length: int
     layers: list[LayerState]
     memory: torch.Tensor  # [length, head width]: the head's memory projection of the prefix tokens
+    # CUDA graphs of continuations after this prefix, per length bucket (packed.GraphedPrefill.run_after_prefix):
+    # they read this entry's tensors by address, so they belong to it
+    graphs: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def nbytes(self) -> int:

@@ -253,7 +253,11 @@ class Engine:
         segments = kernels.make_segments([padded], self.device, first_position=start)
         ids = record.input_ids[start:] + [self.encoder.pad_token_id] * (padded - new)
         ids = torch.tensor(ids, dtype=torch.long).to(self.device, non_blocking=True)
-        hidden, _ = self.fast.forward(ids, segments, prefix=state.layers, prefix_length=start)
+        hidden = None
+        if self.graphs is not None and state.device.type == "cuda":
+            hidden = self.graphs.run_after_prefix(ids, state)
+        if hidden is None:
+            hidden, _ = self.fast.forward(ids, segments, prefix=state.layers, prefix_length=start)
         hidden = hidden[:new]
         normed_new, memory_new = self.head.token_memory(hidden.to(self.dtype))
         normed = normed_new.new_zeros(len(record), normed_new.shape[-1])  # prefix rows: never read by the head

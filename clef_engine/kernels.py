@@ -11,6 +11,7 @@ Shapes: packed token-major tensors, `[N, ...]` for N tokens of all records; `Seg
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import inspect
 import os
@@ -252,9 +253,15 @@ def attention_after_prefix_varlen(q: torch.Tensor, k_all: torch.Tensor, v_all: t
     sees keys <= prefix + t); `select_kernels` checks that against the masked SDPA before using it."""
     n, total = q.shape[0], k_all.shape[0]
     k_all, v_all, kwargs = _varlen_arguments(q, k_all, v_all)
-    cu_q = torch.tensor([0, n], dtype=torch.int32).to(q.device, non_blocking=True)
-    cu_k = torch.tensor([0, total], dtype=torch.int32).to(q.device, non_blocking=True)
+    cu_q, cu_k = _boundaries(n, total, q.device)
     return _varlen_function()(q.contiguous(), k_all, v_all, cu_q, cu_k, n, total, **kwargs)
+
+
+@functools.lru_cache(maxsize=64)
+def _boundaries(queries: int, keys: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """[0, queries] and [0, keys] on the device, made once: a CUDA graph cannot capture their host-to-device copy."""
+    return (torch.tensor([0, queries], dtype=torch.int32).to(device),
+            torch.tensor([0, keys], dtype=torch.int32).to(device))
 
 
 LONG_RECORD_TOKENS = 4097  # above the CUDA-graph limit: attention is a large share of a long record's time
