@@ -124,6 +124,16 @@ def test_cache_is_bounded_in_bytes_least_recently_used_out():
     assert cache.get("huge") is None
 
 
+def test_continuation_graphs_belong_to_their_cache_entry():
+    """Graphs read an entry's tensors by address: an entry moved to another tier is a new object without them, and
+    they never count as cached bytes."""
+    entry = PrefixState(10, [LayerState(recurrent=torch.ones(125))], torch.ones(125))
+    entry.graphs[448] = ("graph", "ids", "hidden", "segments")
+    assert entry.nbytes == 1000
+    moved = entry.to("cpu")
+    assert moved.graphs == {} and entry.graphs
+
+
 def test_prefix_key_depends_on_model_tokens_and_media():
     base = prefix_key("clef", [1, 2, 3])
     assert base == prefix_key("clef", [1, 2, 3])
