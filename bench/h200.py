@@ -180,23 +180,24 @@ def smoke(engine, ref) -> dict:
 
 
 def diagnose(engine, ref) -> dict:
-    """If our path errs or disagrees, swap fla kernels for the torch ones one at a time and keep what works."""
+    """If our path errs or disagrees, swap our kernels for the PyTorch ones one slot at a time and keep what works."""
     from clef_engine import kernels as K
 
     record = engine.encode(sized_request(engine, 1024, seed=11))
     base = ref([record])
+    plain = K.Kernels()
     found = {}
-    for name, fallback in (("attention", K.attention_sdpa), ("gated_delta", K.gated_delta_torch),
-                           ("causal_conv", K.causal_conv_torch), ("rms_norm", K.rms_norm_torch),
-                           ("gated_rms_norm", K.gated_rms_norm_torch)):
+    for name in K.Kernels.SLOTS:
         try:
             ok = compare(engine.forward_batch([record]), base)["ok"]
         except Exception as error:  # noqa: BLE001
             ok, found[f"error_before_{name}"] = False, repr(error)[:300]
         if ok:
             break
-        setattr(engine.fast.kernels, name, fallback)
-        found[name] = "replaced by torch fallback"
+        setattr(engine.fast.kernels, name, getattr(plain, name))
+        if engine.graphs is not None:
+            engine.graphs.graphs.clear()  # captured graphs replay the kernels they were captured with
+        found[name] = "replaced by the PyTorch function"
     return found
 
 
