@@ -1,10 +1,11 @@
 """The kernels the packed backbone calls, each a small named function with a plain PyTorch fallback.
 
-`select_kernels(device)` returns a `Kernels` set: on CUDA with flash-linear-attention installed, fla's Triton kernels
-(varlen causal conv, chunked gated-delta rule, fused RMSNorm / gated RMSNorm) and torch's varlen flash attention
-(used only if a self-check against per-record SDPA passes); on the CPU (and in tests) the PyTorch functions below,
-which compute exactly what transformers' Qwen3.5 modules compute, record by record. Tests can build a `Kernels` with
-any mix of these functions.
+`select_kernels(device)` returns a `Kernels` set, one function per slot. On CUDA: fla's chunked gated-delta rule;
+our fused Triton kernels (triton_kernels.py: add + RMSNorm, SiLU·mul, conv + SiLU, gated RMSNorm, q/k norm + RoPE,
+output gate), used only if each matches its PyTorch function at start-up; torch's flash varlen attention (and cuDNN's
+for one long record), used only if they match per-record SDPA and, for cuDNN, measure faster. On the CPU (and in
+tests) the PyTorch functions below, which compute exactly what transformers' Qwen3.5 modules compute, record by
+record. Tests can build a `Kernels` with any mix of these functions.
 
 Shapes: packed token-major tensors, `[N, ...]` for N tokens of all records; `Segments` says where records start.
 """
@@ -15,6 +16,7 @@ import functools
 import importlib.util
 import inspect
 import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -286,8 +288,6 @@ def attention_varlen_cudnn_long(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
 def cudnn_long_attention_pays(device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int,
                               dim: int, tokens: int = 8192) -> str | None:
     """None if cuDNN attention on one long record matches flash varlen and is faster here; else why not."""
-    import time
-
     try:
         generator = torch.Generator(device=device).manual_seed(1)
         q = torch.randn(tokens, heads, dim, device=device, dtype=dtype, generator=generator)

@@ -8,6 +8,7 @@ modules' parameters become views of it, so the plain transformers path still wor
 
 The same loop continues one record after a cached prefix (`PrefixState`, see cache.py): attention reads the
 cached K/V, the conv reads the cached last W-1 inputs, the recurrence starts from the cached state.
+`GraphedPrefill` replays both, for one record of up to 4,096 new tokens, from CUDA graphs.
 
 Media records are not handled here (the engine sends them to the padded multimodal path).
 """
