@@ -504,6 +504,26 @@ def triton_matches_torch(device: torch.device, dtype: torch.dtype, *, heads: int
     return None
 
 
+def prefix_varlen_matches_sdpa(device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int,
+                               dim: int) -> str | None:
+    """Flash varlen with fewer queries than keys must align its causal mask to the last key (query t of the new
+    tokens sees the prefix and new tokens up to t). Compare with the explicitly masked SDPA; None if they agree."""
+    try:
+        generator = torch.Generator(device=device).manual_seed(2)
+        new, prefix = 37, 150
+        q = torch.randn(new, heads, dim, device=device, dtype=dtype, generator=generator)
+        k = torch.randn(prefix + new, kv_heads, dim, device=device, dtype=dtype, generator=generator)
+        v = torch.randn(prefix + new, kv_heads, dim, device=device, dtype=dtype, generator=generator)
+        got = attention_after_prefix_varlen(q, k, v, prefix).float()
+        want = attention_after_prefix(q, k, v, prefix).float()
+        error = (got - want).abs().max().item()
+        if not error <= 2e-2:
+            return f"varlen attention after a prefix differs from the masked SDPA by {error:.3g}"
+    except Exception as error:  # noqa: BLE001 — any failure means: keep the masked SDPA
+        return f"varlen attention after a prefix failed: {type(error).__name__}: {error}"[:300]
+    return None
+
+
 def select_kernels(device: torch.device, dtype: torch.dtype, *, heads: int, kv_heads: int, head_dim: int,
                    value_head_dim: int = 128) -> Kernels:
     """The fastest set that works here (see the module docstring); `notes` say why a fallback was taken."""
@@ -526,7 +546,11 @@ def select_kernels(device: torch.device, dtype: torch.dtype, *, heads: int, kv_h
     problem = varlen_matches_sdpa(device, dtype, heads, kv_heads, head_dim)
     if problem is None:
         kernels.attention = attention_varlen
-        kernels.attention_after_prefix = attention_after_prefix_varlen
+        prefix_problem = prefix_varlen_matches_sdpa(device, dtype, heads, kv_heads, head_dim)
+        if prefix_problem is None:
+            kernels.attention_after_prefix = attention_after_prefix_varlen
+        else:
+            kernels.notes["prefix_attention_fallback"] = prefix_problem
         slower = cudnn_long_attention_pays(device, dtype, heads, kv_heads, head_dim)
         if slower is None:
             kernels.attention = attention_varlen_cudnn_long

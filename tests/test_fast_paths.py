@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from clef_engine import kernels
 from clef_engine.cache import PrefixState, StateCache, prefix_key
@@ -177,3 +178,27 @@ def test_conv_does_not_read_across_records():
     changed = x.clone()
     changed[:4] += 10.0  # the first record changes; the second's outputs must not
     assert torch.allclose(conv(changed, segments)[4:], together[4:], atol=1e-6)
+
+
+def sdpa_as_varlen(aligned_to_last_key: bool):
+    """A stand-in for torch's flash varlen_attn (CUDA only) for one sequence, causal mask aligned to the last key
+    (flash-attention's convention) or, wrongly, to the first."""
+
+    def varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, *, window_size=(-1, -1)):
+        n, total = q.shape[0], k.shape[0]
+        repeat = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+        offset = total - n if aligned_to_last_key else 0
+        allowed = torch.arange(total)[None, :] <= (offset + torch.arange(n))[:, None]
+        out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                             attn_mask=allowed)
+        return out.transpose(0, 1)
+
+    return varlen_attn
+
+
+@pytest.mark.parametrize("aligned", [True, False])
+def test_prefix_varlen_check_accepts_only_a_mask_aligned_to_the_last_key(monkeypatch, aligned):
+    monkeypatch.setattr(kernels, "_varlen_function", lambda: sdpa_as_varlen(aligned))
+    problem = kernels.prefix_varlen_matches_sdpa(torch.device("cpu"), torch.float32, 4, 2, 16)
+    assert (problem is None) == aligned, problem
