@@ -93,6 +93,24 @@ def build_head(hidden: int, device: str = "cuda", seed: int = 1, *, width: int =
     return head.to(device=device, dtype=torch.bfloat16).eval().requires_grad_(False), config
 
 
+def random_engine(config: dict, tiny_release: Path, *, device: str = "cuda", dtype: torch.dtype = torch.bfloat16,
+                  head_width: int = 1024):
+    """A clef_engine.Engine over a random model of `config` built in place (no weights on disk), with the tiny
+    release's tokenizer and processor."""
+    import clef_engine
+    from clef_engine.encoding import Encoder
+    from clef_engine.release import Release, load_processor
+
+    model = build_model(config, device=device)
+    head, head_config = build_head(config["text_config"]["hidden_size"], device=device, width=head_width)
+    if dtype != torch.bfloat16:
+        model, head = model.to(dtype), head.to(dtype)
+    checked = Release(path=tiny_release, source="clef-27b-shaped-random", revision=None, config=config,
+                      head_config=head_config, weight_files=())
+    return clef_engine.Engine(checked, model, head, Encoder(load_processor(checked)), torch.device(device), dtype,
+                              packed=True)
+
+
 def parameter_count(module) -> int:
     return sum(p.numel() for p in module.parameters())
 
@@ -105,4 +123,4 @@ def floor_ms(tokens: int, tokens_per_s: float = 15_800) -> float:
     return round(1000 * tokens / tokens_per_s, 1)
 
 
-__all__ = ["clef_config", "build_model", "build_head", "parameter_count", "gib", "floor_ms", "math"]
+__all__ = ["clef_config", "build_model", "build_head", "random_engine", "parameter_count", "gib", "floor_ms", "math"]

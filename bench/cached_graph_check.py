@@ -20,9 +20,6 @@ from bench import build, h200  # noqa: E402
 
 
 def main() -> None:
-    import clef_engine
-    from clef_engine.encoding import Encoder
-    from clef_engine.release import Release, load_processor
     from clef_engine.tiny import build_tiny_release
 
     out_dir = Path(sys.argv[1])
@@ -33,13 +30,7 @@ def main() -> None:
         (out_dir / "cached_graph_check.json").write_text(json.dumps(report, indent=1, default=str))
 
     tiny = build_tiny_release(Path("/tmp/clef-bench-tiny"))
-    config = build.clef_config("clef", tiny)
-    model = build.build_model(config)
-    head, head_config = build.build_head(5120, width=1024)
-    checked = Release(path=tiny, source="clef-27b-shaped-random", revision=None, config=config,
-                      head_config=head_config, weight_files=())
-    engine = clef_engine.Engine(checked, model, head, Encoder(load_processor(checked)), torch.device("cuda"),
-                                torch.bfloat16, packed=True)
+    engine = build.random_engine(build.clef_config("clef", tiny), tiny)
     state = h200.sized_request(engine, 16_384 - 400, seed=77)["state"]
     variants = [{"model": "clef", "state": state, "questions": h200.schema(4, 3, seed=900 + v)} for v in range(6)]
 

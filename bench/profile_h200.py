@@ -24,6 +24,7 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import build, h200  # noqa: E402
+from clef_engine import kernels as K  # noqa: E402
 
 OUT = Path("profile-out")
 report: dict = {}
@@ -107,7 +108,7 @@ def single_eager(engine):
     engine.state_cache.enabled = False
     for n in (512, 1024, 16384):
         record = engine.encode(h200.sized_request(engine, n, seed=n))
-        segments = build_segments([len(record)])
+        segments = K.make_segments([len(record)], torch.device("cuda"))
         ids = torch.tensor(record.input_ids, device="cuda")
         engine.fast.forward(ids, segments)
         row = {"eager_forward_ms": h200.timed(lambda: engine.fast.forward(ids, segments), 3, 1)["p50"]}
@@ -118,11 +119,6 @@ def single_eager(engine):
         save()
     engine.state_cache.enabled = True
     return out
-
-
-def build_segments(lengths):
-    from clef_engine import kernels as K
-    return K.make_segments(lengths, torch.device("cuda"))
 
 
 @step("head_64x10")
@@ -145,7 +141,6 @@ def head_profile(engine):
 
 @step("cached_16k")
 def cached_profile(engine):
-    from clef_engine import kernels as K
     engine.state_cache.clear()
     base = h200.sized_request(engine, 16_384 - 400, seed=77)
     variants = [{"model": "clef", "state": base["state"], "questions": h200.schema(4, 3, seed=900 + v)}
@@ -190,22 +185,10 @@ def cached_profile(engine):
             "profile": table, "varlen_prefix_attention": check}
 
 
-def margins_of_flips(ours, base):
-    out = []
-    for ro, rb in zip(ours, base):
-        for qo, qb in zip(ro, rb):
-            ao, ab = max(range(len(qo)), key=qo.__getitem__), max(range(len(qb)), key=qb.__getitem__)
-            if ao != ab:
-                top = sorted(qb, reverse=True)
-                out.append(round(top[0] - top[1], 4))
-    return out
-
-
 @step("pack_parity")
 def pack_parity(engine, ref):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from clef_engine import kernels as K
     engine.state_cache.enabled = False
     rng = random.Random(7)
     records = [engine.encode(h200.sized_request(engine, rng.randint(700, 1300), seed=1000 + i)) for i in range(16)]
@@ -236,8 +219,8 @@ def pack_parity(engine, ref):
         "base_efficient_sdpa_vs_base": c(base_eff, base), "base_alone_vs_base_batched": c(base_alone, base[:8]),
         "packed_torch_gdn_vs_base": c(packed_torch_gdn, base[:8]),
         "packed_torch_conv_vs_base": c(packed_torch_conv, base[:8]),
-        "flip_margins_packed": margins_of_flips(packed, base), "flip_margins_single": margins_of_flips(single, base),
-        "flip_margins_base_efficient": margins_of_flips(base_eff, base),
+        "flip_margins_packed": h200.flip_margins(packed, base), "flip_margins_single": h200.flip_margins(single, base),
+        "flip_margins_base_efficient": h200.flip_margins(base_eff, base),
         "baseline_top2_gap_smallest": gaps[:12], "baseline_top2_gap_median": gaps[len(gaps) // 2],
     }
 
@@ -246,21 +229,12 @@ def main() -> None:
     global OUT
     OUT = Path(sys.argv[1])
     OUT.mkdir(parents=True, exist_ok=True)
-    import clef_engine
-    from clef_engine.encoding import Encoder
     from clef_engine.reference import reference_decide
-    from clef_engine.release import Release, load_processor
     from clef_engine.tiny import build_tiny_release
 
     h200.OUT = OUT
     tiny = build_tiny_release(Path("/tmp/clef-bench-tiny"))
-    config = build.clef_config("clef", tiny)
-    model = build.build_model(config)
-    head, head_config = build.build_head(5120, width=1024)
-    checked = Release(path=tiny, source="clef-27b-shaped-random", revision=None, config=config,
-                      head_config=head_config, weight_files=())
-    engine = clef_engine.Engine(checked, model, head, Encoder(load_processor(checked)), torch.device("cuda"),
-                                torch.bfloat16, packed=True)
+    engine = build.random_engine(build.clef_config("clef", tiny), tiny)
     t0 = time.perf_counter()
     engine.warm_up()
     report["warm_up_s"] = round(time.perf_counter() - t0, 1)

@@ -250,13 +250,13 @@ class Engine:
         # right-padded to a bucket length: GEMMs of odd row counts measured ~2x slower per token on the H200, and
         # padding after the last real token changes nothing before it (the backbone is causal)
         padded = GraphedPrefill.bucket(new)
-        segments = kernels.make_segments([padded], self.device, first_position=start)
         ids = record.input_ids[start:] + [self.encoder.pad_token_id] * (padded - new)
         ids = torch.tensor(ids, dtype=torch.long).to(self.device, non_blocking=True)
         hidden = None
         if self.graphs is not None and state.device.type == "cuda":
             hidden = self.graphs.run_after_prefix(ids, state)
         if hidden is None:
+            segments = kernels.make_segments([padded], self.device, first_position=start)
             hidden, _ = self.fast.forward(ids, segments, prefix=state.layers, prefix_length=start)
         hidden = hidden[:new]
         normed_new, memory_new = self.head.token_memory(hidden.to(self.dtype))

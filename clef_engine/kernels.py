@@ -215,7 +215,7 @@ def _varlen_function() -> Callable | None:
 
 def _varlen_arguments(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
     """(k, v, kwargs) for torch's varlen_attn, whose keyword names changed across torch releases."""
-    parameters = inspect.signature(_varlen_function()).parameters
+    parameters = _varlen_parameters()
     kwargs: dict = {"is_causal": True} if "is_causal" in parameters else {"window_size": (-1, 0)}
     if q.shape[1] != k.shape[1]:
         if "enable_gqa" in parameters:
@@ -224,6 +224,12 @@ def _varlen_arguments(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
             repeat = q.shape[1] // k.shape[1]
             k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
     return k.contiguous(), v.contiguous(), kwargs
+
+
+@functools.cache
+def _varlen_parameters() -> frozenset[str]:
+    """varlen_attn's keyword names, read once (it is called in every attention layer of every forward)."""
+    return frozenset(inspect.signature(_varlen_function()).parameters)
 
 
 def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: Segments) -> torch.Tensor:

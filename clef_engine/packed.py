@@ -252,20 +252,30 @@ class GraphedPrefill:
         self.captures += 1
         return graph, ids, hidden, segments
 
+    def _graph(self, store: dict, length: int, prefix=None) -> tuple | None:
+        """The graph of `length` tokens in `store`, captured on first use. If a capture fails, that kind of graph
+        (single records, or continuations after a prefix) is switched off for good with the reason kept, and the
+        eager path answers instead."""
+        entry = store.get(length)
+        if entry is None:
+            try:
+                entry = store[length] = self._capture(length, prefix)
+            except Exception as error:  # noqa: BLE001 — fall back to eager, and say why
+                reason = f"{type(error).__name__}: {error}"[:500]
+                if prefix is None:
+                    self.disabled = reason
+                else:
+                    self.continuation_disabled = reason
+                torch.cuda.synchronize()
+        return entry
+
     def run(self, input_ids: torch.Tensor) -> torch.Tensor | None:
         """Hidden states [n, hidden] of one record (a view into the graph's output: read it before the next
         call), or None if graphs are off."""
         n = input_ids.shape[0]
-        length = self.bucket(n)
-        entry = self.graphs.get(length)
+        entry = self._graph(self.graphs, self.bucket(n))
         if entry is None:
-            try:
-                entry = self._capture(length)
-            except Exception as error:  # noqa: BLE001 — fall back to eager for good, and say why
-                self.disabled = f"{type(error).__name__}: {error}"[:500]
-                torch.cuda.synchronize()
-                return None
-            self.graphs[length] = entry
+            return None
         graph, ids, hidden, _ = entry
         ids[:n].copy_(input_ids)
         graph.replay()
@@ -282,16 +292,9 @@ class GraphedPrefill:
         to host memory and back starts without graphs."""
         if self.continuation_disabled is not None or input_ids.shape[0] > self.max_tokens:
             return None
-        length = input_ids.shape[0]
-        entry = prefix.graphs.get(length)
+        entry = self._graph(prefix.graphs, input_ids.shape[0], prefix)
         if entry is None:
-            try:
-                entry = self._capture(length, prefix)
-            except Exception as error:  # noqa: BLE001 — fall back to eager for good, and say why
-                self.continuation_disabled = f"{type(error).__name__}: {error}"[:500]
-                torch.cuda.synchronize()
-                return None
-            prefix.graphs[length] = entry
+            return None
         graph, ids, hidden, _ = entry
         ids.copy_(input_ids)
         graph.replay()

@@ -200,5 +200,7 @@ def sdpa_as_varlen(aligned_to_last_key: bool):
 @pytest.mark.parametrize("aligned", [True, False])
 def test_prefix_varlen_check_accepts_only_a_mask_aligned_to_the_last_key(monkeypatch, aligned):
     monkeypatch.setattr(kernels, "_varlen_function", lambda: sdpa_as_varlen(aligned))
+    kernels._varlen_parameters.cache_clear()  # read the stand-in's keywords, not torch's
     problem = kernels.prefix_varlen_matches_sdpa(torch.device("cpu"), torch.float32, 4, 2, 16)
+    kernels._varlen_parameters.cache_clear()
     assert (problem is None) == aligned, problem
