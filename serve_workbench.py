@@ -5,8 +5,8 @@
     # or: uvicorn serve_workbench:app --host 127.0.0.1 --port 8501
 
 The browser UI is at http://127.0.0.1:8501/ and the API beside it: POST /v1/systemone, GET /v1/models, GET /health,
-GET /metrics (see clef_engine/server.py). The API answers with whatever model the workbench has resident (CLEF_MODEL
-or the sidebar choice) and says 503 / "ready": false while a model loads. Set CLEF_API_KEY to require
+GET /metrics (see clef_engine/serve/server.py). The API answers with whatever model the workbench has resident
+(CLEF_MODEL or the sidebar choice) and says 503 / "ready": false while a model loads. Set CLEF_API_KEY to require
 `Authorization: Bearer <key>` on /v1/* and /metrics.
 """
 
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import streamlit as st
 
-from clef_engine.server import routes
+from clef_engine.serve.server import routes
 
 HERE = Path(__file__).resolve().parent
 

@@ -14,7 +14,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from clef_engine.release import HeadConfig  # noqa: E402
+from clef_engine.model.release import HeadConfig  # noqa: E402
 
 SIZES = {
     "clef": dict(hidden=5120, ffn=17408, layers=64, heads=24, kv_heads=4, gdn_k=16, gdn_v=48, vision_out=5120),
@@ -84,7 +84,7 @@ def build_model(config: dict, device: str = "cuda", seed: int = 0):
 
 
 def build_head(hidden: int, device: str = "cuda", seed: int = 1, *, width: int = 1024):
-    from clef_engine.head import JointSchemaHead
+    from clef_engine.model.head import JointSchemaHead
     from clef_engine.tiny import randomize_head
 
     config = HeadConfig(hidden_size=hidden, width=width, routing_layers=2, layers=4, heads=16, feedforward=4096)
@@ -98,8 +98,8 @@ def random_engine(config: dict, tiny_release: Path, *, device: str = "cuda", dty
     """A clef_engine.Engine over a random model of `config` built in place (no weights on disk), with the tiny
     release's tokenizer and processor."""
     import clef_engine
-    from clef_engine.encoding import Encoder
-    from clef_engine.release import Release, load_processor
+    from clef_engine.model.encoding import Encoder
+    from clef_engine.model.release import Release, load_processor
 
     model = build_model(config, device=device)
     head, head_config = build_head(config["text_config"]["hidden_size"], device=device, width=head_width)

@@ -4,7 +4,7 @@
     python bench/h200.py RESULTS_DIR            (CUDA; flash-linear-attention installed)
     BENCH_CPU_SMOKE=1 python bench/h200.py DIR  (a scaled-down model on the CPU: checks the script, times nothing)
 
-Baseline = `clef_engine.reference.reference_decide`: the transformers text model on a right-padded batch with
+Baseline = `clef_engine.model.reference.reference_decide`: the transformers text model on a right-padded batch with
 use_cache=False, then the per-record / per-question / per-option Python-loop head, bf16. Ours = the engine's
 packed path (`Engine.forward_batch`, `decide`, `decide_many`). Records are real requests encoded by the engine's
 Encoder with the tiny release's tokenizer: a state of ordinary words sized to the target length, then a schema of
@@ -181,7 +181,7 @@ def smoke(engine, ref) -> dict:
 
 def diagnose(engine, ref) -> dict:
     """If our path errs or disagrees, swap our kernels for the PyTorch ones one slot at a time and keep what works."""
-    from clef_engine import kernels as K
+    from clef_engine.fast import kernels as K
 
     record = engine.encode(sized_request(engine, 1024, seed=11))
     base = ref([record])
@@ -232,7 +232,7 @@ def single_record(engine, ref, lengths, base_repeats) -> dict:
 def profile_one_record(engine, tokens: int = 512) -> dict:
     """GPU time per kernel category of one eager forward (torch.profiler), for the 'what limits the rest' notes."""
     from bench.profile_h200 import kernel_table
-    from clef_engine import kernels as K
+    from clef_engine.fast import kernels as K
 
     record = engine.encode(sized_request(engine, tokens, seed=tokens))
     ids = torch.tensor(record.input_ids, device=DEVICE)
@@ -243,7 +243,7 @@ def profile_one_record(engine, tokens: int = 512) -> dict:
 
 @section("head_alone", needs_s=20)
 def head_alone(engine) -> dict:
-    from clef_engine.reference import reference_logits
+    from clef_engine.model.reference import reference_logits
 
     out = {}
     for questions, options in ((1, 2), (4, 3), (16, 5), (64, 10)):
@@ -501,8 +501,8 @@ def main() -> int:
     global OUT
     OUT = Path(sys.argv[1])
     OUT.mkdir(parents=True, exist_ok=True)
-    from clef_engine.reference import reference_decide
-    from clef_engine.release import ARCHITECTURE
+    from clef_engine.model.reference import reference_decide
+    from clef_engine.model.release import ARCHITECTURE
     from clef_engine.tiny import build_tiny_release
 
     tiny = build_tiny_release(Path(os.environ.get("BENCH_TINY_DIR", "/tmp/clef-bench-tiny")))

@@ -22,7 +22,7 @@ import torch  # noqa: E402
 
 import clef_engine  # noqa: E402
 from bench import h200  # noqa: E402
-from clef_engine.head import layout  # noqa: E402
+from clef_engine.model.head import layout  # noqa: E402
 
 VIEWS = {"view", "slice", "transpose", "unsqueeze", "select", "as_strided", "t", "expand", "chunk", "split",
          "detach", "alias", "resolve_conj", "resolve_neg", "narrow", "squeeze", "permute", "empty", "_unsafe_view"}

@@ -24,7 +24,7 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import build, h200  # noqa: E402
-from clef_engine import kernels as K  # noqa: E402
+from clef_engine.fast import kernels as K  # noqa: E402
 
 OUT = Path("profile-out")
 report: dict = {}
@@ -123,7 +123,7 @@ def single_eager(engine):
 
 @step("head_64x10")
 def head_profile(engine):
-    from clef_engine.head import layout
+    from clef_engine.model.head import layout
     request = h200.sized_request(engine, 0, 64, 10, seed=64)
     request["state"] = " ".join(h200.WORDS * 8)
     record = engine.encode(request, max_length=2**31 - 1)
@@ -229,7 +229,7 @@ def main() -> None:
     global OUT
     OUT = Path(sys.argv[1])
     OUT.mkdir(parents=True, exist_ok=True)
-    from clef_engine.reference import reference_decide
+    from clef_engine.model.reference import reference_decide
     from clef_engine.tiny import build_tiny_release
 
     h200.OUT = OUT

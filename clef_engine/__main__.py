@@ -18,8 +18,8 @@ def cmd_tiny(args: argparse.Namespace) -> int:
 
 
 def cmd_info(args: argparse.Namespace) -> int:
-    from . import release
     from .engine import fast_kernels_available
+    from .model import release
 
     checked = release.check(release.resolve(args.source, args.revision), source=args.source, revision=args.revision)
     described = release.describe(checked)
@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     info.add_argument("--dtype")
     info.set_defaults(run=cmd_info)
     try:
-        from .serve_cli import add_serve_parser
+        from .serve.cli import add_serve_parser
     except ImportError:
         add_serve_parser = None
     if add_serve_parser is not None:

@@ -7,26 +7,25 @@ over the whole batch, one host sync per batch.
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import os
-import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from . import backbone, kernels, release
-from .cache import PrefixState, StateCache, prefix_key
-from .encoding import DEFAULT_MAX_LENGTH, EncodedRecord, Encoder
 from .errors import RequestError, TokenBudgetError
-from .head import JointSchemaHead, layout, load_head, option_probabilities
-from .packed import FastBackbone, GraphedPrefill, pack_ids
+from .fast import kernels
+from .fast.cache import PrefixState, StateCache, prefix_key
+from .fast.packed import FastBackbone, GraphedPrefill, pack_ids
+from .model import backbone, release
+from .model.encoding import DEFAULT_MAX_LENGTH, EncodedRecord, Encoder
+from .model.head import JointSchemaHead, layout, load_head, option_probabilities
 from .protocol import format_answer, parse_questions
-from .scheduler import Scheduler
+from .serve.scheduler import Scheduler
+from .tiny import is_demo_release
 
 GiB = 2**30
 
@@ -360,7 +359,7 @@ def load(source: str | os.PathLike, *, device: str | torch.device | None = None,
          allow_slow_kernels: bool | None = None, state_cache_bytes: int | None = None) -> Engine:
     """Load a release (folder, repo id, or 'clef' / 'clef-flash') and keep it resident on `device`.
 
-    `packed` (default) answers text records through the packed fast path (packed.py); on CUDA that needs
+    `packed` (default) answers text records through the packed fast path (fast/packed.py); on CUDA that needs
     flash-linear-attention unless `allow_slow_kernels` (or CLEF_ALLOW_SLOW_KERNELS=1). `state_cache_bytes` bounds
     the device tier of the state cache (0 turns it off)."""
     started = time.perf_counter()
@@ -387,36 +386,4 @@ def load(source: str | os.PathLike, *, device: str | torch.device | None = None,
     return engine
 
 
-# ---- the demo model ---------------------------------------------------------------------------------------------
-
-DEMO_MARKER = ".clef-demo-release"
-
-
-def demo_release(directory: str | os.PathLike | None = None) -> Path:
-    """The tiny random-weight release, built once into a cache folder (CLEF_CACHE_DIR or ~/.cache/clef-workbench)."""
-    from .tiny import build_tiny_release
-
-    root = Path(directory or os.environ.get("CLEF_CACHE_DIR") or Path.home() / ".cache" / "clef-workbench")
-    # Keyed by the builder's source, so a changed builder never reuses a release an older one wrote.
-    builder = Path(__file__).with_name("tiny.py").read_bytes() + Path(__file__).with_name("head.py").read_bytes()
-    target = root / f"demo-release-{hashlib.sha256(builder).hexdigest()[:12]}"
-    if (target / DEMO_MARKER).exists():
-        return target
-    root.mkdir(parents=True, exist_ok=True)
-    staging = root / f".demo-release-{os.getpid()}-{threading.get_ident()}"
-    build_tiny_release(staging)
-    (staging / DEMO_MARKER).write_text("random weights: answers mean nothing\n")
-    try:
-        staging.rename(target)  # atomic: concurrent builders race harmlessly
-    except OSError:
-        import shutil
-
-        shutil.rmtree(staging, ignore_errors=True)
-    return target
-
-
-def is_demo_release(path: Path) -> bool:
-    return (Path(path) / DEMO_MARKER).exists()
-
-
-__all__ = ["Engine", "load", "demo_release", "RequestError", "TokenBudgetError"]
+__all__ = ["Engine", "load", "RequestError", "TokenBudgetError"]

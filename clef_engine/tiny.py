@@ -9,15 +9,18 @@ text, image and video records all run on a CPU in seconds.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
+import os
+import threading
 from pathlib import Path
 
 import torch
 
-from .encoding import PREFIX, SUFFIX
-from .head import JointSchemaHead
-from .release import HEAD_CONFIG, HEAD_WEIGHTS, HeadConfig
+from .model.encoding import PREFIX, SUFFIX
+from .model.head import JointSchemaHead
+from .model.release import HEAD_CONFIG, HEAD_WEIGHTS, HeadConfig
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
                   "<|image_pad|>", "<|video_pad|>", "<think>", "</think>"]
@@ -169,3 +172,34 @@ def build_tiny_release(directory: str | Path, *, seed: int = 0) -> Path:
         f"`python -m clef_engine tiny` (seed {seed}). Its answers mean nothing.\n")
     (directory / "LICENSE").write_text("Apache-2.0\n")
     return directory
+
+
+# ---- the demo model ---------------------------------------------------------------------------------------------
+
+DEMO_MARKER = ".clef-demo-release"
+
+
+def demo_release(directory: str | os.PathLike | None = None) -> Path:
+    """The tiny random-weight release, built once into a cache folder (CLEF_CACHE_DIR or ~/.cache/clef-workbench)."""
+    root = Path(directory or os.environ.get("CLEF_CACHE_DIR") or Path.home() / ".cache" / "clef-workbench")
+    # Keyed by the builder's source, so a changed builder never reuses a release an older one wrote.
+    here = Path(__file__).parent
+    builder = (here / "tiny.py").read_bytes() + (here / "model" / "head.py").read_bytes()
+    target = root / f"demo-release-{hashlib.sha256(builder).hexdigest()[:12]}"
+    if (target / DEMO_MARKER).exists():
+        return target
+    root.mkdir(parents=True, exist_ok=True)
+    staging = root / f".demo-release-{os.getpid()}-{threading.get_ident()}"
+    build_tiny_release(staging)
+    (staging / DEMO_MARKER).write_text("random weights: answers mean nothing\n")
+    try:
+        staging.rename(target)  # atomic: concurrent builders race harmlessly
+    except OSError:
+        import shutil
+
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def is_demo_release(path: Path) -> bool:
+    return (Path(path) / DEMO_MARKER).exists()

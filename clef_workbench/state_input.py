@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from clef_engine.media import sniff_content_type
+from clef_engine.model.media import sniff_content_type
 
 # Upload limits, shown in the UI next to the uploaders. Images follow the limits published for hosted Clef
 # (spec §5: up to 4 images, 16 MP each); the byte limits keep one request's upload and base64 copy small.
@@ -263,8 +263,8 @@ def redact_media(request: dict[str, Any], images: Sequence[Media] = (), videos: 
 
 def sampled_video_frames(engine: Any, video: Media) -> Any:
     """The frames of a video that the engine's video processor samples (what the model sees), as a
-    clef_engine.media.Video: frames T×H×W×3 uint8, fps, source frame indices, source frame count.
+    clef_engine.model.media.Video: frames T×H×W×3 uint8, fps, source frame indices, source frame count.
     Raises MediaError (the engine's) when the video cannot be decoded."""
-    from clef_engine import media as engine_media
+    from clef_engine.model import media as engine_media
 
     return engine_media.load_video(video.data, engine.encoder.video_sample_indices)

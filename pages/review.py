@@ -10,7 +10,7 @@ import json
 import pandas as pd
 import streamlit as st
 
-from clef_engine.media import load_video
+from clef_engine.model.media import load_video
 from clef_workbench import review, run_charts
 from clef_workbench.answers import probability_chart, probability_chart_height
 from clef_workbench.review import ReviewRules

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from clef_engine.encoding import PREFIX, SUFFIX, render, schema_pieces
 from clef_engine.errors import TokenBudgetError
+from clef_engine.model.encoding import PREFIX, SUFFIX, render, schema_pieces
 from clef_engine.protocol import parse_questions
 
 REQUEST = {
@@ -178,7 +178,7 @@ def test_schema_alone_over_budget_is_refused_even_with_truncation(tiny_engine):
 
 
 def test_long_states_are_tokenized_once_and_encode_the_same(tiny_engine, monkeypatch):
-    from clef_engine import encoding
+    from clef_engine.model import encoding
 
     encoder = tiny_engine.encoder
     state = "invoice " * 1200  # over the memo threshold

@@ -6,12 +6,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from clef_engine import kernels
-from clef_engine.cache import PrefixState, StateCache, prefix_key
 from clef_engine.engine import check_fast_kernels
 from clef_engine.errors import ReleaseError
-from clef_engine.packed import LayerState
-from clef_engine.reference import reference_decide
+from clef_engine.fast import kernels
+from clef_engine.fast.cache import PrefixState, StateCache, prefix_key
+from clef_engine.fast.packed import LayerState
+from clef_engine.model.reference import reference_decide
 
 TOLERANCE = 1e-5
 

@@ -8,11 +8,11 @@ import re
 import pytest
 import torch
 
-from clef_engine.encoding import EncodedRecord
-from clef_engine.head import JointSchemaHead, layout, option_probabilities
+from clef_engine.model.encoding import EncodedRecord
+from clef_engine.model.head import JointSchemaHead, layout, option_probabilities
+from clef_engine.model.reference import reference_decide, reference_logits
+from clef_engine.model.release import HeadConfig
 from clef_engine.protocol import Question
-from clef_engine.reference import reference_decide, reference_logits
-from clef_engine.release import HeadConfig
 
 SPEC_NAMES = """
 prior_logit_scale ()  joint_logit_scale ()  residual_gate ()

@@ -24,7 +24,7 @@ def run_interpreted(code: str) -> str:
 def test_each_triton_kernel_matches_its_pytorch_function_in_bf16_and_float32():
     out = run_interpreted("""
         import torch
-        from clef_engine import kernels
+        from clef_engine.fast import kernels
         for dtype in (torch.bfloat16, torch.float32):
             problem = kernels.triton_matches_torch(torch.device("cpu"), dtype, heads=4, kv_heads=2, head_dim=32,
                                                    value_head_dim=16)
@@ -37,7 +37,7 @@ def test_each_triton_kernel_matches_its_pytorch_function_in_bf16_and_float32():
 def test_triton_conv_keeps_records_apart_and_splits_qkv():
     run_interpreted("""
         import torch
-        from clef_engine import kernels
+        from clef_engine.fast import kernels
         torch.manual_seed(0)
         segments = kernels.make_segments([4, 1, 9], torch.device("cpu"))
         mixed = torch.randn(14, 2 * 8 + 12 + 3)[:, :28]  # strided rows, like a slice of the fused projection
@@ -59,8 +59,8 @@ def test_packed_backbone_with_triton_kernels_matches_the_pytorch_kernels():
     out = run_interpreted("""
         import torch
         import clef_engine
-        from clef_engine import kernels
-        from clef_engine.packed import FastBackbone
+        from clef_engine.fast import kernels
+        from clef_engine.fast.packed import FastBackbone
         engine = clef_engine.load(clef_engine.demo_release(), device="cpu")
         vocabulary = "the invoice ticket customer payment refund amount total due date vendor alert".split()
         requests = [{"state": " ".join(vocabulary[(i * 7 + s) % 12] for i in range(n)),

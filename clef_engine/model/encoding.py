@@ -16,9 +16,9 @@ from typing import Any
 
 import torch
 
+from ..errors import Problem, RequestError, TokenBudgetError
+from ..protocol import Question, parse_questions
 from . import media
-from .errors import Problem, RequestError, TokenBudgetError
-from .protocol import Question, parse_questions
 
 SYSTEM = ("Read the complete state and schema. Decide every field jointly. "
           "Each answer must be exactly one of that field's allowed options.")

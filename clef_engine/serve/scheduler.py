@@ -18,7 +18,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import BusyError
+from ..errors import BusyError
 
 PRIORITIES = {"interactive": 0, "bulk": 1}
 

@@ -15,7 +15,7 @@ import logging
 import os
 import sys
 
-from clef_engine.server import DEFAULT_MAX_BODY_BYTES
+from .server import DEFAULT_MAX_BODY_BYTES
 
 
 def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -68,8 +68,9 @@ def run_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     import clef_engine
-    from clef_engine.errors import ClefError
-    from clef_engine.server import create_app
+
+    from ..errors import ClefError
+    from .server import create_app
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     api_key = _api_key_from_env(args.api_key_env)
@@ -95,7 +96,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run `serve` on its own (`python -m clef_engine.serve_cli --model ...`)."""
+    """Run `serve` on its own (`python -m clef_engine.serve.cli --model ...`)."""
     parser = argparse.ArgumentParser(prog="python -m clef_engine")
     subparsers = parser.add_subparsers(dest="command", required=True)
     add_serve_parser(subparsers)

@@ -57,8 +57,8 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
-from clef_engine.errors import BusyError, RequestError, TokenBudgetError
-from clef_engine.media import sniff_content_type
+from ..errors import BusyError, RequestError, TokenBudgetError
+from ..model.media import sniff_content_type
 
 try:  # zstd is what the TypeSafe SDK sends when it has it; stdlib from Python 3.14, else the backport, else off.
     from compression.zstd import ZstdDecompressor, ZstdError  # type: ignore[import-not-found]

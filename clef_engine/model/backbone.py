@@ -2,7 +2,7 @@
 
 `run_padded` is the plain path, the release's own call: right-pad to the longest record, text-only batches through
 `model.model.language_model`, batches with media through the multimodal `model.model`, `use_cache=False`. Right
-padding is exact for real tokens because the backbone is causal. Faster paths live in `packed.py` and are chosen in
+padding is exact for real tokens because the backbone is causal. Faster paths live in `fast/packed.py` and are chosen in
 `engine.py`; this one stays as the reference they are tested against.
 """
 

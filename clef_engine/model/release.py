@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from .errors import ReleaseError
+from ..errors import ReleaseError
 
 ARCHITECTURE = "Qwen3_5ForConditionalGeneration"
 HEAD_WEIGHTS = "joint_head.safetensors"
