@@ -9,7 +9,7 @@ from pathlib import Path
 
 import streamlit as st
 
-from ui_common import app_shell, render_sidebar
+from workbench_ui.shell import app_shell, render_sidebar
 
 PAGES_DIR = Path(__file__).resolve().parent / "pages"
 # (file, title, icon); the first existing one is the default page.
@@ -21,11 +21,11 @@ PAGE_SPECS = [
     ("review.py", "Review", ":material/fact_check:"),
 ]
 
-st.set_page_config(page_title="Clef Workbench", page_icon=":material/psychology:", layout="wide")
-
 pages = [st.Page(PAGES_DIR / name, title=title, icon=icon, default=(i == 0))
          for i, (name, title, icon) in enumerate(spec for spec in PAGE_SPECS if (PAGES_DIR / spec[0]).is_file())]
 navigation = st.navigation(pages)
+# the browser tab names the page, so several open tabs of the workbench can be told apart
+st.set_page_config(page_title=f"{navigation.title} · Clef Workbench", page_icon=navigation.icon, layout="wide")
 render_sidebar()  # before the page, so a page that stops early (st.stop) still has it; its status refreshes itself
 with app_shell():
     navigation.run()

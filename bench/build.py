@@ -47,6 +47,15 @@ def clef_config(name: str, tiny_release: Path) -> dict:
     return config
 
 
+def scale_down(config: dict) -> None:
+    """A scaled-down copy of the architecture in place, so a bench script runs whole on a CPU (BENCH_CPU_SMOKE)."""
+    t = config["text_config"]
+    t.update(hidden_size=256, intermediate_size=512, num_hidden_layers=4, layer_types=t["layer_types"][:4],
+             num_attention_heads=4, head_dim=64, vocab_size=2048, linear_num_value_heads=32,
+             linear_key_head_dim=32, linear_value_head_dim=32)
+    config["vision_config"].update(depth=1, out_hidden_size=256)
+
+
 @torch.no_grad()
 def randomize_backbone(model, seed: int = 0) -> None:
     """Random everywhere (never zeros): matrices N(0, 0.02); zero-centred RMSNorm gains ±0.1; the gated norm's gain
@@ -107,8 +116,7 @@ def random_engine(config: dict, tiny_release: Path, *, device: str = "cuda", dty
         model, head = model.to(dtype), head.to(dtype)
     checked = Release(path=tiny_release, source="clef-27b-shaped-random", revision=None, config=config,
                       head_config=head_config, weight_files=())
-    return clef_engine.Engine(checked, model, head, Encoder(load_processor(checked)), torch.device(device), dtype,
-                              packed=True)
+    return clef_engine.Engine(checked, model, head, Encoder(load_processor(checked)), torch.device(device), dtype)
 
 
 def parameter_count(module) -> int:
@@ -123,4 +131,5 @@ def floor_ms(tokens: int, tokens_per_s: float = 15_800) -> float:
     return round(1000 * tokens / tokens_per_s, 1)
 
 
-__all__ = ["clef_config", "build_model", "build_head", "random_engine", "parameter_count", "gib", "floor_ms", "math"]
+__all__ = ["clef_config", "scale_down", "build_model", "build_head", "random_engine", "parameter_count", "gib",
+           "floor_ms", "math"]

@@ -133,6 +133,20 @@ def sized_request(engine, tokens: int, questions: int = 4, options: int = 3, see
     return request
 
 
+def in_batches(engine, records: list) -> list:
+    """forward_batch over scheduler-sized batches (the scheduler is what keeps a batch within the token budget)."""
+    out, batch, tokens = [], [], 0
+    for record in records + [None]:
+        if record is not None and (not batch or tokens + len(record) <= engine.token_budget):
+            batch.append(record)
+            tokens += len(record)
+            continue
+        if batch:
+            out += engine.forward_batch(batch)
+        batch, tokens = ([record], len(record)) if record is not None else ([], 0)
+    return out
+
+
 def compare(ours: list, base: list) -> dict:
     worst, argmax_diff, options = 0.0, 0, 0
     for record_ours, record_base in zip(ours, base):
@@ -194,9 +208,9 @@ def diagnose(engine, ref) -> dict:
             ok, found[f"error_before_{name}"] = False, repr(error)[:300]
         if ok:
             break
-        setattr(engine.fast.kernels, name, getattr(plain, name))
+        setattr(engine.backbone.kernels, name, getattr(plain, name))
         if engine.graphs is not None:
-            engine.graphs.graphs.clear()  # captured graphs replay the kernels they were captured with
+            engine.graphs.prefill.clear()  # captured graphs replay the kernels they were captured with
         found[name] = "replaced by the PyTorch function"
     return found
 
@@ -237,8 +251,8 @@ def profile_one_record(engine, tokens: int = 512) -> dict:
     record = engine.encode(sized_request(engine, tokens, seed=tokens))
     ids = torch.tensor(record.input_ids, device=DEVICE)
     segments = K.make_segments([len(record)], DEVICE)
-    engine.fast.forward(ids, segments)
-    return {"tokens": len(record), "eager": kernel_table(lambda: engine.fast.forward(ids, segments), 3)}
+    engine.backbone.forward(ids, segments)
+    return {"tokens": len(record), "eager": kernel_table(lambda: engine.backbone.forward(ids, segments), 3)}
 
 
 @section("head_alone", needs_s=20)
@@ -250,7 +264,7 @@ def head_alone(engine) -> dict:
         request = sized_request(engine, 0, questions, options, seed=questions)  # state empty: schema-sized record
         request["state"] = " ".join(WORDS * 8)
         record = engine.encode(request, max_length=2**31 - 1)
-        hidden = torch.randn(len(record), engine.fast.config.hidden_size, device=DEVICE, dtype=engine.dtype)
+        hidden = torch.randn(len(record), engine.backbone.config.hidden_size, device=DEVICE, dtype=engine.dtype)
 
         def baseline():
             logits = reference_logits(engine.head, hidden, engine.output_embeddings, record)
@@ -282,7 +296,7 @@ def case_set(engine, ref, count: int, baseline_count: int, batch: int) -> dict:
     engine.forward_batch(records[:64])  # warm-up: a full-size pack (first-use compiles of large-pack shapes)
     sync()
     t0 = time.perf_counter()
-    ours = engine.forward_batch(records)
+    ours = in_batches(engine, records)
     sync()
     ours_s = time.perf_counter() - t0
     t0 = time.perf_counter()
@@ -317,7 +331,7 @@ def case_set(engine, ref, count: int, baseline_count: int, batch: int) -> dict:
     same = records[: len(base)]
     sync()
     t0 = time.perf_counter()
-    engine.forward_batch(same)
+    in_batches(engine, same)
     sync()
     out["ours_same_records"] = {"records": len(same), "tokens_per_s": round(done_tokens / (time.perf_counter() - t0))}
     out["speedup_same_records"] = round(out["ours_same_records"]["tokens_per_s"] / out["baseline"]["tokens_per_s"], 2)
@@ -385,7 +399,7 @@ def cached_state(engine, ref, tokens: int = 16_384) -> dict:
     t0 = time.perf_counter()
     record = engine.encode(variants[-1])
     encode_ms = (time.perf_counter() - t0) * 1000
-    state_entry = engine._cached_prefix(record, store=False)
+    state_entry = engine._cached_state(record)
     hit_path = hit_profile = None
     if state_entry is not None and DEVICE.type == "cuda":  # the CPU smoke model's cache may not keep the entry
         with torch.inference_mode():
@@ -508,11 +522,7 @@ def main() -> int:
     tiny = build_tiny_release(Path(os.environ.get("BENCH_TINY_DIR", "/tmp/clef-bench-tiny")))
     config = build.clef_config("clef", tiny)
     if SMOKE:  # a scaled-down copy of the architecture so the whole script runs on a CPU
-        t = config["text_config"]
-        t.update(hidden_size=256, intermediate_size=512, num_hidden_layers=4, layer_types=t["layer_types"][:4],
-                 num_attention_heads=4, head_dim=64, vocab_size=2048, linear_num_value_heads=32,
-                 linear_key_head_dim=32, linear_value_head_dim=32)
-        config["vision_config"].update(depth=1, out_hidden_size=256)
+        build.scale_down(config)
     assert ARCHITECTURE in config["architectures"]
     t0 = time.perf_counter()
     if DEVICE.type == "cuda":

@@ -92,7 +92,7 @@ def step(name: str):
 @step("gemm_ceiling")
 def gemm_ceiling(engine):
     out = {}
-    layer = engine.fast.layers[0]
+    layer = engine.backbone.layers[0]
     for n in (512, 1024, 16384):
         x = torch.randn(n, 5120, device="cuda", dtype=torch.bfloat16)
         for label, w in (("gate_up", layer.gate_up), ("down", layer.down), ("gdn_in", layer.in_proj)):
@@ -110,11 +110,11 @@ def single_eager(engine):
         record = engine.encode(h200.sized_request(engine, n, seed=n))
         segments = K.make_segments([len(record)], torch.device("cuda"))
         ids = torch.tensor(record.input_ids, device="cuda")
-        engine.fast.forward(ids, segments)
-        row = {"eager_forward_ms": h200.timed(lambda: engine.fast.forward(ids, segments), 3, 1)["p50"]}
+        engine.backbone.forward(ids, segments)
+        row = {"eager_forward_ms": h200.timed(lambda: engine.backbone.forward(ids, segments), 3, 1)["p50"]}
         if n <= 4096:
             row["graph_forward_batch_ms"] = h200.timed(lambda: engine.forward_batch([record]), 5, 2)["p50"]
-        row["profile"] = kernel_table(lambda: engine.fast.forward(ids, segments), 2 if n > 4096 else 3)
+        row["profile"] = kernel_table(lambda: engine.backbone.forward(ids, segments), 2 if n > 4096 else 3)
         out[str(n)] = row
         save()
     engine.state_cache.enabled = True
@@ -147,7 +147,7 @@ def cached_profile(engine):
                 for v in range(3)]
     engine.decide(variants[0])
     record = engine.encode(variants[1])
-    key_state = engine._cached_prefix(record, store=False)
+    key_state = engine._cached_state(record)
     run = lambda: engine.forward_after_prefix(record, key_state)  # noqa: E731
     with torch.inference_mode():
         run()
@@ -202,14 +202,14 @@ def pack_parity(engine, ref):
     base_alone = [ref([r])[0] for r in records[:8]]
     packed = engine.forward_batch(records)
     single = [engine.forward_batch([r])[0] for r in records]
-    saved = engine.fast.kernels.gated_delta
-    engine.fast.kernels.gated_delta = K.gated_delta_torch
+    saved = engine.backbone.kernels.gated_delta
+    engine.backbone.kernels.gated_delta = K.gated_delta_torch
     packed_torch_gdn = engine.forward_batch(records[:8])
-    engine.fast.kernels.gated_delta = saved
-    saved = engine.fast.kernels.causal_conv
-    engine.fast.kernels.causal_conv = K.causal_conv_torch
+    engine.backbone.kernels.gated_delta = saved
+    saved = engine.backbone.kernels.causal_conv
+    engine.backbone.kernels.causal_conv = K.causal_conv_torch
     packed_torch_conv = engine.forward_batch(records[:8])
-    engine.fast.kernels.causal_conv = saved
+    engine.backbone.kernels.causal_conv = saved
     engine.state_cache.enabled = True
     c = h200.compare
     # the spread of the baseline's own options: how close to ties the random model sits

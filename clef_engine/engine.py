@@ -1,8 +1,17 @@
 """The resident engine: a loaded release, an encoder, and the GPU worker that runs batches.
 
 `Engine.decide` / `decide_many` / `submit` encode in the caller's thread (so a bad request fails fast, off the
-GPU), then hand records to the scheduler. The worker thread runs `forward_batch`: backbone, then the joint head
-over the whole batch, one host sync per batch.
+GPU), then hand records to the scheduler, the one place that groups records into GPU batches within a token budget.
+The worker thread runs `forward_batch` on each batch, chosen once from the `EngineConfig`:
+
+- `forward_plain` (packed=False): the release's own padded call for every record.
+- `forward_packed` (default): records with media take the padded multimodal call; text records run through our
+  packed layer loop (fast/packed.py): several records as one pack with no padding; a record alone in its batch
+  replays a CUDA graph of its length bucket (fast/graphs.py), or, when its state is long enough to keep, runs once
+  over the whole record and keeps the state's layer states (fast/cache.py) so that a new schema on the same state
+  later runs only the schema's tokens.
+
+Then the joint head over the batch, and one host sync per batch.
 """
 
 from __future__ import annotations
@@ -10,24 +19,23 @@ from __future__ import annotations
 import importlib.util
 import os
 import time
-from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
 import torch
 
+from .config import EngineConfig
 from .errors import RequestError, TokenBudgetError
 from .fast import kernels
 from .fast.cache import PrefixState, StateCache, prefix_key
-from .fast.packed import FastBackbone, GraphedPrefill, pack_ids
+from .fast.graphs import HeadGraphs, PrefillGraphs, bucket
+from .fast.packed import PackedBackbone, pack_ids
 from .model import backbone, release
 from .model.encoding import DEFAULT_MAX_LENGTH, EncodedRecord, Encoder
 from .model.head import JointSchemaHead, layout, load_head, option_probabilities
 from .protocol import format_answer, parse_questions
 from .serve.scheduler import Scheduler
 from .tiny import is_demo_release
-
-GiB = 2**30
 
 
 def fast_kernels_available() -> dict[str, bool]:
@@ -36,32 +44,19 @@ def fast_kernels_available() -> dict[str, bool]:
             for name, module in (("flash-linear-attention", "fla"), ("causal-conv1d", "causal_conv1d"))}
 
 
-def slow_kernels_allowed(allow_slow_kernels: bool | None) -> bool:
-    if allow_slow_kernels is not None:
-        return allow_slow_kernels
-    return os.environ.get("CLEF_ALLOW_SLOW_KERNELS", "").lower() in ("1", "true", "yes")
-
-
-def check_fast_kernels(device: torch.device, allow_slow_kernels: bool | None) -> None:
+def check_fast_kernels(config: EngineConfig) -> None:
     """On CUDA, refuse to run on the per-record torch fallbacks unless told to (they are many times slower)."""
-    if device.type == "cuda" and not kernels.fla_importable() and not slow_kernels_allowed(allow_slow_kernels):
+    if config.cuda and config.packed and not kernels.fla_importable() and not config.allow_slow_kernels:
         raise release.ReleaseError(
             "flash-linear-attention (package `fla`) is not importable, so the Gated DeltaNet layers would run on "
             "slow per-record PyTorch fallbacks. Install flash-linear-attention (and fla-core), or allow the slow "
             "path with allow_slow_kernels=True / CLEF_ALLOW_SLOW_KERNELS=1.")
 
 
-def memory_stats(device: torch.device) -> dict[str, int]:
-    if device.type != "cuda":
-        return {}
-    return {"allocated": torch.cuda.memory_allocated(device),
-            "peak_allocated": torch.cuda.max_memory_allocated(device),
-            "peak_reserved": torch.cuda.max_memory_reserved(device)}
-
-
 def padded_chunks(records: list[EncodedRecord], indices, token_budget: int) -> list[list[int]]:
     """Indices grouped into padded batches: text apart from media, similar lengths together (sorted), each batch's
-    padded size (count × longest) within the token budget; a record longer than the budget goes alone."""
+    padded size (count × longest) within the token budget; a record longer than the budget goes alone. (The padded
+    call pays for padding, so it regroups the scheduler's batch by length.)"""
     chunks: list[list[int]] = []
     for index in sorted(indices, key=lambda i: (records[i].has_media, len(records[i]))):
         chunk = chunks[-1] if chunks else None
@@ -75,42 +70,47 @@ def padded_chunks(records: list[EncodedRecord], indices, token_budget: int) -> l
 
 class Engine:
     def __init__(self, checked: release.Release, model, head: JointSchemaHead, encoder: Encoder,
-                 device: torch.device, dtype: torch.dtype, *, load_seconds: float = 0.0,
-                 token_budget: int | None = None, packed: bool = True, allow_slow_kernels: bool | None = None,
-                 state_cache_bytes: int | None = None):
+                 device: str | torch.device | None = None, dtype: str | torch.dtype | None = None, *,
+                 config: EngineConfig | None = None, load_seconds: float = 0.0, **options):
+        """`config` as resolved by `load`; without it, one is resolved from `device`, `dtype` and `options`
+        (EngineConfig fields)."""
+        config = config or EngineConfig.resolve(device=device, dtype=dtype, **options)
+        config.apply_process_settings()
+        check_fast_kernels(config)
+        self.config = config
         self.release = checked
         self.model = model
         self.head = head
         self.encoder = encoder
-        self.device = device
-        self.dtype = dtype
+        self.device = config.device
+        self.dtype = config.dtype
         self.load_seconds = load_seconds
         self.warm_up_seconds = 0.0
         self.model_id = checked.source
         self.output_embeddings = model.lm_head.weight  # the head reads it as a table (untied in Clef)
-        self.loaded_bytes = memory_stats(device).get("allocated", 0)
+        self.loaded_bytes = self._memory_stats().get("allocated", 0)
         # counted once: info() is polled by every open workbench page
         self.backbone_parameters = sum(p.numel() for p in model.parameters())
         self.head_parameters = sum(p.numel() for p in head.parameters())
-        if token_budget is None:
-            token_budget = 65_536 if device.type == "cuda" else 16_384
-        self.token_budget = token_budget
-        self.forward_batch: Callable[[list[EncodedRecord]], list[list[list[float]]]] = self.forward_plain
-        self.fast: FastBackbone | None = None
-        self.graphs: GraphedPrefill | None = None
+        self.token_budget = config.token_budget
+        self.backbone: PackedBackbone | None = None
+        self.graphs: PrefillGraphs | None = None
+        self.head_graphs: HeadGraphs | None = None
         self.state_cache: StateCache | None = None
-        if packed:  # text records packed through our layer loop; media records stay on the padded path
-            check_fast_kernels(device, allow_slow_kernels)
-            self.fast = FastBackbone(model)
+        self.forward_batch = self.forward_plain
+        if config.packed:
+            self.backbone = PackedBackbone(model)
             self.forward_batch = self.forward_packed
-            if device.type == "cuda" and os.environ.get("CLEF_CUDA_GRAPHS", "1") != "0":
-                self.graphs = GraphedPrefill(self.fast)
-            cache_bytes = state_cache_bytes if state_cache_bytes is not None else (
-                8 * GiB if device.type == "cuda" else GiB // 4)
-            self.state_cache = StateCache(device, device_bytes=cache_bytes,
-                                          host_bytes=4 * cache_bytes if device.type == "cuda" else 0,
-                                          enabled=cache_bytes > 0)
-        self.scheduler = Scheduler(self._run_batch, token_budget=token_budget)
+            if config.cuda_graphs:
+                self.graphs = PrefillGraphs(self.backbone, config.graph_max_tokens)
+                self.head_graphs = HeadGraphs(head, self.output_embeddings)
+            self.state_cache = StateCache(config.device, device_bytes=config.state_cache_bytes,
+                                          host_bytes=config.state_cache_host_bytes,
+                                          min_prefix_tokens=config.min_prefix_tokens,
+                                          enabled=config.state_cache_bytes > 0)
+        self.scheduler = Scheduler(self.forward_batch, token_budget=config.token_budget,
+                                   bulk_batch_tokens=config.bulk_batch_tokens,
+                                   max_queued_records=config.max_queued_records)
 
     # ---- requests ---------------------------------------------------------------------------------------------
 
@@ -170,10 +170,7 @@ class Engine:
     def queue_depth(self) -> int:
         return self.scheduler.queue_depth()
 
-    # ---- the GPU worker ---------------------------------------------------------------------------------------
-
-    def _run_batch(self, records: list[EncodedRecord]) -> list[list[list[float]]]:
-        return self.forward_batch(records)
+    # ---- the GPU worker: one scheduler batch at a time ----------------------------------------------------------
 
     def forward_plain(self, records: list[EncodedRecord]) -> list[list[list[float]]]:
         """The plain path for a whole scheduler batch: padded backbone batches of similar length."""
@@ -185,86 +182,91 @@ class Engine:
 
     @torch.inference_mode()
     def forward_packed(self, records: list[EncodedRecord]) -> list[list[list[float]]]:
-        """The fast path: text records packed (no padding) up to the token budget; a record whose long state
-        prefix is cached (or, alone in its batch, worth caching) continues from the cache; media records go to
-        the padded path."""
+        """The fast path for a whole scheduler batch: media records padded; a text record whose state is cached
+        continues from the cache; a text record alone runs by itself (`forward_one`); the other text records run
+        as one pack."""
         results: dict[int, list[list[float]]] = {}
-        media = [i for i, r in enumerate(records) if r.has_media]
         text = [i for i, r in enumerate(records) if not r.has_media]
-        cache = self.state_cache
-        packable = []
+        pack = []
         for i in text:
-            record = records[i]
-            if cache is not None and cache.eligible(record.state_end) and record.state_end < len(record):
-                cached = self._cached_prefix(record, store=len(records) == 1)
-                if cached is not None:
-                    results[i] = self.forward_after_prefix(record, cached)
-                    continue
-            packable.append(i)
-        pack: list[int] = []
-        tokens = 0
-        for i in packable + [None]:
-            if i is not None and (not pack or tokens + len(records[i]) <= self.token_budget):
+            cached = self._cached_state(records[i]) if len(text) > 1 else None
+            if cached is not None:
+                results[i] = self.forward_after_prefix(records[i], cached)
+            else:
                 pack.append(i)
-                tokens += len(records[i])
-                continue
-            if pack:
-                chosen = [records[j] for j in pack]
-                lengths = [len(r) for r in chosen]
-                segments = kernels.make_segments(lengths, self.device)
-                ids = pack_ids(chosen, self.device)
-                hidden = None
-                if len(chosen) == 1 and self.graphs is not None and self.graphs.usable(lengths[0]):
-                    hidden = self.graphs.run(ids)
-                if hidden is None:
-                    hidden, _ = self.fast.forward(ids, segments)
-                for j, probs in zip(pack, self.head_probabilities(hidden, chosen, segments.starts, lengths)):
-                    results[j] = probs
-            pack, tokens = ([i], len(records[i])) if i is not None else ([], 0)
-        for chunk in padded_chunks(records, media, self.token_budget):  # as the plain path does
-            for j, probs in zip(chunk, self.forward_padded([records[j] for j in chunk])):
-                results[j] = probs
+        if len(pack) == 1:
+            results[pack[0]] = self.forward_one(records[pack[0]])
+        elif pack:
+            chosen = [records[i] for i in pack]
+            lengths = [len(r) for r in chosen]
+            segments = kernels.make_segments(lengths, self.device)
+            hidden, _ = self.backbone.forward(pack_ids(chosen, self.device), segments)
+            for i, probs in zip(pack, self.head_probabilities(hidden, chosen, segments.starts, lengths)):
+                results[i] = probs
+        media = [i for i, r in enumerate(records) if r.has_media]
+        for chunk in padded_chunks(records, media, self.token_budget):
+            for i, probs in zip(chunk, self.forward_padded([records[i] for i in chunk])):
+                results[i] = probs
         return [results[i] for i in range(len(records))]
 
-    def _cached_prefix(self, record: EncodedRecord, *, store: bool) -> PrefixState | None:
-        """The cached state of the record's prefix; on a miss, compute and store it if `store`."""
-        key = prefix_key(f"{self.model_id}@{self.release.revision}", record.input_ids[: record.state_end],
-                         record.media_digest)
-        state = self.state_cache.get(key)
-        if state is not None or not store:
-            return state
+    def forward_one(self, record: EncodedRecord) -> list[list[float]]:
+        """One text record: continued from its cached state; or, with a state long enough to keep, one eager
+        forward that also yields the state's layer states (stored); or its length bucket's CUDA graph; or eager."""
+        key = self._state_key(record)
+        if key is not None:
+            cached = self.state_cache.get(key)
+            if cached is not None:
+                return self.forward_after_prefix(record, cached)
+            return self.forward_and_store(record, key)
+        ids = torch.tensor(record.input_ids, dtype=torch.long).to(self.device, non_blocking=True)
+        hidden = self.graphs.run(ids) if self.graphs is not None else None
+        if hidden is None:
+            hidden, _ = self.backbone.forward(ids, kernels.make_segments([len(record)], self.device))
+        normed, memory = self.head.token_memory(hidden.to(self.dtype))
+        return self.head_one(normed, memory, record)
+
+    def _state_key(self, record: EncodedRecord) -> str | None:
+        """The cache key of the record's state prefix, or None when the cache does not take it."""
+        cache = self.state_cache
+        if cache is None or not cache.eligible(record.state_end) or record.state_end >= len(record):
+            return None
+        return prefix_key(f"{self.model_id}@{self.release.revision}", record.input_ids[: record.state_end],
+                          record.media_digest)
+
+    def _cached_state(self, record: EncodedRecord) -> PrefixState | None:
+        key = self._state_key(record)
+        return self.state_cache.get(key) if key is not None else None
+
+    def forward_and_store(self, record: EncodedRecord, key: str) -> list[list[float]]:
+        """One forward over the whole record that also returns every layer's state at the end of the state; the
+        answer comes from it as from any forward, and the state (plus the head's memory of its tokens) is kept."""
         length = record.state_end
-        segments = kernels.make_segments([length], self.device)
-        ids = torch.tensor(record.input_ids[:length], dtype=torch.long).to(self.device, non_blocking=True)
-        hidden, layers = self.fast.forward(ids, segments, collect=True)
-        _, memory = self.head.token_memory(hidden.to(self.dtype))
-        state = PrefixState(length, layers, memory)
-        self.state_cache.put(key, state)
-        return state
+        ids = torch.tensor(record.input_ids, dtype=torch.long).to(self.device, non_blocking=True)
+        hidden, layers = self.backbone.forward(ids, kernels.make_segments([len(record)], self.device),
+                                               split_at=length)
+        normed, memory = self.head.token_memory(hidden.to(self.dtype))
+        self.state_cache.put(key, PrefixState(length, layers, memory[:length].clone()))
+        return self.head_one(normed, memory, record)
 
     def forward_after_prefix(self, record: EncodedRecord, state: PrefixState) -> list[list[float]]:
         """Backbone over the schema + suffix tokens only, continuing from the cached prefix; then the head over the
         cached + new memory."""
         start, new = state.length, len(record) - state.length
-        # right-padded to a bucket length: GEMMs of odd row counts measured ~2x slower per token on the H200, and
+        # right-padded to a bucket length: a graph per bucket, and GEMMs of odd row counts run slower per token;
         # padding after the last real token changes nothing before it (the backbone is causal)
-        padded = GraphedPrefill.bucket(new)
+        padded = bucket(new)
         ids = record.input_ids[start:] + [self.encoder.pad_token_id] * (padded - new)
         ids = torch.tensor(ids, dtype=torch.long).to(self.device, non_blocking=True)
-        hidden = None
-        if self.graphs is not None and state.device.type == "cuda":
-            hidden = self.graphs.run_after_prefix(ids, state)
+        hidden = self.graphs.run_after_prefix(ids, state) if self.graphs is not None else None
         if hidden is None:
             segments = kernels.make_segments([padded], self.device, first_position=start)
-            hidden, _ = self.fast.forward(ids, segments, prefix=state.layers, prefix_length=start)
+            hidden, _ = self.backbone.forward(ids, segments, prefix=state.layers, prefix_length=start)
         hidden = hidden[:new]
         normed_new, memory_new = self.head.token_memory(hidden.to(self.dtype))
         normed = normed_new.new_zeros(len(record), normed_new.shape[-1])  # prefix rows: never read by the head
         normed[start:] = normed_new
         memory = torch.cat([state.memory.to(memory_new.dtype), memory_new])
-        batch = layout([record], [0], [len(record)]).to(self.device)
-        logits = self.head.decide_from_memory(normed, memory, self.output_embeddings, batch)
-        return self._split_probabilities(logits, batch, [record])[0]
+        return self.head_one(normed, memory, record)
 
     @torch.inference_mode()
     def forward_padded(self, records: list[EncodedRecord]) -> list[list[list[float]]]:
@@ -275,8 +277,23 @@ class Engine:
         offsets = [b * padded_length for b in range(batch_size)]
         return self.head_probabilities(hidden.reshape(-1, width), records, offsets, lengths)
 
+    def head_one(self, normed: torch.Tensor, memory: torch.Tensor, record: EncodedRecord) -> list[list[float]]:
+        """The head over one record's normed hidden states and memory: from a CUDA graph of its shape bucket where
+        graphs are on, else eagerly."""
+        batch = layout([record], [0], [len(record)])
+        if self.head_graphs is not None:
+            probabilities = self.head_graphs.probabilities(normed, memory, record, batch)
+            if probabilities is not None:
+                return probabilities
+        batch = batch.to(self.device)
+        logits = self.head.decide_from_memory(normed, memory, self.output_embeddings, batch)
+        return self._split_probabilities(logits, batch, [record])[0]
+
     def head_probabilities(self, hidden_flat: torch.Tensor, records: list[EncodedRecord], offsets: list[int],
                            lengths: list[int]) -> list[list[list[float]]]:
+        if len(records) == 1:
+            normed, memory = self.head.token_memory(hidden_flat[offsets[0]: offsets[0] + lengths[0]].to(self.dtype))
+            return [self.head_one(normed, memory, records[0])]
         batch = layout(records, offsets, lengths).to(self.device)
         logits = self.head(hidden_flat.to(self.dtype), self.output_embeddings, batch)
         return self._split_probabilities(logits, batch, records)
@@ -295,8 +312,15 @@ class Engine:
 
     # ---- status -----------------------------------------------------------------------------------------------
 
+    def _memory_stats(self) -> dict[str, int]:
+        if not self.config.cuda:
+            return {}
+        return {"allocated": torch.cuda.memory_allocated(self.device),
+                "peak_allocated": torch.cuda.max_memory_allocated(self.device),
+                "peak_reserved": torch.cuda.max_memory_reserved(self.device)}
+
     def memory(self) -> dict[str, int]:
-        stats = memory_stats(self.device)
+        stats = self._memory_stats()
         if stats:
             stats["loaded"] = self.loaded_bytes
         return stats
@@ -307,7 +331,7 @@ class Engine:
             "revision": self.release.revision,
             "path": str(self.release.path),
             "device": str(self.device),
-            "device_name": torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "CPU",
+            "device_name": torch.cuda.get_device_name(self.device) if self.config.cuda else "CPU",
             "dtype": str(self.dtype).removeprefix("torch."),
             "backbone_parameters": self.backbone_parameters,
             "head_parameters": self.head_parameters,
@@ -324,20 +348,22 @@ class Engine:
     def kernel_info(self) -> dict:
         """Which path and which kernels answer requests here."""
         info: dict[str, Any] = {"available": fast_kernels_available(), "path": self.forward_batch.__name__}
-        if self.fast is not None:
-            info["packed"] = self.fast.kernels.describe()
-            info["slow_fallbacks"] = self.fast.kernels.slow if self.device.type == "cuda" else []
+        if self.backbone is not None:
+            info["packed"] = self.backbone.kernels.describe()
+            info["slow_fallbacks"] = self.backbone.kernels.slow if self.config.cuda else []
             info["fused_projections"] = True
             info["media_records"] = "forward_padded (multimodal model, padded batch)"
             info["cuda_graphs"] = self.graphs.describe() if self.graphs is not None else None
+            info["head_graphs"] = self.head_graphs.describe() if self.head_graphs is not None else None
         return info
 
     def warm_up(self) -> float:
-        """Run each path once so Triton's compile and autotune (minutes on a fresh H200 process, seen in the
-        benchmark) happen while loading, not in a user's first request: one record alone (a CUDA graph), a pack of
-        records of uneven lengths, and a long state twice (stored in the state cache, then continued from it; the
-        entry is dropped afterwards). Returns the seconds it took."""
+        """Compile, autotune and capture while loading, not in a user's first request: a CUDA graph for every
+        length bucket, then one record alone, a pack of records of uneven lengths, and a long state twice (stored,
+        then continued from the cache; the entry is dropped afterwards). Returns the seconds it took."""
         started = time.perf_counter()
+        if self.graphs is not None:
+            self.graphs.capture_all()
         request = {"state": "warm-up", "questions": {"q": {"type": "noul", "instructions": "warm-up"}}}
         self.decide(request)
         self.decide_many([dict(request, state="warm-up " * n) for n in (1, 40, 333, 1001)])
@@ -355,35 +381,34 @@ class Engine:
 
 
 def load(source: str | os.PathLike, *, device: str | torch.device | None = None,
-         dtype: str | torch.dtype | None = None, revision: str | None = None, packed: bool = True,
-         allow_slow_kernels: bool | None = None, state_cache_bytes: int | None = None) -> Engine:
-    """Load a release (folder, repo id, or 'clef' / 'clef-flash') and keep it resident on `device`.
+         dtype: str | torch.dtype | None = None, revision: str | None = None, packed: bool | None = None,
+         allow_slow_kernels: bool | None = None, state_cache_bytes: int | None = None,
+         config: EngineConfig | None = None) -> Engine:
+    """Load a release (folder, repo id, or 'clef' / 'clef-flash') and keep it resident.
 
-    `packed` (default) answers text records through the packed fast path (fast/packed.py); on CUDA that needs
-    flash-linear-attention unless `allow_slow_kernels` (or CLEF_ALLOW_SLOW_KERNELS=1). `state_cache_bytes` bounds
-    the device tier of the state cache (0 turns it off)."""
+    Options not given come from the environment, then the defaults (see config.py and the README's Configuration
+    table): `packed` (default on) answers text records through the packed fast path, which on CUDA needs
+    flash-linear-attention unless `allow_slow_kernels`; `state_cache_bytes` bounds the device tier of the state
+    cache (0 turns it off). A full `config` replaces all of them."""
     started = time.perf_counter()
+    config = config or EngineConfig.resolve(device=device, dtype=dtype, packed=packed,
+                                            allow_slow_kernels=allow_slow_kernels,
+                                            state_cache_bytes=state_cache_bytes)
+    check_fast_kernels(config)  # before minutes of loading
     path = release.resolve(source, revision)
     checked = release.check(path, source=str(source), revision=revision)
-    device = torch.device(device) if device is not None else release.default_device()
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise release.ReleaseError("device cuda was asked for but no CUDA GPU is visible")
-    dtype = release.parse_dtype(dtype, device)
-    if packed:
-        check_fast_kernels(device, allow_slow_kernels)  # before minutes of loading
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    model = release.load_backbone(checked, device, dtype)
+    if config.cuda:
+        torch.cuda.reset_peak_memory_stats(config.device)
+    model = release.load_backbone(checked, config.device, config.dtype)
     try:
-        head = load_head(checked.head_config, release.load_head_state(checked), device, dtype)
+        head = load_head(checked.head_config, release.load_head_state(checked), config.device, config.dtype)
     except RuntimeError as error:  # strict load: names or shapes differ
         raise release.ReleaseError(f"{checked.path / release.HEAD_WEIGHTS} does not match the head: {error}") from error
     encoder = Encoder(release.load_processor(checked))
-    engine = Engine(checked, model, head, encoder, device, dtype, load_seconds=time.perf_counter() - started,
-                    packed=packed, allow_slow_kernels=allow_slow_kernels, state_cache_bytes=state_cache_bytes)
-    if device.type == "cuda":
+    engine = Engine(checked, model, head, encoder, config=config, load_seconds=time.perf_counter() - started)
+    if config.warm_up:
         engine.warm_up()
     return engine
 
 
-__all__ = ["Engine", "load", "RequestError", "TokenBudgetError"]
+__all__ = ["Engine", "EngineConfig", "load", "RequestError", "TokenBudgetError"]

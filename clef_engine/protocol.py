@@ -1,31 +1,248 @@
-"""System One wire format (spec §5): validate a request, turn per-option probabilities into a response.
+"""The System One contract (spec §5), in one place: request and response models, the rules the engine reads
+options by, shared defaults, request builders, and the hosted Clef service's published limits.
+
+The contract accepts what the release code accepts: any non-empty question id, at least one question, at least one
+option per choice and one level per score. Sizes are bounded by the token budget and the body size, not here. The
+hosted service's stricter limits (`HOSTED`) are data for the workbench's lint, which warns; nothing refuses locally
+on their account.
 
 Validation collects every problem in the request (not just the first), each with its location, so a client or the
-workbench can show the message next to the field it concerns.
+workbench can show the message next to the field it concerns. The HTTP server builds its OpenAPI document from the
+models below (`SystemOneRequest.model_json_schema()`, `SystemOneResponse.model_json_schema()`).
 """
 
 from __future__ import annotations
 
+import base64
+import json
 import math
 import re
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any, Literal, get_args
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, WithJsonSchema
+from pydantic_core import PydanticCustomError
 
 from .errors import Problem, RequestError
 
-MAX_QUESTIONS = 64
-MIN_CHOICE_OPTIONS, MAX_CHOICE_OPTIONS = 2, 255
-MIN_SCORE_LEVELS, MAX_SCORE_LEVELS = 2, 10
-MAX_IMAGES = 4
-MAX_VIDEOS = 4
-MAX_OPTION_ID_CHARS = 100
-QUESTION_ID = re.compile(r"[A-Za-z0-9_.\-]{1,100}")
-QUESTION_TYPES = ("noul", "choice", "score")
+QuestionType = Literal["noul", "choice", "score"]
+NoulOptionId = Literal["true", "false"]
+# What to do when a record does not fit max_length: refuse it (HTTP 413), or cut the end of the state as the
+# reference code does silently.
+OverflowPolicy = Literal["refuse", "truncate_state"]
 
+QUESTION_TYPES: tuple[str, ...] = get_args(QuestionType)
+QUESTION_FIELDS = ("type", "instructions", "criteria")
+NOUL_OPTION_IDS: tuple[str, ...] = get_args(NoulOptionId)
 NOUL_DEFAULT_DESCRIPTIONS = {
     "true": "The proposition is true or the answer is yes.",
     "false": "The proposition is false or the answer is no.",
 }
+OVERFLOW_POLICIES: tuple[str, ...] = get_args(OverflowPolicy)
+DEFAULT_MODEL_NAME = "clef"
+
+# Media formats the engine decodes (the bytes decide, see model/media.sniff_content_type), with names for messages.
+IMAGE_CONTENT_TYPES = ("image/png", "image/jpeg", "image/webp")
+VIDEO_CONTENT_TYPES = ("video/mp4", "video/webm", "video/quicktime")
+MEDIA_TYPE_NAMES = {"image/png": "PNG", "image/jpeg": "JPEG", "image/webp": "WebP",
+                    "video/mp4": "MP4", "video/webm": "WebM", "video/quicktime": "MOV"}
+
+
+@dataclass(frozen=True)
+class HostedLimits:
+    """Limits published for the hosted Clef service (spec §5), not the contract: a schema outside them works
+    locally but the hosted service would refuse it. Videos have no published limit."""
+
+    min_questions: int = 1
+    max_questions: int = 64
+    min_choice_options: int = 2
+    max_choice_options: int = 255
+    min_score_levels: int = 2
+    max_score_levels: int = 10
+    question_id: re.Pattern = re.compile(r"[A-Za-z0-9_.\-]{1,100}")
+    question_id_rule: str = "1–100 letters, digits, '_', '.' or '-'"
+    max_images: int = 4
+    image_content_types: tuple[str, ...] = IMAGE_CONTENT_TYPES
+    max_image_pixels: int = 16_000_000
+
+
+HOSTED = HostedLimits()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# JSON values
+
+
+def _is_text(value: str) -> bool:
+    """Valid JSON can carry unpaired surrogates ("\\ud800") that no tokenizer or UTF-8 encoder accepts."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _is_json_value(value: Any) -> bool:
+    # A stack, not recursion: json.loads takes nesting deeper than Python's recursion limit allows a checker.
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            if not _is_text(item):
+                return False
+        elif isinstance(item, float):
+            if not math.isfinite(item):
+                return False
+        elif isinstance(item, list):
+            stack.extend(item)
+        elif isinstance(item, dict):
+            if not all(isinstance(k, str) and _is_text(k) for k in item):
+                return False
+            stack.extend(item.values())
+        elif not (item is None or isinstance(item, (bool, int))):
+            return False
+    return True
+
+
+def _json_value(value: Any) -> Any:
+    if not _is_json_value(value):
+        raise PydanticCustomError("json_value", "must be text or a JSON value (no NaN, infinity or unpaired "
+                                                "surrogates)")
+    return value
+
+
+def _description(value: Any) -> Any:
+    if value is None:  # every level is shown in the legend, so a level needs words
+        raise PydanticCustomError("json_value", "a level description must be text or JSON, not null")
+    return _json_value(value)
+
+
+def _identifier(value: str) -> str:
+    if not value:
+        raise PydanticCustomError("id_empty", "ids must be non-empty strings")
+    if not _is_text(value):
+        raise PydanticCustomError("id_text", "ids must be valid text (no unpaired surrogates)")
+    return value
+
+
+# Pydantic accepts NaN, infinity and lone surrogates in `Any`; the engine cannot encode them.
+JsonValue = Annotated[Any, AfterValidator(_json_value)]
+Identifier = Annotated[str, AfterValidator(_identifier)]
+_MEDIA_ITEM_SCHEMA = {"anyOf": [
+    {"type": "string", "description": "a data URL, e.g. data:image/png;base64,…"},
+    {"type": "object", "properties": {"content_type": {"type": "string"}, "base64": {"type": "string"}},
+     "required": ["content_type", "base64"]},
+]}
+# In-process callers may also pass PIL images, bytes, paths or frame arrays; model/media.py decodes each form.
+MediaList = Annotated[list[Any], WithJsonSchema({"type": "array", "items": _MEDIA_ITEM_SCHEMA})]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Request models
+
+
+class _Question(BaseModel):
+    model_config = ConfigDict(strict=True)
+
+    instructions: JsonValue = Field(None, description="Text or any JSON value; empty or missing: the question id")
+
+
+class NoulQuestion(_Question):
+    """A yes/no question. Criteria override the default descriptions of `true` and `false`; null keeps one."""
+
+    type: Literal["noul"]
+    criteria: dict[NoulOptionId, JsonValue] | None = None
+
+
+class ChoiceQuestion(_Question):
+    """Pick one option. The model reads the options sorted by id; answers list them in the caller's order."""
+
+    type: Literal["choice"]
+    criteria: dict[Identifier, JsonValue] = Field(min_length=1, description="option id → description (or null)")
+
+
+class ScoreQuestion(_Question):
+    """A level on an ordered scale, lowest first; levels are answered as "0".."n-1"."""
+
+    type: Literal["score"]
+    criteria: list[Annotated[Any, AfterValidator(_description)]] = Field(min_length=1)
+
+
+QuestionModel = Annotated[NoulQuestion | ChoiceQuestion | ScoreQuestion, Field(discriminator="type")]
+
+
+class SystemOneRequest(BaseModel):
+    """A System One request. Unknown top-level fields are allowed (hosted Jev accepts them)."""
+
+    model_config = ConfigDict(strict=True, extra="allow")
+
+    model: str | None = Field(None, description="Any model name; echoed in the response")
+    state: JsonValue = Field(description="The record to decide on: text or any JSON value")
+    questions: dict[Identifier, QuestionModel] = Field(min_length=1, description="Ordered map id → question")
+    images: MediaList | None = None
+    videos: MediaList | None = None
+    x_max_length: int | None = Field(None, ge=1, description="Token budget of the record (server extension)")
+    x_overflow: OverflowPolicy = Field(
+        "refuse", description="Over budget: refuse (413) or cut the end of the state (server extension)")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Response models
+
+
+class NoulAnswer(BaseModel):
+    type: Literal["noul"]
+    noul: float = Field(description="P(true), 4 decimals")
+
+
+class ChoiceAnswer(BaseModel):
+    type: Literal["choice"]
+    choice: str
+    confidence: float = Field(description="P(choice)")
+    probabilities: dict[str, float] = Field(description="option id → p, in the caller's order")
+
+
+class ScoreAnswer(BaseModel):
+    type: Literal["score"]
+    score: float = Field(description="Σ i·p_i")
+    confidence: float = Field(description="max p")
+    legend: dict[str, Any]
+    probabilities: dict[str, float]
+
+
+AnswerModel = Annotated[NoulAnswer | ChoiceAnswer | ScoreAnswer, Field(discriminator="type")]
+
+
+class Usage(BaseModel):
+    input_tokens: int
+    output_tokens: int = 0
+
+
+class SystemOneResponse(BaseModel):
+    """The answer to a request; servers may add `x_` fields."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str
+    answers: dict[str, AnswerModel]
+    usage: Usage
+
+
+class ValidationProblem(BaseModel):
+    loc: list[str | int]
+    msg: str
+    type: str
+
+
+class ValidationErrorBody(BaseModel):
+    """The 422 body: every problem of the request with its location."""
+
+    detail: list[ValidationProblem]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Validation
 
 
 @dataclass(frozen=True)
@@ -40,146 +257,158 @@ class Question:
     caller_option_ids: tuple[str, ...]  # the order the caller wrote them (choice); used for the response
 
 
-def _is_text(value: str) -> bool:
-    """Valid JSON can carry unpaired surrogates ("\\ud800") that no tokenizer or UTF-8 encoder accepts."""
+def option_ids(question_type: Any, criteria: Any) -> tuple[str, ...]:
+    """A question's answer keys in the caller's order (noul true, false; choice as written; score "0".."n-1"),
+    the keys of its answer's probabilities. Tolerates malformed criteria (no keys)."""
+    if question_type == "noul":
+        return NOUL_OPTION_IDS
+    if question_type == "score":
+        return tuple(str(i) for i in range(len(criteria))) if isinstance(criteria, list) else ()
+    return tuple(str(k) for k in criteria) if isinstance(criteria, Mapping) else ()
+
+
+def _to_question(question_id: str, model: NoulQuestion | ChoiceQuestion | ScoreQuestion) -> Question:
+    caller_ids = option_ids(model.type, model.criteria)
+    if isinstance(model, NoulQuestion):
+        descriptions = dict(NOUL_DEFAULT_DESCRIPTIONS)
+        descriptions.update({k: v for k, v in (model.criteria or {}).items() if v is not None})
+        return Question(question_id, "noul", model.instructions, NOUL_OPTION_IDS,
+                        tuple(descriptions[o] for o in NOUL_OPTION_IDS), caller_ids)
+    if isinstance(model, ChoiceQuestion):
+        model_ids = tuple(sorted(model.criteria))  # the model reads choice options sorted by id
+        return Question(question_id, "choice", model.instructions, model_ids,
+                        tuple(model.criteria[o] for o in model_ids), caller_ids)
+    return Question(question_id, "score", model.instructions, caller_ids, tuple(model.criteria), caller_ids)
+
+
+# Clearer words than pydantic's for the mistakes callers make most.
+_MESSAGES = {
+    "missing": "field required",
+    "dict_type": "must be an object",
+    "model_type": "must be an object",
+    "model_attributes_type": "a question must be an object with \"type\", \"instructions\", \"criteria\"",
+    "list_type": "must be a list",
+    "string_type": "must be a string",
+    "union_tag_not_found": "field required: one of noul, choice, score",
+    "union_tag_invalid": "type must be one of noul, choice, score",
+}
+_CRITERIA_SHAPES = {
+    "noul": "noul criteria must be null or a map with keys 'true'/'false'",
+    "choice": "choice criteria must be a map option id → description",
+    "score": "score criteria must be a list of level descriptions, lowest first",
+}
+
+
+def _problem(error: Mapping[str, Any], questions: Any) -> Problem:
+    """A pydantic error as a Problem whose location is a path into the request and whose message says what the
+    field must be."""
+    loc = list(error["loc"])
+    kind = error["type"]
+    # Pydantic puts the discriminator tag after the question id and "[key]" after a bad key; neither is a place in
+    # the request. A bad or missing tag is the question's "type" field.
+    if len(loc) > 2 and loc[0] == "questions" and loc[2] in QUESTION_TYPES:
+        del loc[2]
+    if loc and loc[-1] == "[key]":
+        loc.pop()
+    if kind in ("union_tag_invalid", "union_tag_not_found"):
+        loc.append("type")
+    message = _MESSAGES.get(kind, error["msg"])
+    question = questions.get(loc[1]) if len(loc) > 1 and isinstance(questions, dict) else None
+    question_type = question.get("type") if isinstance(question, dict) else None
+    is_criteria = len(loc) == 3 and loc[2] == "criteria"
+    if kind == "union_tag_invalid":
+        message += f"; got {json.dumps(question_type, ensure_ascii=False)}"
+    elif kind == "too_short" and loc == ["questions"]:
+        message = "at least one question is required"
+    elif kind == "too_short" and is_criteria:
+        message = "a score needs at least one level" if question_type == "score" else \
+            "a choice needs at least one option"
+    elif kind in ("dict_type", "list_type") and is_criteria and question_type in _CRITERIA_SHAPES:
+        message = _CRITERIA_SHAPES[question_type]
+    elif kind == "literal_error" and len(loc) == 4 and loc[2] == "criteria":
+        message = "noul criteria keys must be 'true' or 'false'"
+    elif kind == "literal_error" and loc == ["x_overflow"]:
+        message = f"x_overflow must be one of {', '.join(OVERFLOW_POLICIES)}"
+    return Problem(tuple(loc), message, kind)
+
+
+def validate_request(request: Any) -> SystemOneRequest:
+    """The request as a model, or RequestError listing every problem with its location."""
+    if not isinstance(request, dict):
+        raise RequestError([Problem((), "the request must be a JSON object", "dict_type")])
     try:
-        value.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
-
-
-def _is_json_value(value: Any) -> bool:
-    if isinstance(value, str):
-        return _is_text(value)
-    if value is None or isinstance(value, (bool, int)):
-        return True
-    if isinstance(value, float):
-        return math.isfinite(value)
-    if isinstance(value, list):
-        return all(_is_json_value(v) for v in value)
-    if isinstance(value, dict):
-        return all(isinstance(k, str) and _is_text(k) and _is_json_value(v) for k, v in value.items())
-    return False
+        return SystemOneRequest.model_validate(request)
+    except ValidationError as exc:
+        questions = request.get("questions")
+        raise RequestError([_problem(e, questions) for e in exc.errors(include_url=False)]) from None
 
 
 def parse_questions(request: Any) -> list[Question]:
-    """Validate the request's questions and return them in schema order. Raises RequestError listing every problem."""
+    """Validate the request and return its questions in schema order. Raises RequestError listing every problem."""
+    return [_to_question(qid, q) for qid, q in validate_request(request).questions.items()]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The hosted service's limits
+
+
+def hosted_service_problems(request_or_questions: Any) -> list[Problem]:
+    """Where the hosted Clef service would refuse a request (or a bare questions map) that the contract accepts.
+    Locations are in the request (`("questions", id, ...)`). Shapes the contract refuses are not repeated here."""
+    if isinstance(request_or_questions, dict) and "questions" in request_or_questions:
+        request = request_or_questions
+    else:
+        request = {"questions": request_or_questions}
     problems: list[Problem] = []
-    if not isinstance(request, dict):
-        raise RequestError([Problem((), "the request must be a JSON object", "type_error.dict")])
-    if "state" not in request:
-        problems.append(Problem(("state",), "field required", "value_error.missing"))
-    elif not _is_json_value(request["state"]):
-        problems.append(Problem(("state",), "state must be a JSON value (no NaN, infinity or unpaired surrogates)",
-                                "type_error.json"))
 
-    questions = request.get("questions")
-    parsed: list[Question] = []
-    if questions is None:
-        problems.append(Problem(("questions",), "field required", "value_error.missing"))
-    elif not isinstance(questions, dict):
-        problems.append(Problem(("questions",), "questions must be an object mapping id → question", "type_error.dict"))
-    elif not 1 <= len(questions) <= MAX_QUESTIONS:
-        problems.append(
-            Problem(("questions",), f"between 1 and {MAX_QUESTIONS} questions allowed, got {len(questions)}",
-                    "value_error.length")
-        )
-    else:
+    def refuse(loc: tuple[str | int, ...], what: str) -> None:
+        problems.append(Problem(loc, f"the hosted service would refuse this: {what}", "hosted_limit"))
+
+    questions = request["questions"]
+    if isinstance(questions, dict):
+        if not HOSTED.min_questions <= len(questions) <= HOSTED.max_questions:
+            refuse(("questions",), f"it takes {HOSTED.min_questions}–{HOSTED.max_questions} questions, "
+                                   f"this has {len(questions)}")
         for question_id, question in questions.items():
-            parsed_question = _parse_question(question_id, question, problems)
-            if parsed_question is not None:
-                parsed.append(parsed_question)
-
-    for media_key, limit in (("images", MAX_IMAGES), ("videos", MAX_VIDEOS)):
-        media = request.get(media_key)
-        if media is None:
-            continue
-        if not isinstance(media, list):
-            problems.append(Problem((media_key,), f"{media_key} must be a list", "type_error.list"))
-        elif len(media) > limit:
-            problems.append(Problem((media_key,), f"at most {limit} {media_key} allowed, got {len(media)}",
-                                    "value_error.length"))
-    if problems:
-        raise RequestError(problems)
-    return parsed
-
-
-def _parse_question(question_id: Any, question: Any, problems: list[Problem]) -> Question | None:
-    loc = ("questions", question_id)
-    before = len(problems)
-    if not isinstance(question_id, str) or not QUESTION_ID.fullmatch(question_id):
-        problems.append(Problem(loc, "question id must be 1–100 letters, digits, '_', '.' or '-'", "value_error.id"))
-    if not isinstance(question, dict):
-        problems.append(Problem(loc, "question must be an object", "type_error.dict"))
-        return None
-    kind = question.get("type")
-    if kind not in QUESTION_TYPES:
-        problems.append(Problem(loc + ("type",), f"type must be one of noul, choice, score; got {kind!r}",
-                                "value_error.type"))
-        return None
-    instructions = question.get("instructions")
-    if not _is_json_value(instructions):
-        problems.append(Problem(loc + ("instructions",), "instructions must be text or JSON", "type_error.json"))
-    criteria = question.get("criteria")
-    criteria_loc = loc + ("criteria",)
-
-    if kind == "noul":
-        descriptions = dict(NOUL_DEFAULT_DESCRIPTIONS)
-        if criteria is not None:
-            if not isinstance(criteria, dict):
-                problems.append(Problem(criteria_loc, "noul criteria must be null or a map with keys 'true'/'false'",
-                                        "type_error.dict"))
+            loc = ("questions", question_id)
+            if isinstance(question_id, str) and not HOSTED.question_id.fullmatch(question_id):
+                refuse(loc, f"question ids must be {HOSTED.question_id_rule}")
+            kind = question.get("type") if isinstance(question, dict) else None
+            criteria = question.get("criteria") if isinstance(question, dict) else None
+            if kind == "choice" and isinstance(criteria, dict):
+                low, high, what = HOSTED.min_choice_options, HOSTED.max_choice_options, "options"
+            elif kind == "score" and isinstance(criteria, list):
+                low, high, what = HOSTED.min_score_levels, HOSTED.max_score_levels, "levels"
             else:
-                for key, description in criteria.items():
-                    if key not in descriptions:
-                        problems.append(Problem(criteria_loc + (key,), "noul criteria keys must be 'true' or 'false'",
-                                                "value_error.key"))
-                    elif not _is_json_value(description):
-                        problems.append(Problem(criteria_loc + (key,), "description must be text or JSON",
-                                                "type_error.json"))
-                    elif description is not None:  # null keeps the default description
-                        descriptions[key] = description
-        option_ids = ("true", "false")
-        caller_ids = option_ids
-        option_descriptions = (descriptions["true"], descriptions["false"])
-    elif kind == "choice":
-        if not isinstance(criteria, dict):
-            problems.append(Problem(criteria_loc, "choice criteria must be a map option id → description",
-                                    "type_error.dict"))
-            return None
-        if not MIN_CHOICE_OPTIONS <= len(criteria) <= MAX_CHOICE_OPTIONS:
-            problems.append(Problem(criteria_loc, f"choice needs {MIN_CHOICE_OPTIONS}–{MAX_CHOICE_OPTIONS} options, "
-                                                  f"got {len(criteria)}", "value_error.length"))
-        for option_id, description in criteria.items():
-            if not option_id or len(option_id) > MAX_OPTION_ID_CHARS or not _is_text(option_id):
-                problems.append(Problem(criteria_loc + (option_id,),
-                                        f"option id must be 1–{MAX_OPTION_ID_CHARS} characters", "value_error.id"))
-            if not _is_json_value(description):
-                problems.append(Problem(criteria_loc + (option_id,), "description must be text, JSON or null",
-                                        "type_error.json"))
-        caller_ids = tuple(criteria)
-        option_ids = tuple(sorted(criteria))  # the model reads choice options sorted by id
-        option_descriptions = tuple(criteria[o] for o in option_ids)
-    else:
-        if not isinstance(criteria, list):
-            problems.append(Problem(criteria_loc, "score criteria must be a list of level descriptions, lowest first",
-                                    "type_error.list"))
-            return None
-        if not MIN_SCORE_LEVELS <= len(criteria) <= MAX_SCORE_LEVELS:
-            problems.append(Problem(criteria_loc, f"score needs {MIN_SCORE_LEVELS}–{MAX_SCORE_LEVELS} levels, "
-                                                  f"got {len(criteria)}", "value_error.length"))
-        for index, description in enumerate(criteria):
-            if description is None or not _is_json_value(description):  # the legend shows every level
-                problems.append(Problem(criteria_loc + (index,), "level description must be text or JSON",
-                                        "type_error.json"))
-        option_ids = tuple(str(i) for i in range(len(criteria)))
-        caller_ids = option_ids
-        option_descriptions = tuple(criteria)
+                continue
+            if not low <= len(criteria) <= high:
+                refuse((*loc, "criteria"), f"a {kind} takes {low}–{high} {what}, this has {len(criteria)}")
+    images = request.get("images")
+    if isinstance(images, list) and len(images) > HOSTED.max_images:
+        refuse(("images",), f"it takes at most {HOSTED.max_images} images, this has {len(images)}")
+    return problems
 
-    if len(problems) > before:
-        return None
-    return Question(question_id, kind, instructions, option_ids, option_descriptions, caller_ids)
+
+# ---------------------------------------------------------------------------------------------------------------
+# Building requests and formatting answers
+
+
+def data_url(content_type: str, data: bytes) -> str:
+    """The form a System One request carries media in."""
+    return f"data:{content_type};base64,{base64.b64encode(data).decode('ascii')}"
+
+
+def build_request(state: Any, questions: Mapping[str, Any], *, images: Iterable[str] = (),
+                  videos: Iterable[str] = (), model: str = DEFAULT_MODEL_NAME) -> dict[str, Any]:
+    """A System One request dict. Media are data URLs (see `data_url`), images before videos, in the order given;
+    the `images` / `videos` keys are present only when there are any."""
+    request: dict[str, Any] = {"model": model, "state": state, "questions": questions}
+    images, videos = list(images), list(videos)
+    if images:
+        request["images"] = images
+    if videos:
+        request["videos"] = videos
+    return request
 
 
 def noul_confidence(p_true: float) -> float:

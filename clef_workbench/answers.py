@@ -14,10 +14,8 @@ from typing import Any
 import altair as alt
 import pandas as pd
 
-NOUL_DEFAULT_DESCRIPTIONS = {
-    "true": "The proposition is true or the answer is yes.",
-    "false": "The proposition is false or the answer is no.",
-}
+from clef_engine.protocol import NOUL_DEFAULT_DESCRIPTIONS
+
 CHOSEN_COLOR = "#f38020"  # highlighted bar
 OTHER_COLOR = "#9aa5b1"
 BUDGET_PARTS = ("prefix", "media", "state", "schema", "suffix")

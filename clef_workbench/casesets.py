@@ -13,12 +13,14 @@ import csv
 import io
 import json
 import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pandas as pd
 
+from clef_engine import protocol
 from clef_workbench.stats import answer_frame
 from clef_workbench.store import Store, media_content_type
 
@@ -36,34 +38,30 @@ class CaseImportError(ValueError):
 
 # -- requests ---------------------------------------------------------------------------------------------------
 
-def data_url(content_type: str, data: bytes) -> str:
-    return f"data:{content_type};base64,{base64.b64encode(data).decode('ascii')}"
+data_url = protocol.data_url
 
 
-def build_request(case: dict, schema: dict, *, model: str = "clef") -> dict:
+def build_request(case: dict, schema: dict, *, model: str = protocol.DEFAULT_MODEL_NAME) -> dict:
     """System One request for a stored case (Store.get_case with media) and a schema."""
-    request: dict[str, Any] = {"model": model, "state": case["state"], "questions": schema["questions"]}
-    if case.get("images"):
-        request["images"] = [data_url(m["content_type"], m["data"]) for m in case["images"]]
-    if case.get("videos"):
-        request["videos"] = [data_url(m["content_type"], m["data"]) for m in case["videos"]]
-    return request
+    return protocol.build_request(
+        case["state"], schema["questions"], model=model,
+        images=[data_url(m["content_type"], m["data"]) for m in case.get("images") or ()],
+        videos=[data_url(m["content_type"], m["data"]) for m in case.get("videos") or ()],
+    )
 
 
 # -- expected answers -------------------------------------------------------------------------------------------
 
 def option_ids(question: dict) -> list[str]:
-    """Answer keys of a question, as used in distributions and expected answers."""
-    if question["type"] == "noul":
-        return ["true", "false"]
-    if question["type"] == "score":
-        return [str(i) for i in range(len(question.get("criteria") or []))]
-    return [str(k) for k in (question.get("criteria") or {})]
+    """Answer keys of a question (the keys of its answer's probabilities), as used in distributions and expected
+    answers."""
+    return list(protocol.option_ids(question["type"], question.get("criteria")))
 
 
 def coerce_expected(question_id: str, question: dict, value: Any) -> str | bool | int:
     """Turn a raw expected answer (from CSV text or JSON) into the stored form; ValueError says what is allowed."""
     qtype = question["type"]
+    allowed = option_ids(question)
     if qtype == "noul":
         if isinstance(value, bool):
             return value
@@ -74,7 +72,7 @@ def coerce_expected(question_id: str, question: dict, value: Any) -> str | bool 
             return False
         raise ValueError(f"{value!r} is not an answer to yes/no question {question_id!r} (use true/false or yes/no)")
     if qtype == "score":
-        levels = len(question.get("criteria") or [])
+        levels = len(allowed)
         try:
             number = float(value)
             if not number.is_integer():
@@ -86,7 +84,6 @@ def coerce_expected(question_id: str, question: dict, value: Any) -> str | bool 
         if not 0 <= level < levels:
             raise ValueError(f"level {level} is out of range for score question {question_id!r} (0 to {levels - 1})")
         return level
-    allowed = option_ids(question)
     text = str(value).strip()
     if text not in allowed:
         raise ValueError(f"{value!r} is not an option of question {question_id!r} (allowed: {', '.join(allowed)})")
@@ -285,8 +282,22 @@ def parse_jsonl(jsonl_text: str, schema: dict | None = None, *, base_dir: Path |
 
 
 def import_cases(store: Store, case_set_id: int, cases: list[dict]) -> list[int]:
-    """Add parsed cases to a case set in one transaction."""
-    return store.add_cases(case_set_id, cases)
+    """Add parsed cases to a case set in one transaction. A case whose content is already in the set is skipped,
+    so importing the same file twice adds its rows once. Returns the ids of the cases added."""
+    return store.add_cases(case_set_id, cases, skip_existing=True)
+
+
+# Column names that say they hold an answer rather than evidence: put into the state, they leak the answer into
+# the model's input.
+LABEL_COLUMN = re.compile(r"^(expected|label|labels|gold|golden|answer|answers|target|truth|ground[ _.-]?truth|"
+                          r"correct|y)([ _.-].*)?$", re.IGNORECASE)
+
+
+def label_like_columns(columns: list[str], question_ids: list[str] = ()) -> list[str]:
+    """The columns that look like expected answers: named expected_* / label / gold / answer / target / truth …,
+    or named after a question of the schema."""
+    questions = {q.lower() for q in question_ids}
+    return [c for c in columns if LABEL_COLUMN.match(c.strip()) or c.strip().lower() in questions]
 
 
 # -- export -----------------------------------------------------------------------------------------------------
@@ -359,8 +370,30 @@ def results_table(store: Store, run_id: int) -> pd.DataFrame:
     return table.reset_index(drop=True)
 
 
+EXPORT_DECIMALS = 4
+
+
+def _plain_label(value: Any) -> str:
+    """An answer as a person writes it in a cell: true / false, 2, billing — never JSON-quoted."""
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return ""
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
 def export_results_csv(store: Store, run_id: int) -> str:
-    return results_table(store, run_id).to_csv(index=False)
+    """The results table for a person with a spreadsheet: the case's state as text beside each answer,
+    probabilities, confidence and margin rounded to 4 decimals, correct and expected as true / false / plain
+    labels (empty where the case has no expected answer)."""
+    table = results_table(store, run_id)
+    if table.empty:
+        return table.to_csv(index=False)
+    states = {r["case_id"]: state_text(r["state"]) for r in store.list_results(run_id)}
+    table.insert(table.columns.get_loc("question_id"), "state", table["case_id"].map(states))
+    numbers = [c for c in table.columns if c.startswith("p:")] + ["confidence", "margin", "score"]
+    table[numbers] = table[numbers].astype(float).round(EXPORT_DECIMALS)
+    table["correct"] = table["correct"].map(lambda v: "" if pd.isna(v) else ("true" if v else "false"))
+    table["expected"] = table["expected"].map(_plain_label)
+    return table.to_csv(index=False)
 
 
 def export_results_jsonl(store: Store, run_id: int) -> str:

@@ -1,21 +1,35 @@
 """Background batch runs. A process-wide JobRunner owns one thread per running run, so a run keeps going when
 the user switches pages or reloads; every chunk's results are committed as they arrive, so a crash loses at most
 the chunk in flight and a restart resumes with the cases that have no result yet.
+
+The GPU is kept busy: a run's cases go in chunks sized by tokens (`chunk_tokens`, learnt from the tokens of the
+cases already done; a run's `chunk_size` setting fixes a number of cases instead), and the next chunk is encoded
+and queued on the engine while the one before it runs, its results written to the store while the next one runs.
+The engine's scheduler splits bulk work into batches, so an interactive request waits for at most one of them.
+
+A runner holds a lease on each run it works on (in the database, renewed by a heartbeat), so a second process
+asked to run the same run is refused instead of computing every case again; once the first process stops (or is
+killed), the lease is void and the second one resumes with the cases left.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from collections import deque
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from clef_engine.errors import BusyError, ClefError
 from clef_workbench.casesets import build_request
-from clef_workbench.store import Store, now_iso
+from clef_workbench.store import Store, new_lease_owner, now_iso
 
-DEFAULT_CHUNK_SIZE = 8
+DEFAULT_CHUNK_SIZE = 8  # cases in the first chunk, before the run's tokens per case are known
+DEFAULT_CHUNK_TOKENS = 16_384
 BUSY_RETRIES = 20  # BusyError (queue full) is retried with backoff; other engine errors are per-case errors
+# A lease not renewed for this long is void. The heartbeat renews it every third of that, whatever a chunk takes.
+LEASE_TTL_S = 30.0
 
 
 class DecisionEngine(Protocol):
@@ -26,6 +40,9 @@ class DecisionEngine(Protocol):
     def decide_many(self, requests: list[dict], *, max_length: int | None = None, overflow: str = "refuse",
                     priority: str = "bulk") -> list[dict]: ...
 
+    def submit(self, requests: list[dict], *, priority: str = "interactive", max_length: int | None = None,
+               overflow: str = "refuse") -> Future: ...
+
 
 @dataclass
 class _LiveJob:
@@ -34,18 +51,34 @@ class _LiveJob:
     session_started: float = field(default_factory=time.monotonic)
     processed: int = 0  # cases finished by this thread (for the rate; earlier sessions are not counted)
     last_error: str | None = None
+    lease_lost: threading.Event = field(default_factory=threading.Event)
+
+
+@dataclass
+class _Chunk:
+    """One chunk of a run between its submission to the engine and its results."""
+
+    started_at: str
+    valid: list[tuple[int, dict]] = field(default_factory=list)  # (case id, request) sent to the engine
+    errors: list[dict] = field(default_factory=list)  # cases refused before the engine
+    future: Future | None = None
+    began: float = 0.0
 
 
 class JobAlreadyRunningError(RuntimeError):
-    """The run already has a live job in this process."""
+    """The run already has a live job in this process, or another process holds its lease."""
 
 
 class JobRunner:
     """Starts, cancels and reports on batch runs. Create one per process (the UI caches it as a resource)."""
 
-    def __init__(self, store: Store, *, chunk_size: int = DEFAULT_CHUNK_SIZE):
+    def __init__(self, store: Store, *, chunk_size: int = DEFAULT_CHUNK_SIZE, chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+                 lease_ttl_s: float = LEASE_TTL_S):
         self.store = store
         self.chunk_size = chunk_size
+        self.chunk_tokens = chunk_tokens
+        self.lease_ttl_s = lease_ttl_s
+        self.owner = new_lease_owner()
         self._jobs: dict[int, _LiveJob] = {}
         self._lock = threading.Lock()
 
@@ -56,6 +89,11 @@ class JobRunner:
             job = self._jobs.get(run_id)
             if job is not None and job.thread.is_alive():
                 raise JobAlreadyRunningError(f"run {run_id} is already running")
+            holder = self.store.acquire_run_lease(run_id, self.owner, self.lease_ttl_s)
+            if holder is not None:
+                raise JobAlreadyRunningError(
+                    f"run {run_id} is being run by another process ({holder}); it goes on there, and can be "
+                    "resumed here once that process stops")
             thread = threading.Thread(target=self._work, args=(run_id, engine), name=f"clef-run-{run_id}",
                                       daemon=True)
             self._jobs[run_id] = _LiveJob(thread=thread)
@@ -90,6 +128,7 @@ class JobRunner:
         job = self._jobs.get(run_id)
         live = job is not None and job.thread.is_alive()
         remaining = run["total"] - run["done"]
+        elsewhere = not live and self.store.run_lease_holder(run_id) is not None
         rate = eta = None
         if live and job.processed:
             rate = job.processed / max(time.monotonic() - job.session_started, 1e-9)
@@ -98,49 +137,110 @@ class JobRunner:
             "run_id": run_id, "status": run["status"], "total": run["total"], "done": run["done"],
             "errors": run["errors"], "remaining": remaining, "rate_per_s": rate, "eta_s": eta, "live": live,
             "cancelling": live and job.cancel.is_set(),
-            "interrupted": run["status"] == "running" and not live,
+            "elsewhere": elsewhere,  # another process holds the run's lease and works on it
+            "interrupted": run["status"] == "running" and not live and not elsewhere,
             "error": run["error"] or (job.last_error if job else None),
         }
 
     # -- the worker thread -------------------------------------------------------------------------------------
 
+    def _heartbeat(self, run_id: int, job: _LiveJob) -> None:
+        while not job.lease_lost.wait(self.lease_ttl_s / 3):
+            if not job.thread.is_alive():
+                return
+            if not self.store.renew_run_lease(run_id, self.owner, self.lease_ttl_s):
+                job.lease_lost.set()  # taken over after we failed to renew in time: stop, the new holder goes on
+
     def _work(self, run_id: int, engine: DecisionEngine) -> None:
         job = self._jobs[run_id]
+        threading.Thread(target=self._heartbeat, args=(run_id, job), name=f"clef-lease-{run_id}",
+                         daemon=True).start()
+        try:
+            self._work_leased(run_id, engine, job)
+        finally:
+            job.lease_lost.set()  # ends the heartbeat
+            self.store.release_run_lease(run_id, self.owner)
+
+    def _work_leased(self, run_id: int, engine: DecisionEngine, job: _LiveJob) -> None:
         try:
             run = self.store.get_run(run_id)
             settings = run["settings"] or {}
-            chunk_size = int(settings.get("chunk_size") or self.chunk_size)
-            pending = self.store.unfinished_case_ids(run_id)
-            for start in range(0, len(pending), chunk_size):
-                if job.cancel.is_set():
+            fixed_size = int(settings["chunk_size"]) if settings.get("chunk_size") else None
+            chunk_tokens = int(settings.get("chunk_tokens") or self.chunk_tokens)
+            pending = deque(self.store.unfinished_case_ids(run_id))
+            in_flight: deque[_Chunk] = deque()
+            tokens_seen = cases_seen = 0
+            while pending or in_flight:
+                stop = job.cancel.is_set() or job.lease_lost.is_set()
+                if pending and not stop:
+                    size = fixed_size or (max(1, chunk_tokens * cases_seen // tokens_seen) if tokens_seen
+                                          else self.chunk_size)
+                    chunk = [pending.popleft() for _ in range(min(size, len(pending)))]
+                    in_flight.append(self._submit_chunk(run, chunk, engine, settings, job))
+                    if len(in_flight) < 2 and pending:
+                        continue  # keep one chunk queued behind the one on the GPU
+                elif stop:
+                    pending.clear()
+                if not in_flight:
                     break
-                chunk = pending[start:start + chunk_size]
-                results = self._run_chunk(run, chunk, engine, settings, job)
-                self.store.record_results(run_id, results)
+                results = self._finish_chunk(in_flight.popleft(), engine, settings, job)
+                self.store.record_results(run_id, results)  # while the next chunk runs
                 job.processed += len(results)
+                counted = [r["input_tokens"] for r in results if r.get("input_tokens")]
+                tokens_seen += sum(counted)
+                cases_seen += len(counted)
+            if job.lease_lost.is_set() and not job.cancel.is_set():
+                return  # another process holds the run now; its status is its to write
             left = self.store.unfinished_case_ids(run_id)
             self.store.set_run_status(run_id, "cancelled" if left else "finished")
         except Exception as exc:  # noqa: BLE001 — the run stops, its finished results stay; the message goes to the run page
             job.last_error = f"{type(exc).__name__}: {exc}"
             self.store.set_run_status(run_id, "failed", error=job.last_error)
 
-    def _run_chunk(self, run: dict, case_ids: list[int], engine: DecisionEngine, settings: dict,
-                   job: _LiveJob) -> list[dict]:
-        started_at = now_iso()
-        results: list[dict] = []
-        valid: list[tuple[int, dict]] = []
+    def _submit_chunk(self, run: dict, case_ids: list[int], engine: DecisionEngine, settings: dict,
+                      job: _LiveJob) -> _Chunk:
+        """Build and check the chunk's requests, then queue the valid ones on the engine (encoding them here)."""
+        chunk = _Chunk(started_at=now_iso())
         for case in self.store.get_cases(case_ids):
             request = build_request(case, run["schema"], model=run["model_id"])
             try:
                 engine.validate(request)
             except ClefError as exc:  # a bad case is recorded as an error result, the run goes on
-                results.append({"case_id": case["id"], "error": f"{type(exc).__name__}: {exc}",
-                                "started_at": started_at, "finished_at": now_iso()})
+                chunk.errors.append({"case_id": case["id"], "error": f"{type(exc).__name__}: {exc}",
+                                     "started_at": chunk.started_at, "finished_at": now_iso()})
                 continue
-            valid.append((case["id"], request))
-        if valid:
-            results.extend(self._decide(valid, engine, settings, started_at, job))
-        return results
+            chunk.valid.append((case["id"], request))
+        if not chunk.valid:
+            return chunk
+        options = {"max_length": settings.get("max_length"), "overflow": settings.get("overflow", "refuse")}
+        requests = [r for _, r in chunk.valid]
+        chunk.began = time.perf_counter()
+        try:
+            if hasattr(engine, "submit"):
+                chunk.future = self._with_busy_retry(
+                    lambda: engine.submit(requests, priority="bulk", **options), job)
+            else:  # an engine without a queue of its own: decide now
+                chunk.future = Future()
+                chunk.future.set_result(self._with_busy_retry(
+                    lambda: engine.decide_many(requests, priority="bulk", **options), job))
+        except ClefError:
+            chunk.future = None  # one bad record (e.g. over the token budget) refused the chunk: one by one later
+        return chunk
+
+    def _finish_chunk(self, chunk: _Chunk, engine: DecisionEngine, settings: dict, job: _LiveJob) -> list[dict]:
+        """Wait for the chunk's answers; results in the form Store.record_results takes."""
+        if not chunk.valid:
+            return chunk.errors
+        try:
+            if chunk.future is None:
+                raise ClefError("refused at submission")
+            responses = chunk.future.result()
+        except ClefError:
+            # isolate the bad record: each case alone
+            return chunk.errors + [result for item in chunk.valid
+                                   for result in self._decide([item], engine, settings, now_iso(), job)]
+        return chunk.errors + self._results(chunk.valid, responses, chunk.started_at,
+                                            (time.perf_counter() - chunk.began) * 1000)
 
     def _decide(self, valid: list[tuple[int, dict]], engine: DecisionEngine, settings: dict, started_at: str,
                 job: _LiveJob) -> list[dict]:
@@ -155,8 +255,11 @@ class JobRunner:
                          "started_at": started_at, "finished_at": now_iso()}]
             # one bad record (e.g. over the token budget) fails the whole call: retry one by one to isolate it
             return [result for item in valid for result in self._decide([item], engine, settings, now_iso(), job)]
+        return self._results(valid, responses, started_at, (time.perf_counter() - began) * 1000)
+
+    @staticmethod
+    def _results(valid: list[tuple[int, dict]], responses: list[dict], started_at: str, wall_ms: float) -> list[dict]:
         finished_at = now_iso()
-        wall_ms = (time.perf_counter() - began) * 1000
         out = []
         for (case_id, _), response in zip(valid, responses, strict=True):
             out.append({

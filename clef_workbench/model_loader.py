@@ -194,3 +194,18 @@ class ModelManager:
                 self._error = error
             self._loading = None
             self._done.notify_all()
+
+
+_shared: ModelManager | None = None
+_shared_lock = threading.Lock()
+
+
+def shared_manager() -> ModelManager:
+    """The process's one ModelManager, shared by every browser session and the HTTP API (one resident model, one
+    GPU queue). The first call starts loading the default model (CLEF_MODEL, else Clef on CUDA, else the demo)."""
+    global _shared
+    with _shared_lock:
+        if _shared is None:
+            _shared = ModelManager()
+            _shared.request(default_source())
+        return _shared

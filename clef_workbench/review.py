@@ -123,6 +123,20 @@ def apply_rules(store: Store, run_id: int, rules: ReviewRules) -> int:
     return store.queue_review_items(candidates(store, run_id, rules))
 
 
+def label_key(value: Any) -> str:
+    """An answer as a distribution key: 'true'/'false' for noul, '2' for a score level, the id for a choice."""
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def gold_conflict(item: dict, expected: Any, action: str, label: Any = None) -> str | None:
+    """The case set's expected answer (the gold label) that this action would contradict, or None. accept labels
+    the item with the model's answer, correct with `label`; unknown and skip give no label."""
+    if expected is None or action not in ("accept", "correct"):
+        return None
+    new = item["predicted"] if action == "accept" else label
+    return None if label_key(new) == label_key(expected) else label_key(expected)
+
+
 def next_item(store: Store, run_id: int, *, after_item_id: int | None = None) -> dict | None:
     """The worst open item; if none, the worst skipped one (skipping `after_item_id`, so skip moves on)."""
     for statuses in (("open",), ("skipped",)):
@@ -157,8 +171,9 @@ def export_golden_set(store: Store, run_id: int, name: str, *, keep_other_expect
                                                                if i["status"] == "unknown"]))
         cases.append({"state": case["state"], "expected": expected, "tags": tags,
                       "images": [m["data"] for m in case["images"]], "videos": [m["data"] for m in case["videos"]]})
+    # the library slug the run was started with, so the golden set maps its expected answers on re-import
     case_set_id = store.create_case_set(
-        name, schema_name=run["schema_name"],
+        name, schema_name=(run["settings"] or {}).get("schema_slug") or run["schema_name"],
         description=f"Golden set reviewed from run {run_id} ({run['case_set_name']}, schema {run['schema_name']} "
                     f"v{run['schema_version']}, model {run['model_id']})",
     )

@@ -9,8 +9,9 @@ A schema file holds, in this key order:
 `questions` is exactly the System One `questions` map (spec §5), so it goes into a request unchanged. Files are
 written with indent 2, UTF-8, a trailing newline and a fixed key order, so edits show up as small git diffs.
 
-Validation applies the limits published for hosted Clef; `lint` adds warnings about schemas that are valid but
-likely to give poor answers. Every message names the question and the field it concerns.
+Validation applies the System One contract (clef_engine.protocol, what the release code accepts); `lint` warns
+where the hosted Clef service would refuse a schema and about schemas that are valid but likely to give poor
+answers. Every message names the question and the field it concerns.
 """
 
 from __future__ import annotations
@@ -25,16 +26,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-# Published limits for hosted Clef (spec §5).
-MIN_QUESTIONS = 1
-MAX_QUESTIONS = 64
-MIN_CHOICE_OPTIONS = 2
-MAX_CHOICE_OPTIONS = 255
-MIN_SCORE_LEVELS = 2
-MAX_SCORE_LEVELS = 10
-QUESTION_ID_PATTERN = re.compile(r"[A-Za-z0-9_.\-]{1,100}")
-QUESTION_TYPES = ("noul", "choice", "score")
-NOUL_CRITERIA_KEYS = ("true", "false")
+from clef_engine import protocol
+from clef_engine.errors import Problem, RequestError
+
+# The System One contract (question types, id rules, hosted limits) is clef_engine.protocol's; the names below
+# are kept for the pages.
+QUESTION_TYPES = protocol.QUESTION_TYPES
+NOUL_CRITERIA_KEYS = protocol.NOUL_OPTION_IDS
 
 # Descriptions at least this similar (difflib ratio) inside one question are probably copy-paste mistakes:
 # the model cannot tell such options apart.
@@ -139,89 +137,46 @@ def _is_blank_instruction(instructions: Any) -> bool:
     return False
 
 
-def _validate_question(qid: str, question: Any) -> list[SchemaProblem]:
-    loc = ("questions", qid)
-    problems: list[SchemaProblem] = []
-    if not isinstance(question, dict):
-        return [SchemaProblem(loc, f'question "{qid}": must be an object with "type", "instructions", "criteria"')]
-    unknown = [k for k in question if k not in ("type", "instructions", "criteria")]
-    for key in unknown:
-        problems.append(SchemaProblem((*loc, key), f"{_q(qid, key)}: unknown field (allowed: type, instructions, "
-                                                   "criteria)"))
-    qtype = question.get("type")
-    if qtype not in QUESTION_TYPES:
-        problems.append(SchemaProblem((*loc, "type"), f"{_q(qid, 'type')}: must be one of noul, choice, score "
-                                                      f"(got {json.dumps(qtype)})"))
-        return problems
-    criteria = question.get("criteria")
-    cloc = (*loc, "criteria")
-    if qtype == "noul":
-        if criteria is not None:
-            if not isinstance(criteria, dict):
-                problems.append(SchemaProblem(cloc, f"{_q(qid, 'criteria')}: a noul question takes null or a map "
-                                                    '{"true": description, "false": description}'))
-            else:
-                for key, desc in criteria.items():
-                    if key not in NOUL_CRITERIA_KEYS:
-                        problems.append(SchemaProblem((*cloc, key), f'{_q(qid, "criteria")}: key "{key}" is not '
-                                                                    'allowed; a noul question has only "true" and '
-                                                                    '"false"'))
-                    elif not isinstance(desc, str):
-                        problems.append(SchemaProblem((*cloc, key), f'{_q(qid, "criteria")}: the "{key}" '
-                                                                    "description must be a string"))
-    elif qtype == "choice":
-        if not isinstance(criteria, dict):
-            problems.append(SchemaProblem(cloc, f"{_q(qid, 'criteria')}: a choice question needs a map of option "
-                                                "id -> description (description may be null)"))
-        else:
-            n = len(criteria)
-            if not MIN_CHOICE_OPTIONS <= n <= MAX_CHOICE_OPTIONS:
-                problems.append(SchemaProblem(cloc, f"{_q(qid, 'criteria')}: a choice question needs "
-                                                    f"{MIN_CHOICE_OPTIONS}–{MAX_CHOICE_OPTIONS} options (has {n})"))
-            for dup in getattr(criteria, "duplicate_keys", ()):
-                problems.append(SchemaProblem((*cloc, dup), f'{_q(qid, "criteria")}: option id "{dup}" appears '
-                                                            "more than once"))
-            for option_id, desc in criteria.items():
-                if not option_id.strip():
-                    problems.append(SchemaProblem((*cloc, option_id), f"{_q(qid, 'criteria')}: an option id is "
-                                                                      "empty"))
-                if desc is not None and not isinstance(desc, str):
-                    problems.append(SchemaProblem((*cloc, option_id), f'{_q(qid, "criteria")}: the description of '
-                                                                      f'option "{option_id}" must be a string or '
-                                                                      "null"))
-    else:  # score
-        if not isinstance(criteria, list):
-            problems.append(SchemaProblem(cloc, f"{_q(qid, 'criteria')}: a score question needs a list of level "
-                                                "descriptions, lowest first"))
-        else:
-            n = len(criteria)
-            if not MIN_SCORE_LEVELS <= n <= MAX_SCORE_LEVELS:
-                problems.append(SchemaProblem(cloc, f"{_q(qid, 'criteria')}: a score question needs "
-                                                    f"{MIN_SCORE_LEVELS}–{MAX_SCORE_LEVELS} levels (has {n})"))
-            for i, desc in enumerate(criteria):
-                if not isinstance(desc, str):
-                    problems.append(SchemaProblem((*cloc, i), f"{_q(qid, 'criteria')}: level {i} must be a "
-                                                              "description string"))
-    return problems
+def _where(loc: tuple[str | int, ...]) -> str:
+    """A location in a questions map in words: 'question "q1", field "criteria"'."""
+    if len(loc) < 2 or loc[0] != "questions":
+        return '"questions"' if loc == ("questions",) else " / ".join(map(str, loc)) or "the schema"
+    where = f'question "{loc[1]}"'
+    if len(loc) > 2:
+        where += f', field "{loc[2]}"'
+    if len(loc) > 3:
+        where += f", {'level' if isinstance(loc[3], int) else 'key'} {json.dumps(loc[3], ensure_ascii=False)}"
+    return where
+
+
+def _schema_problem(problem: Problem, severity: Severity = "error") -> SchemaProblem:
+    return SchemaProblem(problem.loc, f"{_where(problem.loc)}: {problem.msg}", severity)
 
 
 def validate_questions(questions: Any) -> list[SchemaProblem]:
-    """Errors that make `questions` unusable as a System One questions map (published limits, types, shapes)."""
+    """Errors that make `questions` unusable as a System One questions map: the contract's rules
+    (clef_engine.protocol), plus what only a file can get wrong (duplicate keys, unknown question fields).
+    Limits of the hosted service are warnings of `lint_questions`, not errors."""
     if not isinstance(questions, dict):
         return [SchemaProblem(("questions",), '"questions" must be a map of question id -> question')]
     problems: list[SchemaProblem] = []
-    n = len(questions)
-    if not MIN_QUESTIONS <= n <= MAX_QUESTIONS:
-        problems.append(SchemaProblem(("questions",), f"a schema needs {MIN_QUESTIONS}–{MAX_QUESTIONS} questions "
-                                                      f"(has {n})"))
     for dup in getattr(questions, "duplicate_keys", ()):
         problems.append(SchemaProblem(("questions", dup), f'question "{dup}": the id appears more than once; '
                                                           "only the last one would be kept"))
     for qid, question in questions.items():
-        if not QUESTION_ID_PATTERN.fullmatch(qid):
-            problems.append(SchemaProblem(("questions", qid), f'question "{qid}", field "id": ids are 1–100 '
-                                                              "letters, digits, _ . or -"))
-        problems.extend(_validate_question(qid, question))
+        if not isinstance(question, dict):
+            continue
+        for key in question:
+            if key not in protocol.QUESTION_FIELDS:
+                problems.append(SchemaProblem(("questions", qid, key), f"{_q(qid, key)}: unknown field (allowed: "
+                                                                       f"{', '.join(protocol.QUESTION_FIELDS)})"))
+        for dup in getattr(question.get("criteria"), "duplicate_keys", ()):
+            problems.append(SchemaProblem(("questions", qid, "criteria", dup),
+                                          f'{_q(qid, "criteria")}: option id "{dup}" appears more than once'))
+    try:
+        protocol.validate_request({"state": "", "questions": questions})
+    except RequestError as exc:
+        problems.extend(_schema_problem(p) for p in exc.problems)
     return problems
 
 
@@ -243,10 +198,11 @@ def _normalized(text: str) -> str:
 
 
 def lint_questions(questions: Any) -> list[SchemaProblem]:
-    """Warnings about a questions map that is valid but likely to give poor or ambiguous answers."""
+    """Warnings about a questions map that the hosted service would refuse, or that is valid but likely to give
+    poor or ambiguous answers."""
     if not isinstance(questions, dict):
         return []
-    warnings: list[SchemaProblem] = []
+    warnings = [_schema_problem(p, "warning") for p in protocol.hosted_service_problems(questions)]
     seen_folded: dict[str, str] = {}
     for qid, question in questions.items():
         folded = qid.casefold()
@@ -424,26 +380,32 @@ def validate_schema_dict(data: Any) -> list[SchemaProblem]:
 #           "true": str, "false": str}. Rows are a list, so a duplicated id stays visible instead of being merged.
 
 
+def _as_text(value: Any) -> str:
+    """A description for a text box. The contract allows JSON descriptions; the builder shows them as JSON text."""
+    if value is None:
+        return ""
+    return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+
+
 def question_to_row(qid: str, question: dict[str, Any]) -> dict[str, Any]:
     """One question of a questions map as an editable row."""
     criteria = question.get("criteria")
-    instructions = question.get("instructions", "")
     row: dict[str, Any] = {
         "id": qid,
         "type": question.get("type", "noul"),
-        "instructions": instructions if isinstance(instructions, str) else json.dumps(instructions),
+        "instructions": _as_text(question.get("instructions", "")),
         "options": [],
         "levels": [],
         "true": "",
         "false": "",
     }
     if row["type"] == "choice" and isinstance(criteria, dict):
-        row["options"] = [{"id": k, "description": v or ""} for k, v in criteria.items()]
+        row["options"] = [{"id": k, "description": _as_text(v)} for k, v in criteria.items()]
     elif row["type"] == "score" and isinstance(criteria, list):
-        row["levels"] = [str(v) for v in criteria]
+        row["levels"] = [_as_text(v) for v in criteria]
     elif row["type"] == "noul" and isinstance(criteria, dict):
-        row["true"] = criteria.get("true", "") or ""
-        row["false"] = criteria.get("false", "") or ""
+        row["true"] = _as_text(criteria.get("true"))
+        row["false"] = _as_text(criteria.get("false"))
     return row
 
 

@@ -7,7 +7,6 @@
 
 from __future__ import annotations
 
-import base64
 import io
 import json
 import re
@@ -15,23 +14,25 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from clef_engine import protocol
 from clef_engine.model.media import sniff_content_type
 
-# Upload limits, shown in the UI next to the uploaders. Images follow the limits published for hosted Clef
-# (spec §5: up to 4 images, 16 MP each); the byte limits keep one request's upload and base64 copy small.
-MAX_IMAGES = 4
-MAX_IMAGE_PIXELS = 16_000_000
+# Upload limits, shown in the UI next to the uploaders; stricter than the contract, which has none. Images follow
+# the limits published for hosted Clef (spec §5), so what the Decide page sends would also be taken there; the
+# byte limits keep one request's upload and base64 copy small.
+MAX_IMAGES = protocol.HOSTED.max_images
+MAX_IMAGE_PIXELS = protocol.HOSTED.max_image_pixels
 MAX_IMAGE_BYTES = 20 * 1024 * 1024
-# Videos cost many tokens (2 frames per second are sampled) and have no published limit; these keep a single
-# Decide request reasonable on one GPU.
-MAX_VIDEOS = 2
+# Videos cost many tokens (2 frames per second are sampled) and have no published limit: the page takes as many as
+# images, and these keep a single Decide request reasonable on one GPU.
+MAX_VIDEOS = protocol.HOSTED.max_images
 MAX_VIDEO_BYTES = 64 * 1024 * 1024
 MAX_VIDEO_SECONDS = 120.0
 # Streamlit text areas get slow long before this; a state this long cannot fit a 16k-token context anyway.
 MAX_STATE_CHARS = 2_000_000
 
-IMAGE_TYPES = {"image/png": "PNG", "image/jpeg": "JPEG", "image/webp": "WebP"}
-VIDEO_TYPES = {"video/mp4": "MP4", "video/webm": "WebM", "video/quicktime": "MOV"}
+IMAGE_TYPES = {t: protocol.MEDIA_TYPE_NAMES[t] for t in protocol.IMAGE_CONTENT_TYPES}
+VIDEO_TYPES = {t: protocol.MEDIA_TYPE_NAMES[t] for t in protocol.VIDEO_CONTENT_TYPES}
 IMAGE_EXTENSIONS = ("png", "jpg", "jpeg", "webp")
 VIDEO_EXTENSIONS = ("mp4", "webm", "mov")
 
@@ -146,21 +147,32 @@ class Media:
 
     def data_url(self) -> str:
         """The form a System One request carries media in."""
-        return f"data:{self.content_type};base64,{base64.b64encode(self.data).decode('ascii')}"
+        return protocol.data_url(self.content_type, self.data)
 
 
 def _mb(n: int) -> str:
     return f"{n / (1024 * 1024):.0f} MB"
 
 
+def _names(types: dict[str, str]) -> str:
+    names = list(types.values())
+    return f"{', '.join(names[:-1])} or {names[-1]}"
+
+
+def _sniffed_type(name: str, data: bytes, kind: str, types: dict[str, str], max_bytes: int) -> str:
+    """The upload's content type when it is one of `types` within `max_bytes`, else MediaError saying why not."""
+    if len(data) > max_bytes:
+        raise MediaError(f"{name}: {len(data) / 1048576:.1f} MB is over the {_mb(max_bytes)} {kind} limit.")
+    content_type = sniff_content_type(data)
+    if content_type not in types:
+        what = f"a {content_type} file" if content_type else "not a file type the engine reads"
+        raise MediaError(f"{name}: {what}; {kind}s must be {_names(types)}.")
+    return content_type
+
+
 def check_image(name: str, data: bytes) -> Media:
     """Accept a PNG, JPEG or WebP image within the limits, or raise MediaError saying why not."""
-    if len(data) > MAX_IMAGE_BYTES:
-        raise MediaError(f"{name}: {len(data) / 1048576:.1f} MB is over the {_mb(MAX_IMAGE_BYTES)} image limit.")
-    content_type = sniff_content_type(data)
-    if content_type not in IMAGE_TYPES:
-        what = f"a {content_type} file" if content_type else "not a PNG, JPEG or WebP image"
-        raise MediaError(f"{name}: {what}; images must be PNG, JPEG or WebP.")
+    content_type = _sniffed_type(name, data, "image", IMAGE_TYPES, MAX_IMAGE_BYTES)
     from PIL import (  # Pillow is imported only when an image is checked
         Image,
         UnidentifiedImageError,
@@ -180,12 +192,7 @@ def check_image(name: str, data: bytes) -> Media:
 
 def check_video(name: str, data: bytes) -> Media:
     """Accept an MP4, WebM or MOV video within the limits whose first video stream decodes, or raise MediaError."""
-    if len(data) > MAX_VIDEO_BYTES:
-        raise MediaError(f"{name}: {len(data) / 1048576:.1f} MB is over the {_mb(MAX_VIDEO_BYTES)} video limit.")
-    content_type = sniff_content_type(data)
-    if content_type not in VIDEO_TYPES:
-        what = f"a {content_type} file" if content_type else "not an MP4, WebM or MOV video"
-        raise MediaError(f"{name}: {what}; videos must be MP4, WebM or MOV.")
+    content_type = _sniffed_type(name, data, "video", VIDEO_TYPES, MAX_VIDEO_BYTES)
     import av  # PyAV, imported only when a video is checked
 
     try:
@@ -220,8 +227,8 @@ def check_media_counts(images: Sequence[Any], videos: Sequence[Any]) -> None:
 
 def media_limits_text() -> str:
     """The limits in one sentence, for the UI."""
-    return (f"Images: PNG, JPEG or WebP, up to {MAX_IMAGES} per request, {_mb(MAX_IMAGE_BYTES)} and "
-            f"{MAX_IMAGE_PIXELS / 1e6:.0f} MP each. Videos: MP4, WebM or MOV, up to {MAX_VIDEOS} per request, "
+    return (f"Images: {_names(IMAGE_TYPES)}, up to {MAX_IMAGES} per request, {_mb(MAX_IMAGE_BYTES)} and "
+            f"{MAX_IMAGE_PIXELS / 1e6:.0f} MP each. Videos: {_names(VIDEO_TYPES)}, up to {MAX_VIDEOS} per request, "
             f"{_mb(MAX_VIDEO_BYTES)} and {MAX_VIDEO_SECONDS:.0f} s each.")
 
 
@@ -229,7 +236,7 @@ def media_limits_text() -> str:
 # Request
 
 
-DEFAULT_MODEL_NAME = "clef"
+DEFAULT_MODEL_NAME = protocol.DEFAULT_MODEL_NAME
 
 
 def build_request(state: Any, questions: dict[str, Any], *, images: Sequence[Media] = (),
@@ -237,12 +244,8 @@ def build_request(state: Any, questions: dict[str, Any], *, images: Sequence[Med
     """The System One request for a state, a questions map and accepted media (images before videos, in the order
     given). Media travel as data URLs. `images`/`videos` keys are present only when there are any."""
     check_media_counts(images, videos)
-    request: dict[str, Any] = {"model": model, "state": state, "questions": questions}
-    if images:
-        request["images"] = [m.data_url() for m in images]
-    if videos:
-        request["videos"] = [m.data_url() for m in videos]
-    return request
+    return protocol.build_request(state, questions, images=[m.data_url() for m in images],
+                                  videos=[m.data_url() for m in videos], model=model)
 
 
 def redact_media(request: dict[str, Any], images: Sequence[Media] = (), videos: Sequence[Media] = (),

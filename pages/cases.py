@@ -11,7 +11,7 @@ from clef_workbench import casesets
 from clef_workbench.casesets import CaseImportError, CsvMapping
 from clef_workbench.schemas import SchemaError
 from clef_workbench.store import StoreError
-from ui_common import get_library, get_store, kept_widget, page_key, use_app_navigation
+from workbench_ui.shell import get_library, get_store, kept_widget, page_key, use_app_navigation
 
 use_app_navigation()
 
@@ -37,11 +37,55 @@ def load_schema(slug: str | None) -> dict | None:
         return None
 
 
+def flash(kind: str, message: str, *, undo: tuple[str, int] | None = None) -> None:
+    """A message for the next run of the page (import and delete rerun it), optionally with an Undo button."""
+    st.session_state[K("flash")] = (kind, message, undo)
+
+
+def undo_delete(kind: str, object_id: int | list[int]) -> None:
+    try:
+        if kind == "cases":
+            for case_id in object_id:
+                store.restore_case(case_id)
+            flash("success", f"Restored {len(object_id)} case(s).")
+        elif kind == "case_set":
+            store.restore_case_set(object_id)
+            st.session_state[K("selected")] = object_id
+            st.session_state["_keep." + K("selected")] = object_id
+            flash("success", f"Restored case set #{object_id}.")
+        else:
+            store.restore_case(object_id)
+            flash("success", f"Restored case #{object_id}.")
+    except StoreError as exc:
+        flash("error", f"Not restored: {exc}")
+
+
+def show_flash() -> None:
+    message = st.session_state.pop(K("flash"), None)
+    if not message:
+        return
+    kind, text, undo = message
+    cols = st.columns([5, 1], vertical_alignment="center")
+    getattr(cols[0], kind)(text)
+    if undo is not None:
+        cols[1].button("Undo", key=K("undo"), icon=":material/undo:", on_click=undo_delete, args=undo)
+
+
 def show_problems(exc: CaseImportError) -> None:
     st.error(f"Nothing was changed: {len(exc.problems)} problem(s).")
     st.markdown("\n".join(f"- {p}" for p in exc.problems[:50]))
 
 
+show_flash()
+deleted_sets = store.list_case_sets(deleted=True)
+if deleted_sets:
+    with st.expander(f"Deleted case sets ({len(deleted_sets)})", icon=":material/restore_from_trash:"):
+        for deleted in deleted_sets[:20]:
+            cols = st.columns([5, 1], vertical_alignment="center")
+            cols[0].write(f"{deleted['name']} · {deleted['case_count']} cases · deleted "
+                          f"{deleted['deleted_at'][:19].replace('T', ' ')} UTC")
+            cols[1].button("Restore", key=K(f"restore.{deleted['id']}"), on_click=undo_delete,
+                           args=("case_set", deleted["id"]))
 top = st.columns([3, 2])
 with top[1]:
     if st.button("Load the example case sets", key=K("load_examples"), icon=":material/library_add:",
@@ -100,17 +144,22 @@ with tab_cases:
         },
     )
     if st.button("Save changes", key=K("save_edits"), icon=":material/save:"):
+        before = {c["id"] for c in store.list_cases(case_set_id)}
         try:
             counts = casesets.apply_case_edits(store, case_set_id, edited, schema)
         except CaseImportError as exc:
             show_problems(exc)
         else:
             st.session_state.pop(K(f"editor.{case_set_id}"), None)
-            st.success(f"Saved: {counts['added']} added, {counts['updated']} updated, {counts['deleted']} deleted.")
+            gone = sorted(before - {c["id"] for c in store.list_cases(case_set_id)})
+            flash("success", f"Saved: {counts['added']} added, {counts['updated']} updated, {counts['deleted']} "
+                             "deleted.", undo=("cases", gone) if gone else None)
             st.rerun()
 
 with tab_import:
-    upload = st.file_uploader("CSV or JSONL file", type=["csv", "jsonl", "json"], key=K("upload"),
+    # a new key after each import empties the uploader: the page shows the new count and no live Import button
+    upload = st.file_uploader("CSV or JSONL file", type=["csv", "jsonl", "json"],
+                              key=K(f"upload.{st.session_state.get(K('upload_round'), 0)}"),
                               help="JSONL: one object per line with state, and optionally expected, tags, images and "
                                    "videos (data URLs). CSV: map the columns below.")
     if upload is not None:
@@ -147,15 +196,36 @@ with tab_import:
             state_mode = st.radio("State", ["Fields from columns", "Whole state from one column"], horizontal=True,
                                   key=K("map.state_mode"))
             used = set(expected_map) | ({tags_column} - {NOT_MAPPED})
+            label_like = casesets.label_like_columns(columns, questions)
+            candidates = [c for c in columns if c not in used and c not in label_like]
             if state_mode == "Fields from columns":
+                state_key = K(f"map.state.{upload.file_id}")
+
+                def choose_candidates(keys: list[str] = candidates, key: str = state_key) -> None:
+                    st.session_state[key] = keys
+
                 state_columns = st.multiselect("Columns that become state fields (a.b nests)", columns,
-                                               default=[c for c in columns if c not in used], key=K("map.state"))
+                                               key=state_key, placeholder="Choose the columns the model reads",
+                                               help="Only the columns chosen here are sent to the model.")
+                if candidates and not state_columns:
+                    st.button(f"Use the {len(candidates)} column(s) that are not mapped or labels: "
+                              + ", ".join(candidates), key=K("map.state_suggest"), on_click=choose_candidates)
                 mapping = CsvMapping(state_columns=state_columns, expected_columns=expected_map,
                                      tags_column=None if tags_column == NOT_MAPPED else tags_column)
+                chosen = state_columns
             else:
                 state_column = st.selectbox("State column", columns, key=K("map.state_text"))
                 mapping = CsvMapping(state_text_column=state_column, expected_columns=expected_map,
                                      tags_column=None if tags_column == NOT_MAPPED else tags_column)
+                chosen = [state_column]
+            leaked = [c for c in chosen if c in label_like or c in expected_map]
+            if leaked:
+                st.warning("These columns look like expected answers and are in the state, so the model reads "
+                           f"the answer: {', '.join(leaked)}. Remove them from the state unless that is what you "
+                           "want.", icon=":material/warning:")
+            elif label_like:
+                st.caption("Left out of the state because they look like answers: "
+                           + ", ".join(f"`{c}`" for c in label_like))
             try:
                 parsed = casesets.parse_csv(text, mapping, schema)
             except CaseImportError as exc:
@@ -173,12 +243,16 @@ with tab_import:
             if st.button(f"Import {len(parsed)} cases", key=K("do_import"), type="primary",
                          icon=":material/upload:"):
                 try:
-                    casesets.import_cases(store, case_set_id, parsed)
+                    added = casesets.import_cases(store, case_set_id, parsed)
                 except (StoreError, ValueError) as exc:
                     st.error(f"Nothing imported: {exc}")
                 else:
                     st.session_state.pop(K(f"editor.{case_set_id}"), None)
-                    st.success(f"Imported {len(parsed)} cases into “{case_set['name']}”.")
+                    st.session_state[K("upload_round")] = st.session_state.get(K("upload_round"), 0) + 1
+                    skipped = len(parsed) - len(added)
+                    flash("success", f"Imported {len(added)} cases into “{case_set['name']}”."
+                          + (f" {skipped} were already in it and were skipped." if skipped else ""))
+                    st.rerun()
 
 with tab_export:
     slug = re.sub(r"[^a-z0-9]+", "-", case_set["name"].lower()).strip("-") or "cases"
@@ -206,11 +280,27 @@ with tab_settings:
             else:
                 st.rerun()
     if st.button("Delete this case set", key=K("delete"), icon=":material/delete:"):
-        try:
-            store.delete_case_set(case_set_id)
-        except StoreError as exc:
-            st.error(str(exc))
+        runs_of_set = store.list_runs(case_set_id)
+        if runs_of_set:  # refused anyway: say why at once rather than ask first
+            st.error(f"case set {case_set_id} has {len(runs_of_set)} run(s); delete the runs first")
         else:
-            st.session_state.pop(K("selected"), None)
-            st.session_state.pop("_keep." + K("selected"), None)
-            st.rerun()
+            st.session_state[K("confirm_delete")] = case_set_id
+    if st.session_state.get(K("confirm_delete")) == case_set_id:
+        with st.container(border=True, key=K("confirm_delete_box")):
+            st.warning(f"Delete “{case_set['name']}” and its {case_set['case_count']} case(s)? You can undo this.",
+                       icon=":material/delete:")
+            confirm_cols = st.columns(2)
+            if confirm_cols[0].button("Yes, delete it", key=K("delete_yes"), type="primary"):
+                st.session_state.pop(K("confirm_delete"), None)
+                try:
+                    store.delete_case_set(case_set_id)
+                except StoreError as exc:
+                    st.error(str(exc))
+                else:
+                    st.session_state.pop(K("selected"), None)
+                    st.session_state.pop("_keep." + K("selected"), None)
+                    flash("success", f"Deleted case set “{case_set['name']}”.", undo=("case_set", case_set_id))
+                    st.rerun()
+            if confirm_cols[1].button("Cancel", key=K("delete_no")):
+                st.session_state.pop(K("confirm_delete"), None)
+                st.rerun()

@@ -1,13 +1,14 @@
 """Decide: write a state, attach media, build a schema, check the token budget, run, read the answers, save a case.
 
-Rendering only: parsing, validation, charts and labels come from clef_workbench. Nothing here runs the model
-unless the Run button is pressed.
+Rendering only: the builder's state machine, problem routing, the token-budget cache, the result record, save as
+case and the draft are in workbench_ui.decide_model; parsing, validation, charts and labels in clef_workbench.
+Nothing here runs the model unless Run is pressed.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
+import secrets
 from typing import Any
 
 import streamlit as st
@@ -17,20 +18,20 @@ from clef_engine.errors import BusyError, ClefError, RequestError, TokenBudgetEr
 from clef_workbench import answers, schemas, state_input
 from clef_workbench.model_loader import request_model_name
 from clef_workbench.store import StoreError
-from ui_common import (
+from workbench_ui import decide_model as vm
+from workbench_ui.shell import (
     format_json,
     get_engine,
     get_library,
     get_store,
     kept_widget,
     model_manager,
-    page_key,
     run_queued,
-    set_widget,
     use_app_navigation,
 )
 
 use_app_navigation()
+
 
 @st.cache_data(max_entries=8, show_spinner=False)
 def sampled_frames(video: state_input.Media, model_id: str, _engine) -> Any:
@@ -38,48 +39,19 @@ def sampled_frames(video: state_input.Media, model_id: str, _engine) -> Any:
     return state_input.sampled_video_frames(_engine, video)
 
 
-K = page_key("decide")
+K = vm.key
 QUESTION_TYPES = list(schemas.QUESTION_TYPES)
-NEW_QUESTION_DEFAULTS = {
-    "noul": {},
-    "choice": {"options": [{"id": "option_a", "description": ""}, {"id": "option_b", "description": ""},
-                           {"id": "unknown", "description": "None of these fits."}]},
-    "score": {"levels": ["Low", "Medium", "High"]},
-}
 PREFERRED_START_SCHEMA = "support-ticket-routing"
 MAX_LENGTH_CHOICES = sorted({512, 1024, 2048, 4096, 8192, DEFAULT_MAX_LENGTH, 32_768, 65_536, 131_072, 262_144})
+DRAFT_PARAM = "draft"  # the URL parameter naming this browser session's draft: a reload brings the editors back
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# Builder state: a list of rows (one per question) with a stable uid each, so widgets keep their values when
-# questions are reordered. Widget keys: decide.q<uid>.<field>.
+def builder() -> vm.Builder:
+    return vm.Builder(st.session_state)
 
 
-def _new_uid() -> int:
-    uid = st.session_state.get(K("next_uid"), 0)
-    st.session_state[K("next_uid")] = uid + 1
-    return uid
-
-
-def _row_keys(uid: int) -> dict[str, str]:
-    return {f: K(f"q{uid}.{f}") for f in ("id", "type", "instructions", "options", "levels", "true", "false")}
-
-
-def _set_rows(rows: list[dict[str, Any]]) -> None:
-    """Replace the builder's questions; every field's widget is (re)initialised from the rows."""
-    new_rows = []
-    for row in rows:
-        uid = _new_uid()
-        keys = _row_keys(uid)
-        set_widget(keys["id"], row["id"])
-        set_widget(keys["type"], row["type"])
-        set_widget(keys["instructions"], row.get("instructions") or "")
-        set_widget(keys["options"], schemas.options_to_text(row.get("options") or []))
-        set_widget(keys["levels"], schemas.levels_to_text(row.get("levels") or []))
-        set_widget(keys["true"], row.get("true") or "")
-        set_widget(keys["false"], row.get("false") or "")
-        new_rows.append(uid)
-    st.session_state[K("uids")] = new_rows
+def draft_key(token: str) -> str:
+    return f"decide:{token}"
 
 
 def load_schema(slug: str, *, with_example: bool = False) -> None:
@@ -89,63 +61,74 @@ def load_schema(slug: str, *, with_example: bool = False) -> None:
     except schemas.SchemaError as exc:
         st.session_state[K("library_error")] = str(exc)
         return
-    _set_rows(schemas.questions_to_rows(schema.questions))
-    st.session_state[K("loaded_slug")] = slug
-    set_widget(K("schema_name"), schema.name)
-    set_widget(K("schema_description"), schema.description)
-    st.session_state[K("examples")] = schema.examples
+    builder().load(slug, schema, with_example=with_example)
     st.session_state.pop(K("library_error"), None)
-    if with_example and schema.examples:
-        set_widget(K("state_text"), state_input.state_to_text(schema.examples[0]["state"]))
+    st.session_state.pop(K("confirm_load"), None)
 
 
-def add_question(qtype: str) -> None:
-    uids = st.session_state[K("uids")]
-    existing = {st.session_state.get(_row_keys(u)["id"]) for u in uids}
-    n = len(uids) + 1
-    while f"q{n}" in existing:
-        n += 1
-    uid = _new_uid()
-    keys = _row_keys(uid)
-    defaults = NEW_QUESTION_DEFAULTS[qtype]
-    set_widget(keys["id"], f"q{n}")
-    set_widget(keys["type"], qtype)
-    set_widget(keys["instructions"], "")
-    set_widget(keys["options"], schemas.options_to_text(defaults.get("options", NEW_QUESTION_DEFAULTS["choice"]
-                                                                     ["options"])))
-    set_widget(keys["levels"], schemas.levels_to_text(defaults.get("levels", NEW_QUESTION_DEFAULTS["score"]["levels"])))
-    set_widget(keys["true"], "")
-    set_widget(keys["false"], "")
-    uids.append(uid)
+def ask_load(slug: str) -> None:
+    """Callback of Load: loads at once unless the questions on screen have unsaved changes; then asks first."""
+    if builder().unsaved_changes():
+        st.session_state[K("confirm_load")] = slug
+    else:
+        load_schema(slug, with_example=True)
 
 
-def move_question(uid: int, step: int) -> None:
-    uids = st.session_state[K("uids")]
-    i = uids.index(uid)
-    j = max(0, min(len(uids) - 1, i + step))
-    uids[i], uids[j] = uids[j], uids[i]
-
-
-def remove_question(uid: int) -> None:
-    st.session_state[K("uids")].remove(uid)
-
-
-def use_example(index: int) -> None:
-    examples = st.session_state.get(K("examples")) or []
-    if 0 <= index < len(examples):
-        set_widget(K("state_text"), state_input.state_to_text(examples[index]["state"]))
+def new_schema() -> None:
+    builder().new_schema()
+    st.session_state.pop(K("confirm_load"), None)
 
 
 def _init_page() -> None:
-    """First visit: the preferred example schema. "Open in Decide" on the Schemas page leaves a pending slug."""
+    """First run of a session: the draft named in the URL if there is one (a reload), else the preferred example
+    schema. "Open in Decide" on the Schemas page leaves a pending slug."""
     pending = st.session_state.pop(K("pending_load"), None)
+    token = st.session_state.get(K("draft_token"))
+    if token is None:
+        token = st.query_params.get(DRAFT_PARAM) or secrets.token_urlsafe(9)
+        st.session_state[K("draft_token")] = token
     if K("uids") not in st.session_state:
-        st.session_state[K("uids")] = []
-        if pending is None:
-            slugs = get_library().slugs()
-            pending = PREFERRED_START_SCHEMA if PREFERRED_START_SCHEMA in slugs else (slugs[0] if slugs else None)
+        draft = get_store().load_draft(draft_key(token))
+        if draft is not None:
+            vm.restore_draft(st.session_state, draft)
+            st.session_state[K("saved_draft")] = draft
+        else:
+            st.session_state[K("uids")] = []
+            if pending is None:
+                slugs = get_library().slugs()
+                pending = PREFERRED_START_SCHEMA if PREFERRED_START_SCHEMA in slugs else (slugs[0] if slugs else None)
+    if st.query_params.get(DRAFT_PARAM) != token:
+        st.query_params[DRAFT_PARAM] = token
     if pending:
         load_schema(pending, with_example=True)
+
+
+def save_schema(update: bool) -> None:
+    """Callback of the Save buttons: writes the questions on screen; the saved schema becomes the identity."""
+    questions, problems = schemas.rows_to_questions(builder().rows())
+    if any(p.severity == "error" for p in problems):
+        st.session_state[K("save_flash")] = ("error", "Fix the errors in the questions first; nothing was saved.")
+        return
+    library = get_library()
+    slug = builder().loaded_slug if update else None
+    schema = builder().schema_to_save(questions, st.session_state.get(K("schema_name"), ""),
+                                      st.session_state.get(K("schema_description"), ""), update=update)
+    try:
+        if slug:
+            saved = library.update(slug, schema)
+            builder().saved_as(slug, saved)
+            flash = ("success", f"Updated {slug}.json (version {saved.version}).")
+        else:
+            slug = library.create(schema)
+            builder().saved_as(slug, schema)
+            flash = ("success", f"Saved as {slug}.json in {library.directory}.")
+    except schemas.SchemaError as exc:
+        flash = ("error", str(exc))
+    st.session_state[K("save_flash")] = flash
+
+
+def use_example(index: int) -> None:
+    builder().use_example(index)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -161,7 +144,7 @@ def show_messages(container, errors: list[str], warnings: list[str] = ()) -> Non
 
 def render_question(position: int, uid: int, count: int) -> tuple[dict[str, Any], Any]:
     """One question's editor; returns its row and a container for its messages."""
-    keys = _row_keys(uid)
+    keys = vm.row_keys(uid)
     with st.container(border=True, key=K(f"card{uid}")):
         top = st.columns([3, 2, 0.6, 0.6, 0.6], vertical_alignment="bottom", gap="xsmall")
         with top[0]:
@@ -170,12 +153,11 @@ def render_question(position: int, uid: int, count: int) -> tuple[dict[str, Any]
         with top[1]:
             qtype = kept_widget(st.selectbox, "Type", keys["type"], "noul", options=QUESTION_TYPES,
                                 help="noul: yes/no · choice: one of several options · score: ordered levels")
-        top[2].button("", icon=":material/arrow_upward:", key=K(f"q{uid}.up"), on_click=move_question, args=(uid, -1),
-                      disabled=position == 0, help="Move up")
-        top[3].button("", icon=":material/arrow_downward:", key=K(f"q{uid}.down"), on_click=move_question,
-                      args=(uid, 1),
-                      disabled=position == count - 1, help="Move down")
-        top[4].button("", icon=":material/delete:", key=K(f"q{uid}.remove"), on_click=remove_question, args=(uid,),
+        top[2].button("", icon=":material/arrow_upward:", key=K(f"q{uid}.up"), on_click=builder().move,
+                      args=(uid, -1), disabled=position == 0, help="Move up")
+        top[3].button("", icon=":material/arrow_downward:", key=K(f"q{uid}.down"), on_click=builder().move,
+                      args=(uid, 1), disabled=position == count - 1, help="Move down")
+        top[4].button("", icon=":material/delete:", key=K(f"q{uid}.remove"), on_click=builder().remove, args=(uid,),
                       help="Remove")
         instructions = kept_widget(st.text_area, "Instructions", keys["instructions"], "", height=68,
                                    placeholder="The question the model answers about the state")
@@ -234,13 +216,14 @@ _init_page()
 st.title("Decide")
 engine = get_engine()
 library = get_library()
+messages = vm.Messages()
 
 left, right = st.columns([1, 1], gap="large")
 
 # --- State -------------------------------------------------------------------------------------------------------
 with left:
     st.subheader("State")
-    examples = st.session_state.get(K("examples")) or []
+    examples = builder().examples
     if examples:
         example_cols = st.columns([4, 1], vertical_alignment="bottom")
         picked = example_cols[0].selectbox("Example states of the loaded schema", range(len(examples)),
@@ -265,21 +248,20 @@ with left:
 
 images: list[state_input.Media] = []
 videos: list[state_input.Media] = []
-media_errors: list[str] = []
 for uploaded in image_files or []:
     try:
         images.append(state_input.check_image(uploaded.name, uploaded.getvalue()))
     except state_input.MediaError as exc:
-        media_errors.append(str(exc))
+        messages.add("media", str(exc))
 for uploaded in video_files or []:
     try:
         videos.append(state_input.check_video(uploaded.name, uploaded.getvalue()))
     except state_input.MediaError as exc:
-        media_errors.append(str(exc))
+        messages.add("media", str(exc))
 try:
     state_input.check_media_counts(images, videos)
 except state_input.MediaError as exc:
-    media_errors.append(str(exc))
+    messages.add("media", str(exc))
 
 with left:
     if images:
@@ -293,15 +275,15 @@ with left:
             try:
                 sampled = sampled_frames(video, engine.model_id, engine)
             except (ClefError, ValueError) as exc:
-                media_errors.append(f"{video.name}: {exc}")
+                messages.add("media", f"{video.name}: {exc}")
             else:
                 st.caption(f"{video.name}: the model reads these {len(sampled.frames)} of {sampled.total_frames} "
                            f"frames ({sampled.fps:.1f} fps source).")
                 shown = list(range(len(sampled.frames)))[:16]
-                columns = st.columns(8)
+                columns = st.columns(4)
                 for n, i in enumerate(shown):
                     seconds = sampled.frame_indices[i] / sampled.fps if sampled.fps else 0
-                    columns[n % 8].image(sampled.frames[i], caption=f"#{sampled.frame_indices[i]} · {seconds:.1f}s")
+                    columns[n % 4].image(sampled.frames[i], caption=f"#{sampled.frame_indices[i]} · {seconds:.1f}s")
                 if len(sampled.frames) > len(shown):
                     st.caption(f"… and {len(sampled.frames) - len(shown)} more frames.")
 
@@ -309,67 +291,61 @@ with left:
 with right:
     st.subheader("Schema")
     entries = [e for e in library.list() if e.problem is None]
-    lib_cols = st.columns([4, 1], vertical_alignment="bottom")
+    lib_cols = st.columns([4, 1, 1.4], vertical_alignment="bottom")
     slugs = [e.slug for e in entries]
     names = {e.slug: f"{e.name} (v{e.version}, {e.question_count} questions)" for e in entries}
-    loaded_slug = st.session_state.get(K("loaded_slug"))
-    pick = lib_cols[0].selectbox("Library", slugs, index=slugs.index(loaded_slug) if loaded_slug in slugs else None,
-                                 format_func=names.get, key=K("library_pick"), placeholder="No schemas in the library"
-                                 if not slugs else "Choose a schema")
-    lib_cols[1].button("Load", key=K("load"), disabled=pick is None, on_click=load_schema, args=(pick,),
-                       kwargs={"with_example": True})
+    loaded_slug = builder().loaded_slug if builder().loaded_slug in slugs else None
+    if st.session_state.get(K("library_pick")) not in slugs:
+        st.session_state[K("library_pick")] = None
+    pick = lib_cols[0].selectbox("Library", slugs, format_func=names.get, key=K("library_pick"),
+                                 placeholder="No schemas in the library" if not slugs else "Choose a schema")
+    lib_cols[1].button("Load", key=K("load"), disabled=pick is None, on_click=ask_load, args=(pick,))
+    lib_cols[2].button("New schema", key=K("new_schema"), on_click=new_schema, icon=":material/note_add:",
+                       help="Start an empty schema; the state stays.")
+    confirm_slug = st.session_state.get(K("confirm_load"))
+    if confirm_slug:
+        with st.container(border=True, key=K("confirm_load_box")):
+            st.warning(f"Loading “{names.get(confirm_slug, confirm_slug)}” replaces the questions on screen, which "
+                       "have unsaved changes.", icon=":material/warning:")
+            confirm_cols = st.columns(2)
+            confirm_cols[0].button("Discard my changes and load", key=K("confirm_load_yes"), on_click=load_schema,
+                                   args=(confirm_slug,), kwargs={"with_example": True})
+            confirm_cols[1].button("Keep my changes", key=K("confirm_load_no"),
+                                   on_click=lambda: st.session_state.pop(K("confirm_load"), None))
     if st.session_state.get(K("library_error")):
         st.error(st.session_state[K("library_error")])
 
-    uids = list(st.session_state[K("uids")])
+    uids = list(builder().uids)
     rows: list[dict[str, Any]] = []
     question_messages: list[Any] = []
     for position, uid in enumerate(uids):
-        row, messages = render_question(position, uid, len(uids))
+        row, box = render_question(position, uid, len(uids))
         rows.append(row)
-        question_messages.append(messages)
+        question_messages.append(box)
     if not uids:
         st.info("No questions yet: add one below or load a schema from the library.")
     add_cols = st.columns([1, 1], vertical_alignment="bottom")
     new_type = add_cols[0].selectbox("New question type", QUESTION_TYPES, key=K("new_type"))
-    add_cols[1].button("Add question", key=K("add"), on_click=add_question, args=(new_type,), icon=":material/add:")
+    add_cols[1].button("Add question", key=K("add"), on_click=lambda t: builder().add_question(t), args=(new_type,),
+                       icon=":material/add:")
     schema_messages = st.container()
 
     with st.expander("Save to the library"):
         schema_name = kept_widget(st.text_input, "Name", K("schema_name"), "")
         schema_description = kept_widget(st.text_area, "Description", K("schema_description"), "", height=68)
         save_cols = st.columns(2)
-        save_new = save_cols[0].button("Save as new schema", key=K("save_new"))
-        save_update = save_cols[1].button(f"Update “{loaded_slug}”" if loaded_slug else "Update",
-                                          key=K("save_update"), disabled=not loaded_slug)
-        save_messages = st.container()
+        save_cols[0].button("Save as new schema", key=K("save_new"), on_click=save_schema, args=(False,))
+        save_cols[1].button(f"Update “{loaded_slug}”" if loaded_slug else "Update", key=K("save_update"),
+                            disabled=not loaded_slug, on_click=save_schema, args=(True,))
+        saved_message = st.session_state.pop(K("save_flash"), None)
+        if saved_message:
+            getattr(st, saved_message[0])(saved_message[1])
 
 # --- Validate everything, then put each message next to its field ----------------------------------------------
 questions, builder_problems = schemas.rows_to_questions(rows)
-lint = schemas.lint_questions(questions)
-
-
-def _row_index_of(problem: schemas.SchemaProblem) -> list[int]:
-    if len(problem.loc) < 2 or problem.loc[0] != "questions":
-        return []
-    target = problem.loc[1]
-    if isinstance(target, int):
-        return [target]
-    return [i for i, row in enumerate(rows) if str(row["id"]).strip() == target]
-
-
-schema_level_errors: list[str] = []
-for problem in builder_problems + lint:
-    indices = _row_index_of(problem)
-    for i in indices:
-        show_messages(question_messages[i], [problem.msg] if problem.severity == "error" else [],
-                      [problem.msg] if problem.severity == "warning" else [])
-    if not indices and problem.severity == "error":
-        schema_level_errors.append(problem.msg)
-show_messages(schema_messages, schema_level_errors)
+vm.route_schema_problems(builder_problems + schemas.lint_questions(questions), rows, messages)
 
 state_value: Any = None
-state_errors: list[str] = []
 try:
     parsed = state_input.parse_state(state_text or "", mode)
     state_value = parsed.value
@@ -377,50 +353,19 @@ try:
             if parsed.kind == "json" else "plain text")
     size = f"{len(parsed.value)} keys" if isinstance(parsed.value, dict) else f"{len(state_text):,} characters"
     state_messages.caption(f"Read as {kind} · {size}")
-    show_messages(state_messages, [], list(parsed.warnings))
+    for warning in parsed.warnings:
+        messages.add("state", warning, warning=True)
 except state_input.StateInputError as exc:
-    state_errors.append(str(exc))
-    show_messages(state_messages, state_errors)
-show_messages(media_messages, media_errors)
+    messages.add("state", str(exc))
 
 builder_ok = not any(p.severity == "error" for p in builder_problems)
-ready = builder_ok and not state_errors and not media_errors
+ready = builder_ok and not messages.errors.get("state") and not messages.errors.get("media")
 request: dict[str, Any] | None = None
 if ready:
     model_source = model_manager().state().source
     request = state_input.build_request(state_value, questions, images=images, videos=videos,
                                         model=request_model_name(model_source))
-
-
-def _fingerprint(req: dict[str, Any] | None) -> str:
-    return hashlib.sha256(json.dumps(req, sort_keys=True, default=str).encode()).hexdigest() if req else ""
-
-
-fingerprint = _fingerprint(request)
-
-# Errors the engine reported for this exact request (validation at the last Run) go next to their fields.
-engine_problems: dict[str, list[str]] = {}
-last_error = st.session_state.get(K("last_error"))
-if last_error and last_error["fingerprint"] == fingerprint:
-    engine_problems = last_error["by_field"]
-
-# --- Save to library (needs the validated questions) -------------------------------------------------------------
-if save_new or save_update:
-    if not builder_ok:
-        save_messages.error("Fix the errors in the questions first; nothing was saved.")
-    else:
-        schema = schemas.Schema(name=schema_name.strip() or "Untitled schema", questions=questions,
-                                description=schema_description, examples=st.session_state.get(K("examples")) or [])
-        try:
-            if save_update and loaded_slug:
-                saved = library.update(loaded_slug, schema)
-                save_messages.success(f"Updated {loaded_slug}.json (version {saved.version}).")
-            else:
-                slug = library.create(schema)
-                st.session_state[K("loaded_slug")] = slug
-                save_messages.success(f"Saved as {slug}.json in {library.directory}.")
-        except schemas.SchemaError as exc:
-            save_messages.error(str(exc))
+fingerprint = vm.fingerprint(request)
 
 # --- Token budget and Run ----------------------------------------------------------------------------------------
 st.divider()
@@ -435,22 +380,28 @@ overflow = kept_widget(budget_cols[1].radio, "If the state does not fit", K("ove
                        format_func={"refuse": "refuse (show an error)",
                                     "truncate_state": "truncate the end of the state"}.get)
 budget_messages = st.container()
+# Errors of the last Run belong to exactly that request and those budget settings: change any, and they go.
+run_key = (fingerprint, max_length, overflow)
+last_error = st.session_state.get(K("last_error"))
+if last_error and last_error["key"] != run_key:
+    st.session_state.pop(K("last_error"), None)
+    last_error = None
+engine_refused = bool(last_error and last_error["by_field"])
+if last_error:
+    vm.route_engine_problems(last_error["by_field"], rows, messages)
 status: answers.BudgetStatus | None = None
+if K("budget_cache") not in st.session_state:
+    st.session_state[K("budget_cache")] = vm.BudgetCache()
 if engine is None:
     budget_messages.info("No model is loaded, so tokens cannot be counted and nothing can run.")
 elif request is None:
     budget_messages.info("Fix the errors above to see the token budget.")
 else:
-    cache = st.session_state.get(K("budget_cache"))
     try:
-        if cache and cache[0] == (fingerprint, max_length, id(engine)):
-            counts = cache[1]
-        else:
-            counts = engine.count_tokens(request, max_length=max_length)
-            st.session_state[K("budget_cache")] = ((fingerprint, max_length, id(engine)), counts)
+        counts = st.session_state[K("budget_cache")].counts(engine, request, max_length)
     except RequestError as exc:
-        by_field = answers.problems_by_field(exc.problems)
-        engine_problems = {k: engine_problems.get(k, []) + v for k, v in by_field.items()}
+        engine_refused = True
+        vm.route_engine_problems(answers.problems_by_field(exc.problems), rows, messages)
         budget_messages.error("The engine refused this request; see the messages next to the fields above.")
     else:
         status = answers.budget_status(counts)
@@ -464,42 +415,32 @@ else:
         else:
             budget_messages.success(status.message)
 
-# Engine problems (from count_tokens or the last run) next to their fields.
-for field, messages in engine_problems.items():
-    if field == "state":
-        show_messages(state_messages, messages)
-    elif field in ("images", "videos"):
-        show_messages(media_messages, messages)
-    elif field.startswith("question:"):
-        qid = field.split(":", 1)[1]
-        targets = [i for i, row in enumerate(rows) if str(row["id"]).strip() == qid]
-        for i in targets:
-            show_messages(question_messages[i], messages)
-        if not targets:
-            show_messages(schema_messages, messages)
-    elif field == "schema":
-        show_messages(schema_messages, messages)
-    else:
-        show_messages(budget_messages, messages)
-if last_error and last_error["fingerprint"] == fingerprint and last_error.get("budget"):
+# Every message next to its field.
+show_messages(state_messages, messages.errors.get("state", []), messages.warnings.get("state", []))
+show_messages(media_messages, messages.errors.get("media", []), messages.warnings.get("media", []))
+show_messages(schema_messages, messages.errors.get("schema", []), messages.warnings.get("schema", []))
+for index, box in enumerate(question_messages):
+    show_messages(box, messages.errors.get(index, []), messages.warnings.get(index, []))
+show_messages(budget_messages, messages.errors.get("budget", []))
+if last_error and last_error.get("budget"):
     budget_messages.error(last_error["budget"])
 
-can_run = (engine is not None and request is not None and not engine_problems
+can_run = (engine is not None and request is not None and not engine_refused
            and not (status is not None and status.fixed_tokens_over))
 run_cols = st.columns([1, 4], vertical_alignment="center")
 run_clicked = run_cols[0].button("Run", type="primary", key=K("run"), disabled=not can_run,
-                                 icon=":material/play_arrow:")
+                                 icon=":material/play_arrow:", shortcut="Ctrl+Enter",
+                                 help="Runs the state and schema on screen (Ctrl+Enter).")
 wait_line = run_cols[1].empty()
 if run_clicked and request is not None and engine is not None:
     try:
         response = run_queued(engine, [request], max_length=max_length, overflow=overflow,
                               on_wait=lambda text: wait_line.info(text, icon=":material/hourglass_top:"))[0]
     except RequestError as exc:
-        st.session_state[K("last_error")] = {"fingerprint": fingerprint,
-                                             "by_field": answers.problems_by_field(exc.problems)}
+        st.session_state[K("last_error")] = {"key": run_key, "by_field": answers.problems_by_field(exc.problems)}
         st.rerun()
     except TokenBudgetError as exc:
-        st.session_state[K("last_error")] = {"fingerprint": fingerprint, "by_field": {}, "budget": str(exc)}
+        st.session_state[K("last_error")] = {"key": run_key, "by_field": {}, "budget": vm.in_control_words(str(exc))}
         st.rerun()
     except BusyError as exc:
         wait_line.error(f"The GPU queue is full: {exc}")
@@ -508,25 +449,20 @@ if run_clicked and request is not None and engine is not None:
     else:
         wait_line.empty()
         st.session_state.pop(K("last_error"), None)
-        st.session_state[K("result")] = {
-            "request": request,
-            "response": response,
-            "questions": questions,
-            "state": state_value,
-            "images": [(m.name, m.content_type, m.data, m.size_bytes) for m in images],
-            "videos": [(m.name, m.content_type, m.data, m.size_bytes) for m in videos],
-            "schema_name": schema_name or st.session_state.get(K("loaded_slug")) or "",
-            "model_label": request_model_name(model_manager().state().source),
-            "device": engine.info().get("device", ""),
-        }
+        st.session_state[K("result")] = vm.DecideResult(
+            request=request, response=response, questions=questions, state=state_value,
+            images=tuple(images), videos=tuple(videos), schema_name=schema_name.strip() or (loaded_slug or ""),
+            model_label=request_model_name(model_manager().state().source),
+            device=engine.info().get("device", ""),
+        )
 
 # --- Results -----------------------------------------------------------------------------------------------------
-result = st.session_state.get(K("result"))
+result: vm.DecideResult | None = st.session_state.get(K("result"))
 if result:
     st.divider()
-    response = result["response"]
+    response = result.response
     st.subheader("Answers")
-    if result["request"] != request:
+    if result.request != request:
         st.caption("These answers are for the request as it was when you pressed Run; the editors have changed "
                    "since.")
     counts = response.get("x_token_counts", {})
@@ -534,7 +470,7 @@ if result:
     top[0].metric("Latency", f"{response.get('x_latency_ms', 0):.0f} ms", help="submit → response, queue included")
     top[1].metric("Input tokens", f"{response['usage']['input_tokens']:,}")
     top[2].metric("Truncated state tokens", f"{response.get('x_truncated_state_tokens', 0):,}")
-    top[3].metric("Model", result["model_label"], help=f"on {result['device']}")
+    top[3].metric("Model", result.model_label, help=f"on {result.device}")
     st.caption("Tokens: " + " · ".join(f"{part} {counts.get(part, 0):,}" for part in answers.BUDGET_PARTS))
     if response.get("x_truncated_state_tokens"):
         st.warning(f"The last {response['x_truncated_state_tokens']:,} tokens of the state were cut to fit "
@@ -544,47 +480,42 @@ if result:
         cols = st.columns(2)
         for col, (qid, answer) in zip(cols, items[start:start + 2], strict=False):
             with col:
-                render_answer_card(qid, result["questions"].get(qid, {}), answer)
+                render_answer_card(qid, result.questions.get(qid, {}), answer)
 
-    media_shown = [state_input.Media("image", n, t, d, 0, 0) for n, t, d, _ in result["images"]]
-    videos_shown = [state_input.Media("video", n, t, d, 0, 0) for n, t, d, _ in result["videos"]]
     tabs = st.tabs(["Response JSON", "Request JSON"])
     with tabs[0]:
         st.code(format_json(response), language="json")
     with tabs[1]:
-        if media_shown or videos_shown:
+        if result.images or result.videos:
             st.caption("Media data URLs are shortened here; the download holds the exact request.")
-        st.code(format_json(state_input.redact_media(result["request"], media_shown, videos_shown)), language="json")
-        st.download_button("Download the exact request", format_json(result["request"]), file_name="request.json",
+        st.code(format_json(result.redacted_request()), language="json")
+        st.download_button("Download the exact request", format_json(result.request), file_name="request.json",
                            mime="application/json", key=K("download_request"))
 
     with st.expander("Save as case", icon=":material/bookmark_add:"):
         store = get_store()
         existing = [s["name"] for s in store.list_case_sets()]
-        default_set = f"{result['schema_name'] or 'Decide'} cases"
+        default_set = result.default_case_set()
         options = existing + ["New case set…"]
         choice = st.selectbox("Case set", options,
                               index=existing.index(default_set) if default_set in existing else len(existing),
                               key=K("case_set_pick"))
         set_name = (st.text_input("New case set name", value=default_set, key=K("case_set_new"))
                     if choice == "New case set…" else choice)
-        labels = answers.expected_labels(result["questions"], response)
+        labels = result.expected_labels()
         st.dataframe([{"question": q, "answer as expected label": json.dumps(v)} for q, v in labels.items()],
                      hide_index=True)
         confirm = st.checkbox("I checked these answers: save them as the expected labels", key=K("confirm_labels"))
         tags = st.text_input("Tags (comma separated)", key=K("case_tags"))
         if st.button("Save as case", key=K("save_case"), icon=":material/save:"):
             try:
-                case_set_id = store.get_or_create_case_set(set_name, schema_name=result["schema_name"] or None)
-                case_id = store.add_case(
-                    case_set_id, state=result["state"],
-                    images=[d for _, _, d, _ in result["images"]] or None,
-                    videos=[d for _, _, d, _ in result["videos"]] or None,
-                    expected=labels if confirm else None,
-                    tags=[t.strip() for t in tags.split(",") if t.strip()] or None,
-                )
+                case_id = vm.save_as_case(store, result, set_name, with_labels=confirm, tags_text=tags)
             except (StoreError, ValueError) as exc:
                 st.error(f"Not saved: {exc}")
             else:
                 with_labels = "with expected labels" if confirm else "without expected labels"
                 st.success(f"Saved case #{case_id} to “{set_name}” ({with_labels}).")
+
+# The editors as they are now, kept for a reload of this browser session (saved only when something changed).
+vm.save_draft_if_changed(st.session_state,
+                         lambda draft: get_store().save_draft(draft_key(st.session_state[K("draft_token")]), draft))

@@ -1,6 +1,8 @@
 """Review: build a run's queue from per-schema rules (with a preview count), then work through it worst first —
 evidence, full distribution, the frozen reason — with accept / correct / unknown / skip, keyboard shortcuts,
-auto-advance and undo. Every action goes to the append-only audit log. Export the labels as a golden set.
+auto-advance and undo. An action that would contradict the case set's expected answer (the gold label) asks first;
+blind mode hides the model's answer until the reviewer has decided. Every action, with its comment, goes to the
+append-only audit log. Export the labels as a golden set.
 Rendering only: rules in clef_workbench.review, actions and conflicts in clef_workbench.store."""
 
 from __future__ import annotations
@@ -15,7 +17,15 @@ from clef_workbench import review, run_charts
 from clef_workbench.answers import probability_chart, probability_chart_height
 from clef_workbench.review import ReviewRules
 from clef_workbench.store import ReviewConflictError, StoreError
-from ui_common import get_store, kept_widget, model_manager, page_key, pick_run, use_app_navigation
+from workbench_ui.shell import (
+    demo_output_banner,
+    get_store,
+    kept_widget,
+    model_manager,
+    page_key,
+    pick_run,
+    use_app_navigation,
+)
 
 use_app_navigation()
 
@@ -34,6 +44,7 @@ reviewer = kept_widget(st.text_input, "Your name (recorded with every action)", 
 run_id = pick_run(runs, K("run"), lambda r: f"#{r['id']} {r['case_set_name']} · {r['schema_name']} "
                                           f"v{r['schema_version']} · {r['model_id']}")
 run = store.get_run(run_id)
+demo_output_banner(run["model_id"])
 questions = run["schema"]["questions"]
 
 # -- rules and queue building -----------------------------------------------------------------------------------
@@ -107,21 +118,35 @@ def current_item() -> dict | None:
     return item
 
 
-def act(item: dict, action: str, label=None) -> None:
-    """Apply an action as of the version shown, then advance to the next worst item."""
+confirm_key = K("confirm_gold")
+
+
+def act(item: dict, action: str, label=None, *, confirmed: bool = False) -> None:
+    """Apply an action as of the version shown, then advance to the next worst item. An answer that contradicts
+    the case's expected answer is not applied until the reviewer confirms it."""
     if not reviewer:
         st.session_state[notice_key] = ("error", "Enter your name first: every action is recorded with it.")
         return
+    if blind and action == "correct" and review.label_key(label) == item["predicted"]:
+        action, label = "accept", None  # blind: choosing the model's answer is accepting it
+    expected = store.get_case(item["case_id"], with_media=False)["expected"].get(item["question_id"])
+    gold = review.gold_conflict(item, expected, action, label)
+    if gold is not None and not confirmed:
+        st.session_state[confirm_key] = (item["id"], action, label, gold)
+        return
+    st.session_state.pop(confirm_key, None)
     try:
         store.apply_review_action(item["id"], reviewer=reviewer, action=action, label=label,
-                                  expected_version=item["version"])
+                                  expected_version=item["version"],
+                                  comment=st.session_state.get(K(f"comment.{item['id']}")))
     except ReviewConflictError as exc:
         st.session_state[notice_key] = ("warning", str(exc))
     except (ValueError, StoreError) as exc:
         st.session_state[notice_key] = ("error", str(exc))
     else:
+        seen = f" The model had answered “{item['predicted']}”." if blind else ""
         st.session_state[notice_key] = ("success", f"{action.capitalize()} saved for case {item['case_id']} · "
-                                                   f"{item['question_id']}.")
+                                                   f"{item['question_id']}.{seen}")
         following = review.next_item(store, run_id, after_item_id=item["id"])
         st.session_state[current_key] = None if following is None else following["id"]
 
@@ -140,6 +165,10 @@ def undo() -> None:
                                                 f"{item['status']} again.")
 
 
+blind = st.toggle("Blind review: hide the model's answer until I decide", key=K("blind"),
+                  help="The distribution, the model's answer and the reason it was queued stay hidden; choose the "
+                       "right answer yourself. Choosing the model's answer records an accept.")
+
 if K("notice") in st.session_state:
     kind, message = st.session_state.pop(notice_key)
     getattr(st, kind)(message)
@@ -156,7 +185,8 @@ else:
         header = st.columns([3, 2])
         header[0].markdown(f"### Case {item['case_id']} · `{item['question_id']}` ({item['question_type']})")
         header[0].markdown(f"**Question:** {question.get('instructions') or item['question_id']}")
-        header[1].markdown(f"**Why queued:** {item['reason']}  \n"
+        reason = "hidden in blind mode" if blind else item["reason"]
+        header[1].markdown(f"**Why queued:** {reason}  \n"
                            f"Model **{item['model_id']}** · schema **{item['schema_name']} v{item['schema_version']}**"
                            f"  \nQueued {item['created_at'][:19].replace('T', ' ')} UTC · status {item['status']}")
         body = st.columns([1, 1])
@@ -182,34 +212,57 @@ else:
                     st.caption(f"Sampled frames unavailable: {exc}")
             expected = case["expected"].get(item["question_id"])
             if expected is not None:
-                st.markdown(f"**Expected answer in the case set:** `{json.dumps(expected)}`")
+                st.markdown(f"**Expected answer in the case set (gold label):** {review.label_key(expected)}")
         with body[1]:
-            table = run_charts.distribution_table(question, item["distribution"], item["predicted"])
-            st.markdown("**Model's distribution** (frozen at queue time)")
-            st.altair_chart(probability_chart(table), width="stretch", height=probability_chart_height(len(table)))
-            st.caption(f"Answer **{item['predicted']}** · confidence {item['confidence']:.3f} · "
-                       f"margin {item['margin']:.3f}")
+            if blind:
+                st.info("The model's answer is hidden: decide from the evidence, then choose below.",
+                        icon=":material/visibility_off:")
+            else:
+                table = run_charts.distribution_table(question, item["distribution"], item["predicted"])
+                st.markdown("**Model's distribution** (frozen at queue time)")
+                st.altair_chart(probability_chart(table), width="stretch",
+                                height=probability_chart_height(len(table)))
+                st.caption(f"Answer **{item['predicted']}** · confidence {item['confidence']:.3f} · "
+                           f"margin {item['margin']:.3f}")
+        pending = st.session_state.get(confirm_key)
+        if pending and pending[0] == item["id"]:
+            _, pending_action, pending_label, gold = pending
+            new = item["predicted"] if pending_action == "accept" else review.label_key(pending_label)
+            with st.container(border=True, key="review-confirm"):
+                st.warning(f"The case set's expected answer is “{gold}”. Labelling this “{new}” overrides that gold "
+                           "label in the reviewed labels and the golden set.", icon=":material/warning:")
+                confirm_cols = st.columns(2)
+                confirm_cols[0].button(f"Yes, label it “{new}”", key="review-confirm-yes", on_click=act,
+                                       args=(item, pending_action, pending_label), kwargs={"confirmed": True})
+                confirm_cols[1].button(f"Keep “{gold}”", key="review-confirm-no", type="primary",
+                                       on_click=lambda: st.session_state.pop(confirm_key, None))
+        st.text_input("Comment (optional, saved with your action)", key=K(f"comment.{item['id']}"),
+                      placeholder="e.g. the second sentence is sarcasm")
         buttons = st.columns(4)
-        # Streamlit's own button shortcuts: they ignore keys typed into inputs, so the name field is safe
-        buttons[0].button(f"Accept “{item['predicted']}”", key="review-accept", on_click=act,
-                          args=(item, "accept"), type="primary", disabled=not reviewer, shortcut="A")
+        # Streamlit's own button shortcuts: they ignore keys typed into inputs, so the name field is safe. Accept
+        # is the highlighted default only when it agrees with the gold label (or there is none).
+        agrees = review.gold_conflict(item, expected, "accept") is None
+        buttons[0].button("Accept the model's answer" if blind else f"Accept “{item['predicted']}”",
+                          key="review-accept", on_click=act, args=(item, "accept"),
+                          type="primary" if agrees and not blind else "secondary",
+                          disabled=not reviewer or blind, shortcut="A")
         buttons[1].button("Mark unknown", key="review-unknown", on_click=act, args=(item, "unknown"),
                           disabled=not reviewer, shortcut="U")
         buttons[2].button("Skip", key="review-skip", on_click=act, args=(item, "skip"), disabled=not reviewer,
                           shortcut="S")
         buttons[3].button("Undo my last action", key="review-undo", on_click=undo, disabled=not reviewer,
                           shortcut="Z")
-        st.markdown("**Correct to:**")
+        st.markdown("**Your answer:**" if blind else "**Correct to:**")
         options = list(item["distribution"])
         option_cols = st.columns(min(len(options), 5))
         for index, option in enumerate(options):
             label = True if option == "true" else False if option == "false" else option
             option_cols[index % len(option_cols)].button(
                 option, key=f"review-correct-{index + 1}", on_click=act, args=(item, "correct", label),
-                disabled=not reviewer or option == item["predicted"],
+                disabled=not reviewer or (option == item["predicted"] and not blind),
                 shortcut=str(index + 1) if index < MAX_SHORTCUT_OPTIONS else None)
         st.caption("Keys: A accept · U unknown · S skip · Z undo · 1–9 correct to that option. Each action moves "
-                   "to the next item (smallest margin first).")
+                   "to the next item (smallest margin first). An answer against the gold label asks first.")
 
 # -- log and export ---------------------------------------------------------------------------------------------
 
@@ -217,6 +270,7 @@ with st.expander("Audit log", icon=":material/history:"):
     log = store.list_review_actions(run_id=run_id)
     st.dataframe(pd.DataFrame([{"#": a["id"], "when": a["at"][:23].replace("T", " "), "who": a["reviewer"],
                                 "action": a["action"], "case": a["case_id"], "question": a["question_id"],
+                                "comment": a.get("comment") or "",
                                 "before": json.dumps(a["before"]), "after": json.dumps(a["after"])} for a in log]),
                  hide_index=True, width="stretch")
 
@@ -224,7 +278,8 @@ with st.expander("Export reviewed labels", icon=":material/download:"):
     reviewed = [i for i in store.list_review_items(run_id) if i["status"] in ("accepted", "corrected", "unknown")]
     st.download_button("Reviewed labels (CSV)", pd.DataFrame(
         [{"case_id": i["case_id"], "question_id": i["question_id"], "status": i["status"],
-          "label": json.dumps(i["label"]), "model_answer": i["predicted"], "reviewer": i["reviewer"],
+          "label": review.label_key(i["label"]) if i["label"] is not None else "", "model_answer": i["predicted"],
+          "reviewer": i["reviewer"],
           "reason": i["reason"]} for i in reviewed]).to_csv(index=False), file_name=f"review-run-{run_id}.csv",
         # the key changes with the data: a download button kept under one key can serve its first file again
         mime="text/csv", key=K(f"labels_csv.{run_id}.{len(log)}"), on_click="ignore")

@@ -5,6 +5,7 @@ the process-wide JobRunner (clef_workbench.jobs), numbers come from clef_workben
 from __future__ import annotations
 
 import re
+import time
 
 import streamlit as st
 
@@ -14,7 +15,9 @@ from clef_workbench.answers import option_table, probability_chart, probability_
 from clef_workbench.jobs import JobAlreadyRunningError
 from clef_workbench.model_loader import request_model_name
 from clef_workbench.schemas import SchemaError
-from ui_common import (
+from clef_workbench.store import StoreError
+from workbench_ui.shell import (
+    demo_output_banner,
     get_engine,
     get_job_runner,
     get_library,
@@ -29,6 +32,7 @@ from ui_common import (
 use_app_navigation()
 
 K = page_key("runs")
+STATS_REFRESH_S = 5.0
 STATUS_ICONS = {"pending": "⏳", "running": "▶️", "cancelled": "⏹️", "finished": "✅", "failed": "❌"}
 
 st.title("Runs")
@@ -52,6 +56,44 @@ def fmt_seconds(value: float | None) -> str:
         return "–"
     minutes, seconds = divmod(int(round(value)), 60)
     return f"{minutes} min {seconds:02d} s" if minutes else f"{seconds} s"
+
+
+def undo_delete_run(deleted_id: int) -> None:
+    try:
+        store.restore_run(deleted_id)
+    except StoreError as exc:
+        st.session_state[K("flash")] = ("error", f"Not restored: {exc}", None)
+    else:
+        st.session_state[K("selected")] = deleted_id
+        st.session_state["_keep." + K("selected")] = deleted_id
+        st.session_state[K("flash")] = ("success", f"Restored run #{deleted_id}.", None)
+
+
+def render_delete(run: dict) -> None:
+    """Delete this run: asks first, then offers Undo (the run is only hidden, and the change log says who)."""
+    confirm_key = K(f"confirm_delete.{run['id']}")
+    if not st.session_state.get(confirm_key):
+        if st.button("Delete this run…", key=K(f"delete.{run['id']}"), icon=":material/delete:",
+                     disabled=runner.is_running(run["id"])):
+            st.session_state[confirm_key] = True
+            st.rerun()
+        return
+    with st.container(border=True, key=K("confirm_delete_box")):
+        st.warning(f"Delete run #{run['id']} and its {run['done']} result(s)? You can undo this.",
+                   icon=":material/delete:")
+        cols = st.columns(2)
+        if cols[0].button("Yes, delete it", key=K("delete_yes"), type="primary"):
+            st.session_state.pop(confirm_key, None)
+            try:
+                store.delete_run(run["id"])
+            except StoreError as exc:
+                st.error(str(exc))
+                return
+            st.session_state[K("flash")] = ("success", f"Deleted run #{run['id']}.", run["id"])
+            st.rerun()
+        if cols[1].button("Cancel", key=K("delete_no")):
+            st.session_state.pop(confirm_key, None)
+            st.rerun()
 
 
 # -- start a run ------------------------------------------------------------------------------------------------
@@ -104,6 +146,14 @@ with st.expander("Start a run", expanded=not runs, icon=":material/play_arrow:")
             st.session_state["_keep." + K("selected")] = run_id
             st.rerun()
 
+flash = st.session_state.pop(K("flash"), None)
+if flash:
+    kind, text, undo_id = flash
+    flash_cols = st.columns([5, 1], vertical_alignment="center")
+    getattr(flash_cols[0], kind)(text)
+    if undo_id is not None:
+        flash_cols[1].button("Undo", key=K("undo"), icon=":material/undo:", on_click=undo_delete_run, args=(undo_id,))
+
 if not runs:
     st.info("No runs yet.")
     st.stop()
@@ -116,6 +166,7 @@ def run_label(r: dict) -> str:
 
 
 run_id = pick_run(runs, K("selected"), run_label)
+demo_output_banner(next(r["model_id"] for r in runs if r["id"] == run_id))
 with st.expander("All runs", icon=":material/list:"):
     st.dataframe([{"run": r["id"], "status": r["status"], "case set": r["case_set_name"],
                    "schema": f"{r['schema_name']} v{r['schema_version']}", "model": r["model_id"],
@@ -136,8 +187,12 @@ def render_progress(run_id: int) -> None:
         rate = f"{progress['rate_per_s']:.2f} cases/s" if progress["rate_per_s"] else "measuring…"
         cols[0].markdown(f"**Running** · {rate} · ETA {eta}"
                          + (" · cancelling after the batch in flight…" if progress["cancelling"] else ""))
-        if cols[1].button("Cancel", key=K(f"cancel.{run_id}"), icon=":material/stop:"):
+        if cols[1].button("Cancelling…" if progress["cancelling"] else "Cancel", key=K(f"cancel.{run_id}"),
+                          icon=":material/stop:", disabled=progress["cancelling"]):
             runner.cancel(run_id)
+            st.rerun(scope="fragment")
+    elif progress["elsewhere"]:
+        st.info("Another workbench process is running this run; its progress shows here as results arrive.")
     else:
         if progress["interrupted"]:
             st.warning("This run was interrupted (the workbench stopped while it ran). Its finished results are "
@@ -156,26 +211,34 @@ def render_progress(run_id: int) -> None:
                     except JobAlreadyRunningError as exc:
                         st.info(str(exc))
                     st.rerun()
-    # the fragment polls only while a job is live; when it ends, the whole page reruns to show the final stats
+    # the fragment polls only while a job is live; when it ends, the whole page reruns to show the final stats,
+    # and while it runs the page reruns when new results arrived (at most every few seconds) so that the counts
+    # and statistics below never lag the progress bar
     if st.session_state.get(K(f"was_live.{run_id}")) and not progress["live"]:
         st.session_state[K(f"was_live.{run_id}")] = False
         st.rerun(scope="app")
     st.session_state[K(f"was_live.{run_id}")] = progress["live"]
+    shown_key = K(f"shown.{run_id}")
+    shown_done, shown_at = st.session_state.get(shown_key, (None, 0.0))
+    if progress["live"] and progress["done"] != shown_done and time.monotonic() - shown_at > STATS_REFRESH_S:
+        st.rerun(scope="app")
 
 
-live = runner.is_running(run_id)
+live = runner.is_running(run_id) or runner.progress(run_id)["elsewhere"]
 st.fragment(render_progress, run_every=1.0 if live else None)(run_id)
 
 run = store.get_run(run_id)
 schema = run["schema"]
 questions = schema["questions"]
 results = store.list_results(run_id)
+st.session_state[K(f"shown.{run_id}")] = (len(results), time.monotonic())
 st.caption(f"Schema **{run['schema_name']} v{run['schema_version']}** · model **{run['model_id']}**"
            f"{' @ ' + run['model_revision'] if run['model_revision'] else ''} · batch "
            f"{run['settings'].get('chunk_size', '?')} · max_length {run['settings'].get('max_length', '?')} "
            f"({run['settings'].get('overflow', 'refuse')}) · started {(run['started_at'] or '–')[:19]}")
+render_delete(run)
 if not results:
-    st.info("No results yet.")
+    st.info("The first results appear here when the first batch finishes." if live else "No results yet.")
     st.stop()
 
 frame = stats.answer_frame(results, schema)
@@ -191,6 +254,10 @@ cols[1].metric("p95 latency", fmt_ms(latency["p95"]))
 cols[2].metric("p99 latency", fmt_ms(latency["p99"]))
 cols[3].metric("max latency", fmt_ms(latency["max"]))
 cols[4].metric("samples", f"{latency['count']}", help=f"{latency['errors']} error results excluded")
+batches = len({(r["started_at"], r["finished_at"]) for r in results if not r.get("error")})
+st.caption(f"n = {latency['count']} records in {batches} batch(es). A record's latency is the time of the whole "
+           "batch it ran in, so records of one batch share one value; with few batches the percentiles are a "
+           "few batch times, not a distribution.")
 st.caption(f"Window {str(latency['window_start'])[:19]} → {str(latency['window_end'])[:19]} UTC "
            f"({latency['window_s']:.1f} s). Latency = time from submitting a record's batch to its responses "
            "(the engine's x_latency_ms); percentiles use linear interpolation (numpy 'linear').")

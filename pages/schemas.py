@@ -6,7 +6,7 @@ from __future__ import annotations
 import streamlit as st
 
 from clef_workbench import schemas
-from ui_common import get_library, page_key, use_app_navigation
+from workbench_ui.shell import get_library, get_store, page_key, use_app_navigation
 
 use_app_navigation()
 
@@ -66,14 +66,36 @@ def delete_schema(slug: str) -> None:
     if not st.session_state.get(K(f"confirm_delete.{slug}")):
         flash("error", "Tick the confirmation box first.")
         return
+    text = library.path_of(slug).read_text(encoding="utf-8")
     try:
         library.delete(slug)
     except schemas.SchemaError as exc:
         flash("error", str(exc))
         return
+    # the file is gone; its text is kept in the change log so that Undo (now or later) can write it back
+    get_store().log_change("delete", "schema", slug, f"{slug}.json", data={"text": text})
     st.session_state.pop(K("selected"), None)
     reset_editor(slug)
+    st.session_state[K("undo")] = slug
     flash("success", f"Deleted {slug}.json.")
+
+
+def restore_schema(slug: str) -> None:
+    """Write a deleted schema file back from the change log."""
+    entry = next((c for c in get_store().list_changes(kind="schema") if c["object_id"] == slug
+                  and c["action"] == "delete"), None)
+    if entry is None:
+        flash("error", f"No deleted {slug}.json to restore.")
+        return
+    try:
+        restored = library.import_json(entry["data"]["text"], filename=f"{slug}.json")
+    except schemas.SchemaError as exc:
+        flash("error", f"Not restored: {exc}")
+        return
+    get_store().log_change("restore", "schema", restored, f"{restored}.json")
+    st.session_state.pop(K("undo"), None)
+    st.session_state[K("selected")] = restored
+    flash("success", f"Restored {restored}.json.")
 
 
 def import_schema() -> None:
@@ -98,7 +120,12 @@ st.caption(f"Folder: `{library.directory}` (set CLEF_SCHEMAS_DIR to change). One
 
 message = st.session_state.pop(K("flash"), None)
 if message:
-    getattr(st, message[0])(message[1])
+    undo_slug = st.session_state.pop(K("undo"), None)
+    cols = st.columns([5, 1], vertical_alignment="center")
+    getattr(cols[0], message[0])(message[1])
+    if undo_slug and message[0] == "success":
+        cols[1].button("Undo", key=K("undo_delete"), icon=":material/undo:", on_click=restore_schema,
+                       args=(undo_slug,))
 
 entries = library.list()
 lint_by_slug: dict[str, list[schemas.SchemaProblem]] = {}

@@ -35,7 +35,7 @@ def tiny_engine(tiny_release):
 def workbench(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     """Env for one workbench app: a copy of the shipped schemas, an empty database. The engine is shared by every
     test, as by every session of a real server (cache_resource); the store is per test (its path is CLEF_DB)."""
-    import ui_common
+    from workbench_ui import shell
 
     schemas_dir = tmp_path / "schemas"
     shutil.copytree(REPO / "schemas", schemas_dir)
@@ -43,6 +43,6 @@ def workbench(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setenv("CLEF_DB", str(tmp_path / "workbench.sqlite3"))
     monkeypatch.delenv("CLEF_MODEL", raising=False)
     monkeypatch.chdir(REPO)
-    ui_common.get_store.clear()
+    shell.get_store.clear()
     yield tmp_path
-    ui_common.get_store.clear()
+    shell.get_store.clear()

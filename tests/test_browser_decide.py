@@ -13,7 +13,7 @@ import playwright.sync_api as playwright_api  # noqa: E402
 import pytest
 from PIL import Image
 
-from clef_workbench.browser_harness import launch_chromium, running_workbench
+from tests.browser_harness import launch_chromium, running_workbench
 
 expect = playwright_api.expect
 expect.set_options(timeout=30_000)  # two CPU cores shared with the model: reruns can take seconds

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from playwright.sync_api import expect, sync_playwright
 
-from clef_workbench.browser_harness import launch_chromium, running_workbench
+from tests.browser_harness import launch_chromium, running_workbench
 
 pytestmark = pytest.mark.browser
 

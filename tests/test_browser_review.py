@@ -13,8 +13,8 @@ from pathlib import Path
 import playwright.sync_api as playwright_api  # noqa: E402
 import pytest
 
-from clef_workbench.browser_harness import launch_chromium, running_workbench
 from clef_workbench.store import Store
+from tests.browser_harness import launch_chromium, running_workbench
 
 expect = playwright_api.expect
 

@@ -191,3 +191,22 @@ def test_table_edits_update_add_and_delete_and_refuse_bad_rows(tmp_path):
     assert [c["state"] for c in cases] == [{"a": 1}, "new ticket"]
     assert cases[0]["expected"] == {"urgent": True, "priority": 2} and cases[0]["tags"] == ["vip", "late"]
     assert second not in [c["id"] for c in cases]
+
+
+def test_results_csv_is_readable_by_a_person(tmp_path):
+    store = Store(tmp_path / "w.db")
+    set_id = store.create_case_set("a")
+    (case_id,) = store.add_cases(set_id, [{"state": "Where is my parcel?", "expected": {"urgent": True,
+                                                                                      "team": "tech"}}])
+    run_id = store.create_run(set_id, schema=SCHEMA, model_id="demo")
+    response = {"answers": {
+        "team": {"type": "choice", "choice": "billing", "confidence": 0.7123456,
+                 "probabilities": {"billing": 0.7123456, "tech": 0.2876544}},
+        "urgent": {"type": "noul", "noul": 0.91234567},
+    }, "usage": {"input_tokens": 50}}
+    store.record_results(run_id, [{"case_id": case_id, "response": response, "latency_ms": 12, "input_tokens": 50}])
+    rows = {r["question_id"]: r for r in csv.DictReader(io.StringIO(casesets.export_results_csv(store, run_id)))}
+    assert rows["team"]["state"] == "Where is my parcel?"
+    assert rows["team"]["p:billing"] == "0.7123" and rows["urgent"]["p:true"] == "0.9123"
+    assert (rows["team"]["correct"], rows["urgent"]["correct"]) == ("false", "true")
+    assert (rows["team"]["expected"], rows["urgent"]["expected"]) == ("tech", "true")

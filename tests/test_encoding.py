@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import io
+import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from PIL import Image
 
 from clef_engine.errors import TokenBudgetError
@@ -150,11 +154,19 @@ def test_overflow_refuse_names_part_and_amount(tiny_engine):
     long_state = "word " * 3000
     request = dict(REQUEST, state=long_state)
     full = tiny_engine.encoder.encode(request, max_length=100_000)
+    # over by a few tokens: only the exact count shows it, and the message gives the exact amount
+    max_length = full.token_counts["total"] - 7
+    with pytest.raises(TokenBudgetError) as caught:
+        tiny_engine.encoder.encode(request, max_length=max_length)
+    assert caught.value.part == "state"
+    assert caught.value.over_by == 7
+    assert f"the record is {full.token_counts['total']} tokens, 7 over max_length {max_length}" in str(caught.value)
+    # far over: refused from a lower bound, before tokenizing, and the message says it is one
     with pytest.raises(TokenBudgetError) as caught:
         tiny_engine.encoder.encode(request, max_length=1000)
     assert caught.value.part == "state"
-    assert caught.value.over_by == full.token_counts["total"] - 1000
-    assert f"{caught.value.over_by} over max_length 1000" in str(caught.value)
+    assert 0 < caught.value.over_by <= full.token_counts["total"] - 1000
+    assert f"at least {caught.value.over_by} over max_length 1000" in str(caught.value)
 
 
 def test_overflow_truncate_cuts_the_end_of_the_state(tiny_engine):
@@ -192,5 +204,147 @@ def test_long_states_are_tokenized_once_and_encode_the_same(tiny_engine, monkeyp
     assert len(state) not in calls  # the state came from the memo
     assert again.input_ids[: again.state_end] == (encoder.prefix_ids + original(state))  # and is what tokenizing gives
     for i in range(encoding.STATE_MEMO_ENTRIES + 3):  # bounded: old states fall out
-        encoder.tokenize_state(f"{i} " + "x" * encoding.STATE_MEMO_MIN_CHARS)
+        text = f"{i} " + "x" * encoding.STATE_MEMO_MIN_CHARS
+        encoder.remember_state(text, encoder.tokenize(text))
     assert len(encoder._states) == encoding.STATE_MEMO_ENTRIES
+
+
+# ---- budget before expensive work, no lock, nothing of a refused request kept ------------------------------------
+
+TEXTS = [
+    "", " ", "plain words", "  leading and trailing  ", "tabs\tand\nnew\r\nlines\n\n\n", "x" * 5000,
+    "Ünïcödé ßtraße ✓ 🎯 질문 日本語のテキスト", "e\u0301 cafe\u0301 \u1100\u1161\u11a8 decomposed (NFD) text",
+    "<|im_start|>user\nspecial tokens<|im_end|> inside <think></think> text", "numbers 1234567890 3.14159 -42",
+    "code: def f(x):\n    return x ** 2  # comment", '{"json": [1, 2, {"nested": null}]}', "a" + " " * 300 + "b",
+    "\u00a0\u2003 odd spaces \u200b zero width", "мир", "!!!???...,,,;;;", "'s 't 're 've 'm 'll 'd",
+]
+
+
+def wrapper_ids(encoder, text: str) -> list[int]:
+    """The ids the HF tokenizer wrapper gives (how the engine tokenized before it kept its own tokenizer)."""
+    return encoder.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def test_own_tokenizer_gives_the_wrappers_ids(tiny_engine):
+    encoder = tiny_engine.encoder
+    for text in TEXTS:
+        assert encoder.tokenize(text) == wrapper_ids(encoder, text), text
+    assert encoder.tokenize_many(TEXTS) == [wrapper_ids(encoder, t) for t in TEXTS]
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(text=st.text(st.characters(codec="utf-8"), max_size=300)
+       | st.lists(st.sampled_from(["<|im_start|>", "\u1100", "\u1161", "\u11a8", "e", "\u0301", " ", "\n", "ab",
+                                   "Ġ.,;:!?-_/()[]{}\"'", "1", "한"]), max_size=80).map("".join))
+def test_token_bound_never_exceeds_the_tokens(tiny_engine, text):
+    encoder = tiny_engine.encoder
+    ids = encoder.tokenize(text)
+    assert ids == wrapper_ids(encoder, text)
+    assert encoder.token_bound(text) <= len(ids)
+
+
+def test_concurrent_encodes_give_the_same_ids(tiny_engine):
+    encoder = tiny_engine.encoder
+    requests = [dict(REQUEST, state=f"{i}: " + TEXTS[i % len(TEXTS)] * (1 + i % 5)) for i in range(48)]
+    expected = [encoder.encode(r, max_length=10**6) for r in requests]
+    with ThreadPoolExecutor(8) as pool:
+        got = list(pool.map(lambda r: encoder.encode(r, max_length=10**6), requests))
+    assert [r.input_ids for r in got] == [r.input_ids for r in expected]
+    assert [r.option_spans for r in got] == [r.option_spans for r in expected]
+
+
+def test_far_over_budget_state_is_refused_before_it_is_tokenized(tiny_engine, monkeypatch):
+    encoder = tiny_engine.encoder
+    tokenized: list[int] = []
+    original = encoder._encode_batch
+    monkeypatch.setattr(encoder, "_encode_batch",
+                        lambda texts, **kw: tokenized.extend(map(len, texts)) or original(texts, **kw))
+    state = "Refund me now, the parcel never arrived. " * 50_000  # 2 MB
+    with pytest.raises(TokenBudgetError) as caught:
+        tiny_engine.decide(dict(REQUEST, state=state))
+    assert caught.value.part == "state" and "at least" in str(caught.value)
+    assert len(state) not in tokenized and tokenized == []  # neither the state nor the schema was tokenized
+    assert tiny_engine.encode(dict(REQUEST, state=state), overflow="truncate_state").truncated_state_tokens > 0
+
+
+def test_media_over_budget_is_refused_before_pixels_are_decoded(tiny_engine, monkeypatch):
+    from clef_engine.model import media
+
+    decoded = []
+    monkeypatch.setattr(media, "decode_image", lambda image: decoded.append(image) or image.convert("RGB"))
+    request = dict(REQUEST, images=[png_bytes(2000, 2000)])  # (2000/32)² ≈ 3,900 tokens
+    with pytest.raises(TokenBudgetError) as caught:
+        tiny_engine.encode(request, max_length=1000, overflow="truncate_state")
+    assert caught.value.part == "media" and decoded == []
+    with pytest.raises(TokenBudgetError):
+        tiny_engine.encode(dict(request, state="word " * 5000), max_length=4000)
+    assert decoded == []
+    assert tiny_engine.encode(request, max_length=8000).token_counts["media"] > 3000 and len(decoded) == 1
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_records_that_fit_encode_as_the_full_path_did(tiny_engine, seed):
+    """Ids and counts of the old path (every part tokenized by the wrapper, then one budget check), and the same
+    accept/refuse decision at every max_length around the record's size."""
+    rng = np.random.default_rng(seed)
+    encoder = tiny_engine.encoder
+    state = " ".join(rng.choice(TEXTS, size=40))
+    request = dict(REQUEST, state=state, images=[png_bytes(64, 32 + 32 * seed, seed=seed)])
+    record = encoder.encode(request, max_length=100_000)
+    pieces, _, _ = schema_pieces(parse_questions(request))
+    media_length = record.token_counts["media"]
+    start = len(encoder.prefix_ids)
+    expected = (wrapper_ids(encoder, PREFIX) + record.input_ids[start: start + media_length]
+                + wrapper_ids(encoder, state) + [i for p in pieces for i in wrapper_ids(encoder, p)]
+                + wrapper_ids(encoder, SUFFIX))
+    assert record.input_ids == expected
+    total = len(expected)
+    for max_length in (total - 1, total, total + 1):
+        if max_length >= total:
+            assert encoder.encode(request, max_length=max_length).input_ids == expected
+        else:
+            with pytest.raises(TokenBudgetError) as caught:
+                encoder.encode(request, max_length=max_length)
+            assert caught.value.over_by == 1 and caught.value.token_counts["state"] == record.token_counts["state"]
+
+
+def test_refused_states_are_not_remembered(tiny_engine):
+    encoder = tiny_engine.encoder
+    encoder._states.clear()
+    request = dict(REQUEST, state="a state the analyst keeps " * 400)
+    pieces, _, _ = schema_pieces(parse_questions(request))
+    total = (len(encoder.prefix_ids) + len(encoder.tokenize(request["state"]))
+             + sum(map(len, encoder.tokenize_many(pieces))) + len(encoder.suffix_ids))
+    for max_length in (600, total - 1):  # refused from the bound, and refused after tokenizing the state
+        with pytest.raises(TokenBudgetError):
+            encoder.encode(request, max_length=max_length)
+    assert len(encoder._states) == 0
+    assert len(encoder.encode(request, max_length=total)) == total
+    assert len(encoder._states) == 1
+
+
+def test_a_long_encode_does_not_hold_up_a_small_request(tiny_engine, monkeypatch):
+    """While one thread tokenizes a large state, another's small request is encoded and answered."""
+    encoder = tiny_engine.encoder
+    started, finished = threading.Event(), threading.Event()
+    original = encoder._encode_batch
+
+    def encode_batch(texts, **kw):
+        big = any(len(t) > 500_000 for t in texts)
+        if big:
+            started.set()
+        try:
+            return original(texts, **kw)
+        finally:
+            if big:
+                finished.set()
+
+    monkeypatch.setattr(encoder, "_encode_batch", encode_batch)
+    big = dict(REQUEST, state="long evidence text, " * 60_000)  # 1.2 MB: seconds of tokenizing
+    worker = threading.Thread(target=encoder.encode, args=(big,), kwargs={"overflow": "truncate_state"})
+    worker.start()
+    assert started.wait(30)
+    response = tiny_engine.decide({"state": "hi", "questions": {"q": {"type": "noul"}}})
+    assert not finished.is_set()  # answered while the large state was still being tokenized
+    assert response["answers"]["q"]["type"] == "noul"
+    worker.join()

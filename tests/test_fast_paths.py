@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 import torch.nn.functional as F
 
+from clef_engine.config import EngineConfig
 from clef_engine.engine import check_fast_kernels
 from clef_engine.errors import ReleaseError
 from clef_engine.fast import kernels
 from clef_engine.fast.cache import PrefixState, StateCache, prefix_key
+from clef_engine.fast.graphs import PrefillGraphs, bucket, buckets
 from clef_engine.fast.packed import LayerState
 from clef_engine.model.reference import reference_decide
 
@@ -125,14 +129,46 @@ def test_cache_is_bounded_in_bytes_least_recently_used_out():
     assert cache.get("huge") is None
 
 
-def test_continuation_graphs_belong_to_their_cache_entry():
-    """Graphs read an entry's tensors by address: an entry moved to another tier is a new object without them, and
-    they never count as cached bytes."""
+def test_continuation_graphs_live_and_die_with_their_cache_entry():
+    """Graphs read an entry's tensors by address: the graph owner keys them by the entry object, so an entry dropped
+    by the cache takes its graphs with it, and an entry moved to another tier is a new object without any."""
+    owner = PrefillGraphs(backbone=None)
     entry = PrefixState(10, [LayerState(recurrent=torch.ones(125))], torch.ones(125))
-    entry.graphs[448] = ("graph", "ids", "hidden", "segments")
-    assert entry.nbytes == 1000
+    owner.continuations[entry] = {448: "graph"}
+    assert entry.nbytes == 1000 and not hasattr(entry, "graphs")
     moved = entry.to("cpu")
-    assert moved.graphs == {} and entry.graphs
+    assert moved not in owner.continuations and entry in owner.continuations
+    cache = StateCache(torch.device("cpu"), device_bytes=1500, host_bytes=0)
+    cache.put("a", entry)
+    del entry, moved
+    gc.collect()
+    assert len(owner.continuations) == 1  # still cached
+    cache.put("b", PrefixState(10, [LayerState(recurrent=torch.ones(125))], torch.ones(125)))  # evicts "a"
+    gc.collect()
+    assert cache.get("a") is None and len(owner.continuations) == 0
+
+
+def test_every_length_up_to_the_graph_limit_has_a_captured_bucket():
+    every = buckets(4096)
+    assert every == sorted(set(every)) and every[-1] == 4096
+    for n in range(1, 4097):
+        assert bucket(n) in every and n <= bucket(n) < n + 256
+
+
+def test_a_long_state_is_stored_by_the_one_forward_that_answers(tiny_engine, monkeypatch):
+    """A cold record whose state the cache keeps runs the backbone once (not a prefix pass then a continuation)."""
+    cache = tiny_engine.state_cache
+    cache.clear()
+    monkeypatch.setattr(cache, "min_prefix_tokens", 64)
+    calls = []
+    forward = tiny_engine.backbone.forward
+    monkeypatch.setattr(tiny_engine.backbone, "forward", lambda *a, **k: calls.append(k) or forward(*a, **k))
+    try:
+        tiny_engine.decide(request(500, 5))
+        assert cache.stats()["stored"] >= 1 and cache.stats()["entries"] == 1
+        assert len(calls) == 1 and calls[0].get("split_at") is not None
+    finally:
+        cache.clear()
 
 
 def test_prefix_key_depends_on_model_tokens_and_media():
@@ -145,13 +181,18 @@ def test_prefix_key_depends_on_model_tokens_and_media():
 
 def test_cuda_refuses_slow_kernels_unless_allowed(monkeypatch):
     monkeypatch.setattr(kernels, "fla_importable", lambda: False)
-    monkeypatch.delenv("CLEF_ALLOW_SLOW_KERNELS", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # resolve a CUDA config on any machine
+
+    def config(env: dict, **given) -> EngineConfig:
+        return EngineConfig.resolve(device="cuda", env=env, **given)
+
     with pytest.raises(ReleaseError, match="allow_slow_kernels"):
-        check_fast_kernels(torch.device("cuda"), None)
-    check_fast_kernels(torch.device("cuda"), True)
-    monkeypatch.setenv("CLEF_ALLOW_SLOW_KERNELS", "1")
-    check_fast_kernels(torch.device("cuda"), None)
-    check_fast_kernels(torch.device("cpu"), False)  # the CPU always runs the torch kernels
+        check_fast_kernels(config({}))
+    check_fast_kernels(config({}, allow_slow_kernels=True))
+    check_fast_kernels(config({"CLEF_ALLOW_SLOW_KERNELS": "1"}))
+    with pytest.raises(ReleaseError, match="allow_slow_kernels"):  # the keyword wins over the environment
+        check_fast_kernels(config({"CLEF_ALLOW_SLOW_KERNELS": "1"}, allow_slow_kernels=False))
+    check_fast_kernels(EngineConfig.resolve(device="cpu", env={}))  # the CPU always runs the torch kernels
 
 
 def test_segments_restart_positions_per_record():
@@ -204,3 +245,28 @@ def test_prefix_varlen_check_accepts_only_a_mask_aligned_to_the_last_key(monkeyp
     problem = kernels.prefix_varlen_matches_sdpa(torch.device("cpu"), torch.float32, 4, 2, 16)
     kernels._varlen_parameters.cache_clear()
     assert (problem is None) == aligned, problem
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (3, 2), (5, 7), (2, 300)])
+def test_the_head_graphs_padding_to_a_shape_bucket_changes_no_answer(tiny_engine, shape):
+    """The head's CUDA graphs run a record padded to a bucket of memory length, questions, options and span grids
+    (padding masked or empty). Run eagerly on the CPU, that padded call must answer what the head answers."""
+    from clef_engine.fast.graphs import HeadGraphs
+    from clef_engine.model.head import layout
+
+    questions, options = shape
+    schema = {f"q{j}": {"type": "choice", "instructions": "word " * (1 + 9 * (j == 1)),
+                        "criteria": {f"o{k}": ("long " * 40 if k == 0 else None) for k in range(options)}}
+              for j in range(questions)}
+    schema["last"] = {"type": "noul", "instructions": "Is it?"}
+    record = tiny_engine.encode({"state": "the invoice is late " * 5, "questions": schema}, max_length=2**31 - 1)
+    hidden = torch.randn(len(record), tiny_engine.model.config.text_config.hidden_size, generator=torch.Generator()
+                         .manual_seed(options))
+    with torch.inference_mode():
+        normed, memory = tiny_engine.head.token_memory(hidden)
+        batch = layout([record], [0], [len(record)])
+        padded = HeadGraphs(tiny_engine.head, tiny_engine.output_embeddings, capture=False).probabilities(
+            normed, memory, record, batch)
+        plain = tiny_engine.head_probabilities(hidden, [record], [0], [len(record)])[0]
+    assert [len(q) for q in padded] == [len(q) for q in plain] == [options] * questions + [2]
+    assert max_difference([padded], [plain]) <= TOLERANCE

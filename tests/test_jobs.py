@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from clef_workbench.casesets import build_request
 from clef_workbench.jobs import JobAlreadyRunningError, JobRunner
 from clef_workbench.store import Store
 
@@ -133,3 +134,78 @@ def test_resume_after_the_running_process_is_killed(tmp_path, tiny_release, tiny
         if r["case_id"] in before:  # finished before the kill: kept exactly as written, not redone
             assert (r["id"], r["finished_at"], json.dumps(r["response"])) == before[r["case_id"]]
     assert len(results) - len(before) == len(case_ids) - killed_at
+
+
+def test_a_second_runner_on_the_same_run_is_refused_then_resumes_once_the_first_is_gone(tmp_path, tiny_engine):
+    """Two processes asked to run one run (two runners, each with its own connection to the file): the second is
+    refused while the first works, so no case is computed twice; a lease whose holder died is taken over at once."""
+    import socket
+
+    db = tmp_path / "w.db"
+    store = Store(db)
+    set_id = store.create_case_set("tickets")
+    store.add_cases(set_id, [{"state": example["state"]} for example in TICKET_SCHEMA["examples"]] * 2)
+    run_id = store.create_run(set_id, schema=TICKET_SCHEMA, model_id="demo", settings={"chunk_size": 2})
+    first, second = JobRunner(Store(db)), JobRunner(Store(db))
+    first.start(run_id, tiny_engine)
+    with pytest.raises(JobAlreadyRunningError, match="being run by another process"):
+        second.start(run_id, tiny_engine)
+    progress = second.progress(run_id)
+    assert progress["elsewhere"] and not progress["interrupted"] and not progress["live"]
+    assert first.wait(run_id, timeout=180)
+    assert store.get_run(run_id)["status"] == "finished" and store.run_lease_holder(run_id) is None
+
+    # a holder whose process is gone (killed: no release ran) does not block the next runner
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    ghost = f"{socket.gethostname()}:{int(dead.stdout)}:ghost"
+    assert store.acquire_run_lease(run_id, ghost, ttl_s=3600) is None
+    assert store.run_lease_holder(run_id) is None
+    # a live holder on another host blocks until its lease expires
+    assert store.acquire_run_lease(run_id, "other-host:1:x", ttl_s=3600) is None
+    with pytest.raises(JobAlreadyRunningError):
+        second.start(run_id, tiny_engine)
+    assert store.acquire_run_lease(run_id, "other-host:1:x", ttl_s=-1) is None  # it stopped renewing
+    second.start(run_id, tiny_engine)
+    assert second.wait(run_id, timeout=60)
+    assert store.run_lease_holder(run_id) is None
+
+
+def test_chunks_are_sized_by_tokens_and_the_next_one_is_queued_before_the_last_is_written(tmp_path, tiny_engine):
+    """The GPU never waits for the store: chunk n+1 is on the engine's queue before chunk n's results are written;
+    after the first chunks, a chunk holds about `chunk_tokens` tokens of cases."""
+    store = Store(tmp_path / "w.db")
+    set_id = store.create_case_set("sized")
+    states = [f"ticket {i}: " + "my invoice is wrong " * (1 + i % 5) for i in range(24)]
+    store.add_cases(set_id, [{"state": s} for s in states])
+    first_tokens = sum(tiny_engine.count_tokens(build_request({"state": s}, SMALL_SCHEMA))["total"]
+                       for s in states[:8])
+    chunk_tokens = 3 * first_tokens // 8
+    run_id = store.create_run(set_id, schema=SMALL_SCHEMA, model_id="demo", settings={"chunk_tokens": chunk_tokens})
+    events: list[tuple[str, int]] = []
+
+    class Recording:
+        def validate(self, request):
+            tiny_engine.validate(request)
+
+        def decide_many(self, requests, **options):
+            return tiny_engine.decide_many(requests, **options)
+
+        def submit(self, requests, **options):
+            events.append(("submit", len(requests)))
+            return tiny_engine.submit(requests, **options)
+
+    record_results = store.record_results
+
+    def recording_results(run, results):
+        events.append(("write", len(results)))
+        return record_results(run, results)
+
+    store.record_results = recording_results
+    runner = JobRunner(store)
+    runner.start(run_id, Recording())
+    assert runner.wait(run_id, timeout=120)
+    assert store.get_run(run_id)["status"] == "finished" and store.get_run(run_id)["done"] == 24
+    sizes = [n for kind, n in events if kind == "submit"]
+    assert sizes[:3] == [8, 8, chunk_tokens * 8 // first_tokens] and sum(sizes) == 24
+    kinds = [kind for kind, _ in events]
+    assert kinds[:3] == ["submit", "submit", "write"]  # the second chunk was queued before the first was written

@@ -8,9 +8,10 @@ from pathlib import Path
 
 from streamlit.testing.v1 import AppTest
 
-import ui_common
-from clef_workbench import casesets
+from clef_workbench import casesets, review
+from clef_workbench.review import ReviewRules
 from clef_workbench.store import Store
+from workbench_ui import shell
 
 REPO = Path(__file__).resolve().parents[1]
 APP = str(REPO / "app.py")
@@ -46,7 +47,7 @@ def metric(at: AppTest, label: str) -> str:
 
 
 def wait_for_run(run_id: int, timeout: float = TIMEOUT) -> None:
-    assert ui_common.get_job_runner().wait(run_id, timeout), f"run {run_id} did not end within {timeout} s"
+    assert shell.get_job_runner().wait(run_id, timeout), f"run {run_id} did not end within {timeout} s"
 
 
 def test_cases_page_creates_loads_examples_renames_and_guards_delete(workbench):
@@ -97,7 +98,7 @@ def test_runs_page_runs_cancels_resumes_and_shows_stats(workbench):
     at.run()
     ok(at)
     run_id = store.list_runs()[0]["id"]
-    runner = ui_common.get_job_runner()
+    runner = shell.get_job_runner()
     assert runner.is_running(run_id)
     assert store.get_run(run_id)["settings"]["chunk_size"] == 2
 
@@ -156,10 +157,10 @@ def test_runs_page_runs_cancels_resumes_and_shows_stats(workbench):
 def _finished_run(workbench: Path) -> tuple[Store, int]:
     store = Store(workbench / "workbench.sqlite3")
     set_id = casesets.load_example_case_sets(store, workbench / "schemas")["support-ticket-routing"]
-    schema = ui_common.get_library().load("support-ticket-routing").to_dict()
+    schema = shell.get_library().load("support-ticket-routing").to_dict()
     schema.pop("examples")
     run_id = store.create_run(set_id, schema=schema, model_id="clef-demo", settings={"chunk_size": 6})
-    ui_common.get_job_runner().start(run_id, ui_common.get_engine(show_errors=False))
+    shell.get_job_runner().start(run_id, shell.get_engine(show_errors=False))
     wait_for_run(run_id)
     return store, run_id
 
@@ -191,16 +192,31 @@ def test_review_page_queue_actions_conflict_undo_and_golden_set(workbench):
     at.run()
     assert f"### Case {queue[0]['case_id']} · `team` (choice)" in texts(at)  # worst first
     assert f"**Why queued:** {queue[0]['reason']}" in texts(at)
-    button(at, f"Accept “{queue[0]['predicted']}”").click()
+    # accepting an answer that contradicts the gold label asks first; Accept is then not the highlighted default
+    gold = store.get_case(queue[0]["case_id"])["expected"]["team"]
+    accept = button(at, f"Accept “{queue[0]['predicted']}”")
+    assert (accept.proto.type == "primary") == (gold == queue[0]["predicted"])
+    at.text_input(key=f"review.comment.{queue[0]['id']}").input("checked the body twice")
+    accept.click()
     at.run()
     ok(at)
+    if gold != queue[0]["predicted"]:
+        assert f"The case set's expected answer is “{gold}”" in texts(at)
+        assert store.get_review_item(queue[0]["id"])["status"] == "open", "nothing written before the confirmation"
+        button(at, f"Yes, label it “{queue[0]['predicted']}”").click()
+        at.run()
+        ok(at)
     assert store.get_review_item(queue[0]["id"])["status"] == "accepted"
+    assert store.list_review_actions(item_id=queue[0]["id"])[0]["comment"] == "checked the body twice"
     assert f"### Case {queue[1]['case_id']}" in texts(at)  # advanced to the next worst
 
-    # correct to an option that is not the model's answer
+    # correct to an option that is not the model's answer (confirming if it is not the gold label either)
     other = next(o for o in queue[1]["distribution"] if o != queue[1]["predicted"])
     button(at, other).click()
     at.run()
+    if store.get_case(queue[1]["case_id"])["expected"]["team"] != other:
+        button(at, f"Yes, label it “{other}”").click()
+        at.run()
     assert store.get_review_item(queue[1]["id"])["label"] == other
 
     # another session acts on the item this one shows: our click is refused, not applied twice
@@ -229,3 +245,130 @@ def test_review_page_queue_actions_conflict_undo_and_golden_set(workbench):
     golden = next(s for s in store.list_case_sets() if s["name"] == "Tickets golden")
     assert golden["case_count"] == 1
     assert store.list_cases(golden["id"])[0]["expected"]["team"] == queue[0]["predicted"]
+
+
+# --- Case sets: import, label columns, delete + undo (issue 13) --------------------------------------------------
+
+TICKETS_CSV = ("subject,body,expected_team,priority\n"
+               + "".join(f"Ticket {i},My invoice {i} is wrong,billing,{i % 4}\n" for i in range(10))).encode()
+
+
+def new_case_set(at: AppTest, name: str) -> int:
+    at.text_input(key="cases.new_name").input(name)
+    at.selectbox(key="cases.new_schema").select("support-ticket-routing")
+    button(at, "Create").click()
+    at.run()
+    ok(at)
+    return at.selectbox(key="cases.selected").value
+
+
+def upload_csv(at: AppTest, content: bytes) -> AppTest:
+    uploader = next(u for u in at.get("file_uploader") if u.key.startswith("cases.upload"))
+    uploader.set_value(("tickets.csv", content, "text/csv"))
+    at.run()
+    ok(at)
+    return at
+
+
+def test_csv_import_uses_only_chosen_columns_refreshes_and_is_idempotent(workbench):
+    store = Store(workbench / "workbench.sqlite3")
+    at = open_page("pages/cases.py")
+    set_id = new_case_set(at, "Tickets")
+    upload_csv(at, TICKETS_CSV)
+    # the label column is mapped to its question by name, and never offered as state
+    assert at.selectbox(key="cases.map.expected.team").value == "expected_team"
+    state_pick = next(m for m in at.multiselect if m.key.startswith("cases.map.state"))
+    assert state_pick.value == [], "no column goes into the state unless chosen"
+    assert "map at least one column to the state" in texts(at)
+    button(at, "Use the 2 column(s)", startswith=True).click()
+    at.run()
+    assert next(m for m in at.multiselect if m.key.startswith("cases.map.state")).value == ["subject", "body"]
+    button(at, "Import 10 cases").click()
+    at.run()
+    ok(at)
+    assert "Imported 10 cases into “Tickets”." in texts(at)
+    assert "Tickets (10 cases)" in at.selectbox(key="cases.selected").options, "the picker shows the new count"
+    assert not [b for b in at.button if b.label.startswith("Import ")], "no live Import button after importing"
+    cases = store.list_cases(set_id)
+    assert cases[0]["state"] == {"subject": "Ticket 0", "body": "My invoice 0 is wrong"}
+    assert cases[0]["expected"] == {"team": "billing", "priority": 0}
+
+    # the same file again: nothing is added twice
+    upload_csv(at, TICKETS_CSV)
+    button(at, "Use the 2 column(s)", startswith=True).click()
+    at.run()
+    button(at, "Import 10 cases").click()
+    at.run()
+    ok(at)
+    assert "Imported 0 cases into “Tickets”. 10 were already in it and were skipped." in texts(at)
+    assert store.get_case_set(set_id)["case_count"] == 10
+
+    # a label-like column put into the state on purpose is named in a warning
+    upload_csv(at, TICKETS_CSV)
+    next(m for m in at.multiselect if m.key.startswith("cases.map.state")).set_value(["body", "expected_team"])
+    at.run()
+    assert "look like expected answers and are in the state" in texts(at) and "expected_team" in texts(at)
+
+
+def test_delete_a_case_set_asks_first_and_can_be_undone(workbench):
+    store = Store(workbench / "workbench.sqlite3")
+    at = open_page("pages/cases.py")
+    set_id = new_case_set(at, "Doomed")
+    store.add_cases(set_id, [{"state": "a"}, {"state": "b"}])
+    at.run()
+    button(at, "Delete this case set").click()
+    at.run()
+    ok(at)
+    assert "Delete “Doomed” and its 2 case(s)? You can undo this." in texts(at)
+    assert store.get_case_set(set_id)["case_count"] == 2, "nothing deleted before the confirmation"
+    button(at, "Cancel").click()
+    at.run()
+    assert [s["id"] for s in store.list_case_sets()] == [set_id]
+    button(at, "Delete this case set").click()
+    at.run()
+    button(at, "Yes, delete it").click()
+    at.run()
+    ok(at)
+    assert "Deleted case set “Doomed”." in texts(at)
+    assert store.list_case_sets() == []
+    assert [(c["action"], c["kind"], c["label"]) for c in store.list_changes()] == [("delete", "case_set", "Doomed")]
+    button(at, "Undo").click()
+    at.run()
+    ok(at)
+    assert store.get_case_set(set_id)["case_count"] == 2
+    assert at.selectbox(key="cases.selected").value == set_id
+    assert [c["action"] for c in store.list_changes()] == ["restore", "delete"]
+
+
+def test_review_in_blind_mode_and_keeping_the_gold_label(workbench):
+    AppTest.from_file(APP, default_timeout=TIMEOUT).run()
+    store, run_id = _finished_run(workbench)
+    rules = ReviewRules(margin_below=1.0, unknown_option=False, disagree_with_expected=False, questions=["team"])
+    assert review.apply_rules(store, run_id, rules) == 12
+    at = open_page("pages/review.py")
+    assert "This run's answers come from random weights" in texts(at), "the demo banner is on the review page"
+    at.text_input(key="review.reviewer").input("ana")
+    at.run()
+    at.toggle(key="review.blind").set_value(True)
+    at.run()
+    ok(at)
+    item = store.list_review_items(run_id)[0]
+    assert item["reason"] not in texts(at) and "hidden in blind mode" in texts(at)
+    assert not at.get("vega_lite_chart"), "no distribution shown in blind mode"
+    assert button(at, "Accept the model's answer").disabled
+    # choosing the model's own answer blind records an accept; the notice then reveals what the model said
+    gold = store.get_case(item["case_id"])["expected"]["team"]
+    button(at, item["predicted"]).click()
+    at.run()
+    ok(at)
+    if gold != item["predicted"]:
+        assert f"The case set's expected answer is “{gold}”" in texts(at)
+        button(at, f"Keep “{gold}”").click()  # the reviewer keeps the gold label: nothing is written
+        at.run()
+        assert store.get_review_item(item["id"])["status"] == "open"
+        button(at, gold).click()
+        at.run()
+        assert store.get_review_item(item["id"])["label"] == gold
+    else:
+        assert store.get_review_item(item["id"])["status"] == "accepted"
+    assert f"The model had answered “{item['predicted']}”" in texts(at)

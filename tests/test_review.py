@@ -116,3 +116,15 @@ def test_next_item_skips_and_golden_set_export(run):
     assert store.get_case_set(golden_id)["schema_name"] == "tickets"
     with pytest.raises(Exception, match="already exists"):
         review.export_golden_set(store, run_id, "tickets golden")
+
+
+def test_gold_conflict_names_the_expected_answer_an_action_would_contradict():
+    item = {"predicted": "billing"}
+    assert review.gold_conflict(item, "tech", "accept") == "tech"
+    assert review.gold_conflict(item, "billing", "accept") is None
+    assert review.gold_conflict(item, "billing", "correct", "tech") == "billing"
+    assert review.gold_conflict(item, None, "accept") is None, "no gold label: nothing to overwrite"
+    assert review.gold_conflict(item, "tech", "skip") is None and review.gold_conflict(item, "tech", "unknown") is None
+    assert review.gold_conflict({"predicted": "true"}, True, "accept") is None
+    assert review.gold_conflict({"predicted": "2"}, 2, "accept") is None
+    assert review.gold_conflict({"predicted": "false"}, True, "correct", False) == "true"

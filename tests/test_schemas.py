@@ -1,4 +1,5 @@
-"""Schema library: files on disk, validation with the published limits, lint warnings, import/export safety."""
+"""Schema library: files on disk, validation by the System One contract, lint warnings (hosted-service limits
+included), import/export safety."""
 
 from __future__ import annotations
 
@@ -7,9 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from clef_engine.protocol import HOSTED
 from clef_workbench.schemas import (
-    MAX_CHOICE_OPTIONS,
-    MAX_QUESTIONS,
     Schema,
     SchemaError,
     SchemaLibrary,
@@ -63,24 +63,23 @@ def test_valid_questions_have_no_errors_or_warnings():
 @pytest.mark.parametrize(
     ("questions", "expected"),
     [
-        ({}, "a schema needs 1–64 questions (has 0)"),
-        ({f"q{i}": noul() for i in range(MAX_QUESTIONS + 1)}, "a schema needs 1–64 questions (has 65)"),
-        ({"team": choice({"only": "x"})},
-         'question "team", field "criteria": a choice question needs 2–255 options (has 1)'),
-        ({"team": choice({f"o{i}": None for i in range(MAX_CHOICE_OPTIONS + 1)})}, "needs 2–255 options (has 256)"),
-        ({"u": score(["low"])}, 'question "u", field "criteria": a score question needs 2–10 levels (has 1)'),
-        ({"u": score([str(i) for i in range(11)])}, "needs 2–10 levels (has 11)"),
-        ({"u": score("low, high")}, 'question "u", field "criteria": a score question needs a list of level'),
-        ({"u": score(["low", 3])}, 'question "u", field "criteria": level 1 must be a description string'),
-        ({"bad id!": noul()}, 'question "bad id!", field "id": ids are 1–100 letters, digits, _ . or -'),
-        ({"x" * 101: noul()}, 'field "id": ids are 1–100'),
+        ({}, '"questions": at least one question is required'),
+        ({"team": choice({})}, 'question "team", field "criteria": a choice needs at least one option'),
+        ({"u": score([])}, 'question "u", field "criteria": a score needs at least one level'),
+        ({"u": score("low, high")}, 'question "u", field "criteria": score criteria must be a list of level'),
+        ({"u": score(["low", None])},
+         'question "u", field "criteria", level 1: a level description must be text or JSON, not null'),
+        ({"": noul()}, 'question "": ids must be non-empty strings'),
         ({"q": {"type": "bool", "instructions": "?"}},
-         'question "q", field "type": must be one of noul, choice, score'),
-        ({"q": {"type": "noul", "criteria": {"yes": "y"}}}, 'key "yes" is not allowed'),
-        ({"q": {"type": "noul", "criteria": {"true": 1}}}, 'question "q", field "criteria": the "true" description'),
-        ({"q": {"type": "noul", "criteria": ["a", "b"]}}, 'question "q", field "criteria": a noul question takes null'),
-        ({"q": choice(["a", "b"])}, 'question "q", field "criteria": a choice question needs a map'),
-        ({"q": choice({"a": 1, "b": None})}, 'the description of option "a" must be a string or null'),
+         'question "q", field "type": type must be one of noul, choice, score; got "bool"'),
+        ({"q": {"instructions": "?"}}, 'question "q", field "type": field required'),
+        ({"q": {"type": "noul", "criteria": {"yes": "y"}}},
+         'question "q", field "criteria", key "yes": noul criteria keys must be \'true\' or \'false\''),
+        ({"q": {"type": "noul", "criteria": {"true": float("nan")}}},
+         'question "q", field "criteria", key "true": must be text or a JSON value'),
+        ({"q": {"type": "noul", "criteria": ["a", "b"]}}, 'question "q", field "criteria": noul criteria must be null'),
+        ({"q": choice(["a", "b"])}, 'question "q", field "criteria": choice criteria must be a map option id'),
+        ({"q": {"type": "choice", "instructions": "?"}}, 'question "q", field "criteria": field required'),
         ({"q": {**noul(), "options": []}}, 'question "q", field "options": unknown field'),
         ([noul()], '"questions" must be a map'),
     ],
@@ -90,14 +89,49 @@ def test_invalid_questions_are_reported_with_question_and_field(questions, expec
     assert any(expected in m for m in found), found
 
 
-def test_limits_accept_their_boundaries():
-    at_limits = {f"q{i}": noul() for i in range(MAX_QUESTIONS - 2)}
-    at_limits["big"] = choice({f"o{i}": None for i in range(MAX_CHOICE_OPTIONS)})
+HOSTED_REFUSALS = [
+    ({f"q{i}": noul() for i in range(HOSTED.max_questions + 1)}, "questions", "it takes 1–64 questions, this has 65"),
+    ({"team": choice({"only": "x"})}, "team", "a choice takes 2–255 options, this has 1"),
+    ({"team": choice({f"o{i}": None for i in range(HOSTED.max_choice_options + 1)})}, "team",
+     "a choice takes 2–255 options, this has 256"),
+    ({"u": score(["low"])}, "u", "a score takes 2–10 levels, this has 1"),
+    ({"u": score([str(i) for i in range(11)])}, "u", "a score takes 2–10 levels, this has 11"),
+    ({"bad id!": noul()}, "bad id!", "question ids must be 1–100 letters, digits"),
+    ({"x" * 101: noul()}, "x" * 101, "question ids must be 1–100 letters, digits"),
+    ({"질문": noul()}, "질문", "question ids must be 1–100 letters, digits"),
+    ({"a/b": noul()}, "a/b", "question ids must be 1–100 letters, digits"),
+]
+
+
+@pytest.mark.parametrize(("questions", "question_id", "expected"), HOSTED_REFUSALS)
+def test_hosted_service_limits_are_lint_warnings_not_errors(questions, question_id, expected):
+    """The contract (and the local engine) accepts these; only the hosted service would refuse them."""
+    assert validate_questions(questions) == []
+    hosted = [p for p in lint_questions(questions) if "the hosted service would refuse this" in p.msg]
+    assert [p.severity for p in hosted] == ["warning"], hosted
+    assert expected in hosted[0].msg
+    assert hosted[0].question_id == (None if question_id == "questions" else question_id)
+    schema = Schema(name="Beyond hosted", questions=questions)
+    assert not [p for p in schema.problems() if p.severity == "error"]
+
+
+def test_hosted_limits_accept_their_boundaries():
+    at_limits = {f"q{i}": noul() for i in range(HOSTED.max_questions - 2)}
+    at_limits["big"] = choice({f"o{i}": None for i in range(HOSTED.max_choice_options)})
     at_limits["ten"] = score([f"level {i}" for i in range(10)])
-    assert len(at_limits) == MAX_QUESTIONS
-    assert validate_questions(at_limits) == []
-    assert validate_questions({"two": choice({"a": None, "b": None}), "s": score(["lo", "hi"])}) == []
-    assert validate_questions({"a.b-c_D9": noul(), "x" * 100: noul()}) == []
+    assert len(at_limits) == HOSTED.max_questions
+    for questions in (at_limits, {"two": choice({"a": None, "b": None}), "s": score(["lo", "hi"])},
+                      {"a.b-c_D9": noul(), "x" * 100: noul()}):
+        assert validate_questions(questions) == []
+        assert not [p for p in lint_questions(questions) if "hosted service" in p.msg]
+
+
+def test_descriptions_may_be_json_as_in_the_contract():
+    questions = {"q": choice({"a": {"detail": "structured"}, "b": None, "unknown": "None of these."}),
+                 "s": score([{"level": "low"}, "high"])}
+    assert validate_questions(questions) == []
+    row = questions_to_rows(questions)[0]
+    assert row["options"][0] == {"id": "a", "description": '{"detail": "structured"}'}
 
 
 def test_noul_criteria_may_be_one_sided_null_or_absent():
@@ -252,8 +286,8 @@ def test_invalid_schema_is_refused_and_nothing_is_written(library: SchemaLibrary
     slug = library.create(Schema(name="Keep me", questions=GOOD_QUESTIONS))
     before = (library.directory / f"{slug}.json").read_bytes()
     broken = library.load(slug)
-    broken.questions = {"team": choice({"only": None})}
-    with pytest.raises(SchemaError, match='question "team", field "criteria": a choice question needs 2–255'):
+    broken.questions = {"team": choice({})}
+    with pytest.raises(SchemaError, match='question "team", field "criteria": a choice needs at least one option'):
         library.update(slug, broken)
     assert (library.directory / f"{slug}.json").read_bytes() == before
 
@@ -323,7 +357,7 @@ def test_listing_shows_broken_files_instead_of_failing(library: SchemaLibrary):
     (library.directory / "broken.json").write_text('{"name": "Broken", "questions": {}}\n', encoding="utf-8")
     entries = {e.slug: e for e in library.list()}
     assert entries["good"].problem is None and entries["good"].question_count == 3
-    assert "a schema needs 1–64 questions (has 0)" in entries["broken"].problem
+    assert "\"questions\": at least one question is required" in entries["broken"].problem
 
 
 def test_library_folder_comes_from_the_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from clef_engine import protocol
 from clef_workbench import state_input
 from clef_workbench.state_input import (
     MAX_IMAGES,
@@ -133,7 +134,7 @@ def test_images_are_accepted_by_content_not_file_name(fmt: str, content_type: st
 def test_other_files_named_like_images_are_refused():
     gif = io.BytesIO()
     Image.new("RGB", (4, 4)).save(gif, format="GIF")
-    with pytest.raises(MediaError, match=r"cat\.png: not a PNG, JPEG or WebP image"):
+    with pytest.raises(MediaError, match=r"cat\.png: not a file type the engine reads; images must be PNG, JPEG or"):
         check_image("cat.png", gif.getvalue())
     with pytest.raises(MediaError, match="clip.png: a video/mp4 file; images must be PNG, JPEG or WebP"):
         check_image("clip.png", video_bytes())
@@ -166,7 +167,7 @@ def test_videos_are_accepted_and_probed(container: str, codec: str, content_type
 
 
 def test_bad_videos_are_refused(monkeypatch: pytest.MonkeyPatch):
-    with pytest.raises(MediaError, match="notes.mp4: not an MP4, WebM or MOV video"):
+    with pytest.raises(MediaError, match="notes.mp4: not a file type the engine reads; videos must be MP4, WebM"):
         check_video("notes.mp4", b"hello world, not a video at all")
     with pytest.raises(MediaError, match="photo.mp4: a image/png file; videos must be MP4, WebM or MOV"):
         check_video("photo.mp4", image_bytes())
@@ -191,6 +192,18 @@ def test_media_count_limits():
     assert "PNG, JPEG or WebP, up to 4 per request, 20 MB and 16 MP each" in state_input.media_limits_text()
 
 
+def test_upload_limits_come_from_the_contract_module():
+    """One source for media per request: the page takes what the hosted service takes, for videos too."""
+    assert MAX_IMAGES == state_input.MAX_VIDEOS == protocol.HOSTED.max_images
+    assert state_input.MAX_IMAGE_PIXELS == protocol.HOSTED.max_image_pixels
+    assert set(state_input.IMAGE_TYPES) == set(protocol.IMAGE_CONTENT_TYPES)
+    assert set(state_input.VIDEO_TYPES) == set(protocol.VIDEO_CONTENT_TYPES)
+    video = check_video("a.mp4", video_bytes(frames=8, fps=4))
+    check_media_counts([], [video] * MAX_IMAGES)
+    with pytest.raises(MediaError, match="5 videos attached; a request carries at most 4"):
+        check_media_counts([], [video] * (MAX_IMAGES + 1))
+
+
 # --- request ---------------------------------------------------------------------------------------------------
 
 
@@ -212,6 +225,7 @@ def test_build_request_with_media_keeps_order_and_redacts_for_display():
     assert shown["images"][0].endswith(f"… [first.png, {first.size_bytes:,} bytes]")
     assert shown["videos"][0].endswith(f"… [clip.mp4, {clip.size_bytes:,} bytes]")
     assert request["images"][0] == first.data_url(), "the request itself is not modified"
+    assert [q.id for q in protocol.parse_questions(request)] == ["spam"], "the request passes the contract"
 
 
 def test_build_request_refuses_too_many_images():

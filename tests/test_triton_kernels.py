@@ -60,7 +60,7 @@ def test_packed_backbone_with_triton_kernels_matches_the_pytorch_kernels():
         import torch
         import clef_engine
         from clef_engine.fast import kernels
-        from clef_engine.fast.packed import FastBackbone
+        from clef_engine.fast.packed import PackedBackbone
         engine = clef_engine.load(clef_engine.demo_release(), device="cpu")
         vocabulary = "the invoice ticket customer payment refund amount total due date vendor alert".split()
         requests = [{"state": " ".join(vocabulary[(i * 7 + s) % 12] for i in range(n)),
@@ -69,17 +69,17 @@ def test_packed_backbone_with_triton_kernels_matches_the_pytorch_kernels():
         records = [engine.encode(r) for r in requests]
         ids = torch.tensor([t for r in records for t in r.input_ids])
         segments = kernels.make_segments([len(r) for r in records], torch.device("cpu"))
-        plain, _ = engine.fast.forward(ids, segments)
+        plain, _ = engine.backbone.forward(ids, segments)
         fused = kernels.Kernels(rms_norm=kernels.rms_norm_triton, gated_rms_norm=kernels.gated_rms_norm_triton,
                                 causal_conv=kernels.causal_conv_triton, norm_rope=kernels.norm_rope_triton,
                                 sigmoid_gate=kernels.sigmoid_gate_triton, silu_mul=kernels.silu_mul_triton)
-        engine.fast.kernels = fused
-        got, _ = engine.fast.forward(ids, segments)
+        engine.backbone.kernels = fused
+        got, _ = engine.backbone.forward(ids, segments)
         error = (got - plain).abs().max().item()
         print("max abs difference", error)
         assert error <= 1e-4, error
         answers = engine.forward_packed(records)
-        engine.fast.kernels = kernels.Kernels()
+        engine.backbone.kernels = kernels.Kernels()
         assert max(abs(a - b) for x, y in zip(answers, engine.forward_packed(records)) for qa, qb in zip(x, y)
                    for a, b in zip(qa, qb)) <= 1e-5
     """)

@@ -7,13 +7,19 @@ of the prefix are not kept: the head reads them only at question spans, option s
 which lie in the schema and suffix.
 
 Entries are keyed by model, the prefix token ids and the media digest, bounded in bytes: first on the engine's
-device, then (on CUDA) in host memory; least recently used entries move down a tier, then out. One GPU worker
-thread uses it; a lock keeps `stats()` readers safe.
+device, then (on CUDA) in host memory; least recently used entries move down a tier, then out. The copy to host
+memory runs on its own thread and CUDA stream, so it never sits on an answer's path; an entry being copied is
+found in neither tier until its copy is done. One GPU worker thread uses the cache; a lock keeps `stats()` readers
+safe.
+
+The engine routes records to it (engine.py); the forward that stores and continues a prefix is packed.py's, the
+graphs that replay a continuation are graphs.py's (kept per entry object, not inside the entry).
 """
 
 from __future__ import annotations
 
 import hashlib
+import queue
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -25,14 +31,11 @@ from .packed import LayerState
 GiB = 2**30
 
 
-@dataclass
+@dataclass(eq=False)  # compared and hashed by identity: graphs.py keys its continuation graphs by the entry object
 class PrefixState:
     length: int
     layers: list[LayerState]
     memory: torch.Tensor  # [length, head width]: the head's memory projection of the prefix tokens
-    # CUDA graphs of continuations after this prefix, per length bucket (packed.GraphedPrefill.run_after_prefix):
-    # they read this entry's tensors by address, so they belong to it
-    graphs: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def nbytes(self) -> int:
@@ -43,8 +46,19 @@ class PrefixState:
     def device(self) -> torch.device:
         return self.memory.device
 
-    def to(self, device: torch.device | str) -> PrefixState:
-        return PrefixState(self.length, [layer.to(device) for layer in self.layers], self.memory.to(device))
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> PrefixState:
+        return PrefixState(self.length, [layer.to(device, non_blocking) for layer in self.layers],
+                           self.memory.to(device, non_blocking=non_blocking))
+
+    def to_pinned_host(self) -> PrefixState:
+        """A copy in pinned host memory, queued on the current stream (synchronize before reading it)."""
+        def pinned(t: torch.Tensor) -> torch.Tensor:
+            return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
+
+        layers = [LayerState(*(pinned(t) if t is not None else None
+                               for t in (layer.keys, layer.values, layer.conv_tail, layer.recurrent)))
+                  for layer in self.layers]
+        return PrefixState(self.length, layers, pinned(self.memory))
 
 
 def prefix_key(model_id: str, token_ids: list[int], media_digest: str = "") -> str:
@@ -80,6 +94,10 @@ class StateCache:
     _host_entries: OrderedDict = field(default_factory=OrderedDict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _stats: CacheStats = field(default_factory=CacheStats)
+    _spills: queue.Queue = field(default_factory=queue.Queue)
+    _spiller: threading.Thread | None = None
+    _spilling: int = 0
+    _generation: int = 0
 
     def eligible(self, prefix_tokens: int) -> bool:
         return self.enabled and prefix_tokens >= self.min_prefix_tokens
@@ -96,7 +114,7 @@ class StateCache:
                 self._stats.misses += 1
                 return None
             self._stats.hits += 1
-        entry = entry.to(self.device)  # promote back to the device tier
+        entry = entry.to(self.device, non_blocking=True)  # back to the device tier (a new object: no graphs)
         self._insert(key, entry)
         return entry
 
@@ -117,19 +135,41 @@ class StateCache:
                 spill.append(self._device_entries.popitem(last=False))
             if self._tier_bytes(self._device_entries) > self.device_bytes:
                 spill.append(self._device_entries.popitem(last=False))
-        for old_key, old_state in spill:
-            if self.device.type == "cuda" and old_state.nbytes <= self.host_bytes:
-                moved = old_state.to("cpu")
-                with self._lock:
-                    self._host_entries[old_key] = moved
-                    self._stats.moved_to_host += 1
-            else:
-                with self._lock:
+            for old_key, old_state in spill:
+                if self.device.type == "cuda" and old_state.nbytes <= self.host_bytes:
+                    self._spill_to_host(old_key, old_state)
+                else:
                     self._stats.evicted += 1
-        with self._lock:
-            while self._host_entries and self._tier_bytes(self._host_entries) > self.host_bytes:
-                self._host_entries.popitem(last=False)
-                self._stats.evicted += 1
+
+    def _spill_to_host(self, key: str, state: PrefixState) -> None:
+        """Queue the entry's copy to host memory (called with the lock held). The event marks the point of the
+        worker's stream after which the entry's tensors are complete."""
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream(self.device))
+        if self._spiller is None:
+            self._spiller = threading.Thread(target=self._spill_worker, name="clef-state-cache-spill", daemon=True)
+            self._spiller.start()
+        self._spilling += 1
+        self._spills.put((self._generation, key, state, ready))
+
+    def _spill_worker(self) -> None:
+        stream = torch.cuda.Stream(self.device)
+        while True:
+            generation, key, state, ready = self._spills.get()
+            with torch.cuda.stream(stream):
+                stream.wait_event(ready)
+                moved = state.to_pinned_host()
+            stream.synchronize()  # the copy is done: the device tensors can go
+            del state
+            with self._lock:
+                self._spilling -= 1
+                if generation != self._generation:
+                    continue  # cleared meanwhile
+                self._host_entries[key] = moved
+                self._stats.moved_to_host += 1
+                while self._host_entries and self._tier_bytes(self._host_entries) > self.host_bytes:
+                    self._host_entries.popitem(last=False)
+                    self._stats.evicted += 1
 
     @staticmethod
     def _tier_bytes(entries: OrderedDict) -> int:
@@ -139,6 +179,7 @@ class StateCache:
         with self._lock:
             self._device_entries.clear()
             self._host_entries.clear()
+            self._generation += 1  # copies to host in flight are dropped when they land
             if reset_stats:
                 self._stats = CacheStats()
 
@@ -150,5 +191,5 @@ class StateCache:
             stats.entries = len(self._device_entries) + len(self._host_entries)
         out = vars(stats).copy()
         out.update(enabled=self.enabled, device_limit=self.device_bytes, host_limit=self.host_bytes,
-                   min_prefix_tokens=self.min_prefix_tokens)
+                   min_prefix_tokens=self.min_prefix_tokens, moving_to_host=self._spilling)
         return out

@@ -73,12 +73,14 @@ def make_segments(lengths: list[int], device: torch.device, *, first_position: i
 
 def rms_norm_torch(x: torch.Tensor, weight_plus_one: torch.Tensor, eps: float,
                    residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(norm(residual + x), residual + x) — the residual add in x's dtype, as the decoder layer does it."""
-    if residual is not None:
-        x = residual + x
-    hidden = x.float()
+    """(norm(residual + x) in x's dtype, residual + x in float32).
+
+    The residual stream stays in float32 (the release path rounds it to bf16 after every add): it is the one sum
+    that carries every layer's output to the end, so its rounding error grows with depth, and keeping it costs only
+    4 more bytes per element per call. Float32 models compute exactly what the release path computes."""
+    hidden = x.float() if residual is None else residual.float() + x.float()
     normed = hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + eps)
-    return (normed * weight_plus_one).type_as(x), x
+    return (normed * weight_plus_one).to(x.dtype), hidden
 
 
 def gated_rms_norm_torch(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -378,7 +380,7 @@ def silu_mul_triton(gate_up: torch.Tensor, intermediate: int) -> torch.Tensor:
 
 def rms_norm_triton(x: torch.Tensor, weight_plus_one: torch.Tensor, eps: float,
                     residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Residual add (rounded to x's dtype, as the decoder layer does) and RMSNorm in one pass."""
+    """Residual add (kept in float32, see rms_norm_torch) and RMSNorm in one pass."""
     from .triton_kernels import add_rms_norm
 
     return add_rms_norm(x, weight_plus_one, eps, residual)

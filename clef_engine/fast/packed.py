@@ -7,8 +7,9 @@ the same input are concatenated into one weight each (GDN q/k/v/z/b/a, attention
 modules' parameters become views of it, so the plain transformers path still works and no memory is added.
 
 The same loop continues one record after a cached prefix (`PrefixState`, see cache.py): attention reads the
-cached K/V, the conv reads the cached last W-1 inputs, the recurrence starts from the cached state.
-`GraphedPrefill` replays both, for one record of up to 4,096 new tokens, from CUDA graphs.
+cached K/V, the conv reads the cached last W-1 inputs, the recurrence starts from the cached state. And one forward
+over a whole record can also return those states at a split point (`split_at`, the end of the record's state), so
+storing a long state costs no second pass. CUDA graphs of this forward live in graphs.py.
 
 Media records are not handled here (the engine sends them to the padded multimodal path).
 """
@@ -87,7 +88,7 @@ class FastLayer:
             self.o_proj = attn.o_proj.weight
 
 
-class FastBackbone:
+class PackedBackbone:
     """The text model of a loaded `Qwen3_5ForConditionalGeneration`, run packed."""
 
     def __init__(self, model, kernels: K.Kernels | None = None):
@@ -115,26 +116,30 @@ class FastBackbone:
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, segments: K.Segments, *, prefix: list[LayerState] | None = None,
-                prefix_length: int = 0, collect: bool = False) -> tuple[torch.Tensor, list[LayerState] | None]:
+                prefix_length: int = 0, split_at: int | None = None) -> tuple[torch.Tensor, list[LayerState] | None]:
         """Final hidden states [N, hidden] of the packed tokens (after the final norm).
 
-        `prefix` (one record only): continue after `prefix_length` cached tokens. `collect` (one record only):
-        also return each layer's state at the end of the record, for the state cache."""
-        if (prefix is not None or collect) and segments.count != 1:
+        `prefix` (one record only): continue after `prefix_length` cached tokens. `split_at` (one record only, no
+        prefix): also return each layer's state after the first `split_at` tokens, for the state cache; the hidden
+        states are those of the plain forward."""
+        if (prefix is not None or split_at is not None) and segments.count != 1:
             raise ValueError("prefix continuation and state collection work on one record at a time")
+        if split_at is not None and (prefix is not None or not 0 < split_at <= input_ids.shape[0]):
+            raise ValueError(f"split_at={split_at} must lie within the record and cannot follow a prefix")
+        collect = split_at is not None
         x = F.embedding(input_ids, self.embed)
         cos, sin = self.rope(segments.positions, x)
         states: list[LayerState] | None = [] if collect else None
-        residual = None
+        residual = None  # kern.rms_norm returns the residual stream in float32, whatever the model's dtype
         branch = x
         kern = self.kernels
         for index, layer in enumerate(self.layers):
             normed, residual = kern.rms_norm(branch, layer.norm1, self.eps, residual)
             before = prefix[index] if prefix is not None else None
             if layer.kind == "linear_attention":
-                branch, state = self.gated_delta_net(layer, normed, segments, before, collect)
+                branch, state = self.gated_delta_net(layer, normed, segments, before, split_at)
             else:
-                branch, state = self.attention(layer, normed, cos, sin, segments, before, prefix_length, collect)
+                branch, state = self.attention(layer, normed, cos, sin, segments, before, prefix_length, split_at)
             if states is not None:
                 states.append(state)
             normed, residual = kern.rms_norm(branch, layer.norm2, self.eps, residual)
@@ -143,7 +148,7 @@ class FastBackbone:
         return hidden, states
 
     def gated_delta_net(self, layer: FastLayer, x: torch.Tensor, segments: K.Segments, before: LayerState | None,
-                        collect: bool) -> tuple[torch.Tensor, LayerState | None]:
+                        split_at: int | None) -> tuple[torch.Tensor, LayerState | None]:
         n = x.shape[0]
         kern = self.kernels
         projected = F.linear(x, layer.in_proj)
@@ -161,15 +166,23 @@ class FastBackbone:
         k = k.view(n, layer.k_heads, layer.k_head_dim)
         v = v.view(n, v_heads, layer.v_head_dim)
         initial = before.recurrent if before is not None else None
-        core, final = kern.gated_delta(q, k, v, a, b, layer.A_log, layer.dt_bias, segments, initial_state=initial,
-                                       output_final_state=collect)
+        state = None
+        if split_at is None or split_at == n:
+            core, final = kern.gated_delta(q, k, v, a, b, layer.A_log, layer.dt_bias, segments, initial_state=initial,
+                                           output_final_state=split_at is not None)
+        else:  # the recurrence in two calls, the second starting from the first's final state: the state at the split
+            head_part = K.make_segments([split_at], x.device)
+            tail_part = K.make_segments([n - split_at], x.device, first_position=split_at)
+            first, final = kern.gated_delta(q[:split_at], k[:split_at], v[:split_at], a[:split_at], b[:split_at],
+                                            layer.A_log, layer.dt_bias, head_part, output_final_state=True)
+            second, _ = kern.gated_delta(q[split_at:], k[split_at:], v[split_at:], a[split_at:], b[split_at:],
+                                         layer.A_log, layer.dt_bias, tail_part, initial_state=final)
+            core = torch.cat([first, second])
         core = kern.gated_rms_norm(core, z, layer.gated_norm, layer.gated_norm_eps)
         out = F.linear(core.view(n, value_dim), layer.out_proj)
-        state = None
-        if collect:
+        if split_at is not None:
             width = layer.conv_width - 1
-            history = mixed if before is None else torch.cat([before.conv_tail.to(mixed.dtype), mixed])
-            tail = history[-width:]
+            tail = mixed[max(0, split_at - width): split_at]
             if tail.shape[0] < width:
                 tail = torch.cat([tail.new_zeros(width - tail.shape[0], tail.shape[1]), tail])
             state = LayerState(conv_tail=tail.contiguous(), recurrent=final)
@@ -177,7 +190,7 @@ class FastBackbone:
 
     def attention(self, layer: FastLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                   segments: K.Segments, before: LayerState | None, prefix_length: int,
-                  collect: bool) -> tuple[torch.Tensor, LayerState | None]:
+                  split_at: int | None) -> tuple[torch.Tensor, LayerState | None]:
         n = x.shape[0]
         kern = self.kernels
         heads, kv_heads, dim = layer.heads, layer.kv_heads, layer.head_dim
@@ -194,7 +207,9 @@ class FastBackbone:
             keys, values = k, v
             out = kern.attention(q, k, v, segments)
         out = kern.sigmoid_gate(out.reshape(n, heads, dim), gate)
-        state = LayerState(keys=keys.contiguous(), values=values.contiguous()) if collect else None
+        state = None
+        if split_at is not None:  # copies: the views would keep the whole record's projection alive
+            state = LayerState(keys=keys[:split_at].clone(), values=values[:split_at].clone())
         return F.linear(out, layer.o_proj), state
 
 
@@ -202,107 +217,3 @@ def pack_ids(records, device: torch.device) -> torch.Tensor:
     """The records' token ids concatenated, on `device` (one host-to-device copy)."""
     flat = [token for record in records for token in record.input_ids]
     return torch.tensor(flat, dtype=torch.long).to(device, non_blocking=True)
-
-
-class GraphedPrefill:
-    """CUDA graphs for one record of up to `max_tokens` tokens: short records are bound by the CPU launching
-    kernels, and a graph replays the whole 64-layer forward with one launch.
-
-    The record is right-padded to a bucket length (multiples of 64 up to 1k tokens, 128 up to 2k, 256 beyond);
-    padding after the last real token changes nothing before it (the backbone is causal). One graph per bucket,
-    captured on first use, all sharing one memory pool (they never run at the same time: one GPU worker). If a
-    capture fails, graphs are switched off and the reason kept (`disabled`); the eager path answers instead.
-    """
-
-    def __init__(self, fast: FastBackbone, max_tokens: int = 4096):
-        self.fast = fast
-        self.max_tokens = max_tokens
-        self.graphs: dict[int, tuple] = {}
-        self.pool = None
-        self.disabled: str | None = None
-        self.continuation_disabled: str | None = None
-        self.captures = 0
-        self.replays = 0
-        self.continuation_replays = 0
-
-    @staticmethod
-    def bucket(n: int) -> int:
-        step = 64 if n <= 1024 else 128 if n <= 2048 else 256
-        return -(-n // step) * step
-
-    def usable(self, n: int) -> bool:
-        return self.disabled is None and n <= self.max_tokens
-
-    def _capture(self, length: int, prefix=None) -> tuple:
-        """Capture the forward of `length` tokens; with `prefix` (a cached PrefixState) the continuation after it."""
-        device = self.fast.device
-        first = prefix.length if prefix is not None else 0
-        segments = K.make_segments([length], device, first_position=first)
-        arguments = {"prefix": prefix.layers, "prefix_length": first} if prefix is not None else {}
-        ids = torch.zeros(length, dtype=torch.long, device=device)
-        side = torch.cuda.Stream(device)
-        side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side):  # eager warm-up: compiles and autotunes every kernel for these shapes
-            self.fast.forward(ids, segments, **arguments)
-        torch.cuda.current_stream(device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-            hidden, _ = self.fast.forward(ids, segments, **arguments)
-        self.pool = graph.pool()
-        self.captures += 1
-        return graph, ids, hidden, segments
-
-    def _graph(self, store: dict, length: int, prefix=None) -> tuple | None:
-        """The graph of `length` tokens in `store`, captured on first use. If a capture fails, that kind of graph
-        (single records, or continuations after a prefix) is switched off for good with the reason kept, and the
-        eager path answers instead."""
-        entry = store.get(length)
-        if entry is None:
-            try:
-                entry = store[length] = self._capture(length, prefix)
-            except Exception as error:  # noqa: BLE001 — fall back to eager, and say why
-                reason = f"{type(error).__name__}: {error}"[:500]
-                if prefix is None:
-                    self.disabled = reason
-                else:
-                    self.continuation_disabled = reason
-                torch.cuda.synchronize()
-        return entry
-
-    def run(self, input_ids: torch.Tensor) -> torch.Tensor | None:
-        """Hidden states [n, hidden] of one record (a view into the graph's output: read it before the next
-        call), or None if graphs are off."""
-        n = input_ids.shape[0]
-        entry = self._graph(self.graphs, self.bucket(n))
-        if entry is None:
-            return None
-        graph, ids, hidden, _ = entry
-        ids[:n].copy_(input_ids)
-        graph.replay()
-        self.replays += 1
-        return hidden[:n]
-
-    def run_after_prefix(self, input_ids: torch.Tensor, prefix) -> torch.Tensor | None:
-        """The continuation of one record after a cached prefix (`input_ids` already padded to a bucket length),
-        replayed from a graph, or None if continuation graphs are off.
-
-        Eagerly the continuation is bound by the host launching ~1,850 kernels (~150 ms of wall time for ~70 ms of
-        GPU work on Clef-27B). A graph reads the prefix's cached tensors by address, so its graphs are kept on the
-        cache entry (`prefix.graphs`, per bucket): they live and die with the tensors they read, and an entry moved
-        to host memory and back starts without graphs."""
-        if self.continuation_disabled is not None or input_ids.shape[0] > self.max_tokens:
-            return None
-        entry = self._graph(prefix.graphs, input_ids.shape[0], prefix)
-        if entry is None:
-            return None
-        graph, ids, hidden, _ = entry
-        ids.copy_(input_ids)
-        graph.replay()
-        self.continuation_replays += 1
-        return hidden
-
-    def describe(self) -> dict:
-        return {"max_tokens": self.max_tokens, "buckets": sorted(self.graphs), "captures": self.captures,
-                "replays": self.replays, "disabled": self.disabled,
-                "continuation_replays": self.continuation_replays,
-                "continuation_disabled": self.continuation_disabled}

@@ -2,7 +2,8 @@
 
 Each kernel replaces a run of small PyTorch ops in `kernels.py` and rounds where that run rounds: every intermediate
 the release path stores in bf16 is rounded to bf16 here too, so answers stay as close to the release path as the
-PyTorch functions are. What they save is memory passes and launches: on one 512-token record of Clef-27B, norms,
+PyTorch functions are; like them, they keep the residual stream in float32 where the release path rounds it
+(see `kernels.rms_norm_torch`). What they save is memory passes and launches: on one 512-token record of Clef-27B, norms,
 other elementwise work and copies took 12.3 of 49 GPU-milliseconds and the forward launched 2,721 kernels; with
 these kernels, 2.8 ms and 1,217 kernels (bench/results/2026-11-29-h200-session2.md).
 
@@ -24,12 +25,10 @@ def _add_rms_norm_kernel(x_ptr, residual_ptr, sum_ptr, out_ptr, weight_ptr, D, e
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < D
-    x = tl.load(x_ptr + row * D + cols, mask=mask, other=0.0)
+    hidden = tl.load(x_ptr + row * D + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
-        residual = tl.load(residual_ptr + row * D + cols, mask=mask, other=0.0)
-        x = (x.to(tl.float32) + residual.to(tl.float32)).to(x.dtype)  # the decoder's bf16 residual sum
-        tl.store(sum_ptr + row * D + cols, x, mask=mask)
-    hidden = x.to(tl.float32)
+        hidden += tl.load(residual_ptr + row * D + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(sum_ptr + row * D + cols, hidden, mask=mask)  # the float32 residual stream
     rstd = 1.0 / tl.sqrt(tl.sum(hidden * hidden, axis=0) / D + eps)
     weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * D + cols, (hidden * rstd * weight).to(out_ptr.dtype.element_ty), mask=mask)
@@ -37,13 +36,13 @@ def _add_rms_norm_kernel(x_ptr, residual_ptr, sum_ptr, out_ptr, weight_ptr, D, e
 
 def add_rms_norm(x: torch.Tensor, weight_plus_one: torch.Tensor, eps: float,
                  residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(norm(residual + x), residual + x), as `kernels.rms_norm_torch`, in one pass."""
+    """(norm(residual + x) in x's dtype, residual + x in float32), as `kernels.rms_norm_torch`, in one pass."""
     shape = x.shape
     width = shape[-1]
     x2 = x.reshape(-1, width).contiguous()
     rows = x2.shape[0]
     out = torch.empty_like(x2)
-    total = torch.empty_like(x2) if residual is not None else x2
+    total = torch.empty(x2.shape, dtype=torch.float32, device=x2.device)
     residual2 = residual.reshape(-1, width).contiguous() if residual is not None else x2
     block = triton.next_power_of_2(width)
     _add_rms_norm_kernel[(rows,)](x2, residual2, total, out, weight_plus_one, width, eps,

@@ -3,13 +3,26 @@
 Every text piece is tokenized on its own with no special tokens added, and the pieces are concatenated in order:
 prefix, media placeholders, state, schema, suffix. The head needs the span of each question's instruction and of
 each option's JSON; we record them as [start, end) token positions.
+
+A request is refused for its size before the expensive work: with overflow "refuse", cheap lower bounds (UTF-8
+bytes over the longest token's bytes for text, the processor's resize rule applied to the image header for media)
+are checked first, then the exact counts as each part is tokenized, and media pixels are decoded last. Encoding of
+one request never waits for another's: text goes through our own copy of the Rust tokenizer (the HF wrapper
+reconfigures its tokenizer on every call, so it cannot be shared), and media through a small pool of processor
+copies that also bounds how many requests hold decoded pixels at once.
 """
 
 from __future__ import annotations
 
+import array
+import copy
+import ctypes
+import ctypes.util
 import hashlib
 import json
+import queue
 import threading
+import unicodedata
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
@@ -94,73 +107,220 @@ class EncodedRecord:
 
 STATE_MEMO_MIN_CHARS = 4096
 STATE_MEMO_ENTRIES = 16
+MEDIA_SLOTS = 2  # requests whose media are decoded at once; each may hold gigabytes of pixels while it runs
+TRIM_AFTER_PIXELS = 4_000_000  # give freed memory back to the OS after media this large
+
+
+def _malloc_trim():
+    """glibc's malloc_trim, or None elsewhere. Decoded pixels are freed into glibc's arenas, which keep them: without
+    a trim, a few large images leave the process gigabytes bigger for good."""
+    name = ctypes.util.find_library("c")
+    try:
+        trim = ctypes.CDLL(name).malloc_trim if name else None
+    except (OSError, AttributeError):
+        return None
+    if trim is not None:
+        trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    return trim
+
+
+_MALLOC_TRIM = _malloc_trim()
 
 
 class Encoder:
     """Holds the tokenizer and processor of a release; encodes requests. Thread-safe for concurrent callers."""
 
-    def __init__(self, processor):
+    def __init__(self, processor, *, media_slots: int | None = None):
+        import tokenizers
+
         self.processor = processor
-        self.tokenizer = processor.tokenizer
-        # HF tokenizer wrappers reconfigure the Rust tokenizer on each call; concurrent calls can collide
-        # ("Already borrowed"), so callers from many threads take turns. Tokenizing is cheap next to the GPU.
-        self._lock = threading.Lock()
-        self._states: OrderedDict[str, tuple[int, ...]] = OrderedDict()  # long state text -> ids, recent last
+        self.tokenizer = processor.tokenizer  # for callers: ids ↔ tokens, decode (never used to encode here)
+        backend = processor.tokenizer.backend_tokenizer
+        # our own copy, never reconfigured, so any number of threads can encode with it at once
+        self._text = tokenizers.Tokenizer.from_str(backend.to_str())
+        self._text.no_truncation()
+        self._text.no_padding()
+        # encode_batch runs without the GIL (encode holds it for the whole call); the fast variant skips offsets
+        self._encode_batch = getattr(self._text, "encode_batch_fast", self._text.encode_batch)
+        self.max_token_bytes = longest_token_bytes(self._text)
+        self._processors: queue.Queue = queue.Queue()
+        for _ in range(max(1, MEDIA_SLOTS if media_slots is None else media_slots)):
+            self._processors.put(copy.deepcopy(processor))
+        self._memo_lock = threading.Lock()
+        self._states: OrderedDict[bytes, array.array] = OrderedDict()  # digest of a long state -> ids, recent last
         self.prefix_ids = self.tokenize(PREFIX)
         self.suffix_ids = self.tokenize(SUFFIX)
+        self.newline_ids = self.tokenize("\n")
         self.pad_token_id = self.tokenizer.pad_token_id
         if self.pad_token_id is None:
             self.pad_token_id = self.tokenizer.convert_tokens_to_ids("<|endoftext|>")
 
-    def tokenize(self, text: str) -> list[int]:
-        with self._lock:
-            return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+    # ---- text -------------------------------------------------------------------------------------------------
 
-    def tokenize_state(self, text: str) -> list[int]:
-        """A long state is re-sent unchanged while an analyst iterates on a schema (and each decide of the state
-        cache's continuation path would otherwise spend ~30 ms of CPU on a 16k-token state): remember the last few."""
-        if len(text) < STATE_MEMO_MIN_CHARS:
-            return self.tokenize(text)
-        with self._lock:
-            ids = self._states.get(text)
-            if ids is not None:
-                self._states.move_to_end(text)
-                return list(ids)
-        ids = self.tokenize(text)
-        with self._lock:
-            self._states[text] = tuple(ids)
-            while len(self._states) > STATE_MEMO_ENTRIES:
-                self._states.popitem(last=False)
-        return ids
+    def tokenize(self, text: str) -> list[int]:
+        return self._encode_batch([text], add_special_tokens=False)[0].ids
 
     def tokenize_many(self, texts: list[str]) -> list[list[int]]:
-        with self._lock:
-            return self.tokenizer(texts, add_special_tokens=False)["input_ids"]
+        return [encoding.ids for encoding in self._encode_batch(texts, add_special_tokens=False)]
 
-    def video_sample_indices(self, total_frames: int, fps: float) -> list[int]:
+    def token_bound(self, text: str) -> int:
+        """A lower bound on the tokens of `text`, without tokenizing it: every token stands for at most
+        `max_token_bytes` bytes of the normalized text."""
+        normalizer = self._text.normalizer
+        if normalizer is not None and not (text.isascii() or unicodedata.is_normalized("NFC", text)):
+            text = normalizer.normalize_str(text)  # NFC can shrink text (up to 3× for Hangul jamo)
+        size = len(text.encode("utf-8", "surrogatepass"))
+        return -(-size // self.max_token_bytes)
+
+    def tokenize_state(self, text: str) -> list[int]:
+        """The state's ids, from the memo when this long state was accepted before (a long state is re-sent
+        unchanged while an analyst iterates on a schema, and the state cache's continuation path would otherwise
+        spend tens of ms of CPU per decide on it)."""
+        ids = self.remembered_state(text)
+        return ids if ids is not None else self.tokenize(text)
+
+    def remembered_state(self, text: str) -> list[int] | None:
+        if len(text) < STATE_MEMO_MIN_CHARS:
+            return None
+        key = _text_digest(text)
+        with self._memo_lock:
+            ids = self._states.get(key)
+            if ids is None:
+                return None
+            self._states.move_to_end(key)
+        return ids.tolist()
+
+    def remember_state(self, text: str, ids: list[int]) -> None:
+        """Keep the ids of a long state of an accepted record (never of a refused one: a client sending ever new
+        oversized states must not grow the process)."""
+        if len(text) < STATE_MEMO_MIN_CHARS:
+            return
+        key = _text_digest(text)
+        with self._memo_lock:
+            self._states[key] = array.array("I", ids)
+            self._states.move_to_end(key)
+            while len(self._states) > STATE_MEMO_ENTRIES:
+                self._states.popitem(last=False)
+
+    # ---- media ------------------------------------------------------------------------------------------------
+
+    def video_sample_indices(self, total_frames: int, fps: float | None) -> list[int]:
+        """The frames the video processor samples, as it would sample them itself (fps None: a frame array given
+        without one, for which the processor assumes its own default)."""
         from transformers.video_utils import VideoMetadata
 
+        video_processor = self.processor.video_processor
+        if not video_processor.do_sample_frames:
+            return list(range(total_frames))
+        if total_frames <= 0:
+            return []
         metadata = VideoMetadata(total_num_frames=total_frames, fps=fps)
-        return [int(i) for i in self.processor.video_processor.sample_frames(metadata)]
+        return [int(i) for i in video_processor.sample_frames(metadata)]
 
-    def encode_media(self, request: dict) -> tuple[list[int], dict[str, torch.Tensor], list[media.Video]]:
-        images_in = request.get("images") or []
-        videos_in = request.get("videos") or []
-        if not images_in and not videos_in:
-            return [], {}, []
-        problems, images, videos = [], [], []
-        for i, item in enumerate(images_in):
+    def image_tokens(self, image) -> int:
+        """Tokens of one image (start, pads, end) from its size, by the image processor's own resize rule; raises
+        MediaError for a size the processor refuses."""
+        image_processor = self.processor.image_processor
+        try:
+            patches = image_processor.get_number_of_image_patches(image.height, image.width)
+        except (ValueError, ZeroDivisionError) as error:
+            raise media.MediaError(f"the image processor cannot take a {image.width}×{image.height} image "
+                                   f"({error})") from error
+        return patches // image_processor.merge_size**2 + 2
+
+    def video_tokens(self, video: media.Video) -> int:
+        """A lower bound on the tokens of one sampled video (pads and start/end per frame pair; the timestamp texts
+        are not counted); raises MediaError for what the video processor refuses."""
+        from transformers.image_utils import ChannelDimension, infer_channel_dimension_format
+
+        video_processor = self.processor.video_processor
+        temporal = video_processor.temporal_patch_size
+        if video.total_frames == 0:
+            raise media.MediaError("the video has no frames")
+        sampled = len(video.frame_indices)
+        if sampled < temporal:
+            raise media.MediaError(
+                f"the video has {video.total_frames} frame(s) and the processor samples {sampled}; it needs at "
+                f"least {temporal} (its temporal patch size)")
+        try:
+            # the processor reads T×H×W×C frames as T×C×H×W when H could be a channel count; so does this check
+            channels_first = infer_channel_dimension_format(video.frames) == ChannelDimension.FIRST
+            height, width = video.frames.shape[2:4] if channels_first else video.frames.shape[1:3]
+            patches = video_processor.get_num_of_video_patches(sampled, int(height), int(width))
+        except (ValueError, ZeroDivisionError) as error:
+            raise media.MediaError(f"the video processor cannot take {sampled} frames of "
+                                   f"{video.frames.shape[2]}×{video.frames.shape[1]} ({error})") from error
+        per_frame_pair = patches // (sampled // temporal) // video_processor.merge_size**2
+        return -(-sampled // temporal) * (per_frame_pair + 2)
+
+    def open_media(self, request: dict) -> tuple[list, list, list[Problem]]:
+        """Images with their headers read and videos given as frames (sampled), each checked against the limits and
+        the processor's preconditions, with no pixel decoded; video files stay bytes. Returns images, videos
+        (media.Video or bytes), problems."""
+        images, videos, problems = [], [], []
+        for i, item in enumerate(request.get("images") or []):
             try:
-                images.append(media.load_image(item))
+                image = media.open_image(item)
+                self.image_tokens(image)
+                images.append(image)
             except media.MediaError as error:
                 problems.append(Problem(("images", i), str(error), "value_error.image"))
-        for i, item in enumerate(videos_in):
+        for i, item in enumerate(request.get("videos") or []):
             try:
-                videos.append(media.load_video(item, self.video_sample_indices))
+                given = media.video_frames(item)
+                if given is None:
+                    videos.append(media.video_bytes(item))
+                    continue
+                video = media.load_video(item, self.video_sample_indices)
+                self.video_tokens(video)
+                videos.append(video)
             except media.MediaError as error:
                 problems.append(Problem(("videos", i), str(error), "value_error.video"))
-        if problems:
-            raise RequestError(problems)
+        return images, videos, problems
+
+    def media_bound(self, images: list, videos: list) -> int:
+        """A lower bound on the media tokens of opened media (exact for images; video files count 0 until
+        decoded)."""
+        if not images and not videos:
+            return 0
+        tokens = sum(self.image_tokens(image) for image in images)
+        tokens += sum(self.video_tokens(video) for video in videos if isinstance(video, media.Video))
+        return tokens + len(self.newline_ids)
+
+    def encode_media(self, images: list, videos: list) -> tuple[list[int], dict[str, torch.Tensor],
+                                                                 list[media.Video]]:
+        """Decode the pixels and run the processor, as the release does: one call with every image and video, a
+        frame array with no fps without metadata. At most `media_slots` requests do this at once."""
+        if not images and not videos:
+            return [], {}, []
+        processor = self._processors.get()
+        pixels = 0
+        try:
+            problems, decoded_images, decoded_videos = [], [], []
+            for i, image in enumerate(images):
+                try:
+                    decoded_images.append(media.decode_image(image))
+                    pixels += image.width * image.height
+                except media.MediaError as error:
+                    problems.append(Problem(("images", i), str(error), "value_error.image"))
+            for i, video in enumerate(videos):
+                try:
+                    if not isinstance(video, media.Video):
+                        video = media.decode_video(video, self.video_sample_indices)
+                        self.video_tokens(video)
+                    decoded_videos.append(video)
+                    pixels += video.frames.size // 3
+                except media.MediaError as error:
+                    problems.append(Problem(("videos", i), str(error), "value_error.video"))
+            if problems:
+                raise RequestError(problems)
+            return self._process(processor, decoded_images, decoded_videos)
+        finally:
+            self._processors.put(processor)
+            if pixels >= TRIM_AFTER_PIXELS and _MALLOC_TRIM is not None:
+                _MALLOC_TRIM(0)
+
+    def _process(self, processor, images: list, videos: list[media.Video]):
         from transformers.video_utils import VideoMetadata
 
         text = IMAGE_PLACEHOLDER * len(images) + VIDEO_PLACEHOLDER * len(videos) + "\n"
@@ -169,18 +329,26 @@ class Encoder:
             kwargs["images"] = images
         if videos:
             kwargs["videos"] = [v.frames for v in videos]
+            # The frames are already the processor's own sample (see media.py), taken with the fps it would have
+            # used; the metadata tells it where they came from (fps None: its default, as for the release's call).
             kwargs["video_metadata"] = [
-                VideoMetadata(total_num_frames=v.total_frames, fps=v.fps, frames_indices=v.frame_indices)
-                for v in videos
-            ]
-            kwargs["do_sample_frames"] = False  # frames are already the processor's own sample (see media.py)
-            kwargs["cap_pixels_per_frame"] = False  # transformers' current default, stated to silence its warning
-        with self._lock:
-            outputs = self.processor(text=[text], return_tensors="pt", add_special_tokens=False, **kwargs)
+                VideoMetadata(total_num_frames=v.total_frames, fps=v.fps, frames_indices=list(v.frame_indices))
+                for v in videos]
+            kwargs["do_sample_frames"] = False
+            if processor.video_processor.cap_pixels_per_frame is None:
+                kwargs["cap_pixels_per_frame"] = False  # what None means in transformers 5.17, said to silence it
+        try:
+            outputs = processor(text=[text], return_tensors="pt", add_special_tokens=False, **kwargs)
+        except (ValueError, RuntimeError, TypeError) as error:  # a precondition the checks above do not know yet
+            field_name = "images" if images else "videos"
+            raise RequestError([Problem((field_name,), f"the processor cannot take these media ({error})",
+                                        f"value_error.{field_name[:-1]}")]) from error
         ids = outputs["input_ids"][0].tolist()
         tensors = {k: outputs[k] for k in ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")
                    if k in outputs}
         return ids, tensors, videos
+
+    # ---- records ----------------------------------------------------------------------------------------------
 
     def encode(self, request: dict, *, max_length: int | None = None, overflow: str = "refuse") -> EncodedRecord:
         """Validate and encode one request. Raises RequestError or TokenBudgetError; never anything else for bad
@@ -191,33 +359,29 @@ class Encoder:
             raise RequestError([Problem(("overflow",), f"overflow must be one of {OVERFLOW_POLICIES}")])
         if not isinstance(max_length, int) or max_length < 1:
             raise RequestError([Problem(("max_length",), "max_length must be a positive integer")])
-
-        media_ids, media_inputs, videos = self.encode_media(request)
-        state_ids = self.tokenize_state(render(request["state"]))
+        images, videos, problems = self.open_media(request)
+        if problems:
+            raise RequestError(problems)
+        state_text = render(request["state"])
         pieces, instruction_piece, option_piece = schema_pieces(questions)
-        piece_ids = self.tokenize_many(pieces)
-        schema_length = sum(map(len, piece_ids))
 
-        counts = {"prefix": len(self.prefix_ids), "media": len(media_ids), "state": len(state_ids),
-                  "schema": schema_length, "suffix": len(self.suffix_ids)}
-        fixed = counts["prefix"] + counts["media"] + counts["schema"] + counts["suffix"]
-        truncated = 0
-        if fixed > max_length:
-            largest = max(("media", "schema"), key=counts.get)
-            raise TokenBudgetError(
-                f"prefix + media + schema + suffix take {fixed} tokens, {fixed - max_length} over max_length "
-                f"{max_length} before any state; the {largest} ({counts[largest]} tokens) is the largest part",
-                over_by=fixed - max_length, part=largest, token_counts=counts, max_length=max_length)
-        if fixed + len(state_ids) > max_length:
-            over = fixed + len(state_ids) - max_length
-            if overflow == "refuse":
-                raise TokenBudgetError(
-                    f"the record is {fixed + len(state_ids)} tokens, {over} over max_length {max_length}; "
-                    f"the state ({len(state_ids)} tokens) is too long — shorten it, raise max_length, or allow "
-                    f"truncation (overflow='truncate_state')",
-                    over_by=over, part="state", token_counts=counts, max_length=max_length)
-            truncated = over
-            state_ids = state_ids[: len(state_ids) - over]  # the reference cuts the end of the state
+        # Cheapest first: bounds of every part, then exact schema, then exact state; pixels are decoded last.
+        counts = {"prefix": len(self.prefix_ids), "media": self.media_bound(images, videos),
+                  "state": self.token_bound(state_text), "schema": sum(map(self.token_bound, pieces)),
+                  "suffix": len(self.suffix_ids)}
+        media_bound = ("media",) if videos else ()  # image tokens are exact from the header; videos' are not
+        check_budget(counts, max_length, overflow, at_least=media_bound + ("state", "schema"))
+        piece_ids = self.tokenize_many(pieces)
+        counts["schema"] = sum(map(len, piece_ids))
+        check_budget(counts, max_length, overflow, at_least=media_bound + ("state",))
+        state_ids = self.tokenize_state(state_text)
+        counts["state"] = len(state_ids)
+        check_budget(counts, max_length, overflow, at_least=media_bound)
+        media_ids, media_inputs, decoded_videos = self.encode_media(images, videos)
+        counts["media"] = len(media_ids)
+        truncated = check_budget(counts, max_length, overflow, at_least=())
+        if truncated:
+            state_ids = state_ids[: len(state_ids) - truncated]  # the reference cuts the end of the state
             counts["state"] = len(state_ids)
 
         input_ids = self.prefix_ids + media_ids + state_ids
@@ -238,14 +402,59 @@ class Encoder:
             if span[0] == span[1]:
                 raise RequestError([Problem(("questions", questions[j].id, "instructions"),
                                             "instructions encode to no tokens")])
+        if not truncated:
+            self.remember_state(state_text, state_ids)
 
         return EncodedRecord(
             input_ids=input_ids, questions=questions, question_spans=question_spans, option_spans=option_spans,
             token_counts=counts, truncated_state_tokens=truncated,
             media_offset=len(self.prefix_ids) if media_ids else None, media_inputs=media_inputs,
-            media_digest=_digest(media_inputs), state_end=state_end, videos=videos,
+            media_digest=_digest(media_inputs), state_end=state_end, videos=decoded_videos,
         )
 
+
+def check_budget(counts: dict[str, int], max_length: int, overflow: str, *, at_least: tuple[str, ...]) -> int:
+    """Raise TokenBudgetError when the record cannot fit; else return how many state tokens to cut (0 unless
+    overflow is "truncate_state"). Parts named in `at_least` are lower bounds so far, and the message says so."""
+
+    def amount(n: int, *parts: str) -> str:
+        return f"at least {n}" if any(p in at_least for p in parts) else str(n)
+
+    fixed = counts["prefix"] + counts["media"] + counts["schema"] + counts["suffix"]
+    if fixed > max_length:
+        largest = max(("media", "schema"), key=counts.get)
+        raise TokenBudgetError(
+            f"prefix + media + schema + suffix take {amount(fixed, 'media', 'schema')} tokens, "
+            f"{amount(fixed - max_length, 'media', 'schema')} over max_length {max_length} before any state; "
+            f"the {largest} ({amount(counts[largest], largest)} tokens) is the largest part",
+            over_by=fixed - max_length, part=largest, token_counts=counts, max_length=max_length)
+    over = fixed + counts["state"] - max_length
+    if over <= 0:
+        return 0
+    if overflow == "refuse":
+        every = ("media", "schema", "state")
+        raise TokenBudgetError(
+            f"the record is {amount(fixed + counts['state'], *every)} tokens, {amount(over, *every)} over max_length "
+            f"{max_length}; the state ({amount(counts['state'], 'state')} tokens) is too long — shorten it, raise "
+            f"max_length, or allow truncation (overflow='truncate_state')",
+            over_by=over, part="state", token_counts=counts, max_length=max_length)
+    return over if not at_least else 0
+
+
+def longest_token_bytes(tokenizer) -> int:
+    """Bytes of text the longest token stands for. In a byte-level vocabulary each character of a token is one
+    byte; added tokens (`<|im_start|>`, …) match their UTF-8 text."""
+    added = {token.content for token in tokenizer.get_added_tokens_decoder().values()}
+    byte_level = "ByteLevel" in json.dumps(json.loads(tokenizer.to_str()).get("pre_tokenizer"))
+    longest = 1
+    for token in tokenizer.get_vocab(with_added_tokens=True):
+        size = len(token) if byte_level and token not in added else len(token.encode("utf-8", "surrogatepass"))
+        longest = max(longest, size)
+    return longest
+
+
+def _text_digest(text: str) -> bytes:
+    return hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16).digest()
 
 def _digest(tensors: dict[str, torch.Tensor]) -> str:
     if not tensors:

@@ -9,6 +9,12 @@ record (every request that runs alone) needs no padding: no memory gather, no at
 The batched forward runs the layers as small functions of the modules' parameters (`attend`, `route`, `decode`)
 rather than through nn.MultiheadAttention / nn.TransformerDecoderLayer: the same math in eval mode (every dropout
 has p=0), with fewer kernels and less Python. The modules' own forwards stay for the reference loop.
+
+Precision: the GEMMs run in the weights' dtype (bf16 on a GPU), but everything between them stays in float32 where
+the release code rounds to bf16: span means, the option and field residual streams, LayerNorms, the routing
+softmax and its weighted sum, the cosines and the final logits. These tensors have one row per option or question,
+so keeping them costs a few small casts, not memory traffic. The one [tokens, width] tensor, the memory, stays in
+the weights' dtype. With float32 weights every cast is a no-op and the math is the release code's.
 """
 
 from __future__ import annotations
@@ -230,11 +236,11 @@ def segment_mean(source: torch.Tensor, index: torch.Tensor, keep: torch.Tensor, 
                  chunk: torch.Tensor | None = None) -> torch.Tensor:
     """Mean of source[index] over each grid row's kept slots ([S, L] grid -> [S, D]); with `chunk`, grid rows are
     pieces of spans, added up per span. Sums in float32 so long spans do not lose precision in bf16; a gather and a
-    reduction rather than an index_add, whose float atomics are slow on the GPU."""
+    reduction rather than an index_add, whose float atomics are slow on the GPU. Returned in float32."""
     sums = (source[index] * keep[..., None]).sum(1, dtype=torch.float32)
     if chunk is not None:
         sums = sums.new_zeros(count.shape[0], sums.shape[-1]).index_add_(0, chunk, sums)
-    return (sums / count[:, None]).to(source.dtype)
+    return sums / count[:, None]
 
 
 def additive_mask(padding: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -249,12 +255,14 @@ def additive_mask(padding: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 # ---- the layers as plain functions of the modules' parameters (eval mode: every dropout has p=0) --------------
 
-def _norm(norm: nn.LayerNorm, x: torch.Tensor) -> torch.Tensor:
-    return F.layer_norm(x, norm.normalized_shape, norm.weight, norm.bias, norm.eps)
+def _norm(norm: nn.LayerNorm, x: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """LayerNorm computed and returned in `dtype` (float32 unless said otherwise; bf16 weights are exact in it)."""
+    return F.layer_norm(x.to(dtype), norm.normalized_shape, norm.weight.to(dtype), norm.bias.to(dtype), norm.eps)
 
 
 def _linear(linear: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    return F.linear(x, linear.weight, linear.bias)
+    """The GEMM in the weight's dtype: a float32 input is rounded to it once, here."""
+    return F.linear(x.to(linear.weight.dtype), linear.weight, linear.bias)
 
 
 def _heads(x: torch.Tensor, heads: int) -> torch.Tensor:
@@ -265,13 +273,14 @@ def _heads(x: torch.Tensor, heads: int) -> torch.Tensor:
 def attend(attention: nn.MultiheadAttention, query: torch.Tensor, memory: torch.Tensor,
            mask: torch.Tensor | None) -> torch.Tensor:
     """nn.MultiheadAttention(query, memory, memory) with need_weights=False, on F.scaled_dot_product_attention;
-    `memory is query` is self-attention (one packed projection). mask=None lets SDPA use flash attention."""
+    `memory is query` is self-attention (one packed projection). mask=None lets SDPA use flash attention. Runs in
+    the weights' dtype; returns it."""
     weight, bias, width = attention.in_proj_weight, attention.in_proj_bias, query.shape[-1]
     if memory is query:
-        q, k, v = F.linear(query, weight, bias).chunk(3, dim=-1)
+        q, k, v = F.linear(query.to(weight.dtype), weight, bias).chunk(3, dim=-1)
     else:
-        q = F.linear(query, weight[:width], bias[:width])
-        k, v = F.linear(memory, weight[width:], bias[width:]).chunk(2, dim=-1)
+        q = F.linear(query.to(weight.dtype), weight[:width], bias[:width])
+        k, v = F.linear(memory.to(weight.dtype), weight[width:], bias[width:]).chunk(2, dim=-1)
     heads = attention.num_heads
     out = F.scaled_dot_product_attention(_heads(q, heads), _heads(k, heads), _heads(v, heads), attn_mask=mask)
     return _linear(attention.out_proj, out.transpose(1, 2).reshape(query.shape))
@@ -279,9 +288,10 @@ def attend(attention: nn.MultiheadAttention, query: torch.Tensor, memory: torch.
 
 def route(layer: EvidenceRoutingLayer, options: torch.Tensor, memory: torch.Tensor,
           mask: torch.Tensor | None) -> torch.Tensor:
-    """EvidenceRoutingLayer.forward: options read the normed memory, then the pre-norm feed-forward."""
-    options = options + attend(layer.attention, _norm(layer.query_norm, options), _norm(layer.memory_norm, memory),
-                               mask)
+    """EvidenceRoutingLayer.forward: options read the normed memory, then the pre-norm feed-forward. `options` is
+    the float32 residual stream; the memory's norm stays in the memory's dtype (a GEMM reads it next)."""
+    options = options + attend(layer.attention, _norm(layer.query_norm, options),
+                               _norm(layer.memory_norm, memory, memory.dtype), mask)
     first, gelu, _, second = layer.feedforward
     return options + _linear(second, F.gelu(_linear(first, _norm(layer.feedforward_norm, options)),
                                             approximate=gelu.approximate))
@@ -290,7 +300,7 @@ def route(layer: EvidenceRoutingLayer, options: torch.Tensor, memory: torch.Tens
 def decode(layer: nn.TransformerDecoderLayer, fields: torch.Tensor, memory: torch.Tensor,
            field_mask: torch.Tensor | None, memory_mask: torch.Tensor | None) -> torch.Tensor:
     """nn.TransformerDecoderLayer.forward with norm_first=True: self-attention, cross-attention over the (un-normed)
-    memory, feed-forward, each pre-norm and residual."""
+    memory, feed-forward, each pre-norm and residual (`fields` is the float32 residual stream)."""
     normed = _norm(layer.norm1, fields)
     fields = fields + attend(layer.self_attn, normed, normed, field_mask)
     fields = fields + attend(layer.multihead_attn, _norm(layer.norm2, fields), memory, memory_mask)
@@ -351,35 +361,36 @@ class JointSchemaHead(nn.Module):
         else:
             memory = memory_flat[batch.record_rows]  # [B, T, W]
             global_state = normed[batch.last_rows]  # [B, D]
-            memory_mask = additive_mask(batch.memory_padding, memory.dtype)
+            memory_mask = additive_mask(batch.memory_padding, memory.dtype)  # SDPA runs in the weights' dtype
 
         question = segment_mean(normed, batch.question_rows, batch.question_keep, batch.question_count,
                                 batch.question_chunk)
         context = segment_mean(normed, batch.option_rows, batch.option_keep, batch.option_count, batch.option_chunk)
         lexical = segment_mean(output_embeddings, batch.option_token_ids, batch.option_keep, batch.option_count,
-                               batch.option_chunk).to(normed.dtype)
+                               batch.option_chunk)
 
-        queries = (_linear(self.option_context_projection, context) + _linear(self.option_lexical_projection, lexical)
-                   + _linear(self.option_question_projection, question)[batch.option_question])
+        queries = (_linear(self.option_context_projection, context).float()
+                   + _linear(self.option_lexical_projection, lexical)
+                   + _linear(self.option_question_projection, question)[batch.option_question])  # float32 stream
         routed = queries[None] if one else queries[batch.record_options]  # [B, Omax, W]
         for layer in self.evidence_layers:
             routed = route(layer, routed, memory, memory_mask)
         routed = routed[0] if one else routed[batch.option_record, batch.option_record_slot]  # [O, W]
 
         # Each question's options, summed with softmax weights of their affinity to the question (padded slots: 0).
-        field_base = _linear(self.question_projection, question)  # [Q, W]
+        field_base = _linear(self.question_projection, question).float()  # [Q, W]
         options = routed[batch.question_options]  # [Q, Kmax, W]
         affinity = torch.bmm(options, field_base[:, :, None])[..., 0] / math.sqrt(width)
-        affinity = affinity.float().masked_fill_(batch.question_option_padding, float("-inf"))
-        routing_weights = torch.softmax(affinity, dim=-1).to(routed.dtype)
+        affinity = affinity.masked_fill_(batch.question_option_padding, float("-inf"))
+        routing_weights = torch.softmax(affinity, dim=-1)
         summary = torch.bmm(routing_weights[:, None, :], options)[:, 0]  # [Q, W]
         global_fields = _linear(self.global_projection, global_state)
         fields = (field_base + _norm(self.option_summary_norm, summary)
                   + (global_fields if one else global_fields[batch.question_record])
-                  + F.embedding(batch.question_type, self.type_embedding.weight))
+                  + F.embedding(batch.question_type, self.type_embedding.weight))  # float32 stream
 
         fields = fields[None] if one else fields[batch.record_questions]  # [B, Qmax, W]
-        field_mask = None if one else additive_mask(batch.field_padding, fields.dtype)
+        field_mask = None if one else additive_mask(batch.field_padding, memory.dtype)
         for layer in self.layers:
             fields = decode(layer, fields, memory, field_mask, memory_mask)
         fields = _norm(self.field_norm, fields)
@@ -388,16 +399,18 @@ class JointSchemaHead(nn.Module):
         field_of_option = fields[batch.option_question]
         option_vectors = _norm(self.option_norm, routed)
         record_state = global_state if one else global_state[batch.option_record]
-        prior = self.prior_logit_scale.clamp(max=LOGIT_SCALE_CAP).exp() * F.cosine_similarity(
-            lexical, question[batch.option_question] + record_state, dim=-1
+        prior = self.prior_logit_scale.float().clamp(max=LOGIT_SCALE_CAP).exp() * F.cosine_similarity(
+            lexical, question[batch.option_question] + record_state.float(), dim=-1
         )
         pair = torch.cat([field_of_option, option_vectors, field_of_option * option_vectors,
                           (field_of_option - option_vectors).abs()], dim=-1)
         first, gelu, _, second = self.residual_scorer
-        residual = _linear(second, F.gelu(_linear(first, pair), approximate=gelu.approximate))
-        joint = (self.joint_logit_scale.clamp(max=LOGIT_SCALE_CAP).exp()
+        hidden = F.gelu(_linear(first, pair), approximate=gelu.approximate)
+        # the last layer is one dot product per option: in float32, like the logit it adds to
+        residual = F.linear(hidden.float(), second.weight.float(), second.bias.float())
+        joint = (self.joint_logit_scale.float().clamp(max=LOGIT_SCALE_CAP).exp()
                  * F.cosine_similarity(field_of_option, option_vectors, dim=-1) + residual[:, 0])
-        return prior + torch.sigmoid(self.residual_gate) * joint
+        return prior + torch.sigmoid(self.residual_gate.float()) * joint
 
 
 def option_probabilities(logits: torch.Tensor, batch: HeadBatch) -> torch.Tensor:

@@ -4,6 +4,10 @@ Accepted images: PIL images, bytes, file paths, data URLs, or {"content_type", "
 Accepted videos: a T×H×W×3 uint8 array (+ fps), {"frames", "fps"}, bytes, file paths, data URLs or
 {"content_type", "base64"} (MP4, WebM, MOV), decoded with PyAV at their real frame rate. Only the frames the video
 processor will sample are decoded and kept, so a long video costs what the model reads, not its full length.
+
+Images are opened in two steps: `open_image` reads only the header (format, size), so limits and the token budget
+are checked before `decode_image` spends memory on pixels. A frame array with no fps stays without one, as the
+release code hands it to the processor (which then applies its own defaults).
 """
 
 from __future__ import annotations
@@ -50,11 +54,11 @@ class MediaError(ValueError):
 
 @dataclass
 class Video:
-    """Sampled frames (T×H×W×3 uint8), the video's real fps, the source frame index of each sampled frame,
-    and the source's frame count."""
+    """Sampled frames (T×H×W×3 uint8), the video's fps (None for a frame array given without one: the processor
+    then assumes its own default), the source frame index of each sampled frame, and the source's frame count."""
 
     frames: np.ndarray
-    fps: float
+    fps: float | None
     frame_indices: list[int]
     total_frames: int
 
@@ -97,8 +101,9 @@ def _b64(payload: Any) -> bytes:
         raise MediaError(f"invalid base64 ({error})") from error
 
 
-def load_image(item: Any) -> Image.Image:
-    """An RGB PIL image from any accepted form; checks format and the 16 MP limit before decoding pixels."""
+def open_image(item: Any) -> Image.Image:
+    """The image with only its header read (format and size known, pixels not decoded yet). Checks the format and
+    the 16 MP limit."""
     if isinstance(item, Image.Image):
         image = item
     else:
@@ -114,29 +119,64 @@ def load_image(item: Any) -> Image.Image:
     if image.width * image.height > MAX_IMAGE_PIXELS:
         raise MediaError(f"image is {image.width}×{image.height} = {image.width * image.height / 1e6:.1f} MP; "
                          f"the limit is {MAX_IMAGE_PIXELS / 1e6:.0f} MP")
+    return image
+
+
+def decode_image(image: Image.Image) -> Image.Image:
+    """The pixels of an opened image, as RGB."""
     try:
         return image.convert("RGB")
-    except Exception as error:
+    except Exception as error:  # truncated or corrupt data shows only when the pixels are decoded
         raise MediaError(f"image cannot be decoded ({error})") from error
 
 
-def load_video(item: Any, sample_indices) -> Video:
-    """Sampled frames of a video. `sample_indices(total_frames, fps) -> indices` is the video processor's rule."""
-    if isinstance(item, Video):
-        return item
-    if isinstance(item, np.ndarray) or (isinstance(item, dict) and "frames" in item):
-        frames = np.asarray(item["frames"] if isinstance(item, dict) else item)
-        fps = float(item.get("fps", 2.0)) if isinstance(item, dict) else 2.0
-        if frames.ndim != 4 or frames.shape[-1] != 3 or frames.dtype != np.uint8:
-            raise MediaError(f"video frames must be a T×H×W×3 uint8 array, got {frames.dtype} {frames.shape}")
+def load_image(item: Any) -> Image.Image:
+    """An RGB PIL image from any accepted form; checks format and the 16 MP limit before decoding pixels."""
+    return decode_image(open_image(item))
+
+
+def video_frames(item: Any) -> tuple[np.ndarray, float | None] | None:
+    """(frames, fps or None) of a video given as a frame array; None when the item is a file of some form."""
+    if not (isinstance(item, np.ndarray) or (isinstance(item, dict) and "frames" in item)):
+        return None
+    frames = np.asarray(item["frames"] if isinstance(item, dict) else item)
+    if frames.ndim != 4 or frames.shape[-1] != 3 or frames.dtype != np.uint8:
+        raise MediaError(f"video frames must be a T×H×W×3 uint8 array, got {frames.dtype} {frames.shape}")
+    fps = item.get("fps") if isinstance(item, dict) else None
+    if fps is not None:
+        try:
+            fps = float(fps)
+        except (TypeError, ValueError) as error:
+            raise MediaError(f"video fps must be a number, got {fps!r}") from error
         if not np.isfinite(fps) or fps <= 0:
             raise MediaError(f"video fps must be positive, got {fps}")
-        indices = list(sample_indices(len(frames), fps))
-        return Video(frames[indices], fps, indices, len(frames))
+    return frames, fps
+
+
+def video_bytes(item: Any) -> bytes:
+    """The bytes of a video file given in any accepted form; the bytes must be an MP4, WebM or MOV file."""
     data = _bytes_from(item, VIDEO_CONTENT_TYPES)
     if data is None:
         raise MediaError("a video must be frames, a data URL, {content_type, base64}, bytes or a file path")
-    return decode_video(data, sample_indices)
+    content_type = sniff_content_type(data)
+    if content_type not in VIDEO_CONTENT_TYPES:
+        # e.g. PNG bytes labelled video/mp4: the demuxer would read them as a one-frame "video"
+        what = f"the bytes are a {content_type} file" if content_type else "not an MP4, WebM or MOV file"
+        raise MediaError(f"not a readable video ({what}; videos must be MP4, WebM or MOV)")
+    return data
+
+
+def load_video(item: Any, sample_indices) -> Video:
+    """Sampled frames of a video. `sample_indices(total_frames, fps or None) -> indices` is the video processor's
+    rule."""
+    if isinstance(item, Video):
+        return item
+    given = video_frames(item)
+    if given is not None:
+        frames, fps = given
+        indices = [int(i) for i in sample_indices(len(frames), fps)] if len(frames) else []
+        return Video(frames[indices], fps, indices, len(frames))
+    return decode_video(video_bytes(item), sample_indices)
 
 
 def decode_video(data: bytes, sample_indices) -> Video:
@@ -155,7 +195,7 @@ def decode_video(data: bytes, sample_indices) -> Video:
                 container.seek(0)
             if total <= 0:
                 raise MediaError("the video has no frames")
-            wanted = list(sample_indices(total, fps))
+            wanted = [int(i) for i in sample_indices(total, fps)]
             wanted_set = set(wanted)
             frames: dict[int, np.ndarray] = {}
             for index, frame in enumerate(container.decode(stream)):

@@ -2,20 +2,32 @@
 
     python -m clef_engine serve --model SOURCE [--host 127.0.0.1] [--port 8000] [--api-key-env VAR]
                                 [--device cuda|cpu] [--dtype bfloat16|float32] [--revision REV] [--max-body-mb 32]
-                                [--max-queued-records N]
+                                [--max-queued-records N] [--request-timeout S] [--header-timeout S]
+                                [--keep-alive-timeout S] [--cors-origin ORIGIN ...]
 
 The model loads before the server listens, so once /health answers the server is ready.
+
+Connections: a client must send a request's line and headers within --header-timeout seconds of connecting (or of
+its previous answer), an idle keep-alive connection is closed after --keep-alive-timeout seconds, and a body must
+arrive within --request-timeout seconds; slow or silent clients lose their connection, everybody else is answered.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import ipaddress
 import logging
 import os
 import sys
 
-from .server import DEFAULT_MAX_BODY_BYTES
+import h11
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from .server import DEFAULT_MAX_BODY_BYTES, DEFAULT_REQUEST_TIMEOUT
+
+DEFAULT_HEADER_TIMEOUT = 10.0
+DEFAULT_KEEP_ALIVE_TIMEOUT = 5
 
 
 def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -40,9 +52,69 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                         help="largest request body accepted, in MiB (default %(default)s)")
     parser.add_argument("--max-queued-records", type=int, default=None, metavar="N",
                         help="bound of the engine's GPU queue; past it requests get 429 (default: the engine's)")
+    parser.add_argument("--request-timeout", type=float, default=DEFAULT_REQUEST_TIMEOUT, metavar="S",
+                        help="longest wait for a body to arrive, and for the model to answer a request; past it the "
+                             "client gets 408 or 503 deadline_exceeded (default %(default)s)")
+    parser.add_argument("--header-timeout", type=float, default=DEFAULT_HEADER_TIMEOUT, metavar="S",
+                        help="a connection that has not sent a whole request head (line and headers) this long after "
+                             "connecting or after its last answer is closed (default %(default)s)")
+    parser.add_argument("--keep-alive-timeout", type=int, default=DEFAULT_KEEP_ALIVE_TIMEOUT, metavar="S",
+                        help="an idle keep-alive connection is closed after this many seconds (default %(default)s)")
+    parser.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
+                        help="send CORS headers for this origin (repeatable; '*' for any). Default: no CORS headers, "
+                             "so web pages elsewhere cannot read answers")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     parser.set_defaults(run=run_serve)
     return parser
+
+
+class HeaderTimeoutProtocol(H11Protocol):
+    """uvicorn's h11 protocol with a deadline for each request head. uvicorn arms its keep-alive timer only after an
+    answer and any byte disarms it, so a client that connects and sends nothing, or trickles a header a byte at a
+    time, would hold its connection (and a file descriptor) forever. Here a timer runs from the connection's start
+    and from each answer until a whole request line and headers have arrived; when it fires, the connection closes.
+    """
+
+    header_timeout: float = DEFAULT_HEADER_TIMEOUT
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._head_timer: asyncio.TimerHandle | None = None
+        self._arm_head_timer()
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        if self.conn.their_state is not h11.IDLE:  # a request head has arrived
+            self._disarm_head_timer()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if not self.transport.is_closing() and self.conn.their_state is h11.IDLE:
+            self._arm_head_timer()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm_head_timer()
+        super().connection_lost(exc)
+
+    def _arm_head_timer(self) -> None:
+        self._disarm_head_timer()
+        self._head_timer = self.loop.call_later(self.header_timeout, self._head_timed_out)
+
+    def _disarm_head_timer(self) -> None:
+        if getattr(self, "_head_timer", None) is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+    def _head_timed_out(self) -> None:
+        self._head_timer = None
+        if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+            self.logger.debug("closing a connection that sent no whole request head in %ss", self.header_timeout)
+            self.transport.close()
+
+
+def with_header_timeout(seconds: float) -> type[HeaderTimeoutProtocol]:
+    """The protocol class for uvicorn's `http=` option, with its header deadline set."""
+    return type("HeaderTimeoutProtocol", (HeaderTimeoutProtocol,), {"header_timeout": seconds})
 
 
 def _api_key_from_env(var: str | None) -> str | None:
@@ -87,11 +159,13 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.max_queued_records is not None:
         # The scheduler reads this bound on every submit, so setting it after load takes effect at once.
         engine.scheduler.max_queued_records = max(1, args.max_queued_records)
-    app = create_app(engine, api_key=api_key, max_body_bytes=int(args.max_body_mb * 2**20))
+    app = create_app(engine, api_key=api_key, max_body_bytes=int(args.max_body_mb * 2**20),
+                     request_timeout=args.request_timeout, cors_origins=args.cors_origin)
     print(f"serving {args.model} on http://{args.host}:{args.port} (auth {'on' if api_key else 'off'})",
           file=sys.stderr, flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
-                timeout_graceful_shutdown=5)
+                timeout_graceful_shutdown=5, timeout_keep_alive=args.keep_alive_timeout,
+                http=with_header_timeout(args.header_timeout))
     return 0
 
 

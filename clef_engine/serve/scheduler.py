@@ -1,10 +1,13 @@
 """One queue, one GPU worker thread: every GPU call in the process goes through here.
 
 Callers (Streamlit sessions, batch jobs, the HTTP API) submit a job — a list of encoded records — and wait on a
-future. The worker takes interactive jobs before bulk ones, then merges as many waiting jobs as fit a token budget
-into one batch, so concurrent clients share forward passes. The queue is bounded in records: past the bound,
-`submit` raises BusyError at once instead of growing memory. A job cancelled before it starts is skipped. The
-scheduler knows nothing of tensors: `run_batch` does the work.
+future. This is the one place where records are grouped into GPU batches: the worker takes interactive jobs before
+bulk ones, then fills the batch with waiting records of the same priority, in order, up to a token budget
+(`token_budget` for interactive work, so concurrent clients share forward passes; the smaller `bulk_batch_tokens`
+for bulk work, so an interactive request waits for at most one bulk batch). A job larger than a batch is split
+across batches and resolved when its last record is done. The queue is bounded in records: past the bound, `submit`
+raises BusyError at once instead of growing memory. A job cancelled before it starts is skipped. The scheduler
+knows nothing of tensors: `run_batch` does the work.
 """
 
 from __future__ import annotations
@@ -28,10 +31,27 @@ class Job:
     priority: int
     sequence: int
     records: list = field(compare=False)
-    tokens: int = field(compare=False)
+    lengths: list = field(compare=False)  # tokens of each record
     finalize: Callable[[list], Any] = field(compare=False)
     future: Future = field(compare=False)
     submitted: float = field(compare=False, default_factory=time.perf_counter)
+    started: bool = field(compare=False, default=False)
+    taken: int = field(compare=False, default=0)  # records handed to batches so far
+    results: list = field(compare=False, default_factory=list)
+    done: int = field(compare=False, default=0)
+
+    @property
+    def tokens(self) -> int:
+        return sum(self.lengths)
+
+
+@dataclass
+class Piece:
+    """Records [start, end) of a job, in one batch."""
+
+    job: Job
+    start: int
+    end: int
 
 
 @dataclass
@@ -46,9 +66,10 @@ class SchedulerStats:
 
 class Scheduler:
     def __init__(self, run_batch: Callable[[list], list], *, token_budget: int = 65_536,
-                 max_queued_records: int = 4_096, name: str = "clef-gpu-worker"):
+                 bulk_batch_tokens: int | None = None, max_queued_records: int = 4_096, name: str = "clef-gpu-worker"):
         self.run_batch = run_batch
         self.token_budget = token_budget
+        self.bulk_batch_tokens = token_budget if bulk_batch_tokens is None else min(bulk_batch_tokens, token_budget)
         self.max_queued_records = max_queued_records
         self.stats = SchedulerStats()
         self._heap: list[Job] = []
@@ -65,8 +86,17 @@ class Scheduler:
         if priority not in PRIORITIES:
             raise ValueError(f"priority must be one of {', '.join(PRIORITIES)}")
         future: Future = Future()
-        job = Job(PRIORITIES[priority], next(self._sequence), list(records),
-                  tokens if tokens is not None else sum(len(r) for r in records), finalize, future)
+        records = list(records)
+        if tokens is None:
+            lengths = [len(r) for r in records]
+        else:  # the caller's count for the whole job, shared out
+            lengths = [tokens / max(1, len(records))] * len(records)
+        job = Job(PRIORITIES[priority], next(self._sequence), records, lengths, finalize, future,
+                  results=[None] * len(records))
+        if not records:
+            future.set_running_or_notify_cancel()
+            future.set_result(finalize([]))
+            return future
         with self._condition:
             if self._closed:
                 raise BusyError("the engine is shutting down")
@@ -97,25 +127,42 @@ class Scheduler:
             self._closed = True
             self._condition.notify()
 
-    def _take_batch(self) -> list[Job]:
-        """Highest priority first; then every waiting job that still fits the token budget (FIFO within a
-        priority). Called with the lock held."""
-        jobs: list[Job] = []
+    def _take_batch(self) -> list[Piece]:
+        """The next batch: the first waiting job (highest priority, then FIFO), then the records of the jobs after it
+        of the same priority, in order, while they fit the budget; a job that does not fit entirely is split, and
+        the batch's first record goes in whatever its size. Called with the lock held."""
+        pieces: list[Piece] = []
         tokens = 0
-        skipped: list[Job] = []
+        budget = None
         while self._heap:
-            job = heapq.heappop(self._heap)
-            if jobs and tokens + job.tokens > self.token_budget:
-                skipped.append(job)
+            job = self._heap[0]
+            if pieces and job.priority != pieces[0].job.priority:
                 break
-            self._queued_records -= len(job.records)
-            if not job.future.set_running_or_notify_cancel():
-                continue  # cancelled while waiting
-            jobs.append(job)
-            tokens += job.tokens
-        for job in skipped:
-            heapq.heappush(self._heap, job)
-        return jobs
+            if not job.started:
+                job.started = True
+                if not job.future.set_running_or_notify_cancel():
+                    heapq.heappop(self._heap)  # cancelled while waiting
+                    self._queued_records -= len(job.records)
+                    continue
+            if job.future.done():  # an earlier piece failed: drop the rest
+                heapq.heappop(self._heap)
+                self._queued_records -= len(job.records) - job.taken
+                continue
+            if budget is None:
+                budget = self.token_budget if job.priority == PRIORITIES["interactive"] else self.bulk_batch_tokens
+            start = end = job.taken
+            while end < len(job.records) and (tokens == 0 or tokens + job.lengths[end] <= budget):
+                tokens += job.lengths[end]
+                end += 1
+            if end == start:
+                break
+            pieces.append(Piece(job, start, end))
+            job.taken = end
+            self._queued_records -= end - start
+            if end < len(job.records):
+                break  # the budget is full
+            heapq.heappop(self._heap)
+        return pieces
 
     def _serve(self) -> None:
         while True:
@@ -124,44 +171,42 @@ class Scheduler:
                     self._condition.wait()
                 if self._closed and not self._heap:
                     return
-                jobs = self._take_batch()
-            if jobs:
-                self._run(jobs)
+                pieces = self._take_batch()
+            if pieces:
+                self._run(pieces)
 
-    def _run(self, jobs: list[Job]) -> None:
-        records = [r for job in jobs for r in job.records]
+    def _run(self, pieces: list[Piece]) -> None:
+        records = [r for piece in pieces for r in piece.job.records[piece.start: piece.end]]
         started = time.perf_counter()
         try:
             results = self.run_batch(records)
         except Exception as error:  # noqa: BLE001 — one failing batch must not kill the worker
-            if len(jobs) > 1:  # isolate the culprit: run each job alone
-                for job in jobs:
-                    self._run_alone(job)
+            if len(pieces) > 1:  # isolate the culprit: run each piece alone
+                for piece in pieces:
+                    self._run([piece])
                 return
-            jobs[0].future.set_exception(error)
+            piece = pieces[0]
+            if not piece.job.future.done():
+                piece.job.future.set_exception(error)
             return
         finally:
             self._account(records, started)
         offset = 0
-        for job in jobs:
-            count = len(job.records)
-            self._resolve(job, results[offset: offset + count])
+        for piece in pieces:
+            count = piece.end - piece.start
+            self._deliver(piece, results[offset: offset + count])
             offset += count
 
-    def _run_alone(self, job: Job) -> None:
-        started = time.perf_counter()
-        try:
-            results = self.run_batch(job.records)
-        except Exception as error:  # noqa: BLE001
-            job.future.set_exception(error)
+    def _deliver(self, piece: Piece, results: list) -> None:
+        job = piece.job
+        if job.future.done():
             return
-        finally:
-            self._account(job.records, started)
-        self._resolve(job, results)
-
-    def _resolve(self, job: Job, results: list) -> None:
+        job.results[piece.start: piece.end] = results
+        job.done += piece.end - piece.start
+        if job.done < len(job.records):
+            return
         try:
-            job.future.set_result(job.finalize(results))
+            job.future.set_result(job.finalize(job.results))
         except Exception as error:  # noqa: BLE001
             job.future.set_exception(error)
 

@@ -4,27 +4,34 @@ Routes (see `routes`):
 - `POST /v1/systemone` — a System One request (spec §5) → a System One response, plus `x_` extras.
 - `GET /v1/models` — the resident model and the `jev-latest` alias (any model name maps to the resident model).
 - `GET /health` — `{"ready", "model", "revision", "device"}`; 503 while no engine is loaded. Never needs a key.
-- `GET /metrics` — Prometheus text exposition.
+  The model is named as /v1/models names it (a local release by its folder name, never a server path).
+- `GET /metrics` — Prometheus text exposition (prometheus-client, one registry per app).
+- `GET /openapi.json` and `GET /docs` — the OpenAPI document and a self-contained page rendering it (no CDN).
 
 Wire contract beyond spec §5:
 - Unknown top-level fields are ignored; `model` may be any string and is echoed in the response.
 - Overflow: a record over the token budget gets 413 unless the request body opts in with the top-level field
   `"x_overflow": "truncate_state"` (the reference's behaviour: cut the end of the state; the response says how many
   state tokens were dropped in `x_truncated_state_tokens`). `"x_max_length": N` raises or lowers the budget.
-- Media: `images` (PNG/JPEG/WebP, up to 4, 16 MP each) and `videos` (MP4/WebM/MOV) as data URLs or
-  `{"content_type", "base64"}` objects; the engine checks formats and limits. File paths, which the engine accepts
-  from Python callers, are refused over HTTP (they would read the server's disk). The TypeSafe SDK's `assets` (JSON
-  `{"format", "data_base64"}` or multipart parts) are accepted too: each asset becomes one image, in order, and its
-  placeholder in the text is replaced by `[image N]`.
-- Bodies: JSON (or the SDK's multipart form), at most `max_body_bytes` (default 32 MiB) before and after
-  decompression, nested at most 64 deep, strings valid Unicode, numbers finite. `Content-Encoding: gzip` or `zstd`
-  (the TypeSafe SDK compresses with zstd when it can).
+- Media: `images` (PNG/JPEG/WebP) and `videos` (MP4/WebM/MOV) as data URLs or `{"content_type", "base64"}` objects;
+  the engine checks formats and limits. File paths, which the engine accepts from Python callers, are refused over
+  HTTP (they would read the server's disk). The TypeSafe SDK's `assets` (JSON `{"format", "data_base64"}` or
+  multipart parts) are accepted in both body kinds alike: each asset becomes one image after the request's own
+  images, and its placeholder is replaced by `[image N]` inside text only — the state's strings, question
+  instructions, option and level descriptions — never in keys, question ids, types or other structure.
+- Bodies: `Content-Type: application/json` (parameters allowed) or the SDK's `multipart/form-data`; anything else
+  gets 415. At most `max_body_bytes` (default 32 MiB) before and after decompression, nested at most 64 deep,
+  strings valid Unicode, numbers finite. `Content-Encoding: gzip` or `zstd` (the TypeSafe SDK compresses with zstd
+  when it can).
+- Time: a body that has not arrived within `request_timeout` seconds gets 408; a request the engine has not
+  answered within `request_timeout` seconds gets 503 `deadline_exceeded` (its queued work is cancelled).
 - Errors: 422 `{"detail": [{"loc", "msg", "type"}]}` for invalid requests (locations start with "body", as in the
-  ecosystem); other errors `{"detail": {"error_type", "message"}}`: 401/403 authentication_error, 413
-  request_too_large / token_budget_exceeded, 415 unsupported_encoding, 429 overloaded (Retry-After: 1), 503 not_ready
-  while no model is loaded. Any other 5xx is a server fault, never the request's.
+  ecosystem); other errors `{"detail": {"error_type", "message"}}`: 401 authentication_error (with
+  `WWW-Authenticate: Bearer`), 408 request_timeout, 413 request_too_large / token_budget_exceeded, 415
+  unsupported_media_type / unsupported_encoding, 429 overloaded (Retry-After: 1), 503 not_ready while no model is
+  loaded or deadline_exceeded. Any other 5xx is a server fault, never the request's.
 - With an API key configured, `/v1/*` and `/metrics` need `Authorization: Bearer KEY`; without one an
-  Authorization header is ignored.
+  Authorization header is ignored. No CORS headers are sent unless `create_app(cors_origins=...)` asks for them.
 """
 
 from __future__ import annotations
@@ -43,22 +50,28 @@ import threading
 import time
 import uuid
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 from starlette.formparsers import MultiPartException, MultiPartParser
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import JSONResponse, PlainTextResponse, Response
+from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route
 
 from ..errors import BusyError, RequestError, TokenBudgetError
 from ..model.media import sniff_content_type
+from ..protocol import validate_request
+from . import openapi
 
 try:  # zstd is what the TypeSafe SDK sends when it has it; stdlib from Python 3.14, else the backport, else off.
     from compression.zstd import ZstdDecompressor, ZstdError  # type: ignore[import-not-found]
@@ -72,12 +85,14 @@ except ImportError:
 log = logging.getLogger("clef_engine.server")
 
 DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024  # 4 images of 16 MP as base64 PNG fit; anything bigger is a mistake
+DEFAULT_REQUEST_TIMEOUT = 120.0  # seconds; a long CPU batch fits, a wedged queue does not
 MAX_JSON_DEPTH = 64  # deeper nesting only serves to blow Python's recursion limit in the encoder
 MAX_LENGTH_CEILING = 1 << 20
 MODEL_ALIAS = "jev-latest"
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 ENGINE_FIELDS = ("state", "questions", "images", "videos")  # what the engine gets; the rest is ours or ignored
-OVERFLOW_POLICIES = ("refuse", "truncate_state")
+JSON_MEDIA_TYPE = "application/json"
+MULTIPART_MEDIA_TYPE = "multipart/form-data"
 
 EngineProvider = Callable[[], Any]
 # The engine scheduler's own counters (Engine.info()["scheduler"]): every batch of the process, the workbench's too.
@@ -109,98 +124,87 @@ def _invalid(loc: list[str | int], msg: str, type_: str) -> ApiError:
     return ApiError(422, [{"loc": ["body", *loc], "msg": msg, "type": type_}])
 
 
-class Metrics:
-    """Counters for /metrics. Written from the event loop and read by scrapes, hence the lock."""
+# --- metrics -------------------------------------------------------------------------------------------------------
 
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self.requests: dict[tuple[str, int], int] = {}
-        self.latency_buckets = [0] * len(LATENCY_BUCKETS)
-        self.latency_count = 0
-        self.latency_sum = 0.0
-        self.input_tokens = 0
-        self.decisions = 0
-        self.truncated_state_tokens = 0
-        self.in_flight = 0
-        self.max_in_flight = 0
+
+class Metrics:
+    """The API's Prometheus metrics, in a registry of their own: two apps in one process (the workbench's and a
+    test's) never share or double-register counters. The engine's numbers are read at scrape time."""
+
+    def __init__(self, engine_or_none: Callable[[], Any | None]):
+        self.registry = CollectorRegistry()
+        registry = self.registry
+        self.requests = Counter("clef_api_requests", "HTTP requests answered, by path and status.",
+                                ["path", "status"], registry=registry)
+        self.latency = Histogram("clef_api_request_duration_seconds", "Time to answer POST /v1/systemone, any status.",
+                                 buckets=LATENCY_BUCKETS, registry=registry)
+        self.input_tokens = Counter("clef_api_input_tokens", "Input tokens of answered requests.", registry=registry)
+        self.decisions = Counter("clef_api_decisions", "Questions answered.", registry=registry)
+        self.truncated_state_tokens = Counter("clef_api_truncated_state_tokens",
+                                              "State tokens cut on requests that opted in to truncation.",
+                                              registry=registry)
+        self.in_flight = Gauge("clef_api_requests_in_flight", "Requests waiting for the engine now.",
+                               registry=registry)
+        self.max_in_flight = Gauge("clef_api_requests_in_flight_max", "Most requests waiting for the engine at once.",
+                                   registry=registry)
+        self._in_flight_lock = threading.Lock()  # the maximum is read-modify-write; a gauge alone cannot keep it
+        self._in_flight_now = 0
+        self._in_flight_most = 0
+        registry.register(_EngineCollector(engine_or_none))
 
     def count_request(self, path: str, status: int) -> None:
-        with self._lock:
-            self.requests[(path, status)] = self.requests.get((path, status), 0) + 1
-
-    def observe_latency(self, seconds: float) -> None:
-        with self._lock:
-            self.latency_count += 1
-            self.latency_sum += seconds
-            for i, bound in enumerate(LATENCY_BUCKETS):
-                if seconds <= bound:
-                    self.latency_buckets[i] += 1
+        self.requests.labels(path=path, status=str(status)).inc()
 
     def count_answer(self, response: dict) -> None:
-        with self._lock:
-            usage = response.get("usage") or {}
-            self.input_tokens += int(usage.get("input_tokens") or 0)
-            self.decisions += len(response.get("answers") or {})
-            self.truncated_state_tokens += int(response.get("x_truncated_state_tokens") or 0)
+        usage = response.get("usage") or {}
+        self.input_tokens.inc(int(usage.get("input_tokens") or 0))
+        self.decisions.inc(len(response.get("answers") or {}))
+        self.truncated_state_tokens.inc(int(response.get("x_truncated_state_tokens") or 0))
 
     def enter(self) -> None:
-        with self._lock:
-            self.in_flight += 1
-            self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        with self._in_flight_lock:
+            self._in_flight_now += 1
+            self.in_flight.set(self._in_flight_now)
+            if self._in_flight_now > self._in_flight_most:
+                self._in_flight_most = self._in_flight_now
+                self.max_in_flight.set(self._in_flight_most)
 
     def leave(self) -> None:
-        with self._lock:
-            self.in_flight -= 1
+        with self._in_flight_lock:
+            self._in_flight_now -= 1
+            self.in_flight.set(self._in_flight_now)
 
-    def render(self, engine: Any | None, info: dict | None) -> str:
-        lines: list[str] = []
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)
 
-        def metric(name: str, kind: str, help_text: str, samples: list[tuple[str, float]]) -> None:
-            lines.append(f"# HELP {name} {help_text}")
-            lines.append(f"# TYPE {name} {kind}")
-            for suffix_labels, value in samples:
-                lines.append(f"{name}{suffix_labels} {_number(value)}")
 
-        with self._lock:
-            metric(
-                "clef_api_requests_total", "counter", "HTTP requests answered, by path and status.",
-                [(f'{{path="{p}",status="{s}"}}', n) for (p, s), n in sorted(self.requests.items())],
-            )
-            lines.append("# HELP clef_api_request_duration_seconds Time to answer POST /v1/systemone, any status.")
-            lines.append("# TYPE clef_api_request_duration_seconds histogram")
-            for bound, count in zip(LATENCY_BUCKETS, self.latency_buckets, strict=True):
-                lines.append(f'clef_api_request_duration_seconds_bucket{{le="{bound}"}} {count}')
-            lines.append(f'clef_api_request_duration_seconds_bucket{{le="+Inf"}} {self.latency_count}')
-            lines.append(f"clef_api_request_duration_seconds_sum {_number(self.latency_sum)}")
-            lines.append(f"clef_api_request_duration_seconds_count {self.latency_count}")
-            metric("clef_api_input_tokens_total", "counter", "Input tokens of answered requests.",
-                   [("", self.input_tokens)])
-            metric("clef_api_decisions_total", "counter", "Questions answered.", [("", self.decisions)])
-            metric("clef_api_truncated_state_tokens_total", "counter",
-                   "State tokens cut on requests that opted in to truncation.", [("", self.truncated_state_tokens)])
-            metric("clef_api_requests_in_flight", "gauge", "Requests waiting for the engine now.",
-                   [("", self.in_flight)])
-            metric("clef_api_requests_in_flight_max", "gauge", "Most requests waiting for the engine at once.",
-                   [("", self.max_in_flight)])
-        metric("clef_engine_ready", "gauge", "1 when a model is loaded and answering.", [("", 1 if engine else 0)])
+class _EngineCollector:
+    """The engine's state at scrape time: readiness, queue, the scheduler's counters and accelerator memory."""
+
+    def __init__(self, engine_or_none: Callable[[], Any | None]):
+        self._engine_or_none = engine_or_none
+
+    def collect(self) -> Iterator[Metric]:
+        engine = self._engine_or_none()
+        info = _safe_call(engine.info, default={}) if engine is not None else {}
+        yield GaugeMetricFamily("clef_engine_ready", "1 when a model is loaded and answering.",
+                                value=1 if engine is not None else 0)
         if engine is not None:
-            metric("clef_engine_queue_depth", "gauge", "Requests waiting for the GPU worker.",
-                   [("", _safe_call(engine.queue_depth, default=0))])
-        scheduler = (info or {}).get("scheduler") or {}
+            yield GaugeMetricFamily("clef_engine_queue_depth", "Requests waiting for the GPU worker.",
+                                    value=_safe_call(engine.queue_depth, default=0))
+        scheduler = info.get("scheduler") or {}
         for key, name, kind, help_text in SCHEDULER_METRICS:
-            if isinstance(scheduler.get(key), (int, float)):
-                metric(name, kind, help_text, [("", scheduler[key])])
+            value = scheduler.get(key)
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                family = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
+                yield family(name, help_text, value=value)
         memory = {"loaded": 0, "allocated": 0, "peak_allocated": 0, "peak_reserved": 0}
-        memory.update({k: v for k, v in ((info or {}).get("memory") or {}).items() if isinstance(v, (int, float))})
-        metric("clef_engine_memory_bytes", "gauge", "Accelerator memory: weights loaded, allocated now, peak "
-               "allocated, peak reserved (0 on CPU).", [(f'{{kind="{k}"}}', v) for k, v in sorted(memory.items())])
-        return "\n".join(lines) + "\n"
-
-
-def _number(value: float) -> str:
-    if isinstance(value, float) and not math.isfinite(value):
-        return "NaN"
-    return repr(float(value)) if isinstance(value, float) else str(int(value))
+        memory.update({k: v for k, v in (info.get("memory") or {}).items() if isinstance(v, (int, float))})
+        family = GaugeMetricFamily("clef_engine_memory_bytes", "Accelerator memory: weights loaded, allocated now, "
+                                   "peak allocated, peak reserved (0 on CPU).", labels=["kind"])
+        for kind, value in sorted(memory.items()):
+            family.add_metric([kind], value)
+        yield family
 
 
 def _safe_call(fn: Callable[[], Any], default: Any) -> Any:
@@ -209,6 +213,23 @@ def _safe_call(fn: Callable[[], Any], default: Any) -> Any:
     except Exception:  # a metrics scrape must not fail because the engine is busy or gone
         log.exception("metrics: %s failed", getattr(fn, "__name__", fn))
         return default
+
+
+# --- bodies --------------------------------------------------------------------------------------------------------
+
+
+def body_kind(content_type: str | None) -> str:
+    """"json" or "multipart" from the Content-Type header; 415 for anything else. Only JSON is read as JSON: a
+    browser sends text/plain or form bodies cross-origin without a preflight, JSON never."""
+    media_type = (content_type or "").split(";", 1)[0].strip().lower()
+    if media_type == JSON_MEDIA_TYPE:
+        return "json"
+    if media_type == MULTIPART_MEDIA_TYPE:
+        return "multipart"
+    sent = f"Content-Type {content_type!r}" if content_type else "no Content-Type"
+    raise _error(415, "unsupported_media_type",
+                 f"{sent} is not accepted: send {JSON_MEDIA_TYPE} (or {MULTIPART_MEDIA_TYPE} with a 'request' part, "
+                 "as the TypeSafe SDK does for file assets)", accepted=[JSON_MEDIA_TYPE, MULTIPART_MEDIA_TYPE])
 
 
 def _check_json_tree(value: Any) -> None:
@@ -283,23 +304,62 @@ def _json_type(value: Any) -> str:
     )
 
 
-def _replace_placeholders(value: Any, names: dict[str, str]) -> Any:
+# --- assets --------------------------------------------------------------------------------------------------------
+
+
+def _replace_in_strings(value: Any, replace: Callable[[str], str]) -> Any:
+    """`replace` applied to every string inside a JSON value; object keys are structure and stay as they are."""
     if isinstance(value, str):
-        for placeholder, label in names.items():
-            value = value.replace(placeholder, label)
-        return value
+        return replace(value)
     if isinstance(value, list):
-        return [_replace_placeholders(v, names) for v in value]
+        return [_replace_in_strings(v, replace) for v in value]
     if isinstance(value, dict):
-        return {k: _replace_placeholders(v, names) for k, v in value.items()}
+        return {k: _replace_in_strings(v, replace) for k, v in value.items()}
     return value
 
 
-def assets_to_images(body: dict, parts: dict[str, tuple[str | None, bytes]]) -> dict:
-    """TypeSafe `assets` → Clef `images`: each asset one image (data URL), placeholders become `[image N]`."""
+def replace_placeholders(body: dict, labels: dict[str, str]) -> dict:
+    """Asset placeholders → `[image N]` in the request's text: the state, each question's instructions and its
+    option or level descriptions. Question ids, types, option ids and every other key or structural value are left
+    alone (an asset named `noul` must not turn a question's type into `[image 1]`)."""
+    if not labels:
+        return body
+    # One pass with the longest names first, so that "P1" never eats the start of "P10".
+    pattern = re.compile("|".join(re.escape(name) for name in sorted(labels, key=len, reverse=True)))
+
+    def replace(text: str) -> str:
+        return pattern.sub(lambda match: labels[match.group(0)], text)
+
+    out = dict(body)
+    if "state" in out:
+        out["state"] = _replace_in_strings(out["state"], replace)
+    questions = out.get("questions")
+    if isinstance(questions, dict):
+        out["questions"] = {qid: _replace_in_question(question, replace) for qid, question in questions.items()}
+    return out
+
+
+def _replace_in_question(question: Any, replace: Callable[[str], str]) -> Any:
+    if not isinstance(question, dict):
+        return question
+    out = dict(question)
+    if "instructions" in out:
+        out["instructions"] = _replace_in_strings(out["instructions"], replace)
+    criteria = out.get("criteria")
+    if isinstance(criteria, dict):  # noul / choice: option id → description
+        out["criteria"] = {option: _replace_in_strings(text, replace) for option, text in criteria.items()}
+    elif isinstance(criteria, list):  # score: level descriptions
+        out["criteria"] = [_replace_in_strings(text, replace) for text in criteria]
+    return out
+
+
+def assets_to_images(body: dict, parts: dict[str, tuple[str | None, bytes]]) -> tuple[dict, dict[int, str]]:
+    """TypeSafe `assets` → Clef `images`, the same for JSON and multipart bodies: each asset one image (its bytes,
+    handed to the engine as they are), appended after the request's own images; placeholders become `[image N]`.
+    Also returns image index → asset name, so that the engine's complaint about an image names the asset."""
     assets = body.get("assets")
     if assets is None:
-        return body
+        return body, {}
     if not isinstance(assets, dict) or not assets:
         raise _invalid(["assets"], "assets must be a non-empty object of placeholder → asset", "dict_type")
     images = body.get("images") if body.get("images") is not None else []
@@ -307,49 +367,75 @@ def assets_to_images(body: dict, parts: dict[str, tuple[str | None, bytes]]) -> 
         raise _invalid(["images"], "images must be an array", "list_type")
     images = list(images)
     labels: dict[str, str] = {}
+    sources: dict[int, str] = {}
     for placeholder, asset in assets.items():
         loc: list[str | int] = ["assets", placeholder]
+        if not placeholder:
+            raise _invalid(loc, "an asset name must not be empty (it is the placeholder replaced in the text)",
+                           "string_too_short")
         if not isinstance(asset, dict):
             raise _invalid(loc, "an asset must be an object", "dict_type")
         if asset.get("type", "image") not in ("image", None):
             raise _invalid([*loc, "type"], "only image assets are supported", "literal_error")
-        part = asset.get("part")
-        if part is not None:
-            if not isinstance(part, str) or part not in parts:
-                raise _invalid([*loc, "part"], f"no multipart part named {part!r} in the request", "value_error")
-            data = parts[part][1]
-        else:
-            encoded = asset.get("data_base64")
-            if not isinstance(encoded, str):
-                raise _invalid([*loc, "data_base64"], "data_base64 (a string) or part is required", "missing")
-            try:
-                data = base64.b64decode(encoded, validate=True)
-            except (binascii.Error, ValueError):
-                raise _invalid([*loc, "data_base64"], "data_base64 is not valid base64", "value_error") from None
+        data = _asset_bytes(asset, loc, parts)
         # The bytes say what the image is (as the hosted API does); a declared format is not trusted.
         content_type = sniff_content_type(data)
         if content_type is None or not content_type.startswith("image/"):
-            raise _invalid(loc, "the asset is not a PNG, JPEG or WebP image", "value_error")
-        images.append(f"data:{content_type};base64,{base64.b64encode(data).decode('ascii')}")
+            raise _invalid(loc, f"asset {placeholder!r} is not a PNG, JPEG or WebP image", "value_error.image")
+        sources[len(images)] = placeholder
+        images.append(data)
         labels[placeholder] = f"[image {len(images)}]"
-    rest = {k: v for k, v in body.items() if k != "assets"}
-    for key in ("state", "questions"):
-        if key in rest:
-            rest[key] = _replace_placeholders(rest[key], labels)
+    rest = replace_placeholders({k: v for k, v in body.items() if k != "assets"}, labels)
     rest["images"] = images
-    return rest
+    return rest, sources
+
+
+def _asset_bytes(asset: dict, loc: list[str | int], parts: dict[str, tuple[str | None, bytes]]) -> bytes:
+    part = asset.get("part")
+    if part is not None:
+        if not isinstance(part, str) or part not in parts:
+            raise _invalid([*loc, "part"], f"no multipart part named {part!r} in the request", "value_error")
+        return parts[part][1]
+    encoded = asset.get("data_base64")
+    if not isinstance(encoded, str):
+        raise _invalid([*loc, "data_base64"], "data_base64 (a string) or part is required", "missing")
+    try:
+        return base64.b64decode(encoded, validate=True)
+    except (binascii.Error, ValueError):
+        raise _invalid([*loc, "data_base64"], f"asset {loc[-1]!r}: data_base64 is not valid base64",
+                       "value_error.base64") from None
+
+
+def _request_from_json(raw: bytes, parts: dict[str, tuple[str | None, bytes]]) -> tuple[dict, dict[int, str]]:
+    return assets_to_images(parse_json_body(raw), parts)
+
+
+def _name_assets(problems: list[dict], sources: dict[int, str]) -> list[dict]:
+    """The engine reports a bad image as ["images", i]; when image i came from an asset, say which asset."""
+    named = []
+    for problem in problems:
+        loc = list(problem["loc"])
+        if len(loc) >= 2 and loc[0] == "images" and loc[1] in sources:
+            name = sources[loc[1]]
+            problem = {**problem, "loc": ["assets", name, *loc[2:]], "msg": f"asset {name!r}: {problem['msg']}"}
+        named.append(problem)
+    return named
+
+
+# --- the API -------------------------------------------------------------------------------------------------------
 
 
 class SystemOneApi:
-    """The handlers, bound to an engine provider, an optional key and the metrics they keep."""
+    """The handlers, bound to an engine provider, an optional key, limits and the metrics they keep."""
 
     def __init__(self, engine_provider: EngineProvider | Any, *, api_key: str | None, max_body_bytes: int,
-                 metrics: Metrics | None = None):
+                 request_timeout: float = DEFAULT_REQUEST_TIMEOUT):
         self._provider = engine_provider if callable(engine_provider) and not _looks_like_engine(engine_provider) \
             else (lambda: engine_provider)
         self._key = api_key.encode("utf-8") if api_key else None
         self.max_body_bytes = max_body_bytes
-        self.metrics = metrics or Metrics()
+        self.request_timeout = request_timeout
+        self.metrics = Metrics(self.engine_or_none)
 
     # --- engine access -------------------------------------------------------------------------------------
     def engine_or_none(self) -> Any | None:
@@ -369,17 +455,20 @@ class SystemOneApi:
 
     # --- auth and body ---------------------------------------------------------------------------------------
     def _authenticate(self, request: Request) -> None:
+        """RFC 9110 §11.6.1 / RFC 6750 §3: every refusal for want of valid credentials is a 401 carrying a
+        `WWW-Authenticate` challenge; a wrong key adds `error="invalid_token"`."""
         if self._key is None:
             return
         header = request.headers.get("authorization")
         if not header:
-            raise _error(401, "authentication_error", "missing API key: send 'Authorization: Bearer <key>'")
+            raise _unauthorized("missing API key: send 'Authorization: Bearer <key>'", 'Bearer realm="clef"')
         scheme, _, token = header.partition(" ")
         if scheme.lower() != "bearer" or not token.strip():
-            raise _error(401, "authentication_error", "the Authorization header must be 'Bearer <key>'")
+            raise _unauthorized("the Authorization header must be 'Bearer <key>'",
+                                'Bearer realm="clef", error="invalid_request"')
         # Starlette decodes header bytes as latin-1; encoding back gives the bytes sent (a UTF-8 key compares right).
         if not hmac.compare_digest(token.strip().encode("latin-1"), self._key):
-            raise _error(403, "authentication_error", "invalid API key")
+            raise _unauthorized("invalid API key", 'Bearer realm="clef", error="invalid_token"')
 
     async def _read_body(self, request: Request) -> bytes:
         limit = self.max_body_bytes
@@ -397,7 +486,16 @@ class SystemOneApi:
         encoding = request.headers.get("content-encoding", "identity").strip().lower()
         if encoding in ("", "identity"):
             return raw
-        return self._decompress(raw, encoding, too_large)
+        # Inflating up to max_body_bytes takes a while; off the event loop, so that other requests go on meanwhile.
+        return await run_in_threadpool(self._decompress, raw, encoding, too_large)
+
+    async def _read_body_in_time(self, request: Request) -> bytes:
+        # A client trickling its body would otherwise hold a connection and a handler as long as it likes.
+        try:
+            return await asyncio.wait_for(self._read_body(request), self.request_timeout)
+        except TimeoutError:
+            raise _error(408, "request_timeout", f"the request body did not arrive within {self.request_timeout:g} "
+                                                 "seconds", ) from None
 
     def _decompress(self, raw: bytes, encoding: str, too_large: ApiError) -> bytes:
         limit = self.max_body_bytes
@@ -418,16 +516,18 @@ class SystemOneApi:
             raise too_large
         return out
 
-    async def _parse_request(self, request: Request, raw: bytes) -> dict:
-        content_type = request.headers.get("content-type", "")
-        if not content_type.lower().startswith("multipart/form-data"):
-            return parse_json_body(raw)
+    async def _parse_request(self, kind: str, content_type: str, raw: bytes) -> tuple[dict, dict[int, str]]:
+        """The request object and, when assets became images, image index → asset name."""
+        # Parsing a body of many megabytes (and decoding its base64 assets) runs in the thread pool: on the event loop
+        # it would hold up every other request meanwhile.
+        if kind == "json":
+            return await run_in_threadpool(_request_from_json, raw, {})
         parts = await self._parse_multipart(content_type, raw)
         request_part = parts.pop("request", None)
         if request_part is None:
             raise _invalid(["request"], "a multipart request needs a part named 'request' holding the JSON body",
                            "missing")
-        return assets_to_images(parse_json_body(request_part[1]), parts)
+        return await run_in_threadpool(_request_from_json, request_part[1], parts)
 
     async def _parse_multipart(self, content_type: str, raw: bytes) -> dict[str, tuple[str | None, bytes]]:
         async def stream():
@@ -455,10 +555,12 @@ class SystemOneApi:
         status = 500
         try:
             self._authenticate(request)
-            raw = await self._read_body(request)
-            body = await self._parse_request(request, raw)
+            content_type = request.headers.get("content-type", "")
+            kind = body_kind(content_type)
+            raw = await self._read_body_in_time(request)
+            body, asset_images = await self._parse_request(kind, content_type, raw)
             engine = await self._engine()
-            answer = await self._decide(engine, body)
+            answer = await self._decide(engine, body, asset_images)
             status = 200
             return SafeJSONResponse(answer, headers={"x-typesafe-request-id": request_id})
         except ApiError as exc:
@@ -474,34 +576,25 @@ class SystemOneApi:
                                    request_id)
         finally:
             self.metrics.count_request("/v1/systemone", status)
-            self.metrics.observe_latency(time.perf_counter() - started)
+            self.metrics.latency.observe(time.perf_counter() - started)
 
-    async def _decide(self, engine: Any, body: dict) -> dict:
-        model = body.get("model")
-        if model is not None and not isinstance(model, str):
-            raise _invalid(["model"], "model must be a string", "string_type")
-        overflow = body.get("x_overflow", "refuse")
-        if overflow not in OVERFLOW_POLICIES:
-            raise _invalid(["x_overflow"], f"x_overflow must be one of {list(OVERFLOW_POLICIES)}", "literal_error")
-        max_length = body.get("x_max_length")
-        if max_length is not None and (
-            not isinstance(max_length, int) or isinstance(max_length, bool) or not 1 <= max_length <= MAX_LENGTH_CEILING
-        ):
-            raise _invalid(["x_max_length"], f"x_max_length must be an integer from 1 to {MAX_LENGTH_CEILING}",
-                           "int_type")
+    async def _decide(self, engine: Any, body: dict, asset_images: dict[int, str]) -> dict:
         record = {k: body[k] for k in ENGINE_FIELDS if k in body}
-        _check_media(record)
+        _check_media(record, skip_images=set(asset_images))
+        # The contract's models say what a valid request is (the 422 body lists every problem); in the thread pool
+        # because a large state takes a while to walk.
+        try:
+            request = await run_in_threadpool(validate_request, body)
+        except RequestError as exc:
+            raise _invalid_request(exc, asset_images) from None
+        if request.x_max_length is not None and request.x_max_length > MAX_LENGTH_CEILING:
+            raise _invalid(["x_max_length"], f"x_max_length must be at most {MAX_LENGTH_CEILING}", "less_than_equal")
+        model, max_length, overflow = request.model, request.x_max_length, request.x_overflow
         self.metrics.enter()
         try:
-            # submit validates and encodes (tokenizer, image and video decoding) in the calling thread, so it runs in
-            # the thread pool; the batch itself runs on the engine's GPU worker, where concurrent requests share one.
-            future: concurrent.futures.Future = await run_in_threadpool(
-                engine.submit, [record], priority="interactive", max_length=max_length, overflow=overflow
-            )
-            results = await asyncio.wrap_future(future)
-        except RequestError as exc:
-            raise ApiError(422, [{**p.as_dict(), "loc": ["body", *p.as_dict()["loc"]]} for p in exc.problems]) \
-                from None
+            results = await self._run_in_time(engine, record, max_length=max_length, overflow=overflow)
+        except RequestError as exc:  # what only encoding finds: media that cannot be decoded
+            raise _invalid_request(exc, asset_images) from None
         except TokenBudgetError as exc:
             raise _error(413, "token_budget_exceeded",
                          f"{exc} (send \"x_overflow\": \"truncate_state\" to cut the state instead, or a larger "
@@ -518,6 +611,32 @@ class SystemOneApi:
         _check_finite(response)
         self.metrics.count_answer(response)
         return response
+
+    async def _run_in_time(self, engine: Any, record: dict, **options: Any) -> list:
+        """Encode (in the thread pool: tokenizer, media decoding) and wait for the GPU worker, all within
+        `request_timeout`. Past it the request is answered at once and its queued work cancelled; encoding already
+        running in a thread cannot be interrupted, so its future is cancelled as soon as it is queued."""
+        deadline = time.monotonic() + self.request_timeout
+        submitting = asyncio.ensure_future(
+            run_in_threadpool(engine.submit, [record], priority="interactive", **options))
+        try:
+            future: concurrent.futures.Future = await asyncio.wait_for(asyncio.shield(submitting),
+                                                                       self.request_timeout)
+        except TimeoutError:
+            submitting.add_done_callback(_cancel_submitted)
+            raise self._deadline_error() from None
+        waiting = asyncio.wrap_future(future)
+        try:
+            return await asyncio.wait_for(waiting, max(0.0, deadline - time.monotonic()))
+        except TimeoutError:
+            future.cancel()  # the scheduler skips a job cancelled before it runs
+            raise self._deadline_error() from None
+
+    def _deadline_error(self) -> ApiError:
+        return ApiError(503, {"error_type": "deadline_exceeded",
+                              "message": f"the model did not answer within {self.request_timeout:g} seconds "
+                                         "(the server is busy or the request is very large); try again later"},
+                        headers={"retry-after": "1"})
 
     def _model_name(self, engine: Any) -> str:
         return _public_model_name(_safe_call(engine.info, default={}))
@@ -548,7 +667,7 @@ class SystemOneApi:
         info = await run_in_threadpool(_safe_call, engine.info, {}) if engine is not None else {}
         body = {
             "ready": engine is not None,
-            "model": info.get("model"),
+            "model": _public_model_name(info) if engine is not None else None,
             "revision": info.get("revision"),
             "device": info.get("device"),
         }
@@ -563,10 +682,29 @@ class SystemOneApi:
             self.metrics.count_request("/metrics", exc.status)
             return _error_response(exc)
         self.metrics.count_request("/metrics", 200)
-        engine = await run_in_threadpool(self.engine_or_none)
-        info = await run_in_threadpool(_safe_call, engine.info, {}) if engine is not None else {}
-        text = await run_in_threadpool(self.metrics.render, engine, info)
-        return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
+        text = await run_in_threadpool(self.metrics.exposition)
+        return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    async def openapi_json(self, request: Request) -> Response:
+        return JSONResponse(openapi.document())
+
+    async def docs(self, request: Request) -> Response:
+        return HTMLResponse(openapi.docs_page(openapi.document()))
+
+
+def _invalid_request(exc: RequestError, asset_images: dict[int, str]) -> ApiError:
+    problems = _name_assets([p.as_dict() for p in exc.problems], asset_images)
+    return ApiError(422, [{**p, "loc": ["body", *p["loc"]]} for p in problems])
+
+
+def _unauthorized(message: str, challenge: str) -> ApiError:
+    return ApiError(401, {"error_type": "authentication_error", "message": message},
+                    headers={"www-authenticate": challenge})
+
+
+def _cancel_submitted(task: asyncio.Future) -> None:
+    if not task.cancelled() and task.exception() is None:
+        task.result().cancel()
 
 
 def _public_model_name(info: dict) -> str:
@@ -579,15 +717,18 @@ def _looks_like_engine(obj: Any) -> bool:
     return hasattr(obj, "submit") and hasattr(obj, "info")
 
 
-def _check_media(record: dict) -> None:
+def _check_media(record: dict, skip_images: set[int] = frozenset()) -> None:  # type: ignore[assignment]
     """Over HTTP, media must travel in the request: a data URL or {content_type, base64}. (The engine also takes
-    file paths and frame arrays from Python callers; over the network a path would read the server's files.)"""
+    file paths and frame arrays from Python callers; over the network a path would read the server's files.)
+    `skip_images`: indices holding asset bytes the server decoded itself."""
     problems = []
     for key in ("images", "videos"):
         items = record.get(key)
         if not isinstance(items, list):
             continue  # None is fine; other types get the engine's own message
         for index, item in enumerate(items):
+            if key == "images" and index in skip_images:
+                continue
             ok = (isinstance(item, str) and item.startswith("data:")) or (
                 isinstance(item, dict) and "base64" in item and set(item) <= {"base64", "content_type"})
             if not ok:
@@ -644,25 +785,38 @@ async def _http_exception(request: Request, exc: Exception) -> Response:
 
 
 def routes(engine_provider: EngineProvider | Any, *, api_key: str | None = None,
-           max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, metrics: Metrics | None = None) -> list[Route]:
+           max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+           request_timeout: float = DEFAULT_REQUEST_TIMEOUT) -> list[Route]:
     """The API's routes, to mount in another Starlette app (e.g. `st.App(..., routes=routes(get_engine))`).
 
     `engine_provider` is the engine or a callable returning it (called per request; it may load on first call,
     e.g. a `st.cache_resource` function, and may raise while no model is loaded).
     """
-    api = SystemOneApi(engine_provider, api_key=api_key, max_body_bytes=max_body_bytes, metrics=metrics)
+    api = SystemOneApi(engine_provider, api_key=api_key, max_body_bytes=max_body_bytes,
+                       request_timeout=request_timeout)
     return [
         Route("/v1/systemone", api.system_one, methods=["POST"]),
         Route("/v1/models", api.models, methods=["GET"]),
         Route("/health", api.health, methods=["GET"]),
         Route("/metrics", api.metrics_text, methods=["GET"]),
+        Route("/openapi.json", api.openapi_json, methods=["GET"]),
+        Route("/docs", api.docs, methods=["GET"]),
     ]
 
 
 def create_app(engine_provider: EngineProvider | Any, *, api_key: str | None = None,
-               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> Starlette:
-    """A standalone Starlette app serving the System One API from `engine_provider`."""
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, request_timeout: float = DEFAULT_REQUEST_TIMEOUT,
+               cors_origins: list[str] | None = None) -> Starlette:
+    """A standalone Starlette app serving the System One API from `engine_provider`. CORS headers only for the
+    origins named in `cors_origins` (none by default: a web page elsewhere gets no readable answer)."""
+    middleware = []
+    if cors_origins:
+        middleware.append(Middleware(CORSMiddleware, allow_origins=list(cors_origins), allow_methods=["GET", "POST"],
+                                     allow_headers=["authorization", "content-type", "content-encoding"],
+                                     expose_headers=["x-typesafe-request-id", "retry-after"]))
     return Starlette(
-        routes=routes(engine_provider, api_key=api_key, max_body_bytes=max_body_bytes),
+        routes=routes(engine_provider, api_key=api_key, max_body_bytes=max_body_bytes,
+                      request_timeout=request_timeout),
         exception_handlers={HTTPException: _http_exception},
+        middleware=middleware,
     )

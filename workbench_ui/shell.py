@@ -1,5 +1,6 @@
-"""Shared Streamlit pieces: the process-wide engine and store, the sidebar (model choice and status), the demo
-banner, and running requests through the one GPU queue with "queued, n ahead" feedback.
+"""The Streamlit shell: the process-wide engine and store as the pages see them, the sidebar (model choice and
+status), the demo banner, kept widgets, and running requests through the one GPU queue with "queued, n ahead"
+feedback.
 
 Pages import from here and from clef_workbench; nothing here knows SQL or tensors.
 """
@@ -22,9 +23,9 @@ from clef_workbench.model_loader import (
     DEMO_SOURCE,
     LoadState,
     ModelManager,
-    default_source,
     kernel_summary,
     label_of,
+    shared_manager,
 )
 from clef_workbench.schemas import SchemaLibrary
 
@@ -64,12 +65,9 @@ def use_app_navigation() -> None:
         st.rerun()
 
 
-@st.cache_resource(show_spinner=False)
 def model_manager() -> ModelManager:
-    """One per process, shared by all sessions: one resident model, one GPU queue."""
-    manager = ModelManager()
-    manager.request(default_source())
-    return manager
+    """One per process, shared by all sessions and the HTTP API: one resident model, one GPU queue."""
+    return shared_manager()
 
 
 @st.cache_resource(show_spinner=False)
@@ -126,6 +124,22 @@ def show_load_messages(state: LoadState) -> None:
     if state.notice:
         st.info(state.notice)
     if state.engine is not None and state.is_demo:
+        st.warning(DEMO_BANNER, icon=":material/casino:")
+
+
+DEMO_RUN_BANNER = ("**Demo model.** This run's answers come from random weights: its accuracy, calibration and "
+                   "confidences mean nothing. Run the case set on Clef or Clef-Flash for numbers to act on.")
+
+
+def demo_output_banner(model_id: str | None = None) -> None:
+    """On pages that show model output (Runs, Review): say so when the output came from the demo model, or when
+    the demo model is the one loaded."""
+    from clef_workbench.model_loader import request_model_name
+
+    demo_name = request_model_name(DEMO_SOURCE)
+    if (model_id or "").split("@")[0] == demo_name:
+        st.warning(DEMO_RUN_BANNER, icon=":material/casino:")
+    elif model_manager().state().is_demo:
         st.warning(DEMO_BANNER, icon=":material/casino:")
 
 
@@ -186,8 +200,17 @@ def render_status(state: LoadState) -> None:
         "peak reserved": _gib(memory.get("peak_reserved")),
         "fast kernels": f"{'on' if fast else 'off'} ({kernel_detail})",
         "queue depth": str(engine.queue_depth()),
+        "batch runs": _running_runs_text(),
     }
     st.markdown("\n".join(f"- **{k}:** {v}" for k, v in rows.items()))
+
+
+def _running_runs_text() -> str:
+    """Runs some workbench process is working on now (their lease is live), from the database: a run's batches
+    wait in the engine's queue only one at a time, so the queue depth alone hides them."""
+    store = get_store()
+    running = [r["id"] for r in store.list_runs() if r["status"] == "running" and store.run_lease_holder(r["id"])]
+    return ", ".join(f"#{run_id}" for run_id in running) + " running" if running else "none running"
 
 
 def run_queued(engine, requests: list[dict], *, max_length: int | None = None, overflow: str = "refuse",

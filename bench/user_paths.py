@@ -1,0 +1,459 @@
+# ruff: noqa: B023 — the timed closures run at once, inside the loop iteration that defines them
+"""The paths users take, on the Clef-27B architecture on one H200, next to the release code's path, in one run
+(issue 12).
+
+    python bench/user_paths.py OUT.json                 (CUDA; flash-linear-attention installed)
+    BENCH_CPU_SMOKE=1 python bench/user_paths.py OUT.json   (a scaled-down model on the CPU: checks the script only)
+
+One engine with random bf16 weights of the Clef-27B shape (bench/build.py), built with the default configuration and
+warmed up as `clef_engine.load` does. Baseline = the release code's path re-implemented in
+`clef_engine.model.reference.reference_decide` (padded transformers text model with use_cache=False, then the
+per-option Python-loop head): the release's own `joint_schema_model.py` is not in this repository. Sections:
+
+- user_path: `Engine.decide` with the defaults (state cache on), a fresh state every call, lengths drawn uniformly
+  from 450-600, 900-1,150, 3,500-4,500 and 15,000-17,000 tokens; the baseline on the same requests, alternating.
+- head_64x10_ms: the head alone, 64 questions x 10 options, as `decide` runs it.
+- cached_16k_new_schema_ms: new schemas on a state of ~16k tokens decided once before (p50 of the hits).
+- batch_run: 256 cases of 700-1,300 tokens through `decide_many` and through the workbench's JobRunner + SQLite.
+- interactive_during_batch: p95 of a ~1k-token `decide` alone, and while a JobRunner run is going.
+- concurrent_8: 8 closed-loop clients of ~1k-token requests: aggregate tokens/s, p50 and p95.
+- fidelity: bench/fidelity.py's distances from the float32 truth (Clef-Flash shape), after the 27B engine is freed.
+
+Writes OUT.json after every section: the keys issue 12 names at the top level, everything else under "detail".
+"""
+
+from __future__ import annotations
+
+import functools
+import gc
+import json
+import os
+import random
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench import build  # noqa: E402
+
+SMOKE = os.environ.get("BENCH_CPU_SMOKE") == "1"
+DEVICE = torch.device("cpu" if SMOKE else "cuda")
+DEADLINE = time.perf_counter() + float(os.environ.get("BENCH_DEADLINE_S", "560"))
+SCALE = 16 if SMOKE else 1  # lengths divided by this on the CPU
+BUCKETS = {"512": (450, 600, 16), "1024": (900, 1150, 16), "4096": (3500, 4500, 10), "16384": (15000, 17000, 5)}
+WORDS = ("the invoice ticket customer payment refund amount total due date vendor alert security login password "
+         "damage claim photo car vehicle image video order status approved rejected billing shipping delivery").split()
+
+results: dict = {"user_path": {}, "batch_run": {}, "interactive_during_batch": {}, "head_64x10_ms": None,
+                 "cached_16k_new_schema_ms": None, "fidelity": {}, "concurrent_8": {}, "detail": {"errors": {}}}
+OUT: Path
+
+
+def save() -> None:
+    OUT.write_text(json.dumps(results, indent=1, default=str))
+
+
+def left() -> float:
+    return DEADLINE - time.perf_counter()
+
+
+def sync() -> None:
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def ms(t0: float) -> float:
+    return (time.perf_counter() - t0) * 1000
+
+
+def p(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return round(ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))], 1)
+
+
+def section(name: str, needs_s: float):
+    def wrap(fn):
+        def run(*args):
+            if left() < needs_s:
+                results["detail"]["errors"][name] = f"skipped: {left():.0f} s left, needs ~{needs_s:.0f} s"
+                save()
+                return None
+            started = time.perf_counter()
+            try:
+                value = fn(*args)
+            except Exception as error:  # noqa: BLE001 — record and carry on
+                results["detail"]["errors"][name] = f"{type(error).__name__}: {error}\n{traceback.format_exc()[-3000:]}"
+                print(f"[{name}] ERROR {type(error).__name__}: {error}", flush=True)
+                value = None
+            print(f"[{name}] {time.perf_counter() - started:.1f} s", flush=True)
+            save()
+            return value
+        return run
+    return wrap
+
+
+# ---- requests -----------------------------------------------------------------------------------------------------
+
+def questions(count: int, options: int, seed: int) -> dict:
+    rng = random.Random(seed)
+    out = {}
+    for q in range(count):
+        if q % 4 == 0:
+            out[f"q{q}"] = {"type": "noul", "instructions": f"Is the {rng.choice(WORDS)} {rng.choice(WORDS)} due?"}
+        else:
+            out[f"q{q}"] = {"type": "choice", "instructions": f"Which {rng.choice(WORDS)} applies to the "
+                                                                f"{rng.choice(WORDS)}?",
+                            "criteria": {f"{rng.choice(WORDS)}_{k}": f"the {rng.choice(WORDS)} {rng.choice(WORDS)}"
+                                         for k in range(options)}}
+    return out
+
+
+def sized_state(engine, tokens: int, schema: dict, seed: int) -> str:
+    """A state of ordinary words (a fresh one per seed) such that the request is about `tokens` tokens."""
+    rng = random.Random(seed)
+    words = [rng.choice(WORDS) for _ in range(tokens + 16)]
+    fixed = engine.count_tokens({"state": "", "questions": schema}, max_length=2**31 - 1)["total"]
+    budget = max(1, tokens - fixed)
+    low, high = 1, len(words)
+    while low < high:  # the most words whose state encodes within the budget
+        mid = (low + high + 1) // 2
+        if len(engine.encoder.tokenize(" ".join(words[:mid]))) <= budget:
+            low = mid
+        else:
+            high = mid - 1
+    return " ".join(words[:low])
+
+
+def request(engine, tokens: int, seed: int, schema: dict | None = None) -> dict:
+    schema = schema or questions(4, 3, seed)
+    return {"model": "clef", "state": sized_state(engine, tokens, schema, seed), "questions": schema}
+
+
+def distance(response: dict, reference: list[list[float]], record) -> tuple[float, int]:
+    """(max |Δp|, argmax flips) of a System One response against the baseline's probabilities of the same record
+    (model option order: noul true, false; choice sorted by id; score levels in order)."""
+    worst, flips = 0.0, 0
+    for question, want in zip(record.questions, reference):
+        answer = response["answers"][question.id]
+        if answer["type"] == "noul":
+            got = [answer["noul"], 1 - answer["noul"]]
+        else:
+            probabilities = answer["probabilities"]
+            keys = sorted(probabilities) if answer["type"] == "choice" else list(probabilities)
+            got = [probabilities[k] for k in keys]
+        worst = max(worst, max(abs(a - b) for a, b in zip(got, want)))
+        flips += int(max(range(len(got)), key=got.__getitem__) != max(range(len(want)), key=want.__getitem__))
+    return round(worst, 4), flips
+
+
+from clef_engine.model.reference import reference_decide  # noqa: E402
+
+# ---- sections -----------------------------------------------------------------------------------------------------
+
+@section("user_path", needs_s=120)
+def user_path(engine, ref) -> None:
+    rng = random.Random(12)
+    for name, (low, high, count) in BUCKETS.items():
+        if left() < 60:
+            results["detail"]["errors"][f"user_path_{name}"] = "skipped (time)"
+            continue
+        count = 3 if SMOKE else count
+        requests = [request(engine, rng.randint(low, high) // SCALE, seed=100_000 * (i + 1) + int(name))
+                    for i in range(count + 1)]
+        ref([engine.encode(requests[0])])  # the baseline's first call at this length compiles; not timed
+        ours, base, tokens, parity = [], [], [], []
+        for r in requests[1:]:
+            record = engine.encode(r)
+            tokens.append(len(record))
+            sync()
+            t0 = time.perf_counter()
+            reference = ref([record])[0]
+            sync()
+            base.append(ms(t0))
+            t0 = time.perf_counter()
+            response = engine.decide(r)
+            ours.append(ms(t0))
+            parity.append(distance(response, reference, record))
+        row = {"baseline_p50_ms": p(base, 0.5), "ours_p50_ms": p(ours, 0.5), "ours_p95_ms": p(ours, 0.95)}
+        detail = {"tokens": tokens, "baseline_ms": [round(t, 1) for t in base], "ours_ms": [round(t, 1) for t in ours],
+                  "ratio_p50": round(row["baseline_p50_ms"] / row["ours_p50_ms"], 2),
+                  "ours_p95_over_p50": round(row["ours_p95_ms"] / row["ours_p50_ms"], 2),
+                  "max_dp_vs_baseline": max(d for d, _ in parity), "argmax_flips": sum(f for _, f in parity),
+                  "questions": sum(len(r["questions"]) for r in requests[1:])}
+        if int(name) >= 4096 and engine.state_cache is not None:  # the same cold records with the cache off
+            engine.state_cache.enabled = False
+            off = []
+            for r in requests[1:]:
+                t0 = time.perf_counter()
+                engine.decide(r)
+                off.append(ms(t0))
+            engine.state_cache.enabled = True
+            detail["ours_cache_off_ms"] = [round(t, 1) for t in off]
+            detail["ours_cache_off_p50_ms"] = p(off, 0.5)
+            detail["cache_on_over_off_p50"] = round(row["ours_p50_ms"] / detail["ours_cache_off_p50_ms"], 3)
+        results["user_path"][name] = row
+        results["detail"][f"user_path_{name}"] = detail
+        print(f"  {name}: baseline {row['baseline_p50_ms']} ms, ours p50 {row['ours_p50_ms']} p95 "
+              f"{row['ours_p95_ms']} ms, x{detail['ratio_p50']}", flush=True)
+        save()
+    if engine.state_cache is not None:
+        results["detail"]["state_cache_after_user_path"] = engine.state_cache.stats()
+
+
+@section("head_64x10", needs_s=20)
+def head_64x10(engine) -> None:
+    schema = questions(64, 10, 64)
+    record = engine.encode({"state": " ".join(WORDS * 8), "questions": schema}, max_length=2**31 - 1)
+    hidden = torch.randn(len(record), engine.model.config.text_config.hidden_size, device=DEVICE, dtype=engine.dtype)
+    with torch.inference_mode():
+        for _ in range(3):
+            engine.head_probabilities(hidden, [record], [0], [len(record)])
+        times = []
+        for _ in range(20):
+            sync()
+            t0 = time.perf_counter()
+            engine.head_probabilities(hidden, [record], [0], [len(record)])
+            times.append(ms(t0))
+    results["head_64x10_ms"] = p(times, 0.5)
+    results["detail"]["head_64x10"] = {"tokens": len(record), "ms": sorted(round(t, 2) for t in times)}
+    with torch.inference_mode():
+        graphed = engine.head_probabilities(hidden, [record], [0], [len(record)])
+        graphs, engine.head_graphs = engine.head_graphs, None  # the eager head on the same input, for parity
+        eager = engine.head_probabilities(hidden, [record], [0], [len(record)])
+        engine.head_graphs = graphs
+    results["detail"]["head_64x10"]["graph_vs_eager_max_dp"] = round(max(
+        abs(a - b) for qa, qb in zip(graphed[0], eager[0]) for a, b in zip(qa, qb)), 5)
+    if DEVICE.type == "cuda":
+        from bench.profile_h200 import kernel_table
+
+        with torch.inference_mode():
+            results["detail"]["head_64x10"]["profile"] = kernel_table(
+                lambda: engine.head_probabilities(hidden, [record], [0], [len(record)]), 3)
+
+
+@section("cached_16k_new_schema", needs_s=30)
+def cached_state(engine) -> None:
+    engine.state_cache.clear()
+    state = sized_state(engine, 16_384 // SCALE - 400 // SCALE, questions(4, 3, 77), 77)
+    variants = [{"model": "clef", "state": state, "questions": questions(4, 3, 900 + v)} for v in range(7)]
+    t0 = time.perf_counter()
+    engine.decide(variants[0])  # cold: answers and stores the state in one forward
+    first = ms(t0)
+    hits = []
+    for r in variants[1:]:
+        t0 = time.perf_counter()
+        engine.decide(r)
+        hits.append(ms(t0))
+    results["cached_16k_new_schema_ms"] = p(hits, 0.5)
+    last = engine.encode(variants[-1])
+    hit_parity = distance(engine.decide(variants[-1]), reference_decide(engine, [last])[0], last)
+    results["detail"]["cached_16k_new_schema"] = {
+        "tokens": len(engine.encode(variants[1])), "state_end": engine.encode(variants[1]).state_end,
+        "cold_ms": round(first, 1), "hits_ms": [round(t, 1) for t in hits],
+        "first_hit_captures_its_graph_ms": round(hits[0], 1), "cache": engine.state_cache.stats(),
+        "hit_vs_baseline_max_dp_flips": hit_parity}
+
+
+def store_run(engine, requests: list[dict], schema: dict, db: Path) -> tuple[float, int, dict]:
+    """A case set of these requests' states and one run of `schema` through the JobRunner: (seconds, tokens,
+    final progress)."""
+    from clef_workbench.jobs import JobRunner
+    from clef_workbench.store import Store
+
+    store = Store(db)
+    set_id = store.create_case_set(f"bench {time.time()}")
+    store.add_cases(set_id, [{"state": r["state"]} for r in requests])
+    run_id = store.create_run(set_id, schema={"name": "bench", "version": "1", "questions": schema},
+                              model_id="clef", settings={})
+    runner = JobRunner(store)
+    t0 = time.perf_counter()
+    runner.start(run_id, engine)
+    runner.wait(run_id)
+    seconds = time.perf_counter() - t0
+    tokens = sum(r["input_tokens"] or 0 for r in store.list_results(run_id))
+    return seconds, tokens, runner.progress(run_id)
+
+
+@section("batch_run", needs_s=90)
+def batch_run(engine) -> None:
+    rng = random.Random(7)
+    schema = questions(4, 3, 4)
+    count = 24 if SMOKE else 256
+    requests = [request(engine, rng.randint(700, 1300) // SCALE, seed=7000 + i, schema=schema) for i in range(count)]
+    engine.decide_many(requests[:8])  # warm: pack shapes of this size
+    sync()
+    t0 = time.perf_counter()
+    responses = engine.decide_many(requests)
+    engine_s = time.perf_counter() - t0
+    tokens = sum(r["usage"]["input_tokens"] for r in responses)
+    with tempfile.TemporaryDirectory() as folder:
+        workbench_s, workbench_tokens, progress = store_run(engine, requests, schema, Path(folder) / "w.sqlite3")
+    results["batch_run"] = {"workbench_tokens_per_s": round(workbench_tokens / workbench_s),
+                            "engine_tokens_per_s": round(tokens / engine_s)}
+    results["detail"]["batch_run"] = {
+        "cases": count, "tokens": tokens, "engine_decide_many_s": round(engine_s, 2),
+        "workbench_s": round(workbench_s, 2), "workbench_tokens": workbench_tokens, "run": progress,
+        "workbench_over_engine": round((tokens / engine_s) / (workbench_tokens / workbench_s), 3),
+        "scheduler": vars(engine.scheduler.stats).copy()}
+
+
+@section("interactive_during_batch", needs_s=60)
+def interactive(engine) -> None:
+    count = 4 if SMOKE else 12
+    fresh = [request(engine, 1024 // SCALE, seed=30_000 + i) for i in range(2 * count)]
+    idle = []
+    for r in fresh[:count]:
+        t0 = time.perf_counter()
+        engine.decide(r)
+        idle.append(ms(t0))
+    rng = random.Random(8)
+    schema = questions(4, 3, 5)
+    bulk = [request(engine, rng.randint(700, 1300) // SCALE, seed=40_000 + i, schema=schema)
+            for i in range(24 if SMOKE else 200)]
+    loaded: list[float] = []
+    done = threading.Event()
+
+    def interactive_client():
+        time.sleep(1.0 if not SMOKE else 0.2)  # the run is going by then
+        for r in fresh[count:]:
+            if done.is_set():
+                break
+            t0 = time.perf_counter()
+            engine.decide(r)
+            loaded.append(ms(t0))
+            time.sleep(0.25)
+
+    client = threading.Thread(target=interactive_client)
+    client.start()
+    with tempfile.TemporaryDirectory() as folder:
+        seconds, tokens, progress = store_run(engine, bulk, schema, Path(folder) / "w.sqlite3")
+    done.set()
+    client.join()
+    results["interactive_during_batch"] = {"idle_p95_ms": p(idle, 0.95),
+                                           "loaded_p95_ms": p(loaded, 0.95) if loaded else None}
+    results["detail"]["interactive_during_batch"] = {
+        "idle_ms": [round(t, 1) for t in idle], "loaded_ms": [round(t, 1) for t in loaded],
+        "batch_run_tokens_per_s": round(tokens / seconds), "bulk_batch_tokens": engine.config.bulk_batch_tokens}
+
+
+@section("concurrent_8", needs_s=40)
+def concurrent(engine, clients: int = 8, each: int = 6) -> None:
+    each = 2 if SMOKE else each
+    rng = random.Random(9)
+    requests = [[request(engine, rng.randint(900, 1150) // SCALE, seed=50_000 + c * 100 + i) for i in range(each)]
+                for c in range(clients)]
+    latencies: list[float] = []
+    tokens = [0]
+    lock = threading.Lock()
+
+    def client(mine):
+        for r in mine:
+            t0 = time.perf_counter()
+            response = engine.decide(r)
+            with lock:
+                latencies.append(ms(t0))
+                tokens[0] += response["usage"]["input_tokens"]
+
+    threads = [threading.Thread(target=client, args=(requests[c],)) for c in range(clients)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    results["concurrent_8"] = {"tokens_per_s": round(tokens[0] / wall), "p50_ms": p(latencies, 0.5),
+                               "p95_ms": p(latencies, 0.95),
+                               "p95_over_p50": round(p(latencies, 0.95) / p(latencies, 0.5), 2)}
+
+
+@section("profile", needs_s=40)
+def profile(engine) -> None:
+    """Where a cold 16k record's GPU time goes (eager, as decide runs it), and a 1k decide's wall time vs its GPU
+    time (graph replay)."""
+    if DEVICE.type != "cuda":
+        return
+    from bench.profile_h200 import kernel_table
+
+    engine.state_cache.enabled = False
+    out = {}
+    for tokens in (1024, 16_384):
+        record = engine.encode(request(engine, tokens, seed=60_000 + tokens))
+        engine.forward_batch([record])
+        out[str(tokens)] = {"tokens": len(record),
+                            "forward_batch": kernel_table(lambda: engine.forward_batch([record]), 2)}
+    engine.state_cache.enabled = True
+    results["detail"]["profile"] = out
+
+
+@section("fidelity", needs_s=100)
+def fidelity() -> None:
+    from bench.fidelity import fidelity as measure
+
+    out = measure("cpu" if SMOKE else "cuda", "tiny" if SMOKE else "flash", 8 if SMOKE else 55)
+    results["fidelity"] = {key: out.get(key) for key in ("ours_max_dp", "release_max_dp", "ours_flips",
+                                                         "release_flips")}
+    results["detail"]["fidelity"] = out
+
+
+def main() -> int:
+    global OUT
+    OUT = Path(sys.argv[1])
+    OUT.parent.mkdir(parents=True, exist_ok=True)
+    from clef_engine.tiny import build_tiny_release
+
+    tiny = build_tiny_release(Path(os.environ.get("BENCH_TINY_DIR", tempfile.mkdtemp(prefix="clef-bench-tiny-"))))
+    config = build.clef_config("clef", tiny)
+    if SMOKE:
+        build.scale_down(config)
+    t0 = time.perf_counter()
+    engine = build.random_engine(config, tiny, device=str(DEVICE), dtype=torch.float32 if SMOKE else torch.bfloat16,
+                                 head_width=64 if SMOKE else 1024)
+    detail = results["detail"]
+    detail["build_s"] = round(time.perf_counter() - t0, 1)
+    detail["command"] = " ".join(sys.argv)
+    detail["config"] = {k: str(v) for k, v in vars(engine.config).items()}
+    if DEVICE.type == "cuda":
+        import transformers
+
+        detail["environment"] = {"torch": torch.__version__, "transformers": transformers.__version__,
+                                 "gpu": torch.cuda.get_device_name()}
+        detail["memory_loaded_gib"] = build.gib(engine.loaded_bytes)
+        detail["warm_up_s"] = round(engine.warm_up(), 1)  # as clef_engine.load does
+        detail["graphs"] = engine.graphs.describe() if engine.graphs is not None else None
+        detail["memory_after_warm_up_gib"] = build.gib(torch.cuda.memory_reserved())
+        print("warm-up", detail["warm_up_s"], "s", detail["graphs"], flush=True)
+    detail["kernels"] = engine.kernel_info()
+    save()
+
+    ref = functools.partial(reference_decide, engine)
+    user_path(engine, ref)
+    head_64x10(engine)
+    cached_state(engine)
+    batch_run(engine)
+    interactive(engine)
+    concurrent(engine)
+    profile(engine)
+    if DEVICE.type == "cuda":
+        detail["memory_peak_allocated_gib"] = build.gib(torch.cuda.max_memory_allocated())
+        detail["memory_peak_reserved_gib"] = build.gib(torch.cuda.max_memory_reserved())
+    detail["scheduler"] = vars(engine.scheduler.stats).copy()
+    engine.close()
+    del engine, ref
+    gc.collect()
+    if DEVICE.type == "cuda":
+        torch.cuda.empty_cache()
+    fidelity()
+    save()
+    print(json.dumps({k: v for k, v in results.items() if k != "detail"}, indent=1))
+    print("errors:", list(detail["errors"]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,126 @@
+"""EngineConfig: every knob of the engine and every environment variable it reads, in one place.
+
+`EngineConfig.resolve(...)` takes the keyword arguments of `clef_engine.load` (None = not given), fills the rest from
+the environment, then from defaults that depend on the device, and returns a frozen config. Nothing else in
+`clef_engine` reads the environment for the engine; the engine picks its runner once from this config.
+
+- CLEF_DEVICE (device): where the engine runs; cuda if a GPU is visible, else cpu.
+- CLEF_DTYPE (dtype): bf16 on CUDA, float32 on the CPU.
+- CLEF_ALLOW_SLOW_KERNELS (allow_slow_kernels): allow CUDA without flash-linear-attention; off.
+- CLEF_CUDA_GRAPHS (cuda_graphs): replay single records and cached-state continuations from CUDA graphs; on, CUDA
+  only.
+- CLEF_TOKEN_BUDGET (token_budget): most tokens in one GPU batch of interactive work; 65,536 on CUDA, 16,384 on
+  the CPU.
+- CLEF_BULK_BATCH_TOKENS (bulk_batch_tokens): most tokens in one batch of bulk work (an interactive request waits
+  for at most one such batch); 8,192 on CUDA, the token budget on the CPU.
+- CLEF_STATE_CACHE_BYTES (state_cache_bytes): device tier of the long-state cache, 0 = off; 8 GiB on CUDA (plus a
+  host tier of 4x), 256 MiB on the CPU.
+
+FLA_DISABLE_BACKEND_DISPATCH is set (if unset) when an engine is built: flash-linear-attention's backend registry
+would otherwise walk its backends on every kernel call, and nothing but its Triton backend runs on these GPUs.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+
+import torch
+
+from .errors import ReleaseError
+from .model.release import default_device, parse_dtype
+
+GiB = 2**30
+ENVIRONMENT = {
+    "device": "CLEF_DEVICE",
+    "dtype": "CLEF_DTYPE",
+    "allow_slow_kernels": "CLEF_ALLOW_SLOW_KERNELS",
+    "cuda_graphs": "CLEF_CUDA_GRAPHS",
+    "token_budget": "CLEF_TOKEN_BUDGET",
+    "bulk_batch_tokens": "CLEF_BULK_BATCH_TOKENS",
+    "state_cache_bytes": "CLEF_STATE_CACHE_BYTES",
+}
+TRUE, FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def _flag(name: str, text: str) -> bool:
+    value = text.strip().lower()
+    if value in TRUE:
+        return True
+    if value in FALSE:
+        return False
+    raise ReleaseError(f"{name}={text!r}: use 1 or 0")
+
+
+def _count(name: str, text: str) -> int:
+    try:
+        value = int(text.strip().replace("_", ""))
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise ReleaseError(f"{name}={text!r}: use a whole number >= 0")
+    return value
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    device: torch.device
+    dtype: torch.dtype
+    packed: bool = True  # text records through fast/packed.py; False: the release's padded call for everything
+    allow_slow_kernels: bool = False
+    cuda_graphs: bool = False
+    graph_max_tokens: int = 4096  # one record up to this many tokens replays a captured graph
+    token_budget: int = 16_384
+    bulk_batch_tokens: int = 16_384
+    state_cache_bytes: int = GiB // 4
+    state_cache_host_bytes: int = 0
+    min_prefix_tokens: int = 2048  # shorter state prefixes are cheaper to recompute than to store
+    max_queued_records: int = 4096
+    warm_up: bool = False  # compile, autotune and capture while loading, not in a user's first request
+
+    @property
+    def cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+    @classmethod
+    def resolve(cls, *, device: str | torch.device | None = None, dtype: str | torch.dtype | None = None,
+                env: Mapping[str, str] | None = None, **given) -> EngineConfig:
+        """The config for these keyword arguments (None = not given), then the environment, then the defaults."""
+        env = os.environ if env is None else env
+        unknown = set(given) - {f for f in cls.__dataclass_fields__}
+        if unknown:
+            raise TypeError(f"unknown engine option(s): {', '.join(sorted(unknown))}")
+        values = {key: value for key, value in given.items() if value is not None}
+        for key, name in ENVIRONMENT.items():
+            text = (env.get(name) or "").strip()
+            if not text or key in values or (key == "device" and device is not None) or (
+                    key == "dtype" and dtype is not None):
+                continue
+            if key in ("allow_slow_kernels", "cuda_graphs"):
+                values[key] = _flag(name, text)
+            elif key in ("device", "dtype"):
+                values[key] = text
+            else:
+                values[key] = _count(name, text)
+        device = torch.device(device if device is not None else values.pop("device", None) or default_device())
+        dtype = parse_dtype(dtype if dtype is not None else values.pop("dtype", None), device)
+        values.pop("device", None)
+        values.pop("dtype", None)
+        cuda = device.type == "cuda"
+        if cuda and not torch.cuda.is_available():
+            raise ReleaseError("device cuda was asked for but no CUDA GPU is visible")
+        token_budget = values.pop("token_budget", 65_536 if cuda else 16_384)
+        cache_bytes = values.pop("state_cache_bytes", 8 * GiB if cuda else GiB // 4)
+        defaults = dict(token_budget=token_budget, bulk_batch_tokens=8192 if cuda else token_budget,
+                        cuda_graphs=cuda, state_cache_bytes=cache_bytes,
+                        state_cache_host_bytes=4 * cache_bytes if cuda else 0, warm_up=cuda)
+        defaults.update(values)
+        config = cls(device=device, dtype=dtype, **defaults)
+        return replace(config, cuda_graphs=config.cuda_graphs and cuda and config.packed,
+                       bulk_batch_tokens=min(config.bulk_batch_tokens, config.token_budget))
+
+    def apply_process_settings(self) -> None:
+        """Process-wide settings the fast kernels read (see the module docstring)."""
+        if self.cuda:
+            os.environ.setdefault("FLA_DISABLE_BACKEND_DISPATCH", "1")

@@ -1,0 +1,484 @@
+"""A remote System One endpoint used like a local engine: `RemoteEngine` has the `decide`, `decide_many`, `submit`,
+`info`, `validate`, `queue_depth` and `close` of `clef_engine.Engine`, and answers by POSTing to `/v1/systemone`
+(hosted Jev, a gateway in front of hosted Clef, another workbench's API).
+
+What a user expects of a client of a remote service:
+- one `httpx.Client` (connections are reused), at most `max_concurrency` requests in flight from this object;
+- timeouts (connect and read), retries with exponential backoff and jitter on 408/429/5xx and on connection
+  failures, waiting what `Retry-After` asks for instead when the server says (capped at `max_retry_wait_s`);
+- errors the rest of the package already handles: 422 → `RequestError` with the server's problems (so the field at
+  fault is named), 413 → `TokenBudgetError` (or `RequestTooLargeError` for a body over the server's limit), 429
+  after the retries → `BusyError`, 401/403 → `RemoteAuthError`, anything else → `RemoteError`; every message names
+  the endpoint;
+- `x_latency_ms` in each response is the latency the client saw (from `submit` to the answer, retries included),
+  the server's own figure kept as `x_server_latency_ms`, with `x_attempts`.
+
+The API key comes from the `api_key` argument or the `CLEF_API_KEY` environment variable. It lives only in the
+HTTP client's headers: it is not an attribute, not in `info()`, and a key inside the URL is refused (URLs end up in
+run records).
+
+Requests are sent as given, except that media given as bytes or file paths (which a local engine reads) go as data
+URLs. Decisions are pure functions of the request, so retrying a POST is safe. `model`, when set, replaces each
+request's `"model"`: this object stands for one model, as a local engine does. `max_length` and `overflow` travel
+as the `x_max_length` / `x_overflow` fields our server reads; they are only sent when not the
+default, since other servers may not know them (hosted Jev ignores unknown fields).
+"""
+
+from __future__ import annotations
+
+import base64
+import email.utils
+import json
+import os
+import random
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+import httpx
+
+from .errors import BusyError, CancelledError, ClefError, Problem, RequestError, TokenBudgetError
+from .model.media import sniff_content_type
+from .protocol import parse_questions
+
+API_KEY_ENV = "CLEF_API_KEY"
+SYSTEM_ONE_PATH = "/v1/systemone"
+MODELS_PATH = "/v1/models"
+RETRY_STATUSES = frozenset({408, 429, 500, 502, 503, 504, 529})
+BUSY_STATUSES = frozenset({429, 529})  # overloaded: after the retries, BusyError (batch jobs back off on it)
+OVERFLOW_POLICIES = ("refuse", "truncate_state")
+
+
+class RemoteError(ClefError):
+    """The endpoint failed or could not be reached, or answered something that is not a System One response."""
+
+    def __init__(self, message: str, *, endpoint: str, status: int | None = None):
+        self.endpoint = endpoint
+        self.status = status
+        super().__init__(message)
+
+
+class RemoteAuthError(RemoteError):
+    """The endpoint refused the API key (401 missing / malformed, 403 wrong)."""
+
+
+class RequestTooLargeError(ClefError, ValueError):
+    """The request body is larger than the endpoint accepts (413 without a token count)."""
+
+
+class RemoteRequestError(RequestError):
+    """422 from the endpoint: `problems` as the server listed them (locations without the leading "body")."""
+
+    def __init__(self, endpoint: str, problems: list[Problem]):
+        super().__init__(problems)
+        self.endpoint = endpoint
+        self.args = (f"{endpoint} refused the request: {self.args[0]}",)
+
+
+def parse_endpoint(url: str) -> str:
+    """The base URL of a System One endpoint: http(s), a host, no credentials, no trailing `/v1/systemone`.
+    Raises ValueError saying what is wrong."""
+    parts = urlsplit(url.strip())
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"{url!r} is not an http(s) URL of a System One endpoint (e.g. http://127.0.0.1:8000)")
+    if parts.username or parts.password:
+        raise ValueError(f"put the API key in api_key= or ${API_KEY_ENV}, not in the URL (URLs are recorded "
+                         "with every run)")
+    if parts.query or parts.fragment:
+        raise ValueError(f"{url!r}: a System One endpoint URL takes no query or fragment")
+    path = parts.path.rstrip("/").removesuffix(SYSTEM_ONE_PATH)
+    return urlunsplit((parts.scheme, parts.netloc, path, "", ""))
+
+
+def retry_after_seconds(value: str | None) -> float | None:
+    """Seconds to wait from a Retry-After header: a number of seconds or an HTTP date; None if absent or unreadable."""
+    if not value:
+        return None
+    value = value.strip()
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        pass
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError):
+        return None
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=UTC)
+    return max(0.0, (when - datetime.now(UTC)).total_seconds())
+
+
+def media_for_wire(request: dict) -> dict:
+    """The request with media a local engine takes from Python callers (bytes, file paths) as data URLs, the form
+    that travels over HTTP (a server refuses paths: they would read its own disk). Other items are left for the
+    endpoint to judge. Raises RequestError for a path that cannot be read."""
+    out = dict(request)
+    for key in ("images", "videos"):
+        items = request.get(key)
+        if not isinstance(items, list):
+            continue
+        converted = []
+        for index, item in enumerate(items):
+            data = None
+            if isinstance(item, (bytes, bytearray, memoryview)):
+                data = bytes(item)
+            elif isinstance(item, os.PathLike) or (isinstance(item, str) and not item.startswith("data:")):
+                try:
+                    data = Path(item).read_bytes()
+                except OSError as exc:
+                    raise RequestError([Problem((key, index), f"cannot read {item}: {exc.strerror or exc}",
+                                                "value_error.media")]) from None
+            if data is None:
+                converted.append(item)
+                continue
+            content_type = sniff_content_type(data) or "application/octet-stream"  # the endpoint says what it takes
+            converted.append(f"data:{content_type};base64,{base64.b64encode(data).decode('ascii')}")
+        out[key] = converted
+    return out
+
+
+def _detail_text(response: httpx.Response) -> str:
+    """What the server said about an error, in one line: `error_type: message`, or the start of the body."""
+    try:
+        detail = response.json().get("detail")
+    except (ValueError, AttributeError):
+        return response.text[:300].strip() or response.reason_phrase
+    if isinstance(detail, dict):
+        return ": ".join(str(detail[k]) for k in ("error_type", "message") if detail.get(k)) or json.dumps(detail)
+    return json.dumps(detail, ensure_ascii=False)[:300]
+
+
+def _problems(detail: Any) -> list[Problem]:
+    """422 detail (pydantic style `[{loc, msg, type}]`) as Problems, locations relative to the request."""
+    items = detail if isinstance(detail, list) else [detail]
+    problems = []
+    for item in items:
+        if not isinstance(item, dict):
+            problems.append(Problem((), str(item)))
+            continue
+        loc = item.get("loc") if isinstance(item.get("loc"), list) else []
+        if loc[:1] == ["body"]:
+            loc = loc[1:]
+        message = item.get("msg") or item.get("message") or json.dumps(item, ensure_ascii=False)
+        problems.append(Problem(tuple(loc), str(message), str(item.get("type") or item.get("error_type")
+                                                                or "value_error")))
+    return problems
+
+
+_ANSWER_KEYS = {"noul": ("noul",), "choice": ("choice", "probabilities"), "score": ("score", "probabilities")}
+
+
+def _check_response(body: Any, request: dict) -> str | None:
+    """Why `body` is not a System One response to `request` (None if it is): every question answered, each answer
+    of the question's type with its fields."""
+    if not isinstance(body, dict) or not isinstance(body.get("answers"), dict):
+        return "no 'answers' object"
+    questions = request.get("questions") if isinstance(request.get("questions"), dict) else {}
+    for question_id, question in questions.items():
+        answer = body["answers"].get(question_id)
+        kind = question.get("type") if isinstance(question, dict) else None
+        if not isinstance(answer, dict):
+            return f"no answer for question {question_id!r}"
+        if answer.get("type") != kind or any(k not in answer for k in _ANSWER_KEYS.get(kind, ())):
+            return f"the answer for question {question_id!r} is not a {kind} answer: {json.dumps(answer)[:200]}"
+    return None
+
+
+def _gather(futures: list[Future]) -> Future:
+    """One future for a list of futures: their results in order, or the first exception (the others cancelled)."""
+    outer: Future = Future()
+    outer.set_running_or_notify_cancel()
+    lock = threading.RLock()  # cancelling a sibling runs its callback in this thread, under this lock
+    remaining = [len(futures)]
+
+    def done(future: Future) -> None:
+        with lock:
+            if outer.done():
+                return
+            error = CancelledError("the request was cancelled") if future.cancelled() else future.exception()
+            if error is not None:
+                outer.set_exception(error)
+                for other in futures:
+                    other.cancel()
+                return
+            remaining[0] -= 1
+            if remaining[0] == 0:
+                outer.set_result([f.result() for f in futures])
+
+    if not futures:
+        outer.set_result([])
+    for future in futures:
+        future.add_done_callback(done)
+    return outer
+
+
+class RemoteEngine:
+    """A System One endpoint with the interface of a local `Engine` (see the module docstring)."""
+
+    def __init__(self, url: str, *, api_key: str | None = None, model: str | None = None, timeout: float = 120.0,
+                 connect_timeout: float = 10.0, max_concurrency: int = 8, max_retries: int = 4,
+                 backoff_s: float = 0.5, max_backoff_s: float = 30.0, max_retry_wait_s: float = 120.0,
+                 check: bool = True, transport: httpx.BaseTransport | None = None):
+        self.endpoint = parse_endpoint(url)
+        self.model_id = self.endpoint  # what runs record as the model; the key never is part of it
+        self.model = model
+        self.timeout = timeout
+        self.max_concurrency = max(1, max_concurrency)
+        self.max_retries = max(0, max_retries)
+        self.backoff_s = backoff_s
+        self.max_backoff_s = max_backoff_s
+        self.max_retry_wait_s = max_retry_wait_s
+        key = api_key if api_key is not None else os.environ.get(API_KEY_ENV)
+        headers = {"accept": "application/json", "user-agent": "clef-workbench-remote"}
+        self._client = httpx.Client(
+            base_url=self.endpoint,
+            # UTF-8 bytes: httpx would encode a str header as ASCII and reject a non-ASCII key
+            headers={**headers, **({"authorization": b"Bearer " + key.strip().encode()} if key else {})},
+            timeout=httpx.Timeout(timeout, connect=min(connect_timeout, timeout)),
+            limits=httpx.Limits(max_connections=self.max_concurrency,
+                                max_keepalive_connections=self.max_concurrency),
+            transport=transport,
+        )
+        self._has_key = bool(key)
+        self._pool = ThreadPoolExecutor(max_workers=self.max_concurrency, thread_name_prefix="clef-remote")
+        self._closed = threading.Event()  # wakes retry waits on close
+        self._lock = threading.Lock()
+        self._in_flight = 0
+        self._stats = {"requests": 0, "retries": 0, "failures": 0}
+        self.models: list[str] | None = None
+        if check:
+            try:
+                self.check()
+            except BaseException:
+                self.close()
+                raise
+
+    # ---- HTTP -------------------------------------------------------------------------------------------------
+
+    def _send(self, method: str, path: str, *, content: bytes | None = None) -> tuple[httpx.Response, int]:
+        """One HTTP exchange with retries. Returns the final response (any status that is not retried, or a
+        retried one after the last attempt) and the number of attempts; raises RemoteError when the endpoint
+        cannot be reached or does not answer in time on the last attempt."""
+        url = self.endpoint + path
+        attempt = 0
+        while True:
+            if self._closed.is_set():
+                raise CancelledError(f"the remote engine for {self.endpoint} was closed")
+            attempt += 1
+            wait: float | None = None
+            try:
+                response = self._client.request(method, path, content=content,
+                                                 headers={"content-type": "application/json"} if content else None)
+            except httpx.TimeoutException as exc:
+                failure = RemoteError(f"{url} did not answer within {self.timeout:g} s "
+                                      f"({type(exc).__name__}, {attempt} attempt(s))", endpoint=self.endpoint)
+            except RuntimeError:  # httpx refuses a request on a closed client
+                if self._closed.is_set():
+                    raise CancelledError(f"the remote engine for {self.endpoint} was closed") from None
+                raise
+            except httpx.TransportError as exc:
+                failure = RemoteError(f"could not reach {url}: {exc or type(exc).__name__} ({attempt} attempt(s))",
+                                      endpoint=self.endpoint)
+            else:
+                if response.status_code not in RETRY_STATUSES or attempt > self.max_retries:
+                    return response, attempt
+                wait = retry_after_seconds(response.headers.get("retry-after"))
+                failure = None
+            if attempt > self.max_retries:
+                raise failure
+            if wait is None:  # exponential backoff with full jitter, so clients that failed together spread out
+                wait = random.uniform(0.5, 1.0) * min(self.max_backoff_s, self.backoff_s * 2 ** (attempt - 1))
+            with self._lock:
+                self._stats["retries"] += 1
+            if self._closed.wait(min(wait, self.max_retry_wait_s)):
+                raise CancelledError(f"the remote engine for {self.endpoint} was closed")
+
+    def _error(self, response: httpx.Response, attempts: int) -> ClefError:
+        """The error for a non-200 answer, named after the endpoint and, for 422, after the fields at fault."""
+        status = response.status_code
+        url = str(response.request.url)
+        said = _detail_text(response)
+        if status == 422:
+            try:
+                detail = response.json().get("detail")
+            except (ValueError, AttributeError):
+                detail = said
+            return RemoteRequestError(url, _problems(detail))
+        if status in (401, 403):
+            hint = (f"pass api_key= or set ${API_KEY_ENV}" if not self._has_key
+                    else f"check the key in api_key= or ${API_KEY_ENV}")
+            return RemoteAuthError(f"{url} refused the API key ({status} {said}); {hint}", endpoint=self.endpoint,
+                                   status=status)
+        if status == 404:
+            return RemoteError(f"{url} does not exist (404 {said}); is {self.endpoint} a System One endpoint?",
+                               endpoint=self.endpoint, status=status)
+        if status == 413:
+            try:
+                detail = response.json().get("detail")
+            except (ValueError, AttributeError):
+                detail = None
+            if isinstance(detail, dict) and isinstance(detail.get("over_by"), int):
+                return TokenBudgetError(f"{url}: {detail.get('message') or said}", over_by=detail["over_by"],
+                                        part=str(detail.get("part") or "state"),
+                                        token_counts=detail.get("token_counts") or {},
+                                        max_length=int(detail.get("max_length") or 0))
+            return RequestTooLargeError(f"{url} refused the request as too large (413 {said})")
+        if status in BUSY_STATUSES:
+            return BusyError(f"{url} is overloaded ({status} {said}) after {attempts} attempt(s)")
+        return RemoteError(f"{url} answered {status} {said} after {attempts} attempt(s)", endpoint=self.endpoint,
+                           status=status)
+
+    def check(self) -> list[str] | None:
+        """Reach the endpoint and check the key (GET /v1/models). Returns the model names it lists, None when it
+        has no listing (404/405). Raises RemoteAuthError / RemoteError."""
+        response, attempts = self._send("GET", MODELS_PATH)
+        if response.status_code in (404, 405):
+            self.models = None
+            return None
+        if response.status_code != 200:
+            raise self._error(response, attempts)
+        try:
+            listed = response.json()["models"]
+            self.models = [m["name"] for m in listed if isinstance(m, dict) and isinstance(m.get("name"), str)]
+        except (ValueError, KeyError, TypeError):
+            raise RemoteError(f"{self.endpoint}{MODELS_PATH} answered something that is not a model list: "
+                              f"{response.text[:200]!r}", endpoint=self.endpoint, status=200) from None
+        return self.models
+
+    # ---- requests ---------------------------------------------------------------------------------------------
+
+    def validate(self, request: Any) -> None:
+        """Raise RequestError if `request` breaks the System One contract as this package reads it (no network; the
+        endpoint may refuse more, which decide reports as a RemoteRequestError)."""
+        parse_questions(request)
+
+    def _body(self, request: Any, max_length: int | None, overflow: str) -> bytes:
+        if not isinstance(request, dict):
+            raise RequestError([Problem((), "the request must be a JSON object", "type_error.dict")])
+        body = media_for_wire(request)
+        if self.model is not None:
+            body["model"] = self.model
+        if max_length is not None:
+            body["x_max_length"] = max_length
+        if overflow != "refuse":
+            body["x_overflow"] = overflow
+        try:
+            return json.dumps(body, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode("utf-8")
+        except (TypeError, ValueError) as exc:  # NaN, bytes, numpy arrays, file paths as Path objects …
+            raise RequestError([Problem((), f"the request cannot be sent as JSON: {exc}", "type_error.json")]) \
+                from None
+
+    def _decide_one(self, request: dict, body: bytes, started: float) -> dict:
+        with self._lock:
+            self._stats["requests"] += 1
+        try:
+            response, attempts = self._send("POST", SYSTEM_ONE_PATH, content=body)
+            if response.status_code != 200:
+                raise self._error(response, attempts)
+            try:
+                answer = response.json()
+            except ValueError:
+                answer = None
+            problem = _check_response(answer, request) if answer is not None else "not JSON"
+            if problem is not None:
+                raise RemoteError(f"{self.endpoint}{SYSTEM_ONE_PATH} answered 200 with a malformed response "
+                                  f"({problem}): {response.text[:200]!r}", endpoint=self.endpoint, status=200)
+        except BaseException:
+            with self._lock:
+                self._stats["failures"] += 1
+            raise
+        if "x_latency_ms" in answer:
+            answer["x_server_latency_ms"] = answer["x_latency_ms"]
+        answer["x_latency_ms"] = round((time.perf_counter() - started) * 1000, 2)
+        answer["x_attempts"] = attempts
+        return answer
+
+    def submit(self, requests: list[dict], *, priority: str = "interactive", max_length: int | None = None,
+               overflow: str = "refuse") -> Future:
+        """Send each request (up to `max_concurrency` at once); the future resolves to one System One response per
+        request, in order, or raises the first request's error. A request that cannot be sent as JSON raises
+        RequestError here. `priority` is accepted for compatibility with Engine; the endpoint schedules."""
+        if overflow not in OVERFLOW_POLICIES:
+            raise ValueError(f"overflow must be one of {OVERFLOW_POLICIES}, not {overflow!r}")
+        if self._closed.is_set():
+            raise CancelledError(f"the remote engine for {self.endpoint} is closed")
+        started = time.perf_counter()
+        bodies = [self._body(r, max_length, overflow) for r in requests]
+        futures = []
+        for request, body in zip(requests, bodies):
+            with self._lock:
+                self._in_flight += 1
+            future = self._pool.submit(self._decide_one, request, body, started)
+            future.add_done_callback(self._finished)
+            futures.append(future)
+        return _gather(futures)
+
+    def _finished(self, _future: Future) -> None:
+        with self._lock:
+            self._in_flight -= 1
+
+    def decide(self, request: dict, *, max_length: int | None = None, overflow: str = "refuse") -> dict:
+        return self.submit([request], priority="interactive", max_length=max_length, overflow=overflow).result()[0]
+
+    def decide_many(self, requests: list[dict], *, max_length: int | None = None, overflow: str = "refuse",
+                    priority: str = "bulk") -> list[dict]:
+        if not requests:
+            return []
+        return self.submit(requests, priority=priority, max_length=max_length, overflow=overflow).result()
+
+    # ---- status -----------------------------------------------------------------------------------------------
+
+    def queue_depth(self) -> int:
+        """Requests submitted through this object and not answered yet (sent or waiting for a connection)."""
+        with self._lock:
+            return self._in_flight
+
+    def info(self) -> dict:
+        """What the workbench shows about the model; no network call (pages poll it). Holds no key."""
+        with self._lock:
+            stats = dict(self._stats)
+        return {
+            "model": self.model or (self.models[0] if self.models else self.endpoint),
+            "remote": True,
+            "endpoint": self.endpoint,
+            "models": self.models,
+            "revision": None,
+            "device": "remote",
+            "device_name": urlsplit(self.endpoint).netloc,
+            "dtype": None,
+            "demo": False,
+            "authenticated": self._has_key,
+            "queue_depth": self.queue_depth(),
+            "max_concurrency": self.max_concurrency,
+            "timeout_s": self.timeout,
+            "max_retries": self.max_retries,
+            "client": stats,
+        }
+
+    def close(self) -> None:
+        """Stop: queued requests are cancelled, waits between retries end, connections close."""
+        self._closed.set()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._client.close()
+
+    def __enter__(self) -> RemoteEngine:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"RemoteEngine({self.endpoint!r}, model={self.model!r})"
+
+
+def is_endpoint(source: Any) -> bool:
+    """True when a model source names a remote endpoint (an http or https URL) rather than a release."""
+    return isinstance(source, str) and source.strip().lower().startswith(("http://", "https://"))
+
+
+__all__ = ["RemoteEngine", "RemoteError", "RemoteAuthError", "RemoteRequestError", "RequestTooLargeError",
+           "parse_endpoint", "retry_after_seconds", "is_endpoint", "API_KEY_ENV"]

@@ -1,0 +1,321 @@
+"""Batch runs on a Ray cluster: one engine replica per GPU as a Ray actor; the driver streams a run's cases to them
+in token-sized chunks and writes each chunk's results to the store as it comes back.
+
+Where a run executes is configuration: with CLEF_RAY_ADDRESS unset, `make_job_runner` gives the JobRunner of
+clef_workbench.jobs (the resident engine); set to `auto` or a cluster address, it gives a RayJobRunner. That is a
+JobRunner whose work loop sends chunks to replicas instead of the resident engine; the lease, heartbeat, progress,
+ETA, cancel, resume and every store field are JobRunner's, so the Runs page and the CLI show a Ray run as a local one.
+
+Plain actors rather than Ray Data's `map_batches`: a chunk is a list of (case id, request) and its results a list of
+dicts, which actors pass as they are, where Ray Data would turn nested responses into Arrow columns and back; and the
+driver loop below (submit, `ray.wait`, record) is the whole scheduler, with the two things Ray Data would hide in
+plain sight: results recorded as each chunk returns, and a dead replica's chunks put back in the queue.
+
+Failures: when a replica's process dies (killed, out of memory), Ray restarts it (up to MAX_RESTARTS times), it
+loads the release again, and Ray sends it the chunks it had in flight again; the other replicas go on meanwhile. A
+replica dead for good (restarts used up, node lost) fails its chunks with RayActorError: the driver drops it and puts
+them back at the front of the queue for the others. Store.record_results keeps the first result of a (run, case), so
+a chunk computed twice is stored once. When the driver dies, its replicas die with it (they are its
+actors) and its lease lapses; resuming runs only the cases without a result, as for a local run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+import time
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+from ray.exceptions import RayActorError, RayTaskError
+
+from clef_engine.errors import ClefError, ReleaseError
+from clef_workbench.casesets import build_request
+from clef_workbench.jobs import JobRunner, _LiveJob
+from clef_workbench.store import Store, now_iso
+
+ADDRESS_ENV = "CLEF_RAY_ADDRESS"
+IN_FLIGHT_PER_REPLICA = 2  # the next chunk waits on the replica while one runs: no round trip between chunks
+MAX_RESTARTS = 3  # per replica; one that dies more often is dropped and the others go on
+CASES_PER_READ = 256  # cases read from the store at a time while cutting chunks (a run can hold millions)
+# Chunks are cut before tokenizing (the driver may have no release): a case's tokens are estimated from its text.
+CHARS_PER_TOKEN = 4  # English text under Qwen's tokenizer is ~4 characters a token
+TOKENS_PER_IMAGE = 1_024  # order of magnitude of a resized photo under the Qwen3.5 processor
+TOKENS_PER_VIDEO = 8_192
+
+
+class ReplicaError(RuntimeError):
+    """No replica could be started, or every replica failed; the message names the node and the cause."""
+
+
+def ray_address(explicit: str | None = None) -> str | None:
+    """The cluster to run batch runs on: an explicit address, else CLEF_RAY_ADDRESS; None means in-process."""
+    address = (explicit if explicit is not None else os.environ.get(ADDRESS_ENV, "")).strip()
+    return address or None
+
+
+def connect(address: str) -> None:
+    """Join the Ray cluster at `address` (`auto`, `host:6379` or `ray://host:10001`) unless already connected."""
+    if not ray.is_initialized():
+        ray.init(address=address, include_dashboard=False, log_to_driver=False)
+
+
+# -- the replica: one engine on one GPU (or on the CPUs) of some node --------------------------------------------
+
+class Replica:
+    """A Ray actor holding one resident engine. The engine loads on first use, so a replica that Ray restarts after
+    a crash loads the release again by itself."""
+
+    def __init__(self, source: str, revision: str | None, device: str | None, dtype: str | None):
+        self.source, self.revision, self.device, self.dtype = source, revision, device, dtype
+        self.engine = None
+        # chunks run in IN_FLIGHT_PER_REPLICA threads: after a restart, the first two both find no engine, and
+        # two threads importing transformers' lazy modules at once fail with ImportError
+        self.loading = threading.Lock()
+
+    def node(self) -> str:
+        return f"{socket.gethostname()} ({ray.util.get_node_ip_address()})"
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def load(self) -> dict:
+        """Load the release from this node's Hugging Face cache (or folder); a missing release names the node."""
+        with self.loading:
+            if self.engine is None:
+                import clef_engine
+
+                try:
+                    self.engine = clef_engine.load(self.source, revision=self.revision, device=self.device,
+                                                   dtype=self.dtype)
+                except ReleaseError as exc:
+                    raise ReleaseError(f"on node {self.node()}: {exc}") from None
+        info = self.engine.info()
+        return {"node": self.node(), "device": info["device"], "dtype": info["dtype"], "revision": info["revision"],
+                "token_budget": self.engine.token_budget}
+
+    def decide(self, items: list[tuple[int, dict]], options: dict) -> list[dict]:
+        self.load()
+        return decide_chunk(self.engine, items, options)
+
+
+def decide_chunk(engine: Any, items: list[tuple[int, dict]], options: dict) -> list[dict]:
+    """Results of one chunk, in the form Store.record_results takes and JobRunner writes: a bad case (invalid, over
+    the token budget) becomes an error result and the others are still answered."""
+    started_at = now_iso()
+    results, valid = [], []
+    for case_id, request in items:
+        try:
+            engine.validate(request)
+        except ClefError as exc:
+            results.append({"case_id": case_id, "error": f"{type(exc).__name__}: {exc}",
+                            "started_at": started_at, "finished_at": now_iso()})
+            continue
+        valid.append((case_id, request))
+    if valid:
+        results.extend(_decide_valid(engine, valid, options, started_at))
+    return results
+
+
+def _decide_valid(engine: Any, valid: list[tuple[int, dict]], options: dict, started_at: str) -> list[dict]:
+    began = time.perf_counter()
+    try:
+        responses = engine.decide_many([request for _, request in valid], priority="bulk", **options)
+    except ClefError as exc:
+        if len(valid) == 1:
+            return [{"case_id": valid[0][0], "error": f"{type(exc).__name__}: {exc}",
+                     "started_at": started_at, "finished_at": now_iso()}]
+        # one record over the token budget fails the whole call: one by one isolates it
+        return [result for item in valid for result in _decide_valid(engine, [item], options, now_iso())]
+    finished_at = now_iso()
+    wall_ms = (time.perf_counter() - began) * 1000
+    return [{"case_id": case_id, "response": response,
+             "latency_ms": response.get("x_latency_ms", wall_ms / len(valid)),
+             "input_tokens": (response.get("usage") or {}).get("input_tokens"),
+             "token_counts": response.get("x_token_counts"),
+             "started_at": started_at, "finished_at": finished_at}
+            for (case_id, _), response in zip(valid, responses, strict=True)]
+
+
+# -- the pool of replicas --------------------------------------------------------------------------------------
+
+@dataclass
+class _Slot:
+    actor: Any
+    node: str
+    in_flight: int = 0
+
+
+@dataclass
+class ReplicaPool:
+    """Replicas of one release on the cluster the driver is connected to; `start` makes one."""
+
+    source: str
+    revision: str | None
+    slots: list[_Slot]
+    info: dict  # device, dtype, revision and token budget of the first replica; nodes of all
+    dropped: list[str] = field(default_factory=list)  # nodes of replicas dead for good
+
+    @classmethod
+    def start(cls, source: str, *, revision: str | None = None, replicas: int | None = None,
+              dtype: str | None = None) -> ReplicaPool:
+        """One replica per GPU of the cluster (or `replicas` of them); on a cluster without GPUs, `replicas` CPU
+        replicas (default 1). Waits until every replica has loaded the release; raises ReplicaError naming the
+        node where one could not."""
+        gpus = int(ray.cluster_resources().get("GPU", 0))
+        count = replicas or gpus or 1
+        resources = {"num_gpus": 1} if gpus else {"num_cpus": 1}
+        actor_class = ray.remote(Replica).options(
+            **resources, max_restarts=MAX_RESTARTS, max_task_retries=-1, max_concurrency=IN_FLIGHT_PER_REPLICA,
+            # a release missing from a node's cache is an error there, not a 55 GB download
+            runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1"}})
+        actors = [actor_class.remote(str(source), revision, "cuda" if gpus else "cpu", dtype) for _ in range(count)]
+        try:
+            infos = ray.get([actor.load.remote() for actor in actors])
+        except RayTaskError as exc:
+            for actor in actors:
+                ray.kill(actor, no_restart=True)
+            raise ReplicaError(f"a replica of {source} could not start: {_cause(exc)}") from None
+        slots = [_Slot(actor, info["node"]) for actor, info in zip(actors, infos)]
+        info = dict(infos[0], nodes=[i["node"] for i in infos], replicas=count)
+        return cls(str(source), revision, slots, info)
+
+    def shutdown(self) -> None:
+        for slot in self.slots:
+            ray.kill(slot.actor, no_restart=True)
+        self.slots = []
+
+    def drop(self, slot: _Slot) -> None:
+        """Forget a replica that is dead for good."""
+        if slot in self.slots:
+            self.slots.remove(slot)
+            self.dropped.append(slot.node)
+
+
+def _cause(exc: RayTaskError) -> str:
+    cause = getattr(exc, "cause", None)
+    return f"{type(cause).__name__}: {cause}" if cause is not None else str(exc).strip().splitlines()[-1]
+
+
+# -- chunks ------------------------------------------------------------------------------------------------------
+
+def estimate_tokens(request: dict) -> int:
+    state = request.get("state")
+    text = state if isinstance(state, str) else json.dumps(state, ensure_ascii=False)
+    questions = json.dumps(request.get("questions"), ensure_ascii=False)
+    return ((len(text) + len(questions)) // CHARS_PER_TOKEN + TOKENS_PER_IMAGE * len(request.get("images") or [])
+            + TOKENS_PER_VIDEO * len(request.get("videos") or []))
+
+
+def token_chunks(store: Store, run: dict, case_ids: list[int], chunk_tokens: int) -> Iterator[list[tuple[int, dict]]]:
+    """The cases as (case id, request) chunks of about `chunk_tokens` estimated tokens each (at least one case),
+    read from the store a few hundred at a time."""
+    chunk: list[tuple[int, dict]] = []
+    tokens = 0
+    for start in range(0, len(case_ids), CASES_PER_READ):
+        for case in store.get_cases(case_ids[start:start + CASES_PER_READ]):
+            request = build_request(case, run["schema"], model=run["model_id"])
+            size = estimate_tokens(request)
+            if chunk and tokens + size > chunk_tokens:
+                yield chunk
+                chunk, tokens = [], 0
+            chunk.append((case["id"], request))
+            tokens += size
+    if chunk:
+        yield chunk
+
+
+# -- the runner ----------------------------------------------------------------------------------------------------
+
+class RayJobRunner(JobRunner):
+    """A JobRunner whose runs execute on Ray replicas. Given a pool, every run uses it (the CLI starts one before
+    creating its run); otherwise each run starts a pool of the release the caller's engine holds and stops it at the
+    end, so that the cluster's GPUs are not held between runs."""
+
+    def __init__(self, store: Store, *, pool: ReplicaPool | None = None, address: str | None = None,
+                 replicas: int | None = None, chunk_tokens: int | None = None, **kwargs: Any):
+        super().__init__(store, **kwargs)
+        self.pool = pool
+        self.address = address
+        self.replicas = replicas
+        self.chunk_tokens = chunk_tokens
+
+    def _work_leased(self, run_id: int, engine: Any, job: _LiveJob) -> None:
+        try:
+            pool = self.pool
+            if pool is None:
+                connect(self.address or "auto")
+                pool = ReplicaPool.start(engine.release.source, revision=engine.release.revision,
+                                         replicas=self.replicas)
+                job.session_started = time.monotonic()  # the rate (and ETA) counts computing, not loading
+            try:
+                self._stream(run_id, pool, job)
+            finally:
+                if pool is not self.pool:
+                    pool.shutdown()
+            if job.lease_lost.is_set() and not job.cancel.is_set():
+                return  # another process holds the run now; its status is its to write
+            left = self.store.unfinished_case_ids(run_id)
+            self.store.set_run_status(run_id, "cancelled" if left else "finished")
+        except Exception as exc:  # noqa: BLE001 — the run stops, its finished results stay; the message goes to the run page
+            job.last_error = f"{type(exc).__name__}: {exc}"
+            self.store.set_run_status(run_id, "failed", error=job.last_error)
+
+    def _stream(self, run_id: int, pool: ReplicaPool, job: _LiveJob) -> None:
+        run = self.store.get_run(run_id)
+        settings = run["settings"] or {}
+        options = {"max_length": settings.get("max_length"), "overflow": settings.get("overflow", "refuse")}
+        chunk_tokens = int(self.chunk_tokens or (settings.get("ray") or {}).get("chunk_tokens")
+                           or pool.info["token_budget"])
+        chunks = token_chunks(self.store, run, self.store.unfinished_case_ids(run_id), chunk_tokens)
+        retry: deque[list[tuple[int, dict]]] = deque()  # chunks of a crashed replica, sent again first
+        in_flight: dict[Any, tuple[list[tuple[int, dict]], _Slot]] = {}
+        while True:
+            stopping = job.cancel.is_set() or job.lease_lost.is_set()
+            while not stopping and pool.slots:
+                slot = min(pool.slots, key=lambda s: s.in_flight)
+                if slot.in_flight >= IN_FLIGHT_PER_REPLICA:
+                    break
+                chunk = retry.popleft() if retry else next(chunks, None)
+                if chunk is None:
+                    break
+                in_flight[slot.actor.decide.remote(chunk, options)] = (chunk, slot)
+                slot.in_flight += 1
+            if not in_flight:
+                break
+            # a timeout, so that cancel and a lost lease are seen while a long chunk runs
+            ready, _ = ray.wait(list(in_flight), num_returns=1, timeout=0.5)
+            for ref in ready:
+                chunk, slot = in_flight.pop(ref)
+                slot.in_flight -= 1
+                try:
+                    results = ray.get(ref)
+                except RayActorError:  # dead for good: Ray has already restarted it MAX_RESTARTS times
+                    pool.drop(slot)
+                    retry.appendleft(chunk)
+                    if not pool.slots:
+                        raise ReplicaError(f"every replica died (nodes: {', '.join(pool.dropped)}); the run's "
+                                           "finished results are kept, resume it to go on") from None
+                    continue
+                except RayTaskError as exc:
+                    raise ReplicaError(f"a replica failed: {_cause(exc)}") from None
+                self.store.record_results(run_id, results)
+                job.processed += len(results)
+
+
+def make_job_runner(store: Store, *, address: str | None = None, **kwargs: Any) -> JobRunner:
+    """The batch-run runner the configuration asks for: on Ray when an address is given or CLEF_RAY_ADDRESS is
+    set, else in-process on the resident engine."""
+    address = ray_address(address)
+    if address is None:
+        return JobRunner(store, **kwargs)
+    return RayJobRunner(store, address=address, **kwargs)
+
+
+__all__ = ["ADDRESS_ENV", "RayJobRunner", "Replica", "ReplicaError", "ReplicaPool",
+           "connect", "decide_chunk", "estimate_tokens", "make_job_runner", "ray_address", "token_chunks"]

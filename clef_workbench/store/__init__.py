@@ -1,0 +1,46 @@
+"""SQLite persistence for case sets, runs, results, the review queue and drafts. The only package that speaks SQL.
+
+One file (path configurable), WAL mode so readers never block the writer, foreign keys on, numbered migrations
+tracked in `PRAGMA user_version` (`migrations.py`). Every write runs in a `BEGIN IMMEDIATE` transaction: the write
+lock is taken up front, so two writers queue on SQLite's busy timeout instead of failing half-way. Deletes are soft
+and logged in an append-only change log, so they can be undone. Review actions check the version of the item the
+reviewer saw; a stale action is refused with `ReviewConflictError`, never applied twice. The audit logs
+(`review_actions`, `change_log`) are append-only, enforced by triggers.
+
+One `Store` object over one module per concern:
+- `base.py`: connections, transactions, migrations, the change log, errors;
+- `cases.py`: case sets and cases (media, content hashes, soft delete);
+- `runs.py`: runs, results, the cross-process run lease;
+- `review.py`: review rules, the queue, reviewer actions and undo;
+- `drafts.py`: per-session drafts of the Decide page.
+"""
+
+from __future__ import annotations
+
+from clef_workbench.store.base import (
+    BUSY_TIMEOUT_MS,
+    CHANGE_KINDS,
+    DuplicateNameError,
+    NotFoundError,
+    ReviewConflictError,
+    StoreError,
+    _dumps,
+    _loads,
+    media_content_type,
+    now_iso,
+)
+from clef_workbench.store.cases import CaseSetsMixin, case_hash
+from clef_workbench.store.drafts import DraftsMixin
+from clef_workbench.store.migrations import MIGRATIONS, SCHEMA_VERSION
+from clef_workbench.store.review import REVIEW_ACTIONS, REVIEW_STATUSES, ReviewMixin
+from clef_workbench.store.runs import RUN_STATUSES, RunsMixin, new_lease_owner
+
+__all__ = [
+    "BUSY_TIMEOUT_MS", "CHANGE_KINDS", "MIGRATIONS", "REVIEW_ACTIONS", "REVIEW_STATUSES", "RUN_STATUSES",
+    "SCHEMA_VERSION", "DuplicateNameError", "NotFoundError", "ReviewConflictError", "Store", "StoreError",
+    "_dumps", "_loads", "case_hash", "media_content_type", "new_lease_owner", "now_iso",
+]
+
+
+class Store(CaseSetsMixin, RunsMixin, ReviewMixin, DraftsMixin):
+    """All persistent state of the workbench in one SQLite file. Safe to share between threads and processes."""

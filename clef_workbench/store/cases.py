@@ -1,0 +1,311 @@
+"""Case sets and their cases (state, expected answers, tags, media blobs). Deletes are soft: the row is hidden,
+kept, logged in the change log and can be restored. Each case carries a hash of its content, so importing the same
+rows twice adds them once."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sqlite3
+from collections import Counter
+from typing import Any
+
+from clef_workbench.store.base import (
+    DuplicateNameError,
+    NotFoundError,
+    StoreBase,
+    StoreError,
+    _dumps,
+    _loads,
+    media_content_type,
+    now_iso,
+)
+
+
+def case_hash(state: Any, expected: Any, tags: Any, media: list[tuple[str, bytes]]) -> str:
+    """Content hash of a case: its state, expected answers, tags and media bytes in order."""
+    digest = hashlib.sha256()
+    canonical = {"state": state, "expected": expected or {}, "tags": list(tags or [])}
+    digest.update(_dumps_sorted(canonical).encode())
+    for kind, blob in media:
+        digest.update(kind.encode() + hashlib.sha256(blob).digest())
+    return digest.hexdigest()
+
+
+def _dumps_sorted(value: Any) -> str:
+    return json.dumps(value, ensure_ascii=False, sort_keys=True, separators=(",", ":"))
+
+
+class CaseSetsMixin(StoreBase):
+    # -- case sets ---------------------------------------------------------------------------------------------
+
+    def create_case_set(self, name: str, *, schema_name: str | None = None, description: str = "") -> int:
+        """Create an empty case set; raises DuplicateNameError if the name is taken."""
+        name = (name or "").strip()
+        if not name:
+            raise ValueError("case set name must not be empty")
+        try:
+            with self._write() as conn:
+                cur = conn.execute(
+                    "INSERT INTO case_sets (name, schema_name, description, created_at) VALUES (?, ?, ?, ?)",
+                    (name, schema_name, description, now_iso()),
+                )
+                return int(cur.lastrowid)
+        except sqlite3.IntegrityError as exc:
+            raise self._name_taken(name) from exc
+
+    def _name_taken(self, name: str) -> DuplicateNameError:
+        row = self._conn().execute("SELECT deleted_at FROM case_sets WHERE name = ?", (name,)).fetchone()
+        if row is not None and row["deleted_at"]:
+            return DuplicateNameError(f"a deleted case set named {name!r} exists; restore it or choose another name")
+        return DuplicateNameError(f"a case set named {name!r} already exists; choose another name")
+
+    def get_or_create_case_set(self, name: str, *, schema_name: str | None = None) -> int:
+        """Id of the case set with this name, created if missing."""
+        query = "SELECT id FROM case_sets WHERE name = ? AND deleted_at IS NULL"
+        row = self._conn().execute(query, (name.strip(),)).fetchone()
+        if row:
+            return int(row["id"])
+        try:
+            return self.create_case_set(name, schema_name=schema_name)
+        except DuplicateNameError:  # another session created it between our SELECT and INSERT
+            row = self._conn().execute(query, (name.strip(),)).fetchone()
+            if row is None:
+                raise
+            return int(row[0])
+
+    _SET_SELECT = """SELECT s.id, s.name, s.schema_name, s.description, s.created_at, s.deleted_at,
+        (SELECT COUNT(*) FROM cases c WHERE c.case_set_id = s.id AND c.deleted_at IS NULL) AS case_count
+        FROM case_sets s"""
+
+    def list_case_sets(self, *, deleted: bool = False) -> list[dict]:
+        """Every case set with its case count, newest first (with deleted=True: the deleted ones instead)."""
+        where = "s.deleted_at IS NOT NULL" if deleted else "s.deleted_at IS NULL"
+        rows = self._conn().execute(f"{self._SET_SELECT} WHERE {where} ORDER BY s.id DESC").fetchall()
+        return [dict(r) for r in rows]
+
+    def get_case_set(self, case_set_id: int) -> dict:
+        row = self._conn().execute(self._SET_SELECT + " WHERE s.id = ? AND s.deleted_at IS NULL",
+                                   (case_set_id,)).fetchone()
+        if row is None:
+            raise NotFoundError(f"case set {case_set_id} does not exist")
+        return dict(row)
+
+    def update_case_set(
+        self,
+        case_set_id: int,
+        *,
+        name: str | None = None,
+        schema_name: str | None = None,
+        description: str | None = None,
+    ) -> None:
+        self.get_case_set(case_set_id)
+        try:
+            with self._write() as conn:
+                if name is not None:
+                    if not name.strip():
+                        raise ValueError("case set name must not be empty")
+                    conn.execute("UPDATE case_sets SET name = ? WHERE id = ?", (name.strip(), case_set_id))
+                if schema_name is not None:
+                    conn.execute("UPDATE case_sets SET schema_name = ? WHERE id = ?", (schema_name, case_set_id))
+                if description is not None:
+                    conn.execute("UPDATE case_sets SET description = ? WHERE id = ?", (description, case_set_id))
+        except sqlite3.IntegrityError as exc:
+            raise self._name_taken((name or "").strip()) from exc
+
+    def delete_case_set(self, case_set_id: int, *, who: str = "") -> None:
+        """Delete a case set (soft: restore_case_set brings it back with its cases); refused while runs of it exist
+        (their results would be orphaned)."""
+        with self._write() as conn:
+            row = conn.execute("SELECT name FROM case_sets WHERE id = ? AND deleted_at IS NULL",
+                               (case_set_id,)).fetchone()
+            if row is None:
+                raise NotFoundError(f"case set {case_set_id} does not exist")
+            runs = conn.execute("SELECT COUNT(*) FROM runs WHERE case_set_id = ? AND deleted_at IS NULL",
+                                (case_set_id,)).fetchone()[0]
+            if runs:
+                raise StoreError(f"case set {case_set_id} has {runs} run(s); delete the runs first")
+            conn.execute("UPDATE case_sets SET deleted_at = ? WHERE id = ?", (now_iso(), case_set_id))
+            self._log_change(conn, "delete", "case_set", case_set_id, row["name"], who=who)
+
+    def restore_case_set(self, case_set_id: int, *, who: str = "") -> None:
+        """Undo delete_case_set."""
+        with self._write() as conn:
+            row = conn.execute("SELECT name FROM case_sets WHERE id = ? AND deleted_at IS NOT NULL",
+                               (case_set_id,)).fetchone()
+            if row is None:
+                raise NotFoundError(f"case set {case_set_id} is not deleted")
+            conn.execute("UPDATE case_sets SET deleted_at = NULL WHERE id = ?", (case_set_id,))
+            self._log_change(conn, "restore", "case_set", case_set_id, row["name"], who=who)
+
+    # -- cases -------------------------------------------------------------------------------------------------
+
+    def add_case(
+        self,
+        case_set_id: int,
+        *,
+        state: Any,
+        images: list[bytes] | None = None,
+        videos: list[bytes] | None = None,
+        expected: dict[str, str | bool | int] | None = None,
+        tags: list[str] | None = None,
+    ) -> int:
+        """Append one case (media stored with it as blobs); returns its id."""
+        return self.add_cases(
+            case_set_id, [{"state": state, "images": images, "videos": videos, "expected": expected, "tags": tags}]
+        )[0]
+
+    def add_cases(self, case_set_id: int, cases: list[dict], *, skip_existing: bool = False) -> list[int]:
+        """Append several cases in one transaction: all are added or none (an import never half-lands). With
+        skip_existing, a case whose content (state, expected, tags, media) is already in the set is not added
+        again, so importing the same file twice is a no-op; returns the ids of the cases added."""
+        prepared = []
+        for index, case in enumerate(cases):
+            try:
+                media = [
+                    (kind, position, media_content_type(blob, kind), bytes(blob))
+                    for kind in ("image", "video")
+                    for position, blob in enumerate(case.get(kind + "s") or [])
+                ]
+                state_json = _dumps(case["state"])
+                content = case_hash(case["state"], case.get("expected"), case.get("tags"),
+                                    [(kind, blob) for kind, _, _, blob in media])
+            except (ValueError, TypeError, KeyError) as exc:
+                raise ValueError(f"case {index + 1}: {exc}") from exc
+            prepared.append(
+                (state_json, _dumps(case.get("expected") or {}), _dumps(list(case.get("tags") or [])), media, content)
+            )
+        ids: list[int] = []
+        with self._write() as conn:
+            if conn.execute("SELECT 1 FROM case_sets WHERE id = ? AND deleted_at IS NULL",
+                            (case_set_id,)).fetchone() is None:
+                raise NotFoundError(f"case set {case_set_id} does not exist")
+            present = self._content_hashes(conn, case_set_id) if skip_existing else Counter()
+            position = conn.execute(
+                "SELECT COALESCE(MAX(position), -1) + 1 FROM cases WHERE case_set_id = ?", (case_set_id,)
+            ).fetchone()[0]
+            for state_json, expected_json, tags_json, media, content in prepared:
+                if present[content] > 0:  # one stored copy answers for one incoming copy
+                    present[content] -= 1
+                    continue
+                cur = conn.execute(
+                    """INSERT INTO cases (case_set_id, position, state_json, expected_json, tags_json, content_hash,
+                                          created_at) VALUES (?, ?, ?, ?, ?, ?, ?)""",
+                    (case_set_id, position, state_json, expected_json, tags_json, content, now_iso()),
+                )
+                case_id = int(cur.lastrowid)
+                conn.executemany(
+                    "INSERT INTO case_media (case_id, kind, position, content_type, data) VALUES (?, ?, ?, ?, ?)",
+                    [(case_id, kind, pos, ctype, blob) for kind, pos, ctype, blob in media],
+                )
+                ids.append(case_id)
+                position += 1
+        return ids
+
+    @staticmethod
+    def _content_hashes(conn: sqlite3.Connection, case_set_id: int) -> Counter:
+        """Hashes of the set's live cases; cases written before hashes existed (or edited) get theirs now."""
+        for row in conn.execute("SELECT * FROM cases WHERE case_set_id = ? AND deleted_at IS NULL AND "
+                                "content_hash IS NULL", (case_set_id,)).fetchall():
+            media = conn.execute("SELECT kind, data FROM case_media WHERE case_id = ? ORDER BY kind, position",
+                                 (row["id"],)).fetchall()
+            content = case_hash(_loads(row["state_json"]), _loads(row["expected_json"]), _loads(row["tags_json"]),
+                                [(m["kind"], m["data"]) for m in media])
+            conn.execute("UPDATE cases SET content_hash = ? WHERE id = ?", (content, row["id"]))
+        rows = conn.execute("SELECT content_hash FROM cases WHERE case_set_id = ? AND deleted_at IS NULL",
+                            (case_set_id,)).fetchall()
+        return Counter(r[0] for r in rows)
+
+    def update_case(
+        self,
+        case_id: int,
+        *,
+        state: Any = ...,
+        expected: dict[str, str | bool | int] | None = ...,  # type: ignore[assignment]
+        tags: list[str] | None = ...,  # type: ignore[assignment]
+    ) -> None:
+        """Change the given fields of a case (media stay)."""
+        with self._write() as conn:
+            if conn.execute("SELECT 1 FROM cases WHERE id = ? AND deleted_at IS NULL", (case_id,)).fetchone() is None:
+                raise NotFoundError(f"case {case_id} does not exist")
+            if state is not ...:
+                conn.execute("UPDATE cases SET state_json = ? WHERE id = ?", (_dumps(state), case_id))
+            if expected is not ...:
+                conn.execute("UPDATE cases SET expected_json = ? WHERE id = ?", (_dumps(expected or {}), case_id))
+            if tags is not ...:
+                conn.execute("UPDATE cases SET tags_json = ? WHERE id = ?", (_dumps(list(tags or [])), case_id))
+            conn.execute("UPDATE cases SET content_hash = NULL WHERE id = ?", (case_id,))  # recomputed when needed
+
+    def delete_case(self, case_id: int, *, who: str = "") -> None:
+        """Delete a case (soft: restore_case brings it back); refused while runs have results for it."""
+        with self._write() as conn:
+            row = conn.execute("SELECT state_json FROM cases WHERE id = ? AND deleted_at IS NULL",
+                               (case_id,)).fetchone()
+            if row is None:
+                raise NotFoundError(f"case {case_id} does not exist")
+            used = conn.execute(
+                """SELECT COUNT(*) FROM results x JOIN runs r ON r.id = x.run_id
+                   WHERE x.case_id = ? AND r.deleted_at IS NULL""", (case_id,)).fetchone()[0]
+            if used:
+                raise StoreError(f"case {case_id} has results in {used} run(s); delete those runs first")
+            conn.execute("UPDATE cases SET deleted_at = ? WHERE id = ?", (now_iso(), case_id))
+            self._log_change(conn, "delete", "case", case_id, f"case {case_id}: {row['state_json'][:80]}", who=who)
+
+    def restore_case(self, case_id: int, *, who: str = "") -> None:
+        """Undo delete_case (into its case set, at its old position)."""
+        with self._write() as conn:
+            row = conn.execute("SELECT state_json FROM cases WHERE id = ? AND deleted_at IS NOT NULL",
+                               (case_id,)).fetchone()
+            if row is None:
+                raise NotFoundError(f"case {case_id} is not deleted")
+            conn.execute("UPDATE cases SET deleted_at = NULL WHERE id = ?", (case_id,))
+            self._log_change(conn, "restore", "case", case_id, f"case {case_id}: {row['state_json'][:80]}", who=who)
+
+    @staticmethod
+    def _case_row(row: sqlite3.Row) -> dict:
+        return {
+            "id": row["id"],
+            "case_set_id": row["case_set_id"],
+            "position": row["position"],
+            "state": _loads(row["state_json"]),
+            "expected": _loads(row["expected_json"]),
+            "tags": _loads(row["tags_json"]),
+            "image_count": row["image_count"],
+            "video_count": row["video_count"],
+        }
+
+    _CASE_SELECT = """SELECT c.*,
+        (SELECT COUNT(*) FROM case_media m WHERE m.case_id = c.id AND m.kind = 'image') AS image_count,
+        (SELECT COUNT(*) FROM case_media m WHERE m.case_id = c.id AND m.kind = 'video') AS video_count
+        FROM cases c"""
+
+    def list_cases(self, case_set_id: int) -> list[dict]:
+        """Cases of a set in order, without media bytes (counts only)."""
+        rows = self._conn().execute(
+            self._CASE_SELECT + " WHERE c.case_set_id = ? AND c.deleted_at IS NULL ORDER BY c.position",
+            (case_set_id,),
+        ).fetchall()
+        return [self._case_row(r) for r in rows]
+
+    def get_case(self, case_id: int, *, with_media: bool = True) -> dict:
+        """One case; with media, `images`/`videos` are lists of {content_type, data: bytes} in order. A deleted
+        case is still found here: runs and reviews that used it keep showing it."""
+        with self._read() as conn:
+            row = conn.execute(self._CASE_SELECT + " WHERE c.id = ?", (case_id,)).fetchone()
+            if row is None:
+                raise NotFoundError(f"case {case_id} does not exist")
+            case = self._case_row(row)
+            if with_media:
+                media = conn.execute(
+                    "SELECT kind, content_type, data FROM case_media WHERE case_id = ? ORDER BY kind, position",
+                    (case_id,),
+                ).fetchall()
+                case["images"] = [{"content_type": m["content_type"], "data": m["data"]} for m in media
+                                  if m["kind"] == "image"]
+                case["videos"] = [{"content_type": m["content_type"], "data": m["data"]} for m in media
+                                  if m["kind"] == "video"]
+        return case
+
+    def get_cases(self, case_ids: list[int]) -> list[dict]:
+        """Several cases with media, in the order asked."""
+        return [self.get_case(case_id) for case_id in case_ids]

@@ -1,0 +1,230 @@
+"""The review queue: per-schema rules, items frozen at queue time, reviewer actions checked against the version the
+reviewer saw (a stale action is refused with ReviewConflictError, never applied twice), and the append-only audit
+log of actions with undo."""
+
+from __future__ import annotations
+
+import sqlite3
+from typing import Any
+
+from clef_workbench.store.base import NotFoundError, ReviewConflictError, StoreBase, StoreError, _dumps, _loads, now_iso
+
+REVIEW_STATUSES = ("open", "accepted", "corrected", "unknown", "skipped")
+REVIEW_ACTIONS = ("accept", "correct", "unknown", "skip")
+# status an action leaves the item in
+_ACTION_STATUS = {"accept": "accepted", "correct": "corrected", "unknown": "unknown", "skip": "skipped"}
+
+
+class ReviewMixin(StoreBase):
+    # -- review queue ------------------------------------------------------------------------------------------
+
+    def get_review_rules(self, schema_name: str) -> dict | None:
+        row = self._conn().execute("SELECT rules_json FROM review_rules WHERE schema_name = ?", (schema_name,))
+        found = row.fetchone()
+        return None if found is None else _loads(found[0])
+
+    def save_review_rules(self, schema_name: str, rules: dict) -> None:
+        with self._write() as conn:
+            conn.execute(
+                """INSERT INTO review_rules (schema_name, rules_json, updated_at) VALUES (?, ?, ?)
+                   ON CONFLICT (schema_name) DO UPDATE SET rules_json = excluded.rules_json,
+                   updated_at = excluded.updated_at""",
+                (schema_name, _dumps(rules), now_iso()),
+            )
+
+    def queue_review_items(self, items: list[dict]) -> int:
+        """Add items to the review queue with their reason frozen now. Each dict: run_id, case_id, question_id,
+        question_type, distribution {option: p}, predicted, confidence, margin, reason, model_id, schema_name,
+        schema_version. An item already queued for the same (run, case, question) is left as it is. Returns the
+        number added."""
+        stamp = now_iso()
+        with self._write() as conn:
+            before = conn.total_changes
+            conn.executemany(
+                """INSERT INTO review_items (run_id, case_id, question_id, question_type, distribution_json,
+                       predicted, confidence, margin, reason, model_id, schema_name, schema_version,
+                       created_at, updated_at)
+                   VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
+                   ON CONFLICT (run_id, case_id, question_id) DO NOTHING""",
+                [
+                    (
+                        i["run_id"], i["case_id"], i["question_id"], i["question_type"], _dumps(i["distribution"]),
+                        str(i["predicted"]), float(i["confidence"]), float(i["margin"]), i["reason"],
+                        i["model_id"], i["schema_name"], str(i["schema_version"]), stamp, stamp,
+                    )
+                    for i in items
+                ],
+            )
+            return conn.total_changes - before
+
+    @staticmethod
+    def _item_row(row: sqlite3.Row) -> dict:
+        item = dict(row)
+        item["distribution"] = _loads(item.pop("distribution_json"))
+        item["label"] = _loads(item.pop("label_json"))
+        return item
+
+    def list_review_items(self, run_id: int, *, statuses: tuple[str, ...] | None = None) -> list[dict]:
+        """Queue of a run, worst first: open items before skipped ones before done ones, each by smallest margin."""
+        query = """SELECT * FROM review_items WHERE run_id = ?"""
+        params: list[Any] = [run_id]
+        if statuses:
+            query += f" AND status IN ({','.join('?' * len(statuses))})"
+            params.extend(statuses)
+        query += """ ORDER BY CASE status WHEN 'open' THEN 0 WHEN 'skipped' THEN 1 ELSE 2 END,
+                     margin ASC, confidence ASC, id ASC"""
+        return [self._item_row(r) for r in self._conn().execute(query, params).fetchall()]
+
+    def get_review_item(self, item_id: int) -> dict:
+        row = self._conn().execute("SELECT * FROM review_items WHERE id = ?", (item_id,)).fetchone()
+        if row is None:
+            raise NotFoundError(f"review item {item_id} does not exist")
+        return self._item_row(row)
+
+    def review_progress(self, run_id: int) -> dict[str, int]:
+        """Counts per status plus total and reviewed (accepted + corrected + unknown)."""
+        rows = self._conn().execute(
+            "SELECT status, COUNT(*) FROM review_items WHERE run_id = ? GROUP BY status", (run_id,)
+        ).fetchall()
+        counts = {status: 0 for status in REVIEW_STATUSES}
+        counts.update({r[0]: r[1] for r in rows})
+        counts["total"] = sum(counts[s] for s in REVIEW_STATUSES)
+        counts["reviewed"] = counts["accepted"] + counts["corrected"] + counts["unknown"]
+        return counts
+
+    @staticmethod
+    def _item_state(item: dict | sqlite3.Row) -> dict:
+        return {"status": item["status"], "label": _loads(item["label_json"]), "reviewer": item["reviewer"]}
+
+    def apply_review_action(
+        self, item_id: int, *, reviewer: str, action: str, expected_version: int, label: Any = None,
+        comment: str | None = None,
+    ) -> dict:
+        """Apply accept / correct / unknown / skip to an item, if it is still at the version the reviewer saw.
+
+        accept labels the item with the model's answer; correct with `label` (option id, level or bool); unknown
+        and skip carry no label. `comment` is kept with the action in the audit log. Raises ReviewConflictError if
+        someone else acted first. Returns the new item."""
+        reviewer = (reviewer or "").strip()
+        if not reviewer:
+            raise ValueError("reviewer name is required")
+        if action not in REVIEW_ACTIONS:
+            raise ValueError(f"action must be one of {REVIEW_ACTIONS}, not {action!r}")
+        with self._write() as conn:
+            row = conn.execute("SELECT * FROM review_items WHERE id = ?", (item_id,)).fetchone()
+            if row is None:
+                raise NotFoundError(f"review item {item_id} does not exist")
+            if row["version"] != expected_version:
+                raise ReviewConflictError(
+                    f"review item {item_id} was changed by {row['reviewer'] or 'another reviewer'} "
+                    f"(now {row['status']!r}) after you loaded it; your {action!r} was not applied — reload it",
+                    item=self._item_row(row),
+                )
+            allowed = list(_loads(row["distribution_json"]).keys())
+            if action == "accept":
+                new_label: Any = _coerce_label(row["question_type"], row["predicted"])
+            elif action == "correct":
+                if label is None:
+                    raise ValueError("correct needs the right answer (an option id, a level or true/false)")
+                new_label = _coerce_label(row["question_type"], label)
+                if _label_key(new_label) not in allowed:
+                    raise ValueError(f"{label!r} is not an option of question {row['question_id']!r}: {allowed}")
+            else:
+                new_label = None
+            before = self._item_state(row)
+            after = {"status": _ACTION_STATUS[action], "label": new_label, "reviewer": reviewer}
+            self._set_item_state(conn, item_id, after)
+            conn.execute(
+                """INSERT INTO review_actions (item_id, reviewer, at, action, before_json, after_json, comment)
+                   VALUES (?, ?, ?, ?, ?, ?, ?)""",
+                (item_id, reviewer, now_iso(), action, _dumps(before), _dumps(after), (comment or "").strip() or None),
+            )
+            return self._item_row(conn.execute("SELECT * FROM review_items WHERE id = ?", (item_id,)).fetchone())
+
+    @staticmethod
+    def _set_item_state(conn: sqlite3.Connection, item_id: int, state: dict) -> None:
+        conn.execute(
+            """UPDATE review_items SET status = ?, label_json = ?, reviewer = ?, version = version + 1,
+               updated_at = ? WHERE id = ?""",
+            (state["status"], None if state["label"] is None else _dumps(state["label"]), state["reviewer"],
+             now_iso(), item_id),
+        )
+
+    def undo_last_action(self, reviewer: str, *, run_id: int | None = None) -> dict:
+        """Undo this reviewer's most recent action that is not yet undone, by appending an `undo` entry and
+        restoring the item's previous state. Refused if another reviewer changed the item since. Returns the item.
+        """
+        reviewer = (reviewer or "").strip()
+        if not reviewer:
+            raise ValueError("reviewer name is required")
+        with self._write() as conn:
+            query = """SELECT a.* FROM review_actions a JOIN review_items i ON i.id = a.item_id
+                       WHERE a.reviewer = ? AND a.action != 'undo'
+                         AND NOT EXISTS (SELECT 1 FROM review_actions u WHERE u.undoes_action_id = a.id)"""
+            params: list[Any] = [reviewer]
+            if run_id is not None:
+                query += " AND i.run_id = ?"
+                params.append(run_id)
+            last = conn.execute(query + " ORDER BY a.id DESC LIMIT 1", params).fetchone()
+            if last is None:
+                raise StoreError(f"{reviewer} has no action left to undo")
+            row = conn.execute("SELECT * FROM review_items WHERE id = ?", (last["item_id"],)).fetchone()
+            current = self._item_state(row)
+            if current != _loads(last["after_json"]):
+                raise ReviewConflictError(
+                    f"review item {row['id']} was changed by {row['reviewer']} after your {last['action']!r}; "
+                    "it cannot be undone",
+                    item=self._item_row(row),
+                )
+            restored = _loads(last["before_json"])
+            self._set_item_state(conn, row["id"], restored)
+            conn.execute(
+                """INSERT INTO review_actions (item_id, reviewer, at, action, before_json, after_json,
+                                               undoes_action_id) VALUES (?, ?, ?, 'undo', ?, ?, ?)""",
+                (row["id"], reviewer, now_iso(), _dumps(current), _dumps(restored), last["id"]),
+            )
+            return self._item_row(conn.execute("SELECT * FROM review_items WHERE id = ?", (row["id"],)).fetchone())
+
+    def list_review_actions(self, *, run_id: int | None = None, item_id: int | None = None) -> list[dict]:
+        """The audit log in the order written, with before/after states decoded."""
+        query = """SELECT a.*, i.run_id, i.case_id, i.question_id FROM review_actions a
+                   JOIN review_items i ON i.id = a.item_id WHERE 1 = 1"""
+        params: list[Any] = []
+        if run_id is not None:
+            query += " AND i.run_id = ?"
+            params.append(run_id)
+        if item_id is not None:
+            query += " AND a.item_id = ?"
+            params.append(item_id)
+        rows = self._conn().execute(query + " ORDER BY a.id", params).fetchall()
+        out = []
+        for row in rows:
+            entry = dict(row)
+            entry["before"] = _loads(entry.pop("before_json"))
+            entry["after"] = _loads(entry.pop("after_json"))
+            out.append(entry)
+        return out
+
+
+def _label_key(label: str | bool | int) -> str:
+    """The distribution key of a label: 'true'/'false' for noul, '2' for a score level, the id for a choice."""
+    return str(label).lower() if isinstance(label, bool) else str(label)
+
+
+def _coerce_label(question_type: str, value: Any) -> str | bool | int:
+    """A label in the type expected answers use: bool for noul, int level for score, option id str for choice."""
+    if question_type == "noul":
+        if isinstance(value, bool):
+            return value
+        text = str(value).strip().lower()
+        if text in ("true", "yes", "1"):
+            return True
+        if text in ("false", "no", "0"):
+            return False
+        raise ValueError(f"{value!r} is not true or false")
+    if question_type == "score":
+        try:
+            return int(value)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"{value!r} is not a score level number") from exc
+    return str(value)

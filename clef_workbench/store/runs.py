@@ -1,0 +1,259 @@
+"""Runs of a case set against a schema, their per-case results, and the lease that lets one process at a time work
+on a run. Deleting a run is soft (logged, restorable)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import sqlite3
+import time
+import uuid
+from typing import Any
+
+from clef_workbench.store.base import NotFoundError, StoreBase, StoreError, _dumps, _loads, now_iso
+
+RUN_STATUSES = ("pending", "running", "cancelled", "finished", "failed")
+
+
+def new_lease_owner() -> str:
+    """A lease owner id: host, process id and a random part (two runners in one process are two owners)."""
+    return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+
+
+def _owner_process_gone(owner: str) -> bool:
+    """True when the owner ran on this host in a process that no longer exists (killed, crashed): its lease is
+    void at once instead of after it expires. Owners on other hosts are judged by expiry alone."""
+    host, _, rest = owner.partition(":")
+    pid_text = rest.split(":", 1)[0]
+    if host != socket.gethostname() or not pid_text.isdigit():
+        return False
+    try:
+        os.kill(int(pid_text), 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # it exists, under another user
+        return False
+    return False
+
+
+class RunsMixin(StoreBase):
+    def create_run(
+        self,
+        case_set_id: int,
+        *,
+        schema: dict,
+        model_id: str,
+        model_revision: str | None = None,
+        settings: dict | None = None,
+    ) -> int:
+        """Record a run of a case set against a schema (a dict with name, version, questions); status pending."""
+        if not isinstance(schema, dict) or not isinstance(schema.get("questions"), dict) or not schema["questions"]:
+            raise ValueError("schema must be a dict with a non-empty 'questions' map")
+        self.get_case_set(case_set_id)  # type: ignore[attr-defined]  (CaseSetsMixin)
+        with self._write() as conn:
+            cur = conn.execute(
+                """INSERT INTO runs (case_set_id, schema_json, schema_name, schema_version, model_id, model_revision,
+                                     settings_json, created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?)""",
+                (
+                    case_set_id,
+                    _dumps(schema),
+                    str(schema.get("name") or "unnamed"),
+                    str(schema.get("version") or "1"),
+                    model_id,
+                    model_revision,
+                    _dumps(settings or {}),
+                    now_iso(),
+                ),
+            )
+            return int(cur.lastrowid)
+
+    @staticmethod
+    def _run_row(row: sqlite3.Row) -> dict:
+        run = dict(row)
+        run["schema"] = _loads(run.pop("schema_json"))
+        run["settings"] = _loads(run.pop("settings_json"))
+        return run
+
+    _RUN_SELECT = """SELECT r.*, s.name AS case_set_name,
+        (SELECT COUNT(*) FROM cases c WHERE c.case_set_id = r.case_set_id AND c.deleted_at IS NULL) AS total,
+        (SELECT COUNT(*) FROM results x WHERE x.run_id = r.id) AS done,
+        (SELECT COUNT(*) FROM results x WHERE x.run_id = r.id AND x.error IS NOT NULL) AS errors
+        FROM runs r JOIN case_sets s ON s.id = r.case_set_id"""
+
+    def get_run(self, run_id: int) -> dict:
+        """A run with its schema, settings and progress counts (total cases, done, errors)."""
+        row = self._conn().execute(self._RUN_SELECT + " WHERE r.id = ? AND r.deleted_at IS NULL",
+                                   (run_id,)).fetchone()
+        if row is None:
+            raise NotFoundError(f"run {run_id} does not exist")
+        return self._run_row(row)
+
+    def list_runs(self, case_set_id: int | None = None, *, deleted: bool = False) -> list[dict]:
+        """Runs, newest first, optionally of one case set (with deleted=True: the deleted ones instead)."""
+        where = "r.deleted_at IS NOT NULL" if deleted else "r.deleted_at IS NULL"
+        if case_set_id is None:
+            rows = self._conn().execute(f"{self._RUN_SELECT} WHERE {where} ORDER BY r.id DESC").fetchall()
+        else:
+            rows = self._conn().execute(
+                f"{self._RUN_SELECT} WHERE {where} AND r.case_set_id = ? ORDER BY r.id DESC", (case_set_id,)
+            ).fetchall()
+        return [self._run_row(r) for r in rows]
+
+    def set_run_status(self, run_id: int, status: str, *, error: str | None = None) -> None:
+        """Move a run to a status; `running` stamps started_at (first time), terminal states stamp finished_at."""
+        if status not in RUN_STATUSES:
+            raise ValueError(f"run status must be one of {RUN_STATUSES}, not {status!r}")
+        with self._write() as conn:
+            if status == "running":
+                conn.execute(
+                    """UPDATE runs SET status = ?, error = NULL, finished_at = NULL,
+                       started_at = COALESCE(started_at, ?) WHERE id = ?""",
+                    (status, now_iso(), run_id),
+                )
+            elif status == "pending":
+                conn.execute("UPDATE runs SET status = ? WHERE id = ?", (status, run_id))
+            else:
+                conn.execute(
+                    "UPDATE runs SET status = ?, error = ?, finished_at = ? WHERE id = ?",
+                    (status, error, now_iso(), run_id),
+                )
+
+    def delete_run(self, run_id: int, *, who: str = "") -> None:
+        """Delete a run (soft: restore_run brings it back with its results); refused while a process works on it,
+        and once reviewers have acted on it (the audit log is permanent)."""
+        with self._write() as conn:
+            row = conn.execute("SELECT * FROM runs WHERE id = ? AND deleted_at IS NULL", (run_id,)).fetchone()
+            if row is None:
+                raise NotFoundError(f"run {run_id} does not exist")
+            acted = conn.execute(
+                """SELECT COUNT(*) FROM review_actions a JOIN review_items i ON i.id = a.item_id
+                   WHERE i.run_id = ?""",
+                (run_id,),
+            ).fetchone()[0]
+            if acted:
+                raise StoreError(f"run {run_id} has {acted} review action(s) in the audit log; it cannot be deleted")
+            if self._live_owner(row) is not None:
+                raise StoreError(f"run {run_id} is running; cancel it first")
+            conn.execute("UPDATE runs SET deleted_at = ? WHERE id = ?", (now_iso(), run_id))
+            self._log_change(conn, "delete", "run", run_id, f"run {run_id} · {row['schema_name']}", who=who)
+
+    def restore_run(self, run_id: int, *, who: str = "") -> None:
+        """Undo delete_run."""
+        with self._write() as conn:
+            row = conn.execute("SELECT * FROM runs WHERE id = ? AND deleted_at IS NOT NULL", (run_id,)).fetchone()
+            if row is None:
+                raise NotFoundError(f"run {run_id} is not deleted")
+            deleted_set = conn.execute("SELECT name FROM case_sets WHERE id = ? AND deleted_at IS NOT NULL",
+                                       (row["case_set_id"],)).fetchone()
+            if deleted_set is not None:
+                raise StoreError(f"restore the case set {deleted_set['name']!r} first: run {run_id} belongs to it")
+            conn.execute("UPDATE runs SET deleted_at = NULL WHERE id = ?", (run_id,))
+            self._log_change(conn, "restore", "run", run_id, f"run {run_id} · {row['schema_name']}", who=who)
+
+    # -- the lease: one process at a time works on a run -------------------------------------------------------
+
+    @staticmethod
+    def _live_owner(row: sqlite3.Row) -> str | None:
+        owner, expires = row["lease_owner"], row["lease_expires_at"]
+        if owner is None or expires is None or expires < time.time() or _owner_process_gone(owner):
+            return None
+        return owner
+
+    def acquire_run_lease(self, run_id: int, owner: str, ttl_s: float) -> str | None:
+        """Take the run's lease for `owner` for ttl_s seconds. Returns None on success, else the owner that holds a
+        live lease (another process is working on the run). A lease whose holder's process is gone, or that was
+        not renewed in time, is taken over."""
+        with self._write() as conn:
+            row = conn.execute("SELECT lease_owner, lease_expires_at FROM runs WHERE id = ? AND deleted_at IS NULL",
+                               (run_id,)).fetchone()
+            if row is None:
+                raise NotFoundError(f"run {run_id} does not exist")
+            holder = self._live_owner(row)
+            if holder is not None and holder != owner:
+                return holder
+            conn.execute("UPDATE runs SET lease_owner = ?, lease_expires_at = ? WHERE id = ?",
+                         (owner, time.time() + ttl_s, run_id))
+            return None
+
+    def renew_run_lease(self, run_id: int, owner: str, ttl_s: float) -> bool:
+        """Extend the lease if `owner` still holds it; False if it was lost (taken over after it expired)."""
+        with self._write() as conn:
+            cur = conn.execute("UPDATE runs SET lease_expires_at = ? WHERE id = ? AND lease_owner = ?",
+                               (time.time() + ttl_s, run_id, owner))
+            return cur.rowcount == 1
+
+    def release_run_lease(self, run_id: int, owner: str) -> None:
+        with self._write() as conn:
+            conn.execute("UPDATE runs SET lease_owner = NULL, lease_expires_at = NULL WHERE id = ? AND lease_owner = ?",
+                         (run_id, owner))
+
+    def run_lease_holder(self, run_id: int) -> str | None:
+        """The owner holding a live lease on the run, or None."""
+        row = self._conn().execute("SELECT lease_owner, lease_expires_at FROM runs WHERE id = ?",
+                                   (run_id,)).fetchone()
+        return None if row is None else self._live_owner(row)
+
+    # -- results -----------------------------------------------------------------------------------------------
+
+    def unfinished_case_ids(self, run_id: int) -> list[int]:
+        """Cases of the run's case set that have no result yet, in case-set order."""
+        rows = self._conn().execute(
+            """SELECT c.id FROM cases c JOIN runs r ON r.case_set_id = c.case_set_id
+               WHERE r.id = ? AND c.deleted_at IS NULL
+                 AND NOT EXISTS (SELECT 1 FROM results x WHERE x.run_id = r.id AND x.case_id = c.id)
+               ORDER BY c.position""",
+            (run_id,),
+        ).fetchall()
+        return [r[0] for r in rows]
+
+    def record_results(self, run_id: int, results: list[dict]) -> int:
+        """Write results of one chunk atomically. Each dict: case_id, response | error, latency_ms, input_tokens,
+        token_counts, started_at, finished_at. A (run, case) already recorded is kept, not duplicated; returns
+        how many rows were new."""
+        stamp = now_iso()
+        rows = [
+            (
+                run_id,
+                r["case_id"],
+                None if r.get("response") is None else _dumps(r["response"]),
+                r.get("error"),
+                r.get("latency_ms"),
+                r.get("input_tokens"),
+                None if r.get("token_counts") is None else _dumps(r["token_counts"]),
+                r.get("started_at") or stamp,
+                r.get("finished_at") or stamp,
+            )
+            for r in results
+        ]
+        with self._write() as conn:
+            before = conn.total_changes
+            conn.executemany(
+                """INSERT INTO results (run_id, case_id, response_json, error, latency_ms, input_tokens,
+                                        token_counts_json, started_at, finished_at)
+                   VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (run_id, case_id) DO NOTHING""",
+                rows,
+            )
+            return conn.total_changes - before
+
+    def delete_error_results(self, run_id: int) -> int:
+        """Forget the failed results of a run so that resuming it tries those cases again."""
+        with self._write() as conn:
+            return conn.execute("DELETE FROM results WHERE run_id = ? AND error IS NOT NULL", (run_id,)).rowcount
+
+    def list_results(self, run_id: int) -> list[dict]:
+        """Results of a run in case-set order, each with the case's state, expected answers and tags."""
+        rows = self._conn().execute(
+            """SELECT x.*, c.position, c.state_json, c.expected_json, c.tags_json FROM results x
+               JOIN cases c ON c.id = x.case_id WHERE x.run_id = ? ORDER BY c.position""",
+            (run_id,),
+        ).fetchall()
+        out = []
+        for row in rows:
+            item: dict[str, Any] = dict(row)
+            item["response"] = _loads(item.pop("response_json"))
+            item["token_counts"] = _loads(item.pop("token_counts_json"))
+            item["state"] = _loads(item.pop("state_json"))
+            item["expected"] = _loads(item.pop("expected_json"))
+            item["tags"] = _loads(item.pop("tags_json"))
+            out.append(item)
+        return out

@@ -1,0 +1,52 @@
+"""A real local Ray cluster on this machine's CPUs for the distributed tests (two CPUs: two replicas of the tiny
+release at a time), and the comparison of a run's answers with the same run done in process."""
+
+from __future__ import annotations
+
+import math
+import re
+
+import pytest
+
+CPUS = 2
+# Answers are rounded to 4 decimals; float32 sums in packs of other sizes and on other thread counts can land a
+# value on the other side of a rounding step.
+TOLERANCE = 1.5e-4
+
+
+def local_cluster() -> str:
+    """Start the cluster once per test session (or reuse it); returns its address for other drivers."""
+    ray = pytest.importorskip("ray")
+    if not ray.is_initialized():
+        ray.init(num_cpus=CPUS, include_dashboard=False, log_to_driver=False)
+    return ray.get_runtime_context().gcs_address
+
+
+def assert_same_answers(expected: list[dict], actual: list[dict]) -> None:
+    """Every case has one result in both runs, with the same error or the same probabilities."""
+    assert [r["case_id"] for r in actual] == [r["case_id"] for r in expected]
+    for want, got in zip(expected, actual):
+        assert _same_text(got["error"]) == _same_text(want["error"]), (got["case_id"], want["error"], got["error"])
+        if want["error"] is None:
+            _assert_close(want["response"]["answers"], got["response"]["answers"], f"case {got['case_id']}")
+            assert got["input_tokens"] == want["input_tokens"]
+
+
+def _same_text(error: str | None) -> str | None:
+    """An error message without the object addresses Python puts in some (they differ between processes)."""
+    return None if error is None else re.sub(r" at 0x[0-9a-f]+", "", error)
+
+
+def _assert_close(want, got, where: str) -> None:
+    if isinstance(want, dict):
+        assert isinstance(got, dict) and set(got) == set(want), where
+        for key in want:
+            _assert_close(want[key], got[key], f"{where}.{key}")
+    elif isinstance(want, list):
+        assert isinstance(got, list) and len(got) == len(want), where
+        for index, (a, b) in enumerate(zip(want, got)):
+            _assert_close(a, b, f"{where}[{index}]")
+    elif isinstance(want, float):
+        assert math.isclose(want, got, abs_tol=TOLERANCE), f"{where}: {want} != {got}"
+    else:
+        assert want == got, where

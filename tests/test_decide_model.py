@@ -1,0 +1,161 @@
+"""The Decide page's view-model without Streamlit: the builder's state machine and identity, problem routing, the
+token-budget cache, the result record, save as case, and the draft."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from clef_workbench import schemas, state_input
+from clef_workbench.store import Store
+from workbench_ui import decide_model as vm
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def library() -> schemas.SchemaLibrary:
+    return schemas.SchemaLibrary(REPO / "schemas")
+
+
+def ids(state: dict) -> list[str]:
+    return [row["id"] for row in vm.Builder(state).rows()]
+
+
+def test_builder_adds_moves_and_removes_questions_with_stable_widget_keys():
+    state: dict = {}
+    builder = vm.Builder(state)
+    for qtype in ("noul", "choice", "score"):
+        builder.add_question(qtype)
+    assert ids(state) == ["q1", "q2", "q3"]
+    assert state["decide.q1.type"] == "choice" and "unknown: None of these fits." in state["decide.q1.options"]
+    assert state["_keep.decide.q2.levels"] == "Low\nMedium\nHigh"  # kept for a visit to another page
+    state["decide.q0.id"] = "q4"
+    builder.add_question("noul")  # q4 is taken: the next free number
+    assert ids(state) == ["q4", "q2", "q3", "q5"]
+    builder.move(2, -1)
+    builder.move(0, -1)  # already first: stays
+    assert ids(state) == ["q4", "q3", "q2", "q5"]
+    builder.remove(0)
+    assert ids(state) == ["q3", "q2", "q5"]
+    rows = builder.rows()
+    assert rows[1]["options"][0] == {"id": "option_a", "description": ""} and rows[0]["levels"] == ["Low", "Medium",
+                                                                                                    "High"]
+
+
+def test_identity_follows_the_schema_on_screen(library):
+    state: dict = {}
+    builder = vm.Builder(state)
+    schema = library.load("support-ticket-routing")
+    builder.load("support-ticket-routing", schema, with_example=True)
+    assert builder.loaded_slug == "support-ticket-routing" and state["decide.library_pick"] == "support-ticket-routing"
+    assert state["decide.state_text"] == schema.examples[0]["state"]
+    assert not builder.unsaved_changes()
+    state[vm.row_keys(builder.uids[0])["instructions"]] = "Something else"
+    assert builder.unsaved_changes()
+
+    builder.new_schema()
+    assert builder.loaded_slug is None and builder.examples == [] and builder.uids == []
+    assert state["decide.schema_name"] == "" and state["decide.library_pick"] is None
+    assert state["decide.state_text"] == schema.examples[0]["state"], "the state stays"
+    builder.add_question("noul")
+    questions, _ = schemas.rows_to_questions(builder.rows())
+    new = builder.schema_to_save(questions, "Mine", "", update=False)
+    assert new.examples == [], "a new schema does not inherit the old schema's example states"
+    assert builder.unsaved_changes(), "questions built from nothing are unsaved"
+
+
+def test_a_loaded_schema_keeps_its_examples_on_update_only(library):
+    state: dict = {}
+    builder = vm.Builder(state)
+    schema = library.load("invoice-triage")
+    builder.load("invoice-triage", schema)
+    questions, _ = schemas.rows_to_questions(builder.rows())
+    assert builder.schema_to_save(questions, "x", "", update=True).examples == schema.examples
+    assert builder.schema_to_save(questions, "x", "", update=False).examples == []
+
+
+def test_problems_go_next_to_their_question_by_position_or_id():
+    rows = [{"id": "urgent"}, {"id": "team"}, {"id": "team "}]
+    messages = vm.Messages()
+    vm.route_schema_problems([
+        schemas.SchemaProblem(loc=("questions", "team", "criteria"), msg="bad options"),
+        schemas.SchemaProblem(loc=("questions", 0, "id"), msg="bad id"),
+        schemas.SchemaProblem(loc=("questions", "urgent"), msg="vague", severity="warning"),
+        schemas.SchemaProblem(loc=("questions",), msg="no questions"),
+    ], rows, messages)
+    assert messages.errors == {1: ["bad options"], 2: ["bad options"], 0: ["bad id"], "schema": ["no questions"]}
+    assert messages.warnings == {0: ["vague"]}
+
+    engine = vm.Messages()
+    vm.route_engine_problems({"state": ["empty"], "images": ["too big"], "question:urgent": ["x"],
+                              "question:gone": ["y"], "max_length": ["z"]}, rows, engine)
+    assert engine.errors == {"state": ["empty"], "media": ["too big"], 0: ["x"], "schema": ["y"], "budget": ["z"]}
+
+
+def test_engine_wording_becomes_the_controls_labels():
+    text = "allow truncation (overflow='truncate_state')"
+    assert vm.in_control_words(text) == ("allow truncation (“If the state does not fit: truncate the end of the "
+                                         "state”)")
+
+
+class CountingEngine:
+    def __init__(self):
+        self.calls = 0
+
+    def count_tokens(self, request, *, max_length):
+        self.calls += 1
+        return {"total": len(request["state"]) + max_length}
+
+
+def test_budget_cache_counts_once_per_request_budget_and_engine():
+    cache = vm.BudgetCache()
+    first, second = CountingEngine(), CountingEngine()
+    request = {"state": "abc", "questions": {}}
+    assert cache.counts(first, request, 100) == {"total": 103}
+    assert cache.counts(first, dict(request), 100) == {"total": 103} and first.calls == 1
+    cache.counts(first, request, 200)
+    cache.counts(first, {"state": "abcd", "questions": {}}, 200)
+    assert first.calls == 3
+    cache.counts(second, {"state": "abcd", "questions": {}}, 200)  # another model: counted by it
+    assert second.calls == 1
+
+
+def test_result_record_and_save_as_case(tmp_path):
+    png = b"\x89PNG\r\n\x1a\n" + b"\x00" * 32
+    image = state_input.Media("image", "a.png", "image/png", png, 32, 32)
+    questions = {"urgent": {"type": "noul", "instructions": "Urgent?"}}
+    result = vm.DecideResult(
+        request={"state": "s", "questions": questions, "images": ["data:image/png;base64,AAAA"]},
+        response={"answers": {"urgent": {"type": "noul", "noul": 0.8}}},
+        questions=questions, state="s", images=(image,), videos=(), schema_name="", model_label="clef-demo",
+        device="cpu")
+    assert result.default_case_set() == "Decide cases"
+    store = Store(tmp_path / "w.db")
+    case_id = vm.save_as_case(store, result, result.default_case_set(), with_labels=True, tags_text=" a, ,b ")
+    case = store.get_case(case_id)
+    assert case["expected"] == {"urgent": True} and case["tags"] == ["a", "b"]
+    assert case["images"] == [{"content_type": "image/png", "data": png}]
+    unlabelled = vm.save_as_case(store, result, "Decide cases", with_labels=False, tags_text="")
+    assert store.get_case(unlabelled)["expected"] == {}
+    assert len(store.list_case_sets()) == 1
+
+
+def test_draft_round_trip_and_save_only_on_change(library):
+    state: dict = {}
+    builder = vm.Builder(state)
+    builder.load("support-ticket-routing", library.load("support-ticket-routing"), with_example=True)
+    vm.set_kept(state, "decide.max_length", 2048)
+    state[vm.row_keys(builder.uids[1])["id"]] = "renamed"
+    saved: list[dict] = []
+    assert vm.save_draft_if_changed(state, saved.append)
+    assert not vm.save_draft_if_changed(state, saved.append), "nothing changed: nothing written"
+    draft = saved[-1]
+
+    fresh: dict = {}
+    vm.restore_draft(fresh, draft)
+    assert vm.draft_of(fresh) == draft
+    assert ids(fresh)[1] == "renamed" and fresh["decide.max_length"] == 2048
+    assert vm.Builder(fresh).loaded_slug == "support-ticket-routing"
+    assert vm.Builder(fresh).unsaved_changes(), "the renamed question is still an unsaved change after a reload"

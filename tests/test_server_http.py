@@ -1,0 +1,404 @@
+"""HTTP behaviour of `python -m clef_engine serve` beyond answering: JSON assets, placeholders, content types, CORS,
+auth challenges, slow and idle connections, deadlines, the OpenAPI document and /docs, metrics registries. Every
+test speaks to a real server process on the tiny release, as a client would."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+from PIL import Image
+
+from tests.test_server import JSON, ServerProcess, check_answers, make_request
+
+ALLOWED_ORIGIN = "http://allowed.test"
+HEADER_TIMEOUT = 1.5
+KEEP_ALIVE_TIMEOUT = 1
+REQUEST_TIMEOUT = 3.0  # the deadline server's: well under what the slow request below needs, over a small one's
+
+
+# --- media, shared with the fuzz test ---------------------------------------------------------------------------
+
+
+def png(width: int, height: int, color: tuple[int, int, int] = (200, 30, 30)) -> bytes:
+    buffer = io.BytesIO()
+    Image.new("RGB", (width, height), color).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def gif() -> bytes:
+    buffer = io.BytesIO()
+    Image.new("RGB", (8, 8), (0, 0, 255)).save(buffer, format="GIF")
+    return buffer.getvalue()
+
+
+def mp4(frames: int) -> bytes:
+    """An H.264 MP4 with `frames` frames (0: a container whose video stream holds none)."""
+    import av
+
+    buffer = io.BytesIO()
+    with av.open(buffer, mode="w", format="mp4") as container:
+        stream = container.add_stream("libx264", rate=2)
+        stream.width, stream.height, stream.pix_fmt = 32, 32, "yuv420p"
+        for i in range(frames):
+            frame = av.VideoFrame.from_ndarray(np.full((32, 32, 3), 40 * i % 256, dtype=np.uint8), format="rgb24")
+            container.mux(stream.encode(frame))
+        container.mux(stream.encode())
+    return buffer.getvalue()
+
+
+def pixel_bomb() -> bytes:
+    """A small PNG whose header says 20 MP: over the 16 MP limit, to be refused before its pixels are decoded."""
+    buffer = io.BytesIO()
+    Image.new("L", (5000, 4000)).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def b64(data: bytes) -> str:
+    return base64.b64encode(data).decode("ascii")
+
+
+def data_url(content_type: str, data: bytes) -> str:
+    return f"data:{content_type};base64,{b64(data)}"
+
+
+# --- servers ----------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def server(tiny_release: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    process = ServerProcess(tiny_release, tmp_path_factory.mktemp("logs") / "server.log")
+    yield process
+    process.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server: ServerProcess) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=server.url, timeout=120) as http:
+        yield http
+
+
+@pytest.fixture(scope="module")
+def tight_server(tiny_release: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """Short connection timeouts, and CORS for one origin."""
+    process = ServerProcess(tiny_release, tmp_path_factory.mktemp("logs") / "tight-server.log",
+                            "--header-timeout", str(HEADER_TIMEOUT), "--keep-alive-timeout", str(KEEP_ALIVE_TIMEOUT),
+                            "--cors-origin", ALLOWED_ORIGIN)
+    yield process
+    process.stop()
+
+
+@pytest.fixture(scope="module")
+def deadline_server(tiny_release: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    process = ServerProcess(tiny_release, tmp_path_factory.mktemp("logs") / "deadline-server.log",
+                            "--request-timeout", str(REQUEST_TIMEOUT))
+    yield process
+    process.stop()
+
+
+# --- JSON assets and placeholders -------------------------------------------------------------------------------
+
+
+def multipart(request: dict, files: dict[str, bytes]) -> tuple[bytes, str]:
+    """The TypeSafe SDK's multipart body: the JSON in a 'request' part, one part per asset."""
+    fields = {"request": (None, json.dumps(request).encode(), "application/json")}
+    fields.update({name: (name, data, "image/png") for name, data in files.items()})
+    built = httpx.Request("POST", "http://x", files=fields)
+    return built.read(), built.headers["content-type"]
+
+
+def test_json_assets_reach_the_engine_like_multipart_ones(client: httpx.Client) -> None:
+    photo = png(40, 24)
+    request = {"state": "see P1", "questions": {"red": {"type": "noul", "instructions": "Is P1 red?"}}}
+    as_json = client.post("/v1/systemone", json=request | {"assets": {"P1": {"format": "png", "data_base64": b64(
+        photo)}}})
+    assert as_json.status_code == 200, as_json.text
+    assert as_json.json()["x_token_counts"]["media"] > 0
+
+    body, content_type = multipart(request | {"assets": {"P1": {"type": "image", "part": "photo"}}},
+                                   {"photo": photo})
+    as_parts = client.post("/v1/systemone", content=body, headers={"content-type": content_type})
+    assert as_parts.status_code == 200, as_parts.text
+    # The same image and the same text: the same tokens and the same answer.
+    assert as_parts.json()["x_token_counts"] == as_json.json()["x_token_counts"]
+    assert as_parts.json()["answers"] == as_json.json()["answers"]
+
+    # And the same as the Clef way of sending it: an image, with "[image 1]" written in the text.
+    direct = client.post("/v1/systemone", json={"state": "see [image 1]", "images": [data_url("image/png", photo)],
+                                                "questions": {"red": {"type": "noul",
+                                                                      "instructions": "Is [image 1] red?"}}})
+    assert direct.json()["x_token_counts"] == as_json.json()["x_token_counts"]
+    assert direct.json()["answers"] == as_json.json()["answers"]
+
+    without = client.post("/v1/systemone", json=request)
+    assert without.json()["x_token_counts"]["media"] == 0
+
+
+@pytest.mark.parametrize(("case", "data"), [
+    ("bad base64", None),
+    ("gif", gif()),
+    ("pixel bomb", pixel_bomb()),
+    ("text", b"just some text, no image"),
+])
+def test_bad_json_assets_get_4xx_naming_the_asset(client: httpx.Client, case: str, data: bytes | None) -> None:
+    encoded = "not base64 at all!" if data is None else b64(data)
+    request = {"state": "look at photo", "questions": {"q": {"type": "noul"}},
+               "assets": {"photo": {"format": "png", "data_base64": encoded}}}
+    response = client.post("/v1/systemone", json=request)
+    assert 400 <= response.status_code < 500, (case, response.status_code, response.text)
+    problems = response.json()["detail"]
+    assert any(problem["loc"][:3] == ["body", "assets", "photo"] for problem in problems), (case, problems)
+    assert all("photo" in problem["msg"] for problem in problems), (case, problems)
+
+    if data is not None:  # the same bytes as a multipart part are refused the same way
+        body, content_type = multipart({k: v for k, v in request.items() if k != "assets"}
+                                       | {"assets": {"photo": {"part": "file"}}}, {"file": data})
+        response = client.post("/v1/systemone", content=body, headers={"content-type": content_type})
+        assert 400 <= response.status_code < 500, (case, response.text)
+        assert any(problem["loc"][:3] == ["body", "assets", "photo"] for problem in response.json()["detail"])
+
+
+def test_placeholders_are_replaced_in_text_only(client: httpx.Client) -> None:
+    """Asset names that are also keys, ids, types and option ids: only text changes (the old server turned the
+    question type "noul" into "[image 1]")."""
+    photo = png(16, 16)
+
+    def request(noul: str, choice: str) -> dict:
+        return {
+            "state": {"noul": f"a {noul} here", "type": [f"{choice} and {noul}"], "n": 3},
+            "questions": {
+                "noul": {"type": "noul", "instructions": f"Does {noul} show a cat?",
+                         "criteria": {"true": f"{noul} shows one"}},
+                "choice": {"type": "choice", "instructions": {"noul": f"which {choice}?"},
+                           "criteria": {"noul": f"the {noul} option", "choice": None}},
+                "score": {"type": "score", "criteria": [f"none in {noul}", {"noul": noul}]},
+            },
+        }
+
+    with_assets = request("noul", "choice") | {"assets": {
+        "noul": {"data_base64": b64(photo)}, "choice": {"data_base64": b64(photo)}}}
+    response = client.post("/v1/systemone", json=with_assets)
+    assert response.status_code == 200, response.text
+    answers = response.json()["answers"]
+    assert list(answers) == ["noul", "choice", "score"]
+    assert [a["type"] for a in answers.values()] == ["noul", "choice", "score"]
+    assert list(answers["choice"]["probabilities"]) == ["noul", "choice"]
+    assert answers["score"]["legend"] == {"0": "none in [image 1]", "1": {"noul": "[image 1]"}}
+
+    expected = request("[image 1]", "[image 2]") | {"images": [data_url("image/png", photo)] * 2}
+    reference = client.post("/v1/systemone", json=expected)
+    assert reference.status_code == 200, reference.text
+    assert response.json()["x_token_counts"] == reference.json()["x_token_counts"]
+    assert response.json()["answers"] == reference.json()["answers"]
+
+    # "P1" must not eat the start of "P10".
+    many = {"state": "P1 then P10", "questions": {"q": {"type": "noul"}},
+            "assets": {"P1": {"data_base64": b64(photo)}, "P10": {"data_base64": b64(photo)}}}
+    spelled = {"state": "[image 1] then [image 2]", "questions": {"q": {"type": "noul"}},
+               "images": [data_url("image/png", photo)] * 2}
+    assert client.post("/v1/systemone", json=many).json()["x_token_counts"] == \
+        client.post("/v1/systemone", json=spelled).json()["x_token_counts"]
+
+
+# --- health, content types, CORS --------------------------------------------------------------------------------
+
+
+def test_health_names_the_model_without_its_path(client: httpx.Client, tiny_release: Path) -> None:
+    health = client.get("/health").json()
+    assert health["model"] == tiny_release.name
+    assert str(tiny_release.parent) not in json.dumps(health)
+    assert health["model"] == client.get("/v1/models").json()["models"][0]["name"]
+
+
+def test_json_bodies_only_as_application_json(client: httpx.Client) -> None:
+    body = json.dumps(make_request(0)).encode()
+    for content_type in ("text/plain", "application/x-www-form-urlencoded", "text/plain; charset=utf-8",
+                         "application/jsonx", "application/x-json", None):
+        headers = {"content-type": content_type} if content_type else {}
+        response = client.post("/v1/systemone", content=body, headers=headers)
+        assert response.status_code == 415, content_type
+        detail = response.json()["detail"]
+        assert detail["error_type"] == "unsupported_media_type"
+        assert "application/json" in detail["message"] and "multipart/form-data" in detail["message"]
+    for content_type in ("application/json", "application/json; charset=utf-8", "Application/JSON ; charset=UTF-8"):
+        response = client.post("/v1/systemone", content=body, headers={"content-type": content_type})
+        assert response.status_code == 200, (content_type, response.text)
+        check_answers(make_request(0), response.json())
+
+
+def test_no_cors_headers_unless_configured(client: httpx.Client, tight_server: ServerProcess) -> None:
+    origin = {"origin": "http://evil.test"}
+    response = client.post("/v1/systemone", json=make_request(0), headers=origin)
+    assert response.status_code == 200
+    assert not any(name.startswith("access-control-") for name in response.headers)
+    preflight = client.options("/v1/systemone", headers=origin | {"access-control-request-method": "POST"})
+    assert not any(name.startswith("access-control-") for name in preflight.headers)
+
+    with httpx.Client(base_url=tight_server.url, timeout=60) as tight:
+        allowed = tight.post("/v1/systemone", json=make_request(0), headers={"origin": ALLOWED_ORIGIN})
+        assert allowed.status_code == 200
+        assert allowed.headers["access-control-allow-origin"] == ALLOWED_ORIGIN
+        preflight = tight.options("/v1/systemone", headers={"origin": ALLOWED_ORIGIN,
+                                                            "access-control-request-method": "POST",
+                                                            "access-control-request-headers": "content-type"})
+        assert preflight.status_code == 200
+        assert preflight.headers["access-control-allow-origin"] == ALLOWED_ORIGIN
+        other = tight.post("/v1/systemone", json=make_request(0), headers=origin)
+        assert "access-control-allow-origin" not in other.headers
+
+
+# --- slow and idle connections, deadlines ----------------------------------------------------------------------
+
+
+def _closed_within(sock: socket.socket, seconds: float) -> float | None:
+    """Seconds until the server closed `sock` (read end of file or reset), or None if still open after `seconds`."""
+    started = time.monotonic()
+    sock.settimeout(seconds)
+    try:
+        while True:
+            if not sock.recv(4096):
+                return time.monotonic() - started
+    except (ConnectionResetError, BrokenPipeError):
+        return time.monotonic() - started
+    except TimeoutError:
+        return None
+
+
+def test_slow_headers_and_idle_connections_are_closed_while_others_are_answered(tight_server: ServerProcess) -> None:
+    host, port = "127.0.0.1", tight_server.port
+    silent = socket.create_connection((host, port))
+    dripping = socket.create_connection((host, port))
+    stop = threading.Event()
+    drip_error: list[BaseException] = []
+
+    def drip() -> None:  # a header line every 0.3 s: each byte would reset a plain keep-alive timer
+        try:
+            dripping.sendall(b"POST /v1/systemone HTTP/1.1\r\nHost: x\r\n")
+            while not stop.is_set():
+                dripping.sendall(b"X-Slow: 1\r\n")
+                time.sleep(0.3)
+        except OSError as error:
+            drip_error.append(error)
+
+    dripper = threading.Thread(target=drip, daemon=True)
+    dripper.start()
+    started = time.monotonic()
+    latencies = []
+    with httpx.Client(base_url=tight_server.url, timeout=30) as http:
+        while time.monotonic() - started < HEADER_TIMEOUT + 0.5:
+            t0 = time.monotonic()
+            assert http.get("/health").status_code == 200
+            latencies.append(time.monotonic() - t0)
+            assert http.post("/v1/systemone", json=make_request(1)).status_code == 200
+    assert len(latencies) >= 2 and max(latencies) < 1.0, latencies  # the slow clients cost the others nothing
+
+    assert _closed_within(silent, HEADER_TIMEOUT + 3) is not None, "a silent connection was kept open"
+    closed_after = _closed_within(dripping, HEADER_TIMEOUT + 3)
+    stop.set()
+    assert closed_after is not None, "a connection trickling its headers was kept open"
+    assert time.monotonic() - started < HEADER_TIMEOUT + 3
+
+    # An idle keep-alive connection is closed too, after its answer.
+    idle = socket.create_connection((host, port))
+    idle.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+    idle.settimeout(10)
+    assert idle.recv(4096).startswith(b"HTTP/1.1 200")
+    assert _closed_within(idle, KEEP_ALIVE_TIMEOUT + 3) is not None, "an idle keep-alive connection was kept open"
+    for sock in (silent, dripping, idle):
+        sock.close()
+    assert tight_server.alive()
+
+
+def test_a_request_past_the_deadline_gets_a_clear_error(deadline_server: ServerProcess) -> None:
+    # On the tiny CPU model this takes many times REQUEST_TIMEOUT to encode and run.
+    slow = make_request(2) | {"state": "Tickets pile up while the queue is bounded. " * 600,
+                              "x_max_length": 1 << 20}
+    with httpx.Client(base_url=deadline_server.url, timeout=120) as http:
+        started = time.monotonic()
+        response = http.post("/v1/systemone", json=slow)
+        waited = time.monotonic() - started
+        assert response.status_code == 503, response.text
+        detail = response.json()["detail"]
+        assert detail["error_type"] == "deadline_exceeded"
+        assert f"{REQUEST_TIMEOUT:g} seconds" in detail["message"]
+        assert response.headers["retry-after"]
+        assert waited < REQUEST_TIMEOUT + 1.5, waited
+        # Others keep being answered meanwhile, and answers come back once the worker is free again.
+        assert http.get("/health").status_code == 200
+        assert http.get("/v1/models").status_code == 200
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            small = http.post("/v1/systemone", json=make_request(3))
+            if small.status_code == 200:
+                break
+            assert small.json()["detail"]["error_type"] == "deadline_exceeded"
+        assert small.status_code == 200
+        check_answers(make_request(3), small.json())
+    assert "Traceback" not in deadline_server.log()
+
+
+# --- OpenAPI, docs, metrics -------------------------------------------------------------------------------------
+
+
+def test_openapi_document_and_docs_page(client: httpx.Client) -> None:
+    from clef_engine import protocol
+
+    doc = client.get("/openapi.json")
+    assert doc.status_code == 200
+    spec = doc.json()
+    assert spec["openapi"].startswith("3.1")
+    assert {"/v1/systemone", "/v1/models", "/health", "/metrics"} <= set(spec["paths"])
+    schemas = spec["components"]["schemas"]
+    own = protocol.SystemOneRequest.model_json_schema(ref_template="#/components/schemas/{model}")
+    assert schemas["SystemOneRequest"]["properties"] == own["properties"]
+    assert set(schemas["SystemOneResponse"]["properties"]) >= {"model", "answers", "usage"}
+    post = spec["paths"]["/v1/systemone"]["post"]
+    assert post["responses"]["422"]["content"]["application/json"]["schema"]["$ref"].endswith("ValidationErrorBody")
+    for status in ("401", "413", "415", "429", "503"):
+        assert post["responses"][status]["content"]["application/json"]["schema"]["$ref"].endswith("ErrorBody")
+    # Every reference resolves inside the document.
+    for ref in set(_refs(spec)):
+        assert ref.rsplit("/", 1)[-1] in schemas, ref
+
+    page = client.get("/docs")
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+    assert "/v1/systemone" in page.text and "SystemOneRequest" in page.text
+    for external in ("<script src", "<link", "https://", "http://"):
+        assert external not in page.text, external  # nothing fetched from elsewhere: it works offline
+
+
+def _refs(value: object) -> Iterator[str]:
+    if isinstance(value, dict):
+        for key, child in value.items():
+            if key == "$ref" and isinstance(child, str):
+                yield child
+            else:
+                yield from _refs(child)
+    elif isinstance(value, list):
+        for child in value:
+            yield from _refs(child)
+
+
+def test_each_app_has_its_own_metrics_registry(tiny_engine: object) -> None:
+    """Two API apps in one process (the workbench's and another) count separately and do not collide."""
+    from starlette.testclient import TestClient
+
+    from clef_engine.serve.server import create_app
+
+    with TestClient(create_app(tiny_engine)) as first, TestClient(create_app(tiny_engine)) as second:
+        assert first.post("/v1/systemone", json=make_request(0)).status_code == 200
+        assert first.post("/v1/systemone", content=b"{", headers=JSON).status_code == 422
+        text = first.get("/metrics").text
+        assert 'clef_api_requests_total{path="/v1/systemone",status="200"} 1.0' in text
+        assert 'clef_api_requests_total{path="/v1/systemone",status="422"} 1.0' in text
+        assert "clef_engine_ready 1.0" in text
+        assert 'path="/v1/systemone"' not in second.get("/metrics").text

@@ -1,0 +1,354 @@
+"""The Decide page's logic, without Streamlit: the schema builder's state machine, routing of problems to the field
+they concern, the token-budget cache, the result record of a run, save-as-case, and the per-session draft.
+
+State lives in a mutable mapping (Streamlit's session_state on the page, a plain dict in tests) under keys
+`decide.<name>`; each builder question has a stable uid so its widgets keep their values when questions move
+(widget keys `decide.q<uid>.<field>`). Nothing here imports streamlit, so every rule is unit-tested directly.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import weakref
+from collections.abc import Callable, MutableMapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from clef_workbench import answers, schemas, state_input
+
+PREFIX = "decide"
+# A widget's value is mirrored under this prefix: Streamlit drops a widget's own key on a run that does not draw it
+# (another page), and the page restores it from the mirror (workbench_ui.shell.kept_widget).
+KEEP_PREFIX = "_keep."
+ROW_FIELDS = ("id", "type", "instructions", "options", "levels", "true", "false")
+NEW_QUESTION_DEFAULTS = {
+    "noul": {},
+    "choice": {"options": [{"id": "option_a", "description": ""}, {"id": "option_b", "description": ""},
+                           {"id": "unknown", "description": "None of these fits."}]},
+    "score": {"levels": ["Low", "Medium", "High"]},
+}
+# What a draft keeps besides the questions: the editors' values a reload must bring back.
+DRAFT_FIELDS = ("state_text", "state_mode", "schema_name", "schema_description", "max_length", "overflow")
+
+
+def key(name: str) -> str:
+    return f"{PREFIX}.{name}"
+
+
+def set_kept(state: MutableMapping, name: str, value: Any) -> None:
+    """Set a kept widget's value before it is drawn (from a callback or the first run)."""
+    state[name] = value
+    state[KEEP_PREFIX + name] = value
+
+
+def row_keys(uid: int) -> dict[str, str]:
+    return {f: key(f"q{uid}.{f}") for f in ROW_FIELDS}
+
+
+# -- the schema builder -----------------------------------------------------------------------------------------
+
+
+class Builder:
+    """The questions on screen and which library schema (if any) they came from.
+
+    `loaded_slug` is the identity: the Update button, the Library picker and the case set proposed by "Save as
+    case" follow it, and `new_schema` clears it together with everything that belonged to the old schema."""
+
+    def __init__(self, state: MutableMapping):
+        self.state = state
+
+    @property
+    def uids(self) -> list[int]:
+        return self.state.setdefault(key("uids"), [])
+
+    @property
+    def loaded_slug(self) -> str | None:
+        return self.state.get(key("loaded_slug"))
+
+    @property
+    def examples(self) -> list[dict]:
+        return self.state.get(key("examples")) or []
+
+    def _new_uid(self) -> int:
+        uid = self.state.get(key("next_uid"), 0)
+        self.state[key("next_uid")] = uid + 1
+        return uid
+
+    def _write_row(self, uid: int, row: dict[str, Any]) -> None:
+        keys = row_keys(uid)
+        set_kept(self.state, keys["id"], row["id"])
+        set_kept(self.state, keys["type"], row["type"])
+        set_kept(self.state, keys["instructions"], row.get("instructions") or "")
+        set_kept(self.state, keys["options"], schemas.options_to_text(row.get("options") or []))
+        set_kept(self.state, keys["levels"], schemas.levels_to_text(row.get("levels") or []))
+        set_kept(self.state, keys["true"], row.get("true") or "")
+        set_kept(self.state, keys["false"], row.get("false") or "")
+
+    def set_rows(self, rows: list[dict[str, Any]]) -> None:
+        """Replace the questions; every field's widget is (re)initialised from the rows."""
+        uids = []
+        for row in rows:
+            uid = self._new_uid()
+            self._write_row(uid, row)
+            uids.append(uid)
+        self.state[key("uids")] = uids
+
+    def rows(self) -> list[dict[str, Any]]:
+        """The questions as the widgets hold them (the raw text of options and levels parsed)."""
+        out = []
+        for uid in self.uids:
+            keys = row_keys(uid)
+            value = {f: self.state.get(keys[f], self.state.get(KEEP_PREFIX + keys[f], "")) for f in ROW_FIELDS}
+            row = {"id": value["id"], "type": value["type"] or "noul", "instructions": value["instructions"]}
+            if row["type"] == "choice":
+                row["options"] = schemas.text_to_options(value["options"] or "")
+            elif row["type"] == "score":
+                row["levels"] = schemas.text_to_levels(value["levels"] or "")
+            else:
+                row["true"], row["false"] = value["true"], value["false"]
+            out.append(row)
+        return out
+
+    def add_question(self, qtype: str) -> None:
+        existing = {self.state.get(row_keys(u)["id"]) for u in self.uids}
+        n = len(self.uids) + 1
+        while f"q{n}" in existing:
+            n += 1
+        defaults = NEW_QUESTION_DEFAULTS[qtype]
+        uid = self._new_uid()
+        self._write_row(uid, {
+            "id": f"q{n}", "type": qtype, "instructions": "",
+            "options": defaults.get("options", NEW_QUESTION_DEFAULTS["choice"]["options"]),
+            "levels": defaults.get("levels", NEW_QUESTION_DEFAULTS["score"]["levels"]),
+        })
+        self.uids.append(uid)
+
+    def move(self, uid: int, step: int) -> None:
+        uids = self.uids
+        i = uids.index(uid)
+        j = max(0, min(len(uids) - 1, i + step))
+        uids[i], uids[j] = uids[j], uids[i]
+
+    def remove(self, uid: int) -> None:
+        self.uids.remove(uid)
+
+    def load(self, slug: str, schema: schemas.Schema, *, with_example: bool = False) -> None:
+        """Put a library schema on screen: its questions, name, description and example states; it becomes the
+        identity. With with_example, its first example state goes into the state editor."""
+        self.set_rows(schemas.questions_to_rows(schema.questions))
+        self.state[key("loaded_slug")] = slug
+        self.state[key("loaded_questions")] = schema.questions
+        set_kept(self.state, key("schema_name"), schema.name)
+        set_kept(self.state, key("schema_description"), schema.description)
+        set_kept(self.state, key("library_pick"), slug)
+        self.state[key("examples")] = schema.examples
+        if with_example and schema.examples:
+            set_kept(self.state, key("state_text"), state_input.state_to_text(schema.examples[0]["state"]))
+
+    def new_schema(self) -> None:
+        """Start an empty schema: no questions, no name, no examples, no identity (the state is kept)."""
+        self.set_rows([])
+        for name in ("loaded_slug", "loaded_questions", "examples"):
+            self.state.pop(key(name), None)
+        set_kept(self.state, key("schema_name"), "")
+        set_kept(self.state, key("schema_description"), "")
+        set_kept(self.state, key("library_pick"), None)
+
+    def saved_as(self, slug: str, schema: schemas.Schema) -> None:
+        """The questions on screen were saved as `slug`: that is the identity now."""
+        self.state[key("loaded_slug")] = slug
+        self.state[key("loaded_questions")] = schema.questions
+        set_kept(self.state, key("library_pick"), slug)
+
+    def use_example(self, index: int) -> None:
+        if 0 <= index < len(self.examples):
+            set_kept(self.state, key("state_text"), state_input.state_to_text(self.examples[index]["state"]))
+
+    def unsaved_changes(self) -> bool:
+        """True when the questions on screen differ from the loaded schema's (or, with none loaded, when there are
+        any): loading another schema would discard them."""
+        questions, _ = schemas.rows_to_questions(self.rows())
+        loaded = self.state.get(key("loaded_questions"))
+        if loaded is None:
+            return bool(self.uids)
+        return json.dumps(questions, sort_keys=True) != json.dumps(loaded, sort_keys=True)
+
+    def schema_to_save(self, questions: dict, name: str, description: str, *, update: bool) -> schemas.Schema:
+        """The schema the Save buttons write. Example states belong to the loaded schema: they go with an update of
+        it, not into a new schema."""
+        return schemas.Schema(name=name.strip() or "Untitled schema", questions=questions, description=description,
+                              examples=self.examples if update else [])
+
+
+# -- problems next to their fields ------------------------------------------------------------------------------
+
+
+@dataclass
+class Messages:
+    """Errors and warnings per place on the page: "state", "media", "schema", "budget" or a question's row index."""
+
+    errors: dict[Any, list[str]] = field(default_factory=dict)
+    warnings: dict[Any, list[str]] = field(default_factory=dict)
+
+    def add(self, place: Any, message: str, *, warning: bool = False) -> None:
+        bucket = self.warnings if warning else self.errors
+        if message not in bucket.setdefault(place, []):
+            bucket[place].append(message)
+
+    def has_errors(self) -> bool:
+        return any(self.errors.values())
+
+
+def question_rows(target: int | str, rows: list[dict[str, Any]]) -> list[int]:
+    """Row indices a problem about question `target` (its position or its id) belongs to."""
+    if isinstance(target, int):
+        return [target] if 0 <= target < len(rows) else []
+    return [i for i, row in enumerate(rows) if str(row["id"]).strip() == target]
+
+
+def route_schema_problems(problems: list[schemas.SchemaProblem], rows: list[dict[str, Any]],
+                          messages: Messages) -> None:
+    """Builder and lint problems: next to their question, or on the schema when they name none."""
+    for problem in problems:
+        indices = question_rows(problem.loc[1], rows) if len(problem.loc) >= 2 and problem.loc[0] == "questions" \
+            else []
+        warning = problem.severity == "warning"
+        for i in indices:
+            messages.add(i, problem.msg, warning=warning)
+        if not indices and not warning:
+            messages.add("schema", problem.msg)
+
+
+def route_engine_problems(by_field: dict[str, list[str]], rows: list[dict[str, Any]], messages: Messages) -> None:
+    """Problems the engine reported (answers.problems_by_field), each next to the field it concerns."""
+    for place, texts in by_field.items():
+        if place.startswith("question:"):
+            indices = question_rows(place.split(":", 1)[1], rows)
+            targets: list[Any] = indices or ["schema"]
+        else:
+            targets = [{"state": "state", "images": "media", "videos": "media", "schema": "schema"}.get(place,
+                                                                                                      "budget")]
+        for target in targets:
+            for text in texts:
+                messages.add(target, text)
+
+
+# Engine wording → the label of the control that sets it, so a message names what the user sees.
+CONTROL_LABELS = {
+    "overflow='truncate_state'": "“If the state does not fit: truncate the end of the state”",
+    "overflow='refuse'": "“If the state does not fit: refuse”",
+    "truncate_state": "“truncate the end of the state”",
+    "max_length": "max_length (tokens)",
+}
+
+
+def in_control_words(message: str) -> str:
+    """An engine message with its API option names replaced by the labels of the page's controls."""
+    for api, label in CONTROL_LABELS.items():
+        if api != "max_length":
+            message = message.replace(api, label)
+    return message
+
+
+# -- token budget -----------------------------------------------------------------------------------------------
+
+
+def fingerprint(request: dict[str, Any] | None) -> str:
+    """A stable hash of a request: the same editors' contents give the same fingerprint."""
+    return hashlib.sha256(json.dumps(request, sort_keys=True, default=str).encode()).hexdigest() if request else ""
+
+
+class BudgetCache:
+    """Token counts of the last request, so a rerun that changed nothing does not tokenize again. Keyed by the
+    request's fingerprint, max_length and the engine object itself (held weakly): a reloaded model never gets
+    counts from the one before it, even if Python reuses its id."""
+
+    def __init__(self) -> None:
+        self._key: tuple[str, int] | None = None
+        self._engine: weakref.ref | None = None
+        self._counts: dict[str, int] | None = None
+
+    def counts(self, engine: Any, request: dict[str, Any], max_length: int) -> dict[str, int]:
+        wanted = (fingerprint(request), max_length)
+        if self._counts is not None and self._key == wanted and self._engine is not None and \
+                self._engine() is engine:
+            return self._counts
+        counts = engine.count_tokens(request, max_length=max_length)
+        self._key, self._engine, self._counts = wanted, weakref.ref(engine), counts
+        return counts
+
+
+# -- the result of a run ----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DecideResult:
+    """What one press of Run produced, kept while the editors change: the exact request, the response, and what
+    Save as case and the JSON tabs need."""
+
+    request: dict[str, Any]
+    response: dict[str, Any]
+    questions: dict[str, Any]
+    state: Any
+    images: tuple[state_input.Media, ...]
+    videos: tuple[state_input.Media, ...]
+    schema_name: str
+    model_label: str
+    device: str
+
+    def default_case_set(self) -> str:
+        return f"{self.schema_name or 'Decide'} cases"
+
+    def expected_labels(self) -> dict[str, Any]:
+        return answers.expected_labels(self.questions, self.response)
+
+    def redacted_request(self) -> dict[str, Any]:
+        return state_input.redact_media(self.request, list(self.images), list(self.videos))
+
+
+def save_as_case(store: Any, result: DecideResult, case_set_name: str, *, with_labels: bool, tags_text: str) -> int:
+    """Add the run's state and media to a case set (created if missing); with_labels stores the model's answers as
+    the expected answers (the user checked them). Returns the case id. Raises StoreError / ValueError."""
+    case_set_id = store.get_or_create_case_set(case_set_name, schema_name=result.schema_name or None)
+    return store.add_case(
+        case_set_id, state=result.state,
+        images=[m.data for m in result.images] or None,
+        videos=[m.data for m in result.videos] or None,
+        expected=result.expected_labels() if with_labels else None,
+        tags=[t.strip() for t in tags_text.split(",") if t.strip()] or None,
+    )
+
+
+# -- the draft: what a reload brings back -----------------------------------------------------------------------
+
+
+def draft_of(state: MutableMapping) -> dict[str, Any]:
+    """The editors' contents as JSON-able data."""
+    builder = Builder(state)
+    values = {name: state.get(key(name), state.get(KEEP_PREFIX + key(name))) for name in DRAFT_FIELDS}
+    return {**values, "rows": builder.rows(), "loaded_slug": builder.loaded_slug,
+            "loaded_questions": state.get(key("loaded_questions")), "examples": builder.examples}
+
+
+def restore_draft(state: MutableMapping, draft: dict[str, Any]) -> None:
+    """Put a saved draft back on screen."""
+    builder = Builder(state)
+    builder.set_rows(draft.get("rows") or [])
+    for name in DRAFT_FIELDS:
+        if draft.get(name) is not None:
+            set_kept(state, key(name), draft[name])
+    for name in ("loaded_slug", "loaded_questions", "examples"):
+        if draft.get(name) is not None:
+            state[key(name)] = draft[name]
+    set_kept(state, key("library_pick"), draft.get("loaded_slug"))
+
+
+def save_draft_if_changed(state: MutableMapping, save: Callable[[dict[str, Any]], None]) -> bool:
+    """Call save(draft) when the editors changed since the last save; True if it did."""
+    draft = draft_of(state)
+    if draft == state.get(key("saved_draft")):
+        return False
+    save(draft)
+    state[key("saved_draft")] = draft
+    return True
