@@ -160,18 +160,18 @@ def fidelity(device: str | torch.device = "cuda", shape: str = "flash", records:
     requests = [varied_request(rng, rng.randint(low, high)) for _ in range(records)]
     encoded = [encoder.encode(r, max_length=2**31 - 1) for r in requests]
 
-    with _NoTF32():
+    with _NoTF32():  # bf16 paths never use TF32; float32 ones (the truth, and all three with dtype=float32) must not
         truth = release_path(truth_model, truth_head, encoder, torch.float32, encoded)
-    del truth_model, truth_head
-    release = release_path(model, head, encoder, dtype, encoded)
-    engine = clef_engine.Engine(checked, model, head, encoder, device, dtype, packed=True)  # fuses weights in place
-    try:
-        with torch.inference_mode():
-            ours = [engine.forward_batch([r])[0] for r in encoded]
-            packed = engine.forward_batch(encoded)
-        kernels = engine.backbone.kernels.describe()
-    finally:
-        engine.close()
+        del truth_model, truth_head
+        release = release_path(model, head, encoder, dtype, encoded)
+        engine = clef_engine.Engine(checked, model, head, encoder, device, dtype, packed=True)  # fuses in place
+        try:
+            with torch.inference_mode():
+                ours = [engine.forward_batch([r])[0] for r in encoded]
+                packed = engine.forward_batch(encoded)
+            kernels = engine.backbone.kernels.describe()
+        finally:
+            engine.close()
 
     out: dict = {"shape": shape, "device": str(device), "dtype": str(dtype).removeprefix("torch."),
                  "records": records, "questions": sum(len(r.questions) for r in encoded),

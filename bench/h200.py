@@ -399,12 +399,15 @@ def cached_state(engine, ref, tokens: int = 16_384) -> dict:
     t0 = time.perf_counter()
     record = engine.encode(variants[-1])
     encode_ms = (time.perf_counter() - t0) * 1000
-    state_entry = engine._cached_state(record)
+    state_entry = engine.prefix.lookup(record)
     hit_path = hit_profile = None
     if state_entry is not None and DEVICE.type == "cuda":  # the CPU smoke model's cache may not keep the entry
+        def hit_once():
+            return engine.head_one(*engine.prefix.forward_after(record, state_entry), record)
+
         with torch.inference_mode():
-            hit_path = timed(lambda: engine.forward_after_prefix(record, state_entry), 5, 1)
-            hit_profile = kernel_table(lambda: engine.forward_after_prefix(record, state_entry), 2)
+            hit_path = timed(hit_once, 5, 1)
+            hit_profile = kernel_table(hit_once, 2)
     # parity of a hit against the baseline and against our uncached path on the same record
     hit = engine.forward_batch([record])
     engine.state_cache.enabled = False

@@ -147,8 +147,8 @@ def cached_profile(engine):
                 for v in range(3)]
     engine.decide(variants[0])
     record = engine.encode(variants[1])
-    key_state = engine._cached_state(record)
-    run = lambda: engine.forward_after_prefix(record, key_state)  # noqa: E731
+    key_state = engine.prefix.lookup(record)
+    run = lambda: engine.head_one(*engine.prefix.forward_after(record, key_state), record)  # noqa: E731
     with torch.inference_mode():
         run()
         wall = h200.timed(run, 5, 1)

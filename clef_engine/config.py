@@ -11,8 +11,8 @@ the environment, then from defaults that depend on the device, and returns a fro
   only.
 - CLEF_TOKEN_BUDGET (token_budget): most tokens in one GPU batch of interactive work; 65,536 on CUDA, 16,384 on
   the CPU.
-- CLEF_BULK_BATCH_TOKENS (bulk_batch_tokens): most tokens in one batch of bulk work (an interactive request waits
-  for at most one such batch); 8,192 on CUDA, the token budget on the CPU.
+- CLEF_BULK_BATCH_TOKENS (bulk_batch_tokens): most tokens in one batch of bulk work (interactive requests run
+  between its layers, see engine.py); 16,384 on CUDA, the token budget on the CPU.
 - CLEF_STATE_CACHE_BYTES (state_cache_bytes): device tier of the long-state cache, 0 = off; 8 GiB on CUDA (plus a
   host tier of 4x), 256 MiB on the CPU.
 
@@ -112,7 +112,7 @@ class EngineConfig:
             raise ReleaseError("device cuda was asked for but no CUDA GPU is visible")
         token_budget = values.pop("token_budget", 65_536 if cuda else 16_384)
         cache_bytes = values.pop("state_cache_bytes", 8 * GiB if cuda else GiB // 4)
-        defaults = dict(token_budget=token_budget, bulk_batch_tokens=8192 if cuda else token_budget,
+        defaults = dict(token_budget=token_budget, bulk_batch_tokens=16_384 if cuda else token_budget,
                         cuda_graphs=cuda, state_cache_bytes=cache_bytes,
                         state_cache_host_bytes=4 * cache_bytes if cuda else 0, warm_up=cuda)
         defaults.update(values)

@@ -27,15 +27,18 @@ import torch
 from .config import EngineConfig
 from .errors import RequestError, TokenBudgetError
 from .fast import kernels
-from .fast.cache import PrefixState, StateCache, prefix_key
-from .fast.graphs import HeadGraphs, PrefillGraphs, bucket
+from .fast.cache import PrefixCache, StateCache
+from .fast.graphs import HeadGraphs, PrefillGraphs
 from .fast.packed import PackedBackbone, pack_ids
 from .model import backbone, release
 from .model.encoding import DEFAULT_MAX_LENGTH, EncodedRecord, Encoder
 from .model.head import JointSchemaHead, layout, load_head, option_probabilities
 from .protocol import format_answer, parse_questions
-from .serve.scheduler import Scheduler
+from .serve.scheduler import PRIORITIES, Scheduler
 from .tiny import is_demo_release
+
+LAYERS_AHEAD = 1  # in a bulk batch, how many layers the host may launch ahead of the GPU
+DECIDE_MANY_GROUP = 16  # requests encoded and queued together by decide_many
 
 
 def fast_kernels_available() -> dict[str, bool]:
@@ -97,6 +100,7 @@ class Engine:
         self.graphs: PrefillGraphs | None = None
         self.head_graphs: HeadGraphs | None = None
         self.state_cache: StateCache | None = None
+        self.prefix: PrefixCache | None = None
         self.forward_batch = self.forward_plain
         if config.packed:
             self.backbone = PackedBackbone(model)
@@ -108,6 +112,9 @@ class Engine:
                                           host_bytes=config.state_cache_host_bytes,
                                           min_prefix_tokens=config.min_prefix_tokens,
                                           enabled=config.state_cache_bytes > 0)
+            self.prefix = PrefixCache(self.state_cache, self.backbone, head, self.graphs,
+                                      model_key=f"{self.model_id}@{checked.revision}",
+                                      pad_token_id=encoder.pad_token_id, dtype=config.dtype)
         self.scheduler = Scheduler(self.forward_batch, token_budget=config.token_budget,
                                    bulk_batch_tokens=config.bulk_batch_tokens,
                                    max_queued_records=config.max_queued_records)
@@ -151,9 +158,19 @@ class Engine:
 
     def decide_many(self, requests: list[dict], *, max_length: int | None = None, overflow: str = "refuse",
                     priority: str = "bulk") -> list[dict]:
-        if not requests:
-            return []
-        return self.submit(requests, priority=priority, max_length=max_length, overflow=overflow).result()
+        """Responses in order. Submitted in groups as they are encoded, so the GPU starts on the first group while
+        the rest are encoded; a bad request raises before any answer is returned (groups queued before it are
+        cancelled if they have not started)."""
+        futures: list[Future] = []
+        try:
+            for start in range(0, len(requests), DECIDE_MANY_GROUP):
+                futures.append(self.submit(requests[start: start + DECIDE_MANY_GROUP], priority=priority,
+                                           max_length=max_length, overflow=overflow))
+        except BaseException:
+            for future in futures:
+                future.cancel()
+            raise
+        return [response for future in futures for response in future.result()]
 
     def response(self, request: dict, record: EncodedRecord, probabilities: list[list[float]],
                  latency_ms: float) -> dict:
@@ -189,9 +206,9 @@ class Engine:
         text = [i for i, r in enumerate(records) if not r.has_media]
         pack = []
         for i in text:
-            cached = self._cached_state(records[i]) if len(text) > 1 else None
+            cached = self.prefix.lookup(records[i]) if self.prefix is not None and len(text) > 1 else None
             if cached is not None:
-                results[i] = self.forward_after_prefix(records[i], cached)
+                results[i] = self.head_one(*self.prefix.forward_after(records[i], cached), records[i])
             else:
                 pack.append(i)
         if len(pack) == 1:
@@ -200,7 +217,8 @@ class Engine:
             chosen = [records[i] for i in pack]
             lengths = [len(r) for r in chosen]
             segments = kernels.make_segments(lengths, self.device)
-            hidden, _ = self.backbone.forward(pack_ids(chosen, self.device), segments)
+            hidden, _ = self.backbone.forward(pack_ids(chosen, self.device), segments,
+                                              between_layers=self._between_layers())
             for i, probs in zip(pack, self.head_probabilities(hidden, chosen, segments.starts, lengths)):
                 results[i] = probs
         media = [i for i, r in enumerate(records) if r.has_media]
@@ -210,63 +228,43 @@ class Engine:
         return [results[i] for i in range(len(records))]
 
     def forward_one(self, record: EncodedRecord) -> list[list[float]]:
-        """One text record: continued from its cached state; or, with a state long enough to keep, one eager
-        forward that also yields the state's layer states (stored); or its length bucket's CUDA graph; or eager."""
-        key = self._state_key(record)
+        """One text record: continued from its cached state; or, with a state long enough to keep, one forward that
+        also stores the state; or its length bucket's CUDA graph; or eager."""
+        key = self.prefix.key(record) if self.prefix is not None else None
         if key is not None:
             cached = self.state_cache.get(key)
             if cached is not None:
-                return self.forward_after_prefix(record, cached)
-            return self.forward_and_store(record, key)
+                normed, memory = self.prefix.forward_after(record, cached)
+            else:
+                normed, memory = self.prefix.forward_and_store(record, key, self._between_layers())
+            return self.head_one(normed, memory, record)
         ids = torch.tensor(record.input_ids, dtype=torch.long).to(self.device, non_blocking=True)
         hidden = self.graphs.run(ids) if self.graphs is not None else None
         if hidden is None:
-            hidden, _ = self.backbone.forward(ids, kernels.make_segments([len(record)], self.device))
+            hidden, _ = self.backbone.forward(ids, kernels.make_segments([len(record)], self.device),
+                                              between_layers=self._between_layers())
         normed, memory = self.head.token_memory(hidden.to(self.dtype))
         return self.head_one(normed, memory, record)
 
-    def _state_key(self, record: EncodedRecord) -> str | None:
-        """The cache key of the record's state prefix, or None when the cache does not take it."""
-        cache = self.state_cache
-        if cache is None or not cache.eligible(record.state_end) or record.state_end >= len(record):
+    def _between_layers(self):
+        """For an eager forward inside a bulk batch: a callback that keeps the host at most LAYERS_AHEAD layers
+        ahead of the GPU and, between layers, runs the interactive requests waiting. They queue on the GPU behind a
+        few layers of the bulk batch instead of all of it. None outside bulk batches."""
+        if self.scheduler.running_priority != PRIORITIES["bulk"]:
             return None
-        return prefix_key(f"{self.model_id}@{self.release.revision}", record.input_ids[: record.state_end],
-                          record.media_digest)
+        launched: list[torch.cuda.Event] = []
 
-    def _cached_state(self, record: EncodedRecord) -> PrefixState | None:
-        key = self._state_key(record)
-        return self.state_cache.get(key) if key is not None else None
+        def between(_index: int) -> None:
+            if self.config.cuda:
+                event = torch.cuda.Event()
+                event.record()
+                launched.append(event)
+                if len(launched) > LAYERS_AHEAD:
+                    launched.pop(0).synchronize()
+            if self.scheduler.interactive_waiting():
+                self.scheduler.run_waiting_interactive()
 
-    def forward_and_store(self, record: EncodedRecord, key: str) -> list[list[float]]:
-        """One forward over the whole record that also returns every layer's state at the end of the state; the
-        answer comes from it as from any forward, and the state (plus the head's memory of its tokens) is kept."""
-        length = record.state_end
-        ids = torch.tensor(record.input_ids, dtype=torch.long).to(self.device, non_blocking=True)
-        hidden, layers = self.backbone.forward(ids, kernels.make_segments([len(record)], self.device),
-                                               split_at=length)
-        normed, memory = self.head.token_memory(hidden.to(self.dtype))
-        self.state_cache.put(key, PrefixState(length, layers, memory[:length].clone()))
-        return self.head_one(normed, memory, record)
-
-    def forward_after_prefix(self, record: EncodedRecord, state: PrefixState) -> list[list[float]]:
-        """Backbone over the schema + suffix tokens only, continuing from the cached prefix; then the head over the
-        cached + new memory."""
-        start, new = state.length, len(record) - state.length
-        # right-padded to a bucket length: a graph per bucket, and GEMMs of odd row counts run slower per token;
-        # padding after the last real token changes nothing before it (the backbone is causal)
-        padded = bucket(new)
-        ids = record.input_ids[start:] + [self.encoder.pad_token_id] * (padded - new)
-        ids = torch.tensor(ids, dtype=torch.long).to(self.device, non_blocking=True)
-        hidden = self.graphs.run_after_prefix(ids, state) if self.graphs is not None else None
-        if hidden is None:
-            segments = kernels.make_segments([padded], self.device, first_position=start)
-            hidden, _ = self.backbone.forward(ids, segments, prefix=state.layers, prefix_length=start)
-        hidden = hidden[:new]
-        normed_new, memory_new = self.head.token_memory(hidden.to(self.dtype))
-        normed = normed_new.new_zeros(len(record), normed_new.shape[-1])  # prefix rows: never read by the head
-        normed[start:] = normed_new
-        memory = torch.cat([state.memory.to(memory_new.dtype), memory_new])
-        return self.head_one(normed, memory, record)
+        return between
 
     @torch.inference_mode()
     def forward_padded(self, records: list[EncodedRecord]) -> list[list[list[float]]]:

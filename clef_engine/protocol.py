@@ -52,14 +52,12 @@ MEDIA_TYPE_NAMES = {"image/png": "PNG", "image/jpeg": "JPEG", "image/webp": "Web
 @dataclass(frozen=True)
 class HostedLimits:
     """Limits published for the hosted Clef service (spec §5), not the contract: a schema outside them works
-    locally but the hosted service would refuse it. Videos have no published limit."""
+    locally but the hosted service would refuse it. Videos have no published limit. Counts are ranges of the
+    allowed numbers (`len(criteria) in HOSTED.choice_options`)."""
 
-    min_questions: int = 1
-    max_questions: int = 64
-    min_choice_options: int = 2
-    max_choice_options: int = 255
-    min_score_levels: int = 2
-    max_score_levels: int = 10
+    questions: range = range(1, 64 + 1)
+    choice_options: range = range(2, 255 + 1)
+    score_levels: range = range(2, 10 + 1)
     question_id: re.Pattern = re.compile(r"[A-Za-z0-9_.\-]{1,100}")
     question_id_rule: str = "1–100 letters, digits, '_', '.' or '-'"
     max_images: int = 4
@@ -352,6 +350,10 @@ def parse_questions(request: Any) -> list[Question]:
 # The hosted service's limits
 
 
+def _span(allowed: range) -> str:
+    return f"{allowed[0]}–{allowed[-1]}"
+
+
 def hosted_service_problems(request_or_questions: Any) -> list[Problem]:
     """Where the hosted Clef service would refuse a request (or a bare questions map) that the contract accepts.
     Locations are in the request (`("questions", id, ...)`). Shapes the contract refuses are not repeated here."""
@@ -366,9 +368,8 @@ def hosted_service_problems(request_or_questions: Any) -> list[Problem]:
 
     questions = request["questions"]
     if isinstance(questions, dict):
-        if not HOSTED.min_questions <= len(questions) <= HOSTED.max_questions:
-            refuse(("questions",), f"it takes {HOSTED.min_questions}–{HOSTED.max_questions} questions, "
-                                   f"this has {len(questions)}")
+        if len(questions) not in HOSTED.questions:
+            refuse(("questions",), f"it takes {_span(HOSTED.questions)} questions, this has {len(questions)}")
         for question_id, question in questions.items():
             loc = ("questions", question_id)
             if isinstance(question_id, str) and not HOSTED.question_id.fullmatch(question_id):
@@ -376,13 +377,13 @@ def hosted_service_problems(request_or_questions: Any) -> list[Problem]:
             kind = question.get("type") if isinstance(question, dict) else None
             criteria = question.get("criteria") if isinstance(question, dict) else None
             if kind == "choice" and isinstance(criteria, dict):
-                low, high, what = HOSTED.min_choice_options, HOSTED.max_choice_options, "options"
+                allowed, what = HOSTED.choice_options, "options"
             elif kind == "score" and isinstance(criteria, list):
-                low, high, what = HOSTED.min_score_levels, HOSTED.max_score_levels, "levels"
+                allowed, what = HOSTED.score_levels, "levels"
             else:
                 continue
-            if not low <= len(criteria) <= high:
-                refuse((*loc, "criteria"), f"a {kind} takes {low}–{high} {what}, this has {len(criteria)}")
+            if len(criteria) not in allowed:
+                refuse((*loc, "criteria"), f"a {kind} takes {_span(allowed)} {what}, this has {len(criteria)}")
     images = request.get("images")
     if isinstance(images, list) and len(images) > HOSTED.max_images:
         refuse(("images",), f"it takes at most {HOSTED.max_images} images, this has {len(images)}")

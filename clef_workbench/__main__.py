@@ -4,7 +4,8 @@
 
 runs a case set against a schema file and leaves the run in the store exactly as the Runs page does (same settings,
 same results), so Runs, Review and the exports show it. It prints progress, and exits 0 when the run finished, 1 when
-it failed or was cancelled (Ctrl-C cancels after the chunk in flight) and 2 when the input is wrong.
+it failed or was cancelled (Ctrl-C cancels after the chunk in flight), 2 when the input is wrong and 130 on Ctrl-C
+before the run started.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                      help=f"a release folder, a Hugging Face repo id, or {DEMO_SOURCE!r} for the demo release")
     run.add_argument("--revision", help="Hub revision of the release")
     run.add_argument("--ray", metavar="ADDRESS",
-                     help="run on this Ray cluster ('auto', host:6379, ray://host:10001); default CLEF_RAY_ADDRESS, "
+                     help="run on this Ray cluster ('auto' or the head's host:6379); default CLEF_RAY_ADDRESS, "
                           "none: in this process")
     run.add_argument("--replicas", type=int, help="engine replicas on Ray (default: one per GPU of the cluster)")
     run.add_argument("--chunk-tokens", type=int,
@@ -116,13 +117,16 @@ def run_command(args: argparse.Namespace) -> int:
 
     if not Path(args.db).is_file():
         raise UsageError(f"--db: {args.db} does not exist (create case sets in the workbench or import them first)")
-    if args.replicas is not None and args.replicas < 1:
-        raise UsageError("--replicas must be at least 1")
+    for name in ("replicas", "chunk_tokens", "chunk_size", "max_length"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            raise UsageError(f"--{name.replace('_', '-')} must be at least 1")
     store = Store(args.db)
     case_set_id = find_case_set(store, args.case_set)
     schema = load_schema(args.schema)
     source = model_source(args.model)
     address = ray_address(args.ray)
+    if address is None and (args.replicas or args.chunk_tokens):
+        raise UsageError("--replicas and --chunk-tokens are for runs on Ray: add --ray ADDRESS or set CLEF_RAY_ADDRESS")
     settings = {"chunk_size": args.chunk_size, "max_length": args.max_length, "overflow": args.overflow,
                 "schema_slug": args.schema.stem}
     engine = pool = None
@@ -145,8 +149,9 @@ def run_command(args: argparse.Namespace) -> int:
     try:
         run_id = store.create_run(case_set_id, schema=schema, model_id=request_model_name(args.model),
                                   model_revision=info.get("revision"), settings=settings)
+        where = f"Ray, {info['replicas']} replicas" if pool else "in process"
         print(f"run {run_id}: {args.case_set} · {schema['name']} v{schema['version']} · {args.model} on "
-              f"{info.get('device')} ({'Ray, %d replicas' % info['replicas'] if pool else 'in process'})", flush=True)
+              f"{info.get('device')} ({where})", flush=True)
         runner.start(run_id, engine)
         progress = watch(runner, run_id)
     finally:
@@ -168,6 +173,9 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as exc:
         print(f"python -m clef_workbench run: error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # before the run started (while loading); once it runs, Ctrl-C cancels it
+        print("interrupted", file=sys.stderr)
+        return 130
     except (ClefError, StoreError, RuntimeError) as exc:  # a release that does not load, a replica that cannot start
         print(f"python -m clef_workbench run: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1

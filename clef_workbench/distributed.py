@@ -6,10 +6,11 @@ clef_workbench.jobs (the resident engine); set to `auto` or a cluster address, i
 JobRunner whose work loop sends chunks to replicas instead of the resident engine; the lease, heartbeat, progress,
 ETA, cancel, resume and every store field are JobRunner's, so the Runs page and the CLI show a Ray run as a local one.
 
-Plain actors rather than Ray Data's `map_batches`: a chunk is a list of (case id, request) and its results a list of
-dicts, which actors pass as they are, where Ray Data would turn nested responses into Arrow columns and back; and the
-driver loop below (submit, `ray.wait`, record) is the whole scheduler, with the two things Ray Data would hide in
-plain sight: results recorded as each chunk returns, and a dead replica's chunks put back in the queue.
+Plain actors rather than Ray Data's `map_batches` over an actor pool, for less code of ours: a chunk is a list of
+(case id, request) and its results a list of dicts, which an actor call passes as they are, where Ray Data would turn
+nested responses into Arrow columns and back; and what a run needs beyond "call the replicas" (record each chunk as
+it returns, stop on cancel or a lost lease, put a dead replica's chunks back) is a few lines of the loop in
+RayJobRunner._stream instead of code around Ray Data's executor.
 
 Failures: when a replica's process dies (killed, out of memory), Ray restarts it (up to MAX_RESTARTS times), it
 loads the release again, and Ray sends it the chunks it had in flight again; the other replicas go on meanwhile. A
@@ -31,19 +32,19 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-import ray
-from ray.exceptions import RayActorError, RayTaskError
-
 from clef_engine.errors import ClefError, ReleaseError
 from clef_workbench.casesets import build_request
 from clef_workbench.jobs import JobRunner, _LiveJob
 from clef_workbench.store import Store, now_iso
 
+# `ray` is imported where a run goes to Ray, not here: the workbench imports this module for make_job_runner, and
+# importing Ray takes seconds that a workbench without a cluster should not pay.
 ADDRESS_ENV = "CLEF_RAY_ADDRESS"
 IN_FLIGHT_PER_REPLICA = 2  # the next chunk waits on the replica while one runs: no round trip between chunks
 MAX_RESTARTS = 3  # per replica; one that dies more often is dropped and the others go on
 CASES_PER_READ = 256  # cases read from the store at a time while cutting chunks (a run can hold millions)
-# Chunks are cut before tokenizing (the driver may have no release): a case's tokens are estimated from its text.
+# Chunks are cut before tokenizing (the driver may have no release): a case's tokens are estimated from its text,
+# then scaled by what the replicas counted in the chunks already answered (TokenEstimate).
 CHARS_PER_TOKEN = 4  # English text under Qwen's tokenizer is ~4 characters a token
 TOKENS_PER_IMAGE = 1_024  # order of magnitude of a resized photo under the Qwen3.5 processor
 TOKENS_PER_VIDEO = 8_192
@@ -60,9 +61,14 @@ def ray_address(explicit: str | None = None) -> str | None:
 
 
 def connect(address: str) -> None:
-    """Join the Ray cluster at `address` (`auto`, `host:6379` or `ray://host:10001`) unless already connected."""
+    """Join the Ray cluster at `address` (`auto` or the head's `host:6379`) unless already connected."""
+    import ray
+
     if not ray.is_initialized():
-        ray.init(address=address, include_dashboard=False, log_to_driver=False)
+        try:
+            ray.init(address=address, include_dashboard=False, log_to_driver=False)
+        except (ConnectionError, ValueError, RuntimeError) as exc:  # no cluster there, a malformed address
+            raise ReplicaError(f"cannot join the Ray cluster at {address!r}: {exc}") from None
 
 
 # -- the replica: one engine on one GPU (or on the CPUs) of some node --------------------------------------------
@@ -79,6 +85,8 @@ class Replica:
         self.loading = threading.Lock()
 
     def node(self) -> str:
+        import ray
+
         return f"{socket.gethostname()} ({ray.util.get_node_ip_address()})"
 
     def pid(self) -> int:
@@ -95,6 +103,8 @@ class Replica:
                                                    dtype=self.dtype)
                 except ReleaseError as exc:
                     raise ReleaseError(f"on node {self.node()}: {exc}") from None
+                except Exception as exc:  # out of memory, no GPU visible …: the driver's message names the node too
+                    raise ReplicaError(f"on node {self.node()}: {type(exc).__name__}: {exc}") from None
         info = self.engine.info()
         return {"node": self.node(), "device": info["device"], "dtype": info["dtype"], "revision": info["revision"],
                 "token_budget": self.engine.token_budget}
@@ -167,6 +177,9 @@ class ReplicaPool:
         """One replica per GPU of the cluster (or `replicas` of them); on a cluster without GPUs, `replicas` CPU
         replicas (default 1). Waits until every replica has loaded the release; raises ReplicaError naming the
         node where one could not."""
+        import ray
+        from ray.exceptions import RayTaskError
+
         gpus = int(ray.cluster_resources().get("GPU", 0))
         count = replicas or gpus or 1
         resources = {"num_gpus": 1} if gpus else {"num_cpus": 1}
@@ -186,6 +199,8 @@ class ReplicaPool:
         return cls(str(source), revision, slots, info)
 
     def shutdown(self) -> None:
+        import ray
+
         for slot in self.slots:
             ray.kill(slot.actor, no_restart=True)
         self.slots = []
@@ -197,7 +212,7 @@ class ReplicaPool:
             self.dropped.append(slot.node)
 
 
-def _cause(exc: RayTaskError) -> str:
+def _cause(exc: Exception) -> str:
     cause = getattr(exc, "cause", None)
     return f"{type(cause).__name__}: {cause}" if cause is not None else str(exc).strip().splitlines()[-1]
 
@@ -212,20 +227,42 @@ def estimate_tokens(request: dict) -> int:
             + TOKENS_PER_VIDEO * len(request.get("videos") or []))
 
 
-def token_chunks(store: Store, run: dict, case_ids: list[int], chunk_tokens: int) -> Iterator[list[tuple[int, dict]]]:
+@dataclass
+class TokenEstimate:
+    """Tokens of a request from its text, scaled by the ratio of counted to estimated tokens seen so far (the
+    schema's share, templates and the tokenizer's own ratio are not in the text estimate)."""
+
+    estimated: int = 0
+    counted: int = 0
+
+    def __call__(self, request: dict) -> int:
+        ratio = self.counted / self.estimated if self.estimated and self.counted else 1.0
+        return max(1, round(estimate_tokens(request) * ratio))
+
+    def observe(self, chunk: list[tuple[int, dict]], results: list[dict]) -> None:
+        requests = dict(chunk)
+        for result in results:
+            if result.get("input_tokens"):  # error results were not tokenized
+                self.estimated += estimate_tokens(requests[result["case_id"]])
+                self.counted += result["input_tokens"]
+
+
+def token_chunks(store: Store, run: dict, case_ids: list[int], chunk_tokens: int,
+                 tokens: TokenEstimate | None = None) -> Iterator[list[tuple[int, dict]]]:
     """The cases as (case id, request) chunks of about `chunk_tokens` estimated tokens each (at least one case),
-    read from the store a few hundred at a time."""
+    read from the store a few hundred at a time. Lazy: each chunk is cut with the estimate as it is then."""
+    tokens = tokens or TokenEstimate()
     chunk: list[tuple[int, dict]] = []
-    tokens = 0
+    total = 0
     for start in range(0, len(case_ids), CASES_PER_READ):
         for case in store.get_cases(case_ids[start:start + CASES_PER_READ]):
             request = build_request(case, run["schema"], model=run["model_id"])
-            size = estimate_tokens(request)
-            if chunk and tokens + size > chunk_tokens:
+            size = tokens(request)
+            if chunk and total + size > chunk_tokens:
                 yield chunk
-                chunk, tokens = [], 0
+                chunk, total = [], 0
             chunk.append((case["id"], request))
-            tokens += size
+            total += size
     if chunk:
         yield chunk
 
@@ -267,12 +304,16 @@ class RayJobRunner(JobRunner):
             self.store.set_run_status(run_id, "failed", error=job.last_error)
 
     def _stream(self, run_id: int, pool: ReplicaPool, job: _LiveJob) -> None:
+        import ray
+        from ray.exceptions import RayActorError, RayTaskError
+
         run = self.store.get_run(run_id)
         settings = run["settings"] or {}
         options = {"max_length": settings.get("max_length"), "overflow": settings.get("overflow", "refuse")}
         chunk_tokens = int(self.chunk_tokens or (settings.get("ray") or {}).get("chunk_tokens")
                            or pool.info["token_budget"])
-        chunks = token_chunks(self.store, run, self.store.unfinished_case_ids(run_id), chunk_tokens)
+        tokens = TokenEstimate()
+        chunks = token_chunks(self.store, run, self.store.unfinished_case_ids(run_id), chunk_tokens, tokens)
         retry: deque[list[tuple[int, dict]]] = deque()  # chunks of a crashed replica, sent again first
         in_flight: dict[Any, tuple[list[tuple[int, dict]], _Slot]] = {}
         while True:
@@ -306,6 +347,7 @@ class RayJobRunner(JobRunner):
                     raise ReplicaError(f"a replica failed: {_cause(exc)}") from None
                 self.store.record_results(run_id, results)
                 job.processed += len(results)
+                tokens.observe(chunk, results)
 
 
 def make_job_runner(store: Store, *, address: str | None = None, **kwargs: Any) -> JobRunner:
@@ -317,5 +359,5 @@ def make_job_runner(store: Store, *, address: str | None = None, **kwargs: Any) 
     return RayJobRunner(store, address=address, **kwargs)
 
 
-__all__ = ["ADDRESS_ENV", "RayJobRunner", "Replica", "ReplicaError", "ReplicaPool",
-           "connect", "decide_chunk", "estimate_tokens", "make_job_runner", "ray_address", "token_chunks"]
+__all__ = ["ADDRESS_ENV", "RayJobRunner", "Replica", "ReplicaError", "ReplicaPool", "TokenEstimate", "connect",
+           "decide_chunk", "estimate_tokens", "make_job_runner", "ray_address", "token_chunks"]

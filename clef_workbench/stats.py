@@ -20,6 +20,7 @@ Definitions used throughout (shown in the UI next to the numbers):
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import numpy as np
@@ -297,3 +298,53 @@ def compare_runs(frame_a: pd.DataFrame, frame_b: pd.DataFrame) -> dict[str, Any]
     shifts = pd.DataFrame(shift_rows, columns=["case_id", "question_id", "option", "p_a", "p_b", "shift"])
     return {"accuracy": accuracy, "flipped": flipped.reset_index(drop=True), "shifts": shifts,
             "compared": len(joined)}
+
+
+# -- browsing a run's results -------------------------------------------------------------------------------------
+
+
+def browse_table(results: list[dict], schema: dict) -> pd.DataFrame:
+    """One row per (case, question) for reading a run: case, question, the state as text, expected, predicted,
+    confidence, margin, correct (True / False / None without an expected answer), tags, and every option's
+    probability as a short "option p" list."""
+    frame = answer_frame(results, schema)
+    by_case = {r["case_id"]: r for r in results}
+    rows = []
+    for row in frame.itertuples(index=False):
+        result = by_case[row.case_id]
+        state = result.get("state")
+        rows.append({
+            "case": int(row.case_id), "question": row.question_id,
+            "state": state if isinstance(state, str) else json.dumps(state, ensure_ascii=False),
+            "expected": row.expected, "predicted": row.predicted, "confidence": round(float(row.confidence), 4),
+            "margin": round(float(row.margin), 4), "correct": None if pd.isna(row.correct) else bool(row.correct),
+            "tags": ", ".join(result.get("tags") or []),
+            "probabilities": " · ".join(f"{option} {p:.2f}" for option, p in row.distribution.items()),
+        })
+    return pd.DataFrame(rows, columns=["case", "question", "state", "expected", "predicted", "confidence", "margin",
+                                       "correct", "tags", "probabilities"])
+
+
+def filter_browse(table: pd.DataFrame, *, wrong_only: bool = False, confidence_below: float | None = None,
+                  questions: list[str] | None = None, tags: list[str] | None = None, search: str = "") -> pd.DataFrame:
+    """The rows of browse_table that pass every filter: answers that disagree with the expected one, confidence
+    below a threshold, some questions, cases carrying any of some tags, and a case-insensitive text search over
+    the state, the answers and the tags."""
+    if table.empty:
+        return table
+    keep = pd.Series(True, index=table.index)
+    if wrong_only:
+        keep &= table["correct"].eq(False)
+    if confidence_below is not None:
+        keep &= table["confidence"] < confidence_below
+    if questions:
+        keep &= table["question"].isin(questions)
+    if tags:
+        wanted = set(tags)
+        keep &= table["tags"].map(lambda text: bool(wanted & {t.strip() for t in text.split(",") if t.strip()}))
+    if search.strip():
+        needle = search.strip().lower()
+        haystack = table[["state", "expected", "predicted", "tags", "question"]].map(
+            lambda value: "" if value is None else str(value).lower())
+        keep &= haystack.apply(lambda row: needle in " ".join(row), axis=1)
+    return table[keep]

@@ -11,7 +11,7 @@ from clef_workbench import casesets
 from clef_workbench.casesets import CaseImportError, CsvMapping
 from clef_workbench.schemas import SchemaError
 from clef_workbench.store import StoreError
-from workbench_ui.shell import get_library, get_store, kept_widget, page_key, use_app_navigation
+from workbench_ui.shell import get_library, get_store, page_key, pick_id, use_app_navigation
 
 use_app_navigation()
 
@@ -113,19 +113,16 @@ if not sets:
     st.info("No case sets yet. Create one, load the examples, or save cases from the Decide page.")
     st.stop()
 labels = {s["id"]: f"{s['name']} ({s['case_count']} cases)" for s in sets}
-ids = list(labels)
-if st.session_state.get(K("selected")) not in ids:
-    st.session_state.pop(K("selected"), None)
-    st.session_state["_keep." + K("selected")] = ids[0]
 with top[0]:
-    case_set_id = kept_widget(st.selectbox, "Case set", K("selected"), default=ids[0], options=ids,
-                              format_func=lambda i: labels[i])
+    case_set_id = pick_id(list(labels), K("selected"), "Case set", labels.get, param="set")
 case_set = store.get_case_set(case_set_id)
 schema = load_schema(case_set["schema_name"])
 st.caption(f"Schema: **{case_set['schema_name'] or 'none'}** · {case_set['case_count']} cases · created "
            f"{case_set['created_at'][:19].replace('T', ' ')} · {case_set['description'] or ''}")
 
-tab_cases, tab_import, tab_export, tab_settings = st.tabs(["Cases", "Import", "Export", "Settings"])
+# keyed and tracked: the open tab survives reruns whose layout above it changes (a message appearing or going)
+tab_cases, tab_import, tab_export, tab_settings = st.tabs(["Cases", "Import", "Export", "Settings"], key=K("tabs"),
+                                                         on_change="rerun")
 
 with tab_cases:
     st.caption("Edit states (text, or JSON for structured states), expected answers as a JSON object "
@@ -157,11 +154,14 @@ with tab_cases:
             st.rerun()
 
 with tab_import:
-    # a new key after each import empties the uploader: the page shows the new count and no live Import button
-    upload = st.file_uploader("CSV or JSONL file", type=["csv", "jsonl", "json"],
-                              key=K(f"upload.{st.session_state.get(K('upload_round'), 0)}"),
+    upload = st.file_uploader("CSV or JSONL file", type=["csv", "jsonl", "json"], key=K("upload"),
                               help="JSONL: one object per line with state, and optionally expected, tags, images and "
                                    "videos (data URLs). CSV: map the columns below.")
+    if upload is not None and upload.file_id == st.session_state.get(K("imported_file")):
+        # imported already: no live Import button for the same upload (choose the file again to re-import)
+        st.caption(f"{upload.name} is imported. Choose a file to import more; rows already in the case set are "
+                   "skipped.")
+        upload = None
     if upload is not None:
         text = upload.getvalue().decode("utf-8-sig", errors="replace")
         parsed = None
@@ -248,7 +248,7 @@ with tab_import:
                     st.error(f"Nothing imported: {exc}")
                 else:
                     st.session_state.pop(K(f"editor.{case_set_id}"), None)
-                    st.session_state[K("upload_round")] = st.session_state.get(K("upload_round"), 0) + 1
+                    st.session_state[K("imported_file")] = upload.file_id
                     skipped = len(parsed) - len(added)
                     flash("success", f"Imported {len(added)} cases into “{case_set['name']}”."
                           + (f" {skipped} were already in it and were skipped." if skipped else ""))

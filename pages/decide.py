@@ -44,6 +44,7 @@ QUESTION_TYPES = list(schemas.QUESTION_TYPES)
 PREFERRED_START_SCHEMA = "support-ticket-routing"
 MAX_LENGTH_CHOICES = sorted({512, 1024, 2048, 4096, 8192, DEFAULT_MAX_LENGTH, 32_768, 65_536, 131_072, 262_144})
 DRAFT_PARAM = "draft"  # the URL parameter naming this browser session's draft: a reload brings the editors back
+SCHEMA_PARAM = "schema"  # the library schema on screen: a link opens it in a new session
 
 
 def builder() -> vm.Builder:
@@ -85,18 +86,22 @@ def _init_page() -> None:
     pending = st.session_state.pop(K("pending_load"), None)
     token = st.session_state.get(K("draft_token"))
     if token is None:
-        token = st.query_params.get(DRAFT_PARAM) or secrets.token_urlsafe(9)
+        # A new session writes its draft under a token of its own, even when the URL names another one (a reload,
+        # or a link someone sent): it starts from that draft, but its edits never overwrite the sender's.
+        token = secrets.token_urlsafe(9)
         st.session_state[K("draft_token")] = token
     if K("uids") not in st.session_state:
-        draft = get_store().load_draft(draft_key(token))
+        linked = st.query_params.get(DRAFT_PARAM)
+        draft = get_store().load_draft(draft_key(linked)) if linked else None
         if draft is not None:
             vm.restore_draft(st.session_state, draft)
-            st.session_state[K("saved_draft")] = draft
         else:
             st.session_state[K("uids")] = []
             if pending is None:
                 slugs = get_library().slugs()
-                pending = PREFERRED_START_SCHEMA if PREFERRED_START_SCHEMA in slugs else (slugs[0] if slugs else None)
+                linked = st.query_params.get(SCHEMA_PARAM)
+                pending = (linked if linked in slugs else PREFERRED_START_SCHEMA if PREFERRED_START_SCHEMA in slugs
+                           else (slugs[0] if slugs else None))
     if st.query_params.get(DRAFT_PARAM) != token:
         st.query_params[DRAFT_PARAM] = token
     if pending:
@@ -515,6 +520,11 @@ if result:
             else:
                 with_labels = "with expected labels" if confirm else "without expected labels"
                 st.success(f"Saved case #{case_id} to “{set_name}” ({with_labels}).")
+
+if builder().loaded_slug:
+    st.query_params[SCHEMA_PARAM] = builder().loaded_slug
+elif SCHEMA_PARAM in st.query_params:
+    del st.query_params[SCHEMA_PARAM]
 
 # The editors as they are now, kept for a reload of this browser session (saved only when something changed).
 vm.save_draft_if_changed(st.session_state,

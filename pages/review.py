@@ -24,6 +24,7 @@ from workbench_ui.shell import (
     model_manager,
     page_key,
     pick_run,
+    url_int,
     use_app_navigation,
 )
 
@@ -107,11 +108,33 @@ current_key = K(f"current.{run_id}")
 notice_key = K("notice")
 
 
+def linked_item() -> dict | None:
+    """The item a shared link names (?run=&case=&question=), on the session's first visit of this run."""
+    seen_key = K(f"link_seen.{run_id}")
+    if st.session_state.get(seen_key):
+        return None
+    st.session_state[seen_key] = True
+    case_id, question_id = url_int("case"), st.query_params.get("question")
+    if case_id is None:
+        return None
+    matches = [i for i in store.list_review_items(run_id) if i["case_id"] == case_id
+               and (question_id is None or i["question_id"] == question_id)]
+    if not matches:
+        st.info(f"The link names case {case_id}{' · ' + question_id if question_id else ''}, which is not in this "
+                "run's review queue.")
+        return None
+    return matches[0]
+
+
 def current_item() -> dict | None:
+    linked = linked_item()
+    if linked is not None:
+        st.session_state[current_key] = linked["id"]
+        return linked  # shown whatever its status: the sender wants the receiver to see this one
     item_id = st.session_state.get(current_key)
     if item_id is not None:
         item = store.get_review_item(item_id)
-        if item["status"] in ("open", "skipped"):
+        if item["status"] in ("open", "skipped") or st.session_state.get(K("showing_link")) == item_id:
             return item
     item = review.next_item(store, run_id)
     st.session_state[current_key] = None if item is None else item["id"]
@@ -176,6 +199,12 @@ if not reviewer:
     st.warning("Enter your name above to review.")
 
 item = current_item()
+if item is not None:  # the address bar links to the item on screen
+    st.query_params["case"], st.query_params["question"] = str(item["case_id"]), item["question_id"]
+    if item["status"] not in ("open", "skipped"):
+        st.session_state[K("showing_link")] = item["id"]
+        st.info(f"This item was already reviewed: {item['status']} by {item['reviewer']}"
+                + (f" as “{review.label_key(item['label'])}”" if item["label"] is not None else "") + ".")
 if item is None:
     st.success("Nothing left to review in this run's queue.")
     st.button("Undo my last action", key="review-undo", on_click=undo, disabled=not reviewer, shortcut="Z")

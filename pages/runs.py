@@ -243,6 +243,36 @@ if not results:
 
 frame = stats.answer_frame(results, schema)
 
+# -- browse -----------------------------------------------------------------------------------------------------
+
+st.subheader("Results")
+browse = stats.browse_table(results, schema)
+all_tags = sorted({t for r in results for t in (r.get("tags") or [])})
+filter_cols = st.columns([1, 1, 2, 2])
+wrong_only = filter_cols[0].toggle("Wrong only", key=K(f"browse.wrong.{run_id}"),
+                                   help="Answers that disagree with the case's expected answer")
+low_conf = filter_cols[1].toggle("Low confidence", key=K(f"browse.low.{run_id}"))
+threshold = filter_cols[1].slider("Confidence below", 0.0, 1.0, 0.6, 0.05, key=K(f"browse.threshold.{run_id}"),
+                                  disabled=not low_conf)
+picked_questions = filter_cols[2].multiselect("Questions", list(questions), key=K(f"browse.questions.{run_id}"),
+                                              placeholder="All questions")
+picked_tags = filter_cols[3].multiselect("Tags", all_tags, key=K(f"browse.tags.{run_id}"), placeholder="All tags",
+                                         disabled=not all_tags)
+search = st.text_input("Search the states and answers", key=K(f"browse.search.{run_id}"),
+                       placeholder="e.g. refund, or an option id")
+shown = stats.filter_browse(browse, wrong_only=wrong_only, confidence_below=threshold if low_conf else None,
+                            questions=picked_questions, tags=picked_tags, search=search)
+shown = shown.assign(
+    review=[f"/review?run={run_id}&case={c}&question={q}" for c, q in zip(shown["case"], shown["question"],
+                                                                           strict=True)])
+st.caption(f"{len(shown)} of {len(browse)} answers. “Open” shows the case in Review (with a link you can send).")
+st.dataframe(shown, hide_index=True, width="stretch", key=K(f"browse.table.{run_id}"),
+             column_config={"state": st.column_config.TextColumn(width="large"),
+                            "confidence": st.column_config.NumberColumn(format="%.3f"),
+                            "margin": st.column_config.NumberColumn(format="%.3f"),
+                            "correct": st.column_config.CheckboxColumn(),
+                            "review": st.column_config.LinkColumn("Review", display_text="Open")})
+
 # -- speed ------------------------------------------------------------------------------------------------------
 
 st.subheader("Latency and throughput")

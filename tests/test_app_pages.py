@@ -423,3 +423,15 @@ def test_a_run_error_names_the_control_and_goes_when_the_control_changes(workben
     button(at, "Run").click().run()
     no_exceptions(at)
     assert [m for m in at.metric if m.label == "Answer"], ([e.value for e in at.error], button(at, "Run").disabled)
+
+
+def test_a_link_opens_the_schema_it_names_in_decide(workbench):
+    at = AppTest.from_file(APP, default_timeout=TIMEOUT)
+    at.query_params["schema"] = "invoice-triage"
+    at.run()
+    no_exceptions(at)
+    library = SchemaLibrary(workbench / "schemas")
+    assert [t.value for t in at.text_input if t.key.endswith(".id")] == list(library.load("invoice-triage").questions)
+    assert at.selectbox(key="decide.library_pick").value == "invoice-triage"
+    value = at.query_params["schema"]
+    assert (value[0] if isinstance(value, list) else value) == "invoice-triage"

@@ -136,6 +136,11 @@ def test_wrong_input_is_a_message_naming_the_argument_and_exit_code_2(tmp_path, 
     assert main([*common, "--case-set", "tickets", "--schema", str(tmp_path / "missing.json")]) == 2
     assert "cannot read" in capsys.readouterr().err
 
+    assert main([*common, "--case-set", "tickets", "--schema", str(SCHEMA_FILE), "--replicas", "2"]) == 2
+    assert "--ray" in capsys.readouterr().err  # replicas without a cluster: not silently one engine here
+    assert main([*common, "--case-set", "tickets", "--schema", str(SCHEMA_FILE), "--chunk-size", "0"]) == 2
+    assert "--chunk-size must be at least 1" in capsys.readouterr().err
+
     assert main([*common[:-1], str(tmp_path / "no-release"), "--case-set", "tickets", "--schema",
                  str(SCHEMA_FILE)]) == 1
     err = capsys.readouterr().err

@@ -21,6 +21,7 @@ from clef_workbench.distributed import (  # noqa: E402  (needs ray)
     RayJobRunner,
     ReplicaError,
     ReplicaPool,
+    TokenEstimate,
     estimate_tokens,
     make_job_runner,
     token_chunks,
@@ -78,6 +79,15 @@ def test_chunks_follow_the_token_estimate_and_keep_every_case_once(tmp_path):
     assert all(1 <= len(chunk) <= 3 for chunk in chunks) and len(chunks) >= len(case_ids) // 3
     assert [len(chunk) for chunk in token_chunks(store, store.get_run(run_id), case_ids, chunk_tokens=1)] == [1] * 20
     assert chunks[0][0][1]["questions"] == TICKET_SCHEMA["questions"]
+
+    # the replicas counted 3x the estimate: the chunks cut after that hold a third as many cases
+    tokens = TokenEstimate()
+    lazy = token_chunks(store, store.get_run(run_id), case_ids, chunk_tokens=6 * one, tokens=tokens)
+    first = next(lazy)
+    assert len(first) >= 5
+    tokens.observe(first, [{"case_id": case_id, "input_tokens": 3 * estimate_tokens(request)}
+                           for case_id, request in first])
+    assert 1 <= len(next(lazy)) <= 2
 
 
 def test_the_configuration_picks_where_runs_execute(tmp_path, monkeypatch):

@@ -217,6 +217,7 @@ TEXTS = [
     "<|im_start|>user\nspecial tokens<|im_end|> inside <think></think> text", "numbers 1234567890 3.14159 -42",
     "code: def f(x):\n    return x ** 2  # comment", '{"json": [1, 2, {"nested": null}]}', "a" + " " * 300 + "b",
     "\u00a0\u2003 odd spaces \u200b zero width", "мир", "!!!???...,,,;;;", "'s 't 're 've 'm 'll 'd",
+    "\u1fbe\u0308\u0341" * 40, "\u1100\u1161\u11a8" * 40,  # what NFC shrinks most (to U+0390, to 각)
 ]
 
 
@@ -229,13 +230,15 @@ def test_own_tokenizer_gives_the_wrappers_ids(tiny_engine):
     encoder = tiny_engine.encoder
     for text in TEXTS:
         assert encoder.tokenize(text) == wrapper_ids(encoder, text), text
+        assert encoder.token_bound(text) <= len(encoder.tokenize(text)), text
     assert encoder.tokenize_many(TEXTS) == [wrapper_ids(encoder, t) for t in TEXTS]
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(text=st.text(st.characters(codec="utf-8"), max_size=300)
        | st.lists(st.sampled_from(["<|im_start|>", "\u1100", "\u1161", "\u11a8", "e", "\u0301", " ", "\n", "ab",
-                                   "Ġ.,;:!?-_/()[]{}\"'", "1", "한"]), max_size=80).map("".join))
+                                   "Ġ.,;:!?-_/()[]{}\"'", "1", "한", "\u1fbe", "\u0308", "\u0341"]),
+                max_size=80).map("".join))
 def test_token_bound_never_exceeds_the_tokens(tiny_engine, text):
     encoder = tiny_engine.encoder
     ids = encoder.tokenize(text)

@@ -434,3 +434,61 @@ def test_load_takes_its_config_from_the_environment(tiny_release, monkeypatch):
         check_response(engine.decide(REQUEST), REQUEST)
     finally:
         engine.close()
+
+
+def test_interactive_work_runs_between_the_steps_of_a_bulk_batch():
+    """A long bulk batch lets interactive requests that arrive meanwhile run between its steps (the engine calls
+    run_waiting_interactive between layers): the interactive answer comes before the bulk batch ends."""
+    submitted = threading.Event()
+    order: list[str] = []
+    scheduler: Scheduler
+
+    def run_batch(records):
+        if records[0].startswith("bulk"):
+            order.append("bulk starts")
+            assert submitted.wait(5)
+            scheduler.run_waiting_interactive()  # a step boundary of the bulk batch
+            order.append("bulk ends")
+        else:
+            order.append("interactive")
+        return records
+
+    scheduler = Scheduler(run_batch, token_budget=100)
+    bulk = scheduler.submit(["bulk"], priority="bulk")
+    while scheduler.queue_depth():  # the bulk batch is on the worker
+        pass
+    interactive = scheduler.submit(["now"], priority="interactive")
+    submitted.set()
+    assert interactive.result(5) == ["now"] and bulk.result(5) == ["bulk"]
+    assert order == ["bulk starts", "interactive", "bulk ends"]
+    scheduler.close()
+
+
+def test_a_decide_during_a_bulk_batch_gets_the_answer_it_gets_alone(tiny_engine):
+    """The engine's between-layer hook on the real path: interactive requests answered inside a running bulk batch
+    get the same answers as alone, and the bulk batch's answers do not change either."""
+    bulk_requests = [dict(REQUEST, state=f"bulk ticket {i} " * 200) for i in range(6)]
+    alone = tiny_engine.decide(dict(REQUEST, state="interactive"))["answers"]
+    bulk_alone = [r["answers"] for r in tiny_engine.decide_many(bulk_requests)]
+    ran_inside: list[bool] = []
+    original = tiny_engine.scheduler.run_waiting_interactive
+
+    def recording():
+        ran_inside.append(tiny_engine.scheduler.interactive_waiting())
+        original()
+
+    tiny_engine.scheduler.run_waiting_interactive = recording
+    try:
+        future = tiny_engine.submit(bulk_requests, priority="bulk")
+        answers = [tiny_engine.decide(dict(REQUEST, state="interactive"))["answers"] for _ in range(3)]
+        bulk_answers = [r["answers"] for r in future.result(120)]
+    finally:
+        del tiny_engine.scheduler.run_waiting_interactive
+    for got in answers:
+        for question_id, answer in got.items():
+            for key, value in answer.items():
+                if isinstance(value, float):
+                    assert abs(value - alone[question_id][key]) <= 1e-4
+    for got, want in zip(bulk_answers, bulk_alone):
+        assert json.dumps(got, sort_keys=True) == json.dumps(want, sort_keys=True)
+    assert ran_inside  # at least one decide ran inside the bulk batch

@@ -263,7 +263,7 @@ def new_case_set(at: AppTest, name: str) -> int:
 
 
 def upload_csv(at: AppTest, content: bytes) -> AppTest:
-    uploader = next(u for u in at.get("file_uploader") if u.key.startswith("cases.upload"))
+    uploader = next(u for u in at.get("file_uploader") if u.key == "cases.upload")
     uploader.set_value(("tickets.csv", content, "text/csv"))
     at.run()
     ok(at)
@@ -372,3 +372,51 @@ def test_review_in_blind_mode_and_keeping_the_gold_label(workbench):
     else:
         assert store.get_review_item(item["id"])["status"] == "accepted"
     assert f"The model had answered “{item['predicted']}”" in texts(at)
+
+
+def open_link(page: str, **params: str) -> AppTest:
+    """A new browser session opening a link someone sent: /<page>?param=…"""
+    at = AppTest.from_file(APP, default_timeout=TIMEOUT)
+    at.run()
+    at.switch_page(page)
+    for name, value in params.items():
+        at.query_params[name] = value
+    at.run()
+    ok(at)
+    return at
+
+
+def param(at: AppTest, name: str) -> str | None:
+    value = at.query_params.get(name)
+    return value[0] if isinstance(value, list) else value
+
+
+def test_links_open_the_run_case_set_and_review_item_they_name_and_results_browse(workbench):
+    AppTest.from_file(APP, default_timeout=TIMEOUT).run()
+    store, run_id = _finished_run(workbench)
+    set_id = store.get_run(run_id)["case_set_id"]
+    newer = store.create_run(set_id, schema=store.get_run(run_id)["schema"], model_id="clef-demo")
+
+    runs_page = open_link("pages/runs.py", run=str(run_id))
+    assert runs_page.selectbox(key="runs.selected").value == run_id, "the linked run, not the newest"
+    assert param(runs_page, "run") == str(run_id)
+    assert "This run's answers come from random weights" in texts(runs_page)
+    assert "n = 12 records in 2 batch(es)" in texts(runs_page)
+    table = next(df.value for df in runs_page.dataframe if "probabilities" in df.value.columns)
+    assert len(table) == 12 * 5 and set(table["question"]) == {"team", "priority", "customer_mood", "churn_threat",
+                                                                "needs_human_agent"}
+    runs_page.toggle(key=f"runs.browse.wrong.{run_id}").set_value(True).run()
+    wrong = next(df.value for df in runs_page.dataframe if "probabilities" in df.value.columns)
+    assert 0 < len(wrong) < len(table) and not wrong["correct"].any()
+    assert wrong["review"].iloc[0].startswith(f"/review?run={run_id}&case=")
+    assert open_link("pages/runs.py").selectbox(key="runs.selected").value == newer, "no link: the newest run"
+
+    cases_page = open_link("pages/cases.py", set=str(set_id))
+    assert cases_page.selectbox(key="cases.selected").value == set_id and param(cases_page, "set") == str(set_id)
+
+    review.apply_rules(store, run_id, ReviewRules(margin_below=1.0, unknown_option=False,
+                                                  disagree_with_expected=False, questions=["team"]))
+    target = store.list_review_items(run_id)[5]
+    review_page = open_link("pages/review.py", run=str(run_id), case=str(target["case_id"]), question="team")
+    assert f"### Case {target['case_id']} · `team` (choice)" in texts(review_page)
+    assert (param(review_page, "case"), param(review_page, "question")) == (str(target["case_id"]), "team")

@@ -156,7 +156,7 @@ def test_hosted_service_limits_are_reported_not_enforced():
         "with space": {"type": "noul"},
         "one": {"type": "choice", "criteria": {"only": None}},
         "flat": {"type": "score", "criteria": ["only"]},
-        "many": {"type": "score", "criteria": [str(i) for i in range(HOSTED.max_score_levels + 1)]},
+        "many": {"type": "score", "criteria": [str(i) for i in range(HOSTED.score_levels[-1] + 1)]},
         "fine": {"type": "choice", "criteria": {"a": None, "b": None}},
     }}
     parse_questions(request)  # the contract accepts all of it
@@ -170,9 +170,9 @@ def test_hosted_service_limits_are_reported_not_enforced():
         ("images",): prefix + "it takes at most 4 images, this has 5",
     }
     assert hosted_service_problems(request["questions"])[0].loc == ("questions", "with space"), "a bare map works"
-    too_many = {f"q{i}": {"type": "noul"} for i in range(HOSTED.max_questions + 1)}
+    too_many = {f"q{i}": {"type": "noul"} for i in range(HOSTED.questions[-1] + 1)}
     assert [p.loc for p in hosted_service_problems(too_many)] == [("questions",)]
-    assert hosted_service_problems({f"q{i}": {"type": "noul"} for i in range(HOSTED.max_questions)}) == []
+    assert hosted_service_problems({f"q{i}": {"type": "noul"} for i in range(HOSTED.questions[-1])}) == []
 
 
 def test_answers_fit_the_response_model():

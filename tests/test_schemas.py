@@ -90,9 +90,9 @@ def test_invalid_questions_are_reported_with_question_and_field(questions, expec
 
 
 HOSTED_REFUSALS = [
-    ({f"q{i}": noul() for i in range(HOSTED.max_questions + 1)}, "questions", "it takes 1–64 questions, this has 65"),
+    ({f"q{i}": noul() for i in range(HOSTED.questions[-1] + 1)}, "questions", "it takes 1–64 questions, this has 65"),
     ({"team": choice({"only": "x"})}, "team", "a choice takes 2–255 options, this has 1"),
-    ({"team": choice({f"o{i}": None for i in range(HOSTED.max_choice_options + 1)})}, "team",
+    ({"team": choice({f"o{i}": None for i in range(HOSTED.choice_options[-1] + 1)})}, "team",
      "a choice takes 2–255 options, this has 256"),
     ({"u": score(["low"])}, "u", "a score takes 2–10 levels, this has 1"),
     ({"u": score([str(i) for i in range(11)])}, "u", "a score takes 2–10 levels, this has 11"),
@@ -116,10 +116,10 @@ def test_hosted_service_limits_are_lint_warnings_not_errors(questions, question_
 
 
 def test_hosted_limits_accept_their_boundaries():
-    at_limits = {f"q{i}": noul() for i in range(HOSTED.max_questions - 2)}
-    at_limits["big"] = choice({f"o{i}": None for i in range(HOSTED.max_choice_options)})
+    at_limits = {f"q{i}": noul() for i in range(HOSTED.questions[-1] - 2)}
+    at_limits["big"] = choice({f"o{i}": None for i in range(HOSTED.choice_options[-1])})
     at_limits["ten"] = score([f"level {i}" for i in range(10)])
-    assert len(at_limits) == HOSTED.max_questions
+    assert len(at_limits) == HOSTED.questions[-1]
     for questions in (at_limits, {"two": choice({"a": None, "b": None}), "s": score(["lo", "hi"])},
                       {"a.b-c_D9": noul(), "x" * 100: noul()}):
         assert validate_questions(questions) == []

@@ -376,7 +376,9 @@ def test_token_budget_refuses_unless_truncation_is_asked_for(client: httpx.Clien
     assert refused.status_code == 413
     detail = refused.json()["detail"]
     assert detail["error_type"] == "token_budget_exceeded"
-    assert detail["over_by"] == counts["state"] - 10 and detail["max_length"] == budget
+    assert detail["max_length"] == budget and detail["part"] == "state"
+    # Refused before all of it is tokenized (issue 10), so the excess may be a lower bound of the true one.
+    assert 1 <= detail["over_by"] <= counts["state"] - 10
 
     truncated = client.post("/v1/systemone", json=request | {"x_max_length": budget, "x_overflow": "truncate_state"})
     assert truncated.status_code == 200, truncated.text

@@ -1,6 +1,10 @@
 """One slow request never stalls the rest: while a 30 MB state and a 16 MP image are being refused, a small request to
 the same real server process is answered within a second (issue 10). The refusals must come from a budget check
-before the expensive work and from encoding that does not hold a lock other requests need."""
+before the expensive work and from encoding that does not hold a lock other requests need.
+
+On a quiet machine a small request alone takes a few hundredths of a second on the tiny release; on a shared, busy
+one it can take longer than the target by itself. So the bound is the slowest of a few small requests sent alone just
+before, plus the second: what the big requests may add."""
 
 from __future__ import annotations
 
@@ -19,7 +23,7 @@ from PIL import Image
 from tests.test_server import JSON, ServerProcess, check_answers, make_request
 from tests.test_server_http import data_url
 
-SMALL_ANSWER_SECONDS = 1.0
+SMALL_ANSWER_SECONDS = 1.0  # the most the big requests may add to a small one's answer time
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +66,11 @@ def test_small_request_answered_while_big_ones_are_refused(server: ServerProcess
 
     threads = [threading.Thread(target=send, args=(name,)) for name in bodies]
     with httpx.Client(base_url=server.url, timeout=60) as http:
-        assert http.post("/v1/systemone", json=make_request(1)).status_code == 200  # warm
+        alone = []
+        for _ in range(3):
+            started = time.monotonic()
+            assert http.post("/v1/systemone", json=make_request(2)).status_code == 200
+            alone.append(time.monotonic() - started)
         for thread in threads:
             thread.start()
         sent.wait()
@@ -78,5 +86,5 @@ def test_small_request_answered_while_big_ones_are_refused(server: ServerProcess
             thread.join()
     for name, response in refused.items():
         assert response.status_code in (413, 422), (name, response.status_code, response.text[:300])
-    assert max(latencies) < SMALL_ANSWER_SECONDS, \
-        f"small requests took {latencies} s while the big ones were refused (in {took} s)"
+    assert max(latencies) < max(alone) + SMALL_ANSWER_SECONDS, \
+        f"small requests took {latencies} s while the big ones were refused (in {took} s), {alone} s alone"

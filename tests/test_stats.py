@@ -179,3 +179,33 @@ def test_empty_run_gives_empty_stats_not_errors():
     cal = stats.calibration(frame, "urgent")
     assert cal["ece"] is None and cal["n"] == 0
     assert math.isnan(stats.calibration(frame, "urgent")["bins"]["accuracy"].iloc[0])
+
+
+def test_browse_table_joins_state_expected_and_answers_and_filters():
+    from clef_workbench.stats import browse_table, filter_browse
+
+    schema = {"questions": {"team": {"type": "choice", "criteria": {"billing": None, "tech": None}},
+                            "urgent": {"type": "noul"}}}
+
+    def result(case_id, state, tags, expected, p_billing, p_true):
+        return {"case_id": case_id, "position": case_id, "state": state, "tags": tags, "expected": expected,
+                "response": {"answers": {
+                    "team": {"type": "choice", "probabilities": {"billing": p_billing, "tech": 1 - p_billing}},
+                    "urgent": {"type": "noul", "noul": p_true}}}}
+
+    results = [result(1, "Refund me twice", ["vip"], {"team": "billing"}, 0.9, 0.2),
+               result(2, {"body": "App crashes"}, [], {"team": "billing", "urgent": True}, 0.3, 0.55),
+               {"case_id": 3, "position": 3, "state": "x", "error": "TokenBudgetError", "response": None}]
+    table = browse_table(results, schema)
+    assert len(table) == 4
+    first = table.iloc[0].to_dict()
+    assert first["state"] == "Refund me twice" and first["expected"] == "billing" and first["correct"] is True
+    assert first["probabilities"] == "billing 0.90 · tech 0.10"
+    assert table.iloc[2]["state"] == '{"body": "App crashes"}'
+    assert table.iloc[1]["correct"] is None, "no expected answer: neither right nor wrong"
+    wrong = filter_browse(table, wrong_only=True)
+    assert wrong[["case", "question"]].values.tolist() == [[2, "team"]]
+    assert filter_browse(table, confidence_below=0.6)[["case", "question"]].values.tolist() == [[2, "urgent"]]
+    assert filter_browse(table, questions=["urgent"], tags=["vip"])["case"].tolist() == [1]
+    assert filter_browse(table, search="CRASHES")["case"].tolist() == [2, 2]
+    assert filter_browse(table, search="tech")["predicted"].tolist() == ["tech"]

@@ -227,3 +227,54 @@ def test_concurrent_reviewers_never_lose_or_double_apply(tmp_path):
     for reviewer, ok, _ in outcomes:
         assert all(winner[item] == reviewer for item in ok)
     assert all(i["version"] == 1 and i["status"] == "corrected" for i in store.list_review_items(run_id))
+
+
+def test_soft_deletes_are_logged_and_undone(tmp_path):
+    store = Store(tmp_path / "w.db")
+    set_id = store.create_case_set("tickets")
+    first, second = store.add_cases(set_id, [{"state": "a"}, {"state": "b"}])
+    store.delete_case(first, who="ana")
+    assert [c["id"] for c in store.list_cases(set_id)] == [second] and store.get_case_set(set_id)["case_count"] == 1
+    store.restore_case(first)
+    assert [c["id"] for c in store.list_cases(set_id)] == [first, second]
+    run_id = store.create_run(set_id, schema=SCHEMA, model_id="demo")
+    store.delete_run(run_id)
+    assert store.list_runs() == [] and [r["id"] for r in store.list_runs(deleted=True)] == [run_id]
+    with pytest.raises(NotFoundError):
+        store.get_run(run_id)
+    store.delete_case_set(set_id)  # its only run is deleted, so the set can go too
+    with pytest.raises(StoreError, match="restore the case set 'tickets' first"):
+        store.restore_run(run_id)
+    with pytest.raises(DuplicateNameError, match="deleted case set named 'tickets' exists"):
+        store.create_case_set("tickets")
+    store.restore_case_set(set_id)
+    store.restore_run(run_id)
+    assert store.get_run(run_id)["total"] == 2
+    log = [(c["action"], c["kind"], c["who"]) for c in reversed(store.list_changes())]
+    assert log == [("delete", "case", "ana"), ("restore", "case", ""), ("delete", "run", ""),
+                   ("delete", "case_set", ""), ("restore", "case_set", ""), ("restore", "run", "")]
+    with pytest.raises(sqlite3.DatabaseError, match="append-only"):
+        store._conn().execute("DELETE FROM change_log")
+
+
+def test_importing_the_same_cases_twice_adds_them_once(tmp_path):
+    store = Store(tmp_path / "w.db")
+    set_id = store.create_case_set("tickets")
+    rows = [{"state": {"n": i}, "expected": {"urgent": i % 2 == 0}, "tags": ["t"]} for i in range(10)]
+    rows.append(dict(rows[0]))  # a row repeated in the file is a case of its own
+    assert len(store.add_cases(set_id, rows, skip_existing=True)) == 11
+    assert store.add_cases(set_id, rows, skip_existing=True) == []
+    assert store.get_case_set(set_id)["case_count"] == 11
+    changed = [{**rows[1], "expected": {"urgent": True}}]
+    assert len(store.add_cases(set_id, changed, skip_existing=True)) == 1, "different content is a new case"
+    assert len(store.add_cases(set_id, rows[:1])) == 1, "without skip_existing every case is added"
+
+
+def test_drafts_round_trip_by_key(tmp_path):
+    store = Store(tmp_path / "w.db")
+    assert store.load_draft("decide:x") is None
+    store.save_draft("decide:x", {"state_text": "hello", "rows": []})
+    store.save_draft("decide:x", {"state_text": "hello again", "rows": []})
+    assert Store(tmp_path / "w.db").load_draft("decide:x") == {"state_text": "hello again", "rows": []}
+    store.delete_draft("decide:x")
+    assert store.load_draft("decide:x") is None

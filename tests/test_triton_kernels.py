@@ -84,3 +84,23 @@ def test_packed_backbone_with_triton_kernels_matches_the_pytorch_kernels():
                    for a, b in zip(qa, qb)) <= 1e-5
     """)
     assert "max abs difference" in out
+
+
+def test_the_residual_stream_stays_in_float32_from_the_first_layer_on():
+    """The add + RMSNorm keeps the residual sum in float32 (the release path rounds it to bf16 after every layer)
+    while the normed output stays in the model's dtype, in the PyTorch function and in the Triton kernel alike."""
+    run_interpreted("""
+        import torch
+        from clef_engine.fast import kernels
+        torch.manual_seed(0)
+        x = torch.randn(5, 48).to(torch.bfloat16)
+        residual = torch.randn(5, 48) * 100  # float32 values that bf16 cannot hold
+        weight = 1 + 0.1 * torch.randn(48)
+        for fn in (kernels.rms_norm_torch, kernels.rms_norm_triton):
+            normed, stream = fn(x, weight, 1e-6, residual)
+            assert normed.dtype == torch.bfloat16 and stream.dtype == torch.float32, fn
+            assert torch.equal(stream, residual + x.float()), fn
+            normed, first = fn(x, weight, 1e-6)  # the first layer: the embeddings start the stream
+            assert normed.dtype == torch.bfloat16 and first.dtype == torch.float32, fn
+            assert torch.equal(first, x.float()), fn
+    """)

@@ -86,10 +86,10 @@ def get_job_runner():
 
 @st.cache_resource(show_spinner=False)
 def _job_runner(db_path: str):
-    from clef_workbench.jobs import JobRunner
+    from clef_workbench.distributed import make_job_runner  # on Ray when CLEF_RAY_ADDRESS is set
     from clef_workbench.store import Store
 
-    return JobRunner(Store(db_path))
+    return make_job_runner(Store(db_path))
 
 
 def get_library() -> SchemaLibrary:
@@ -252,15 +252,32 @@ def kept_widget(widget: Callable[..., Any], label: str, key: str, default: Any =
     return value
 
 
+def url_int(name: str) -> int | None:
+    """An integer URL parameter (?run=12), or None when absent or not a number."""
+    value = st.query_params.get(name)
+    return int(value) if value is not None and str(value).isdigit() else None
+
+
+def pick_id(ids: list[int], key: str, label: str, format_func: Callable[[int], str], *, param: str) -> int:
+    """A selector of one row (a run, a case set) whose choice is kept across page switches and shared through the
+    URL: a session's first visit opens the one the link names (?run=12), and the URL always names the one shown,
+    so the address bar is a link to what is on screen. Falls back to the first (newest) when the kept or linked
+    one no longer exists (deleted, or another database)."""
+    chosen = st.session_state.get(key, st.session_state.get(KEEP_PREFIX + key))
+    if KEEP_PREFIX + key not in st.session_state and url_int(param) is not None:
+        chosen = url_int(param)
+    if chosen not in ids:
+        chosen = ids[0]
+    st.session_state[key] = st.session_state[KEEP_PREFIX + key] = chosen
+    value = kept_widget(st.selectbox, label, key, default=chosen, options=ids, format_func=format_func)
+    st.query_params[param] = str(value)
+    return value
+
+
 def pick_run(runs: list[dict], key: str, label: Callable[[dict], str]) -> int:
-    """The run selector of the Runs and Review pages: kept across page switches, back to the newest run when the
-    kept one no longer exists (deleted, or another database)."""
+    """The run selector of the Runs and Review pages (see pick_id; the URL parameter is `run`)."""
     labels = {run["id"]: label(run) for run in runs}
-    run_ids = list(labels)
-    if st.session_state.get(key) not in run_ids:
-        st.session_state.pop(key, None)
-        st.session_state[KEEP_PREFIX + key] = run_ids[0]
-    return kept_widget(st.selectbox, "Run", key, default=run_ids[0], options=run_ids, format_func=labels.get)
+    return pick_id(list(labels), key, "Run", labels.get, param="run")
 
 
 def set_widget(key: str, value: Any) -> None:

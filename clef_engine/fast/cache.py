@@ -12,8 +12,9 @@ memory runs on its own thread and CUDA stream, so it never sits on an answer's p
 found in neither tier until its copy is done. One GPU worker thread uses the cache; a lock keeps `stats()` readers
 safe.
 
-The engine routes records to it (engine.py); the forward that stores and continues a prefix is packed.py's, the
-graphs that replay a continuation are graphs.py's (kept per entry object, not inside the entry).
+`PrefixCache` (at the end) is the whole feature as the engine calls it: which records it takes, storing a state,
+continuing from one. It uses packed.py's forward (which can stop at the state's end or start after it) and
+graphs.py's continuation graphs (kept per entry object there, not inside the entry).
 """
 
 from __future__ import annotations
@@ -193,3 +194,68 @@ class StateCache:
         out.update(enabled=self.enabled, device_limit=self.device_bytes, host_limit=self.host_bytes,
                    min_prefix_tokens=self.min_prefix_tokens, moving_to_host=self._spilling)
         return out
+
+
+class PrefixCache:
+    """The long-state feature in one place: which records it takes (a state of at least `min_prefix_tokens`
+    tokens, followed by a schema), storing a state by the forward that answers the record (no second pass), and
+    continuing a record from a stored state (the schema and suffix tokens only, from a CUDA graph once the state is
+    reused). Both return the head's inputs, (normed hidden states, memory) of the whole record; the engine runs the
+    head."""
+
+    def __init__(self, store: StateCache, backbone, head, graphs, *, model_key: str, pad_token_id: int,
+                 dtype: torch.dtype):
+        self.store = store
+        self.backbone = backbone
+        self.head = head
+        self.graphs = graphs
+        self.model_key = model_key
+        self.pad_token_id = pad_token_id
+        self.dtype = dtype
+
+    def key(self, record) -> str | None:
+        """The cache key of the record's state prefix, or None when the cache does not take the record."""
+        if not self.store.eligible(record.state_end) or record.state_end >= len(record):
+            return None
+        return prefix_key(self.model_key, record.input_ids[: record.state_end], record.media_digest)
+
+    def lookup(self, record) -> PrefixState | None:
+        key = self.key(record)
+        return self.store.get(key) if key is not None else None
+
+    def forward_and_store(self, record, key: str, between_layers=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """One forward over the whole record that also returns every layer's state at the end of the state; the
+        state and the head's memory of its tokens are stored."""
+        from .kernels import make_segments
+
+        length = record.state_end
+        device = self.backbone.device
+        ids = torch.tensor(record.input_ids, dtype=torch.long).to(device, non_blocking=True)
+        hidden, layers = self.backbone.forward(ids, make_segments([len(record)], device), split_at=length,
+                                               between_layers=between_layers)
+        normed, memory = self.head.token_memory(hidden.to(self.dtype))
+        self.store.put(key, PrefixState(length, layers, memory[:length].clone()))
+        return normed, memory
+
+    def forward_after(self, record, state: PrefixState) -> tuple[torch.Tensor, torch.Tensor]:
+        """The backbone over the schema + suffix tokens only, continuing from the stored state; the head's inputs of
+        the whole record (rows of the state's tokens are zero in `normed`: the head reads them only through the
+        stored memory)."""
+        from .graphs import bucket
+        from .kernels import make_segments
+
+        start, new = state.length, len(record) - state.length
+        # right-padded to a bucket length: a graph per bucket, and GEMMs of odd row counts run slower per token;
+        # padding after the last real token changes nothing before it (the backbone is causal)
+        padded = bucket(new)
+        device = self.backbone.device
+        ids = record.input_ids[start:] + [self.pad_token_id] * (padded - new)
+        ids = torch.tensor(ids, dtype=torch.long).to(device, non_blocking=True)
+        hidden = self.graphs.run_after_prefix(ids, state) if self.graphs is not None else None
+        if hidden is None:
+            segments = make_segments([padded], device, first_position=start)
+            hidden, _ = self.backbone.forward(ids, segments, prefix=state.layers, prefix_length=start)
+        normed_new, memory_new = self.head.token_memory(hidden[:new].to(self.dtype))
+        normed = normed_new.new_zeros(len(record), normed_new.shape[-1])
+        normed[start:] = normed_new
+        return normed, torch.cat([state.memory.to(memory_new.dtype), memory_new])

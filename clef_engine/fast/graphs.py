@@ -3,7 +3,7 @@
 A short record is bound by the host launching the forward's kernels one by one; a graph replays the whole forward
 with one launch. Two kinds, one owner:
 
-- prefill graphs: one record of up to `max_tokens` tokens, right-padded to a bucket length (multiples of 64 up to
+- prefill graphs: one record of up to `max_tokens` tokens, right-padded to a bucket length (multiples of 32 up to
   1,024 tokens, of 128 up to 2,048, of 256 beyond). Padding after the last real token changes nothing before it
   (the backbone is causal). `capture_all` captures every bucket while the engine warms up, so any record of any
   length replays a graph; the memory that costs is measured there and bounded by `memory_limit`.
@@ -28,9 +28,25 @@ import torch
 from . import kernels as K
 
 
+def capture(graph: torch.cuda.CUDAGraph, body, device: torch.device, pool=None):
+    """Capture `body()` into `graph` on a side stream and return its output. As torch.cuda.graph does, minus its
+    gc.collect() and empty_cache() before every capture: those cost tens of milliseconds each in a large process,
+    paid by the request that first meets a new shape."""
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+        try:
+            out = body()
+        finally:
+            graph.capture_end()
+    torch.cuda.current_stream(device).wait_stream(stream)
+    return out
+
+
 def bucket(n: int) -> int:
     """The padded length a record of `n` tokens runs at."""
-    step = 64 if n <= 1024 else 128 if n <= 2048 else 256
+    step = 32 if n <= 1024 else 128 if n <= 2048 else 256
     return -(-n // step) * step
 
 
@@ -91,8 +107,8 @@ class PrefillGraphs:
             eager = eager.clone()
         torch.cuda.current_stream(device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-            hidden, _ = self.backbone.forward(static_ids, segments, **arguments)
+        hidden, _ = capture(graph, lambda: self.backbone.forward(static_ids, segments, **arguments), device,
+                            self.pool)
         self.pool = graph.pool()
         self.captures += 1
         return Graph(graph, static_ids, hidden, segments), eager
@@ -105,6 +121,7 @@ class PrefillGraphs:
         where the pool would outgrow `memory_limit`. Returns what it captured and the memory it took."""
         device = self.backbone.device
         torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()  # what stays reserved afterwards is what the graphs hold
         before = torch.cuda.memory_reserved(device)
         for length in sorted(buckets(self.max_tokens), reverse=True):
             if self.disabled is not None:
@@ -119,6 +136,7 @@ class PrefillGraphs:
                 self.disabled = f"{type(error).__name__}: {error}"[:500]
                 torch.cuda.synchronize(device)
         torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
         self.memory_bytes = torch.cuda.memory_reserved(device) - before
         return {"buckets": len(self.prefill), "memory_bytes": self.memory_bytes, "disabled": self.disabled}
 
@@ -177,8 +195,14 @@ INDEX_FIELDS = ("record_rows", "last_rows", "question_rows", "question_chunk", "
 MASK_FIELDS = ("memory_padding", "question_keep", "field_padding", "option_keep", "question_option_padding")
 
 
-def _pow2(n: int, least: int = 1) -> int:
-    return max(least, 1 << max(0, n - 1).bit_length())
+def _size(n: int, least: int = 1) -> int:
+    """`n` rounded up to a power of two up to 16, then to a multiple of an eighth of its power of two (at most
+    12.5% over): few shapes, little padding."""
+    n = max(n, least)
+    if n <= 16:
+        return 1 << max(0, n - 1).bit_length()
+    step = 1 << ((n - 1).bit_length() - 3)
+    return -(-n // step) * step
 
 
 def _padded(array: np.ndarray, shape: tuple[int, ...], fill) -> np.ndarray:
@@ -189,12 +213,12 @@ def _padded(array: np.ndarray, shape: tuple[int, ...], fill) -> np.ndarray:
 
 def head_shape(batch, tokens: int) -> tuple[int, ...]:
     """The bucket of one record's head call: (memory tokens, questions, options per question, question-span grid
-    rows and width, option-span grid rows and width), each rounded up to a power of two. One spare question always:
-    it holds the padding options, so that no padding slot joins a real question."""
+    rows and width, option-span grid rows and width), each rounded up by `_size`. One spare question always: it
+    holds the padding options, so that no padding slot joins a real question."""
     per_question = np.bincount(batch.option_question.numpy(), minlength=len(batch.question_count))
-    return (_pow2(tokens, 512), _pow2(len(batch.question_count) + 1), _pow2(int(per_question.max())),
-            _pow2(batch.question_rows.shape[0]), _pow2(batch.question_rows.shape[1]),
-            _pow2(batch.option_rows.shape[0]), _pow2(batch.option_rows.shape[1]))
+    return (_size(tokens, 1024), _size(len(batch.question_count) + 1), _size(int(per_question.max())),
+            _size(batch.question_rows.shape[0]), _size(batch.question_rows.shape[1]),
+            _size(batch.option_rows.shape[0]), _size(batch.option_rows.shape[1]))
 
 
 def padded_head_arrays(batch, tokens: int, shape: tuple[int, ...]) -> dict[str, np.ndarray]:
@@ -368,8 +392,7 @@ class HeadGraphs:
             eager = self._body(entry).clone()  # compiles for these shapes; answers this call
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-            entry.probabilities = self._body(entry)
+        entry.probabilities = capture(graph, lambda: self._body(entry), self.device, self.pool)
         self.pool = graph.pool()
         entry.graph = graph
         self.captures += 1

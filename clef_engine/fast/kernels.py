@@ -15,7 +15,6 @@ from __future__ import annotations
 import functools
 import importlib.util
 import inspect
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -23,8 +22,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-# fla's backend registry walks its backends on every call; nothing but Triton runs on an H200
-os.environ.setdefault("FLA_DISABLE_BACKEND_DISPATCH", "1")
+# FLA_DISABLE_BACKEND_DISPATCH (fla's backend registry would walk its backends on every call) is set by the
+# engine's config (config.py), not as a side effect of importing this module.
 
 CHUNK = 64  # fla's chunk size for both the conv and the gated-delta kernels
 

@@ -116,9 +116,12 @@ class PackedBackbone:
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, segments: K.Segments, *, prefix: list[LayerState] | None = None,
-                prefix_length: int = 0, split_at: int | None = None) -> tuple[torch.Tensor, list[LayerState] | None]:
+                prefix_length: int = 0, split_at: int | None = None,
+                between_layers=None) -> tuple[torch.Tensor, list[LayerState] | None]:
         """Final hidden states [N, hidden] of the packed tokens (after the final norm).
 
+        `between_layers(index)`, if given, is called after each layer is launched (the engine lets waiting
+        interactive requests run there, in the middle of a long bulk batch).
         `prefix` (one record only): continue after `prefix_length` cached tokens. `split_at` (one record only, no
         prefix): also return each layer's state after the first `split_at` tokens, for the state cache; the hidden
         states are those of the plain forward."""
@@ -144,6 +147,8 @@ class PackedBackbone:
                 states.append(state)
             normed, residual = kern.rms_norm(branch, layer.norm2, self.eps, residual)
             branch = F.linear(kern.silu_mul(F.linear(normed, layer.gate_up), layer.intermediate), layer.down)
+            if between_layers is not None:
+                between_layers(index)
         hidden, _ = kern.rms_norm(branch, self.final_norm, self.eps, residual)
         return hidden, states
 

@@ -22,7 +22,6 @@ import hashlib
 import json
 import queue
 import threading
-import unicodedata
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,7 +29,7 @@ from typing import Any
 import torch
 
 from ..errors import Problem, RequestError, TokenBudgetError
-from ..protocol import Question, parse_questions
+from ..protocol import OVERFLOW_POLICIES, Question, parse_questions
 from . import media
 
 SYSTEM = ("Read the complete state and schema. Decide every field jointly. "
@@ -41,7 +40,6 @@ SUFFIX = "\n<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\nJOINT SCHE
 IMAGE_PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
 VIDEO_PLACEHOLDER = "<|vision_start|><|video_pad|><|vision_end|>"
 DEFAULT_MAX_LENGTH = 16_384
-OVERFLOW_POLICIES = ("refuse", "truncate_state")
 PARTS = ("prefix", "media", "state", "schema", "suffix")
 
 
@@ -109,6 +107,9 @@ STATE_MEMO_MIN_CHARS = 4096
 STATE_MEMO_ENTRIES = 16
 MEDIA_SLOTS = 2  # requests whose media are decoded at once; each may hold gigabytes of pixels while it runs
 TRIM_AFTER_PIXELS = 4_000_000  # give freed memory back to the OS after media this large
+# NFC shrinks a text's UTF-8 by at most 3.5× (U+0390 from three 2-3 byte input characters is the worst case in
+# Python's Unicode tables: composition absorbs at most the code points of one decomposition); 4 leaves a margin.
+NFC_MAX_SHRINK = 4
 
 
 def _malloc_trim():
@@ -143,6 +144,7 @@ class Encoder:
         # encode_batch runs without the GIL (encode holds it for the whole call); the fast variant skips offsets
         self._encode_batch = getattr(self._text, "encode_batch_fast", self._text.encode_batch)
         self.max_token_bytes = longest_token_bytes(self._text)
+        self._normalizer = (json.loads(self._text.to_str()).get("normalizer") or {}).get("type")
         self._processors: queue.Queue = queue.Queue()
         for _ in range(max(1, MEDIA_SLOTS if media_slots is None else media_slots)):
             self._processors.put(copy.deepcopy(processor))
@@ -165,12 +167,16 @@ class Encoder:
 
     def token_bound(self, text: str) -> int:
         """A lower bound on the tokens of `text`, without tokenizing it: every token stands for at most
-        `max_token_bytes` bytes of the normalized text."""
-        normalizer = self._text.normalizer
-        if normalizer is not None and not (text.isascii() or unicodedata.is_normalized("NFC", text)):
-            text = normalizer.normalize_str(text)  # NFC can shrink text (up to 3× for Hangul jamo)
+        `max_token_bytes` bytes of the normalized text. Normalizing a large text would hold the GIL for seconds,
+        so for NFC we divide by how much NFC can shrink a text instead."""
+        shrink = 1
+        if self._normalizer is not None and not text.isascii():
+            if self._normalizer == "NFC":
+                shrink = NFC_MAX_SHRINK
+            else:
+                text = self._text.normalizer.normalize_str(text)
         size = len(text.encode("utf-8", "surrogatepass"))
-        return -(-size // self.max_token_bytes)
+        return -(-size // (self.max_token_bytes * shrink))
 
     def tokenize_state(self, text: str) -> list[int]:
         """The state's ids, from the memo when this long state was accepted before (a long state is re-sent

@@ -23,9 +23,11 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
-IMAGE_FORMATS = {"PNG": "image/png", "JPEG": "image/jpeg", "WEBP": "image/webp"}
-VIDEO_CONTENT_TYPES = ("video/mp4", "video/webm", "video/quicktime")
-MAX_IMAGE_PIXELS = 16_000_000  # published limit: 16 MP per image
+from ..protocol import HOSTED, IMAGE_CONTENT_TYPES, VIDEO_CONTENT_TYPES
+
+IMAGE_FORMATS = ("PNG", "JPEG", "WEBP")  # PIL's names of IMAGE_CONTENT_TYPES
+# The hosted service's 16 MP limit, kept here too: it bounds the memory one image can take to decode.
+MAX_IMAGE_PIXELS = HOSTED.max_image_pixels
 MAX_MEDIA_BYTES = 64 * 1024 * 1024
 
 
@@ -107,7 +109,7 @@ def open_image(item: Any) -> Image.Image:
     if isinstance(item, Image.Image):
         image = item
     else:
-        data = _bytes_from(item, tuple(IMAGE_FORMATS.values()))
+        data = _bytes_from(item, IMAGE_CONTENT_TYPES)
         if data is None:
             raise MediaError("an image must be a data URL, {content_type, base64}, bytes, a file path or a PIL image")
         try:
@@ -161,7 +163,7 @@ def video_bytes(item: Any) -> bytes:
     content_type = sniff_content_type(data)
     if content_type not in VIDEO_CONTENT_TYPES:
         # e.g. PNG bytes labelled video/mp4: the demuxer would read them as a one-frame "video"
-        what = f"the bytes are a {content_type} file" if content_type else "not an MP4, WebM or MOV file"
+        what = f"the bytes are {content_type}" if content_type else "not an MP4, WebM or MOV file"
         raise MediaError(f"not a readable video ({what}; videos must be MP4, WebM or MOV)")
     return data
 

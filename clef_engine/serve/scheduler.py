@@ -4,8 +4,10 @@ Callers (Streamlit sessions, batch jobs, the HTTP API) submit a job — a list o
 future. This is the one place where records are grouped into GPU batches: the worker takes interactive jobs before
 bulk ones, then fills the batch with waiting records of the same priority, in order, up to a token budget
 (`token_budget` for interactive work, so concurrent clients share forward passes; the smaller `bulk_batch_tokens`
-for bulk work, so an interactive request waits for at most one bulk batch). A job larger than a batch is split
-across batches and resolved when its last record is done. The queue is bounded in records: past the bound, `submit`
+for bulk work). A job larger than a batch is split across batches and resolved when its last record is done. While
+a bulk batch runs, `run_batch` may call `run_waiting_interactive()` between steps (the engine does, between layers):
+interactive jobs waiting then run at once, so an interactive request waits for one step of a bulk batch, not all of
+it. The queue is bounded in records: past the bound, `submit`
 raises BusyError at once instead of growing memory. A job cancelled before it starts is skipped. The scheduler
 knows nothing of tensors: `run_batch` does the work.
 """
@@ -77,6 +79,7 @@ class Scheduler:
         self._sequence = itertools.count()
         self._condition = threading.Condition()
         self._closed = False
+        self.running_priority: int | None = None  # of the batch on the GPU now (worker thread only)
         self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
         self._thread.start()
 
@@ -175,9 +178,25 @@ class Scheduler:
             if pieces:
                 self._run(pieces)
 
+    def interactive_waiting(self) -> bool:
+        """Whether interactive work waits while a bulk batch runs (cheap: read without the lock)."""
+        heap = self._heap
+        return self.running_priority == PRIORITIES["bulk"] and bool(heap) and heap[0].priority == PRIORITIES[
+            "interactive"]
+
+    def run_waiting_interactive(self) -> None:
+        """Run the interactive jobs waiting now, inside the bulk batch that calls this (worker thread only)."""
+        while self.interactive_waiting():
+            with self._condition:
+                pieces = self._take_batch() if self._heap and self._heap[0].priority == 0 else []
+            if not pieces:
+                return
+            self._run(pieces)
+
     def _run(self, pieces: list[Piece]) -> None:
         records = [r for piece in pieces for r in piece.job.records[piece.start: piece.end]]
         started = time.perf_counter()
+        outer, self.running_priority = self.running_priority, pieces[0].job.priority
         try:
             results = self.run_batch(records)
         except Exception as error:  # noqa: BLE001 — one failing batch must not kill the worker
@@ -190,6 +209,7 @@ class Scheduler:
                 piece.job.future.set_exception(error)
             return
         finally:
+            self.running_priority = outer
             self._account(records, started)
         offset = 0
         for piece in pieces:

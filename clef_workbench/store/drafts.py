@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from clef_workbench.store.base import StoreBase, _dumps, _loads, now_iso
+
+# A reload starts a new draft from the old one, so drafts pile up; ones nobody touched for this long are dropped.
+DRAFT_DAYS = 30
 
 
 class DraftsMixin(StoreBase):
@@ -16,6 +20,8 @@ class DraftsMixin(StoreBase):
                    ON CONFLICT (key) DO UPDATE SET data_json = excluded.data_json, updated_at = excluded.updated_at""",
                 (key, _dumps(data), now_iso()),
             )
+            cutoff = (datetime.now(UTC) - timedelta(days=DRAFT_DAYS)).isoformat(timespec="milliseconds")
+            conn.execute("DELETE FROM drafts WHERE updated_at < ?", (cutoff,))
 
     def load_draft(self, key: str) -> Any:
         """The draft kept under `key`, or None."""

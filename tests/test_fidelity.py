@@ -1,0 +1,30 @@
+"""bench/fidelity.py: the comparison with the float32 truth, checked where the answer is known."""
+
+from __future__ import annotations
+
+import torch
+
+from bench.fidelity import compare, fidelity
+
+
+def test_compare_counts_distance_flips_and_their_margins():
+    truth = [[[0.6, 0.4], [0.2, 0.3, 0.5]], [[0.9, 0.1]]]
+    answers = [[[0.45, 0.55], [0.2, 0.3, 0.5]], [[0.88, 0.12]]]
+    result = compare(answers, truth)
+    assert result["max_dp"] == 0.15
+    assert result["flips"] == 1 and result["flip_margins"] == [0.2]  # the truth's top-two gap of the flipped one
+    assert result["mean_dp"] == round((0.15 * 2 + 0.02 * 2) / 7, 7)
+    assert compare(truth, truth) == {"max_dp": 0.0, "mean_dp": 0.0, "flips": 0, "flip_margins": []}
+
+
+def test_float32_everywhere_puts_the_release_path_on_the_truth_and_ours_within_1e5(tiny_release):
+    """In float32 the release path is the truth's own computation (distance exactly 0) and ours is the release
+    path's math (≤ 1e-5): anything else is a defect of the comparison or of the runs it feeds."""
+    result = fidelity("cpu", "tiny", records=3, dtype=torch.float32, tiny_release=tiny_release)
+    assert result["records"] == 3 and result["questions"] >= 3 and result["options"] >= 6
+    assert result["release_max_dp"] == 0.0 and result["release_flips"] == 0
+    assert result["ours_max_dp"] <= 1e-5 and result["ours_flips"] == 0
+    assert result["ours_packed_max_dp"] <= 1e-5 and result["ours_packed_flips"] == 0
+    for key in ("ours_flip_margins", "release_flip_margins", "ours_mean_dp", "release_mean_dp", "tokens",
+                "truth_top2_gap_smallest"):
+        assert key in result
