@@ -3,10 +3,11 @@ the answers compared.
 
     python bench/ray_batch.py OUT.json [--model SOURCE] [--cases N] [--replicas 1,2] [--repeats R] [--threads T]
 
-Without --model the tiny release is built in a temporary folder. In process: clef_engine.load + JobRunner (chunks
-of --chunk-size records), as the Runs page runs it. On Ray: a local cluster started here (every CPU and GPU of the
-machine) and RayJobRunner over a ReplicaPool of each size in --replicas (one GPU each when there are GPUs, else one
-CPU each), started before the clock starts: a run's time is from start to the last result recorded, for both.
+Without --model the tiny release is built in a temporary folder. In process: clef_engine.load + JobRunner (chunks of
+--chunk-size records as the Runs page sets them, or with 0 JobRunner's token-sized chunks). On Ray: a local cluster
+started here (every CPU and GPU of the machine) and RayJobRunner over a ReplicaPool of each size in --replicas (one
+GPU each when there are GPUs, else one CPU each), started before the clock starts: a run's time is from start to the
+last result recorded, for both.
 
 On the CPU, rounds alternate in process and Ray so that a machine shared with other work slows both alike, and each
 run reports its CPU time (this process, plus the replicas' on Ray; not Ray's own daemons): wall time measures the
@@ -105,7 +106,9 @@ def main() -> None:
     source = args.model or str(build_tiny_release(work / "tiny", seed=0))
     store = Store(work / "bench.db")
     set_id = case_set(store, args.cases)
-    settings = {"chunk_size": args.chunk_size, "max_length": 8_192, "overflow": "refuse"}
+    settings = {"max_length": 8_192, "overflow": "refuse"}
+    if args.chunk_size:  # 0: JobRunner sizes its chunks by tokens
+        settings["chunk_size"] = args.chunk_size
     torch.set_num_threads(args.threads)
     report: dict = {"model": args.model or "tiny release (python -m clef_engine tiny)", "cases": args.cases,
                     "schema": SCHEMA["name"], "threads_in_process": args.threads, "cpu_count": os.cpu_count(),

@@ -142,8 +142,8 @@ def run_command(args: argparse.Namespace) -> int:
         print(f"starting replicas of {args.model} on Ray ({address})…", flush=True)
         pool = ReplicaPool.start(source, revision=args.revision, replicas=args.replicas, dtype=args.dtype)
         info = pool.info
-        settings["ray"] = {"address": address, "replicas": info["replicas"], "nodes": info["nodes"],
-                           "chunk_tokens": args.chunk_tokens or info["token_budget"]}
+        settings["chunk_tokens"] = args.chunk_tokens or info["token_budget"]
+        settings["ray"] = {"address": address, "replicas": info["replicas"], "nodes": info["nodes"]}
         runner = RayJobRunner(store, pool=pool)
     settings.update(device=info.get("device"), dtype=info.get("dtype"))
     try:

@@ -43,6 +43,9 @@ ADDRESS_ENV = "CLEF_RAY_ADDRESS"
 IN_FLIGHT_PER_REPLICA = 2  # the next chunk waits on the replica while one runs: no round trip between chunks
 MAX_RESTARTS = 3  # per replica; one that dies more often is dropped and the others go on
 CASES_PER_READ = 256  # cases read from the store at a time while cutting chunks (a run can hold millions)
+# A replica's engine refuses work past 4,096 records waiting (BusyError): its IN_FLIGHT_PER_REPLICA chunks of short
+# cases stay under that.
+MAX_CASES_PER_CHUNK = 1_024
 # Chunks are cut before tokenizing (the driver may have no release): a case's tokens are estimated from its text,
 # then scaled by what the replicas counted in the chunks already answered (TokenEstimate).
 CHARS_PER_TOKEN = 4  # English text under Qwen's tokenizer is ~4 characters a token
@@ -142,14 +145,7 @@ def _decide_valid(engine: Any, valid: list[tuple[int, dict]], options: dict, sta
                      "started_at": started_at, "finished_at": now_iso()}]
         # one record over the token budget fails the whole call: one by one isolates it
         return [result for item in valid for result in _decide_valid(engine, [item], options, now_iso())]
-    finished_at = now_iso()
-    wall_ms = (time.perf_counter() - began) * 1000
-    return [{"case_id": case_id, "response": response,
-             "latency_ms": response.get("x_latency_ms", wall_ms / len(valid)),
-             "input_tokens": (response.get("usage") or {}).get("input_tokens"),
-             "token_counts": response.get("x_token_counts"),
-             "started_at": started_at, "finished_at": finished_at}
-            for (case_id, _), response in zip(valid, responses, strict=True)]
+    return JobRunner._results(valid, responses, started_at, (time.perf_counter() - began) * 1000)
 
 
 # -- the pool of replicas --------------------------------------------------------------------------------------
@@ -249,8 +245,9 @@ class TokenEstimate:
 
 def token_chunks(store: Store, run: dict, case_ids: list[int], chunk_tokens: int,
                  tokens: TokenEstimate | None = None) -> Iterator[list[tuple[int, dict]]]:
-    """The cases as (case id, request) chunks of about `chunk_tokens` estimated tokens each (at least one case),
-    read from the store a few hundred at a time. Lazy: each chunk is cut with the estimate as it is then."""
+    """The cases as (case id, request) chunks of about `chunk_tokens` estimated tokens each (at least one case, at
+    most MAX_CASES_PER_CHUNK), read from the store a few hundred at a time. Lazy: each chunk is cut with the
+    estimate as it is then."""
     tokens = tokens or TokenEstimate()
     chunk: list[tuple[int, dict]] = []
     total = 0
@@ -258,7 +255,7 @@ def token_chunks(store: Store, run: dict, case_ids: list[int], chunk_tokens: int
         for case in store.get_cases(case_ids[start:start + CASES_PER_READ]):
             request = build_request(case, run["schema"], model=run["model_id"])
             size = tokens(request)
-            if chunk and total + size > chunk_tokens:
+            if chunk and (total + size > chunk_tokens or len(chunk) == MAX_CASES_PER_CHUNK):
                 yield chunk
                 chunk, total = [], 0
             chunk.append((case["id"], request))
@@ -280,7 +277,7 @@ class RayJobRunner(JobRunner):
         self.pool = pool
         self.address = address
         self.replicas = replicas
-        self.chunk_tokens = chunk_tokens
+        self.chunk_tokens = chunk_tokens  # None: the run's setting, else the replica's token budget
 
     def _work_leased(self, run_id: int, engine: Any, job: _LiveJob) -> None:
         try:
@@ -310,8 +307,8 @@ class RayJobRunner(JobRunner):
         run = self.store.get_run(run_id)
         settings = run["settings"] or {}
         options = {"max_length": settings.get("max_length"), "overflow": settings.get("overflow", "refuse")}
-        chunk_tokens = int(self.chunk_tokens or (settings.get("ray") or {}).get("chunk_tokens")
-                           or pool.info["token_budget"])
+        # the setting JobRunner reads too; by default a chunk is one full batch of the replica's engine
+        chunk_tokens = int(self.chunk_tokens or settings.get("chunk_tokens") or pool.info["token_budget"])
         tokens = TokenEstimate()
         chunks = token_chunks(self.store, run, self.store.unfinished_case_ids(run_id), chunk_tokens, tokens)
         retry: deque[list[tuple[int, dict]]] = deque()  # chunks of a crashed replica, sent again first

@@ -245,10 +245,11 @@ with left:
 
     st.subheader("Media")
     st.caption(state_input.media_limits_text())
+    # the uploaders state the same per-file limits as the caption and the checks (not the server-wide maximum)
     image_files = st.file_uploader("Images", type=list(state_input.IMAGE_EXTENSIONS), accept_multiple_files=True,
-                                   key=K("images"))
+                                   key=K("images"), max_upload_size=state_input.MAX_IMAGE_BYTES // 2**20)
     video_files = st.file_uploader("Videos", type=list(state_input.VIDEO_EXTENSIONS), accept_multiple_files=True,
-                                   key=K("videos"))
+                                   key=K("videos"), max_upload_size=state_input.MAX_VIDEO_BYTES // 2**20)
     media_messages = st.container()
 
 images: list[state_input.Media] = []

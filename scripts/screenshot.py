@@ -6,6 +6,7 @@ Starts `streamlit run app.py` on a free port with a throw-away database, drives 
 
 from __future__ import annotations
 
+import re
 import sys
 import tempfile
 from pathlib import Path
@@ -24,7 +25,7 @@ def main(output: Path) -> None:
             browser = launch_chromium(playwright)
             page = browser.new_page(viewport={"width": 1440, "height": 1500}, device_scale_factor=1)
             page.goto(url)
-            run = page.get_by_role("button", name="Run", exact=True)
+            run = page.get_by_role("button", name=re.compile(r"^Run\b"))  # the name also carries its key, Ctrl+Enter
             expect(run).to_be_enabled(timeout=180_000)
             run.click()
             answers = page.locator('[data-testid="stMetricLabel"]', has_text="Answer")

@@ -435,3 +435,14 @@ def test_a_link_opens_the_schema_it_names_in_decide(workbench):
     assert at.selectbox(key="decide.library_pick").value == "invoice-triage"
     value = at.query_params["schema"]
     assert (value[0] if isinstance(value, list) else value) == "invoice-triage"
+
+
+def test_the_uploaders_state_the_same_size_limits_as_the_caption(workbench):
+    from clef_workbench import state_input
+
+    at = start()
+    uploaders = {u.key: u.proto.max_upload_size_mb for u in at.get("file_uploader")}
+    assert uploaders == {"decide.images": state_input.MAX_IMAGE_BYTES // 2**20,
+                         "decide.videos": state_input.MAX_VIDEO_BYTES // 2**20}
+    caption = state_input.media_limits_text()
+    assert f"{uploaders['decide.images']} MB" in caption and f"{uploaders['decide.videos']} MB" in caption

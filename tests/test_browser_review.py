@@ -13,6 +13,7 @@ from pathlib import Path
 import playwright.sync_api as playwright_api  # noqa: E402
 import pytest
 
+from clef_workbench import review
 from clef_workbench.store import Store
 from tests.browser_harness import launch_chromium, running_workbench
 
@@ -98,6 +99,9 @@ def test_import_run_review_with_keyboard_and_export(page, workbench, tmp_path: P
     page.get_by_role("tab", name="Import").click()
     page.locator('[data-testid="stFileUploaderDropzoneInput"]').set_input_files(str(csv_path))
     settle(page)
+    # the answer columns map to their questions by name; only the columns chosen here become the state
+    page.get_by_role("button", name=re.compile(r"^Use the 2 column\(s\) that are not mapped or labels")).click()
+    settle(page)
     expect(page.get_by_text("Preview — 6 case(s)")).to_be_visible(timeout=30_000)
     page.get_by_role("button", name="Import 6 cases").click()
     settle(page)
@@ -149,6 +153,10 @@ def test_import_run_review_with_keyboard_and_export(page, workbench, tmp_path: P
 
     page.locator("h1", has_text="Review").click()  # focus outside any input, as a reviewer would
     page.keyboard.press("a")
+    gold = store.get_case(worst[0]["case_id"])["expected"].get(worst[0]["question_id"])
+    if review.gold_conflict(worst[0], gold, "accept") is not None:  # the key press alone never replaces it
+        expect(page.get_by_text("The case set's expected answer is", exact=False)).to_be_visible()
+        page.get_by_role("button", name=f"Yes, label it “{worst[0]['predicted']}”").click()
     expect(page.get_by_text(re.compile(r"^Accept saved for case"))).to_be_visible()
     expect(page.locator("h3", has_text=re.compile(r"^Case \d+ · "))).not_to_have_text(first_title)
     settle(page)

@@ -15,9 +15,10 @@ from clef_workbench.jobs import JobRunner
 from clef_workbench.store import Store
 from tests.ray_cluster import assert_same_answers, local_cluster
 
-ray = pytest.importorskip("ray")
+ray = pytest.importorskip("ray")  # in requirements.txt; the module below imports it where it is used
 
-from clef_workbench.distributed import (  # noqa: E402  (needs ray)
+from clef_workbench import distributed  # noqa: E402
+from clef_workbench.distributed import (  # noqa: E402
     RayJobRunner,
     ReplicaError,
     ReplicaPool,
@@ -67,7 +68,7 @@ def in_process_results(store: Store, set_id: int, engine) -> list[dict]:
     return store.list_results(run_id)
 
 
-def test_chunks_follow_the_token_estimate_and_keep_every_case_once(tmp_path):
+def test_chunks_follow_the_token_estimate_and_keep_every_case_once(tmp_path, monkeypatch):
     store = Store(tmp_path / "w.db")
     set_id = ticket_set(store, 4)
     run_id = store.create_run(set_id, schema=TICKET_SCHEMA, model_id="demo")
@@ -88,6 +89,9 @@ def test_chunks_follow_the_token_estimate_and_keep_every_case_once(tmp_path):
     tokens.observe(first, [{"case_id": case_id, "input_tokens": 3 * estimate_tokens(request)}
                            for case_id, request in first])
     assert 1 <= len(next(lazy)) <= 2
+
+    monkeypatch.setattr(distributed, "MAX_CASES_PER_CHUNK", 3)  # many short cases: the engine queue's limit cuts
+    assert [len(c) for c in token_chunks(store, store.get_run(run_id), case_ids, chunk_tokens=10**9)] == [3] * 6 + [2]
 
 
 def test_the_configuration_picks_where_runs_execute(tmp_path, monkeypatch):

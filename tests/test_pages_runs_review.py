@@ -420,3 +420,27 @@ def test_links_open_the_run_case_set_and_review_item_they_name_and_results_brows
     review_page = open_link("pages/review.py", run=str(run_id), case=str(target["case_id"]), question="team")
     assert f"### Case {target['case_id']} · `team` (choice)" in texts(review_page)
     assert (param(review_page, "case"), param(review_page, "question")) == (str(target["case_id"]), "team")
+
+
+def test_delete_a_run_asks_first_and_can_be_undone(workbench):
+    store = Store(workbench / "workbench.sqlite3")
+    set_id = store.create_case_set("Tickets")
+    store.add_cases(set_id, [{"state": "a"}])
+    run_id = store.create_run(set_id, schema={"name": "x", "questions": {"q": {"type": "noul"}}}, model_id="demo")
+    at = open_page("pages/runs.py")
+    button(at, "Delete this run…").click()
+    at.run()
+    ok(at)
+    assert f"Delete run #{run_id} and its 0 result(s)? You can undo this." in texts(at)
+    assert store.get_run(run_id)["id"] == run_id, "nothing deleted before the confirmation"
+    button(at, "Yes, delete it").click()
+    at.run()
+    ok(at)
+    assert f"Deleted run #{run_id}." in texts(at) and "No runs yet." in texts(at)
+    assert store.list_runs() == []
+    button(at, "Undo").click()
+    at.run()
+    ok(at)
+    assert [r["id"] for r in store.list_runs()] == [run_id]
+    assert at.selectbox(key="runs.selected").value == run_id
+    assert [(c["action"], c["kind"]) for c in store.list_changes()] == [("restore", "run"), ("delete", "run")]

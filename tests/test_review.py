@@ -128,3 +128,14 @@ def test_gold_conflict_names_the_expected_answer_an_action_would_contradict():
     assert review.gold_conflict({"predicted": "true"}, True, "accept") is None
     assert review.gold_conflict({"predicted": "2"}, 2, "accept") is None
     assert review.gold_conflict({"predicted": "false"}, True, "correct", False) == "true"
+
+
+def test_golden_set_keeps_the_library_schema_the_run_used(run):
+    store, run_id = run[0], run[1]
+    with store._write() as conn:  # a run started from the library records the schema's slug in its settings
+        conn.execute("UPDATE runs SET settings_json = ? WHERE id = ?", ('{"schema_slug": "ticket-routing"}', run_id))
+    review.apply_rules(store, run_id, ReviewRules(margin_below=1.0))
+    item = store.list_review_items(run_id)[0]
+    store.apply_review_action(item["id"], reviewer="ana", action="accept", expected_version=item["version"])
+    golden_id = review.export_golden_set(store, run_id, "golden")
+    assert store.get_case_set(golden_id)["schema_name"] == "ticket-routing"

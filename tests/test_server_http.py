@@ -403,3 +403,33 @@ def test_each_app_has_its_own_metrics_registry(tiny_engine: object) -> None:
         assert 'clef_api_requests_total{path="/v1/systemone",status="422"} 1.0' in text
         assert "clef_engine_ready 1.0" in text
         assert 'path="/v1/systemone"' not in second.get("/metrics").text
+
+
+# --- found in the audit (issue 10): input that was silently dropped or oddly reported ------------------------------
+
+
+def _split_compressed(compress, body: bytes) -> bytes:
+    """`body` as two compressed members / frames back to back: a valid gzip (RFC 1952 §2.2) or zstd (RFC 8878 §3)
+    stream whose decoded content is all of `body`."""
+    middle = len(body) // 2
+    return compress(body[:middle]) + compress(body[middle:])
+
+
+def test_every_member_of_a_compressed_body_is_read_and_trailing_junk_refused(client: httpx.Client) -> None:
+    import gzip
+
+    from backports.zstd import compress as zstd_compress
+
+    request = make_request(3)
+    body = json.dumps(request).encode()
+    for encoding, compress in (("gzip", gzip.compress), ("zstd", zstd_compress)):
+        headers = {**JSON, "content-encoding": encoding}
+        # Before: only the first member was decoded, the rest silently dropped (here: a 422 for half a JSON body).
+        response = client.post("/v1/systemone", content=_split_compressed(compress, body), headers=headers)
+        assert response.status_code == 200, (encoding, response.text)
+        check_answers(request, response.json())
+        # Before: bytes after the last member were ignored and the request answered.
+        response = client.post("/v1/systemone", content=compress(body) + b"junk", headers=headers)
+        assert response.status_code == 422, (encoding, response.text)
+        problem = response.json()["detail"][0]
+        assert problem["type"] == "decompression_error" and encoding in problem["msg"], problem

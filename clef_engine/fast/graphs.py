@@ -27,12 +27,24 @@ import torch
 
 from . import kernels as K
 
+_side_streams: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def side_stream(device: torch.device) -> torch.cuda.Stream:
+    """The one stream every capture (and the eager run before it) uses on `device`. One, not one per capture: the
+    caching allocator reuses a freed block only on the stream it was allocated on, so a new stream per capture
+    would give every graph its own scratch memory."""
+    device = torch.device(device)
+    if device not in _side_streams:
+        _side_streams[device] = torch.cuda.Stream(device)
+    return _side_streams[device]
+
 
 def capture(graph: torch.cuda.CUDAGraph, body, device: torch.device, pool=None):
-    """Capture `body()` into `graph` on a side stream and return its output. As torch.cuda.graph does, minus its
+    """Capture `body()` into `graph` on the side stream and return its output. As torch.cuda.graph does, minus its
     gc.collect() and empty_cache() before every capture: those cost tens of milliseconds each in a large process,
     paid by the request that first meets a new shape."""
-    stream = torch.cuda.Stream(device)
+    stream = side_stream(device)
     stream.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(stream):
         graph.capture_begin(pool=pool, capture_error_mode="thread_local")
@@ -100,7 +112,7 @@ class PrefillGraphs:
         segments = K.make_segments([length], device, first_position=first)
         arguments = {"prefix": prefix.layers, "prefix_length": first} if prefix is not None else {}
         static_ids = ids.clone()
-        side = torch.cuda.Stream(device)
+        side = side_stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):
             eager, _ = self.backbone.forward(static_ids, segments, **arguments)
@@ -128,6 +140,7 @@ class PrefillGraphs:
                 break
             if length in self.prefill:
                 continue
+            torch.cuda.empty_cache()  # count what the graphs hold, not the eager runs' freed scratch
             if torch.cuda.memory_reserved(device) - before > self.memory_limit:
                 break  # the buckets left are captured on first use, within the same pool
             try:
@@ -386,7 +399,7 @@ class HeadGraphs:
         return [[values[j * k_b + k] for k in range(len(spans))] for j, spans in enumerate(record.option_spans)]
 
     def _capture(self, entry: HeadGraph) -> torch.Tensor:
-        side = torch.cuda.Stream(self.device)
+        side = side_stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
             eager = self._body(entry).clone()  # compiles for these shapes; answers this call

@@ -50,7 +50,7 @@ import threading
 import time
 import uuid
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -494,8 +494,8 @@ class SystemOneApi:
         try:
             return await asyncio.wait_for(self._read_body(request), self.request_timeout)
         except TimeoutError:
-            raise _error(408, "request_timeout", f"the request body did not arrive within {self.request_timeout:g} "
-                                                 "seconds", ) from None
+            raise _error(408, "request_timeout",
+                         f"the request body did not arrive within {self.request_timeout:g} seconds") from None
 
     def _decompress(self, raw: bytes, encoding: str, too_large: ApiError) -> bytes:
         limit = self.max_body_bytes
@@ -717,7 +717,7 @@ def _looks_like_engine(obj: Any) -> bool:
     return hasattr(obj, "submit") and hasattr(obj, "info")
 
 
-def _check_media(record: dict, skip_images: set[int] = frozenset()) -> None:  # type: ignore[assignment]
+def _check_media(record: dict, skip_images: Collection[int] = ()) -> None:
     """Over HTTP, media must travel in the request: a data URL or {content_type, base64}. (The engine also takes
     file paths and frame arrays from Python callers; over the network a path would read the server's files.)
     `skip_images`: indices holding asset bytes the server decoded itself."""
