@@ -499,22 +499,32 @@ class SystemOneApi:
 
     def _decompress(self, raw: bytes, encoding: str, too_large: ApiError) -> bytes:
         limit = self.max_body_bytes
+        if encoding == "gzip":
+            new_decoder: Callable[[], Any] = lambda: zlib.decompressobj(16 + zlib.MAX_WBITS)  # noqa: E731
+        elif encoding == "zstd" and ZstdDecompressor is not None:
+            new_decoder = ZstdDecompressor
+        else:
+            supported = "gzip, zstd" if ZstdDecompressor is not None else "gzip"
+            raise _error(415, "unsupported_encoding",
+                         f"Content-Encoding {encoding!r} is not supported (supported: {supported})")
+        # A gzip stream may hold several members and a zstd stream several frames, back to back (RFC 1952 §2.2,
+        # RFC 8878 §3); each decoder stops after one, so go on with a fresh one on what it left over. Anything that
+        # is not a whole member is refused: silently dropping part of a body would answer another request.
+        out, rest, first = bytearray(), raw, True
         try:
-            if encoding == "gzip":
-                decoder = zlib.decompressobj(16 + zlib.MAX_WBITS)
-                out = decoder.decompress(raw, limit + 1)
-            elif encoding == "zstd" and ZstdDecompressor is not None:
-                out = ZstdDecompressor().decompress(raw, max_length=limit + 1)
-            else:
-                supported = "gzip, zstd" if ZstdDecompressor is not None else "gzip"
-                raise _error(415, "unsupported_encoding",
-                             f"Content-Encoding {encoding!r} is not supported (supported: {supported})")
+            while rest or first:
+                first = False
+                decoder = new_decoder()
+                out += decoder.decompress(rest, limit + 1 - len(out))
+                if len(out) > limit:  # zip bombs stop here, after at most limit + 1 bytes of output
+                    raise too_large
+                if not decoder.eof:
+                    raise EOFError("the compressed data ends early")
+                rest = decoder.unused_data
         except (zlib.error, ZstdError, gzip.BadGzipFile, EOFError) as exc:
             raise _invalid([], f"the body could not be decompressed as {encoding}: {exc}", "decompression_error") \
                 from None
-        if len(out) > limit:  # zip bombs stop here, after at most limit + 1 bytes of output
-            raise too_large
-        return out
+        return bytes(out)
 
     async def _parse_request(self, kind: str, content_type: str, raw: bytes) -> tuple[dict, dict[int, str]]:
         """The request object and, when assets became images, image index → asset name."""
