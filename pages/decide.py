@@ -196,16 +196,16 @@ def render_answer_card(qid: str, question: dict[str, Any], answer: dict[str, Any
         instructions = question.get("instructions")
         if instructions:
             st.caption(instructions if isinstance(instructions, str) else json.dumps(instructions))
-        metrics = st.columns(4 if summary.score is not None else 3)
+        # the answer on a row of its own: option ids are long, and a metric cuts what does not fit its column
         answer_text = f"level {summary.top_option}" if summary.type == "score" else summary.top_option
-        metrics[0].metric("Answer", answer_text,
-                          help=f"P(true) = {answer['noul']:.4f}" if summary.type == "noul" else None)
-        metrics[1].metric("Confidence", f"{summary.confidence:.1%}",
+        st.metric("Answer", answer_text, help=f"P(true) = {answer['noul']:.4f}" if summary.type == "noul" else None)
+        metrics = st.columns(3 if summary.score is not None else 2)
+        metrics[0].metric("Confidence", f"{summary.confidence:.1%}",
                           help="choice/score: P(chosen option) / max p, as the response reports it; "
                                "noul: max(p, 1 − p)")
-        metrics[2].metric("Margin", f"{summary.margin:.1%}", help="top1 − top2 probability")
+        metrics[1].metric("Margin", f"{summary.margin:.1%}", help="top1 − top2 probability")
         if summary.score is not None:
-            metrics[3].metric("Score", f"{summary.score:.2f}",
+            metrics[2].metric("Score", f"{summary.score:.2f}",
                               help=f"Σ level × probability over levels 0–{len(table) - 1}")
         st.altair_chart(answers.probability_chart(table), width="stretch",
                         height=answers.probability_chart_height(len(table)))

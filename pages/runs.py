@@ -225,13 +225,14 @@ def render_progress(run_id: int) -> None:
 
 
 live = runner.is_running(run_id) or runner.progress(run_id)["elsewhere"]
+# what this full run of the page shows; the progress fragment, rerunning alone, compares against it
+st.session_state[K(f"shown.{run_id}")] = (store.get_run(run_id)["done"], time.monotonic())
 st.fragment(render_progress, run_every=1.0 if live else None)(run_id)
 
 run = store.get_run(run_id)
 schema = run["schema"]
 questions = schema["questions"]
 results = store.list_results(run_id)
-st.session_state[K(f"shown.{run_id}")] = (len(results), time.monotonic())
 st.caption(f"Schema **{run['schema_name']} v{run['schema_version']}** · model **{run['model_id']}**"
            f"{' @ ' + run['model_revision'] if run['model_revision'] else ''} · batch "
            f"{run['settings'].get('chunk_size', '?')} · max_length {run['settings'].get('max_length', '?')} "

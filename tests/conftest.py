@@ -31,6 +31,15 @@ def tiny_engine(tiny_release):
     engine.close()
 
 
+@pytest.fixture(scope="module")
+def client(server):
+    """An HTTP client of the module's `server` fixture (a real server process, see tests/test_server.py)."""
+    import httpx
+
+    with httpx.Client(base_url=server.url, timeout=120) as http:
+        yield http
+
+
 @pytest.fixture
 def workbench(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     """Env for one workbench app: a copy of the shipped schemas, an empty database. The engine is shared by every

@@ -74,6 +74,13 @@ def test_reloading_decide_brings_the_draft_back(page, workbench):
     page.locator("h1", has_text="Decide").click()
     page.keyboard.press("Control+Enter")
     expect(page.locator('[data-testid="stMetricLabel"]', has_text="Answer").first).to_be_visible(timeout=LONG)
+    settle(page)
+    # every answer is shown whole: no metric value is cut off with an ellipsis
+    cut = page.evaluate("""() => [...document.querySelectorAll('[data-testid="stMetric"]')]
+        .filter(m => m.querySelector('[data-testid="stMetricLabel"]').innerText.trim() === 'Answer')
+        .flatMap(m => [...m.querySelectorAll('[data-testid="stMetricValue"], [data-testid="stMetricValue"] *')])
+        .filter(e => e.scrollWidth > e.clientWidth + 1).map(e => e.innerText)""")
+    assert cut == [], cut
 
 
 def test_import_twice_adds_once_and_a_deleted_case_set_comes_back(page, workbench):

@@ -269,3 +269,13 @@ def test_any_video_shape_gives_an_answer_or_a_request_error(tiny_engine, count, 
         assert [p.loc for p in error.problems] == [("videos", 0)]
     else:
         assert response["x_token_counts"]["media"] > 0
+
+
+@pytest.mark.parametrize("item", ["data:image/png;base64", "data:image/png;base64,", b"\x00" * 64,
+                                  {"content_type": "image/png", "base64": base64.b64encode(b"text").decode()}])
+def test_unreadable_image_bytes_are_named_without_python_internals(tiny_engine, item):
+    # Found in the audit: PIL's message was passed on, "cannot identify image file <_io.BytesIO object at 0x…>".
+    error = refused(tiny_engine, dict(REQUEST, images=[item]))
+    assert [p.loc for p in error.problems] == [("images", 0)]
+    assert "PNG, JPEG or WebP" in str(error)
+    assert "0x" not in str(error) and "BytesIO" not in str(error)

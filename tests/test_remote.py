@@ -37,7 +37,7 @@ from clef_engine.remote import (
 from clef_workbench import compare
 from clef_workbench.jobs import JobRunner
 from clef_workbench.store import Store
-from tests.test_server import ServerProcess
+from tests.test_server import ServerProcess, serving
 
 API_KEY = "remote-test-key-\u00e9"  # non-ASCII: the header must carry the key's UTF-8 bytes
 
@@ -85,10 +85,8 @@ def assert_same_answers(remote: dict, local: dict) -> None:
 
 @pytest.fixture(scope="module")
 def api_server(tiny_release: Path, tmp_path_factory: pytest.TempPathFactory):
-    process = ServerProcess(tiny_release, tmp_path_factory.mktemp("logs") / "remote-server.log",
-                            "--api-key-env", "CLEF_REMOTE_TEST_KEY", env={"CLEF_REMOTE_TEST_KEY": API_KEY})
-    yield process
-    process.stop()
+    yield from serving(tiny_release, tmp_path_factory, "remote-server.log",
+                      "--api-key-env", "CLEF_REMOTE_TEST_KEY", env={"CLEF_REMOTE_TEST_KEY": API_KEY})
 
 
 @pytest.fixture

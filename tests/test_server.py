@@ -77,27 +77,27 @@ class ServerProcess:
         self._log.close()
 
 
+def serving(tiny_release: Path, tmp_path_factory: pytest.TempPathFactory, log_name: str, *extra: str,
+            env: dict[str, str] | None = None) -> Iterator[ServerProcess]:
+    """A real server process on the tiny release for one test module's fixture; stopped when the module is done."""
+    process = ServerProcess(tiny_release, tmp_path_factory.mktemp("logs") / log_name, *extra, env=env)
+    try:
+        yield process
+    finally:
+        process.stop()
+
+
 @pytest.fixture(scope="module")
 def server(tiny_release: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    process = ServerProcess(tiny_release, tmp_path_factory.mktemp("logs") / "server.log")
-    yield process
-    process.stop()
+    yield from serving(tiny_release, tmp_path_factory, "server.log")
 
 
 @pytest.fixture(scope="module")
 def auth_server(tiny_release: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    process = ServerProcess(tiny_release, tmp_path_factory.mktemp("logs") / "auth-server.log",
-                            "--api-key-env", "CLEF_TEST_API_KEY", "--max-body-mb", "1",
-                            "--max-queued-records", "1",
-                            env={"CLEF_TEST_API_KEY": API_KEY})
-    yield process
-    process.stop()
-
-
-@pytest.fixture(scope="module")
-def client(server: ServerProcess) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=server.url, timeout=120) as http:
-        yield http
+    yield from serving(tiny_release, tmp_path_factory, "auth-server.log",
+                      "--api-key-env", "CLEF_TEST_API_KEY", "--max-body-mb", "1",
+                      "--max-queued-records", "1",
+                      env={"CLEF_TEST_API_KEY": API_KEY})
 
 
 # --- requests and what a correct answer looks like -------------------------------------------------------------

@@ -20,7 +20,7 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from tests.test_server import ServerProcess, check_answers, make_request
+from tests.test_server import ServerProcess, check_answers, make_request, serving
 from tests.test_server_http import b64, gif, mp4, pixel_bomb, png
 
 FUZZ_EXAMPLES = 1000
@@ -50,15 +50,7 @@ COLLIDING_NAMES = ["noul", "type", "state", "questions", "choice", "score", "cri
 
 @pytest.fixture(scope="module")
 def server(tiny_release: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    process = ServerProcess(tiny_release, tmp_path_factory.mktemp("logs") / "fuzz-server.log")
-    yield process
-    process.stop()
-
-
-@pytest.fixture(scope="module")
-def client(server: ServerProcess) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=server.url, timeout=120) as http:
-        yield http
+    yield from serving(tiny_release, tmp_path_factory, "fuzz-server.log")
 
 
 def media_item(content_type: str, name: str, as_object: bool) -> object:

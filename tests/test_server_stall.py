@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from tests.test_server import JSON, ServerProcess, check_answers, make_request
+from tests.test_server import JSON, ServerProcess, check_answers, make_request, serving
 from tests.test_server_http import data_url
 
 SMALL_ANSWER_SECONDS = 1.0  # the most the big requests may add to a small one's answer time
@@ -28,9 +28,7 @@ SMALL_ANSWER_SECONDS = 1.0  # the most the big requests may add to a small one's
 
 @pytest.fixture(scope="module")
 def server(tiny_release: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    process = ServerProcess(tiny_release, tmp_path_factory.mktemp("logs") / "stall-server.log")
-    yield process
-    process.stop()
+    yield from serving(tiny_release, tmp_path_factory, "stall-server.log")
 
 
 def big_state_body() -> bytes:

@@ -42,8 +42,8 @@ def side_stream(device: torch.device) -> torch.cuda.Stream:
 
 def capture(graph: torch.cuda.CUDAGraph, body, device: torch.device, pool=None):
     """Capture `body()` into `graph` on the side stream and return its output. As torch.cuda.graph does, minus its
-    gc.collect() and empty_cache() before every capture: those cost tens of milliseconds each in a large process,
-    paid by the request that first meets a new shape."""
+    gc.collect() and empty_cache() before every capture: in a process holding a whole model they are slow, and the
+    request that first meets a new shape would pay for them."""
     stream = side_stream(device)
     stream.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(stream):
@@ -327,9 +327,9 @@ def padded_head_arrays_template(shape: tuple[int, ...]) -> dict[str, np.ndarray]
 
 class HeadGraphs:
     """The joint head of one record from a CUDA graph per shape bucket (`head_shape`): with no backbone running to
-    hide them, the head's ~200 small kernels are bound by the host launching them. A new bucket is captured on first
-    use (the eager run before the capture answers that call); at most `max_graphs` are kept, least recently used
-    out. Records longer than `max_tokens` run the head eagerly. On the CPU, `capture=False` runs the same padded
+    hide them, the head's few hundred small kernels are bound by the host launching them. A new bucket is captured on
+    first use (the eager run before the capture answers that call); at most `max_graphs` are kept, least recently
+    used out. Records longer than `max_tokens` run the head eagerly. On the CPU, `capture=False` runs the same padded
     call eagerly, which is how tests check that the padding changes no answer."""
 
     def __init__(self, head, output_embeddings: torch.Tensor, *, max_tokens: int = 32_768, max_graphs: int = 64,

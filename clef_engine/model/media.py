@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from PIL import Image
+from PIL import Image, UnidentifiedImageError
 
 from ..protocol import HOSTED, IMAGE_CONTENT_TYPES, VIDEO_CONTENT_TYPES
 
@@ -114,8 +114,12 @@ def open_image(item: Any) -> Image.Image:
             raise MediaError("an image must be a data URL, {content_type, base64}, bytes, a file path or a PIL image")
         try:
             image = Image.open(io.BytesIO(data))
+        except UnidentifiedImageError:  # its message names a Python object, of no use to a caller
+            what = sniff_content_type(data)
+            raise MediaError(f"not a readable image (the {len(data)} bytes are "
+                             f"{what or 'not a known image format'}; use PNG, JPEG or WebP)") from None
         except Exception as error:  # PIL raises many types for corrupt data
-            raise MediaError(f"not a readable image ({error})") from error
+            raise MediaError(f"not a readable image ({error}; use PNG, JPEG or WebP)") from error
         if image.format not in IMAGE_FORMATS:
             raise MediaError(f"image format {image.format} not accepted; use PNG, JPEG or WebP")
     if image.width * image.height > MAX_IMAGE_PIXELS:

@@ -235,6 +235,39 @@ def body_kind(content_type: str | None) -> str:
 def _check_json_tree(value: Any) -> None:
     """Refuse JSON nested deeper than MAX_JSON_DEPTH, and strings that are not Unicode (JSON allows escaped lone
     surrogates like "\\ud800"; nothing downstream can encode them). Iterative: no recursion to blow."""
+    # A body of a million small objects takes a while to walk, holding the GIL that every other request needs: the
+    # quick walk below keeps no locations, and only a body it finds fault with is walked again to name the place.
+    if not _json_tree_at_fault(value):
+        return
+    _locate_json_fault(value)
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _json_tree_at_fault(value: Any) -> bool:
+    stack: list[tuple[Any, int]] = [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        if depth >= MAX_JSON_DEPTH:
+            return True
+        if type(item) is dict:
+            if any(not key.isascii() and _SURROGATE.search(key) for key in item):
+                return True
+            children = item.values()
+        else:
+            children = item
+        for child in children:
+            kind = type(child)
+            if kind is str:
+                if not child.isascii() and _SURROGATE.search(child):
+                    return True
+            elif kind is dict or kind is list:
+                stack.append((child, depth + 1))
+    return False
+
+
+def _locate_json_fault(value: Any) -> None:
     stack: list[tuple[Any, list[str | int]]] = [(value, [])]
     while stack:
         item, loc = stack.pop()
@@ -551,6 +584,9 @@ class SystemOneApi:
             raise _invalid([], f"bad multipart body: {exc.message}", "multipart_invalid") from None
         parts: dict[str, tuple[str | None, bytes]] = {}
         for name, value in form.multi_items():
+            if name in parts:  # which one would count is a guess; the client meant one of them
+                raise _invalid([name], f"the multipart body has more than one part named {name!r}",
+                               "multipart_duplicate_part")
             if isinstance(value, str):
                 parts[name] = (None, value.encode("utf-8"))
             else:
