@@ -57,12 +57,18 @@ def running_workbench(env: dict[str, str] | None = None, *, log_path: Path | Non
                 time.sleep(0.3)
             yield url
         finally:
-            process.terminate()
-            try:
-                process.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+            stop_process(process, timeout=15)
+
+
+
+def stop_process(process: subprocess.Popen, *, timeout: float) -> None:
+    """Ask a child process to stop; kill it if it has not within `timeout` seconds."""
+    process.terminate()
+    try:
+        process.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
 
 
 def launch_chromium(playwright: Any):

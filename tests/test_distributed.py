@@ -14,6 +14,7 @@ import pytest
 from clef_workbench.jobs import JobRunner
 from clef_workbench.store import Store
 from tests.ray_cluster import assert_same_answers, local_cluster
+from tests.test_jobs import wait_for
 
 ray = pytest.importorskip("ray")  # in requirements.txt; the module below imports it where it is used
 
@@ -36,18 +37,6 @@ TICKET_SCHEMA.pop("examples")
 TICKETS = [{"state": example["state"]} for example in json.loads(
     (ROOT / "schemas" / "support-ticket-routing.json").read_text())["examples"]]
 SETTINGS = {"chunk_size": 4, "max_length": 3_000, "overflow": "refuse"}
-
-
-def wait_for(predicate, timeout: float, what: str):
-    import time
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
 def ticket_set(store: Store, copies: int, *, bad_cases: bool = False) -> int:

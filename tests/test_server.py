@@ -10,7 +10,6 @@ import io
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 import threading
@@ -22,6 +21,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.browser_harness import free_port, stop_process
+
 REPO = Path(__file__).resolve().parents[1]
 API_KEY = "test-key-\u00e9-not-secret"  # non-ASCII on purpose: the comparison must work on bytes
 SDK_KEY = "sdk-key-ascii-only"  # the SDK only sends printable ASCII keys
@@ -32,15 +33,9 @@ JSON = {"content-type": "application/json"}  # what a body sent with httpx's con
 # --- server processes ------------------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 class ServerProcess:
     def __init__(self, release: Path, log_path: Path, *extra: str, env: dict[str, str] | None = None):
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
@@ -68,12 +63,7 @@ class ServerProcess:
         return self.process.poll() is None
 
     def stop(self) -> None:
-        self.process.terminate()
-        try:
-            self.process.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
+        stop_process(self.process, timeout=20)
         self._log.close()
 
 
@@ -540,7 +530,7 @@ def test_serve_refuses_missing_api_key_env(tiny_release: Path) -> None:
 
 def test_workbench_and_api_in_one_process(tiny_release: Path, tmp_path: Path) -> None:
     """`streamlit run serve_workbench.py`: the Streamlit UI and the API on one port, one resident engine."""
-    port = _free_port()
+    port = free_port()
     log_path = tmp_path / "workbench.log"
     env = {**os.environ, "CLEF_MODEL": str(tiny_release), "CLEF_DB": str(tmp_path / "wb.sqlite3"),
            "CLEF_API_KEY": SDK_KEY}
@@ -576,9 +566,4 @@ def test_workbench_and_api_in_one_process(tiny_release: Path, tmp_path: Path) ->
         page = httpx.get(f"{url}/", timeout=10)
         assert page.status_code == 200 and "<title>" in page.text  # the workbench UI is served beside the API
     finally:
-        process.terminate()
-        try:
-            process.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        stop_process(process, timeout=20)
