@@ -292,13 +292,9 @@ class RayJobRunner(JobRunner):
             finally:
                 if pool is not self.pool:
                     pool.shutdown()
-            if job.lease_lost.is_set() and not job.cancel.is_set():
-                return  # another process holds the run now; its status is its to write
-            left = self.store.unfinished_case_ids(run_id)
-            self.store.set_run_status(run_id, "cancelled" if left else "finished")
+            self._end_run(run_id, job)
         except Exception as exc:  # noqa: BLE001 — the run stops, its finished results stay; the message goes to the run page
-            job.last_error = f"{type(exc).__name__}: {exc}"
-            self.store.set_run_status(run_id, "failed", error=job.last_error)
+            self._fail_run(run_id, job, exc)
 
     def _stream(self, run_id: int, pool: ReplicaPool, job: _LiveJob) -> None:
         import ray

@@ -189,13 +189,20 @@ class JobRunner:
                 counted = [r["input_tokens"] for r in results if r.get("input_tokens")]
                 tokens_seen += sum(counted)
                 cases_seen += len(counted)
-            if job.lease_lost.is_set() and not job.cancel.is_set():
-                return  # another process holds the run now; its status is its to write
-            left = self.store.unfinished_case_ids(run_id)
-            self.store.set_run_status(run_id, "cancelled" if left else "finished")
+            self._end_run(run_id, job)
         except Exception as exc:  # noqa: BLE001 — the run stops, its finished results stay; the message goes to the run page
-            job.last_error = f"{type(exc).__name__}: {exc}"
-            self.store.set_run_status(run_id, "failed", error=job.last_error)
+            self._fail_run(run_id, job, exc)
+
+    def _end_run(self, run_id: int, job: _LiveJob) -> None:
+        """Finished, or cancelled with cases left; unless another process has taken the run over."""
+        if job.lease_lost.is_set() and not job.cancel.is_set():
+            return  # another process holds the run now; its status is its to write
+        left = self.store.unfinished_case_ids(run_id)
+        self.store.set_run_status(run_id, "cancelled" if left else "finished")
+
+    def _fail_run(self, run_id: int, job: _LiveJob, exc: Exception) -> None:
+        job.last_error = f"{type(exc).__name__}: {exc}"
+        self.store.set_run_status(run_id, "failed", error=job.last_error)
 
     def _submit_chunk(self, run: dict, case_ids: list[int], engine: DecisionEngine, settings: dict,
                       job: _LiveJob) -> _Chunk:

@@ -46,11 +46,11 @@ def default_source(env: dict[str, str] | None = None, *, cuda: bool | None = Non
 
 
 def load_options(env: dict[str, str] | None = None) -> dict[str, str]:
-    """clef_engine.load keyword arguments from CLEF_REVISION, CLEF_DEVICE and CLEF_DTYPE (unset ones are left out,
-    so the engine's defaults apply: cuda/bf16 when a GPU is present, else cpu/float32)."""
+    """clef_engine.load keyword arguments the workbench adds: the Hub revision (CLEF_REVISION). The engine's own
+    knobs (CLEF_DEVICE, CLEF_DTYPE, ...) are read by the engine's EngineConfig, in one place."""
     env = os.environ if env is None else env
-    names = {"revision": "CLEF_REVISION", "device": "CLEF_DEVICE", "dtype": "CLEF_DTYPE"}
-    return {key: env[name].strip() for key, name in names.items() if (env.get(name) or "").strip()}
+    revision = (env.get("CLEF_REVISION") or "").strip()
+    return {"revision": revision} if revision else {}
 
 
 def label_of(source: str) -> str:

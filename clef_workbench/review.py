@@ -137,8 +137,23 @@ def gold_conflict(item: dict, expected: Any, action: str, label: Any = None) -> 
     return None if label_key(new) == label_key(expected) else label_key(expected)
 
 
-def next_item(store: Store, run_id: int, *, after_item_id: int | None = None) -> dict | None:
-    """The worst open item; if none, the worst skipped one (skipping `after_item_id`, so skip moves on)."""
+def record_items(store: Store, run_id: int, case_id: int) -> list[dict]:
+    """Every queued item of one record (case) of a run, in the schema's question order, so a reviewer reads the
+    record once and answers all its questions on one screen."""
+    order = {q: i for i, q in enumerate(store.get_run(run_id)["schema"]["questions"])}
+    items = [i for i in store.list_review_items(run_id) if i["case_id"] == case_id]
+    return sorted(items, key=lambda i: order.get(i["question_id"], len(order)))
+
+
+def next_item(store: Store, run_id: int, *, after_item_id: int | None = None,
+              case_id: int | None = None) -> dict | None:
+    """The next item to review. With `case_id`, first the record's own open items (the reviewer has just read
+    that record); then the worst open item; if none, the worst skipped one (skipping `after_item_id`, so skip
+    moves on)."""
+    if case_id is not None:
+        for item in record_items(store, run_id, case_id):
+            if item["status"] == "open" and item["id"] != after_item_id:
+                return item
     for statuses in (("open",), ("skipped",)):
         for item in store.list_review_items(run_id, statuses=statuses):
             if item["id"] != after_item_id:

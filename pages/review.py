@@ -40,8 +40,13 @@ if not runs:
     st.info("No run has results yet. Start one on the Runs page.")
     st.stop()
 
-reviewer = kept_widget(st.text_input, "Your name (recorded with every action)", K("reviewer"), default="",
-                       placeholder="e.g. ana.lopez").strip()
+# the name lives in the URL too, so a reload or a bookmarked link keeps it (session state does not survive a reload)
+reviewer = kept_widget(st.text_input, "Your name (recorded with every action)", K("reviewer"),
+                       default=st.query_params.get("reviewer", ""), placeholder="e.g. ana.lopez").strip()
+if reviewer:
+    st.query_params["reviewer"] = reviewer
+else:
+    st.query_params.pop("reviewer", None)
 run_id = pick_run(runs, K("run"), lambda r: f"#{r['id']} {r['case_set_name']} · {r['schema_name']} "
                                           f"v{r['schema_version']} · {r['model_id']}")
 run = store.get_run(run_id)
@@ -170,7 +175,8 @@ def act(item: dict, action: str, label=None, *, confirmed: bool = False) -> None
         seen = f" The model had answered “{item['predicted']}”." if blind else ""
         st.session_state[notice_key] = ("success", f"{action.capitalize()} saved for case {item['case_id']} · "
                                                    f"{item['question_id']}.{seen}")
-        following = review.next_item(store, run_id, after_item_id=item["id"])
+        # stay on the record until its questions are done: the reviewer has just read it
+        following = review.next_item(store, run_id, after_item_id=item["id"], case_id=item["case_id"])
         st.session_state[current_key] = None if following is None else following["id"]
 
 
@@ -291,7 +297,25 @@ else:
                 disabled=not reviewer or (option == item["predicted"] and not blind),
                 shortcut=str(index + 1) if index < MAX_SHORTCUT_OPTIONS else None)
         st.caption("Keys: A accept · U unknown · S skip · Z undo · 1–9 correct to that option. Each action moves "
-                   "to the next item (smallest margin first). An answer against the gold label asks first.")
+                   "to this record's next open question, then to the next record (smallest margin first). An answer "
+                   "against the gold label asks first.")
+        record = review.record_items(store, run_id, item["case_id"])
+        with st.container(key="review-record", border=True):
+            st.markdown(f"**All {len(record)} queued question(s) of case {item['case_id']}** — answer them here "
+                        "without reading the record again")
+            for other in record:
+                row = st.columns([2, 2, 2, 1], vertical_alignment="center")
+                current = other["id"] == item["id"]
+                row[0].markdown(("▶ " if current else "") + f"`{other['question_id']}` ({other['question_type']})")
+                row[1].markdown("model: hidden" if blind else f"model: **{other['predicted']}** "
+                                f"({other['confidence']:.2f})")
+                done = (f"{other['status']}" + (f" as “{review.label_key(other['label'])}”"
+                                                 if other["label"] is not None else "")
+                        + (f" by {other['reviewer']}" if other["reviewer"] else ""))
+                row[2].markdown(done)
+                row[3].button("Open", key=f"review-record-open-{other['id']}", disabled=current,
+                              on_click=lambda item_id=other["id"]: st.session_state.update(
+                                  {current_key: item_id, K("showing_link"): item_id}))
 
 # -- log and export ---------------------------------------------------------------------------------------------
 

@@ -6,6 +6,7 @@ import threading
 from pathlib import Path
 
 import pytest
+import torch
 
 import clef_engine
 from clef_engine.errors import ReleaseError
@@ -138,8 +139,11 @@ def test_kernel_summary():
 
 
 def test_load_options_come_from_the_environment():
+    from clef_engine import EngineConfig
     from clef_workbench.model_loader import load_options
 
+    env = {"CLEF_REVISION": "2f3de3d", "CLEF_DEVICE": "cpu", "CLEF_DTYPE": "bf16", "CLEF_MODEL": "x"}
     assert load_options({}) == {}
-    assert load_options({"CLEF_REVISION": "2f3de3d", "CLEF_DEVICE": "cuda:1", "CLEF_DTYPE": "bf16",
-                         "CLEF_MODEL": "x"}) == {"revision": "2f3de3d", "device": "cuda:1", "dtype": "bf16"}
+    assert load_options(env) == {"revision": "2f3de3d"}  # the engine's own knobs are EngineConfig's to read
+    config = EngineConfig.resolve(env=env)
+    assert str(config.device) == "cpu" and config.dtype == torch.bfloat16

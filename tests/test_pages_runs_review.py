@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from pathlib import Path
 
@@ -85,7 +86,25 @@ def test_cases_page_creates_loads_examples_renames_and_guards_delete(workbench):
     assert store.get_case_set(example_id)["case_count"] == 12
 
 
-def test_runs_page_runs_cancels_resumes_and_shows_stats(workbench):
+def gate_engine_chunks(monkeypatch) -> threading.Semaphore:
+    """Hold each chunk a batch run hands the engine until the test lets one through, so the page is checked while the
+    run is surely still going, however fast this machine runs the tiny model."""
+    import clef_engine
+
+    let_through = threading.Semaphore(0)
+    submit = clef_engine.Engine.submit
+
+    def gated_submit(self, requests, **options):
+        if options.get("priority") == "bulk":
+            assert let_through.acquire(timeout=TIMEOUT), "the test never let this chunk through"
+        return submit(self, requests, **options)
+
+    monkeypatch.setattr(clef_engine.Engine, "submit", gated_submit)
+    return let_through
+
+
+def test_runs_page_runs_cancels_resumes_and_shows_stats(workbench, monkeypatch):
+    chunks = gate_engine_chunks(monkeypatch)
     store = Store(workbench / "workbench.sqlite3")
     loaded = casesets.load_example_case_sets(store, workbench / "schemas")
     set_id = loaded["support-ticket-routing"]
@@ -108,6 +127,7 @@ def test_runs_page_runs_cancels_resumes_and_shows_stats(workbench):
     at.switch_page("pages/runs.py")
     at.run()
     ok(at)
+    chunks.release(2)  # two chunks of 2 cases (one answered, one queued behind it), then the run waits on the next
     deadline = time.monotonic() + TIMEOUT
     while store.get_run(run_id)["done"] < 2 and time.monotonic() < deadline:
         time.sleep(0.1)
@@ -115,6 +135,7 @@ def test_runs_page_runs_cancels_resumes_and_shows_stats(workbench):
     assert "**Running**" in texts(at) and "ETA" in texts(at)
     button(at, "Cancel").click()
     at.run()
+    chunks.release(100)  # from here on the engine answers freely: the chunks in flight end, the cancel takes effect
     wait_for_run(run_id)
     at.run()
     ok(at)
@@ -444,3 +465,45 @@ def test_delete_a_run_asks_first_and_can_be_undone(workbench):
     assert [r["id"] for r in store.list_runs()] == [run_id]
     assert at.selectbox(key="runs.selected").value == run_id
     assert [(c["action"], c["kind"]) for c in store.list_changes()] == [("restore", "run"), ("delete", "run")]
+
+
+def test_review_a_whole_record_on_one_screen_with_the_name_kept_in_the_link(workbench):
+    AppTest.from_file(APP, default_timeout=TIMEOUT).run()
+    store, run_id = _finished_run(workbench)
+    review.apply_rules(store, run_id, ReviewRules(margin_below=1.0, unknown_option=False,
+                                                  disagree_with_expected=False))
+    first = review.next_item(store, run_id)
+    record = review.record_items(store, run_id, first["case_id"])
+    assert len(record) == 5, "every question of the record is queued"
+
+    # a reload (a new session on the same URL) keeps the reviewer's name
+    at = open_link("pages/review.py", reviewer="ana")
+    assert at.text_input(key="review.reviewer").value == "ana"
+    assert "Enter your name above to review." not in texts(at)
+    assert param(at, "reviewer") == "ana"
+
+    # the record's questions are all on the screen with the item being reviewed
+    assert f"### Case {first['case_id']} · `{first['question_id']}`" in texts(at)
+    assert f"All 5 queued question(s) of case {first['case_id']}" in texts(at)
+    for item in record:
+        assert at.button(key=f"review-record-open-{item['id']}").disabled == (item["id"] == first["id"])
+        assert f"model: **{item['predicted']}**" in texts(at)
+
+    # an action moves on to the same record's next question, not to another record
+    button(at, "Mark unknown").click()
+    at.run()
+    ok(at)
+    following = next(i for i in record if i["id"] != first["id"])
+    assert f"### Case {first['case_id']} · `{following['question_id']}`" in texts(at)
+    assert "unknown by ana" in texts(at)
+
+    # any question of the record opens from the overview; blind mode hides the model's answers there too
+    at.toggle(key="review.blind").set_value(True)
+    at.run()
+    at.button(key=f"review-record-open-{record[-1]['id']}").click()
+    at.run()
+    ok(at)
+    assert f"### Case {first['case_id']} · `{record[-1]['question_id']}`" in texts(at)
+    assert "model: hidden" in texts(at) and "model: **" not in texts(at)
+    at.text_input(key="review.reviewer").input("").run()
+    assert param(at, "reviewer") is None, "a cleared name leaves the URL"

@@ -3,9 +3,8 @@
 Each kernel replaces a run of small PyTorch ops in `kernels.py` and rounds where that run rounds: every intermediate
 the release path stores in bf16 is rounded to bf16 here too, so answers stay as close to the release path as the
 PyTorch functions are; like them, they keep the residual stream in float32 where the release path rounds it
-(see `kernels.rms_norm_torch`). What they save is memory passes and launches: on one 512-token record of Clef-27B,
-norms, other elementwise work and copies took 12.3 of 49 GPU-milliseconds and the forward launched 2,721 kernels;
-with these kernels, 2.8 ms and 1,217 kernels (bench/results/2026-11-29-h200-session2.md).
+(see `kernels.rms_norm_torch`). What they save is memory passes and kernel launches on short records, where the
+elementwise work between GEMMs is a large share of the GPU time (measured in bench/results/2026-11-29-h200-session2.md).
 
 Inputs are token-major: `[N, ...]` rows, the last dim contiguous.
 """
