@@ -223,7 +223,11 @@ engine = get_engine()
 library = get_library()
 messages = vm.Messages()
 
+# One screen: what goes in (state, media, schema) on the left; Run, the answers and the token budget on the right,
+# with Run on top, so neither is below the budget bar or the long schema builder.
 left, right = st.columns([1, 1], gap="large")
+with right:
+    run_box, answers_box, budget_box = st.container(), st.container(), st.container()
 
 # --- State -------------------------------------------------------------------------------------------------------
 with left:
@@ -289,12 +293,13 @@ with left:
                 columns = st.columns(4)
                 for n, i in enumerate(shown):
                     seconds = sampled.frame_indices[i] / sampled.fps if sampled.fps else 0
-                    columns[n % 4].image(sampled.frames[i], caption=f"#{sampled.frame_indices[i]} · {seconds:.1f}s")
+                    columns[n % 4].image(vm.frame_thumbnail(sampled.frames[i]), width="stretch",
+                                         caption=f"#{sampled.frame_indices[i]} · {seconds:.1f}s")
                 if len(sampled.frames) > len(shown):
                     st.caption(f"… and {len(sampled.frames) - len(shown)} more frames.")
 
 # --- Schema builder ----------------------------------------------------------------------------------------------
-with right:
+with left:
     st.subheader("Schema")
     entries = [e for e in library.list() if e.problem is None]
     lib_cols = st.columns([4, 1, 1.4], vertical_alignment="bottom")
@@ -374,9 +379,8 @@ if ready:
 fingerprint = vm.fingerprint(request)
 
 # --- Token budget and Run ----------------------------------------------------------------------------------------
-st.divider()
-st.subheader("Token budget")
-budget_cols = st.columns([1, 2])
+budget_box.subheader("Token budget")
+budget_cols = budget_box.columns([1, 2])
 # A fixed list rather than a free number field: budgets are powers of two in practice, and a list cannot be
 # left empty or mistyped to a value that refuses every request.
 max_length = int(kept_widget(budget_cols[0].selectbox, "max_length (tokens)", K("max_length"), DEFAULT_MAX_LENGTH,
@@ -385,7 +389,7 @@ overflow = kept_widget(budget_cols[1].radio, "If the state does not fit", K("ove
                        options=["refuse", "truncate_state"], horizontal=True,
                        format_func={"refuse": "refuse (show an error)",
                                     "truncate_state": "truncate the end of the state"}.get)
-budget_messages = st.container()
+budget_messages = budget_box.container()
 # Errors of the last Run belong to exactly that request and those budget settings: change any, and they go.
 run_key = (fingerprint, max_length, overflow)
 last_error = st.session_state.get(K("last_error"))
@@ -433,7 +437,7 @@ if last_error and last_error.get("budget"):
 
 can_run = (engine is not None and request is not None and not engine_refused
            and not (status is not None and status.fixed_tokens_over))
-run_cols = st.columns([1, 4], vertical_alignment="center")
+run_cols = run_box.columns([1, 4], vertical_alignment="center")
 run_clicked = run_cols[0].button("Run", type="primary", key=K("run"), disabled=not can_run,
                                  icon=":material/play_arrow:", shortcut="Ctrl+Enter",
                                  help="Runs the state and schema on screen (Ctrl+Enter).")
@@ -465,62 +469,60 @@ if run_clicked and request is not None and engine is not None:
 # --- Results -----------------------------------------------------------------------------------------------------
 result: vm.DecideResult | None = st.session_state.get(K("result"))
 if result:
-    st.divider()
-    response = result.response
-    st.subheader("Answers")
-    if result.request != request:
-        st.caption("These answers are for the request as it was when you pressed Run; the editors have changed "
-                   "since.")
-    counts = response.get("x_token_counts", {})
-    top = st.columns(4)
-    top[0].metric("Latency", f"{response.get('x_latency_ms', 0):.0f} ms", help="submit → response, queue included")
-    top[1].metric("Input tokens", f"{response['usage']['input_tokens']:,}")
-    top[2].metric("Truncated state tokens", f"{response.get('x_truncated_state_tokens', 0):,}")
-    top[3].metric("Model", result.model_label, help=f"on {result.device}")
-    st.caption("Tokens: " + " · ".join(f"{part} {counts.get(part, 0):,}" for part in answers.BUDGET_PARTS))
-    if response.get("x_truncated_state_tokens"):
-        st.warning(f"The last {response['x_truncated_state_tokens']:,} tokens of the state were cut to fit "
-                   "max_length: the model did not read them.")
-    items = list(response["answers"].items())
-    for start in range(0, len(items), 2):
-        cols = st.columns(2)
-        for col, (qid, answer) in zip(cols, items[start:start + 2], strict=False):
-            with col:
-                render_answer_card(qid, result.questions.get(qid, {}), answer)
+    with answers_box:
+        response = result.response
+        st.subheader("Answers")
+        if result.request != request:
+            st.caption("These answers are for the request as it was when you pressed Run; the editors have changed "
+                       "since.")
+        counts = response.get("x_token_counts", {})
+        top = st.columns(2) + st.columns(2)  # two rows: the model name does not fit a quarter of half a page
+        top[0].metric("Latency", f"{response.get('x_latency_ms', 0):.0f} ms",
+                      help="submit → response, queue included")
+        top[1].metric("Input tokens", f"{response['usage']['input_tokens']:,}")
+        top[2].metric("Truncated state tokens", f"{response.get('x_truncated_state_tokens', 0):,}")
+        top[3].metric("Model", result.model_label, help=f"on {result.device}")
+        st.caption("Tokens: " + " · ".join(f"{part} {counts.get(part, 0):,}" for part in answers.BUDGET_PARTS))
+        if response.get("x_truncated_state_tokens"):
+            st.warning(f"The last {response['x_truncated_state_tokens']:,} tokens of the state were cut to fit "
+                       "max_length: the model did not read them.")
+        for qid, answer in response["answers"].items():  # one card per row: half a page is one card wide
+            render_answer_card(qid, result.questions.get(qid, {}), answer)
 
-    tabs = st.tabs(["Response JSON", "Request JSON"])
-    with tabs[0]:
-        st.code(format_json(response), language="json")
-    with tabs[1]:
-        if result.images or result.videos:
-            st.caption("Media data URLs are shortened here; the download holds the exact request.")
-        st.code(format_json(result.redacted_request()), language="json")
-        st.download_button("Download the exact request", format_json(result.request), file_name="request.json",
-                           mime="application/json", key=K("download_request"))
+        tabs = st.tabs(["Response JSON", "Request JSON"])
+        with tabs[0]:
+            st.code(format_json(response), language="json")
+        with tabs[1]:
+            if result.images or result.videos:
+                st.caption("Media data URLs are shortened here; the download holds the exact request.")
+            st.code(format_json(result.redacted_request()), language="json")
+            st.download_button("Download the exact request", format_json(result.request), file_name="request.json",
+                               mime="application/json", key=K("download_request"))
 
-    with st.expander("Save as case", icon=":material/bookmark_add:"):
-        store = get_store()
-        existing = [s["name"] for s in store.list_case_sets()]
-        default_set = result.default_case_set()
-        options = existing + ["New case set…"]
-        choice = st.selectbox("Case set", options,
-                              index=existing.index(default_set) if default_set in existing else len(existing),
-                              key=K("case_set_pick"))
-        set_name = (st.text_input("New case set name", value=default_set, key=K("case_set_new"))
-                    if choice == "New case set…" else choice)
-        labels = result.expected_labels()
-        st.dataframe([{"question": q, "answer as expected label": json.dumps(v)} for q, v in labels.items()],
-                     hide_index=True)
-        confirm = st.checkbox("I checked these answers: save them as the expected labels", key=K("confirm_labels"))
-        tags = st.text_input("Tags (comma separated)", key=K("case_tags"))
-        if st.button("Save as case", key=K("save_case"), icon=":material/save:"):
-            try:
-                case_id = vm.save_as_case(store, result, set_name, with_labels=confirm, tags_text=tags)
-            except (StoreError, ValueError) as exc:
-                st.error(f"Not saved: {exc}")
-            else:
-                with_labels = "with expected labels" if confirm else "without expected labels"
-                st.success(f"Saved case #{case_id} to “{set_name}” ({with_labels}).")
+        with st.expander("Save as case", icon=":material/bookmark_add:"):
+            store = get_store()
+            existing = [s["name"] for s in store.list_case_sets()]
+            default_set = result.default_case_set()
+            options = existing + ["New case set…"]
+            choice = st.selectbox("Case set", options,
+                                  index=existing.index(default_set) if default_set in existing else len(existing),
+                                  key=K("case_set_pick"))
+            set_name = (st.text_input("New case set name", value=default_set, key=K("case_set_new"))
+                        if choice == "New case set…" else choice)
+            labels = result.expected_labels()
+            st.dataframe([{"question": q, "answer as expected label": json.dumps(v)} for q, v in labels.items()],
+                         hide_index=True)
+            confirm = st.checkbox("I checked these answers: save them as the expected labels",
+                                  key=K("confirm_labels"))
+            tags = st.text_input("Tags (comma separated)", key=K("case_tags"))
+            if st.button("Save as case", key=K("save_case"), icon=":material/save:"):
+                try:
+                    case_id = vm.save_as_case(store, result, set_name, with_labels=confirm, tags_text=tags)
+                except (StoreError, ValueError) as exc:
+                    st.error(f"Not saved: {exc}")
+                else:
+                    with_labels = "with expected labels" if confirm else "without expected labels"
+                    st.success(f"Saved case #{case_id} to “{set_name}” ({with_labels}).")
 
 if builder().loaded_slug:
     st.query_params[SCHEMA_PARAM] = builder().loaded_slug

@@ -17,6 +17,7 @@ from clef_workbench import review, run_charts
 from clef_workbench.answers import probability_chart, probability_chart_height
 from clef_workbench.review import ReviewRules
 from clef_workbench.store import ReviewConflictError, StoreError
+from workbench_ui.decide_model import FRAME_THUMBNAIL_PX, frame_thumbnail
 from workbench_ui.shell import (
     demo_output_banner,
     get_store,
@@ -242,7 +243,8 @@ else:
                     if engine is not None:  # the frames the model actually saw
                         sampled = load_video(video["data"], engine.encoder.video_sample_indices)
                         frames = list(sampled.frames[:: max(1, len(sampled.frames) // 8)])
-                        st.image(frames, width=120, caption=[f"frame {i}" for i in range(len(frames))])
+                        st.image([frame_thumbnail(f) for f in frames], width=FRAME_THUMBNAIL_PX,
+                                 caption=[f"frame {i}" for i in range(len(frames))])
                 except Exception as exc:  # noqa: BLE001 — a preview problem must not block the review
                     st.caption(f"Sampled frames unavailable: {exc}")
             expected = case["expected"].get(item["question_id"])

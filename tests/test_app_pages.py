@@ -446,3 +446,31 @@ def test_the_uploaders_state_the_same_size_limits_as_the_caption(workbench):
                          "decide.videos": state_input.MAX_VIDEO_BYTES // 2**20}
     caption = state_input.media_limits_text()
     assert f"{uploaders['decide.images']} MB" in caption and f"{uploaders['decide.videos']} MB" in caption
+
+
+def _in_order(node) -> list:
+    """Every element under an AppTest node, in page order."""
+    found = [node]
+    for child in getattr(node, "children", {}).values():
+        found += _in_order(child)
+    return found
+
+
+def _names(node) -> list[str]:
+    return [(e.type, getattr(e, "label", None) or getattr(e, "value", None)) for e in _in_order(node)
+            if e.type in ("button", "subheader")]
+
+
+def test_decide_shows_run_and_the_answers_above_the_budget_next_to_the_inputs(workbench):
+    at = start()
+    button(at, "Run").click().run()
+    no_exceptions(at)
+    outputs = [c for c in at.columns if ("subheader", "Answers") in _names(c)]
+    assert outputs, "the answers are in a column next to the inputs"
+    names = _names(outputs[0])
+    assert ("subheader", "State") not in names and ("subheader", "Schema") not in names
+    run, answers, budget = (names.index(("button", "Run")), names.index(("subheader", "Answers")),
+                            names.index(("subheader", "Token budget")))
+    assert run < answers < budget, "Run first, then the answers, then the token budget"
+    inputs = next(c for c in at.columns if ("subheader", "State") in _names(c))
+    assert ("subheader", "Schema") in _names(inputs), "state and schema are both on the input side"

@@ -159,3 +159,14 @@ def test_draft_round_trip_and_save_only_on_change(library):
     assert ids(fresh)[1] == "renamed" and fresh["decide.max_length"] == 2048
     assert vm.Builder(fresh).loaded_slug == "support-ticket-routing"
     assert vm.Builder(fresh).unsaved_changes(), "the renamed question is still an unsaved change after a reload"
+
+
+def test_a_small_video_frame_is_enlarged_by_whole_pixels_and_a_large_one_kept():
+    import numpy as np
+
+    small = np.arange(32 * 24 * 3, dtype=np.uint8).reshape(24, 32, 3)
+    thumb = vm.frame_thumbnail(small)
+    assert thumb.size == (160, 120), "at least the thumbnail width, aspect kept"
+    assert np.array_equal(np.asarray(thumb)[::5, ::5], small), "nearest neighbour: exactly the frame's pixels"
+    large = np.zeros((200, 400, 3), dtype=np.uint8)
+    assert vm.frame_thumbnail(large).size == (400, 200)

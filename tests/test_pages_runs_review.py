@@ -507,3 +507,39 @@ def test_review_a_whole_record_on_one_screen_with_the_name_kept_in_the_link(work
     assert "model: hidden" in texts(at) and "model: **" not in texts(at)
     at.text_input(key="review.reviewer").input("").run()
     assert param(at, "reviewer") is None, "a cleared name leaves the URL"
+
+
+def test_review_shows_the_frames_the_model_read_for_a_video_case_large_enough_to_see(workbench, monkeypatch):
+    import io
+
+    from PIL import Image
+    from streamlit.runtime.memory_media_file_storage import MemoryMediaFileStorage
+    from streamlit.testing.v1 import app_test
+
+    from tests.test_engine import mp4_bytes
+
+    storages: list[MemoryMediaFileStorage] = []
+
+    class KeptStorage(MemoryMediaFileStorage):
+        """AppTest's media storage, kept so the test can read the images the page served."""
+
+        def __init__(self, endpoint: str) -> None:
+            super().__init__(endpoint)
+            storages.append(self)
+
+    monkeypatch.setattr(app_test, "MemoryMediaFileStorage", KeptStorage)
+    AppTest.from_file(APP, default_timeout=TIMEOUT).run()
+    store = Store(workbench / "workbench.sqlite3")
+    set_id = store.create_case_set("Clips")
+    store.add_cases(set_id, [{"state": "a short clip", "videos": [mp4_bytes(frames=30, fps=15, size=32)]}])
+    run_id = store.create_run(set_id, schema={"name": "clips", "questions": {"moving": {"type": "noul"}}},
+                              model_id="clef-demo")
+    shell.get_job_runner().start(run_id, shell.get_engine(show_errors=False))
+    wait_for_run(run_id)
+    assert review.apply_rules(store, run_id, ReviewRules(margin_below=1.0, unknown_option=False)) == 1
+    at = open_link("pages/review.py", reviewer="ana")
+    frames = [e for e in at.get("image") if [i.caption for i in e.proto.imgs] == [f"frame {n}" for n in range(4)]]
+    assert frames, "the frames the model read are shown"
+    for shown in frames[0].proto.imgs:
+        data = storages[-1].get_file(shown.url.rsplit("/", 1)[-1]).content
+        assert Image.open(io.BytesIO(data)).width >= 160, "a frame is not a 32-pixel speck"

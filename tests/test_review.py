@@ -139,3 +139,20 @@ def test_golden_set_keeps_the_library_schema_the_run_used(run):
     store.apply_review_action(item["id"], reviewer="ana", action="accept", expected_version=item["version"])
     golden_id = review.export_golden_set(store, run_id, "golden")
     assert store.get_case_set(golden_id)["schema_name"] == "ticket-routing"
+
+
+def test_a_record_is_reviewed_whole_before_the_next_one(run):
+    store, run_id, case_ids = run
+    review.apply_rules(store, run_id, ReviewRules(margin_below=1.0, unknown_option=False,
+                                                  disagree_with_expected=False))
+    record = review.record_items(store, run_id, case_ids[4])
+    assert [i["question_id"] for i in record] == ["team", "urgent"], "the schema's question order"
+    worst = review.next_item(store, run_id)
+    assert worst["case_id"] != case_ids[4], "the record is not the worst one: staying on it is a choice"
+    done = record[1]
+    store.apply_review_action(done["id"], reviewer="ana", action="unknown", expected_version=done["version"])
+    following = review.next_item(store, run_id, after_item_id=done["id"], case_id=case_ids[4])
+    assert following["id"] == record[0]["id"], "the same record's open question comes next"
+    store.apply_review_action(following["id"], reviewer="ana", action="unknown",
+                              expected_version=following["version"])
+    assert review.next_item(store, run_id, case_id=case_ids[4])["id"] == worst["id"], "then the worst elsewhere"

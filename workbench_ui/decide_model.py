@@ -15,6 +15,9 @@ from collections.abc import Callable, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+from PIL import Image
+
 from clef_workbench import answers, schemas, state_input
 
 PREFIX = "decide"
@@ -352,3 +355,17 @@ def save_draft_if_changed(state: MutableMapping, save: Callable[[dict[str, Any]]
     save(draft)
     state[key("saved_draft")] = draft
     return True
+
+
+FRAME_THUMBNAIL_PX = 160  # wide enough to tell what a frame shows, four to a row in half a page
+
+
+def frame_thumbnail(frame: np.ndarray, width: int = FRAME_THUMBNAIL_PX) -> Image.Image:
+    """A sampled video frame (H×W×3 uint8) as an image at least `width` pixels wide. Frames are often small (the
+    model's sampling size), and an image is shown at its own size: enlarged by whole pixels (nearest neighbour), so
+    what is seen is exactly what the model read, not a blur."""
+    image = Image.fromarray(np.asarray(frame))
+    if image.width >= width:
+        return image
+    factor = -(-width // image.width)  # ceiling: a whole number of screen pixels per frame pixel
+    return image.resize((image.width * factor, image.height * factor), Image.Resampling.NEAREST)
