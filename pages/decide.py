@@ -437,7 +437,7 @@ if last_error and last_error.get("budget"):
 
 can_run = (engine is not None and request is not None and not engine_refused
            and not (status is not None and status.fixed_tokens_over))
-run_cols = run_box.columns([1, 4], vertical_alignment="center")
+run_cols = run_box.columns([2, 3], vertical_alignment="center")  # wide enough for "Run" and its shortcut
 run_clicked = run_cols[0].button("Run", type="primary", key=K("run"), disabled=not can_run,
                                  icon=":material/play_arrow:", shortcut="Ctrl+Enter",
                                  help="Runs the state and schema on screen (Ctrl+Enter).")
