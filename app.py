@@ -19,6 +19,7 @@ PAGE_SPECS = [
     ("cases.py", "Case sets", ":material/dataset:"),
     ("runs.py", "Runs", ":material/speed:"),
     ("review.py", "Review", ":material/fact_check:"),
+    ("compare.py", "Compare", ":material/compare_arrows:"),
 ]
 
 pages = [st.Page(PAGES_DIR / name, title=title, icon=icon, default=(i == 0))

@@ -1,4 +1,6 @@
-"""Build Clef-shaped models with random bf16 weights directly on the GPU (spec §1 sizes), for benchmarks.
+"""Build Clef-shaped models with random bf16 weights directly on the GPU (spec §1 sizes), for benchmarks; and what
+every bench script shares: requests sized to a token count, CUDA-synchronized timing, sections that record their
+error and carry on.
 
 Token ids come from the tiny release's tokenizer (a byte-level BPE with every special token of §1), so requests
 encode through the engine's real Encoder; the big vocabulary simply has unused rows.
@@ -6,8 +8,13 @@ encode through the engine's real Encoder; the big vocabulary simply has unused r
 
 from __future__ import annotations
 
+import functools
 import math
+import random
 import sys
+import time
+import traceback
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -131,5 +138,118 @@ def floor_ms(tokens: int, tokens_per_s: float = 15_800) -> float:
     return round(1000 * tokens / tokens_per_s, 1)
 
 
+# ---- requests, timing, sections (shared by bench/h200.py, bench/user_paths.py and the scripts around them) --------
+
+WORDS = ("the invoice ticket customer payment refund amount total due date vendor alert security login password "
+         "damage claim photo car vehicle image video order status approved rejected billing shipping delivery").split()
+
+
+def schema(questions: int, options: int, seed: int, noul_every: int | None = None) -> dict:
+    """`questions` typed questions: every `noul_every`-th a noul (None: none), the others choices of `options`."""
+    rng = random.Random(seed)
+    out = {}
+    for q in range(questions):
+        if noul_every and q % noul_every == 0:
+            out[f"q{q}"] = {"type": "noul", "instructions": f"Is the {rng.choice(WORDS)} {rng.choice(WORDS)} due?"}
+        else:
+            out[f"q{q}"] = {"type": "choice", "instructions": f"Which {rng.choice(WORDS)} applies to the "
+                                                                f"{rng.choice(WORDS)}?",
+                            "criteria": {f"{rng.choice(WORDS)}_{k}": f"the {rng.choice(WORDS)} {rng.choice(WORDS)}"
+                                         for k in range(options)}}
+    return out
+
+
+def sized_state(engine, tokens: int, questions: dict, seed: int) -> str:
+    """A state of ordinary words (a fresh one per seed, at least one word) such that the request of `questions` is
+    about `tokens` tokens, never more unless one word is already too many."""
+    rng = random.Random(seed)
+    words = [rng.choice(WORDS) for _ in range(tokens + 16)]
+    fixed = engine.count_tokens({"state": "", "questions": questions}, max_length=2**31 - 1)["total"]
+    budget = max(1, tokens - fixed)
+    low, high = 1, len(words)
+    while low < high:  # the most words whose state encodes within the budget
+        mid = (low + high + 1) // 2
+        if len(engine.encoder.tokenize(" ".join(words[:mid]))) <= budget:
+            low = mid
+        else:
+            high = mid - 1
+    return " ".join(words[:low])
+
+
+def sized_request(engine, tokens: int, questions: dict, seed: int) -> dict:
+    return {"model": "clef", "state": sized_state(engine, tokens, questions, seed), "questions": questions}
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def percentile(values: list[float], q: float, digits: int = 1) -> float:
+    """The value at quantile `q` of `values` (nearest rank)."""
+    ordered = sorted(values)
+    return round(ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))], digits)
+
+
+def closed_loop(engine, per_client: list[list[dict]]) -> tuple[list[float], int, float]:
+    """One thread per client, each deciding its requests one after another: (every latency in ms, input tokens,
+    wall seconds)."""
+    import threading
+
+    latencies: list[float] = []
+    tokens = [0]
+    lock = threading.Lock()
+
+    def client(mine):
+        for request in mine:
+            t0 = time.perf_counter()
+            response = engine.decide(request)
+            with lock:
+                latencies.append((time.perf_counter() - t0) * 1000)
+                tokens[0] += response["usage"]["input_tokens"]
+
+    threads = [threading.Thread(target=client, args=(mine,)) for mine in per_client]
+    t0 = time.perf_counter()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return latencies, tokens[0], time.perf_counter() - t0
+
+
+def sections(left: Callable[[], float], save: Callable[[], None], errors: dict,
+             keep: Callable[[str, object], object] | None = None, before: Callable[[], None] | None = None):
+    """A decorator `section(name, needs_s)` for a bench step: skipped (said in `errors`) when fewer than `needs_s`
+    seconds are `left`; an exception is recorded in `errors` and the next step runs; `before()` runs first and
+    `keep(name, value)` stores what the step returned (each if given); the results are saved after every step."""
+    def section(name: str, needs_s: float = 0.0):
+        def wrap(fn):
+            @functools.wraps(fn)
+            def run(*args, **kwargs):
+                if left() < needs_s:
+                    errors[name] = f"skipped: {left():.0f} s left, needs ~{needs_s:.0f} s"
+                    print(f"[{name}] skipped (time)", flush=True)
+                    save()
+                    return None
+                started = time.perf_counter()
+                if before is not None:
+                    before()
+                try:
+                    value = fn(*args, **kwargs)
+                    if keep is not None:
+                        value = keep(name, value)
+                except Exception as error:  # noqa: BLE001 — record and carry on
+                    errors[name] = f"{type(error).__name__}: {error}\n{traceback.format_exc()[-3000:]}"
+                    print(f"[{name}] ERROR {type(error).__name__}: {error}", flush=True)
+                    value = None
+                print(f"[{name}] {time.perf_counter() - started:.1f} s", flush=True)
+                save()
+                return value
+            return run
+        return wrap
+    return section
+
+
 __all__ = ["clef_config", "scale_down", "build_model", "build_head", "random_engine", "parameter_count", "gib",
-           "floor_ms", "math"]
+           "floor_ms", "math", "WORDS", "schema", "sized_state", "sized_request", "sync", "percentile", "closed_loop",
+           "sections"]

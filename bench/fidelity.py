@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import math
 import random
 import sys
 import time
@@ -97,6 +98,45 @@ def compare(answers: list, truth: list) -> dict:
             "flip_margins": sorted(margins)}
 
 
+def _argmax(values: list[float]) -> int:
+    return max(range(len(values)), key=values.__getitem__)
+
+
+def paired_flips(ours: list, release: list, truth: list, *, margin: float = 0.01, resamples: int = 2000,
+                 seed: int = 0) -> dict:
+    """Ours' and the release code's argmax flips against the truth, question by question on the same questions, so
+    that a difference in flip counts can be read against its noise:
+    - `*_flips_wide`: flips on questions whose truth top-two gap is over `margin` (a flip on a near tie is rounding);
+    - `both`, `ours_only`, `release_only`: the paired counts; `exact_p`: the two-sided sign test on the discordant
+      questions (ours_only vs release_only; 1.0 = no evidence that either flips more often);
+    - `difference_95`: the 2.5% and 97.5% quantiles of (ours - release) flips over `resamples` bootstrap resamples
+      of the records (a record's questions move together: they share one forward pass);
+    - `per_question`: every question either side flips: record, question, truth gap, who flips."""
+    rows = []  # (record, question, truth gap, ours flips, release flips)
+    for r, (record_ours, record_release, record_truth) in enumerate(zip(ours, release, truth, strict=True)):
+        for q, (got, theirs, want) in enumerate(zip(record_ours, record_release, record_truth, strict=True)):
+            top = sorted(want, reverse=True) + [0.0]
+            rows.append((r, q, round(top[0] - top[1], 4), _argmax(got) != _argmax(want),
+                         _argmax(theirs) != _argmax(want)))
+    ours_only = sum(o and not t for *_, o, t in rows)
+    release_only = sum(t and not o for *_, o, t in rows)
+    discordant = ours_only + release_only
+    tail = sum(math.comb(discordant, k) for k in range(min(ours_only, release_only) + 1)) / 2**discordant
+    per_record = [0] * len(truth)  # ours - release flips of each record
+    for r, _, _, o, t in rows:
+        per_record[r] += int(o) - int(t)
+    rng = random.Random(seed)
+    differences = sorted(sum(rng.choice(per_record) for _ in per_record) for _ in range(resamples))
+    return {"questions": len(rows), "margin": margin,
+            "ours_flips_wide": sum(o for _, _, gap, o, _ in rows if gap > margin),
+            "release_flips_wide": sum(t for _, _, gap, _, t in rows if gap > margin),
+            "both": sum(o and t for *_, o, t in rows), "ours_only": ours_only, "release_only": release_only,
+            "exact_p": round(min(1.0, 2 * tail), 4),
+            "difference_95": [differences[int(0.025 * (resamples - 1))], differences[int(0.975 * (resamples - 1))]],
+            "per_question": [{"record": r, "question": q, "truth_gap": gap, "ours_flips": o, "release_flips": t}
+                             for r, q, gap, o, t in rows if o or t]}
+
+
 def top_two_gaps(truth: list) -> list[float]:
     return sorted(round(q[0] - q[1], 4) for record in truth for q in (sorted(p, reverse=True) for p in record)
                   if len(q) > 1)
@@ -132,7 +172,8 @@ def fidelity(device: str | torch.device = "cuda", shape: str = "flash", records:
     With dtype=float32 the release path is the truth itself (distance exactly 0) and ours must be within 1e-5:
     the check of this comparison. Keys: ours_max_dp, ours_flips, ours_flip_margins (the truth's top-two gap of each
     flipped question), ours_mean_dp, the same for release_ and ours_packed_ (all records in one packed batch),
-    questions, options, records, tokens, and what ran."""
+    questions, options, records, tokens, `paired` (`paired_flips`: ours' flips next to the release code's on the
+    same questions, with the noise of their difference), and what ran."""
     import clef_engine
     from clef_engine.model.encoding import Encoder
     from clef_engine.model.release import Release, load_processor
@@ -181,6 +222,7 @@ def fidelity(device: str | torch.device = "cuda", shape: str = "flash", records:
     for name, answers in (("ours", ours), ("release", release), ("ours_packed", packed)):
         for key, value in compare(answers, truth).items():
             out[f"{name}_{key}"] = value
+    out["paired"] = paired_flips(ours, release, truth, seed=seed)
     out["truth_top2_gap_smallest"] = top_two_gaps(truth)[:10]
     out["kernels"] = kernels
     out["seconds"] = round(time.perf_counter() - started, 1)

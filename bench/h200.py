@@ -20,9 +20,7 @@ import os
 import random
 import statistics
 import sys
-import threading
 import time
-import traceback
 from pathlib import Path
 
 import torch
@@ -35,8 +33,7 @@ SMOKE = os.environ.get("BENCH_CPU_SMOKE") == "1"
 DEVICE = torch.device("cpu" if SMOKE else "cuda")
 DEADLINE = time.perf_counter() + float(os.environ.get("BENCH_DEADLINE_S", "540"))
 FLOOR_TOKENS_PER_S = 15_800
-WORDS = ("the invoice ticket customer payment refund amount total due date vendor alert security login password "
-         "damage claim photo car vehicle image video order status approved rejected billing shipping delivery").split()
+WORDS = build.WORDS
 
 results: dict = {"sections": {}, "errors": {}}
 OUT: Path
@@ -51,8 +48,7 @@ def left() -> float:
 
 
 def sync() -> None:
-    if DEVICE.type == "cuda":
-        torch.cuda.synchronize()
+    build.sync(DEVICE)
 
 
 def timed(fn, repeats: int, warmup: int = 1) -> dict:
@@ -66,71 +62,37 @@ def timed(fn, repeats: int, warmup: int = 1) -> dict:
         fn()
         sync()
         times.append((time.perf_counter() - t0) * 1000)
-    times.sort()
-    return {"p50": round(statistics.median(times), 2), "min": round(times[0], 2),
-            "p95": round(times[min(len(times) - 1, int(round(0.95 * (len(times) - 1))))], 2), "n": repeats}
+    return {"p50": round(statistics.median(times), 2), "min": round(min(times), 2),
+            "p95": build.percentile(times, 0.95, 2), "n": repeats}
 
 
-def section(name: str, needs_s: float = 0.0):
-    def wrap(fn):
-        def run(*args, **kwargs):
-            if left() < needs_s:
-                results["errors"][name] = f"skipped: {left():.0f} s left, needs ~{needs_s:.0f} s"
-                print(f"[{name}] skipped (time)", flush=True)
-                save()
-                return None
-            started = time.perf_counter()
-            if DEVICE.type == "cuda":
-                torch.cuda.reset_peak_memory_stats()
-            try:
-                value = fn(*args, **kwargs)
-                if isinstance(value, dict) and DEVICE.type == "cuda":
-                    value["peak_allocated_gib"] = build.gib(torch.cuda.max_memory_allocated())
-                    value["peak_reserved_gib"] = build.gib(torch.cuda.max_memory_reserved())
-                results["sections"][name] = value
-            except Exception as error:  # noqa: BLE001 — record and carry on
-                results["errors"][name] = f"{type(error).__name__}: {error}\n{traceback.format_exc()[-3000:]}"
-                print(f"[{name}] ERROR {type(error).__name__}: {error}", flush=True)
-                value = None
-            print(f"[{name}] {time.perf_counter() - started:.1f} s", flush=True)
-            save()
-            return value
-        return run
-    return wrap
+def _reset_peak() -> None:
+    if DEVICE.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+
+
+def _keep(name: str, value):
+    """A section's result, with the peak memory it reached, under results["sections"]."""
+    if isinstance(value, dict) and DEVICE.type == "cuda":
+        value["peak_allocated_gib"] = build.gib(torch.cuda.max_memory_allocated())
+        value["peak_reserved_gib"] = build.gib(torch.cuda.max_memory_reserved())
+    results["sections"][name] = value
+    return value
+
+
+section = build.sections(left, lambda: save(), results["errors"], keep=_keep, before=_reset_peak)
 
 
 # ---- records ------------------------------------------------------------------------------------------------------
 
 def schema(questions: int, options: int, seed: int) -> dict:
-    rng = random.Random(seed)
-    out = {}
-    for q in range(questions):
-        if options == 2 and q % 2 == 0:
-            out[f"q{q}"] = {"type": "noul", "instructions": f"Is the {rng.choice(WORDS)} {rng.choice(WORDS)} due?"}
-        else:
-            out[f"q{q}"] = {"type": "choice", "instructions": f"Which {rng.choice(WORDS)} applies to the "
-                                                                f"{rng.choice(WORDS)}?",
-                            "criteria": {f"{rng.choice(WORDS)}_{k}": f"the {rng.choice(WORDS)} {rng.choice(WORDS)}"
-                                         for k in range(options)}}
-    return out
+    """Choice questions; with 2 options every other one a noul."""
+    return build.schema(questions, options, seed, noul_every=2 if options == 2 else None)
 
 
 def sized_request(engine, tokens: int, questions: int = 4, options: int = 3, seed: int = 0) -> dict:
-    """A request of about `tokens` tokens (never more): words of state, then the schema."""
-    rng = random.Random(seed)
-    words = [rng.choice(WORDS) for _ in range(tokens + 16)]
-    request = {"model": "clef", "state": "", "questions": schema(questions, options, seed)}
-    fixed = engine.count_tokens(request, max_length=2**31 - 1)["total"]
-    budget = tokens - fixed
-    low, high = 0, len(words)
-    while low < high:  # most words whose state encodes within the budget
-        mid = (low + high + 1) // 2
-        if len(engine.encoder.tokenize(" ".join(words[:mid]))) <= budget:
-            low = mid
-        else:
-            high = mid - 1
-    request["state"] = " ".join(words[:low])
-    return request
+    """A request of about `tokens` tokens: words of state, then the schema."""
+    return build.sized_request(engine, tokens, schema(questions, options, seed), seed)
 
 
 def in_batches(engine, records: list) -> list:
@@ -346,28 +308,11 @@ def concurrent(engine, clients: int = 8, each: int = 6) -> dict:
     requests = [[sized_request(engine, 1024, seed=5000 + c * 100 + i) for i in range(each)] for c in range(clients)]
     engine.decide_many([r for mine in requests for r in mine[:1]], priority="interactive")  # warm-up: pack shapes
     single = timed(lambda: engine.decide(requests[0][0]), 8, warmup=2)
-    latencies: list[float] = []
-    lock = threading.Lock()
-
-    def client(mine):
-        for request in mine:
-            t0 = time.perf_counter()
-            engine.decide(request)
-            with lock:
-                latencies.append((time.perf_counter() - t0) * 1000)
-
-    threads = [threading.Thread(target=client, args=(requests[c],)) for c in range(clients)]
-    t0 = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    wall = time.perf_counter() - t0
-    latencies.sort()
-    p95 = latencies[int(round(0.95 * (len(latencies) - 1)))]
+    latencies, _, wall = build.closed_loop(engine, requests)
+    p95 = build.percentile(latencies, 0.95)
     engine.state_cache.enabled = True
     return {"clients": clients, "requests_each": each, "single_decide_ms": single,
-            "p50_ms": round(statistics.median(latencies), 1), "p95_ms": round(p95, 1),
+            "p50_ms": round(statistics.median(latencies), 1), "p95_ms": p95,
             "p95_over_single": round(p95 / single["p50"], 2), "wall_s": round(wall, 2),
             "records_per_s": round(clients * each / wall, 2), "scheduler": vars(engine.scheduler.stats).copy()}
 

@@ -35,7 +35,6 @@ import sys
 import tempfile
 import threading
 import time
-import traceback
 from pathlib import Path
 
 import torch
@@ -49,8 +48,7 @@ DEVICE = torch.device("cpu" if SMOKE else "cuda")
 DEADLINE = time.perf_counter() + float(os.environ.get("BENCH_DEADLINE_S", "560"))
 SCALE = 16 if SMOKE else 1  # lengths divided by this on the CPU
 BUCKETS = {"512": (450, 600, 16), "1024": (900, 1150, 16), "4096": (3500, 4500, 10), "16384": (15000, 17000, 5)}
-WORDS = ("the invoice ticket customer payment refund amount total due date vendor alert security login password "
-         "damage claim photo car vehicle image video order status approved rejected billing shipping delivery").split()
+WORDS = build.WORDS
 
 results: dict = {"user_path": {}, "batch_run": {}, "interactive_during_batch": {}, "head_64x10_ms": None,
                  "cached_16k_new_schema_ms": None, "fidelity": {}, "concurrent_8": {}, "detail": {"errors": {}}}
@@ -66,75 +64,29 @@ def left() -> float:
 
 
 def sync() -> None:
-    if DEVICE.type == "cuda":
-        torch.cuda.synchronize()
+    build.sync(DEVICE)
 
 
 def ms(t0: float) -> float:
     return (time.perf_counter() - t0) * 1000
 
 
-def p(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return round(ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))], 1)
-
-
-def section(name: str, needs_s: float):
-    def wrap(fn):
-        def run(*args):
-            if left() < needs_s:
-                results["detail"]["errors"][name] = f"skipped: {left():.0f} s left, needs ~{needs_s:.0f} s"
-                save()
-                return None
-            started = time.perf_counter()
-            try:
-                value = fn(*args)
-            except Exception as error:  # noqa: BLE001 — record and carry on
-                results["detail"]["errors"][name] = f"{type(error).__name__}: {error}\n{traceback.format_exc()[-3000:]}"
-                print(f"[{name}] ERROR {type(error).__name__}: {error}", flush=True)
-                value = None
-            print(f"[{name}] {time.perf_counter() - started:.1f} s", flush=True)
-            save()
-            return value
-        return run
-    return wrap
+p = build.percentile
+section = build.sections(left, lambda: save(), results["detail"]["errors"])
 
 
 # ---- requests -----------------------------------------------------------------------------------------------------
 
 def questions(count: int, options: int, seed: int) -> dict:
-    rng = random.Random(seed)
-    out = {}
-    for q in range(count):
-        if q % 4 == 0:
-            out[f"q{q}"] = {"type": "noul", "instructions": f"Is the {rng.choice(WORDS)} {rng.choice(WORDS)} due?"}
-        else:
-            out[f"q{q}"] = {"type": "choice", "instructions": f"Which {rng.choice(WORDS)} applies to the "
-                                                                f"{rng.choice(WORDS)}?",
-                            "criteria": {f"{rng.choice(WORDS)}_{k}": f"the {rng.choice(WORDS)} {rng.choice(WORDS)}"
-                                         for k in range(options)}}
-    return out
+    return build.schema(count, options, seed, noul_every=4)
 
 
 def sized_state(engine, tokens: int, schema: dict, seed: int) -> str:
-    """A state of ordinary words (a fresh one per seed) such that the request is about `tokens` tokens."""
-    rng = random.Random(seed)
-    words = [rng.choice(WORDS) for _ in range(tokens + 16)]
-    fixed = engine.count_tokens({"state": "", "questions": schema}, max_length=2**31 - 1)["total"]
-    budget = max(1, tokens - fixed)
-    low, high = 1, len(words)
-    while low < high:  # the most words whose state encodes within the budget
-        mid = (low + high + 1) // 2
-        if len(engine.encoder.tokenize(" ".join(words[:mid]))) <= budget:
-            low = mid
-        else:
-            high = mid - 1
-    return " ".join(words[:low])
+    return build.sized_state(engine, tokens, schema, seed)
 
 
 def request(engine, tokens: int, seed: int, schema: dict | None = None) -> dict:
-    schema = schema or questions(4, 3, seed)
-    return {"model": "clef", "state": sized_state(engine, tokens, schema, seed), "questions": schema}
+    return build.sized_request(engine, tokens, schema or questions(4, 3, seed), seed)
 
 
 def distance(response: dict, reference: list[list[float]], record) -> tuple[float, int]:
@@ -219,15 +171,20 @@ def head_64x10(engine) -> None:
     schema = questions(64, 10, 64)
     record = engine.encode({"state": " ".join(WORDS * 8), "questions": schema}, max_length=2**31 - 1)
     hidden = torch.randn(len(record), engine.model.config.text_config.hidden_size, device=DEVICE, dtype=engine.dtype)
-    with torch.inference_mode():
-        for _ in range(3):
-            engine.head_probabilities(hidden, [record], [0], [len(record)])
-        times = []
-        for _ in range(20):
-            sync()
-            t0 = time.perf_counter()
-            engine.head_probabilities(hidden, [record], [0], [len(record)])
-            times.append(ms(t0))
+
+    def timed_head() -> list[float]:
+        with torch.inference_mode():
+            for _ in range(3):
+                engine.head_probabilities(hidden, [record], [0], [len(record)])
+            times = []
+            for _ in range(20):
+                sync()
+                t0 = time.perf_counter()
+                engine.head_probabilities(hidden, [record], [0], [len(record)])
+                times.append(ms(t0))
+        return times
+
+    times = timed_head()
     results["head_64x10_ms"] = p(times, 0.5)
     results["detail"]["head_64x10"] = {"tokens": len(record), "ms": sorted(round(t, 2) for t in times)}
     with torch.inference_mode():
@@ -235,6 +192,8 @@ def head_64x10(engine) -> None:
         graphs, engine.head_graphs = engine.head_graphs, None  # the eager head on the same input, for parity
         eager = engine.head_probabilities(hidden, [record], [0], [len(record)])
         engine.head_graphs = graphs
+    if engine.head_graphs is not None:
+        results["detail"]["head_64x10"]["head_graphs"] = engine.head_graphs.describe()
     results["detail"]["head_64x10"]["graph_vs_eager_max_dp"] = round(max(
         abs(a - b) for qa, qb in zip(graphed[0], eager[0]) for a, b in zip(qa, qb)), 5)
     if DEVICE.type == "cuda":
@@ -356,26 +315,8 @@ def concurrent(engine, clients: int = 8, each: int = 6) -> None:
     rng = random.Random(9)
     requests = [[request(engine, rng.randint(900, 1150) // SCALE, seed=50_000 + c * 100 + i) for i in range(each)]
                 for c in range(clients)]
-    latencies: list[float] = []
-    tokens = [0]
-    lock = threading.Lock()
-
-    def client(mine):
-        for r in mine:
-            t0 = time.perf_counter()
-            response = engine.decide(r)
-            with lock:
-                latencies.append(ms(t0))
-                tokens[0] += response["usage"]["input_tokens"]
-
-    threads = [threading.Thread(target=client, args=(requests[c],)) for c in range(clients)]
-    t0 = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    wall = time.perf_counter() - t0
-    results["concurrent_8"] = {"tokens_per_s": round(tokens[0] / wall), "p50_ms": p(latencies, 0.5),
+    latencies, tokens, wall = build.closed_loop(engine, requests)
+    results["concurrent_8"] = {"tokens_per_s": round(tokens / wall), "p50_ms": p(latencies, 0.5),
                                "p95_ms": p(latencies, 0.95),
                                "p95_over_p50": round(p(latencies, 0.95) / p(latencies, 0.5), 2)}
 
@@ -406,6 +347,8 @@ def fidelity() -> None:
     out = measure("cpu" if SMOKE else "cuda", "tiny" if SMOKE else "flash", 8 if SMOKE else 55)
     results["fidelity"] = {key: out.get(key) for key in ("ours_max_dp", "release_max_dp", "ours_flips",
                                                          "release_flips")}
+    # next to the headline counts: the same flips paired by question, and how noisy their difference is
+    results["fidelity"]["paired"] = {k: v for k, v in out.get("paired", {}).items() if k != "per_question"}
     results["detail"]["fidelity"] = out
 
 

@@ -7,13 +7,14 @@ import json
 import sys
 
 from .errors import ClefError
+from .tiny import SIZES
 
 
 def cmd_tiny(args: argparse.Namespace) -> int:
     from .tiny import build_tiny_release
 
-    path = build_tiny_release(args.directory, seed=args.seed)
-    print(f"wrote a tiny Clef-format release (random weights, seed {args.seed}) to {path}")
+    path = build_tiny_release(args.directory, seed=args.seed, size=args.size)
+    print(f"wrote a tiny Clef-format release (random weights, seed {args.seed}, size {args.size}) to {path}")
     return 0
 
 
@@ -64,6 +65,8 @@ def main(argv: list[str] | None = None) -> int:
     tiny = commands.add_parser("tiny", help="write a tiny Clef-format release with random weights")
     tiny.add_argument("directory")
     tiny.add_argument("--seed", type=int, default=0)
+    tiny.add_argument("--size", choices=list(SIZES), default="tiny",
+                      help="tiny (the demo model) or small (wider, twice the layers: a second model of another size)")
     tiny.set_defaults(run=cmd_tiny)
     info = commands.add_parser("info", help="what a release holds and which fast kernels are importable")
     info.add_argument("source", help="release folder or Hugging Face repo id")

@@ -34,7 +34,7 @@ from .model import backbone, release
 from .model.encoding import DEFAULT_MAX_LENGTH, EncodedRecord, Encoder
 from .model.head import JointSchemaHead, layout, load_head, option_probabilities
 from .protocol import format_answer, parse_questions
-from .serve.scheduler import PRIORITIES, Scheduler
+from .serve.scheduler import PRIORITIES, Scheduler, device_turn
 from .tiny import is_demo_release
 
 LAYERS_AHEAD = 1  # in a bulk batch, how many layers the host may launch ahead of the GPU
@@ -69,6 +69,13 @@ def padded_chunks(records: list[EncodedRecord], indices, token_budget: int) -> l
         else:
             chunks.append([index])
     return chunks
+
+
+def device_key(device: torch.device) -> str:
+    """One name per physical device ("cuda" and "cuda:0" are the same GPU): engines on it share one GPU queue."""
+    if device.type == "cuda":
+        return f"cuda:{device.index if device.index is not None else torch.cuda.current_device()}"
+    return device.type
 
 
 class Engine:
@@ -117,7 +124,8 @@ class Engine:
                                       pad_token_id=encoder.pad_token_id, dtype=config.dtype)
         self.scheduler = Scheduler(self.forward_batch, token_budget=config.token_budget,
                                    bulk_batch_tokens=config.bulk_batch_tokens,
-                                   max_queued_records=config.max_queued_records)
+                                   max_queued_records=config.max_queued_records,
+                                   turn=device_turn(device_key(config.device)))
 
     # ---- requests ---------------------------------------------------------------------------------------------
 
@@ -278,12 +286,11 @@ class Engine:
     def head_one(self, normed: torch.Tensor, memory: torch.Tensor, record: EncodedRecord) -> list[list[float]]:
         """The head over one record's normed hidden states and memory: from a CUDA graph of its shape bucket where
         graphs are on, else eagerly."""
-        batch = layout([record], [0], [len(record)])
         if self.head_graphs is not None:
-            probabilities = self.head_graphs.probabilities(normed, memory, record, batch)
+            probabilities = self.head_graphs.probabilities(normed, memory, record)
             if probabilities is not None:
                 return probabilities
-        batch = batch.to(self.device)
+        batch = layout([record], [0], [len(record)]).to(self.device)
         logits = self.head.decide_from_memory(normed, memory, self.output_embeddings, batch)
         return self._split_probabilities(logits, batch, [record])[0]
 

@@ -27,6 +27,9 @@ SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start
 QWEN35_PRETOKENIZE = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}|"""
                       r""" ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""")
 TINY_VOCAB = 1024
+# Sizes of the tiny release (`--size`): two models of different sizes in one process is what tests of several
+# resident models need; "tiny" is the default and the demo model.
+SIZES = {"tiny": dict(hidden=64, ffn=128, layers=4), "small": dict(hidden=96, ffn=256, layers=8)}
 CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
     "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
@@ -77,12 +80,14 @@ def build_tokenizer():
                                    unk_token=None, model_max_length=262144, clean_up_tokenization_spaces=False)
 
 
-def tiny_config(tokenizer) -> dict:
+def tiny_config(tokenizer, size: str = "tiny") -> dict:
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
     vocab_size = math.ceil(len(tokenizer) / 64) * 64
+    shape = SIZES[size]
     text = dict(
-        model_type="qwen3_5_text", vocab_size=vocab_size, hidden_size=64, intermediate_size=128,
-        num_hidden_layers=4, layer_types=["linear_attention"] * 3 + ["full_attention"],
+        model_type="qwen3_5_text", vocab_size=vocab_size, hidden_size=shape["hidden"],
+        intermediate_size=shape["ffn"], num_hidden_layers=shape["layers"],
+        layer_types=(["linear_attention"] * 3 + ["full_attention"]) * (shape["layers"] // 4),
         num_attention_heads=4, num_key_value_heads=2, head_dim=32, hidden_act="silu", rms_norm_eps=1e-6,
         linear_conv_kernel_dim=4, linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2,
         linear_num_value_heads=4, max_position_embeddings=32768, tie_word_embeddings=False,
@@ -91,7 +96,7 @@ def tiny_config(tokenizer) -> dict:
         pad_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"], dtype="bfloat16",
     )
     vision = dict(model_type="qwen3_5_vision", depth=2, hidden_size=32, intermediate_size=64, num_heads=2,
-                  patch_size=16, spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=64,
+                  patch_size=16, spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=shape["hidden"],
                   num_position_embeddings=256, hidden_act="gelu_pytorch_tanh", in_channels=3)
     return dict(
         architectures=["Qwen3_5ForConditionalGeneration"], model_type="qwen3_5", text_config=text,
@@ -130,8 +135,10 @@ def build_head_files(directory: Path, config: HeadConfig, seed: int, dtype: torc
          "layers": config.layers, "heads": config.heads, "feedforward": config.feedforward}, indent=2) + "\n")
 
 
-def build_tiny_release(directory: str | Path, *, seed: int = 0) -> Path:
-    """Write the tiny release to `directory` (created if needed) and return its path."""
+def build_tiny_release(directory: str | Path, *, seed: int = 0, size: str = "tiny") -> Path:
+    """Write the tiny release to `directory` (created if needed) and return its path. `size`: a key of SIZES."""
+    if size not in SIZES:
+        raise ValueError(f"size must be one of {', '.join(SIZES)}, not {size!r}")
     from transformers import (
         Qwen2VLImageProcessor,
         Qwen3_5Config,
@@ -144,7 +151,7 @@ def build_tiny_release(directory: str | Path, *, seed: int = 0) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
     tokenizer = build_tokenizer()
-    config_dict = tiny_config(tokenizer)
+    config_dict = tiny_config(tokenizer, size)
     config = Qwen3_5Config(**config_dict)
     model = Qwen3_5ForConditionalGeneration(config).to(torch.bfloat16)
     with torch.no_grad():  # transformers zero-inits some tensors (biases, norms); random everywhere is a fairer test
@@ -163,13 +170,13 @@ def build_tiny_release(directory: str | Path, *, seed: int = 0) -> Path:
         chat_template=CHAT_TEMPLATE,
     )
     processor.save_pretrained(directory)
-    build_head_files(directory, HeadConfig(hidden_size=64, width=32, routing_layers=2, layers=2, heads=4,
-                                           feedforward=64), seed)
+    build_head_files(directory, HeadConfig(hidden_size=SIZES[size]["hidden"], width=32, routing_layers=2, layers=2,
+                                           heads=4, feedforward=64), seed)
     (directory / "joint_schema_model.py").write_text(
         '"""Placeholder for the release\'s reference code; the tiny release is built by clef_engine.tiny."""\n')
     (directory / "README.md").write_text(
         "# Tiny Clef-format release\n\nRandom weights, tiny sizes, every file of a real Clef release. Built by "
-        f"`python -m clef_engine tiny` (seed {seed}). Its answers mean nothing.\n")
+        f"`python -m clef_engine tiny` (seed {seed}, size {size}). Its answers mean nothing.\n")
     (directory / "LICENSE").write_text("Apache-2.0\n")
     return directory
 

@@ -8,6 +8,8 @@ Margin is top1 − top2 over the question's option probabilities (for noul |2p �
 
 from __future__ import annotations
 
+import textwrap
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -60,7 +62,7 @@ def option_table(question: dict[str, Any], answer: dict[str, Any]) -> pd.DataFra
         legend = answer.get("legend") or {}
         for level, p in answer["probabilities"].items():
             description = legend.get(level, "")
-            rows.append({"option": level, "label": f"{level}: {_shorten(description)}" if description else level,
+            rows.append({"option": level, "label": f"{level}: {description}" if description else level,
                          "description": description, "probability": float(p)})
         chosen = max(rows, key=lambda r: r["probability"])["option"]
     else:
@@ -68,10 +70,6 @@ def option_table(question: dict[str, Any], answer: dict[str, Any]) -> pd.DataFra
     table = pd.DataFrame(rows, columns=["option", "label", "description", "probability"])
     table["chosen"] = table["option"] == chosen
     return table
-
-
-def _shorten(text: str, limit: int = 40) -> str:
-    return text if len(text) <= limit else text[: limit - 1].rstrip() + "…"
 
 
 def margin(probabilities: list[float] | pd.Series) -> float:
@@ -110,26 +108,51 @@ def expected_labels(questions: dict[str, Any], response: dict[str, Any]) -> dict
 
 
 def probability_chart(table: pd.DataFrame, *, title: str | None = None) -> alt.Chart:
-    """Horizontal bars of every option's probability, author's order top to bottom, the chosen one highlighted."""
+    """Horizontal bars of every option's probability, author's order top to bottom, the chosen one highlighted.
+
+    Every option keeps its whole label (long ones wrapped onto several lines, never cut or dropped), and every
+    option gets a row tall enough for its label: the chart is as tall as its options need, so show it with the
+    element height left to its content (st.altair_chart's default), not squeezed into a fixed height."""
     data = table.assign(percent=(table["probability"] * 100).round(1).astype(str) + "%",
-                        answer=table["chosen"].map({True: "chosen", False: "other"}))
+                        answer=table["chosen"].map({True: "chosen", False: "other"}),
+                        label=[wrap_label(str(label)) for label in table["label"]])
     order = list(data["label"])
-    base = alt.Chart(data, title=title or alt.Undefined).encode(
-        y=alt.Y("label:N", sort=order, title=None, axis=alt.Axis(labelLimit=260)),
+    base = alt.Chart(data).encode(
+        # labelExpr splits the wrapped label into lines; labelOverlap off: no label is hidden to make room
+        y=alt.Y("label:N", sort=order, title=None,
+                axis=alt.Axis(labelExpr="split(datum.label, '\\n')", labelLimit=LABEL_LIMIT_PX, labelOverlap=False,
+                              labelLineHeight=LABEL_LINE_PX)),
         x=alt.X("probability:Q", scale=alt.Scale(domain=[0, 1]), axis=alt.Axis(format="%"), title="probability"),
     )
-    bars = base.mark_bar().encode(
+    bars = base.mark_bar(size=BAR_PX).encode(
         color=alt.Color("answer:N", scale=alt.Scale(domain=["chosen", "other"], range=[CHOSEN_COLOR, OTHER_COLOR]),
                         legend=None),
         tooltip=[alt.Tooltip("option:N"), alt.Tooltip("description:N"), alt.Tooltip("probability:Q", format=".4f")],
     )
     labels = base.mark_text(align="left", dx=3).encode(text="percent:N")
-    return (bars + labels).properties(height=probability_chart_height(len(data)))
+    # fit-x: the chart fills the width; its height is the rows' (a step per option) plus axis and title, where
+    # Streamlit's default ("fit") would squeeze everything, labels included, into a fixed height
+    chart = (bars + labels).properties(height=alt.Step(option_step(data["label"])),
+                                       autosize=alt.AutoSizeParams(type="fit-x", contains="padding"))
+    return chart.properties(title=title) if title else chart
 
 
-def probability_chart_height(option_count: int) -> int:
-    """Pixels for the whole chart, axes included: Streamlit fits the chart, axes and all, into its height."""
-    return 28 * option_count + 50
+LABEL_WRAP_CHARS = 34  # characters per label line: about 200 px at the axis font, leaving room for the bars
+LABEL_LIMIT_PX = 240  # a line is never longer than this after wrapping; the limit only guards odd glyphs
+LABEL_LINE_PX = 13
+ROW_PADDING_PX = 12  # between two options' rows
+BAR_PX = 18  # bars as thick whether a row holds one line of label or several
+
+
+def wrap_label(label: str) -> str:
+    """An option label on lines of at most LABEL_WRAP_CHARS characters (at spaces; a longer word is split)."""
+    return "\n".join(textwrap.wrap(label, LABEL_WRAP_CHARS, break_on_hyphens=False)) or label
+
+
+def option_step(labels: Iterable[str]) -> int:
+    """Pixels per option row: enough for the longest (wrapped) label's lines and a bar."""
+    lines = max((label.count("\n") + 1 for label in labels), default=1)
+    return max(24, LABEL_LINE_PX * lines + ROW_PADDING_PX)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -10,7 +10,9 @@ predicted answer, confidence, accuracy, ECE and Brier are `stats.py`'s, so the n
 - `metrics`: accuracy, ECE and Brier per run and question, latency per run, each with a bootstrap interval and n;
 - `differences`: the same metrics as run − baseline with a paired bootstrap interval (same cases resampled in both);
 - `case_matrix`: cases × (question, run) to browse, the expected answer beside the runs' answers;
-- `start_runs`: "run this schema on this case set with these models" as one action.
+- `start_runs`: "run this schema on this case set with these models" as one action;
+- `build_view` (+ `runs_by_case_set`, `model_choices`, `case_detail`): the Compare page's view-model, tables ready
+  to show, each case with a link that opens it.
 
 Intervals are percentile bootstrap intervals over cases (a case is the unit that was sampled, not a (case,
 question) pair), seeded so the same runs give the same numbers. Cases a run has no successful result for are left
@@ -27,7 +29,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from clef_workbench import stats
+from clef_workbench import schemas, stats
 
 DEFAULT_BOOTSTRAP = 1000
 DEFAULT_LEVEL = 0.95
@@ -50,7 +52,10 @@ class RunData:
     def label(self) -> str:
         """Short and unique among runs: `#id model · schema vN`."""
         model = str(self.run.get("model_id") or "?").rstrip("/").rsplit("/", 1)[-1] or "?"
-        return f"#{self.id} {model} · {self.run.get('schema_name') or 'schema'} v{self.run.get('schema_version', '?')}"
+        # a run from the store whose schema content was never saved in the library links no version
+        unsaved = " (unsaved)" if "schema_version_id" in self.run and self.run["schema_version_id"] is None else ""
+        return (f"#{self.id} {model} · {self.run.get('schema_name') or 'schema'} "
+                f"v{self.run.get('schema_version', '?')}{unsaved}")
 
 
 def load_runs(store: Any, run_ids: Sequence[int]) -> list[RunData]:
@@ -331,3 +336,134 @@ def case_matrix(runs: Sequence[RunData], *, value: str = "predicted", question_i
         matrix = matrix[differ.reindex(matrix.index)]
     return matrix
 
+
+
+# ---- the Compare page's view-model ---------------------------------------------------------------------------------
+
+COMPARE_PAGE = "/compare"
+
+
+def compare_link(run_ids: Sequence[int], case_id: int | None = None) -> str:
+    """The Compare page showing these runs (and one case opened): a link to send."""
+    link = f"{COMPARE_PAGE}?runs={','.join(str(r) for r in run_ids)}"
+    return link if case_id is None else f"{link}&case={case_id}"
+
+
+def parse_run_ids(text: str | None) -> list[int]:
+    """Run ids from a URL parameter ("3,4"); anything that is not a number is left out."""
+    return [int(part) for part in (text or "").split(",") if part.strip().isdigit()]
+
+
+def runs_by_case_set(runs: Sequence[dict]) -> dict[int, list[dict]]:
+    """Runs (Store.list_runs, newest first) grouped by case set, only case sets with two runs or more."""
+    grouped: dict[int, list[dict]] = {}
+    for run in runs:
+        grouped.setdefault(int(run["case_set_id"]), []).append(run)
+    return {set_id: group for set_id, group in grouped.items() if len(group) >= 2}
+
+
+@dataclass(frozen=True)
+class ModelChoice:
+    name: str  # the runs' model_id and the requests' `model`
+    label: str
+    engine: Any
+    is_demo: bool
+
+
+def model_choices(manager: Any) -> list[ModelChoice]:
+    """The models this process holds, to run a case set on: `manager.loaded()` (several resident models), or the
+    one resident engine of a manager that holds one."""
+    from clef_workbench.model_loader import DEMO_SOURCE, label_of, request_model_name
+
+    loaded = getattr(manager, "loaded", None)
+    if callable(loaded):
+        return [ModelChoice(m.name, m.label, m.engine, bool(m.is_demo)) for m in loaded() if m.engine is not None]
+    state = manager.state()
+    if state.engine is None:
+        return []
+    return [ModelChoice(request_model_name(state.source), label_of(state.source or ""), state.engine,
+                        state.source == DEMO_SOURCE)]
+
+
+def _interval(value: float, low: float, high: float, n: int, digits: int) -> str:
+    if np.isnan(value):
+        return f"– (n={n})"
+    return f"{value:.{digits}f} [{low:.{digits}f}, {high:.{digits}f}] n={n}"
+
+
+def side_by_side(table: pd.DataFrame) -> pd.DataFrame:
+    """`metrics` as one row per (question, metric) and one column per run, each cell "value [low, high] n=…"."""
+    if table.empty:
+        return pd.DataFrame()
+    cells = table.assign(
+        question=table["question_id"].fillna("(all)"),
+        cell=[_interval(v, lo, hi, n, 1 if m in LATENCY_METRICS else 3)
+              for v, lo, hi, n, m in zip(table["value"], table["low"], table["high"], table["n"], table["metric"],
+                                         strict=True)])
+    wide = cells.pivot_table(index=["question", "metric"], columns="run", values="cell", aggfunc="first", sort=False)
+    return wide[[label for label in dict.fromkeys(table["run"]) if label in wide.columns]].reset_index()
+
+
+@dataclass(frozen=True)
+class CompareView:
+    """What the Compare page shows, computed once per choice of runs."""
+
+    runs: list[RunData]
+    agreement: pd.DataFrame  # per question and pair: n, agreement, its interval, flips, the flipped cases
+    flips: pd.DataFrame  # one row per flipped (pair, question, case), with a link opening the case
+    metrics: pd.DataFrame  # side by side: (question, metric) × runs
+    matrix: pd.DataFrame  # cases × (question · run), with a link opening each case
+    schema_changes: list[tuple[str, str, str]]  # (run a, run b, readable diff) where their schemas differ
+
+    @property
+    def run_ids(self) -> list[int]:
+        return [run.id for run in self.runs]
+
+
+def build_view(store: Any, run_ids: Sequence[int], *, n_boot: int = DEFAULT_BOOTSTRAP, level: float = DEFAULT_LEVEL,
+               disagreements_only: bool = False) -> CompareView:
+    """The comparison of runs from the store (ValueError when they cannot be compared: fewer than two, or of
+    different case sets)."""
+    runs = load_runs(store, run_ids)
+    ids = [run.id for run in runs]
+    agree = agreement(runs, n_boot=n_boot, level=level)
+    agree = agree.assign(
+        interval=[f"[{lo:.2f}, {hi:.2f}]" for lo, hi in zip(agree["low"], agree["high"], strict=True)],
+        flipped=[", ".join(f"#{c}" for c in cases) for cases in agree["flipped_case_ids"]],
+    )[["question_id", "run_a", "run_b", "n", "agreement", "interval", "flips", "flipped"]]
+    flipped = flips(runs)
+    flipped = flipped.assign(open=[compare_link(ids, c) for c in flipped["case_id"]])
+    matrix = case_matrix(runs, disagreements_only=disagreements_only)
+    flat = pd.DataFrame({"case": list(matrix.index), "position": matrix[("position", "")].tolist()})
+    for question_id, column in matrix.columns[1:]:
+        flat[f"{question_id} · {column}"] = matrix[(question_id, column)].tolist()
+    flat["open"] = [compare_link(ids, c) for c in matrix.index]
+    changes = []
+    for a, b in combinations(runs, 2):
+        diff = schemas.diff_schemas(a.run["schema"], b.run["schema"])
+        if diff:
+            changes.append((a.label, b.label, schemas.diff_text(diff)))
+    return CompareView(runs, agree, flipped, side_by_side(metrics(runs, n_boot=n_boot, level=level)), flat,
+                       changes)
+
+
+def case_detail(view: CompareView, case_id: int) -> dict | None:
+    """One case as every run answered it: state, expected answers, and per run its answers (predicted,
+    confidence, probabilities) or error and latency. None when no run has a result for the case."""
+    per_run = []
+    case: dict | None = None
+    for run in view.runs:
+        result = next((r for r in run.results if r["case_id"] == case_id), None)
+        if result is None:
+            per_run.append({"run": run.label, "error": "no result yet", "answers": {}, "latency_ms": None})
+            continue
+        case = case or {"case_id": case_id, "state": result.get("state"), "expected": result.get("expected") or {},
+                        "tags": result.get("tags") or []}
+        frame = stats.answer_frame([result], run.run["schema"])
+        answers_ = {row.question_id: {"predicted": row.predicted, "confidence": float(row.confidence),
+                                      "probabilities": row.distribution} for row in frame.itertuples()}
+        per_run.append({"run": run.label, "error": result.get("error"), "answers": answers_,
+                        "latency_ms": result.get("latency_ms")})
+    if case is None:
+        return None
+    return {**case, "runs": per_run}

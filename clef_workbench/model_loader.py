@@ -1,9 +1,10 @@
-"""Which model the workbench runs, loaded once per process and shared by every browser session.
+"""Which models the workbench runs, loaded once per process and shared by every browser session.
 
-One process holds one resident engine (one GPU queue). Loading runs in a background thread so every page can show
-progress instead of freezing, and a second session asking for the same model waits for the same load. A failed
-load ends in a message saying what failed and what to do; the workbench then falls back to the demo model so it
-stays usable. Switching the model switches it for every session (there is one GPU).
+One process holds one or more resident models (local engines sharing one GPU queue per device, remote endpoints),
+one of them the default. Loading runs in a background thread so every page can show progress instead of freezing,
+and a second session asking for the same model waits for the same load. A failed load ends in a message saying
+what failed and what to do; when nothing is resident the workbench then falls back to the demo model so it stays
+usable. Switching or adding a model does so for every session (there is one GPU).
 """
 
 from __future__ import annotations
@@ -13,6 +14,9 @@ import threading
 import time
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlsplit
+
+from clef_engine.remote import is_endpoint
 
 DEMO_SOURCE = "demo"
 MODEL_ENV = "CLEF_MODEL"
@@ -64,6 +68,10 @@ def request_model_name(source: str | None) -> str:
     if not source:
         return "clef"
     names = {CLEF_REPO.lower(): "clef", CLEF_FLASH_REPO.lower(): "clef-flash", DEMO_SOURCE: "clef-demo"}
+    if is_endpoint(source):  # host[:port][/path], never a key or scheme
+        parts = urlsplit(source.strip())
+        host = (parts.hostname or "") + (f":{parts.port}" if parts.port else "")
+        return (host + parts.path.rstrip("/")).replace("/", "-") or "remote"
     return names.get(source.lower(), Path(source).name or source)
 
 
@@ -99,15 +107,27 @@ def describe_failure(source: str, error: BaseException) -> str:
 
 
 @dataclass(frozen=True)
+class LoadedModel:
+    """One resident model: `name` is its short request name (request_model_name, made unique in the process)."""
+
+    name: str
+    source: str  # a repo id, a release folder, "demo", or an endpoint URL
+    label: str
+    engine: Any
+    is_demo: bool
+
+
+@dataclass(frozen=True)
 class LoadState:
-    """A snapshot for the UI. `engine` is the resident engine (None until one loaded)."""
+    """A snapshot for the UI, of the default model. `engine` is its resident engine (None until one loaded)."""
 
     engine: Any
     source: str | None  # what `engine` was loaded from (a repo id, a folder, or "demo")
-    loading_source: str | None  # a load in progress
+    loading_source: str | None  # a load of the default model in progress
     loading_seconds: float
     error: str | None  # the last failure, kept until a load succeeds for the source that failed
     notice: str | None  # e.g. "fell back to the demo model because …"
+    adding: tuple[str, ...] = ()  # additional models loading now (ModelManager.add)
 
     @property
     def is_demo(self) -> bool:
@@ -115,32 +135,56 @@ class LoadState:
 
 
 class ModelManager:
-    """Holds the resident engine. Thread-safe; every Streamlit session of the process shares one instance."""
+    """Holds the resident models. Thread-safe; every Streamlit session of the process shares one instance.
 
-    def __init__(self, loader=None, demo_path=None):
+    Several models can be resident at once (Clef and Clef-Flash on one H200, a remote endpoint beside them), each
+    with its own engine; the local ones share their device's GPU queue (clef_engine.serve.scheduler.GpuTurn). One of
+    them is the default model: `request` / `state` / `wait` are about it (pages that run one model use it), `add` /
+    `remove` / `get` / `loaded` about all of them. Before a local release loads, its memory need is checked against
+    the memory free on its device (clef_engine.memory), so a model that would not fit is refused with a message
+    naming the models loaded, not an out-of-memory error halfway through."""
+
+    def __init__(self, loader=None, demo_path=None, free_memory=None):
         import clef_engine
+        from clef_engine import memory
 
         self._loader = loader or clef_engine.load
         self._demo_path = demo_path or clef_engine.demo_release
+        self._free_memory = free_memory or memory.free_bytes
         self._lock = threading.Lock()
         self._done = threading.Condition(self._lock)
-        self._engine: Any = None
-        self._source: str | None = None
+        self._models: dict[str, LoadedModel] = {}  # by name, in load order
+        self._default: str | None = None
+        self._requested: str | None = None  # the model `request` loaded: the one a later `request` replaces
         self._loading: str | None = None
         self._loading_since = 0.0
+        self._adding: dict[str, float] = {}  # source → loading since
         self._error: str | None = None
         self._notice: str | None = None
+
+    # ---- the default model (what pages that run one model use) ---------------------------------------------------
 
     def state(self) -> LoadState:
         with self._lock:
             seconds = time.monotonic() - self._loading_since if self._loading else 0.0
-            return LoadState(self._engine, self._source, self._loading, seconds, self._error, self._notice)
+            default = self._models.get(self._default) if self._default else None
+            return LoadState(default.engine if default else None, default.source if default else None,
+                             self._loading, seconds, self._error, self._notice, tuple(self._adding))
 
     def request(self, source: str) -> None:
-        """Start loading `source` unless it is resident or already loading. Returns at once."""
+        """Make `source` the default model, replacing (and unloading) the model the last `request` loaded; models
+        from `add` stay. Loads it unless it is resident already. Returns at once; nothing happens while another
+        `request` load runs."""
         source = source.strip()
         with self._lock:
-            if self._loading is not None or (self._engine is not None and self._source == source):
+            if self._loading is not None or source in self._adding:
+                return
+            resident = self._by_source(source)
+            if resident is not None:
+                old = self._models.pop(self._requested, None) if self._requested != resident.name else None
+                self._default = self._requested = resident.name
+                if old is not None:
+                    old.engine.close()
                 return
             self._loading = source
             self._loading_since = time.monotonic()
@@ -150,22 +194,102 @@ class ModelManager:
         """Block until no load is in progress (or the timeout passes)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._done:
-            while self._loading is not None:
+            while self._loading is not None or self._adding:
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
                     break
                 self._done.wait(remaining)
         return self.state()
 
+    # ---- several models ------------------------------------------------------------------------------------------
+
+    def loaded(self) -> list[LoadedModel]:
+        """The resident models, the default first, then in load order."""
+        with self._lock:
+            models = list(self._models.values())
+            return sorted(models, key=lambda m: m.name != self._default)
+
+    def get(self, name: str) -> Any:
+        """The engine of the model named `name` (or loaded from the source `name`)."""
+        with self._lock:
+            model = self._models.get(name) or self._by_source(name)
+            if model is None:
+                raise KeyError(f"no model named {name!r} is loaded (loaded: {', '.join(self._models) or 'none'})")
+            return model.engine
+
+    def default_name(self) -> str | None:
+        with self._lock:
+            return self._default
+
+    def set_default(self, name: str) -> None:
+        """Make a resident model the default (nothing is unloaded)."""
+        with self._lock:
+            if name not in self._models:
+                raise KeyError(f"no model named {name!r} is loaded (loaded: {', '.join(self._models) or 'none'})")
+            self._default = name
+
+    def add(self, source: str) -> None:
+        """Start loading `source` as an additional model (background thread; `state().adding` and `wait` follow it).
+        Nothing happens when it is resident or loading already. A failure is kept in `state().error`."""
+        source = source.strip()
+        with self._lock:
+            if not source or self._by_source(source) is not None or source in self._adding or \
+                    source == self._loading:
+                return
+            self._adding[source] = time.monotonic()
+        threading.Thread(target=self._add, args=(source,), name=f"clef-add-{source}", daemon=True).start()
+
+    def remove(self, name: str) -> None:
+        """Unload the model named `name` (its worker finishes queued jobs, then exits). When it was the default, the
+        next resident model becomes the default. Raises KeyError when no such model is loaded."""
+        with self._lock:
+            if name not in self._models:
+                raise KeyError(f"no model named {name!r} is loaded (loaded: {', '.join(self._models) or 'none'})")
+            model = self._models.pop(name)
+            if self._requested == name:
+                self._requested = None
+            if self._default == name:
+                self._default = next(iter(self._models), None)
+        model.engine.close()
+
+    # ---- loading -------------------------------------------------------------------------------------------------
+
+    def _by_source(self, source: str) -> LoadedModel | None:
+        return next((m for m in self._models.values() if m.source == source), None)
+
+    def _unique_name(self, source: str) -> str:
+        base = request_model_name(source)
+        name, n = base, 2
+        while name in self._models:
+            name, n = f"{base}-{n}", n + 1
+        return name
+
+    def _check_memory(self, source: str, path: Any) -> None:
+        from clef_engine import memory
+
+        with self._lock:
+            resident = [m.label for m in self._models.values() if not is_endpoint(m.source)]
+        memory.check_fits(path, label=label_of(source), revision=load_options().get("revision"), loaded=resident,
+                          free=self._free_memory)
+
     def _load_one(self, source: str) -> Any:
+        if is_endpoint(source):  # a System One endpoint: no weights here (key from CLEF_API_KEY, never stored)
+            return self._loader(source)
         if source == DEMO_SOURCE:
-            return self._loader(self._demo_path())
+            path = self._demo_path()
+            self._check_memory(source, path)
+            return self._loader(path)
         if source.lower() in GPU_ONLY_SOURCES and not cuda_available():
             from clef_engine.errors import ReleaseError
 
             raise ReleaseError(f"{label_of(source)} needs a CUDA GPU and none is visible here. Run the workbench on "
                                "a GPU machine (see README), or use the demo model to try the workbench.")
+        self._check_memory(source, source)
         return self._loader(source, **load_options())
+
+    def _resident(self, source: str, engine: Any) -> LoadedModel:
+        """Called with the lock held."""
+        return LoadedModel(self._unique_name(source), source, label_of(source), engine, source == DEMO_SOURCE)
 
     def _load(self, source: str) -> None:
         engine, error, notice = None, None, None
@@ -174,7 +298,7 @@ class ModelManager:
             engine = self._load_one(source)
         except Exception as exc:  # noqa: BLE001 — any failure becomes a message; the app must not show a traceback
             error = describe_failure(source, exc)
-        if engine is None and source != DEMO_SOURCE and self._engine is None:
+        if engine is None and source != DEMO_SOURCE and not self._models:
             # Nothing is resident: fall back to the demo model so the workbench stays usable.
             try:
                 engine = self._load_one(DEMO_SOURCE)
@@ -182,17 +306,34 @@ class ModelManager:
                 notice = "Running on the demo model because the requested model could not be loaded."
             except Exception as exc:  # noqa: BLE001
                 error = f"{error} The demo model failed too: {describe_failure(DEMO_SOURCE, exc)}"
+        old = None
         with self._done:
             if engine is not None:
-                old = self._engine if self._engine is not engine else None
-                self._engine, self._source = engine, loaded_source
-                self._error = error
+                old = self._models.pop(self._requested, None) if self._requested is not None else None
+                model = self._resident(loaded_source, engine)
+                self._models[model.name] = model
+                self._default = self._requested = model.name
                 self._notice = notice
-                if old is not None:
-                    old.close()  # the worker finishes queued jobs, then exits; memory goes with the last reference
-            else:
-                self._error = error
+            self._error = error
             self._loading = None
+            self._done.notify_all()
+        if old is not None and old.engine is not engine:
+            old.engine.close()  # the worker finishes queued jobs, then exits; memory goes with the last reference
+
+    def _add(self, source: str) -> None:
+        engine, error = None, None
+        try:
+            engine = self._load_one(source)
+        except Exception as exc:  # noqa: BLE001 — a message for the sidebar, never a traceback
+            error = describe_failure(source, exc)
+        with self._done:
+            if engine is not None:
+                model = self._resident(source, engine)
+                self._models[model.name] = model
+                if self._default is None:
+                    self._default = model.name
+            self._error = error
+            self._adding.pop(source, None)
             self._done.notify_all()
 
 
@@ -201,7 +342,7 @@ _shared_lock = threading.Lock()
 
 
 def shared_manager() -> ModelManager:
-    """The process's one ModelManager, shared by every browser session and the HTTP API (one resident model, one
+    """The process's one ModelManager, shared by every browser session and the HTTP API (its resident models, one
     GPU queue). The first call starts loading the default model (CLEF_MODEL, else Clef on CUDA, else the demo)."""
     global _shared
     with _shared_lock:

@@ -102,7 +102,7 @@ def distribution_table(question: dict, distribution: dict[str, float], predicted
         elif qtype == "score":
             levels = criteria or []
             description = levels[int(option)] if option.isdigit() and int(option) < len(levels) else ""
-            label = f"{option}: {description[:38]}…" if len(description) > 38 else f"{option}: {description}"
+            label = f"{option}: {description}" if description else option  # whole: the chart wraps it
         else:
             description = ((criteria or {}) if isinstance(criteria, dict) else {}).get(option) or ""
             label = option

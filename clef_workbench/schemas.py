@@ -16,12 +16,13 @@ answers. Every message names the question and the field it concerns.
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import json
 import os
 import re
 import unicodedata
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -308,6 +309,13 @@ class Schema:
         return validate_schema_dict(self.to_dict()) + lint_questions(self.questions)
 
 
+def _content(schema: Schema) -> dict[str, Any]:
+    """What a save can change: everything but the version number."""
+    data = schema.to_dict()
+    data.pop("version")
+    return data
+
+
 def _plain(value: Any) -> Any:
     """Turn _PairsDicts back into plain dicts (recursively), keeping order."""
     if isinstance(value, dict):
@@ -371,6 +379,179 @@ def validate_schema_dict(data: Any) -> list[SchemaProblem]:
             allowed = ", ".join(sorted(known))
             problems.append(SchemaProblem((key,), f'unknown top-level field "{key}" (allowed: {allowed})'))
     return problems
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Diff of two versions: what an analyst asks of a history ("what did I change in the wording?"), question by
+# question and option by option, rather than a line diff of the JSON (which git gives already).
+
+ChangeKind = Literal["added", "removed", "renamed", "changed", "moved"]
+_MARK = {"added": "+", "removed": "-", "renamed": "~", "changed": "~", "moved": "~"}
+
+
+@dataclass(frozen=True)
+class SchemaChange:
+    """One difference between two schemas. `loc` is a path as in SchemaProblem: ("questions", "q1", "criteria",
+    "billing") is option "billing" of question "q1", an int last element a score level, ("questions", "q1",
+    "true") a yes/no question's "true" description. `old`/`new` hold the values (for a rename: the old and the
+    new id; for a reorder: the ids in the old and the new order)."""
+
+    kind: ChangeKind
+    loc: tuple[str | int, ...]
+    old: Any = None
+    new: Any = None
+
+    @property
+    def question_id(self) -> str | None:
+        return str(self.loc[1]) if len(self.loc) >= 2 and self.loc[0] == "questions" else None
+
+    def where(self) -> str:
+        """The changed thing in words: 'question "q1", option "billing"'."""
+        if self.loc == ("questions",):
+            return "question order"
+        if self.loc[0] != "questions":
+            return {"name": "name", "description": "description", "examples": "example states"}.get(
+                str(self.loc[0]), str(self.loc[0]))
+        where = f'question "{self.loc[1]}"'
+        if len(self.loc) == 3:
+            part = self.loc[2]
+            where += (", option order" if part == "criteria" and self.kind == "moved" else
+                      f', "{part}" description' if part in NOUL_CRITERIA_KEYS else f", {part}")
+        elif len(self.loc) == 4:
+            part = self.loc[3]
+            where += f", level {part}" if isinstance(part, int) else f', option "{part}"'
+        return where
+
+    def as_row(self) -> dict[str, str]:
+        """The change as a table row of text: change, where, before, after."""
+        def text(value: Any) -> str:
+            return "" if value is None else value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+        return {"change": self.kind, "where": self.where(), "before": text(self.old), "after": text(self.new)}
+
+    def __str__(self) -> str:
+        mark, where = _MARK[self.kind], self.where()
+        if self.kind == "renamed":
+            return f'{mark} {where} renamed to "{self.new}"'
+        if self.kind == "moved":
+            return f"{mark} {where}: {', '.join(map(str, self.old))} → {', '.join(map(str, self.new))}"
+        if self.kind == "added":
+            return f"{mark} {where} added" + (f": {_show(self.new)}" if self.new not in (None, "") else "")
+        if self.kind == "removed":
+            return f"{mark} {where} removed" + (f" (was {_show(self.old)})" if self.old not in (None, "") else "")
+        return f"{mark} {where}: {word_diff(self.old, self.new)}"
+
+
+def _show(value: Any) -> str:
+    if isinstance(value, dict) and "type" in value:  # a whole question
+        criteria = value.get("criteria")
+        detail = ", ".join(criteria) if isinstance(criteria, dict) and value["type"] == "choice" else (
+            f"{len(criteria)} levels" if isinstance(criteria, list) else "")
+        return f"{value['type']}" + (f" ({detail})" if detail else "") + f", {_show(value.get('instructions'))}"
+    return json.dumps(value, ensure_ascii=False) if not isinstance(value, str) else f'"{value}"'
+
+
+def word_diff(old: Any, new: Any) -> str:
+    """Two texts as one, git --word-diff style: [-removed words-]{+added words+}. Non-text values as JSON."""
+    old_text = old if isinstance(old, str) else json.dumps(old, ensure_ascii=False)
+    new_text = new if isinstance(new, str) else json.dumps(new, ensure_ascii=False)
+    a, b = old_text.split(), new_text.split()
+    if a == b:  # only the spacing changed: show both texts whole
+        return f"[-{old_text}-]{{+{new_text}+}}"
+    out = []
+    for op, i1, i2, j1, j2 in difflib.SequenceMatcher(None, a, b, autojunk=False).get_opcodes():
+        removed = f"[-{' '.join(a[i1:i2])}-]" if op in ("replace", "delete") else ""
+        added = f"{{+{' '.join(b[j1:j2])}+}}" if op in ("replace", "insert") else ""
+        out.append(" ".join(a[i1:i2]) if op == "equal" else removed + added)
+    return " ".join(out)
+
+
+def _diff_keyed(loc: tuple[str | int, ...], old: dict, new: dict, *, rename_if: Callable[[Any], bool],
+                inner: Callable[[tuple, Any, Any], list[SchemaChange]]) -> list[SchemaChange]:
+    """Changes between two ordered maps (questions, or a choice's options): removed, added, renamed (an id gone and
+    a new one with the very same value, when `rename_if(value)`), changed (by `inner`), and order."""
+    removed = [k for k in old if k not in new]
+    added = [k for k in new if k not in old]
+    renamed: dict[str, str] = {}
+    for key in removed:
+        twin = next((a for a in added if a not in renamed.values() and new[a] == old[key] and rename_if(old[key])),
+                    None)
+        if twin is not None:
+            renamed[key] = twin
+    changes = [SchemaChange("removed", (*loc, k), old=old[k]) for k in removed if k not in renamed]
+    changes += [SchemaChange("renamed", (*loc, k), old=k, new=v) for k, v in renamed.items()]
+    changes += [SchemaChange("added", (*loc, k), new=new[k]) for k in added if k not in renamed.values()]
+    for key in (k for k in old if k in new):
+        changes += inner((*loc, key), old[key], new[key])
+    old_order = [renamed.get(k, k) for k in old if k in new or k in renamed]
+    new_order = [k for k in new if k in old or k in renamed.values()]
+    if old_order != new_order:
+        changes.append(SchemaChange("moved", loc, old=old_order, new=new_order))
+    return changes
+
+
+def _diff_value(loc: tuple, old: Any, new: Any) -> list[SchemaChange]:
+    if old == new:
+        return []
+    if old in (None, "") and new not in (None, ""):
+        return [SchemaChange("added", loc, new=new)]
+    if new in (None, "") and old not in (None, ""):
+        return [SchemaChange("removed", loc, old=old)]
+    return [SchemaChange("changed", loc, old=old, new=new)]
+
+
+def _diff_levels(loc: tuple, old: list, new: list) -> list[SchemaChange]:
+    changes = []
+    for op, i1, i2, j1, j2 in difflib.SequenceMatcher(None, old, new, autojunk=False).get_opcodes():
+        for offset in range(max(i2 - i1, j2 - j1)):
+            i, j = i1 + offset, j1 + offset
+            if op == "replace" and i < i2 and j < j2:
+                changes.append(SchemaChange("changed", (*loc, j), old=old[i], new=new[j]))
+            elif op in ("replace", "delete") and i < i2:
+                changes.append(SchemaChange("removed", (*loc, i), old=old[i]))
+            elif op in ("replace", "insert") and j < j2:
+                changes.append(SchemaChange("added", (*loc, j), new=new[j]))
+    return changes
+
+
+def _diff_question(loc: tuple, old: Any, new: Any) -> list[SchemaChange]:
+    if not isinstance(old, dict) or not isinstance(new, dict):
+        return _diff_value(loc, old, new)
+    changes = _diff_value((*loc, "type"), old.get("type"), new.get("type"))
+    changes += _diff_value((*loc, "instructions"), old.get("instructions"), new.get("instructions"))
+    a, b = old.get("criteria"), new.get("criteria")
+    if changes and changes[0].loc[-1] == "type" or a == b:
+        return changes + ([] if a == b else [SchemaChange("changed", (*loc, "criteria"), old=a, new=b)])
+    if new.get("type") == "score" and isinstance(a, list) and isinstance(b, list):
+        return changes + _diff_levels((*loc, "criteria"), a, b)
+    if new.get("type") == "noul":  # the yes / no descriptions, at ("questions", id, "true" | "false")
+        a, b = a or {}, b or {}
+        for side in dict.fromkeys([*a, *b]):
+            changes += _diff_value((*loc, side), a.get(side), b.get(side))
+        return changes
+    if isinstance(a, dict) and isinstance(b, dict):
+        return changes + _diff_keyed((*loc, "criteria"), a, b, rename_if=lambda d: d not in (None, ""),
+                                     inner=_diff_value)
+    return changes + [SchemaChange("changed", (*loc, "criteria"), old=a, new=b)]
+
+
+def diff_schemas(old: dict[str, Any], new: dict[str, Any]) -> list[SchemaChange]:
+    """What changed from schema `old` to schema `new` (both as dicts: a file's content, a version, a run's schema):
+    name and description wording, example states, questions added / removed / renamed / reordered, and per
+    question its type, instructions, options (added, removed, renamed, reworded, reordered), score levels and
+    yes/no descriptions. The version number is not a change."""
+    changes = _diff_value(("name",), old.get("name"), new.get("name"))
+    changes += _diff_value(("description",), old.get("description") or "", new.get("description") or "")
+    if (old.get("examples") or []) != (new.get("examples") or []):
+        changes.append(SchemaChange("changed", ("examples",), old=len(old.get("examples") or []),
+                                    new=len(new.get("examples") or [])))
+    return changes + _diff_keyed(("questions",), old.get("questions") or {}, new.get("questions") or {},
+                                 rename_if=lambda q: True, inner=_diff_question)
+
+
+def diff_text(changes: Iterable[SchemaChange]) -> str:
+    """A readable view of a diff, one line per change ([-removed-]{+added+} inside reworded text)."""
+    lines = [str(change) for change in changes]
+    return "\n".join(lines) if lines else "No changes."
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -521,12 +702,19 @@ class SchemaEntry:
 
 
 class SchemaLibrary:
-    """The schema files of one folder. Slugs (file stems) are the ids; they never contain path separators."""
+    """The schema files of one folder. Slugs (file stems) are the ids; they never contain path separators.
 
-    def __init__(self, directory: str | os.PathLike[str] | None = None):
+    With a `history` (the workbench's Store), every content a schema is saved with is also kept there as a numbered
+    version (clef_workbench/store/schema_versions.py) and the file carries that number; a file changed outside the
+    workbench (git, an editor) becomes a version when the library reads it. Deleting keeps the history, so a
+    deleted schema can be restored, and any version can be restored as a new one. Without a history the library is
+    the folder alone."""
+
+    def __init__(self, directory: str | os.PathLike[str] | None = None, *, history: Any = None):
         if directory is None:
             directory = os.environ.get(SCHEMAS_DIR_ENV) or DEFAULT_SCHEMAS_DIR
         self.directory = Path(directory)
+        self.history = history
 
     def path_of(self, slug: str) -> Path:
         """The file of a slug. Refuses anything that is not a plain slug, so no name can leave the folder."""
@@ -565,18 +753,28 @@ class SchemaLibrary:
             raise SchemaError([SchemaProblem((), f'no schema "{slug}" in {self.directory}')]) from None
         except UnicodeDecodeError:
             raise SchemaError([SchemaProblem((), "the file is not UTF-8 text")], source=path.name) from None
-        return Schema.from_json(text, source=path.name)
+        return self._recorded(slug, Schema.from_json(text, source=path.name), "on disk")
 
-    def _write(self, slug: str, schema: Schema) -> None:
+    def _recorded(self, slug: str, schema: Schema, action: str) -> Schema:
+        """The schema numbered as its version in the history (recorded there if its content is new)."""
+        if self.history is None:
+            return schema
+        version = self.history.record_schema_version(slug, schema.to_dict(), action=action)
+        return dataclasses.replace(schema, version=version["number"])
+
+    def _write(self, slug: str, schema: Schema, action: str) -> Schema:
         problems = validate_schema_dict(schema.to_dict())
         if problems:
             raise SchemaError(problems, source=schema.name)
+        # into the history first: a file never holds a version the history lacks
+        schema = self._recorded(slug, schema, action)
         self.directory.mkdir(parents=True, exist_ok=True)
         path = self.path_of(slug)
         tmp = path.with_name(f".{path.name}.tmp")
         # Write then rename, so a crash never leaves a half-written schema file.
         tmp.write_text(schema.to_json(), encoding="utf-8")
         os.replace(tmp, path)
+        return schema
 
     def unique_slug(self, name: str) -> str:
         base = slugify(name)
@@ -587,36 +785,73 @@ class SchemaLibrary:
             n += 1
         return slug
 
-    def create(self, schema: Schema) -> str:
+    def create(self, schema: Schema, *, action: str = "create") -> str:
         """Save a new schema under a fresh slug derived from its name; returns the slug. Never overwrites."""
         slug = self.unique_slug(schema.name)
-        self._write(slug, schema)
+        self._write(slug, schema, action)
         return slug
 
-    def update(self, slug: str, schema: Schema) -> Schema:
-        """Overwrite an existing schema. The version goes up by one when the questions changed; returns what was
-        saved. The slug (file name) stays, even if the name changed, so references to it keep working."""
+    def update(self, slug: str, schema: Schema, *, action: str = "update") -> Schema:
+        """Overwrite an existing schema. The version goes up by one when anything but the version changed (each
+        save is a version); returns what was saved. The slug (file name) stays, even if the name changed, so
+        references to it keep working."""
         current = self.load(slug)
-        version = max(schema.version, current.version)
-        if _plain(schema.questions) != current.questions:
-            version = current.version + 1
-        saved = Schema(name=schema.name, questions=_plain(schema.questions), version=version,
-                       description=schema.description, examples=list(schema.examples))
-        self._write(slug, saved)
-        return saved
+        saved = Schema(name=schema.name, questions=_plain(schema.questions), version=current.version,
+                       description=schema.description, examples=_plain(list(schema.examples)))
+        if _content(saved) != _content(current):
+            saved.version = current.version + 1
+        else:
+            saved.version = max(schema.version, current.version)
+        return self._write(slug, saved, action)
 
     def duplicate(self, slug: str, new_name: str | None = None) -> str:
         """Copy a schema under a new name (default "<name> (copy)"), starting again at version 1."""
         original = self.load(slug)
         copy = Schema(name=new_name or f"{original.name} (copy)", questions=original.questions, version=1,
                       description=original.description, examples=original.examples)
-        return self.create(copy)
+        return self.create(copy, action="duplicate")
 
-    def delete(self, slug: str) -> None:
+    def delete(self, slug: str, *, who: str = "") -> None:
+        """Remove the file. With a history, its versions stay and the delete is logged: `restore` undoes it."""
         path = self.path_of(slug)
         if not path.is_file():
             raise SchemaError([SchemaProblem((), f'no schema "{slug}" in {self.directory}')])
-        path.unlink()
+        if self.history is not None:
+            current = self.load(slug)  # records the file's content if the history lacks it
+            path.unlink()
+            self.history.log_change("delete", "schema", slug, f"{current.name} ({slug}.json)", who=who,
+                                    data={"version": current.version})
+        else:
+            path.unlink()
+
+    def deleted(self) -> list[str]:
+        """Slugs with a history but no file: deleted schemas that `restore` brings back."""
+        if self.history is None:
+            return []
+        return [slug for slug in self.history.schema_history_slugs() if not self.exists(slug)]
+
+    def restore(self, slug: str, number: int | None = None, *, who: str = "") -> Schema:
+        """Make version `number` of the schema its current content again, as a new version (nothing is lost), or
+        bring a deleted schema back (number None: its latest version). Needs a history."""
+        if self.history is None:
+            raise SchemaError([SchemaProblem((), "this library keeps no history to restore from")])
+        from clef_workbench.store import NotFoundError
+
+        try:
+            version = (self.history.latest_schema_version(slug) if number is None
+                       else self.history.get_schema_version_number(slug, number))
+        except NotFoundError as exc:
+            raise SchemaError([SchemaProblem((), str(exc))]) from None
+        if version is None:
+            raise SchemaError([SchemaProblem((), f'schema "{slug}" has no history to restore')])
+        schema = Schema.from_dict(version["schema"], source=f"{slug} version {version['number']}")
+        was_deleted = not self.exists(slug)
+        if was_deleted:
+            saved = self._write(slug, schema, "restore")
+            self.history.log_change("restore", "schema", slug, f"{saved.name} ({slug}.json)", who=who,
+                                    data={"version": saved.version})
+            return saved
+        return self.update(slug, schema, action="restore")
 
     def import_json(self, data: bytes | str, *, filename: str | None = None, overwrite: bool = False) -> str:
         """Add a schema from uploaded JSON. The file name the user gave is used only in messages (never as a path);
@@ -644,9 +879,9 @@ class SchemaLibrary:
         schema = Schema.from_dict(parsed, source=source)
         slug = slugify(schema.name)
         if overwrite and self.exists(slug):
-            self._write(slug, schema)
+            self._write(slug, schema, "import")
             return slug
-        return self.create(schema)
+        return self.create(schema, action="import")
 
     def export_json(self, slug: str) -> str:
         """The schema file's canonical text (what a download gives)."""

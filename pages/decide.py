@@ -19,6 +19,7 @@ from clef_workbench import answers, schemas, state_input
 from clef_workbench.model_loader import request_model_name
 from clef_workbench.store import StoreError
 from workbench_ui import decide_model as vm
+from workbench_ui import links
 from workbench_ui.shell import (
     format_json,
     get_engine,
@@ -93,6 +94,10 @@ def _init_page() -> None:
     if K("uids") not in st.session_state:
         linked = st.query_params.get(DRAFT_PARAM)
         draft = get_store().load_draft(draft_key(linked)) if linked else None
+        case_link = links.linked_ids(st.query_params) if draft is None else None
+        if case_link:  # a case of a run (the Runs page's results, or a link someone sent): that state and schema
+            draft, note = links.case_draft(get_store(), get_library(), *case_link)
+            st.session_state[K("link_note")] = ("info" if draft else "warning", note)
         if draft is not None:
             vm.restore_draft(st.session_state, draft)
         else:
@@ -102,6 +107,8 @@ def _init_page() -> None:
                 linked = st.query_params.get(SCHEMA_PARAM)
                 pending = (linked if linked in slugs else PREFERRED_START_SCHEMA if PREFERRED_START_SCHEMA in slugs
                            else (slugs[0] if slugs else None))
+    for name in ("run", "case"):  # opened once; from here on the draft is what the URL names
+        st.query_params.pop(name, None)
     if st.query_params.get(DRAFT_PARAM) != token:
         st.query_params[DRAFT_PARAM] = token
     if pending:
@@ -207,8 +214,7 @@ def render_answer_card(qid: str, question: dict[str, Any], answer: dict[str, Any
         if summary.score is not None:
             metrics[2].metric("Score", f"{summary.score:.2f}",
                               help=f"Σ level × probability over levels 0–{len(table) - 1}")
-        st.altair_chart(answers.probability_chart(table), width="stretch",
-                        height=answers.probability_chart_height(len(table)))
+        st.altair_chart(answers.probability_chart(table), width="stretch")
         if answer["type"] == "score":
             legend = " · ".join(f"**{level}** {desc}" for level, desc in answer.get("legend", {}).items())
             st.caption(f"Legend: {legend}")
@@ -219,6 +225,8 @@ def render_answer_card(qid: str, question: dict[str, Any], answer: dict[str, Any
 
 _init_page()
 st.title("Decide")
+if link_note := st.session_state.pop(K("link_note"), None):
+    getattr(st, link_note[0])(link_note[1], icon=":material/link:")
 engine = get_engine()
 library = get_library()
 messages = vm.Messages()
@@ -228,6 +236,18 @@ messages = vm.Messages()
 left, right = st.columns([1, 1], gap="large")
 with right:
     run_box, answers_box, budget_box = st.container(), st.container(), st.container()
+# With several models loaded, this page's runs use the one picked here (the default until one is picked).
+loaded_models = {model.name: model for model in model_manager().loaded()}
+model_name = next(iter(loaded_models), request_model_name(model_manager().state().source))  # the default's
+if engine is not None and len(loaded_models) > 1:
+    picked = st.session_state.get(K("model"), st.session_state.get(vm.KEEP_PREFIX + K("model")))
+    vm.set_kept(st.session_state, K("model"), vm.chosen_model(list(loaded_models), picked))  # one still loaded
+    model_name = kept_widget(run_box.selectbox, "Model", K("model"), options=list(loaded_models),
+                             format_func=lambda name: f"{name} · {loaded_models[name].label}"
+                             if loaded_models[name].label != name else name,
+                             help="Which loaded model answers this page's runs (add models in the sidebar).")
+    engine = loaded_models[model_name].engine
+local_engine = engine is not None and vm.counts_tokens_here(engine)
 
 # --- State -------------------------------------------------------------------------------------------------------
 with left:
@@ -281,7 +301,7 @@ with left:
                                                                 f"{image.size_bytes / 1024:.0f} KB")
     for video in videos:
         st.video(video.data, format=video.content_type)
-        if engine is not None:
+        if local_engine:
             try:
                 sampled = sampled_frames(video, engine.model_id, engine)
             except (ClefError, ValueError) as exc:
@@ -373,9 +393,7 @@ builder_ok = not any(p.severity == "error" for p in builder_problems)
 ready = builder_ok and not messages.errors.get("state") and not messages.errors.get("media")
 request: dict[str, Any] | None = None
 if ready:
-    model_source = model_manager().state().source
-    request = state_input.build_request(state_value, questions, images=images, videos=videos,
-                                        model=request_model_name(model_source))
+    request = state_input.build_request(state_value, questions, images=images, videos=videos, model=model_name)
 fingerprint = vm.fingerprint(request)
 
 # --- Token budget and Run ----------------------------------------------------------------------------------------
@@ -406,6 +424,9 @@ if engine is None:
     budget_messages.info("No model is loaded, so tokens cannot be counted and nothing can run.")
 elif request is None:
     budget_messages.info("Fix the errors above to see the token budget.")
+elif not local_engine:
+    budget_messages.info(f"{model_name} is a remote endpoint: it counts tokens on its side (its answer reports "
+                         "them); the budget settings travel with the request.")
 else:
     try:
         counts = st.session_state[K("budget_cache")].counts(engine, request, max_length)
@@ -462,7 +483,7 @@ if run_clicked and request is not None and engine is not None:
         st.session_state[K("result")] = vm.DecideResult(
             request=request, response=response, questions=questions, state=state_value,
             images=tuple(images), videos=tuple(videos), schema_name=schema_name.strip() or (loaded_slug or ""),
-            model_label=request_model_name(model_manager().state().source),
+            model_label=model_name,
             device=engine.info().get("device", ""),
         )
 

@@ -14,9 +14,10 @@ import streamlit as st
 
 from clef_engine.model.media import load_video
 from clef_workbench import review, run_charts
-from clef_workbench.answers import probability_chart, probability_chart_height
+from clef_workbench.answers import probability_chart
 from clef_workbench.review import ReviewRules
 from clef_workbench.store import ReviewConflictError, StoreError
+from workbench_ui import links
 from workbench_ui.decide_model import FRAME_THUMBNAIL_PX, frame_thumbnail
 from workbench_ui.shell import (
     demo_output_banner,
@@ -225,6 +226,9 @@ else:
         header[1].markdown(f"**Why queued:** {reason}  \n"
                            f"Model **{item['model_id']}** · schema **{item['schema_name']} v{item['schema_version']}**"
                            f"  \nQueued {item['created_at'][:19].replace('T', ' ')} UTC · status {item['status']}")
+        if not blind:  # Decide can run the case again, which would show the model's answer
+            header[1].link_button("Open this case in Decide", links.decide_url(run_id, item["case_id"]),
+                                  icon=":material/psychology:")
         body = st.columns([1, 1])
         case = store.get_case(item["case_id"])
         with body[0]:
@@ -257,8 +261,7 @@ else:
             else:
                 table = run_charts.distribution_table(question, item["distribution"], item["predicted"])
                 st.markdown("**Model's distribution** (frozen at queue time)")
-                st.altair_chart(probability_chart(table), width="stretch",
-                                height=probability_chart_height(len(table)))
+                st.altair_chart(probability_chart(table), width="stretch")
                 st.caption(f"Answer **{item['predicted']}** · confidence {item['confidence']:.3f} · "
                            f"margin {item['margin']:.3f}")
         pending = st.session_state.get(confirm_key)

@@ -4,6 +4,7 @@ the process-wide JobRunner (clef_workbench.jobs), numbers come from clef_workben
 
 from __future__ import annotations
 
+import hashlib
 import re
 import time
 
@@ -11,11 +12,12 @@ import streamlit as st
 
 from clef_engine import DEFAULT_MAX_LENGTH
 from clef_workbench import casesets, run_charts, stats
-from clef_workbench.answers import option_table, probability_chart, probability_chart_height
+from clef_workbench.answers import option_table, probability_chart
 from clef_workbench.jobs import JobAlreadyRunningError
 from clef_workbench.model_loader import request_model_name
 from clef_workbench.schemas import SchemaError
 from clef_workbench.store import StoreError
+from workbench_ui import links
 from workbench_ui.shell import (
     demo_output_banner,
     get_engine,
@@ -123,6 +125,17 @@ with st.expander("Start a run", expanded=not runs, icon=":material/play_arrow:")
                                options=["refuse", "truncate_state"],
                                help="refuse: the case gets an error result; truncate_state: the end of the state "
                                     "is cut (counted in the results).")
+        loaded_models = {model.name: model for model in model_manager().loaded()}  # the default first
+        run_model = None
+        if len(loaded_models) > 1:
+            for stale_key in (K("start.model"), "_keep." + K("start.model")):
+                if st.session_state.get(stale_key) not in (None, *loaded_models):  # unloaded since
+                    st.session_state.pop(stale_key, None)
+            run_model = kept_widget(st.selectbox, "Model", K("start.model"), next(iter(loaded_models)),
+                                    options=list(loaded_models),
+                                    format_func=lambda name: f"{name} · {loaded_models[name].label}"
+                                    if loaded_models[name].label != name else name,
+                                    help="Which loaded model runs the case set (add models in the sidebar).")
         if st.button("Start run", key=K("start.go"), type="primary", icon=":material/play_arrow:",
                      disabled=schema_slug is None):
             try:
@@ -135,8 +148,10 @@ with st.expander("Start a run", expanded=not runs, icon=":material/play_arrow:")
             if engine is None:
                 st.error("No model is loaded, so the run cannot start. Choose a model in the sidebar.")
                 st.stop()
-            info = engine.info()
             model_id = request_model_name(model_manager().state().source)
+            if run_model is not None:
+                engine, model_id = loaded_models[run_model].engine, run_model
+            info = engine.info()
             run_id = store.create_run(start_set, schema=schema, model_id=model_id, model_revision=info.get("revision"),
                                       settings={"chunk_size": int(chunk_size), "max_length": int(max_length),
                                                 "overflow": overflow, "schema_slug": schema_slug,
@@ -220,7 +235,9 @@ def render_progress(run_id: int) -> None:
     st.session_state[K(f"was_live.{run_id}")] = progress["live"]
     shown_key = K(f"shown.{run_id}")
     shown_done, shown_at = st.session_state.get(shown_key, (None, 0.0))
-    if progress["live"] and progress["done"] != shown_done and time.monotonic() - shown_at > STATS_REFRESH_S:
+    # (the first results at once: the page below still says that none have arrived)
+    if progress["live"] and progress["done"] != shown_done and (not shown_done
+                                                                or time.monotonic() - shown_at > STATS_REFRESH_S):
         st.rerun(scope="app")
 
 
@@ -263,16 +280,30 @@ search = st.text_input("Search the states and answers", key=K(f"browse.search.{r
                        placeholder="e.g. refund, or an option id")
 shown = stats.filter_browse(browse, wrong_only=wrong_only, confidence_below=threshold if low_conf else None,
                             questions=picked_questions, tags=picked_tags, search=search)
-shown = shown.assign(
-    review=[f"/review?run={run_id}&case={c}&question={q}" for c, q in zip(shown["case"], shown["question"],
-                                                                           strict=True)])
-st.caption(f"{len(shown)} of {len(browse)} answers. “Open” shows the case in Review (with a link you can send).")
-st.dataframe(shown, hide_index=True, width="stretch", key=K(f"browse.table.{run_id}"),
-             column_config={"state": st.column_config.TextColumn(width="large"),
-                            "confidence": st.column_config.NumberColumn(format="%.3f"),
-                            "margin": st.column_config.NumberColumn(format="%.3f"),
-                            "correct": st.column_config.CheckboxColumn(),
-                            "review": st.column_config.LinkColumn("Review", display_text="Open")})
+shown = shown.assign(decide=[links.decide_url(run_id, case) for case in shown["case"]],
+                     review=[links.review_url(run_id, case, question)
+                             for case, question in zip(shown["case"], shown["question"], strict=True)])
+st.caption(f"{len(shown)} of {len(browse)} answers. Select a row to open its case in Decide (its state and this "
+           "run's questions, to ask again) or in Review; “Open” does the same in a new tab, and the links can be sent.")
+# the key names the rows shown, so a selection never outlives them (another filter, new results of a live run)
+rows_digest = hashlib.sha1("\n".join(shown["review"]).encode()).hexdigest()[:12]
+picked = st.dataframe(shown, hide_index=True, width="stretch", key=K(f"browse.table.{run_id}.{rows_digest}"),
+                      on_select="rerun", selection_mode="single-row",
+                      column_order=["case", "question", "decide", "review",
+                                    *(c for c in shown.columns if c not in ("case", "question", "decide", "review"))],
+                      column_config={"state": st.column_config.TextColumn(width="large"),
+                                     "confidence": st.column_config.NumberColumn(format="%.3f"),
+                                     "margin": st.column_config.NumberColumn(format="%.3f"),
+                                     "correct": st.column_config.CheckboxColumn(),
+                                     "decide": st.column_config.LinkColumn("Decide", display_text="Open"),
+                                     "review": st.column_config.LinkColumn("Review", display_text="Open")})
+if picked.selection.rows:
+    row = shown.iloc[picked.selection.rows[0]]
+    open_cols = st.columns(2)
+    open_cols[0].link_button(f"Open case {row['case']} in Decide", row["decide"], icon=":material/psychology:",
+                             width="stretch")
+    open_cols[1].link_button(f"Open case {row['case']} · {row['question']} in Review", row["review"],
+                             icon=":material/fact_check:", width="stretch")
 
 # -- speed ------------------------------------------------------------------------------------------------------
 
@@ -359,8 +390,7 @@ with st.expander("One case's answers", icon=":material/search:"):
         response = next(r["response"] for r in results if r["case_id"] == picked_case)
         for question_id, answer in response["answers"].items():
             table = option_table(questions.get(question_id, {}), answer)
-            st.altair_chart(probability_chart(table, title=question_id), width="stretch",
-                            height=probability_chart_height(len(table)) + 20)
+            st.altair_chart(probability_chart(table, title=question_id), width="stretch")
 
 # -- export -----------------------------------------------------------------------------------------------------
 

@@ -1,5 +1,6 @@
-"""Schemas: the library of saved schemas (one JSON file each) — browse, lint, create, edit, duplicate, delete,
-import, export, and open one in the Decide page's builder."""
+"""Schemas: the library of saved schemas (one JSON file each) — browse, lint, create, edit, duplicate, delete (and
+undo), import, export, the history of each schema (versions, the diff between any two, restore), and open one in the
+Decide page's builder."""
 
 from __future__ import annotations
 
@@ -66,36 +67,29 @@ def delete_schema(slug: str) -> None:
     if not st.session_state.get(K(f"confirm_delete.{slug}")):
         flash("error", "Tick the confirmation box first.")
         return
-    text = library.path_of(slug).read_text(encoding="utf-8")
     try:
-        library.delete(slug)
+        library.delete(slug)  # the history keeps every version and the delete is logged: Undo writes it back
     except schemas.SchemaError as exc:
         flash("error", str(exc))
         return
-    # the file is gone; its text is kept in the change log so that Undo (now or later) can write it back
-    get_store().log_change("delete", "schema", slug, f"{slug}.json", data={"text": text})
     st.session_state.pop(K("selected"), None)
     reset_editor(slug)
     st.session_state[K("undo")] = slug
     flash("success", f"Deleted {slug}.json.")
 
 
-def restore_schema(slug: str) -> None:
-    """Write a deleted schema file back from the change log."""
-    entry = next((c for c in get_store().list_changes(kind="schema") if c["object_id"] == slug
-                  and c["action"] == "delete"), None)
-    if entry is None:
-        flash("error", f"No deleted {slug}.json to restore.")
-        return
+def restore_schema(slug: str, number: int | None = None) -> None:
+    """Undo a delete (number None), or make an old version the current one (a new version)."""
     try:
-        restored = library.import_json(entry["data"]["text"], filename=f"{slug}.json")
+        restored = library.restore(slug, number)
     except schemas.SchemaError as exc:
         flash("error", f"Not restored: {exc}")
         return
-    get_store().log_change("restore", "schema", restored, f"{restored}.json")
     st.session_state.pop(K("undo"), None)
-    st.session_state[K("selected")] = restored
-    flash("success", f"Restored {restored}.json.")
+    st.session_state[K("selected")] = slug
+    reset_editor(slug)
+    what = f"version {number} as version {restored.version}" if number else f"{slug}.json"
+    flash("success", f"Restored {what}.")
 
 
 def import_schema() -> None:
@@ -118,10 +112,13 @@ st.title("Schema library")
 st.caption(f"Folder: `{library.directory}` (set CLEF_SCHEMAS_DIR to change). One JSON file per schema, "
            "indented and in a fixed key order, so changes diff cleanly in git.")
 
+# Always there, so a message appearing or going does not move the widgets below it (the tabs would jump back to
+# the first one).
+flash_area = st.container()
 message = st.session_state.pop(K("flash"), None)
 if message:
     undo_slug = st.session_state.pop(K("undo"), None)
-    cols = st.columns([5, 1], vertical_alignment="center")
+    cols = flash_area.columns([5, 1], vertical_alignment="center")
     getattr(cols[0], message[0])(message[1])
     if undo_slug and message[0] == "success":
         cols[1].button("Undo", key=K("undo_delete"), icon=":material/undo:", on_click=restore_schema,
@@ -161,6 +158,16 @@ with st.expander("Import a schema file", icon=":material/upload:"):
     st.checkbox("Replace a schema with the same name", key=K("import_overwrite"))
     st.button("Import", key=K("import"), on_click=import_schema)
 
+deleted = library.deleted()
+deleted_area = st.container()  # always there, as the flash area above
+if deleted:
+    with deleted_area.expander(f"Deleted schemas ({len(deleted)})", icon=":material/delete:"):
+        st.caption("Their versions are kept in the workbench's database; restoring writes the latest one back.")
+        for gone in deleted:
+            cols = st.columns([4, 1], vertical_alignment="center")
+            cols[0].write(f"{gone}.json")
+            cols[1].button("Restore", key=K(f"restore_deleted.{gone}"), on_click=restore_schema, args=(gone,))
+
 if not entries:
     st.stop()
 
@@ -175,7 +182,8 @@ if entry.problem:
     st.error(f"This file does not load: {entry.problem}")
 schema = loaded.get(slug)
 
-tabs = st.tabs(["Overview and lint", "Edit JSON", "Duplicate, delete, export"])
+# keyed: a save's message above the tabs must not send the user back to the first tab
+tabs = st.tabs(["Overview and lint", "Edit JSON", "History", "Duplicate, delete, export"], key=K("tabs"))
 with tabs[0]:
     if schema is not None:
         st.markdown(f"**{schema.name}** · version {schema.version} · {len(schema.questions)} questions · "
@@ -215,6 +223,31 @@ with tabs[1]:
     st.caption("The version goes up by one when the questions change.")
 
 with tabs[2]:
+    versions = get_store().list_schema_versions(slug) if entry.problem is None else []
+    if not versions:
+        st.info("No history yet: fix the file so that it loads.")
+    else:
+        st.dataframe([{"version": v["number"], "saved": v["created_at"][:19].replace("T", " "), "how": v["action"],
+                       "by": v["who"], "runs": v["run_count"]} for v in versions], hide_index=True, width="stretch")
+        numbers = [v["number"] for v in versions]
+        cols = st.columns(2)
+        # keyed by the latest number too: a new save resets the pair to (the one before, the latest)
+        old_number = cols[0].selectbox("From version", numbers, index=min(1, len(numbers) - 1),
+                                       key=K(f"diff_from.{slug}.{numbers[0]}"))
+        new_number = cols[1].selectbox("To version", numbers, index=0, key=K(f"diff_to.{slug}.{numbers[0]}"))
+        by_number = {v["number"]: v for v in versions}
+        changes = schemas.diff_schemas(by_number[old_number]["schema"], by_number[new_number]["schema"])
+        st.markdown(f"**Changes from version {old_number} to version {new_number}**")
+        st.code(schemas.diff_text(changes), language=None, wrap_lines=True)
+        if changes:
+            st.dataframe([c.as_row() for c in changes], hide_index=True, width="stretch")
+        st.caption("[-removed-]{+added+} marks reworded text. Restoring a version saves it as a new version, so "
+                   "nothing is lost; runs keep the version they ran.")
+        if old_number != numbers[0]:
+            st.button(f"Restore version {old_number}", key=K("restore_version"), icon=":material/history:",
+                      on_click=restore_schema, args=(slug, old_number))
+
+with tabs[3]:
     st.text_input("Name of the copy", key=K(f"dup_name.{slug}"), placeholder=f"{entry.name} (copy)")
     st.button("Duplicate", key=K("duplicate"), on_click=duplicate_schema, args=(slug,))
     st.divider()

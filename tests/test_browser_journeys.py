@@ -7,12 +7,14 @@ from __future__ import annotations
 import csv
 import re
 import shutil
+import time
 from pathlib import Path
 
 import playwright.sync_api as playwright_api  # noqa: E402
 import pytest
 
 from clef_workbench import review
+from clef_workbench.schemas import SchemaLibrary
 from clef_workbench.store import Store
 from tests.browser_harness import launch_chromium, running_workbench
 
@@ -180,3 +182,182 @@ def test_a_shared_link_opens_a_review_item_and_the_gold_label_needs_a_confirmati
     expect(page.get_by_text(re.compile(rf"^Accept saved for case {target}"))).to_be_visible()
     saved = store.get_review_item(item["id"])
     assert (saved["status"], saved["label"], saved["reviewer"]) == ("accepted", "sales", "ana")
+
+
+def test_a_results_row_opens_its_case_in_decide(page, workbench):
+    url, db, root = workbench
+    store = Store(db)
+    set_id = store.create_case_set("Browse", schema_name="support-ticket-routing")
+    states = [f"Ticket {i}: my invoice {i} is wrong" for i in range(4)]
+    case_ids = store.add_cases(set_id, [{"state": state, "expected": {"team": "billing"}} for state in states])
+    schema = SchemaLibrary(root / "schemas").load("support-ticket-routing").to_dict()
+    schema.pop("examples", None)
+    run_id = store.create_run(set_id, schema=schema, model_id="clef",
+                              settings={"schema_slug": "support-ticket-routing"})
+    store.record_results(run_id, [
+        {"case_id": case_id, "latency_ms": 5, "input_tokens": 10,
+         "response": {"answers": {"team": {"type": "choice", "choice": "sales",
+                                           "probabilities": {"billing": 0.45, "sales": 0.55}}}}}
+        for case_id in case_ids])
+    store.set_run_status(run_id, "finished")
+
+    page.goto(f"{url}/runs?run={run_id}")
+    grid = page.locator('[class*="st-key-runs-browse-table"] [data-testid="stDataFrame"]')
+    expect(grid).to_be_visible(timeout=LONG)
+    settle(page)
+    # The table is drawn on a canvas: select the third row by its selection box at the left of the row
+    # (header and rows are 35 px high).
+    opener = page.get_by_role("link", name=f"Open case {case_ids[2]} in Decide")
+    for _ in range(3):
+        box = grid.bounding_box()
+        page.mouse.click(box["x"] + 16, box["y"] + 35 + 2 * 35 + 17)
+        settle(page)
+        if opener.count():
+            break
+    expect(opener).to_have_attribute("href", f"/?run={run_id}&case={case_ids[2]}")
+    with page.expect_popup() as opened:
+        opener.click()
+    decide = opened.value
+    expect(decide.get_by_role("textbox", name="State", exact=True)).to_have_value(states[2], timeout=LONG)
+    expect(decide).to_have_title("Decide · Clef Workbench")
+    expect(decide.get_by_text(f"Case #{case_ids[2]} of run #{run_id} (Browse) with the schema")).to_be_visible()
+    expect(decide.get_by_role("combobox", name="Library")).to_have_value(re.compile(r"^Support ticket routing"))
+    ids = decide.get_by_role("textbox", name=re.compile(r"^Question \d+ id$"))
+    expect(ids).to_have_count(len(schema["questions"]))
+    assert [ids.nth(i).input_value() for i in range(ids.count())] == list(schema["questions"])
+    expect(decide).to_have_url(re.compile(r"[?&]draft="))
+    decide.close()
+
+
+PAGE_TEXT = """() => ({
+    main: [...document.querySelectorAll('[data-testid="stMain"] [data-testid="stElementContainer"]')]
+        .filter(e => !e.closest('[data-stale="true"]')).map(e => e.innerText).join('\\n'),
+    sidebar: document.querySelector('[data-testid="stSidebar"]').innerText,
+})"""
+
+
+def test_the_runs_page_follows_a_run_to_its_end_untouched(page, workbench):
+    """Nobody touches the page while the run goes: the results never keep saying "none yet" under a non-zero count
+    (for longer than the page takes to redraw itself), the sidebar names the running run, and at the end the run
+    picker shows the final count."""
+    url, db, _ = workbench
+    store = Store(db)
+    set_id = store.create_case_set("Many tickets", schema_name="support-ticket-routing")
+    total = 48
+    store.add_cases(set_id, [{"state": f"Ticket {i}: I was charged twice for invoice {i}, refund one."}
+                             for i in range(total)])
+    page.goto(f"{url}/runs")
+    expect(page.get_by_text("Start a run", exact=True)).to_be_visible(timeout=LONG)
+    settle(page)
+    if not page.get_by_role("button", name="Start run").is_visible():  # folded once there are runs
+        page.get_by_text("Start a run", exact=True).click()
+    page.get_by_role("combobox", name="Case set").click()
+    page.get_by_role("option", name=f"Many tickets ({total} cases)").click()
+    settle(page)
+    per_batch = page.get_by_role("spinbutton", name="Records per batch")
+    per_batch.fill("2")
+    per_batch.press("Tab")
+    settle(page)
+    page.get_by_role("button", name="Start run").click()
+    picker = page.get_by_role("combobox", name="Run", exact=True)
+    seen_done, seen_running_in_sidebar, contradicted_since = set(), False, None
+    deadline = time.monotonic() + LONG / 1000
+    while time.monotonic() < deadline:
+        text = page.evaluate(PAGE_TEXT)
+        progress = re.search(rf"(\d+) / {total} cases", text["main"])
+        if progress:
+            seen_done.add(int(progress.group(1)))
+        contradicted = bool(progress and int(progress.group(1)) > 0
+                            and ("No results yet" in text["main"] or "The first results appear here" in text["main"]))
+        if not contradicted:
+            contradicted_since = None
+        elif contradicted_since is None:
+            contradicted_since = time.monotonic()
+        # one redraw of the page may show the new count above the old results for a moment, never for long
+        assert contradicted_since is None or time.monotonic() - contradicted_since < 3.0, text["main"]
+        seen_running_in_sidebar |= bool(re.search(r"batch runs: #\d+ running", text["sidebar"]))
+        if picker.count() and picker.input_value().endswith(f"{total}/{total}"):
+            break
+        page.wait_for_timeout(200)
+    run_id = store.list_runs()[0]["id"]
+    assert store.get_run(run_id)["status"] == "finished"
+    expect(picker).to_have_value(re.compile(rf"^#{run_id} ✅ .* {total}/{total}$"))  # the final count, no click
+    assert seen_done & set(range(1, total)), f"the run was never seen in progress: {sorted(seen_done)}"
+    assert seen_running_in_sidebar, "the sidebar never said that a batch run was going"
+    expect(page.get_by_text("batch runs: none running", exact=False)).to_be_visible()
+    expect(page.locator('[data-testid="stMetric"]', has_text="samples")).to_contain_text(str(total))
+
+
+def no_traceback(page) -> None:
+    settle(page)
+    expect(page.get_by_test_id("stException")).to_have_count(0)
+
+
+def test_bad_input_links_and_reloads_show_messages_never_a_traceback(page, workbench):
+    """The bad-input and navigation journeys: links with ids that do not exist or are not numbers, a file that is
+    not an image, a JSONL file that is not JSON; then every page from the sidebar, each reloaded."""
+    url, db, root = workbench
+    for path, heading in (("/runs?run=abc", "Runs"), ("/runs?run=99999", "Runs"), ("/cases?set=-1", "Case sets"),
+                          ("/review?run=99999&case=x&question=nope", "Review"), ("/?run=99999&case=1", "Decide")):
+        page.goto(url + path)
+        expect(page.get_by_role("heading", name=heading, exact=True)).to_be_visible(timeout=LONG)
+        no_traceback(page)
+    expect(page.get_by_text("The link names case #1 of run #99999, which is not in this workbench")).to_be_visible()
+
+    not_an_image = root / "holiday.png"
+    not_an_image.write_bytes(b"these bytes are no picture")
+    page.locator('[data-testid="stFileUploader"]').filter(has_text="Images").locator('input[type="file"]') \
+        .set_input_files(str(not_an_image))
+    expect(page.get_by_text(re.compile(r"^holiday\.png: .*images must be PNG, JPEG or WebP"))).to_be_visible()
+    no_traceback(page)
+
+    set_id = Store(db).create_case_set("Bad files")
+    page.goto(f"{url}/cases?set={set_id}")
+    expect(page.get_by_role("heading", name="Case sets")).to_be_visible(timeout=LONG)
+    settle(page)
+    page.get_by_role("tab", name="Import").click()
+    broken = root / "broken.jsonl"
+    broken.write_text('{"state": "fine"}\nthis line is not JSON\n{"state": }\n')
+    page.locator('[data-testid="stFileUploaderDropzoneInput"]').set_input_files(str(broken))
+    expect(page.get_by_text("Nothing was changed: 2 problem(s).")).to_be_visible()
+    expect(page.get_by_role("button", name=re.compile(r"^Import \d+ case"))).to_have_count(0)
+    no_traceback(page)
+
+    navigation = page.get_by_test_id("stSidebarNav")
+    titles = [text.strip().split("\n")[-1] for text in navigation.locator("a").all_inner_texts()]  # after the icon
+    assert {"Decide", "Schemas", "Case sets", "Runs", "Review"} <= set(titles), titles
+    for title in titles:
+        navigation.locator("a", has_text=title).click()
+        expect(page).to_have_title(f"{title} · Clef Workbench", timeout=LONG)
+        no_traceback(page)
+        page.reload()
+        expect(page).to_have_title(f"{title} · Clef Workbench", timeout=LONG)
+        expect(page.locator("h1").first).to_be_visible(timeout=LONG)
+        no_traceback(page)
+
+
+def test_deleting_case_rows_in_the_table_can_be_undone(page, workbench):
+    url, db, _ = workbench
+    store = Store(db)
+    set_id = store.create_case_set("Rows")
+    case_ids = store.add_cases(set_id, [{"state": f"Row {i}"} for i in range(3)])
+    page.goto(f"{url}/cases?set={set_id}")
+    grid = page.locator('[class*="st-key-cases-editor"] [data-testid="stDataFrame"]')
+    expect(grid).to_be_visible(timeout=LONG)
+    settle(page)
+    # The table is drawn on a canvas: select the second row by its selection box (header and rows are 35 px high),
+    # then delete it with the keyboard, as the row menu does.
+    box = grid.bounding_box()
+    page.mouse.click(box["x"] + 16, box["y"] + 35 + 35 + 17)
+    page.keyboard.press("Delete")
+    settle(page)
+    assert len(store.list_cases(set_id)) == 3, "nothing is written before Save"
+    page.get_by_role("button", name="Save changes").click()
+    settle(page)
+    expect(page.get_by_text("Saved: 0 added, 0 updated, 1 deleted.")).to_be_visible()
+    assert [c["id"] for c in store.list_cases(set_id)] == [case_ids[0], case_ids[2]]
+    page.get_by_role("button", name="Undo").click()
+    settle(page)
+    expect(page.get_by_text("Restored 1 case(s).")).to_be_visible()
+    assert [c["id"] for c in store.list_cases(set_id)] == case_ids
+    assert [(c["action"], c["kind"]) for c in store.list_changes()][:2] == [("restore", "case"), ("delete", "case")]

@@ -217,3 +217,84 @@ def test_load_runs_from_the_store(tmp_path):
     with pytest.raises(ValueError, match="different case sets"):
         compare.load_runs(store, [run_ids[0], store.create_run(other, schema=SCHEMA, model_id="m")])
     assert isinstance(compare.case_matrix(runs), pd.DataFrame)
+
+
+def stored_runs(tmp_path, schema_b: dict = SCHEMA) -> tuple[Store, list[int], list[int]]:
+    """RUN_A and RUN_B through the store (B under `schema_b`): the store, the case ids and the run ids."""
+    store = Store(tmp_path / "w.sqlite3")
+    case_set = store.create_case_set("triage cases")
+    ids = store.add_cases(case_set, [{"state": f"case {i}", "expected": EXPECTED[i]} for i in range(4)])
+    run_ids = []
+    for run, schema in ((RUN_A, SCHEMA), (RUN_B, schema_b)):
+        run_id = store.create_run(case_set, schema=schema, model_id=run.run["model_id"])
+        store.record_results(run_id, [{"case_id": case_id, "response": r["response"], "latency_ms": r["latency_ms"],
+                                       "input_tokens": 10} for case_id, r in zip(ids, run.results, strict=True)])
+        run_ids.append(run_id)
+    return store, ids, run_ids
+
+
+def test_the_compare_view_has_every_table_ready_with_links_to_the_cases(tmp_path):
+    reworded = {**SCHEMA, "questions": {**SCHEMA["questions"],
+                                        "spam": {"type": "noul", "instructions": "Is it spam or junk?"}}}
+    store, ids, run_ids = stored_runs(tmp_path, reworded)
+    view = compare.build_view(store, run_ids, n_boot=200)
+    a, b = (f"#{r} model-{n} · triage v1 (unsaved)" for r, n in zip(run_ids, (1, 2), strict=True))
+    assert [r.label for r in view.runs] == [a, b]  # schemas never saved in a library: the label says so
+
+    assert list(view.agreement.columns) == ["question_id", "run_a", "run_b", "n", "agreement", "interval", "flips",
+                                            "flipped"]
+    spam = view.agreement.iloc[0]
+    assert (spam.question_id, spam.n, spam.agreement, spam.flips, spam.flipped) == (
+        "spam", 4, 0.5, 2, f"#{ids[2]}, #{ids[3]}")
+    assert spam.interval.startswith("[") and spam.interval.endswith("]")
+    assert list(view.flips["open"]) == [compare.compare_link(run_ids, c) for c in (ids[2], ids[3], ids[1])]
+    assert compare.compare_link(run_ids, ids[2]) == f"/compare?runs={run_ids[0]},{run_ids[1]}&case={ids[2]}"
+
+    metrics = view.metrics.set_index(["question", "metric"])
+    assert list(metrics.columns) == [a, b]
+    assert metrics.loc[("spam", "accuracy"), b] == "1.000 [1.000, 1.000] n=4"
+    assert metrics.loc[("spam", "brier"), a].startswith("0.193 [")  # 0.1925, rounded
+    assert metrics.loc[("(all)", "latency_p50_ms"), b] == "100.0 [100.0, 100.0] n=4"
+
+    assert list(view.matrix["case"]) == ids and list(view.matrix["open"]) == [compare.compare_link(run_ids, c)
+                                                                             for c in ids]
+    assert list(view.matrix[f"spam · {a}"]) == ["true", "false", "true", "false"]
+    assert list(view.matrix["spam · expected"]) == ["true", "false", "false", "true"]
+    assert view.schema_changes == [(a, b, '~ question "spam", instructions: Is it [-spam?-]{+spam or junk?+}')]
+
+    only = compare.build_view(store, run_ids, n_boot=10, disagreements_only=True)
+    assert list(only.matrix["case"]) == ids[1:]  # case 0: both runs agree on both questions
+
+    detail = compare.case_detail(view, ids[2])
+    assert (detail["state"], detail["expected"]) == ("case 2", {"spam": False, "tone": "b"})
+    assert [(r["run"], r["answers"]["spam"]["predicted"], r["latency_ms"]) for r in detail["runs"]] == [
+        (a, "true", 30.0), (b, "false", 100.0)]
+    assert detail["runs"][0]["answers"]["spam"]["probabilities"] == pytest.approx({"true": 0.6, "false": 0.4})
+    assert compare.case_detail(view, 999_999) is None
+
+
+def test_runs_to_pick_and_links():
+    runs = [{"id": 5, "case_set_id": 1}, {"id": 4, "case_set_id": 2}, {"id": 3, "case_set_id": 1}]
+    assert compare.runs_by_case_set(runs) == {1: [runs[0], runs[2]]}  # a set with one run has nothing to compare
+    assert compare.parse_run_ids("3,4, x,,12") == [3, 4, 12]
+    assert compare.parse_run_ids(None) == []
+
+
+def test_model_choices_of_a_manager_with_several_models_or_one():
+    from types import SimpleNamespace
+
+    from clef_workbench.model_loader import DEMO_SOURCE, LoadState
+
+    engine = object()
+    single = SimpleNamespace(state=lambda: LoadState(engine, DEMO_SOURCE, None, 0.0, None, None))
+    assert compare.model_choices(single) == [compare.ModelChoice("clef-demo", "Demo model (random weights)", engine,
+                                                                 True)]
+    empty = SimpleNamespace(state=lambda: LoadState(None, None, "demo", 1.0, None, None))
+    assert compare.model_choices(empty) == []
+    flash = object()
+    several = SimpleNamespace(loaded=lambda: [
+        SimpleNamespace(name="clef-demo", source=DEMO_SOURCE, label="Demo", engine=engine, is_demo=True),
+        SimpleNamespace(name="clef-flash", source="Cloudflare/clef-flash", label="Clef-Flash (9B)", engine=flash,
+                        is_demo=False)])
+    assert [(c.name, c.engine, c.is_demo) for c in compare.model_choices(several)] == [
+        ("clef-demo", engine, True), ("clef-flash", flash, False)]

@@ -252,7 +252,6 @@ def test_the_head_graphs_padding_to_a_shape_bucket_changes_no_answer(tiny_engine
     """The head's CUDA graphs run a record padded to a bucket of memory length, questions, options and span grids
     (padding masked or empty). Run eagerly on the CPU, that padded call must answer what the head answers."""
     from clef_engine.fast.graphs import HeadGraphs
-    from clef_engine.model.head import layout
 
     questions, options = shape
     schema = {f"q{j}": {"type": "choice", "instructions": "word " * (1 + 9 * (j == 1)),
@@ -264,9 +263,32 @@ def test_the_head_graphs_padding_to_a_shape_bucket_changes_no_answer(tiny_engine
                          .manual_seed(options))
     with torch.inference_mode():
         normed, memory = tiny_engine.head.token_memory(hidden)
-        batch = layout([record], [0], [len(record)])
         padded = HeadGraphs(tiny_engine.head, tiny_engine.output_embeddings, capture=False).probabilities(
-            normed, memory, record, batch)
+            normed, memory, record)
         plain = tiny_engine.head_probabilities(hidden, [record], [0], [len(record)])[0]
     assert [len(q) for q in padded] == [len(q) for q in plain] == [options] * questions + [2]
     assert max_difference([padded], [plain]) <= TOLERANCE
+
+
+def test_the_head_graphs_bf16_call_stays_close_to_the_eager_head(tiny_engine):
+    """In bf16 the graph's call pools spans by GEMMs into float32 and pads to a bucket: its probabilities stay
+    within bf16 rounding of the eager head's on the same normed states and memory (the H200 bench reports the same
+    comparison as `graph_vs_eager_max_dp`)."""
+    import copy
+
+    from clef_engine.fast.graphs import HeadGraphs
+    from clef_engine.model.head import layout, option_probabilities
+
+    head = copy.deepcopy(tiny_engine.head).to(torch.bfloat16)
+    embeddings = tiny_engine.output_embeddings.to(torch.bfloat16)
+    schema = {f"q{j}": {"type": "choice", "instructions": f"which {j}?",
+                        "criteria": {f"o{k}": f"option {k} of {j}" for k in range(6)}} for j in range(12)}
+    record = tiny_engine.encode({"state": "the invoice is late " * 40, "questions": schema}, max_length=2**31 - 1)
+    hidden = torch.randn(len(record), head.config.hidden_size, generator=torch.Generator().manual_seed(4))
+    with torch.inference_mode():
+        normed, memory = head.token_memory(hidden.to(torch.bfloat16))
+        graphed = HeadGraphs(head, embeddings, capture=False).probabilities(normed, memory, record)
+        batch = layout([record], [0], [len(record)])
+        flat = option_probabilities(head.decide_from_memory(normed, memory, embeddings, batch), batch).tolist()
+    eager = [flat[6 * j: 6 * j + 6] for j in range(12)]
+    assert max_difference([graphed], [eager]) <= 2e-3

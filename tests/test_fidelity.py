@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from bench.fidelity import compare, fidelity
+from bench.fidelity import compare, fidelity, paired_flips
 
 
 def test_compare_counts_distance_flips_and_their_margins():
@@ -17,6 +17,25 @@ def test_compare_counts_distance_flips_and_their_margins():
     assert compare(truth, truth) == {"max_dp": 0.0, "mean_dp": 0.0, "flips": 0, "flip_margins": []}
 
 
+def test_paired_flips_pairs_the_two_sides_question_by_question():
+    """Ours flips a near tie and a wide gap, the release code a near tie elsewhere and the same wide gap: the paired
+    counts, the flips on wide gaps only, and a sign test that finds no difference in 1 vs 1 discordant questions."""
+    truth = [[[0.505, 0.495], [0.9, 0.1]], [[0.502, 0.498], [0.3, 0.7]]]
+    ours = [[[0.49, 0.51], [0.4, 0.6]], [[0.502, 0.498], [0.3, 0.7]]]
+    release = [[[0.505, 0.495], [0.45, 0.55]], [[0.497, 0.503], [0.3, 0.7]]]
+    result = paired_flips(ours, release, truth, resamples=200)
+    assert (result["questions"], result["both"], result["ours_only"], result["release_only"]) == (4, 1, 1, 1)
+    assert (result["ours_flips_wide"], result["release_flips_wide"]) == (1, 1)  # the 0.9 / 0.1 question only
+    assert result["exact_p"] == 1.0
+    low, high = result["difference_95"]
+    assert low <= 0 <= high and low >= -2 and high <= 2
+    assert [(q["record"], q["question"], q["ours_flips"], q["release_flips"]) for q in result["per_question"]] == [
+        (0, 0, True, False), (0, 1, True, True), (1, 0, False, True)]
+    lopsided = paired_flips([[[0.0, 1.0]]] * 8, [[[1.0, 0.0]]] * 8, [[[0.9, 0.1]]] * 8, resamples=200)
+    assert lopsided["ours_only"] == 8 and lopsided["exact_p"] == round(2 / 2**8, 4)
+    assert lopsided["difference_95"] == [8, 8]
+
+
 def test_float32_everywhere_puts_the_release_path_on_the_truth_and_ours_within_1e5(tiny_release):
     """In float32 the release path is the truth's own computation (distance exactly 0) and ours is the release
     path's math (≤ 1e-5): anything else is a defect of the comparison or of the runs it feeds."""
@@ -26,5 +45,5 @@ def test_float32_everywhere_puts_the_release_path_on_the_truth_and_ours_within_1
     assert result["ours_max_dp"] <= 1e-5 and result["ours_flips"] == 0
     assert result["ours_packed_max_dp"] <= 1e-5 and result["ours_packed_flips"] == 0
     for key in ("ours_flip_margins", "release_flip_margins", "ours_mean_dp", "release_mean_dp", "tokens",
-                "truth_top2_gap_smallest"):
+                "truth_top2_gap_smallest", "paired"):
         assert key in result

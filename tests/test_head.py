@@ -355,3 +355,28 @@ def test_bf16_head_keeps_float32_between_its_gemms_and_is_closer_to_float32_than
     ours_distance = (ours - truth).abs().mean().item()
     release_distance = (release - truth).abs().mean().item()
     assert ours_distance <= 0.5 * release_distance, (ours_distance, release_distance)
+
+
+def test_a_bf16_head_reloaded_in_place_answers_with_its_new_weights(tiny_engine):
+    """The head keeps float32 copies of its bf16 LayerNorm and scoring parameters between calls; weights loaded in
+    place afterwards must be the ones it answers with, exactly as a head built from them."""
+    import copy
+
+    rng = random.Random(9)
+    embeddings = tiny_engine.output_embeddings.to(torch.bfloat16)
+    record = random_record(rng, 4, 5, embeddings.shape[0])
+    hidden = torch.randn(len(record), tiny_engine.head.config.hidden_size, generator=torch.Generator().manual_seed(9))
+    hidden = hidden.to(torch.bfloat16)
+    batch = layout([record], [0], [len(record)])
+    head = copy.deepcopy(tiny_engine.head).to(torch.bfloat16)
+    other = {name: value + 0.05 if "norm" in name or "scorer.3" in name or "scale" in name else value
+             for name, value in head.state_dict().items()}
+    fresh = JointSchemaHead(head.config).to(torch.bfloat16).eval()
+    fresh.load_state_dict(other)
+    with torch.inference_mode():
+        before = head(hidden, embeddings, batch)
+    head.load_state_dict(other)
+    with torch.inference_mode():
+        after, want = head(hidden, embeddings, batch), fresh(hidden, embeddings, batch)
+    assert not torch.equal(before, want)
+    assert torch.equal(after, want)

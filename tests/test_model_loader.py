@@ -147,3 +147,130 @@ def test_load_options_come_from_the_environment():
     assert load_options(env) == {"revision": "2f3de3d"}  # the engine's own knobs are EngineConfig's to read
     config = EngineConfig.resolve(env=env)
     assert str(config.device) == "cpu" and config.dtype == torch.bfloat16
+
+
+# --- several models in one process -------------------------------------------------------------------------------
+
+
+def test_several_models_at_once_with_one_default():
+    manager = ModelManager(loader=FakeEngine, demo_path=lambda: Path("/demo"))
+    manager.request("/models/a")
+    manager.wait(5)
+    manager.add("/models/b")
+    manager.add("/models/b")  # loading already: nothing more
+    manager.add("/models/a")  # resident already: nothing more
+    state = manager.wait(5)
+    assert state.source == "/models/a" and state.error is None and state.adding == ()
+    models = manager.loaded()
+    assert [(m.name, m.source, m.is_demo) for m in models] == [("a", "/models/a", False), ("b", "/models/b", False)]
+    assert manager.get("b") is models[1].engine and manager.get("/models/b") is models[1].engine
+    with pytest.raises(KeyError, match=r"no model named 'c' is loaded \(loaded: a, b\)"):
+        manager.get("c")
+    manager.set_default("b")
+    assert manager.state().engine is models[1].engine and [m.name for m in manager.loaded()] == ["b", "a"]
+    manager.remove("b")  # the default: the next resident model takes over
+    assert models[1].engine.closed and manager.state().source == "/models/a"
+    assert [m.name for m in manager.loaded()] == ["a"]
+    with pytest.raises(KeyError, match="loaded: a"):
+        manager.remove("b")
+
+
+def test_switching_the_default_keeps_the_added_models():
+    manager = ModelManager(loader=FakeEngine, demo_path=lambda: Path("/demo"))
+    manager.request("/a")
+    manager.add("/b")
+    first = manager.wait(5).engine
+    manager.request("/c")
+    state = manager.wait(5)
+    assert state.source == "/c" and first.closed
+    assert [m.name for m in manager.loaded()] == ["c", "b"]
+
+
+def test_same_folder_names_get_unique_request_names():
+    manager = ModelManager(loader=FakeEngine, demo_path=lambda: Path("/demo"))
+    manager.add("/x/release")
+    manager.wait(5)
+    manager.add("/y/release")
+    manager.wait(5)
+    assert [m.name for m in manager.loaded()] == ["release", "release-2"]
+
+
+def test_a_failed_add_keeps_what_is_loaded_and_says_why():
+    def loader(source):
+        if str(source) == "/broken":
+            raise ReleaseError("release folder /broken does not exist")
+        return FakeEngine(source)
+
+    manager = ModelManager(loader=loader, demo_path=lambda: Path("/demo"))
+    manager.request("/good")
+    manager.add("/broken")
+    state = manager.wait(5)
+    assert state.source == "/good" and [m.name for m in manager.loaded()] == ["good"]
+    assert state.error == "Could not load /broken: release folder /broken does not exist"
+
+
+def test_added_model_becomes_the_default_when_none_is_resident():
+    manager = ModelManager(loader=FakeEngine, demo_path=lambda: Path("/demo"))
+    manager.add("/only")
+    assert manager.wait(5).source == "/only" and manager.default_name() == "only"
+
+
+def test_endpoint_sources_load_without_release_options_or_memory_check(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setenv("CLEF_REVISION", "abc")  # a Hub revision means nothing to an endpoint
+    calls = []
+
+    def loader(source, **options):
+        calls.append((str(source), options))
+        return FakeEngine(source)
+
+    manager = ModelManager(loader=loader, demo_path=lambda: Path("/demo"), free_memory=lambda device: 0)
+    manager.add("https://user:secret@api.example.com:8443/jev/")
+    state = manager.wait(5)
+    assert state.error is None and calls == [("https://user:secret@api.example.com:8443/jev/", {})]
+    assert manager.loaded()[0].name == "api.example.com:8443-jev"  # never the credentials
+    assert model_loader.request_model_name("http://127.0.0.1:8000") == "127.0.0.1:8000"
+
+
+def test_memory_is_checked_before_loading_with_a_clear_refusal(tiny_release: Path, tmp_path: Path):
+    """A model that would not fit in the memory free on its device is refused before a byte is loaded, naming what
+    it needs, what is free, and what is loaded."""
+    from clef_engine import memory
+
+    need = memory.estimate(tiny_release)
+    assert need is not None and need.weights > 0 and need.margin > 0
+    free = {"bytes": need.total + 1}
+    calls = []
+
+    def loader(source, **options):
+        calls.append(str(source))
+        return FakeEngine(source)
+
+    second = tmp_path / "second-release"
+    second.symlink_to(tiny_release, target_is_directory=True)
+    manager = ModelManager(loader=loader, demo_path=lambda: Path("/demo"), free_memory=lambda device: free["bytes"])
+    manager.request(str(tiny_release))
+    assert manager.wait(5).error is None and calls == [str(tiny_release)]
+    free["bytes"] = need.total - 1  # the first model took its share
+    manager.add(str(second))
+    state = manager.wait(5)
+    assert calls == [str(tiny_release)], "the model that does not fit must not start loading"
+    assert [m.source for m in manager.loaded()] == [str(tiny_release)]
+    assert f"Could not load {second}: {second} needs ~{memory.gib(need.total)}" in state.error
+    assert f"{memory.gib(need.total - 1)} free on cpu with {tiny_release} loaded" in state.error
+    assert "Unload a model" in state.error
+
+
+def test_memory_estimate_scales_with_the_load_dtype_and_knows_the_published_models(tiny_release: Path):
+    from clef_engine import EngineConfig, memory
+
+    fp32 = memory.estimate(tiny_release, config=EngineConfig.resolve(device="cpu", dtype="float32", env={}))
+    bf16 = memory.estimate(tiny_release, config=EngineConfig.resolve(device="cpu", dtype="bfloat16", env={}))
+    on_disk = sum(p.stat().st_size for p in tiny_release.glob("*.safetensors"))
+    assert bf16.weights == on_disk and fp32.weights == 2 * on_disk  # the tiny release is saved in bf16
+    config = EngineConfig(device=torch.device("cpu"), dtype=torch.bfloat16, token_budget=65_536,
+                          state_cache_bytes=8 * memory.GiB)
+    clef = memory.estimate("Cloudflare/clef", config=config)
+    flash = memory.estimate("Cloudflare/clef-flash", config=config)
+    assert clef.weights == 55_000_000_000 and flash.weights == 19_100_000_000
+    assert clef.total > flash.total > 8 * memory.GiB + flash.weights
+    assert memory.estimate("/no/such/release", config=config) is None

@@ -3,13 +3,16 @@
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from pathlib import Path
 
+import pandas as pd
+from streamlit.dataframe_util import convert_arrow_bytes_to_pandas_df
 from streamlit.testing.v1 import AppTest
 
-from clef_workbench import casesets, review
+from clef_workbench import casesets, review, state_input
 from clef_workbench.review import ReviewRules
 from clef_workbench.store import Store
 from workbench_ui import shell
@@ -135,6 +138,10 @@ def test_runs_page_runs_cancels_resumes_and_shows_stats(workbench, monkeypatch):
     assert "**Running**" in texts(at) and "ETA" in texts(at)
     button(at, "Cancel").click()
     at.run()
+    at.run()  # the button reruns its fragment to redraw itself, which AppTest does not follow: draw the page again
+    # the chunk in flight is held: the run cannot have stopped yet, and the page says that it is stopping
+    assert runner.is_running(run_id)
+    assert button(at, "Cancelling…").disabled and "cancelling after the batch in flight" in texts(at)
     chunks.release(100)  # from here on the engine answers freely: the chunks in flight end, the cancel takes effect
     wait_for_run(run_id)
     at.run()
@@ -149,6 +156,7 @@ def test_runs_page_runs_cancels_resumes_and_shows_stats(workbench, monkeypatch):
     at.run()
     ok(at)
     assert store.get_run(run_id)["status"] == "finished"
+    assert at.selectbox(key="runs.selected").format_func(run_id).endswith(" · 12/12"), "the picker's count"
 
     assert metric(at, "samples") == "12"
     for label in ("p50 latency", "p95 latency", "p99 latency", "max latency"):
@@ -180,7 +188,8 @@ def _finished_run(workbench: Path) -> tuple[Store, int]:
     set_id = casesets.load_example_case_sets(store, workbench / "schemas")["support-ticket-routing"]
     schema = shell.get_library().load("support-ticket-routing").to_dict()
     schema.pop("examples")
-    run_id = store.create_run(set_id, schema=schema, model_id="clef-demo", settings={"chunk_size": 6})
+    run_id = store.create_run(set_id, schema=schema, model_id="clef-demo",
+                              settings={"chunk_size": 6, "schema_slug": "support-ticket-routing"})
     shell.get_job_runner().start(run_id, shell.get_engine(show_errors=False))
     wait_for_run(run_id)
     return store, run_id
@@ -441,6 +450,8 @@ def test_links_open_the_run_case_set_and_review_item_they_name_and_results_brows
     review_page = open_link("pages/review.py", run=str(run_id), case=str(target["case_id"]), question="team")
     assert f"### Case {target['case_id']} · `team` (choice)" in texts(review_page)
     assert (param(review_page, "case"), param(review_page, "question")) == (str(target["case_id"]), "team")
+    assert f"/?run={run_id}&case={target['case_id']}" in [b.proto.url for b in review_page.get("link_button")], \
+        "the review card opens its case in Decide"
 
 
 def test_delete_a_run_asks_first_and_can_be_undone(workbench):
@@ -543,3 +554,87 @@ def test_review_shows_the_frames_the_model_read_for_a_video_case_large_enough_to
     for shown in frames[0].proto.imgs:
         data = storages[-1].get_file(shown.url.rsplit("/", 1)[-1]).content
         assert Image.open(io.BytesIO(data)).width >= 160, "a frame is not a 32-pixel speck"
+
+
+def chart_specs(at: AppTest) -> list[tuple[dict, list[pd.DataFrame]]]:
+    """Every Vega-Lite chart on the page: its spec and its datasets (Streamlit ships those apart, as Arrow)."""
+    return [(json.loads(chart.proto.spec),
+             [convert_arrow_bytes_to_pandas_df(dataset.data.data) for dataset in chart.proto.datasets])
+            for chart in at.get("vega_lite_chart")]
+
+
+def test_each_case_chart_on_the_runs_page_shows_every_option_label_whole_on_a_row_of_its_own(workbench):
+    """Per-case charts were squeezed into a fixed height: noul charts drawn as a line, every other option's label
+    dropped, score levels cut ("0: Low: a question, feedback or cosmetic i…")."""
+    AppTest.from_file(APP, default_timeout=TIMEOUT).run()
+    store, run_id = _finished_run(workbench)
+    questions = store.get_run(run_id)["schema"]["questions"]
+    at = open_link("pages/runs.py", run=str(run_id))
+    titled = [(spec.get("title") or spec.get("layer", [{}])[0].get("title"), spec, datasets)
+              for spec, datasets in chart_specs(at)]
+    case_charts = {title: (spec, datasets) for title, spec, datasets in titled if title in questions}
+    assert set(case_charts) == set(questions), "one chart per question of the case"
+    for question_id, (spec, datasets) in case_charts.items():
+        question = questions[question_id]
+        labels = [label.replace("\n", " ") for label in datasets[0]["label"]]
+        if question["type"] == "score":
+            assert labels == [f"{i}: {text}" for i, text in enumerate(question["criteria"])], question_id
+        elif question["type"] == "choice":
+            assert labels == list(question["criteria"]), question_id
+        else:
+            assert labels == ["true", "false"], question_id
+        # The chart is as tall as its options need (a step per option row, enough for the label's lines), not
+        # fitted into a fixed element height; no label is hidden to make room for another.
+        assert spec["autosize"]["type"] == "fit-x", question_id
+        lines = max(label.count("\n") + 1 for label in datasets[0]["label"])
+        assert spec["height"]["step"] >= max(24, 13 * lines), question_id
+        y_axis = spec["layer"][0]["encoding"]["y"]["axis"]
+        assert y_axis["labelOverlap"] is False and "split(datum.label" in y_axis["labelExpr"], question_id
+        longest_line = max(len(line) for label in datasets[0]["label"] for line in label.split("\n"))
+        assert longest_line * 7 <= y_axis["labelLimit"], f"{question_id}: a label line is cut at the label limit"
+
+
+def open_decide_link(**params: str) -> AppTest:
+    """A new browser session opening a link to Decide, the default page: /?param=…"""
+    at = AppTest.from_file(APP, default_timeout=TIMEOUT)
+    for name, value in params.items():
+        at.query_params[name] = value
+    at.run()
+    ok(at)
+    return at
+
+
+def test_a_results_row_opens_its_case_in_decide_with_the_runs_questions(workbench):
+    AppTest.from_file(APP, default_timeout=TIMEOUT).run()
+    store, run_id = _finished_run(workbench)
+    run = store.get_run(run_id)
+    runs_page = open_link("pages/runs.py", run=str(run_id))
+    table = next(df.value for df in runs_page.dataframe if "probabilities" in df.value.columns)
+    row = table.iloc[7]
+    assert row["decide"] == f"/?run={run_id}&case={row['case']}"
+    assert row["review"] == f"/review?run={run_id}&case={row['case']}&question={row['question']}"
+
+    # the link, opened in a new session: that case's state, the run's schema (still the library's: its identity)
+    case = store.get_case(int(row["case"]))
+    decide = open_decide_link(run=str(run_id), case=str(row["case"]))
+    assert decide.text_area(key="decide.state_text").value == state_input.state_to_text(case["state"])
+    assert decide.radio(key="decide.state_mode").value == "text"
+    assert [t.value for t in decide.text_input if t.key.endswith(".id")] == list(run["schema"]["questions"])
+    assert decide.selectbox(key="decide.library_pick").value == "support-ticket-routing"
+    assert f"Case #{row['case']} of run #{run_id}" in "\n".join(i.value for i in decide.info)
+    assert param(decide, "case") is None and param(decide, "draft"), "from here on the URL names the draft"
+
+    # the library schema changed since the run: the run's own questions, without the library's identity
+    library = shell.get_library()
+    newer = library.load("support-ticket-routing")
+    newer.questions.pop("churn_threat")
+    library.update("support-ticket-routing", newer)
+    decide = open_decide_link(run=str(run_id), case=str(row["case"]))
+    assert [t.value for t in decide.text_input if t.key.endswith(".id")] == list(run["schema"]["questions"])
+    assert decide.selectbox(key="decide.library_pick").value is None
+    assert "not saved in the library as they are" in "\n".join(i.value for i in decide.info)
+
+    # a case the database does not have: said so, and Decide starts as usual
+    decide = open_decide_link(run=str(run_id), case="99999")
+    assert "The link names case #99999 of run" in "\n".join(w.value for w in decide.warning)
+    assert decide.text_area(key="decide.state_text").value

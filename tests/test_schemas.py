@@ -270,16 +270,17 @@ def test_create_never_overwrites_and_picks_a_new_slug(library: SchemaLibrary):
     assert library.load("claims").questions == GOOD_QUESTIONS
 
 
-def test_update_bumps_version_only_when_questions_change(library: SchemaLibrary):
+def test_update_bumps_version_when_anything_but_the_version_changes(library: SchemaLibrary):
     slug = library.create(Schema(name="Alerts", questions=GOOD_QUESTIONS))
-    same = library.load(slug)
-    same.description = "Only the description changed."
-    assert library.update(slug, same).version == 1
+    assert library.update(slug, library.load(slug)).version == 1  # saving what is there changes nothing
+    described = library.load(slug)
+    described.description = "Only the description changed."
+    assert library.update(slug, described).version == 2  # each save of new content is a version
     changed = library.load(slug)
     changed.questions = {**changed.questions, "extra": noul("Another question?")}
     saved = library.update(slug, changed)
-    assert saved.version == 2
-    assert library.load(slug).version == 2 and "extra" in library.load(slug).questions
+    assert saved.version == 3
+    assert library.load(slug).version == 3 and "extra" in library.load(slug).questions
 
 
 def test_invalid_schema_is_refused_and_nothing_is_written(library: SchemaLibrary):

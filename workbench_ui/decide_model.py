@@ -369,3 +369,20 @@ def frame_thumbnail(frame: np.ndarray, width: int = FRAME_THUMBNAIL_PX) -> Image
         return image
     factor = -(-width // image.width)  # ceiling: a whole number of screen pixels per frame pixel
     return image.resize((image.width * factor, image.height * factor), Image.Resampling.NEAREST)
+
+
+# -- which model a run uses -------------------------------------------------------------------------------------
+
+
+def chosen_model(names: list[str], picked: str | None) -> str | None:
+    """The model a Decide run uses among the loaded ones (`names`, the default first): the one picked on this page
+    while it stays loaded; otherwise (never picked, or since unloaded) the default."""
+    if picked in names:
+        return picked
+    return names[0] if names else None
+
+
+def counts_tokens_here(engine: Any) -> bool:
+    """Whether token counts (the budget bar) and sampled video frames can be shown for `engine`: a local engine
+    tokenizes here; a remote endpoint tokenizes on its side (and reports input_tokens in its answer)."""
+    return hasattr(engine, "count_tokens") and hasattr(engine, "encoder")

@@ -17,6 +17,7 @@ from typing import Any
 
 import streamlit as st
 
+from clef_engine.remote import is_endpoint
 from clef_workbench.model_loader import (
     CLEF_FLASH_REPO,
     CLEF_REPO,
@@ -93,8 +94,9 @@ def _job_runner(db_path: str):
 
 
 def get_library() -> SchemaLibrary:
-    """The schema library folder (CLEF_SCHEMAS_DIR, default ./schemas). Cheap: reads files on demand."""
-    return SchemaLibrary()
+    """The schema library folder (CLEF_SCHEMAS_DIR, default ./schemas), its history in the store. Cheap: reads
+    files on demand."""
+    return SchemaLibrary(history=get_store())
 
 
 def get_engine(*, show_errors: bool = True):
@@ -147,30 +149,97 @@ def _gib(n: int | None) -> str:
     return "–" if not n else f"{n / 2**30:.1f} GiB"
 
 
+MODEL_CHOICES = {"Clef (27B)": CLEF_REPO, "Clef-Flash (9B)": CLEF_FLASH_REPO, "Local release folder": "local",
+                 "System One endpoint (URL)": "endpoint", "Demo model (random weights)": DEMO_SOURCE}
+SOURCE_INPUTS = {"local": ("Release folder", "/models/clef-flash"),
+                 "endpoint": ("Endpoint URL (key from CLEF_API_KEY, never stored)", "https://host:8000")}
+
+
+def _choice_of(source: str | None) -> str:
+    """The MODEL_CHOICES label a source falls under."""
+    if not source:
+        return "Demo model (random weights)"
+    if is_endpoint(source):
+        return "System One endpoint (URL)"
+    return next((label for label, src in MODEL_CHOICES.items() if src == source), "Local release folder")
+
+
+def pick_source(label: str, key: str, current: str | None = None) -> str:
+    """A model source from MODEL_CHOICES, with a text box for a folder or an endpoint URL."""
+    current_choice = _choice_of(current)
+    picked = st.selectbox(label, list(MODEL_CHOICES), index=list(MODEL_CHOICES).index(current_choice),
+                          key=f"{key}_choice")
+    source = MODEL_CHOICES[picked]
+    if source in SOURCE_INPUTS:
+        text_label, placeholder = SOURCE_INPUTS[source]
+        source = st.text_input(text_label, value=current if picked == current_choice and current else "",
+                               key=f"{key}_{source}", placeholder=placeholder).strip()
+    return source
+
+
 def render_sidebar() -> None:
-    """Model selector and the resident model's status, drawn before the page."""
+    """The default model's selector, the other resident models (add, make default, remove) and the status, drawn
+    before the page."""
     manager = model_manager()
     state = manager.state()
     with st.sidebar:
         st.subheader("Model")
-        choices = {"Clef (27B)": CLEF_REPO, "Clef-Flash (9B)": CLEF_FLASH_REPO, "Local release folder": "local",
-                   "Demo model (random weights)": DEMO_SOURCE}
         current = state.loading_source or state.source
-        current_label = next((label for label, src in choices.items() if src == current),
-                             "Local release folder" if current else "Demo model (random weights)")
-        picked = st.selectbox("Model (shared by all sessions)", list(choices), index=list(choices).index(current_label),
-                              key="sidebar.model_choice")
-        source = choices[picked]
-        if source == "local":
-            source = st.text_input("Release folder", value=current if current_label == "Local release folder" else "",
-                                   key="sidebar.local_folder", placeholder="/models/clef-flash").strip()
+        source = pick_source("Model (shared by all sessions)", "sidebar.model", current)
         if source and source != current:
             st.caption("Switching reloads the model for every open session.")
             if st.button(f"Load {label_of(source)}", key="sidebar.load"):
                 manager.request(source)
                 st.rerun()
+        render_models(manager)
         st.divider()
         live_status()
+        render_add_model(manager)
+
+
+def render_models(manager: ModelManager) -> None:
+    """Every resident model when there are several (Decide, Runs and the API pick among them), with Make default and
+    Unload (which asks first)."""
+    models = manager.loaded()
+    if len(models) > 1:
+        st.caption("Loaded models (the API and the Decide and Runs pages pick among them):")
+    for index, model in enumerate(models if len(models) > 1 else []):
+        st.markdown(f"**{model.name}**" + (" (default)" if index == 0 else "") + f"  \n{model.label}")
+        cols = st.columns(2)
+        if index and cols[0].button("Make default", key=f"sidebar.default.{model.name}", icon=":material/star:",
+                                    help="The model pages and API requests use unless they pick another"):
+            manager.set_default(model.name)
+            st.rerun()
+        if cols[1].button("Unload…", key=f"sidebar.remove.{model.name}", icon=":material/close:"):
+            st.session_state["sidebar.confirm_remove"] = model.name
+            st.rerun()
+    confirming = st.session_state.get("sidebar.confirm_remove")
+    if confirming in {m.name for m in models}:
+        with st.container(border=True):
+            st.warning(f"Unload {confirming}? Runs on it stop after their batch in flight; you can load it again.")
+            cols = st.columns(2)
+            if cols[0].button("Yes, unload", key="sidebar.remove_yes", type="primary"):
+                st.session_state.pop("sidebar.confirm_remove", None)
+                try:
+                    manager.remove(confirming)
+                except KeyError as exc:
+                    st.error(str(exc))
+                st.rerun()
+            if cols[1].button("Cancel", key="sidebar.remove_no"):
+                st.session_state.pop("sidebar.confirm_remove", None)
+                st.rerun()
+
+
+def render_add_model(manager: ModelManager) -> None:
+    """Load one more model beside the resident ones."""
+    with st.expander("Add a model", icon=":material/add:"):
+        st.caption("Loads beside the others (each keeps its own engine; local ones share the GPU's queue). Memory "
+                   "is checked first: a model that does not fit is refused.")
+        source = pick_source("Model to add", "sidebar.add")
+        loaded_sources = {m.source for m in manager.loaded()}
+        if st.button("Add", key="sidebar.add", disabled=not source or source in loaded_sources):
+            manager.add(source)
+            st.rerun()
 
 
 @st.fragment(run_every=STATUS_REFRESH_SECONDS)
@@ -183,6 +252,8 @@ def live_status() -> None:
 def render_status(state: LoadState) -> None:
     if state.loading_source:
         st.caption(f"Loading {label_of(state.loading_source)}… {state.loading_seconds:.0f} s")
+    for source in state.adding:
+        st.caption(f"Adding {label_of(source)}…")
     engine = state.engine
     if engine is None:
         st.caption("No model loaded.")

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import weakref
 from collections import OrderedDict
+from itertools import chain
 
 import numpy as np
 import torch
@@ -201,11 +202,9 @@ class PrefillGraphs:
 
 # ---- the joint head ------------------------------------------------------------------------------------------------
 
-INDEX_FIELDS = ("record_rows", "last_rows", "question_rows", "question_chunk", "question_count", "question_record",
-                "question_slot", "question_type", "record_questions", "option_rows", "option_token_ids",
-                "option_chunk", "option_count", "option_question", "option_record", "option_record_slot",
-                "option_question_slot", "record_options", "question_options")
-MASK_FIELDS = ("memory_padding", "question_keep", "field_padding", "option_keep", "question_option_padding")
+# The arrays of a head graph's static index buffer (`head_shapes`) that are masks: kept as int64 in the buffer,
+# turned to bool inside the graph.
+HEAD_MASKS = frozenset({"memory_padding", "field_padding", "question_option_padding"})
 
 
 def _size(n: int, least: int = 1) -> int:
@@ -218,74 +217,134 @@ def _size(n: int, least: int = 1) -> int:
     return -(-n // step) * step
 
 
-def _padded(array: np.ndarray, shape: tuple[int, ...], fill) -> np.ndarray:
-    out = np.full(shape, fill, dtype=array.dtype)
-    out[tuple(slice(0, n) for n in array.shape)] = array
+def _spans(record) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The record's question spans [Q, 2], option spans [O, 2] and options per question [Q], as int64 arrays."""
+    from ..model.head import _pairs
+
+    questions = record.question_spans
+    per_question = np.fromiter((len(spans) for spans in record.option_spans), dtype=np.int64, count=len(questions))
+    return _pairs(questions), _pairs(chain.from_iterable(record.option_spans)), per_question
+
+
+def _slab(rows: int) -> int:
+    """Rows of a pooling slab: powers of two from 64 up to 512 (coarse on purpose: schemas of one size share a graph
+    rather than each capturing its own), then `_size` (at most 12.5% over: fewer padding rows to copy)."""
+    return max(64, 1 << max(0, rows - 1).bit_length()) if rows <= 512 else _size(rows)
+
+
+def _pool_groups(counts: np.ndarray) -> tuple[int, int]:
+    """(groups, slab) for pooling spans of `counts` rows: the spans in `groups` equal runs, each run's rows in a slab
+    of `slab` rows, so that pooling is a batch of small GEMMs ([groups, spans / groups, slab]) rather than one
+    [spans, rows] GEMM as many times larger. The most groups (up to 16) whose slabs hold at most twice the rows (or
+    256)."""
+    total = int(counts.sum())
+    for groups in (16, 8, 4, 2):
+        per_group = -(-len(counts) // groups)
+        padded = np.zeros(groups * per_group, dtype=np.int64)
+        padded[: len(counts)] = counts
+        slab = _slab(int(padded.reshape(groups, per_group).sum(1).max()))
+        if groups * slab <= max(2 * total, 256):
+            return groups, slab
+    return 1, _slab(total)
+
+
+def _pool_layout(first: np.ndarray, counts: np.ndarray, groups: int, slab: int) -> tuple[np.ndarray, np.ndarray]:
+    """Where each span's rows go in the [groups * slab] pooling layout of `_pool_groups`: (source row of each slot,
+    0 where empty; span of each slot, counted within its group, -1 where empty)."""
+    spans = len(counts)
+    per_group = -(-spans // groups)
+    group = np.arange(spans, dtype=np.int64) // per_group
+    group_rows = np.bincount(group, weights=counts, minlength=groups).astype(np.int64)
+    offset = np.cumsum(counts) - counts - (np.cumsum(group_rows) - group_rows)[group]  # first row within the group
+    span_of_row = np.repeat(np.arange(spans, dtype=np.int64), counts)
+    within = np.arange(len(span_of_row), dtype=np.int64) - (np.cumsum(counts) - counts)[span_of_row]
+    slot = group[span_of_row] * slab + offset[span_of_row] + within
+    rows, local = np.zeros(groups * slab, dtype=np.int64), np.full(groups * slab, -1, dtype=np.int64)
+    rows[slot] = first[span_of_row] + within
+    local[slot] = span_of_row - group[span_of_row] * per_group
+    return rows, local
+
+
+def head_shape(spans: tuple[np.ndarray, np.ndarray, np.ndarray], tokens: int) -> tuple[int, ...]:
+    """The bucket of one record's head call: (memory tokens, questions, options per question, options, then the
+    (groups, slab) of `_pool_groups` for the question and option spans and for the option tokens' lexical mean).
+    Counts are rounded up by `_size`. One spare question and one spare option always: the padding options belong
+    to the spare question, so that no padding slot joins a real question's softmax. `spans`: `_spans(record)`."""
+    question_spans, option_spans, per_question = spans
+    q_b, o_b = _size(len(question_spans) + 1), _size(len(option_spans) + 1)
+    question_counts = question_spans[:, 1] - question_spans[:, 0]
+    option_counts = np.zeros(o_b, dtype=np.int64)
+    option_counts[: len(option_spans)] = option_spans[:, 1] - option_spans[:, 0]
+    span_counts = np.concatenate([question_counts, np.zeros(q_b - len(question_spans), dtype=np.int64), option_counts])
+    return (_size(tokens, 1024), q_b, _size(int(per_question.max(initial=1))), o_b,
+            *_pool_groups(span_counts), *_pool_groups(option_counts))
+
+
+def head_shapes(shape: tuple[int, ...]) -> dict[str, tuple[int, ...]]:
+    """The shape of every array of a head graph's static index buffer, in buffer order (`pooled_rows` first)."""
+    t_b, q_b, k_b, o_b, groups, slab, lexical_groups, lexical_slab = shape
+    return {"pooled_rows": (groups * slab + 1,), "segment": (groups, slab), "pool_count": (q_b + o_b,),
+            "lexical_ids": (lexical_groups * lexical_slab,), "lexical_segment": (lexical_groups, lexical_slab),
+            "question_type": (q_b,), "option_question": (o_b,), "option_question_slot": (o_b,),
+            "question_options": (q_b, k_b), "memory_padding": (1, t_b), "field_padding": (1, q_b),
+            "question_option_padding": (q_b, k_b)}
+
+
+def head_arrays(record, spans: tuple[np.ndarray, np.ndarray, np.ndarray], tokens: int,
+                shape: tuple[int, ...]) -> dict[str, np.ndarray]:
+    """One record's index arrays padded to `shape`, built with numpy from its spans (no Python work per token or
+    option). The graph pools spans from a compact copy of the normed rows it reads (`pooled_rows`: every
+    question-span and option-span row in the layout of `_pool_layout`, then the last token); `segment` says which
+    span each compact row adds to within its group (question slots 0..q_b-1, then option slots), `lexical_ids` and
+    `lexical_segment` the same for the option tokens' ids. Padding changes no real answer: padding memory rows and
+    fields are masked out of every attention; padding spans pool nothing (count 1, so nothing divides by zero);
+    padding options belong to the spare question Q, which keeps one unmasked option so its softmax stays finite."""
+    from ..model.head import QUESTION_TYPE_INDEX, _first_index
+
+    t_b, q_b, k_b, o_b, groups, slab, lexical_groups, lexical_slab = shape
+    question_spans, option_spans, per_question = spans
+    questions, options = len(question_spans), len(option_spans)
+    first = np.zeros(q_b + o_b, dtype=np.int64)
+    counts = np.zeros(q_b + o_b, dtype=np.int64)
+    first[:questions], first[q_b: q_b + options] = question_spans[:, 0], option_spans[:, 0]
+    counts[:questions] = question_spans[:, 1] - question_spans[:, 0]
+    counts[q_b: q_b + options] = option_spans[:, 1] - option_spans[:, 0]
+
+    out = {name: np.zeros(size, dtype=np.int64) for name, size in head_shapes(shape).items()}
+    rows, local = _pool_layout(first, counts, groups, slab)
+    out["pooled_rows"][:-1], out["pooled_rows"][-1] = rows, tokens - 1
+    out["segment"].reshape(-1)[:] = local
+    out["pool_count"][:] = np.maximum(counts, 1)
+    token_rows, token_local = _pool_layout(first[q_b:], counts[q_b:], lexical_groups, lexical_slab)
+    if options:  # the ids of the schema's part of the record only, not of the whole state
+        start, end = int(option_spans[:, 0].min()), int(option_spans[:, 1].max())
+        ids = np.fromiter(record.input_ids[start:end], dtype=np.int64, count=end - start)
+        out["lexical_ids"][:] = np.where(token_local >= 0, ids[np.maximum(token_rows - start, 0)], 0)
+    out["lexical_segment"].reshape(-1)[:] = token_local
+    out["question_type"][:questions] = [QUESTION_TYPE_INDEX[t] for t in record.question_types[:questions]]
+    option_question = np.repeat(np.arange(questions, dtype=np.int64), per_question)
+    option_first = _first_index(per_question)
+    out["option_question"][:] = questions
+    out["option_question"][:options] = option_question
+    out["option_question_slot"][:options] = np.arange(options, dtype=np.int64) - option_first[option_question]
+    slot = np.arange(k_b, dtype=np.int64)
+    keep = slot[None, :] < per_question[:, None]
+    out["question_options"][:] = options
+    out["question_options"][:questions] = np.where(keep, option_first[:, None] + slot, options)
+    out["memory_padding"][0] = np.arange(t_b) >= tokens
+    out["field_padding"][0] = np.arange(q_b) >= questions
+    out["question_option_padding"][:] = 1
+    out["question_option_padding"][:questions] = ~keep
+    out["question_option_padding"][questions:, 0] = 0
     return out
 
 
-def head_shape(batch, tokens: int) -> tuple[int, ...]:
-    """The bucket of one record's head call: (memory tokens, questions, options per question, question-span grid
-    rows and width, option-span grid rows and width), each rounded up by `_size`. One spare question always: it
-    holds the padding options, so that no padding slot joins a real question."""
-    per_question = np.bincount(batch.option_question.numpy(), minlength=len(batch.question_count))
-    return (_size(tokens, 1024), _size(len(batch.question_count) + 1), _size(int(per_question.max())),
-            _size(batch.question_rows.shape[0]), _size(batch.question_rows.shape[1]),
-            _size(batch.option_rows.shape[0]), _size(batch.option_rows.shape[1]))
-
-
-def padded_head_arrays(batch, tokens: int, shape: tuple[int, ...]) -> dict[str, np.ndarray]:
-    """The index arrays of a one-record `layout` (model/head.py) padded to `shape`, in the head's multi-record form
-    (memory, field and option masks), so that the padding changes no real answer: padding memory rows, questions and
-    options are masked out of every attention and softmax; padding spans have no kept tokens (zero means, count 1,
-    so nothing divides by zero); every padding question owns one unmasked padding option (its softmax stays finite).
-    Options sit on a [questions, options per question] grid: option k of question j is slot j * K + k."""
-    t_b, q_b, k_b, cq_b, lq_b, co_b, lo_b = shape
-    a = {name: getattr(batch, name).numpy() for name in ("question_rows", "question_keep", "question_count",
-                                                         "question_type", "option_rows", "option_token_ids",
-                                                         "option_keep", "option_count", "option_question",
-                                                         "option_question_slot")}
-    questions, options = len(a["question_count"]), len(a["option_count"])
-    slots = q_b * k_b
-    real_slot = a["option_question"] * k_b + a["option_question_slot"]
-    question_chunk = (batch.question_chunk.numpy() if batch.question_chunk is not None
-                      else np.arange(questions, dtype=np.int64))
-    option_chunk = batch.option_chunk.numpy() if batch.option_chunk is not None else np.arange(options, dtype=np.int64)
-    position = np.arange(t_b, dtype=np.int64)
-    option_count = np.ones(slots, dtype=np.int64)
-    option_count[real_slot] = a["option_count"]
-    padding = np.ones((q_b, k_b), dtype=bool)
-    padding.reshape(-1)[real_slot] = False
-    padding[questions:, 0] = False
-    grid = np.arange(slots, dtype=np.int64)
-    return {
-        "record_rows": np.where(position < tokens, position, 0)[None], "memory_padding": (position >= tokens)[None],
-        "last_rows": np.array([tokens - 1], dtype=np.int64),
-        "question_rows": _padded(a["question_rows"], (cq_b, lq_b), 0),
-        "question_keep": _padded(a["question_keep"], (cq_b, lq_b), False),
-        "question_chunk": _padded(question_chunk, (cq_b,), q_b - 1),
-        "question_count": _padded(a["question_count"], (q_b,), 1),
-        "question_record": np.zeros(q_b, dtype=np.int64), "question_slot": np.arange(q_b, dtype=np.int64),
-        "question_type": _padded(a["question_type"], (q_b,), 0),
-        "record_questions": np.arange(q_b, dtype=np.int64)[None],
-        "field_padding": (np.arange(q_b) >= questions)[None],
-        "option_rows": _padded(a["option_rows"], (co_b, lo_b), 0),
-        "option_token_ids": _padded(a["option_token_ids"], (co_b, lo_b), 0),
-        "option_keep": _padded(a["option_keep"], (co_b, lo_b), False),
-        "option_chunk": _padded(real_slot[option_chunk], (co_b,), slots - 1),
-        "option_count": option_count, "option_question": grid // k_b, "option_record": np.zeros(slots, dtype=np.int64),
-        "option_record_slot": grid, "option_question_slot": grid % k_b, "record_options": grid[None],
-        "question_options": grid.reshape(q_b, k_b), "question_option_padding": padding,
-    }
-
-
 class HeadGraph:
-    """The head for one shape bucket: static index buffer, static inputs (views of shared buffers), the output."""
+    """The head for one shape bucket: its static index buffer (host copy pinned), its graph and its output."""
 
     def __init__(self, shape: tuple[int, ...], device: torch.device):
         self.shape = shape
-        arrays = padded_head_arrays_template(shape)
-        self.layout = [(name, arrays[name].shape) for name in INDEX_FIELDS + MASK_FIELDS]
+        self.layout = list(head_shapes(shape).items())
         size = sum(int(np.prod(s)) for _, s in self.layout)
         self.host = torch.empty(size, dtype=torch.int64, pin_memory=device.type == "cuda")
         self.device_buffer = torch.zeros(size, dtype=torch.int64, device=device)
@@ -294,43 +353,28 @@ class HeadGraph:
 
     def load(self, arrays: dict[str, np.ndarray]) -> None:
         """Write the arrays into the static device buffer (one host-to-device copy)."""
-        np.concatenate([arrays[name].reshape(-1).astype(np.int64) for name, _ in self.layout],
-                       out=self.host.numpy())
+        np.concatenate([arrays[name].reshape(-1) for name, _ in self.layout], out=self.host.numpy())
         self.device_buffer.copy_(self.host, non_blocking=True)
 
-    def batch(self):
-        from ..model.head import HeadBatch
-
+    def views(self) -> dict[str, torch.Tensor]:
+        """The arrays as views of the device buffer (masks converted to bool: inside a graph body, on every replay)."""
         views, start = {}, 0
         for name, shape in self.layout:
             count = int(np.prod(shape))
             view = self.device_buffer[start: start + count].view(shape)
-            views[name] = view.bool() if name in MASK_FIELDS else view
+            views[name] = view.bool() if name in HEAD_MASKS else view
             start += count
-        return HeadBatch(buffer=self.device_buffer, memory_start=0, memory_length=self.shape[0],
-                         **{name: views.get(name) for name in INDEX_FIELDS + MASK_FIELDS})
-
-
-def padded_head_arrays_template(shape: tuple[int, ...]) -> dict[str, np.ndarray]:
-    """Arrays of the right shapes for `shape` (their values do not matter: they size the static buffer)."""
-    t_b, q_b, k_b, cq_b, lq_b, co_b, lo_b = shape
-    return {name: np.zeros(s, dtype=np.int64) for name, s in (
-        ("record_rows", (1, t_b)), ("memory_padding", (1, t_b)), ("last_rows", (1,)),
-        ("question_rows", (cq_b, lq_b)), ("question_keep", (cq_b, lq_b)), ("question_chunk", (cq_b,)),
-        ("question_count", (q_b,)), ("question_record", (q_b,)), ("question_slot", (q_b,)), ("question_type", (q_b,)),
-        ("record_questions", (1, q_b)), ("field_padding", (1, q_b)),
-        ("option_rows", (co_b, lo_b)), ("option_token_ids", (co_b, lo_b)), ("option_keep", (co_b, lo_b)),
-        ("option_chunk", (co_b,)), ("option_count", (q_b * k_b,)), ("option_question", (q_b * k_b,)),
-        ("option_record", (q_b * k_b,)), ("option_record_slot", (q_b * k_b,)), ("option_question_slot", (q_b * k_b,)),
-        ("record_options", (1, q_b * k_b)), ("question_options", (q_b, k_b)), ("question_option_padding", (q_b, k_b)))}
+        return views
 
 
 class HeadGraphs:
     """The joint head of one record from a CUDA graph per shape bucket (`head_shape`): with no backbone running to
-    hide them, the head's few hundred small kernels are bound by the host launching them. A new bucket is captured on
-    first use (the eager run before the capture answers that call); at most `max_graphs` are kept, least recently
-    used out. Records longer than `max_tokens` run the head eagerly. On the CPU, `capture=False` runs the same padded
-    call eagerly, which is how tests check that the padding changes no answer."""
+    hide them, the head's few hundred small kernels are bound by the host launching them. Outside the graph, each
+    call copies into static buffers only what the head reads: the record's memory and the normed rows of its spans
+    and last token (the head attends over the whole memory, but reads normed states only there). A new bucket is
+    captured on first use (the eager run before the capture answers that call); at most `max_graphs` are kept,
+    least recently used out. Records longer than `max_tokens` run the head eagerly. On the CPU, `capture=False` runs
+    the same padded call eagerly, which is how tests check that the padding changes no answer."""
 
     def __init__(self, head, output_embeddings: torch.Tensor, *, max_tokens: int = 32_768, max_graphs: int = 64,
                  capture: bool = True):
@@ -341,8 +385,8 @@ class HeadGraphs:
         self.capture = capture
         self.device = output_embeddings.device
         self.graphs: OrderedDict[tuple, HeadGraph] = OrderedDict()
-        self.normed: torch.Tensor | None = None  # [max_tokens, hidden], shared by every graph
-        self.memory: torch.Tensor | None = None  # [max_tokens, width]
+        self.rows: torch.Tensor | None = None  # [rows, hidden]: the normed rows a call pools, shared by every graph
+        self.memory: torch.Tensor | None = None  # [memory tokens, width]
         self.pool = None
         self.disabled: str | None = None
         self.captures = 0
@@ -352,31 +396,55 @@ class HeadGraphs:
         return self.disabled is None and tokens <= self.max_tokens
 
     def _body(self, entry: HeadGraph) -> torch.Tensor:
-        from ..model.head import option_probabilities
+        from ..model.head import HeadBatch, additive_mask, option_probabilities, pooled_sums, pooling_matrix
 
-        tokens = entry.shape[0]
-        batch = entry.batch()
-        logits = self.head.decide_from_memory(self.normed[:tokens], self.memory[:tokens], self.output_embeddings,
-                                              batch)
+        t_b, q_b, k_b, o_b, groups, slab, lexical_groups, lexical_slab = entry.shape
+        a = entry.views()
+        rows = self.rows[: groups * slab].view(groups, slab, -1)
+        spans = -(-(q_b + o_b) // groups)
+        sums = pooled_sums(pooling_matrix(a["segment"], spans, rows.dtype), rows).view(groups * spans, -1)
+        means = sums[: q_b + o_b] / a["pool_count"][:, None]
+        table = self.output_embeddings
+        tokens = table[a["lexical_ids"]].view(lexical_groups, lexical_slab, -1)
+        spans = -(-o_b // lexical_groups)
+        sums = pooled_sums(pooling_matrix(a["lexical_segment"], spans, table.dtype), tokens)
+        lexical = sums.view(lexical_groups * spans, -1)[:o_b] / a["pool_count"][q_b:, None]
+        last = self.rows[groups * slab: groups * slab + 1]
+        memory = self.memory[:t_b][None]
+        batch = HeadBatch(buffer=entry.device_buffer, memory_start=0, memory_length=t_b, record_rows=None,
+                          memory_padding=a["memory_padding"], last_rows=a["pooled_rows"][-1:], question_rows=None,
+                          question_keep=None, question_chunk=None, question_count=a["pool_count"][:q_b],
+                          question_record=None, question_slot=None, question_type=a["question_type"],
+                          record_questions=None, field_padding=a["field_padding"], option_rows=None,
+                          option_token_ids=None, option_keep=None, option_chunk=None,
+                          option_count=a["pool_count"][q_b:], option_question=a["option_question"],
+                          option_record=None, option_record_slot=None, option_question_slot=a["option_question_slot"],
+                          record_options=None, question_options=a["question_options"],
+                          question_option_padding=a["question_option_padding"])
+        logits = self.head.decide_from_means(means[:q_b], means[q_b:], lexical, last, memory,
+                                             additive_mask(a["memory_padding"], memory.dtype), batch)
         return option_probabilities(logits, batch)
 
-    def probabilities(self, normed: torch.Tensor, memory: torch.Tensor, record, batch) -> list[list[float]] | None:
-        """Per question, the option probabilities of `record` (its one-record `layout` is `batch`, on the CPU), or
-        None if the head graphs are off."""
+    def probabilities(self, normed: torch.Tensor, memory: torch.Tensor, record) -> list[list[float]] | None:
+        """Per question, the option probabilities of `record` from its normed states and memory, or None if the
+        head graphs are off."""
         tokens = normed.shape[0]
         if not self.usable(tokens):
             return None
-        shape = head_shape(batch, tokens)
-        if self.normed is None:
-            self.normed = normed.new_zeros(self.max_tokens, normed.shape[1])
-            self.memory = memory.new_zeros(self.max_tokens, memory.shape[1])
-        self.normed[:tokens].copy_(normed)
-        self.memory[:tokens].copy_(memory)
+        spans = _spans(record)
+        shape = head_shape(spans, tokens)
+        pooled = shape[4] * shape[5] + 1  # pooled_rows, the first array of the buffer
+        if self.memory is None:
+            self.memory = memory.new_zeros(_size(self.max_tokens, 1024), memory.shape[1])
+        if self.rows is None or self.rows.shape[0] < pooled:
+            self._grow_rows(normed, pooled)
         entry = self.graphs.get(shape)
         fresh = entry is None
         if fresh:
             entry = HeadGraph(shape, self.device)
-        entry.load(padded_head_arrays(batch, tokens, shape))
+        entry.load(head_arrays(record, spans, tokens, shape))
+        torch.index_select(normed, 0, entry.device_buffer[:pooled], out=self.rows[:pooled])
+        self.memory[:tokens].copy_(memory)
         if not self.capture:
             flat = self._body(entry)
         elif not fresh:
@@ -394,9 +462,19 @@ class HeadGraphs:
             self.graphs[shape] = entry
             while len(self.graphs) > self.max_graphs:
                 self.graphs.popitem(last=False)
-        values = flat.cpu().tolist()  # the one host sync of the call
-        k_b = shape[2]
-        return [[values[j * k_b + k] for k in range(len(spans))] for j, spans in enumerate(record.option_spans)]
+        per_question = [len(spans) for spans in record.option_spans]
+        values = flat[: sum(per_question)].cpu().tolist()  # the one host sync of the call; real options come first
+        ends = np.cumsum(per_question).tolist()
+        return [values[end - n: end] for n, end in zip(per_question, ends)]
+
+    def _grow_rows(self, normed: torch.Tensor, pooled: int) -> None:
+        """Size the pooled-rows buffer: first for a record of `max_tokens` (the common case never grows it), then at
+        least twice over for a schema whose spans need more. The old graphs read the old buffer, so they go, and with
+        them their memory pool: a capture into the pool of graphs that no longer exist fails in the allocator."""
+        least = 2 * self.rows.shape[0] if self.rows is not None else self.max_tokens + 1
+        self.rows = normed.new_zeros(_size(max(pooled, least)), normed.shape[1])
+        self.graphs.clear()
+        self.pool = None
 
     def _capture(self, entry: HeadGraph) -> torch.Tensor:
         side = side_stream(self.device)

@@ -19,6 +19,7 @@ the weights' dtype. With float32 weights every cast is a no-op and the math is t
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, fields, replace
 from itertools import chain
@@ -27,6 +28,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.weak import WeakIdKeyDictionary
 
 from .release import HeadConfig
 
@@ -243,6 +245,37 @@ def segment_mean(source: torch.Tensor, index: torch.Tensor, keep: torch.Tensor, 
     return sums / count[:, None]
 
 
+def pooling_matrix(segment: torch.Tensor, spans: int, dtype: torch.dtype) -> torch.Tensor:
+    """[..., rows] segment ids -> [..., spans, rows] 0/1 matrix, 1 where row r adds to span s (-1: to no span). Built
+    on the device from the segment ids, so only those travel from the host."""
+    return (segment[..., None, :] == torch.arange(spans, device=segment.device)[:, None]).to(dtype)
+
+
+@functools.cache
+def _bmm_writes_float32(device: torch.device) -> bool:
+    """Whether this torch has bmm's out_dtype (bf16 inputs, float32 output) on `device`; asked once, eagerly."""
+    try:
+        x = torch.ones(1, 2, 2, dtype=torch.bfloat16, device=device)
+        return torch.bmm(x, x, out_dtype=torch.float32).dtype == torch.float32
+    except (RuntimeError, TypeError):
+        return False
+
+
+def float32_bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b ([G, M, K] x [G, K, N]) in float32. On CUDA a bf16/fp16 GEMM accumulates in float32 and writes float32
+    (bmm's out_dtype), so nothing is rounded to bf16 on the way out; elsewhere (or on a torch without out_dtype)
+    the plain float32 product."""
+    if b.is_cuda and b.dtype in (torch.bfloat16, torch.float16) and _bmm_writes_float32(b.device):
+        return torch.bmm(a.to(b.dtype), b, out_dtype=torch.float32)
+    return a.float() @ b.float()
+
+
+def pooled_sums(pooling: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """pooling @ rows in float32 ([G, spans, rows] x [G, rows, D] -> [G, spans, D]): span sums as a batch of GEMMs
+    instead of a padded gather, a mask and a reduction."""
+    return float32_bmm(pooling, rows)
+
+
 def additive_mask(padding: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """[B, T] padding -> [B, 1, 1, T] SDPA mask, -inf on padding: the same as a boolean keep-mask, but built once
     per batch (SDPA converts a boolean mask on every call). Rows are 16-aligned so the memory-efficient kernel takes
@@ -255,9 +288,32 @@ def additive_mask(padding: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 # ---- the layers as plain functions of the modules' parameters (eval mode: every dropout has p=0) --------------
 
+_float32_copies = WeakIdKeyDictionary()  # parameter -> ((its version, its storage), its float32 copy)
+
+
+def _float32(parameter: torch.Tensor) -> torch.Tensor:
+    """A float32 copy of a (bf16) parameter, made once and kept while the parameter lives unchanged: otherwise the
+    head casts its LayerNorm and scoring parameters on every call, some forty small kernels. A parameter written in
+    place (load_state_dict: a new version) or moved (`.to`: new storage) gets a new copy."""
+    if parameter.dtype == torch.float32:
+        return parameter
+    if parameter.requires_grad and torch.is_grad_enabled():  # a copy would cut the gradient
+        return parameter.float()
+    state = (parameter._version, parameter.data_ptr())
+    kept = _float32_copies.get(parameter)
+    if kept is None or kept[0] != state:
+        kept = (state, parameter.detach().float())
+        _float32_copies[parameter] = kept
+    return kept[1]
+
+
 def _norm(norm: nn.LayerNorm, x: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """LayerNorm computed and returned in `dtype` (float32 unless said otherwise; bf16 weights are exact in it)."""
-    return F.layer_norm(x.to(dtype), norm.normalized_shape, norm.weight.to(dtype), norm.bias.to(dtype), norm.eps)
+    if dtype == torch.float32:
+        weight, bias = _float32(norm.weight), _float32(norm.bias)
+    else:
+        weight, bias = norm.weight.to(dtype), norm.bias.to(dtype)
+    return F.layer_norm(x.to(dtype), norm.normalized_shape, weight, bias, norm.eps)
 
 
 def _linear(linear: nn.Linear, x: torch.Tensor) -> torch.Tensor:
@@ -273,8 +329,8 @@ def _heads(x: torch.Tensor, heads: int) -> torch.Tensor:
 def attend(attention: nn.MultiheadAttention, query: torch.Tensor, memory: torch.Tensor,
            mask: torch.Tensor | None) -> torch.Tensor:
     """nn.MultiheadAttention(query, memory, memory) with need_weights=False, on F.scaled_dot_product_attention;
-    `memory is query` is self-attention (one packed projection). mask=None lets SDPA use flash attention. Runs in
-    the weights' dtype; returns it."""
+    `memory is query` is self-attention (one packed projection). mask=None lets SDPA use flash attention. Runs in the
+    weights' dtype; returns it."""
     weight, bias, width = attention.in_proj_weight, attention.in_proj_bias, query.shape[-1]
     if memory is query:
         q, k, v = F.linear(query.to(weight.dtype), weight, bias).chunk(3, dim=-1)
@@ -282,7 +338,8 @@ def attend(attention: nn.MultiheadAttention, query: torch.Tensor, memory: torch.
         q = F.linear(query.to(weight.dtype), weight[:width], bias[:width])
         k, v = F.linear(memory.to(weight.dtype), weight[width:], bias[width:]).chunk(2, dim=-1)
     heads = attention.num_heads
-    out = F.scaled_dot_product_attention(_heads(q, heads), _heads(k, heads), _heads(v, heads), attn_mask=mask)
+    q, k, v = _heads(q, heads), _heads(k, heads), _heads(v, heads)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
     return _linear(attention.out_proj, out.transpose(1, 2).reshape(query.shape))
 
 
@@ -351,9 +408,7 @@ class JointSchemaHead(nn.Module):
 
     def decide_from_memory(self, normed: torch.Tensor, memory_flat: torch.Tensor, output_embeddings: torch.Tensor,
                            batch: HeadBatch) -> torch.Tensor:
-        width = self.config.width
-        one = batch.record_rows is None  # one record: its memory is a slice and nothing needs padding
-        if one:
+        if batch.record_rows is None:  # one record: its memory is a slice and nothing needs padding
             start, end = batch.memory_start, batch.memory_start + batch.memory_length
             memory = memory_flat[start:end][None]  # [1, T, W]
             global_state = normed[end - 1: end]  # [1, D], broadcast over the record's questions and options
@@ -362,13 +417,22 @@ class JointSchemaHead(nn.Module):
             memory = memory_flat[batch.record_rows]  # [B, T, W]
             global_state = normed[batch.last_rows]  # [B, D]
             memory_mask = additive_mask(batch.memory_padding, memory.dtype)  # SDPA runs in the weights' dtype
-
         question = segment_mean(normed, batch.question_rows, batch.question_keep, batch.question_count,
                                 batch.question_chunk)
         context = segment_mean(normed, batch.option_rows, batch.option_keep, batch.option_count, batch.option_chunk)
         lexical = segment_mean(output_embeddings, batch.option_token_ids, batch.option_keep, batch.option_count,
                                batch.option_chunk)
+        return self.decide_from_means(question, context, lexical, global_state, memory, memory_mask, batch)
 
+    def decide_from_means(self, question: torch.Tensor, context: torch.Tensor, lexical: torch.Tensor,
+                          global_state: torch.Tensor, memory: torch.Tensor, memory_mask: torch.Tensor | None,
+                          batch: HeadBatch) -> torch.Tensor:
+        """Steps 3-6 of spec §4 from the span means (float32, [Q, D] / [O, D] / [O, D]), the records' last normed
+        states ([B, D]) and their memory ([B, T, W], `memory_mask` its additive padding mask or None). A batch
+        without `record_options` holds one record: its options and fields are one sequence each, unpadded, and
+        `field_padding` (if given) masks padding fields."""
+        width = self.config.width
+        one = batch.record_options is None
         queries = (_linear(self.option_context_projection, context).float()
                    + _linear(self.option_lexical_projection, lexical)
                    + _linear(self.option_question_projection, question)[batch.option_question])  # float32 stream
@@ -390,7 +454,7 @@ class JointSchemaHead(nn.Module):
                   + F.embedding(batch.question_type, self.type_embedding.weight))  # float32 stream
 
         fields = fields[None] if one else fields[batch.record_questions]  # [B, Qmax, W]
-        field_mask = None if one else additive_mask(batch.field_padding, memory.dtype)
+        field_mask = None if batch.field_padding is None else additive_mask(batch.field_padding, memory.dtype)
         for layer in self.layers:
             fields = decode(layer, fields, memory, field_mask, memory_mask)
         fields = _norm(self.field_norm, fields)
@@ -399,7 +463,7 @@ class JointSchemaHead(nn.Module):
         field_of_option = fields[batch.option_question]
         option_vectors = _norm(self.option_norm, routed)
         record_state = global_state if one else global_state[batch.option_record]
-        prior = self.prior_logit_scale.float().clamp(max=LOGIT_SCALE_CAP).exp() * F.cosine_similarity(
+        prior = _float32(self.prior_logit_scale).clamp(max=LOGIT_SCALE_CAP).exp() * F.cosine_similarity(
             lexical, question[batch.option_question] + record_state.float(), dim=-1
         )
         pair = torch.cat([field_of_option, option_vectors, field_of_option * option_vectors,
@@ -407,10 +471,10 @@ class JointSchemaHead(nn.Module):
         first, gelu, _, second = self.residual_scorer
         hidden = F.gelu(_linear(first, pair), approximate=gelu.approximate)
         # the last layer is one dot product per option: in float32, like the logit it adds to
-        residual = F.linear(hidden.float(), second.weight.float(), second.bias.float())
-        joint = (self.joint_logit_scale.float().clamp(max=LOGIT_SCALE_CAP).exp()
+        residual = F.linear(hidden.float(), _float32(second.weight), _float32(second.bias))
+        joint = (_float32(self.joint_logit_scale).clamp(max=LOGIT_SCALE_CAP).exp()
                  * F.cosine_similarity(field_of_option, option_vectors, dim=-1) + residual[:, 0])
-        return prior + torch.sigmoid(self.residual_gate.float()) * joint
+        return prior + torch.sigmoid(_float32(self.residual_gate)) * joint
 
 
 def option_probabilities(logits: torch.Tensor, batch: HeadBatch) -> torch.Tensor:

@@ -1,11 +1,15 @@
 """`python -m clef_engine serve`: the System One API on a resident engine, standalone.
 
-    python -m clef_engine serve --model SOURCE [--host 127.0.0.1] [--port 8000] [--api-key-env VAR]
+    python -m clef_engine serve --model SOURCE [--model SOURCE ...] [--host 127.0.0.1] [--port 8000] [--api-key-env VAR]
                                 [--device cuda|cpu] [--dtype bfloat16|float32] [--revision REV] [--max-body-mb 32]
                                 [--max-queued-records N] [--request-timeout S] [--header-timeout S]
                                 [--keep-alive-timeout S] [--cors-origin ORIGIN ...]
 
-The model loads before the server listens, so once /health answers the server is ready.
+The models load before the server listens, so once /health answers the server is ready. With several `--model`s
+each keeps its own engine (the local ones share their GPU's queue, taking turns), the first is the default, and a
+request's `"model"` picks one by the name /v1/models lists; `jev-latest` and names not loaded go to the default.
+Before each local model loads, its memory need is checked against the memory free on its device (with the models
+before it resident), so a model that does not fit is a clear error, not an out-of-memory crash.
 
 Connections: a client must send a request's line and headers within --header-timeout seconds of connecting (or of
 its previous answer), an idle keep-alive connection is closed after --keep-alive-timeout seconds, and a body must
@@ -37,7 +41,9 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
         help="serve the Jev / System One HTTP API from a resident model",
         description="Serve POST /v1/systemone, GET /v1/models, GET /health and GET /metrics from one resident model.",
     )
-    parser.add_argument("--model", required=True, help="release folder or Hugging Face repo id")
+    parser.add_argument("--model", required=True, action="append",
+                        help="release folder, Hugging Face repo id, or System One endpoint URL; repeat to serve "
+                             "several models (the first is the default)")
     parser.add_argument("--revision", default=None, help="revision of a Hugging Face repo id")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     parser.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
@@ -135,11 +141,40 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
+def load_models(args: argparse.Namespace) -> dict:
+    """Every --model, in order: name (as /v1/models lists it) → engine. Raises ClefError."""
+    import clef_engine
+
+    from .. import memory
+    from ..config import EngineConfig
+    from ..remote import is_endpoint
+    from .server import _public_model_name
+
+    models: dict = {}
+    for source in args.model:
+        print(f"loading {source} …", file=sys.stderr, flush=True)
+        if is_endpoint(source):
+            engine = clef_engine.load(source)  # key from CLEF_API_KEY
+        else:
+            config = EngineConfig.resolve(device=args.device, dtype=args.dtype,
+                                          allow_slow_kernels=args.allow_slow_kernels)
+            local = [name for name, e in models.items() if not e.info().get("remote")]
+            memory.check_fits(source, revision=args.revision, config=config, loaded=local)
+            engine = clef_engine.load(source, revision=args.revision, config=config)
+        if args.max_queued_records is not None and hasattr(engine, "scheduler"):
+            # The scheduler reads this bound on every submit, so setting it after load takes effect at once.
+            engine.scheduler.max_queued_records = max(1, args.max_queued_records)
+        name = base = _public_model_name(engine.info())
+        count = 2
+        while name in models:
+            name, count = f"{base}-{count}", count + 1
+        models[name] = engine
+    return models
+
+
 def run_serve(args: argparse.Namespace) -> int:
     """Load the model, then serve until interrupted. Returns the exit status."""
     import uvicorn
-
-    import clef_engine
 
     from ..errors import ClefError
     from .server import create_app
@@ -149,20 +184,15 @@ def run_serve(args: argparse.Namespace) -> int:
     if not _is_loopback(args.host) and api_key is None:
         print(f"warning: serving on {args.host} without an API key; anyone who can reach it can use the model",
               file=sys.stderr)
-    print(f"loading {args.model} …", file=sys.stderr, flush=True)
     try:
-        engine = clef_engine.load(args.model, device=args.device, dtype=args.dtype, revision=args.revision,
-                                  allow_slow_kernels=args.allow_slow_kernels)
-    except ClefError as exc:  # a missing or broken release, no fast kernels on CUDA: say so, no traceback
+        models = load_models(args)
+    except ClefError as exc:  # a missing or broken release, no fast kernels on CUDA, no room: say so, no traceback
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    if args.max_queued_records is not None:
-        # The scheduler reads this bound on every submit, so setting it after load takes effect at once.
-        engine.scheduler.max_queued_records = max(1, args.max_queued_records)
-    app = create_app(engine, api_key=api_key, max_body_bytes=int(args.max_body_mb * 2**20),
+    app = create_app(models, api_key=api_key, max_body_bytes=int(args.max_body_mb * 2**20),
                      request_timeout=args.request_timeout, cors_origins=args.cors_origin)
-    print(f"serving {args.model} on http://{args.host}:{args.port} (auth {'on' if api_key else 'off'})",
-          file=sys.stderr, flush=True)
+    print(f"serving {', '.join(models)} on http://{args.host}:{args.port} (default {next(iter(models))}; auth "
+          f"{'on' if api_key else 'off'})", file=sys.stderr, flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
                 timeout_graceful_shutdown=5, timeout_keep_alive=args.keep_alive_timeout,
                 http=with_header_timeout(args.header_timeout))

@@ -40,6 +40,7 @@ _HEALTH = {
     "title": "Health",
     "type": "object",
     "properties": {"ready": {"type": "boolean"}, "model": {"type": ["string", "null"]},
+                   "models": {"type": "array", "items": {"type": "string"}},
                    "revision": {"type": ["string", "null"]}, "device": {"type": ["string", "null"]}},
 }
 _MODELS = {

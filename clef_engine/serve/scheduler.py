@@ -10,6 +10,10 @@ interactive jobs waiting then run at once, so an interactive request waits for o
 it. The queue is bounded in records: past the bound, `submit`
 raises BusyError at once instead of growing memory. A job cancelled before it starts is skipped. The scheduler
 knows nothing of tensors: `run_batch` does the work.
+
+Several engines in one process (Clef and Clef-Flash resident together) each keep their own scheduler, and the
+schedulers of one device share a `GpuTurn`: a worker runs a batch only while it holds the turn, so the device runs
+one engine's batch at a time and the engines take turns fairly (see GpuTurn).
 """
 
 from __future__ import annotations
@@ -26,6 +30,62 @@ from typing import Any
 from ..errors import BusyError
 
 PRIORITIES = {"interactive": 0, "bulk": 1}
+
+
+class GpuTurn:
+    """Whose turn it is on one device, shared by the schedulers of every engine on it. A worker holds the turn while
+    it runs a batch; waiting workers are served by (priority, arrival): an interactive batch goes before bulk ones,
+    and bulk batches of different engines alternate in the order they asked, so a long bulk run on one model never
+    starves another. A bulk batch that lets interactive work in between its layers also lets another engine's
+    waiting interactive batch in there (`pass_to_interactive`): an interactive request on model B during a bulk run
+    on model A waits for a layer of A's batch, at most the rest of that one batch."""
+
+    def __init__(self) -> None:
+        self._condition = threading.Condition()
+        self._tickets = itertools.count()
+        self._waiting: list[tuple[int, int]] = []  # heap of (priority, ticket)
+        self._held = False
+
+    def acquire(self, priority: int) -> float:
+        """Wait for the turn; returns the seconds waited."""
+        started = time.perf_counter()
+        with self._condition:
+            ticket = (priority, next(self._tickets))
+            heapq.heappush(self._waiting, ticket)
+            while self._held or self._waiting[0] != ticket:
+                self._condition.wait()
+            heapq.heappop(self._waiting)
+            self._held = True
+        return time.perf_counter() - started
+
+    def release(self) -> None:
+        with self._condition:
+            self._held = False
+            self._condition.notify_all()
+
+    def interactive_waiting(self) -> bool:
+        """Whether another engine's interactive batch waits for the turn (cheap: read without the lock)."""
+        waiting = self._waiting
+        return bool(waiting) and waiting[0][0] == PRIORITIES["interactive"]
+
+    def pass_to_interactive(self) -> float:
+        """From the holder, between two steps of a bulk batch: let the interactive batches waiting now run, then
+        take the turn back ahead of every bulk batch (the resumed batch waits as interactive work, after them).
+        Returns the seconds the holder waited."""
+        if not self.interactive_waiting():
+            return 0.0
+        self.release()
+        return self.acquire(PRIORITIES["interactive"])
+
+
+_device_turns: dict[str, GpuTurn] = {}
+_device_turns_lock = threading.Lock()
+
+
+def device_turn(device: str) -> GpuTurn:
+    """The process's one GpuTurn for `device` (e.g. "cuda:0", "cpu"): every engine on it shares the one queue."""
+    with _device_turns_lock:
+        return _device_turns.setdefault(device, GpuTurn())
 
 
 @dataclass(order=True)
@@ -64,12 +124,16 @@ class SchedulerStats:
     largest_batch_records: int = 0
     last_batch_records: int = 0
     busy_seconds: float = 0.0
+    turn_wait_seconds: float = 0.0  # waiting for other engines on the same device (GpuTurn)
 
 
 class Scheduler:
     def __init__(self, run_batch: Callable[[list], list], *, token_budget: int = 65_536,
-                 bulk_batch_tokens: int | None = None, max_queued_records: int = 4_096, name: str = "clef-gpu-worker"):
+                 bulk_batch_tokens: int | None = None, max_queued_records: int = 4_096, name: str = "clef-gpu-worker",
+                 turn: GpuTurn | None = None):
+        """`turn`: the device's GpuTurn shared with other engines' schedulers (default: a turn of its own)."""
         self.run_batch = run_batch
+        self.turn = turn if turn is not None else GpuTurn()
         self.token_budget = token_budget
         self.bulk_batch_tokens = token_budget if bulk_batch_tokens is None else min(bulk_batch_tokens, token_budget)
         self.max_queued_records = max_queued_records
@@ -176,16 +240,24 @@ class Scheduler:
                     return
                 pieces = self._take_batch()
             if pieces:
-                self._run(pieces)
+                self.stats.turn_wait_seconds += self.turn.acquire(pieces[0].job.priority)
+                try:
+                    self._run(pieces)
+                finally:
+                    self.turn.release()
 
     def interactive_waiting(self) -> bool:
-        """Whether interactive work waits while a bulk batch runs (cheap: read without the lock)."""
+        """Whether interactive work — this engine's, or another engine's on the same device — waits while a bulk
+        batch runs (cheap: read without the lock)."""
+        if self.running_priority != PRIORITIES["bulk"]:
+            return False
         heap = self._heap
-        return self.running_priority == PRIORITIES["bulk"] and bool(heap) and heap[0].priority == PRIORITIES[
-            "interactive"]
+        return (bool(heap) and heap[0].priority == PRIORITIES["interactive"]) or self.turn.interactive_waiting()
 
     def run_waiting_interactive(self) -> None:
-        """Run the interactive jobs waiting now, inside the bulk batch that calls this (worker thread only)."""
+        """Run the interactive jobs waiting now, inside the bulk batch that calls this (worker thread only): other
+        engines' first (they waited for the turn), then this engine's own."""
+        self.stats.turn_wait_seconds += self.turn.pass_to_interactive()
         while self.interactive_waiting():
             with self._condition:
                 pieces = self._take_batch() if self._heap and self._heap[0].priority == 0 else []

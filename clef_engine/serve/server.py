@@ -2,14 +2,19 @@
 
 Routes (see `routes`):
 - `POST /v1/systemone` — a System One request (spec §5) → a System One response, plus `x_` extras.
-- `GET /v1/models` — the resident model and the `jev-latest` alias (any model name maps to the resident model).
-- `GET /health` — `{"ready", "model", "revision", "device"}`; 503 while no engine is loaded. Never needs a key.
-  The model is named as /v1/models names it (a local release by its folder name, never a server path).
+- `GET /v1/models` — every resident model, the default first, and the `jev-latest` alias of the default.
+- `GET /health` — `{"ready", "model", "models", "revision", "device"}` (`model`: the default); 503 while no engine
+  is loaded. Never needs a key. Models are named as /v1/models names them (a local release by its folder name,
+  never a server path).
 - `GET /metrics` — Prometheus text exposition (prometheus-client, one registry per app).
 - `GET /openapi.json` and `GET /docs` — the OpenAPI document and a self-contained page rendering it (no CDN).
 
 Wire contract beyond spec §5:
 - Unknown top-level fields are ignored; `model` may be any string and is echoed in the response.
+- Several models: the provider may give a mapping name → engine (the default first). A request's `model` picks the
+  engine of that name (exactly, or ignoring case and an owner prefix: `Cloudflare/clef-flash` and `clef-flash` name
+  the same model); `jev-latest` and any name that is not loaded go to the default model, as hosted Jev accepts any
+  model name. /metrics reports the default model's engine.
 - Overflow: a record over the token budget gets 413 unless the request body opts in with the top-level field
   `"x_overflow": "truncate_state"` (the reference's behaviour: cut the end of the state; the response says how many
   state tokens were dropped in `x_truncated_state_tokens`). `"x_max_length": N` raises or lowers the budget.
@@ -50,7 +55,7 @@ import threading
 import time
 import uuid
 import zlib
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable, Collection, Iterator, Mapping
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -94,7 +99,7 @@ ENGINE_FIELDS = ("state", "questions", "images", "videos")  # what the engine ge
 JSON_MEDIA_TYPE = "application/json"
 MULTIPART_MEDIA_TYPE = "multipart/form-data"
 
-EngineProvider = Callable[[], Any]
+EngineProvider = Callable[[], Any]  # returns an engine, a mapping name → engine (default first), or None
 # The engine scheduler's own counters (Engine.info()["scheduler"]): every batch of the process, the workbench's too.
 SCHEDULER_METRICS = (
     ("batches", "clef_engine_batches_total", "counter", "Batches the GPU worker ran."),
@@ -471,20 +476,35 @@ class SystemOneApi:
         self.metrics = Metrics(self.engine_or_none)
 
     # --- engine access -------------------------------------------------------------------------------------
-    def engine_or_none(self) -> Any | None:
+    def models_or_none(self) -> dict[str, Any] | None:
+        """Name → engine of every resident model, the default first; None while none is loaded."""
         try:
-            return self._provider()
+            provided = self._provider()
         except Exception:  # not loaded / failed to load: health says so, requests get 503
             log.exception("engine provider failed")
             return None
+        if provided is None:
+            return None
+        if isinstance(provided, Mapping):
+            return dict(provided) or None
+        return {_public_model_name(_safe_call(provided.info, default={})): provided}
 
-    async def _engine(self) -> Any:
-        engine = await run_in_threadpool(self.engine_or_none)
-        if engine is None:
+    def engine_or_none(self) -> Any | None:
+        """The default model's engine."""
+        models = self.models_or_none()
+        return next(iter(models.values())) if models else None
+
+    async def _engine(self, model: Any = None) -> tuple[str, Any]:
+        """(name, engine) of the model a request's `model` field names (see pick_model)."""
+        return pick_model(await self._models(), model)
+
+    async def _models(self) -> dict[str, Any]:
+        models = await run_in_threadpool(self.models_or_none)
+        if not models:
             error = _error(503, "not_ready", "the model is not loaded yet; see GET /health")
             error.headers["retry-after"] = "5"
             raise error
-        return engine
+        return models
 
     # --- auth and body ---------------------------------------------------------------------------------------
     def _authenticate(self, request: Request) -> None:
@@ -605,8 +625,8 @@ class SystemOneApi:
             kind = body_kind(content_type)
             raw = await self._read_body_in_time(request)
             body, asset_images = await self._parse_request(kind, content_type, raw)
-            engine = await self._engine()
-            answer = await self._decide(engine, body, asset_images)
+            name, engine = await self._engine(body.get("model"))
+            answer = await self._decide(engine, name, body, asset_images)
             status = 200
             return SafeJSONResponse(answer, headers={"x-typesafe-request-id": request_id})
         except ApiError as exc:
@@ -624,7 +644,7 @@ class SystemOneApi:
             self.metrics.count_request("/v1/systemone", status)
             self.metrics.latency.observe(time.perf_counter() - started)
 
-    async def _decide(self, engine: Any, body: dict, asset_images: dict[int, str]) -> dict:
+    async def _decide(self, engine: Any, name: str, body: dict, asset_images: dict[int, str]) -> dict:
         record = {k: body[k] for k in ENGINE_FIELDS if k in body}
         _check_media(record, skip_images=set(asset_images))
         # The contract's models say what a valid request is (the 422 body lists every problem); in the thread pool
@@ -653,7 +673,7 @@ class SystemOneApi:
         finally:
             self.metrics.leave()
         response = dict(results[0] if isinstance(results, list) else results)
-        response["model"] = model if model is not None else self._model_name(engine)
+        response["model"] = model if model is not None else name
         _check_finite(response)
         self.metrics.count_answer(response)
         return response
@@ -684,24 +704,24 @@ class SystemOneApi:
                                          "(the server is busy or the request is very large); try again later"},
                         headers={"retry-after": "1"})
 
-    def _model_name(self, engine: Any) -> str:
-        return _public_model_name(_safe_call(engine.info, default={}))
-
     async def models(self, request: Request) -> Response:
         status = 500
         try:
             self._authenticate(request)
-            engine = await self._engine()
-            info = await run_in_threadpool(_safe_call, engine.info, {})
-            name = _public_model_name(info)
-            released = _release_date(info)
-            description = (f"Clef decision model {name} (revision {info.get('revision') or 'local'}) on "
-                           f"{info.get('device', '?')}. Any model name, including {MODEL_ALIAS}, maps to it.")
+            models = await self._models()
+            listed = []
+            for index, (name, engine) in enumerate(models.items()):
+                info = await run_in_threadpool(_safe_call, engine.info, {})
+                where = "remote endpoint" if info.get("remote") else f"on {info.get('device', '?')}"
+                description = (f"Clef decision model {name} (revision {info.get('revision') or 'local'}) {where}."
+                               + (f" The default: {MODEL_ALIAS} and any name not listed here map to it."
+                                  if index == 0 else ""))
+                listed.append({"name": name, "description": description, "release_date": _release_date(info)})
+            default = listed[0]
+            listed.append({"name": MODEL_ALIAS, "description": f"Alias of {default['name']}.",
+                           "release_date": default["release_date"]})
             status = 200
-            return JSONResponse({"models": [
-                {"name": name, "description": description, "release_date": released},
-                {"name": MODEL_ALIAS, "description": f"Alias of {name}.", "release_date": released},
-            ]})
+            return JSONResponse({"models": listed})
         except ApiError as exc:
             status = exc.status
             return _error_response(exc)
@@ -709,11 +729,13 @@ class SystemOneApi:
             self.metrics.count_request("/v1/models", status)
 
     async def health(self, request: Request) -> Response:
-        engine = await run_in_threadpool(self.engine_or_none)
+        models = await run_in_threadpool(self.models_or_none) or {}
+        name, engine = next(iter(models.items()), (None, None))
         info = await run_in_threadpool(_safe_call, engine.info, {}) if engine is not None else {}
         body = {
             "ready": engine is not None,
-            "model": _public_model_name(info) if engine is not None else None,
+            "model": name,
+            "models": list(models),
             "revision": info.get("revision"),
             "device": info.get("device"),
         }
@@ -751,6 +773,19 @@ def _unauthorized(message: str, challenge: str) -> ApiError:
 def _cancel_submitted(task: asyncio.Future) -> None:
     if not task.cancelled() and task.exception() is None:
         task.result().cancel()
+
+
+def pick_model(models: dict[str, Any], model: Any) -> tuple[str, Any]:
+    """(name, engine) for a request's `model`: the model of that name, exactly or ignoring case and an owner prefix;
+    otherwise (jev-latest, an unknown name, none) the default, the first. Any name is accepted, as by hosted Jev."""
+    if isinstance(model, str):
+        if model in models:
+            return model, models[model]
+        wanted = model.strip().lower().rsplit("/", 1)[-1]
+        for name, engine in models.items():
+            if name.lower().rsplit("/", 1)[-1] == wanted:
+                return name, engine
+    return next(iter(models.items()))
 
 
 def _public_model_name(info: dict) -> str:
@@ -835,8 +870,9 @@ def routes(engine_provider: EngineProvider | Any, *, api_key: str | None = None,
            request_timeout: float = DEFAULT_REQUEST_TIMEOUT) -> list[Route]:
     """The API's routes, to mount in another Starlette app (e.g. `st.App(..., routes=routes(get_engine))`).
 
-    `engine_provider` is the engine or a callable returning it (called per request; it may load on first call,
-    e.g. a `st.cache_resource` function, and may raise while no model is loaded).
+    `engine_provider` is the engine, a mapping name → engine (several models, the default first), or a callable
+    returning either (called per request; it may load on first call, e.g. a `st.cache_resource` function, and may
+    raise or return None while no model is loaded).
     """
     api = SystemOneApi(engine_provider, api_key=api_key, max_body_bytes=max_body_bytes,
                        request_timeout=request_timeout)

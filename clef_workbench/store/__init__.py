@@ -12,7 +12,8 @@ One `Store` object over one module per concern:
 - `cases.py`: case sets and cases (media, content hashes, soft delete);
 - `runs.py`: runs, results, the cross-process run lease;
 - `review.py`: review rules, the queue, reviewer actions and undo;
-- `drafts.py`: per-session drafts of the Decide page.
+- `drafts.py`: per-session drafts of the Decide page;
+- `schema_versions.py`: the schema history (every saved content of a library schema) that runs link to.
 """
 
 from __future__ import annotations
@@ -34,13 +35,15 @@ from clef_workbench.store.drafts import DraftsMixin
 from clef_workbench.store.migrations import MIGRATIONS, SCHEMA_VERSION
 from clef_workbench.store.review import REVIEW_ACTIONS, REVIEW_STATUSES, ReviewMixin
 from clef_workbench.store.runs import RUN_STATUSES, RunsMixin, new_lease_owner
+from clef_workbench.store.schema_versions import SCHEMA_VERSION_ACTIONS, SchemaVersionsMixin, schema_hashes
 
 __all__ = [
     "BUSY_TIMEOUT_MS", "CHANGE_KINDS", "MIGRATIONS", "REVIEW_ACTIONS", "REVIEW_STATUSES", "RUN_STATUSES",
-    "SCHEMA_VERSION", "DuplicateNameError", "NotFoundError", "ReviewConflictError", "Store", "StoreError",
-    "_dumps", "_loads", "case_hash", "media_content_type", "new_lease_owner", "now_iso",
+    "SCHEMA_VERSION", "SCHEMA_VERSION_ACTIONS", "DuplicateNameError", "NotFoundError", "ReviewConflictError",
+    "Store", "StoreError", "_dumps", "_loads", "case_hash", "media_content_type", "new_lease_owner", "now_iso",
+    "schema_hashes",
 ]
 
 
-class Store(CaseSetsMixin, RunsMixin, ReviewMixin, DraftsMixin):
+class Store(CaseSetsMixin, RunsMixin, ReviewMixin, DraftsMixin, SchemaVersionsMixin):
     """All persistent state of the workbench in one SQLite file. Safe to share between threads and processes."""

@@ -142,5 +142,26 @@ MIGRATIONS: list[list[str]] = [
             updated_at TEXT NOT NULL
         )""",
     ],
+    # 4: schema history: every saved content of a library schema, append-only; a run links the version it ran
+    [
+        """CREATE TABLE schema_versions (
+            id INTEGER PRIMARY KEY,
+            slug TEXT NOT NULL,
+            number INTEGER NOT NULL,
+            content_hash TEXT NOT NULL,
+            run_hash TEXT NOT NULL,
+            schema_json TEXT NOT NULL,
+            action TEXT NOT NULL,
+            who TEXT NOT NULL DEFAULT '',
+            created_at TEXT NOT NULL,
+            UNIQUE (slug, number)
+        )""",
+        "CREATE INDEX schema_versions_by_run_hash ON schema_versions(run_hash)",
+        """CREATE TRIGGER schema_versions_append_only_update BEFORE UPDATE ON schema_versions
+           BEGIN SELECT RAISE(ABORT, 'schema_versions is append-only: a version cannot be changed'); END""",
+        """CREATE TRIGGER schema_versions_append_only_delete BEFORE DELETE ON schema_versions
+           BEGIN SELECT RAISE(ABORT, 'schema_versions is append-only: a version cannot be deleted'); END""",
+        "ALTER TABLE runs ADD COLUMN schema_version_id INTEGER REFERENCES schema_versions(id)",
+    ],
 ]
 SCHEMA_VERSION = len(MIGRATIONS)

@@ -11,6 +11,7 @@ import uuid
 from typing import Any
 
 from clef_workbench.store.base import NotFoundError, StoreBase, StoreError, _dumps, _loads, now_iso
+from clef_workbench.store.schema_versions import find_version_row
 
 RUN_STATUSES = ("pending", "running", "cancelled", "finished", "failed")
 
@@ -46,19 +47,27 @@ class RunsMixin(StoreBase):
         model_revision: str | None = None,
         settings: dict | None = None,
     ) -> int:
-        """Record a run of a case set against a schema (a dict with name, version, questions); status pending."""
+        """Record a run of a case set against a schema (a dict with name, version, questions); status pending.
+        The run is linked to the schema history's version of exactly this content (settings["schema_slug"]'s
+        first) and carries its number; content never saved in the library is linked to none (`schema_slug` None)
+        and keeps the version its dict says."""
         if not isinstance(schema, dict) or not isinstance(schema.get("questions"), dict) or not schema["questions"]:
             raise ValueError("schema must be a dict with a non-empty 'questions' map")
         self.get_case_set(case_set_id)  # type: ignore[attr-defined]  (CaseSetsMixin)
         with self._write() as conn:
+            version = find_version_row(conn, schema, (settings or {}).get("schema_slug"))
+            if version is not None:
+                schema = {**schema, "version": version["number"]}
             cur = conn.execute(
-                """INSERT INTO runs (case_set_id, schema_json, schema_name, schema_version, model_id, model_revision,
-                                     settings_json, created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?)""",
+                """INSERT INTO runs (case_set_id, schema_json, schema_name, schema_version, schema_version_id,
+                                     model_id, model_revision, settings_json, created_at)
+                   VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)""",
                 (
                     case_set_id,
                     _dumps(schema),
                     str(schema.get("name") or "unnamed"),
                     str(schema.get("version") or "1"),
+                    None if version is None else version["id"],
                     model_id,
                     model_revision,
                     _dumps(settings or {}),
@@ -74,11 +83,12 @@ class RunsMixin(StoreBase):
         run["settings"] = _loads(run.pop("settings_json"))
         return run
 
-    _RUN_SELECT = """SELECT r.*, s.name AS case_set_name,
+    _RUN_SELECT = """SELECT r.*, s.name AS case_set_name, v.slug AS schema_slug,
         (SELECT COUNT(*) FROM cases c WHERE c.case_set_id = r.case_set_id AND c.deleted_at IS NULL) AS total,
         (SELECT COUNT(*) FROM results x WHERE x.run_id = r.id) AS done,
         (SELECT COUNT(*) FROM results x WHERE x.run_id = r.id AND x.error IS NOT NULL) AS errors
-        FROM runs r JOIN case_sets s ON s.id = r.case_set_id"""
+        FROM runs r JOIN case_sets s ON s.id = r.case_set_id
+        LEFT JOIN schema_versions v ON v.id = r.schema_version_id"""
 
     def get_run(self, run_id: int) -> dict:
         """A run with its schema, settings and progress counts (total cases, done, errors)."""

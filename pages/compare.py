@@ -1,0 +1,242 @@
+"""Compare: two or more runs of one case set side by side (different models, schema versions, or a local and a
+remote model): agreement and flips per question, accuracy / calibration / latency with bootstrap intervals, a
+matrix of cases × runs where a click opens the case, and "run this schema on this case set with these models" as
+one action. Rendering only: the numbers and tables come from clef_workbench.compare."""
+
+from __future__ import annotations
+
+import streamlit as st
+
+from clef_engine import DEFAULT_MAX_LENGTH
+from clef_workbench import compare
+from clef_workbench.model_loader import DEMO_SOURCE, request_model_name
+from clef_workbench.schemas import SchemaError
+from workbench_ui.shell import (
+    KEEP_PREFIX,
+    demo_output_banner,
+    format_json,
+    get_engine,
+    get_job_runner,
+    get_library,
+    get_store,
+    kept_widget,
+    model_manager,
+    page_key,
+    pick_id,
+    set_widget,
+    url_int,
+    use_app_navigation,
+)
+
+use_app_navigation()
+
+K = page_key("compare")
+store = get_store()
+library = get_library()
+DEMO_MODEL = request_model_name(DEMO_SOURCE)
+
+
+def start_comparison(set_id: int, slug: str, number: int, names: list[str]) -> None:
+    """Callback of the one action: a run of the schema version per model, then show them side by side."""
+    choices = {c.name: c.engine for c in compare.model_choices(model_manager())}
+    engines = {name: choices[name] for name in names if name in choices}
+    if not engines:
+        st.session_state[K("flash")] = ("error", "Pick at least one loaded model.")
+        return
+    try:
+        schema = dict(store.get_schema_version_number(slug, number)["schema"])
+    except KeyError as exc:
+        st.session_state[K("flash")] = ("error", f"Not started: {exc}")
+        return
+    schema.pop("examples", None)  # as the Runs page keeps it
+    try:
+        run_ids = compare.start_runs(store, get_job_runner(), set_id, schema, engines,
+                                     settings={"chunk_size": 8, "max_length": DEFAULT_MAX_LENGTH,
+                                               "overflow": "refuse", "schema_slug": slug})
+    except Exception as exc:  # noqa: BLE001 — e.g. a remote endpoint that does not answer: a message, no traceback
+        st.session_state[K("flash")] = ("error", f"Not started: {type(exc).__name__}: {exc}")
+        return
+    set_widget(K("set"), set_id)
+    # oldest first: the first run is the baseline the others are read against
+    picked = sorted({*run_ids, *st.session_state.get(K(f"runs.{set_id}"), [])})
+    set_widget(K(f"runs.{set_id}"), picked)
+    st.query_params["runs"] = ",".join(map(str, picked))
+    st.session_state[K("flash")] = ("success", f"Started run(s) {', '.join(f'#{r}' for r in run_ids)}.")
+
+
+def open_case(case_id: int | None) -> None:
+    if case_id is None:
+        st.query_params.pop("case", None)
+    else:
+        st.query_params["case"] = str(case_id)
+
+
+def open_selected(table: str, selection: list, case_of) -> None:
+    """Open the case of a table's selected row or cell, once per new selection (a selection stays selected on
+    the next runs, and must not reopen a case the user closed since)."""
+    seen = K(f"{table}.seen")
+    if selection and selection != st.session_state.get(seen):
+        open_case(case_of(selection[0]))
+    st.session_state[seen] = selection
+
+
+st.title("Compare runs")
+
+# -- the one action ---------------------------------------------------------------------------------------------
+
+sets = store.list_case_sets()
+groups = compare.runs_by_case_set(store.list_runs())
+with st.expander("Run a schema on a case set with these models", expanded=not groups,
+                 icon=":material/play_arrow:"):
+    models = compare.model_choices(model_manager())
+    if not models and get_engine(show_errors=False) is not None:  # the first model is loading: wait for it
+        models = compare.model_choices(model_manager())
+    slugs = library.slugs()
+    missing = [what for what, there in (("a case set (Case sets page)", sets), ("a schema (Schemas page)", slugs),
+                                        ("a loaded model (sidebar)", models)) if not there]
+    if missing:
+        st.info(f"Needs {' and '.join(missing)}.")
+    else:
+        set_names = {s["id"]: f"{s['name']} ({s['case_count']} cases)" for s in sets}
+        start_set = kept_widget(st.selectbox, "Case set", K("start.set"), sets[0]["id"], options=list(set_names),
+                                format_func=set_names.get)
+        cols = st.columns(2)
+        slug = kept_widget(cols[0].selectbox, "Schema", K("start.schema"), slugs[0], options=slugs)
+        try:
+            library.load(slug)  # a file changed outside the workbench becomes its newest version here
+            numbers = [v["number"] for v in store.list_schema_versions(slug)]
+        except SchemaError as exc:
+            numbers = []
+            st.error(f"{slug}.json does not load: {exc}")
+        number = cols[1].selectbox("Version", numbers, key=K(f"start.version.{slug}"),
+                                   format_func=lambda n: f"v{n}" + (" (current)" if n == numbers[0] else ""))
+        labels = {m.name: m.label for m in models}
+        names = kept_widget(st.multiselect, "Models", K("start.models"), [models[0].name], options=list(labels),
+                            format_func=lambda n: labels.get(n, n))
+        st.button("Run this schema on this case set with these models", key=K("start.go"), type="primary",
+                  icon=":material/play_arrow:", disabled=not numbers or not names, on_click=start_comparison,
+                  args=(start_set, slug, number, names))
+
+message = st.session_state.pop(K("flash"), None)
+if message:
+    getattr(st, message[0])(message[1])
+
+# -- which runs -------------------------------------------------------------------------------------------------
+
+groups = compare.runs_by_case_set(store.list_runs())
+if not groups:
+    st.info("Comparing needs two runs of one case set: start them above, or on the Runs page.")
+    st.stop()
+
+linked = compare.parse_run_ids(st.query_params.get("runs"))
+runs_by_id = {r["id"]: r for group in groups.values() for r in group}
+if KEEP_PREFIX + K("set") not in st.session_state and linked and linked[0] in runs_by_id:
+    st.session_state[K("set")] = runs_by_id[linked[0]]["case_set_id"]  # a link names the runs: open their case set
+set_label = {set_id: f"{group[0]['case_set_name']} ({len(group)} runs)" for set_id, group in groups.items()}
+set_id = pick_id(list(groups), K("set"), "Case set", set_label.get, param="set")
+run_label = {r["id"]: (f"#{r['id']} {r['model_id']} · {r['schema_name']} v{r['schema_version']}"
+                       + ("" if r["schema_version_id"] else " (unsaved)") + f" · {r['status']}")
+             for r in groups[set_id]}
+default = [r for r in linked if r in run_label] or sorted(run_label)[-2:]  # the newest two, oldest first
+kept = st.session_state.get(K(f"runs.{set_id}"), st.session_state.get(KEEP_PREFIX + K(f"runs.{set_id}")))
+if kept is None or (KEEP_PREFIX + K(f"runs.{set_id}") not in st.session_state and linked):
+    kept = default  # a session's first visit opens the runs its link names
+st.session_state[K(f"runs.{set_id}")] = [r for r in kept if r in run_label]  # a deleted run drops out
+picked = kept_widget(st.multiselect, "Runs to compare", K(f"runs.{set_id}"), default, options=list(run_label),
+                     format_func=run_label.get)
+st.query_params["runs"] = ",".join(map(str, picked))
+if len(picked) < 2:
+    st.info("Pick two runs or more.")
+    st.stop()
+
+demo_output_banner(next((runs_by_id[r]["model_id"] for r in picked if runs_by_id[r]["model_id"] == DEMO_MODEL),
+                        None))
+unfinished = [runs_by_id[r] for r in picked if runs_by_id[r]["status"] in ("pending", "running")]
+
+
+@st.fragment(run_every=2.0 if unfinished else None)
+def progress() -> None:
+    """While a run works: its progress, and the whole page again when it is done."""
+    now = [store.get_run(r["id"]) for r in unfinished]
+    for run in now:
+        st.caption(f"Run #{run['id']}: {run['status']}, {run['done']}/{run['total']} cases.")
+    if any(run["status"] not in ("pending", "running") for run in now):
+        st.rerun(scope="app")
+
+
+if unfinished:
+    progress()
+
+view = compare.build_view(store, picked, disagreements_only=st.session_state.get(K("disagree"), False))
+
+if view.schema_changes:
+    with st.expander(f"The runs' schemas differ ({len(view.schema_changes)} pair(s))", icon=":material/difference:"):
+        for run_a, run_b, text in view.schema_changes:
+            st.markdown(f"**{run_a}** → **{run_b}**")
+            st.code(text, language=None, wrap_lines=True)
+
+# -- agreement and flips ----------------------------------------------------------------------------------------
+
+st.subheader("Agreement per question")
+st.caption("How often two runs give the same answer, over the cases both answered (n), with a 95 % bootstrap "
+           "interval over cases. A flip is a case where they differ.")
+st.dataframe(view.agreement, hide_index=True, width="stretch",
+             column_config={"agreement": st.column_config.NumberColumn(format="percent"),
+                            "flipped": st.column_config.TextColumn("flipped cases", width="large")})
+if not view.flips.empty:
+    st.markdown(f"**Flips** ({len(view.flips)}): select one to open its case.")
+    flips_event = st.dataframe(
+        view.flips, hide_index=True, width="stretch", key=K("flips"), on_select="rerun",
+        selection_mode="single-row",
+        column_order=["question_id", "case_id", "expected", "run_a", "predicted_a", "confidence_a", "run_b",
+                      "predicted_b", "confidence_b", "change", "open"],
+        column_config={"confidence_a": st.column_config.NumberColumn(format="%.3f"),
+                       "confidence_b": st.column_config.NumberColumn(format="%.3f"),
+                       "open": st.column_config.LinkColumn("link", display_text="Open")})
+    open_selected("flips", flips_event.selection.rows, lambda row: int(view.flips.iloc[row]["case_id"]))
+
+# -- metrics ----------------------------------------------------------------------------------------------------
+
+st.subheader("Accuracy, calibration and latency")
+st.caption("Each cell: value [95 % bootstrap interval] and n, the cases it rests on. Accuracy, ECE and Brier "
+           "per question over the cases with an expected answer; latency per run, as each run recorded it "
+           "(a remote model's includes the network).")
+st.dataframe(view.metrics, hide_index=True, width="stretch")
+
+# -- the matrix -------------------------------------------------------------------------------------------------
+
+st.subheader("Cases × runs")
+st.toggle("Only cases where the runs disagree", key=K("disagree"))
+st.caption("Click a cell to open its case below; “Open” is a link to it you can send.")
+matrix_event = st.dataframe(view.matrix, hide_index=True, width="stretch", key=K("matrix"), on_select="rerun",
+                            selection_mode="single-cell",
+                            column_config={"open": st.column_config.LinkColumn("link", display_text="Open")})
+open_selected("matrix", [list(cell) for cell in matrix_event.selection.cells],
+              lambda cell: int(view.matrix.iloc[cell[0]]["case"]))
+
+# -- one case ---------------------------------------------------------------------------------------------------
+
+case_id = url_int("case")
+detail = compare.case_detail(view, case_id) if case_id is not None else None
+if case_id is not None and detail is None:
+    st.warning(f"Case {case_id} has no result in these runs.")
+if detail is not None:
+    st.subheader(f"Case {case_id}")
+    state = detail["state"]
+    if isinstance(state, str):
+        st.code(state, language=None, wrap_lines=True)
+    else:
+        st.code(format_json(state), language="json", wrap_lines=True)
+    if detail["expected"]:
+        st.caption("Expected: " + ", ".join(f"{q} = {v}" for q, v in detail["expected"].items()))
+    columns = st.columns(len(detail["runs"]))
+    for column, run in zip(columns, detail["runs"], strict=True):
+        with column:
+            st.markdown(f"**{run['run']}**")
+            if run["error"]:
+                st.error(run["error"])
+            for question_id, answer in run["answers"].items():
+                st.markdown(f"`{question_id}`: **{answer['predicted']}** ({answer['confidence']:.3f})")
+            if run["latency_ms"] is not None:
+                st.caption(f"{run['latency_ms']:.0f} ms")
+    st.button("Close the case", key=K("close_case"), on_click=open_case, args=(None,))

@@ -1,0 +1,76 @@
+"""Links from one page to another that a person can also send: a case of a run opened in Decide or in Review.
+
+Decide reads `?run=<id>&case=<id>`: the case's state goes into the state editor and the run's questions into the
+builder, as a draft (the same shape a reload restores), so what the model was asked can be asked again or edited.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+from urllib.parse import urlencode
+
+from clef_workbench import schemas, state_input
+from clef_workbench.store import StoreError
+
+# Decide's max_length choices are the powers of two from 512 to 262,144 tokens; a run's other values are not shown.
+DECIDE_MAX_LENGTHS = {2 ** power for power in range(9, 19)}
+
+
+def decide_url(run_id: int, case_id: int) -> str:
+    """Decide (the default page, at the root) with this case of this run on screen."""
+    return "/?" + urlencode({"run": run_id, "case": case_id})
+
+
+def review_url(run_id: int, case_id: int, question_id: str) -> str:
+    return "/review?" + urlencode({"run": run_id, "case": case_id, "question": question_id})
+
+
+def linked_ids(params: Any) -> tuple[int, int] | None:
+    """(run id, case id) from query parameters, or None when the link names no case (or not as numbers)."""
+    run_id, case_id = params.get("run"), params.get("case")
+    if run_id is None or case_id is None or not str(run_id).isdigit() or not str(case_id).isdigit():
+        return None
+    return int(run_id), int(case_id)
+
+
+def case_draft(store: Any, library: schemas.SchemaLibrary, run_id: int,
+               case_id: int) -> tuple[dict[str, Any] | None, str]:
+    """A Decide draft showing case `case_id` asked as run `run_id` asked it, and a sentence saying what is on screen
+    (or, with no draft, why nothing could be opened).
+
+    The questions are the run's own (frozen when it started). When the library schema the run came from still has
+    exactly these questions, that schema is the draft's identity (Update and the Library picker name it); when it
+    changed or is gone, the questions come without one, so saving cannot overwrite the newer schema."""
+    try:
+        run = store.get_run(run_id)
+        case = store.get_case(case_id, with_media=False)
+    except StoreError as exc:
+        return None, f"The link names case #{case_id} of run #{run_id}, which is not in this workbench: {exc}."
+    if case["case_set_id"] != run["case_set_id"]:
+        return None, f"The link names case #{case_id}, which is not in run #{run_id}'s case set."
+    frozen = run["schema"]
+    slug = run.get("schema_slug") or run["settings"].get("schema_slug")
+    library_schema = library.load(slug) if slug and library.exists(slug) else None
+    same = library_schema is not None and library_schema.to_dict()["questions"] == frozen["questions"]
+    draft: dict[str, Any] = {
+        "state_text": state_input.state_to_text(case["state"]),
+        "state_mode": "text" if isinstance(case["state"], str) else "json",
+        "schema_name": frozen.get("name", ""),
+        "schema_description": frozen.get("description", ""),
+        "rows": schemas.questions_to_rows(frozen["questions"]),
+        "overflow": run["settings"].get("overflow"),
+        "loaded_slug": slug if same else None,
+        "loaded_questions": library_schema.questions if same else None,
+        "examples": library_schema.examples if same else None,
+    }
+    if run["settings"].get("max_length") in DECIDE_MAX_LENGTHS:
+        draft["max_length"] = run["settings"]["max_length"]
+    where = (f"the schema “{slug}”" if same else
+             f"the questions run #{run_id} used ({frozen.get('name', '?')} v{frozen.get('version', '?')}, "
+             "not saved in the library as they are)")
+    note = f"Case #{case_id} of run #{run_id} ({run['case_set_name']}) with {where}."
+    media = [f"{case[kind + '_count']} {kind}(s)" for kind in ("image", "video") if case[kind + "_count"]]
+    if media:
+        note += (f" Its {' and '.join(media)} are not attached here (Decide takes media from uploads): open the "
+                 "case in Review to see them.")
+    return draft, note
