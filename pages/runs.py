@@ -148,7 +148,7 @@ with st.expander("Start a run", expanded=not runs, icon=":material/play_arrow:")
             if engine is None:
                 st.error("No model is loaded, so the run cannot start. Choose a model in the sidebar.")
                 st.stop()
-            model_id = request_model_name(model_manager().state().source)
+            model_id = model_manager().default_name() or request_model_name(model_manager().state().source)
             if run_model is not None:
                 engine, model_id = loaded_models[run_model].engine, run_model
             info = engine.info()
@@ -217,10 +217,14 @@ def render_progress(run_id: int) -> None:
         if progress["remaining"] and progress["status"] != "pending":
             if st.button(f"Resume ({progress['remaining']} cases left)", key=K(f"resume.{run_id}"),
                          icon=":material/play_arrow:"):
-                engine = get_engine()
-                if engine is None:
-                    st.error("No model is loaded; choose one in the sidebar.")
-                else:
+                model_id = store.get_run(run_id)["model_id"]
+                try:  # a run resumes on the model it started on, never on whichever is the default now
+                    engine = model_manager().get(model_id)
+                except KeyError as exc:
+                    engine = None
+                    st.error(f"This run was started on the model {model_id!r}, which is not loaded: {exc.args[0]}. "
+                             "Add it in the sidebar (Add a model), then resume.")
+                if engine is not None:
                     try:
                         runner.start(run_id, engine)
                     except JobAlreadyRunningError as exc:

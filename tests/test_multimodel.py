@@ -15,6 +15,7 @@ import pytest
 
 import clef_engine
 from clef_workbench import compare
+from clef_workbench.casesets import build_request
 from clef_workbench.jobs import JobRunner
 from clef_workbench.model_loader import ModelManager
 from clef_workbench.store import Store
@@ -215,6 +216,19 @@ def test_decide_and_runs_pick_among_loaded_models_and_the_sidebar_unloads_after_
         at.run()
         no_exceptions(at)
         assert at.selectbox(key="runs.start.model").options[0] == f"{default} · {default_label}"
+
+        # a run started on the second model resumes on it, not on the default
+        store = Store(workbench / "workbench.sqlite3")
+        schema = {"name": "refunds", "questions": {"refund": {"type": "noul", "instructions": "Wants a refund?"}}}
+        run_id = store.create_run(case_set, schema=schema, model_id=small_release.name)
+        store.set_run_status(run_id, "cancelled")
+        at.run()
+        at.selectbox(key="runs.selected").set_value(run_id).run()
+        button(at, "Resume (1 cases left)").click().run()
+        shell.get_job_runner().wait(run_id)
+        result = store.list_results(run_id)[0]
+        assert result["response"]["answers"] == small.decide(build_request(
+            store.list_cases(case_set)[0], schema, model=small_release.name))["answers"]
 
         # the sidebar lists both (drawn alone here: AppTest keeps no sidebar across reruns of app.py)
         at = AppTest.from_function(sidebar_models, default_timeout=TIMEOUT)
