@@ -149,12 +149,7 @@ def test_a_shared_link_opens_a_review_item_and_the_gold_label_needs_a_confirmati
     schema = {"name": "routing", "version": "1", "questions": {
         "team": {"type": "choice", "instructions": "Which team?", "criteria": {"billing": None, "sales": None}}}}
     run_id = store.create_run(set_id, schema=schema, model_id="clef")
-    store.record_results(run_id, [
-        {"case_id": case_id, "latency_ms": 5, "input_tokens": 10,
-         "response": {"answers": {"team": {"type": "choice", "choice": "sales",
-                                           "probabilities": {"billing": 0.45, "sales": 0.55}}}}}
-        for case_id in case_ids])
-    store.set_run_status(run_id, "finished")
+    finish_with_sales_answers(store, run_id, case_ids)
     review.apply_rules(store, run_id, review.ReviewRules())
     target = case_ids[2]
     item = next(i for i in store.list_review_items(run_id) if i["case_id"] == target)
@@ -194,12 +189,7 @@ def test_a_results_row_opens_its_case_in_decide(page, workbench):
     schema.pop("examples", None)
     run_id = store.create_run(set_id, schema=schema, model_id="clef",
                               settings={"schema_slug": "support-ticket-routing"})
-    store.record_results(run_id, [
-        {"case_id": case_id, "latency_ms": 5, "input_tokens": 10,
-         "response": {"answers": {"team": {"type": "choice", "choice": "sales",
-                                           "probabilities": {"billing": 0.45, "sales": 0.55}}}}}
-        for case_id in case_ids])
-    store.set_run_status(run_id, "finished")
+    finish_with_sales_answers(store, run_id, case_ids)
 
     page.goto(f"{url}/runs?run={run_id}")
     grid = page.locator('[class*="st-key-runs-browse-table"] [data-testid="stDataFrame"]')
@@ -361,3 +351,13 @@ def test_deleting_case_rows_in_the_table_can_be_undone(page, workbench):
     expect(page.get_by_text("Restored 1 case(s).")).to_be_visible()
     assert [c["id"] for c in store.list_cases(set_id)] == case_ids
     assert [(c["action"], c["kind"]) for c in store.list_changes()][:2] == [("restore", "case"), ("delete", "case")]
+
+
+def finish_with_sales_answers(store: Store, run_id: int, case_ids: list[int]) -> None:
+    """Record the same "team: sales (0.55)" answer for every case and finish the run, as a run on the engine would."""
+    store.record_results(run_id, [
+        {"case_id": case_id, "latency_ms": 5, "input_tokens": 10,
+         "response": {"answers": {"team": {"type": "choice", "choice": "sales",
+                                           "probabilities": {"billing": 0.45, "sales": 0.55}}}}}
+        for case_id in case_ids])
+    store.set_run_status(run_id, "finished")
