@@ -9,13 +9,16 @@ encode through the engine's real Encoder; the big vocabulary simply has unused r
 from __future__ import annotations
 
 import functools
+import json
 import math
 import random
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -194,8 +197,6 @@ def percentile(values: list[float], q: float, digits: int = 1) -> float:
 def closed_loop(engine, per_client: list[list[dict]]) -> tuple[list[float], int, float]:
     """One thread per client, each deciding its requests one after another: (every latency in ms, input tokens,
     wall seconds)."""
-    import threading
-
     latencies: list[float] = []
     tokens = [0]
     lock = threading.Lock()
@@ -208,13 +209,26 @@ def closed_loop(engine, per_client: list[list[dict]]) -> tuple[list[float], int,
                 latencies.append((time.perf_counter() - t0) * 1000)
                 tokens[0] += response["usage"]["input_tokens"]
 
-    threads = [threading.Thread(target=client, args=(mine,)) for mine in per_client]
+    wall = in_threads(client, per_client)
+    return latencies, tokens[0], wall
+
+
+def in_threads(target: Callable[[Any], None], args: list) -> float:
+    """Run `target(arg)` for every arg, each in a thread of its own, all at once: the wall seconds until the last
+    one ends."""
+    threads = [threading.Thread(target=target, args=(arg,)) for arg in args]
     t0 = time.perf_counter()
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
-    return latencies, tokens[0], time.perf_counter() - t0
+    return time.perf_counter() - t0
+
+
+def print_summary(results: dict) -> None:
+    """The headline numbers (everything but `detail`) and the names of the steps that failed or were skipped."""
+    print(json.dumps({k: v for k, v in results.items() if k != "detail"}, indent=1))
+    print("errors:", list(results["detail"]["errors"]))
 
 
 def sections(left: Callable[[], float], save: Callable[[], None], errors: dict,

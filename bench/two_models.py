@@ -156,13 +156,7 @@ def together(engines: dict, cases: list[dict]) -> None:
     def run(name: str) -> None:
         measured[name] = tokens_per_s(engines[name], cases)
 
-    threads = [threading.Thread(target=run, args=(name,)) for name in engines]
-    t0 = time.perf_counter()
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    wall = time.perf_counter() - t0
+    wall = build.in_threads(run, list(engines))
     for name, engine in engines.items():
         measured[name]["waited_for_turn_s"] = round(engine.scheduler.stats.turn_wait_seconds - waits_before[name], 2)
         measured[name]["batches"] = engine.scheduler.stats.batches - batches_before[name]
@@ -233,8 +227,7 @@ def main() -> int:
     engines.clear()
     gc.collect()
     save()
-    print(json.dumps({k: v for k, v in results.items() if k != "detail"}, indent=1))
-    print("errors:", list(detail["errors"]))
+    build.print_summary(results)
     return 0
 
 

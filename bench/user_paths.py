@@ -413,8 +413,7 @@ def main() -> int:
     if "fidelity" not in os.environ.get("BENCH_SKIP", ""):
         fidelity()
     save()
-    print(json.dumps({k: v for k, v in results.items() if k != "detail"}, indent=1))
-    print("errors:", list(detail["errors"]))
+    build.print_summary(results)
     return 0
 
 
