@@ -54,6 +54,7 @@ import re
 import threading
 import time
 import uuid
+import weakref
 import zlib
 from collections.abc import Callable, Collection, Iterator, Mapping
 from datetime import UTC, datetime
@@ -473,6 +474,7 @@ class SystemOneApi:
         self._key = api_key.encode("utf-8") if api_key else None
         self.max_body_bytes = max_body_bytes
         self.request_timeout = request_timeout
+        self._named: tuple[weakref.ref, str] | None = None  # (engine, its public name): see _name_of
         self.metrics = Metrics(self.engine_or_none)
 
     # --- engine access -------------------------------------------------------------------------------------
@@ -487,7 +489,15 @@ class SystemOneApi:
             return None
         if isinstance(provided, Mapping):
             return dict(provided) or None
-        return {_public_model_name(_safe_call(provided.info, default={})): provided}
+        return {self._name_of(provided): provided}
+
+    def _name_of(self, engine: Any) -> str:
+        """A lone engine's public name, worked out once per engine: info() gathers memory and cache statistics,
+        too much to redo on every request. Held by a weak reference: a model switched out must not stay in memory."""
+        named = self._named
+        if named is None or named[0]() is not engine:
+            named = self._named = (weakref.ref(engine), _public_model_name(_safe_call(engine.info, default={})))
+        return named[1]
 
     def engine_or_none(self) -> Any | None:
         """The default model's engine."""
