@@ -39,6 +39,7 @@ from .tiny import is_demo_release
 
 LAYERS_AHEAD = 1  # in a bulk batch, how many layers the host may launch ahead of the GPU
 DECIDE_MANY_GROUP = 16  # requests encoded and queued together by decide_many
+LONG_ATTENTION_WARM_TOKENS = 2 * DEFAULT_MAX_LENGTH  # warm-up builds cuDNN's attention plans up to this length
 
 
 def fast_kernels_available() -> dict[str, bool]:
@@ -364,11 +365,16 @@ class Engine:
 
     def warm_up(self) -> float:
         """Compile, autotune and capture while loading, not in a user's first request: a CUDA graph for every
-        length bucket, then one record alone, a pack of records of uneven lengths, and a long state twice (stored,
-        then continued from the cache; the entry is dropped afterwards). Returns the seconds it took."""
+        length bucket, cuDNN's attention plan for every padded length of a long record, then one record alone, a
+        pack of records of uneven lengths, and a long state twice (stored, then continued from the cache; the entry
+        is dropped afterwards). Returns the seconds it took."""
         started = time.perf_counter()
         if self.graphs is not None:
             self.graphs.capture_all()
+        if self.backbone is not None and self.backbone.kernels.attention is kernels.attention_varlen_cudnn_long:
+            text = self.backbone.config
+            kernels.warm_long_attention(self.device, self.dtype, text.num_attention_heads, text.num_key_value_heads,
+                                        text.head_dim, LONG_ATTENTION_WARM_TOKENS)
         request = {"state": "warm-up", "questions": {"q": {"type": "noul", "instructions": "warm-up"}}}
         self.decide(request)
         self.decide_many([dict(request, state="warm-up " * n) for n in (1, 40, 333, 1001)])

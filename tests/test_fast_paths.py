@@ -292,3 +292,35 @@ def test_the_head_graphs_bf16_call_stays_close_to_the_eager_head(tiny_engine):
         flat = option_probabilities(head.decide_from_memory(normed, memory, embeddings, batch), batch).tolist()
     eager = [flat[6 * j: 6 * j + 6] for j in range(12)]
     assert max_difference([graphed], [eager]) <= 2e-3
+
+
+def test_the_head_uses_cudnn_attention_only_at_the_bucketed_shapes_of_its_graphs(tiny_engine, monkeypatch):
+    """cuDNN builds an attention plan for every new shape (~65 ms on the H200): the eager head, which meets a new
+    shape with nearly every batch, keeps to kernels without plans; the head graphs' bucketed shapes may use cuDNN."""
+    from torch.nn.attention import SDPBackend
+
+    from clef_engine.fast.graphs import HeadGraphs
+    from clef_engine.model import head as head_module
+
+    cuda = torch.device("cuda")
+    assert SDPBackend.CUDNN_ATTENTION not in head_module.head_attention_backends(cuda)
+    assert head_module.head_attention_backends(torch.device("cpu")) is None
+    with head_module.bucketed_head_shapes():
+        assert head_module.head_attention_backends(cuda) is None
+    assert SDPBackend.CUDNN_ATTENTION not in head_module.head_attention_backends(cuda)
+
+    seen = []
+    decide = tiny_engine.head.decide_from_means
+
+    def watched(*args, **kwargs):
+        seen.append(head_module.head_attention_backends(cuda))
+        return decide(*args, **kwargs)
+
+    monkeypatch.setattr(tiny_engine.head, "decide_from_means", watched)
+    record = tiny_engine.encode({"state": "the invoice is paid", "questions": {"q": {"type": "noul",
+                                                                                    "instructions": "Paid?"}}})
+    hidden = torch.randn(len(record), tiny_engine.head.config.hidden_size, generator=torch.Generator().manual_seed(5))
+    with torch.inference_mode():
+        normed, memory = tiny_engine.head.token_memory(hidden)
+        HeadGraphs(tiny_engine.head, tiny_engine.output_embeddings, capture=False).probabilities(normed, memory, record)
+    assert seen == [None]  # inside the graph's body: any backend

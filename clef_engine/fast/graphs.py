@@ -396,6 +396,12 @@ class HeadGraphs:
         return self.disabled is None and tokens <= self.max_tokens
 
     def _body(self, entry: HeadGraph) -> torch.Tensor:
+        from ..model.head import bucketed_head_shapes
+
+        with bucketed_head_shapes():  # shapes of a bucket, met again: cuDNN's per-shape plans pay here
+            return self._head(entry)
+
+    def _head(self, entry: HeadGraph) -> torch.Tensor:
         from ..model.head import HeadBatch, additive_mask, option_probabilities, pooled_sums, pooling_matrix
 
         t_b, q_b, k_b, o_b, groups, slab, lexical_groups, lexical_slab = entry.shape

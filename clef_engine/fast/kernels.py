@@ -178,12 +178,16 @@ def gated_delta_fla(q, k, v, a, b, A_log, dt_bias, segments: Segments, initial_s
                     output_final_state: bool = False):
     """fla's chunked kernel over the whole pack (varlen via cu_seqlens); value heads grouped natively (GVA). The
     decay g = -exp(A_log) * softplus(a + dt_bias) is computed inside fla's cumsum kernel (float32, as the release
-    path computes it); beta = sigmoid(b) stays a bf16 torch op, where the release path rounds it."""
+    path computes it); beta = sigmoid(b) stays a bf16 torch op, where the release path rounds it. q and k are
+    L2-normed first by our kernel (the same formula as fla's `use_qk_l2norm_in_kernel`, without its autotuning per
+    size class, see triton_kernels.l2norm)."""
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
+    from .triton_kernels import l2norm
+
     out, state = chunk_gated_delta_rule(
-        q[None], k[None], v[None], g=a[None], beta=b.sigmoid()[None], initial_state=initial_state,
-        output_final_state=output_final_state, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+        l2norm(q)[None], l2norm(k)[None], v[None], g=a[None], beta=b.sigmoid()[None], initial_state=initial_state,
+        output_final_state=output_final_state, use_qk_l2norm_in_kernel=False, use_gate_in_kernel=True,
         A_log=A_log, dt_bias=dt_bias, cu_seqlens=segments.cu_seqlens, chunk_indices=segments.chunk_indices)
     return out[0], state
 
@@ -215,16 +219,41 @@ def _varlen_function() -> Callable | None:
 
 
 def _varlen_arguments(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-    """(k, v, kwargs) for torch's varlen_attn, whose keyword names changed across torch releases."""
+    """(k, v, kwargs) for torch's varlen_attn, whose keyword names changed across torch releases. K/V heads are
+    passed as they are where the kernel takes fewer K/V heads than query heads (`_varlen_takes_grouped_heads`):
+    repeating them writes six times the K/V, which after a long cached prefix costs more than the attention."""
     parameters = _varlen_parameters()
     kwargs: dict = {"is_causal": True} if "is_causal" in parameters else {"window_size": (-1, 0)}
     if q.shape[1] != k.shape[1]:
         if "enable_gqa" in parameters:
             kwargs["enable_gqa"] = True
-        else:
+        elif not _varlen_takes_grouped_heads(q.device, q.dtype):
             repeat = q.shape[1] // k.shape[1]
             k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
     return k.contiguous(), v.contiguous(), kwargs
+
+
+@functools.cache
+def _varlen_takes_grouped_heads(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether varlen_attn, given K/V with fewer heads than the queries, computes what it computes on repeated K/V
+    (flash attention groups query heads natively; older torch builds refused the shapes). Checked once per device."""
+    try:
+        generator = torch.Generator(device=device).manual_seed(3)
+        lengths, heads, kv_heads, dim = [45, 83], 6, 2, 64
+        n = sum(lengths)
+        q = torch.randn(n, heads, dim, device=device, dtype=dtype, generator=generator)
+        k = torch.randn(n, kv_heads, dim, device=device, dtype=dtype, generator=generator)
+        v = torch.randn(n, kv_heads, dim, device=device, dtype=dtype, generator=generator)
+        cu = torch.tensor([0, lengths[0], n], dtype=torch.int32, device=device)
+        parameters = _varlen_parameters()
+        kwargs: dict = {"is_causal": True} if "is_causal" in parameters else {"window_size": (-1, 0)}
+        grouped = _varlen_function()(q, k, v, cu, cu, max(lengths), max(lengths), **kwargs)
+        repeated = _varlen_function()(q, k.repeat_interleave(3, dim=1).contiguous(),
+                                      v.repeat_interleave(3, dim=1).contiguous(), cu, cu, max(lengths), max(lengths),
+                                      **kwargs)
+        return bool((grouped.float() - repeated.float()).abs().max().item() <= 1e-2)
+    except Exception:  # noqa: BLE001 — refused: repeat the heads
+        return False
 
 
 @functools.cache
@@ -274,22 +303,74 @@ def _boundaries(queries: int, keys: int, device: torch.device) -> tuple[torch.Te
 
 
 LONG_RECORD_TOKENS = 4097  # above the CUDA-graph limit: attention is a large share of a long record's time
+# cuDNN builds an execution plan for every new sequence length (~50 ms on the H200), and records arrive at every
+# length: one long record's attention runs padded to a multiple of this, so nearby lengths share one plan, and
+# `warm_long_attention` builds the plans of the usual lengths while the engine warms up. Zero keys after the last
+# real token change nothing before it (causal).
+CUDNN_LENGTH_STEP = 256
+
+
+def cudnn_length(n: int) -> int:
+    """The padded length one record of `n` tokens runs cuDNN attention at."""
+    return -(-n // CUDNN_LENGTH_STEP) * CUDNN_LENGTH_STEP
 
 
 def attention_varlen_cudnn_long(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: Segments) -> torch.Tensor:
-    """Flash varlen, except one long record: cuDNN's fused attention (Hopper wgmma kernels), KV heads repeated.
-    Chosen by `select_kernels` only where it agreed with the varlen result and was faster on this GPU."""
+    """Flash varlen, except one long record: cuDNN's fused attention (Hopper wgmma kernels) at `cudnn_length`,
+    K/V heads grouped natively where cuDNN takes them so, else repeated. Chosen by `select_kernels` only where it
+    agreed with the varlen result and was faster on this GPU."""
     if segments.count != 1 or segments.total < LONG_RECORD_TOKENS:
         return attention_varlen(q, k, v, segments)
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    repeat = q.shape[1] // k.shape[1]
-    keys = k.repeat_interleave(repeat, dim=1) if repeat > 1 else k
-    values = v.repeat_interleave(repeat, dim=1) if repeat > 1 else v
+    n, padded = q.shape[0], cudnn_length(q.shape[0])
+    grouped = _cudnn_takes_grouped_heads(q.device, q.dtype)
+    repeat = 1 if grouped else q.shape[1] // k.shape[1]
+
+    def padded_heads_first(x: torch.Tensor, times: int) -> torch.Tensor:
+        """x [n, H, D] as [1, H * times, padded, D]: one copy that pads (and repeats heads if asked)."""
+        out = x.new_zeros(padded, x.shape[1], times, x.shape[2])
+        out[:n] = x[:, :, None, :]
+        return out.view(padded, -1, x.shape[2]).transpose(0, 1)[None]
+
     with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
-        out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys.transpose(0, 1)[None],
-                                             values.transpose(0, 1)[None], is_causal=True)
-    return out[0].transpose(0, 1)
+        out = F.scaled_dot_product_attention(padded_heads_first(q, 1), padded_heads_first(k, repeat),
+                                             padded_heads_first(v, repeat), is_causal=True,
+                                             enable_gqa=repeat == 1 and q.shape[1] != k.shape[1])
+    return out[0].transpose(0, 1)[:n]
+
+
+@functools.cache
+def _cudnn_takes_grouped_heads(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether cuDNN SDPA with enable_gqa computes what it computes on repeated K/V. Checked once per device."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    try:
+        generator = torch.Generator(device=device).manual_seed(4)
+        q = torch.randn(1, 6, 256, 64, device=device, dtype=dtype, generator=generator)
+        k = torch.randn(1, 2, 256, 64, device=device, dtype=dtype, generator=generator)
+        v = torch.randn(1, 2, 256, 64, device=device, dtype=dtype, generator=generator)
+        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+            grouped = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            repeated = F.scaled_dot_product_attention(q, k.repeat_interleave(3, dim=1), v.repeat_interleave(3, dim=1),
+                                                      is_causal=True)
+        return bool((grouped.float() - repeated.float()).abs().max().item() <= 1e-2)
+    except Exception:  # noqa: BLE001 — refused: repeat the heads
+        return False
+
+
+def warm_long_attention(device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int, dim: int,
+                        max_tokens: int) -> int:
+    """Build cuDNN's plan for every padded length of one long record up to `max_tokens` (so that no request pays
+    for one); returns how many lengths were run."""
+    lengths = range(cudnn_length(LONG_RECORD_TOKENS), cudnn_length(max_tokens) + 1, CUDNN_LENGTH_STEP)
+    generator = torch.Generator(device=device).manual_seed(5)
+    q = torch.randn(lengths[-1], heads, dim, device=device, dtype=dtype, generator=generator)
+    k = torch.randn(lengths[-1], kv_heads, dim, device=device, dtype=dtype, generator=generator)
+    for n in lengths:
+        attention_varlen_cudnn_long(q[:n], k[:n], k[:n], make_segments([n], device))
+    torch.cuda.synchronize(device)
+    return len(lengths)
 
 
 def cudnn_long_attention_pays(device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int,
@@ -483,6 +564,11 @@ def triton_matches_torch(device: torch.device, dtype: torch.dtype, *, heads: int
         mixed = projected[:, : 2 * key_dim + value_dim]
         checks.append(("causal_conv", causal_conv_triton(mixed, conv_weight, segments, key_dim),
                        causal_conv_torch(mixed, conv_weight, segments, key_dim)))
+        from .triton_kernels import l2norm
+
+        heads_qk = rand(n, 2, value_head_dim)
+        checks.append(("l2norm", l2norm(heads_qk),
+                       heads_qk.float() * torch.rsqrt((heads_qk.float() ** 2).sum(-1, keepdim=True) + 1e-6)))
         core, z = rand(n, 3, value_head_dim), rand(n, 3 * value_head_dim + 5)
         norm_weight = 1 + 0.1 * rand(value_head_dim)
         checks.append(("gated_rms_norm", gated_rms_norm_triton(core, z[:, : 3 * value_head_dim], norm_weight, 1e-6),

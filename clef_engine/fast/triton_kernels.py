@@ -127,6 +127,34 @@ def conv_silu_split(mixed: torch.Tensor, weight: torch.Tensor, positions: torch.
     return q, k, v
 
 
+# ---- Gated DeltaNet: q / k L2 norm per head ----------------------------------------------------------------------
+
+
+@triton.jit(do_not_specialize=["R"])
+def _l2norm_kernel(x_ptr, out_ptr, R, eps, D: tl.constexpr, ROWS: tl.constexpr):
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    row_ok = (rows < R)[:, None]
+    offsets = rows.to(tl.int64)[:, None] * D + tl.arange(0, D)[None, :]
+    x = tl.load(x_ptr + offsets, mask=row_ok, other=0.0).to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) + eps)
+    tl.store(out_ptr + offsets, (x * rstd[:, None]).to(out_ptr.dtype.element_ty), mask=row_ok)
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x [N, H, D] divided by its L2 norm over D (float32 inside, x's dtype out): what flash-linear-attention's
+    `l2norm_fwd` computes for `use_qk_l2norm_in_kernel`. Its kernel is autotuned again for every 65,536 rows of
+    input, a compile of many seconds the first time a pack of a new size class arrives; this one has one
+    compiled variant for every length."""
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    width = x.shape[-1]
+    rows = x.numel() // width
+    rows_per_program = 16
+    _l2norm_kernel[(triton.cdiv(rows, rows_per_program),)](x, out, rows, eps, D=width, ROWS=rows_per_program,
+                                                            num_warps=4)
+    return out
+
+
 # ---- Gated DeltaNet: gated RMSNorm (Qwen3_5RMSNormGated) ------------------------------------------------------------
 
 

@@ -19,6 +19,8 @@ the weights' dtype. With float32 weights every cast is a no-op and the math is t
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import math
 from dataclasses import dataclass, fields, replace
@@ -28,6 +30,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .release import HeadConfig
@@ -326,6 +329,31 @@ def _heads(x: torch.Tensor, heads: int) -> torch.Tensor:
     return x.view(batch, length, heads, width // heads).transpose(1, 2)
 
 
+# cuDNN's attention builds an execution plan for every new shape (~65 ms on the H200, bench/results/
+# 2026-12-01-h200-diagnose.json), and the eager head meets a new shape with nearly every batch (record count, longest
+# memory, fields per record). So the head's attention uses cuDNN only where its shapes are bucketed and come back (the
+# head's CUDA graphs, fast/graphs.py, run inside `bucketed_head_shapes`), and elsewhere kernels that need no plan.
+_BUCKETED_SHAPES = contextvars.ContextVar("clef_head_bucketed_shapes", default=False)
+NO_PLAN_BACKENDS = (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)
+
+
+@contextlib.contextmanager
+def bucketed_head_shapes():
+    """Inside: the head runs at bucketed shapes that come back (a CUDA graph per bucket), so cuDNN attention pays."""
+    token = _BUCKETED_SHAPES.set(True)
+    try:
+        yield
+    finally:
+        _BUCKETED_SHAPES.reset(token)
+
+
+def head_attention_backends(device: torch.device) -> tuple[SDPBackend, ...] | None:
+    """The SDPA backends the head's attention may use here (None: any, SDPA's own choice)."""
+    if device.type != "cuda" or _BUCKETED_SHAPES.get():
+        return None
+    return NO_PLAN_BACKENDS
+
+
 def attend(attention: nn.MultiheadAttention, query: torch.Tensor, memory: torch.Tensor,
            mask: torch.Tensor | None) -> torch.Tensor:
     """nn.MultiheadAttention(query, memory, memory) with need_weights=False, on F.scaled_dot_product_attention;
@@ -339,7 +367,12 @@ def attend(attention: nn.MultiheadAttention, query: torch.Tensor, memory: torch.
         k, v = F.linear(memory.to(weight.dtype), weight[width:], bias[width:]).chunk(2, dim=-1)
     heads = attention.num_heads
     q, k, v = _heads(q, heads), _heads(k, heads), _heads(v, heads)
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    backends = head_attention_backends(q.device)
+    if backends is None:
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    else:
+        with sdpa_kernel(list(backends)):
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
     return _linear(attention.out_proj, out.transpose(1, 2).reshape(query.shape))
 
 

@@ -1,0 +1,382 @@
+# ruff: noqa: B023 — the timed closures run at once, inside the loop iteration that defines them
+"""Diagnostics behind issue 12's open targets, on the Clef-27B architecture on one H200 (not a benchmark: the
+headline numbers come from bench/user_paths.py).
+
+    python bench/diagnose_h200.py OUT_DIR
+
+- attention_shapes: one long record's attention (cuDNN, flash varlen) at lengths it has not met before, against the
+  same lengths met again, and padded to a multiple of 256 — does a new length cost a plan build?
+- gqa: whether torch's varlen attention and cuDNN SDPA take fewer K/V heads than query heads as they are.
+- gemm: each projection's GEMM at 1k and 16k rows, and a square 8192³ product, in TFLOP/s.
+- cached_16k: where a new schema on a cached 16k state spends its time (encode, key, continuation, head) and the
+  continuation's kernels.
+- pack_1k: 16 records of ~1k tokens as one pack (what decide_many runs): time per token and kernels.
+Writes OUT_DIR/diagnose.json after every step.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import bench.profile_h200 as profile_module  # noqa: E402
+from bench import build  # noqa: E402
+from bench.profile_h200 import kernel_table, step  # noqa: E402
+from clef_engine.fast import kernels as K  # noqa: E402
+
+report = profile_module.report
+
+
+def cuda_ms(fn, repeats: int = 5, warmup: int = 1) -> dict:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return {"p50": round(statistics.median(times), 3), "min": round(min(times), 3)}
+
+
+def once_ms(fn) -> float:
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    return round((time.perf_counter() - t0) * 1000, 2)
+
+
+def qkv(n: int, heads: int = 24, kv_heads: int = 4, dim: int = 256, seed: int = 0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return (torch.randn(n, heads, dim, device="cuda", dtype=torch.bfloat16, generator=g),
+            torch.randn(n, kv_heads, dim, device="cuda", dtype=torch.bfloat16, generator=g),
+            torch.randn(n, kv_heads, dim, device="cuda", dtype=torch.bfloat16, generator=g))
+
+
+@step("environment")
+def environment(_=None):
+    import transformers
+
+    out = {"torch": torch.__version__, "transformers": transformers.__version__, "gpu": torch.cuda.get_device_name()}
+    fn = K._varlen_function()
+    out["varlen_attn_signature"] = str(inspect.signature(fn)) if fn is not None else None
+    out["mm_out_dtype"] = "out_dtype" in str(getattr(torch.mm, "__doc__", ""))
+    return out
+
+
+@step("attention_shapes")
+def attention_shapes(_=None):
+    out = {}
+    old = K.attention_varlen_cudnn_long
+    for n in (4177, 4339, 4436, 8200, 16353):
+        q, k, v = qkv(n, seed=n)
+        segments = K.make_segments([n], torch.device("cuda"))
+        row = {"cudnn_first_ms": once_ms(lambda: old(q, k, v, segments)),
+               "cudnn_second_ms": once_ms(lambda: old(q, k, v, segments)),
+               "flash_varlen_first_ms": once_ms(lambda: K.attention_varlen(q, k, v, segments)),
+               "flash_varlen_ms": cuda_ms(lambda: K.attention_varlen(q, k, v, segments))["p50"],
+               "cudnn_ms": cuda_ms(lambda: old(q, k, v, segments))["p50"]}
+        padded = -(-n // 256) * 256
+        qp, kp, vp = (F.pad(t, (0, 0, 0, 0, 0, padded - n)) for t in (q, k, v))
+        sp = K.make_segments([padded], torch.device("cuda"))
+        row["cudnn_padded_first_ms"] = once_ms(lambda: old(qp, kp, vp, sp))
+        row["cudnn_padded_ms"] = cuda_ms(lambda: old(qp, kp, vp, sp))["p50"]
+        want = K.attention_varlen(q, k, v, segments).float()
+        row["padded_vs_flash_max_abs"] = round((old(qp, kp, vp, sp)[:n].float() - want).abs().max().item(), 5)
+        out[str(n)] = row
+        profile_module.save()
+    return out
+
+
+@step("gqa")
+def gqa(_=None):
+    device = torch.device("cuda")
+    out = {"varlen_takes_grouped_heads": K._varlen_takes_grouped_heads(device, torch.bfloat16),
+           "cudnn_takes_grouped_heads": K._cudnn_takes_grouped_heads(device, torch.bfloat16)}
+    n = 4608
+    q, k, v = qkv(n, seed=3)
+    segments = K.make_segments([n], device)
+    want = K.attention_sdpa(q, k, v, segments).float()
+    out["varlen_ms"] = cuda_ms(lambda: K.attention_varlen(q, k, v, segments))["p50"]
+    out["varlen_vs_sdpa_max_abs"] = round((K.attention_varlen(q, k, v, segments).float() - want).abs().max().item(), 5)
+    out["cudnn_ms"] = cuda_ms(lambda: K.attention_varlen_cudnn_long(q, k, v, segments))["p50"]
+    out["cudnn_vs_sdpa_max_abs"] = round(
+        (K.attention_varlen_cudnn_long(q, k, v, segments).float() - want).abs().max().item(), 5)
+    # a continuation: 416 queries after 15,600 cached keys (what a new schema on a cached 16k state runs)
+    prefix, new = 15_600, 416
+    q2, k2, v2 = qkv(prefix + new, seed=4)
+    q2 = q2[-new:].contiguous()
+    out["after_prefix_ms"] = cuda_ms(lambda: K.attention_after_prefix_varlen(q2, k2, v2, prefix))["p50"]
+    out["after_prefix_vs_masked_sdpa_max_abs"] = round(
+        (K.attention_after_prefix_varlen(q2, k2, v2, prefix).float()
+         - K.attention_after_prefix(q2, k2, v2, prefix).float()).abs().max().item(), 5)
+    t0 = time.perf_counter()
+    out["warm_long_attention_lengths"] = K.warm_long_attention(device, torch.bfloat16, 24, 4, 256, 32_768)
+    out["warm_long_attention_s"] = round(time.perf_counter() - t0, 2)
+    for m in (4436, 9001, 16999):  # lengths met for the first time, after the warm-up
+        q3, k3, v3 = qkv(m, seed=m)
+        s3 = K.make_segments([m], device)
+        out[f"first_call_after_warm_up_{m}_ms"] = once_ms(lambda: K.attention_varlen_cudnn_long(q3, k3, v3, s3))
+    return out
+
+
+@step("gemm")
+def gemm(engine):
+    out = {}
+    gdn = next(layer for layer in engine.backbone.layers if layer.kind == "linear_attention")
+    attn = next(layer for layer in engine.backbone.layers if layer.kind != "linear_attention")
+    weights = {"gate_up": gdn.gate_up, "down": gdn.down, "gdn_in": gdn.in_proj, "gdn_out": gdn.out_proj,
+               "attn_qkv": attn.qkv, "attn_o": attn.o_proj}
+    for rows in (1024, 16384):
+        for name, w in weights.items():
+            x = torch.randn(rows, w.shape[1], device="cuda", dtype=torch.bfloat16)
+            t = cuda_ms(lambda: F.linear(x, w), 10, 2)["p50"]
+            out[f"{rows}_{name}"] = {"ms": t, "tflops": round(2 * rows * w.shape[0] * w.shape[1] / t / 1e9, 1)}
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    t = cuda_ms(lambda: a @ b, 20, 3)["p50"]
+    out["square_8192"] = {"ms": t, "tflops": round(2 * 8192**3 / t / 1e9, 1)}
+    return out
+
+
+def request(engine, tokens: int, seed: int, schema: dict | None = None) -> dict:
+    return build.sized_request(engine, tokens, schema or build.schema(4, 3, seed, noul_every=4), seed)
+
+
+@step("cached_16k")
+@torch.inference_mode()
+def cached_16k(engine):
+    engine.state_cache.clear()
+    state = build.sized_state(engine, 16_384 - 400, build.schema(4, 3, 77, noul_every=4), 77)
+    variants = [{"model": "clef", "state": state, "questions": build.schema(4, 3, 900 + v, noul_every=4)}
+                for v in range(6)]
+    out = {"cold_ms": once_ms(lambda: engine.decide(variants[0]))}
+    out["first_hit_ms"] = once_ms(lambda: engine.decide(variants[1]))
+    out["hits_ms"] = [once_ms(lambda: engine.decide(r)) for r in variants[2:]]
+    record = None
+
+    def encode():
+        nonlocal record
+        record = engine.encode(variants[3])
+    out["encode_ms"] = once_ms(encode)
+    out["tokens"], out["state_end"] = len(record), record.state_end
+    key = None
+
+    def make_key():
+        nonlocal key
+        key = engine.prefix.key(record)
+    out["key_ms"] = once_ms(make_key)
+    state_entry = engine.state_cache.get(key)
+    result = None
+
+    def after():
+        nonlocal result
+        result = engine.prefix.forward_after(record, state_entry)
+    out["forward_after_graph_ms"] = [once_ms(after) for _ in range(3)]
+    out["head_ms"] = [once_ms(lambda: engine.head_one(*result, record)) for _ in range(3)]
+    graphs, engine.prefix.graphs = engine.prefix.graphs, None
+    try:
+        out["forward_after_eager_ms"] = once_ms(after)
+        out["profile_eager_continuation"] = kernel_table(after, 2)
+    finally:
+        engine.prefix.graphs = graphs
+    out["profile_graph_continuation"] = kernel_table(after, 2)
+    return out
+
+
+@step("pack_1k")
+def pack_1k(engine):
+    import random
+
+    rng = random.Random(5)
+    requests = [request(engine, rng.randint(900, 1150), 7000 + i) for i in range(16)]
+    records = [engine.encode(r) for r in requests]
+    tokens = sum(len(r) for r in records)
+    engine.forward_batch(records)
+    sustained = [cuda_ms(lambda: engine.forward_batch(records), 1, 0)["p50"] for _ in range(12)]
+    return {"tokens": tokens, "sustained_ms": sustained,
+            "tokens_per_s_first_last": [round(tokens / sustained[0] * 1000), round(tokens / sustained[-1] * 1000)],
+            "profile": kernel_table(lambda: engine.forward_batch(records), 1)}
+
+
+@step("decide_many_timeline")
+def decide_many_timeline(engine):
+    """256 records of 700-1,300 tokens through decide_many (what the batch run times), with the worker's batches
+    timed on the host: the time inside forward_batch against the time between batches."""
+    import random
+
+    rng = random.Random(6)
+    requests = [request(engine, rng.randint(700, 1300), 8000 + i) for i in range(256)]
+    spans = []
+    scheduler = engine.scheduler
+    run_batch = scheduler.run_batch
+
+    def timed(records):
+        t0 = time.perf_counter()
+        out = run_batch(records)
+        spans.append((t0, time.perf_counter(), sum(len(r) for r in records), len(records)))
+        return out
+    scheduler.run_batch = timed
+    try:
+        engine.decide_many(requests[:32])
+        spans.clear()
+        t0 = time.perf_counter()
+        responses = engine.decide_many(requests)
+        wall = time.perf_counter() - t0
+    finally:
+        scheduler.run_batch = run_batch
+    tokens = sum(r["usage"]["input_tokens"] for r in responses)
+    inside = sum(end - start for start, end, _, _ in spans)
+    gaps = [b[0] - a[1] for a, b in zip(spans, spans[1:])]
+    return {"tokens": tokens, "wall_s": round(wall, 2), "tokens_per_s": round(tokens / wall),
+            "batches": len(spans), "inside_forward_batch_s": round(inside, 2),
+            "tokens_per_s_inside": round(sum(s[2] for s in spans) / inside),
+            "first_batch_starts_after_s": round(spans[0][0] - t0, 3), "last_batch_ends_before_s": round(
+                t0 + wall - spans[-1][1], 3),
+            "gap_ms_p50_max": [round(statistics.median(gaps) * 1000, 1), round(max(gaps) * 1000, 1)] if gaps else None,
+            "batch_ms": [round((e - s) * 1000) for s, e, _, _ in spans], "batch_tokens": [t for _, _, t, _ in spans]}
+
+
+@step("first_calls")
+@torch.inference_mode()
+def first_calls(engine):
+    """After a small warm-up: the first pack of each size class (flash-linear-attention's l2norm autotuned once per
+    65,536 rows of q / k) and the same pack again."""
+    import random
+
+    rng = random.Random(9)
+    warm = [engine.encode(request(engine, n, 9100 + n)) for n in (300, 700)]
+    engine.forward_batch(warm)
+    out = {}
+    for total in (4_400, 9_000, 13_500, 17_500):
+        records, tokens = [], 0
+        while tokens < total:
+            records.append(engine.encode(request(engine, rng.randint(700, 1300), rng.randint(0, 10**6))))
+            tokens += len(records[-1])
+        out[str(tokens)] = {"records": len(records), "first_ms": once_ms(lambda: engine.forward_batch(records)),
+                            "second_ms": once_ms(lambda: engine.forward_batch(records))}
+        profile_module.save()
+    return out
+
+
+@step("bulk_ab")
+@torch.inference_mode()
+def bulk_ab(engine):
+    """The same 16-record packs run as interactive work (no callback between layers) and as bulk work (the host kept
+    at most LAYERS_AHEAD layers ahead of the GPU, interactive requests let in between layers), alternating."""
+    import random
+
+    from clef_engine import engine as engine_module
+    from clef_engine.serve.scheduler import PRIORITIES
+
+    rng = random.Random(10)
+    packs = []
+    for p in range(3):
+        records = [engine.encode(request(engine, rng.randint(700, 1300), 20_000 + 100 * p + i)) for i in range(16)]
+        packs.append(records)
+        engine.forward_batch(records)
+    out: dict = {"tokens": [sum(len(r) for r in pack) for pack in packs]}
+    scheduler = engine.scheduler
+
+    def run(pack, priority, ahead):
+        engine_module.LAYERS_AHEAD = ahead
+        scheduler.running_priority = priority
+        try:
+            return once_ms(lambda: engine.forward_batch(pack))
+        finally:
+            scheduler.running_priority = None
+    variants = {"interactive": (PRIORITIES["interactive"], 1), "bulk_ahead_1": (PRIORITIES["bulk"], 1),
+                "bulk_ahead_3": (PRIORITIES["bulk"], 3)}
+    times: dict = {name: [] for name in variants}
+    for _ in range(3):
+        for pack in packs:
+            for name, (priority, ahead) in variants.items():
+                times[name].append(run(pack, priority, ahead))
+    engine_module.LAYERS_AHEAD = 1
+    tokens = sum(out["tokens"]) * 3
+    for name, values in times.items():
+        out[name] = {"ms": values, "tokens_per_s": round(tokens / sum(values) * 1000)}
+    return out
+
+
+@step("head_attention")
+def head_attention(_=None):
+    """The head's masked attention (16 heads of 64, a few queries over the record's memory) on cuDNN and on the
+    memory-efficient kernel: time, and the first call at a new memory length (cuDNN builds a plan per shape)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    out = {}
+    for queries, keys in ((8, 1024), (80, 4608), (80, 5120), (700, 16384), (24, 3584)):
+        g = torch.Generator(device="cuda").manual_seed(queries + keys)
+        q = torch.randn(1, 16, queries, 64, device="cuda", dtype=torch.bfloat16, generator=g)
+        k = torch.randn(1, 16, keys, 64, device="cuda", dtype=torch.bfloat16, generator=g)
+        v = torch.randn(1, 16, keys, 64, device="cuda", dtype=torch.bfloat16, generator=g)
+        mask = torch.zeros(1, 1, 1, keys, device="cuda", dtype=torch.bfloat16)
+        mask[..., keys - 100:] = float("-inf")
+        row = {}
+        results = {}
+        for name, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("efficient", SDPBackend.EFFICIENT_ATTENTION)):
+            with sdpa_kernel([backend]):
+                def call():
+                    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+                try:
+                    row[f"{name}_first_ms"] = once_ms(call)
+                    row[f"{name}_ms"] = cuda_ms(call, 20, 2)["p50"]
+                    results[name] = call().float()
+                except Exception as error:  # noqa: BLE001
+                    row[name] = f"{type(error).__name__}: {error}"[:200]
+        if len(results) == 2:
+            row["max_abs_difference"] = round((results["cudnn"] - results["efficient"]).abs().max().item(), 5)
+        out[f"{queries}x{keys}"] = row
+    return out
+
+
+def main() -> int:
+    out_dir = Path(sys.argv[1])
+    out_dir.mkdir(parents=True, exist_ok=True)
+    profile_module.OUT = out_dir
+    (out_dir / "diagnose.json").unlink(missing_ok=True)
+    profile_module.save = lambda: (out_dir / "diagnose.json").write_text(json.dumps(report, indent=1, default=str))
+    chosen = os.environ.get("DIAG_STEPS", "environment,gqa,gemm,cached_16k,pack_1k,decide_many_timeline").split(",")
+    if "environment" in chosen:
+        environment()
+    if "gqa" in chosen:
+        gqa()
+    if "head_attention" in chosen:
+        head_attention()
+    if chosen == ["head_attention"]:
+        profile_module.save()
+        print(json.dumps(report.get("head_attention")))
+        return 0
+    from clef_engine.tiny import build_tiny_release
+
+    tiny = build_tiny_release(Path(os.environ.get("BENCH_TINY_DIR", tempfile.mkdtemp(prefix="clef-diag-tiny-"))))
+    engine = build.random_engine(build.clef_config("clef", tiny), tiny)
+    steps = {"gemm": gemm, "cached_16k": cached_16k, "pack_1k": pack_1k, "first_calls": first_calls,
+             "bulk_ab": bulk_ab, "decide_many_timeline": decide_many_timeline}
+    for name in chosen:
+        if name in steps:
+            steps[name](engine)
+    profile_module.save()
+    print(json.dumps({k: ({kk: vv for kk, vv in v.items() if "profile" not in kk} if isinstance(v, dict) else v)
+                      for k, v in report.items()})[:9000])
+    engine.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
