@@ -367,7 +367,7 @@ class Engine:
         """Compile, autotune and capture while loading, not in a user's first request: a CUDA graph for every
         length bucket, cuDNN's attention plan for every padded length of a long record, then one record alone, a
         pack of records of uneven lengths, and a long state twice (stored, then continued from the cache; the entry
-        is dropped afterwards). Returns the seconds it took."""
+        is dropped afterwards; on CUDA as long as a bulk batch). Returns the seconds it took."""
         started = time.perf_counter()
         if self.graphs is not None:
             self.graphs.capture_all()
@@ -378,11 +378,15 @@ class Engine:
         request = {"state": "warm-up", "questions": {"q": {"type": "noul", "instructions": "warm-up"}}}
         self.decide(request)
         self.decide_many([dict(request, state="warm-up " * n) for n in (1, 40, 333, 1001)])
+        # a long state twice: stored, then continued from the cache. On CUDA it is as long as a bulk batch, so that
+        # the caching allocator holds blocks for the largest working set before a user's first long record needs
+        # them (growing it there cost ~190 ms once per larger size, bench/results/2026-12-01-h200-diagnose.json)
         cache = self.state_cache
+        least = cache.min_prefix_tokens + 64 if cache is not None else 2048
+        long_state = "warm " * (max(least, self.config.bulk_batch_tokens - 256) if self.config.cuda else least)
+        self.decide(dict(request, state=long_state))
+        self.decide(dict(request, state=long_state, questions={"other": {"type": "noul", "instructions": "?"}}))
         if cache is not None and cache.enabled:
-            long_state = "warm " * (cache.min_prefix_tokens + 64)
-            self.decide(dict(request, state=long_state))
-            self.decide(dict(request, state=long_state, questions={"other": {"type": "noul", "instructions": "?"}}))
             cache.clear(reset_stats=True)
         self.warm_up_seconds = time.perf_counter() - started
         return self.warm_up_seconds

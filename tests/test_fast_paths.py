@@ -324,3 +324,33 @@ def test_the_head_uses_cudnn_attention_only_at_the_bucketed_shapes_of_its_graphs
         normed, memory = tiny_engine.head.token_memory(hidden)
         HeadGraphs(tiny_engine.head, tiny_engine.output_embeddings, capture=False).probabilities(normed, memory, record)
     assert seen == [None]  # inside the graph's body: any backend
+
+
+@pytest.mark.parametrize("grouped", [True, False])
+def test_a_long_records_cudnn_attention_runs_at_a_shared_padded_length_and_answers_the_same(monkeypatch, grouped):
+    """cuDNN builds an execution plan for every new sequence length (~50 ms on the H200), and records come at every
+    length: one long record's attention runs padded to a multiple of 256 (zero keys after its last real token), K/V
+    heads grouped or repeated, and its real tokens get the plain causal attention's outputs."""
+    import contextlib
+
+    monkeypatch.setattr(torch.nn.attention, "sdpa_kernel", lambda backends: contextlib.nullcontext())
+    monkeypatch.setattr(kernels, "_cudnn_takes_grouped_heads", lambda device, dtype: grouped)
+    lengths_seen = []
+    sdpa = F.scaled_dot_product_attention
+
+    def watched(q, k, v, **kwargs):
+        lengths_seen.append((q.shape[-2], k.shape[1]))
+        return sdpa(q, k, v, **kwargs)
+
+    n = kernels.LONG_RECORD_TOKENS + 37
+    generator = torch.Generator().manual_seed(0)
+    q = torch.randn(n, 4, 16, generator=generator)
+    k, v = torch.randn(n, 2, 16, generator=generator), torch.randn(n, 2, 16, generator=generator)
+    segments = kernels.make_segments([n], torch.device("cpu"))
+    monkeypatch.setattr(F, "scaled_dot_product_attention", watched)
+    got = kernels.attention_varlen_cudnn_long(q, k, v, segments)
+    monkeypatch.setattr(F, "scaled_dot_product_attention", sdpa)
+    assert lengths_seen == [(kernels.cudnn_length(n), 2 if grouped else 4)]
+    assert kernels.cudnn_length(n) % 256 == 0 and kernels.cudnn_length(n) > n
+    assert got.shape == (n, 4, 16)
+    assert torch.allclose(got, kernels.attention_sdpa(q, k, v, segments), atol=1e-5)

@@ -104,3 +104,34 @@ def test_the_residual_stream_stays_in_float32_from_the_first_layer_on():
             assert normed.dtype == torch.bfloat16 and first.dtype == torch.float32, fn
             assert torch.equal(first, x.float()), fn
     """)
+
+
+def test_gated_delta_gets_q_and_k_l2_normed_by_our_kernel_not_by_flas_autotuned_one():
+    """flash-linear-attention's own q/k L2 norm (`use_qk_l2norm_in_kernel`) is autotuned again for every 65,536 rows
+    of input: on the H200 the first pack of a new size class stalled for ~12 s. Our kernel norms q and k (the same
+    formula) and fla is told not to."""
+    run_interpreted("""
+        import sys, types
+        import torch
+        calls = []
+        rule = types.ModuleType("fla.ops.gated_delta_rule")
+
+        def chunk_gated_delta_rule(q, k, v, **kwargs):
+            calls.append((q, k, kwargs))
+            return v, None
+        rule.chunk_gated_delta_rule = chunk_gated_delta_rule
+        for name in ("fla", "fla.ops"):
+            sys.modules[name] = types.ModuleType(name)
+        sys.modules["fla.ops.gated_delta_rule"] = rule
+        from clef_engine.fast import kernels
+        torch.manual_seed(0)
+        q, k, v = torch.randn(5, 2, 8), torch.randn(5, 2, 8), torch.randn(5, 4, 8)
+        a, b = torch.randn(5, 4), torch.randn(5, 4)
+        kernels.gated_delta_fla(q, k, v, a, b, torch.zeros(4), torch.zeros(4), kernels.make_segments([5], "cpu"))
+        (got_q, got_k, kwargs), = calls
+        assert kwargs["use_qk_l2norm_in_kernel"] is False
+        def normed(x):
+            return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6)
+        assert torch.allclose(got_q[0], normed(q), atol=1e-6), (got_q[0] - normed(q)).abs().max()
+        assert torch.allclose(got_k[0], normed(k), atol=1e-6)
+    """)

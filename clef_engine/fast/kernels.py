@@ -362,14 +362,18 @@ def _cudnn_takes_grouped_heads(device: torch.device, dtype: torch.dtype) -> bool
 def warm_long_attention(device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int, dim: int,
                         max_tokens: int) -> int:
     """Build cuDNN's plan for every padded length of one long record up to `max_tokens` (so that no request pays
-    for one); returns how many lengths were run."""
-    lengths = range(cudnn_length(LONG_RECORD_TOKENS), cudnn_length(max_tokens) + 1, CUDNN_LENGTH_STEP)
+    for one); returns how many lengths were run. Longest first, then the cache emptied: in ascending order every
+    call's buffers would outgrow the blocks cached before it, and the caching allocator would keep them all (45 GB
+    reserved after one warm-up on the H200, bench/results/2026-12-01-h200-user-paths.json)."""
+    lengths = range(cudnn_length(max_tokens), cudnn_length(LONG_RECORD_TOKENS) - 1, -CUDNN_LENGTH_STEP)
     generator = torch.Generator(device=device).manual_seed(5)
-    q = torch.randn(lengths[-1], heads, dim, device=device, dtype=dtype, generator=generator)
-    k = torch.randn(lengths[-1], kv_heads, dim, device=device, dtype=dtype, generator=generator)
+    q = torch.randn(lengths[0], heads, dim, device=device, dtype=dtype, generator=generator)
+    k = torch.randn(lengths[0], kv_heads, dim, device=device, dtype=dtype, generator=generator)
     for n in lengths:
         attention_varlen_cudnn_long(q[:n], k[:n], k[:n], make_segments([n], device))
     torch.cuda.synchronize(device)
+    del q, k
+    torch.cuda.empty_cache()
     return len(lengths)
 
 
