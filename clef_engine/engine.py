@@ -384,8 +384,8 @@ class Engine:
         cache = self.state_cache
         least = cache.min_prefix_tokens + 64 if cache is not None else 2048
         long_state = "warm " * (max(least, self.config.bulk_batch_tokens - 256) if self.config.cuda else least)
-        self.decide(dict(request, state=long_state))
-        self.decide(dict(request, state=long_state, questions={"other": {"type": "noul", "instructions": "?"}}))
+        for questions in (request["questions"], {"other": {"type": "noul", "instructions": "?"}}):
+            self.decide(dict(request, state=long_state, questions=questions), overflow="truncate_state")
         if cache is not None and cache.enabled:
             cache.clear(reset_stats=True)
         self.warm_up_seconds = time.perf_counter() - started

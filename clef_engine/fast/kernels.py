@@ -366,6 +366,8 @@ def warm_long_attention(device: torch.device, dtype: torch.dtype, heads: int, kv
     call's buffers would outgrow the blocks cached before it, and the caching allocator would keep them all (45 GB
     reserved after one warm-up on the H200, bench/results/2026-12-01-h200-user-paths.json)."""
     lengths = range(cudnn_length(max_tokens), cudnn_length(LONG_RECORD_TOKENS) - 1, -CUDNN_LENGTH_STEP)
+    if not lengths:
+        return 0
     generator = torch.Generator(device=device).manual_seed(5)
     q = torch.randn(lengths[0], heads, dim, device=device, dtype=dtype, generator=generator)
     k = torch.randn(lengths[0], kv_heads, dim, device=device, dtype=dtype, generator=generator)
