@@ -21,7 +21,9 @@ per-option Python-loop head): the release's own `joint_schema_model.py` is not i
 
 Writes OUT.json after every section: the keys issue 12 names at the top level, everything else under "detail".
 BENCH_SKIP=fidelity leaves the fidelity section out; BENCH_ONLY=fidelity runs it alone (on the H200 it takes minutes
-of its own: a Flash-shaped model, its float32 copy, and 55 records three ways).
+of its own: a Flash-shaped model, its float32 copy, and 55 records three ways). BENCH_BUCKETS=4096,16384 times only
+those length buckets (the random lengths then differ from a full run's); BENCH_DEADLINE_S (560) skips the sections
+that would not finish in time, so that a run inside a device call's limit still writes what it measured.
 """
 
 from __future__ import annotations
