@@ -19,7 +19,7 @@ from clef_workbench.casesets import build_request
 from clef_workbench.jobs import JobRunner
 from clef_workbench.model_loader import ModelManager
 from clef_workbench.store import Store
-from tests.test_server import REPO, ServerProcess, make_request
+from tests.test_server import REPO, ServerProcess, make_request, metric, parse_metrics
 
 QUESTIONS = make_request(0)["questions"]
 
@@ -86,6 +86,29 @@ def test_requests_are_routed_by_model_and_any_other_name_goes_to_the_default(
             assert probabilities(response.json()) == pytest.approx(expected, abs=2e-4), model
         no_model = {k: v for k, v in request.items() if k != "model"}
         assert http.post("/v1/systemone", json=no_model).json()["model"] == tiny_release.name
+
+
+def test_metrics_report_each_resident_model(two_model_server, tiny_release, small_release):
+    """/metrics has one series per model (label `model`): a request routed to one model shows in its batches and
+    tokens, not in the other's."""
+    def batches_and_tokens(samples: dict, name: str) -> tuple[float, float]:
+        return (metric(samples, f'clef_engine_batches_total{{model="{name}"}}'),
+                metric(samples, f'clef_engine_batch_tokens_total{{model="{name}"}}'))
+
+    with httpx.Client(base_url=two_model_server.url, timeout=60) as http:
+        before = parse_metrics(http.get("/metrics").text)
+        for _ in range(2):
+            assert http.post("/v1/systemone", json=dict(make_request(5), model=small_release.name)).status_code == 200
+        text = http.get("/metrics").text
+    after = parse_metrics(text)
+    for name in (tiny_release.name, small_release.name):
+        assert f'clef_engine_queue_depth{{model="{name}"}}' in after, text
+        assert f'clef_engine_weights_bytes{{model="{name}"}}' in after, text
+    small_before = batches_and_tokens(before, small_release.name)
+    small_after = batches_and_tokens(after, small_release.name)
+    assert small_after[0] - small_before[0] >= 1 and small_after[1] - small_before[1] > 0
+    assert batches_and_tokens(after, tiny_release.name) == batches_and_tokens(before, tiny_release.name)
+    assert after["clef_engine_ready"] == 1
 
 
 def test_serve_refuses_a_model_that_does_not_fit_before_loading_it(tiny_release, small_release):

@@ -507,7 +507,9 @@ def test_metrics_count_what_happened(server: ServerProcess, client: httpx.Client
     assert delta("clef_api_decisions_total") == 9
     assert delta('clef_api_requests_total{path="/metrics",status="200"}') == 1
     assert after["clef_engine_ready"] == 1
-    assert after["clef_engine_queue_depth"] == 0
+    queues = {k: v for k, v in after.items() if k.startswith("clef_engine_queue_depth{")}
+    assert list(queues.values()) == [0] and 'model="' in next(iter(queues)), queues
+    assert sum(v for k, v in after.items() if k.startswith("clef_engine_batches_total{")) >= 3
     assert any(k.startswith("clef_engine_memory_bytes{") for k in after), text
     # The exposition is well formed: every sample's metric family has a TYPE line.
     families = set(re.findall(r"^# TYPE (\S+) ", text, re.MULTILINE))

@@ -14,7 +14,7 @@ Wire contract beyond spec §5:
 - Several models: the provider may give a mapping name → engine (the default first). A request's `model` picks the
   engine of that name (exactly, or ignoring case and an owner prefix: `Cloudflare/clef-flash` and `clef-flash` name
   the same model); `jev-latest` and any name that is not loaded go to the default model, as hosted Jev accepts any
-  model name. /metrics reports the default model's engine.
+  model name. /metrics reports every resident model's engine, labelled `model`.
 - Overflow: a record over the token budget gets 413 unless the request body opts in with the top-level field
   `"x_overflow": "truncate_state"` (the reference's behaviour: cut the end of the state; the response says how many
   state tokens were dropped in `x_truncated_state_tokens`). `"x_max_length": N` raises or lowers the budget.
@@ -137,7 +137,7 @@ class Metrics:
     """The API's Prometheus metrics, in a registry of their own: two apps in one process (the workbench's and a
     test's) never share or double-register counters. The engine's numbers are read at scrape time."""
 
-    def __init__(self, engine_or_none: Callable[[], Any | None]):
+    def __init__(self, models_or_none: Callable[[], dict[str, Any] | None]):
         self.registry = CollectorRegistry()
         registry = self.registry
         self.requests = Counter("clef_api_requests", "HTTP requests answered, by path and status.",
@@ -156,7 +156,7 @@ class Metrics:
         self._in_flight_lock = threading.Lock()  # the maximum is read-modify-write; a gauge alone cannot keep it
         self._in_flight_now = 0
         self._in_flight_most = 0
-        registry.register(_EngineCollector(engine_or_none))
+        registry.register(_EngineCollector(models_or_none))
 
     def count_request(self, path: str, status: int) -> None:
         self.requests.labels(path=path, status=str(status)).inc()
@@ -185,29 +185,43 @@ class Metrics:
 
 
 class _EngineCollector:
-    """The engine's state at scrape time: readiness, queue, the scheduler's counters and accelerator memory."""
+    """The engines' state at scrape time: readiness; per resident model (label `model`) its queue, the scheduler's
+    counters and the memory its weights took; the device's memory once (read through the default model)."""
 
-    def __init__(self, engine_or_none: Callable[[], Any | None]):
-        self._engine_or_none = engine_or_none
+    def __init__(self, models_or_none: Callable[[], dict[str, Any] | None]):
+        self._models_or_none = models_or_none
 
     def collect(self) -> Iterator[Metric]:
-        engine = self._engine_or_none()
-        info = _safe_call(engine.info, default={}) if engine is not None else {}
+        models = self._models_or_none() or {}
         yield GaugeMetricFamily("clef_engine_ready", "1 when a model is loaded and answering.",
-                                value=1 if engine is not None else 0)
-        if engine is not None:
-            yield GaugeMetricFamily("clef_engine_queue_depth", "Requests waiting for the GPU worker.",
-                                    value=_safe_call(engine.queue_depth, default=0))
-        scheduler = info.get("scheduler") or {}
-        for key, name, kind, help_text in SCHEDULER_METRICS:
-            value = scheduler.get(key)
-            if isinstance(value, (int, float)) and not isinstance(value, bool):
-                family = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
-                yield family(name, help_text, value=value)
+                                value=1 if models else 0)
+        queue = GaugeMetricFamily("clef_engine_queue_depth", "Requests waiting for the GPU worker.", labels=["model"])
+        scheduler_families = [(key, (CounterMetricFamily if kind == "counter" else GaugeMetricFamily)(
+            name, help_text, labels=["model"])) for key, name, kind, help_text in SCHEDULER_METRICS]
+        weights = GaugeMetricFamily("clef_engine_weights_bytes", "Accelerator memory the model took when it was "
+                                    "loaded (0 on CPU).", labels=["model"])
+        device_memory = None
+        for name, engine in models.items():
+            info = _safe_call(engine.info, default={})
+            queue.add_metric([name], _safe_call(engine.queue_depth, default=0))
+            scheduler = info.get("scheduler") or {}
+            for key, family in scheduler_families:
+                value = scheduler.get(key)
+                if isinstance(value, (int, float)) and not isinstance(value, bool):
+                    family.add_metric([name], value)
+            memory = {k: v for k, v in (info.get("memory") or {}).items() if isinstance(v, (int, float))}
+            weights.add_metric([name], memory.get("loaded", 0))
+            if device_memory is None:  # the default model's view: allocations are counted per device, not model
+                device_memory = memory
+        yield queue
+        for _, family in scheduler_families:
+            yield family
+        yield weights
         memory = {"loaded": 0, "allocated": 0, "peak_allocated": 0, "peak_reserved": 0}
-        memory.update({k: v for k, v in (info.get("memory") or {}).items() if isinstance(v, (int, float))})
-        family = GaugeMetricFamily("clef_engine_memory_bytes", "Accelerator memory: weights loaded, allocated now, "
-                                   "peak allocated, peak reserved (0 on CPU).", labels=["kind"])
+        memory.update(device_memory or {})
+        family = GaugeMetricFamily("clef_engine_memory_bytes", "Accelerator memory: the default model's weights "
+                                   "when loaded, allocated now, peak allocated, peak reserved (0 on CPU).",
+                                   labels=["kind"])
         for kind, value in sorted(memory.items()):
             family.add_metric([kind], value)
         yield family
@@ -475,7 +489,7 @@ class SystemOneApi:
         self.max_body_bytes = max_body_bytes
         self.request_timeout = request_timeout
         self._named: tuple[weakref.ref, str] | None = None  # (engine, its public name): see _name_of
-        self.metrics = Metrics(self.engine_or_none)
+        self.metrics = Metrics(self.models_or_none)
 
     # --- engine access -------------------------------------------------------------------------------------
     def models_or_none(self) -> dict[str, Any] | None:
@@ -498,11 +512,6 @@ class SystemOneApi:
         if named is None or named[0]() is not engine:
             named = self._named = (weakref.ref(engine), _public_model_name(_safe_call(engine.info, default={})))
         return named[1]
-
-    def engine_or_none(self) -> Any | None:
-        """The default model's engine."""
-        models = self.models_or_none()
-        return next(iter(models.values())) if models else None
 
     async def _engine(self, model: Any = None) -> tuple[str, Any]:
         """(name, engine) of the model a request's `model` field names (see pick_model)."""
