@@ -12,10 +12,9 @@ from streamlit.testing.v1 import AppTest
 from clef_workbench import casesets
 from clef_workbench.schemas import SchemaLibrary
 from clef_workbench.store import Store
+from tests.test_app_pages import APP, button, no_exceptions
 from workbench_ui import shell
 
-REPO = Path(__file__).resolve().parents[1]
-APP = str(REPO / "app.py")
 TIMEOUT = 180
 SLUG = "support-ticket-routing"
 
@@ -27,18 +26,8 @@ def open_page(page: str, **query: str) -> AppTest:
     for name, value in query.items():  # a link to the page: its first visit reads them
         at.query_params[name] = value
     at.run()
-    ok(at)
+    no_exceptions(at)
     return at
-
-
-def ok(at: AppTest) -> None:
-    assert not at.exception, [(e.message, e.stack_trace[-4:]) for e in at.exception]
-
-
-def button(at: AppTest, label: str):
-    found = [b for b in at.button if b.label == label]
-    assert found, f"no button {label!r}: {[b.label for b in at.button]}"
-    return found[0]
 
 
 def texts(at: AppTest) -> str:
@@ -76,7 +65,7 @@ def two_versions_run(workbench: Path) -> tuple[Store, int, list[int]]:
         at.selectbox(key=f"compare.start.version.{SLUG}").select(number).run()
         assert at.multiselect(key="compare.start.models").value == ["clef-demo"]
         button(at, "Run this schema on this case set with these models").click().run()
-        ok(at)
+        no_exceptions(at)
         runs.append(store.list_runs()[0]["id"])
         assert shell.get_job_runner().wait(runs[-1], TIMEOUT), f"run {runs[-1]} did not end"
     return store, set_id, runs
@@ -118,7 +107,7 @@ def test_compare_runs_one_schema_at_two_versions_and_shows_agreement_flips_and_i
 
     # only the cases where the runs disagree
     at.toggle(key="compare.disagree").set_value(True).run()
-    ok(at)
+    no_exceptions(at)
     flipped = {case for cases in agreement["flipped"] for case in cases.split(", ") if case}
     assert len(frame(at, {"case", "open"})) == len({int(c[1:]) for c in flipped})
 
@@ -131,7 +120,7 @@ def test_schemas_page_history_diff_restore_and_undo_delete(workbench):
         data["questions"]["team"]["instructions"] = wording
         at.text_area(key=f"schemas.json.{SLUG}").input(json.dumps(data)).run()
         button(at, "Save changes").click().run()
-        ok(at)
+        no_exceptions(at)
     assert any("(version 3)" in s.value for s in at.success)
 
     history = frame(at, {"version", "how", "runs"})
@@ -143,7 +132,7 @@ def test_schemas_page_history_diff_restore_and_undo_delete(workbench):
     assert diff == '~ question "team", instructions: Which {+single+} team should [-handle-]{+own+} this ticket?'
 
     button(at, "Restore version 1").click().run()
-    ok(at)
+    no_exceptions(at)
     assert "Restored version 1 as version 4." in texts(at)
     library = SchemaLibrary(workbench / "schemas")
     assert library.load(SLUG).version == 4
@@ -153,5 +142,5 @@ def test_schemas_page_history_diff_restore_and_undo_delete(workbench):
     button(at, "Delete").click().run()
     assert not library.exists(SLUG)
     button(at, "Undo").click().run()
-    ok(at)
+    no_exceptions(at)
     assert library.load(SLUG).version == 4 and f"Restored {SLUG}.json." in texts(at)

@@ -23,6 +23,15 @@ class FakeEngine:
         self.closed = True
 
 
+def failing_at(bad: str, error: Exception):
+    """A loader that raises `error` for the source `bad` and loads a FakeEngine for any other."""
+    def loader(source):
+        if str(source) == bad:
+            raise error
+        return FakeEngine(source)
+    return loader
+
+
 def test_default_source():
     assert model_loader.default_source({"CLEF_MODEL": " /models/flash "}, cuda=False) == "/models/flash"
     assert model_loader.default_source({}, cuda=True) == "Cloudflare/clef"
@@ -58,11 +67,7 @@ def test_loads_once_even_when_many_sessions_ask():
 
 
 def test_failed_first_load_falls_back_to_demo_with_the_reason():
-    def loader(source):
-        if str(source) == "/missing":
-            raise ReleaseError("release folder /missing does not exist")
-        return FakeEngine(source)
-
+    loader = failing_at("/missing", ReleaseError("release folder /missing does not exist"))
     manager = ModelManager(loader=loader, demo_path=lambda: Path("/demo-release"))
     manager.request("/missing")
     state = manager.wait(5)
@@ -72,11 +77,7 @@ def test_failed_first_load_falls_back_to_demo_with_the_reason():
 
 
 def test_failed_switch_keeps_the_resident_model():
-    def loader(source):
-        if str(source) == "/broken":
-            raise MemoryError("CUDA out of memory")
-        return FakeEngine(source)
-
+    loader = failing_at("/broken", MemoryError("CUDA out of memory"))
     manager = ModelManager(loader=loader, demo_path=lambda: Path("/demo"))
     manager.request("/good")
     first = manager.wait(5).engine
@@ -196,11 +197,7 @@ def test_same_folder_names_get_unique_request_names():
 
 
 def test_a_failed_add_keeps_what_is_loaded_and_says_why():
-    def loader(source):
-        if str(source) == "/broken":
-            raise ReleaseError("release folder /broken does not exist")
-        return FakeEngine(source)
-
+    loader = failing_at("/broken", ReleaseError("release folder /broken does not exist"))
     manager = ModelManager(loader=loader, demo_path=lambda: Path("/demo"))
     manager.request("/good")
     manager.add("/broken")
