@@ -4,13 +4,20 @@ headline numbers come from bench/user_paths.py).
 
     python bench/diagnose_h200.py OUT_DIR
 
-- attention_shapes: one long record's attention (cuDNN, flash varlen) at lengths it has not met before, against the
-  same lengths met again, and padded to a multiple of 256 — does a new length cost a plan build?
-- gqa: whether torch's varlen attention and cuDNN SDPA take fewer K/V heads than query heads as they are.
+Steps (DIAG_STEPS=a,b,…; default environment,gqa,gemm,cached_16k,pack_1k,decide_many_timeline):
+
+- gqa: whether torch's varlen attention and cuDNN SDPA take fewer K/V heads than query heads as they are, the
+  continuation's attention after 15,600 cached keys, and cuDNN's first call at new lengths after `warm_long_attention`.
+  (Call 1 of results/2026-12-01-h200-diagnose.json ran an earlier `attention_shapes` step: cuDNN at lengths met for
+  the first time, before the attention padded lengths itself.)
 - gemm: each projection's GEMM at 1k and 16k rows, and a square 8192³ product, in TFLOP/s.
 - cached_16k: where a new schema on a cached 16k state spends its time (encode, key, continuation, head) and the
   continuation's kernels.
-- pack_1k: 16 records of ~1k tokens as one pack (what decide_many runs): time per token and kernels.
+- pack_1k: 16 records of ~1k tokens as one pack (what decide_many runs), 12 times back to back, and its kernels.
+- decide_many_timeline: 256 records through decide_many, each GPU batch timed on the host, and the gaps between.
+- first_calls: the first pack of each size class against the same pack again.
+- bulk_ab: the same packs as interactive and as bulk work (the callback between layers).
+- head_attention: the head's masked attention on cuDNN and on the memory-efficient kernel.
 Writes OUT_DIR/diagnose.json after every step.
 """
 
@@ -31,33 +38,16 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import bench.profile_h200 as profile_module  # noqa: E402
-from bench import build  # noqa: E402
+from bench import build, h200  # noqa: E402
 from bench.profile_h200 import kernel_table, step  # noqa: E402
 from clef_engine.fast import kernels as K  # noqa: E402
 
 report = profile_module.report
 
 
-def cuda_ms(fn, repeats: int = 5, warmup: int = 1) -> dict:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return {"p50": round(statistics.median(times), 3), "min": round(min(times), 3)}
-
-
 def once_ms(fn) -> float:
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    fn()
-    torch.cuda.synchronize()
-    return round((time.perf_counter() - t0) * 1000, 2)
+    """One call, the device synchronized before and after (bench/h200.timed with no warm-up)."""
+    return h200.timed(fn, 1, 0)["p50"]
 
 
 def qkv(n: int, heads: int = 24, kv_heads: int = 4, dim: int = 256, seed: int = 0):
@@ -78,30 +68,6 @@ def environment(_=None):
     return out
 
 
-@step("attention_shapes")
-def attention_shapes(_=None):
-    out = {}
-    old = K.attention_varlen_cudnn_long
-    for n in (4177, 4339, 4436, 8200, 16353):
-        q, k, v = qkv(n, seed=n)
-        segments = K.make_segments([n], torch.device("cuda"))
-        row = {"cudnn_first_ms": once_ms(lambda: old(q, k, v, segments)),
-               "cudnn_second_ms": once_ms(lambda: old(q, k, v, segments)),
-               "flash_varlen_first_ms": once_ms(lambda: K.attention_varlen(q, k, v, segments)),
-               "flash_varlen_ms": cuda_ms(lambda: K.attention_varlen(q, k, v, segments))["p50"],
-               "cudnn_ms": cuda_ms(lambda: old(q, k, v, segments))["p50"]}
-        padded = -(-n // 256) * 256
-        qp, kp, vp = (F.pad(t, (0, 0, 0, 0, 0, padded - n)) for t in (q, k, v))
-        sp = K.make_segments([padded], torch.device("cuda"))
-        row["cudnn_padded_first_ms"] = once_ms(lambda: old(qp, kp, vp, sp))
-        row["cudnn_padded_ms"] = cuda_ms(lambda: old(qp, kp, vp, sp))["p50"]
-        want = K.attention_varlen(q, k, v, segments).float()
-        row["padded_vs_flash_max_abs"] = round((old(qp, kp, vp, sp)[:n].float() - want).abs().max().item(), 5)
-        out[str(n)] = row
-        profile_module.save()
-    return out
-
-
 @step("gqa")
 def gqa(_=None):
     device = torch.device("cuda")
@@ -111,16 +77,16 @@ def gqa(_=None):
     q, k, v = qkv(n, seed=3)
     segments = K.make_segments([n], device)
     want = K.attention_sdpa(q, k, v, segments).float()
-    out["varlen_ms"] = cuda_ms(lambda: K.attention_varlen(q, k, v, segments))["p50"]
+    out["varlen_ms"] = h200.timed(lambda: K.attention_varlen(q, k, v, segments), 5)["p50"]
     out["varlen_vs_sdpa_max_abs"] = round((K.attention_varlen(q, k, v, segments).float() - want).abs().max().item(), 5)
-    out["cudnn_ms"] = cuda_ms(lambda: K.attention_varlen_cudnn_long(q, k, v, segments))["p50"]
+    out["cudnn_ms"] = h200.timed(lambda: K.attention_varlen_cudnn_long(q, k, v, segments), 5)["p50"]
     out["cudnn_vs_sdpa_max_abs"] = round(
         (K.attention_varlen_cudnn_long(q, k, v, segments).float() - want).abs().max().item(), 5)
     # a continuation: 416 queries after 15,600 cached keys (what a new schema on a cached 16k state runs)
     prefix, new = 15_600, 416
     q2, k2, v2 = qkv(prefix + new, seed=4)
     q2 = q2[-new:].contiguous()
-    out["after_prefix_ms"] = cuda_ms(lambda: K.attention_after_prefix_varlen(q2, k2, v2, prefix))["p50"]
+    out["after_prefix_ms"] = h200.timed(lambda: K.attention_after_prefix_varlen(q2, k2, v2, prefix), 5)["p50"]
     out["after_prefix_vs_masked_sdpa_max_abs"] = round(
         (K.attention_after_prefix_varlen(q2, k2, v2, prefix).float()
          - K.attention_after_prefix(q2, k2, v2, prefix).float()).abs().max().item(), 5)
@@ -144,11 +110,11 @@ def gemm(engine):
     for rows in (1024, 16384):
         for name, w in weights.items():
             x = torch.randn(rows, w.shape[1], device="cuda", dtype=torch.bfloat16)
-            t = cuda_ms(lambda: F.linear(x, w), 10, 2)["p50"]
+            t = h200.timed(lambda: F.linear(x, w), 10, 2)["p50"]
             out[f"{rows}_{name}"] = {"ms": t, "tflops": round(2 * rows * w.shape[0] * w.shape[1] / t / 1e9, 1)}
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    t = cuda_ms(lambda: a @ b, 20, 3)["p50"]
+    t = h200.timed(lambda: a @ b, 20, 3)["p50"]
     out["square_8192"] = {"ms": t, "tflops": round(2 * 8192**3 / t / 1e9, 1)}
     return out
 
@@ -207,7 +173,7 @@ def pack_1k(engine):
     records = [engine.encode(r) for r in requests]
     tokens = sum(len(r) for r in records)
     engine.forward_batch(records)
-    sustained = [cuda_ms(lambda: engine.forward_batch(records), 1, 0)["p50"] for _ in range(12)]
+    sustained = [h200.timed(lambda: engine.forward_batch(records), 1, 0)["p50"] for _ in range(12)]
     return {"tokens": tokens, "sustained_ms": sustained,
             "tokens_per_s_first_last": [round(tokens / sustained[0] * 1000), round(tokens / sustained[-1] * 1000)],
             "profile": kernel_table(lambda: engine.forward_batch(records), 1)}
@@ -335,7 +301,7 @@ def head_attention(_=None):
                     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
                 try:
                     row[f"{name}_first_ms"] = once_ms(call)
-                    row[f"{name}_ms"] = cuda_ms(call, 20, 2)["p50"]
+                    row[f"{name}_ms"] = h200.timed(call, 20, 2)["p50"]
                     results[name] = call().float()
                 except Exception as error:  # noqa: BLE001
                     row[name] = f"{type(error).__name__}: {error}"[:200]

@@ -382,7 +382,7 @@ class Engine:
         # the caching allocator holds blocks for the largest working set before a user's first long record needs
         # them (growing it there cost ~190 ms once per larger size, bench/results/2026-12-01-h200-diagnose.json)
         cache = self.state_cache
-        least = cache.min_prefix_tokens + 64 if cache is not None else 2048
+        least = self.config.min_prefix_tokens + 64
         long_state = "warm " * (max(least, self.config.bulk_batch_tokens - 256) if self.config.cuda else least)
         for questions in (request["questions"], {"other": {"type": "noul", "instructions": "?"}}):
             self.decide(dict(request, state=long_state, questions=questions), overflow="truncate_state")

@@ -354,3 +354,26 @@ def test_a_long_records_cudnn_attention_runs_at_a_shared_padded_length_and_answe
     assert kernels.cudnn_length(n) % 256 == 0 and kernels.cudnn_length(n) > n
     assert got.shape == (n, 4, 16)
     assert torch.allclose(got, kernels.attention_sdpa(q, k, v, segments), atol=1e-5)
+
+
+def test_grouped_kv_heads_are_used_only_where_the_kernel_answers_as_on_repeated_heads():
+    """The probe behind passing 4 K/V heads to 24 query heads as they are: a kernel that groups heads natively
+    passes, one that answers differently or refuses the shapes does not (the heads are then repeated)."""
+    generator = torch.Generator().manual_seed(6)
+    q, k, v = (torch.randn(1, heads, 32, 16, generator=generator) for heads in (6, 2, 2))
+
+    def grouped(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+
+    def first_heads_only(q, k, v):  # pairs query head h with K/V head h % kv: not what repeating means
+        return F.scaled_dot_product_attention(q, k.repeat(1, q.shape[1] // k.shape[1], 1, 1),
+                                              v.repeat(1, q.shape[1] // k.shape[1], 1, 1), is_causal=True)
+
+    def refuses(q, k, v):
+        if q.shape[1] != k.shape[1]:
+            raise RuntimeError("number of heads differ")
+        return grouped(q, k, v)
+
+    assert kernels._grouped_heads_match(grouped, q, k, v, 1)
+    assert not kernels._grouped_heads_match(first_heads_only, q, k, v, 1)
+    assert not kernels._grouped_heads_match(refuses, q, k, v, 1)

@@ -233,27 +233,33 @@ def _varlen_arguments(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
     return k.contiguous(), v.contiguous(), kwargs
 
 
-@functools.cache
-def _varlen_takes_grouped_heads(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether varlen_attn, given K/V with fewer heads than the queries, computes what it computes on repeated K/V
-    (flash attention groups query heads natively; older torch builds refused the shapes). Checked once per device."""
+def _grouped_heads_match(attend: Callable, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads_dim: int) -> bool:
+    """Whether `attend(q, k, v)`, given fewer K/V heads than query heads (dim `heads_dim`), answers what it answers
+    on the K/V heads repeated; False if it refuses the shapes."""
     try:
-        generator = torch.Generator(device=device).manual_seed(3)
-        lengths, heads, kv_heads, dim = [45, 83], 6, 2, 64
-        n = sum(lengths)
-        q = torch.randn(n, heads, dim, device=device, dtype=dtype, generator=generator)
-        k = torch.randn(n, kv_heads, dim, device=device, dtype=dtype, generator=generator)
-        v = torch.randn(n, kv_heads, dim, device=device, dtype=dtype, generator=generator)
-        cu = torch.tensor([0, lengths[0], n], dtype=torch.int32, device=device)
-        parameters = _varlen_parameters()
-        kwargs: dict = {"is_causal": True} if "is_causal" in parameters else {"window_size": (-1, 0)}
-        grouped = _varlen_function()(q, k, v, cu, cu, max(lengths), max(lengths), **kwargs)
-        repeated = _varlen_function()(q, k.repeat_interleave(3, dim=1).contiguous(),
-                                      v.repeat_interleave(3, dim=1).contiguous(), cu, cu, max(lengths), max(lengths),
-                                      **kwargs)
+        repeat = q.shape[heads_dim] // k.shape[heads_dim]
+        grouped = attend(q, k, v)
+        repeated = attend(q, k.repeat_interleave(repeat, dim=heads_dim).contiguous(),
+                          v.repeat_interleave(repeat, dim=heads_dim).contiguous())
         return bool((grouped.float() - repeated.float()).abs().max().item() <= 1e-2)
     except Exception:  # noqa: BLE001 — refused: repeat the heads
         return False
+
+
+@functools.cache
+def _varlen_takes_grouped_heads(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether varlen_attn takes K/V with fewer heads than the queries (flash attention groups query heads natively;
+    older torch builds refused the shapes). Checked once per device."""
+    if _varlen_function() is None:
+        return False
+    generator = torch.Generator(device=device).manual_seed(3)
+    lengths = [45, 83]
+    q, k, v = (torch.randn(sum(lengths), heads, 64, device=device, dtype=dtype, generator=generator)
+               for heads in (6, 2, 2))
+    cu = torch.tensor([0, lengths[0], sum(lengths)], dtype=torch.int32, device=device)
+    kwargs: dict = {"is_causal": True} if "is_causal" in _varlen_parameters() else {"window_size": (-1, 0)}
+    return _grouped_heads_match(
+        lambda q, k, v: _varlen_function()(q, k, v, cu, cu, max(lengths), max(lengths), **kwargs), q, k, v, 1)
 
 
 @functools.cache
@@ -345,18 +351,13 @@ def _cudnn_takes_grouped_heads(device: torch.device, dtype: torch.dtype) -> bool
     """Whether cuDNN SDPA with enable_gqa computes what it computes on repeated K/V. Checked once per device."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    try:
-        generator = torch.Generator(device=device).manual_seed(4)
-        q = torch.randn(1, 6, 256, 64, device=device, dtype=dtype, generator=generator)
-        k = torch.randn(1, 2, 256, 64, device=device, dtype=dtype, generator=generator)
-        v = torch.randn(1, 2, 256, 64, device=device, dtype=dtype, generator=generator)
+    generator = torch.Generator(device=device).manual_seed(4)
+    q, k, v = (torch.randn(1, heads, 256, 64, device=device, dtype=dtype, generator=generator) for heads in (6, 2, 2))
+
+    def attend(q, k, v):
         with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
-            grouped = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-            repeated = F.scaled_dot_product_attention(q, k.repeat_interleave(3, dim=1), v.repeat_interleave(3, dim=1),
-                                                      is_causal=True)
-        return bool((grouped.float() - repeated.float()).abs().max().item() <= 1e-2)
-    except Exception:  # noqa: BLE001 — refused: repeat the heads
-        return False
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+    return _grouped_heads_match(attend, q, k, v, 1)
 
 
 def warm_long_attention(device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int, dim: int,
