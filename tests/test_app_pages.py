@@ -55,7 +55,7 @@ def test_shell_starts_on_the_demo_model_and_a_page_load_runs_nothing(workbench):
     at = start()
     assert [t.value for t in at.title] == ["Decide"]
     assert any("Its weights are random: the answers mean nothing" in w.value for w in at.warning)
-    # The sidebar is drawn before the page, while the first load may still run; its status fragment redraws
+    # The sidebar is drawn before the page, while the first load may still run; while it does, the status redraws
     # itself every few seconds in a browser. AppTest runs no timers: open the app again, the model now resident.
     assert at.sidebar.markdown or at.sidebar.caption[0].value.startswith(("Loading", "No model"))
     at = start()
@@ -362,6 +362,19 @@ def test_a_reload_restores_the_decide_draft_of_this_browser_session(workbench):
     assert reloaded.selectbox(key="decide.max_length").value == 2048
     other = open_with_draft("someone-else")  # another session's token has no draft: the example schema
     assert other.text_area(key="decide.state_text").value != '{"body": "my own ticket"}'
+
+
+def test_decides_text_fields_declare_the_value_they_hold_as_their_default(workbench):
+    """A browser that redraws a field without the value it held falls back to the field's declared default and
+    sends it back as typed: the default is what the field holds, so such a fallback changes nothing."""
+    at = start()
+    at.text_input(key="decide.q1.id").set_value("urgency").run()
+    no_exceptions(at)
+    fields = {**{t.key: t for t in at.text_input}, **{t.key: t for t in at.text_area}}
+    assert fields["decide.q1.id"].proto.default == "urgency"
+    assert fields["decide.q0.id"].proto.default == "team"
+    assert fields["decide.schema_name"].proto.default == fields["decide.schema_name"].value != ""
+    assert fields["decide.state_text"].proto.default == fields["decide.state_text"].value != ""
 
 
 def test_load_asks_before_discarding_edited_questions(workbench):

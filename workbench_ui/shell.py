@@ -33,7 +33,8 @@ from clef_workbench.schemas import SchemaLibrary
 DB_ENV = "CLEF_DB"
 DEFAULT_DB = Path("data") / "workbench.sqlite3"
 POLL_SECONDS = 0.2
-STATUS_REFRESH_SECONDS = 3.0
+STATUS_REFRESH_ENV = "CLEF_STATUS_REFRESH_S"  # how often the sidebar status redraws itself (seconds)
+STATUS_REFRESH_SECONDS = float(os.environ.get(STATUS_REFRESH_ENV) or 3.0)
 DEMO_BANNER = ("**Demo model.** Its weights are random: the answers mean nothing. It is here so you can try the "
                "workbench without a GPU. Choose Clef or Clef-Flash in the sidebar on a GPU machine.")
 
@@ -242,11 +243,27 @@ def render_add_model(manager: ModelManager) -> None:
             st.rerun()
 
 
-@st.fragment(run_every=STATUS_REFRESH_SECONDS)
 def live_status() -> None:
-    """The model status, redrawn on its own every few seconds: it follows a load in progress, the queue and GPU
-    memory while pages run, and pages that stop early (st.stop) do not freeze it."""
-    render_status(model_manager().state())
+    """The model status. While a model loads it redraws on its own every few seconds, and reruns the page when the
+    load ends. Otherwise it is redrawn with the page: a refresh of its own finishing while the page runs makes the
+    browser redraw the page's text fields from their declared defaults and send those back as if typed, wiping
+    what a person wrote (a draft's question ids, a case set's name)."""
+    state = model_manager().state()
+    if loading(state):
+        st.fragment(follow_load, run_every=STATUS_REFRESH_SECONDS)()
+    else:
+        render_status(state)
+
+
+def loading(state: LoadState) -> bool:
+    return bool(state.loading_source or state.adding)
+
+
+def follow_load() -> None:
+    state = model_manager().state()
+    render_status(state)
+    if not loading(state):
+        st.rerun(scope="app")  # the page shows the model now loaded, and this refresh stops
 
 
 def render_status(state: LoadState) -> None:
@@ -311,6 +328,7 @@ def page_key(page: str) -> Callable[[str], str]:
 
 
 KEEP_PREFIX = "_keep."
+TEXT_WIDGETS = ("text_input", "text_area")
 
 
 def kept_widget(widget: Callable[..., Any], label: str, key: str, default: Any = None, **kwargs: Any) -> Any:
@@ -318,6 +336,11 @@ def kept_widget(widget: Callable[..., Any], label: str, key: str, default: Any =
     (another page), so we keep a copy under a non-widget key and restore it when the widget comes back."""
     if key not in st.session_state:
         st.session_state[key] = st.session_state.get(KEEP_PREFIX + key, default)
+    if widget.__name__ in TEXT_WIDGETS:
+        # The browser falls back to a widget's declared default whenever it redraws the widget without the value it
+        # held (a sidebar fragment's refresh finishing during the page's own run does that), and sends that back as
+        # if typed: declared as the value the server holds, such a fallback changes nothing.
+        kwargs["value"] = st.session_state[key]
     value = widget(label, key=key, **kwargs)
     st.session_state[KEEP_PREFIX + key] = value
     return value
