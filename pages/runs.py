@@ -280,8 +280,9 @@ picked_questions = filter_cols[2].multiselect("Questions", list(questions), key=
                                               placeholder="All questions")
 picked_tags = filter_cols[3].multiselect("Tags", all_tags, key=K(f"browse.tags.{run_id}"), placeholder="All tags",
                                          disabled=not all_tags)
-search = st.text_input("Search the states and answers", key=K(f"browse.search.{run_id}"),
-                       placeholder="e.g. refund, or an option id")
+# kept: the progress fragment refreshes while a run is live, and a kept text field survives the browser's redraws
+search = kept_widget(st.text_input, "Search the states and answers", K(f"browse.search.{run_id}"), "",
+                     placeholder="e.g. refund, or an option id")
 shown = stats.filter_browse(browse, wrong_only=wrong_only, confidence_below=threshold if low_conf else None,
                             questions=picked_questions, tags=picked_tags, search=search)
 shown = shown.assign(decide=[links.decide_url(run_id, case) for case in shown["case"]],

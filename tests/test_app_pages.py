@@ -364,7 +364,7 @@ def test_a_reload_restores_the_decide_draft_of_this_browser_session(workbench):
     assert other.text_area(key="decide.state_text").value != '{"body": "my own ticket"}'
 
 
-def test_decides_text_fields_declare_the_value_they_hold_as_their_default(workbench):
+def test_decides_fields_declare_the_value_they_hold_as_their_default(workbench):
     """A browser that redraws a field without the value it held falls back to the field's declared default and
     sends it back as typed: the default is what the field holds, so such a fallback changes nothing."""
     at = start()
@@ -375,6 +375,13 @@ def test_decides_text_fields_declare_the_value_they_hold_as_their_default(workbe
     assert fields["decide.q0.id"].proto.default == "team"
     assert fields["decide.schema_name"].proto.default == fields["decide.schema_name"].value != ""
     assert fields["decide.state_text"].proto.default == fields["decide.state_text"].value != ""
+    at.selectbox(key="decide.max_length").set_value(4096).run()
+    at.radio(key="decide.overflow").set_value("truncate_state").run()
+    no_exceptions(at)
+    budget = at.selectbox(key="decide.max_length")
+    assert budget.options[budget.proto.default] == "4,096"
+    overflow = at.radio(key="decide.overflow")
+    assert overflow.options[overflow.proto.default] == "truncate the end of the state"
 
 
 def test_load_asks_before_discarding_edited_questions(workbench):

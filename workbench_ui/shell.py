@@ -328,7 +328,6 @@ def page_key(page: str) -> Callable[[str], str]:
 
 
 KEEP_PREFIX = "_keep."
-TEXT_WIDGETS = ("text_input", "text_area")
 
 
 def kept_widget(widget: Callable[..., Any], label: str, key: str, default: Any = None, **kwargs: Any) -> Any:
@@ -336,14 +335,24 @@ def kept_widget(widget: Callable[..., Any], label: str, key: str, default: Any =
     (another page), so we keep a copy under a non-widget key and restore it when the widget comes back."""
     if key not in st.session_state:
         st.session_state[key] = st.session_state.get(KEEP_PREFIX + key, default)
-    if widget.__name__ in TEXT_WIDGETS:
-        # The browser falls back to a widget's declared default whenever it redraws the widget without the value it
-        # held (a sidebar fragment's refresh finishing during the page's own run does that), and sends that back as
-        # if typed: declared as the value the server holds, such a fallback changes nothing.
-        kwargs["value"] = st.session_state[key]
+    # The browser falls back to a widget's declared default whenever it redraws the widget without the value it
+    # held (a fragment's refresh finishing during the page's own run does that), and sends that back as if chosen:
+    # declared as the value the server holds, such a fallback changes nothing.
+    kwargs.update(declared_default(widget.__name__, st.session_state[key], kwargs.get("options")))
     value = widget(label, key=key, **kwargs)
     st.session_state[KEEP_PREFIX + key] = value
     return value
+
+
+def declared_default(widget_name: str, value: Any, options: Any = None) -> dict[str, Any]:
+    """The keyword that declares `value` as the default of a Streamlit widget (none for other widgets)."""
+    if widget_name in ("text_input", "text_area", "number_input"):
+        return {"value": value}
+    if widget_name == "multiselect" and options is not None:
+        return {"default": [v for v in value or () if v in options]}
+    if widget_name in ("selectbox", "radio") and options is not None and value in list(options):
+        return {"index": list(options).index(value)}
+    return {}
 
 
 def url_int(name: str) -> int | None:
