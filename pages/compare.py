@@ -108,8 +108,8 @@ with st.expander("Run a schema on a case set with these models", expanded=not gr
         except SchemaError as exc:
             numbers = []
             st.error(f"{slug}.json does not load: {exc}")
-        number = cols[1].selectbox("Version", numbers, key=K(f"start.version.{slug}"),
-                                   format_func=lambda n: f"v{n}" + (" (current)" if n == numbers[0] else ""))
+        number = kept_widget(cols[1].selectbox, "Version", K(f"start.version.{slug}"), numbers[0] if numbers else None,
+                             options=numbers, format_func=lambda n: f"v{n}" + (" (current)" if n == numbers[0] else ""))
         labels = {m.name: m.label for m in models}
         names = kept_widget(st.multiselect, "Models", K("start.models"), [models[0].name], options=list(labels),
                             format_func=lambda n: labels.get(n, n))

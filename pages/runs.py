@@ -271,16 +271,16 @@ st.subheader("Results")
 browse = stats.browse_table(results, schema)
 all_tags = sorted({t for r in results for t in (r.get("tags") or [])})
 filter_cols = st.columns([1, 1, 2, 2])
-wrong_only = filter_cols[0].toggle("Wrong only", key=K(f"browse.wrong.{run_id}"),
-                                   help="Answers that disagree with the case's expected answer")
-low_conf = filter_cols[1].toggle("Low confidence", key=K(f"browse.low.{run_id}"))
-threshold = filter_cols[1].slider("Confidence below", 0.0, 1.0, 0.6, 0.05, key=K(f"browse.threshold.{run_id}"),
-                                  disabled=not low_conf)
-picked_questions = filter_cols[2].multiselect("Questions", list(questions), key=K(f"browse.questions.{run_id}"),
-                                              placeholder="All questions")
-picked_tags = filter_cols[3].multiselect("Tags", all_tags, key=K(f"browse.tags.{run_id}"), placeholder="All tags",
-                                         disabled=not all_tags)
-# kept: the progress fragment refreshes while a run is live, and a kept text field survives the browser's redraws
+# kept: the progress fragment refreshes while a run is live, and kept widgets survive the browser's redraws then
+wrong_only = kept_widget(filter_cols[0].toggle, "Wrong only", K(f"browse.wrong.{run_id}"), False,
+                         help="Answers that disagree with the case's expected answer")
+low_conf = kept_widget(filter_cols[1].toggle, "Low confidence", K(f"browse.low.{run_id}"), False)
+threshold = kept_widget(filter_cols[1].slider, "Confidence below", K(f"browse.threshold.{run_id}"), 0.6,
+                        min_value=0.0, max_value=1.0, step=0.05, disabled=not low_conf)
+picked_questions = kept_widget(filter_cols[2].multiselect, "Questions", K(f"browse.questions.{run_id}"), [],
+                               options=list(questions), placeholder="All questions")
+picked_tags = kept_widget(filter_cols[3].multiselect, "Tags", K(f"browse.tags.{run_id}"), [], options=all_tags,
+                          placeholder="All tags", disabled=not all_tags)
 search = kept_widget(st.text_input, "Search the states and answers", K(f"browse.search.{run_id}"), "",
                      placeholder="e.g. refund, or an option id")
 shown = stats.filter_browse(browse, wrong_only=wrong_only, confidence_below=threshold if low_conf else None,

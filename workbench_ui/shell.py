@@ -346,7 +346,7 @@ def kept_widget(widget: Callable[..., Any], label: str, key: str, default: Any =
 
 def declared_default(widget_name: str, value: Any, options: Any = None) -> dict[str, Any]:
     """The keyword that declares `value` as the default of a Streamlit widget (none for other widgets)."""
-    if widget_name in ("text_input", "text_area", "number_input"):
+    if widget_name in ("text_input", "text_area", "number_input", "toggle", "checkbox", "slider"):
         return {"value": value}
     if widget_name == "multiselect" and options is not None:
         return {"default": [v for v in value or () if v in options]}
