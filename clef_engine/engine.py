@@ -140,8 +140,7 @@ class Engine:
     def count_tokens(self, request: Any, *, max_length: int | None = None) -> dict[str, int]:
         """Token count of each part and how many state tokens would be cut at `max_length` (for a budget bar)."""
         limit = DEFAULT_MAX_LENGTH if max_length is None else max_length
-        record = self.encoder.encode(request, max_length=2**31 - 1)
-        counts = dict(record.token_counts)
+        counts = self.encoder.count_tokens(request)
         counts["max_length"] = limit
         fixed = counts["total"] - counts["state"]
         counts["state_tokens_over"] = max(0, min(counts["state"], counts["total"] - limit))

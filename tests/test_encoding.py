@@ -12,8 +12,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from PIL import Image
 
-from clef_engine.errors import TokenBudgetError
-from clef_engine.model.encoding import PREFIX, SUFFIX, render, schema_pieces
+from clef_engine.errors import RequestError, TokenBudgetError
+from clef_engine.model.encoding import PREFIX, SUFFIX, UNBOUNDED, render, schema_pieces
 from clef_engine.protocol import parse_questions
 
 REQUEST = {
@@ -283,6 +283,26 @@ def test_media_over_budget_is_refused_before_pixels_are_decoded(tiny_engine, mon
         tiny_engine.encode(dict(request, state="word " * 5000), max_length=4000)
     assert decoded == []
     assert tiny_engine.encode(request, max_length=8000).token_counts["media"] > 3000 and len(decoded) == 1
+
+
+@pytest.mark.parametrize("sizes", [(), ((512, 320),), ((2000, 1500), (333, 777), (64, 4000))])
+def test_counting_tokens_gives_the_encoders_counts_without_decoding_images(tiny_engine, monkeypatch, sizes):
+    """The Decide page counts tokens on every change of a request: a 12 MP photo took a second to decode and
+    process each time, though its tokens follow from its header."""
+    from clef_engine.model import media
+
+    request = dict(REQUEST, state="A photo of the parcel as delivered. " * 40,
+                   images=[png_bytes(w, h, seed=i) for i, (w, h) in enumerate(sizes)])
+    expected = dict(tiny_engine.encode(request, max_length=UNBOUNDED).token_counts)
+    decoded = []
+    monkeypatch.setattr(media, "decode_image", lambda image: decoded.append(image) or image.convert("RGB"))
+    assert tiny_engine.count_tokens(request, max_length=2000) == {
+        **expected, "max_length": 2000, "state_tokens_over": max(0, min(expected["state"], expected["total"] - 2000)),
+        "fixed_tokens_over": max(0, expected["total"] - expected["state"] - 2000)}
+    assert decoded == []
+    with pytest.raises(RequestError) as caught:  # and what encoding refuses, counting refuses
+        tiny_engine.count_tokens(dict(request, images=[*request["images"], b"not an image"]))
+    assert [p.loc for p in caught.value.problems] == [("images", len(sizes))]
 
 
 @pytest.mark.parametrize("seed", range(3))

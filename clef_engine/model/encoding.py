@@ -40,6 +40,7 @@ SUFFIX = "\n<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\nJOINT SCHE
 IMAGE_PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
 VIDEO_PLACEHOLDER = "<|vision_start|><|video_pad|><|vision_end|>"
 DEFAULT_MAX_LENGTH = 16_384
+UNBOUNDED = 2**31 - 1  # a max_length no record reaches: counting, not refusing
 PARTS = ("prefix", "media", "state", "schema", "suffix")
 
 
@@ -356,19 +357,39 @@ class Encoder:
 
     # ---- records ----------------------------------------------------------------------------------------------
 
+    def open_request(self, request: dict) -> tuple[list[Question], list, list, str]:
+        """Validate a request and open its media (headers only): its questions, images, videos and state text.
+        Raises RequestError listing every problem."""
+        questions = parse_questions(request)
+        images, videos, problems = self.open_media(request)
+        if problems:
+            raise RequestError(problems)
+        return questions, images, videos, render(request["state"])
+
+    def count_tokens(self, request: dict) -> dict[str, int]:
+        """The tokens of each part and their total, as `encode` with no budget counts them. An image's tokens
+        follow from its header, so a request whose media are images alone is counted without decoding a pixel
+        (a 12 MP photo took a second to decode and process); a video's are known once its frames are sampled."""
+        questions, images, videos, state_text = self.open_request(request)
+        if videos:
+            return dict(self.encode(request, max_length=UNBOUNDED).token_counts)
+        pieces, instruction_piece, _ = schema_pieces(questions)
+        piece_ids = self.tokenize_many(pieces)
+        _check_instructions(questions, [piece_ids[piece] for piece in instruction_piece])
+        counts = {"prefix": len(self.prefix_ids), "media": self.media_bound(images, []),
+                  "state": len(self.tokenize_state(state_text)), "schema": sum(map(len, piece_ids)),
+                  "suffix": len(self.suffix_ids)}
+        return {**counts, "total": sum(counts.values())}
+
     def encode(self, request: dict, *, max_length: int | None = None, overflow: str = "refuse") -> EncodedRecord:
         """Validate and encode one request. Raises RequestError or TokenBudgetError; never anything else for bad
         input."""
-        questions = parse_questions(request)
         max_length = DEFAULT_MAX_LENGTH if max_length is None else max_length
         if overflow not in OVERFLOW_POLICIES:
             raise RequestError([Problem(("overflow",), f"overflow must be one of {OVERFLOW_POLICIES}")])
         if not isinstance(max_length, int) or max_length < 1:
             raise RequestError([Problem(("max_length",), "max_length must be a positive integer")])
-        images, videos, problems = self.open_media(request)
-        if problems:
-            raise RequestError(problems)
-        state_text = render(request["state"])
+        questions, images, videos, state_text = self.open_request(request)
         pieces, instruction_piece, option_piece = schema_pieces(questions)
 
         # Cheapest first: bounds of every part, then exact schema, then exact state; pixels are decoded last.
@@ -404,10 +425,7 @@ class Encoder:
                 option_spans[j].append((starts[option], starts[option] + len(piece_ids[option])))
         input_ids.extend(self.suffix_ids)
         counts["total"] = len(input_ids)
-        for j, span in enumerate(question_spans):
-            if span[0] == span[1]:
-                raise RequestError([Problem(("questions", questions[j].id, "instructions"),
-                                            "instructions encode to no tokens")])
+        _check_instructions(questions, [piece_ids[piece] for piece in instruction_piece])
         if not truncated:
             self.remember_state(state_text, state_ids)
 
@@ -417,6 +435,13 @@ class Encoder:
             media_offset=len(self.prefix_ids) if media_ids else None, media_inputs=media_inputs,
             media_digest=_digest(media_inputs), state_end=state_end, videos=decoded_videos,
         )
+
+
+def _check_instructions(questions: list[Question], instruction_ids: list[list[int]]) -> None:
+    for question, ids in zip(questions, instruction_ids):
+        if not ids:
+            raise RequestError([Problem(("questions", question.id, "instructions"),
+                                        "instructions encode to no tokens")])
 
 
 def check_budget(counts: dict[str, int], max_length: int, overflow: str, *, at_least: tuple[str, ...]) -> int:
