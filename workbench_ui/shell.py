@@ -105,8 +105,11 @@ def get_engine(*, show_errors: bool = True):
     the reason is shown unless show_errors is False."""
     manager = model_manager()
     state = manager.state()
+    # Always there, empty once loaded: the page's elements keep their places when the load ends, so the browser
+    # updates them rather than drawing the page anew (which would drop what someone is typing).
+    loading_area = st.container()
     if state.loading_source is not None:
-        with st.status(f"Loading {label_of(state.loading_source)}…", expanded=True) as status:
+        with loading_area.status(f"Loading {label_of(state.loading_source)}…", expanded=True) as status:
             line = st.empty()
             while state.loading_source is not None:
                 line.write(f"{state.loading_seconds:.0f} s elapsed. Clef reads 55 GB of weights, Clef-Flash 19 GB; "
@@ -244,26 +247,20 @@ def render_add_model(manager: ModelManager) -> None:
 
 
 def live_status() -> None:
-    """The model status. While a model loads it redraws on its own every few seconds, and reruns the page when the
-    load ends. Otherwise it is redrawn with the page: a refresh of its own finishing while the page runs makes the
-    browser redraw the page's text fields from their declared defaults and send those back as if typed, wiping
-    what a person wrote (a draft's question ids, a case set's name)."""
+    """The model status. While a model loads it redraws on its own every few seconds (until the page's next run);
+    otherwise it is redrawn with the page. A refresh of its own finishing while the page runs made the browser redraw
+    the page's text fields from their declared defaults and send those back as if typed, wiping what a person wrote
+    (a draft's question ids, a case set's name). It never reruns the page itself: a rerun started by the server
+    carries the fields' values as the server last saw them, and an edit the browser sent meanwhile was lost."""
     state = model_manager().state()
-    if loading(state):
+    if state.loading_source or state.adding:
         st.fragment(follow_load, run_every=STATUS_REFRESH_SECONDS)()
     else:
         render_status(state)
 
 
-def loading(state: LoadState) -> bool:
-    return bool(state.loading_source or state.adding)
-
-
 def follow_load() -> None:
-    state = model_manager().state()
-    render_status(state)
-    if not loading(state):
-        st.rerun(scope="app")  # the page shows the model now loaded, and this refresh stops
+    render_status(model_manager().state())
 
 
 def render_status(state: LoadState) -> None:
