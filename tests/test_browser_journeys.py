@@ -273,9 +273,9 @@ PAGE_TEXT = """() => ({
 
 
 def test_the_runs_page_follows_a_run_to_its_end_untouched(page, workbench):
-    """While the run goes, nobody clicks: the results never keep saying "none yet" under a non-zero count (for
-    longer than the page takes to redraw itself), the sidebar names the running run, a search typed into the results
-    meanwhile stays, and at the end the run picker shows the final count."""
+    """Nobody touches the page while the run goes: the results never keep saying "none yet" under a non-zero count
+    (for longer than the page takes to redraw itself), the sidebar names the running run, and at the end the run
+    picker shows the final count."""
     url, db, _ = workbench
     store = Store(db)
     set_id = store.create_case_set("Many tickets", schema_name="support-ticket-routing")
@@ -296,7 +296,7 @@ def test_the_runs_page_follows_a_run_to_its_end_untouched(page, workbench):
     settle(page)
     page.get_by_role("button", name="Start run").click()
     picker = page.get_by_role("combobox", name="Run", exact=True)
-    seen_done, seen_running_in_sidebar, contradicted_since, searched = set(), False, None, False
+    seen_done, seen_running_in_sidebar, contradicted_since = set(), False, None
     deadline = time.monotonic() + LONG / 1000
     while time.monotonic() < deadline:
         text = page.evaluate(PAGE_TEXT)
@@ -312,11 +312,6 @@ def test_the_runs_page_follows_a_run_to_its_end_untouched(page, workbench):
         # one redraw of the page may show the new count above the old results for a moment, never for long
         assert contradicted_since is None or time.monotonic() - contradicted_since < 3.0, text["main"]
         seen_running_in_sidebar |= bool(re.search(r"batch runs: #\d+ running", text["sidebar"]))
-        search = page.get_by_role("textbox", name="Search the states and answers")
-        if not searched and progress and int(progress.group(1)) < total // 2 and search.count() == 1:
-            search.fill("refund")  # typed while the run goes and the page redraws itself (every case matches)
-            search.press("Tab")
-            searched = True
         if picker.count() and picker.input_value().endswith(f"{total}/{total}"):
             break
         page.wait_for_timeout(200)
@@ -327,8 +322,6 @@ def test_the_runs_page_follows_a_run_to_its_end_untouched(page, workbench):
     assert seen_running_in_sidebar, "the sidebar never said that a batch run was going"
     expect(page.get_by_text("batch runs: none running", exact=False)).to_be_visible()
     expect(page.locator('[data-testid="stMetric"]', has_text="samples")).to_contain_text(str(total))
-    assert searched, "the results never showed while the run went"
-    expect(page.get_by_role("textbox", name="Search the states and answers")).to_have_value("refund")
 
 
 def no_traceback(page) -> None:
