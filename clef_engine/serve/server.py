@@ -668,7 +668,7 @@ class SystemOneApi:
         _check_media(record, skip_images=set(asset_images))
         # The contract's models say what a valid request is (the 422 body lists every problem). The state is left
         # out here: the engine's encoder validates the whole request again, and any parsed JSON is a valid state,
-        # while walking a 30 MB state takes over a second. In the thread pool: media strings can be large too.
+        # while walking a large state takes seconds. In the thread pool: media strings can be large too.
         try:
             request = await run_in_threadpool(validate_request, {**body, "state": None} if "state" in body else body)
         except RequestError as exc:
