@@ -369,8 +369,7 @@ class Encoder:
     def count_tokens(self, request: dict) -> dict[str, int]:
         """The tokens of each part and their total, as `encode` with no budget counts them. An image's tokens
         follow from its header, so a request whose media are images alone is counted without decoding a pixel
-        (a large photo's decoding and processing cost as much as the count was worth); a video's are known once its
-        frames are sampled."""
+        (decoding a large photo costs far more than counting); a video's are known once its frames are sampled."""
         questions, images, videos, state_text = self.open_request(request)
         if videos:
             return dict(self.encode(request, max_length=UNBOUNDED).token_counts)
