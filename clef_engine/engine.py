@@ -381,11 +381,13 @@ class Engine:
         # the caching allocator holds blocks for the largest working set before a user's first long record needs
         # them (growing it there cost ~190 ms once per larger size, bench/results/2026-12-01-h200-diagnose.json)
         cache = self.state_cache
-        least = self.config.min_prefix_tokens + 64
-        long_state = "warm " * (max(least, self.config.bulk_batch_tokens - 256) if self.config.cuda else least)
-        for questions in (request["questions"], {"other": {"type": "noul", "instructions": "?"}}):
-            self.decide(dict(request, state=long_state, questions=questions), overflow="truncate_state")
-        if cache is not None and cache.enabled:
+        caching = cache is not None and cache.enabled
+        if self.config.cuda or caching:  # on the CPU without a cache it would warm nothing
+            least = self.config.min_prefix_tokens + 64
+            long_state = "warm " * (max(least, self.config.bulk_batch_tokens - 256) if self.config.cuda else least)
+            for questions in (request["questions"], {"other": {"type": "noul", "instructions": "?"}}):
+                self.decide(dict(request, state=long_state, questions=questions), overflow="truncate_state")
+        if caching:
             cache.clear(reset_stats=True)
         self.warm_up_seconds = time.perf_counter() - started
         return self.warm_up_seconds

@@ -32,14 +32,20 @@ def settle(page) -> None:
     page.wait_for_function("document.querySelectorAll('[data-stale=\"true\"]').length === 0")
 
 
-@pytest.fixture(scope="module")
-def workbench(tmp_path_factory):
-    root = tmp_path_factory.mktemp("journeys")
+def demo_workbench(tmp_path_factory, name: str, **env: str):
+    """A workbench process on the demo model, with its own SQLite file and a copy of the schema library; yields
+    (url, db, root)."""
+    root = tmp_path_factory.mktemp(name)
     shutil.copytree(REPO / "schemas", root / "schemas")
     db = root / "workbench.sqlite3"
-    env = {"CLEF_DB": str(db), "CLEF_SCHEMAS_DIR": str(root / "schemas"), "CLEF_MODEL": "demo"}
+    env = {"CLEF_DB": str(db), "CLEF_SCHEMAS_DIR": str(root / "schemas"), "CLEF_MODEL": "demo", **env}
     with running_workbench(env, log_path=root / "streamlit.log") as url:
         yield url, db, root
+
+
+@pytest.fixture(scope="module")
+def workbench(tmp_path_factory):
+    yield from demo_workbench(tmp_path_factory, "journeys")
 
 
 @pytest.fixture
@@ -90,11 +96,7 @@ def fast_status_workbench(tmp_path_factory):
     """A workbench whose sidebar status would redraw ten times a second. When it redrew itself all the time, its
     refreshes finishing while the page ran made the browser redraw text fields from their empty defaults and send
     those back as typed: about half of these journeys lost question ids. It now redraws only while a model loads."""
-    root = tmp_path_factory.mktemp("fast_status")
-    shutil.copytree(REPO / "schemas", root / "schemas")
-    env = {"CLEF_DB": str(root / "workbench.sqlite3"), "CLEF_SCHEMAS_DIR": str(root / "schemas"),
-           "CLEF_MODEL": "demo", "CLEF_STATUS_REFRESH_S": "0.1"}
-    with running_workbench(env, log_path=root / "streamlit.log") as url:
+    for url, _, _ in demo_workbench(tmp_path_factory, "fast_status", CLEF_STATUS_REFRESH_S="0.1"):
         yield url
 
 

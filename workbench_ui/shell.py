@@ -347,9 +347,8 @@ def declared_default(widget_name: str, value: Any, options: Any = None) -> dict[
         return {"value": value}
     if widget_name == "multiselect" and options is not None:
         return {"default": [v for v in value or () if v in options]}
-    if widget_name in ("selectbox", "radio") and options is not None and value in list(options):
-        return {"index": list(options).index(value)}
-    return {}
+    choices = list(options) if widget_name in ("selectbox", "radio") and options is not None else []
+    return {"index": choices.index(value)} if value in choices else {}
 
 
 def url_int(name: str) -> int | None:

@@ -368,11 +368,8 @@ def attend(attention: nn.MultiheadAttention, query: torch.Tensor, memory: torch.
     heads = attention.num_heads
     q, k, v = _heads(q, heads), _heads(k, heads), _heads(v, heads)
     backends = head_attention_backends(q.device)
-    if backends is None:
+    with sdpa_kernel(list(backends)) if backends is not None else contextlib.nullcontext():
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-    else:
-        with sdpa_kernel(list(backends)):
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
     return _linear(attention.out_proj, out.transpose(1, 2).reshape(query.shape))
 
 
