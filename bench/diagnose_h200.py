@@ -18,6 +18,8 @@ Steps (DIAG_STEPS=a,b,…; default environment,gqa,gemm,cached_16k,pack_1k,decid
 - first_calls: the first pack of each size class against the same pack again.
 - bulk_ab: the same packs as interactive and as bulk work (the callback between layers).
 - head_attention: the head's masked attention on cuDNN and on the memory-efficient kernel.
+- first_long: the user path's 4k records as a user meets them, and as the benchmark alternates them.
+- head_kernels: the head's attention on kernels that need no per-shape plan (flash varlen, split keys).
 Writes OUT_DIR/diagnose.json after every step.
 """
 
@@ -311,6 +313,140 @@ def head_attention(_=None):
     return out
 
 
+@step("first_long")
+def first_long(engine):
+    """The user path's 4k bucket (bench/user_paths.py's own requests) with the cache on: alone, as a user meets it;
+    then cold again with the release path run before each call, as the benchmark alternates them; then with the
+    cache off. Per call: milliseconds, and what it met for the first time (CUDA graph and head graph captures,
+    cudaMalloc segments, entries moved to host memory)."""
+    import random
+
+    from bench import user_paths
+    from clef_engine.model.reference import reference_decide
+
+    rng = random.Random(12)
+    for name, (low, high, count) in user_paths.BUCKETS.items():
+        draws = [rng.randint(low, high) for _ in range(count + 1)]
+        if name == "4096":
+            break
+    requests = [user_paths.request(engine, tokens, seed=100_000 * (i + 1) + 4096) for i, tokens in enumerate(draws)]
+
+    def counters():
+        stats = torch.cuda.memory_stats()
+        return {"graphs": engine.graphs.captures, "head_graphs": engine.head_graphs.captures,
+                "segments": stats["segment.all.allocated"], "alloc_retries": stats["num_alloc_retries"],
+                "to_host": engine.state_cache.stats()["moved_to_host"]}
+
+    def run(label, before=None):
+        rows = []
+        for r in requests[1:]:
+            if before is not None:
+                before(r)
+            seen = counters()
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            response = engine.decide(r)
+            ms = round((time.perf_counter() - t0) * 1000, 1)
+            after = counters()
+            rows.append({"tokens": response["usage"]["input_tokens"], "ms": ms,
+                         **{k: after[k] - seen[k] for k in after if after[k] != seen[k]}})
+        print(label, [(row["tokens"], row["ms"]) for row in rows], flush=True)
+        return rows
+
+    out = {"warm_up_s": round(engine.warm_up(), 1)}  # as clef_engine.load does
+    engine.decide(requests[0])
+    out["alone"] = run("alone")
+    engine.state_cache.clear()
+    out["alone_again"] = run("alone again")
+    engine.state_cache.clear()
+    out["after_release_path"] = run("after the release path",
+                                    lambda r: reference_decide(engine, [engine.encode(r)]))
+    engine.state_cache.enabled = False
+    out["cache_off"] = run("cache off")
+    engine.state_cache.enabled = True
+    return out
+
+
+@step("head_kernels")
+def head_kernels(_=None):
+    """Candidates for the head's attention without per-shape plans, at the head graph's shapes (16 heads of 64, a
+    few queries over the record's memory padded to its bucket, the padding masked): cuDNN with the mask; the
+    memory-efficient kernel with the mask; flash varlen told the real key count (no mask); the memory-efficient
+    kernel split over the keys (flash-decoding: partial outputs combined by their log-sum-exp). First call, steady
+    time, one CUDA graph replay, and the difference from cuDNN."""
+    from torch.nn.attention import SDPBackend
+    from torch.nn.attention.varlen import varlen_attn
+
+    def split_efficient(q, k, v, mask, splits):
+        b, h, s, d = q.shape
+        t = k.shape[2]
+        ks = k.view(h, splits, t // splits, d).transpose(0, 1)
+        vs = v.view(h, splits, t // splits, d).transpose(0, 1)
+        qs = q.expand(splits, h, s, d)
+        bias = mask.view(splits, 1, 1, t // splits).expand(splits, h, s, t // splits)
+        out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(qs, ks, vs, bias, True)[:2]
+        lse = lse[..., :s]  # [splits, h, s]
+        top = lse.max(dim=0, keepdim=True).values
+        weight = torch.exp(lse - top).nan_to_num_(0.0)
+        out = out.float().nan_to_num_(0.0) * weight[..., None]
+        return (out.sum(0, keepdim=True) / weight.sum(0, keepdim=True)[..., None]).to(q.dtype)
+
+    out = {}
+    for queries, keys, real in ((8, 1024, 900), (24, 3584, 3519), (80, 4608, 4440), (65, 14336, 13661),
+                                (650, 14336, 13661), (700, 16384, 16000), (33, 1152, 1131), (33, 1280, 1131)):
+        g = torch.Generator(device="cuda").manual_seed(queries + keys)
+        q = torch.randn(1, 16, queries, 64, device="cuda", dtype=torch.bfloat16, generator=g)
+        k = torch.randn(1, 16, keys, 64, device="cuda", dtype=torch.bfloat16, generator=g)
+        v = torch.randn(1, 16, keys, 64, device="cuda", dtype=torch.bfloat16, generator=g)
+        mask = torch.zeros(1, 1, 1, keys, device="cuda", dtype=torch.bfloat16)
+        mask[..., real:] = float("-inf")
+        cu_q = torch.tensor([0, queries], device="cuda", dtype=torch.int32)
+        cu_k = torch.tensor([0, real], device="cuda", dtype=torch.int32)
+        qp, kp, vp = (x[0].transpose(0, 1).contiguous() for x in (q, k, v))
+        candidates = {
+            "cudnn": lambda: _sdpa(SDPBackend.CUDNN_ATTENTION, q, k, v, mask),
+            "efficient": lambda: _sdpa(SDPBackend.EFFICIENT_ATTENTION, q, k, v, mask),
+            "flash_varlen": lambda: varlen_attn(qp, kp, vp, cu_q, cu_k, queries, keys,
+                                                window_size=(-1, -1)).transpose(0, 1)[None],
+        }
+        for splits in (4, 8, 16):
+            if keys % (splits * 8) == 0:
+                candidates[f"efficient_split{splits}"] = (
+                    lambda s=splits: split_efficient(q, k, v, mask, s))
+        row, answers = {}, {}
+        for name, call in candidates.items():
+            try:
+                row[f"{name}_first_ms"] = once_ms(call)
+                row[f"{name}_ms"] = h200.timed(call, 30, 3)["p50"]
+                answers[name] = call().float()
+                graph = torch.cuda.CUDAGraph()
+                side = torch.cuda.Stream()
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    call()
+                torch.cuda.current_stream().wait_stream(side)
+                with torch.cuda.graph(graph):
+                    captured = call()
+                row[f"{name}_graph_ms"] = h200.timed(graph.replay, 30, 3)["p50"]
+                row[f"{name}_graph_max_abs"] = round((captured.float() - answers[name]).abs().max().item(), 5)
+            except Exception as error:  # noqa: BLE001
+                row[f"{name}_error"] = f"{type(error).__name__}: {error}"[:300]
+        if "cudnn" in answers:
+            for name, answer in answers.items():
+                if name != "cudnn":
+                    row[f"{name}_vs_cudnn_max_abs"] = round((answer - answers["cudnn"]).abs().max().item(), 5)
+        out[f"{queries}x{keys}({real})"] = row
+        print(queries, keys, row, flush=True)
+    return out
+
+
+def _sdpa(backend, q, k, v, mask):
+    from torch.nn.attention import sdpa_kernel
+
+    with sdpa_kernel([backend]):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
 def main() -> int:
     out_dir = Path(sys.argv[1])
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -324,16 +460,17 @@ def main() -> int:
         gqa()
     if "head_attention" in chosen:
         head_attention()
-    if chosen == ["head_attention"]:
+    if "head_kernels" in chosen:
+        head_kernels()
+    if set(chosen) <= {"environment", "gqa", "head_attention", "head_kernels"}:
         profile_module.save()
-        print(json.dumps(report.get("head_attention")))
         return 0
     from clef_engine.tiny import build_tiny_release
 
     tiny = build_tiny_release(Path(os.environ.get("BENCH_TINY_DIR", tempfile.mkdtemp(prefix="clef-diag-tiny-"))))
     engine = build.random_engine(build.clef_config("clef", tiny), tiny)
     steps = {"gemm": gemm, "cached_16k": cached_16k, "pack_1k": pack_1k, "first_calls": first_calls,
-             "bulk_ab": bulk_ab, "decide_many_timeline": decide_many_timeline}
+             "bulk_ab": bulk_ab, "decide_many_timeline": decide_many_timeline, "first_long": first_long}
     for name in chosen:
         if name in steps:
             steps[name](engine)

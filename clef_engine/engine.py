@@ -32,7 +32,7 @@ from .fast.graphs import HeadGraphs, PrefillGraphs
 from .fast.packed import PackedBackbone, pack_ids
 from .model import backbone, release
 from .model.encoding import DEFAULT_MAX_LENGTH, EncodedRecord, Encoder
-from .model.head import JointSchemaHead, layout, load_head, option_probabilities
+from .model.head import JointSchemaHead, head_attention_kernel, layout, load_head, option_probabilities
 from .protocol import format_answer, parse_questions
 from .serve.scheduler import PRIORITIES, Scheduler, device_turn
 from .tiny import is_demo_release
@@ -352,7 +352,8 @@ class Engine:
 
     def kernel_info(self) -> dict:
         """Which path and which kernels answer requests here."""
-        info: dict[str, Any] = {"available": fast_kernels_available(), "path": self.forward_batch.__name__}
+        info: dict[str, Any] = {"available": fast_kernels_available(), "path": self.forward_batch.__name__,
+                                "head_attention": head_attention_kernel(self.device, self.dtype).__name__}
         if self.backbone is not None:
             info["packed"] = self.backbone.kernels.describe()
             info["slow_fallbacks"] = self.backbone.kernels.slow if self.config.cuda else []

@@ -294,36 +294,45 @@ def test_the_head_graphs_bf16_call_stays_close_to_the_eager_head(tiny_engine):
     assert max_difference([graphed], [eager]) <= 2e-3
 
 
-def test_the_head_uses_cudnn_attention_only_at_the_bucketed_shapes_of_its_graphs(tiny_engine, monkeypatch):
-    """cuDNN builds an attention plan for every new shape (~65 ms on the H200): the eager head, which meets a new
-    shape with nearly every batch, keeps to kernels without plans; the head graphs' bucketed shapes may use cuDNN."""
-    from torch.nn.attention import SDPBackend
-
+def test_the_heads_attention_reads_each_records_real_keys_by_count_in_batches_and_graphs(tiny_engine, monkeypatch):
+    """The head's attention is told each row's real key count, not given a mask: on CUDA that is flash attention's
+    `seqused_k`, which builds no per-shape plan (cuDNN built one, 43-73 ms on the H200, for every new head shape).
+    In a batch each record reads only its own memory and questions; in a head graph only the record's tokens of a
+    memory padded to its bucket. On this CPU the masked kernel runs from the same counts, so the fidelity tests check
+    them."""
     from clef_engine.fast.graphs import HeadGraphs
     from clef_engine.model import head as head_module
 
-    cuda = torch.device("cuda")
-    assert SDPBackend.CUDNN_ATTENTION not in head_module.head_attention_backends(cuda)
-    assert head_module.head_attention_backends(torch.device("cpu")) is None
-    with head_module.bucketed_head_shapes():
-        assert head_module.head_attention_backends(cuda) is None
-    assert SDPBackend.CUDNN_ATTENTION not in head_module.head_attention_backends(cuda)
-
+    assert head_module.head_attention_kernel(torch.device("cpu"), torch.float32) is head_module.attention_masked
     seen = []
-    decide = tiny_engine.head.decide_from_means
+    attention = head_module.head_attention
 
-    def watched(*args, **kwargs):
-        seen.append(head_module.head_attention_backends(cuda))
-        return decide(*args, **kwargs)
+    def watched(q, k, v, counts):
+        seen.append((q.shape[1], k.shape[1], None if counts is None else counts.tolist()))
+        return attention(q, k, v, counts)
 
-    monkeypatch.setattr(tiny_engine.head, "decide_from_means", watched)
-    record = tiny_engine.encode({"state": "the invoice is paid", "questions": {"q": {"type": "noul",
-                                                                                    "instructions": "Paid?"}}})
-    hidden = torch.randn(len(record), tiny_engine.head.config.hidden_size, generator=torch.Generator().manual_seed(5))
+    monkeypatch.setattr(head_module, "head_attention", watched)
+    short = {"state": "the invoice is paid", "questions": {"q": {"type": "noul", "instructions": "Paid?"}}}
+    long = {"state": "the invoice is late " * 30, "questions": {
+        f"q{j}": {"type": "choice", "instructions": f"which {j}?", "criteria": {"a": "one", "b": "two"}}
+        for j in range(3)}}
+    records = [tiny_engine.encode(request) for request in (short, long)]
+    lengths = [len(r) for r in records]
+    hidden = torch.randn(sum(lengths), tiny_engine.head.config.hidden_size, generator=torch.Generator().manual_seed(5))
     with torch.inference_mode():
-        normed, memory = tiny_engine.head.token_memory(hidden)
+        tiny_engine.head_probabilities(hidden, records, [0, lengths[0]], lengths)
+    config = tiny_engine.head.config
+    route = (6, max(lengths), lengths)  # options padded to the most of one record (3 x 2), over its own memory
+    assert seen == [route] * config.routing_layers + [(3, 3, [1, 3]), (3, max(lengths), lengths)] * config.layers
+
+    seen.clear()
+    record = records[1]
+    with torch.inference_mode():
+        normed, memory = tiny_engine.head.token_memory(hidden[lengths[0]:])
         HeadGraphs(tiny_engine.head, tiny_engine.output_embeddings, capture=False).probabilities(normed, memory, record)
-    assert seen == [None]  # inside the graph's body: any backend
+    padded = {keys for _, keys, counts in seen if counts == [len(record)]}
+    assert len(padded) == 1 and padded.pop() > len(record)  # the bucket's padded memory, of which the record's tokens
+    assert all(counts in ([len(record)], [3]) for _, _, counts in seen)  # ... and its 3 questions of the fields
 
 
 @pytest.mark.parametrize("grouped", [True, False])

@@ -396,13 +396,7 @@ class HeadGraphs:
         return self.disabled is None and tokens <= self.max_tokens
 
     def _body(self, entry: HeadGraph) -> torch.Tensor:
-        from ..model.head import bucketed_head_shapes
-
-        with bucketed_head_shapes():  # shapes of a bucket, met again: cuDNN's per-shape plans pay here
-            return self._head(entry)
-
-    def _head(self, entry: HeadGraph) -> torch.Tensor:
-        from ..model.head import HeadBatch, additive_mask, option_probabilities, pooled_sums, pooling_matrix
+        from ..model.head import HeadBatch, key_counts, option_probabilities, pooled_sums, pooling_matrix
 
         t_b, q_b, k_b, o_b, groups, slab, lexical_groups, lexical_slab = entry.shape
         a = entry.views()
@@ -428,7 +422,7 @@ class HeadGraphs:
                           record_options=None, question_options=a["question_options"],
                           question_option_padding=a["question_option_padding"])
         logits = self.head.decide_from_means(means[:q_b], means[q_b:], lexical, last, memory,
-                                             additive_mask(a["memory_padding"], memory.dtype), batch)
+                                             key_counts(a["memory_padding"]), batch)
         return option_probabilities(logits, batch)
 
     def probabilities(self, normed: torch.Tensor, memory: torch.Tensor, record) -> list[list[float]] | None:

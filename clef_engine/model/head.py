@@ -2,9 +2,10 @@
 
 Parameter names and shapes match the release's `joint_head.safetensors`, so the real file loads strictly. The
 forward pass takes a whole batch at once: spans are pooled as padded [spans, longest, D] gathers summed in float32,
-options and fields are padded per record and attended with key-padding masks. Masked keys get exactly zero weight,
-so each record sees only its own memory and its own options, as in the per-record reference loop. A batch of one
-record (every request that runs alone) needs no padding: no memory gather, no attention mask.
+options and fields are padded per record, and each attention reads only a record's real keys (its key count: flash
+attention's `seqused_k` on CUDA, an additive mask elsewhere). Padding keys get exactly zero weight, so each record
+sees only its own memory and its own options, as in the per-record reference loop. A batch of one record (every
+request that runs alone) needs no padding: no memory gather, no key counts.
 
 The batched forward runs the layers as small functions of the modules' parameters (`attend`, `route`, `decode`)
 rather than through nn.MultiheadAttention / nn.TransformerDecoderLayer: the same math in eval mode (every dropout
@@ -20,7 +21,6 @@ the weights' dtype. With float32 weights every cast is a no-op and the math is t
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import functools
 import math
 from dataclasses import dataclass, fields, replace
@@ -279,16 +279,6 @@ def pooled_sums(pooling: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     return float32_bmm(pooling, rows)
 
 
-def additive_mask(padding: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """[B, T] padding -> [B, 1, 1, T] SDPA mask, -inf on padding: the same as a boolean keep-mask, but built once
-    per batch (SDPA converts a boolean mask on every call). Rows are 16-aligned so the memory-efficient kernel takes
-    the mask as is instead of padding it on every call."""
-    batch, length = padding.shape
-    aligned = -(-length // 16) * 16
-    mask = torch.zeros(batch, 1, 1, aligned, dtype=dtype, device=padding.device)[..., :length]
-    return mask.masked_fill_(padding[:, None, None, :], float("-inf"))
-
-
 # ---- the layers as plain functions of the modules' parameters (eval mode: every dropout has p=0) --------------
 
 _float32_copies = WeakIdKeyDictionary()  # parameter -> ((its version, its storage), its float32 copy)
@@ -324,41 +314,79 @@ def _linear(linear: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return F.linear(x.to(linear.weight.dtype), linear.weight, linear.bias)
 
 
-def _heads(x: torch.Tensor, heads: int) -> torch.Tensor:
-    batch, length, width = x.shape
-    return x.view(batch, length, heads, width // heads).transpose(1, 2)
-
-
-# cuDNN's attention builds an execution plan for every new shape (~65 ms on the H200, bench/results/
-# 2026-12-01-h200-diagnose.json), and the eager head meets a new shape with nearly every batch (record count, longest
-# memory, fields per record). So the head's attention uses cuDNN only where its shapes are bucketed and come back (the
-# head's CUDA graphs, fast/graphs.py, run inside `bucketed_head_shapes`), and elsewhere kernels that need no plan.
-_BUCKETED_SHAPES = contextvars.ContextVar("clef_head_bucketed_shapes", default=False)
+# ---- the head's attention ----------------------------------------------------------------------------------------
+# A few queries (options, fields) over keys padded after their end: per record in a batch, to a bucket in a head graph.
+# On CUDA, flash attention told each row's real key count (`seqused_k`) needs no mask and no per-shape plan: cuDNN
+# builds a plan for every new shape (43-73 ms on the H200), and the head meets a new shape with nearly every new
+# schema or memory length; the memory-efficient kernel, which takes the mask, is 2.5-4x slower per call
+# (bench/results/2026-12-01-h200-diagnose.json, `head_kernels`). Elsewhere: SDPA with the additive padding mask.
 NO_PLAN_BACKENDS = (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)
 
 
-@contextlib.contextmanager
-def bucketed_head_shapes():
-    """Inside: the head runs at bucketed shapes that come back (a CUDA graph per bucket), so cuDNN attention pays."""
-    token = _BUCKETED_SHAPES.set(True)
+def key_counts(padding: torch.Tensor | None) -> torch.Tensor | None:
+    """[B, T] padding (True after each row's last key) -> [B] int32 real key counts; None: every key is real."""
+    return None if padding is None else (~padding).sum(-1, dtype=torch.int32)
+
+
+def attention_masked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, counts: torch.Tensor | None) -> torch.Tensor:
+    """Attention of q [B, Lq, H, d] over k, v [B, T, H, d], keys past `counts[b]` masked out: SDPA with the additive
+    mask (on CUDA, kernels that build no per-shape plan). Returns [B, Lq, H, d]."""
+    mask = None
+    if counts is not None:
+        keys = k.shape[1]
+        aligned = -(-keys // 16) * 16  # 16-aligned rows: the memory-efficient kernel takes the mask as is
+        mask = torch.zeros(counts.shape[0], 1, 1, aligned, dtype=q.dtype, device=q.device)[..., :keys]
+        padding = torch.arange(keys, device=q.device) >= counts[:, None]
+        mask = mask.masked_fill_(padding[:, None, None, :], float("-inf"))
+    backends = NO_PLAN_BACKENDS if q.is_cuda else None
+    with sdpa_kernel(list(backends)) if backends is not None else contextlib.nullcontext():
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask)
+    return out.transpose(1, 2)
+
+
+def attention_flash_counts(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                           counts: torch.Tensor | None) -> torch.Tensor:
+    """The same with flash attention (CUDA, bf16/fp16): the rows as varlen sequences of equal padded length, each
+    reading only its first `counts[b]` keys."""
+    batch, queries, heads, dim = q.shape
+    keys = k.shape[1]
+    step = {"dtype": torch.int32, "device": q.device}
+    out = torch.ops.aten._flash_attention_forward(
+        q.reshape(batch * queries, heads, dim), k.reshape(batch * keys, heads, dim),
+        v.reshape(batch * keys, heads, dim), torch.arange(0, (batch + 1) * queries, queries, **step),
+        torch.arange(0, (batch + 1) * keys, keys, **step), queries, keys, 0.0, False, False, seqused_k=counts)[0]
+    return out.view(batch, queries, heads, dim)
+
+
+@functools.cache
+def _flash_takes_counts(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether `attention_flash_counts` runs here and agrees with `attention_masked`; checked once per device."""
+    if device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16):
+        return False
+    generator = torch.Generator(device=device).manual_seed(11)
+    q, k, v = (torch.randn(2, n, 4, 64, device=device, dtype=dtype, generator=generator) for n in (5, 37, 37))
+    counts = torch.tensor([37, 20], device=device, dtype=torch.int32)
     try:
-        yield
-    finally:
-        _BUCKETED_SHAPES.reset(token)
+        difference = (attention_flash_counts(q, k, v, counts) - attention_masked(q, k, v, counts)).abs().max()
+    except (RuntimeError, TypeError):  # no flash kernel here, or a torch without seqused_k
+        return False
+    return difference.item() < 2e-2
 
 
-def head_attention_backends(device: torch.device) -> tuple[SDPBackend, ...] | None:
-    """The SDPA backends the head's attention may use here (None: any, SDPA's own choice)."""
-    if device.type != "cuda" or _BUCKETED_SHAPES.get():
-        return None
-    return NO_PLAN_BACKENDS
+def head_attention_kernel(device: torch.device, dtype: torch.dtype):
+    """The kernel for the head's attention on `device` in `dtype`."""
+    return attention_flash_counts if _flash_takes_counts(device, dtype) else attention_masked
+
+
+def head_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, counts: torch.Tensor | None) -> torch.Tensor:
+    return head_attention_kernel(q.device, q.dtype)(q, k, v, counts)
 
 
 def attend(attention: nn.MultiheadAttention, query: torch.Tensor, memory: torch.Tensor,
-           mask: torch.Tensor | None) -> torch.Tensor:
-    """nn.MultiheadAttention(query, memory, memory) with need_weights=False, on F.scaled_dot_product_attention;
-    `memory is query` is self-attention (one packed projection). mask=None lets SDPA use flash attention. Runs in the
-    weights' dtype; returns it."""
+           counts: torch.Tensor | None) -> torch.Tensor:
+    """nn.MultiheadAttention(query, memory, memory) with need_weights=False and a key-padding mask given as each
+    row's real key count (`counts`, None: all real); `memory is query` is self-attention (one packed projection).
+    Runs in the weights' dtype; returns it."""
     weight, bias, width = attention.in_proj_weight, attention.in_proj_bias, query.shape[-1]
     if memory is query:
         q, k, v = F.linear(query.to(weight.dtype), weight, bias).chunk(3, dim=-1)
@@ -366,31 +394,28 @@ def attend(attention: nn.MultiheadAttention, query: torch.Tensor, memory: torch.
         q = F.linear(query.to(weight.dtype), weight[:width], bias[:width])
         k, v = F.linear(memory.to(weight.dtype), weight[width:], bias[width:]).chunk(2, dim=-1)
     heads = attention.num_heads
-    q, k, v = _heads(q, heads), _heads(k, heads), _heads(v, heads)
-    backends = head_attention_backends(q.device)
-    with sdpa_kernel(list(backends)) if backends is not None else contextlib.nullcontext():
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-    return _linear(attention.out_proj, out.transpose(1, 2).reshape(query.shape))
+    out = head_attention(*(x.unflatten(-1, (heads, width // heads)) for x in (q, k, v)), counts)
+    return _linear(attention.out_proj, out.flatten(-2))
 
 
 def route(layer: EvidenceRoutingLayer, options: torch.Tensor, memory: torch.Tensor,
-          mask: torch.Tensor | None) -> torch.Tensor:
+          memory_counts: torch.Tensor | None) -> torch.Tensor:
     """EvidenceRoutingLayer.forward: options read the normed memory, then the pre-norm feed-forward. `options` is
     the float32 residual stream; the memory's norm stays in the memory's dtype (a GEMM reads it next)."""
     options = options + attend(layer.attention, _norm(layer.query_norm, options),
-                               _norm(layer.memory_norm, memory, memory.dtype), mask)
+                               _norm(layer.memory_norm, memory, memory.dtype), memory_counts)
     first, gelu, _, second = layer.feedforward
     return options + _linear(second, F.gelu(_linear(first, _norm(layer.feedforward_norm, options)),
                                             approximate=gelu.approximate))
 
 
 def decode(layer: nn.TransformerDecoderLayer, fields: torch.Tensor, memory: torch.Tensor,
-           field_mask: torch.Tensor | None, memory_mask: torch.Tensor | None) -> torch.Tensor:
+           field_counts: torch.Tensor | None, memory_counts: torch.Tensor | None) -> torch.Tensor:
     """nn.TransformerDecoderLayer.forward with norm_first=True: self-attention, cross-attention over the (un-normed)
     memory, feed-forward, each pre-norm and residual (`fields` is the float32 residual stream)."""
     normed = _norm(layer.norm1, fields)
-    fields = fields + attend(layer.self_attn, normed, normed, field_mask)
-    fields = fields + attend(layer.multihead_attn, _norm(layer.norm2, fields), memory, memory_mask)
+    fields = fields + attend(layer.self_attn, normed, normed, field_counts)
+    fields = fields + attend(layer.multihead_attn, _norm(layer.norm2, fields), memory, memory_counts)
     return fields + _linear(layer.linear2, layer.activation(_linear(layer.linear1, _norm(layer.norm3, fields))))
 
 
@@ -442,23 +467,23 @@ class JointSchemaHead(nn.Module):
             start, end = batch.memory_start, batch.memory_start + batch.memory_length
             memory = memory_flat[start:end][None]  # [1, T, W]
             global_state = normed[end - 1: end]  # [1, D], broadcast over the record's questions and options
-            memory_mask = None
+            memory_counts = None
         else:
             memory = memory_flat[batch.record_rows]  # [B, T, W]
             global_state = normed[batch.last_rows]  # [B, D]
-            memory_mask = additive_mask(batch.memory_padding, memory.dtype)  # SDPA runs in the weights' dtype
+            memory_counts = key_counts(batch.memory_padding)
         question = segment_mean(normed, batch.question_rows, batch.question_keep, batch.question_count,
                                 batch.question_chunk)
         context = segment_mean(normed, batch.option_rows, batch.option_keep, batch.option_count, batch.option_chunk)
         lexical = segment_mean(output_embeddings, batch.option_token_ids, batch.option_keep, batch.option_count,
                                batch.option_chunk)
-        return self.decide_from_means(question, context, lexical, global_state, memory, memory_mask, batch)
+        return self.decide_from_means(question, context, lexical, global_state, memory, memory_counts, batch)
 
     def decide_from_means(self, question: torch.Tensor, context: torch.Tensor, lexical: torch.Tensor,
-                          global_state: torch.Tensor, memory: torch.Tensor, memory_mask: torch.Tensor | None,
+                          global_state: torch.Tensor, memory: torch.Tensor, memory_counts: torch.Tensor | None,
                           batch: HeadBatch) -> torch.Tensor:
         """Steps 3-6 of spec §4 from the span means (float32, [Q, D] / [O, D] / [O, D]), the records' last normed
-        states ([B, D]) and their memory ([B, T, W], `memory_mask` its additive padding mask or None). A batch
+        states ([B, D]) and their memory ([B, T, W], `memory_counts` each row's real tokens or None: all). A batch
         without `record_options` holds one record: its options and fields are one sequence each, unpadded, and
         `field_padding` (if given) masks padding fields."""
         width = self.config.width
@@ -468,7 +493,7 @@ class JointSchemaHead(nn.Module):
                    + _linear(self.option_question_projection, question)[batch.option_question])  # float32 stream
         routed = queries[None] if one else queries[batch.record_options]  # [B, Omax, W]
         for layer in self.evidence_layers:
-            routed = route(layer, routed, memory, memory_mask)
+            routed = route(layer, routed, memory, memory_counts)
         routed = routed[0] if one else routed[batch.option_record, batch.option_record_slot]  # [O, W]
 
         # Each question's options, summed with softmax weights of their affinity to the question (padded slots: 0).
@@ -484,9 +509,9 @@ class JointSchemaHead(nn.Module):
                   + F.embedding(batch.question_type, self.type_embedding.weight))  # float32 stream
 
         fields = fields[None] if one else fields[batch.record_questions]  # [B, Qmax, W]
-        field_mask = None if batch.field_padding is None else additive_mask(batch.field_padding, memory.dtype)
+        field_counts = key_counts(batch.field_padding)
         for layer in self.layers:
-            fields = decode(layer, fields, memory, field_mask, memory_mask)
+            fields = decode(layer, fields, memory, field_counts, memory_counts)
         fields = _norm(self.field_norm, fields)
         fields = fields[0] if one else fields[batch.question_record, batch.question_slot]  # [Q, W]
 
