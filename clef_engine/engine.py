@@ -373,8 +373,10 @@ class Engine:
             self.graphs.capture_all()
         if self.backbone is not None and self.backbone.kernels.attention is kernels.attention_varlen_cudnn_long:
             text = self.backbone.config
-            kernels.warm_long_attention(self.device, self.dtype, text.num_attention_heads, text.num_key_value_heads,
-                                        text.head_dim, LONG_ATTENTION_WARM_TOKENS)
+            # on the worker thread, which answers requests: torch keeps cuDNN's plans per thread
+            self.scheduler.call(lambda: kernels.warm_long_attention(
+                self.device, self.dtype, text.num_attention_heads, text.num_key_value_heads, text.head_dim,
+                LONG_ATTENTION_WARM_TOKENS))
         request = {"state": "warm-up", "questions": {"q": {"type": "noul", "instructions": "warm-up"}}}
         self.decide(request)
         self.decide_many([dict(request, state="warm-up " * n) for n in (1, 40, 333, 1001)])

@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import sys
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -325,6 +326,61 @@ def test_scheduler_serves_interactive_before_bulk_and_bounds_the_queue():
     assert interactive.result(5) == ["interactive"] and bulk.result(5) == ["bulk"] and first.result(5) == ["first"]
     assert order == ["first", "interactive", "bulk"]
     scheduler.close()
+
+
+def test_a_call_runs_alone_on_the_worker_thread_between_batches():
+    """`Scheduler.call` runs a function where requests run (state a library keeps per thread is made there), alone in
+    its batch, returning what it returns and raising what it raises; the worker keeps serving afterwards."""
+    release = threading.Event()
+    batches: list[list] = []
+
+    def run_batch(records):
+        release.wait(5)
+        batches.append([threading.current_thread().name, *records])
+        return records
+
+    scheduler = Scheduler(run_batch, token_budget=10, name="gpu-worker-under-test")
+    first = scheduler.submit(["a"], tokens=1)
+    called = {}
+
+    def on_worker():
+        called["thread"] = threading.current_thread().name
+        return 42
+
+    caller = threading.Thread(target=lambda: called.setdefault("result", scheduler.call(on_worker)))
+    caller.start()
+    waited = time.perf_counter()
+    while scheduler.queue_depth() < 1 and time.perf_counter() - waited < 5:  # the call queues behind "a"'s batch
+        time.sleep(0.001)
+    second = scheduler.submit(["b"], tokens=1)
+    release.set()
+    caller.join(5)
+    assert first.result(5) == ["a"] and second.result(5) == ["b"]
+    assert called == {"thread": "gpu-worker-under-test", "result": 42}
+    assert batches == [["gpu-worker-under-test", "a"], ["gpu-worker-under-test", "b"]]  # "b" not in the call's batch
+    assert scheduler.stats.batches == 2  # a call is no batch of records
+
+    def broken():
+        raise RuntimeError("no plan")
+
+    with pytest.raises(RuntimeError, match="no plan"):
+        scheduler.call(broken)
+    assert scheduler.submit(["c"], tokens=1).result(5) == ["c"]
+    scheduler.close()
+
+
+def test_warm_up_builds_cudnns_attention_plans_on_the_thread_that_answers_requests(tiny_engine, monkeypatch):
+    """torch keeps cuDNN's attention plans per thread: built on the loading thread, every first long record of a
+    new padded length paid for its plan again on the worker (+80-90 ms at 4,339 and 4,440 tokens on the H200)."""
+    from clef_engine.fast import kernels
+
+    threads = []
+    monkeypatch.setattr(kernels, "warm_long_attention", lambda *args: threads.append(threading.current_thread()))
+    monkeypatch.setattr(tiny_engine.backbone.kernels, "attention", kernels.attention_varlen_cudnn_long)
+    monkeypatch.setattr(tiny_engine, "decide", lambda *args, **kwargs: None)  # the rest of the warm-up
+    monkeypatch.setattr(tiny_engine, "decide_many", lambda *args, **kwargs: None)
+    tiny_engine.warm_up()
+    assert threads == [tiny_engine.scheduler._thread]
 
 
 def test_concurrent_callers_share_batches(tiny_engine):

@@ -108,6 +108,13 @@ class Job:
 
 
 @dataclass
+class WorkerCall:
+    """A job's one record that is a function to call on the worker thread (`Scheduler.call`), not a record."""
+
+    fn: Callable[[], Any]
+
+
+@dataclass
 class Piece:
     """Records [start, end) of a job, in one batch."""
 
@@ -174,6 +181,13 @@ class Scheduler:
             heapq.heappush(self._heap, job)
             self._condition.notify()
         return future
+
+    def call(self, fn: Callable[[], Any]) -> Any:
+        """Call `fn` on the worker thread, between batches, and return what it returns (or raise what it raises).
+        For state a library keeps per thread: torch keeps cuDNN's attention plans per thread, so plans built on
+        another thread would be built again for the first request that needs them. Its length is infinite: it runs
+        alone in its batch."""
+        return self.submit([WorkerCall(fn)], tokens=float("inf"), finalize=lambda results: results[0]).result()
 
     def queue_depth(self) -> int:
         """Jobs waiting to start (not counting the batch on the GPU now)."""
@@ -270,7 +284,7 @@ class Scheduler:
         started = time.perf_counter()
         outer, self.running_priority = self.running_priority, pieces[0].job.priority
         try:
-            results = self.run_batch(records)
+            results = [records[0].fn()] if isinstance(records[0], WorkerCall) else self.run_batch(records)
         except Exception as error:  # noqa: BLE001 — one failing batch must not kill the worker
             if len(pieces) > 1:  # isolate the culprit: run each piece alone
                 for piece in pieces:
@@ -303,6 +317,8 @@ class Scheduler:
             job.future.set_exception(error)
 
     def _account(self, records: list, started: float) -> None:
+        if isinstance(records[0], WorkerCall):
+            return
         stats = self.stats
         stats.batches += 1
         stats.records += len(records)
