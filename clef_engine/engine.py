@@ -103,6 +103,8 @@ class Engine:
         # counted once: info() is polled by every open workbench page
         self.backbone_parameters = sum(p.numel() for p in model.parameters())
         self.head_parameters = sum(p.numel() for p in head.parameters())
+        # chosen (and checked on the device) here, on the loading thread: not first inside a CUDA graph capture
+        self.head_attention = head_attention_kernel(self.device, self.dtype).__name__
         self.token_budget = config.token_budget
         self.backbone: PackedBackbone | None = None
         self.graphs: PrefillGraphs | None = None
@@ -353,7 +355,7 @@ class Engine:
     def kernel_info(self) -> dict:
         """Which path and which kernels answer requests here."""
         info: dict[str, Any] = {"available": fast_kernels_available(), "path": self.forward_batch.__name__,
-                                "head_attention": head_attention_kernel(self.device, self.dtype).__name__}
+                                "head_attention": self.head_attention}
         if self.backbone is not None:
             info["packed"] = self.backbone.kernels.describe()
             info["slow_fallbacks"] = self.backbone.kernels.slow if self.config.cuda else []
