@@ -9,7 +9,8 @@ a bulk batch runs, `run_batch` may call `run_waiting_interactive()` between step
 interactive jobs waiting then run at once, so an interactive request waits for one step of a bulk batch, not all of
 it. The queue is bounded in records: past the bound, `submit`
 raises BusyError at once instead of growing memory. A job cancelled before it starts is skipped. The scheduler
-knows nothing of tensors: `run_batch` does the work.
+knows nothing of tensors: `run_batch` does the work. `call` runs a function on the worker thread between batches,
+for state a library keeps per thread (the warm-up builds cuDNN's attention plans there).
 
 Several engines in one process (Clef and Clef-Flash resident together) each keep their own scheduler, and the
 schedulers of one device share a `GpuTurn`: a worker runs a batch only while it holds the turn, so the device runs
