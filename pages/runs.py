@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import hashlib
 import re
-import time
 
 import streamlit as st
 
@@ -230,204 +229,212 @@ def render_progress(run_id: int) -> None:
                     except JobAlreadyRunningError as exc:
                         st.info(str(exc))
                     st.rerun()
-    # the fragment polls only while a job is live; when it ends, the whole page reruns to show the final stats,
-    # and while it runs the page reruns when new results arrived (at most every few seconds) so that the counts
-    # and statistics below never lag the progress bar
+    # the fragment polls only while a job is live; when it ends, the whole page reruns to show the final stats
+    # (and to stop the results' own refresh). While it runs, the results refresh themselves (`render_results`), and
+    # the page reruns only for the first results, when there is no filter or search below yet to type into.
     if st.session_state.get(K(f"was_live.{run_id}")) and not progress["live"]:
         st.session_state[K(f"was_live.{run_id}")] = False
         st.rerun(scope="app")
     st.session_state[K(f"was_live.{run_id}")] = progress["live"]
-    shown_key = K(f"shown.{run_id}")
-    shown_done, shown_at = st.session_state.get(shown_key, (None, 0.0))
-    # (the first results at once: the page below still says that none have arrived)
-    if progress["live"] and progress["done"] != shown_done and (not shown_done
-                                                                or time.monotonic() - shown_at > STATS_REFRESH_S):
+    if progress["live"] and progress["done"] and not st.session_state.get(K(f"shown.{run_id}")):
         st.rerun(scope="app")
 
 
-live = runner.is_running(run_id) or runner.progress(run_id)["elsewhere"]
-# what this full run of the page shows; the progress fragment, rerunning alone, compares against it
-st.session_state[K(f"shown.{run_id}")] = (store.get_run(run_id)["done"], time.monotonic())
-st.fragment(render_progress, run_every=1.0 if live else None)(run_id)
+def render_results(run_id: int, live: bool) -> None:
+    """Everything below the progress: the results, their statistics, export and comparison."""
+    run = store.get_run(run_id)
+    schema = run["schema"]
+    questions = schema["questions"]
+    results = store.list_results(run_id)
+    st.caption(f"Schema **{run['schema_name']} v{run['schema_version']}** · model **{run['model_id']}**"
+               f"{' @ ' + run['model_revision'] if run['model_revision'] else ''} · batch "
+               f"{run['settings'].get('chunk_size', '?')} · max_length {run['settings'].get('max_length', '?')} "
+               f"({run['settings'].get('overflow', 'refuse')}) · started {(run['started_at'] or '–')[:19]}")
+    render_delete(run)
+    st.session_state[K(f"shown.{run_id}")] = len(results)
+    if not results:
+        st.info("The first results appear here when the first batch finishes." if live else "No results yet.")
+        return
 
-run = store.get_run(run_id)
-schema = run["schema"]
-questions = schema["questions"]
-results = store.list_results(run_id)
-st.caption(f"Schema **{run['schema_name']} v{run['schema_version']}** · model **{run['model_id']}**"
-           f"{' @ ' + run['model_revision'] if run['model_revision'] else ''} · batch "
-           f"{run['settings'].get('chunk_size', '?')} · max_length {run['settings'].get('max_length', '?')} "
-           f"({run['settings'].get('overflow', 'refuse')}) · started {(run['started_at'] or '–')[:19]}")
-render_delete(run)
-if not results:
-    st.info("The first results appear here when the first batch finishes." if live else "No results yet.")
-    st.stop()
+    frame = stats.answer_frame(results, schema)
 
-frame = stats.answer_frame(results, schema)
+    # -- browse -----------------------------------------------------------------------------------------------------
 
-# -- browse -----------------------------------------------------------------------------------------------------
+    st.subheader("Results")
+    browse = stats.browse_table(results, schema)
+    all_tags = sorted({t for r in results for t in (r.get("tags") or [])})
+    filter_cols = st.columns([1, 1, 2, 2])
+    # kept: the progress fragment refreshes while a run is live, and kept widgets survive the browser's redraws then
+    wrong_only = kept_widget(filter_cols[0].toggle, "Wrong only", K(f"browse.wrong.{run_id}"), False,
+                             help="Answers that disagree with the case's expected answer")
+    low_conf = kept_widget(filter_cols[1].toggle, "Low confidence", K(f"browse.low.{run_id}"), False)
+    threshold = kept_widget(filter_cols[1].slider, "Confidence below", K(f"browse.threshold.{run_id}"), 0.6,
+                            min_value=0.0, max_value=1.0, step=0.05, disabled=not low_conf)
+    picked_questions = kept_widget(filter_cols[2].multiselect, "Questions", K(f"browse.questions.{run_id}"), [],
+                                   options=list(questions), placeholder="All questions")
+    picked_tags = kept_widget(filter_cols[3].multiselect, "Tags", K(f"browse.tags.{run_id}"), [], options=all_tags,
+                              placeholder="All tags", disabled=not all_tags)
+    search = kept_widget(st.text_input, "Search the states and answers", K(f"browse.search.{run_id}"), "",
+                         placeholder="e.g. refund, or an option id")
+    shown = stats.filter_browse(browse, wrong_only=wrong_only, confidence_below=threshold if low_conf else None,
+                                questions=picked_questions, tags=picked_tags, search=search)
+    shown = shown.assign(decide=[links.decide_url(run_id, case) for case in shown["case"]],
+                         review=[links.review_url(run_id, case, question)
+                                 for case, question in zip(shown["case"], shown["question"], strict=True)])
+    st.caption(f"{len(shown)} of {len(browse)} answers. Select a row to open its case in Decide (its state and "
+               "this run's questions, to ask again) or in Review; “Open” does the same in a new tab, and the links "
+               "can be sent.")
+    # the key names the rows shown, so a selection never outlives them (another filter, new results of a live run)
+    rows_digest = hashlib.sha1("\n".join(shown["review"]).encode()).hexdigest()[:12]
+    picked = st.dataframe(shown, hide_index=True, width="stretch", key=K(f"browse.table.{run_id}.{rows_digest}"),
+                          on_select="rerun", selection_mode="single-row",
+                          column_order=["case", "question", "decide", "review",
+                                        *(c for c in shown.columns
+                                          if c not in ("case", "question", "decide", "review"))],
+                          column_config={"state": st.column_config.TextColumn(width="large"),
+                                         "confidence": st.column_config.NumberColumn(format="%.3f"),
+                                         "margin": st.column_config.NumberColumn(format="%.3f"),
+                                         "correct": st.column_config.CheckboxColumn(),
+                                         "decide": st.column_config.LinkColumn("Decide", display_text="Open"),
+                                         "review": st.column_config.LinkColumn("Review", display_text="Open")})
+    if picked.selection.rows:
+        row = shown.iloc[picked.selection.rows[0]]
+        open_cols = st.columns(2)
+        open_cols[0].link_button(f"Open case {row['case']} in Decide", row["decide"], icon=":material/psychology:",
+                                 width="stretch")
+        open_cols[1].link_button(f"Open case {row['case']} · {row['question']} in Review", row["review"],
+                                 icon=":material/fact_check:", width="stretch")
 
-st.subheader("Results")
-browse = stats.browse_table(results, schema)
-all_tags = sorted({t for r in results for t in (r.get("tags") or [])})
-filter_cols = st.columns([1, 1, 2, 2])
-# kept: the progress fragment refreshes while a run is live, and kept widgets survive the browser's redraws then
-wrong_only = kept_widget(filter_cols[0].toggle, "Wrong only", K(f"browse.wrong.{run_id}"), False,
-                         help="Answers that disagree with the case's expected answer")
-low_conf = kept_widget(filter_cols[1].toggle, "Low confidence", K(f"browse.low.{run_id}"), False)
-threshold = kept_widget(filter_cols[1].slider, "Confidence below", K(f"browse.threshold.{run_id}"), 0.6,
-                        min_value=0.0, max_value=1.0, step=0.05, disabled=not low_conf)
-picked_questions = kept_widget(filter_cols[2].multiselect, "Questions", K(f"browse.questions.{run_id}"), [],
-                               options=list(questions), placeholder="All questions")
-picked_tags = kept_widget(filter_cols[3].multiselect, "Tags", K(f"browse.tags.{run_id}"), [], options=all_tags,
-                          placeholder="All tags", disabled=not all_tags)
-search = kept_widget(st.text_input, "Search the states and answers", K(f"browse.search.{run_id}"), "",
-                     placeholder="e.g. refund, or an option id")
-shown = stats.filter_browse(browse, wrong_only=wrong_only, confidence_below=threshold if low_conf else None,
-                            questions=picked_questions, tags=picked_tags, search=search)
-shown = shown.assign(decide=[links.decide_url(run_id, case) for case in shown["case"]],
-                     review=[links.review_url(run_id, case, question)
-                             for case, question in zip(shown["case"], shown["question"], strict=True)])
-st.caption(f"{len(shown)} of {len(browse)} answers. Select a row to open its case in Decide (its state and this "
-           "run's questions, to ask again) or in Review; “Open” does the same in a new tab, and the links can be sent.")
-# the key names the rows shown, so a selection never outlives them (another filter, new results of a live run)
-rows_digest = hashlib.sha1("\n".join(shown["review"]).encode()).hexdigest()[:12]
-picked = st.dataframe(shown, hide_index=True, width="stretch", key=K(f"browse.table.{run_id}.{rows_digest}"),
-                      on_select="rerun", selection_mode="single-row",
-                      column_order=["case", "question", "decide", "review",
-                                    *(c for c in shown.columns if c not in ("case", "question", "decide", "review"))],
-                      column_config={"state": st.column_config.TextColumn(width="large"),
-                                     "confidence": st.column_config.NumberColumn(format="%.3f"),
-                                     "margin": st.column_config.NumberColumn(format="%.3f"),
-                                     "correct": st.column_config.CheckboxColumn(),
-                                     "decide": st.column_config.LinkColumn("Decide", display_text="Open"),
-                                     "review": st.column_config.LinkColumn("Review", display_text="Open")})
-if picked.selection.rows:
-    row = shown.iloc[picked.selection.rows[0]]
-    open_cols = st.columns(2)
-    open_cols[0].link_button(f"Open case {row['case']} in Decide", row["decide"], icon=":material/psychology:",
-                             width="stretch")
-    open_cols[1].link_button(f"Open case {row['case']} · {row['question']} in Review", row["review"],
-                             icon=":material/fact_check:", width="stretch")
+    # -- speed ------------------------------------------------------------------------------------------------------
 
-# -- speed ------------------------------------------------------------------------------------------------------
+    st.subheader("Latency and throughput")
+    latency = stats.latency_stats(results)
+    speed = stats.throughput(results, len(questions))
+    cols = st.columns(5)
+    cols[0].metric("p50 latency", fmt_ms(latency["p50"]))
+    cols[1].metric("p95 latency", fmt_ms(latency["p95"]))
+    cols[2].metric("p99 latency", fmt_ms(latency["p99"]))
+    cols[3].metric("max latency", fmt_ms(latency["max"]))
+    cols[4].metric("samples", f"{latency['count']}", help=f"{latency['errors']} error results excluded")
+    batches = len({(r["started_at"], r["finished_at"]) for r in results if not r.get("error")})
+    st.caption(f"n = {latency['count']} records in {batches} batch(es). A record's latency is the time of the whole "
+               "batch it ran in, so records of one batch share one value; with few batches the percentiles are a "
+               "few batch times, not a distribution.")
+    st.caption(f"Window {str(latency['window_start'])[:19]} → {str(latency['window_end'])[:19]} UTC "
+               f"({latency['window_s']:.1f} s). Latency = time from submitting a record's batch to its responses "
+               "(the engine's x_latency_ms); percentiles use linear interpolation (numpy 'linear').")
+    cols = st.columns(4)
+    cols[0].metric("records/s", fmt_rate(speed["records_per_s"], "rec"))
+    cols[1].metric("decisions/s", fmt_rate(speed["decisions_per_s"], "dec"))
+    cols[2].metric("tokens/s", fmt_rate(speed["tokens_per_s"], "tok"))
+    cols[3].metric("tokens per record", "–" if speed["tokens_per_record_mean"] is None
+                   else f"{speed['tokens_per_record_mean']:,.0f} (median {speed['tokens_per_record_median']:,.0f})")
+    st.caption(f"Throughput over {speed['busy_s']:.1f} s of busy time (pauses between cancel and resume excluded).")
+    st.altair_chart(run_charts.latency_histogram(results), width="stretch")
 
-st.subheader("Latency and throughput")
-latency = stats.latency_stats(results)
-speed = stats.throughput(results, len(questions))
-cols = st.columns(5)
-cols[0].metric("p50 latency", fmt_ms(latency["p50"]))
-cols[1].metric("p95 latency", fmt_ms(latency["p95"]))
-cols[2].metric("p99 latency", fmt_ms(latency["p99"]))
-cols[3].metric("max latency", fmt_ms(latency["max"]))
-cols[4].metric("samples", f"{latency['count']}", help=f"{latency['errors']} error results excluded")
-batches = len({(r["started_at"], r["finished_at"]) for r in results if not r.get("error")})
-st.caption(f"n = {latency['count']} records in {batches} batch(es). A record's latency is the time of the whole "
-           "batch it ran in, so records of one batch share one value; with few batches the percentiles are a "
-           "few batch times, not a distribution.")
-st.caption(f"Window {str(latency['window_start'])[:19]} → {str(latency['window_end'])[:19]} UTC "
-           f"({latency['window_s']:.1f} s). Latency = time from submitting a record's batch to its responses "
-           "(the engine's x_latency_ms); percentiles use linear interpolation (numpy 'linear').")
-cols = st.columns(4)
-cols[0].metric("records/s", fmt_rate(speed["records_per_s"], "rec"))
-cols[1].metric("decisions/s", fmt_rate(speed["decisions_per_s"], "dec"))
-cols[2].metric("tokens/s", fmt_rate(speed["tokens_per_s"], "tok"))
-cols[3].metric("tokens per record", "–" if speed["tokens_per_record_mean"] is None
-               else f"{speed['tokens_per_record_mean']:,.0f} (median {speed['tokens_per_record_median']:,.0f})")
-st.caption(f"Throughput over {speed['busy_s']:.1f} s of busy time (pauses between cancel and resume excluded).")
-st.altair_chart(run_charts.latency_histogram(results), width="stretch")
+    # -- quality ----------------------------------------------------------------------------------------------------
 
-# -- quality ----------------------------------------------------------------------------------------------------
+    st.subheader("Accuracy against expected answers")
+    accuracy = stats.accuracy_by_question(frame)
+    if accuracy["n_expected"].sum() == 0:
+        st.info("No case in this set has expected answers, so accuracy and calibration cannot be computed.")
+    else:
+        cols = st.columns([1, 1])
+        cols[0].dataframe(accuracy, hide_index=True, width="stretch",
+                          column_config={"accuracy": st.column_config.NumberColumn(format="percent")})
+        cols[1].altair_chart(run_charts.accuracy_chart(accuracy), width="stretch",
+                             height=run_charts.accuracy_chart_height(int(accuracy["accuracy"].notna().sum())))
+        mae = stats.score_mae(frame)
+        if not mae.empty:
+            st.markdown("**Score questions — mean absolute error** of Σ i·p_i against the expected level")
+            st.dataframe(mae, hide_index=True)
+        choice_questions = [q for q, spec in questions.items() if spec["type"] == "choice"]
+        if choice_questions:
+            st.markdown("**Confusion matrices** (choice questions; rows expected, columns predicted)")
+            chart_cols = st.columns(min(2, len(choice_questions)))
+            for index, question_id in enumerate(choice_questions):
+                matrix = stats.confusion_matrix(frame, question_id, labels=casesets.option_ids(questions[question_id]))
+                if matrix.to_numpy().sum():
+                    chart_cols[index % len(chart_cols)].altair_chart(
+                        run_charts.confusion_heatmap(matrix, question_id), width="stretch",
+                        height=run_charts.confusion_heatmap_height(len(matrix.index)))
+        st.markdown("**Calibration** — confidence = probability of the predicted answer; 10 equal-width bins; "
+                    "ECE = Σ (n_b/N)·|accuracy_b − confidence_b|; Brier: yes/no (p − y)², "
+                    "choice/score Σ_k (p_k − y_k)²")
+        summary = stats.calibration_summary(frame)
+        st.dataframe(summary, hide_index=True, column_config={"ece": st.column_config.NumberColumn(format="%.3f"),
+                                                              "brier": st.column_config.NumberColumn(format="%.3f")})
+        diagram_cols = st.columns(3)
+        for index, question_id in enumerate(summary["question_id"]):
+            result = stats.calibration(frame, question_id)
+            diagram_cols[index % 3].altair_chart(run_charts.reliability_diagram(result["bins"], question_id))
 
-st.subheader("Accuracy against expected answers")
-accuracy = stats.accuracy_by_question(frame)
-if accuracy["n_expected"].sum() == 0:
-    st.info("No case in this set has expected answers, so accuracy and calibration cannot be computed.")
-else:
-    cols = st.columns([1, 1])
-    cols[0].dataframe(accuracy, hide_index=True, width="stretch",
-                      column_config={"accuracy": st.column_config.NumberColumn(format="percent")})
-    cols[1].altair_chart(run_charts.accuracy_chart(accuracy), width="stretch",
-                         height=run_charts.accuracy_chart_height(int(accuracy["accuracy"].notna().sum())))
-    mae = stats.score_mae(frame)
-    if not mae.empty:
-        st.markdown("**Score questions — mean absolute error** of Σ i·p_i against the expected level")
-        st.dataframe(mae, hide_index=True)
-    choice_questions = [q for q, spec in questions.items() if spec["type"] == "choice"]
-    if choice_questions:
-        st.markdown("**Confusion matrices** (choice questions; rows expected, columns predicted)")
-        chart_cols = st.columns(min(2, len(choice_questions)))
-        for index, question_id in enumerate(choice_questions):
-            matrix = stats.confusion_matrix(frame, question_id, labels=casesets.option_ids(questions[question_id]))
-            if matrix.to_numpy().sum():
-                chart_cols[index % len(chart_cols)].altair_chart(
-                    run_charts.confusion_heatmap(matrix, question_id), width="stretch",
-                    height=run_charts.confusion_heatmap_height(len(matrix.index)))
-    st.markdown("**Calibration** — confidence = probability of the predicted answer; 10 equal-width bins; "
-                "ECE = Σ (n_b/N)·|accuracy_b − confidence_b|; Brier: yes/no (p − y)², choice/score Σ_k (p_k − y_k)²")
-    summary = stats.calibration_summary(frame)
-    st.dataframe(summary, hide_index=True, column_config={"ece": st.column_config.NumberColumn(format="%.3f"),
-                                                          "brier": st.column_config.NumberColumn(format="%.3f")})
-    diagram_cols = st.columns(3)
-    for index, question_id in enumerate(summary["question_id"]):
-        result = stats.calibration(frame, question_id)
-        diagram_cols[index % 3].altair_chart(run_charts.reliability_diagram(result["bins"], question_id))
-
-st.subheader("Slowest and least confident cases")
-cols = st.columns(2)
-cols[0].markdown("**Slowest**")
-cols[0].dataframe(stats.slowest_cases(results, 10), hide_index=True, width="stretch")
-cols[1].markdown("**Least confident** (smallest margin top-1 − top-2)")
-cols[1].dataframe(stats.least_confident(frame, 10), hide_index=True, width="stretch")
-errors = [r for r in results if r.get("error")]
-if errors:
-    with st.expander(f"{len(errors)} error result(s)", icon=":material/error:"):
-        st.dataframe([{"case": r["case_id"], "error": r["error"]} for r in errors], hide_index=True,
-                     width="stretch")
-        if st.button("Clear errors so that Resume retries them", key=K(f"clear_errors.{run_id}")):
-            store.delete_error_results(run_id)
-            st.rerun()
-
-with st.expander("One case's answers", icon=":material/search:"):
-    case_ids = [r["case_id"] for r in results if r.get("response")]
-    if case_ids:
-        picked_case = st.selectbox("Case", case_ids, key=K(f"inspect.{run_id}"))
-        response = next(r["response"] for r in results if r["case_id"] == picked_case)
-        for question_id, answer in response["answers"].items():
-            table = option_table(questions.get(question_id, {}), answer)
-            st.altair_chart(probability_chart(table, title=question_id), width="stretch")
-
-# -- export -----------------------------------------------------------------------------------------------------
-
-st.subheader("Export")
-slug = re.sub(r"[^a-z0-9]+", "-", f"run-{run_id}-{run['case_set_name']}".lower()).strip("-")
-cols = st.columns(2)
-cols[0].download_button("Results CSV (case × question, every option's probability)",
-                        casesets.export_results_csv(store, run_id), file_name=f"{slug}.csv", mime="text/csv",
-                        key=K(f"export_csv.{run_id}.{len(results)}"), icon=":material/download:", on_click="ignore")
-cols[1].download_button("Results JSONL", casesets.export_results_jsonl(store, run_id), file_name=f"{slug}.jsonl",
-                        mime="application/jsonl", key=K(f"export_jsonl.{run_id}.{len(results)}"),
-                        icon=":material/download:", on_click="ignore")
-
-# -- compare ----------------------------------------------------------------------------------------------------
-
-st.subheader("Compare with another run of the same case set")
-others = [r for r in runs if r["case_set_id"] == run["case_set_id"] and r["id"] != run_id and r["done"]]
-if not others:
-    st.caption("No other run of this case set yet: run it again with another schema version or model.")
-else:
-    other_labels = {r["id"]: run_label(r) for r in others}
-    baseline_id = st.selectbox("Baseline run (A); this run is B", list(other_labels),
-                               format_func=lambda i: other_labels[i], key=K(f"compare.{run_id}"))
-    baseline = store.get_run(baseline_id)
-    frame_a = stats.answer_frame(store.list_results(baseline_id), baseline["schema"])
-    comparison = stats.compare_runs(frame_a, frame)
-    st.caption(f"{comparison['compared']} (case, question) pairs answered in both runs.")
+    st.subheader("Slowest and least confident cases")
     cols = st.columns(2)
-    cols[0].markdown("**Accuracy change per question** (B − A)")
-    cols[0].dataframe(comparison["accuracy"], hide_index=True, width="stretch",
-                      column_config={c: st.column_config.NumberColumn(format="percent")
-                                     for c in ("accuracy_a", "accuracy_b", "change")})
-    cols[1].altair_chart(run_charts.shift_histogram(comparison["shifts"]), width="stretch")
-    st.markdown(f"**Flipped answers** — {len(comparison['flipped'])}")
-    st.dataframe(comparison["flipped"], hide_index=True, width="stretch")
+    cols[0].markdown("**Slowest**")
+    cols[0].dataframe(stats.slowest_cases(results, 10), hide_index=True, width="stretch")
+    cols[1].markdown("**Least confident** (smallest margin top-1 − top-2)")
+    cols[1].dataframe(stats.least_confident(frame, 10), hide_index=True, width="stretch")
+    errors = [r for r in results if r.get("error")]
+    if errors:
+        with st.expander(f"{len(errors)} error result(s)", icon=":material/error:"):
+            st.dataframe([{"case": r["case_id"], "error": r["error"]} for r in errors], hide_index=True,
+                         width="stretch")
+            if st.button("Clear errors so that Resume retries them", key=K(f"clear_errors.{run_id}")):
+                store.delete_error_results(run_id)
+                st.rerun()
+
+    with st.expander("One case's answers", icon=":material/search:"):
+        case_ids = [r["case_id"] for r in results if r.get("response")]
+        if case_ids:
+            picked_case = st.selectbox("Case", case_ids, key=K(f"inspect.{run_id}"))
+            response = next(r["response"] for r in results if r["case_id"] == picked_case)
+            for question_id, answer in response["answers"].items():
+                table = option_table(questions.get(question_id, {}), answer)
+                st.altair_chart(probability_chart(table, title=question_id), width="stretch")
+
+    # -- export -----------------------------------------------------------------------------------------------------
+
+    st.subheader("Export")
+    slug = re.sub(r"[^a-z0-9]+", "-", f"run-{run_id}-{run['case_set_name']}".lower()).strip("-")
+    cols = st.columns(2)
+    cols[0].download_button("Results CSV (case × question, every option's probability)",
+                            casesets.export_results_csv(store, run_id), file_name=f"{slug}.csv", mime="text/csv",
+                            key=K(f"export_csv.{run_id}.{len(results)}"), icon=":material/download:", on_click="ignore")
+    cols[1].download_button("Results JSONL", casesets.export_results_jsonl(store, run_id), file_name=f"{slug}.jsonl",
+                            mime="application/jsonl", key=K(f"export_jsonl.{run_id}.{len(results)}"),
+                            icon=":material/download:", on_click="ignore")
+
+    # -- compare ----------------------------------------------------------------------------------------------------
+
+    st.subheader("Compare with another run of the same case set")
+    others = [r for r in runs if r["case_set_id"] == run["case_set_id"] and r["id"] != run_id and r["done"]]
+    if not others:
+        st.caption("No other run of this case set yet: run it again with another schema version or model.")
+    else:
+        other_labels = {r["id"]: run_label(r) for r in others}
+        baseline_id = st.selectbox("Baseline run (A); this run is B", list(other_labels),
+                                   format_func=lambda i: other_labels[i], key=K(f"compare.{run_id}"))
+        baseline = store.get_run(baseline_id)
+        frame_a = stats.answer_frame(store.list_results(baseline_id), baseline["schema"])
+        comparison = stats.compare_runs(frame_a, frame)
+        st.caption(f"{comparison['compared']} (case, question) pairs answered in both runs.")
+        cols = st.columns(2)
+        cols[0].markdown("**Accuracy change per question** (B − A)")
+        cols[0].dataframe(comparison["accuracy"], hide_index=True, width="stretch",
+                          column_config={c: st.column_config.NumberColumn(format="percent")
+                                         for c in ("accuracy_a", "accuracy_b", "change")})
+        cols[1].altair_chart(run_charts.shift_histogram(comparison["shifts"]), width="stretch")
+        st.markdown(f"**Flipped answers** — {len(comparison['flipped'])}")
+        st.dataframe(comparison["flipped"], hide_index=True, width="stretch")
+
+
+live = runner.is_running(run_id) or runner.progress(run_id)["elsewhere"]
+# what this full run of the page shows below (the progress fragment, rerunning alone, compares against it)
+st.session_state[K(f"shown.{run_id}")] = store.get_run(run_id)["done"]
+st.fragment(render_progress, run_every=1.0 if live else None)(run_id)
+# While a run is live the results refresh themselves, as a fragment of their own, instead of the page being rerun by
+# the server: a server-started rerun carries the widgets' values as the server last saw them, and a search typed
+# meanwhile was lost (1 journey in 3 under CPU load). The timer of a fragment runs in the browser, which sends what
+# it holds.
+st.fragment(render_results, run_every=STATS_REFRESH_S if live else None)(run_id, live)
