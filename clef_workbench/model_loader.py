@@ -160,6 +160,7 @@ class ModelManager:
         self._loading_since = 0.0
         self._adding: dict[str, float] = {}  # source → loading since
         self._error: str | None = None
+        self._error_at = 0.0  # when the load that set `_error` ended
         self._notice: str | None = None
 
     # ---- the default model (what pages that run one model use) ---------------------------------------------------
@@ -291,7 +292,14 @@ class ModelManager:
         """Called with the lock held."""
         return LoadedModel(self._unique_name(source), source, label_of(source), engine, source == DEMO_SOURCE)
 
+    def _end_with(self, error: str | None, started: float) -> None:
+        """Called with the lock held when a load or an add ends: its failure is shown; its success clears only a
+        failure of a load that ended before it started (an add that failed meanwhile stays shown)."""
+        if error is not None or self._error_at <= started:
+            self._error, self._error_at = error, time.monotonic()
+
     def _load(self, source: str) -> None:
+        started = time.monotonic()
         engine, error, notice = None, None, None
         loaded_source = source
         try:
@@ -314,13 +322,14 @@ class ModelManager:
                 self._models[model.name] = model
                 self._default = self._requested = model.name
                 self._notice = notice
-            self._error = error
+            self._end_with(error, started)
             self._loading = None
             self._done.notify_all()
         if old is not None and old.engine is not engine:
             old.engine.close()  # the worker finishes queued jobs, then exits; memory goes with the last reference
 
     def _add(self, source: str) -> None:
+        started = time.monotonic()
         engine, error = None, None
         try:
             engine = self._load_one(source)
@@ -332,7 +341,7 @@ class ModelManager:
                 self._models[model.name] = model
                 if self._default is None:
                     self._default = model.name
-            self._error = error
+            self._end_with(error, started)
             self._adding.pop(source, None)
             self._done.notify_all()
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -204,6 +205,31 @@ def test_a_failed_add_keeps_what_is_loaded_and_says_why():
     state = manager.wait(5)
     assert state.source == "/good" and [m.name for m in manager.loaded()] == ["good"]
     assert state.error == "Could not load /broken: release folder /broken does not exist"
+
+
+def test_an_add_that_fails_while_the_default_still_loads_keeps_its_message():
+    """The default model's load ending after an add failed must not wipe that failure (it did: one error slot, the
+    last load to end wrote it, so the sidebar said nothing about the model that did not load)."""
+    release = threading.Event()
+    failing = failing_at("/broken", ReleaseError("release folder /broken does not exist"))
+
+    def loader(source):
+        if source == "/slow":
+            release.wait(5)
+        return failing(source)
+
+    manager = ModelManager(loader=loader, demo_path=lambda: Path("/demo"))
+    manager.request("/slow")
+    manager.add("/broken")
+    deadline = time.monotonic() + 5
+    while manager.state().adding and time.monotonic() < deadline:  # the add has failed; the default still loads
+        time.sleep(0.01)
+    release.set()
+    state = manager.wait(5)
+    assert state.source == "/slow" and [m.name for m in manager.loaded()] == ["slow"]
+    assert state.error == "Could not load /broken: release folder /broken does not exist"
+    manager.add("/other")  # a later success clears it
+    assert manager.wait(5).error is None
 
 
 def test_added_model_becomes_the_default_when_none_is_resident():
