@@ -17,9 +17,9 @@ Steps (DIAG_STEPS=a,b,…; default environment,gqa,gemm,cached_16k,pack_1k,decid
 - decide_many_timeline: 256 records through decide_many, each GPU batch timed on the host, and the gaps between.
 - first_calls: the first pack of each size class against the same pack again.
 - bulk_ab: the same packs as interactive and as bulk work (the callback between layers).
-- head_attention: the head's masked attention on cuDNN and on the memory-efficient kernel.
 - first_long: the user path's 4k records as a user meets them, and as the benchmark alternates them.
-- head_kernels: the head's attention on kernels that need no per-shape plan (flash varlen, split keys).
+- head_kernels: the head's attention on cuDNN and on kernels that need no per-shape plan (memory-efficient, flash
+  varlen, split keys). (Call 7 ran an earlier `head_attention` step: cuDNN and memory-efficient only.)
 Writes OUT_DIR/diagnose.json after every step.
 """
 
@@ -281,38 +281,6 @@ def bulk_ab(engine):
     return out
 
 
-@step("head_attention")
-def head_attention(_=None):
-    """The head's masked attention (16 heads of 64, a few queries over the record's memory) on cuDNN and on the
-    memory-efficient kernel: time, and the first call at a new memory length (cuDNN builds a plan per shape)."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    out = {}
-    for queries, keys in ((8, 1024), (80, 4608), (80, 5120), (700, 16384), (24, 3584)):
-        g = torch.Generator(device="cuda").manual_seed(queries + keys)
-        q = torch.randn(1, 16, queries, 64, device="cuda", dtype=torch.bfloat16, generator=g)
-        k = torch.randn(1, 16, keys, 64, device="cuda", dtype=torch.bfloat16, generator=g)
-        v = torch.randn(1, 16, keys, 64, device="cuda", dtype=torch.bfloat16, generator=g)
-        mask = torch.zeros(1, 1, 1, keys, device="cuda", dtype=torch.bfloat16)
-        mask[..., keys - 100:] = float("-inf")
-        row = {}
-        results = {}
-        for name, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("efficient", SDPBackend.EFFICIENT_ATTENTION)):
-            with sdpa_kernel([backend]):
-                def call():
-                    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-                try:
-                    row[f"{name}_first_ms"] = once_ms(call)
-                    row[f"{name}_ms"] = h200.timed(call, 20, 2)["p50"]
-                    results[name] = call().float()
-                except Exception as error:  # noqa: BLE001
-                    row[name] = f"{type(error).__name__}: {error}"[:200]
-        if len(results) == 2:
-            row["max_abs_difference"] = round((results["cudnn"] - results["efficient"]).abs().max().item(), 5)
-        out[f"{queries}x{keys}"] = row
-    return out
-
-
 @step("first_long")
 def first_long(engine):
     """The user path's 4k bucket (bench/user_paths.py's own requests) with the cache on: alone, as a user meets it;
@@ -324,12 +292,8 @@ def first_long(engine):
     from bench import user_paths
     from clef_engine.model.reference import reference_decide
 
-    rng = random.Random(12)
-    for name, (low, high, count) in user_paths.BUCKETS.items():
-        draws = [rng.randint(low, high) for _ in range(count + 1)]
-        if name == "4096":
-            break
-    requests = [user_paths.request(engine, tokens, seed=100_000 * (i + 1) + 4096) for i, tokens in enumerate(draws)]
+    rng = random.Random(12)  # as user_path draws them: every bucket before this one first
+    requests = [user_paths.bucket_requests(engine, rng, name) for name in ("512", "1024", "4096")][-1]
 
     def counters():
         stats = torch.cuda.memory_stats()
@@ -377,6 +341,8 @@ def head_kernels(_=None):
     from torch.nn.attention import SDPBackend
     from torch.nn.attention.varlen import varlen_attn
 
+    from clef_engine.fast.graphs import capture
+
     def split_efficient(q, k, v, mask, splits):
         b, h, s, d = q.shape
         t = k.shape[2]
@@ -420,13 +386,7 @@ def head_kernels(_=None):
                 row[f"{name}_ms"] = h200.timed(call, 30, 3)["p50"]
                 answers[name] = call().float()
                 graph = torch.cuda.CUDAGraph()
-                side = torch.cuda.Stream()
-                side.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(side):
-                    call()
-                torch.cuda.current_stream().wait_stream(side)
-                with torch.cuda.graph(graph):
-                    captured = call()
+                captured = capture(graph, call, torch.device("cuda"))  # as the head graphs capture
                 row[f"{name}_graph_ms"] = h200.timed(graph.replay, 30, 3)["p50"]
                 row[f"{name}_graph_max_abs"] = round((captured.float() - answers[name]).abs().max().item(), 5)
             except Exception as error:  # noqa: BLE001
@@ -458,11 +418,9 @@ def main() -> int:
         environment()
     if "gqa" in chosen:
         gqa()
-    if "head_attention" in chosen:
-        head_attention()
     if "head_kernels" in chosen:
         head_kernels()
-    if set(chosen) <= {"environment", "gqa", "head_attention", "head_kernels"}:
+    if set(chosen) <= {"environment", "gqa", "head_kernels"}:
         profile_module.save()
         return 0
     from clef_engine.tiny import build_tiny_release

@@ -91,6 +91,15 @@ def request(engine, tokens: int, seed: int, schema: dict | None = None) -> dict:
     return build.sized_request(engine, tokens, schema or questions(4, 3, seed), seed)
 
 
+def bucket_requests(engine, rng: random.Random, name: str) -> list[dict]:
+    """The user path's requests of one length bucket (the first is the untimed one), drawn from `rng` in the order
+    the buckets are run."""
+    low, high, count = BUCKETS[name]
+    count = 3 if SMOKE else count
+    return [request(engine, rng.randint(low, high) // SCALE, seed=100_000 * (i + 1) + int(name))
+            for i in range(count + 1)]
+
+
 def distance(response: dict, reference: list[list[float]], record) -> tuple[float, int]:
     """(max |Δp|, argmax flips) of a System One response against the baseline's probabilities of the same record
     (model option order: noul true, false; choice sorted by id; score levels in order)."""
@@ -116,15 +125,13 @@ from clef_engine.model.reference import reference_decide  # noqa: E402
 def user_path(engine, ref) -> None:
     rng = random.Random(12)
     chosen = os.environ.get("BENCH_BUCKETS", ",".join(BUCKETS)).split(",")
-    for name, (low, high, count) in BUCKETS.items():
+    for name in BUCKETS:
         if name not in chosen:
             continue
         if left() < 60:
             results["detail"]["errors"][f"user_path_{name}"] = "skipped (time)"
             continue
-        count = 3 if SMOKE else count
-        requests = [request(engine, rng.randint(low, high) // SCALE, seed=100_000 * (i + 1) + int(name))
-                    for i in range(count + 1)]
+        requests = bucket_requests(engine, rng, name)
         limit = {"max_length": 20_000} if int(name) > 4096 else {}  # 15k-17k tokens: over the default 16,384
         # one untimed call each at this length first: the baseline compiles, ours meets the schema shape
         ref([engine.encode(requests[0], **limit)])
