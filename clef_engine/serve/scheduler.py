@@ -282,10 +282,13 @@ class Scheduler:
 
     def _run(self, pieces: list[Piece]) -> None:
         records = [r for piece in pieces for r in piece.job.records[piece.start: piece.end]]
+        if isinstance(records[0], WorkerCall):  # alone in its batch (infinite length); not a batch in the stats
+            self._call(pieces[0], records[0])
+            return
         started = time.perf_counter()
         outer, self.running_priority = self.running_priority, pieces[0].job.priority
         try:
-            results = [records[0].fn()] if isinstance(records[0], WorkerCall) else self.run_batch(records)
+            results = self.run_batch(records)
         except Exception as error:  # noqa: BLE001 — one failing batch must not kill the worker
             if len(pieces) > 1:  # isolate the culprit: run each piece alone
                 for piece in pieces:
@@ -304,6 +307,14 @@ class Scheduler:
             self._deliver(piece, results[offset: offset + count])
             offset += count
 
+    def _call(self, piece: Piece, call: WorkerCall) -> None:
+        try:
+            result = call.fn()
+        except Exception as error:  # noqa: BLE001 — the caller gets the error; the worker goes on
+            piece.job.future.set_exception(error)
+        else:
+            self._deliver(piece, [result])
+
     def _deliver(self, piece: Piece, results: list) -> None:
         job = piece.job
         if job.future.done():
@@ -318,8 +329,6 @@ class Scheduler:
             job.future.set_exception(error)
 
     def _account(self, records: list, started: float) -> None:
-        if isinstance(records[0], WorkerCall):
-            return
         stats = self.stats
         stats.batches += 1
         stats.records += len(records)
