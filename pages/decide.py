@@ -56,6 +56,12 @@ def draft_key(token: str) -> str:
     return f"decide:{token}"
 
 
+def save_draft() -> None:
+    """The editors as they are now, kept for a reload of this browser session (saved only when something changed)."""
+    vm.save_draft_if_changed(st.session_state,
+                             lambda draft: get_store().save_draft(draft_key(st.session_state[K("draft_token")]), draft))
+
+
 def load_schema(slug: str, *, with_example: bool = False) -> None:
     """Callback: put a library schema into the builder (and optionally its first example state into the editor)."""
     try:
@@ -224,6 +230,9 @@ def render_answer_card(qid: str, question: dict[str, Any], answer: dict[str, Any
 # The page
 
 _init_page()
+# Saved first: an edit's values are in the session state before this run draws anything, and a reload (or a closed
+# tab) while the page still draws would otherwise lose the edit, the save being the run's last step.
+save_draft()
 st.title("Decide")
 if link_note := st.session_state.pop(K("link_note"), None):
     getattr(st, link_note[0])(link_note[1], icon=":material/link:")
@@ -550,6 +559,4 @@ if builder().loaded_slug:
 elif SCHEMA_PARAM in st.query_params:
     del st.query_params[SCHEMA_PARAM]
 
-# The editors as they are now, kept for a reload of this browser session (saved only when something changed).
-vm.save_draft_if_changed(st.session_state,
-                         lambda draft: get_store().save_draft(draft_key(st.session_state[K("draft_token")]), draft))
+save_draft()  # and again for what this run changed itself

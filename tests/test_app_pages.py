@@ -8,10 +8,12 @@ import shutil
 from pathlib import Path
 
 import pytest
+from streamlit.runtime.scriptrunner_utils.exceptions import StopException
 from streamlit.testing.v1 import AppTest
 
 from clef_workbench.schemas import SchemaLibrary
 from clef_workbench.store import Store
+from workbench_ui import decide_model as vm
 from workbench_ui import shell
 
 REPO = Path(__file__).resolve().parents[1]
@@ -362,6 +364,23 @@ def test_a_reload_restores_the_decide_draft_of_this_browser_session(workbench):
     assert reloaded.selectbox(key="decide.max_length").value == 2048
     other = open_with_draft("someone-else")  # another session's token has no draft: the example schema
     assert other.text_area(key="decide.state_text").value != '{"body": "my own ticket"}'
+
+
+def test_an_edit_is_in_the_draft_even_when_the_run_it_started_is_stopped_midway(workbench, monkeypatch):
+    """A reload or a closed tab stops the page's run where it is. The edit that run carried is saved first: saved as
+    the run's last step, a question id typed just before a reload came back as the schema's own (a browser journey
+    under CPU load)."""
+    at = start()
+    token = at.query_params["draft"][0] if isinstance(at.query_params["draft"], list) else at.query_params["draft"]
+
+    def stopped_here(*args, **kwargs):
+        raise StopException()  # what Streamlit raises in a run whose session went away
+
+    monkeypatch.setattr(vm.BudgetCache, "counts", stopped_here)  # midway: after the editors, before the answers
+    at.text_input(key="decide.q0.id").input("is_it_urgent").run()
+    monkeypatch.undo()
+    reloaded = open_with_draft(token)
+    assert [t.value for t in reloaded.text_input if t.key.endswith(".id")][0] == "is_it_urgent"
 
 
 def test_decides_fields_declare_the_value_they_hold_as_their_default(workbench):
