@@ -149,8 +149,11 @@ with tab_cases:
         else:
             st.session_state.pop(K(f"editor.{case_set_id}"), None)
             gone = sorted(before - {c["id"] for c in store.list_cases(case_set_id)})
-            flash("success", f"Saved: {counts['added']} added, {counts['updated']} updated, {counts['deleted']} "
-                             "deleted.", undo=("cases", gone) if gone else None)
+            if any(counts.values()):
+                flash("success", f"Saved: {counts['added']} added, {counts['updated']} updated, {counts['deleted']} "
+                                 "deleted.", undo=("cases", gone) if gone else None)
+            else:  # e.g. a row selected but not deleted: say so rather than report a save of nothing
+                flash("info", "Nothing to save: the table has no changes.")
             st.rerun()
 
 with tab_import:

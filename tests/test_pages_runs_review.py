@@ -340,6 +340,22 @@ def test_csv_import_uses_only_chosen_columns_refreshes_and_is_idempotent(workben
     assert "look like expected answers and are in the state" in texts(at) and "expected_team" in texts(at)
 
 
+def test_saving_an_unchanged_table_says_there_was_nothing_to_save(workbench):
+    """A row selected but not deleted (or a click the table missed) leaves the table as it was: Save says so, and
+    does not report a save of nothing as "Saved: 0 added, 0 updated, 0 deleted"."""
+    store = Store(workbench / "workbench.sqlite3")
+    at = open_page("pages/cases.py")
+    set_id = new_case_set(at, "Unchanged")
+    store.add_cases(set_id, [{"state": "Row 0"}])
+    at.run()
+    button(at, "Save changes").click()
+    at.run()
+    ok(at)
+    assert "Nothing to save: the table has no changes." in texts(at)
+    assert "Saved:" not in texts(at)
+    assert [c["state"] for c in store.list_cases(set_id)] == ["Row 0"]
+
+
 def test_delete_a_case_set_asks_first_and_can_be_undone(workbench):
     store = Store(workbench / "workbench.sqlite3")
     at = open_page("pages/cases.py")
