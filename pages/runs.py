@@ -429,9 +429,10 @@ def render_results(run_id: int, live: bool) -> None:
         st.dataframe(comparison["flipped"], hide_index=True, width="stretch")
 
 
-live = runner.is_running(run_id) or runner.progress(run_id)["elsewhere"]
+progress_now = runner.progress(run_id)
+live = runner.is_running(run_id) or progress_now["elsewhere"]
 # what this full run of the page shows below (the progress fragment, rerunning alone, compares against it)
-st.session_state[K(f"shown.{run_id}")] = store.get_run(run_id)["done"]
+st.session_state[K(f"shown.{run_id}")] = progress_now["done"]
 st.fragment(render_progress, run_every=1.0 if live else None)(run_id)
 # While a run is live the results refresh themselves, as a fragment of their own, instead of the page being rerun by
 # the server: a server-started rerun carries the widgets' values as the server last saw them, and a search typed
