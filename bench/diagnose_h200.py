@@ -20,6 +20,8 @@ Steps (DIAG_STEPS=a,b,…; default environment,gqa,gemm,cached_16k,pack_1k,decid
 - first_long: the user path's 4k records as a user meets them, and as the benchmark alternates them.
 - head_kernels: the head's attention on cuDNN and on kernels that need no per-shape plan (memory-efficient, flash
   varlen, split keys). (Call 7 ran an earlier `head_attention` step: cuDNN and memory-efficient only.)
+- head_split: the head's attention as it runs (flash, keys split by `key_splits`) against every split count.
+- residual_gemm: the residual-stream projections with bf16 and with float32 outputs, and the add + norm after them.
 Writes OUT_DIR/diagnose.json after every step.
 """
 
@@ -400,6 +402,66 @@ def head_kernels(_=None):
     return out
 
 
+@step("head_split")
+def head_split(_=None):
+    """The head's attention as it runs now (`attention_flash_split`: flash told the real key count, the keys split
+    by `key_splits`) against every split count, at head-graph shapes (16 heads of 64, the memory padded to its
+    bucket): per call in a CUDA graph of 10 calls, and the largest difference from the masked attention."""
+    from clef_engine.fast.graphs import capture
+    from clef_engine.model import head as H
+
+    device = torch.device("cuda")
+    out = {"blocks_at_once": H.blocks_at_once(device), "split_checked": H._flash_splits_keys(device, torch.bfloat16)}
+    for queries, keys, real in ((65, 14336, 13661), (650, 14336, 13661), (65, 4608, 4440), (650, 4608, 4440),
+                                (33, 1280, 1131), (81, 8192, 8000), (129, 16384, 16000)):
+        g = torch.Generator(device="cuda").manual_seed(queries + keys)
+        q = torch.randn(1, queries, 16, 64, device="cuda", dtype=torch.bfloat16, generator=g)
+        k, v = (torch.randn(1, keys, 16, 64, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
+        counts = torch.tensor([real], device="cuda", dtype=torch.int32)
+        want = H.attention_masked(q, k, v, counts).float()
+        row = {"chosen_splits": H.key_splits(1, queries, 16, keys, H.blocks_at_once(device))}
+        candidates = {"chosen": lambda: H.attention_flash_split(q, k, v, counts),
+                      "split1": lambda: H.attention_flash_counts(q, k, v, counts)}
+        for splits in (2, 4, 8, 16, 32):
+            candidates[f"split{splits}"] = lambda s=splits: H.attention_split_keys(q, k, v, counts, s)
+        for name, call in candidates.items():
+            try:
+                row[f"{name}_max_abs"] = round((call().float() - want).abs().max().item(), 5)
+                graph = torch.cuda.CUDAGraph()
+                capture(graph, lambda: [call() for _ in range(10)], device)
+                row[f"{name}_graph_ms"] = round(h200.timed(graph.replay, 30, 3)["p50"] / 10, 4)
+            except Exception as error:  # noqa: BLE001
+                row[f"{name}_error"] = f"{type(error).__name__}: {error}"[:300]
+        out[f"{queries}x{keys}({real})"] = row
+        print(queries, keys, row, flush=True)
+    return out
+
+
+@step("residual_gemm")
+def residual_gemm(_=None):
+    """The projections whose outputs join the residual stream, bf16 output (F.linear) against the float32 output
+    (`residual_projection_float32`), at Clef-27B's shapes (o_proj and GDN out_proj 6144 -> 5120, MLP down 17408 ->
+    5120), in ms per call; and the add + norm that reads the branch, bf16 against float32 in."""
+    out = {"checked": K.residual_projection_matches(torch.device("cuda"), torch.bfloat16)}
+    g = torch.Generator(device="cuda").manual_seed(7)
+    for rows in (512, 1024, 4096, 16384):
+        for name, width in (("o_proj", 6144), ("down", 17408)):
+            x = torch.randn(rows, width, device="cuda", dtype=torch.bfloat16, generator=g)
+            weight = torch.randn(5120, width, device="cuda", dtype=torch.bfloat16, generator=g) * 0.02
+            plain = h200.timed(lambda: F.linear(x, weight), 20, 3)["p50"]
+            wide = h200.timed(lambda: K.residual_projection_float32(x, weight), 20, 3)["p50"]
+            out[f"{name}_{rows}"] = {"bf16_ms": plain, "float32_ms": wide}
+        branch = torch.randn(rows, 5120, device="cuda", dtype=torch.bfloat16, generator=g)
+        residual = torch.randn(rows, 5120, device="cuda", dtype=torch.float32, generator=g)
+        norm = torch.ones(5120, device="cuda")
+        out[f"add_norm_{rows}"] = {
+            "bf16_ms": h200.timed(lambda: K.rms_norm_triton(branch, norm, 1e-6, residual), 20, 3)["p50"],
+            "float32_ms": h200.timed(lambda: K.rms_norm_triton(branch.float(), norm, 1e-6, residual,
+                                                               torch.bfloat16), 20, 3)["p50"]}
+    print(out, flush=True)
+    return out
+
+
 def _sdpa(backend, q, k, v, mask):
     from torch.nn.attention import sdpa_kernel
 
@@ -420,7 +482,11 @@ def main() -> int:
         gqa()
     if "head_kernels" in chosen:
         head_kernels()
-    if set(chosen) <= {"environment", "gqa", "head_kernels"}:
+    if "head_split" in chosen:
+        head_split()
+    if "residual_gemm" in chosen:
+        residual_gemm()
+    if set(chosen) <= {"environment", "gqa", "head_kernels", "head_split", "residual_gemm"}:
         profile_module.save()
         return 0
     from clef_engine.tiny import build_tiny_release

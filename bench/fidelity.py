@@ -23,6 +23,7 @@ import math
 import random
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -165,6 +166,34 @@ def release_path(model, head, encoder, dtype: torch.dtype, records: list, batch:
     return out
 
 
+def _variants(engine, encoded: list):
+    """Ours again, one record at a time, with one of the engine's kernel choices put back to the plain one, where the
+    engine chose otherwise: what that choice does to the distance. The prefill graphs and the state cache hold the
+    default kernels' work, so both are emptied before and after."""
+    from clef_engine.fast import kernels as K
+
+    swaps = {"bf16_residual_projection": {"residual_projection": K.residual_projection_torch}}
+    default = engine.backbone.kernels
+    for name, slots in swaps.items():
+        if all(getattr(default, slot) is fn for slot, fn in slots.items()):
+            continue
+        engine.backbone.kernels = replace(default, **slots)
+        _forget_compiled_work(engine)
+        try:
+            yield name, [engine.forward_batch([r])[0] for r in encoded]
+        finally:
+            engine.backbone.kernels = default
+            _forget_compiled_work(engine)
+
+
+def _forget_compiled_work(engine) -> None:
+    if engine.state_cache is not None:
+        engine.state_cache.clear()
+    if engine.graphs is not None:
+        engine.graphs.prefill.clear()
+        engine.graphs.pool = None
+
+
 def fidelity(device: str | torch.device = "cuda", shape: str = "flash", records: int = 55, *, seed: int = 0,
              dtype: torch.dtype = torch.bfloat16, tiny_release: Path | None = None) -> dict:
     """Distances of our `dtype` answers and the release code's `dtype` answers from the release code in float32.
@@ -210,6 +239,7 @@ def fidelity(device: str | torch.device = "cuda", shape: str = "flash", records:
             with torch.inference_mode():
                 ours = [engine.forward_batch([r])[0] for r in encoded]
                 packed = engine.forward_batch(encoded)
+                variants = {name: answers for name, answers in _variants(engine, encoded)}
             kernels = engine.backbone.kernels.describe()
         finally:
             engine.close()
@@ -223,6 +253,12 @@ def fidelity(device: str | torch.device = "cuda", shape: str = "flash", records:
         for key, value in compare(answers, truth).items():
             out[f"{name}_{key}"] = value
     out["paired"] = paired_flips(ours, release, truth, seed=seed)
+    out["variants"] = {}
+    for name, answers in variants.items():
+        out["variants"][name] = compare(answers, truth)
+        out["variants"][name]["paired"] = {key: value for key, value in paired_flips(answers, release, truth,
+                                                                                     seed=seed).items()
+                                           if key != "per_question"}
     out["truth_top2_gap_smallest"] = top_two_gaps(truth)[:10]
     out["kernels"] = kernels
     out["seconds"] = round(time.perf_counter() - started, 1)

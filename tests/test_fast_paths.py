@@ -386,3 +386,54 @@ def test_grouped_kv_heads_are_used_only_where_the_kernel_answers_as_on_repeated_
     assert kernels._grouped_heads_match(grouped, q, k, v, 1)
     assert not kernels._grouped_heads_match(first_heads_only, q, k, v, 1)
     assert not kernels._grouped_heads_match(refuses, q, k, v, 1)
+
+
+def test_residual_projections_written_in_float32_reach_the_norm_and_come_closer_to_the_float32_answer():
+    """On CUDA the projections whose outputs join the residual stream (o_proj, out_proj, down) write their float32
+    accumulator instead of rounding it to bf16 (`residual_projection_float32`). Here, on a bf16 copy of the tiny
+    release, the same GEMM in float32 on the CPU stands in for it: the add + norm takes the float32 branch and hands
+    the next projection bf16, the backbone's output stays bf16, and the answers are no farther from the float32
+    model's than the plain bf16 path's are."""
+    import clef_engine
+
+    truth_engine = clef_engine.load(clef_engine.demo_release(), device="cpu")
+    engine = clef_engine.load(clef_engine.demo_release(), device="cpu", dtype=torch.bfloat16)
+    records = [engine.encode(request(n, seed)) for seed, n in enumerate((30, 400, 1200))]
+    truth = truth_engine.forward_packed(records)
+    plain = engine.forward_packed(records)
+    engine.backbone.kernels = kernels.Kernels(
+        residual_projection=lambda x, weight: F.linear(x.float(), weight.float()))
+    ids = torch.tensor(records[0].input_ids)
+    hidden, _ = engine.backbone.forward(ids, kernels.make_segments([len(ids)], torch.device("cpu")))
+    assert hidden.dtype == torch.bfloat16
+    wide = engine.forward_packed(records)
+    assert max_difference(wide, plain) < 0.05  # the same model, a few roundings apart
+    assert max_difference(wide, truth) <= max_difference(plain, truth)
+
+
+@pytest.mark.parametrize("splits", [2, 3, 8])
+def test_the_heads_attention_split_over_the_keys_answers_as_the_whole_keys_do(splits):
+    """Few queries over a long memory: the keys cut into pieces, each attended on its own, merged by log-sum-exp
+    (what the head runs on CUDA through flash, `attention_flash_split`). With the plain per-piece kernel here, the
+    merged answer equals the masked attention's, in a batch whose rows have different real key counts, including a
+    row whose last pieces hold no real key, and with no counts at all."""
+    from clef_engine.model import head as head_module
+
+    generator = torch.Generator().manual_seed(21)
+    q = torch.randn(3, 5, 4, 16, generator=generator)
+    k, v = (torch.randn(3, 70, 4, 16, generator=generator) for _ in range(2))
+    for counts in (torch.tensor([70, 9, 41], dtype=torch.int32), None):
+        got = head_module.attention_split_keys(q, k, v, counts, splits, head_module.partial_attention_torch)
+        want = head_module.attention_masked(q, k, v, counts)
+        assert (got - want).abs().max().item() <= 1e-5
+
+
+def test_keys_are_split_only_where_few_queries_over_many_keys_would_leave_the_gpu_idle():
+    from clef_engine.model.head import key_splits
+
+    h200 = 2 * 132
+    assert key_splits(1, 65, 16, 14336, h200) == 16  # 64 questions' fields over a ~14k-token memory: 16 blocks -> 256
+    assert key_splits(1, 650, 16, 14336, h200) == 2  # 640 options: 96 blocks
+    assert key_splits(1, 65, 16, 1024, h200) == 1  # a short memory: the merge would cost more than it saves
+    assert key_splits(8, 65, 16, 14336, h200) == 2  # a batch of records fills the GPU by itself
+    assert key_splits(32, 65, 16, 14336, h200) == 1

@@ -47,3 +47,29 @@ def test_float32_everywhere_puts_the_release_path_on_the_truth_and_ours_within_1
     for key in ("ours_flip_margins", "release_flip_margins", "ours_mean_dp", "release_mean_dp", "tokens",
                 "truth_top2_gap_smallest", "paired"):
         assert key in result
+
+
+def test_a_kernel_choice_is_measured_against_the_plain_one_with_nothing_left_from_the_default_run():
+    """The fidelity run measures ours again with a non-plain kernel choice put back to the plain one (here a float32
+    residual projection, which the CPU engine does not choose by itself); the state cache holds nothing of the
+    default run when the variant runs, and the engine keeps its own kernels afterwards."""
+    import torch.nn.functional as F
+
+    import clef_engine
+    from bench.fidelity import _variants
+    from clef_engine.fast import kernels
+
+    engine = clef_engine.load(clef_engine.demo_release(), device="cpu", dtype=torch.bfloat16)
+    wide = kernels.Kernels(residual_projection=lambda x, weight: F.linear(x.float(), weight.float()))
+    engine.backbone.kernels = wide
+    records = [engine.encode({"state": "the invoice is late " * n, "questions": {
+        "late": {"type": "noul", "instructions": "Is it late?"}}}) for n in (3, 700)]
+    default = [engine.forward_batch([r])[0] for r in records]
+    assert engine.state_cache.stats()["stored"] == 1  # the long record's state, computed with the default kernels
+    hits = engine.state_cache.stats()["hits"]
+    variants = dict(_variants(engine, records))
+    assert list(variants) == ["bf16_residual_projection"]
+    assert engine.state_cache.stats()["hits"] == hits  # the variant computed its own states
+    assert engine.backbone.kernels is wide
+    engine.backbone.kernels = kernels.Kernels()
+    assert variants["bf16_residual_projection"] == [engine.forward_batch([r])[0] for r in records] != default

@@ -71,15 +71,18 @@ def make_segments(lengths: list[int], device: torch.device, *, first_position: i
 # ---- RMSNorm (Qwen3.5's zero-centred gain: weight passed as 1 + w, in float32) --------------------------------------
 
 def rms_norm_torch(x: torch.Tensor, weight_plus_one: torch.Tensor, eps: float,
-                   residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(norm(residual + x) in x's dtype, residual + x in float32).
+                   residual: torch.Tensor | None = None,
+                   dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(norm(residual + x) in `dtype` (default x's), residual + x in float32).
 
     The residual stream stays in float32 (the release path rounds it to bf16 after every add): it is the one sum
     that carries every layer's output to the end, so its rounding error grows with depth, and keeping it costs only
-    4 more bytes per element per call. Float32 models compute exactly what the release path computes."""
+    4 more bytes per element per call. `x` may come in float32 too (`residual_projection_float32`): the normed
+    output is then asked for in the model's dtype, which the next projection reads. Float32 models compute exactly
+    what the release path computes."""
     hidden = x.float() if residual is None else residual.float() + x.float()
     normed = hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + eps)
-    return (normed * weight_plus_one).to(x.dtype), hidden
+    return (normed * weight_plus_one).to(dtype or x.dtype), hidden
 
 
 def gated_rms_norm_torch(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -466,17 +469,50 @@ def silu_mul_triton(gate_up: torch.Tensor, intermediate: int) -> torch.Tensor:
 
 
 def rms_norm_triton(x: torch.Tensor, weight_plus_one: torch.Tensor, eps: float,
-                    residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                    residual: torch.Tensor | None = None,
+                    dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Residual add (kept in float32, see rms_norm_torch) and RMSNorm in one pass."""
     from .triton_kernels import add_rms_norm
 
-    return add_rms_norm(x, weight_plus_one, eps, residual)
+    return add_rms_norm(x, weight_plus_one, eps, residual, dtype)
 
 
 def gated_rms_norm_triton(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     from .triton_kernels import gated_rms_norm
 
     return gated_rms_norm(x, gate, weight, eps)
+
+
+# ---- the projections whose outputs join the residual stream (attention o_proj, GDN out_proj, MLP down) ------------
+
+def residual_projection_torch(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x @ weight.T in the weights' dtype, as the release path computes it (its output is rounded to bf16)."""
+    return F.linear(x, weight)
+
+
+def residual_projection_float32(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The same GEMM with its float32 accumulator written out as it is (cuBLAS's bf16 x bf16 -> float32): the
+    output is added to the float32 residual stream next, so rounding it to bf16 first would only lose bits. Costs
+    2 more bytes per output element, written once and read once by the add + norm."""
+    return torch.mm(x, weight.t(), out_dtype=torch.float32)
+
+
+def residual_projection_matches(device: torch.device, dtype: torch.dtype) -> str | None:
+    """None if `residual_projection_float32` runs here and agrees with the GEMM in float32, else why not."""
+    try:
+        generator = torch.Generator(device=device).manual_seed(6)
+        x = torch.randn(77, 320, device=device, dtype=dtype, generator=generator)
+        weight = torch.randn(192, 320, device=device, dtype=dtype, generator=generator)
+        got = residual_projection_float32(x, weight)
+        want = F.linear(x.float(), weight.float())
+        if got.dtype != torch.float32:
+            return f"the float32-output GEMM returned {got.dtype}"
+        error = ((got - want).abs().max() / want.abs().max()).item()
+        if not error <= 1e-4:
+            return f"the float32-output GEMM differs from float32 by {error:.3g} (relative)"
+    except Exception as error:  # noqa: BLE001 — any failure means: keep the plain projection
+        return f"the float32-output GEMM failed: {type(error).__name__}: {error}"[:300]
+    return None
 
 
 # ---- the set ---------------------------------------------------------------------------------------------------------
@@ -492,10 +528,11 @@ class Kernels:
     norm_rope: Callable = norm_rope_torch
     sigmoid_gate: Callable = sigmoid_gate_torch
     silu_mul: Callable = silu_mul_torch
+    residual_projection: Callable = residual_projection_torch
     notes: dict = field(default_factory=dict)
 
     SLOTS = ("rms_norm", "gated_rms_norm", "causal_conv", "gated_delta", "attention", "attention_after_prefix",
-             "norm_rope", "sigmoid_gate", "silu_mul")
+             "norm_rope", "sigmoid_gate", "silu_mul", "residual_projection")
 
     def describe(self) -> dict[str, str]:
         names = {}
@@ -563,6 +600,8 @@ def triton_matches_torch(device: torch.device, dtype: torch.dtype, *, heads: int
         x, residual, weight = rand(n, 320), rand(n, 320), 1 + 0.1 * rand(320).float()
         checks.append(("rms_norm", rms_norm_triton(x, weight, 1e-6, residual),
                        rms_norm_torch(x, weight, 1e-6, residual)))
+        checks.append(("rms_norm (float32 in)", rms_norm_triton(x.float(), weight, 1e-6, residual, dtype),
+                       rms_norm_torch(x.float(), weight, 1e-6, residual, dtype)))
         gate_up = rand(n, 2 * 200)
         checks.append(("silu_mul", silu_mul_triton(gate_up, 200), silu_mul_torch(gate_up, 200)))
         key_dim, value_dim = 2 * 64, 3 * 64
@@ -574,8 +613,8 @@ def triton_matches_torch(device: torch.device, dtype: torch.dtype, *, heads: int
         from .triton_kernels import l2norm
 
         heads_qk = rand(n, 2, value_head_dim)
-        checks.append(("l2norm", l2norm(heads_qk),
-                       heads_qk.float() * torch.rsqrt((heads_qk.float() ** 2).sum(-1, keepdim=True) + 1e-6)))
+        unit = heads_qk.float() * torch.rsqrt((heads_qk.float() ** 2).sum(-1, keepdim=True) + 1e-6)
+        checks.append(("l2norm", l2norm(heads_qk), unit.to(dtype)))
         core, z = rand(n, 3, value_head_dim), rand(n, 3 * value_head_dim + 5)
         norm_weight = 1 + 0.1 * rand(value_head_dim)
         checks.append(("gated_rms_norm", gated_rms_norm_triton(core, z[:, : 3 * value_head_dim], norm_weight, 1e-6),
@@ -595,6 +634,8 @@ def triton_matches_torch(device: torch.device, dtype: torch.dtype, *, heads: int
             got = got if isinstance(got, tuple) else (got,)
             want = want if isinstance(want, tuple) else (want,)
             for a, b in zip(got, want):
+                if a.dtype != b.dtype:
+                    return f"Triton {name} returns {a.dtype}, PyTorch {b.dtype}"
                 a, b = a.float().reshape(b.shape), b.float()
                 # one bf16 rounding step apart at most (accumulation order may differ)
                 if not torch.allclose(a, b, atol=2e-2, rtol=1.6e-2):
@@ -658,4 +699,10 @@ def select_kernels(device: torch.device, dtype: torch.dtype, *, heads: int, kv_h
             kernels.notes["long_record_attention"] = slower
     else:
         kernels.notes["attention_fallback"] = problem
+    if dtype != torch.float32:
+        problem = residual_projection_matches(device, dtype)
+        if problem is None:
+            kernels.residual_projection = residual_projection_float32
+        else:
+            kernels.notes["residual_projection"] = problem
     return kernels

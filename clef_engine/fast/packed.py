@@ -137,7 +137,7 @@ class PackedBackbone:
         branch = x
         kern = self.kernels
         for index, layer in enumerate(self.layers):
-            normed, residual = kern.rms_norm(branch, layer.norm1, self.eps, residual)
+            normed, residual = kern.rms_norm(branch, layer.norm1, self.eps, residual, self.dtype)
             before = prefix[index] if prefix is not None else None
             if layer.kind == "linear_attention":
                 branch, state = self.gated_delta_net(layer, normed, segments, before, split_at)
@@ -145,11 +145,12 @@ class PackedBackbone:
                 branch, state = self.attention(layer, normed, cos, sin, segments, before, prefix_length, split_at)
             if states is not None:
                 states.append(state)
-            normed, residual = kern.rms_norm(branch, layer.norm2, self.eps, residual)
-            branch = F.linear(kern.silu_mul(F.linear(normed, layer.gate_up), layer.intermediate), layer.down)
+            normed, residual = kern.rms_norm(branch, layer.norm2, self.eps, residual, self.dtype)
+            activated = kern.silu_mul(F.linear(normed, layer.gate_up), layer.intermediate)
+            branch = kern.residual_projection(activated, layer.down)
             if between_layers is not None:
                 between_layers(index)
-        hidden, _ = kern.rms_norm(branch, self.final_norm, self.eps, residual)
+        hidden, _ = kern.rms_norm(branch, self.final_norm, self.eps, residual, self.dtype)
         return hidden, states
 
     def gated_delta_net(self, layer: FastLayer, x: torch.Tensor, segments: K.Segments, before: LayerState | None,
@@ -184,7 +185,7 @@ class PackedBackbone:
                                          layer.A_log, layer.dt_bias, tail_part, initial_state=final)
             core = torch.cat([first, second])
         core = kern.gated_rms_norm(core, z, layer.gated_norm, layer.gated_norm_eps)
-        out = F.linear(core.view(n, value_dim), layer.out_proj)
+        out = kern.residual_projection(core.view(n, value_dim), layer.out_proj)
         if split_at is not None:
             width = layer.conv_width - 1
             tail = mixed[max(0, split_at - width): split_at]
@@ -215,7 +216,7 @@ class PackedBackbone:
         state = None
         if split_at is not None:  # copies: the views would keep the whole record's projection alive
             state = LayerState(keys=keys[:split_at].clone(), values=values[:split_at].clone())
-        return F.linear(out, layer.o_proj), state
+        return kern.residual_projection(out, layer.o_proj), state
 
 
 def pack_ids(records, device: torch.device) -> torch.Tensor:

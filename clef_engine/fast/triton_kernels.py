@@ -33,14 +33,15 @@ def _add_rms_norm_kernel(x_ptr, residual_ptr, sum_ptr, out_ptr, weight_ptr, D, e
     tl.store(out_ptr + row * D + cols, (hidden * rstd * weight).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def add_rms_norm(x: torch.Tensor, weight_plus_one: torch.Tensor, eps: float,
-                 residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(norm(residual + x) in x's dtype, residual + x in float32), as `kernels.rms_norm_torch`, in one pass."""
+def add_rms_norm(x: torch.Tensor, weight_plus_one: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+                 dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(norm(residual + x) in `dtype` (default x's), residual + x in float32), as `kernels.rms_norm_torch`, in one
+    pass."""
     shape = x.shape
     width = shape[-1]
     x2 = x.reshape(-1, width).contiguous()
     rows = x2.shape[0]
-    out = torch.empty_like(x2)
+    out = torch.empty_like(x2, dtype=dtype or x2.dtype)
     total = torch.empty(x2.shape, dtype=torch.float32, device=x2.device)
     residual2 = residual.reshape(-1, width).contiguous() if residual is not None else x2
     block = triton.next_power_of_2(width)
