@@ -433,7 +433,8 @@ def test_keys_are_split_only_where_few_queries_over_many_keys_would_leave_the_gp
 
     h200 = 2 * 132
     assert key_splits(1, 65, 16, 14336, h200) == 16  # 64 questions' fields over a ~14k-token memory: 16 blocks -> 256
-    assert key_splits(1, 650, 16, 14336, h200) == 2  # 640 options: 96 blocks
+    assert key_splits(1, 129, 16, 16384, h200) == 8  # two query blocks per head
+    assert key_splits(1, 650, 16, 14336, h200) == 1  # 640 options: 96 blocks, the merge would cost what it saves
     assert key_splits(1, 65, 16, 1024, h200) == 1  # a short memory: the merge would cost more than it saves
-    assert key_splits(8, 65, 16, 14336, h200) == 2  # a batch of records fills the GPU by itself
-    assert key_splits(32, 65, 16, 14336, h200) == 1
+    assert key_splits(2, 65, 16, 14336, h200) == 8
+    assert key_splits(8, 65, 16, 14336, h200) == 1  # a batch of records fills the GPU by itself

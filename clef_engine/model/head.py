@@ -367,11 +367,13 @@ SPLIT_MAX = 16
 
 
 def key_splits(batch: int, queries: int, heads: int, keys: int, blocks_at_once: int) -> int:
-    """Into how many pieces to split the keys: the largest power of two (up to SPLIT_MAX) that keeps the call's
-    blocks within what the GPU runs at once (`blocks_at_once`) and each piece at least SPLIT_MIN_PIECE keys."""
-    if keys < SPLIT_MIN_KEYS:
-        return 1
+    """Into how many pieces to split the keys: none for a call that fills more than an eighth of what the GPU runs at
+    once (`blocks_at_once`; the options' 650 queries: the merge, which grows with the queries, costs what the split
+    saves), else the largest power of two (up to SPLIT_MAX) that keeps the call's blocks within `blocks_at_once` and
+    each piece at least SPLIT_MIN_PIECE keys (bench/results/2026-12-01-h200-diagnose.json, `head_split`)."""
     blocks = batch * heads * -(-queries // 128)
+    if keys < SPLIT_MIN_KEYS or blocks * 8 > blocks_at_once:
+        return 1
     splits = 1
     while (splits * 2 <= SPLIT_MAX and blocks * splits * 2 <= blocks_at_once
            and keys // (splits * 2) >= SPLIT_MIN_PIECE):
