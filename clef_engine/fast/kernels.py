@@ -4,8 +4,9 @@
 our fused Triton kernels (triton_kernels.py: add + RMSNorm, SiLU·mul, conv + SiLU, gated RMSNorm, q/k norm + RoPE,
 output gate; the q/k L2 norm before fla's rule), used only if each matches its PyTorch function at start-up; torch's
 flash varlen attention (and cuDNN's for one long record), used only if they match per-record SDPA and, for cuDNN,
-measure faster. On the CPU (and in tests) the PyTorch functions below, which compute exactly what transformers'
-Qwen3.5 modules compute, record by record. Tests can build a `Kernels` with any mix of these functions.
+measure faster; cuBLAS's float32-output GEMM for the projections whose outputs join the residual stream. On the CPU
+(and in tests) the PyTorch functions below, which compute exactly what transformers' Qwen3.5 modules compute, record
+by record. Tests can build a `Kernels` with any mix of these functions.
 
 Shapes: packed token-major tensors, `[N, ...]` for N tokens of all records; `Segments` says where records start.
 """
