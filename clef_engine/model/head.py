@@ -383,7 +383,7 @@ def key_splits(batch: int, queries: int, heads: int, keys: int, blocks_at_once: 
 
 @functools.cache
 def blocks_at_once(device: torch.device) -> int:
-    """Attention blocks the GPU runs at once: two per SM (flash's 64-wide head blocks fit two per SM)."""
+    """Attention blocks the GPU runs at once, taken as two per SM (what `key_splits`' limits were measured with)."""
     return 2 * torch.cuda.get_device_properties(device).multi_processor_count
 
 
@@ -391,7 +391,7 @@ def partial_attention_flash(q, k, v, cu_q, cu_k, max_q, max_k, used_k):
     """Flash varlen over sequences (`cu_q`, `cu_k`), each reading its first `used_k` keys: (out [Nq, H, d],
     log-sum-exp [H, Nq] in float32). A sequence with no keys gives zeros and an infinite log-sum-exp."""
     out, lse = torch.ops.aten._flash_attention_forward(q, k, v, cu_q, cu_k, max_q, max_k, 0.0, False, False,
-                                                       seqused_k=used_k)[:2]
+                                                       seqused_k=used_k)[:2]  # then rng state and debug outputs
     return out, lse
 
 
