@@ -484,7 +484,26 @@ def _parsestate_text(text: str) -> Any:
     return text
 
 
-def apply_case_edits(store: Store, case_set_id: int, edited: pd.DataFrame, schema: dict | None) -> dict[str, int]:
+@dataclass(frozen=True)
+class CaseEdits:
+    """What a save of the case table wrote: how many cases were added and updated, and which were deleted (their
+    ids, for the undo)."""
+
+    added: int
+    updated: int
+    deleted: list[int]
+
+    @property
+    def changed(self) -> bool:
+        return bool(self.added or self.updated or self.deleted)
+
+    def summary(self) -> str:
+        if not self.changed:  # e.g. a row selected but not deleted: say so rather than report a save of nothing
+            return "Nothing to save: the table has no changes."
+        return f"Saved: {self.added} added, {self.updated} updated, {len(self.deleted)} deleted."
+
+
+def apply_case_edits(store: Store, case_set_id: int, edited: pd.DataFrame, schema: dict | None) -> CaseEdits:
     """Write an edited editor_frame back: rows without an id are added, rows whose state, expected or tags changed
     are updated, ids missing from `edited` are deleted. Every row is checked first; on any problem nothing is
     written and CaseImportError names each bad row (1-based, as shown) and column."""
@@ -550,4 +569,4 @@ def apply_case_edits(store: Store, case_set_id: int, edited: pd.DataFrame, schem
         store.add_cases(case_set_id, to_add)
     for case_id in to_delete:
         store.delete_case(case_id)
-    return {"added": len(to_add), "updated": len(to_update), "deleted": len(to_delete)}
+    return CaseEdits(added=len(to_add), updated=len(to_update), deleted=to_delete)

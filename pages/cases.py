@@ -141,19 +141,14 @@ with tab_cases:
         },
     )
     if st.button("Save changes", key=K("save_edits"), icon=":material/save:"):
-        before = {c["id"] for c in store.list_cases(case_set_id)}
         try:
-            counts = casesets.apply_case_edits(store, case_set_id, edited, schema)
+            edits = casesets.apply_case_edits(store, case_set_id, edited, schema)
         except CaseImportError as exc:
             show_problems(exc)
         else:
             st.session_state.pop(K(f"editor.{case_set_id}"), None)
-            gone = sorted(before - {c["id"] for c in store.list_cases(case_set_id)})
-            if any(counts.values()):
-                flash("success", f"Saved: {counts['added']} added, {counts['updated']} updated, {counts['deleted']} "
-                                 "deleted.", undo=("cases", gone) if gone else None)
-            else:  # e.g. a row selected but not deleted: say so rather than report a save of nothing
-                flash("info", "Nothing to save: the table has no changes.")
+            flash("success" if edits.changed else "info", edits.summary(),
+                  undo=("cases", edits.deleted) if edits.deleted else None)
             st.rerun()
 
 with tab_import:

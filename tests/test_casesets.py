@@ -178,6 +178,8 @@ def test_table_edits_update_add_and_delete_and_refuse_bad_rows(tmp_path):
     assert error.value.problems[0].startswith("row 1, state: looks like JSON but does not parse")
     assert error.value.problems[1].startswith("row 2, expected: 'hr' is not an option of question 'team'")
     assert store.get_case(first)["state"] == {"a": 1}  # nothing written
+    unchanged = casesets.apply_case_edits(store, set_id, table, SCHEMA)
+    assert not unchanged.changed and unchanged.summary() == "Nothing to save: the table has no changes."
 
     edited = table.copy()
     edited.loc[0, "expected"] = '{"urgent": "yes", "priority": 2}'
@@ -185,8 +187,9 @@ def test_table_edits_update_add_and_delete_and_refuse_bad_rows(tmp_path):
     edited = edited.drop(index=1)
     edited.loc[len(edited) + 5] = {"id": None, "state": "new ticket", "expected": "", "tags": "", "images": 0,
                                    "videos": 0}
-    counts = casesets.apply_case_edits(store, set_id, edited, SCHEMA)
-    assert counts == {"added": 1, "updated": 1, "deleted": 1}
+    edits = casesets.apply_case_edits(store, set_id, edited, SCHEMA)
+    assert (edits.added, edits.updated, edits.deleted) == (1, 1, [second])
+    assert edits.summary() == "Saved: 1 added, 1 updated, 1 deleted."
     cases = store.list_cases(set_id)
     assert [c["state"] for c in cases] == [{"a": 1}, "new ticket"]
     assert cases[0]["expected"] == {"urgent": True, "priority": 2} and cases[0]["tags"] == ["vip", "late"]
