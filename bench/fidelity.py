@@ -190,8 +190,7 @@ def _forget_compiled_work(engine) -> None:
     if engine.state_cache is not None:
         engine.state_cache.clear()
     if engine.graphs is not None:
-        engine.graphs.prefill.clear()
-        engine.graphs.pool = None
+        engine.graphs.forget()
 
 
 def fidelity(device: str | torch.device = "cuda", shape: str = "flash", records: int = 55, *, seed: int = 0,

@@ -172,7 +172,7 @@ def diagnose(engine, ref) -> dict:
             break
         setattr(engine.backbone.kernels, name, getattr(plain, name))
         if engine.graphs is not None:
-            engine.graphs.prefill.clear()  # captured graphs replay the kernels they were captured with
+            engine.graphs.forget()  # captured graphs replay the kernels they were captured with
         found[name] = "replaced by the PyTorch function"
     return found
 

@@ -126,6 +126,13 @@ class PrefillGraphs:
         self.captures += 1
         return Graph(graph, static_ids, hidden, segments), eager
 
+    def forget(self) -> None:
+        """Drop every graph and their memory pool: a graph replays the kernels it was captured with, so after the
+        backbone's kernels change (a benchmark swapping one for its plain version) they are captured again on use."""
+        self.prefill.clear()
+        self.continuations.clear()
+        self.pool = None
+
     def usable(self, n: int) -> bool:
         return self.disabled is None and n <= self.max_tokens
 

@@ -425,8 +425,8 @@ def attention_split_keys(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, coun
     ends = torch.clamp(starts + piece, max=keys)
     real = torch.full((batch,), keys, **step) if counts is None else counts.to(torch.int32)
     used = torch.clamp(torch.minimum(real[:, None], ends) - starts, min=0)  # [B, S] real keys per piece
-    cu_k = (torch.arange(batch, **step)[:, None] * keys + torch.cat([starts, starts.new_full((1,), keys)])[None])
-    cu_k = torch.cat([cu_k[:, :-1].reshape(-1), cu_k.new_full((1,), batch * keys)])
+    cu_k = torch.cat([(torch.arange(batch, **step)[:, None] * keys + starts).reshape(-1),
+                      starts.new_full((1,), batch * keys)])
     cu_q = torch.arange(0, (batch * splits + 1) * queries, queries, **step)
     q_pieces = q[:, None].expand(batch, splits, queries, heads, dim).reshape(-1, heads, dim)
     out, lse = partial(q_pieces, k.reshape(-1, heads, dim), v.reshape(-1, heads, dim), cu_q, cu_k, queries, piece,
@@ -455,10 +455,15 @@ def _flash_splits_keys(device: torch.device, dtype: torch.dtype) -> bool:
     q = torch.randn(2, 5, 4, 64, device=device, dtype=dtype, generator=generator)
     k, v = (torch.randn(2, 4096, 4, 64, device=device, dtype=dtype, generator=generator) for _ in range(2))
     counts = torch.tensor([4096, 1500], device=device, dtype=torch.int32)
+    return _agrees_with_masked(lambda *a: attention_split_keys(*a, 8), q, k, v, (counts, None))
+
+
+def _agrees_with_masked(attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, counts_to_try) -> bool:
+    """Whether `attention(q, k, v, counts)` runs and answers as `attention_masked` for every counts to try."""
     try:
-        difference = max((attention_split_keys(q, k, v, c, 8) - attention_masked(q, k, v, c)).abs().max().item()
-                         for c in (counts, None))
-    except (RuntimeError, TypeError):
+        difference = max((attention(q, k, v, c) - attention_masked(q, k, v, c)).abs().max().item()
+                         for c in counts_to_try)
+    except (RuntimeError, TypeError):  # no flash kernel here, or a torch without seqused_k
         return False
     return difference < 2e-2
 
@@ -471,11 +476,7 @@ def _flash_takes_counts(device: torch.device, dtype: torch.dtype) -> bool:
     generator = torch.Generator(device=device).manual_seed(11)
     q, k, v = (torch.randn(2, n, 4, 64, device=device, dtype=dtype, generator=generator) for n in (5, 37, 37))
     counts = torch.tensor([37, 20], device=device, dtype=torch.int32)
-    try:
-        difference = (attention_flash_counts(q, k, v, counts) - attention_masked(q, k, v, counts)).abs().max()
-    except (RuntimeError, TypeError):  # no flash kernel here, or a torch without seqused_k
-        return False
-    return difference.item() < 2e-2
+    return _agrees_with_masked(attention_flash_counts, q, k, v, (counts,))
 
 
 def head_attention_kernel(device: torch.device, dtype: torch.dtype):
