@@ -152,14 +152,13 @@ with tab_cases:
             st.rerun()
 
 with tab_import:
-    upload = st.file_uploader("CSV or JSONL file", type=["csv", "jsonl", "json"], key=K("upload"),
+    # a new uploader after each import: the imported file leaves no live Import button behind, and the next file
+    # goes into an empty uploader instead of replacing one (a replacement raced the page's rerun in the browser)
+    imports_done = st.session_state.get(K("imports_done"), 0)
+    upload = st.file_uploader("CSV or JSONL file", type=["csv", "jsonl", "json"], key=K(f"upload.{imports_done}"),
                               help="JSONL: one object per line with state, and optionally expected, tags, images and "
-                                   "videos (data URLs). CSV: map the columns below.")
-    if upload is not None and upload.file_id == st.session_state.get(K("imported_file")):
-        # imported already: no live Import button for the same upload (choose the file again to re-import)
-        st.caption(f"{upload.name} is imported. Choose a file to import more; rows already in the case set are "
-                   "skipped.")
-        upload = None
+                                   "videos (data URLs). CSV: map the columns below. Rows already in the case set "
+                                   "are skipped.")
     if upload is not None:
         text = upload.getvalue().decode("utf-8-sig", errors="replace")
         parsed = None
@@ -246,7 +245,7 @@ with tab_import:
                     st.error(f"Nothing imported: {exc}")
                 else:
                     st.session_state.pop(K(f"editor.{case_set_id}"), None)
-                    st.session_state[K("imported_file")] = upload.file_id
+                    st.session_state[K("imports_done")] = imports_done + 1
                     skipped = len(parsed) - len(added)
                     flash("success", f"Imported {len(added)} cases into “{case_set['name']}”."
                           + (f" {skipped} were already in it and were skipped." if skipped else ""))

@@ -97,6 +97,7 @@ def test_import_run_review_with_keyboard_and_export(page, workbench, tmp_path: P
     settle(page)
     expect(page.get_by_text(re.compile(r"Schema: \*?\*?support-ticket-routing"))).to_be_visible()
     page.get_by_role("tab", name="Import").click()
+    settle(page)  # the tab click reruns the page; a file chosen during that rerun could be dropped
     page.locator('[data-testid="stFileUploaderDropzoneInput"]').set_input_files(str(csv_path))
     settle(page)
     # the answer columns map to their questions by name; only the columns chosen here become the state
