@@ -180,6 +180,7 @@ def test_import_twice_adds_once_and_a_deleted_case_set_comes_back(page, workbenc
     assert store.get_case_set(set_id)["case_count"] == 4
 
     page.get_by_role("tab", name="Settings").click()
+    settle(page)
     page.get_by_role("button", name="Delete this case set").click()
     settle(page)
     expect(page.get_by_text("Delete “Twice” and its 4 case(s)? You can undo this.")).to_be_visible()
