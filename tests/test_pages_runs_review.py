@@ -292,9 +292,14 @@ def new_case_set(at: AppTest, name: str) -> int:
     return at.selectbox(key="cases.selected").value
 
 
+def case_uploader(at: AppTest):
+    """The Import tab's uploader (a new one after each import, so its key carries a count)."""
+    (uploader,) = [u for u in at.get("file_uploader") if u.key.startswith("cases.upload")]
+    return uploader
+
+
 def upload_csv(at: AppTest, content: bytes) -> AppTest:
-    uploader = next(u for u in at.get("file_uploader") if u.key == "cases.upload")
-    uploader.set_value(("tickets.csv", content, "text/csv"))
+    case_uploader(at).set_value(("tickets.csv", content, "text/csv"))
     at.run()
     ok(at)
     return at
@@ -319,6 +324,7 @@ def test_csv_import_uses_only_chosen_columns_refreshes_and_is_idempotent(workben
     assert "Imported 10 cases into “Tickets”." in texts(at)
     assert "Tickets (10 cases)" in at.selectbox(key="cases.selected").options, "the picker shows the new count"
     assert not [b for b in at.button if b.label.startswith("Import ")], "no live Import button after importing"
+    assert case_uploader(at).value is None, "the next file goes into an empty uploader"
     cases = store.list_cases(set_id)
     assert cases[0]["state"] == {"subject": "Ticket 0", "body": "My invoice 0 is wrong"}
     assert cases[0]["expected"] == {"team": "billing", "priority": 0}
