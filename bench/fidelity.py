@@ -168,8 +168,8 @@ def release_path(model, head, encoder, dtype: torch.dtype, records: list, batch:
 
 def _variants(engine, encoded: list):
     """Ours again, one record at a time, with one of the engine's kernel choices put back to the plain one, where the
-    engine chose otherwise: what that choice does to the distance. The prefill graphs and the state cache hold the
-    default kernels' work, so both are emptied before and after."""
+    engine chose otherwise: what that choice does to the distance (`Engine.use_kernels` empties the prefill graphs
+    and the state cache, which hold the default kernels' work, on the way in and out)."""
     from clef_engine.fast import kernels as K
 
     swaps = {"bf16_residual_projection": {"residual_projection": K.residual_projection_torch}}
@@ -177,20 +177,11 @@ def _variants(engine, encoded: list):
     for name, slots in swaps.items():
         if all(getattr(default, slot) is fn for slot, fn in slots.items()):
             continue
-        engine.backbone.kernels = replace(default, **slots)
-        _forget_compiled_work(engine)
+        engine.use_kernels(replace(default, **slots))
         try:
             yield name, [engine.forward_batch([r])[0] for r in encoded]
         finally:
-            engine.backbone.kernels = default
-            _forget_compiled_work(engine)
-
-
-def _forget_compiled_work(engine) -> None:
-    if engine.state_cache is not None:
-        engine.state_cache.clear()
-    if engine.graphs is not None:
-        engine.graphs.forget()
+            engine.use_kernels(default)
 
 
 def fidelity(device: str | torch.device = "cuda", shape: str = "flash", records: int = 55, *, seed: int = 0,

@@ -365,6 +365,16 @@ class Engine:
             info["head_graphs"] = self.head_graphs.describe() if self.head_graphs is not None else None
         return info
 
+    def use_kernels(self, chosen: kernels.Kernels) -> None:
+        """Run the packed backbone on `chosen` from now on (benchmarks put a kernel back to its plain version to
+        measure what it does). The prefill graphs replay the kernels they were captured with and the state cache holds
+        states the old kernels computed, so both are emptied. Call it while no request runs."""
+        self.backbone.kernels = chosen
+        if self.state_cache is not None:
+            self.state_cache.clear()
+        if self.graphs is not None:
+            self.graphs.forget()
+
     def warm_up(self) -> float:
         """Compile, autotune and capture while loading, not in a user's first request: a CUDA graph for every
         length bucket, cuDNN's attention plan for every padded length of a long record, then one record alone, a
