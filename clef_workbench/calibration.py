@@ -113,7 +113,7 @@ def fit_question(rows: pd.DataFrame) -> QuestionCalibration:
     return QuestionCalibration(question_id, question_type, "temperature", temperature=float(np.exp(best.x)))
 
 
-def _with_distributions(rows: pd.DataFrame, distributions: list[dict[str, float]]) -> pd.DataFrame:
+def with_distributions(rows: pd.DataFrame, distributions: list[dict[str, float]]) -> pd.DataFrame:
     """`rows` with each distribution replaced and the predicted answer, confidence and correctness recomputed."""
     out = rows.copy()
     out["distribution"] = distributions
@@ -126,7 +126,8 @@ def _with_distributions(rows: pd.DataFrame, distributions: list[dict[str, float]
         predicted.append(best)
         confidence.append(p_best)
     out["predicted"], out["confidence"] = predicted, confidence
-    out["correct"] = (out["predicted"] == out["expected"]).astype(float)
+    out["correct"] = [np.nan if expected is None else float(predicted == expected)
+                      for predicted, expected in zip(out["predicted"], out["expected"], strict=True)]
     return out
 
 
@@ -191,7 +192,7 @@ def calibrate(frame: pd.DataFrame, *, min_labelled: int = MIN_LABELLED, folds: i
             fitted = fit_question(rows.iloc[train])
             for i in test:
                 held_out[i] = fitted.apply(rows["distribution"].iloc[i])
-        after = _with_distributions(rows, held_out)
+        after = with_distributions(rows, held_out)
         report.calibration = fit_question(rows)
         intervals = _bootstrap(rows, after, bins, seed)
         report.ece_before, report.ece_after = intervals["ece_before"], intervals["ece_after"]

@@ -147,3 +147,51 @@ def test_calibrate_from_the_command_line_on_a_real_run(tmp_path, tiny_engine):
     refused = subprocess.run([sys.executable, "-m", "clef_workbench", "calibrate", "--db", str(db), "--run",
                               str(bare_run)], cwd=root, capture_output=True, text=True, timeout=300)
     assert refused.returncode == 1 and "calibrating needs at least 30" in refused.stderr
+
+
+def _store_with_two_runs(tmp_path):
+    """A store with one case set and two finished runs of it whose answers are given (no engine needed)."""
+    from clef_workbench.store import Store
+
+    store = Store(tmp_path / "w.db")
+    set_id = store.create_case_set("tickets")
+    case_ids = store.add_cases(set_id, [{"state": f"ticket {i}"} for i in range(4)])
+    runs = []
+    for model, p_true in (("model-a", [0.9, 0.8, 0.3, 0.6]), ("model-b", [0.85, 0.2, 0.35, 0.7])):
+        run_id = store.create_run(set_id, schema={"name": "t", "questions": {"urgent": {"type": "noul"}}},
+                                  model_id=model, settings={})
+        store.record_results(run_id, [{"case_id": c, "response": {"answers": {"urgent": {"type": "noul",
+                                                                                          "noul": p}}},
+                                       "error": None, "latency_ms": 1.0, "input_tokens": 3,
+                                       "started_at": "2026-12-02T00:00:00+00:00",
+                                       "finished_at": "2026-12-02T00:00:01+00:00"}
+                                      for c, p in zip(case_ids, p_true, strict=True)])
+        runs.append(run_id)
+    return store, case_ids, runs
+
+
+def test_review_routes_cases_two_models_disagree_on(tmp_path):
+    from clef_workbench import review
+
+    store, case_ids, (run_a, run_b) = _store_with_two_runs(tmp_path)
+    rules = review.ReviewRules(margin_below=None, disagree_with_run=run_b)
+    items = review.candidates(store, run_a, rules)
+    assert [(i["case_id"], i["reason"]) for i in items] == [(case_ids[1], f"run {run_b} answered 'false'")]
+    assert review.preview(store, run_a, rules)["by_rule"]["disagrees with another run"] == 1
+
+
+def test_review_thresholds_read_calibrated_confidence_when_a_calibration_is_named(tmp_path):
+    from clef_workbench import review
+
+    store, case_ids, (run_a, _) = _store_with_two_runs(tmp_path)
+    softer = calibration.QuestionCalibration("urgent", "noul", "platt", a=0.3, b=0.0)
+    store.save_calibration("softer", store.get_run(run_a),
+                           {"questions": {"urgent": calibration.asdict(softer)}, "report": []})
+    raw = review.candidates(store, run_a, review.ReviewRules(margin_below=None, confidence_below=0.75))
+    calibrated = review.candidates(store, run_a, review.ReviewRules(margin_below=None, confidence_below=0.75,
+                                                                    calibration="softer"))
+    assert {i["case_id"] for i in raw} == {case_ids[2], case_ids[3]}  # 0.7 and 0.6 are under 0.75
+    # Platt with a = 0.3 pulls every answer towards 0.5: all four fall under 0.75, and the item keeps that figure
+    assert {i["case_id"] for i in calibrated} == set(case_ids)
+    first = next(i for i in calibrated if i["case_id"] == case_ids[0])
+    assert first["reason"].startswith("calibrated confidence") and first["confidence"] < 0.75
