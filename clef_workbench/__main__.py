@@ -1,6 +1,7 @@
 """Command line of the workbench's services, for scripts and CI:
 
     python -m clef_workbench run --db DB --case-set NAME --schema FILE --model SOURCE [--ray ADDRESS] [--replicas N]
+    python -m clef_workbench calibrate --db DB --run RUN [--name NAME]
 
 runs a case set against a schema file and leaves the run in the store exactly as the Runs page does (same settings,
 same results), so Runs, Review and the exports show it. It prints progress, and exits 0 when the run finished, 1 when
@@ -16,6 +17,7 @@ import time
 from pathlib import Path
 
 from clef_engine import DEFAULT_MAX_LENGTH, ClefError
+from clef_workbench import calibration
 from clef_workbench.jobs import DEFAULT_CHUNK_SIZE, JobRunner
 from clef_workbench.model_loader import DEMO_SOURCE, request_model_name
 from clef_workbench.schemas import Schema, SchemaError
@@ -51,6 +53,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                      help="a state over max_length: an error result (refuse) or its end cut off")
     run.add_argument("--device", help="in process: cpu or cuda (default: cuda when present)")
     run.add_argument("--dtype", help="float32, bfloat16 … (default: bf16 on CUDA, float32 on the CPU)")
+    calibrate = commands.add_parser(
+        "calibrate", help="fit per-question calibration on a run's labelled cases and print before/after")
+    calibrate.add_argument("--db", required=True, help="the workbench's SQLite file (CLEF_DB of the workbench)")
+    calibrate.add_argument("--run", required=True, type=int, help="the run whose labelled cases to fit on")
+    calibrate.add_argument("--name", help="name to keep it under (default: schema · model · run)")
+    calibrate.add_argument("--min-labelled", type=int, default=calibration.MIN_LABELLED,
+                           help="fewest labelled cases a question needs to be fitted")
+    calibrate.add_argument("--folds", type=int, default=calibration.FOLDS, help="k of the k-fold held-out check")
     return parser.parse_args(argv)
 
 
@@ -166,8 +176,24 @@ def run_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def calibrate_command(args: argparse.Namespace) -> int:
+    store = Store(args.db)
+    try:
+        calibration_id, reports = calibration.calibrate_run(store, args.run, name=args.name,
+                                                            min_labelled=args.min_labelled, folds=args.folds)
+    except (calibration.CalibrationRefused, StoreError) as exc:
+        print(f"python -m clef_workbench calibrate: {exc}", file=sys.stderr)
+        return 1
+    print(calibration.summary_table(reports).to_string(index=False))
+    print(f"calibration {calibration_id} '{store.get_calibration(calibration_id)['name']}' saved "
+          "(ECE and Brier after: on held-out cases; [95% bootstrap interval])")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.command == "calibrate":
+        return calibrate_command(args)
     try:
         return run_command(args)
     except UsageError as exc:
