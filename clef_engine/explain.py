@@ -185,17 +185,19 @@ def explain_budget(engine) -> int:
     return EXPLAIN_BATCHES * engine.token_budget
 
 
-def check_cost(records: list[EncodedRecord], budget: int) -> None:
-    total = sum(len(r) for r in records)
+def check_cost(record_tokens: int, variants: int, total: int, budget: int, *, at_least: bool = False) -> None:
+    """Raise TokenBudgetError when the record and its variants, `total` tokens (a lower bound if `at_least`), do
+    not fit the budget of one explanation."""
     if total <= budget:
         return
-    variants = len(records) - 1
+    bound = "at least " if at_least else ""
     raise TokenBudgetError(
-        f"explaining this record takes {total} tokens (the record, {len(records[0])} tokens, and {variants} "
-        f"variants of it, one per segment), {total - budget} over the {budget}-token budget of one explanation "
-        f"({EXPLAIN_BATCHES} interactive batches); ask for fewer segments (another unit) or shorten the record",
+        f"explaining this record takes {bound}{total} tokens (the record, {record_tokens} tokens, and {variants} "
+        f"variants of it, one per segment), {bound}{total - budget} over the {budget}-token budget of one "
+        f"explanation ({EXPLAIN_BATCHES} interactive batches); ask for fewer segments (another unit) or shorten the "
+        "record",
         over_by=total - budget, part="explanation",
-        token_counts={"record": len(records[0]), "variants": variants, "explanation": total}, max_length=budget)
+        token_counts={"record": record_tokens, "variants": variants, "explanation": total}, max_length=budget)
 
 
 def submit_explanation(engine, request: dict, unit: str | None = None, *, priority: str = "interactive",
@@ -212,10 +214,14 @@ def submit_explanation(engine, request: dict, unit: str | None = None, *, priori
     found = segments(request, record, unit)
     text_variants = [variant for location, variant in found if location["kind"] not in MEDIA_UNITS]
     media_variants = [variant for location, variant in found if location["kind"] in MEDIA_UNITS]
-    # text variants are tokenized (cheap) to count them exactly; a media variant has the record's own length, and
-    # its pixels are processed only once the explanation is known to fit
+    budget, variants = explain_budget(engine), len(found)
+    # Cheapest first: a media variant has the record's own length, a text variant at least everything but the
+    # state; then the text variants are tokenized to count them exactly; pixels are processed only once it fits.
+    fixed = len(record) - record.token_counts["state"]
+    check_cost(len(record), variants, len(record) * (1 + len(media_variants)) + fixed * len(text_variants), budget,
+               at_least=bool(text_variants))
     text_records = [engine.encode(v, max_length=max_length, overflow=overflow) for v in text_variants]
-    check_cost([record, *text_records, *[record] * len(media_variants)], explain_budget(engine))
+    check_cost(len(record), variants, len(record) * (1 + len(media_variants)) + sum(map(len, text_records)), budget)
     records = [record, *text_records,
                *[engine.encode(v, max_length=max_length, overflow=overflow) for v in media_variants]]
 

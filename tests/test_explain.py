@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from clef_engine import RequestError
+from clef_engine import RequestError, TokenBudgetError
 from clef_engine.explain import REGION_GRID
 from tests.test_encoding import png_bytes
 from tests.test_engine import data_url
@@ -166,6 +166,20 @@ def test_a_unit_the_record_has_no_segments_of_is_refused(tiny_engine, state, ext
     with pytest.raises(RequestError, match=message) as caught:
         tiny_engine.explain(request(state, **extra), unit=unit)
     assert caught.value.problems[0].loc == ("x_explain", "unit")
+
+
+def test_an_explanation_over_the_budget_is_refused_before_its_variants_are_encoded(tiny_engine, monkeypatch):
+    # 400 fields: each variant carries at least the prefix, schema and suffix, which alone exceed the budget
+    state = {f"field_{i}": i for i in range(400)}
+    encoded = []
+    encode = tiny_engine.encode
+    monkeypatch.setattr(tiny_engine, "encode", lambda request, **options: encoded.append(1) or encode(request,
+                                                                                                        **options))
+    with pytest.raises(TokenBudgetError, match=r"takes at least \d+ tokens .* 400 variants") as caught:
+        tiny_engine.explain(request(state))
+    assert len(encoded) == 1  # the record itself, none of its variants
+    assert caught.value.part == "explanation" and caught.value.over_by > 0
+    assert caught.value.max_length == 4 * tiny_engine.token_budget
 
 
 # --- over HTTP -----------------------------------------------------------------------------------------------------
