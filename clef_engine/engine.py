@@ -26,6 +26,7 @@ import torch
 
 from .config import EngineConfig
 from .errors import RequestError, TokenBudgetError
+from .explain import explain as explain_request
 from .fast import kernels
 from .fast.cache import PrefixCache, StateCache
 from .fast.graphs import HeadGraphs, PrefillGraphs
@@ -181,6 +182,20 @@ class Engine:
                 future.cancel()
             raise
         return [response for future in futures for response in future.result()]
+
+    def probabilities(self, requests: list[dict], *, max_length: int | None = None,
+                      overflow: str = "refuse") -> list[list[list[float]]]:
+        """Per request, per question, the options' probabilities in model order, unrounded: what the answers are
+        rounded from."""
+        records = [self.encode(r, max_length=max_length, overflow=overflow) for r in requests]
+        return self.scheduler.submit(records, priority="interactive").result()
+
+    def explain(self, request: dict, unit: str | None = None, *, max_length: int | None = None,
+                overflow: str = "refuse") -> dict:
+        """The request's response plus `x_explanations`: per question, the state's segments (sentences, fields,
+        image regions, video frames; or only `unit`) ranked by how much removing each moves the answer. See
+        explain.py."""
+        return explain_request(self, request, unit, max_length=max_length, overflow=overflow)
 
     def response(self, request: dict, record: EncodedRecord, probabilities: list[list[float]],
                  latency_ms: float) -> dict:
