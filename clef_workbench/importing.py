@@ -81,7 +81,8 @@ class SourceFile:
         if self.delimiter:
             parts.append(f"{DELIMITERS.get(self.delimiter, repr(self.delimiter))}-separated")
         if self.kind != "jsonl":
-            parts.append(f"{len(self.rows) + len(self.bad_rows)} rows")
+            count = len(self.rows) + len(self.bad_rows)
+            parts.append(f"{count} row" + ("" if count == 1 else "s"))
         return ", ".join(parts)
 
 
@@ -145,6 +146,11 @@ def decode(data: bytes, encoding: str | None) -> str:
         raise CaseImportError([f"line {line}: byte 0x{data[exc.start]:02x} is not valid "
                                f"{ENCODINGS.get(encoding, encoding)}; choose the encoding the file was saved in"]
                               ) from None
+    if "\x00" in text:  # text never holds NUL: a binary file, or UTF-16 read as a one-byte encoding
+        line = text[:text.index("\x00")].count("\n") + 1
+        raise CaseImportError([f"line {line} holds a NUL character, which {ENCODINGS.get(encoding, encoding)} text "
+                               "never does: the file is binary, or UTF-16 without a byte order mark (choose UTF-16 "
+                               "LE or BE)"])
     return text.removeprefix("\ufeff")
 
 

@@ -118,6 +118,12 @@ def test_the_delimiter_and_encoding_can_be_overridden(tmp_path):
 
 
 def test_a_file_that_is_not_text_or_not_a_workbook_gets_a_message_not_a_traceback(tmp_path, capsys):
+    photo = (ROOT / "examples" / "casesets" / "media" / "burnt-out.png").read_bytes()
+    with pytest.raises(CaseImportError, match="the file is not text in a supported encoding"):
+        importing.read_source("tickets.csv", photo)
+    with pytest.raises(CaseImportError, match="^.*line 1 holds a NUL character, which UTF-8 text never does"):
+        importing.read_source("tickets.txt", "subject\tbody\r\nRefund\tCharged twice\r\n".encode("utf-16-le"),
+                              encoding="utf-8")
     with pytest.raises(CaseImportError, match="is not an Excel .xlsx workbook"):
         importing.read_source("tickets.xlsx", b"subject,body\n")
     path = tmp_path / "tickets.xlsx"
