@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import csv
 import io
+import re
 import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -121,8 +122,7 @@ def detect_encoding(data: bytes) -> str | None:
         return match.encoding.replace("_", "-")
     # Latin-1 and Windows-1252 differ only in 0x80-0x9F: control characters in Latin-1, the smart quotes, dashes
     # and € that Windows writes in Windows-1252.
-    in_cp1252_range = any(0x80 <= byte <= 0x9F for byte in data)
-    if in_cp1252_range:
+    if re.search(rb"[\x80-\x9f]", data):
         try:
             data.decode("cp1252")
             return "cp1252"
@@ -160,11 +160,14 @@ def sniff_delimiter(text: str) -> str:
     head = text.splitlines()[:SNIFF_ROWS]
 
     def fit(delimiter: str) -> tuple[int, int]:
-        rows = list(csv.reader(head, delimiter=delimiter))
+        try:
+            rows = list(csv.reader(head, delimiter=delimiter))
+        except csv.Error:  # e.g. a cell over the csv module's size limit: read_delimited names it
+            return 0, 0
         width = len(rows[0]) if rows else 0
         return (sum(len(row) == width for row in rows[1:]) if width > 1 else 0), width
 
-    return max(DELIMITERS, key=lambda d: fit(d))
+    return max(DELIMITERS, key=fit)
 
 
 def read_delimited(text: str, delimiter: str | None = None, *, name: str = "the file") -> SourceFile:
