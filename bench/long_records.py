@@ -105,10 +105,26 @@ def kernel_ms(engine, body: dict) -> dict:
             entry = into.setdefault(event.name, [0.0, 0])
             entry[0] += event.time_range.elapsed_us() / 1000
             entry[1] += 1
+    # where the host waits, if it does: CUDA runtime calls (synchronizations, cudaMalloc/cudaFree, host allocations)
+    runtime = [(e.key, round(e.cpu_time_total / 1000, 1), e.count) for e in prof.key_averages()
+               if e.key.startswith("cuda") and e.cpu_time_total > 1000]
     top = sorted(kernels.items(), key=lambda kv: -kv[1][0])[:12]
     return {"wall_ms": round(wall, 1), "gpu_kernel_ms": round(sum(v[0] for v in kernels.values()), 1),
             "copies": {name: {"ms": round(ms, 1), "calls": n} for name, (ms, n) in copies.items()},
-            "top": [(name[:100], round(ms, 1), n) for name, (ms, n) in top]}
+            "top": [(name[:100], round(ms, 1), n) for name, (ms, n) in top],
+            "cuda_runtime_over_1ms": sorted(runtime, key=lambda row: -row[1])[:12]}
+
+
+ALLOCATOR_COUNTS = ("num_alloc_retries", "num_device_alloc", "num_device_free", "num_sync_all_streams")
+
+
+def allocator_counts() -> dict[str, int]:
+    """The caching allocator's cudaMalloc / cudaFree calls and its retries after a failed reservation (each retry
+    frees every cached block: a device-wide wait)."""
+    if DEVICE.type != "cuda":
+        return {}
+    stats = torch.cuda.memory_stats(DEVICE)
+    return {key: stats.get(key, 0) for key in ALLOCATOR_COUNTS}
 
 
 def memory_allowed_gib(engine, tokens: int) -> float:
@@ -127,6 +143,7 @@ def one_length(engine, name: str, tokens: int, samples: int, *, profiled: bool =
     if DEVICE.type == "cuda":
         torch.cuda.reset_peak_memory_stats(DEVICE)
     first, response = timed_decide(engine, fresh(base, 0))
+    counts_before = allocator_counts()  # after the untimed call: what the timed ones cost
     out["tokens"] = response["usage"]["input_tokens"]
     out["first_call_ms"] = round(first, 1)
     longest_s = first / 1000
@@ -137,6 +154,8 @@ def one_length(engine, name: str, tokens: int, samples: int, *, profiled: bool =
         wall, _ = timed_decide(engine, fresh(base, sample))
         out["ours_ms_all"].append(round(wall, 1))
         longest_s = max(longest_s, wall / 1000)
+    out["allocator_during_timed_calls"] = {key: value - counts_before[key]
+                                           for key, value in allocator_counts().items()}
     if profiled and DEVICE.type == "cuda" and left() > 2 * longest_s:
         out["profile"] = kernel_ms(engine, fresh(base, samples + 1))
     if DEVICE.type == "cuda":
