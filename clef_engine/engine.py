@@ -9,7 +9,8 @@ The worker thread runs `forward_batch` on each batch, chosen once from the `Engi
   packed layer loop (fast/packed.py): several records as one pack with no padding; a record alone in its batch
   replays a CUDA graph of its length bucket (fast/graphs.py), or, when its state is long enough to keep, runs once
   over the whole record and keeps the state's layer states (fast/cache.py) so that a new schema on the same state
-  later runs only the schema's tokens.
+  later runs only the schema's tokens. A record alone longer than `prefill_chunk_tokens` runs in chunks of that
+  many tokens (bounded activations).
 
 Then the joint head over the batch, and one host sync per batch.
 """
@@ -367,6 +368,7 @@ class Engine:
             info["packed"] = self.backbone.kernels.describe()
             info["slow_fallbacks"] = self.backbone.kernels.slow if self.config.cuda else []
             info["fused_projections"] = True
+            info["prefill_chunk_tokens"] = self.config.prefill_chunk_tokens or None  # None: whole records
             info["media_records"] = "forward_padded (multimodal model, padded batch)"
             info["cuda_graphs"] = self.graphs.describe() if self.graphs is not None else None
             info["head_graphs"] = self.head_graphs.describe() if self.head_graphs is not None else None
