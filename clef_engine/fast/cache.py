@@ -53,8 +53,10 @@ class PrefixState:
 
     def to_host(self) -> PrefixState:
         """A copy in host memory, made on the current stream; the calling thread waits for it. Pageable memory, not
-        pinned: pinning gigabytes (cudaHostAlloc) takes seconds inside the CUDA driver, where it held up the kernel
-        launches of the thread answering requests; a pageable copy occupies only the thread that asks for it."""
+        pinned: pinning gigabytes (cudaHostAlloc) takes seconds inside the CUDA driver, suspected of holding up the
+        kernel launches of the thread answering requests (a ~67k decide's GPU waited a third of its wall time while
+        an entry spilled: ../shared/measurements/2026-12-02/release-vs-engine-27b.json, profile_64k_decide); a
+        pageable copy occupies only the thread that asks for it."""
         layers = [LayerState(*(t.to("cpu") if t is not None else None
                                for t in (layer.keys, layer.values, layer.conv_tail, layer.recurrent)))
                   for layer in self.layers]
