@@ -51,15 +51,16 @@ class PrefixState:
         return PrefixState(self.length, [layer.to(device, non_blocking) for layer in self.layers],
                            self.memory.to(device, non_blocking=non_blocking))
 
-    def to_pinned_host(self) -> PrefixState:
-        """A copy in pinned host memory, queued on the current stream (synchronize before reading it)."""
-        def pinned(t: torch.Tensor) -> torch.Tensor:
-            return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
-
-        layers = [LayerState(*(pinned(t) if t is not None else None
+    def to_host(self) -> PrefixState:
+        """A copy in host memory, made on the current stream; the calling thread waits for it. Pageable memory, not
+        pinned: pinning gigabytes (cudaHostAlloc) takes seconds inside the CUDA driver, suspected of holding up the
+        kernel launches of the thread answering requests (a ~67k decide's GPU waited a third of its wall time while
+        an entry spilled: ../shared/measurements/2026-12-02/release-vs-engine-27b.json, profile_64k_decide); a
+        pageable copy occupies only the thread that asks for it."""
+        layers = [LayerState(*(t.to("cpu") if t is not None else None
                                for t in (layer.keys, layer.values, layer.conv_tail, layer.recurrent)))
                   for layer in self.layers]
-        return PrefixState(self.length, layers, pinned(self.memory))
+        return PrefixState(self.length, layers, self.memory.to("cpu"))
 
 
 def prefix_key(model_id: str, token_ids: list[int], media_digest: str = "") -> str:
@@ -131,10 +132,11 @@ class StateCache:
         with self._lock:
             self._device_entries.pop(key, None)
             self._host_entries.pop(key, None)
-            self._device_entries[key] = state
-            while self._tier_bytes(self._device_entries) > self.device_bytes and len(self._device_entries) > 1:
-                spill.append(self._device_entries.popitem(last=False))
-            if self._tier_bytes(self._device_entries) > self.device_bytes:
+            if state.nbytes > self.device_bytes:  # larger than the device tier: to host, the tier's entries stay
+                spill.append((key, state))
+            else:
+                self._device_entries[key] = state
+            while self._tier_bytes(self._device_entries) > self.device_bytes:  # least recently used first
                 spill.append(self._device_entries.popitem(last=False))
             for old_key, old_state in spill:
                 if self.device.type == "cuda" and old_state.nbytes <= self.host_bytes:
@@ -159,8 +161,7 @@ class StateCache:
             generation, key, state, ready = self._spills.get()
             with torch.cuda.stream(stream):
                 stream.wait_event(ready)
-                moved = state.to_pinned_host()
-            stream.synchronize()  # the copy is done: the device tensors can go
+                moved = state.to_host()  # done when it returns: the device tensors can go
             del state
             with self._lock:
                 self._spilling -= 1
@@ -223,19 +224,26 @@ class PrefixCache:
         key = self.key(record)
         return self.store.get(key) if key is not None else None
 
-    def forward_and_store(self, record, key: str, between_layers=None) -> tuple[torch.Tensor, torch.Tensor]:
-        """One forward over the whole record that also returns every layer's state at the end of the state; the
-        state and the head's memory of its tokens are stored."""
+    def forward_for_store(self, record, between_layers=None,
+                          chunk_tokens: int = 0) -> tuple[torch.Tensor, torch.Tensor, PrefixState]:
+        """One forward over the whole record that also returns every layer's state at the end of the state, in
+        chunks of `chunk_tokens` if the record is longer (0: whole): the head's inputs and the state, to put in
+        the cache once the record is answered (the chunked forward's K/V buffers themselves: no copy)."""
         from .kernels import make_segments
+        from .packed import chunked_head_inputs
 
         length = record.state_end
         device = self.backbone.device
         ids = torch.tensor(record.input_ids, dtype=torch.long).to(device, non_blocking=True)
-        hidden, layers = self.backbone.forward(ids, make_segments([len(record)], device), split_at=length,
-                                               between_layers=between_layers)
-        normed, memory = self.head.token_memory(hidden.to(self.dtype))
-        self.store.put(key, PrefixState(length, layers, memory[:length].clone()))
-        return normed, memory
+        if 0 < chunk_tokens < len(record):
+            normed, memory, layers = chunked_head_inputs(self.backbone, ids, self.head.token_memory, self.dtype,
+                                                         chunk_tokens, split_at=length, between_layers=between_layers)
+        else:
+            hidden, layers = self.backbone.forward(ids, make_segments([len(record)], device), split_at=length,
+                                                   between_layers=between_layers)
+            normed, memory = self.head.token_memory(hidden.to(self.dtype))
+        # a view: the schema's few rows more than a copy would keep, and no second copy of a long state's memory
+        return normed, memory, PrefixState(length, layers, memory[:length])
 
     def forward_after(self, record, state: PrefixState) -> tuple[torch.Tensor, torch.Tensor]:
         """The backbone over the schema + suffix tokens only, continuing from the stored state; the head's inputs of
