@@ -7,10 +7,9 @@ of the prefix are not kept: the head reads them only at question spans, option s
 which lie in the schema and suffix.
 
 Entries are keyed by model, the prefix token ids and the media digest, bounded in bytes: first on the engine's
-device, then (on CUDA) in host memory; least recently used entries move down a tier, then out. The copy to host
-memory runs on its own thread and CUDA stream, so it never sits on an answer's path; an entry being copied is
-found in neither tier until its copy is done. One GPU worker thread uses the cache; a lock keeps `stats()` readers
-safe.
+device, then (on CUDA, entries up to `SPILL_MAX_BYTES`) in host memory; least recently used entries move down a tier,
+then out. The copy to host memory runs on its own thread and CUDA stream; an entry being copied is found in neither
+tier until its copy is done. One GPU worker thread uses the cache; a lock keeps `stats()` readers safe.
 
 `PrefixCache` (at the end) is the whole feature as the engine calls it: which records it takes, storing a state,
 continuing from one. It uses packed.py's forward (which can stop at the state's end or start after it) and
@@ -30,6 +29,12 @@ import torch
 from .packed import LayerState
 
 GiB = 2**30
+# Entries larger than this are dropped when they leave the device tier instead of being copied to host memory.
+# Copying gigabytes to the host, pinned (cudaHostAlloc) or pageable, holds the CUDA driver long enough to stall the
+# kernel launches of the thread answering requests: a ~67k decide took 12.7 s with its predecessor's 4.4 GB state
+# spilling and 7.4 s with the cache off, its GPU work 7.2 s (bench/results/2026-12-02-h200-long-records-run1.json).
+# A long state is stored on the device (views of the record's own K/V, no copy) and dropped when evicted.
+SPILL_MAX_BYTES = 256 * 2**20
 
 
 @dataclass(eq=False)  # compared and hashed by identity: graphs.py keys its continuation graphs by the entry object
@@ -52,11 +57,8 @@ class PrefixState:
                            self.memory.to(device, non_blocking=non_blocking))
 
     def to_host(self) -> PrefixState:
-        """A copy in host memory, made on the current stream; the calling thread waits for it. Pageable memory, not
-        pinned: pinning gigabytes (cudaHostAlloc) takes seconds inside the CUDA driver, suspected of holding up the
-        kernel launches of the thread answering requests (a ~67k decide's GPU waited a third of its wall time while
-        an entry spilled: ../shared/measurements/2026-12-02/release-vs-engine-27b.json, profile_64k_decide); a
-        pageable copy occupies only the thread that asks for it."""
+        """A copy in host memory, made on the current stream; the calling thread waits for it. Only entries up to
+        `SPILL_MAX_BYTES` are copied (see there)."""
         layers = [LayerState(*(t.to("cpu") if t is not None else None
                                for t in (layer.keys, layer.values, layer.conv_tail, layer.recurrent)))
                   for layer in self.layers]
@@ -121,8 +123,8 @@ class StateCache:
         return entry
 
     def put(self, key: str, state: PrefixState) -> None:
-        if state.nbytes > max(self.device_bytes, self.host_bytes):
-            return  # larger than the whole cache: not worth keeping
+        if state.nbytes > self.device_bytes:
+            return  # larger than the device tier, and too large to copy to the host (SPILL_MAX_BYTES): not kept
         self._insert(key, state)
         with self._lock:
             self._stats.stored += 1
@@ -132,14 +134,11 @@ class StateCache:
         with self._lock:
             self._device_entries.pop(key, None)
             self._host_entries.pop(key, None)
-            if state.nbytes > self.device_bytes:  # larger than the device tier: to host, the tier's entries stay
-                spill.append((key, state))
-            else:
-                self._device_entries[key] = state
+            self._device_entries[key] = state
             while self._tier_bytes(self._device_entries) > self.device_bytes:  # least recently used first
                 spill.append(self._device_entries.popitem(last=False))
             for old_key, old_state in spill:
-                if self.device.type == "cuda" and old_state.nbytes <= self.host_bytes:
+                if self.device.type == "cuda" and old_state.nbytes <= min(self.host_bytes, SPILL_MAX_BYTES):
                     self._spill_to_host(old_key, old_state)
                 else:
                     self._stats.evicted += 1
