@@ -12,7 +12,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from clef_engine.model.media import sniff_content_type
+from clef_engine.protocol import sniff_content_type
 from clef_workbench.store.migrations import MIGRATIONS, SCHEMA_VERSION
 
 BUSY_TIMEOUT_MS = 30_000
