@@ -196,7 +196,7 @@ def check_video(name: str, data: bytes) -> Media:
     import av  # PyAV, imported only when a video is checked
 
     try:
-        with av.open(io.BytesIO(data)) as container:
+        with av.open(io.BytesIO(data), mode="r") as container:
             if not container.streams.video:
                 raise MediaError(f"{name}: the file has no video stream.")
             stream = container.streams.video[0]

@@ -58,6 +58,13 @@ def media_content_type(data: bytes, kind: str) -> str:
     return content_type
 
 
+def inserted_id(cursor: sqlite3.Cursor) -> int:
+    """The rowid of the row the cursor's INSERT just wrote."""
+    if cursor.lastrowid is None:
+        raise StoreError("the insert wrote no row")
+    return cursor.lastrowid
+
+
 def _dumps(value: Any) -> str:
     return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
 
@@ -150,7 +157,7 @@ class StoreBase:
             "INSERT INTO change_log (at, who, action, kind, object_id, label, data_json) VALUES (?, ?, ?, ?, ?, ?, ?)",
             (now_iso(), who or "", action, kind, str(object_id), label, None if data is None else _dumps(data)),
         )
-        return int(cur.lastrowid)
+        return inserted_id(cur)
 
     def log_change(self, action: str, kind: str, object_id: Any, label: str, *, who: str = "",
                    data: Any = None) -> int:
