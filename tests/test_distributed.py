@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -93,6 +95,30 @@ def test_the_configuration_picks_where_runs_execute(tmp_path, monkeypatch):
     runner = make_job_runner(store)
     assert isinstance(runner, RayJobRunner) and runner.address == "auto"
     assert make_job_runner(store, address="10.0.0.1:6379").address == "10.0.0.1:6379"
+
+
+NO_CLUSTER_HERE = """
+import functools
+from ray._private import services
+services.find_gcs_addresses = functools.cache(lambda: [])  # whatever other clusters run on this machine
+services.find_bootstrap_address = lambda temp_dir: None
+from clef_workbench.distributed import ReplicaError, connect
+try:
+    connect("auto")
+except ReplicaError as error:
+    print(error)
+"""
+
+
+def test_no_cluster_to_join_is_an_error_naming_our_flag_and_variable_not_rays():
+    # A fresh interpreter: this session may already be connected to the test cluster, and then connect does nothing.
+    done = subprocess.run([sys.executable, "-c", NO_CLUSTER_HERE], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+    message = done.stdout.strip()
+    assert message.startswith("cannot join the Ray cluster at 'auto': Could not find any running Ray instance."), \
+        done.stdout + done.stderr
+    assert "--ray ADDRESS" in message and "CLEF_RAY_ADDRESS" in message
+    assert "--address" not in message and " RAY_ADDRESS" not in message
 
 
 @pytest.mark.slow
