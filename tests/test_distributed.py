@@ -122,6 +122,8 @@ def test_no_cluster_to_join_is_an_error_naming_our_flag_and_variable_not_rays():
 
 
 @pytest.mark.slow
+@pytest.mark.ray
+@pytest.mark.kill
 def test_ray_run_answers_as_in_process_with_a_replica_killed_mid_run(tmp_path, tiny_release, tiny_engine):
     local_cluster()
     store = Store(tmp_path / "w.db")
@@ -156,6 +158,7 @@ def test_ray_run_answers_as_in_process_with_a_replica_killed_mid_run(tmp_path, t
 
 
 @pytest.mark.slow
+@pytest.mark.ray
 def test_cancel_and_resume_on_ray_from_a_runner_configured_by_the_environment(tmp_path, tiny_engine, monkeypatch):
     """The Runs page's path: the process-wide runner comes from make_job_runner, runs start with the resident
     engine (whose release the replicas load), cancel stops after the chunks in flight, resume sends the rest."""
@@ -183,6 +186,7 @@ def test_cancel_and_resume_on_ray_from_a_runner_configured_by_the_environment(tm
 
 
 @pytest.mark.slow
+@pytest.mark.ray
 def test_a_release_missing_on_a_node_is_an_error_naming_the_node(tmp_path):
     local_cluster()
     with pytest.raises(ReplicaError) as caught:

@@ -22,6 +22,7 @@ from packaging.requirements import Requirement
 
 from tests.conftest import REPO
 
+pytestmark = pytest.mark.slow  # builds a wheel
 PROJECT_FILES = ["pyproject.toml", "README.md", "LICENSE", "clef_engine", "clef_workbench", "workbench_ui"]
 
 
