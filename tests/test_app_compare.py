@@ -114,6 +114,7 @@ def test_compare_runs_one_schema_at_two_versions_and_shows_agreement_flips_and_i
     assert len(frame(at, {"case", "open"})) == len({int(c[1:]) for c in flipped})
 
 
+@pytest.mark.slow  # the slowest AppTest left in the quick tier (the service is tested in test_schema_history)
 def test_schemas_page_history_diff_restore_and_undo_delete(workbench):
     at = open_page("pages/schemas.py")
     at.selectbox(key="schemas.selected").select(SLUG).run()
