@@ -2,7 +2,7 @@
 the measurement.
 
     python bench/speed_table.py            # print the table of the results file the README names
-    python bench/speed_table.py --write    # rewrite the README's table (between its speed-table markers)
+    python bench/speed_table.py --write    # rewrite the README's tables (speed-table and long-table markers)
 
 The README names its results files in the opening marker:
 `<!-- speed-table: bench/results/<user-paths>.json release=bench/results/<release-code>.json -->`. The ratios divide
@@ -20,6 +20,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
+LONG_MARKERS = re.compile(r"(<!-- long-table: (?P<path>\S+) -->\n)(?P<table>.*?)(<!-- /long-table -->)", re.S)
 MARKERS = re.compile(r"(<!-- speed-table: (?P<path>\S+) release=(?P<release>\S+) -->\n)(?P<table>.*?)"
                      r"(<!-- /speed-table -->)", re.S)
 
@@ -106,6 +107,38 @@ def render(results: dict, release: dict) -> str:
     return "\n".join(rows) + "\n"
 
 
+def render_long(results: dict) -> str:
+    """The long-records table (issue 25's targets: ≥ 1.3× the release code's second call, wall ≤ 1.1× the GPU kernel
+    time, peak ≤ weights + the record's K/V + 8 GiB; 16k p95 ≤ 1.2× p50)."""
+    rows = ["| record | release code (2nd call) | this engine | GPU kernels | wall / GPU | × release code "
+            "| of compute floor | peak / allowed | target ≥ 1.3×, wall ≤ 1.1× GPU, peak | met |",
+            "|---|---|---|---|---|---|---|---|---|---|"]
+    for key, entry in results["long"].items():
+        if "release_ms" not in entry:
+            continue
+        ratio, wall = entry["release_ms"] / entry["ours_ms"], entry["ours_ms"] / entry["ours_gpu_ms"]
+        peak_ok = entry["peak_gib"] <= entry["allowed_gib"]
+        rows.append(f"| ~{int(key) // 1024}k ({entry['tokens']:,} tokens) | {_ms(entry['release_ms'])} | "
+                    f"{_ms(entry['ours_ms'])} | {_ms(entry['ours_gpu_ms'])} | {wall:.2f} | {ratio:.2f}× | "
+                    f"{_floor(entry['ours_ms'], entry['tokens'])} | {entry['peak_gib']:.1f} / "
+                    f"{entry['allowed_gib']:.1f} GiB | | {_met(ratio >= 1.3 and wall <= 1.1 and peak_ok)} |")
+    longest = results["long"].get("262144")
+    if longest:
+        rows.append(f"| ~256k ({longest['tokens']:,} tokens) | | {_ms(longest['ours_ms'])} | | | | "
+                    f"{_floor(longest['ours_ms'], longest['tokens'])} | {longest['peak_gib']:.1f} / "
+                    f"{longest['allowed_gib']:.1f} GiB | answered with Clef-Flash resident | "
+                    f"{_met(longest['flash_resident'] and longest['peak_gib'] <= longest['allowed_gib'])} |")
+    spread = results.get("p95_over_p50_16k")
+    if spread is not None:
+        rows.append(f"| 16k–17k tokens, p95 / p50 | | {spread:.2f} | | | | | | ≤ 1.2 | {_met(spread <= 1.2)} |")
+    return "\n".join(rows) + "\n"
+
+
+def readme_long_table(readme: str) -> tuple[re.Match, str] | None:
+    match = LONG_MARKERS.search(readme)
+    return None if match is None else (match, render_long(json.loads((ROOT / match["path"]).read_text())))
+
+
 def readme_table(readme: str) -> tuple[re.Match, str]:
     """The README's table block and the table its results file renders to."""
     match = MARKERS.search(readme)
@@ -122,7 +155,11 @@ def main() -> None:
     readme = README.read_text()
     match, table = readme_table(readme)
     if args.write:
-        README.write_text(readme[:match.start("table")] + table + readme[match.end("table"):])
+        readme = readme[:match.start("table")] + table + readme[match.end("table"):]
+        long = readme_long_table(readme)
+        if long is not None:
+            readme = readme[:long[0].start("table")] + long[1] + readme[long[0].end("table"):]
+        README.write_text(readme)
     sys.stdout.write(table)
 
 

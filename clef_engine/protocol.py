@@ -41,12 +41,33 @@ NOUL_DEFAULT_DESCRIPTIONS = {
 }
 OVERFLOW_POLICIES: tuple[str, ...] = get_args(OverflowPolicy)
 DEFAULT_MODEL_NAME = "clef"
+DEFAULT_MAX_LENGTH = 16_384  # the release code's token budget of one record
 
-# Media formats the engine decodes (the bytes decide, see model/media.sniff_content_type), with names for messages.
+# Media formats the engine decodes (the bytes decide, see sniff_content_type), with names for messages.
 IMAGE_CONTENT_TYPES = ("image/png", "image/jpeg", "image/webp")
 VIDEO_CONTENT_TYPES = ("video/mp4", "video/webm", "video/quicktime")
 MEDIA_TYPE_NAMES = {"image/png": "PNG", "image/jpeg": "JPEG", "image/webp": "WebP",
                     "video/mp4": "MP4", "video/webm": "WebM", "video/quicktime": "MOV"}
+MAX_MEDIA_BYTES = 64 * 1024 * 1024  # one media item, before decoding
+
+
+def sniff_content_type(data: bytes) -> str | None:
+    """The media type from the file's first bytes (the bytes decide, not a declared name or type), or None when it
+    is none of the accepted formats."""
+    if data.startswith(b"\x89PNG\r\n\x1a\n"):
+        return "image/png"
+    if data.startswith(b"\xff\xd8\xff"):
+        return "image/jpeg"
+    if data[:4] == b"RIFF" and data[8:12] == b"WEBP":
+        return "image/webp"
+    if data[4:8] == b"ftyp":
+        # ISO base media: QuickTime brands are MOV, everything else we accept as MP4.
+        return "video/quicktime" if data[8:12] == b"qt  " else "video/mp4"
+    if data[4:8] in (b"moov", b"mdat", b"wide", b"free"):
+        return "video/quicktime"  # old QuickTime files without an ftyp box
+    if data.startswith(b"\x1a\x45\xdf\xa3"):
+        return "video/webm"  # EBML header: WebM (or Matroska, which the decoder also reads)
+    return None
 
 
 @dataclass(frozen=True)

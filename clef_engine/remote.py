@@ -42,8 +42,7 @@ from urllib.parse import urlsplit, urlunsplit
 import httpx
 
 from .errors import BusyError, CancelledError, ClefError, Problem, RequestError, TokenBudgetError
-from .model.media import sniff_content_type
-from .protocol import parse_questions
+from .protocol import parse_questions, sniff_content_type
 
 API_KEY_ENV = "CLEF_API_KEY"
 SYSTEM_ONE_PATH = "/v1/systemone"

@@ -12,6 +12,7 @@ import base64
 import json
 import math
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -301,7 +302,7 @@ LABEL_COLUMN = re.compile(r"^(expected|label|labels|gold|golden|answer|answers|t
                           r"correct|y)([ _.-].*)?$", re.IGNORECASE)
 
 
-def label_like_columns(columns: list[str], question_ids: list[str] = ()) -> list[str]:
+def label_like_columns(columns: list[str], question_ids: Sequence[str] = ()) -> list[str]:
     """The columns that look like expected answers: named expected_* / label / gold / answer / target / truth …,
     or named after a question of the schema."""
     questions = {q.lower() for q in question_ids}

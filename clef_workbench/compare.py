@@ -450,7 +450,7 @@ def build_view(store: Any, run_ids: Sequence[int], *, n_boot: int = DEFAULT_BOOT
 def case_detail(view: CompareView, case_id: int) -> dict | None:
     """One case as every run answered it: state, expected answers, and per run its answers (predicted,
     confidence, probabilities) or error and latency. None when no run has a result for the case."""
-    per_run = []
+    per_run: list[dict] = []
     case: dict | None = None
     for run in view.runs:
         result = next((r for r in run.results if r["case_id"] == case_id), None)

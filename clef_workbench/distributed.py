@@ -71,7 +71,11 @@ def connect(address: str) -> None:
         try:
             ray.init(address=address, include_dashboard=False, log_to_driver=False)
         except (ConnectionError, ValueError, RuntimeError) as exc:  # no cluster there, a malformed address
-            raise ReplicaError(f"cannot join the Ray cluster at {address!r}: {exc}") from None
+            # Ray's own advice names its CLI's `--address` flag and RAY_ADDRESS; ours are --ray and CLEF_RAY_ADDRESS.
+            reason = str(exc).split(" Please specify the one to connect to")[0]
+            raise ReplicaError(f"cannot join the Ray cluster at {address!r}: {reason} Start one with `ray start "
+                               f"--head`, or name a running one with --ray ADDRESS or {ADDRESS_ENV} ('auto' or the "
+                               "head's host:6379).") from None
 
 
 # -- the replica: one engine on one GPU (or on the CPUs) of some node --------------------------------------------

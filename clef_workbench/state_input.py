@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from clef_engine import protocol
-from clef_engine.model.media import sniff_content_type
+from clef_engine.protocol import sniff_content_type
 
 # Upload limits, shown in the UI next to the uploaders; stricter than the contract, which has none. Images follow
 # the limits published for hosted Clef (spec §5), so what the Decide page sends would also be taken there; the
@@ -196,7 +196,7 @@ def check_video(name: str, data: bytes) -> Media:
     import av  # PyAV, imported only when a video is checked
 
     try:
-        with av.open(io.BytesIO(data)) as container:
+        with av.open(io.BytesIO(data), mode="r") as container:
             if not container.streams.video:
                 raise MediaError(f"{name}: the file has no video stream.")
             stream = container.streams.video[0]

@@ -21,12 +21,12 @@ Definitions used throughout (shown in the UI next to the numbers):
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, Final
 
 import numpy as np
 import pandas as pd
 
-PERCENTILE_METHOD = "linear"
+PERCENTILE_METHOD: Final = "linear"
 
 
 def _label_key(value: Any) -> str | None:

@@ -1,7 +1,16 @@
 #!/usr/bin/env bash
-# Set up (first run) and run every test: ruff, then pytest (engine, services, API server, app pages, browser).
+# Set up (first run) and run the tests: ruff, mypy on the modules pyproject.toml lists, then pytest.
+#   bash scripts/test.sh            every test (engine, services, API server processes, app pages, Ray, browser)
+#   bash scripts/test.sh --quick    the quick tier: no browser, no Ray cluster, no process kills, nothing marked slow
+# Other arguments go to pytest (e.g. bash scripts/test.sh --quick tests/test_store.py -k drafts).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+quick=()
+if [ "${1:-}" = "--quick" ]; then
+  shift
+  quick=(-m "not browser and not ray and not kill and not slow")
+fi
 bash scripts/setup.sh --test
 .venv/bin/python -m ruff check .
-exec .venv/bin/python -m pytest -q "$@"
+.venv/bin/python -m mypy
+exec .venv/bin/python -m pytest -q "${quick[@]}" "$@"

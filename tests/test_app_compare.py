@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 from streamlit.testing.v1 import AppTest
 
 from clef_workbench import casesets
@@ -71,6 +72,7 @@ def two_versions_run(workbench: Path) -> tuple[Store, int, list[int]]:
     return store, set_id, runs
 
 
+@pytest.mark.slow  # two batch runs through the Runs page
 def test_compare_runs_one_schema_at_two_versions_and_shows_agreement_flips_and_intervals(workbench):
     store, set_id, (run_v2, run_v3) = two_versions_run(workbench)
     assert [(store.get_run(r)["schema_version"], store.get_run(r)["schema_slug"]) for r in (run_v2, run_v3)] == [
@@ -112,6 +114,7 @@ def test_compare_runs_one_schema_at_two_versions_and_shows_agreement_flips_and_i
     assert len(frame(at, {"case", "open"})) == len({int(c[1:]) for c in flipped})
 
 
+@pytest.mark.slow  # the slowest AppTest left in the quick tier (the service is tested in test_schema_history)
 def test_schemas_page_history_diff_restore_and_undo_delete(workbench):
     at = open_page("pages/schemas.py")
     at.selectbox(key="schemas.selected").select(SLUG).run()

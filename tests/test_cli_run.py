@@ -67,6 +67,8 @@ def test_a_run_from_the_command_line_is_stored_as_a_runs_page_run(tmp_path, tiny
 
 
 @pytest.mark.slow
+@pytest.mark.ray
+@pytest.mark.kill
 def test_on_ray_the_driver_killed_mid_run_then_resumed_loses_and_duplicates_no_case(tmp_path, tiny_release,
                                                                                        tiny_engine, monkeypatch):
     address = local_cluster()

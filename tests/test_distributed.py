@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -95,7 +97,33 @@ def test_the_configuration_picks_where_runs_execute(tmp_path, monkeypatch):
     assert make_job_runner(store, address="10.0.0.1:6379").address == "10.0.0.1:6379"
 
 
+NO_CLUSTER_HERE = """
+import functools
+from ray._private import services
+services.find_gcs_addresses = functools.cache(lambda: [])  # whatever other clusters run on this machine
+services.find_bootstrap_address = lambda temp_dir: None
+from clef_workbench.distributed import ReplicaError, connect
+try:
+    connect("auto")
+except ReplicaError as error:
+    print(error)
+"""
+
+
+def test_no_cluster_to_join_is_an_error_naming_our_flag_and_variable_not_rays():
+    # A fresh interpreter: this session may already be connected to the test cluster, and then connect does nothing.
+    done = subprocess.run([sys.executable, "-c", NO_CLUSTER_HERE], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+    message = done.stdout.strip()
+    assert message.startswith("cannot join the Ray cluster at 'auto': Could not find any running Ray instance."), \
+        done.stdout + done.stderr
+    assert "--ray ADDRESS" in message and "CLEF_RAY_ADDRESS" in message
+    assert "--address" not in message and " RAY_ADDRESS" not in message
+
+
 @pytest.mark.slow
+@pytest.mark.ray
+@pytest.mark.kill
 def test_ray_run_answers_as_in_process_with_a_replica_killed_mid_run(tmp_path, tiny_release, tiny_engine):
     local_cluster()
     store = Store(tmp_path / "w.db")
@@ -130,6 +158,7 @@ def test_ray_run_answers_as_in_process_with_a_replica_killed_mid_run(tmp_path, t
 
 
 @pytest.mark.slow
+@pytest.mark.ray
 def test_cancel_and_resume_on_ray_from_a_runner_configured_by_the_environment(tmp_path, tiny_engine, monkeypatch):
     """The Runs page's path: the process-wide runner comes from make_job_runner, runs start with the resident
     engine (whose release the replicas load), cancel stops after the chunks in flight, resume sends the rest."""
@@ -157,6 +186,7 @@ def test_cancel_and_resume_on_ray_from_a_runner_configured_by_the_environment(tm
 
 
 @pytest.mark.slow
+@pytest.mark.ray
 def test_a_release_missing_on_a_node_is_an_error_naming_the_node(tmp_path):
     local_cluster()
     with pytest.raises(ReplicaError) as caught:

@@ -268,6 +268,7 @@ def test_hub_repo_in_the_local_cache_loads_offline(tiny_release, monkeypatch, tm
         engine.close()
 
 
+@pytest.mark.slow  # child processes that each import torch
 def test_cli_tiny_and_info(tmp_path):
     target = tmp_path / "cli-tiny"
     done = subprocess.run([sys.executable, "-m", "clef_engine", "tiny", str(target), "--seed", "3"],
@@ -407,6 +408,7 @@ def test_concurrent_callers_share_batches(tiny_engine):
                     assert abs(value - expected[i][question_id][key]) <= 1e-4
 
 
+@pytest.mark.slow  # loads the release again and warms every bucket up
 def test_warm_up_answers_before_any_user_request(tiny_release):
     engine = clef_engine.load(tiny_release, device="cpu")
     try:

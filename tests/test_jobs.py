@@ -98,6 +98,7 @@ runner.wait(int(sys.argv[2]))
 """
 
 
+@pytest.mark.kill
 def test_resume_after_the_running_process_is_killed(tmp_path, tiny_release, tiny_engine):
     db = tmp_path / "w.db"
     store = Store(db)

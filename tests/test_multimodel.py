@@ -21,6 +21,7 @@ from clef_workbench.model_loader import ModelManager
 from clef_workbench.store import Store
 from tests.test_server import REPO, ServerProcess, make_request, metric, parse_metrics
 
+pytestmark = pytest.mark.slow  # real server processes
 QUESTIONS = make_request(0)["questions"]
 
 

@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import pandas as pd
+import pytest
 from streamlit.dataframe_util import convert_arrow_bytes_to_pandas_df
 from streamlit.testing.v1 import AppTest
 
@@ -16,6 +17,8 @@ from clef_workbench import casesets, review, state_input
 from clef_workbench.review import ReviewRules
 from clef_workbench.store import Store
 from workbench_ui import shell
+
+pytestmark = pytest.mark.slow  # the Runs and Review pages run real batch runs: minutes in all
 
 REPO = Path(__file__).resolve().parents[1]
 APP = str(REPO / "app.py")

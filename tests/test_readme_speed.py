@@ -7,7 +7,7 @@ import json
 import re
 from pathlib import Path
 
-from bench.speed_table import README, ROOT, readme_table, render
+from bench.speed_table import README, ROOT, readme_long_table, readme_table, render, render_long
 
 
 def _results() -> tuple[dict, dict]:
@@ -57,3 +57,14 @@ def test_a_target_the_side_by_side_run_does_not_support_is_not_met():
         entry["ours_p50_ms"] = 1.0
     release["single"]["16384"]["ours_p50_ms"] = release["single"]["16384"]["release_p50_ms"] / 1.39
     assert "| `decide`, ~16k tokens, cold (15,000–17,000)" in _missed(render(results, release))
+
+
+def test_readme_long_records_table_matches_its_results_file_and_says_what_it_misses():
+    match, table = readme_long_table(README.read_text())
+    assert match["table"] == table
+    results = json.loads((ROOT / match["path"]).read_text())
+    results = copy.deepcopy(results)
+    results["long"]["65536"].update(ours_ms=7000.0, ours_gpu_ms=6900.0, peak_gib=60.0)  # 1.32×, wall 1.01
+    rows = {row.split(" | ")[0]: row for row in render_long(results).splitlines()}
+    assert rows["| ~64k (67,448 tokens)"].endswith("| yes |")
+    assert rows["| ~32k (33,792 tokens)"].endswith("| **no** |")

@@ -39,6 +39,7 @@ from clef_workbench.jobs import JobRunner
 from clef_workbench.store import Store
 from tests.test_server import ServerProcess, serving
 
+pytestmark = pytest.mark.slow  # real server processes
 API_KEY = "remote-test-key-\u00e9"  # non-ASCII: the header must carry the key's UTF-8 bytes
 
 # --- requests ----------------------------------------------------------------------------------------------------

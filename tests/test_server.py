@@ -23,6 +23,7 @@ import pytest
 
 from tests.browser_harness import free_port, stop_process
 
+pytestmark = pytest.mark.slow  # real server processes
 REPO = Path(__file__).resolve().parents[1]
 API_KEY = "test-key-\u00e9-not-secret"  # non-ASCII on purpose: the comparison must work on bytes
 SDK_KEY = "sdk-key-ascii-only"  # the SDK only sends printable ASCII keys

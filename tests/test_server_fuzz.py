@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 from tests.test_server import ServerProcess, check_answers, make_request, serving
 from tests.test_server_http import b64, gif, mp4, pixel_bomb, png
 
+pytestmark = pytest.mark.slow  # real server processes
 FUZZ_EXAMPLES = 1000
 PNG_OK = png(8, 8)
 MEDIA = {

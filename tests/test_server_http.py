@@ -21,6 +21,7 @@ from PIL import Image
 
 from tests.test_server import JSON, ServerProcess, check_answers, make_request, serving
 
+pytestmark = pytest.mark.slow  # real server processes
 ALLOWED_ORIGIN = "http://allowed.test"
 HEADER_TIMEOUT = 1.5
 KEEP_ALIVE_TIMEOUT = 1

@@ -23,6 +23,7 @@ from PIL import Image
 from tests.test_server import JSON, ServerProcess, check_answers, make_request, serving
 from tests.test_server_http import data_url
 
+pytestmark = pytest.mark.slow  # real server processes
 SMALL_ANSWER_SECONDS = 1.0  # the most the big requests may add to a small one's answer time
 
 

@@ -10,6 +10,10 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.slow  # Triton's interpreter runs the kernels on the CPU: minutes
+
 ROOT = Path(__file__).resolve().parents[1]  # triton comes with torch (requirements.txt), so these always run
 
 

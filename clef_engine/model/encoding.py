@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from ..errors import Problem, RequestError, TokenBudgetError
-from ..protocol import OVERFLOW_POLICIES, Question, parse_questions
+from ..protocol import DEFAULT_MAX_LENGTH, OVERFLOW_POLICIES, Question, parse_questions
 from . import media
 
 SYSTEM = ("Read the complete state and schema. Decide every field jointly. "
@@ -39,7 +39,6 @@ SCHEMA_HEADER = "\n\nSCHEMA FIELDS:\n"
 SUFFIX = "\n<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\nJOINT SCHEMA DECISIONS:"
 IMAGE_PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
 VIDEO_PLACEHOLDER = "<|vision_start|><|video_pad|><|vision_end|>"
-DEFAULT_MAX_LENGTH = 16_384
 UNBOUNDED = 2**31 - 1  # a max_length no record reaches: counting, not refusing
 PARTS = ("prefix", "media", "state", "schema", "suffix")
 

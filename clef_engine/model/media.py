@@ -24,31 +24,11 @@ from typing import Any
 import numpy as np
 from PIL import Image, UnidentifiedImageError
 
-from ..protocol import HOSTED, IMAGE_CONTENT_TYPES, VIDEO_CONTENT_TYPES
+from ..protocol import HOSTED, IMAGE_CONTENT_TYPES, MAX_MEDIA_BYTES, VIDEO_CONTENT_TYPES, sniff_content_type
 
 IMAGE_FORMATS = ("PNG", "JPEG", "WEBP")  # PIL's names of IMAGE_CONTENT_TYPES
 # The hosted service's 16 MP limit, kept here too: it bounds the memory one image can take to decode.
 MAX_IMAGE_PIXELS = HOSTED.max_image_pixels
-MAX_MEDIA_BYTES = 64 * 1024 * 1024
-
-
-def sniff_content_type(data: bytes) -> str | None:
-    """The media type from the file's first bytes (the bytes decide, not a declared name or type), or None when it
-    is none of the accepted formats."""
-    if data.startswith(b"\x89PNG\r\n\x1a\n"):
-        return "image/png"
-    if data.startswith(b"\xff\xd8\xff"):
-        return "image/jpeg"
-    if data[:4] == b"RIFF" and data[8:12] == b"WEBP":
-        return "image/webp"
-    if data[4:8] == b"ftyp":
-        # ISO base media: QuickTime brands are MOV, everything else we accept as MP4.
-        return "video/quicktime" if data[8:12] == b"qt  " else "video/mp4"
-    if data[4:8] in (b"moov", b"mdat", b"wide", b"free"):
-        return "video/quicktime"  # old QuickTime files without an ftyp box
-    if data.startswith(b"\x1a\x45\xdf\xa3"):
-        return "video/webm"  # EBML header: WebM (or Matroska, which the decoder also reads)
-    return None
 
 
 class MediaError(ValueError):

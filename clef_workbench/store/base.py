@@ -12,7 +12,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from clef_engine.model.media import sniff_content_type
+from clef_engine.protocol import sniff_content_type
 from clef_workbench.store.migrations import MIGRATIONS, SCHEMA_VERSION
 
 BUSY_TIMEOUT_MS = 30_000
@@ -56,6 +56,13 @@ def media_content_type(data: bytes, kind: str) -> str:
     if content_type is None or not content_type.startswith(f"{kind}/"):
         raise ValueError(f"{kind} is not {expected[kind]} (unrecognised file header)")
     return content_type
+
+
+def inserted_id(cursor: sqlite3.Cursor) -> int:
+    """The rowid of the row the cursor's INSERT just wrote."""
+    if cursor.lastrowid is None:
+        raise StoreError("the insert wrote no row")
+    return cursor.lastrowid
 
 
 def _dumps(value: Any) -> str:
@@ -150,7 +157,7 @@ class StoreBase:
             "INSERT INTO change_log (at, who, action, kind, object_id, label, data_json) VALUES (?, ?, ?, ?, ?, ?, ?)",
             (now_iso(), who or "", action, kind, str(object_id), label, None if data is None else _dumps(data)),
         )
-        return int(cur.lastrowid)
+        return inserted_id(cur)
 
     def log_change(self, action: str, kind: str, object_id: Any, label: str, *, who: str = "",
                    data: Any = None) -> int:

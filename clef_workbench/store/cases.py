@@ -17,6 +17,7 @@ from clef_workbench.store.base import (
     StoreError,
     _dumps,
     _loads,
+    inserted_id,
     media_content_type,
     now_iso,
 )
@@ -50,7 +51,7 @@ class CaseSetsMixin(StoreBase):
                     "INSERT INTO case_sets (name, schema_name, description, created_at) VALUES (?, ?, ?, ?)",
                     (name, schema_name, description, now_iso()),
                 )
-                return int(cur.lastrowid)
+                return inserted_id(cur)
         except sqlite3.IntegrityError as exc:
             raise self._name_taken(name) from exc
 
@@ -193,7 +194,7 @@ class CaseSetsMixin(StoreBase):
                                           created_at) VALUES (?, ?, ?, ?, ?, ?, ?)""",
                     (case_set_id, position, state_json, expected_json, tags_json, content, now_iso()),
                 )
-                case_id = int(cur.lastrowid)
+                case_id = inserted_id(cur)
                 conn.executemany(
                     "INSERT INTO case_media (case_id, kind, position, content_type, data) VALUES (?, ?, ?, ?, ?)",
                     [(case_id, kind, pos, ctype, blob) for kind, pos, ctype, blob in media],

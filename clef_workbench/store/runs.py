@@ -10,7 +10,7 @@ import time
 import uuid
 from typing import Any
 
-from clef_workbench.store.base import NotFoundError, StoreBase, StoreError, _dumps, _loads, now_iso
+from clef_workbench.store.base import NotFoundError, StoreBase, StoreError, _dumps, _loads, inserted_id, now_iso
 from clef_workbench.store.schema_versions import find_version_row
 
 RUN_STATUSES = ("pending", "running", "cancelled", "finished", "failed")
@@ -53,7 +53,7 @@ class RunsMixin(StoreBase):
         and keeps the version its dict says."""
         if not isinstance(schema, dict) or not isinstance(schema.get("questions"), dict) or not schema["questions"]:
             raise ValueError("schema must be a dict with a non-empty 'questions' map")
-        self.get_case_set(case_set_id)  # type: ignore[attr-defined]  (CaseSetsMixin)
+        self.get_case_set(case_set_id)  # type: ignore[attr-defined]  # CaseSetsMixin's
         with self._write() as conn:
             version = find_version_row(conn, schema, (settings or {}).get("schema_slug"))
             if version is not None:
@@ -74,7 +74,7 @@ class RunsMixin(StoreBase):
                     now_iso(),
                 ),
             )
-            return int(cur.lastrowid)
+            return inserted_id(cur)
 
     @staticmethod
     def _run_row(row: sqlite3.Row) -> dict:

@@ -14,7 +14,7 @@ import hashlib
 import sqlite3
 from typing import Any
 
-from clef_workbench.store.base import NotFoundError, StoreBase, _dumps, _loads, now_iso
+from clef_workbench.store.base import NotFoundError, StoreBase, _dumps, _loads, inserted_id, now_iso
 
 # Why a version was written: the library's operations, and "on disk" for a file changed outside the workbench
 # (a git pull, an editor) that the workbench read.
@@ -70,7 +70,7 @@ class SchemaVersionsMixin(StoreBase):
                                                 created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?)""",
                 (slug, number, content_hash, run_hash, _dumps(numbered), action, who or "", now_iso()),
             )
-            version_id = int(cur.lastrowid)
+            version_id = inserted_id(cur)
         return {**self.get_schema_version(version_id), "new": True}
 
     def get_schema_version(self, version_id: int) -> dict:
