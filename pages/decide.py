@@ -27,6 +27,8 @@ from workbench_ui.shell import (
     get_store,
     kept_widget,
     model_manager,
+    random_weights_notice,
+    random_weights_text,
     run_queued,
     use_app_navigation,
 )
@@ -201,11 +203,11 @@ def render_question(position: int, uid: int, count: int) -> tuple[dict[str, Any]
     return row, messages
 
 
-def render_answer_card(qid: str, question: dict[str, Any], answer: dict[str, Any]) -> None:
+def render_answer_card(qid: str, question: dict[str, Any], answer: dict[str, Any], model: str) -> None:
     table = answers.option_table(question, answer)
     summary = answers.summarize(qid, question, answer)
     with st.container(border=True, key=K(f"answer.{qid}")):
-        st.markdown(f"**{qid}** · {answer['type']}")
+        st.markdown(f"**{qid}** · {answer['type']} · answered by {model}")
         instructions = question.get("instructions")
         if instructions:
             st.caption(instructions if isinstance(instructions, str) else json.dumps(instructions))
@@ -247,14 +249,14 @@ with right:
     run_box, answers_box, budget_box = st.container(), st.container(), st.container()
 # With several models loaded, this page's runs use the one picked here (the default until one is picked).
 loaded_models = {model.name: model for model in model_manager().loaded()}
-model_name = next(iter(loaded_models), request_model_name(model_manager().state().source))  # the default's
+model_name = vm.model_for_run(st.session_state, list(loaded_models), model_manager().default_name()) \
+    or request_model_name(model_manager().state().source)
 if engine is not None and len(loaded_models) > 1:
-    picked = st.session_state.get(K("model"), st.session_state.get(vm.KEEP_PREFIX + K("model")))
-    vm.set_kept(st.session_state, K("model"), vm.chosen_model(list(loaded_models), picked))  # one still loaded
     model_name = kept_widget(run_box.selectbox, "Model", K("model"), options=list(loaded_models),
                              format_func=lambda name: f"{name} · {loaded_models[name].label}"
                              if loaded_models[name].label != name else name,
                              help="Which loaded model answers this page's runs (add models in the sidebar).")
+if model_name in loaded_models:
     engine = loaded_models[model_name].engine
 local_engine = engine is not None and vm.counts_tokens_here(engine)
 
@@ -467,6 +469,10 @@ if last_error and last_error.get("budget"):
 
 can_run = (engine is not None and request is not None and not engine_refused
            and not (status is not None and status.fixed_tokens_over))
+shown_result: vm.DecideResult | None = st.session_state.get(K("result"))
+if not (shown_result and shown_result.model_label == model_name):  # else the answers below say it
+    with run_box:
+        random_weights_notice(model_name)
 run_cols = run_box.columns([2, 3], vertical_alignment="center")  # wide enough for "Run" and its shortcut
 run_clicked = run_cols[0].button("Run", type="primary", key=K("run"), disabled=not can_run,
                                  icon=":material/play_arrow:", shortcut="Ctrl+Enter",
@@ -489,12 +495,12 @@ if run_clicked and request is not None and engine is not None:
     else:
         wait_line.empty()
         st.session_state.pop(K("last_error"), None)
-        st.session_state[K("result")] = vm.DecideResult(
+        vm.keep_result(st.session_state, vm.DecideResult(
             request=request, response=response, questions=questions, state=state_value,
             images=tuple(images), videos=tuple(videos), schema_name=schema_name.strip() or (loaded_slug or ""),
-            model_label=model_name,
-            device=engine.info().get("device", ""),
-        )
+            model_label=model_name, device=engine.info().get("device", ""), schema_slug=loaded_slug,
+            random_weights=model_manager().random_weights(model_name),
+        ))
 
 # --- Results -----------------------------------------------------------------------------------------------------
 result: vm.DecideResult | None = st.session_state.get(K("result"))
@@ -502,9 +508,11 @@ if result:
     with answers_box:
         response = result.response
         st.subheader("Answers")
-        if result.request != request:
-            st.caption("These answers are for the request as it was when you pressed Run; the editors have changed "
-                       "since.")
+        if result.random_weights:
+            st.warning(random_weights_text(result.model_label), icon=":material/casino:")
+        if causes := result.stale_causes(questions=questions, state=state_value, images=images, videos=videos,
+                                         model=model_name):
+            st.warning(vm.stale_message(causes), icon=":material/history:")
         counts = response.get("x_token_counts", {})
         top = st.columns(2) + st.columns(2)  # two rows: the model name does not fit a quarter of half a page
         top[0].metric("Latency", f"{response.get('x_latency_ms', 0):.0f} ms",
@@ -517,7 +525,7 @@ if result:
             st.warning(f"The last {response['x_truncated_state_tokens']:,} tokens of the state were cut to fit "
                        "max_length: the model did not read them.")
         for qid, answer in response["answers"].items():  # one card per row: half a page is one card wide
-            render_answer_card(qid, result.questions.get(qid, {}), answer)
+            render_answer_card(qid, result.questions.get(qid, {}), answer, result.model_label)
 
         tabs = st.tabs(["Response JSON", "Request JSON"])
         with tabs[0]:

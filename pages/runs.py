@@ -18,7 +18,6 @@ from clef_workbench.schemas import SchemaError
 from clef_workbench.store import StoreError
 from workbench_ui import links
 from workbench_ui.shell import (
-    demo_output_banner,
     get_engine,
     get_job_runner,
     get_library,
@@ -27,6 +26,7 @@ from workbench_ui.shell import (
     model_manager,
     page_key,
     pick_run,
+    random_weights_notice,
     use_app_navigation,
 )
 
@@ -180,7 +180,7 @@ def run_label(r: dict) -> str:
 
 
 run_id = pick_run(runs, K("selected"), run_label)
-demo_output_banner(next(r["model_id"] for r in runs if r["id"] == run_id))
+random_weights_notice(next(r["model_id"] for r in runs if r["id"] == run_id))
 with st.expander("All runs", icon=":material/list:"):
     st.dataframe([{"run": r["id"], "status": r["status"], "case set": r["case_set_name"],
                    "schema": f"{r['schema_name']} v{r['schema_version']}", "model": r["model_id"],

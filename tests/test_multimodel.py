@@ -257,8 +257,9 @@ def test_decide_and_runs_pick_among_loaded_models_and_the_sidebar_unloads_after_
         at = AppTest.from_function(sidebar_models, default_timeout=TIMEOUT)
         at.run()
         no_exceptions(at)
-        assert [m.value for m in at.markdown][:2] == [f"**{default}** (default)  \n{default_label}",
-                                                      f"**{small_release.name}**  \n{small_release}"]
+        assert [m.value for m in at.markdown][:2] == [
+            f"**{default}** (default) · random weights  \n{default_label}",
+            f"**{small_release.name}** · random weights  \n{small_release}"]
         button(at, "Make default").click().run()
         assert manager.default_name() == small_release.name
         [b for b in at.button if b.key == f"sidebar.remove.{small_release.name}"][0].click().run()
@@ -279,3 +280,50 @@ def sidebar_models() -> None:
 
     shell.render_models(shell.model_manager())
     shell.render_add_model(shell.model_manager())
+
+
+def test_make_default_switches_decide_and_every_random_weight_answer_is_flagged_with_its_model(workbench,
+                                                                                                small_release):
+    """Issue 23 point 3: after Make default, Decide answers with the new default; a tiny release added by path (its
+    config.json says random_weights) is flagged next to its answers on Decide and Runs, each answer naming its model."""
+    from streamlit.testing.v1 import AppTest
+
+    from tests.test_app_pages import APP, TIMEOUT, button, no_exceptions
+    from workbench_ui import shell
+
+    manager = shell.model_manager()
+    manager.wait(300)
+    default = manager.default_name()
+    manager.add(str(small_release))
+    assert manager.wait(300).error is None
+    small = small_release.name
+    try:
+        at = AppTest.from_file(APP, default_timeout=TIMEOUT)
+        at.run()
+        assert at.selectbox(key="decide.model").value == default
+        manager.set_default(small)  # "Make default" in the sidebar (of this or any session)
+        at.run()
+        no_exceptions(at)
+        assert at.selectbox(key="decide.model").value == small
+        button(at, "Run").click().run()
+        no_exceptions(at)
+        result = at.session_state["decide.result"]
+        assert result.response["model"] == result.model_label == small
+        assert [w.value for w in at.warning if f"{small} has random weights" in w.value], \
+            "the added tiny release's answers are flagged"
+        cards = [m.value for m in at.markdown if "answered by" in m.value]
+        assert cards and all(card.endswith(f"answered by {small}") for card in cards)
+
+        store = Store(workbench / "workbench.sqlite3")
+        case_set = store.create_case_set("tickets")
+        store.add_cases(case_set, [{"state": "refund please"}])
+        store.create_run(case_set, schema={"name": "r", "questions": QUESTIONS}, model_id=small)
+        at.switch_page("pages/runs.py")
+        at.run()
+        no_exceptions(at)
+        assert any(f"{small} has random weights" in w.value for w in at.warning), "Runs flags the run's model"
+    finally:
+        manager.set_default(default)
+        manager.remove(small)
+    assert manager.random_weights("clef-demo") and not manager.random_weights(small), \
+        "a demo run stays flagged; an unloaded release is not guessed at"

@@ -102,6 +102,7 @@ def test_load_url_returns_a_remote_engine_that_lists_the_server_model(remote, ap
     info = remote.info()
     assert info["remote"] is True and info["endpoint"] == api_server.url
     assert tiny_release.name in info["models"]  # from GET /v1/models, which needed the key
+    assert info["random_weights"] is True, "the endpoint's /v1/models says the tiny release's weights are random"
     assert API_KEY not in json.dumps(info) and API_KEY not in repr(remote)
 
 

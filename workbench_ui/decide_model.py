@@ -299,9 +299,26 @@ class DecideResult:
     schema_name: str
     model_label: str
     device: str
+    schema_slug: str | None = None  # the library schema the questions came from (its identity), if any
+    random_weights: bool = False  # the model that answered has random weights: the page says so next to them
 
     def default_case_set(self) -> str:
         return f"{self.schema_name or 'Decide'} cases"
+
+    def stale_causes(self, *, questions: dict[str, Any], state: Any, images: list[state_input.Media],
+                     videos: list[state_input.Media], model: str | None) -> list[str]:
+        """What changed on screen since Run, in words ("the schema", "the state", "the media", "the model"):
+        empty when these answers are still those of the inputs on screen."""
+        causes = []
+        if json.dumps(questions, sort_keys=True) != json.dumps(self.questions, sort_keys=True):
+            causes.append("the schema")
+        if json.dumps(state, sort_keys=True, default=str) != json.dumps(self.state, sort_keys=True, default=str):
+            causes.append("the state")
+        if [m.data for m in (*images, *videos)] != [m.data for m in (*self.images, *self.videos)]:
+            causes.append("the media")
+        if model != self.model_label:
+            causes.append("the model")
+        return causes
 
     def expected_labels(self) -> dict[str, Any]:
         return answers.expected_labels(self.questions, self.response)
@@ -310,10 +327,29 @@ class DecideResult:
         return state_input.redact_media(self.request, list(self.images), list(self.videos))
 
 
+def stale_message(causes: list[str]) -> str:
+    """The warning over answers whose inputs changed since Run, naming what changed."""
+    what = causes[0] if len(causes) == 1 else ", ".join(causes[:-1]) + " and " + causes[-1]
+    verb = "has" if len(causes) == 1 else "have"
+    return (f"**Outdated:** {what} {verb} changed since you pressed Run. These answers are for the request as it "
+            "was then; press Run for answers to what is on screen.")
+
+
+# Save as case's fields: proposed afresh from each new result (a kept value would name the previous schema's set).
+SAVE_AS_CASE_FIELDS = ("case_set_pick", "case_set_new", "confirm_labels", "case_tags")
+
+
+def keep_result(state: MutableMapping, result: DecideResult) -> None:
+    """A new run's result on screen, with the Save as case fields proposing its schema's case set."""
+    for name in SAVE_AS_CASE_FIELDS:
+        state.pop(key(name), None)
+    state[key("result")] = result
+
 def save_as_case(store: Any, result: DecideResult, case_set_name: str, *, with_labels: bool, tags_text: str) -> int:
     """Add the run's state and media to a case set (created if missing); with_labels stores the model's answers as
     the expected answers (the user checked them). Returns the case id. Raises StoreError / ValueError."""
-    case_set_id = store.get_or_create_case_set(case_set_name, schema_name=result.schema_name or None)
+    # the library identity (the slug the Case sets and Runs pages load), not the display name
+    case_set_id = store.get_or_create_case_set(case_set_name, schema_name=result.schema_slug or None)
     return store.add_case(
         case_set_id, state=result.state,
         images=[m.data for m in result.images] or None,
@@ -372,6 +408,19 @@ def frame_thumbnail(frame: np.ndarray, width: int = FRAME_THUMBNAIL_PX) -> Image
 
 
 # -- which model a run uses -------------------------------------------------------------------------------------
+
+
+def model_for_run(state: MutableMapping, names: list[str], default: str | None) -> str | None:
+    """The model this page's next run uses, among the loaded `names` (the default first), kept as the model
+    picker's value: the one picked here while it stays loaded, until the default changes (Make default, in any
+    session), which switches this page to the new default."""
+    if state.get(key("model_default_seen")) != default:
+        state[key("model_default_seen")] = default
+        state.pop(key("model"), None)
+        state.pop(KEEP_PREFIX + key("model"), None)
+    chosen = chosen_model(names, state.get(key("model"), state.get(KEEP_PREFIX + key("model"))))
+    set_kept(state, key("model"), chosen)
+    return chosen
 
 
 def chosen_model(names: list[str], picked: str | None) -> str | None:
