@@ -513,3 +513,48 @@ def test_decide_shows_run_and_the_answers_above_the_budget_next_to_the_inputs(wo
     assert run < answers < budget, "Run first, then the answers, then the token budget"
     inputs = next(c for c in at.columns if ("subheader", "State") in _names(c))
     assert ("subheader", "Schema") in _names(inputs), "state and schema are both on the input side"
+
+
+# --- issue 23: answers that say what they are, and Save as case in the right place ----------------------------------
+
+
+def test_stale_answers_are_marked_with_what_changed(workbench):
+    """Point 6: a warning over the answers names the cause (the state, the schema), not a grey caption blaming "the
+    editors"; it goes when the inputs are back to what was run."""
+    at = start()
+    button(at, "Run").click().run()
+    no_exceptions(at)
+    assert not [w for w in at.warning if "Outdated" in w.value], "fresh answers are not marked"
+    original = at.text_area(key="decide.state_text").value
+    at.text_area(key="decide.state_text").input(original + " And my order is late.").run()
+    outdated = [w.value for w in at.warning if "Outdated" in w.value]
+    assert outdated and "the state has changed" in outdated[0] and "schema" not in outdated[0]
+    at.text_area(key="decide.q0.instructions").input("Another wording").run()
+    assert any("the schema and the state have changed" in w.value for w in at.warning)
+    at.text_area(key="decide.state_text").input(original).run()
+    outdated = [w.value for w in at.warning if "Outdated" in w.value]
+    assert outdated and "the schema has changed" in outdated[0] and "state" not in outdated[0]
+
+
+def test_save_as_case_uses_the_run_schemas_identity_and_set(workbench):
+    """Point 7: the set is created with the library schema's slug (the Case sets page's Settings show it), and after
+    another schema is run, Save as case proposes that schema's set, not the previous one's."""
+    at = start()
+    button(at, "Run").click().run()
+    button(at, "Save as case").click().run()
+    no_exceptions(at)
+    store = Store(workbench / "workbench.sqlite3")
+    (case_set,) = store.list_case_sets()
+    assert case_set["name"] == "Support ticket routing cases"
+    assert case_set["schema_name"] == "support-ticket-routing", "the library identity, not the display name"
+
+    at.selectbox(key="decide.library_pick").select("invoice-triage").run()
+    button(at, "Load").click().run()
+    button(at, "Run").click().run()
+    no_exceptions(at)
+    invoice = SchemaLibrary(workbench / "schemas").load("invoice-triage")
+    assert at.selectbox(key="decide.case_set_pick").value == "New case set…"
+    assert at.text_input(key="decide.case_set_new").value == f"{invoice.name} cases"
+    button(at, "Save as case").click().run()
+    saved = {s["name"]: s["schema_name"] for s in store.list_case_sets()}
+    assert saved[f"{invoice.name} cases"] == "invoice-triage"

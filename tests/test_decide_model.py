@@ -170,3 +170,29 @@ def test_a_small_video_frame_is_enlarged_by_whole_pixels_and_a_large_one_kept():
     assert np.array_equal(np.asarray(thumb)[::5, ::5], small), "nearest neighbour: exactly the frame's pixels"
     large = np.zeros((200, 400, 3), dtype=np.uint8)
     assert vm.frame_thumbnail(large).size == (400, 200)
+
+
+def test_stale_causes_name_what_changed_since_run():
+    png = state_input.Media("image", "a.png", "image/png", b"\x89PNG" + b"\x00" * 8, 1, 1)
+    questions = {"urgent": {"type": "noul", "instructions": "Urgent?"}}
+    result = vm.DecideResult(request={}, response={"answers": {}}, questions=questions, state="s", images=(png,),
+                             videos=(), schema_name="", model_label="clef-demo", device="cpu")
+    same = dict(questions=questions, state="s", images=[png], videos=[], model="clef-demo")
+    assert result.stale_causes(**same) == []
+    assert result.stale_causes(**{**same, "model": "clef-flash"}) == ["the model"]
+    assert result.stale_causes(**{**same, "images": []}) == ["the media"]
+    assert result.stale_causes(**{**same, "state": "t", "questions": {}}) == ["the schema", "the state"]
+    assert vm.stale_message(["the model"]).startswith("**Outdated:** the model has changed since you pressed Run")
+    assert "the schema, the state and the model have changed" in vm.stale_message(
+        ["the schema", "the state", "the model"])
+
+
+def test_model_for_run_follows_a_new_default_but_keeps_a_pick_meanwhile():
+    state: dict = {}
+    assert vm.model_for_run(state, ["clef-demo", "small"], "clef-demo") == "clef-demo"
+    vm.set_kept(state, vm.key("model"), "small")  # picked on the page
+    assert vm.model_for_run(state, ["clef-demo", "small"], "clef-demo") == "small"
+    assert vm.model_for_run(state, ["flash", "clef-demo", "small"], "flash") == "flash", "Make default switches"
+    assert vm.model_for_run(state, ["flash", "clef-demo"], "flash") == "flash"
+    vm.set_kept(state, vm.key("model"), "clef-demo")
+    assert vm.model_for_run(state, ["flash"], "flash") == "flash", "a picked model unloaded since"
