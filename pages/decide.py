@@ -203,6 +203,13 @@ def render_question(position: int, uid: int, count: int) -> tuple[dict[str, Any]
     return row, messages
 
 
+def render_removed_notice() -> None:
+    """Where the removed question was: what went, and Undo."""
+    cols = st.columns([4, 1], vertical_alignment="center")
+    cols[0].info(f"Removed question “{builder().last_removed}”.", icon=":material/delete:")
+    cols[1].button("Undo", key=K("undo_remove"), icon=":material/undo:", on_click=builder().undo_remove)
+
+
 def render_answer_card(qid: str, question: dict[str, Any], answer: dict[str, Any], model: str) -> None:
     table = answers.option_table(question, answer)
     summary = answers.summarize(qid, question, answer)
@@ -299,6 +306,18 @@ for uploaded in video_files or []:
         videos.append(state_input.check_video(uploaded.name, uploaded.getvalue()))
     except state_input.MediaError as exc:
         messages.add("media", str(exc))
+restored = vm.restored_media(st.session_state)  # the uploads of this draft before a reload
+images = vm.with_restored([m for m in restored if m.kind == "image"], images)
+videos = vm.with_restored([m for m in restored if m.kind == "video"], videos)
+vm.set_media(st.session_state, images + videos)
+if restored:
+    with media_messages.container(border=True):
+        st.caption("Kept from this draft (the uploaders above start empty after a reload):")
+        for index, medium in enumerate(restored):
+            cols = st.columns([4, 1], vertical_alignment="center")
+            cols[0].markdown(f"{medium.kind} **{medium.name}** · {medium.size_bytes / 1024:,.0f} KB")
+            cols[1].button("Remove", key=K(f"restored_remove.{index}"), icon=":material/close:",
+                           on_click=vm.remove_restored_media, args=(st.session_state, index))
 try:
     state_input.check_media_counts(images, videos)
 except state_input.MediaError as exc:
@@ -332,6 +351,10 @@ with left:
 # --- Schema builder ----------------------------------------------------------------------------------------------
 with left:
     st.subheader("Schema")
+    if builder().unsaved_changes():
+        target = f"“{builder().loaded_slug}”" if builder().loaded_slug else "the library"
+        st.markdown(f":orange-badge[:material/edit: Unsaved changes] The questions differ from {target}: "
+                    "save them under “Save to the library” below, or they stay only in this draft.")
     entries = [e for e in library.list() if e.problem is None]
     lib_cols = st.columns([4, 1, 1.4], vertical_alignment="bottom")
     slugs = [e.slug for e in entries]
@@ -360,10 +383,15 @@ with left:
     uids = list(builder().uids)
     rows: list[dict[str, Any]] = []
     question_messages: list[Any] = []
+    removed = st.session_state.get(K("removed"))
     for position, uid in enumerate(uids):
+        if removed and removed["position"] == position:
+            render_removed_notice()
         row, box = render_question(position, uid, len(uids))
         rows.append(row)
         question_messages.append(box)
+    if removed and removed["position"] >= len(uids):
+        render_removed_notice()
     if not uids:
         st.info("No questions yet: add one below or load a schema from the library.")
     add_cols = st.columns([1, 1], vertical_alignment="bottom")

@@ -558,3 +558,67 @@ def test_save_as_case_uses_the_run_schemas_identity_and_set(workbench):
     button(at, "Save as case").click().run()
     saved = {s["name"]: s["schema_name"] for s in store.list_case_sets()}
     assert saved[f"{invoice.name} cases"] == "invoice-triage"
+
+
+def drawn(at: AppTest) -> list[tuple[str, str, str]]:
+    """Every element of the page as (kind, key, text), in the order the page draws them."""
+    def walk(node):
+        children = getattr(node, "children", None)
+        if children is None:
+            return [(type(node).__name__, str(getattr(node, "key", "") or ""),
+                     str(getattr(node, "value", "") or getattr(node, "label", "") or ""))]
+        return [item for index in sorted(children) for item in walk(children[index])]
+    return walk(at.main)
+
+
+def test_removing_a_question_can_be_undone_and_unsaved_edits_are_marked(workbench):
+    """Point 10: Remove says what went, where it was, with Undo; the schema shows it has unsaved changes."""
+    at = start()
+    ids = [t.value for t in at.text_input if t.key.endswith(".id")]
+    assert not [m for m in at.markdown if "Unsaved changes" in m.value]
+    at.button(key="decide.q1.remove").click().run()
+    no_exceptions(at)
+    assert [t.value for t in at.text_input if t.key.endswith(".id")] == ids[:1] + ids[2:]
+    assert any(f"Removed question “{ids[1]}”" in i.value for i in at.info)
+    assert any("Unsaved changes" in m.value and "support-ticket-routing" in m.value for m in at.markdown)
+    button(at, "Undo").click().run()
+    no_exceptions(at)
+    assert [t.value for t in at.text_input if t.key.endswith(".id")] == ids
+    assert not [m for m in at.markdown if "Unsaved changes" in m.value]
+
+
+def test_a_duplicate_id_error_is_on_the_card_that_repeats_it(workbench):
+    """Point 14: the error sits on the later card (the one just given a used id), not on the first."""
+    at = start()
+    first = at.text_input(key="decide.q0.id").value
+    at.text_input(key="decide.q2.id").input(first).run()
+    elements = drawn(at)
+    where = [i for i, (kind, _, text) in enumerate(elements) if kind == "Error" and "more than once" in text]
+    card = {key: i for i, (_, key, _) in enumerate(elements) if key.endswith(".id")}
+    assert len(where) == 1 and card["decide.q2.id"] < where[0] < card["decide.q3.id"], (where, card)
+
+
+def test_media_come_back_with_the_draft_after_a_reload(workbench):
+    """Point 10: an uploaded image is stored with the draft; a reload shows it and the run sends it."""
+    import io
+
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.new("RGB", (64, 48), (200, 30, 30)).save(buffer, format="PNG")
+    image = vm.state_input.check_image("red.png", buffer.getvalue())
+    state: dict = {}
+    vm.Builder(state).set_rows([{"id": "red", "type": "noul", "instructions": "Is the picture red?"}])
+    vm.set_kept(state, vm.key("state_text"), "A photo")
+    vm.set_media(state, [image])
+    saved: list[dict] = []
+    vm.save_draft_if_changed(state, saved.append)
+    Store(workbench / "workbench.sqlite3").save_draft("decide:tab", saved[-1])
+
+    at = open_with_draft("tab")
+    assert any("red.png" in m.value for m in at.markdown), "the kept image is listed with the media"
+    button(at, "Run").click().run()
+    no_exceptions(at)
+    result = at.session_state["decide.result"]
+    assert [m.data for m in result.images] == [image.data]
+    assert result.request["images"] == [image.data_url()]

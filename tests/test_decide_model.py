@@ -3,6 +3,7 @@ token-budget cache, the result record, save as case, and the draft."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -196,3 +197,45 @@ def test_model_for_run_follows_a_new_default_but_keeps_a_pick_meanwhile():
     assert vm.model_for_run(state, ["flash", "clef-demo"], "flash") == "flash"
     vm.set_kept(state, vm.key("model"), "clef-demo")
     assert vm.model_for_run(state, ["flash"], "flash") == "flash", "a picked model unloaded since"
+
+
+def test_a_removed_question_comes_back_where_it_was_with_what_it_held(library):
+    state: dict = {}
+    builder = vm.Builder(state)
+    builder.load("support-ticket-routing", library.load("support-ticket-routing"))
+    before = builder.rows()
+    assert not builder.unsaved_changes()
+    builder.remove(builder.uids[1])
+    assert builder.last_removed == before[1]["id"] and builder.unsaved_changes()
+    builder.undo_remove()
+    assert builder.rows() == before and builder.last_removed is None and not builder.unsaved_changes()
+    builder.remove(builder.uids[0])
+    builder.add_question("noul")
+    assert builder.last_removed is None, "undo is offered only until the questions change otherwise"
+
+
+def test_a_duplicate_id_is_reported_on_the_question_that_repeats_it():
+    rows = [{"id": "a", "type": "noul", "instructions": "x"}, {"id": "b", "type": "noul", "instructions": "y"},
+            {"id": "a", "type": "noul", "instructions": "z"}]
+    _, problems = schemas.rows_to_questions(rows)
+    messages = vm.Messages()
+    vm.route_schema_problems(problems, rows, messages)
+    assert list(messages.errors) == [2], "on the third card, not on the first that holds the id rightly"
+    assert "questions 1 and 3" in messages.errors[2][0]
+
+
+def test_media_travel_with_the_draft_and_come_back_on_restore():
+    png = state_input.Media("image", "a.png", "image/png", b"\x89PNG" + bytes(range(40)), 4, 4)
+    state: dict = {}
+    vm.set_media(state, [png])
+    saved: list[dict] = []
+    assert vm.save_draft_if_changed(state, saved.append)
+    assert saved[-1]["media"][0]["name"] == "a.png" and saved[-1]["media"][0]["base64"]
+    assert not vm.save_draft_if_changed(state, saved.append), "the same media: nothing written again"
+    fresh: dict = {}
+    vm.restore_draft(fresh, json.loads(json.dumps(saved[-1])))  # as the store keeps it
+    assert vm.restored_media(fresh) == [png]
+    again = state_input.Media("image", "a.png", "image/png", png.data, 4, 4)
+    assert vm.with_restored(vm.restored_media(fresh), [again]) == [png], "uploaded again: not twice"
+    vm.remove_restored_media(fresh, 0)
+    assert vm.restored_media(fresh) == []

@@ -8,6 +8,7 @@ State lives in a mutable mapping (Streamlit's session_state on the page, a plain
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
 import weakref
@@ -96,6 +97,7 @@ class Builder:
             self._write_row(uid, row)
             uids.append(uid)
         self.state[key("uids")] = uids
+        self.state.pop(key("removed"), None)  # the questions it undid are gone
 
     def rows(self) -> list[dict[str, Any]]:
         """The questions as the widgets hold them (the raw text of options and levels parsed)."""
@@ -118,6 +120,7 @@ class Builder:
         n = len(self.uids) + 1
         while f"q{n}" in existing:
             n += 1
+        self.forget_removed()
         defaults = NEW_QUESTION_DEFAULTS[qtype]
         uid = self._new_uid()
         self._write_row(uid, {
@@ -128,13 +131,34 @@ class Builder:
         self.uids.append(uid)
 
     def move(self, uid: int, step: int) -> None:
+        self.forget_removed()
         uids = self.uids
         i = uids.index(uid)
         j = max(0, min(len(uids) - 1, i + step))
         uids[i], uids[j] = uids[j], uids[i]
 
     def remove(self, uid: int) -> None:
+        """Take a question off screen; `undo_remove` puts the last one back where it was, with what it held (its
+        widgets' values stay kept under its uid)."""
+        position = self.uids.index(uid)
         self.uids.remove(uid)
+        self.state[key("removed")] = {"uid": uid, "position": position,
+                                      "id": self.state.get(row_keys(uid)["id"],
+                                                           self.state.get(KEEP_PREFIX + row_keys(uid)["id"]))}
+
+    @property
+    def last_removed(self) -> str | None:
+        """The id of the question the last Remove took away, while it can be undone."""
+        removed = self.state.get(key("removed"))
+        return None if removed is None else str(removed["id"] or "")
+
+    def undo_remove(self) -> None:
+        removed = self.state.pop(key("removed"), None)
+        if removed is not None and removed["uid"] not in self.uids:
+            self.uids.insert(min(removed["position"], len(self.uids)), removed["uid"])
+
+    def forget_removed(self) -> None:
+        self.state.pop(key("removed"), None)
 
     def load(self, slug: str, schema: schemas.Schema, *, with_example: bool = False) -> None:
         """Put a library schema on screen: its questions, name, description and example states; it becomes the
@@ -362,12 +386,51 @@ def save_as_case(store: Any, result: DecideResult, case_set_name: str, *, with_l
 # -- the draft: what a reload brings back -----------------------------------------------------------------------
 
 
+def set_media(state: MutableMapping, media: list[state_input.Media]) -> None:
+    """The media the request on screen carries (uploaded and restored from the draft): the draft keeps them."""
+    state[key("media")] = list(media)
+
+
+def restored_media(state: MutableMapping) -> list[state_input.Media]:
+    """Media a reload brought back from the draft (the browser's uploaders start empty after a reload)."""
+    return list(state.get(key("restored_media")) or [])
+
+
+def remove_restored_media(state: MutableMapping, index: int) -> None:
+    media = restored_media(state)
+    if 0 <= index < len(media):
+        del media[index]
+        state[key("restored_media")] = media
+
+
+def with_restored(restored: list[state_input.Media], uploaded: list[state_input.Media]) -> list[state_input.Media]:
+    """The restored media, then the uploaded ones that are not the same file again (uploaded again after a reload)."""
+    seen = {m.data for m in restored}
+    return restored + [m for m in uploaded if m.data not in seen]
+
+
+def _media_entry(media: state_input.Media) -> dict[str, Any]:
+    return {"kind": media.kind, "name": media.name, "content_type": media.content_type, "width": media.width,
+            "height": media.height, "duration_s": media.duration_s,
+            "sha256": hashlib.sha256(media.data).hexdigest()}
+
+
 def draft_of(state: MutableMapping) -> dict[str, Any]:
-    """The editors' contents as JSON-able data."""
+    """The editors' contents as JSON-able data; media by their digest (with_media_bytes adds the bytes)."""
     builder = Builder(state)
     values = {name: state.get(key(name), state.get(KEEP_PREFIX + key(name))) for name in DRAFT_FIELDS}
+    media = state.get(key("media"), state.get(key("restored_media"))) or []
     return {**values, "rows": builder.rows(), "loaded_slug": builder.loaded_slug,
-            "loaded_questions": state.get(key("loaded_questions")), "examples": builder.examples}
+            "loaded_questions": state.get(key("loaded_questions")), "examples": builder.examples,
+            "media": [_media_entry(m) for m in media]}
+
+
+def with_media_bytes(draft: dict[str, Any], state: MutableMapping) -> dict[str, Any]:
+    """The draft as stored: each medium with its bytes (base64), so a reload brings the uploads back too."""
+    by_digest = {hashlib.sha256(m.data).hexdigest(): m.data
+                 for m in state.get(key("media"), state.get(key("restored_media"))) or []}
+    return {**draft, "media": [{**entry, "base64": base64.b64encode(by_digest[entry["sha256"]]).decode("ascii")}
+                               for entry in draft.get("media") or [] if entry["sha256"] in by_digest]}
 
 
 def restore_draft(state: MutableMapping, draft: dict[str, Any]) -> None:
@@ -381,6 +444,11 @@ def restore_draft(state: MutableMapping, draft: dict[str, Any]) -> None:
         if draft.get(name) is not None:
             state[key(name)] = draft[name]
     set_kept(state, key("library_pick"), draft.get("loaded_slug"))
+    media = [state_input.Media(entry["kind"], entry["name"], entry["content_type"], base64.b64decode(entry["base64"]),
+                               entry["width"], entry["height"], entry.get("duration_s"))
+             for entry in draft.get("media") or [] if entry.get("base64")]
+    state[key("restored_media")] = media
+    set_media(state, media)
 
 
 def save_draft_if_changed(state: MutableMapping, save: Callable[[dict[str, Any]], None]) -> bool:
@@ -388,7 +456,7 @@ def save_draft_if_changed(state: MutableMapping, save: Callable[[dict[str, Any]]
     draft = draft_of(state)
     if draft == state.get(key("saved_draft")):
         return False
-    save(draft)
+    save(with_media_bytes(draft, state))
     state[key("saved_draft")] = draft
     return True
 
