@@ -19,7 +19,7 @@ from clef_workbench import answers, schemas, state_input
 from clef_workbench.model_loader import request_model_name
 from clef_workbench.store import StoreError
 from workbench_ui import decide_model as vm
-from workbench_ui import links
+from workbench_ui import links, units
 from workbench_ui.shell import (
     format_json,
     get_engine,
@@ -356,26 +356,27 @@ with left:
         st.markdown(f":orange-badge[:material/edit: Unsaved changes] The questions differ from {target}: "
                     "save them under “Save to the library” below, or they stay only in this draft.")
     entries = [e for e in library.list() if e.problem is None]
-    lib_cols = st.columns([4, 1, 1.4], vertical_alignment="bottom")
     slugs = [e.slug for e in entries]
     names = {e.slug: f"{e.name} (v{e.version}, {e.question_count} questions)" for e in entries}
     loaded_slug = builder().loaded_slug if builder().loaded_slug in slugs else None
     if st.session_state.get(K("library_pick")) not in slugs:
         st.session_state[K("library_pick")] = None
-    pick = lib_cols[0].selectbox("Library", slugs, format_func=names.get, key=K("library_pick"),
-                                 placeholder="No schemas in the library" if not slugs else "Choose a schema")
-    lib_cols[1].button("Load", key=K("load"), disabled=pick is None, on_click=ask_load, args=(pick,))
-    lib_cols[2].button("New schema", key=K("new_schema"), on_click=new_schema, icon=":material/note_add:",
+    pick = st.selectbox("Library", slugs, format_func=names.get, key=K("library_pick"),
+                        placeholder="No schemas in the library" if not slugs else "Choose a schema")
+    # buttons in a row that wraps, each at its label's width: in narrow columns they were cut to "New…"
+    lib_buttons = st.container(horizontal=True)
+    lib_buttons.button("Load", key=K("load"), disabled=pick is None, on_click=ask_load, args=(pick,))
+    lib_buttons.button("New schema", key=K("new_schema"), on_click=new_schema, icon=":material/note_add:",
                        help="Start an empty schema; the state stays.")
     confirm_slug = st.session_state.get(K("confirm_load"))
     if confirm_slug:
         with st.container(border=True, key=K("confirm_load_box")):
             st.warning(f"Loading “{names.get(confirm_slug, confirm_slug)}” replaces the questions on screen, which "
                        "have unsaved changes.", icon=":material/warning:")
-            confirm_cols = st.columns(2)
-            confirm_cols[0].button("Discard my changes and load", key=K("confirm_load_yes"), on_click=load_schema,
+            confirm_buttons = st.container(horizontal=True)
+            confirm_buttons.button("Discard my changes and load", key=K("confirm_load_yes"), on_click=load_schema,
                                    args=(confirm_slug,), kwargs={"with_example": True})
-            confirm_cols[1].button("Keep my changes", key=K("confirm_load_no"),
+            confirm_buttons.button("Keep my changes", key=K("confirm_load_no"),
                                    on_click=lambda: st.session_state.pop(K("confirm_load"), None))
     if st.session_state.get(K("library_error")):
         st.error(st.session_state[K("library_error")])
@@ -403,10 +404,12 @@ with left:
     with st.expander("Save to the library"):
         schema_name = kept_widget(st.text_input, "Name", K("schema_name"), "")
         schema_description = kept_widget(st.text_area, "Description", K("schema_description"), "", height=68)
-        save_cols = st.columns(2)
-        save_cols[0].button("Save as new schema", key=K("save_new"), on_click=save_schema, args=(False,))
-        save_cols[1].button(f"Update “{loaded_slug}”" if loaded_slug else "Update", key=K("save_update"),
-                            disabled=not loaded_slug, on_click=save_schema, args=(True,))
+        save_buttons = st.container(horizontal=True)
+        save_buttons.button("Save as new schema", key=K("save_new"), on_click=save_schema, args=(False,))
+        save_buttons.button(f"Update “{loaded_slug}”" if loaded_slug else "Update", key=K("save_update"),
+                            disabled=not loaded_slug, on_click=save_schema, args=(True,),
+                            help=f"Write these questions to {loaded_slug}.json as a new version" if loaded_slug
+                            else "Load a schema from the library to update it")
         saved_message = st.session_state.pop(K("save_flash"), None)
         if saved_message:
             getattr(st, saved_message[0])(saved_message[1])
@@ -497,15 +500,15 @@ if last_error and last_error.get("budget"):
 
 can_run = (engine is not None and request is not None and not engine_refused
            and not (status is not None and status.fixed_tokens_over))
+# Run on a row of its own at its full width: in a column it was cut to "R.." at 1280×720 and to nothing at 1024.
+run_clicked = run_box.button("Run", type="primary", key=K("run"), disabled=not can_run,
+                             icon=":material/play_arrow:", shortcut="Ctrl+Enter",
+                             help="Runs the state and schema on screen (Ctrl+Enter).")
+wait_line = run_box.empty()
 shown_result: vm.DecideResult | None = st.session_state.get(K("result"))
 if not (shown_result and shown_result.model_label == model_name):  # else the answers below say it
     with run_box:
         random_weights_notice(model_name)
-run_cols = run_box.columns([2, 3], vertical_alignment="center")  # wide enough for "Run" and its shortcut
-run_clicked = run_cols[0].button("Run", type="primary", key=K("run"), disabled=not can_run,
-                                 icon=":material/play_arrow:", shortcut="Ctrl+Enter",
-                                 help="Runs the state and schema on screen (Ctrl+Enter).")
-wait_line = run_cols[1].empty()
 if run_clicked and request is not None and engine is not None:
     try:
         response = run_queued(engine, [request], max_length=max_length, overflow=overflow,
@@ -543,7 +546,7 @@ if result:
             st.warning(vm.stale_message(causes), icon=":material/history:")
         counts = response.get("x_token_counts", {})
         top = st.columns(2) + st.columns(2)  # two rows: the model name does not fit a quarter of half a page
-        top[0].metric("Latency", f"{response.get('x_latency_ms', 0):.0f} ms",
+        top[0].metric("Latency", units.duration(response.get("x_latency_ms", 0)),
                       help="submit → response, queue included")
         top[1].metric("Input tokens", f"{response['usage']['input_tokens']:,}")
         top[2].metric("Truncated state tokens", f"{response.get('x_truncated_state_tokens', 0):,}")

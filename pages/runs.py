@@ -16,7 +16,7 @@ from clef_workbench.jobs import JobAlreadyRunningError
 from clef_workbench.model_loader import request_model_name
 from clef_workbench.schemas import SchemaError
 from clef_workbench.store import StoreError
-from workbench_ui import links
+from workbench_ui import links, units
 from workbench_ui.shell import (
     get_engine,
     get_job_runner,
@@ -44,12 +44,8 @@ sets = store.list_case_sets()
 runs = store.list_runs()
 
 
-def fmt_ms(value: float | None) -> str:
-    return "–" if value is None else f"{value:,.1f} ms"
-
-
-def fmt_rate(value: float | None, unit: str) -> str:
-    return "–" if value is None else f"{value:,.2f} {unit}/s"
+fmt_ms = units.duration  # seconds above 10,000 ms: a metric's column cut "150,762.4 ms"
+fmt_rate = units.rate
 
 
 def fmt_seconds(value: float | None) -> str:

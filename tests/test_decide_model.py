@@ -239,3 +239,12 @@ def test_media_travel_with_the_draft_and_come_back_on_restore():
     assert vm.with_restored(vm.restored_media(fresh), [again]) == [png], "uploaded again: not twice"
     vm.remove_restored_media(fresh, 0)
     assert vm.restored_media(fresh) == []
+
+
+def test_durations_switch_to_seconds_above_ten_thousand_ms_and_rates_stay_short():
+    from workbench_ui import units
+
+    assert units.duration(None) == "–"
+    assert units.duration(850.24) == "850.2 ms" and units.duration(10_000) == "10,000 ms"
+    assert units.duration(10_001) == "10.0 s" and units.duration(150_762.4) == "2 min 31 s"
+    assert units.rate(12_016.2, "tok") == "12,016 tok/s" and units.rate(3.4167, "rec") == "3.42 rec/s"

@@ -185,9 +185,21 @@ def pick_source(label: str, key: str, current: str | None = None) -> str:
     return source
 
 
+# Nothing on a page may hide what it says behind an ellipsis at 1024 px: button labels and metric values wrap instead
+# of being cut ("Make def…", "New…", "150,762.4…"); a wrapped label still reads whole.
+PAGE_STYLE = """<style>
+button [data-testid="stMarkdownContainer"], button [data-testid="stMarkdownContainer"] * {
+  white-space: normal !important; overflow: visible !important; text-overflow: clip !important; }
+[data-testid="stMetricValue"], [data-testid="stMetricValue"] * {
+  white-space: normal !important; overflow: visible !important; text-overflow: clip !important;
+  overflow-wrap: anywhere; }
+</style>"""
+
+
 def render_sidebar() -> None:
     """The default model's selector, the other resident models (add, make default, remove) and the status, drawn
     before the page."""
+    st.html(PAGE_STYLE)
     manager = model_manager()
     state = manager.state()
     with st.sidebar:
