@@ -287,9 +287,11 @@ with left:
 
     st.subheader("Media")
     st.caption(state_input.media_limits_text())
-    # the uploaders state the same per-file limits as the caption and the checks (not the server-wide maximum)
+    # Images are taken up to the server's upload limit and checked here: a file over the uploader's own limit was
+    # refused by the browser with a red icon and the reason only for screen readers; the check below says it in
+    # words under the uploader (images: the caption's limit).
     image_files = st.file_uploader("Images", type=list(state_input.IMAGE_EXTENSIONS), accept_multiple_files=True,
-                                   key=K("images"), max_upload_size=state_input.MAX_IMAGE_BYTES // 2**20)
+                                   key=K("images"), max_upload_size=state_input.MAX_VIDEO_BYTES // 2**20)
     video_files = st.file_uploader("Videos", type=list(state_input.VIDEO_EXTENSIONS), accept_multiple_files=True,
                                    key=K("videos"), max_upload_size=state_input.MAX_VIDEO_BYTES // 2**20)
     media_messages = st.container()

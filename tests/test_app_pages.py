@@ -101,7 +101,7 @@ def test_decide_runs_the_example_schema_and_shows_one_card_per_question(workbenc
     assert charts(at) == 1 + 5
     assert any(m.label == "Score" for m in at.metric), "the score question shows its expected score"
     latency = next(m for m in at.metric if m.label == "Latency")
-    assert latency.value.endswith(" ms")
+    assert latency.value.endswith((" ms", " s")), "milliseconds, or seconds above 10,000 ms on a busy machine"
     response, request = code_json(at, 0), code_json(at, 1)
     assert list(response["answers"]) == list(schema.questions)
     assert request["state"] == schema.examples[0]["state"] and request["questions"] == schema.questions
@@ -273,8 +273,7 @@ def test_schemas_page_create_edit_duplicate_delete(workbench):
     assert library.load("refund-triage-eu").name == "Refund triage EU"
     assert at.selectbox(key="schemas.selected").value == "refund-triage-eu"
 
-    button(at, "Delete").click().run()
-    assert any("Tick the confirmation box first" in e.value for e in at.error)
+    assert button(at, "Delete").disabled, "nothing to click before the box is ticked"
     assert library.exists("refund-triage-eu")
     at.checkbox(key="schemas.confirm_delete.refund-triage-eu").check().run()
     button(at, "Delete").click().run()
@@ -481,10 +480,12 @@ def test_the_uploaders_state_the_same_size_limits_as_the_caption(workbench):
 
     at = start()
     uploaders = {u.key: u.proto.max_upload_size_mb for u in at.get("file_uploader")}
-    assert uploaders == {"decide.images": state_input.MAX_IMAGE_BYTES // 2**20,
+    # images over their limit reach the page's own check, which says why in words (the browser's refusal of a
+    # file over an uploader's limit shows only a red icon): the uploaders take what the server does
+    assert uploaders == {"decide.images": state_input.MAX_VIDEO_BYTES // 2**20,
                          "decide.videos": state_input.MAX_VIDEO_BYTES // 2**20}
     caption = state_input.media_limits_text()
-    assert f"{uploaders['decide.images']} MB" in caption and f"{uploaders['decide.videos']} MB" in caption
+    assert f"{state_input.MAX_IMAGE_BYTES // 2**20} MB" in caption and f"{uploaders['decide.videos']} MB" in caption
 
 
 def _in_order(node) -> list:
@@ -622,3 +623,23 @@ def test_media_come_back_with_the_draft_after_a_reload(workbench):
     result = at.session_state["decide.result"]
     assert [m.data for m in result.images] == [image.data]
     assert result.request["images"] == [image.data_url()]
+
+
+def test_schemas_feedback_sits_next_to_its_action_and_the_selection_is_kept(workbench):
+    """Points 13 and 14: a message appears by the control that caused it (not at the top of the page), and the
+    selected schema is still selected after a visit to another page."""
+    at = open_schemas(start())
+    button(at, "Create").click().run()
+    create = next(e for e in at.expander if e.label == "Create a new schema")
+    assert [e.value for e in create.error] == ["Give the new schema a name."]
+    assert [e.value for e in at.error] == ["Give the new schema a name."], "said once, in the Create section"
+    button(at, "Import").click().run()
+    imports = next(e for e in at.expander if e.label == "Import a schema file")
+    assert [e.value for e in imports.error] == ["Choose a JSON file to import first."]
+
+    at.selectbox(key="schemas.selected").set_value("security-alert-triage").run()
+    at.switch_page("pages/decide.py").run()
+    no_exceptions(at)
+    at.switch_page("pages/schemas.py").run()
+    no_exceptions(at)
+    assert at.selectbox(key="schemas.selected").value == "security-alert-triage"
