@@ -643,3 +643,17 @@ def test_schemas_feedback_sits_next_to_its_action_and_the_selection_is_kept(work
     at.switch_page("pages/schemas.py").run()
     no_exceptions(at)
     assert at.selectbox(key="schemas.selected").value == "security-alert-triage"
+
+
+def test_a_file_chosen_for_import_with_problems_is_not_reported_as_a_failed_change(workbench):
+    """Point 13: before Import is pressed nothing was tried, so the file's problems are a warning saying what to do,
+    not a red "Nothing was changed"."""
+    from tests.test_pages_runs_review import case_uploader, new_case_set, open_page
+
+    at = open_page("pages/cases.py")
+    new_case_set(at, "Bad files")
+    case_uploader(at).set_value(("broken.jsonl", b'{"state": "fine"}\nthis line is not JSON\n', "application/json"))
+    at.run()
+    no_exceptions(at)
+    assert not [e.value for e in at.error if "Nothing was changed" in e.value]
+    assert any("This file cannot be imported as it is: 1 problem(s)" in w.value for w in at.warning)

@@ -1,5 +1,6 @@
-"""Issue 23 point 5 in a real browser: at 1024×768, 1280×720 and 1440×900 the Decide page's Run button is on screen
-with its whole label, the library's and the save buttons' labels read whole, and the answers' numbers are not cut."""
+"""Issue 23 in a real browser. Point 5: at 1024×768, 1280×720 and 1440×900 the Decide page's Run button is on screen
+with its whole label, the library's and the save buttons' labels read whole, and the answers' numbers are not cut.
+Point 13: an image over the size limit is refused in words under the uploader."""
 
 from __future__ import annotations
 
@@ -88,3 +89,17 @@ def test_run_and_the_numbers_are_whole_at_every_screen_size(page):
         settle(page)
         whole_label(page, "Update “support-ticket-routing”", width, height, on_screen=False)
         page.get_by_text("Save to the library").click()
+
+
+def test_an_image_over_the_limit_is_refused_in_words(page, tmp_path: Path):
+    from clef_workbench import state_input
+
+    big = tmp_path / "holiday.png"
+    big.write_bytes(b"\x89PNG\r\n\x1a\n" + bytes(27 * 2**20))  # 27 MB: over the image limit, under the server's
+    page.set_viewport_size({"width": 1440, "height": 900})
+    page.locator('[data-testid="stFileUploaderDropzoneInput"]').first.set_input_files(str(big))
+    limit = f"{state_input.MAX_IMAGE_BYTES // 2**20} MB image limit"
+    refusal = page.get_by_text(re.compile(rf"^holiday\.png: 27\.0 MB is over the {limit}"))
+    refusal.wait_for(timeout=LONG)
+    assert refusal.is_visible()
+    assert refusal.bounding_box()["height"] > 0, "in words on screen, not only for screen readers"
