@@ -118,6 +118,13 @@ class LoadedModel:
     random_weights: bool = False  # its answers mean nothing: the demo, a release or endpoint that says so
 
 
+def is_demo_name(name: str | None) -> bool:
+    """Whether `name` is the demo model's request name (made unique in a process by a number: clef-demo-2)."""
+    demo = request_model_name(DEMO_SOURCE)
+    base = (name or "").split("@")[0]
+    return base == demo or (base.startswith(demo + "-") and base.removeprefix(demo + "-").isdigit())
+
+
 def reports_random_weights(engine: Any) -> bool:
     """Whether an engine says its weights are random (a local release's config.json, an endpoint's /v1/models)."""
     try:
@@ -232,11 +239,7 @@ class ModelManager:
         its flag; a name no longer loaded by the demo's name (a run of an unloaded demo is still demo output)."""
         with self._lock:
             model = self._models.get(name or "")
-        if model is not None:
-            return model.random_weights
-        demo = request_model_name(DEMO_SOURCE)
-        base = (name or "").split("@")[0]
-        return base == demo or (base.startswith(demo + "-") and base.removeprefix(demo + "-").isdigit())
+        return model.random_weights if model is not None else is_demo_name(name)
 
     def default_name(self) -> str | None:
         with self._lock:

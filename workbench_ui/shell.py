@@ -24,6 +24,7 @@ from clef_workbench.model_loader import (
     DEMO_SOURCE,
     LoadState,
     ModelManager,
+    is_demo_name,
     kernel_summary,
     label_of,
     shared_manager,
@@ -134,8 +135,9 @@ def show_load_messages(state: LoadState) -> None:
 
 
 def random_weights_text(model_name: str) -> str:
-    return (f"**{model_name} has random weights: its answers mean nothing.** Accuracy, calibration and confidences "
-            "from it say nothing about Clef; use Clef or Clef-Flash for answers to act on.")
+    demo = "**Demo model.** " if is_demo_name(model_name) else ""
+    return (f"{demo}**{model_name} has random weights: its answers mean nothing.** Accuracy, calibration and "
+            "confidences from it say nothing about Clef; use Clef or Clef-Flash for answers to act on.")
 
 
 def random_weights_notice(model_name: str | None) -> bool:
