@@ -453,6 +453,7 @@ def test_key_from_env_or_argument_sent_as_bearer_and_never_shown(stub, monkeypat
     with RemoteEngine(stub.url) as engine:  # check=True: GET /v1/models first
         engine.decide(NOUL)
         assert engine.info()["models"] == ["stub-model"]
+        assert engine.info()["random_weights"] is False, "an endpoint that does not say so is not flagged"
         assert "env-key" not in json.dumps(engine.info()) and "env-key" not in repr(engine)
     with RemoteEngine(stub.url, api_key=API_KEY) as engine:
         engine.decide(NOUL)
