@@ -372,6 +372,7 @@ class Engine:
             "queue_depth": self.queue_depth(),
             "scheduler": vars(self.scheduler.stats).copy(),
             "demo": is_demo_release(self.release.path),
+            "random_weights": self.release.random_weights or is_demo_release(self.release.path),
             "state_cache": self.state_cache.stats() if self.state_cache is not None else None,
         }
 

@@ -249,6 +249,7 @@ class RemoteEngine:
         self._in_flight = 0
         self._stats = {"requests": 0, "retries": 0, "failures": 0}
         self.models: list[str] | None = None
+        self.random_weight_models: set[str] = set()  # the listed models the endpoint says have random weights
         if check:
             try:
                 self.check()
@@ -343,6 +344,8 @@ class RemoteEngine:
         try:
             listed = response.json()["models"]
             self.models = [m["name"] for m in listed if isinstance(m, dict) and isinstance(m.get("name"), str)]
+            self.random_weight_models = {m["name"] for m in listed if isinstance(m, dict)
+                                         and isinstance(m.get("name"), str) and m.get("random_weights") is True}
         except (ValueError, KeyError, TypeError):
             raise RemoteError(f"{self.endpoint}{MODELS_PATH} answered something that is not a model list: "
                               f"{response.text[:200]!r}", endpoint=self.endpoint, status=200) from None
@@ -450,6 +453,7 @@ class RemoteEngine:
             "device_name": urlsplit(self.endpoint).netloc,
             "dtype": None,
             "demo": False,
+            "random_weights": self.random_weights(),
             "authenticated": self._has_key,
             "queue_depth": self.queue_depth(),
             "max_concurrency": self.max_concurrency,
@@ -457,6 +461,13 @@ class RemoteEngine:
             "max_retries": self.max_retries,
             "client": stats,
         }
+
+    def random_weights(self) -> bool:
+        """Whether the model this object's requests reach has random weights, as the endpoint's /v1/models says: the
+        one named by `model` when it is listed, else the endpoint's default (listed first)."""
+        models = self.models or []
+        target = self.model if self.model in models else (models[0] if models else None)
+        return target in self.random_weight_models
 
     def close(self) -> None:
         """Stop: queued requests are cancelled, waits between retries end, connections close."""

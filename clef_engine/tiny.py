@@ -103,6 +103,7 @@ def tiny_config(tokenizer, size: str = "tiny") -> dict:
         vision_config=vision, image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
         vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
         tie_word_embeddings=False, dtype="bfloat16",
+        random_weights=True,  # read by the loader (Release.random_weights): every page showing answers says so
     )
 
 

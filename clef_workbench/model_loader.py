@@ -115,6 +115,22 @@ class LoadedModel:
     label: str
     engine: Any
     is_demo: bool
+    random_weights: bool = False  # its answers mean nothing: the demo, a release or endpoint that says so
+
+
+def is_demo_name(name: str | None) -> bool:
+    """Whether `name` is the demo model's request name (made unique in a process by a number: clef-demo-2)."""
+    demo = request_model_name(DEMO_SOURCE)
+    base = (name or "").split("@")[0]
+    return base == demo or (base.startswith(demo + "-") and base.removeprefix(demo + "-").isdigit())
+
+
+def reports_random_weights(engine: Any) -> bool:
+    """Whether an engine says its weights are random (a local release's config.json, an endpoint's /v1/models)."""
+    try:
+        return bool(engine.info().get("random_weights"))
+    except Exception:  # noqa: BLE001 — an engine that cannot say is taken at its word of nothing
+        return False
 
 
 @dataclass(frozen=True)
@@ -218,6 +234,13 @@ class ModelManager:
                 raise KeyError(f"no model named {name!r} is loaded (loaded: {', '.join(self._models) or 'none'})")
             return model.engine
 
+    def random_weights(self, name: str | None) -> bool:
+        """Whether answers recorded as coming from the model `name` come from random weights: a resident model by
+        its flag; a name no longer loaded by the demo's name (a run of an unloaded demo is still demo output)."""
+        with self._lock:
+            model = self._models.get(name or "")
+        return model.random_weights if model is not None else is_demo_name(name)
+
     def default_name(self) -> str | None:
         with self._lock:
             return self._default
@@ -290,7 +313,9 @@ class ModelManager:
 
     def _resident(self, source: str, engine: Any) -> LoadedModel:
         """Called with the lock held."""
-        return LoadedModel(self._unique_name(source), source, label_of(source), engine, source == DEMO_SOURCE)
+        demo = source == DEMO_SOURCE
+        return LoadedModel(self._unique_name(source), source, label_of(source), engine, demo,
+                           demo or reports_random_weights(engine))
 
     def _end_with(self, error: str | None, started: float) -> None:
         """Called with the lock held when a load or an add ends: its failure is shown; its success clears only a

@@ -650,15 +650,19 @@ def rows_to_questions(rows: Iterable[dict[str, Any]]) -> tuple[dict[str, Any], l
     """
     questions = _PairsDict()
     problems: list[SchemaProblem] = []
-    duplicates: list[str] = []
+    first_of: dict[str, int] = {}
     for index, row in enumerate(rows):
         qid = str(row.get("id", "")).strip()
         if not qid:
             problems.append(SchemaProblem(("questions", index), f'question {index + 1}, field "id": required'))
             continue
         if qid in questions:
-            duplicates.append(qid)
+            # on the later question by its position: the first one with the id is the one kept, and fine
+            problems.append(SchemaProblem(("questions", index), f'question "{qid}": the id appears more than once '
+                                                                f"(questions {first_of[qid] + 1} and {index + 1}); "
+                                                                f"give question {index + 1} an id of its own"))
             continue
+        first_of[qid] = index
         if row.get("type") == "choice":
             option_ids = [str(o.get("id", "")).strip() for o in row.get("options", [])]
             seen: set[str] = set()
@@ -672,7 +676,6 @@ def rows_to_questions(rows: Iterable[dict[str, Any]]) -> tuple[dict[str, Any], l
                 problems.append(SchemaProblem(("questions", qid, "criteria"),
                                               f"{_q(qid, 'criteria')}: an option has no id"))
         questions[qid] = row_to_question(row)
-    questions.duplicate_keys = tuple(dict.fromkeys(duplicates))
     problems.extend(validate_questions(questions))
     return _plain(questions), problems
 

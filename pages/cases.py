@@ -73,8 +73,13 @@ def show_flash() -> None:
         cols[1].button("Undo", key=K("undo"), icon=":material/undo:", on_click=undo_delete, args=undo)
 
 
-def show_problems(exc: CaseImportError) -> None:
-    st.error(f"Nothing was changed: {len(exc.problems)} problem(s).")
+def show_problems(exc: CaseImportError, *, saving: bool = False) -> None:
+    """The problems of a save that was refused, or of a file chosen for import (nothing was tried yet: a warning)."""
+    if saving:
+        st.error(f"Nothing was changed: {len(exc.problems)} problem(s).")
+    else:
+        st.warning(f"This file cannot be imported as it is: {len(exc.problems)} problem(s). Fix them in the file and "
+                   "choose it again.", icon=":material/warning:")
     st.markdown("\n".join(f"- {p}" for p in exc.problems[:50]))
 
 
@@ -146,7 +151,7 @@ with tab_cases:
         try:
             edits = casesets.apply_case_edits(store, case_set_id, edited, schema)
         except CaseImportError as exc:
-            show_problems(exc)
+            show_problems(exc, saving=True)
         else:
             st.session_state.pop(K(f"editor.{case_set_id}"), None)
             flash("success" if edits.changed else "info", edits.summary(),

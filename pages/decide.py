@@ -19,7 +19,7 @@ from clef_workbench import answers, schemas, state_input
 from clef_workbench.model_loader import request_model_name
 from clef_workbench.store import StoreError
 from workbench_ui import decide_model as vm
-from workbench_ui import links
+from workbench_ui import links, units
 from workbench_ui import why_view as why
 from workbench_ui.shell import (
     format_json,
@@ -28,6 +28,8 @@ from workbench_ui.shell import (
     get_store,
     kept_widget,
     model_manager,
+    random_weights_notice,
+    random_weights_text,
     run_queued,
     use_app_navigation,
 )
@@ -202,11 +204,18 @@ def render_question(position: int, uid: int, count: int) -> tuple[dict[str, Any]
     return row, messages
 
 
-def render_answer_card(qid: str, question: dict[str, Any], answer: dict[str, Any]) -> None:
+def render_removed_notice() -> None:
+    """Where the removed question was: what went, and Undo."""
+    cols = st.columns([4, 1], vertical_alignment="center")
+    cols[0].info(f"Removed question “{builder().last_removed}”.", icon=":material/delete:")
+    cols[1].button("Undo", key=K("undo_remove"), icon=":material/undo:", on_click=builder().undo_remove)
+
+
+def render_answer_card(qid: str, question: dict[str, Any], answer: dict[str, Any], model: str) -> None:
     table = answers.option_table(question, answer)
     summary = answers.summarize(qid, question, answer)
     with st.container(border=True, key=K(f"answer.{qid}")):
-        st.markdown(f"**{qid}** · {answer['type']}")
+        st.markdown(f"**{qid}** · {answer['type']} · answered by {model}")
         instructions = question.get("instructions")
         if instructions:
             st.caption(instructions if isinstance(instructions, str) else json.dumps(instructions))
@@ -248,14 +257,14 @@ with right:
     run_box, answers_box, budget_box = st.container(), st.container(), st.container()
 # With several models loaded, this page's runs use the one picked here (the default until one is picked).
 loaded_models = {model.name: model for model in model_manager().loaded()}
-model_name = next(iter(loaded_models), request_model_name(model_manager().state().source))  # the default's
+model_name = vm.model_for_run(st.session_state, list(loaded_models), model_manager().default_name()) \
+    or request_model_name(model_manager().state().source)
 if engine is not None and len(loaded_models) > 1:
-    picked = st.session_state.get(K("model"), st.session_state.get(vm.KEEP_PREFIX + K("model")))
-    vm.set_kept(st.session_state, K("model"), vm.chosen_model(list(loaded_models), picked))  # one still loaded
     model_name = kept_widget(run_box.selectbox, "Model", K("model"), options=list(loaded_models),
                              format_func=lambda name: f"{name} · {loaded_models[name].label}"
                              if loaded_models[name].label != name else name,
                              help="Which loaded model answers this page's runs (add models in the sidebar).")
+if model_name in loaded_models:
     engine = loaded_models[model_name].engine
 local_engine = engine is not None and vm.counts_tokens_here(engine)
 
@@ -279,9 +288,11 @@ with left:
 
     st.subheader("Media")
     st.caption(state_input.media_limits_text())
-    # the uploaders state the same per-file limits as the caption and the checks (not the server-wide maximum)
+    # Images are taken up to the server's upload limit and checked here: a file over the uploader's own limit was
+    # refused by the browser with a red icon and the reason only for screen readers; the check below says it in
+    # words under the uploader (images: the caption's limit).
     image_files = st.file_uploader("Images", type=list(state_input.IMAGE_EXTENSIONS), accept_multiple_files=True,
-                                   key=K("images"), max_upload_size=state_input.MAX_IMAGE_BYTES // 2**20)
+                                   key=K("images"), max_upload_size=state_input.MAX_VIDEO_BYTES // 2**20)
     video_files = st.file_uploader("Videos", type=list(state_input.VIDEO_EXTENSIONS), accept_multiple_files=True,
                                    key=K("videos"), max_upload_size=state_input.MAX_VIDEO_BYTES // 2**20)
     media_messages = st.container()
@@ -298,6 +309,18 @@ for uploaded in video_files or []:
         videos.append(state_input.check_video(uploaded.name, uploaded.getvalue()))
     except state_input.MediaError as exc:
         messages.add("media", str(exc))
+restored = vm.restored_media(st.session_state)  # the uploads of this draft before a reload
+images = vm.with_restored([m for m in restored if m.kind == "image"], images)
+videos = vm.with_restored([m for m in restored if m.kind == "video"], videos)
+vm.set_media(st.session_state, images + videos)
+if restored:
+    with media_messages.container(border=True):
+        st.caption("Kept from this draft (the uploaders above start empty after a reload):")
+        for index, medium in enumerate(restored):
+            cols = st.columns([4, 1], vertical_alignment="center")
+            cols[0].markdown(f"{medium.kind} **{medium.name}** · {medium.size_bytes / 1024:,.0f} KB")
+            cols[1].button("Remove", key=K(f"restored_remove.{index}"), icon=":material/close:",
+                           on_click=vm.remove_restored_media, args=(st.session_state, index))
 try:
     state_input.check_media_counts(images, videos)
 except state_input.MediaError as exc:
@@ -331,27 +354,32 @@ with left:
 # --- Schema builder ----------------------------------------------------------------------------------------------
 with left:
     st.subheader("Schema")
+    if builder().unsaved_changes():
+        target = f"“{builder().loaded_slug}”" if builder().loaded_slug else "the library"
+        st.markdown(f":orange-badge[:material/edit: Unsaved changes] The questions differ from {target}: "
+                    "save them under “Save to the library” below, or they stay only in this draft.")
     entries = [e for e in library.list() if e.problem is None]
-    lib_cols = st.columns([4, 1, 1.4], vertical_alignment="bottom")
     slugs = [e.slug for e in entries]
     names = {e.slug: f"{e.name} (v{e.version}, {e.question_count} questions)" for e in entries}
     loaded_slug = builder().loaded_slug if builder().loaded_slug in slugs else None
     if st.session_state.get(K("library_pick")) not in slugs:
         st.session_state[K("library_pick")] = None
-    pick = lib_cols[0].selectbox("Library", slugs, format_func=names.get, key=K("library_pick"),
-                                 placeholder="No schemas in the library" if not slugs else "Choose a schema")
-    lib_cols[1].button("Load", key=K("load"), disabled=pick is None, on_click=ask_load, args=(pick,))
-    lib_cols[2].button("New schema", key=K("new_schema"), on_click=new_schema, icon=":material/note_add:",
+    pick = st.selectbox("Library", slugs, format_func=names.get, key=K("library_pick"),
+                        placeholder="No schemas in the library" if not slugs else "Choose a schema")
+    # buttons in a row that wraps, each at its label's width: in narrow columns they were cut to "New…"
+    lib_buttons = st.container(horizontal=True)
+    lib_buttons.button("Load", key=K("load"), disabled=pick is None, on_click=ask_load, args=(pick,))
+    lib_buttons.button("New schema", key=K("new_schema"), on_click=new_schema, icon=":material/note_add:",
                        help="Start an empty schema; the state stays.")
     confirm_slug = st.session_state.get(K("confirm_load"))
     if confirm_slug:
         with st.container(border=True, key=K("confirm_load_box")):
             st.warning(f"Loading “{names.get(confirm_slug, confirm_slug)}” replaces the questions on screen, which "
                        "have unsaved changes.", icon=":material/warning:")
-            confirm_cols = st.columns(2)
-            confirm_cols[0].button("Discard my changes and load", key=K("confirm_load_yes"), on_click=load_schema,
+            confirm_buttons = st.container(horizontal=True)
+            confirm_buttons.button("Discard my changes and load", key=K("confirm_load_yes"), on_click=load_schema,
                                    args=(confirm_slug,), kwargs={"with_example": True})
-            confirm_cols[1].button("Keep my changes", key=K("confirm_load_no"),
+            confirm_buttons.button("Keep my changes", key=K("confirm_load_no"),
                                    on_click=lambda: st.session_state.pop(K("confirm_load"), None))
     if st.session_state.get(K("library_error")):
         st.error(st.session_state[K("library_error")])
@@ -359,10 +387,15 @@ with left:
     uids = list(builder().uids)
     rows: list[dict[str, Any]] = []
     question_messages: list[Any] = []
+    removed = st.session_state.get(K("removed"))
     for position, uid in enumerate(uids):
+        if removed and removed["position"] == position:
+            render_removed_notice()
         row, box = render_question(position, uid, len(uids))
         rows.append(row)
         question_messages.append(box)
+    if removed and removed["position"] >= len(uids):
+        render_removed_notice()
     if not uids:
         st.info("No questions yet: add one below or load a schema from the library.")
     add_cols = st.columns([1, 1], vertical_alignment="bottom")
@@ -374,10 +407,12 @@ with left:
     with st.expander("Save to the library"):
         schema_name = kept_widget(st.text_input, "Name", K("schema_name"), "")
         schema_description = kept_widget(st.text_area, "Description", K("schema_description"), "", height=68)
-        save_cols = st.columns(2)
-        save_cols[0].button("Save as new schema", key=K("save_new"), on_click=save_schema, args=(False,))
-        save_cols[1].button(f"Update “{loaded_slug}”" if loaded_slug else "Update", key=K("save_update"),
-                            disabled=not loaded_slug, on_click=save_schema, args=(True,))
+        save_buttons = st.container(horizontal=True)
+        save_buttons.button("Save as new schema", key=K("save_new"), on_click=save_schema, args=(False,))
+        save_buttons.button(f"Update “{loaded_slug}”" if loaded_slug else "Update", key=K("save_update"),
+                            disabled=not loaded_slug, on_click=save_schema, args=(True,),
+                            help=f"Write these questions to {loaded_slug}.json as a new version" if loaded_slug
+                            else "Load a schema from the library to update it")
         saved_message = st.session_state.pop(K("save_flash"), None)
         if saved_message:
             getattr(st, saved_message[0])(saved_message[1])
@@ -468,11 +503,15 @@ if last_error and last_error.get("budget"):
 
 can_run = (engine is not None and request is not None and not engine_refused
            and not (status is not None and status.fixed_tokens_over))
-run_cols = run_box.columns([2, 3], vertical_alignment="center")  # wide enough for "Run" and its shortcut
-run_clicked = run_cols[0].button("Run", type="primary", key=K("run"), disabled=not can_run,
-                                 icon=":material/play_arrow:", shortcut="Ctrl+Enter",
-                                 help="Runs the state and schema on screen (Ctrl+Enter).")
-wait_line = run_cols[1].empty()
+# Run on a row of its own at its full width: in a column it was cut to "R.." at 1280×720 and to nothing at 1024.
+run_clicked = run_box.button("Run", type="primary", key=K("run"), disabled=not can_run,
+                             icon=":material/play_arrow:", shortcut="Ctrl+Enter",
+                             help="Runs the state and schema on screen (Ctrl+Enter).")
+wait_line = run_box.empty()
+shown_result: vm.DecideResult | None = st.session_state.get(K("result"))
+if not (shown_result and shown_result.model_label == model_name):  # else the answers below say it
+    with run_box:
+        random_weights_notice(model_name)
 if run_clicked and request is not None and engine is not None:
     try:
         response = run_queued(engine, [request], max_length=max_length, overflow=overflow,
@@ -490,12 +529,12 @@ if run_clicked and request is not None and engine is not None:
     else:
         wait_line.empty()
         st.session_state.pop(K("last_error"), None)
-        st.session_state[K("result")] = vm.DecideResult(
+        vm.keep_result(st.session_state, vm.DecideResult(
             request=request, response=response, questions=questions, state=state_value,
             images=tuple(images), videos=tuple(videos), schema_name=schema_name.strip() or (loaded_slug or ""),
-            model_label=model_name,
-            device=engine.info().get("device", ""),
-        )
+            model_label=model_name, device=engine.info().get("device", ""), schema_slug=loaded_slug,
+            random_weights=model_manager().random_weights(model_name),
+        ))
 
 # --- Results -----------------------------------------------------------------------------------------------------
 result: vm.DecideResult | None = st.session_state.get(K("result"))
@@ -503,12 +542,14 @@ if result:
     with answers_box:
         response = result.response
         st.subheader("Answers")
-        if result.request != request:
-            st.caption("These answers are for the request as it was when you pressed Run; the editors have changed "
-                       "since.")
+        if result.random_weights:
+            st.warning(random_weights_text(result.model_label), icon=":material/casino:")
+        if causes := result.stale_causes(questions=questions, state=state_value, images=images, videos=videos,
+                                         model=model_name):
+            st.warning(vm.stale_message(causes), icon=":material/history:")
         counts = response.get("x_token_counts", {})
         top = st.columns(2) + st.columns(2)  # two rows: the model name does not fit a quarter of half a page
-        top[0].metric("Latency", f"{response.get('x_latency_ms', 0):.0f} ms",
+        top[0].metric("Latency", units.duration(response.get("x_latency_ms", 0)),
                       help="submit → response, queue included")
         top[1].metric("Input tokens", f"{response['usage']['input_tokens']:,}")
         top[2].metric("Truncated state tokens", f"{response.get('x_truncated_state_tokens', 0):,}")
@@ -518,7 +559,7 @@ if result:
             st.warning(f"The last {response['x_truncated_state_tokens']:,} tokens of the state were cut to fit "
                        "max_length: the model did not read them.")
         for qid, answer in response["answers"].items():  # one card per row: half a page is one card wide
-            render_answer_card(qid, result.questions.get(qid, {}), answer)
+            render_answer_card(qid, result.questions.get(qid, {}), answer, result.model_label)
         if engine is not None and st.toggle("Why", key=K("why"), help="Which sentences, fields, image regions and "
                                             "frames moved each answer: each is removed in turn and the record "
                                             "decided again, in one batched run"):

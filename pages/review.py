@@ -20,12 +20,12 @@ from clef_workbench.store import ReviewConflictError, StoreError
 from workbench_ui import links
 from workbench_ui.decide_model import FRAME_THUMBNAIL_PX, frame_thumbnail
 from workbench_ui.shell import (
-    demo_output_banner,
     get_store,
     kept_widget,
     model_manager,
     page_key,
     pick_run,
+    random_weights_notice,
     url_int,
     use_app_navigation,
 )
@@ -52,7 +52,7 @@ else:
 run_id = pick_run(runs, K("run"), lambda r: f"#{r['id']} {r['case_set_name']} · {r['schema_name']} "
                                           f"v{r['schema_version']} · {r['model_id']}")
 run = store.get_run(run_id)
-demo_output_banner(run["model_id"])
+random_weights_notice(run["model_id"])
 questions = run["schema"]["questions"]
 
 # -- rules and queue building -----------------------------------------------------------------------------------

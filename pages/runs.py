@@ -16,9 +16,8 @@ from clef_workbench.jobs import JobAlreadyRunningError
 from clef_workbench.model_loader import request_model_name
 from clef_workbench.schemas import SchemaError
 from clef_workbench.store import StoreError
-from workbench_ui import links
+from workbench_ui import links, units
 from workbench_ui.shell import (
-    demo_output_banner,
     get_engine,
     get_job_runner,
     get_library,
@@ -27,6 +26,7 @@ from workbench_ui.shell import (
     model_manager,
     page_key,
     pick_run,
+    random_weights_notice,
     use_app_navigation,
 )
 
@@ -44,12 +44,8 @@ sets = store.list_case_sets()
 runs = store.list_runs()
 
 
-def fmt_ms(value: float | None) -> str:
-    return "–" if value is None else f"{value:,.1f} ms"
-
-
-def fmt_rate(value: float | None, unit: str) -> str:
-    return "–" if value is None else f"{value:,.2f} {unit}/s"
+fmt_ms = units.duration  # seconds above 10,000 ms: a metric's column cut "150,762.4 ms"
+fmt_rate = units.rate
 
 
 def fmt_seconds(value: float | None) -> str:
@@ -180,7 +176,7 @@ def run_label(r: dict) -> str:
 
 
 run_id = pick_run(runs, K("selected"), run_label)
-demo_output_banner(next(r["model_id"] for r in runs if r["id"] == run_id))
+random_weights_notice(next(r["model_id"] for r in runs if r["id"] == run_id))
 with st.expander("All runs", icon=":material/list:"):
     st.dataframe([{"run": r["id"], "status": r["status"], "case set": r["case_set_name"],
                    "schema": f"{r['schema_name']} v{r['schema_version']}", "model": r["model_id"],

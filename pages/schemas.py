@@ -7,7 +7,7 @@ from __future__ import annotations
 import streamlit as st
 
 from clef_workbench import schemas
-from workbench_ui.shell import get_library, get_store, page_key, use_app_navigation
+from workbench_ui.shell import get_library, get_store, kept_widget, page_key, set_widget, use_app_navigation
 
 use_app_navigation()
 
@@ -15,8 +15,17 @@ K = page_key("schemas")
 library = get_library()
 
 
-def flash(kind: str, message: str) -> None:
-    st.session_state[K("flash")] = (kind, message)
+def flash(kind: str, message: str, place: str = "top") -> None:
+    """A message for the next run, shown where `place` says: next to the action that caused it ("create",
+    "import", "duplicate", "delete"), or at the top ("top": a change to the library as a whole, with its Undo)."""
+    st.session_state[K("flash")] = (kind, message, place)
+
+
+def show_flash(place: str, container=None) -> None:
+    message = st.session_state.get(K("flash"))
+    if message and message[2] == place:
+        st.session_state.pop(K("flash"))
+        getattr(container or st, message[0])(message[1])
 
 
 def editor_key(slug: str) -> str:
@@ -30,13 +39,13 @@ def reset_editor(slug: str) -> None:
 def create_schema() -> None:
     name = st.session_state.get(K("new_name"), "").strip()
     if not name:
-        flash("error", "Give the new schema a name.")
+        flash("error", "Give the new schema a name.", "create")
         return
     starter = {"q1": {"type": "noul", "instructions": "Replace this with your first question.", "criteria": None}}
     description = st.session_state.get(K("new_description"), "")
     slug = library.create(schemas.Schema(name=name, questions=starter, description=description))
-    st.session_state[K("selected")] = slug
-    flash("success", f"Created {slug}.json with one starter question: edit it below or open it in Decide.")
+    set_widget(K("selected"), slug)
+    flash("success", f"Created {slug}.json with one starter question: edit it below or open it in Decide.", "create")
 
 
 def save_json(slug: str) -> None:
@@ -49,7 +58,7 @@ def save_json(slug: str) -> None:
         return
     st.session_state.pop(K("edit_problems"), None)
     reset_editor(slug)
-    flash("success", f"Saved {slug}.json (version {saved.version}).")
+    flash("success", f"Saved {slug}.json (version {saved.version}).", "edit")
 
 
 def duplicate_schema(slug: str) -> None:
@@ -57,22 +66,23 @@ def duplicate_schema(slug: str) -> None:
     try:
         new_slug = library.duplicate(slug, new_name)
     except schemas.SchemaError as exc:
-        flash("error", str(exc))
+        flash("error", str(exc), "duplicate")
         return
-    st.session_state[K("selected")] = new_slug
-    flash("success", f"Duplicated as {new_slug}.json.")
+    set_widget(K("selected"), new_slug)
+    flash("success", f"Duplicated as {new_slug}.json.", "duplicate")
 
 
 def delete_schema(slug: str) -> None:
     if not st.session_state.get(K(f"confirm_delete.{slug}")):
-        flash("error", "Tick the confirmation box first.")
+        flash("error", f"Tick “Yes, delete {slug}.json” first: nothing was deleted.", "delete")
         return
     try:
         library.delete(slug)  # the history keeps every version and the delete is logged: Undo writes it back
     except schemas.SchemaError as exc:
-        flash("error", str(exc))
+        flash("error", str(exc), "delete")
         return
-    st.session_state.pop(K("selected"), None)
+    for gone in (K("selected"), "_keep." + K("selected")):
+        st.session_state.pop(gone, None)
     reset_editor(slug)
     st.session_state[K("undo")] = slug
     flash("success", f"Deleted {slug}.json.")
@@ -86,7 +96,7 @@ def restore_schema(slug: str, number: int | None = None) -> None:
         flash("error", f"Not restored: {exc}")
         return
     st.session_state.pop(K("undo"), None)
-    st.session_state[K("selected")] = slug
+    set_widget(K("selected"), slug)
     reset_editor(slug)
     what = f"version {number} as version {restored.version}" if number else f"{slug}.json"
     flash("success", f"Restored {what}.")
@@ -95,17 +105,17 @@ def restore_schema(slug: str, number: int | None = None) -> None:
 def import_schema() -> None:
     upload = st.session_state.get(K("import_file"))
     if upload is None:
-        flash("error", "Choose a JSON file to import first.")
+        flash("error", "Choose a JSON file to import first.", "import")
         return
     try:
         slug = library.import_json(upload.getvalue(), filename=upload.name,
                                    overwrite=bool(st.session_state.get(K("import_overwrite"))))
     except schemas.SchemaError as exc:
-        flash("error", f"Not imported. {exc}")
+        flash("error", f"Not imported. {exc}", "import")
         return
-    st.session_state[K("selected")] = slug
+    set_widget(K("selected"), slug)
     reset_editor(slug)
-    flash("success", f"Imported {upload.name} as {slug}.json.")
+    flash("success", f"Imported {upload.name} as {slug}.json.", "import")
 
 
 st.title("Schema library")
@@ -115,8 +125,9 @@ st.caption(f"Folder: `{library.directory}` (set CLEF_SCHEMAS_DIR to change). One
 # Always there, so a message appearing or going does not move the widgets below it (the tabs would jump back to
 # the first one).
 flash_area = st.container()
-message = st.session_state.pop(K("flash"), None)
-if message:
+message = st.session_state.get(K("flash"))
+if message and message[2] == "top":
+    st.session_state.pop(K("flash"))
     undo_slug = st.session_state.pop(K("undo"), None)
     cols = flash_area.columns([5, 1], vertical_alignment="center")
     getattr(cols[0], message[0])(message[1])
@@ -150,6 +161,7 @@ with st.expander("Create a new schema", icon=":material/add:"):
     st.text_input("Name", key=K("new_name"), placeholder="Refund request triage")
     st.text_area("Description", key=K("new_description"), height=68)
     st.button("Create", key=K("create"), on_click=create_schema)
+    show_flash("create")
 
 with st.expander("Import a schema file", icon=":material/upload:"):
     st.caption("A schema file exported from here, a bare System One questions map, or a whole request (its "
@@ -157,6 +169,7 @@ with st.expander("Import a schema file", icon=":material/upload:"):
     st.file_uploader("JSON file", type=["json"], key=K("import_file"))
     st.checkbox("Replace a schema with the same name", key=K("import_overwrite"))
     st.button("Import", key=K("import"), on_click=import_schema)
+    show_flash("import")
 
 deleted = library.deleted()
 deleted_area = st.container()  # always there, as the flash area above
@@ -172,10 +185,11 @@ if not entries:
     st.stop()
 
 slugs = [e.slug for e in entries]
-if st.session_state.get(K("selected")) not in slugs:
-    st.session_state[K("selected")] = slugs[0]
-slug = st.selectbox("Schema", slugs, key=K("selected"),
-                    format_func=lambda s: next(f"{e.name} ({s}.json)" for e in entries if e.slug == s))
+# kept across page switches (a plain widget's value goes when another page runs): the schema stays selected
+if st.session_state.get(K("selected"), st.session_state.get("_keep." + K("selected"))) not in slugs:
+    set_widget(K("selected"), slugs[0])
+slug = kept_widget(st.selectbox, "Schema", K("selected"), slugs[0], options=slugs,
+                   format_func=lambda s: next(f"{e.name} ({s}.json)" for e in entries if e.slug == s))
 entry = next(e for e in entries if e.slug == slug)
 
 if entry.problem:
@@ -220,6 +234,7 @@ with tabs[1]:
     cols = st.columns(2)
     cols[0].button("Save changes", key=K("save"), type="primary", on_click=save_json, args=(slug,))
     cols[1].button("Discard changes", key=K("discard"), on_click=reset_editor, args=(slug,))
+    show_flash("edit")
     st.caption("The version goes up by one when the questions change.")
 
 with tabs[2]:
@@ -250,10 +265,13 @@ with tabs[2]:
 with tabs[3]:
     st.text_input("Name of the copy", key=K(f"dup_name.{slug}"), placeholder=f"{entry.name} (copy)")
     st.button("Duplicate", key=K("duplicate"), on_click=duplicate_schema, args=(slug,))
+    show_flash("duplicate")
     st.divider()
     if schema is not None:
         st.download_button("Export (download JSON)", library.export_json(slug), file_name=f"{slug}.json",
                            mime="application/json", key=K("export"))
     st.divider()
-    st.checkbox(f"Yes, delete {slug}.json", key=K(f"confirm_delete.{slug}"))
-    st.button("Delete", key=K("delete"), on_click=delete_schema, args=(slug,))
+    ticked = st.checkbox(f"Yes, delete {slug}.json", key=K(f"confirm_delete.{slug}"))
+    st.button("Delete", key=K("delete"), on_click=delete_schema, args=(slug,), disabled=not ticked,
+              help=None if ticked else f"Tick “Yes, delete {slug}.json” first")
+    show_flash("delete")

@@ -3,6 +3,7 @@ token-budget cache, the result record, save as case, and the draft."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -170,3 +171,80 @@ def test_a_small_video_frame_is_enlarged_by_whole_pixels_and_a_large_one_kept():
     assert np.array_equal(np.asarray(thumb)[::5, ::5], small), "nearest neighbour: exactly the frame's pixels"
     large = np.zeros((200, 400, 3), dtype=np.uint8)
     assert vm.frame_thumbnail(large).size == (400, 200)
+
+
+def test_stale_causes_name_what_changed_since_run():
+    png = state_input.Media("image", "a.png", "image/png", b"\x89PNG" + b"\x00" * 8, 1, 1)
+    questions = {"urgent": {"type": "noul", "instructions": "Urgent?"}}
+    result = vm.DecideResult(request={}, response={"answers": {}}, questions=questions, state="s", images=(png,),
+                             videos=(), schema_name="", model_label="clef-demo", device="cpu")
+    same = dict(questions=questions, state="s", images=[png], videos=[], model="clef-demo")
+    assert result.stale_causes(**same) == []
+    assert result.stale_causes(**{**same, "model": "clef-flash"}) == ["the model"]
+    assert result.stale_causes(**{**same, "images": []}) == ["the media"]
+    assert result.stale_causes(**{**same, "state": "t", "questions": {}}) == ["the schema", "the state"]
+    assert vm.stale_message(["the model"]).startswith("**Outdated:** the model has changed since you pressed Run")
+    assert "the schema, the state and the model have changed" in vm.stale_message(
+        ["the schema", "the state", "the model"])
+
+
+def test_model_for_run_follows_a_new_default_but_keeps_a_pick_meanwhile():
+    state: dict = {}
+    assert vm.model_for_run(state, ["clef-demo", "small"], "clef-demo") == "clef-demo"
+    vm.set_kept(state, vm.key("model"), "small")  # picked on the page
+    assert vm.model_for_run(state, ["clef-demo", "small"], "clef-demo") == "small"
+    assert vm.model_for_run(state, ["flash", "clef-demo", "small"], "flash") == "flash", "Make default switches"
+    assert vm.model_for_run(state, ["flash", "clef-demo"], "flash") == "flash"
+    vm.set_kept(state, vm.key("model"), "clef-demo")
+    assert vm.model_for_run(state, ["flash"], "flash") == "flash", "a picked model unloaded since"
+
+
+def test_a_removed_question_comes_back_where_it_was_with_what_it_held(library):
+    state: dict = {}
+    builder = vm.Builder(state)
+    builder.load("support-ticket-routing", library.load("support-ticket-routing"))
+    before = builder.rows()
+    assert not builder.unsaved_changes()
+    builder.remove(builder.uids[1])
+    assert builder.last_removed == before[1]["id"] and builder.unsaved_changes()
+    builder.undo_remove()
+    assert builder.rows() == before and builder.last_removed is None and not builder.unsaved_changes()
+    builder.remove(builder.uids[0])
+    builder.add_question("noul")
+    assert builder.last_removed is None, "undo is offered only until the questions change otherwise"
+
+
+def test_a_duplicate_id_is_reported_on_the_question_that_repeats_it():
+    rows = [{"id": "a", "type": "noul", "instructions": "x"}, {"id": "b", "type": "noul", "instructions": "y"},
+            {"id": "a", "type": "noul", "instructions": "z"}]
+    _, problems = schemas.rows_to_questions(rows)
+    messages = vm.Messages()
+    vm.route_schema_problems(problems, rows, messages)
+    assert list(messages.errors) == [2], "on the third card, not on the first that holds the id rightly"
+    assert "questions 1 and 3" in messages.errors[2][0]
+
+
+def test_media_travel_with_the_draft_and_come_back_on_restore():
+    png = state_input.Media("image", "a.png", "image/png", b"\x89PNG" + bytes(range(40)), 4, 4)
+    state: dict = {}
+    vm.set_media(state, [png])
+    saved: list[dict] = []
+    assert vm.save_draft_if_changed(state, saved.append)
+    assert saved[-1]["media"][0]["name"] == "a.png" and saved[-1]["media"][0]["base64"]
+    assert not vm.save_draft_if_changed(state, saved.append), "the same media: nothing written again"
+    fresh: dict = {}
+    vm.restore_draft(fresh, json.loads(json.dumps(saved[-1])))  # as the store keeps it
+    assert vm.restored_media(fresh) == [png]
+    again = state_input.Media("image", "a.png", "image/png", png.data, 4, 4)
+    assert vm.with_restored(vm.restored_media(fresh), [again]) == [png], "uploaded again: not twice"
+    vm.remove_restored_media(fresh, 0)
+    assert vm.restored_media(fresh) == []
+
+
+def test_durations_switch_to_seconds_above_ten_thousand_ms_and_rates_stay_short():
+    from workbench_ui import units
+
+    assert units.duration(None) == "–"
+    assert units.duration(850.24) == "850.2 ms" and units.duration(10_000) == "10,000 ms"
+    assert units.duration(10_001) == "10.0 s" and units.duration(150_762.4) == "2 min 31 s"
+    assert units.rate(12_016.2, "tok") == "12,016 tok/s" and units.rate(3.4167, "rec") == "3.42 rec/s"

@@ -550,3 +550,18 @@ def test_a_decide_during_a_bulk_batch_gets_the_answer_it_gets_alone(tiny_engine)
     for got, want in zip(bulk_answers, bulk_alone):
         assert json.dumps(got, sort_keys=True) == json.dumps(want, sort_keys=True)
     assert ran_inside  # at least one decide ran inside the bulk batch
+
+
+def test_a_release_says_whether_its_weights_are_random(tiny_release, tiny_engine, tmp_path):
+    """Issue 23 point 3: the tiny builder marks its config.json, the loader reads the mark, and info() reports it,
+    so a tiny release loaded by path is flagged like the demo; a release without the mark is not."""
+    from clef_engine.model import release
+
+    assert json.loads((tiny_release / "config.json").read_text())["random_weights"] is True
+    assert release.check(tiny_release).random_weights and tiny_engine.info()["random_weights"] is True
+    trained = tmp_path / "trained"
+    shutil.copytree(tiny_release, trained)
+    config = json.loads((trained / "config.json").read_text())
+    del config["random_weights"]
+    (trained / "config.json").write_text(json.dumps(config))
+    assert not release.check(trained).random_weights

@@ -297,3 +297,27 @@ def test_memory_estimate_scales_with_the_load_dtype_and_knows_the_published_mode
     assert clef.weights == 55_000_000_000 and flash.weights == 19_100_000_000
     assert clef.total > flash.total > 8 * memory.GiB + flash.weights
     assert memory.estimate("/no/such/release", config=config) is None
+
+
+class InfoEngine(FakeEngine):
+    """A fake engine that reports what its release or endpoint says about its weights."""
+
+    def info(self):
+        return {"random_weights": "random" in self.source}
+
+
+def test_models_whose_weights_are_random_are_flagged_by_name():
+    manager = ModelManager(loader=InfoEngine, demo_path=lambda: Path("/demo"))
+    manager.request(DEMO_SOURCE)
+    manager.wait(5)
+    manager.add("/models/random-tiny")
+    manager.add("/models/clef")
+    manager.wait(5)
+    assert {m.name: m.random_weights for m in manager.loaded()} == {
+        "clef-demo": True, "random-tiny": True, "clef": False}
+    assert manager.random_weights("random-tiny") and not manager.random_weights("clef")
+    manager.remove("random-tiny")
+    manager.remove("clef-demo")
+    # runs recorded under a demo name stay flagged after it is unloaded; other names are not guessed at
+    assert manager.random_weights("clef-demo") and manager.random_weights("clef-demo-2")
+    assert not manager.random_weights("random-tiny") and not manager.random_weights("12")

@@ -258,8 +258,9 @@ def test_decide_and_runs_pick_among_loaded_models_and_the_sidebar_unloads_after_
         at = AppTest.from_function(sidebar_models, default_timeout=TIMEOUT)
         at.run()
         no_exceptions(at)
-        assert [m.value for m in at.markdown][:2] == [f"**{default}** (default)  \n{default_label}",
-                                                      f"**{small_release.name}**  \n{small_release}"]
+        assert [m.value for m in at.markdown][:2] == [
+            f"**{default}** (default) · random weights  \n{default_label}",
+            f"**{small_release.name}** · random weights  \n{small_release}"]
         button(at, "Make default").click().run()
         assert manager.default_name() == small_release.name
         [b for b in at.button if b.key == f"sidebar.remove.{small_release.name}"][0].click().run()
@@ -280,3 +281,119 @@ def sidebar_models() -> None:
 
     shell.render_models(shell.model_manager())
     shell.render_add_model(shell.model_manager())
+
+
+def test_make_default_switches_decide_and_every_random_weight_answer_is_flagged_with_its_model(workbench,
+                                                                                                small_release):
+    """Issue 23 point 3: after Make default, Decide answers with the new default; a tiny release added by path (its
+    config.json says random_weights) is flagged next to its answers on Decide and Runs, each answer naming its model."""
+    from streamlit.testing.v1 import AppTest
+
+    from tests.test_app_pages import APP, TIMEOUT, button, no_exceptions
+    from workbench_ui import shell
+
+    manager = shell.model_manager()
+    manager.wait(300)
+    default = manager.default_name()
+    manager.add(str(small_release))
+    assert manager.wait(300).error is None
+    small = small_release.name
+    try:
+        at = AppTest.from_file(APP, default_timeout=TIMEOUT)
+        at.run()
+        assert at.selectbox(key="decide.model").value == default
+        manager.set_default(small)  # "Make default" in the sidebar (of this or any session)
+        at.run()
+        no_exceptions(at)
+        assert at.selectbox(key="decide.model").value == small
+        button(at, "Run").click().run()
+        no_exceptions(at)
+        result = at.session_state["decide.result"]
+        assert result.response["model"] == result.model_label == small
+        assert [w.value for w in at.warning if f"{small} has random weights" in w.value], \
+            "the added tiny release's answers are flagged"
+        cards = [m.value for m in at.markdown if "answered by" in m.value]
+        assert cards and all(card.endswith(f"answered by {small}") for card in cards)
+
+        store = Store(workbench / "workbench.sqlite3")
+        case_set = store.create_case_set("tickets")
+        store.add_cases(case_set, [{"state": "refund please"}])
+        store.create_run(case_set, schema={"name": "r", "questions": QUESTIONS}, model_id=small)
+        at.switch_page("pages/runs.py")
+        at.run()
+        no_exceptions(at)
+        assert any(f"{small} has random weights" in w.value for w in at.warning), "Runs flags the run's model"
+    finally:
+        manager.set_default(default)
+        manager.remove(small)
+    assert manager.random_weights("clef-demo") and not manager.random_weights(small), \
+        "a demo run stays flagged; an unloaded release is not guessed at"
+
+
+def whole_sidebar() -> None:
+    from workbench_ui import shell
+
+    shell.render_sidebar()
+
+
+def in_order(node) -> list[tuple[str, str]]:
+    """Every element under an AppTest node as (kind, text), in the order the page draws them."""
+    children = getattr(node, "children", None)
+    if children is None:
+        return [(type(node).__name__, str(getattr(node, "value", "") or getattr(node, "label", "")))]
+    return [item for index in sorted(children) for item in in_order(children[index])]
+
+
+def test_adding_a_model_reports_in_place_and_the_selector_follows_make_default(workbench, small_release):
+    """Issue 23 points 8 and 13: Add shows its progress and its success under the Add button and the list shows the
+    model; after Make default the top selector shows the model that is the default (no "Load Demo model" offered
+    while the demo is loaded); the Unload question appears under the model it is about."""
+    from streamlit.testing.v1 import AppTest
+
+    from tests.test_app_pages import TIMEOUT, button, no_exceptions
+    from workbench_ui import shell
+
+    manager = shell.model_manager()
+    manager.wait(300)
+    default = manager.default_name()
+    small = small_release.name
+    at = AppTest.from_function(whole_sidebar, default_timeout=TIMEOUT)
+    at.run()
+    assert not [b for b in at.sidebar.button if b.label.startswith("Load ")]
+    at.sidebar.selectbox(key="sidebar.add_choice").set_value("Local release folder").run()
+    at.sidebar.text_input(key="sidebar.add_local").input(str(small_release)).run()
+    try:
+        button(at.sidebar, "Add").click().run()
+        no_exceptions(at)
+        adding = at.sidebar.expander[0]
+        assert [i.value for i in adding.info if "Adding" in i.value] or \
+            [s.value for s in adding.success if small in s.value], "the add reports under its button"
+        assert manager.wait(300).error is None
+        at.run()
+        added = [s.value for s in at.sidebar.expander[0].success]
+        assert added and added[0].startswith(f"Added {small}")
+        assert f"**{small}** · random weights  \n{small_release}" in [m.value for m in at.sidebar.markdown]
+
+        button(at.sidebar, "Make default").click().run()
+        no_exceptions(at)
+        assert manager.default_name() == small
+        assert at.sidebar.selectbox(key="sidebar.model_choice").value == "Local release folder"
+        assert not [b.label for b in at.sidebar.button if b.label.startswith("Load ")], \
+            "no offer to load a model that is loaded"
+        at.sidebar.selectbox(key="sidebar.model_choice").set_value("Demo model (random weights)").run()
+        assert not [b.label for b in at.sidebar.button if b.label.startswith("Load ")]
+        button(at.sidebar, f"Make {default} the default").click().run()
+        assert manager.default_name() == default
+
+        [b for b in at.sidebar.button if b.key == f"sidebar.remove.{default}"][0].click().run()
+        drawn = in_order(at.sidebar)
+        question = next(i for i, (_, text) in enumerate(drawn) if f"Unload {default}?" in text)
+        other = next(i for i, (_, text) in enumerate(drawn) if text.startswith(f"**{small}**"))
+        own = next(i for i, (_, text) in enumerate(drawn) if text.startswith(f"**{default}**"))
+        assert own < question < other, "the question sits under the model it is about, not below the list"
+        button(at.sidebar, "Cancel").click().run()
+        assert not [w for w in at.sidebar.warning if "Unload" in w.value]
+    finally:
+        manager.set_default(default)
+        if small in [m.name for m in manager.loaded()]:
+            manager.remove(small)

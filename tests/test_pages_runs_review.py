@@ -401,7 +401,7 @@ def test_review_in_blind_mode_and_keeping_the_gold_label(workbench):
     rules = ReviewRules(margin_below=1.0, unknown_option=False, disagree_with_expected=False, questions=["team"])
     assert review.apply_rules(store, run_id, rules) == 12
     at = open_page("pages/review.py")
-    assert "This run's answers come from random weights" in texts(at), "the demo banner is on the review page"
+    assert "clef-demo has random weights" in texts(at), "the random-weights notice is on the review page"
     at.text_input(key="review.reviewer").input("ana")
     at.run()
     at.toggle(key="review.blind").set_value(True)
@@ -455,7 +455,7 @@ def test_links_open_the_run_case_set_and_review_item_they_name_and_results_brows
     runs_page = open_link("pages/runs.py", run=str(run_id))
     assert runs_page.selectbox(key="runs.selected").value == run_id, "the linked run, not the newest"
     assert param(runs_page, "run") == str(run_id)
-    assert "This run's answers come from random weights" in texts(runs_page)
+    assert "clef-demo has random weights" in texts(runs_page)
     assert "n = 12 records in 2 batch(es)" in texts(runs_page)
     table = next(df.value for df in runs_page.dataframe if "probabilities" in df.value.columns)
     assert len(table) == 12 * 5 and set(table["question"]) == {"team", "priority", "customer_mood", "churn_threat",

@@ -103,6 +103,7 @@ def test_load_url_returns_a_remote_engine_that_lists_the_server_model(remote, ap
     info = remote.info()
     assert info["remote"] is True and info["endpoint"] == api_server.url
     assert tiny_release.name in info["models"]  # from GET /v1/models, which needed the key
+    assert info["random_weights"] is True, "the endpoint's /v1/models says the tiny release's weights are random"
     assert API_KEY not in json.dumps(info) and API_KEY not in repr(remote)
 
 
@@ -453,6 +454,7 @@ def test_key_from_env_or_argument_sent_as_bearer_and_never_shown(stub, monkeypat
     with RemoteEngine(stub.url) as engine:  # check=True: GET /v1/models first
         engine.decide(NOUL)
         assert engine.info()["models"] == ["stub-model"]
+        assert engine.info()["random_weights"] is False, "an endpoint that does not say so is not flagged"
         assert "env-key" not in json.dumps(engine.info()) and "env-key" not in repr(engine)
     with RemoteEngine(stub.url, api_key=API_KEY) as engine:
         engine.decide(NOUL)

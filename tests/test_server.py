@@ -486,6 +486,8 @@ def test_health_and_models(client: httpx.Client, tiny_release: Path) -> None:
     assert "revision" in body
     models = client.get("/v1/models").json()["models"]
     assert [m["name"] for m in models][1] == "jev-latest"
+    # the tiny release's config.json says its weights are random, and the listing says so (and for the alias)
+    assert [m["random_weights"] for m in models] == [True, True]
     assert client.get("/nope").status_code == 404
     assert client.get("/v1/systemone").status_code == 405
 

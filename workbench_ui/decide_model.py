@@ -8,6 +8,7 @@ State lives in a mutable mapping (Streamlit's session_state on the page, a plain
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
 import weakref
@@ -96,6 +97,7 @@ class Builder:
             self._write_row(uid, row)
             uids.append(uid)
         self.state[key("uids")] = uids
+        self.state.pop(key("removed"), None)  # the questions it undid are gone
 
     def rows(self) -> list[dict[str, Any]]:
         """The questions as the widgets hold them (the raw text of options and levels parsed)."""
@@ -118,6 +120,7 @@ class Builder:
         n = len(self.uids) + 1
         while f"q{n}" in existing:
             n += 1
+        self.forget_removed()
         defaults = NEW_QUESTION_DEFAULTS[qtype]
         uid = self._new_uid()
         self._write_row(uid, {
@@ -128,13 +131,34 @@ class Builder:
         self.uids.append(uid)
 
     def move(self, uid: int, step: int) -> None:
+        self.forget_removed()
         uids = self.uids
         i = uids.index(uid)
         j = max(0, min(len(uids) - 1, i + step))
         uids[i], uids[j] = uids[j], uids[i]
 
     def remove(self, uid: int) -> None:
+        """Take a question off screen; `undo_remove` puts the last one back where it was, with what it held (its
+        widgets' values stay kept under its uid)."""
+        position = self.uids.index(uid)
         self.uids.remove(uid)
+        self.state[key("removed")] = {"uid": uid, "position": position,
+                                      "id": self.state.get(row_keys(uid)["id"],
+                                                           self.state.get(KEEP_PREFIX + row_keys(uid)["id"]))}
+
+    @property
+    def last_removed(self) -> str | None:
+        """The id of the question the last Remove took away, while it can be undone."""
+        removed = self.state.get(key("removed"))
+        return None if removed is None else str(removed["id"] or "")
+
+    def undo_remove(self) -> None:
+        removed = self.state.pop(key("removed"), None)
+        if removed is not None and removed["uid"] not in self.uids:
+            self.uids.insert(min(removed["position"], len(self.uids)), removed["uid"])
+
+    def forget_removed(self) -> None:
+        self.state.pop(key("removed"), None)
 
     def load(self, slug: str, schema: schemas.Schema, *, with_example: bool = False) -> None:
         """Put a library schema on screen: its questions, name, description and example states; it becomes the
@@ -299,9 +323,26 @@ class DecideResult:
     schema_name: str
     model_label: str
     device: str
+    schema_slug: str | None = None  # the library schema the questions came from (its identity), if any
+    random_weights: bool = False  # the model that answered has random weights: the page says so next to them
 
     def default_case_set(self) -> str:
         return f"{self.schema_name or 'Decide'} cases"
+
+    def stale_causes(self, *, questions: dict[str, Any], state: Any, images: list[state_input.Media],
+                     videos: list[state_input.Media], model: str | None) -> list[str]:
+        """What changed on screen since Run, in words ("the schema", "the state", "the media", "the model"):
+        empty when these answers are still those of the inputs on screen."""
+        causes = []
+        if json.dumps(questions, sort_keys=True) != json.dumps(self.questions, sort_keys=True):
+            causes.append("the schema")
+        if json.dumps(state, sort_keys=True, default=str) != json.dumps(self.state, sort_keys=True, default=str):
+            causes.append("the state")
+        if [m.data for m in (*images, *videos)] != [m.data for m in (*self.images, *self.videos)]:
+            causes.append("the media")
+        if model != self.model_label:
+            causes.append("the model")
+        return causes
 
     def expected_labels(self) -> dict[str, Any]:
         return answers.expected_labels(self.questions, self.response)
@@ -310,10 +351,29 @@ class DecideResult:
         return state_input.redact_media(self.request, list(self.images), list(self.videos))
 
 
+def stale_message(causes: list[str]) -> str:
+    """The warning over answers whose inputs changed since Run, naming what changed."""
+    what = causes[0] if len(causes) == 1 else ", ".join(causes[:-1]) + " and " + causes[-1]
+    verb = "has" if len(causes) == 1 else "have"
+    return (f"**Outdated:** {what} {verb} changed since you pressed Run. These answers are for the request as it "
+            "was then; press Run for answers to what is on screen.")
+
+
+# Save as case's fields: proposed afresh from each new result (a kept value would name the previous schema's set).
+SAVE_AS_CASE_FIELDS = ("case_set_pick", "case_set_new", "confirm_labels", "case_tags")
+
+
+def keep_result(state: MutableMapping, result: DecideResult) -> None:
+    """A new run's result on screen, with the Save as case fields proposing its schema's case set."""
+    for name in SAVE_AS_CASE_FIELDS:
+        state.pop(key(name), None)
+    state[key("result")] = result
+
 def save_as_case(store: Any, result: DecideResult, case_set_name: str, *, with_labels: bool, tags_text: str) -> int:
     """Add the run's state and media to a case set (created if missing); with_labels stores the model's answers as
     the expected answers (the user checked them). Returns the case id. Raises StoreError / ValueError."""
-    case_set_id = store.get_or_create_case_set(case_set_name, schema_name=result.schema_name or None)
+    # the library identity (the slug the Case sets and Runs pages load), not the display name
+    case_set_id = store.get_or_create_case_set(case_set_name, schema_name=result.schema_slug or None)
     return store.add_case(
         case_set_id, state=result.state,
         images=[m.data for m in result.images] or None,
@@ -326,12 +386,51 @@ def save_as_case(store: Any, result: DecideResult, case_set_name: str, *, with_l
 # -- the draft: what a reload brings back -----------------------------------------------------------------------
 
 
+def set_media(state: MutableMapping, media: list[state_input.Media]) -> None:
+    """The media the request on screen carries (uploaded and restored from the draft): the draft keeps them."""
+    state[key("media")] = list(media)
+
+
+def restored_media(state: MutableMapping) -> list[state_input.Media]:
+    """Media a reload brought back from the draft (the browser's uploaders start empty after a reload)."""
+    return list(state.get(key("restored_media")) or [])
+
+
+def remove_restored_media(state: MutableMapping, index: int) -> None:
+    media = restored_media(state)
+    if 0 <= index < len(media):
+        del media[index]
+        state[key("restored_media")] = media
+
+
+def with_restored(restored: list[state_input.Media], uploaded: list[state_input.Media]) -> list[state_input.Media]:
+    """The restored media, then the uploaded ones that are not the same file again (uploaded again after a reload)."""
+    seen = {m.data for m in restored}
+    return restored + [m for m in uploaded if m.data not in seen]
+
+
+def _media_entry(media: state_input.Media) -> dict[str, Any]:
+    return {"kind": media.kind, "name": media.name, "content_type": media.content_type, "width": media.width,
+            "height": media.height, "duration_s": media.duration_s,
+            "sha256": hashlib.sha256(media.data).hexdigest()}
+
+
 def draft_of(state: MutableMapping) -> dict[str, Any]:
-    """The editors' contents as JSON-able data."""
+    """The editors' contents as JSON-able data; media by their digest (with_media_bytes adds the bytes)."""
     builder = Builder(state)
     values = {name: state.get(key(name), state.get(KEEP_PREFIX + key(name))) for name in DRAFT_FIELDS}
+    media = state.get(key("media"), state.get(key("restored_media"))) or []
     return {**values, "rows": builder.rows(), "loaded_slug": builder.loaded_slug,
-            "loaded_questions": state.get(key("loaded_questions")), "examples": builder.examples}
+            "loaded_questions": state.get(key("loaded_questions")), "examples": builder.examples,
+            "media": [_media_entry(m) for m in media]}
+
+
+def with_media_bytes(draft: dict[str, Any], state: MutableMapping) -> dict[str, Any]:
+    """The draft as stored: each medium with its bytes (base64), so a reload brings the uploads back too."""
+    by_digest = {hashlib.sha256(m.data).hexdigest(): m.data
+                 for m in state.get(key("media"), state.get(key("restored_media"))) or []}
+    return {**draft, "media": [{**entry, "base64": base64.b64encode(by_digest[entry["sha256"]]).decode("ascii")}
+                               for entry in draft.get("media") or [] if entry["sha256"] in by_digest]}
 
 
 def restore_draft(state: MutableMapping, draft: dict[str, Any]) -> None:
@@ -345,6 +444,11 @@ def restore_draft(state: MutableMapping, draft: dict[str, Any]) -> None:
         if draft.get(name) is not None:
             state[key(name)] = draft[name]
     set_kept(state, key("library_pick"), draft.get("loaded_slug"))
+    media = [state_input.Media(entry["kind"], entry["name"], entry["content_type"], base64.b64decode(entry["base64"]),
+                               entry["width"], entry["height"], entry.get("duration_s"))
+             for entry in draft.get("media") or [] if entry.get("base64")]
+    state[key("restored_media")] = media
+    set_media(state, media)
 
 
 def save_draft_if_changed(state: MutableMapping, save: Callable[[dict[str, Any]], None]) -> bool:
@@ -352,7 +456,7 @@ def save_draft_if_changed(state: MutableMapping, save: Callable[[dict[str, Any]]
     draft = draft_of(state)
     if draft == state.get(key("saved_draft")):
         return False
-    save(draft)
+    save(with_media_bytes(draft, state))
     state[key("saved_draft")] = draft
     return True
 
@@ -372,6 +476,19 @@ def frame_thumbnail(frame: np.ndarray, width: int = FRAME_THUMBNAIL_PX) -> Image
 
 
 # -- which model a run uses -------------------------------------------------------------------------------------
+
+
+def model_for_run(state: MutableMapping, names: list[str], default: str | None) -> str | None:
+    """The model this page's next run uses, among the loaded `names` (the default first), kept as the model
+    picker's value: the one picked here while it stays loaded, until the default changes (Make default, in any
+    session), which switches this page to the new default."""
+    if state.get(key("model_default_seen")) != default:
+        state[key("model_default_seen")] = default
+        state.pop(key("model"), None)
+        state.pop(KEEP_PREFIX + key("model"), None)
+    chosen = chosen_model(names, state.get(key("model"), state.get(KEEP_PREFIX + key("model"))))
+    set_kept(state, key("model"), chosen)
+    return chosen
 
 
 def chosen_model(names: list[str], picked: str | None) -> str | None:

@@ -24,6 +24,7 @@ from clef_workbench.model_loader import (
     DEMO_SOURCE,
     LoadState,
     ModelManager,
+    is_demo_name,
     kernel_summary,
     label_of,
     shared_manager,
@@ -133,20 +134,25 @@ def show_load_messages(state: LoadState) -> None:
         st.warning(DEMO_BANNER, icon=":material/casino:")
 
 
-DEMO_RUN_BANNER = ("**Demo model.** This run's answers come from random weights: its accuracy, calibration and "
-                   "confidences mean nothing. Run the case set on Clef or Clef-Flash for numbers to act on.")
+def random_weights_text(model_name: str) -> str:
+    demo = "**Demo model.** " if is_demo_name(model_name) else ""
+    return (f"{demo}**{model_name} has random weights: its answers mean nothing.** Accuracy, calibration and "
+            "confidences from it say nothing about Clef; use Clef or Clef-Flash for answers to act on.")
+
+
+def random_weights_notice(model_name: str | None) -> bool:
+    """Where a page shows answers (a Decide result, a run's results, a review queue): a warning, in the main area,
+    when the model that produced them has random weights (the demo, a release or an endpoint that says so). True
+    if it warned."""
+    if not model_name or not model_manager().random_weights(model_name):
+        return False
+    st.warning(random_weights_text(model_name), icon=":material/casino:")
+    return True
 
 
 def demo_output_banner(model_id: str | None = None) -> None:
-    """On pages that show model output (Runs, Review): say so when the output came from the demo model, or when
-    the demo model is the one loaded."""
-    from clef_workbench.model_loader import request_model_name
-
-    demo_name = request_model_name(DEMO_SOURCE)
-    if (model_id or "").split("@")[0] == demo_name:
-        st.warning(DEMO_RUN_BANNER, icon=":material/casino:")
-    elif model_manager().state().is_demo:
-        st.warning(DEMO_BANNER, icon=":material/casino:")
+    """The Compare page's name for random_weights_notice."""
+    random_weights_notice(model_id)
 
 
 def _gib(n: int | None) -> str:
@@ -181,21 +187,46 @@ def pick_source(label: str, key: str, current: str | None = None) -> str:
     return source
 
 
+# Nothing on a page may hide what it says behind an ellipsis at 1024 px: button labels and metric values wrap instead
+# of being cut ("Make def…", "New…", "150,762.4…"); a wrapped label still reads whole.
+PAGE_STYLE = """<style>
+button [data-testid="stMarkdownContainer"], button [data-testid="stMarkdownContainer"] * {
+  white-space: normal !important; overflow: visible !important; text-overflow: clip !important; }
+[data-testid="stMetricValue"], [data-testid="stMetricValue"] * {
+  white-space: normal !important; overflow: visible !important; text-overflow: clip !important;
+  overflow-wrap: anywhere; }
+</style>"""
+
+
 def render_sidebar() -> None:
     """The default model's selector, the other resident models (add, make default, remove) and the status, drawn
     before the page."""
+    st.html(PAGE_STYLE)
     manager = model_manager()
     state = manager.state()
     with st.sidebar:
         st.subheader("Model")
         current = state.loading_source or state.source
+        if st.session_state.get("sidebar.model_shown") != current:
+            # the default changed (Make default, a load from another session): the selector shows the new one
+            for stale in ("sidebar.model_choice", *(f"sidebar.model_{kind}" for kind in SOURCE_INPUTS)):
+                st.session_state.pop(stale, None)
+            st.session_state["sidebar.model_shown"] = current
         source = pick_source("Model (shared by all sessions)", "sidebar.model", current)
-        if source and source != current:
+        resident = next((m for m in manager.loaded() if m.source == source), None)
+        if source and source != current and resident is not None:
+            if st.button(f"Make {resident.name} the default", key="sidebar.make_default"):
+                manager.set_default(resident.name)
+                st.rerun()
+        elif source and source != current:
             st.caption("Switching reloads the model for every open session.")
             if st.button(f"Load {label_of(source)}", key="sidebar.load"):
                 manager.request(source)
                 st.rerun()
-        render_models(manager)
+        if state.adding:  # the list redraws itself while a model is added, so it shows the new one at once
+            st.fragment(lambda: render_models(manager), run_every=STATUS_REFRESH_SECONDS)()
+        else:
+            render_models(manager)
         st.divider()
         live_status()
         render_add_model(manager)
@@ -207,31 +238,35 @@ def render_models(manager: ModelManager) -> None:
     models = manager.loaded()
     if len(models) > 1:
         st.caption("Loaded models (the API and the Decide and Runs pages pick among them):")
+    confirming = st.session_state.get("sidebar.confirm_remove")
     for index, model in enumerate(models if len(models) > 1 else []):
-        st.markdown(f"**{model.name}**" + (" (default)" if index == 0 else "") + f"  \n{model.label}")
-        cols = st.columns(2)
-        if index and cols[0].button("Make default", key=f"sidebar.default.{model.name}", icon=":material/star:",
-                                    help="The model pages and API requests use unless they pick another"):
+        st.markdown(f"**{model.name}**" + (" (default)" if index == 0 else "")
+                    + (" · random weights" if model.random_weights else "") + f"  \n{model.label}")
+        # stacked, not side by side: half the sidebar's width cut "Make default" to "Make def…"
+        if index and st.button("Make default", key=f"sidebar.default.{model.name}", icon=":material/star:",
+                               help="The model pages and API requests use unless they pick another"):
             manager.set_default(model.name)
             st.rerun()
-        if cols[1].button("Unload…", key=f"sidebar.remove.{model.name}", icon=":material/close:"):
-            st.session_state["sidebar.confirm_remove"] = model.name
+        if st.button("Unload…", key=f"sidebar.remove.{model.name}", icon=":material/close:"):
+            st.session_state["sidebar.confirm_remove"] = confirming = model.name
+        if confirming == model.name:  # the question right under the button that asked it
+            confirm_unload(manager, model.name)
+
+
+def confirm_unload(manager: ModelManager, name: str) -> None:
+    with st.container(border=True):
+        st.warning(f"Unload {name}? Runs on it stop after their batch in flight; you can load it again.")
+        cols = st.columns(2)
+        if cols[0].button("Yes, unload", key="sidebar.remove_yes", type="primary"):
+            st.session_state.pop("sidebar.confirm_remove", None)
+            try:
+                manager.remove(name)
+            except KeyError as exc:
+                st.error(str(exc))
             st.rerun()
-    confirming = st.session_state.get("sidebar.confirm_remove")
-    if confirming in {m.name for m in models}:
-        with st.container(border=True):
-            st.warning(f"Unload {confirming}? Runs on it stop after their batch in flight; you can load it again.")
-            cols = st.columns(2)
-            if cols[0].button("Yes, unload", key="sidebar.remove_yes", type="primary"):
-                st.session_state.pop("sidebar.confirm_remove", None)
-                try:
-                    manager.remove(confirming)
-                except KeyError as exc:
-                    st.error(str(exc))
-                st.rerun()
-            if cols[1].button("Cancel", key="sidebar.remove_no"):
-                st.session_state.pop("sidebar.confirm_remove", None)
-                st.rerun()
+        if cols[1].button("Cancel", key="sidebar.remove_no"):
+            st.session_state.pop("sidebar.confirm_remove", None)
+            st.rerun()
 
 
 def render_add_model(manager: ModelManager) -> None:
@@ -243,7 +278,32 @@ def render_add_model(manager: ModelManager) -> None:
         loaded_sources = {m.source for m in manager.loaded()}
         if st.button("Add", key="sidebar.add", disabled=not source or source in loaded_sources):
             manager.add(source)
-            st.rerun()
+            st.session_state[ADDED_KEY] = source
+            st.rerun()  # drawn again with the list of models following the load
+        added = st.session_state.get(ADDED_KEY)
+        if added in manager.state().adding:
+            st.fragment(follow_add, run_every=STATUS_REFRESH_SECONDS)()  # redraws itself until the load ends
+        elif added:
+            follow_add()
+
+
+ADDED_KEY = "sidebar.added"  # the model this session last asked to add: its progress and outcome show under Add
+
+
+def follow_add() -> None:
+    """The add this session asked for, under its Add button: its progress while it loads, then what became of it."""
+    manager = model_manager()
+    source = st.session_state.get(ADDED_KEY)
+    state = manager.state()
+    added = next((m for m in manager.loaded() if m.source == source), None)
+    if source in state.adding:
+        st.info(f"Adding {label_of(source)}… The list of models shows it when it has loaded.",
+                icon=":material/hourglass_top:")
+    elif added is not None:
+        st.success(f"Added {added.name}: pick it on the Decide and Runs pages, or make it the default above.",
+                   icon=":material/check_circle:")
+    elif state.error:
+        st.error(state.error, icon=":material/error:")
 
 
 def live_status() -> None:

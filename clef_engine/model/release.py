@@ -19,6 +19,8 @@ from ..errors import ReleaseError
 ARCHITECTURE = "Qwen3_5ForConditionalGeneration"
 HEAD_WEIGHTS = "joint_head.safetensors"
 HEAD_CONFIG = "joint_head_config.json"
+# A config.json field a release with random weights (clef_engine.tiny) carries, so every loader can flag its answers.
+RANDOM_WEIGHTS_FIELD = "random_weights"
 REQUIRED_FILES = (
     "config.json",
     HEAD_WEIGHTS,
@@ -54,6 +56,11 @@ class Release:
     @property
     def text_config(self) -> dict:
         return self.config.get("text_config", {})
+
+    @property
+    def random_weights(self) -> bool:
+        """The release says its weights are random (a tiny test release): its answers mean nothing."""
+        return self.config.get(RANDOM_WEIGHTS_FIELD) is True
 
 
 def resolve(source: str | os.PathLike, revision: str | None = None) -> Path:

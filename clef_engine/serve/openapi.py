@@ -49,7 +49,9 @@ _MODELS = {
     "properties": {"models": {"type": "array", "items": {
         "type": "object",
         "properties": {"name": {"type": "string"}, "description": {"type": "string"},
-                       "release_date": {"type": "string", "format": "date"}},
+                       "release_date": {"type": "string", "format": "date"},
+                       "random_weights": {"type": "boolean",
+                                          "description": "The model's weights are random: its answers mean nothing"}},
     }}},
 }
 

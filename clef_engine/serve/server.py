@@ -738,10 +738,12 @@ class SystemOneApi:
                 description = (f"Clef decision model {name} (revision {info.get('revision') or 'local'}) {where}."
                                + (f" The default: {MODEL_ALIAS} and any name not listed here map to it."
                                   if index == 0 else ""))
-                listed.append({"name": name, "description": description, "release_date": _release_date(info)})
+                # a client (the workbench) flags answers of a model whose weights are random as meaning nothing
+                listed.append({"name": name, "description": description, "release_date": _release_date(info),
+                               "random_weights": bool(info.get("random_weights"))})
             default = listed[0]
             listed.append({"name": MODEL_ALIAS, "description": f"Alias of {default['name']}.",
-                           "release_date": default["release_date"]})
+                           "release_date": default["release_date"], "random_weights": default["random_weights"]})
             status = 200
             return JSONResponse({"models": listed})
         except ApiError as exc:

@@ -1,0 +1,31 @@
+"""Numbers as the pages show them: short enough for a metric's column at 1024 px, with the unit chosen for the
+size (a six-digit millisecond count was cut to "150,762.4…")."""
+
+from __future__ import annotations
+
+SECONDS_ABOVE_MS = 10_000  # durations above this many milliseconds are shown in seconds
+
+
+def duration(ms: float | None) -> str:
+    """A duration given in milliseconds: "–", "850.2 ms", "12.3 s", "2 min 31 s"."""
+    if ms is None:
+        return "–"
+    if ms <= SECONDS_ABOVE_MS:
+        return f"{ms:,.1f} ms" if ms < 1000 else f"{ms:,.0f} ms"
+    seconds = ms / 1000
+    if seconds < 120:
+        return f"{seconds:.1f} s"
+    minutes, rest = divmod(round(seconds), 60)
+    return f"{minutes} min {rest:02d} s"
+
+
+def quantity(value: float | None) -> str:
+    """A count or rate: whole numbers from 100 up (a decimal there only widens the column), else 3 digits."""
+    if value is None:
+        return "–"
+    return f"{value:,.0f}" if abs(value) >= 100 else f"{value:.3g}"
+
+
+def rate(value: float | None, unit: str) -> str:
+    """A rate per second: "12,016 tok/s", "3.42 rec/s"."""
+    return "–" if value is None else f"{quantity(value)} {unit}/s"
