@@ -38,10 +38,10 @@ class DecisionEngine(Protocol):
     def validate(self, request: dict) -> None: ...
 
     def decide_many(self, requests: list[dict], *, max_length: int | None = None, overflow: str = "refuse",
-                    priority: str = "bulk") -> list[dict]: ...
+                    priority: str = "bulk", errors: str = "raise") -> list[Any]: ...
 
     def submit(self, requests: list[dict], *, priority: str = "interactive", max_length: int | None = None,
-               overflow: str = "refuse") -> Future: ...
+               overflow: str = "refuse", errors: str = "raise") -> Future: ...
 
 
 @dataclass
@@ -219,56 +219,51 @@ class JobRunner:
             chunk.valid.append((case["id"], request))
         if not chunk.valid:
             return chunk
-        options = {"max_length": settings.get("max_length"), "overflow": settings.get("overflow", "refuse")}
-        requests = [r for _, r in chunk.valid]
         chunk.began = time.perf_counter()
-        try:
-            if hasattr(engine, "submit"):
-                chunk.future = self._with_busy_retry(
-                    lambda: engine.submit(requests, priority="bulk", **options), job)
-            else:  # an engine without a queue of its own: decide now
-                chunk.future = Future()
-                chunk.future.set_result(self._with_busy_retry(
-                    lambda: engine.decide_many(requests, priority="bulk", **options), job))
-        except ClefError:
-            chunk.future = None  # one bad record (e.g. over the token budget) refused the chunk: one by one later
+        chunk.future = self._with_busy_retry(lambda: self._send(engine, [r for _, r in chunk.valid], settings), job)
         return chunk
 
+    @staticmethod
+    def _send(engine: DecisionEngine, requests: list[dict], settings: dict) -> Future:
+        """Queue requests on the engine with an answer or an error per request (errors="return"): a case over the
+        token budget is an error result and the rest of its chunk runs as it would have without it."""
+        options = {"max_length": settings.get("max_length"), "overflow": settings.get("overflow", "refuse"),
+                   "priority": "bulk", "errors": "return"}
+        if hasattr(engine, "submit"):
+            return engine.submit(requests, **options)
+        future: Future = Future()  # an engine without a queue of its own: decide now
+        future.set_result(engine.decide_many(requests, **options))
+        return future
+
     def _finish_chunk(self, chunk: _Chunk, engine: DecisionEngine, settings: dict, job: _LiveJob) -> list[dict]:
-        """Wait for the chunk's answers; results in the form Store.record_results takes."""
+        """Wait for the chunk's answers; results in the form Store.record_results takes. Cases the engine was too
+        busy for are sent again, with backoff, like a chunk refused as a whole."""
         if not chunk.valid:
             return chunk.errors
-        try:
-            if chunk.future is None:
-                raise ClefError("refused at submission")
-            responses = chunk.future.result()
-        except ClefError:
-            # isolate the bad record: each case alone
-            return chunk.errors + [result for item in chunk.valid
-                                   for result in self._decide([item], engine, settings, now_iso(), job)]
-        return chunk.errors + self._results(chunk.valid, responses, chunk.started_at,
+        outcomes = chunk.future.result()
+        for attempt in range(BUSY_RETRIES - 1):
+            busy = [i for i, outcome in enumerate(outcomes) if isinstance(outcome, BusyError)]
+            if not busy or job.cancel.is_set():
+                break
+            time.sleep(min(0.1 * 2 ** attempt, 5.0))
+            requests = [chunk.valid[i][1] for i in busy]
+            again = self._with_busy_retry(lambda requests=requests: self._send(engine, requests, settings),
+                                          job).result()
+            for i, outcome in zip(busy, again, strict=True):
+                outcomes[i] = outcome
+        return chunk.errors + self._results(chunk.valid, outcomes, chunk.started_at,
                                             (time.perf_counter() - chunk.began) * 1000)
 
-    def _decide(self, valid: list[tuple[int, dict]], engine: DecisionEngine, settings: dict, started_at: str,
-                job: _LiveJob) -> list[dict]:
-        options = {"max_length": settings.get("max_length"), "overflow": settings.get("overflow", "refuse")}
-        began = time.perf_counter()
-        try:
-            responses = self._with_busy_retry(lambda: engine.decide_many([r for _, r in valid], priority="bulk",
-                                                                         **options), job)
-        except ClefError as exc:
-            if len(valid) == 1:
-                return [{"case_id": valid[0][0], "error": f"{type(exc).__name__}: {exc}",
-                         "started_at": started_at, "finished_at": now_iso()}]
-            # one bad record (e.g. over the token budget) fails the whole call: retry one by one to isolate it
-            return [result for item in valid for result in self._decide([item], engine, settings, now_iso(), job)]
-        return self._results(valid, responses, started_at, (time.perf_counter() - began) * 1000)
-
     @staticmethod
-    def _results(valid: list[tuple[int, dict]], responses: list[dict], started_at: str, wall_ms: float) -> list[dict]:
+    def _results(valid: list[tuple[int, dict]], outcomes: list[Any], started_at: str, wall_ms: float) -> list[dict]:
+        """One result per case from the engine's outcomes (a response, or the case's own error)."""
         finished_at = now_iso()
         out = []
-        for (case_id, _), response in zip(valid, responses, strict=True):
+        for (case_id, _), response in zip(valid, outcomes, strict=True):
+            if isinstance(response, Exception):
+                out.append({"case_id": case_id, "error": f"{type(response).__name__}: {response}",
+                            "started_at": started_at, "finished_at": finished_at})
+                continue
             out.append({
                 "case_id": case_id, "response": response,
                 # the engine's own per-record latency; without it, the chunk's wall time shared equally
