@@ -256,3 +256,40 @@ def test_decide_chunk_on_a_replica_answers_the_good_cases_in_one_batch(tiny_engi
     assert [r["case_id"] for r in results] == list(range(12))
     assert results[5]["error"].startswith("TokenBudgetError") and "response" not in results[5]
     assert all(r["response"]["answers"] for r in results if r["case_id"] != 5)
+
+
+def test_a_store_that_stops_taking_results_fails_the_run_with_one_message_and_resume_completes_it(tmp_path,
+                                                                                                   tiny_engine):
+    import sqlite3
+
+    store = Store(tmp_path / "w.db")
+    set_id = store.create_case_set("tickets")
+    store.add_cases(set_id, [{"state": f"ticket {i}: my invoice is wrong"} for i in range(12)])
+    run_id = store.create_run(set_id, schema=SMALL_SCHEMA, model_id="demo", settings={"chunk_size": 2})
+    record_results = store.record_results
+    writes = [0]
+
+    def full_disk_on_the_third_write(run, results):
+        writes[0] += 1
+        if writes[0] == 3:
+            raise sqlite3.OperationalError("database or disk is full")
+        return record_results(run, results)
+
+    store.record_results = full_disk_on_the_third_write
+    runner = JobRunner(store)
+    runner.start(run_id, tiny_engine)
+    assert runner.wait(run_id, timeout=120)
+    run = store.get_run(run_id)
+    assert (run["status"], run["done"]) == ("failed", 4)
+    assert run["error"] == (f"the database {store.path} stopped taking writes (database or disk is full); the run "
+                            "stopped with its finished results kept: resume it once the database is writable")
+    assert tiny_engine.scheduler.queue_depth() == 0  # the chunk queued behind the failed one was not left running
+    progress = runner.progress(run_id)
+    assert not progress["elsewhere"] and not progress["live"] and store.run_lease_holder(run_id) is None
+
+    runner.start(run_id, tiny_engine)  # the disk has room again
+    assert runner.wait(run_id, timeout=120)
+    run = store.get_run(run_id)
+    assert (run["status"], run["done"], run["errors"]) == ("finished", 12, 0)
+    results = store.list_results(run_id)
+    assert len({r["case_id"] for r in results}) == len(results) == 12
