@@ -135,7 +135,7 @@ def same_run(store: Store, case_set_id: int, schema: dict, model_id: str, settin
     return None
 
 
-def resume_or_new(store: Store, run: dict, args: argparse.Namespace) -> int | None:
+def resume_or_new(store: Store, run: dict) -> int | None:
     """What to do about an earlier run of the same work: the run id to resume, or None for a new run. Asks at a
     terminal; without one, refuses with the flags that decide."""
     left = run["total"] - run["done"]
@@ -152,16 +152,17 @@ def resume_or_new(store: Store, run: dict, args: argparse.Namespace) -> int | No
                              "compute the case set again as a new run")
         raise UsageError(f"{what} and has a result for every case; pass --new to compute the case set again as a new "
                          "run")
-    if left:
-        answer = input(f"{what}. Resume it ({left} cases left)? [Y]es / [n]ew run / [q]uit: ").strip().lower()
-        if answer in ("", "y", "yes"):
-            return run["id"]
-    else:
-        answer = input(f"{what} and has every result. Compute it again as a new run? [y/N]: ").strip().lower()
-        answer = "n" if answer in ("y", "yes") else "q"
+    if not left:
+        again = input(f"{what} and has every result. Compute it again as a new run? [y/N]: ")
+        if again.strip().lower() in ("y", "yes"):
+            return None
+        raise UsageError("nothing run")
+    answer = input(f"{what}. Resume it ({left} cases left)? [Y]es / [n]ew run / [q]uit: ").strip().lower()
+    if answer in ("", "y", "yes"):
+        return run["id"]
     if answer in ("n", "new"):
         return None
-    raise UsageError(f"nothing run: choose {resume}{' ' if left else ''}or --new" if left else "nothing run")
+    raise UsageError(f"nothing run: choose {resume} or --new")
 
 
 def run_command(args: argparse.Namespace) -> int:
@@ -200,7 +201,7 @@ def run_command(args: argparse.Namespace) -> int:
         settings = {"chunk_size": args.chunk_size, "max_length": args.max_length, "overflow": args.overflow,
                     "schema_slug": args.schema.stem}
         earlier = None if args.new else same_run(store, case_set_id, schema, model_id, settings)
-        run_id = None if earlier is None else resume_or_new(store, earlier, args)
+        run_id = None if earlier is None else resume_or_new(store, earlier)
     source = model_source(args.model)
     address = ray_address(args.ray)
     if address is None and (args.replicas or args.chunk_tokens):

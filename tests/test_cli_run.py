@@ -226,3 +226,26 @@ def test_resume_and_new_are_checked_before_any_model_loads(tmp_path, capsys, mon
     assert "leave out --case-set, --schema and --new" in capsys.readouterr().err
     assert main(common) == 2
     assert "--case-set and --schema are required (or --resume RUN_ID)" in capsys.readouterr().err
+
+
+def test_at_a_terminal_the_same_work_asks_whether_to_resume(tmp_path, monkeypatch):
+    from clef_workbench.__main__ import UsageError, resume_or_new, same_run
+
+    db, schema_file, store = small_run(tmp_path, 3)
+    set_id = store.list_case_sets()[0]["id"]
+    settings = {"chunk_size": 8, "max_length": 8192, "overflow": "refuse"}
+    run_id = store.create_run(set_id, schema=SMALL_SCHEMA, model_id="clef-demo", settings=settings)
+    assert same_run(store, set_id, SMALL_SCHEMA, "another-model", settings) is None
+    assert same_run(store, set_id, SMALL_SCHEMA, "clef-demo", dict(settings, max_length=400)) is None
+    run = same_run(store, set_id, SMALL_SCHEMA, "clef-demo", settings)
+    assert run["id"] == run_id
+
+    monkeypatch.setattr(sys.stdin, "isatty", lambda: True)
+    asked: list[str] = []
+    for answer, expected in (("", run_id), ("y", run_id), ("n", None)):
+        monkeypatch.setattr("builtins.input", lambda prompt, answer=answer: asked.append(prompt) or answer)
+        assert resume_or_new(store, run) == expected
+    assert f"run {run_id} (pending, 0/3 cases done)" in asked[0] and "Resume it (3 cases left)?" in asked[0]
+    monkeypatch.setattr("builtins.input", lambda prompt: "q")
+    with pytest.raises(UsageError, match=f"nothing run: choose --resume {run_id} or --new"):
+        resume_or_new(store, run)
