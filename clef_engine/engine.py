@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from .config import EngineConfig
-from .errors import RequestError, TokenBudgetError
+from .errors import ClefError, RequestError, TokenBudgetError
 from .explain import explain as explain_request
 from .fast import kernels
 from .fast.cache import PrefixCache, StateCache
@@ -41,6 +41,7 @@ from .tiny import is_demo_release
 
 LAYERS_AHEAD = 1  # in a bulk batch, how many layers the host may launch ahead of the GPU
 DECIDE_MANY_GROUP = 16  # requests encoded and queued together by decide_many
+ERROR_MODES = ("raise", "return")  # of submit / decide_many: a bad request raises, or its slot holds its error
 LONG_ATTENTION_WARM_TOKENS = 2 * DEFAULT_MAX_LENGTH  # warm-up builds cuDNN's attention plans up to this length
 
 
@@ -152,32 +153,50 @@ class Engine:
         return counts
 
     def submit(self, requests: list[dict], *, priority: str = "interactive", max_length: int | None = None,
-               overflow: str = "refuse") -> Future:
-        """Encode now (raising RequestError / TokenBudgetError for a bad request), run on the GPU worker later.
-        The future resolves to one System One response per request."""
+               overflow: str = "refuse", errors: str = "raise") -> Future:
+        """Encode now, run on the GPU worker later. The future resolves to one System One response per request.
+        errors="raise": a bad request (RequestError, TokenBudgetError) raises here, and a failure on the GPU fails
+        the whole future. errors="return": each request's slot holds its response or its own error (a ClefError
+        from encoding, or what its batch raised with the record alone, see Scheduler), so one bad request costs
+        the others nothing: they are encoded and batched as if it were not there."""
+        if errors not in ERROR_MODES:
+            raise ValueError(f"errors must be one of {ERROR_MODES}, not {errors!r}")
         started = time.perf_counter()
-        records = [self.encode(r, max_length=max_length, overflow=overflow) for r in requests]
+        outcomes: list[Any] = [None] * len(requests)
+        records, positions = [], []
+        for position, request in enumerate(requests):
+            try:
+                records.append(self.encode(request, max_length=max_length, overflow=overflow))
+            except ClefError as error:
+                if errors == "raise":
+                    raise
+                outcomes[position] = error
+                continue
+            positions.append(position)
 
-        def respond(probabilities: list) -> list[dict]:
+        def respond(probabilities: list) -> list[Any]:
             latency_ms = (time.perf_counter() - started) * 1000
-            return [self.response(request, record, probs, latency_ms)
-                    for request, record, probs in zip(requests, records, probabilities)]
+            for position, record, probs in zip(positions, records, probabilities, strict=True):
+                outcomes[position] = probs if isinstance(probs, Exception) else \
+                    self.response(requests[position], record, probs, latency_ms)
+            return outcomes
 
-        return self.scheduler.submit(records, priority=priority, finalize=respond)
+        return self.scheduler.submit(records, priority=priority, finalize=respond, per_record=errors == "return")
 
     def decide(self, request: dict, *, max_length: int | None = None, overflow: str = "refuse") -> dict:
         return self.submit([request], priority="interactive", max_length=max_length, overflow=overflow).result()[0]
 
     def decide_many(self, requests: list[dict], *, max_length: int | None = None, overflow: str = "refuse",
-                    priority: str = "bulk") -> list[dict]:
+                    priority: str = "bulk", errors: str = "raise") -> list[Any]:
         """Responses in order. Submitted in groups as they are encoded, so the GPU starts on the first group while
-        the rest are encoded; a bad request raises before any answer is returned (groups queued before it are
-        cancelled if they have not started)."""
+        the rest are encoded; with errors="raise" a bad request raises before any answer is returned (groups
+        queued before it are cancelled if they have not started), with errors="return" its slot holds its error
+        (see submit)."""
         futures: list[Future] = []
         try:
             for start in range(0, len(requests), DECIDE_MANY_GROUP):
                 futures.append(self.submit(requests[start: start + DECIDE_MANY_GROUP], priority=priority,
-                                           max_length=max_length, overflow=overflow))
+                                           max_length=max_length, overflow=overflow, errors=errors))
         except BaseException:
             for future in futures:
                 future.cancel()

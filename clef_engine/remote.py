@@ -4,8 +4,17 @@
 
 What a user expects of a client of a remote service:
 - one `httpx.Client` (connections are reused), at most `max_concurrency` requests in flight from this object;
-- timeouts (connect and read), retries with exponential backoff and jitter on 408/429/5xx and on connection
-  failures, waiting what `Retry-After` asks for instead when the server says (capped at `max_retry_wait_s`);
+- a deadline per request: `timeout` seconds from when it is sent to its answer, connecting, sending, every read
+  and every wait between retries included, so a server that trickles its answer a byte at a time, or never
+  answers, cannot hold a caller longer (every socket operation is given what is left of the deadline, see
+  _DeadlineBackend);
+- retries with exponential backoff and jitter on 408/429/5xx and on connection failures, only while the deadline
+  leaves time for them, waiting what `Retry-After` asks for instead when the server says: a number of seconds or
+  an HTTP date, capped at `max_retry_wait_s`; one that asks for longer than the deadline leaves ends the call at
+  once with the server's error;
+- an answer of at most `max_response_bytes` (read as it streams in and abandoned past the cap, never held whole);
+  a 200 whose answers are not what the request asked for (a missing answer, a probability that is NaN, infinite,
+  outside [0, 1] or not a number) is a `RemoteError`, never passed on;
 - errors the rest of the package already handles: 422 → `RequestError` with the server's problems (so the field at
   fault is named), 413 → `TokenBudgetError` (or `RequestTooLargeError` for a body over the server's limit), 429
   after the retries → `BusyError`, 401/403 → `RemoteAuthError`, anything else → `RemoteError`; every message names
@@ -29,6 +38,7 @@ from __future__ import annotations
 import base64
 import email.utils
 import json
+import math
 import os
 import random
 import threading
@@ -39,6 +49,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
+import httpcore
 import httpx
 
 from .errors import BusyError, CancelledError, ClefError, Problem, RequestError, TokenBudgetError
@@ -50,6 +61,7 @@ MODELS_PATH = "/v1/models"
 RETRY_STATUSES = frozenset({408, 429, 500, 502, 503, 504, 529})
 BUSY_STATUSES = frozenset({429, 529})  # overloaded: after the retries, BusyError (batch jobs back off on it)
 OVERFLOW_POLICIES = ("refuse", "truncate_state")
+MAX_RESPONSE_BYTES = 32 * 1024 * 1024  # a System One answer is kilobytes; this leaves room for huge schemas
 
 
 class RemoteError(ClefError):
@@ -99,9 +111,11 @@ def retry_after_seconds(value: str | None) -> float | None:
         return None
     value = value.strip()
     try:
-        return max(0.0, float(value))
+        seconds = float(value)
     except ValueError:
         pass
+    else:  # "inf", "nan" and "-5" parse as floats but say nothing usable
+        return seconds if math.isfinite(seconds) and seconds >= 0 else None
     try:
         when = email.utils.parsedate_to_datetime(value)
     except (TypeError, ValueError):
@@ -109,6 +123,76 @@ def retry_after_seconds(value: str | None) -> float | None:
     if when.tzinfo is None:
         when = when.replace(tzinfo=UTC)
     return max(0.0, (when - datetime.now(UTC)).total_seconds())
+
+
+_deadline = threading.local()  # `at`: the monotonic time the current thread's HTTP exchange must end by
+
+
+class _CallDeadline:
+    """While active, every socket operation of this thread's HTTP exchange gets what is left until `at`."""
+
+    def __init__(self, at: float):
+        self.at = at
+
+    def __enter__(self) -> None:
+        _deadline.at = self.at
+
+    def __exit__(self, *exc_info: object) -> None:
+        _deadline.at = None
+
+
+def _time_left(timeout: float | None, error: type[Exception]) -> float | None:
+    """`timeout` capped to what is left of this thread's deadline; `error` once it has passed."""
+    at = getattr(_deadline, "at", None)
+    if at is None:
+        return timeout
+    left = at - time.monotonic()
+    if left <= 0:
+        raise error("the call's deadline has passed")
+    return left if timeout is None else min(timeout, left)
+
+
+class _DeadlineStream(httpcore.NetworkStream):
+    """A connection whose reads and writes end by the deadline of the thread using it. httpx's own timeouts are
+    per socket operation: a server sending a byte a second would never trip them."""
+
+    def __init__(self, stream: httpcore.NetworkStream):
+        self._stream = stream
+
+    def read(self, max_bytes: int, timeout: float | None = None) -> bytes:
+        return self._stream.read(max_bytes, _time_left(timeout, httpcore.ReadTimeout))
+
+    def write(self, buffer: bytes, timeout: float | None = None) -> None:
+        self._stream.write(buffer, _time_left(timeout, httpcore.WriteTimeout))
+
+    def close(self) -> None:
+        self._stream.close()
+
+    def start_tls(self, ssl_context: Any, server_hostname: str | None = None,
+                  timeout: float | None = None) -> httpcore.NetworkStream:
+        return _DeadlineStream(self._stream.start_tls(ssl_context, server_hostname,
+                                                      _time_left(timeout, httpcore.ConnectTimeout)))
+
+    def get_extra_info(self, info: str) -> Any:
+        return self._stream.get_extra_info(info)
+
+
+class _DeadlineBackend(httpcore.SyncBackend):
+    def connect_tcp(self, host: str, port: int, timeout: float | None = None, local_address: str | None = None,
+                    socket_options: Any = None) -> httpcore.NetworkStream:
+        return _DeadlineStream(super().connect_tcp(host, port, _time_left(timeout, httpcore.ConnectTimeout),
+                                                   local_address, socket_options))
+
+
+def _deadline_transport(limits: httpx.Limits) -> httpx.HTTPTransport:
+    """httpx's transport with connections made by _DeadlineBackend (httpx takes no network backend of its own, so
+    its connection pool is replaced by one built the same way with that backend)."""
+    transport = httpx.HTTPTransport(limits=limits)
+    transport._pool = httpcore.ConnectionPool(
+        ssl_context=httpx.create_ssl_context(), max_connections=limits.max_connections,
+        max_keepalive_connections=limits.max_keepalive_connections, keepalive_expiry=limits.keepalive_expiry,
+        network_backend=_DeadlineBackend())
+    return transport
 
 
 def media_for_wire(request: dict) -> dict:
@@ -169,11 +253,37 @@ def _problems(detail: Any) -> list[Problem]:
 
 
 _ANSWER_KEYS = {"noul": ("noul",), "choice": ("choice", "probabilities"), "score": ("score", "probabilities")}
+PROBABILITY_SUM_TOLERANCE = 0.01  # answers are rounded to 4 decimals per option
+
+
+def _is_probability(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and 0.0 <= value <= 1.0  # NaN fails too
+
+
+def _answer_problem(answer: dict) -> str | None:
+    """Why an answer's numbers cannot be right (None if they can): a probability that is not a number in [0, 1],
+    probabilities that do not sum to 1, a choice that is not one of them, a score that is not a finite number."""
+    if "noul" in _ANSWER_KEYS.get(answer["type"], ()):
+        return None if _is_probability(answer["noul"]) else "its noul is not a probability in [0, 1]"
+    probabilities = answer["probabilities"]
+    if not isinstance(probabilities, dict) or not probabilities:
+        return "its probabilities are not an object of option: probability"
+    if not all(_is_probability(p) for p in probabilities.values()):
+        return "a probability is not a number in [0, 1]"
+    if abs(sum(probabilities.values()) - 1.0) > PROBABILITY_SUM_TOLERANCE:
+        return "its probabilities do not sum to 1"
+    if answer["type"] == "choice" and answer["choice"] not in probabilities:
+        return "its choice is not one of its options"
+    score = answer.get("score")
+    if answer["type"] == "score" and (isinstance(score, bool) or not isinstance(score, (int, float))
+                                      or not math.isfinite(score)):
+        return "its score is not a finite number"
+    return None
 
 
 def _check_response(body: Any, request: dict) -> str | None:
     """Why `body` is not a System One response to `request` (None if it is): every question answered, each answer
-    of the question's type with its fields."""
+    of the question's type with its fields, its numbers probabilities."""
     if not isinstance(body, dict) or not isinstance(body.get("answers"), dict):
         return "no 'answers' object"
     questions = request.get("questions") if isinstance(request.get("questions"), dict) else {}
@@ -184,11 +294,15 @@ def _check_response(body: Any, request: dict) -> str | None:
             return f"no answer for question {question_id!r}"
         if answer.get("type") != kind or any(k not in answer for k in _ANSWER_KEYS.get(kind, ())):
             return f"the answer for question {question_id!r} is not a {kind} answer: {json.dumps(answer)[:200]}"
+        problem = _answer_problem(answer) if kind in _ANSWER_KEYS else None
+        if problem is not None:
+            return f"the answer for question {question_id!r} is wrong: {problem}: {json.dumps(answer)[:200]}"
     return None
 
 
-def _gather(futures: list[Future]) -> Future:
-    """One future for a list of futures: their results in order, or the first exception (the others cancelled)."""
+def _gather(futures: list[Future], *, return_errors: bool = False) -> Future:
+    """One future for a list of futures: their results in order, or the first exception (the others cancelled);
+    with `return_errors`, a future's ClefError takes its place in the results instead."""
     outer: Future = Future()
     outer.set_running_or_notify_cancel()
     lock = threading.RLock()  # cancelling a sibling runs its callback in this thread, under this lock
@@ -199,14 +313,14 @@ def _gather(futures: list[Future]) -> Future:
             if outer.done():
                 return
             error = CancelledError("the request was cancelled") if future.cancelled() else future.exception()
-            if error is not None:
+            if error is not None and not (return_errors and isinstance(error, ClefError)):
                 outer.set_exception(error)
                 for other in futures:
                     other.cancel()
                 return
             remaining[0] -= 1
             if remaining[0] == 0:
-                outer.set_result([f.result() for f in futures])
+                outer.set_result([_outcome(f) for f in futures])
 
     if not futures:
         outer.set_result([])
@@ -215,13 +329,21 @@ def _gather(futures: list[Future]) -> Future:
     return outer
 
 
+def _outcome(future: Future) -> Any:
+    if future.cancelled():
+        return CancelledError("the request was cancelled")
+    return future.exception() or future.result()
+
+
 class RemoteEngine:
     """A System One endpoint with the interface of a local `Engine` (see the module docstring)."""
 
     def __init__(self, url: str, *, api_key: str | None = None, model: str | None = None, timeout: float = 120.0,
                  connect_timeout: float = 10.0, max_concurrency: int = 8, max_retries: int = 4,
                  backoff_s: float = 0.5, max_backoff_s: float = 30.0, max_retry_wait_s: float = 120.0,
-                 check: bool = True, transport: httpx.BaseTransport | None = None):
+                 max_response_bytes: int = MAX_RESPONSE_BYTES, check: bool = True,
+                 transport: httpx.BaseTransport | None = None):
+        """`timeout`: seconds a request may take from its sending to its answer, retries included."""
         self.endpoint = parse_endpoint(url)
         self.model_id = self.endpoint  # what runs record as the model; the key never is part of it
         self.model = model
@@ -231,16 +353,17 @@ class RemoteEngine:
         self.backoff_s = backoff_s
         self.max_backoff_s = max_backoff_s
         self.max_retry_wait_s = max_retry_wait_s
+        self.max_response_bytes = max_response_bytes
         key = api_key if api_key is not None else os.environ.get(API_KEY_ENV)
         headers = {"accept": "application/json", "user-agent": "clef-workbench-remote"}
+        limits = httpx.Limits(max_connections=self.max_concurrency, max_keepalive_connections=self.max_concurrency)
         self._client = httpx.Client(
             base_url=self.endpoint,
             # UTF-8 bytes: httpx would encode a str header as ASCII and reject a non-ASCII key
             headers={**headers, **({"authorization": b"Bearer " + key.strip().encode()} if key else {})},
             timeout=httpx.Timeout(timeout, connect=min(connect_timeout, timeout)),
-            limits=httpx.Limits(max_connections=self.max_concurrency,
-                                max_keepalive_connections=self.max_concurrency),
-            transport=transport,
+            limits=limits,
+            transport=transport if transport is not None else _deadline_transport(limits),
         )
         self._has_key = bool(key)
         self._pool = ThreadPoolExecutor(max_workers=self.max_concurrency, thread_name_prefix="clef-remote")
@@ -260,10 +383,12 @@ class RemoteEngine:
     # ---- HTTP -------------------------------------------------------------------------------------------------
 
     def _send(self, method: str, path: str, *, content: bytes | None = None) -> tuple[httpx.Response, int]:
-        """One HTTP exchange with retries. Returns the final response (any status that is not retried, or a
-        retried one after the last attempt) and the number of attempts; raises RemoteError when the endpoint
-        cannot be reached or does not answer in time on the last attempt."""
+        """One HTTP exchange with retries, all within `timeout` seconds from now. Returns the final response (any
+        status that is not retried, or a retried one after the last attempt) and the number of attempts; raises
+        RemoteError when the endpoint cannot be reached or does not answer by the deadline, and the error for the
+        server's answer when the wait it asks for (Retry-After) would pass the deadline."""
         url = self.endpoint + path
+        deadline = time.monotonic() + self.timeout
         attempt = 0
         while True:
             if self._closed.is_set():
@@ -271,8 +396,8 @@ class RemoteEngine:
             attempt += 1
             wait: float | None = None
             try:
-                response = self._client.request(method, path, content=content,
-                                                 headers={"content-type": "application/json"} if content else None)
+                with _CallDeadline(deadline):
+                    response = self._exchange(method, path, content)
             except httpx.TimeoutException as exc:
                 failure = RemoteError(f"{url} did not answer within {self.timeout:g} s "
                                       f"({type(exc).__name__}, {attempt} attempt(s))", endpoint=self.endpoint)
@@ -290,15 +415,47 @@ class RemoteEngine:
                 failure = None
             if attempt > self.max_retries:
                 raise failure
+            asked = wait is not None
             if wait is None:  # exponential backoff with full jitter, so clients that failed together spread out
                 wait = random.uniform(0.5, 1.0) * min(self.max_backoff_s, self.backoff_s * 2 ** (attempt - 1))
+            wait = min(wait, self.max_retry_wait_s)
+            if time.monotonic() + wait >= deadline:  # no time left for another attempt: end now, not at the deadline
+                if failure is not None:
+                    raise failure
+                note = (f"; it asked to be retried after {wait:g} s, past this call's {self.timeout:g} s deadline"
+                        if asked else "")
+                raise self._error(response, attempt, note=note)
             with self._lock:
                 self._stats["retries"] += 1
-            if self._closed.wait(min(wait, self.max_retry_wait_s)):
+            if self._closed.wait(wait):
                 raise CancelledError(f"the remote engine for {self.endpoint} was closed")
 
-    def _error(self, response: httpx.Response, attempts: int) -> ClefError:
-        """The error for a non-200 answer, named after the endpoint and, for 422, after the fields at fault."""
+    def _exchange(self, method: str, path: str, content: bytes | None) -> httpx.Response:
+        """One request, its answer read as it streams in and abandoned (the connection closed) past
+        `max_response_bytes`; returned as a response holding its body."""
+        with self._client.stream(method, path, content=content,
+                                 headers={"content-type": "application/json"} if content else None) as response:
+            declared = response.headers.get("content-length", "")
+            if declared.isdigit() and int(declared) > self.max_response_bytes:
+                raise self._too_large(response, f"says it is {int(declared):,} bytes long")
+            body = bytearray()
+            for chunk in response.iter_bytes():  # decoded: a compressed answer is counted as it inflates
+                body += chunk
+                if len(body) > self.max_response_bytes:
+                    raise self._too_large(response, "was still coming")
+        # the body is decoded: the copy carries no encoding or length of the wire form
+        headers = [(k, v) for k, v in response.headers.multi_items()
+                   if k.lower() not in ("content-encoding", "content-length", "transfer-encoding")]
+        return httpx.Response(response.status_code, headers=headers, content=bytes(body), request=response.request)
+
+    def _too_large(self, response: httpx.Response, why: str) -> RemoteError:
+        return RemoteError(f"{response.request.url} answered {response.status_code} with a body over this client's "
+                           f"limit of {self.max_response_bytes:,} bytes ({why}); stopped reading it",
+                           endpoint=self.endpoint, status=response.status_code)
+
+    def _error(self, response: httpx.Response, attempts: int, *, note: str = "") -> ClefError:
+        """The error for a non-200 answer, named after the endpoint and, for 422, after the fields at fault; `note`
+        ends the message of a retried status."""
         status = response.status_code
         url = str(response.request.url)
         said = _detail_text(response)
@@ -328,9 +485,9 @@ class RemoteEngine:
                                         max_length=int(detail.get("max_length") or 0))
             return RequestTooLargeError(f"{url} refused the request as too large (413 {said})")
         if status in BUSY_STATUSES:
-            return BusyError(f"{url} is overloaded ({status} {said}) after {attempts} attempt(s)")
-        return RemoteError(f"{url} answered {status} {said} after {attempts} attempt(s)", endpoint=self.endpoint,
-                           status=status)
+            return BusyError(f"{url} is overloaded ({status} {said}) after {attempts} attempt(s){note}")
+        return RemoteError(f"{url} answered {status} {said} after {attempts} attempt(s){note}",
+                           endpoint=self.endpoint, status=status)
 
     def check(self) -> list[str] | None:
         """Reach the endpoint and check the key (GET /v1/models). Returns the model names it lists, None when it
@@ -400,24 +557,39 @@ class RemoteEngine:
         return answer
 
     def submit(self, requests: list[dict], *, priority: str = "interactive", max_length: int | None = None,
-               overflow: str = "refuse") -> Future:
+               overflow: str = "refuse", errors: str = "raise") -> Future:
         """Send each request (up to `max_concurrency` at once); the future resolves to one System One response per
         request, in order, or raises the first request's error. A request that cannot be sent as JSON raises
-        RequestError here. `priority` is accepted for compatibility with Engine; the endpoint schedules."""
+        RequestError here. With errors="return", as Engine.submit: each request's slot holds its response or its
+        own error (one that cannot be sent as JSON included), and the others are sent as if it were not there.
+        `priority` is accepted for compatibility with Engine; the endpoint schedules."""
+        if errors not in ("raise", "return"):
+            raise ValueError(f"errors must be 'raise' or 'return', not {errors!r}")
         if overflow not in OVERFLOW_POLICIES:
             raise ValueError(f"overflow must be one of {OVERFLOW_POLICIES}, not {overflow!r}")
         if self._closed.is_set():
             raise CancelledError(f"the remote engine for {self.endpoint} is closed")
         started = time.perf_counter()
-        bodies = [self._body(r, max_length, overflow) for r in requests]
+        bodies: list[bytes | ClefError] = []
+        for request in requests:
+            try:
+                bodies.append(self._body(request, max_length, overflow))
+            except ClefError as error:
+                if errors == "raise":
+                    raise
+                bodies.append(error)
         futures = []
         for request, body in zip(requests, bodies):
-            with self._lock:
-                self._in_flight += 1
-            future = self._pool.submit(self._decide_one, request, body, started)
-            future.add_done_callback(self._finished)
+            if isinstance(body, ClefError):
+                future: Future = Future()
+                future.set_exception(body)
+            else:
+                with self._lock:
+                    self._in_flight += 1
+                future = self._pool.submit(self._decide_one, request, body, started)
+                future.add_done_callback(self._finished)
             futures.append(future)
-        return _gather(futures)
+        return _gather(futures, return_errors=errors == "return")
 
     def _finished(self, _future: Future) -> None:
         with self._lock:
@@ -427,10 +599,11 @@ class RemoteEngine:
         return self.submit([request], priority="interactive", max_length=max_length, overflow=overflow).result()[0]
 
     def decide_many(self, requests: list[dict], *, max_length: int | None = None, overflow: str = "refuse",
-                    priority: str = "bulk") -> list[dict]:
+                    priority: str = "bulk", errors: str = "raise") -> list[Any]:
         if not requests:
             return []
-        return self.submit(requests, priority=priority, max_length=max_length, overflow=overflow).result()
+        return self.submit(requests, priority=priority, max_length=max_length, overflow=overflow,
+                           errors=errors).result()
 
     # ---- status -----------------------------------------------------------------------------------------------
 

@@ -1,11 +1,16 @@
 """Command line of the workbench's services, for scripts and CI:
 
     python -m clef_workbench run --db DB --case-set NAME --schema FILE --model SOURCE [--ray ADDRESS] [--replicas N]
+    python -m clef_workbench run --db DB --resume RUN_ID --model SOURCE
 
 runs a case set against a schema file and leaves the run in the store exactly as the Runs page does (same settings,
 same results), so Runs, Review and the exports show it. It prints progress, and exits 0 when the run finished, 1 when
 it failed or was cancelled (Ctrl-C cancels after the chunk in flight), 2 when the input is wrong and 130 on Ctrl-C
 before the run started.
+
+A case set is never computed twice by accident: when the database already holds a run of the same case set, schema,
+model and budget, a second invocation asks whether to resume it (at a terminal) or, without one, refuses, naming the
+run and the flags that choose: `--resume RUN_ID` (only the cases without a result are computed) or `--new`.
 
     python -m clef_workbench import --db DB --case-set NAME FILE [--schema FILE] [--encoding ENC] [--delimiter D]
         [--state-column C ...] [--skip-bad-rows]
@@ -23,6 +28,7 @@ before and after on held-out cases, and keeps it in the store; exits 1 when no q
 from __future__ import annotations
 
 import argparse
+import sqlite3
 import sys
 import time
 from pathlib import Path
@@ -33,7 +39,7 @@ from clef_workbench.casesets import CaseImportError, CsvMapping, import_cases
 from clef_workbench.jobs import DEFAULT_CHUNK_SIZE, JobRunner
 from clef_workbench.model_loader import DEMO_SOURCE, request_model_name
 from clef_workbench.schemas import Schema, SchemaError
-from clef_workbench.store import Store, StoreError
+from clef_workbench.store import NotFoundError, Store, StoreError
 
 PROGRESS_EVERY_S = 2.0
 
@@ -47,8 +53,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     commands = parser.add_subparsers(dest="command", required=True)
     run = commands.add_parser("run", help="run a case set against a schema and store the results")
     run.add_argument("--db", required=True, help="the workbench's SQLite file (CLEF_DB of the workbench)")
-    run.add_argument("--case-set", required=True, help="name of a case set in the database")
-    run.add_argument("--schema", required=True, type=Path, help="a schema JSON file (as in the schema library)")
+    run.add_argument("--case-set", help="name of a case set in the database")
+    run.add_argument("--schema", type=Path, help="a schema JSON file (as in the schema library)")
+    run.add_argument("--resume", type=int, metavar="RUN_ID",
+                     help="go on with a run that stopped (failed, cancelled, its process killed): only the cases "
+                          "without a result are computed, with the run's case set, schema and settings")
+    run.add_argument("--new", action="store_true",
+                     help="start a new run even though one of the same case set, schema and model exists")
     run.add_argument("--model", required=True,
                      help=f"a release folder, a Hugging Face repo id, or {DEMO_SOURCE!r} for the demo release")
     run.add_argument("--revision", help="Hub revision of the release")
@@ -161,6 +172,48 @@ def watch(runner: JobRunner, run_id: int) -> dict:
             return progress
 
 
+def same_run(store: Store, case_set_id: int, schema: dict, model_id: str, settings: dict) -> dict | None:
+    """The newest run of this case set with the same questions, model and token budget: its results are what this
+    invocation would compute."""
+    for run in store.list_runs(case_set_id):
+        ran = run["settings"] or {}
+        if (run["model_id"] == model_id and run["schema"].get("questions") == schema["questions"]
+                and run["schema"].get("name") == schema.get("name")
+                and ran.get("max_length") == settings["max_length"] and ran.get("overflow") == settings["overflow"]):
+            return run
+    return None
+
+
+def resume_or_new(store: Store, run: dict) -> int | None:
+    """What to do about an earlier run of the same work: the run id to resume, or None for a new run. Asks at a
+    terminal; without one, refuses with the flags that decide."""
+    left = run["total"] - run["done"]
+    holder = store.run_lease_holder(run["id"])
+    what = (f"run {run['id']} ({run['status']}, {run['done']}/{run['total']} cases done) already runs this case set "
+            "with this schema and model")
+    if holder is not None:
+        raise UsageError(f"{what}, in another process now ({holder}); wait for it, or pass --new to compute the case "
+                         "set again as a new run")
+    resume = f"--resume {run['id']}"
+    if not sys.stdin.isatty():
+        if left:
+            raise UsageError(f"{what}; pass {resume} to compute only its {left} cases without a result, or --new to "
+                             "compute the case set again as a new run")
+        raise UsageError(f"{what} and has a result for every case; pass --new to compute the case set again as a new "
+                         "run")
+    if not left:
+        again = input(f"{what} and has every result. Compute it again as a new run? [y/N]: ")
+        if again.strip().lower() in ("y", "yes"):
+            return None
+        raise UsageError("nothing run")
+    answer = input(f"{what}. Resume it ({left} cases left)? [Y]es / [n]ew run / [q]uit: ").strip().lower()
+    if answer in ("", "y", "yes"):
+        return run["id"]
+    if answer in ("n", "new"):
+        return None
+    raise UsageError(f"nothing run: choose {resume} or --new")
+
+
 def run_command(args: argparse.Namespace) -> int:
     from clef_workbench.distributed import RayJobRunner, ReplicaPool, connect, ray_address
 
@@ -170,14 +223,38 @@ def run_command(args: argparse.Namespace) -> int:
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be at least 1")
     store = Store(args.db)
-    case_set_id = find_case_set(store, args.case_set)
-    schema = load_schema(args.schema)
+    model_id = request_model_name(args.model)
+    if args.resume is not None:
+        if args.case_set or args.schema or args.new:
+            raise UsageError("--resume goes on with the run's own case set and schema: leave out --case-set, "
+                             "--schema and --new")
+        try:
+            run = store.get_run(args.resume)
+        except NotFoundError:
+            raise UsageError(f"--resume: there is no run {args.resume} in {args.db}") from None
+        if run["model_id"] != model_id:
+            raise UsageError(f"--model: run {run['id']} runs model {run['model_id']!r}, not {model_id!r}; give "
+                             "--model for that model")
+        if run["done"] == run["total"]:
+            print(f"run {run['id']} has a result for every case: nothing to resume")
+            return 0
+        run_id: int | None = run["id"]
+        settings = run["settings"] or {}
+        schema, case_set_name = run["schema"], run["case_set_name"]
+    else:
+        if not args.case_set or not args.schema:
+            raise UsageError("--case-set and --schema are required (or --resume RUN_ID)")
+        case_set_id = find_case_set(store, args.case_set)
+        schema = load_schema(args.schema)
+        case_set_name = args.case_set
+        settings = {"chunk_size": args.chunk_size, "max_length": args.max_length, "overflow": args.overflow,
+                    "schema_slug": args.schema.stem}
+        earlier = None if args.new else same_run(store, case_set_id, schema, model_id, settings)
+        run_id = None if earlier is None else resume_or_new(store, earlier)
     source = model_source(args.model)
     address = ray_address(args.ray)
     if address is None and (args.replicas or args.chunk_tokens):
         raise UsageError("--replicas and --chunk-tokens are for runs on Ray: add --ray ADDRESS or set CLEF_RAY_ADDRESS")
-    settings = {"chunk_size": args.chunk_size, "max_length": args.max_length, "overflow": args.overflow,
-                "schema_slug": args.schema.stem}
     engine = pool = None
     if address is None:
         import clef_engine
@@ -196,10 +273,14 @@ def run_command(args: argparse.Namespace) -> int:
         runner = RayJobRunner(store, pool=pool)
     settings.update(device=info.get("device"), dtype=info.get("dtype"))
     try:
-        run_id = store.create_run(case_set_id, schema=schema, model_id=request_model_name(args.model),
-                                  model_revision=info.get("revision"), settings=settings)
+        if run_id is None:
+            run_id = store.create_run(case_set_id, schema=schema, model_id=model_id,
+                                      model_revision=info.get("revision"), settings=settings)
+            doing = f"run {run_id}"
+        else:
+            doing = f"resuming run {run_id}"
         where = f"Ray, {info['replicas']} replicas" if pool else "in process"
-        print(f"run {run_id}: {args.case_set} · {schema['name']} v{schema['version']} · {args.model} on "
+        print(f"{doing}: {case_set_name} · {schema['name']} v{schema['version']} · {args.model} on "
               f"{info.get('device')} ({where})", flush=True)
         runner.start(run_id, engine)
         progress = watch(runner, run_id)
@@ -209,8 +290,11 @@ def run_command(args: argparse.Namespace) -> int:
         if engine is not None:
             engine.close()
     if progress["status"] != "finished":
+        # a run whose failure could not be written to the store still reads `running` there
+        status = "failed" if progress["error"] and progress["status"] == "running" else progress["status"]
         reason = f": {progress['error']}" if progress["error"] else ""
-        print(f"run {run_id} {progress['status']}{reason}", file=sys.stderr)
+        print(f"run {run_id} {status}{reason} (to resume: python -m clef_workbench run --db {args.db} "
+              f"--resume {run_id} --model {args.model})", file=sys.stderr)
         return 1
     return 0
 
@@ -303,6 +387,10 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except (ClefError, StoreError, RuntimeError) as exc:  # a release that does not load, a replica that cannot start
         print(f"python -m clef_workbench {args.command}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    except sqlite3.Error as exc:  # the database cannot be read or written before the run started
+        print(f"python -m clef_workbench {args.command}: the database {args.db} cannot be used: {exc}",
+              file=sys.stderr)
         return 1
 
 

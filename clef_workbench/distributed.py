@@ -135,21 +135,10 @@ def decide_chunk(engine: Any, items: list[tuple[int, dict]], options: dict) -> l
             continue
         valid.append((case_id, request))
     if valid:
-        results.extend(_decide_valid(engine, valid, options, started_at))
+        began = time.perf_counter()
+        outcomes = engine.decide_many([request for _, request in valid], priority="bulk", errors="return", **options)
+        results.extend(JobRunner._results(valid, outcomes, started_at, (time.perf_counter() - began) * 1000))
     return results
-
-
-def _decide_valid(engine: Any, valid: list[tuple[int, dict]], options: dict, started_at: str) -> list[dict]:
-    began = time.perf_counter()
-    try:
-        responses = engine.decide_many([request for _, request in valid], priority="bulk", **options)
-    except ClefError as exc:
-        if len(valid) == 1:
-            return [{"case_id": valid[0][0], "error": f"{type(exc).__name__}: {exc}",
-                     "started_at": started_at, "finished_at": now_iso()}]
-        # one record over the token budget fails the whole call: one by one isolates it
-        return [result for item in valid for result in _decide_valid(engine, [item], options, now_iso())]
-    return JobRunner._results(valid, responses, started_at, (time.perf_counter() - began) * 1000)
 
 
 # -- the pool of replicas --------------------------------------------------------------------------------------

@@ -10,10 +10,17 @@ The engine's scheduler splits bulk work into batches, so an interactive request 
 A runner holds a lease on each run it works on (in the database, renewed by a heartbeat), so a second process
 asked to run the same run is refused instead of computing every case again; once the first process stops (or is
 killed), the lease is void and the second one resumes with the cases left.
+
+A database that stops taking writes mid-run (read-only, disk full, locked past the busy timeout) ends the run: the
+chunks on the engine are finished or cancelled, the run is marked failed with one message saying so, and resuming it
+once the database is writable computes only the cases without a result. If not even the status can be written, the
+run stays `running` under a lease that is never renewed again: once this process is gone (or the lease has expired)
+`progress` reports it interrupted, the state the Runs page and `run --resume` resume from.
 """
 
 from __future__ import annotations
 
+import sqlite3
 import threading
 import time
 from collections import deque
@@ -38,10 +45,10 @@ class DecisionEngine(Protocol):
     def validate(self, request: dict) -> None: ...
 
     def decide_many(self, requests: list[dict], *, max_length: int | None = None, overflow: str = "refuse",
-                    priority: str = "bulk") -> list[dict]: ...
+                    priority: str = "bulk", errors: str = "raise") -> list[Any]: ...
 
     def submit(self, requests: list[dict], *, priority: str = "interactive", max_length: int | None = None,
-               overflow: str = "refuse") -> Future: ...
+               overflow: str = "refuse", errors: str = "raise") -> Future: ...
 
 
 @dataclass
@@ -128,7 +135,8 @@ class JobRunner:
         job = self._jobs.get(run_id)
         live = job is not None and job.thread.is_alive()
         remaining = run["total"] - run["done"]
-        elsewhere = not live and self.store.run_lease_holder(run_id) is not None
+        holder = self.store.run_lease_holder(run_id)
+        elsewhere = not live and holder is not None and holder != self.owner  # ours: a lease we could not release
         rate = eta = None
         if live and job.processed:
             rate = job.processed / max(time.monotonic() - job.session_started, 1e-9)
@@ -148,7 +156,11 @@ class JobRunner:
         while not job.lease_lost.wait(self.lease_ttl_s / 3):
             if not job.thread.is_alive():
                 return
-            if not self.store.renew_run_lease(run_id, self.owner, self.lease_ttl_s):
+            try:
+                renewed = self.store.renew_run_lease(run_id, self.owner, self.lease_ttl_s)
+            except sqlite3.Error:  # the database takes no writes: the work loop's next write stops the run
+                continue
+            if not renewed:
                 job.lease_lost.set()  # taken over after we failed to renew in time: stop, the new holder goes on
 
     def _work(self, run_id: int, engine: DecisionEngine) -> None:
@@ -159,16 +171,19 @@ class JobRunner:
             self._work_leased(run_id, engine, job)
         finally:
             job.lease_lost.set()  # ends the heartbeat
-            self.store.release_run_lease(run_id, self.owner)
+            try:
+                self.store.release_run_lease(run_id, self.owner)
+            except sqlite3.Error:
+                pass  # unwritable database: the lease lapses by itself (expiry, or this process gone)
 
     def _work_leased(self, run_id: int, engine: DecisionEngine, job: _LiveJob) -> None:
+        in_flight: deque[_Chunk] = deque()
         try:
             run = self.store.get_run(run_id)
             settings = run["settings"] or {}
             fixed_size = int(settings["chunk_size"]) if settings.get("chunk_size") else None
             chunk_tokens = int(settings.get("chunk_tokens") or self.chunk_tokens)
             pending = deque(self.store.unfinished_case_ids(run_id))
-            in_flight: deque[_Chunk] = deque()
             tokens_seen = cases_seen = 0
             while pending or in_flight:
                 stop = job.cancel.is_set() or job.lease_lost.is_set()
@@ -191,7 +206,19 @@ class JobRunner:
                 cases_seen += len(counted)
             self._end_run(run_id, job)
         except Exception as exc:  # noqa: BLE001 — the run stops, its finished results stay; the message goes to the run page
+            self._drain(in_flight)
             self._fail_run(run_id, job, exc)
+
+    @staticmethod
+    def _drain(in_flight: deque[_Chunk]) -> None:
+        """After a failure: cancel the chunks queued on the engine and wait for the one it is running, so that no
+        work of the failed run goes on behind it (nor holds the GPU while the process exits)."""
+        futures = [chunk.future for chunk in in_flight if chunk.future is not None]
+        for future in futures:
+            future.cancel()
+        for future in futures:
+            if not future.cancelled():
+                future.exception()  # waits; its answers are not recorded, the resumed run computes them
 
     def _end_run(self, run_id: int, job: _LiveJob) -> None:
         """Finished, or cancelled with cases left; unless another process has taken the run over."""
@@ -202,7 +229,13 @@ class JobRunner:
 
     def _fail_run(self, run_id: int, job: _LiveJob, exc: Exception) -> None:
         job.last_error = f"{type(exc).__name__}: {exc}"
-        self.store.set_run_status(run_id, "failed", error=job.last_error)
+        if isinstance(exc, sqlite3.Error):
+            job.last_error = (f"the database {self.store.path} stopped taking writes ({exc}); the run stopped with "
+                              "its finished results kept: resume it once the database is writable")
+        try:
+            self.store.set_run_status(run_id, "failed", error=job.last_error)
+        except sqlite3.Error:
+            pass  # the run stays `running` under a lease nobody renews: progress() reports it interrupted
 
     def _submit_chunk(self, run: dict, case_ids: list[int], engine: DecisionEngine, settings: dict,
                       job: _LiveJob) -> _Chunk:
@@ -219,56 +252,51 @@ class JobRunner:
             chunk.valid.append((case["id"], request))
         if not chunk.valid:
             return chunk
-        options = {"max_length": settings.get("max_length"), "overflow": settings.get("overflow", "refuse")}
-        requests = [r for _, r in chunk.valid]
         chunk.began = time.perf_counter()
-        try:
-            if hasattr(engine, "submit"):
-                chunk.future = self._with_busy_retry(
-                    lambda: engine.submit(requests, priority="bulk", **options), job)
-            else:  # an engine without a queue of its own: decide now
-                chunk.future = Future()
-                chunk.future.set_result(self._with_busy_retry(
-                    lambda: engine.decide_many(requests, priority="bulk", **options), job))
-        except ClefError:
-            chunk.future = None  # one bad record (e.g. over the token budget) refused the chunk: one by one later
+        chunk.future = self._with_busy_retry(lambda: self._send(engine, [r for _, r in chunk.valid], settings), job)
         return chunk
 
+    @staticmethod
+    def _send(engine: DecisionEngine, requests: list[dict], settings: dict) -> Future:
+        """Queue requests on the engine with an answer or an error per request (errors="return"): a case over the
+        token budget is an error result and the rest of its chunk runs as it would have without it."""
+        options = {"max_length": settings.get("max_length"), "overflow": settings.get("overflow", "refuse"),
+                   "priority": "bulk", "errors": "return"}
+        if hasattr(engine, "submit"):
+            return engine.submit(requests, **options)
+        future: Future = Future()  # an engine without a queue of its own: decide now
+        future.set_result(engine.decide_many(requests, **options))
+        return future
+
     def _finish_chunk(self, chunk: _Chunk, engine: DecisionEngine, settings: dict, job: _LiveJob) -> list[dict]:
-        """Wait for the chunk's answers; results in the form Store.record_results takes."""
+        """Wait for the chunk's answers; results in the form Store.record_results takes. Cases the engine was too
+        busy for are sent again, with backoff, like a chunk refused as a whole."""
         if not chunk.valid:
             return chunk.errors
-        try:
-            if chunk.future is None:
-                raise ClefError("refused at submission")
-            responses = chunk.future.result()
-        except ClefError:
-            # isolate the bad record: each case alone
-            return chunk.errors + [result for item in chunk.valid
-                                   for result in self._decide([item], engine, settings, now_iso(), job)]
-        return chunk.errors + self._results(chunk.valid, responses, chunk.started_at,
+        outcomes = chunk.future.result()
+        for attempt in range(BUSY_RETRIES - 1):
+            busy = [i for i, outcome in enumerate(outcomes) if isinstance(outcome, BusyError)]
+            if not busy or job.cancel.is_set():
+                break
+            time.sleep(min(0.1 * 2 ** attempt, 5.0))
+            requests = [chunk.valid[i][1] for i in busy]
+            again = self._with_busy_retry(lambda requests=requests: self._send(engine, requests, settings),
+                                          job).result()
+            for i, outcome in zip(busy, again, strict=True):
+                outcomes[i] = outcome
+        return chunk.errors + self._results(chunk.valid, outcomes, chunk.started_at,
                                             (time.perf_counter() - chunk.began) * 1000)
 
-    def _decide(self, valid: list[tuple[int, dict]], engine: DecisionEngine, settings: dict, started_at: str,
-                job: _LiveJob) -> list[dict]:
-        options = {"max_length": settings.get("max_length"), "overflow": settings.get("overflow", "refuse")}
-        began = time.perf_counter()
-        try:
-            responses = self._with_busy_retry(lambda: engine.decide_many([r for _, r in valid], priority="bulk",
-                                                                         **options), job)
-        except ClefError as exc:
-            if len(valid) == 1:
-                return [{"case_id": valid[0][0], "error": f"{type(exc).__name__}: {exc}",
-                         "started_at": started_at, "finished_at": now_iso()}]
-            # one bad record (e.g. over the token budget) fails the whole call: retry one by one to isolate it
-            return [result for item in valid for result in self._decide([item], engine, settings, now_iso(), job)]
-        return self._results(valid, responses, started_at, (time.perf_counter() - began) * 1000)
-
     @staticmethod
-    def _results(valid: list[tuple[int, dict]], responses: list[dict], started_at: str, wall_ms: float) -> list[dict]:
+    def _results(valid: list[tuple[int, dict]], outcomes: list[Any], started_at: str, wall_ms: float) -> list[dict]:
+        """One result per case from the engine's outcomes (a response, or the case's own error)."""
         finished_at = now_iso()
         out = []
-        for (case_id, _), response in zip(valid, responses, strict=True):
+        for (case_id, _), response in zip(valid, outcomes, strict=True):
+            if isinstance(response, Exception):
+                out.append({"case_id": case_id, "error": f"{type(response).__name__}: {response}",
+                            "started_at": started_at, "finished_at": finished_at})
+                continue
             out.append({
                 "case_id": case_id, "response": response,
                 # the engine's own per-record latency; without it, the chunk's wall time shared equally

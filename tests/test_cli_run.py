@@ -148,3 +148,106 @@ def test_wrong_input_is_a_message_naming_the_argument_and_exit_code_2(tmp_path, 
     err = capsys.readouterr().err
     assert "ReleaseError" in err and "no-release" in err and "Traceback" not in err
     assert store.list_runs() == []  # nothing half-created
+
+
+SMALL_SCHEMA = {"name": "small", "version": 1, "questions": {
+    "urgent": {"type": "noul", "instructions": "Is it urgent?"},
+    "team": {"type": "choice", "instructions": "Which team?", "criteria": {"billing": None, "tech": None}},
+}}
+
+
+def small_run(tmp_path: Path, cases: int) -> tuple[Path, Path, Store]:
+    """A database with a case set "tickets" of short cases and a small schema file: quick on the CPU."""
+    db = tmp_path / "w.db"
+    store = Store(db)
+    set_id = store.create_case_set("tickets")
+    store.add_cases(set_id, [{"state": f"ticket {i}: my invoice is wrong"} for i in range(cases)])
+    schema_file = tmp_path / "small.json"
+    schema_file.write_text(json.dumps(SMALL_SCHEMA))
+    return db, schema_file, store
+
+
+def run_cli(*args: str, module: tuple[str, ...] = ("clef_workbench", "run")) -> subprocess.CompletedProcess:
+    """The command line without a terminal (stdin closed), as in a script or CI."""
+    return subprocess.run([sys.executable, "-m", *module, *args], cwd=ROOT, capture_output=True, text=True,
+                          stdin=subprocess.DEVNULL, timeout=300)
+
+
+@pytest.mark.slow
+def test_a_database_turning_read_only_mid_run_fails_the_run_cleanly_and_resume_completes_it(tmp_path, tiny_release):
+    db, schema_file, store = small_run(tmp_path, 40)
+    args = ("--db", str(db), "--model", str(tiny_release), "--device", "cpu")
+    # the database turns read-only once the run has written 3 chunks of results (see tests/readonly_store.py)
+    failed = run_cli("3", "run", *args, "--case-set", "tickets", "--schema", str(schema_file), "--chunk-size", "2",
+                     module=("tests.readonly_store",))
+    assert failed.returncode == 1, failed.stderr[-3000:]
+    errors = [line for line in failed.stderr.splitlines() if line.strip() and "Loading weights" not in line]
+    assert len(errors) == 1, failed.stderr[-3000:]  # one message, no traceback
+    assert errors[0].startswith("run 1 failed: the database") and "attempt to write a readonly database" in errors[0]
+    assert f"--resume 1 --model {tiny_release}" in errors[0]
+
+    run = store.get_run(1)
+    assert run["done"] == 6  # 3 chunks of 2: nothing written after the database turned read-only
+    # its `failed` could not be written either: the lease, never renewed, tells that nobody runs it
+    assert run["status"] == "running" and store.run_lease_holder(1) is None
+    assert JobRunner(store).progress(1)["interrupted"]
+    before = {r["case_id"]: (r["id"], r["finished_at"]) for r in store.list_results(1)}
+
+    again = run_cli(*args, "--case-set", "tickets", "--schema", str(schema_file))  # the same work, no terminal
+    assert again.returncode == 2 and "Traceback" not in again.stderr
+    assert "run 1 (running, 6/40 cases done)" in again.stderr and "--resume 1" in again.stderr
+    assert "--new" in again.stderr and len(store.list_runs()) == 1  # nothing computed twice
+
+    resumed = run_cli(*args, "--resume", "1")  # the database writable again: a new process, no hook
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resuming run 1: tickets · small v1" in resumed.stdout and "run 1: 40/40 cases · 0 errors" in resumed.stdout
+    run = store.get_run(1)
+    assert (run["status"], run["done"], run["errors"]) == ("finished", 40, 0) and len(store.list_runs()) == 1
+    results = store.list_results(1)
+    assert len({r["case_id"] for r in results}) == len(results) == 40  # none lost, none duplicated
+    assert all((r["id"], r["finished_at"]) == before[r["case_id"]] for r in results if r["case_id"] in before)
+
+    finished = run_cli(*args, "--case-set", "tickets", "--schema", str(schema_file))
+    assert finished.returncode == 2 and "has a result for every case; pass --new" in finished.stderr
+    nothing = run_cli(*args, "--resume", "1")
+    assert nothing.returncode == 0 and "nothing to resume" in nothing.stdout
+    assert [len(store.list_results(1))] == [40] and len(store.list_runs()) == 1
+
+
+def test_resume_and_new_are_checked_before_any_model_loads(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("CLEF_RAY_ADDRESS", raising=False)
+    db, schema_file, store = small_run(tmp_path, 2)
+    common = ["run", "--db", str(db), "--model", "demo"]
+    assert main([*common, "--resume", "7"]) == 2
+    assert "--resume: there is no run 7" in capsys.readouterr().err
+    set_id = store.list_case_sets()[0]["id"]
+    run_id = store.create_run(set_id, schema=SMALL_SCHEMA, model_id="another-model", settings={})
+    assert main([*common, "--resume", str(run_id)]) == 2
+    assert "runs model 'another-model', not 'clef-demo'" in capsys.readouterr().err
+    assert main([*common, "--resume", str(run_id), "--schema", str(schema_file)]) == 2
+    assert "leave out --case-set, --schema and --new" in capsys.readouterr().err
+    assert main(common) == 2
+    assert "--case-set and --schema are required (or --resume RUN_ID)" in capsys.readouterr().err
+
+
+def test_at_a_terminal_the_same_work_asks_whether_to_resume(tmp_path, monkeypatch):
+    from clef_workbench.__main__ import UsageError, resume_or_new, same_run
+
+    db, schema_file, store = small_run(tmp_path, 3)
+    set_id = store.list_case_sets()[0]["id"]
+    settings = {"chunk_size": 8, "max_length": 8192, "overflow": "refuse"}
+    run_id = store.create_run(set_id, schema=SMALL_SCHEMA, model_id="clef-demo", settings=settings)
+    assert same_run(store, set_id, SMALL_SCHEMA, "another-model", settings) is None
+    assert same_run(store, set_id, SMALL_SCHEMA, "clef-demo", dict(settings, max_length=400)) is None
+    run = same_run(store, set_id, SMALL_SCHEMA, "clef-demo", settings)
+    assert run["id"] == run_id
+
+    monkeypatch.setattr(sys.stdin, "isatty", lambda: True)
+    asked: list[str] = []
+    for answer, expected in (("", run_id), ("y", run_id), ("n", None)):
+        monkeypatch.setattr("builtins.input", lambda prompt, answer=answer: asked.append(prompt) or answer)
+        assert resume_or_new(store, run) == expected
+    assert f"run {run_id} (pending, 0/3 cases done)" in asked[0] and "Resume it (3 cases left)?" in asked[0]
+    monkeypatch.setattr("builtins.input", lambda prompt: "q")
+    with pytest.raises(UsageError, match=f"nothing run: choose --resume {run_id} or --new"):
+        resume_or_new(store, run)

@@ -565,3 +565,36 @@ def test_a_release_says_whether_its_weights_are_random(tiny_release, tiny_engine
     del config["random_weights"]
     (trained / "config.json").write_text(json.dumps(config))
     assert not release.check(trained).random_weights
+
+
+def test_a_failing_record_of_a_per_record_job_gets_its_own_error_and_the_others_their_answers():
+    """The scheduler is the one place that isolates a record a batch fails on: a per-record job is halved until the
+    failing record is alone; a job that is not per record fails whole."""
+    batches: list[list[str]] = []
+
+    def run_batch(records):
+        batches.append(list(records))
+        if "bad" in records:
+            raise RuntimeError("cannot run 'bad'")
+        return [r.upper() for r in records]
+
+    scheduler = Scheduler(run_batch, token_budget=100)
+    records = ["a", "b", "c", "bad", "d", "e"]
+    outcomes = scheduler.submit(records, priority="bulk", tokens=6, per_record=True).result(5)
+    assert outcomes[:3] == ["A", "B", "C"] and outcomes[4:] == ["D", "E"]
+    assert isinstance(outcomes[3], RuntimeError) and "'bad'" in str(outcomes[3])
+    assert batches[0] == records and ["a", "b", "c"] in batches and ["bad"] in batches
+    with pytest.raises(RuntimeError, match="'bad'"):
+        scheduler.submit(records, priority="bulk", tokens=6).result(5)
+    scheduler.close()
+
+
+def test_decide_many_can_return_an_error_per_request(tiny_engine):
+    good = {"state": "a short ticket", "questions": {"q": {"type": "noul", "instructions": "Urgent?"}}}
+    too_long = dict(good, state="word " * 400)
+    invalid = dict(good, questions={"q": {"type": "maybe"}})
+    outcomes = tiny_engine.decide_many([good, too_long, invalid, good], max_length=400, errors="return")
+    assert isinstance(outcomes[1], clef_engine.TokenBudgetError) and isinstance(outcomes[2], clef_engine.RequestError)
+    assert outcomes[0]["answers"] == outcomes[3]["answers"] == tiny_engine.decide(good)["answers"]
+    with pytest.raises(clef_engine.TokenBudgetError):
+        tiny_engine.decide_many([good, too_long], max_length=400)

@@ -210,3 +210,87 @@ def test_chunks_are_sized_by_tokens_and_the_next_one_is_queued_before_the_last_i
     assert sizes[:3] == [8, 8, chunk_tokens * 8 // first_tokens] and sum(sizes) == 24
     kinds = [kind for kind, _ in events]
     assert kinds[:3] == ["submit", "submit", "write"]  # the second chunk was queued before the first was written
+
+
+def test_one_case_over_the_token_budget_costs_its_chunk_nothing(tmp_path, tiny_engine, monkeypatch):
+    """A chunk of 64 cases, one of them over the run's token budget: the other 63 go to the GPU in one batch (not
+    one by one, as when the over-budget case refused the whole chunk), the bad one gets its own error result."""
+    store = Store(tmp_path / "w.db")
+    set_id = store.create_case_set("one too long")
+    states = [f"ticket {i}: my invoice is wrong" for i in range(64)]
+    states[30] = "word " * 400  # over max_length=400 with overflow refuse
+    case_ids = store.add_cases(set_id, [{"state": state} for state in states])
+    run_id = store.create_run(set_id, schema=SMALL_SCHEMA, model_id="demo",
+                              settings={"chunk_size": 64, "max_length": 400, "overflow": "refuse"})
+    batches: list[int] = []
+    run_batch = tiny_engine.scheduler.run_batch
+
+    def counting(records):
+        batches.append(len(records))
+        return run_batch(records)
+
+    monkeypatch.setattr(tiny_engine.scheduler, "run_batch", counting)
+    runner = JobRunner(store)
+    runner.start(run_id, tiny_engine)
+    assert runner.wait(run_id, timeout=120)
+
+    assert batches == [63]  # one GPU pass for the 63 good cases
+    run = store.get_run(run_id)
+    assert (run["status"], run["done"], run["errors"]) == ("finished", 64, 1)
+    results = {r["case_id"]: r for r in store.list_results(run_id)}
+    assert results[case_ids[30]]["error"].startswith("TokenBudgetError") and results[case_ids[30]]["response"] is None
+    assert all(set(results[c]["response"]["answers"]) == {"urgent", "team"} for c in case_ids if c != case_ids[30])
+
+
+def test_decide_chunk_on_a_replica_answers_the_good_cases_in_one_batch(tiny_engine, monkeypatch):
+    """The Ray replica's chunk (clef_workbench.distributed.decide_chunk) uses the same per-record outcomes."""
+    from clef_workbench.distributed import decide_chunk
+
+    requests = [build_request({"state": f"ticket {i}: refund please"}, SMALL_SCHEMA) for i in range(12)]
+    requests[5] = build_request({"state": "word " * 400}, SMALL_SCHEMA)
+    batches: list[int] = []
+    run_batch = tiny_engine.scheduler.run_batch
+    monkeypatch.setattr(tiny_engine.scheduler, "run_batch", lambda records: batches.append(len(records))
+                        or run_batch(records))
+    results = decide_chunk(tiny_engine, list(enumerate(requests)), {"max_length": 400, "overflow": "refuse"})
+    assert batches == [11]
+    assert [r["case_id"] for r in results] == list(range(12))
+    assert results[5]["error"].startswith("TokenBudgetError") and "response" not in results[5]
+    assert all(r["response"]["answers"] for r in results if r["case_id"] != 5)
+
+
+def test_a_store_that_stops_taking_results_fails_the_run_with_one_message_and_resume_completes_it(tmp_path,
+                                                                                                   tiny_engine):
+    import sqlite3
+
+    store = Store(tmp_path / "w.db")
+    set_id = store.create_case_set("tickets")
+    store.add_cases(set_id, [{"state": f"ticket {i}: my invoice is wrong"} for i in range(12)])
+    run_id = store.create_run(set_id, schema=SMALL_SCHEMA, model_id="demo", settings={"chunk_size": 2})
+    record_results = store.record_results
+    writes = [0]
+
+    def full_disk_on_the_third_write(run, results):
+        writes[0] += 1
+        if writes[0] == 3:
+            raise sqlite3.OperationalError("database or disk is full")
+        return record_results(run, results)
+
+    store.record_results = full_disk_on_the_third_write
+    runner = JobRunner(store)
+    runner.start(run_id, tiny_engine)
+    assert runner.wait(run_id, timeout=120)
+    run = store.get_run(run_id)
+    assert (run["status"], run["done"]) == ("failed", 4)
+    assert run["error"] == (f"the database {store.path} stopped taking writes (database or disk is full); the run "
+                            "stopped with its finished results kept: resume it once the database is writable")
+    assert tiny_engine.scheduler.queue_depth() == 0  # the chunk queued behind the failed one was not left running
+    progress = runner.progress(run_id)
+    assert not progress["elsewhere"] and not progress["live"] and store.run_lease_holder(run_id) is None
+
+    runner.start(run_id, tiny_engine)  # the disk has room again
+    assert runner.wait(run_id, timeout=120)
+    run = store.get_run(run_id)
+    assert (run["status"], run["done"], run["errors"]) == ("finished", 12, 0)
+    results = store.list_results(run_id)
+    assert len({r["case_id"] for r in results}) == len(results) == 12

@@ -249,6 +249,8 @@ class Stub:
         self.seen: list[dict] = []
         self.lock = threading.Lock()
         self.active = self.max_active = 0
+        self.sent_bytes = 0  # by the streaming actions, until the client stopped reading
+        self.released = threading.Event()  # ends a "hang" when the stub closes
         stub = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -270,6 +272,30 @@ class Stub:
                 except (BrokenPipeError, ConnectionResetError):  # the client gave up (timeout test)
                     pass
 
+            def stream(self, kind: str, arg: float) -> None:
+                """trickle: a valid answer's headers, then its body a byte every `arg` seconds (padded with spaces
+                to last minutes). flood: `arg` bytes of body without a length, as fast as the client reads."""
+                self.send_response(200)
+                self.send_header("content-type", "application/json")
+                body = json.dumps(stub_answer(NOUL)).encode() + b" " * 100_000
+                if kind == "trickle":
+                    self.send_header("content-length", str(len(body)))
+                else:
+                    self.send_header("connection", "close")  # the body ends when the connection does
+                self.end_headers()
+                block = b" " * (1 << 20)
+                try:
+                    while stub.sent_bytes < (len(body) if kind == "trickle" else arg):
+                        piece = body[stub.sent_bytes: stub.sent_bytes + 1] if kind == "trickle" else block
+                        self.wfile.write(piece)
+                        self.wfile.flush()
+                        stub.sent_bytes += len(piece)
+                        if kind == "trickle":
+                            time.sleep(arg)
+                except (BrokenPipeError, ConnectionResetError):  # the client stopped reading
+                    pass
+                self.close_connection = True
+
             def do_GET(self) -> None:
                 self.reply(200, {"models": [{"name": "stub-model"}]})
 
@@ -284,9 +310,13 @@ class Stub:
                     action = stub.script.pop(0) if stub.script else ("ok",)
                 if action[0] == "sleep":
                     time.sleep(action[1])
+                if action[0] == "hang":  # the request read, the answer never comes
+                    stub.released.wait(120)
                 with stub.lock:
                     stub.active -= 1  # before replying: the client's next request may arrive right after
-                if action[0] == "reply":
+                if action[0] in ("trickle", "flood"):
+                    self.stream(*action)
+                elif action[0] == "reply":
                     self.reply(*action[1:])
                 else:
                     self.reply(200, stub_answer(body))
@@ -298,6 +328,7 @@ class Stub:
         self.thread.start()
 
     def close(self) -> None:
+        self.released.set()
         self.server.shutdown()
         self.server.server_close()
 
@@ -369,15 +400,102 @@ def test_persistent_500_is_a_remote_error_with_the_server_message(stub, connect)
     assert f"{stub.url}{ENDPOINT_PATH} answered 500 internal_error: boom after 2 attempt(s)" == str(caught.value)
 
 
-def test_slow_answer_times_out_and_is_retried(stub, connect):
+def test_slow_answer_times_out_at_the_deadline_and_is_not_retried_past_it(stub, connect):
     stub.script = [("sleep", 3.0)]
     started = time.monotonic()
     with pytest.raises(RemoteError, match=rf"{stub.url}{ENDPOINT_PATH} did not answer within 0.4 s"):
-        connect(timeout=0.4, max_retries=0).decide(NOUL)
+        connect(timeout=0.4, max_retries=3).decide(NOUL)
     assert time.monotonic() - started < 2.5
-    stub.script = [("sleep", 3.0)]
-    answer = connect(timeout=0.4, max_retries=1).decide(NOUL)  # the second attempt is answered at once
-    assert answer["x_attempts"] == 2
+    assert len(stub.seen) == 1  # the deadline covers the retries: none fits after the first attempt used it up
+    stub.script = [("reply", 503, {"detail": "restarting"})]
+    assert connect(timeout=5, max_retries=1).decide(NOUL)["x_attempts"] == 2  # a quick failure leaves time
+
+
+# --- a hostile or broken server: every call ends within its timeout (+1 s) with a clear error ---------------------
+
+CALL_TIMEOUT = 3.0
+
+
+def ends_within_the_timeout(call, error: type[Exception], match: str) -> Exception:
+    """Run `call`, which must raise `error` matching `match` within CALL_TIMEOUT + 1 s."""
+    started = time.monotonic()
+    with pytest.raises(error, match=match) as caught:
+        call()
+    elapsed = time.monotonic() - started
+    assert elapsed <= CALL_TIMEOUT + 1, f"the call took {elapsed:.1f} s with a timeout of {CALL_TIMEOUT:g} s"
+    return caught.value
+
+
+def test_a_trickled_answer_ends_at_the_call_deadline(stub, connect):
+    stub.script = [("trickle", 0.05)]  # a byte every 50 ms: no single read ever waits long
+    ends_within_the_timeout(lambda: connect(timeout=CALL_TIMEOUT).decide(NOUL), RemoteError,
+                            rf"{stub.url}{ENDPOINT_PATH} did not answer within 3 s")
+    assert 0 < stub.sent_bytes < 100_000 and len(stub.seen) == 1
+
+
+def test_a_server_that_never_answers_ends_at_the_call_deadline_without_retries_past_it(stub, connect):
+    stub.script = [("hang",)] * 6
+    ends_within_the_timeout(lambda: connect(timeout=CALL_TIMEOUT).decide(NOUL), RemoteError,
+                            r"did not answer within 3 s \(ReadTimeout, 1 attempt")
+
+
+def test_retry_after_past_the_deadline_ends_the_call_at_once_with_the_server_error(stub, connect):
+    stub.script = [("reply", 429, {"detail": {"error_type": "overloaded", "message": "come back later"}},
+                    {"retry-after": "3600"})] * 6
+    error = ends_within_the_timeout(lambda: connect(timeout=CALL_TIMEOUT).decide(NOUL), BusyError,
+                                    "come back later.*after 1 attempt.*retried after 120 s, past this call's 3 s")
+    assert len(stub.seen) == 1 and stub.url in str(error)
+
+
+@pytest.mark.parametrize("value", ["inf", "nan", "-5", "1e999"])
+def test_retry_after_that_is_not_a_time_is_ignored(value):
+    assert retry_after_seconds(value) is None
+
+
+def test_a_huge_answer_is_abandoned_at_the_size_limit_not_read_whole(stub, connect):
+    stub.script = [("flood", 300 * 1024 * 1024)]  # no length given: only reading tells how big it is
+    engine = connect(timeout=CALL_TIMEOUT, max_response_bytes=1024 * 1024)
+    ends_within_the_timeout(lambda: engine.decide(NOUL), RemoteError,
+                            r"over this client's limit of 1,048,576 bytes \(was still coming\); stopped reading")
+    assert stub.sent_bytes < 100 * 1024 * 1024  # the client closed the connection long before the end
+    stub.script = [("reply", 200, b"x" * (2 * 1024 * 1024))]
+    ends_within_the_timeout(lambda: engine.decide(NOUL), RemoteError, "says it is 2,097,152 bytes long")
+    assert engine.decide(NOUL)["answers"]["q"]["noul"] == 0.75  # the client still works
+
+
+def with_probability(value) -> dict:
+    answer = stub_answer(make_request(1))
+    answer["answers"]["tone"]["probabilities"]["angry"] = value
+    return answer
+
+
+@pytest.mark.parametrize("body, problem", [
+    ({"answers": {"q": {"type": "noul", "noul": math.nan}}}, "its noul is not a probability in [0, 1]"),
+    ({"answers": {"q": {"type": "noul", "noul": math.inf}}}, "its noul is not a probability in [0, 1]"),
+    ({"answers": {"q": {"type": "noul", "noul": -0.25}}}, "its noul is not a probability in [0, 1]"),
+    ({"answers": {"q": {"type": "noul", "noul": "0.5"}}}, "its noul is not a probability in [0, 1]"),
+    ({"answers": {"q": {"type": "noul", "noul": True}}}, "its noul is not a probability in [0, 1]"),
+])
+def test_a_noul_that_is_not_a_probability_is_a_remote_error(stub, connect, body, problem):
+    stub.script = [("reply", 200, json.dumps(body).encode())]  # json.dumps writes NaN and Infinity as JS does
+    error = ends_within_the_timeout(lambda: connect(timeout=CALL_TIMEOUT).decide(NOUL), RemoteError,
+                                    "malformed response")
+    assert problem in str(error) and "'q'" in str(error) and stub.url in str(error)
+    assert len(stub.seen) == 1  # a wrong answer is not retried
+
+
+@pytest.mark.parametrize("value, problem", [
+    (math.nan, "a probability is not a number in [0, 1]"),
+    (-math.inf, "a probability is not a number in [0, 1]"),
+    (1.5, "a probability is not a number in [0, 1]"),
+    (None, "a probability is not a number in [0, 1]"),
+    (0.9, "its probabilities do not sum to 1"),
+])
+def test_choice_probabilities_that_are_not_a_distribution_are_a_remote_error(stub, connect, value, problem):
+    stub.script = [("reply", 200, json.dumps(with_probability(value)).encode())]
+    error = ends_within_the_timeout(lambda: connect(timeout=CALL_TIMEOUT).decide(make_request(1)), RemoteError,
+                                    "malformed response")
+    assert problem in str(error) and "'tone'" in str(error)
 
 
 @pytest.mark.parametrize("body, problem", [
@@ -505,3 +623,14 @@ def test_parse_endpoint(url, expected):
 def test_parse_endpoint_refuses(url, message):
     with pytest.raises(ValueError, match=message):
         parse_endpoint(url)
+
+
+def test_decide_many_can_return_an_error_per_request_like_the_local_engine(stub, connect):
+    stub.script = [("ok",), ("reply", 422, {"detail": [{"loc": ["body", "state"], "msg": "bad state",
+                                                        "type": "value_error"}]})]
+    engine = connect(max_concurrency=1)  # in order, so the stub's script meets the requests in order
+    outcomes = engine.decide_many([NOUL, NOUL, {"state": math.nan, "questions": {}}, NOUL], errors="return")
+    assert outcomes[0]["answers"]["q"]["noul"] == 0.75 and outcomes[3]["answers"]["q"]["noul"] == 0.75
+    assert isinstance(outcomes[1], RequestError) and outcomes[1].problems[0].loc == ("state",)
+    assert isinstance(outcomes[2], RequestError) and "cannot be sent as JSON" in str(outcomes[2])
+    assert len(stub.seen) == 3  # the unsendable one was not sent

@@ -12,6 +12,10 @@ raises BusyError at once instead of growing memory. A job cancelled before it st
 knows nothing of tensors: `run_batch` does the work. `call` runs a function on the worker thread between batches,
 for state a library keeps per thread (the warm-up builds cuDNN's attention plans there).
 
+A batch that fails is the one place where a failing record is isolated: its jobs are run again each alone, and a job
+submitted `per_record` is halved until the records that fail are alone, each getting its own error in its slot of
+the results while the others are answered (a job that is not per record fails whole).
+
 Several engines in one process (Clef and Clef-Flash resident together) each keep their own scheduler, and the
 schedulers of one device share a `GpuTurn`: a worker runs a batch only while it holds the turn, so the device runs
 one engine's batch at a time and the engines take turns fairly (see GpuTurn).
@@ -102,6 +106,7 @@ class Job:
     taken: int = field(compare=False, default=0)  # records handed to batches so far
     results: list = field(compare=False, default_factory=list)
     done: int = field(compare=False, default=0)
+    per_record: bool = field(compare=False, default=False)  # a failing record's error goes in its result slot
 
     @property
     def tokens(self) -> int:
@@ -156,8 +161,9 @@ class Scheduler:
         self._thread.start()
 
     def submit(self, records: Sequence, *, priority: str = "interactive", tokens: int | None = None,
-               finalize: Callable[[list], Any] = lambda results: results) -> Future:
-        """Queue `records`; the future resolves to finalize(results of run_batch for these records)."""
+               finalize: Callable[[list], Any] = lambda results: results, per_record: bool = False) -> Future:
+        """Queue `records`; the future resolves to finalize(results of run_batch for these records). `per_record`:
+        a record whose batch fails, alone, has the exception as its result instead of failing the job."""
         if priority not in PRIORITIES:
             raise ValueError(f"priority must be one of {', '.join(PRIORITIES)}")
         future: Future = Future()
@@ -167,7 +173,7 @@ class Scheduler:
         else:  # the caller's count for the whole job, shared out
             lengths = [tokens / max(1, len(records))] * len(records)
         job = Job(PRIORITIES[priority], next(self._sequence), records, lengths, finalize, future,
-                  results=[None] * len(records))
+                  results=[None] * len(records), per_record=per_record)
         if not records:
             future.set_running_or_notify_cancel()
             future.set_result(finalize([]))
@@ -290,22 +296,39 @@ class Scheduler:
         try:
             results = self.run_batch(records)
         except Exception as error:  # noqa: BLE001 — one failing batch must not kill the worker
-            if len(pieces) > 1:  # isolate the culprit: run each piece alone
-                for piece in pieces:
-                    self._run([piece])
-                return
-            piece = pieces[0]
-            if not piece.job.future.done():
-                piece.job.future.set_exception(error)
-            return
+            failed = error
+        else:
+            failed = None
         finally:
             self.running_priority = outer
             self._account(records, started)
+        if failed is not None:
+            self._isolate(pieces, failed)
+            return
         offset = 0
         for piece in pieces:
             count = piece.end - piece.start
             self._deliver(piece, results[offset: offset + count])
             offset += count
+
+    def _isolate(self, pieces: list[Piece], error: Exception) -> None:
+        """After a failed batch: each job's piece again alone; a per-record piece halved down to single records,
+        whose error becomes its result; any other piece that fails alone fails its job."""
+        if len(pieces) > 1:
+            for piece in pieces:
+                self._run([piece])
+            return
+        piece = pieces[0]
+        if piece.job.future.done():
+            return
+        if not piece.job.per_record:
+            piece.job.future.set_exception(error)
+        elif piece.end - piece.start == 1:
+            self._deliver(piece, [error])
+        else:
+            middle = (piece.start + piece.end) // 2
+            self._run([Piece(piece.job, piece.start, middle)])
+            self._run([Piece(piece.job, middle, piece.end)])
 
     def _call(self, piece: Piece, call: WorkerCall) -> None:
         try:
