@@ -262,3 +262,26 @@ def calibrate_run(store: Store, run_id: int, *, name: str | None = None, min_lab
         raise CalibrationRefused("; ".join(f"{r.question_id}: {r.refused}" for r in reports))
     name = name or f"{run['schema_name']} · {run['model_id']} · run {run_id}"
     return store.save_calibration(name, run, calibration_payload(reports)), reports
+
+
+def calibrated_answer(answer: dict, distribution: dict[str, float]) -> dict:
+    """A System One answer with `distribution` (calibrated) in place of the model's probabilities, its choice,
+    confidence and score recomputed as the contract defines them (4 decimals)."""
+    if answer["type"] == "noul":
+        return {"type": "noul", "noul": round(distribution["true"], 4)}
+    probabilities = {option: round(distribution[option], 4) for option in answer["probabilities"]}
+    if answer["type"] == "choice":
+        best = max(probabilities, key=lambda option: distribution[option])
+        return {"type": "choice", "choice": best, "confidence": probabilities[best], "probabilities": probabilities}
+    return {**answer, "score": round(sum(int(level) * p for level, p in distribution.items()), 4),
+            "confidence": round(max(distribution.values()), 4), "probabilities": probabilities}
+
+
+def calibrated_response(store: Store, name: str, response: dict) -> tuple[dict, dict]:
+    """(the stored calibration named `name`, the response's answers calibrated by it where it has a map, others as
+    they were): what Decide, Runs and Review show when a calibration is chosen."""
+    stored = store.get_calibration(name=name)
+    distributions = calibrate_response(maps_from_payload(stored["payload"]), response)
+    answers = {qid: calibrated_answer(answer, distributions[qid]) if qid in distributions else answer
+               for qid, answer in response.get("answers", {}).items()}
+    return stored, answers

@@ -15,7 +15,7 @@ import streamlit as st
 
 from clef_engine import DEFAULT_MAX_LENGTH
 from clef_engine.errors import BusyError, ClefError, RequestError, TokenBudgetError
-from clef_workbench import answers, schemas, state_input
+from clef_workbench import answers, calibration, schemas, state_input
 from clef_workbench.model_loader import request_model_name
 from clef_workbench.store import StoreError
 from workbench_ui import decide_model as vm
@@ -211,11 +211,14 @@ def render_removed_notice() -> None:
     cols[1].button("Undo", key=K("undo_remove"), icon=":material/undo:", on_click=builder().undo_remove)
 
 
-def render_answer_card(qid: str, question: dict[str, Any], answer: dict[str, Any], model: str) -> None:
+def render_answer_card(qid: str, question: dict[str, Any], answer: dict[str, Any], model: str, *,
+                       calibrated: str | None = None) -> None:
     table = answers.option_table(question, answer)
     summary = answers.summarize(qid, question, answer)
     with st.container(border=True, key=K(f"answer.{qid}")):
-        st.markdown(f"**{qid}** · {answer['type']} · answered by {model}")
+        st.markdown(f"**{qid}** · {answer['type']} · answered by {model}" + (" · **calibrated**" if calibrated else ""))
+        if calibrated:
+            st.caption(calibrated)
         instructions = question.get("instructions")
         if instructions:
             st.caption(instructions if isinstance(instructions, str) else json.dumps(instructions))
@@ -558,8 +561,21 @@ if result:
         if response.get("x_truncated_state_tokens"):
             st.warning(f"The last {response['x_truncated_state_tokens']:,} tokens of the state were cut to fit "
                        "max_length: the model did not read them.")
-        for qid, answer in response["answers"].items():  # one card per row: half a page is one card wide
-            render_answer_card(qid, result.questions.get(qid, {}), answer, result.model_label)
+        shown, calibration_note = response["answers"], None
+        fitted = [c["name"] for c in get_store().list_calibrations(schema_name=result.schema_name)]
+        if fitted:
+            chosen = st.selectbox("Probabilities", ["raw (as the model answered)", *fitted], key=K("calibration"),
+                                  help="A calibration fitted on a run's labelled cases (Runs → Calibrate) maps "
+                                       "each question's probabilities to how often such answers were right")
+            if chosen in fitted:
+                stored, shown = calibration.calibrated_response(get_store(), chosen, response)
+                calibration_note = (f"Calibrated with “{chosen}” (fitted on {stored['model_id']}'s answers in run "
+                                    f"{stored['run_id']}); choose raw above to see the model's own probabilities.")
+                if stored["model_id"] != result.model_label:
+                    calibration_note += f" This answer is from {result.model_label}, not {stored['model_id']}."
+        for qid, answer in shown.items():  # one card per row: half a page is one card wide
+            render_answer_card(qid, result.questions.get(qid, {}), answer, result.model_label,
+                               calibrated=calibration_note if answer is not response["answers"][qid] else None)
         if engine is not None and st.toggle("Why", key=K("why"), help="Which sentences, fields, image regions and "
                                             "frames moved each answer: each is removed in turn and the record "
                                             "decided again, in one batched run"):

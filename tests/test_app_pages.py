@@ -657,3 +657,38 @@ def test_a_file_chosen_for_import_with_problems_is_not_reported_as_a_failed_chan
     no_exceptions(at)
     assert not [e.value for e in at.error if "Nothing was changed" in e.value]
     assert any("This file cannot be imported as it is: 1 problem(s)" in w.value for w in at.warning)
+
+
+def test_decide_shows_calibrated_probabilities_labelled_as_such_when_a_calibration_is_chosen(workbench):
+    """Issue 26: a calibration fitted for this schema is offered next to the answers; choosing it shows the
+    calibrated probabilities on the cards it maps, labelled, and raw stays one choice away."""
+    from dataclasses import asdict
+
+    from clef_workbench.calibration import QuestionCalibration
+
+    schema = SchemaLibrary(workbench / "schemas").load("support-ticket-routing").to_dict()
+    schema.pop("examples", None)
+    store = Store(workbench / "workbench.sqlite3")
+    set_id = store.create_case_set("labelled")
+    store.add_cases(set_id, [{"state": "a ticket"}])
+    run_id = store.create_run(set_id, schema=schema, model_id="clef-demo", settings={})
+    flatten = QuestionCalibration("churn_threat", "noul", "platt", a=0.0, b=0.0)  # every answer becomes 0.5
+    store.save_calibration("flat churn", store.get_run(run_id),
+                           {"questions": {"churn_threat": asdict(flatten)}, "report": []})
+
+    at = start()
+    button(at, "Run").click()
+    at.run()
+    no_exceptions(at)
+    raw_help = [m.help for m in at.metric if m.label == "Answer"]
+    at.selectbox(key="decide.calibration").select("flat churn").run()
+    no_exceptions(at)
+    assert any("Calibrated with “flat churn”" in c.value for c in at.caption)
+    labelled = [m.value for m in at.markdown if "· **calibrated**" in m.value]
+    assert labelled == [next(m.value for m in at.markdown if m.value.startswith("**churn_threat**"))]
+    helps = [m.help for m in at.metric if m.label == "Answer"]
+    changed = [(a, b) for a, b in zip(raw_help, helps, strict=True) if a != b]
+    assert changed and all(b == "P(true) = 0.5000" for _, b in changed)
+    at.selectbox(key="decide.calibration").select("raw (as the model answered)").run()
+    assert [m.help for m in at.metric if m.label == "Answer"] == raw_help
+    assert not any("· **calibrated**" in m.value for m in at.markdown)

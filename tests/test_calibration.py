@@ -195,3 +195,24 @@ def test_review_thresholds_read_calibrated_confidence_when_a_calibration_is_name
     assert {i["case_id"] for i in calibrated} == set(case_ids)
     first = next(i for i in calibrated if i["case_id"] == case_ids[0])
     assert first["reason"].startswith("calibrated confidence") and first["confidence"] < 0.75
+
+
+def test_a_calibrated_response_keeps_the_contracts_shape_and_labels_only_what_it_changed(tmp_path):
+    store, _, (run_a, _) = _store_with_two_runs(tmp_path)
+    softer = calibration.QuestionCalibration("urgent", "noul", "platt", a=0.5, b=0.0)
+    team = calibration.QuestionCalibration("team", "choice", "temperature", temperature=3.0)
+    store.save_calibration("soft", store.get_run(run_a), {"questions": {"urgent": calibration.asdict(softer),
+                                                                        "team": calibration.asdict(team)},
+                                                          "report": []})
+    response = {"answers": {
+        "urgent": {"type": "noul", "noul": 0.9},
+        "team": {"type": "choice", "choice": "billing", "confidence": 0.8,
+                 "probabilities": {"billing": 0.8, "tech": 0.15, "sales": 0.05}},
+        "mood": {"type": "choice", "choice": "calm", "confidence": 0.6, "probabilities": {"calm": 0.6, "angry": 0.4}},
+    }}
+    stored, answers = calibration.calibrated_response(store, "soft", response)
+    assert stored["name"] == "soft" and answers["mood"] == response["answers"]["mood"]  # no map: as it was
+    assert 0.5 < answers["urgent"]["noul"] < 0.9
+    assert answers["team"]["choice"] == "billing" and answers["team"]["confidence"] < 0.8
+    assert answers["team"]["confidence"] == answers["team"]["probabilities"]["billing"]
+    assert sum(answers["team"]["probabilities"].values()) == pytest.approx(1.0, abs=2e-4)
