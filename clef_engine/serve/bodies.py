@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import base64
 import binascii
-import gzip
 import json
 import math
 import re
@@ -28,6 +27,11 @@ except ImportError:
         ZstdError = ValueError  # type: ignore[assignment,misc]
 
 MAX_JSON_DEPTH = 64  # deeper nesting only serves to blow Python's recursion limit in the encoder
+GZIP_ENCODINGS = ("gzip", "x-gzip")  # RFC 9110 §8.4.1.3: x-gzip is gzip
+MAX_MEMBERS = 256  # gzip members / zstd frames in one body; a compressor writes one, streaming ones a few
+DECOMPRESS_WINDOW = 64 * 1024  # compressed bytes fed to a decoder at once
+MAX_NUMBER_DIGITS = 100  # a JSON number longer than this is no probability, count or score
+MAX_ECHO_CHARS = 80  # of a client's string quoted back in an error message
 JSON_MEDIA_TYPE = "application/json"
 MULTIPART_MEDIA_TYPE = "multipart/form-data"
 
@@ -53,6 +57,11 @@ def invalid(loc: list[str | int], msg: str, type_: str) -> ApiError:
 # --- bodies --------------------------------------------------------------------------------------------------------
 
 
+def clip(text: str, limit: int = MAX_ECHO_CHARS) -> str:
+    """A client's string as quoted back in an error: at most `limit` characters, and says so when cut."""
+    return text if len(text) <= limit else f"{text[:limit]}… ({len(text)} characters)"
+
+
 def body_kind(content_type: str | None) -> str:
     """"json" or "multipart" from the Content-Type header; 415 for anything else. Only JSON is read as JSON: a
     browser sends text/plain or form bodies cross-origin without a preflight, JSON never."""
@@ -61,7 +70,7 @@ def body_kind(content_type: str | None) -> str:
         return "json"
     if media_type == MULTIPART_MEDIA_TYPE:
         return "multipart"
-    sent = f"Content-Type {content_type!r}" if content_type else "no Content-Type"
+    sent = f"Content-Type {clip(content_type)!r}" if content_type else "no Content-Type"
     raise api_error(415, "unsupported_media_type",
                  f"{sent} is not accepted: send {JSON_MEDIA_TYPE} (or {MULTIPART_MEDIA_TYPE} with a 'request' part, "
                  "as the TypeSafe SDK does for file assets)", accepted=[JSON_MEDIA_TYPE, MULTIPART_MEDIA_TYPE])
@@ -133,10 +142,19 @@ def _check_text(text: str, loc: list[str | int]) -> None:
 
 
 def _finite_float(text: str) -> float:
+    if len(text) > MAX_NUMBER_DIGITS:
+        raise ValueError(f"a number of {len(text)} characters is out of range")
     value = float(text)
     if not math.isfinite(value):
         raise ValueError(f"number {text[:20]} is out of range")
     return value
+
+
+def _bounded_int(text: str) -> int:
+    # Python refuses to convert very long digit strings itself, in a message about its own settings.
+    if len(text) > MAX_NUMBER_DIGITS:
+        raise ValueError(f"a number of {len(text)} digits is out of range")
+    return int(text)
 
 
 def _reject_constant(name: str) -> None:
@@ -150,11 +168,12 @@ def parse_json_body(raw: bytes) -> dict:
     except UnicodeDecodeError as exc:
         raise invalid([exc.start], f"body is not UTF-8: {exc.reason} at byte {exc.start}", "json_invalid") from None
     try:
-        value = json.loads(text, parse_constant=_reject_constant, parse_float=_finite_float)
+        value = json.loads(text, parse_constant=_reject_constant, parse_float=_finite_float,
+                           parse_int=_bounded_int)
     except json.JSONDecodeError as exc:
         raise invalid([exc.pos], f"JSON decode error: {exc.msg} (line {exc.lineno}, column {exc.colno})",
                        "json_invalid") from None
-    except ValueError as exc:  # NaN / Infinity
+    except ValueError as exc:  # NaN / Infinity / numbers out of range: our own messages above
         raise invalid([], f"JSON decode error: {exc}", "json_invalid") from None
     except RecursionError:
         raise invalid([], f"JSON nested deeper than {MAX_JSON_DEPTH} levels", "json_too_deep") from None
@@ -173,33 +192,77 @@ def _json_type(value: Any) -> str:
 
 
 def decompress(raw: bytes, encoding: str, limit: int, too_large: ApiError) -> bytes:
-    """The body inflated per its Content-Encoding, at most `limit` bytes (`too_large` past it)."""
-    if encoding == "gzip":
-        new_decoder: Callable[[], Any] = lambda: zlib.decompressobj(16 + zlib.MAX_WBITS)  # noqa: E731
+    """The body inflated per its Content-Encoding, at most `limit` bytes (`too_large` past it). Linear in the body:
+    the input is fed a window at a time, so a member's leftover (the next members) is never copied whole."""
+    if encoding in GZIP_ENCODINGS:
+        new_decoder: Callable[[], Any] = lambda: _GzipMember()  # noqa: E731
     elif encoding == "zstd" and ZstdDecompressor is not None:
         new_decoder = ZstdDecompressor
     else:
-        supported = "gzip, zstd" if ZstdDecompressor is not None else "gzip"
+        supported = "gzip, x-gzip, zstd" if ZstdDecompressor is not None else "gzip, x-gzip"
         raise api_error(415, "unsupported_encoding",
-                     f"Content-Encoding {encoding!r} is not supported (supported: {supported})")
+                        f"Content-Encoding {clip(encoding)!r} is not supported (supported: {supported})")
     # A gzip stream may hold several members and a zstd stream several frames, back to back (RFC 1952 §2.2,
     # RFC 8878 §3); each decoder stops after one, so go on with a fresh one on what it left over. Anything that
-    # is not a whole member is refused: silently dropping part of a body would answer another request.
-    out, rest, first = bytearray(), raw, True
+    # is not a whole member is refused: silently dropping part of a body would answer another request. A body of
+    # many tiny members costs a decoder each and buys nothing: past MAX_MEMBERS it is refused.
+    out = bytearray()
+    view = memoryview(raw)
+    position, pending, members = 0, b"", 0
+    decoder = None
     try:
-        while rest or first:
-            first = False
-            decoder = new_decoder()
-            out += decoder.decompress(rest, limit + 1 - len(out))
-            if len(out) > limit:  # zip bombs stop here, after at most limit + 1 bytes of output
-                raise too_large
-            if not decoder.eof:
-                raise EOFError("the compressed data ends early")
-            rest = decoder.unused_data
-    except (zlib.error, ZstdError, gzip.BadGzipFile, EOFError) as exc:
-        raise invalid([], f"the body could not be decompressed as {encoding}: {exc}", "decompression_error") \
+        while pending or position < len(raw):
+            if decoder is None:
+                members += 1
+                if members > MAX_MEMBERS:
+                    raise invalid([], f"the {encoding} body has more than {MAX_MEMBERS} members (frames); send it "
+                                      "as one", "decompression_error")
+                decoder = new_decoder()
+            if pending:
+                data, pending = pending, b""
+            else:
+                data = view[position: position + DECOMPRESS_WINDOW]
+                position += len(data)
+            while True:  # drain what this input gives, at most up to the limit
+                out += decoder.decompress(data, limit + 1 - len(out))
+                if len(out) > limit:  # zip bombs stop here, after at most limit + 1 bytes of output
+                    raise too_large
+                if decoder.eof or decoder.needs_input:
+                    break
+                data = b""
+            if decoder.eof:
+                pending, decoder = decoder.unused_data, None  # at most a window: the next member's start
+        if decoder is not None or members == 0:  # the last member is cut short, or there is none
+            raise EOFError
+    except (zlib.error, ZstdError, EOFError):
+        raise invalid([], f"the body is not valid {encoding} data (corrupt or cut short)", "decompression_error") \
             from None
     return bytes(out)
+
+
+class _GzipMember:
+    """zlib's decoder of one gzip member, with the interface of zstd's: `needs_input` and output bounded per call
+    (zlib keeps the input it could not use yet in `unconsumed_tail`)."""
+
+    def __init__(self) -> None:
+        self._zlib = zlib.decompressobj(16 + zlib.MAX_WBITS)
+
+    def decompress(self, data: bytes | memoryview, max_length: int) -> bytes:
+        if not data:
+            data = self._zlib.unconsumed_tail
+        return self._zlib.decompress(data, max_length)
+
+    @property
+    def needs_input(self) -> bool:
+        return not self._zlib.unconsumed_tail
+
+    @property
+    def eof(self) -> bool:
+        return self._zlib.eof
+
+    @property
+    def unused_data(self) -> bytes:
+        return self._zlib.unused_data
 
 
 async def parse_multipart(content_type: str, raw: bytes, max_part_bytes: int) -> dict[str, tuple[str | None, bytes]]:
@@ -207,7 +270,7 @@ async def parse_multipart(content_type: str, raw: bytes, max_part_bytes: int) ->
     async def stream():
         yield raw
 
-    parser = MultiPartParser(Headers({"content-type": content_type}), stream(), max_files=64, max_fields=64,
+    parser = _RawFieldsParser(Headers({"content-type": content_type}), stream(), max_files=64, max_fields=64,
                              max_part_size=max_part_bytes)
     try:
         form = await parser.parse()
@@ -216,14 +279,34 @@ async def parse_multipart(content_type: str, raw: bytes, max_part_bytes: int) ->
     parts: dict[str, tuple[str | None, bytes]] = {}
     for name, value in form.multi_items():
         if name in parts:  # which one would count is a guess; the client meant one of them
-            raise invalid([name], f"the multipart body has more than one part named {name!r}",
+            raise invalid([clip(name)], f"the multipart body has more than one part named {clip(name)!r}",
                            "multipart_duplicate_part")
-        if isinstance(value, str):
-            parts[name] = (None, value.encode("utf-8"))
+        if isinstance(value, str):  # a text field: its bytes as sent, UTF-8 or refused as a JSON body would be
+            data = parser.raw_fields.pop(0)
+            try:
+                data.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise invalid([clip(name), exc.start], f"multipart part {clip(name)!r} is not UTF-8: {exc.reason} at "
+                                                       f"byte {exc.start}", "json_invalid") from None
+            parts[name] = (None, data)
         else:
             parts[name] = (value.content_type, await value.read())
             await value.close()
     return parts
+
+
+class _RawFieldsParser(MultiPartParser):
+    """Starlette's multipart parser, keeping each text field's bytes (in order): it would decode a field that is not
+    UTF-8 as Latin-1, silently changing the text."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.raw_fields: list[bytes] = []
+
+    def on_part_end(self) -> None:
+        if self._current_part.file is None:
+            self.raw_fields.append(bytes(self._current_part.data))
+        super().on_part_end()
 
 
 # --- assets --------------------------------------------------------------------------------------------------------
@@ -303,7 +386,7 @@ def assets_to_images(body: dict, parts: dict[str, tuple[str | None, bytes]]) -> 
         # The bytes say what the image is (as the hosted API does); a declared format is not trusted.
         content_type = sniff_content_type(data)
         if content_type is None or not content_type.startswith("image/"):
-            raise invalid(loc, f"asset {placeholder!r} is not a PNG, JPEG or WebP image", "value_error.image")
+            raise invalid(loc, f"asset {clip(placeholder)!r} is not a PNG, JPEG or WebP image", "value_error.image")
         sources[len(images)] = placeholder
         images.append(data)
         labels[placeholder] = f"[image {len(images)}]"
@@ -315,8 +398,10 @@ def assets_to_images(body: dict, parts: dict[str, tuple[str | None, bytes]]) -> 
 def _asset_bytes(asset: dict, loc: list[str | int], parts: dict[str, tuple[str | None, bytes]]) -> bytes:
     part = asset.get("part")
     if part is not None:
-        if not isinstance(part, str) or part not in parts:
-            raise invalid([*loc, "part"], f"no multipart part named {part!r} in the request", "value_error")
+        if not isinstance(part, str):
+            raise invalid([*loc, "part"], "part must be the name (a string) of a multipart part", "string_type")
+        if part not in parts:
+            raise invalid([*loc, "part"], f"no multipart part named {clip(part)!r} in the request", "value_error")
         return parts[part][1]
     encoded = asset.get("data_base64")
     if not isinstance(encoded, str):
@@ -324,7 +409,7 @@ def _asset_bytes(asset: dict, loc: list[str | int], parts: dict[str, tuple[str |
     try:
         return base64.b64decode(encoded, validate=True)
     except (binascii.Error, ValueError):
-        raise invalid([*loc, "data_base64"], f"asset {loc[-1]!r}: data_base64 is not valid base64",
+        raise invalid([*loc, "data_base64"], f"asset {clip(str(loc[-1]))!r}: data_base64 is not valid base64",
                        "value_error.base64") from None
 
 
@@ -339,7 +424,7 @@ def name_assets(problems: list[dict], sources: dict[int, str]) -> list[dict]:
         loc = list(problem["loc"])
         if len(loc) >= 2 and loc[0] == "images" and loc[1] in sources:
             name = sources[loc[1]]
-            problem = {**problem, "loc": ["assets", name, *loc[2:]], "msg": f"asset {name!r}: {problem['msg']}"}
+            problem = {**problem, "loc": ["assets", name, *loc[2:]], "msg": f"asset {clip(name)!r}: {problem['msg']}"}
         named.append(problem)
     return named
 

@@ -56,6 +56,13 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                         help="on CUDA, start even without the fast kernels (or set CLEF_ALLOW_SLOW_KERNELS=1)")
     parser.add_argument("--max-body-mb", type=float, default=DEFAULT_MAX_BODY_BYTES / 2**20,
                         help="largest request body accepted, in MiB (default %(default)s)")
+    parser.add_argument("--max-tokens-per-request", type=int, default=None, metavar="N",
+                        help="most tokens one request may buy; a request's x_max_length can lower it, never raise it; "
+                             "larger requests get 413 before any work (default: the engine's token budget)")
+    parser.add_argument("--allowed-host", action="append", default=None, metavar="HOST",
+                        help="a Host header name this server answers (repeatable; '*' for any); other hosts get 421 "
+                             "(default: the --host address, localhost, 127.0.0.1 and [::1]; any when bound to "
+                             "0.0.0.0 or ::)")
     parser.add_argument("--max-queued-records", type=int, default=None, metavar="N",
                         help="bound of the engine's GPU queue; past it requests get 429 (default: the engine's)")
     parser.add_argument("--request-timeout", type=float, default=DEFAULT_REQUEST_TIMEOUT, metavar="S",
@@ -177,7 +184,7 @@ def run_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from ..errors import ClefError
-    from .server import create_app
+    from .server import create_app, default_allowed_hosts
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     api_key = _api_key_from_env(args.api_key_env)
@@ -189,8 +196,13 @@ def run_serve(args: argparse.Namespace) -> int:
     except ClefError as exc:  # a missing or broken release, no fast kernels on CUDA, no room: say so, no traceback
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    if args.max_tokens_per_request is not None and args.max_tokens_per_request < 1:
+        print("error: --max-tokens-per-request must be at least 1", file=sys.stderr)
+        return 2
+    allowed_hosts = args.allowed_host or default_allowed_hosts(args.host)
     app = create_app(models, api_key=api_key, max_body_bytes=int(args.max_body_mb * 2**20),
-                     request_timeout=args.request_timeout, cors_origins=args.cors_origin)
+                     request_timeout=args.request_timeout, max_tokens_per_request=args.max_tokens_per_request,
+                     cors_origins=args.cors_origin, allowed_hosts=allowed_hosts)
     print(f"serving {', '.join(models)} on http://{args.host}:{args.port} (default {next(iter(models))}; auth "
           f"{'on' if api_key else 'off'})", file=sys.stderr, flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,

@@ -22,6 +22,9 @@ SCHEDULER_METRICS = (
     ("largest_batch_records", "clef_engine_batch_records_max", "gauge", "Most records in one batch so far."),
     ("last_batch_records", "clef_engine_batch_records_last", "gauge", "Records in the latest batch."),
     ("busy_seconds", "clef_engine_busy_seconds_total", "counter", "Time the GPU worker spent running batches."),
+    ("busy", "clef_engine_busy", "gauge", "1 while the GPU worker runs a batch."),
+    ("abandoned_batches", "clef_engine_abandoned_batches_total", "counter",
+     "Batches stopped part-way because every request in them had passed its deadline."),
 )
 
 

@@ -57,6 +57,7 @@ from typing import Any
 
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
@@ -65,17 +66,32 @@ from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route
 
 from ..errors import BusyError, RequestError, TokenBudgetError
+from ..model.encoding import DEFAULT_MAX_LENGTH
 from ..protocol import validate_request
 from . import openapi
-from .bodies import ApiError, api_error, body_kind, decompress, invalid, name_assets, parse_multipart, request_from_json
+from .bodies import (
+    MAX_JSON_DEPTH,
+    ApiError,
+    api_error,
+    body_kind,
+    clip,
+    decompress,
+    invalid,
+    name_assets,
+    parse_multipart,
+    request_from_json,
+)
 from .metrics import Metrics, safe_call
 
 log = logging.getLogger("clef_engine.server")
 
 DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024  # 4 images of 16 MP as base64 PNG fit; anything bigger is a mistake
 DEFAULT_REQUEST_TIMEOUT = 120.0  # seconds; a long CPU batch fits, a wedged queue does not
-MAX_LENGTH_CEILING = 1 << 20
 MODEL_ALIAS = "jev-latest"
+MAX_PROBLEMS = 20  # problems listed in one 422; the rest are counted
+MAX_MESSAGE_CHARS = 1000  # of one error message
+MAX_MODEL_CHARS = 256  # a model name is echoed in every answer
+LOCAL_HOSTS = ("localhost", "127.0.0.1", "[::1]")  # names of this machine every loopback server answers to
 ENGINE_FIELDS = ("state", "questions", "images", "videos")  # what the engine gets; the rest is ours or ignored
 EngineProvider = Callable[[], Any]  # returns an engine, a mapping name → engine (default first), or None
 
@@ -87,12 +103,15 @@ class SystemOneApi:
     """The handlers, bound to an engine provider, an optional key, limits and the metrics they keep."""
 
     def __init__(self, engine_provider: EngineProvider | Any, *, api_key: str | None, max_body_bytes: int,
-                 request_timeout: float = DEFAULT_REQUEST_TIMEOUT):
+                 request_timeout: float = DEFAULT_REQUEST_TIMEOUT, max_tokens_per_request: int | None = None):
+        """`max_tokens_per_request`: the most tokens one request may buy (None: each engine's token budget, the
+        most it runs in one batch); a request's `x_max_length` may lower it, never raise it."""
         self._provider = engine_provider if callable(engine_provider) and not _looks_like_engine(engine_provider) \
             else (lambda: engine_provider)
         self._key = api_key.encode("utf-8") if api_key else None
         self.max_body_bytes = max_body_bytes
         self.request_timeout = request_timeout
+        self.max_tokens_per_request = max_tokens_per_request
         self._named: tuple[weakref.ref, str] | None = None  # (engine, its public name): see _name_of
         self.metrics = Metrics(self.models_or_none)
 
@@ -198,6 +217,7 @@ class SystemOneApi:
             kind = body_kind(content_type)
             raw = await self._read_body_in_time(request)
             body, asset_images = await self._parse_request(kind, content_type, raw)
+            _check_model_name(body.get("model"))
             name, engine = await self._engine(body.get("model"))
             answer = await self._decide(engine, name, body, asset_images)
             status = 200
@@ -208,6 +228,12 @@ class SystemOneApi:
         except ClientDisconnect:
             status = 499
             return Response(status_code=499)
+        except MemoryError:  # the request needed more memory than the server has: the request's size, not a fault
+            log.warning("request %s ran out of memory", request_id)
+            status = 413
+            return error_response(api_error(413, "request_too_large", "the request needs more memory than this "
+                                            "server has to give one request; send less (fewer or smaller media, a "
+                                            "shorter state)"), request_id)
         except Exception:  # a fault of ours, never of the input (the input's faults are ApiErrors above)
             log.exception("POST /v1/systemone failed (request %s)", request_id)
             status = 500
@@ -227,20 +253,24 @@ class SystemOneApi:
             request = await run_in_threadpool(validate_request, {**body, "state": None} if "state" in body else body)
         except RequestError as exc:
             raise _invalid_request(exc, asset_images) from None
-        if request.x_max_length is not None and request.x_max_length > MAX_LENGTH_CEILING:
-            raise invalid(["x_max_length"], f"x_max_length must be at most {MAX_LENGTH_CEILING}", "less_than_equal")
-        model, max_length, overflow = request.model, request.x_max_length, request.x_overflow
+        ceiling = self.token_ceiling(engine)
+        asked = request.x_max_length if request.x_max_length is not None else DEFAULT_MAX_LENGTH
+        model, max_length, overflow = request.model, min(asked, ceiling), request.x_overflow
         self.metrics.enter()
         try:
             results = await self._run_in_time(engine, record, max_length=max_length, overflow=overflow)
         except RequestError as exc:  # what only encoding finds: media that cannot be decoded
             raise _invalid_request(exc, asset_images) from None
         except TokenBudgetError as exc:
-            raise api_error(413, "token_budget_exceeded",
-                         f"{exc} (send \"x_overflow\": \"truncate_state\" to cut the state instead, or a larger "
-                         f"\"x_max_length\")",
-                         over_by=exc.over_by, part=exc.part, max_length=exc.max_length,
-                         token_counts=exc.token_counts) from None
+            if asked > ceiling:  # the client asked for more than this server sells
+                advice = (f"this server answers at most {ceiling} tokens per request, whatever \"x_max_length\" "
+                          "asks; shorten the request or send \"x_overflow\": \"truncate_state\"")
+            else:
+                advice = ("send \"x_overflow\": \"truncate_state\" to cut the state instead, or a larger "
+                          "\"x_max_length\"")
+            raise api_error(413, "token_budget_exceeded", f"{exc} ({advice})", over_by=exc.over_by, part=exc.part,
+                            max_length=exc.max_length, max_tokens_per_request=ceiling,
+                            token_counts=exc.token_counts) from None
         except BusyError as exc:
             raise ApiError(429, {"error_type": "overloaded", "message": str(exc) or "the model queue is full"},
                            headers={"retry-after": "1"}) from None
@@ -252,10 +282,19 @@ class SystemOneApi:
         self.metrics.count_answer(response)
         return response
 
+    def token_ceiling(self, engine: Any) -> int:
+        """The most tokens one request may buy on `engine`: the operator's limit, else the engine's token budget
+        (the most it runs in one batch), else the model's default length (a remote engine has no budget here)."""
+        if self.max_tokens_per_request is not None:
+            return self.max_tokens_per_request
+        budget = getattr(getattr(engine, "config", None), "token_budget", None)
+        return budget if isinstance(budget, int) and budget > 0 else DEFAULT_MAX_LENGTH
+
     async def _run_in_time(self, engine: Any, record: dict, **options: Any) -> list:
         """Encode (in the thread pool: tokenizer, media decoding) and wait for the GPU worker, all within
-        `request_timeout`. Past it the request is answered at once and its queued work cancelled; encoding already
-        running in a thread cannot be interrupted, so its future is cancelled as soon as it is queued."""
+        `request_timeout`. Past it the request is answered at once and its work abandoned: cancelled if queued,
+        stopped between layers if running (the engine's `abandon`); encoding already running in a thread cannot be
+        interrupted, so its work is abandoned as soon as it is queued."""
         deadline = time.monotonic() + self.request_timeout
         submitting = asyncio.ensure_future(
             run_in_threadpool(engine.submit, [record], priority="interactive", **options))
@@ -263,13 +302,13 @@ class SystemOneApi:
             future: concurrent.futures.Future = await asyncio.wait_for(asyncio.shield(submitting),
                                                                        self.request_timeout)
         except TimeoutError:
-            submitting.add_done_callback(_cancel_submitted)
+            submitting.add_done_callback(lambda task: _abandon_submitted(engine, task))
             raise self._deadline_error() from None
         waiting = asyncio.wrap_future(future)
         try:
             return await asyncio.wait_for(waiting, max(0.0, deadline - time.monotonic()))
         except TimeoutError:
-            future.cancel()  # the scheduler skips a job cancelled before it runs
+            _abandon(engine, future)
             raise self._deadline_error() from None
 
     def _deadline_error(self) -> ApiError:
@@ -344,9 +383,19 @@ def _unauthorized(message: str, challenge: str) -> ApiError:
                     headers={"www-authenticate": challenge})
 
 
-def _cancel_submitted(task: asyncio.Future) -> None:
+def _abandon(engine: Any, future: concurrent.futures.Future) -> None:
+    """Give up on `future`: the engine stops its work (a remote engine, or one without `abandon`, only cancels it
+    if it has not started)."""
+    abandon = getattr(engine, "abandon", None)
+    if callable(abandon):
+        abandon(future)
+    else:
+        future.cancel()
+
+
+def _abandon_submitted(engine: Any, task: asyncio.Future) -> None:
     if not task.cancelled() and task.exception() is None:
-        task.result().cancel()
+        _abandon(engine, task.result())
 
 
 def pick_model(models: dict[str, Any], model: Any) -> tuple[str, Any]:
@@ -394,6 +443,18 @@ def _check_media(record: dict, skip_images: Collection[int] = ()) -> None:
         raise ApiError(422, problems)
 
 
+def _bounded_problem(problem: dict) -> dict:
+    loc = [clip(part) if isinstance(part, str) else part for part in problem.get("loc", [])[:MAX_JSON_DEPTH]]
+    return {**problem, "msg": clip(str(problem.get("msg", "")), MAX_MESSAGE_CHARS), "loc": loc}
+
+
+def _check_model_name(model: Any) -> None:
+    """`model` is echoed in the answer: a name, not a payload."""
+    if isinstance(model, str) and len(model) > MAX_MODEL_CHARS:
+        raise invalid(["model"], f"model must be at most {MAX_MODEL_CHARS} characters (it has {len(model)})",
+                      "string_too_long")
+
+
 def _check_finite(response: dict) -> None:
     try:
         json.dumps(response, allow_nan=False)
@@ -429,7 +490,22 @@ def error_response(exc: ApiError, request_id: str | None = None) -> JSONResponse
     headers = dict(exc.headers)
     if request_id:
         headers["x-typesafe-request-id"] = request_id
-    return SafeJSONResponse({"detail": exc.detail}, status_code=exc.status, headers=headers)
+    return SafeJSONResponse({"detail": bounded_detail(exc.detail)}, status_code=exc.status, headers=headers)
+
+
+def bounded_detail(detail: Any) -> Any:
+    """An error's detail, bounded in size whatever the request held: the first MAX_PROBLEMS problems of a 422 and a
+    count of the rest; messages and the client's strings inside locations clipped."""
+    if isinstance(detail, dict):
+        return {key: clip(value, MAX_MESSAGE_CHARS) if isinstance(value, str) else value
+                for key, value in detail.items()}
+    if not isinstance(detail, list):
+        return detail
+    shown = [_bounded_problem(problem) if isinstance(problem, dict) else problem for problem in detail[:MAX_PROBLEMS]]
+    if len(detail) > MAX_PROBLEMS:
+        shown.append({"loc": ["body"], "msg": f"and {len(detail) - MAX_PROBLEMS} more problems not listed",
+                      "type": "too_many_problems"})
+    return shown
 
 
 async def _http_exception(request: Request, exc: Exception) -> Response:
@@ -440,8 +516,8 @@ async def _http_exception(request: Request, exc: Exception) -> Response:
 
 
 def routes(engine_provider: EngineProvider | Any, *, api_key: str | None = None,
-           max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-           request_timeout: float = DEFAULT_REQUEST_TIMEOUT) -> list[Route]:
+           max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, request_timeout: float = DEFAULT_REQUEST_TIMEOUT,
+           max_tokens_per_request: int | None = None) -> list[Route]:
     """The API's routes, to mount in another Starlette app (e.g. `st.App(..., routes=routes(get_engine))`).
 
     `engine_provider` is the engine, a mapping name → engine (several models, the default first), or a callable
@@ -449,7 +525,7 @@ def routes(engine_provider: EngineProvider | Any, *, api_key: str | None = None,
     raise or return None while no model is loaded).
     """
     api = SystemOneApi(engine_provider, api_key=api_key, max_body_bytes=max_body_bytes,
-                       request_timeout=request_timeout)
+                       request_timeout=request_timeout, max_tokens_per_request=max_tokens_per_request)
     return [
         Route("/v1/systemone", api.system_one, methods=["POST"]),
         Route("/v1/models", api.models, methods=["GET"]),
@@ -462,17 +538,55 @@ def routes(engine_provider: EngineProvider | Any, *, api_key: str | None = None,
 
 def create_app(engine_provider: EngineProvider | Any, *, api_key: str | None = None,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, request_timeout: float = DEFAULT_REQUEST_TIMEOUT,
-               cors_origins: list[str] | None = None) -> Starlette:
+               max_tokens_per_request: int | None = None, cors_origins: list[str] | None = None,
+               allowed_hosts: Collection[str] | None = None) -> Starlette:
     """A standalone Starlette app serving the System One API from `engine_provider`. CORS headers only for the
-    origins named in `cors_origins` (none by default: a web page elsewhere gets no readable answer)."""
+    origins named in `cors_origins` (none by default: a web page elsewhere gets no readable answer). With
+    `allowed_hosts`, a request whose Host header names another host gets 421: a web page whose own name was made to
+    point at this machine (DNS rebinding) cannot reach a server bound to it. No redirects: a path with a trailing
+    slash is not found, never sent to a Location built from the client's Host."""
     middleware = []
+    if allowed_hosts is not None and "*" not in allowed_hosts:
+        middleware.append(Middleware(HostAllowList, allowed=allowed_hosts))
     if cors_origins:
         middleware.append(Middleware(CORSMiddleware, allow_origins=list(cors_origins), allow_methods=["GET", "POST"],
                                      allow_headers=["authorization", "content-type", "content-encoding"],
                                      expose_headers=["x-typesafe-request-id", "retry-after"]))
-    return Starlette(
+    app = Starlette(
         routes=routes(engine_provider, api_key=api_key, max_body_bytes=max_body_bytes,
-                      request_timeout=request_timeout),
+                      request_timeout=request_timeout, max_tokens_per_request=max_tokens_per_request),
         exception_handlers={HTTPException: _http_exception},
         middleware=middleware,
     )
+    app.router.redirect_slashes = False
+    return app
+
+
+def default_allowed_hosts(bind_host: str) -> list[str]:
+    """The Host names a server bound to `bind_host` answers by default: that address and this machine's local names;
+    bound to every address (0.0.0.0, ::) it cannot know its names, so any."""
+    if bind_host in ("0.0.0.0", "::", ""):
+        return ["*"]
+    named = f"[{bind_host}]" if ":" in bind_host and not bind_host.startswith("[") else bind_host
+    return list(dict.fromkeys([named.lower(), *LOCAL_HOSTS]))
+
+
+class HostAllowList:
+    """ASGI middleware: HTTP requests whose Host header (without its port) is not allowed get 421."""
+
+    def __init__(self, app: Any, allowed: Collection[str]):
+        self.app = app
+        self.allowed = {host.lower() for host in allowed}
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            host = Headers(scope=scope).get("host", "")
+            name = host.rsplit(":", 1)[0] if not host.endswith("]") else host
+            if name.lower() not in self.allowed:
+                response = SafeJSONResponse({"detail": {
+                    "error_type": "misdirected_request",
+                    "message": f"this server does not answer for host {clip(host)!r}; allowed: "
+                               f"{', '.join(sorted(self.allowed))} (the server's --allowed-host)"}}, status_code=421)
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
