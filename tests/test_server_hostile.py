@@ -242,3 +242,39 @@ def test_no_redirect_and_only_allowed_hosts(server: ServerProcess, client: httpx
     for host in ("localhost", "127.0.0.1", "[::1]"):
         response = client.post("/v1/systemone", json=SMALL, headers={"host": f"{host}:{server.port}"})
         assert response.status_code == 200, (host, response.text[:300])
+
+
+@pytest.fixture(scope="module")
+def deadline_server(tiny_release: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """A server that sells big requests (no token ceiling to speak of) but answers within half a second."""
+    yield from serving(tiny_release, tmp_path_factory, "deadline-server.log", "--request-timeout", "0.5",
+                       "--max-tokens-per-request", "1048576")
+
+
+def engine_metric(http: httpx.Client, name: str) -> float:
+    text = http.get("/metrics").text
+    return float(re.search(rf"^{name}\{{model=\"[^\"]+\"\}} (\S+)", text, re.M).group(1))
+
+
+def test_work_past_the_deadline_stops_in_the_engine(server: ServerProcess, deadline_server: ServerProcess) -> None:
+    """A request the engine cannot finish in time gets 503, and the engine stops working on it at its next layer:
+    it is idle again well before the request's whole work (measured on the default server, which has the time to
+    answer it) would have been done."""
+    body = {"state": "The parcel never came.", "questions": noul_questions(100)}
+    with httpx.Client(base_url=server.url, timeout=300) as http:
+        started = time.monotonic()
+        assert http.post("/v1/systemone", json=body).status_code == 200
+        uncancelled = time.monotonic() - started
+    with httpx.Client(base_url=deadline_server.url, timeout=300) as http:
+        assert engine_metric(http, "clef_engine_abandoned_batches_total") == 0
+        response = http.post("/v1/systemone", json=body)
+        answered = time.monotonic()
+        assert response.status_code == 503, response.text[:300]
+        assert response.json()["detail"]["error_type"] == "deadline_exceeded"
+        while engine_metric(http, "clef_engine_busy") != 0:
+            assert time.monotonic() - answered < 300, "the engine is still busy"
+            time.sleep(0.05)
+        idle_after = time.monotonic() - answered
+        assert engine_metric(http, "clef_engine_abandoned_batches_total") == 1
+    assert idle_after < max(1.0, uncancelled / 2), \
+        f"busy {idle_after:.2f} s after the 503; the whole request takes {uncancelled:.2f} s"
