@@ -278,3 +278,15 @@ def test_work_past_the_deadline_stops_in_the_engine(server: ServerProcess, deadl
         assert engine_metric(http, "clef_engine_abandoned_batches_total") == 1
     assert idle_after < max(1.0, uncancelled / 2), \
         f"busy {idle_after:.2f} s after the 503; the whole request takes {uncancelled:.2f} s"
+
+
+def test_impossible_chunk_size_is_refused_at_once(server: ServerProcess) -> None:
+    """A chunked body announcing a chunk larger than the body limit gets 413 at once, not a wait for its bytes."""
+    import socket
+
+    with socket.create_connection(("127.0.0.1", server.port), timeout=60) as connection:
+        connection.sendall(b"POST /v1/systemone HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                           b"Transfer-Encoding: chunked\r\n\r\nFFFFFFFFFF\r\n{\"state\"")
+        answer = connection.recv(4096)  # within the socket's timeout, far below the server's request timeout
+    assert answer.startswith(b"HTTP/1.1 413 "), answer[:200]
+    assert b"request_too_large" in answer

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import ipaddress
+import json
 import logging
 import os
 import sys
@@ -89,6 +90,7 @@ class HeaderTimeoutProtocol(H11Protocol):
     """
 
     header_timeout: float = DEFAULT_HEADER_TIMEOUT
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -99,6 +101,23 @@ class HeaderTimeoutProtocol(H11Protocol):
         super().data_received(data)
         if self.conn.their_state is not h11.IDLE:  # a request head has arrived
             self._disarm_head_timer()
+        self._refuse_impossible_chunk()
+
+    def _refuse_impossible_chunk(self) -> None:
+        """A chunked body announcing one chunk larger than the body limit can never be accepted: answer 413 now and
+        close, instead of waiting for bytes the client may never send (h11 keeps the announced size, privately)."""
+        pending = getattr(getattr(self.conn, "_reader", None), "_bytes_in_chunk", 0)
+        if not isinstance(pending, int) or pending <= self.max_body_bytes or self.transport.is_closing():
+            return
+        if self.conn.our_state is not h11.SEND_RESPONSE:  # an answer has begun: only closing is left
+            self.transport.close()
+            return
+        body = json.dumps({"detail": {"error_type": "request_too_large",
+                                      "message": f"a body chunk of {pending} bytes is larger than this server's "
+                                                 f"limit of {self.max_body_bytes} bytes"}}).encode()
+        self.transport.write(b"HTTP/1.1 413 Content Too Large\r\ncontent-type: application/json\r\n"
+                             b"content-length: %d\r\nconnection: close\r\n\r\n%s" % (len(body), body))
+        self.transport.close()
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
@@ -125,9 +144,10 @@ class HeaderTimeoutProtocol(H11Protocol):
             self.transport.close()
 
 
-def with_header_timeout(seconds: float) -> type[HeaderTimeoutProtocol]:
-    """The protocol class for uvicorn's `http=` option, with its header deadline set."""
-    return type("HeaderTimeoutProtocol", (HeaderTimeoutProtocol,), {"header_timeout": seconds})
+def with_header_timeout(seconds: float, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> type[HeaderTimeoutProtocol]:
+    """The protocol class for uvicorn's `http=` option, with its header deadline and body limit set."""
+    return type("HeaderTimeoutProtocol", (HeaderTimeoutProtocol,),
+                {"header_timeout": seconds, "max_body_bytes": max_body_bytes})
 
 
 def _api_key_from_env(var: str | None) -> str | None:
@@ -207,7 +227,7 @@ def run_serve(args: argparse.Namespace) -> int:
           f"{'on' if api_key else 'off'})", file=sys.stderr, flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
                 timeout_graceful_shutdown=5, timeout_keep_alive=args.keep_alive_timeout,
-                http=with_header_timeout(args.header_timeout))
+                http=with_header_timeout(args.header_timeout, int(args.max_body_mb * 2**20)))
     return 0
 
 

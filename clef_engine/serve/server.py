@@ -88,6 +88,8 @@ log = logging.getLogger("clef_engine.server")
 DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024  # 4 images of 16 MP as base64 PNG fit; anything bigger is a mistake
 DEFAULT_REQUEST_TIMEOUT = 120.0  # seconds; a long CPU batch fits, a wedged queue does not
 MODEL_ALIAS = "jev-latest"
+BIG_BODY_BYTES = 1 << 20  # bodies from this size on are parsed in the big-body pool
+BIG_BODY_WORKERS = 2
 MAX_PROBLEMS = 20  # problems listed in one 422; the rest are counted
 MAX_MESSAGE_CHARS = 1000  # of one error message
 MAX_MODEL_CHARS = 256  # a model name is echoed in every answer
@@ -114,6 +116,10 @@ class SystemOneApi:
         self.max_tokens_per_request = max_tokens_per_request
         self._named: tuple[weakref.ref, str] | None = None  # (engine, its public name): see _name_of
         self.metrics = Metrics(self.models_or_none)
+        # Big bodies are parsed in a pool of their own, one at a time per client address: a client sending many
+        # cannot take the threads that small requests are parsed and encoded in.
+        self._big_bodies = concurrent.futures.ThreadPoolExecutor(BIG_BODY_WORKERS, thread_name_prefix="clef-big-body")
+        self._big_body_turns: dict[str, _Turn] = {}
 
     # --- engine access -------------------------------------------------------------------------------------
     def models_or_none(self) -> dict[str, Any] | None:
@@ -193,18 +199,32 @@ class SystemOneApi:
             raise api_error(408, "request_timeout",
                          f"the request body did not arrive within {self.request_timeout:g} seconds") from None
 
-    async def _parse_request(self, kind: str, content_type: str, raw: bytes) -> tuple[dict, dict[int, str]]:
+    async def _parse_request(self, kind: str, content_type: str, raw: bytes,
+                             client: str) -> tuple[dict, dict[int, str]]:
         """The request object and, when assets became images, image index → asset name."""
-        # Parsing a body of many megabytes (and decoding its base64 assets) runs in the thread pool: on the event loop
-        # it would hold up every other request meanwhile.
         if kind == "json":
-            return await run_in_threadpool(request_from_json, raw, {})
+            return await self._off_loop(len(raw), client, request_from_json, raw, {})
         parts = await parse_multipart(content_type, raw, self.max_body_bytes)
         request_part = parts.pop("request", None)
         if request_part is None:
             raise invalid(["request"], "a multipart request needs a part named 'request' holding the JSON body",
-                           "missing")
-        return await run_in_threadpool(request_from_json, request_part[1], parts)
+                          "missing")
+        return await self._off_loop(len(raw), client, request_from_json, request_part[1], parts)
+
+    async def _off_loop(self, size: int, client: str, fn: Callable[..., Any], *args: Any) -> Any:
+        """`fn(*args)` off the event loop (parsing a body of many megabytes there would hold up every other request):
+        a small body in the shared thread pool, a big one in the big-body pool, one at a time per client."""
+        if size < BIG_BODY_BYTES:
+            return await run_in_threadpool(fn, *args)
+        turn = self._big_body_turns.setdefault(client, _Turn())
+        turn.users += 1
+        try:
+            async with turn.lock:
+                return await asyncio.get_running_loop().run_in_executor(self._big_bodies, lambda: fn(*args))
+        finally:
+            turn.users -= 1
+            if not turn.users:
+                del self._big_body_turns[client]
 
     # --- handlers ----------------------------------------------------------------------------------------------
     async def system_one(self, request: Request) -> Response:
@@ -216,7 +236,8 @@ class SystemOneApi:
             content_type = request.headers.get("content-type", "")
             kind = body_kind(content_type)
             raw = await self._read_body_in_time(request)
-            body, asset_images = await self._parse_request(kind, content_type, raw)
+            client = request.client.host if request.client else "?"
+            body, asset_images = await self._parse_request(kind, content_type, raw, client)
             _check_model_name(body.get("model"))
             name, engine = await self._engine(body.get("model"))
             answer = await self._decide(engine, name, body, asset_images)
@@ -371,6 +392,14 @@ class SystemOneApi:
 
     async def docs(self, request: Request) -> Response:
         return HTMLResponse(openapi.docs_page(openapi.document()))
+
+
+class _Turn:
+    """One client's turn at the big-body pool, and how many of its requests want it."""
+
+    def __init__(self) -> None:
+        self.lock = asyncio.Lock()
+        self.users = 0
 
 
 def _invalid_request(exc: RequestError, asset_images: dict[int, str]) -> ApiError:
