@@ -10,14 +10,17 @@ Routes (see `routes`):
 - `GET /openapi.json` and `GET /docs` — the OpenAPI document and a self-contained page rendering it (no CDN).
 
 Wire contract beyond spec §5:
-- Unknown top-level fields are ignored; `model` may be any string and is echoed in the response.
+- Unknown top-level fields are ignored; `model` may be any string of at most 256 characters and is echoed in the
+  response.
 - Several models: the provider may give a mapping name → engine (the default first). A request's `model` picks the
   engine of that name (exactly, or ignoring case and an owner prefix: `Cloudflare/clef-flash` and `clef-flash` name
   the same model); `jev-latest` and any name that is not loaded go to the default model, as hosted Jev accepts any
   model name. /metrics reports every resident model's engine, labelled `model`.
 - Overflow: a record over the token budget gets 413 unless the request body opts in with the top-level field
   `"x_overflow": "truncate_state"` (the reference's behaviour: cut the end of the state; the response says how many
-  state tokens were dropped in `x_truncated_state_tokens`). `"x_max_length": N` raises or lowers the budget.
+  state tokens were dropped in `x_truncated_state_tokens`). `"x_max_length": N` sets the budget, at most
+  `max_tokens_per_request` (default: the engine's token budget); asking more gets that ceiling, and a 413 over it
+  says so (`max_tokens_per_request` in the detail).
 - Media: `images` (PNG/JPEG/WebP) and `videos` (MP4/WebM/MOV) as data URLs or `{"content_type", "base64"}` objects;
   the engine checks formats and limits. File paths, which the engine accepts from Python callers, are refused over
   HTTP (they would read the server's disk). The TypeSafe SDK's `assets` (JSON `{"format", "data_base64"}` or
@@ -26,17 +29,22 @@ Wire contract beyond spec §5:
   instructions, option and level descriptions — never in keys, question ids, types or other structure.
 - Bodies: `Content-Type: application/json` (parameters allowed) or the SDK's `multipart/form-data`; anything else
   gets 415. At most `max_body_bytes` (default 32 MiB) before and after decompression, nested at most 64 deep,
-  strings valid Unicode, numbers finite. `Content-Encoding: gzip` or `zstd` (the TypeSafe SDK compresses with zstd
-  when it can).
+  strings valid Unicode, numbers finite and at most 100 characters. `Content-Encoding: gzip` (`x-gzip`) or `zstd`
+  (the TypeSafe SDK compresses with zstd when it can), at most 256 members. Bodies of 1 MiB or more are parsed in a
+  pool of their own, one at a time per client address (bodies.py has the parsing; metrics.py the metrics).
 - Time: a body that has not arrived within `request_timeout` seconds gets 408; a request the engine has not
-  answered within `request_timeout` seconds gets 503 `deadline_exceeded` (its queued work is cancelled).
+  answered within `request_timeout` seconds gets 503 `deadline_exceeded`, and its work is abandoned: cancelled
+  if queued, stopped at the engine's next layer if running.
 - Errors: 422 `{"detail": [{"loc", "msg", "type"}]}` for invalid requests (locations start with "body", as in the
   ecosystem); other errors `{"detail": {"error_type", "message"}}`: 401 authentication_error (with
   `WWW-Authenticate: Bearer`), 408 request_timeout, 413 request_too_large / token_budget_exceeded, 415
   unsupported_media_type / unsupported_encoding, 429 overloaded (Retry-After: 1), 503 not_ready while no model is
-  loaded or deadline_exceeded. Any other 5xx is a server fault, never the request's.
+  loaded or deadline_exceeded. Any other 5xx is a server fault, never the request's. A 422 lists at most 20
+  problems and counts the rest; messages and the client's strings in them are clipped; a request that runs out of
+  memory gets 413.
 - With an API key configured, `/v1/*` and `/metrics` need `Authorization: Bearer KEY`; without one an
   Authorization header is ignored. No CORS headers are sent unless `create_app(cors_origins=...)` asks for them.
+- `create_app(allowed_hosts=...)`: other Host headers get 421 misdirected_request. No path is redirected.
 """
 
 from __future__ import annotations
