@@ -204,7 +204,8 @@ def run_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from ..errors import ClefError
-    from .server import create_app, default_allowed_hosts
+    from .responses import default_allowed_hosts
+    from .server import create_app
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     api_key = _api_key_from_env(args.api_key_env)
