@@ -262,6 +262,8 @@ class Scheduler:
             if job.future.done() or job.abandoned:  # an earlier piece failed, or the caller gave up: drop the rest
                 heapq.heappop(self._heap)
                 self._queued_records -= len(job.records) - job.taken
+                if not job.future.done():
+                    job.future.set_exception(CancelledError("abandoned: the caller's deadline passed"))
                 continue
             if budget is None:
                 budget = self.token_budget if job.priority == PRIORITIES["interactive"] else self.bulk_batch_tokens
