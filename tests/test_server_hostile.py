@@ -76,7 +76,7 @@ def while_hostile(server: ServerProcess, send: Callable[[httpx.Client], httpx.Re
     latency and the server's memory; returns the hostile request's answer."""
     answer: dict[str, httpx.Response] = {}
     with httpx.Client(base_url=server.url, timeout=300) as http:
-        idle = max(small_decide_seconds(http) for _ in range(3))
+        idle = max(small_decide_seconds(http) for _ in range(5))
         sampler = RssSampler(server.process.pid)
 
         def hostile() -> None:
