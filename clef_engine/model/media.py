@@ -77,7 +77,9 @@ def _bytes_from(item: Any, allowed_types: tuple[str, ...]) -> bytes | None:
     if isinstance(item, (bytes, bytearray, memoryview)):
         return bytes(item)
     if isinstance(item, dict) and "base64" in item:
-        content_type = str(item.get("content_type", ""))
+        content_type = item.get("content_type") or ""
+        if not isinstance(content_type, str):
+            raise MediaError(f"content_type must be a string, one of {', '.join(allowed_types)}")
         if content_type and content_type not in allowed_types:
             raise MediaError(f"content_type {content_type!r} not accepted; use one of {', '.join(allowed_types)}")
         return _b64(item["base64"])
