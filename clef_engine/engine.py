@@ -36,7 +36,7 @@ from .model import backbone, release
 from .model.encoding import DEFAULT_MAX_LENGTH, EncodedRecord, Encoder
 from .model.head import JointSchemaHead, head_attention_kernel, layout, load_head, option_probabilities
 from .protocol import format_answer, parse_questions
-from .serve.scheduler import PRIORITIES, Scheduler, device_turn
+from .serve.scheduler import PRIORITIES, BatchAbandoned, Scheduler, device_turn
 from .tiny import is_demo_release
 
 LAYERS_AHEAD = 1  # in a bulk batch, how many layers the host may launch ahead of the GPU
@@ -299,28 +299,45 @@ class Engine:
         return self.head_one(normed, memory, record)
 
     def _between_layers(self):
-        """For an eager forward inside a bulk batch: a callback that keeps the host at most LAYERS_AHEAD layers
-        ahead of the GPU and, between layers, runs the interactive requests waiting. They queue on the GPU behind a
-        few layers of the bulk batch instead of all of it. None outside bulk batches."""
-        if self.scheduler.running_priority != PRIORITIES["bulk"]:
-            return None
+        """For an eager forward: a callback between layers that stops the batch once every request in it was
+        abandoned (its caller's deadline passed), and, inside a bulk batch, keeps the host at most LAYERS_AHEAD
+        layers ahead of the GPU and runs the interactive requests waiting: they queue on the GPU behind a few layers
+        of the bulk batch instead of all of it."""
+        scheduler = self.scheduler
+        if scheduler.running_priority != PRIORITIES["bulk"]:
+            def check(_index: int) -> None:
+                if scheduler.should_stop():
+                    raise BatchAbandoned
+            return check
         launched: list[torch.cuda.Event] = []
 
         def between(_index: int) -> None:
+            if scheduler.should_stop():
+                raise BatchAbandoned
             if self.config.cuda:
                 event = torch.cuda.Event()
                 event.record()
                 launched.append(event)
                 if len(launched) > LAYERS_AHEAD:
                     launched.pop(0).synchronize()
-            if self.scheduler.interactive_waiting():
-                self.scheduler.run_waiting_interactive()
+            if scheduler.interactive_waiting():
+                scheduler.run_waiting_interactive()
 
         return between
+
+    def _stop_if_abandoned(self) -> None:
+        """Between the backbone and the head, and between padded chunks: the same check as between layers."""
+        if self.scheduler.should_stop():
+            raise BatchAbandoned
+
+    def abandon(self, future: Future) -> None:
+        """Its caller gives up on `future` (from `submit`): see Scheduler.abandon."""
+        self.scheduler.abandon(future)
 
     @torch.inference_mode()
     def forward_padded(self, records: list[EncodedRecord]) -> list[list[list[float]]]:
         """The plain path: padded backbone batch, then the batched head."""
+        self._stop_if_abandoned()
         hidden = backbone.run_padded(self.model, records, self.encoder.pad_token_id)
         batch_size, padded_length, width = hidden.shape
         lengths = [len(r) for r in records]
@@ -330,6 +347,7 @@ class Engine:
     def head_one(self, normed: torch.Tensor, memory: torch.Tensor, record: EncodedRecord) -> list[list[float]]:
         """The head over one record's normed hidden states and memory: from a CUDA graph of its shape bucket where
         graphs are on, else eagerly."""
+        self._stop_if_abandoned()
         if self.head_graphs is not None:
             probabilities = self.head_graphs.probabilities(normed, memory, record)
             if probabilities is not None:
@@ -340,6 +358,7 @@ class Engine:
 
     def head_probabilities(self, hidden_flat: torch.Tensor, records: list[EncodedRecord], offsets: list[int],
                            lengths: list[int]) -> list[list[list[float]]]:
+        self._stop_if_abandoned()
         if len(records) == 1:
             normed, memory = self.head.token_memory(hidden_flat[offsets[0]: offsets[0] + lengths[0]].to(self.dtype))
             return [self.head_one(normed, memory, records[0])]

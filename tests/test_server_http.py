@@ -294,7 +294,7 @@ def test_slow_headers_and_idle_connections_are_closed_while_others_are_answered(
 
     # An idle keep-alive connection is closed too, after its answer.
     idle = socket.create_connection((host, port))
-    idle.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+    idle.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
     idle.settimeout(10)
     assert idle.recv(4096).startswith(b"HTTP/1.1 200")
     assert _closed_within(idle, KEEP_ALIVE_TIMEOUT + 3) is not None, "an idle keep-alive connection was kept open"

@@ -29,6 +29,14 @@ from ..protocol import HOSTED, IMAGE_CONTENT_TYPES, MAX_MEDIA_BYTES, VIDEO_CONTE
 IMAGE_FORMATS = ("PNG", "JPEG", "WEBP")  # PIL's names of IMAGE_CONTENT_TYPES
 # The hosted service's 16 MP limit, kept here too: it bounds the memory one image can take to decode.
 MAX_IMAGE_PIXELS = HOSTED.max_image_pixels
+# A video's sampled frames, decoded: at most this many, held in at most this many bytes (frames larger than their
+# share are decoded scaled down, keeping their aspect). The processor turns the sample into float tensors several
+# times its size, so this bounds a video's memory: 16 MiB costs about 300 MB in all on the CPU (32 frames of
+# 556×312), where the processor's own budget (about 72 MiB of frames) cost over 1 GB.
+MAX_VIDEO_FRAMES = 512
+MAX_DECODED_VIDEO_BYTES = 16 * 1024 * 1024
+MIN_VIDEO_SIDE = 32  # frames are never scaled below this many pixels a side
+
 
 
 class MediaError(ValueError):
@@ -51,7 +59,9 @@ def _bytes_from(item: Any, allowed_types: tuple[str, ...]) -> bytes | None:
     if isinstance(item, (bytes, bytearray, memoryview)):
         return bytes(item)
     if isinstance(item, dict) and "base64" in item:
-        content_type = str(item.get("content_type", ""))
+        content_type = item.get("content_type") or ""
+        if not isinstance(content_type, str):
+            raise MediaError(f"content_type must be a string, one of {', '.join(allowed_types)}")
         if content_type and content_type not in allowed_types:
             raise MediaError(f"content_type {content_type!r} not accepted; use one of {', '.join(allowed_types)}")
         return _b64(item["base64"])
@@ -99,22 +109,40 @@ def open_image(item: Any) -> Image.Image:
             what = sniff_content_type(data)
             raise MediaError(f"not a readable image (the {len(data)} bytes are "
                              f"{what or 'not a known image format'}; use PNG, JPEG or WebP)") from None
-        except Exception as error:  # PIL raises many types for corrupt data
-            raise MediaError(f"not a readable image ({error}; use PNG, JPEG or WebP)") from error
+        except MemoryError:
+            raise MediaError("the image is too large to read") from None
+        except Exception:  # PIL raises many types for corrupt data, in messages about its own internals
+            raise MediaError(f"not a readable image (the {len(data)} bytes are corrupt, cut short or use a feature "
+                             "this server does not read; use PNG, JPEG or WebP)") from None
         if image.format not in IMAGE_FORMATS:
             raise MediaError(f"image format {image.format} not accepted; use PNG, JPEG or WebP")
+        if image.format == "JPEG":
+            _check_jpeg_size(image, len(data))
     if image.width * image.height > MAX_IMAGE_PIXELS:
         raise MediaError(f"image is {image.width}×{image.height} = {image.width * image.height / 1e6:.1f} MP; "
                          f"the limit is {MAX_IMAGE_PIXELS / 1e6:.0f} MP")
     return image
 
 
+def _check_jpeg_size(image: Image.Image, size: int) -> None:
+    """Refuse a JPEG too small for the size its header claims. Every 8×8 block of the full-resolution component
+    takes at least one bit of entropy-coded data, so a smaller file cannot hold that image: it is cut short or
+    crafted, and the decoder would fill the missing blocks in silently (PNG and WebP decoders refuse instead)."""
+    blocks = -(-image.width // 8) * -(-image.height // 8)
+    if size * 8 < blocks:
+        raise MediaError(f"the JPEG's header claims {image.width}×{image.height} pixels, more than its {size} bytes "
+                         "can hold (the file is cut short or not a real photo)")
+
+
 def decode_image(image: Image.Image) -> Image.Image:
     """The pixels of an opened image, as RGB."""
     try:
         return image.convert("RGB")
-    except Exception as error:  # truncated or corrupt data shows only when the pixels are decoded
-        raise MediaError(f"image cannot be decoded ({error})") from error
+    except MemoryError:
+        raise MediaError(f"the {image.width}×{image.height} image is too large to decode in this server's "
+                         "memory") from None
+    except Exception:  # truncated or corrupt data shows only when the pixels are decoded
+        raise MediaError("the image cannot be decoded (its data is corrupt or cut short)") from None
 
 
 def load_image(item: Any) -> Image.Image:
@@ -167,7 +195,9 @@ def load_video(item: Any, sample_indices) -> Video:
 
 
 def decode_video(data: bytes, sample_indices) -> Video:
-    """Decode only the sampled frames of an MP4/WebM/MOV file with PyAV."""
+    """Decode only the sampled frames of an MP4/WebM/MOV file with PyAV, within MAX_VIDEO_FRAMES and
+    MAX_DECODED_VIDEO_BYTES: each frame is converted straight to its place in the one output array, scaled down when
+    the sample at full size would not fit."""
     import av
 
     try:
@@ -176,6 +206,12 @@ def decode_video(data: bytes, sample_indices) -> Video:
                 raise MediaError("the file has no video stream")
             stream = container.streams.video[0]
             fps = float(stream.average_rate or stream.guessed_rate or 0) or 24.0
+            width, height = stream.codec_context.width, stream.codec_context.height
+            if width <= 0 or height <= 0:
+                raise MediaError("the video's frame size is unknown")
+            if width * height > MAX_IMAGE_PIXELS:
+                raise MediaError(f"the video's frames are {width}×{height}; the limit is "
+                                 f"{MAX_IMAGE_PIXELS / 1e6:.0f} MP a frame")
             total = stream.frames or 0
             if total <= 0:  # some containers do not store a frame count: count by demuxing (cheap, no decode)
                 total = sum(1 for packet in container.demux(stream) if packet.size)
@@ -183,20 +219,49 @@ def decode_video(data: bytes, sample_indices) -> Video:
             if total <= 0:
                 raise MediaError("the video has no frames")
             wanted = [int(i) for i in sample_indices(total, fps)]
-            wanted_set = set(wanted)
-            frames: dict[int, np.ndarray] = {}
+            if len(wanted) > MAX_VIDEO_FRAMES:
+                raise MediaError(f"the video would be sampled at {len(wanted)} frames; the limit is "
+                                 f"{MAX_VIDEO_FRAMES} (send a shorter video)")
+            out_width, out_height = _decoded_frame_size(width, height, len(wanted))
+            frames = np.empty((len(wanted), out_height, out_width, 3), dtype=np.uint8)
+            slots: dict[int, list[int]] = {}
+            for slot, index in enumerate(wanted):
+                slots.setdefault(index, []).append(slot)
+            filled = np.zeros(len(wanted), dtype=bool)
+            last = max(wanted)
             for index, frame in enumerate(container.decode(stream)):
-                if index in wanted_set:
-                    frames[index] = frame.to_ndarray(format="rgb24")
-                if index >= wanted[-1]:
+                if index in slots:
+                    pixels = frame.to_ndarray(format="rgb24", width=out_width, height=out_height)
+                    for slot in slots[index]:
+                        frames[slot] = pixels
+                        filled[slot] = True
+                if index >= last:
                     break
     except MediaError:
         raise
-    except Exception as error:  # PyAV raises its own error types for corrupt or unsupported files
-        raise MediaError(f"not a readable video ({type(error).__name__}: {error})") from error
-    if not frames:
+    except MemoryError:
+        raise MediaError("the video is too large to decode in this server's memory") from None
+    except Exception:  # PyAV raises its own error types for corrupt or unsupported files, in its own words
+        raise MediaError("not a readable video (the file is corrupt, cut short or encoded in a way this server "
+                         "does not decode; use MP4, WebM or MOV with H.264, VP8/VP9 or AV1)") from None
+    if not filled.any():
         raise MediaError("no frame could be decoded")
-    last = frames[max(frames)]
-    # A stored frame count can overstate what decodes; repeat the last decoded frame for any missing index.
-    stacked = np.stack([frames.get(i, last) for i in wanted])
-    return Video(stacked, fps, wanted, total)
+    # A stored frame count can overstate what decodes: a missing frame repeats the last decoded frame before it.
+    for slot in range(len(wanted)):
+        if not filled[slot]:
+            frames[slot] = frames[slot - 1] if slot else frames[int(np.argmax(filled))]
+    return Video(frames, fps, wanted, total)
+
+
+def _decoded_frame_size(width: int, height: int, count: int) -> tuple[int, int]:
+    """(width, height) to decode `count` frames of width×height at: as they are when they fit
+    MAX_DECODED_VIDEO_BYTES, else scaled down evenly (even sides, as the frame formats want); refused when even
+    MIN_VIDEO_SIDE frames would not fit."""
+    scale = min(1.0, (MAX_DECODED_VIDEO_BYTES / (count * width * height * 3)) ** 0.5)
+    if scale >= 1.0:
+        return width, height
+    out_width, out_height = (max(MIN_VIDEO_SIDE, int(side * scale) // 2 * 2) for side in (width, height))
+    if count * out_width * out_height * 3 > MAX_DECODED_VIDEO_BYTES:
+        raise MediaError(f"{count} sampled frames do not fit this server's video budget "
+                         f"({MAX_DECODED_VIDEO_BYTES // 2**20} MiB decoded); send a shorter video")
+    return out_width, out_height

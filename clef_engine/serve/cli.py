@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import ipaddress
+import json
 import logging
 import os
 import sys
@@ -56,6 +57,13 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                         help="on CUDA, start even without the fast kernels (or set CLEF_ALLOW_SLOW_KERNELS=1)")
     parser.add_argument("--max-body-mb", type=float, default=DEFAULT_MAX_BODY_BYTES / 2**20,
                         help="largest request body accepted, in MiB (default %(default)s)")
+    parser.add_argument("--max-tokens-per-request", type=int, default=None, metavar="N",
+                        help="most tokens one request may buy; a request's x_max_length can lower it, never raise it; "
+                             "larger requests get 413 before any work (default: the engine's token budget)")
+    parser.add_argument("--allowed-host", action="append", default=None, metavar="HOST",
+                        help="a Host header name this server answers (repeatable; '*' for any); other hosts get 421 "
+                             "(default: the --host address, localhost, 127.0.0.1 and [::1]; any when bound to "
+                             "0.0.0.0 or ::)")
     parser.add_argument("--max-queued-records", type=int, default=None, metavar="N",
                         help="bound of the engine's GPU queue; past it requests get 429 (default: the engine's)")
     parser.add_argument("--request-timeout", type=float, default=DEFAULT_REQUEST_TIMEOUT, metavar="S",
@@ -82,6 +90,7 @@ class HeaderTimeoutProtocol(H11Protocol):
     """
 
     header_timeout: float = DEFAULT_HEADER_TIMEOUT
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -92,6 +101,23 @@ class HeaderTimeoutProtocol(H11Protocol):
         super().data_received(data)
         if self.conn.their_state is not h11.IDLE:  # a request head has arrived
             self._disarm_head_timer()
+        self._refuse_impossible_chunk()
+
+    def _refuse_impossible_chunk(self) -> None:
+        """A chunked body announcing one chunk larger than the body limit can never be accepted: answer 413 now and
+        close, instead of waiting for bytes the client may never send (h11 keeps the announced size, privately)."""
+        pending = getattr(getattr(self.conn, "_reader", None), "_bytes_in_chunk", 0)
+        if not isinstance(pending, int) or pending <= self.max_body_bytes or self.transport.is_closing():
+            return
+        if self.conn.our_state is not h11.SEND_RESPONSE:  # an answer has begun: only closing is left
+            self.transport.close()
+            return
+        body = json.dumps({"detail": {"error_type": "request_too_large",
+                                      "message": f"a body chunk of {pending} bytes is larger than this server's "
+                                                 f"limit of {self.max_body_bytes} bytes"}}).encode()
+        self.transport.write(b"HTTP/1.1 413 Content Too Large\r\ncontent-type: application/json\r\n"
+                             b"content-length: %d\r\nconnection: close\r\n\r\n%s" % (len(body), body))
+        self.transport.close()
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
@@ -118,9 +144,10 @@ class HeaderTimeoutProtocol(H11Protocol):
             self.transport.close()
 
 
-def with_header_timeout(seconds: float) -> type[HeaderTimeoutProtocol]:
-    """The protocol class for uvicorn's `http=` option, with its header deadline set."""
-    return type("HeaderTimeoutProtocol", (HeaderTimeoutProtocol,), {"header_timeout": seconds})
+def with_header_timeout(seconds: float, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> type[HeaderTimeoutProtocol]:
+    """The protocol class for uvicorn's `http=` option, with its header deadline and body limit set."""
+    return type("HeaderTimeoutProtocol", (HeaderTimeoutProtocol,),
+                {"header_timeout": seconds, "max_body_bytes": max_body_bytes})
 
 
 def _api_key_from_env(var: str | None) -> str | None:
@@ -177,6 +204,7 @@ def run_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from ..errors import ClefError
+    from .responses import default_allowed_hosts
     from .server import create_app
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -189,13 +217,18 @@ def run_serve(args: argparse.Namespace) -> int:
     except ClefError as exc:  # a missing or broken release, no fast kernels on CUDA, no room: say so, no traceback
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    if args.max_tokens_per_request is not None and args.max_tokens_per_request < 1:
+        print("error: --max-tokens-per-request must be at least 1", file=sys.stderr)
+        return 2
+    allowed_hosts = args.allowed_host or default_allowed_hosts(args.host)
     app = create_app(models, api_key=api_key, max_body_bytes=int(args.max_body_mb * 2**20),
-                     request_timeout=args.request_timeout, cors_origins=args.cors_origin)
+                     request_timeout=args.request_timeout, max_tokens_per_request=args.max_tokens_per_request,
+                     cors_origins=args.cors_origin, allowed_hosts=allowed_hosts)
     print(f"serving {', '.join(models)} on http://{args.host}:{args.port} (default {next(iter(models))}; auth "
           f"{'on' if api_key else 'off'})", file=sys.stderr, flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
                 timeout_graceful_shutdown=5, timeout_keep_alive=args.keep_alive_timeout,
-                http=with_header_timeout(args.header_timeout))
+                http=with_header_timeout(args.header_timeout, int(args.max_body_mb * 2**20)))
     return 0
 
 

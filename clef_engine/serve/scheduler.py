@@ -8,7 +8,9 @@ for bulk work). A job larger than a batch is split across batches and resolved w
 a bulk batch runs, `run_batch` may call `run_waiting_interactive()` between steps (the engine does, between layers):
 interactive jobs waiting then run at once, so an interactive request waits for one step of a bulk batch, not all of
 it. The queue is bounded in records: past the bound, `submit`
-raises BusyError at once instead of growing memory. A job cancelled before it starts is skipped. The scheduler
+raises BusyError at once instead of growing memory. A job cancelled before it starts is skipped; a job abandoned
+while it runs (`abandon`, when its caller's deadline has passed) stops at the next check `run_batch` makes
+(`should_stop`, between layers), once every job in the batch is abandoned, and its rest is dropped. The scheduler
 knows nothing of tensors: `run_batch` does the work. `call` runs a function on the worker thread between batches,
 for state a library keeps per thread (the warm-up builds cuDNN's attention plans there).
 
@@ -32,7 +34,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import BusyError
+from ..errors import BusyError, CancelledError
 
 PRIORITIES = {"interactive": 0, "bulk": 1}
 
@@ -104,6 +106,7 @@ class Job:
     submitted: float = field(compare=False, default_factory=time.perf_counter)
     started: bool = field(compare=False, default=False)
     taken: int = field(compare=False, default=0)  # records handed to batches so far
+    abandoned: bool = field(compare=False, default=False)  # its caller gave up: run no more of it
     results: list = field(compare=False, default_factory=list)
     done: int = field(compare=False, default=0)
     per_record: bool = field(compare=False, default=False)  # a failing record's error goes in its result slot
@@ -138,6 +141,12 @@ class SchedulerStats:
     last_batch_records: int = 0
     busy_seconds: float = 0.0
     turn_wait_seconds: float = 0.0  # waiting for other engines on the same device (GpuTurn)
+    abandoned_batches: int = 0  # stopped part-way because every job in them was abandoned
+    busy: int = 0  # 1 while a batch runs
+
+
+class BatchAbandoned(Exception):
+    """Raised by `run_batch` (through `should_stop`) to stop a batch whose every job was abandoned."""
 
 
 class Scheduler:
@@ -157,6 +166,8 @@ class Scheduler:
         self._condition = threading.Condition()
         self._closed = False
         self.running_priority: int | None = None  # of the batch on the GPU now (worker thread only)
+        self._running: list[Piece] = []  # the pieces of the batch on the GPU now (innermost)
+        self._jobs: dict[int, Job] = {}  # id(future) → its job, until the job is resolved: see abandon
         self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
         self._thread.start()
 
@@ -186,6 +197,8 @@ class Scheduler:
                                 f"{self.max_queued_records}); try again shortly")
             self._queued_records += len(job.records)
             heapq.heappush(self._heap, job)
+            self._jobs[id(future)] = job
+            future.add_done_callback(self._forget)
             self._condition.notify()
         return future
 
@@ -195,6 +208,26 @@ class Scheduler:
         another thread would be built again for the first request that needs them. Its length is infinite: it runs
         alone in its batch."""
         return self.submit([WorkerCall(fn)], tokens=float("inf"), finalize=lambda results: results[0]).result()
+
+    def _forget(self, future: Future) -> None:
+        with self._condition:
+            self._jobs.pop(id(future), None)
+
+    def abandon(self, future: Future) -> None:
+        """The caller of `future` gives up (its deadline passed): cancel it if it has not started; if it runs, run
+        no more of it, and stop the batch it is in at the next `should_stop` check once no one waits for any of
+        the batch."""
+        if future.cancel():
+            return
+        with self._condition:
+            job = self._jobs.get(id(future))
+            if job is not None:
+                job.abandoned = True
+
+    def should_stop(self) -> bool:
+        """For `run_batch`, between steps: whether every job in the running batch is abandoned (cheap)."""
+        running = self._running
+        return bool(running) and all(piece.job.abandoned for piece in running)
 
     def queue_depth(self) -> int:
         """Jobs waiting to start (not counting the batch on the GPU now)."""
@@ -232,9 +265,11 @@ class Scheduler:
                     heapq.heappop(self._heap)  # cancelled while waiting
                     self._queued_records -= len(job.records)
                     continue
-            if job.future.done():  # an earlier piece failed: drop the rest
+            if job.future.done() or job.abandoned:  # an earlier piece failed, or the caller gave up: drop the rest
                 heapq.heappop(self._heap)
                 self._queued_records -= len(job.records) - job.taken
+                if not job.future.done():
+                    job.future.set_exception(CancelledError("abandoned: the caller's deadline passed"))
                 continue
             if budget is None:
                 budget = self.token_budget if job.priority == PRIORITIES["interactive"] else self.bulk_batch_tokens
@@ -293,14 +328,24 @@ class Scheduler:
             return
         started = time.perf_counter()
         outer, self.running_priority = self.running_priority, pieces[0].job.priority
+        outer_pieces, self._running = self._running, pieces
+        self.stats.busy = 1
         try:
             results = self.run_batch(records)
+        except BatchAbandoned:
+            self.stats.abandoned_batches += 1
+            for piece in pieces:
+                if not piece.job.future.done():
+                    piece.job.future.set_exception(CancelledError("abandoned: the caller's deadline passed"))
+            return
         except Exception as error:  # noqa: BLE001 — one failing batch must not kill the worker
             failed = error
         else:
             failed = None
         finally:
             self.running_priority = outer
+            self._running = outer_pieces
+            self.stats.busy = 1 if outer_pieces else 0
             self._account(records, started)
         if failed is not None:
             self._isolate(pieces, failed)
