@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 from clef_engine import DEFAULT_MAX_LENGTH, ClefError
-from clef_workbench.jobs import DEFAULT_CHUNK_SIZE, JobRunner
+from clef_workbench.jobs import DEFAULT_CHUNK_SIZE, JobRunner, check_engine
 from clef_workbench.model_loader import DEMO_SOURCE, request_model_name
 from clef_workbench.schemas import Schema, SchemaError
 from clef_workbench.store import Store, StoreError
@@ -147,6 +147,8 @@ def run_command(args: argparse.Namespace) -> int:
         runner = RayJobRunner(store, pool=pool)
     settings.update(device=info.get("device"), dtype=info.get("dtype"))
     try:
+        if engine is not None:
+            check_engine(engine)  # a remote endpoint that does not answer: refused before a run is recorded
         run_id = store.create_run(case_set_id, schema=schema, model_id=request_model_name(args.model),
                                   model_revision=info.get("revision"), settings=settings)
         where = f"Ray, {info['replicas']} replicas" if pool else "in process"

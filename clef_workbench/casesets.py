@@ -364,10 +364,16 @@ def results_table(store: Store, run_id: int) -> pd.DataFrame:
         if result.get("error"):
             rows.append({"run_id": run_id, "case_id": result["case_id"], "position": result["position"],
                          "error": result["error"]})
-    table = pd.DataFrame(rows)
+    # the columns are named even when no case has an answer (every case failed): a run of errors exports its errors
+    options = list(dict.fromkeys(c for row in rows for c in row if c.startswith("p:")))
+    table = pd.DataFrame(rows, columns=[*RESULT_COLUMNS, *options])
     if not table.empty:
         table = table.sort_values(["position", "question_id"], kind="stable", na_position="last")
     return table.reset_index(drop=True)
+
+
+RESULT_COLUMNS = ["run_id", "case_id", "position", "question_id", "question_type", "predicted", "confidence",
+                  "margin", "score", "expected", "correct", "latency_ms", "input_tokens", "error"]
 
 
 EXPORT_DECIMALS = 4
