@@ -33,6 +33,17 @@ def every_case_failed_message(errors: int, first_error: str) -> str:
     return f"every case failed ({errors} of {errors}); the first error: {first_error}"
 
 
+def status_label(run: dict) -> str:
+    """The status as shown, from a run's row alone (its status and counts): a finished run whose every case failed
+    reads `failed`, one with some failed cases `finished with errors`."""
+    status, done, errors = run["status"], run["done"], run["errors"]
+    if status == "finished" and errors and errors == done:
+        return "failed"
+    if status == "finished" and errors:
+        return FINISHED_WITH_ERRORS
+    return status
+
+
 def run_outcome(run: dict, results: list[dict]) -> RunOutcome:
     """The outcome of `run` (a Store.get_run row) given its results (Store.list_results rows, in case order)."""
     failed = [r for r in results if r.get("error")]

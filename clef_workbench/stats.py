@@ -110,6 +110,27 @@ def answer_frame(results: list[dict], schema: dict) -> pd.DataFrame:
     return frame
 
 
+def coverage(results: list[dict], frame: pd.DataFrame) -> dict[str, Any]:
+    """What the statistics of a run rest on: results, failed (left out of every statistic), answered, answered
+    with an expected answer for at least one question (what accuracy and calibration use), and a sentence saying
+    so."""
+    failed = sum(1 for r in results if r.get("error"))
+    answered = len(results) - failed
+    with_expected = int(frame.loc[frame["expected"].notna(), "case_id"].nunique()) if not frame.empty else 0
+    if not answered:
+        sentence = (f"No case has an answer: all {failed} failed, so there is nothing to measure. Their errors are "
+                    "listed at the top and in the exports.")
+    elif not with_expected:
+        sentence = (f"None of the {answered} answered cases has an expected answer, so accuracy and calibration "
+                    "cannot be computed" + (f" ({failed} failed cases left out)." if failed else "."))
+    else:
+        sentence = (f"Accuracy and calibration use the {with_expected} answered cases with expected answers"
+                    + (f"; {answered - with_expected} answered cases without them" if answered > with_expected
+                       else "") + (f"; {failed} failed cases are left out" if failed else "") + ".")
+    return {"results": len(results), "failed": failed, "answered": answered, "with_expected": with_expected,
+            "sentence": sentence}
+
+
 def _results_frame(results: list[dict]) -> pd.DataFrame:
     frame = pd.DataFrame(results)
     if frame.empty:

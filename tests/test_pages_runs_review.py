@@ -156,7 +156,7 @@ def test_runs_page_runs_cancels_resumes_and_shows_stats(workbench, monkeypatch):
     at.run()
     ok(at)
     assert store.get_run(run_id)["status"] == "finished"
-    assert at.selectbox(key="runs.selected").format_func(run_id).endswith(" · 12/12"), "the picker's count"
+    assert at.selectbox(key="runs.selected").format_func(run_id).endswith(" · 12/12 · finished"), "the picker's count"
 
     assert metric(at, "samples") == "12"
     for label in ("p50 latency", "p95 latency", "p99 latency", "max latency"):
