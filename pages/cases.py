@@ -114,7 +114,9 @@ if not sets:
     st.stop()
 labels = {s["id"]: f"{s['name']} ({s['case_count']} cases)" for s in sets}
 with top[0]:
-    case_set_id = pick_id(list(labels), K("selected"), "Case set", labels.get, param="set")
+    case_set_id = pick_id(list(labels), K("selected"), "Case set", labels.get, param="set", what="case set")
+    if case_set_id is None:  # the link names a case set that is not here: said above
+        st.stop()
 case_set = store.get_case_set(case_set_id)
 schema = load_schema(case_set["schema_name"])
 st.caption(f"Schema: **{case_set['schema_name'] or 'none'}** · {case_set['case_count']} cases · created "

@@ -11,6 +11,7 @@ from clef_engine import DEFAULT_MAX_LENGTH
 from clef_workbench import compare
 from clef_workbench.model_loader import DEMO_SOURCE, request_model_name
 from clef_workbench.schemas import SchemaError
+from workbench_ui import links
 from workbench_ui.shell import (
     KEEP_PREFIX,
     demo_output_banner,
@@ -24,6 +25,7 @@ from workbench_ui.shell import (
     page_key,
     pick_id,
     set_widget,
+    show_not_found,
     url_int,
     use_app_navigation,
 )
@@ -123,17 +125,27 @@ if message:
 
 # -- which runs -------------------------------------------------------------------------------------------------
 
-groups = compare.runs_by_case_set(store.list_runs())
+all_runs = {r["id"]: r for r in store.list_runs()}
+linked = compare.parse_run_ids(st.query_params.get("runs"))
+linked_missing = [r for r in linked if r not in all_runs]
+if linked_missing and KEEP_PREFIX + K("set") not in st.session_state:
+    # a link to runs that are not here: said, with the runs there are; never other runs in their place
+    show_not_found(links.missing("run(s)", ", ".join(f"#{r}" for r in linked_missing), sorted(all_runs),
+                                 lambda r: f"#{r} {all_runs[r]['case_set_name']} · {all_runs[r]['model_id']}",
+                                 param="runs"))
+    st.stop()
+groups = compare.runs_by_case_set(list(all_runs.values()))
 if not groups:
     st.info("Comparing needs two runs of one case set: start them above, or on the Runs page.")
     st.stop()
 
-linked = compare.parse_run_ids(st.query_params.get("runs"))
 runs_by_id = {r["id"]: r for group in groups.values() for r in group}
 if KEEP_PREFIX + K("set") not in st.session_state and linked and linked[0] in runs_by_id:
     st.session_state[K("set")] = runs_by_id[linked[0]]["case_set_id"]  # a link names the runs: open their case set
 set_label = {set_id: f"{group[0]['case_set_name']} ({len(group)} runs)" for set_id, group in groups.items()}
-set_id = pick_id(list(groups), K("set"), "Case set", set_label.get, param="set")
+set_id = pick_id(list(groups), K("set"), "Case set", set_label.get, param="set", what="case set with runs")
+if set_id is None:  # the link names a case set that is not here: said above
+    st.stop()
 run_label = {r["id"]: (f"#{r['id']} {r['model_id']} · {r['schema_name']} v{r['schema_version']}"
                        + ("" if r["schema_version_id"] else " (unsaved)") + f" · {r['status']}")
              for r in groups[set_id]}

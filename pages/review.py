@@ -26,6 +26,7 @@ from workbench_ui.shell import (
     model_manager,
     page_key,
     pick_run,
+    show_not_found,
     url_int,
     use_app_navigation,
 )
@@ -51,9 +52,37 @@ else:
     st.query_params.pop("reviewer", None)
 run_id = pick_run(runs, K("run"), lambda r: f"#{r['id']} {r['case_set_name']} · {r['schema_name']} "
                                           f"v{r['schema_version']} · {r['model_id']}")
+if run_id is None:  # the link names a run that is not here (or has no results): said above
+    st.stop()
 run = store.get_run(run_id)
 demo_output_banner(run["model_id"])
 questions = run["schema"]["questions"]
+
+
+
+def linked_item() -> dict | None:
+    """The item a link names (?run=&case=&question=: a results row's "Open in Review", or a link someone sent), on
+    the session's first visit of this run; queued now when the run has that answer but no item for it. A link to
+    an answer the run does not have says so and shows nothing in its place."""
+    seen_key = K(f"link_seen.{run_id}")
+    if st.session_state.get(seen_key) or st.query_params.get("case") is None:
+        return None
+    case_id, question_id = url_int("case"), st.query_params.get("question")
+    item = None if case_id is None else review.item_for_link(store, run_id, case_id, question_id)
+    if item is None:
+        show_not_found(links.missing_review_item(run_id, st.query_params.get("case"), question_id,
+                                                 store.list_review_items(run_id)))
+        if st.button("Go to the review queue", key=K("not_found_queue"), icon=":material/arrow_forward:"):
+            st.session_state[seen_key] = True
+            st.query_params.pop("case", None)
+            st.query_params.pop("question", None)
+            st.rerun()
+        st.stop()
+    st.session_state[seen_key] = True
+    return item
+
+
+linked = linked_item()
 
 # -- rules and queue building -----------------------------------------------------------------------------------
 
@@ -115,26 +144,7 @@ current_key = K(f"current.{run_id}")
 notice_key = K("notice")
 
 
-def linked_item() -> dict | None:
-    """The item a shared link names (?run=&case=&question=), on the session's first visit of this run."""
-    seen_key = K(f"link_seen.{run_id}")
-    if st.session_state.get(seen_key):
-        return None
-    st.session_state[seen_key] = True
-    case_id, question_id = url_int("case"), st.query_params.get("question")
-    if case_id is None:
-        return None
-    matches = [i for i in store.list_review_items(run_id) if i["case_id"] == case_id
-               and (question_id is None or i["question_id"] == question_id)]
-    if not matches:
-        st.info(f"The link names case {case_id}{' · ' + question_id if question_id else ''}, which is not in this "
-                "run's review queue.")
-        return None
-    return matches[0]
-
-
 def current_item() -> dict | None:
-    linked = linked_item()
     if linked is not None:
         st.session_state[current_key] = linked["id"]
         return linked  # shown whatever its status: the sender wants the receiver to see this one

@@ -180,6 +180,8 @@ if not runs:
 # -- pick a run -------------------------------------------------------------------------------------------------
 
 run_id = pick_run(runs, K("selected"), run_view.run_label)
+if run_id is None:  # the link names a run that is not here: said above, nothing else shown in its place
+    st.stop()
 demo_output_banner(next(r["model_id"] for r in runs if r["id"] == run_id))
 with st.expander("All runs", icon=":material/list:"):
     st.dataframe([{"run": r["id"], "status": status_label(r), "case set": r["case_set_name"],

@@ -82,3 +82,66 @@ def test_durations_read_in_seconds_from_ten_thousand_milliseconds():
     assert run_view.fmt_duration_ms(9_999.0) == "9,999.0 ms"
     assert run_view.fmt_duration_ms(150_762.4) == "150.8 s"
     assert run_view.fmt_duration_ms(None) == "–"
+
+
+# -- links to what is not there ------------------------------------------------------------------------------------
+
+
+def param(at: AppTest, name: str) -> str | None:
+    value = at.query_params.get(name)
+    return value[0] if isinstance(value, list) else value
+
+
+def errors(at: AppTest) -> str:
+    return "\n".join(e.value for e in at.error)
+
+
+def test_a_link_to_a_missing_run_case_set_review_item_or_schema_says_not_found_and_opens_nothing_else(workbench):
+    AppTest.from_file(APP, default_timeout=TIMEOUT).run()
+    store = Store(workbench / "workbench.sqlite3")
+    set_id = casesets.load_example_case_sets(store, workbench / "schemas")["support-ticket-routing"]
+    run_id = start_run(store, set_id, shell.get_engine(show_errors=False))
+
+    runs_page = open_link("pages/runs.py", run="999")
+    assert "Not found: the link asks for run 999" in errors(runs_page)
+    assert f"[{run_view.run_label(store.get_run(run_id))}](?run={run_id})" in texts(runs_page)  # what exists
+    assert not [s for s in runs_page.selectbox if s.key == "runs.selected"], "no other run opened in its place"
+    assert param(runs_page, "run") == "999", "the URL still names what was asked for"
+
+    cases_page = open_link("pages/cases.py", set="999")
+    assert "Not found: the link asks for case set 999" in errors(cases_page) and param(cases_page, "set") == "999"
+    assert not [s for s in cases_page.selectbox if s.key == "cases.selected"]
+
+    compare_page = open_link("pages/compare.py", runs=f"{run_id},999")
+    assert "Not found: the link asks for run(s) #999" in errors(compare_page)
+    assert param(compare_page, "runs") == f"{run_id},999"
+
+    review_page = open_link("pages/review.py", run=str(run_id), case="999", question="team")
+    assert f"Not found: the link asks for case 999 · question team of run #{run_id}" in errors(review_page)
+    assert not [c for c in review_page.markdown if c.value.startswith("### Case ")], "no other item in its place"
+    assert (param(review_page, "case"), param(review_page, "question")) == ("999", "team")
+    assert "Not found: the link asks for run 999" in errors(open_link("pages/review.py", run="999"))
+
+    decide = AppTest.from_file(APP, default_timeout=TIMEOUT)  # Decide is the root page: the link is the first run
+    decide.query_params["schema"] = "no-such-schema"
+    decide.run()
+    ok(decide)
+    assert "Not found: the link asks for the schema “no-such-schema”" in errors(decide)
+    assert param(decide, "schema") == "no-such-schema"
+    loaded = decide.session_state["decide.loaded_slug"] if "decide.loaded_slug" in decide.session_state else None
+    assert loaded is None, "no other schema opened in its place"
+
+
+def test_open_in_review_from_a_results_row_opens_that_answer_queuing_it_when_the_queue_is_empty(workbench):
+    AppTest.from_file(APP, default_timeout=TIMEOUT).run()
+    store = Store(workbench / "workbench.sqlite3")
+    set_id = casesets.load_example_case_sets(store, workbench / "schemas")["support-ticket-routing"]
+    run_id = start_run(store, set_id, shell.get_engine(show_errors=False))
+    case_id = store.list_results(run_id)[3]["case_id"]
+    assert store.list_review_items(run_id) == []  # no rules applied: the queue is empty
+
+    at = open_link("pages/review.py", run=str(run_id), case=str(case_id), question="priority")
+    assert f"### Case {case_id} · `priority` (score)" in texts(at)
+    item = store.list_review_items(run_id)
+    assert [(i["case_id"], i["question_id"], i["reason"]) for i in item] == [
+        (case_id, "priority", "opened from a link")]
