@@ -302,8 +302,9 @@ class JobRunner:
         for (case_id, _), response in zip(valid, responses, strict=True):
             out.append({
                 "case_id": case_id, "response": response,
-                # the engine's own per-record latency; without it, the chunk's wall time shared equally
-                "latency_ms": response.get("x_latency_ms", wall_ms / len(valid)),
+                # the record's own compute as the engine saw it (its share of its batch's time), never the time its
+                # chunk waited behind the run's previous one; an engine that does not say: the wall time shared
+                "latency_ms": response.get("x_compute_ms", response.get("x_latency_ms", wall_ms / len(valid))),
                 "input_tokens": (response.get("usage") or {}).get("input_tokens"),
                 "token_counts": response.get("x_token_counts"),
                 "started_at": started_at, "finished_at": finished_at,

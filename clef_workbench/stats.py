@@ -149,6 +149,12 @@ def latency_stats(results: list[dict]) -> dict[str, Any]:
         out[name] = float(np.percentile(latency, q * 100, method=PERCENTILE_METHOD)) if latency.size else None
     out["max"] = float(latency.max()) if latency.size else None
     out["mean"] = float(latency.mean()) if latency.size else None
+    # the wait before a record's batch started (the engine's x_queue_ms), apart from its compute
+    queue = pd.Series([(r.get("response") or {}).get("x_queue_ms") for r in results if not r.get("error")],
+                      dtype=float).dropna()
+    out["queue_count"] = int(queue.size)
+    out["queue_p50"] = float(np.percentile(queue, 50, method=PERCENTILE_METHOD)) if queue.size else None
+    out["queue_max"] = float(queue.max()) if queue.size else None
     if len(frame):
         start = pd.to_datetime(frame["started_at"], utc=True, format="ISO8601").min()
         end = pd.to_datetime(frame["finished_at"], utc=True, format="ISO8601").max()

@@ -65,7 +65,10 @@ def linked_item() -> dict | None:
     the session's first visit of this run; queued now when the run has that answer but no item for it. A link to
     an answer the run does not have says so and shows nothing in its place."""
     seen_key = K(f"link_seen.{run_id}")
-    if st.session_state.get(seen_key) or st.query_params.get("case") is None:
+    if st.session_state.get(seen_key):
+        return None
+    if st.query_params.get("case") is None:  # from here on the URL names the item on screen, not a link
+        st.session_state[seen_key] = True
         return None
     case_id, question_id = url_int("case"), st.query_params.get("question")
     item = None if case_id is None else review.item_for_link(store, run_id, case_id, question_id)

@@ -159,8 +159,9 @@ def test_runs_page_runs_cancels_resumes_and_shows_stats(workbench, monkeypatch):
     assert at.selectbox(key="runs.selected").format_func(run_id).endswith(" · 12/12 · finished"), "the picker's count"
 
     assert metric(at, "samples") == "12"
-    for label in ("p50 latency", "p95 latency", "p99 latency", "max latency"):
-        assert metric(at, label).endswith(" ms")
+    for label in ("p50 compute per record", "p95 compute per record", "p99 compute per record",
+                  "max compute per record", "p50 queue wait"):
+        assert metric(at, label).endswith((" ms", " s"))
     assert metric(at, "records/s").endswith("rec/s") and metric(at, "tokens per record") != "–"
     assert "Window " in texts(at) and "linear interpolation" in texts(at)
     frames = [df.value for df in at.dataframe]

@@ -182,3 +182,33 @@ def test_the_cli_exits_1_for_a_run_whose_every_case_failed_and_for_an_endpoint_t
     assert code == 1
     assert f"could not reach {closed}" in capsys.readouterr().err
     assert [r["id"] for r in Store(db).list_runs()] == [1]  # no run recorded for the refused one
+
+
+def test_a_records_latency_is_its_share_of_its_own_batch_and_the_queue_wait_is_apart(tmp_path, tiny_engine):
+    """The runner keeps a chunk queued behind the one on the engine, so a chunk's time from submission to answer
+    includes the whole previous chunk. A record's latency must be its own batch's time shared by tokens: the
+    latencies of one chunk add up to at most that chunk's time from submission to answer, and within one engine
+    batch they are in proportion to the records' tokens."""
+    tickets = json.loads(SCHEMA_FILE.read_text())
+    store = Store(tmp_path / "w.db")
+    set_id = store.create_case_set("tickets")
+    store.add_cases(set_id, [{"state": example["state"]} for example in tickets["examples"]] * 2)
+    tickets.pop("examples")
+    run_id = store.create_run(set_id, schema=tickets, model_id="demo", settings={"chunk_size": 2})
+    run_to_end(store, run_id, tiny_engine)
+
+    chunks: dict[tuple[str, str], list[dict]] = {}
+    for result in store.list_results(run_id):
+        chunks.setdefault((result["started_at"], result["finished_at"]), []).append(result)
+    assert len(chunks) == 5 and all(len(chunk) == 2 for chunk in chunks.values())
+    for chunk in chunks.values():
+        responses = [r["response"] for r in chunk]
+        assert [r["latency_ms"] for r in chunk] == [resp["x_compute_ms"] for resp in responses]
+        # submission to answer, queueing included: every record of the chunk waited as long as the whole chunk
+        wall = min(resp["x_latency_ms"] for resp in responses)
+        rounding = 0.001 * len(chunk) + 0.01
+        assert sum(r["latency_ms"] for r in chunk) <= wall + rounding
+        assert all(0 <= resp["x_queue_ms"] <= resp["x_latency_ms"] for resp in responses)
+        # one engine batch (two records fit its budget): compute in proportion to tokens
+        per_token = [r["latency_ms"] / r["input_tokens"] for r in chunk]
+        assert max(per_token) - min(per_token) <= 0.001 / min(r["input_tokens"] for r in chunk) * 2
