@@ -195,6 +195,26 @@ def act(item: dict, action: str, label=None, *, confirmed: bool = False) -> None
         st.session_state[current_key] = None if following is None else following["id"]
 
 
+@st.dialog("This answer overrides the gold label", on_dismiss=lambda: st.session_state.pop(confirm_key, None))
+def confirm_gold(item: dict, action: str, label, gold: str) -> None:
+    """Asks before an answer against the case's expected one is recorded: a modal, in front of what the reviewer
+    is looking at whether they clicked or used a key (a box in the page opened below the fold). Both buttons
+    record what they say."""
+    new = item["predicted"] if action == "accept" else review.label_key(label)
+    st.warning(f"The case set's expected answer is “{gold}”. Labelling case {item['case_id']} · "
+               f"{item['question_id']} “{new}” overrides that gold label in the reviewed labels and the golden set.",
+               icon=":material/warning:")
+    cols = st.columns(2)
+    if cols[0].button(f"Yes, label it “{new}”", key="review-confirm-yes"):
+        act(item, action, label, confirmed=True)
+        st.rerun()
+    if cols[1].button(f"Keep “{gold}”", key="review-confirm-no", type="primary",
+                      help="Records the gold label as this item's answer"):
+        keep = "accept" if gold == item["predicted"] else "correct"
+        act(item, keep, None if keep == "accept" else gold, confirmed=True)
+        st.rerun()
+
+
 def undo() -> None:
     if not reviewer:
         st.session_state[notice_key] = ("error", "Enter your name first: you can undo only your own actions.")
@@ -279,16 +299,7 @@ else:
                            f"margin {item['margin']:.3f}")
         pending = st.session_state.get(confirm_key)
         if pending and pending[0] == item["id"]:
-            _, pending_action, pending_label, gold = pending
-            new = item["predicted"] if pending_action == "accept" else review.label_key(pending_label)
-            with st.container(border=True, key="review-confirm"):
-                st.warning(f"The case set's expected answer is “{gold}”. Labelling this “{new}” overrides that gold "
-                           "label in the reviewed labels and the golden set.", icon=":material/warning:")
-                confirm_cols = st.columns(2)
-                confirm_cols[0].button(f"Yes, label it “{new}”", key="review-confirm-yes", on_click=act,
-                                       args=(item, pending_action, pending_label), kwargs={"confirmed": True})
-                confirm_cols[1].button(f"Keep “{gold}”", key="review-confirm-no", type="primary",
-                                       on_click=lambda: st.session_state.pop(confirm_key, None))
+            confirm_gold(item, *pending[1:])
         st.text_input("Comment (optional, saved with your action)", key=K(f"comment.{item['id']}"),
                       placeholder="e.g. the second sentence is sarcasm")
         buttons = st.columns(4)

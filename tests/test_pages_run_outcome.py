@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from streamlit.testing.v1 import AppTest
 
-from clef_workbench import casesets
+from clef_workbench import casesets, review
+from clef_workbench.review import ReviewRules
 from clef_workbench.store import Store
 from tests.test_pages_runs_review import APP, TIMEOUT, button, ok, open_link, texts, wait_for_run
 from tests.test_run_outcome import FailingEngine
@@ -145,3 +146,36 @@ def test_open_in_review_from_a_results_row_opens_that_answer_queuing_it_when_the
     item = store.list_review_items(run_id)
     assert [(i["case_id"], i["question_id"], i["reason"]) for i in item] == [
         (case_id, "priority", "opened from a link")]
+
+
+# -- review: the gold-label confirmation ------------------------------------------------------------------------------
+
+
+def test_an_answer_against_the_gold_label_asks_in_a_dialog_and_keep_records_the_gold_label(workbench):
+    AppTest.from_file(APP, default_timeout=TIMEOUT).run()
+    store = Store(workbench / "workbench.sqlite3")
+    set_id = casesets.load_example_case_sets(store, workbench / "schemas")["support-ticket-routing"]
+    run_id = start_run(store, set_id, shell.get_engine(show_errors=False))
+    review.apply_rules(store, run_id, ReviewRules(margin_below=1.0, unknown_option=False,
+                                                  disagree_with_expected=False, questions=["team"]))
+    item = review.next_item(store, run_id)
+    gold = next(option for option in item["distribution"] if option != item["predicted"])
+    case = store.get_case(item["case_id"], with_media=False)
+    store.update_case(item["case_id"], expected={**case["expected"], "team": gold})  # the model disagrees with it
+
+    at = open_link("pages/review.py", reviewer="ana")
+    button(at, f"Accept “{item['predicted']}”").click()  # what the A key does
+    at.run()
+    ok(at)
+    dialogs = at.get("dialog")
+    assert len(dialogs) == 1, "the confirmation is a modal in front of the page, not a box below the fold"
+    dialog_text = "\n".join(w.value for w in dialogs[0].warning)
+    assert f"The case set's expected answer is “{gold}”" in dialog_text
+    assert store.get_review_item(item["id"])["status"] == "open", "nothing recorded before the answer"
+
+    button(at, f"Keep “{gold}”").click()
+    at.run()
+    ok(at)
+    kept = store.get_review_item(item["id"])
+    assert (kept["status"], kept["label"], kept["reviewer"]) == ("corrected", gold, "ana"), "Keep records the gold"
+    assert not at.get("dialog")
