@@ -11,6 +11,7 @@ from concurrent.futures import Future
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
+import pandas as pd
 import pytest
 
 from clef_engine.errors import ClefError
@@ -212,3 +213,23 @@ def test_a_records_latency_is_its_share_of_its_own_batch_and_the_queue_wait_is_a
         # one engine batch (two records fit its budget): compute in proportion to tokens
         per_token = [r["latency_ms"] / r["input_tokens"] for r in chunk]
         assert max(per_token) - min(per_token) <= 0.001 / min(r["input_tokens"] for r in chunk) * 2
+
+
+def test_a_refused_case_deletion_writes_nothing_and_puts_the_rows_back_with_the_other_edits(tmp_path):
+    store = Store(tmp_path / "w.db")
+    set_id = store.create_case_set("tickets")
+    ids = store.add_cases(set_id, [{"state": f"ticket {i}"} for i in range(4)])
+    store.create_run(set_id, schema=SCHEMA, model_id="demo")  # its results would use every case
+    original = casesets.editor_frame(store, set_id)
+    edited = original[~original["id"].isin([ids[1], ids[2]])].copy()  # two rows deleted in the editor
+    edited.loc[edited["id"] == ids[3], "state"] = "ticket 3, edited"
+    edited = pd.concat([edited, pd.DataFrame([{"id": None, "state": "a new ticket"}])], ignore_index=True)
+
+    with pytest.raises(casesets.CaseDeletionRefusedError) as refused:
+        casesets.apply_case_edits(store, set_id, edited, None)
+    assert refused.value.case_ids == [ids[1], ids[2]]
+    assert [c["state"] for c in store.list_cases(set_id)] == [f"ticket {i}" for i in range(4)]  # nothing written
+
+    shown = casesets.with_rows_restored(original, edited, refused.value.case_ids)
+    assert shown["state"].tolist() == ["ticket 0", "ticket 1", "ticket 2", "ticket 3, edited", "a new ticket"]
+    assert shown["id"].tolist()[:4] == ids
