@@ -218,20 +218,27 @@ def test_a_shared_link_opens_a_review_item_and_the_gold_label_needs_a_confirmati
     name.press("Tab")
     settle(page)
     expect(page.get_by_role("button", name="Accept “sales”")).to_be_enabled()  # the name has reached the server
+    page.set_viewport_size({"width": 1440, "height": 900})
     page.locator("h1", has_text="Review").click()  # focus outside any input, as a reviewer would
     page.keyboard.press("a")
     settle(page)
-    expect(page.get_by_text("The case set's expected answer is “billing”.", exact=False)).to_be_visible()
+    # a modal in front of the page, where the reviewer is looking (it opened below the fold at 1440 × 900)
+    dialog = page.get_by_role("dialog")
+    expect(dialog.get_by_text("The case set's expected answer is “billing”.", exact=False)).to_be_in_viewport()
     assert store.get_review_item(item["id"])["status"] == "open", "one key press never replaces the gold label"
-    page.get_by_role("button", name="Keep “billing”").click()
+    dialog.get_by_role("button", name="Keep “billing”").click()
     settle(page)
-    assert store.get_review_item(item["id"])["status"] == "open"
+    kept = store.get_review_item(item["id"])
+    assert (kept["status"], kept["label"], kept["reviewer"]) == ("corrected", "billing", "ana"), "Keep records it"
+
+    following = review.next_item(store, run_id)  # the page moved on to it
+    expect(page.locator("h3", has_text=f"Case {following['case_id']} · team")).to_be_visible()
     page.get_by_role("button", name="Accept “sales”").click()
     settle(page)
-    page.get_by_role("button", name="Yes, label it “sales”").click()
+    page.get_by_role("dialog").get_by_role("button", name="Yes, label it “sales”").click()
     settle(page)
-    expect(page.get_by_text(re.compile(rf"^Accept saved for case {target}"))).to_be_visible()
-    saved = store.get_review_item(item["id"])
+    expect(page.get_by_text(re.compile(rf"^Accept saved for case {following['case_id']}"))).to_be_visible()
+    saved = store.get_review_item(following["id"])
     assert (saved["status"], saved["label"], saved["reviewer"]) == ("accepted", "sales", "ana")
 
 
