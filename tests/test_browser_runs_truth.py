@@ -130,3 +130,44 @@ def test_a_failed_run_reads_failed_at_the_top_exports_its_errors_and_retries_its
     no_traceback(page)
     run = store.get_run(run_id)
     assert (run["status"], run["done"], run["errors"]) == ("finished", 6, 0)
+
+
+def grid_rows(grid) -> int:
+    """Data rows of an editable table as the browser holds it: the grid's accessible row count, less its header and
+    the row that adds a row."""
+    return int(grid.locator('[role="grid"]').first.get_attribute("aria-rowcount")) - 2
+
+
+def test_a_refused_case_deletion_puts_the_row_back_in_the_table(page, workbench):
+    url, db, _ = workbench
+    store = Store(db)
+    set_id = store.create_case_set("Rows with a run")
+    case_ids = store.add_cases(set_id, [{"state": f"Row {i}"} for i in range(3)])
+    store.create_run(set_id, schema=SCHEMA, model_id="clef-demo")
+    page.goto(f"{url}/cases?set={set_id}")
+    grid = page.locator('[class*="st-key-cases-editor"] [data-testid="stDataFrame"]')
+    expect(grid).to_be_visible(timeout=LONG)
+    settle(page)
+    assert grid_rows(grid) == 3
+    # select the second row by its selection box (header and rows are 35 px high), delete it with the toolbar's
+    # button; under CPU load a click can land before the canvas takes clicks, as in test_browser_journeys
+    box = grid.bounding_box()
+    delete_rows = page.get_by_role("button", name="Delete row(s)")
+    for _ in range(3):
+        page.mouse.click(box["x"] + 16, box["y"] + 35 + 35 + 17)
+        try:
+            expect(delete_rows).to_be_visible(timeout=5_000)
+            break
+        except AssertionError:
+            continue
+    delete_rows.click()
+    settle(page)
+    assert grid_rows(grid) == 2
+    page.get_by_role("button", name="Save changes").click()
+    settle(page)
+    expect(page.get_by_text(f"Nothing was changed: case {case_ids[1]} cannot be deleted", exact=False)).to_be_visible()
+    assert [c["id"] for c in store.list_cases(set_id)] == case_ids
+    grid = page.locator('[class*="st-key-cases-editor"] [data-testid="stDataFrame"]')
+    expect(grid).to_be_visible()
+    assert grid_rows(grid) == 3, "the refused row is back in the table"
+    no_traceback(page)
