@@ -154,7 +154,7 @@ def run_command(args: argparse.Namespace) -> int:
         where = f"Ray, {info['replicas']} replicas" if pool else "in process"
         print(f"run {run_id}: {args.case_set} · {schema['name']} v{schema['version']} · {args.model} on "
               f"{info.get('device')} ({where})", flush=True)
-        runner.start(run_id, engine)
+        runner.start(run_id, engine, check=False)  # checked above, before the run was recorded
         progress = watch(runner, run_id)
     finally:
         if pool is not None:

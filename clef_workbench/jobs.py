@@ -101,12 +101,13 @@ class JobRunner:
         self._jobs: dict[int, _LiveJob] = {}
         self._lock = threading.Lock()
 
-    def start(self, run_id: int, engine: DecisionEngine, *, retry_failed: bool = False) -> None:
+    def start(self, run_id: int, engine: DecisionEngine, *, retry_failed: bool = False, check: bool = True) -> None:
         """Start (or resume) a run in a background thread; only cases without a result are sent. With
         retry_failed, the cases whose result is an error are sent again too (their errors are replaced, in the
-        same run). A remote model is checked first (check_engine)."""
+        same run). A remote model is checked first (check_engine), unless the caller has just done so (check)."""
         self.store.get_run(run_id)  # raises NotFoundError for a bad id before any thread starts
-        check_engine(engine)
+        if check:
+            check_engine(engine)
         with self._lock:
             job = self._jobs.get(run_id)
             if job is not None and job.thread.is_alive():

@@ -157,7 +157,7 @@ with st.expander("Start a run", expanded=not runs, icon=":material/play_arrow:")
                                       settings={"chunk_size": int(chunk_size), "max_length": int(max_length),
                                                 "overflow": overflow, "schema_slug": schema_slug,
                                                 "device": info.get("device"), "dtype": info.get("dtype")})
-            runner.start(run_id, engine)
+            runner.start(run_id, engine, check=False)  # checked above, before the run was recorded
             st.session_state[K("selected")] = run_id
             st.session_state["_keep." + K("selected")] = run_id
             st.rerun()
