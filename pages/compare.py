@@ -10,6 +10,7 @@ import streamlit as st
 from clef_engine import DEFAULT_MAX_LENGTH
 from clef_workbench import compare
 from clef_workbench.model_loader import DEMO_SOURCE, request_model_name
+from clef_workbench.run_status import status_label
 from clef_workbench.schemas import SchemaError
 from workbench_ui import links
 from workbench_ui.shell import (
@@ -64,6 +65,7 @@ def start_comparison(set_id: int, slug: str, number: int, names: list[str]) -> N
     set_widget(K(f"runs.{set_id}"), picked)
     st.query_params["runs"] = ",".join(map(str, picked))
     st.session_state[K("flash")] = ("success", f"Started run(s) {', '.join(f'#{r}' for r in run_ids)}.")
+    st.session_state[K("started")] = run_ids
 
 
 def open_case(case_id: int | None) -> None:
@@ -122,6 +124,28 @@ with st.expander("Run a schema on a case set with these models", expanded=not gr
 message = st.session_state.pop(K("flash"), None)
 if message:
     getattr(st, message[0])(message[1])
+
+
+def follow_started(run_ids: list[int]) -> None:
+    """The runs the one action started, followed to their end (each links to its Runs page); the whole page again
+    when the last one ends, so that they are compared."""
+    runs_now = {r["id"]: r for r in store.list_runs()}
+    shown = [runs_now[r] for r in run_ids if r in runs_now]
+    for run in shown:
+        st.markdown(f"Run [#{run['id']}](/runs?run={run['id']}) · {run['model_id']} · {status_label(run)} · "
+                    f"{run['done']}/{run['total']} cases")
+    running = any(run["status"] in ("pending", "running") for run in shown)
+    if st.session_state.get(K("started_running")) and not running:
+        st.session_state[K("started_running")] = False
+        st.rerun(scope="app")
+    st.session_state[K("started_running")] = running
+
+
+started = st.session_state.get(K("started"), [])
+if started:
+    statuses = {run["id"]: run["status"] for run in store.list_runs()}
+    started_running = any(statuses.get(r) in ("pending", "running") for r in started)
+    st.fragment(follow_started, run_every=2.0 if started_running else None)(started)
 
 # -- which runs -------------------------------------------------------------------------------------------------
 

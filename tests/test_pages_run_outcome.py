@@ -179,3 +179,20 @@ def test_an_answer_against_the_gold_label_asks_in_a_dialog_and_keep_records_the_
     kept = store.get_review_item(item["id"])
     assert (kept["status"], kept["label"], kept["reviewer"]) == ("corrected", gold, "ana"), "Keep records the gold"
     assert not at.get("dialog")
+
+
+def test_the_compare_pages_one_action_shows_the_run_it_started_and_follows_it_to_its_end(workbench):
+    AppTest.from_file(APP, default_timeout=TIMEOUT).run()
+    store = Store(workbench / "workbench.sqlite3")
+    set_id = casesets.load_example_case_sets(store, workbench / "schemas")["support-ticket-routing"]
+    at = open_link("pages/compare.py")
+    at.selectbox(key="compare.start.set").select(set_id).run()
+    at.selectbox(key="compare.start.schema").select("support-ticket-routing").run()
+    button(at, "Run this schema on this case set with these models").click().run()
+    ok(at)
+    run_id = store.list_runs()[0]["id"]
+    # one run of the set cannot be compared yet, but the page shows it and links to it
+    assert f"Run [#{run_id}](/runs?run={run_id}) · clef-demo · " in texts(at)
+    wait_for_run(run_id)
+    at.run()
+    assert f"Run [#{run_id}](/runs?run={run_id}) · clef-demo · finished · 12/12 cases" in texts(at)
