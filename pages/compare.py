@@ -244,9 +244,15 @@ st.dataframe(view.metrics, hide_index=True, width="stretch")
 st.subheader("Cases × runs")
 st.toggle("Only cases where the runs disagree", key=K("disagree"))
 st.caption("Click a cell to open its case below; “Open” is a link to it you can send.")
-matrix_event = st.dataframe(view.matrix, hide_index=True, width="stretch", key=K("matrix"), on_select="rerun",
+st.caption("Each run's cell: its answer (confidence); green where it matches the expected answer, red where it does "
+           "not. Hover a header for the run it shows.")
+matrix_event = st.dataframe(view.matrix.style.apply(compare.matrix_styles, axis=None, verdicts=view.verdicts),
+                            hide_index=True, width="stretch", key=K("matrix"), on_select="rerun",
                             selection_mode="single-cell",
-                            column_config={"open": st.column_config.LinkColumn("link", display_text="Open")})
+                            column_config={"open": st.column_config.LinkColumn("link", display_text="Open"),
+                                           "state": st.column_config.TextColumn("state", width="medium"),
+                                           **{name: st.column_config.TextColumn(name, help=full)
+                                              for name, full in view.headers.items()}})
 open_selected("matrix", [list(cell) for cell in matrix_event.selection.cells],
               lambda cell: int(view.matrix.iloc[cell[0]]["case"]))
 
