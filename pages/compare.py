@@ -8,11 +8,13 @@ from __future__ import annotations
 import streamlit as st
 
 from clef_engine import DEFAULT_MAX_LENGTH
-from clef_workbench import compare
+from clef_workbench import compare, run_charts
+from clef_workbench.answers import probability_chart
 from clef_workbench.model_loader import DEMO_SOURCE, request_model_name
 from clef_workbench.run_status import status_label
 from clef_workbench.schemas import SchemaError
 from workbench_ui import links
+from workbench_ui.run_view import fmt_duration_ms
 from workbench_ui.shell import (
     KEEP_PREFIX,
     demo_output_banner,
@@ -271,6 +273,7 @@ if detail is not None:
         st.code(format_json(state), language="json", wrap_lines=True)
     if detail["expected"]:
         st.caption("Expected: " + ", ".join(f"{q} = {v}" for q, v in detail["expected"].items()))
+    questions_of = {run.label: run.run["schema"]["questions"] for run in view.runs}
     columns = st.columns(len(detail["runs"]))
     for column, run in zip(columns, detail["runs"], strict=True):
         with column:
@@ -279,6 +282,9 @@ if detail is not None:
                 st.error(run["error"])
             for question_id, answer in run["answers"].items():
                 st.markdown(f"`{question_id}`: **{answer['predicted']}** ({answer['confidence']:.3f})")
+                table = run_charts.distribution_table(questions_of[run["run"]].get(question_id, {}),
+                                                      answer["probabilities"], answer["predicted"])
+                st.altair_chart(probability_chart(table), width="stretch")
             if run["latency_ms"] is not None:
-                st.caption(f"{run['latency_ms']:.0f} ms")
+                st.caption(f"compute {fmt_duration_ms(run['latency_ms'])}")
     st.button("Close the case", key=K("close_case"), on_click=open_case, args=(None,))
