@@ -15,6 +15,9 @@ the environment, then from defaults that depend on the device, and returns a fro
   between its layers, see engine.py); 16,384 on CUDA, the token budget on the CPU.
 - CLEF_STATE_CACHE_BYTES (state_cache_bytes): device tier of the long-state cache, 0 = off; 8 GiB on CUDA (plus a
   host tier of 4x), 256 MiB on the CPU.
+- CLEF_PREFILL_CHUNK_TOKENS (prefill_chunk_tokens): one record longer than this runs through the backbone in chunks
+  of at most this many tokens, so that its activations stay bounded whatever its length (fast/packed.py); 0 = whole
+  records. 16,384 on CUDA, 0 on the CPU.
 
 FLA_DISABLE_BACKEND_DISPATCH is set (if unset) when an engine is built: flash-linear-attention's backend registry
 would otherwise walk its backends on every kernel call, and nothing but its Triton backend runs on these GPUs.
@@ -40,6 +43,7 @@ ENVIRONMENT = {
     "token_budget": "CLEF_TOKEN_BUDGET",
     "bulk_batch_tokens": "CLEF_BULK_BATCH_TOKENS",
     "state_cache_bytes": "CLEF_STATE_CACHE_BYTES",
+    "prefill_chunk_tokens": "CLEF_PREFILL_CHUNK_TOKENS",
 }
 TRUE, FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
@@ -76,6 +80,7 @@ class EngineConfig:
     state_cache_bytes: int = GiB // 4
     state_cache_host_bytes: int = 0
     min_prefix_tokens: int = 2048  # shorter state prefixes are cheaper to recompute than to store
+    prefill_chunk_tokens: int = 0  # one record longer than this runs in chunks of at most this many tokens; 0: whole
     max_queued_records: int = 4096
     warm_up: bool = False  # compile, autotune and capture while loading, not in a user's first request
 
@@ -114,7 +119,8 @@ class EngineConfig:
         cache_bytes = values.pop("state_cache_bytes", 8 * GiB if cuda else GiB // 4)
         defaults = dict(token_budget=token_budget, bulk_batch_tokens=16_384 if cuda else token_budget,
                         cuda_graphs=cuda, state_cache_bytes=cache_bytes,
-                        state_cache_host_bytes=4 * cache_bytes if cuda else 0, warm_up=cuda)
+                        state_cache_host_bytes=4 * cache_bytes if cuda else 0, warm_up=cuda,
+                        prefill_chunk_tokens=16_384 if cuda else 0)
         defaults.update(values)
         config = cls(device=device, dtype=dtype, **defaults)
         return replace(config, cuda_graphs=config.cuda_graphs and cuda and config.packed,

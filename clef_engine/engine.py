@@ -9,7 +9,8 @@ The worker thread runs `forward_batch` on each batch, chosen once from the `Engi
   packed layer loop (fast/packed.py): several records as one pack with no padding; a record alone in its batch
   replays a CUDA graph of its length bucket (fast/graphs.py), or, when its state is long enough to keep, runs once
   over the whole record and keeps the state's layer states (fast/cache.py) so that a new schema on the same state
-  later runs only the schema's tokens.
+  later runs only the schema's tokens. A record alone longer than `prefill_chunk_tokens` runs in chunks of that
+  many tokens (bounded activations).
 
 Then the joint head over the batch, and one host sync per batch.
 """
@@ -26,10 +27,11 @@ import torch
 
 from .config import EngineConfig
 from .errors import RequestError, TokenBudgetError
+from .explain import explain as explain_request
 from .fast import kernels
 from .fast.cache import PrefixCache, StateCache
 from .fast.graphs import HeadGraphs, PrefillGraphs
-from .fast.packed import PackedBackbone, pack_ids
+from .fast.packed import PackedBackbone, chunked_head_inputs, pack_ids
 from .model import backbone, release
 from .model.encoding import DEFAULT_MAX_LENGTH, EncodedRecord, Encoder
 from .model.head import JointSchemaHead, head_attention_kernel, layout, load_head, option_probabilities
@@ -183,6 +185,20 @@ class Engine:
             raise
         return [response for future in futures for response in future.result()]
 
+    def probabilities(self, requests: list[dict], *, max_length: int | None = None,
+                      overflow: str = "refuse") -> list[list[list[float]]]:
+        """Per request, per question, the options' probabilities in model order, unrounded: what the answers are
+        rounded from."""
+        records = [self.encode(r, max_length=max_length, overflow=overflow) for r in requests]
+        return self.scheduler.submit(records, priority="interactive").result()
+
+    def explain(self, request: dict, unit: str | None = None, *, max_length: int | None = None,
+                overflow: str = "refuse") -> dict:
+        """The request's response plus `x_explanations`: per question, the state's segments (sentences, fields,
+        image regions, video frames; or only `unit`) ranked by how much removing each moves the answer. See
+        explain.py."""
+        return explain_request(self, request, unit, max_length=max_length, overflow=overflow)
+
     def response(self, request: dict, record: EncodedRecord, probabilities: list[list[float]],
                  latency_ms: float, *, compute_ms: float | None = None, queue_ms: float | None = None) -> dict:
         """One System One response. Beside the answers: `x_latency_ms`, from submission to the answer (queueing
@@ -245,16 +261,23 @@ class Engine:
 
     def forward_one(self, record: EncodedRecord) -> list[list[float]]:
         """One text record: continued from its cached state; or, with a state long enough to keep, one forward that
-        also stores the state; or its length bucket's CUDA graph; or eager."""
+        also returns the state, stored once the record is answered; or its length bucket's CUDA graph; or eager. A
+        record longer than `prefill_chunk_tokens` runs in chunks (bounded activations, fast/packed.py)."""
+        chunk = self.config.prefill_chunk_tokens
         key = self.prefix.key(record) if self.prefix is not None else None
         if key is not None:
             cached = self.state_cache.get(key)
             if cached is not None:
-                normed, memory = self.prefix.forward_after(record, cached)
-            else:
-                normed, memory = self.prefix.forward_and_store(record, key, self._between_layers())
-            return self.head_one(normed, memory, record)
+                return self.head_one(*self.prefix.forward_after(record, cached), record)
+            normed, memory, state = self.prefix.forward_for_store(record, self._between_layers(), chunk)
+            answer = self.head_one(normed, memory, record)  # the answer's host sync first: storing is off its path
+            self.state_cache.put(key, state)
+            return answer
         ids = torch.tensor(record.input_ids, dtype=torch.long).to(self.device, non_blocking=True)
+        if 0 < chunk < len(record):
+            normed, memory, _ = chunked_head_inputs(self.backbone, ids, self.head.token_memory, self.dtype, chunk,
+                                                    between_layers=self._between_layers())
+            return self.head_one(normed, memory, record)
         hidden = self.graphs.run(ids) if self.graphs is not None else None
         if hidden is None:
             hidden, _ = self.backbone.forward(ids, kernels.make_segments([len(record)], self.device),
@@ -366,6 +389,7 @@ class Engine:
             info["packed"] = self.backbone.kernels.describe()
             info["slow_fallbacks"] = self.backbone.kernels.slow if self.config.cuda else []
             info["fused_projections"] = True
+            info["prefill_chunk_tokens"] = self.config.prefill_chunk_tokens or None  # None: whole records
             info["media_records"] = "forward_padded (multimodal model, padded batch)"
             info["cuda_graphs"] = self.graphs.describe() if self.graphs is not None else None
             info["head_graphs"] = self.head_graphs.describe() if self.head_graphs is not None else None
@@ -385,16 +409,20 @@ class Engine:
         """Compile, autotune and capture while loading, not in a user's first request: a CUDA graph for every
         length bucket, cuDNN's attention plan for every padded length of a long record, then one record alone, a
         pack of records of uneven lengths, and a long state twice (stored, then continued from the cache; the entry
-        is dropped afterwards; on CUDA as long as a bulk batch). Returns the seconds it took."""
+        is dropped afterwards; on CUDA as long as a bulk batch and longer than a prefill chunk). Returns the seconds
+        it took."""
         started = time.perf_counter()
         if self.graphs is not None:
             self.graphs.capture_all()
         if self.backbone is not None and self.backbone.kernels.attention is kernels.attention_varlen_cudnn_long:
             text = self.backbone.config
             # on the worker thread, which answers requests: torch keeps cuDNN's plans per thread
+            # records longer than a chunk run cuDNN's causal attention on at most a chunk and a step of tokens
+            chunk = self.config.prefill_chunk_tokens
+            warm_tokens = chunk + kernels.CUDNN_LENGTH_STEP if chunk else LONG_ATTENTION_WARM_TOKENS
             self.scheduler.call(lambda: kernels.warm_long_attention(
                 self.device, self.dtype, text.num_attention_heads, text.num_key_value_heads, text.head_dim,
-                LONG_ATTENTION_WARM_TOKENS))
+                warm_tokens))
         request = {"state": "warm-up", "questions": {"q": {"type": "noul", "instructions": "warm-up"}}}
         self.decide(request)
         self.decide_many([dict(request, state="warm-up " * n) for n in (1, 40, 333, 1001)])
@@ -405,9 +433,12 @@ class Engine:
         caching = cache is not None and cache.enabled
         if self.config.cuda or caching:  # on the CPU without a cache it would warm nothing
             least = self.config.min_prefix_tokens + 64
-            long_state = "warm " * (max(least, self.config.bulk_batch_tokens - 256) if self.config.cuda else least)
+            if self.config.cuda:  # and past one chunk, so that the chunked path has run too
+                least = max(least, self.config.bulk_batch_tokens - 256, self.config.prefill_chunk_tokens + 256)
+            long_state = "warm " * least
             for questions in (request["questions"], {"other": {"type": "noul", "instructions": "?"}}):
-                self.decide(dict(request, state=long_state, questions=questions), overflow="truncate_state")
+                self.decide(dict(request, state=long_state, questions=questions), overflow="truncate_state",
+                            max_length=max(DEFAULT_MAX_LENGTH, least + 1024))
         if caching:
             cache.clear(reset_stats=True)
         self.warm_up_seconds = time.perf_counter() - started

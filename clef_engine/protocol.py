@@ -170,6 +170,19 @@ class ScoreQuestion(_Question):
 QuestionModel = Annotated[NoulQuestion | ChoiceQuestion | ScoreQuestion, Field(discriminator="type")]
 
 
+ExplainUnit = Literal["sentence", "line", "field", "region", "frame"]
+EXPLAIN_UNITS: tuple[str, ...] = get_args(ExplainUnit)
+
+
+class ExplainOption(BaseModel):
+    """Which segments to explain by: sentences or lines of a text state, fields of a JSON state, image regions, video
+    frames. Without a unit: the state's sentences or fields, plus every image's regions and every video's frames."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    unit: ExplainUnit | None = None
+
+
 class SystemOneRequest(BaseModel):
     """A System One request. Unknown top-level fields are allowed (hosted Jev accepts them)."""
 
@@ -183,6 +196,9 @@ class SystemOneRequest(BaseModel):
     x_max_length: int | None = Field(None, ge=1, description="Token budget of the record (server extension)")
     x_overflow: OverflowPolicy = Field(
         "refuse", description="Over budget: refuse (413) or cut the end of the state (server extension)")
+    x_explain: bool | ExplainOption | None = Field(
+        None, description="Add x_explanations: per question, how removing each segment of the evidence moves the "
+                          "answered option's probability (server extension)")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -338,7 +354,20 @@ def validate_request(request: Any) -> SystemOneRequest:
         return SystemOneRequest.model_validate(request)
     except ValidationError as exc:
         questions = request.get("questions")
-        raise RequestError([_problem(e, questions) for e in exc.errors(include_url=False)]) from None
+        errors = exc.errors(include_url=False)
+        problems = [_problem(e, questions) for e in errors if e["loc"][:1] != ("x_explain",)]
+        if len(problems) < len(errors):
+            problems.append(_explain_problem(request["x_explain"]))
+        raise RequestError(problems) from None
+
+
+def _explain_problem(value: Any) -> Problem:
+    """One problem for a bad `x_explain` (pydantic reports one per member of its union)."""
+    units = "|".join(f'"{u}"' for u in EXPLAIN_UNITS)
+    if isinstance(value, dict) and set(value) <= {"unit"}:
+        return Problem(("x_explain", "unit"), f"unit must be one of {', '.join(EXPLAIN_UNITS)}; got "
+                                              f"{json.dumps(value['unit'], ensure_ascii=False)}", "literal_error")
+    return Problem(("x_explain",), f'x_explain must be true, false or {{"unit": {units}}}', "value_error")
 
 
 def parse_questions(request: Any) -> list[Question]:

@@ -6,6 +6,18 @@ runs a case set against a schema file and leaves the run in the store exactly as
 same results), so Runs, Review and the exports show it. It prints progress, and exits 0 when the run finished, 1 when
 it failed or was cancelled (Ctrl-C cancels after the chunk in flight), 2 when the input is wrong and 130 on Ctrl-C
 before the run started.
+
+    python -m clef_workbench import --db DB --case-set NAME FILE [--schema FILE] [--encoding ENC] [--delimiter D]
+        [--state-column C ...] [--skip-bad-rows]
+
+imports a CSV / tab-separated / JSONL / .xlsx file into a case set (created when missing) as the Case sets page's
+Import tab does. It prints how the file was read and what was imported and skipped, and exits 0 when it imported,
+2 when the input is wrong (nothing imported) and 1 when the store refused.
+
+    python -m clef_workbench calibrate --db DB --run RUN [--name NAME] [--min-labelled N] [--folds K]
+
+fits a calibration per question on the run's labelled cases (`clef_workbench.calibration`), prints ECE and Brier
+before and after on held-out cases, and keeps it in the store; exits 1 when no question has enough labels.
 """
 
 from __future__ import annotations
@@ -16,6 +28,8 @@ import time
 from pathlib import Path
 
 from clef_engine import DEFAULT_MAX_LENGTH, ClefError
+from clef_workbench import calibration, importing
+from clef_workbench.casesets import CaseImportError, CsvMapping, import_cases
 from clef_workbench.jobs import DEFAULT_CHUNK_SIZE, JobRunner, check_engine
 from clef_workbench.model_loader import DEMO_SOURCE, request_model_name
 from clef_workbench.schemas import Schema, SchemaError
@@ -51,7 +65,42 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                      help="a state over max_length: an error result (refuse) or its end cut off")
     run.add_argument("--device", help="in process: cpu or cuda (default: cuda when present)")
     run.add_argument("--dtype", help="float32, bfloat16 … (default: bf16 on CUDA, float32 on the CPU)")
+    calibrate = commands.add_parser(
+        "calibrate", help="fit per-question calibration on a run's labelled cases and print before/after")
+    calibrate.add_argument("--db", required=True, help="the workbench's SQLite file (CLEF_DB of the workbench)")
+    calibrate.add_argument("--run", required=True, type=int, help="the run whose labelled cases to fit on")
+    calibrate.add_argument("--name", help="name to keep it under (default: schema · model · run)")
+    calibrate.add_argument("--min-labelled", type=int, default=calibration.MIN_LABELLED,
+                           help="fewest labelled cases a question needs to be fitted")
+    calibrate.add_argument("--folds", type=int, default=calibration.FOLDS, help="k of the k-fold held-out check")
+    imp = commands.add_parser("import", help="import a CSV, tab-separated, JSONL or .xlsx file into a case set")
+    imp.add_argument("file", type=Path, help="the file (.csv, .tsv, .txt, .jsonl, .json or .xlsx)")
+    imp.add_argument("--db", required=True, help="the workbench's SQLite file (created when missing)")
+    imp.add_argument("--case-set", required=True, help="name of the case set (created when missing)")
+    imp.add_argument("--schema", type=Path,
+                     help="a schema JSON file: expected answers are checked against its questions, and columns "
+                          "named after a question (team, expected_team) are its expected answers")
+    imp.add_argument("--encoding", choices=list(importing.ENCODINGS), help="default: detected")
+    imp.add_argument("--delimiter", choices=list(DELIMITER_NAMES), help="default: sniffed")
+    imp.add_argument("--state-column", action="append", default=[], metavar="COLUMN",
+                     help="a column that becomes a state field (a.b nests; repeat for more); default: every "
+                          "column not mapped to an answer or tags and not named like an answer")
+    imp.add_argument("--state-text-column", metavar="COLUMN", help="one column whose text is the whole state")
+    imp.add_argument("--expected", action="append", default=[], metavar="COLUMN=QUESTION",
+                     help="a column of expected answers to a question (repeat); default: columns named after "
+                          "the schema's questions")
+    imp.add_argument("--tags-column", metavar="COLUMN", help="tags separated by ';' or ',' (default: 'tags')")
+    imp.add_argument("--image-column", action="append", default=[], metavar="COLUMN",
+                     help="image file paths (relative to the file's folder) or data URLs")
+    imp.add_argument("--video-column", action="append", default=[], metavar="COLUMN", help="as --image-column")
+    imp.add_argument("--skip-bad-rows", action="store_true",
+                     help="import the other rows when some are ragged, empty or have an empty state (by default "
+                          "they are listed and nothing is imported)")
     return parser.parse_args(argv)
+
+
+DELIMITER_NAMES = {name: delimiter for delimiter, name in importing.DELIMITERS.items()} | {
+    ",": ",", ";": ";", "\\t": "\t"}
 
 
 def find_case_set(store: Store, name: str) -> int:
@@ -168,18 +217,94 @@ def run_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def calibrate_command(args: argparse.Namespace) -> int:
+    store = Store(args.db)
+    try:
+        calibration_id, reports = calibration.calibrate_run(store, args.run, name=args.name,
+                                                            min_labelled=args.min_labelled, folds=args.folds)
+    except (calibration.CalibrationRefused, StoreError) as exc:
+        print(f"python -m clef_workbench calibrate: {exc}", file=sys.stderr)
+        return 1
+    print(calibration.summary_table(reports).to_string(index=False))
+    print(f"calibration {calibration_id} '{store.get_calibration(calibration_id)['name']}' saved "
+          "(ECE and Brier after: on held-out cases; [95% bootstrap interval])")
+    return 0
+
+
+def import_mapping(args: argparse.Namespace, columns: list[str], schema: dict | None) -> CsvMapping:
+    """The page's column mapping from the flags, with the page's defaults where a flag is left out."""
+    questions = list((schema or {}).get("questions", {}))
+    expected: dict[str, str] = {}
+    for pair in args.expected:
+        column, sep, question_id = pair.partition("=")
+        if not sep or not column or not question_id:
+            raise UsageError(f"--expected: {pair!r} is not COLUMN=QUESTION")
+        expected[column] = question_id
+    if not args.expected:
+        expected = {column: question_id for question_id, column in
+                    importing.guess_expected_columns(columns, questions).items()}
+    tags = args.tags_column or ("tags" if "tags" in columns else None)
+    used = set(expected) | {tags} | set(args.image_column) | set(args.video_column)
+    state_columns = args.state_column
+    if not state_columns and not args.state_text_column:
+        state_columns = importing.suggested_state_columns(columns, used, questions)
+    return CsvMapping(state_columns=state_columns, state_text_column=args.state_text_column,
+                      expected_columns=expected, tags_column=tags, image_columns=args.image_column,
+                      video_columns=args.video_column)
+
+
+def import_command(args: argparse.Namespace) -> int:
+    try:
+        data = args.file.read_bytes()
+    except OSError as exc:
+        raise UsageError(f"cannot read {args.file}: {exc.strerror or exc}") from None
+    schema = load_schema(args.schema) if args.schema else None
+    delimiter = DELIMITER_NAMES[args.delimiter] if args.delimiter else None
+    try:
+        source = importing.read_source(args.file.name, data, encoding=args.encoding, delimiter=delimiter)
+        print(f"read {args.file.name}: {source.describe()}", flush=True)
+        mapping = None
+        if source.kind != "jsonl":
+            mapping = import_mapping(args, source.columns, schema)
+            mapped = ", ".join(f"{c} → {q}" for c, q in mapping.expected_columns.items()) or "none"
+            print(f"state: {mapping.state_text_column or ', '.join(mapping.state_columns) or 'none'} · expected "
+                  f"answers: {mapped} · tags: {mapping.tags_column or 'none'}", flush=True)
+        cases = importing.parse_cases(source, mapping, schema, skip_bad_rows=args.skip_bad_rows,
+                                      base_dir=args.file.resolve().parent)
+    except importing.BadRowsError as exc:
+        raise UsageError(f"{len(exc.bad_rows)} row(s) cannot be imported, so nothing was: "
+                         + "; ".join(exc.problems) + ". Add --skip-bad-rows to import the other rows.") from None
+    except CaseImportError as exc:
+        raise UsageError(f"{args.file.name}: {exc}") from None
+    if not args.case_set.strip():
+        raise UsageError("--case-set must not be empty")
+    store = Store(args.db)
+    existing = [s["id"] for s in store.list_case_sets() if s["name"] == args.case_set]
+    case_set_id = existing[0] if existing else store.create_case_set(
+        args.case_set, schema_name=args.schema.stem if args.schema else None)
+    added = import_cases(store, case_set_id, cases)
+    print(f"imported {len(added)} case(s) into {args.case_set!r} (case set {case_set_id})"
+          + (f"; {len(cases) - len(added)} already in it were skipped" if len(added) < len(cases) else ""))
+    if source.kind != "jsonl" and args.skip_bad_rows:
+        skipped = importing.bad_rows(source, mapping)
+        if skipped:
+            print(f"skipped {len(skipped)} bad row(s): " + "; ".join(map(str, skipped)))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    command = {"run": run_command, "import": import_command, "calibrate": calibrate_command}[args.command]
     try:
-        return run_command(args)
+        return command(args)
     except UsageError as exc:
-        print(f"python -m clef_workbench run: error: {exc}", file=sys.stderr)
+        print(f"python -m clef_workbench {args.command}: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # before the run started (while loading); once it runs, Ctrl-C cancels it
         print("interrupted", file=sys.stderr)
         return 130
     except (ClefError, StoreError, RuntimeError) as exc:  # a release that does not load, a replica that cannot start
-        print(f"python -m clef_workbench run: {type(exc).__name__}: {exc}", file=sys.stderr)
+        print(f"python -m clef_workbench {args.command}: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
 
 

@@ -9,8 +9,6 @@ score → level index (int).
 from __future__ import annotations
 
 import base64
-import csv
-import io
 import json
 import math
 import re
@@ -120,11 +118,6 @@ class CsvMapping:
     infer_types: bool = True
 
 
-def csv_columns(csv_text: str) -> list[str]:
-    """Header of a CSV text, for the mapping UI."""
-    return next(csv.reader(io.StringIO(csv_text)), [])
-
-
 def _infer_scalar(text: str) -> Any:
     """CSV cell → JSON scalar: integers, finite floats and true/false become numbers and booleans."""
     lowered = text.strip().lower()
@@ -168,10 +161,22 @@ def _load_media(ref: str, kind: str, base_dir: Path | None) -> bytes:
 
 def parse_csv(csv_text: str, mapping: CsvMapping, schema: dict | None = None, *,
               base_dir: Path | None = None) -> list[dict]:
-    """CSV text → case dicts (state, expected, tags, images, videos). Raises CaseImportError listing every bad
-    cell (row numbers count the header as row 1, like a spreadsheet)."""
-    reader = csv.DictReader(io.StringIO(csv_text))
-    header = reader.fieldnames or []
+    """Comma-separated text → case dicts (state, expected, tags, images, videos). Raises CaseImportError listing
+    every bad cell and every row that does not fit the header (row numbers count the header as row 1, like a
+    spreadsheet). Files of other encodings and delimiters, and skipping bad rows: clef_workbench.importing."""
+    from clef_workbench.importing import bad_rows, read_delimited  # importing builds on this module
+
+    source = read_delimited(csv_text, ",")
+    skipped = bad_rows(source, mapping)
+    if skipped:
+        raise CaseImportError([str(bad) for bad in skipped])
+    return parse_rows(source.columns, source.rows, mapping, schema, base_dir=base_dir)
+
+
+def parse_rows(header: list[str], rows: list[tuple[int, dict[str, str]]], mapping: CsvMapping,
+               schema: dict | None = None, *, base_dir: Path | None = None) -> list[dict]:
+    """Rows of a table (row number, column → cell text) → case dicts (state, expected, tags, images, videos).
+    Raises CaseImportError listing every bad cell."""
     problems: list[str] = []
     used = list(mapping.state_columns) + list(mapping.expected_columns) + list(mapping.image_columns) + list(
         mapping.video_columns) + [c for c in (mapping.state_text_column, mapping.tags_column) if c]
@@ -188,7 +193,7 @@ def parse_csv(csv_text: str, mapping: CsvMapping, schema: dict | None = None, *,
     if problems:
         raise CaseImportError(problems)
     cases = []
-    for row_number, row in enumerate(reader, start=2):
+    for row_number, row in rows:
         where = f"row {row_number}"
         state: Any
         if mapping.state_text_column:
@@ -208,6 +213,9 @@ def parse_csv(csv_text: str, mapping: CsvMapping, schema: dict | None = None, *,
                 if cell is None or cell == "":
                     continue  # empty cells are left out of the state rather than sent as ""
                 _set_dotted(state, column, _infer_scalar(cell) if mapping.infer_types else cell)
+        if state in ({}, ""):
+            problems.append(f"{where}: the state is empty (no value in its state column(s))")
+            continue
         expected: dict[str, Any] = {}
         for column, question_id in mapping.expected_columns.items():
             cell = (row[column] or "").strip()
@@ -233,7 +241,7 @@ def parse_csv(csv_text: str, mapping: CsvMapping, schema: dict | None = None, *,
     if problems:
         raise CaseImportError(problems)
     if not cases:
-        raise CaseImportError(["the CSV has no data rows"])
+        raise CaseImportError(["the file has no data rows"])
     return cases
 
 

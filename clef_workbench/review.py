@@ -1,8 +1,10 @@
 """Review queue rules: which answers of a run need a human, why (frozen at queue time), and the golden-set export.
 
 An answer is queued when any enabled rule fires: its confidence (top-1 probability) is below a threshold, its
-margin (top-1 − top-2) is below a threshold, the model chose an "unknown"-type option, or it disagrees with the
-case's expected answer. The queue is ordered worst first: smallest margin (Store.list_review_items).
+margin (top-1 − top-2) is below a threshold, the model chose an "unknown"-type option, it disagrees with the
+case's expected answer, or it disagrees with another run of the same cases (another model or schema version). With a
+calibration named, the confidence and margin rules read the calibrated distribution (the queued item keeps it). The
+queue is ordered worst first: smallest margin (Store.list_review_items).
 """
 
 from __future__ import annotations
@@ -13,8 +15,9 @@ from typing import Any
 
 import pandas as pd
 
+from clef_workbench import calibration
 from clef_workbench.schemas import UNKNOWN_DESCRIPTION_PATTERN, UNKNOWN_OPTION_ID_PATTERN
-from clef_workbench.stats import answer_frame
+from clef_workbench.stats import answer_frame, top_two
 from clef_workbench.store import Store
 
 
@@ -27,6 +30,8 @@ class ReviewRules:
     unknown_option: bool = True
     disagree_with_expected: bool = True
     questions: list[str] | None = None
+    calibration: str | None = None  # a stored calibration's name: thresholds apply to calibrated confidence
+    disagree_with_run: int | None = None  # another run of the same case set: queue answers that differ
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -62,17 +67,37 @@ def unknown_options(question: dict) -> set[str]:
     }
 
 
-def _reasons(row: Any, rules: ReviewRules, unknown_ids: set[str]) -> list[str]:
+def _reasons(row: Any, rules: ReviewRules, unknown_ids: set[str], other_answer: str | None) -> list[str]:
     reasons = []
+    calibrated = "calibrated " if rules.calibration else ""
     if rules.margin_below is not None and row.margin < rules.margin_below:
-        reasons.append(f"margin {row.margin:.3f} < {rules.margin_below:g}")
+        reasons.append(f"{calibrated}margin {row.margin:.3f} < {rules.margin_below:g}")
     if rules.confidence_below is not None and row.confidence < rules.confidence_below:
-        reasons.append(f"confidence {row.confidence:.3f} < {rules.confidence_below:g}")
+        reasons.append(f"{calibrated}confidence {row.confidence:.3f} < {rules.confidence_below:g}")
     if rules.unknown_option and row.predicted in unknown_ids:
         reasons.append(f"chose unknown-type option {row.predicted!r}")
     if rules.disagree_with_expected and isinstance(row.expected, str) and row.predicted != row.expected:
         reasons.append(f"answered {row.predicted!r}, expected {row.expected!r}")
+    if other_answer is not None and row.predicted != other_answer:
+        reasons.append(f"run {rules.disagree_with_run} answered {other_answer!r}")
     return reasons
+
+
+def _calibrated(store: Store, frame: pd.DataFrame, calibration_name: str) -> pd.DataFrame:
+    """The frame with each answer's distribution, prediction, confidence and margin read from the calibration."""
+    maps = calibration.maps_from_payload(store.get_calibration(name=calibration_name)["payload"])
+    distributions = [maps[q].apply(d) if q in maps else d
+                     for q, d in zip(frame["question_id"], frame["distribution"], strict=True)]
+    out = calibration.with_distributions(frame, distributions)
+    out["margin"] = [top_two(d)[2] for d in distributions]
+    return out
+
+
+def _other_run_answers(store: Store, run_id: int) -> dict[tuple[int, str], str]:
+    other = store.get_run(run_id)
+    frame = answer_frame(store.list_results(run_id), other["schema"])
+    return {(int(c), q): p for c, q, p in zip(frame["case_id"], frame["question_id"], frame["predicted"],
+                                              strict=True)}
 
 
 def candidates(store: Store, run_id: int, rules: ReviewRules) -> list[dict]:
@@ -80,11 +105,15 @@ def candidates(store: Store, run_id: int, rules: ReviewRules) -> list[dict]:
     run = store.get_run(run_id)
     schema = run["schema"]
     frame = answer_frame(store.list_results(run_id), schema)
+    if rules.calibration and not frame.empty:
+        frame = _calibrated(store, frame, rules.calibration)
+    other_answers = _other_run_answers(store, rules.disagree_with_run) if rules.disagree_with_run else {}
     items = []
     for row in frame.itertuples(index=False):
         if rules.questions is not None and row.question_id not in rules.questions:
             continue
-        reasons = _reasons(row, rules, unknown_options(schema["questions"][row.question_id]))
+        reasons = _reasons(row, rules, unknown_options(schema["questions"][row.question_id]),
+                           other_answers.get((int(row.case_id), row.question_id)))
         if reasons:
             items.append({
                 "run_id": run_id, "case_id": int(row.case_id), "question_id": row.question_id,
@@ -102,11 +131,14 @@ def preview(store: Store, run_id: int, rules: ReviewRules) -> dict[str, Any]:
     question and per rule."""
     items = candidates(store, run_id, rules)
     queued = {(i["case_id"], i["question_id"]) for i in store.list_review_items(run_id)}
-    by_rule: dict[str, int] = {"margin": 0, "confidence": 0, "unknown option": 0, "disagrees with expected": 0}
+    by_rule: dict[str, int] = {"margin": 0, "confidence": 0, "unknown option": 0, "disagrees with expected": 0,
+                               "disagrees with another run": 0}
     for item in items:
         for part in item["reason"].split("; "):
+            part = part.removeprefix("calibrated ")
             key = ("margin" if part.startswith("margin") else "confidence" if part.startswith("confidence")
-                   else "unknown option" if part.startswith("chose") else "disagrees with expected")
+                   else "unknown option" if part.startswith("chose")
+                   else "disagrees with another run" if part.startswith("run ") else "disagrees with expected")
             by_rule[key] += 1
     return {
         "items": len(items),

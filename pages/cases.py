@@ -1,5 +1,6 @@
-"""Case sets: create, import CSV / JSONL with a column mapping, edit in a table, export. Rendering only: parsing,
-validation and storage are in clef_workbench.casesets and clef_workbench.store."""
+"""Case sets: create, import CSV / text / JSONL / Excel with a column mapping, edit in a table, export. Rendering
+only: reading files, parsing, validation and storage are in clef_workbench.importing, clef_workbench.casesets and
+clef_workbench.store."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import re
 
 import streamlit as st
 
-from clef_workbench import casesets
+from clef_workbench import casesets, importing
 from clef_workbench.casesets import CaseDeletionRefusedError, CaseImportError, CsvMapping
 from clef_workbench.schemas import SchemaError
 from clef_workbench.store import StoreError
@@ -18,6 +19,7 @@ use_app_navigation()
 K = page_key("cases")
 NO_SCHEMA = "(none)"
 NOT_MAPPED = "(not mapped)"
+DETECTED = "detected"
 
 st.title("Case sets")
 st.caption("A case set is a named list of records (state, images, videos, expected answers, tags) to run against a "
@@ -170,34 +172,50 @@ with tab_import:
     # a new uploader after each import: the imported file leaves no live Import button behind, and the next file
     # goes into an empty uploader instead of replacing one (a replacement raced the page's rerun in the browser)
     imports_done = st.session_state.get(K("imports_done"), 0)
-    upload = st.file_uploader("CSV or JSONL file", type=["csv", "jsonl", "json"], key=K(f"upload.{imports_done}"),
+    upload = st.file_uploader("CSV, tab-separated text, JSONL or Excel file",
+                              type=["csv", "tsv", "txt", "jsonl", "json", "xlsx"], key=K(f"upload.{imports_done}"),
                               help="JSONL: one object per line with state, and optionally expected, tags, images and "
-                                   "videos (data URLs). CSV: map the columns below. Rows already in the case set "
-                                   "are skipped.")
+                                   "videos (data URLs). CSV, text and Excel: map the columns below. Rows already "
+                                   "in the case set are skipped.")
     if upload is not None:
-        text = upload.getvalue().decode("utf-8-sig", errors="replace")
-        parsed = None
-        if upload.name.lower().endswith(".csv"):
-            columns = casesets.csv_columns(text)
+        kind = importing.file_kind(upload.name)
+        read_cols = st.columns(2)
+        encoding = None
+        if kind != "xlsx":
+            encoding = read_cols[0].selectbox(
+                "Encoding", [DETECTED, *importing.ENCODINGS], key=K(f"read.encoding.{upload.file_id}"),
+                format_func=lambda codec: "Detected" if codec == DETECTED else importing.ENCODINGS[codec],
+                help="The encoding the file was saved in; change it if the preview shows wrong characters.")
+        delimiter = None
+        if kind == "delimited":
+            delimiter = read_cols[1].selectbox(
+                "Delimiter", [DETECTED, *importing.DELIMITERS], key=K(f"read.delimiter.{upload.file_id}"),
+                format_func=lambda d: "Detected" if d == DETECTED else importing.DELIMITERS[d].capitalize())
+        parsed = source = None
+        try:
+            source = importing.read_source(upload.name, upload.getvalue(),
+                                           encoding=None if encoding == DETECTED else encoding,
+                                           delimiter=None if delimiter == DETECTED else delimiter)
+        except CaseImportError as exc:
+            show_problems(exc)
+        if source is not None:
+            detected = " (detected)" if source.encoding and source.encoding == source.detected_encoding else ""
+            st.caption(f"Read as **{source.describe()}**{detected}.")
+        mapping = None
+        if source is not None and source.kind != "jsonl":
+            columns = source.columns
             st.write(f"Columns: {', '.join(f'`{c}`' for c in columns)}")
             questions = list((schema or {}).get("questions", {}))
-
-            def guess(question_id: str) -> str:
-                for column in columns:
-                    plain = re.sub(r"^(expected[._ ]?)", "", column.lower())
-                    if plain == question_id.lower():
-                        return column
-                return NOT_MAPPED
-
+            guessed = importing.guess_expected_columns(columns, questions)
             expected_map: dict[str, str] = {}
             if questions:
                 st.markdown("**Expected answers** (column per question)")
                 cols = st.columns(min(3, len(questions)))
                 for index, question_id in enumerate(questions):
                     options = [NOT_MAPPED] + columns
-                    picked = cols[index % len(cols)].selectbox(question_id, options,
-                                                               index=options.index(guess(question_id)),
-                                                               key=K(f"map.expected.{question_id}"))
+                    picked = cols[index % len(cols)].selectbox(
+                        question_id, options, index=options.index(guessed.get(question_id, NOT_MAPPED)),
+                        key=K(f"map.expected.{question_id}"))
                     if picked != NOT_MAPPED:
                         expected_map[picked] = question_id
             else:
@@ -209,7 +227,7 @@ with tab_import:
                                   key=K("map.state_mode"))
             used = set(expected_map) | ({tags_column} - {NOT_MAPPED})
             label_like = casesets.label_like_columns(columns, questions)
-            candidates = [c for c in columns if c not in used and c not in label_like]
+            candidates = importing.suggested_state_columns(columns, used, questions)
             if state_mode == "Fields from columns":
                 state_key = K(f"map.state.{upload.file_id}")
 
@@ -238,13 +256,21 @@ with tab_import:
             elif label_like:
                 st.caption("Left out of the state because they look like answers: "
                            + ", ".join(f"`{c}`" for c in label_like))
+        bad_rows = importing.bad_rows(source, mapping) if source is not None and source.kind != "jsonl" else []
+        skip_bad_rows = False
+        if bad_rows:
+            with st.container(border=True, key=K("bad_rows")):
+                st.warning(f"{len(bad_rows)} row(s) cannot be imported as cases (rows count the header as row 1):",
+                           icon=":material/warning:")
+                st.markdown("\n".join(f"- {bad}" for bad in bad_rows[:50])
+                            + (f"\n- … and {len(bad_rows) - 50} more" if len(bad_rows) > 50 else ""))
+                skip_bad_rows = st.checkbox(f"Skip these {len(bad_rows)} row(s) and import the others",
+                                            key=K(f"skip_bad_rows.{upload.file_id}"))
+        if source is not None:
             try:
-                parsed = casesets.parse_csv(text, mapping, schema)
-            except CaseImportError as exc:
-                show_problems(exc)
-        else:
-            try:
-                parsed = casesets.parse_jsonl(text, schema)
+                parsed = importing.parse_cases(source, mapping, schema, skip_bad_rows=skip_bad_rows)
+            except importing.BadRowsError:
+                pass  # listed above, with the box that skips them
             except CaseImportError as exc:
                 show_problems(exc)
         if parsed:
@@ -264,7 +290,9 @@ with tab_import:
                     st.session_state[K("imports_done")] = imports_done + 1
                     skipped = len(parsed) - len(added)
                     flash("success", f"Imported {len(added)} cases into “{case_set['name']}”."
-                          + (f" {skipped} were already in it and were skipped." if skipped else ""))
+                          + (f" {skipped} were already in it and were skipped." if skipped else "")
+                          + (f" Rows not imported, as agreed: {', '.join(str(b.row) for b in bad_rows)}."
+                             if skip_bad_rows else ""))
                     st.rerun()
 
 with tab_export:

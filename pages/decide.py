@@ -20,6 +20,7 @@ from clef_workbench.model_loader import request_model_name
 from clef_workbench.store import StoreError
 from workbench_ui import decide_model as vm
 from workbench_ui import links
+from workbench_ui import why_view as why
 from workbench_ui.shell import (
     format_json,
     get_engine,
@@ -521,6 +522,17 @@ if result:
                        "max_length: the model did not read them.")
         for qid, answer in response["answers"].items():  # one card per row: half a page is one card wide
             render_answer_card(qid, result.questions.get(qid, {}), answer)
+        if engine is not None and st.toggle("Why", key=K("why"), help="Which sentences, fields, image regions and "
+                                            "frames moved each answer: each is removed in turn and the record "
+                                            "decided again, in one batched run"):
+            try:
+                explained = why.cached_explanation(st.session_state, K("why_result"), engine, result.request,
+                                                   max_length=max_length, overflow=overflow)
+            except (ClefError, ValueError) as exc:
+                st.error(f"Why could not be computed: {exc}")
+            else:
+                picked = st.selectbox("Why this answer to", list(explained["answers"]), key=K("why_question"))
+                why.render_why(explained, picked, result.request["state"], why.request_images(result.request))
 
         tabs = st.tabs(["Response JSON", "Request JSON"])
         with tabs[0]:

@@ -129,6 +129,27 @@ def test_cache_is_bounded_in_bytes_least_recently_used_out():
     assert cache.get("huge") is None
 
 
+def test_a_large_state_leaving_the_device_tier_is_dropped_not_copied_to_the_host(monkeypatch):
+    """Copying gigabytes to the host stalls the answering thread's kernel launches (bench/results, long records):
+    on CUDA only entries up to SPILL_MAX_BYTES move to host memory; larger ones are dropped when evicted."""
+    from clef_engine.fast import cache as cache_module
+
+    monkeypatch.setattr(cache_module, "SPILL_MAX_BYTES", 600)
+    cache = StateCache(torch.device("cuda"), device_bytes=1500, host_bytes=10_000)
+    spilled: list[str] = []
+    monkeypatch.setattr(cache, "_spill_to_host", lambda key, state: spilled.append(key))
+
+    def state(n: int) -> PrefixState:
+        return PrefixState(10, [], torch.ones(n))
+
+    cache.put("small", state(125))  # 500 bytes
+    cache.put("large", state(250))  # 1,000 bytes: evicts "small", which is copied to the host
+    cache.put("next", state(250))  # evicts "large", over SPILL_MAX_BYTES: dropped
+    assert spilled == ["small"] and cache.stats()["evicted"] == 1
+    cache.put("whole", state(500))  # larger than the device tier: not kept at all, nothing evicted for it
+    assert cache.get("whole") is None and cache.get("next") is not None
+
+
 def test_continuation_graphs_live_and_die_with_their_cache_entry():
     """Graphs read an entry's tensors by address: the graph owner keys them by the entry object, so an entry dropped
     by the cache takes its graphs with it, and an entry moved to another tier is a new object without any."""

@@ -56,7 +56,8 @@ def test_preview_counts_before_applying_and_apply_freezes_reasons(run):
     # team margin 0.05 (case 1), unknown (case 2), disagreement (case 3), urgent margin 0.1 (case 4)
     assert counts["items"] == 4 and counts["new"] == 4 and counts["cases"] == 4
     assert counts["by_question"] == {"team": 3, "urgent": 1}
-    assert counts["by_rule"] == {"margin": 2, "confidence": 0, "unknown option": 1, "disagrees with expected": 1}
+    assert counts["by_rule"] == {"margin": 2, "confidence": 0, "unknown option": 1, "disagrees with expected": 1,
+                                  "disagrees with another run": 0}
     assert store.list_review_items(run_id) == []  # preview wrote nothing
 
     # margin < 0.4 alone: team 0.05 (case 1) and 0.3 (case 4), urgent 0.1 (case 4)

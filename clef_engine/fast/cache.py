@@ -7,10 +7,9 @@ of the prefix are not kept: the head reads them only at question spans, option s
 which lie in the schema and suffix.
 
 Entries are keyed by model, the prefix token ids and the media digest, bounded in bytes: first on the engine's
-device, then (on CUDA) in host memory; least recently used entries move down a tier, then out. The copy to host
-memory runs on its own thread and CUDA stream, so it never sits on an answer's path; an entry being copied is
-found in neither tier until its copy is done. One GPU worker thread uses the cache; a lock keeps `stats()` readers
-safe.
+device, then (on CUDA, entries up to `SPILL_MAX_BYTES`) in host memory; least recently used entries move down a tier,
+then out. The copy to host memory runs on its own thread and CUDA stream; an entry being copied is found in neither
+tier until its copy is done. One GPU worker thread uses the cache; a lock keeps `stats()` readers safe.
 
 `PrefixCache` (at the end) is the whole feature as the engine calls it: which records it takes, storing a state,
 continuing from one. It uses packed.py's forward (which can stop at the state's end or start after it) and
@@ -30,6 +29,12 @@ import torch
 from .packed import LayerState
 
 GiB = 2**30
+# Entries larger than this are dropped when they leave the device tier instead of being copied to host memory.
+# Copying gigabytes to the host, pinned (cudaHostAlloc) or pageable, holds the CUDA driver long enough to stall the
+# kernel launches of the thread answering requests: a ~67k decide took 12.7 s with its predecessor's 4.4 GB state
+# spilling and 7.4 s with the cache off, its GPU work 7.2 s (bench/results/2026-12-02-h200-long-records-run1.json).
+# A long state is stored on the device (views of the record's own K/V, no copy) and dropped when evicted.
+SPILL_MAX_BYTES = 256 * 2**20
 
 
 @dataclass(eq=False)  # compared and hashed by identity: graphs.py keys its continuation graphs by the entry object
@@ -51,15 +56,13 @@ class PrefixState:
         return PrefixState(self.length, [layer.to(device, non_blocking) for layer in self.layers],
                            self.memory.to(device, non_blocking=non_blocking))
 
-    def to_pinned_host(self) -> PrefixState:
-        """A copy in pinned host memory, queued on the current stream (synchronize before reading it)."""
-        def pinned(t: torch.Tensor) -> torch.Tensor:
-            return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
-
-        layers = [LayerState(*(pinned(t) if t is not None else None
+    def to_host(self) -> PrefixState:
+        """A copy in host memory, made on the current stream; the calling thread waits for it. Only entries up to
+        `SPILL_MAX_BYTES` are copied (see there)."""
+        layers = [LayerState(*(t.to("cpu") if t is not None else None
                                for t in (layer.keys, layer.values, layer.conv_tail, layer.recurrent)))
                   for layer in self.layers]
-        return PrefixState(self.length, layers, pinned(self.memory))
+        return PrefixState(self.length, layers, self.memory.to("cpu"))
 
 
 def prefix_key(model_id: str, token_ids: list[int], media_digest: str = "") -> str:
@@ -120,8 +123,8 @@ class StateCache:
         return entry
 
     def put(self, key: str, state: PrefixState) -> None:
-        if state.nbytes > max(self.device_bytes, self.host_bytes):
-            return  # larger than the whole cache: not worth keeping
+        if state.nbytes > self.device_bytes:
+            return  # larger than the device tier, and too large to copy to the host (SPILL_MAX_BYTES): not kept
         self._insert(key, state)
         with self._lock:
             self._stats.stored += 1
@@ -132,12 +135,10 @@ class StateCache:
             self._device_entries.pop(key, None)
             self._host_entries.pop(key, None)
             self._device_entries[key] = state
-            while self._tier_bytes(self._device_entries) > self.device_bytes and len(self._device_entries) > 1:
-                spill.append(self._device_entries.popitem(last=False))
-            if self._tier_bytes(self._device_entries) > self.device_bytes:
+            while self._tier_bytes(self._device_entries) > self.device_bytes:  # least recently used first
                 spill.append(self._device_entries.popitem(last=False))
             for old_key, old_state in spill:
-                if self.device.type == "cuda" and old_state.nbytes <= self.host_bytes:
+                if self.device.type == "cuda" and old_state.nbytes <= min(self.host_bytes, SPILL_MAX_BYTES):
                     self._spill_to_host(old_key, old_state)
                 else:
                     self._stats.evicted += 1
@@ -159,8 +160,7 @@ class StateCache:
             generation, key, state, ready = self._spills.get()
             with torch.cuda.stream(stream):
                 stream.wait_event(ready)
-                moved = state.to_pinned_host()
-            stream.synchronize()  # the copy is done: the device tensors can go
+                moved = state.to_host()  # done when it returns: the device tensors can go
             del state
             with self._lock:
                 self._spilling -= 1
@@ -223,19 +223,26 @@ class PrefixCache:
         key = self.key(record)
         return self.store.get(key) if key is not None else None
 
-    def forward_and_store(self, record, key: str, between_layers=None) -> tuple[torch.Tensor, torch.Tensor]:
-        """One forward over the whole record that also returns every layer's state at the end of the state; the
-        state and the head's memory of its tokens are stored."""
+    def forward_for_store(self, record, between_layers=None,
+                          chunk_tokens: int = 0) -> tuple[torch.Tensor, torch.Tensor, PrefixState]:
+        """One forward over the whole record that also returns every layer's state at the end of the state, in
+        chunks of `chunk_tokens` if the record is longer (0: whole): the head's inputs and the state, to put in
+        the cache once the record is answered (the chunked forward's K/V buffers themselves: no copy)."""
         from .kernels import make_segments
+        from .packed import chunked_head_inputs
 
         length = record.state_end
         device = self.backbone.device
         ids = torch.tensor(record.input_ids, dtype=torch.long).to(device, non_blocking=True)
-        hidden, layers = self.backbone.forward(ids, make_segments([len(record)], device), split_at=length,
-                                               between_layers=between_layers)
-        normed, memory = self.head.token_memory(hidden.to(self.dtype))
-        self.store.put(key, PrefixState(length, layers, memory[:length].clone()))
-        return normed, memory
+        if 0 < chunk_tokens < len(record):
+            normed, memory, layers = chunked_head_inputs(self.backbone, ids, self.head.token_memory, self.dtype,
+                                                         chunk_tokens, split_at=length, between_layers=between_layers)
+        else:
+            hidden, layers = self.backbone.forward(ids, make_segments([len(record)], device), split_at=length,
+                                                   between_layers=between_layers)
+            normed, memory = self.head.token_memory(hidden.to(self.dtype))
+        # a view: the schema's few rows more than a copy would keep, and no second copy of a long state's memory
+        return normed, memory, PrefixState(length, layers, memory[:length])
 
     def forward_after(self, record, state: PrefixState) -> tuple[torch.Tensor, torch.Tensor]:
         """The backbone over the schema + suffix tokens only, continuing from the stored state; the head's inputs of

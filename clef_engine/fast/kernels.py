@@ -133,14 +133,29 @@ def causal_conv_triton(x: torch.Tensor, weight: torch.Tensor, segments: Segments
     return conv_silu_split(x, weight, segments.positions, key_dim)
 
 
-def causal_conv_after(x: torch.Tensor, weight: torch.Tensor, tail: torch.Tensor) -> torch.Tensor:
-    """Continue one record's conv after a cached prefix: `tail` holds the prefix's last W-1 inputs [W-1, D]."""
+def causal_conv_after_torch(x: torch.Tensor, weight: torch.Tensor, tail: torch.Tensor, segments: Segments,
+                            key_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Continue one record's conv after earlier tokens (a cached state, or the previous chunk of a long record):
+    `tail` holds their last W-1 inputs [W-1, D]; returned split into (q, k, v) like `causal_conv_torch`."""
     width = weight.shape[-1]
     extended = torch.cat([tail.to(x.dtype), x])
     part = extended.t()[None].to(weight.dtype)
     out = F.conv1d(part, weight[:, None, :], None, padding=width - 1, groups=weight.shape[0])
     out = out[..., width - 1: width - 1 + x.shape[0]]
-    return F.silu(out)[0].t().to(x.dtype)
+    return split_qkv(F.silu(out)[0].t().to(x.dtype), key_dim)
+
+
+def causal_conv_after_triton(x: torch.Tensor, weight: torch.Tensor, tail: torch.Tensor, segments: Segments,
+                             key_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The fused conv + SiLU over the tail followed by the new inputs; the tail's own rows are dropped. The new
+    tokens' positions (from `segments`, never 0 after earlier tokens) let every tap read back into the tail."""
+    from .triton_kernels import conv_silu_split
+
+    width = tail.shape[0]
+    extended = torch.cat([tail.to(x.dtype), x])
+    positions = torch.cat([segments.positions.new_zeros(width), segments.positions])
+    q, k, v = conv_silu_split(extended, weight, positions, key_dim)
+    return q[width:], k[width:], v[width:]
 
 
 # ---- gated delta rule ------------------------------------------------------------------------------------------------
@@ -350,6 +365,93 @@ def attention_varlen_cudnn_long(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     return out[0].transpose(0, 1)[:n]
 
 
+def attention_with_lse_cudnn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                             causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """cuDNN's fused attention on [1, H, L, D] tensors: (out [1, H, Lq, D], log-sum-exp [1, H, Lq] in float32)."""
+    out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal, False)[:2]
+    return out, lse.reshape(q.shape[:3]).float()
+
+
+def attention_with_lse_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                             causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same in plain PyTorch (top-left causal mask, as cuDNN's; K/V heads grouped), what tests swap in."""
+    repeat = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(repeat, dim=1).float(), v.repeat_interleave(repeat, dim=1).float()
+    scores = q.float() @ k.transpose(-1, -2) * q.shape[-1] ** -0.5
+    if causal:
+        scores = scores.masked_fill(torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).triu(1),
+                                    float("-inf"))
+    return (torch.softmax(scores, -1) @ v).to(q.dtype), torch.logsumexp(scores, -1)
+
+
+def attention_chunk_cudnn(q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, prefix: int,
+                          attend=attention_with_lse_cudnn, grouped: bool | None = None) -> torch.Tensor:
+    """A chunk of a long record after `prefix` earlier tokens on cuDNN's fused attention, which has no causal mask
+    aligned to the last key: the chunk's queries attend (1) to the earlier keys up to the last multiple of
+    CUDNN_LENGTH_STEP before the chunk, with no mask, and (2) causally to the rest (the few earlier keys after that
+    multiple, then their own chunk), the queries shifted down by those few rows so that a top-left causal mask
+    lets each see every earlier key and its own chunk's up to itself; the two merged by their log-sum-exp. Both
+    calls' lengths are multiples of CUDNN_LENGTH_STEP, so nearby lengths share cuDNN's plans.
+    q [n, Hq, D], k_all/v_all [prefix + n, Hk, D]."""
+    n, heads, dim = q.shape
+    base = prefix - prefix % CUDNN_LENGTH_STEP
+    lead = prefix - base
+    rows = cudnn_length(lead + n)
+    if grouped is None:
+        grouped = _cudnn_takes_grouped_heads(q.device, q.dtype)
+    repeat = 1 if grouped else heads // k_all.shape[1]
+
+    def placed(x: torch.Tensor, offset: int, times: int) -> torch.Tensor:
+        """x [m, H, D] at rows [offset, offset + m) of zeros [rows, H * times, D], as [1, H * times, rows, D]."""
+        out = x.new_zeros(rows, x.shape[1], times, dim)
+        out[offset: offset + x.shape[0]] = x[:, :, None, :]
+        return out.view(rows, -1, dim).transpose(0, 1)[None]
+
+    queries = placed(q, lead, 1)
+    out, lse = attend(queries, placed(k_all[base:], 0, repeat), placed(v_all[base:], 0, repeat), True)
+    if base:
+        earlier_k, earlier_v = (x[:base].transpose(0, 1)[None] for x in (k_all, v_all))
+        if repeat > 1:
+            earlier_k, earlier_v = (x.repeat_interleave(repeat, dim=1) for x in (earlier_k, earlier_v))
+        out_earlier, lse_earlier = attend(queries, earlier_k, earlier_v, False)
+        weight = torch.sigmoid(lse_earlier - lse)[..., None]  # the earlier keys' share of the softmax mass
+        out = (out.float() + (out_earlier.float() - out.float()) * weight).to(q.dtype)
+    return out[0].transpose(0, 1)[lead: lead + n]
+
+
+def chunk_attention_cudnn_pays(device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int, dim: int,
+                               chunk: int = 8192) -> str | None:
+    """None if `attention_chunk_cudnn` answers as the masked SDPA (after a prefix at and off a multiple of the
+    step) and runs faster than flash varlen on a chunk after two chunks; else why not."""
+    try:
+        generator = torch.Generator(device=device).manual_seed(7)
+
+        def rand(n: int, h: int) -> torch.Tensor:
+            return torch.randn(n, h, dim, device=device, dtype=dtype, generator=generator)
+
+        for prefix, n in ((700, 300), (512, 256), (100, 37)):
+            q, k, v = rand(n, heads), rand(prefix + n, kv_heads), rand(prefix + n, kv_heads)
+            error = (attention_chunk_cudnn(q, k, v, prefix).float()
+                     - attention_after_prefix(q, k, v, prefix).float()).abs().max().item()
+            if not error <= 2e-2:
+                return f"cuDNN chunk attention differs from the masked SDPA by {error:.3g} (prefix {prefix})"
+        q, k, v = rand(chunk, heads), rand(3 * chunk, kv_heads), rand(3 * chunk, kv_heads)
+        timings = []
+        for fn in (attention_after_prefix_varlen, attention_chunk_cudnn):
+            fn(q, k, v, 2 * chunk)
+            torch.cuda.synchronize(device)
+            started = time.perf_counter()
+            for _ in range(3):
+                fn(q, k, v, 2 * chunk)
+            torch.cuda.synchronize(device)
+            timings.append((time.perf_counter() - started) / 3 * 1000)
+        if timings[1] >= timings[0]:
+            return f"cuDNN chunk attention not faster ({timings[1]:.2f} vs {timings[0]:.2f} ms)"
+    except Exception as error:  # noqa: BLE001 — any failure means: keep flash varlen
+        return f"cuDNN chunk attention unavailable: {type(error).__name__}: {error}"[:300]
+    return None
+
+
 @functools.cache
 def _cudnn_takes_grouped_heads(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether cuDNN SDPA with enable_gqa computes what it computes on repeated K/V. Checked once per device."""
@@ -523,17 +625,20 @@ class Kernels:
     rms_norm: Callable = rms_norm_torch  # residual add + RMSNorm
     gated_rms_norm: Callable = gated_rms_norm_torch
     causal_conv: Callable = causal_conv_torch  # conv + SiLU, split into q, k, v
+    causal_conv_after: Callable = causal_conv_after_torch  # the same after earlier tokens' last inputs
     gated_delta: Callable = gated_delta_torch
     attention: Callable = attention_sdpa
     attention_after_prefix: Callable = attention_after_prefix
+    attention_chunk: Callable = attention_after_prefix  # a long record's chunk after the chunks before it
     norm_rope: Callable = norm_rope_torch
     sigmoid_gate: Callable = sigmoid_gate_torch
     silu_mul: Callable = silu_mul_torch
     residual_projection: Callable = residual_projection_torch
     notes: dict = field(default_factory=dict)
 
-    SLOTS = ("rms_norm", "gated_rms_norm", "causal_conv", "gated_delta", "attention", "attention_after_prefix",
-             "norm_rope", "sigmoid_gate", "silu_mul", "residual_projection")
+    SLOTS = ("rms_norm", "gated_rms_norm", "causal_conv", "causal_conv_after", "gated_delta", "attention",
+             "attention_after_prefix", "attention_chunk", "norm_rope", "sigmoid_gate", "silu_mul",
+             "residual_projection")
 
     def describe(self) -> dict[str, str]:
         names = {}
@@ -611,6 +716,10 @@ def triton_matches_torch(device: torch.device, dtype: torch.dtype, *, heads: int
         mixed = projected[:, : 2 * key_dim + value_dim]
         checks.append(("causal_conv", causal_conv_triton(mixed, conv_weight, segments, key_dim),
                        causal_conv_torch(mixed, conv_weight, segments, key_dim)))
+        later = make_segments([n], device, first_position=50)
+        tail = rand(conv_weight.shape[-1] - 1, mixed.shape[1])
+        checks.append(("causal_conv_after", causal_conv_after_triton(mixed, conv_weight, tail, later, key_dim),
+                       causal_conv_after_torch(mixed, conv_weight, tail, later, key_dim)))
         from .triton_kernels import l2norm
 
         heads_qk = rand(n, 2, value_head_dim)
@@ -682,6 +791,7 @@ def select_kernels(device: torch.device, dtype: torch.dtype, *, heads: int, kv_h
     if problem is None:
         kernels.rms_norm, kernels.silu_mul = rms_norm_triton, silu_mul_triton
         kernels.causal_conv, kernels.gated_rms_norm = causal_conv_triton, gated_rms_norm_triton
+        kernels.causal_conv_after = causal_conv_after_triton
         kernels.norm_rope, kernels.sigmoid_gate = norm_rope_triton, sigmoid_gate_triton
     else:
         kernels.notes["triton_fallback"] = problem
@@ -690,9 +800,14 @@ def select_kernels(device: torch.device, dtype: torch.dtype, *, heads: int, kv_h
         kernels.attention = attention_varlen
         prefix_problem = prefix_varlen_matches_sdpa(device, dtype, heads, kv_heads, head_dim)
         if prefix_problem is None:
-            kernels.attention_after_prefix = attention_after_prefix_varlen
+            kernels.attention_after_prefix = kernels.attention_chunk = attention_after_prefix_varlen
         else:
             kernels.notes["prefix_attention_fallback"] = prefix_problem
+        chunk_problem = chunk_attention_cudnn_pays(device, dtype, heads, kv_heads, head_dim)
+        if chunk_problem is None:
+            kernels.attention_chunk = attention_chunk_cudnn
+        else:
+            kernels.notes["chunk_attention"] = chunk_problem
         slower = cudnn_long_attention_pays(device, dtype, heads, kv_heads, head_dim)
         if slower is None:
             kernels.attention = attention_varlen_cudnn_long

@@ -11,6 +11,9 @@ cached K/V, the conv reads the cached last W-1 inputs, the recurrence starts fro
 over a whole record can also return those states at a split point (`split_at`, the end of the record's state), so
 storing a long state costs no second pass. CUDA graphs of this forward live in graphs.py.
 
+A long record alone runs in chunks (`forward_chunked`): each chunk through every layer, continuing after the chunks
+before it as after a cached state, so that its activations are one chunk's whatever its length.
+
 Media records are not handled here (the engine sends them to the padded multimodal path).
 """
 
@@ -133,11 +136,8 @@ class PackedBackbone:
         x = F.embedding(input_ids, self.embed)
         cos, sin = self.rope(segments.positions, x)
         states: list[LayerState] | None = [] if collect else None
-        residual = None  # kern.rms_norm returns the residual stream in float32, whatever the model's dtype
-        branch = x
-        kern = self.kernels
-        for index, layer in enumerate(self.layers):
-            normed, residual = kern.rms_norm(branch, layer.norm1, self.eps, residual, self.dtype)
+
+        def mix(index: int, layer: FastLayer, normed: torch.Tensor) -> torch.Tensor:
             before = prefix[index] if prefix is not None else None
             if layer.kind == "linear_attention":
                 branch, state = self.gated_delta_net(layer, normed, segments, before, split_at)
@@ -145,13 +145,68 @@ class PackedBackbone:
                 branch, state = self.attention(layer, normed, cos, sin, segments, before, prefix_length, split_at)
             if states is not None:
                 states.append(state)
+            return branch
+
+        return self._layers(x, mix, between_layers), states
+
+    def _layers(self, x: torch.Tensor, mix, between_layers=None) -> torch.Tensor:
+        """Every decoder layer over the embedded tokens `x`, `mix(index, layer, normed)` giving the token mixer's
+        output (attention or Gated DeltaNet); the final hidden states, normed."""
+        residual = None  # kern.rms_norm returns the residual stream in float32, whatever the model's dtype
+        branch = x
+        kern = self.kernels
+        for index, layer in enumerate(self.layers):
+            normed, residual = kern.rms_norm(branch, layer.norm1, self.eps, residual, self.dtype)
+            branch = mix(index, layer, normed)
             normed, residual = kern.rms_norm(branch, layer.norm2, self.eps, residual, self.dtype)
             activated = kern.silu_mul(F.linear(normed, layer.gate_up), layer.intermediate)
             branch = kern.residual_projection(activated, layer.down)
             if between_layers is not None:
                 between_layers(index)
         hidden, _ = kern.rms_norm(branch, self.final_norm, self.eps, residual, self.dtype)
-        return hidden, states
+        return hidden
+
+    @torch.inference_mode()
+    def forward_chunked(self, input_ids: torch.Tensor, chunk_tokens: int, on_chunk, *, split_at: int | None = None,
+                        between_layers=None) -> list[LayerState] | None:
+        """One record in chunks of at most `chunk_tokens` tokens, each chunk through every layer before the next,
+        so that the activations are one chunk's whatever the record's length. Each layer carries what the next
+        chunk needs: attention writes its K/V into one buffer of the record's length (no copies as it grows) and a
+        chunk's queries attend to every earlier key and to their own chunk's causally; the conv and the gated-delta
+        recurrence continue from the previous chunk's last inputs and final state, as after a cached state.
+        `on_chunk(start, hidden)` receives each chunk's final hidden states, in order. With `split_at`, a chunk ends
+        there and every layer's state at that point is returned, its K/V as views of the buffers (no copy)."""
+        n = input_ids.shape[0]
+        if split_at is not None and not 0 < split_at <= n:
+            raise ValueError(f"split_at={split_at} must lie within the record")
+        carried: list[LayerState | None] = [None] * len(self.layers)
+        buffers = {index: tuple(torch.empty(n, layer.kv_heads, layer.head_dim, device=self.device, dtype=self.dtype)
+                                for _ in range(2))
+                   for index, layer in enumerate(self.layers) if layer.kind != "linear_attention"}
+        at_split = None
+        for start, end in chunk_bounds(n, chunk_tokens, split_at):
+            on_chunk(start, self._forward_chunk(input_ids[start:end], start, carried, buffers, between_layers))
+            if end == split_at:
+                at_split = [LayerState(keys=buffers[i][0][:end], values=buffers[i][1][:end]) if i in buffers
+                            else carried[i] for i in range(len(self.layers))]
+        return at_split
+
+    def _forward_chunk(self, chunk_ids: torch.Tensor, start: int, carried: list[LayerState | None],
+                       buffers: dict[int, tuple[torch.Tensor, torch.Tensor]], between_layers) -> torch.Tensor:
+        """One chunk of `forward_chunked` (tokens from `start` on) through every layer; `carried` takes each Gated
+        DeltaNet layer's state at the chunk's end, for the next chunk."""
+        n = chunk_ids.shape[0]
+        segments = K.make_segments([n], self.device, first_position=start)
+        x = F.embedding(chunk_ids, self.embed)
+        cos, sin = self.rope(segments.positions, x)
+
+        def mix(index: int, layer: FastLayer, normed: torch.Tensor) -> torch.Tensor:
+            if layer.kind == "linear_attention":
+                branch, carried[index] = self.gated_delta_net(layer, normed, segments, carried[index], n)
+                return branch
+            return self.attention_chunk(layer, normed, cos, sin, segments, buffers[index], start)
+
+        return self._layers(x, mix, between_layers)
 
     def gated_delta_net(self, layer: FastLayer, x: torch.Tensor, segments: K.Segments, before: LayerState | None,
                         split_at: int | None) -> tuple[torch.Tensor, LayerState | None]:
@@ -165,7 +220,7 @@ class PackedBackbone:
         a = projected[:, conv_dim + value_dim + v_heads:]
         key_dim = layer.key_dim
         if before is not None:
-            q, k, v = K.split_qkv(K.causal_conv_after(mixed, layer.conv_weight, before.conv_tail), key_dim)
+            q, k, v = kern.causal_conv_after(mixed, layer.conv_weight, before.conv_tail, segments, key_dim)
         else:
             q, k, v = kern.causal_conv(mixed, layer.conv_weight, segments, key_dim)
         q = q.view(n, layer.k_heads, layer.k_head_dim)
@@ -189,8 +244,10 @@ class PackedBackbone:
         if split_at is not None:
             width = layer.conv_width - 1
             tail = mixed[max(0, split_at - width): split_at]
-            if tail.shape[0] < width:
-                tail = torch.cat([tail.new_zeros(width - tail.shape[0], tail.shape[1]), tail])
+            if tail.shape[0] < width:  # fewer inputs than the conv reads: the earlier ones come from before
+                earlier = (before.conv_tail.to(tail.dtype) if before is not None
+                           else tail.new_zeros(width, tail.shape[1]))
+                tail = torch.cat([earlier, tail])[-width:]
             state = LayerState(conv_tail=tail.contiguous(), recurrent=final)
         return out, state
 
@@ -217,6 +274,58 @@ class PackedBackbone:
         if split_at is not None:  # copies: the views would keep the whole record's projection alive
             state = LayerState(keys=keys[:split_at].clone(), values=values[:split_at].clone())
         return kern.residual_projection(out, layer.o_proj), state
+
+    def attention_chunk(self, layer: FastLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                        segments: K.Segments, buffers: tuple[torch.Tensor, torch.Tensor], start: int) -> torch.Tensor:
+        """One chunk of a long record (tokens from `start` on): its K/V written into the record's buffers, its
+        queries attending to the keys before it and to its own causally (the first chunk: a record's own causal
+        attention, the kernel of whole records)."""
+        n = x.shape[0]
+        kern = self.kernels
+        heads, kv_heads, dim = layer.heads, layer.kv_heads, layer.head_dim
+        projected = F.linear(x, layer.qkv)
+        q = kern.norm_rope(projected, 0, 2 * dim, heads, dim, layer.q_norm, cos, sin, self.eps)
+        keys, values = buffers
+        end = start + n
+        keys[start:end] = kern.norm_rope(projected, heads * dim * 2, dim, kv_heads, dim, layer.k_norm, cos, sin,
+                                         self.eps)
+        values[start:end] = projected[:, heads * dim * 2 + kv_heads * dim:].view(n, kv_heads, dim)
+        gate = projected[:, : heads * dim * 2].view(n, heads, 2 * dim)[..., dim:]
+        if start == 0:
+            out = kern.attention(q, keys[:end], values[:end], segments)
+        else:
+            out = kern.attention_chunk(q, keys[:end], values[:end], start)
+        out = kern.sigmoid_gate(out.reshape(n, heads, dim), gate)
+        return kern.residual_projection(out, layer.o_proj)
+
+
+def chunk_bounds(n: int, chunk_tokens: int, split_at: int | None = None) -> list[tuple[int, int]]:
+    """(start, end) of the chunks of a record of `n` tokens: at multiples of `chunk_tokens` (so that most chunks
+    share one shape), and one more boundary at `split_at`."""
+    cuts = sorted({*range(chunk_tokens, n, chunk_tokens), *([split_at] if split_at is not None else []), n})
+    return list(zip([0] + cuts[:-1], cuts))
+
+
+def chunked_head_inputs(backbone: PackedBackbone, input_ids: torch.Tensor, token_memory, dtype: torch.dtype,
+                        chunk_tokens: int, *, split_at: int | None = None,
+                        between_layers=None) -> tuple[torch.Tensor, torch.Tensor, list[LayerState] | None]:
+    """The head's inputs (normed hidden states, memory) of one record run in chunks (`forward_chunked`), each
+    chunk's taken by `token_memory` (the head's, row by row) as soon as it is done: the record's final hidden
+    states are never whole. Also the layer states at `split_at`, if asked."""
+    n = input_ids.shape[0]
+    normed = memory = None
+
+    def take(start: int, hidden: torch.Tensor) -> None:
+        nonlocal normed, memory
+        normed_chunk, memory_chunk = token_memory(hidden.to(dtype))
+        if normed is None:
+            normed = normed_chunk.new_empty(n, normed_chunk.shape[-1])
+            memory = memory_chunk.new_empty(n, memory_chunk.shape[-1])
+        normed[start: start + hidden.shape[0]] = normed_chunk
+        memory[start: start + hidden.shape[0]] = memory_chunk
+
+    states = backbone.forward_chunked(input_ids, chunk_tokens, take, split_at=split_at, between_layers=between_layers)
+    return normed, memory, states
 
 
 def pack_ids(records, device: torch.device) -> torch.Tensor:

@@ -275,7 +275,7 @@ class Encoder:
         for i, item in enumerate(request.get("videos") or []):
             try:
                 given = media.video_frames(item)
-                if given is None:
+                if given is None and not isinstance(item, media.Video):  # a Video is already sampled
                     videos.append(media.video_bytes(item))
                     continue
                 video = media.load_video(item, self.video_sample_indices)

@@ -2,7 +2,8 @@
 
 Accepted images: PIL images, bytes, file paths, data URLs, or {"content_type", "base64"} (PNG, JPEG, WebP).
 Accepted videos: a T×H×W×3 uint8 array (+ fps), {"frames", "fps"}, bytes, file paths, data URLs or
-{"content_type", "base64"} (MP4, WebM, MOV), decoded with PyAV at their real frame rate. Only the frames the video
+{"content_type", "base64"} (MP4, WebM, MOV), decoded with PyAV at their real frame rate, or a `Video` already
+sampled (an explanation's variants pass the record's own frames, one painted over). Only the frames the video
 processor will sample are decoded and kept, so a long video costs what the model reads, not its full length.
 
 Images are opened in two steps: `open_image` reads only the header (format, size), so limits and the token budget

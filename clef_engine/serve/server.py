@@ -75,6 +75,7 @@ from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route
 
 from ..errors import BusyError, RequestError, TokenBudgetError
+from ..explain import explaining
 from ..model.media import sniff_content_type
 from ..protocol import validate_request
 from . import openapi
@@ -678,11 +679,12 @@ class SystemOneApi:
         model, max_length, overflow = request.model, request.x_max_length, request.x_overflow
         self.metrics.enter()
         try:
-            results = await self._run_in_time(engine, record, max_length=max_length, overflow=overflow)
+            results = await self._run_in_time(explaining(engine, request.x_explain), record, max_length=max_length,
+                                              overflow=overflow)
         except RequestError as exc:  # what only encoding finds: media that cannot be decoded
             raise _invalid_request(exc, asset_images) from None
         except TokenBudgetError as exc:
-            raise _error(413, "token_budget_exceeded",
+            raise _error(413, "token_budget_exceeded", str(exc) if exc.part == "explanation" else
                          f"{exc} (send \"x_overflow\": \"truncate_state\" to cut the state instead, or a larger "
                          f"\"x_max_length\")",
                          over_by=exc.over_by, part=exc.part, max_length=exc.max_length,

@@ -13,7 +13,8 @@ One `Store` object over one module per concern:
 - `runs.py`: runs, results, the cross-process run lease;
 - `review.py`: review rules, the queue, reviewer actions and undo;
 - `drafts.py`: per-session drafts of the Decide page;
-- `schema_versions.py`: the schema history (every saved content of a library schema) that runs link to.
+- `schema_versions.py`: the schema history (every saved content of a library schema) that runs link to;
+- `calibrations.py`: calibrations fitted on a run's labelled cases, with the run's schema version and model.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from clef_workbench.store.base import (
     media_content_type,
     now_iso,
 )
+from clef_workbench.store.calibrations import CalibrationsMixin
 from clef_workbench.store.cases import CaseSetsMixin, case_hash
 from clef_workbench.store.drafts import DraftsMixin
 from clef_workbench.store.migrations import MIGRATIONS, SCHEMA_VERSION
@@ -45,5 +47,5 @@ __all__ = [
 ]
 
 
-class Store(CaseSetsMixin, RunsMixin, ReviewMixin, DraftsMixin, SchemaVersionsMixin):
+class Store(CaseSetsMixin, RunsMixin, ReviewMixin, DraftsMixin, SchemaVersionsMixin, CalibrationsMixin):
     """All persistent state of the workbench in one SQLite file. Safe to share between threads and processes."""

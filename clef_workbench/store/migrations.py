@@ -163,5 +163,18 @@ MIGRATIONS: list[list[str]] = [
            BEGIN SELECT RAISE(ABORT, 'schema_versions is append-only: a version cannot be deleted'); END""",
         "ALTER TABLE runs ADD COLUMN schema_version_id INTEGER REFERENCES schema_versions(id)",
     ],
+    # 5: calibrations fitted on a run's labelled cases, kept with the schema version and the model of that run
+    [
+        """CREATE TABLE calibrations (
+            id INTEGER PRIMARY KEY,
+            name TEXT NOT NULL UNIQUE,
+            run_id INTEGER NOT NULL REFERENCES runs(id),
+            schema_name TEXT NOT NULL,
+            schema_version_id INTEGER REFERENCES schema_versions(id),
+            model_id TEXT NOT NULL,
+            payload_json TEXT NOT NULL,
+            created_at TEXT NOT NULL
+        )""",
+    ],
 ]
 SCHEMA_VERSION = len(MIGRATIONS)

@@ -1,0 +1,203 @@
+"""How long "Why" takes (issue 26): `Engine.explain` of a ~1k-token text record of 32 sentences on Clef-27B- and
+Clef-Flash-shaped engines, and of a 16-region image on the Clef-27B shape, on one H200.
+
+    python bench/explain.py OUT.json                  (CUDA; flash-linear-attention installed; < 5 minutes)
+    BENCH_CPU_SMOKE=1 python bench/explain.py OUT.json   (scaled-down shapes on the CPU: checks the script only)
+
+Random bf16 weights (bench/build.py) and the tiny release's tokenizer. Per model, one engine at a time (built,
+measured, freed):
+
+- text: a ~1,024-token request (4 questions) whose state is 32 sentences of ordinary words; `explain` decides the
+  record and its 32 one-sentence-shorter copies as one job. After one untimed call (compiles, autotunes), REPEATS
+  timed calls: p50 / min wall seconds, tokens, and `decide` of the record alone for scale. Then the batch-vs-alone
+  check: for a few segments, the delta `explain` reported against deciding the shortened request by itself
+  (`Engine.probabilities`), the largest difference (bf16 noise, not an error).
+- image (Clef-27B only): a 1024×768 photo-like image with a short text state, unit "region": the record and its 16
+  painted copies (padded multimodal batches).
+
+CUDA graphs are off (CLEF_CUDA_GRAPHS=0 unless set): an explanation runs packs and padded batches, never a graph.
+Writes OUT.json after every section.
+"""
+
+from __future__ import annotations
+
+import gc
+import io
+import json
+import os
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+os.environ.setdefault("CLEF_CUDA_GRAPHS", "0")
+
+from bench import build  # noqa: E402
+
+SMOKE = os.environ.get("BENCH_CPU_SMOKE") == "1"
+DEVICE = torch.device("cpu" if SMOKE else "cuda")
+DEADLINE = time.perf_counter() + float(os.environ.get("BENCH_DEADLINE_S", "600" if SMOKE else "280"))
+SCALE = 4 if SMOKE else 1  # lengths and image sides divided by this on the CPU
+RECORD_TOKENS = 1024
+SENTENCES = 6 if SMOKE else 32
+QUESTIONS = 2 if SMOKE else 4
+REPEATS = 1 if SMOKE else 5
+CHECKED_SEGMENTS = 2 if SMOKE else 4
+IMAGE_SIZE = (1024, 768)
+TARGETS_S = {"clef": {"text": 2.5, "image": 3.0}, "clef-flash": {"text": 1.0}}  # issue 26
+
+results: dict = {"clef": {}, "clef-flash": {}, "detail": {"errors": {}}}
+OUT: Path
+
+
+def save() -> None:
+    OUT.write_text(json.dumps(results, indent=1, default=str))
+
+
+def left() -> float:
+    return DEADLINE - time.perf_counter()
+
+
+section = build.sections(left, lambda: save(), results["detail"]["errors"])
+
+
+def text_request(engine) -> dict:
+    """~RECORD_TOKENS tokens (scaled on the CPU) whose state is SENTENCES sentences of ordinary words."""
+    questions = build.schema(QUESTIONS, 3, seed=26, noul_every=2)
+    words = build.sized_state(engine, RECORD_TOKENS // SCALE, questions, seed=26).split()
+    # full stops take tokens too: drop as many words as there are sentences so the record stays at its size
+    words = words[: max(SENTENCES, len(words) - SENTENCES)]
+    per = len(words) / SENTENCES
+    sentences = [" ".join(words[round(i * per): round((i + 1) * per)]).capitalize() + "." for i in range(SENTENCES)]
+    return {"model": "clef", "state": " ".join(sentences), "questions": questions}
+
+
+def image_request() -> dict:
+    from PIL import Image
+
+    from clef_engine.protocol import data_url
+
+    width, height = IMAGE_SIZE[0] // SCALE, IMAGE_SIZE[1] // SCALE
+    rng = np.random.default_rng(26)
+    # smooth colour fields plus noise: an image whose regions differ, as a photo's do
+    y, x = np.mgrid[0:height, 0:width]
+    pixels = np.stack([128 + 100 * np.sin(x / (37 + 20 * c) + y / (53 - 10 * c)) for c in range(3)], axis=-1)
+    pixels = np.clip(pixels + rng.normal(0, 12, pixels.shape), 0, 255).astype(np.uint8)
+    buffer = io.BytesIO()
+    Image.fromarray(pixels).save(buffer, "PNG")
+    return {"model": "clef", "state": "Claim photo of the rear bumper.", "images": [data_url("image/png",
+                                                                                           buffer.getvalue())],
+            "questions": build.schema(2, 3, seed=27, noul_every=2)}
+
+
+def timed_explain(engine, request: dict, unit: str) -> dict:
+    engine.explain(request, unit=unit)  # untimed: compiles and autotunes these shapes
+    walls, explained = [], None
+    for _ in range(REPEATS):
+        t0 = time.perf_counter()
+        explained = engine.explain(request, unit=unit)
+        build.sync(DEVICE)
+        walls.append(time.perf_counter() - t0)
+    t0 = time.perf_counter()
+    engine.decide(request)
+    build.sync(DEVICE)
+    decide_s = time.perf_counter() - t0
+    segments = next(iter(explained["x_explanations"].values()))
+    return {"p50_s": build.percentile(walls, 0.5, 3), "min_s": round(min(walls), 3),
+            "walls_s": [round(w, 3) for w in walls], "segments": len(segments),
+            "record_tokens": explained["usage"]["input_tokens"], "variant_tokens": explained["x_explain_tokens"],
+            "decide_alone_s": round(decide_s, 3), "explained": explained}
+
+
+def batch_vs_alone(engine, request: dict, explained: dict) -> dict:
+    """The reported delta against deciding the request without the segment alone, for the first few segments."""
+    base = engine.probabilities([request])[0]
+    worst = 0.0
+    for q, question_id in enumerate(request["questions"]):
+        chosen = int(np.argmax(base[q]))
+        for segment in explained["x_explanations"][question_id][:CHECKED_SEGMENTS]:
+            state = request["state"][: segment["start"]] + request["state"][segment["end"]:]
+            again = engine.probabilities([dict(request, state=state)])[0]
+            worst = max(worst, abs(segment["delta"] - (again[q][chosen] - base[q][chosen])))
+    return {"max_abs_delta_difference": worst, "segments_checked": CHECKED_SEGMENTS * len(request["questions"])}
+
+
+def build_engine(name: str, tiny: Path):
+    config = build.clef_config(name, tiny)
+    if SMOKE:
+        build.scale_down(config)
+    t0 = time.perf_counter()
+    engine = build.random_engine(config, tiny, device=str(DEVICE), dtype=torch.float32 if SMOKE else torch.bfloat16,
+                                 head_width=64 if SMOKE else 1024)
+    engine.model_id = f"{name}-shaped-random"
+    results[name]["build_s"] = round(time.perf_counter() - t0, 1)
+    return engine
+
+
+@section("text", needs_s=20)
+def text(name: str, engine) -> None:
+    request = text_request(engine)
+    measured = timed_explain(engine, request, "sentence")
+    explained = measured.pop("explained")
+    measured["target_s"] = TARGETS_S[name]["text"]
+    measured["met"] = measured["p50_s"] <= measured["target_s"]
+    results[name]["text"] = measured
+    save()
+    results[name]["text"]["batch_vs_alone"] = batch_vs_alone(engine, request, explained)
+
+
+@section("image", needs_s=20)
+def image(name: str, engine) -> None:
+    measured = timed_explain(engine, image_request(), "region")
+    measured.pop("explained")
+    measured["target_s"] = TARGETS_S[name]["image"]
+    measured["met"] = measured["p50_s"] <= measured["target_s"]
+    results[name]["image"] = measured
+
+
+def main() -> int:
+    global OUT
+    OUT = Path(sys.argv[1])
+    OUT.parent.mkdir(parents=True, exist_ok=True)
+    from clef_engine.tiny import build_tiny_release
+
+    tiny = build_tiny_release(Path(os.environ.get("BENCH_TINY_DIR", tempfile.mkdtemp(prefix="clef-bench-tiny-"))))
+    detail = results["detail"]
+    detail["command"] = " ".join(sys.argv)
+    if DEVICE.type == "cuda":
+        import transformers
+
+        detail["environment"] = {"torch": torch.__version__, "transformers": transformers.__version__,
+                                 "gpu": torch.cuda.get_device_name()}
+    random.seed(26)
+    for name in ("clef-flash", "clef"):  # Flash first: the cheaper one is measured even if time runs short
+        if left() < 60:
+            detail["errors"][name] = f"skipped: {left():.0f} s left"
+            continue
+        engine = build_engine(name, tiny)
+        detail[f"config_{name}"] = {k: str(v) for k, v in vars(engine.config).items()}
+        text(name, engine)
+        if "image" in TARGETS_S[name]:
+            image(name, engine)
+        if DEVICE.type == "cuda":
+            results[name]["peak_allocated_gib"] = build.gib(torch.cuda.max_memory_allocated())
+        engine.close()
+        del engine
+        gc.collect()
+        if DEVICE.type == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+        save()
+    save()
+    build.print_summary(results)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

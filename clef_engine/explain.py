@@ -1,0 +1,262 @@
+"""Why: which part of a record's evidence moved each answer (issue 26, evidence attribution).
+
+The state is split into segments — the sentences (or lines) of a text state, the leaf fields of a JSON state, a
+grid of regions of each image, the sampled frames of each video — and the record is decided again once per segment
+with that segment removed, every variant in one scheduler job (the engine packs them into as few batches as its
+token budget allows). Text is removed by deleting its characters, a field by deleting it from its object or list;
+an image region or a video frame is painted over with the mean colour of its image or frame, so that the media's
+token count, and the batch's shape, stay the same.
+
+For each question the answered option is the one the full record picks (for `noul` the likelier of true/false,
+for a score its likeliest level), and each segment's `delta` is P(that option without the segment) − P(that option
+with everything), from the same unrounded probabilities the answers are rounded from: deleting the characters
+`start..end` of a text state and deciding again moves the answered option's probability by exactly `delta`
+(up to the engine's batch-vs-alone noise).
+
+An explanation costs the tokens of every variant. They count against `EXPLAIN_BATCHES` interactive batches of the
+engine's token budget; a record whose variants would take more is refused with a TokenBudgetError naming the cost.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+import time
+from concurrent.futures import Future
+from typing import Any
+
+import numpy as np
+from PIL import Image
+
+from .errors import Problem, RequestError, TokenBudgetError
+from .model import media
+from .model.encoding import EncodedRecord, render
+from .protocol import EXPLAIN_UNITS
+
+UNITS = EXPLAIN_UNITS
+MEDIA_UNITS = ("region", "frame")
+REGION_GRID = 4  # an image is split into REGION_GRID × REGION_GRID regions
+EXPLAIN_BATCHES = 4  # an explanation may take this many interactive batches' worth of tokens
+
+# A sentence: from a non-space character to sentence-ending punctuation (closing quotes and brackets kept) followed by
+# a space, or to the end of its line, then the whitespace after it. Segments cover the state from its first
+# non-space character on, so deleting one leaves the others as they were written.
+SENTENCE = re.compile(r"\S.*?(?:[.!?…。！？]+[\"'”’)\]]*(?=\s|\Z)|(?=\n)|\Z)\s*", re.S)
+LINE = re.compile(r"\S[^\n]*(?:\n|\Z)\s*")
+
+
+# ---- segments ---------------------------------------------------------------------------------------------------
+
+
+def text_spans(text: str, unit: str = "sentence") -> list[tuple[int, int]]:
+    """[start, end) character spans of the sentences (or lines) of `text`, each with the whitespace after it."""
+    pattern = LINE if unit == "line" else SENTENCE
+    return [match.span() for match in pattern.finditer(text) if match.end() > match.start()]
+
+
+def json_leaves(value: Any, path: tuple = ()) -> list[tuple[list, Any]]:
+    """(path, value) of every leaf of a JSON value: scalars and empty objects or lists, in the value's own order."""
+    if isinstance(value, dict) and value:
+        return [leaf for key, item in value.items() for leaf in json_leaves(item, (*path, key))]
+    if isinstance(value, list) and value:
+        return [leaf for index, item in enumerate(value) for leaf in json_leaves(item, (*path, index))]
+    return [(list(path), value)] if path else []
+
+
+def without_field(value: Any, path: list) -> Any:
+    """A copy of a JSON value with the field at `path` deleted (from its object, or from its list)."""
+    copied = copy.deepcopy(value)
+    parent = copied
+    for key in path[:-1]:
+        parent = parent[key]
+    del parent[path[-1]]
+    return copied
+
+
+def mean_colour(pixels: np.ndarray) -> np.ndarray:
+    """The mean colour of an H×W×3 uint8 image, rounded to the nearest integer per channel."""
+    return np.rint(pixels.reshape(-1, 3).mean(axis=0)).astype(np.uint8)
+
+
+def region_boxes(width: int, height: int, grid: int = REGION_GRID) -> list[tuple[int, int, int, int]]:
+    """(left, top, right, bottom) pixel boxes of a grid × grid split of an image, row by row; edges rounded down."""
+    xs = [width * i // grid for i in range(grid + 1)]
+    ys = [height * i // grid for i in range(grid + 1)]
+    return [(xs[c], ys[r], xs[c + 1], ys[r + 1]) for r in range(grid) for c in range(grid)
+            if xs[c + 1] > xs[c] and ys[r + 1] > ys[r]]
+
+
+def without_region(image: Image.Image, box: tuple[int, int, int, int]) -> Image.Image:
+    """An RGB image with `box` painted in the image's mean colour."""
+    pixels = np.array(image.convert("RGB"))
+    left, top, right, bottom = box
+    pixels[top:bottom, left:right] = mean_colour(pixels)
+    return Image.fromarray(pixels)
+
+
+def without_frame(video: media.Video, index: int) -> media.Video:
+    """The sampled video with its `index`-th sampled frame painted in that frame's mean colour."""
+    frames = video.frames.copy()
+    frames[index] = mean_colour(frames[index])
+    return media.Video(frames, video.fps, list(video.frame_indices), video.total_frames)
+
+
+def check_unit(unit: Any) -> str | None:
+    if unit is None or unit in UNITS:
+        return unit
+    raise RequestError([Problem(("x_explain", "unit"), f"unit must be one of {', '.join(UNITS)}; got {unit!r}",
+                                "literal_error")])
+
+
+def segments(request: dict, record: EncodedRecord, unit: str | None = None) -> list[tuple[dict, dict]]:
+    """(location, the request without that segment) for every segment of the request. `unit` None: sentences of a
+    text state or fields of a JSON state, plus the regions of every image and the frames of every video; else only
+    that kind. Text segments (sentences, lines, fields) come first, then media ones. Media in the variants are the
+    decoded images and the sampled videos the record was made from, so nothing is decoded again."""
+    unit = check_unit(unit)
+    state = request["state"]
+    images = [media.load_image(item) for item in request.get("images") or []]
+    videos = list(record.videos)
+    base = dict(request)
+    if images:
+        base["images"] = images
+    if videos:
+        base["videos"] = videos
+    wanted = {unit} if unit is not None else {"sentence", "field", "region", "frame"}
+    found: list[tuple[dict, dict]] = []
+    if wanted & {"sentence", "line"}:
+        if not isinstance(state, str) and unit is not None:
+            raise RequestError([Problem(("x_explain", "unit"), f"{unit}s need a text state; this state is JSON "
+                                                               "(use \"field\")")])
+        if isinstance(state, str):
+            for start, end in text_spans(state, unit or "sentence"):
+                location = {"kind": unit or "sentence", "start": start, "end": end, "text": state[start:end]}
+                found.append((location, dict(base, state=state[:start] + state[end:])))
+    if "field" in wanted:
+        if not isinstance(state, (dict, list)) and unit is not None:
+            raise RequestError([Problem(("x_explain", "unit"), "fields need a JSON object or list as the state")])
+        if isinstance(state, (dict, list)):
+            for path, value in json_leaves(state):
+                location = {"kind": "field", "path": path, "text": render(value)}
+                found.append((location, dict(base, state=without_field(state, path))))
+    if "region" in wanted:
+        if not images and unit is not None:
+            raise RequestError([Problem(("x_explain", "unit"), "regions need at least one image")])
+        for i, image in enumerate(images):
+            for box in region_boxes(image.width, image.height):
+                variant = images[:i] + [without_region(image, box)] + images[i + 1:]
+                found.append(({"kind": "region", "image": i, "box": list(box)}, dict(base, images=variant)))
+    if "frame" in wanted:
+        if not videos and unit is not None:
+            raise RequestError([Problem(("x_explain", "unit"), "frames need at least one video")])
+        for v, video in enumerate(videos):
+            for k, source_index in enumerate(video.frame_indices):
+                location: dict[str, Any] = {"kind": "frame", "video": v, "frame": source_index}
+                if video.fps:
+                    location["seconds"] = round(source_index / video.fps, 3)
+                variant = videos[:v] + [without_frame(video, k)] + videos[v + 1:]
+                found.append((location, dict(base, videos=variant)))
+    return found
+
+
+# ---- deciding the variants ----------------------------------------------------------------------------------------
+
+
+def answered_options(record: EncodedRecord, probabilities: list[list[float]]) -> list[int]:
+    """Per question, the index (model order) of the option its answer gives: the likeliest, ties to the first."""
+    return [max(range(len(probs)), key=lambda k: (probs[k], -k)) for probs in probabilities]
+
+
+def explanations(record: EncodedRecord, found: list[tuple[dict, dict]], probabilities: list) -> dict[str, list]:
+    """Per question id, the segments with their `delta`, largest |delta| first (ties in the state's order)."""
+    base = probabilities[0]
+    chosen = answered_options(record, base)
+    out: dict[str, list] = {}
+    for q, question in enumerate(record.questions):
+        k = chosen[q]
+        ranked = [dict(location, delta=variant[q][k] - base[q][k])
+                  for (location, _), variant in zip(found, probabilities[1:])]
+        ranked.sort(key=lambda segment: -abs(segment["delta"]))
+        out[question.id] = ranked
+    return out
+
+
+def explain_budget(engine) -> int:
+    return EXPLAIN_BATCHES * engine.token_budget
+
+
+def check_cost(record_tokens: int, variants: int, total: int, budget: int, *, at_least: bool = False) -> None:
+    """Raise TokenBudgetError when the record and its variants, `total` tokens (a lower bound if `at_least`), do
+    not fit the budget of one explanation."""
+    if total <= budget:
+        return
+    bound = "at least " if at_least else ""
+    raise TokenBudgetError(
+        f"explaining this record takes {bound}{total} tokens (the record, {record_tokens} tokens, and {variants} "
+        f"variants of it, one per segment), {bound}{total - budget} over the {budget}-token budget of one "
+        f"explanation ({EXPLAIN_BATCHES} interactive batches); ask for fewer segments (another unit) or shorten the "
+        "record",
+        over_by=total - budget, part="explanation",
+        token_counts={"record": record_tokens, "variants": variants, "explanation": total}, max_length=budget)
+
+
+def submit_explanation(engine, request: dict, unit: str | None = None, *, priority: str = "interactive",
+                       max_length: int | None = None, overflow: str = "refuse") -> Future:
+    """Encode the request and its variants now (raising RequestError / TokenBudgetError), decide them all as one
+    scheduler job; the future resolves to the request's System One response with `x_explanations` added (and
+    `x_explain_tokens`, what the explanation cost)."""
+    started = time.perf_counter()
+    if not hasattr(engine, "scheduler"):
+        raise RequestError([Problem(("x_explain",), "this model answers through a remote endpoint; explanations "
+                                                    "need a model loaded here")])
+    check_unit(unit)
+    record = engine.encode(request, max_length=max_length, overflow=overflow)
+    found = segments(request, record, unit)
+    text_variants = [variant for location, variant in found if location["kind"] not in MEDIA_UNITS]
+    media_variants = [variant for location, variant in found if location["kind"] in MEDIA_UNITS]
+    budget, variants = explain_budget(engine), len(found)
+    # Cheapest first: a media variant has the record's own length, a text variant at least everything but the
+    # state; then the text variants are tokenized to count them exactly; pixels are processed only once it fits.
+    fixed = len(record) - record.token_counts["state"]
+    check_cost(len(record), variants, len(record) * (1 + len(media_variants)) + fixed * len(text_variants), budget,
+               at_least=bool(text_variants))
+    text_records = [engine.encode(v, max_length=max_length, overflow=overflow) for v in text_variants]
+    check_cost(len(record), variants, len(record) * (1 + len(media_variants)) + sum(map(len, text_records)), budget)
+    records = [record, *text_records,
+               *[engine.encode(v, max_length=max_length, overflow=overflow) for v in media_variants]]
+
+    def respond(probabilities: list) -> list[dict]:
+        response = engine.response(request, record, probabilities[0], (time.perf_counter() - started) * 1000)
+        response["x_explanations"] = explanations(record, found, probabilities)
+        response["x_explain_tokens"] = sum(len(r) for r in records[1:])
+        return [response]
+
+    return engine.scheduler.submit(records, priority=priority, finalize=respond)
+
+
+def explain(engine, request: dict, unit: str | None = None, *, max_length: int | None = None,
+            overflow: str = "refuse") -> dict:
+    """The request's System One response plus `x_explanations`: per question id, the segments ranked by effect."""
+    return submit_explanation(engine, request, unit, max_length=max_length, overflow=overflow).result()[0]
+
+
+class Explaining:
+    """An engine whose `submit` answers with explanations: what the HTTP server calls for `"x_explain"`."""
+
+    def __init__(self, engine, unit: str | None):
+        self.engine = engine
+        self.unit = unit
+
+    def submit(self, requests: list[dict], *, priority: str = "interactive", max_length: int | None = None,
+               overflow: str = "refuse") -> Future:
+        (request,) = requests
+        return submit_explanation(self.engine, request, self.unit, priority=priority, max_length=max_length,
+                                  overflow=overflow)
+
+
+def explaining(engine, option: Any):
+    """The engine as the server should call it for a request's `x_explain` option (validated by the contract's
+    model: None, a bool, or an object with `unit`): the engine itself unless explanations are asked for."""
+    if option is None or option is False:
+        return engine
+    return Explaining(engine, getattr(option, "unit", None) if option is not True else None)

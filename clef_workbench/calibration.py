@@ -1,0 +1,264 @@
+"""How sure: calibrate a run's probabilities on its labelled cases, and say honestly whether that helped.
+
+Per question, one map from the model's distribution to a calibrated one:
+* ``noul``: Platt scaling on the log-odds, P'(true) = σ(a · logit P(true) + b);
+* ``choice`` and ``score``: a temperature, P'(k) ∝ P(k)^(1/T) (the softmax of the log-probabilities over T), which
+  keeps the ranking of the options and so the predicted answer.
+
+Both are fitted by minimising the negative log-likelihood of the expected answers with scipy's optimizers. Whether it
+helps is measured on cases the map did not see: k-fold (scikit-learn's ``KFold``), each case's calibrated
+distribution comes from the map fitted on the other folds; ECE and Brier before and after are computed on those
+held-out distributions, with percentile bootstrap intervals over cases. The map that is stored is then fitted on every
+labelled case. A question with fewer than ``MIN_LABELLED`` labelled cases is not fitted, and the report says why.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+import pandas as pd
+from scipy.optimize import minimize, minimize_scalar
+from sklearn.model_selection import KFold
+
+from clef_workbench import stats
+from clef_workbench.store import Store
+
+MIN_LABELLED = 30
+FOLDS = 5
+BOOTSTRAP_SAMPLES = 1000
+INTERVAL = 0.95
+_EPS = 1e-12
+
+
+@dataclass(frozen=True)
+class QuestionCalibration:
+    """The fitted map of one question: `method` is "platt" (noul: `a`, `b`) or "temperature" (`temperature`)."""
+
+    question_id: str
+    question_type: str
+    method: str
+    a: float = 1.0
+    b: float = 0.0
+    temperature: float = 1.0
+
+    def apply(self, distribution: dict[str, float]) -> dict[str, float]:
+        """The calibrated distribution (same keys, summing to 1)."""
+        if self.method == "platt":
+            p_true = float(np.clip(distribution["true"], _EPS, 1 - _EPS))
+            z = self.a * np.log(p_true / (1 - p_true)) + self.b
+            calibrated = float(1 / (1 + np.exp(-z)))
+            return {"true": calibrated, "false": 1.0 - calibrated}
+        keys = list(distribution)
+        logits = np.log(np.clip([distribution[k] for k in keys], _EPS, 1.0)) / self.temperature
+        weights = np.exp(logits - logits.max())
+        return dict(zip(keys, (weights / weights.sum()).tolist(), strict=True))
+
+
+@dataclass
+class Interval:
+    value: float
+    low: float
+    high: float
+
+
+@dataclass
+class QuestionReport:
+    """Before/after of one question on held-out cases; `refused` says why a question was not fitted."""
+
+    question_id: str
+    question_type: str
+    n: int
+    refused: str | None = None
+    calibration: QuestionCalibration | None = None
+    ece_before: Interval | None = None
+    ece_after: Interval | None = None
+    brier_before: Interval | None = None
+    brier_after: Interval | None = None
+    ece_reduction: Interval | None = None
+    bins_before: pd.DataFrame | None = field(default=None, repr=False)
+    bins_after: pd.DataFrame | None = field(default=None, repr=False)
+
+
+def _labelled(frame: pd.DataFrame, question_id: str) -> pd.DataFrame:
+    rows = frame[(frame["question_id"] == question_id) & frame["expected"].notna()]
+    # an expected answer that is not one of the question's options cannot be scored
+    return rows[[expected in distribution for expected, distribution in
+                 zip(rows["expected"], rows["distribution"], strict=True)]].reset_index(drop=True)
+
+
+def _negative_log_likelihood(question: QuestionCalibration, rows: pd.DataFrame) -> float:
+    return -sum(np.log(max(question.apply(distribution)[expected], _EPS))
+                for distribution, expected in zip(rows["distribution"], rows["expected"], strict=True))
+
+
+def fit_question(rows: pd.DataFrame) -> QuestionCalibration:
+    """The map of one question fitted on `rows` (its labelled rows of an answer frame)."""
+    question_id, question_type = rows["question_id"].iloc[0], rows["question_type"].iloc[0]
+    if question_type == "noul":
+        def platt_loss(params: np.ndarray) -> float:
+            return _negative_log_likelihood(
+                QuestionCalibration(question_id, question_type, "platt", a=params[0], b=params[1]), rows)
+
+        best = minimize(platt_loss, x0=np.array([1.0, 0.0]), method="L-BFGS-B", bounds=[(-50, 50), (-50, 50)])
+        return QuestionCalibration(question_id, question_type, "platt", a=float(best.x[0]), b=float(best.x[1]))
+
+    def temperature_loss(log_t: float) -> float:
+        return _negative_log_likelihood(
+            QuestionCalibration(question_id, question_type, "temperature", temperature=float(np.exp(log_t))), rows)
+
+    # a temperature between 1/20 and 20: beyond them the answers are already one-hot or uniform
+    best = minimize_scalar(temperature_loss, bounds=(-3.0, 3.0), method="bounded")
+    return QuestionCalibration(question_id, question_type, "temperature", temperature=float(np.exp(best.x)))
+
+
+def with_distributions(rows: pd.DataFrame, distributions: list[dict[str, float]]) -> pd.DataFrame:
+    """`rows` with each distribution replaced and the predicted answer, confidence and correctness recomputed."""
+    out = rows.copy()
+    out["distribution"] = distributions
+    predicted, confidence = [], []
+    for distribution, qtype in zip(distributions, out["question_type"], strict=True):
+        best, p_best, _ = stats.top_two(distribution)
+        if qtype == "noul":
+            best = "true" if distribution["true"] >= 0.5 else "false"
+            p_best = max(distribution["true"], distribution["false"])
+        predicted.append(best)
+        confidence.append(p_best)
+    out["predicted"], out["confidence"] = predicted, confidence
+    out["correct"] = [np.nan if expected is None else float(predicted == expected)
+                      for predicted, expected in zip(out["predicted"], out["expected"], strict=True)]
+    return out
+
+
+def _per_case(rows: pd.DataFrame, bins: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per case: its confidence bin, correct − confidence, and its Brier term, binned and scored exactly as
+    `stats.calibration` does, so that a resample's ECE and Brier are sums over these."""
+    confidence = rows["confidence"].to_numpy(dtype=float)
+    index = np.clip(np.floor(np.round(confidence * bins, 9)).astype(int), 0, bins - 1)
+    gap = rows["correct"].to_numpy(dtype=float) - confidence
+    if rows["question_type"].iloc[0] == "noul":
+        brier = np.array([(d["true"] - (expected == "true")) ** 2
+                          for d, expected in zip(rows["distribution"], rows["expected"], strict=True)])
+    else:
+        brier = np.array([sum((p - (option == expected)) ** 2 for option, p in d.items())
+                          for d, expected in zip(rows["distribution"], rows["expected"], strict=True)])
+    return index, gap, brier
+
+
+def _ece_brier(per_case: tuple[np.ndarray, np.ndarray, np.ndarray], sample: np.ndarray, bins: int
+               ) -> tuple[float, float]:
+    index, gap, brier = (a[sample] for a in per_case)
+    return float(np.abs(np.bincount(index, weights=gap, minlength=bins)).sum() / len(sample)), float(brier.mean())
+
+
+def _bootstrap(before: pd.DataFrame, after: pd.DataFrame, bins: int, seed: int) -> dict[str, Interval]:
+    """ECE and Brier before and after with percentile intervals, resampling the same cases for both."""
+    rng = np.random.default_rng(seed)
+    n = len(before)
+    cases_before, cases_after = _per_case(before, bins), _per_case(after, bins)
+    everything = np.arange(n)
+    point = [*_ece_brier(cases_before, everything, bins), *_ece_brier(cases_after, everything, bins)]
+    samples = np.empty((BOOTSTRAP_SAMPLES, 4))
+    for i in range(BOOTSTRAP_SAMPLES):
+        sample = rng.integers(0, n, n)
+        samples[i] = [*_ece_brier(cases_before, sample, bins), *_ece_brier(cases_after, sample, bins)]
+    tail = (1 - INTERVAL) / 2 * 100
+    # the paired change (before − after) over the same resampled cases: what the fit bought
+    samples = np.column_stack([samples, samples[:, 0] - samples[:, 2]])
+    point.append(point[0] - point[2])
+    low, high = np.percentile(samples, [tail, 100 - tail], axis=0)
+    names = ["ece_before", "brier_before", "ece_after", "brier_after", "ece_reduction"]
+    return {name: Interval(float(point[i]), float(low[i]), float(high[i])) for i, name in enumerate(names)}
+
+
+def calibrate(frame: pd.DataFrame, *, min_labelled: int = MIN_LABELLED, folds: int = FOLDS, bins: int = 10,
+              seed: int = 0) -> list[QuestionReport]:
+    """One report per question of `frame` (a run's `stats.answer_frame`): fitted on all its labelled cases, judged on
+    held-out ones, or refused with the reason."""
+    reports = []
+    for question_id in dict.fromkeys(frame["question_id"]):
+        question_rows = frame[frame["question_id"] == question_id]
+        qtype = question_rows["question_type"].iloc[0]
+        rows = _labelled(frame, question_id)
+        report = QuestionReport(question_id, qtype, len(rows))
+        if len(rows) < min_labelled:
+            report.refused = (f"{len(rows)} labelled case(s) with an expected answer among the options; calibrating "
+                              f"needs at least {min_labelled}")
+            reports.append(report)
+            continue
+        held_out: list[dict[str, float]] = [{}] * len(rows)
+        for train, test in KFold(n_splits=min(folds, len(rows)), shuffle=True, random_state=seed).split(rows):
+            fitted = fit_question(rows.iloc[train])
+            for i in test:
+                held_out[i] = fitted.apply(rows["distribution"].iloc[i])
+        after = with_distributions(rows, held_out)
+        report.calibration = fit_question(rows)
+        intervals = _bootstrap(rows, after, bins, seed)
+        report.ece_before, report.ece_after = intervals["ece_before"], intervals["ece_after"]
+        report.brier_before, report.brier_after = intervals["brier_before"], intervals["brier_after"]
+        report.ece_reduction = intervals["ece_reduction"]
+        report.bins_before = stats.calibration(rows, question_id, bins)["bins"]
+        report.bins_after = stats.calibration(after, question_id, bins)["bins"]
+        reports.append(report)
+    return reports
+
+
+def summary_table(reports: list[QuestionReport]) -> pd.DataFrame:
+    """The before/after table the CLI prints and the Runs page shows."""
+    def cell(interval: Interval | None) -> str:
+        return "" if interval is None else f"{interval.value:.3f} [{interval.low:.3f}, {interval.high:.3f}]"
+
+    return pd.DataFrame([{
+        "question": r.question_id, "n": r.n,
+        "method": "" if r.calibration is None else r.calibration.method,
+        "ECE before": cell(r.ece_before), "ECE after (held out)": cell(r.ece_after),
+        "ECE reduction": cell(r.ece_reduction),
+        "Brier before": cell(r.brier_before), "Brier after (held out)": cell(r.brier_after),
+        "note": r.refused or "",
+    } for r in reports])
+
+
+def calibration_payload(reports: list[QuestionReport]) -> dict[str, Any]:
+    """What the store keeps: the fitted maps by question, and the before/after figures."""
+    return {
+        "questions": {r.question_id: asdict(r.calibration) for r in reports if r.calibration is not None},
+        "report": [{"question_id": r.question_id, "question_type": r.question_type, "n": r.n, "refused": r.refused,
+                    **{name: None if getattr(r, name) is None else asdict(getattr(r, name))
+                       for name in ("ece_before", "ece_after", "brier_before", "brier_after", "ece_reduction")}}
+                   for r in reports],
+    }
+
+
+def maps_from_payload(payload: dict[str, Any]) -> dict[str, QuestionCalibration]:
+    return {question_id: QuestionCalibration(**params) for question_id, params in payload["questions"].items()}
+
+
+def calibrate_response(maps: dict[str, QuestionCalibration], response: dict) -> dict[str, dict[str, float]]:
+    """Calibrated distributions of a System One response's answers, by question (questions without a map are left
+    out: they are shown raw)."""
+    out = {}
+    for question_id, answer in response.get("answers", {}).items():
+        question = maps.get(question_id)
+        if question is not None and answer.get("type") == question.question_type:
+            out[question_id] = question.apply(stats.distribution_of(question.question_type, answer))
+    return out
+
+
+class CalibrationRefused(Exception):
+    """No question of the run could be calibrated; the message says why for each."""
+
+
+def calibrate_run(store: Store, run_id: int, *, name: str | None = None, min_labelled: int = MIN_LABELLED,
+                  folds: int = FOLDS) -> tuple[int, list[QuestionReport]]:
+    """Fit and judge a calibration on a run's labelled cases and keep it in the store (id, reports). Labels are the
+    cases' expected answers (imported, or set by review). Refused when no question has enough labelled cases."""
+    run = store.get_run(run_id)
+    frame = stats.answer_frame(store.list_results(run_id), run["schema"])
+    if frame.empty:
+        raise CalibrationRefused(f"run {run_id} has no answered case to calibrate on")
+    reports = calibrate(frame, min_labelled=min_labelled, folds=folds)
+    if not any(r.calibration for r in reports):
+        raise CalibrationRefused("; ".join(f"{r.question_id}: {r.refused}" for r in reports))
+    name = name or f"{run['schema_name']} · {run['model_id']} · run {run_id}"
+    return store.save_calibration(name, run, calibration_payload(reports)), reports

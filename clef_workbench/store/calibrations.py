@@ -1,0 +1,46 @@
+"""Calibrations: the per-question maps fitted on a run's labelled cases (`clef_workbench.calibration`), kept with
+the schema version and the model that produced the run, since a map is only valid for the pair it was fitted on."""
+
+from __future__ import annotations
+
+import sqlite3
+from typing import Any
+
+from clef_workbench.store.base import DuplicateNameError, NotFoundError, StoreBase, _dumps, _loads, now_iso
+
+
+class CalibrationsMixin(StoreBase):
+    @staticmethod
+    def _calibration_row(row: sqlite3.Row) -> dict:
+        calibration = dict(row)
+        calibration["payload"] = _loads(calibration.pop("payload_json"))
+        return calibration
+
+    def save_calibration(self, name: str, run: dict, payload: dict[str, Any]) -> int:
+        """Keep a calibration fitted on `run` (a `get_run` row) under a unique `name`."""
+        with self._write() as conn:
+            if conn.execute("SELECT 1 FROM calibrations WHERE name = ?", (name,)).fetchone():
+                raise DuplicateNameError(f"a calibration named {name!r} exists already")
+            cur = conn.execute(
+                """INSERT INTO calibrations (name, run_id, schema_name, schema_version_id, model_id, payload_json,
+                   created_at) VALUES (?, ?, ?, ?, ?, ?, ?)""",
+                (name, run["id"], run["schema_name"], run.get("schema_version_id"), run["model_id"],
+                 _dumps(payload), now_iso()))
+            return int(cur.lastrowid)
+
+    def get_calibration(self, calibration_id: int | None = None, *, name: str | None = None) -> dict:
+        column, value = ("id", calibration_id) if name is None else ("name", name)
+        row = self._conn().execute(f"SELECT * FROM calibrations WHERE {column} = ?", (value,)).fetchone()
+        if row is None:
+            raise NotFoundError(f"calibration {value!r} does not exist")
+        return self._calibration_row(row)
+
+    def list_calibrations(self, *, schema_name: str | None = None, model_id: str | None = None) -> list[dict]:
+        """Calibrations, newest first, optionally only those for one schema and/or model."""
+        query, args = "SELECT * FROM calibrations WHERE 1 = 1", []
+        if schema_name is not None:
+            query, args = query + " AND schema_name = ?", [*args, schema_name]
+        if model_id is not None:
+            query, args = query + " AND model_id = ?", [*args, model_id]
+        rows = self._conn().execute(query + " ORDER BY id DESC", args).fetchall()
+        return [self._calibration_row(row) for row in rows]

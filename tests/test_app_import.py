@@ -1,0 +1,90 @@
+"""The Case sets page's Import tab through Streamlit's AppTest with files people export (issue 23, point 2): the
+encoding it read a file in is shown and can be changed, rows that do not fit are listed by row number and nothing is
+imported until skipping them is confirmed."""
+
+from __future__ import annotations
+
+from streamlit.testing.v1 import AppTest
+
+from clef_workbench.store import Store
+from tests.import_files import KINDS, RAGGED, expected_cases, stored
+from tests.test_pages_runs_review import button, case_uploader, new_case_set, ok, open_page, texts
+
+
+def upload(at: AppTest, name: str, data: bytes) -> AppTest:
+    case_uploader(at).set_value((name, data, "text/csv"))
+    at.run()
+    ok(at)
+    return at
+
+
+def import_buttons(at: AppTest) -> list[str]:
+    return [b.label for b in at.button if b.label.startswith("Import ")]
+
+
+def test_a_latin_1_file_shows_its_encoding_and_imports_its_accents_exactly(workbench):
+    store = Store(workbench / "workbench.sqlite3")
+    at = open_page("pages/cases.py")
+    set_id = new_case_set(at, "Tickets")
+    file = KINDS["latin-1"]
+    upload(at, file.file_name, file.data)
+    assert "Read as **Latin-1 (ISO-8859-1), comma-separated, 3 rows** (detected)." in texts(at)
+
+    # told the wrong encoding, the page names the line of the first bad byte and offers no Import
+    (encoding,) = [s for s in at.selectbox if (s.key or "").startswith("cases.read.encoding.")]
+    encoding.select("utf-8")
+    at.run()
+    ok(at)
+    assert "line 2: byte 0xe9 is not valid UTF-8; choose the encoding the file was saved in" in texts(at)
+    assert import_buttons(at) == []
+    [s for s in at.selectbox if (s.key or "").startswith("cases.read.encoding.")][0].select("detected")
+    at.run()
+
+    button(at, "Use the 2 column(s)", startswith=True).click()
+    at.run()
+    button(at, "Import 3 cases").click()
+    at.run()
+    ok(at)
+    assert "Imported 3 cases into “Tickets”." in texts(at)
+    assert stored(store, set_id) == expected_cases(file.rows), "names such as “José Núñez” arrive as written"
+
+
+def test_a_ragged_file_lists_its_bad_rows_and_imports_nothing_until_skipping_them_is_confirmed(workbench):
+    store = Store(workbench / "workbench.sqlite3")
+    at = open_page("pages/cases.py")
+    set_id = new_case_set(at, "Tickets")
+    upload(at, "tickets.csv", RAGGED.encode())
+    button(at, "Use the 2 column(s)", startswith=True).click()
+    at.run()
+    ok(at)
+    assert "row 3: 2 cells where the header has 4 columns" in texts(at)
+    assert "row 4: 5 cells where the header has 4 columns" in texts(at)
+    assert import_buttons(at) == [], "no Import while rows that do not fit are in the file"
+    assert store.get_case_set(set_id)["case_count"] == 0
+
+    (skip,) = [c for c in at.checkbox if c.label.startswith("Skip these 2 row(s)")]
+    skip.check()
+    at.run()
+    ok(at)
+    button(at, "Import 2 cases").click()
+    at.run()
+    ok(at)
+    assert "Imported 2 cases into “Tickets”. Rows not imported, as agreed: 3, 4." in texts(at)
+    assert [c["state"] for c in store.list_cases(set_id)] == [
+        {"subject": "Refund", "body": "I was charged twice, please help"},
+        {"subject": "Invoice", "body": "Wrong VAT number on INV-88"}]
+
+
+def test_excel_unicode_text_is_read_as_tab_separated_utf_16(workbench):
+    store = Store(workbench / "workbench.sqlite3")
+    at = open_page("pages/cases.py")
+    set_id = new_case_set(at, "Tickets")
+    file = KINDS["excel unicode text"]
+    upload(at, file.file_name, file.data)
+    assert "Read as **UTF-16 with BOM, tab-separated, 5 rows** (detected)." in texts(at)
+    button(at, "Use the 2 column(s)", startswith=True).click()
+    at.run()
+    button(at, "Import 5 cases").click()
+    at.run()
+    ok(at)
+    assert stored(store, set_id) == expected_cases(file.rows)

@@ -1,0 +1,197 @@
+"""Calibration on labelled cases: the held-out ECE of an over-confident model goes down, the map keeps the ranking,
+and a question with too few labels is refused with the reason."""
+
+import numpy as np
+import pytest
+
+from clef_workbench import calibration, stats
+
+SCHEMA = {"questions": {
+    "urgent": {"type": "noul"},
+    "team": {"type": "choice", "options": {"billing": {}, "tech": {}, "sales": {}}},
+    "rare": {"type": "noul"},
+}}
+
+
+def _overconfident_results(n: int, seed: int = 7) -> list[dict]:
+    """Results whose probabilities are sharper than the truth: labels are drawn from the model's own probabilities
+    flattened (logits divided by 3)."""
+    rng = np.random.default_rng(seed)
+    results = []
+    for case in range(n):
+        z = rng.normal(0, 4)
+        p_true = 1 / (1 + np.exp(-z))
+        logits = rng.normal(0, 4, size=3)
+        sharp = np.exp(logits) / np.exp(logits).sum()
+        flat = np.exp(logits / 3) / np.exp(logits / 3).sum()
+        options = ["billing", "tech", "sales"]
+        expected = {"urgent": bool(rng.random() < 1 / (1 + np.exp(-z / 3))),
+                    "team": options[int(rng.choice(3, p=flat))]}
+        if case < 10:
+            expected["rare"] = bool(rng.random() < 0.5)
+        results.append({
+            "case_id": case, "position": case, "error": None, "latency_ms": 1.0, "input_tokens": 10,
+            "expected": expected,
+            "response": {"answers": {
+                "urgent": {"type": "noul", "noul": float(p_true)},
+                "team": {"type": "choice", "probabilities": dict(zip(options, sharp.tolist(), strict=True))},
+                "rare": {"type": "noul", "noul": 0.9},
+            }},
+        })
+    return results
+
+
+@pytest.fixture(scope="module")
+def reports() -> dict[str, calibration.QuestionReport]:
+    frame = stats.answer_frame(_overconfident_results(600), SCHEMA)
+    return {r.question_id: r for r in calibration.calibrate(frame)}
+
+
+@pytest.mark.parametrize("question_id", ["urgent", "team"])
+def test_held_out_ece_of_an_overconfident_model_goes_down(reports, question_id):
+    report = reports[question_id]
+    assert report.refused is None and report.n == 600
+    assert report.ece_after.value < report.ece_before.value
+    # the improvement is not noise: its paired bootstrap interval (the same resampled cases) excludes zero
+    assert report.ece_reduction.low > 0
+    assert report.brier_after.value < report.brier_before.value
+
+
+def test_the_fitted_maps_soften_what_was_overconfident(reports):
+    assert reports["urgent"].calibration.method == "platt" and 0 < reports["urgent"].calibration.a < 1
+    assert reports["team"].calibration.method == "temperature" and reports["team"].calibration.temperature > 1
+
+
+def test_point_figures_are_the_run_statistics_own(reports):
+    frame = stats.answer_frame(_overconfident_results(600), SCHEMA)
+    before = stats.calibration(frame, "team")
+    assert reports["team"].ece_before.value == pytest.approx(before["ece"], abs=1e-12)
+    assert reports["team"].brier_before.value == pytest.approx(before["brier"], abs=1e-12)
+    assert int(reports["team"].bins_after["count"].sum()) == 600
+
+
+def test_too_few_labels_is_refused_with_the_reason(reports):
+    rare = reports["rare"]
+    assert rare.calibration is None and rare.n == 10
+    assert "10 labelled case(s)" in rare.refused and "at least 30" in rare.refused
+    table = calibration.summary_table(list(reports.values()))
+    assert table.set_index("question").loc["rare", "note"] == rare.refused
+
+
+def test_a_temperature_keeps_the_ranking_and_sums_to_one():
+    team = calibration.QuestionCalibration("team", "choice", "temperature", temperature=2.5)
+    raw = {"billing": 0.7, "tech": 0.2, "sales": 0.1}
+    out = team.apply(raw)
+    assert sorted(out, key=out.get) == sorted(raw, key=raw.get)
+    assert sum(out.values()) == pytest.approx(1.0) and out["billing"] < 0.7
+
+
+def test_stored_payload_round_trips_and_calibrates_a_response(reports):
+    payload = calibration.calibration_payload(list(reports.values()))
+    maps = calibration.maps_from_payload(payload)
+    assert set(maps) == {"urgent", "team"}
+    response = {"answers": {"urgent": {"type": "noul", "noul": 0.99},
+                            "team": {"type": "choice", "probabilities": {"billing": 0.9, "tech": 0.05,
+                                                                          "sales": 0.05}}}}
+    calibrated = calibration.calibrate_response(maps, response)
+    assert calibrated["urgent"]["true"] < 0.99 and calibrated["team"]["billing"] < 0.9
+
+
+@pytest.mark.slow
+def test_calibrate_from_the_command_line_on_a_real_run(tmp_path, tiny_engine):
+    """import labelled cases → run on the tiny release → `python -m clef_workbench calibrate` prints the before/after
+    table and keeps the calibration with the run's schema and model; the over-confident question's held-out ECE
+    goes down."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from clef_workbench.jobs import JobRunner
+    from clef_workbench.store import Store
+
+    root = Path(__file__).resolve().parent.parent
+    schema = json.loads((root / "schemas" / "support-ticket-routing.json").read_text())
+    schema.pop("examples", None)
+    rng = np.random.default_rng(3)
+    teams, levels = list(schema["questions"]["team"]["criteria"]), len(schema["questions"]["priority"]["criteria"])
+    # the tiny model puts ~0.85 on one priority level for every ticket; these labels are uniform: over-confident
+    cases = [{"state": f"Ticket {i}: order {1000 + 37 * i} arrived damaged, invoice {i} charged twice",
+              "expected": {"team": teams[int(rng.integers(len(teams)))], "priority": int(rng.integers(levels))}}
+             for i in range(60)]
+    db = tmp_path / "w.db"
+    store = Store(db)
+    set_id = store.create_case_set("labelled")
+    store.add_cases(set_id, cases)
+    run_id = store.create_run(set_id, schema=schema, model_id="tiny", settings={"chunk_size": 16})
+    runner = JobRunner(store)
+    runner.start(run_id, tiny_engine)
+    assert runner.wait(run_id, timeout=600)
+
+    done = subprocess.run([sys.executable, "-m", "clef_workbench", "calibrate", "--db", str(db), "--run",
+                           str(run_id)], cwd=root, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "ECE before" in done.stdout and "priority" in done.stdout and "saved" in done.stdout
+    [stored] = store.list_calibrations(schema_name=schema["name"], model_id="tiny")
+    assert stored["run_id"] == run_id
+    priority = next(r for r in stored["payload"]["report"] if r["question_id"] == "priority")
+    assert priority["n"] == 60 and priority["ece_after"]["value"] < priority["ece_before"]["value"]
+    assert stored["payload"]["questions"]["priority"]["temperature"] > 1
+
+    # a second calibration of a run without labels is refused with the reason, exit 1
+    bare = store.create_case_set("bare")
+    store.add_cases(bare, [{"state": "no labels here"}])
+    bare_run = store.create_run(bare, schema=schema, model_id="tiny", settings={})
+    runner.start(bare_run, tiny_engine)
+    assert runner.wait(bare_run, timeout=300)
+    refused = subprocess.run([sys.executable, "-m", "clef_workbench", "calibrate", "--db", str(db), "--run",
+                              str(bare_run)], cwd=root, capture_output=True, text=True, timeout=300)
+    assert refused.returncode == 1 and "calibrating needs at least 30" in refused.stderr
+
+
+def _store_with_two_runs(tmp_path):
+    """A store with one case set and two finished runs of it whose answers are given (no engine needed)."""
+    from clef_workbench.store import Store
+
+    store = Store(tmp_path / "w.db")
+    set_id = store.create_case_set("tickets")
+    case_ids = store.add_cases(set_id, [{"state": f"ticket {i}"} for i in range(4)])
+    runs = []
+    for model, p_true in (("model-a", [0.9, 0.8, 0.3, 0.6]), ("model-b", [0.85, 0.2, 0.35, 0.7])):
+        run_id = store.create_run(set_id, schema={"name": "t", "questions": {"urgent": {"type": "noul"}}},
+                                  model_id=model, settings={})
+        store.record_results(run_id, [{"case_id": c, "response": {"answers": {"urgent": {"type": "noul",
+                                                                                          "noul": p}}},
+                                       "error": None, "latency_ms": 1.0, "input_tokens": 3,
+                                       "started_at": "2026-12-02T00:00:00+00:00",
+                                       "finished_at": "2026-12-02T00:00:01+00:00"}
+                                      for c, p in zip(case_ids, p_true, strict=True)])
+        runs.append(run_id)
+    return store, case_ids, runs
+
+
+def test_review_routes_cases_two_models_disagree_on(tmp_path):
+    from clef_workbench import review
+
+    store, case_ids, (run_a, run_b) = _store_with_two_runs(tmp_path)
+    rules = review.ReviewRules(margin_below=None, disagree_with_run=run_b)
+    items = review.candidates(store, run_a, rules)
+    assert [(i["case_id"], i["reason"]) for i in items] == [(case_ids[1], f"run {run_b} answered 'false'")]
+    assert review.preview(store, run_a, rules)["by_rule"]["disagrees with another run"] == 1
+
+
+def test_review_thresholds_read_calibrated_confidence_when_a_calibration_is_named(tmp_path):
+    from clef_workbench import review
+
+    store, case_ids, (run_a, _) = _store_with_two_runs(tmp_path)
+    softer = calibration.QuestionCalibration("urgent", "noul", "platt", a=0.3, b=0.0)
+    store.save_calibration("softer", store.get_run(run_a),
+                           {"questions": {"urgent": calibration.asdict(softer)}, "report": []})
+    raw = review.candidates(store, run_a, review.ReviewRules(margin_below=None, confidence_below=0.75))
+    calibrated = review.candidates(store, run_a, review.ReviewRules(margin_below=None, confidence_below=0.75,
+                                                                    calibration="softer"))
+    assert {i["case_id"] for i in raw} == {case_ids[2], case_ids[3]}  # 0.7 and 0.6 are under 0.75
+    # Platt with a = 0.3 pulls every answer towards 0.5: all four fall under 0.75, and the item keeps that figure
+    assert {i["case_id"] for i in calibrated} == set(case_ids)
+    first = next(i for i in calibrated if i["case_id"] == case_ids[0])
+    assert first["reason"].startswith("calibrated confidence") and first["confidence"] < 0.75
