@@ -36,7 +36,7 @@ from .model import backbone, release
 from .model.encoding import DEFAULT_MAX_LENGTH, EncodedRecord, Encoder
 from .model.head import JointSchemaHead, head_attention_kernel, layout, load_head, option_probabilities
 from .protocol import format_answer, parse_questions
-from .serve.scheduler import PRIORITIES, BatchAbandoned, Scheduler, device_turn
+from .serve.scheduler import PRIORITIES, BatchAbandoned, JobTiming, Scheduler, device_turn
 from .tiny import is_demo_release
 
 LAYERS_AHEAD = 1  # in a bulk batch, how many layers the host may launch ahead of the GPU
@@ -174,14 +174,17 @@ class Engine:
                 continue
             positions.append(position)
 
-        def respond(probabilities: list) -> list[Any]:
+        def respond(probabilities: list, timing: JobTiming) -> list[Any]:
             latency_ms = (time.perf_counter() - started) * 1000
-            for position, record, probs in zip(positions, records, probabilities, strict=True):
-                outcomes[position] = probs if isinstance(probs, Exception) else \
-                    self.response(requests[position], record, probs, latency_ms)
+            for position, record, probs, compute_s in zip(positions, records, probabilities, timing.compute_s,
+                                                          strict=True):
+                outcomes[position] = probs if isinstance(probs, Exception) else self.response(
+                    requests[position], record, probs, latency_ms, compute_ms=compute_s * 1000,
+                    queue_ms=timing.queued_s * 1000)
             return outcomes
 
-        return self.scheduler.submit(records, priority=priority, finalize=respond, per_record=errors == "return")
+        return self.scheduler.submit(records, priority=priority, finalize=respond, per_record=errors == "return",
+                                     timed=True)
 
     def decide(self, request: dict, *, max_length: int | None = None, overflow: str = "refuse") -> dict:
         return self.submit([request], priority="interactive", max_length=max_length, overflow=overflow).result()[0]
@@ -218,13 +221,18 @@ class Engine:
         return explain_request(self, request, unit, max_length=max_length, overflow=overflow)
 
     def response(self, request: dict, record: EncodedRecord, probabilities: list[list[float]],
-                 latency_ms: float) -> dict:
+                 latency_ms: float, *, compute_ms: float | None = None, queue_ms: float | None = None) -> dict:
+        """One System One response. Beside the answers: `x_latency_ms`, from submission to the answer (queueing
+        included); `x_compute_ms`, the record's share of the batch it ran in (by tokens); `x_queue_ms`, how long its
+        job waited before its first batch started."""
         answers = {q.id: format_answer(q, probs) for q, probs in zip(record.questions, probabilities)}
         return {
             "model": request.get("model") if isinstance(request.get("model"), str) else self.model_id,
             "answers": answers,
             "usage": {"input_tokens": len(record), "output_tokens": 0},
             "x_latency_ms": round(latency_ms, 2),
+            **({} if compute_ms is None else {"x_compute_ms": round(compute_ms, 3)}),
+            **({} if queue_ms is None else {"x_queue_ms": round(queue_ms, 2)}),
             "x_token_counts": dict(record.token_counts),
             "x_truncated_state_tokens": record.truncated_state_tokens,
         }

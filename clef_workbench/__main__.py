@@ -36,7 +36,7 @@ from pathlib import Path
 from clef_engine import DEFAULT_MAX_LENGTH, ClefError
 from clef_workbench import calibration, importing
 from clef_workbench.casesets import CaseImportError, CsvMapping, import_cases
-from clef_workbench.jobs import DEFAULT_CHUNK_SIZE, JobRunner
+from clef_workbench.jobs import DEFAULT_CHUNK_SIZE, JobRunner, check_engine
 from clef_workbench.model_loader import DEMO_SOURCE, request_model_name
 from clef_workbench.schemas import Schema, SchemaError
 from clef_workbench.store import NotFoundError, Store, StoreError
@@ -273,6 +273,8 @@ def run_command(args: argparse.Namespace) -> int:
         runner = RayJobRunner(store, pool=pool)
     settings.update(device=info.get("device"), dtype=info.get("dtype"))
     try:
+        if engine is not None:
+            check_engine(engine)  # a remote endpoint that does not answer: refused before a run is recorded
         if run_id is None:
             run_id = store.create_run(case_set_id, schema=schema, model_id=model_id,
                                       model_revision=info.get("revision"), settings=settings)
@@ -282,7 +284,7 @@ def run_command(args: argparse.Namespace) -> int:
         where = f"Ray, {info['replicas']} replicas" if pool else "in process"
         print(f"{doing}: {case_set_name} · {schema['name']} v{schema['version']} · {args.model} on "
               f"{info.get('device')} ({where})", flush=True)
-        runner.start(run_id, engine)
+        runner.start(run_id, engine, check=False)  # checked above, before the run was recorded
         progress = watch(runner, run_id)
     finally:
         if pool is not None:

@@ -35,6 +35,16 @@ class CaseImportError(ValueError):
         super().__init__(f"{len(self.problems)} problem(s), nothing imported: {shown}{more}")
 
 
+class CaseDeletionRefusedError(CaseImportError):
+    """A save of the case table deleted rows of cases that cannot be deleted (their case set has runs); `case_ids`
+    are those cases. Nothing was written."""
+
+    def __init__(self, case_ids: list[int]):
+        self.case_ids = list(case_ids)
+        super().__init__([f"case {case_id} cannot be deleted: the case set has runs whose results use it"
+                          for case_id in self.case_ids])
+
+
 # -- requests ---------------------------------------------------------------------------------------------------
 
 data_url = protocol.data_url
@@ -373,10 +383,16 @@ def results_table(store: Store, run_id: int) -> pd.DataFrame:
         if result.get("error"):
             rows.append({"run_id": run_id, "case_id": result["case_id"], "position": result["position"],
                          "error": result["error"]})
-    table = pd.DataFrame(rows)
+    # the columns are named even when no case has an answer (every case failed): a run of errors exports its errors
+    options = list(dict.fromkeys(c for row in rows for c in row if c.startswith("p:")))
+    table = pd.DataFrame(rows, columns=[*RESULT_COLUMNS, *options])
     if not table.empty:
         table = table.sort_values(["position", "question_id"], kind="stable", na_position="last")
     return table.reset_index(drop=True)
+
+
+RESULT_COLUMNS = ["run_id", "case_id", "position", "question_id", "question_type", "predicted", "confidence",
+                  "margin", "score", "expected", "correct", "latency_ms", "input_tokens", "error"]
 
 
 EXPORT_DECIMALS = 4
@@ -483,6 +499,18 @@ def editor_frame(store: Store, case_set_id: int) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=EDITOR_COLUMNS)
 
 
+def with_rows_restored(original: pd.DataFrame, edited: pd.DataFrame, case_ids: list[int]) -> pd.DataFrame:
+    """The edited table with the rows of `case_ids` (deleted in it, a deletion that was refused) put back where they
+    were in `original`, as they are stored; every other edit is kept as the person made it (not saved)."""
+    back = original[original["id"].isin(case_ids)]
+    table = pd.concat([edited, back], ignore_index=True)
+    position = {case_id: index for index, case_id in enumerate(original["id"])}
+    # stored rows in their stored order, then the new rows (no id yet) in the order they were added
+    order = [position.get(case_id, len(position) + index) if pd.notna(case_id) else len(position) + index
+             for index, case_id in enumerate(table["id"])]
+    return table.iloc[sorted(range(len(table)), key=order.__getitem__)].reset_index(drop=True)
+
+
 def _parsestate_text(text: str) -> Any:
     if text.strip().startswith(("{", "[")):
         try:
@@ -569,9 +597,8 @@ def apply_case_edits(store: Store, case_set_id: int, edited: pd.DataFrame, schem
     if problems:
         raise CaseImportError(problems)
     to_delete = [case_id for case_id in current if case_id not in kept]
-    for case_id in to_delete:  # refused (StoreError) for cases with results: checked before anything changes
-        if store.list_runs(case_set_id):
-            raise CaseImportError([f"case {case_id} cannot be deleted: the case set has runs whose results use it"])
+    if to_delete and store.list_runs(case_set_id):  # refused for cases with results: checked before any write
+        raise CaseDeletionRefusedError(to_delete)
     for case_id, fields in to_update:
         store.update_case(case_id, **fields)
     if to_add:

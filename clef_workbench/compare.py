@@ -21,6 +21,7 @@ out of that run's numbers and of every pair it is in; `n` says how many cases ea
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import combinations
@@ -412,7 +413,9 @@ class CompareView:
     agreement: pd.DataFrame  # per question and pair: n, agreement, its interval, flips, the flipped cases
     flips: pd.DataFrame  # one row per flipped (pair, question, case), with a link opening the case
     metrics: pd.DataFrame  # side by side: (question, metric) × runs
-    matrix: pd.DataFrame  # cases × (question · run), with a link opening each case
+    matrix: pd.DataFrame  # cases × (question · run): the state's first line, "answer (confidence)", a link
+    verdicts: pd.DataFrame  # the matrix's shape: "pass" / "fail" for answers with an expected one, else None
+    headers: dict[str, str]  # a compact column name ("team · #12") -> the run it shows, in full
     schema_changes: list[tuple[str, str, str]]  # (run a, run b, readable diff) where their schemas differ
 
     @property
@@ -433,18 +436,64 @@ def build_view(store: Any, run_ids: Sequence[int], *, n_boot: int = DEFAULT_BOOT
     )[["question_id", "run_a", "run_b", "n", "agreement", "interval", "flips", "flipped"]]
     flipped = flips(runs)
     flipped = flipped.assign(open=[compare_link(ids, c) for c in flipped["case_id"]])
-    matrix = case_matrix(runs, disagreements_only=disagreements_only)
-    flat = pd.DataFrame({"case": list(matrix.index), "position": matrix[("position", "")].tolist()})
-    for question_id, column in matrix.columns[1:]:
-        flat[f"{question_id} · {column}"] = matrix[(question_id, column)].tolist()
-    flat["open"] = [compare_link(ids, c) for c in matrix.index]
+    flat, verdicts, headers = matrix_table(runs, disagreements_only=disagreements_only)
+    flat["open"] = [compare_link(ids, c) for c in flat["case"]]
+    verdicts["open"] = None
     changes = []
     for a, b in combinations(runs, 2):
         diff = schemas.diff_schemas(a.run["schema"], b.run["schema"])
         if diff:
             changes.append((a.label, b.label, schemas.diff_text(diff)))
     return CompareView(runs, agree, flipped, side_by_side(metrics(runs, n_boot=n_boot, level=level)), flat,
-                       changes)
+                       verdicts, headers, changes)
+
+
+STATE_LINE_CHARS = 80
+VERDICT_STYLES = {"pass": "background-color: #d9f2e3", "fail": "background-color: #fbdada"}
+
+
+def first_line(state: Any) -> str:
+    """A case's state as one short line for a table row (a structured state as compact JSON)."""
+    text = state if isinstance(state, str) else json.dumps(state, ensure_ascii=False)
+    line = next((part.strip() for part in text.splitlines() if part.strip()), "")
+    return line if len(line) <= STATE_LINE_CHARS else line[: STATE_LINE_CHARS - 1] + "…"
+
+
+def matrix_table(runs: Sequence[RunData], *, disagreements_only: bool = False
+                 ) -> tuple[pd.DataFrame, pd.DataFrame, dict[str, str]]:
+    """The cases × runs grid as promptfoo draws it: per row the case, its position and the first line of its state;
+    per question the expected answer and each run's "answer (confidence)" under a compact header (`team · #12`);
+    beside it the verdict of each cell (pass / fail against the expected answer, None without one or for a
+    failed case) and the full run label of each compact header."""
+    predicted = case_matrix(runs, disagreements_only=disagreements_only)
+    confidence = case_matrix(runs, value="confidence", disagreements_only=disagreements_only)
+    correct = case_matrix(runs, value="correct", disagreements_only=disagreements_only)
+    states = {r["case_id"]: r.get("state") for run in runs for r in run.results}
+    table = pd.DataFrame({"case": list(predicted.index), "position": predicted[("position", "")].tolist(),
+                          "state": [first_line(states.get(c, "")) for c in predicted.index]})
+    verdicts = pd.DataFrame(None, index=table.index, columns=table.columns, dtype=object)
+    labels = {run.label: run for run in runs}
+    headers: dict[str, str] = {}
+    for question_id, column in predicted.columns[1:]:
+        run = labels.get(column)
+        name = f"{question_id} · {'expected' if run is None else f'#{run.id}'}"
+        headers[name] = "the case set's expected answer" if run is None else run.label
+        answers_ = predicted[(question_id, column)].tolist()
+        if run is not None:
+            answers_ = [answer if pd.isna(p) or answer is None else f"{answer} ({p:.2f})"
+                        for answer, p in zip(answers_, confidence[(question_id, column)].tolist(), strict=True)]
+            verdicts[name] = [None if pd.isna(v) else "pass" if v else "fail"
+                              for v in correct[(question_id, column)].tolist()]
+        else:
+            verdicts[name] = None
+        table[name] = answers_
+    return table, verdicts, headers
+
+
+def matrix_styles(matrix: pd.DataFrame, verdicts: pd.DataFrame) -> pd.DataFrame:
+    """CSS per cell of the matrix, for pandas' Styler.apply(axis=None, verdicts=…): green a pass, red a fail."""
+    return verdicts.reindex(index=matrix.index, columns=matrix.columns).apply(
+        lambda column: column.map(lambda v: VERDICT_STYLES.get(v, "")))
 
 
 def case_detail(view: CompareView, case_id: int) -> dict | None:

@@ -30,6 +30,7 @@ from typing import Any, Protocol
 
 from clef_engine.errors import BusyError, ClefError
 from clef_workbench.casesets import build_request
+from clef_workbench.run_status import every_case_failed_message
 from clef_workbench.store import Store, new_lease_owner, now_iso
 
 DEFAULT_CHUNK_SIZE = 8  # cases in the first chunk, before the run's tokens per case are known
@@ -76,6 +77,24 @@ class JobAlreadyRunningError(RuntimeError):
     """The run already has a live job in this process, or another process holds its lease."""
 
 
+class EngineUnreachableError(RuntimeError):
+    """The run's model is a remote endpoint that did not answer its check: the run is not started."""
+
+
+def check_engine(engine: DecisionEngine) -> None:
+    """Before a run starts: reach a remote endpoint with one small request (its model list), so that a stopped or
+    refusing endpoint is reported at once instead of as one error per case minutes later. Local engines have
+    nothing to check. Raises EngineUnreachableError with the endpoint's reason."""
+    check = getattr(engine, "check", None)
+    if check is None:
+        return
+    try:
+        check()
+    except ClefError as exc:
+        raise EngineUnreachableError(f"the run was not started: its model's endpoint did not answer a check "
+                                     f"request ({exc})") from exc
+
+
 class JobRunner:
     """Starts, cancels and reports on batch runs. Create one per process (the UI caches it as a resource)."""
 
@@ -89,9 +108,13 @@ class JobRunner:
         self._jobs: dict[int, _LiveJob] = {}
         self._lock = threading.Lock()
 
-    def start(self, run_id: int, engine: DecisionEngine) -> None:
-        """Start (or resume) a run in a background thread; only cases without a result are sent."""
+    def start(self, run_id: int, engine: DecisionEngine, *, retry_failed: bool = False, check: bool = True) -> None:
+        """Start (or resume) a run in a background thread; only cases without a result are sent. With
+        retry_failed, the cases whose result is an error are sent again too (their errors are replaced, in the
+        same run). A remote model is checked first (check_engine), unless the caller has just done so (check)."""
         self.store.get_run(run_id)  # raises NotFoundError for a bad id before any thread starts
+        if check:
+            check_engine(engine)
         with self._lock:
             job = self._jobs.get(run_id)
             if job is not None and job.thread.is_alive():
@@ -101,6 +124,8 @@ class JobRunner:
                 raise JobAlreadyRunningError(
                     f"run {run_id} is being run by another process ({holder}); it goes on there, and can be "
                     "resumed here once that process stops")
+            if retry_failed:  # under the lease: no other process is working on the run meanwhile
+                self.store.delete_error_results(run_id)
             thread = threading.Thread(target=self._work, args=(run_id, engine), name=f"clef-run-{run_id}",
                                       daemon=True)
             self._jobs[run_id] = _LiveJob(thread=thread)
@@ -224,8 +249,15 @@ class JobRunner:
         """Finished, or cancelled with cases left; unless another process has taken the run over."""
         if job.lease_lost.is_set() and not job.cancel.is_set():
             return  # another process holds the run now; its status is its to write
-        left = self.store.unfinished_case_ids(run_id)
-        self.store.set_run_status(run_id, "cancelled" if left else "finished")
+        if self.store.unfinished_case_ids(run_id):
+            self.store.set_run_status(run_id, "cancelled")
+            return
+        run = self.store.get_run(run_id)
+        if run["done"] and run["errors"] == run["done"]:  # no case got an answer: the run failed
+            first = next(r["error"] for r in self.store.list_results(run_id) if r.get("error"))
+            self.store.set_run_status(run_id, "failed", error=every_case_failed_message(run["errors"], first))
+        else:
+            self.store.set_run_status(run_id, "finished")
 
     def _fail_run(self, run_id: int, job: _LiveJob, exc: Exception) -> None:
         job.last_error = f"{type(exc).__name__}: {exc}"
@@ -299,8 +331,9 @@ class JobRunner:
                 continue
             out.append({
                 "case_id": case_id, "response": response,
-                # the engine's own per-record latency; without it, the chunk's wall time shared equally
-                "latency_ms": response.get("x_latency_ms", wall_ms / len(valid)),
+                # the record's own compute as the engine saw it (its share of its batch's time), never the time its
+                # chunk waited behind the run's previous one; an engine that does not say: the wall time shared
+                "latency_ms": response.get("x_compute_ms", response.get("x_latency_ms", wall_ms / len(valid))),
                 "input_tokens": (response.get("usage") or {}).get("input_tokens"),
                 "token_counts": response.get("x_token_counts"),
                 "started_at": started_at, "finished_at": finished_at,

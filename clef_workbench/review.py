@@ -169,6 +169,33 @@ def gold_conflict(item: dict, expected: Any, action: str, label: Any = None) -> 
     return None if label_key(new) == label_key(expected) else label_key(expected)
 
 
+OPENED_FROM_LINK = "opened from a link"
+
+
+def item_for_link(store: Store, run_id: int, case_id: int, question_id: str | None) -> dict | None:
+    """The review item a link names (a results row's "Open in Review", or a link someone sent): the queued item of
+    this case and question (the case's first queued question without one), else a new item for that answer,
+    queued with the reason "opened from a link" (the person asked to review it). None when the run has no answer
+    for it (no such case or question, or its case failed): nothing else is opened in its place."""
+    queued = [i for i in record_items(store, run_id, case_id) if question_id is None or i["question_id"] == question_id]
+    if queued:
+        return queued[0]
+    run = store.get_run(run_id)
+    frame = answer_frame([r for r in store.list_results(run_id) if r["case_id"] == case_id], run["schema"])
+    rows = frame if question_id is None else frame[frame["question_id"] == question_id]
+    if rows.empty:
+        return None
+    row = next(rows.itertuples(index=False))
+    store.queue_review_items([{
+        "run_id": run_id, "case_id": case_id, "question_id": row.question_id, "question_type": row.question_type,
+        "distribution": row.distribution, "predicted": row.predicted, "confidence": float(row.confidence),
+        "margin": float(row.margin), "reason": OPENED_FROM_LINK,
+        "model_id": run["model_id"] + (f"@{run['model_revision']}" if run.get("model_revision") else ""),
+        "schema_name": run["schema_name"], "schema_version": run["schema_version"],
+    }])
+    return next(i for i in record_items(store, run_id, case_id) if i["question_id"] == row.question_id)
+
+
 def record_items(store: Store, run_id: int, case_id: int) -> list[dict]:
     """Every queued item of one record (case) of a run, in the schema's question order, so a reviewer reads the
     record once and answers all its questions on one screen."""

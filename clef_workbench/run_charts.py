@@ -9,13 +9,14 @@ from clef_workbench.answers import CHOSEN_COLOR, OTHER_COLOR
 
 
 def latency_histogram(results: list[dict], *, bins: int = 30) -> alt.Chart:
-    """Histogram of per-record latency (ms) over successful results, with p50 and p95 rules."""
+    """Histogram of per-record compute (ms: a record's share of its batch's time) over successful results, with p50 and
+    p95 rules."""
     data = pd.DataFrame([{"latency_ms": r["latency_ms"]} for r in results
                          if not r.get("error") and r.get("latency_ms") is not None])
     if data.empty:
         data = pd.DataFrame({"latency_ms": pd.Series(dtype=float)})
     bars = alt.Chart(data).mark_bar(color="#2f80ed").encode(
-        x=alt.X("latency_ms:Q", bin=alt.Bin(maxbins=bins), title="latency (ms)"),
+        x=alt.X("latency_ms:Q", bin=alt.Bin(maxbins=bins), title="compute per record (ms)"),
         y=alt.Y("count():Q", title="records"),
         tooltip=[alt.Tooltip("count():Q", title="records")],
     )
@@ -25,7 +26,7 @@ def latency_histogram(results: list[dict], *, bins: int = 30) -> alt.Chart:
     })
     rules = alt.Chart(quantiles).mark_rule(color=CHOSEN_COLOR, strokeDash=[4, 3]).encode(
         x="latency_ms:Q", tooltip=["quantile:N", alt.Tooltip("latency_ms:Q", format=".1f")])
-    return (bars + rules).properties(height=220, title="Latency per record")
+    return (bars + rules).properties(height=220, title="Compute per record")
 
 
 def accuracy_chart(accuracy: pd.DataFrame) -> alt.Chart:

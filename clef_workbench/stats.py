@@ -110,6 +110,27 @@ def answer_frame(results: list[dict], schema: dict) -> pd.DataFrame:
     return frame
 
 
+def coverage(results: list[dict], frame: pd.DataFrame) -> dict[str, Any]:
+    """What the statistics of a run rest on: results, failed (left out of every statistic), answered, answered
+    with an expected answer for at least one question (what accuracy and calibration use), and a sentence saying
+    so."""
+    failed = sum(1 for r in results if r.get("error"))
+    answered = len(results) - failed
+    with_expected = int(frame.loc[frame["expected"].notna(), "case_id"].nunique()) if not frame.empty else 0
+    if not answered:
+        sentence = (f"No case has an answer: all {failed} failed, so there is nothing to measure. Their errors are "
+                    "listed at the top and in the exports.")
+    elif not with_expected:
+        sentence = (f"None of the {answered} answered cases has an expected answer, so accuracy and calibration "
+                    "cannot be computed" + (f" ({failed} failed cases left out)." if failed else "."))
+    else:
+        sentence = (f"Accuracy and calibration use the {with_expected} answered cases with expected answers"
+                    + (f"; {answered - with_expected} answered cases without them" if answered > with_expected
+                       else "") + (f"; {failed} failed cases are left out" if failed else "") + ".")
+    return {"results": len(results), "failed": failed, "answered": answered, "with_expected": with_expected,
+            "sentence": sentence}
+
+
 def _results_frame(results: list[dict]) -> pd.DataFrame:
     frame = pd.DataFrame(results)
     if frame.empty:
@@ -128,6 +149,12 @@ def latency_stats(results: list[dict]) -> dict[str, Any]:
         out[name] = float(np.percentile(latency, q * 100, method=PERCENTILE_METHOD)) if latency.size else None
     out["max"] = float(latency.max()) if latency.size else None
     out["mean"] = float(latency.mean()) if latency.size else None
+    # the wait before a record's batch started (the engine's x_queue_ms), apart from its compute
+    queue = pd.Series([(r.get("response") or {}).get("x_queue_ms") for r in results if not r.get("error")],
+                      dtype=float).dropna()
+    out["queue_count"] = int(queue.size)
+    out["queue_p50"] = float(np.percentile(queue, 50, method=PERCENTILE_METHOD)) if queue.size else None
+    out["queue_max"] = float(queue.max()) if queue.size else None
     if len(frame):
         start = pd.to_datetime(frame["started_at"], utc=True, format="ISO8601").min()
         end = pd.to_datetime(frame["finished_at"], utc=True, format="ISO8601").max()

@@ -9,7 +9,7 @@ import re
 import streamlit as st
 
 from clef_workbench import casesets, importing
-from clef_workbench.casesets import CaseImportError, CsvMapping
+from clef_workbench.casesets import CaseDeletionRefusedError, CaseImportError, CsvMapping
 from clef_workbench.schemas import SchemaError
 from clef_workbench.store import StoreError
 from workbench_ui.shell import get_library, get_store, page_key, pick_id, use_app_navigation
@@ -121,7 +121,9 @@ if not sets:
     st.stop()
 labels = {s["id"]: f"{s['name']} ({s['case_count']} cases)" for s in sets}
 with top[0]:
-    case_set_id = pick_id(list(labels), K("selected"), "Case set", labels.get, param="set")
+    case_set_id = pick_id(list(labels), K("selected"), "Case set", labels.get, param="set", what="case set")
+    if case_set_id is None:  # the link names a case set that is not here: said above
+        st.stop()
 case_set = store.get_case_set(case_set_id)
 schema = load_schema(case_set["schema_name"])
 st.caption(f"Schema: **{case_set['schema_name'] or 'none'}** · {case_set['case_count']} cases · created "
@@ -136,8 +138,13 @@ with tab_cases:
                "`{question: answer}` (choice: option id, yes/no: true/false, score: level number) and tags. "
                "Add rows at the bottom; delete rows with the row menu. Nothing is written until you save.")
     frame = casesets.editor_frame(store, case_set_id)
+    # after a refused deletion the table starts again from the edits with the refused rows back (a new editor: its
+    # rows are the table given, not the browser's copy with the rows gone)
+    restored = st.session_state.get(K(f"editor_restored.{case_set_id}"))
+    editor_key = K(f"editor.{case_set_id}" if restored is None else f"editor.{case_set_id}.{restored[0]}")
     edited = st.data_editor(
-        frame, key=K(f"editor.{case_set_id}"), num_rows="dynamic", hide_index=True, width="stretch",
+        frame if restored is None else restored[1], key=editor_key, num_rows="dynamic", hide_index=True,
+        width="stretch",
         column_config={
             "id": st.column_config.NumberColumn("id", disabled=True),
             "state": st.column_config.TextColumn("state", width="large", required=True),
@@ -150,10 +157,18 @@ with tab_cases:
     if st.button("Save changes", key=K("save_edits"), icon=":material/save:"):
         try:
             edits = casesets.apply_case_edits(store, case_set_id, edited, schema)
+        except CaseDeletionRefusedError as exc:
+            generation = 1 + (0 if restored is None else restored[0])
+            st.session_state[K(f"editor_restored.{case_set_id}")] = (
+                generation, casesets.with_rows_restored(frame, edited, exc.case_ids))
+            flash("error", f"Nothing was changed: {'; '.join(exc.problems)}. Delete its runs first. The rows are back "
+                           "in the table; your other edits are still there, not saved.")
+            st.rerun()
         except CaseImportError as exc:
             show_problems(exc, saving=True)
         else:
-            st.session_state.pop(K(f"editor.{case_set_id}"), None)
+            st.session_state.pop(editor_key, None)
+            st.session_state.pop(K(f"editor_restored.{case_set_id}"), None)
             flash("success" if edits.changed else "info", edits.summary(),
                   undo=("cases", edits.deleted) if edits.deleted else None)
             st.rerun()
@@ -276,6 +291,7 @@ with tab_import:
                     st.error(f"Nothing imported: {exc}")
                 else:
                     st.session_state.pop(K(f"editor.{case_set_id}"), None)
+                    st.session_state.pop(K(f"editor_restored.{case_set_id}"), None)
                     st.session_state[K("imports_done")] = imports_done + 1
                     skipped = len(parsed) - len(added)
                     flash("success", f"Imported {len(added)} cases into “{case_set['name']}”."

@@ -8,9 +8,13 @@ from __future__ import annotations
 import streamlit as st
 
 from clef_engine import DEFAULT_MAX_LENGTH
-from clef_workbench import compare
+from clef_workbench import compare, run_charts
+from clef_workbench.answers import probability_chart
 from clef_workbench.model_loader import DEMO_SOURCE, request_model_name
+from clef_workbench.run_status import status_label
 from clef_workbench.schemas import SchemaError
+from workbench_ui import links
+from workbench_ui.run_view import fmt_duration_ms
 from workbench_ui.shell import (
     KEEP_PREFIX,
     demo_output_banner,
@@ -24,6 +28,7 @@ from workbench_ui.shell import (
     page_key,
     pick_id,
     set_widget,
+    show_not_found,
     url_int,
     use_app_navigation,
 )
@@ -62,6 +67,7 @@ def start_comparison(set_id: int, slug: str, number: int, names: list[str]) -> N
     set_widget(K(f"runs.{set_id}"), picked)
     st.query_params["runs"] = ",".join(map(str, picked))
     st.session_state[K("flash")] = ("success", f"Started run(s) {', '.join(f'#{r}' for r in run_ids)}.")
+    st.session_state[K("started")] = run_ids
 
 
 def open_case(case_id: int | None) -> None:
@@ -121,19 +127,51 @@ message = st.session_state.pop(K("flash"), None)
 if message:
     getattr(st, message[0])(message[1])
 
+
+def follow_started(run_ids: list[int]) -> None:
+    """The runs the one action started, followed to their end (each links to its Runs page); the whole page again
+    when the last one ends, so that they are compared."""
+    runs_now = {r["id"]: r for r in store.list_runs()}
+    shown = [runs_now[r] for r in run_ids if r in runs_now]
+    for run in shown:
+        st.markdown(f"Run [#{run['id']}](/runs?run={run['id']}) · {run['model_id']} · {status_label(run)} · "
+                    f"{run['done']}/{run['total']} cases")
+    running = any(run["status"] in ("pending", "running") for run in shown)
+    if st.session_state.get(K("started_running")) and not running:
+        st.session_state[K("started_running")] = False
+        st.rerun(scope="app")
+    st.session_state[K("started_running")] = running
+
+
+started = st.session_state.get(K("started"), [])
+if started:
+    statuses = {run["id"]: run["status"] for run in store.list_runs()}
+    started_running = any(statuses.get(r) in ("pending", "running") for r in started)
+    st.fragment(follow_started, run_every=2.0 if started_running else None)(started)
+
 # -- which runs -------------------------------------------------------------------------------------------------
 
-groups = compare.runs_by_case_set(store.list_runs())
+all_runs = {r["id"]: r for r in store.list_runs()}
+linked = compare.parse_run_ids(st.query_params.get("runs"))
+linked_missing = [r for r in linked if r not in all_runs]
+if linked_missing and KEEP_PREFIX + K("set") not in st.session_state:
+    # a link to runs that are not here: said, with the runs there are; never other runs in their place
+    show_not_found(links.missing("run(s)", ", ".join(f"#{r}" for r in linked_missing), sorted(all_runs),
+                                 lambda r: f"#{r} {all_runs[r]['case_set_name']} · {all_runs[r]['model_id']}",
+                                 param="runs"))
+    st.stop()
+groups = compare.runs_by_case_set(list(all_runs.values()))
 if not groups:
     st.info("Comparing needs two runs of one case set: start them above, or on the Runs page.")
     st.stop()
 
-linked = compare.parse_run_ids(st.query_params.get("runs"))
 runs_by_id = {r["id"]: r for group in groups.values() for r in group}
 if KEEP_PREFIX + K("set") not in st.session_state and linked and linked[0] in runs_by_id:
     st.session_state[K("set")] = runs_by_id[linked[0]]["case_set_id"]  # a link names the runs: open their case set
 set_label = {set_id: f"{group[0]['case_set_name']} ({len(group)} runs)" for set_id, group in groups.items()}
-set_id = pick_id(list(groups), K("set"), "Case set", set_label.get, param="set")
+set_id = pick_id(list(groups), K("set"), "Case set", set_label.get, param="set", what="case set with runs")
+if set_id is None:  # the link names a case set that is not here: said above
+    st.stop()
 run_label = {r["id"]: (f"#{r['id']} {r['model_id']} · {r['schema_name']} v{r['schema_version']}"
                        + ("" if r["schema_version_id"] else " (unsaved)") + f" · {r['status']}")
              for r in groups[set_id]}
@@ -208,9 +246,15 @@ st.dataframe(view.metrics, hide_index=True, width="stretch")
 st.subheader("Cases × runs")
 st.toggle("Only cases where the runs disagree", key=K("disagree"))
 st.caption("Click a cell to open its case below; “Open” is a link to it you can send.")
-matrix_event = st.dataframe(view.matrix, hide_index=True, width="stretch", key=K("matrix"), on_select="rerun",
+st.caption("Each run's cell: its answer (confidence); green where it matches the expected answer, red where it does "
+           "not. Hover a header for the run it shows.")
+matrix_event = st.dataframe(view.matrix.style.apply(compare.matrix_styles, axis=None, verdicts=view.verdicts),
+                            hide_index=True, width="stretch", key=K("matrix"), on_select="rerun",
                             selection_mode="single-cell",
-                            column_config={"open": st.column_config.LinkColumn("link", display_text="Open")})
+                            column_config={"open": st.column_config.LinkColumn("link", display_text="Open"),
+                                           "state": st.column_config.TextColumn("state", width="medium"),
+                                           **{name: st.column_config.TextColumn(name, help=full)
+                                              for name, full in view.headers.items()}})
 open_selected("matrix", [list(cell) for cell in matrix_event.selection.cells],
               lambda cell: int(view.matrix.iloc[cell[0]]["case"]))
 
@@ -229,6 +273,7 @@ if detail is not None:
         st.code(format_json(state), language="json", wrap_lines=True)
     if detail["expected"]:
         st.caption("Expected: " + ", ".join(f"{q} = {v}" for q, v in detail["expected"].items()))
+    questions_of = {run.label: run.run["schema"]["questions"] for run in view.runs}
     columns = st.columns(len(detail["runs"]))
     for column, run in zip(columns, detail["runs"], strict=True):
         with column:
@@ -237,6 +282,9 @@ if detail is not None:
                 st.error(run["error"])
             for question_id, answer in run["answers"].items():
                 st.markdown(f"`{question_id}`: **{answer['predicted']}** ({answer['confidence']:.3f})")
+                table = run_charts.distribution_table(questions_of[run["run"]].get(question_id, {}),
+                                                      answer["probabilities"], answer["predicted"])
+                st.altair_chart(probability_chart(table), width="stretch")
             if run["latency_ms"] is not None:
-                st.caption(f"{run['latency_ms']:.0f} ms")
+                st.caption(f"compute {fmt_duration_ms(run['latency_ms'])}")
     st.button("Close the case", key=K("close_case"), on_click=open_case, args=(None,))

@@ -114,8 +114,9 @@ def _init_page() -> None:
             if pending is None:
                 slugs = get_library().slugs()
                 linked = st.query_params.get(SCHEMA_PARAM)
-                pending = (linked if linked in slugs else PREFERRED_START_SCHEMA if PREFERRED_START_SCHEMA in slugs
-                           else (slugs[0] if slugs else None))
+                # a link to a schema that is not in the library opens none in its place (the page says so)
+                pending = (linked if linked in slugs else None if linked else PREFERRED_START_SCHEMA
+                           if PREFERRED_START_SCHEMA in slugs else (slugs[0] if slugs else None))
     for name in ("run", "case"):  # opened once; from here on the draft is what the URL names
         st.query_params.pop(name, None)
     if st.query_params.get(DRAFT_PARAM) != token:
@@ -252,6 +253,8 @@ if link_note := st.session_state.pop(K("link_note"), None):
 engine = get_engine()
 library = get_library()
 messages = vm.Messages()
+if (asked := st.query_params.get(SCHEMA_PARAM)) and not builder().loaded_slug and asked not in library.slugs():
+    st.error(links.missing_schema(asked, library.slugs()), icon=":material/link_off:")
 
 # One screen: what goes in (state, media, schema) on the left; Run, the answers and the token budget on the right,
 # with Run on top, so neither is below the budget bar or the long schema builder.
@@ -625,7 +628,7 @@ if result:
 
 if builder().loaded_slug:
     st.query_params[SCHEMA_PARAM] = builder().loaded_slug
-elif SCHEMA_PARAM in st.query_params:
+elif st.query_params.get(SCHEMA_PARAM) in get_library().slugs():  # unloaded since; a missing one's link stays
     del st.query_params[SCHEMA_PARAM]
 
 save_draft()  # and again for what this run changed itself

@@ -26,6 +26,7 @@ from workbench_ui.shell import (
     page_key,
     pick_run,
     random_weights_notice,
+    show_not_found,
     url_int,
     use_app_navigation,
 )
@@ -51,9 +52,40 @@ else:
     st.query_params.pop("reviewer", None)
 run_id = pick_run(runs, K("run"), lambda r: f"#{r['id']} {r['case_set_name']} · {r['schema_name']} "
                                           f"v{r['schema_version']} · {r['model_id']}")
+if run_id is None:  # the link names a run that is not here (or has no results): said above
+    st.stop()
 run = store.get_run(run_id)
 random_weights_notice(run["model_id"])
 questions = run["schema"]["questions"]
+
+
+
+def linked_item() -> dict | None:
+    """The item a link names (?run=&case=&question=: a results row's "Open in Review", or a link someone sent), on
+    the session's first visit of this run; queued now when the run has that answer but no item for it. A link to
+    an answer the run does not have says so and shows nothing in its place."""
+    seen_key = K(f"link_seen.{run_id}")
+    if st.session_state.get(seen_key):
+        return None
+    if st.query_params.get("case") is None:  # from here on the URL names the item on screen, not a link
+        st.session_state[seen_key] = True
+        return None
+    case_id, question_id = url_int("case"), st.query_params.get("question")
+    item = None if case_id is None else review.item_for_link(store, run_id, case_id, question_id)
+    if item is None:
+        show_not_found(links.missing_review_item(run_id, st.query_params.get("case"), question_id,
+                                                 store.list_review_items(run_id)))
+        if st.button("Go to the review queue", key=K("not_found_queue"), icon=":material/arrow_forward:"):
+            st.session_state[seen_key] = True
+            st.query_params.pop("case", None)
+            st.query_params.pop("question", None)
+            st.rerun()
+        st.stop()
+    st.session_state[seen_key] = True
+    return item
+
+
+linked = linked_item()
 
 # -- rules and queue building -----------------------------------------------------------------------------------
 
@@ -115,26 +147,7 @@ current_key = K(f"current.{run_id}")
 notice_key = K("notice")
 
 
-def linked_item() -> dict | None:
-    """The item a shared link names (?run=&case=&question=), on the session's first visit of this run."""
-    seen_key = K(f"link_seen.{run_id}")
-    if st.session_state.get(seen_key):
-        return None
-    st.session_state[seen_key] = True
-    case_id, question_id = url_int("case"), st.query_params.get("question")
-    if case_id is None:
-        return None
-    matches = [i for i in store.list_review_items(run_id) if i["case_id"] == case_id
-               and (question_id is None or i["question_id"] == question_id)]
-    if not matches:
-        st.info(f"The link names case {case_id}{' · ' + question_id if question_id else ''}, which is not in this "
-                "run's review queue.")
-        return None
-    return matches[0]
-
-
 def current_item() -> dict | None:
-    linked = linked_item()
     if linked is not None:
         st.session_state[current_key] = linked["id"]
         return linked  # shown whatever its status: the sender wants the receiver to see this one
@@ -180,6 +193,26 @@ def act(item: dict, action: str, label=None, *, confirmed: bool = False) -> None
         # stay on the record until its questions are done: the reviewer has just read it
         following = review.next_item(store, run_id, after_item_id=item["id"], case_id=item["case_id"])
         st.session_state[current_key] = None if following is None else following["id"]
+
+
+@st.dialog("This answer overrides the gold label", on_dismiss=lambda: st.session_state.pop(confirm_key, None))
+def confirm_gold(item: dict, action: str, label, gold: str) -> None:
+    """Asks before an answer against the case's expected one is recorded: a modal, in front of what the reviewer
+    is looking at whether they clicked or used a key (a box in the page opened below the fold). Both buttons
+    record what they say."""
+    new = item["predicted"] if action == "accept" else review.label_key(label)
+    st.warning(f"The case set's expected answer is “{gold}”. Labelling case {item['case_id']} · "
+               f"{item['question_id']} “{new}” overrides that gold label in the reviewed labels and the golden set.",
+               icon=":material/warning:")
+    cols = st.columns(2)
+    if cols[0].button(f"Yes, label it “{new}”", key="review-confirm-yes"):
+        act(item, action, label, confirmed=True)
+        st.rerun()
+    if cols[1].button(f"Keep “{gold}”", key="review-confirm-no", type="primary",
+                      help="Records the gold label as this item's answer"):
+        keep = "accept" if gold == item["predicted"] else "correct"
+        act(item, keep, None if keep == "accept" else gold, confirmed=True)
+        st.rerun()
 
 
 def undo() -> None:
@@ -266,16 +299,7 @@ else:
                            f"margin {item['margin']:.3f}")
         pending = st.session_state.get(confirm_key)
         if pending and pending[0] == item["id"]:
-            _, pending_action, pending_label, gold = pending
-            new = item["predicted"] if pending_action == "accept" else review.label_key(pending_label)
-            with st.container(border=True, key="review-confirm"):
-                st.warning(f"The case set's expected answer is “{gold}”. Labelling this “{new}” overrides that gold "
-                           "label in the reviewed labels and the golden set.", icon=":material/warning:")
-                confirm_cols = st.columns(2)
-                confirm_cols[0].button(f"Yes, label it “{new}”", key="review-confirm-yes", on_click=act,
-                                       args=(item, pending_action, pending_label), kwargs={"confirmed": True})
-                confirm_cols[1].button(f"Keep “{gold}”", key="review-confirm-no", type="primary",
-                                       on_click=lambda: st.session_state.pop(confirm_key, None))
+            confirm_gold(item, *pending[1:])
         st.text_input("Comment (optional, saved with your action)", key=K(f"comment.{item['id']}"),
                       placeholder="e.g. the second sentence is sarcasm")
         buttons = st.columns(4)

@@ -12,11 +12,13 @@ import streamlit as st
 from clef_engine import DEFAULT_MAX_LENGTH
 from clef_workbench import casesets, run_charts, stats
 from clef_workbench.answers import option_table, probability_chart
-from clef_workbench.jobs import JobAlreadyRunningError
+from clef_workbench.jobs import EngineUnreachableError, JobAlreadyRunningError, check_engine
 from clef_workbench.model_loader import request_model_name
+from clef_workbench.run_status import run_outcome, status_label
 from clef_workbench.schemas import SchemaError
 from clef_workbench.store import StoreError
-from workbench_ui import links, units
+from workbench_ui import links, run_view, units
+from workbench_ui.run_view import fmt_duration_ms
 from workbench_ui.shell import (
     get_engine,
     get_job_runner,
@@ -34,7 +36,6 @@ use_app_navigation()
 
 K = page_key("runs")
 STATS_REFRESH_S = 5.0
-STATUS_ICONS = {"pending": "⏳", "running": "▶️", "cancelled": "⏹️", "finished": "✅", "failed": "❌"}
 
 st.title("Runs")
 store = get_store()
@@ -44,7 +45,6 @@ sets = store.list_case_sets()
 runs = store.list_runs()
 
 
-fmt_ms = units.duration  # seconds above 10,000 ms: a metric's column cut "150,762.4 ms"
 fmt_rate = units.rate
 
 
@@ -146,12 +146,17 @@ with st.expander("Start a run", expanded=not runs, icon=":material/play_arrow:")
             model_id = model_manager().default_name() or request_model_name(model_manager().state().source)
             if run_model is not None:
                 engine, model_id = loaded_models[run_model].engine, run_model
+            try:
+                check_engine(engine)  # a remote endpoint that stopped: said now, not as one error per case later
+            except EngineUnreachableError as exc:
+                st.error(f"Run not started: {exc}", icon=":material/cloud_off:")
+                st.stop()
             info = engine.info()
             run_id = store.create_run(start_set, schema=schema, model_id=model_id, model_revision=info.get("revision"),
                                       settings={"chunk_size": int(chunk_size), "max_length": int(max_length),
                                                 "overflow": overflow, "schema_slug": schema_slug,
                                                 "device": info.get("device"), "dtype": info.get("dtype")})
-            runner.start(run_id, engine)
+            runner.start(run_id, engine, check=False)  # checked above, before the run was recorded
             st.session_state[K("selected")] = run_id
             st.session_state["_keep." + K("selected")] = run_id
             st.rerun()
@@ -170,15 +175,12 @@ if not runs:
 
 # -- pick a run -------------------------------------------------------------------------------------------------
 
-def run_label(r: dict) -> str:
-    return (f"#{r['id']} {STATUS_ICONS.get(r['status'], '')} {r['case_set_name']} · {r['schema_name']} "
-            f"v{r['schema_version']} · {r['model_id']} · {r['done']}/{r['total']}")
-
-
-run_id = pick_run(runs, K("selected"), run_label)
+run_id = pick_run(runs, K("selected"), run_view.run_label)
+if run_id is None:  # the link names a run that is not here: said above, nothing else shown in its place
+    st.stop()
 random_weights_notice(next(r["model_id"] for r in runs if r["id"] == run_id))
 with st.expander("All runs", icon=":material/list:"):
-    st.dataframe([{"run": r["id"], "status": r["status"], "case set": r["case_set_name"],
+    st.dataframe([{"run": r["id"], "status": status_label(r), "case set": r["case_set_name"],
                    "schema": f"{r['schema_name']} v{r['schema_version']}", "model": r["model_id"],
                    "revision": r["model_revision"], "done": r["done"], "total": r["total"], "errors": r["errors"],
                    "created": r["created_at"][:19].replace("T", " ")} for r in runs],
@@ -188,9 +190,10 @@ with st.expander("All runs", icon=":material/list:"):
 def render_progress(run_id: int) -> None:
     progress = runner.progress(run_id)
     total = max(progress["total"], 1)
+    outcome = run_outcome(store.get_run(run_id), store.list_results(run_id)) if not progress["live"] else None
     st.progress(progress["done"] / total,
                 text=f"{progress['done']} / {progress['total']} cases · {progress['errors']} errors · "
-                     f"status **{progress['status']}**")
+                     f"status **{outcome.label if outcome else progress['status']}**")
     if progress["live"]:
         cols = st.columns([3, 1])
         eta = fmt_seconds(progress["eta_s"]) if progress["eta_s"] is not None else "after the first batch"
@@ -207,24 +210,13 @@ def render_progress(run_id: int) -> None:
         if progress["interrupted"]:
             st.warning("This run was interrupted (the workbench stopped while it ran). Its finished results are "
                        "saved; resume to run the remaining cases.")
-        if progress["error"] and progress["status"] == "failed":
-            st.error(f"The run failed: {progress['error']}")
+        render_outcome(run_id, outcome)
         if progress["remaining"] and progress["status"] != "pending":
             if st.button(f"Resume ({progress['remaining']} cases left)", key=K(f"resume.{run_id}"),
                          icon=":material/play_arrow:"):
-                model_id = store.get_run(run_id)["model_id"]
-                try:  # a run resumes on the model it started on, never on whichever is the default now
-                    engine = model_manager().get(model_id)
-                except KeyError as exc:
-                    engine = None
-                    st.error(f"This run was started on the model {model_id!r}, which is not loaded: {exc.args[0]}. "
-                             "Add it in the sidebar (Add a model), then resume.")
+                engine = run_engine(run_id)
                 if engine is not None:
-                    try:
-                        runner.start(run_id, engine)
-                    except JobAlreadyRunningError as exc:
-                        st.info(str(exc))
-                    st.rerun()
+                    start_again(run_id, engine)
     # the fragment polls only while a job is live; when it ends, the whole page reruns to show the final stats
     # (and to stop the results' own refresh). While it runs, the results refresh themselves (`render_results`), and
     # the page reruns only for the first results, when there is no filter or search below yet to type into.
@@ -234,6 +226,50 @@ def render_progress(run_id: int) -> None:
     st.session_state[K(f"was_live.{run_id}")] = progress["live"]
     if progress["live"] and progress["done"] and not st.session_state.get(K(f"shown.{run_id}")):
         st.rerun(scope="app")
+
+
+def run_engine(run_id: int):
+    """The engine a run resumes or retries on: the model it started on, never whichever is the default now; None
+    (with the reason shown) when that model is not loaded."""
+    model_id = store.get_run(run_id)["model_id"]
+    try:
+        return model_manager().get(model_id)
+    except KeyError as exc:
+        st.error(f"This run was started on the model {model_id!r}, which is not loaded: {exc.args[0]}. Add it in the "
+                 "sidebar (Add a model), then try again.")
+        return None
+
+
+def start_again(run_id: int, engine, *, retry_failed: bool = False) -> None:
+    try:
+        runner.start(run_id, engine, retry_failed=retry_failed)
+    except EngineUnreachableError as exc:
+        st.error(f"Not started: {exc}", icon=":material/cloud_off:")
+        return
+    except JobAlreadyRunningError as exc:
+        st.info(str(exc))
+    st.rerun()
+
+
+def render_outcome(run_id: int, outcome) -> None:
+    """What happened, at the top of the run: failed / finished with errors with the count and the first error, the
+    failed cases and a retry of only those (into this run)."""
+    if outcome is None or not outcome.message:
+        return
+    getattr(st, outcome.tone)(outcome.message, icon={"error": ":material/error:", "warning": ":material/warning:",
+                                                     "success": ":material/check_circle:",
+                                                     "info": ":material/info:"}[outcome.tone])
+    if not outcome.errors:
+        return
+    st.dataframe([{"case": r["case_id"], "error": r["error"]} for r in store.list_results(run_id) if r.get("error")],
+                 hide_index=True, width="stretch", key=K(f"errors.{run_id}"))
+    if outcome.can_retry and st.button(f"Retry failed cases ({outcome.errors})", key=K(f"retry.{run_id}"),
+                                       icon=":material/replay:",
+                                       help="Runs only the failed cases again, into this run; answered cases are "
+                                            "kept as they are."):
+        engine = run_engine(run_id)
+        if engine is not None:
+            start_again(run_id, engine, retry_failed=True)
 
 
 def render_results(run_id: int, live: bool) -> None:
@@ -253,6 +289,11 @@ def render_results(run_id: int, live: bool) -> None:
         return
 
     frame = stats.answer_frame(results, schema)
+    covered = stats.coverage(results, frame)
+    if not covered["answered"]:
+        st.info(covered["sentence"])
+        render_export(run, results)
+        return
 
     # -- browse -----------------------------------------------------------------------------------------------------
 
@@ -306,19 +347,24 @@ def render_results(run_id: int, live: bool) -> None:
     st.subheader("Latency and throughput")
     latency = stats.latency_stats(results)
     speed = stats.throughput(results, len(questions))
-    cols = st.columns(5)
-    cols[0].metric("p50 latency", fmt_ms(latency["p50"]))
-    cols[1].metric("p95 latency", fmt_ms(latency["p95"]))
-    cols[2].metric("p99 latency", fmt_ms(latency["p99"]))
-    cols[3].metric("max latency", fmt_ms(latency["max"]))
-    cols[4].metric("samples", f"{latency['count']}", help=f"{latency['errors']} error results excluded")
+    compute_help = ("A record's compute: the time of the engine batch it ran in, times its share of that batch's "
+                    "tokens (the engine's x_compute_ms). Waiting behind earlier batches is not in it.")
+    cols = st.columns(6)
+    cols[0].metric("p50 compute per record", fmt_duration_ms(latency["p50"]), help=compute_help)
+    cols[1].metric("p95 compute per record", fmt_duration_ms(latency["p95"]), help=compute_help)
+    cols[2].metric("p99 compute per record", fmt_duration_ms(latency["p99"]), help=compute_help)
+    cols[3].metric("max compute per record", fmt_duration_ms(latency["max"]), help=compute_help)
+    cols[4].metric("p50 queue wait", fmt_duration_ms(latency["queue_p50"]),
+                   help="How long a record's batch waited in the engine's queue before it started (behind this "
+                        "run's previous batch, other runs, or Decide requests): the engine's x_queue_ms.")
+    cols[5].metric("samples", f"{latency['count']}", help=f"{latency['errors']} error results excluded")
     batches = len({(r["started_at"], r["finished_at"]) for r in results if not r.get("error")})
-    st.caption(f"n = {latency['count']} records in {batches} batch(es). A record's latency is the time of the whole "
-               "batch it ran in, so records of one batch share one value; with few batches the percentiles are a "
-               "few batch times, not a distribution.")
+    st.caption(f"n = {latency['count']} records in {batches} batch(es); {latency['errors']} failed cases left out. "
+               "Compute per record = its batch's time split by the records' token shares; queue wait (max "
+               f"{fmt_duration_ms(latency['queue_max'])}) is shown apart. Runs recorded before the engine reported "
+               "compute show each record's time from submission to answer instead.")
     st.caption(f"Window {str(latency['window_start'])[:19]} → {str(latency['window_end'])[:19]} UTC "
-               f"({latency['window_s']:.1f} s). Latency = time from submitting a record's batch to its responses "
-               "(the engine's x_latency_ms); percentiles use linear interpolation (numpy 'linear').")
+               f"({latency['window_s']:.1f} s); percentiles use linear interpolation (numpy 'linear').")
     cols = st.columns(4)
     cols[0].metric("records/s", fmt_rate(speed["records_per_s"], "rec"))
     cols[1].metric("decisions/s", fmt_rate(speed["decisions_per_s"], "dec"))
@@ -332,9 +378,10 @@ def render_results(run_id: int, live: bool) -> None:
 
     st.subheader("Accuracy against expected answers")
     accuracy = stats.accuracy_by_question(frame)
-    if accuracy["n_expected"].sum() == 0:
-        st.info("No case in this set has expected answers, so accuracy and calibration cannot be computed.")
+    if not covered["with_expected"]:
+        st.info(covered["sentence"])
     else:
+        st.caption(covered["sentence"])
         cols = st.columns([1, 1])
         cols[0].dataframe(accuracy, hide_index=True, width="stretch",
                           column_config={"accuracy": st.column_config.NumberColumn(format="percent")})
@@ -371,15 +418,6 @@ def render_results(run_id: int, live: bool) -> None:
     cols[0].dataframe(stats.slowest_cases(results, 10), hide_index=True, width="stretch")
     cols[1].markdown("**Least confident** (smallest margin top-1 − top-2)")
     cols[1].dataframe(stats.least_confident(frame, 10), hide_index=True, width="stretch")
-    errors = [r for r in results if r.get("error")]
-    if errors:
-        with st.expander(f"{len(errors)} error result(s)", icon=":material/error:"):
-            st.dataframe([{"case": r["case_id"], "error": r["error"]} for r in errors], hide_index=True,
-                         width="stretch")
-            if st.button("Clear errors so that Resume retries them", key=K(f"clear_errors.{run_id}")):
-                store.delete_error_results(run_id)
-                st.rerun()
-
     with st.expander("One case's answers", icon=":material/search:"):
         case_ids = [r["case_id"] for r in results if r.get("response")]
         if case_ids:
@@ -389,9 +427,17 @@ def render_results(run_id: int, live: bool) -> None:
                 table = option_table(questions.get(question_id, {}), answer)
                 st.altair_chart(probability_chart(table, title=question_id), width="stretch")
 
-    # -- export -----------------------------------------------------------------------------------------------------
+    render_export(run, results)
 
+    # -- compare ----------------------------------------------------------------------------------------------------
+
+    render_compare(run, frame)
+
+
+def render_export(run: dict, results: list[dict]) -> None:
+    run_id = run["id"]
     st.subheader("Export")
+    st.caption("One row per case × question; a failed case is one row with its error.")
     slug = re.sub(r"[^a-z0-9]+", "-", f"run-{run_id}-{run['case_set_name']}".lower()).strip("-")
     cols = st.columns(2)
     cols[0].download_button("Results CSV (case × question, every option's probability)",
@@ -401,14 +447,19 @@ def render_results(run_id: int, live: bool) -> None:
                             mime="application/jsonl", key=K(f"export_jsonl.{run_id}.{len(results)}"),
                             icon=":material/download:", on_click="ignore")
 
-    # -- compare ----------------------------------------------------------------------------------------------------
 
+def render_compare(run: dict, frame) -> None:
+    run_id = run["id"]
     st.subheader("Compare with another run of the same case set")
-    others = [r for r in runs if r["case_set_id"] == run["case_set_id"] and r["id"] != run_id and r["done"]]
+    others, without_answers = run_view.comparison_baselines(runs, run)
+    if without_answers:
+        st.caption(f"{without_answers} other run(s) of this case set have no answers (every case failed) and are "
+                   "not offered as a baseline.")
     if not others:
-        st.caption("No other run of this case set yet: run it again with another schema version or model.")
+        st.caption("No other run of this case set with answers yet: run it again with another schema version or "
+                   "model.")
     else:
-        other_labels = {r["id"]: run_label(r) for r in others}
+        other_labels = {r["id"]: run_view.run_label(r) for r in others}
         baseline_id = st.selectbox("Baseline run (A); this run is B", list(other_labels),
                                    format_func=lambda i: other_labels[i], key=K(f"compare.{run_id}"))
         baseline = store.get_run(baseline_id)

@@ -100,12 +100,14 @@ def test_compare_runs_one_schema_at_two_versions_and_shows_agreement_flips_and_i
     assert len(matrix) == 12
     case_id = int(matrix["case"].iloc[3])
     assert matrix["open"].iloc[3] == f"/compare?runs={run_v2},{run_v3}&case={case_id}"
-    assert {"team · expected", f"team · #{run_v2} clef-demo · Support ticket routing v2"} <= set(matrix.columns)
+    assert {"state", "team · expected", f"team · #{run_v2}", f"team · #{run_v3}"} <= set(matrix.columns)
 
     # the link of a case opens it, beside every run's answers
     linked = open_page("pages/compare.py", runs=f"{run_v2},{run_v3}", case=str(case_id))
     assert f"Case {case_id}" in [h.value for h in linked.subheader]
     assert sum("`team`:" in m.value for m in linked.markdown) == 2
+    # each run's distribution of each question, as a chart
+    assert len(linked.get("vega_lite_chart")) - len(at.get("vega_lite_chart")) == 2 * len(questions)
 
     # only the cases where the runs disagree
     at.toggle(key="compare.disagree").set_value(True).run()

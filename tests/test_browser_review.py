@@ -122,8 +122,9 @@ def test_import_run_review_with_keyboard_and_export(page, workbench, tmp_path: P
     page.get_by_role("button", name="Start run").click()
     samples = page.locator('[data-testid="stMetric"]', has_text="samples")
     expect(samples).to_contain_text("6", timeout=LONG)
-    for label in ("p50 latency", "p95 latency", "p99 latency", "max latency"):
-        expect(page.locator('[data-testid="stMetric"]', has_text=label)).to_contain_text(re.compile(r"[\d,.]+ ms"))
+    for label in ("p50 compute per record", "p95 compute per record", "p99 compute per record",
+                  "max compute per record", "p50 queue wait"):
+        expect(page.locator('[data-testid="stMetric"]', has_text=label)).to_contain_text(re.compile(r"[\d,.]+ m?s"))
     expect(page.get_by_text(re.compile(r"^Window .* UTC"))).to_be_visible()
     expect(page.locator('[data-testid="stMetric"]', has_text="records/s")).to_contain_text("rec/s")
     with page.expect_download() as download_info:

@@ -258,8 +258,17 @@ def test_the_compare_view_has_every_table_ready_with_links_to_the_cases(tmp_path
 
     assert list(view.matrix["case"]) == ids and list(view.matrix["open"]) == [compare.compare_link(run_ids, c)
                                                                              for c in ids]
-    assert list(view.matrix[f"spam · {a}"]) == ["true", "false", "true", "false"]
+    # promptfoo's grid: the state's first line per row, "answer (confidence)" under a compact header naming the
+    # run (in full on hover), and a pass / fail verdict per cell against the expected answer
+    assert list(view.matrix["state"]) == ["case 0", "case 1", "case 2", "case 3"]
+    spam_a = f"spam · #{run_ids[0]}"
+    assert list(view.matrix[spam_a]) == ["true (0.90)", "false (0.80)", "true (0.60)", "false (0.60)"]
+    assert view.headers[spam_a] == a
     assert list(view.matrix["spam · expected"]) == ["true", "false", "false", "true"]
+    assert list(view.verdicts[spam_a]) == ["pass", "pass", "fail", "fail"]
+    styles = compare.matrix_styles(view.matrix, view.verdicts)
+    assert list(styles[spam_a]) == [compare.VERDICT_STYLES[v] for v in ("pass", "pass", "fail", "fail")]
+    assert set(styles["spam · expected"]) == {""}
     assert view.schema_changes == [(a, b, '~ question "spam", instructions: Is it [-spam?-]{+spam or junk?+}')]
 
     only = compare.build_view(store, run_ids, n_boot=10, disagreements_only=True)

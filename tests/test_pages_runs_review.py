@@ -159,11 +159,12 @@ def test_runs_page_runs_cancels_resumes_and_shows_stats(workbench, monkeypatch):
     at.run()
     ok(at)
     assert store.get_run(run_id)["status"] == "finished"
-    assert at.selectbox(key="runs.selected").format_func(run_id).endswith(" · 12/12"), "the picker's count"
+    assert at.selectbox(key="runs.selected").format_func(run_id).endswith(" · 12/12 · finished"), "the picker's count"
 
     assert metric(at, "samples") == "12"
-    for label in ("p50 latency", "p95 latency", "p99 latency", "max latency"):
-        assert metric(at, label).endswith(" ms")
+    for label in ("p50 compute per record", "p95 compute per record", "p99 compute per record",
+                  "max compute per record", "p50 queue wait"):
+        assert metric(at, label).endswith((" ms", " s"))
     assert metric(at, "records/s").endswith("rec/s") and metric(at, "tokens per record") != "–"
     assert "Window " in texts(at) and "linear interpolation" in texts(at)
     frames = [df.value for df in at.dataframe]
@@ -418,12 +419,11 @@ def test_review_in_blind_mode_and_keeping_the_gold_label(workbench):
     ok(at)
     if gold != item["predicted"]:
         assert f"The case set's expected answer is “{gold}”" in texts(at)
-        button(at, f"Keep “{gold}”").click()  # the reviewer keeps the gold label: nothing is written
+        button(at, f"Keep “{gold}”").click()  # the reviewer keeps the gold label: it is recorded as the answer
         at.run()
-        assert store.get_review_item(item["id"])["status"] == "open"
-        button(at, gold).click()
-        at.run()
-        assert store.get_review_item(item["id"])["label"] == gold
+        ok(at)
+        kept = store.get_review_item(item["id"])
+        assert (kept["status"], kept["label"], kept["reviewer"]) == ("corrected", gold, "ana")
     else:
         assert store.get_review_item(item["id"])["status"] == "accepted"
     assert f"The model had answered “{item['predicted']}”" in texts(at)

@@ -6,6 +6,7 @@ builder, as a draft (the same shape a reload restores), so what the model was as
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlencode
 
@@ -14,6 +15,51 @@ from clef_workbench.store import StoreError
 
 # Decide's max_length choices are the powers of two from 512 to 262,144 tokens; a run's other values are not shown.
 DECIDE_MAX_LENGTHS = {2 ** power for power in range(9, 19)}
+
+
+MISSING_LINKS_SHOWN = 20
+
+
+@dataclass(frozen=True)
+class Missing:
+    """A link to something that is not there: the message naming what was asked for, links to what exists (text,
+    URL; the first MISSING_LINKS_SHOWN, `more` counting the rest), and the first that exists (id, label)."""
+
+    message: str
+    param: str
+    links: list[tuple[str, str]] = field(default_factory=list)
+    more: int = 0
+    first_id: int | None = None
+    first_label: str = ""
+
+
+def missing(what: str, asked: Any, ids: list[int], label: Any, *, param: str) -> Missing:
+    """The "not found" of a link whose `param` names `asked`, a `what` (run, case set) not among `ids`; the links
+    to the existing ones keep the page and change only that parameter."""
+    there = (f"There are {len(ids)}: pick one below." if ids else f"There is no {what} yet.")
+    shown = [(str(label(i)), "?" + urlencode({param: i})) for i in ids[:MISSING_LINKS_SHOWN]]
+    return Missing(f"Not found: the link asks for {what} {asked!s}, which does not exist here (deleted, mistyped, or "
+                   f"in another workbench). {there}", param, shown, max(0, len(ids) - MISSING_LINKS_SHOWN),
+                   ids[0] if ids else None, str(label(ids[0])) if ids else "")
+
+
+def missing_review_item(run_id: int, case_id: Any, question_id: str | None, items: list[dict]) -> Missing:
+    """The "not found" of a Review link whose run has no answer for that case (and question): the items of the
+    run's queue as links."""
+    asked = f"case {case_id}" + (f" · question {question_id}" if question_id else "") + f" of run #{run_id}"
+    there = f"Its review queue has {len(items)} item(s):" if items else "Its review queue is empty."
+    shown = [(f"case {i['case_id']} · {i['question_id']} ({i['status']})",
+              review_url(run_id, i["case_id"], i["question_id"])) for i in items[:MISSING_LINKS_SHOWN]]
+    return Missing(f"Not found: the link asks for {asked}, which has no answer in that run (no such case or "
+                   f"question, or the case failed). {there}", "case", shown,
+                   max(0, len(items) - MISSING_LINKS_SHOWN))
+
+
+def missing_schema(asked: str, slugs: list[str]) -> str:
+    """The "not found" of a Decide link to a library schema (?schema=) that is not in the library."""
+    there = ("The library has: " + ", ".join(f"“{s}”" for s in slugs) + " (open one with the Library picker)."
+             if slugs else "The library is empty.")
+    return f"Not found: the link asks for the schema “{asked}”, which is not in the library. {there}"
 
 
 def decide_url(run_id: int, case_id: int) -> str:

@@ -30,6 +30,7 @@ from clef_workbench.model_loader import (
     shared_manager,
 )
 from clef_workbench.schemas import SchemaLibrary
+from workbench_ui import links
 
 DB_ENV = "CLEF_DB"
 DEFAULT_DB = Path("data") / "workbench.sqlite3"
@@ -417,14 +418,22 @@ def url_int(name: str) -> int | None:
     return int(value) if value is not None and str(value).isdigit() else None
 
 
-def pick_id(ids: list[int], key: str, label: str, format_func: Callable[[int], str], *, param: str) -> int:
+def pick_id(ids: list[int], key: str, label: str, format_func: Callable[[int], str], *, param: str,
+            what: str) -> int | None:
     """A selector of one row (a run, a case set) whose choice is kept across page switches and shared through the
     URL: a session's first visit opens the one the link names (?run=12), and the URL always names the one shown,
-    so the address bar is a link to what is on screen. Falls back to the first (newest) when the kept or linked
-    one no longer exists (deleted, or another database)."""
-    chosen = st.session_state.get(key, st.session_state.get(KEEP_PREFIX + key))
-    if KEEP_PREFIX + key not in st.session_state and url_int(param) is not None:
-        chosen = url_int(param)
+    so the address bar is a link to what is on screen. A link to one that does not exist (deleted, a typo, another
+    database) shows "not found" with what exists, and returns None: it never opens another one in its place nor
+    rewrites the URL. A kept choice deleted since falls back to the first (newest)."""
+    first_visit = KEEP_PREFIX + key not in st.session_state
+    if first_visit and st.query_params.get(param) is not None:
+        linked = url_int(param)
+        if linked not in ids:
+            show_not_found(links.missing(what, st.query_params.get(param), ids, format_func, param=param), key)
+            return None
+        chosen = linked
+    else:
+        chosen = st.session_state.get(key, st.session_state.get(KEEP_PREFIX + key))
     if chosen not in ids:
         chosen = ids[0]
     st.session_state[key] = st.session_state[KEEP_PREFIX + key] = chosen
@@ -433,10 +442,24 @@ def pick_id(ids: list[int], key: str, label: str, format_func: Callable[[int], s
     return value
 
 
-def pick_run(runs: list[dict], key: str, label: Callable[[dict], str]) -> int:
+def show_not_found(missing: links.Missing, key: str | None = None) -> None:
+    """"Not found" for a link: what it asked for, and links to what exists. With `key` (a pick_id selector), a
+    button opens the first that exists instead, when the person asks."""
+    st.error(missing.message, icon=":material/link_off:")
+    if missing.links:
+        st.markdown("\n".join(f"- [{text}]({url})" for text, url in missing.links)
+                    + (f"\n- … and {missing.more} more" if missing.more else ""))
+    if key is not None and missing.first_id is not None and st.button(
+            f"Open {missing.first_label} instead", key=f"{key}.not_found_open", icon=":material/arrow_forward:"):
+        set_widget(key, missing.first_id)
+        st.query_params[missing.param] = str(missing.first_id)
+        st.rerun()
+
+
+def pick_run(runs: list[dict], key: str, label: Callable[[dict], str]) -> int | None:
     """The run selector of the Runs and Review pages (see pick_id; the URL parameter is `run`)."""
     labels = {run["id"]: label(run) for run in runs}
-    return pick_id(list(labels), key, "Run", labels.get, param="run")
+    return pick_id(list(labels), key, "Run", labels.get, param="run", what="run")
 
 
 def set_widget(key: str, value: Any) -> None:

@@ -110,10 +110,23 @@ class Job:
     results: list = field(compare=False, default_factory=list)
     done: int = field(compare=False, default=0)
     per_record: bool = field(compare=False, default=False)  # a failing record's error goes in its result slot
+    timed: bool = field(compare=False, default=False)  # finalize(results, JobTiming) instead of finalize(results)
+    first_batch_at: float | None = field(compare=False, default=None)
+    compute_s: dict = field(compare=False, default_factory=dict)  # record index -> its share of its batch's time
 
     @property
     def tokens(self) -> int:
         return sum(self.lengths)
+
+
+@dataclass(frozen=True)
+class JobTiming:
+    """How the engine spent a job's time: `queued_s` from its submission to the start of its first batch (waiting
+    behind earlier work), and per record `compute_s`, the time of the batch the record ran in times the record's
+    share of that batch's tokens (the records of a batch run together; the tokens are what costs)."""
+
+    queued_s: float
+    compute_s: list[float]
 
 
 @dataclass
@@ -172,9 +185,11 @@ class Scheduler:
         self._thread.start()
 
     def submit(self, records: Sequence, *, priority: str = "interactive", tokens: int | None = None,
-               finalize: Callable[[list], Any] = lambda results: results, per_record: bool = False) -> Future:
-        """Queue `records`; the future resolves to finalize(results of run_batch for these records). `per_record`:
-        a record whose batch fails, alone, has the exception as its result instead of failing the job."""
+               finalize: Callable[..., Any] = lambda results: results, per_record: bool = False,
+               timed: bool = False) -> Future:
+        """Queue `records`; the future resolves to finalize(results of run_batch for these records), or with
+        timed, to finalize(results, JobTiming). `per_record`: a record whose batch fails, alone, has the exception
+        as its result instead of failing the job."""
         if priority not in PRIORITIES:
             raise ValueError(f"priority must be one of {', '.join(PRIORITIES)}")
         future: Future = Future()
@@ -184,10 +199,10 @@ class Scheduler:
         else:  # the caller's count for the whole job, shared out
             lengths = [tokens / max(1, len(records))] * len(records)
         job = Job(PRIORITIES[priority], next(self._sequence), records, lengths, finalize, future,
-                  results=[None] * len(records), per_record=per_record)
+                  results=[None] * len(records), per_record=per_record, timed=timed)
         if not records:
             future.set_running_or_notify_cancel()
-            future.set_result(finalize([]))
+            future.set_result(finalize([], JobTiming(0.0, [])) if timed else finalize([]))
             return future
         with self._condition:
             if self._closed:
@@ -350,6 +365,7 @@ class Scheduler:
         if failed is not None:
             self._isolate(pieces, failed)
             return
+        self._share_time(pieces, started, time.perf_counter() - started)
         offset = 0
         for piece in pieces:
             count = piece.end - piece.start
@@ -375,6 +391,18 @@ class Scheduler:
             self._run([Piece(piece.job, piece.start, middle)])
             self._run([Piece(piece.job, middle, piece.end)])
 
+    @staticmethod
+    def _share_time(pieces: list[Piece], started: float, elapsed: float) -> None:
+        """Give each record of a batch its share of the batch's time, by tokens."""
+        total = sum(piece.job.lengths[i] for piece in pieces for i in range(piece.start, piece.end))
+        count = sum(piece.end - piece.start for piece in pieces)
+        for piece in pieces:
+            job = piece.job
+            if job.first_batch_at is None:
+                job.first_batch_at = started
+            for i in range(piece.start, piece.end):
+                job.compute_s[i] = elapsed * (job.lengths[i] / total if total else 1 / count)
+
     def _call(self, piece: Piece, call: WorkerCall) -> None:
         try:
             result = call.fn()
@@ -392,6 +420,11 @@ class Scheduler:
         if job.done < len(job.records):
             return
         try:
+            if job.timed:
+                timing = JobTiming(queued_s=(job.first_batch_at or job.submitted) - job.submitted,
+                                   compute_s=[job.compute_s.get(i, 0.0) for i in range(len(job.records))])
+                job.future.set_result(job.finalize(job.results, timing))
+                return
             job.future.set_result(job.finalize(job.results))
         except Exception as error:  # noqa: BLE001
             job.future.set_exception(error)
