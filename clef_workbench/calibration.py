@@ -260,7 +260,11 @@ def calibrate_run(store: Store, run_id: int, *, name: str | None = None, min_lab
     reports = calibrate(frame, min_labelled=min_labelled, folds=folds)
     if not any(r.calibration for r in reports):
         raise CalibrationRefused("; ".join(f"{r.question_id}: {r.refused}" for r in reports))
-    name = name or f"{run['schema_name']} · {run['model_id']} · run {run_id}"
+    if name is None:  # a run calibrated again (other folds or labels since) gets the next free number
+        taken = {c["name"] for c in store.list_calibrations()}
+        base = f"{run['schema_name']} · {run['model_id']} · run {run_id}"
+        name = next(candidate for candidate in (base, *(f"{base} ({n})" for n in range(2, len(taken) + 3)))
+                    if candidate not in taken)
     return store.save_calibration(name, run, calibration_payload(reports)), reports
 
 

@@ -81,6 +81,27 @@ def reliability_diagram(bins: pd.DataFrame, question_id: str) -> alt.LayerChart:
     return (diagonal + line + points).properties(width=220, height=220, title=f"Reliability: {question_id}")
 
 
+def reliability_before_after(before: pd.DataFrame, after: pd.DataFrame, question_id: str) -> alt.LayerChart:
+    """Two reliability curves of one question on the same held-out cases: the model's own probabilities and the
+    calibrated ones, with the diagonal of perfect calibration."""
+    data = pd.concat([before.assign(probabilities="raw"), after.assign(probabilities="calibrated (held out)")])
+    data = data[data["count"] > 0]
+    diagonal = alt.Chart(pd.DataFrame({"x": [0.0, 1.0], "y": [0.0, 1.0]})).mark_line(
+        color=OTHER_COLOR, strokeDash=[4, 3]).encode(x="x:Q", y="y:Q")
+    color = alt.Color("probabilities:N", scale=alt.Scale(domain=["raw", "calibrated (held out)"],
+                                                        range=[OTHER_COLOR, CHOSEN_COLOR]),
+                      legend=alt.Legend(orient="bottom", title=None))
+    base = alt.Chart(data).encode(
+        x=alt.X("mean_confidence:Q", scale=alt.Scale(domain=[0, 1]), title="mean confidence"),
+        y=alt.Y("accuracy:Q", scale=alt.Scale(domain=[0, 1]), title="accuracy"), color=color)
+    points = base.mark_circle(opacity=0.9).encode(
+        size=alt.Size("count:Q", legend=None),
+        tooltip=["probabilities", "count", alt.Tooltip("mean_confidence:Q", format=".3f"),
+                 alt.Tooltip("accuracy:Q", format=".3f")])
+    return (diagonal + base.mark_line() + points).properties(width=220, height=240,
+                                                           title=f"Reliability: {question_id}")
+
+
 def shift_histogram(shifts: pd.DataFrame) -> alt.Chart:
     """Histogram of per-option probability changes p_B − p_A between two runs."""
     data = shifts if not shifts.empty else pd.DataFrame({"shift": pd.Series(dtype=float)})

@@ -10,7 +10,7 @@ import re
 import streamlit as st
 
 from clef_engine import DEFAULT_MAX_LENGTH
-from clef_workbench import casesets, run_charts, stats
+from clef_workbench import calibration, casesets, run_charts, stats
 from clef_workbench.answers import option_table, probability_chart
 from clef_workbench.jobs import EngineUnreachableError, JobAlreadyRunningError, check_engine
 from clef_workbench.model_loader import request_model_name
@@ -411,6 +411,26 @@ def render_results(run_id: int, live: bool) -> None:
         for index, question_id in enumerate(summary["question_id"]):
             result = stats.calibration(frame, question_id)
             diagram_cols[index % 3].altair_chart(run_charts.reliability_diagram(result["bins"], question_id))
+        fitted_key = K(f"calibration.{run_id}")
+        if st.button("Fit a calibration on these labelled cases", key=K(f"calibrate.{run_id}"),
+                     icon=":material/tune:", help="Per question: Platt scaling (yes/no) or a temperature (choice, "
+                     "score), judged on held-out cases (5-fold); kept for this schema and model, and offered on "
+                     "Decide and in Review's rules"):
+            try:
+                calibration_id, reports = calibration.calibrate_run(store, run_id)
+            except (calibration.CalibrationRefused, StoreError) as exc:
+                st.warning(f"Not calibrated: {exc}")
+            else:
+                st.session_state[fitted_key] = (store.get_calibration(calibration_id)["name"], reports)
+        if fitted := st.session_state.get(fitted_key):
+            name, reports = fitted
+            st.success(f"Kept as calibration “{name}”. ECE and Brier after: on cases each fold's fit did not see; "
+                       "[95% bootstrap interval].")
+            st.dataframe(calibration.summary_table(reports), hide_index=True)
+            after_cols = st.columns(3)
+            for index, report in enumerate(r for r in reports if r.calibration is not None):
+                after_cols[index % 3].altair_chart(run_charts.reliability_before_after(
+                    report.bins_before, report.bins_after, report.question_id))
 
     st.subheader("Slowest and least confident cases")
     cols = st.columns(2)
