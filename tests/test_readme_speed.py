@@ -41,6 +41,10 @@ def test_the_table_says_which_targets_a_run_misses():
     # the side-by-side run supports every single-record ratio and time: only our own run's numbers decide
     for entry in release["single"].values():
         entry["ours_p50_ms"] = 1.0
+    for entry in results["user_path"].values():
+        entry["ours_p95_ms"] = entry["ours_p50_ms"]
+    results["interactive_during_batch"] = {"loaded_p95_ms": 129.2, "idle_p95_ms": 94.8}
+    results["batch_run"].update(workbench_tokens_per_s=11_971, engine_tokens_per_s=12_027)
     assert _missed(render(results, release)) == [
         "| 256 cases through the workbench's JobRunner + SQLite / `decide_many`"]
     results["batch_run"]["workbench_tokens_per_s"] = 12_500
@@ -68,3 +72,10 @@ def test_readme_long_records_table_matches_its_results_file_and_says_what_it_mis
     rows = {row.split(" | ")[0]: row for row in render_long(results).splitlines()}
     assert rows["| ~64k (67,448 tokens)"].endswith("| yes |")
     assert rows["| ~32k (33,792 tokens)"].endswith("| **no** |")
+
+
+def test_a_section_the_run_did_not_measure_is_said_not_filled_in():
+    results, release = _results()
+    results["interactive_during_batch"] = {}
+    row = next(line for line in render(results, release).splitlines() if "during a batch run" in line)
+    assert "not measured in this run" in row and row.endswith("| **not measured** |")
