@@ -12,6 +12,7 @@ import csv
 import io
 import re
 import zipfile
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -258,7 +259,7 @@ def guess_expected_columns(columns: list[str], question_ids: list[str]) -> dict[
     return guessed
 
 
-def suggested_state_columns(columns: list[str], used: set[str], question_ids: list[str] = ()) -> list[str]:
+def suggested_state_columns(columns: list[str], used: set[str], question_ids: Sequence[str] = ()) -> list[str]:
     """Columns the model should read: those not mapped to answers, tags or media and not named like an answer."""
     label_like = set(label_like_columns(columns, question_ids))
     return [c for c in columns if c.strip() and c not in used and c not in label_like]

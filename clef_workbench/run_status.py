@@ -57,7 +57,7 @@ def run_outcome(run: dict, results: list[dict]) -> RunOutcome:
     if status == "finished" and failed and len(failed) == done:
         # recorded as finished by an older workbench: no case has an answer, so it failed
         return RunOutcome("failed", "error", len(failed), first_error, ids,
-                          f"The run failed: {every_case_failed_message(len(failed), first_error)}.")
+                          f"The run failed: {every_case_failed_message(len(failed), str(first_error))}.")
     if status == "finished" and failed:
         return RunOutcome(FINISHED_WITH_ERRORS, "warning", len(failed), first_error, ids,
                           f"Finished with errors: {len(failed)} of {total} cases failed; the first error: "

@@ -6,7 +6,7 @@ from __future__ import annotations
 import sqlite3
 from typing import Any
 
-from clef_workbench.store.base import DuplicateNameError, NotFoundError, StoreBase, _dumps, _loads, now_iso
+from clef_workbench.store.base import DuplicateNameError, NotFoundError, StoreBase, _dumps, _loads, inserted_id, now_iso
 
 
 class CalibrationsMixin(StoreBase):
@@ -26,7 +26,7 @@ class CalibrationsMixin(StoreBase):
                    created_at) VALUES (?, ?, ?, ?, ?, ?, ?)""",
                 (name, run["id"], run["schema_name"], run.get("schema_version_id"), run["model_id"],
                  _dumps(payload), now_iso()))
-            return int(cur.lastrowid)
+            return inserted_id(cur)
 
     def get_calibration(self, calibration_id: int | None = None, *, name: str | None = None) -> dict:
         column, value = ("id", calibration_id) if name is None else ("name", name)
@@ -37,7 +37,7 @@ class CalibrationsMixin(StoreBase):
 
     def list_calibrations(self, *, schema_name: str | None = None, model_id: str | None = None) -> list[dict]:
         """Calibrations, newest first, optionally only those for one schema and/or model."""
-        query, args = "SELECT * FROM calibrations WHERE 1 = 1", []
+        query, args = "SELECT * FROM calibrations WHERE 1 = 1", list[str]()
         if schema_name is not None:
             query, args = query + " AND schema_name = ?", [*args, schema_name]
         if model_id is not None:
