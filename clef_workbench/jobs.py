@@ -285,7 +285,12 @@ class JobRunner:
         if not chunk.valid:
             return chunk
         chunk.began = time.perf_counter()
-        chunk.future = self._with_busy_retry(lambda: self._send(engine, [r for _, r in chunk.valid], settings), job)
+        try:
+            chunk.future = self._with_busy_retry(lambda: self._send(engine, [r for _, r in chunk.valid], settings),
+                                                 job)
+        except ClefError as exc:  # the engine refused the whole chunk (an endpoint that stopped): each case's error
+            chunk.future = Future()
+            chunk.future.set_result([exc] * len(chunk.valid))
         return chunk
 
     @staticmethod
@@ -305,7 +310,10 @@ class JobRunner:
         busy for are sent again, with backoff, like a chunk refused as a whole."""
         if not chunk.valid:
             return chunk.errors
-        outcomes = chunk.future.result()
+        try:
+            outcomes = chunk.future.result()
+        except ClefError as exc:  # the whole chunk failed on the engine: each of its cases gets that error
+            outcomes = [exc] * len(chunk.valid)
         for attempt in range(BUSY_RETRIES - 1):
             busy = [i for i, outcome in enumerate(outcomes) if isinstance(outcome, BusyError)]
             if not busy or job.cancel.is_set():

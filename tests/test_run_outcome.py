@@ -48,8 +48,24 @@ class FailingEngine:
                 raise ClefError(f"engine fault on {request['state']!r}")
 
     def submit(self, requests: list[dict], **options) -> Future:
-        self._refuse(requests)
-        return self.engine.submit(requests, **options)
+        if options.get("errors") != "return":
+            self._refuse(requests)
+            return self.engine.submit(requests, **options)
+        # as the engines do with errors="return": a failing request's slot holds its error, the others their answers
+        failing = {i for i, request in enumerate(requests) if any(w in str(request["state"]) for w in self.failing)}
+        good = [request for i, request in enumerate(requests) if i not in failing]
+        outcomes: Future = Future()
+
+        def merge(answered: Future) -> None:
+            answers = iter(answered.result())
+            outcomes.set_result([ClefError(f"engine fault on {requests[i]['state']!r}") if i in failing
+                                 else next(answers) for i in range(len(requests))])
+
+        if good:
+            self.engine.submit(good, **options).add_done_callback(merge)
+        else:
+            outcomes.set_result([ClefError(f"engine fault on {r['state']!r}") for r in requests])
+        return outcomes
 
     def decide_many(self, requests: list[dict], **options) -> list[dict]:
         self._refuse(requests)
