@@ -13,6 +13,12 @@ if [ ! -f "$stamp" ]; then
   .venv/bin/python -m pip install -q -r "$requirements"
   touch "$stamp"
 fi
+if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && [ ! -f .venv/.installed-fla-0.6.0 ]; then
+  # A CUDA GPU: the engine refuses to start on the slow fallback kernels (CLEF_ALLOW_SLOW_KERNELS=1 allows them), so
+  # the GPU's kernels come with the setup. Not in requirements.txt: they need CUDA.
+  .venv/bin/python -m pip install -q flash-linear-attention==0.6.0
+  touch .venv/.installed-fla-0.6.0
+fi
 if [ "${1:-}" = "--test" ] && [ ! -x /usr/bin/chromium ]; then
   # The browser tests drive Debian's chromium with Playwright (never a browser download).
   SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
