@@ -260,7 +260,9 @@ def test_work_past_the_deadline_stops_in_the_engine(server: ServerProcess, deadl
     """A request the engine cannot finish in time gets 503, and the engine stops working on it at its next layer:
     it is idle again well before the request's whole work (measured on the default server, which has the time to
     answer it) would have been done."""
-    body = {"state": "The parcel never came.", "questions": noul_questions(100)}
+    # ~15k tokens (under the default server's 16,384 ceiling): seconds of work on the tiny CPU model even on an idle
+    # machine, so the half-second deadline always falls inside it (100 questions alone once finished in time)
+    body = {"state": "The parcel never came. " + "It was due on Monday. " * 400, "questions": noul_questions(100)}
     with httpx.Client(base_url=server.url, timeout=300) as http:
         started = time.monotonic()
         assert http.post("/v1/systemone", json=body).status_code == 200
