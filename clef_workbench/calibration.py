@@ -250,6 +250,27 @@ def calibrate_response(maps: dict[str, QuestionCalibration], response: dict) -> 
     return out
 
 
+def for_run(store: Store, run: dict) -> dict | None:
+    """The newest calibration fitted for the run's schema and model (a map only holds for that pair), or None."""
+    return next(iter(store.list_calibrations(schema_name=run["schema_name"], model_id=run["model_id"])), None)
+
+
+def calibrated_results(stored: dict, results: list[dict]) -> list[dict]:
+    """A run's results (`Store.list_results`) with each answer the stored calibration has a map for replaced by its
+    calibrated answer; the rest as they were."""
+    maps = maps_from_payload(stored["payload"])
+    out = []
+    for result in results:
+        response = result.get("response")
+        if response and response.get("answers"):
+            distributions = calibrate_response(maps, response)
+            answers = {qid: calibrated_answer(answer, distributions[qid]) if qid in distributions else answer
+                       for qid, answer in response["answers"].items()}
+            result = {**result, "response": {**response, "answers": answers}}
+        out.append(result)
+    return out
+
+
 class CalibrationRefused(Exception):
     """No question of the run could be calibrated; the message says why for each."""
 
