@@ -1,8 +1,10 @@
 """How long "Why" takes (issue 26): `Engine.explain` of a ~1k-token text record of 32 sentences on Clef-27B- and
 Clef-Flash-shaped engines, and of a 16-region image on the Clef-27B shape, on one H200.
 
-    python bench/explain.py OUT.json                  (CUDA; flash-linear-attention installed; < 5 minutes)
-    BENCH_CPU_SMOKE=1 python bench/explain.py OUT.json   (scaled-down shapes on the CPU: checks the script only)
+    python bench/explain.py [OUT.json]       (CUDA; flash-linear-attention installed; < 5 minutes; default OUT:
+                                              bench/results/<UTC date>-h200-explain.json)
+    python bench/explain.py --smoke OUT.json (or BENCH_CPU_SMOKE=1: scaled-down shapes on the CPU, checks the
+                                              script only; its numbers say nothing about the H200)
 
 Random bf16 weights (bench/build.py) and the tiny release's tokenizer. Per model, one engine at a time (built,
 measured, freed):
@@ -15,12 +17,21 @@ measured, freed):
 - image (Clef-27B only): a 1024×768 photo-like image with a short text state, unit "region": the record and its 16
   painted copies (padded multimodal batches).
 
-CUDA graphs are off (CLEF_CUDA_GRAPHS=0 unless set): an explanation runs packs and padded batches, never a graph.
-Writes OUT.json after every section.
+- shared prefix: how many of the variants' tokens repeat the record's own tokens before the first one the variant
+  changes (the prefix, the media and the state up to the removed segment) — what reusing "the prefix before the
+  first removed segment" as one state could save — and whether the engine reuses it now (it does not: the state
+  cache keys a record's whole state prefix, and only from `min_prefix_tokens` on, so variants that differ inside the
+  state never share an entry).
+
+Each measured section carries its issue-26 target (`target_s`) and whether the p50 met it (`met`). CUDA graphs are
+off (CLEF_CUDA_GRAPHS=0 unless set): an explanation runs packs and padded batches, never a graph. Writes OUT.json
+after every section.
 """
 
 from __future__ import annotations
 
+import argparse
+import datetime
 import gc
 import io
 import json
@@ -40,7 +51,7 @@ os.environ.setdefault("CLEF_CUDA_GRAPHS", "0")
 
 from bench import build  # noqa: E402
 
-SMOKE = os.environ.get("BENCH_CPU_SMOKE") == "1"
+SMOKE = os.environ.get("BENCH_CPU_SMOKE") == "1" or "--smoke" in sys.argv[1:]
 DEVICE = torch.device("cpu" if SMOKE else "cuda")
 DEADLINE = time.perf_counter() + float(os.environ.get("BENCH_DEADLINE_S", "600" if SMOKE else "280"))
 SCALE = 4 if SMOKE else 1  # lengths and image sides divided by this on the CPU
@@ -128,6 +139,31 @@ def batch_vs_alone(engine, request: dict, explained: dict) -> dict:
     return {"max_abs_delta_difference": worst, "segments_checked": CHECKED_SEGMENTS * len(request["questions"])}
 
 
+def shared_prefix(engine, request: dict, unit: str) -> dict:
+    """Of the variants' tokens, how many repeat the record's own before the first token the variant changes."""
+    from clef_engine.explain import segments
+
+    record = engine.encode(request)
+    variant_tokens = shared = 0
+    for location, variant in segments(request, record, unit):
+        ids = engine.encode(variant).input_ids
+        if location["kind"] in ("region", "frame"):
+            # a painted region keeps the token ids but changes every embedding of its image (the vision encoder
+            # attends across the whole image): what is shared is the prefix before the media
+            common = record.token_counts["prefix"]
+        else:
+            common = next((i for i, (a, b) in enumerate(zip(ids, record.input_ids)) if a != b),
+                          min(len(ids), len(record.input_ids)))
+        variant_tokens, shared = variant_tokens + len(ids), shared + common
+    cache = getattr(engine, "state_cache", None) or getattr(engine, "cache", None)
+    stats = cache.stats() if hasattr(cache, "stats") else {}
+    return {"variant_tokens": variant_tokens, "shared_prefix_tokens": shared,
+            "shared_fraction": round(shared / max(1, variant_tokens), 3), "reused_by_engine": False,
+            "why_not": "the state cache keys a record's whole state prefix (prefix + media + state) and takes only "
+                       f"states of at least {stats.get('min_prefix_tokens', 2048)} tokens; a variant differs inside "
+                       "the state, so it never matches the record's entry"}
+
+
 def build_engine(name: str, tiny: Path):
     config = build.clef_config(name, tiny)
     if SMOKE:
@@ -147,6 +183,7 @@ def text(name: str, engine) -> None:
     explained = measured.pop("explained")
     measured["target_s"] = TARGETS_S[name]["text"]
     measured["met"] = measured["p50_s"] <= measured["target_s"]
+    measured["shared_prefix"] = shared_prefix(engine, request, "sentence")
     results[name]["text"] = measured
     save()
     results[name]["text"]["batch_vs_alone"] = batch_vs_alone(engine, request, explained)
@@ -154,22 +191,41 @@ def text(name: str, engine) -> None:
 
 @section("image", needs_s=20)
 def image(name: str, engine) -> None:
-    measured = timed_explain(engine, image_request(), "region")
+    request = image_request()
+    measured = timed_explain(engine, request, "region")
     measured.pop("explained")
+    measured["shared_prefix"] = shared_prefix(engine, request, "region")
     measured["target_s"] = TARGETS_S[name]["image"]
     measured["met"] = measured["p50_s"] <= measured["target_s"]
     results[name]["image"] = measured
 
 
+def parse_args() -> argparse.Namespace:
+    today = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d")
+    parser = argparse.ArgumentParser(prog="python bench/explain.py", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("out", nargs="?", type=Path,
+                        default=Path(__file__).resolve().parent / "results" / f"{today}-h200-explain.json",
+                        help="where the results go (default: %(default)s)")
+    parser.add_argument("--smoke", action="store_true",
+                        help="scaled-down shapes on the CPU (as BENCH_CPU_SMOKE=1): checks that the script runs")
+    args = parser.parse_args()
+    if SMOKE and args.out.resolve().parent == Path(__file__).resolve().parent / "results":
+        parser.error("a smoke run's numbers are not H200 results: give it an OUT.json outside bench/results")
+    return args
+
+
 def main() -> int:
     global OUT
-    OUT = Path(sys.argv[1])
+    OUT = parse_args().out
     OUT.parent.mkdir(parents=True, exist_ok=True)
     from clef_engine.tiny import build_tiny_release
 
     tiny = build_tiny_release(Path(os.environ.get("BENCH_TINY_DIR", tempfile.mkdtemp(prefix="clef-bench-tiny-"))))
     detail = results["detail"]
     detail["command"] = " ".join(sys.argv)
+    detail["targets_s"] = TARGETS_S
+    detail["device"] = "cpu (smoke: scaled-down shapes)" if SMOKE else "cuda"
     if DEVICE.type == "cuda":
         import transformers
 

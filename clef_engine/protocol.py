@@ -220,6 +220,8 @@ class SystemOneRequest(BaseModel):
     x_explain: bool | ExplainOption | None = Field(
         None, description="Add x_explanations: per question, how removing each segment of the evidence moves the "
                           "answered option's probability (server extension)")
+    x_calibration: str | None = Field(
+        None, description="Add x_calibrated: the answers as the named calibration maps them (server extension)")
 
 
 # ---------------------------------------------------------------------------------------------------------------

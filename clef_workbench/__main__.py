@@ -19,15 +19,19 @@ imports a CSV / tab-separated / JSONL / .xlsx file into a case set (created when
 Import tab does. It prints how the file was read and what was imported and skipped, and exits 0 when it imported,
 2 when the input is wrong (nothing imported) and 1 when the store refused.
 
-    python -m clef_workbench calibrate --db DB --run RUN [--name NAME] [--min-labelled N] [--folds K]
+    python -m clef_workbench calibrate --db DB --run RUN [--name NAME] [--min-labelled N] [--folds K] [--export FILE]
+    python -m clef_workbench calibrate --db DB --export FILE
 
 fits a calibration per question on the run's labelled cases (`clef_workbench.calibration`), prints ECE and Brier
 before and after on held-out cases, and keeps it in the store; exits 1 when no question has enough labels.
+`--export FILE` then writes every calibration in the store to FILE, for `clef-engine serve --calibrations FILE`
+(a request's "x_calibration" names one); without --run it only exports.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sqlite3
 import sys
 import time
@@ -79,11 +83,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     calibrate = commands.add_parser(
         "calibrate", help="fit per-question calibration on a run's labelled cases and print before/after")
     calibrate.add_argument("--db", required=True, help="the workbench's SQLite file (CLEF_DB of the workbench)")
-    calibrate.add_argument("--run", required=True, type=int, help="the run whose labelled cases to fit on")
+    calibrate.add_argument("--run", type=int, help="the run whose labelled cases to fit on (required unless --export)")
     calibrate.add_argument("--name", help="name to keep it under (default: schema · model · run)")
     calibrate.add_argument("--min-labelled", type=int, default=calibration.MIN_LABELLED,
                            help="fewest labelled cases a question needs to be fitted")
     calibrate.add_argument("--folds", type=int, default=calibration.FOLDS, help="k of the k-fold held-out check")
+    calibrate.add_argument("--export", type=Path, metavar="FILE",
+                           help="write every stored calibration to FILE for `clef-engine serve --calibrations FILE`")
     imp = commands.add_parser("import", help="import a CSV, tab-separated, JSONL or .xlsx file into a case set")
     imp.add_argument("file", type=Path, help="the file (.csv, .tsv, .txt, .jsonl, .json or .xlsx)")
     imp.add_argument("--db", required=True, help="the workbench's SQLite file (created when missing)")
@@ -302,16 +308,26 @@ def run_command(args: argparse.Namespace) -> int:
 
 
 def calibrate_command(args: argparse.Namespace) -> int:
+    if args.run is None and args.export is None:
+        raise UsageError("name the run to fit on (--run) or a file to export to (--export)")
     store = Store(args.db)
-    try:
-        calibration_id, reports = calibration.calibrate_run(store, args.run, name=args.name,
-                                                            min_labelled=args.min_labelled, folds=args.folds)
-    except (calibration.CalibrationRefused, StoreError) as exc:
-        print(f"python -m clef_workbench calibrate: {exc}", file=sys.stderr)
-        return 1
-    print(calibration.summary_table(reports).to_string(index=False))
-    print(f"calibration {calibration_id} '{store.get_calibration(calibration_id)['name']}' saved "
-          "(ECE and Brier after: on held-out cases; [95% bootstrap interval])")
+    if args.run is not None:
+        try:
+            calibration_id, reports = calibration.calibrate_run(store, args.run, name=args.name,
+                                                                min_labelled=args.min_labelled, folds=args.folds)
+        except (calibration.CalibrationRefused, StoreError) as exc:
+            print(f"python -m clef_workbench calibrate: {exc}", file=sys.stderr)
+            return 1
+        print(calibration.summary_table(reports).to_string(index=False))
+        print(f"calibration {calibration_id} '{store.get_calibration(calibration_id)['name']}' saved "
+              "(ECE and Brier after: on held-out cases; [95% bootstrap interval])")
+    if args.export is not None:
+        document = calibration.export_document(store)
+        try:
+            args.export.write_text(json.dumps(document, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+        except OSError as exc:
+            raise UsageError(f"--export {args.export}: cannot write it ({exc.strerror or exc})") from None
+        print(f"exported {len(document['calibrations'])} calibration(s) to {args.export}")
     return 0
 
 

@@ -22,6 +22,7 @@ import pandas as pd
 from scipy.optimize import minimize, minimize_scalar
 from sklearn.model_selection import KFold
 
+from clef_engine.calibrated import QuestionMap, calibrated_answer
 from clef_workbench import stats
 from clef_workbench.store import Store
 
@@ -44,16 +45,8 @@ class QuestionCalibration:
     temperature: float = 1.0
 
     def apply(self, distribution: dict[str, float]) -> dict[str, float]:
-        """The calibrated distribution (same keys, summing to 1)."""
-        if self.method == "platt":
-            p_true = float(np.clip(distribution["true"], _EPS, 1 - _EPS))
-            z = self.a * np.log(p_true / (1 - p_true)) + self.b
-            calibrated = float(1 / (1 + np.exp(-z)))
-            return {"true": calibrated, "false": 1.0 - calibrated}
-        keys = list(distribution)
-        logits = np.log(np.clip([distribution[k] for k in keys], _EPS, 1.0)) / self.temperature
-        weights = np.exp(logits - logits.max())
-        return dict(zip(keys, (weights / weights.sum()).tolist(), strict=True))
+        """The calibrated distribution (same keys, summing to 1): the arithmetic the HTTP API applies too."""
+        return QuestionMap(self.question_type, self.method, self.a, self.b, self.temperature).apply(distribution)
 
 
 @dataclass
@@ -234,6 +227,18 @@ def maps_from_payload(payload: dict[str, Any]) -> dict[str, QuestionCalibration]
     return {question_id: QuestionCalibration(**params) for question_id, params in payload["questions"].items()}
 
 
+def export_document(store: Store) -> dict[str, Any]:
+    """Every stored calibration in the form `clef-engine serve --calibrations FILE` reads
+    (`clef_engine.calibrated`): by name, its maps and what it was fitted on."""
+    return {"calibrations": {
+        stored["name"]: {"questions": {question_id: {key: params[key] for key in
+                                                     ("question_type", "method", "a", "b", "temperature")}
+                                       for question_id, params in stored["payload"]["questions"].items()},
+                         "schema_name": stored["schema_name"], "model_id": stored["model_id"],
+                         "run_id": stored["run_id"]}
+        for stored in store.list_calibrations()}}
+
+
 def calibrate_response(maps: dict[str, QuestionCalibration], response: dict) -> dict[str, dict[str, float]]:
     """Calibrated distributions of a System One response's answers, by question (questions without a map are left
     out: they are shown raw)."""
@@ -242,6 +247,27 @@ def calibrate_response(maps: dict[str, QuestionCalibration], response: dict) -> 
         question = maps.get(question_id)
         if question is not None and answer.get("type") == question.question_type:
             out[question_id] = question.apply(stats.distribution_of(question.question_type, answer))
+    return out
+
+
+def for_run(store: Store, run: dict) -> dict | None:
+    """The newest calibration fitted for the run's schema and model (a map only holds for that pair), or None."""
+    return next(iter(store.list_calibrations(schema_name=run["schema_name"], model_id=run["model_id"])), None)
+
+
+def calibrated_results(stored: dict, results: list[dict]) -> list[dict]:
+    """A run's results (`Store.list_results`) with each answer the stored calibration has a map for replaced by its
+    calibrated answer; the rest as they were."""
+    maps = maps_from_payload(stored["payload"])
+    out = []
+    for result in results:
+        response = result.get("response")
+        if response and response.get("answers"):
+            distributions = calibrate_response(maps, response)
+            answers = {qid: calibrated_answer(answer, distributions[qid]) if qid in distributions else answer
+                       for qid, answer in response["answers"].items()}
+            result = {**result, "response": {**response, "answers": answers}}
+        out.append(result)
     return out
 
 
@@ -266,19 +292,6 @@ def calibrate_run(store: Store, run_id: int, *, name: str | None = None, min_lab
         name = next(candidate for candidate in (base, *(f"{base} ({n})" for n in range(2, len(taken) + 3)))
                     if candidate not in taken)
     return store.save_calibration(name, run, calibration_payload(reports)), reports
-
-
-def calibrated_answer(answer: dict, distribution: dict[str, float]) -> dict:
-    """A System One answer with `distribution` (calibrated) in place of the model's probabilities, its choice,
-    confidence and score recomputed as the contract defines them (4 decimals)."""
-    if answer["type"] == "noul":
-        return {"type": "noul", "noul": round(distribution["true"], 4)}
-    probabilities = {option: round(distribution[option], 4) for option in answer["probabilities"]}
-    if answer["type"] == "choice":
-        best = max(probabilities, key=lambda option: distribution[option])
-        return {"type": "choice", "choice": best, "confidence": probabilities[best], "probabilities": probabilities}
-    return {**answer, "score": round(sum(int(level) * p for level, p in distribution.items()), 4),
-            "confidence": round(max(distribution.values()), 4), "probabilities": probabilities}
 
 
 def calibrated_response(store: Store, name: str, response: dict) -> tuple[dict, dict]:

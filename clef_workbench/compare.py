@@ -23,14 +23,14 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import combinations
 from typing import Any
 
 import numpy as np
 import pandas as pd
 
-from clef_workbench import schemas, stats
+from clef_workbench import calibration, schemas, stats
 
 DEFAULT_BOOTSTRAP = 1000
 DEFAULT_LEVEL = 0.95
@@ -417,6 +417,8 @@ class CompareView:
     verdicts: pd.DataFrame  # the matrix's shape: "pass" / "fail" for answers with an expected one, else None
     headers: dict[str, str]  # a compact column name ("team · #12") -> the run it shows, in full
     schema_changes: list[tuple[str, str, str]]  # (run a, run b, readable diff) where their schemas differ
+    # with calibrated probabilities: run label → the calibration applied to it (None: none fits, shown raw)
+    calibrations: dict[str, str | None] = field(default_factory=dict)
 
     @property
     def run_ids(self) -> list[int]:
@@ -424,10 +426,20 @@ class CompareView:
 
 
 def build_view(store: Any, run_ids: Sequence[int], *, n_boot: int = DEFAULT_BOOTSTRAP, level: float = DEFAULT_LEVEL,
-               disagreements_only: bool = False) -> CompareView:
+               disagreements_only: bool = False, calibrated: bool = False) -> CompareView:
     """The comparison of runs from the store (ValueError when they cannot be compared: fewer than two, or of
-    different case sets)."""
+    different case sets). `calibrated`: each run's probabilities as the newest calibration fitted for its schema and
+    model maps them (a run without one stays raw), so agreement, metrics, the matrix and the case all read them."""
     runs = load_runs(store, run_ids)
+    applied: dict[str, str | None] = {}
+    if calibrated:
+        mapped = []
+        for run in runs:
+            stored = calibration.for_run(store, run.run)
+            applied[run.label] = None if stored is None else stored["name"]
+            mapped.append(run if stored is None else RunData(run.run, calibration.calibrated_results(stored,
+                                                                                                  run.results)))
+        runs = mapped
     ids = [run.id for run in runs]
     agree = agreement(runs, n_boot=n_boot, level=level)
     agree = agree.assign(
@@ -445,7 +457,7 @@ def build_view(store: Any, run_ids: Sequence[int], *, n_boot: int = DEFAULT_BOOT
         if diff:
             changes.append((a.label, b.label, schemas.diff_text(diff)))
     return CompareView(runs, agree, flipped, side_by_side(metrics(runs, n_boot=n_boot, level=level)), flat,
-                       verdicts, headers, changes)
+                       verdicts, headers, changes, applied)
 
 
 STATE_LINE_CHARS = 80

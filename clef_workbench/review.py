@@ -196,6 +196,31 @@ def item_for_link(store: Store, run_id: int, case_id: int, question_id: str | No
     return next(i for i in record_items(store, run_id, case_id) if i["question_id"] == row.question_id)
 
 
+def shown_answer(store: Store, item: dict, calibration_name: str | None = None) -> dict:
+    """What the card of `item` shows: the model's own distribution of the item's answer as the run recorded it
+    (the item's frozen copy if the run no longer has it), or, with `calibration_name`, that calibration's map of it
+    when it has one for the question. Keys: distribution, predicted, confidence, margin, and `calibration` (the
+    stored calibration, None when the numbers are raw)."""
+    run = store.get_run(item["run_id"])
+    frame = answer_frame([r for r in store.list_results(item["run_id"]) if r["case_id"] == item["case_id"]],
+                         run["schema"])
+    rows = frame[frame["question_id"] == item["question_id"]]
+    raw = rows["distribution"].iloc[0] if not rows.empty else item["distribution"]
+    stored, distribution = None, raw
+    if calibration_name:
+        stored = store.get_calibration(name=calibration_name)
+        question = calibration.maps_from_payload(stored["payload"]).get(item["question_id"])
+        if question is None or question.question_type != item["question_type"]:
+            stored = None  # the calibration has no map for this question: raw, and said so by `calibration` None
+        else:
+            distribution = question.apply(raw)
+    calibrated = calibration.with_distributions(pd.DataFrame([{
+        "question_type": item["question_type"], "expected": None}]), [distribution]).iloc[0]
+    return {"distribution": distribution, "predicted": calibrated["predicted"],
+            "confidence": float(calibrated["confidence"]), "margin": top_two(distribution)[2],
+            "calibration": stored}
+
+
 def record_items(store: Store, run_id: int, case_id: int) -> list[dict]:
     """Every queued item of one record (case) of a run, in the schema's question order, so a reviewer reads the
     record once and answers all its questions on one screen."""

@@ -205,7 +205,17 @@ def progress() -> None:
 if unfinished:
     progress()
 
-view = compare.build_view(store, picked, disagreements_only=st.session_state.get(K("disagree"), False))
+calibrated = st.toggle("Calibrated probabilities", key=K("calibrated"),
+                       help="Each run's probabilities as the newest calibration fitted for its schema and model "
+                            "(Runs → Fit a calibration) maps them; agreement, metrics, the matrix and the case all "
+                            "read them")
+view = compare.build_view(store, picked, disagreements_only=st.session_state.get(K("disagree"), False),
+                          calibrated=calibrated)
+if calibrated:
+    st.info("**Calibrated probabilities** — " + "; ".join(
+        f"{label}: “{name}”" if name else f"{label}: raw (no calibration for its schema and model)"
+        for label, name in view.calibrations.items()) + ". Turn the switch off for the models' own.",
+        icon=":material/tune:")
 
 if view.schema_changes:
     with st.expander(f"The runs' schemas differ ({len(view.schema_changes)} pair(s))", icon=":material/difference:"):

@@ -18,6 +18,7 @@ from clef_workbench.answers import probability_chart
 from clef_workbench.review import ReviewRules
 from clef_workbench.store import ReviewConflictError, StoreError
 from workbench_ui import links
+from workbench_ui import why_view as why
 from workbench_ui.decide_model import FRAME_THUMBNAIL_PX, frame_thumbnail
 from workbench_ui.shell import (
     get_store,
@@ -35,6 +36,7 @@ use_app_navigation()
 
 K = page_key("review")
 MAX_SHORTCUT_OPTIONS = 9
+RAW = "raw (as the model answered)"
 
 st.title("Review")
 store = get_store()
@@ -115,10 +117,18 @@ with st.expander(f"Queue rules for schema “{run['schema_name']}”", expanded=
                                 key=K(f"rules.disagree.{run_id}"))
     picked_questions = st.multiselect("Questions", list(questions), default=saved.questions or list(questions),
                                       key=K(f"rules.questions.{run_id}"))
+    fitted = [c["name"] for c in store.list_calibrations(schema_name=run["schema_name"])]
+    threshold_sources = [RAW, *fitted]
+    read_from = st.selectbox(
+        "Confidence and margin read from", threshold_sources, key=K(f"rules.calibration.{run_id}"),
+        index=threshold_sources.index(saved.calibration) if saved.calibration in fitted else 0,
+        help="A calibration fitted on a run's labelled cases (Runs → Fit a calibration): the thresholds then apply "
+             "to calibrated confidence, how often such answers were right")
     rules = ReviewRules(confidence_below=confidence if use_confidence else None,
                         margin_below=margin if use_margin else None, unknown_option=unknown,
                         disagree_with_expected=disagree,
-                        questions=None if set(picked_questions) == set(questions) else picked_questions)
+                        questions=None if set(picked_questions) == set(questions) else picked_questions,
+                        calibration=read_from if read_from in fitted else None)
     preview = review.preview(store, run_id, rules)
     st.markdown(f"These rules select **{preview['items']} item(s)** in {preview['cases']} case(s); "
                 f"**{preview['new']} new** to the queue.")
@@ -287,16 +297,36 @@ else:
             expected = case["expected"].get(item["question_id"])
             if expected is not None:
                 st.markdown(f"**Expected answer in the case set (gold label):** {review.label_key(expected)}")
+            # Why shows which way each part pushed the answer, so it would give the answer away in blind mode
+            if not blind and st.toggle("Why: highlight what moved this answer", key=K(f"why.{item['id']}"),
+                                       help="Each sentence, field, image region and frame is removed in turn and "
+                                            "the record decided again, in one batched run"):
+                why.render_case_why(K(f"why_result.{run_id}.{item['case_id']}"), model_manager().loaded(), run,
+                                    case, question_id=item["question_id"])
         with body[1]:
             if blind:
                 st.info("The model's answer is hidden: decide from the evidence, then choose below.",
                         icon=":material/visibility_off:")
             else:
-                table = run_charts.distribution_table(question, item["distribution"], item["predicted"])
-                st.markdown("**Model's distribution** (frozen at queue time)")
+                fitted = [c["name"] for c in store.list_calibrations(schema_name=run["schema_name"])]
+                sources = [RAW, *fitted]
+                chosen = st.selectbox("Probabilities", sources, key=K(f"probabilities.{run_id}"),
+                                      index=sources.index(rules.calibration) if rules.calibration in fitted else 0,
+                                      help="The model's own probabilities, or a calibration's map of them") \
+                    if fitted else RAW
+                shown = review.shown_answer(store, item, chosen if chosen in fitted else None)
+                table = run_charts.distribution_table(question, shown["distribution"], shown["predicted"])
+                fitted_on = shown["calibration"]
+                if fitted_on is not None:
+                    st.markdown(f"**Calibrated distribution** · “{chosen}” (fitted on {fitted_on['model_id']}'s "
+                                f"answers in run {fitted_on['run_id']})")
+                else:
+                    st.markdown("**Model's distribution** (raw, as the run recorded it)"
+                                + (f" · “{chosen}” has no map for this question" if chosen in fitted else ""))
                 st.altair_chart(probability_chart(table), width="stretch")
-                st.caption(f"Answer **{item['predicted']}** · confidence {item['confidence']:.3f} · "
-                           f"margin {item['margin']:.3f}")
+                st.caption(f"Answer **{shown['predicted']}** · {'calibrated ' if shown['calibration'] else ''}"
+                           f"confidence {shown['confidence']:.3f} · margin {shown['margin']:.3f}"
+                           + ("; choose raw above for the model's own" if shown["calibration"] else ""))
         pending = st.session_state.get(confirm_key)
         if pending and pending[0] == item["id"]:
             confirm_gold(item, *pending[1:])

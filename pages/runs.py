@@ -18,6 +18,7 @@ from clef_workbench.run_status import run_outcome, status_label
 from clef_workbench.schemas import SchemaError
 from clef_workbench.store import StoreError
 from workbench_ui import links, run_view, units
+from workbench_ui import why_view as why
 from workbench_ui.run_view import fmt_duration_ms
 from workbench_ui.shell import (
     get_engine,
@@ -446,6 +447,11 @@ def render_results(run_id: int, live: bool) -> None:
             for question_id, answer in response["answers"].items():
                 table = option_table(questions.get(question_id, {}), answer)
                 st.altair_chart(probability_chart(table, title=question_id), width="stretch")
+            why_key = K(f"why.{run_id}.{picked_case}")
+            if st.button("Why: compute which parts of this case moved its answers", key=K(f"why_button.{run_id}"),
+                         icon=":material/highlight:", help="Each sentence, field, image region and frame is removed "
+                         "in turn and the case decided again, in one batched run") or why_key in st.session_state:
+                why.render_case_why(why_key, model_manager().loaded(), run, store.get_case(picked_case))
 
     render_export(run, results)
 

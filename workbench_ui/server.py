@@ -3,7 +3,9 @@
 `serve_workbench.py` at the repository root is the launcher (Streamlit finds its `st.App` there); this module
 gives it the API routes. The API answers with the models the workbench has resident (CLEF_MODEL and the sidebar's
 additions; a request's "model" picks one, any other name the default) and says 503 / "ready": false while none is.
-With CLEF_API_KEY set, /v1/* and /metrics require `Authorization: Bearer <key>`.
+With CLEF_API_KEY set, /v1/* and /metrics require `Authorization: Bearer <key>`. A request's "x_calibration" may
+name any calibration in the workbench's store (CLEF_DB), read when a request names one, so one fitted on the Runs
+page is served at once.
 """
 
 from __future__ import annotations
@@ -11,8 +13,11 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from clef_engine.calibrated import Calibration, calibrations_from_export
 from clef_engine.serve.server import routes
+from clef_workbench.calibration import export_document
 from clef_workbench.model_loader import shared_manager
+from clef_workbench.store import Store
 
 APP_SCRIPT = Path(__file__).resolve().parents[1] / "app.py"
 
@@ -23,6 +28,15 @@ def resident_models() -> dict | None:
     return {model.name: model.engine for model in shared_manager().loaded()} or None
 
 
+def stored_calibrations() -> dict[str, Calibration]:
+    """Every calibration in the workbench's store (CLEF_DB, as the pages open it), by name."""
+    from workbench_ui.shell import DB_ENV, DEFAULT_DB
+
+    return calibrations_from_export(export_document(Store(os.environ.get(DB_ENV) or DEFAULT_DB)))
+
+
 def api_routes(api_key: str | None = None) -> list:
-    """The HTTP API's routes over the resident engine; api_key defaults to CLEF_API_KEY."""
-    return routes(resident_models, api_key=api_key if api_key is not None else os.environ.get("CLEF_API_KEY") or None)
+    """The HTTP API's routes over the resident engine and the store's calibrations; api_key defaults to
+    CLEF_API_KEY."""
+    return routes(resident_models, api_key=api_key if api_key is not None else os.environ.get("CLEF_API_KEY") or None,
+                  calibrations=stored_calibrations)

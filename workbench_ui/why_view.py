@@ -6,7 +6,8 @@ fields ranked, a heatmap over each image, the frames of each video. A segment wh
 option's probability (delta < 0) supported the answer ("towards", green); one whose removal raises it worked
 against the answer (red). The strength of a colour is the segment's |delta| over the largest of the question.
 
-`render_why` draws it with Streamlit; everything above it is plain and unit-tested.
+`render_why` draws it with Streamlit, and `render_case_why` explains a stored case of a run (Review's item, the Runs
+page's case view) with the run's model when it is loaded; everything above them is plain and unit-tested.
 """
 
 from __future__ import annotations
@@ -19,7 +20,9 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
+from clef_engine import ClefError
 from clef_engine.model import media
+from clef_workbench.casesets import build_request
 
 TOWARDS = (26, 127, 55)  # green: the segment supports the answer
 AGAINST = (207, 34, 46)  # red: the segment works against it
@@ -45,6 +48,12 @@ def cached_explanation(state: MutableMapping, key: str, engine: Any, request: di
         kept = (identity, explain(engine, request, max_length=max_length, overflow=overflow))
         state[key] = kept
     return kept[1]
+
+
+def model_for_run(models: list, model_id: str) -> Any | None:
+    """Of the resident models (`ModelManager.loaded()`, the default first), the one that produced a run (its
+    request name is the run's model id), else the default; None when none is loaded."""
+    return next((m for m in models if m.name == model_id), models[0] if models else None)
 
 
 def request_images(request: dict) -> list[Image.Image]:
@@ -168,3 +177,30 @@ def render_why(explained: dict, question_id: str, state: Any, images: list[Image
     frames = frame_rows(segments)
     if frames:
         st.dataframe(frames, hide_index=True)
+
+
+def render_case_why(key: str, models: list, run: dict, case: dict, *, question_id: str | None = None) -> None:
+    """Explain a stored case (`Store.get_case`, with media) of `run` as its schema asks, with the run's model if it
+    is resident (else the default, and said so), computed once and kept under `key`; then draw one question's
+    explanation (`question_id`, or a choice of the questions)."""
+    import streamlit as st
+
+    model = model_for_run(models, run["model_id"])
+    if model is None:
+        st.info("Why needs a loaded model: load one in the sidebar.")
+        return
+    request = build_request(case, run["schema"], model=run["model_id"])
+    settings = run.get("settings") or {}
+    try:
+        explained = cached_explanation(st.session_state, key, model.engine, request,
+                                       max_length=settings.get("max_length"),
+                                       overflow=settings.get("overflow") or "refuse")
+    except (ClefError, ValueError) as exc:
+        st.error(f"Why could not be computed: {exc}")
+        return
+    if model.name != run["model_id"]:
+        st.caption(f"Explained by {model.label}: the run's model {run['model_id']} is not loaded here, so these "
+                   "answers may differ from the run's.")
+    if question_id is None:
+        question_id = st.selectbox("Why this answer to", list(explained["answers"]), key=f"{key}.question")
+    render_why(explained, question_id, request["state"], request_images(request))

@@ -3,7 +3,7 @@
     python -m clef_engine serve --model SOURCE [--model SOURCE ...] [--host 127.0.0.1] [--port 8000] [--api-key-env VAR]
                                 [--device cuda|cpu] [--dtype bfloat16|float32] [--revision REV] [--max-body-mb 32]
                                 [--max-queued-records N] [--request-timeout S] [--header-timeout S]
-                                [--keep-alive-timeout S] [--cors-origin ORIGIN ...]
+                                [--keep-alive-timeout S] [--cors-origin ORIGIN ...] [--calibrations FILE]
 
 The models load before the server listens, so once /health answers the server is ready. With several `--model`s
 each keeps its own engine (the local ones share their GPU's queue, taking turns), the first is the default, and a
@@ -14,6 +14,9 @@ before it resident), so a model that does not fit is a clear error, not an out-o
 Connections: a client must send a request's line and headers within --header-timeout seconds of connecting (or of
 its previous answer), an idle keep-alive connection is closed after --keep-alive-timeout seconds, and a body must
 arrive within --request-timeout seconds; slow or silent clients lose their connection, everybody else is answered.
+
+`--calibrations FILE` (written by `python -m clef_workbench calibrate --export FILE`) names the calibrations a
+request's `"x_calibration"` may ask for; the file is read once, at start.
 """
 
 from __future__ import annotations
@@ -77,6 +80,9 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     parser.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
                         help="send CORS headers for this origin (repeatable; '*' for any). Default: no CORS headers, "
                              "so web pages elsewhere cannot read answers")
+    parser.add_argument("--calibrations", default=None, metavar="FILE",
+                        help="calibrations a request's \"x_calibration\" may name, as written by `python -m "
+                             "clef_workbench calibrate --export FILE` (default: none)")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     parser.set_defaults(run=run_serve)
     return parser
@@ -212,6 +218,15 @@ def run_serve(args: argparse.Namespace) -> int:
     if not _is_loopback(args.host) and api_key is None:
         print(f"warning: serving on {args.host} without an API key; anyone who can reach it can use the model",
               file=sys.stderr)
+    calibrations: dict = {}
+    if args.calibrations is not None:
+        from ..calibrated import load_calibrations
+
+        try:
+            calibrations = load_calibrations(args.calibrations)
+        except ValueError as exc:
+            print(f"error: --calibrations {exc}", file=sys.stderr)
+            return 2
     try:
         models = load_models(args)
     except ClefError as exc:  # a missing or broken release, no fast kernels on CUDA, no room: say so, no traceback
@@ -223,7 +238,10 @@ def run_serve(args: argparse.Namespace) -> int:
     allowed_hosts = args.allowed_host or default_allowed_hosts(args.host)
     app = create_app(models, api_key=api_key, max_body_bytes=int(args.max_body_mb * 2**20),
                      request_timeout=args.request_timeout, max_tokens_per_request=args.max_tokens_per_request,
-                     cors_origins=args.cors_origin, allowed_hosts=allowed_hosts)
+                     cors_origins=args.cors_origin, allowed_hosts=allowed_hosts,
+                     calibrations=lambda: calibrations)
+    if calibrations:
+        print(f"calibrations: {', '.join(calibrations)}", file=sys.stderr, flush=True)
     print(f"serving {', '.join(models)} on http://{args.host}:{args.port} (default {next(iter(models))}; auth "
           f"{'on' if api_key else 'off'})", file=sys.stderr, flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,

@@ -45,6 +45,10 @@ Wire contract beyond spec §5:
 - With an API key configured, `/v1/*` and `/metrics` need `Authorization: Bearer KEY`; without one an
   Authorization header is ignored. No CORS headers are sent unless `create_app(cors_origins=...)` asks for them.
 - `create_app(allowed_hosts=...)`: other Host headers get 421 misdirected_request. No path is redirected.
+- Calibration: `"x_calibration": "<name>"` adds `"x_calibrated"`: question id → the answer as that calibration maps
+  it (same shape as the contract's answer; questions it has no map for are left out), beside the contract's own
+  fields, which are unchanged. The names come from the calibration provider (`clef-engine serve --calibrations
+  FILE`, or the workbench's store); a name it does not know is a 422 listing the ones it does.
 """
 
 from __future__ import annotations
@@ -72,6 +76,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route
 
+from ..calibrated import Calibration, CalibrationProvider, calibrate_answers
 from ..errors import BusyError, RequestError, TokenBudgetError
 from ..explain import explaining
 from ..protocol import DEFAULT_MAX_LENGTH, validate_request
@@ -80,6 +85,7 @@ from .bodies import (
     ApiError,
     api_error,
     body_kind,
+    clip,
     decompress,
     invalid,
     name_assets,
@@ -108,15 +114,18 @@ class SystemOneApi:
     """The handlers, bound to an engine provider, an optional key, limits and the metrics they keep."""
 
     def __init__(self, engine_provider: EngineProvider | Any, *, api_key: str | None, max_body_bytes: int,
-                 request_timeout: float = DEFAULT_REQUEST_TIMEOUT, max_tokens_per_request: int | None = None):
+                 request_timeout: float = DEFAULT_REQUEST_TIMEOUT, max_tokens_per_request: int | None = None,
+                 calibrations: CalibrationProvider | None = None):
         """`max_tokens_per_request`: the most tokens one request may buy (None: each engine's token budget, the
-        most it runs in one batch); a request's `x_max_length` may lower it, never raise it."""
+        most it runs in one batch); a request's `x_max_length` may lower it, never raise it. `calibrations`: the
+        calibrations a request's `x_calibration` may name (None: none)."""
         self._provider = engine_provider if callable(engine_provider) and not _looks_like_engine(engine_provider) \
             else (lambda: engine_provider)
         self._key = api_key.encode("utf-8") if api_key else None
         self.max_body_bytes = max_body_bytes
         self.request_timeout = request_timeout
         self.max_tokens_per_request = max_tokens_per_request
+        self._calibrations = calibrations
         self._named: tuple[weakref.ref, str] | None = None  # (engine, its public name): see _name_of
         self.metrics = Metrics(self.models_or_none)
         # Big bodies are parsed in a pool of their own, one at a time per client address: a client sending many
@@ -277,6 +286,8 @@ class SystemOneApi:
             request = await run_in_threadpool(validate_request, {**body, "state": None} if "state" in body else body)
         except RequestError as exc:
             raise _invalid_request(exc, asset_images) from None
+        # a calibration that does not exist is the request's fault, found before any work is paid for
+        calibration = None if request.x_calibration is None else await self._calibration(request.x_calibration)
         ceiling = self.token_ceiling(engine)
         asked = request.x_max_length if request.x_max_length is not None else DEFAULT_MAX_LENGTH
         model, max_length, overflow = request.model, min(asked, ceiling), request.x_overflow
@@ -305,9 +316,19 @@ class SystemOneApi:
             self.metrics.leave()
         response = dict(results[0] if isinstance(results, list) else results)
         response["model"] = model if model is not None else name
+        if calibration is not None:
+            response["x_calibrated"] = calibrate_answers(calibration, response["answers"])
         _check_finite(response)
         self.metrics.count_answer(response)
         return response
+
+    async def _calibration(self, name: str) -> Calibration:
+        known = await run_in_threadpool(self._calibrations) if self._calibrations is not None else {}
+        if name not in known:
+            listed = ", ".join(repr(n) for n in sorted(known)) or "none"
+            raise invalid(["x_calibration"], f"no calibration named {clip(name)!r} on this server; it has: {listed}",
+                          "value_error.calibration")
+        return known[name]
 
     def token_ceiling(self, engine: Any) -> int:
         """The most tokens one request may buy on `engine`: the operator's limit, else the engine's token budget
@@ -516,15 +537,17 @@ async def _http_exception(request: Request, exc: Exception) -> Response:
 
 def routes(engine_provider: EngineProvider | Any, *, api_key: str | None = None,
            max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, request_timeout: float = DEFAULT_REQUEST_TIMEOUT,
-           max_tokens_per_request: int | None = None) -> list[Route]:
+           max_tokens_per_request: int | None = None, calibrations: CalibrationProvider | None = None) -> list[Route]:
     """The API's routes, to mount in another Starlette app (e.g. `st.App(..., routes=routes(get_engine))`).
 
     `engine_provider` is the engine, a mapping name → engine (several models, the default first), or a callable
     returning either (called per request; it may load on first call, e.g. a `st.cache_resource` function, and may
-    raise or return None while no model is loaded).
+    raise or return None while no model is loaded). `calibrations` returns the calibrations by name that a request's
+    `x_calibration` may name (called per request naming one).
     """
     api = SystemOneApi(engine_provider, api_key=api_key, max_body_bytes=max_body_bytes,
-                       request_timeout=request_timeout, max_tokens_per_request=max_tokens_per_request)
+                       request_timeout=request_timeout, max_tokens_per_request=max_tokens_per_request,
+                       calibrations=calibrations)
     return [
         Route("/v1/systemone", api.system_one, methods=["POST"]),
         Route("/v1/models", api.models, methods=["GET"]),
@@ -538,7 +561,8 @@ def routes(engine_provider: EngineProvider | Any, *, api_key: str | None = None,
 def create_app(engine_provider: EngineProvider | Any, *, api_key: str | None = None,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, request_timeout: float = DEFAULT_REQUEST_TIMEOUT,
                max_tokens_per_request: int | None = None, cors_origins: list[str] | None = None,
-               allowed_hosts: Collection[str] | None = None) -> Starlette:
+               allowed_hosts: Collection[str] | None = None,
+               calibrations: CalibrationProvider | None = None) -> Starlette:
     """A standalone Starlette app serving the System One API from `engine_provider`. CORS headers only for the
     origins named in `cors_origins` (none by default: a web page elsewhere gets no readable answer). With
     `allowed_hosts`, a request whose Host header names another host gets 421: a web page whose own name was made to
@@ -553,7 +577,8 @@ def create_app(engine_provider: EngineProvider | Any, *, api_key: str | None = N
                                      expose_headers=["x-typesafe-request-id", "retry-after"]))
     app = Starlette(
         routes=routes(engine_provider, api_key=api_key, max_body_bytes=max_body_bytes,
-                      request_timeout=request_timeout, max_tokens_per_request=max_tokens_per_request),
+                      request_timeout=request_timeout, max_tokens_per_request=max_tokens_per_request,
+                      calibrations=calibrations),
         exception_handlers={HTTPException: _http_exception},
         middleware=middleware,
     )
