@@ -278,7 +278,9 @@ class SystemOneApi:
             kind = body_kind(content_type)
             client = request.client.host if request.client else "?"
             declared = request.headers.get("content-length")
-            if not (declared and declared.isdigit() and int(declared) < PACED_REQUEST_BYTES):
+            size = int(declared) if declared and declared.isdigit() else None
+            # a body over the limit is refused from its Content-Length at once, with no turn to wait for
+            if size is None or PACED_REQUEST_BYTES <= size <= self.max_body_bytes:
                 paced = await self._paced.begin(client, lambda: self._requests_in_flight > 1, self.request_timeout)
             raw = await self._read_body_in_time(request)
             body, asset_images = await self._parse_request(kind, content_type, raw, client)
