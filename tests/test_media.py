@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from PIL import Image
 
 from clef_engine.errors import RequestError
+from clef_engine.model import media
 from clef_engine.model.encoding import VIDEO_PLACEHOLDER, EncodedRecord
 from clef_engine.model.reference import reference_decide
 from clef_engine.protocol import format_answer
@@ -279,3 +280,25 @@ def test_unreadable_image_bytes_are_named_without_python_internals(tiny_engine, 
     assert [p.loc for p in error.problems] == [("images", 0)]
     assert "PNG, JPEG or WebP" in str(error)
     assert "0x" not in str(error) and "BytesIO" not in str(error)
+
+
+def test_decoded_h264_frames_are_the_plain_decoders_bit_for_bit():
+    """The decoder runs with its own threads: the sampled frames are still exactly what a plain single-threaded
+    decode of every frame gives (H.264 with B-frames and several keyframes, the common camera and screen case)."""
+    import av
+
+    buffer = io.BytesIO()
+    with av.open(buffer, mode="w", format="mp4") as container:
+        stream = container.add_stream("libx264", rate=25)
+        stream.width, stream.height, stream.pix_fmt = 96, 64, "yuv420p"
+        stream.options = {"g": "12", "bf": "2"}
+        for image in frames(60, 64, 96, seed=7):
+            for packet in stream.encode(av.VideoFrame.from_ndarray(image, format="rgb24")):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+    data = buffer.getvalue()
+    decoded, _ = all_frames(data)
+    video = media.decode_video(data, lambda total, fps: list(range(1, total, 7)))
+    assert video.frame_indices == list(range(1, 60, 7))
+    assert np.array_equal(video.frames, decoded[video.frame_indices])

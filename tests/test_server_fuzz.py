@@ -29,7 +29,7 @@ FUZZ_EXAMPLES = 1000
 # What an answer must never show: library and Python internals (a client can do nothing with them).
 INTERNAL_NAMES = re.compile(r"Traceback|set_int_max_str_digits|\[Errno|InvalidDataError|PngImagePlugin|MAX_TEXT_CHUNK|"
                             r"MemoryError|'None'|<class |object at 0x|UnidentifiedImageError|BadGzipFile|zlib|"
-                            r"while decompressing")
+                            r"while decompressing|BrokenProcessPool|_RemoteTraceback|concurrent\.futures")
 MAX_422_BYTES = 64 * 1024
 PNG_OK = png(8, 8)
 MEDIA = {

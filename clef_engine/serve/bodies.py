@@ -429,3 +429,10 @@ def name_assets(problems: list[dict], sources: dict[int, str]) -> list[dict]:
     return named
 
 
+
+
+def request_from_json_file(path: str, parts: dict[str, tuple[str | None, bytes]]) -> tuple[dict, dict[int, str]]:
+    """`request_from_json` of a body spooled to a file: what the big-body worker processes run."""
+    with open(path, "rb") as file:
+        raw = file.read()
+    return request_from_json(raw, parts)
