@@ -22,6 +22,7 @@ from __future__ import annotations
 import copy
 import re
 import time
+from collections.abc import Mapping
 from concurrent.futures import Future
 from typing import Any
 
@@ -31,7 +32,7 @@ from PIL import Image
 from .errors import Problem, RequestError, TokenBudgetError
 from .model import media
 from .model.encoding import EncodedRecord, render
-from .protocol import EXPLAIN_UNITS
+from .protocol import EXPLAIN_UNITS, prepared
 
 UNITS = EXPLAIN_UNITS
 MEDIA_UNITS = ("region", "frame")
@@ -108,7 +109,7 @@ def check_unit(unit: Any) -> str | None:
                                 "literal_error")])
 
 
-def segments(request: dict, record: EncodedRecord, unit: str | None = None) -> list[tuple[dict, dict]]:
+def segments(request: Mapping[str, Any], record: EncodedRecord, unit: str | None = None) -> list[tuple[dict, dict]]:
     """(location, the request without that segment) for every segment of the request. `unit` None: sentences of a
     text state or fields of a JSON state, plus the regions of every image and the frames of every video; else only
     that kind. Text segments (sentences, lines, fields) come first, then media ones. Media in the variants are the
@@ -210,8 +211,9 @@ def submit_explanation(engine, request: dict, unit: str | None = None, *, priori
         raise RequestError([Problem(("x_explain",), "this model answers through a remote endpoint; explanations "
                                                     "need a model loaded here")])
     check_unit(unit)
-    record = engine.encode(request, max_length=max_length, overflow=overflow)
-    found = segments(request, record, unit)
+    valid = prepared(request, max_length=max_length, overflow=overflow)
+    record = engine.encode(valid)
+    found = segments(valid.request, record, unit)
     text_variants = [variant for location, variant in found if location["kind"] not in MEDIA_UNITS]
     media_variants = [variant for location, variant in found if location["kind"] in MEDIA_UNITS]
     budget, variants = explain_budget(engine), len(found)
@@ -220,13 +222,13 @@ def submit_explanation(engine, request: dict, unit: str | None = None, *, priori
     fixed = len(record) - record.token_counts["state"]
     check_cost(len(record), variants, len(record) * (1 + len(media_variants)) + fixed * len(text_variants), budget,
                at_least=bool(text_variants))
-    text_records = [engine.encode(v, max_length=max_length, overflow=overflow) for v in text_variants]
+    text_records = [engine.encode(valid.with_evidence(v)) for v in text_variants]
     check_cost(len(record), variants, len(record) * (1 + len(media_variants)) + sum(map(len, text_records)), budget)
     records = [record, *text_records,
-               *[engine.encode(v, max_length=max_length, overflow=overflow) for v in media_variants]]
+               *[engine.encode(valid.with_evidence(v)) for v in media_variants]]
 
     def respond(probabilities: list) -> list[dict]:
-        response = engine.response(request, record, probabilities[0], (time.perf_counter() - started) * 1000)
+        response = engine.response(valid, record, probabilities[0], (time.perf_counter() - started) * 1000)
         response["x_explanations"] = explanations(record, found, probabilities)
         response["x_explain_tokens"] = sum(len(r) for r in records[1:])
         return [response]

@@ -53,7 +53,7 @@ import httpcore
 import httpx
 
 from .errors import BusyError, CancelledError, ClefError, Problem, RequestError, TokenBudgetError
-from .protocol import parse_questions, sniff_content_type
+from .protocol import ValidRequest, prepare, sniff_content_type
 
 API_KEY_ENV = "CLEF_API_KEY"
 SYSTEM_ONE_PATH = "/v1/systemone"
@@ -510,12 +510,15 @@ class RemoteEngine:
 
     # ---- requests ---------------------------------------------------------------------------------------------
 
-    def validate(self, request: Any) -> None:
-        """Raise RequestError if `request` breaks the System One contract as this package reads it (no network; the
-        endpoint may refuse more, which decide reports as a RemoteRequestError)."""
-        parse_questions(request)
+    def validate(self, request: Any, *, max_length: int | None = None, overflow: str | None = None) -> ValidRequest:
+        """`request` validated once against the System One contract as this package reads it (no network; the
+        endpoint may refuse more, which decide reports as a RemoteRequestError), as `submit` takes it: raises
+        RequestError naming every problem. See protocol.prepare for the budget."""
+        return prepare(request, max_length=max_length, overflow=overflow)
 
     def _body(self, request: Any, max_length: int | None, overflow: str) -> bytes:
+        if isinstance(request, ValidRequest):  # validated where it entered; it carries its own budget
+            request, max_length, overflow = dict(request.request), request.max_length, request.overflow
         if not isinstance(request, dict):
             raise RequestError([Problem((), "the request must be a JSON object", "type_error.dict")])
         body = media_for_wire(request)
@@ -580,6 +583,8 @@ class RemoteEngine:
                 bodies.append(error)
         futures = []
         for request, body in zip(requests, bodies):
+            if isinstance(request, ValidRequest):
+                request = request.request
             if isinstance(body, ClefError):
                 future: Future = Future()
                 future.set_exception(body)

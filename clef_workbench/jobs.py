@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from clef_engine.errors import BusyError, ClefError
+from clef_engine.protocol import ValidRequest
 from clef_workbench.casesets import build_request
 from clef_workbench.run_status import every_case_failed_message
 from clef_workbench.store import Store, new_lease_owner, now_iso
@@ -43,7 +44,8 @@ LEASE_TTL_S = 30.0
 class DecisionEngine(Protocol):
     """The part of clef_engine.Engine a batch run uses."""
 
-    def validate(self, request: dict) -> None: ...
+    def validate(self, request: dict, *, max_length: int | None = None,
+                 overflow: str | None = None) -> ValidRequest: ...
 
     def decide_many(self, requests: list[dict], *, max_length: int | None = None, overflow: str = "refuse",
                     priority: str = "bulk", errors: str = "raise") -> list[Any]: ...
@@ -67,7 +69,7 @@ class _Chunk:
     """One chunk of a run between its submission to the engine and its results."""
 
     started_at: str
-    valid: list[tuple[int, dict]] = field(default_factory=list)  # (case id, request) sent to the engine
+    valid: list[tuple[int, ValidRequest]] = field(default_factory=list)  # (case id, request) sent to the engine
     errors: list[dict] = field(default_factory=list)  # cases refused before the engine
     future: Future | None = None
     began: float = 0.0
@@ -275,13 +277,14 @@ class JobRunner:
         chunk = _Chunk(started_at=now_iso())
         for case in self.store.get_cases(case_ids):
             request = build_request(case, run["schema"], model=run["model_id"])
-            try:
-                engine.validate(request)
+            try:  # validated here, once: the engine encodes the ValidRequest under the run's budget as it is
+                valid = engine.validate(request, max_length=settings.get("max_length"),
+                                        overflow=settings.get("overflow", "refuse"))
             except ClefError as exc:  # a bad case is recorded as an error result, the run goes on
                 chunk.errors.append({"case_id": case["id"], "error": f"{type(exc).__name__}: {exc}",
                                      "started_at": chunk.started_at, "finished_at": now_iso()})
                 continue
-            chunk.valid.append((case["id"], request))
+            chunk.valid.append((case["id"], valid))
         if not chunk.valid:
             return chunk
         chunk.began = time.perf_counter()
@@ -294,7 +297,7 @@ class JobRunner:
         return chunk
 
     @staticmethod
-    def _send(engine: DecisionEngine, requests: list[dict], settings: dict) -> Future:
+    def _send(engine: DecisionEngine, requests: list[ValidRequest], settings: dict) -> Future:
         """Queue requests on the engine with an answer or an error per request (errors="return"): a case over the
         token budget is an error result and the rest of its chunk runs as it would have without it."""
         options = {"max_length": settings.get("max_length"), "overflow": settings.get("overflow", "refuse"),
@@ -328,7 +331,7 @@ class JobRunner:
                                             (time.perf_counter() - chunk.began) * 1000)
 
     @staticmethod
-    def _results(valid: list[tuple[int, dict]], outcomes: list[Any], started_at: str, wall_ms: float) -> list[dict]:
+    def _results(valid: list[tuple[int, Any]], outcomes: list[Any], started_at: str, wall_ms: float) -> list[dict]:
         """One result per case from the engine's outcomes (a response, or the case's own error)."""
         finished_at = now_iso()
         out = []

@@ -59,6 +59,7 @@ import time
 import uuid
 import weakref
 from collections.abc import Callable, Collection, Mapping
+from dataclasses import replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -74,7 +75,7 @@ from starlette.routing import Route
 
 from ..errors import BusyError, RequestError, TokenBudgetError
 from ..explain import explaining
-from ..protocol import DEFAULT_MAX_LENGTH, validate_request
+from ..protocol import DEFAULT_MAX_LENGTH, ValidRequest, prepare
 from . import openapi
 from .bodies import (
     ApiError,
@@ -270,20 +271,20 @@ class SystemOneApi:
     async def _decide(self, engine: Any, name: str, body: dict, asset_images: dict[int, str]) -> dict:
         record = {k: body[k] for k in ENGINE_FIELDS if k in body}
         _check_media(record, skip_images=set(asset_images))
-        # The contract's models say what a valid request is (the 422 body lists every problem). The state is left
-        # out here: the engine's encoder validates the whole request again, and any parsed JSON is a valid state,
-        # while walking a large state takes seconds. In the thread pool: media strings can be large too.
+        # The contract's models say what a valid request is (the 422 body lists every problem): validated here, once,
+        # and handed to the engine as a ValidRequest, which it encodes without validating again. In the thread pool:
+        # a large state or large media strings take a while to walk.
         try:
-            request = await run_in_threadpool(validate_request, {**body, "state": None} if "state" in body else body)
+            valid = await run_in_threadpool(prepare, body)
         except RequestError as exc:
             raise _invalid_request(exc, asset_images) from None
         ceiling = self.token_ceiling(engine)
-        asked = request.x_max_length if request.x_max_length is not None else DEFAULT_MAX_LENGTH
-        model, max_length, overflow = request.model, min(asked, ceiling), request.x_overflow
+        asked = valid.max_length if valid.max_length is not None else DEFAULT_MAX_LENGTH
+        # the engine (and an endpoint a remote engine forwards to) gets the engine's fields, under this server's budget
+        request = replace(valid, request=record).with_budget(min(asked, ceiling), valid.overflow)
         self.metrics.enter()
         try:
-            results = await self._run_in_time(explaining(engine, request.x_explain), record, max_length=max_length,
-                                              overflow=overflow)
+            results = await self._run_in_time(explaining(engine, valid.explain), request)
         except RequestError as exc:  # what only encoding finds: media that cannot be decoded
             raise _invalid_request(exc, asset_images) from None
         except TokenBudgetError as exc:
@@ -304,7 +305,7 @@ class SystemOneApi:
         finally:
             self.metrics.leave()
         response = dict(results[0] if isinstance(results, list) else results)
-        response["model"] = model if model is not None else name
+        response["model"] = valid.model if valid.model is not None else name
         _check_finite(response)
         self.metrics.count_answer(response)
         return response
@@ -317,14 +318,14 @@ class SystemOneApi:
         budget = getattr(getattr(engine, "config", None), "token_budget", None)
         return budget if isinstance(budget, int) and budget > 0 else DEFAULT_MAX_LENGTH
 
-    async def _run_in_time(self, engine: Any, record: dict, **options: Any) -> list:
+    async def _run_in_time(self, engine: Any, request: ValidRequest) -> list:
         """Encode (in the thread pool: tokenizer, media decoding) and wait for the GPU worker, all within
         `request_timeout`. Past it the request is answered at once and its work abandoned: cancelled if queued,
         stopped between layers if running (the engine's `abandon`); encoding already running in a thread cannot be
         interrupted, so its work is abandoned as soon as it is queued."""
         deadline = time.monotonic() + self.request_timeout
         submitting = asyncio.ensure_future(
-            run_in_threadpool(engine.submit, [record], priority="interactive", **options))
+            run_in_threadpool(engine.submit, [request], priority="interactive"))
         try:
             future: concurrent.futures.Future = await asyncio.wait_for(asyncio.shield(submitting),
                                                                        self.request_timeout)
