@@ -29,15 +29,16 @@ import torch
 from .config import EngineConfig
 from .errors import ClefError, RequestError, TokenBudgetError
 from .explain import explain as explain_request
+from .explain import submit_explanation as explanation_future
 from .fast import kernels
 from .fast.cache import PrefixCache, StateCache
 from .fast.graphs import HeadGraphs, PrefillGraphs
 from .fast.packed import PackedBackbone, chunked_head_inputs, pack_ids
-from .model import backbone, release
+from .model import backbone, media, release
 from .model.encoding import DEFAULT_MAX_LENGTH, EncodedRecord, Encoder
 from .model.head import JointSchemaHead, head_attention_kernel, layout, load_head, option_probabilities
 from .protocol import ValidRequest, format_answer, prepare, prepared
-from .serve.scheduler import PRIORITIES, BatchAbandoned, JobTiming, Scheduler, device_turn
+from .scheduler import PRIORITIES, BatchAbandoned, JobTiming, Scheduler, device_turn
 from .tiny import is_demo_release
 
 LAYERS_AHEAD = 1  # in a bulk batch, how many layers the host may launch ahead of the GPU
@@ -231,6 +232,20 @@ class Engine:
         explain.py."""
         return explain_request(self, request, unit, max_length=max_length, overflow=overflow)
 
+    def submit_explanation(self, request: Any, unit: str | None = None, *, priority: str = "interactive",
+                           max_length: int | None = None, overflow: str = "refuse") -> Future:
+        """`explain` as a future (what the HTTP server waits on within its deadline)."""
+        return explanation_future(self, request, unit, priority=priority, max_length=max_length, overflow=overflow)
+
+    def sample_video_frames(self, video: bytes) -> media.Video:
+        """The frames of a video file the video processor samples, what the model reads (T×H×W×3 uint8, fps, source
+        frame indices, source frame count). Raises MediaError when the video cannot be decoded."""
+        return media.load_video(video, self.encoder.video_sample_indices)
+
+    def queue_position(self, future: Future) -> int | None:
+        """Jobs ahead of `future` (from `submit`) in the GPU queue; None once it runs."""
+        return self.scheduler.position(future)
+
     def response(self, request: ValidRequest, record: EncodedRecord, probabilities: list[list[float]],
                  latency_ms: float, *, compute_ms: float | None = None, queue_ms: float | None = None) -> dict:
         """One System One response. Beside the answers: `x_latency_ms`, from submission to the answer (queueing
@@ -250,6 +265,11 @@ class Engine:
 
     def queue_depth(self) -> int:
         return self.scheduler.queue_depth()
+
+    def limit_queue(self, records: int) -> None:
+        """Refuse (BusyError) a submission that would leave more than `records` records waiting; takes effect at
+        once, since the scheduler reads the bound on every submit."""
+        self.scheduler.max_queued_records = max(1, records)
 
     # ---- the GPU worker: one scheduler batch at a time ----------------------------------------------------------
 

@@ -277,8 +277,8 @@ class RayJobRunner(JobRunner):
             pool = self.pool
             if pool is None:
                 connect(self.address or "auto")
-                pool = ReplicaPool.start(engine.release.source, revision=engine.release.revision,
-                                         replicas=self.replicas)
+                info = engine.info()  # the replicas load the release the local engine has loaded
+                pool = ReplicaPool.start(info["model"], revision=info["revision"], replicas=self.replicas)
                 job.session_started = time.monotonic()  # the rate (and ETA) counts computing, not loading
             try:
                 self._stream(run_id, pool, job)

@@ -303,17 +303,13 @@ def test_run_queued_reports_queue_position_then_running():
     import threading
     from concurrent.futures import Future
 
-    class FakeScheduler:
-        def __init__(self):
-            self.positions = [2, 1, None]
-
-        def position(self, future):
-            return self.positions.pop(0) if self.positions else None
-
     class FakeEngine:
         def __init__(self):
-            self.scheduler = FakeScheduler()
+            self.positions = [2, 1, None]
             self.submitted = []
+
+        def queue_position(self, future):
+            return self.positions.pop(0) if self.positions else None
 
         def submit(self, requests, **kwargs):
             self.submitted.append(kwargs)

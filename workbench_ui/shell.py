@@ -366,7 +366,7 @@ def run_queued(engine, requests: list[dict], *, max_length: int | None = None, o
     future = engine.submit(requests, priority="interactive", max_length=max_length, overflow=overflow)
     started = time.monotonic()
     while not future.done():
-        position = engine.scheduler.position(future) if hasattr(engine, "scheduler") else None
+        position = engine.queue_position(future)
         if on_wait is not None:
             if position:
                 on_wait(f"Queued, {position} ahead (queue depth {engine.queue_depth()}) — "

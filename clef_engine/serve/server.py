@@ -74,7 +74,8 @@ from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route
 
 from ..errors import BusyError, RequestError, TokenBudgetError
-from ..explain import explaining
+from ..explain import Explaining, explaining
+from ..interface import DecisionEngine
 from ..protocol import DEFAULT_MAX_LENGTH, ValidRequest, prepare
 from . import openapi
 from .bodies import (
@@ -310,15 +311,15 @@ class SystemOneApi:
         self.metrics.count_answer(response)
         return response
 
-    def token_ceiling(self, engine: Any) -> int:
+    def token_ceiling(self, engine: DecisionEngine) -> int:
         """The most tokens one request may buy on `engine`: the operator's limit, else the engine's token budget
         (the most it runs in one batch), else the model's default length (a remote engine has no budget here)."""
         if self.max_tokens_per_request is not None:
             return self.max_tokens_per_request
-        budget = getattr(getattr(engine, "config", None), "token_budget", None)
-        return budget if isinstance(budget, int) and budget > 0 else DEFAULT_MAX_LENGTH
+        budget = engine.token_budget
+        return budget if budget is not None and budget > 0 else DEFAULT_MAX_LENGTH
 
-    async def _run_in_time(self, engine: Any, request: ValidRequest) -> list:
+    async def _run_in_time(self, engine: DecisionEngine | Explaining, request: ValidRequest) -> list:
         """Encode (in the thread pool: tokenizer, media decoding) and wait for the GPU worker, all within
         `request_timeout`. Past it the request is answered at once and its work abandoned: cancelled if queued,
         stopped between layers if running (the engine's `abandon`); encoding already running in a thread cannot be
@@ -421,17 +422,12 @@ def _unauthorized(message: str, challenge: str) -> ApiError:
                     headers={"www-authenticate": challenge})
 
 
-def _abandon(engine: Any, future: concurrent.futures.Future) -> None:
-    """Give up on `future`: the engine stops its work (a remote engine, or one without `abandon`, only cancels it
-    if it has not started)."""
-    abandon = getattr(engine, "abandon", None)
-    if callable(abandon):
-        abandon(future)
-    else:
-        future.cancel()
+def _abandon(engine: DecisionEngine | Explaining, future: concurrent.futures.Future) -> None:
+    """Give up on `future`: the engine stops its work (a remote engine only cancels it if it has not started)."""
+    engine.abandon(future)
 
 
-def _abandon_submitted(engine: Any, task: asyncio.Future) -> None:
+def _abandon_submitted(engine: DecisionEngine | Explaining, task: asyncio.Future) -> None:
     if not task.cancelled() and task.exception() is None:
         _abandon(engine, task.result())
 
@@ -456,7 +452,7 @@ def _public_model_name(info: dict) -> str:
 
 
 def _looks_like_engine(obj: Any) -> bool:
-    return hasattr(obj, "submit") and hasattr(obj, "info")
+    return isinstance(obj, DecisionEngine)
 
 
 def _check_media(record: dict, skip_images: Collection[int] = ()) -> None:
