@@ -68,3 +68,13 @@ def test_one_batch_case_is_validated_once(tmp_path, tiny_engine, validations):
     (result,) = store.list_results(run_id)
     assert result["error"] is None and set(result["response"]["answers"]) == {"refund", "team"}
     assert len(validations) == 1
+
+
+def test_one_decide_page_run_is_validated_once(tiny_engine, validations):
+    from workbench_ui.shell import run_queued
+
+    request = {"model": "clef", "state": "Please refund the second charge on my card.", **SCHEMA,
+               "images": [protocol.data_url("image/png", png_bytes())]}
+    (response,) = run_queued(tiny_engine, [request], max_length=4096, overflow="truncate_state")
+    assert set(response["answers"]) == {"refund", "team"}
+    assert len(validations) == 1
