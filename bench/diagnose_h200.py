@@ -251,7 +251,7 @@ def bulk_ab(engine):
     import random
 
     from clef_engine import engine as engine_module
-    from clef_engine.serve.scheduler import PRIORITIES
+    from clef_engine.scheduler import PRIORITIES
 
     rng = random.Random(10)
     packs = []

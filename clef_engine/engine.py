@@ -20,6 +20,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import time
+from collections.abc import Sequence
 from concurrent.futures import Future
 from typing import Any
 
@@ -28,15 +29,16 @@ import torch
 from .config import EngineConfig
 from .errors import ClefError, RequestError, TokenBudgetError
 from .explain import explain as explain_request
+from .explain import submit_explanation as explanation_future
 from .fast import kernels
 from .fast.cache import PrefixCache, StateCache
 from .fast.graphs import HeadGraphs, PrefillGraphs
 from .fast.packed import PackedBackbone, chunked_head_inputs, pack_ids
-from .model import backbone, release
+from .model import backbone, media, release
 from .model.encoding import DEFAULT_MAX_LENGTH, EncodedRecord, Encoder
 from .model.head import JointSchemaHead, head_attention_kernel, layout, load_head, option_probabilities
-from .protocol import format_answer, parse_questions
-from .serve.scheduler import PRIORITIES, BatchAbandoned, JobTiming, Scheduler, device_turn
+from .protocol import ValidRequest, format_answer, prepare, prepared
+from .scheduler import PRIORITIES, BatchAbandoned, JobTiming, Scheduler, device_turn
 from .tiny import is_demo_release
 
 LAYERS_AHEAD = 1  # in a bulk batch, how many layers the host may launch ahead of the GPU
@@ -135,26 +137,32 @@ class Engine:
 
     # ---- requests ---------------------------------------------------------------------------------------------
 
-    def validate(self, request: Any) -> None:
-        """Raise RequestError if `request` breaks the System One contract (no tokenization, no media decode)."""
-        parse_questions(request)
+    def validate(self, request: Any, *, max_length: int | None = None, overflow: str | None = None) -> ValidRequest:
+        """`request` validated once against the System One contract (no tokenization, no media decode), as `submit`
+        and `encode` take it without validating it again; raises RequestError naming every problem. See
+        protocol.prepare for the budget."""
+        return prepare(request, max_length=max_length, overflow=overflow)
 
     def encode(self, request: Any, *, max_length: int | None = None, overflow: str = "refuse") -> EncodedRecord:
+        """One record: a ValidRequest as it is (its own budget), a plain dict validated here under `max_length` /
+        `overflow`."""
         return self.encoder.encode(request, max_length=max_length, overflow=overflow)
 
     def count_tokens(self, request: Any, *, max_length: int | None = None) -> dict[str, int]:
         """Token count of each part and how many state tokens would be cut at `max_length` (for a budget bar)."""
         limit = DEFAULT_MAX_LENGTH if max_length is None else max_length
-        counts = self.encoder.count_tokens(request)
+        counts = self.encoder.count_tokens(prepared(request))
         counts["max_length"] = limit
         fixed = counts["total"] - counts["state"]
         counts["state_tokens_over"] = max(0, min(counts["state"], counts["total"] - limit))
         counts["fixed_tokens_over"] = max(0, fixed - limit)
         return counts
 
-    def submit(self, requests: list[dict], *, priority: str = "interactive", max_length: int | None = None,
+    def submit(self, requests: Sequence[Any], *, priority: str = "interactive", max_length: int | None = None,
                overflow: str = "refuse", errors: str = "raise") -> Future:
-        """Encode now, run on the GPU worker later. The future resolves to one System One response per request.
+        """Encode now, run on the GPU worker later. A request is a ValidRequest (validated where it entered, encoded
+        under its own budget) or a plain dict (validated here, once, under `max_length` / `overflow`). The future
+        resolves to one System One response per request.
         errors="raise": a bad request (RequestError, TokenBudgetError) raises here, and a failure on the GPU fails
         the whole future. errors="return": each request's slot holds its response or its own error (a ClefError
         from encoding, or what its batch raised with the record alone, see Scheduler), so one bad request costs
@@ -163,33 +171,37 @@ class Engine:
             raise ValueError(f"errors must be one of {ERROR_MODES}, not {errors!r}")
         started = time.perf_counter()
         outcomes: list[Any] = [None] * len(requests)
-        records, positions = [], []
+        records: list[EncodedRecord] = []
+        valids: list[ValidRequest] = []
+        positions: list[int] = []
         for position, request in enumerate(requests):
             try:
-                records.append(self.encode(request, max_length=max_length, overflow=overflow))
+                valid = prepared(request, max_length=max_length, overflow=overflow)
+                records.append(self.encoder.encode(valid))
             except ClefError as error:
                 if errors == "raise":
                     raise
                 outcomes[position] = error
                 continue
+            valids.append(valid)
             positions.append(position)
 
         def respond(probabilities: list, timing: JobTiming) -> list[Any]:
             latency_ms = (time.perf_counter() - started) * 1000
-            for position, record, probs, compute_s in zip(positions, records, probabilities, timing.compute_s,
-                                                          strict=True):
+            for position, valid, record, probs, compute_s in zip(positions, valids, records, probabilities,
+                                                                 timing.compute_s, strict=True):
                 outcomes[position] = probs if isinstance(probs, Exception) else self.response(
-                    requests[position], record, probs, latency_ms, compute_ms=compute_s * 1000,
+                    valid, record, probs, latency_ms, compute_ms=compute_s * 1000,
                     queue_ms=timing.queued_s * 1000)
             return outcomes
 
         return self.scheduler.submit(records, priority=priority, finalize=respond, per_record=errors == "return",
                                      timed=True)
 
-    def decide(self, request: dict, *, max_length: int | None = None, overflow: str = "refuse") -> dict:
+    def decide(self, request: Any, *, max_length: int | None = None, overflow: str = "refuse") -> dict:
         return self.submit([request], priority="interactive", max_length=max_length, overflow=overflow).result()[0]
 
-    def decide_many(self, requests: list[dict], *, max_length: int | None = None, overflow: str = "refuse",
+    def decide_many(self, requests: Sequence[Any], *, max_length: int | None = None, overflow: str = "refuse",
                     priority: str = "bulk", errors: str = "raise") -> list[Any]:
         """Responses in order. Submitted in groups as they are encoded, so the GPU starts on the first group while
         the rest are encoded; with errors="raise" a bad request raises before any answer is returned (groups
@@ -206,28 +218,42 @@ class Engine:
             raise
         return [response for future in futures for response in future.result()]
 
-    def probabilities(self, requests: list[dict], *, max_length: int | None = None,
+    def probabilities(self, requests: Sequence[Any], *, max_length: int | None = None,
                       overflow: str = "refuse") -> list[list[list[float]]]:
         """Per request, per question, the options' probabilities in model order, unrounded: what the answers are
         rounded from."""
         records = [self.encode(r, max_length=max_length, overflow=overflow) for r in requests]
         return self.scheduler.submit(records, priority="interactive").result()
 
-    def explain(self, request: dict, unit: str | None = None, *, max_length: int | None = None,
+    def explain(self, request: Any, unit: str | None = None, *, max_length: int | None = None,
                 overflow: str = "refuse") -> dict:
         """The request's response plus `x_explanations`: per question, the state's segments (sentences, fields,
         image regions, video frames; or only `unit`) ranked by how much removing each moves the answer. See
         explain.py."""
         return explain_request(self, request, unit, max_length=max_length, overflow=overflow)
 
-    def response(self, request: dict, record: EncodedRecord, probabilities: list[list[float]],
+    def submit_explanation(self, request: Any, unit: str | None = None, *, priority: str = "interactive",
+                           max_length: int | None = None, overflow: str = "refuse") -> Future:
+        """`explain` as a future (what the HTTP server waits on within its deadline)."""
+        return explanation_future(self, request, unit, priority=priority, max_length=max_length, overflow=overflow)
+
+    def sample_video_frames(self, video: bytes) -> media.Video:
+        """The frames of a video file the video processor samples, what the model reads (T×H×W×3 uint8, fps, source
+        frame indices, source frame count). Raises MediaError when the video cannot be decoded."""
+        return media.load_video(video, self.encoder.video_sample_indices)
+
+    def queue_position(self, future: Future) -> int | None:
+        """Jobs ahead of `future` (from `submit`) in the GPU queue; None once it runs."""
+        return self.scheduler.position(future)
+
+    def response(self, request: ValidRequest, record: EncodedRecord, probabilities: list[list[float]],
                  latency_ms: float, *, compute_ms: float | None = None, queue_ms: float | None = None) -> dict:
         """One System One response. Beside the answers: `x_latency_ms`, from submission to the answer (queueing
         included); `x_compute_ms`, the record's share of the batch it ran in (by tokens); `x_queue_ms`, how long its
         job waited before its first batch started."""
         answers = {q.id: format_answer(q, probs) for q, probs in zip(record.questions, probabilities)}
         return {
-            "model": request.get("model") if isinstance(request.get("model"), str) else self.model_id,
+            "model": request.model if isinstance(request.model, str) else self.model_id,
             "answers": answers,
             "usage": {"input_tokens": len(record), "output_tokens": 0},
             "x_latency_ms": round(latency_ms, 2),
@@ -239,6 +265,11 @@ class Engine:
 
     def queue_depth(self) -> int:
         return self.scheduler.queue_depth()
+
+    def limit_queue(self, records: int) -> None:
+        """Refuse (BusyError) a submission that would leave more than `records` records waiting; takes effect at
+        once, since the scheduler reads the bound on every submit."""
+        self.scheduler.max_queued_records = max(1, records)
 
     # ---- the GPU worker: one scheduler batch at a time ----------------------------------------------------------
 

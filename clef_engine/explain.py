@@ -22,16 +22,21 @@ from __future__ import annotations
 import copy
 import re
 import time
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from PIL import Image
 
 from .errors import Problem, RequestError, TokenBudgetError
+from .interface import DecisionEngine, ExplainingEngine, Request
 from .model import media
 from .model.encoding import EncodedRecord, render
-from .protocol import EXPLAIN_UNITS
+from .protocol import EXPLAIN_UNITS, ExplainOption, prepared
+
+if TYPE_CHECKING:
+    from .engine import Engine
 
 UNITS = EXPLAIN_UNITS
 MEDIA_UNITS = ("region", "frame")
@@ -108,7 +113,7 @@ def check_unit(unit: Any) -> str | None:
                                 "literal_error")])
 
 
-def segments(request: dict, record: EncodedRecord, unit: str | None = None) -> list[tuple[dict, dict]]:
+def segments(request: Mapping[str, Any], record: EncodedRecord, unit: str | None = None) -> list[tuple[dict, dict]]:
     """(location, the request without that segment) for every segment of the request. `unit` None: sentences of a
     text state or fields of a JSON state, plus the regions of every image and the frames of every video; else only
     that kind. Text segments (sentences, lines, fields) come first, then media ones. Media in the variants are the
@@ -200,18 +205,16 @@ def check_cost(record_tokens: int, variants: int, total: int, budget: int, *, at
         token_counts={"record": record_tokens, "variants": variants, "explanation": total}, max_length=budget)
 
 
-def submit_explanation(engine, request: dict, unit: str | None = None, *, priority: str = "interactive",
+def submit_explanation(engine: Engine, request: Request, unit: str | None = None, *, priority: str = "interactive",
                        max_length: int | None = None, overflow: str = "refuse") -> Future:
     """Encode the request and its variants now (raising RequestError / TokenBudgetError), decide them all as one
     scheduler job; the future resolves to the request's System One response with `x_explanations` added (and
     `x_explain_tokens`, what the explanation cost)."""
     started = time.perf_counter()
-    if not hasattr(engine, "scheduler"):
-        raise RequestError([Problem(("x_explain",), "this model answers through a remote endpoint; explanations "
-                                                    "need a model loaded here")])
     check_unit(unit)
-    record = engine.encode(request, max_length=max_length, overflow=overflow)
-    found = segments(request, record, unit)
+    valid = prepared(request, max_length=max_length, overflow=overflow)
+    record = engine.encode(valid)
+    found = segments(valid.request, record, unit)
     text_variants = [variant for location, variant in found if location["kind"] not in MEDIA_UNITS]
     media_variants = [variant for location, variant in found if location["kind"] in MEDIA_UNITS]
     budget, variants = explain_budget(engine), len(found)
@@ -220,13 +223,13 @@ def submit_explanation(engine, request: dict, unit: str | None = None, *, priori
     fixed = len(record) - record.token_counts["state"]
     check_cost(len(record), variants, len(record) * (1 + len(media_variants)) + fixed * len(text_variants), budget,
                at_least=bool(text_variants))
-    text_records = [engine.encode(v, max_length=max_length, overflow=overflow) for v in text_variants]
+    text_records = [engine.encode(valid.with_evidence(v)) for v in text_variants]
     check_cost(len(record), variants, len(record) * (1 + len(media_variants)) + sum(map(len, text_records)), budget)
     records = [record, *text_records,
-               *[engine.encode(v, max_length=max_length, overflow=overflow) for v in media_variants]]
+               *[engine.encode(valid.with_evidence(v)) for v in media_variants]]
 
     def respond(probabilities: list) -> list[dict]:
-        response = engine.response(request, record, probabilities[0], (time.perf_counter() - started) * 1000)
+        response = engine.response(valid, record, probabilities[0], (time.perf_counter() - started) * 1000)
         response["x_explanations"] = explanations(record, found, probabilities)
         response["x_explain_tokens"] = sum(len(r) for r in records[1:])
         return [response]
@@ -234,7 +237,7 @@ def submit_explanation(engine, request: dict, unit: str | None = None, *, priori
     return engine.scheduler.submit(records, priority=priority, finalize=respond)
 
 
-def explain(engine, request: dict, unit: str | None = None, *, max_length: int | None = None,
+def explain(engine: Engine, request: Request, unit: str | None = None, *, max_length: int | None = None,
             overflow: str = "refuse") -> dict:
     """The request's System One response plus `x_explanations`: per question id, the segments ranked by effect."""
     return submit_explanation(engine, request, unit, max_length=max_length, overflow=overflow).result()[0]
@@ -243,20 +246,27 @@ def explain(engine, request: dict, unit: str | None = None, *, max_length: int |
 class Explaining:
     """An engine whose `submit` answers with explanations: what the HTTP server calls for `"x_explain"`."""
 
-    def __init__(self, engine, unit: str | None):
+    def __init__(self, engine: ExplainingEngine, unit: str | None):
         self.engine = engine
         self.unit = unit
 
-    def submit(self, requests: list[dict], *, priority: str = "interactive", max_length: int | None = None,
+    def submit(self, requests: Sequence[Request], *, priority: str = "interactive", max_length: int | None = None,
                overflow: str = "refuse") -> Future:
         (request,) = requests
-        return submit_explanation(self.engine, request, self.unit, priority=priority, max_length=max_length,
-                                  overflow=overflow)
+        return self.engine.submit_explanation(request, self.unit, priority=priority, max_length=max_length,
+                                              overflow=overflow)
+
+    def abandon(self, future: Future) -> None:
+        self.engine.abandon(future)
 
 
-def explaining(engine, option: Any):
+def explaining(engine: DecisionEngine, option: bool | ExplainOption | None) -> DecisionEngine | Explaining:
     """The engine as the server should call it for a request's `x_explain` option (validated by the contract's
-    model: None, a bool, or an object with `unit`): the engine itself unless explanations are asked for."""
+    model: None, a bool, or an object with `unit`): the engine itself unless explanations are asked for. Raises
+    RequestError for an engine that does not explain (a remote endpoint)."""
     if option is None or option is False:
         return engine
-    return Explaining(engine, getattr(option, "unit", None) if option is not True else None)
+    if not isinstance(engine, ExplainingEngine):
+        raise RequestError([Problem(("x_explain",), "this model answers through a remote endpoint; explanations "
+                                                    "need a model loaded here")])
+    return Explaining(engine, option.unit if isinstance(option, ExplainOption) else None)

@@ -18,7 +18,7 @@ import json
 import math
 import re
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Annotated, Any, Literal, get_args
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, WithJsonSchema
@@ -396,6 +396,70 @@ def _explain_problem(value: Any) -> Problem:
 def parse_questions(request: Any) -> list[Question]:
     """Validate the request and return its questions in schema order. Raises RequestError listing every problem."""
     return [_to_question(qid, q) for qid, q in validate_request(request).questions.items()]
+
+
+@dataclass(frozen=True)
+class ValidRequest:
+    """A request the contract accepted, in the form the engine consumes: validated once, by `prepare`, where it
+    enters (the HTTP server, the job runner, the Decide page, `Engine.submit` for a plain dict) and never again on
+    its way to the GPU. It carries what the engine reads: the state, the questions in schema order, the media
+    items as given (decoded by the encoder), and the token budget and overflow policy the record is encoded under.
+    `request` is the request as given (not copied): what a remote engine sends and what explanations vary."""
+
+    request: Mapping[str, Any]
+    model: str | None
+    state: Any
+    questions: tuple[Question, ...]
+    images: tuple[Any, ...] = ()
+    videos: tuple[Any, ...] = ()
+    max_length: int | None = None  # None: DEFAULT_MAX_LENGTH
+    overflow: OverflowPolicy = "refuse"
+    explain: bool | ExplainOption | None = None
+
+    def with_budget(self, max_length: int | None, overflow: str) -> ValidRequest:
+        """The same request under another token budget or overflow policy (checked as `prepare` checks them)."""
+        return replace(self, max_length=_checked_max_length(max_length), overflow=_checked_overflow(overflow))
+
+    def with_evidence(self, variant: Mapping[str, Any]) -> ValidRequest:
+        """The same questions and budget over the state and media of `variant`, a copy of `request` with evidence
+        taken out (an explanation's variants): derived from validated evidence, so not validated again."""
+        return replace(self, request=variant, state=variant["state"], images=tuple(variant.get("images") or ()),
+                       videos=tuple(variant.get("videos") or ()))
+
+
+def _checked_max_length(max_length: Any) -> int | None:
+    if max_length is not None and (not isinstance(max_length, int) or isinstance(max_length, bool)
+                                   or max_length < 1):
+        raise RequestError([Problem(("max_length",), "max_length must be a positive integer")])
+    return max_length
+
+
+def _checked_overflow(overflow: Any) -> OverflowPolicy:
+    if overflow not in OVERFLOW_POLICIES:
+        raise RequestError([Problem(("overflow",), f"overflow must be one of {OVERFLOW_POLICIES}")])
+    return overflow
+
+
+def prepare(request: Any, *, max_length: int | None = None, overflow: str | None = None) -> ValidRequest:
+    """Validate `request` once and return it as the engine consumes it. The budget is `max_length` / `overflow`
+    when given, else the request's own `x_max_length` / `x_overflow` (the wire's fields), else the defaults.
+    Raises RequestError listing every problem with its location."""
+    model = validate_request(request)
+    return ValidRequest(
+        request=request, model=model.model, state=model.state,
+        questions=tuple(_to_question(qid, q) for qid, q in model.questions.items()),
+        images=tuple(model.images or ()), videos=tuple(model.videos or ()),
+        max_length=_checked_max_length(model.x_max_length if max_length is None else max_length),
+        overflow=_checked_overflow(model.x_overflow if overflow is None else overflow),
+        explain=model.x_explain)
+
+
+def prepared(request: Mapping[str, Any] | ValidRequest, *, max_length: int | None = None,
+             overflow: str | None = None) -> ValidRequest:
+    """`request` itself when it is already a ValidRequest (it carries its own budget), else `prepare(request)`."""
+    if isinstance(request, ValidRequest):
+        return request
+    return prepare(request, max_length=max_length, overflow=overflow)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -1,6 +1,7 @@
-"""A remote System One endpoint used like a local engine: `RemoteEngine` has the `decide`, `decide_many`, `submit`,
-`info`, `validate`, `queue_depth` and `close` of `clef_engine.Engine`, and answers by POSTing to `/v1/systemone`
-(hosted Jev, a gateway in front of hosted Clef, another workbench's API).
+"""A remote System One endpoint used like a local engine: `RemoteEngine` implements the `DecisionEngine` of
+interface.py, as `clef_engine.Engine` does, and answers by POSTing to `/v1/systemone` (hosted Jev, a gateway in front
+of hosted Clef, another workbench's API); what only a local engine knows (token counts, sampled video frames, queue
+positions) it answers with None.
 
 What a user expects of a client of a remote service:
 - one `httpx.Client` (connections are reused), at most `max_concurrency` requests in flight from this object;
@@ -43,6 +44,7 @@ import os
 import random
 import threading
 import time
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import UTC, datetime
 from pathlib import Path
@@ -53,7 +55,8 @@ import httpcore
 import httpx
 
 from .errors import BusyError, CancelledError, ClefError, Problem, RequestError, TokenBudgetError
-from .protocol import parse_questions, sniff_content_type
+from .interface import Request
+from .protocol import ValidRequest, prepare, sniff_content_type
 
 API_KEY_ENV = "CLEF_API_KEY"
 SYSTEM_ONE_PATH = "/v1/systemone"
@@ -346,6 +349,7 @@ class RemoteEngine:
         """`timeout`: seconds a request may take from its sending to its answer, retries included."""
         self.endpoint = parse_endpoint(url)
         self.model_id = self.endpoint  # what runs record as the model; the key never is part of it
+        self.token_budget: int | None = None  # the endpoint decides how much one request may take
         self.model = model
         self.timeout = timeout
         self.max_concurrency = max(1, max_concurrency)
@@ -510,12 +514,15 @@ class RemoteEngine:
 
     # ---- requests ---------------------------------------------------------------------------------------------
 
-    def validate(self, request: Any) -> None:
-        """Raise RequestError if `request` breaks the System One contract as this package reads it (no network; the
-        endpoint may refuse more, which decide reports as a RemoteRequestError)."""
-        parse_questions(request)
+    def validate(self, request: Any, *, max_length: int | None = None, overflow: str | None = None) -> ValidRequest:
+        """`request` validated once against the System One contract as this package reads it (no network; the
+        endpoint may refuse more, which decide reports as a RemoteRequestError), as `submit` takes it: raises
+        RequestError naming every problem. See protocol.prepare for the budget."""
+        return prepare(request, max_length=max_length, overflow=overflow)
 
     def _body(self, request: Any, max_length: int | None, overflow: str) -> bytes:
+        if isinstance(request, ValidRequest):  # validated where it entered; it carries its own budget
+            request, max_length, overflow = dict(request.request), request.max_length, request.overflow
         if not isinstance(request, dict):
             raise RequestError([Problem((), "the request must be a JSON object", "type_error.dict")])
         body = media_for_wire(request)
@@ -556,7 +563,7 @@ class RemoteEngine:
         answer["x_attempts"] = attempts
         return answer
 
-    def submit(self, requests: list[dict], *, priority: str = "interactive", max_length: int | None = None,
+    def submit(self, requests: Sequence[Request], *, priority: str = "interactive", max_length: int | None = None,
                overflow: str = "refuse", errors: str = "raise") -> Future:
         """Send each request (up to `max_concurrency` at once); the future resolves to one System One response per
         request, in order, or raises the first request's error. A request that cannot be sent as JSON raises
@@ -580,6 +587,8 @@ class RemoteEngine:
                 bodies.append(error)
         futures = []
         for request, body in zip(requests, bodies):
+            if isinstance(request, ValidRequest):
+                request = request.request
             if isinstance(body, ClefError):
                 future: Future = Future()
                 future.set_exception(body)
@@ -595,17 +604,33 @@ class RemoteEngine:
         with self._lock:
             self._in_flight -= 1
 
-    def decide(self, request: dict, *, max_length: int | None = None, overflow: str = "refuse") -> dict:
+    def decide(self, request: Request, *, max_length: int | None = None, overflow: str = "refuse") -> dict:
         return self.submit([request], priority="interactive", max_length=max_length, overflow=overflow).result()[0]
 
-    def decide_many(self, requests: list[dict], *, max_length: int | None = None, overflow: str = "refuse",
+    def decide_many(self, requests: Sequence[Request], *, max_length: int | None = None, overflow: str = "refuse",
                     priority: str = "bulk", errors: str = "raise") -> list[Any]:
         if not requests:
             return []
         return self.submit(requests, priority=priority, max_length=max_length, overflow=overflow,
                            errors=errors).result()
 
+    def count_tokens(self, request: Any, *, max_length: int | None = None) -> None:
+        """None: the endpoint tokenizes on its side (and reports input_tokens in its answer)."""
+        return None
+
+    def sample_video_frames(self, video: bytes) -> None:
+        """None: the endpoint samples a video's frames on its side."""
+        return None
+
+    def abandon(self, future: Future) -> None:
+        """Its caller gives up on `future`: cancelled if it has not been sent (a request sent is answered anyway)."""
+        future.cancel()
+
     # ---- status -----------------------------------------------------------------------------------------------
+
+    def queue_position(self, future: Future) -> int | None:
+        """None: the endpoint's queue is not visible from here."""
+        return None
 
     def queue_depth(self) -> int:
         """Requests submitted through this object and not answered yet (sent or waiting for a connection)."""

@@ -127,16 +127,16 @@ def decide_chunk(engine: Any, items: list[tuple[int, dict]], options: dict) -> l
     started_at = now_iso()
     results, valid = [], []
     for case_id, request in items:
-        try:
-            engine.validate(request)
+        try:  # validated here, once: decide_many encodes the ValidRequest under the run's budget as it is
+            prepared = engine.validate(request, **options)
         except ClefError as exc:
             results.append({"case_id": case_id, "error": f"{type(exc).__name__}: {exc}",
                             "started_at": started_at, "finished_at": now_iso()})
             continue
-        valid.append((case_id, request))
+        valid.append((case_id, prepared))
     if valid:
         began = time.perf_counter()
-        outcomes = engine.decide_many([request for _, request in valid], priority="bulk", errors="return", **options)
+        outcomes = engine.decide_many([request for _, request in valid], priority="bulk", errors="return")
         results.extend(JobRunner._results(valid, outcomes, started_at, (time.perf_counter() - began) * 1000))
     return results
 
@@ -277,8 +277,8 @@ class RayJobRunner(JobRunner):
             pool = self.pool
             if pool is None:
                 connect(self.address or "auto")
-                pool = ReplicaPool.start(engine.release.source, revision=engine.release.revision,
-                                         replicas=self.replicas)
+                info = engine.info()  # the replicas load the release the local engine has loaded
+                pool = ReplicaPool.start(info["model"], revision=info["revision"], replicas=self.replicas)
                 job.session_started = time.monotonic()  # the rate (and ETA) counts computing, not loading
             try:
                 self._stream(run_id, pool, job)

@@ -26,9 +26,12 @@ import time
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 from clef_engine.errors import BusyError, ClefError
+from clef_engine.interface import DecisionEngine
+from clef_engine.protocol import ValidRequest
+from clef_engine.remote import RemoteEngine
 from clef_workbench.casesets import build_request
 from clef_workbench.run_status import every_case_failed_message
 from clef_workbench.store import Store, new_lease_owner, now_iso
@@ -38,18 +41,6 @@ DEFAULT_CHUNK_TOKENS = 16_384
 BUSY_RETRIES = 20  # BusyError (queue full) is retried with backoff; other engine errors are per-case errors
 # A lease not renewed for this long is void. The heartbeat renews it every third of that, whatever a chunk takes.
 LEASE_TTL_S = 30.0
-
-
-class DecisionEngine(Protocol):
-    """The part of clef_engine.Engine a batch run uses."""
-
-    def validate(self, request: dict) -> None: ...
-
-    def decide_many(self, requests: list[dict], *, max_length: int | None = None, overflow: str = "refuse",
-                    priority: str = "bulk", errors: str = "raise") -> list[Any]: ...
-
-    def submit(self, requests: list[dict], *, priority: str = "interactive", max_length: int | None = None,
-               overflow: str = "refuse", errors: str = "raise") -> Future: ...
 
 
 @dataclass
@@ -67,7 +58,7 @@ class _Chunk:
     """One chunk of a run between its submission to the engine and its results."""
 
     started_at: str
-    valid: list[tuple[int, dict]] = field(default_factory=list)  # (case id, request) sent to the engine
+    valid: list[tuple[int, ValidRequest]] = field(default_factory=list)  # (case id, request) sent to the engine
     errors: list[dict] = field(default_factory=list)  # cases refused before the engine
     future: Future | None = None
     began: float = 0.0
@@ -85,11 +76,10 @@ def check_engine(engine: DecisionEngine) -> None:
     """Before a run starts: reach a remote endpoint with one small request (its model list), so that a stopped or
     refusing endpoint is reported at once instead of as one error per case minutes later. Local engines have
     nothing to check. Raises EngineUnreachableError with the endpoint's reason."""
-    check = getattr(engine, "check", None)
-    if check is None:
+    if not isinstance(engine, RemoteEngine):
         return
     try:
-        check()
+        engine.check()
     except ClefError as exc:
         raise EngineUnreachableError(f"the run was not started: its model's endpoint did not answer a check "
                                      f"request ({exc})") from exc
@@ -223,7 +213,7 @@ class JobRunner:
                     pending.clear()
                 if not in_flight:
                     break
-                results = self._finish_chunk(in_flight.popleft(), engine, settings, job)
+                results = self._finish_chunk(in_flight.popleft(), engine, job)
                 self.store.record_results(run_id, results)  # while the next chunk runs
                 job.processed += len(results)
                 counted = [r["input_tokens"] for r in results if r.get("input_tokens")]
@@ -275,18 +265,19 @@ class JobRunner:
         chunk = _Chunk(started_at=now_iso())
         for case in self.store.get_cases(case_ids):
             request = build_request(case, run["schema"], model=run["model_id"])
-            try:
-                engine.validate(request)
+            try:  # validated here, once: the engine encodes the ValidRequest under the run's budget as it is
+                valid = engine.validate(request, max_length=settings.get("max_length"),
+                                        overflow=settings.get("overflow", "refuse"))
             except ClefError as exc:  # a bad case is recorded as an error result, the run goes on
                 chunk.errors.append({"case_id": case["id"], "error": f"{type(exc).__name__}: {exc}",
                                      "started_at": chunk.started_at, "finished_at": now_iso()})
                 continue
-            chunk.valid.append((case["id"], request))
+            chunk.valid.append((case["id"], valid))
         if not chunk.valid:
             return chunk
         chunk.began = time.perf_counter()
         try:
-            chunk.future = self._with_busy_retry(lambda: self._send(engine, [r for _, r in chunk.valid], settings),
+            chunk.future = self._with_busy_retry(lambda: self._send(engine, [r for _, r in chunk.valid]),
                                                  job)
         except ClefError as exc:  # the engine refused the whole chunk (an endpoint that stopped): each case's error
             chunk.future = Future()
@@ -294,18 +285,13 @@ class JobRunner:
         return chunk
 
     @staticmethod
-    def _send(engine: DecisionEngine, requests: list[dict], settings: dict) -> Future:
+    def _send(engine: DecisionEngine, requests: list[ValidRequest]) -> Future:
         """Queue requests on the engine with an answer or an error per request (errors="return"): a case over the
-        token budget is an error result and the rest of its chunk runs as it would have without it."""
-        options = {"max_length": settings.get("max_length"), "overflow": settings.get("overflow", "refuse"),
-                   "priority": "bulk", "errors": "return"}
-        if hasattr(engine, "submit"):
-            return engine.submit(requests, **options)
-        future: Future = Future()  # an engine without a queue of its own: decide now
-        future.set_result(engine.decide_many(requests, **options))
-        return future
+        token budget is an error result and the rest of its chunk runs as it would have without it. Each request
+        carries the run's budget (see _submit_chunk)."""
+        return engine.submit(requests, priority="bulk", errors="return")
 
-    def _finish_chunk(self, chunk: _Chunk, engine: DecisionEngine, settings: dict, job: _LiveJob) -> list[dict]:
+    def _finish_chunk(self, chunk: _Chunk, engine: DecisionEngine, job: _LiveJob) -> list[dict]:
         """Wait for the chunk's answers; results in the form Store.record_results takes. Cases the engine was too
         busy for are sent again, with backoff, like a chunk refused as a whole."""
         if not chunk.valid:
@@ -320,7 +306,7 @@ class JobRunner:
                 break
             time.sleep(min(0.1 * 2 ** attempt, 5.0))
             requests = [chunk.valid[i][1] for i in busy]
-            again = self._with_busy_retry(lambda requests=requests: self._send(engine, requests, settings),
+            again = self._with_busy_retry(lambda requests=requests: self._send(engine, requests),
                                           job).result()
             for i, outcome in zip(busy, again, strict=True):
                 outcomes[i] = outcome
@@ -328,7 +314,7 @@ class JobRunner:
                                             (time.perf_counter() - chunk.began) * 1000)
 
     @staticmethod
-    def _results(valid: list[tuple[int, dict]], outcomes: list[Any], started_at: str, wall_ms: float) -> list[dict]:
+    def _results(valid: list[tuple[int, Any]], outcomes: list[Any], started_at: str, wall_ms: float) -> list[dict]:
         """One result per case from the engine's outcomes (a response, or the case's own error)."""
         finished_at = now_iso()
         out = []

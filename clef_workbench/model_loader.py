@@ -154,7 +154,7 @@ class ModelManager:
     """Holds the resident models. Thread-safe; every Streamlit session of the process shares one instance.
 
     Several models can be resident at once (Clef and Clef-Flash on one H200, a remote endpoint beside them), each
-    with its own engine; the local ones share their device's GPU queue (clef_engine.serve.scheduler.GpuTurn). One of
+    with its own engine; the local ones share their device's GPU queue (clef_engine.scheduler.GpuTurn). One of
     them is the default model: `request` / `state` / `wait` are about it (pages that run one model use it), `add` /
     `remove` / `get` / `loaded` about all of them. Before a local release loads, its memory need is checked against
     the memory free on its device (clef_engine.memory), so a model that would not fit is refused with a message

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from clef_engine import protocol
+from clef_engine.interface import DecisionEngine
 from clef_engine.protocol import sniff_content_type
 
 # Upload limits, shown in the UI next to the uploaders; stricter than the contract, which has none. Images follow
@@ -264,10 +265,9 @@ def redact_media(request: dict[str, Any], images: Sequence[Media] = (), videos: 
     return shown
 
 
-def sampled_video_frames(engine: Any, video: Media) -> Any:
+def sampled_video_frames(engine: DecisionEngine, video: Media) -> Any | None:
     """The frames of a video that the engine's video processor samples (what the model sees), as a
-    clef_engine.model.media.Video: frames T×H×W×3 uint8, fps, source frame indices, source frame count.
-    Raises MediaError (the engine's) when the video cannot be decoded."""
-    from clef_engine.model import media as engine_media
-
-    return engine_media.load_video(video.data, engine.encoder.video_sample_indices)
+    clef_engine.model.media.Video: frames T×H×W×3 uint8, fps, source frame indices, source frame count; None for
+    an engine that samples elsewhere (a remote endpoint). Raises MediaError (the engine's) when the video cannot
+    be decoded."""
+    return engine.sample_video_frames(video.data)

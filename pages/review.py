@@ -12,7 +12,6 @@ import json
 import pandas as pd
 import streamlit as st
 
-from clef_engine.model.media import load_video
 from clef_workbench import review, run_charts
 from clef_workbench.answers import probability_chart
 from clef_workbench.review import ReviewRules
@@ -287,8 +286,8 @@ else:
                 st.video(video["data"], format=video["content_type"])
                 try:
                     engine = model_manager().state().engine
-                    if engine is not None:  # the frames the model actually saw
-                        sampled = load_video(video["data"], engine.encoder.video_sample_indices)
+                    sampled = engine.sample_video_frames(video["data"]) if engine is not None else None
+                    if sampled is not None:  # the frames the model actually saw
                         frames = list(sampled.frames[:: max(1, len(sampled.frames) // 8)])
                         st.image([frame_thumbnail(f) for f in frames], width=FRAME_THUMBNAIL_PX,
                                  caption=[f"frame {i}" for i in range(len(frames))])

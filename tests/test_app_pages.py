@@ -303,20 +303,19 @@ def test_run_queued_reports_queue_position_then_running():
     import threading
     from concurrent.futures import Future
 
-    class FakeScheduler:
-        def __init__(self):
-            self.positions = [2, 1, None]
-
-        def position(self, future):
-            return self.positions.pop(0) if self.positions else None
-
     class FakeEngine:
         def __init__(self):
-            self.scheduler = FakeScheduler()
+            self.positions = [2, 1, None]
             self.submitted = []
 
+        def queue_position(self, future):
+            return self.positions.pop(0) if self.positions else None
+
+        def validate(self, request, **budget):
+            return {"request": request, **budget}
+
         def submit(self, requests, **kwargs):
-            self.submitted.append(kwargs)
+            self.submitted.append((requests, kwargs))
             future = Future()
             threading.Timer(1.0, future.set_result, args=([{"answers": {}}],)).start()
             return future
@@ -331,7 +330,8 @@ def test_run_queued_reports_queue_position_then_running():
     seen: list[str] = []
     result = shell.run_queued(fake, [{"state": "x"}], max_length=100, on_wait=seen.append)
     assert result == [{"answers": {}}]
-    assert fake.submitted == [{"priority": "interactive", "max_length": 100, "overflow": "refuse"}]
+    assert fake.submitted == [([{"request": {"state": "x"}, "max_length": 100, "overflow": "refuse"}],
+                               {"priority": "interactive"})]
     assert seen[0].startswith("Queued, 2 ahead (queue depth 3)")
     assert seen[1].startswith("Queued, 1 ahead")
     assert seen[-1].startswith("Running on cuda:0")

@@ -16,7 +16,7 @@ import pytest
 
 import clef_engine
 from clef_engine import ReleaseError, RequestError, TokenBudgetError
-from clef_engine.serve.scheduler import Scheduler
+from clef_engine.scheduler import Scheduler
 from tests.test_encoding import REQUEST, png_bytes
 
 

@@ -185,8 +185,8 @@ def test_chunks_are_sized_by_tokens_and_the_next_one_is_queued_before_the_last_i
     events: list[tuple[str, int]] = []
 
     class Recording:
-        def validate(self, request):
-            tiny_engine.validate(request)
+        def validate(self, request, **budget):
+            return tiny_engine.validate(request, **budget)
 
         def decide_many(self, requests, **options):
             return tiny_engine.decide_many(requests, **options)

@@ -39,8 +39,9 @@ class FailingEngine:
         self.engine = engine
         self.failing = failing
 
-    def validate(self, request: dict) -> None:
-        self.engine.validate(request)
+    def validate(self, request: dict, **budget) -> dict:
+        self.engine.validate(request, **budget)
+        return request  # the plain dict, so that submit can look at its state (the engine validates it there)
 
     def _refuse(self, requests: list[dict]) -> None:
         for request in requests:

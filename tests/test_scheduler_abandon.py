@@ -8,7 +8,7 @@ import threading
 import pytest
 
 from clef_engine.errors import CancelledError
-from clef_engine.serve.scheduler import BatchAbandoned, Scheduler
+from clef_engine.scheduler import BatchAbandoned, Scheduler
 
 STEPS = 2_000  # a batch that is not abandoned takes a few seconds
 

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from clef_engine.serve.scheduler import GpuTurn, Scheduler, device_turn
+from clef_engine.scheduler import GpuTurn, Scheduler, device_turn
 
 BATCH_S = 0.05  # the fake GPU's time per batch
 

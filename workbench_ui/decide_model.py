@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
+from clef_engine.interface import DecisionEngine
 from clef_workbench import answers, schemas, state_input
 
 PREFIX = "decide"
@@ -499,7 +500,7 @@ def chosen_model(names: list[str], picked: str | None) -> str | None:
     return names[0] if names else None
 
 
-def counts_tokens_here(engine: Any) -> bool:
+def counts_tokens_here(engine: DecisionEngine) -> bool:
     """Whether token counts (the budget bar) and sampled video frames can be shown for `engine`: a local engine
     tokenizes here; a remote endpoint tokenizes on its side (and reports input_tokens in its answer)."""
-    return hasattr(engine, "count_tokens") and hasattr(engine, "encoder")
+    return not engine.info().get("remote")

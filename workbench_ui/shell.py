@@ -363,10 +363,11 @@ def run_queued(engine, requests: list[dict], *, max_length: int | None = None, o
                on_wait: Callable[[str], None] | None = None) -> list[dict]:
     """Run requests on the shared GPU queue at interactive priority, reporting "queued, n ahead" while waiting.
     Raises what engine.submit raises for a bad request (RequestError, TokenBudgetError) or BusyError."""
-    future = engine.submit(requests, priority="interactive", max_length=max_length, overflow=overflow)
+    prepared = [engine.validate(request, max_length=max_length, overflow=overflow) for request in requests]
+    future = engine.submit(prepared, priority="interactive")  # validated once, above: carries its budget
     started = time.monotonic()
     while not future.done():
-        position = engine.scheduler.position(future) if hasattr(engine, "scheduler") else None
+        position = engine.queue_position(future)
         if on_wait is not None:
             if position:
                 on_wait(f"Queued, {position} ahead (queue depth {engine.queue_depth()}) — "

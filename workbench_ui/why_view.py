@@ -21,6 +21,7 @@ import numpy as np
 from PIL import Image
 
 from clef_engine import ClefError
+from clef_engine.interface import DecisionEngine, ExplainingEngine
 from clef_engine.model import media
 from clef_workbench.casesets import build_request
 
@@ -29,20 +30,20 @@ AGAINST = (207, 34, 46)  # red: the segment works against it
 SMALLEST_ALPHA, LARGEST_ALPHA = 0.12, 0.65  # background opacity of the weakest and the strongest segment
 
 
-def explain(engine: Any, request: dict, *, max_length: int | None = None, overflow: str = "refuse") -> dict:
+def explain(engine: DecisionEngine, request: dict, *, max_length: int | None = None, overflow: str = "refuse") -> dict:
     """The response to `request` with `x_explanations` (per question, segments ranked by effect). Raises
     RequestError / TokenBudgetError as the engine does, ValueError for a model that cannot explain here."""
-    if not hasattr(engine, "explain"):
+    if not isinstance(engine, ExplainingEngine):
         raise ValueError("Why needs a model loaded in this workbench; a System One endpoint does not explain")
     return engine.explain(request, max_length=max_length, overflow=overflow)
 
 
-def cached_explanation(state: MutableMapping, key: str, engine: Any, request: dict, *, max_length: int | None,
-                       overflow: str) -> dict:
+def cached_explanation(state: MutableMapping, key: str, engine: DecisionEngine, request: dict, *,
+                       max_length: int | None, overflow: str) -> dict:
     """The explanation of `request`, computed once per request, budget and model and kept in `state[key]` (the
     toggle reruns the page on every click; an explanation costs a batched run)."""
     identity = (json.dumps(request, sort_keys=True, default=str), max_length, overflow,
-                getattr(engine, "model_id", None), id(engine))
+                engine.model_id, id(engine))
     kept = state.get(key)
     if kept is None or kept[0] != identity:
         kept = (identity, explain(engine, request, max_length=max_length, overflow=overflow))

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from ..errors import Problem, RequestError, TokenBudgetError
-from ..protocol import DEFAULT_MAX_LENGTH, OVERFLOW_POLICIES, Question, parse_questions
+from ..protocol import DEFAULT_MAX_LENGTH, Question, ValidRequest, prepared
 from . import media
 
 SYSTEM = ("Read the complete state and schema. Decide every field jointly. "
@@ -259,19 +259,19 @@ class Encoder:
         per_frame_pair = patches // (sampled // temporal) // video_processor.merge_size**2
         return -(-sampled // temporal) * (per_frame_pair + 2)
 
-    def open_media(self, request: dict) -> tuple[list, list, list[Problem]]:
+    def open_media(self, request: ValidRequest) -> tuple[list, list, list[Problem]]:
         """Images with their headers read and videos given as frames (sampled), each checked against the limits and
         the processor's preconditions, with no pixel decoded; video files stay bytes. Returns images, videos
         (media.Video or bytes), problems."""
         images, videos, problems = [], [], []
-        for i, item in enumerate(request.get("images") or []):
+        for i, item in enumerate(request.images):
             try:
                 image = media.open_image(item)
                 self.image_tokens(image)
                 images.append(image)
             except media.MediaError as error:
                 problems.append(Problem(("images", i), str(error), "value_error.image"))
-        for i, item in enumerate(request.get("videos") or []):
+        for i, item in enumerate(request.videos):
             try:
                 given = media.video_frames(item)
                 if given is None and not isinstance(item, media.Video):  # a Video is already sampled
@@ -356,22 +356,23 @@ class Encoder:
 
     # ---- records ----------------------------------------------------------------------------------------------
 
-    def open_request(self, request: dict) -> tuple[list[Question], list, list, str]:
-        """Validate a request and open its media (headers only): its questions, images, videos and state text.
-        Raises RequestError listing every problem."""
-        questions = parse_questions(request)
+    def open_request(self, request: ValidRequest) -> tuple[list[Question], list, list, str]:
+        """Open a validated request's media (headers only): its questions, images, videos and state text. Raises
+        RequestError listing every problem."""
         images, videos, problems = self.open_media(request)
         if problems:
             raise RequestError(problems)
-        return questions, images, videos, render(request["state"])
+        return list(request.questions), images, videos, render(request.state)
 
-    def count_tokens(self, request: dict) -> dict[str, int]:
+    def count_tokens(self, request: dict | ValidRequest) -> dict[str, int]:
         """The tokens of each part and their total, as `encode` with no budget counts them. An image's tokens
         follow from its header, so a request whose media are images alone is counted without decoding a pixel
-        (decoding a large photo costs far more than counting); a video's are known once its frames are sampled."""
-        questions, images, videos, state_text = self.open_request(request)
+        (decoding a large photo costs far more than counting); a video's are known once its frames are sampled.
+        A plain dict is validated here; a ValidRequest is not validated again."""
+        valid = prepared(request)
+        questions, images, videos, state_text = self.open_request(valid)
         if videos:
-            return dict(self.encode(request, max_length=UNBOUNDED).token_counts)
+            return dict(self.encode(valid.with_budget(UNBOUNDED, "refuse")).token_counts)
         pieces, instruction_piece, _ = schema_pieces(questions)
         piece_ids = self.tokenize_many(pieces)
         _check_instructions(questions, [piece_ids[piece] for piece in instruction_piece])
@@ -380,15 +381,15 @@ class Encoder:
                   "suffix": len(self.suffix_ids)}
         return {**counts, "total": sum(counts.values())}
 
-    def encode(self, request: dict, *, max_length: int | None = None, overflow: str = "refuse") -> EncodedRecord:
-        """Validate and encode one request. Raises RequestError or TokenBudgetError; never anything else for bad
-        input."""
-        max_length = DEFAULT_MAX_LENGTH if max_length is None else max_length
-        if overflow not in OVERFLOW_POLICIES:
-            raise RequestError([Problem(("overflow",), f"overflow must be one of {OVERFLOW_POLICIES}")])
-        if not isinstance(max_length, int) or max_length < 1:
-            raise RequestError([Problem(("max_length",), "max_length must be a positive integer")])
-        questions, images, videos, state_text = self.open_request(request)
+    def encode(self, request: dict | ValidRequest, *, max_length: int | None = None,
+               overflow: str = "refuse") -> EncodedRecord:
+        """Encode one request. A ValidRequest (see protocol.prepare) is not validated again and is encoded under its
+        own budget; a plain dict is validated here, once, under `max_length` / `overflow`. Raises RequestError or
+        TokenBudgetError; never anything else for bad input."""
+        valid = prepared(request, max_length=max_length, overflow=overflow)
+        max_length = DEFAULT_MAX_LENGTH if valid.max_length is None else valid.max_length
+        overflow = valid.overflow
+        questions, images, videos, state_text = self.open_request(valid)
         pieces, instruction_piece, option_piece = schema_pieces(questions)
 
         # Cheapest first: bounds of every part, then exact schema, then exact state; pixels are decoded last.

@@ -194,9 +194,8 @@ def load_models(args: argparse.Namespace) -> dict:
             local = [name for name, e in models.items() if not e.info().get("remote")]
             memory.check_fits(source, revision=args.revision, config=config, loaded=local)
             engine = clef_engine.load(source, revision=args.revision, config=config)
-        if args.max_queued_records is not None and hasattr(engine, "scheduler"):
-            # The scheduler reads this bound on every submit, so setting it after load takes effect at once.
-            engine.scheduler.max_queued_records = max(1, args.max_queued_records)
+            if args.max_queued_records is not None:  # after warm-up, which queues more than one record at once
+                engine.limit_queue(args.max_queued_records)
         name = base = _public_model_name(engine.info())
         count = 2
         while name in models:

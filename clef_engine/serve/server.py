@@ -68,6 +68,7 @@ import uuid
 import weakref
 from collections.abc import Callable, Collection, Mapping
 from concurrent.futures.process import BrokenProcessPool
+from dataclasses import replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -83,8 +84,9 @@ from starlette.routing import Route
 
 from ..calibrated import Calibration, CalibrationProvider, calibrate_answers
 from ..errors import BusyError, RequestError, TokenBudgetError
-from ..explain import explaining
-from ..protocol import DEFAULT_MAX_LENGTH, validate_request
+from ..explain import Explaining, explaining
+from ..interface import DecisionEngine
+from ..protocol import DEFAULT_MAX_LENGTH, ValidRequest, prepare
 from . import openapi
 from .bodies import (
     ApiError,
@@ -327,22 +329,23 @@ class SystemOneApi:
         """The engine's answer to `body`; `queued` is called once the engine has the record queued."""
         record = {k: body[k] for k in ENGINE_FIELDS if k in body}
         _check_media(record, skip_images=set(asset_images))
-        # The contract's models say what a valid request is (the 422 body lists every problem). The state is left
-        # out here: the engine's encoder validates the whole request again, and any parsed JSON is a valid state,
-        # while walking a large state takes seconds. In the thread pool: media strings can be large too.
+        # The contract's models say what a valid request is (the 422 body lists every problem): validated here, once,
+        # and handed to the engine as a ValidRequest, which it encodes without validating again. In the thread pool:
+        # a large state or large media strings take a while to walk.
         try:
-            request = await run_in_threadpool(validate_request, {**body, "state": None} if "state" in body else body)
+            valid = await run_in_threadpool(prepare, body)
         except RequestError as exc:
             raise _invalid_request(exc, asset_images) from None
         # a calibration that does not exist is the request's fault, found before any work is paid for
-        calibration = None if request.x_calibration is None else await self._calibration(request.x_calibration)
+        named = body.get("x_calibration")
+        calibration = None if named is None else await self._calibration(named)
         ceiling = self.token_ceiling(engine)
-        asked = request.x_max_length if request.x_max_length is not None else DEFAULT_MAX_LENGTH
-        model, max_length, overflow = request.model, min(asked, ceiling), request.x_overflow
+        asked = valid.max_length if valid.max_length is not None else DEFAULT_MAX_LENGTH
+        # the engine (and an endpoint a remote engine forwards to) gets the engine's fields, under this server's budget
+        request = replace(valid, request=record).with_budget(min(asked, ceiling), valid.overflow)
         self.metrics.enter()
         try:
-            results = await self._run_in_time(explaining(engine, request.x_explain), record, queued,
-                                              max_length=max_length, overflow=overflow)
+            results = await self._run_in_time(explaining(engine, valid.explain), request, queued)
         except RequestError as exc:  # what only encoding finds: media that cannot be decoded
             raise _invalid_request(exc, asset_images) from None
         except TokenBudgetError as exc:
@@ -363,7 +366,7 @@ class SystemOneApi:
         finally:
             self.metrics.leave()
         response = dict(results[0] if isinstance(results, list) else results)
-        response["model"] = model if model is not None else name
+        response["model"] = valid.model if valid.model is not None else name
         if calibration is not None:
             response["x_calibrated"] = calibrate_answers(calibration, response["answers"])
         _check_finite(response)
@@ -378,23 +381,23 @@ class SystemOneApi:
                           "value_error.calibration")
         return known[name]
 
-    def token_ceiling(self, engine: Any) -> int:
+    def token_ceiling(self, engine: DecisionEngine) -> int:
         """The most tokens one request may buy on `engine`: the operator's limit, else the engine's token budget
         (the most it runs in one batch), else the model's default length (a remote engine has no budget here)."""
         if self.max_tokens_per_request is not None:
             return self.max_tokens_per_request
-        budget = getattr(getattr(engine, "config", None), "token_budget", None)
-        return budget if isinstance(budget, int) and budget > 0 else DEFAULT_MAX_LENGTH
+        budget = engine.token_budget
+        return budget if budget is not None and budget > 0 else DEFAULT_MAX_LENGTH
 
-    async def _run_in_time(self, engine: Any, record: dict, queued: Callable[[], None] | None,
-                           **options: Any) -> list:
+    async def _run_in_time(self, engine: DecisionEngine | Explaining, request: ValidRequest,
+                           queued: Callable[[], None] | None = None) -> list:
         """Encode (in the thread pool: tokenizer, media decoding) and wait for the GPU worker, all within
         `request_timeout`. Past it the request is answered at once and its work abandoned: cancelled if queued,
         stopped between layers if running (the engine's `abandon`); encoding already running in a thread cannot be
         interrupted, so its work is abandoned as soon as it is queued."""
         deadline = time.monotonic() + self.request_timeout
         submitting = asyncio.ensure_future(
-            run_in_threadpool(engine.submit, [record], priority="interactive", **options))
+            run_in_threadpool(engine.submit, [request], priority="interactive"))
         try:
             future: concurrent.futures.Future = await asyncio.wait_for(asyncio.shield(submitting),
                                                                        self.request_timeout)
@@ -563,17 +566,12 @@ def _unauthorized(message: str, challenge: str) -> ApiError:
                     headers={"www-authenticate": challenge})
 
 
-def _abandon(engine: Any, future: concurrent.futures.Future) -> None:
-    """Give up on `future`: the engine stops its work (a remote engine, or one without `abandon`, only cancels it
-    if it has not started)."""
-    abandon = getattr(engine, "abandon", None)
-    if callable(abandon):
-        abandon(future)
-    else:
-        future.cancel()
+def _abandon(engine: DecisionEngine | Explaining, future: concurrent.futures.Future) -> None:
+    """Give up on `future`: the engine stops its work (a remote engine only cancels it if it has not started)."""
+    engine.abandon(future)
 
 
-def _abandon_submitted(engine: Any, task: asyncio.Future) -> None:
+def _abandon_submitted(engine: DecisionEngine | Explaining, task: asyncio.Future) -> None:
     if not task.cancelled() and task.exception() is None:
         _abandon(engine, task.result())
 
@@ -598,7 +596,7 @@ def _public_model_name(info: dict) -> str:
 
 
 def _looks_like_engine(obj: Any) -> bool:
-    return hasattr(obj, "submit") and hasattr(obj, "info")
+    return isinstance(obj, DecisionEngine)
 
 
 def _check_media(record: dict, skip_images: Collection[int] = ()) -> None:

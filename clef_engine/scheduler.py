@@ -34,7 +34,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import BusyError, CancelledError
+from .errors import BusyError, CancelledError
 
 PRIORITIES = {"interactive": 0, "bulk": 1}
 
