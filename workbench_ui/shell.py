@@ -8,10 +8,8 @@ Pages import from here and from clef_workbench; nothing here knows SQL or tensor
 from __future__ import annotations
 
 import os
-import threading
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -39,34 +37,6 @@ STATUS_REFRESH_ENV = "CLEF_STATUS_REFRESH_S"  # how often the sidebar status red
 STATUS_REFRESH_SECONDS = float(os.environ.get(STATUS_REFRESH_ENV) or 3.0)
 DEMO_BANNER = ("**Demo model.** Its weights are random: the answers mean nothing. It is here so you can try the "
                "workbench without a GPU. Choose Clef or Clef-Flash in the sidebar on a GPU machine.")
-
-
-_shell = threading.local()  # per script thread: is app.py's navigation running this page?
-SHELL_SEEN_KEY = "app.shell_seen"
-
-
-@contextmanager
-def app_shell() -> Iterator[None]:
-    """app.py runs its pages inside this, so a page can tell it was reached through the app's navigation."""
-    _shell.active = True
-    st.session_state[SHELL_SEEN_KEY] = True
-    try:
-        yield
-    finally:
-        _shell.active = False
-
-
-def use_app_navigation() -> None:
-    """Call first on every page. Streamlit treats a `pages/` folder beside app.py as an old-style multipage app until
-    app.py's st.navigation has run once in the process, so a deep link (/review) on a fresh server would run the page
-    alone — no sidebar, file names as titles. Then switch to app.py's navigation and rerun the same URL through it.
-    Only a session's first run can be such a deep link (AppTest, which resets Streamlit's flag every run, is left
-    alone after its first run)."""
-    from streamlit.runtime.pages_manager import PagesManager
-
-    if not getattr(_shell, "active", False) and not st.session_state.get(SHELL_SEEN_KEY):
-        PagesManager.uses_pages_directory = False
-        st.rerun()
 
 
 def model_manager() -> ModelManager:

@@ -28,10 +28,7 @@ from workbench_ui.shell import (
     random_weights_notice,
     show_not_found,
     url_int,
-    use_app_navigation,
 )
-
-use_app_navigation()
 
 K = page_key("review")
 MAX_SHORTCUT_OPTIONS = 9

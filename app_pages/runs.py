@@ -29,10 +29,7 @@ from workbench_ui.shell import (
     page_key,
     pick_run,
     random_weights_notice,
-    use_app_navigation,
 )
-
-use_app_navigation()
 
 K = page_key("runs")
 STATS_REFRESH_S = 5.0

@@ -30,10 +30,7 @@ from workbench_ui.shell import (
     set_widget,
     show_not_found,
     url_int,
-    use_app_navigation,
 )
-
-use_app_navigation()
 
 K = page_key("compare")
 store = get_store()

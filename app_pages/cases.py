@@ -12,9 +12,7 @@ from clef_workbench import casesets, importing
 from clef_workbench.casesets import CaseDeletionRefusedError, CaseImportError, CsvMapping
 from clef_workbench.schemas import SchemaError
 from clef_workbench.store import StoreError
-from workbench_ui.shell import get_library, get_store, page_key, pick_id, use_app_navigation
-
-use_app_navigation()
+from workbench_ui.shell import get_library, get_store, page_key, pick_id
 
 K = page_key("cases")
 NO_SCHEMA = "(none)"

@@ -31,10 +31,7 @@ from workbench_ui.shell import (
     random_weights_notice,
     random_weights_text,
     run_queued,
-    use_app_navigation,
 )
-
-use_app_navigation()
 
 
 @st.cache_data(max_entries=8, show_spinner=False)
