@@ -35,11 +35,12 @@ from typing import Any
 from clef_engine.errors import ClefError, ReleaseError
 from clef_workbench.casesets import build_request
 from clef_workbench.jobs import JobRunner, _LiveJob
+from clef_workbench.settings import ENVIRONMENT, WorkbenchSettings
 from clef_workbench.store import Store, now_iso
 
 # `ray` is imported where a run goes to Ray, not here: the workbench imports this module for make_job_runner, and
 # importing Ray takes seconds that a workbench without a cluster should not pay.
-ADDRESS_ENV = "CLEF_RAY_ADDRESS"
+ADDRESS_ENV = ENVIRONMENT["ray_address"]
 IN_FLIGHT_PER_REPLICA = 2  # the next chunk waits on the replica while one runs: no round trip between chunks
 MAX_RESTARTS = 3  # per replica; one that dies more often is dropped and the others go on
 CASES_PER_READ = 256  # cases read from the store at a time while cutting chunks (a run can hold millions)
@@ -59,8 +60,9 @@ class ReplicaError(RuntimeError):
 
 def ray_address(explicit: str | None = None) -> str | None:
     """The cluster to run batch runs on: an explicit address, else CLEF_RAY_ADDRESS; None means in-process."""
-    address = (explicit if explicit is not None else os.environ.get(ADDRESS_ENV, "")).strip()
-    return address or None
+    if explicit is None:
+        return WorkbenchSettings.from_env().ray_address
+    return explicit.strip() or None
 
 
 def connect(address: str) -> None:

@@ -9,17 +9,17 @@ usable. Switching or adding a model does so for every session (there is one GPU)
 
 from __future__ import annotations
 
-import os
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
 from clef_engine.remote import is_endpoint
+from clef_workbench.settings import WorkbenchSettings
 
 DEMO_SOURCE = "demo"
-MODEL_ENV = "CLEF_MODEL"
 CLEF_REPO = "Cloudflare/clef"
 CLEF_FLASH_REPO = "Cloudflare/clef-flash"
 # The published models need a CUDA GPU: on CPU they would need ~110 GB (Clef) / ~38 GB (Flash) of RAM in float32
@@ -38,10 +38,9 @@ def cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
-def default_source(env: dict[str, str] | None = None, *, cuda: bool | None = None) -> str:
+def default_source(env: Mapping[str, str] | None = None, *, cuda: bool | None = None) -> str:
     """CLEF_MODEL if set; otherwise Clef when a CUDA GPU is present, else the demo model."""
-    env = os.environ if env is None else env
-    configured = (env.get(MODEL_ENV) or "").strip()
+    configured = WorkbenchSettings.from_env(env).model
     if configured:
         return configured
     if cuda is None:
@@ -49,11 +48,10 @@ def default_source(env: dict[str, str] | None = None, *, cuda: bool | None = Non
     return CLEF_REPO if cuda else DEMO_SOURCE
 
 
-def load_options(env: dict[str, str] | None = None) -> dict[str, str]:
+def load_options(env: Mapping[str, str] | None = None) -> dict[str, str]:
     """clef_engine.load keyword arguments the workbench adds: the Hub revision (CLEF_REVISION). The engine's own
     knobs (CLEF_DEVICE, CLEF_DTYPE, ...) are read by the engine's EngineConfig, in one place."""
-    env = os.environ if env is None else env
-    revision = (env.get("CLEF_REVISION") or "").strip()
+    revision = WorkbenchSettings.from_env(env).revision
     return {"revision": revision} if revision else {}
 
 

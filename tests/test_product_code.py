@@ -58,3 +58,22 @@ def test_no_product_module_touches_streamlit_internals():
             if name in ("PagesManager", "uses_pages_directory"):
                 found.append(f"{where}:{node.lineno} uses {name}")
     assert not found, found
+def reads_environment(node: ast.AST) -> bool:
+    """os.environ / os.getenv / environ / getenv (from os import …), as an expression."""
+    if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "os":
+        return node.attr in ("environ", "getenv", "environb", "getenvb")
+    if isinstance(node, ast.ImportFrom) and node.module == "os":
+        return any(alias.name in ("environ", "getenv", "environb", "getenvb") for alias in node.names)
+    return False
+
+
+def test_only_the_settings_modules_read_the_environment():
+    readers = {}
+    for path in product_files():
+        where = str(path.relative_to(REPO))
+        lines = [node.lineno for node in ast.walk(parsed(path)) if reads_environment(node)]
+        if lines:
+            readers[where] = lines
+    strays = {where: lines for where, lines in readers.items() if where not in ENVIRONMENT_READERS}
+    assert not strays, f"read the environment outside the settings modules: {strays}"
+    assert {"clef_workbench/settings.py", "clef_engine/config.py"} <= set(readers)

@@ -8,11 +8,11 @@ With CLEF_API_KEY set, /v1/* and /metrics require `Authorization: Bearer <key>`.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 from clef_engine.serve.server import routes
 from clef_workbench.model_loader import shared_manager
+from clef_workbench.settings import WorkbenchSettings
 
 APP_SCRIPT = Path(__file__).resolve().parents[1] / "app.py"
 
@@ -25,4 +25,4 @@ def resident_models() -> dict | None:
 
 def api_routes(api_key: str | None = None) -> list:
     """The HTTP API's routes over the resident engine; api_key defaults to CLEF_API_KEY."""
-    return routes(resident_models, api_key=api_key if api_key is not None else os.environ.get("CLEF_API_KEY") or None)
+    return routes(resident_models, api_key=api_key if api_key is not None else WorkbenchSettings.from_env().api_key)

@@ -7,10 +7,8 @@ Pages import from here and from clef_workbench; nothing here knows SQL or tensor
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import streamlit as st
@@ -28,13 +26,11 @@ from clef_workbench.model_loader import (
     shared_manager,
 )
 from clef_workbench.schemas import SchemaLibrary
+from clef_workbench.settings import WorkbenchSettings
 from workbench_ui import links
 
-DB_ENV = "CLEF_DB"
-DEFAULT_DB = Path("data") / "workbench.sqlite3"
 POLL_SECONDS = 0.2
-STATUS_REFRESH_ENV = "CLEF_STATUS_REFRESH_S"  # how often the sidebar status redraws itself (seconds)
-STATUS_REFRESH_SECONDS = float(os.environ.get(STATUS_REFRESH_ENV) or 3.0)
+STATUS_REFRESH_SECONDS = WorkbenchSettings.from_env().status_refresh_s  # how often the sidebar status redraws itself
 DEMO_BANNER = ("**Demo model.** Its weights are random: the answers mean nothing. It is here so you can try the "
                "workbench without a GPU. Choose Clef or Clef-Flash in the sidebar on a GPU machine.")
 
@@ -49,7 +45,7 @@ def get_store():
     """The workbench's SQLite store, path from CLEF_DB (default data/workbench.sqlite3)."""
     from clef_workbench.store import Store
 
-    return Store(os.environ.get(DB_ENV) or DEFAULT_DB)
+    return Store(WorkbenchSettings.from_env().db_path)
 
 
 def get_job_runner():
