@@ -18,6 +18,7 @@ from workbench_ui.run_view import fmt_duration_ms
 from workbench_ui.shell import (
     KEEP_PREFIX,
     demo_output_banner,
+    failure_text,
     format_json,
     get_engine,
     get_job_runner,
@@ -56,7 +57,7 @@ def start_comparison(set_id: int, slug: str, number: int, names: list[str]) -> N
                                      settings={"chunk_size": 8, "max_length": DEFAULT_MAX_LENGTH,
                                                "overflow": "refuse", "schema_slug": slug})
     except Exception as exc:  # noqa: BLE001 — e.g. a remote endpoint that does not answer: a message, no traceback
-        st.session_state[K("flash")] = ("error", f"Not started: {type(exc).__name__}: {exc}")
+        st.session_state[K("flash")] = ("error", failure_text("Not started", exc))
         return
     set_widget(K("set"), set_id)
     # oldest first: the first run is the baseline the others are read against

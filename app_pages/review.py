@@ -20,6 +20,7 @@ from clef_workbench.store import ReviewConflictError, StoreError
 from workbench_ui import links
 from workbench_ui.decide_model import FRAME_THUMBNAIL_PX, frame_thumbnail
 from workbench_ui.shell import (
+    failure_text,
     get_store,
     kept_widget,
     model_manager,
@@ -280,7 +281,7 @@ else:
                         st.image([frame_thumbnail(f) for f in frames], width=FRAME_THUMBNAIL_PX,
                                  caption=[f"frame {i}" for i in range(len(frames))])
                 except Exception as exc:  # noqa: BLE001 — a preview problem must not block the review
-                    st.caption(f"Sampled frames unavailable: {exc}")
+                    st.caption(failure_text("Sampled frames unavailable", exc))
             expected = case["expected"].get(item["question_id"])
             if expected is not None:
                 st.markdown(f"**Expected answer in the case set (gold label):** {review.label_key(expected)}")

@@ -23,6 +23,7 @@ actors) and its lease lapses; resuming runs only the cases without a result, as 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 import threading
@@ -37,6 +38,8 @@ from clef_workbench.casesets import build_request
 from clef_workbench.jobs import JobRunner, _LiveJob
 from clef_workbench.settings import ENVIRONMENT, WorkbenchSettings
 from clef_workbench.store import Store, now_iso
+
+log = logging.getLogger(__name__)
 
 # `ray` is imported where a run goes to Ray, not here: the workbench imports this module for make_job_runner, and
 # importing Ray takes seconds that a workbench without a cluster should not pay.
@@ -113,6 +116,7 @@ class Replica:
                 except ReleaseError as exc:
                     raise ReleaseError(f"on node {self.node()}: {exc}") from None
                 except Exception as exc:  # out of memory, no GPU visible …: the driver's message names the node too
+                    log.exception("on node %s: loading %s failed", self.node(), self.source)
                     raise ReplicaError(f"on node {self.node()}: {type(exc).__name__}: {exc}") from None
         info = self.engine.info()
         return {"node": self.node(), "device": info["device"], "dtype": info["dtype"], "revision": info["revision"],

@@ -9,6 +9,7 @@ usable. Switching or adding a model does so for every session (there is one GPU)
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Mapping
@@ -18,6 +19,8 @@ from urllib.parse import urlsplit
 
 from clef_engine.remote import is_endpoint
 from clef_workbench.settings import WorkbenchSettings
+
+log = logging.getLogger(__name__)
 
 DEMO_SOURCE = "demo"
 CLEF_REPO = "Cloudflare/clef"
@@ -128,6 +131,7 @@ def reports_random_weights(engine: Any) -> bool:
     try:
         return bool(engine.info().get("random_weights"))
     except Exception:  # noqa: BLE001 — an engine that cannot say is taken at its word of nothing
+        log.warning("could not ask %r whether its weights are random", engine, exc_info=True)
         return False
 
 
@@ -328,6 +332,7 @@ class ModelManager:
         try:
             engine = self._load_one(source)
         except Exception as exc:  # noqa: BLE001 — any failure becomes a message; the app must not show a traceback
+            log.exception("loading %s failed", label_of(source))  # the traceback for the operator's log
             error = describe_failure(source, exc)
         if engine is None and source != DEMO_SOURCE and not self._models:
             # Nothing is resident: fall back to the demo model so the workbench stays usable.
@@ -336,6 +341,7 @@ class ModelManager:
                 loaded_source = DEMO_SOURCE
                 notice = "Running on the demo model because the requested model could not be loaded."
             except Exception as exc:  # noqa: BLE001
+                log.exception("loading the demo model failed")
                 error = f"{error} The demo model failed too: {describe_failure(DEMO_SOURCE, exc)}"
         old = None
         with self._done:
@@ -357,6 +363,7 @@ class ModelManager:
         try:
             engine = self._load_one(source)
         except Exception as exc:  # noqa: BLE001 — a message for the sidebar, never a traceback
+            log.exception("adding %s failed", label_of(source))
             error = describe_failure(source, exc)
         with self._done:
             if engine is not None:

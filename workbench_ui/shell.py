@@ -7,6 +7,7 @@ Pages import from here and from clef_workbench; nothing here knows SQL or tensor
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from typing import Any
@@ -28,6 +29,8 @@ from clef_workbench.model_loader import (
 from clef_workbench.schemas import SchemaLibrary
 from clef_workbench.settings import WorkbenchSettings
 from workbench_ui import links
+
+log = logging.getLogger(__name__)
 
 POLL_SECONDS = 0.2
 STATUS_REFRESH_SECONDS = WorkbenchSettings.from_env().status_refresh_s  # how often the sidebar status redraws itself
@@ -344,6 +347,13 @@ def run_queued(engine, requests: list[dict], *, max_length: int | None = None, o
         except TimeoutError:
             continue
     return future.result()
+
+
+def failure_text(what: str, exc: BaseException) -> str:
+    """The words a page shows for a failure it catches broadly ("The run failed: RuntimeError: …"), so that the page
+    stays up; the traceback goes to the operator's log."""
+    log.error("%s", what, exc_info=exc)
+    return f"{what}: {type(exc).__name__}: {exc}"
 
 
 def page_key(page: str) -> Callable[[str], str]:
