@@ -8,12 +8,12 @@ from __future__ import annotations
 import streamlit as st
 
 from clef_engine import DEFAULT_MAX_LENGTH
-from clef_workbench import compare, run_charts
+from clef_workbench import compare
 from clef_workbench.answers import probability_chart
 from clef_workbench.model_loader import DEMO_SOURCE, request_model_name
 from clef_workbench.run_status import status_label
 from clef_workbench.schemas import SchemaError
-from workbench_ui import links
+from workbench_ui import links, run_charts
 from workbench_ui.run_view import fmt_duration_ms
 from workbench_ui.shell import (
     KEEP_PREFIX,

@@ -13,11 +13,11 @@ import pandas as pd
 import streamlit as st
 
 from clef_engine.model.media import load_video
-from clef_workbench import review, run_charts
+from clef_workbench import review
 from clef_workbench.answers import probability_chart
 from clef_workbench.review import ReviewRules
 from clef_workbench.store import ReviewConflictError, StoreError
-from workbench_ui import links
+from workbench_ui import links, run_charts
 from workbench_ui.decide_model import FRAME_THUMBNAIL_PX, frame_thumbnail
 from workbench_ui.shell import (
     failure_text,
