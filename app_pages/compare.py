@@ -13,8 +13,7 @@ from clef_workbench.answers import probability_chart
 from clef_workbench.model_loader import DEMO_SOURCE, request_model_name
 from clef_workbench.run_status import status_label
 from clef_workbench.schemas import SchemaError
-from workbench_ui import links, run_charts
-from workbench_ui.run_view import fmt_duration_ms
+from workbench_ui import links, run_charts, units
 from workbench_ui.shell import (
     KEEP_PREFIX,
     demo_output_banner,
@@ -284,5 +283,5 @@ if detail is not None:
                                                       answer["probabilities"], answer["predicted"])
                 st.altair_chart(probability_chart(table), width="stretch")
             if run["latency_ms"] is not None:
-                st.caption(f"compute {fmt_duration_ms(run['latency_ms'])}")
+                st.caption(f"compute {units.duration(run['latency_ms'])}")
     st.button("Close the case", key=K("close_case"), on_click=open_case, args=(None,))
