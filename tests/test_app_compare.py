@@ -57,7 +57,7 @@ def two_versions_run(workbench: Path) -> tuple[Store, int, list[int]]:
         library.update(SLUG, schema)
     assert [v["number"] for v in store.list_schema_versions(SLUG)] == [3, 2, 1]
 
-    at = open_page("app_pages/compare.py")
+    at = open_page("pages/compare.py")
     assert "Comparing needs two runs of one case set" in texts(at)
     at.selectbox(key="compare.start.set").select(set_id).run()
     at.selectbox(key="compare.start.schema").select(SLUG).run()
@@ -78,7 +78,7 @@ def test_compare_runs_one_schema_at_two_versions_and_shows_agreement_flips_and_i
     assert [(store.get_run(r)["schema_version"], store.get_run(r)["schema_slug"]) for r in (run_v2, run_v3)] == [
         ("2", SLUG), ("3", SLUG)]
 
-    at = open_page("app_pages/compare.py", runs=f"{run_v2},{run_v3}")
+    at = open_page("pages/compare.py", runs=f"{run_v2},{run_v3}")
     assert at.multiselect(key=f"compare.runs.{set_id}").value == [run_v2, run_v3]
     page = texts(at)
     assert "Demo model." in page  # its answers mean nothing, and the page says so
@@ -103,7 +103,7 @@ def test_compare_runs_one_schema_at_two_versions_and_shows_agreement_flips_and_i
     assert {"state", "team · expected", f"team · #{run_v2}", f"team · #{run_v3}"} <= set(matrix.columns)
 
     # the link of a case opens it, beside every run's answers
-    linked = open_page("app_pages/compare.py", runs=f"{run_v2},{run_v3}", case=str(case_id))
+    linked = open_page("pages/compare.py", runs=f"{run_v2},{run_v3}", case=str(case_id))
     assert f"Case {case_id}" in [h.value for h in linked.subheader]
     assert sum("`team`:" in m.value for m in linked.markdown) == 2
     # each run's distribution of each question, as a chart
@@ -118,7 +118,7 @@ def test_compare_runs_one_schema_at_two_versions_and_shows_agreement_flips_and_i
 
 @pytest.mark.slow  # the slowest AppTest left in the quick tier (the service is tested in test_schema_history)
 def test_schemas_page_history_diff_restore_and_undo_delete(workbench):
-    at = open_page("app_pages/schemas.py")
+    at = open_page("pages/schemas.py")
     at.selectbox(key="schemas.selected").select(SLUG).run()
     for wording in ("Which team should own this ticket?", "Which single team should own this ticket?"):
         data = json.loads(at.text_area(key=f"schemas.json.{SLUG}").value)

@@ -24,7 +24,7 @@ def import_buttons(at: AppTest) -> list[str]:
 
 def test_a_latin_1_file_shows_its_encoding_and_imports_its_accents_exactly(workbench):
     store = Store(workbench / "workbench.sqlite3")
-    at = open_page("app_pages/cases.py")
+    at = open_page("pages/cases.py")
     set_id = new_case_set(at, "Tickets")
     file = KINDS["latin-1"]
     upload(at, file.file_name, file.data)
@@ -51,7 +51,7 @@ def test_a_latin_1_file_shows_its_encoding_and_imports_its_accents_exactly(workb
 
 def test_a_ragged_file_lists_its_bad_rows_and_imports_nothing_until_skipping_them_is_confirmed(workbench):
     store = Store(workbench / "workbench.sqlite3")
-    at = open_page("app_pages/cases.py")
+    at = open_page("pages/cases.py")
     set_id = new_case_set(at, "Tickets")
     upload(at, "tickets.csv", RAGGED.encode())
     button(at, "Use the 2 column(s)", startswith=True).click()
@@ -77,7 +77,7 @@ def test_a_ragged_file_lists_its_bad_rows_and_imports_nothing_until_skipping_the
 
 def test_excel_unicode_text_is_read_as_tab_separated_utf_16(workbench):
     store = Store(workbench / "workbench.sqlite3")
-    at = open_page("app_pages/cases.py")
+    at = open_page("pages/cases.py")
     set_id = new_case_set(at, "Tickets")
     file = KINDS["excel unicode text"]
     upload(at, file.file_name, file.data)

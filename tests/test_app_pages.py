@@ -68,7 +68,7 @@ def test_shell_starts_on_the_demo_model_and_a_page_load_runs_nothing(workbench):
     assert at.sidebar.selectbox(key="sidebar.model_choice").value == "Demo model (random weights)"
     records_before = engine().info()["scheduler"]["records"]
     at.run()
-    at.switch_page("app_pages/schemas.py")
+    at.switch_page("pages/schemas.py")
     at.run()
     no_exceptions(at)
     assert engine().info()["scheduler"]["records"] == records_before, "loading pages must not run the model"
@@ -76,8 +76,8 @@ def test_shell_starts_on_the_demo_model_and_a_page_load_runs_nothing(workbench):
 
 def test_shell_lists_only_existing_pages(workbench):
     at = start()
-    # The navigation is built from the files in app_pages/; Decide and Schemas always exist.
-    at.switch_page("app_pages/schemas.py")
+    # The navigation is built from the files in pages/; Decide and Schemas always exist.
+    at.switch_page("pages/schemas.py")
     at.run()
     no_exceptions(at)
     assert [t.value for t in at.title] == ["Schema library"]
@@ -226,7 +226,7 @@ def test_save_builder_schema_to_library(workbench):
 
 
 def open_schemas(at: AppTest) -> AppTest:
-    at.switch_page("app_pages/schemas.py")
+    at.switch_page("pages/schemas.py")
     at.run()
     no_exceptions(at)
     return at
@@ -638,9 +638,9 @@ def test_schemas_feedback_sits_next_to_its_action_and_the_selection_is_kept(work
     assert [e.value for e in imports.error] == ["Choose a JSON file to import first."]
 
     at.selectbox(key="schemas.selected").set_value("security-alert-triage").run()
-    at.switch_page("app_pages/decide.py").run()
+    at.switch_page("pages/decide.py").run()
     no_exceptions(at)
-    at.switch_page("app_pages/schemas.py").run()
+    at.switch_page("pages/schemas.py").run()
     no_exceptions(at)
     assert at.selectbox(key="schemas.selected").value == "security-alert-triage"
 
@@ -650,7 +650,7 @@ def test_a_file_chosen_for_import_with_problems_is_not_reported_as_a_failed_chan
     not a red "Nothing was changed"."""
     from tests.test_pages_runs_review import case_uploader, new_case_set, open_page
 
-    at = open_page("app_pages/cases.py")
+    at = open_page("pages/cases.py")
     new_case_set(at, "Bad files")
     case_uploader(at).set_value(("broken.jsonl", b'{"state": "fine"}\nthis line is not JSON\n', "application/json"))
     at.run()

@@ -236,7 +236,7 @@ def test_decide_and_runs_pick_among_loaded_models_and_the_sidebar_unloads_after_
 
         case_set = Store(workbench / "workbench.sqlite3").create_case_set("tickets")
         Store(workbench / "workbench.sqlite3").add_cases(case_set, [{"state": "refund please"}])
-        at.switch_page("app_pages/runs.py")
+        at.switch_page("pages/runs.py")
         at.run()
         no_exceptions(at)
         assert at.selectbox(key="runs.start.model").options[0] == f"{default} · {default_label}"
@@ -319,7 +319,7 @@ def test_make_default_switches_decide_and_every_random_weight_answer_is_flagged_
         case_set = store.create_case_set("tickets")
         store.add_cases(case_set, [{"state": "refund please"}])
         store.create_run(case_set, schema={"name": "r", "questions": QUESTIONS}, model_id=small)
-        at.switch_page("app_pages/runs.py")
+        at.switch_page("pages/runs.py")
         at.run()
         no_exceptions(at)
         assert any(f"{small} has random weights" in w.value for w in at.warning), "Runs flags the run's model"

@@ -31,7 +31,7 @@ def test_fit_a_calibration_on_the_runs_page_shows_before_and_after_and_keeps_it(
     AppTest.from_file(APP, default_timeout=TIMEOUT).run()  # loads the demo model in this process
     store = Store(workbench / "workbench.sqlite3")
     few, _ = labelled_run(store, 12)
-    at = open_link("app_pages/runs.py", run=str(few))
+    at = open_link("pages/runs.py", run=str(few))
     button(at, "Fit a calibration on these labelled cases").click()
     at.run()
     ok(at)
@@ -39,7 +39,7 @@ def test_fit_a_calibration_on_the_runs_page_shows_before_and_after_and_keeps_it(
     assert store.list_calibrations() == []
 
     enough, schema_name = labelled_run(store, 40)
-    at = open_link("app_pages/runs.py", run=str(enough))
+    at = open_link("pages/runs.py", run=str(enough))
     charts_before = len(at.get("vega_lite_chart"))
     button(at, "Fit a calibration on these labelled cases").click()
     at.run()

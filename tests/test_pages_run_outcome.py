@@ -32,7 +32,7 @@ def test_a_failed_run_reads_failed_at_the_top_exports_and_retries_only_its_faile
     demo = shell.get_engine(show_errors=False)
     failed = start_run(store, set_id, FailingEngine(demo, {""}))  # every case fails
 
-    at = open_link("app_pages/runs.py", run=str(failed))
+    at = open_link("pages/runs.py", run=str(failed))
     assert "The run failed: every case failed (12 of 12); the first error: ClefError: engine fault" in texts(at)
     errors = next(df.value for df in at.dataframe if "error" in df.value.columns)
     assert len(errors) == 12
@@ -59,7 +59,7 @@ def test_the_runs_page_compares_with_a_run_that_has_answers_never_an_all_error_o
     start_run(store, set_id, FailingEngine(demo, {""}))  # newer, every case failed
     newest = start_run(store, set_id, demo)
 
-    at = open_link("app_pages/runs.py", run=str(newest))
+    at = open_link("pages/runs.py", run=str(newest))
     baseline = at.selectbox(key=f"runs.compare.{newest}")
     assert baseline.options == [run_view.run_label(store.get_run(answered))] and baseline.value == answered
     assert "1 other run(s) of this case set have no answers" in texts(at)
@@ -104,25 +104,25 @@ def test_a_link_to_a_missing_run_case_set_review_item_or_schema_says_not_found_a
     set_id = casesets.load_example_case_sets(store, workbench / "schemas")["support-ticket-routing"]
     run_id = start_run(store, set_id, shell.get_engine(show_errors=False))
 
-    runs_page = open_link("app_pages/runs.py", run="999")
+    runs_page = open_link("pages/runs.py", run="999")
     assert "Not found: the link asks for run 999" in errors(runs_page)
     assert f"[{run_view.run_label(store.get_run(run_id))}](?run={run_id})" in texts(runs_page)  # what exists
     assert not [s for s in runs_page.selectbox if s.key == "runs.selected"], "no other run opened in its place"
     assert param(runs_page, "run") == "999", "the URL still names what was asked for"
 
-    cases_page = open_link("app_pages/cases.py", set="999")
+    cases_page = open_link("pages/cases.py", set="999")
     assert "Not found: the link asks for case set 999" in errors(cases_page) and param(cases_page, "set") == "999"
     assert not [s for s in cases_page.selectbox if s.key == "cases.selected"]
 
-    compare_page = open_link("app_pages/compare.py", runs=f"{run_id},999")
+    compare_page = open_link("pages/compare.py", runs=f"{run_id},999")
     assert "Not found: the link asks for run(s) #999" in errors(compare_page)
     assert param(compare_page, "runs") == f"{run_id},999"
 
-    review_page = open_link("app_pages/review.py", run=str(run_id), case="999", question="team")
+    review_page = open_link("pages/review.py", run=str(run_id), case="999", question="team")
     assert f"Not found: the link asks for case 999 · question team of run #{run_id}" in errors(review_page)
     assert not [c for c in review_page.markdown if c.value.startswith("### Case ")], "no other item in its place"
     assert (param(review_page, "case"), param(review_page, "question")) == ("999", "team")
-    assert "Not found: the link asks for run 999" in errors(open_link("app_pages/review.py", run="999"))
+    assert "Not found: the link asks for run 999" in errors(open_link("pages/review.py", run="999"))
 
     decide = AppTest.from_file(APP, default_timeout=TIMEOUT)  # Decide is the root page: the link is the first run
     decide.query_params["schema"] = "no-such-schema"
@@ -142,7 +142,7 @@ def test_open_in_review_from_a_results_row_opens_that_answer_queuing_it_when_the
     case_id = store.list_results(run_id)[3]["case_id"]
     assert store.list_review_items(run_id) == []  # no rules applied: the queue is empty
 
-    at = open_link("app_pages/review.py", run=str(run_id), case=str(case_id), question="priority")
+    at = open_link("pages/review.py", run=str(run_id), case=str(case_id), question="priority")
     assert f"### Case {case_id} · `priority` (score)" in texts(at)
     item = store.list_review_items(run_id)
     assert [(i["case_id"], i["question_id"], i["reason"]) for i in item] == [
@@ -164,7 +164,7 @@ def test_an_answer_against_the_gold_label_asks_in_a_dialog_and_keep_records_the_
     case = store.get_case(item["case_id"], with_media=False)
     store.update_case(item["case_id"], expected={**case["expected"], "team": gold})  # the model disagrees with it
 
-    at = open_link("app_pages/review.py", reviewer="ana")
+    at = open_link("pages/review.py", reviewer="ana")
     button(at, f"Accept “{item['predicted']}”").click()  # what the A key does
     at.run()
     ok(at)
@@ -186,7 +186,7 @@ def test_the_compare_pages_one_action_shows_the_run_it_started_and_follows_it_to
     AppTest.from_file(APP, default_timeout=TIMEOUT).run()
     store = Store(workbench / "workbench.sqlite3")
     set_id = casesets.load_example_case_sets(store, workbench / "schemas")["support-ticket-routing"]
-    at = open_link("app_pages/compare.py")
+    at = open_link("pages/compare.py")
     at.selectbox(key="compare.start.set").select(set_id).run()
     at.selectbox(key="compare.start.schema").select("support-ticket-routing").run()
     button(at, "Run this schema on this case set with these models").click().run()

@@ -58,7 +58,7 @@ def wait_for_run(run_id: int, timeout: float = TIMEOUT) -> None:
 
 
 def test_cases_page_creates_loads_examples_renames_and_guards_delete(workbench):
-    at = open_page("app_pages/cases.py")
+    at = open_page("pages/cases.py")
     assert "No case sets yet" in texts(at)
     at.text_input(key="cases.new_name").input("Escalations")
     at.selectbox(key="cases.new_schema").select("support-ticket-routing")
@@ -114,7 +114,7 @@ def test_runs_page_runs_cancels_resumes_and_shows_stats(workbench, monkeypatch):
     store = Store(workbench / "workbench.sqlite3")
     loaded = casesets.load_example_case_sets(store, workbench / "schemas")
     set_id = loaded["support-ticket-routing"]
-    at = open_page("app_pages/runs.py")
+    at = open_page("pages/runs.py")
     at.selectbox(key="runs.start.case_set").select(set_id)
     at.run()
     assert at.selectbox(key=f"runs.start.schema.{set_id}").value == "support-ticket-routing"
@@ -128,9 +128,9 @@ def test_runs_page_runs_cancels_resumes_and_shows_stats(workbench, monkeypatch):
     assert store.get_run(run_id)["settings"]["chunk_size"] == 2
 
     # the job belongs to the process, not the page: switch away and back, it is still going
-    at.switch_page("app_pages/review.py")
+    at.switch_page("pages/review.py")
     at.run()
-    at.switch_page("app_pages/runs.py")
+    at.switch_page("pages/runs.py")
     at.run()
     ok(at)
     chunks.release(2)  # two chunks of 2 cases (one answered, one queued behind it), then the run waits on the next
@@ -202,7 +202,7 @@ def _finished_run(workbench: Path) -> tuple[Store, int]:
 def test_review_page_queue_actions_conflict_undo_and_golden_set(workbench):
     AppTest.from_file(APP, default_timeout=TIMEOUT).run()  # loads the demo model in this process
     store, run_id = _finished_run(workbench)
-    at = open_page("app_pages/review.py")
+    at = open_page("pages/review.py")
     assert "The queue of this run is empty" in texts(at)
     # preview before applying: margin only, then only the team question
     at.checkbox(key=f"review.rules.unknown.{run_id}").uncheck()
@@ -311,7 +311,7 @@ def upload_csv(at: AppTest, content: bytes) -> AppTest:
 
 def test_csv_import_uses_only_chosen_columns_refreshes_and_is_idempotent(workbench):
     store = Store(workbench / "workbench.sqlite3")
-    at = open_page("app_pages/cases.py")
+    at = open_page("pages/cases.py")
     set_id = new_case_set(at, "Tickets")
     upload_csv(at, TICKETS_CSV)
     # the label column is mapped to its question by name, and never offered as state
@@ -354,7 +354,7 @@ def test_saving_an_unchanged_table_says_there_was_nothing_to_save(workbench):
     """A row selected but not deleted (or a click the table missed) leaves the table as it was: Save says so, and
     does not report a save of nothing as "Saved: 0 added, 0 updated, 0 deleted"."""
     store = Store(workbench / "workbench.sqlite3")
-    at = open_page("app_pages/cases.py")
+    at = open_page("pages/cases.py")
     set_id = new_case_set(at, "Unchanged")
     store.add_cases(set_id, [{"state": "Row 0"}])
     at.run()
@@ -368,7 +368,7 @@ def test_saving_an_unchanged_table_says_there_was_nothing_to_save(workbench):
 
 def test_delete_a_case_set_asks_first_and_can_be_undone(workbench):
     store = Store(workbench / "workbench.sqlite3")
-    at = open_page("app_pages/cases.py")
+    at = open_page("pages/cases.py")
     set_id = new_case_set(at, "Doomed")
     store.add_cases(set_id, [{"state": "a"}, {"state": "b"}])
     at.run()
@@ -401,7 +401,7 @@ def test_review_in_blind_mode_and_keeping_the_gold_label(workbench):
     store, run_id = _finished_run(workbench)
     rules = ReviewRules(margin_below=1.0, unknown_option=False, disagree_with_expected=False, questions=["team"])
     assert review.apply_rules(store, run_id, rules) == 12
-    at = open_page("app_pages/review.py")
+    at = open_page("pages/review.py")
     assert "clef-demo has random weights" in texts(at), "the random-weights notice is on the review page"
     at.text_input(key="review.reviewer").input("ana")
     at.run()
@@ -452,7 +452,7 @@ def test_links_open_the_run_case_set_and_review_item_they_name_and_results_brows
     set_id = store.get_run(run_id)["case_set_id"]
     newer = store.create_run(set_id, schema=store.get_run(run_id)["schema"], model_id="clef-demo")
 
-    runs_page = open_link("app_pages/runs.py", run=str(run_id))
+    runs_page = open_link("pages/runs.py", run=str(run_id))
     assert runs_page.selectbox(key="runs.selected").value == run_id, "the linked run, not the newest"
     assert param(runs_page, "run") == str(run_id)
     assert "clef-demo has random weights" in texts(runs_page)
@@ -464,15 +464,15 @@ def test_links_open_the_run_case_set_and_review_item_they_name_and_results_brows
     wrong = next(df.value for df in runs_page.dataframe if "probabilities" in df.value.columns)
     assert 0 < len(wrong) < len(table) and not wrong["correct"].any()
     assert wrong["review"].iloc[0].startswith(f"/review?run={run_id}&case=")
-    assert open_link("app_pages/runs.py").selectbox(key="runs.selected").value == newer, "no link: the newest run"
+    assert open_link("pages/runs.py").selectbox(key="runs.selected").value == newer, "no link: the newest run"
 
-    cases_page = open_link("app_pages/cases.py", set=str(set_id))
+    cases_page = open_link("pages/cases.py", set=str(set_id))
     assert cases_page.selectbox(key="cases.selected").value == set_id and param(cases_page, "set") == str(set_id)
 
     review.apply_rules(store, run_id, ReviewRules(margin_below=1.0, unknown_option=False,
                                                   disagree_with_expected=False, questions=["team"]))
     target = store.list_review_items(run_id)[5]
-    review_page = open_link("app_pages/review.py", run=str(run_id), case=str(target["case_id"]), question="team")
+    review_page = open_link("pages/review.py", run=str(run_id), case=str(target["case_id"]), question="team")
     assert f"### Case {target['case_id']} · `team` (choice)" in texts(review_page)
     assert (param(review_page, "case"), param(review_page, "question")) == (str(target["case_id"]), "team")
     assert f"/?run={run_id}&case={target['case_id']}" in [b.proto.url for b in review_page.get("link_button")], \
@@ -484,7 +484,7 @@ def test_delete_a_run_asks_first_and_can_be_undone(workbench):
     set_id = store.create_case_set("Tickets")
     store.add_cases(set_id, [{"state": "a"}])
     run_id = store.create_run(set_id, schema={"name": "x", "questions": {"q": {"type": "noul"}}}, model_id="demo")
-    at = open_page("app_pages/runs.py")
+    at = open_page("pages/runs.py")
     button(at, "Delete this run…").click()
     at.run()
     ok(at)
@@ -513,7 +513,7 @@ def test_review_a_whole_record_on_one_screen_with_the_name_kept_in_the_link(work
     assert len(record) == 5, "every question of the record is queued"
 
     # a reload (a new session on the same URL) keeps the reviewer's name
-    at = open_link("app_pages/review.py", reviewer="ana")
+    at = open_link("pages/review.py", reviewer="ana")
     assert at.text_input(key="review.reviewer").value == "ana"
     assert "Enter your name above to review." not in texts(at)
     assert param(at, "reviewer") == "ana"
@@ -573,7 +573,7 @@ def test_review_shows_the_frames_the_model_read_for_a_video_case_large_enough_to
     shell.get_job_runner().start(run_id, shell.get_engine(show_errors=False))
     wait_for_run(run_id)
     assert review.apply_rules(store, run_id, ReviewRules(margin_below=1.0, unknown_option=False)) == 1
-    at = open_link("app_pages/review.py", reviewer="ana")
+    at = open_link("pages/review.py", reviewer="ana")
     frames = [e for e in at.get("image") if [i.caption for i in e.proto.imgs] == [f"frame {n}" for n in range(4)]]
     assert frames, "the frames the model read are shown"
     for shown in frames[0].proto.imgs:
@@ -594,7 +594,7 @@ def test_each_case_chart_on_the_runs_page_shows_every_option_label_whole_on_a_ro
     AppTest.from_file(APP, default_timeout=TIMEOUT).run()
     store, run_id = _finished_run(workbench)
     questions = store.get_run(run_id)["schema"]["questions"]
-    at = open_link("app_pages/runs.py", run=str(run_id))
+    at = open_link("pages/runs.py", run=str(run_id))
     titled = [(spec.get("title") or spec.get("layer", [{}])[0].get("title"), spec, datasets)
               for spec, datasets in chart_specs(at)]
     case_charts = {title: (spec, datasets) for title, spec, datasets in titled if title in questions}
@@ -633,7 +633,7 @@ def test_a_results_row_opens_its_case_in_decide_with_the_runs_questions(workbenc
     AppTest.from_file(APP, default_timeout=TIMEOUT).run()
     store, run_id = _finished_run(workbench)
     run = store.get_run(run_id)
-    runs_page = open_link("app_pages/runs.py", run=str(run_id))
+    runs_page = open_link("pages/runs.py", run=str(run_id))
     table = next(df.value for df in runs_page.dataframe if "probabilities" in df.value.columns)
     row = table.iloc[7]
     assert row["decide"] == f"/?run={run_id}&case={row['case']}"

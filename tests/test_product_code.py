@@ -1,5 +1,5 @@
 """Rules over the product code itself, read as syntax trees: it writes to no private Streamlit class (the app's
-navigation is Streamlit's public st.navigation), and the environment is read in one module per side — the
+navigation is Streamlit's public pages-directory mode), and the environment is read in one module per side — the
 workbench's `clef_workbench/settings.py` and the engine's `clef_engine/config.py`."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 
 from tests.conftest import REPO
 
-PRODUCT_PACKAGES = ["app_pages", "clef_engine", "clef_workbench", "workbench_ui"]
+PRODUCT_PACKAGES = ["pages", "clef_engine", "clef_workbench", "workbench_ui"]
 PRODUCT_SCRIPTS = ["app.py", "serve_workbench.py"]
 # Streamlit's documented modules; everything else under streamlit (streamlit.runtime, ...) is its internals.
 PUBLIC_STREAMLIT = {"streamlit", "streamlit.components.v1", "streamlit.column_config"}
@@ -36,7 +36,7 @@ def parsed(path: Path) -> ast.Module:
 
 def test_the_product_code_is_found():
     names = {str(path.relative_to(REPO)) for path in product_files()}
-    assert {"app.py", "app_pages/runs.py", "workbench_ui/shell.py", "clef_workbench/jobs.py"} <= names
+    assert {"app.py", "pages/runs.py", "workbench_ui/shell.py", "clef_workbench/jobs.py"} <= names
 
 
 def test_no_product_module_touches_streamlit_internals():

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import streamlit as st
@@ -36,6 +37,34 @@ POLL_SECONDS = 0.2
 STATUS_REFRESH_SECONDS = WorkbenchSettings.from_env().status_refresh_s  # how often the sidebar status redraws itself
 DEMO_BANNER = ("**Demo model.** Its weights are random: the answers mean nothing. It is here so you can try the "
                "workbench without a GPU. Choose Clef or Clef-Flash in the sidebar on a GPU machine.")
+
+
+PAGES_DIR = Path(__file__).resolve().parents[1] / "pages"
+# (file in pages/, title, icon), in the navigation's order; pages not there yet (other parts of the workbench) are
+# simply not listed.
+PAGE_SPECS = [
+    ("decide.py", "Decide", ":material/psychology:"),
+    ("schemas.py", "Schemas", ":material/schema:"),
+    ("cases.py", "Case sets", ":material/dataset:"),
+    ("runs.py", "Runs", ":material/speed:"),
+    ("review.py", "Review", ":material/fact_check:"),
+    ("compare.py", "Compare", ":material/compare_arrows:"),
+]
+
+
+def render_shell(page_file: str) -> None:
+    """The first call of every page in pages/ (`render_shell(__file__)`): the browser tab's title, the workbench's
+    navigation and the sidebar. Streamlit runs a page of its pages folder on its own (a link, a click, a reload), so
+    each page draws the shell itself and looks the same however it was opened."""
+    name = Path(page_file).name
+    title, icon = next((title, icon) for file, title, icon in PAGE_SPECS if file == name)
+    # the browser tab names the page, so several open tabs of the workbench can be told apart
+    st.set_page_config(page_title=f"{title} · Clef Workbench", page_icon=icon, layout="wide")
+    with st.sidebar:
+        for file, page_title, page_icon in PAGE_SPECS:
+            if (PAGES_DIR / file).is_file():
+                st.page_link(f"pages/{file}", label=page_title, icon=page_icon)
+    render_sidebar()  # before the page, so a page that stops early (st.stop) still has it; its status refreshes itself
 
 
 def model_manager() -> ModelManager:

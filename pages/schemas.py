@@ -7,8 +7,9 @@ from __future__ import annotations
 import streamlit as st
 
 from clef_workbench import schemas
-from workbench_ui.shell import get_library, get_store, kept_widget, page_key, set_widget
+from workbench_ui.shell import get_library, get_store, kept_widget, page_key, render_shell, set_widget
 
+render_shell(__file__)
 K = page_key("schemas")
 library = get_library()
 
@@ -218,7 +219,7 @@ with tabs[0]:
             (st.error if problem.severity == "error" else st.warning)(problem.msg)
         if st.button("Open in Decide", key=K("open_decide"), type="primary", icon=":material/psychology:"):
             st.session_state["decide.pending_load"] = slug
-            st.switch_page("app_pages/decide.py")
+            st.switch_page("pages/decide.py")
 
 with tabs[1]:
     if editor_key(slug) not in st.session_state:

@@ -31,8 +31,11 @@ from workbench_ui.shell import (
     model_manager,
     random_weights_notice,
     random_weights_text,
+    render_shell,
     run_queued,
 )
+
+render_shell(__file__)
 
 
 @st.cache_data(max_entries=8, show_spinner=False)

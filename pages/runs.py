@@ -28,8 +28,10 @@ from workbench_ui.shell import (
     page_key,
     pick_run,
     random_weights_notice,
+    render_shell,
 )
 
+render_shell(__file__)
 K = page_key("runs")
 STATS_REFRESH_S = 5.0
 

@@ -27,11 +27,13 @@ from workbench_ui.shell import (
     model_manager,
     page_key,
     pick_id,
+    render_shell,
     set_widget,
     show_not_found,
     url_int,
 )
 
+render_shell(__file__)
 K = page_key("compare")
 store = get_store()
 library = get_library()

@@ -27,10 +27,12 @@ from workbench_ui.shell import (
     page_key,
     pick_run,
     random_weights_notice,
+    render_shell,
     show_not_found,
     url_int,
 )
 
+render_shell(__file__)
 K = page_key("review")
 MAX_SHORTCUT_OPTIONS = 9
 
