@@ -1,32 +1,16 @@
-"""Clef Workbench: `streamlit run app.py`. The shell: navigation over pages/, the sidebar model selector and status.
+"""Clef Workbench: `streamlit run app.py`. The default page ("/"): it opens the Decide page.
 
-Pages that are not there yet (other parts of the workbench) are simply not listed.
+Navigation is Streamlit's public pages-directory mode: each `pages/NAME.py` is a page at /NAME (so links such as
+/runs?run=2 and /review open their page on any server, fresh or not), and each page draws the workbench's shell
+itself (`workbench_ui.shell.render_shell`: the browser tab's title, the navigation by title, the sidebar's model
+selector and status). Streamlit's own navigation of file names is hidden (`client.showSidebarNavigation = false` in
+.streamlit/config.toml). Why this mode: it is Streamlit's documented behaviour for a `pages/` folder, and `pages/`
+is the product's layout.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import streamlit as st
 
-from workbench_ui.shell import app_shell, render_sidebar
-
-PAGES_DIR = Path(__file__).resolve().parent / "pages"
-# (file, title, icon); the first existing one is the default page.
-PAGE_SPECS = [
-    ("decide.py", "Decide", ":material/psychology:"),
-    ("schemas.py", "Schemas", ":material/schema:"),
-    ("cases.py", "Case sets", ":material/dataset:"),
-    ("runs.py", "Runs", ":material/speed:"),
-    ("review.py", "Review", ":material/fact_check:"),
-    ("compare.py", "Compare", ":material/compare_arrows:"),
-]
-
-pages = [st.Page(PAGES_DIR / name, title=title, icon=icon, default=(i == 0))
-         for i, (name, title, icon) in enumerate(spec for spec in PAGE_SPECS if (PAGES_DIR / spec[0]).is_file())]
-navigation = st.navigation(pages)
-# the browser tab names the page, so several open tabs of the workbench can be told apart
-st.set_page_config(page_title=f"{navigation.title} · Clef Workbench", page_icon=navigation.icon, layout="wide")
-render_sidebar()  # before the page, so a page that stops early (st.stop) still has it; its status refreshes itself
-with app_shell():
-    navigation.run()
+# keeps the link's parameters (/?run=3&case=9 opens that case in Decide)
+st.switch_page("pages/decide.py", query_params=st.query_params.to_dict())

@@ -11,14 +11,13 @@ looks for the `st.App(...)` assignment in the script it runs.
 
 from __future__ import annotations
 
-import os
-
 import streamlit as st
 
+from clef_workbench.settings import WorkbenchSettings
 from workbench_ui.server import APP_SCRIPT, api_routes
 
 app = st.App(APP_SCRIPT, routes=api_routes())
 
 if __name__ == "__main__":
-    app.run(config={"server.address": os.environ.get("CLEF_HOST", "127.0.0.1"),
-                    "server.port": int(os.environ.get("CLEF_PORT", "8501"))})
+    settings = WorkbenchSettings.from_env()
+    app.run(config={"server.address": settings.host, "server.port": settings.port})

@@ -23,6 +23,7 @@ actors) and its lease lapses; resuming runs only the cases without a result, as 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 import threading
@@ -35,11 +36,14 @@ from typing import Any
 from clef_engine.errors import ClefError, ReleaseError
 from clef_workbench.casesets import build_request
 from clef_workbench.jobs import JobRunner, _LiveJob
+from clef_workbench.settings import ENVIRONMENT, WorkbenchSettings
 from clef_workbench.store import Store, now_iso
+
+log = logging.getLogger(__name__)
 
 # `ray` is imported where a run goes to Ray, not here: the workbench imports this module for make_job_runner, and
 # importing Ray takes seconds that a workbench without a cluster should not pay.
-ADDRESS_ENV = "CLEF_RAY_ADDRESS"
+ADDRESS_ENV = ENVIRONMENT["ray_address"]
 IN_FLIGHT_PER_REPLICA = 2  # the next chunk waits on the replica while one runs: no round trip between chunks
 MAX_RESTARTS = 3  # per replica; one that dies more often is dropped and the others go on
 CASES_PER_READ = 256  # cases read from the store at a time while cutting chunks (a run can hold millions)
@@ -59,8 +63,9 @@ class ReplicaError(RuntimeError):
 
 def ray_address(explicit: str | None = None) -> str | None:
     """The cluster to run batch runs on: an explicit address, else CLEF_RAY_ADDRESS; None means in-process."""
-    address = (explicit if explicit is not None else os.environ.get(ADDRESS_ENV, "")).strip()
-    return address or None
+    if explicit is None:
+        return WorkbenchSettings.from_env().ray_address
+    return explicit.strip() or None
 
 
 def connect(address: str) -> None:
@@ -111,6 +116,7 @@ class Replica:
                 except ReleaseError as exc:
                     raise ReleaseError(f"on node {self.node()}: {exc}") from None
                 except Exception as exc:  # out of memory, no GPU visible …: the driver's message names the node too
+                    log.exception("on node %s: loading %s failed", self.node(), self.source)
                     raise ReplicaError(f"on node {self.node()}: {type(exc).__name__}: {exc}") from None
         info = self.engine.info()
         return {"node": self.node(), "device": info["device"], "dtype": info["dtype"], "revision": info["revision"],

@@ -20,6 +20,7 @@ run stays `running` under a lease that is never renewed again: once this process
 
 from __future__ import annotations
 
+import logging
 import sqlite3
 import threading
 import time
@@ -35,6 +36,8 @@ from clef_engine.remote import RemoteEngine
 from clef_workbench.casesets import build_request
 from clef_workbench.run_status import every_case_failed_message
 from clef_workbench.store import Store, new_lease_owner, now_iso
+
+log = logging.getLogger(__name__)
 
 DEFAULT_CHUNK_SIZE = 8  # cases in the first chunk, before the run's tokens per case are known
 DEFAULT_CHUNK_TOKENS = 16_384
@@ -254,6 +257,8 @@ class JobRunner:
         if isinstance(exc, sqlite3.Error):
             job.last_error = (f"the database {self.store.path} stopped taking writes ({exc}); the run stopped with "
                               "its finished results kept: resume it once the database is writable")
+        # the run page shows the words; the operator's log gets the traceback
+        log.error("batch run %s failed: %s", run_id, job.last_error, exc_info=exc)
         try:
             self.store.set_run_status(run_id, "failed", error=job.last_error)
         except sqlite3.Error:
@@ -280,6 +285,7 @@ class JobRunner:
             chunk.future = self._with_busy_retry(lambda: self._send(engine, [r for _, r in chunk.valid]),
                                                  job)
         except ClefError as exc:  # the engine refused the whole chunk (an endpoint that stopped): each case's error
+            log.warning("run %s: the engine refused a chunk of %d cases", run["id"], len(chunk.valid), exc_info=exc)
             chunk.future = Future()
             chunk.future.set_result([exc] * len(chunk.valid))
         return chunk
@@ -299,6 +305,7 @@ class JobRunner:
         try:
             outcomes = chunk.future.result()
         except ClefError as exc:  # the whole chunk failed on the engine: each of its cases gets that error
+            log.warning("a chunk of %d cases failed on the engine", len(chunk.valid), exc_info=exc)
             outcomes = [exc] * len(chunk.valid)
         for attempt in range(BUSY_RETRIES - 1):
             busy = [i for i, outcome in enumerate(outcomes) if isinstance(outcome, BusyError)]

@@ -9,17 +9,20 @@ usable. Switching or adding a model does so for every session (there is one GPU)
 
 from __future__ import annotations
 
-import os
+import logging
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
 from clef_engine.remote import is_endpoint
+from clef_workbench.settings import WorkbenchSettings
+
+log = logging.getLogger(__name__)
 
 DEMO_SOURCE = "demo"
-MODEL_ENV = "CLEF_MODEL"
 CLEF_REPO = "Cloudflare/clef"
 CLEF_FLASH_REPO = "Cloudflare/clef-flash"
 # The published models need a CUDA GPU: on CPU they would need ~110 GB (Clef) / ~38 GB (Flash) of RAM in float32
@@ -38,10 +41,9 @@ def cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
-def default_source(env: dict[str, str] | None = None, *, cuda: bool | None = None) -> str:
+def default_source(env: Mapping[str, str] | None = None, *, cuda: bool | None = None) -> str:
     """CLEF_MODEL if set; otherwise Clef when a CUDA GPU is present, else the demo model."""
-    env = os.environ if env is None else env
-    configured = (env.get(MODEL_ENV) or "").strip()
+    configured = WorkbenchSettings.from_env(env).model
     if configured:
         return configured
     if cuda is None:
@@ -49,11 +51,10 @@ def default_source(env: dict[str, str] | None = None, *, cuda: bool | None = Non
     return CLEF_REPO if cuda else DEMO_SOURCE
 
 
-def load_options(env: dict[str, str] | None = None) -> dict[str, str]:
+def load_options(env: Mapping[str, str] | None = None) -> dict[str, str]:
     """clef_engine.load keyword arguments the workbench adds: the Hub revision (CLEF_REVISION). The engine's own
     knobs (CLEF_DEVICE, CLEF_DTYPE, ...) are read by the engine's EngineConfig, in one place."""
-    env = os.environ if env is None else env
-    revision = (env.get("CLEF_REVISION") or "").strip()
+    revision = WorkbenchSettings.from_env(env).revision
     return {"revision": revision} if revision else {}
 
 
@@ -130,6 +131,7 @@ def reports_random_weights(engine: Any) -> bool:
     try:
         return bool(engine.info().get("random_weights"))
     except Exception:  # noqa: BLE001 — an engine that cannot say is taken at its word of nothing
+        log.warning("could not ask %r whether its weights are random", engine, exc_info=True)
         return False
 
 
@@ -330,6 +332,7 @@ class ModelManager:
         try:
             engine = self._load_one(source)
         except Exception as exc:  # noqa: BLE001 — any failure becomes a message; the app must not show a traceback
+            log.exception("loading %s failed", label_of(source))  # the traceback for the operator's log
             error = describe_failure(source, exc)
         if engine is None and source != DEMO_SOURCE and not self._models:
             # Nothing is resident: fall back to the demo model so the workbench stays usable.
@@ -338,6 +341,7 @@ class ModelManager:
                 loaded_source = DEMO_SOURCE
                 notice = "Running on the demo model because the requested model could not be loaded."
             except Exception as exc:  # noqa: BLE001
+                log.exception("loading the demo model failed")
                 error = f"{error} The demo model failed too: {describe_failure(DEMO_SOURCE, exc)}"
         old = None
         with self._done:
@@ -359,6 +363,7 @@ class ModelManager:
         try:
             engine = self._load_one(source)
         except Exception as exc:  # noqa: BLE001 — a message for the sidebar, never a traceback
+            log.exception("adding %s failed", label_of(source))
             error = describe_failure(source, exc)
         with self._done:
             if engine is not None:

@@ -29,6 +29,7 @@ from typing import Any, Literal
 
 from clef_engine import protocol
 from clef_engine.errors import Problem, RequestError
+from clef_workbench.settings import WorkbenchSettings
 
 # The System One contract (question types, id rules, hosted limits) is clef_engine.protocol's; the names below
 # are kept for the pages.
@@ -52,8 +53,6 @@ UNKNOWN_DESCRIPTION_PATTERN = re.compile(
     re.IGNORECASE,
 )
 
-SCHEMAS_DIR_ENV = "CLEF_SCHEMAS_DIR"
-DEFAULT_SCHEMAS_DIR = Path("schemas")
 SCHEMA_FILE_SUFFIX = ".json"
 SLUG_PATTERN = re.compile(r"[a-z0-9][a-z0-9-]{0,79}")
 MAX_IMPORT_BYTES = 2 * 1024 * 1024  # a 64-question schema with 255 long options each stays far below this
@@ -715,7 +714,7 @@ class SchemaLibrary:
 
     def __init__(self, directory: str | os.PathLike[str] | None = None, *, history: Any = None):
         if directory is None:
-            directory = os.environ.get(SCHEMAS_DIR_ENV) or DEFAULT_SCHEMAS_DIR
+            directory = WorkbenchSettings.from_env().schemas_dir
         self.directory = Path(directory)
         self.history = history
 

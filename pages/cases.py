@@ -12,10 +12,9 @@ from clef_workbench import casesets, importing
 from clef_workbench.casesets import CaseDeletionRefusedError, CaseImportError, CsvMapping
 from clef_workbench.schemas import SchemaError
 from clef_workbench.store import StoreError
-from workbench_ui.shell import get_library, get_store, page_key, pick_id, use_app_navigation
+from workbench_ui.shell import get_library, get_store, page_key, pick_id, render_shell
 
-use_app_navigation()
-
+render_shell(__file__)
 K = page_key("cases")
 NO_SCHEMA = "(none)"
 NOT_MAPPED = "(not mapped)"

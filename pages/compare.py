@@ -8,16 +8,16 @@ from __future__ import annotations
 import streamlit as st
 
 from clef_engine import DEFAULT_MAX_LENGTH
-from clef_workbench import compare, run_charts
+from clef_workbench import compare
 from clef_workbench.answers import probability_chart
 from clef_workbench.model_loader import DEMO_SOURCE, request_model_name
 from clef_workbench.run_status import status_label
 from clef_workbench.schemas import SchemaError
-from workbench_ui import links
-from workbench_ui.run_view import fmt_duration_ms
+from workbench_ui import links, run_charts, units
 from workbench_ui.shell import (
     KEEP_PREFIX,
     demo_output_banner,
+    failure_text,
     format_json,
     get_engine,
     get_job_runner,
@@ -27,14 +27,13 @@ from workbench_ui.shell import (
     model_manager,
     page_key,
     pick_id,
+    render_shell,
     set_widget,
     show_not_found,
     url_int,
-    use_app_navigation,
 )
 
-use_app_navigation()
-
+render_shell(__file__)
 K = page_key("compare")
 store = get_store()
 library = get_library()
@@ -59,7 +58,7 @@ def start_comparison(set_id: int, slug: str, number: int, names: list[str]) -> N
                                      settings={"chunk_size": 8, "max_length": DEFAULT_MAX_LENGTH,
                                                "overflow": "refuse", "schema_slug": slug})
     except Exception as exc:  # noqa: BLE001 — e.g. a remote endpoint that does not answer: a message, no traceback
-        st.session_state[K("flash")] = ("error", f"Not started: {type(exc).__name__}: {exc}")
+        st.session_state[K("flash")] = ("error", failure_text("Not started", exc))
         return
     set_widget(K("set"), set_id)
     # oldest first: the first run is the baseline the others are read against
@@ -296,5 +295,5 @@ if detail is not None:
                                                       answer["probabilities"], answer["predicted"])
                 st.altair_chart(probability_chart(table), width="stretch")
             if run["latency_ms"] is not None:
-                st.caption(f"compute {fmt_duration_ms(run['latency_ms'])}")
+                st.caption(f"compute {units.duration(run['latency_ms'])}")
     st.button("Close the case", key=K("close_case"), on_click=open_case, args=(None,))

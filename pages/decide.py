@@ -22,6 +22,7 @@ from workbench_ui import decide_model as vm
 from workbench_ui import links, units
 from workbench_ui import why_view as why
 from workbench_ui.shell import (
+    failure_text,
     format_json,
     get_engine,
     get_library,
@@ -30,11 +31,11 @@ from workbench_ui.shell import (
     model_manager,
     random_weights_notice,
     random_weights_text,
+    render_shell,
     run_queued,
-    use_app_navigation,
 )
 
-use_app_navigation()
+render_shell(__file__)
 
 
 @st.cache_data(max_entries=8, show_spinner=False)
@@ -531,7 +532,7 @@ if run_clicked and request is not None and engine is not None:
     except BusyError as exc:
         wait_line.error(f"The GPU queue is full: {exc}")
     except Exception as exc:  # noqa: BLE001 — a failed forward pass must not take the page down
-        wait_line.error(f"The run failed: {type(exc).__name__}: {exc}")
+        wait_line.error(failure_text("The run failed", exc))
     else:
         wait_line.empty()
         st.session_state.pop(K("last_error"), None)

@@ -12,27 +12,27 @@ import json
 import pandas as pd
 import streamlit as st
 
-from clef_workbench import review, run_charts
+from clef_workbench import review
 from clef_workbench.answers import probability_chart
 from clef_workbench.review import ReviewRules
 from clef_workbench.store import ReviewConflictError, StoreError
-from workbench_ui import links
+from workbench_ui import links, run_charts
 from workbench_ui import why_view as why
 from workbench_ui.decide_model import FRAME_THUMBNAIL_PX, frame_thumbnail
 from workbench_ui.shell import (
+    failure_text,
     get_store,
     kept_widget,
     model_manager,
     page_key,
     pick_run,
     random_weights_notice,
+    render_shell,
     show_not_found,
     url_int,
-    use_app_navigation,
 )
 
-use_app_navigation()
-
+render_shell(__file__)
 K = page_key("review")
 MAX_SHORTCUT_OPTIONS = 9
 RAW = "raw (as the model answered)"
@@ -292,7 +292,7 @@ else:
                         st.image([frame_thumbnail(f) for f in frames], width=FRAME_THUMBNAIL_PX,
                                  caption=[f"frame {i}" for i in range(len(frames))])
                 except Exception as exc:  # noqa: BLE001 — a preview problem must not block the review
-                    st.caption(f"Sampled frames unavailable: {exc}")
+                    st.caption(failure_text("Sampled frames unavailable", exc))
             expected = case["expected"].get(item["question_id"])
             if expected is not None:
                 st.markdown(f"**Expected answer in the case set (gold label):** {review.label_key(expected)}")

@@ -10,16 +10,15 @@ import re
 import streamlit as st
 
 from clef_engine import DEFAULT_MAX_LENGTH
-from clef_workbench import calibration, casesets, run_charts, stats
+from clef_workbench import calibration, casesets, stats
 from clef_workbench.answers import option_table, probability_chart
 from clef_workbench.jobs import EngineUnreachableError, JobAlreadyRunningError, check_engine
 from clef_workbench.model_loader import request_model_name
 from clef_workbench.run_status import run_outcome, status_label
 from clef_workbench.schemas import SchemaError
 from clef_workbench.store import StoreError
-from workbench_ui import links, run_view, units
+from workbench_ui import links, run_charts, run_view, units
 from workbench_ui import why_view as why
-from workbench_ui.run_view import fmt_duration_ms
 from workbench_ui.shell import (
     get_engine,
     get_job_runner,
@@ -30,11 +29,10 @@ from workbench_ui.shell import (
     page_key,
     pick_run,
     random_weights_notice,
-    use_app_navigation,
+    render_shell,
 )
 
-use_app_navigation()
-
+render_shell(__file__)
 K = page_key("runs")
 STATS_REFRESH_S = 5.0
 
@@ -351,18 +349,18 @@ def render_results(run_id: int, live: bool) -> None:
     compute_help = ("A record's compute: the time of the engine batch it ran in, times its share of that batch's "
                     "tokens (the engine's x_compute_ms). Waiting behind earlier batches is not in it.")
     cols = st.columns(6)
-    cols[0].metric("p50 compute per record", fmt_duration_ms(latency["p50"]), help=compute_help)
-    cols[1].metric("p95 compute per record", fmt_duration_ms(latency["p95"]), help=compute_help)
-    cols[2].metric("p99 compute per record", fmt_duration_ms(latency["p99"]), help=compute_help)
-    cols[3].metric("max compute per record", fmt_duration_ms(latency["max"]), help=compute_help)
-    cols[4].metric("p50 queue wait", fmt_duration_ms(latency["queue_p50"]),
+    cols[0].metric("p50 compute per record", units.duration(latency["p50"]), help=compute_help)
+    cols[1].metric("p95 compute per record", units.duration(latency["p95"]), help=compute_help)
+    cols[2].metric("p99 compute per record", units.duration(latency["p99"]), help=compute_help)
+    cols[3].metric("max compute per record", units.duration(latency["max"]), help=compute_help)
+    cols[4].metric("p50 queue wait", units.duration(latency["queue_p50"]),
                    help="How long a record's batch waited in the engine's queue before it started (behind this "
                         "run's previous batch, other runs, or Decide requests): the engine's x_queue_ms.")
     cols[5].metric("samples", f"{latency['count']}", help=f"{latency['errors']} error results excluded")
     batches = len({(r["started_at"], r["finished_at"]) for r in results if not r.get("error")})
     st.caption(f"n = {latency['count']} records in {batches} batch(es); {latency['errors']} failed cases left out. "
                "Compute per record = its batch's time split by the records' token shares; queue wait (max "
-               f"{fmt_duration_ms(latency['queue_max'])}) is shown apart. Runs recorded before the engine reported "
+               f"{units.duration(latency['queue_max'])}) is shown apart. Runs recorded before the engine reported "
                "compute show each record's time from submission to answer instead.")
     st.caption(f"Window {str(latency['window_start'])[:19]} → {str(latency['window_end'])[:19]} UTC "
                f"({latency['window_s']:.1f} s); percentiles use linear interpolation (numpy 'linear').")

@@ -7,10 +7,9 @@ from __future__ import annotations
 import streamlit as st
 
 from clef_workbench import schemas
-from workbench_ui.shell import get_library, get_store, kept_widget, page_key, set_widget, use_app_navigation
+from workbench_ui.shell import get_library, get_store, kept_widget, page_key, render_shell, set_widget
 
-use_app_navigation()
-
+render_shell(__file__)
 K = page_key("schemas")
 library = get_library()
 

@@ -12,7 +12,7 @@ from clef_workbench.review import ReviewRules
 from clef_workbench.store import Store
 from tests.test_pages_runs_review import APP, TIMEOUT, button, ok, open_link, texts, wait_for_run
 from tests.test_run_outcome import FailingEngine
-from workbench_ui import run_view, shell
+from workbench_ui import run_view, shell, units
 
 
 def start_run(store: Store, set_id: int, engine) -> int:
@@ -79,10 +79,11 @@ def test_a_running_runs_label_names_no_count_that_the_progress_bar_would_contrad
     assert run_view.run_label(run_row(status="finished", done=50, total=50, errors=50)).endswith("50/50 · failed")
 
 
-def test_durations_read_in_seconds_from_ten_thousand_milliseconds():
-    assert run_view.fmt_duration_ms(9_999.0) == "9,999.0 ms"
-    assert run_view.fmt_duration_ms(150_762.4) == "150.8 s"
-    assert run_view.fmt_duration_ms(None) == "–"
+def test_durations_read_in_seconds_above_ten_thousand_milliseconds():
+    assert units.duration(9_999.0) == "9,999 ms"
+    assert units.duration(10_001) == "10.0 s"
+    assert units.duration(150_762.4) == "2 min 31 s"  # never a six-digit millisecond count
+    assert units.duration(None) == "–"
 
 
 # -- links to what is not there ------------------------------------------------------------------------------------

@@ -7,7 +7,6 @@ from clef_workbench.run_status import FINISHED_WITH_ERRORS, status_label
 
 STATUS_ICONS = {"pending": "⏳", "running": "▶️", "cancelled": "⏹️", "finished": "✅", FINISHED_WITH_ERRORS: "⚠️",
                 "failed": "❌"}
-SECONDS_FROM_MS = 10_000  # from this many milliseconds on, a duration reads in seconds
 
 
 def run_label(run: dict) -> str:
@@ -32,10 +31,3 @@ def comparison_baselines(runs: list[dict], run: dict) -> tuple[list[dict], int]:
     return usable, len(same_set) - len(usable)
 
 
-def fmt_duration_ms(value: float | None) -> str:
-    """A duration given in milliseconds, in ms below ten seconds and in seconds above (never six-digit ms)."""
-    if value is None:
-        return "–"
-    if value >= SECONDS_FROM_MS:
-        return f"{value / 1000:,.1f} s"
-    return f"{value:,.1f} ms"

@@ -10,13 +10,13 @@ page is served at once.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 from clef_engine.calibrated import Calibration, calibrations_from_export
 from clef_engine.serve.server import routes
 from clef_workbench.calibration import export_document
 from clef_workbench.model_loader import shared_manager
+from clef_workbench.settings import WorkbenchSettings
 from clef_workbench.store import Store
 
 APP_SCRIPT = Path(__file__).resolve().parents[1] / "app.py"
@@ -30,13 +30,11 @@ def resident_models() -> dict | None:
 
 def stored_calibrations() -> dict[str, Calibration]:
     """Every calibration in the workbench's store (CLEF_DB, as the pages open it), by name."""
-    from workbench_ui.shell import DB_ENV, DEFAULT_DB
-
-    return calibrations_from_export(export_document(Store(os.environ.get(DB_ENV) or DEFAULT_DB)))
+    return calibrations_from_export(export_document(Store(WorkbenchSettings.from_env().db_path)))
 
 
 def api_routes(api_key: str | None = None) -> list:
     """The HTTP API's routes over the resident engine and the store's calibrations; api_key defaults to
     CLEF_API_KEY."""
-    return routes(resident_models, api_key=api_key if api_key is not None else os.environ.get("CLEF_API_KEY") or None,
+    return routes(resident_models, api_key=api_key if api_key is not None else WorkbenchSettings.from_env().api_key,
                   calibrations=stored_calibrations)

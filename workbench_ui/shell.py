@@ -7,11 +7,9 @@ Pages import from here and from clef_workbench; nothing here knows SQL or tensor
 
 from __future__ import annotations
 
-import os
-import threading
+import logging
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -30,43 +28,43 @@ from clef_workbench.model_loader import (
     shared_manager,
 )
 from clef_workbench.schemas import SchemaLibrary
+from clef_workbench.settings import WorkbenchSettings
 from workbench_ui import links
 
-DB_ENV = "CLEF_DB"
-DEFAULT_DB = Path("data") / "workbench.sqlite3"
+log = logging.getLogger(__name__)
+
 POLL_SECONDS = 0.2
-STATUS_REFRESH_ENV = "CLEF_STATUS_REFRESH_S"  # how often the sidebar status redraws itself (seconds)
-STATUS_REFRESH_SECONDS = float(os.environ.get(STATUS_REFRESH_ENV) or 3.0)
+STATUS_REFRESH_SECONDS = WorkbenchSettings.from_env().status_refresh_s  # how often the sidebar status redraws itself
 DEMO_BANNER = ("**Demo model.** Its weights are random: the answers mean nothing. It is here so you can try the "
                "workbench without a GPU. Choose Clef or Clef-Flash in the sidebar on a GPU machine.")
 
 
-_shell = threading.local()  # per script thread: is app.py's navigation running this page?
-SHELL_SEEN_KEY = "app.shell_seen"
+PAGES_DIR = Path(__file__).resolve().parents[1] / "pages"
+# (file in pages/, title, icon), in the navigation's order; pages not there yet (other parts of the workbench) are
+# simply not listed.
+PAGE_SPECS = [
+    ("decide.py", "Decide", ":material/psychology:"),
+    ("schemas.py", "Schemas", ":material/schema:"),
+    ("cases.py", "Case sets", ":material/dataset:"),
+    ("runs.py", "Runs", ":material/speed:"),
+    ("review.py", "Review", ":material/fact_check:"),
+    ("compare.py", "Compare", ":material/compare_arrows:"),
+]
 
 
-@contextmanager
-def app_shell() -> Iterator[None]:
-    """app.py runs its pages inside this, so a page can tell it was reached through the app's navigation."""
-    _shell.active = True
-    st.session_state[SHELL_SEEN_KEY] = True
-    try:
-        yield
-    finally:
-        _shell.active = False
-
-
-def use_app_navigation() -> None:
-    """Call first on every page. Streamlit treats a `pages/` folder beside app.py as an old-style multipage app until
-    app.py's st.navigation has run once in the process, so a deep link (/review) on a fresh server would run the page
-    alone — no sidebar, file names as titles. Then switch to app.py's navigation and rerun the same URL through it.
-    Only a session's first run can be such a deep link (AppTest, which resets Streamlit's flag every run, is left
-    alone after its first run)."""
-    from streamlit.runtime.pages_manager import PagesManager
-
-    if not getattr(_shell, "active", False) and not st.session_state.get(SHELL_SEEN_KEY):
-        PagesManager.uses_pages_directory = False
-        st.rerun()
+def render_shell(page_file: str) -> None:
+    """The first call of every page in pages/ (`render_shell(__file__)`): the browser tab's title, the workbench's
+    navigation and the sidebar. Streamlit runs a page of its pages folder on its own (a link, a click, a reload), so
+    each page draws the shell itself and looks the same however it was opened."""
+    name = Path(page_file).name
+    title, icon = next((title, icon) for file, title, icon in PAGE_SPECS if file == name)
+    # the browser tab names the page, so several open tabs of the workbench can be told apart
+    st.set_page_config(page_title=f"{title} · Clef Workbench", page_icon=icon, layout="wide")
+    with st.sidebar:
+        for file, page_title, page_icon in PAGE_SPECS:
+            if (PAGES_DIR / file).is_file():
+                st.page_link(f"pages/{file}", label=page_title, icon=page_icon)
+    render_sidebar()  # before the page, so a page that stops early (st.stop) still has it; its status refreshes itself
 
 
 def model_manager() -> ModelManager:
@@ -79,7 +77,7 @@ def get_store():
     """The workbench's SQLite store, path from CLEF_DB (default data/workbench.sqlite3)."""
     from clef_workbench.store import Store
 
-    return Store(os.environ.get(DB_ENV) or DEFAULT_DB)
+    return Store(WorkbenchSettings.from_env().db_path)
 
 
 def get_job_runner():
@@ -379,6 +377,13 @@ def run_queued(engine, requests: list[dict], *, max_length: int | None = None, o
         except TimeoutError:
             continue
     return future.result()
+
+
+def failure_text(what: str, exc: BaseException) -> str:
+    """The words a page shows for a failure it catches broadly ("The run failed: RuntimeError: …"), so that the page
+    stays up; the traceback goes to the operator's log."""
+    log.error("%s", what, exc_info=exc)
+    return f"{what}: {type(exc).__name__}: {exc}"
 
 
 def page_key(page: str) -> Callable[[str], str]:

@@ -1,0 +1,96 @@
+"""WorkbenchSettings: every environment variable the workbench, its app and its command line read, in one place.
+
+`WorkbenchSettings.from_env()` reads them when called (a test or a launcher may set them just before) and returns a
+frozen object; a value that cannot be used raises SettingsError naming the variable and what it takes. The engine's
+own knobs (CLEF_DEVICE, CLEF_TOKEN_BUDGET, ...) are `clef_engine/config.py`'s EngineConfig to read.
+
+- CLEF_MODEL (model): the default model, a repo id, a release folder or an endpoint URL; None: chosen by the GPU.
+- CLEF_REVISION (revision): the Hub revision to load; None: the latest.
+- CLEF_DB (db_path): the SQLite file of case sets, runs, results, reviews and the audit log.
+- CLEF_SCHEMAS_DIR (schemas_dir): the schema library's folder.
+- CLEF_HOST, CLEF_PORT (host, port): where `python serve_workbench.py` serves the workbench and its API.
+- CLEF_STATUS_REFRESH_S (status_refresh_s): how often the sidebar's model status redraws itself while a model loads.
+- CLEF_API_KEY (api_key): the key the workbench's HTTP API requires; None: no key.
+- CLEF_RAY_ADDRESS (ray_address): the Ray cluster batch runs go to; None: the workbench's own process.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ENVIRONMENT = {
+    "model": "CLEF_MODEL",
+    "revision": "CLEF_REVISION",
+    "db_path": "CLEF_DB",
+    "schemas_dir": "CLEF_SCHEMAS_DIR",
+    "host": "CLEF_HOST",
+    "port": "CLEF_PORT",
+    "status_refresh_s": "CLEF_STATUS_REFRESH_S",
+    "api_key": "CLEF_API_KEY",
+    "ray_address": "CLEF_RAY_ADDRESS",
+}
+DEFAULT_DB = Path("data") / "workbench.sqlite3"
+DEFAULT_SCHEMAS_DIR = Path("schemas")
+
+
+class SettingsError(ValueError):
+    """An environment variable holds a value the workbench cannot use; the message names it and what it takes."""
+
+
+@dataclass(frozen=True)
+class WorkbenchSettings:
+    model: str | None = None
+    revision: str | None = None
+    db_path: Path = DEFAULT_DB
+    schemas_dir: Path = DEFAULT_SCHEMAS_DIR
+    host: str = "127.0.0.1"
+    port: int = 8501
+    status_refresh_s: float = 3.0
+    api_key: str | None = field(default=None, repr=False)  # a secret: never in a log line or a traceback's locals
+    ray_address: str | None = None
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> WorkbenchSettings:
+        """The settings from `env` (default: the process's environment); an unset or blank variable takes its
+        default."""
+        env = os.environ if env is None else env
+
+        def read(key: str) -> str | None:
+            return (env.get(ENVIRONMENT[key]) or "").strip() or None
+
+        defaults = cls()
+        db_path, schemas_dir = read("db_path"), read("schemas_dir")
+        port, refresh = read("port"), read("status_refresh_s")
+        return cls(
+            model=read("model"),
+            revision=read("revision"),
+            db_path=Path(db_path) if db_path else defaults.db_path,
+            schemas_dir=Path(schemas_dir) if schemas_dir else defaults.schemas_dir,
+            host=read("host") or defaults.host,
+            port=_port(port) if port else defaults.port,
+            status_refresh_s=_seconds(refresh) if refresh else defaults.status_refresh_s,
+            api_key=read("api_key"),
+            ray_address=read("ray_address"),
+        )
+
+
+def _port(text: str) -> int:
+    port = int(text) if text.isdigit() else 0
+    if not 1 <= port <= 65_535:
+        raise SettingsError(f"{ENVIRONMENT['port']}={text!r}: use a port number from 1 to 65535")
+    return port
+
+
+def _seconds(text: str) -> float:
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = math.nan
+    if not (math.isfinite(seconds) and seconds > 0):
+        name = ENVIRONMENT["status_refresh_s"]
+        raise SettingsError(f"{name}={text!r}: use a number of seconds above 0, like 3 or 0.5")
+    return seconds
