@@ -269,8 +269,9 @@ def test_the_fp8_backbone_on_the_gpu_matches_the_plain_fp8_backbone(tiny_release
 @pytest.mark.slow
 def test_the_fused_fp8_triton_kernels_in_the_interpreter():
     """Triton's interpreter runs float8 but rounds a value that carries into the next power of two one binade low
-    (124.5 -> 64 where e4m3 has 128; the GPU's conversion is right): every value elsewhere must match exactly, the
-    scales and the residual stream too, so the kernels' loops, masks, amax and scales are checked here."""
+    (124.5 -> 64 where e4m3 has 128; the GPU's conversion is right): those aside, values match within one e4m3 step
+    on at most 1% of the elements (as `fp8.rows_differ` allows on the GPU), the scales and the residual stream to
+    float32 rounding, so the kernels' loops, masks, amax and scales are checked here."""
     code = textwrap.dedent("""
         import torch
         from clef_engine.fast import fp8 as FP8
@@ -280,7 +281,9 @@ def test_the_fused_fp8_triton_kernels_in_the_interpreter():
             a, b = got.values.float(), want.values.float()
             differ = a != b
             carried = (b.abs() == 2 ** torch.floor(torch.log2(b.abs().clamp(min=2 ** -9)))) & (a == b / 2)
-            assert not (differ & ~carried).any(), (a[differ & ~carried], b[differ & ~carried])
+            rounded = (a - b).abs() <= 0.125 * torch.maximum(a.abs(), b.abs()) + 2 ** -9  # one step
+            assert not (differ & ~carried & ~rounded).any(), (a[differ & ~carried & ~rounded], b[differ & ~carried])
+            assert int((differ & ~carried).sum()) <= a.numel() // 100, int((differ & ~carried).sum())
             return int(differ.sum())
 
         torch.manual_seed(0)
