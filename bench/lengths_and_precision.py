@@ -56,6 +56,7 @@ from bench import build  # noqa: E402
 STARTED = time.perf_counter()
 SECTIONS = ("bf16", "fp8", "fidelity", "long")
 BATCH_CASES, WARM_CASES, LATENCY_SAMPLES, FIDELITY_RECORDS = 256, 40, 16, 55
+SMOKE_RECORDS = 8
 LATENCY_BUCKETS = {"512": (450, 600), "1024": (900, 1150)}
 # the smoke shape of the fidelity section: Clef-Flash's structure at a width a CPU or a minute of GPU runs, every
 # projection's features a multiple of 16 (torch._scaled_mm's rule; fidelity.py's "tiny" has 4-wide b/a projections)
@@ -119,13 +120,18 @@ def make_engine(setup: Setup, model, head, head_config, config_json: dict, preci
     return clef_engine.Engine(checked, model, head, Encoder(load_processor(checked)), config=config)
 
 
-def free(*engines) -> None:
-    for engine in engines:
-        if engine is not None:
-            engine.close()
+def free() -> None:
+    """Memory of what nothing references any more (engines hold reference cycles: collected, not just dropped)."""
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+
+
+def close_big_engine() -> None:
+    if Big.engine is not None:
+        Big.engine.close()
+        Big.engine = None
+    free()
 
 
 # ---- the measurements -----------------------------------------------------------------------------------------------
@@ -263,8 +269,7 @@ def bf16_section(setup: Setup) -> None:
 def fp8_section(setup: Setup) -> None:
     if Big.model is None:
         build_big(setup)
-    free(Big.engine)  # its fused bf16 weights go as the fp8 engine re-fuses and quantizes the modules' views
-    Big.engine = None
+    close_big_engine()  # its fused bf16 weights go as the fp8 engine re-fuses and quantizes the modules' views
     answers = measure_engine(setup, "fp8")
     detail = results["detail"]["fp8"]
     fp8 = results["fp8"]
@@ -284,15 +289,13 @@ def fidelity_section(setup: Setup) -> None:
     """Distances from the float32 truth (bench/fidelity.py's records and comparison) of ours in bf16 and in fp8."""
     from bench import fidelity as F
 
-    free(Big.engine)
-    Big.engine = Big.model = Big.head = None
-    gc.collect()
-    if setup.device.type == "cuda":
-        torch.cuda.empty_cache()
+    close_big_engine()
+    Big.model = Big.head = None
+    free()
     shape = "fp8-smoke" if setup.smoke else "flash"
     F.SHAPES.setdefault("fp8-smoke", SMOKE_FIDELITY_SHAPE)
     sizes = F.SHAPES[shape]
-    records = 8 if setup.smoke else FIDELITY_RECORDS
+    records = SMOKE_RECORDS if setup.smoke else FIDELITY_RECORDS
     t0 = time.perf_counter()
     config_json = F.shape_config(shape, setup.tiny)
     model = build.build_model(config_json, device=str(setup.device), seed=0)
@@ -335,7 +338,9 @@ def fidelity_section(setup: Setup) -> None:
             with torch.inference_mode():
                 ours = [engine.forward_batch([r])[0] for r in encoded]
         finally:
-            free(engine)
+            engine.close()
+            del engine
+            free()
         distance = F.compare(ours, truth)
         distance["seconds"] = round(time.perf_counter() - t0, 1)
         detail[precision] = distance
@@ -407,7 +412,7 @@ def main(argv: list[str] | None = None) -> int:
         for name, step in (("bf16", bf16_section), ("fp8", fp8_section), ("fidelity", fidelity_section)):
             if name in chosen:
                 step(setup)
-        free(Big.engine)
+        close_big_engine()
     runs[-1]["elapsed_s"] = round(time.perf_counter() - STARTED, 1)
     save()
     build.print_summary(results)

@@ -39,15 +39,21 @@ def cuda_available() -> bool:
 
 
 def fp8_unavailable() -> str | None:
-    """Why a local model cannot be loaded in FP8 here (no CUDA GPU, one older than Ada/Hopper, ...), or None. Whether
-    torch._scaled_mm and the FP8 kernels compute what they should is checked when the model loads."""
+    """Why the workbench does not offer FP8 for a local model here (no CUDA GPU, one older than Ada/Hopper, FP8's
+    measured distance from float32 over issue 25's gate), or None. Whether torch._scaled_mm and the FP8 kernels
+    compute what they should is checked when the model loads."""
     from clef_engine.config import EngineConfig, fp8_unsupported
     from clef_engine.errors import ClefError
+    from clef_engine.fast.fp8 import describe_fidelity, measured_fidelity
 
     try:
-        return fp8_unsupported(EngineConfig.resolve(precision="bf16"))
+        problem = fp8_unsupported(EngineConfig.resolve(precision="bf16"))
     except ClefError as exc:  # CLEF_DEVICE / CLEF_DTYPE that do not resolve: the load will say so itself
         return str(exc)
+    fidelity = measured_fidelity()
+    if problem is None and isinstance(fidelity, dict) and not fidelity.get("gate_met"):
+        return f"it missed the fidelity gate: {describe_fidelity(fidelity)}"
+    return problem
 
 
 def fp8_fidelity_text() -> str:

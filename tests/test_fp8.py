@@ -305,3 +305,27 @@ def test_the_fused_fp8_triton_kernels_in_the_interpreter():
                             timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "interpreted ok" in result.stdout
+
+
+def add_model_part() -> None:
+    from workbench_ui import shell
+
+    shell.render_add_model(shell.model_manager())
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a CUDA machine of 8.9 or newer FP8 is offered")
+def test_the_sidebar_says_why_fp8_is_not_offered_when_loading_a_model_on_the_cpu(workbench):
+    from streamlit.testing.v1 import AppTest
+
+    from clef_workbench.model_loader import fp8_unavailable
+
+    assert fp8_unavailable().startswith("it needs a CUDA GPU")
+    at = AppTest.from_function(add_model_part, default_timeout=120)
+    at.run()
+    at.selectbox(key="sidebar.add_choice").set_value("Local release folder").run()
+    at.text_input(key="sidebar.add_local").input("/models/clef-flash").run()
+    captions = [caption.value for caption in at.caption]
+    assert "Precision: bf16. FP8 is not offered here: it needs a CUDA GPU and the device is cpu." in captions
+    assert "sidebar.add_precision" not in [radio.key for radio in at.radio]
+    at.selectbox(key="sidebar.add_choice").set_value("System One endpoint (URL)").run()
+    assert not [c for c in at.caption if c.value.startswith("Precision")]  # an endpoint runs its own precision

@@ -294,15 +294,15 @@ def layer_projections(fast, layer) -> list[tuple[str, nn.Module, tuple[str, ...]
             if hasattr(fast, name)]
 
 
-def unsupported_shapes(pairs) -> list[str]:
-    """The projections `torch._scaled_mm` cannot take (in or out features not a multiple of 16), named, over
-    (FastLayer, decoder layer) pairs."""
+def unsupported_shapes(layers) -> list[str]:
+    """The projections of these decoder layers that `torch._scaled_mm` cannot take (in or out features not a
+    multiple of 16), named."""
     bad = []
-    for index, (fast, layer) in enumerate(pairs):
-        for _, parent, children in layer_projections(fast, layer):
-            for child in children:
-                module = getattr(parent, child)
-                out_features, in_features = module.weight.shape
+    for index, layer in enumerate(layers):
+        for parent_name, children in PROJECTIONS.values():
+            parent = getattr(layer, parent_name, None)
+            for child in children if parent is not None else ():
+                out_features, in_features = getattr(parent, child).weight.shape
                 if out_features % SCALED_MM_MULTIPLE or in_features % SCALED_MM_MULTIPLE:
                     bad.append(f"layer {index} {child} [{out_features}, {in_features}]")
     return bad

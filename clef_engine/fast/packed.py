@@ -111,29 +111,42 @@ class PackedBackbone:
         self.rotary = text.rotary_emb
         self.device = self.embed.device
         self.dtype = self.embed.dtype
+        layers = text.layers[: self.config.num_hidden_layers]
+        if precision == "fp8":  # kernels first: each layer is quantized as it is fused (see _fp8_layers)
+            self.kernels = kernels or self._select_kernels(precision)
+            self.layers = self._fp8_layers(layers)
+            with torch.no_grad():
+                self.final_norm = (1.0 + text.norm.weight.detach().float()).contiguous()
+            return
         with torch.no_grad():  # not inference_mode: the fused weights must stay usable by plain transformers calls
-            self.layers = [FastLayer(layer, self.config) for layer in text.layers[: self.config.num_hidden_layers]]
+            self.layers = [FastLayer(layer, self.config) for layer in layers]
             self.final_norm = (1.0 + text.norm.weight.detach().float()).contiguous()
-        self.kernels = kernels or K.select_kernels(self.device, self.dtype, heads=self.config.num_attention_heads,
-                                                   kv_heads=self.config.num_key_value_heads,
-                                                   head_dim=self.config.head_dim,
-                                                   value_head_dim=self.config.linear_value_head_dim,
-                                                   precision=precision)
-        if precision == "fp8":
-            self._quantize(text.layers[: self.config.num_hidden_layers])
+        self.kernels = kernels or self._select_kernels(precision)
 
-    def _quantize(self, modules) -> None:
-        """Every projection to FP8, layer by layer (the bf16 weights of a layer are freed before the next)."""
+    def _select_kernels(self, precision: str) -> K.Kernels:
+        return K.select_kernels(self.device, self.dtype, heads=self.config.num_attention_heads,
+                                kv_heads=self.config.num_key_value_heads, head_dim=self.config.head_dim,
+                                value_head_dim=self.config.linear_value_head_dim, precision=precision)
+
+    def _fp8_layers(self, modules) -> list[FastLayer]:
+        """Every layer fused and its projections quantized to FP8 at once, so that only one layer's bf16 weights are
+        ever copied (the modules' weights may still be views of another backbone's fused ones). Shapes that
+        torch._scaled_mm cannot take are refused before anything changes."""
         fp8 = self.kernels.fp8
         if fp8 is None:
             raise ReleaseError("precision fp8 needs kernels with FP8 slots (kernels.fp8)")
         if fp8.linear is FP8.linear_fp8_scaled_mm:
-            bad = FP8.unsupported_shapes(zip(self.layers, modules))
+            bad = FP8.unsupported_shapes(modules)
             if bad:
                 raise ReleaseError(f"precision fp8: torch._scaled_mm needs in and out features that are multiples of "
                                    f"{FP8.SCALED_MM_MULTIPLE}; these projections are not: {', '.join(bad[:4])}")
-        for fast, layer in zip(self.layers, modules):
-            FP8.quantize_layer(fast, layer, fp8)
+        layers = []
+        with torch.no_grad():
+            for layer in modules:
+                fast = FastLayer(layer, self.config)
+                FP8.quantize_layer(fast, layer, fp8)
+                layers.append(fast)
+        return layers
 
     @property
     def fp8(self) -> FP8.Fp8Kernels | None:
