@@ -329,3 +329,15 @@ def test_the_sidebar_says_why_fp8_is_not_offered_when_loading_a_model_on_the_cpu
     assert "sidebar.add_precision" not in [radio.key for radio in at.radio]
     at.selectbox(key="sidebar.add_choice").set_value("System One endpoint (URL)").run()
     assert not [c for c in at.caption if c.value.startswith("Precision")]  # an endpoint runs its own precision
+
+
+def test_the_model_listing_describes_an_fp8_model_with_its_distance_from_float32():
+    from clef_engine.serve.server import _precision_text
+
+    assert _precision_text({"precision": "bf16"}) == "" and _precision_text({}) == ""
+    assert _precision_text({"precision": "fp8", "distance_from_float32": "not measured"}) == \
+        ", W8A8 FP8 projections (distance from float32 not measured)"
+    measured = {"max_dp": 0.031, "flips": 4, "questions": 240, "gate_met": True, "source": "bench/results/x.json"}
+    assert _precision_text({"precision": "fp8", "distance_from_float32": measured}) == (
+        ", W8A8 FP8 projections (max |Δp| 0.031 from float32, 4 of 240 answers flipped (gate met; "
+        "bench/results/x.json))")
