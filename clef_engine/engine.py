@@ -117,8 +117,11 @@ class Engine:
         self.state_cache: StateCache | None = None
         self.prefix: PrefixCache | None = None
         self.forward_batch = self.forward_plain
+        self._fp8_fidelity: dict | str | None = None
         if config.packed:
-            self.backbone = PackedBackbone(model)
+            self.backbone = PackedBackbone(model, precision=config.precision)
+            if config.fp8:  # the projections are FP8 now, their bf16 weights freed
+                self.loaded_bytes = self._memory_stats().get("allocated", 0)
             self.forward_batch = self.forward_packed
             if config.cuda_graphs:
                 self.graphs = PrefillGraphs(self.backbone, config.graph_max_tokens)
@@ -440,6 +443,7 @@ class Engine:
             "device": str(self.device),
             "device_name": torch.cuda.get_device_name(self.device) if self.config.cuda else "CPU",
             "dtype": str(self.dtype).removeprefix("torch."),
+            **self.precision_info(),
             "backbone_parameters": self.backbone_parameters,
             "head_parameters": self.head_parameters,
             "load_seconds": round(self.load_seconds, 2),
@@ -452,6 +456,17 @@ class Engine:
             "random_weights": self.release.random_weights or is_demo_release(self.release.path),
             "state_cache": self.state_cache.stats() if self.state_cache is not None else None,
         }
+
+    def precision_info(self) -> dict:
+        """Which precision answers: "bf16", or "fp8" (W8A8 projections) with its measured distance from the float32
+        answer (bench/lengths_and_precision.py's results, read once, or "not measured")."""
+        if not self.config.fp8:
+            return {"precision": "bf16"}
+        if self._fp8_fidelity is None:
+            from .fast import fp8
+
+            self._fp8_fidelity = fp8.measured_fidelity()
+        return {"precision": "fp8", "distance_from_float32": self._fp8_fidelity}
 
     def kernel_info(self) -> dict:
         """Which path and which kernels answer requests here."""
@@ -522,18 +537,20 @@ class Engine:
 
 def load(source: str | os.PathLike, *, device: str | torch.device | None = None,
          dtype: str | torch.dtype | None = None, revision: str | None = None, packed: bool | None = None,
-         allow_slow_kernels: bool | None = None, state_cache_bytes: int | None = None,
+         allow_slow_kernels: bool | None = None, state_cache_bytes: int | None = None, precision: str | None = None,
          config: EngineConfig | None = None) -> Engine:
     """Load a release (folder, repo id, or 'clef' / 'clef-flash') and keep it resident.
 
     Options not given come from the environment, then the defaults (see config.py and the README's Configuration
     table): `packed` (default on) answers text records through the packed fast path, which on CUDA needs
     flash-linear-attention unless `allow_slow_kernels`; `state_cache_bytes` bounds the device tier of the state
-    cache (0 turns it off). A full `config` replaces all of them."""
+    cache (0 turns it off); `precision` "fp8" runs the backbone's projections in W8A8 FP8 (fast/fp8.py; CUDA with
+    compute capability 8.9 or newer), "bf16" (the default) in the model's dtype. A full `config` replaces all of
+    them."""
     started = time.perf_counter()
     config = config or EngineConfig.resolve(device=device, dtype=dtype, packed=packed,
                                             allow_slow_kernels=allow_slow_kernels,
-                                            state_cache_bytes=state_cache_bytes)
+                                            state_cache_bytes=state_cache_bytes, precision=precision)
     check_fast_kernels(config)  # before minutes of loading
     path = release.resolve(source, revision)
     checked = release.check(path, source=str(source), revision=revision)

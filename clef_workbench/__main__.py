@@ -277,7 +277,7 @@ def run_command(args: argparse.Namespace) -> int:
         settings["chunk_tokens"] = args.chunk_tokens or info["token_budget"]
         settings["ray"] = {"address": address, "replicas": info["replicas"], "nodes": info["nodes"]}
         runner = RayJobRunner(store, pool=pool)
-    settings.update(device=info.get("device"), dtype=info.get("dtype"))
+    settings.update(device=info.get("device"), dtype=info.get("dtype"), precision=info.get("precision"))
     try:
         if engine is not None:
             check_engine(engine)  # a remote endpoint that does not answer: refused before a run is recorded

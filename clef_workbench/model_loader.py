@@ -41,6 +41,31 @@ def cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
+def fp8_unavailable() -> str | None:
+    """Why the workbench does not offer FP8 for a local model here (no CUDA GPU, one older than Ada/Hopper, FP8's
+    measured distance from float32 over issue 25's gate), or None. Whether torch._scaled_mm and the FP8 kernels
+    compute what they should is checked when the model loads."""
+    from clef_engine.config import EngineConfig, fp8_unsupported
+    from clef_engine.errors import ClefError
+    from clef_engine.fast.fp8 import describe_fidelity, measured_fidelity
+
+    try:
+        problem = fp8_unsupported(EngineConfig.resolve(precision="bf16"))
+    except ClefError as exc:  # CLEF_DEVICE / CLEF_DTYPE that do not resolve: the load will say so itself
+        return str(exc)
+    fidelity = measured_fidelity()
+    if problem is None and isinstance(fidelity, dict) and not fidelity.get("gate_met"):
+        return f"it missed the fidelity gate: {describe_fidelity(fidelity)}"
+    return problem
+
+
+def fp8_fidelity_text() -> str:
+    """FP8's measured distance from the float32 answer, in words (or that it was not measured)."""
+    from clef_engine.fast.fp8 import describe_fidelity, measured_fidelity
+
+    return describe_fidelity(measured_fidelity())
+
+
 def default_source(env: Mapping[str, str] | None = None, *, cuda: bool | None = None) -> str:
     """CLEF_MODEL if set; otherwise Clef when a CUDA GPU is present, else the demo model."""
     configured = WorkbenchSettings.from_env(env).model
@@ -117,6 +142,7 @@ class LoadedModel:
     engine: Any
     is_demo: bool
     random_weights: bool = False  # its answers mean nothing: the demo, a release or endpoint that says so
+    precision: str | None = None  # of its projections, as its engine reports it ("bf16", "fp8"); None: not said
 
 
 def is_demo_name(name: str | None) -> bool:
@@ -133,6 +159,14 @@ def reports_random_weights(engine: Any) -> bool:
     except Exception:  # noqa: BLE001 — an engine that cannot say is taken at its word of nothing
         log.warning("could not ask %r whether its weights are random", engine, exc_info=True)
         return False
+
+
+def reported_precision(engine: Any) -> str | None:
+    """The precision an engine says answers ("bf16", "fp8"), or None when it does not say (an endpoint)."""
+    try:
+        return engine.info().get("precision")
+    except Exception:  # noqa: BLE001 — an engine that cannot say is shown without one
+        return None
 
 
 @dataclass(frozen=True)
@@ -190,10 +224,10 @@ class ModelManager:
             return LoadState(default.engine if default else None, default.source if default else None,
                              self._loading, seconds, self._error, self._notice, tuple(self._adding))
 
-    def request(self, source: str) -> None:
+    def request(self, source: str, precision: str | None = None) -> None:
         """Make `source` the default model, replacing (and unloading) the model the last `request` loaded; models
-        from `add` stay. Loads it unless it is resident already. Returns at once; nothing happens while another
-        `request` load runs."""
+        from `add` stay. Loads it unless it is resident already (`precision`, "bf16" or "fp8", for a local model;
+        None: the engine's default). Returns at once; nothing happens while another `request` load runs."""
         source = source.strip()
         with self._lock:
             if self._loading is not None or source in self._adding:
@@ -207,7 +241,8 @@ class ModelManager:
                 return
             self._loading = source
             self._loading_since = time.monotonic()
-        threading.Thread(target=self._load, args=(source,), name=f"clef-load-{source}", daemon=True).start()
+        threading.Thread(target=self._load, args=(source, precision), name=f"clef-load-{source}",
+                         daemon=True).start()
 
     def wait(self, timeout: float | None = None) -> LoadState:
         """Block until no load is in progress (or the timeout passes)."""
@@ -254,16 +289,17 @@ class ModelManager:
                 raise KeyError(f"no model named {name!r} is loaded (loaded: {', '.join(self._models) or 'none'})")
             self._default = name
 
-    def add(self, source: str) -> None:
-        """Start loading `source` as an additional model (background thread; `state().adding` and `wait` follow it).
-        Nothing happens when it is resident or loading already. A failure is kept in `state().error`."""
+    def add(self, source: str, precision: str | None = None) -> None:
+        """Start loading `source` as an additional model (background thread; `state().adding` and `wait` follow it),
+        in `precision` if given (see `request`). Nothing happens when it is resident or loading already. A failure
+        is kept in `state().error`."""
         source = source.strip()
         with self._lock:
             if not source or self._by_source(source) is not None or source in self._adding or \
                     source == self._loading:
                 return
             self._adding[source] = time.monotonic()
-        threading.Thread(target=self._add, args=(source,), name=f"clef-add-{source}", daemon=True).start()
+        threading.Thread(target=self._add, args=(source, precision), name=f"clef-add-{source}", daemon=True).start()
 
     def remove(self, name: str) -> None:
         """Unload the model named `name` (its worker finishes queued jobs, then exits). When it was the default, the
@@ -298,26 +334,27 @@ class ModelManager:
         memory.check_fits(path, label=label_of(source), revision=load_options().get("revision"), loaded=resident,
                           free=self._free_memory)
 
-    def _load_one(self, source: str) -> Any:
+    def _load_one(self, source: str, precision: str | None = None) -> Any:
         if is_endpoint(source):  # a System One endpoint: no weights here (key from CLEF_API_KEY, never stored)
             return self._loader(source)
+        chosen = {"precision": precision} if precision else {}  # else the engine's own default (CLEF_PRECISION)
         if source == DEMO_SOURCE:
             path = self._demo_path()
             self._check_memory(source, path)
-            return self._loader(path)
+            return self._loader(path, **chosen)
         if source.lower() in GPU_ONLY_SOURCES and not cuda_available():
             from clef_engine.errors import ReleaseError
 
             raise ReleaseError(f"{label_of(source)} needs a CUDA GPU and none is visible here. Run the workbench on "
                                "a GPU machine (see README), or use the demo model to try the workbench.")
         self._check_memory(source, source)
-        return self._loader(source, **load_options())
+        return self._loader(source, **load_options(), **chosen)
 
     def _resident(self, source: str, engine: Any) -> LoadedModel:
         """Called with the lock held."""
         demo = source == DEMO_SOURCE
         return LoadedModel(self._unique_name(source), source, label_of(source), engine, demo,
-                           demo or reports_random_weights(engine))
+                           demo or reports_random_weights(engine), reported_precision(engine))
 
     def _end_with(self, error: str | None, started: float) -> None:
         """Called with the lock held when a load or an add ends: its failure is shown; its success clears only a
@@ -325,12 +362,12 @@ class ModelManager:
         if error is not None or self._error_at <= started:
             self._error, self._error_at = error, time.monotonic()
 
-    def _load(self, source: str) -> None:
+    def _load(self, source: str, precision: str | None = None) -> None:
         started = time.monotonic()
         engine, error, notice = None, None, None
         loaded_source = source
         try:
-            engine = self._load_one(source)
+            engine = self._load_one(source, precision)
         except Exception as exc:  # noqa: BLE001 — any failure becomes a message; the app must not show a traceback
             log.exception("loading %s failed", label_of(source))  # the traceback for the operator's log
             error = describe_failure(source, exc)
@@ -357,11 +394,11 @@ class ModelManager:
         if old is not None and old.engine is not engine:
             old.engine.close()  # the worker finishes queued jobs, then exits; memory goes with the last reference
 
-    def _add(self, source: str) -> None:
+    def _add(self, source: str, precision: str | None = None) -> None:
         started = time.monotonic()
         engine, error = None, None
         try:
-            engine = self._load_one(source)
+            engine = self._load_one(source, precision)
         except Exception as exc:  # noqa: BLE001 — a message for the sidebar, never a traceback
             log.exception("adding %s failed", label_of(source))
             error = describe_failure(source, exc)

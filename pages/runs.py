@@ -154,7 +154,8 @@ with st.expander("Start a run", expanded=not runs, icon=":material/play_arrow:")
             run_id = store.create_run(start_set, schema=schema, model_id=model_id, model_revision=info.get("revision"),
                                       settings={"chunk_size": int(chunk_size), "max_length": int(max_length),
                                                 "overflow": overflow, "schema_slug": schema_slug,
-                                                "device": info.get("device"), "dtype": info.get("dtype")})
+                                                "device": info.get("device"), "dtype": info.get("dtype"),
+                                                "precision": info.get("precision")})
             runner.start(run_id, engine, check=False)  # checked above, before the run was recorded
             st.session_state[K("selected")] = run_id
             st.session_state["_keep." + K("selected")] = run_id

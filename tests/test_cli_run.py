@@ -23,7 +23,7 @@ SCHEMA_FILE = ROOT / "schemas" / "support-ticket-routing.json"
 SCHEMA = json.loads(SCHEMA_FILE.read_text())
 TICKETS = [{"state": example["state"]} for example in SCHEMA["examples"]]
 # the keys a run started on the Runs page has in its settings
-PAGE_SETTINGS = {"chunk_size", "max_length", "overflow", "schema_slug", "device", "dtype"}
+PAGE_SETTINGS = {"chunk_size", "max_length", "overflow", "schema_slug", "device", "dtype", "precision"}
 
 
 def make_db(tmp_path: Path, copies: int) -> tuple[Path, Store, int]:
@@ -59,6 +59,7 @@ def test_a_run_from_the_command_line_is_stored_as_a_runs_page_run(tmp_path, tiny
     assert (run["status"], run["done"], run["total"], run["errors"]) == ("finished", 10, 10, 0)
     assert set(run["settings"]) == PAGE_SETTINGS and run["settings"]["schema_slug"] == "support-ticket-routing"
     assert run["settings"]["device"] == "cpu" and run["settings"]["dtype"] == "float32"
+    assert run["settings"]["precision"] == "bf16"  # which precision answered the run
     page_schema = {k: v for k, v in SCHEMA.items() if k != "examples"}  # what the page stores: the library's dict
     assert run["schema"]["questions"] == page_schema["questions"] and run["schema"]["name"] == page_schema["name"]
     assert run["model_id"] == tiny_release.name and run["started_at"] and run["finished_at"]

@@ -22,6 +22,8 @@ from clef_workbench.model_loader import (
     DEMO_SOURCE,
     LoadState,
     ModelManager,
+    fp8_fidelity_text,
+    fp8_unavailable,
     is_demo_name,
     kernel_summary,
     label_of,
@@ -186,6 +188,24 @@ def pick_source(label: str, key: str, current: str | None = None) -> str:
     return source
 
 
+PRECISION_CHOICES = {"bf16 (default)": "bf16", "FP8 (W8A8: faster, slightly less exact)": "fp8"}
+
+
+def pick_precision(key: str, source: str) -> str | None:
+    """The precision to load a local model in: a choice on a machine whose GPU runs FP8; elsewhere a line saying why
+    there is none, and None (the engine's default)."""
+    if not source or is_endpoint(source):
+        return None  # an endpoint answers in whatever precision it runs
+    unavailable = fp8_unavailable()
+    if unavailable is not None:
+        st.caption(f"Precision: bf16. FP8 is not offered here: {unavailable}.")
+        return None
+    picked = st.radio("Precision", list(PRECISION_CHOICES), key=f"{key}_precision", horizontal=True,
+                      help="FP8 runs the backbone's projections in 8-bit floating point: faster and half the weight "
+                           f"memory, answers slightly further from the exact ones ({fp8_fidelity_text()}).")
+    return PRECISION_CHOICES[picked]
+
+
 # Nothing on a page may hide what it says behind an ellipsis at 1024 px: button labels and metric values wrap instead
 # of being cut ("Make def…", "New…", "150,762.4…"); a wrapped label still reads whole.
 PAGE_STYLE = """<style>
@@ -219,8 +239,9 @@ def render_sidebar() -> None:
                 st.rerun()
         elif source and source != current:
             st.caption("Switching reloads the model for every open session.")
+            precision = pick_precision("sidebar.model", source)
             if st.button(f"Load {label_of(source)}", key="sidebar.load"):
-                manager.request(source)
+                manager.request(source, precision)
                 st.rerun()
         if state.adding:  # the list redraws itself while a model is added, so it shows the new one at once
             st.fragment(lambda: render_models(manager), run_every=STATUS_REFRESH_SECONDS)()
@@ -240,7 +261,8 @@ def render_models(manager: ModelManager) -> None:
     confirming = st.session_state.get("sidebar.confirm_remove")
     for index, model in enumerate(models if len(models) > 1 else []):
         st.markdown(f"**{model.name}**" + (" (default)" if index == 0 else "")
-                    + (" · random weights" if model.random_weights else "") + f"  \n{model.label}")
+                    + (" · random weights" if model.random_weights else "")
+                    + (" · FP8" if model.precision == "fp8" else "") + f"  \n{model.label}")
         # stacked, not side by side: half the sidebar's width cut "Make default" to "Make def…"
         if index and st.button("Make default", key=f"sidebar.default.{model.name}", icon=":material/star:",
                                help="The model pages and API requests use unless they pick another"):
@@ -274,9 +296,10 @@ def render_add_model(manager: ModelManager) -> None:
         st.caption("Loads beside the others (each keeps its own engine; local ones share the GPU's queue). Memory "
                    "is checked first: a model that does not fit is refused.")
         source = pick_source("Model to add", "sidebar.add")
+        precision = pick_precision("sidebar.add", source)
         loaded_sources = {m.source for m in manager.loaded()}
         if st.button("Add", key="sidebar.add", disabled=not source or source in loaded_sources):
-            manager.add(source)
+            manager.add(source, precision)
             st.session_state[ADDED_KEY] = source
             st.rerun()  # drawn again with the list of models following the load
         added = st.session_state.get(ADDED_KEY)
@@ -339,6 +362,7 @@ def render_status(state: LoadState) -> None:
         "revision": info.get("revision") or "–",
         "device": f"{info.get('device')} ({info.get('device_name', '')})",
         "dtype": info.get("dtype", "?"),
+        "precision": precision_text(info),
         "GPU memory loaded": _gib(memory.get("loaded")),
         "peak allocated": _gib(memory.get("peak_allocated")),
         "peak reserved": _gib(memory.get("peak_reserved")),
@@ -347,6 +371,15 @@ def render_status(state: LoadState) -> None:
         "batch runs": _running_runs_text(),
     }
     st.markdown("\n".join(f"- **{k}:** {v}" for k, v in rows.items()))
+
+
+def precision_text(info: dict) -> str:
+    """Which precision answers: "bf16", or "FP8 (W8A8) — max |Δp| … from float32 …" with its measured distance."""
+    if info.get("precision") != "fp8":
+        return info.get("precision") or "–"
+    from clef_engine.fast.fp8 import describe_fidelity
+
+    return f"FP8 (W8A8 projections): {describe_fidelity(info.get('distance_from_float32'))}"
 
 
 def _running_runs_text() -> str:

@@ -14,6 +14,10 @@ storing a long state costs no second pass. CUDA graphs of this forward live in g
 A long record alone runs in chunks (`forward_chunked`): each chunk through every layer, continuing after the chunks
 before it as after a cached state, so that its activations are one chunk's whatever its length.
 
+With precision "fp8" (fp8.py) the projections' weights are quantized to e4m3 at load and the kernels that produce
+their inputs write them quantized per row: the residual add + RMSNorm, SiLU·mul, and a row-quantize of the attention
+and Gated DeltaNet outputs. Everything else runs as in bf16.
+
 Media records are not handled here (the engine sends them to the padded multimodal path).
 """
 
@@ -25,6 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..errors import ReleaseError
+from . import fp8 as FP8
 from . import kernels as K
 
 
@@ -94,21 +100,90 @@ class FastLayer:
 class PackedBackbone:
     """The text model of a loaded `Qwen3_5ForConditionalGeneration`, run packed."""
 
-    def __init__(self, model, kernels: K.Kernels | None = None):
+    def __init__(self, model, kernels: K.Kernels | None = None, precision: str = "bf16"):
+        """`precision` "fp8" quantizes the projections in place (fp8.py): the transformers modules then run FP8 too,
+        and their bf16 weights are freed. `kernels` must then have FP8 slots (`kernels.fp8`)."""
         text = model.model.language_model
+        self.precision = precision
         self.config = text.config
         self.eps = self.config.rms_norm_eps
         self.embed = text.embed_tokens.weight
         self.rotary = text.rotary_emb
         self.device = self.embed.device
         self.dtype = self.embed.dtype
+        layers = text.layers[: self.config.num_hidden_layers]
+        if precision == "fp8":  # kernels first: each layer is quantized as it is fused (see _fp8_layers)
+            self.kernels = kernels or self._select_kernels(precision)
+            self.layers = self._fp8_layers(layers)
+            with torch.no_grad():
+                self.final_norm = (1.0 + text.norm.weight.detach().float()).contiguous()
+            return
         with torch.no_grad():  # not inference_mode: the fused weights must stay usable by plain transformers calls
-            self.layers = [FastLayer(layer, self.config) for layer in text.layers[: self.config.num_hidden_layers]]
+            self.layers = [FastLayer(layer, self.config) for layer in layers]
             self.final_norm = (1.0 + text.norm.weight.detach().float()).contiguous()
-        self.kernels = kernels or K.select_kernels(self.device, self.dtype, heads=self.config.num_attention_heads,
-                                                   kv_heads=self.config.num_key_value_heads,
-                                                   head_dim=self.config.head_dim,
-                                                   value_head_dim=self.config.linear_value_head_dim)
+        self.kernels = kernels or self._select_kernels(precision)
+
+    def _select_kernels(self, precision: str) -> K.Kernels:
+        return K.select_kernels(self.device, self.dtype, heads=self.config.num_attention_heads,
+                                kv_heads=self.config.num_key_value_heads, head_dim=self.config.head_dim,
+                                value_head_dim=self.config.linear_value_head_dim, precision=precision)
+
+    def _fp8_layers(self, modules) -> list[FastLayer]:
+        """Every layer fused and its projections quantized to FP8 at once, so that only one layer's bf16 weights are
+        ever copied (the modules' weights may still be views of another backbone's fused ones). Shapes that
+        torch._scaled_mm cannot take are refused before anything changes."""
+        fp8 = self.kernels.fp8
+        if fp8 is None:
+            raise ReleaseError("precision fp8 needs kernels with FP8 slots (kernels.fp8)")
+        if fp8.linear is FP8.linear_fp8_scaled_mm:
+            bad = FP8.unsupported_shapes(modules)
+            if bad:
+                raise ReleaseError(f"precision fp8: torch._scaled_mm needs in and out features that are multiples of "
+                                   f"{FP8.SCALED_MM_MULTIPLE}; these projections are not: {', '.join(bad[:4])}")
+        layers = []
+        with torch.no_grad():
+            for layer in modules:
+                fast = FastLayer(layer, self.config)
+                FP8.quantize_layer(fast, layer, fp8)
+                layers.append(fast)
+        return layers
+
+    @property
+    def fp8(self) -> FP8.Fp8Kernels | None:
+        """The FP8 slots when the projections are FP8, else None (bf16)."""
+        if self.precision != "fp8":
+            return None
+        if self.kernels.fp8 is None:  # the weights are FP8: a kernel set without FP8 slots cannot run them
+            raise ReleaseError("this backbone's projections are FP8 and its kernels have no FP8 slots")
+        return self.kernels.fp8
+
+    # ---- the projections and the kernels that produce their inputs (bf16, or FP8 rows) --------------------------
+
+    def _norm(self, branch: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None):
+        """Residual add + RMSNorm; the normed output is the next projection's input."""
+        fp8 = self.fp8
+        if fp8 is not None:
+            return fp8.rms_norm(branch, weight, self.eps, residual)
+        return self.kernels.rms_norm(branch, weight, self.eps, residual, self.dtype)
+
+    def _project(self, x, weight) -> torch.Tensor:
+        """A projection whose output stays in the layer (q/k/v and gate, Gated DeltaNet in_proj, MLP gate/up)."""
+        fp8 = self.fp8
+        return fp8.linear(x, weight) if fp8 is not None else F.linear(x, weight)
+
+    def _project_residual(self, x, weight) -> torch.Tensor:
+        """A projection whose output joins the residual stream (o_proj, Gated DeltaNet out_proj, MLP down); `x` in
+        the model's dtype, or already FP8 rows (SiLU·mul's)."""
+        fp8 = self.fp8
+        if fp8 is None:
+            return self.kernels.residual_projection(x, weight)
+        return fp8.linear(x if isinstance(x, FP8.Fp8Rows) else fp8.quantize_rows(x), weight)
+
+    def _mlp(self, layer: FastLayer, normed) -> torch.Tensor:
+        fp8 = self.fp8
+        gate_up = self._project(normed, layer.gate_up)
+        activated = (fp8.silu_mul if fp8 is not None else self.kernels.silu_mul)(gate_up, layer.intermediate)
+        return self._project_residual(activated, layer.down)
 
     # ---- one forward --------------------------------------------------------------------------------------------
 
@@ -152,18 +227,16 @@ class PackedBackbone:
     def _layers(self, x: torch.Tensor, mix, between_layers=None) -> torch.Tensor:
         """Every decoder layer over the embedded tokens `x`, `mix(index, layer, normed)` giving the token mixer's
         output (attention or Gated DeltaNet); the final hidden states, normed."""
-        residual = None  # kern.rms_norm returns the residual stream in float32, whatever the model's dtype
+        residual = None  # the norms return the residual stream in float32, whatever the model's dtype
         branch = x
-        kern = self.kernels
         for index, layer in enumerate(self.layers):
-            normed, residual = kern.rms_norm(branch, layer.norm1, self.eps, residual, self.dtype)
+            normed, residual = self._norm(branch, layer.norm1, residual)
             branch = mix(index, layer, normed)
-            normed, residual = kern.rms_norm(branch, layer.norm2, self.eps, residual, self.dtype)
-            activated = kern.silu_mul(F.linear(normed, layer.gate_up), layer.intermediate)
-            branch = kern.residual_projection(activated, layer.down)
+            normed, residual = self._norm(branch, layer.norm2, residual)
+            branch = self._mlp(layer, normed)
             if between_layers is not None:
                 between_layers(index)
-        hidden, _ = kern.rms_norm(branch, self.final_norm, self.eps, residual, self.dtype)
+        hidden, _ = self.kernels.rms_norm(branch, self.final_norm, self.eps, residual, self.dtype)
         return hidden
 
     @torch.inference_mode()
@@ -212,7 +285,7 @@ class PackedBackbone:
                         split_at: int | None) -> tuple[torch.Tensor, LayerState | None]:
         n = x.shape[0]
         kern = self.kernels
-        projected = F.linear(x, layer.in_proj)
+        projected = self._project(x, layer.in_proj)
         conv_dim, value_dim, v_heads = layer.conv_dim, layer.value_dim, layer.v_heads
         mixed = projected[:, :conv_dim]
         z = projected[:, conv_dim: conv_dim + value_dim]
@@ -240,7 +313,7 @@ class PackedBackbone:
                                          layer.A_log, layer.dt_bias, tail_part, initial_state=final)
             core = torch.cat([first, second])
         core = kern.gated_rms_norm(core, z, layer.gated_norm, layer.gated_norm_eps)
-        out = kern.residual_projection(core.view(n, value_dim), layer.out_proj)
+        out = self._project_residual(core.view(n, value_dim), layer.out_proj)
         if split_at is not None:
             width = layer.conv_width - 1
             tail = mixed[max(0, split_at - width): split_at]
@@ -257,7 +330,7 @@ class PackedBackbone:
         n = x.shape[0]
         kern = self.kernels
         heads, kv_heads, dim = layer.heads, layer.kv_heads, layer.head_dim
-        projected = F.linear(x, layer.qkv)
+        projected = self._project(x, layer.qkv)
         # per head the projection holds [query | gate] (2 * dim), then all K heads, then all V heads
         q = kern.norm_rope(projected, 0, 2 * dim, heads, dim, layer.q_norm, cos, sin, self.eps)
         k = kern.norm_rope(projected, heads * dim * 2, dim, kv_heads, dim, layer.k_norm, cos, sin, self.eps)
@@ -273,7 +346,7 @@ class PackedBackbone:
         state = None
         if split_at is not None:  # copies: the views would keep the whole record's projection alive
             state = LayerState(keys=keys[:split_at].clone(), values=values[:split_at].clone())
-        return kern.residual_projection(out, layer.o_proj), state
+        return self._project_residual(out, layer.o_proj), state
 
     def attention_chunk(self, layer: FastLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                         segments: K.Segments, buffers: tuple[torch.Tensor, torch.Tensor], start: int) -> torch.Tensor:
@@ -283,7 +356,7 @@ class PackedBackbone:
         n = x.shape[0]
         kern = self.kernels
         heads, kv_heads, dim = layer.heads, layer.kv_heads, layer.head_dim
-        projected = F.linear(x, layer.qkv)
+        projected = self._project(x, layer.qkv)
         q = kern.norm_rope(projected, 0, 2 * dim, heads, dim, layer.q_norm, cos, sin, self.eps)
         keys, values = buffers
         end = start + n
@@ -296,7 +369,7 @@ class PackedBackbone:
         else:
             out = kern.attention_chunk(q, keys[:end], values[:end], start)
         out = kern.sigmoid_gate(out.reshape(n, heads, dim), gate)
-        return kern.residual_projection(out, layer.o_proj)
+        return self._project_residual(out, layer.o_proj)
 
 
 def chunk_bounds(n: int, chunk_tokens: int, split_at: int | None = None) -> list[tuple[int, int]]:

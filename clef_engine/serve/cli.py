@@ -1,8 +1,8 @@
 """`python -m clef_engine serve`: the System One API on a resident engine, standalone.
 
     python -m clef_engine serve --model SOURCE [--model SOURCE ...] [--host 127.0.0.1] [--port 8000] [--api-key-env VAR]
-                                [--device cuda|cpu] [--dtype bfloat16|float32] [--revision REV] [--max-body-mb 32]
-                                [--max-queued-records N] [--request-timeout S] [--header-timeout S]
+                                [--device cuda|cpu] [--dtype bfloat16|float32] [--precision bf16|fp8] [--revision REV]
+                                [--max-body-mb 32] [--max-queued-records N] [--request-timeout S] [--header-timeout S]
                                 [--keep-alive-timeout S] [--cors-origin ORIGIN ...] [--calibrations FILE]
 
 The models load before the server listens, so once /health answers the server is ready. With several `--model`s
@@ -56,6 +56,9 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                              "'Authorization: Bearer <key>'")
     parser.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda when present)")
     parser.add_argument("--dtype", default=None, help="bfloat16, float16 or float32 (default: bf16 on CUDA)")
+    parser.add_argument("--precision", default=None, choices=["bf16", "fp8"],
+                        help="of the backbone's projection GEMMs: bf16 (default) or fp8 (W8A8, opt-in; CUDA with "
+                             "compute capability 8.9 or newer; or set CLEF_PRECISION)")
     parser.add_argument("--allow-slow-kernels", action="store_true", default=None,
                         help="on CUDA, start even without the fast kernels (or set CLEF_ALLOW_SLOW_KERNELS=1)")
     parser.add_argument("--max-body-mb", type=float, default=DEFAULT_MAX_BODY_BYTES / 2**20,
@@ -189,7 +192,7 @@ def load_models(args: argparse.Namespace) -> dict:
         if is_endpoint(source):
             engine = clef_engine.load(source)  # key from CLEF_API_KEY
         else:
-            config = EngineConfig.resolve(device=args.device, dtype=args.dtype,
+            config = EngineConfig.resolve(device=args.device, dtype=args.dtype, precision=args.precision,
                                           allow_slow_kernels=args.allow_slow_kernels)
             local = [name for name, e in models.items() if not e.info().get("remote")]
             memory.check_fits(source, revision=args.revision, config=config, loaded=local)
