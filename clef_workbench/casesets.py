@@ -457,7 +457,7 @@ def load_example_case_sets(store: Store, schemas_dir: Path | None = None,
     """Import each shipped example case set (examples/casesets/<schema slug>.jsonl, media paths relative to that
     folder) whose schema is in the library, as "Example: <schema name>". Sets that already exist are left alone.
     Returns {schema slug: case set id}."""
-    from clef_workbench.schemas import SchemaLibrary  # the library module is the other half of the workbench
+    from clef_workbench.schema_library import SchemaLibrary  # the library module is the other half of the workbench
 
     library = SchemaLibrary(schemas_dir)
     folder = Path(examples_dir or EXAMPLES_DIR)

@@ -16,6 +16,8 @@ TORCH_FREE = [
     "clef_engine.remote",
     "clef_workbench.store",
     "clef_workbench.schemas",
+    "clef_workbench.schema_diff",
+    "clef_workbench.schema_library",
     "clef_workbench.casesets",
     "clef_workbench.stats",
     "clef_workbench.compare",
