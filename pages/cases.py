@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import streamlit as st
 
-from clef_workbench import casesets, importing
-from clef_workbench.casesets import CaseDeletionRefusedError, CaseImportError
+from clef_workbench import case_table, casesets, importing
+from clef_workbench.case_table import CaseDeletionRefusedError
+from clef_workbench.casesets import CaseImportError
 from clef_workbench.store import StoreError
 from workbench_ui import cases_view as view
 from workbench_ui.cases_view import NO_SCHEMA, NOT_MAPPED
@@ -114,7 +115,7 @@ with tab_cases:
     st.caption("Edit states (text, or JSON for structured states), expected answers as a JSON object "
                "`{question: answer}` (choice: option id, yes/no: true/false, score: level number) and tags. "
                "Add rows at the bottom; delete rows with the row menu. Nothing is written until you save.")
-    frame = casesets.editor_frame(store, case_set_id)
+    frame = case_table.editor_frame(store, case_set_id)
     # after a refused deletion the table starts again from the edits with the refused rows back (a new editor: its
     # rows are the table given, not the browser's copy with the rows gone)
     restored = st.session_state.get(K(f"editor_restored.{case_set_id}"))
@@ -133,11 +134,11 @@ with tab_cases:
     )
     if st.button("Save changes", key=K("save_edits"), icon=":material/save:"):
         try:
-            edits = casesets.apply_case_edits(store, case_set_id, edited, schema)
+            edits = case_table.apply_case_edits(store, case_set_id, edited, schema)
         except CaseDeletionRefusedError as exc:
             generation = 1 + (0 if restored is None else restored[0])
             st.session_state[K(f"editor_restored.{case_set_id}")] = (
-                generation, casesets.with_rows_restored(frame, edited, exc.case_ids))
+                generation, case_table.with_rows_restored(frame, edited, exc.case_ids))
             flash("error", f"Nothing was changed: {'; '.join(exc.problems)}. Delete its runs first. The rows are back "
                            "in the table; your other edits are still there, not saved.")
             st.rerun()

@@ -19,6 +19,7 @@ TORCH_FREE = [
     "clef_workbench.schema_diff",
     "clef_workbench.schema_library",
     "clef_workbench.casesets",
+    "clef_workbench.case_table",
     "clef_workbench.stats",
     "clef_workbench.compare",
     "clef_workbench.review",
