@@ -151,7 +151,10 @@ with tab_cases:
                   undo=("cases", edits.deleted) if edits.deleted else None)
             st.rerun()
 
-with tab_import:
+
+def import_file(case_set_id: int, case_set: dict, schema: dict | None) -> None:
+    """The Import tab: choose a file, how to read it and which columns mean what, see the problems and a preview,
+    then import."""
     # a new uploader after each import: the imported file leaves no live Import button behind, and the next file
     # goes into an empty uploader instead of replacing one (a replacement raced the page's rerun in the browser)
     imports_done = st.session_state.get(K("imports_done"), 0)
@@ -263,6 +266,10 @@ with tab_import:
                     flash("success", view.imported_message(case_set["name"], len(parsed), len(added),
                                                            [b.row for b in bad_rows] if skip_bad_rows else None))
                     st.rerun()
+
+
+with tab_import:
+    import_file(case_set_id, case_set, schema)
 
 with tab_export:
     slug = view.export_stem(case_set["name"])

@@ -237,12 +237,9 @@ open_selected("matrix", [list(cell) for cell in matrix_event.selection.cells],
 
 # -- one case ---------------------------------------------------------------------------------------------------
 
-case_id = url_int("case")
-detail = cv.case_shown(view, case_id) if case_id is not None else None
-if case_id is not None and detail is None:
-    st.warning(cv.no_result_message(case_id))
-if detail is not None:
-    st.subheader(f"Case {case_id}")
+def show_case(detail: cv.CaseShown) -> None:
+    """The opened case: its state and expected answers, then a column per run with its answers and charts."""
+    st.subheader(f"Case {detail.case_id}")
     if isinstance(detail.state, str):
         st.code(detail.state, language=None, wrap_lines=True)
     else:
@@ -260,3 +257,12 @@ if detail is not None:
             if run.latency:
                 st.caption(run.latency)
     st.button("Close the case", key=K("close_case"), on_click=open_case, args=(None,))
+
+
+opened = url_int("case")
+if opened is not None:
+    detail = cv.case_shown(view, opened)
+    if detail is None:
+        st.warning(cv.no_result_message(opened))
+    else:
+        show_case(detail)

@@ -226,10 +226,11 @@ if item is not None:  # the address bar links to the item on screen
     if reviewed_note:
         st.session_state[K("showing_link")] = item["id"]
         st.info(reviewed_note)
-if item is None:
-    st.success("Nothing left to review in this run's queue.")
-    st.button("Undo my last action", key="review-undo", on_click=undo, disabled=not reviewer, shortcut="Z")
-else:
+
+
+def show_item(item: dict) -> None:
+    """The queue item on screen: the evidence, the model's distribution (hidden in blind mode), the actions and the
+    record's other queued questions."""
     question = questions.get(item["question_id"], {"type": item["question_type"]})
     case = store.get_case(item["case_id"])
     expected = case["expected"].get(item["question_id"])
@@ -311,6 +312,14 @@ else:
                 row[3].button("Open", key=f"review-record-open-{other['id']}", disabled=current,
                               on_click=lambda item_id=other["id"]: st.session_state.update(
                                   {current_key: item_id, K("showing_link"): item_id}))
+
+
+if item is None:
+    st.success("Nothing left to review in this run's queue.")
+    st.button("Undo my last action", key="review-undo", on_click=undo, disabled=not reviewer, shortcut="Z")
+else:
+    show_item(item)
+
 
 # -- log and export ---------------------------------------------------------------------------------------------
 
