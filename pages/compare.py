@@ -98,7 +98,7 @@ with st.expander("Run a schema on a case set with these models", expanded=not gr
             numbers = []
             st.error(f"{slug}.json does not load: {exc}")
         number = kept_widget(cols[1].selectbox, "Version", K(f"start.version.{slug}"), numbers[0] if numbers else None,
-                             options=numbers, format_func=lambda n: cv.version_label(n, numbers))
+                             options=numbers, format_func=lambda n: f"v{n}" + (" (current)" if n == numbers[0] else ""))
         labels = {m.name: m.label for m in models}
         names = kept_widget(st.multiselect, "Models", K("start.models"), [models[0].name], options=list(labels),
                             format_func=lambda n: labels.get(n, n))
@@ -127,7 +127,8 @@ def follow_started(run_ids: list[int]) -> None:
 
 started = st.session_state.get(K("started"), [])
 if started:
-    started_running = any(cv.is_unfinished(run) for run in store.list_runs() if run["id"] in started)
+    statuses = {run["id"]: run["status"] for run in store.list_runs()}
+    started_running = any(statuses.get(r) in ("pending", "running") for r in started)
     st.fragment(follow_started, run_every=2.0 if started_running else None)(started)
 
 # -- which runs -------------------------------------------------------------------------------------------------

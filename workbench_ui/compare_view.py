@@ -33,11 +33,6 @@ def case_set_choice(case_set: dict) -> str:
     return f"{case_set['name']} ({case_set['case_count']} cases)"
 
 
-def version_label(number: int, numbers: list[int]) -> str:
-    """A schema version in the selector; the first of `numbers` (newest first) is the current one."""
-    return f"v{number}" + (" (current)" if numbers and number == numbers[0] else "")
-
-
 def start_comparison(store: Any, runner: Any, models: list[ModelChoice], set_id: int, slug: str, number: int,
                      names: list[str]) -> tuple[list[int], str]:
     """The one action: a run of the schema version per chosen model. Returns the runs started (oldest first) and the
