@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from clef_workbench import calibration, schemas, stats
+from clef_workbench import calibration, schema_diff, stats
 
 DEFAULT_BOOTSTRAP = 1000
 DEFAULT_LEVEL = 0.95
@@ -453,9 +453,9 @@ def build_view(store: Any, run_ids: Sequence[int], *, n_boot: int = DEFAULT_BOOT
     verdicts["open"] = None
     changes = []
     for a, b in combinations(runs, 2):
-        diff = schemas.diff_schemas(a.run["schema"], b.run["schema"])
+        diff = schema_diff.diff_schemas(a.run["schema"], b.run["schema"])
         if diff:
-            changes.append((a.label, b.label, schemas.diff_text(diff)))
+            changes.append((a.label, b.label, schema_diff.diff_text(diff)))
     return CompareView(runs, agree, flipped, side_by_side(metrics(runs, n_boot=n_boot, level=level)), flat,
                        verdicts, headers, changes, applied)
 

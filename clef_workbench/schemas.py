@@ -1,4 +1,5 @@
-"""The schema library: one human-readable, git-diffable JSON file per schema in a folder (default ./schemas).
+"""A schema and its rules: the document kept in the library (clef_workbench.schema_library), its validation by
+the System One contract and its lint. Versions are compared in clef_workbench.schema_diff.
 
 A schema file holds, in this key order:
 
@@ -16,20 +17,14 @@ answers. Every message names the question and the field it concerns.
 
 from __future__ import annotations
 
-import dataclasses
 import difflib
 import json
-import os
 import re
-import unicodedata
-from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Literal
 
 from clef_engine import protocol
 from clef_engine.errors import Problem, RequestError
-from clef_workbench.settings import WorkbenchSettings
 
 # The System One contract (question types, id rules, hosted limits) is clef_engine.protocol's; the names below
 # are kept for the pages.
@@ -52,10 +47,6 @@ UNKNOWN_DESCRIPTION_PATTERN = re.compile(
     r"not enough (?:information|evidence|data)|insufficient (?:information|evidence|data)|not applicable)\b",
     re.IGNORECASE,
 )
-
-SCHEMA_FILE_SUFFIX = ".json"
-SLUG_PATTERN = re.compile(r"[a-z0-9][a-z0-9-]{0,79}")
-MAX_IMPORT_BYTES = 2 * 1024 * 1024  # a 64-question schema with 255 long options each stays far below this
 
 Severity = Literal["error", "warning"]
 
@@ -295,8 +286,8 @@ class Schema:
             name=data["name"].strip(),
             version=data.get("version", 1),
             description=data.get("description", ""),
-            questions=_plain(data["questions"]),
-            examples=_plain(data.get("examples", [])),
+            questions=plain_json(data["questions"]),
+            examples=plain_json(data.get("examples", [])),
         )
 
     @classmethod
@@ -308,32 +299,25 @@ class Schema:
         return validate_schema_dict(self.to_dict()) + lint_questions(self.questions)
 
 
-def _content(schema: Schema) -> dict[str, Any]:
-    """What a save can change: everything but the version number."""
-    data = schema.to_dict()
-    data.pop("version")
-    return data
-
-
-def _plain(value: Any) -> Any:
-    """Turn _PairsDicts back into plain dicts (recursively), keeping order."""
+def plain_json(value: Any) -> Any:
+    """A parsed value with its _PairsDicts turned back into plain dicts (recursively, a copy), keeping order."""
     if isinstance(value, dict):
-        return {k: _plain(v) for k, v in value.items()}
+        return {k: plain_json(v) for k, v in value.items()}
     if isinstance(value, list):
-        return [_plain(v) for v in value]
+        return [plain_json(v) for v in value]
     return value
 
 
 def _canonical_question(question: dict[str, Any]) -> dict[str, Any]:
     # Fixed key order so files diff cleanly; choice options and score levels keep the author's order
     # (the response echoes choice ids in that order; score level order is meaning).
-    out = {k: question[k] for k in ("type", "instructions", "criteria") if k in question}
+    out: dict[str, Any] = {k: question[k] for k in ("type", "instructions", "criteria") if k in question}
     out.update({k: v for k, v in question.items() if k not in out})
     return out
 
 
 def _canonical_example(example: dict[str, Any]) -> dict[str, Any]:
-    out = {k: example[k] for k in ("name", "state") if k in example}
+    out: dict[str, Any] = {k: example[k] for k in ("name", "state") if k in example}
     out.update({k: v for k, v in example.items() if k not in out})
     return out
 
@@ -378,513 +362,3 @@ def validate_schema_dict(data: Any) -> list[SchemaProblem]:
             allowed = ", ".join(sorted(known))
             problems.append(SchemaProblem((key,), f'unknown top-level field "{key}" (allowed: {allowed})'))
     return problems
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Diff of two versions: what an analyst asks of a history ("what did I change in the wording?"), question by
-# question and option by option, rather than a line diff of the JSON (which git gives already).
-
-ChangeKind = Literal["added", "removed", "renamed", "changed", "moved"]
-_MARK = {"added": "+", "removed": "-", "renamed": "~", "changed": "~", "moved": "~"}
-
-
-@dataclass(frozen=True)
-class SchemaChange:
-    """One difference between two schemas. `loc` is a path as in SchemaProblem: ("questions", "q1", "criteria",
-    "billing") is option "billing" of question "q1", an int last element a score level, ("questions", "q1",
-    "true") a yes/no question's "true" description. `old`/`new` hold the values (for a rename: the old and the
-    new id; for a reorder: the ids in the old and the new order)."""
-
-    kind: ChangeKind
-    loc: tuple[str | int, ...]
-    old: Any = None
-    new: Any = None
-
-    @property
-    def question_id(self) -> str | None:
-        return str(self.loc[1]) if len(self.loc) >= 2 and self.loc[0] == "questions" else None
-
-    def where(self) -> str:
-        """The changed thing in words: 'question "q1", option "billing"'."""
-        if self.loc == ("questions",):
-            return "question order"
-        if self.loc[0] != "questions":
-            return {"name": "name", "description": "description", "examples": "example states"}.get(
-                str(self.loc[0]), str(self.loc[0]))
-        where = f'question "{self.loc[1]}"'
-        if len(self.loc) == 3:
-            part = self.loc[2]
-            where += (", option order" if part == "criteria" and self.kind == "moved" else
-                      f', "{part}" description' if part in NOUL_CRITERIA_KEYS else f", {part}")
-        elif len(self.loc) == 4:
-            part = self.loc[3]
-            where += f", level {part}" if isinstance(part, int) else f', option "{part}"'
-        return where
-
-    def as_row(self) -> dict[str, str]:
-        """The change as a table row of text: change, where, before, after."""
-        def text(value: Any) -> str:
-            return "" if value is None else value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
-        return {"change": self.kind, "where": self.where(), "before": text(self.old), "after": text(self.new)}
-
-    def __str__(self) -> str:
-        mark, where = _MARK[self.kind], self.where()
-        if self.kind == "renamed":
-            return f'{mark} {where} renamed to "{self.new}"'
-        if self.kind == "moved":
-            return f"{mark} {where}: {', '.join(map(str, self.old))} → {', '.join(map(str, self.new))}"
-        if self.kind == "added":
-            return f"{mark} {where} added" + (f": {_show(self.new)}" if self.new not in (None, "") else "")
-        if self.kind == "removed":
-            return f"{mark} {where} removed" + (f" (was {_show(self.old)})" if self.old not in (None, "") else "")
-        return f"{mark} {where}: {word_diff(self.old, self.new)}"
-
-
-def _show(value: Any) -> str:
-    if isinstance(value, dict) and "type" in value:  # a whole question
-        criteria = value.get("criteria")
-        detail = ", ".join(criteria) if isinstance(criteria, dict) and value["type"] == "choice" else (
-            f"{len(criteria)} levels" if isinstance(criteria, list) else "")
-        return f"{value['type']}" + (f" ({detail})" if detail else "") + f", {_show(value.get('instructions'))}"
-    return json.dumps(value, ensure_ascii=False) if not isinstance(value, str) else f'"{value}"'
-
-
-def word_diff(old: Any, new: Any) -> str:
-    """Two texts as one, git --word-diff style: [-removed words-]{+added words+}. Non-text values as JSON."""
-    old_text = old if isinstance(old, str) else json.dumps(old, ensure_ascii=False)
-    new_text = new if isinstance(new, str) else json.dumps(new, ensure_ascii=False)
-    a, b = old_text.split(), new_text.split()
-    if a == b:  # only the spacing changed: show both texts whole
-        return f"[-{old_text}-]{{+{new_text}+}}"
-    out = []
-    for op, i1, i2, j1, j2 in difflib.SequenceMatcher(None, a, b, autojunk=False).get_opcodes():
-        removed = f"[-{' '.join(a[i1:i2])}-]" if op in ("replace", "delete") else ""
-        added = f"{{+{' '.join(b[j1:j2])}+}}" if op in ("replace", "insert") else ""
-        out.append(" ".join(a[i1:i2]) if op == "equal" else removed + added)
-    return " ".join(out)
-
-
-def _diff_keyed(loc: tuple[str | int, ...], old: dict, new: dict, *, rename_if: Callable[[Any], bool],
-                inner: Callable[[tuple, Any, Any], list[SchemaChange]]) -> list[SchemaChange]:
-    """Changes between two ordered maps (questions, or a choice's options): removed, added, renamed (an id gone and
-    a new one with the very same value, when `rename_if(value)`), changed (by `inner`), and order."""
-    removed = [k for k in old if k not in new]
-    added = [k for k in new if k not in old]
-    renamed: dict[str, str] = {}
-    for key in removed:
-        twin = next((a for a in added if a not in renamed.values() and new[a] == old[key] and rename_if(old[key])),
-                    None)
-        if twin is not None:
-            renamed[key] = twin
-    changes = [SchemaChange("removed", (*loc, k), old=old[k]) for k in removed if k not in renamed]
-    changes += [SchemaChange("renamed", (*loc, k), old=k, new=v) for k, v in renamed.items()]
-    changes += [SchemaChange("added", (*loc, k), new=new[k]) for k in added if k not in renamed.values()]
-    for key in (k for k in old if k in new):
-        changes += inner((*loc, key), old[key], new[key])
-    old_order = [renamed.get(k, k) for k in old if k in new or k in renamed]
-    new_order = [k for k in new if k in old or k in renamed.values()]
-    if old_order != new_order:
-        changes.append(SchemaChange("moved", loc, old=old_order, new=new_order))
-    return changes
-
-
-def _diff_value(loc: tuple, old: Any, new: Any) -> list[SchemaChange]:
-    if old == new:
-        return []
-    if old in (None, "") and new not in (None, ""):
-        return [SchemaChange("added", loc, new=new)]
-    if new in (None, "") and old not in (None, ""):
-        return [SchemaChange("removed", loc, old=old)]
-    return [SchemaChange("changed", loc, old=old, new=new)]
-
-
-def _diff_levels(loc: tuple, old: list, new: list) -> list[SchemaChange]:
-    changes = []
-    for op, i1, i2, j1, j2 in difflib.SequenceMatcher(None, old, new, autojunk=False).get_opcodes():
-        for offset in range(max(i2 - i1, j2 - j1)):
-            i, j = i1 + offset, j1 + offset
-            if op == "replace" and i < i2 and j < j2:
-                changes.append(SchemaChange("changed", (*loc, j), old=old[i], new=new[j]))
-            elif op in ("replace", "delete") and i < i2:
-                changes.append(SchemaChange("removed", (*loc, i), old=old[i]))
-            elif op in ("replace", "insert") and j < j2:
-                changes.append(SchemaChange("added", (*loc, j), new=new[j]))
-    return changes
-
-
-def _diff_question(loc: tuple, old: Any, new: Any) -> list[SchemaChange]:
-    if not isinstance(old, dict) or not isinstance(new, dict):
-        return _diff_value(loc, old, new)
-    changes = _diff_value((*loc, "type"), old.get("type"), new.get("type"))
-    changes += _diff_value((*loc, "instructions"), old.get("instructions"), new.get("instructions"))
-    a, b = old.get("criteria"), new.get("criteria")
-    if changes and changes[0].loc[-1] == "type" or a == b:
-        return changes + ([] if a == b else [SchemaChange("changed", (*loc, "criteria"), old=a, new=b)])
-    if new.get("type") == "score" and isinstance(a, list) and isinstance(b, list):
-        return changes + _diff_levels((*loc, "criteria"), a, b)
-    if new.get("type") == "noul":  # the yes / no descriptions, at ("questions", id, "true" | "false")
-        a, b = a or {}, b or {}
-        for side in dict.fromkeys([*a, *b]):
-            changes += _diff_value((*loc, side), a.get(side), b.get(side))
-        return changes
-    if isinstance(a, dict) and isinstance(b, dict):
-        return changes + _diff_keyed((*loc, "criteria"), a, b, rename_if=lambda d: d not in (None, ""),
-                                     inner=_diff_value)
-    return changes + [SchemaChange("changed", (*loc, "criteria"), old=a, new=b)]
-
-
-def diff_schemas(old: dict[str, Any], new: dict[str, Any]) -> list[SchemaChange]:
-    """What changed from schema `old` to schema `new` (both as dicts: a file's content, a version, a run's schema):
-    name and description wording, example states, questions added / removed / renamed / reordered, and per
-    question its type, instructions, options (added, removed, renamed, reworded, reordered), score levels and
-    yes/no descriptions. The version number is not a change."""
-    changes = _diff_value(("name",), old.get("name"), new.get("name"))
-    changes += _diff_value(("description",), old.get("description") or "", new.get("description") or "")
-    if (old.get("examples") or []) != (new.get("examples") or []):
-        changes.append(SchemaChange("changed", ("examples",), old=len(old.get("examples") or []),
-                                    new=len(new.get("examples") or [])))
-    return changes + _diff_keyed(("questions",), old.get("questions") or {}, new.get("questions") or {},
-                                 rename_if=lambda q: True, inner=_diff_question)
-
-
-def diff_text(changes: Iterable[SchemaChange]) -> str:
-    """A readable view of a diff, one line per change ([-removed-]{+added+} inside reworded text)."""
-    lines = [str(change) for change in changes]
-    return "\n".join(lines) if lines else "No changes."
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Builder rows: the editable, list-shaped form of a questions map (the Decide page's schema builder).
-#
-# A row is {"id", "type", "instructions", "options": [{"id", "description"}], "levels": [str],
-#           "true": str, "false": str}. Rows are a list, so a duplicated id stays visible instead of being merged.
-
-
-def _as_text(value: Any) -> str:
-    """A description for a text box. The contract allows JSON descriptions; the builder shows them as JSON text."""
-    if value is None:
-        return ""
-    return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
-
-
-def question_to_row(qid: str, question: dict[str, Any]) -> dict[str, Any]:
-    """One question of a questions map as an editable row."""
-    criteria = question.get("criteria")
-    row: dict[str, Any] = {
-        "id": qid,
-        "type": question.get("type", "noul"),
-        "instructions": _as_text(question.get("instructions", "")),
-        "options": [],
-        "levels": [],
-        "true": "",
-        "false": "",
-    }
-    if row["type"] == "choice" and isinstance(criteria, dict):
-        row["options"] = [{"id": k, "description": _as_text(v)} for k, v in criteria.items()]
-    elif row["type"] == "score" and isinstance(criteria, list):
-        row["levels"] = [_as_text(v) for v in criteria]
-    elif row["type"] == "noul" and isinstance(criteria, dict):
-        row["true"] = _as_text(criteria.get("true"))
-        row["false"] = _as_text(criteria.get("false"))
-    return row
-
-
-def questions_to_rows(questions: dict[str, Any]) -> list[dict[str, Any]]:
-    return [question_to_row(qid, q) for qid, q in questions.items()]
-
-
-def row_to_question(row: dict[str, Any]) -> dict[str, Any]:
-    """An editable row as a System One question. Blank option descriptions become null; blank noul sides drop."""
-    qtype = row.get("type", "noul")
-    instructions = row.get("instructions", "")
-    question: dict[str, Any] = {"type": qtype, "instructions": instructions}
-    if qtype == "choice":
-        question["criteria"] = {
-            str(o.get("id", "")).strip(): (o.get("description") or "").strip() or None
-            for o in row.get("options", [])
-            if str(o.get("id", "")).strip()
-        }
-    elif qtype == "score":
-        question["criteria"] = [str(level) for level in row.get("levels", [])]
-    else:
-        sides = {k: (row.get(k) or "").strip() for k in NOUL_CRITERIA_KEYS if (row.get(k) or "").strip()}
-        question["criteria"] = sides or None
-    return question
-
-
-def options_to_text(options: Iterable[dict[str, Any]]) -> str:
-    """Choice options as editor text: one option per line, `id: description` (or just `id`)."""
-    lines = []
-    for option in options:
-        description = (option.get("description") or "").strip()
-        lines.append(f"{option['id']}: {description}" if description else str(option["id"]))
-    return "\n".join(lines)
-
-
-def text_to_options(text: str) -> list[dict[str, str]]:
-    """Editor text back to options. Each non-blank line is `id: description` or `id`; the id ends at the first
-    colon, so ids typed in the builder cannot contain one (schema files can)."""
-    options = []
-    for line in text.splitlines():
-        if not line.strip():
-            continue
-        option_id, _, description = line.partition(":")
-        options.append({"id": option_id.strip(), "description": description.strip()})
-    return options
-
-
-def levels_to_text(levels: Iterable[str]) -> str:
-    """Score levels as editor text: one per line, lowest first."""
-    return "\n".join(str(level) for level in levels)
-
-
-def text_to_levels(text: str) -> list[str]:
-    return [line.strip() for line in text.splitlines() if line.strip()]
-
-
-def rows_to_questions(rows: Iterable[dict[str, Any]]) -> tuple[dict[str, Any], list[SchemaProblem]]:
-    """Rows as a questions map, plus errors the map alone could not show (duplicate ids, options dropped).
-
-    The errors from validate_questions on the result are included, so the caller needs only this list.
-    """
-    questions = _PairsDict()
-    problems: list[SchemaProblem] = []
-    first_of: dict[str, int] = {}
-    for index, row in enumerate(rows):
-        qid = str(row.get("id", "")).strip()
-        if not qid:
-            problems.append(SchemaProblem(("questions", index), f'question {index + 1}, field "id": required'))
-            continue
-        if qid in questions:
-            # on the later question by its position: the first one with the id is the one kept, and fine
-            problems.append(SchemaProblem(("questions", index), f'question "{qid}": the id appears more than once '
-                                                                f"(questions {first_of[qid] + 1} and {index + 1}); "
-                                                                f"give question {index + 1} an id of its own"))
-            continue
-        first_of[qid] = index
-        if row.get("type") == "choice":
-            option_ids = [str(o.get("id", "")).strip() for o in row.get("options", [])]
-            seen: set[str] = set()
-            for option_id in option_ids:
-                if option_id and option_id in seen:
-                    problems.append(SchemaProblem(("questions", qid, "criteria", option_id),
-                                                  f'{_q(qid, "criteria")}: option id "{option_id}" appears more '
-                                                  "than once"))
-                seen.add(option_id)
-            if any(not o for o in option_ids):
-                problems.append(SchemaProblem(("questions", qid, "criteria"),
-                                              f"{_q(qid, 'criteria')}: an option has no id"))
-        questions[qid] = row_to_question(row)
-    problems.extend(validate_questions(questions))
-    return _plain(questions), problems
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# The library folder
-
-
-def slugify(name: str) -> str:
-    """A safe file stem for a schema name: lowercase ASCII letters, digits and dashes, at most 80 characters."""
-    ascii_name = unicodedata.normalize("NFKD", name).encode("ascii", "ignore").decode("ascii")
-    slug = re.sub(r"[^a-z0-9]+", "-", ascii_name.lower()).strip("-")[:80].strip("-")
-    return slug or "schema"
-
-
-@dataclass(frozen=True)
-class SchemaEntry:
-    """A line of the library listing. `problem` is set (and the rest partly empty) when the file does not load."""
-
-    slug: str
-    path: Path
-    name: str
-    version: int
-    description: str
-    question_count: int
-    problem: str | None = None
-
-
-class SchemaLibrary:
-    """The schema files of one folder. Slugs (file stems) are the ids; they never contain path separators.
-
-    With a `history` (the workbench's Store), every content a schema is saved with is also kept there as a numbered
-    version (clef_workbench/store/schema_versions.py) and the file carries that number; a file changed outside the
-    workbench (git, an editor) becomes a version when the library reads it. Deleting keeps the history, so a
-    deleted schema can be restored, and any version can be restored as a new one. Without a history the library is
-    the folder alone."""
-
-    def __init__(self, directory: str | os.PathLike[str] | None = None, *, history: Any = None):
-        if directory is None:
-            directory = WorkbenchSettings.from_env().schemas_dir
-        self.directory = Path(directory)
-        self.history = history
-
-    def path_of(self, slug: str) -> Path:
-        """The file of a slug. Refuses anything that is not a plain slug, so no name can leave the folder."""
-        if not isinstance(slug, str) or not SLUG_PATTERN.fullmatch(slug):
-            raise SchemaError([SchemaProblem((), f"{slug!r} is not a schema id (lowercase letters, digits, dashes)")])
-        return self.directory / f"{slug}{SCHEMA_FILE_SUFFIX}"
-
-    def slugs(self) -> list[str]:
-        if not self.directory.is_dir():
-            return []
-        return sorted(p.stem for p in self.directory.glob(f"*{SCHEMA_FILE_SUFFIX}")
-                      if p.is_file() and SLUG_PATTERN.fullmatch(p.stem))
-
-    def list(self) -> list[SchemaEntry]:
-        """Every schema file, sorted by slug; files that fail to load are listed with their problem."""
-        entries = []
-        for slug in self.slugs():
-            path = self.path_of(slug)
-            try:
-                schema = self.load(slug)
-            except SchemaError as exc:
-                entries.append(SchemaEntry(slug, path, slug, 0, "", 0, problem=str(exc)))
-                continue
-            entries.append(SchemaEntry(slug, path, schema.name, schema.version, schema.description,
-                                       len(schema.questions)))
-        return entries
-
-    def exists(self, slug: str) -> bool:
-        return self.path_of(slug).is_file()
-
-    def load(self, slug: str) -> Schema:
-        path = self.path_of(slug)
-        try:
-            text = path.read_text(encoding="utf-8")
-        except FileNotFoundError:
-            raise SchemaError([SchemaProblem((), f'no schema "{slug}" in {self.directory}')]) from None
-        except UnicodeDecodeError:
-            raise SchemaError([SchemaProblem((), "the file is not UTF-8 text")], source=path.name) from None
-        return self._recorded(slug, Schema.from_json(text, source=path.name), "on disk")
-
-    def _recorded(self, slug: str, schema: Schema, action: str) -> Schema:
-        """The schema numbered as its version in the history (recorded there if its content is new)."""
-        if self.history is None:
-            return schema
-        version = self.history.record_schema_version(slug, schema.to_dict(), action=action)
-        return dataclasses.replace(schema, version=version["number"])
-
-    def _write(self, slug: str, schema: Schema, action: str) -> Schema:
-        problems = validate_schema_dict(schema.to_dict())
-        if problems:
-            raise SchemaError(problems, source=schema.name)
-        # into the history first: a file never holds a version the history lacks
-        schema = self._recorded(slug, schema, action)
-        self.directory.mkdir(parents=True, exist_ok=True)
-        path = self.path_of(slug)
-        tmp = path.with_name(f".{path.name}.tmp")
-        # Write then rename, so a crash never leaves a half-written schema file.
-        tmp.write_text(schema.to_json(), encoding="utf-8")
-        os.replace(tmp, path)
-        return schema
-
-    def unique_slug(self, name: str) -> str:
-        base = slugify(name)
-        slug, n = base, 2
-        while self.exists(slug):
-            suffix = f"-{n}"
-            slug = base[: 80 - len(suffix)] + suffix
-            n += 1
-        return slug
-
-    def create(self, schema: Schema, *, action: str = "create") -> str:
-        """Save a new schema under a fresh slug derived from its name; returns the slug. Never overwrites."""
-        slug = self.unique_slug(schema.name)
-        self._write(slug, schema, action)
-        return slug
-
-    def update(self, slug: str, schema: Schema, *, action: str = "update") -> Schema:
-        """Overwrite an existing schema. The version goes up by one when anything but the version changed (each
-        save is a version); returns what was saved. The slug (file name) stays, even if the name changed, so
-        references to it keep working."""
-        current = self.load(slug)
-        saved = Schema(name=schema.name, questions=_plain(schema.questions), version=current.version,
-                       description=schema.description, examples=_plain(list(schema.examples)))
-        if _content(saved) != _content(current):
-            saved.version = current.version + 1
-        else:
-            saved.version = max(schema.version, current.version)
-        return self._write(slug, saved, action)
-
-    def duplicate(self, slug: str, new_name: str | None = None) -> str:
-        """Copy a schema under a new name (default "<name> (copy)"), starting again at version 1."""
-        original = self.load(slug)
-        copy = Schema(name=new_name or f"{original.name} (copy)", questions=original.questions, version=1,
-                      description=original.description, examples=original.examples)
-        return self.create(copy, action="duplicate")
-
-    def delete(self, slug: str, *, who: str = "") -> None:
-        """Remove the file. With a history, its versions stay and the delete is logged: `restore` undoes it."""
-        path = self.path_of(slug)
-        if not path.is_file():
-            raise SchemaError([SchemaProblem((), f'no schema "{slug}" in {self.directory}')])
-        if self.history is not None:
-            current = self.load(slug)  # records the file's content if the history lacks it
-            path.unlink()
-            self.history.log_change("delete", "schema", slug, f"{current.name} ({slug}.json)", who=who,
-                                    data={"version": current.version})
-        else:
-            path.unlink()
-
-    def deleted(self) -> list[str]:
-        """Slugs with a history but no file: deleted schemas that `restore` brings back."""
-        if self.history is None:
-            return []
-        return [slug for slug in self.history.schema_history_slugs() if not self.exists(slug)]
-
-    def restore(self, slug: str, number: int | None = None, *, who: str = "") -> Schema:
-        """Make version `number` of the schema its current content again, as a new version (nothing is lost), or
-        bring a deleted schema back (number None: its latest version). Needs a history."""
-        if self.history is None:
-            raise SchemaError([SchemaProblem((), "this library keeps no history to restore from")])
-        from clef_workbench.store import NotFoundError
-
-        try:
-            version = (self.history.latest_schema_version(slug) if number is None
-                       else self.history.get_schema_version_number(slug, number))
-        except NotFoundError as exc:
-            raise SchemaError([SchemaProblem((), str(exc))]) from None
-        if version is None:
-            raise SchemaError([SchemaProblem((), f'schema "{slug}" has no history to restore')])
-        schema = Schema.from_dict(version["schema"], source=f"{slug} version {version['number']}")
-        was_deleted = not self.exists(slug)
-        if was_deleted:
-            saved = self._write(slug, schema, "restore")
-            self.history.log_change("restore", "schema", slug, f"{saved.name} ({slug}.json)", who=who,
-                                    data={"version": saved.version})
-            return saved
-        return self.update(slug, schema, action="restore")
-
-    def import_json(self, data: bytes | str, *, filename: str | None = None, overwrite: bool = False) -> str:
-        """Add a schema from uploaded JSON. The file name the user gave is used only in messages (never as a path);
-        the slug comes from the schema's name. Also accepts a bare questions map or a System One request, then
-        named after the file. Returns the slug. With overwrite, a schema of the same slug is replaced."""
-        source = filename or "upload"
-        if isinstance(data, bytes):
-            if len(data) > MAX_IMPORT_BYTES:
-                raise SchemaError([SchemaProblem((), f"the file is {len(data):,} bytes; at most "
-                                                     f"{MAX_IMPORT_BYTES:,} are accepted")], source=source)
-            try:
-                data = data.decode("utf-8-sig")
-            except UnicodeDecodeError:
-                raise SchemaError([SchemaProblem((), "the file is not UTF-8 text")], source=source) from None
-        parsed = loads_schema_json(data, source=source)
-        if isinstance(parsed, dict) and "name" not in parsed:
-            # A System One request or a bare questions map: wrap it, naming it after the uploaded file.
-            stem = Path(filename).stem if filename else "imported schema"
-            if "questions" in parsed:
-                questions = parsed["questions"]
-            else:
-                questions = parsed
-            wrapped = _PairsDict(name=stem, version=1, description=f"Imported from {source}", questions=questions)
-            parsed = wrapped
-        schema = Schema.from_dict(parsed, source=source)
-        slug = slugify(schema.name)
-        if overwrite and self.exists(slug):
-            self._write(slug, schema, "import")
-            return slug
-        return self.create(schema, action="import")
-
-    def export_json(self, slug: str) -> str:
-        """The schema file's canonical text (what a download gives)."""
-        return self.load(slug).to_json()

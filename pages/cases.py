@@ -4,20 +4,18 @@ clef_workbench.store."""
 
 from __future__ import annotations
 
-import re
-
 import streamlit as st
 
-from clef_workbench import casesets, importing
-from clef_workbench.casesets import CaseDeletionRefusedError, CaseImportError, CsvMapping
-from clef_workbench.schemas import SchemaError
+from clef_workbench import case_table, casesets, importing
+from clef_workbench.case_table import CaseDeletionRefusedError
+from clef_workbench.casesets import CaseImportError
 from clef_workbench.store import StoreError
+from workbench_ui import cases_view as view
+from workbench_ui.cases_view import NO_SCHEMA, NOT_MAPPED
 from workbench_ui.shell import get_library, get_store, page_key, pick_id, render_shell
 
 render_shell(__file__)
 K = page_key("cases")
-NO_SCHEMA = "(none)"
-NOT_MAPPED = "(not mapped)"
 DETECTED = "detected"
 
 st.title("Case sets")
@@ -28,37 +26,17 @@ library = get_library()
 schema_slugs = library.slugs()
 
 
-def load_schema(slug: str | None) -> dict | None:
-    if not slug or slug not in schema_slugs:
-        return None
-    try:
-        return library.load(slug).to_dict()
-    except SchemaError as exc:
-        st.warning(f"Schema {slug!r} does not load, so expected answers are not checked: {exc}")
-        return None
-
-
 def flash(kind: str, message: str, *, undo: tuple[str, int] | None = None) -> None:
     """A message for the next run of the page (import and delete rerun it), optionally with an Undo button."""
     st.session_state[K("flash")] = (kind, message, undo)
 
 
 def undo_delete(kind: str, object_id: int | list[int]) -> None:
-    try:
-        if kind == "cases":
-            for case_id in object_id:
-                store.restore_case(case_id)
-            flash("success", f"Restored {len(object_id)} case(s).")
-        elif kind == "case_set":
-            store.restore_case_set(object_id)
-            st.session_state[K("selected")] = object_id
-            st.session_state["_keep." + K("selected")] = object_id
-            flash("success", f"Restored case set #{object_id}.")
-        else:
-            store.restore_case(object_id)
-            flash("success", f"Restored case #{object_id}.")
-    except StoreError as exc:
-        flash("error", f"Not restored: {exc}")
+    outcome, message = view.restore_deleted(store, kind, object_id)
+    if kind == "case_set" and outcome == "success":
+        st.session_state[K("selected")] = object_id
+        st.session_state["_keep." + K("selected")] = object_id
+    flash(outcome, message)
 
 
 def show_flash() -> None:
@@ -79,7 +57,7 @@ def show_problems(exc: CaseImportError, *, saving: bool = False) -> None:
     else:
         st.warning(f"This file cannot be imported as it is: {len(exc.problems)} problem(s). Fix them in the file and "
                    "choose it again.", icon=":material/warning:")
-    st.markdown("\n".join(f"- {p}" for p in exc.problems[:50]))
+    st.markdown(view.problems_markdown(exc.problems))
 
 
 show_flash()
@@ -88,8 +66,7 @@ if deleted_sets:
     with st.expander(f"Deleted case sets ({len(deleted_sets)})", icon=":material/restore_from_trash:"):
         for deleted in deleted_sets[:20]:
             cols = st.columns([5, 1], vertical_alignment="center")
-            cols[0].write(f"{deleted['name']} · {deleted['case_count']} cases · deleted "
-                          f"{deleted['deleted_at'][:19].replace('T', ' ')} UTC")
+            cols[0].write(view.deleted_set_label(deleted))
             cols[1].button("Restore", key=K(f"restore.{deleted['id']}"), on_click=undo_delete,
                            args=("case_set", deleted["id"]))
 top = st.columns([3, 2])
@@ -101,7 +78,7 @@ with top[1]:
     with st.popover("New case set", icon=":material/add:"):
         with st.form(K("create_form"), clear_on_submit=True):
             name = st.text_input("Name", key=K("new_name"))
-            schema_pick = st.selectbox("Schema it is meant for", [NO_SCHEMA] + schema_slugs, key=K("new_schema"))
+            schema_pick = st.selectbox("Schema it is meant for", view.schema_options(schema_slugs), key=K("new_schema"))
             description = st.text_area("Description", key=K("new_description"))
             if st.form_submit_button("Create"):
                 try:
@@ -118,15 +95,16 @@ sets = store.list_case_sets()
 if not sets:
     st.info("No case sets yet. Create one, load the examples, or save cases from the Decide page.")
     st.stop()
-labels = {s["id"]: f"{s['name']} ({s['case_count']} cases)" for s in sets}
+labels = {s["id"]: view.case_set_label(s) for s in sets}
 with top[0]:
     case_set_id = pick_id(list(labels), K("selected"), "Case set", labels.get, param="set", what="case set")
     if case_set_id is None:  # the link names a case set that is not here: said above
         st.stop()
 case_set = store.get_case_set(case_set_id)
-schema = load_schema(case_set["schema_name"])
-st.caption(f"Schema: **{case_set['schema_name'] or 'none'}** · {case_set['case_count']} cases · created "
-           f"{case_set['created_at'][:19].replace('T', ' ')} · {case_set['description'] or ''}")
+schema, schema_warning = view.case_set_schema(library, case_set["schema_name"])
+if schema_warning:
+    st.warning(schema_warning)
+st.caption(view.case_set_caption(case_set))
 
 # keyed and tracked: the open tab survives reruns whose layout above it changes (a message appearing or going)
 tab_cases, tab_import, tab_export, tab_settings = st.tabs(["Cases", "Import", "Export", "Settings"], key=K("tabs"),
@@ -136,7 +114,7 @@ with tab_cases:
     st.caption("Edit states (text, or JSON for structured states), expected answers as a JSON object "
                "`{question: answer}` (choice: option id, yes/no: true/false, score: level number) and tags. "
                "Add rows at the bottom; delete rows with the row menu. Nothing is written until you save.")
-    frame = casesets.editor_frame(store, case_set_id)
+    frame = case_table.editor_frame(store, case_set_id)
     # after a refused deletion the table starts again from the edits with the refused rows back (a new editor: its
     # rows are the table given, not the browser's copy with the rows gone)
     restored = st.session_state.get(K(f"editor_restored.{case_set_id}"))
@@ -155,11 +133,11 @@ with tab_cases:
     )
     if st.button("Save changes", key=K("save_edits"), icon=":material/save:"):
         try:
-            edits = casesets.apply_case_edits(store, case_set_id, edited, schema)
+            edits = case_table.apply_case_edits(store, case_set_id, edited, schema)
         except CaseDeletionRefusedError as exc:
             generation = 1 + (0 if restored is None else restored[0])
             st.session_state[K(f"editor_restored.{case_set_id}")] = (
-                generation, casesets.with_rows_restored(frame, edited, exc.case_ids))
+                generation, case_table.with_rows_restored(frame, edited, exc.case_ids))
             flash("error", f"Nothing was changed: {'; '.join(exc.problems)}. Delete its runs first. The rows are back "
                            "in the table; your other edits are still there, not saved.")
             st.rerun()
@@ -172,7 +150,10 @@ with tab_cases:
                   undo=("cases", edits.deleted) if edits.deleted else None)
             st.rerun()
 
-with tab_import:
+
+def import_file(case_set_id: int, case_set: dict, schema: dict | None) -> None:
+    """The Import tab: choose a file, how to read it and which columns mean what, see the problems and a preview,
+    then import."""
     # a new uploader after each import: the imported file leaves no live Import button behind, and the next file
     # goes into an empty uploader instead of replacing one (a replacement raced the page's rerun in the browser)
     imports_done = st.session_state.get(K("imports_done"), 0)
@@ -211,28 +192,25 @@ with tab_import:
             st.write(f"Columns: {', '.join(f'`{c}`' for c in columns)}")
             questions = list((schema or {}).get("questions", {}))
             guessed = importing.guess_expected_columns(columns, questions)
-            expected_map: dict[str, str] = {}
+            chosen_columns = view.ImportMapping(columns, questions)
             if questions:
                 st.markdown("**Expected answers** (column per question)")
                 cols = st.columns(min(3, len(questions)))
                 for index, question_id in enumerate(questions):
-                    options = [NOT_MAPPED] + columns
                     picked = cols[index % len(cols)].selectbox(
-                        question_id, options, index=options.index(guessed.get(question_id, NOT_MAPPED)),
+                        question_id, [NOT_MAPPED, *columns],
+                        index=view.expected_column_index(columns, guessed, question_id),
                         key=K(f"map.expected.{question_id}"))
                     if picked != NOT_MAPPED:
-                        expected_map[picked] = question_id
+                        chosen_columns.expected[picked] = question_id
             else:
                 st.caption("This case set has no schema, so expected answers cannot be mapped (set one under "
                            "Settings).")
-            tags_column = st.selectbox("Tags column", [NOT_MAPPED] + columns, key=K("map.tags"),
-                                       index=([NOT_MAPPED] + columns).index("tags") if "tags" in columns else 0)
-            state_mode = st.radio("State", ["Fields from columns", "Whole state from one column"], horizontal=True,
-                                  key=K("map.state_mode"))
-            used = set(expected_map) | ({tags_column} - {NOT_MAPPED})
-            label_like = casesets.label_like_columns(columns, questions)
-            candidates = importing.suggested_state_columns(columns, used, questions)
-            if state_mode == "Fields from columns":
+            chosen_columns.tags_column = st.selectbox("Tags column", [NOT_MAPPED, *columns], key=K("map.tags"),
+                                                      index=view.tags_column_index(columns))
+            state_mode = st.radio("State", view.STATE_MODES, horizontal=True, key=K("map.state_mode"))
+            candidates = importing.suggested_state_columns(columns, chosen_columns.used, questions)
+            if state_mode == view.FIELDS_FROM_COLUMNS:
                 state_key = K(f"map.state.{upload.file_id}")
 
                 def choose_candidates(keys: list[str] = candidates, key: str = state_key) -> None:
@@ -242,32 +220,26 @@ with tab_import:
                                                key=state_key, placeholder="Choose the columns the model reads",
                                                help="Only the columns chosen here are sent to the model.")
                 if candidates and not state_columns:
-                    st.button(f"Use the {len(candidates)} column(s) that are not mapped or labels: "
-                              + ", ".join(candidates), key=K("map.state_suggest"), on_click=choose_candidates)
-                mapping = CsvMapping(state_columns=state_columns, expected_columns=expected_map,
-                                     tags_column=None if tags_column == NOT_MAPPED else tags_column)
+                    st.button(view.suggest_button_label(candidates), key=K("map.state_suggest"),
+                              on_click=choose_candidates)
+                mapping = chosen_columns.mapping(state_columns=state_columns)
                 chosen = state_columns
             else:
                 state_column = st.selectbox("State column", columns, key=K("map.state_text"))
-                mapping = CsvMapping(state_text_column=state_column, expected_columns=expected_map,
-                                     tags_column=None if tags_column == NOT_MAPPED else tags_column)
+                mapping = chosen_columns.mapping(state_text_column=state_column)
                 chosen = [state_column]
-            leaked = [c for c in chosen if c in label_like or c in expected_map]
-            if leaked:
-                st.warning("These columns look like expected answers and are in the state, so the model reads "
-                           f"the answer: {', '.join(leaked)}. Remove them from the state unless that is what you "
-                           "want.", icon=":material/warning:")
-            elif label_like:
-                st.caption("Left out of the state because they look like answers: "
-                           + ", ".join(f"`{c}`" for c in label_like))
+            state_warning = chosen_columns.state_warning(chosen)
+            if state_warning and state_warning[0] == "warning":
+                st.warning(state_warning[1], icon=":material/warning:")
+            elif state_warning:
+                st.caption(state_warning[1])
         bad_rows = importing.bad_rows(source, mapping) if source is not None and source.kind != "jsonl" else []
         skip_bad_rows = False
         if bad_rows:
             with st.container(border=True, key=K("bad_rows")):
                 st.warning(f"{len(bad_rows)} row(s) cannot be imported as cases (rows count the header as row 1):",
                            icon=":material/warning:")
-                st.markdown("\n".join(f"- {bad}" for bad in bad_rows[:50])
-                            + (f"\n- … and {len(bad_rows) - 50} more" if len(bad_rows) > 50 else ""))
+                st.markdown(view.bad_rows_markdown(bad_rows))
                 skip_bad_rows = st.checkbox(f"Skip these {len(bad_rows)} row(s) and import the others",
                                             key=K(f"skip_bad_rows.{upload.file_id}"))
         if source is not None:
@@ -279,9 +251,7 @@ with tab_import:
                 show_problems(exc)
         if parsed:
             st.markdown(f"**Preview** — {len(parsed)} case(s)")
-            st.dataframe([{"state": casesets.state_text(c["state"])[:200], "expected": c["expected"],
-                           "tags": ", ".join(c["tags"]), "images": len(c["images"]), "videos": len(c["videos"])}
-                          for c in parsed[:10]], hide_index=True, width="stretch")
+            st.dataframe(view.preview_rows(parsed), hide_index=True, width="stretch")
             if st.button(f"Import {len(parsed)} cases", key=K("do_import"), type="primary",
                          icon=":material/upload:"):
                 try:
@@ -292,15 +262,16 @@ with tab_import:
                     st.session_state.pop(K(f"editor.{case_set_id}"), None)
                     st.session_state.pop(K(f"editor_restored.{case_set_id}"), None)
                     st.session_state[K("imports_done")] = imports_done + 1
-                    skipped = len(parsed) - len(added)
-                    flash("success", f"Imported {len(added)} cases into “{case_set['name']}”."
-                          + (f" {skipped} were already in it and were skipped." if skipped else "")
-                          + (f" Rows not imported, as agreed: {', '.join(str(b.row) for b in bad_rows)}."
-                             if skip_bad_rows else ""))
+                    flash("success", view.imported_message(case_set["name"], len(parsed), len(added),
+                                                           [b.row for b in bad_rows] if skip_bad_rows else None))
                     st.rerun()
 
+
+with tab_import:
+    import_file(case_set_id, case_set, schema)
+
 with tab_export:
-    slug = re.sub(r"[^a-z0-9]+", "-", case_set["name"].lower()).strip("-") or "cases"
+    slug = view.export_stem(case_set["name"])
     st.download_button("Download JSONL (with media)", casesets.export_jsonl(store, case_set_id),
                        file_name=f"{slug}.jsonl", mime="application/jsonl", key=K("export_jsonl"),
                        icon=":material/download:", on_click="ignore")
@@ -311,9 +282,8 @@ with tab_export:
 with tab_settings:
     with st.form(K(f"settings.{case_set_id}")):
         new_name = st.text_input("Name", value=case_set["name"])
-        current_schema = case_set["schema_name"] if case_set["schema_name"] in schema_slugs else NO_SCHEMA
-        options = [NO_SCHEMA] + schema_slugs
-        new_schema = st.selectbox("Schema", options, index=options.index(current_schema))
+        options = view.schema_options(schema_slugs)
+        new_schema = st.selectbox("Schema", options, index=options.index(view.schema_pick(case_set, schema_slugs)))
         new_description = st.text_area("Description", value=case_set["description"])
         if st.form_submit_button("Save settings"):
             try:
@@ -325,9 +295,9 @@ with tab_settings:
             else:
                 st.rerun()
     if st.button("Delete this case set", key=K("delete"), icon=":material/delete:"):
-        runs_of_set = store.list_runs(case_set_id)
-        if runs_of_set:  # refused anyway: say why at once rather than ask first
-            st.error(f"case set {case_set_id} has {len(runs_of_set)} run(s); delete the runs first")
+        refusal = view.delete_refusal(case_set_id, store.list_runs(case_set_id))
+        if refusal:  # refused anyway: say why at once rather than ask first
+            st.error(refusal)
         else:
             st.session_state[K("confirm_delete")] = case_set_id
     if st.session_state.get(K("confirm_delete")) == case_set_id:

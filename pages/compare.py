@@ -7,17 +7,14 @@ from __future__ import annotations
 
 import streamlit as st
 
-from clef_engine import DEFAULT_MAX_LENGTH
 from clef_workbench import compare
 from clef_workbench.answers import probability_chart
 from clef_workbench.model_loader import DEMO_SOURCE, request_model_name
-from clef_workbench.run_status import status_label
 from clef_workbench.schemas import SchemaError
-from workbench_ui import links, run_charts, units
+from workbench_ui import compare_view as cv
 from workbench_ui.shell import (
     KEEP_PREFIX,
     demo_output_banner,
-    failure_text,
     format_json,
     get_engine,
     get_job_runner,
@@ -42,30 +39,17 @@ DEMO_MODEL = request_model_name(DEMO_SOURCE)
 
 def start_comparison(set_id: int, slug: str, number: int, names: list[str]) -> None:
     """Callback of the one action: a run of the schema version per model, then show them side by side."""
-    choices = {c.name: c.engine for c in compare.model_choices(model_manager())}
-    engines = {name: choices[name] for name in names if name in choices}
-    if not engines:
-        st.session_state[K("flash")] = ("error", "Pick at least one loaded model.")
-        return
-    try:
-        schema = dict(store.get_schema_version_number(slug, number)["schema"])
-    except KeyError as exc:
-        st.session_state[K("flash")] = ("error", f"Not started: {exc}")
-        return
-    schema.pop("examples", None)  # as the Runs page keeps it
-    try:
-        run_ids = compare.start_runs(store, get_job_runner(), set_id, schema, engines,
-                                     settings={"chunk_size": 8, "max_length": DEFAULT_MAX_LENGTH,
-                                               "overflow": "refuse", "schema_slug": slug})
-    except Exception as exc:  # noqa: BLE001 — e.g. a remote endpoint that does not answer: a message, no traceback
-        st.session_state[K("flash")] = ("error", failure_text("Not started", exc))
+    run_ids, message = cv.start_comparison(store, get_job_runner(), compare.model_choices(model_manager()), set_id,
+                                           slug, number, names)
+    if not run_ids:
+        st.session_state[K("flash")] = ("error", message)
         return
     set_widget(K("set"), set_id)
     # oldest first: the first run is the baseline the others are read against
     picked = sorted({*run_ids, *st.session_state.get(K(f"runs.{set_id}"), [])})
     set_widget(K(f"runs.{set_id}"), picked)
     st.query_params["runs"] = ",".join(map(str, picked))
-    st.session_state[K("flash")] = ("success", f"Started run(s) {', '.join(f'#{r}' for r in run_ids)}.")
+    st.session_state[K("flash")] = ("success", message)
     st.session_state[K("started")] = run_ids
 
 
@@ -97,12 +81,11 @@ with st.expander("Run a schema on a case set with these models", expanded=not gr
     if not models and get_engine(show_errors=False) is not None:  # the first model is loading: wait for it
         models = compare.model_choices(model_manager())
     slugs = library.slugs()
-    missing = [what for what, there in (("a case set (Case sets page)", sets), ("a schema (Schemas page)", slugs),
-                                        ("a loaded model (sidebar)", models)) if not there]
+    missing = cv.missing_for_start(sets, slugs, models)
     if missing:
-        st.info(f"Needs {' and '.join(missing)}.")
+        st.info(missing)
     else:
-        set_names = {s["id"]: f"{s['name']} ({s['case_count']} cases)" for s in sets}
+        set_names = {s["id"]: cv.case_set_choice(s) for s in sets}
         start_set = kept_widget(st.selectbox, "Case set", K("start.set"), sets[0]["id"], options=list(set_names),
                                 format_func=set_names.get)
         cols = st.columns(2)
@@ -133,9 +116,8 @@ def follow_started(run_ids: list[int]) -> None:
     runs_now = {r["id"]: r for r in store.list_runs()}
     shown = [runs_now[r] for r in run_ids if r in runs_now]
     for run in shown:
-        st.markdown(f"Run [#{run['id']}](/runs?run={run['id']}) · {run['model_id']} · {status_label(run)} · "
-                    f"{run['done']}/{run['total']} cases")
-    running = any(run["status"] in ("pending", "running") for run in shown)
+        st.markdown(cv.started_run_line(run))
+    running = any(cv.is_unfinished(run) for run in shown)
     if st.session_state.get(K("started_running")) and not running:
         st.session_state[K("started_running")] = False
         st.rerun(scope="app")
@@ -152,12 +134,10 @@ if started:
 
 all_runs = {r["id"]: r for r in store.list_runs()}
 linked = compare.parse_run_ids(st.query_params.get("runs"))
-linked_missing = [r for r in linked if r not in all_runs]
+linked_missing = cv.missing_runs(linked, all_runs)
 if linked_missing and KEEP_PREFIX + K("set") not in st.session_state:
     # a link to runs that are not here: said, with the runs there are; never other runs in their place
-    show_not_found(links.missing("run(s)", ", ".join(f"#{r}" for r in linked_missing), sorted(all_runs),
-                                 lambda r: f"#{r} {all_runs[r]['case_set_name']} · {all_runs[r]['model_id']}",
-                                 param="runs"))
+    show_not_found(linked_missing)
     st.stop()
 groups = compare.runs_by_case_set(list(all_runs.values()))
 if not groups:
@@ -167,14 +147,12 @@ if not groups:
 runs_by_id = {r["id"]: r for group in groups.values() for r in group}
 if KEEP_PREFIX + K("set") not in st.session_state and linked and linked[0] in runs_by_id:
     st.session_state[K("set")] = runs_by_id[linked[0]]["case_set_id"]  # a link names the runs: open their case set
-set_label = {set_id: f"{group[0]['case_set_name']} ({len(group)} runs)" for set_id, group in groups.items()}
+set_label = {set_id: cv.case_set_label(group) for set_id, group in groups.items()}
 set_id = pick_id(list(groups), K("set"), "Case set", set_label.get, param="set", what="case set with runs")
 if set_id is None:  # the link names a case set that is not here: said above
     st.stop()
-run_label = {r["id"]: (f"#{r['id']} {r['model_id']} · {r['schema_name']} v{r['schema_version']}"
-                       + ("" if r["schema_version_id"] else " (unsaved)") + f" · {r['status']}")
-             for r in groups[set_id]}
-default = [r for r in linked if r in run_label] or sorted(run_label)[-2:]  # the newest two, oldest first
+run_label = {r["id"]: cv.run_label(r) for r in groups[set_id]}
+default = cv.default_runs(linked, list(run_label))
 kept = st.session_state.get(K(f"runs.{set_id}"), st.session_state.get(KEEP_PREFIX + K(f"runs.{set_id}")))
 if kept is None or (KEEP_PREFIX + K(f"runs.{set_id}") not in st.session_state and linked):
     kept = default  # a session's first visit opens the runs its link names
@@ -188,7 +166,7 @@ if len(picked) < 2:
 
 demo_output_banner(next((runs_by_id[r]["model_id"] for r in picked if runs_by_id[r]["model_id"] == DEMO_MODEL),
                         None))
-unfinished = [runs_by_id[r] for r in picked if runs_by_id[r]["status"] in ("pending", "running")]
+unfinished = [runs_by_id[r] for r in picked if cv.is_unfinished(runs_by_id[r])]
 
 
 @st.fragment(run_every=2.0 if unfinished else None)
@@ -197,7 +175,7 @@ def progress() -> None:
     now = [store.get_run(r["id"]) for r in unfinished]
     for run in now:
         st.caption(f"Run #{run['id']}: {run['status']}, {run['done']}/{run['total']} cases.")
-    if any(run["status"] not in ("pending", "running") for run in now):
+    if not all(cv.is_unfinished(run) for run in now):
         st.rerun(scope="app")
 
 
@@ -269,31 +247,32 @@ open_selected("matrix", [list(cell) for cell in matrix_event.selection.cells],
 
 # -- one case ---------------------------------------------------------------------------------------------------
 
-case_id = url_int("case")
-detail = compare.case_detail(view, case_id) if case_id is not None else None
-if case_id is not None and detail is None:
-    st.warning(f"Case {case_id} has no result in these runs.")
-if detail is not None:
-    st.subheader(f"Case {case_id}")
-    state = detail["state"]
-    if isinstance(state, str):
-        st.code(state, language=None, wrap_lines=True)
+def show_case(detail: cv.CaseShown) -> None:
+    """The opened case: its state and expected answers, then a column per run with its answers and charts."""
+    st.subheader(f"Case {detail.case_id}")
+    if isinstance(detail.state, str):
+        st.code(detail.state, language=None, wrap_lines=True)
     else:
-        st.code(format_json(state), language="json", wrap_lines=True)
-    if detail["expected"]:
-        st.caption("Expected: " + ", ".join(f"{q} = {v}" for q, v in detail["expected"].items()))
-    questions_of = {run.label: run.run["schema"]["questions"] for run in view.runs}
-    columns = st.columns(len(detail["runs"]))
-    for column, run in zip(columns, detail["runs"], strict=True):
+        st.code(format_json(detail.state), language="json", wrap_lines=True)
+    if detail.expected:
+        st.caption(detail.expected)
+    for column, run in zip(st.columns(len(detail.runs)), detail.runs, strict=True):
         with column:
-            st.markdown(f"**{run['run']}**")
-            if run["error"]:
-                st.error(run["error"])
-            for question_id, answer in run["answers"].items():
-                st.markdown(f"`{question_id}`: **{answer['predicted']}** ({answer['confidence']:.3f})")
-                table = run_charts.distribution_table(questions_of[run["run"]].get(question_id, {}),
-                                                      answer["probabilities"], answer["predicted"])
-                st.altair_chart(probability_chart(table), width="stretch")
-            if run["latency_ms"] is not None:
-                st.caption(f"compute {units.duration(run['latency_ms'])}")
+            st.markdown(f"**{run.title}**")
+            if run.error:
+                st.error(run.error)
+            for answer in run.answers:
+                st.markdown(answer.text)
+                st.altair_chart(probability_chart(answer.chart), width="stretch")
+            if run.latency:
+                st.caption(run.latency)
     st.button("Close the case", key=K("close_case"), on_click=open_case, args=(None,))
+
+
+opened = url_int("case")
+if opened is not None:
+    detail = cv.case_shown(view, opened)
+    if detail is None:
+        st.warning(cv.no_result_message(opened))
+    else:
+        show_case(detail)

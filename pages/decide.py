@@ -19,7 +19,7 @@ from clef_workbench import answers, calibration, schemas, state_input
 from clef_workbench.model_loader import request_model_name
 from clef_workbench.store import StoreError
 from workbench_ui import decide_model as vm
-from workbench_ui import links, units
+from workbench_ui import links, schema_rows, units
 from workbench_ui import why_view as why
 from workbench_ui.shell import (
     failure_text,
@@ -128,7 +128,7 @@ def _init_page() -> None:
 
 def save_schema(update: bool) -> None:
     """Callback of the Save buttons: writes the questions on screen; the saved schema becomes the identity."""
-    questions, problems = schemas.rows_to_questions(builder().rows())
+    questions, problems = schema_rows.rows_to_questions(builder().rows())
     if any(p.severity == "error" for p in problems):
         st.session_state[K("save_flash")] = ("error", "Fix the errors in the questions first; nothing was saved.")
         return
@@ -189,11 +189,11 @@ def render_question(position: int, uid: int, count: int) -> tuple[dict[str, Any]
             text = kept_widget(st.text_area, "Options — one per line: id: description", keys["options"], "",
                                height=120, help="The model reads options sorted by id; answers list them in "
                                                 "this order. Add an 'unknown' option for when nothing fits.")
-            row["options"] = schemas.text_to_options(text)
+            row["options"] = schema_rows.text_to_options(text)
         elif qtype == "score":
             text = kept_widget(st.text_area, "Levels — one per line, lowest first", keys["levels"], "", height=120,
                                help="Level ids are 0, 1, 2, … in this order; the score is Σ level × probability.")
-            row["levels"] = schemas.text_to_levels(text)
+            row["levels"] = schema_rows.text_to_levels(text)
         else:
             sides = st.columns(2)
             with sides[0]:
@@ -425,7 +425,7 @@ with left:
             getattr(st, saved_message[0])(saved_message[1])
 
 # --- Validate everything, then put each message next to its field ----------------------------------------------
-questions, builder_problems = schemas.rows_to_questions(rows)
+questions, builder_problems = schema_rows.rows_to_questions(rows)
 vm.route_schema_problems(builder_problems + schemas.lint_questions(questions), rows, messages)
 
 state_value: Any = None

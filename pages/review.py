@@ -7,16 +7,14 @@ Rendering only: rules in clef_workbench.review, actions and conflicts in clef_wo
 
 from __future__ import annotations
 
-import json
-
 import pandas as pd
 import streamlit as st
 
 from clef_workbench import review
 from clef_workbench.answers import probability_chart
-from clef_workbench.review import ReviewRules
 from clef_workbench.store import ReviewConflictError, StoreError
 from workbench_ui import links, run_charts
+from workbench_ui import review_view as view
 from workbench_ui import why_view as why
 from workbench_ui.decide_model import FRAME_THUMBNAIL_PX, frame_thumbnail
 from workbench_ui.shell import (
@@ -34,12 +32,11 @@ from workbench_ui.shell import (
 
 render_shell(__file__)
 K = page_key("review")
-MAX_SHORTCUT_OPTIONS = 9
 RAW = "raw (as the model answered)"
 
 st.title("Review")
 store = get_store()
-runs = [r for r in store.list_runs() if r["done"]]
+runs = view.reviewable_runs(store.list_runs())
 if not runs:
     st.info("No run has results yet. Start one on the Runs page.")
     st.stop()
@@ -51,8 +48,7 @@ if reviewer:
     st.query_params["reviewer"] = reviewer
 else:
     st.query_params.pop("reviewer", None)
-run_id = pick_run(runs, K("run"), lambda r: f"#{r['id']} {r['case_set_name']} · {r['schema_name']} "
-                                          f"v{r['schema_version']} · {r['model_id']}")
+run_id = pick_run(runs, K("run"), view.run_label)
 if run_id is None:  # the link names a run that is not here (or has no results): said above
     st.stop()
 run = store.get_run(run_id)
@@ -97,21 +93,17 @@ with st.expander(f"Queue rules for schema “{run['schema_name']}”", expanded=
     cols = st.columns(2)
     use_margin = cols[0].checkbox("Margin (top-1 − top-2) below", value=saved.margin_below is not None,
                                   key=K(f"rules.use_margin.{run_id}"))
-    margin = cols[0].slider("margin threshold", 0.0, 1.0, saved.margin_below if saved.margin_below is not None else 0.2,
-                            0.01, key=K(f"rules.margin.{run_id}"), disabled=not use_margin,
-                            label_visibility="collapsed")
+    margin = cols[0].slider("margin threshold", 0.0, 1.0, view.margin_default(saved), 0.01,
+                            key=K(f"rules.margin.{run_id}"), disabled=not use_margin, label_visibility="collapsed")
     use_confidence = cols[1].checkbox("Confidence (top-1 probability) below",
                                       value=saved.confidence_below is not None, key=K(f"rules.use_conf.{run_id}"))
-    confidence = cols[1].slider("confidence threshold", 0.0, 1.0,
-                                saved.confidence_below if saved.confidence_below is not None else 0.5, 0.01,
+    confidence = cols[1].slider("confidence threshold", 0.0, 1.0, view.confidence_default(saved), 0.01,
                                 key=K(f"rules.conf.{run_id}"), disabled=not use_confidence,
                                 label_visibility="collapsed")
     cols = st.columns(2)
     unknown = cols[0].checkbox("An unknown-type option was chosen", value=saved.unknown_option,
                                key=K(f"rules.unknown.{run_id}"),
-                               help="Options such as unknown / none of these / other / cannot tell: "
-                                    + "; ".join(f"{q}: {', '.join(sorted(ids))}" for q, spec in questions.items()
-                                                if (ids := review.unknown_options(spec))))
+                               help=view.unknown_options_help(questions))
     disagree = cols[1].checkbox("Disagrees with the expected answer", value=saved.disagree_with_expected,
                                 key=K(f"rules.disagree.{run_id}"))
     picked_questions = st.multiselect("Questions", list(questions), default=saved.questions or list(questions),
@@ -123,17 +115,15 @@ with st.expander(f"Queue rules for schema “{run['schema_name']}”", expanded=
         index=threshold_sources.index(saved.calibration) if saved.calibration in fitted else 0,
         help="A calibration fitted on a run's labelled cases (Runs → Fit a calibration): the thresholds then apply "
              "to calibrated confidence, how often such answers were right")
-    rules = ReviewRules(confidence_below=confidence if use_confidence else None,
-                        margin_below=margin if use_margin else None, unknown_option=unknown,
-                        disagree_with_expected=disagree,
-                        questions=None if set(picked_questions) == set(questions) else picked_questions,
-                        calibration=read_from if read_from in fitted else None)
+    rules = view.rules_from_form(questions, use_confidence=use_confidence, confidence=confidence,
+                                 use_margin=use_margin, margin=margin, unknown=unknown, disagree=disagree,
+                                 picked_questions=picked_questions,
+                                 calibration=read_from if read_from in fitted else None)
     preview = review.preview(store, run_id, rules)
-    st.markdown(f"These rules select **{preview['items']} item(s)** in {preview['cases']} case(s); "
-                f"**{preview['new']} new** to the queue.")
-    if preview["items"]:
-        st.caption(" · ".join(f"{k}: {v}" for k, v in preview["by_rule"].items() if v) + " — per question: "
-                   + ", ".join(f"{k} {v}" for k, v in preview["by_question"].items()))
+    st.markdown(view.preview_summary(preview))
+    breakdown = view.preview_breakdown(preview)
+    if breakdown:
+        st.caption(breakdown)
     if st.button(f"Add {preview['new']} item(s) to the queue", key=K(f"apply.{run_id}"), type="primary",
                  disabled=preview["new"] == 0):
         review.save_rules(store, run["schema_name"], rules)
@@ -145,10 +135,7 @@ progress = store.review_progress(run_id)
 if progress["total"] == 0:
     st.info("The queue of this run is empty. Set the rules above and add items.")
     st.stop()
-st.progress(progress["reviewed"] / progress["total"],
-            text=f"{progress['reviewed']} of {progress['total']} reviewed · {progress['open']} open · "
-                 f"{progress['skipped']} skipped · {progress['accepted']} accepted · {progress['corrected']} "
-                 f"corrected · {progress['unknown']} unknown")
+st.progress(view.progress_fraction(progress), text=view.progress_text(progress))
 
 # -- the current item -------------------------------------------------------------------------------------------
 
@@ -163,7 +150,7 @@ def current_item() -> dict | None:
     item_id = st.session_state.get(current_key)
     if item_id is not None:
         item = store.get_review_item(item_id)
-        if item["status"] in ("open", "skipped") or st.session_state.get(K("showing_link")) == item_id:
+        if item["status"] in view.OPEN or st.session_state.get(K("showing_link")) == item_id:
             return item
     item = review.next_item(store, run_id)
     st.session_state[current_key] = None if item is None else item["id"]
@@ -177,10 +164,9 @@ def act(item: dict, action: str, label=None, *, confirmed: bool = False) -> None
     """Apply an action as of the version shown, then advance to the next worst item. An answer that contradicts
     the case's expected answer is not applied until the reviewer confirms it."""
     if not reviewer:
-        st.session_state[notice_key] = ("error", "Enter your name first: every action is recorded with it.")
+        st.session_state[notice_key] = ("error", view.NAME_FIRST)
         return
-    if blind and action == "correct" and review.label_key(label) == item["predicted"]:
-        action, label = "accept", None  # blind: choosing the model's answer is accepting it
+    action, label = view.resolved_action(item, action, label, blind=blind)
     expected = store.get_case(item["case_id"], with_media=False)["expected"].get(item["question_id"])
     gold = review.gold_conflict(item, expected, action, label)
     if gold is not None and not confirmed:
@@ -196,9 +182,7 @@ def act(item: dict, action: str, label=None, *, confirmed: bool = False) -> None
     except (ValueError, StoreError) as exc:
         st.session_state[notice_key] = ("error", str(exc))
     else:
-        seen = f" The model had answered “{item['predicted']}”." if blind else ""
-        st.session_state[notice_key] = ("success", f"{action.capitalize()} saved for case {item['case_id']} · "
-                                                   f"{item['question_id']}.{seen}")
+        st.session_state[notice_key] = ("success", view.saved_message(item, action, blind=blind))
         # stay on the record until its questions are done: the reviewer has just read it
         following = review.next_item(store, run_id, after_item_id=item["id"], case_id=item["case_id"])
         st.session_state[current_key] = None if following is None else following["id"]
@@ -209,24 +193,21 @@ def confirm_gold(item: dict, action: str, label, gold: str) -> None:
     """Asks before an answer against the case's expected one is recorded: a modal, in front of what the reviewer
     is looking at whether they clicked or used a key (a box in the page opened below the fold). Both buttons
     record what they say."""
-    new = item["predicted"] if action == "accept" else review.label_key(label)
-    st.warning(f"The case set's expected answer is “{gold}”. Labelling case {item['case_id']} · "
-               f"{item['question_id']} “{new}” overrides that gold label in the reviewed labels and the golden set.",
-               icon=":material/warning:")
+    asked = view.gold_question(item, action, label, gold)
+    st.warning(asked.warning, icon=":material/warning:")
     cols = st.columns(2)
-    if cols[0].button(f"Yes, label it “{new}”", key="review-confirm-yes"):
+    if cols[0].button(asked.yes, key="review-confirm-yes"):
         act(item, action, label, confirmed=True)
         st.rerun()
-    if cols[1].button(f"Keep “{gold}”", key="review-confirm-no", type="primary",
+    if cols[1].button(asked.keep, key="review-confirm-no", type="primary",
                       help="Records the gold label as this item's answer"):
-        keep = "accept" if gold == item["predicted"] else "correct"
-        act(item, keep, None if keep == "accept" else gold, confirmed=True)
+        act(item, asked.keep_action, asked.keep_label, confirmed=True)
         st.rerun()
 
 
 def undo() -> None:
     if not reviewer:
-        st.session_state[notice_key] = ("error", "Enter your name first: you can undo only your own actions.")
+        st.session_state[notice_key] = ("error", view.NAME_FIRST_FOR_UNDO)
         return
     try:
         item = store.undo_last_action(reviewer, run_id=run_id)
@@ -234,8 +215,7 @@ def undo() -> None:
         st.session_state[notice_key] = ("warning", str(exc))
     else:
         st.session_state[current_key] = item["id"]
-        st.session_state[notice_key] = ("info", f"Undone: case {item['case_id']} · {item['question_id']} is "
-                                                f"{item['status']} again.")
+        st.session_state[notice_key] = ("info", view.undone_message(item))
 
 
 blind = st.toggle("Blind review: hide the model's answer until I decide", key=K("blind"),
@@ -251,28 +231,28 @@ if not reviewer:
 item = current_item()
 if item is not None:  # the address bar links to the item on screen
     st.query_params["case"], st.query_params["question"] = str(item["case_id"]), item["question_id"]
-    if item["status"] not in ("open", "skipped"):
+    reviewed_note = view.reviewed_note(item)
+    if reviewed_note:
         st.session_state[K("showing_link")] = item["id"]
-        st.info(f"This item was already reviewed: {item['status']} by {item['reviewer']}"
-                + (f" as “{review.label_key(item['label'])}”" if item["label"] is not None else "") + ".")
-if item is None:
-    st.success("Nothing left to review in this run's queue.")
-    st.button("Undo my last action", key="review-undo", on_click=undo, disabled=not reviewer, shortcut="Z")
-else:
+        st.info(reviewed_note)
+
+
+def show_item(item: dict) -> None:
+    """The queue item on screen: the evidence, the model's distribution (hidden in blind mode), the actions and the
+    record's other queued questions."""
     question = questions.get(item["question_id"], {"type": item["question_type"]})
+    case = store.get_case(item["case_id"])
+    expected = case["expected"].get(item["question_id"])
+    shown = view.card(item, question, expected, blind=blind)
     with st.container(key="review-card", border=True):
         header = st.columns([3, 2])
-        header[0].markdown(f"### Case {item['case_id']} · `{item['question_id']}` ({item['question_type']})")
-        header[0].markdown(f"**Question:** {question.get('instructions') or item['question_id']}")
-        reason = "hidden in blind mode" if blind else item["reason"]
-        header[1].markdown(f"**Why queued:** {reason}  \n"
-                           f"Model **{item['model_id']}** · schema **{item['schema_name']} v{item['schema_version']}**"
-                           f"  \nQueued {item['created_at'][:19].replace('T', ' ')} UTC · status {item['status']}")
-        if not blind:  # Decide can run the case again, which would show the model's answer
+        header[0].markdown(shown.title)
+        header[0].markdown(shown.question)
+        header[1].markdown(shown.queued)
+        if shown.show_model:  # Decide can run the case again, which would show the model's answer
             header[1].link_button("Open this case in Decide", links.decide_url(run_id, item["case_id"]),
                                   icon=":material/psychology:")
         body = st.columns([1, 1])
-        case = store.get_case(item["case_id"])
         with body[0]:
             st.markdown("**State**")
             if isinstance(case["state"], str):
@@ -293,17 +273,16 @@ else:
                                  caption=[f"frame {i}" for i in range(len(frames))])
                 except Exception as exc:  # noqa: BLE001 — a preview problem must not block the review
                     st.caption(failure_text("Sampled frames unavailable", exc))
-            expected = case["expected"].get(item["question_id"])
-            if expected is not None:
-                st.markdown(f"**Expected answer in the case set (gold label):** {review.label_key(expected)}")
+            if shown.expected:
+                st.markdown(shown.expected)
             # Why shows which way each part pushed the answer, so it would give the answer away in blind mode
-            if not blind and st.toggle("Why: highlight what moved this answer", key=K(f"why.{item['id']}"),
-                                       help="Each sentence, field, image region and frame is removed in turn and "
-                                            "the record decided again, in one batched run"):
+            if shown.show_model and st.toggle("Why: highlight what moved this answer", key=K(f"why.{item['id']}"),
+                                              help="Each sentence, field, image region and frame is removed in turn "
+                                                   "and the record decided again, in one batched run"):
                 why.render_case_why(K(f"why_result.{run_id}.{item['case_id']}"), model_manager().loaded(), run,
                                     case, question_id=item["question_id"])
         with body[1]:
-            if blind:
+            if not shown.show_model:
                 st.info("The model's answer is hidden: decide from the evidence, then choose below.",
                         icon=":material/visibility_off:")
             else:
@@ -313,9 +292,9 @@ else:
                                       index=sources.index(rules.calibration) if rules.calibration in fitted else 0,
                                       help="The model's own probabilities, or a calibration's map of them") \
                     if fitted else RAW
-                shown = review.shown_answer(store, item, chosen if chosen in fitted else None)
-                table = run_charts.distribution_table(question, shown["distribution"], shown["predicted"])
-                fitted_on = shown["calibration"]
+                answer = review.shown_answer(store, item, chosen if chosen in fitted else None)
+                table = run_charts.distribution_table(question, answer["distribution"], answer["predicted"])
+                fitted_on = answer["calibration"]
                 if fitted_on is not None:
                     st.markdown(f"**Calibrated distribution** · “{chosen}” (fitted on {fitted_on['model_id']}'s "
                                 f"answers in run {fitted_on['run_id']})")
@@ -323,21 +302,16 @@ else:
                     st.markdown("**Model's distribution** (raw, as the run recorded it)"
                                 + (f" · “{chosen}” has no map for this question" if chosen in fitted else ""))
                 st.altair_chart(probability_chart(table), width="stretch")
-                st.caption(f"Answer **{shown['predicted']}** · {'calibrated ' if shown['calibration'] else ''}"
-                           f"confidence {shown['confidence']:.3f} · margin {shown['margin']:.3f}"
-                           + ("; choose raw above for the model's own" if shown["calibration"] else ""))
+                st.caption(view.answer_caption(answer))
         pending = st.session_state.get(confirm_key)
         if pending and pending[0] == item["id"]:
             confirm_gold(item, *pending[1:])
         st.text_input("Comment (optional, saved with your action)", key=K(f"comment.{item['id']}"),
                       placeholder="e.g. the second sentence is sarcasm")
         buttons = st.columns(4)
-        # Streamlit's own button shortcuts: they ignore keys typed into inputs, so the name field is safe. Accept
-        # is the highlighted default only when it agrees with the gold label (or there is none).
-        agrees = review.gold_conflict(item, expected, "accept") is None
-        buttons[0].button("Accept the model's answer" if blind else f"Accept “{item['predicted']}”",
-                          key="review-accept", on_click=act, args=(item, "accept"),
-                          type="primary" if agrees and not blind else "secondary",
+        # Streamlit's own button shortcuts: they ignore keys typed into inputs, so the name field is safe
+        buttons[0].button(shown.accept, key="review-accept", on_click=act, args=(item, "accept"),
+                          type="primary" if shown.accept_primary else "secondary",
                           disabled=not reviewer or blind, shortcut="A")
         buttons[1].button("Mark unknown", key="review-unknown", on_click=act, args=(item, "unknown"),
                           disabled=not reviewer, shortcut="U")
@@ -345,56 +319,48 @@ else:
                           shortcut="S")
         buttons[3].button("Undo my last action", key="review-undo", on_click=undo, disabled=not reviewer,
                           shortcut="Z")
-        st.markdown("**Your answer:**" if blind else "**Correct to:**")
-        options = list(item["distribution"])
-        option_cols = st.columns(min(len(options), 5))
+        st.markdown(shown.answer_heading)
+        options = view.option_buttons(item, blind=blind, has_reviewer=bool(reviewer))
+        option_cols = st.columns(min(len(options), view.MAX_OPTION_COLUMNS))
         for index, option in enumerate(options):
-            label = True if option == "true" else False if option == "false" else option
             option_cols[index % len(option_cols)].button(
-                option, key=f"review-correct-{index + 1}", on_click=act, args=(item, "correct", label),
-                disabled=not reviewer or (option == item["predicted"] and not blind),
-                shortcut=str(index + 1) if index < MAX_SHORTCUT_OPTIONS else None)
+                option.text, key=f"review-correct-{index + 1}", on_click=act, args=(item, "correct", option.label),
+                disabled=option.disabled, shortcut=option.shortcut)
         st.caption("Keys: A accept · U unknown · S skip · Z undo · 1–9 correct to that option. Each action moves "
                    "to this record's next open question, then to the next record (smallest margin first). An answer "
                    "against the gold label asks first.")
         record = review.record_items(store, run_id, item["case_id"])
         with st.container(key="review-record", border=True):
-            st.markdown(f"**All {len(record)} queued question(s) of case {item['case_id']}** — answer them here "
-                        "without reading the record again")
+            st.markdown(view.record_heading(record, item["case_id"]))
             for other in record:
                 row = st.columns([2, 2, 2, 1], vertical_alignment="center")
                 current = other["id"] == item["id"]
-                row[0].markdown(("▶ " if current else "") + f"`{other['question_id']}` ({other['question_type']})")
-                row[1].markdown("model: hidden" if blind else f"model: **{other['predicted']}** "
-                                f"({other['confidence']:.2f})")
-                done = (f"{other['status']}" + (f" as “{review.label_key(other['label'])}”"
-                                                 if other["label"] is not None else "")
-                        + (f" by {other['reviewer']}" if other["reviewer"] else ""))
-                row[2].markdown(done)
+                for column, text in zip(row[:3], view.record_row(other, current=current, blind=blind), strict=True):
+                    column.markdown(text)
                 row[3].button("Open", key=f"review-record-open-{other['id']}", disabled=current,
                               on_click=lambda item_id=other["id"]: st.session_state.update(
                                   {current_key: item_id, K("showing_link"): item_id}))
+
+
+if item is None:
+    st.success("Nothing left to review in this run's queue.")
+    st.button("Undo my last action", key="review-undo", on_click=undo, disabled=not reviewer, shortcut="Z")
+else:
+    show_item(item)
+
 
 # -- log and export ---------------------------------------------------------------------------------------------
 
 with st.expander("Audit log", icon=":material/history:"):
     log = store.list_review_actions(run_id=run_id)
-    st.dataframe(pd.DataFrame([{"#": a["id"], "when": a["at"][:23].replace("T", " "), "who": a["reviewer"],
-                                "action": a["action"], "case": a["case_id"], "question": a["question_id"],
-                                "comment": a.get("comment") or "",
-                                "before": json.dumps(a["before"]), "after": json.dumps(a["after"])} for a in log]),
-                 hide_index=True, width="stretch")
+    st.dataframe(pd.DataFrame(view.audit_rows(log)), hide_index=True, width="stretch")
 
 with st.expander("Export reviewed labels", icon=":material/download:"):
-    reviewed = [i for i in store.list_review_items(run_id) if i["status"] in ("accepted", "corrected", "unknown")]
-    st.download_button("Reviewed labels (CSV)", pd.DataFrame(
-        [{"case_id": i["case_id"], "question_id": i["question_id"], "status": i["status"],
-          "label": review.label_key(i["label"]) if i["label"] is not None else "", "model_answer": i["predicted"],
-          "reviewer": i["reviewer"],
-          "reason": i["reason"]} for i in reviewed]).to_csv(index=False), file_name=f"review-run-{run_id}.csv",
+    labels_csv = pd.DataFrame(view.label_rows(store.list_review_items(run_id))).to_csv(index=False)
+    st.download_button("Reviewed labels (CSV)", labels_csv, file_name=f"review-run-{run_id}.csv",
         # the key changes with the data: a download button kept under one key can serve its first file again
         mime="text/csv", key=K(f"labels_csv.{run_id}.{len(log)}"), on_click="ignore")
-    golden_name = st.text_input("Golden set name", value=f"Golden: {run['case_set_name']} (run {run_id})",
+    golden_name = st.text_input("Golden set name", value=view.golden_name(run),
                                 key=K(f"golden_name.{run_id}"))
     if st.button("Export as a new case set", key=K(f"golden.{run_id}"), icon=":material/workspace_premium:"):
         try:
@@ -402,9 +368,8 @@ with st.expander("Export reviewed labels", icon=":material/download:"):
         except (ValueError, StoreError) as exc:
             golden_result = ("error", str(exc))
         else:
-            golden_result = ("success", f"Created case set #{golden_id} “{golden_name}” with "
-                                        f"{store.get_case_set(golden_id)['case_count']} cases. Open it on the Case "
-                                        "sets page.")
+            golden_result = ("success", view.golden_message(golden_id, golden_name,
+                                                            store.get_case_set(golden_id)["case_count"]))
         st.session_state[K("golden_result")] = golden_result
 if K("golden_result") in st.session_state:  # outside the expander, so it stays visible if the expander closes
     kind, message = st.session_state.pop(K("golden_result"))

@@ -7,6 +7,7 @@ from __future__ import annotations
 import streamlit as st
 
 from clef_workbench import schemas
+from workbench_ui import schemas_view as view
 from workbench_ui.shell import get_library, get_store, kept_widget, page_key, render_shell, set_widget
 
 render_shell(__file__)
@@ -40,9 +41,7 @@ def create_schema() -> None:
     if not name:
         flash("error", "Give the new schema a name.", "create")
         return
-    starter = {"q1": {"type": "noul", "instructions": "Replace this with your first question.", "criteria": None}}
-    description = st.session_state.get(K("new_description"), "")
-    slug = library.create(schemas.Schema(name=name, questions=starter, description=description))
+    slug = library.create(view.starter_schema(name, st.session_state.get(K("new_description"), "")))
     set_widget(K("selected"), slug)
     flash("success", f"Created {slug}.json with one starter question: edit it below or open it in Decide.", "create")
 
@@ -73,7 +72,7 @@ def duplicate_schema(slug: str) -> None:
 
 def delete_schema(slug: str) -> None:
     if not st.session_state.get(K(f"confirm_delete.{slug}")):
-        flash("error", f"Tick “Yes, delete {slug}.json” first: nothing was deleted.", "delete")
+        flash("error", view.delete_unconfirmed_message(slug), "delete")
         return
     try:
         library.delete(slug)  # the history keeps every version and the delete is logged: Undo writes it back
@@ -97,8 +96,7 @@ def restore_schema(slug: str, number: int | None = None) -> None:
     st.session_state.pop(K("undo"), None)
     set_widget(K("selected"), slug)
     reset_editor(slug)
-    what = f"version {number} as version {restored.version}" if number else f"{slug}.json"
-    flash("success", f"Restored {what}.")
+    flash("success", view.restored_message(slug, number, restored))
 
 
 def import_schema() -> None:
@@ -134,25 +132,9 @@ if message and message[2] == "top":
         cols[1].button("Undo", key=K("undo_delete"), icon=":material/undo:", on_click=restore_schema,
                        args=(undo_slug,))
 
-entries = library.list()
-lint_by_slug: dict[str, list[schemas.SchemaProblem]] = {}
-loaded: dict[str, schemas.Schema] = {}
-for entry in entries:
-    if entry.problem is None:
-        loaded[entry.slug] = library.load(entry.slug)
-        lint_by_slug[entry.slug] = loaded[entry.slug].problems()
-
-table = [{
-    "file": f"{e.slug}.json",
-    "name": e.name,
-    "version": e.version if e.problem is None else None,
-    "questions": e.question_count if e.problem is None else None,
-    "lint": ("cannot load" if e.problem else
-             f"{len(lint_by_slug[e.slug])} warning(s)" if lint_by_slug[e.slug] else "ok"),
-    "description": e.description,
-} for e in entries]
-if table:
-    st.dataframe(table, hide_index=True, width="stretch")
+shown = view.listing(library)
+if shown.entries:
+    st.dataframe(shown.table(), hide_index=True, width="stretch")
 else:
     st.info("The library is empty: create a schema or import one below.")
 
@@ -180,39 +162,30 @@ if deleted:
             cols[0].write(f"{gone}.json")
             cols[1].button("Restore", key=K(f"restore_deleted.{gone}"), on_click=restore_schema, args=(gone,))
 
-if not entries:
+if not shown.entries:
     st.stop()
 
-slugs = [e.slug for e in entries]
+slugs = shown.slugs
 # kept across page switches (a plain widget's value goes when another page runs): the schema stays selected
 if st.session_state.get(K("selected"), st.session_state.get("_keep." + K("selected"))) not in slugs:
     set_widget(K("selected"), slugs[0])
 slug = kept_widget(st.selectbox, "Schema", K("selected"), slugs[0], options=slugs,
-                   format_func=lambda s: next(f"{e.name} ({s}.json)" for e in entries if e.slug == s))
-entry = next(e for e in entries if e.slug == slug)
+                   format_func=shown.label)
+entry = shown.entry(slug)
 
 if entry.problem:
     st.error(f"This file does not load: {entry.problem}")
-schema = loaded.get(slug)
+schema = shown.schemas.get(slug)
 
 # keyed: a save's message above the tabs must not send the user back to the first tab
 tabs = st.tabs(["Overview and lint", "Edit JSON", "History", "Duplicate, delete, export"], key=K("tabs"))
 with tabs[0]:
     if schema is not None:
-        st.markdown(f"**{schema.name}** · version {schema.version} · {len(schema.questions)} questions · "
-                    f"{len(schema.examples)} example states")
+        st.markdown(view.overview(schema))
         if schema.description:
             st.write(schema.description)
-        rows = []
-        for qid, question in schema.questions.items():
-            criteria = question.get("criteria")
-            answers_text = {"noul": "true / false",
-                            "choice": ", ".join(criteria) if isinstance(criteria, dict) else "",
-                            "score": f"{len(criteria)} levels" if isinstance(criteria, list) else ""}
-            rows.append({"id": qid, "type": question["type"], "instructions": question.get("instructions"),
-                         "answers": answers_text.get(question["type"], "")})
-        st.dataframe(rows, hide_index=True, width="stretch")
-        problems = lint_by_slug.get(slug, [])
+        st.dataframe(view.question_rows(schema), hide_index=True, width="stretch")
+        problems = shown.lint.get(slug, [])
         if not problems:
             st.success("Lint: no warnings.")
         for problem in problems:
@@ -241,20 +214,18 @@ with tabs[2]:
     if not versions:
         st.info("No history yet: fix the file so that it loads.")
     else:
-        st.dataframe([{"version": v["number"], "saved": v["created_at"][:19].replace("T", " "), "how": v["action"],
-                       "by": v["who"], "runs": v["run_count"]} for v in versions], hide_index=True, width="stretch")
+        st.dataframe(view.version_rows(versions), hide_index=True, width="stretch")
         numbers = [v["number"] for v in versions]
         cols = st.columns(2)
         # keyed by the latest number too: a new save resets the pair to (the one before, the latest)
-        old_number = cols[0].selectbox("From version", numbers, index=min(1, len(numbers) - 1),
+        old_number = cols[0].selectbox("From version", numbers, index=view.default_diff_from(numbers),
                                        key=K(f"diff_from.{slug}.{numbers[0]}"))
         new_number = cols[1].selectbox("To version", numbers, index=0, key=K(f"diff_to.{slug}.{numbers[0]}"))
-        by_number = {v["number"]: v for v in versions}
-        changes = schemas.diff_schemas(by_number[old_number]["schema"], by_number[new_number]["schema"])
-        st.markdown(f"**Changes from version {old_number} to version {new_number}**")
-        st.code(schemas.diff_text(changes), language=None, wrap_lines=True)
-        if changes:
-            st.dataframe([c.as_row() for c in changes], hide_index=True, width="stretch")
+        diff = view.version_diff(versions, old_number, new_number)
+        st.markdown(f"**{diff.title}**")
+        st.code(diff.text, language=None, wrap_lines=True)
+        if diff.rows:
+            st.dataframe(diff.rows, hide_index=True, width="stretch")
         st.caption("[-removed-]{+added+} marks reworded text. Restoring a version saves it as a new version, so "
                    "nothing is lost; runs keep the version they ran.")
         if old_number != numbers[0]:

@@ -11,7 +11,7 @@ import pytest
 from streamlit.testing.v1 import AppTest
 
 from clef_workbench import casesets
-from clef_workbench.schemas import SchemaLibrary
+from clef_workbench.schema_library import SchemaLibrary
 from clef_workbench.store import Store
 from tests.test_app_pages import APP, button, no_exceptions
 from workbench_ui import shell

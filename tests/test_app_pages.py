@@ -11,7 +11,7 @@ import pytest
 from streamlit.runtime.scriptrunner_utils.exceptions import StopException
 from streamlit.testing.v1 import AppTest
 
-from clef_workbench.schemas import SchemaLibrary
+from clef_workbench.schema_library import SchemaLibrary
 from clef_workbench.store import Store
 from workbench_ui import decide_model as vm
 from workbench_ui import shell

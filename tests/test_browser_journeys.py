@@ -14,7 +14,7 @@ import playwright.sync_api as playwright_api  # noqa: E402
 import pytest
 
 from clef_workbench import review
-from clef_workbench.schemas import SchemaLibrary
+from clef_workbench.schema_library import SchemaLibrary
 from clef_workbench.store import Store
 from tests.browser_harness import launch_chromium, running_workbench
 

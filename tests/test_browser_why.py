@@ -23,7 +23,7 @@ import pytest
 from PIL import Image
 
 from clef_workbench import review
-from clef_workbench.schemas import SchemaLibrary
+from clef_workbench.schema_library import SchemaLibrary
 from clef_workbench.store import Store
 from tests.browser_harness import launch_chromium, running_workbench
 from tests.test_browser_decide import commit, pick, settle

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from clef_workbench import casesets
+from clef_workbench import case_table, casesets
 from clef_workbench.casesets import CaseImportError, CsvMapping
 from clef_workbench.store import Store
 
@@ -168,17 +168,17 @@ def test_table_edits_update_add_and_delete_and_refuse_bad_rows(tmp_path):
     store = Store(tmp_path / "w.db")
     set_id = store.create_case_set("t", schema_name="tickets")
     first, second = store.add_cases(set_id, [{"state": {"a": 1}}, {"state": "plain"}])
-    table = casesets.editor_frame(store, set_id)
+    table = case_table.editor_frame(store, set_id)
     assert list(table["state"]) == ['{"a": 1}', "plain"]
     bad = table.copy()
     bad.loc[0, "state"] = '{"a": '
     bad.loc[1, "expected"] = '{"team": "hr"}'
     with pytest.raises(CaseImportError) as error:
-        casesets.apply_case_edits(store, set_id, bad, SCHEMA)
+        case_table.apply_case_edits(store, set_id, bad, SCHEMA)
     assert error.value.problems[0].startswith("row 1, state: looks like JSON but does not parse")
     assert error.value.problems[1].startswith("row 2, expected: 'hr' is not an option of question 'team'")
     assert store.get_case(first)["state"] == {"a": 1}  # nothing written
-    unchanged = casesets.apply_case_edits(store, set_id, table, SCHEMA)
+    unchanged = case_table.apply_case_edits(store, set_id, table, SCHEMA)
     assert not unchanged.changed and unchanged.summary() == "Nothing to save: the table has no changes."
 
     edited = table.copy()
@@ -187,7 +187,7 @@ def test_table_edits_update_add_and_delete_and_refuse_bad_rows(tmp_path):
     edited = edited.drop(index=1)
     edited.loc[len(edited) + 5] = {"id": None, "state": "new ticket", "expected": "", "tags": "", "images": 0,
                                    "videos": 0}
-    edits = casesets.apply_case_edits(store, set_id, edited, SCHEMA)
+    edits = case_table.apply_case_edits(store, set_id, edited, SCHEMA)
     assert (edits.added, edits.updated, edits.deleted) == (1, 1, [second])
     assert edits.summary() == "Saved: 1 added, 1 updated, 1 deleted."
     cases = store.list_cases(set_id)

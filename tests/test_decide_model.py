@@ -9,15 +9,17 @@ from pathlib import Path
 import pytest
 
 from clef_workbench import schemas, state_input
+from clef_workbench.schema_library import SchemaLibrary
 from clef_workbench.store import Store
 from workbench_ui import decide_model as vm
+from workbench_ui import schema_rows
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture
-def library() -> schemas.SchemaLibrary:
-    return schemas.SchemaLibrary(REPO / "schemas")
+def library() -> SchemaLibrary:
+    return SchemaLibrary(REPO / "schemas")
 
 
 def ids(state: dict) -> list[str]:
@@ -61,7 +63,7 @@ def test_identity_follows_the_schema_on_screen(library):
     assert state["decide.schema_name"] == "" and state["decide.library_pick"] is None
     assert state["decide.state_text"] == schema.examples[0]["state"], "the state stays"
     builder.add_question("noul")
-    questions, _ = schemas.rows_to_questions(builder.rows())
+    questions, _ = schema_rows.rows_to_questions(builder.rows())
     new = builder.schema_to_save(questions, "Mine", "", update=False)
     assert new.examples == [], "a new schema does not inherit the old schema's example states"
     assert builder.unsaved_changes(), "questions built from nothing are unsaved"
@@ -72,7 +74,7 @@ def test_a_loaded_schema_keeps_its_examples_on_update_only(library):
     builder = vm.Builder(state)
     schema = library.load("invoice-triage")
     builder.load("invoice-triage", schema)
-    questions, _ = schemas.rows_to_questions(builder.rows())
+    questions, _ = schema_rows.rows_to_questions(builder.rows())
     assert builder.schema_to_save(questions, "x", "", update=True).examples == schema.examples
     assert builder.schema_to_save(questions, "x", "", update=False).examples == []
 
@@ -217,7 +219,7 @@ def test_a_removed_question_comes_back_where_it_was_with_what_it_held(library):
 def test_a_duplicate_id_is_reported_on_the_question_that_repeats_it():
     rows = [{"id": "a", "type": "noul", "instructions": "x"}, {"id": "b", "type": "noul", "instructions": "y"},
             {"id": "a", "type": "noul", "instructions": "z"}]
-    _, problems = schemas.rows_to_questions(rows)
+    _, problems = schema_rows.rows_to_questions(rows)
     messages = vm.Messages()
     vm.route_schema_problems(problems, rows, messages)
     assert list(messages.errors) == [2], "on the third card, not on the first that holds the id rightly"

@@ -16,7 +16,7 @@ import pytest
 
 from clef_engine.errors import ClefError
 from clef_engine.remote import RemoteEngine
-from clef_workbench import casesets
+from clef_workbench import case_table, casesets
 from clef_workbench.__main__ import main
 from clef_workbench.jobs import EngineUnreachableError, JobRunner
 from clef_workbench.run_status import FINISHED_WITH_ERRORS, run_outcome
@@ -237,16 +237,16 @@ def test_a_refused_case_deletion_writes_nothing_and_puts_the_rows_back_with_the_
     set_id = store.create_case_set("tickets")
     ids = store.add_cases(set_id, [{"state": f"ticket {i}"} for i in range(4)])
     store.create_run(set_id, schema=SCHEMA, model_id="demo")  # its results would use every case
-    original = casesets.editor_frame(store, set_id)
+    original = case_table.editor_frame(store, set_id)
     edited = original[~original["id"].isin([ids[1], ids[2]])].copy()  # two rows deleted in the editor
     edited.loc[edited["id"] == ids[3], "state"] = "ticket 3, edited"
     edited = pd.concat([edited, pd.DataFrame([{"id": None, "state": "a new ticket"}])], ignore_index=True)
 
-    with pytest.raises(casesets.CaseDeletionRefusedError) as refused:
-        casesets.apply_case_edits(store, set_id, edited, None)
+    with pytest.raises(case_table.CaseDeletionRefusedError) as refused:
+        case_table.apply_case_edits(store, set_id, edited, None)
     assert refused.value.case_ids == [ids[1], ids[2]]
     assert [c["state"] for c in store.list_cases(set_id)] == [f"ticket {i}" for i in range(4)]  # nothing written
 
-    shown = casesets.with_rows_restored(original, edited, refused.value.case_ids)
+    shown = case_table.with_rows_restored(original, edited, refused.value.case_ids)
     assert shown["state"].tolist() == ["ticket 0", "ticket 1", "ticket 2", "ticket 3, edited", "a new ticket"]
     assert shown["id"].tolist()[:4] == ids

@@ -9,7 +9,9 @@ import sqlite3
 
 import pytest
 
-from clef_workbench.schemas import Schema, SchemaError, SchemaLibrary, diff_schemas, diff_text, word_diff
+from clef_workbench.schema_diff import diff_schemas, diff_text, word_diff
+from clef_workbench.schema_library import SchemaLibrary
+from clef_workbench.schemas import Schema, SchemaError
 from clef_workbench.store import Store
 
 QUESTIONS = {

@@ -9,16 +9,9 @@ from pathlib import Path
 import pytest
 
 from clef_engine.protocol import HOSTED
-from clef_workbench.schemas import (
-    Schema,
-    SchemaError,
-    SchemaLibrary,
-    lint_questions,
-    questions_to_rows,
-    rows_to_questions,
-    slugify,
-    validate_questions,
-)
+from clef_workbench.schema_library import SchemaLibrary, slugify
+from clef_workbench.schemas import Schema, SchemaError, lint_questions, validate_questions
+from workbench_ui.schema_rows import questions_to_rows, rows_to_questions
 
 REPO = Path(__file__).resolve().parents[1]
 SHIPPED = REPO / "schemas"

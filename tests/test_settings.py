@@ -76,7 +76,7 @@ def test_a_value_the_workbench_cannot_use_is_refused_by_name(name, value, messag
 def test_the_services_take_the_settings(monkeypatch, tmp_path):
     from clef_workbench.distributed import ray_address
     from clef_workbench.model_loader import default_source, load_options
-    from clef_workbench.schemas import SchemaLibrary
+    from clef_workbench.schema_library import SchemaLibrary
 
     monkeypatch.setenv("CLEF_SCHEMAS_DIR", str(tmp_path / "library"))
     monkeypatch.setenv("CLEF_RAY_ADDRESS", " head:6379 ")

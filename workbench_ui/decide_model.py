@@ -21,6 +21,7 @@ from PIL import Image
 
 from clef_engine.interface import DecisionEngine
 from clef_workbench import answers, schemas, state_input
+from workbench_ui import schema_rows
 
 PREFIX = "decide"
 # A widget's value is mirrored under this prefix: Streamlit drops a widget's own key on a run that does not draw it
@@ -85,8 +86,8 @@ class Builder:
         set_kept(self.state, keys["id"], row["id"])
         set_kept(self.state, keys["type"], row["type"])
         set_kept(self.state, keys["instructions"], row.get("instructions") or "")
-        set_kept(self.state, keys["options"], schemas.options_to_text(row.get("options") or []))
-        set_kept(self.state, keys["levels"], schemas.levels_to_text(row.get("levels") or []))
+        set_kept(self.state, keys["options"], schema_rows.options_to_text(row.get("options") or []))
+        set_kept(self.state, keys["levels"], schema_rows.levels_to_text(row.get("levels") or []))
         set_kept(self.state, keys["true"], row.get("true") or "")
         set_kept(self.state, keys["false"], row.get("false") or "")
 
@@ -108,9 +109,9 @@ class Builder:
             value = {f: self.state.get(keys[f], self.state.get(KEEP_PREFIX + keys[f], "")) for f in ROW_FIELDS}
             row = {"id": value["id"], "type": value["type"] or "noul", "instructions": value["instructions"]}
             if row["type"] == "choice":
-                row["options"] = schemas.text_to_options(value["options"] or "")
+                row["options"] = schema_rows.text_to_options(value["options"] or "")
             elif row["type"] == "score":
-                row["levels"] = schemas.text_to_levels(value["levels"] or "")
+                row["levels"] = schema_rows.text_to_levels(value["levels"] or "")
             else:
                 row["true"], row["false"] = value["true"], value["false"]
             out.append(row)
@@ -164,7 +165,7 @@ class Builder:
     def load(self, slug: str, schema: schemas.Schema, *, with_example: bool = False) -> None:
         """Put a library schema on screen: its questions, name, description and example states; it becomes the
         identity. With with_example, its first example state goes into the state editor."""
-        self.set_rows(schemas.questions_to_rows(schema.questions))
+        self.set_rows(schema_rows.questions_to_rows(schema.questions))
         self.state[key("loaded_slug")] = slug
         self.state[key("loaded_questions")] = schema.questions
         set_kept(self.state, key("schema_name"), schema.name)
@@ -196,7 +197,7 @@ class Builder:
     def unsaved_changes(self) -> bool:
         """True when the questions on screen differ from the loaded schema's (or, with none loaded, when there are
         any): loading another schema would discard them."""
-        questions, _ = schemas.rows_to_questions(self.rows())
+        questions, _ = schema_rows.rows_to_questions(self.rows())
         loaded = self.state.get(key("loaded_questions"))
         if loaded is None:
             return bool(self.uids)

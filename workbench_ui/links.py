@@ -10,8 +10,10 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlencode
 
-from clef_workbench import schemas, state_input
+from clef_workbench import state_input
+from clef_workbench.schema_library import SchemaLibrary
 from clef_workbench.store import StoreError
+from workbench_ui import schema_rows
 
 # Decide's max_length choices are the powers of two from 512 to 262,144 tokens; a run's other values are not shown.
 DECIDE_MAX_LENGTHS = {2 ** power for power in range(9, 19)}
@@ -79,7 +81,7 @@ def linked_ids(params: Any) -> tuple[int, int] | None:
     return int(run_id), int(case_id)
 
 
-def case_draft(store: Any, library: schemas.SchemaLibrary, run_id: int,
+def case_draft(store: Any, library: SchemaLibrary, run_id: int,
                case_id: int) -> tuple[dict[str, Any] | None, str]:
     """A Decide draft showing case `case_id` asked as run `run_id` asked it, and a sentence saying what is on screen
     (or, with no draft, why nothing could be opened).
@@ -103,7 +105,7 @@ def case_draft(store: Any, library: schemas.SchemaLibrary, run_id: int,
         "state_mode": "text" if isinstance(case["state"], str) else "json",
         "schema_name": frozen.get("name", ""),
         "schema_description": frozen.get("description", ""),
-        "rows": schemas.questions_to_rows(frozen["questions"]),
+        "rows": schema_rows.questions_to_rows(frozen["questions"]),
         "overflow": run["settings"].get("overflow"),
         "loaded_slug": slug if same else None,
         "loaded_questions": library_schema.questions if same else None,

@@ -29,7 +29,7 @@ from clef_workbench.model_loader import (
     label_of,
     shared_manager,
 )
-from clef_workbench.schemas import SchemaLibrary
+from clef_workbench.schema_library import SchemaLibrary
 from clef_workbench.settings import WorkbenchSettings
 from workbench_ui import links
 

@@ -1,0 +1,127 @@
+"""The Case sets page's view-model: what a user reads about a case set, an import's columns and its outcome, and
+what a delete and its undo say; on a real store, the shipped schemas and a realistic CSV export."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from clef_workbench import importing
+from clef_workbench.schema_library import SchemaLibrary
+from clef_workbench.store import Store
+from tests.conftest import REPO
+from workbench_ui import cases_view as view
+
+TICKETS_CSV = (
+    "ticket_id,subject,body,team,tags\n"
+    "T-1,Refund,\"I was charged twice for March, please refund.\",billing,vip\n"
+    "T-2,Crash,The app closes when I open settings.,tech,\n"
+    "T-3,Login,\"Café owner here: the password reset mail never arrives.\",tech,urgent\n"
+).encode()
+
+
+@pytest.fixture
+def store(tmp_path) -> Store:
+    return Store(tmp_path / "w.db")
+
+
+@pytest.fixture
+def library(tmp_path) -> SchemaLibrary:
+    shutil.copytree(REPO / "schemas", tmp_path / "schemas")
+    return SchemaLibrary(tmp_path / "schemas")
+
+
+def test_a_case_set_reads_with_its_count_schema_and_dates(store):
+    set_id = store.create_case_set("Tickets", schema_name="support-ticket-routing", description="March export")
+    store.add_case(set_id, state="I was charged twice.")
+    case_set = store.get_case_set(set_id)
+
+    assert view.case_set_label(case_set) == "Tickets (1 cases)"
+    caption = view.case_set_caption(case_set)
+    assert caption.startswith("Schema: **support-ticket-routing** · 1 cases · created ")
+    assert caption.endswith(" · March export") and "T" not in caption.split("created ")[1][:19]
+
+    store.delete_case_set(set_id)
+    deleted = store.list_case_sets(deleted=True)[0]
+    label = view.deleted_set_label(deleted)
+    assert label.startswith("Tickets · 1 cases · deleted ") and label.endswith(" UTC")
+
+
+def test_the_schema_of_a_set_loads_or_says_why_its_answers_go_unchecked(library):
+    schema, warning = view.case_set_schema(library, "support-ticket-routing")
+    assert warning is None and schema == library.load("support-ticket-routing").to_dict()
+    assert view.case_set_schema(library, None) == (None, None)
+    assert view.case_set_schema(library, "not-in-the-library") == (None, None)
+
+    (library.directory / "broken.json").write_text('{"name": "Broken", "questions": 3}', encoding="utf-8")
+    schema, warning = view.case_set_schema(library, "broken")
+    assert schema is None
+    assert warning.startswith("Schema 'broken' does not load, so expected answers are not checked: broken.json: ")
+
+    slugs = library.slugs()
+    assert view.schema_options(slugs) == ["(none)", *slugs]
+    assert view.schema_pick({"schema_name": "invoice-triage"}, slugs) == "invoice-triage"
+    assert view.schema_pick({"schema_name": "gone"}, slugs) == "(none)"
+    assert view.schema_pick({"schema_name": None}, slugs) == "(none)"
+
+
+def test_the_import_mapping_warns_when_an_answer_column_is_in_the_state():
+    source = importing.read_source("tickets.csv", TICKETS_CSV)
+    columns = source.columns
+    assert view.tags_column_index(columns) == 1 + columns.index("tags")
+    assert view.tags_column_index(["subject", "body"]) == 0
+    guessed = importing.guess_expected_columns(columns, ["team"])
+    assert [view.NOT_MAPPED, *columns][view.expected_column_index(columns, guessed, "team")] == "team"
+
+    chosen = view.ImportMapping(columns, ["team"], expected={"team": "team"}, tags_column="tags")
+    assert chosen.used == {"team", "tags"}
+    kind, text = chosen.state_warning(["subject", "body", "team"])
+    assert kind == "warning" and "so the model reads the answer: team." in text
+    kind, text = chosen.state_warning(["subject", "body"])
+    assert (kind, text) == ("caption", "Left out of the state because they look like answers: `team`")
+    assert view.ImportMapping(["subject", "body"], ["team"]).state_warning(["body"]) is None
+
+    mapping = chosen.mapping(state_columns=["subject", "body"])
+    cases = importing.parse_cases(source, mapping, None)
+    preview = view.preview_rows(cases)
+    assert [row["tags"] for row in preview] == ["vip", "", "urgent"]
+    assert json.loads(preview[2]["state"]) == {"subject": "Login",
+                                               "body": "Café owner here: the password reset mail never arrives."}
+    assert preview[0]["expected"] == {"team": "billing"} and preview[0]["images"] == 0
+    whole = chosen.mapping(state_text_column="body")
+    assert (whole.state_text_column, whole.tags_column, whole.expected_columns) == ("body", "tags", {"team": "team"})
+    assert view.ImportMapping(columns, []).mapping(state_columns=["body"]).tags_column is None
+
+
+def test_an_import_says_what_went_in_what_was_there_and_which_rows_were_left_out():
+    assert view.imported_message("Tickets", 3, 3, None) == "Imported 3 cases into “Tickets”."
+    assert view.imported_message("Tickets", 3, 1, [4, 9]) == (
+        "Imported 1 cases into “Tickets”. 2 were already in it and were skipped. "
+        "Rows not imported, as agreed: 4, 9.")
+    many = [f"row {n}: empty state" for n in range(2, 60)]
+    listed = view.bad_rows_markdown(many).splitlines()
+    assert len(listed) == 51 and listed[-1] == "- … and 8 more"
+    assert view.problems_markdown(["a", "b"]) == "- a\n- b"
+    assert view.export_stem("Tickets — EU, March 2026!") == "tickets-eu-march-2026"
+    assert view.export_stem("—") == "cases"
+
+
+def test_a_delete_is_refused_while_runs_exist_and_an_undo_says_what_came_back(store):
+    set_id = store.create_case_set("Tickets")
+    case_ids = [store.add_case(set_id, state=f"ticket {n}") for n in range(3)]
+    assert view.delete_refusal(set_id, []) is None
+    assert view.delete_refusal(set_id, [{"id": 7}, {"id": 8}]) == (
+        f"case set {set_id} has 2 run(s); delete the runs first")
+
+    for case_id in case_ids[:2]:
+        store.delete_case(case_id)
+    assert view.restore_deleted(store, "cases", case_ids[:2]) == ("success", "Restored 2 case(s).")
+    assert store.get_case_set(set_id)["case_count"] == 3
+    store.delete_case_set(set_id)
+    assert view.restore_deleted(store, "case_set", set_id) == ("success", f"Restored case set #{set_id}.")
+    kind, text = view.restore_deleted(store, "case_set", set_id)  # restored already: said, nothing breaks
+    assert (kind, text) == ("error", f"Not restored: case set {set_id} is not deleted")
+    store.delete_case(case_ids[2])
+    assert view.restore_deleted(store, "case", case_ids[2]) == ("success", f"Restored case #{case_ids[2]}.")

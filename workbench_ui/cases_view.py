@@ -1,0 +1,174 @@
+"""What the Case sets page shows, without Streamlit: the labels of case sets, the schema a set's expected answers
+are checked against, the import's column mapping and its warnings, the preview, and the messages of imports,
+deletes and their undo."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from clef_workbench import casesets
+from clef_workbench.casesets import CsvMapping
+from clef_workbench.schema_library import SchemaLibrary
+from clef_workbench.schemas import SchemaError
+from clef_workbench.store import StoreError
+
+NO_SCHEMA = "(none)"
+NOT_MAPPED = "(not mapped)"
+FIELDS_FROM_COLUMNS = "Fields from columns"
+STATE_MODES = [FIELDS_FROM_COLUMNS, "Whole state from one column"]
+PREVIEW_CASES = 10
+PREVIEW_STATE_CHARS = 200
+LISTED_PROBLEMS = 50
+
+
+def when(iso: str) -> str:
+    """A stored UTC timestamp as people read it: date and time to the second."""
+    return iso[:19].replace("T", " ")
+
+
+def case_set_label(case_set: dict) -> str:
+    return f"{case_set['name']} ({case_set['case_count']} cases)"
+
+
+def deleted_set_label(case_set: dict) -> str:
+    return f"{case_set['name']} · {case_set['case_count']} cases · deleted {when(case_set['deleted_at'])} UTC"
+
+
+def case_set_caption(case_set: dict) -> str:
+    return (f"Schema: **{case_set['schema_name'] or 'none'}** · {case_set['case_count']} cases · created "
+            f"{when(case_set['created_at'])} · {case_set['description'] or ''}")
+
+
+def case_set_schema(library: SchemaLibrary, slug: str | None) -> tuple[dict | None, str | None]:
+    """The schema a case set's expected answers are checked against, and a warning when it names one that does
+    not load (the set is still usable: its answers go unchecked)."""
+    if not slug or slug not in library.slugs():
+        return None, None
+    try:
+        return library.load(slug).to_dict(), None
+    except SchemaError as exc:
+        return None, f"Schema {slug!r} does not load, so expected answers are not checked: {exc}"
+
+
+def schema_options(slugs: list[str]) -> list[str]:
+    return [NO_SCHEMA, *slugs]
+
+
+def schema_pick(case_set: dict, slugs: list[str]) -> str:
+    """The settings' schema choice for a set: its schema, or none when that schema is not in the library."""
+    return case_set["schema_name"] if case_set["schema_name"] in slugs else NO_SCHEMA
+
+
+def export_stem(name: str) -> str:
+    """A file name for a case set's export: its name in lowercase letters, digits and dashes."""
+    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-") or "cases"
+
+
+def problems_markdown(problems: list[str]) -> str:
+    return "\n".join(f"- {p}" for p in problems[:LISTED_PROBLEMS])
+
+
+def bad_rows_markdown(bad_rows: list) -> str:
+    more = len(bad_rows) - LISTED_PROBLEMS
+    return "\n".join(f"- {bad}" for bad in bad_rows[:LISTED_PROBLEMS]) + (f"\n- … and {more} more" if more > 0 else "")
+
+
+def delete_refusal(case_set_id: int, runs_of_set: list[dict]) -> str | None:
+    """Why a case set cannot be deleted now (it has runs), said before asking; None when it can."""
+    if runs_of_set:
+        return f"case set {case_set_id} has {len(runs_of_set)} run(s); delete the runs first"
+    return None
+
+
+def restore_deleted(store: Any, kind: str, object_id: Any) -> tuple[str, str]:
+    """Undo a delete: "cases" (a list of case ids), a "case_set" or one case (an id). Returns the message's kind
+    and text."""
+    try:
+        if kind == "cases":
+            for case_id in object_id:
+                store.restore_case(case_id)
+            return "success", f"Restored {len(object_id)} case(s)."
+        if kind == "case_set":
+            store.restore_case_set(object_id)
+            return "success", f"Restored case set #{object_id}."
+        store.restore_case(object_id)
+        return "success", f"Restored case #{object_id}."
+    except StoreError as exc:
+        return "error", f"Not restored: {exc}"
+
+
+# -- import ------------------------------------------------------------------------------------------------------
+
+
+def tags_column_index(columns: list[str]) -> int:
+    """The tags selector's default: a column named "tags", else not mapped."""
+    return 1 + columns.index("tags") if "tags" in columns else 0
+
+
+def expected_column_index(columns: list[str], guessed: dict[str, str], question_id: str) -> int:
+    """A question's expected-answer selector default: the column guessed for it, else not mapped."""
+    options = [NOT_MAPPED, *columns]
+    return options.index(guessed.get(question_id, NOT_MAPPED))
+
+
+@dataclass
+class ImportMapping:
+    """The columns chosen for an import, and what they mean for the state the model reads."""
+
+    columns: list[str]
+    questions: list[str]
+    expected: dict[str, str] = field(default_factory=dict)  # column -> question id
+    tags_column: str = NOT_MAPPED
+
+    @property
+    def label_like(self) -> list[str]:
+        """Columns that look like expected answers (left out of a suggested state)."""
+        return casesets.label_like_columns(self.columns, self.questions)
+
+    @property
+    def used(self) -> set[str]:
+        return set(self.expected) | ({self.tags_column} - {NOT_MAPPED})
+
+    def mapping(self, *, state_columns: list[str] | None = None, state_text_column: str | None = None) -> CsvMapping:
+        tags = None if self.tags_column == NOT_MAPPED else self.tags_column
+        if state_text_column is not None:
+            return CsvMapping(state_text_column=state_text_column, expected_columns=self.expected, tags_column=tags)
+        return CsvMapping(state_columns=state_columns or [], expected_columns=self.expected, tags_column=tags)
+
+    def leaked(self, state: list[str]) -> list[str]:
+        """State columns that hold answers: the model would read the answer it is asked for."""
+        return [c for c in state if c in self.label_like or c in self.expected]
+
+    def state_warning(self, state: list[str]) -> tuple[str, str] | None:
+        """("warning", text) when answers leak into the state; ("caption", text) naming the answer-like columns
+        left out of it; None when there are none."""
+        leaked = self.leaked(state)
+        if leaked:
+            return ("warning", "These columns look like expected answers and are in the state, so the model reads "
+                               f"the answer: {', '.join(leaked)}. Remove them from the state unless that is what you "
+                               "want.")
+        if self.label_like:
+            return "caption", "Left out of the state because they look like answers: " + ", ".join(
+                f"`{c}`" for c in self.label_like)
+        return None
+
+
+def suggest_button_label(candidates: list[str]) -> str:
+    return f"Use the {len(candidates)} column(s) that are not mapped or labels: " + ", ".join(candidates)
+
+
+def preview_rows(parsed: list[dict]) -> list[dict[str, Any]]:
+    """The first parsed cases as the preview table shows them (media counted)."""
+    return [{"state": casesets.state_text(c["state"])[:PREVIEW_STATE_CHARS], "expected": c["expected"],
+             "tags": ", ".join(c["tags"]), "images": len(c["images"]), "videos": len(c["videos"])}
+            for c in parsed[:PREVIEW_CASES]]
+
+
+def imported_message(set_name: str, parsed: int, added: int, skipped_rows: list[int] | None) -> str:
+    """After an import: how many cases went in, how many were there already, which bad rows were left out."""
+    already = parsed - added
+    return (f"Imported {added} cases into “{set_name}”."
+            + (f" {already} were already in it and were skipped." if already else "")
+            + (f" Rows not imported, as agreed: {', '.join(map(str, skipped_rows))}." if skipped_rows else ""))

@@ -1,0 +1,140 @@
+"""What the Compare page shows, without Streamlit: what the one action still needs, the labels of case sets, schema
+versions and runs, which runs open by default, the runs a link names that are not here, and one case as every run
+answered it (with its charts' data). The numbers themselves come from clef_workbench.compare."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import pandas as pd
+
+from clef_engine import DEFAULT_MAX_LENGTH
+from clef_workbench import compare
+from clef_workbench.compare import CompareView, ModelChoice
+from clef_workbench.run_status import status_label
+from workbench_ui import links, run_charts, units
+
+UNFINISHED = ("pending", "running")
+# The one action runs as the Runs page would with its defaults.
+START_SETTINGS = {"chunk_size": 8, "max_length": DEFAULT_MAX_LENGTH, "overflow": "refuse"}
+
+
+def missing_for_start(case_sets: list, slugs: list, models: list) -> str | None:
+    """What the one action needs and is not there yet, in words; None when it can run."""
+    missing = [what for what, there in (("a case set (Case sets page)", case_sets), ("a schema (Schemas page)", slugs),
+                                        ("a loaded model (sidebar)", models)) if not there]
+    return f"Needs {' and '.join(missing)}." if missing else None
+
+
+def case_set_choice(case_set: dict) -> str:
+    return f"{case_set['name']} ({case_set['case_count']} cases)"
+
+log = logging.getLogger(__name__)
+
+
+def start_comparison(store: Any, runner: Any, models: list[ModelChoice], set_id: int, slug: str, number: int,
+                     names: list[str]) -> tuple[list[int], str]:
+    """The one action: a run of the schema version per chosen model. Returns the runs started (oldest first) and the
+    message to show; no runs and an error message when nothing started."""
+    choices = {c.name: c.engine for c in models}
+    engines = {name: choices[name] for name in names if name in choices}
+    if not engines:
+        return [], "Pick at least one loaded model."
+    try:
+        schema = dict(store.get_schema_version_number(slug, number)["schema"])
+    except KeyError as exc:
+        return [], f"Not started: {exc}"
+    schema.pop("examples", None)  # as the Runs page keeps it
+    try:
+        run_ids = compare.start_runs(store, runner, set_id, schema, engines,
+                                     settings={**START_SETTINGS, "schema_slug": slug})
+    except Exception as exc:  # noqa: BLE001 — e.g. a remote endpoint that does not answer: a message, no traceback
+        log.exception("the comparison's runs did not start")
+        return [], f"Not started: {type(exc).__name__}: {exc}"
+    return run_ids, f"Started run(s) {', '.join(f'#{r}' for r in run_ids)}."
+
+
+def started_run_line(run: dict) -> str:
+    """A run the one action started, linked to its Runs page, with how far it is."""
+    return (f"Run [#{run['id']}](/runs?run={run['id']}) · {run['model_id']} · {status_label(run)} · "
+            f"{run['done']}/{run['total']} cases")
+
+
+def is_unfinished(run: dict) -> bool:
+    return run["status"] in UNFINISHED
+
+
+def missing_runs(linked: list[int], all_runs: Mapping[int, dict]) -> links.Missing | None:
+    """The "not found" of a link to runs that are not here, with the runs there are; None when all are here."""
+    gone = [r for r in linked if r not in all_runs]
+    if not gone:
+        return None
+    return links.missing("run(s)", ", ".join(f"#{r}" for r in gone), sorted(all_runs),
+                         lambda r: f"#{r} {all_runs[r]['case_set_name']} · {all_runs[r]['model_id']}", param="runs")
+
+
+def case_set_label(group: list[dict]) -> str:
+    """A case set with runs, in the selector: its name and how many runs it has."""
+    return f"{group[0]['case_set_name']} ({len(group)} runs)"
+
+
+def run_label(run: dict) -> str:
+    """A run in the selector; "(unsaved)" when it ran a schema that is not a saved version."""
+    return (f"#{run['id']} {run['model_id']} · {run['schema_name']} v{run['schema_version']}"
+            + ("" if run["schema_version_id"] else " (unsaved)") + f" · {run['status']}")
+
+
+def default_runs(linked: list[int], run_ids: Sequence[int]) -> list[int]:
+    """The runs that open first: those the link names, else the newest two, oldest first."""
+    return [r for r in linked if r in run_ids] or sorted(run_ids)[-2:]
+
+
+@dataclass(frozen=True)
+class AnswerShown:
+    question_id: str
+    text: str  # "`team`: **billing** (0.913)"
+    chart: pd.DataFrame  # the rows run_charts.distribution_table gives, for answers.probability_chart
+
+
+@dataclass(frozen=True)
+class RunColumn:
+    """One run's column of an opened case."""
+
+    title: str
+    error: str | None
+    answers: list[AnswerShown]
+    latency: str | None  # "compute 412.0 ms"; None when the run recorded none
+
+
+@dataclass(frozen=True)
+class CaseShown:
+    case_id: int
+    state: Any
+    expected: str | None  # "Expected: team = billing, urgent = True"; None without expected answers
+    runs: list[RunColumn]
+
+
+def case_shown(view: CompareView, case_id: int) -> CaseShown | None:
+    """One case as every run answered it; None when no run of the comparison has a result for it."""
+    detail = compare.case_detail(view, case_id)
+    if detail is None:
+        return None
+    questions_of = {run.label: run.run["schema"]["questions"] for run in view.runs}
+    columns = []
+    for run in detail["runs"]:
+        answers = [AnswerShown(question_id, f"`{question_id}`: **{answer['predicted']}** ({answer['confidence']:.3f})",
+                               run_charts.distribution_table(questions_of[run["run"]].get(question_id, {}),
+                                                             answer["probabilities"], answer["predicted"]))
+                   for question_id, answer in run["answers"].items()]
+        latency = None if run["latency_ms"] is None else f"compute {units.duration(run['latency_ms'])}"
+        columns.append(RunColumn(run["run"], run["error"], answers, latency))
+    expected = ("Expected: " + ", ".join(f"{q} = {v}" for q, v in detail["expected"].items())
+                if detail["expected"] else None)
+    return CaseShown(case_id, detail["state"], expected, columns)
+
+
+def no_result_message(case_id: int) -> str:
+    return f"Case {case_id} has no result in these runs."

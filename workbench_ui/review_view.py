@@ -1,0 +1,243 @@
+"""What the Review page shows, without Streamlit: the run selector's labels, the queue rules as the form holds them
+and what they would select, the queue's progress, the card of one item (blind or not), its buttons, the record's
+other questions, the gold-label question, the messages of actions and undo, the audit log and the export."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from clef_workbench import review
+from clef_workbench.review import ReviewRules
+
+MAX_SHORTCUT_OPTIONS = 9
+MAX_OPTION_COLUMNS = 5
+DEFAULT_MARGIN_BELOW = 0.2
+DEFAULT_CONFIDENCE_BELOW = 0.5
+OPEN = ("open", "skipped")  # statuses of an item still to review
+REVIEWED = ("accepted", "corrected", "unknown")
+NAME_FIRST = "Enter your name first: every action is recorded with it."
+NAME_FIRST_FOR_UNDO = "Enter your name first: you can undo only your own actions."
+
+
+def when(iso: str, *, digits: int = 19) -> str:
+    return iso[:digits].replace("T", " ")
+
+
+def run_label(run: dict) -> str:
+    return f"#{run['id']} {run['case_set_name']} · {run['schema_name']} v{run['schema_version']} · {run['model_id']}"
+
+
+def reviewable_runs(runs: list[dict]) -> list[dict]:
+    """The runs with results: the only ones a queue can be built from."""
+    return [r for r in runs if r["done"]]
+
+
+# -- rules ---------------------------------------------------------------------------------------------------------
+
+
+def margin_default(saved: ReviewRules) -> float:
+    return saved.margin_below if saved.margin_below is not None else DEFAULT_MARGIN_BELOW
+
+
+def confidence_default(saved: ReviewRules) -> float:
+    return saved.confidence_below if saved.confidence_below is not None else DEFAULT_CONFIDENCE_BELOW
+
+
+def unknown_options_help(questions: dict[str, dict]) -> str:
+    """The unknown-type options of each question, for the rule's help."""
+    return ("Options such as unknown / none of these / other / cannot tell: "
+            + "; ".join(f"{q}: {', '.join(sorted(ids))}" for q, spec in questions.items()
+                        if (ids := review.unknown_options(spec))))
+
+
+def rules_from_form(questions: dict[str, dict], *, use_confidence: bool, confidence: float, use_margin: bool,
+                    margin: float, unknown: bool, disagree: bool, picked_questions: list[str],
+                    calibration: str | None = None) -> ReviewRules:
+    """The rules the form says; every question picked means every question (also those a later schema adds).
+    With `calibration` (a stored calibration's name) the thresholds apply to calibrated confidence and margin."""
+    return ReviewRules(confidence_below=confidence if use_confidence else None,
+                       margin_below=margin if use_margin else None, unknown_option=unknown,
+                       disagree_with_expected=disagree,
+                       questions=None if set(picked_questions) == set(questions) else picked_questions,
+                       calibration=calibration)
+
+
+def preview_summary(preview: dict) -> str:
+    return (f"These rules select **{preview['items']} item(s)** in {preview['cases']} case(s); "
+            f"**{preview['new']} new** to the queue.")
+
+
+def preview_breakdown(preview: dict) -> str | None:
+    """How many items each rule and each question selects; None when the rules select nothing."""
+    if not preview["items"]:
+        return None
+    return (" · ".join(f"{k}: {v}" for k, v in preview["by_rule"].items() if v) + " — per question: "
+            + ", ".join(f"{k} {v}" for k, v in preview["by_question"].items()))
+
+
+def progress_text(progress: dict) -> str:
+    return (f"{progress['reviewed']} of {progress['total']} reviewed · {progress['open']} open · "
+            f"{progress['skipped']} skipped · {progress['accepted']} accepted · {progress['corrected']} "
+            f"corrected · {progress['unknown']} unknown")
+
+
+def progress_fraction(progress: dict) -> float:
+    return progress["reviewed"] / progress["total"] if progress["total"] else 0.0
+
+
+# -- actions ------------------------------------------------------------------------------------------------------
+
+
+def option_label(option: str) -> Any:
+    """A distribution's option as the label an action records: yes/no answers as booleans."""
+    return True if option == "true" else False if option == "false" else option
+
+
+def resolved_action(item: dict, action: str, label: Any, *, blind: bool) -> tuple[str, Any]:
+    """The action to record: in blind mode, choosing the model's own answer is accepting it."""
+    if blind and action == "correct" and review.label_key(label) == item["predicted"]:
+        return "accept", None
+    return action, label
+
+
+def saved_message(item: dict, action: str, *, blind: bool) -> str:
+    seen = f" The model had answered “{item['predicted']}”." if blind else ""
+    return f"{action.capitalize()} saved for case {item['case_id']} · {item['question_id']}.{seen}"
+
+
+def undone_message(item: dict) -> str:
+    return f"Undone: case {item['case_id']} · {item['question_id']} is {item['status']} again."
+
+
+@dataclass(frozen=True)
+class GoldQuestion:
+    """The question asked before an answer against the case set's expected one (the gold label) is recorded."""
+
+    warning: str
+    yes: str  # records the reviewer's answer
+    keep: str  # records the gold label instead
+    keep_action: str
+    keep_label: Any
+
+
+def gold_question(item: dict, action: str, label: Any, gold: str) -> GoldQuestion:
+    new = item["predicted"] if action == "accept" else review.label_key(label)
+    keep_action = "accept" if gold == item["predicted"] else "correct"
+    return GoldQuestion(
+        f"The case set's expected answer is “{gold}”. Labelling case {item['case_id']} · {item['question_id']} "
+        f"“{new}” overrides that gold label in the reviewed labels and the golden set.",
+        f"Yes, label it “{new}”", f"Keep “{gold}”", keep_action, None if keep_action == "accept" else gold)
+
+
+# -- the card -------------------------------------------------------------------------------------------------------
+
+
+def outcome(item: dict) -> str:
+    """What became of an item: its status, the label recorded and by whom."""
+    return (item["status"] + (f" as “{review.label_key(item['label'])}”" if item["label"] is not None else "")
+            + (f" by {item['reviewer']}" if item["reviewer"] else ""))
+
+
+def reviewed_note(item: dict) -> str | None:
+    """Said above an item a link opened that was reviewed already; None for an item still open."""
+    if item["status"] in OPEN:
+        return None
+    return (f"This item was already reviewed: {item['status']} by {item['reviewer']}"
+            + (f" as “{review.label_key(item['label'])}”" if item["label"] is not None else "") + ".")
+
+
+@dataclass(frozen=True)
+class Card:
+    title: str
+    question: str
+    queued: str
+    show_model: bool  # the distribution, the model's answer and the link to Decide (hidden in blind mode)
+    expected: str | None  # the gold label line, when the case set has an expected answer
+    model_answer: str
+    accept: str
+    accept_primary: bool
+    answer_heading: str
+
+
+def card(item: dict, question: dict, expected: Any, *, blind: bool) -> Card:
+    """One queue item as the reviewer sees it. Accept is the highlighted default only when it agrees with the gold
+    label (or there is none), and never in blind mode."""
+    reason = "hidden in blind mode" if blind else item["reason"]
+    agrees = review.gold_conflict(item, expected, "accept") is None
+    return Card(
+        title=f"### Case {item['case_id']} · `{item['question_id']}` ({item['question_type']})",
+        question=f"**Question:** {question.get('instructions') or item['question_id']}",
+        queued=(f"**Why queued:** {reason}  \n"
+                f"Model **{item['model_id']}** · schema **{item['schema_name']} v{item['schema_version']}**"
+                f"  \nQueued {when(item['created_at'])} UTC · status {item['status']}"),
+        show_model=not blind,
+        expected=(None if expected is None
+                  else f"**Expected answer in the case set (gold label):** {review.label_key(expected)}"),
+        model_answer=(f"Answer **{item['predicted']}** · confidence {item['confidence']:.3f} · "
+                      f"margin {item['margin']:.3f}"),
+        accept="Accept the model's answer" if blind else f"Accept “{item['predicted']}”",
+        accept_primary=agrees and not blind,
+        answer_heading="**Your answer:**" if blind else "**Correct to:**",
+    )
+
+
+def answer_caption(answer: dict) -> str:
+    """The answer under the distribution shown (review.shown_answer's): calibrated ones say so."""
+    calibrated = answer["calibration"] is not None
+    return (f"Answer **{answer['predicted']}** · {'calibrated ' if calibrated else ''}"
+            f"confidence {answer['confidence']:.3f} · margin {answer['margin']:.3f}"
+            + ("; choose raw above for the model's own" if calibrated else ""))
+
+
+@dataclass(frozen=True)
+class OptionButton:
+    text: str
+    label: Any  # what a correction to it records
+    disabled: bool
+    shortcut: str | None
+
+
+def option_buttons(item: dict, *, blind: bool, has_reviewer: bool) -> list[OptionButton]:
+    """A button per option to correct to; the model's own answer is no correction (except blind), keys 1–9."""
+    return [OptionButton(option, option_label(option),
+                         not has_reviewer or (option == item["predicted"] and not blind),
+                         str(index + 1) if index < MAX_SHORTCUT_OPTIONS else None)
+            for index, option in enumerate(item["distribution"])]
+
+
+def record_heading(record: list[dict], case_id: int) -> str:
+    return (f"**All {len(record)} queued question(s) of case {case_id}** — answer them here without reading the "
+            "record again")
+
+
+def record_row(other: dict, *, current: bool, blind: bool) -> tuple[str, str, str]:
+    """One queued question of the record: which, the model's answer (hidden in blind mode), what became of it."""
+    return (("▶ " if current else "") + f"`{other['question_id']}` ({other['question_type']})",
+            "model: hidden" if blind else f"model: **{other['predicted']}** ({other['confidence']:.2f})",
+            outcome(other))
+
+
+# -- log and export ---------------------------------------------------------------------------------------------
+
+
+def audit_rows(actions: list[dict]) -> list[dict[str, Any]]:
+    return [{"#": a["id"], "when": when(a["at"], digits=23), "who": a["reviewer"], "action": a["action"],
+             "case": a["case_id"], "question": a["question_id"], "comment": a.get("comment") or "",
+             "before": json.dumps(a["before"]), "after": json.dumps(a["after"])} for a in actions]
+
+
+def label_rows(items: list[dict]) -> list[dict[str, Any]]:
+    """The reviewed labels export: one row per reviewed item (open and skipped ones are left out)."""
+    return [{"case_id": i["case_id"], "question_id": i["question_id"], "status": i["status"],
+             "label": review.label_key(i["label"]) if i["label"] is not None else "", "model_answer": i["predicted"],
+             "reviewer": i["reviewer"], "reason": i["reason"]} for i in items if i["status"] in REVIEWED]
+
+
+def golden_name(run: dict) -> str:
+    return f"Golden: {run['case_set_name']} (run {run['id']})"
+
+
+def golden_message(golden_id: int, name: str, case_count: int) -> str:
+    return f"Created case set #{golden_id} “{name}” with {case_count} cases. Open it on the Case sets page."

@@ -1,0 +1,113 @@
+"""What the Schemas page shows, without Streamlit: the library's listing with each file's lint, one schema's
+questions as a table, its history and which versions to compare, and the messages of the page's actions."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from clef_workbench.schema_diff import diff_schemas, diff_text
+from clef_workbench.schema_library import SchemaEntry, SchemaLibrary
+from clef_workbench.schemas import Schema, SchemaProblem
+
+STARTER_QUESTIONS = {"q1": {"type": "noul", "instructions": "Replace this with your first question.", "criteria": None}}
+
+
+@dataclass
+class Listing:
+    """The library as the page lists it: every file, the schemas that load and their lint problems."""
+
+    entries: list[SchemaEntry]
+    schemas: dict[str, Schema] = field(default_factory=dict)
+    lint: dict[str, list[SchemaProblem]] = field(default_factory=dict)
+
+    @property
+    def slugs(self) -> list[str]:
+        return [e.slug for e in self.entries]
+
+    def entry(self, slug: str) -> SchemaEntry:
+        return next(e for e in self.entries if e.slug == slug)
+
+    def label(self, slug: str) -> str:
+        """A schema in the selector: its name and its file."""
+        return f"{self.entry(slug).name} ({slug}.json)"
+
+    def table(self) -> list[dict[str, Any]]:
+        """The library table: one row per file; a file that does not load says so instead of counts."""
+        return [{
+            "file": f"{e.slug}.json",
+            "name": e.name,
+            "version": e.version if e.problem is None else None,
+            "questions": e.question_count if e.problem is None else None,
+            "lint": ("cannot load" if e.problem else
+                     f"{len(self.lint[e.slug])} warning(s)" if self.lint[e.slug] else "ok"),
+            "description": e.description,
+        } for e in self.entries]
+
+
+def listing(library: SchemaLibrary) -> Listing:
+    result = Listing(library.list())
+    for entry in result.entries:
+        if entry.problem is None:
+            result.schemas[entry.slug] = library.load(entry.slug)
+            result.lint[entry.slug] = result.schemas[entry.slug].problems()
+    return result
+
+
+def starter_schema(name: str, description: str) -> Schema:
+    """A new schema: one placeholder question, so that it is valid and opens in the editors."""
+    return Schema(name=name, questions=dict(STARTER_QUESTIONS), description=description)
+
+
+def overview(schema: Schema) -> str:
+    return (f"**{schema.name}** · version {schema.version} · {len(schema.questions)} questions · "
+            f"{len(schema.examples)} example states")
+
+
+def question_rows(schema: Schema) -> list[dict[str, Any]]:
+    """The questions table: id, type, instructions and the answers each question allows, in a few words."""
+    rows = []
+    for qid, question in schema.questions.items():
+        criteria = question.get("criteria")
+        answers_text = {"noul": "true / false",
+                        "choice": ", ".join(criteria) if isinstance(criteria, dict) else "",
+                        "score": f"{len(criteria)} levels" if isinstance(criteria, list) else ""}
+        rows.append({"id": qid, "type": question["type"], "instructions": question.get("instructions"),
+                     "answers": answers_text.get(question["type"], "")})
+    return rows
+
+
+def version_rows(versions: list[dict]) -> list[dict[str, Any]]:
+    """The history table, newest first as the store gives it."""
+    return [{"version": v["number"], "saved": v["created_at"][:19].replace("T", " "), "how": v["action"],
+             "by": v["who"], "runs": v["run_count"]} for v in versions]
+
+
+def default_diff_from(numbers: list[int]) -> int:
+    """The index of the version the diff starts from: the one before the latest (the latest if it is alone)."""
+    return min(1, len(numbers) - 1)
+
+
+@dataclass(frozen=True)
+class VersionDiff:
+    title: str
+    text: str  # one line per change, [-removed-]{+added+} inside reworded text
+    rows: list[dict[str, str]]  # the changes as a table (none when nothing changed)
+
+
+def version_diff(versions: list[dict], old_number: int, new_number: int) -> VersionDiff:
+    """What changed from one version of a schema's history to another."""
+    by_number = {v["number"]: v for v in versions}
+    changes = diff_schemas(by_number[old_number]["schema"], by_number[new_number]["schema"])
+    return VersionDiff(f"Changes from version {old_number} to version {new_number}", diff_text(changes),
+                       [c.as_row() for c in changes])
+
+
+def restored_message(slug: str, number: int | None, restored: Schema) -> str:
+    """After a restore: an undone delete (number None) or an old version saved again as a new one."""
+    what = f"version {number} as version {restored.version}" if number else f"{slug}.json"
+    return f"Restored {what}."
+
+
+def delete_unconfirmed_message(slug: str) -> str:
+    return f"Tick “Yes, delete {slug}.json” first: nothing was deleted."
