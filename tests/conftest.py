@@ -11,6 +11,22 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
+    # Under pytest-xdist (scripts/test.sh) every worker and the servers it starts share the machine's cores: torch's
+    # threads are split between the workers, so they never spin-wait for cores the other worker holds. Set before
+    # any test module imports torch; child processes inherit it.
+    os.environ.setdefault("OMP_NUM_THREADS",
+                          str(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))))
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Groups for pytest-xdist's `--dist loadgroup` (scripts/test.sh): a test file runs on one worker, so its
+    module-scoped server processes and workbenches start once; the Ray tests of every file share one worker, so
+    one local Ray cluster runs at a time."""
+    for item in items:
+        if item.get_closest_marker("xdist_group") is None:
+            group = "ray" if item.get_closest_marker("ray") else item.nodeid.split("::")[0]
+            item.add_marker(pytest.mark.xdist_group(group))
 
 
 @pytest.fixture(scope="session")

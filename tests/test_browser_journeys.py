@@ -19,12 +19,12 @@ from clef_workbench.store import Store
 from tests.browser_harness import launch_chromium, running_workbench
 
 expect = playwright_api.expect
-expect.set_options(timeout=30_000)  # two CPU cores shared with the model: reruns can take seconds
+expect.set_options(timeout=60_000)  # two CPU cores shared with the model and other work: reruns can take seconds
 
 pytestmark = pytest.mark.browser
 
 REPO = Path(__file__).resolve().parents[1]
-LONG = 180_000  # ms: the first page load builds/loads the demo model
+LONG = 300_000  # ms, a safety limit: the first page load builds/loads the demo model
 
 
 def settle(page) -> None:
@@ -312,16 +312,23 @@ def test_the_runs_page_follows_a_run_to_its_end_and_keeps_a_search_typed_meanwhi
     settle(page)
     per_batch = page.get_by_role("spinbutton", name="Records per batch")
     per_batch.fill("2")
+    redraw_started = time.monotonic()
     per_batch.press("Tab")
     settle(page)
+    # one redraw of this page on this machine as busy as it is now: the measure of "a moment" below
+    redraw_seconds = time.monotonic() - redraw_started
+    moment = max(3.0, 5 * redraw_seconds)
     page.get_by_role("button", name="Start run").click()
     picker = page.get_by_role("combobox", name="Run", exact=True)
     seen_done, seen_running_in_sidebar, contradicted_since, searched = set(), False, None, False
+    # a safety limit on a stall, not on the run: it moves on each time the page shows more cases done
     deadline = time.monotonic() + LONG / 1000
     while time.monotonic() < deadline:
         text = page.evaluate(PAGE_TEXT)
         progress = re.search(rf"(\d+) / {total} cases", text["main"])
         if progress:
+            if int(progress.group(1)) not in seen_done:
+                deadline = time.monotonic() + LONG / 1000
             seen_done.add(int(progress.group(1)))
         contradicted = bool(progress and int(progress.group(1)) > 0
                             and ("No results yet" in text["main"] or "The first results appear here" in text["main"]))
@@ -330,7 +337,8 @@ def test_the_runs_page_follows_a_run_to_its_end_and_keeps_a_search_typed_meanwhi
         elif contradicted_since is None:
             contradicted_since = time.monotonic()
         # one redraw of the page may show the new count above the old results for a moment, never for long
-        assert contradicted_since is None or time.monotonic() - contradicted_since < 3.0, text["main"]
+        assert contradicted_since is None or time.monotonic() - contradicted_since < moment, \
+            (text["main"], f"for {time.monotonic() - contradicted_since:.1f} s; a redraw took {redraw_seconds:.1f} s")
         seen_running_in_sidebar |= bool(re.search(r"batch runs: #\d+ running", text["sidebar"]))
         # the run picker's label never names a count the progress bar contradicts (it said 8/96 beside 40/96)
         label_count = re.search(rf"(\d+)/{total}\b", picker.input_value()) if picker.count() else None
