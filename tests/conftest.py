@@ -19,14 +19,13 @@ if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
                           str(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))))
 
 
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Groups for pytest-xdist's `--dist loadgroup` (scripts/test.sh): a test file runs on one worker, so its
-    module-scoped server processes and workbenches start once; the Ray tests of every file share one worker, so
-    one local Ray cluster runs at a time."""
-    for item in items:
-        if item.get_closest_marker("xdist_group") is None:
-            group = "ray" if item.get_closest_marker("ray") else item.nodeid.split("::")[0]
-            item.add_marker(pytest.mark.xdist_group(group))
+@pytest.fixture(scope="module", autouse=True)
+def _local_ray_cluster_stopped_after_its_module():
+    """A Ray cluster a test module started (tests/ray_cluster.py) stops with the module: test workers take turns."""
+    yield
+    from tests.ray_cluster import shutdown_local_cluster
+
+    shutdown_local_cluster()
 
 
 @pytest.fixture(scope="session")
