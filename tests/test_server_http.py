@@ -319,9 +319,14 @@ def test_slow_headers_and_idle_connections_are_closed_while_others_are_answered(
 
 
 def timed_post(http: httpx.Client, body: dict) -> float:
+    """Seconds until `body` is answered; at least that long when the server's own deadline (DEFAULT_REQUEST_TIMEOUT)
+    ends it first, as on a machine many times slower than usual."""
     started = time.monotonic()
-    assert http.post("/v1/systemone", json=body).status_code == 200
-    return time.monotonic() - started
+    response = http.post("/v1/systemone", json=body)
+    took = time.monotonic() - started
+    assert response.status_code == 200 or response.json()["detail"]["error_type"] == "deadline_exceeded", \
+        response.text[:300]
+    return took
 
 
 def test_a_request_past_the_deadline_gets_a_clear_error(tiny_release: Path, client: httpx.Client,
