@@ -290,6 +290,14 @@ PAGE_TEXT = """() => ({
 })"""
 
 
+def value_now(field) -> str | None:
+    """The field's value, or None while a redraw has it off the page (a probe: the caller looks again)."""
+    try:
+        return field.input_value(timeout=5_000) if field.count() else None
+    except playwright_api.TimeoutError:
+        return None
+
+
 def test_the_runs_page_follows_a_run_to_its_end_and_keeps_a_search_typed_meanwhile(page, workbench):
     """While the run goes: the results never keep saying "none yet" under a non-zero count (for longer than the page
     takes to redraw itself), the sidebar names the running run, a search typed into the results meanwhile stays
@@ -324,6 +332,7 @@ def test_the_runs_page_follows_a_run_to_its_end_and_keeps_a_search_typed_meanwhi
     # a safety limit on a stall, not on the run: it moves on each time the page shows more cases done
     deadline = time.monotonic() + LONG / 1000
     while time.monotonic() < deadline:
+        label_before = value_now(picker)
         text = page.evaluate(PAGE_TEXT)
         progress = re.search(rf"(\d+) / {total} cases", text["main"])
         if progress:
@@ -341,9 +350,11 @@ def test_the_runs_page_follows_a_run_to_its_end_and_keeps_a_search_typed_meanwhi
             (text["main"], f"for {time.monotonic() - contradicted_since:.1f} s; a redraw took {redraw_seconds:.1f} s")
         seen_running_in_sidebar |= bool(re.search(r"batch runs: #\d+ running", text["sidebar"]))
         # the run picker's label never names a count the progress bar contradicts (it said 8/96 beside 40/96)
-        label_count = re.search(rf"(\d+)/{total}\b", picker.input_value()) if picker.count() else None
+        # (read before and after the page's text: the same label both times is the label the text was read beside)
+        label = value_now(picker)
+        label_count = re.search(rf"(\d+)/{total}\b", label) if label and label == label_before else None
         if progress and label_count and int(progress.group(1)) < total:
-            assert label_count.group(1) == progress.group(1), (picker.input_value(), progress.group(0))
+            assert label_count.group(1) == progress.group(1), (label, progress.group(0))
         search = page.get_by_role("textbox", name="Search the states and answers")
         if not searched and progress and int(progress.group(1)) < total * 3 // 4 and search.count() == 1:
             settle(page)  # as a person: the results are drawn, then typed into
@@ -352,7 +363,7 @@ def test_the_runs_page_follows_a_run_to_its_end_and_keeps_a_search_typed_meanwhi
             settle(page)
             expect(search).to_have_value("refund")  # taken (a loss later is the redraws' doing)
             searched = True
-        if picker.count() and picker.input_value().endswith(f"{total}/{total} · finished"):
+        if (value_now(picker) or "").endswith(f"{total}/{total} · finished"):
             break
         page.wait_for_timeout(200)
     run_id = store.list_runs()[0]["id"]
