@@ -349,6 +349,8 @@ class Scheduler:
             results = self.run_batch(records)
         except BatchAbandoned:
             self.stats.abandoned_batches += 1
+            with self._condition:  # the rest of each job leaves the queue before its caller hears of the end
+                self._drop_queued([piece.job for piece in pieces])
             for piece in pieces:
                 if not piece.job.future.done():
                     piece.job.future.set_exception(CancelledError("abandoned: the caller's deadline passed"))
@@ -371,6 +373,18 @@ class Scheduler:
             count = piece.end - piece.start
             self._deliver(piece, results[offset: offset + count])
             offset += count
+
+    def _drop_queued(self, jobs: list[Job]) -> None:
+        """Take the records of `jobs` not run yet out of the queue. Called with the lock held."""
+        dropped = {id(job) for job in jobs}
+        kept = [job for job in self._heap if id(job) not in dropped]
+        if len(kept) == len(self._heap):
+            return
+        for job in self._heap:
+            if id(job) in dropped:
+                self._queued_records -= len(job.records) - job.taken
+        self._heap = kept
+        heapq.heapify(self._heap)
 
     def _isolate(self, pieces: list[Piece], error: Exception) -> None:
         """After a failed batch: each job's piece again alone; a per-record piece halved down to single records,

@@ -3,6 +3,8 @@
 #   bash scripts/test.sh            every test (engine, services, API server processes, app pages, Ray, browser)
 #   bash scripts/test.sh --quick    the quick tier: no browser, no Ray cluster, no process kills, nothing marked slow
 # Other arguments go to pytest (e.g. bash scripts/test.sh --quick tests/test_store.py -k drafts).
+# Tests run on CLEF_TEST_WORKERS pytest-xdist workers (default: one per CPU core; 0 runs them in this process), a test
+# file on one worker (its servers start once); workers take turns with the local Ray cluster (tests/ray_cluster.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 quick=()
@@ -13,4 +15,4 @@ fi
 bash scripts/setup.sh --test
 .venv/bin/python -m ruff check .
 .venv/bin/python -m mypy
-exec .venv/bin/python -m pytest -q "${quick[@]}" "$@"
+exec .venv/bin/python -m pytest -q -n "${CLEF_TEST_WORKERS:-auto}" --dist loadfile "${quick[@]}" "$@"

@@ -11,6 +11,21 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
+    # Under pytest-xdist (scripts/test.sh) every worker and the servers it starts share the machine's cores: torch's
+    # threads are split between the workers, so they never spin-wait for cores the other worker holds. Set before
+    # any test module imports torch; child processes inherit it.
+    os.environ.setdefault("OMP_NUM_THREADS",
+                          str(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _local_ray_cluster_stopped_after_its_module():
+    """A Ray cluster a test module started (tests/ray_cluster.py) stops with the module: test workers take turns."""
+    yield
+    from tests.ray_cluster import shutdown_local_cluster
+
+    shutdown_local_cluster()
 
 
 @pytest.fixture(scope="session")

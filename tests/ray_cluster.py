@@ -3,8 +3,13 @@ release at a time), and the comparison of a run's answers with the same run done
 
 from __future__ import annotations
 
+import fcntl
 import math
+import os
 import re
+import tempfile
+from pathlib import Path
+from typing import IO
 
 import pytest
 
@@ -14,12 +19,35 @@ CPUS = 2
 TOLERANCE = 1.5e-4
 
 
+# One local cluster on this machine at a time: test workers (pytest-xdist) take turns by this lock, held from the
+# cluster's start to its shutdown at the end of the test module that started it (tests/conftest.py).
+_LOCK_PATH = Path(tempfile.gettempdir()) / f"clef-tests-ray-{os.getuid()}.lock"
+_lock_file: IO[bytes] | None = None
+
+
 def local_cluster() -> str:
-    """Start the cluster once per test session (or reuse it); returns its address for other drivers."""
+    """Start the cluster once per test module (or reuse it); returns its address for other drivers."""
+    global _lock_file
     ray = pytest.importorskip("ray")
     if not ray.is_initialized():
+        if _lock_file is None:
+            _lock_file = open(_LOCK_PATH, "wb")  # held open until shutdown_local_cluster
+            fcntl.flock(_lock_file, fcntl.LOCK_EX)
         ray.init(num_cpus=CPUS, include_dashboard=False, log_to_driver=False)
     return ray.get_runtime_context().gcs_address
+
+
+def shutdown_local_cluster() -> None:
+    """Stop the cluster local_cluster started in this process, if any, and let another worker start one."""
+    global _lock_file
+    if _lock_file is None:
+        return
+    import ray
+
+    ray.shutdown()
+    fcntl.flock(_lock_file, fcntl.LOCK_UN)
+    _lock_file.close()
+    _lock_file = None
 
 
 def assert_same_answers(expected: list[dict], actual: list[dict]) -> None:

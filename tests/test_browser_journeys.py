@@ -19,12 +19,12 @@ from clef_workbench.store import Store
 from tests.browser_harness import launch_chromium, running_workbench
 
 expect = playwright_api.expect
-expect.set_options(timeout=30_000)  # two CPU cores shared with the model: reruns can take seconds
+expect.set_options(timeout=60_000)  # two CPU cores shared with the model and other work: reruns can take seconds
 
 pytestmark = pytest.mark.browser
 
 REPO = Path(__file__).resolve().parents[1]
-LONG = 180_000  # ms: the first page load builds/loads the demo model
+LONG = 300_000  # ms, a safety limit: the first page load builds/loads the demo model
 
 
 def settle(page) -> None:
@@ -286,8 +286,16 @@ def test_a_results_row_opens_its_case_in_decide(page, workbench):
 PAGE_TEXT = """() => ({
     main: [...document.querySelectorAll('[data-testid="stMain"] [data-testid="stElementContainer"]')]
         .filter(e => !e.closest('[data-stale="true"]')).map(e => e.innerText).join('\\n'),
-    sidebar: document.querySelector('[data-testid="stSidebar"]').innerText,
+    sidebar: document.querySelector('[data-testid="stSidebar"]')?.innerText ?? '',  // absent during a whole redraw
 })"""
+
+
+def value_now(field) -> str | None:
+    """The field's value, or None while a redraw has it off the page (a probe: the caller looks again)."""
+    try:
+        return field.input_value(timeout=5_000) if field.count() else None
+    except playwright_api.TimeoutError:
+        return None
 
 
 def test_the_runs_page_follows_a_run_to_its_end_and_keeps_a_search_typed_meanwhile(page, workbench):
@@ -312,16 +320,24 @@ def test_the_runs_page_follows_a_run_to_its_end_and_keeps_a_search_typed_meanwhi
     settle(page)
     per_batch = page.get_by_role("spinbutton", name="Records per batch")
     per_batch.fill("2")
+    redraw_started = time.monotonic()
     per_batch.press("Tab")
     settle(page)
+    # one redraw of this page on this machine as busy as it is now: the measure of "a moment" below
+    redraw_seconds = time.monotonic() - redraw_started
+    moment = max(3.0, 5 * redraw_seconds)
     page.get_by_role("button", name="Start run").click()
     picker = page.get_by_role("combobox", name="Run", exact=True)
     seen_done, seen_running_in_sidebar, contradicted_since, searched = set(), False, None, False
+    # a safety limit on a stall, not on the run: it moves on each time the page shows more cases done
     deadline = time.monotonic() + LONG / 1000
     while time.monotonic() < deadline:
+        label_before = value_now(picker)
         text = page.evaluate(PAGE_TEXT)
         progress = re.search(rf"(\d+) / {total} cases", text["main"])
         if progress:
+            if int(progress.group(1)) not in seen_done:
+                deadline = time.monotonic() + LONG / 1000
             seen_done.add(int(progress.group(1)))
         contradicted = bool(progress and int(progress.group(1)) > 0
                             and ("No results yet" in text["main"] or "The first results appear here" in text["main"]))
@@ -330,12 +346,15 @@ def test_the_runs_page_follows_a_run_to_its_end_and_keeps_a_search_typed_meanwhi
         elif contradicted_since is None:
             contradicted_since = time.monotonic()
         # one redraw of the page may show the new count above the old results for a moment, never for long
-        assert contradicted_since is None or time.monotonic() - contradicted_since < 3.0, text["main"]
+        assert contradicted_since is None or time.monotonic() - contradicted_since < moment, \
+            (text["main"], f"for {time.monotonic() - contradicted_since:.1f} s; a redraw took {redraw_seconds:.1f} s")
         seen_running_in_sidebar |= bool(re.search(r"batch runs: #\d+ running", text["sidebar"]))
         # the run picker's label never names a count the progress bar contradicts (it said 8/96 beside 40/96)
-        label_count = re.search(rf"(\d+)/{total}\b", picker.input_value()) if picker.count() else None
+        # (read before and after the page's text: the same label both times is the label the text was read beside)
+        label = value_now(picker)
+        label_count = re.search(rf"(\d+)/{total}\b", label) if label and label == label_before else None
         if progress and label_count and int(progress.group(1)) < total:
-            assert label_count.group(1) == progress.group(1), (picker.input_value(), progress.group(0))
+            assert label_count.group(1) == progress.group(1), (label, progress.group(0))
         search = page.get_by_role("textbox", name="Search the states and answers")
         if not searched and progress and int(progress.group(1)) < total * 3 // 4 and search.count() == 1:
             settle(page)  # as a person: the results are drawn, then typed into
@@ -344,7 +363,7 @@ def test_the_runs_page_follows_a_run_to_its_end_and_keeps_a_search_typed_meanwhi
             settle(page)
             expect(search).to_have_value("refund")  # taken (a loss later is the redraws' doing)
             searched = True
-        if picker.count() and picker.input_value().endswith(f"{total}/{total} · finished"):
+        if (value_now(picker) or "").endswith(f"{total}/{total} · finished"):
             break
         page.wait_for_timeout(200)
     run_id = store.list_runs()[0]["id"]

@@ -14,7 +14,7 @@ import pytest
 from tests.browser_harness import REPO, launch_chromium, running_workbench
 
 pytestmark = pytest.mark.browser
-LONG = 180_000  # ms: the first page load builds or loads the demo model
+LONG = 300_000  # ms, a safety limit: the first page load builds or loads the demo model
 VIEWPORTS = [(1024, 768), (1280, 720), (1440, 900)]
 
 # For an element: its box, and every part of it that hides text (content wider than its box: an ellipsis or a cut).

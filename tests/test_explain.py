@@ -192,6 +192,7 @@ def without_latency(raw: bytes) -> bytes:
     return re.sub(rb'"(x_latency_ms|x_compute_ms|x_queue_ms)":[0-9.eE+-]+', rb'"\1":0', raw)
 
 
+@pytest.mark.slow  # a real server process
 def test_http_x_explain_matches_the_engine_and_deciding_again(client, tiny_engine):
     image = png_bytes(64, 96, seed=11)
     body = request(images=[data_url(image)], model="jev-latest")
@@ -218,6 +219,7 @@ def test_http_x_explain_matches_the_engine_and_deciding_again(client, tiny_engin
         assert segment["delta"] == pytest.approx(sign * (again - base), abs=ROUNDED)
 
 
+@pytest.mark.slow  # a real server process
 def test_http_x_explain_by_unit_on_a_json_state(client):
     reply = client.post("/v1/systemone", json=request(JSON_STATE) | {"x_explain": {"unit": "field"}})
     assert reply.status_code == 200, reply.text
@@ -225,6 +227,7 @@ def test_http_x_explain_by_unit_on_a_json_state(client):
         ("customer", "name"), ("customer", "tier"), ("message",), ("order", "id"), ("order", "late_days")}
 
 
+@pytest.mark.slow  # a real server process
 def test_http_without_x_explain_answers_as_before(client):
     body = request(JSON_STATE, model="jev-latest")
     plain = client.post("/v1/systemone", json=body)
@@ -237,6 +240,7 @@ def test_http_without_x_explain_answers_as_before(client):
         k: v for k, v in plain.json().items() if k not in TIMINGS}
 
 
+@pytest.mark.slow  # a real server process
 @pytest.mark.parametrize(("option", "loc"), [
     ({"unit": "word"}, ["body", "x_explain", "unit"]),
     ("yes", ["body", "x_explain"]),
@@ -248,6 +252,7 @@ def test_http_bad_x_explain_is_422_naming_it(client, option, loc):
     assert [p["loc"] for p in reply.json()["detail"]] == [loc]
 
 
+@pytest.mark.slow  # a real server process
 def test_http_explanation_over_the_budget_is_413_naming_its_cost(client, tiny_engine):
     # many short sentences: the record fits, its one-sentence-shorter copies together do not
     state = " ".join(f"Line {i} says the parcel {i} is late." for i in range(160))

@@ -123,6 +123,7 @@ def test_a_long_state_stored_in_chunks_answers_a_new_schema_as_the_whole_record_
         cache.clear()
 
 
+@pytest.mark.slow  # Triton's interpreter on the CPU: minutes
 def test_a_chunked_record_with_the_triton_kernels_matches_the_whole_pytorch_forward():
     """Chunks after the first continue the conv with the fused kernel (`causal_conv_after_triton`): run in Triton's
     interpreter against the plain whole-record forward."""
@@ -145,6 +146,7 @@ def test_a_chunked_record_with_the_triton_kernels_matches_the_whole_pytorch_forw
     assert "max abs difference" in out
 
 
+@pytest.mark.slow  # the benchmark's CPU smoke run: minutes
 def test_the_long_records_benchmark_writes_issue_25s_layout_in_its_cpu_smoke_mode(tmp_path):
     """bench/long_records.py on a scaled-down model (its ~136k record is ~4k tokens here: chunked, state stored)."""
     out = tmp_path / "long.json"

@@ -5,6 +5,7 @@ baseline, and a run picker whose label cannot contradict the progress bar."""
 
 from __future__ import annotations
 
+import pytest
 from streamlit.testing.v1 import AppTest
 
 from clef_workbench import casesets, review
@@ -25,6 +26,7 @@ def start_run(store: Store, set_id: int, engine) -> int:
     return run_id
 
 
+@pytest.mark.slow  # the pages on the demo model, with its runs: tens of seconds each on a busy machine
 def test_a_failed_run_reads_failed_at_the_top_exports_and_retries_only_its_failed_cases(workbench):
     AppTest.from_file(APP, default_timeout=TIMEOUT).run()  # loads the demo model in this process
     store = Store(workbench / "workbench.sqlite3")
@@ -50,6 +52,7 @@ def test_a_failed_run_reads_failed_at_the_top_exports_and_retries_only_its_faile
     assert "Finished: all 12 cases have answers." in texts(at)
 
 
+@pytest.mark.slow  # the pages on the demo model, with its runs: tens of seconds each on a busy machine
 def test_the_runs_page_compares_with_a_run_that_has_answers_never_an_all_error_one(workbench):
     AppTest.from_file(APP, default_timeout=TIMEOUT).run()
     store = Store(workbench / "workbench.sqlite3")
@@ -98,6 +101,7 @@ def errors(at: AppTest) -> str:
     return "\n".join(e.value for e in at.error)
 
 
+@pytest.mark.slow  # the pages on the demo model, with its runs: tens of seconds each on a busy machine
 def test_a_link_to_a_missing_run_case_set_review_item_or_schema_says_not_found_and_opens_nothing_else(workbench):
     AppTest.from_file(APP, default_timeout=TIMEOUT).run()
     store = Store(workbench / "workbench.sqlite3")
@@ -134,6 +138,7 @@ def test_a_link_to_a_missing_run_case_set_review_item_or_schema_says_not_found_a
     assert loaded is None, "no other schema opened in its place"
 
 
+@pytest.mark.slow  # the pages on the demo model, with its runs: tens of seconds each on a busy machine
 def test_open_in_review_from_a_results_row_opens_that_answer_queuing_it_when_the_queue_is_empty(workbench):
     AppTest.from_file(APP, default_timeout=TIMEOUT).run()
     store = Store(workbench / "workbench.sqlite3")
@@ -152,6 +157,7 @@ def test_open_in_review_from_a_results_row_opens_that_answer_queuing_it_when_the
 # -- review: the gold-label confirmation ------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # the pages on the demo model, with its runs: tens of seconds each on a busy machine
 def test_an_answer_against_the_gold_label_asks_in_a_dialog_and_keep_records_the_gold_label(workbench):
     AppTest.from_file(APP, default_timeout=TIMEOUT).run()
     store = Store(workbench / "workbench.sqlite3")
@@ -182,6 +188,7 @@ def test_an_answer_against_the_gold_label_asks_in_a_dialog_and_keep_records_the_
     assert not at.get("dialog")
 
 
+@pytest.mark.slow  # the pages on the demo model, with its runs: tens of seconds each on a busy machine
 def test_the_compare_pages_one_action_shows_the_run_it_started_and_follows_it_to_its_end(workbench):
     AppTest.from_file(APP, default_timeout=TIMEOUT).run()
     store = Store(workbench / "workbench.sqlite3")

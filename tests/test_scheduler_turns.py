@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
+from concurrent.futures import Future
 
 import pytest
 
@@ -19,10 +21,10 @@ class FakeGpu:
 
     def __init__(self) -> None:
         self.log: list[tuple[str, str]] = []
-        self.started_at: dict[str, float] = {}
         self.lock = threading.Lock()
         self.running = 0
         self.overlaps = 0
+        self.during: dict[tuple[str, int], Callable[[], None]] = {}  # (record, layer) → called after that layer
 
     def engine(self, name: str, turn: GpuTurn, *, layers: int = 1, batch_s: float = BATCH_S) -> Scheduler:
         holder: dict[str, Scheduler] = {}
@@ -32,9 +34,12 @@ class FakeGpu:
                 self.running += 1
                 self.overlaps += self.running > 1
                 self.log.append((name, f"start {records[0]}"))
-                self.started_at[records[0]] = time.perf_counter()
             for layer in range(layers):
                 time.sleep(batch_s / layers)
+                with self.lock:
+                    self.log.append((name, f"layer {records[0]}"))
+                if (records[0], layer) in self.during:
+                    self.during.pop((records[0], layer))()
                 if layer < layers - 1:
                     with self.lock:
                         self.running -= 1
@@ -82,37 +87,43 @@ def test_without_a_shared_turn_engines_run_at_once():
     a.close(), b.close()
 
 
-def _interactive_during_bulk(layers: int, batch_s: float = BATCH_S) -> tuple[int, float]:
-    """A long bulk run on A; an interactive request on B sent while one of A's batches runs. Returns how many of A's
-    batches started while B waited, and how long B waited for the device."""
+def _interactive_during_bulk(layers: int, batch_s: float = BATCH_S) -> list[tuple[str, str]]:
+    """A long bulk run on A; an interactive request on B arrives during A's third batch, after its first layer (sent
+    from inside the batch, and waited for until B's worker asks for the device: the moment is an event, not a
+    guess). Returns the log from that arrival to B's start."""
     gpu, turn = FakeGpu(), GpuTurn()
     a, b = gpu.engine("A", turn, layers=layers, batch_s=batch_s), gpu.engine("B", turn)
+    interactive: list[Future] = []
+
+    def arrive() -> None:
+        interactive.append(b.submit(["b-interactive"], priority="interactive", tokens=1))
+        deadline = time.monotonic() + 60  # a safety limit: B's worker asks for the turn as soon as it is scheduled
+        while not turn.interactive_waiting():
+            assert time.monotonic() < deadline, "B's worker never asked for the device"
+            time.sleep(0.001)
+        with gpu.lock:
+            gpu.log.append(("B", "arrived"))
+
+    gpu.during[("a2", 0)] = arrive
     bulk = [a.submit([f"a{i}"], priority="bulk", tokens=1) for i in range(20)]
-    while sum(1 for name, what in gpu.log if what.startswith("start")) < 3:
-        time.sleep(0.005)
-    mark = len(gpu.log)
-    sent = time.perf_counter()
-    b.submit(["b-interactive"], priority="interactive", tokens=1).result(timeout=10)
-    waited = gpu.started_at["b-interactive"] - sent
-    before_b = gpu.log[mark: gpu.log.index(("B", "start b-interactive"))]
     for future in bulk:
-        future.result(timeout=20)
+        future.result(timeout=120)
+    interactive[0].result(timeout=120)
     a.close(), b.close()
     assert gpu.overlaps == 0
-    return sum(1 for name, what in before_b if name == "A" and what.startswith("start")), waited
+    return gpu.log[gpu.log.index(("B", "arrived")): gpu.log.index(("B", "start b-interactive"))]
 
 
 def test_interactive_on_b_waits_for_at_most_one_batch_of_a_bulk_run_on_a():
-    a_batches_started, waited = _interactive_during_bulk(layers=1)
-    # at most the batch A was starting as B's request arrived; without the shared turn's order, all 17 left
-    assert a_batches_started <= 1, "B's request waited for more than the A batch already running"
-    assert waited < 2 * BATCH_S + 0.1
+    before_b = _interactive_during_bulk(layers=1)
+    # the rest of the batch A was running as B's request arrived, then B: without the shared turn's order, all 17 left
+    assert [what for name, what in before_b if name == "A"] == ["end a2"], before_b
 
 
 def test_interactive_on_b_runs_between_layers_of_a_bulk_batch_on_a():
-    a_batches_started, waited = _interactive_during_bulk(layers=10, batch_s=0.2)
-    assert a_batches_started <= 1
-    assert waited < 0.1  # a layer or two of A's batch (20 ms each), not the rest of it (~200 ms)
+    before_b = _interactive_during_bulk(layers=10, batch_s=0.2)
+    # B runs at A's next step between layers: none of the nine layers left of A's batch, not the rest of it
+    assert [what for name, what in before_b if name == "A"] == [], before_b
 
 
 def test_interactive_first_within_and_across_engines():
@@ -120,9 +131,11 @@ def test_interactive_first_within_and_across_engines():
     a, b = gpu.engine("A", turn), gpu.engine("B", turn)
     turn.acquire(1)  # the device is busy: everything below queues
     futures = [a.submit(["a-bulk"], priority="bulk", tokens=1)]
-    time.sleep(0.05)
+    while len(turn._waiting) < 1:  # A's bulk batch asked for the device first
+        time.sleep(0.005)
     futures.append(b.submit(["b-interactive"], priority="interactive", tokens=1))
-    time.sleep(0.05)
+    while len(turn._waiting) < 2:
+        time.sleep(0.005)
     turn.release()
     for future in futures:
         future.result(timeout=10)

@@ -1,7 +1,8 @@
 """Hostile clients against a real server process on the tiny release (CPU), one test per row of issue 24's table:
 each cheap request that used to buy minutes of engine time or gigabytes of memory is refused or bounded (never a
 5xx, the server's memory growing by less than MAX_GROWTH_MB), while a small decide from another client is answered
-within twice its idle time plus a second (the idle time measured just before, on this machine as busy as it is).
+within twice its idle time plus a second (the idle time measured just before and just after, on this machine as busy
+as it is then: a load that comes or goes meanwhile is in the measure).
 
 The memory is sampled from /proc/PID/status (VmRSS) while the hostile request runs; its growth is the highest
 sample less the one before."""
@@ -26,6 +27,7 @@ from PIL import Image
 
 from tests.test_server import JSON, ServerProcess, check_answers, make_request, serving
 
+pytestmark = pytest.mark.slow  # real server processes
 MAX_GROWTH_MB = 500
 MAX_WORK_SECONDS = 5.0  # of the server's CPU for one hostile request (the issue's bound)
 SLACK_SECONDS = 1.0  # what a busy CI machine may add to a small decide, on top of twice its idle time
@@ -93,6 +95,7 @@ def while_hostile(server: ServerProcess, send: Callable[[httpx.Client], httpx.Re
             latencies.append(small_decide_seconds(http))
         thread.join()
         growth = sampler.stop()
+        idle = max(idle, *(small_decide_seconds(http) for _ in range(5)))
     response = answer["response"]
     assert response.status_code < 500, response.text[:500]
     assert growth < MAX_GROWTH_MB, f"the server grew by {growth:.0f} MB"

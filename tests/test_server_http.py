@@ -8,6 +8,7 @@ import base64
 import io
 import json
 import math
+import select
 import socket
 import threading
 import time
@@ -25,6 +26,7 @@ pytestmark = pytest.mark.slow  # real server processes
 ALLOWED_ORIGIN = "http://allowed.test"
 HEADER_TIMEOUT = 1.5
 KEEP_ALIVE_TIMEOUT = 1
+SAFETY_SECONDS = 30  # what a busy machine may add to a timer, as a limit on waiting only
 
 
 # --- media, shared with the fuzz test ---------------------------------------------------------------------------
@@ -256,6 +258,17 @@ def _closed_within(sock: socket.socket, seconds: float) -> float | None:
         return None
 
 
+def _closed_by_server(sock: socket.socket) -> bool:
+    """Whether the server has closed `sock` (what it sent before closing is read and dropped); never waits."""
+    while select.select([sock], [], [], 0)[0]:
+        try:
+            if not sock.recv(4096):
+                return True
+        except (ConnectionResetError, BrokenPipeError):
+            return True
+    return False
+
+
 def test_slow_headers_and_idle_connections_are_closed_while_others_are_answered(tight_server: ServerProcess) -> None:
     host, port = "127.0.0.1", tight_server.port
     # A fresh server's first answer can take longer than the header window on a busy machine; it is not measured.
@@ -276,61 +289,73 @@ def test_slow_headers_and_idle_connections_are_closed_while_others_are_answered(
 
     dripper = threading.Thread(target=drip, daemon=True)
     dripper.start()
-    started = time.monotonic()
-    latencies = []
-    with httpx.Client(base_url=tight_server.url, timeout=30) as http:
-        while time.monotonic() - started < HEADER_TIMEOUT + 0.5:
-            t0 = time.monotonic()
+    # The slow clients cost the others nothing: other requests are answered while the server still holds the silent
+    # connection (a server serving one connection at a time would answer none before closing it).
+    answered_while_held = 0
+    with httpx.Client(base_url=tight_server.url, timeout=60) as http:
+        while not _closed_by_server(silent):
             assert http.get("/health").status_code == 200
-            latencies.append(time.monotonic() - t0)
-            time.sleep(0.1)
-    assert len(latencies) >= 3 and max(latencies) < 1.0, latencies  # the slow clients cost the others nothing
+            answered_while_held += 1
+            assert answered_while_held < 10_000, "a silent connection was kept open"
+            time.sleep(0.05)
+    assert answered_while_held >= 1
 
-    assert _closed_within(silent, HEADER_TIMEOUT + 3) is not None, "a silent connection was kept open"
-    closed_after = _closed_within(dripping, HEADER_TIMEOUT + 3)
+    # Closed at the header timeout, while it still sends a header line every 0.3 s (each would reset a plain
+    # keep-alive timer); the wait is a safety limit only.
+    closed_after = _closed_within(dripping, HEADER_TIMEOUT + SAFETY_SECONDS)
     stop.set()
     assert closed_after is not None, "a connection trickling its headers was kept open"
-    assert time.monotonic() - started < HEADER_TIMEOUT + 3
 
     # An idle keep-alive connection is closed too, after its answer.
     idle = socket.create_connection((host, port))
     idle.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
     idle.settimeout(10)
     assert idle.recv(4096).startswith(b"HTTP/1.1 200")
-    assert _closed_within(idle, KEEP_ALIVE_TIMEOUT + 3) is not None, "an idle keep-alive connection was kept open"
+    assert _closed_within(idle, KEEP_ALIVE_TIMEOUT + SAFETY_SECONDS) is not None, \
+        "an idle keep-alive connection was kept open"
     for sock in (silent, dripping, idle):
         sock.close()
     assert tight_server.alive()
 
 
 def timed_post(http: httpx.Client, body: dict) -> float:
+    """Seconds until `body` is answered; at least that long when the server's own deadline (DEFAULT_REQUEST_TIMEOUT)
+    ends it first, as on a machine many times slower than usual."""
     started = time.monotonic()
-    assert http.post("/v1/systemone", json=body).status_code == 200
-    return time.monotonic() - started
+    response = http.post("/v1/systemone", json=body)
+    took = time.monotonic() - started
+    assert response.status_code == 200 or response.json()["detail"]["error_type"] == "deadline_exceeded", \
+        response.text[:300]
+    return took
 
 
 def test_a_request_past_the_deadline_gets_a_clear_error(tiny_release: Path, client: httpx.Client,
                                                         tmp_path_factory: pytest.TempPathFactory) -> None:
     # The deadline is set from this machine's own speed (measured on the module's server without a deadline): far
     # under what the slow request needs and far over what a small one needs, so the test means the same on a fast
-    # quiet machine and a slow busy one.
+    # quiet machine and a slow busy one. A busy machine only adds to a time: the fastest of a few tries is the
+    # request's own cost (the slowest would let one burst of load push the slow request past the token ceiling).
     slow = make_request(2) | {"state": "Tickets pile up while the queue is bounded. " * 600,
                               "x_max_length": 1 << 20}
-    small_took = max(timed_post(client, make_request(3)) for _ in range(3))
-    slow_took = timed_post(client, slow)
-    while slow_took < 9 * small_took:  # make the slow one slower until the two are well apart
-        slow["state"] *= 2
-        slow_took = timed_post(client, slow)
+    small_took = min(timed_post(client, make_request(3)) for _ in range(3))
+    slow_took = min(timed_post(client, slow) for _ in range(2))
+    while slow_took < 9 * small_took:  # make the slow one slower until the two are well apart, within the budget
+        slower = slow | {"state": slow["state"] * 2}
+        if client.post("/v1/systemone", json=slower).status_code == 413:  # over the token ceiling: as slow as it gets
+            break
+        slow = slower
+        slow_took = min(timed_post(client, slow) for _ in range(2))
     request_timeout = round(math.sqrt(slow_took * small_took), 2)  # ≥ 3× either side
     server = ServerProcess(tiny_release, tmp_path_factory.mktemp("logs") / "deadline-server.log",
                            "--request-timeout", str(request_timeout))
     try:
-        check_deadline(server, slow, request_timeout)
+        check_deadline(server, slow, request_timeout, slow_took)
     finally:
         server.stop()
 
 
-def check_deadline(deadline_server: ServerProcess, slow: dict, request_timeout: float) -> None:
+def check_deadline(deadline_server: ServerProcess, slow: dict, request_timeout: float, slow_took: float) -> None:
+    """`slow_took`: how long `slow` takes to be answered without a deadline, at least 3 × `request_timeout`."""
     with httpx.Client(base_url=deadline_server.url, timeout=120) as http:
         http.post("/v1/systemone", json=make_request(3))  # the first request of a process pays one-off costs
         started = time.monotonic()
@@ -341,7 +366,8 @@ def check_deadline(deadline_server: ServerProcess, slow: dict, request_timeout: 
         assert detail["error_type"] == "deadline_exceeded"
         assert f"{request_timeout:g} seconds" in detail["message"]
         assert response.headers["retry-after"]
-        assert waited < request_timeout + 1.5, waited
+        # the error comes at the deadline, not once the work is done (a third of the way at the latest)
+        assert request_timeout <= waited < slow_took, (waited, request_timeout, slow_took)
         # Others keep being answered meanwhile, and answers come back once the worker is free again.
         assert http.get("/health").status_code == 200
         assert http.get("/v1/models").status_code == 200
