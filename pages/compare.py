@@ -10,6 +10,7 @@ import streamlit as st
 from clef_engine import DEFAULT_MAX_LENGTH
 from clef_workbench import compare, run_charts
 from clef_workbench.answers import probability_chart
+from clef_workbench.jobs import EngineUnreachableError
 from clef_workbench.model_loader import DEMO_SOURCE, request_model_name
 from clef_workbench.run_status import status_label
 from clef_workbench.schemas import SchemaError
@@ -58,7 +59,10 @@ def start_comparison(set_id: int, slug: str, number: int, names: list[str]) -> N
         run_ids = compare.start_runs(store, get_job_runner(), set_id, schema, engines,
                                      settings={"chunk_size": 8, "max_length": DEFAULT_MAX_LENGTH,
                                                "overflow": "refuse", "schema_slug": slug})
-    except Exception as exc:  # noqa: BLE001 — e.g. a remote endpoint that does not answer: a message, no traceback
+    except EngineUnreachableError as exc:  # checked before any run is recorded: none is left pending
+        st.session_state[K("flash")] = ("error", str(exc))
+        return
+    except Exception as exc:  # noqa: BLE001 — any other failure: a message, no traceback
         st.session_state[K("flash")] = ("error", f"Not started: {type(exc).__name__}: {exc}")
         return
     set_widget(K("set"), set_id)
