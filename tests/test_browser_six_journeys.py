@@ -281,8 +281,9 @@ def two_schema_versions_and_compare(page, store: Store) -> None:
     truthful(page)
 
     go_to(page, "Compare")
+    expect(page.get_by_text("Comparing needs two runs of one case set")).to_be_visible()  # the page is drawn
     start = page.get_by_role("button", name="Run this schema on this case set with these models")
-    if not start.is_visible():  # open at first, while no case set has two runs
+    if not start.is_visible():  # the one action is open by itself while no case set has two runs
         page.get_by_text("Run a schema on a case set with these models", exact=True).click()
     pick(page, "Case set", "Compare messages (3 cases)")
     pick(page, "Schema", "parcel-replies")
