@@ -31,6 +31,7 @@ import numpy as np
 import pandas as pd
 
 from clef_workbench import calibration, schema_diff, stats
+from clef_workbench.jobs import EngineUnreachableError, check_engine
 
 DEFAULT_BOOTSTRAP = 1000
 DEFAULT_LEVEL = 0.95
@@ -70,14 +71,24 @@ def start_runs(store: Any, runner: Any, case_set_id: int, schema: dict, engines:
                settings: dict | None = None) -> list[int]:
     """One run of `schema` on the case set per engine (a local Engine or a RemoteEngine), named by its key (the run's
     model_id, also the `model` its requests carry), all started on `runner` (a jobs.JobRunner) at once: each runs
-    in its own thread, so a remote endpoint answers while the local GPU works. Returns the run ids, in order."""
+    in its own thread, so a remote endpoint answers while the local GPU works. Returns the run ids, in order.
+
+    Every remote endpoint is checked before any run is recorded: one that does not answer raises
+    jobs.EngineUnreachableError naming its model, and no run is left pending (the others are not started either, so
+    the comparison asked for is not half made)."""
     if not engines:
         raise ValueError("pick at least one model to run")
+    for name, engine in engines.items():
+        try:
+            check_engine(engine)
+        except EngineUnreachableError as exc:
+            raise EngineUnreachableError(f"No run was started: the endpoint of {name} did not answer a check "
+                                         f"request ({exc.__cause__ or exc}).") from exc
     run_ids = [store.create_run(case_set_id, schema=schema, model_id=name,
                                 model_revision=(engine.info() or {}).get("revision"), settings=settings)
                for name, engine in engines.items()]
     for run_id, engine in zip(run_ids, engines.values(), strict=True):
-        runner.start(run_id, engine)
+        runner.start(run_id, engine, check=False)  # checked above, before the runs were recorded
     return run_ids
 
 

@@ -411,7 +411,9 @@ with left:
                        icon=":material/add:")
     schema_messages = st.container()
 
-    with st.expander("Save to the library"):
+    # Open while it has news: Save's callback adds and removes elements above it (the unsaved-changes badge), which
+    # redrew it closed, its success message hidden inside.
+    with st.expander("Save to the library", expanded=K("save_flash") in st.session_state, key=K("save_box")):
         schema_name = kept_widget(st.text_input, "Name", K("schema_name"), "")
         schema_description = kept_widget(st.text_area, "Description", K("schema_description"), "", height=68)
         save_buttons = st.container(horizontal=True)

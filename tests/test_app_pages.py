@@ -625,6 +625,28 @@ def test_media_come_back_with_the_draft_after_a_reload(workbench):
     assert result.request["images"] == [image.data_url()]
 
 
+def test_the_last_answers_come_back_after_a_reload_and_say_what_changed_since(workbench):
+    """Point 10: the answers on screen are kept with the draft: a reload shows them again with the random-weights
+    warning; an edit made before the reload marks them outdated, naming the state."""
+    at = start()
+    token = at.query_params["draft"][0] if isinstance(at.query_params["draft"], list) else at.query_params["draft"]
+    button(at, "Run").click().run()
+    no_exceptions(at)
+    answered = code_json(at, 0)
+
+    reloaded = open_with_draft(token)
+    assert [m for m in reloaded.metric if m.label == "Answer"], "the answers are on screen again"
+    assert code_json(reloaded, 0) == answered
+    assert any("Its weights are random" in w.value for w in reloaded.warning)
+    assert not [w for w in reloaded.warning if "Outdated" in w.value], "nothing changed: not marked outdated"
+
+    reloaded.text_area(key="decide.state_text").input("Another ticket altogether").run()
+    again = open_with_draft(reloaded.query_params["draft"][0] if isinstance(reloaded.query_params["draft"], list)
+                            else reloaded.query_params["draft"])
+    assert code_json(again, 0) == answered
+    assert [w.value for w in again.warning if "Outdated" in w.value] == [vm.stale_message(["the state"])]
+
+
 def test_schemas_feedback_sits_next_to_its_action_and_the_selection_is_kept(workbench):
     """Points 13 and 14: a message appears by the control that caused it (not at the top of the page), and the
     selected schema is still selected after a visit to another page."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import time
 from pathlib import Path
 
 import playwright.sync_api as playwright_api
@@ -134,3 +135,129 @@ def journey(page, url: str, store: Store, set_id: int) -> None:
     assert f"case={case_id}" in page.url and f"runs={v2_run},{v3_run}" in page.url.replace("%2C", ",")
     # the case as each run answered it: one answer to "team" per run, with its confidence
     expect(page.get_by_text(re.compile(r"^team: \S+ \(\d\.\d{3}\)$"))).to_have_count(2)
+
+
+# -- the cases × runs grid, cell by cell --------------------------------------------------------------------------
+
+GRID_SCHEMA = {"name": "triage", "version": "1", "questions": {
+    "urgent": {"type": "noul", "instructions": "Is it urgent?"},
+    "team": {"type": "choice", "instructions": "Which team?", "options": {"billing": "Money", "tech": "Broken"}}}}
+GRID_CASES = [("Refund now\nMy card was charged twice.", {"urgent": True, "team": "billing"}),
+              ("App crashes", {"urgent": False, "team": "tech"}),
+              ("Hello", {"urgent": True, "team": "tech"})]
+# Per run, per case: (P(urgent), P(billing)). Against the expected answers above each run's cells read, row by row
+# and left to right (urgent #1, urgent #2, team #1, team #2): pass pass pass fail / pass fail pass pass /
+# fail pass fail pass.
+GRID_ANSWERS = {"model-a": [(0.9, 0.8), (0.2, 0.3), (0.3, 0.7)], "model-b": [(0.6, 0.4), (0.7, 0.1), (0.8, 0.2)]}
+GRID_VERDICTS = [["pass", "pass", "pass", "fail"], ["pass", "fail", "pass", "pass"], ["fail", "pass", "fail", "pass"]]
+CELL_COLOURS = {"pass": (0xD9, 0xF2, 0xE3), "fail": (0xFB, 0xDA, 0xDA)}  # compare.VERDICT_STYLES, as drawn
+
+
+def grid_response(p_urgent: float, p_billing: float) -> dict:
+    team = "billing" if p_billing >= 0.5 else "tech"
+    return {"model": "m", "usage": {"input_tokens": 10, "output_tokens": 0}, "answers": {
+        "urgent": {"type": "noul", "noul": p_urgent},
+        "team": {"type": "choice", "choice": team, "confidence": max(p_billing, 1 - p_billing),
+                 "probabilities": {"billing": p_billing, "tech": round(1 - p_billing, 4)}}}}
+
+
+def coloured_cells(png: bytes) -> list[list[tuple[str, tuple[float, float]]]]:
+    """The grid's coloured cells as drawn: per row (top to bottom) its pass / fail cells left to right, each with
+    its centre. A cell is a connected area of exactly its verdict's colour (its text, drawn over it, leaves holes)."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+    from scipy import ndimage
+
+    pixels = np.asarray(Image.open(io.BytesIO(png)).convert("RGB")).astype(int)
+    cells = []
+    for verdict, colour in CELL_COLOURS.items():
+        labels, count = ndimage.label(np.abs(pixels - colour).sum(axis=2) <= 6)
+        for index, (rows, cols) in enumerate(ndimage.find_objects(labels), start=1):
+            if (labels[rows, cols] == index).sum() > 400:  # a cell, not a stray anti-aliased pixel of text
+                cells.append((verdict, ((cols.start + cols.stop) / 2, (rows.start + rows.stop) / 2)))
+    grid: list[list[tuple[str, tuple[float, float]]]] = []
+    for cell in sorted(cells, key=lambda c: c[1][1]):
+        if grid and abs(grid[-1][0][1][1] - cell[1][1]) < 8:
+            grid[-1].append(cell)
+        else:
+            grid.append([cell])
+    return [sorted(row, key=lambda c: c[1][0]) for row in grid]
+
+
+def test_the_matrix_colours_each_cell_shows_confidence_and_a_click_opens_each_runs_distribution(tmp_path):
+    """Point 12, promptfoo's grid: green / red per cell against the expected answer, "answer (confidence)", the
+    state's first line per row, compact headers (the run in full on hover), and a click on a cell opens the case
+    with each run's answer and distribution per question."""
+    db = tmp_path / "workbench.sqlite3"
+    store = Store(db)
+    set_id = store.create_case_set("Tickets")
+    case_ids = store.add_cases(set_id, [{"state": state, "expected": expected} for state, expected in GRID_CASES])
+    run_ids = []
+    for model, answers in GRID_ANSWERS.items():
+        run_id = store.create_run(set_id, schema=GRID_SCHEMA, model_id=model)
+        store.record_results(run_id, [{"case_id": case_id, "response": grid_response(*answer), "latency_ms": 12,
+                                       "input_tokens": 10} for case_id, answer in zip(case_ids, answers, strict=True)])
+        store.set_run_status(run_id, "finished")
+        run_ids.append(run_id)
+    shutil.copytree(REPO / "schemas", tmp_path / "schemas")
+    env = {"CLEF_DB": str(db), "CLEF_SCHEMAS_DIR": str(tmp_path / "schemas"), "CLEF_MODEL": "demo"}
+    with running_workbench(env, log_path=tmp_path / "streamlit.log") as url, \
+            playwright_api.sync_playwright() as playwright:
+        browser = launch_chromium(playwright)
+        page = browser.new_page(viewport={"width": 1440, "height": 900})
+        page.set_default_timeout(60_000)
+        try:
+            page.goto(f"{url}/compare?runs={run_ids[0]},{run_ids[1]}")
+            expect(page.get_by_role("heading", name="Cases × runs")).to_be_visible(timeout=LONG)
+            settle(page)
+            matrix = page.locator('[data-testid="stDataFrame"]').last
+            matrix.scroll_into_view_if_needed()
+            # the grid's accessible table, inside its canvas, holds what the canvas draws
+            headers = matrix.locator('canvas th[role="columnheader"]')
+            expect(headers).to_have_text(["case", "position", "state", "urgent · expected", f"urgent · #{run_ids[0]}",
+                                          f"urgent · #{run_ids[1]}", "team · expected", f"team · #{run_ids[0]}",
+                                          f"team · #{run_ids[1]}", "link"])
+            first_row = matrix.locator('canvas tr[aria-rowindex="2"] td')
+            expect(first_row).to_have_text([str(case_ids[0]), "0", "Refund now", "true", "true (0.90)",
+                                             "true (0.60)", "billing", "billing (0.80)", "tech (0.60)",
+                                             f"/compare?runs={run_ids[0]},{run_ids[1]}&case={case_ids[0]}"])
+
+            # the colours as drawn: the grid can show a stale frame for a moment, so read until it settles
+            deadline = time.monotonic() + 60
+            while True:
+                drawn = coloured_cells(matrix.screenshot())
+                if [[verdict for verdict, _ in row] for row in drawn] == GRID_VERDICTS:
+                    break
+                assert time.monotonic() < deadline, [[verdict for verdict, _ in row] for row in drawn]
+                page.wait_for_timeout(500)
+
+            # the full run name of a compact header, on hover
+            box = matrix.bounding_box()
+            x, y = drawn[0][0][1]
+            page.mouse.move(box["x"] + x, box["y"] + y - 35)  # the header above the first coloured cell
+            # (unsaved: these runs' schema was never saved in the library)
+            expect(page.get_by_test_id("stDataFrameTooltipContent")).to_have_text(
+                f"#{run_ids[0]} model-a · triage v1 (unsaved)")
+
+            # a click on the last row's first cell (model-a's wrong "urgent") opens the case as each run answered it
+            expect(page.locator('[data-testid="stVegaLiteChart"]')).to_have_count(0)
+            x, y = drawn[2][0][1]
+            page.mouse.click(box["x"] + x, box["y"] + y)
+            settle(page)
+            expect(page.get_by_role("heading", name=f"Case {case_ids[2]}")).to_be_visible()
+            assert f"case={case_ids[2]}" in page.url
+            expect(page.get_by_text("Expected: urgent = True, team = tech")).to_be_visible()
+            for label in (f"#{run_ids[0]} model-a · triage v1 (unsaved)",
+                          f"#{run_ids[1]} model-b · triage v1 (unsaved)"):  # each run's column of the case
+                expect(page.locator('[data-testid="stMarkdownContainer"] strong', has_text=label)).to_be_visible()
+            for answer in ("urgent: false (0.700)", "team: billing (0.700)", "urgent: true (0.800)",
+                           "team: tech (0.800)"):
+                expect(page.get_by_text(answer, exact=True)).to_be_visible()
+            charts = page.locator('[data-testid="stVegaLiteChart"]')
+            expect(charts).to_have_count(4)  # one distribution per question and run
+            expect(charts.locator("canvas, svg.marks")).to_have_count(4)
+        finally:
+            page.screenshot(path=str(tmp_path / "matrix.png"), full_page=True)  # kept for a failure
+            browser.close()

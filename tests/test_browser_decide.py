@@ -184,3 +184,41 @@ def test_video_upload_previews_the_sampled_frames_and_runs(page, tmp_path: Path)
     expect(page.get_by_text(re.compile(r"^Tokens: prefix \d+ · media [1-9]\d*"))).to_be_visible(timeout=LONG)
     page.get_by_role("tab", name="Request JSON").click()
     expect(page.locator('[data-testid="stCode"]').nth(1)).to_contain_text('"data:video/mp4;base64,')
+
+
+def test_an_uploaded_image_and_the_answers_survive_a_reload(page, tmp_path: Path):
+    """Point 10: upload an image, run, reload: the image is still attached and shown, the answers are still there,
+    not marked outdated, and the run's request still carries the image."""
+    expect(page.get_by_text("Its weights are random: the answers mean nothing")).to_be_visible(timeout=LONG)
+    state = page.locator('textarea[aria-label="State"]')
+    state.fill("A photo of the damaged parcel.")
+    commit(state)
+    pick(page, "New question type", "noul")
+    page.get_by_role("button", name="Add question").click()
+    settle(page)
+    photo = tmp_path / "parcel.png"
+    buffer = io.BytesIO()
+    Image.new("RGB", (64, 48), (30, 120, 200)).save(buffer, format="PNG")
+    photo.write_bytes(buffer.getvalue())
+    page.locator('[data-testid="stFileUploader"]').filter(has_text="Images").locator('input[type="file"]') \
+        .set_input_files(str(photo))
+    expect(page.get_by_text(re.compile(r"parcel\.png · 64×48"))).to_be_visible()
+    page.get_by_role("button", name=re.compile(r"^Run\b")).click()
+    tokens = page.get_by_text(re.compile(r"^Tokens: prefix \d+ · media [1-9]\d*"))
+    expect(tokens).to_be_visible(timeout=LONG)
+    settle(page)
+    answered = json.loads(page.locator('[data-testid="stCode"]').first.inner_text())
+    expect(page).to_have_url(re.compile(r"[?&]draft="))
+
+    page.reload()
+    expect(page.get_by_text(re.compile(r"parcel\.png · 64×48"))).to_be_visible(timeout=LONG)
+    expect(page.get_by_text("Kept from this draft", exact=False)).to_be_visible()
+    expect(page.locator('[data-testid="stImage"] img').first).to_be_visible()
+    expect(tokens).to_be_visible()
+    expect(page.locator('[data-testid="stMetricLabel"]', has_text="Answer")).to_have_count(1)
+    settle(page)
+    assert json.loads(page.locator('[data-testid="stCode"]').first.inner_text()) == answered
+    expect(page.get_by_text("Outdated:", exact=False)).to_have_count(0)
+    expect(page.get_by_text("Its weights are random: the answers mean nothing").first).to_be_visible()
+    page.get_by_role("tab", name="Request JSON").click()
+    expect(page.locator('[data-testid="stCode"]').nth(1)).to_contain_text("[parcel.png, ")

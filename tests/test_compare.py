@@ -307,3 +307,34 @@ def test_model_choices_of_a_manager_with_several_models_or_one():
                         is_demo=False)])
     assert [(c.name, c.engine, c.is_demo) for c in compare.model_choices(several)] == [
         ("clef-demo", engine, True), ("clef-flash", flash, False)]
+
+
+def test_the_one_action_refuses_a_stopped_endpoint_and_leaves_no_run(tmp_path):
+    """Point 12: "run this schema with these models" on a remote model whose server stopped refuses at once, naming
+    the model and the reason, and records no run at all (not one pending run per model)."""
+    from clef_engine.remote import RemoteEngine
+    from clef_workbench.jobs import EngineUnreachableError, JobRunner
+    from tests.test_run_outcome import RefusingEndpoint, serve
+
+    store = Store(tmp_path / "w.sqlite3")
+    case_set = store.create_case_set("triage cases")
+    store.add_cases(case_set, [{"state": f"case {i}"} for i in range(3)])
+    server = serve(RefusingEndpoint)
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    remote = RemoteEngine(url, max_retries=0)  # added while its server was up
+    server.shutdown()
+    server.server_close()
+
+    class LocalEngine:  # a local model has nothing to check; it must not be started when another model is refused
+        def info(self):
+            raise AssertionError("no run is recorded for any model when one endpoint is down")
+
+    try:
+        with pytest.raises(EngineUnreachableError) as refused:
+            compare.start_runs(store, JobRunner(store), case_set, SCHEMA,
+                               {"remote-jev": remote, "local": LocalEngine()})
+    finally:
+        remote.close()
+    assert str(refused.value).startswith("No run was started: the endpoint of remote-jev did not answer")
+    assert f"could not reach {url}" in str(refused.value)
+    assert store.list_runs() == []

@@ -243,6 +243,40 @@ def test_media_travel_with_the_draft_and_come_back_on_restore():
     assert vm.restored_media(fresh) == []
 
 
+def test_the_last_answers_travel_with_the_draft_with_what_produced_them():
+    """Point 10: a reload brings back the last run's answers with their request, media and model, so they show again
+    and are marked stale by what differs from the editors since."""
+    png = state_input.Media("image", "a.png", "image/png", b"\x89PNG" + bytes(range(40)), 4, 4)
+    questions = {"urgent": {"type": "noul", "instructions": "Urgent?"}}
+    request = state_input.build_request("s", questions, images=[png], model="clef-demo")
+    result = vm.DecideResult(request=request, response={"answers": {"urgent": {"type": "noul", "noul": 0.8}}},
+                             questions=questions, state="s", images=(png,), videos=(), schema_name="Triage",
+                             model_label="clef-demo", device="cpu", schema_slug="triage", random_weights=True)
+    state: dict = {}
+    vm.set_media(state, [png])
+    vm.keep_result(state, result)
+    saved: list[dict] = []
+    assert vm.save_draft_if_changed(state, saved.append)
+    stored = saved[-1]
+    assert "images" not in stored["result"]["request"], "the request's data URLs are not stored a second time"
+    assert "base64" not in stored["result"]["media"][0], "a file still on screen is stored once, with the editors"
+    fresh: dict = {}
+    vm.restore_draft(fresh, json.loads(json.dumps(stored)))  # as the store keeps it
+    assert fresh["decide.result"] == result
+    assert fresh["decide.result"].stale_causes(questions=questions, state="s", images=[png], videos=[],
+                                               model="clef-demo") == []
+
+    vm.set_media(state, [])  # the image removed after the run: the answers still carry what they were run with
+    assert vm.save_draft_if_changed(state, saved.append)
+    assert saved[-1]["media"] == [] and saved[-1]["result"]["media"][0]["base64"]
+    fresh = {}
+    vm.restore_draft(fresh, json.loads(json.dumps(saved[-1])))
+    restored = fresh["decide.result"]
+    assert restored == result and vm.restored_media(fresh) == []
+    assert restored.stale_causes(questions=questions, state="s", images=[], videos=[], model="other") == \
+        ["the media", "the model"]
+
+
 def test_durations_switch_to_seconds_above_ten_thousand_ms_and_rates_stay_short():
     from workbench_ui import units
 

@@ -204,3 +204,35 @@ def test_the_compare_pages_one_action_shows_the_run_it_started_and_follows_it_to
     wait_for_run(run_id)
     at.run()
     assert f"Run [#{run_id}](/runs?run={run_id}) · clef-demo · finished · 12/12 cases" in texts(at)
+
+
+def test_the_compare_pages_one_action_on_a_stopped_endpoint_says_why_and_leaves_no_run(workbench):
+    """Point 12: the one action with a remote model whose server has stopped (added while it was up) refuses with the
+    reason, next to the action, and no run is recorded, pending or otherwise."""
+    from tests.test_run_outcome import RefusingEndpoint, serve
+
+    AppTest.from_file(APP, default_timeout=TIMEOUT).run()
+    store = Store(workbench / "workbench.sqlite3")
+    set_id = casesets.load_example_case_sets(store, workbench / "schemas")["support-ticket-routing"]
+    server = serve(RefusingEndpoint)
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    manager = shell.model_manager()
+    manager.add(url)
+    manager.wait(TIMEOUT)
+    remote = next(m.name for m in manager.loaded() if m.source == url)
+    server.shutdown()
+    server.server_close()
+    try:
+        at = open_link("pages/compare.py")
+        at.selectbox(key="compare.start.set").select(set_id).run()
+        at.selectbox(key="compare.start.schema").select("support-ticket-routing").run()
+        at.multiselect(key="compare.start.models").select(remote).run()
+        button(at, "Run this schema on this case set with these models").click().run()
+        ok(at)
+        refusal = [e.value for e in at.error if "No run was started" in e.value]
+        assert refusal and f"the endpoint of {remote} did not answer" in refusal[0], texts(at)
+        assert f"could not reach {url}" in refusal[0]
+        assert store.list_runs() == [], "no run left pending"
+        assert not [s for s in at.success if "Started run" in s.value]
+    finally:
+        manager.remove(remote)

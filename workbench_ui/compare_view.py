@@ -14,6 +14,7 @@ import pandas as pd
 from clef_engine import DEFAULT_MAX_LENGTH
 from clef_workbench import compare
 from clef_workbench.compare import CompareView, ModelChoice
+from clef_workbench.jobs import EngineUnreachableError
 from clef_workbench.run_status import status_label
 from workbench_ui import links, run_charts, units
 
@@ -51,7 +52,9 @@ def start_comparison(store: Any, runner: Any, models: list[ModelChoice], set_id:
     try:
         run_ids = compare.start_runs(store, runner, set_id, schema, engines,
                                      settings={**START_SETTINGS, "schema_slug": slug})
-    except Exception as exc:  # noqa: BLE001 — e.g. a remote endpoint that does not answer: a message, no traceback
+    except EngineUnreachableError as exc:  # checked before any run is recorded: none is left pending
+        return [], str(exc)
+    except Exception as exc:  # noqa: BLE001 — any other failure: a message, no traceback
         log.exception("the comparison's runs did not start")
         return [], f"Not started: {type(exc).__name__}: {exc}"
     return run_ids, f"Started run(s) {', '.join(f'#{r}' for r in run_ids)}."

@@ -417,26 +417,76 @@ def _media_entry(media: state_input.Media) -> dict[str, Any]:
             "sha256": hashlib.sha256(media.data).hexdigest()}
 
 
+def _result_entry(result: DecideResult | None) -> dict[str, Any] | None:
+    """The last run's result as JSON-able data: its request without the media (rebuilt from them on restore) and its
+    media by digest, like the draft's own."""
+    if result is None:
+        return None
+    return {"request": {k: v for k, v in result.request.items() if k not in ("images", "videos")},
+            "response": result.response, "questions": result.questions, "state": result.state,
+            "media": [_media_entry(m) for m in (*result.images, *result.videos)],
+            "schema_name": result.schema_name, "model_label": result.model_label, "device": result.device,
+            "schema_slug": result.schema_slug, "random_weights": result.random_weights}
+
+
 def draft_of(state: MutableMapping) -> dict[str, Any]:
-    """The editors' contents as JSON-able data; media by their digest (with_media_bytes adds the bytes)."""
+    """The editors' contents and the last run's result as JSON-able data; media by their digest (with_media_bytes
+    adds the bytes)."""
     builder = Builder(state)
     values = {name: state.get(key(name), state.get(KEEP_PREFIX + key(name))) for name in DRAFT_FIELDS}
     media = state.get(key("media"), state.get(key("restored_media"))) or []
     return {**values, "rows": builder.rows(), "loaded_slug": builder.loaded_slug,
             "loaded_questions": state.get(key("loaded_questions")), "examples": builder.examples,
-            "media": [_media_entry(m) for m in media]}
+            "media": [_media_entry(m) for m in media], "result": _result_entry(state.get(key("result")))}
 
 
 def with_media_bytes(draft: dict[str, Any], state: MutableMapping) -> dict[str, Any]:
-    """The draft as stored: each medium with its bytes (base64), so a reload brings the uploads back too."""
-    by_digest = {hashlib.sha256(m.data).hexdigest(): m.data
+    """The draft as stored: each medium with its bytes (base64), so a reload brings the uploads back too. The media
+    the last result was run with carry bytes only where the editors no longer hold them (each set is within the
+    media limits, and the same file is stored once)."""
+    on_screen = {hashlib.sha256(m.data).hexdigest(): m.data
                  for m in state.get(key("media"), state.get(key("restored_media"))) or []}
-    return {**draft, "media": [{**entry, "base64": base64.b64encode(by_digest[entry["sha256"]]).decode("ascii")}
-                               for entry in draft.get("media") or [] if entry["sha256"] in by_digest]}
+    stored = {**draft, "media": [{**entry, "base64": _base64(on_screen[entry["sha256"]])}
+                                 for entry in draft.get("media") or [] if entry["sha256"] in on_screen]}
+    result: DecideResult | None = state.get(key("result"))
+    if draft.get("result") and result is not None:
+        ran_with = {hashlib.sha256(m.data).hexdigest(): m.data for m in (*result.images, *result.videos)}
+        stored["result"] = {**draft["result"], "media": [
+            entry if entry["sha256"] in on_screen else {**entry, "base64": _base64(ran_with[entry["sha256"]])}
+            for entry in draft["result"]["media"]]}
+    return stored
+
+
+def _base64(data: bytes) -> str:
+    return base64.b64encode(data).decode("ascii")
+
+
+def _media_of(entry: dict[str, Any], data: bytes) -> state_input.Media:
+    return state_input.Media(entry["kind"], entry["name"], entry["content_type"], data, entry["width"],
+                             entry["height"], entry.get("duration_s"))
+
+
+def _restored_result(entry: dict[str, Any], on_screen: dict[str, bytes]) -> DecideResult | None:
+    """The last run's result from its draft entry, its request carrying its media again; None when a medium it was
+    run with is missing from the draft (its answers would no longer match a request that can be shown)."""
+    media = []
+    for medium in entry.get("media") or []:
+        data = base64.b64decode(medium["base64"]) if medium.get("base64") else on_screen.get(medium["sha256"])
+        if data is None:
+            return None
+        media.append(_media_of(medium, data))
+    images = tuple(m for m in media if m.kind == "image")
+    videos = tuple(m for m in media if m.kind == "video")
+    request = state_input.build_request(entry["state"], entry["request"]["questions"], images=images, videos=videos,
+                                        model=entry["request"]["model"])
+    return DecideResult(request={**entry["request"], **request}, response=entry["response"],
+                        questions=entry["questions"], state=entry["state"], images=images, videos=videos,
+                        schema_name=entry["schema_name"], model_label=entry["model_label"], device=entry["device"],
+                        schema_slug=entry.get("schema_slug"), random_weights=bool(entry.get("random_weights")))
 
 
 def restore_draft(state: MutableMapping, draft: dict[str, Any]) -> None:
-    """Put a saved draft back on screen."""
+    """Put a saved draft back on screen, with the answers of its last run."""
     builder = Builder(state)
     builder.set_rows(draft.get("rows") or [])
     for name in DRAFT_FIELDS:
@@ -446,11 +496,14 @@ def restore_draft(state: MutableMapping, draft: dict[str, Any]) -> None:
         if draft.get(name) is not None:
             state[key(name)] = draft[name]
     set_kept(state, key("library_pick"), draft.get("loaded_slug"))
-    media = [state_input.Media(entry["kind"], entry["name"], entry["content_type"], base64.b64decode(entry["base64"]),
-                               entry["width"], entry["height"], entry.get("duration_s"))
-             for entry in draft.get("media") or [] if entry.get("base64")]
+    media = [_media_of(entry, base64.b64decode(entry["base64"])) for entry in draft.get("media") or []
+             if entry.get("base64")]
     state[key("restored_media")] = media
     set_media(state, media)
+    result = _restored_result(draft["result"], {hashlib.sha256(m.data).hexdigest(): m.data for m in media}) \
+        if draft.get("result") else None
+    if result is not None:
+        keep_result(state, result)
 
 
 def save_draft_if_changed(state: MutableMapping, save: Callable[[dict[str, Any]], None]) -> bool:

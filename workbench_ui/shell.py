@@ -292,7 +292,10 @@ def confirm_unload(manager: ModelManager, name: str) -> None:
 
 def render_add_model(manager: ModelManager) -> None:
     """Load one more model beside the resident ones."""
-    with st.expander("Add a model", icon=":material/add:"):
+    # open while this session's add has something to say: the rerun after Add (and the model list growing above it)
+    # would otherwise draw the expander closed again, hiding its progress and outcome
+    with st.expander("Add a model", icon=":material/add:", expanded=ADDED_KEY in st.session_state,
+                     key="sidebar.add_box"):
         st.caption("Loads beside the others (each keeps its own engine; local ones share the GPU's queue). Memory "
                    "is checked first: a model that does not fit is refused.")
         source = pick_source("Model to add", "sidebar.add")
