@@ -48,7 +48,7 @@ def settle(page) -> None:
 
 def go_to(page, title: str) -> None:
     """Navigate as a user does: the sidebar link of the page."""
-    page.locator('[data-testid="stSidebarNav"] a', has_text=title).click()
+    page.get_by_test_id("stSidebar").get_by_test_id("stPageLink-NavLink").filter(has_text=title).click()
     settle(page)
 
 

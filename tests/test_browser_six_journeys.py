@@ -63,7 +63,7 @@ def random_weights_shown(page) -> None:
 
 def go_to(page, title: str) -> None:
     """Navigate as a person does: the page's link in the sidebar."""
-    page.locator('[data-testid="stSidebarNav"] a', has_text=title).click()
+    page.get_by_test_id("stSidebar").get_by_test_id("stPageLink-NavLink").filter(has_text=title).click()
     expect(page).to_have_title(f"{title} · Clef Workbench", timeout=LONG)
     settle(page)
 

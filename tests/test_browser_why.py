@@ -207,7 +207,7 @@ def record_overconfident_answers(store: Store, run_id: int, case_ids: list[int],
 
 
 def go_to(page, title: str) -> None:
-    page.locator('[data-testid="stSidebarNav"] a', has_text=title).click()
+    page.get_by_test_id("stSidebar").get_by_test_id("stPageLink-NavLink").filter(has_text=title).click()
     settle(page)
 
 
