@@ -315,7 +315,7 @@ def several_models_and_a_remote_endpoint(page, store: Store, endpoint: ServerPro
     truthful(page)
 
     go_to(page, "Decide")  # the draft of this session: the parcel schema, its image and video
-    pick(page, "Model", remote)
+    pick(page, "Model", remote, scope=page.get_by_test_id("stMain"))  # not the sidebar's model pickers
     expect(page.get_by_text(re.compile(r"Outdated: the model has changed"))).to_be_visible()
     page.get_by_role("button", name=re.compile(r"^Run\b")).click()
     expect(page.locator('[data-testid="stMarkdownContainer"]', has_text=f"answered by {remote}").first
@@ -327,7 +327,7 @@ def several_models_and_a_remote_endpoint(page, store: Store, endpoint: ServerPro
     set_id = next(s["id"] for s in store.list_case_sets() if s["name"] == "Compare messages")
     go_to(page, "Runs")
     pick(page, "Case set", "Compare messages (3 cases)")
-    pick(page, "Model", remote)
+    pick(page, "Model", remote, scope=page.get_by_test_id("stMain"))  # not the sidebar's model pickers
     page.get_by_role("button", name="Start run").click()
     expect(page.get_by_text("Finished: all 3 cases have answers.")).to_be_visible(timeout=LONG)
     truthful(page)
@@ -387,7 +387,7 @@ def bad_input_everywhere(page, store: Store, tmp_path: Path) -> None:
     store.add_cases(set_id, [{"state": "A very long complaint. " * 400} for _ in range(2)])
     go_to(page, "Runs")
     pick(page, "Case set", "Too long (2 cases)")
-    pick(page, "Model", "clef-demo")
+    pick(page, "Model", "clef-demo", scope=page.get_by_test_id("stMain"))
     fill(page.get_by_label("max_length (tokens)"), "256")
     page.get_by_role("button", name="Start run").click()
     expect(page.get_by_text(re.compile(r"^The run failed: "))).to_be_visible(timeout=LONG)
