@@ -407,8 +407,8 @@ def head_split(_=None):
     """The head's attention as it runs now (`attention_flash_split`: flash told the real key count, the keys split
     by `key_splits`) against every split count, at head-graph shapes (16 heads of 64, the memory padded to its
     bucket): per call in a CUDA graph of 10 calls, and the largest difference from the masked attention."""
+    from clef_engine.fast import head_kernels as H
     from clef_engine.fast.graphs import capture
-    from clef_engine.model import head as H
 
     device = torch.device("cuda")
     out = {"blocks_at_once": H.blocks_at_once(device), "split_checked": H._flash_splits_keys(device, torch.bfloat16)}

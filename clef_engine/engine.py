@@ -33,10 +33,11 @@ from .explain import submit_explanation as explanation_future
 from .fast import kernels
 from .fast.cache import PrefixCache, StateCache
 from .fast.graphs import HeadGraphs, PrefillGraphs
+from .fast.head_kernels import head_attention_kernel
 from .fast.packed import PackedBackbone, chunked_head_inputs, pack_ids
 from .model import backbone, media, release
 from .model.encoding import DEFAULT_MAX_LENGTH, EncodedRecord, Encoder
-from .model.head import JointSchemaHead, head_attention_kernel, layout, load_head, option_probabilities
+from .model.head import JointSchemaHead, layout, load_head, option_probabilities
 from .protocol import ValidRequest, format_answer, prepare, prepared
 from .scheduler import PRIORITIES, BatchAbandoned, JobTiming, Scheduler, device_turn
 from .tiny import is_demo_release

@@ -322,9 +322,10 @@ def test_the_heads_attention_reads_each_records_real_keys_by_count_in_batches_an
     memory padded to its bucket. On this CPU the masked kernel runs from the same counts, so the fidelity tests check
     them."""
     from clef_engine.fast.graphs import HeadGraphs
+    from clef_engine.fast.head_kernels import head_attention_kernel
     from clef_engine.model import head as head_module
 
-    assert head_module.head_attention_kernel(torch.device("cpu"), torch.float32) is head_module.attention_masked
+    assert head_attention_kernel(torch.device("cpu"), torch.float32) is head_module.attention_masked
     seen = []
     attention = head_module.head_attention
 
@@ -438,19 +439,20 @@ def test_the_heads_attention_split_over_the_keys_answers_as_the_whole_keys_do(sp
     (what the head runs on CUDA through flash, `attention_flash_split`). With the plain per-piece kernel here, the
     merged answer equals the masked attention's, in a batch whose rows have different real key counts, including a
     row whose last pieces hold no real key, and with no counts at all."""
-    from clef_engine.model import head as head_module
+    from clef_engine.fast.head_kernels import attention_split_keys, partial_attention_torch
+    from clef_engine.model.head import attention_masked
 
     generator = torch.Generator().manual_seed(21)
     q = torch.randn(3, 5, 4, 16, generator=generator)
     k, v = (torch.randn(3, 70, 4, 16, generator=generator) for _ in range(2))
     for counts in (torch.tensor([70, 9, 41], dtype=torch.int32), None):
-        got = head_module.attention_split_keys(q, k, v, counts, splits, head_module.partial_attention_torch)
-        want = head_module.attention_masked(q, k, v, counts)
+        got = attention_split_keys(q, k, v, counts, splits, partial_attention_torch)
+        want = attention_masked(q, k, v, counts)
         assert (got - want).abs().max().item() <= 1e-5
 
 
 def test_keys_are_split_only_where_few_queries_over_many_keys_would_leave_the_gpu_idle():
-    from clef_engine.model.head import key_splits
+    from clef_engine.fast.head_kernels import key_splits
 
     h200 = 2 * 132
     assert key_splits(1, 65, 16, 14336, h200) == 16  # 64 questions' fields over a ~14k-token memory: 16 blocks -> 256
