@@ -44,7 +44,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import bench.profile_h200 as profile_module  # noqa: E402
 from bench import build, h200  # noqa: E402
 from bench.profile_h200 import kernel_table, step  # noqa: E402
+from clef_engine.fast import attention as A  # noqa: E402
 from clef_engine.fast import kernels as K  # noqa: E402
+from clef_engine.fast.segments import make_segments  # noqa: E402
 
 report = profile_module.report
 
@@ -66,7 +68,7 @@ def environment(_=None):
     import transformers
 
     out = {"torch": torch.__version__, "transformers": transformers.__version__, "gpu": torch.cuda.get_device_name()}
-    fn = K._varlen_function()
+    fn = A._varlen_function()
     out["varlen_attn_signature"] = str(inspect.signature(fn)) if fn is not None else None
     out["mm_out_dtype"] = "out_dtype" in str(getattr(torch.mm, "__doc__", ""))
     return out
@@ -75,32 +77,32 @@ def environment(_=None):
 @step("gqa")
 def gqa(_=None):
     device = torch.device("cuda")
-    out = {"varlen_takes_grouped_heads": K._varlen_takes_grouped_heads(device, torch.bfloat16),
-           "cudnn_takes_grouped_heads": K._cudnn_takes_grouped_heads(device, torch.bfloat16)}
+    out = {"varlen_takes_grouped_heads": A._varlen_takes_grouped_heads(device, torch.bfloat16),
+           "cudnn_takes_grouped_heads": A._cudnn_takes_grouped_heads(device, torch.bfloat16)}
     n = 4608
     q, k, v = qkv(n, seed=3)
-    segments = K.make_segments([n], device)
-    want = K.attention_sdpa(q, k, v, segments).float()
-    out["varlen_ms"] = h200.timed(lambda: K.attention_varlen(q, k, v, segments), 5)["p50"]
-    out["varlen_vs_sdpa_max_abs"] = round((K.attention_varlen(q, k, v, segments).float() - want).abs().max().item(), 5)
-    out["cudnn_ms"] = h200.timed(lambda: K.attention_varlen_cudnn_long(q, k, v, segments), 5)["p50"]
+    segments = make_segments([n], device)
+    want = A.attention_sdpa(q, k, v, segments).float()
+    out["varlen_ms"] = h200.timed(lambda: A.attention_varlen(q, k, v, segments), 5)["p50"]
+    out["varlen_vs_sdpa_max_abs"] = round((A.attention_varlen(q, k, v, segments).float() - want).abs().max().item(), 5)
+    out["cudnn_ms"] = h200.timed(lambda: A.attention_varlen_cudnn_long(q, k, v, segments), 5)["p50"]
     out["cudnn_vs_sdpa_max_abs"] = round(
-        (K.attention_varlen_cudnn_long(q, k, v, segments).float() - want).abs().max().item(), 5)
+        (A.attention_varlen_cudnn_long(q, k, v, segments).float() - want).abs().max().item(), 5)
     # a continuation: 416 queries after 15,600 cached keys (what a new schema on a cached 16k state runs)
     prefix, new = 15_600, 416
     q2, k2, v2 = qkv(prefix + new, seed=4)
     q2 = q2[-new:].contiguous()
-    out["after_prefix_ms"] = h200.timed(lambda: K.attention_after_prefix_varlen(q2, k2, v2, prefix), 5)["p50"]
+    out["after_prefix_ms"] = h200.timed(lambda: A.attention_after_prefix_varlen(q2, k2, v2, prefix), 5)["p50"]
     out["after_prefix_vs_masked_sdpa_max_abs"] = round(
-        (K.attention_after_prefix_varlen(q2, k2, v2, prefix).float()
-         - K.attention_after_prefix(q2, k2, v2, prefix).float()).abs().max().item(), 5)
+        (A.attention_after_prefix_varlen(q2, k2, v2, prefix).float()
+         - A.attention_after_prefix(q2, k2, v2, prefix).float()).abs().max().item(), 5)
     t0 = time.perf_counter()
-    out["warm_long_attention_lengths"] = K.warm_long_attention(device, torch.bfloat16, 24, 4, 256, 32_768)
+    out["warm_long_attention_lengths"] = A.warm_long_attention(device, torch.bfloat16, 24, 4, 256, 32_768)
     out["warm_long_attention_s"] = round(time.perf_counter() - t0, 2)
     for m in (4436, 9001, 16999):  # lengths met for the first time, after the warm-up
         q3, k3, v3 = qkv(m, seed=m)
-        s3 = K.make_segments([m], device)
-        out[f"first_call_after_warm_up_{m}_ms"] = once_ms(lambda: K.attention_varlen_cudnn_long(q3, k3, v3, s3))
+        s3 = make_segments([m], device)
+        out[f"first_call_after_warm_up_{m}_ms"] = once_ms(lambda: A.attention_varlen_cudnn_long(q3, k3, v3, s3))
     return out
 
 
@@ -407,8 +409,8 @@ def head_split(_=None):
     """The head's attention as it runs now (`attention_flash_split`: flash told the real key count, the keys split
     by `key_splits`) against every split count, at head-graph shapes (16 heads of 64, the memory padded to its
     bucket): per call in a CUDA graph of 10 calls, and the largest difference from the masked attention."""
+    from clef_engine.fast import head_kernels as H
     from clef_engine.fast.graphs import capture
-    from clef_engine.model import head as H
 
     device = torch.device("cuda")
     out = {"blocks_at_once": H.blocks_at_once(device), "split_checked": H._flash_splits_keys(device, torch.bfloat16)}

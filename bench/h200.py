@@ -207,11 +207,11 @@ def single_record(engine, ref, lengths, base_repeats) -> dict:
 def profile_one_record(engine, tokens: int = 512) -> dict:
     """GPU time per kernel category of one eager forward (torch.profiler), for the 'what limits the rest' notes."""
     from bench.profile_h200 import kernel_table
-    from clef_engine.fast import kernels as K
+    from clef_engine.fast.segments import make_segments
 
     record = engine.encode(sized_request(engine, tokens, seed=tokens))
     ids = torch.tensor(record.input_ids, device=DEVICE)
-    segments = K.make_segments([len(record)], DEVICE)
+    segments = make_segments([len(record)], DEVICE)
     engine.backbone.forward(ids, segments)
     return {"tokens": len(record), "eager": kernel_table(lambda: engine.backbone.forward(ids, segments), 3)}
 

@@ -24,7 +24,9 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import build, h200  # noqa: E402
+from clef_engine.fast import attention as A  # noqa: E402
 from clef_engine.fast import kernels as K  # noqa: E402
+from clef_engine.fast.segments import make_segments  # noqa: E402
 
 OUT = Path("profile-out")
 report: dict = {}
@@ -108,7 +110,7 @@ def single_eager(engine):
     engine.state_cache.enabled = False
     for n in (512, 1024, 16384):
         record = engine.encode(h200.sized_request(engine, n, seed=n))
-        segments = K.make_segments([len(record)], torch.device("cuda"))
+        segments = make_segments([len(record)], torch.device("cuda"))
         ids = torch.tensor(record.input_ids, device="cuda")
         engine.backbone.forward(ids, segments)
         row = {"eager_forward_ms": h200.timed(lambda: engine.backbone.forward(ids, segments), 3, 1)["p50"]}
@@ -161,7 +163,7 @@ def cached_profile(engine):
         q = torch.randn(n, 24, 256, device="cuda", dtype=torch.bfloat16, generator=g)
         k = torch.randn(p + n, 4, 256, device="cuda", dtype=torch.bfloat16, generator=g)
         v = torch.randn(p + n, 4, 256, device="cuda", dtype=torch.bfloat16, generator=g)
-        want = K.attention_after_prefix(q, k, v, p)
+        want = A.attention_after_prefix(q, k, v, p)
         import inspect
 
         from torch.nn.attention.varlen import varlen_attn
@@ -177,7 +179,7 @@ def cached_profile(engine):
         cu_k = torch.tensor([0, p + n], device="cuda", dtype=torch.int32)
         got = varlen_attn(q, kk, vv, cu_q, cu_k, n, p + n, **kw)
         check["max_abs_diff_vs_masked_sdpa"] = (got.float() - want.float()).abs().max().item()
-        check["sdpa_masked_ms"] = h200.timed(lambda: K.attention_after_prefix(q, k, v, p), 10, 2)["p50"]
+        check["sdpa_masked_ms"] = h200.timed(lambda: A.attention_after_prefix(q, k, v, p), 10, 2)["p50"]
         check["varlen_ms"] = h200.timed(lambda: varlen_attn(q, kk, vv, cu_q, cu_k, n, p + n, **kw), 10, 2)["p50"]
     except Exception as error:  # noqa: BLE001
         check["error"] = f"{type(error).__name__}: {error}"

@@ -30,13 +30,15 @@ from .config import EngineConfig
 from .errors import ClefError, RequestError, TokenBudgetError
 from .explain import explain as explain_request
 from .explain import submit_explanation as explanation_future
-from .fast import kernels
+from .fast import attention, kernels
 from .fast.cache import PrefixCache, StateCache
 from .fast.graphs import HeadGraphs, PrefillGraphs
+from .fast.head_kernels import head_attention_kernel
 from .fast.packed import PackedBackbone, chunked_head_inputs, pack_ids
+from .fast.segments import make_segments
 from .model import backbone, media, release
 from .model.encoding import DEFAULT_MAX_LENGTH, EncodedRecord, Encoder
-from .model.head import JointSchemaHead, head_attention_kernel, layout, load_head, option_probabilities
+from .model.head import JointSchemaHead, layout, load_head, option_probabilities
 from .protocol import ValidRequest, format_answer, prepare, prepared
 from .scheduler import PRIORITIES, BatchAbandoned, JobTiming, Scheduler, device_turn
 from .tiny import is_demo_release
@@ -303,7 +305,7 @@ class Engine:
         elif pack:
             chosen = [records[i] for i in pack]
             lengths = [len(r) for r in chosen]
-            segments = kernels.make_segments(lengths, self.device)
+            segments = make_segments(lengths, self.device)
             hidden, _ = self.backbone.forward(pack_ids(chosen, self.device), segments,
                                               between_layers=self._between_layers())
             for i, probs in zip(pack, self.head_probabilities(hidden, chosen, segments.starts, lengths)):
@@ -335,7 +337,7 @@ class Engine:
             return self.head_one(normed, memory, record)
         hidden = self.graphs.run(ids) if self.graphs is not None else None
         if hidden is None:
-            hidden, _ = self.backbone.forward(ids, kernels.make_segments([len(record)], self.device),
+            hidden, _ = self.backbone.forward(ids, make_segments([len(record)], self.device),
                                               between_layers=self._between_layers())
         normed, memory = self.head.token_memory(hidden.to(self.dtype))
         return self.head_one(normed, memory, record)
@@ -501,13 +503,13 @@ class Engine:
         started = time.perf_counter()
         if self.graphs is not None:
             self.graphs.capture_all()
-        if self.backbone is not None and self.backbone.kernels.attention is kernels.attention_varlen_cudnn_long:
+        if self.backbone is not None and self.backbone.kernels.attention is attention.attention_varlen_cudnn_long:
             text = self.backbone.config
             # on the worker thread, which answers requests: torch keeps cuDNN's plans per thread
             # records longer than a chunk run cuDNN's causal attention on at most a chunk and a step of tokens
             chunk = self.config.prefill_chunk_tokens
-            warm_tokens = chunk + kernels.CUDNN_LENGTH_STEP if chunk else LONG_ATTENTION_WARM_TOKENS
-            self.scheduler.call(lambda: kernels.warm_long_attention(
+            warm_tokens = chunk + attention.CUDNN_LENGTH_STEP if chunk else LONG_ATTENTION_WARM_TOKENS
+            self.scheduler.call(lambda: attention.warm_long_attention(
                 self.device, self.dtype, text.num_attention_heads, text.num_key_value_heads, text.head_dim,
                 warm_tokens))
         request = {"state": "warm-up", "questions": {"q": {"type": "noul", "instructions": "warm-up"}}}

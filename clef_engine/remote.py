@@ -8,7 +8,7 @@ What a user expects of a client of a remote service:
 - a deadline per request: `timeout` seconds from when it is sent to its answer, connecting, sending, every read
   and every wait between retries included, so a server that trickles its answer a byte at a time, or never
   answers, cannot hold a caller longer (every socket operation is given what is left of the deadline, see
-  _DeadlineBackend);
+  remote_http.py);
 - retries with exponential backoff and jitter on 408/429/5xx and on connection failures, only while the deadline
   leaves time for them, waiting what `Retry-After` asks for instead when the server says: a number of seconds or
   an HTTP date, capped at `max_retry_wait_s`; one that asks for longer than the deadline leaves ends the call at
@@ -37,7 +37,6 @@ default, since other servers may not know them (hosted Jev ignores unknown field
 from __future__ import annotations
 
 import base64
-import email.utils
 import json
 import math
 import os
@@ -46,17 +45,16 @@ import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
-import httpcore
 import httpx
 
 from .errors import BusyError, CancelledError, ClefError, Problem, RequestError, TokenBudgetError
 from .interface import Request
 from .protocol import ValidRequest, prepare, sniff_content_type
+from .remote_http import CallDeadline, deadline_transport, detail_text, exchange, retry_after_seconds
 
 API_KEY_ENV = "CLEF_API_KEY"
 SYSTEM_ONE_PATH = "/v1/systemone"
@@ -108,96 +106,6 @@ def parse_endpoint(url: str) -> str:
     return urlunsplit((parts.scheme, parts.netloc, path, "", ""))
 
 
-def retry_after_seconds(value: str | None) -> float | None:
-    """Seconds to wait from a Retry-After header: a number of seconds or an HTTP date; None if absent or unreadable."""
-    if not value:
-        return None
-    value = value.strip()
-    try:
-        seconds = float(value)
-    except ValueError:
-        pass
-    else:  # "inf", "nan" and "-5" parse as floats but say nothing usable
-        return seconds if math.isfinite(seconds) and seconds >= 0 else None
-    try:
-        when = email.utils.parsedate_to_datetime(value)
-    except (TypeError, ValueError):
-        return None
-    if when.tzinfo is None:
-        when = when.replace(tzinfo=UTC)
-    return max(0.0, (when - datetime.now(UTC)).total_seconds())
-
-
-_deadline = threading.local()  # `at`: the monotonic time the current thread's HTTP exchange must end by
-
-
-class _CallDeadline:
-    """While active, every socket operation of this thread's HTTP exchange gets what is left until `at`."""
-
-    def __init__(self, at: float):
-        self.at = at
-
-    def __enter__(self) -> None:
-        _deadline.at = self.at
-
-    def __exit__(self, *exc_info: object) -> None:
-        _deadline.at = None
-
-
-def _time_left(timeout: float | None, error: type[Exception]) -> float | None:
-    """`timeout` capped to what is left of this thread's deadline; `error` once it has passed."""
-    at = getattr(_deadline, "at", None)
-    if at is None:
-        return timeout
-    left = at - time.monotonic()
-    if left <= 0:
-        raise error("the call's deadline has passed")
-    return left if timeout is None else min(timeout, left)
-
-
-class _DeadlineStream(httpcore.NetworkStream):
-    """A connection whose reads and writes end by the deadline of the thread using it. httpx's own timeouts are
-    per socket operation: a server sending a byte a second would never trip them."""
-
-    def __init__(self, stream: httpcore.NetworkStream):
-        self._stream = stream
-
-    def read(self, max_bytes: int, timeout: float | None = None) -> bytes:
-        return self._stream.read(max_bytes, _time_left(timeout, httpcore.ReadTimeout))
-
-    def write(self, buffer: bytes, timeout: float | None = None) -> None:
-        self._stream.write(buffer, _time_left(timeout, httpcore.WriteTimeout))
-
-    def close(self) -> None:
-        self._stream.close()
-
-    def start_tls(self, ssl_context: Any, server_hostname: str | None = None,
-                  timeout: float | None = None) -> httpcore.NetworkStream:
-        return _DeadlineStream(self._stream.start_tls(ssl_context, server_hostname,
-                                                      _time_left(timeout, httpcore.ConnectTimeout)))
-
-    def get_extra_info(self, info: str) -> Any:
-        return self._stream.get_extra_info(info)
-
-
-class _DeadlineBackend(httpcore.SyncBackend):
-    def connect_tcp(self, host: str, port: int, timeout: float | None = None, local_address: str | None = None,
-                    socket_options: Any = None) -> httpcore.NetworkStream:
-        return _DeadlineStream(super().connect_tcp(host, port, _time_left(timeout, httpcore.ConnectTimeout),
-                                                   local_address, socket_options))
-
-
-def _deadline_transport(limits: httpx.Limits) -> httpx.HTTPTransport:
-    """httpx's transport with connections made by _DeadlineBackend (httpx takes no network backend of its own, so
-    its connection pool is replaced by one built the same way with that backend)."""
-    transport = httpx.HTTPTransport(limits=limits)
-    transport._pool = httpcore.ConnectionPool(
-        ssl_context=httpx.create_ssl_context(), max_connections=limits.max_connections,
-        max_keepalive_connections=limits.max_keepalive_connections, keepalive_expiry=limits.keepalive_expiry,
-        network_backend=_DeadlineBackend())
-    return transport
-
-
 def media_for_wire(request: dict) -> dict:
     """The request with media a local engine takes from Python callers (bytes, file paths) as data URLs, the form
     that travels over HTTP (a server refuses paths: they would read its own disk). Other items are left for the
@@ -225,17 +133,6 @@ def media_for_wire(request: dict) -> dict:
             converted.append(f"data:{content_type};base64,{base64.b64encode(data).decode('ascii')}")
         out[key] = converted
     return out
-
-
-def _detail_text(response: httpx.Response) -> str:
-    """What the server said about an error, in one line: `error_type: message`, or the start of the body."""
-    try:
-        detail = response.json().get("detail")
-    except (ValueError, AttributeError):
-        return response.text[:300].strip() or response.reason_phrase
-    if isinstance(detail, dict):
-        return ": ".join(str(detail[k]) for k in ("error_type", "message") if detail.get(k)) or json.dumps(detail)
-    return json.dumps(detail, ensure_ascii=False)[:300]
 
 
 def _problems(detail: Any) -> list[Problem]:
@@ -367,7 +264,7 @@ class RemoteEngine:
             headers={**headers, **({"authorization": b"Bearer " + key.strip().encode()} if key else {})},
             timeout=httpx.Timeout(timeout, connect=min(connect_timeout, timeout)),
             limits=limits,
-            transport=transport if transport is not None else _deadline_transport(limits),
+            transport=transport if transport is not None else deadline_transport(limits),
         )
         self._has_key = bool(key)
         self._pool = ThreadPoolExecutor(max_workers=self.max_concurrency, thread_name_prefix="clef-remote")
@@ -400,8 +297,9 @@ class RemoteEngine:
             attempt += 1
             wait: float | None = None
             try:
-                with _CallDeadline(deadline):
-                    response = self._exchange(method, path, content)
+                with CallDeadline(deadline):
+                    response = exchange(self._client, method, path, content, self.max_response_bytes,
+                                        self._too_large)
             except httpx.TimeoutException as exc:
                 failure = RemoteError(f"{url} did not answer within {self.timeout:g} s "
                                       f"({type(exc).__name__}, {attempt} attempt(s))", endpoint=self.endpoint)
@@ -434,24 +332,6 @@ class RemoteEngine:
             if self._closed.wait(wait):
                 raise CancelledError(f"the remote engine for {self.endpoint} was closed")
 
-    def _exchange(self, method: str, path: str, content: bytes | None) -> httpx.Response:
-        """One request, its answer read as it streams in and abandoned (the connection closed) past
-        `max_response_bytes`; returned as a response holding its body."""
-        with self._client.stream(method, path, content=content,
-                                 headers={"content-type": "application/json"} if content else None) as response:
-            declared = response.headers.get("content-length", "")
-            if declared.isdigit() and int(declared) > self.max_response_bytes:
-                raise self._too_large(response, f"says it is {int(declared):,} bytes long")
-            body = bytearray()
-            for chunk in response.iter_bytes():  # decoded: a compressed answer is counted as it inflates
-                body += chunk
-                if len(body) > self.max_response_bytes:
-                    raise self._too_large(response, "was still coming")
-        # the body is decoded: the copy carries no encoding or length of the wire form
-        headers = [(k, v) for k, v in response.headers.multi_items()
-                   if k.lower() not in ("content-encoding", "content-length", "transfer-encoding")]
-        return httpx.Response(response.status_code, headers=headers, content=bytes(body), request=response.request)
-
     def _too_large(self, response: httpx.Response, why: str) -> RemoteError:
         return RemoteError(f"{response.request.url} answered {response.status_code} with a body over this client's "
                            f"limit of {self.max_response_bytes:,} bytes ({why}); stopped reading it",
@@ -462,7 +342,7 @@ class RemoteEngine:
         ends the message of a retried status."""
         status = response.status_code
         url = str(response.request.url)
-        said = _detail_text(response)
+        said = detail_text(response)
         if status == 422:
             try:
                 detail = response.json().get("detail")

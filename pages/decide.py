@@ -1,14 +1,14 @@
 """Decide: write a state, attach media, build a schema, check the token budget, run, read the answers, save a case.
 
 Rendering only: the builder's state machine, problem routing, the token-budget cache, the result record, save as
-case and the draft are in workbench_ui.decide_model; parsing, validation, charts and labels in clef_workbench.
+case and the draft are in workbench_ui.decide_model, what its buttons do in workbench_ui.decide_actions; parsing,
+validation, charts and labels in clef_workbench.
 Nothing here runs the model unless Run is pressed.
 """
 
 from __future__ import annotations
 
 import json
-import secrets
 from typing import Any
 
 import streamlit as st
@@ -18,9 +18,11 @@ from clef_engine.errors import BusyError, ClefError, RequestError, TokenBudgetEr
 from clef_workbench import answers, calibration, schemas, state_input
 from clef_workbench.model_loader import request_model_name
 from clef_workbench.store import StoreError
+from workbench_ui import decide_actions as actions
 from workbench_ui import decide_model as vm
 from workbench_ui import links, schema_rows, units
 from workbench_ui import why_view as why
+from workbench_ui.decide_actions import SCHEMA_PARAM, builder
 from workbench_ui.shell import (
     failure_text,
     format_json,
@@ -46,112 +48,7 @@ def sampled_frames(video: state_input.Media, model_id: str, _engine) -> Any:
 
 K = vm.key
 QUESTION_TYPES = list(schemas.QUESTION_TYPES)
-PREFERRED_START_SCHEMA = "support-ticket-routing"
 MAX_LENGTH_CHOICES = sorted({512, 1024, 2048, 4096, 8192, DEFAULT_MAX_LENGTH, 32_768, 65_536, 131_072, 262_144})
-DRAFT_PARAM = "draft"  # the URL parameter naming this browser session's draft: a reload brings the editors back
-SCHEMA_PARAM = "schema"  # the library schema on screen: a link opens it in a new session
-
-
-def builder() -> vm.Builder:
-    return vm.Builder(st.session_state)
-
-
-def draft_key(token: str) -> str:
-    return f"decide:{token}"
-
-
-def save_draft() -> None:
-    """The editors as they are now, kept for a reload of this browser session (saved only when something changed)."""
-    vm.save_draft_if_changed(st.session_state,
-                             lambda draft: get_store().save_draft(draft_key(st.session_state[K("draft_token")]), draft))
-
-
-def load_schema(slug: str, *, with_example: bool = False) -> None:
-    """Callback: put a library schema into the builder (and optionally its first example state into the editor)."""
-    try:
-        schema = get_library().load(slug)
-    except schemas.SchemaError as exc:
-        st.session_state[K("library_error")] = str(exc)
-        return
-    builder().load(slug, schema, with_example=with_example)
-    st.session_state.pop(K("library_error"), None)
-    st.session_state.pop(K("confirm_load"), None)
-
-
-def ask_load(slug: str) -> None:
-    """Callback of Load: loads at once unless the questions on screen have unsaved changes; then asks first."""
-    if builder().unsaved_changes():
-        st.session_state[K("confirm_load")] = slug
-    else:
-        load_schema(slug, with_example=True)
-
-
-def new_schema() -> None:
-    builder().new_schema()
-    st.session_state.pop(K("confirm_load"), None)
-
-
-def _init_page() -> None:
-    """First run of a session: the draft named in the URL if there is one (a reload), else the preferred example
-    schema. "Open in Decide" on the Schemas page leaves a pending slug."""
-    pending = st.session_state.pop(K("pending_load"), None)
-    token = st.session_state.get(K("draft_token"))
-    if token is None:
-        # A new session writes its draft under a token of its own, even when the URL names another one (a reload,
-        # or a link someone sent): it starts from that draft, but its edits never overwrite the sender's.
-        token = secrets.token_urlsafe(9)
-        st.session_state[K("draft_token")] = token
-    if K("uids") not in st.session_state:
-        linked = st.query_params.get(DRAFT_PARAM)
-        draft = get_store().load_draft(draft_key(linked)) if linked else None
-        case_link = links.linked_ids(st.query_params) if draft is None else None
-        if case_link:  # a case of a run (the Runs page's results, or a link someone sent): that state and schema
-            draft, note = links.case_draft(get_store(), get_library(), *case_link)
-            st.session_state[K("link_note")] = ("info" if draft else "warning", note)
-        if draft is not None:
-            vm.restore_draft(st.session_state, draft)
-        else:
-            st.session_state[K("uids")] = []
-            if pending is None:
-                slugs = get_library().slugs()
-                linked = st.query_params.get(SCHEMA_PARAM)
-                # a link to a schema that is not in the library opens none in its place (the page says so)
-                pending = (linked if linked in slugs else None if linked else PREFERRED_START_SCHEMA
-                           if PREFERRED_START_SCHEMA in slugs else (slugs[0] if slugs else None))
-    for name in ("run", "case"):  # opened once; from here on the draft is what the URL names
-        st.query_params.pop(name, None)
-    if st.query_params.get(DRAFT_PARAM) != token:
-        st.query_params[DRAFT_PARAM] = token
-    if pending:
-        load_schema(pending, with_example=True)
-
-
-def save_schema(update: bool) -> None:
-    """Callback of the Save buttons: writes the questions on screen; the saved schema becomes the identity."""
-    questions, problems = schema_rows.rows_to_questions(builder().rows())
-    if any(p.severity == "error" for p in problems):
-        st.session_state[K("save_flash")] = ("error", "Fix the errors in the questions first; nothing was saved.")
-        return
-    library = get_library()
-    slug = builder().loaded_slug if update else None
-    schema = builder().schema_to_save(questions, st.session_state.get(K("schema_name"), ""),
-                                      st.session_state.get(K("schema_description"), ""), update=update)
-    try:
-        if slug:
-            saved = library.update(slug, schema)
-            builder().saved_as(slug, saved)
-            flash = ("success", f"Updated {slug}.json (version {saved.version}).")
-        else:
-            slug = library.create(schema)
-            builder().saved_as(slug, schema)
-            flash = ("success", f"Saved as {slug}.json in {library.directory}.")
-    except schemas.SchemaError as exc:
-        flash = ("error", str(exc))
-    st.session_state[K("save_flash")] = flash
-
-
-def use_example(index: int) -> None:
-    builder().use_example(index)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -244,10 +141,10 @@ def render_answer_card(qid: str, question: dict[str, Any], answer: dict[str, Any
 # ---------------------------------------------------------------------------------------------------------------
 # The page
 
-_init_page()
+actions.init_page()
 # Saved first: an edit's values are in the session state before this run draws anything, and a reload (or a closed
 # tab) while the page still draws would otherwise lose the edit, the save being the run's last step.
-save_draft()
+actions.save_draft()
 st.title("Decide")
 if link_note := st.session_state.pop(K("link_note"), None):
     getattr(st, link_note[0])(link_note[1], icon=":material/link:")
@@ -284,7 +181,7 @@ with left:
         picked = example_cols[0].selectbox("Example states of the loaded schema", range(len(examples)),
                                            format_func=lambda i: examples[i].get("name") or f"Example {i + 1}",
                                            key=K("example_pick"))
-        example_cols[1].button("Use", key=K("use_example"), on_click=use_example, args=(picked,))
+        example_cols[1].button("Use", key=K("use_example"), on_click=actions.use_example, args=(picked,))
     mode = kept_widget(st.radio, "Read the state as", K("state_mode"), "auto", options=["auto", "text", "json"],
                        horizontal=True, format_func={"auto": "auto (JSON if it starts with { or [)",
                                                      "text": "plain text", "json": "JSON"}.get)
@@ -375,17 +272,17 @@ with left:
                         placeholder="No schemas in the library" if not slugs else "Choose a schema")
     # buttons in a row that wraps, each at its label's width: in narrow columns they were cut to "New…"
     lib_buttons = st.container(horizontal=True)
-    lib_buttons.button("Load", key=K("load"), disabled=pick is None, on_click=ask_load, args=(pick,))
-    lib_buttons.button("New schema", key=K("new_schema"), on_click=new_schema, icon=":material/note_add:",
-                       help="Start an empty schema; the state stays.")
+    lib_buttons.button("Load", key=K("load"), disabled=pick is None, on_click=actions.ask_load, args=(pick,))
+    lib_buttons.button("New schema", key=K("new_schema"), on_click=actions.new_schema,
+                       icon=":material/note_add:", help="Start an empty schema; the state stays.")
     confirm_slug = st.session_state.get(K("confirm_load"))
     if confirm_slug:
         with st.container(border=True, key=K("confirm_load_box")):
             st.warning(f"Loading “{names.get(confirm_slug, confirm_slug)}” replaces the questions on screen, which "
                        "have unsaved changes.", icon=":material/warning:")
             confirm_buttons = st.container(horizontal=True)
-            confirm_buttons.button("Discard my changes and load", key=K("confirm_load_yes"), on_click=load_schema,
-                                   args=(confirm_slug,), kwargs={"with_example": True})
+            confirm_buttons.button("Discard my changes and load", key=K("confirm_load_yes"),
+                                   on_click=actions.load_schema, args=(confirm_slug,), kwargs={"with_example": True})
             confirm_buttons.button("Keep my changes", key=K("confirm_load_no"),
                                    on_click=lambda: st.session_state.pop(K("confirm_load"), None))
     if st.session_state.get(K("library_error")):
@@ -417,9 +314,9 @@ with left:
         schema_name = kept_widget(st.text_input, "Name", K("schema_name"), "")
         schema_description = kept_widget(st.text_area, "Description", K("schema_description"), "", height=68)
         save_buttons = st.container(horizontal=True)
-        save_buttons.button("Save as new schema", key=K("save_new"), on_click=save_schema, args=(False,))
+        save_buttons.button("Save as new schema", key=K("save_new"), on_click=actions.save_schema, args=(False,))
         save_buttons.button(f"Update “{loaded_slug}”" if loaded_slug else "Update", key=K("save_update"),
-                            disabled=not loaded_slug, on_click=save_schema, args=(True,),
+                            disabled=not loaded_slug, on_click=actions.save_schema, args=(True,),
                             help=f"Write these questions to {loaded_slug}.json as a new version" if loaded_slug
                             else "Load a schema from the library to update it")
         saved_message = st.session_state.pop(K("save_flash"), None)
@@ -634,4 +531,4 @@ if builder().loaded_slug:
 elif st.query_params.get(SCHEMA_PARAM) in get_library().slugs():  # unloaded since; a missing one's link stays
     del st.query_params[SCHEMA_PARAM]
 
-save_draft()  # and again for what this run changed itself
+actions.save_draft()  # and again for what this run changed itself

@@ -373,11 +373,11 @@ def test_a_call_runs_alone_on_the_worker_thread_between_batches():
 def test_warm_up_builds_cudnns_attention_plans_on_the_thread_that_answers_requests(tiny_engine, monkeypatch):
     """torch keeps cuDNN's attention plans per thread: built on the loading thread, every first long record of a
     new padded length paid for its plan again on the worker (+80-90 ms at 4,339 and 4,440 tokens on the H200)."""
-    from clef_engine.fast import kernels
+    from clef_engine.fast import attention
 
     threads = []
-    monkeypatch.setattr(kernels, "warm_long_attention", lambda *args: threads.append(threading.current_thread()))
-    monkeypatch.setattr(tiny_engine.backbone.kernels, "attention", kernels.attention_varlen_cudnn_long)
+    monkeypatch.setattr(attention, "warm_long_attention", lambda *args: threads.append(threading.current_thread()))
+    monkeypatch.setattr(tiny_engine.backbone.kernels, "attention", attention.attention_varlen_cudnn_long)
     monkeypatch.setattr(tiny_engine, "decide", lambda *args, **kwargs: None)  # the rest of the warm-up
     monkeypatch.setattr(tiny_engine, "decide_many", lambda *args, **kwargs: None)
     tiny_engine.warm_up()

@@ -11,10 +11,11 @@ import torch.nn.functional as F
 from clef_engine.config import EngineConfig
 from clef_engine.engine import check_fast_kernels
 from clef_engine.errors import ReleaseError
-from clef_engine.fast import kernels
+from clef_engine.fast import attention, kernels
 from clef_engine.fast.cache import PrefixState, StateCache, prefix_key
 from clef_engine.fast.graphs import PrefillGraphs, bucket, buckets
 from clef_engine.fast.packed import LayerState
+from clef_engine.fast.segments import make_segments
 from clef_engine.model.reference import reference_decide
 
 TOLERANCE = 1e-5
@@ -217,11 +218,11 @@ def test_cuda_refuses_slow_kernels_unless_allowed(monkeypatch):
 
 
 def test_segments_restart_positions_per_record():
-    segments = kernels.make_segments([3, 1, 2], torch.device("cpu"))
+    segments = make_segments([3, 1, 2], torch.device("cpu"))
     assert segments.positions.tolist() == [0, 1, 2, 0, 0, 1]
     assert segments.cu_seqlens.tolist() == [0, 3, 4, 6]
     assert segments.chunk_indices.tolist() == [[0, 0], [1, 0], [2, 0]]
-    continued = kernels.make_segments([2], torch.device("cpu"), first_position=5)
+    continued = make_segments([2], torch.device("cpu"), first_position=5)
     assert continued.positions.tolist() == [5, 6] and continued.cu_seqlens is None
 
 
@@ -229,13 +230,13 @@ def test_conv_does_not_read_across_records():
     torch.manual_seed(0)
     x = torch.randn(9, 6)
     weight = torch.randn(6, 4)
-    segments = kernels.make_segments([4, 5], torch.device("cpu"))
+    segments = make_segments([4, 5], torch.device("cpu"))
 
     def conv(inputs, segments):
         return torch.cat(kernels.causal_conv_torch(inputs, weight, segments, 2), dim=1)  # q, k, v back together
 
     together = conv(x, segments)
-    alone = conv(x[4:], kernels.make_segments([5], torch.device("cpu")))
+    alone = conv(x[4:], make_segments([5], torch.device("cpu")))
     assert torch.allclose(together[4:], alone, atol=1e-6)
     changed = x.clone()
     changed[:4] += 10.0  # the first record changes; the second's outputs must not
@@ -261,10 +262,10 @@ def sdpa_as_varlen(aligned_to_last_key: bool):
 
 @pytest.mark.parametrize("aligned", [True, False])
 def test_prefix_varlen_check_accepts_only_a_mask_aligned_to_the_last_key(monkeypatch, aligned):
-    monkeypatch.setattr(kernels, "_varlen_function", lambda: sdpa_as_varlen(aligned))
-    kernels._varlen_parameters.cache_clear()  # read the stand-in's keywords, not torch's
-    problem = kernels.prefix_varlen_matches_sdpa(torch.device("cpu"), torch.float32, 4, 2, 16)
-    kernels._varlen_parameters.cache_clear()
+    monkeypatch.setattr(attention, "_varlen_function", lambda: sdpa_as_varlen(aligned))
+    attention._varlen_parameters.cache_clear()  # read the stand-in's keywords, not torch's
+    problem = attention.prefix_varlen_matches_sdpa(torch.device("cpu"), torch.float32, 4, 2, 16)
+    attention._varlen_parameters.cache_clear()
     assert (problem is None) == aligned, problem
 
 
@@ -322,9 +323,10 @@ def test_the_heads_attention_reads_each_records_real_keys_by_count_in_batches_an
     memory padded to its bucket. On this CPU the masked kernel runs from the same counts, so the fidelity tests check
     them."""
     from clef_engine.fast.graphs import HeadGraphs
+    from clef_engine.fast.head_kernels import head_attention_kernel
     from clef_engine.model import head as head_module
 
-    assert head_module.head_attention_kernel(torch.device("cpu"), torch.float32) is head_module.attention_masked
+    assert head_attention_kernel(torch.device("cpu"), torch.float32) is head_module.attention_masked
     seen = []
     attention = head_module.head_attention
 
@@ -364,7 +366,7 @@ def test_a_long_records_cudnn_attention_runs_at_a_shared_padded_length_and_answe
     import contextlib
 
     monkeypatch.setattr(torch.nn.attention, "sdpa_kernel", lambda backends: contextlib.nullcontext())
-    monkeypatch.setattr(kernels, "_cudnn_takes_grouped_heads", lambda device, dtype: grouped)
+    monkeypatch.setattr(attention, "_cudnn_takes_grouped_heads", lambda device, dtype: grouped)
     lengths_seen = []
     sdpa = F.scaled_dot_product_attention
 
@@ -372,18 +374,18 @@ def test_a_long_records_cudnn_attention_runs_at_a_shared_padded_length_and_answe
         lengths_seen.append((q.shape[-2], k.shape[1]))
         return sdpa(q, k, v, **kwargs)
 
-    n = kernels.LONG_RECORD_TOKENS + 37
+    n = attention.LONG_RECORD_TOKENS + 37
     generator = torch.Generator().manual_seed(0)
     q = torch.randn(n, 4, 16, generator=generator)
     k, v = torch.randn(n, 2, 16, generator=generator), torch.randn(n, 2, 16, generator=generator)
-    segments = kernels.make_segments([n], torch.device("cpu"))
+    segments = make_segments([n], torch.device("cpu"))
     monkeypatch.setattr(F, "scaled_dot_product_attention", watched)
-    got = kernels.attention_varlen_cudnn_long(q, k, v, segments)
+    got = attention.attention_varlen_cudnn_long(q, k, v, segments)
     monkeypatch.setattr(F, "scaled_dot_product_attention", sdpa)
-    assert lengths_seen == [(kernels.cudnn_length(n), 2 if grouped else 4)]
-    assert kernels.cudnn_length(n) % 256 == 0 and kernels.cudnn_length(n) > n
+    assert lengths_seen == [(attention.cudnn_length(n), 2 if grouped else 4)]
+    assert attention.cudnn_length(n) % 256 == 0 and attention.cudnn_length(n) > n
     assert got.shape == (n, 4, 16)
-    assert torch.allclose(got, kernels.attention_sdpa(q, k, v, segments), atol=1e-5)
+    assert torch.allclose(got, attention.attention_sdpa(q, k, v, segments), atol=1e-5)
 
 
 def test_grouped_kv_heads_are_used_only_where_the_kernel_answers_as_on_repeated_heads():
@@ -404,9 +406,9 @@ def test_grouped_kv_heads_are_used_only_where_the_kernel_answers_as_on_repeated_
             raise RuntimeError("number of heads differ")
         return grouped(q, k, v)
 
-    assert kernels._grouped_heads_match(grouped, q, k, v, 1)
-    assert not kernels._grouped_heads_match(first_heads_only, q, k, v, 1)
-    assert not kernels._grouped_heads_match(refuses, q, k, v, 1)
+    assert attention._grouped_heads_match(grouped, q, k, v, 1)
+    assert not attention._grouped_heads_match(first_heads_only, q, k, v, 1)
+    assert not attention._grouped_heads_match(refuses, q, k, v, 1)
 
 
 def test_residual_projections_written_in_float32_reach_the_norm_and_come_closer_to_the_float32_answer():
@@ -425,7 +427,7 @@ def test_residual_projections_written_in_float32_reach_the_norm_and_come_closer_
     engine.backbone.kernels = kernels.Kernels(
         residual_projection=lambda x, weight: F.linear(x.float(), weight.float()))
     ids = torch.tensor(records[0].input_ids)
-    hidden, _ = engine.backbone.forward(ids, kernels.make_segments([len(ids)], torch.device("cpu")))
+    hidden, _ = engine.backbone.forward(ids, make_segments([len(ids)], torch.device("cpu")))
     assert hidden.dtype == torch.bfloat16
     wide = engine.forward_packed(records)
     assert max_difference(wide, plain) < 0.05  # the same model, a few roundings apart
@@ -438,19 +440,20 @@ def test_the_heads_attention_split_over_the_keys_answers_as_the_whole_keys_do(sp
     (what the head runs on CUDA through flash, `attention_flash_split`). With the plain per-piece kernel here, the
     merged answer equals the masked attention's, in a batch whose rows have different real key counts, including a
     row whose last pieces hold no real key, and with no counts at all."""
-    from clef_engine.model import head as head_module
+    from clef_engine.fast.head_kernels import attention_split_keys, partial_attention_torch
+    from clef_engine.model.head import attention_masked
 
     generator = torch.Generator().manual_seed(21)
     q = torch.randn(3, 5, 4, 16, generator=generator)
     k, v = (torch.randn(3, 70, 4, 16, generator=generator) for _ in range(2))
     for counts in (torch.tensor([70, 9, 41], dtype=torch.int32), None):
-        got = head_module.attention_split_keys(q, k, v, counts, splits, head_module.partial_attention_torch)
-        want = head_module.attention_masked(q, k, v, counts)
+        got = attention_split_keys(q, k, v, counts, splits, partial_attention_torch)
+        want = attention_masked(q, k, v, counts)
         assert (got - want).abs().max().item() <= 1e-5
 
 
 def test_keys_are_split_only_where_few_queries_over_many_keys_would_leave_the_gpu_idle():
-    from clef_engine.model.head import key_splits
+    from clef_engine.fast.head_kernels import key_splits
 
     h200 = 2 * 132
     assert key_splits(1, 65, 16, 14336, h200) == 16  # 64 questions' fields over a ~14k-token memory: 16 blocks -> 256

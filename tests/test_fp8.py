@@ -24,6 +24,7 @@ from clef_engine.errors import ReleaseError
 from clef_engine.fast import fp8 as FP8
 from clef_engine.fast import kernels as K
 from clef_engine.fast.packed import PackedBackbone
+from clef_engine.fast.segments import make_segments
 
 ROOT = Path(__file__).resolve().parents[1]
 cuda = pytest.mark.skipif(not torch.cuda.is_available(),
@@ -151,7 +152,7 @@ def test_the_fp8_backbone_stays_close_to_bf16_and_holds_no_bf16_projection_weigh
 
     encoded = records(engine)
     ids = torch.tensor([t for r in encoded for t in r.input_ids])
-    segments = K.make_segments([len(r) for r in encoded], torch.device("cpu"))
+    segments = make_segments([len(r) for r in encoded], torch.device("cpu"))
     want, _ = engine.backbone.forward(ids, segments)
     got, _ = backbone.forward(ids, segments)
     error = ((got.float() - want.float()).norm() / want.float().norm()).item()
@@ -159,7 +160,7 @@ def test_the_fp8_backbone_stays_close_to_bf16_and_holds_no_bf16_projection_weigh
 
     # the padded path (records with media, packed=False) runs the Fp8Linear modules: the same FP8 model
     padded = model.model.language_model(input_ids=torch.tensor([encoded[1].input_ids]), use_cache=False)
-    alone, _ = backbone.forward(torch.tensor(encoded[1].input_ids), K.make_segments([len(encoded[1])], "cpu"))
+    alone, _ = backbone.forward(torch.tensor(encoded[1].input_ids), make_segments([len(encoded[1])], "cpu"))
     drift = ((padded.last_hidden_state[0].float() - alone.float()).norm() / alone.float().norm()).item()
     assert drift < 0.05, drift  # the same weights and quantization; the residual stream rounds differently
 
@@ -171,7 +172,7 @@ def test_an_fp8_backbone_refuses_kernels_without_fp8_slots(bf16_engine):
     backbone = PackedBackbone(model, K.Kernels(fp8=FP8.Fp8Kernels()), precision="fp8")
     backbone.kernels = K.Kernels()  # a benchmark swapping in a set without FP8 slots
     with pytest.raises(ReleaseError, match="no FP8 slots"):
-        backbone.forward(torch.tensor([1, 2, 3]), K.make_segments([3], "cpu"))
+        backbone.forward(torch.tensor([1, 2, 3]), make_segments([3], "cpu"))
 
 
 def test_scaled_mm_shapes_are_checked_before_quantizing(bf16_engine):
@@ -257,7 +258,7 @@ def test_the_fp8_backbone_on_the_gpu_matches_the_plain_fp8_backbone(tiny_release
     assert fused.kernels.fp8.linear is FP8.linear_fp8_scaled_mm
     plain = PackedBackbone(plain_model, K.Kernels(fp8=FP8.Fp8Kernels()), precision="fp8")
     ids = torch.randint(0, 2000, (300,), device="cuda")
-    segments = K.make_segments([100, 200], torch.device("cuda"))
+    segments = make_segments([100, 200], torch.device("cuda"))
     got, _ = fused.forward(ids, segments)
     want, _ = plain.forward(ids, segments)
     error = ((got.float() - want.float()).norm() / want.float().norm()).item()

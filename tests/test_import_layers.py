@@ -17,6 +17,7 @@ TORCH_FREE = [
     "clef_engine.errors",
     "clef_engine.interface",
     "clef_engine.remote",
+    "clef_engine.remote_http",
     "clef_workbench.store",
     "clef_workbench.schemas",
     "clef_workbench.schema_diff",

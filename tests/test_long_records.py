@@ -15,8 +15,9 @@ import torch
 import clef_engine
 from clef_engine.config import EngineConfig
 from clef_engine.errors import ReleaseError
-from clef_engine.fast import kernels
+from clef_engine.fast import attention
 from clef_engine.fast.packed import chunk_bounds
+from clef_engine.fast.segments import make_segments
 from tests.test_fast_paths import TOLERANCE, max_difference, request
 from tests.test_triton_kernels import ROOT, run_interpreted
 
@@ -61,7 +62,7 @@ def test_a_record_in_chunks_has_the_whole_forwards_hidden_states_and_layer_state
                                                                                     split_at):
     backbone = tiny_engine.backbone
     ids = torch.randint(0, backbone.embed.shape[0], (length,), generator=torch.Generator().manual_seed(length))
-    whole, want_states = backbone.forward(ids, kernels.make_segments([length], tiny_engine.device), split_at=split_at)
+    whole, want_states = backbone.forward(ids, make_segments([length], tiny_engine.device), split_at=split_at)
     pieces: list[tuple[int, torch.Tensor]] = []
     states = backbone.forward_chunked(ids, chunk, lambda start, hidden: pieces.append((start, hidden)),
                                       split_at=split_at)
@@ -131,10 +132,11 @@ def test_a_chunked_record_with_the_triton_kernels_matches_the_whole_pytorch_forw
         import torch
         import clef_engine
         from clef_engine.fast import kernels
+        from clef_engine.fast.segments import make_segments
         engine = clef_engine.load(clef_engine.demo_release(), device="cpu")
         backbone = engine.backbone
         ids = torch.randint(0, backbone.embed.shape[0], (75,), generator=torch.Generator().manual_seed(0))
-        plain, _ = backbone.forward(ids, kernels.make_segments([75], torch.device("cpu")))
+        plain, _ = backbone.forward(ids, make_segments([75], torch.device("cpu")))
         backbone.kernels = kernels.Kernels(causal_conv=kernels.causal_conv_triton,
                                            causal_conv_after=kernels.causal_conv_after_triton)
         pieces = []
@@ -173,18 +175,18 @@ def test_the_cudnn_chunk_attention_merges_to_the_causal_attention_after_the_earl
     generator = torch.Generator().manual_seed(prefix + n)
     q = torch.randn(n, 6, 32, generator=generator)
     k, v = (torch.randn(prefix + n, 2, 32, generator=generator) for _ in range(2))
-    got = kernels.attention_chunk_cudnn(q, k, v, prefix, attend=kernels.attention_with_lse_torch, grouped=grouped)
+    got = attention.attention_chunk_cudnn(q, k, v, prefix, attend=attention.attention_with_lse_torch, grouped=grouped)
     assert got.shape == q.shape
-    assert (got - kernels.attention_after_prefix(q, k, v, prefix)).abs().max().item() <= TOLERANCE
+    assert (got - attention.attention_after_prefix(q, k, v, prefix)).abs().max().item() <= TOLERANCE
 
 
 def test_a_record_in_chunks_on_the_cudnn_chunk_attention_has_the_whole_forwards_hidden_states(tiny_engine,
                                                                                               monkeypatch):
     backbone = tiny_engine.backbone
-    chunk_attention = functools.partial(kernels.attention_chunk_cudnn, attend=kernels.attention_with_lse_torch,
+    chunk_attention = functools.partial(attention.attention_chunk_cudnn, attend=attention.attention_with_lse_torch,
                                         grouped=True)
     ids = torch.randint(0, backbone.embed.shape[0], (450,), generator=torch.Generator().manual_seed(1))
-    whole, _ = backbone.forward(ids, kernels.make_segments([450], tiny_engine.device))
+    whole, _ = backbone.forward(ids, make_segments([450], tiny_engine.device))
     monkeypatch.setattr(backbone.kernels, "attention_chunk", chunk_attention)
     pieces: list[torch.Tensor] = []
     backbone.forward_chunked(ids, 200, lambda start, hidden: pieces.append(hidden))  # the third after 144 + 256

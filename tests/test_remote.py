@@ -32,8 +32,8 @@ from clef_engine.remote import (
     RemoteError,
     RequestTooLargeError,
     parse_endpoint,
-    retry_after_seconds,
 )
+from clef_engine.remote_http import retry_after_seconds
 from clef_workbench import compare
 from clef_workbench.jobs import JobRunner
 from clef_workbench.store import Store

@@ -42,8 +42,9 @@ def test_triton_conv_keeps_records_apart_and_splits_qkv():
     run_interpreted("""
         import torch
         from clef_engine.fast import kernels
+        from clef_engine.fast.segments import make_segments
         torch.manual_seed(0)
-        segments = kernels.make_segments([4, 1, 9], torch.device("cpu"))
+        segments = make_segments([4, 1, 9], torch.device("cpu"))
         mixed = torch.randn(14, 2 * 8 + 12 + 3)[:, :28]  # strided rows, like a slice of the fused projection
         weight = torch.randn(28, 4)
         q, k, v = kernels.causal_conv_triton(mixed, weight, segments, 8)
@@ -64,6 +65,7 @@ def test_packed_backbone_with_triton_kernels_matches_the_pytorch_kernels():
         import torch
         import clef_engine
         from clef_engine.fast import kernels
+        from clef_engine.fast.segments import make_segments
         from clef_engine.fast.packed import PackedBackbone
         engine = clef_engine.load(clef_engine.demo_release(), device="cpu")
         vocabulary = "the invoice ticket customer payment refund amount total due date vendor alert".split()
@@ -72,7 +74,7 @@ def test_packed_backbone_with_triton_kernels_matches_the_pytorch_kernels():
                     for s, n in enumerate((3, 120, 40))]
         records = [engine.encode(r) for r in requests]
         ids = torch.tensor([t for r in records for t in r.input_ids])
-        segments = kernels.make_segments([len(r) for r in records], torch.device("cpu"))
+        segments = make_segments([len(r) for r in records], torch.device("cpu"))
         plain, _ = engine.backbone.forward(ids, segments)
         fused = kernels.Kernels(rms_norm=kernels.rms_norm_triton, gated_rms_norm=kernels.gated_rms_norm_triton,
                                 causal_conv=kernels.causal_conv_triton, norm_rope=kernels.norm_rope_triton,
@@ -128,10 +130,11 @@ def test_gated_delta_gets_q_and_k_l2_normed_by_our_kernel_not_by_flas_autotuned_
             sys.modules[name] = types.ModuleType(name)
         sys.modules["fla.ops.gated_delta_rule"] = rule
         from clef_engine.fast import kernels
+        from clef_engine.fast.segments import make_segments
         torch.manual_seed(0)
         q, k, v = torch.randn(5, 2, 8), torch.randn(5, 2, 8), torch.randn(5, 4, 8)
         a, b = torch.randn(5, 4), torch.randn(5, 4)
-        kernels.gated_delta_fla(q, k, v, a, b, torch.zeros(4), torch.zeros(4), kernels.make_segments([5], "cpu"))
+        kernels.gated_delta_fla(q, k, v, a, b, torch.zeros(4), torch.zeros(4), make_segments([5], "cpu"))
         (got_q, got_k, kwargs), = calls
         assert kwargs["use_qk_l2norm_in_kernel"] is False
         def normed(x):

@@ -228,8 +228,8 @@ class PrefixCache:
         """One forward over the whole record that also returns every layer's state at the end of the state, in
         chunks of `chunk_tokens` if the record is longer (0: whole): the head's inputs and the state, to put in
         the cache once the record is answered (the chunked forward's K/V buffers themselves: no copy)."""
-        from .kernels import make_segments
         from .packed import chunked_head_inputs
+        from .segments import make_segments
 
         length = record.state_end
         device = self.backbone.device
@@ -249,7 +249,7 @@ class PrefixCache:
         the whole record (rows of the state's tokens are zero in `normed`: the head reads them only through the
         stored memory)."""
         from .graphs import bucket
-        from .kernels import make_segments
+        from .segments import make_segments
 
         start, new = state.length, len(record) - state.length
         # right-padded to a bucket length: a graph per bucket, and GEMMs of odd row counts run slower per token;

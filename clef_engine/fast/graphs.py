@@ -26,7 +26,7 @@ from itertools import chain
 import numpy as np
 import torch
 
-from . import kernels as K
+from .segments import Segments, make_segments
 
 _side_streams: dict[torch.device, torch.cuda.Stream] = {}
 
@@ -75,7 +75,7 @@ def buckets(max_tokens: int) -> list[int]:
 class Graph:
     """One captured forward: its static input ids and its output view."""
 
-    def __init__(self, graph: torch.cuda.CUDAGraph, ids: torch.Tensor, hidden: torch.Tensor, segments: K.Segments):
+    def __init__(self, graph: torch.cuda.CUDAGraph, ids: torch.Tensor, hidden: torch.Tensor, segments: Segments):
         self.graph, self.ids, self.hidden, self.segments = graph, ids, hidden, segments
 
     def replay(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -110,7 +110,7 @@ class PrefillGraphs:
         device = self.backbone.device
         length = ids.shape[0]
         first = prefix.length if prefix is not None else 0
-        segments = K.make_segments([length], device, first_position=first)
+        segments = make_segments([length], device, first_position=first)
         arguments = {"prefix": prefix.layers, "prefix_length": first} if prefix is not None else {}
         static_ids = ids.clone()
         side = side_stream(device)

@@ -3,73 +3,40 @@
 `select_kernels(device)` returns a `Kernels` set, one function per slot. On CUDA: fla's chunked gated-delta rule;
 our fused Triton kernels (triton_kernels.py: add + RMSNorm, SiLU·mul, conv + SiLU, gated RMSNorm, q/k norm + RoPE,
 output gate; the q/k L2 norm before fla's rule), used only if each matches its PyTorch function at start-up; torch's
-flash varlen attention (and cuDNN's for one long record), used only if they match per-record SDPA and, for cuDNN,
-measure faster; cuBLAS's float32-output GEMM for the projections whose outputs join the residual stream. On the CPU
-(and in tests) the PyTorch functions below, which compute exactly what transformers' Qwen3.5 modules compute, record
-by record. Tests can build a `Kernels` with any mix of these functions.
+flash varlen attention (and cuDNN's for one long record; attention.py), used only if they match per-record SDPA
+and, for cuDNN, measure faster; cuBLAS's float32-output GEMM for the projections whose outputs join the residual
+stream. On the CPU (and in tests) the PyTorch functions below, which compute exactly what transformers' Qwen3.5
+modules compute, record by record. Tests can build a `Kernels` with any mix of these functions.
 
 Shapes: packed token-major tensors, `[N, ...]` for N tokens of all records; `Segments` says where records start.
 """
 
 from __future__ import annotations
 
-import functools
 import importlib.util
-import inspect
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
+from .attention import (
+    attention_after_prefix,
+    attention_after_prefix_varlen,
+    attention_chunk_cudnn,
+    attention_sdpa,
+    attention_varlen,
+    attention_varlen_cudnn_long,
+    chunk_attention_cudnn_pays,
+    cudnn_long_attention_pays,
+    prefix_varlen_matches_sdpa,
+    varlen_matches_sdpa,
+)
 from .fp8 import Fp8Kernels, select_fp8_kernels
+from .segments import Segments, make_segments
 
 # FLA_DISABLE_BACKEND_DISPATCH (fla's backend registry would walk its backends on every call) is set by the
 # engine's config (config.py), not as a side effect of importing this module.
-
-CHUNK = 64  # fla's chunk size for both the conv and the gated-delta kernels
-
-
-@dataclass
-class Segments:
-    """Where each record of a pack starts; built on the host once per batch (no device syncs afterwards)."""
-
-    lengths: list[int]
-    starts: list[int]
-    positions: torch.Tensor  # [N] long, restarting at `first_position` for every record
-    cu_seqlens: torch.Tensor | None  # [R+1] long on the device (None for a single record: no varlen needed)
-    cu_seqlens_int32: torch.Tensor | None
-    chunk_indices: torch.Tensor | None  # fla's per-chunk (record, chunk) table, precomputed on the host
-    max_length: int
-
-    @property
-    def total(self) -> int:
-        return sum(self.lengths)
-
-    @property
-    def count(self) -> int:
-        return len(self.lengths)
-
-
-def make_segments(lengths: list[int], device: torch.device, *, first_position: int = 0) -> Segments:
-    starts, cursor = [], 0
-    for length in lengths:
-        starts.append(cursor)
-        cursor += length
-    positions = torch.cat([torch.arange(first_position, first_position + n) for n in lengths])
-    positions = positions.to(device, non_blocking=True)
-    if len(lengths) == 1:  # no varlen for fla; the attention kernel still takes [0, n]
-        cu_single = torch.tensor([0, lengths[0]], dtype=torch.int32).to(device, non_blocking=True)
-        return Segments(lengths, starts, positions, None, cu_single, None, lengths[0])
-    cu_host = torch.tensor([0] + [s + n for s, n in zip(starts, lengths)], dtype=torch.long)
-    chunk_counts = [(n + CHUNK - 1) // CHUNK for n in lengths]
-    chunk_indices = torch.tensor([[r, c] for r, count in enumerate(chunk_counts) for c in range(count)],
-                                 dtype=torch.long).reshape(-1, 2)
-    return Segments(lengths, starts, positions, cu_host.to(device, non_blocking=True),
-                    cu_host.to(torch.int32).to(device, non_blocking=True),
-                    chunk_indices.to(device, non_blocking=True), max(lengths))
-
 
 # ---- RMSNorm (Qwen3.5's zero-centred gain: weight passed as 1 + w, in float32) --------------------------------------
 
@@ -211,311 +178,6 @@ def gated_delta_fla(q, k, v, a, b, A_log, dt_bias, segments: Segments, initial_s
         output_final_state=output_final_state, use_qk_l2norm_in_kernel=False, use_gate_in_kernel=True,
         A_log=A_log, dt_bias=dt_bias, cu_seqlens=segments.cu_seqlens, chunk_indices=segments.chunk_indices)
     return out[0], state
-
-
-# ---- full attention (block-diagonal causal) -------------------------------------------------------------------------
-
-def attention_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: Segments) -> torch.Tensor:
-    """q [N, Hq, D], k/v [N, Hk, D]: one causal SDPA call per record; KV heads repeated like transformers' repeat_kv."""
-    repeat = q.shape[1] // k.shape[1]
-    outputs = []
-    for start, length in zip(segments.starts, segments.lengths):
-        end = start + length
-        q_r = q[start:end].transpose(0, 1)[None]
-        k_r = k[start:end].transpose(0, 1)[None]
-        v_r = v[start:end].transpose(0, 1)[None]
-        if repeat > 1:
-            k_r, v_r = k_r.repeat_interleave(repeat, dim=1), v_r.repeat_interleave(repeat, dim=1)
-        out = F.scaled_dot_product_attention(q_r, k_r, v_r, is_causal=True)
-        outputs.append(out[0].transpose(0, 1))
-    return torch.cat(outputs) if len(outputs) > 1 else outputs[0]
-
-
-def _varlen_function() -> Callable | None:
-    try:
-        from torch.nn.attention.varlen import varlen_attn
-    except ImportError:
-        return None
-    return varlen_attn
-
-
-def _varlen_arguments(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-    """(k, v, kwargs) for torch's varlen_attn, whose keyword names changed across torch releases. K/V heads are
-    passed as they are where the kernel takes fewer K/V heads than query heads (`_varlen_takes_grouped_heads`):
-    repeating them writes six times the K/V, which after a long cached prefix costs more than the attention."""
-    parameters = _varlen_parameters()
-    kwargs: dict = {"is_causal": True} if "is_causal" in parameters else {"window_size": (-1, 0)}
-    if q.shape[1] != k.shape[1]:
-        if "enable_gqa" in parameters:
-            kwargs["enable_gqa"] = True
-        elif not _varlen_takes_grouped_heads(q.device, q.dtype):
-            repeat = q.shape[1] // k.shape[1]
-            k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
-    return k.contiguous(), v.contiguous(), kwargs
-
-
-def _grouped_heads_match(attend: Callable, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads_dim: int) -> bool:
-    """Whether `attend(q, k, v)`, given fewer K/V heads than query heads (dim `heads_dim`), answers what it answers
-    on the K/V heads repeated; False if it refuses the shapes."""
-    try:
-        repeat = q.shape[heads_dim] // k.shape[heads_dim]
-        grouped = attend(q, k, v)
-        repeated = attend(q, k.repeat_interleave(repeat, dim=heads_dim).contiguous(),
-                          v.repeat_interleave(repeat, dim=heads_dim).contiguous())
-        return bool((grouped.float() - repeated.float()).abs().max().item() <= 1e-2)
-    except Exception:  # noqa: BLE001 — refused: repeat the heads
-        return False
-
-
-@functools.cache
-def _varlen_takes_grouped_heads(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether varlen_attn takes K/V with fewer heads than the queries (flash attention groups query heads natively;
-    older torch builds refused the shapes). Checked once per device."""
-    if _varlen_function() is None:
-        return False
-    generator = torch.Generator(device=device).manual_seed(3)
-    lengths = [45, 83]
-    q, k, v = (torch.randn(sum(lengths), heads, 64, device=device, dtype=dtype, generator=generator)
-               for heads in (6, 2, 2))
-    cu = torch.tensor([0, lengths[0], sum(lengths)], dtype=torch.int32, device=device)
-    kwargs: dict = {"is_causal": True} if "is_causal" in _varlen_parameters() else {"window_size": (-1, 0)}
-    return _grouped_heads_match(
-        lambda q, k, v: _varlen_function()(q, k, v, cu, cu, max(lengths), max(lengths), **kwargs), q, k, v, 1)
-
-
-@functools.cache
-def _varlen_parameters() -> frozenset[str]:
-    """varlen_attn's keyword names, read once (it is called in every attention layer of every forward)."""
-    return frozenset(inspect.signature(_varlen_function()).parameters)
-
-
-def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: Segments) -> torch.Tensor:
-    """torch's flash varlen attention over the whole pack (causal within each record)."""
-    k, v, kwargs = _varlen_arguments(q, k, v)
-    cu = segments.cu_seqlens_int32
-    return _varlen_function()(q.contiguous(), k, v, cu, cu, segments.max_length, segments.max_length, **kwargs)
-
-
-def attention_after_prefix(q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, prefix: int) -> torch.Tensor:
-    """One record continuing after `prefix` cached tokens: q [n, Hq, D], k/v [prefix + n, Hk, D]. Query heads are
-    folded onto their KV head (no KV copy) and an explicit mask keeps it causal (key j visible to query t iff
-    j <= prefix + t)."""
-    n, heads, dim = q.shape
-    kv_heads = k_all.shape[1]
-    repeat = heads // kv_heads
-    grouped = q.view(n, kv_heads, repeat, dim).permute(1, 2, 0, 3).reshape(kv_heads, repeat * n, dim)
-    keys = torch.arange(k_all.shape[0], device=q.device)
-    allowed = keys[None, :] <= (prefix + torch.arange(n, device=q.device))[:, None]  # [n, P+n]
-    allowed = allowed.repeat(repeat, 1)
-    out = F.scaled_dot_product_attention(grouped[None], k_all.transpose(0, 1)[None], v_all.transpose(0, 1)[None],
-                                         attn_mask=allowed[None, None])
-    return out[0].view(kv_heads, repeat, n, dim).permute(2, 0, 1, 3).reshape(n, heads, dim)
-
-
-def attention_after_prefix_varlen(q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor,
-                                  prefix: int) -> torch.Tensor:
-    """The same with flash varlen: with fewer queries than keys its causal mask is aligned to the last key (query t
-    sees keys <= prefix + t); `select_kernels` checks that against the masked SDPA before using it."""
-    n, total = q.shape[0], k_all.shape[0]
-    k_all, v_all, kwargs = _varlen_arguments(q, k_all, v_all)
-    cu_q, cu_k = _boundaries(n, total, q.device)
-    return _varlen_function()(q.contiguous(), k_all, v_all, cu_q, cu_k, n, total, **kwargs)
-
-
-@functools.lru_cache(maxsize=64)
-def _boundaries(queries: int, keys: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """[0, queries] and [0, keys] on the device, made once: a CUDA graph cannot capture their host-to-device copy."""
-    return (torch.tensor([0, queries], dtype=torch.int32).to(device),
-            torch.tensor([0, keys], dtype=torch.int32).to(device))
-
-
-LONG_RECORD_TOKENS = 4097  # above the CUDA-graph limit: attention is a large share of a long record's time
-# cuDNN builds an execution plan for every new sequence length (~50 ms on the H200), and records arrive at every
-# length: one long record's attention runs padded to a multiple of this, so nearby lengths share one plan, and
-# `warm_long_attention` builds the plans of the usual lengths while the engine warms up. Zero keys after the last
-# real token change nothing before it (causal).
-CUDNN_LENGTH_STEP = 256
-
-
-def cudnn_length(n: int) -> int:
-    """The padded length one record of `n` tokens runs cuDNN attention at."""
-    return -(-n // CUDNN_LENGTH_STEP) * CUDNN_LENGTH_STEP
-
-
-def attention_varlen_cudnn_long(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: Segments) -> torch.Tensor:
-    """Flash varlen, except one long record: cuDNN's fused attention (Hopper wgmma kernels) at `cudnn_length`,
-    K/V heads grouped natively where cuDNN takes them so, else repeated. Chosen by `select_kernels` only where it
-    agreed with the varlen result and was faster on this GPU."""
-    if segments.count != 1 or segments.total < LONG_RECORD_TOKENS:
-        return attention_varlen(q, k, v, segments)
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    n, padded = q.shape[0], cudnn_length(q.shape[0])
-    grouped = _cudnn_takes_grouped_heads(q.device, q.dtype)
-    repeat = 1 if grouped else q.shape[1] // k.shape[1]
-
-    def padded_heads_first(x: torch.Tensor, times: int) -> torch.Tensor:
-        """x [n, H, D] as [1, H * times, padded, D]: one copy that pads (and repeats heads if asked)."""
-        out = x.new_zeros(padded, x.shape[1], times, x.shape[2])
-        out[:n] = x[:, :, None, :]
-        return out.view(padded, -1, x.shape[2]).transpose(0, 1)[None]
-
-    with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
-        out = F.scaled_dot_product_attention(padded_heads_first(q, 1), padded_heads_first(k, repeat),
-                                             padded_heads_first(v, repeat), is_causal=True,
-                                             enable_gqa=repeat == 1 and q.shape[1] != k.shape[1])
-    return out[0].transpose(0, 1)[:n]
-
-
-def attention_with_lse_cudnn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                             causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """cuDNN's fused attention on [1, H, L, D] tensors: (out [1, H, Lq, D], log-sum-exp [1, H, Lq] in float32)."""
-    out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal, False)[:2]
-    return out, lse.reshape(q.shape[:3]).float()
-
-
-def attention_with_lse_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                             causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """The same in plain PyTorch (top-left causal mask, as cuDNN's; K/V heads grouped), what tests swap in."""
-    repeat = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(repeat, dim=1).float(), v.repeat_interleave(repeat, dim=1).float()
-    scores = q.float() @ k.transpose(-1, -2) * q.shape[-1] ** -0.5
-    if causal:
-        scores = scores.masked_fill(torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).triu(1),
-                                    float("-inf"))
-    return (torch.softmax(scores, -1) @ v).to(q.dtype), torch.logsumexp(scores, -1)
-
-
-def attention_chunk_cudnn(q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, prefix: int,
-                          attend=attention_with_lse_cudnn, grouped: bool | None = None) -> torch.Tensor:
-    """A chunk of a long record after `prefix` earlier tokens on cuDNN's fused attention, which has no causal mask
-    aligned to the last key: the chunk's queries attend (1) to the earlier keys up to the last multiple of
-    CUDNN_LENGTH_STEP before the chunk, with no mask, and (2) causally to the rest (the few earlier keys after that
-    multiple, then their own chunk), the queries shifted down by those few rows so that a top-left causal mask
-    lets each see every earlier key and its own chunk's up to itself; the two merged by their log-sum-exp. Both
-    calls' lengths are multiples of CUDNN_LENGTH_STEP, so nearby lengths share cuDNN's plans.
-    q [n, Hq, D], k_all/v_all [prefix + n, Hk, D]."""
-    n, heads, dim = q.shape
-    base = prefix - prefix % CUDNN_LENGTH_STEP
-    lead = prefix - base
-    rows = cudnn_length(lead + n)
-    if grouped is None:
-        grouped = _cudnn_takes_grouped_heads(q.device, q.dtype)
-    repeat = 1 if grouped else heads // k_all.shape[1]
-
-    def placed(x: torch.Tensor, offset: int, times: int) -> torch.Tensor:
-        """x [m, H, D] at rows [offset, offset + m) of zeros [rows, H * times, D], as [1, H * times, rows, D]."""
-        out = x.new_zeros(rows, x.shape[1], times, dim)
-        out[offset: offset + x.shape[0]] = x[:, :, None, :]
-        return out.view(rows, -1, dim).transpose(0, 1)[None]
-
-    queries = placed(q, lead, 1)
-    out, lse = attend(queries, placed(k_all[base:], 0, repeat), placed(v_all[base:], 0, repeat), True)
-    if base:
-        earlier_k, earlier_v = (x[:base].transpose(0, 1)[None] for x in (k_all, v_all))
-        if repeat > 1:
-            earlier_k, earlier_v = (x.repeat_interleave(repeat, dim=1) for x in (earlier_k, earlier_v))
-        out_earlier, lse_earlier = attend(queries, earlier_k, earlier_v, False)
-        weight = torch.sigmoid(lse_earlier - lse)[..., None]  # the earlier keys' share of the softmax mass
-        out = (out.float() + (out_earlier.float() - out.float()) * weight).to(q.dtype)
-    return out[0].transpose(0, 1)[lead: lead + n]
-
-
-def chunk_attention_cudnn_pays(device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int, dim: int,
-                               chunk: int = 8192) -> str | None:
-    """None if `attention_chunk_cudnn` answers as the masked SDPA (after a prefix at and off a multiple of the
-    step) and runs faster than flash varlen on a chunk after two chunks; else why not."""
-    try:
-        generator = torch.Generator(device=device).manual_seed(7)
-
-        def rand(n: int, h: int) -> torch.Tensor:
-            return torch.randn(n, h, dim, device=device, dtype=dtype, generator=generator)
-
-        for prefix, n in ((700, 300), (512, 256), (100, 37)):
-            q, k, v = rand(n, heads), rand(prefix + n, kv_heads), rand(prefix + n, kv_heads)
-            error = (attention_chunk_cudnn(q, k, v, prefix).float()
-                     - attention_after_prefix(q, k, v, prefix).float()).abs().max().item()
-            if not error <= 2e-2:
-                return f"cuDNN chunk attention differs from the masked SDPA by {error:.3g} (prefix {prefix})"
-        q, k, v = rand(chunk, heads), rand(3 * chunk, kv_heads), rand(3 * chunk, kv_heads)
-        timings = []
-        for fn in (attention_after_prefix_varlen, attention_chunk_cudnn):
-            fn(q, k, v, 2 * chunk)
-            torch.cuda.synchronize(device)
-            started = time.perf_counter()
-            for _ in range(3):
-                fn(q, k, v, 2 * chunk)
-            torch.cuda.synchronize(device)
-            timings.append((time.perf_counter() - started) / 3 * 1000)
-        if timings[1] >= timings[0]:
-            return f"cuDNN chunk attention not faster ({timings[1]:.2f} vs {timings[0]:.2f} ms)"
-    except Exception as error:  # noqa: BLE001 — any failure means: keep flash varlen
-        return f"cuDNN chunk attention unavailable: {type(error).__name__}: {error}"[:300]
-    return None
-
-
-@functools.cache
-def _cudnn_takes_grouped_heads(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether cuDNN SDPA with enable_gqa computes what it computes on repeated K/V. Checked once per device."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    generator = torch.Generator(device=device).manual_seed(4)
-    q, k, v = (torch.randn(1, heads, 256, 64, device=device, dtype=dtype, generator=generator) for heads in (6, 2, 2))
-
-    def attend(q, k, v):
-        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
-    return _grouped_heads_match(attend, q, k, v, 1)
-
-
-def warm_long_attention(device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int, dim: int,
-                        max_tokens: int) -> int:
-    """Build cuDNN's plan for every padded length of one long record up to `max_tokens` (so that no request pays
-    for one); returns how many lengths were run. Longest first, then the cache emptied: in ascending order every
-    call's buffers would outgrow the blocks cached before it, and the caching allocator would keep them all (45 GB
-    reserved after one warm-up on the H200, bench/results/2026-12-01-h200-user-paths-run3.json)."""
-    lengths = range(cudnn_length(max_tokens), cudnn_length(LONG_RECORD_TOKENS) - 1, -CUDNN_LENGTH_STEP)
-    if not lengths:
-        return 0
-    generator = torch.Generator(device=device).manual_seed(5)
-    q = torch.randn(lengths[0], heads, dim, device=device, dtype=dtype, generator=generator)
-    k = torch.randn(lengths[0], kv_heads, dim, device=device, dtype=dtype, generator=generator)
-    for n in lengths:
-        attention_varlen_cudnn_long(q[:n], k[:n], k[:n], make_segments([n], device))
-    torch.cuda.synchronize(device)
-    del q, k
-    torch.cuda.empty_cache()
-    return len(lengths)
-
-
-def cudnn_long_attention_pays(device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int,
-                              dim: int, tokens: int = 8192) -> str | None:
-    """None if cuDNN attention on one long record matches flash varlen and is faster here; else why not."""
-    try:
-        generator = torch.Generator(device=device).manual_seed(1)
-        q = torch.randn(tokens, heads, dim, device=device, dtype=dtype, generator=generator)
-        k = torch.randn(tokens, kv_heads, dim, device=device, dtype=dtype, generator=generator)
-        v = torch.randn(tokens, kv_heads, dim, device=device, dtype=dtype, generator=generator)
-        segments = make_segments([tokens], device)
-        want = attention_varlen(q, k, v, segments)
-        got = attention_varlen_cudnn_long(q, k, v, segments)
-        error = (got.float() - want.float()).abs().max().item()
-        if not error <= 2e-2:
-            return f"cuDNN attention differs from flash varlen by {error:.3g}"
-        timings = []
-        for fn in (attention_varlen, attention_varlen_cudnn_long):
-            fn(q, k, v, segments)
-            torch.cuda.synchronize(device)
-            started = time.perf_counter()
-            for _ in range(3):
-                fn(q, k, v, segments)
-            torch.cuda.synchronize(device)
-            timings.append((time.perf_counter() - started) / 3 * 1000)
-        if timings[1] >= timings[0]:
-            return f"cuDNN attention not faster at {tokens} tokens ({timings[1]:.2f} vs {timings[0]:.2f} ms)"
-    except Exception as error:  # noqa: BLE001 — any failure means: keep flash varlen
-        return f"cuDNN attention unavailable: {type(error).__name__}: {error}"[:300]
-    return None
 
 
 # ---- full attention: q/k norm + RoPE, output gate -------------------------------------------------------------------
@@ -664,33 +326,6 @@ def fla_importable() -> bool:
     return importlib.util.find_spec("fla") is not None
 
 
-def varlen_matches_sdpa(device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int, dim: int) -> str | None:
-    """Run torch's varlen attention against per-record SDPA on random data; None if it agrees, else why not."""
-    if _varlen_function() is None:
-        return "torch.nn.attention.varlen is not available"
-    try:
-        generator = torch.Generator(device=device).manual_seed(0)
-        lengths = [70, 130, 1]
-        n = sum(lengths)
-        q = torch.randn(n, heads, dim, device=device, dtype=dtype, generator=generator)
-        k = torch.randn(n, kv_heads, dim, device=device, dtype=dtype, generator=generator)
-        v = torch.randn(n, kv_heads, dim, device=device, dtype=dtype, generator=generator)
-        segments = make_segments(lengths, device)
-        got = attention_varlen(q, k, v, segments).float()
-        want = attention_sdpa(q, k, v, segments).float()
-        error = (got - want).abs().max().item()
-        if not error <= 2e-2:
-            return f"varlen attention differs from SDPA by {error:.3g}"
-        single = make_segments([130], device)
-        error = (attention_varlen(q[:130], k[:130], v[:130], single).float()
-                 - attention_sdpa(q[:130], k[:130], v[:130], single).float()).abs().max().item()
-        if not error <= 2e-2:
-            return f"varlen attention (one record) differs from SDPA by {error:.3g}"
-    except Exception as error:  # noqa: BLE001 — any failure means: use the fallback
-        return f"varlen attention failed: {type(error).__name__}: {error}"
-    return None
-
-
 def triton_matches_torch(device: torch.device, dtype: torch.dtype, *, heads: int, kv_heads: int, head_dim: int,
                          value_head_dim: int) -> str | None:
     """Run each fused Triton kernel against its PyTorch function on random data (two records, so boundaries are
@@ -757,26 +392,6 @@ def triton_matches_torch(device: torch.device, dtype: torch.dtype, *, heads: int
                     return f"Triton {name} differs from PyTorch by {(a - b).abs().max().item():.3g}"
     except Exception as error:  # noqa: BLE001 — any failure means: use the PyTorch functions
         return f"Triton kernels failed: {type(error).__name__}: {error}"[:500]
-    return None
-
-
-def prefix_varlen_matches_sdpa(device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int,
-                               dim: int) -> str | None:
-    """Flash varlen with fewer queries than keys must align its causal mask to the last key (query t of the new
-    tokens sees the prefix and new tokens up to t). Compare with the explicitly masked SDPA; None if they agree."""
-    try:
-        generator = torch.Generator(device=device).manual_seed(2)
-        new, prefix = 37, 150
-        q = torch.randn(new, heads, dim, device=device, dtype=dtype, generator=generator)
-        k = torch.randn(prefix + new, kv_heads, dim, device=device, dtype=dtype, generator=generator)
-        v = torch.randn(prefix + new, kv_heads, dim, device=device, dtype=dtype, generator=generator)
-        got = attention_after_prefix_varlen(q, k, v, prefix).float()
-        want = attention_after_prefix(q, k, v, prefix).float()
-        error = (got - want).abs().max().item()
-        if not error <= 2e-2:
-            return f"varlen attention after a prefix differs from the masked SDPA by {error:.3g}"
-    except Exception as error:  # noqa: BLE001 — any failure means: keep the masked SDPA
-        return f"varlen attention after a prefix failed: {type(error).__name__}: {error}"[:300]
     return None
 
 

@@ -2,7 +2,7 @@
 
 Our own layer loop over the transformers modules' weights (their parameters, our forward): positions restart at
 every record, and the short causal conv, the gated-delta recurrence and full attention each respect record
-boundaries (`kernels.Segments`). Only the text model runs (no vocabulary logits). At load, the projections that read
+boundaries (`segments.Segments`). Only the text model runs (no vocabulary logits). At load, the projections that read
 the same input are concatenated into one weight each (GDN q/k/v/z/b/a, attention q+gate/k/v, MLP gate/up) and the
 modules' parameters become views of it, so the plain transformers path still works and no memory is added.
 
@@ -32,6 +32,7 @@ from torch import nn
 from ..errors import ReleaseError
 from . import fp8 as FP8
 from . import kernels as K
+from .segments import Segments, make_segments
 
 
 @dataclass
@@ -193,7 +194,7 @@ class PackedBackbone:
         return cos[0], sin[0]
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, segments: K.Segments, *, prefix: list[LayerState] | None = None,
+    def forward(self, input_ids: torch.Tensor, segments: Segments, *, prefix: list[LayerState] | None = None,
                 prefix_length: int = 0, split_at: int | None = None,
                 between_layers=None) -> tuple[torch.Tensor, list[LayerState] | None]:
         """Final hidden states [N, hidden] of the packed tokens (after the final norm).
@@ -269,7 +270,7 @@ class PackedBackbone:
         """One chunk of `forward_chunked` (tokens from `start` on) through every layer; `carried` takes each Gated
         DeltaNet layer's state at the chunk's end, for the next chunk."""
         n = chunk_ids.shape[0]
-        segments = K.make_segments([n], self.device, first_position=start)
+        segments = make_segments([n], self.device, first_position=start)
         x = F.embedding(chunk_ids, self.embed)
         cos, sin = self.rope(segments.positions, x)
 
@@ -281,7 +282,7 @@ class PackedBackbone:
 
         return self._layers(x, mix, between_layers)
 
-    def gated_delta_net(self, layer: FastLayer, x: torch.Tensor, segments: K.Segments, before: LayerState | None,
+    def gated_delta_net(self, layer: FastLayer, x: torch.Tensor, segments: Segments, before: LayerState | None,
                         split_at: int | None) -> tuple[torch.Tensor, LayerState | None]:
         n = x.shape[0]
         kern = self.kernels
@@ -305,8 +306,8 @@ class PackedBackbone:
             core, final = kern.gated_delta(q, k, v, a, b, layer.A_log, layer.dt_bias, segments, initial_state=initial,
                                            output_final_state=split_at is not None)
         else:  # the recurrence in two calls, the second starting from the first's final state: the state at the split
-            head_part = K.make_segments([split_at], x.device)
-            tail_part = K.make_segments([n - split_at], x.device, first_position=split_at)
+            head_part = make_segments([split_at], x.device)
+            tail_part = make_segments([n - split_at], x.device, first_position=split_at)
             first, final = kern.gated_delta(q[:split_at], k[:split_at], v[:split_at], a[:split_at], b[:split_at],
                                             layer.A_log, layer.dt_bias, head_part, output_final_state=True)
             second, _ = kern.gated_delta(q[split_at:], k[split_at:], v[split_at:], a[split_at:], b[split_at:],
@@ -325,7 +326,7 @@ class PackedBackbone:
         return out, state
 
     def attention(self, layer: FastLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                  segments: K.Segments, before: LayerState | None, prefix_length: int,
+                  segments: Segments, before: LayerState | None, prefix_length: int,
                   split_at: int | None) -> tuple[torch.Tensor, LayerState | None]:
         n = x.shape[0]
         kern = self.kernels
@@ -349,7 +350,7 @@ class PackedBackbone:
         return self._project_residual(out, layer.o_proj), state
 
     def attention_chunk(self, layer: FastLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                        segments: K.Segments, buffers: tuple[torch.Tensor, torch.Tensor], start: int) -> torch.Tensor:
+                        segments: Segments, buffers: tuple[torch.Tensor, torch.Tensor], start: int) -> torch.Tensor:
         """One chunk of a long record (tokens from `start` on): its K/V written into the record's buffers, its
         queries attending to the keys before it and to its own causally (the first chunk: a record's own causal
         attention, the kernel of whole records)."""

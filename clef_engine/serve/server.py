@@ -31,9 +31,11 @@ Wire contract beyond spec §5:
   gets 415. At most `max_body_bytes` (default 32 MiB) before and after decompression, nested at most 64 deep,
   strings valid Unicode, numbers finite and at most 100 characters. `Content-Encoding: gzip` (`x-gzip`) or `zstd`
   (the TypeSafe SDK compresses with zstd when it can), at most 256 members. Bodies of 1 MiB or more are parsed in
-  worker processes, one at a time per client address (bodies.py has the parsing; metrics.py the metrics).
+  worker processes, one at a time per client address (bodies.py has the parsing, admission.py the worker
+  processes and the turns; metrics.py the metrics).
 - Fair shares: requests of 64 KiB or more (or chunked) are prepared one at a time per client address, and while others
-  are in flight a client's next one waits in proportion to its last one's cost (see `_Turns`); 429 past the timeout.
+  are in flight a client's next one waits in proportion to its last one's cost (see `admission.Turns`); 429 past the
+  timeout.
 - Time: a body that has not arrived within `request_timeout` seconds gets 408; a request the engine has not
   answered within `request_timeout` seconds gets 503 `deadline_exceeded`, and its work is abandoned: cancelled
   if queued, stopped at the engine's next layer if running.
@@ -60,14 +62,11 @@ import concurrent.futures
 import hmac
 import json
 import logging
-import multiprocessing
 import re
-import tempfile
 import time
 import uuid
 import weakref
 from collections.abc import Callable, Collection, Mapping
-from concurrent.futures.process import BrokenProcessPool
 from dataclasses import replace
 from datetime import UTC, datetime
 from pathlib import Path
@@ -88,6 +87,7 @@ from ..explain import Explaining, explaining
 from ..interface import DecisionEngine
 from ..protocol import DEFAULT_MAX_LENGTH, ValidRequest, prepare
 from . import openapi
+from .admission import PACED_REQUEST_BYTES, PACED_SHARE, BigBodies, Paced, Turns
 from .bodies import (
     ApiError,
     api_error,
@@ -97,8 +97,6 @@ from .bodies import (
     invalid,
     name_assets,
     parse_multipart,
-    request_from_json,
-    request_from_json_file,
 )
 from .metrics import Metrics, safe_call
 from .responses import HostAllowList, SafeJSONResponse, error_response
@@ -108,12 +106,6 @@ log = logging.getLogger("clef_engine.server")
 DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024  # 4 images of 16 MP as base64 PNG fit; anything bigger is a mistake
 DEFAULT_REQUEST_TIMEOUT = 120.0  # seconds; a long CPU batch fits, a wedged queue does not
 MODEL_ALIAS = "jev-latest"
-BIG_BODY_BYTES = 1 << 20  # bodies from this size on are parsed in the big-body processes
-BIG_BODY_WORKERS = 2
-# Requests whose Content-Length is at least this (or not given) are prepared in turns per client: see _Turns.
-PACED_REQUEST_BYTES = 64 * 1024
-PACED_SHARE = 0.25  # of the time, at most, that one client's big requests are prepared while others wait
-PACED_CLIENTS_KEPT = 1024  # clients resting after a big request, remembered; past it those done resting are dropped
 MAX_MODEL_CHARS = 256  # a model name is echoed in every answer
 ENGINE_FIELDS = ("state", "questions", "images", "videos")  # what the engine gets; the rest is ours or ignored
 EngineProvider = Callable[[], Any]  # returns an engine, a mapping name → engine (default first), or None
@@ -140,13 +132,8 @@ class SystemOneApi:
         self._calibrations = calibrations
         self._named: tuple[weakref.ref, str] | None = None  # (engine, its public name): see _name_of
         self.metrics = Metrics(self.models_or_none)
-        # Big bodies are parsed in processes of their own, one at a time per client address: json.loads of a body
-        # of many megabytes is one C call holding the GIL throughout, so in a thread of this process it would stall
-        # every other request (and the engine's thread) for as long; in a worker process it only takes a core.
-        # Started at the first big body (a process pool costs its workers' memory, and most servers never see one).
-        self._big_bodies: concurrent.futures.ProcessPoolExecutor | None = None
-        self._big_body_turns: dict[str, _Turn] = {}
-        self._paced = _Turns(PACED_SHARE)
+        self._big_bodies = BigBodies()  # bodies of a megabyte or more are parsed in worker processes
+        self._paced = Turns(PACED_SHARE)
         self._requests_in_flight = 0  # POST /v1/systemone requests being handled now
 
     # --- engine access -------------------------------------------------------------------------------------
@@ -231,57 +218,20 @@ class SystemOneApi:
                              client: str) -> tuple[dict, dict[int, str]]:
         """The request object and, when assets became images, image index → asset name."""
         if kind == "json":
-            return await self._off_loop(client, raw, {})
+            return await self._big_bodies.parse(client, raw, {})
         parts = await parse_multipart(content_type, raw, self.max_body_bytes)
         request_part = parts.pop("request", None)
         if request_part is None:
             raise invalid(["request"], "a multipart request needs a part named 'request' holding the JSON body",
                           "missing")
-        return await self._off_loop(client, request_part[1], parts)
-
-    async def _off_loop(self, client: str, raw: bytes, parts: dict) -> tuple[dict, dict[int, str]]:
-        """`request_from_json(raw, parts)` off the event loop (parsing a body of many megabytes there would hold up
-        every other request): a small body in the shared thread pool, a big one in the big-body processes, one at a
-        time per client."""
-        if len(raw) < BIG_BODY_BYTES:
-            return await run_in_threadpool(request_from_json, raw, parts)
-        turn = self._big_body_turns.setdefault(client, _Turn())
-        turn.users += 1
-        try:
-            async with turn.lock:
-                return await self._in_big_body_pool(raw, parts)
-        finally:
-            turn.users -= 1
-            if not turn.users:
-                del self._big_body_turns[client]
-
-    async def _in_big_body_pool(self, raw: bytes, parts: dict) -> tuple[dict, dict[int, str]]:
-        pool = self._big_bodies
-        if pool is None:
-            # spawn, not fork: this process holds the engine's threads (and a GPU context) that a fork would copy
-            # half-way; the workers import only the torch-free contract and bodies.py.
-            pool = self._big_bodies = concurrent.futures.ProcessPoolExecutor(
-                BIG_BODY_WORKERS, mp_context=multiprocessing.get_context("spawn"))
-        try:
-            # The body travels through a file, not the pool's pipe: pickling tens of megabytes holds the GIL for as
-            # long as parsing them would, while a file's write is a system call that lets go of it.
-            with tempfile.NamedTemporaryFile(prefix="clef-body-") as spool:
-                await run_in_threadpool(_write_all, spool, raw)
-                return await asyncio.wrap_future(pool.submit(request_from_json_file, spool.name, parts))
-        except BrokenProcessPool:
-            # a worker died under this body (the kernel's out-of-memory killer): the body's size, not a fault; the
-            # next big body gets fresh workers
-            if self._big_bodies is pool:
-                self._big_bodies = None
-            pool.shutdown(wait=False, cancel_futures=True)
-            raise MemoryError from None
+        return await self._big_bodies.parse(client, request_part[1], parts)
 
     # --- handlers ----------------------------------------------------------------------------------------------
     async def system_one(self, request: Request) -> Response:
         started = time.perf_counter()
         request_id = uuid.uuid4().hex
         status = 500
-        paced: _Paced | None = None
+        paced: Paced | None = None
         self._requests_in_flight += 1
         try:
             self._authenticate(request)
@@ -483,83 +433,6 @@ class SystemOneApi:
         return HTMLResponse(openapi.docs_page(openapi.document()))
 
 
-def _write_all(file: Any, data: bytes) -> None:
-    file.write(data)
-    file.flush()
-
-
-class _Turns:
-    """Big requests are prepared (read, parsed, validated, encoded: the work done in this process before the engine
-    queues them) one at a time per client address, and while other requests are in flight a client's next big one
-    waits in proportion to what its last one cost: after one that took t seconds to prepare, t × (1/share − 1).
-    A client sending costly requests back to back (30 MB bodies refused over budget, thousands of questions) so
-    takes at most `share` of the time, and of the GIL, that every other request needs too; alone on the server it
-    is never held back. Whoever waits longer than `timeout` for its turn gets 429."""
-
-    def __init__(self, share: float):
-        self._rest_per_second = 1 / share - 1
-        self._clients: dict[str, _Turn] = {}
-
-    async def begin(self, client: str, others_in_flight: Callable[[], bool], timeout: float) -> _Paced:
-        turn = self._clients.setdefault(client, _Turn())
-        turn.users += 1
-        acquired = False
-        try:
-            await asyncio.wait_for(turn.lock.acquire(), timeout)
-            acquired = True
-            delay = turn.ready_at - time.monotonic()
-            if delay > 0 and others_in_flight():
-                await asyncio.sleep(min(delay, timeout))
-        except BaseException as exc:  # timed out, or the client went away while waiting
-            if acquired:
-                turn.lock.release()
-            self._leave(client, turn)
-            if isinstance(exc, TimeoutError):
-                raise ApiError(429, {"error_type": "overloaded",
-                                     "message": "this client's earlier large requests are still being prepared; "
-                                                "send large requests one at a time"},
-                               headers={"retry-after": "1"}) from None
-            raise
-        return _Paced(self, client, turn)
-
-    def end(self, paced: _Paced) -> None:
-        ended = time.monotonic()
-        paced.turn.ready_at = ended + (ended - paced.started) * self._rest_per_second
-        paced.turn.lock.release()
-        self._leave(paced.client, paced.turn)
-
-    def _leave(self, client: str, turn: _Turn) -> None:
-        turn.users -= 1
-        if not turn.users and turn.ready_at <= time.monotonic():
-            del self._clients[client]
-        if len(self._clients) > PACED_CLIENTS_KEPT:  # clients whose rest is over are forgotten
-            now = time.monotonic()
-            for stale in [name for name, kept in self._clients.items() if not kept.users and kept.ready_at <= now]:
-                del self._clients[stale]
-
-
-class _Paced:
-    """A big request's turn, from its start until `end` (called once it is queued in the engine, or answered)."""
-
-    def __init__(self, turns: _Turns, client: str, turn: _Turn):
-        self.turns, self.client, self.turn = turns, client, turn
-        self.started = time.monotonic()
-        self._ended = False
-
-    def end(self) -> None:
-        if not self._ended:
-            self._ended = True
-            self.turns.end(self)
-
-
-class _Turn:
-    """One client's turn at the big-body pool (or at preparing big requests), how many of its requests want it,
-    and when its next big request may start."""
-
-    def __init__(self) -> None:
-        self.lock = asyncio.Lock()
-        self.users = 0
-        self.ready_at = 0.0
 
 
 def _invalid_request(exc: RequestError, asset_images: dict[int, str]) -> ApiError:

@@ -1,0 +1,50 @@
+"""Where each record of a pack starts (`Segments`), built on the host once per batch, for every kernel of the
+packed backbone (kernels.py, attention.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+CHUNK = 64  # fla's chunk size for both the conv and the gated-delta kernels
+
+
+@dataclass
+class Segments:
+    """Where each record of a pack starts; built on the host once per batch (no device syncs afterwards)."""
+
+    lengths: list[int]
+    starts: list[int]
+    positions: torch.Tensor  # [N] long, restarting at `first_position` for every record
+    cu_seqlens: torch.Tensor | None  # [R+1] long on the device (None for a single record: no varlen needed)
+    cu_seqlens_int32: torch.Tensor | None
+    chunk_indices: torch.Tensor | None  # fla's per-chunk (record, chunk) table, precomputed on the host
+    max_length: int
+
+    @property
+    def total(self) -> int:
+        return sum(self.lengths)
+
+    @property
+    def count(self) -> int:
+        return len(self.lengths)
+
+
+def make_segments(lengths: list[int], device: torch.device, *, first_position: int = 0) -> Segments:
+    starts, cursor = [], 0
+    for length in lengths:
+        starts.append(cursor)
+        cursor += length
+    positions = torch.cat([torch.arange(first_position, first_position + n) for n in lengths])
+    positions = positions.to(device, non_blocking=True)
+    if len(lengths) == 1:  # no varlen for fla; the attention kernel still takes [0, n]
+        cu_single = torch.tensor([0, lengths[0]], dtype=torch.int32).to(device, non_blocking=True)
+        return Segments(lengths, starts, positions, None, cu_single, None, lengths[0])
+    cu_host = torch.tensor([0] + [s + n for s, n in zip(starts, lengths)], dtype=torch.long)
+    chunk_counts = [(n + CHUNK - 1) // CHUNK for n in lengths]
+    chunk_indices = torch.tensor([[r, c] for r, count in enumerate(chunk_counts) for c in range(count)],
+                                 dtype=torch.long).reshape(-1, 2)
+    return Segments(lengths, starts, positions, cu_host.to(device, non_blocking=True),
+                    cu_host.to(torch.int32).to(device, non_blocking=True),
+                    chunk_indices.to(device, non_blocking=True), max(lengths))

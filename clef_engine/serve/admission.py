@@ -1,0 +1,152 @@
+"""Admission of big requests, kept apart from the handlers: big bodies are parsed in worker processes, one at a time
+per client address, and big requests are prepared in turns per client, so that one client sending costly requests
+back to back takes at most a share of the time every other request needs too."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import multiprocessing
+import tempfile
+import time
+from collections.abc import Callable
+from concurrent.futures.process import BrokenProcessPool
+from typing import Any
+
+from starlette.concurrency import run_in_threadpool
+
+from .bodies import ApiError, request_from_json, request_from_json_file
+
+BIG_BODY_BYTES = 1 << 20  # bodies from this size on are parsed in the big-body processes
+BIG_BODY_WORKERS = 2
+# Requests whose Content-Length is at least this (or not given) are prepared in turns per client: see Turns.
+PACED_REQUEST_BYTES = 64 * 1024
+PACED_SHARE = 0.25  # of the time, at most, that one client's big requests are prepared while others wait
+PACED_CLIENTS_KEPT = 1024  # clients resting after a big request, remembered; past it those done resting are dropped
+
+
+class BigBodies:
+    """Big bodies are parsed in processes of their own, one at a time per client address: json.loads of a body of
+    many megabytes is one C call holding the GIL throughout, so in a thread of the server's process it would stall
+    every other request (and the engine's thread) for as long; in a worker process it only takes a core. The pool
+    is started at the first big body (a process pool costs its workers' memory, and most servers never see one)."""
+
+    def __init__(self) -> None:
+        self._pool: concurrent.futures.ProcessPoolExecutor | None = None
+        self._turns: dict[str, Turn] = {}
+
+    async def parse(self, client: str, raw: bytes, parts: dict) -> tuple[dict, dict[int, str]]:
+        """`request_from_json(raw, parts)` off the event loop (parsing a body of many megabytes there would hold up
+        every other request): a small body in the shared thread pool, a big one in the big-body processes, one at a
+        time per client."""
+        if len(raw) < BIG_BODY_BYTES:
+            return await run_in_threadpool(request_from_json, raw, parts)
+        turn = self._turns.setdefault(client, Turn())
+        turn.users += 1
+        try:
+            async with turn.lock:
+                return await self._in_pool(raw, parts)
+        finally:
+            turn.users -= 1
+            if not turn.users:
+                del self._turns[client]
+
+    async def _in_pool(self, raw: bytes, parts: dict) -> tuple[dict, dict[int, str]]:
+        pool = self._pool
+        if pool is None:
+            # spawn, not fork: this process holds the engine's threads (and a GPU context) that a fork would copy
+            # half-way; the workers import only the torch-free contract and bodies.py.
+            pool = self._pool = concurrent.futures.ProcessPoolExecutor(
+                BIG_BODY_WORKERS, mp_context=multiprocessing.get_context("spawn"))
+        try:
+            # The body travels through a file, not the pool's pipe: pickling tens of megabytes holds the GIL for as
+            # long as parsing them would, while a file's write is a system call that lets go of it.
+            with tempfile.NamedTemporaryFile(prefix="clef-body-") as spool:
+                await run_in_threadpool(_write_all, spool, raw)
+                return await asyncio.wrap_future(pool.submit(request_from_json_file, spool.name, parts))
+        except BrokenProcessPool:
+            # a worker died under this body (the kernel's out-of-memory killer): the body's size, not a fault; the
+            # next big body gets fresh workers
+            if self._pool is pool:
+                self._pool = None
+            pool.shutdown(wait=False, cancel_futures=True)
+            raise MemoryError from None
+
+
+def _write_all(file: Any, data: bytes) -> None:
+    file.write(data)
+    file.flush()
+
+
+class Turns:
+    """Big requests are prepared (read, parsed, validated, encoded: the work done in this process before the engine
+    queues them) one at a time per client address, and while other requests are in flight a client's next big one
+    waits in proportion to what its last one cost: after one that took t seconds to prepare, t × (1/share − 1).
+    A client sending costly requests back to back (30 MB bodies refused over budget, thousands of questions) so
+    takes at most `share` of the time, and of the GIL, that every other request needs too; alone on the server it
+    is never held back. Whoever waits longer than `timeout` for its turn gets 429."""
+
+    def __init__(self, share: float):
+        self._rest_per_second = 1 / share - 1
+        self._clients: dict[str, Turn] = {}
+
+    async def begin(self, client: str, others_in_flight: Callable[[], bool], timeout: float) -> Paced:
+        turn = self._clients.setdefault(client, Turn())
+        turn.users += 1
+        acquired = False
+        try:
+            await asyncio.wait_for(turn.lock.acquire(), timeout)
+            acquired = True
+            delay = turn.ready_at - time.monotonic()
+            if delay > 0 and others_in_flight():
+                await asyncio.sleep(min(delay, timeout))
+        except BaseException as exc:  # timed out, or the client went away while waiting
+            if acquired:
+                turn.lock.release()
+            self._leave(client, turn)
+            if isinstance(exc, TimeoutError):
+                raise ApiError(429, {"error_type": "overloaded",
+                                     "message": "this client's earlier large requests are still being prepared; "
+                                                "send large requests one at a time"},
+                               headers={"retry-after": "1"}) from None
+            raise
+        return Paced(self, client, turn)
+
+    def end(self, paced: Paced) -> None:
+        ended = time.monotonic()
+        paced.turn.ready_at = ended + (ended - paced.started) * self._rest_per_second
+        paced.turn.lock.release()
+        self._leave(paced.client, paced.turn)
+
+    def _leave(self, client: str, turn: Turn) -> None:
+        turn.users -= 1
+        if not turn.users and turn.ready_at <= time.monotonic():
+            del self._clients[client]
+        if len(self._clients) > PACED_CLIENTS_KEPT:  # clients whose rest is over are forgotten
+            now = time.monotonic()
+            for stale in [name for name, kept in self._clients.items() if not kept.users and kept.ready_at <= now]:
+                del self._clients[stale]
+
+
+class Paced:
+    """A big request's turn, from its start until `end` (called once it is queued in the engine, or answered)."""
+
+    def __init__(self, turns: Turns, client: str, turn: Turn):
+        self.turns, self.client, self.turn = turns, client, turn
+        self.started = time.monotonic()
+        self._ended = False
+
+    def end(self) -> None:
+        if not self._ended:
+            self._ended = True
+            self.turns.end(self)
+
+
+class Turn:
+    """One client's turn at the big-body pool (or at preparing big requests), how many of its requests want it,
+    and when its next big request may start."""
+
+    def __init__(self) -> None:
+        self.lock = asyncio.Lock()
+        self.users = 0
+        self.ready_at = 0.0
