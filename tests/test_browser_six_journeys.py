@@ -61,6 +61,15 @@ def random_weights_shown(page) -> None:
     expect(page.locator('[data-testid="stMain"]').get_by_text(RANDOM_WEIGHTS).first).to_be_visible()
 
 
+def open_start_a_run(page) -> None:
+    """The Runs page folds "Start a run" away once runs exist: open it, as a person does, unless it is open."""
+    settle(page)
+    if not page.get_by_role("combobox", name="Case set").is_visible():
+        page.get_by_test_id("stMain").get_by_text("Start a run", exact=True).click()
+        settle(page)
+    expect(page.get_by_role("combobox", name="Case set")).to_be_visible()
+
+
 def go_to(page, title: str) -> None:
     """Navigate as a person does: the page's link in the sidebar."""
     page.get_by_test_id("stSidebar").get_by_test_id("stPageLink-NavLink").filter(has_text=title).click()
@@ -337,6 +346,7 @@ def several_models_and_a_remote_endpoint(page, store: Store, endpoint: ServerPro
 
     set_id = next(s["id"] for s in store.list_case_sets() if s["name"] == "Compare messages")
     go_to(page, "Runs")
+    open_start_a_run(page)
     pick(page, "Case set", "Compare messages (3 cases)")
     pick(page, "Model", remote, scope=page.get_by_test_id("stMain"))  # not the sidebar's model pickers
     page.get_by_role("button", name="Start run").click()
@@ -397,6 +407,7 @@ def bad_input_everywhere(page, store: Store, tmp_path: Path) -> None:
     set_id = store.create_case_set("Too long", schema_name="support-ticket-routing")
     store.add_cases(set_id, [{"state": "A very long complaint. " * 400} for _ in range(2)])
     go_to(page, "Runs")
+    open_start_a_run(page)
     pick(page, "Case set", "Too long (2 cases)")
     pick(page, "Model", "clef-demo", scope=page.get_by_test_id("stMain"))
     fill(page.get_by_label("max_length (tokens)"), "256")
