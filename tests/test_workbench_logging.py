@@ -23,8 +23,8 @@ class EngineThatFails:
         self.engine = engine
         self.error = error
 
-    def validate(self, request: dict) -> None:
-        self.engine.validate(request)
+    def validate(self, request: dict, **budget):
+        return self.engine.validate(request, **budget)
 
     def submit(self, requests: list[dict], **options):
         raise self.error
