@@ -63,8 +63,8 @@ def page(workbench, request):
 class StoppedEndpoint:
     """An engine whose every request fails, as a remote endpoint that stopped mid-run answers."""
 
-    def validate(self, request: dict) -> None:
-        pass
+    def validate(self, request: dict, **budget) -> dict:
+        return request
 
     def submit(self, requests: list[dict], **options) -> Future:
         raise ClefError("could not reach http://127.0.0.1:9/v1/systemone: connection refused")
