@@ -38,7 +38,12 @@ DEMO_MODEL = request_model_name(DEMO_SOURCE)
 
 
 def start_comparison(set_id: int, slug: str, number: int, names: list[str]) -> None:
-    """Callback of the one action: a run of the schema version per model, then show them side by side."""
+    """Callback of the one action: a run of the schema version per model, then show them side by side. The pickers
+    are read at the click: the arguments were bound when the page last finished drawing, and a choice made just
+    before the click (its rerun cut short by the click) is newer than them."""
+    state = st.session_state
+    set_id, slug = state.get(K("start.set"), set_id), state.get(K("start.schema"), slug)
+    number, names = state.get(K(f"start.version.{slug}"), number), state.get(K("start.models"), names)
     run_ids, message = cv.start_comparison(store, get_job_runner(), compare.model_choices(model_manager()), set_id,
                                            slug, number, names)
     if not run_ids:
