@@ -34,9 +34,21 @@ def settle(page) -> None:
 
 
 def choose(page, label: str, option: str) -> None:
-    page.get_by_role("combobox", name=label).click()
-    page.get_by_role("option", name=option, exact=True).click()
-    settle(page)
+    """Pick in a selectbox. Its list closes when the page reruns as it opens: open it again, as a person would."""
+    box = page.get_by_role("combobox", name=label)
+    wanted = page.get_by_role("option", name=option, exact=True)
+    for _ in range(6):
+        settle(page)
+        box.click()
+        try:
+            wanted.wait_for(state="visible", timeout=5000)
+        except playwright_api.TimeoutError:
+            box.press("Escape")
+            continue
+        wanted.click()
+        settle(page)
+        return
+    raise AssertionError(f"{label}: the option {option!r} never showed")
 
 
 def test_edit_twice_run_two_versions_compare_and_open_a_case(tmp_path):
