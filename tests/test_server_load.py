@@ -8,7 +8,6 @@ part of it fell in a hostile window. A slow minute then slows both conditions al
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 from collections.abc import Iterator
@@ -18,6 +17,8 @@ import httpx
 import numpy as np
 import pytest
 
+from bench.hostile_load import big_state_body as over_budget_body  # 30 MB, refused 413 after it is parsed
+from bench.hostile_load import many_questions_body
 from tests.test_server import JSON, ServerProcess, make_request, serving
 
 pytestmark = pytest.mark.slow  # a real server process, a minute of load
@@ -35,21 +36,6 @@ def server(tiny_release: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
     # and a small decide takes seconds instead of a tenth of one; what is measured here is the server's request
     # path, which that noise would drown.
     yield from serving(tiny_release, tmp_path_factory, "load-server.log", env={"OMP_NUM_THREADS": "1"})
-
-
-def over_budget_body() -> bytes:
-    """30 MB of state: far over the token budget, refused 413 (the 30 MB is under the 32 MiB body limit, so the
-    body is read and parsed before the budget can refuse it)."""
-    words = "the customer wrote again about the parcel that never came "
-    return json.dumps({"state": words * (30_000_000 // len(words)),
-                       "questions": {"q": {"type": "noul", "instructions": "Is it late?"}}}).encode()
-
-
-def many_questions_body() -> bytes:
-    questions = {f"q{i}": {"type": "noul", "instructions": f"Is the customer asking about order {i}?"}
-                 for i in range(2_800)}
-    return json.dumps({"state": "The parcel never came.", "questions": questions,
-                       "x_max_length": 1_048_576}).encode()
 
 
 class Windows:
