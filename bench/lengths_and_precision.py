@@ -11,10 +11,11 @@ and the merge of bench/long_records.py's sections into the same results file.
 Sections (`--sections`, comma-separated, in this order; default bf16,fp8,fidelity):
 - bf16: one model with random bf16 weights of the Clef-27B shape (bench/build.py, never zeros) in an engine with the
   default configuration: 256 cases of 700-1,300 tokens through the workbench's JobRunner + SQLite, after an untimed
-  `decide_many` of 40 of them (Triton compiles and autotunes, the allocator grows; the engine's full warm-up, ~2 min
-  of CUDA-graph captures for every length, is left out: a batch runs packs, not graphs); then `decide` p50 at ~512
-  and ~1k tokens (16 fresh states each, lengths drawn from 450-600 and 900-1,150 as bench/user_paths.py does, each
-  request decided once untimed first so that its length's CUDA graph is captured before the timed call).
+  `decide_many` of all of them (Triton compiles and autotunes for every pack length, the allocator grows; the
+  engine's full warm-up, ~2 min of CUDA-graph captures for every length, is left out: a batch runs packs, not
+  graphs); then `decide` p50 at ~512 and ~1k tokens (16 fresh states each, lengths drawn from 450-600 and 900-1,150
+  as bench/user_paths.py does, each request decided once untimed first so that its length's CUDA graph is captured
+  before the timed call).
 - fp8: the bf16 engine closed, the same model (the same weights) loaded again with precision="fp8": its projections
   quantized in place, the checks of `torch._scaled_mm` and the fused FP8 kernels run at start-up; weights in GiB;
   the same batch and `decide` timings; and its answers next to bf16's on the timed requests.
@@ -55,7 +56,7 @@ from bench import build  # noqa: E402
 
 STARTED = time.perf_counter()
 SECTIONS = ("bf16", "fp8", "fidelity", "long")
-BATCH_CASES, WARM_CASES, LATENCY_SAMPLES, FIDELITY_RECORDS = 256, 40, 16, 55
+BATCH_CASES, LATENCY_SAMPLES, FIDELITY_RECORDS = 256, 16, 55
 SMOKE_RECORDS = 8
 LATENCY_BUCKETS = {"512": (450, 600), "1024": (900, 1150)}
 # the smoke shape of the fidelity section: Clef-Flash's structure at a width a CPU or a minute of GPU runs, every
@@ -144,14 +145,15 @@ def batch_requests(setup: Setup, engine, count: int) -> tuple[list[dict], dict]:
 
 
 def batch_run(setup: Setup, engine) -> dict:
-    """The untimed warm-up batch, then the case set through the JobRunner (tokens/s of the whole run)."""
+    """The whole case set once through `decide_many`, untimed (as bench/user_paths.py's batch_run does before its
+    workbench run: every pack length's Triton compiles and autotunes happen there, in either precision), then the
+    case set through the JobRunner (tokens/s of the whole run)."""
     from bench.user_paths import store_run
 
     cases = 24 if setup.smoke else BATCH_CASES
     requests, schema = batch_requests(setup, engine, cases)
-    warm = requests[: min(len(requests), 8 if setup.smoke else WARM_CASES)]
     t0 = time.perf_counter()
-    engine.decide_many([dict(r, state=f"warm {r['state']}") for r in warm])
+    engine.decide_many([dict(r, state=f"warm {r['state']}") for r in requests])
     warm_s = time.perf_counter() - t0
     with tempfile.TemporaryDirectory() as folder:
         seconds, tokens, progress = store_run(engine, requests, schema, Path(folder) / "w.sqlite3")
