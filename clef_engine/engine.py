@@ -39,7 +39,7 @@ from .fast.segments import make_segments
 from .model import backbone, media, release
 from .model.encoding import DEFAULT_MAX_LENGTH, EncodedRecord, Encoder
 from .model.head import JointSchemaHead, layout, load_head, option_probabilities
-from .protocol import ValidRequest, format_answer, prepare, prepared
+from .protocol import Question, ValidRequest, format_answer, prepare, prepared
 from .scheduler import PRIORITIES, BatchAbandoned, JobTiming, Scheduler, device_turn
 from .tiny import is_demo_release
 
@@ -142,11 +142,12 @@ class Engine:
 
     # ---- requests ---------------------------------------------------------------------------------------------
 
-    def validate(self, request: Any, *, max_length: int | None = None, overflow: str | None = None) -> ValidRequest:
+    def validate(self, request: Any, *, max_length: int | None = None, overflow: str | None = None,
+                 questions: tuple[Question, ...] | None = None) -> ValidRequest:
         """`request` validated once against the System One contract (no tokenization, no media decode), as `submit`
         and `encode` take it without validating it again; raises RequestError naming every problem. See
         protocol.prepare for the budget."""
-        return prepare(request, max_length=max_length, overflow=overflow)
+        return prepare(request, max_length=max_length, overflow=overflow, questions=questions)
 
     def encode(self, request: Any, *, max_length: int | None = None, overflow: str = "refuse") -> EncodedRecord:
         """One record: a ValidRequest as it is (its own budget), a plain dict validated here under `max_length` /

@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, Protocol, TypeAlias, runtime_checkable
 
-from .protocol import ValidRequest
+from .protocol import Question, ValidRequest
 
 Request: TypeAlias = Mapping[str, Any] | ValidRequest
 
@@ -33,9 +33,10 @@ class DecisionEngine(Protocol):
         endpoint decides."""
         ...
 
-    def validate(self, request: Request, *, max_length: int | None = None,
-                 overflow: str | None = None) -> ValidRequest:
-        """The request validated once (see protocol.prepare); raises RequestError naming every problem."""
+    def validate(self, request: Request, *, max_length: int | None = None, overflow: str | None = None,
+                 questions: tuple[Question, ...] | None = None) -> ValidRequest:
+        """The request validated once (see protocol.prepare; `questions`: its schema's, prepared once by
+        protocol.prepare_questions); raises RequestError naming every problem."""
         ...
 
     def submit(self, requests: Sequence[Request], *, priority: str = "interactive", max_length: int | None = None,

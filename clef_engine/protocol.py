@@ -371,10 +371,14 @@ def _problem(error: Mapping[str, Any], questions: Any) -> Problem:
 
 def validate_request(request: Any) -> SystemOneRequest:
     """The request as a model, or RequestError listing every problem with its location."""
+    return _validated(SystemOneRequest, request)
+
+
+def _validated(model: type[SystemOneRequest], request: Any) -> SystemOneRequest:
     if not isinstance(request, dict):
         raise RequestError([Problem((), "the request must be a JSON object", "dict_type")])
     try:
-        return SystemOneRequest.model_validate(request)
+        return model.model_validate(request)
     except ValidationError as exc:
         questions = request.get("questions")
         errors = exc.errors(include_url=False)
@@ -440,14 +444,34 @@ def _checked_overflow(overflow: Any) -> OverflowPolicy:
     return overflow
 
 
-def prepare(request: Any, *, max_length: int | None = None, overflow: str | None = None) -> ValidRequest:
+class _EvidenceRequest(SystemOneRequest):
+    """A request whose questions were validated before, with the schema they come from (see `prepare`)."""
+
+    questions: Any = None
+
+
+def prepare_questions(questions: Any) -> tuple[Question, ...]:
+    """A schema's questions map validated once, as `prepare` would validate it inside a request: what a batch run
+    hands `prepare` for each of its cases. Raises RequestError with the problems located under `questions`."""
+    model = validate_request({"state": "", "questions": questions})
+    return tuple(_to_question(qid, q) for qid, q in model.questions.items())
+
+
+def prepare(request: Any, *, max_length: int | None = None, overflow: str | None = None,
+            questions: tuple[Question, ...] | None = None) -> ValidRequest:
     """Validate `request` once and return it as the engine consumes it. The budget is `max_length` / `overflow`
     when given, else the request's own `x_max_length` / `x_overflow` (the wire's fields), else the defaults.
-    Raises RequestError listing every problem with its location."""
-    model = validate_request(request)
+    `questions`: the request's questions map as `prepare_questions` returned it for the schema it was built from
+    (a batch run's cases share one schema): its questions are taken from there and the rest of the request is
+    validated. Raises RequestError listing every problem with its location."""
+    if questions is None:
+        model = validate_request(request)
+        questions = tuple(_to_question(qid, q) for qid, q in model.questions.items())
+    else:
+        evidence = {k: v for k, v in request.items() if k != "questions"} if isinstance(request, dict) else request
+        model = _validated(_EvidenceRequest, evidence)
     return ValidRequest(
-        request=request, model=model.model, state=model.state,
-        questions=tuple(_to_question(qid, q) for qid, q in model.questions.items()),
+        request=request, model=model.model, state=model.state, questions=questions,
         images=tuple(model.images or ()), videos=tuple(model.videos or ()),
         max_length=_checked_max_length(model.x_max_length if max_length is None else max_length),
         overflow=_checked_overflow(model.x_overflow if overflow is None else overflow),
@@ -515,10 +539,11 @@ def data_url(content_type: str, data: bytes) -> str:
     return f"data:{content_type};base64,{base64.b64encode(data).decode('ascii')}"
 
 
-def build_request(state: Any, questions: Mapping[str, Any], *, images: Iterable[str] = (),
-                  videos: Iterable[str] = (), model: str = DEFAULT_MODEL_NAME) -> dict[str, Any]:
-    """A System One request dict. Media are data URLs (see `data_url`), images before videos, in the order given;
-    the `images` / `videos` keys are present only when there are any."""
+def build_request(state: Any, questions: Mapping[str, Any], *, images: Iterable[str | bytes] = (),
+                  videos: Iterable[str | bytes] = (), model: str = DEFAULT_MODEL_NAME) -> dict[str, Any]:
+    """A System One request dict. Media are data URLs (see `data_url`, the wire's form) or bytes (what an engine
+    in this process takes), images before videos, in the order given; the `images` / `videos` keys are present
+    only when there are any."""
     request: dict[str, Any] = {"model": model, "state": state, "questions": questions}
     images, videos = list(images), list(videos)
     if images:

@@ -53,7 +53,7 @@ import httpx
 
 from .errors import BusyError, CancelledError, ClefError, Problem, RequestError, TokenBudgetError
 from .interface import Request
-from .protocol import ValidRequest, prepare, sniff_content_type
+from .protocol import Question, ValidRequest, prepare, sniff_content_type
 from .remote_http import CallDeadline, deadline_transport, detail_text, exchange, retry_after_seconds
 
 API_KEY_ENV = "CLEF_API_KEY"
@@ -394,11 +394,12 @@ class RemoteEngine:
 
     # ---- requests ---------------------------------------------------------------------------------------------
 
-    def validate(self, request: Any, *, max_length: int | None = None, overflow: str | None = None) -> ValidRequest:
+    def validate(self, request: Any, *, max_length: int | None = None, overflow: str | None = None,
+                 questions: tuple[Question, ...] | None = None) -> ValidRequest:
         """`request` validated once against the System One contract as this package reads it (no network; the
         endpoint may refuse more, which decide reports as a RemoteRequestError), as `submit` takes it: raises
         RequestError naming every problem. See protocol.prepare for the budget."""
-        return prepare(request, max_length=max_length, overflow=overflow)
+        return prepare(request, max_length=max_length, overflow=overflow, questions=questions)
 
     def _body(self, request: Any, max_length: int | None, overflow: str) -> bytes:
         if isinstance(request, ValidRequest):  # validated where it entered; it carries its own budget

@@ -41,11 +41,12 @@ data_url = protocol.data_url
 
 
 def build_request(case: dict, schema: dict, *, model: str = protocol.DEFAULT_MODEL_NAME) -> dict:
-    """System One request for a stored case (Store.get_case with media) and a schema."""
+    """System One request for a stored case (Store.get_case with media) and a schema. Media stay the bytes the
+    store holds: the local engine takes bytes, and a remote one sends them as data URLs (remote.media_for_wire)."""
     return protocol.build_request(
         case["state"], schema["questions"], model=model,
-        images=[data_url(m["content_type"], m["data"]) for m in case.get("images") or ()],
-        videos=[data_url(m["content_type"], m["data"]) for m in case.get("videos") or ()],
+        images=[m["data"] for m in case.get("images") or ()],
+        videos=[m["data"] for m in case.get("videos") or ()],
     )
 
 

@@ -31,7 +31,7 @@ from typing import Any
 
 from clef_engine.errors import BusyError, ClefError
 from clef_engine.interface import DecisionEngine
-from clef_engine.protocol import ValidRequest
+from clef_engine.protocol import Question, ValidRequest, prepare_questions
 from clef_engine.remote import RemoteEngine
 from clef_workbench.casesets import build_request
 from clef_workbench.run_status import every_case_failed_message
@@ -54,6 +54,9 @@ class _LiveJob:
     processed: int = 0  # cases finished by this thread (for the rate; earlier sessions are not counted)
     last_error: str | None = None
     lease_lost: threading.Event = field(default_factory=threading.Event)
+    # the run's questions, validated once for all of its cases (see _run_questions); () for a schema that is not
+    # valid: each case is then validated whole and reports the problem as its error
+    questions: tuple[Question, ...] | None = None
 
 
 @dataclass
@@ -268,11 +271,12 @@ class JobRunner:
                       job: _LiveJob) -> _Chunk:
         """Build and check the chunk's requests, then queue the valid ones on the engine (encoding them here)."""
         chunk = _Chunk(started_at=now_iso())
+        questions = self._run_questions(run, job)
         for case in self.store.get_cases(case_ids):
             request = build_request(case, run["schema"], model=run["model_id"])
             try:  # validated here, once: the engine encodes the ValidRequest under the run's budget as it is
                 valid = engine.validate(request, max_length=settings.get("max_length"),
-                                        overflow=settings.get("overflow", "refuse"))
+                                        overflow=settings.get("overflow", "refuse"), questions=questions)
             except ClefError as exc:  # a bad case is recorded as an error result, the run goes on
                 chunk.errors.append({"case_id": case["id"], "error": f"{type(exc).__name__}: {exc}",
                                      "started_at": chunk.started_at, "finished_at": now_iso()})
@@ -289,6 +293,17 @@ class JobRunner:
             chunk.future = Future()
             chunk.future.set_result([exc] * len(chunk.valid))
         return chunk
+
+    @staticmethod
+    def _run_questions(run: dict, job: _LiveJob) -> tuple[Question, ...] | None:
+        """The run's schema validated once, the first time a chunk asks (its cases then validate only their
+        evidence); None while the schema is not valid, so that each case reports the problem."""
+        if job.questions is None:
+            try:
+                job.questions = prepare_questions(run["schema"]["questions"])
+            except ClefError:
+                job.questions = ()
+        return job.questions or None
 
     @staticmethod
     def _send(engine: DecisionEngine, requests: list[ValidRequest]) -> Future:

@@ -108,15 +108,18 @@ def test_jsonl_errors_name_line_and_field():
     assert problems[2].startswith("line 4, expected.team: 'hr' is not an option")
 
 
-def test_build_request_inlines_media_as_data_urls(tmp_path):
+def test_build_request_keeps_stored_media_as_bytes_which_a_remote_engine_sends_as_data_urls(tmp_path):
+    from clef_engine.remote import media_for_wire
+
     store = Store(tmp_path / "w.db")
     set_id = store.create_case_set("a")
     case_id = store.add_case(set_id, state={"k": 1}, images=[PNG])
     request = casesets.build_request(store.get_case(case_id), SCHEMA, model="clef-flash")
     assert request["model"] == "clef-flash" and request["state"] == {"k": 1}
     assert request["questions"] is SCHEMA["questions"]
-    assert request["images"] == ["data:image/png;base64," + base64.b64encode(PNG).decode()]
+    assert request["images"] == [PNG]  # in process: no base64 round trip
     assert "videos" not in request
+    assert media_for_wire(request)["images"] == ["data:image/png;base64," + base64.b64encode(PNG).decode()]
 
 
 def test_results_export_has_one_row_per_case_and_question_with_every_probability(tmp_path):

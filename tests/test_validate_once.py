@@ -56,18 +56,71 @@ def test_one_http_request_is_validated_once(tiny_engine, validations):
     assert len(validations) == 1
 
 
-def test_one_batch_case_is_validated_once(tmp_path, tiny_engine, validations):
+def test_a_batch_run_validates_its_schema_once_and_each_cases_evidence_once(tmp_path, tiny_engine, validations,
+                                                                            monkeypatch):
     store = Store(tmp_path / "w.db")
     set_id = store.create_case_set("tickets")
-    store.add_cases(set_id, [{"state": "My invoice shows the wrong amount, please refund the difference.",
-                              "images": [png_bytes()]}])
+    store.add_cases(set_id, [{"state": f"Invoice {i} shows the wrong amount, please refund the difference.",
+                              "images": [png_bytes()]} for i in range(5)])
     run_id = store.create_run(set_id, schema=SCHEMA, model_id="demo", settings={"max_length": 4096})
+    sent: list[protocol.ValidRequest] = []
+    submit = tiny_engine.submit
+
+    def recording(requests, **options):
+        sent.extend(requests)
+        return submit(requests, **options)
+
+    monkeypatch.setattr(tiny_engine, "submit", recording)
     runner = JobRunner(store)
     runner.start(run_id, tiny_engine)
     assert runner.wait(run_id, timeout=120)
-    (result,) = store.list_results(run_id)
-    assert result["error"] is None and set(result["response"]["answers"]) == {"refund", "team"}
-    assert len(validations) == 1
+    results = store.list_results(run_id)
+    assert len(results) == 5
+    assert all(r["error"] is None and set(r["response"]["answers"]) == {"refund", "team"} for r in results)
+    # the schema's questions once for the run, then each case's state and media without them
+    assert sum("questions" in seen for seen in validations) == 1
+    assert len(validations) == 1 + 5
+    # the stored media reach the engine as the bytes the store holds, not as base64 data URLs
+    assert len(sent) == 5 and all(isinstance(image, bytes) for r in sent for image in r.images)
+
+
+def test_a_batch_run_tokenizes_its_schema_once(tmp_path, tiny_engine, monkeypatch):
+    from clef_engine.model.encoding import SCHEMA_HEADER, Encoder
+
+    schema_tokenizations: list[int] = []
+    tokenize_many = Encoder.tokenize_many
+
+    def counting(self, texts):
+        if texts and texts[0] == SCHEMA_HEADER:
+            schema_tokenizations.append(len(texts))
+        return tokenize_many(self, texts)
+
+    monkeypatch.setattr(Encoder, "tokenize_many", counting)
+    schema = {"questions": {  # a schema no other test encodes (the encoder remembers the schemas it saw last)
+        "urgent": {"type": "noul", "instructions": f"Is it urgent? ({tmp_path.name})"},
+        "team": SCHEMA["questions"]["team"]}}
+    store = Store(tmp_path / "w.db")
+    set_id = store.create_case_set("tickets")
+    store.add_cases(set_id, [{"state": f"Ticket {i}: the parcel is late."} for i in range(6)])
+    run_id = store.create_run(set_id, schema=schema, model_id="demo", settings={})
+    runner = JobRunner(store)
+    runner.start(run_id, tiny_engine)
+    assert runner.wait(run_id, timeout=120)
+    assert [r["error"] for r in store.list_results(run_id)] == [None] * 6
+    assert len(schema_tokenizations) == 1
+
+
+def test_a_run_whose_schema_is_invalid_reports_the_problem_on_every_case(tmp_path, tiny_engine):
+    store = Store(tmp_path / "w.db")
+    set_id = store.create_case_set("tickets")
+    store.add_cases(set_id, [{"state": "Refund please."}, {"state": "Where is my parcel?"}])
+    schema = {"questions": {"refund": {"type": "yes_or_no", "instructions": "Refund?"}}}
+    run_id = store.create_run(set_id, schema=schema, model_id="demo", settings={})
+    runner = JobRunner(store)
+    runner.start(run_id, tiny_engine)
+    assert runner.wait(run_id, timeout=120)
+    errors = [r["error"] for r in store.list_results(run_id)]
+    assert len(errors) == 2 and all(e and "questions.refund.type" in e for e in errors), errors
 
 
 def test_one_decide_page_run_is_validated_once(tiny_engine, validations):

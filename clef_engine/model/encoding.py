@@ -105,6 +105,8 @@ class EncodedRecord:
 
 STATE_MEMO_MIN_CHARS = 4096
 STATE_MEMO_ENTRIES = 16
+SCHEMA_MEMO_ENTRIES = 16
+SCHEMA_MEMO_MAX_CHARS = 1 << 18  # larger schemas are tokenized each time rather than held
 MEDIA_SLOTS = 2  # requests whose media are decoded at once; each may hold gigabytes of pixels while it runs
 TRIM_AFTER_PIXELS = 4_000_000  # give freed memory back to the OS after media this large
 # NFC shrinks a text's UTF-8 by at most 3.5× (U+0390 from three 2-3 byte input characters is the worst case in
@@ -150,6 +152,7 @@ class Encoder:
             self._processors.put(copy.deepcopy(processor))
         self._memo_lock = threading.Lock()
         self._states: OrderedDict[bytes, array.array] = OrderedDict()  # digest of a long state -> ids, recent last
+        self._schemas: OrderedDict[tuple[str, ...], list[list[int]]] = OrderedDict()  # pieces -> ids, recent last
         self.prefix_ids = self.tokenize(PREFIX)
         self.suffix_ids = self.tokenize(SUFFIX)
         self.newline_ids = self.tokenize("\n")
@@ -177,6 +180,24 @@ class Encoder:
                 text = self._text.normalizer.normalize_str(text)
         size = len(text.encode("utf-8", "surrogatepass"))
         return -(-size // (self.max_token_bytes * shrink))
+
+    def tokenize_schema(self, pieces: list[str]) -> list[list[int]]:
+        """The ids of a schema's pieces (see schema_pieces), tokenized once while the schema is among the last
+        SCHEMA_MEMO_ENTRIES seen: a batch run's cases, and an analyst's reruns on new states, share one schema.
+        The lists returned are shared: callers read them."""
+        key = tuple(pieces)
+        with self._memo_lock:
+            ids = self._schemas.get(key)
+            if ids is not None:
+                self._schemas.move_to_end(key)
+                return ids
+        ids = self.tokenize_many(pieces)
+        if sum(map(len, pieces)) <= SCHEMA_MEMO_MAX_CHARS:
+            with self._memo_lock:
+                self._schemas[key] = ids
+                while len(self._schemas) > SCHEMA_MEMO_ENTRIES:
+                    self._schemas.popitem(last=False)
+        return ids
 
     def tokenize_state(self, text: str) -> list[int]:
         """The state's ids, from the memo when this long state was accepted before (a long state is re-sent
@@ -374,7 +395,7 @@ class Encoder:
         if videos:
             return dict(self.encode(valid.with_budget(UNBOUNDED, "refuse")).token_counts)
         pieces, instruction_piece, _ = schema_pieces(questions)
-        piece_ids = self.tokenize_many(pieces)
+        piece_ids = self.tokenize_schema(pieces)
         _check_instructions(questions, [piece_ids[piece] for piece in instruction_piece])
         counts = {"prefix": len(self.prefix_ids), "media": self.media_bound(images, []),
                   "state": len(self.tokenize_state(state_text)), "schema": sum(map(len, piece_ids)),
@@ -398,7 +419,7 @@ class Encoder:
                   "suffix": len(self.suffix_ids)}
         media_bound = ("media",) if videos else ()  # image tokens are exact from the header; videos' are not
         check_budget(counts, max_length, overflow, at_least=media_bound + ("state", "schema"))
-        piece_ids = self.tokenize_many(pieces)
+        piece_ids = self.tokenize_schema(pieces)
         counts["schema"] = sum(map(len, piece_ids))
         check_budget(counts, max_length, overflow, at_least=media_bound + ("state",))
         state_ids = self.tokenize_state(state_text)
