@@ -51,12 +51,13 @@ from urllib.parse import urlsplit, urlunsplit
 
 import httpx
 
+from . import environment
+from .environment import API_KEY_ENV
 from .errors import BusyError, CancelledError, ClefError, Problem, RequestError, TokenBudgetError
 from .interface import Request
 from .protocol import Question, ValidRequest, prepare, sniff_content_type
 from .remote_http import CallDeadline, deadline_transport, detail_text, exchange, retry_after_seconds
 
-API_KEY_ENV = "CLEF_API_KEY"
 SYSTEM_ONE_PATH = "/v1/systemone"
 MODELS_PATH = "/v1/models"
 RETRY_STATUSES = frozenset({408, 429, 500, 502, 503, 504, 529})
@@ -255,7 +256,7 @@ class RemoteEngine:
         self.max_backoff_s = max_backoff_s
         self.max_retry_wait_s = max_retry_wait_s
         self.max_response_bytes = max_response_bytes
-        key = api_key if api_key is not None else os.environ.get(API_KEY_ENV)
+        key = api_key if api_key is not None else environment.api_key()
         headers = {"accept": "application/json", "user-agent": "clef-workbench-remote"}
         limits = httpx.Limits(max_connections=self.max_concurrency, max_keepalive_connections=self.max_concurrency)
         self._client = httpx.Client(

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from . import environment
 from .model.encoding import PREFIX, SUFFIX
 from .model.head import JointSchemaHead
 from .model.release import HEAD_CONFIG, HEAD_WEIGHTS, HeadConfig
@@ -189,7 +190,7 @@ DEMO_MARKER = ".clef-demo-release"
 
 def demo_release(directory: str | os.PathLike | None = None) -> Path:
     """The tiny random-weight release, built once into a cache folder (CLEF_CACHE_DIR or ~/.cache/clef-workbench)."""
-    root = Path(directory or os.environ.get("CLEF_CACHE_DIR") or Path.home() / ".cache" / "clef-workbench")
+    root = Path(directory) if directory else environment.cache_dir()
     # Keyed by the builder's source, so a changed builder never reuses a release an older one wrote.
     here = Path(__file__).parent
     builder = (here / "tiny.py").read_bytes() + (here / "model" / "head.py").read_bytes()

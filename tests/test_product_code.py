@@ -16,10 +16,9 @@ PUBLIC_STREAMLIT = {"streamlit", "streamlit.components.v1", "streamlit.column_co
 ENVIRONMENT_READERS = {
     "clef_workbench/settings.py",  # WorkbenchSettings: the workbench, the app and the workbench CLI
     "clef_engine/config.py",  # EngineConfig: the engine's knobs
-    # The engine's library entry points, used without the workbench, default from the environment:
-    "clef_engine/remote.py",  # a remote endpoint's key (CLEF_API_KEY) when clef_engine.load("http://…") gets none
-    "clef_engine/tiny.py",  # where clef_engine.demo_release() builds the demo release (CLEF_CACHE_DIR)
-    "clef_engine/serve/cli.py",  # the variable `clef_engine serve --api-key-env NAME` names
+    # what the engine's library entry points fall back on (a remote key, the demo's cache folder, --api-key-env),
+    # torch-free so that a remote client reads its key without torch
+    "clef_engine/environment.py",
 }
 
 

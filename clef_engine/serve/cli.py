@@ -26,12 +26,12 @@ import asyncio
 import ipaddress
 import json
 import logging
-import os
 import sys
 
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from .. import environment
 from .server import DEFAULT_MAX_BODY_BYTES, DEFAULT_REQUEST_TIMEOUT
 
 DEFAULT_HEADER_TIMEOUT = 10.0
@@ -162,7 +162,7 @@ def with_header_timeout(seconds: float, max_body_bytes: int = DEFAULT_MAX_BODY_B
 def _api_key_from_env(var: str | None) -> str | None:
     if var is None:
         return None
-    key = os.environ.get(var, "").strip()
+    key = environment.variable(var)
     if not key:
         raise SystemExit(f"--api-key-env {var}: the environment variable {var} is not set or empty")
     return key
