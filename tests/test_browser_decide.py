@@ -14,6 +14,7 @@ import pytest
 from PIL import Image
 
 from tests.browser_harness import launch_chromium, running_workbench
+from tests.browser_steps import settle
 
 expect = playwright_api.expect
 expect.set_options(timeout=60_000)  # two CPU cores shared with the model and other work: reruns can take seconds
@@ -22,12 +23,6 @@ expect.set_options(timeout=60_000)  # two CPU cores shared with the model and ot
 pytestmark = pytest.mark.browser
 
 LONG = 300_000  # ms, a safety limit: the first page load builds/loads the demo model
-
-
-def settle(page) -> None:
-    """Wait for the rerun an interaction started: Streamlit marks the elements of a running script stale."""
-    page.wait_for_timeout(300)
-    page.wait_for_function("document.querySelectorAll('[data-stale=\"true\"]').length === 0")
 
 
 def commit(locator) -> None:

@@ -10,8 +10,9 @@ import pytest
 
 from clef_workbench.store import Store
 from tests.browser_harness import launch_chromium
+from tests.browser_steps import settle
 from tests.import_files import KINDS, delimited, expected_cases, stored
-from tests.test_browser_journeys import LONG, demo_workbench, settle
+from tests.test_browser_journeys import LONG, demo_workbench
 
 expect = playwright_api.expect
 pytestmark = pytest.mark.browser

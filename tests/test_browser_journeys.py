@@ -17,6 +17,7 @@ from clef_workbench import review
 from clef_workbench.schema_library import SchemaLibrary
 from clef_workbench.store import Store
 from tests.browser_harness import launch_chromium, running_workbench
+from tests.browser_steps import settle
 
 expect = playwright_api.expect
 expect.set_options(timeout=60_000)  # two CPU cores shared with the model and other work: reruns can take seconds
@@ -25,11 +26,6 @@ pytestmark = pytest.mark.browser
 
 REPO = Path(__file__).resolve().parents[1]
 LONG = 300_000  # ms, a safety limit: the first page load builds/loads the demo model
-
-
-def settle(page) -> None:
-    page.wait_for_timeout(300)
-    page.wait_for_function("document.querySelectorAll('[data-stale=\"true\"]').length === 0")
 
 
 def demo_workbench(tmp_path_factory, name: str, **env: str):

@@ -12,6 +12,7 @@ import playwright.sync_api as playwright_api
 import pytest
 
 from tests.browser_harness import REPO, launch_chromium, running_workbench
+from tests.browser_steps import settle
 
 pytestmark = pytest.mark.browser
 LONG = 300_000  # ms, a safety limit: the first page load builds or loads the demo model
@@ -27,11 +28,6 @@ MEASURE = """(el) => {
   return {left: box.left, top: box.top, right: box.right, bottom: box.bottom, height: box.height,
           text: el.innerText, cut, overflowing: el.scrollWidth > el.clientWidth + 1};
 }"""
-
-
-def settle(page) -> None:
-    page.wait_for_timeout(300)
-    page.wait_for_function("document.querySelectorAll('[data-stale=\"true\"]').length === 0")
 
 
 def whole_label(page, name: str, width: int, height: int, *, on_screen: bool) -> dict:

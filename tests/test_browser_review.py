@@ -16,6 +16,7 @@ import pytest
 from clef_workbench import review
 from clef_workbench.store import Store
 from tests.browser_harness import launch_chromium, running_workbench
+from tests.browser_steps import go_to, new_case_set_from_csv, settle
 
 expect = playwright_api.expect
 
@@ -39,17 +40,6 @@ TICKETS = [
     ("Out of office", "I am away until Monday with limited access to e-mail.", "none_of_these", 0, "unclear", "no",
      "no"),
 ]
-
-
-def settle(page) -> None:
-    page.wait_for_timeout(300)
-    page.wait_for_function("document.querySelectorAll('[data-stale=\"true\"]').length === 0")
-
-
-def go_to(page, title: str) -> None:
-    """Navigate as a user does: the sidebar link of the page."""
-    page.get_by_test_id("stSidebar").get_by_test_id("stPageLink-NavLink").filter(has_text=title).click()
-    settle(page)
 
 
 def card_title(page) -> str:
@@ -89,24 +79,8 @@ def test_import_run_review_with_keyboard_and_export(page, workbench, tmp_path: P
     expect(page.get_by_text("Its weights are random: the answers mean nothing")).to_be_visible(timeout=LONG)
     go_to(page, "Case sets")
     expect(page.get_by_text("No case sets yet")).to_be_visible(timeout=LONG)
-    page.get_by_role("button", name="New case set").click()
-    page.get_by_label("Name").fill("Browser tickets")
-    page.get_by_role("combobox", name="Schema it is meant for").click()
-    page.get_by_role("option", name="support-ticket-routing", exact=True).click()
-    page.get_by_role("button", name="Create").click()
-    settle(page)
-    expect(page.get_by_text(re.compile(r"Schema: \*?\*?support-ticket-routing"))).to_be_visible()
-    page.get_by_role("tab", name="Import").click()
-    settle(page)  # the tab click reruns the page; a file chosen during that rerun could be dropped
-    page.locator('[data-testid="stFileUploaderDropzoneInput"]').set_input_files(str(csv_path))
-    settle(page)
-    # the answer columns map to their questions by name; only the columns chosen here become the state
-    page.get_by_role("button", name=re.compile(r"^Use the 2 column\(s\) that are not mapped or labels")).click()
-    settle(page)
-    expect(page.get_by_text("Preview — 6 case(s)")).to_be_visible(timeout=30_000)
-    page.get_by_role("button", name="Import 6 cases").click()
-    settle(page)
-    expect(page.get_by_text("Imported 6 cases into “Browser tickets”.")).to_be_visible()
+    # the answer columns map to their questions by name; only the columns chosen there become the state
+    new_case_set_from_csv(page, "Browser tickets", "support-ticket-routing", csv_path, 6)
     store = Store(db)
     case_set = store.list_case_sets()[0]
     cases = store.list_cases(case_set["id"])

@@ -16,6 +16,7 @@ from clef_engine.errors import ClefError
 from clef_workbench.jobs import JobRunner
 from clef_workbench.store import Store
 from tests.browser_harness import launch_chromium, running_workbench
+from tests.browser_steps import settle
 
 expect = playwright_api.expect
 expect.set_options(timeout=60_000)  # two CPU cores shared with the model and other work: reruns can take seconds
@@ -26,11 +27,6 @@ REPO = Path(__file__).resolve().parents[1]
 LONG = 300_000  # ms, a safety limit: the first page load loads the demo model
 SCHEMA = {"name": "routing", "version": "1", "questions": {
     "team": {"type": "choice", "instructions": "Which team?", "criteria": {"billing": None, "sales": None}}}}
-
-
-def settle(page) -> None:
-    page.wait_for_timeout(300)
-    page.wait_for_function("document.querySelectorAll('[data-stale=\"true\"]').length === 0")
 
 
 def no_traceback(page) -> None:

@@ -22,7 +22,9 @@ import pytest
 from PIL import Image
 
 from clef_workbench.store import Store
+from tests import browser_steps
 from tests.browser_harness import launch_chromium, running_workbench
+from tests.browser_steps import new_case_set_from_csv
 from tests.test_engine import mp4_bytes
 from tests.test_server import ServerProcess
 
@@ -42,9 +44,7 @@ PROGRESS = re.compile(r"(\d+) / (\d+) cases · (\d+) errors · status (.+)")
 
 
 def settle(page) -> None:
-    """Wait for the rerun an interaction started: Streamlit marks the elements of a running script stale."""
-    page.wait_for_timeout(300)
-    page.wait_for_function("document.querySelectorAll('[data-stale=\"true\"]').length === 0", timeout=LONG)
+    browser_steps.settle(page, timeout=LONG)
 
 
 def truthful(page) -> None:
@@ -71,10 +71,7 @@ def open_start_a_run(page) -> None:
 
 
 def go_to(page, title: str) -> None:
-    """Navigate as a person does: the page's link in the sidebar."""
-    page.get_by_test_id("stSidebar").get_by_test_id("stPageLink-NavLink").filter(has_text=title).click()
-    expect(page).to_have_title(f"{title} · Clef Workbench", timeout=LONG)
-    settle(page)
+    browser_steps.go_to(page, title, timeout=LONG)
 
 
 def pick(page, label: str, option: str, *, scope=None) -> None:
@@ -221,21 +218,7 @@ def import_run_browse_review_export(page, store: Store, tmp_path: Path) -> None:
     csv_path = tmp_path / "messages.csv"
     messages_csv(csv_path, 50)
     go_to(page, "Case sets")
-    page.get_by_role("button", name="New case set").click()
-    page.get_by_label("Name").fill("Journey messages")
-    pick(page, "Schema it is meant for", "parcel-replies")
-    page.get_by_role("button", name="Create").click()
-    settle(page)
-    expect(page.get_by_text(re.compile(r"Schema: \*?\*?parcel-replies"))).to_be_visible()
-    page.get_by_role("tab", name="Import").click()
-    settle(page)  # the tab click reruns the page; a file chosen during that rerun could be dropped
-    page.locator('[data-testid="stFileUploaderDropzoneInput"]').set_input_files(str(csv_path))
-    settle(page)
-    page.get_by_role("button", name=re.compile(r"^Use the 2 column\(s\) that are not mapped or labels")).click()
-    settle(page)
-    expect(page.get_by_text("Preview — 50 case(s)")).to_be_visible()
-    page.get_by_role("button", name="Import 50 cases").click()
-    expect(page.get_by_text("Imported 50 cases into “Journey messages”.")).to_be_visible()
+    new_case_set_from_csv(page, "Journey messages", "parcel-replies", csv_path, 50)
     truthful(page)
     set_id = next(s["id"] for s in store.list_case_sets() if s["name"] == "Journey messages")
     cases = store.list_cases(set_id)

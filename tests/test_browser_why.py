@@ -24,7 +24,8 @@ from PIL import Image
 from clef_workbench import review
 from clef_workbench.store import Store
 from tests.browser_harness import launch_chromium, running_workbench
-from tests.test_browser_decide import commit, pick, settle
+from tests.browser_steps import go_to, new_case_set_from_csv, settle
+from tests.test_browser_decide import commit, pick
 from tests.test_engine import mp4_bytes
 
 expect = playwright_api.expect
@@ -188,11 +189,6 @@ def labelled_csv(path: Path, cases: int) -> None:
                              teams[int(rng.integers(len(teams)))]])
 
 
-def go_to(page, title: str) -> None:
-    page.get_by_test_id("stSidebar").get_by_test_id("stPageLink-NavLink").filter(has_text=title).click()
-    settle(page)
-
-
 def test_calibration_journey_import_run_calibrate_decide_and_review(workbench, page, tmp_path: Path):
     url, db = workbench
     store = Store(db)
@@ -204,21 +200,7 @@ def test_calibration_journey_import_run_calibrate_decide_and_review(workbench, p
     expect(page.get_by_text("Its weights are random: the answers mean nothing")).to_be_visible(timeout=LONG)
     go_to(page, "Case sets")
     expect(page.get_by_text("No case sets yet")).to_be_visible(timeout=LONG)
-    page.get_by_role("button", name="New case set").click()
-    page.get_by_label("Name").fill("Labelled tickets")
-    page.get_by_role("combobox", name="Schema it is meant for").click()
-    page.get_by_role("option", name="support-ticket-routing", exact=True).click()
-    page.get_by_role("button", name="Create").click()
-    settle(page)
-    expect(page.get_by_text(re.compile(r"Schema: \*?\*?support-ticket-routing"))).to_be_visible()
-    page.get_by_role("tab", name="Import").click()
-    settle(page)
-    page.locator('[data-testid="stFileUploaderDropzoneInput"]').set_input_files(str(csv_path))
-    settle(page)
-    page.get_by_role("button", name=re.compile(r"^Use the 2 column\(s\) that are not mapped or labels")).click()
-    settle(page)
-    page.get_by_role("button", name="Import 36 cases").click()
-    expect(page.get_by_text("Imported 36 cases into “Labelled tickets”.")).to_be_visible()
+    new_case_set_from_csv(page, "Labelled tickets", "support-ticket-routing", csv_path, 36)
 
     # -- its run: the case set run on the demo model from the Runs page, as a person starts one -------------------
     go_to(page, "Runs")

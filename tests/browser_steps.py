@@ -1,0 +1,46 @@
+"""What a person does in the workbench, as Playwright steps the browser tests share: wait for a rerun to end, go to a
+page by its sidebar link, and create a case set from a CSV file through the Case sets page."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import playwright.sync_api as playwright_api
+
+expect = playwright_api.expect
+
+
+def settle(page, *, timeout: float | None = None) -> None:
+    """Wait for the rerun an interaction started: Streamlit marks the elements of a running script stale."""
+    page.wait_for_timeout(300)
+    page.wait_for_function("document.querySelectorAll('[data-stale=\"true\"]').length === 0", timeout=timeout)
+
+
+def go_to(page, title: str, *, timeout: float | None = None) -> None:
+    """Navigate as a person does: the page's link in the sidebar."""
+    page.get_by_test_id("stSidebar").get_by_test_id("stPageLink-NavLink").filter(has_text=title).click()
+    expect(page).to_have_title(f"{title} · Clef Workbench", timeout=timeout)
+    settle(page, timeout=timeout)
+
+
+def new_case_set_from_csv(page, name: str, schema: str, csv_path: Path, cases: int) -> None:
+    """On the Case sets page: a new case set `name` for the library schema `schema`, then the CSV imported with its
+    answer columns mapped to their questions by name and the other columns as the state (`cases` rows)."""
+    page.get_by_role("button", name="New case set").click()
+    page.get_by_label("Name").fill(name)
+    page.get_by_role("combobox", name="Schema it is meant for").click()
+    page.get_by_role("option", name=schema, exact=True).click()
+    page.get_by_role("button", name="Create").click()
+    settle(page)
+    expect(page.get_by_text(re.compile(rf"Schema: \*?\*?{re.escape(schema)}"))).to_be_visible()
+    page.get_by_role("tab", name="Import").click()
+    settle(page)  # the tab click reruns the page; a file chosen during that rerun could be dropped
+    page.locator('[data-testid="stFileUploaderDropzoneInput"]').set_input_files(str(csv_path))
+    settle(page)
+    page.get_by_role("button", name=re.compile(r"^Use the \d+ column\(s\) that are not mapped or labels")).click()
+    settle(page)
+    expect(page.get_by_text(f"Preview — {cases} case(s)")).to_be_visible(timeout=30_000)
+    page.get_by_role("button", name=f"Import {cases} cases").click()
+    settle(page)
+    expect(page.get_by_text(f"Imported {cases} cases into “{name}”.")).to_be_visible()
