@@ -223,6 +223,18 @@ def attention_chunk_cudnn(q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Ten
     return out[0].transpose(0, 1)[lead: lead + n]
 
 
+def _ms_per_call(fn, device: torch.device, *args, repeats: int = 3) -> float:
+    """Mean wall milliseconds of `fn(*args)` on the GPU, after one untimed call: how the start-up checks choose
+    between two kernels that agree."""
+    fn(*args)
+    torch.cuda.synchronize(device)
+    started = time.perf_counter()
+    for _ in range(repeats):
+        fn(*args)
+    torch.cuda.synchronize(device)
+    return (time.perf_counter() - started) / repeats * 1000
+
+
 def chunk_attention_cudnn_pays(device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int, dim: int,
                                chunk: int = 8192) -> str | None:
     """None if `attention_chunk_cudnn` answers as the masked SDPA (after a prefix at and off a multiple of the
@@ -240,15 +252,8 @@ def chunk_attention_cudnn_pays(device: torch.device, dtype: torch.dtype, heads: 
             if not error <= 2e-2:
                 return f"cuDNN chunk attention differs from the masked SDPA by {error:.3g} (prefix {prefix})"
         q, k, v = rand(chunk, heads), rand(3 * chunk, kv_heads), rand(3 * chunk, kv_heads)
-        timings = []
-        for fn in (attention_after_prefix_varlen, attention_chunk_cudnn):
-            fn(q, k, v, 2 * chunk)
-            torch.cuda.synchronize(device)
-            started = time.perf_counter()
-            for _ in range(3):
-                fn(q, k, v, 2 * chunk)
-            torch.cuda.synchronize(device)
-            timings.append((time.perf_counter() - started) / 3 * 1000)
+        timings = [_ms_per_call(fn, device, q, k, v, 2 * chunk)
+                   for fn in (attention_after_prefix_varlen, attention_chunk_cudnn)]
         if timings[1] >= timings[0]:
             return f"cuDNN chunk attention not faster ({timings[1]:.2f} vs {timings[0]:.2f} ms)"
     except Exception as error:  # noqa: BLE001 — any failure means: keep flash varlen
@@ -304,15 +309,8 @@ def cudnn_long_attention_pays(device: torch.device, dtype: torch.dtype, heads: i
         error = (got.float() - want.float()).abs().max().item()
         if not error <= 2e-2:
             return f"cuDNN attention differs from flash varlen by {error:.3g}"
-        timings = []
-        for fn in (attention_varlen, attention_varlen_cudnn_long):
-            fn(q, k, v, segments)
-            torch.cuda.synchronize(device)
-            started = time.perf_counter()
-            for _ in range(3):
-                fn(q, k, v, segments)
-            torch.cuda.synchronize(device)
-            timings.append((time.perf_counter() - started) / 3 * 1000)
+        timings = [_ms_per_call(fn, device, q, k, v, segments)
+                   for fn in (attention_varlen, attention_varlen_cudnn_long)]
         if timings[1] >= timings[0]:
             return f"cuDNN attention not faster at {tokens} tokens ({timings[1]:.2f} vs {timings[0]:.2f} ms)"
     except Exception as error:  # noqa: BLE001 — any failure means: keep flash varlen
