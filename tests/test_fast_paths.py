@@ -326,7 +326,7 @@ def test_the_heads_attention_reads_each_records_real_keys_by_count_in_batches_an
     from clef_engine.fast.head_kernels import head_attention_kernel
     from clef_engine.model import head as head_module
 
-    assert head_attention_kernel(torch.device("cpu"), torch.float32) is head_module.attention_masked
+    assert head_attention_kernel(torch.device("cpu"), torch.float32, 64) is head_module.attention_masked
     seen = []
     attention = head_module.head_attention
 
@@ -462,3 +462,17 @@ def test_keys_are_split_only_where_few_queries_over_many_keys_would_leave_the_gp
     assert key_splits(1, 65, 16, 1024, h200) == 1  # a short memory: the merge would cost more than it saves
     assert key_splits(2, 65, 16, 14336, h200) == 8
     assert key_splits(8, 65, 16, 14336, h200) == 1  # a batch of records fills the GPU by itself
+
+
+def test_heads_flash_attention_does_not_take_run_the_exact_kernel(monkeypatch):
+    """Flash attention takes head dimensions that are multiples of 8 up to 256. A release with smaller heads (the
+    demo release's are 4 wide) on a GPU where flash runs gets the exact kernel, not a RuntimeError on every decide."""
+    from clef_engine.fast import head_kernels
+    from clef_engine.model import head as head_module
+
+    monkeypatch.setattr(head_kernels, "_flash_takes_counts", lambda device, dtype: True)
+    monkeypatch.setattr(head_kernels, "_flash_splits_keys", lambda device, dtype: True)
+    cuda = torch.device("cuda")
+    assert head_kernels.head_attention_kernel(cuda, torch.bfloat16, 64) is head_kernels.attention_flash_split
+    for head_dim in (4, 12, 264):
+        assert head_kernels.head_attention_kernel(cuda, torch.bfloat16, head_dim) is head_module.attention_masked

@@ -147,8 +147,12 @@ def _flash_takes_counts(device: torch.device, dtype: torch.dtype) -> bool:
     return _agrees_with_masked(attention_flash_counts, q, k, v, (counts,))
 
 
-def head_attention_kernel(device: torch.device, dtype: torch.dtype):
-    """The kernel for the head's attention on `device` in `dtype`."""
-    if not _flash_takes_counts(device, dtype):
+FLASH_HEAD_DIMS = range(8, 257, 8)  # the head dimensions flash attention takes (multiples of 8, up to 256)
+
+
+def head_attention_kernel(device: torch.device, dtype: torch.dtype, head_dim: int):
+    """The kernel for the head's attention on `device` in `dtype` with heads of `head_dim` (a small head, such as the
+    demo release's, has heads flash attention does not take: the exact kernel runs it)."""
+    if head_dim not in FLASH_HEAD_DIMS or not _flash_takes_counts(device, dtype):
         return attention_masked
     return attention_flash_split if _flash_splits_keys(device, dtype) else attention_flash_counts

@@ -19,18 +19,27 @@ import triton.language as tl
 
 
 @triton.jit
+def _add_and_norm_row(x_ptr, residual_ptr, sum_ptr, weight_ptr, row, cols, mask, D, eps,
+                      HAS_RESIDUAL: tl.constexpr):
+    """One row: residual + x stored in float32 at `sum_ptr` (the residual stream), and returned RMS-normed and
+    weighted, in float32."""
+    hidden = tl.load(x_ptr + row * D + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        hidden += tl.load(residual_ptr + row * D + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(sum_ptr + row * D + cols, hidden, mask=mask)
+    rstd = 1.0 / tl.sqrt(tl.sum(hidden * hidden, axis=0) / D + eps)
+    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    return hidden * rstd * weight
+
+
+@triton.jit
 def _add_rms_norm_kernel(x_ptr, residual_ptr, sum_ptr, out_ptr, weight_ptr, D, eps,
                          HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < D
-    hidden = tl.load(x_ptr + row * D + cols, mask=mask, other=0.0).to(tl.float32)
-    if HAS_RESIDUAL:
-        hidden += tl.load(residual_ptr + row * D + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(sum_ptr + row * D + cols, hidden, mask=mask)  # the float32 residual stream
-    rstd = 1.0 / tl.sqrt(tl.sum(hidden * hidden, axis=0) / D + eps)
-    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * D + cols, (hidden * rstd * weight).to(out_ptr.dtype.element_ty), mask=mask)
+    normed = _add_and_norm_row(x_ptr, residual_ptr, sum_ptr, weight_ptr, row, cols, mask, D, eps, HAS_RESIDUAL)
+    tl.store(out_ptr + row * D + cols, normed.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def add_rms_norm(x: torch.Tensor, weight_plus_one: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
@@ -273,13 +282,7 @@ def _add_rms_norm_fp8_kernel(x_ptr, residual_ptr, sum_ptr, values_ptr, scales_pt
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < D
-    hidden = tl.load(x_ptr + row * D + cols, mask=mask, other=0.0).to(tl.float32)
-    if HAS_RESIDUAL:
-        hidden += tl.load(residual_ptr + row * D + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(sum_ptr + row * D + cols, hidden, mask=mask)  # the float32 residual stream
-    rstd = 1.0 / tl.sqrt(tl.sum(hidden * hidden, axis=0) / D + eps)
-    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    normed = hidden * rstd * weight
+    normed = _add_and_norm_row(x_ptr, residual_ptr, sum_ptr, weight_ptr, row, cols, mask, D, eps, HAS_RESIDUAL)
     amax = tl.maximum(tl.max(tl.abs(normed), axis=0), FP8_MIN_AMAX)
     scale = amax / FP8_MAX
     quantized = tl.minimum(tl.maximum(normed / scale, -FP8_MAX), FP8_MAX)

@@ -348,7 +348,7 @@ def head_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, counts: to
     """The head's attention: the kernel fast/head_kernels.py picks for the device (`attention_masked` off CUDA)."""
     from ..fast.head_kernels import head_attention_kernel  # the fast kernels build on this module: imported late
 
-    return head_attention_kernel(q.device, q.dtype)(q, k, v, counts)
+    return head_attention_kernel(q.device, q.dtype, q.shape[-1])(q, k, v, counts)
 
 
 def attend(attention: nn.MultiheadAttention, query: torch.Tensor, memory: torch.Tensor,
