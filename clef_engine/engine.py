@@ -324,10 +324,12 @@ class Engine:
         record longer than `prefill_chunk_tokens` runs in chunks (bounded activations, fast/packed.py)."""
         chunk = self.config.prefill_chunk_tokens
         key = self.prefix.key(record) if self.prefix is not None else None
+        cached = self.state_cache.get(key) if key is not None else None
+        if cached is not None:
+            return self.head_one(*self.prefix.forward_after(record, cached), record)
+        if 0 < chunk < len(record) and self.state_cache is not None:
+            self.state_cache.make_room()  # earlier long states would add to this record's activations and state
         if key is not None:
-            cached = self.state_cache.get(key)
-            if cached is not None:
-                return self.head_one(*self.prefix.forward_after(record, cached), record)
             normed, memory, state = self.prefix.forward_for_store(record, self._between_layers(), chunk)
             answer = self.head_one(normed, memory, record)  # the answer's host sync first: storing is off its path
             self.state_cache.put(key, state)

@@ -33,7 +33,7 @@ from .errors import Problem, RequestError, TokenBudgetError
 from .interface import DecisionEngine, ExplainingEngine, Request
 from .model import media
 from .model.encoding import MEDIA_SLOTS, EncodedRecord, render
-from .protocol import EXPLAIN_UNITS, ExplainOption, prepared
+from .protocol import EXPLAIN_UNITS, ExplainOption, ValidRequest, prepared
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -230,8 +230,7 @@ def submit_explanation(engine: Engine, request: Request, unit: str | None = None
     check_cost(len(record), variants, len(record) * (1 + len(media_variants)) + sum(map(len, text_records)), budget)
     # Media variants run the image processor, tens of milliseconds each: as many at once as the encoder has
     # processors (the rest of the time is numpy and PIL, which let other threads run).
-    with ThreadPoolExecutor(max_workers=MEDIA_SLOTS, thread_name_prefix="clef-explain") as pool:
-        media_records = list(pool.map(lambda variant: engine.encode(valid.with_evidence(variant)), media_variants))
+    media_records = _encode_in_parallel(engine, valid, media_variants)
     records = [record, *text_records, *media_records]
 
     def respond(probabilities: list) -> list[dict]:
@@ -241,6 +240,14 @@ def submit_explanation(engine: Engine, request: Request, unit: str | None = None
         return [response]
 
     return engine.scheduler.submit(records, priority=priority, finalize=respond)
+
+
+def _encode_in_parallel(engine: Engine, valid: ValidRequest, variants: list) -> list[EncodedRecord]:
+    """The request with each evidence variant, encoded on up to MEDIA_SLOTS threads (none for a text-only one)."""
+    if not variants:
+        return []
+    with ThreadPoolExecutor(max_workers=min(MEDIA_SLOTS, len(variants)), thread_name_prefix="clef-explain") as pool:
+        return list(pool.map(lambda variant: engine.encode(valid.with_evidence(variant)), variants))
 
 
 def explain(engine: Engine, request: Request, unit: str | None = None, *, max_length: int | None = None,

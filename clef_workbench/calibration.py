@@ -6,7 +6,7 @@ Per question, one map from the model's distribution to a calibrated one:
   keeps the ranking of the options and so the predicted answer.
 
 Both are fitted by minimising the negative log-likelihood of the expected answers with scipy's optimizers. Whether it
-helps is measured on cases the map did not see: k-fold (scikit-learn's ``KFold``), each case's calibrated
+helps is measured on cases the map did not see: k-fold (``k_folds``), each case's calibrated
 distribution comes from the map fitted on the other folds; ECE and Brier before and after are computed on those
 held-out distributions, with percentile bootstrap intervals over cases. The map that is stored is then fitted on every
 labelled case. A question with fewer than ``MIN_LABELLED`` labelled cases is not fitted, and the report says why.
@@ -14,13 +14,13 @@ labelled case. A question with fewer than ``MIN_LABELLED`` labelled cases is not
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
 import pandas as pd
 from scipy.optimize import minimize, minimize_scalar
-from sklearn.model_selection import KFold
 
 from clef_engine.calibrated import QuestionMap, calibrated_answer
 from clef_workbench import stats
@@ -181,7 +181,7 @@ def calibrate(frame: pd.DataFrame, *, min_labelled: int = MIN_LABELLED, folds: i
             reports.append(report)
             continue
         held_out: list[dict[str, float]] = [{}] * len(rows)
-        for train, test in KFold(n_splits=min(folds, len(rows)), shuffle=True, random_state=seed).split(rows):
+        for train, test in k_folds(len(rows), min(folds, len(rows)), seed):
             fitted = fit_question(rows.iloc[train])
             for i in test:
                 held_out[i] = fitted.apply(rows["distribution"].iloc[i])
@@ -195,6 +195,19 @@ def calibrate(frame: pd.DataFrame, *, min_labelled: int = MIN_LABELLED, folds: i
         report.bins_after = stats.calibration(after, question_id, bins)["bins"]
         reports.append(report)
     return reports
+
+
+def k_folds(count: int, folds: int, seed: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """(train, test) index arrays of `folds` folds over `count` shuffled cases: the folds scikit-learn's
+    ``KFold(folds, shuffle=True, random_state=seed)`` makes (same permutation, same sizes, indices ascending). Not
+    scikit-learn itself: once it is installed, transformers imports it when the engine loads its model class, about
+    2 s of every engine process's start for this one function."""
+    order = np.arange(count)
+    np.random.RandomState(seed).shuffle(order)
+    for test in np.array_split(order, folds):
+        held_out = np.zeros(count, dtype=bool)
+        held_out[test] = True
+        yield np.flatnonzero(~held_out), np.flatnonzero(held_out)
 
 
 def summary_table(reports: list[QuestionReport]) -> pd.DataFrame:

@@ -1,5 +1,5 @@
 """What a person does in the workbench, as Playwright steps the browser tests share: wait for a rerun to end, go to a
-page by its sidebar link, and create a case set from a CSV file through the Case sets page."""
+page by its sidebar link, choose in a selectbox, and create a case set from a CSV file through the Case sets page."""
 
 from __future__ import annotations
 
@@ -22,6 +22,32 @@ def go_to(page, title: str, *, timeout: float | None = None) -> None:
     page.get_by_test_id("stSidebar").get_by_test_id("stPageLink-NavLink").filter(has_text=title).click()
     expect(page).to_have_title(f"{title} · Clef Workbench", timeout=timeout)
     settle(page, timeout=timeout)
+
+
+def pick(page, label: str, option: str, *, exact: bool = False, scope=None) -> None:
+    """Choose in a Streamlit selectbox as a person does: open its list, click the option whose label starts with
+    `option` (typed first, to filter a long list), or with `exact` the option that is `option` (not typed: text typed
+    into the box of a page that reruns as the option is chosen can land in what the page shows next). The list
+    sometimes closes when the page reruns as it opens: open it again until the option shows."""
+    box = (scope or page).get_by_role("combobox", name=label)
+    name = re.compile(rf"^{re.escape(option)}{'$' if exact else ''}")
+    wanted = page.get_by_role("option", name=name).first
+    for _ in range(6):
+        settle(page)
+        box.click()
+        if not exact:
+            page.keyboard.type(option)
+        try:
+            wanted.wait_for(state="visible", timeout=5000)
+        except playwright_api.TimeoutError:
+            box.press("Escape")
+            continue
+        wanted.click()
+        break
+    else:
+        raise AssertionError(f"{label}: the option {option!r} never showed")
+    expect(box).to_have_value(name)
+    settle(page)
 
 
 def new_case_set_from_csv(page, name: str, schema: str, csv_path: Path, cases: int) -> None:

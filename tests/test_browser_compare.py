@@ -17,7 +17,7 @@ import pytest
 from clef_workbench import casesets
 from clef_workbench.store import Store
 from tests.browser_harness import launch_chromium, running_workbench
-from tests.browser_steps import settle
+from tests.browser_steps import pick, settle
 
 expect = playwright_api.expect
 expect.set_options(timeout=60_000)  # two CPU cores shared with the model and other work: reruns can take seconds
@@ -27,24 +27,6 @@ pytestmark = pytest.mark.browser
 REPO = Path(__file__).resolve().parents[1]
 LONG = 300_000  # ms, a safety limit: the first page load builds/loads the demo model
 SLUG = "support-ticket-routing"
-
-
-def choose(page, label: str, option: str) -> None:
-    """Pick in a selectbox. Its list closes when the page reruns as it opens: open it again, as a person would."""
-    box = page.get_by_role("combobox", name=label)
-    wanted = page.get_by_role("option", name=option, exact=True)
-    for _ in range(6):
-        settle(page)
-        box.click()
-        try:
-            wanted.wait_for(state="visible", timeout=5000)
-        except playwright_api.TimeoutError:
-            box.press("Escape")
-            continue
-        wanted.click()
-        settle(page)
-        return
-    raise AssertionError(f"{label}: the option {option!r} never showed")
 
 
 def test_edit_twice_run_two_versions_compare_and_open_a_case(tmp_path):
@@ -69,7 +51,7 @@ def journey(page, url: str, store: Store, set_id: int) -> None:
     # -- edit the schema twice: three versions, the diff between the last two shown
     page.goto(f"{url}/schemas")
     expect(page.get_by_role("heading", name="Schema library")).to_be_visible(timeout=LONG)
-    choose(page, "Schema", f"Support ticket routing ({SLUG}.json)")
+    pick(page, "Schema", f"Support ticket routing ({SLUG}.json)", exact=True)
     for wording in ("Which team should own this ticket?", "Which single team should own this ticket?"):
         page.get_by_role("tab", name="Edit JSON").click()
         editor = page.get_by_label("Schema file")
@@ -93,10 +75,10 @@ def journey(page, url: str, store: Store, set_id: int) -> None:
     page.goto(f"{url}/compare")
     expect(page.get_by_role("heading", name="Compare runs")).to_be_visible(timeout=LONG)
     expect(page.get_by_text("Comparing needs two runs of one case set")).to_be_visible()
-    choose(page, "Case set", "Example: Support ticket routing (12 cases)")
-    choose(page, "Schema", SLUG)
+    pick(page, "Case set", "Example: Support ticket routing (12 cases)", exact=True)
+    pick(page, "Schema", SLUG, exact=True)
     for version in ("v2", "v3 (current)"):
-        choose(page, "Version", version)
+        pick(page, "Version", version, exact=True)
         page.get_by_role("button", name="Run this schema on this case set with these models").click()
         settle(page)
         expect(page.get_by_text("Started run(s)")).to_be_visible()

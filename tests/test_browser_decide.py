@@ -14,7 +14,7 @@ import pytest
 from PIL import Image
 
 from tests.browser_harness import launch_chromium, running_workbench
-from tests.browser_steps import settle
+from tests.browser_steps import pick, settle
 
 expect = playwright_api.expect
 expect.set_options(timeout=60_000)  # two CPU cores shared with the model and other work: reruns can take seconds
@@ -29,26 +29,6 @@ def commit(locator) -> None:
     """Streamlit text widgets send their value on blur."""
     locator.press("Tab")
     settle(locator.page)
-
-
-def pick(page, label: str, option: str) -> None:
-    """Choose in a Streamlit selectbox (a react-aria combobox). Its list sometimes does not open when the page
-    rerenders at the same moment, so open it again until the option shows."""
-    box = page.get_by_role("combobox", name=label)
-    wanted = page.get_by_role("option", name=option, exact=True)
-    for _ in range(5):
-        settle(page)
-        box.focus()
-        box.press("ArrowDown")
-        try:
-            wanted.wait_for(state="visible", timeout=3000)
-        except playwright_api.TimeoutError:
-            box.press("Escape")
-            continue
-        wanted.click()
-        break
-    expect(box).to_have_value(option)
-    settle(page)
 
 
 @pytest.fixture
@@ -96,7 +76,7 @@ def decide_scenario(page, tmp_path: Path) -> None:
 
     # One question of each type.
     for qtype in ("noul", "choice", "score"):
-        pick(page, "New question type", qtype)
+        pick(page, "New question type", qtype, exact=True)
         page.get_by_role("button", name="Add question").click()
         settle(page)
         expect(page.get_by_label(re.compile(r"^Question \d id$"))).to_have_count(("noul", "choice", "score")
@@ -164,7 +144,7 @@ def test_video_upload_previews_the_sampled_frames_and_runs(page, tmp_path: Path)
     state = page.locator('textarea[aria-label="State"]')
     state.fill("Dashcam clip of the parking lot.")
     commit(state)
-    pick(page, "New question type", "noul")
+    pick(page, "New question type", "noul", exact=True)
     page.get_by_role("button", name="Add question").click()
     settle(page)
     clip = tmp_path / "clip.mp4"
@@ -188,7 +168,7 @@ def test_an_uploaded_image_and_the_answers_survive_a_reload(page, tmp_path: Path
     state = page.locator('textarea[aria-label="State"]')
     state.fill("A photo of the damaged parcel.")
     commit(state)
-    pick(page, "New question type", "noul")
+    pick(page, "New question type", "noul", exact=True)
     page.get_by_role("button", name="Add question").click()
     settle(page)
     photo = tmp_path / "parcel.png"

@@ -24,7 +24,7 @@ from PIL import Image
 from clef_workbench.store import Store
 from tests import browser_steps
 from tests.browser_harness import launch_chromium, running_workbench
-from tests.browser_steps import new_case_set_from_csv
+from tests.browser_steps import new_case_set_from_csv, pick
 from tests.test_engine import mp4_bytes
 from tests.test_server import ServerProcess
 
@@ -72,27 +72,6 @@ def open_start_a_run(page) -> None:
 
 def go_to(page, title: str) -> None:
     browser_steps.go_to(page, title, timeout=LONG)
-
-
-def pick(page, label: str, option: str, *, scope=None) -> None:
-    """Choose in a Streamlit selectbox: type to filter its list, then click the option whose label starts with
-    `option`. The list sometimes does not open when the page reruns at that moment, so open it again until the
-    option shows."""
-    box = (scope or page).get_by_role("combobox", name=label)
-    wanted = page.get_by_role("option", name=re.compile(rf"^{re.escape(option)}")).first
-    for _ in range(6):
-        settle(page)
-        box.click()
-        page.keyboard.type(option)
-        try:
-            wanted.wait_for(state="visible", timeout=5000)
-        except playwright_api.TimeoutError:
-            box.press("Escape")
-            continue
-        wanted.click()
-        break
-    expect(box).to_have_value(re.compile(rf"^{re.escape(option)}"))
-    settle(page)
 
 
 def fill(locator, text: str) -> None:

@@ -24,8 +24,8 @@ from PIL import Image
 from clef_workbench import review
 from clef_workbench.store import Store
 from tests.browser_harness import launch_chromium, running_workbench
-from tests.browser_steps import go_to, new_case_set_from_csv, settle
-from tests.test_browser_decide import commit, pick
+from tests.browser_steps import go_to, new_case_set_from_csv, pick, settle
+from tests.test_browser_decide import commit
 from tests.test_engine import mp4_bytes
 
 expect = playwright_api.expect
@@ -96,7 +96,7 @@ def test_why_view_for_text_json_image_and_video(empty_workbench, page, tmp_path:
     state = page.locator('textarea[aria-label="State"]')
     state.fill(TEXT_STATE)
     commit(state)
-    pick(page, "New question type", "noul")
+    pick(page, "New question type", "noul", exact=True)
     page.get_by_role("button", name="Add question").click()
     settle(page)
     instructions = page.locator('textarea[aria-label="Instructions"]').first
@@ -204,7 +204,7 @@ def test_calibration_journey_import_run_calibrate_decide_and_review(workbench, p
 
     # -- its run: the case set run on the demo model from the Runs page, as a person starts one -------------------
     go_to(page, "Runs")
-    pick(page, "Case set", "Labelled tickets (36 cases)")
+    pick(page, "Case set", "Labelled tickets (36 cases)", exact=True)
     page.get_by_role("button", name="Start run").click()
     expect(page.get_by_text("Finished: all 36 cases have answers.")).to_be_visible(timeout=RUN)
     [run] = store.list_runs()
@@ -234,7 +234,7 @@ def test_calibration_journey_import_run_calibrate_decide_and_review(workbench, p
     expect(page.get_by_text(f"Case #{case_id} of run #{run_id}", exact=False)).to_be_visible(timeout=LONG)
     page.get_by_role("button", name=re.compile(r"^Run\b")).click()
     expect(page.get_by_role("combobox", name="Probabilities")).to_be_visible(timeout=LONG)
-    pick(page, "Probabilities", kept["name"])
+    pick(page, "Probabilities", kept["name"], exact=True)
     expect(page.get_by_text(f"Calibrated with “{kept['name']}”", exact=False).first).to_be_visible()
     expect(page.get_by_text("team · choice · answered by", exact=False).filter(has_text="calibrated")).to_be_visible()
 
@@ -255,7 +255,7 @@ def test_calibration_journey_import_run_calibrate_decide_and_review(workbench, p
     raw_count = review.preview(store, run_id, rules)["items"]
     calibrated_count = review.preview(store, run_id, replace(rules, calibration=kept["name"]))["items"]
     expect(page.get_by_text(f"These rules select {raw_count} item(s)")).to_be_visible()
-    pick(page, "Confidence and margin read from", kept["name"])
+    pick(page, "Confidence and margin read from", kept["name"], exact=True)
     expect(page.get_by_text(f"These rules select {calibrated_count} item(s)")).to_be_visible()
     assert calibrated_count > 0
     page.get_by_role("button", name=re.compile(r"^Add \d+ item\(s\) to the queue$")).click()

@@ -216,3 +216,14 @@ def test_a_calibrated_response_keeps_the_contracts_shape_and_labels_only_what_it
     assert answers["team"]["choice"] == "billing" and answers["team"]["confidence"] < 0.8
     assert answers["team"]["confidence"] == answers["team"]["probabilities"]["billing"]
     assert sum(answers["team"]["probabilities"].values()) == pytest.approx(1.0, abs=2e-4)
+
+
+def test_the_held_out_folds_are_scikit_learns_kfold_folds():
+    """`k_folds` replaced scikit-learn's KFold(shuffle=True) without changing a stored report: these are the folds
+    KFold(3, shuffle=True, random_state=0) made for 7 cases; and every case is held out exactly once."""
+    folds = [(list(train), list(test)) for train, test in calibration.k_folds(7, 3, 0)]
+    assert folds == [([0, 3, 4, 5], [1, 2, 6]), ([1, 2, 4, 5, 6], [0, 3]), ([0, 1, 2, 3, 6], [4, 5])]
+    for count, k, seed in [(10, 5, 1), (31, 5, 42), (5, 5, 3)]:
+        held_out = sorted(i for _, test in calibration.k_folds(count, k, seed) for i in test)
+        assert held_out == list(range(count))
+        assert all(sorted([*train, *test]) == list(range(count)) for train, test in calibration.k_folds(count, k, seed))

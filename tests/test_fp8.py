@@ -253,7 +253,7 @@ def test_the_fp8_backbone_on_the_gpu_matches_the_plain_fp8_backbone(tiny_release
     config = build.clef_config("clef-flash", tiny_release)
     build.scale_down(config)  # every projection a multiple of 16, as _scaled_mm wants
     model = build.build_model(config, device="cuda")
-    plain_model = copy.deepcopy(model)
+    bf16_model, plain_model = copy.deepcopy(model), copy.deepcopy(model)
     fused = PackedBackbone(model, precision="fp8")  # select_kernels: _scaled_mm and the Triton kernels, checked
     assert fused.kernels.fp8.linear is FP8.linear_fp8_scaled_mm
     plain = PackedBackbone(plain_model, K.Kernels(fp8=FP8.Fp8Kernels()), precision="fp8")
@@ -261,8 +261,16 @@ def test_the_fp8_backbone_on_the_gpu_matches_the_plain_fp8_backbone(tiny_release
     segments = make_segments([100, 200], torch.device("cuda"))
     got, _ = fused.forward(ids, segments)
     want, _ = plain.forward(ids, segments)
-    error = ((got.float() - want.float()).norm() / want.float().norm()).item()
-    assert error < 0.02, error
+    reference, _ = PackedBackbone(bf16_model).forward(ids, segments)
+
+    def distance(a: torch.Tensor, b: torch.Tensor) -> float:
+        return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+    # The fused kernels quantize the norm's float32 output where the plain path quantizes it rounded to bf16, so the
+    # two FP8 paths round differently: the tolerance is FP8's own distance from the bf16 backbone, not a fixed one.
+    fp8_distance = distance(want, reference)
+    assert distance(got, reference) <= 1.1 * fp8_distance, (distance(got, reference), fp8_distance)
+    assert distance(got, want) <= fp8_distance, (distance(got, want), fp8_distance)
 
 
 # ---- the fused Triton kernels in Triton's CPU interpreter ------------------------------------------------------------

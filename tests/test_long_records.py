@@ -124,6 +124,43 @@ def test_a_long_state_stored_in_chunks_answers_a_new_schema_as_the_whole_record_
         cache.clear()
 
 
+def test_a_record_run_in_chunks_first_moves_earlier_states_out_of_the_device_tier(tiny_engine, chunked_engine,
+                                                                                  monkeypatch):
+    """Issue 25's memory bound (weights + the record's keys/values + a bounded working set, whatever came before):
+    while a long record's chunks run, no earlier state is on the device; a record short enough to run whole leaves
+    the stored states where they are. The long record's own state is stored after its answer, and it answers as the
+    whole-record forward does."""
+    cache = chunked_engine.state_cache
+    cache.clear(reset_stats=True)
+    monkeypatch.setattr(cache, "min_prefix_tokens", 40)
+    held_during_chunks: list[int] = []
+    run_chunk = chunked_engine.backbone._forward_chunk
+    monkeypatch.setattr(chunked_engine.backbone, "_forward_chunk",
+                        lambda *args: held_during_chunks.append(cache.stats()["device_bytes"]) or run_chunk(*args))
+    words = "the invoice ticket customer payment refund amount total due date vendor alert".split()
+    short, other_short = ({"state": " ".join(words[(i * 7 + seed) % 12] for i in range(n)),
+                           "questions": {"paid": {"type": "noul", "instructions": "Is it paid?"}}}
+                          for n, seed in ((10, 1), (12, 3)))
+    long = request(600, 8)
+    try:
+        for body in (short, other_short):
+            record = chunked_engine.encode(body)
+            assert record.state_end >= 40 and len(record) < CHUNK
+            chunked_engine.forward_packed([record])
+        assert cache.stats()["entries"] == 2 and not held_during_chunks  # two states kept; nothing ran in chunks
+        record = chunked_engine.encode(long)
+        assert len(record) > 2 * CHUNK
+        got = chunked_engine.forward_packed([record])
+        assert max_difference(got, tiny_engine.forward_packed([record])) <= TOLERANCE
+        assert held_during_chunks and set(held_during_chunks) == {0}
+        stats = cache.stats()
+        assert stats["entries"] == 1 and stats["stored"] == 3 and stats["evicted"] == 2  # the long one's own state
+        chunked_engine.forward_packed([chunked_engine.encode(short)])
+        assert cache.stats()["misses"] == 4  # the short state was moved out: computed again
+    finally:
+        cache.clear()
+
+
 @pytest.mark.slow  # Triton's interpreter on the CPU: minutes
 def test_a_chunked_record_with_the_triton_kernels_matches_the_whole_pytorch_forward():
     """Chunks after the first continue the conv with the fused kernel (`causal_conv_after_triton`): run in Triton's

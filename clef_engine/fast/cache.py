@@ -8,8 +8,9 @@ which lie in the schema and suffix.
 
 Entries are keyed by model, the prefix token ids and the media digest, bounded in bytes: first on the engine's
 device, then (on CUDA, entries up to `SPILL_MAX_BYTES`) in host memory; least recently used entries move down a tier,
-then out. The copy to host memory runs on its own thread and CUDA stream; an entry being copied is found in neither
-tier until its copy is done. One GPU worker thread uses the cache; a lock keeps `stats()` readers safe.
+then out, and a record long enough to run in chunks first moves the whole device tier down (`make_room`). The copy
+to host memory runs on its own thread and CUDA stream; an entry being copied is found in neither tier until its copy
+is done. One GPU worker thread uses the cache; a lock keeps `stats()` readers safe.
 
 `PrefixCache` (at the end) is the whole feature as the engine calls it: which records it takes, storing a state,
 continuing from one. It uses packed.py's forward (which can stop at the state's end or start after it) and
@@ -138,10 +139,25 @@ class StateCache:
             while self._tier_bytes(self._device_entries) > self.device_bytes:  # least recently used first
                 spill.append(self._device_entries.popitem(last=False))
             for old_key, old_state in spill:
-                if self.device.type == "cuda" and old_state.nbytes <= min(self.host_bytes, SPILL_MAX_BYTES):
-                    self._spill_to_host(old_key, old_state)
-                else:
-                    self._stats.evicted += 1
+                self._move_down(old_key, old_state)
+
+    def make_room(self) -> None:
+        """Move every entry of the device tier down a tier: called before a record long enough to run in chunks, so
+        that its chunks' activations and its own state (stored after its answer) take the device tier's memory
+        instead of adding to it; what a long record may peak at is then its weights, its keys/values and a bounded
+        working set, whatever was answered before it."""
+        with self._lock:
+            leaving = list(self._device_entries.items())
+            self._device_entries.clear()
+            for key, state in leaving:
+                self._move_down(key, state)
+
+    def _move_down(self, key: str, state: PrefixState) -> None:
+        """An entry leaving the device tier (called with the lock held): copied to host memory if small, else out."""
+        if self.device.type == "cuda" and state.nbytes <= min(self.host_bytes, SPILL_MAX_BYTES):
+            self._spill_to_host(key, state)
+        else:
+            self._stats.evicted += 1
 
     def _spill_to_host(self, key: str, state: PrefixState) -> None:
         """Queue the entry's copy to host memory (called with the lock held). The event marks the point of the
