@@ -189,6 +189,12 @@ with st.expander("All runs", icon=":material/list:"):
 
 def render_progress(run_id: int) -> None:
     progress = runner.progress(run_id)
+    # The run ended since the last poll: the whole page reruns first, so that "Finished" is drawn by the same run of
+    # the page that draws the final results and their export (drawn here, it showed beside an export button that
+    # still held the results of the last refresh: 32 of 50 cases downloaded after "Finished: all 50").
+    if st.session_state.get(K(f"was_live.{run_id}")) and not progress["live"]:
+        st.session_state[K(f"was_live.{run_id}")] = False
+        st.rerun(scope="app")
     total = max(progress["total"], 1)
     outcome = run_outcome(store.get_run(run_id), store.list_results(run_id)) if not progress["live"] else None
     st.progress(progress["done"] / total,
@@ -217,12 +223,9 @@ def render_progress(run_id: int) -> None:
                 engine = run_engine(run_id)
                 if engine is not None:
                     start_again(run_id, engine)
-    # the fragment polls only while a job is live; when it ends, the whole page reruns to show the final stats
-    # (and to stop the results' own refresh). While it runs, the results refresh themselves (`render_results`), and
-    # the page reruns only for the first results, when there is no filter or search below yet to type into.
-    if st.session_state.get(K(f"was_live.{run_id}")) and not progress["live"]:
-        st.session_state[K(f"was_live.{run_id}")] = False
-        st.rerun(scope="app")
+    # the fragment polls only while a job is live; when it ends, the whole page reruns (above) to show the final
+    # stats and to stop the results' own refresh. While it runs, the results refresh themselves (`render_results`),
+    # and the page reruns only for the first results, when there is no filter or search below yet to type into.
     st.session_state[K(f"was_live.{run_id}")] = progress["live"]
     if progress["live"] and progress["done"] and not st.session_state.get(K(f"shown.{run_id}")):
         st.rerun(scope="app")
@@ -292,7 +295,7 @@ def render_results(run_id: int, live: bool) -> None:
     covered = stats.coverage(results, frame)
     if not covered["answered"]:
         st.info(covered["sentence"])
-        render_export(run, results)
+        render_export(run, results, live)
         return
 
     # -- browse -----------------------------------------------------------------------------------------------------
@@ -452,17 +455,19 @@ def render_results(run_id: int, live: bool) -> None:
                          "in turn and the case decided again, in one batched run") or why_key in st.session_state:
                 why.render_case_why(why_key, model_manager().loaded(), run, store.get_case(picked_case))
 
-    render_export(run, results)
+    render_export(run, results, live)
 
     # -- compare ----------------------------------------------------------------------------------------------------
 
     render_compare(run, frame)
 
 
-def render_export(run: dict, results: list[dict]) -> None:
+def render_export(run: dict, results: list[dict], live: bool) -> None:
     run_id = run["id"]
     st.subheader("Export")
-    st.caption("One row per case × question; a failed case is one row with its error.")
+    st.caption("One row per case × question; a failed case is one row with its error."
+               + (f" The run is still going: the files hold the {len(results)} case(s) answered so far." if live
+                  else ""))
     slug = re.sub(r"[^a-z0-9]+", "-", f"run-{run_id}-{run['case_set_name']}".lower()).strip("-")
     cols = st.columns(2)
     cols[0].download_button("Results CSV (case × question, every option's probability)",

@@ -76,6 +76,7 @@ def test_reloading_decide_brings_the_draft_back(page, workbench):
 
     # Ctrl+Enter runs what is on screen
     page.locator("h1", has_text="Decide").click()
+    settle(page)  # a key pressed while the page reruns can be lost with the rerun's redraw
     page.keyboard.press("Control+Enter")
     expect(page.locator('[data-testid="stMetricLabel"]', has_text="Answer").first).to_be_visible(timeout=LONG)
     settle(page)

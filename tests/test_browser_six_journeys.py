@@ -210,6 +210,7 @@ def import_run_browse_review_export(page, store: Store, tmp_path: Path) -> None:
     truthful(page)
     random_weights_shown(page)
     expect(page.locator('[data-testid="stMetric"]', has_text="samples")).to_contain_text("50")
+    expect(page.get_by_text("The run is still going")).to_have_count(0)  # the export holds every case
     with page.expect_download() as download:
         page.get_by_role("button", name=re.compile("^Results CSV")).click()
     assert len(list(csv.DictReader(io.StringIO(Path(download.value.path()).read_text())))) == 50

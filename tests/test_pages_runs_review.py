@@ -139,6 +139,8 @@ def test_runs_page_runs_cancels_resumes_and_shows_stats(workbench, monkeypatch):
         time.sleep(0.1)
     at.run()
     assert "**Running**" in texts(at) and "ETA" in texts(at)
+    done = store.get_run(run_id)["done"]
+    assert f"The run is still going: the files hold the {done} case(s) answered so far." in texts(at)  # the export
     button(at, "Cancel").click()
     at.run()
     at.run()  # the button reruns its fragment to redraw itself, which AppTest does not follow: draw the page again
@@ -162,6 +164,7 @@ def test_runs_page_runs_cancels_resumes_and_shows_stats(workbench, monkeypatch):
     assert at.selectbox(key="runs.selected").format_func(run_id).endswith(" · 12/12 · finished"), "the picker's count"
 
     assert metric(at, "samples") == "12"
+    assert "still going" not in texts(at)
     for label in ("p50 compute per record", "p95 compute per record", "p99 compute per record",
                   "max compute per record", "p50 queue wait"):
         assert metric(at, label).endswith((" ms", " s"))
