@@ -265,8 +265,8 @@ def test_a_results_row_opens_its_case_in_decide(page, workbench):
         if opener.count():
             break
     expect(opener).to_have_attribute("href", f"/?run={run_id}&case={case_ids[2]}")
-    with page.expect_popup() as opened:
-        opener.click()
+    with page.expect_popup(timeout=LONG) as opened:
+        opener.click(timeout=LONG)  # the page may still be redrawing the selection on a busy machine
     decide = opened.value
     expect(decide.get_by_role("textbox", name="State", exact=True)).to_have_value(states[2], timeout=LONG)
     expect(decide).to_have_title("Decide · Clef Workbench")
