@@ -476,3 +476,29 @@ def test_heads_flash_attention_does_not_take_run_the_exact_kernel(monkeypatch):
     assert head_kernels.head_attention_kernel(cuda, torch.bfloat16, 64) is head_kernels.attention_flash_split
     for head_dim in (4, 12, 264):
         assert head_kernels.head_attention_kernel(cuda, torch.bfloat16, head_dim) is head_module.attention_masked
+
+
+def test_a_cpu_model_answers_where_transformers_bound_its_gated_deltanet_to_cuda_only_kernels(
+        tiny_release, tiny_engine, records, monkeypatch):
+    # On a GPU machine with flash-linear-attention installed, transformers binds these names to fla's Triton
+    # kernels, which refuse CPU tensors; the engine must still answer a CPU model (the padded path goes through them).
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as qwen
+
+    import clef_engine
+
+    def cuda_only(plain):
+        def kernel(*args, **kwargs):
+            raise ValueError("Pointer argument cannot be accessed from Triton (cpu tensor?)")
+        kernel.__wrapped__ = plain
+        return kernel
+
+    for name in ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule", "causal_conv1d_fn",
+                 "causal_conv1d_update"):
+        bound = getattr(qwen, name)
+        monkeypatch.setattr(qwen, name, cuda_only(getattr(bound, "__wrapped__", bound)))
+    engine = clef_engine.load(tiny_release, device="cpu", dtype="float32")
+    try:
+        assert max_difference(engine.forward_padded(records), tiny_engine.forward_padded(records)) <= TOLERANCE
+        assert max_difference(reference_decide(engine, records), tiny_engine.forward_packed(records)) <= TOLERANCE
+    finally:
+        engine.close()

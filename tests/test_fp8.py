@@ -309,7 +309,8 @@ def test_the_fused_fp8_triton_kernels_in_the_interpreter():
         check(FP8.quantize_rows_triton(rows), FP8.quantize_rows_torch(rows))
         print("interpreted ok")
     """)
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
+    env = dict(os.environ, TRITON_INTERPRET="1",
+               PYTHONPATH=os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH")))))
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
                             timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr

@@ -165,10 +165,45 @@ def parse_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.
     return names[dtype]
 
 
+# The functions transformers' Qwen3.5 Gated DeltaNet calls by module-level name, each bound at import to
+# flash-linear-attention's (or causal-conv1d's) CUDA kernel whenever that package imports, to its own PyTorch version
+# otherwise.
+GATED_DELTANET_FUNCTIONS = ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule", "causal_conv1d_fn",
+                            "causal_conv1d_update")
+
+
+def route_cpu_tensors_to_pytorch_functions() -> None:
+    """On a GPU machine with flash-linear-attention installed, transformers runs the Gated DeltaNet's Triton kernels
+    whatever device the tensors are on, so a model loaded on the CPU fails in its first linear-attention layer
+    ("Pointer argument cannot be accessed from Triton (cpu tensor?)"). Send CPU tensors to transformers' own
+    PyTorch functions (the `__wrapped__` of each binding) and leave CUDA tensors where they were going. Idempotent."""
+    import inspect
+
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as qwen
+
+    for name in GATED_DELTANET_FUNCTIONS:
+        bound = getattr(qwen, name, None)
+        plain = getattr(bound, "__wrapped__", None)
+        if plain is None or getattr(bound, "routes_cpu_tensors", False):
+            continue
+        accepted = set(inspect.signature(plain).parameters)
+
+        def routed(*args, _bound=bound, _plain=plain, _accepted=accepted, **kwargs):
+            first = args[0] if args else next(iter(kwargs.values()))
+            if first.is_cuda:
+                return _bound(*args, **kwargs)
+            return _plain(*args, **{key: value for key, value in kwargs.items() if key in _accepted})
+
+        routed.routes_cpu_tensors = True  # type: ignore[attr-defined]
+        routed.__wrapped__ = plain  # type: ignore[attr-defined]
+        setattr(qwen, name, routed)
+
+
 def load_backbone(release: Release, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
     """The release's backbone through transformers' own class, in eval mode on `device`."""
     from transformers import Qwen3_5ForConditionalGeneration
 
+    route_cpu_tensors_to_pytorch_functions()
     model = Qwen3_5ForConditionalGeneration.from_pretrained(release.path, dtype=dtype, device_map=str(device))
     return model.eval().requires_grad_(False)
 
