@@ -1,9 +1,11 @@
 """What a person does in the workbench, as Playwright steps the browser tests share: wait for a rerun to end, go to a
-page by its sidebar link, choose in a selectbox, and create a case set from a CSV file through the Case sets page."""
+page by its sidebar link, choose in a selectbox, press a button's keyboard shortcut, and create a case set from a CSV
+file through the Case sets page."""
 
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 import playwright.sync_api as playwright_api
@@ -22,6 +24,24 @@ def go_to(page, title: str, *, timeout: float | None = None) -> None:
     page.get_by_test_id("stSidebar").get_by_test_id("stPageLink-NavLink").filter(has_text=title).click()
     expect(page).to_have_title(f"{title} · Clef Workbench", timeout=timeout)
     settle(page, timeout=timeout)
+
+
+def press_shortcut(page, key: str, happened: Callable[[], bool], *, patience_ms: int = 20_000) -> None:
+    """Press a button's shortcut with the focus outside any input (on the page's title), as a reviewer does, and
+    press it once more if nothing `happened()` within `patience_ms` and after the page settled. A key pressed while
+    the page redraws can reach no button (under two CPU burners a Review shortcut saved nothing in 30 s); a person
+    presses it again. Waiting for the page to settle first means a press that did arrive, only slowly, is never
+    doubled. The caller then expects the outcome."""
+    for _ in range(2):
+        page.locator("h1").first.click()
+        page.keyboard.press(key)
+        for _ in range(patience_ms // 500):
+            if happened():
+                return
+            page.wait_for_timeout(500)
+        settle(page)
+        if happened():
+            return
 
 
 def pick(page, label: str, option: str, *, exact: bool = False, scope=None) -> None:

@@ -17,7 +17,7 @@ from clef_workbench import review
 from clef_workbench.schema_library import SchemaLibrary
 from clef_workbench.store import Store
 from tests.browser_harness import launch_chromium, running_workbench
-from tests.browser_steps import settle
+from tests.browser_steps import press_shortcut, settle
 
 expect = playwright_api.expect
 expect.set_options(timeout=60_000)  # two CPU cores shared with the model and other work: reruns can take seconds
@@ -216,12 +216,12 @@ def test_a_shared_link_opens_a_review_item_and_the_gold_label_needs_a_confirmati
     settle(page)
     expect(page.get_by_role("button", name="Accept “sales”")).to_be_enabled()  # the name has reached the server
     page.set_viewport_size({"width": 1440, "height": 900})
-    page.locator("h1", has_text="Review").click()  # focus outside any input, as a reviewer would
-    page.keyboard.press("a")
-    settle(page)
     # a modal in front of the page, where the reviewer is looking (it opened below the fold at 1440 × 900)
     dialog = page.get_by_role("dialog")
-    expect(dialog.get_by_text("The case set's expected answer is “billing”.", exact=False)).to_be_in_viewport()
+    asked = dialog.get_by_text("The case set's expected answer is “billing”.", exact=False)
+    press_shortcut(page, "a", asked.is_visible)
+    settle(page)
+    expect(asked).to_be_in_viewport()
     assert store.get_review_item(item["id"])["status"] == "open", "one key press never replaces the gold label"
     dialog.get_by_role("button", name="Keep “billing”").click()
     settle(page)
