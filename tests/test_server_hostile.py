@@ -1,8 +1,10 @@
 """Hostile clients against a real server process on the tiny release (CPU), one test per row of issue 24's table:
 each cheap request that used to buy minutes of engine time or gigabytes of memory is refused or bounded (never a
-5xx, the server's memory growing by less than MAX_GROWTH_MB), while a small decide from another client is answered
-within twice its idle time plus a second (the idle time measured just before and just after, on this machine as busy
-as it is then: a load that comes or goes meanwhile is in the measure).
+5xx, the server's memory growing by less than MAX_GROWTH_MB), while small decides from another client go on being
+answered: their median within twice the idle time plus a second (the idle time measured just before and just after,
+on this machine as busy as it is then: a load that comes or goes meanwhile is in the measure), and, when the hostile
+request is worked on for longer than that, one of them answered before it is. Not their maximum: on a machine whose
+cores other work also burns, any one request can wait a scheduler's second, the hostile request or not.
 
 The memory is sampled from /proc/PID/status (VmRSS) while the hostile request runs; its growth is the highest
 sample less the one before."""
@@ -15,6 +17,7 @@ import io
 import json
 import os
 import re
+import statistics
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -79,27 +82,37 @@ def while_hostile(server: ServerProcess, send: Callable[[httpx.Client], httpx.Re
     """Runs `send` from its own client while another client keeps sending small decides; checks the small ones'
     latency and the server's memory; returns the hostile request's answer."""
     answer: dict[str, httpx.Response] = {}
+    hostile_answered = 0.0
     with httpx.Client(base_url=server.url, timeout=300) as http:
         idle = max(small_decide_seconds(http) for _ in range(5))
         sampler = RssSampler(server.process.pid)
 
         def hostile() -> None:
+            nonlocal hostile_answered
             with httpx.Client(base_url=server.url, timeout=300) as own:
                 answer["response"] = send(own)
+            hostile_answered = time.monotonic()
 
         thread = threading.Thread(target=hostile)
         thread.start()
         time.sleep(0.2)  # the hostile request is on its way in, or being worked on
-        latencies = []
-        while thread.is_alive() or not latencies:
-            latencies.append(small_decide_seconds(http))
+        spans = []  # (sent, answered) of each small decide
+        while thread.is_alive() or not spans:
+            sent = time.monotonic()
+            small_decide_seconds(http)
+            spans.append((sent, time.monotonic()))
         thread.join()
         growth = sampler.stop()
         idle = max(idle, *(small_decide_seconds(http) for _ in range(5)))
     response = answer["response"]
     assert response.status_code < 500, response.text[:500]
     assert growth < MAX_GROWTH_MB, f"the server grew by {growth:.0f} MB"
-    assert max(latencies) <= 2 * idle + SLACK_SECONDS, f"small decides took {latencies} s, {idle:.2f} s idle"
+    bound = 2 * idle + SLACK_SECONDS
+    latencies = [answered - sent for sent, answered in spans]
+    assert statistics.median(latencies) <= bound, f"small decides took {latencies} s, {idle:.2f} s idle"
+    if hostile_answered - spans[0][0] > bound:  # worked on long enough that a small decide could wait for it
+        assert any(answered < hostile_answered for _, answered in spans), (
+            f"no small decide was answered in the {hostile_answered - spans[0][0]:.1f} s the hostile request took")
     assert server.alive()
     return response
 
