@@ -99,8 +99,7 @@ def while_hostile(server: ServerProcess, send: Callable[[httpx.Client], httpx.Re
         spans = []  # (sent, answered) of each small decide
         while thread.is_alive() or not spans:
             sent = time.monotonic()
-            small_decide_seconds(http)
-            spans.append((sent, time.monotonic()))
+            spans.append((sent, sent + small_decide_seconds(http)))
         thread.join()
         growth = sampler.stop()
         idle = max(idle, *(small_decide_seconds(http) for _ in range(5)))
