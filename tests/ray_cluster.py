@@ -33,7 +33,11 @@ def local_cluster() -> str:
         if _lock_file is None:
             _lock_file = open(_LOCK_PATH, "wb")  # held open until shutdown_local_cluster
             fcntl.flock(_lock_file, fcntl.LOCK_EX)
-        ray.init(num_cpus=CPUS, include_dashboard=False, log_to_driver=False)
+        # Ray starts its workers at nice 15. On a machine whose cores are busy (CI runs this suite beside two
+        # processes burning both cores) a nice-15 replica gets a few percent of a core: one was still importing
+        # torch after a minute at 4.7% CPU and a resumed run waited 300 s for replicas that never loaded.
+        ray.init(num_cpus=CPUS, include_dashboard=False, log_to_driver=False,
+                 _system_config={"worker_niceness": 0})
     return ray.get_runtime_context().gcs_address
 
 
