@@ -56,7 +56,9 @@ def journey(page, url: str, store: Store, set_id: int) -> None:
         page.get_by_role("tab", name="Edit JSON").click()
         editor = page.get_by_label("Schema file")
         expect(editor).to_have_count(1)  # the editor of the schema shown before is gone
-        expect(editor).not_to_have_value("")  # a text area can mount blank for a moment
+        # a text area can mount blank for a moment, and right after the pick still hold the schema shown before
+        # (an idle CI run read another schema's JSON there): wait for this schema's team question
+        expect(editor).to_have_value(re.compile(r'"team"\s*:'), timeout=LONG)
         data = json.loads(editor.input_value())
         data["questions"]["team"]["instructions"] = wording
         editor.fill(json.dumps(data, indent=2))
