@@ -48,7 +48,8 @@ def pick(page, label: str, option: str, *, exact: bool = False, scope=None) -> N
     """Choose in a Streamlit selectbox as a person does: open its list, click the option whose label starts with
     `option` (typed first, to filter a long list), or with `exact` the option that is `option` (not typed: text typed
     into the box of a page that reruns as the option is chosen can land in what the page shows next). The list
-    sometimes closes when the page reruns as it opens: open it again until the option shows."""
+    sometimes closes when the page reruns as it opens or before the click lands: open it again until the option is
+    clicked."""
     box = (scope or page).get_by_role("combobox", name=label)
     name = re.compile(rf"^{re.escape(option)}{'$' if exact else ''}")
     wanted = page.get_by_role("option", name=name).first
@@ -59,10 +60,10 @@ def pick(page, label: str, option: str, *, exact: bool = False, scope=None) -> N
             page.keyboard.type(option)
         try:
             wanted.wait_for(state="visible", timeout=5000)
+            wanted.click(timeout=10_000)  # the list can also close between showing the option and the click
         except playwright_api.TimeoutError:
             box.press("Escape")
             continue
-        wanted.click()
         break
     else:
         raise AssertionError(f"{label}: the option {option!r} never showed")
