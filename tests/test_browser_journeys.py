@@ -129,7 +129,7 @@ def test_editing_one_question_id_keeps_every_other_field_while_the_status_refres
 def test_the_sidebar_follows_a_model_load_to_its_end_without_a_click(page, tmp_path):
     # The status refreshes at its default interval, as for a user. At 0.5 s, under two CPU burners and another
     # browser test, its redraws took the app process's share of the CPU from the load: still "Loading… 296 s" at
-    # the 300 s limit (burner run 8), where a load alone takes 23 s under the burners.
+    # the 300 s limit (burner run 8), where a load alone took 13 s beside two burners and 23 s beside four.
     env = {"CLEF_DB": str(tmp_path / "workbench.sqlite3"), "CLEF_MODEL": "demo"}
     with running_workbench(env, log_path=tmp_path / "streamlit.log") as url:
         page.goto(f"{url}/schemas")  # a page that does not wait for the model itself
