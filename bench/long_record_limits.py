@@ -35,25 +35,11 @@ import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.fp8_short_records import PROJECTIONS, gpu_ms  # noqa: E402  (Clef-27B's projection shapes; CUDA timing)
 from clef_engine.fast import attention as engine_attention  # noqa: E402
 
 TOKENS_136K = 135_658
 CHUNK = 16_384
-# Clef-27B per layer: [out, in] of each fused projection, and how many layers have it (as bench/fp8_short_records.py)
-PROJECTIONS = {"gate_up": ((34816, 5120), 64), "down": ((5120, 17408), 64), "qkv": ((14336, 5120), 16),
-               "o_proj": ((5120, 6144), 16), "in_proj": ((16480, 5120), 48), "out_proj": ((5120, 6144), 48)}
-
-
-def gpu_ms(fn, repeats: int = 20) -> float:
-    for _ in range(3):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(repeats):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / repeats
 
 
 def time_shapes(rows_list: tuple[int, ...]) -> dict:
@@ -63,7 +49,7 @@ def time_shapes(rows_list: tuple[int, ...]) -> dict:
         for name, ((n, k), _) in PROJECTIONS.items():
             x = torch.randn(rows, k, device=device, dtype=torch.bfloat16)
             w = torch.randn(n, k, device=device, dtype=torch.bfloat16) * k ** -0.5
-            ms = gpu_ms(lambda x=x, w=w: F.linear(x, w))
+            ms = gpu_ms(lambda x=x, w=w: F.linear(x, w), repeats=20)
             out[f"{name}@{rows}"] = {"ms": round(ms, 4), "tflops": round(2 * rows * n * k / ms / 1e9)}
             del x, w
     return out
