@@ -150,19 +150,20 @@ def chunk_attention_times() -> dict:
         engine_ms = 16 * gpu_ms(lambda: engine_attention.attention_chunk_cudnn(q, keys, values, start), 5)
         totals["engine_ms"] += engine_ms
         rows = engine_attention.cudnn_length(n)
-        placed = [x.new_zeros(1, x.shape[1], rows, 256) for x in (q, keys[start:], values[start:])]
-        for copy, x in zip(placed, (q, keys[start:], values[start:]), strict=True):  # real data: zeros run faster
+        own = (q, keys[start:], values[start:])
+        placed = [x.new_zeros(1, x.shape[1], rows, 256) for x in own]
+        for copy, x in zip(placed, own, strict=True):  # filled with the real data: zeros run faster on this GPU
             copy[0, :, : x.shape[0]] = x.transpose(0, 1)
         earlier = [x[:start].transpose(0, 1)[None] for x in (keys, values)]
         totals["cudnn_calls_ms"] += 16 * gpu_ms(lambda: (attend(*placed, True),
                                                          attend(placed[0], *earlier, False)), 5)
+        expected = engine_attention.attention_chunk_cudnn(q, keys, values, start).float()
         for name, options in CANDIDATES.items():
             if n % 256:  # the last, unaligned chunk runs as the engine runs it
                 totals[f"{name}_ms"] += engine_ms
                 continue
             totals[f"{name}_ms"] += 16 * gpu_ms(lambda: chunk_candidate(q, keys, values, start, **options), 5)
-            error = (chunk_candidate(q, keys, values, start, **options).float()
-                     - engine_attention.attention_chunk_cudnn(q, keys, values, start).float()).abs().max().item()
+            error = (chunk_candidate(q, keys, values, start, **options).float() - expected).abs().max().item()
             errors[name] = max(errors[name], error)
     return {**{k: round(v, 1) for k, v in totals.items()}, "max_abs_difference_from_engine": errors}
 
