@@ -141,7 +141,7 @@ def floor_ms(tokens: int, tokens_per_s: float = 15_800) -> float:
     return round(1000 * tokens / tokens_per_s, 1)
 
 
-# ---- requests, timing, sections (shared by bench/h200.py, bench/user_paths.py and the scripts around them) --------
+# ---- requests, timing, sections (shared by every bench script) ------------------------------------------------
 
 WORDS = ("the invoice ticket customer payment refund amount total due date vendor alert security login password "
          "damage claim photo car vehicle image video order status approved rejected billing shipping delivery").split()
@@ -264,6 +264,71 @@ def sections(left: Callable[[], float], save: Callable[[], None], errors: dict,
     return section
 
 
+
+def category(name: str) -> str:
+    n = name.lower()
+    if any(s in n for s in ("gemm", "nvjet", "cutlass", "xmma", "sm90_", "cublas")):
+        return "gemm"
+    if "flash" in n or "fmha" in n or "attention" in n:
+        return "attention"
+    if any(s in n for s in ("chunk", "solve_tril", "recompute_w_u", "kkt", "l2norm", "cumsum", "delta")):
+        return "gdn"
+    if "conv" in n:
+        return "conv"
+    if "layer_norm" in n or "rms" in n or "norm" in n:
+        return "norm"
+    if "memcpy" in n or "memset" in n or "copy" in n or "cat" in n:
+        return "copy"
+    return "elementwise/other"
+
+
+def kernel_table(fn, iterations: int = 3) -> dict:
+    """GPU time per iteration of `fn` under torch.profiler: in total, by kernel category and the top 30 kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(iterations):
+            fn()
+        torch.cuda.synchronize()
+    per_kernel: dict[str, list] = {}
+    count = 0
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            entry = per_kernel.setdefault(event.name, [0.0, 0])
+            entry[0] += event.time_range.elapsed_us()
+            entry[1] += 1
+            count += 1
+    by_category: dict[str, float] = {}
+    for name, (us, _) in per_kernel.items():
+        by_category[category(name)] = by_category.get(category(name), 0.0) + us / 1000 / iterations
+    top = sorted(per_kernel.items(), key=lambda kv: -kv[1][0])[:30]
+    return {"gpu_ms_per_iteration": round(sum(v[0] for v in per_kernel.values()) / 1000 / iterations, 2),
+            "kernels_per_iteration": count // iterations,
+            "by_category_ms": {k: round(v, 2) for k, v in sorted(by_category.items(), key=lambda kv: -kv[1])},
+            "top": [(name[:110], round(us / 1000 / iterations, 3), n // iterations) for name, (us, n) in top]}
+
+
+def store_run(engine, requests: list[dict], schema: dict, db: Path) -> tuple[float, int, dict]:
+    """A case set of these requests' states and one run of `schema` through the JobRunner: (seconds, tokens,
+    final progress)."""
+    from clef_workbench.jobs import JobRunner
+    from clef_workbench.store import Store
+
+    store = Store(db)
+    set_id = store.create_case_set(f"bench {time.time()}")
+    store.add_cases(set_id, [{"state": r["state"]} for r in requests])
+    run_id = store.create_run(set_id, schema={"name": "bench", "version": "1", "questions": schema},
+                              model_id="clef", settings={})
+    runner = JobRunner(store)
+    t0 = time.perf_counter()
+    runner.start(run_id, engine)
+    runner.wait(run_id)
+    seconds = time.perf_counter() - t0
+    tokens = sum(r["input_tokens"] or 0 for r in store.list_results(run_id))
+    return seconds, tokens, runner.progress(run_id)
+
+
 __all__ = ["clef_config", "scale_down", "build_model", "build_head", "random_engine", "parameter_count", "gib",
            "floor_ms", "math", "WORDS", "schema", "sized_state", "sized_request", "sync", "percentile", "closed_loop",
-           "sections"]
+           "sections", "kernel_table", "store_run"]

@@ -148,15 +148,13 @@ def batch_run(setup: Setup, engine) -> dict:
     """The whole case set once through `decide_many`, untimed (as bench/user_paths.py's batch_run does before its
     workbench run: every pack length's Triton compiles and autotunes happen there, in either precision), then the
     case set through the JobRunner (tokens/s of the whole run)."""
-    from bench.user_paths import store_run
-
     cases = 24 if setup.smoke else BATCH_CASES
     requests, schema = batch_requests(setup, engine, cases)
     t0 = time.perf_counter()
     engine.decide_many([dict(r, state=f"warm {r['state']}") for r in requests])
     warm_s = time.perf_counter() - t0
     with tempfile.TemporaryDirectory() as folder:
-        seconds, tokens, progress = store_run(engine, requests, schema, Path(folder) / "w.sqlite3")
+        seconds, tokens, progress = build.store_run(engine, requests, schema, Path(folder) / "w.sqlite3")
     return {"tokens_per_s": round(tokens / seconds), "cases": cases, "tokens": tokens, "seconds": round(seconds, 2),
             "warm_up_batch_s": round(warm_s, 2), "run": progress}
 

@@ -206,10 +206,8 @@ def head_64x10(engine) -> None:
     results["detail"]["head_64x10"]["graph_vs_eager_max_dp"] = round(max(
         abs(a - b) for qa, qb in zip(graphed[0], eager[0]) for a, b in zip(qa, qb)), 5)
     if DEVICE.type == "cuda":
-        from bench.profile_h200 import kernel_table
-
         with torch.inference_mode():
-            results["detail"]["head_64x10"]["profile"] = kernel_table(
+            results["detail"]["head_64x10"]["profile"] = build.kernel_table(
                 lambda: engine.head_probabilities(hidden, [record], [0], [len(record)]), 3)
 
 
@@ -236,26 +234,6 @@ def cached_state(engine) -> None:
         "hit_vs_baseline_max_dp_flips": hit_parity}
 
 
-def store_run(engine, requests: list[dict], schema: dict, db: Path) -> tuple[float, int, dict]:
-    """A case set of these requests' states and one run of `schema` through the JobRunner: (seconds, tokens,
-    final progress)."""
-    from clef_workbench.jobs import JobRunner
-    from clef_workbench.store import Store
-
-    store = Store(db)
-    set_id = store.create_case_set(f"bench {time.time()}")
-    store.add_cases(set_id, [{"state": r["state"]} for r in requests])
-    run_id = store.create_run(set_id, schema={"name": "bench", "version": "1", "questions": schema},
-                              model_id="clef", settings={})
-    runner = JobRunner(store)
-    t0 = time.perf_counter()
-    runner.start(run_id, engine)
-    runner.wait(run_id)
-    seconds = time.perf_counter() - t0
-    tokens = sum(r["input_tokens"] or 0 for r in store.list_results(run_id))
-    return seconds, tokens, runner.progress(run_id)
-
-
 @section("batch_run", needs_s=90)
 def batch_run(engine) -> None:
     rng = random.Random(7)
@@ -269,7 +247,7 @@ def batch_run(engine) -> None:
     engine_s = time.perf_counter() - t0
     tokens = sum(r["usage"]["input_tokens"] for r in responses)
     with tempfile.TemporaryDirectory() as folder:
-        workbench_s, workbench_tokens, progress = store_run(engine, requests, schema, Path(folder) / "w.sqlite3")
+        workbench_s, workbench_tokens, progress = build.store_run(engine, requests, schema, Path(folder) / "w.sqlite3")
     results["batch_run"] = {"workbench_tokens_per_s": round(workbench_tokens / workbench_s),
                             "engine_tokens_per_s": round(tokens / engine_s)}
     results["detail"]["batch_run"] = {
@@ -308,7 +286,7 @@ def interactive(engine) -> None:
     client = threading.Thread(target=interactive_client)
     client.start()
     with tempfile.TemporaryDirectory() as folder:
-        seconds, tokens, progress = store_run(engine, bulk, schema, Path(folder) / "w.sqlite3")
+        seconds, tokens, progress = build.store_run(engine, bulk, schema, Path(folder) / "w.sqlite3")
     done.set()
     client.join()
     results["interactive_during_batch"] = {"idle_p95_ms": p(idle, 0.95),
@@ -336,15 +314,13 @@ def profile(engine) -> None:
     time (graph replay)."""
     if DEVICE.type != "cuda":
         return
-    from bench.profile_h200 import kernel_table
-
     engine.state_cache.enabled = False
     out = {}
     for tokens in (1024, 16_384):
         record = engine.encode(request(engine, tokens, seed=60_000 + tokens))
         engine.forward_batch([record])
         out[str(tokens)] = {"tokens": len(record),
-                            "forward_batch": kernel_table(lambda: engine.forward_batch([record]), 2)}
+                            "forward_batch": build.kernel_table(lambda: engine.forward_batch([record]), 2)}
     engine.state_cache.enabled = True
     results["detail"]["profile"] = out
 

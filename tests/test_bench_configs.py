@@ -40,3 +40,40 @@ def test_fp8_takes_every_projection_of_the_published_architectures_and_clef_fits
     if name == "clef":
         assert projection_parameters > 0.85 * total
         assert fp8_bytes <= 30 * 2**30, fp8_bytes / 2**30
+
+
+def bench_imports() -> dict[str, set[str]]:
+    """Each bench module and the bench modules it imports, function-local imports included."""
+    import ast
+
+    from tests.conftest import REPO
+
+    graph = {}
+    for path in (REPO / "bench").glob("*.py"):
+        imported = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module == "bench":
+                imported |= {alias.name for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("bench."):
+                imported.add(node.module.removeprefix("bench."))
+            elif isinstance(node, ast.Import):
+                imported |= {a.name.removeprefix("bench.") for a in node.names if a.name.startswith("bench.")}
+        graph[path.stem] = imported
+    return graph
+
+
+def test_bench_modules_share_helpers_only_through_build_and_fidelity():
+    """A benchmark imports no other benchmark: what they share is in build.py, and fidelity.py's measure is a section
+    of user_paths and lengths_and_precision. Neither imports another bench module, so no two import each other."""
+    graph = bench_imports()
+    assert graph["build"] == set() and graph["fidelity"] <= {"build"}
+    assert {name: imported - {"build", "fidelity"} for name, imported in graph.items()
+            if imported - {"build", "fidelity"}} == {}
+
+
+def test_bench_results_keep_one_file_per_benchmark_and_date():
+    import re
+
+    from tests.conftest import REPO
+
+    assert [p.name for p in (REPO / "bench/results").iterdir() if re.search(r"-run\d+\.|\.log$", p.name)] == []
