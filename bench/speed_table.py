@@ -1,10 +1,10 @@
-"""The README's "Speed on one H200" table, rendered from a user-paths results file so the README cannot drift from
-the measurement.
+"""docs/performance.md's speed tables, rendered from their results files so the page cannot drift from the
+measurement.
 
-    python bench/speed_table.py            # print the table of the results file the README names
-    python bench/speed_table.py --write    # rewrite the README's tables (speed-table and long-table markers)
+    python bench/speed_table.py            # print the table of the results file the page names
+    python bench/speed_table.py --write    # rewrite the page's tables (speed-table and long-table markers)
 
-The README names its results files in the opening marker:
+The page names its results files in the opening marker:
 `<!-- speed-table: bench/results/<user-paths>.json release=bench/results/<release-code>.json -->`. The ratios divide
 the release's own code's timings (the second file: its `joint_schema_model.py` on the same H200) by ours, never our
 re-implementation of the release path (`reference.py`, shown beside them for what it measured in our run).
@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-README = ROOT / "README.md"
+PAGE = ROOT / "docs" / "performance.md"
 LONG_MARKERS = re.compile(r"(<!-- long-table: (?P<path>\S+) -->\n)(?P<table>.*?)(<!-- /long-table -->)", re.S)
 MARKERS = re.compile(r"(<!-- speed-table: (?P<path>\S+) release=(?P<release>\S+) -->\n)(?P<table>.*?)"
                      r"(<!-- /speed-table -->)", re.S)
@@ -140,32 +140,32 @@ def render_long(results: dict) -> str:
     return "\n".join(rows) + "\n"
 
 
-def readme_long_table(readme: str) -> tuple[re.Match, str] | None:
-    match = LONG_MARKERS.search(readme)
+def page_long_table(page: str) -> tuple[re.Match, str] | None:
+    match = LONG_MARKERS.search(page)
     return None if match is None else (match, render_long(json.loads((ROOT / match["path"]).read_text())))
 
 
-def readme_table(readme: str) -> tuple[re.Match, str]:
-    """The README's table block and the table its results file renders to."""
-    match = MARKERS.search(readme)
+def page_table(page: str) -> tuple[re.Match, str]:
+    """The page's table block and the table its results file renders to."""
+    match = MARKERS.search(page)
     if match is None:
-        raise SystemExit("README.md has no <!-- speed-table: FILE --> … <!-- /speed-table --> block")
+        raise SystemExit("docs/performance.md has no <!-- speed-table: FILE --> … <!-- /speed-table --> block")
     return match, render(json.loads((ROOT / match["path"]).read_text()),
                          json.loads((ROOT / match["release"]).read_text()))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--write", action="store_true", help="rewrite the README's table from its results file")
+    parser.add_argument("--write", action="store_true", help="rewrite the page's tables from their results files")
     args = parser.parse_args()
-    readme = README.read_text()
-    match, table = readme_table(readme)
+    page = PAGE.read_text()
+    match, table = page_table(page)
     if args.write:
-        readme = readme[:match.start("table")] + table + readme[match.end("table"):]
-        long = readme_long_table(readme)
+        page = page[:match.start("table")] + table + page[match.end("table"):]
+        long = page_long_table(page)
         if long is not None:
-            readme = readme[:long[0].start("table")] + long[1] + readme[long[0].end("table"):]
-        README.write_text(readme)
+            page = page[:long[0].start("table")] + long[1] + page[long[0].end("table"):]
+        PAGE.write_text(page)
     sys.stdout.write(table)
 
 

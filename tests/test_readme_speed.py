@@ -1,17 +1,17 @@
-"""The README's speed table is the one its results files render to: editing the numbers by hand, or measuring again
-without regenerating the table (`python bench/speed_table.py --write`), fails here. Its ratios divide the release's
-own code's timings, not our re-implementation of the release path."""
+"""docs/performance.md's speed tables are the ones their results files render to: editing the numbers by hand, or
+measuring again without regenerating the tables (`python bench/speed_table.py --write`), fails here. Their ratios
+divide the release's own code's timings, not our re-implementation of the release path."""
 
 import copy
 import json
 import re
 from pathlib import Path
 
-from bench.speed_table import README, ROOT, readme_long_table, readme_table, render, render_long
+from bench.speed_table import PAGE, ROOT, page_long_table, page_table, render, render_long
 
 
 def _results() -> tuple[dict, dict]:
-    match, _ = readme_table(README.read_text())
+    match, _ = page_table(PAGE.read_text())
     return (json.loads((ROOT / match["path"]).read_text()), json.loads((ROOT / match["release"]).read_text()))
 
 
@@ -19,8 +19,8 @@ def _missed(table: str) -> list[str]:
     return [row.split(" | ")[0] for row in table.splitlines() if row.endswith("| **no** |")]
 
 
-def test_readme_speed_table_matches_its_results_files():
-    match, table = readme_table(README.read_text())
+def test_the_speed_table_matches_its_results_files():
+    match, table = page_table(PAGE.read_text())
     assert Path(match["path"]).suffix == Path(match["release"]).suffix == ".json"
     assert match["table"] == table
 
@@ -63,8 +63,8 @@ def test_a_target_the_side_by_side_run_does_not_support_is_not_met():
     assert "| `decide`, ~16k tokens, cold (15,000–17,000)" in _missed(render(results, release))
 
 
-def test_readme_long_records_table_matches_its_results_file_and_says_what_it_misses():
-    match, table = readme_long_table(README.read_text())
+def test_the_long_records_table_matches_its_results_file_and_says_what_it_misses():
+    match, table = page_long_table(PAGE.read_text())
     assert match["table"] == table
     results = json.loads((ROOT / match["path"]).read_text())
     results = copy.deepcopy(results)
