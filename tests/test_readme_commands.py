@@ -192,3 +192,15 @@ def test_the_pages_have_commands_of_every_kind_the_rule_knows():
     assert any(is_script(case) and "/v1/systemone" in case for case in found)
     assert any(pattern.search(case) for pattern, _ in SERVERS for case in found if not is_script(case))
     assert any(not any(p.search(case) for p, _ in NEEDS) for case in found if not is_script(case))
+
+
+def test_collecting_the_cases_starts_no_process(monkeypatch):
+    """Collection only reads the pages, so `pytest --collect-only` works where the project's `.venv` is not."""
+    import runpy
+
+    def refuse(*args, **kwargs):
+        raise AssertionError(f"a process started at collection: {args}")
+
+    monkeypatch.setattr(subprocess, "run", refuse)
+    monkeypatch.setattr(subprocess, "Popen", refuse)
+    assert runpy.run_path(__file__)["CASES"] == CASES
