@@ -204,3 +204,22 @@ def test_collecting_the_cases_starts_no_process(monkeypatch):
     monkeypatch.setattr(subprocess, "run", refuse)
     monkeypatch.setattr(subprocess, "Popen", refuse)
     assert runpy.run_path(__file__)["CASES"] == CASES
+
+
+def test_every_link_between_the_pages_resolves():
+    """A relative link of the README, CONTRIBUTING.md, docs/*.md or bench/README.md names a file that exists, and its
+    #anchor a heading of that file (as GitHub makes anchors of headings)."""
+    def anchors(path: Path) -> set[str]:
+        headings = re.findall(r"^#+ (.+)$", path.read_text(), re.M)
+        return {re.sub(r"[^\w\- ]", "", heading.lower()).replace(" ", "-") for heading in headings}
+
+    broken = []
+    for page in [*PAGES, REPO / "bench" / "README.md"]:
+        for target in re.findall(r"\]\(([^)\s]+)\)", page.read_text()):
+            if re.match(r"[a-z]+:", target):
+                continue
+            file, _, anchor = target.partition("#")
+            path = (page.parent / file).resolve() if file else page
+            if not path.exists() or (anchor and anchor not in anchors(path)):
+                broken.append(f"{page.relative_to(REPO)}: {target}")
+    assert broken == []
