@@ -4,9 +4,10 @@
     python -m clef_workbench run --db DB --resume RUN_ID --model SOURCE
 
 runs a case set against a schema file and leaves the run in the store exactly as the Runs page does (same settings,
-same results), so Runs, Review and the exports show it. It prints progress, and exits 0 when the run finished, 1 when
-it failed or was cancelled (Ctrl-C cancels after the chunk in flight), 2 when the input is wrong and 130 on Ctrl-C
-before the run started.
+same results), so Runs, Review and the exports show it. It prints progress and ends with a line saying how the run
+ended; it exits 0 when the run finished, 1 when it failed or was cancelled (Ctrl-C or SIGTERM cancel it after the chunk
+in flight, its finished results kept, and `--resume` goes on with the rest), 2 when the input is wrong and 130 on
+Ctrl-C before the run started.
 
 A case set is never computed twice by accident: when the database already holds a run of the same case set, schema,
 model and budget, a second invocation asks whether to resume it (at a terminal) or, without one, refuses, naming the
@@ -32,9 +33,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sqlite3
 import sys
+import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from clef_engine import DEFAULT_MAX_LENGTH, ClefError
@@ -46,6 +51,7 @@ from clef_workbench.schemas import Schema, SchemaError
 from clef_workbench.store import NotFoundError, Store, StoreError
 
 PROGRESS_EVERY_S = 2.0
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 class UsageError(Exception):
@@ -157,16 +163,28 @@ def fmt_seconds(value: float | None) -> str:
     return f"{minutes} min {seconds:02d} s" if minutes else f"{seconds} s"
 
 
-def watch(runner: JobRunner, run_id: int) -> dict:
-    """Print progress until the run's job ends; Ctrl-C asks it to stop after the chunk in flight."""
-    last_print, last_done = 0.0, -1
+@contextmanager
+def stop_on_signals() -> Iterator[threading.Event]:
+    """While a run is on, SIGINT (Ctrl-C) and SIGTERM set the event instead of interrupting: `watch` then cancels the
+    run after the chunk in flight. A KeyboardInterrupt raised inside Thread.join makes Python 3.11 report the run's
+    thread as ended while it still works, so the process exited under it and left the run `running`."""
+    requested = threading.Event()
+    previous = {signum: signal.signal(signum, lambda *_: requested.set()) for signum in STOP_SIGNALS}
+    try:
+        yield requested
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+def watch(runner: JobRunner, run_id: int, stop: threading.Event) -> dict:
+    """Print progress until the run's job ends; once `stop` is set, ask it to stop after the chunk in flight."""
+    last_print, last_done, cancelling = 0.0, -1, False
     while True:
-        try:
-            ended = runner.wait(run_id, timeout=0.5)
-        except KeyboardInterrupt:
-            print("cancelling after the chunk in flight…", file=sys.stderr, flush=True)
-            runner.cancel(run_id)
-            continue
+        ended = runner.wait(run_id, timeout=0.5)
+        if stop.is_set() and not cancelling and not ended:
+            print(f"run {run_id}: cancelling after the chunk in flight…", file=sys.stderr, flush=True)
+            cancelling = runner.cancel(run_id)
         progress = runner.progress(run_id)
         now = time.monotonic()
         if ended or (progress["done"] != last_done and now - last_print >= PROGRESS_EVERY_S):
@@ -279,19 +297,20 @@ def run_command(args: argparse.Namespace) -> int:
         runner = RayJobRunner(store, pool=pool)
     settings.update(device=info.get("device"), dtype=info.get("dtype"), precision=info.get("precision"))
     try:
-        if engine is not None:
-            check_engine(engine)  # a remote endpoint that does not answer: refused before a run is recorded
-        if run_id is None:
-            run_id = store.create_run(case_set_id, schema=schema, model_id=model_id,
-                                      model_revision=info.get("revision"), settings=settings)
-            doing = f"run {run_id}"
-        else:
-            doing = f"resuming run {run_id}"
-        where = f"Ray, {info['replicas']} replicas" if pool else "in process"
-        print(f"{doing}: {case_set_name} · {schema['name']} v{schema['version']} · {args.model} on "
-              f"{info.get('device')} ({where})", flush=True)
-        runner.start(run_id, engine, check=False)  # checked above, before the run was recorded
-        progress = watch(runner, run_id)
+        with stop_on_signals() as stop:
+            if engine is not None:
+                check_engine(engine)  # a remote endpoint that does not answer: refused before a run is recorded
+            if run_id is None:
+                run_id = store.create_run(case_set_id, schema=schema, model_id=model_id,
+                                          model_revision=info.get("revision"), settings=settings)
+                doing = f"run {run_id}"
+            else:
+                doing = f"resuming run {run_id}"
+            where = f"Ray, {info['replicas']} replicas" if pool else "in process"
+            print(f"{doing}: {case_set_name} · {schema['name']} v{schema['version']} · {args.model} on "
+                  f"{info.get('device')} ({where})", flush=True)
+            runner.start(run_id, engine, check=False)  # checked above, before the run was recorded
+            progress = watch(runner, run_id, stop)
     finally:
         if pool is not None:
             pool.shutdown()
@@ -304,6 +323,7 @@ def run_command(args: argparse.Namespace) -> int:
         print(f"run {run_id} {status}{reason} (to resume: python -m clef_workbench run --db {args.db} "
               f"--resume {run_id} --model {args.model})", file=sys.stderr)
         return 1
+    print(f"run {run_id} finished: {progress['done']}/{progress['total']} cases, {progress['errors']} errors")
     return 0
 
 
