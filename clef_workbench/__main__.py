@@ -47,6 +47,7 @@ from clef_workbench import calibration, importing
 from clef_workbench.casesets import CaseImportError, CsvMapping, import_cases
 from clef_workbench.jobs import DEFAULT_CHUNK_SIZE, JobRunner, check_engine
 from clef_workbench.model_loader import DEMO_SOURCE, request_model_name
+from clef_workbench.schema_library import SchemaLibrary
 from clef_workbench.schemas import Schema, SchemaError
 from clef_workbench.store import NotFoundError, Store, StoreError
 
@@ -106,8 +107,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     imp.add_argument("--encoding", choices=list(importing.ENCODINGS), help="default: detected")
     imp.add_argument("--delimiter", choices=list(DELIMITER_NAMES), help="default: sniffed")
     imp.add_argument("--state-column", action="append", default=[], metavar="COLUMN",
-                     help="a column that becomes a state field (a.b nests; repeat for more); default: every "
-                          "column not mapped to an answer or tags and not named like an answer")
+                     help="a column that becomes a state field, the evidence the model reads (a.b nests; repeat "
+                          "for more); default: every column not mapped to an id, answers, tags or media and not "
+                          "named like an answer (expected_*, label, gold…, or a question of the schema, or without "
+                          "--schema of any schema in the library)")
+    imp.add_argument("--id-column", metavar="COLUMN",
+                     help="the case's own id (kept with it, never evidence); default: the first column named like "
+                          "an id (ticket_id, id, key …)")
     imp.add_argument("--state-text-column", metavar="COLUMN", help="one column whose text is the whole state")
     imp.add_argument("--expected", action="append", default=[], metavar="COLUMN=QUESTION",
                      help="a column of expected answers to a question (repeat); default: columns named after "
@@ -351,26 +357,60 @@ def calibrate_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def library_question_ids() -> list[str]:
+    """The question ids of every schema in the library (CLEF_SCHEMAS_DIR): without --schema, a column named after
+    one holds answers, which the model must not read as evidence."""
+    library = SchemaLibrary()
+    ids: list[str] = []
+    for slug in library.slugs():
+        try:
+            ids.extend(library.load(slug).questions)
+        except SchemaError:
+            continue  # a broken file names no questions
+    return ids
+
+
 def import_mapping(args: argparse.Namespace, columns: list[str], schema: dict | None) -> CsvMapping:
-    """The page's column mapping from the flags, with the page's defaults where a flag is left out."""
+    """The mapping of the flags, importing.suggest_mapping's where a flag is left out. Without --schema a column
+    named like an answer is left out: its answers cannot be checked, and the model must not read them."""
     questions = list((schema or {}).get("questions", {}))
-    expected: dict[str, str] = {}
-    for pair in args.expected:
-        column, sep, question_id = pair.partition("=")
-        if not sep or not column or not question_id:
-            raise UsageError(f"--expected: {pair!r} is not COLUMN=QUESTION")
-        expected[column] = question_id
-    if not args.expected:
-        expected = {column: question_id for question_id, column in
-                    importing.guess_expected_columns(columns, questions).items()}
-    tags = args.tags_column or ("tags" if "tags" in columns else None)
-    used = set(expected) | {tags} | set(args.image_column) | set(args.video_column)
-    state_columns = args.state_column
-    if not state_columns and not args.state_text_column:
-        state_columns = importing.suggested_state_columns(columns, used, questions)
-    return CsvMapping(state_columns=state_columns, state_text_column=args.state_text_column,
-                      expected_columns=expected, tags_column=tags, image_columns=args.image_column,
-                      video_columns=args.video_column)
+    mapping = importing.suggest_mapping(columns, questions or library_question_ids())
+    if schema is None:
+        mapping.expected_columns = {}
+    if args.expected:
+        mapping.expected_columns = {}
+        for pair in args.expected:
+            column, sep, question_id = pair.partition("=")
+            if not sep or not column or not question_id:
+                raise UsageError(f"--expected: {pair!r} is not COLUMN=QUESTION")
+            mapping.expected_columns[column] = question_id
+    mapping.tags_column = args.tags_column or mapping.tags_column
+    mapping.id_column = args.id_column or mapping.id_column
+    mapping.image_columns, mapping.video_columns = args.image_column, args.video_column
+    if args.state_column or args.state_text_column:
+        mapping.state_columns, mapping.state_text_column = args.state_column, args.state_text_column
+    else:
+        used = {*mapping.expected_columns, mapping.tags_column, mapping.id_column, *args.image_column,
+                *args.video_column}
+        mapping.state_columns = [c for c in mapping.state_columns if c not in used]
+    return mapping
+
+
+def describe_mapping(mapping: CsvMapping, columns: list[str]) -> str:
+    """Which column was taken as what, in words."""
+    state = [mapping.state_text_column] if mapping.state_text_column else mapping.state_columns
+    parts = [("case id", [mapping.id_column] if mapping.id_column else []), ("evidence (the state)", state),
+             ("expected answers", [f"{c} → {q}" for c, q in mapping.expected_columns.items()]),
+             ("tags", [mapping.tags_column] if mapping.tags_column else []),
+             ("images", mapping.image_columns), ("videos", mapping.video_columns)]
+    used = {*state, *mapping.expected_columns, mapping.tags_column, mapping.id_column, *mapping.image_columns,
+            *mapping.video_columns}
+    left_out = [c for c in columns if c.strip() and c not in used]
+    words = [f"{what}: {', '.join(names)}" for what, names in parts if names]
+    if left_out:
+        words.append(f"left out: {', '.join(left_out)} (named like answers: --schema imports them as expected "
+                     "answers, --state-column COLUMN makes one evidence)")
+    return "columns: " + " · ".join(words)
 
 
 def import_command(args: argparse.Namespace) -> int:
@@ -386,9 +426,7 @@ def import_command(args: argparse.Namespace) -> int:
         mapping = None
         if source.kind != "jsonl":
             mapping = import_mapping(args, source.columns, schema)
-            mapped = ", ".join(f"{c} → {q}" for c, q in mapping.expected_columns.items()) or "none"
-            print(f"state: {mapping.state_text_column or ', '.join(mapping.state_columns) or 'none'} · expected "
-                  f"answers: {mapped} · tags: {mapping.tags_column or 'none'}", flush=True)
+            print(describe_mapping(mapping, source.columns), flush=True)
         cases = importing.parse_cases(source, mapping, schema, skip_bad_rows=args.skip_bad_rows,
                                       base_dir=args.file.resolve().parent)
     except importing.BadRowsError as exc:

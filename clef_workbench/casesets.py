@@ -135,17 +135,44 @@ def _set_dotted(target: dict, dotted: str, value: Any) -> None:
     target[parts[-1]] = value
 
 
+def json_value(text: str) -> Any:
+    """JSON text → value, refusing with a ValueError what Python's json reads but no case can hold: NaN and
+    Infinity (not JSON: every request built from them fails) and lone surrogates (`"\\ud800"`: not a character,
+    it cannot be stored)."""
+    def refuse(constant: str) -> None:
+        raise ValueError(f"{constant} is not a JSON number (write a number, or null)")
+
+    try:
+        value = json.loads(text, parse_constant=refuse)
+        json.dumps(value, ensure_ascii=False).encode()
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"not JSON ({exc.msg} at column {exc.colno})") from None
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"holds a lone surrogate (\\u{ord(exc.object[exc.start]):04x}), which is not a character"
+                         ) from None
+    except RecursionError:
+        raise ValueError("nested too deeply") from None
+    return value
+
+
 def _load_media(ref: str, kind: str, base_dir: Path | None) -> bytes:
+    """An image or video named in a file: a base64 data URL, or a path inside `base_dir`, the folder of a file read
+    from disk. An uploaded file (no `base_dir`) names no paths: it must never make the server read its own files."""
     ref = ref.strip()
     if ref.startswith("data:"):
         header, _, payload = ref.partition(",")
         if ";base64" not in header:
             raise ValueError("data URL must be base64-encoded")
         data = base64.b64decode(payload, validate=True)
+    elif base_dir is None:
+        raise ValueError(f"{kind} {ref[:80]!r} is a file path, which an uploaded file cannot name: embed the {kind} "
+                         f"as a data URL (data:{kind}/…;base64,…)")
     else:
-        path = Path(ref)
-        if not path.is_absolute() and base_dir is not None:
-            path = base_dir / path
+        folder = base_dir.resolve()
+        path = (folder / ref).resolve()
+        if not path.is_relative_to(folder):
+            raise ValueError(f"{kind} file {ref[:80]!r} is outside the file's folder {folder}: media paths must point "
+                             "inside it")
         if not path.is_file():
             raise ValueError(f"{kind} file {str(path)!r} not found")
         data = path.read_bytes()
@@ -174,11 +201,19 @@ def parse_rows(header: list[str], rows: list[tuple[int, dict[str, str]]], mappin
     problems: list[str] = []
     used = list(mapping.state_columns) + list(mapping.expected_columns) + list(mapping.image_columns) + list(
         mapping.video_columns) + [c for c in (mapping.state_text_column, mapping.tags_column, mapping.id_column) if c]
+    in_header = set(header)
     for column in used:
-        if column not in header:
+        if column not in in_header:
             problems.append(f"column {column!r} is not in the CSV (columns: {', '.join(header)})")
     if not mapping.state_columns and not mapping.state_text_column:
         problems.append("map at least one column to the state")
+    state_fields = set(mapping.state_columns)
+    for column in mapping.state_columns:
+        parts = column.split(".")
+        for end in range(1, len(parts)):
+            if ".".join(parts[:end]) in state_fields:
+                problems.append(f"state columns {'.'.join(parts[:end])!r} and {column!r} both name the state field "
+                                f"{'.'.join(parts[:end])!r}: map one of them")
     questions = (schema or {}).get("questions", {})
     for column, question_id in mapping.expected_columns.items():
         if schema is not None and question_id not in questions:
@@ -195,10 +230,9 @@ def parse_rows(header: list[str], rows: list[tuple[int, dict[str, str]]], mappin
             state = text
             if text.strip().startswith(("{", "[")):
                 try:
-                    state = json.loads(text)
-                except json.JSONDecodeError as exc:
-                    problems.append(f"{where}, column {mapping.state_text_column!r}: looks like JSON but does not "
-                                    f"parse ({exc.msg} at line {exc.lineno} column {exc.colno})")
+                    state = json_value(text)
+                except ValueError as exc:
+                    problems.append(f"{where}, column {mapping.state_text_column!r}: looks like JSON but {exc}")
                     continue
         else:
             state = {}
@@ -252,12 +286,19 @@ def parse_jsonl(jsonl_text: str, schema: dict | None = None, *, base_dir: Path |
             continue
         where = f"line {line_number}"
         try:
-            record = json.loads(line)
-        except json.JSONDecodeError as exc:
-            problems.append(f"{where}: not JSON ({exc.msg} at column {exc.colno})")
+            record = json_value(line)
+        except ValueError as exc:
+            problems.append(f"{where}: {exc}")
             continue
         if not isinstance(record, dict) or "state" not in record:
             problems.append(f"{where}: each line must be an object with a 'state' field")
+            continue
+        state = record["state"]
+        if state is None or state in ({}, []) or (isinstance(state, str) and not state.strip()):
+            problems.append(f"{where}: the state is empty (the model would have no evidence to read)")
+            continue
+        if not isinstance(record.get("expected") or {}, dict):
+            problems.append(f"{where}, expected: must be an object of question → answer")
             continue
         expected: dict[str, Any] = {}
         for question_id, value in (record.get("expected") or {}).items():
@@ -273,7 +314,11 @@ def parse_jsonl(jsonl_text: str, schema: dict | None = None, *, base_dir: Path |
                     problems.append(f"{where}, expected.{question_id}: {exc}")
         media: dict[str, list[bytes]] = {"images": [], "videos": []}
         for kind in ("image", "video"):
-            for index, ref in enumerate(record.get(kind + "s") or []):
+            refs = record.get(kind + "s") or []
+            if not isinstance(refs, list):
+                problems.append(f"{where}, {kind}s: must be a list")
+                continue
+            for index, ref in enumerate(refs):
                 try:
                     if isinstance(ref, dict):
                         data = base64.b64decode(ref["base64"], validate=True)
@@ -281,7 +326,7 @@ def parse_jsonl(jsonl_text: str, schema: dict | None = None, *, base_dir: Path |
                     else:
                         data = _load_media(str(ref), kind, base_dir)
                     media[kind + "s"].append(data)
-                except (ValueError, KeyError, OSError) as exc:
+                except (ValueError, KeyError, TypeError, OSError) as exc:
                     problems.append(f"{where}, {kind}s[{index}]: {exc}")
         tags = record.get("tags") or []
         if not isinstance(tags, list) or not all(isinstance(t, str) for t in tags):
@@ -291,7 +336,7 @@ def parse_jsonl(jsonl_text: str, schema: dict | None = None, *, base_dir: Path |
         if source_id is not None and not isinstance(source_id, str | int):
             problems.append(f"{where}, id: must be text or a whole number")
             source_id = None
-        cases.append({"state": record["state"], "expected": expected, "tags": tags,
+        cases.append({"state": state, "expected": expected, "tags": tags,
                       "source_id": None if source_id is None else str(source_id), **media})
     if problems:
         raise CaseImportError(problems)
@@ -364,7 +409,14 @@ def cases_table(store: Store, case_set_id: int) -> pd.DataFrame:
 
 def export_csv(store: Store, case_set_id: int) -> str:
     """The case set as CSV (see cases_table; media are counted, not inlined — use JSONL to carry them)."""
-    return cases_table(store, case_set_id).to_csv(index=False)
+    return excel_csv(cases_table(store, case_set_id))
+
+
+def excel_csv(table: pd.DataFrame) -> str:
+    """A table as CSV text that Excel opens as UTF-8: a byte order mark first (without one, Excel reads it in the
+    machine's legacy code page and "Müller" shows as "MÃ¼ller"). The workbench's import drops the mark; Python reads
+    it with encoding="utf-8-sig"."""
+    return "\ufeff" + table.to_csv(index=False)
 
 
 def results_table(store: Store, run_id: int) -> pd.DataFrame:
@@ -416,14 +468,14 @@ def export_results_csv(store: Store, run_id: int) -> str:
     labels (empty where the case has no expected answer)."""
     table = results_table(store, run_id)
     if table.empty:
-        return table.to_csv(index=False)
+        return excel_csv(table)
     states = {r["case_id"]: state_text(r["state"]) for r in store.list_results(run_id)}
     table.insert(table.columns.get_loc("question_id"), "state", table["case_id"].map(states))
     numbers = [c for c in table.columns if c.startswith("p:")] + ["confidence", "margin", "score"]
     table[numbers] = table[numbers].astype(float).round(EXPORT_DECIMALS)
     table["correct"] = table["correct"].map(lambda v: "" if pd.isna(v) else ("true" if v else "false"))
     table["expected"] = table["expected"].map(_plain_label)
-    return table.to_csv(index=False)
+    return excel_csv(table)
 
 
 def export_results_jsonl(store: Store, run_id: int) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import codecs
 import csv
 import io
 import json
@@ -46,7 +47,7 @@ def test_csv_import_maps_columns_to_state_and_expected(tmp_path):
     table = casesets.cases_table(store, set_id)
     assert list(table["state.subject"]) == ["Refund", "Login"]
     assert list(table["expected.team"]) == ["billing", "tech"]
-    exported = list(csv.DictReader(io.StringIO(casesets.export_csv(store, set_id))))
+    exported = list(csv.DictReader(io.StringIO(casesets.export_csv(store, set_id).encode().decode("utf-8-sig"))))
     assert exported[0]["tags"] == "money; angry" and exported[0]["expected.urgent"] == "True"
 
 
@@ -212,7 +213,9 @@ def test_results_csv_is_readable_by_a_person(tmp_path):
         "urgent": {"type": "noul", "noul": 0.91234567},
     }, "usage": {"input_tokens": 50}}
     store.record_results(run_id, [{"case_id": case_id, "response": response, "latency_ms": 12, "input_tokens": 50}])
-    rows = {r["question_id"]: r for r in csv.DictReader(io.StringIO(casesets.export_results_csv(store, run_id)))}
+    exported = casesets.export_results_csv(store, run_id).encode()
+    assert exported.startswith(codecs.BOM_UTF8)  # Excel reads the file as UTF-8 only with the mark
+    rows = {r["question_id"]: r for r in csv.DictReader(io.StringIO(exported.decode("utf-8-sig")))}
     assert rows["team"]["state"] == "Where is my parcel?"
     assert rows["team"]["p:billing"] == "0.7123" and rows["urgent"]["p:true"] == "0.9123"
     assert (rows["team"]["correct"], rows["urgent"]["correct"]) == ("false", "true")
