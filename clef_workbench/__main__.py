@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import sqlite3
 import sys
@@ -333,6 +334,17 @@ def run_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def write_whole(path: Path, text: str) -> None:
+    """Write a file through a temporary one beside it, renamed over it once complete: a full disk or a killed
+    process leaves the earlier file as it was, never a truncated one."""
+    partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
+    try:
+        partial.write_text(text, encoding="utf-8")
+        os.replace(partial, path)
+    finally:
+        partial.unlink(missing_ok=True)
+
+
 def calibrate_command(args: argparse.Namespace) -> int:
     if args.run is None and args.export is None:
         raise UsageError("name the run to fit on (--run) or a file to export to (--export)")
@@ -350,9 +362,11 @@ def calibrate_command(args: argparse.Namespace) -> int:
     if args.export is not None:
         document = calibration.export_document(store)
         try:
-            args.export.write_text(json.dumps(document, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+            write_whole(args.export, json.dumps(document, indent=2, ensure_ascii=False) + "\n")
         except OSError as exc:
-            raise UsageError(f"--export {args.export}: cannot write it ({exc.strerror or exc})") from None
+            print(f"python -m clef_workbench calibrate: --export {args.export}: cannot write it "
+                  f"({exc.strerror or exc}); the file was left as it was", file=sys.stderr)
+            return 1
         print(f"exported {len(document['calibrations'])} calibration(s) to {args.export}")
     return 0
 

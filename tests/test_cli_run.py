@@ -270,8 +270,8 @@ def test_a_signal_mid_run_cancels_it_with_its_results_kept_and_resume_completes_
     args = ("--db", str(db), "--model", str(tiny_release), "--device", "cpu")
     gate = tmp_path / "gate"
     # the run pauses once it has written 2 chunks of results, until the gate opens (see tests/paused_run.py)
-    child = subprocess.Popen([sys.executable, "-m", "tests.paused_run", "2", str(gate), "run", *args, "--case-set",
-                              "tickets", "--schema", str(schema_file), "--chunk-size", "2"],
+    child = subprocess.Popen([sys.executable, "-m", "tests.paused_run", "results", "2", str(gate), "run", *args,
+                              "--case-set", "tickets", "--schema", str(schema_file), "--chunk-size", "2"],
                              cwd=ROOT, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                              text=True)
     try:
