@@ -60,13 +60,21 @@ class UsageError(Exception):
     """Wrong input: the message says which argument and why."""
 
 
+def path_argument(text: str) -> Path:
+    """A file named on the command line; an empty name, or one with a NUL character, is a usage error."""
+    if not text or "\x00" in text:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a file name")
+    return Path(text)
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m clef_workbench")
     commands = parser.add_subparsers(dest="command", required=True)
     run = commands.add_parser("run", help="run a case set against a schema and store the results")
-    run.add_argument("--db", required=True, help="the workbench's SQLite file (CLEF_DB of the workbench)")
+    run.add_argument("--db", required=True, type=path_argument,
+                     help="the workbench's SQLite file (CLEF_DB of the workbench)")
     run.add_argument("--case-set", help="name of a case set in the database")
-    run.add_argument("--schema", type=Path, help="a schema JSON file (as in the schema library)")
+    run.add_argument("--schema", type=path_argument, help="a schema JSON file (as in the schema library)")
     run.add_argument("--resume", type=int, metavar="RUN_ID",
                      help="go on with a run that stopped (failed, cancelled, its process killed): only the cases "
                           "without a result are computed, with the run's case set, schema and settings")
@@ -90,19 +98,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     run.add_argument("--dtype", help="float32, bfloat16 … (default: bf16 on CUDA, float32 on the CPU)")
     calibrate = commands.add_parser(
         "calibrate", help="fit per-question calibration on a run's labelled cases and print before/after")
-    calibrate.add_argument("--db", required=True, help="the workbench's SQLite file (CLEF_DB of the workbench)")
+    calibrate.add_argument("--db", required=True, type=path_argument,
+                           help="the workbench's SQLite file (CLEF_DB of the workbench)")
     calibrate.add_argument("--run", type=int, help="the run whose labelled cases to fit on (required unless --export)")
     calibrate.add_argument("--name", help="name to keep it under (default: schema · model · run)")
     calibrate.add_argument("--min-labelled", type=int, default=calibration.MIN_LABELLED,
                            help="fewest labelled cases a question needs to be fitted")
     calibrate.add_argument("--folds", type=int, default=calibration.FOLDS, help="k of the k-fold held-out check")
-    calibrate.add_argument("--export", type=Path, metavar="FILE",
+    calibrate.add_argument("--export", type=path_argument, metavar="FILE",
                            help="write every stored calibration to FILE for `clef-engine serve --calibrations FILE`")
     imp = commands.add_parser("import", help="import a CSV, tab-separated, JSONL or .xlsx file into a case set")
-    imp.add_argument("file", type=Path, help="the file (.csv, .tsv, .txt, .jsonl, .json or .xlsx)")
-    imp.add_argument("--db", required=True, help="the workbench's SQLite file (created when missing)")
+    imp.add_argument("file", type=path_argument, help="the file (.csv, .tsv, .txt, .jsonl, .json or .xlsx)")
+    imp.add_argument("--db", required=True, type=path_argument,
+                     help="the workbench's SQLite file (created when missing)")
     imp.add_argument("--case-set", required=True, help="name of the case set (created when missing)")
-    imp.add_argument("--schema", type=Path,
+    imp.add_argument("--schema", type=path_argument,
                      help="a schema JSON file: expected answers are checked against its questions, and columns "
                           "named after a question (team, expected_team) are its expected answers")
     imp.add_argument("--encoding", choices=list(importing.ENCODINGS), help="default: detected")
@@ -348,6 +358,10 @@ def write_whole(path: Path, text: str) -> None:
 def calibrate_command(args: argparse.Namespace) -> int:
     if args.run is None and args.export is None:
         raise UsageError("name the run to fit on (--run) or a file to export to (--export)")
+    if args.export is not None and (args.export.is_dir() or not args.export.name):
+        raise UsageError(f"--export: {str(args.export)!r} is not a file name")
+    if not Path(args.db).is_file():
+        raise UsageError(f"--db: {args.db} does not exist")
     store = Store(args.db)
     if args.run is not None:
         try:

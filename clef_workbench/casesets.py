@@ -136,14 +136,20 @@ def _set_dotted(target: dict, dotted: str, value: Any) -> None:
 
 
 def json_value(text: str) -> Any:
-    """JSON text → value, refusing with a ValueError what Python's json reads but no case can hold: NaN and
-    Infinity (not JSON: every request built from them fails) and lone surrogates (`"\\ud800"`: not a character,
-    it cannot be stored)."""
+    """JSON text → value, refusing with a ValueError what Python's json reads but no case can hold: NaN, Infinity
+    and numbers too large for a float (every request built from them fails) and lone surrogates (`"\\ud800"`: not
+    a character, it cannot be stored)."""
     def refuse(constant: str) -> None:
         raise ValueError(f"{constant} is not a JSON number (write a number, or null)")
 
+    def finite(number: str) -> float:
+        value = float(number)
+        if not math.isfinite(value):
+            raise ValueError(f"{number[:40]} is too large for a number")
+        return value
+
     try:
-        value = json.loads(text, parse_constant=refuse)
+        value = json.loads(text, parse_constant=refuse, parse_float=finite)
         json.dumps(value, ensure_ascii=False).encode()
     except json.JSONDecodeError as exc:
         raise ValueError(f"not JSON ({exc.msg} at column {exc.colno})") from None
