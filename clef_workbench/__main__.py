@@ -4,9 +4,10 @@
     python -m clef_workbench run --db DB --resume RUN_ID --model SOURCE
 
 runs a case set against a schema file and leaves the run in the store exactly as the Runs page does (same settings,
-same results), so Runs, Review and the exports show it. It prints progress, and exits 0 when the run finished, 1 when
-it failed or was cancelled (Ctrl-C cancels after the chunk in flight), 2 when the input is wrong and 130 on Ctrl-C
-before the run started.
+same results), so Runs, Review and the exports show it. It prints progress and ends with a line saying how the run
+ended; it exits 0 when the run finished, 1 when it failed or was cancelled (Ctrl-C or SIGTERM cancel it after the chunk
+in flight, its finished results kept, and `--resume` goes on with the rest), 2 when the input is wrong and 130 on
+Ctrl-C before the run started.
 
 A case set is never computed twice by accident: when the database already holds a run of the same case set, schema,
 model and budget, a second invocation asks whether to resume it (at a terminal) or, without one, refuses, naming the
@@ -32,9 +33,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
 import sqlite3
 import sys
+import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from clef_engine import DEFAULT_MAX_LENGTH, ClefError
@@ -42,23 +48,33 @@ from clef_workbench import calibration, importing
 from clef_workbench.casesets import CaseImportError, CsvMapping, import_cases
 from clef_workbench.jobs import DEFAULT_CHUNK_SIZE, JobRunner, check_engine
 from clef_workbench.model_loader import DEMO_SOURCE, request_model_name
+from clef_workbench.schema_library import SchemaLibrary
 from clef_workbench.schemas import Schema, SchemaError
 from clef_workbench.store import NotFoundError, Store, StoreError
 
 PROGRESS_EVERY_S = 2.0
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 class UsageError(Exception):
     """Wrong input: the message says which argument and why."""
 
 
+def path_argument(text: str) -> Path:
+    """A file named on the command line; an empty name, or one with a NUL character, is a usage error."""
+    if not text or "\x00" in text:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a file name")
+    return Path(text)
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m clef_workbench")
     commands = parser.add_subparsers(dest="command", required=True)
     run = commands.add_parser("run", help="run a case set against a schema and store the results")
-    run.add_argument("--db", required=True, help="the workbench's SQLite file (CLEF_DB of the workbench)")
+    run.add_argument("--db", required=True, type=path_argument,
+                     help="the workbench's SQLite file (CLEF_DB of the workbench)")
     run.add_argument("--case-set", help="name of a case set in the database")
-    run.add_argument("--schema", type=Path, help="a schema JSON file (as in the schema library)")
+    run.add_argument("--schema", type=path_argument, help="a schema JSON file (as in the schema library)")
     run.add_argument("--resume", type=int, metavar="RUN_ID",
                      help="go on with a run that stopped (failed, cancelled, its process killed): only the cases "
                           "without a result are computed, with the run's case set, schema and settings")
@@ -82,26 +98,33 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     run.add_argument("--dtype", help="float32, bfloat16 … (default: bf16 on CUDA, float32 on the CPU)")
     calibrate = commands.add_parser(
         "calibrate", help="fit per-question calibration on a run's labelled cases and print before/after")
-    calibrate.add_argument("--db", required=True, help="the workbench's SQLite file (CLEF_DB of the workbench)")
+    calibrate.add_argument("--db", required=True, type=path_argument,
+                           help="the workbench's SQLite file (CLEF_DB of the workbench)")
     calibrate.add_argument("--run", type=int, help="the run whose labelled cases to fit on (required unless --export)")
     calibrate.add_argument("--name", help="name to keep it under (default: schema · model · run)")
     calibrate.add_argument("--min-labelled", type=int, default=calibration.MIN_LABELLED,
                            help="fewest labelled cases a question needs to be fitted")
     calibrate.add_argument("--folds", type=int, default=calibration.FOLDS, help="k of the k-fold held-out check")
-    calibrate.add_argument("--export", type=Path, metavar="FILE",
+    calibrate.add_argument("--export", type=path_argument, metavar="FILE",
                            help="write every stored calibration to FILE for `clef-engine serve --calibrations FILE`")
     imp = commands.add_parser("import", help="import a CSV, tab-separated, JSONL or .xlsx file into a case set")
-    imp.add_argument("file", type=Path, help="the file (.csv, .tsv, .txt, .jsonl, .json or .xlsx)")
-    imp.add_argument("--db", required=True, help="the workbench's SQLite file (created when missing)")
+    imp.add_argument("file", type=path_argument, help="the file (.csv, .tsv, .txt, .jsonl, .json or .xlsx)")
+    imp.add_argument("--db", required=True, type=path_argument,
+                     help="the workbench's SQLite file (created when missing)")
     imp.add_argument("--case-set", required=True, help="name of the case set (created when missing)")
-    imp.add_argument("--schema", type=Path,
+    imp.add_argument("--schema", type=path_argument,
                      help="a schema JSON file: expected answers are checked against its questions, and columns "
                           "named after a question (team, expected_team) are its expected answers")
     imp.add_argument("--encoding", choices=list(importing.ENCODINGS), help="default: detected")
     imp.add_argument("--delimiter", choices=list(DELIMITER_NAMES), help="default: sniffed")
     imp.add_argument("--state-column", action="append", default=[], metavar="COLUMN",
-                     help="a column that becomes a state field (a.b nests; repeat for more); default: every "
-                          "column not mapped to an answer or tags and not named like an answer")
+                     help="a column that becomes a state field, the evidence the model reads (a.b nests; repeat "
+                          "for more); default: every column not mapped to an id, answers, tags or media and not "
+                          "named like an answer (expected_*, label, gold…, or a question of the schema, or without "
+                          "--schema of any schema in the library)")
+    imp.add_argument("--id-column", metavar="COLUMN",
+                     help="the case's own id (kept with it, never evidence); default: the first column named like "
+                          "an id (ticket_id, id, key …)")
     imp.add_argument("--state-text-column", metavar="COLUMN", help="one column whose text is the whole state")
     imp.add_argument("--expected", action="append", default=[], metavar="COLUMN=QUESTION",
                      help="a column of expected answers to a question (repeat); default: columns named after "
@@ -157,16 +180,28 @@ def fmt_seconds(value: float | None) -> str:
     return f"{minutes} min {seconds:02d} s" if minutes else f"{seconds} s"
 
 
-def watch(runner: JobRunner, run_id: int) -> dict:
-    """Print progress until the run's job ends; Ctrl-C asks it to stop after the chunk in flight."""
-    last_print, last_done = 0.0, -1
+@contextmanager
+def stop_on_signals() -> Iterator[threading.Event]:
+    """While a run is on, SIGINT (Ctrl-C) and SIGTERM set the event instead of interrupting: `watch` then cancels the
+    run after the chunk in flight. A KeyboardInterrupt raised inside Thread.join makes Python 3.11 report the run's
+    thread as ended while it still works, so the process exited under it and left the run `running`."""
+    requested = threading.Event()
+    previous = {signum: signal.signal(signum, lambda *_: requested.set()) for signum in STOP_SIGNALS}
+    try:
+        yield requested
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+def watch(runner: JobRunner, run_id: int, stop: threading.Event) -> dict:
+    """Print progress until the run's job ends; once `stop` is set, ask it to stop after the chunk in flight."""
+    last_print, last_done, cancelling = 0.0, -1, False
     while True:
-        try:
-            ended = runner.wait(run_id, timeout=0.5)
-        except KeyboardInterrupt:
-            print("cancelling after the chunk in flight…", file=sys.stderr, flush=True)
-            runner.cancel(run_id)
-            continue
+        ended = runner.wait(run_id, timeout=0.5)
+        if stop.is_set() and not cancelling and not ended:
+            print(f"run {run_id}: cancelling after the chunk in flight…", file=sys.stderr, flush=True)
+            cancelling = runner.cancel(run_id)
         progress = runner.progress(run_id)
         now = time.monotonic()
         if ended or (progress["done"] != last_done and now - last_print >= PROGRESS_EVERY_S):
@@ -279,19 +314,20 @@ def run_command(args: argparse.Namespace) -> int:
         runner = RayJobRunner(store, pool=pool)
     settings.update(device=info.get("device"), dtype=info.get("dtype"), precision=info.get("precision"))
     try:
-        if engine is not None:
-            check_engine(engine)  # a remote endpoint that does not answer: refused before a run is recorded
-        if run_id is None:
-            run_id = store.create_run(case_set_id, schema=schema, model_id=model_id,
-                                      model_revision=info.get("revision"), settings=settings)
-            doing = f"run {run_id}"
-        else:
-            doing = f"resuming run {run_id}"
-        where = f"Ray, {info['replicas']} replicas" if pool else "in process"
-        print(f"{doing}: {case_set_name} · {schema['name']} v{schema['version']} · {args.model} on "
-              f"{info.get('device')} ({where})", flush=True)
-        runner.start(run_id, engine, check=False)  # checked above, before the run was recorded
-        progress = watch(runner, run_id)
+        with stop_on_signals() as stop:
+            if engine is not None:
+                check_engine(engine)  # a remote endpoint that does not answer: refused before a run is recorded
+            if run_id is None:
+                run_id = store.create_run(case_set_id, schema=schema, model_id=model_id,
+                                          model_revision=info.get("revision"), settings=settings)
+                doing = f"run {run_id}"
+            else:
+                doing = f"resuming run {run_id}"
+            where = f"Ray, {info['replicas']} replicas" if pool else "in process"
+            print(f"{doing}: {case_set_name} · {schema['name']} v{schema['version']} · {args.model} on "
+                  f"{info.get('device')} ({where})", flush=True)
+            runner.start(run_id, engine, check=False)  # checked above, before the run was recorded
+            progress = watch(runner, run_id, stop)
     finally:
         if pool is not None:
             pool.shutdown()
@@ -304,12 +340,28 @@ def run_command(args: argparse.Namespace) -> int:
         print(f"run {run_id} {status}{reason} (to resume: python -m clef_workbench run --db {args.db} "
               f"--resume {run_id} --model {args.model})", file=sys.stderr)
         return 1
+    print(f"run {run_id} finished: {progress['done']}/{progress['total']} cases, {progress['errors']} errors")
     return 0
+
+
+def write_whole(path: Path, text: str) -> None:
+    """Write a file through a temporary one beside it, renamed over it once complete: a full disk or a killed
+    process leaves the earlier file as it was, never a truncated one."""
+    partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
+    try:
+        partial.write_text(text, encoding="utf-8")
+        os.replace(partial, path)
+    finally:
+        partial.unlink(missing_ok=True)
 
 
 def calibrate_command(args: argparse.Namespace) -> int:
     if args.run is None and args.export is None:
         raise UsageError("name the run to fit on (--run) or a file to export to (--export)")
+    if args.export is not None and (args.export.is_dir() or not args.export.name):
+        raise UsageError(f"--export: {str(args.export)!r} is not a file name")
+    if not Path(args.db).is_file():
+        raise UsageError(f"--db: {args.db} does not exist")
     store = Store(args.db)
     if args.run is not None:
         try:
@@ -324,33 +376,69 @@ def calibrate_command(args: argparse.Namespace) -> int:
     if args.export is not None:
         document = calibration.export_document(store)
         try:
-            args.export.write_text(json.dumps(document, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+            write_whole(args.export, json.dumps(document, indent=2, ensure_ascii=False) + "\n")
         except OSError as exc:
-            raise UsageError(f"--export {args.export}: cannot write it ({exc.strerror or exc})") from None
+            print(f"python -m clef_workbench calibrate: --export {args.export}: cannot write it "
+                  f"({exc.strerror or exc}); the file was left as it was", file=sys.stderr)
+            return 1
         print(f"exported {len(document['calibrations'])} calibration(s) to {args.export}")
     return 0
 
 
+def library_question_ids() -> list[str]:
+    """The question ids of every schema in the library (CLEF_SCHEMAS_DIR): without --schema, a column named after
+    one holds answers, which the model must not read as evidence."""
+    library = SchemaLibrary()
+    ids: list[str] = []
+    for slug in library.slugs():
+        try:
+            ids.extend(library.load(slug).questions)
+        except SchemaError:
+            continue  # a broken file names no questions
+    return ids
+
+
 def import_mapping(args: argparse.Namespace, columns: list[str], schema: dict | None) -> CsvMapping:
-    """The page's column mapping from the flags, with the page's defaults where a flag is left out."""
+    """The mapping of the flags, importing.suggest_mapping's where a flag is left out. Without --schema a column
+    named like an answer is left out: its answers cannot be checked, and the model must not read them."""
     questions = list((schema or {}).get("questions", {}))
-    expected: dict[str, str] = {}
-    for pair in args.expected:
-        column, sep, question_id = pair.partition("=")
-        if not sep or not column or not question_id:
-            raise UsageError(f"--expected: {pair!r} is not COLUMN=QUESTION")
-        expected[column] = question_id
-    if not args.expected:
-        expected = {column: question_id for question_id, column in
-                    importing.guess_expected_columns(columns, questions).items()}
-    tags = args.tags_column or ("tags" if "tags" in columns else None)
-    used = set(expected) | {tags} | set(args.image_column) | set(args.video_column)
-    state_columns = args.state_column
-    if not state_columns and not args.state_text_column:
-        state_columns = importing.suggested_state_columns(columns, used, questions)
-    return CsvMapping(state_columns=state_columns, state_text_column=args.state_text_column,
-                      expected_columns=expected, tags_column=tags, image_columns=args.image_column,
-                      video_columns=args.video_column)
+    mapping = importing.suggest_mapping(columns, questions or library_question_ids())
+    if schema is None:
+        mapping.expected_columns = {}
+    if args.expected:
+        mapping.expected_columns = {}
+        for pair in args.expected:
+            column, sep, question_id = pair.partition("=")
+            if not sep or not column or not question_id:
+                raise UsageError(f"--expected: {pair!r} is not COLUMN=QUESTION")
+            mapping.expected_columns[column] = question_id
+    mapping.tags_column = args.tags_column or mapping.tags_column
+    mapping.id_column = args.id_column or mapping.id_column
+    mapping.image_columns, mapping.video_columns = args.image_column, args.video_column
+    if args.state_column or args.state_text_column:
+        mapping.state_columns, mapping.state_text_column = args.state_column, args.state_text_column
+    else:
+        used = {*mapping.expected_columns, mapping.tags_column, mapping.id_column, *args.image_column,
+                *args.video_column}
+        mapping.state_columns = [c for c in mapping.state_columns if c not in used]
+    return mapping
+
+
+def describe_mapping(mapping: CsvMapping, columns: list[str]) -> str:
+    """Which column was taken as what, in words."""
+    state = [mapping.state_text_column] if mapping.state_text_column else mapping.state_columns
+    parts = [("case id", [mapping.id_column] if mapping.id_column else []), ("evidence (the state)", state),
+             ("expected answers", [f"{c} → {q}" for c, q in mapping.expected_columns.items()]),
+             ("tags", [mapping.tags_column] if mapping.tags_column else []),
+             ("images", mapping.image_columns), ("videos", mapping.video_columns)]
+    used = {*state, *mapping.expected_columns, mapping.tags_column, mapping.id_column, *mapping.image_columns,
+            *mapping.video_columns}
+    left_out = [c for c in columns if c.strip() and c not in used]
+    words = [f"{what}: {', '.join(names)}" for what, names in parts if names]
+    if left_out:
+        words.append(f"left out: {', '.join(left_out)} (named like answers: --schema imports them as expected "
+                     "answers, --state-column COLUMN makes one evidence)")
+    return "columns: " + " · ".join(words)
 
 
 def import_command(args: argparse.Namespace) -> int:
@@ -366,9 +454,7 @@ def import_command(args: argparse.Namespace) -> int:
         mapping = None
         if source.kind != "jsonl":
             mapping = import_mapping(args, source.columns, schema)
-            mapped = ", ".join(f"{c} → {q}" for c, q in mapping.expected_columns.items()) or "none"
-            print(f"state: {mapping.state_text_column or ', '.join(mapping.state_columns) or 'none'} · expected "
-                  f"answers: {mapped} · tags: {mapping.tags_column or 'none'}", flush=True)
+            print(describe_mapping(mapping, source.columns), flush=True)
         cases = importing.parse_cases(source, mapping, schema, skip_bad_rows=args.skip_bad_rows,
                                       base_dir=args.file.resolve().parent)
     except importing.BadRowsError as exc:

@@ -99,12 +99,14 @@ class CsvMapping:
     state_columns: columns that become fields of a JSON-object state (a dotted name like `customer.tier` nests);
     state_text_column: alternatively one column whose text is the whole state (JSON text is parsed if it is an
     object or array); expected_columns: column → question id; tags_column: tags separated by ';' or ',';
+    id_column: the case's own id (a ticket number: kept with the case, never sent to the model);
     image_columns / video_columns: file paths (relative to the CSV's folder) or data URLs."""
 
     state_columns: list[str] = field(default_factory=list)
     state_text_column: str | None = None
     expected_columns: dict[str, str] = field(default_factory=dict)
     tags_column: str | None = None
+    id_column: str | None = None
     image_columns: list[str] = field(default_factory=list)
     video_columns: list[str] = field(default_factory=list)
     infer_types: bool = True
@@ -133,17 +135,50 @@ def _set_dotted(target: dict, dotted: str, value: Any) -> None:
     target[parts[-1]] = value
 
 
+def json_value(text: str) -> Any:
+    """JSON text → value, refusing with a ValueError what Python's json reads but no case can hold: NaN, Infinity
+    and numbers too large for a float (every request built from them fails) and lone surrogates (`"\\ud800"`: not
+    a character, it cannot be stored)."""
+    def refuse(constant: str) -> None:
+        raise ValueError(f"{constant} is not a JSON number (write a number, or null)")
+
+    def finite(number: str) -> float:
+        value = float(number)
+        if not math.isfinite(value):
+            raise ValueError(f"{number[:40]} is too large for a number")
+        return value
+
+    try:
+        value = json.loads(text, parse_constant=refuse, parse_float=finite)
+        json.dumps(value, ensure_ascii=False).encode()
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"not JSON ({exc.msg} at column {exc.colno})") from None
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"holds a lone surrogate (\\u{ord(exc.object[exc.start]):04x}), which is not a character"
+                         ) from None
+    except RecursionError:
+        raise ValueError("nested too deeply") from None
+    return value
+
+
 def _load_media(ref: str, kind: str, base_dir: Path | None) -> bytes:
+    """An image or video named in a file: a base64 data URL, or a path inside `base_dir`, the folder of a file read
+    from disk. An uploaded file (no `base_dir`) names no paths: it must never make the server read its own files."""
     ref = ref.strip()
     if ref.startswith("data:"):
         header, _, payload = ref.partition(",")
         if ";base64" not in header:
             raise ValueError("data URL must be base64-encoded")
         data = base64.b64decode(payload, validate=True)
+    elif base_dir is None:
+        raise ValueError(f"{kind} {ref[:80]!r} is a file path, which an uploaded file cannot name: embed the {kind} "
+                         f"as a data URL (data:{kind}/…;base64,…)")
     else:
-        path = Path(ref)
-        if not path.is_absolute() and base_dir is not None:
-            path = base_dir / path
+        folder = base_dir.resolve()
+        path = (folder / ref).resolve()
+        if not path.is_relative_to(folder):
+            raise ValueError(f"{kind} file {ref[:80]!r} is outside the file's folder {folder}: media paths must point "
+                             "inside it")
         if not path.is_file():
             raise ValueError(f"{kind} file {str(path)!r} not found")
         data = path.read_bytes()
@@ -171,12 +206,20 @@ def parse_rows(header: list[str], rows: list[tuple[int, dict[str, str]]], mappin
     Raises CaseImportError listing every bad cell."""
     problems: list[str] = []
     used = list(mapping.state_columns) + list(mapping.expected_columns) + list(mapping.image_columns) + list(
-        mapping.video_columns) + [c for c in (mapping.state_text_column, mapping.tags_column) if c]
+        mapping.video_columns) + [c for c in (mapping.state_text_column, mapping.tags_column, mapping.id_column) if c]
+    in_header = set(header)
     for column in used:
-        if column not in header:
+        if column not in in_header:
             problems.append(f"column {column!r} is not in the CSV (columns: {', '.join(header)})")
     if not mapping.state_columns and not mapping.state_text_column:
         problems.append("map at least one column to the state")
+    state_fields = set(mapping.state_columns)
+    for column in mapping.state_columns:
+        parts = column.split(".")
+        for end in range(1, len(parts)):
+            if ".".join(parts[:end]) in state_fields:
+                problems.append(f"state columns {'.'.join(parts[:end])!r} and {column!r} both name the state field "
+                                f"{'.'.join(parts[:end])!r}: map one of them")
     questions = (schema or {}).get("questions", {})
     for column, question_id in mapping.expected_columns.items():
         if schema is not None and question_id not in questions:
@@ -193,10 +236,9 @@ def parse_rows(header: list[str], rows: list[tuple[int, dict[str, str]]], mappin
             state = text
             if text.strip().startswith(("{", "[")):
                 try:
-                    state = json.loads(text)
-                except json.JSONDecodeError as exc:
-                    problems.append(f"{where}, column {mapping.state_text_column!r}: looks like JSON but does not "
-                                    f"parse ({exc.msg} at line {exc.lineno} column {exc.colno})")
+                    state = json_value(text)
+                except ValueError as exc:
+                    problems.append(f"{where}, column {mapping.state_text_column!r}: looks like JSON but {exc}")
                     continue
         else:
             state = {}
@@ -229,7 +271,8 @@ def parse_rows(header: list[str], rows: list[tuple[int, dict[str, str]]], mappin
                         media[kind + "s"].append(_load_media(row[column], kind, base_dir))
                     except (ValueError, OSError) as exc:
                         problems.append(f"{where}, column {column!r}: {exc}")
-        cases.append({"state": state, "expected": expected, "tags": tags, **media})
+        source_id = (row[mapping.id_column] or "").strip() if mapping.id_column else ""
+        cases.append({"state": state, "expected": expected, "tags": tags, "source_id": source_id or None, **media})
     if problems:
         raise CaseImportError(problems)
     if not cases:
@@ -238,8 +281,9 @@ def parse_rows(header: list[str], rows: list[tuple[int, dict[str, str]]], mappin
 
 
 def parse_jsonl(jsonl_text: str, schema: dict | None = None, *, base_dir: Path | None = None) -> list[dict]:
-    """JSONL → case dicts. Each line: {"state": any, "expected"?: {question: answer}, "tags"?: [str],
-    "images"?: [data URL | {"content_type", "base64"} | path], "videos"?: same}. Blank lines are skipped."""
+    """JSONL → case dicts. Each line: {"state": any, "id"?: the case's own id, "expected"?: {question: answer},
+    "tags"?: [str], "images"?: [data URL | {"content_type", "base64"} | path], "videos"?: same}. Blank lines are
+    skipped."""
     problems: list[str] = []
     cases = []
     questions = (schema or {}).get("questions", {})
@@ -248,12 +292,19 @@ def parse_jsonl(jsonl_text: str, schema: dict | None = None, *, base_dir: Path |
             continue
         where = f"line {line_number}"
         try:
-            record = json.loads(line)
-        except json.JSONDecodeError as exc:
-            problems.append(f"{where}: not JSON ({exc.msg} at column {exc.colno})")
+            record = json_value(line)
+        except ValueError as exc:
+            problems.append(f"{where}: {exc}")
             continue
         if not isinstance(record, dict) or "state" not in record:
             problems.append(f"{where}: each line must be an object with a 'state' field")
+            continue
+        state = record["state"]
+        if state is None or state in ({}, []) or (isinstance(state, str) and not state.strip()):
+            problems.append(f"{where}: the state is empty (the model would have no evidence to read)")
+            continue
+        if not isinstance(record.get("expected") or {}, dict):
+            problems.append(f"{where}, expected: must be an object of question → answer")
             continue
         expected: dict[str, Any] = {}
         for question_id, value in (record.get("expected") or {}).items():
@@ -269,7 +320,11 @@ def parse_jsonl(jsonl_text: str, schema: dict | None = None, *, base_dir: Path |
                     problems.append(f"{where}, expected.{question_id}: {exc}")
         media: dict[str, list[bytes]] = {"images": [], "videos": []}
         for kind in ("image", "video"):
-            for index, ref in enumerate(record.get(kind + "s") or []):
+            refs = record.get(kind + "s") or []
+            if not isinstance(refs, list):
+                problems.append(f"{where}, {kind}s: must be a list")
+                continue
+            for index, ref in enumerate(refs):
                 try:
                     if isinstance(ref, dict):
                         data = base64.b64decode(ref["base64"], validate=True)
@@ -277,13 +332,18 @@ def parse_jsonl(jsonl_text: str, schema: dict | None = None, *, base_dir: Path |
                     else:
                         data = _load_media(str(ref), kind, base_dir)
                     media[kind + "s"].append(data)
-                except (ValueError, KeyError, OSError) as exc:
+                except (ValueError, KeyError, TypeError, OSError) as exc:
                     problems.append(f"{where}, {kind}s[{index}]: {exc}")
         tags = record.get("tags") or []
         if not isinstance(tags, list) or not all(isinstance(t, str) for t in tags):
             problems.append(f"{where}, tags: must be a list of strings")
             tags = []
-        cases.append({"state": record["state"], "expected": expected, "tags": tags, **media})
+        source_id = record.get("id")
+        if source_id is not None and not isinstance(source_id, str | int):
+            problems.append(f"{where}, id: must be text or a whole number")
+            source_id = None
+        cases.append({"state": state, "expected": expected, "tags": tags,
+                      "source_id": None if source_id is None else str(source_id), **media})
     if problems:
         raise CaseImportError(problems)
     if not cases:
@@ -318,6 +378,8 @@ def export_jsonl(store: Store, case_set_id: int) -> str:
     for summary in store.list_cases(case_set_id):
         case = store.get_case(summary["id"])
         record: dict[str, Any] = {"state": case["state"], "expected": case["expected"], "tags": case["tags"]}
+        if case["source_id"] is not None:
+            record = {"id": case["source_id"], **record}
         if case["images"]:
             record["images"] = [data_url(m["content_type"], m["data"]) for m in case["images"]]
         if case["videos"]:
@@ -327,13 +389,14 @@ def export_jsonl(store: Store, case_set_id: int) -> str:
 
 
 def cases_table(store: Store, case_set_id: int) -> pd.DataFrame:
-    """One row per case: id, state (object states flattened to `state.<key>`, values JSON-encoded unless
-    scalar), expected.<question>, tags ('; '-joined), images, videos (counts)."""
+    """One row per case: id, source_id (the case's own id, where one was imported), state (object states flattened
+    to `state.<key>`, values JSON-encoded unless scalar), expected.<question>, tags ('; '-joined), images, videos
+    (counts)."""
     cases = store.list_cases(case_set_id)
     rows = []
     flatten = bool(cases) and all(isinstance(c["state"], dict) for c in cases)
     for case in cases:
-        row: dict[str, Any] = {"id": case["id"]}
+        row: dict[str, Any] = {"id": case["id"], "source_id": case["source_id"]}
         if flatten:
             for key, value in case["state"].items():
                 row[f"state.{key}"] = value if isinstance(value, str | int | float | bool) or value is None \
@@ -352,7 +415,14 @@ def cases_table(store: Store, case_set_id: int) -> pd.DataFrame:
 
 def export_csv(store: Store, case_set_id: int) -> str:
     """The case set as CSV (see cases_table; media are counted, not inlined — use JSONL to carry them)."""
-    return cases_table(store, case_set_id).to_csv(index=False)
+    return excel_csv(cases_table(store, case_set_id))
+
+
+def excel_csv(table: pd.DataFrame) -> str:
+    """A table as CSV text that Excel opens as UTF-8: a byte order mark first (without one, Excel reads it in the
+    machine's legacy code page and "Müller" shows as "MÃ¼ller"). The workbench's import drops the mark; Python reads
+    it with encoding="utf-8-sig"."""
+    return "\ufeff" + table.to_csv(index=False)
 
 
 def results_table(store: Store, run_id: int) -> pd.DataFrame:
@@ -362,18 +432,20 @@ def results_table(store: Store, run_id: int) -> pd.DataFrame:
     run = store.get_run(run_id)
     results = store.list_results(run_id)
     frame = answer_frame(results, run["schema"])
+    source_ids = {r["case_id"]: r["source_id"] for r in results}
     rows = []
     for row in frame.itertuples(index=False):
-        out = {"run_id": run_id, "case_id": row.case_id, "position": row.position, "question_id": row.question_id,
-               "question_type": row.question_type, "predicted": row.predicted, "confidence": row.confidence,
-               "margin": row.margin, "score": row.score, "expected": row.expected, "correct": row.correct,
-               "latency_ms": row.latency_ms, "input_tokens": row.input_tokens, "error": None}
+        out = {"run_id": run_id, "case_id": row.case_id, "source_id": source_ids[row.case_id],
+               "position": row.position, "question_id": row.question_id, "question_type": row.question_type,
+               "predicted": row.predicted, "confidence": row.confidence, "margin": row.margin, "score": row.score,
+               "expected": row.expected, "correct": row.correct, "latency_ms": row.latency_ms,
+               "input_tokens": row.input_tokens, "error": None}
         out.update({f"p:{option}": p for option, p in row.distribution.items()})
         rows.append(out)
     for result in results:
         if result.get("error"):
-            rows.append({"run_id": run_id, "case_id": result["case_id"], "position": result["position"],
-                         "error": result["error"]})
+            rows.append({"run_id": run_id, "case_id": result["case_id"], "source_id": result["source_id"],
+                         "position": result["position"], "error": result["error"]})
     # the columns are named even when no case has an answer (every case failed): a run of errors exports its errors
     options = list(dict.fromkeys(c for row in rows for c in row if c.startswith("p:")))
     table = pd.DataFrame(rows, columns=[*RESULT_COLUMNS, *options])
@@ -382,8 +454,8 @@ def results_table(store: Store, run_id: int) -> pd.DataFrame:
     return table.reset_index(drop=True)
 
 
-RESULT_COLUMNS = ["run_id", "case_id", "position", "question_id", "question_type", "predicted", "confidence",
-                  "margin", "score", "expected", "correct", "latency_ms", "input_tokens", "error"]
+RESULT_COLUMNS = ["run_id", "case_id", "source_id", "position", "question_id", "question_type", "predicted",
+                  "confidence", "margin", "score", "expected", "correct", "latency_ms", "input_tokens", "error"]
 
 
 EXPORT_DECIMALS = 4
@@ -402,14 +474,14 @@ def export_results_csv(store: Store, run_id: int) -> str:
     labels (empty where the case has no expected answer)."""
     table = results_table(store, run_id)
     if table.empty:
-        return table.to_csv(index=False)
+        return excel_csv(table)
     states = {r["case_id"]: state_text(r["state"]) for r in store.list_results(run_id)}
     table.insert(table.columns.get_loc("question_id"), "state", table["case_id"].map(states))
     numbers = [c for c in table.columns if c.startswith("p:")] + ["confidence", "margin", "score"]
     table[numbers] = table[numbers].astype(float).round(EXPORT_DECIMALS)
     table["correct"] = table["correct"].map(lambda v: "" if pd.isna(v) else ("true" if v else "false"))
     table["expected"] = table["expected"].map(_plain_label)
-    return table.to_csv(index=False)
+    return excel_csv(table)
 
 
 def export_results_jsonl(store: Store, run_id: int) -> str:
@@ -417,10 +489,12 @@ def export_results_jsonl(store: Store, run_id: int) -> str:
     run = store.get_run(run_id)
     results = store.list_results(run_id)
     frame = answer_frame(results, run["schema"])
+    source_ids = {r["case_id"]: r["source_id"] for r in results}
     lines = []
     for row in frame.itertuples(index=False):
         lines.append(json.dumps({
-            "run_id": run_id, "case_id": int(row.case_id), "question_id": row.question_id,
+            "run_id": run_id, "case_id": int(row.case_id), "source_id": source_ids[row.case_id],
+            "question_id": row.question_id,
             "question_type": row.question_type, "predicted": row.predicted, "confidence": row.confidence,
             "margin": row.margin, "probabilities": row.distribution,
             "score": None if pd.isna(row.score) else row.score, "expected": row.expected,
@@ -430,7 +504,8 @@ def export_results_jsonl(store: Store, run_id: int) -> str:
         }, ensure_ascii=False))
     for result in results:
         if result.get("error"):
-            lines.append(json.dumps({"run_id": run_id, "case_id": result["case_id"], "error": result["error"]}))
+            lines.append(json.dumps({"run_id": run_id, "case_id": result["case_id"], "source_id": result["source_id"],
+                                     "error": result["error"]}))
     return "\n".join(lines) + ("\n" if lines else "")
 
 

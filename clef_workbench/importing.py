@@ -12,6 +12,7 @@ import csv
 import io
 import re
 import zipfile
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -199,7 +200,7 @@ def _split_rows(source: SourceFile, records: list[list[str]]) -> SourceFile:
     header = list(records[0])
     while header and not header[-1].strip():  # spreadsheets pad a row with empty cells; a named column is kept
         header.pop()
-    duplicates = sorted({c for c in header if header.count(c) > 1})
+    duplicates = sorted(c for c, count in Counter(header).items() if count > 1)
     if duplicates:
         raise CaseImportError([f"row 1: column name(s) {', '.join(map(repr, duplicates))} appear more than once"])
     source.columns = header
@@ -221,7 +222,7 @@ def _split_rows(source: SourceFile, records: list[list[str]]) -> SourceFile:
 def empty_state_rows(source: SourceFile, mapping: CsvMapping) -> list[BadRow]:
     """Rows whose every state cell is empty: imported, they would be cases with an empty state."""
     state_columns = [mapping.state_text_column] if mapping.state_text_column else mapping.state_columns
-    if not state_columns or any(column not in source.columns for column in state_columns):
+    if not state_columns or not set(state_columns) <= set(source.columns):
         return []  # parse_rows names the missing mapping
     return [BadRow(number, "the state is empty (" + ", ".join(state_columns) + " have no value)")
             for number, row in source.rows if not any(row[column].strip() for column in state_columns)]
@@ -247,7 +248,7 @@ def parse_cases(source: SourceFile, mapping: CsvMapping | None, schema: dict | N
     return parse_rows(source.columns, rows, mapping or CsvMapping(), schema, base_dir=base_dir)
 
 
-def guess_expected_columns(columns: list[str], question_ids: list[str]) -> dict[str, str]:
+def guess_expected_columns(columns: list[str], question_ids: Sequence[str]) -> dict[str, str]:
     """question id → the column named after it (`team`, `expected_team`, `expected.team`), where there is one."""
     guessed = {}
     for question_id in question_ids:
@@ -263,3 +264,27 @@ def suggested_state_columns(columns: list[str], used: set[str], question_ids: Se
     """Columns the model should read: those not mapped to answers, tags or media and not named like an answer."""
     label_like = set(label_like_columns(columns, question_ids))
     return [c for c in columns if c.strip() and c not in used and c not in label_like]
+
+
+# Column names of a record's own id (`ticket_id`, `id`, `case key`, `ticketId`): kept with the case as its source
+# id, never evidence the model reads.
+ID_COLUMN = re.compile(r"^(.*[ _.-])?(id|uuid|key|ref)$|[a-z]Id$", re.IGNORECASE)
+
+
+def id_like_columns(columns: list[str]) -> list[str]:
+    """The columns named like a record's own id, in file order (the first is suggested as the cases' source id)."""
+    return [c for c in columns if ID_COLUMN.search(c.strip())]
+
+
+def suggest_mapping(columns: list[str], question_ids: Sequence[str] = ()) -> CsvMapping:
+    """The mapping proposed for a file's columns (the Case sets page's and `python -m clef_workbench import`'s
+    default): a column named after a question (`team`, `expected_team`) holds its expected answers; the first
+    id-like column (`ticket_id`) is the case's own id; `tags` its tags; every other column is evidence the model
+    reads, except those named like an answer (`label`, `gold_*`, a question of `question_ids`), which the model
+    must never read unless the user maps them there."""
+    expected = {column: question_id for question_id, column in guess_expected_columns(columns, question_ids).items()}
+    id_column = next((c for c in id_like_columns(columns) if c not in expected), None)
+    tags_column = "tags" if "tags" in columns and "tags" not in expected else None
+    used = {c for c in (*expected, id_column, tags_column) if c}
+    return CsvMapping(state_columns=suggested_state_columns(columns, used, question_ids), expected_columns=expected,
+                      tags_column=tags_column, id_column=id_column)

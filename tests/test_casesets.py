@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import codecs
 import csv
 import io
 import json
@@ -46,7 +47,7 @@ def test_csv_import_maps_columns_to_state_and_expected(tmp_path):
     table = casesets.cases_table(store, set_id)
     assert list(table["state.subject"]) == ["Refund", "Login"]
     assert list(table["expected.team"]) == ["billing", "tech"]
-    exported = list(csv.DictReader(io.StringIO(casesets.export_csv(store, set_id))))
+    exported = list(csv.DictReader(io.StringIO(casesets.export_csv(store, set_id).encode().decode("utf-8-sig"))))
     assert exported[0]["tags"] == "money; angry" and exported[0]["expected.urgent"] == "True"
 
 
@@ -146,7 +147,8 @@ def test_results_export_has_one_row_per_case_and_question_with_every_probability
     assert table[table["error"].notna()]["case_id"].tolist() == [bad_case]
     lines = [json.loads(line) for line in casesets.export_results_jsonl(store, run_id).splitlines()]
     assert lines[0]["probabilities"] == {"billing": 0.7, "tech": 0.3} and lines[0]["correct"] is False
-    assert lines[-1] == {"run_id": run_id, "case_id": bad_case, "error": "RequestError: images: too many"}
+    assert lines[-1] == {"run_id": run_id, "case_id": bad_case, "source_id": None,
+                         "error": "RequestError: images: too many"}
     assert "p:billing" in casesets.export_results_csv(store, run_id).splitlines()[0]
 
 
@@ -211,7 +213,9 @@ def test_results_csv_is_readable_by_a_person(tmp_path):
         "urgent": {"type": "noul", "noul": 0.91234567},
     }, "usage": {"input_tokens": 50}}
     store.record_results(run_id, [{"case_id": case_id, "response": response, "latency_ms": 12, "input_tokens": 50}])
-    rows = {r["question_id"]: r for r in csv.DictReader(io.StringIO(casesets.export_results_csv(store, run_id)))}
+    exported = casesets.export_results_csv(store, run_id).encode()
+    assert exported.startswith(codecs.BOM_UTF8)  # Excel reads the file as UTF-8 only with the mark
+    rows = {r["question_id"]: r for r in csv.DictReader(io.StringIO(exported.decode("utf-8-sig")))}
     assert rows["team"]["state"] == "Where is my parcel?"
     assert rows["team"]["p:billing"] == "0.7123" and rows["urgent"]["p:true"] == "0.9123"
     assert (rows["team"]["correct"], rows["urgent"]["correct"]) == ("false", "true")

@@ -5,10 +5,15 @@ and the run resumed with no case lost or duplicated; wrong input answered with a
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -255,3 +260,101 @@ def test_at_a_terminal_the_same_work_asks_whether_to_resume(tmp_path, monkeypatc
     monkeypatch.setattr("builtins.input", lambda prompt: "q")
     with pytest.raises(UsageError, match=f"nothing run: choose --resume {run_id} or --new"):
         resume_or_new(store, run)
+
+
+@pytest.mark.slow
+@pytest.mark.kill
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_signal_mid_run_cancels_it_with_its_results_kept_and_resume_completes_it(tmp_path, tiny_release, signum):
+    db, schema_file, store = small_run(tmp_path, 20)
+    args = ("--db", str(db), "--model", str(tiny_release), "--device", "cpu")
+    gate = tmp_path / "gate"
+    # the run pauses once it has written 2 chunks of results, until the gate opens (see tests/paused_run.py)
+    child = subprocess.Popen([sys.executable, "-m", "tests.paused_run", "results", "2", str(gate), "run", *args,
+                              "--case-set", "tickets", "--schema", str(schema_file), "--chunk-size", "2"],
+                             cwd=ROOT, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not gate.with_name("gate.paused").exists():
+            assert child.poll() is None, child.communicate()[1][-3000:]
+            assert time.monotonic() < deadline, "the run had not written 2 chunks after 300 s"
+            time.sleep(0.05)
+        child.send_signal(signum)
+        seen = []
+        while not any("cancelling after the chunk in flight" in line for line in seen):
+            line = child.stderr.readline()
+            assert line, "".join(seen)[-3000:]  # the process ended without saying it cancels
+            seen.append(line)
+        gate.touch()
+        out, err = child.communicate(timeout=300)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    err = "".join(seen) + err
+    assert child.returncode == 1, err[-3000:]
+    assert "Traceback" not in err
+    assert f"run 1 cancelled (to resume: python -m clef_workbench run --db {db} --resume 1" in err
+    run = store.get_run(1)
+    # the chunk written at the pause and the one queued behind it: nothing after the signal was started
+    assert (run["status"], run["done"], run["errors"]) == ("cancelled", 6, 0)
+    assert store.run_lease_holder(1) is None
+    before = {r["case_id"]: (r["id"], r["finished_at"]) for r in store.list_results(1)}
+
+    resumed = run_cli(*args, "--resume", "1")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert resumed.stdout.rstrip().endswith("run 1 finished: 20/20 cases, 0 errors")
+    results = store.list_results(1)
+    assert len({r["case_id"] for r in results}) == len(results) == 20  # none lost, none computed twice
+    assert all((r["id"], r["finished_at"]) == before[r["case_id"]] for r in results if r["case_id"] in before)
+    assert store.get_run(1)["status"] == "finished"
+
+
+NOBODY = 65534
+
+
+@contextmanager
+def as_nobody() -> Iterator[None]:
+    """This process as another user than root, for whom file modes count (root writes a read-only file anyway). The
+    Python it runs is under /root, so only modules already imported can be used meanwhile."""
+    os.setegid(NOBODY)
+    os.seteuid(NOBODY)
+    try:
+        yield
+    finally:
+        os.seteuid(0)
+        os.setegid(0)
+
+
+def test_a_read_only_database_is_refused_without_side_files_and_works_once_writable(capsys, monkeypatch):
+    import clef_workbench.distributed  # noqa: F401  # what `run` imports, while this process can still read it
+
+    monkeypatch.delenv("CLEF_RAY_ADDRESS", raising=False)
+    folder = Path(tempfile.mkdtemp())  # outside pytest's folder, which only root may enter
+    try:
+        folder.chmod(0o777)
+        db = folder / "w.db"
+        store = Store(db)
+        store.create_case_set("tickets")
+        store.close()
+        schema_file = folder / "small.json"
+        schema_file.write_text(json.dumps(SMALL_SCHEMA))
+        tickets = folder / "tickets.csv"
+        tickets.write_text("subject\nmy invoice is wrong\n")
+        os.chown(db, NOBODY, NOBODY)
+        db.chmod(0o444)
+        import_args = ["import", "--db", str(db), "--case-set", "tickets", str(tickets)]
+        with as_nobody():
+            assert main(import_args) == 1
+            assert [p.name for p in folder.iterdir() if p.name.startswith("w.db-")] == []  # no -wal, -shm
+            assert main(["run", "--db", str(db), "--case-set", "tickets", "--schema", str(schema_file), "--model",
+                         "demo"]) == 1
+            db.chmod(0o644)  # permissions restored by the file's owner: the database works
+            imported = main(import_args)
+        err = capsys.readouterr().err
+        assert err.count(f"the database file {db} is read-only") == 2 and "Traceback" not in err, err
+        assert imported == 0, err
+        assert [s["case_count"] for s in Store(db).list_case_sets()] == [1]
+    finally:
+        shutil.rmtree(folder)

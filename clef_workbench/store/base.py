@@ -4,6 +4,7 @@ transactions, migrations, and the append-only change log that soft deletes and r
 from __future__ import annotations
 
 import json
+import os
 import sqlite3
 import threading
 from collections.abc import Iterator
@@ -80,10 +81,21 @@ class StoreBase:
         self.path = Path(path)
         if str(path) != ":memory:":
             self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._refuse_unwritable()
         self._local = threading.local()
         conn = self._conn()
         conn.execute("PRAGMA journal_mode=WAL")
         self._migrate(conn)
+
+    def _refuse_unwritable(self) -> None:
+        """Refuse a database this process cannot write before SQLite opens it: opened, a read-only file in WAL mode
+        gets `-wal` and `-shm` side files created with its own read-only mode, which keep it unusable after its
+        permissions are restored. Side files already left read-only are named, for the same reason."""
+        for path in (self.path, self.path.with_name(self.path.name + "-wal"),
+                     self.path.with_name(self.path.name + "-shm")):
+            if path.exists() and not os.access(path, os.W_OK, effective_ids=os.access in os.supports_effective_ids):
+                raise StoreError(f"the database file {path} is read-only for this user: nothing was read or written; "
+                                 "make it writable (chmod u+w) and try again")
 
     def _conn(self) -> sqlite3.Connection:
         """One connection per thread (sqlite3 connections must not be shared across threads)."""
