@@ -111,8 +111,8 @@ class Engine:
         self.backbone_parameters = sum(p.numel() for p in model.parameters())
         self.head_parameters = sum(p.numel() for p in head.parameters())
         # chosen (and checked on the device) here, on the loading thread: not first inside a CUDA graph capture
-        self.head_attention = head_attention_kernel(self.device, self.dtype,
-                                                    head.config.width // head.config.heads).__name__
+        head.attention = head_attention_kernel(self.device, self.dtype, head.config.width // head.config.heads)
+        self.head_attention = head.attention.__name__
         self.token_budget = config.token_budget
         self.backbone: PackedBackbone | None = None
         self.graphs: PrefillGraphs | None = None
