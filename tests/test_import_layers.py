@@ -18,6 +18,7 @@ TORCH_FREE = [
     "clef_engine.interface",
     "clef_engine.remote",
     "clef_engine.remote_http",
+    "clef_engine.fp8_fidelity",
     "clef_workbench.store",
     "clef_workbench.schemas",
     "clef_workbench.schema_diff",
