@@ -223,7 +223,8 @@ def import_graph(modules: dict[str, ast.Module]) -> dict[str, set[str]]:
     graph = {}
     for path, tree in modules.items():
         targets = {f"{module}.{name}" if f"{module}.{name}" in paths else module
-                   for module, names in import_statements(path, tree, runtime_only=True) for name in names or [""]}
+                   for module, names in import_statements(path, tree, runtime_only=True)
+                   for name in names or [""]}  # `import module` names nothing: the module itself
         graph[path] = {paths[target] for target in targets if target in paths} - {path}
     return graph
 
