@@ -36,6 +36,7 @@ from .fast.graphs import HeadGraphs, PrefillGraphs
 from .fast.head_kernels import head_attention_kernel
 from .fast.packed import PackedBackbone, chunked_head_inputs, pack_ids
 from .fast.segments import make_segments
+from .fp8_fidelity import measured_fidelity
 from .model import backbone, media, release
 from .model.encoding import DEFAULT_MAX_LENGTH, EncodedRecord, Encoder
 from .model.head import JointSchemaHead, layout, load_head, option_probabilities
@@ -111,8 +112,8 @@ class Engine:
         self.backbone_parameters = sum(p.numel() for p in model.parameters())
         self.head_parameters = sum(p.numel() for p in head.parameters())
         # chosen (and checked on the device) here, on the loading thread: not first inside a CUDA graph capture
-        self.head_attention = head_attention_kernel(self.device, self.dtype,
-                                                    head.config.width // head.config.heads).__name__
+        head.attention = head_attention_kernel(self.device, self.dtype, head.config.width // head.config.heads)
+        self.head_attention = head.attention.__name__
         self.token_budget = config.token_budget
         self.backbone: PackedBackbone | None = None
         self.graphs: PrefillGraphs | None = None
@@ -469,9 +470,7 @@ class Engine:
         if not self.config.fp8:
             return {"precision": "bf16"}
         if self._fp8_fidelity is None:
-            from .fast import fp8
-
-            self._fp8_fidelity = fp8.measured_fidelity()
+            self._fp8_fidelity = measured_fidelity()
         return {"precision": "fp8", "distance_from_float32": self._fp8_fidelity}
 
     def kernel_info(self) -> dict:

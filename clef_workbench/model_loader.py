@@ -47,7 +47,7 @@ def fp8_unavailable() -> str | None:
     compute what they should is checked when the model loads."""
     from clef_engine.config import EngineConfig, fp8_unsupported
     from clef_engine.errors import ClefError
-    from clef_engine.fast.fp8 import describe_fidelity, measured_fidelity
+    from clef_engine.fp8_fidelity import describe_fidelity, measured_fidelity
 
     try:
         problem = fp8_unsupported(EngineConfig.resolve(precision="bf16"))
@@ -61,7 +61,7 @@ def fp8_unavailable() -> str | None:
 
 def fp8_fidelity_text() -> str:
     """FP8's measured distance from the float32 answer, in words (or that it was not measured)."""
-    from clef_engine.fast.fp8 import describe_fidelity, measured_fidelity
+    from clef_engine.fp8_fidelity import describe_fidelity, measured_fidelity
 
     return describe_fidelity(measured_fidelity())
 

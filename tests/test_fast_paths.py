@@ -333,14 +333,14 @@ def test_the_heads_attention_reads_each_records_real_keys_by_count_in_batches_an
     from clef_engine.model import head as head_module
 
     assert head_attention_kernel(torch.device("cpu"), torch.float32, 64) is head_module.attention_masked
+    assert tiny_engine.head.attention is head_module.attention_masked
     seen = []
-    attention = head_module.head_attention
 
     def watched(q, k, v, counts):
         seen.append((q.shape[1], k.shape[1], None if counts is None else counts.tolist()))
-        return attention(q, k, v, counts)
+        return head_module.attention_masked(q, k, v, counts)
 
-    monkeypatch.setattr(head_module, "head_attention", watched)
+    monkeypatch.setattr(tiny_engine.head, "attention", watched)
     short = {"state": "the invoice is paid", "questions": {"q": {"type": "noul", "instructions": "Paid?"}}}
     long = {"state": "the invoice is late " * 30, "questions": {
         f"q{j}": {"type": "choice", "instructions": f"which {j}?", "criteria": {"a": "one", "b": "two"}}
@@ -486,6 +486,30 @@ def test_heads_flash_attention_does_not_take_run_the_exact_kernel(monkeypatch):
     assert head_kernels.head_attention_kernel(cuda, torch.bfloat16, 64) is head_kernels.attention_flash_split
     for head_dim in (4, 12, 264):
         assert head_kernels.head_attention_kernel(cuda, torch.bfloat16, head_dim) is head_module.attention_masked
+
+
+def test_the_engine_gives_the_head_the_attention_kernel_chosen_for_its_device(tiny_release, monkeypatch):
+    """The model layer knows only the exact kernel; the engine hands the head the one fast/head_kernels.py picks for
+    its device (flash on a GPU that runs it), and that kernel answers every attention of the head."""
+    import clef_engine
+    from clef_engine import engine as engine_module
+    from clef_engine.model.head import attention_masked
+
+    keys_seen = []
+
+    def chosen(q, k, v, counts):
+        keys_seen.append(k.shape[1])
+        return attention_masked(q, k, v, counts)
+
+    monkeypatch.setattr(engine_module, "head_attention_kernel", lambda device, dtype, head_dim: chosen)
+    engine = clef_engine.load(tiny_release, device="cpu", dtype="float32")
+    try:
+        assert engine.head.attention is chosen and engine.kernel_info()["head_attention"] == "chosen"
+        engine.decide({"state": "the invoice is paid", "questions": {"q": {"type": "noul", "instructions": "Paid?"}}})
+    finally:
+        engine.close()
+    config = engine.head.config
+    assert len(keys_seen) == config.routing_layers + 2 * config.layers
 
 
 def test_a_cpu_model_answers_where_transformers_bound_its_gated_deltanet_to_cuda_only_kernels(

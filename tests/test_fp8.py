@@ -192,19 +192,21 @@ def test_info_says_which_precision_answers(bf16_engine):
 
 
 def test_measured_fidelity_comes_from_the_newest_results_file(tmp_path):
-    assert FP8.measured_fidelity(tmp_path) == "not measured"
-    assert FP8.describe_fidelity("not measured") == "distance from float32 not measured"
+    from clef_engine.fp8_fidelity import describe_fidelity, measured_fidelity
+
+    assert measured_fidelity(tmp_path) == "not measured"
+    assert describe_fidelity("not measured") == "distance from float32 not measured"
     (tmp_path / "2026-12-01-h200-lengths-and-precision.json").write_text(json.dumps(
         {"fp8": {"max_dp": 0.2, "flips": 9, "max_flip_margin": 0.3, "questions": 240}}))
     (tmp_path / "2026-12-03-h200-lengths-and-precision.json").write_text(json.dumps(
         {"fp8": {"max_dp": 0.031, "flips": 4, "max_flip_margin": 0.012, "questions": 240}}))
     (tmp_path / "2026-12-04-h200-lengths-and-precision.json").write_text(json.dumps({"fp8": {}}))  # not measured
-    fidelity = FP8.measured_fidelity(tmp_path)
+    fidelity = measured_fidelity(tmp_path)
     assert fidelity["max_dp"] == 0.031 and fidelity["gate_met"] is True
     assert fidelity["source"] == "bench/results/2026-12-03-h200-lengths-and-precision.json"
-    assert FP8.describe_fidelity(fidelity).startswith("max |Δp| 0.031 from float32, 4 of 240 answers flipped (gate met")
+    assert describe_fidelity(fidelity).startswith("max |Δp| 0.031 from float32, 4 of 240 answers flipped (gate met")
     (tmp_path / "2026-12-03-h200-lengths-and-precision.json").unlink()
-    assert FP8.measured_fidelity(tmp_path)["gate_met"] is False  # 0.2 > 0.05
+    assert measured_fidelity(tmp_path)["gate_met"] is False  # 0.2 > 0.05
 
 
 def test_the_model_manager_loads_in_the_precision_chosen(tmp_path):

@@ -18,6 +18,7 @@ TORCH_FREE = [
     "clef_engine.interface",
     "clef_engine.remote",
     "clef_engine.remote_http",
+    "clef_engine.fp8_fidelity",
     "clef_workbench.store",
     "clef_workbench.schemas",
     "clef_workbench.schema_diff",
@@ -92,19 +93,28 @@ def product_modules() -> dict[str, ast.Module]:
     return {path.relative_to(REPO).as_posix(): ast.parse(path.read_text(encoding="utf-8")) for path in paths}
 
 
-def imported_modules(path: str, tree: ast.Module) -> set[str]:
-    """Every module `tree` imports, relative imports resolved against its package (`path`)."""
+def import_statements(path: str, tree: ast.Module, *, runtime_only: bool = False) -> list[tuple[str, list[str]]]:
+    """(module, the names imported from it; [] for `import module`) of every import in `tree`, module-level and
+    function-local, relative imports resolved against its package (`path`); `runtime_only` leaves out the imports
+    under `if TYPE_CHECKING:`, which never run."""
     package = path.removesuffix(".py").split("/")[:-1]  # a module's package; an __init__'s is its own folder
-    found: set[str] = set()
+    type_only = {id(inner) for block in ast.walk(tree) if runtime_only and isinstance(block, ast.If)
+                 and ast.unparse(block.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING")
+                 for statement in block.body for inner in ast.walk(statement)}
+    found: list[tuple[str, list[str]]] = []
     for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            found.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom):
+        if isinstance(node, ast.Import) and id(node) not in type_only:
+            found.extend((alias.name, []) for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and id(node) not in type_only:
             base = package[: len(package) - node.level + 1] if node.level else []
-            module = ".".join([*base, *([node.module] if node.module else [])])
-            found.add(module)
-            found.update(f"{module}.{alias.name}" for alias in node.names)
+            found.append((".".join([*base, *([node.module] if node.module else [])]), [a.name for a in node.names]))
     return found
+
+
+def imported_modules(path: str, tree: ast.Module) -> set[str]:
+    """Every module `tree` imports, and `module.name` for every name it imports from one (a submodule or not)."""
+    return {imported for module, names in import_statements(path, tree)
+            for imported in (module, *(f"{module}.{name}" for name in names))}
 
 
 def test_imported_modules_resolves_relative_imports():
@@ -175,3 +185,98 @@ def test_mypy_checks_that_both_engines_implement_the_protocol():
     assert "clef_engine/interface.py" in checked
     source = (REPO / "clef_engine" / "interface.py").read_text(encoding="utf-8")
     assert "engine: DecisionEngine = local" in source and "engine = remote" in source
+
+
+# --- no import cycle, and every layer imports only downwards ------------------------------------------------------
+# Layers: contract -> model -> fast path -> engine -> serving and the workbench (docs/architecture.md). serve/'s own
+# rule is test_nothing_below_the_server_imports_serve above.
+LAYER_RULES = [  # (importers: path prefixes, what they must not import: module prefixes)
+    (("clef_engine/model/",), ("clef_engine.fast",)),  # the model is the exact path the fast one is checked against
+    # the services are UI-free: Streamlit and its charts live in workbench_ui/ and pages/
+    (("clef_workbench/",), ("streamlit", "altair", "workbench_ui", "pages")),
+    # fronts reach the engine through clef_engine.interface, never its kernels
+    (("clef_engine/serve/", "clef_workbench/", "workbench_ui/", "pages/", "app.py", "serve_workbench.py"),
+     ("clef_engine.fast",)),
+]
+# Known breaks in files other helpers of issue 37 are editing; the lead deletes each entry once its fix is merged.
+# The tests below fail when an entry no longer applies, so these lists only shrink.
+KNOWN_CYCLES = {
+    frozenset({"clef_workbench/casesets.py", "clef_workbench/importing.py"}),  # split at a line count, not a seam
+}
+KNOWN_LAYER_BREAKS = {
+    ("clef_workbench/answers.py", "altair"),  # UI code in the services package: moves to workbench_ui/
+    ("clef_engine/serve/server.py", "clef_engine.fast"),  # describe_fidelity: import it from clef_engine.fp8_fidelity
+    ("workbench_ui/shell.py", "clef_engine.fast"),
+}
+
+
+def module_name(path: str) -> str:
+    """clef_engine/fast/fp8.py -> clef_engine.fast.fp8; a package's __init__.py -> the package."""
+    parts = path.removesuffix(".py").split("/")
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph(modules: dict[str, ast.Module]) -> dict[str, set[str]]:
+    """Module path -> the paths of the modules among `modules` it imports at run time (`from package import name`
+    imports the submodule `package.name` where there is one, else the package)."""
+    paths = {module_name(path): path for path in modules}
+    graph = {}
+    for path, tree in modules.items():
+        targets = {f"{module}.{name}" if f"{module}.{name}" in paths else module
+                   for module, names in import_statements(path, tree, runtime_only=True)
+                   for name in names or [""]}  # `import module` names nothing: the module itself
+        graph[path] = {paths[target] for target in targets if target in paths} - {path}
+    return graph
+
+
+def reachable(graph: dict[str, set[str]], start: str) -> set[str]:
+    """The modules `start` reaches by one import or more."""
+    seen: set[str] = set()
+    waiting = list(graph[start])
+    while waiting:
+        node = waiting.pop()
+        if node not in seen:
+            seen.add(node)
+            waiting.extend(graph[node])
+    return seen
+
+
+def import_cycles(graph: dict[str, set[str]]) -> set[frozenset[str]]:
+    """Each set of modules that import one another, directly or around a loop (a strongly connected component)."""
+    reach = {node: reachable(graph, node) for node in graph}
+    return {frozenset({node} | {other for other in reach[node] if node in reach[other]})
+            for node in graph if node in reach[node]}
+
+
+def layer_breaks(modules: dict[str, ast.Module]) -> set[tuple[str, str]]:
+    """(module path, forbidden module prefix) for every import against LAYER_RULES (TYPE_CHECKING imports too)."""
+    return {(path, forbidden) for path, tree in modules.items() for importers, forbiddens in LAYER_RULES
+            if path.startswith(importers) for imported in imported_modules(path, tree) for forbidden in forbiddens
+            if imported == forbidden or imported.startswith(forbidden + ".")}
+
+
+def test_the_import_graph_sees_function_local_imports_and_skips_type_checking_ones():
+    modules = {path: ast.parse(source) for path, source in {
+        "pkg/__init__.py": "",
+        "pkg/a.py": "def late():\n    from . import b\n",
+        "pkg/b.py": "from .a import late\nimport pkg.c\n",
+        "pkg/c.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg import b\nimport altair\n",
+    }.items()}
+    graph = import_graph(modules)
+    assert graph == {"pkg/__init__.py": set(), "pkg/a.py": {"pkg/b.py"}, "pkg/b.py": {"pkg/a.py", "pkg/c.py"},
+                     "pkg/c.py": set()}
+    assert import_cycles(graph) == {frozenset({"pkg/a.py", "pkg/b.py"})}
+    assert import_cycles({**graph, "pkg/c.py": {"pkg/__init__.py"}, "pkg/__init__.py": {"pkg/b.py"}}) == {
+        frozenset(modules)}
+    assert layer_breaks({"clef_workbench/" + path.removeprefix("pkg/"): tree for path, tree in modules.items()}) == {
+        ("clef_workbench/c.py", "altair")}
+
+
+def test_no_product_module_imports_another_that_imports_it_back():
+    """No runtime import cycle among product modules, function-local imports included (a late import hides a
+    cycle from Python, not from a reader): a module can be read, tested and moved with what it imports."""
+    assert import_cycles(import_graph(product_modules())) == KNOWN_CYCLES
+
+
+def test_every_layer_imports_only_the_layers_below_it():
+    assert layer_breaks(product_modules()) == KNOWN_LAYER_BREAKS

@@ -280,7 +280,7 @@ def warm_long_attention(device: torch.device, dtype: torch.dtype, heads: int, kv
     """Build cuDNN's plan for every padded length of one long record up to `max_tokens` (so that no request pays
     for one); returns how many lengths were run. Longest first, then the cache emptied: in ascending order every
     call's buffers would outgrow the blocks cached before it, and the caching allocator would keep them all (45 GB
-    reserved after one warm-up on the H200, bench/results/2026-12-01-h200-user-paths-run3.json)."""
+    reserved after one warm-up on the H200: the user paths' run 3 in bench/README.md's run history)."""
     lengths = range(cudnn_length(max_tokens), cudnn_length(LONG_RECORD_TOKENS) - 1, -CUDNN_LENGTH_STEP)
     if not lengths:
         return 0

@@ -33,7 +33,7 @@ GiB = 2**30
 # Entries larger than this are dropped when they leave the device tier instead of being copied to host memory.
 # Copying gigabytes to the host, pinned (cudaHostAlloc) or pageable, holds the CUDA driver long enough to stall the
 # kernel launches of the thread answering requests: a ~67k decide took 12.7 s with its predecessor's 4.4 GB state
-# spilling and 7.4 s with the cache off, its GPU work 7.2 s (bench/results/2026-12-02-h200-long-records-run1.json).
+# spilling and 7.4 s with the cache off, its GPU work 7.2 s (the long records' run 1 in bench/README.md's run history).
 # A long state is stored on the device (views of the record's own K/V, no copy) and dropped when evicted.
 SPILL_MAX_BYTES = 256 * 2**20
 

@@ -18,10 +18,8 @@ in FP8 too.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -29,15 +27,15 @@ from torch import nn
 
 from ..errors import ReleaseError
 
+# For serve/server.py and workbench_ui/shell.py, which import it from here until the lead points them at
+# clef_engine.fp8_fidelity after merging issue 37's helpers; then this line and its exception in
+# tests/test_import_layers.py go.
+from ..fp8_fidelity import describe_fidelity  # noqa: F401
+
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = 448.0  # e4m3's largest finite value: a row's amax maps to it
 MIN_AMAX = 1e-12  # an all-zero row gets this amax (its values stay zero), never a division by zero
 SCALED_MM_MULTIPLE = 16  # torch._scaled_mm wants K and N multiples of 16
-# The gate issue 25 sets for FP8 against the float32 truth: max |Δp| and the truth's top-two gap of any flipped answer
-GATE_MAX_DP = 0.05
-GATE_FLIP_MARGIN = 0.05
-RESULTS_DIR = Path(__file__).resolve().parents[2] / "bench" / "results"
-RESULTS_GLOB = "*-lengths-and-precision.json"
 
 
 @dataclass(frozen=True)
@@ -334,34 +332,3 @@ def weight_bytes(*modules: nn.Module) -> int:
             storage = tensor.untyped_storage()
             seen[storage.data_ptr()] = storage.nbytes()
     return sum(seen.values())
-
-
-# ---- what it costs in answers ----------------------------------------------------------------------------------------
-
-def measured_fidelity(results_dir: Path = RESULTS_DIR) -> dict | str:
-    """FP8's measured distance from the float32 answer, from the newest bench/results/*-lengths-and-precision.json
-    (bench/lengths_and_precision.py), with whether it meets issue 25's gate; "not measured" if no such file has it."""
-    for path in sorted(results_dir.glob(RESULTS_GLOB), reverse=True):
-        try:
-            fp8 = json.loads(path.read_text()).get("fp8") or {}
-        except (OSError, ValueError):
-            continue
-        if fp8.get("max_dp") is None:
-            continue
-        margin = fp8.get("max_flip_margin")
-        return {"max_dp": fp8["max_dp"], "flips": fp8.get("flips"), "max_flip_margin": margin,
-                "questions": fp8.get("questions"), "shape": fp8.get("fidelity_shape"),
-                "gate_met": fp8["max_dp"] <= GATE_MAX_DP and (margin or 0.0) <= GATE_FLIP_MARGIN,
-                "source": f"bench/results/{path.name}"}
-    return "not measured"
-
-
-def describe_fidelity(fidelity: dict | str) -> str:
-    """One line for people: 'max |Δp| 0.031 from float32, 4 of 240 answers flipped (gate met; ...)'."""
-    if not isinstance(fidelity, dict):
-        return "distance from float32 not measured"
-    gate = "gate met" if fidelity.get("gate_met") else "gate missed"
-    flips = fidelity.get("flips")
-    questions = fidelity.get("questions")
-    flipped = f", {flips} of {questions} answers flipped" if flips is not None and questions else ""
-    return f"max |Δp| {fidelity['max_dp']:.3f} from float32{flipped} ({gate}; {fidelity.get('source')})"

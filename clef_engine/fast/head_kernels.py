@@ -1,7 +1,7 @@
-"""The head's fast attention kernels on CUDA, beside the exact path in model/head.py, which calls them through
-`head_attention`: flash attention told each row's real key count (`seqused_k`), and the keys split into pieces
-merged by log-sum-exp where few queries over many keys would leave the GPU idle. Each is checked once per device
-against `attention_masked`, the exact path's kernel, and used only where it agrees with it."""
+"""The head's fast attention kernels on CUDA, beside the exact kernel in model/head.py (`attention_masked`): flash
+attention told each row's real key count (`seqused_k`), and the keys split into pieces merged by log-sum-exp where
+few queries over many keys would leave the GPU idle. Each is checked once per device against `attention_masked` and
+used only where it agrees with it; the engine gives the head the one `head_attention_kernel` picks."""
 
 from __future__ import annotations
 

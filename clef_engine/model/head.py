@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, fields, replace
 from itertools import chain
 
@@ -319,8 +320,11 @@ def _linear(linear: nn.Linear, x: torch.Tensor) -> torch.Tensor:
 # On CUDA, flash attention told each row's real key count (`seqused_k`) needs no mask and no per-shape plan: cuDNN
 # builds a plan for every new shape (43-73 ms on the H200), and the head meets a new shape with nearly every new
 # schema or memory length; the memory-efficient kernel, which takes the mask, is 2.5-4x slower per call
-# (bench/results/2026-12-01-h200-diagnose.json, `head_kernels`). Elsewhere: SDPA with the additive padding mask.
+# (bench/results/2026-12-01-h200-diagnose.json, `head_kernels`). The engine gives the head that kernel where the
+# device runs it (fast/head_kernels.py); this module's default, and the exact path: SDPA with the additive mask.
 NO_PLAN_BACKENDS = (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)
+# q [B, Lq, H, d], k and v [B, T, H, d], each row's real key count [B] or None (all real) -> [B, Lq, H, d]
+AttentionKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
 
 
 def key_counts(padding: torch.Tensor | None) -> torch.Tensor | None:
@@ -344,18 +348,11 @@ def attention_masked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, counts: 
     return out.transpose(1, 2)
 
 
-def head_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, counts: torch.Tensor | None) -> torch.Tensor:
-    """The head's attention: the kernel fast/head_kernels.py picks for the device (`attention_masked` off CUDA)."""
-    from ..fast.head_kernels import head_attention_kernel  # the fast kernels build on this module: imported late
-
-    return head_attention_kernel(q.device, q.dtype, q.shape[-1])(q, k, v, counts)
-
-
 def attend(attention: nn.MultiheadAttention, query: torch.Tensor, memory: torch.Tensor,
-           counts: torch.Tensor | None) -> torch.Tensor:
+           counts: torch.Tensor | None, kernel: AttentionKernel) -> torch.Tensor:
     """nn.MultiheadAttention(query, memory, memory) with need_weights=False and a key-padding mask given as each
-    row's real key count (`counts`, None: all real); `memory is query` is self-attention (one packed projection).
-    Runs in the weights' dtype; returns it."""
+    row's real key count (`counts`, None: all real), the heads attended by `kernel`; `memory is query` is
+    self-attention (one packed projection). Runs in the weights' dtype; returns it."""
     weight, bias, width = attention.in_proj_weight, attention.in_proj_bias, query.shape[-1]
     if memory is query:
         q, k, v = F.linear(query.to(weight.dtype), weight, bias).chunk(3, dim=-1)
@@ -363,36 +360,40 @@ def attend(attention: nn.MultiheadAttention, query: torch.Tensor, memory: torch.
         q = F.linear(query.to(weight.dtype), weight[:width], bias[:width])
         k, v = F.linear(memory.to(weight.dtype), weight[width:], bias[width:]).chunk(2, dim=-1)
     heads = attention.num_heads
-    out = head_attention(*(x.unflatten(-1, (heads, width // heads)) for x in (q, k, v)), counts)
+    out = kernel(*(x.unflatten(-1, (heads, width // heads)) for x in (q, k, v)), counts)
     return _linear(attention.out_proj, out.flatten(-2))
 
 
 def route(layer: EvidenceRoutingLayer, options: torch.Tensor, memory: torch.Tensor,
-          memory_counts: torch.Tensor | None) -> torch.Tensor:
+          memory_counts: torch.Tensor | None, kernel: AttentionKernel) -> torch.Tensor:
     """EvidenceRoutingLayer.forward: options read the normed memory, then the pre-norm feed-forward. `options` is
     the float32 residual stream; the memory's norm stays in the memory's dtype (a GEMM reads it next)."""
     options = options + attend(layer.attention, _norm(layer.query_norm, options),
-                               _norm(layer.memory_norm, memory, memory.dtype), memory_counts)
+                               _norm(layer.memory_norm, memory, memory.dtype), memory_counts, kernel)
     first, gelu, _, second = layer.feedforward
     return options + _linear(second, F.gelu(_linear(first, _norm(layer.feedforward_norm, options)),
                                             approximate=gelu.approximate))
 
 
 def decode(layer: nn.TransformerDecoderLayer, fields: torch.Tensor, memory: torch.Tensor,
-           field_counts: torch.Tensor | None, memory_counts: torch.Tensor | None) -> torch.Tensor:
+           field_counts: torch.Tensor | None, memory_counts: torch.Tensor | None,
+           kernel: AttentionKernel) -> torch.Tensor:
     """nn.TransformerDecoderLayer.forward with norm_first=True: self-attention, cross-attention over the (un-normed)
     memory, feed-forward, each pre-norm and residual (`fields` is the float32 residual stream)."""
     normed = _norm(layer.norm1, fields)
-    fields = fields + attend(layer.self_attn, normed, normed, field_counts)
-    fields = fields + attend(layer.multihead_attn, _norm(layer.norm2, fields), memory, memory_counts)
+    fields = fields + attend(layer.self_attn, normed, normed, field_counts, kernel)
+    fields = fields + attend(layer.multihead_attn, _norm(layer.norm2, fields), memory, memory_counts, kernel)
     return fields + _linear(layer.linear2, layer.activation(_linear(layer.linear1, _norm(layer.norm3, fields))))
 
 
 class JointSchemaHead(nn.Module):
-    def __init__(self, config: HeadConfig):
+    def __init__(self, config: HeadConfig, attention: AttentionKernel = attention_masked):
+        """`attention`: the kernel of every attention in the batched forward; the engine gives a faster one where
+        the device has it (fast/head_kernels.py)."""
         super().__init__()
         hidden, width = config.hidden_size, config.width
         self.config = config
+        self.attention = attention
         self.prior_logit_scale = nn.Parameter(torch.tensor(math.log(10.0)))
         self.joint_logit_scale = nn.Parameter(torch.tensor(math.log(10.0)))
         self.residual_gate = nn.Parameter(torch.tensor(0.0))
@@ -462,7 +463,7 @@ class JointSchemaHead(nn.Module):
                    + _linear(self.option_question_projection, question)[batch.option_question])  # float32 stream
         routed = queries[None] if one else queries[batch.record_options]  # [B, Omax, W]
         for layer in self.evidence_layers:
-            routed = route(layer, routed, memory, memory_counts)
+            routed = route(layer, routed, memory, memory_counts, self.attention)
         routed = routed[0] if one else routed[batch.option_record, batch.option_record_slot]  # [O, W]
 
         # Each question's options, summed with softmax weights of their affinity to the question (padded slots: 0).
@@ -480,7 +481,7 @@ class JointSchemaHead(nn.Module):
         fields = fields[None] if one else fields[batch.record_questions]  # [B, Qmax, W]
         field_counts = key_counts(batch.field_padding)
         for layer in self.layers:
-            fields = decode(layer, fields, memory, field_counts, memory_counts)
+            fields = decode(layer, fields, memory, field_counts, memory_counts, self.attention)
         fields = _norm(self.field_norm, fields)
         fields = fields[0] if one else fields[batch.question_record, batch.question_slot]  # [Q, W]
 

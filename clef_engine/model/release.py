@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -63,6 +64,13 @@ class Release:
         return self.config.get(RANDOM_WEIGHTS_FIELD) is True
 
 
+def download_command(source: str, revision: str | None) -> str:
+    """The command that downloads a hub release: the `hf` huggingface_hub installs beside this Python (the project's
+    .venv/bin/hf), which need not be on PATH."""
+    hf = Path(sys.executable).parent / "hf"
+    return f"{hf} download {source}" + (f" --revision {revision}" if revision else "")
+
+
 def resolve(source: str | os.PathLike, revision: str | None = None) -> Path:
     """A local folder as is; otherwise a Hugging Face repo id, from the local cache first, then the Hub."""
     source = str(source)
@@ -86,7 +94,7 @@ def resolve(source: str | os.PathLike, revision: str | None = None) -> Path:
         raise ReleaseError(
             f"{source}{'@' + revision if revision else ''} is not in the local Hugging Face cache "
             f"({constants.HF_HUB_CACHE}) and HF_HUB_OFFLINE is set. Download it first on a machine with internet: "
-            f"`hf download {source}{' --revision ' + revision if revision else ''}`, or pass the release folder."
+            f"`{download_command(source, revision)}`, or pass the release folder."
         )
     try:
         return Path(snapshot_download(source, revision=revision))
@@ -94,7 +102,7 @@ def resolve(source: str | os.PathLike, revision: str | None = None) -> Path:
         raise ReleaseError(
             f"could not get {source}{'@' + revision if revision else ''}: not in the local Hugging Face cache "
             f"({constants.HF_HUB_CACHE}) and the download failed ({type(error).__name__}: {error}). "
-            f"Download it with `hf download {source}` or pass the release folder."
+            f"Download it with `{download_command(source, revision)}` or pass the release folder."
         ) from error
 
 
