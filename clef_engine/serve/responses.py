@@ -8,6 +8,7 @@ from collections.abc import Collection
 from typing import Any
 
 from starlette.datastructures import Headers
+from starlette.middleware import Middleware
 from starlette.responses import JSONResponse
 
 from .bodies import MAX_JSON_DEPTH, ApiError, clip
@@ -64,12 +65,20 @@ def default_allowed_hosts(bind_host: str) -> list[str]:
     return list(dict.fromkeys([named.lower(), *LOCAL_HOSTS]))
 
 
+def host_allow_list(allowed: Collection[str], setting: str = "the server's --allowed-host") -> list[Middleware]:
+    """The middleware refusing Host headers not in `allowed` with 421 (none when `allowed` holds '*'): a web page
+    whose own name was made to point at this machine (DNS rebinding) cannot reach a server bound to it. `setting`
+    is what the 421 names as the way to allow another host."""
+    return [] if "*" in allowed else [Middleware(HostAllowList, allowed=allowed, setting=setting)]
+
+
 class HostAllowList:
     """ASGI middleware: HTTP requests whose Host header (without its port) is not allowed get 421."""
 
-    def __init__(self, app: Any, allowed: Collection[str]):
+    def __init__(self, app: Any, allowed: Collection[str], setting: str):
         self.app = app
         self.allowed = {host.lower() for host in allowed}
+        self.setting = setting
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] == "http":
@@ -79,7 +88,7 @@ class HostAllowList:
                 response = SafeJSONResponse({"detail": {
                     "error_type": "misdirected_request",
                     "message": f"this server does not answer for host {clip(host)!r}; allowed: "
-                               f"{', '.join(sorted(self.allowed))} (the server's --allowed-host)"}}, status_code=421)
+                               f"{', '.join(sorted(self.allowed))} ({self.setting})"}}, status_code=421)
                 await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)
