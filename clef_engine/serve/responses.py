@@ -10,6 +10,7 @@ from typing import Any
 from starlette.datastructures import Headers
 from starlette.middleware import Middleware
 from starlette.responses import JSONResponse
+from starlette.websockets import WebSocketClose
 
 from .bodies import MAX_JSON_DEPTH, ApiError, clip
 
@@ -73,7 +74,8 @@ def host_allow_list(allowed: Collection[str], setting: str = "the server's --all
 
 
 class HostAllowList:
-    """ASGI middleware: HTTP requests whose Host header (without its port) is not allowed get 421."""
+    """ASGI middleware: HTTP requests whose Host header (without its port) is not allowed get 421; WebSocket
+    connections are closed (the server answers 403)."""
 
     def __init__(self, app: Any, allowed: Collection[str], setting: str):
         self.app = app
@@ -81,9 +83,12 @@ class HostAllowList:
         self.setting = setting
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] == "http":
+        if scope["type"] in ("http", "websocket"):
             host = Headers(scope=scope).get("host", "")
             name = host.rsplit(":", 1)[0] if not host.endswith("]") else host
+            if name.lower() not in self.allowed and scope["type"] == "websocket":  # a browser page's live channel
+                await WebSocketClose(code=1008)(scope, receive, send)  # policy violation: refused before accepting
+                return
             if name.lower() not in self.allowed:
                 response = SafeJSONResponse({"detail": {
                     "error_type": "misdirected_request",
