@@ -251,7 +251,6 @@ def load_models(args: argparse.Namespace) -> dict:
 
 def run_serve(args: argparse.Namespace) -> int:
     """Load the model, then serve until interrupted. Returns the exit status."""
-    from ..engine import Engine
     from ..errors import ClefError
     from .responses import default_allowed_hosts
     from .server import create_app
@@ -295,10 +294,7 @@ def run_serve(args: argparse.Namespace) -> int:
         OrderlyServer(config, args.shutdown_grace).run()
     finally:
         for engine in models.values():  # a local engine's worker must be out of torch before the interpreter ends
-            if isinstance(engine, Engine):
-                engine.scheduler.close(wait=True)
-            else:
-                engine.close()
+            engine.close(wait=True)
     return 0
 
 
