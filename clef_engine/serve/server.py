@@ -44,9 +44,8 @@ Wire contract beyond spec §5:
   `WWW-Authenticate: Bearer`), 408 request_timeout, 413 request_too_large / token_budget_exceeded, 415
   unsupported_media_type / unsupported_encoding, 429 overloaded (Retry-After: 1), 503 not_ready while no model is
   loaded, deadline_exceeded, or shutting_down when the server stops before answering (see `SystemOneApi.stop`).
-  Any other 5xx is a server fault, never the request's. A 422 lists at most 20
-  problems and counts the rest; messages and the client's strings in them are clipped; a request that runs out of
-  memory gets 413.
+  Any other 5xx is a server fault, never the request's. A 422 lists at most 20 problems and counts the rest;
+  messages and the client's strings in them are clipped; a request that runs out of memory gets 413.
 - With an API key configured, `/v1/*` and `/metrics` need `Authorization: Bearer KEY`; without one an
   Authorization header is ignored. No CORS headers are sent unless `create_app(cors_origins=...)` asks for them.
 - `create_app(allowed_hosts=...)`: other Host headers get 421 misdirected_request. No path is redirected.
@@ -258,6 +257,8 @@ class SystemOneApi:
         assert handling is not None
         self._handling.add(handling)
         try:
+            if self._stopped:  # come on a connection kept alive while the server stops
+                raise self._shutting_down_error()
             self._authenticate(request)
             content_type = request.headers.get("content-type", "")
             kind = body_kind(content_type)
@@ -284,9 +285,7 @@ class SystemOneApi:
             if not self._stopped or handling.uncancel() > 0:  # not (only) `stop`'s cancellation: not ours to end
                 raise
             status = 503
-            return error_response(ApiError(503, {"error_type": "shutting_down", "message": "the server is shutting "
-                                                 "down and did not answer; send the request again"},
-                                           headers={"retry-after": "1"}), request_id)
+            return error_response(self._shutting_down_error(), request_id)
         except MemoryError:  # the request needed more memory than the server has: the request's size, not a fault
             log.warning("request %s ran out of memory", request_id)
             status = 413
@@ -398,6 +397,11 @@ class SystemOneApi:
             if isinstance(exc, TimeoutError):
                 raise self._deadline_error() from None
             raise
+
+    def _shutting_down_error(self) -> ApiError:
+        return ApiError(503, {"error_type": "shutting_down",
+                              "message": "the server is shutting down and did not answer; send the request again"},
+                        headers={"retry-after": "1"})
 
     def _deadline_error(self) -> ApiError:
         return ApiError(503, {"error_type": "deadline_exceeded",
