@@ -33,6 +33,7 @@ import contextlib
 import ipaddress
 import json
 import logging
+import math
 import signal
 import sys
 from collections.abc import Iterator
@@ -260,6 +261,9 @@ def run_serve(args: argparse.Namespace) -> int:
     if not _is_loopback(args.host) and api_key is None:
         print(f"warning: serving on {args.host} without an API key; anyone who can reach it can use the model",
               file=sys.stderr)
+    if not 0 <= args.shutdown_grace < math.inf:  # NaN too
+        print("error: --shutdown-grace must be a number of seconds, 0 or more", file=sys.stderr)
+        return 2
     calibrations: dict = {}
     if args.calibrations is not None:
         from ..calibrated import load_calibrations
