@@ -10,6 +10,8 @@ store, through the same `CalibrationProvider`.
 The file `clef-engine serve --calibrations FILE` reads is what `python -m clef_workbench calibrate --export FILE`
 writes: `{"calibrations": {name: {"questions": {question_id: {"question_type", "method", "a", "b", "temperature"}},
 "schema_name", "model_id", "run_id"}}}` (the last three say what it was fitted on; they are not needed to apply it).
+A map is checked when it is read, so that applying it can never fail: Platt scaling for noul questions only, a
+temperature for choice and score only, every parameter a finite number in the range of `PARAMETER_RANGES`.
 """
 
 from __future__ import annotations
@@ -21,7 +23,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-METHODS = ("platt", "temperature")
+METHOD_OF_TYPE = {"noul": "platt", "choice": "temperature", "score": "temperature"}
+# Wider than the fitter's bounds (clef_workbench.calibration: |a|, |b| ≤ 50, T from 1/20 to 20); past them a map only
+# turns every answer one-hot or uniform, and a temperature near 0 makes P^(1/T) overflow.
+PARAMETER_RANGES = {"a": (-100.0, 100.0), "b": (-100.0, 100.0), "temperature": (0.01, 100.0)}
 _EPS = 1e-12
 
 
@@ -36,12 +41,19 @@ class QuestionMap:
     temperature: float = 1.0
 
     @classmethod
-    def from_dict(cls, params: Mapping[str, Any]) -> QuestionMap:
-        if params.get("method") not in METHODS:
-            raise ValueError(f"method must be one of {', '.join(METHODS)}; got {params.get('method')!r}")
-        return cls(question_type=str(params["question_type"]), method=params["method"],
-                   a=float(params.get("a", 1.0)), b=float(params.get("b", 0.0)),
-                   temperature=float(params.get("temperature", 1.0)))
+    def from_dict(cls, params: Any) -> QuestionMap:
+        """The map `params` describe; ValueError saying what is wrong with them."""
+        if not isinstance(params, Mapping):
+            raise ValueError(f"a question's map must be an object, not {type(params).__name__}")
+        question_type, method = params.get("question_type"), params.get("method")
+        if question_type not in METHOD_OF_TYPE:
+            raise ValueError(f"question_type must be one of {', '.join(METHOD_OF_TYPE)}; got {question_type!r}")
+        if method != METHOD_OF_TYPE[question_type]:
+            raise ValueError(f"a {question_type} question is calibrated by method {METHOD_OF_TYPE[question_type]!r}; "
+                             f"got {method!r}")
+        defaults = {"a": cls.a, "b": cls.b, "temperature": cls.temperature}
+        numbers = {name: _parameter(name, params.get(name, default)) for name, default in defaults.items()}
+        return cls(question_type=question_type, method=method, **numbers)
 
     def apply(self, distribution: Mapping[str, float]) -> dict[str, float]:
         """The calibrated distribution (the same keys, summing to 1)."""
@@ -55,6 +67,13 @@ class QuestionMap:
         weights = {k: math.exp(v - top) for k, v in logits.items()}
         total = sum(weights.values())
         return {k: w / total for k, w in weights.items()}
+
+
+def _parameter(name: str, value: Any) -> float:
+    low, high = PARAMETER_RANGES[name]
+    if isinstance(value, bool) or not isinstance(value, int | float) or not low <= value <= high:  # NaN fails too
+        raise ValueError(f"{name} must be a number from {low:g} to {high:g}; got {value!r}")
+    return float(value)
 
 
 Calibration = dict[str, QuestionMap]  # question id → its map
@@ -93,20 +112,40 @@ def calibrate_answers(calibration: Calibration, answers: Mapping[str, Mapping[st
     return out
 
 
-def calibrations_from_export(document: Mapping[str, Any]) -> dict[str, Calibration]:
-    """The calibrations of an exported document (see the module's docstring), by name."""
-    return {name: {question_id: QuestionMap.from_dict(params)
-                   for question_id, params in entry["questions"].items()}
-            for name, entry in document["calibrations"].items()}
+def calibrations_from_export(document: Any) -> dict[str, Calibration]:
+    """The calibrations of an exported document (see the module's docstring), by name. ValueError saying what is
+    wrong, and where, with a document that is not one."""
+    calibrations = document.get("calibrations") if isinstance(document, Mapping) else None
+    if not isinstance(calibrations, Mapping):
+        raise ValueError('not a calibrations file written by `python -m clef_workbench calibrate --export`: it needs '
+                         'a top-level object {"calibrations": {name: {"questions": {...}}}}')
+    out = {}
+    for name, entry in calibrations.items():
+        questions = entry.get("questions") if isinstance(entry, Mapping) else None
+        if not isinstance(questions, Mapping):
+            raise ValueError(f"calibration {name!r}: it needs \"questions\", an object of question id → map")
+        out[name] = {}
+        for question_id, params in questions.items():
+            try:
+                out[name][question_id] = QuestionMap.from_dict(params)
+            except ValueError as exc:
+                raise ValueError(f"calibration {name!r}, question {question_id!r}: {exc}") from None
+    return out
 
 
 def load_calibrations(path: str | Path) -> dict[str, Calibration]:
-    """The calibrations in an exported file. Raises ValueError saying what is wrong with it."""
+    """The calibrations in an exported file. Raises ValueError saying what is wrong with it, and where."""
     try:
-        document = json.loads(Path(path).read_text(encoding="utf-8"))
-        return calibrations_from_export(document)
+        text = Path(path).read_text(encoding="utf-8")
     except OSError as exc:
         raise ValueError(f"{path}: cannot read it ({exc.strerror or exc})") from None
-    except (json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError) as exc:
-        raise ValueError(f"{path}: not a calibrations file written by `python -m clef_workbench calibrate "
-                         f"--export` ({type(exc).__name__}: {exc})") from None
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{path}: not UTF-8 text (byte {exc.start})") from None
+    try:
+        return calibrations_from_export(json.loads(text))
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path}: not JSON ({exc.msg} at line {exc.lineno}, column {exc.colno})") from None
+    except RecursionError:
+        raise ValueError(f"{path}: JSON nested too deeply to be a calibrations file") from None
+    except ValueError as exc:
+        raise ValueError(f"{path}: {exc}") from None

@@ -536,8 +536,8 @@ class Engine:
         self.warm_up_seconds = time.perf_counter() - started
         return self.warm_up_seconds
 
-    def close(self) -> None:
-        self.scheduler.close()
+    def close(self, wait: bool = False) -> None:
+        self.scheduler.close(wait)
 
 
 def load(source: str | os.PathLike, *, device: str | torch.device | None = None,

@@ -77,7 +77,8 @@ class DecisionEngine(Protocol):
         """What the workbench shows about the model (no network call: pages poll it)."""
         ...
 
-    def close(self) -> None:
+    def close(self, wait: bool = False) -> None:
+        """Take no more work; `wait`: return once the work already taken has ended (before a process exits)."""
         ...
 
 

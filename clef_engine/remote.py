@@ -549,10 +549,11 @@ class RemoteEngine:
         target = self.model if self.model in models else (models[0] if models else None)
         return target in self.random_weight_models
 
-    def close(self) -> None:
-        """Stop: queued requests are cancelled, waits between retries end, connections close."""
+    def close(self, wait: bool = False) -> None:
+        """Stop: queued requests are cancelled, waits between retries end, connections close; `wait`: once the
+        requests under way have ended."""
         self._closed.set()
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._pool.shutdown(wait=wait, cancel_futures=True)
         self._client.close()
 
     def __enter__(self) -> RemoteEngine:

@@ -258,10 +258,14 @@ class Scheduler:
                     return index
         return None
 
-    def close(self) -> None:
+    def close(self, wait: bool = False) -> None:
+        """Take no more work: the worker runs what is queued (abandoned jobs it drops), then ends. `wait`: return
+        once it has; a process must not exit while the worker is inside torch, whose threads then abort it."""
         with self._condition:
             self._closed = True
             self._condition.notify()
+        if wait and threading.current_thread() is not self._thread:
+            self._thread.join()
 
     def _take_batch(self) -> list[Piece]:
         """The next batch: the first waiting job (highest priority, then FIFO), then the records of the jobs after it

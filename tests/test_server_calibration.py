@@ -11,6 +11,8 @@ from pathlib import Path
 
 import httpx
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from clef_workbench import calibration
 from clef_workbench.store import Store
@@ -113,6 +115,39 @@ def test_a_calibrations_file_that_is_not_one_stops_the_server_with_the_reason(ti
                           timeout=120)
     assert done.returncode == 2
     assert f"--calibrations {broken}: not a calibrations file" in done.stderr
+
+
+def test_a_calibrations_file_that_would_fail_requests_stops_the_server_saying_where(tiny_release, tmp_path):
+    """A NaN in a map made every request naming its calibration a 500 (ab0a202): now the server does not start."""
+    broken = tmp_path / "calibrations.json"
+    broken.write_text(json.dumps({"calibrations": {"tickets": {"questions": {
+        "tone": {"question_type": "choice", "method": "temperature", "temperature": float("nan")}}}}}))
+    done = subprocess.run([sys.executable, "-m", "clef_engine", "serve", "--model", str(tiny_release), "--device",
+                           "cpu", "--calibrations", str(broken)], cwd=REPO, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 2
+    assert (f"--calibrations {broken}: calibration 'tickets', question 'tone': temperature must be a number from "
+            "0.01 to 100; got nan") in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+X_CALIBRATION = st.one_of(st.sampled_from(["tickets · tiny", "billing only"]), st.text(max_size=20), st.none(),
+                          st.integers(), st.floats(), st.lists(st.text(max_size=3), max_size=2),
+                          st.dictionaries(st.text(max_size=3), st.integers(), max_size=2))
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(named=X_CALIBRATION, i=st.integers(0, 5), other_types=st.booleans())
+def test_any_x_calibration_is_answered_without_a_server_fault(calibrated_server, named, i, other_types):
+    body = make_request(i)
+    if other_types:  # the calibrations' question ids, asking questions of other types than they were fitted on
+        asked = body["questions"]
+        body["questions"] = {"billing": asked["tone"], "tone": asked["urgency"], "urgency": asked["billing"]}
+    reply = post(calibrated_server, body | {"x_calibration": named})
+    assert reply.status_code in (200, 422), reply.text
+    if reply.status_code == 200 and named is not None:
+        assert set(reply.json()["x_calibrated"]) <= set(body["questions"])
+    assert "Traceback" not in calibrated_server.log()
 
 
 def test_the_workbench_served_api_reads_calibrations_from_its_store(tmp_path, monkeypatch, tiny_engine):

@@ -13,6 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from clef_engine.calibrated import Calibration, calibrations_from_export
+from clef_engine.serve.responses import default_allowed_hosts, host_allow_list
 from clef_engine.serve.server import routes
 from clef_workbench.calibration import export_document
 from clef_workbench.model_loader import shared_manager
@@ -38,3 +39,11 @@ def api_routes(api_key: str | None = None) -> list:
     CLEF_API_KEY."""
     return routes(resident_models, api_key=api_key if api_key is not None else WorkbenchSettings.from_env().api_key,
                   calibrations=stored_calibrations)
+
+
+def host_check(bound_to: str) -> list:
+    """The standalone server's Host allow-list for a workbench bound to `bound_to` (every address: any host), as
+    middleware for the whole app, UI and API: a web page whose own name was made to point at this machine (DNS
+    rebinding) gets 421."""
+    return host_allow_list(default_allowed_hosts(bound_to),
+                           setting="the workbench's address: --server.address, or CLEF_HOST")

@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import ctypes
 import multiprocessing
+import os
+import signal
 import tempfile
 import time
 from collections.abc import Callable
@@ -57,7 +60,8 @@ class BigBodies:
             # spawn, not fork: this process holds the engine's threads (and a GPU context) that a fork would copy
             # half-way; the workers import only the torch-free contract and bodies.py.
             pool = self._pool = concurrent.futures.ProcessPoolExecutor(
-                BIG_BODY_WORKERS, mp_context=multiprocessing.get_context("spawn"))
+                BIG_BODY_WORKERS, mp_context=multiprocessing.get_context("spawn"), initializer=die_with_parent,
+                initargs=(os.getpid(),))
         try:
             # The body travels through a file, not the pool's pipe: pickling tens of megabytes holds the GIL for as
             # long as parsing them would, while a file's write is a system call that lets go of it.
@@ -71,6 +75,22 @@ class BigBodies:
                 self._pool = None
             pool.shutdown(wait=False, cancel_futures=True)
             raise MemoryError from None
+
+
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def die_with_parent(parent: int) -> None:
+    """A big-body worker's initializer: the kernel kills it when the server's process dies, however it dies
+    (SIGKILL included: no handler of the server's runs then, and a worker blocked on its task queue would otherwise
+    wait forever, keeping multiprocessing's resource tracker alive with it, since the tracker exits when the last
+    process holding its pipe is gone). The signal comes when the thread that started the worker ends: that is the
+    event loop's thread, which `submit` starts workers from and which lives as long as the server."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    if os.getppid() != parent:  # the server died before the line above: no signal will come
+        os._exit(0)
 
 
 def _write_all(file: Any, data: bytes) -> None:

@@ -3,7 +3,8 @@
     python -m clef_engine serve --model SOURCE [--model SOURCE ...] [--host 127.0.0.1] [--port 8000] [--api-key-env VAR]
                                 [--device cuda|cpu] [--dtype bfloat16|float32] [--precision bf16|fp8] [--revision REV]
                                 [--max-body-mb 32] [--max-queued-records N] [--request-timeout S] [--header-timeout S]
-                                [--keep-alive-timeout S] [--cors-origin ORIGIN ...] [--calibrations FILE]
+                                [--keep-alive-timeout S] [--shutdown-grace S] [--cors-origin ORIGIN ...]
+                                [--calibrations FILE]
 
 The models load before the server listens, so once /health answers the server is ready. With several `--model`s
 each keeps its own engine (the local ones share their GPU's queue, taking turns), the first is the default, and a
@@ -15,6 +16,11 @@ Connections: a client must send a request's line and headers within --header-tim
 its previous answer), an idle keep-alive connection is closed after --keep-alive-timeout seconds, and a body must
 arrive within --request-timeout seconds; slow or silent clients lose their connection, everybody else is answered.
 
+Stopping (SIGINT or SIGTERM): the server stops accepting connections, gives the requests in flight --shutdown-grace
+seconds to finish, answers those still unanswered 503 shutting_down, lets the engines finish (abandoned work stops at
+the next layer) and exits 0. Its big-body worker processes end with it, even when it is killed (see
+admission.die_with_parent).
+
 `--calibrations FILE` (written by `python -m clef_workbench calibrate --export FILE`) names the calibrations a
 request's `"x_calibration"` may ask for; the file is read once, at start.
 """
@@ -23,12 +29,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import ipaddress
 import json
 import logging
+import math
+import signal
 import sys
+from collections.abc import Iterator
 
 import h11
+import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from .. import environment
@@ -36,6 +47,8 @@ from .server import DEFAULT_MAX_BODY_BYTES, DEFAULT_REQUEST_TIMEOUT
 
 DEFAULT_HEADER_TIMEOUT = 10.0
 DEFAULT_KEEP_ALIVE_TIMEOUT = 5
+DEFAULT_SHUTDOWN_GRACE = 5.0
+ANSWER_SECONDS = 5.0  # after the grace, for the 503s to be written before uvicorn cuts connections
 
 
 def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -80,6 +93,9 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                              "connecting or after its last answer is closed (default %(default)s)")
     parser.add_argument("--keep-alive-timeout", type=int, default=DEFAULT_KEEP_ALIVE_TIMEOUT, metavar="S",
                         help="an idle keep-alive connection is closed after this many seconds (default %(default)s)")
+    parser.add_argument("--shutdown-grace", type=float, default=DEFAULT_SHUTDOWN_GRACE, metavar="S",
+                        help="on SIGINT or SIGTERM, how long requests in flight may take to finish; those still "
+                             "unanswered then get 503 shutting_down (default %(default)s)")
     parser.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
                         help="send CORS headers for this origin (repeatable; '*' for any). Default: no CORS headers, "
                              "so web pages elsewhere cannot read answers")
@@ -159,6 +175,33 @@ def with_header_timeout(seconds: float, max_body_bytes: int = DEFAULT_MAX_BODY_B
                 {"header_timeout": seconds, "max_body_bytes": max_body_bytes})
 
 
+class OrderlyServer(uvicorn.Server):
+    """uvicorn's server, stopping in order on SIGINT or SIGTERM: no new connections, the requests in flight get
+    `grace` seconds to finish, then those still unanswered get 503 (`SystemOneApi.stop`), and `run` returns. uvicorn
+    alone cancels the requests still running after its timeout (their clients get a bare 500) and then raises the
+    signal again, which ends the process before anything of its own is closed."""
+
+    def __init__(self, config: uvicorn.Config, grace: float):
+        super().__init__(config)
+        self.grace = grace
+
+    async def shutdown(self, sockets: list | None = None) -> None:
+        stop = asyncio.get_running_loop().call_later(self.grace, self.config.app.state.system_one.stop)
+        try:
+            await super().shutdown(sockets)
+        finally:
+            stop.cancel()
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        handled = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in handled.items():
+                signal.signal(sig, handler)
+
+
 def _api_key_from_env(var: str | None) -> str | None:
     if var is None:
         return None
@@ -209,8 +252,6 @@ def load_models(args: argparse.Namespace) -> dict:
 
 def run_serve(args: argparse.Namespace) -> int:
     """Load the model, then serve until interrupted. Returns the exit status."""
-    import uvicorn
-
     from ..errors import ClefError
     from .responses import default_allowed_hosts
     from .server import create_app
@@ -220,6 +261,9 @@ def run_serve(args: argparse.Namespace) -> int:
     if not _is_loopback(args.host) and api_key is None:
         print(f"warning: serving on {args.host} without an API key; anyone who can reach it can use the model",
               file=sys.stderr)
+    if not 0 <= args.shutdown_grace < math.inf:  # NaN too
+        print("error: --shutdown-grace must be a number of seconds, 0 or more", file=sys.stderr)
+        return 2
     calibrations: dict = {}
     if args.calibrations is not None:
         from ..calibrated import load_calibrations
@@ -246,9 +290,15 @@ def run_serve(args: argparse.Namespace) -> int:
         print(f"calibrations: {', '.join(calibrations)}", file=sys.stderr, flush=True)
     print(f"serving {', '.join(models)} on http://{args.host}:{args.port} (default {next(iter(models))}; auth "
           f"{'on' if api_key else 'off'})", file=sys.stderr, flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
-                timeout_graceful_shutdown=5, timeout_keep_alive=args.keep_alive_timeout,
-                http=with_header_timeout(args.header_timeout, int(args.max_body_mb * 2**20)))
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
+                            timeout_graceful_shutdown=args.shutdown_grace + ANSWER_SECONDS,
+                            timeout_keep_alive=args.keep_alive_timeout,
+                            http=with_header_timeout(args.header_timeout, int(args.max_body_mb * 2**20)))
+    try:
+        OrderlyServer(config, args.shutdown_grace).run()
+    finally:
+        for engine in models.values():  # a local engine's worker must be out of torch before the interpreter ends
+            engine.close(wait=True)
     return 0
 
 

@@ -30,7 +30,7 @@ _ERROR_BODY = {
             "error_type": {"type": "string", "enum": [
                 "authentication_error", "request_timeout", "request_too_large", "token_budget_exceeded",
                 "unsupported_media_type", "unsupported_encoding", "overloaded", "not_ready", "deadline_exceeded",
-                "not_found", "method_not_allowed", "internal_error"]},
+                "shutting_down", "misdirected_request", "not_found", "method_not_allowed", "internal_error"]},
             "message": {"type": "string"},
         },
         "additionalProperties": True,

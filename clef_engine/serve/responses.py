@@ -8,7 +8,9 @@ from collections.abc import Collection
 from typing import Any
 
 from starlette.datastructures import Headers
+from starlette.middleware import Middleware
 from starlette.responses import JSONResponse
+from starlette.websockets import WebSocketClose
 
 from .bodies import MAX_JSON_DEPTH, ApiError, clip
 
@@ -64,22 +66,34 @@ def default_allowed_hosts(bind_host: str) -> list[str]:
     return list(dict.fromkeys([named.lower(), *LOCAL_HOSTS]))
 
 
-class HostAllowList:
-    """ASGI middleware: HTTP requests whose Host header (without its port) is not allowed get 421."""
+def host_allow_list(allowed: Collection[str], setting: str = "the server's --allowed-host") -> list[Middleware]:
+    """The middleware refusing Host headers not in `allowed` with 421 (none when `allowed` holds '*'): a web page
+    whose own name was made to point at this machine (DNS rebinding) cannot reach a server bound to it. `setting`
+    is what the 421 names as the way to allow another host."""
+    return [] if "*" in allowed else [Middleware(HostAllowList, allowed=allowed, setting=setting)]
 
-    def __init__(self, app: Any, allowed: Collection[str]):
+
+class HostAllowList:
+    """ASGI middleware: HTTP requests whose Host header (without its port) is not allowed get 421; WebSocket
+    connections are closed (the server answers 403)."""
+
+    def __init__(self, app: Any, allowed: Collection[str], setting: str):
         self.app = app
         self.allowed = {host.lower() for host in allowed}
+        self.setting = setting
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] == "http":
+        if scope["type"] in ("http", "websocket"):
             host = Headers(scope=scope).get("host", "")
             name = host.rsplit(":", 1)[0] if not host.endswith("]") else host
+            if name.lower() not in self.allowed and scope["type"] == "websocket":  # a browser page's live channel
+                await WebSocketClose(code=1008)(scope, receive, send)  # policy violation: refused before accepting
+                return
             if name.lower() not in self.allowed:
                 response = SafeJSONResponse({"detail": {
                     "error_type": "misdirected_request",
                     "message": f"this server does not answer for host {clip(host)!r}; allowed: "
-                               f"{', '.join(sorted(self.allowed))} (the server's --allowed-host)"}}, status_code=421)
+                               f"{', '.join(sorted(self.allowed))} ({self.setting})"}}, status_code=421)
                 await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)

@@ -43,9 +43,9 @@ Wire contract beyond spec §5:
   ecosystem); other errors `{"detail": {"error_type", "message"}}`: 401 authentication_error (with
   `WWW-Authenticate: Bearer`), 408 request_timeout, 413 request_too_large / token_budget_exceeded, 415
   unsupported_media_type / unsupported_encoding, 429 overloaded (Retry-After: 1), 503 not_ready while no model is
-  loaded or deadline_exceeded. Any other 5xx is a server fault, never the request's. A 422 lists at most 20
-  problems and counts the rest; messages and the client's strings in them are clipped; a request that runs out of
-  memory gets 413.
+  loaded, deadline_exceeded, or shutting_down when the server stops before answering (see `SystemOneApi.stop`).
+  Any other 5xx is a server fault, never the request's. A 422 lists at most 20 problems and counts the rest;
+  messages and the client's strings in them are clipped; a request that runs out of memory gets 413.
 - With an API key configured, `/v1/*` and `/metrics` need `Authorization: Bearer KEY`; without one an
   Authorization header is ignored. No CORS headers are sent unless `create_app(cors_origins=...)` asks for them.
 - `create_app(allowed_hosts=...)`: other Host headers get 421 misdirected_request. No path is redirected.
@@ -99,7 +99,7 @@ from .bodies import (
     parse_multipart,
 )
 from .metrics import Metrics, safe_call
-from .responses import HostAllowList, SafeJSONResponse, error_response
+from .responses import SafeJSONResponse, error_response, host_allow_list
 
 log = logging.getLogger("clef_engine.server")
 
@@ -135,6 +135,26 @@ class SystemOneApi:
         self._big_bodies = BigBodies()  # bodies of a megabyte or more are parsed in worker processes
         self._paced = Turns(PACED_SHARE)
         self._requests_in_flight = 0  # POST /v1/systemone requests being handled now
+        self._handling: set[asyncio.Task] = set()  # their tasks, for `stop`
+        self._stopped = False
+
+    def routes(self) -> list[Route]:
+        return [
+            Route("/v1/systemone", self.system_one, methods=["POST"]),
+            Route("/v1/models", self.models, methods=["GET"]),
+            Route("/health", self.health, methods=["GET"]),
+            Route("/metrics", self.metrics_text, methods=["GET"]),
+            Route("/openapi.json", self.openapi_json, methods=["GET"]),
+            Route("/docs", self.docs, methods=["GET"]),
+        ]
+
+    def stop(self) -> None:
+        """The server is stopping and waits no longer: every request still being handled is answered at once with
+        503 shutting_down, and its work is abandoned (cancelled if queued, stopped at the engine's next layer if
+        running), rather than cut off without an answer."""
+        self._stopped = True
+        for task in self._handling:
+            task.cancel()
 
     # --- engine access -------------------------------------------------------------------------------------
     def models_or_none(self) -> dict[str, Any] | None:
@@ -233,7 +253,12 @@ class SystemOneApi:
         status = 500
         paced: Paced | None = None
         self._requests_in_flight += 1
+        handling = asyncio.current_task()
+        assert handling is not None
+        self._handling.add(handling)
         try:
+            if self._stopped:  # come on a connection kept alive while the server stops
+                raise self._shutting_down_error()
             self._authenticate(request)
             content_type = request.headers.get("content-type", "")
             kind = body_kind(content_type)
@@ -256,6 +281,11 @@ class SystemOneApi:
         except ClientDisconnect:
             status = 499
             return Response(status_code=499)
+        except asyncio.CancelledError:
+            if not self._stopped or handling.uncancel() > 0:  # not (only) `stop`'s cancellation: not ours to end
+                raise
+            status = 503
+            return error_response(self._shutting_down_error(), request_id)
         except MemoryError:  # the request needed more memory than the server has: the request's size, not a fault
             log.warning("request %s ran out of memory", request_id)
             status = 413
@@ -268,6 +298,7 @@ class SystemOneApi:
             return error_response(api_error(500, "internal_error", f"internal error (request {request_id})"),
                                    request_id)
         finally:
+            self._handling.discard(handling)
             self._requests_in_flight -= 1
             if paced is not None:
                 paced.end()
@@ -351,17 +382,26 @@ class SystemOneApi:
         try:
             future: concurrent.futures.Future = await asyncio.wait_for(asyncio.shield(submitting),
                                                                        self.request_timeout)
-        except TimeoutError:
+        except (TimeoutError, asyncio.CancelledError) as exc:  # past the deadline, or the server stops (`stop`)
             submitting.add_done_callback(lambda task: _abandon_submitted(engine, task))
-            raise self._deadline_error() from None
+            if isinstance(exc, TimeoutError):
+                raise self._deadline_error() from None
+            raise
         if queued is not None:
             queued()
         waiting = asyncio.wrap_future(future)
         try:
             return await asyncio.wait_for(waiting, max(0.0, deadline - time.monotonic()))
-        except TimeoutError:
+        except (TimeoutError, asyncio.CancelledError) as exc:
             _abandon(engine, future)
-            raise self._deadline_error() from None
+            if isinstance(exc, TimeoutError):
+                raise self._deadline_error() from None
+            raise
+
+    def _shutting_down_error(self) -> ApiError:
+        return ApiError(503, {"error_type": "shutting_down",
+                              "message": "the server is shutting down and did not answer; send the request again"},
+                        headers={"retry-after": "1"})
 
     def _deadline_error(self) -> ApiError:
         return ApiError(503, {"error_type": "deadline_exceeded",
@@ -553,17 +593,9 @@ def routes(engine_provider: EngineProvider | Any, *, api_key: str | None = None,
     raise or return None while no model is loaded). `calibrations` returns the calibrations by name that a request's
     `x_calibration` may name (called per request naming one).
     """
-    api = SystemOneApi(engine_provider, api_key=api_key, max_body_bytes=max_body_bytes,
-                       request_timeout=request_timeout, max_tokens_per_request=max_tokens_per_request,
-                       calibrations=calibrations)
-    return [
-        Route("/v1/systemone", api.system_one, methods=["POST"]),
-        Route("/v1/models", api.models, methods=["GET"]),
-        Route("/health", api.health, methods=["GET"]),
-        Route("/metrics", api.metrics_text, methods=["GET"]),
-        Route("/openapi.json", api.openapi_json, methods=["GET"]),
-        Route("/docs", api.docs, methods=["GET"]),
-    ]
+    return SystemOneApi(engine_provider, api_key=api_key, max_body_bytes=max_body_bytes,
+                        request_timeout=request_timeout, max_tokens_per_request=max_tokens_per_request,
+                        calibrations=calibrations).routes()
 
 
 def create_app(engine_provider: EngineProvider | Any, *, api_key: str | None = None,
@@ -575,20 +607,17 @@ def create_app(engine_provider: EngineProvider | Any, *, api_key: str | None = N
     origins named in `cors_origins` (none by default: a web page elsewhere gets no readable answer). With
     `allowed_hosts`, a request whose Host header names another host gets 421: a web page whose own name was made to
     point at this machine (DNS rebinding) cannot reach a server bound to it. No redirects: a path with a trailing
-    slash is not found, never sent to a Location built from the client's Host."""
-    middleware = []
-    if allowed_hosts is not None and "*" not in allowed_hosts:
-        middleware.append(Middleware(HostAllowList, allowed=allowed_hosts))
+    slash is not found, never sent to a Location built from the client's Host. `app.state.system_one` is the
+    `SystemOneApi` (its `stop` answers the requests still unanswered when the server stops)."""
+    middleware = host_allow_list(allowed_hosts) if allowed_hosts is not None else []
     if cors_origins:
         middleware.append(Middleware(CORSMiddleware, allow_origins=list(cors_origins), allow_methods=["GET", "POST"],
                                      allow_headers=["authorization", "content-type", "content-encoding"],
                                      expose_headers=["x-typesafe-request-id", "retry-after"]))
-    app = Starlette(
-        routes=routes(engine_provider, api_key=api_key, max_body_bytes=max_body_bytes,
-                      request_timeout=request_timeout, max_tokens_per_request=max_tokens_per_request,
-                      calibrations=calibrations),
-        exception_handlers={HTTPException: _http_exception},
-        middleware=middleware,
-    )
+    api = SystemOneApi(engine_provider, api_key=api_key, max_body_bytes=max_body_bytes,
+                       request_timeout=request_timeout, max_tokens_per_request=max_tokens_per_request,
+                       calibrations=calibrations)
+    app = Starlette(routes=api.routes(), exception_handlers={HTTPException: _http_exception}, middleware=middleware)
     app.router.redirect_slashes = False
+    app.state.system_one = api
     return app
