@@ -205,8 +205,6 @@ KNOWN_CYCLES = {
 }
 KNOWN_LAYER_BREAKS = {
     ("clef_workbench/answers.py", "altair"),  # UI code in the services package: moves to workbench_ui/
-    ("clef_engine/serve/server.py", "clef_engine.fast"),  # describe_fidelity: import it from clef_engine.fp8_fidelity
-    ("workbench_ui/shell.py", "clef_engine.fast"),
 }
 
 

@@ -380,7 +380,7 @@ def precision_text(info: dict) -> str:
     """Which precision answers: "bf16", or "FP8 (W8A8) — max |Δp| … from float32 …" with its measured distance."""
     if info.get("precision") != "fp8":
         return info.get("precision") or "–"
-    from clef_engine.fast.fp8 import describe_fidelity
+    from clef_engine.fp8_fidelity import describe_fidelity
 
     return f"FP8 (W8A8 projections): {describe_fidelity(info.get('distance_from_float32'))}"
 

@@ -27,11 +27,6 @@ from torch import nn
 
 from ..errors import ReleaseError
 
-# For serve/server.py and workbench_ui/shell.py, which import it from here until the lead points them at
-# clef_engine.fp8_fidelity after merging issue 37's helpers; then this line and its exception in
-# tests/test_import_layers.py go.
-from ..fp8_fidelity import describe_fidelity  # noqa: F401
-
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = 448.0  # e4m3's largest finite value: a row's amax maps to it
 MIN_AMAX = 1e-12  # an all-zero row gets this amax (its values stay zero), never a division by zero

@@ -499,7 +499,7 @@ def _precision_text(info: dict) -> str:
     """", FP8 projections (max |Δp| ... from float32 ...)" for an FP8 engine; nothing for bf16 or an endpoint."""
     if info.get("precision") != "fp8":
         return ""
-    from ..fast.fp8 import describe_fidelity
+    from ..fp8_fidelity import describe_fidelity
 
     return f", W8A8 FP8 projections ({describe_fidelity(info.get('distance_from_float32'))})"
 
