@@ -85,7 +85,7 @@ def _reasons(row: Any, rules: ReviewRules, unknown_ids: set[str], other_answer: 
 
 def _calibrated(store: Store, frame: pd.DataFrame, calibration_name: str) -> pd.DataFrame:
     """The frame with each answer's distribution, prediction, confidence and margin read from the calibration."""
-    maps = calibration.maps_from_payload(store.get_calibration(name=calibration_name)["payload"])
+    maps = calibration.applied_maps(store.get_calibration(name=calibration_name)["payload"])
     distributions = [maps[q].apply(d) if q in maps else d
                      for q, d in zip(frame["question_id"], frame["distribution"], strict=True)]
     out = calibration.with_distributions(frame, distributions)
@@ -209,7 +209,7 @@ def shown_answer(store: Store, item: dict, calibration_name: str | None = None) 
     stored, distribution = None, raw
     if calibration_name:
         stored = store.get_calibration(name=calibration_name)
-        question = calibration.maps_from_payload(stored["payload"]).get(item["question_id"])
+        question = calibration.applied_maps(stored["payload"]).get(item["question_id"])
         if question is None or question.question_type != item["question_type"]:
             stored = None  # the calibration has no map for this question: raw, and said so by `calibration` None
         else:
