@@ -271,6 +271,11 @@ def verdicts(payload: dict[str, Any]) -> dict[str, Verdict]:
             for question_id, question in maps_from_payload(payload).items()}
 
 
+def verdicts_text(payload: dict[str, Any]) -> str:
+    """Each question's verdict as a Markdown list, shown next to every control that chooses calibrated numbers."""
+    return "\n".join(f"- **{question_id}** — {judged.reason}" for question_id, judged in verdicts(payload).items())
+
+
 def applied_maps(payload: dict[str, Any], *, every_question: bool = False) -> dict[str, QuestionCalibration]:
     """The maps a stored calibration applies: those whose verdict says so, or with `every_question` all of them."""
     maps = maps_from_payload(payload)
