@@ -36,7 +36,7 @@ def test_text_html_colours_each_sentence_on_one_fixed_scale_and_shows_its_value(
         re.search(r'why-against" style="(background:[^;]+)', page)[1]
     # each value next to its sentence, in percentage points
     values = re.findall(r'<small class="why-value"[^>]*>\(([^)]*)\)</small>', page)
-    assert values == ["−20.0 pp", "+5.0 pp", "+0.0 pp"]
+    assert values == ["-20.0 pp", "+5.0 pp", "+0.0 pp"]
     assert "&lt;now&gt;" in page and "<now>" not in page  # the state is text, never markup
     without_values = re.sub(r'<small class="why-value".*?</small>', "", page)
     assert re.sub(r"<[^>]+>", "", without_values).replace("&lt;", "<").replace("&gt;", ">") == state
@@ -46,7 +46,7 @@ def test_text_html_colours_each_sentence_on_one_fixed_scale_and_shows_its_value(
 def test_the_key_shows_the_fixed_scale_in_percentage_points():
     key = why.key_html()
     labels = re.findall(r'class="why-key-step"[^>]*>([^<]*)<', key)
-    assert labels == ["−10.0 pp or more", "−5.0 pp", "−1.0 pp", "+0.0 pp", "+1.0 pp", "+5.0 pp", "+10.0 pp or more"]
+    assert labels == ["-10.0 pp or more", "-5.0 pp", "-1.0 pp", "+0.0 pp", "+1.0 pp", "+5.0 pp", "+10.0 pp or more"]
     assert f"rgba(26,127,55,{why.LARGEST_ALPHA:.2f})" in key and f"rgba(207,34,46,{why.LARGEST_ALPHA:.2f})" in key
 
 
@@ -56,7 +56,7 @@ def test_fields_frames_and_the_top_table_read_in_percentage_points():
     fields = [{"kind": "field", "path": ["b"], "text": "<x>", "delta": -0.3},
               {"kind": "field", "path": ["a", 0], "text": "1", "delta": 0.0116}]
     table = why.fields_html(fields)
-    assert table.index("&lt;x&gt;") < table.index("a[0]") and "+1.2 pp" in table and "−30.0 pp" in table
+    assert table.index("&lt;x&gt;") < table.index("a[0]") and "+1.2 pp" in table and "-30.0 pp" in table
     assert "0.0116" not in table
     rows = why.frame_rows([{"kind": "frame", "video": 0, "frame": 12, "seconds": 1.5, "delta": -0.0123}])
     assert rows == [{"video": 1, "frame": 12, "seconds": 1.5, "P(answer) without it, pp": -1.2, "effect": "towards"}]
@@ -66,8 +66,8 @@ def test_fields_frames_and_the_top_table_read_in_percentage_points():
               {"kind": "region", "image": 0, "box": [0, 0, 32, 24], "delta": 0.0}]
     top = why.top_html(ranked, count=3)
     cells = re.findall(r"<tr class=\"why-\w+\"><td>([^<]*)</td><td[^>]*>([^<]*)</td>", top)
-    assert cells == [("image 1, region row 1, column 2", "−8.0 pp"), ("“Refund it.”", "+2.0 pp"),
-                     ("video 1, frame 12 (1.5 s)", "−1.0 pp")]
+    assert cells == [("image 1, region row 1, column 2", "-8.0 pp"), ("“Refund it.”", "+2.0 pp"),
+                     ("video 1, frame 12 (1.5 s)", "-1.0 pp")]
     assert why.answered_option({"type": "noul", "noul": 0.3}) == "false"
     assert why.answered_option({"type": "score", "probabilities": {"0": 0.2, "1": 0.8}}) == "level 1"
 

@@ -38,7 +38,7 @@ KEY_STEPS = (-0.10, -0.05, -0.01, 0.0, 0.01, 0.05, 0.10)  # the swatches of the 
 TOP_SEGMENTS = 5  # the largest effects listed in a table under the view
 DISPLAY_WIDTH = 768  # px: an image is drawn at this width with its regions labelled, whatever its own size
 
-UNIT_LABELS = {None: "everything: the state's sentences or fields, image regions, video frames",
+UNIT_LABELS = {None: "everything (the state's sentences or fields, image regions and video frames)",
                "sentence": "sentences", "line": "lines", "field": "fields", "region": "image regions",
                "frame": "video frames"}
 
@@ -83,9 +83,9 @@ def fallback_note(explained: dict) -> str | None:
     fallback = explained.get("x_why_fallback")
     if not fallback:
         return None
-    cost = f" ({fallback['asked_tokens']:,} tokens)" if fallback.get("asked_tokens") else ""
-    return (f"Explaining by {UNIT_LABELS[fallback['asked']]}{cost} is over the {fallback['budget']:,}-token budget "
-            f"of one explanation, so this explains the {fallback['segments']} {UNIT_LABELS[fallback['used']]} "
+    cost = f"takes {fallback['asked_tokens']:,} tokens, " if fallback.get("asked_tokens") else "is "
+    return (f"Explaining by {UNIT_LABELS[fallback['asked']]} {cost}over the {fallback['budget']:,}-token budget of "
+            f"one explanation, so this explains the {fallback['segments']} {UNIT_LABELS[fallback['used']]} "
             f"({explained.get('x_explain_tokens', 0):,} tokens) instead. Choose another unit under “Explain by” for "
             "the other parts.")
 
@@ -119,8 +119,8 @@ def effect(delta: float) -> str:
 
 
 def points(delta: float) -> str:
-    """A change of probability in percentage points, signed: −1.2 pp."""
-    return f"{delta * 100:+.1f} pp".replace("-", "−")
+    """A change of probability in percentage points, signed: -1.2 pp."""
+    return f"{delta * 100:+.1f} pp"
 
 
 def alpha(delta: float) -> float:
