@@ -490,7 +490,9 @@ if result:
             why_cols = st.columns(2)
             unit = why_cols[0].selectbox("Explain by", why.units_for(result.request), key=K("why_unit"),
                                          format_func=why.UNIT_LABELS.get,
-                                         help="Which parts are removed in turn: more parts cost more tokens")
+                                         help="Which parts are removed in turn — everything: the state's "
+                                              "sentences or fields, image regions and video frames. More parts "
+                                              "cost more tokens.")
             try:
                 explained = why.cached_explanation(st.session_state, K("why_result"), engine, result.request,
                                                    unit=unit, max_length=max_length, overflow=overflow)

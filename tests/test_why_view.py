@@ -91,8 +91,9 @@ def test_region_values_and_outlines_read_on_an_image_of_the_answers_own_colour()
 
 
 def test_a_request_offers_the_units_its_segments_come_in():
-    assert why.units_for({"state": "a. b."}) == [None, "sentence", "line"]
-    assert why.units_for({"state": {"a": 1}, "images": ["x"], "videos": ["y"]}) == [None, "field", "region", "frame"]
+    assert why.units_for({"state": "a. b."}) == ["everything", "sentence", "line"]
+    assert why.units_for({"state": {"a": 1}, "images": ["x"], "videos": ["y"]}) == [
+        "everything", "field", "region", "frame"]
     counts = segment_counts({"state": {"a": 1, "b": [2, 3]}, "images": [data_url(png_bytes(64, 96, seed=1))]}, [4, 8])
     assert counts == {"field": 3, "region": 16, "frame": 12}
     # the unit with the most segments whose variants surely fit: every variant as long as the record
@@ -111,7 +112,7 @@ def test_why_over_the_budget_explains_by_a_coarser_unit_that_fits_and_says_so(ti
     explained = why.explain(tiny_engine, request)
     regions = explained["x_explanations"]["angry"]
     assert len(regions) == 16 and {s["kind"] for s in regions} == {"region"}
-    assert explained["x_why_fallback"] == {"asked": None, "used": "region", "segments": 16,
+    assert explained["x_why_fallback"] == {"asked": "everything", "used": "region", "segments": 16,
                                            "asked_tokens": explained["x_why_fallback"]["asked_tokens"],
                                            "budget": 4 * tiny_engine.token_budget}
     note = why.fallback_note(explained)
@@ -153,7 +154,7 @@ def test_decide_why_toggle_highlights_the_sentences_and_fields(workbench):
     assert re.findall(r'<span class="why-(\w+)"', highlighted) == [why.effect(s["delta"]) for s in by_start]
 
     # another unit: the lines, explained afresh
-    assert at.selectbox(key="decide.why_unit").options == [why.UNIT_LABELS[u] for u in (None, "sentence", "line")]
+    assert at.selectbox(key="decide.why_unit").options == ["everything", "sentences", "lines"]
     at.selectbox(key="decide.why_unit").set_value("line").run()
     no_exceptions(at)
     lines = at.session_state["decide.why_result"][1]["x_explanations"][other]

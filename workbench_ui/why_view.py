@@ -38,28 +38,28 @@ KEY_STEPS = (-0.10, -0.05, -0.01, 0.0, 0.01, 0.05, 0.10)  # the swatches of the 
 TOP_SEGMENTS = 5  # the largest effects listed in a table under the view
 DISPLAY_WIDTH = 768  # px: an image is drawn at this width with its regions labelled, whatever its own size
 
-UNIT_LABELS = {None: "everything (the state's sentences or fields, image regions and video frames)",
-               "sentence": "sentences", "line": "lines", "field": "fields", "region": "image regions",
-               "frame": "video frames"}
+EVERYTHING = "everything"  # the state's sentences or fields with every image's regions and every video's frames
+UNIT_LABELS = {EVERYTHING: "everything", "sentence": "sentences", "line": "lines", "field": "fields",
+               "region": "image regions", "frame": "video frames"}
 
 
-def units_for(request: dict) -> list[str | None]:
-    """The segmentations a request can be explained by (None: everything at once), for the "Explain by" choice."""
-    units: list[str | None] = [None, *(("sentence", "line") if isinstance(request["state"], str) else ("field",))]
+def units_for(request: dict) -> list[str]:
+    """The segmentations a request can be explained by, everything at once first, for the "Explain by" choice."""
+    units = [EVERYTHING, *(("sentence", "line") if isinstance(request["state"], str) else ("field",))]
     return units + ["region"] * bool(request.get("images")) + ["frame"] * bool(request.get("videos"))
 
 
-def explain(engine: DecisionEngine, request: dict, unit: str | None = None, *, max_length: int | None = None,
+def explain(engine: DecisionEngine, request: dict, unit: str = EVERYTHING, *, max_length: int | None = None,
             overflow: str = "refuse") -> dict:
     """The response to `request` with `x_explanations` (per question, segments ranked by effect), its state and media
-    segmented by `unit` (None: everything). When that is over the token budget of one explanation, explained by the
+    segmented by `unit` (a key of UNIT_LABELS). When that is over the token budget of one explanation, explained by the
     unit with the most segments that fits instead, and the response says so in `x_why_fallback` (the unit asked for,
     the one used, and what the first cost). Raises RequestError / TokenBudgetError as the engine does (when no unit
     fits, saying so), ValueError for a model that cannot explain here."""
     if not isinstance(engine, ExplainingEngine):
         raise ValueError("Why needs a model loaded in this workbench; a System One endpoint does not explain")
     try:
-        return engine.explain(request, unit, max_length=max_length, overflow=overflow)
+        return engine.explain(request, None if unit == EVERYTHING else unit, max_length=max_length, overflow=overflow)
     except TokenBudgetError as exc:
         if exc.part != "explanation":
             raise
@@ -91,7 +91,7 @@ def fallback_note(explained: dict) -> str | None:
 
 
 def cached_explanation(state: MutableMapping, key: str, engine: DecisionEngine, request: dict, *,
-                       unit: str | None = None, max_length: int | None, overflow: str) -> dict:
+                       unit: str = EVERYTHING, max_length: int | None, overflow: str) -> dict:
     """The explanation of `request` by `unit`, computed once per request, unit, budget and model and kept in
     `state[key]` (the toggle reruns the page on every click; an explanation costs a batched run)."""
     identity = (json.dumps(request, sort_keys=True, default=str), unit, max_length, overflow,
