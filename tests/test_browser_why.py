@@ -143,11 +143,15 @@ def test_why_view_for_text_json_image_and_video(empty_workbench, page, tmp_path:
     heatmap = page.locator('[data-testid="stImage"]', has_text="Image 1: each region outlined and labelled")
     expect(heatmap).to_be_visible(timeout=LONG)
     expect(page.locator(".why-text span")).to_have_count(4)
-    # the screenshot: from the Why toggle to the bottom of the heatmap
+    # the screenshot: from the Why toggle to the bottom of the labelled image, in a window tall enough for both
+    # (Streamlit scrolls its own container, so a full-page screenshot holds only what the window shows)
+    page.set_viewport_size({"width": 1280, "height": 1800})
     toggle = page.get_by_text("Why", exact=True)
     toggle.scroll_into_view_if_needed()
     settle(page)
-    top, bottom = toggle.bounding_box(), heatmap.bounding_box()
+    page.wait_for_function("img => img.complete && img.getBoundingClientRect().height > 200",
+                           arg=heatmap.locator("img").element_handle())
+    top, bottom = toggle.bounding_box(), heatmap.locator("img").bounding_box()
     left = min(top["x"], bottom["x"]) - 12
     clip = {"x": left, "y": top["y"] - 12, "width": max(bottom["x"] + bottom["width"], 640 + left) - left + 12,
             "height": bottom["y"] + bottom["height"] - top["y"] + 24}
@@ -158,6 +162,7 @@ def test_why_view_for_text_json_image_and_video(empty_workbench, page, tmp_path:
         small.thumbnail((1000, 1000))
         small.quantize(colors=96).save(SCREENSHOT, optimize=True)
     assert SCREENSHOT.stat().st_size < 200_000
+    page.set_viewport_size({"width": 1280, "height": 900})
 
     # a video: the frames it read, ranked by effect
     page.locator('[data-testid="stFileUploader"]').filter(has_text="Images").get_by_role(
