@@ -69,7 +69,7 @@ def unknown_options(question: dict) -> set[str]:
 
 def _reasons(row: Any, rules: ReviewRules, unknown_ids: set[str], other_answer: str | None) -> list[str]:
     reasons = []
-    calibrated = "calibrated " if rules.calibration else ""
+    calibrated = "calibrated " if getattr(row, "calibrated", False) else ""
     if rules.margin_below is not None and row.margin < rules.margin_below:
         reasons.append(f"{calibrated}margin {row.margin:.3f} < {rules.margin_below:g}")
     if rules.confidence_below is not None and row.confidence < rules.confidence_below:
@@ -90,6 +90,7 @@ def _calibrated(store: Store, frame: pd.DataFrame, calibration_name: str) -> pd.
                      for q, d in zip(frame["question_id"], frame["distribution"], strict=True)]
     out = calibration.with_distributions(frame, distributions)
     out["margin"] = [top_two(d)[2] for d in distributions]
+    out["calibrated"] = [q in maps for q in frame["question_id"]]  # a map not applied leaves the question raw
     return out
 
 

@@ -21,7 +21,7 @@ import playwright.sync_api as playwright_api  # noqa: E402
 import pytest
 from PIL import Image
 
-from clef_workbench import review
+from clef_workbench import calibration, review
 from clef_workbench.store import Store
 from tests.browser_harness import launch_chromium, running_workbench
 from tests.browser_steps import go_to, new_case_set_from_csv, pick, settle
@@ -302,6 +302,15 @@ def test_calibration_journey_import_run_calibrate_decide_and_review(workbench, p
     page.get_by_role("button", name=re.compile(r"^Run\b")).click()
     expect(page.get_by_role("combobox", name="Probabilities")).to_be_visible(timeout=LONG)
     pick(page, "Probabilities", kept["name"], exact=True)
+    # whether the fit helps is said next to the choice, with its held-out interval, before anything is applied
+    judged = calibration.verdicts(kept["payload"])["team"]
+    print(f"team's calibration: {judged}")
+    expect(page.get_by_text(judged.reason, exact=False).first).to_be_visible()
+    if not judged.applied:
+        expect(page.get_by_text("team · choice · answered by", exact=False).filter(has_text="calibrated")
+               ).to_have_count(0)
+        page.get_by_role("checkbox", name="Apply it also where it did not help").check(force=True)
+        settle(page)
     expect(page.get_by_text(f"Calibrated with “{kept['name']}”", exact=False).first).to_be_visible()
     expect(page.get_by_text("team · choice · answered by", exact=False).filter(has_text="calibrated")).to_be_visible()
 
@@ -324,6 +333,10 @@ def test_calibration_journey_import_run_calibrate_decide_and_review(workbench, p
     expect(page.get_by_text(f"These rules select {raw_count} item(s)")).to_be_visible()
     pick(page, "Confidence and margin read from", kept["name"], exact=True)
     expect(page.get_by_text(f"These rules select {calibrated_count} item(s)")).to_be_visible()
+    expect(page.get_by_text(judged.reason, exact=False).first).to_be_visible()
+    if not judged.applied:  # a map that does not help leaves the thresholds on the raw numbers
+        assert calibrated_count == raw_count
+        return
     assert calibrated_count > 0
     page.get_by_role("button", name=re.compile(r"^Add \d+ item\(s\) to the queue$")).click()
     settle(page)

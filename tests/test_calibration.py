@@ -284,3 +284,18 @@ def test_a_temperature_at_its_bound_is_not_applied_and_the_stored_calibration_le
     assert shown == response["answers"]  # not applied unless asked for
     _, forced = calibration.calibrated_response(store, "flat", response, every_question=True)
     assert forced["team"]["confidence"] < 0.4  # asked for: about 1/3
+
+
+def test_review_thresholds_stay_on_raw_numbers_for_a_map_that_does_not_help(tmp_path):
+    from clef_workbench import review
+
+    store, case_ids, (run_a, _) = _store_with_two_runs(tmp_path)
+    softer = calibration.QuestionCalibration("urgent", "noul", "platt", a=0.3, b=0.0)
+    store.save_calibration("unhelpful", store.get_run(run_a), {
+        "questions": {"urgent": calibration.asdict(softer)},
+        "report": [{"question_id": "urgent", "ece_reduction": {"value": -0.01, "low": -0.1, "high": 0.05}}]})
+    rules = review.ReviewRules(margin_below=None, confidence_below=0.75, calibration="unhelpful")
+    items = review.candidates(store, run_a, rules)
+    # as raw: 0.7 and 0.6 are under 0.75, and the reason does not claim a calibration that was not applied
+    assert {i["case_id"] for i in items} == {case_ids[2], case_ids[3]}
+    assert all(i["reason"].startswith("confidence") for i in items)
