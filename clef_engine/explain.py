@@ -167,6 +167,29 @@ def segments(request: Mapping[str, Any], record: EncodedRecord, unit: str | None
     return found
 
 
+# ---- a segmentation that fits ------------------------------------------------------------------------------------
+
+
+def segment_counts(request: Mapping[str, Any], frame_counts: Sequence[int]) -> dict[str, int]:
+    """How many segments each unit makes of a request (as `segments` makes them, without making them), given how many
+    frames the model samples from each of its videos; the units that make none are left out."""
+    state = request["state"]
+    counts = {"sentence": len(text_spans(state)), "line": len(text_spans(state, "line"))} if isinstance(state, str) \
+        else {"field": len(json_leaves(state))}
+    counts["region"] = sum(len(region_boxes(image.width, image.height))
+                           for image in map(media.load_image, request.get("images") or []))
+    counts["frame"] = sum(frame_counts)
+    return {unit: count for unit, count in counts.items() if count}
+
+
+def unit_that_fits(counts: Mapping[str, int], record_tokens: int, budget: int) -> str | None:
+    """Of the units `counts` lists, the one with the most segments whose explanation surely fits the `budget` of one
+    explanation (no variant is longer than the record): what to explain by when everything at once, or the unit
+    asked for, is over it. None when no unit fits."""
+    fitting = [unit for unit, count in counts.items() if record_tokens * (1 + count) <= budget]
+    return max(fitting, key=lambda unit: counts[unit], default=None)
+
+
 # ---- deciding the variants ----------------------------------------------------------------------------------------
 
 

@@ -27,6 +27,8 @@ from clef_workbench import stats
 from clef_workbench.store import Store
 
 MIN_LABELLED = 30
+PLATT_BOUND = 50.0  # |a|, |b| of a Platt fit
+LOG_TEMPERATURE_BOUND = 3.0  # |log T| of a temperature fit: T between 1/20.09 and 20.09
 FOLDS = 5
 BOOTSTRAP_SAMPLES = 1000
 INTERVAL = 0.95
@@ -94,7 +96,8 @@ def fit_question(rows: pd.DataFrame) -> QuestionCalibration:
             return _negative_log_likelihood(
                 QuestionCalibration(question_id, question_type, "platt", a=params[0], b=params[1]), rows)
 
-        best = minimize(platt_loss, x0=np.array([1.0, 0.0]), method="L-BFGS-B", bounds=[(-50, 50), (-50, 50)])
+        best = minimize(platt_loss, x0=np.array([1.0, 0.0]), method="L-BFGS-B",
+                        bounds=[(-PLATT_BOUND, PLATT_BOUND)] * 2)
         return QuestionCalibration(question_id, question_type, "platt", a=float(best.x[0]), b=float(best.x[1]))
 
     def temperature_loss(log_t: float) -> float:
@@ -102,7 +105,7 @@ def fit_question(rows: pd.DataFrame) -> QuestionCalibration:
             QuestionCalibration(question_id, question_type, "temperature", temperature=float(np.exp(log_t))), rows)
 
     # a temperature between 1/20 and 20: beyond them the answers are already one-hot or uniform
-    best = minimize_scalar(temperature_loss, bounds=(-3.0, 3.0), method="bounded")
+    best = minimize_scalar(temperature_loss, bounds=(-LOG_TEMPERATURE_BOUND, LOG_TEMPERATURE_BOUND), method="bounded")
     return QuestionCalibration(question_id, question_type, "temperature", temperature=float(np.exp(best.x)))
 
 
@@ -168,7 +171,7 @@ def _bootstrap(before: pd.DataFrame, after: pd.DataFrame, bins: int, seed: int) 
 def calibrate(frame: pd.DataFrame, *, min_labelled: int = MIN_LABELLED, folds: int = FOLDS, bins: int = 10,
               seed: int = 0) -> list[QuestionReport]:
     """One report per question of `frame` (a run's `stats.answer_frame`): fitted on all its labelled cases, judged on
-    held-out ones, or refused with the reason."""
+    held-out ones (`verdict`), or refused with the reason."""
     reports = []
     for question_id in dict.fromkeys(frame["question_id"]):
         question_rows = frame[frame["question_id"] == question_id]
@@ -210,6 +213,78 @@ def k_folds(count: int, folds: int, seed: int) -> Iterator[tuple[np.ndarray, np.
         yield np.flatnonzero(~held_out), np.flatnonzero(held_out)
 
 
+@dataclass(frozen=True)
+class Verdict:
+    """Whether a question's fitted map is applied unless asked otherwise, and why, in words."""
+
+    applied: bool
+    reason: str
+
+
+AT_BOUND = 1e-3  # a fitted parameter this close to its bound stopped there: the best fit lies beyond it
+
+
+def at_bound(question: QuestionCalibration) -> str | None:
+    """In words, the fitted parameter that stopped at the bound of what the fit tries; None when none did."""
+    if question.method == "temperature":
+        log_t = float(np.log(question.temperature))
+        if abs(log_t) < LOG_TEMPERATURE_BOUND - AT_BOUND:
+            return None
+        if log_t > 0:
+            return (f"the temperature {question.temperature:.2f} is the largest the fit tries: it flattens every "
+                    "answer to about 1/k (all options nearly equally likely)")
+        return (f"the temperature {question.temperature:.3f} is the smallest the fit tries: it makes every answer "
+                "all-or-nothing")
+    for name in ("a", "b"):
+        value = getattr(question, name)
+        if abs(value) >= PLATT_BOUND - AT_BOUND:
+            return f"the Platt parameter {name} = {value:g} is at the bound the fit tries (±{PLATT_BOUND:g})"
+    return None
+
+
+def held_out_effect(reduction: Interval) -> str:
+    """The held-out ECE reduction (before − after: above zero is better) with its interval."""
+    return (f"held-out ECE reduction {reduction.value:+.3f} [{reduction.low:+.3f}, {reduction.high:+.3f}], "
+            f"{INTERVAL:.0%} interval")
+
+
+def verdict(question: QuestionCalibration, reduction: Interval | None) -> Verdict:
+    """A map is applied when the interval of its held-out ECE reduction lies above zero and no parameter stopped at
+    its bound. A map kept without held-out figures (none measured) is applied unless it is at a bound."""
+    bound = at_bound(question)
+    if reduction is None:
+        return Verdict(False, f"not applied: {bound}") if bound else \
+            Verdict(True, "applied: no held-out figures were kept with it")
+    effect = held_out_effect(reduction)
+    if bound:
+        return Verdict(False, f"not applied: {bound} ({effect})")
+    if reduction.low <= 0:
+        return Verdict(False, f"not applied: it may not help — {effect} includes no improvement")
+    return Verdict(True, f"applied: {effect}")
+
+
+def verdicts(payload: dict[str, Any]) -> dict[str, Verdict]:
+    """The verdict on each map of a stored calibration's payload, by question."""
+    reductions = {r["question_id"]: r.get("ece_reduction") for r in payload.get("report") or []}
+    return {question_id: verdict(question, Interval(**reductions[question_id]) if reductions.get(question_id)
+                                 else None)
+            for question_id, question in maps_from_payload(payload).items()}
+
+
+def verdicts_text(payload: dict[str, Any]) -> str:
+    """Each question's verdict as a Markdown list, shown next to every control that chooses calibrated numbers."""
+    return "\n".join(f"- **{question_id}** — {judged.reason}" for question_id, judged in verdicts(payload).items())
+
+
+def applied_maps(payload: dict[str, Any], *, every_question: bool = False) -> dict[str, QuestionCalibration]:
+    """The maps a stored calibration applies: those whose verdict says so, or with `every_question` all of them."""
+    maps = maps_from_payload(payload)
+    if every_question:
+        return maps
+    judged = verdicts(payload)
+    return {question_id: question for question_id, question in maps.items() if judged[question_id].applied}
+
+
 def summary_table(reports: list[QuestionReport]) -> pd.DataFrame:
     """The before/after table the CLI prints and the Runs page shows."""
     def cell(interval: Interval | None) -> str:
@@ -221,7 +296,7 @@ def summary_table(reports: list[QuestionReport]) -> pd.DataFrame:
         "ECE before": cell(r.ece_before), "ECE after (held out)": cell(r.ece_after),
         "ECE reduction": cell(r.ece_reduction),
         "Brier before": cell(r.brier_before), "Brier after (held out)": cell(r.brier_after),
-        "note": r.refused or "",
+        "note": r.refused or ("" if r.calibration is None else verdict(r.calibration, r.ece_reduction).reason),
     } for r in reports])
 
 
@@ -271,7 +346,7 @@ def for_run(store: Store, run: dict) -> dict | None:
 def calibrated_results(stored: dict, results: list[dict]) -> list[dict]:
     """A run's results (`Store.list_results`) with each answer the stored calibration has a map for replaced by its
     calibrated answer; the rest as they were."""
-    maps = maps_from_payload(stored["payload"])
+    maps = applied_maps(stored["payload"])
     out = []
     for result in results:
         response = result.get("response")
@@ -307,11 +382,12 @@ def calibrate_run(store: Store, run_id: int, *, name: str | None = None, min_lab
     return store.save_calibration(name, run, calibration_payload(reports)), reports
 
 
-def calibrated_response(store: Store, name: str, response: dict) -> tuple[dict, dict]:
-    """(the stored calibration named `name`, the response's answers calibrated by it where it has a map, others as
-    they were): what Decide, Runs and Review show when a calibration is chosen."""
+def calibrated_response(store: Store, name: str, response: dict, *, every_question: bool = False
+                        ) -> tuple[dict, dict]:
+    """(the stored calibration named `name`, the response's answers calibrated by it where it has a map that is
+    applied (`applied_maps`), others as they were): what Decide, Runs and Review show when a calibration is chosen."""
     stored = store.get_calibration(name=name)
-    distributions = calibrate_response(maps_from_payload(stored["payload"]), response)
+    distributions = calibrate_response(applied_maps(stored["payload"], every_question=every_question), response)
     answers = {qid: calibrated_answer(answer, distributions[qid]) if qid in distributions else answer
                for qid, answer in response.get("answers", {}).items()}
     return stored, answers

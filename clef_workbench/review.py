@@ -69,7 +69,7 @@ def unknown_options(question: dict) -> set[str]:
 
 def _reasons(row: Any, rules: ReviewRules, unknown_ids: set[str], other_answer: str | None) -> list[str]:
     reasons = []
-    calibrated = "calibrated " if rules.calibration else ""
+    calibrated = "calibrated " if getattr(row, "calibrated", False) else ""
     if rules.margin_below is not None and row.margin < rules.margin_below:
         reasons.append(f"{calibrated}margin {row.margin:.3f} < {rules.margin_below:g}")
     if rules.confidence_below is not None and row.confidence < rules.confidence_below:
@@ -85,11 +85,12 @@ def _reasons(row: Any, rules: ReviewRules, unknown_ids: set[str], other_answer: 
 
 def _calibrated(store: Store, frame: pd.DataFrame, calibration_name: str) -> pd.DataFrame:
     """The frame with each answer's distribution, prediction, confidence and margin read from the calibration."""
-    maps = calibration.maps_from_payload(store.get_calibration(name=calibration_name)["payload"])
+    maps = calibration.applied_maps(store.get_calibration(name=calibration_name)["payload"])
     distributions = [maps[q].apply(d) if q in maps else d
                      for q, d in zip(frame["question_id"], frame["distribution"], strict=True)]
     out = calibration.with_distributions(frame, distributions)
     out["margin"] = [top_two(d)[2] for d in distributions]
+    out["calibrated"] = [q in maps for q in frame["question_id"]]  # a map not applied leaves the question raw
     return out
 
 
@@ -209,7 +210,7 @@ def shown_answer(store: Store, item: dict, calibration_name: str | None = None) 
     stored, distribution = None, raw
     if calibration_name:
         stored = store.get_calibration(name=calibration_name)
-        question = calibration.maps_from_payload(stored["payload"]).get(item["question_id"])
+        question = calibration.applied_maps(stored["payload"]).get(item["question_id"])
         if question is None or question.question_type != item["question_type"]:
             stored = None  # the calibration has no map for this question: raw, and said so by `calibration` None
         else:

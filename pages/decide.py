@@ -471,7 +471,12 @@ if result:
                                   help="A calibration fitted on a run's labelled cases (Runs → Calibrate) maps "
                                        "each question's probabilities to how often such answers were right")
             if chosen in fitted:
-                stored, shown = calibration.calibrated_response(get_store(), chosen, response)
+                stored = get_store().get_calibration(name=chosen)
+                st.markdown(calibration.verdicts_text(stored["payload"]))
+                every_question = st.checkbox("Apply it also where it did not help", key=K("calibration_all"),
+                                             help="Questions marked “not applied” above stay raw unless this is on")
+                stored, shown = calibration.calibrated_response(get_store(), chosen, response,
+                                                                every_question=every_question)
                 calibration_note = (f"Calibrated with “{chosen}” (fitted on {stored['model_id']}'s answers in run "
                                     f"{stored['run_id']}); choose raw above to see the model's own probabilities.")
                 if stored["model_id"] != result.model_label:
@@ -482,13 +487,20 @@ if result:
         if engine is not None and st.toggle("Why", key=K("why"), help="Which sentences, fields, image regions and "
                                             "frames moved each answer: each is removed in turn and the record "
                                             "decided again, in one batched run"):
+            why_cols = st.columns(2)
+            unit = why_cols[0].selectbox("Explain by", why.units_for(result.request), key=K("why_unit"),
+                                         format_func=why.UNIT_LABELS.get,
+                                         help="Which parts are removed in turn — everything: the state's "
+                                              "sentences or fields, image regions and video frames. More parts "
+                                              "cost more tokens.")
             try:
                 explained = why.cached_explanation(st.session_state, K("why_result"), engine, result.request,
-                                                   max_length=max_length, overflow=overflow)
+                                                   unit=unit, max_length=max_length, overflow=overflow)
             except (ClefError, ValueError) as exc:
                 st.error(f"Why could not be computed: {exc}")
             else:
-                picked = st.selectbox("Why this answer to", list(explained["answers"]), key=K("why_question"))
+                picked = why_cols[1].selectbox("Why this answer to", list(explained["answers"]),
+                                               key=K("why_question"))
                 why.render_why(explained, picked, result.request["state"], why.request_images(result.request))
 
         tabs = st.tabs(["Response JSON", "Request JSON"])

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pandas as pd
 import streamlit as st
 
-from clef_workbench import review
+from clef_workbench import calibration, review
 from clef_workbench.answers import probability_chart
 from clef_workbench.store import ReviewConflictError, StoreError
 from workbench_ui import links, run_charts
@@ -115,6 +115,8 @@ with st.expander(f"Queue rules for schema “{run['schema_name']}”", expanded=
         index=threshold_sources.index(saved.calibration) if saved.calibration in fitted else 0,
         help="A calibration fitted on a run's labelled cases (Runs → Fit a calibration): the thresholds then apply "
              "to calibrated confidence, how often such answers were right")
+    if read_from in fitted:
+        st.markdown(calibration.verdicts_text(store.get_calibration(name=read_from)["payload"]))
     rules = view.rules_from_form(questions, use_confidence=use_confidence, confidence=confidence,
                                  use_margin=use_margin, margin=margin, unknown=unknown, disagree=disagree,
                                  picked_questions=picked_questions,
@@ -295,12 +297,17 @@ def show_item(item: dict) -> None:
                 answer = review.shown_answer(store, item, chosen if chosen in fitted else None)
                 table = run_charts.distribution_table(question, answer["distribution"], answer["predicted"])
                 fitted_on = answer["calibration"]
+                judged = calibration.verdicts(store.get_calibration(name=chosen)["payload"]).get(
+                    item["question_id"]) if chosen in fitted else None
                 if fitted_on is not None:
                     st.markdown(f"**Calibrated distribution** · “{chosen}” (fitted on {fitted_on['model_id']}'s "
                                 f"answers in run {fitted_on['run_id']})")
                 else:
                     st.markdown("**Model's distribution** (raw, as the run recorded it)"
-                                + (f" · “{chosen}” has no map for this question" if chosen in fitted else ""))
+                                + (f" · “{chosen}” has no map for this question" if chosen in fitted and not judged
+                                   else ""))
+                if judged:
+                    st.caption(f"“{chosen}” for {item['question_id']}: {judged.reason}")
                 st.altair_chart(probability_chart(table), width="stretch")
                 st.caption(view.answer_caption(answer))
         pending = st.session_state.get(confirm_key)

@@ -21,7 +21,7 @@ import playwright.sync_api as playwright_api  # noqa: E402
 import pytest
 from PIL import Image
 
-from clef_workbench import review
+from clef_workbench import calibration, review
 from clef_workbench.store import Store
 from tests.browser_harness import launch_chromium, running_workbench
 from tests.browser_steps import go_to, new_case_set_from_csv, pick, settle
@@ -118,8 +118,16 @@ def test_why_view_for_text_json_image_and_video(empty_workbench, page, tmp_path:
                      "Nobody answered my emails.", "It was a birthday present for my mother."]
     classes = [sentences.nth(i).get_attribute("class") for i in range(4)]
     assert set(classes) <= {"why-towards", "why-against", "why-none"} and set(classes) != {"why-none"}
-    assert re.search(r"(supports|works against) the answer: without it P\(answer\) (falls|rises) by",
+    assert re.search(r"(supports|works against) the answer: without it P\(answer\) (falls|rises) by [0-9.]+ pp$",
                      sentences.first.get_attribute("title"))
+    # readable as numbers: each sentence's value next to it, a key of the one fixed scale, the largest as a table
+    values = page.locator(".why-text .why-value").all_inner_texts()
+    assert len(values) == 4 and all(re.fullmatch(r"\([+-]\d+\.\d pp\)", v) for v in values)
+    expect(page.locator(".why-key")).to_contain_text("+10.0 pp or more")
+    top = page.locator("table.why-top tbody tr")
+    expect(top).to_have_count(4)
+    assert [re.fullmatch(r"[+-]\d+\.\d pp", cell) is not None for cell in
+            page.locator("table.why-top tbody td:nth-child(2)").all_inner_texts()] == [True] * 4
 
     # an image: its regions tinted, beside the sentences; this is the screenshot of the docs
     photo = tmp_path / "parcel.png"
@@ -132,14 +140,18 @@ def test_why_view_for_text_json_image_and_video(empty_workbench, page, tmp_path:
         'input[type="file"]').set_input_files(str(photo))
     expect(page.get_by_text(re.compile(r"parcel\.png · 128×96"))).to_be_visible()
     run_and_wait(page)
-    heatmap = page.locator('[data-testid="stImage"]', has_text="Image 1: regions by effect")
+    heatmap = page.locator('[data-testid="stImage"]', has_text="Image 1: each region outlined and labelled")
     expect(heatmap).to_be_visible(timeout=LONG)
     expect(page.locator(".why-text span")).to_have_count(4)
-    # the screenshot: from the Why toggle to the bottom of the heatmap
+    # the screenshot: from the Why toggle to the bottom of the labelled image, in a window tall enough for both
+    # (Streamlit scrolls its own container, so a full-page screenshot holds only what the window shows)
+    page.set_viewport_size({"width": 1280, "height": 1800})
     toggle = page.get_by_text("Why", exact=True)
     toggle.scroll_into_view_if_needed()
     settle(page)
-    top, bottom = toggle.bounding_box(), heatmap.bounding_box()
+    page.wait_for_function("img => img.complete && img.getBoundingClientRect().height > 200",
+                           arg=heatmap.locator("img").element_handle())
+    top, bottom = toggle.bounding_box(), heatmap.locator("img").bounding_box()
     left = min(top["x"], bottom["x"]) - 12
     clip = {"x": left, "y": top["y"] - 12, "width": max(bottom["x"] + bottom["width"], 640 + left) - left + 12,
             "height": bottom["y"] + bottom["height"] - top["y"] + 24}
@@ -150,6 +162,7 @@ def test_why_view_for_text_json_image_and_video(empty_workbench, page, tmp_path:
         small.thumbnail((1000, 1000))
         small.quantize(colors=96).save(SCREENSHOT, optimize=True)
     assert SCREENSHOT.stat().st_size < 200_000
+    page.set_viewport_size({"width": 1280, "height": 900})
 
     # a video: the frames it read, ranked by effect
     page.locator('[data-testid="stFileUploader"]').filter(has_text="Images").get_by_role(
@@ -162,7 +175,7 @@ def test_why_view_for_text_json_image_and_video(empty_workbench, page, tmp_path:
     expect(page.get_by_text("clip.mp4: the model reads these 4 of 30 frames (15.0 fps source).")
            ).to_be_visible(timeout=LONG)
     run_and_wait(page)
-    expect(page.locator('[data-testid="stImage"]', has_text="regions by effect")).to_have_count(0)
+    expect(page.locator('[data-testid="stImage"]', has_text="each region outlined")).to_have_count(0)
     frames = page.locator('[data-testid="stDataFrame"]').filter(has=page.locator("canvas")).last
     expect(frames).to_be_visible()
 
@@ -175,6 +188,60 @@ def test_why_view_for_text_json_image_and_video(empty_workbench, page, tmp_path:
     paths = page.locator("table.why-fields tbody code").all_inner_texts()
     assert sorted(paths) == ["customer.name", "customer.tier", "message"]
     expect(page.locator(".why-text")).to_have_count(0)
+
+
+def test_why_on_the_vehicle_example_with_a_photo_and_a_video_fits_itself_to_the_budget(workbench, page,
+                                                                                         tmp_path: Path):
+    """The shipped vehicle example with one photo and a 3-second video: everything at once is over the budget of one
+    explanation; Why explains the image regions instead and says so, each region labelled in percentage points, and
+    "Explain by" offers the other units."""
+    url, _ = workbench
+    page.goto(url)
+    expect(page.get_by_text("Its weights are random: the answers mean nothing")).to_be_visible(timeout=LONG)
+    pick(page, "Library", "Vehicle damage claim (photo)")
+    page.get_by_role("button", name="Load", exact=True).click()
+    settle(page)
+    expect(page.get_by_role("combobox", name="Example states of the loaded schema")).to_be_visible()
+    page.get_by_role("button", name="Use", exact=True).click()
+    settle(page)
+    expect(page.locator('textarea[aria-label="State"]')).to_contain_text("claim_id")
+    photo = tmp_path / "car.png"
+    pixels = np.zeros((480, 640, 3), dtype=np.uint8)
+    pixels[:] = (200, 30, 40)  # a red car filling the photo: a red tint would not show on it
+    pixels[300:, :] = (60, 60, 60)
+    Image.fromarray(pixels).save(photo)
+    page.locator('[data-testid="stFileUploader"]').filter(has_text="Images").locator(
+        'input[type="file"]').set_input_files(str(photo))
+    expect(page.get_by_text(re.compile(r"car\.png · 640×480"))).to_be_visible()
+    clip = tmp_path / "clip.mp4"
+    clip.write_bytes(mp4_bytes(frames=45, fps=15))  # 3 seconds
+    page.locator('[data-testid="stFileUploader"]').filter(has_text="Videos").locator(
+        'input[type="file"]').set_input_files(str(clip))
+    expect(page.get_by_text(re.compile(r"clip\.mp4: the model reads these \d+ of 45 frames"))).to_be_visible(
+        timeout=LONG)
+    page.get_by_role("button", name=re.compile(r"^Run\b")).click()
+    expect(page.locator('[data-testid="stMetricLabel"]', has_text="Answer").first).to_be_visible(timeout=LONG)
+    settle(page)
+    page.get_by_text("Why", exact=True).click()
+    settle(page)
+    expect(page.get_by_text(re.compile(r"^Explaining by everything .* over the 65,536-token budget of one "
+                                       r"explanation, so this explains the 16 image regions"))).to_be_visible(
+        timeout=LONG)
+    expect(page.get_by_text("Why could not be computed")).to_have_count(0)
+    expect(page.locator('[data-testid="stImage"]', has_text="Image 1: each region outlined and labelled")
+           ).to_be_visible()
+    rows = page.locator("table.why-top tbody tr")
+    expect(rows).to_have_count(5)
+    assert all(re.fullmatch(r"image 1, region row \d, column \d", cell) for cell in
+               page.locator("table.why-top tbody td:nth-child(1)").all_inner_texts())
+    expect(page.locator(".why-key")).to_be_visible()
+
+    # the unit the refusal advised is a control on the page: the fields alone fit, and nothing is said about a budget
+    pick(page, "Explain by", "fields", exact=True)
+    expect(page.locator("table.why-fields tbody tr").first).to_be_visible(timeout=LONG)
+    expect(page.get_by_text(re.compile(r"^Explaining by everything"))).to_have_count(0)
+    values = page.locator("table.why-fields tbody td:nth-child(3)").all_inner_texts()
+    assert values and all(re.fullmatch(r"[+-]\d+\.\d pp", v) for v in values)
 
 
 def labelled_csv(path: Path, cases: int) -> None:
@@ -235,6 +302,15 @@ def test_calibration_journey_import_run_calibrate_decide_and_review(workbench, p
     page.get_by_role("button", name=re.compile(r"^Run\b")).click()
     expect(page.get_by_role("combobox", name="Probabilities")).to_be_visible(timeout=LONG)
     pick(page, "Probabilities", kept["name"], exact=True)
+    # whether the fit helps is said next to the choice, with its held-out interval, before anything is applied
+    judged = calibration.verdicts(kept["payload"])["team"]
+    print(f"team's calibration: {judged}")
+    expect(page.get_by_text(judged.reason, exact=False).first).to_be_visible()
+    if not judged.applied:
+        expect(page.get_by_text("team · choice · answered by", exact=False).filter(has_text="calibrated")
+               ).to_have_count(0)
+        page.get_by_role("checkbox", name="Apply it also where it did not help").check(force=True)
+        settle(page)
     expect(page.get_by_text(f"Calibrated with “{kept['name']}”", exact=False).first).to_be_visible()
     expect(page.get_by_text("team · choice · answered by", exact=False).filter(has_text="calibrated")).to_be_visible()
 
@@ -257,6 +333,10 @@ def test_calibration_journey_import_run_calibrate_decide_and_review(workbench, p
     expect(page.get_by_text(f"These rules select {raw_count} item(s)")).to_be_visible()
     pick(page, "Confidence and margin read from", kept["name"], exact=True)
     expect(page.get_by_text(f"These rules select {calibrated_count} item(s)")).to_be_visible()
+    expect(page.get_by_text(judged.reason, exact=False).first).to_be_visible()
+    if not judged.applied:  # a map that does not help leaves the thresholds on the raw numbers
+        assert calibrated_count == raw_count
+        return
     assert calibrated_count > 0
     page.get_by_role("button", name=re.compile(r"^Add \d+ item\(s\) to the queue$")).click()
     settle(page)

@@ -227,3 +227,75 @@ def test_the_held_out_folds_are_scikit_learns_kfold_folds():
         held_out = sorted(i for _, test in calibration.k_folds(count, k, seed) for i in test)
         assert held_out == list(range(count))
         assert all(sorted([*train, *test]) == list(range(count)) for train, test in calibration.k_folds(count, k, seed))
+
+
+def _results(n: int, sharpness: float, seed: int) -> list[dict]:
+    """Choice answers for `team` whose labels are drawn from the model's logits divided by `sharpness`: 1 makes the
+    model exactly calibrated; a large one makes the labels (almost) uniform, whatever the model says."""
+    rng = np.random.default_rng(seed)
+    options = ["billing", "tech", "sales"]
+    results = []
+    for case in range(n):
+        logits = rng.normal(0, 4, size=3)
+        sharp = np.exp(logits) / np.exp(logits).sum()
+        truth = np.exp(logits / sharpness) / np.exp(logits / sharpness).sum()
+        results.append({"case_id": case, "position": case, "error": None, "latency_ms": 1.0, "input_tokens": 10,
+                        "expected": {"team": options[int(rng.choice(3, p=truth))]},
+                        "response": {"answers": {"team": {"type": "choice", "probabilities": dict(
+                            zip(options, sharp.tolist(), strict=True))}}}})
+    return results
+
+
+def _team_report(results: list[dict]) -> calibration.QuestionReport:
+    [report] = calibration.calibrate(stats.answer_frame(results, {"questions": {"team": SCHEMA["questions"]["team"]}}))
+    return report
+
+
+def test_a_calibration_that_helps_is_applied_and_says_by_how_much(reports):
+    helped = calibration.verdict(reports["team"].calibration, reports["team"].ece_reduction)
+    assert helped.applied and helped.reason.startswith("applied: held-out ECE reduction +")
+    assert calibration.summary_table([reports["team"]]).loc[0, "note"] == helped.reason
+
+
+def test_a_calibration_whose_held_out_interval_reaches_zero_is_not_applied_and_says_why():
+    report = _team_report(_results(60, sharpness=1.0, seed=5))  # the model is already calibrated
+    assert report.ece_reduction.low <= 0 < report.ece_reduction.high
+    judged = calibration.verdict(report.calibration, report.ece_reduction)
+    assert not judged.applied
+    interval = f"[{report.ece_reduction.low:+.3f}, {report.ece_reduction.high:+.3f}]"
+    assert "may not help" in judged.reason and interval in judged.reason
+    assert calibration.summary_table([report]).loc[0, "note"] == judged.reason  # the note column says it
+
+
+def test_a_temperature_at_its_bound_is_not_applied_and_the_stored_calibration_leaves_raw_answers(tmp_path):
+    report = _team_report(_results(90, sharpness=1000.0, seed=2))  # labels uniform: the fit flattens to 1/k
+    assert report.calibration.temperature == pytest.approx(np.exp(calibration.LOG_TEMPERATURE_BOUND), rel=1e-2)
+    payload = calibration.calibration_payload([report])
+    judged = calibration.verdicts(payload)["team"]
+    assert not judged.applied and "20.09 is the largest the fit tries" in judged.reason and "1/k" in judged.reason
+    assert calibration.applied_maps(payload) == {}
+    assert set(calibration.applied_maps(payload, every_question=True)) == {"team"}
+
+    store, _, (run_a, _) = _store_with_two_runs(tmp_path)
+    store.save_calibration("flat", store.get_run(run_a), payload)
+    response = {"answers": {"team": {"type": "choice", "choice": "billing", "confidence": 0.8,
+                                     "probabilities": {"billing": 0.8, "tech": 0.15, "sales": 0.05}}}}
+    _, shown = calibration.calibrated_response(store, "flat", response)
+    assert shown == response["answers"]  # not applied unless asked for
+    _, forced = calibration.calibrated_response(store, "flat", response, every_question=True)
+    assert forced["team"]["confidence"] < 0.4  # asked for: about 1/3
+
+
+def test_review_thresholds_stay_on_raw_numbers_for_a_map_that_does_not_help(tmp_path):
+    from clef_workbench import review
+
+    store, case_ids, (run_a, _) = _store_with_two_runs(tmp_path)
+    softer = calibration.QuestionCalibration("urgent", "noul", "platt", a=0.3, b=0.0)
+    store.save_calibration("unhelpful", store.get_run(run_a), {
+        "questions": {"urgent": calibration.asdict(softer)},
+        "report": [{"question_id": "urgent", "ece_reduction": {"value": -0.01, "low": -0.1, "high": 0.05}}]})
+    rules = review.ReviewRules(margin_below=None, confidence_below=0.75, calibration="unhelpful")
+    items = review.candidates(store, run_a, rules)
+    # as raw: 0.7 and 0.6 are under 0.75, and the reason does not claim a calibration that was not applied
+    assert {i["case_id"] for i in items} == {case_ids[2], case_ids[3]}
+    assert all(i["reason"].startswith("confidence") for i in items)

@@ -6,12 +6,15 @@ probabilities behind a labelled switch."""
 from __future__ import annotations
 
 import re
+from dataclasses import asdict
 
+import numpy as np
 import pytest
 from streamlit.testing.v1 import AppTest
 
 from clef_workbench import calibration
 from clef_workbench.store import Store
+from tests.test_app_pages import start
 from tests.test_pages_runs_review import APP, TIMEOUT, button, ok, open_link, texts, wait_for_run
 from workbench_ui import shell
 from workbench_ui import why_view as why
@@ -75,6 +78,7 @@ def test_review_routes_by_calibrated_confidence_shows_it_labelled_and_explains_t
     at.selectbox(key=f"review.rules.calibration.{run_id}").set_value(name).run()
     ok(at)
     assert "These rules select **6 item(s)** in 6 case(s)" in texts(at)  # flattened: all fall under it
+    assert "- **team** — applied: no held-out figures were kept with it" in texts(at)  # next to the choice
     button(at, "Add 6 item(s) to the queue").click()
     at.run()
     ok(at)
@@ -158,3 +162,46 @@ def test_compare_reads_calibrated_probabilities_behind_a_labelled_switch(workben
                for c, r in zip(calibrated, raw, strict=True))
     at.toggle(key="compare.calibrated").set_value(False).run()
     assert team_cells() == raw
+
+
+def test_decide_says_whether_each_calibration_helps_and_applies_only_those_that_do(workbench):
+    """A map whose held-out ECE reduction interval reaches zero, or whose temperature stopped at the fit's bound,
+    is not applied unless asked for; each question's verdict with its held-out interval is next to the choice."""
+    schema = shell.get_library().load("support-ticket-routing").to_dict()
+    schema.pop("examples")
+    store = Store(workbench / "workbench.sqlite3")
+    set_id = store.create_case_set("labelled")
+    store.add_cases(set_id, [{"state": "a ticket"}])
+    run_id = store.create_run(set_id, schema=schema, model_id="clef-demo", settings={})
+    maps = {"churn_threat": calibration.QuestionCalibration("churn_threat", "noul", "platt", a=0.0, b=0.0),
+            "team": calibration.QuestionCalibration("team", "choice", "temperature",
+                                                    temperature=float(np.exp(calibration.LOG_TEMPERATURE_BOUND))),
+            "priority": calibration.QuestionCalibration("priority", "score", "temperature", temperature=2.0)}
+    reductions = {"churn_threat": (0.05, 0.01, 0.09), "team": (0.03, 0.01, 0.05), "priority": (-0.017, -0.12, 0.07)}
+    store.save_calibration("mixed", store.get_run(run_id), {
+        "questions": {q: asdict(m) for q, m in maps.items()},
+        "report": [{"question_id": q, "ece_reduction": dict(zip(("value", "low", "high"), r, strict=True))}
+                   for q, r in reductions.items()]})
+
+    at = start()
+    button(at, "Run").click()
+    at.run()
+    ok(at)
+    at.selectbox(key="decide.calibration").select("mixed").run()
+    ok(at)
+    verdicts = next(m.value for m in at.markdown if m.value.startswith("- **"))
+    assert verdicts.splitlines() == [
+        "- **churn_threat** — applied: held-out ECE reduction +0.050 [+0.010, +0.090], 95% interval",
+        "- **team** — not applied: the temperature 20.09 is the largest the fit tries: it flattens every answer to "
+        "about 1/k (all options nearly equally likely) (held-out ECE reduction +0.030 [+0.010, +0.050], 95% "
+        "interval)",
+        "- **priority** — not applied: it may not help — held-out ECE reduction -0.017 [-0.120, +0.070], 95% "
+        "interval includes no improvement"]
+
+    def calibrated_cards() -> list[str]:
+        return sorted(m.value.split("**")[1] for m in at.markdown if "· **calibrated**" in m.value)
+
+    assert calibrated_cards() == ["churn_threat"]  # only the map that helps
+    at.checkbox(key="decide.calibration_all").check().run()
+    ok(at)
+    assert calibrated_cards() == ["churn_threat", "priority", "team"]  # asked for: every map

@@ -2,9 +2,11 @@
 
 `explain` asks the engine (clef_engine/explain.py) for a response with `x_explanations`; the rest turns one
 question's segments into what the page shows: the text state with each sentence highlighted by its effect, the JSON
-fields ranked, a heatmap over each image, the frames of each video. A segment whose removal lowers the answered
-option's probability (delta < 0) supported the answer ("towards", green); one whose removal raises it worked
-against the answer (red). The strength of a colour is the segment's |delta| over the largest of the question.
+fields ranked, each image with its regions outlined and labelled, the frames of each video, and the largest effects
+as a table. A segment whose removal lowers the answered option's probability (delta < 0) supported the answer
+("towards", green); one whose removal raises it worked against the answer (red). Every value is in percentage points
+and every colour on one fixed scale (FULL_SCALE), with a key. When explaining everything at once is over the
+engine's budget, `explain` picks the unit with the most segments that fits, and the page says so.
 
 `render_why` draws it with Streamlit, and `render_case_why` explains a stored case of a run (Review's item, the Runs
 page's case view) with the run's model when it is loaded; everything above them is plain and unit-tested.
@@ -17,10 +19,11 @@ import json
 from collections.abc import MutableMapping
 from typing import Any
 
-import numpy as np
-from PIL import Image
+from PIL import Image, ImageDraw, ImageFont
 
 from clef_engine import ClefError
+from clef_engine.errors import TokenBudgetError
+from clef_engine.explain import segment_counts, unit_that_fits
 from clef_engine.interface import DecisionEngine, ExplainingEngine
 from clef_engine.model import media
 from clef_workbench.casesets import build_request
@@ -28,25 +31,74 @@ from clef_workbench.casesets import build_request
 TOWARDS = (26, 127, 55)  # green: the segment supports the answer
 AGAINST = (207, 34, 46)  # red: the segment works against it
 SMALLEST_ALPHA, LARGEST_ALPHA = 0.12, 0.65  # background opacity of the weakest and the strongest segment
+# One scale for every question and record: a colour's strength is its effect in percentage points, full at FULL_SCALE
+# and beyond (not relative to the largest effect in view, which made 1.7 points look like 6.7 elsewhere).
+FULL_SCALE = 0.10
+KEY_STEPS = (-0.10, -0.05, -0.01, 0.0, 0.01, 0.05, 0.10)  # the swatches of the key
+TOP_SEGMENTS = 5  # the largest effects listed in a table under the view
+DISPLAY_WIDTH = 768  # px: an image is drawn at this width with its regions labelled, whatever its own size
+
+EVERYTHING = "everything"  # the state's sentences or fields with every image's regions and every video's frames
+UNIT_LABELS = {EVERYTHING: "everything", "sentence": "sentences", "line": "lines", "field": "fields",
+               "region": "image regions", "frame": "video frames"}
 
 
-def explain(engine: DecisionEngine, request: dict, *, max_length: int | None = None, overflow: str = "refuse") -> dict:
-    """The response to `request` with `x_explanations` (per question, segments ranked by effect). Raises
-    RequestError / TokenBudgetError as the engine does, ValueError for a model that cannot explain here."""
+def units_for(request: dict) -> list[str]:
+    """The segmentations a request can be explained by, everything at once first, for the "Explain by" choice."""
+    units = [EVERYTHING, *(("sentence", "line") if isinstance(request["state"], str) else ("field",))]
+    return units + ["region"] * bool(request.get("images")) + ["frame"] * bool(request.get("videos"))
+
+
+def explain(engine: DecisionEngine, request: dict, unit: str = EVERYTHING, *, max_length: int | None = None,
+            overflow: str = "refuse") -> dict:
+    """The response to `request` with `x_explanations` (per question, segments ranked by effect), its state and media
+    segmented by `unit` (a key of UNIT_LABELS). When that is over the token budget of one explanation, explained by the
+    unit with the most segments that fits instead, and the response says so in `x_why_fallback` (the unit asked for,
+    the one used, and what the first cost). Raises RequestError / TokenBudgetError as the engine does (when no unit
+    fits, saying so), ValueError for a model that cannot explain here."""
     if not isinstance(engine, ExplainingEngine):
         raise ValueError("Why needs a model loaded in this workbench; a System One endpoint does not explain")
-    return engine.explain(request, max_length=max_length, overflow=overflow)
+    try:
+        return engine.explain(request, None if unit == EVERYTHING else unit, max_length=max_length, overflow=overflow)
+    except TokenBudgetError as exc:
+        if exc.part != "explanation":
+            raise
+        sampled = [engine.sample_video_frames(media.video_bytes(video)) for video in request.get("videos") or []]
+        counts = segment_counts(request, [len(video.frame_indices) for video in sampled if video is not None])
+        used = unit_that_fits(counts, exc.token_counts["record"], exc.max_length)
+        if used is None or used == unit:
+            raise TokenBudgetError(
+                f"explaining this record by {UNIT_LABELS[unit]} takes {exc.token_counts.get('explanation', 0):,} "
+                f"tokens, over the {exc.max_length:,}-token budget of one explanation, and no single kind of segment "
+                "fits either: shorten the state or attach fewer images or videos",
+                over_by=exc.over_by, part=exc.part, token_counts=exc.token_counts, max_length=exc.max_length) from exc
+        explained = engine.explain(request, used, max_length=max_length, overflow=overflow)
+        return {**explained, "x_why_fallback": {"asked": unit, "used": used, "segments": counts[used],
+                                                "asked_tokens": exc.token_counts.get("explanation"),
+                                                "budget": exc.max_length}}
+
+
+def fallback_note(explained: dict) -> str | None:
+    """What the page says when Why explained by a coarser unit than asked: why, and what it used instead."""
+    fallback = explained.get("x_why_fallback")
+    if not fallback:
+        return None
+    cost = f"takes {fallback['asked_tokens']:,} tokens, " if fallback.get("asked_tokens") else "is "
+    return (f"Explaining by {UNIT_LABELS[fallback['asked']]} {cost}over the {fallback['budget']:,}-token budget of "
+            f"one explanation, so this explains the {fallback['segments']} {UNIT_LABELS[fallback['used']]} "
+            f"({explained.get('x_explain_tokens', 0):,} tokens) instead. Choose another unit under “Explain by” for "
+            "the other parts.")
 
 
 def cached_explanation(state: MutableMapping, key: str, engine: DecisionEngine, request: dict, *,
-                       max_length: int | None, overflow: str) -> dict:
-    """The explanation of `request`, computed once per request, budget and model and kept in `state[key]` (the
-    toggle reruns the page on every click; an explanation costs a batched run)."""
-    identity = (json.dumps(request, sort_keys=True, default=str), max_length, overflow,
+                       unit: str = EVERYTHING, max_length: int | None, overflow: str) -> dict:
+    """The explanation of `request` by `unit`, computed once per request, unit, budget and model and kept in
+    `state[key]` (the toggle reruns the page on every click; an explanation costs a batched run)."""
+    identity = (json.dumps(request, sort_keys=True, default=str), unit, max_length, overflow,
                 engine.model_id, id(engine))
     kept = state.get(key)
     if kept is None or kept[0] != identity:
-        kept = (identity, explain(engine, request, max_length=max_length, overflow=overflow))
+        kept = (identity, explain(engine, request, unit, max_length=max_length, overflow=overflow))
         state[key] = kept
     return kept[1]
 
@@ -66,20 +118,21 @@ def effect(delta: float) -> str:
     return "towards" if delta < 0 else "against" if delta > 0 else "none"
 
 
-def _largest(segments: list[dict]) -> float:
-    return max((abs(s["delta"]) for s in segments), default=0.0)
+def points(delta: float) -> str:
+    """A change of probability in percentage points, signed: -1.2 pp."""
+    return f"{delta * 100:+.1f} pp"
 
 
-def alpha(delta: float, largest: float) -> float:
-    """Opacity of a segment's colour: 0 without an effect, else between the weakest and the strongest opacity."""
-    if largest <= 0 or delta == 0:
+def alpha(delta: float) -> float:
+    """Opacity of a segment's colour on the fixed scale: 0 without an effect, full from FULL_SCALE on."""
+    if delta == 0:
         return 0.0
-    return SMALLEST_ALPHA + (LARGEST_ALPHA - SMALLEST_ALPHA) * abs(delta) / largest
+    return SMALLEST_ALPHA + (LARGEST_ALPHA - SMALLEST_ALPHA) * min(1.0, abs(delta) / FULL_SCALE)
 
 
-def colour(delta: float, largest: float) -> str:
+def colour(delta: float) -> str:
     red, green, blue = TOWARDS if delta < 0 else AGAINST
-    return f"rgba({red},{green},{blue},{alpha(delta, largest):.2f})"
+    return f"rgba({red},{green},{blue},{alpha(delta):.2f})"
 
 
 def describe(delta: float) -> str:
@@ -87,21 +140,34 @@ def describe(delta: float) -> str:
     if delta == 0:
         return "no effect"
     side = "supports the answer" if delta < 0 else "works against the answer"
-    return f"{side}: without it P(answer) {'falls' if delta < 0 else 'rises'} by {abs(delta):.2%}"
+    return f"{side}: without it P(answer) {'falls' if delta < 0 else 'rises'} by {abs(delta) * 100:.1f} pp"
+
+
+def key_html() -> str:
+    """The colour key: the fixed scale's swatches, each with its effect in percentage points."""
+    swatches = "".join(
+        f'<span class="why-key-step" style="background:{colour(step)};padding:0 6px;border-radius:3px;'
+        f'margin-right:4px;white-space:nowrap">{points(step)}{" or more" if abs(step) == FULL_SCALE else ""}</span>'
+        for step in KEY_STEPS)
+    return (f'<div class="why-key" style="margin:4px 0 8px">Key — P(answer) without the part, in percentage points '
+            f"(pp): {swatches}</div>")
 
 
 def text_html(state: str, segments: list[dict]) -> str:
-    """The text state as HTML, each sentence or line in a span coloured by its effect (title: its delta), the rest
-    as written; whitespace and line breaks kept."""
+    """The text state as HTML, each sentence or line in a span coloured by its effect (title: its effect in words)
+    and followed by its value in percentage points; the text itself as written, whitespace and line breaks kept."""
     spans = sorted((s for s in segments if "start" in s), key=lambda s: s["start"])
-    largest = _largest(spans)
     parts, cursor = [], 0
     for segment in spans:
         parts.append(html.escape(state[cursor: segment["start"]]))
+        # the value goes before the segment's trailing whitespace, next to the words it belongs to
+        text = state[segment["start"]: segment["end"]]
+        words = text.rstrip()
         parts.append(f'<span class="why-{effect(segment["delta"])}" '
-                     f'style="background:{colour(segment["delta"], largest)};border-radius:3px" '
-                     f'title="{html.escape(describe(segment["delta"]))}">'
-                     f'{html.escape(state[segment["start"]: segment["end"]])}</span>')
+                     f'style="background:{colour(segment["delta"])};border-radius:3px" '
+                     f'title="{html.escape(describe(segment["delta"]))}">{html.escape(words)}</span>'
+                     f'<small class="why-value" style="margin:0 2px;color:#555">({points(segment["delta"])})</small>'
+                     f"{html.escape(text[len(words):])}")
         cursor = segment["end"]
     parts.append(html.escape(state[cursor:]))
     return f'<div class="why-text" style="white-space:pre-wrap;line-height:1.6">{"".join(parts)}</div>'
@@ -117,34 +183,74 @@ def path_text(path: list) -> str:
 
 def fields_html(segments: list[dict]) -> str:
     """The JSON state's fields, strongest effect first, each row coloured by its effect."""
-    fields = [s for s in segments if s.get("kind") == "field"]
-    largest = _largest(fields)
     rows = "".join(
-        f'<tr class="why-{effect(s["delta"])}" style="background:{colour(s["delta"], largest)}">'
+        f'<tr class="why-{effect(s["delta"])}" style="background:{colour(s["delta"])}">'
         f"<td><code>{html.escape(path_text(s['path']))}</code></td><td>{html.escape(s['text'])}</td>"
-        f"<td style='text-align:right'>{s['delta']:+.4f}</td></tr>" for s in fields)
-    return ('<table class="why-fields"><thead><tr><th>field</th><th>value</th><th>Δ P(answer) without it</th>'
+        f"<td style='text-align:right'>{points(s['delta'])}</td></tr>" for s in segments if s.get("kind") == "field")
+    return ('<table class="why-fields"><thead><tr><th>field</th><th>value</th><th>P(answer) without it</th>'
             f"</tr></thead><tbody>{rows}</tbody></table>")
 
 
-def region_heatmap(image: Image.Image, segments: list[dict], image_index: int) -> Image.Image:
-    """The image with each region tinted by its effect (green towards the answer, red against)."""
+def region_cells(segments: list[dict], image_index: int) -> list[tuple[dict, int, int]]:
+    """(segment, row, column) of one image's regions, rows and columns counted from 1 at the top left."""
     regions = [s for s in segments if s.get("kind") == "region" and s["image"] == image_index]
-    largest = _largest(regions)
-    base = np.asarray(image.convert("RGB"), dtype=np.float32)
-    out = base.copy()
-    for segment in regions:
-        left, top, right, bottom = segment["box"]
-        weight = alpha(segment["delta"], largest)
-        tint = np.array(TOWARDS if segment["delta"] < 0 else AGAINST, dtype=np.float32)
-        out[top:bottom, left:right] = (1 - weight) * base[top:bottom, left:right] + weight * tint
-    return Image.fromarray(np.rint(out).astype(np.uint8))
+    tops = sorted({s["box"][1] for s in regions})
+    lefts = sorted({s["box"][0] for s in regions})
+    return [(s, tops.index(s["box"][1]) + 1, lefts.index(s["box"][0]) + 1) for s in regions]
+
+
+def segment_label(segment: dict, segments: list[dict]) -> str:
+    """Where a segment is, as a reader finds it: the sentence, the field, the image region, the video frame."""
+    kind = segment.get("kind")
+    if kind == "field":
+        return f"{path_text(segment['path'])} = {segment['text']}"
+    if kind == "region":
+        row, column = next((r, c) for s, r, c in region_cells(segments, segment["image"]) if s is segment)
+        return f"image {segment['image'] + 1}, region row {row}, column {column}"
+    if kind == "frame":
+        seconds = f" ({segment['seconds']:.1f} s)" if segment.get("seconds") is not None else ""
+        return f"video {segment['video'] + 1}, frame {segment['frame']}{seconds}"
+    text = " ".join(segment.get("text", "").split())
+    return f"“{text[:77]}…”" if len(text) > 80 else f"“{text}”"
+
+
+def top_html(segments: list[dict], count: int = TOP_SEGMENTS) -> str:
+    """The `count` segments with the largest effect (segments come ranked), as a table of numbers."""
+    rows = "".join(
+        f'<tr class="why-{effect(s["delta"])}"><td>{html.escape(segment_label(s, segments))}</td>'
+        f'<td style="text-align:right;white-space:nowrap;background:{colour(s["delta"])}">{points(s["delta"])}</td>'
+        f"<td>{html.escape(describe(s['delta']).split(':')[0])}</td></tr>" for s in segments[:count])
+    return ('<table class="why-top"><thead><tr><th>largest effects</th><th>P(answer) without it</th><th>effect</th>'
+            f"</tr></thead><tbody>{rows}</tbody></table>")
+
+
+def region_overlay(image: Image.Image, segments: list[dict], image_index: int) -> Image.Image:
+    """The image at DISPLAY_WIDTH with each region outlined in its effect's colour (thicker the larger the effect)
+    and labelled with its value on a solid patch: both outlined in white and black, they read on any picture."""
+    scale = DISPLAY_WIDTH / image.width
+    out = image.convert("RGB").resize((DISPLAY_WIDTH, max(1, round(image.height * scale))),
+                                      Image.Resampling.NEAREST if scale >= 1 else Image.Resampling.LANCZOS)
+    draw = ImageDraw.Draw(out)
+    font = ImageFont.load_default(size=16)
+    for segment, _, _ in region_cells(segments, image_index):
+        left, top, right, bottom = (round(v * scale) for v in segment["box"])
+        if segment["delta"] != 0:
+            tint = TOWARDS if segment["delta"] < 0 else AGAINST
+            width = 2 + round(4 * min(1.0, abs(segment["delta"]) / FULL_SCALE))
+            draw.rectangle((left, top, right - 1, bottom - 1), outline=(255, 255, 255), width=width + 2)
+            draw.rectangle((left + 1, top + 1, right - 2, bottom - 2), outline=tint, width=width)
+        label = points(segment["delta"])
+        x0, y0, x1, y1 = draw.textbbox((left + 6, top + 6), label, font=font)
+        draw.rectangle((x0 - 3, y0 - 3, x1 + 3, y1 + 3), fill=(255, 255, 255), outline=(0, 0, 0))
+        draw.text((left + 6, top + 6), label, fill=(0, 0, 0), font=font)
+    return out
 
 
 def frame_rows(segments: list[dict]) -> list[dict]:
     """The videos' frames that were explained, strongest effect first."""
-    return [{"video": s["video"] + 1, "frame": s["frame"], "seconds": s.get("seconds"), "Δ P(answer)": s["delta"],
-             "effect": effect(s["delta"])} for s in segments if s.get("kind") == "frame"]
+    return [{"video": s["video"] + 1, "frame": s["frame"], "seconds": s.get("seconds"),
+             "P(answer) without it, pp": round(s["delta"] * 100, 1), "effect": effect(s["delta"])}
+            for s in segments if s.get("kind") == "frame"]
 
 
 def answered_option(answer: dict) -> str:
@@ -161,23 +267,30 @@ def answered_option(answer: dict) -> str:
 
 
 def render_why(explained: dict, question_id: str, state: Any, images: list[Image.Image]) -> None:
-    """One question's explanation: the text or fields of the state, a heatmap per image, the frames."""
+    """One question's explanation: the key, the text or fields of the state, each image with its regions labelled,
+    the frames, and the largest effects as a table; every value in percentage points."""
     import streamlit as st
 
     segments = explained["x_explanations"][question_id]
     answer = explained["answers"][question_id]
+    if note := fallback_note(explained):
+        st.info(note, icon=":material/grid_view:")
     st.caption(f"Each part of the evidence was removed in turn and the record decided again: green parts support "
                f"the answer “{answered_option(answer)}” (without them its probability falls), red parts work "
-               "against it. Hover a sentence for its effect.")
+               "against it. Each part's value is the change of P(answer) without it, in percentage points.")
+    st.markdown(key_html(), unsafe_allow_html=True)
     if isinstance(state, str) and any("start" in s for s in segments):
         st.markdown(text_html(state, segments), unsafe_allow_html=True)
     if any(s.get("kind") == "field" for s in segments):
         st.markdown(fields_html(segments), unsafe_allow_html=True)
     for index, image in enumerate(images):
-        st.image(region_heatmap(image, segments, index), caption=f"Image {index + 1}: regions by effect")
+        if any(s.get("kind") == "region" and s["image"] == index for s in segments):
+            st.image(region_overlay(image, segments, index),
+                     caption=f"Image {index + 1}: each region outlined and labelled with its effect")
     frames = frame_rows(segments)
     if frames:
         st.dataframe(frames, hide_index=True)
+    st.markdown(top_html(segments), unsafe_allow_html=True)
 
 
 def render_case_why(key: str, models: list, run: dict, case: dict, *, question_id: str | None = None) -> None:
