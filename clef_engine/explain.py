@@ -58,10 +58,11 @@ LINE = re.compile(r"\S[^\n]*(?:\n|\Z)\s*")
 # ---- segments ---------------------------------------------------------------------------------------------------
 
 
-def text_spans(text: str, unit: str = "sentence") -> list[tuple[int, int]]:
-    """[start, end) character spans of the sentences (or lines) of `text`, each with the whitespace after it."""
+def text_spans(text: str, unit: str = "sentence") -> Iterator[tuple[int, int]]:
+    """[start, end) character spans of the sentences (or lines) of `text`, each with the whitespace after it;
+    lazily."""
     pattern = LINE if unit == "line" else SENTENCE
-    return [match.span() for match in pattern.finditer(text) if match.end() > match.start()]
+    return (match.span() for match in pattern.finditer(text) if match.end() > match.start())
 
 
 def json_leaves(value: Any) -> Iterator[tuple[list, Any]]:
