@@ -394,6 +394,8 @@ class Encoder:
         try:
             outputs = processor(text=[text], return_tensors="pt", add_special_tokens=False, **kwargs)
         except (ValueError, RuntimeError, TypeError) as error:  # a precondition the checks above do not know yet
+            if "DefaultCPUAllocator" in str(error) or isinstance(error, torch.OutOfMemoryError):
+                raise MemoryError from None  # the server's memory, not the media: never a 422 quoting the allocator
             field_name = "images" if images else "videos"
             raise RequestError([Problem((field_name,), f"the processor cannot take these media ({error})",
                                         f"value_error.{field_name[:-1]}")]) from error
