@@ -310,8 +310,10 @@ class Explaining:
 
     def submit(self, requests: Sequence[Request], *, priority: str = "interactive", max_length: int | None = None,
                overflow: str = "refuse") -> Future:
+        """The explanation as bulk work whatever `priority` asks: its variants are many records, and a client's small
+        decide must wait for a layer of them at most, not for all of them (see Scheduler)."""
         (request,) = requests
-        return self.engine.submit_explanation(request, self.unit, priority=priority, max_length=max_length,
+        return self.engine.submit_explanation(request, self.unit, priority="bulk", max_length=max_length,
                                               overflow=overflow, max_tokens=self.max_tokens)
 
     def abandon(self, future: Future) -> None:

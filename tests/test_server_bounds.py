@@ -6,6 +6,8 @@ the request runs (RssSampler); work is the server's own CPU time, whatever the m
 from __future__ import annotations
 
 import json
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,7 +16,15 @@ import pytest
 
 from clef_engine.serve.bodies import ZstdDecompressor
 from tests.test_server import JSON, ServerProcess, serving
-from tests.test_server_hostile import MAX_GROWTH_MB, MAX_WORK_SECONDS, RssSampler, cpu_seconds, noul_questions
+from tests.test_server_hostile import (
+    MAX_GROWTH_MB,
+    MAX_WORK_SECONDS,
+    SMALL,
+    RssSampler,
+    cpu_seconds,
+    engine_metric,
+    noul_questions,
+)
 
 pytestmark = pytest.mark.slow  # real server processes
 QUESTIONS = {"late": {"type": "noul", "instructions": "Is the parcel late?"},
@@ -133,3 +143,30 @@ def test_thousands_of_questions_are_refused_before_they_are_validated(server: Se
     detail = response.json()["detail"]
     assert detail["part"] == "schema" and detail["max_tokens_per_request"] == 16384
     assert "at most 16384 tokens per request" in detail["message"]
+
+
+def test_a_small_decide_is_answered_while_an_explanation_runs(server: ServerProcess) -> None:
+    """An explanation's 31 records run as bulk work: a small decide sent while they run waits for a layer of them,
+    not for all of them (it queued behind them before), so it is answered first."""
+    state = " ".join(f"Sentence {i} says the parcel {1000 + i} is late." for i in range(30))
+    body = {"state": state, "questions": QUESTIONS, "x_explain": True}
+    explained: dict[str, object] = {}
+
+    def explain() -> None:
+        with httpx.Client(base_url=server.url, timeout=300) as own:
+            explained["response"] = own.post("/v1/systemone", json=body)
+            explained["at"] = time.monotonic()
+
+    thread = threading.Thread(target=explain)
+    thread.start()
+    with httpx.Client(base_url=server.url, timeout=300) as http:
+        while engine_metric(http, "clef_engine_busy") == 0:  # its records are running
+            assert thread.is_alive(), explained["response"].text[:300]  # type: ignore[union-attr]
+            time.sleep(0.005)
+        small = http.post("/v1/systemone", json=SMALL)
+        small_at = time.monotonic()
+    thread.join()
+    assert small.status_code == 200, small.text[:300]
+    response = explained["response"]
+    assert isinstance(response, httpx.Response) and response.status_code == 200, response.text[:300]
+    assert small_at < explained["at"]  # type: ignore[operator]
