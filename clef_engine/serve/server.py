@@ -35,7 +35,8 @@ Wire contract beyond spec §5:
   processes and the turns; metrics.py the metrics).
 - Fair shares: requests of 64 KiB or more (or chunked) are prepared one at a time per client address, and while others
   are in flight a client's next one waits in proportion to its last one's cost (see `admission.Turns`); 429 past the
-  timeout.
+  timeout. Explanations (`x_explain`) take such turns whatever their size, held until they are answered, and their
+  variants run as bulk work (a small decide waits for a layer of them, not for all).
 - Time: a body that has not arrived within `request_timeout` seconds gets 408; a request the engine has not
   answered within `request_timeout` seconds gets 503 `deadline_exceeded`, and its work is abandoned: cancelled
   if queued, stopped at the engine's next layer if running.
