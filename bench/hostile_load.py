@@ -1,13 +1,17 @@
-"""Small clients' latency while two clients misbehave (issue 24's load test), against a real server process.
+"""Small clients' latency while clients misbehave (issues 24 and 40), against a real server process.
 
     python bench/hostile_load.py OUT.json [--release PATH] [--clients 64] [--seconds 30]
+    BENCH_CPU_SMOKE=1 python bench/hostile_load.py OUT.json    (4 clients, 5 s phases: checks the script only)
 
 Without --release it builds the tiny release (`python -m clef_engine tiny`'s code) in a temporary folder and serves it
-on the CPU. Two phases of --seconds each against the same server: the small clients alone (closed loop: each sends a
-small decide, waits for the answer, sends the next), then the same clients while one client sends 30 MB bodies back to
+on the CPU. Three phases of --seconds each against the same server: the small clients alone (closed loop: each sends a
+small decide, waits for the answer, sends the next); the same clients while one client sends 30 MB bodies back to
 back (each over the token budget, refused 413) and another sends 2,800 `noul` questions with x_max_length 1,048,576
-(refused 413 by --max-tokens-per-request before any model work). Writes p50 / p99 of each phase, their ratio, and what
-the hostile clients were answered. The issue's target: p99 with the hostile clients within 2x of p99 without.
+(refused 413 by --max-tokens-per-request before any model work); and the same clients while one client sends
+explanations back to back (`x_explain` on a text state of 30 sentences: answered, 31 records of work each) and another
+sends `x_explain` on a JSON state of 6,000 fields (refused 413 from its count). Writes p50 / p99 of each phase, their
+ratios to the quiet phase, and what the hostile clients were answered. The issues' targets: p99 with the hostile
+clients within 2x of p99 without; the median with the explaining clients within 2x of the median without.
 
 It is a bench script, not a test: on a shared 2-core machine the small clients' p99 moves by more than 2x between
 two quiet runs, so no assertion on it holds there; run it on a machine of its own.
@@ -17,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -29,6 +34,7 @@ import httpx
 import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
+SMOKE = os.environ.get("BENCH_CPU_SMOKE") == "1"
 sys.path.insert(0, str(REPO))
 
 from tests.browser_harness import free_port  # noqa: E402
@@ -50,6 +56,15 @@ def many_questions_body() -> bytes:
                  for i in range(2_800)}
     return json.dumps({"state": "The parcel never came.", "questions": questions,
                        "x_max_length": 1_048_576}).encode()
+
+
+def explained_body() -> bytes:
+    state = " ".join(f"Sentence {i} says the parcel {1000 + i} is late." for i in range(30))
+    return json.dumps({"state": state, "questions": SMALL["questions"], "x_explain": True}).encode()
+
+
+def wide_json_explained_body() -> bytes:
+    return json.dumps({"state": {"items": [0] * 6_000}, "questions": SMALL["questions"], "x_explain": True}).encode()
 
 
 def small_clients(url: str, count: int, seconds: float) -> list[float]:
@@ -96,8 +111,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("out", type=Path)
     parser.add_argument("--release", type=Path, default=None)
-    parser.add_argument("--clients", type=int, default=64)
-    parser.add_argument("--seconds", type=float, default=30.0)
+    parser.add_argument("--clients", type=int, default=4 if SMOKE else 64)
+    parser.add_argument("--seconds", type=float, default=5.0 if SMOKE else 30.0)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as scratch:
         release = args.release
@@ -120,21 +135,28 @@ def main() -> int:
                 time.sleep(0.5)
             small_clients(url, 4, 3.0)  # warm-up
             alone = summary(small_clients(url, args.clients, args.seconds))
-            stop, answers = threading.Event(), {"30 MB bodies": Counter(), "2,800 questions": Counter()}
-            bodies = {"30 MB bodies": big_state_body(), "2,800 questions": many_questions_body()}
-            threads = [threading.Thread(target=hostile, args=(url, bodies[name], stop, answers[name]))
-                       for name in bodies]
-            for thread in threads:
-                thread.start()
-            with_hostile = summary(small_clients(url, args.clients, args.seconds))
-            stop.set()
-            for thread in threads:
-                thread.join()
+            phases = {"with_hostile": {"30 MB bodies": big_state_body(), "2,800 questions": many_questions_body()},
+                      "with_explanations": {"explanations": explained_body(),
+                                            "6,000-field explanations": wide_json_explained_body()}}
+            measured, answers = {}, {}
+            for phase, bodies in phases.items():
+                stop = threading.Event()
+                counts = {name: Counter() for name in bodies}
+                threads = [threading.Thread(target=hostile, args=(url, bodies[name], stop, counts[name]))
+                           for name in bodies]
+                for thread in threads:
+                    thread.start()
+                measured[phase] = summary(small_clients(url, args.clients, args.seconds))
+                stop.set()
+                for thread in threads:
+                    thread.join()
+                answers.update(counts)
         finally:
             server.terminate()
             server.wait(30)
-    result = {"clients": args.clients, "seconds": args.seconds, "alone": alone, "with_hostile": with_hostile,
-              "p99_ratio": round(with_hostile["p99_s"] / alone["p99_s"], 2),
+    result = {"clients": args.clients, "seconds": args.seconds, "alone": alone, **measured,
+              "p99_ratio": round(measured["with_hostile"]["p99_s"] / alone["p99_s"], 2),
+              "explanations_p50_ratio": round(measured["with_explanations"]["p50_s"] / alone["p50_s"], 2),
               "hostile_answers": {name: {str(k): v for k, v in counts.items()} for name, counts in answers.items()}}
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))

@@ -241,9 +241,11 @@ class Engine:
         return explain_request(self, request, unit, max_length=max_length, overflow=overflow)
 
     def submit_explanation(self, request: Any, unit: str | None = None, *, priority: str = "interactive",
-                           max_length: int | None = None, overflow: str = "refuse") -> Future:
-        """`explain` as a future (what the HTTP server waits on within its deadline)."""
-        return explanation_future(self, request, unit, priority=priority, max_length=max_length, overflow=overflow)
+                           max_length: int | None = None, overflow: str = "refuse",
+                           max_tokens: int | None = None) -> Future:
+        """`explain` as a future (what the HTTP server waits on within its deadline), within `max_tokens` in all."""
+        return explanation_future(self, request, unit, priority=priority, max_length=max_length, overflow=overflow,
+                                  max_tokens=max_tokens)
 
     def sample_video_frames(self, video: bytes) -> media.Video:
         """The frames of a video file the video processor samples, what the model reads (T×H×W×3 uint8, fps, source

@@ -14,16 +14,21 @@ with everything), from the same unrounded probabilities the answers are rounded 
 (up to the engine's batch-vs-alone noise).
 
 An explanation costs the tokens of every variant. They count against `EXPLAIN_BATCHES` interactive batches of the
-engine's token budget; a record whose variants would take more is refused with a TokenBudgetError naming the cost.
+engine's token budget (or a server's token ceiling per request, when less); a record whose variants would take more
+is refused with a TokenBudgetError naming the cost, counted from its segments and its record's length before any
+variant is built.
 """
 
 from __future__ import annotations
 
 import copy
+import itertools
 import re
+import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -53,19 +58,25 @@ LINE = re.compile(r"\S[^\n]*(?:\n|\Z)\s*")
 # ---- segments ---------------------------------------------------------------------------------------------------
 
 
-def text_spans(text: str, unit: str = "sentence") -> list[tuple[int, int]]:
-    """[start, end) character spans of the sentences (or lines) of `text`, each with the whitespace after it."""
+def text_spans(text: str, unit: str = "sentence") -> Iterator[tuple[int, int]]:
+    """[start, end) character spans of the sentences (or lines) of `text`, each with the whitespace after it;
+    lazily."""
     pattern = LINE if unit == "line" else SENTENCE
-    return [match.span() for match in pattern.finditer(text) if match.end() > match.start()]
+    return (match.span() for match in pattern.finditer(text) if match.end() > match.start())
 
 
-def json_leaves(value: Any, path: tuple = ()) -> list[tuple[list, Any]]:
-    """(path, value) of every leaf of a JSON value: scalars and empty objects or lists, in the value's own order."""
-    if isinstance(value, dict) and value:
-        return [leaf for key, item in value.items() for leaf in json_leaves(item, (*path, key))]
-    if isinstance(value, list) and value:
-        return [leaf for index, item in enumerate(value) for leaf in json_leaves(item, (*path, index))]
-    return [(list(path), value)] if path else []
+def json_leaves(value: Any) -> Iterator[tuple[list, Any]]:
+    """(path, value) of every leaf of a JSON value: scalars and empty objects or lists, in the value's own order.
+    Lazy, so that counting the first few leaves of a large state costs only those."""
+    stack: list[tuple[list, Any]] = [([], value)]
+    while stack:
+        path, item = stack.pop()
+        if isinstance(item, dict) and item:
+            stack.extend(([*path, key], child) for key, child in reversed(item.items()))
+        elif isinstance(item, list) and item:
+            stack.extend(([*path, index], child) for index, child in reversed(list(enumerate(item))))
+        elif path:
+            yield path, item
 
 
 def without_field(value: Any, path: list) -> Any:
@@ -114,46 +125,47 @@ def check_unit(unit: Any) -> str | None:
                                 "literal_error")])
 
 
-def segments(request: Mapping[str, Any], record: EncodedRecord, unit: str | None = None) -> list[tuple[dict, dict]]:
-    """(location, the request without that segment) for every segment of the request. `unit` None: sentences of a
-    text state or fields of a JSON state, plus the regions of every image and the frames of every video; else only
-    that kind. Text segments (sentences, lines, fields) come first, then media ones. Media in the variants are the
-    decoded images and the sampled videos the record was made from, so nothing is decoded again."""
+Segment = tuple[dict, Callable[[], dict]]  # (location, the request without that segment, built when called)
+
+
+def segments(request: Mapping[str, Any], record: EncodedRecord, unit: str | None = None) -> Iterator[Segment]:
+    """(location, variant) for every segment of the request, lazily: a caller counts them before any variant is
+    built. `unit` None: sentences of a text state or fields of a JSON state, plus the regions of every image and the
+    frames of every video; else only that kind. Text segments (sentences, lines, fields) come first, then media
+    ones. Media in the variants are the decoded images and the sampled videos the record was made from, so nothing
+    is decoded more than once."""
     unit = check_unit(unit)
     state = request["state"]
-    images = [media.load_image(item) for item in request.get("images") or []]
+    opened = [media.open_image(item) for item in request.get("images") or []]  # headers: sizes, no pixels
+    decoded = _Decoded(opened)
     videos = list(record.videos)
-    base = dict(request)
-    if images:
-        base["images"] = images
-    if videos:
-        base["videos"] = videos
+    base = dict(request, videos=videos) if videos else dict(request)
+
+    def variant(**evidence: Any) -> dict:
+        return dict(base, images=decoded.images(), **evidence) if opened else dict(base, **evidence)
     wanted = {unit} if unit is not None else {"sentence", "field", "region", "frame"}
-    found: list[tuple[dict, dict]] = []
     if wanted & {"sentence", "line"}:
         if not isinstance(state, str) and unit is not None:
             raise RequestError([Problem(("x_explain", "unit"), f"{unit}s need a text state; this state is JSON "
                                                                "(use \"field\")")])
         if isinstance(state, str):
             for start, end in text_spans(state, unit or "sentence"):
-                location = {"kind": unit or "sentence", "start": start, "end": end, "text": state[start:end]}
-                found.append((location, dict(base, state=state[:start] + state[end:])))
+                yield ({"kind": unit or "sentence", "start": start, "end": end, "text": state[start:end]},
+                       partial(lambda s, e: variant(state=state[:s] + state[e:]), start, end))
     if "field" in wanted:
         if not isinstance(state, (dict, list)) and unit is not None:
             raise RequestError([Problem(("x_explain", "unit"), "fields need a JSON object or list as the state")])
         if isinstance(state, (dict, list)):
             for path, value in json_leaves(state):
-                location = {"kind": "field", "path": path, "text": render(value)}
-                found.append((location, dict(base, state=without_field(state, path))))
+                yield ({"kind": "field", "path": path, "text": render(value)},
+                       partial(lambda p: variant(state=without_field(state, p)), path))
     if "region" in wanted:
-        if not images and unit is not None:
+        if not opened and unit is not None:
             raise RequestError([Problem(("x_explain", "unit"), "regions need at least one image")])
-        for i, image in enumerate(images):
-            pixels = np.array(image.convert("RGB"))
-            colour = mean_colour(pixels)
+        for i, image in enumerate(opened):
             for box in region_boxes(image.width, image.height):
-                variant = images[:i] + [without_region(pixels, box, colour)] + images[i + 1:]
-                found.append(({"kind": "region", "image": i, "box": list(box)}, dict(base, images=variant)))
+                yield ({"kind": "region", "image": i, "box": list(box)},
+                       partial(lambda i, box: dict(base, images=decoded.without_region(i, box)), i, box))
     if "frame" in wanted:
         if not videos and unit is not None:
             raise RequestError([Problem(("x_explain", "unit"), "frames need at least one video")])
@@ -162,9 +174,30 @@ def segments(request: Mapping[str, Any], record: EncodedRecord, unit: str | None
                 location: dict[str, Any] = {"kind": "frame", "video": v, "frame": source_index}
                 if video.fps:
                     location["seconds"] = round(source_index / video.fps, 3)
-                variant = videos[:v] + [without_frame(video, k)] + videos[v + 1:]
-                found.append((location, dict(base, videos=variant)))
-    return found
+                yield location, partial(
+                    lambda v, k: variant(videos=videos[:v] + [without_frame(videos[v], k)] + videos[v + 1:]), v, k)
+
+
+class _Decoded:
+    """The request's images, decoded once, when a region variant first needs them (each with its RGB pixels and
+    mean colour), shared by the threads that build the variants."""
+
+    def __init__(self, opened: list):
+        self._opened = opened
+        self._lock = threading.Lock()
+        self._images: list | None = None
+
+    def images(self) -> list:
+        with self._lock:
+            if self._images is None:
+                self._images = [media.decode_image(image) for image in self._opened]
+                self._pixels = [np.asarray(image) for image in self._images]
+                self._colours = [mean_colour(pixels) for pixels in self._pixels]
+            return self._images
+
+    def without_region(self, index: int, box: tuple[int, int, int, int]) -> list:
+        images = self.images()
+        return images[:index] + [without_region(self._pixels[index], box, self._colours[index])] + images[index + 1:]
 
 
 # ---- a segmentation that fits ------------------------------------------------------------------------------------
@@ -198,7 +231,7 @@ def answered_options(record: EncodedRecord, probabilities: list[list[float]]) ->
     return [max(range(len(probs)), key=lambda k: (probs[k], -k)) for probs in probabilities]
 
 
-def explanations(record: EncodedRecord, found: list[tuple[dict, dict]], probabilities: list) -> dict[str, list]:
+def explanations(record: EncodedRecord, found: list[Segment], probabilities: list) -> dict[str, list]:
     """Per question id, the segments with their `delta`, largest |delta| first (ties in the state's order)."""
     base = probabilities[0]
     chosen = answered_options(record, base)
@@ -212,48 +245,58 @@ def explanations(record: EncodedRecord, found: list[tuple[dict, dict]], probabil
     return out
 
 
-def explain_budget(engine) -> int:
-    return EXPLAIN_BATCHES * engine.token_budget
+def explain_budget(engine, max_tokens: int | None = None) -> int:
+    """The most tokens one explanation may take: EXPLAIN_BATCHES interactive batches, or `max_tokens` (a server's
+    token ceiling per request) when that is less."""
+    budget = EXPLAIN_BATCHES * engine.token_budget
+    return budget if max_tokens is None else min(budget, max_tokens)
 
 
-def check_cost(record_tokens: int, variants: int, total: int, budget: int, *, at_least: bool = False) -> None:
+def check_cost(record_tokens: int, variants: int, total: int, budget: int, *, at_least: bool = False,
+               more_variants: bool = False) -> None:
     """Raise TokenBudgetError when the record and its variants, `total` tokens (a lower bound if `at_least`), do
-    not fit the budget of one explanation."""
+    not fit the budget of one explanation (`more_variants`: the segments were counted no further than that)."""
     if total <= budget:
         return
     bound = "at least " if at_least else ""
+    counted = "at least " if more_variants else ""
     raise TokenBudgetError(
-        f"explaining this record takes {bound}{total} tokens (the record, {record_tokens} tokens, and {variants} "
-        f"variants of it, one per segment), {bound}{total - budget} over the {budget}-token budget of one "
-        f"explanation ({EXPLAIN_BATCHES} interactive batches); ask for fewer segments (another unit) or shorten the "
-        "record",
+        f"explaining this record takes {bound}{total} tokens (the record, {record_tokens} tokens, and {counted}"
+        f"{variants} variants of it, one per segment), {bound}{total - budget} over the {budget}-token budget of one "
+        f"explanation; ask for fewer segments (another unit) or shorten the record",
         over_by=total - budget, part="explanation",
         token_counts={"record": record_tokens, "variants": variants, "explanation": total}, max_length=budget)
 
 
 def submit_explanation(engine: Engine, request: Request, unit: str | None = None, *, priority: str = "interactive",
-                       max_length: int | None = None, overflow: str = "refuse") -> Future:
+                       max_length: int | None = None, overflow: str = "refuse",
+                       max_tokens: int | None = None) -> Future:
     """Encode the request and its variants now (raising RequestError / TokenBudgetError), decide them all as one
     scheduler job; the future resolves to the request's System One response with `x_explanations` added (and
-    `x_explain_tokens`, what the explanation cost)."""
+    `x_explain_tokens`, what the explanation cost). `max_tokens`: at most this many tokens in all (see
+    explain_budget)."""
     started = time.perf_counter()
     check_unit(unit)
     valid = prepared(request, max_length=max_length, overflow=overflow)
     record = engine.encode(valid)
-    found = segments(valid.request, record, unit)
-    text_variants = [variant for location, variant in found if location["kind"] not in MEDIA_UNITS]
-    media_variants = [variant for location, variant in found if location["kind"] in MEDIA_UNITS]
-    budget, variants = explain_budget(engine), len(found)
-    # Cheapest first: a media variant has the record's own length, a text variant at least everything but the
-    # state; then the text variants are tokenized to count them exactly; pixels are processed only once it fits.
-    fixed = len(record) - record.token_counts["state"]
-    check_cost(len(record), variants, len(record) * (1 + len(media_variants)) + fixed * len(text_variants), budget,
-               at_least=bool(text_variants))
-    text_records = [engine.encode(valid.with_evidence(v)) for v in text_variants]
-    check_cost(len(record), variants, len(record) * (1 + len(media_variants)) + sum(map(len, text_records)), budget)
-    # Media variants run the image processor, tens of milliseconds each: as many at once as the encoder has
-    # processors (the rest of the time is numpy and PIL, which let other threads run).
-    media_records = _encode_in_parallel(engine, valid, media_variants)
+    budget = explain_budget(engine, max_tokens)
+    # Cheapest first, nothing built before it is known to fit: every variant has at least the record's tokens but
+    # its state's (a media variant has the record's own length), so the segments are counted only as far as that
+    # many could fit; then each text variant is built and tokenized in turn, its exact count added as it comes; the
+    # media variants, whose pixels are processed, are built last, as many at once as the encoder has processors.
+    fixed = max(1, len(record) - record.token_counts["state"])
+    found = list(itertools.islice(segments(valid.request, record, unit), budget // fixed + 1))
+    media_variants = sum(location["kind"] in MEDIA_UNITS for location, _ in found)
+    text_variants = len(found) - media_variants
+    total = len(record) * (1 + media_variants) + fixed * text_variants
+    check_cost(len(record), len(found), total, budget, at_least=bool(text_variants),
+               more_variants=len(found) > budget // fixed)
+    text_records = []
+    for _, variant in found[:text_variants]:
+        text_records.append(engine.encode(valid.with_evidence(variant())))
+        total += len(text_records[-1]) - fixed
+        check_cost(len(record), len(found), total, budget, at_least=len(text_records) < text_variants)
+    media_records = _encode_in_parallel(engine, valid, [variant for _, variant in found[text_variants:]])
     records = [record, *text_records, *media_records]
 
     def respond(probabilities: list) -> list[dict]:
@@ -265,12 +308,13 @@ def submit_explanation(engine: Engine, request: Request, unit: str | None = None
     return engine.scheduler.submit(records, priority=priority, finalize=respond)
 
 
-def _encode_in_parallel(engine: Engine, valid: ValidRequest, variants: list) -> list[EncodedRecord]:
-    """The request with each evidence variant, encoded on up to MEDIA_SLOTS threads (none for a text-only one)."""
+def _encode_in_parallel(engine: Engine, valid: ValidRequest, variants: list[Callable[[], dict]]) -> list[EncodedRecord]:
+    """The request with each evidence variant, each built and encoded on one of up to MEDIA_SLOTS threads (so that
+    at most that many variants' pixels are held before they are processed)."""
     if not variants:
         return []
     with ThreadPoolExecutor(max_workers=min(MEDIA_SLOTS, len(variants)), thread_name_prefix="clef-explain") as pool:
-        return list(pool.map(lambda variant: engine.encode(valid.with_evidence(variant)), variants))
+        return list(pool.map(lambda variant: engine.encode(valid.with_evidence(variant())), variants))
 
 
 def explain(engine: Engine, request: Request, unit: str | None = None, *, max_length: int | None = None,
@@ -282,27 +326,32 @@ def explain(engine: Engine, request: Request, unit: str | None = None, *, max_le
 class Explaining:
     """An engine whose `submit` answers with explanations: what the HTTP server calls for `"x_explain"`."""
 
-    def __init__(self, engine: ExplainingEngine, unit: str | None):
+    def __init__(self, engine: ExplainingEngine, unit: str | None, max_tokens: int | None = None):
         self.engine = engine
         self.unit = unit
+        self.max_tokens = max_tokens
 
     def submit(self, requests: Sequence[Request], *, priority: str = "interactive", max_length: int | None = None,
                overflow: str = "refuse") -> Future:
+        """The explanation as bulk work whatever `priority` asks: its variants are many records, and a client's small
+        decide must wait for a layer of them at most, not for all of them (see Scheduler)."""
         (request,) = requests
-        return self.engine.submit_explanation(request, self.unit, priority=priority, max_length=max_length,
-                                              overflow=overflow)
+        return self.engine.submit_explanation(request, self.unit, priority="bulk", max_length=max_length,
+                                              overflow=overflow, max_tokens=self.max_tokens)
 
     def abandon(self, future: Future) -> None:
         self.engine.abandon(future)
 
 
-def explaining(engine: DecisionEngine, option: bool | ExplainOption | None) -> DecisionEngine | Explaining:
+def explaining(engine: DecisionEngine, option: bool | ExplainOption | None,
+               max_tokens: int | None = None) -> DecisionEngine | Explaining:
     """The engine as the server should call it for a request's `x_explain` option (validated by the contract's
-    model: None, a bool, or an object with `unit`): the engine itself unless explanations are asked for. Raises
-    RequestError for an engine that does not explain (a remote endpoint)."""
+    model: None, a bool, or an object with `unit`): the engine itself unless explanations are asked for, explaining
+    within `max_tokens` in all (see explain_budget). Raises RequestError for an engine that does not explain (a
+    remote endpoint)."""
     if option is None or option is False:
         return engine
     if not isinstance(engine, ExplainingEngine):
         raise RequestError([Problem(("x_explain",), "this model answers through a remote endpoint; explanations "
                                                     "need a model loaded here")])
-    return Explaining(engine, option.unit if isinstance(option, ExplainOption) else None)
+    return Explaining(engine, option.unit if isinstance(option, ExplainOption) else None, max_tokens)

@@ -91,7 +91,8 @@ class ExplainingEngine(DecisionEngine, Protocol):
         ...
 
     def submit_explanation(self, request: Request, unit: str | None = None, *, priority: str = "interactive",
-                           max_length: int | None = None, overflow: str = "refuse") -> Future:
+                           max_length: int | None = None, overflow: str = "refuse",
+                           max_tokens: int | None = None) -> Future:
         ...
 
 

@@ -24,7 +24,7 @@ from typing import Annotated, Any, Literal, get_args
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, WithJsonSchema
 from pydantic_core import PydanticCustomError
 
-from .errors import Problem, RequestError
+from .errors import Problem, RequestError, TokenBudgetError
 
 QuestionType = Literal["noul", "choice", "score"]
 NoulOptionId = Literal["true", "false"]
@@ -484,6 +484,28 @@ def prepared(request: Mapping[str, Any] | ValidRequest, *, max_length: int | Non
     if isinstance(request, ValidRequest):
         return request
     return prepare(request, max_length=max_length, overflow=overflow)
+
+
+def check_schema_floor(request: Any, max_length: int) -> None:
+    """Raise TokenBudgetError when the request's questions cannot fit `max_length` tokens whatever they say, from
+    their number and their options' alone (no validation, no rendering): each question's schema is at least its
+    header, "ALLOWED OPTIONS", "END FIELD" and per option "OPTION k: ", its JSON and a newline, each a text piece
+    tokenized alone into one token or more (spec §2). What a request of thousands of questions costs before it is
+    refused; a malformed question counts what it has."""
+    questions = request.get("questions") if isinstance(request, dict) else None
+    if not isinstance(questions, dict):
+        return
+    floor = 1  # the schema's header
+    for question in questions.values():
+        criteria = question.get("criteria") if isinstance(question, dict) else None
+        options = 2 if isinstance(question, dict) and question.get("type") == "noul" else \
+            len(criteria) if isinstance(criteria, (dict, list)) else 0
+        floor += 3 + 3 * options
+        if floor > max_length:
+            raise TokenBudgetError(
+                f"the {len(questions)} questions take at least {floor} tokens, over max_length {max_length} before "
+                "any state", over_by=floor - max_length, part="schema", token_counts={"schema": floor},
+                max_length=max_length)
 
 
 # ---------------------------------------------------------------------------------------------------------------

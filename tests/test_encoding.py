@@ -364,7 +364,7 @@ def test_a_long_encode_does_not_hold_up_a_small_request(tiny_engine, monkeypatch
 
     monkeypatch.setattr(encoder, "_encode_batch", encode_batch)
     big = dict(REQUEST, state="long evidence text, " * 60_000)  # 1.2 MB: seconds of tokenizing
-    worker = threading.Thread(target=encoder.encode, args=(big,), kwargs={"overflow": "truncate_state"})
+    worker = threading.Thread(target=encoder.encode, args=(big,), kwargs={"max_length": 2_000_000})
     worker.start()
     assert started.wait(30)
     response = tiny_engine.decide({"state": "hi", "questions": {"q": {"type": "noul"}}})

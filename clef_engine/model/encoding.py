@@ -22,6 +22,7 @@ import hashlib
 import json
 import queue
 import threading
+import unicodedata
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
@@ -112,6 +113,11 @@ TRIM_AFTER_PIXELS = 4_000_000  # give freed memory back to the OS after media th
 # NFC shrinks a text's UTF-8 by at most 3.5× (U+0390 from three 2-3 byte input characters is the worst case in
 # Python's Unicode tables: composition absorbs at most the code points of one decomposition); 4 leaves a margin.
 NFC_MAX_SHRINK = 4
+STATE_WINDOW_TOKENS = 4  # a truncated state's first window: this many characters per token it must hold
+STATE_WINDOW_MIN_CHARS = 64
+# Unicode White_Space, what the pre-tokenizer's \s means (str.isspace also takes U+001C..U+001F)
+WHITE_SPACE = frozenset("\t\n\v\f\r \x85\xa0\u1680\u2028\u2029\u202f\u205f\u3000"
+                        + "".join(map(chr, range(0x2000, 0x200B))))
 
 
 def _malloc_trim():
@@ -180,6 +186,27 @@ class Encoder:
                 text = self._text.normalizer.normalize_str(text)
         size = len(text.encode("utf-8", "surrogatepass"))
         return -(-size // (self.max_token_bytes * shrink))
+
+    def leading_state_tokens(self, text: str, count: int) -> tuple[list[int], int]:
+        """At least the first `count` tokens of `text` (all of them when it has fewer), tokenizing only a window at
+        the start of it, and a lower bound on the tokens after those returned: what a state cut to fit needs,
+        whatever its length. A window's tokens are the text's own except those of its last pre-tokens, which
+        may join what follows the window (see `settled_tokens`); the window doubles until it holds `count` settled
+        tokens, up to characters enough for `count` tokens of any kind, where a single pre-token longer than that
+        is taken as the window cuts it."""
+        limit = (count + 1) * self.max_token_bytes * NFC_MAX_SHRINK
+        chars = max(STATE_WINDOW_MIN_CHARS, count * STATE_WINDOW_TOKENS)
+        while True:
+            window = text[:chars]
+            encoding = self._text.encode_batch([window], add_special_tokens=False)[0]
+            if chars >= len(text):
+                return encoding.ids, 0
+            settled = settled_tokens(window, encoding.offsets, encoding.word_ids)
+            if settled >= count or chars >= limit:
+                kept = max(settled, min(count, len(encoding.ids)))
+                end = encoding.offsets[kept - 1][1] if kept else 0
+                return encoding.ids[:kept], self.token_bound(text[end:])
+            chars *= 2
 
     def tokenize_schema(self, pieces: list[str]) -> list[list[int]]:
         """The ids of a schema's pieces (see schema_pieces), tokenized once while the schema is among the last
@@ -367,6 +394,8 @@ class Encoder:
         try:
             outputs = processor(text=[text], return_tensors="pt", add_special_tokens=False, **kwargs)
         except (ValueError, RuntimeError, TypeError) as error:  # a precondition the checks above do not know yet
+            if "DefaultCPUAllocator" in str(error) or isinstance(error, torch.OutOfMemoryError):
+                raise MemoryError from None  # the server's memory, not the media: never a 422 quoting the allocator
             field_name = "images" if images else "videos"
             raise RequestError([Problem((field_name,), f"the processor cannot take these media ({error})",
                                         f"value_error.{field_name[:-1]}")]) from error
@@ -422,15 +451,19 @@ class Encoder:
         piece_ids = self.tokenize_schema(pieces)
         counts["schema"] = sum(map(len, piece_ids))
         check_budget(counts, max_length, overflow, at_least=media_bound + ("state",))
-        state_ids = self.tokenize_state(state_text)
-        counts["state"] = len(state_ids)
+        if overflow == "refuse" or counts["state"] <= max_length:  # no more work than a refused state may cost
+            state_ids, after = self.tokenize_state(state_text), 0
+        else:  # a state far over the budget: only as much of it as fits is tokenized (its rest is counted at least)
+            room = max_length - counts["prefix"] - counts["media"] - counts["schema"] - counts["suffix"]
+            state_ids, after = self.leading_state_tokens(state_text, room)
+        counts["state"] = len(state_ids) + after
         check_budget(counts, max_length, overflow, at_least=media_bound)
         media_ids, media_inputs, decoded_videos = self.encode_media(images, videos)
         counts["media"] = len(media_ids)
         truncated = check_budget(counts, max_length, overflow, at_least=())
         if truncated:
-            state_ids = state_ids[: len(state_ids) - truncated]  # the reference cuts the end of the state
-            counts["state"] = len(state_ids)
+            counts["state"] -= truncated
+            state_ids = state_ids[: counts["state"]]  # the reference cuts the end of the state
 
         input_ids = self.prefix_ids + media_ids + state_ids
         state_end = len(input_ids)
@@ -491,6 +524,36 @@ def check_budget(counts: dict[str, int], max_length: int, overflow: str, *, at_l
             f"max_length, or allow truncation (overflow='truncate_state')",
             over_by=over, part="state", token_counts=counts, max_length=max_length)
     return over if not at_least else 0
+
+
+def settled_tokens(window: str, offsets: list[tuple[int, int]], word_ids: list[int | None]) -> int:
+    """How many leading tokens of a window of a text (its tokens' character offsets and pre-token numbers) are the
+    text's own whatever follows the window. The pre-tokenizer splits a text into runs of one kind of character —
+    letters and marks (with one character before them), digits, other characters (with a space before them and
+    newlines after them), whitespace — and each pre-token is tokenized alone, so only the pre-tokens of the
+    window's last run, and of the other characters before it when that run is whitespace, can change with what
+    follows; NFC composes only within that run too."""
+    tail = len(window)
+    kind = _kind(window[-1]) if window else ""
+    while tail and _kind(window[tail - 1]) == kind:
+        tail -= 1
+    if kind == "space":
+        while tail and _kind(window[tail - 1]) == "other":
+            tail -= 1
+    tail = max(0, tail - 1)
+    kept = len(offsets)
+    while kept and (offsets[kept - 1][0] >= tail or offsets[kept - 1][1] > tail):
+        kept -= 1
+    while 0 < kept < len(offsets) and word_ids[kept - 1] == word_ids[kept]:  # a pre-token is kept whole or not
+        kept -= 1
+    return kept
+
+
+def _kind(character: str) -> str:
+    if character in WHITE_SPACE:
+        return "space"
+    category = unicodedata.category(character)[0]
+    return {"L": "letter", "M": "letter", "N": "digit"}.get(category, "other")
 
 
 def longest_token_bytes(tokenizer) -> int:

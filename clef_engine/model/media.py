@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import errno
 import io
 import os
 from dataclasses import dataclass
@@ -240,13 +241,14 @@ def decode_video(data: bytes, sample_indices) -> Video:
                         filled[slot] = True
                 if index >= last:
                     break
-    except MediaError:
+    except (MediaError, MemoryError):  # a memory failure is the server's state, answered as such (413)
         raise
-    except MemoryError:
-        raise MediaError("the video is too large to decode in this server's memory") from None
+    except OSError as error:
+        if error.errno not in (errno.ENOMEM, errno.EAGAIN):
+            raise MediaError(_UNREADABLE_VIDEO) from None
+        raise MemoryError from None  # no memory or no thread for the decoder: never "the file is corrupt"
     except Exception:  # PyAV raises its own error types for corrupt or unsupported files, in its own words
-        raise MediaError("not a readable video (the file is corrupt, cut short or encoded in a way this server "
-                         "does not decode; use MP4, WebM or MOV with H.264, VP8/VP9 or AV1)") from None
+        raise MediaError(_UNREADABLE_VIDEO) from None
     if not filled.any():
         raise MediaError("no frame could be decoded")
     # A stored frame count can overstate what decodes: a missing frame repeats the last decoded frame before it.
@@ -254,6 +256,10 @@ def decode_video(data: bytes, sample_indices) -> Video:
         if not filled[slot]:
             frames[slot] = frames[slot - 1] if slot else frames[int(np.argmax(filled))]
     return Video(frames, fps, wanted, total)
+
+
+_UNREADABLE_VIDEO = ("not a readable video (the file is corrupt, cut short or encoded in a way this server does not "
+                     "decode; use MP4, WebM or MOV with H.264, VP8/VP9 or AV1)")
 
 
 def _decoded_frame_size(width: int, height: int, count: int) -> tuple[int, int]:

@@ -35,7 +35,8 @@ Wire contract beyond spec §5:
   processes and the turns; metrics.py the metrics).
 - Fair shares: requests of 64 KiB or more (or chunked) are prepared one at a time per client address, and while others
   are in flight a client's next one waits in proportion to its last one's cost (see `admission.Turns`); 429 past the
-  timeout.
+  timeout. Explanations (`x_explain`) take such turns whatever their size, held until they are answered, and their
+  variants run as bulk work (a small decide waits for a layer of them, not for all).
 - Time: a body that has not arrived within `request_timeout` seconds gets 408; a request the engine has not
   answered within `request_timeout` seconds gets 503 `deadline_exceeded`, and its work is abandoned: cancelled
   if queued, stopped at the engine's next layer if running.
@@ -85,7 +86,7 @@ from ..calibrated import Calibration, CalibrationProvider, calibrate_answers
 from ..errors import BusyError, RequestError, TokenBudgetError
 from ..explain import Explaining, explaining
 from ..interface import DecisionEngine
-from ..protocol import DEFAULT_MAX_LENGTH, ValidRequest, prepare
+from ..protocol import DEFAULT_MAX_LENGTH, ValidRequest, check_schema_floor, prepare
 from . import openapi
 from .admission import PACED_REQUEST_BYTES, PACED_SHARE, BigBodies, Paced, Turns
 from .bodies import (
@@ -270,9 +271,14 @@ class SystemOneApi:
                 paced = await self._paced.begin(client, lambda: self._requests_in_flight > 1, self.request_timeout)
             raw = await self._read_body_in_time(request)
             body, asset_images = await self._parse_request(kind, content_type, raw, client)
+            # an explanation costs many decides, whatever its size: paced as big requests are, until it is answered
+            explaining_it = body.get("x_explain") not in (None, False)
+            if explaining_it and paced is None:
+                paced = await self._paced.begin(client, lambda: self._requests_in_flight > 1, self.request_timeout)
             _check_model_name(body.get("model"))
             name, engine = await self._engine(body.get("model"))
-            answer = await self._decide(engine, name, body, asset_images, queued=paced.end if paced else None)
+            answer = await self._decide(engine, name, body, asset_images,
+                                        queued=paced.end if paced and not explaining_it else None)
             status = 200
             return SafeJSONResponse(answer, headers={"x-typesafe-request-id": request_id})
         except ApiError as exc:
@@ -310,6 +316,13 @@ class SystemOneApi:
         """The engine's answer to `body`; `queued` is called once the engine has the record queued."""
         record = {k: body[k] for k in ENGINE_FIELDS if k in body}
         _check_media(record, skip_images=set(asset_images))
+        ceiling = self.token_ceiling(engine)
+        asked = body.get("x_max_length")
+        asked = asked if type(asked) is int and asked >= 1 else DEFAULT_MAX_LENGTH  # validated below
+        try:
+            check_schema_floor(body, min(asked, ceiling))  # thousands of questions: refused before they are read
+        except TokenBudgetError as exc:
+            raise _too_many_tokens(exc, asked, ceiling) from None
         # The contract's models say what a valid request is (the 422 body lists every problem): validated here, once,
         # and handed to the engine as a ValidRequest, which it encodes without validating again. In the thread pool:
         # a large state or large media strings take a while to walk.
@@ -320,27 +333,16 @@ class SystemOneApi:
         # a calibration that does not exist is the request's fault, found before any work is paid for
         named = body.get("x_calibration")
         calibration = None if named is None else await self._calibration(named)
-        ceiling = self.token_ceiling(engine)
-        asked = valid.max_length if valid.max_length is not None else DEFAULT_MAX_LENGTH
         # the engine (and an endpoint a remote engine forwards to) gets the engine's fields, under this server's budget
         request = replace(valid, request=record).with_budget(min(asked, ceiling), valid.overflow)
         self.metrics.enter()
         try:
-            results = await self._run_in_time(explaining(engine, valid.explain), request, queued)
+            results = await self._run_in_time(explaining(engine, valid.explain, self.max_tokens_per_request), request,
+                                              queued)
         except RequestError as exc:  # what only encoding finds: media that cannot be decoded
             raise _invalid_request(exc, asset_images) from None
         except TokenBudgetError as exc:
-            if exc.part == "explanation":  # the variants of x_explain: the message names their cost
-                advice = "ask for a coarser x_explain unit or a shorter state"
-            elif asked > ceiling:  # the client asked for more than this server sells
-                advice = (f"this server answers at most {ceiling} tokens per request, whatever \"x_max_length\" "
-                          "asks; shorten the request or send \"x_overflow\": \"truncate_state\"")
-            else:
-                advice = ("send \"x_overflow\": \"truncate_state\" to cut the state instead, or a larger "
-                          "\"x_max_length\"")
-            raise api_error(413, "token_budget_exceeded", f"{exc} ({advice})", over_by=exc.over_by, part=exc.part,
-                            max_length=exc.max_length, max_tokens_per_request=ceiling,
-                            token_counts=exc.token_counts) from None
+            raise _too_many_tokens(exc, asked, ceiling) from None
         except BusyError as exc:
             raise ApiError(429, {"error_type": "overloaded", "message": str(exc) or "the model queue is full"},
                            headers={"retry-after": "1"}) from None
@@ -478,6 +480,18 @@ class SystemOneApi:
 def _invalid_request(exc: RequestError, asset_images: dict[int, str]) -> ApiError:
     problems = name_assets([p.as_dict() for p in exc.problems], asset_images)
     return ApiError(422, [{**p, "loc": ["body", *p["loc"]]} for p in problems])
+
+
+def _too_many_tokens(exc: TokenBudgetError, asked: int, ceiling: int) -> ApiError:
+    if exc.part == "explanation":  # the variants of x_explain: the message names their cost
+        advice = "ask for a coarser x_explain unit or a shorter state"
+    elif asked > ceiling:  # the client asked for more than this server sells
+        advice = (f"this server answers at most {ceiling} tokens per request, whatever \"x_max_length\" "
+                  "asks; shorten the request or send \"x_overflow\": \"truncate_state\"")
+    else:
+        advice = "send \"x_overflow\": \"truncate_state\" to cut the state instead, or a larger \"x_max_length\""
+    return api_error(413, "token_budget_exceeded", f"{exc} ({advice})", over_by=exc.over_by, part=exc.part,
+                     max_length=exc.max_length, max_tokens_per_request=ceiling, token_counts=exc.token_counts)
 
 
 def _unauthorized(message: str, challenge: str) -> ApiError:
