@@ -99,12 +99,14 @@ class CsvMapping:
     state_columns: columns that become fields of a JSON-object state (a dotted name like `customer.tier` nests);
     state_text_column: alternatively one column whose text is the whole state (JSON text is parsed if it is an
     object or array); expected_columns: column → question id; tags_column: tags separated by ';' or ',';
+    id_column: the case's own id (a ticket number: kept with the case, never sent to the model);
     image_columns / video_columns: file paths (relative to the CSV's folder) or data URLs."""
 
     state_columns: list[str] = field(default_factory=list)
     state_text_column: str | None = None
     expected_columns: dict[str, str] = field(default_factory=dict)
     tags_column: str | None = None
+    id_column: str | None = None
     image_columns: list[str] = field(default_factory=list)
     video_columns: list[str] = field(default_factory=list)
     infer_types: bool = True
@@ -171,7 +173,7 @@ def parse_rows(header: list[str], rows: list[tuple[int, dict[str, str]]], mappin
     Raises CaseImportError listing every bad cell."""
     problems: list[str] = []
     used = list(mapping.state_columns) + list(mapping.expected_columns) + list(mapping.image_columns) + list(
-        mapping.video_columns) + [c for c in (mapping.state_text_column, mapping.tags_column) if c]
+        mapping.video_columns) + [c for c in (mapping.state_text_column, mapping.tags_column, mapping.id_column) if c]
     for column in used:
         if column not in header:
             problems.append(f"column {column!r} is not in the CSV (columns: {', '.join(header)})")
@@ -229,7 +231,8 @@ def parse_rows(header: list[str], rows: list[tuple[int, dict[str, str]]], mappin
                         media[kind + "s"].append(_load_media(row[column], kind, base_dir))
                     except (ValueError, OSError) as exc:
                         problems.append(f"{where}, column {column!r}: {exc}")
-        cases.append({"state": state, "expected": expected, "tags": tags, **media})
+        source_id = (row[mapping.id_column] or "").strip() if mapping.id_column else ""
+        cases.append({"state": state, "expected": expected, "tags": tags, "source_id": source_id or None, **media})
     if problems:
         raise CaseImportError(problems)
     if not cases:
@@ -238,8 +241,9 @@ def parse_rows(header: list[str], rows: list[tuple[int, dict[str, str]]], mappin
 
 
 def parse_jsonl(jsonl_text: str, schema: dict | None = None, *, base_dir: Path | None = None) -> list[dict]:
-    """JSONL → case dicts. Each line: {"state": any, "expected"?: {question: answer}, "tags"?: [str],
-    "images"?: [data URL | {"content_type", "base64"} | path], "videos"?: same}. Blank lines are skipped."""
+    """JSONL → case dicts. Each line: {"state": any, "id"?: the case's own id, "expected"?: {question: answer},
+    "tags"?: [str], "images"?: [data URL | {"content_type", "base64"} | path], "videos"?: same}. Blank lines are
+    skipped."""
     problems: list[str] = []
     cases = []
     questions = (schema or {}).get("questions", {})
@@ -283,7 +287,12 @@ def parse_jsonl(jsonl_text: str, schema: dict | None = None, *, base_dir: Path |
         if not isinstance(tags, list) or not all(isinstance(t, str) for t in tags):
             problems.append(f"{where}, tags: must be a list of strings")
             tags = []
-        cases.append({"state": record["state"], "expected": expected, "tags": tags, **media})
+        source_id = record.get("id")
+        if source_id is not None and not isinstance(source_id, str | int):
+            problems.append(f"{where}, id: must be text or a whole number")
+            source_id = None
+        cases.append({"state": record["state"], "expected": expected, "tags": tags,
+                      "source_id": None if source_id is None else str(source_id), **media})
     if problems:
         raise CaseImportError(problems)
     if not cases:
@@ -318,6 +327,8 @@ def export_jsonl(store: Store, case_set_id: int) -> str:
     for summary in store.list_cases(case_set_id):
         case = store.get_case(summary["id"])
         record: dict[str, Any] = {"state": case["state"], "expected": case["expected"], "tags": case["tags"]}
+        if case["source_id"] is not None:
+            record = {"id": case["source_id"], **record}
         if case["images"]:
             record["images"] = [data_url(m["content_type"], m["data"]) for m in case["images"]]
         if case["videos"]:
@@ -327,13 +338,14 @@ def export_jsonl(store: Store, case_set_id: int) -> str:
 
 
 def cases_table(store: Store, case_set_id: int) -> pd.DataFrame:
-    """One row per case: id, state (object states flattened to `state.<key>`, values JSON-encoded unless
-    scalar), expected.<question>, tags ('; '-joined), images, videos (counts)."""
+    """One row per case: id, source_id (the case's own id, where one was imported), state (object states flattened
+    to `state.<key>`, values JSON-encoded unless scalar), expected.<question>, tags ('; '-joined), images, videos
+    (counts)."""
     cases = store.list_cases(case_set_id)
     rows = []
     flatten = bool(cases) and all(isinstance(c["state"], dict) for c in cases)
     for case in cases:
-        row: dict[str, Any] = {"id": case["id"]}
+        row: dict[str, Any] = {"id": case["id"], "source_id": case["source_id"]}
         if flatten:
             for key, value in case["state"].items():
                 row[f"state.{key}"] = value if isinstance(value, str | int | float | bool) or value is None \
@@ -362,18 +374,20 @@ def results_table(store: Store, run_id: int) -> pd.DataFrame:
     run = store.get_run(run_id)
     results = store.list_results(run_id)
     frame = answer_frame(results, run["schema"])
+    source_ids = {r["case_id"]: r["source_id"] for r in results}
     rows = []
     for row in frame.itertuples(index=False):
-        out = {"run_id": run_id, "case_id": row.case_id, "position": row.position, "question_id": row.question_id,
-               "question_type": row.question_type, "predicted": row.predicted, "confidence": row.confidence,
-               "margin": row.margin, "score": row.score, "expected": row.expected, "correct": row.correct,
-               "latency_ms": row.latency_ms, "input_tokens": row.input_tokens, "error": None}
+        out = {"run_id": run_id, "case_id": row.case_id, "source_id": source_ids[row.case_id],
+               "position": row.position, "question_id": row.question_id, "question_type": row.question_type,
+               "predicted": row.predicted, "confidence": row.confidence, "margin": row.margin, "score": row.score,
+               "expected": row.expected, "correct": row.correct, "latency_ms": row.latency_ms,
+               "input_tokens": row.input_tokens, "error": None}
         out.update({f"p:{option}": p for option, p in row.distribution.items()})
         rows.append(out)
     for result in results:
         if result.get("error"):
-            rows.append({"run_id": run_id, "case_id": result["case_id"], "position": result["position"],
-                         "error": result["error"]})
+            rows.append({"run_id": run_id, "case_id": result["case_id"], "source_id": result["source_id"],
+                         "position": result["position"], "error": result["error"]})
     # the columns are named even when no case has an answer (every case failed): a run of errors exports its errors
     options = list(dict.fromkeys(c for row in rows for c in row if c.startswith("p:")))
     table = pd.DataFrame(rows, columns=[*RESULT_COLUMNS, *options])
@@ -382,8 +396,8 @@ def results_table(store: Store, run_id: int) -> pd.DataFrame:
     return table.reset_index(drop=True)
 
 
-RESULT_COLUMNS = ["run_id", "case_id", "position", "question_id", "question_type", "predicted", "confidence",
-                  "margin", "score", "expected", "correct", "latency_ms", "input_tokens", "error"]
+RESULT_COLUMNS = ["run_id", "case_id", "source_id", "position", "question_id", "question_type", "predicted",
+                  "confidence", "margin", "score", "expected", "correct", "latency_ms", "input_tokens", "error"]
 
 
 EXPORT_DECIMALS = 4
@@ -417,10 +431,12 @@ def export_results_jsonl(store: Store, run_id: int) -> str:
     run = store.get_run(run_id)
     results = store.list_results(run_id)
     frame = answer_frame(results, run["schema"])
+    source_ids = {r["case_id"]: r["source_id"] for r in results}
     lines = []
     for row in frame.itertuples(index=False):
         lines.append(json.dumps({
-            "run_id": run_id, "case_id": int(row.case_id), "question_id": row.question_id,
+            "run_id": run_id, "case_id": int(row.case_id), "source_id": source_ids[row.case_id],
+            "question_id": row.question_id,
             "question_type": row.question_type, "predicted": row.predicted, "confidence": row.confidence,
             "margin": row.margin, "probabilities": row.distribution,
             "score": None if pd.isna(row.score) else row.score, "expected": row.expected,
@@ -430,7 +446,8 @@ def export_results_jsonl(store: Store, run_id: int) -> str:
         }, ensure_ascii=False))
     for result in results:
         if result.get("error"):
-            lines.append(json.dumps({"run_id": run_id, "case_id": result["case_id"], "error": result["error"]}))
+            lines.append(json.dumps({"run_id": run_id, "case_id": result["case_id"], "source_id": result["source_id"],
+                                     "error": result["error"]}))
     return "\n".join(lines) + ("\n" if lines else "")
 
 

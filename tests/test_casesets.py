@@ -146,7 +146,8 @@ def test_results_export_has_one_row_per_case_and_question_with_every_probability
     assert table[table["error"].notna()]["case_id"].tolist() == [bad_case]
     lines = [json.loads(line) for line in casesets.export_results_jsonl(store, run_id).splitlines()]
     assert lines[0]["probabilities"] == {"billing": 0.7, "tech": 0.3} and lines[0]["correct"] is False
-    assert lines[-1] == {"run_id": run_id, "case_id": bad_case, "error": "RequestError: images: too many"}
+    assert lines[-1] == {"run_id": run_id, "case_id": bad_case, "source_id": None,
+                         "error": "RequestError: images: too many"}
     assert "p:billing" in casesets.export_results_csv(store, run_id).splitlines()[0]
 
 

@@ -23,10 +23,14 @@ from clef_workbench.store.base import (
 )
 
 
-def case_hash(state: Any, expected: Any, tags: Any, media: list[tuple[str, bytes]]) -> str:
-    """Content hash of a case: its state, expected answers, tags and media bytes in order."""
+def case_hash(state: Any, expected: Any, tags: Any, media: list[tuple[str, bytes]], source_id: str | None = None
+              ) -> str:
+    """Content hash of a case: its own id (when it has one), state, expected answers, tags and media bytes in
+    order. Two tickets that say the same thing are two cases."""
     digest = hashlib.sha256()
     canonical = {"state": state, "expected": expected or {}, "tags": list(tags or [])}
+    if source_id is not None:  # a case without one keeps the hash it was stored with
+        canonical["source_id"] = source_id
     digest.update(_dumps_sorted(canonical).encode())
     for kind, blob in media:
         digest.update(kind.encode() + hashlib.sha256(blob).digest())
@@ -150,16 +154,17 @@ class CaseSetsMixin(StoreBase):
         videos: list[bytes] | None = None,
         expected: dict[str, str | bool | int] | None = None,
         tags: list[str] | None = None,
+        source_id: str | None = None,
     ) -> int:
         """Append one case (media stored with it as blobs); returns its id."""
-        return self.add_cases(
-            case_set_id, [{"state": state, "images": images, "videos": videos, "expected": expected, "tags": tags}]
-        )[0]
+        return self.add_cases(case_set_id, [{"state": state, "images": images, "videos": videos, "expected": expected,
+                                             "tags": tags, "source_id": source_id}])[0]
 
     def add_cases(self, case_set_id: int, cases: list[dict], *, skip_existing: bool = False) -> list[int]:
         """Append several cases in one transaction: all are added or none (an import never half-lands). With
         skip_existing, a case whose content (state, expected, tags, media) is already in the set is not added
-        again, so importing the same file twice is a no-op; returns the ids of the cases added."""
+        again, so importing the same file twice is a no-op; returns the ids of the cases added. A case's
+        `source_id` is its own id in the file it came from (a ticket number), shown beside the workbench's."""
         prepared = []
         for index, case in enumerate(cases):
             try:
@@ -169,13 +174,14 @@ class CaseSetsMixin(StoreBase):
                     for position, blob in enumerate(case.get(kind + "s") or [])
                 ]
                 state_json = _dumps(case["state"])
+                source_id = case.get("source_id")
                 content = case_hash(case["state"], case.get("expected"), case.get("tags"),
-                                    [(kind, blob) for kind, _, _, blob in media])
+                                    [(kind, blob) for kind, _, _, blob in media], source_id)
             except (ValueError, TypeError, KeyError) as exc:
                 raise ValueError(f"case {index + 1}: {exc}") from exc
             prepared.append(
-                (state_json, _dumps(case.get("expected") or {}), _dumps(list(case.get("tags") or [])), media, content)
-            )
+                (state_json, _dumps(case.get("expected") or {}), _dumps(list(case.get("tags") or [])), media, content,
+                 source_id))
         ids: list[int] = []
         with self._write() as conn:
             if conn.execute("SELECT 1 FROM case_sets WHERE id = ? AND deleted_at IS NULL",
@@ -185,14 +191,14 @@ class CaseSetsMixin(StoreBase):
             position = conn.execute(
                 "SELECT COALESCE(MAX(position), -1) + 1 FROM cases WHERE case_set_id = ?", (case_set_id,)
             ).fetchone()[0]
-            for state_json, expected_json, tags_json, media, content in prepared:
+            for state_json, expected_json, tags_json, media, content, source_id in prepared:
                 if present[content] > 0:  # one stored copy answers for one incoming copy
                     present[content] -= 1
                     continue
                 cur = conn.execute(
                     """INSERT INTO cases (case_set_id, position, state_json, expected_json, tags_json, content_hash,
-                                          created_at) VALUES (?, ?, ?, ?, ?, ?, ?)""",
-                    (case_set_id, position, state_json, expected_json, tags_json, content, now_iso()),
+                                          source_id, created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?)""",
+                    (case_set_id, position, state_json, expected_json, tags_json, content, source_id, now_iso()),
                 )
                 case_id = inserted_id(cur)
                 conn.executemany(
@@ -211,7 +217,7 @@ class CaseSetsMixin(StoreBase):
             media = conn.execute("SELECT kind, data FROM case_media WHERE case_id = ? ORDER BY kind, position",
                                  (row["id"],)).fetchall()
             content = case_hash(_loads(row["state_json"]), _loads(row["expected_json"]), _loads(row["tags_json"]),
-                                [(m["kind"], m["data"]) for m in media])
+                                [(m["kind"], m["data"]) for m in media], row["source_id"])
             conn.execute("UPDATE cases SET content_hash = ? WHERE id = ?", (content, row["id"]))
         rows = conn.execute("SELECT content_hash FROM cases WHERE case_set_id = ? AND deleted_at IS NULL",
                             (case_set_id,)).fetchall()
@@ -268,6 +274,7 @@ class CaseSetsMixin(StoreBase):
             "id": row["id"],
             "case_set_id": row["case_set_id"],
             "position": row["position"],
+            "source_id": row["source_id"],
             "state": _loads(row["state_json"]),
             "expected": _loads(row["expected_json"]),
             "tags": _loads(row["tags_json"]),

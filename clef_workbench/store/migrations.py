@@ -176,5 +176,9 @@ MIGRATIONS: list[list[str]] = [
             created_at TEXT NOT NULL
         )""",
     ],
+    # 6: a case's own id from the file it came from (a ticket number): kept apart from the state the model reads
+    [
+        "ALTER TABLE cases ADD COLUMN source_id TEXT",
+    ],
 ]
 SCHEMA_VERSION = len(MIGRATIONS)

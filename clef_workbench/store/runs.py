@@ -251,9 +251,9 @@ class RunsMixin(StoreBase):
             return conn.execute("DELETE FROM results WHERE run_id = ? AND error IS NOT NULL", (run_id,)).rowcount
 
     def list_results(self, run_id: int) -> list[dict]:
-        """Results of a run in case-set order, each with the case's state, expected answers and tags."""
+        """Results of a run in case-set order, each with the case's own id, state, expected answers and tags."""
         rows = self._conn().execute(
-            """SELECT x.*, c.position, c.state_json, c.expected_json, c.tags_json FROM results x
+            """SELECT x.*, c.position, c.source_id, c.state_json, c.expected_json, c.tags_json FROM results x
                JOIN cases c ON c.id = x.case_id WHERE x.run_id = ? ORDER BY c.position""",
             (run_id,),
         ).fetchall()
