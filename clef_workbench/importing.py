@@ -263,3 +263,13 @@ def suggested_state_columns(columns: list[str], used: set[str], question_ids: Se
     """Columns the model should read: those not mapped to answers, tags or media and not named like an answer."""
     label_like = set(label_like_columns(columns, question_ids))
     return [c for c in columns if c.strip() and c not in used and c not in label_like]
+
+
+# Column names of a record's own id (`ticket_id`, `id`, `case key`, `ticketId`): kept with the case as its source
+# id, never evidence the model reads.
+ID_COLUMN = re.compile(r"^(.*[ _.-])?(id|uuid|key|ref)$|[a-z]Id$", re.IGNORECASE)
+
+
+def id_like_columns(columns: list[str]) -> list[str]:
+    """The columns named like a record's own id, in file order (the first is suggested as the cases' source id)."""
+    return [c for c in columns if ID_COLUMN.search(c.strip())]
