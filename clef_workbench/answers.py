@@ -107,13 +107,19 @@ def expected_labels(questions: dict[str, Any], response: dict[str, Any]) -> dict
             for qid, answer in response.get("answers", {}).items()}
 
 
+def percent(probability: float) -> str:
+    """A probability as every number of an answer shows it ("81.7%"): the bar's label and the card's metrics round
+    alike (pandas' round put 81.6% on the bar of an 81.7% confidence)."""
+    return f"{probability:.1%}"
+
+
 def probability_chart(table: pd.DataFrame, *, title: str | None = None) -> alt.Chart:
     """Horizontal bars of every option's probability, author's order top to bottom, the chosen one highlighted.
 
     Every option keeps its whole label (long ones wrapped onto several lines, never cut or dropped), and every
     option gets a row tall enough for its label: the chart is as tall as its options need, so show it with the
     element height left to its content (st.altair_chart's default), not squeezed into a fixed height."""
-    data = table.assign(percent=(table["probability"] * 100).round(1).astype(str) + "%",
+    data = table.assign(percent=table["probability"].map(percent),
                         answer=table["chosen"].map({True: "chosen", False: "other"}),
                         label=[wrap_label(str(label)) for label in table["label"]])
     order = list(data["label"])

@@ -100,7 +100,7 @@ def test_a_run_whose_every_case_failed_is_failed_and_its_exports_list_the_errors
 
     # exports of a run without one answer: the errors, one per case, under the usual header (was KeyError)
     csv_lines = casesets.export_results_csv(store, run_id).splitlines()
-    assert csv_lines[0].startswith("run_id,case_id,position,state,question_id") and len(csv_lines) == 6
+    assert csv_lines[0].startswith("run_id,case_id,source_id,position,state,question_id") and len(csv_lines) == 6
     jsonl = [json.loads(line) for line in casesets.export_results_jsonl(store, run_id).splitlines()]
     assert [line["error"].startswith("ClefError") for line in jsonl] == [True] * 5
 
@@ -143,7 +143,8 @@ def test_a_run_on_a_remote_endpoint_that_stopped_is_refused_before_it_starts(tmp
             JobRunner(store).start(run_id, engine)
     finally:
         engine.close()
-    assert "the run was not started" in str(refused.value) and f"could not reach {url}" in str(refused.value)
+    assert str(refused.value).startswith("Run not started: its model's endpoint")
+    assert f"could not reach {url}" in str(refused.value)
     run = store.get_run(run_id)
     assert (run["status"], run["done"]) == ("pending", 0)  # nothing ran, nothing recorded
 

@@ -37,8 +37,6 @@ log = logging.getLogger(__name__)
 
 POLL_SECONDS = 0.2
 STATUS_REFRESH_SECONDS = WorkbenchSettings.from_env().status_refresh_s  # how often the sidebar status redraws itself
-DEMO_BANNER = ("**Demo model.** Its weights are random: the answers mean nothing. It is here so you can try the "
-               "workbench without a GPU. Choose Clef or Clef-Flash in the sidebar on a GPU machine.")
 
 
 PAGES_DIR = Path(__file__).resolve().parents[1] / "pages"
@@ -131,8 +129,8 @@ def show_load_messages(state: LoadState) -> None:
         st.error(state.error, icon=":material/warning:")
     if state.notice:
         st.info(state.notice)
-    if state.engine is not None and state.is_demo:
-        st.warning(DEMO_BANNER, icon=":material/casino:")
+    # no banner of its own for the demo: the pages flag random weights next to the answers, once (three banners
+    # said it at once after the first Run)
 
 
 def random_weights_text(model_name: str) -> str:
@@ -364,7 +362,6 @@ def render_status(state: LoadState) -> None:
         "model": label_of(state.source or info.get("model", "?")) if state.is_demo else info.get("model", "?"),
         "revision": info.get("revision") or "–",
         "device": f"{info.get('device')} ({info.get('device_name', '')})",
-        "dtype": info.get("dtype", "?"),
         "precision": precision_text(info),
         "GPU memory loaded": _gib(memory.get("loaded")),
         "peak allocated": _gib(memory.get("peak_allocated")),
@@ -377,9 +374,10 @@ def render_status(state: LoadState) -> None:
 
 
 def precision_text(info: dict) -> str:
-    """Which precision answers: "bf16", or "FP8 (W8A8) — max |Δp| … from float32 …" with its measured distance."""
+    """Which precision answers: the weights' dtype ("float32" on the CPU, "bfloat16"), or "FP8 (W8A8) — max |Δp| …
+    from float32 …" with its measured distance. One line: a dtype beside an engine's default "bf16" contradicted it."""
     if info.get("precision") != "fp8":
-        return info.get("precision") or "–"
+        return info.get("dtype") or info.get("precision") or "–"
     from clef_engine.fast.fp8 import describe_fidelity
 
     return f"FP8 (W8A8 projections): {describe_fidelity(info.get('distance_from_float32'))}"
