@@ -225,7 +225,8 @@ def budget_chart(counts: dict[str, int]) -> alt.Chart:
         x2="end:Q",
         color=alt.Color("part:N", sort=domain, scale=alt.Scale(domain=domain, range=[*BUDGET_COLORS, "#eef1f4",
                                                                                      "#d64545"]),
-                        legend=alt.Legend(orient="top", title=None, direction="horizontal")),
+                        # labelLimit 0: every part's name whole (Vega cut "over max_length" to "over max_le…")
+                        legend=alt.Legend(orient="top", title=None, direction="horizontal", labelLimit=0)),
         tooltip=["part:N", alt.Tooltip("tokens:Q", format=","), alt.Tooltip("start:Q", format=","),
                  alt.Tooltip("end:Q", format=",")],
     ).properties(height=BUDGET_CHART_HEIGHT)

@@ -130,7 +130,7 @@ def render_answer_card(qid: str, question: dict[str, Any], answer: dict[str, Any
                                "noul: max(p, 1 − p)")
         metrics[1].metric("Margin", answers.percent(summary.margin), help="top1 − top2 probability")
         if summary.score is not None:
-            metrics[2].metric(f"Score (0–{len(table) - 1})", f"{summary.score:.2f}",
+            metrics[2].metric(f"Score (0 to {len(table) - 1})", f"{summary.score:.2f}",
                               help=f"Σ level × probability over levels 0–{len(table) - 1}")
         st.altair_chart(answers.probability_chart(table), width="stretch")
         if answer["type"] == "score":

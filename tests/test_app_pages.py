@@ -100,7 +100,7 @@ def test_decide_runs_the_example_schema_and_shows_one_card_per_question(workbenc
     assert len(answer_metrics) == len(schema.questions) == 5
     assert charts(at) == 1 + 5
     levels = len(schema.questions["priority"]["criteria"])
-    assert f"Score (0–{levels - 1})" in [m.label for m in at.metric], "the expected score, with its scale"
+    assert f"Score (0 to {levels - 1})" in [m.label for m in at.metric], "the expected score, with its scale"
     # the demo's random weights said once, beside the answers (the first Run showed three banners at once)
     assert len([w for w in at.warning if "random" in w.value]) == 1, [w.value for w in at.warning]
     latency = next(m for m in at.metric if m.label == "Latency")

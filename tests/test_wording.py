@@ -52,3 +52,9 @@ def test_the_sidebar_names_one_precision_the_weights_really_have():
     assert shell.precision_text({"dtype": "float32", "precision": "bf16"}) == "float32"
     assert shell.precision_text({"dtype": "bfloat16", "precision": "bf16"}) == "bfloat16"
     assert shell.precision_text({"precision": "bf16"}) == "bf16", "an endpoint that names no dtype"
+
+
+def test_the_budget_legend_names_every_part_whole():
+    """Vega cuts a legend label at 160 px by default: "over max_le…"."""
+    chart = answers.budget_chart({"prefix": 20, "schema": 300, "state": 900, "suffix": 10, "max_length": 1024})
+    assert chart.to_dict()["encoding"]["color"]["legend"]["labelLimit"] == 0

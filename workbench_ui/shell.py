@@ -31,6 +31,7 @@ from clef_workbench.model_loader import (
 )
 from clef_workbench.schema_library import SchemaLibrary
 from clef_workbench.settings import WorkbenchSettings
+from clef_workbench.state_input import IMAGE_EXTENSIONS, MAX_IMAGE_BYTES, MB
 from workbench_ui import links
 
 log = logging.getLogger(__name__)
@@ -204,15 +205,26 @@ def pick_precision(key: str, source: str) -> str | None:
     return PRECISION_CHOICES[picked]
 
 
-# Nothing on a page may hide what it says behind an ellipsis at 1024 px: button labels and metric values wrap instead
-# of being cut ("Make def…", "New…", "150,762.4…"); a wrapped label still reads whole.
+# Nothing on a page may hide what it says behind an ellipsis at 1024 px ("Make def…", "p50 compute per re…",
+# "150,762.4…"), nor break a word across lines ("Rem/ove", "81.7/%"): button labels, metric labels and values wrap
+# between words, a button is at least as wide as its longest word, metric values shrink with a narrow window, and
+# below 1280 px the page's side margins give their room to the content. Decide's Images uploader takes files up to
+# the videos' size, so that an image over its own limit is refused in words under it (not by the browser with a red
+# icon): its instructions say the images' limit, not the uploader's ("64MB per file" beside a caption of 20 MB).
 PAGE_STYLE = """<style>
-button [data-testid="stMarkdownContainer"], button [data-testid="stMarkdownContainer"] * {
-  white-space: normal !important; overflow: visible !important; text-overflow: clip !important; }
+button [data-testid="stMarkdownContainer"], button [data-testid="stMarkdownContainer"] *,
+[data-testid="stMetricLabel"], [data-testid="stMetricLabel"] *,
 [data-testid="stMetricValue"], [data-testid="stMetricValue"] * {
   white-space: normal !important; overflow: visible !important; text-overflow: clip !important;
-  overflow-wrap: anywhere; }
-</style>"""
+  overflow-wrap: normal !important; word-break: normal !important; }
+[data-testid^="stBaseButton"] { min-width: min-content; }
+[data-testid="stMetricValue"] { font-size: clamp(1.25rem, 2vw, 2.25rem); }
+@media (max-width: 1280px) { [data-testid="stMainBlockContainer"] { padding-left: 2rem; padding-right: 2rem; } }
+.st-key-decide-images [data-testid="stFileUploaderDropzoneInstructions"] span { font-size: 0; }
+.st-key-decide-images [data-testid="stFileUploaderDropzoneInstructions"] span::after {
+  content: "IMAGE_LIMIT per file • IMAGE_TYPES"; font-size: 0.875rem; }
+</style>""".replace("IMAGE_LIMIT", f"{MAX_IMAGE_BYTES // MB} MB").replace(
+    "IMAGE_TYPES", ", ".join(extension.upper() for extension in IMAGE_EXTENSIONS if extension != "jpeg"))
 
 
 def render_sidebar() -> None:
