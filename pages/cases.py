@@ -192,7 +192,8 @@ def import_file(case_set_id: int, case_set: dict, schema: dict | None) -> None:
             st.write(f"Columns: {', '.join(f'`{c}`' for c in columns)}")
             questions = list((schema or {}).get("questions", {}))
             guessed = importing.guess_expected_columns(columns, questions)
-            chosen_columns = view.ImportMapping(columns, questions)
+            chosen_columns = view.ImportMapping(columns, questions,
+                                                answer_names=[] if questions else view.library_question_ids(library))
             if questions:
                 st.markdown("**Expected answers** (column per question)")
                 cols = st.columns(min(3, len(questions)))

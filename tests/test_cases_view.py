@@ -176,3 +176,16 @@ def test_before_a_state_is_chosen_the_advice_names_the_controls_that_fix_it():
         "These rows cannot be imported with this mapping: 2 problems. Change the mapping above")
     assert view.problems_heading(1, stage="read") == "This file cannot be read as it is: 1 problem."
     assert view.problems_heading(3, stage="save") == "Nothing was changed: 3 problems."
+
+
+def test_without_a_schema_columns_named_after_the_librarys_questions_are_answers_not_evidence(library):
+    """examples/tickets.csv carries its gold labels (team, priority, customer_mood…) beside the ticket: imported
+    into a case set without a schema, they were offered as the state, so the model read what it is scored on."""
+    columns = importing.read_source("tickets.csv", (REPO / "examples" / "tickets.csv").read_bytes()).columns
+    answers = view.library_question_ids(library)
+    assert {"team", "priority", "customer_mood", "churn_threat", "needs_human_agent"} <= set(answers)
+    chosen = view.ImportMapping(columns, [], tags_column="tags", answer_names=answers)
+    assert chosen.suggested_state() == ["from", "subject", "plan", "body"]
+    assert chosen.state_warning(["subject", "body"])[0] == "caption"
+    kind, text = chosen.state_warning(["subject", "body", "team"])  # asked for on purpose: allowed, and said
+    assert kind == "warning" and "the model reads the answer: team." in text

@@ -52,6 +52,18 @@ def case_set_schema(library: SchemaLibrary, slug: str | None) -> tuple[dict | No
         return None, f"Schema {slug!r} does not load, so expected answers are not checked: {exc}"
 
 
+def library_question_ids(library: SchemaLibrary) -> list[str]:
+    """Every question id of the library's schemas that load: for a case set without a schema, a column named
+    after one (`team`, `priority`) is an answer someone wrote down, not evidence for the model."""
+    ids: dict[str, None] = {}
+    for slug in library.slugs():
+        try:
+            ids.update(dict.fromkeys(library.load(slug).questions))
+        except SchemaError:
+            continue
+    return list(ids)
+
+
 def schema_options(slugs: list[str]) -> list[str]:
     return [NO_SCHEMA, *slugs]
 
@@ -135,11 +147,12 @@ class ImportMapping:
     expected: dict[str, str] = field(default_factory=dict)  # column -> question id
     tags_column: str = NOT_MAPPED
     id_column: str = NOT_MAPPED
+    answer_names: list[str] = field(default_factory=list)  # more names of answers: the library's, without a schema
 
     @property
     def label_like(self) -> list[str]:
         """Columns that look like expected answers (left out of a suggested state)."""
-        return casesets.label_like_columns(self.columns, self.questions)
+        return casesets.label_like_columns(self.columns, [*self.questions, *self.answer_names])
 
     @property
     def used(self) -> set[str]:
@@ -147,8 +160,8 @@ class ImportMapping:
 
     def suggested_state(self) -> list[str]:
         """The columns to offer as the state: the evidence, never an answer, the tags or a record's id."""
-        ids = set(importing.id_like_columns(self.columns))
-        return importing.suggested_state_columns(self.columns, self.used | ids, self.questions)
+        left_out = self.used | set(importing.id_like_columns(self.columns)) | set(self.label_like)
+        return importing.suggested_state_columns(self.columns, left_out, self.questions)
 
     def mapping(self, *, state_columns: list[str] | None = None, state_text_column: str | None = None) -> CsvMapping:
         tags = None if self.tags_column == NOT_MAPPED else self.tags_column
