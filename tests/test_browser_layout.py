@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+from contextlib import contextmanager
 from pathlib import Path
 
 import playwright.sync_api as playwright_api
@@ -176,15 +177,20 @@ def seeded_runs(db: Path, schemas: Path) -> list[int]:
     return run_ids
 
 
-def test_no_label_button_or_metric_is_cut_on_any_page_at_any_window_size(tmp_path: Path):
+def test_no_label_button_or_metric_is_cut_on_any_page_at_any_window_size(tmp_path_factory):
+    from tests.test_browser_journeys import demo_workbench
+
+    with contextmanager(demo_workbench)(tmp_path_factory, "layout") as (url, db, root):
+        run_ids = seeded_runs(db, root / "schemas")
+        found = every_page_at_every_size(url, run_ids, root)
+    assert not found, json.dumps(found, indent=1, ensure_ascii=False)
+
+
+def every_page_at_every_size(url: str, run_ids: list[int], root: Path) -> dict[str, list[str]]:
+    """What reads cut or broken on each page at each window size, after a Run on Decide."""
     from clef_workbench import state_input
 
-    shutil.copytree(REPO / "schemas", tmp_path / "schemas")
-    db = tmp_path / "workbench.sqlite3"
-    run_ids = seeded_runs(db, tmp_path / "schemas")
-    env = {"CLEF_DB": str(db), "CLEF_SCHEMAS_DIR": str(tmp_path / "schemas"), "CLEF_MODEL": "demo"}
-    with running_workbench(env, log_path=tmp_path / "streamlit.log") as url, \
-            playwright_api.sync_playwright() as playwright:
+    with playwright_api.sync_playwright() as playwright:
         browser = launch_chromium(playwright)
         page = browser.new_page(viewport={"width": 1440, "height": 900})
         page.set_default_timeout(60_000)
@@ -212,7 +218,7 @@ def test_no_label_button_or_metric_is_cut_on_any_page_at_any_window_size(tmp_pat
                     assert page.locator(READABLE).count() > 0, title
                     if unreadable := page.evaluate(UNREADABLE, READABLE):
                         found[f"{title} at {width}×{height}"] = sorted(set(unreadable))
-                        page.screenshot(path=str(tmp_path / f"{title}-{width}.png"), full_page=True)
+                        page.screenshot(path=str(root / f"{title}-{width}.png"), full_page=True)
         finally:
             browser.close()
-    assert not found, json.dumps(found, indent=1, ensure_ascii=False)
+    return found
