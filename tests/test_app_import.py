@@ -6,6 +6,10 @@ from __future__ import annotations
 
 from streamlit.testing.v1 import AppTest
 
+from clef_engine import protocol
+from clef_workbench import review
+from clef_workbench.review import ReviewRules
+from clef_workbench.schema_library import SchemaLibrary
 from clef_workbench.store import Store
 from tests.import_files import KINDS, RAGGED, expected_cases, stored
 from tests.test_pages_runs_review import button, case_uploader, new_case_set, ok, open_page, texts
@@ -138,3 +142,21 @@ def test_an_id_column_becomes_the_cases_source_id_and_the_advice_points_at_the_m
     assert "Nothing new to import: all 2 are already in “Tickets”. Rows not imported, as agreed: 4." in [
         i.value for i in at.info]
     assert store.get_case_set(set_id)["case_count"] == 2
+
+
+def test_the_source_id_follows_the_case_to_its_review_card(workbench):
+    store = Store(workbench / "workbench.sqlite3")
+    schema = SchemaLibrary(workbench / "schemas").load("support-ticket-routing").to_dict()
+    schema.pop("examples", None)
+    set_id = store.create_case_set("Tickets", schema_name="support-ticket-routing")
+    (case_id,) = store.add_cases(set_id, [{"state": "I was charged twice", "source_id": "T-42"}])
+    run_id = store.create_run(set_id, schema=schema, model_id="clef-demo")
+    answers = {q.id: protocol.format_answer(q, [1 / len(q.option_ids)] * len(q.option_ids))
+               for q in protocol.parse_questions(protocol.build_request("a ticket", schema["questions"]))}
+    store.record_results(run_id, [{"case_id": case_id, "latency_ms": 5, "input_tokens": 9, "response": {
+        "model": "clef-demo", "answers": answers, "usage": {"input_tokens": 9, "output_tokens": 0}}}])
+    store.set_run_status(run_id, "finished")
+    rules = ReviewRules(margin_below=1.0, unknown_option=False, disagree_with_expected=False, questions=["team"])
+    assert review.apply_rules(store, run_id, rules) == 1
+    at = open_page("pages/review.py")
+    assert "Source id: T-42" in texts(at)
