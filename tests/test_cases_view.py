@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 
-from clef_workbench import casesets, importing
+from clef_workbench import casesets, importing, stats
 from clef_workbench.schema_library import SchemaLibrary
 from clef_workbench.store import Store
 from tests.conftest import REPO
@@ -159,6 +159,15 @@ def test_an_id_column_is_the_cases_source_id_not_evidence_and_a_row_without_evid
     again = importing.read_source("export.csv", exported.encode())
     assert view.ImportMapping(again.columns, []).suggested_state() == ["state.subject", "state.body", "tags",
                                                                        "images", "videos"]
+    # shown in a run's results and in its exports
+    schema = {"name": "t", "questions": {"urgent": {"type": "noul"}}}
+    run_id = store.create_run(set_id, schema=schema, model_id="m")
+    store.record_results(run_id, [{"case_id": c["id"], "latency_ms": 1, "input_tokens": 3, "response": {
+        "model": "m", "answers": {"urgent": {"type": "noul", "noul": 0.7}}, "usage": {"input_tokens": 3}}}
+        for c in store.list_cases(set_id)])
+    assert stats.browse_table(store.list_results(run_id), schema)["source id"].tolist() == ["T-1", "T-2", "T-3"]
+    assert casesets.results_table(store, run_id)["source_id"].tolist() == ["T-1", "T-2", "T-3"]
+    assert '"source_id": "T-1"' in casesets.export_results_jsonl(store, run_id).splitlines()[0]
     # two tickets with the same words are two cases; the same ticket imported again is not added twice
     twin = [{**cases[0], "source_id": "T-9"}]
     assert len(store.add_cases(set_id, twin, skip_existing=True)) == 1
