@@ -159,6 +159,8 @@ def test_an_id_column_is_the_cases_source_id_not_evidence_and_a_row_without_evid
     again = importing.read_source("export.csv", exported.encode())
     assert view.ImportMapping(again.columns, []).suggested_state() == ["state.subject", "state.body", "tags",
                                                                        "images", "videos"]
+    jsonl = casesets.export_jsonl(store, set_id)
+    assert [c["source_id"] for c in casesets.parse_jsonl(jsonl)] == ["T-1", "T-2", "T-3"]
     # shown in a run's results and in its exports
     schema = {"name": "t", "questions": {"urgent": {"type": "noul"}}}
     run_id = store.create_run(set_id, schema=schema, model_id="m")
