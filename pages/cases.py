@@ -259,7 +259,7 @@ def import_file(case_set_id: int, case_set: dict, schema: dict | None) -> None:
             except importing.BadRowsError:
                 pass  # listed above, with the box that skips them
             except CaseImportError as exc:
-                show_problems(exc, stage="cells")
+                show_problems(exc, stage="file" if source.kind == "jsonl" else "cells")
         if parsed:
             st.markdown(f"**Preview** — {len(parsed)} case(s)")
             st.dataframe(view.preview_rows(parsed), hide_index=True, width="stretch")

@@ -681,7 +681,8 @@ def test_a_file_chosen_for_import_with_problems_is_not_reported_as_a_failed_chan
     at.run()
     no_exceptions(at)
     assert not [e.value for e in at.error if "Nothing was changed" in e.value]
-    assert any("This file cannot be imported as it is: 1 problem(s)" in w.value for w in at.warning)
+    assert "This file cannot be imported as it is: 1 problem. Fix it in the file and choose it again." in [
+        w.value for w in at.warning]
 
 
 def test_decide_shows_calibrated_probabilities_labelled_as_such_when_a_calibration_is_chosen(workbench):

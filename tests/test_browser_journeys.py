@@ -420,7 +420,7 @@ def test_bad_input_links_and_reloads_show_messages_never_a_traceback(page, workb
     broken = root / "broken.jsonl"
     broken.write_text('{"state": "fine"}\nthis line is not JSON\n{"state": }\n')
     page.locator('[data-testid="stFileUploaderDropzoneInput"]').set_input_files(str(broken))
-    expect(page.get_by_text("This file cannot be imported as it is: 2 problem(s).", exact=False)).to_be_visible()
+    expect(page.get_by_text("This file cannot be imported as it is: 2 problems.", exact=False)).to_be_visible()
     expect(page.get_by_role("button", name=re.compile(r"^Import \d+ case"))).to_have_count(0)
     no_traceback(page)
 

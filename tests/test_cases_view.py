@@ -186,6 +186,7 @@ def test_before_a_state_is_chosen_the_advice_names_the_controls_that_fix_it():
     assert view.problems_heading(2, stage="cells").startswith(
         "These rows cannot be imported with this mapping: 2 problems. Change the mapping above")
     assert view.problems_heading(1, stage="read") == "This file cannot be read as it is: 1 problem."
+    assert view.problems_heading(2, stage="file").startswith("This file cannot be imported as it is: 2 problems.")
     assert view.problems_heading(3, stage="save") == "Nothing was changed: 3 problems."
 
 

@@ -203,12 +203,16 @@ def state_choice_advice(candidates: list[str]) -> str:
 
 def problems_heading(count: int, *, stage: str) -> str:
     """The line above listed problems: of a save that was refused ("save"), of reading a chosen file ("read": each
-    problem says which choice above fixes it), or of its cells under the mapping chosen ("cells")."""
+    problem says which choice above fixes it), of a file whose records carry their own meaning ("file": JSONL,
+    only the file can fix them), or of its cells under the mapping chosen ("cells")."""
     problems = plural(count, "problem")
     if stage == "save":
         return f"Nothing was changed: {problems}."
     if stage == "read":
         return f"This file cannot be read as it is: {problems}."
+    if stage == "file":
+        them = "it" if count == 1 else "them"
+        return f"This file cannot be imported as it is: {problems}. Fix {them} in the file and choose it again."
     return (f"These rows cannot be imported with this mapping: {problems}. Change the mapping above (the column "
             "of a question, or the state columns), or fix the file and choose it again.")
 
