@@ -51,7 +51,8 @@ def show_flash() -> None:
 
 
 def show_problems(exc: CaseImportError, *, stage: str) -> None:
-    """The problems of a save that was refused, or of a file chosen for import (nothing was tried yet: a warning)."""
+    """The problems of a save that was refused (an error), or of a file chosen for import (nothing was tried yet: a
+    warning naming what fixes them: a choice above, or the file)."""
     heading = view.problems_heading(len(exc.problems), stage=stage)
     if stage == "save":
         st.error(heading)
@@ -214,8 +215,8 @@ def import_file(case_set_id: int, case_set: dict, schema: dict | None) -> None:
             chosen_columns.id_column = label_cols[1].selectbox(
                 "Source id column", [NOT_MAPPED, *columns], key=K(f"map.id.{upload.file_id}"),
                 index=view.source_id_column_index(columns),
-                help="Each case keeps this value as its own id (a ticket number), shown in runs and exports. The "
-                     "model does not read it.")
+                help="Each case keeps this value as its own id (a ticket number), shown in runs, review and "
+                     "exports. The model does not read it.")
             state_mode = st.radio("State", view.STATE_MODES, horizontal=True, key=K("map.state_mode"))
             candidates = chosen_columns.suggested_state()
             if state_mode == view.FIELDS_FROM_COLUMNS:
