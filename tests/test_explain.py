@@ -175,7 +175,7 @@ def test_an_explanation_over_the_budget_is_refused_before_its_variants_are_encod
     encode = tiny_engine.encode
     monkeypatch.setattr(tiny_engine, "encode", lambda request, **options: encoded.append(1) or encode(request,
                                                                                                         **options))
-    with pytest.raises(TokenBudgetError, match=r"takes at least \d+ tokens .* 400 variants") as caught:
+    with pytest.raises(TokenBudgetError, match=r"takes at least [\d,]+ tokens .* 400 variants") as caught:
         tiny_engine.explain(request(state))
     assert len(encoded) == 1  # the record itself, none of its variants
     assert caught.value.part == "explanation" and caught.value.over_by > 0
@@ -265,5 +265,5 @@ def test_http_explanation_over_the_budget_is_413_naming_its_cost(client, tiny_en
     record = tiny_engine.encode(body)
     assert detail["token_counts"]["record"] == len(record) and detail["token_counts"]["variants"] == 160
     assert detail["token_counts"]["explanation"] > detail["max_length"]
-    assert f"takes {detail['token_counts']['explanation']} tokens" in detail["message"]
+    assert f"takes {detail['token_counts']['explanation']:,} tokens" in detail["message"]
     assert "x_overflow" not in detail["message"]  # truncating the state would not make it fit
