@@ -261,9 +261,10 @@ def check_cost(record_tokens: int, variants: int, total: int, budget: int, *, at
     bound = "at least " if at_least else ""
     counted = "at least " if more_variants else ""
     raise TokenBudgetError(
-        f"explaining this record takes {bound}{total} tokens (the record, {record_tokens} tokens, and {counted}"
-        f"{variants} variants of it, one per segment), {bound}{total - budget} over the {budget}-token budget of one "
-        f"explanation; ask for fewer segments (another unit) or shorten the record",
+        f"explaining this record takes {bound}{total:,} tokens (the record, {record_tokens:,} tokens, and {counted}"
+        f"{variants:,} variants of it, one per segment), {bound}{total - budget:,} over the {budget:,}-token budget of "
+        f"one explanation ({EXPLAIN_BATCHES} interactive batches); ask for fewer segments (another unit) or shorten "
+        "the record",
         over_by=total - budget, part="explanation",
         token_counts={"record": record_tokens, "variants": variants, "explanation": total}, max_length=budget)
 

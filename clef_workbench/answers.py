@@ -107,13 +107,19 @@ def expected_labels(questions: dict[str, Any], response: dict[str, Any]) -> dict
             for qid, answer in response.get("answers", {}).items()}
 
 
+def percent(probability: float) -> str:
+    """A probability as every number of an answer shows it ("81.7%"): the bar's label and the card's metrics round
+    alike (pandas' round put 81.6% on the bar of an 81.7% confidence)."""
+    return f"{probability:.1%}"
+
+
 def probability_chart(table: pd.DataFrame, *, title: str | None = None) -> alt.Chart:
     """Horizontal bars of every option's probability, author's order top to bottom, the chosen one highlighted.
 
     Every option keeps its whole label (long ones wrapped onto several lines, never cut or dropped), and every
     option gets a row tall enough for its label: the chart is as tall as its options need, so show it with the
     element height left to its content (st.altair_chart's default), not squeezed into a fixed height."""
-    data = table.assign(percent=(table["probability"] * 100).round(1).astype(str) + "%",
+    data = table.assign(percent=table["probability"].map(percent),
                         answer=table["chosen"].map({True: "chosen", False: "other"}),
                         label=[wrap_label(str(label)) for label in table["label"]])
     order = list(data["label"])
@@ -219,7 +225,8 @@ def budget_chart(counts: dict[str, int]) -> alt.Chart:
         x2="end:Q",
         color=alt.Color("part:N", sort=domain, scale=alt.Scale(domain=domain, range=[*BUDGET_COLORS, "#eef1f4",
                                                                                      "#d64545"]),
-                        legend=alt.Legend(orient="top", title=None, direction="horizontal")),
+                        # labelLimit 0: every part's name whole (Vega cut "over max_length" to "over max_le…")
+                        legend=alt.Legend(orient="top", title=None, direction="horizontal", labelLimit=0)),
         tooltip=["part:N", alt.Tooltip("tokens:Q", format=","), alt.Tooltip("start:Q", format=","),
                  alt.Tooltip("end:Q", format=",")],
     ).properties(height=BUDGET_CHART_HEIGHT)

@@ -461,7 +461,7 @@ RESULT_COLUMNS = ["run_id", "case_id", "source_id", "position", "question_id", "
 EXPORT_DECIMALS = 4
 
 
-def _plain_label(value: Any) -> str:
+def plain_label(value: Any) -> str:
     """An answer as a person writes it in a cell: true / false, 2, billing — never JSON-quoted."""
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return ""
@@ -480,7 +480,7 @@ def export_results_csv(store: Store, run_id: int) -> str:
     numbers = [c for c in table.columns if c.startswith("p:")] + ["confidence", "margin", "score"]
     table[numbers] = table[numbers].astype(float).round(EXPORT_DECIMALS)
     table["correct"] = table["correct"].map(lambda v: "" if pd.isna(v) else ("true" if v else "false"))
-    table["expected"] = table["expected"].map(_plain_label)
+    table["expected"] = table["expected"].map(plain_label)
     return excel_csv(table)
 
 

@@ -87,7 +87,7 @@ def check_engine(engine: DecisionEngine) -> None:
     try:
         engine.check()
     except ClefError as exc:
-        raise EngineUnreachableError(f"the run was not started: its model's endpoint did not answer a check "
+        raise EngineUnreachableError(f"Run not started: its model's endpoint did not answer a check "
                                      f"request ({exc})") from exc
 
 

@@ -23,11 +23,14 @@ from clef_engine.protocol import sniff_content_type
 # byte limits keep one request's upload and base64 copy small.
 MAX_IMAGES = protocol.HOSTED.max_images
 MAX_IMAGE_PIXELS = protocol.HOSTED.max_image_pixels
-MAX_IMAGE_BYTES = 20 * 1024 * 1024
+# A megabyte is 1,000,000 bytes here, as the uploaders' file chips count it (Streamlit counts in 1,000s except on
+# Windows): a file's size and its limit read alike on the chip, in the caption and in a refusal.
+MB = 1_000_000
+MAX_IMAGE_BYTES = 20 * MB
 # Videos cost many tokens (2 frames per second are sampled) and have no published limit: the page takes as many as
 # images, and these keep a single Decide request reasonable on one GPU.
 MAX_VIDEOS = protocol.HOSTED.max_images
-MAX_VIDEO_BYTES = 64 * 1024 * 1024
+MAX_VIDEO_BYTES = 64 * MB
 MAX_VIDEO_SECONDS = 120.0
 # Streamlit text areas get slow long before this; a state this long cannot fit a 16k-token context anyway.
 MAX_STATE_CHARS = 2_000_000
@@ -152,7 +155,7 @@ class Media:
 
 
 def _mb(n: int) -> str:
-    return f"{n / (1024 * 1024):.0f} MB"
+    return f"{n / MB:.0f} MB"
 
 
 def _names(types: dict[str, str]) -> str:
@@ -163,7 +166,7 @@ def _names(types: dict[str, str]) -> str:
 def _sniffed_type(name: str, data: bytes, kind: str, types: dict[str, str], max_bytes: int) -> str:
     """The upload's content type when it is one of `types` within `max_bytes`, else MediaError saying why not."""
     if len(data) > max_bytes:
-        raise MediaError(f"{name}: {len(data) / 1048576:.1f} MB is over the {_mb(max_bytes)} {kind} limit.")
+        raise MediaError(f"{name}: {len(data) / MB:.1f} MB is over the {_mb(max_bytes)} {kind} limit.")
     content_type = sniff_content_type(data)
     if content_type not in types:
         what = f"a {content_type} file" if content_type else "not a file type the engine reads"

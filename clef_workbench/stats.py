@@ -331,7 +331,8 @@ def compare_runs(frame_a: pd.DataFrame, frame_b: pd.DataFrame) -> dict[str, Any]
 
 
 def browse_table(results: list[dict], schema: dict) -> pd.DataFrame:
-    """One row per (case, question) for reading a run: case, question, the state as text, expected, predicted,
+    """One row per (case, question) for reading a run: case, its source id (its own id in the file it came from),
+    question, the state as text, expected, predicted,
     confidence, margin, correct (True / False / None without an expected answer), tags, and every option's
     probability as a short "option p" list."""
     frame = answer_frame(results, schema)
@@ -341,22 +342,22 @@ def browse_table(results: list[dict], schema: dict) -> pd.DataFrame:
         result = by_case[row.case_id]
         state = result.get("state")
         rows.append({
-            "case": int(row.case_id), "question": row.question_id,
+            "case": int(row.case_id), "source id": result.get("source_id"), "question": row.question_id,
             "state": state if isinstance(state, str) else json.dumps(state, ensure_ascii=False),
             "expected": row.expected, "predicted": row.predicted, "confidence": round(float(row.confidence), 4),
             "margin": round(float(row.margin), 4), "correct": None if pd.isna(row.correct) else bool(row.correct),
             "tags": ", ".join(result.get("tags") or []),
             "probabilities": " · ".join(f"{option} {p:.2f}" for option, p in row.distribution.items()),
         })
-    return pd.DataFrame(rows, columns=["case", "question", "state", "expected", "predicted", "confidence", "margin",
-                                       "correct", "tags", "probabilities"])
+    return pd.DataFrame(rows, columns=["case", "source id", "question", "state", "expected", "predicted", "confidence",
+                                       "margin", "correct", "tags", "probabilities"])
 
 
 def filter_browse(table: pd.DataFrame, *, wrong_only: bool = False, confidence_below: float | None = None,
                   questions: list[str] | None = None, tags: list[str] | None = None, search: str = "") -> pd.DataFrame:
     """The rows of browse_table that pass every filter: answers that disagree with the expected one, confidence
     below a threshold, some questions, cases carrying any of some tags, and a case-insensitive text search over
-    the state, the answers and the tags."""
+    the source id, the state, the answers and the tags."""
     if table.empty:
         return table
     keep = pd.Series(True, index=table.index)
@@ -371,7 +372,7 @@ def filter_browse(table: pd.DataFrame, *, wrong_only: bool = False, confidence_b
         keep &= table["tags"].map(lambda text: bool(wanted & {t.strip() for t in text.split(",") if t.strip()}))
     if search.strip():
         needle = search.strip().lower()
-        haystack = table[["state", "expected", "predicted", "tags", "question"]].map(
+        haystack = table[["source id", "state", "expected", "predicted", "tags", "question"]].map(
             lambda value: "" if value is None else str(value).lower())
         keep &= haystack.apply(lambda row: needle in " ".join(row), axis=1)
     return table[keep]

@@ -50,13 +50,14 @@ def show_flash() -> None:
         cols[1].button("Undo", key=K("undo"), icon=":material/undo:", on_click=undo_delete, args=undo)
 
 
-def show_problems(exc: CaseImportError, *, saving: bool = False) -> None:
-    """The problems of a save that was refused, or of a file chosen for import (nothing was tried yet: a warning)."""
-    if saving:
-        st.error(f"Nothing was changed: {len(exc.problems)} problem(s).")
+def show_problems(exc: CaseImportError, *, stage: str) -> None:
+    """The problems of a save that was refused (an error), or of a file chosen for import (nothing was tried yet: a
+    warning naming what fixes them: a choice above, or the file)."""
+    heading = view.problems_heading(len(exc.problems), stage=stage)
+    if stage == "save":
+        st.error(heading)
     else:
-        st.warning(f"This file cannot be imported as it is: {len(exc.problems)} problem(s). Fix them in the file and "
-                   "choose it again.", icon=":material/warning:")
+        st.warning(heading, icon=":material/warning:")
     st.markdown(view.problems_markdown(exc.problems))
 
 
@@ -142,7 +143,7 @@ with tab_cases:
                            "in the table; your other edits are still there, not saved.")
             st.rerun()
         except CaseImportError as exc:
-            show_problems(exc, saving=True)
+            show_problems(exc, stage="save")
         else:
             st.session_state.pop(editor_key, None)
             st.session_state.pop(K(f"editor_restored.{case_set_id}"), None)
@@ -182,7 +183,7 @@ def import_file(case_set_id: int, case_set: dict, schema: dict | None) -> None:
                                            encoding=None if encoding == DETECTED else encoding,
                                            delimiter=None if delimiter == DETECTED else delimiter)
         except CaseImportError as exc:
-            show_problems(exc)
+            show_problems(exc, stage="read")
         if source is not None:
             detected = " (detected)" if source.encoding and source.encoding == source.detected_encoding else ""
             st.caption(f"Read as **{source.describe()}**{detected}.")
@@ -192,7 +193,8 @@ def import_file(case_set_id: int, case_set: dict, schema: dict | None) -> None:
             st.write(f"Columns: {', '.join(f'`{c}`' for c in columns)}")
             questions = list((schema or {}).get("questions", {}))
             guessed = importing.guess_expected_columns(columns, questions)
-            chosen_columns = view.ImportMapping(columns, questions)
+            chosen_columns = view.ImportMapping(columns, questions,
+                                                answer_names=[] if questions else view.library_question_ids(library))
             if questions:
                 st.markdown("**Expected answers** (column per question)")
                 cols = st.columns(min(3, len(questions)))
@@ -206,10 +208,17 @@ def import_file(case_set_id: int, case_set: dict, schema: dict | None) -> None:
             else:
                 st.caption("This case set has no schema, so expected answers cannot be mapped (set one under "
                            "Settings).")
-            chosen_columns.tags_column = st.selectbox("Tags column", [NOT_MAPPED, *columns], key=K("map.tags"),
-                                                      index=view.tags_column_index(columns))
+            label_cols = st.columns(2)
+            chosen_columns.tags_column = label_cols[0].selectbox("Tags column", [NOT_MAPPED, *columns],
+                                                                 key=K("map.tags"),
+                                                                 index=view.tags_column_index(columns))
+            chosen_columns.id_column = label_cols[1].selectbox(
+                "Source id column", [NOT_MAPPED, *columns], key=K(f"map.id.{upload.file_id}"),
+                index=view.source_id_column_index(columns),
+                help="Each case keeps this value as its own id (a ticket number), shown in runs, review and "
+                     "exports. The model does not read it.")
             state_mode = st.radio("State", view.STATE_MODES, horizontal=True, key=K("map.state_mode"))
-            candidates = importing.suggested_state_columns(columns, chosen_columns.used, questions)
+            candidates = chosen_columns.suggested_state()
             if state_mode == view.FIELDS_FROM_COLUMNS:
                 state_key = K(f"map.state.{upload.file_id}")
 
@@ -224,6 +233,8 @@ def import_file(case_set_id: int, case_set: dict, schema: dict | None) -> None:
                               on_click=choose_candidates)
                 mapping = chosen_columns.mapping(state_columns=state_columns)
                 chosen = state_columns
+                if not state_columns:
+                    st.info(view.state_choice_advice(candidates), icon=":material/arrow_upward:")
             else:
                 state_column = st.selectbox("State column", columns, key=K("map.state_text"))
                 mapping = chosen_columns.mapping(state_text_column=state_column)
@@ -242,13 +253,14 @@ def import_file(case_set_id: int, case_set: dict, schema: dict | None) -> None:
                 st.markdown(view.bad_rows_markdown(bad_rows))
                 skip_bad_rows = st.checkbox(f"Skip these {len(bad_rows)} row(s) and import the others",
                                             key=K(f"skip_bad_rows.{upload.file_id}"))
-        if source is not None:
+        state_chosen = mapping is None or mapping.state_columns or mapping.state_text_column
+        if source is not None and state_chosen:  # without a state the advice above says what to choose
             try:
                 parsed = importing.parse_cases(source, mapping, schema, skip_bad_rows=skip_bad_rows)
             except importing.BadRowsError:
                 pass  # listed above, with the box that skips them
             except CaseImportError as exc:
-                show_problems(exc)
+                show_problems(exc, stage="file" if source.kind == "jsonl" else "cells")
         if parsed:
             st.markdown(f"**Preview** — {len(parsed)} case(s)")
             st.dataframe(view.preview_rows(parsed), hide_index=True, width="stretch")
@@ -262,8 +274,8 @@ def import_file(case_set_id: int, case_set: dict, schema: dict | None) -> None:
                     st.session_state.pop(K(f"editor.{case_set_id}"), None)
                     st.session_state.pop(K(f"editor_restored.{case_set_id}"), None)
                     st.session_state[K("imports_done")] = imports_done + 1
-                    flash("success", view.imported_message(case_set["name"], len(parsed), len(added),
-                                                           [b.row for b in bad_rows] if skip_bad_rows else None))
+                    flash(*view.imported_message(case_set["name"], len(parsed), len(added),
+                                                 [b.row for b in bad_rows] if skip_bad_rows else None))
                     st.rerun()
 
 
@@ -295,7 +307,7 @@ with tab_settings:
             else:
                 st.rerun()
     if st.button("Delete this case set", key=K("delete"), icon=":material/delete:"):
-        refusal = view.delete_refusal(case_set_id, store.list_runs(case_set_id))
+        refusal = view.delete_refusal(case_set, store.list_runs(case_set_id))
         if refusal:  # refused anyway: say why at once rather than ask first
             st.error(refusal)
         else:

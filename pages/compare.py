@@ -153,7 +153,7 @@ runs_by_id = {r["id"]: r for group in groups.values() for r in group}
 if KEEP_PREFIX + K("set") not in st.session_state and linked and linked[0] in runs_by_id:
     st.session_state[K("set")] = runs_by_id[linked[0]]["case_set_id"]  # a link names the runs: open their case set
 set_label = {set_id: cv.case_set_label(group) for set_id, group in groups.items()}
-set_id = pick_id(list(groups), K("set"), "Case set", set_label.get, param="set", what="case set with runs")
+set_id = pick_id(list(groups), K("set"), "Case set", set_label.get, param="set", what="case set")
 if set_id is None:  # the link names a case set that is not here: said above
     st.stop()
 run_label = {r["id"]: cv.run_label(r) for r in groups[set_id]}

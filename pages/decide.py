@@ -125,12 +125,12 @@ def render_answer_card(qid: str, question: dict[str, Any], answer: dict[str, Any
         answer_text = f"level {summary.top_option}" if summary.type == "score" else summary.top_option
         st.metric("Answer", answer_text, help=f"P(true) = {answer['noul']:.4f}" if summary.type == "noul" else None)
         metrics = st.columns(3 if summary.score is not None else 2)
-        metrics[0].metric("Confidence", f"{summary.confidence:.1%}",
+        metrics[0].metric("Confidence", answers.percent(summary.confidence),
                           help="choice/score: P(chosen option) / max p, as the response reports it; "
                                "noul: max(p, 1 − p)")
-        metrics[1].metric("Margin", f"{summary.margin:.1%}", help="top1 − top2 probability")
+        metrics[1].metric("Margin", answers.percent(summary.margin), help="top1 − top2 probability")
         if summary.score is not None:
-            metrics[2].metric("Score", f"{summary.score:.2f}",
+            metrics[2].metric(f"Score (0 to {len(table) - 1})", f"{summary.score:.2f}",
                               help=f"Σ level × probability over levels 0–{len(table) - 1}")
         st.altair_chart(answers.probability_chart(table), width="stretch")
         if answer["type"] == "score":
@@ -196,9 +196,9 @@ with left:
     # refused by the browser with a red icon and the reason only for screen readers; the check below says it in
     # words under the uploader (images: the caption's limit).
     image_files = st.file_uploader("Images", type=list(state_input.IMAGE_EXTENSIONS), accept_multiple_files=True,
-                                   key=K("images"), max_upload_size=state_input.MAX_VIDEO_BYTES // 2**20)
+                                   key=K("images"), max_upload_size=state_input.MAX_VIDEO_BYTES // state_input.MB)
     video_files = st.file_uploader("Videos", type=list(state_input.VIDEO_EXTENSIONS), accept_multiple_files=True,
-                                   key=K("videos"), max_upload_size=state_input.MAX_VIDEO_BYTES // 2**20)
+                                   key=K("videos"), max_upload_size=state_input.MAX_VIDEO_BYTES // state_input.MB)
     media_messages = st.container()
 
 images: list[state_input.Media] = []
@@ -414,10 +414,7 @@ run_clicked = run_box.button("Run", type="primary", key=K("run"), disabled=not c
                              icon=":material/play_arrow:", shortcut="Ctrl+Enter",
                              help="Runs the state and schema on screen (Ctrl+Enter).")
 wait_line = run_box.empty()
-shown_result: vm.DecideResult | None = st.session_state.get(K("result"))
-if not (shown_result and shown_result.model_label == model_name):  # else the answers below say it
-    with run_box:
-        random_weights_notice(model_name)
+random_weights_line = run_box.empty()  # filled once this run's result is known: one notice, not two
 if run_clicked and request is not None and engine is not None:
     try:
         response = run_queued(engine, [request], max_length=max_length, overflow=overflow,
@@ -444,6 +441,9 @@ if run_clicked and request is not None and engine is not None:
 
 # --- Results -----------------------------------------------------------------------------------------------------
 result: vm.DecideResult | None = st.session_state.get(K("result"))
+if not (result and result.model_label == model_name):  # else the answers below say it
+    with random_weights_line:
+        random_weights_notice(model_name)
 if result:
     with answers_box:
         response = result.response

@@ -249,6 +249,8 @@ def show_item(item: dict) -> None:
     with st.container(key="review-card", border=True):
         header = st.columns([3, 2])
         header[0].markdown(shown.title)
+        if case["source_id"]:
+            header[0].caption(f"Source id: {case['source_id']}")
         header[0].markdown(shown.question)
         header[1].markdown(shown.queued)
         if shown.show_model:  # Decide can run the case again, which would show the model's answer

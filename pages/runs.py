@@ -148,7 +148,7 @@ with st.expander("Start a run", expanded=not runs, icon=":material/play_arrow:")
             try:
                 check_engine(engine)  # a remote endpoint that stopped: said now, not as one error per case later
             except EngineUnreachableError as exc:
-                st.error(f"Run not started: {exc}", icon=":material/cloud_off:")
+                st.error(str(exc), icon=":material/cloud_off:")
                 st.stop()
             info = engine.info()
             run_id = store.create_run(start_set, schema=schema, model_id=model_id, model_revision=info.get("revision"),

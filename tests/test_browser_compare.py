@@ -242,7 +242,7 @@ def test_the_matrix_colours_each_cell_shows_confidence_and_a_click_opens_each_ru
             settle(page)
             expect(page.get_by_role("heading", name=f"Case {case_ids[2]}")).to_be_visible()
             assert f"case={case_ids[2]}" in page.url
-            expect(page.get_by_text("Expected: urgent = True, team = tech")).to_be_visible()
+            expect(page.get_by_text("Expected: urgent = true, team = tech")).to_be_visible()
             for label in (f"#{run_ids[0]} model-a · triage v1 (unsaved)",
                           f"#{run_ids[1]} model-b · triage v1 (unsaved)"):  # each run's column of the case
                 expect(page.locator('[data-testid="stMarkdownContainer"] strong', has_text=label)).to_be_visible()

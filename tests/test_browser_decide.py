@@ -61,7 +61,7 @@ def test_decide_in_a_real_browser(page, tmp_path: Path):
 
 
 def decide_scenario(page, tmp_path: Path) -> None:
-    expect(page.get_by_text("Its weights are random: the answers mean nothing")).to_be_visible(timeout=LONG)
+    expect(page.get_by_text("clef-demo has random weights: its answers mean nothing")).to_be_visible(timeout=LONG)
     expect(page.get_by_text("No questions yet")).to_be_visible()
 
     # A JSON state with a syntax error shows line and column; fixed, it is read as a JSON object.
@@ -140,7 +140,7 @@ def test_video_upload_previews_the_sampled_frames_and_runs(page, tmp_path: Path)
     """An MP4 of 30 frames at 15 fps: the page shows the 4 frames the model reads (2 fps), and the run carries it."""
     from tests.test_engine import mp4_bytes
 
-    expect(page.get_by_text("Its weights are random: the answers mean nothing")).to_be_visible(timeout=LONG)
+    expect(page.get_by_text("clef-demo has random weights: its answers mean nothing")).to_be_visible(timeout=LONG)
     state = page.locator('textarea[aria-label="State"]')
     state.fill("Dashcam clip of the parking lot.")
     commit(state)
@@ -164,7 +164,7 @@ def test_video_upload_previews_the_sampled_frames_and_runs(page, tmp_path: Path)
 def test_an_uploaded_image_and_the_answers_survive_a_reload(page, tmp_path: Path):
     """Point 10: upload an image, run, reload: the image is still attached and shown, the answers are still there,
     not marked outdated, and the run's request still carries the image."""
-    expect(page.get_by_text("Its weights are random: the answers mean nothing")).to_be_visible(timeout=LONG)
+    expect(page.get_by_text("clef-demo has random weights: its answers mean nothing")).to_be_visible(timeout=LONG)
     state = page.locator('textarea[aria-label="State"]')
     state.fill("A photo of the damaged parcel.")
     commit(state)
@@ -194,6 +194,6 @@ def test_an_uploaded_image_and_the_answers_survive_a_reload(page, tmp_path: Path
     settle(page)
     assert json.loads(page.locator('[data-testid="stCode"]').first.inner_text()) == answered
     expect(page.get_by_text("Outdated:", exact=False)).to_have_count(0)
-    expect(page.get_by_text("Its weights are random: the answers mean nothing").first).to_be_visible()
+    expect(page.get_by_text("clef-demo has random weights: its answers mean nothing").first).to_be_visible()
     page.get_by_role("tab", name="Request JSON").click()
     expect(page.locator('[data-testid="stCode"]').nth(1)).to_contain_text("[parcel.png, ")

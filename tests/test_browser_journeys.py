@@ -144,8 +144,8 @@ def test_import_twice_adds_once_and_a_deleted_case_set_comes_back(page, workbenc
     csv_path = root / "tickets.csv"
     with open(csv_path, "w", newline="") as handle:
         writer = csv.writer(handle)
-        writer.writerow(["subject", "body", "team"])
-        writer.writerows([(f"Ticket {i}", f"My invoice {i} is wrong", "billing") for i in range(4)])
+        writer.writerow(["ticket_id", "subject", "body", "team"])
+        writer.writerows([(f"T-{i}", f"Ticket {i}", f"My invoice {i} is wrong", "billing") for i in range(4)])
     page.goto(f"{url}/cases")
     expect(page.get_by_role("heading", name="Case sets")).to_be_visible(timeout=LONG)
     expect(page).to_have_title("Case sets · Clef Workbench")
@@ -165,8 +165,13 @@ def test_import_twice_adds_once_and_a_deleted_case_set_comes_back(page, workbenc
         page.locator('[data-testid="stFileUploaderDropzoneInput"]').set_input_files(str(csv_path))
         settle(page)
         expect(uploaded_files).to_have_text(re.compile("tickets.csv"))
-        expect(page.get_by_text("map at least one column to the state")).to_be_visible()
-        page.get_by_role("button", name=re.compile(r"^Use the 3 column\(s\)")).click()
+        # nothing in the file is wrong: the advice names the control to use, and the id is the cases' own
+        expect(page.get_by_text(re.compile("Choose the columns the model reads in “Columns that become state "
+                                           "fields” above"))).to_be_visible()
+        expect(page.get_by_text("cannot be imported")).to_have_count(0)
+        expect(page.get_by_role("combobox", name="Source id column")).to_have_value("ticket_id")
+        # `team` names a question of the library: an answer, left out of the suggested state
+        page.get_by_role("button", name="Use the 2 column(s) that are not mapped or labels: subject, body").click()
         settle(page)
         expect(page.get_by_text("Preview — 4 case(s)")).to_be_visible()
         page.get_by_role("button", name="Import 4 cases").click()
@@ -176,9 +181,10 @@ def test_import_twice_adds_once_and_a_deleted_case_set_comes_back(page, workbenc
             expect(page.get_by_role("combobox", name="Case set")).to_have_value("Twice (4 cases)")
             expect(page.get_by_role("button", name="Import 4 cases")).to_have_count(0)
         else:
-            expect(page.get_by_text("Imported 0 cases into “Twice”. 4 were already in it and were skipped.")) \
-                .to_be_visible()
-    assert store.get_case_set(set_id)["case_count"] == 4
+            expect(page.get_by_text("Nothing new to import: all 4 are already in “Twice”.")).to_be_visible()
+            expect(page.get_by_text(re.compile("^Imported"))).to_have_count(0)
+    assert [(c["source_id"], c["state"]) for c in store.list_cases(set_id)] == [
+        (f"T-{i}", {"subject": f"Ticket {i}", "body": f"My invoice {i} is wrong"}) for i in range(4)]
 
     page.get_by_role("tab", name="Settings").click()
     settle(page)
@@ -414,7 +420,7 @@ def test_bad_input_links_and_reloads_show_messages_never_a_traceback(page, workb
     broken = root / "broken.jsonl"
     broken.write_text('{"state": "fine"}\nthis line is not JSON\n{"state": }\n')
     page.locator('[data-testid="stFileUploaderDropzoneInput"]').set_input_files(str(broken))
-    expect(page.get_by_text("This file cannot be imported as it is: 2 problem(s).", exact=False)).to_be_visible()
+    expect(page.get_by_text("This file cannot be imported as it is: 2 problems.", exact=False)).to_be_visible()
     expect(page.get_by_role("button", name=re.compile(r"^Import \d+ case"))).to_have_count(0)
     no_traceback(page)
 

@@ -76,7 +76,7 @@ def test_import_run_review_with_keyboard_and_export(page, workbench, tmp_path: P
 
     # -- case set: create, import the CSV with expected columns mapped by name -----------------------------------
     page.goto(url)
-    expect(page.get_by_text("Its weights are random: the answers mean nothing")).to_be_visible(timeout=LONG)
+    expect(page.get_by_text("clef-demo has random weights: its answers mean nothing")).to_be_visible(timeout=LONG)
     go_to(page, "Case sets")
     expect(page.get_by_text("No case sets yet")).to_be_visible(timeout=LONG)
     # the answer columns map to their questions by name; only the columns chosen there become the state

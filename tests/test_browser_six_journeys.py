@@ -356,10 +356,10 @@ def bad_input_everywhere(page, store: Store, tmp_path: Path) -> None:
     from clef_workbench import state_input
 
     big = tmp_path / "scan.png"
-    big.write_bytes(b"\x89PNG\r\n\x1a\n" + bytes(27 * 2**20))
+    big.write_bytes(b"\x89PNG\r\n\x1a\n" + bytes(27 * state_input.MB - 8))
     go_to(page, "Decide")
     upload(page, "Images", big)
-    limit = f"{state_input.MAX_IMAGE_BYTES // 2**20} MB image limit"
+    limit = f"{state_input.MAX_IMAGE_BYTES // state_input.MB} MB image limit"
     expect(page.get_by_text(re.compile(rf"^scan\.png: 27\.0 MB is over the {limit}"))).to_be_visible(timeout=LONG)
     truthful(page)
 

@@ -91,7 +91,7 @@ def run_and_wait(page) -> None:
 def test_why_view_for_text_json_image_and_video(empty_workbench, page, tmp_path: Path):
     url, _ = empty_workbench
     page.goto(url)
-    expect(page.get_by_text("Its weights are random: the answers mean nothing")).to_be_visible(timeout=LONG)
+    expect(page.get_by_text("clef-demo has random weights: its answers mean nothing")).to_be_visible(timeout=LONG)
     expect(page.get_by_text("No questions yet")).to_be_visible()
     state = page.locator('textarea[aria-label="State"]')
     state.fill(TEXT_STATE)
@@ -264,7 +264,7 @@ def test_calibration_journey_import_run_calibrate_decide_and_review(workbench, p
 
     # -- import labelled cases ------------------------------------------------------------------------------------
     page.goto(url)
-    expect(page.get_by_text("Its weights are random: the answers mean nothing")).to_be_visible(timeout=LONG)
+    expect(page.get_by_text("clef-demo has random weights: its answers mean nothing")).to_be_visible(timeout=LONG)
     go_to(page, "Case sets")
     expect(page.get_by_text("No case sets yet")).to_be_visible(timeout=LONG)
     new_case_set_from_csv(page, "Labelled tickets", "support-ticket-routing", csv_path, 36)

@@ -89,7 +89,7 @@ def test_an_opened_case_shows_each_runs_answers_charts_latency_or_error():
     view = CompareView([RUN_A, RUN_C], *(pd.DataFrame(),) * 5, {}, [])
 
     shown = cv.case_shown(view, 104)
-    assert shown.state == "case 104" and shown.expected == "Expected: spam = True, tone = b"
+    assert shown.state == "case 104" and shown.expected == "Expected: spam = true, tone = b"
     run_a, run_c = shown.runs
     assert (run_a.title, run_a.error, run_a.latency) == (RUN_A.label, None, "compute 40.0 ms")
     assert [a.text for a in run_a.answers] == ["`spam`: **false** (0.600)", "`tone`: **b** (0.900)"]

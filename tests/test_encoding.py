@@ -160,13 +160,13 @@ def test_overflow_refuse_names_part_and_amount(tiny_engine):
         tiny_engine.encoder.encode(request, max_length=max_length)
     assert caught.value.part == "state"
     assert caught.value.over_by == 7
-    assert f"the record is {full.token_counts['total']} tokens, 7 over max_length {max_length}" in str(caught.value)
+    assert f"the record is {full.token_counts['total']:,} tokens, 7 over max_length {max_length:,}" in str(caught.value)
     # far over: refused from a lower bound, before tokenizing, and the message says it is one
     with pytest.raises(TokenBudgetError) as caught:
         tiny_engine.encoder.encode(request, max_length=1000)
     assert caught.value.part == "state"
     assert 0 < caught.value.over_by <= full.token_counts["total"] - 1000
-    assert f"at least {caught.value.over_by} over max_length 1000" in str(caught.value)
+    assert f"at least {caught.value.over_by:,} over max_length 1,000" in str(caught.value)
 
 
 def test_overflow_truncate_cuts_the_end_of_the_state(tiny_engine):

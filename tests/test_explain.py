@@ -176,7 +176,7 @@ def test_an_explanation_over_the_budget_is_refused_before_its_variants_are_encod
     monkeypatch.setattr(tiny_engine, "encode", lambda request, **options: encoded.append(1) or encode(request,
                                                                                                         **options))
     # counted only as far as could fit: the segments past that are never even located
-    with pytest.raises(TokenBudgetError, match=r"takes at least \d+ tokens .* at least \d+ variants") as caught:
+    with pytest.raises(TokenBudgetError, match=r"takes at least [\d,]+ tokens .* at least [\d,]+ variants") as caught:
         tiny_engine.explain(request(state))
     assert len(encoded) == 1  # the record itself, none of its variants
     assert caught.value.part == "explanation" and caught.value.over_by > 0
@@ -267,5 +267,5 @@ def test_http_explanation_over_the_budget_is_413_naming_its_cost(client, tiny_en
     assert detail["token_counts"]["record"] == len(record) and detail["token_counts"]["variants"] == 160
     assert detail["token_counts"]["explanation"] > detail["max_length"]
     # refused as soon as the variants tokenized so far and the least the rest take are over: a lower bound then
-    assert f"takes at least {detail['token_counts']['explanation']} tokens" in detail["message"]
+    assert f"takes at least {detail['token_counts']['explanation']:,} tokens" in detail["message"]
     assert "x_overflow" not in detail["message"]  # truncating the state would not make it fit

@@ -88,7 +88,8 @@ def test_cases_page_creates_loads_examples_renames_and_guards_delete(workbench):
     store.create_run(example_id, schema={"name": "x", "questions": {"q": {"type": "noul"}}}, model_id="demo")
     button(at, "Delete this case set").click()
     at.run()
-    assert "has 1 run(s); delete the runs first" in texts(at)
+    assert "“Example: Support ticket routing” cannot be deleted: it has 1 run. Delete it on the Runs page first." \
+        in texts(at)
     assert store.get_case_set(example_id)["case_count"] == 12
 
 
@@ -321,7 +322,7 @@ def test_csv_import_uses_only_chosen_columns_refreshes_and_is_idempotent(workben
     assert at.selectbox(key="cases.map.expected.team").value == "expected_team"
     state_pick = next(m for m in at.multiselect if m.key.startswith("cases.map.state"))
     assert state_pick.value == [], "no column goes into the state unless chosen"
-    assert "map at least one column to the state" in texts(at)
+    assert "Choose the columns the model reads in “Columns that become state fields” above" in texts(at)
     button(at, "Use the 2 column(s)", startswith=True).click()
     at.run()
     assert next(m for m in at.multiselect if m.key.startswith("cases.map.state")).value == ["subject", "body"]
@@ -343,7 +344,7 @@ def test_csv_import_uses_only_chosen_columns_refreshes_and_is_idempotent(workben
     button(at, "Import 10 cases").click()
     at.run()
     ok(at)
-    assert "Imported 0 cases into “Tickets”. 10 were already in it and were skipped." in texts(at)
+    assert "Nothing new to import: all 10 are already in “Tickets”." in [i.value for i in at.info]
     assert store.get_case_set(set_id)["case_count"] == 10
 
     # a label-like column put into the state on purpose is named in a warning

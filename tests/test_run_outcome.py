@@ -143,7 +143,8 @@ def test_a_run_on_a_remote_endpoint_that_stopped_is_refused_before_it_starts(tmp
             JobRunner(store).start(run_id, engine)
     finally:
         engine.close()
-    assert "the run was not started" in str(refused.value) and f"could not reach {url}" in str(refused.value)
+    assert str(refused.value).startswith("Run not started: its model's endpoint")
+    assert f"could not reach {url}" in str(refused.value)
     run = store.get_run(run_id)
     assert (run["status"], run["done"]) == ("pending", 0)  # nothing ran, nothing recorded
 

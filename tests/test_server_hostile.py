@@ -127,7 +127,7 @@ def test_thousands_of_questions_with_a_huge_x_max_length_are_refused_before_work
     assert response.status_code == 413, response.text[:500]
     detail = response.json()["detail"]
     assert detail["error_type"] == "token_budget_exceeded"
-    assert "at most 16384 tokens per request" in detail["message"]
+    assert "at most 16,384 tokens per request" in detail["message"]
     assert detail["max_tokens_per_request"] == 16384
 
 

@@ -8,7 +8,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from clef_workbench import casesets
+from clef_workbench import casesets, importing
 from clef_workbench.casesets import CsvMapping
 from clef_workbench.schema_library import SchemaLibrary
 from clef_workbench.schemas import SchemaError
@@ -52,6 +52,18 @@ def case_set_schema(library: SchemaLibrary, slug: str | None) -> tuple[dict | No
         return None, f"Schema {slug!r} does not load, so expected answers are not checked: {exc}"
 
 
+def library_question_ids(library: SchemaLibrary) -> list[str]:
+    """Every question id of the library's schemas that load: for a case set without a schema, a column named
+    after one (`team`, `priority`) is an answer someone wrote down, not evidence for the model."""
+    ids: dict[str, None] = {}
+    for slug in library.slugs():
+        try:
+            ids.update(dict.fromkeys(library.load(slug).questions))
+        except SchemaError:
+            continue
+    return list(ids)
+
+
 def schema_options(slugs: list[str]) -> list[str]:
     return [NO_SCHEMA, *slugs]
 
@@ -75,10 +87,17 @@ def bad_rows_markdown(bad_rows: list) -> str:
     return "\n".join(f"- {bad}" for bad in bad_rows[:LISTED_PROBLEMS]) + (f"\n- … and {more} more" if more > 0 else "")
 
 
-def delete_refusal(case_set_id: int, runs_of_set: list[dict]) -> str | None:
+def plural(count: int, noun: str) -> str:
+    """ "1 case", "3 cases"."""
+    return f"{count:,} {noun}" + ("" if count == 1 else "s")
+
+
+def delete_refusal(case_set: dict, runs_of_set: list[dict]) -> str | None:
     """Why a case set cannot be deleted now (it has runs), said before asking; None when it can."""
     if runs_of_set:
-        return f"case set {case_set_id} has {len(runs_of_set)} run(s); delete the runs first"
+        them = "it" if len(runs_of_set) == 1 else "them"
+        return (f"“{case_set['name']}” cannot be deleted: it has {plural(len(runs_of_set), 'run')}. Delete {them} "
+                "on the Runs page first.")
     return None
 
 
@@ -107,6 +126,12 @@ def tags_column_index(columns: list[str]) -> int:
     return 1 + columns.index("tags") if "tags" in columns else 0
 
 
+def source_id_column_index(columns: list[str]) -> int:
+    """The source id selector's default: the first column named like a record's own id, else not mapped."""
+    id_like = importing.id_like_columns(columns)
+    return 1 + columns.index(id_like[0]) if id_like else 0
+
+
 def expected_column_index(columns: list[str], guessed: dict[str, str], question_id: str) -> int:
     """A question's expected-answer selector default: the column guessed for it, else not mapped."""
     options = [NOT_MAPPED, *columns]
@@ -121,21 +146,31 @@ class ImportMapping:
     questions: list[str]
     expected: dict[str, str] = field(default_factory=dict)  # column -> question id
     tags_column: str = NOT_MAPPED
+    id_column: str = NOT_MAPPED
+    answer_names: list[str] = field(default_factory=list)  # more names of answers: the library's, without a schema
 
     @property
     def label_like(self) -> list[str]:
         """Columns that look like expected answers (left out of a suggested state)."""
-        return casesets.label_like_columns(self.columns, self.questions)
+        return casesets.label_like_columns(self.columns, [*self.questions, *self.answer_names])
 
     @property
     def used(self) -> set[str]:
-        return set(self.expected) | ({self.tags_column} - {NOT_MAPPED})
+        return set(self.expected) | ({self.tags_column, self.id_column} - {NOT_MAPPED})
+
+    def suggested_state(self) -> list[str]:
+        """The columns to offer as the state: the evidence, never an answer, the tags or a record's id."""
+        left_out = self.used | set(importing.id_like_columns(self.columns)) | set(self.label_like)
+        return importing.suggested_state_columns(self.columns, left_out, self.questions)
 
     def mapping(self, *, state_columns: list[str] | None = None, state_text_column: str | None = None) -> CsvMapping:
         tags = None if self.tags_column == NOT_MAPPED else self.tags_column
+        source_id = None if self.id_column == NOT_MAPPED else self.id_column
         if state_text_column is not None:
-            return CsvMapping(state_text_column=state_text_column, expected_columns=self.expected, tags_column=tags)
-        return CsvMapping(state_columns=state_columns or [], expected_columns=self.expected, tags_column=tags)
+            return CsvMapping(state_text_column=state_text_column, expected_columns=self.expected, tags_column=tags,
+                              id_column=source_id)
+        return CsvMapping(state_columns=state_columns or [], expected_columns=self.expected, tags_column=tags,
+                          id_column=source_id)
 
     def leaked(self, state: list[str]) -> list[str]:
         """State columns that hold answers: the model would read the answer it is asked for."""
@@ -159,16 +194,46 @@ def suggest_button_label(candidates: list[str]) -> str:
     return f"Use the {len(candidates)} column(s) that are not mapped or labels: " + ", ".join(candidates)
 
 
+def state_choice_advice(candidates: list[str]) -> str:
+    """What to do while no column is chosen as the state: the controls above that fix it, by their names."""
+    offer = f" or take the suggestion with “{suggest_button_label(candidates)}”" if candidates else ""
+    return ("Choose the columns the model reads in “Columns that become state fields” above" + offer
+            + ". Nothing else is needed: the preview and the Import button appear then.")
+
+
+def problems_heading(count: int, *, stage: str) -> str:
+    """The line above listed problems: of a save that was refused ("save"), of reading a chosen file ("read": each
+    problem says which choice above fixes it), of a file whose records carry their own meaning ("file": JSONL,
+    only the file can fix them), or of its cells under the mapping chosen ("cells")."""
+    problems = plural(count, "problem")
+    if stage == "save":
+        return f"Nothing was changed: {problems}."
+    if stage == "read":
+        return f"This file cannot be read as it is: {problems}."
+    if stage == "file":
+        them = "it" if count == 1 else "them"
+        return f"This file cannot be imported as it is: {problems}. Fix {them} in the file and choose it again."
+    return (f"These rows cannot be imported with this mapping: {problems}. Change the mapping above (the column "
+            "of a question, or the state columns), or fix the file and choose it again.")
+
+
 def preview_rows(parsed: list[dict]) -> list[dict[str, Any]]:
-    """The first parsed cases as the preview table shows them (media counted)."""
-    return [{"state": casesets.state_text(c["state"])[:PREVIEW_STATE_CHARS], "expected": c["expected"],
+    """The first parsed cases as the preview table shows them (media counted; the source id where one is mapped)."""
+    with_ids = any(c.get("source_id") for c in parsed)
+    return [{**({"source id": c["source_id"]} if with_ids else {}),
+             "state": casesets.state_text(c["state"])[:PREVIEW_STATE_CHARS], "expected": c["expected"],
              "tags": ", ".join(c["tags"]), "images": len(c["images"]), "videos": len(c["videos"])}
             for c in parsed[:PREVIEW_CASES]]
 
 
-def imported_message(set_name: str, parsed: int, added: int, skipped_rows: list[int] | None) -> str:
-    """After an import: how many cases went in, how many were there already, which bad rows were left out."""
+def imported_message(set_name: str, parsed: int, added: int, skipped_rows: list[int] | None) -> tuple[str, str]:
+    """After an import, the message's kind and text: how many cases went in, how many were there already, which
+    bad rows were left out. Nothing new is not a success: it says so as information."""
     already = parsed - added
-    return (f"Imported {added} cases into “{set_name}”."
-            + (f" {already} were already in it and were skipped." if already else "")
-            + (f" Rows not imported, as agreed: {', '.join(map(str, skipped_rows))}." if skipped_rows else ""))
+    skipped = f" Rows not imported, as agreed: {', '.join(map(str, skipped_rows))}." if skipped_rows else ""
+    if not added:
+        every = "it is" if parsed == 1 else f"all {parsed:,} are"
+        return "info", f"Nothing new to import: {every} already in “{set_name}”.{skipped}"
+    were = "was" if already == 1 else "were"
+    return "success", (f"Imported {plural(added, 'case')} into “{set_name}”."
+                       + (f" {already:,} {were} already in it and skipped." if already else "") + skipped)

@@ -13,6 +13,7 @@ import pandas as pd
 
 from clef_engine import DEFAULT_MAX_LENGTH
 from clef_workbench import compare
+from clef_workbench.casesets import plain_label
 from clef_workbench.compare import CompareView, ModelChoice
 from clef_workbench.jobs import EngineUnreachableError
 from clef_workbench.run_status import status_label
@@ -116,7 +117,7 @@ class RunColumn:
 class CaseShown:
     case_id: int
     state: Any
-    expected: str | None  # "Expected: team = billing, urgent = True"; None without expected answers
+    expected: str | None  # "Expected: team = billing, urgent = true"; None without expected answers
     runs: list[RunColumn]
 
 
@@ -128,13 +129,14 @@ def case_shown(view: CompareView, case_id: int) -> CaseShown | None:
     questions_of = {run.label: run.run["schema"]["questions"] for run in view.runs}
     columns = []
     for run in detail["runs"]:
-        answers = [AnswerShown(question_id, f"`{question_id}`: **{answer['predicted']}** ({answer['confidence']:.3f})",
+        answers = [AnswerShown(question_id,
+                               f"`{question_id}`: **{plain_label(answer['predicted'])}** ({answer['confidence']:.3f})",
                                run_charts.distribution_table(questions_of[run["run"]].get(question_id, {}),
                                                              answer["probabilities"], answer["predicted"]))
                    for question_id, answer in run["answers"].items()]
         latency = None if run["latency_ms"] is None else f"compute {units.duration(run['latency_ms'])}"
         columns.append(RunColumn(run["run"], run["error"], answers, latency))
-    expected = ("Expected: " + ", ".join(f"{q} = {v}" for q, v in detail["expected"].items())
+    expected = ("Expected: " + ", ".join(f"{q} = {plain_label(v)}" for q, v in detail["expected"].items())
                 if detail["expected"] else None)
     return CaseShown(case_id, detail["state"], expected, columns)
 

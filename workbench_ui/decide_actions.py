@@ -110,7 +110,7 @@ def save_schema(update: bool) -> None:
         else:
             slug = library.create(schema)
             builder().saved_as(slug, schema)
-            flash = ("success", f"Saved as {slug}.json in {library.directory}.")
+            flash = ("success", f"Saved as {slug}.json in the schema library (Schemas page).")
     except schemas.SchemaError as exc:
         flash = ("error", str(exc))
     st.session_state[K("save_flash")] = flash

@@ -38,7 +38,8 @@ class Missing:
 def missing(what: str, asked: Any, ids: list[int], label: Any, *, param: str) -> Missing:
     """The "not found" of a link whose `param` names `asked`, a `what` (run, case set) not among `ids`; the links
     to the existing ones keep the page and change only that parameter."""
-    there = (f"There are {len(ids)}: pick one below." if ids else f"There is no {what} yet.")
+    there = ("There is 1: pick it below." if len(ids) == 1 else f"There are {len(ids):,}: pick one below." if ids
+             else f"There is no {what} yet.")
     shown = [(str(label(i)), "?" + urlencode({param: i})) for i in ids[:MISSING_LINKS_SHOWN]]
     return Missing(f"Not found: the link asks for {what} {asked!s}, which does not exist here (deleted, mistyped, or "
                    f"in another workbench). {there}", param, shown, max(0, len(ids) - MISSING_LINKS_SHOWN),

@@ -31,14 +31,13 @@ from clef_workbench.model_loader import (
 )
 from clef_workbench.schema_library import SchemaLibrary
 from clef_workbench.settings import WorkbenchSettings
+from clef_workbench.state_input import IMAGE_EXTENSIONS, MAX_IMAGE_BYTES, MB
 from workbench_ui import links
 
 log = logging.getLogger(__name__)
 
 POLL_SECONDS = 0.2
 STATUS_REFRESH_SECONDS = WorkbenchSettings.from_env().status_refresh_s  # how often the sidebar status redraws itself
-DEMO_BANNER = ("**Demo model.** Its weights are random: the answers mean nothing. It is here so you can try the "
-               "workbench without a GPU. Choose Clef or Clef-Flash in the sidebar on a GPU machine.")
 
 
 PAGES_DIR = Path(__file__).resolve().parents[1] / "pages"
@@ -131,8 +130,8 @@ def show_load_messages(state: LoadState) -> None:
         st.error(state.error, icon=":material/warning:")
     if state.notice:
         st.info(state.notice)
-    if state.engine is not None and state.is_demo:
-        st.warning(DEMO_BANNER, icon=":material/casino:")
+    # no banner of its own for the demo: the pages flag random weights next to the answers, once (three banners
+    # said it at once after the first Run)
 
 
 def random_weights_text(model_name: str) -> str:
@@ -206,15 +205,26 @@ def pick_precision(key: str, source: str) -> str | None:
     return PRECISION_CHOICES[picked]
 
 
-# Nothing on a page may hide what it says behind an ellipsis at 1024 px: button labels and metric values wrap instead
-# of being cut ("Make def…", "New…", "150,762.4…"); a wrapped label still reads whole.
+# Nothing on a page may hide what it says behind an ellipsis at 1024 px ("Make def…", "p50 compute per re…",
+# "150,762.4…"), nor break a word across lines ("Rem/ove", "81.7/%"): button labels, metric labels and values wrap
+# between words, a button is at least as wide as its longest word, metric values shrink with a narrow window, and
+# below 1280 px the page's side margins give their room to the content. Decide's Images uploader takes files up to
+# the videos' size, so that an image over its own limit is refused in words under it (not by the browser with a red
+# icon): its instructions say the images' limit, not the uploader's ("64MB per file" beside a caption of 20 MB).
 PAGE_STYLE = """<style>
-button [data-testid="stMarkdownContainer"], button [data-testid="stMarkdownContainer"] * {
-  white-space: normal !important; overflow: visible !important; text-overflow: clip !important; }
+button [data-testid="stMarkdownContainer"], button [data-testid="stMarkdownContainer"] *,
+[data-testid="stMetricLabel"], [data-testid="stMetricLabel"] *,
 [data-testid="stMetricValue"], [data-testid="stMetricValue"] * {
   white-space: normal !important; overflow: visible !important; text-overflow: clip !important;
-  overflow-wrap: anywhere; }
-</style>"""
+  overflow-wrap: normal !important; word-break: normal !important; }
+[data-testid^="stBaseButton"] { min-width: min-content; }
+[data-testid="stMetricValue"] { font-size: clamp(1.25rem, 2vw, 2.25rem); }
+@media (max-width: 1280px) { [data-testid="stMainBlockContainer"] { padding-left: 2rem; padding-right: 2rem; } }
+.st-key-decide-images [data-testid="stFileUploaderDropzoneInstructions"] span { font-size: 0; }
+.st-key-decide-images [data-testid="stFileUploaderDropzoneInstructions"] span::after {
+  content: "IMAGE_LIMIT per file • IMAGE_TYPES"; font-size: 0.875rem; }
+</style>""".replace("IMAGE_LIMIT", f"{MAX_IMAGE_BYTES // MB} MB").replace(
+    "IMAGE_TYPES", ", ".join(extension.upper() for extension in IMAGE_EXTENSIONS if extension != "jpeg"))
 
 
 def render_sidebar() -> None:
@@ -364,7 +374,6 @@ def render_status(state: LoadState) -> None:
         "model": label_of(state.source or info.get("model", "?")) if state.is_demo else info.get("model", "?"),
         "revision": info.get("revision") or "–",
         "device": f"{info.get('device')} ({info.get('device_name', '')})",
-        "dtype": info.get("dtype", "?"),
         "precision": precision_text(info),
         "GPU memory loaded": _gib(memory.get("loaded")),
         "peak allocated": _gib(memory.get("peak_allocated")),
@@ -377,9 +386,10 @@ def render_status(state: LoadState) -> None:
 
 
 def precision_text(info: dict) -> str:
-    """Which precision answers: "bf16", or "FP8 (W8A8) — max |Δp| … from float32 …" with its measured distance."""
+    """Which precision answers: the weights' dtype ("float32" on the CPU, "bfloat16"), or "FP8 (W8A8) — max |Δp| …
+    from float32 …" with its measured distance. One line: a dtype beside an engine's default "bf16" contradicted it."""
     if info.get("precision") != "fp8":
-        return info.get("precision") or "–"
+        return info.get("dtype") or info.get("precision") or "–"
     from clef_engine.fp8_fidelity import describe_fidelity
 
     return f"FP8 (W8A8 projections): {describe_fidelity(info.get('distance_from_float32'))}"

@@ -503,14 +503,14 @@ def check_budget(counts: dict[str, int], max_length: int, overflow: str, *, at_l
     overflow is "truncate_state"). Parts named in `at_least` are lower bounds so far, and the message says so."""
 
     def amount(n: int, *parts: str) -> str:
-        return f"at least {n}" if any(p in at_least for p in parts) else str(n)
+        return f"at least {n:,}" if any(p in at_least for p in parts) else f"{n:,}"
 
     fixed = counts["prefix"] + counts["media"] + counts["schema"] + counts["suffix"]
     if fixed > max_length:
         largest = max(("media", "schema"), key=counts.get)
         raise TokenBudgetError(
             f"prefix + media + schema + suffix take {amount(fixed, 'media', 'schema')} tokens, "
-            f"{amount(fixed - max_length, 'media', 'schema')} over max_length {max_length} before any state; "
+            f"{amount(fixed - max_length, 'media', 'schema')} over max_length {max_length:,} before any state; "
             f"the {largest} ({amount(counts[largest], largest)} tokens) is the largest part",
             over_by=fixed - max_length, part=largest, token_counts=counts, max_length=max_length)
     over = fixed + counts["state"] - max_length
@@ -520,7 +520,7 @@ def check_budget(counts: dict[str, int], max_length: int, overflow: str, *, at_l
         every = ("media", "schema", "state")
         raise TokenBudgetError(
             f"the record is {amount(fixed + counts['state'], *every)} tokens, {amount(over, *every)} over max_length "
-            f"{max_length}; the state ({amount(counts['state'], 'state')} tokens) is too long — shorten it, raise "
+            f"{max_length:,}; the state ({amount(counts['state'], 'state')} tokens) is too long — shorten it, raise "
             f"max_length, or allow truncation (overflow='truncate_state')",
             over_by=over, part="state", token_counts=counts, max_length=max_length)
     return over if not at_least else 0

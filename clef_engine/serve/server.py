@@ -486,7 +486,7 @@ def _too_many_tokens(exc: TokenBudgetError, asked: int, ceiling: int) -> ApiErro
     if exc.part == "explanation":  # the variants of x_explain: the message names their cost
         advice = "ask for a coarser x_explain unit or a shorter state"
     elif asked > ceiling:  # the client asked for more than this server sells
-        advice = (f"this server answers at most {ceiling} tokens per request, whatever \"x_max_length\" "
+        advice = (f"this server answers at most {ceiling:,} tokens per request, whatever \"x_max_length\" "
                   "asks; shorten the request or send \"x_overflow\": \"truncate_state\"")
     else:
         advice = "send \"x_overflow\": \"truncate_state\" to cut the state instead, or a larger \"x_max_length\""
