@@ -155,7 +155,7 @@ def test_an_id_column_is_the_cases_source_id_not_evidence_and_a_row_without_evid
     assert [c["source_id"] for c in store.list_cases(set_id)] == ["T-1", "T-2", "T-3"]
     # kept in the export, and read back from it as the source id again
     exported = casesets.export_csv(store, set_id)
-    assert exported.splitlines()[0].startswith("id,source_id,state.subject,state.body,")
+    assert exported.splitlines()[0].startswith("\ufeffid,source_id,state.subject,state.body,")
     again = importing.read_source("export.csv", exported.encode())
     assert view.ImportMapping(again.columns, []).suggested_state() == ["state.subject", "state.body", "tags",
                                                                        "images", "videos"]
