@@ -186,20 +186,6 @@ def _load_media(ref: str, kind: str, base_dir: Path | None) -> bytes:
     return data
 
 
-def parse_csv(csv_text: str, mapping: CsvMapping, schema: dict | None = None, *,
-              base_dir: Path | None = None) -> list[dict]:
-    """Comma-separated text → case dicts (state, expected, tags, images, videos). Raises CaseImportError listing
-    every bad cell and every row that does not fit the header (row numbers count the header as row 1, like a
-    spreadsheet). Files of other encodings and delimiters, and skipping bad rows: clef_workbench.importing."""
-    from clef_workbench.importing import bad_rows, read_delimited  # importing builds on this module
-
-    source = read_delimited(csv_text, ",")
-    skipped = bad_rows(source, mapping)
-    if skipped:
-        raise CaseImportError([str(bad) for bad in skipped])
-    return parse_rows(source.columns, source.rows, mapping, schema, base_dir=base_dir)
-
-
 def parse_rows(header: list[str], rows: list[tuple[int, dict[str, str]]], mapping: CsvMapping,
                schema: dict | None = None, *, base_dir: Path | None = None) -> list[dict]:
     """Rows of a table (row number, column → cell text) → case dicts (state, expected, tags, images, videos).

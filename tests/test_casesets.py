@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from clef_workbench import case_table, casesets
+from clef_workbench import case_table, casesets, importing
 from clef_workbench.casesets import CaseImportError, CsvMapping
 from clef_workbench.store import Store
 
@@ -33,7 +33,7 @@ def test_csv_import_maps_columns_to_state_and_expected(tmp_path):
     mapping = CsvMapping(state_columns=["subject", "body", "customer.tier", "seats"],
                          expected_columns={"team_label": "team", "urgent_label": "urgent", "prio": "priority"},
                          tags_column="labels")
-    cases = casesets.parse_csv(CSV_TEXT, mapping, SCHEMA)
+    cases = importing.parse_csv(CSV_TEXT, mapping, SCHEMA)
     assert cases[0]["state"] == {"subject": "Refund", "body": "I was charged twice", "customer": {"tier": "gold"},
                                  "seats": 12}
     assert cases[0]["expected"] == {"team": "billing", "urgent": True, "priority": 2}
@@ -56,7 +56,7 @@ def test_csv_import_names_every_bad_cell_and_imports_nothing():
     mapping = CsvMapping(state_columns=["subject"], expected_columns={"team_label": "team", "urgent_label": "urgent",
                                                                       "prio": "priority"})
     with pytest.raises(CaseImportError) as error:
-        casesets.parse_csv(bad, mapping, SCHEMA)
+        importing.parse_csv(bad, mapping, SCHEMA)
     problems = error.value.problems
     assert len(problems) == 3
     assert problems[0].startswith("row 4, column 'team_label': 'sales' is not an option of question 'team'")
@@ -66,20 +66,20 @@ def test_csv_import_names_every_bad_cell_and_imports_nothing():
 
 def test_csv_mapping_errors_name_the_column():
     with pytest.raises(CaseImportError, match="column 'nope' is not in the CSV"):
-        casesets.parse_csv(CSV_TEXT, CsvMapping(state_columns=["nope"]), SCHEMA)
+        importing.parse_csv(CSV_TEXT, CsvMapping(state_columns=["nope"]), SCHEMA)
     with pytest.raises(CaseImportError, match="mapped to question 'sla', which the schema 'tickets' does not have"):
-        casesets.parse_csv(CSV_TEXT, CsvMapping(state_columns=["body"], expected_columns={"prio": "sla"}), SCHEMA)
+        importing.parse_csv(CSV_TEXT, CsvMapping(state_columns=["body"], expected_columns={"prio": "sla"}), SCHEMA)
 
 
 def test_csv_text_state_column_and_image_paths(tmp_path):
     (tmp_path / "a.png").write_bytes(PNG)
     text = 'state,photo\n"{""x"": 1}",a.png\nplain words,\n'
-    cases = casesets.parse_csv(text, CsvMapping(state_text_column="state", image_columns=["photo"]), None,
+    cases = importing.parse_csv(text, CsvMapping(state_text_column="state", image_columns=["photo"]), None,
                                base_dir=tmp_path)
     assert cases[0]["state"] == {"x": 1} and cases[0]["images"] == [PNG]
     assert cases[1]["state"] == "plain words" and cases[1]["images"] == []
     with pytest.raises(CaseImportError, match="row 2, column 'photo': image file .*b.png' not found"):
-        casesets.parse_csv("state,photo\nx,b.png\n", CsvMapping(state_text_column="state", image_columns=["photo"]),
+        importing.parse_csv("state,photo\nx,b.png\n", CsvMapping(state_text_column="state", image_columns=["photo"]),
                            None, base_dir=tmp_path)
 
 

@@ -198,11 +198,7 @@ LAYER_RULES = [  # (importers: path prefixes, what they must not import: module 
     (("clef_engine/serve/", "clef_workbench/", "workbench_ui/", "pages/", "app.py", "serve_workbench.py"),
      ("clef_engine.fast",)),
 ]
-# Known breaks in files other helpers of issue 37 are editing; the lead deletes each entry once its fix is merged.
-# The tests below fail when an entry no longer applies, so these lists only shrink.
-KNOWN_CYCLES = {
-    frozenset({"clef_workbench/casesets.py", "clef_workbench/importing.py"}),  # split at a line count, not a seam
-}
+# Known breaks still to fix; the test below fails when an entry no longer applies, so the list only shrinks.
 KNOWN_LAYER_BREAKS = {
     ("clef_workbench/answers.py", "altair"),  # UI code in the services package: moves to workbench_ui/
 }
@@ -273,7 +269,7 @@ def test_the_import_graph_sees_function_local_imports_and_skips_type_checking_on
 def test_no_product_module_imports_another_that_imports_it_back():
     """No runtime import cycle among product modules, function-local imports included (a late import hides a
     cycle from Python, not from a reader): a module can be read, tested and moved with what it imports."""
-    assert import_cycles(import_graph(product_modules())) == KNOWN_CYCLES
+    assert import_cycles(import_graph(product_modules())) == set()
 
 
 def test_every_layer_imports_only_the_layers_below_it():

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from clef_workbench import casesets, importing
+from clef_workbench import importing
 from clef_workbench.__main__ import main
 from clef_workbench.casesets import CaseImportError, CsvMapping
 from clef_workbench.store import Store
@@ -93,7 +93,7 @@ def test_rows_that_do_not_fit_are_listed_and_imported_only_when_skipping_them_is
 
 def test_parse_csv_refuses_a_ragged_row_instead_of_importing_a_short_state():
     with pytest.raises(CaseImportError) as refused:
-        casesets.parse_csv(RAGGED, MAPPING, SCHEMA)
+        importing.parse_csv(RAGGED, MAPPING, SCHEMA)
     assert refused.value.problems[0] == "row 3: 2 cells where the header has 4 columns"
 
 
