@@ -26,7 +26,7 @@ import itertools
 import re
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
 from typing import TYPE_CHECKING, Any
@@ -207,12 +207,16 @@ def segment_counts(request: Mapping[str, Any], frame_counts: Sequence[int]) -> d
     """How many segments each unit makes of a request (as `segments` makes them, without making them), given how many
     frames the model samples from each of its videos; the units that make none are left out."""
     state = request["state"]
-    counts = {"sentence": len(text_spans(state)), "line": len(text_spans(state, "line"))} if isinstance(state, str) \
-        else {"field": len(json_leaves(state))}
+    counts = {"sentence": count(text_spans(state)), "line": count(text_spans(state, "line"))} if isinstance(state, str) \
+        else {"field": count(json_leaves(state))}
     counts["region"] = sum(len(region_boxes(image.width, image.height))
                            for image in map(media.load_image, request.get("images") or []))
     counts["frame"] = sum(frame_counts)
     return {unit: count for unit, count in counts.items() if count}
+
+
+def count(items: Iterable[Any]) -> int:
+    return sum(1 for _ in items)
 
 
 def unit_that_fits(counts: Mapping[str, int], record_tokens: int, budget: int) -> str | None:

@@ -1,4 +1,4 @@
-"""The workbench's settings (clef_workbench/settings.py): every variable of the README's configuration table is read
+"""The workbench's settings (clef_workbench/settings.py): every variable of docs/operations.md's settings table is read
 by WorkbenchSettings or by the engine's EngineConfig, and a value the workbench cannot use is refused with the
 variable's name."""
 
@@ -28,18 +28,19 @@ class RecordingEnvironment(dict):
         return super().get(name, default)
 
 
-def readme_configuration_variables() -> set[str]:
-    section = REPO.joinpath("README.md").read_text(encoding="utf-8").split("\n## Configuration\n")[1].split("\n## ")[0]
+def documented_settings() -> set[str]:
+    page = REPO.joinpath("docs", "operations.md").read_text(encoding="utf-8")
+    section = page.split("\n## Settings\n")[1].split("\n## ")[0]
     rows = [line for line in section.splitlines() if line.startswith("| `")]
     return {name for row in rows for name in re.findall(r"`([A-Z][A-Z0-9_]+)`", row.split("|")[1])}
 
 
-def test_every_variable_of_the_readme_table_is_read_in_a_settings_module():
+def test_every_documented_setting_is_read_in_a_settings_module():
     from clef_engine.config import ENVIRONMENT as ENGINE_ENVIRONMENT
 
     environment = RecordingEnvironment({})
     WorkbenchSettings.from_env(environment)
-    documented = readme_configuration_variables()
+    documented = documented_settings()
     assert {"CLEF_DB", "CLEF_PORT", "CLEF_TOKEN_BUDGET", "HF_HUB_CACHE"} <= documented  # the table was found
     unread = documented - environment.asked - set(ENGINE_ENVIRONMENT.values()) - set(ENGINE_LIBRARY_VARIABLES)
     assert not unread, f"documented but read by no settings module: {sorted(unread)}"
