@@ -207,8 +207,10 @@ def segment_counts(request: Mapping[str, Any], frame_counts: Sequence[int]) -> d
     """How many segments each unit makes of a request (as `segments` makes them, without making them), given how many
     frames the model samples from each of its videos; the units that make none are left out."""
     state = request["state"]
-    counts = {"sentence": count(text_spans(state)), "line": count(text_spans(state, "line"))} if isinstance(state, str) \
-        else {"field": count(json_leaves(state))}
+    if isinstance(state, str):
+        counts = {"sentence": count(text_spans(state)), "line": count(text_spans(state, "line"))}
+    else:
+        counts = {"field": count(json_leaves(state))}
     counts["region"] = sum(len(region_boxes(image.width, image.height))
                            for image in map(media.load_image, request.get("images") or []))
     counts["frame"] = sum(frame_counts)
