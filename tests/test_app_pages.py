@@ -425,6 +425,25 @@ def test_load_asks_before_discarding_edited_questions(workbench):
     assert [t.value for t in at.text_input if t.key.endswith(".id")][0] == "verdict"
 
 
+def test_load_keeps_the_state_typed_and_use_this_example_can_be_undone(workbench):
+    """Issue 36 point 1, on the page: Load leaves the state editor as typed; the example is its own button, and
+    what it replaces comes back with Undo."""
+    at = start()
+    at.text_area(key="decide.state_text").input("A record I wrote before choosing a schema").run()
+    at.selectbox(key="decide.library_pick").select("invoice-triage").run()
+    button(at, "Load").click().run()
+    no_exceptions(at)
+    assert at.text_area(key="decide.state_text").value == "A record I wrote before choosing a schema"
+    assert [t.value for t in at.text_input if t.key.endswith(".id")][0] == next(
+        iter(SchemaLibrary(workbench / "schemas").load("invoice-triage").questions))
+    button(at, "Use this example").click().run()
+    assert at.text_area(key="decide.state_text").value != "A record I wrote before choosing a schema"
+    assert any("Replaced the state with the example" in i.value for i in at.info)
+    button(at, "Undo").click().run()
+    no_exceptions(at)
+    assert at.text_area(key="decide.state_text").value == "A record I wrote before choosing a schema"
+
+
 def test_new_schema_drops_the_old_identity(workbench):
     at = start()
     assert button(at, "Update “support-ticket-routing”")

@@ -32,14 +32,14 @@ def save_draft() -> None:
                              lambda draft: get_store().save_draft(draft_key(st.session_state[K("draft_token")]), draft))
 
 
-def load_schema(slug: str, *, with_example: bool = False) -> None:
-    """Callback: put a library schema into the builder (and optionally its first example state into the editor)."""
+def load_schema(slug: str) -> None:
+    """Callback: put a library schema into the builder; the state typed stays."""
     try:
         schema = get_library().load(slug)
     except schemas.SchemaError as exc:
         st.session_state[K("library_error")] = str(exc)
         return
-    builder().load(slug, schema, with_example=with_example)
+    builder().load(slug, schema)
     st.session_state.pop(K("library_error"), None)
     st.session_state.pop(K("confirm_load"), None)
 
@@ -49,7 +49,7 @@ def ask_load(slug: str) -> None:
     if builder().unsaved_changes():
         st.session_state[K("confirm_load")] = slug
     else:
-        load_schema(slug, with_example=True)
+        load_schema(slug)
 
 
 def new_schema() -> None:
@@ -89,7 +89,7 @@ def init_page() -> None:
     if st.query_params.get(DRAFT_PARAM) != token:
         st.query_params[DRAFT_PARAM] = token
     if pending:
-        load_schema(pending, with_example=True)
+        load_schema(pending)
 
 
 def save_schema(update: bool) -> None:
