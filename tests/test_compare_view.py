@@ -66,8 +66,10 @@ def test_the_one_action_starts_a_run_per_model_of_the_saved_version(store, libra
 
 def test_runs_are_labelled_and_the_newest_two_open_unless_a_link_names_others():
     run = {"id": 12, "model_id": "clef-27b", "schema_name": "Ticket routing", "schema_version": 3,
-           "schema_version_id": 5, "status": "finished", "case_set_name": "Tickets"}
+           "schema_version_id": 5, "status": "finished", "case_set_name": "Tickets", "done": 4, "errors": 0}
     assert cv.run_label(run) == "#12 clef-27b · Ticket routing v3 · finished"
+    # the status as every other page says it: a run whose every case failed reads failed (issue 36 point 7)
+    assert cv.run_label({**run, "errors": 4}) == "#12 clef-27b · Ticket routing v3 · failed"
     assert cv.run_label({**run, "schema_version_id": None}) == "#12 clef-27b · Ticket routing v3 (unsaved) · finished"
     assert cv.case_set_label([run, run, run]) == "Tickets (3 runs)"
     assert cv.default_runs([], [4, 9, 7]) == [7, 9]

@@ -53,6 +53,79 @@ def test_a_failed_run_reads_failed_at_the_top_exports_and_retries_only_its_faile
 
 
 @pytest.mark.slow  # the pages on the demo model, with its runs: tens of seconds each on a busy machine
+def test_a_run_that_ends_while_the_page_draws_reads_the_same_in_the_selector_the_sidebar_and_the_page(workbench,
+                                                                                                   monkeypatch):
+    """Issue 36 point 7: a run that fails within a second ended between the drawing of the sidebar and run selector
+    (which read it running) and the progress check (which reads it failed). Every surface must say failed."""
+    AppTest.from_file(APP, default_timeout=TIMEOUT).run()
+    store = Store(workbench / "workbench.sqlite3")
+    set_id = casesets.load_example_case_sets(store, workbench / "schemas")["support-ticket-routing"]
+    failed = start_run(store, set_id, FailingEngine(shell.get_engine(show_errors=False), {""}))
+
+    # The database as it was a moment before the run ended, for the reads before the page's first look at the
+    # run itself (the sidebar's and the selector's); from then on, as it is.
+    ending = {"read": False}
+    list_runs, lease_holder, get_run = Store.list_runs, Store.run_lease_holder, Store.get_run
+
+    def runs_as_they_were(self, *args, **kwargs):
+        runs = list_runs(self, *args, **kwargs)
+        return runs if ending["read"] else [dict(r, status="running") if r["id"] == failed else r for r in runs]
+
+    def holder_as_it_was(self, run_id):
+        return lease_holder(self, run_id) if ending["read"] or run_id != failed else "another-process"
+
+    def run_as_it_is(self, run_id):
+        ending["read"] = True
+        return get_run(self, run_id)
+
+    monkeypatch.setattr(Store, "list_runs", runs_as_they_were)
+    monkeypatch.setattr(Store, "run_lease_holder", holder_as_it_was)
+    monkeypatch.setattr(Store, "get_run", run_as_it_is)
+    at = open_link("pages/runs.py", run=str(failed))
+    assert "The run failed" in texts(at)
+    assert at.selectbox(key="runs.selected").format_func(failed).endswith("12/12 · failed")
+    sidebar = "\n".join(m.value for m in at.sidebar.markdown)
+    assert "**batch runs:** none running" in sidebar, sidebar
+
+
+@pytest.mark.slow  # the pages on the demo model, with its runs: tens of seconds each on a busy machine
+def test_a_schema_over_max_length_is_said_before_the_start_and_a_retry_takes_other_settings(workbench):
+    """Issue 36 point 7: a max_length the schema alone exceeds is said before the run starts (Start is off), and
+    "Retry failed cases" lets the setting that made every case fail be changed first."""
+    AppTest.from_file(APP, default_timeout=TIMEOUT).run()
+    store = Store(workbench / "workbench.sqlite3")
+    set_id = casesets.load_example_case_sets(store, workbench / "schemas")["support-ticket-routing"]
+    at = open_link("pages/runs.py")
+    at.number_input(key="runs.start.max_length").set_value(256).run()
+    ok(at)
+    assert "The schema alone takes" in errors(at) and "more than max_length 256" in errors(at)
+    assert button(at, "Start run").disabled
+    at.number_input(key="runs.start.max_length").set_value(8192).run()
+    assert "The schema alone takes" not in errors(at) and not button(at, "Start run").disabled
+
+    # a run recorded with that budget anyway (the command line does not ask): every case is refused
+    schema = shell.get_library().load("support-ticket-routing").to_dict()
+    schema.pop("examples")
+    refused = store.create_run(set_id, schema=schema, model_id="clef-demo",
+                               settings={"max_length": 256, "overflow": "refuse",
+                                         "schema_slug": "support-ticket-routing"})
+    shell.get_job_runner().start(refused, shell.get_engine(show_errors=False))
+    wait_for_run(refused)
+    at = open_link("pages/runs.py", run=str(refused))
+    assert "The run failed" in texts(at)
+    assert at.number_input(key=f"runs.retry.{refused}.max_length").value == 256, "the setting that failed, shown"
+    at.number_input(key=f"runs.retry.{refused}.max_length").set_value(8192).run()
+    button(at, "Retry failed cases (12)").click()
+    at.run()
+    wait_for_run(refused)
+    at.run()
+    ok(at)
+    run = store.get_run(refused)
+    assert (run["status"], run["done"], run["errors"], run["settings"]["max_length"]) == ("finished", 12, 0, 8192)
+    assert "Finished: all 12 cases have answers." in texts(at)
+
+
+@pytest.mark.slow  # the pages on the demo model, with its runs: tens of seconds each on a busy machine
 def test_the_runs_page_compares_with_a_run_that_has_answers_never_an_all_error_one(workbench):
     AppTest.from_file(APP, default_timeout=TIMEOUT).run()
     store = Store(workbench / "workbench.sqlite3")

@@ -87,7 +87,7 @@ def case_set_label(group: list[dict]) -> str:
 def run_label(run: dict) -> str:
     """A run in the selector; "(unsaved)" when it ran a schema that is not a saved version."""
     return (f"#{run['id']} {run['model_id']} · {run['schema_name']} v{run['schema_version']}"
-            + ("" if run["schema_version_id"] else " (unsaved)") + f" · {run['status']}")
+            + ("" if run["schema_version_id"] else " (unsaved)") + f" · {status_label(run)}")
 
 
 def default_runs(linked: list[int], run_ids: Sequence[int]) -> list[int]:
