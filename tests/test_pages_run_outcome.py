@@ -268,7 +268,7 @@ def test_the_compare_pages_one_action_shows_the_run_it_started_and_follows_it_to
     set_id = casesets.load_example_case_sets(store, workbench / "schemas")["support-ticket-routing"]
     at = open_link("pages/compare.py")
     at.selectbox(key="compare.start.set").select(set_id).run()
-    at.selectbox(key="compare.start.schema").select("support-ticket-routing").run()
+    at.selectbox(key=f"compare.start.schema.{set_id}").select("support-ticket-routing").run()
     button(at, "Run this schema on this case set with these models").click().run()
     ok(at)
     run_id = store.list_runs()[0]["id"]
@@ -298,7 +298,7 @@ def test_the_compare_pages_one_action_on_a_stopped_endpoint_says_why_and_leaves_
     try:
         at = open_link("pages/compare.py")
         at.selectbox(key="compare.start.set").select(set_id).run()
-        at.selectbox(key="compare.start.schema").select("support-ticket-routing").run()
+        at.selectbox(key=f"compare.start.schema.{set_id}").select("support-ticket-routing").run()
         at.multiselect(key="compare.start.models").select(remote).run()
         button(at, "Run this schema on this case set with these models").click().run()
         ok(at)
