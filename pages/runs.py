@@ -60,12 +60,13 @@ OVERFLOW_CHOICES = {"refuse": "refuse (the case gets an error result)",
                     "truncate_state": "truncate the end of the state (counted in the results)"}
 
 
-def budget_inputs(columns, name: str, settings: dict) -> tuple[int, str]:
+def budget_inputs(columns, name: str, settings: dict, *, retry: bool = False) -> tuple[int, str]:
     """max_length and overflow, for a new run ("start") or the retry of a run's failed cases (its settings)."""
-    max_length = kept_widget(columns[0].number_input, "max_length (tokens)", K(f"{name}.max_length"),
+    when = " in the retry" if retry else ""
+    max_length = kept_widget(columns[0].number_input, f"max_length (tokens){when}", K(f"{name}.max_length"),
                              int(settings.get("max_length") or DEFAULT_MAX_LENGTH), min_value=256,
                              max_value=262_144, step=1024)
-    overflow = kept_widget(columns[1].radio, "If a state does not fit", K(f"{name}.overflow"),
+    overflow = kept_widget(columns[1].radio, f"If a state does not fit{when}", K(f"{name}.overflow"),
                            settings.get("overflow") or "refuse", options=list(OVERFLOW_CHOICES),
                            format_func=OVERFLOW_CHOICES.get)
     return int(max_length), overflow
@@ -300,7 +301,8 @@ def render_outcome(run_id: int, outcome) -> None:
     with st.container(border=True, key=K(f"retry_box.{run_id}")):
         st.caption("Retry runs only the failed cases again, into this run, with these settings: change what made "
                    "them fail (a budget too small) first. Answered cases are kept as they are.")
-        max_length, overflow = budget_inputs(st.columns(2), f"retry.{run_id}", store.get_run(run_id)["settings"] or {})
+        max_length, overflow = budget_inputs(st.columns(2), f"retry.{run_id}", store.get_run(run_id)["settings"] or {},
+                                            retry=True)
         if st.button(f"Retry failed cases ({outcome.errors})", key=K(f"retry.{run_id}"), icon=":material/replay:"):
             engine = run_engine(run_id)
             if engine is not None:
