@@ -133,8 +133,8 @@ def render_answer_card(qid: str, question: dict[str, Any], answer: dict[str, Any
         if instructions:
             st.caption(instructions if isinstance(instructions, str) else json.dumps(instructions))
         # the answer on a row of its own: option ids are long, and a metric cuts what does not fit its column
-        answer_text = f"level {summary.top_option}" if summary.type == "score" else summary.top_option
-        st.metric("Answer", answer_text, help=f"P(true) = {answer['noul']:.4f}" if summary.type == "noul" else None)
+        st.metric("Answer", vm.answer_text(summary, answer),
+                  help=f"P(true) = {answer['noul']:.4f}" if summary.type == "noul" else None)
         metrics = st.columns(3 if summary.score is not None else 2)
         metrics[0].metric("Confidence", f"{summary.confidence:.1%}",
                           help="choice/score: P(chosen option) / max p, as the response reports it; "
@@ -248,8 +248,9 @@ with left:
     if images:
         columns = st.columns(min(4, len(images)))
         for i, image in enumerate(images):
-            columns[i % len(columns)].image(image.data, caption=f"{image.name} · {image.width}×{image.height} · "
-                                                                f"{image.size_bytes / 1024:.0f} KB")
+            columns[i % len(columns)].image(image.data, width=vm.image_preview_width(image.width),
+                                            caption=f"{image.name} · {image.width}×{image.height} · "
+                                                    f"{image.size_bytes / 1024:.0f} KB")
     for video in videos:
         st.video(video.data, format=video.content_type)
         if local_engine:

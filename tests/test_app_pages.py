@@ -449,6 +449,8 @@ def test_new_schema_drops_the_old_identity(workbench):
     assert button(at, "Update “support-ticket-routing”")
     button(at, "New schema").click().run()
     no_exceptions(at)
+    assert not [e.value for e in at.error], "an empty schema is no error (issue 36 point 10): the info says what to do"
+    assert any("No questions yet" in i.value for i in at.info)
     assert at.selectbox(key="decide.library_pick").value is None
     assert button(at, "Update").disabled
     assert at.text_input(key="decide.schema_name").value == ""

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from clef_workbench import schemas, state_input
+from clef_workbench import answers, schemas, state_input
 from clef_workbench.schema_library import SchemaLibrary
 from clef_workbench.store import Store
 from workbench_ui import decide_model as vm
@@ -316,3 +316,18 @@ def test_durations_switch_to_seconds_above_ten_thousand_ms_and_rates_stay_short(
     assert units.duration(850.24) == "850.2 ms" and units.duration(10_000) == "10,000 ms"
     assert units.duration(10_001) == "10.0 s" and units.duration(150_762.4) == "2 min 31 s"
     assert units.rate(12_016.2, "tok") == "12,016 tok/s" and units.rate(3.4167, "rec") == "3.42 rec/s"
+
+
+def test_a_score_answer_reads_with_its_levels_label():
+    """Issue 36 point 10: "level 1 · Medium", not "level 1" alone."""
+    question = {"type": "score", "instructions": "How urgent?", "levels": ["Low", "Medium", "High"]}
+    answer = {"type": "score", "score": 1.1, "confidence": 0.7, "probabilities": {"0": 0.1, "1": 0.7, "2": 0.2},
+              "legend": {"0": "Low", "1": "Medium", "2": "High"}}
+    assert vm.answer_text(answers.summarize("urgency", question, answer), answer) == "level 1 · Medium"
+    noul = {"type": "noul", "noul": 0.8}
+    assert vm.answer_text(answers.summarize("urgent", {"type": "noul"}, noul), noul) == "true"
+
+
+def test_an_attached_image_is_drawn_at_a_preview_size_never_enlarged():
+    assert vm.image_preview_width(4000) == vm.IMAGE_PREVIEW_PX
+    assert vm.image_preview_width(64) == 64

@@ -289,8 +289,12 @@ def question_rows(target: int | str, rows: list[dict[str, Any]]) -> list[int]:
 
 def route_schema_problems(problems: list[schemas.SchemaProblem], rows: list[dict[str, Any]],
                           messages: Messages) -> None:
-    """Builder and lint problems: next to their question, or on the schema when they name none."""
+    """Builder and lint problems: next to their question, or on the schema when they name none. An empty builder
+    (New schema) gets none: its "No questions yet" says what to do, and a red error on a page just opened says
+    something went wrong."""
     for problem in problems:
+        if not rows and problem.loc == ("questions",):
+            continue
         indices = question_rows(problem.loc[1], rows) if len(problem.loc) >= 2 and problem.loc[0] == "questions" \
             else []
         warning = problem.severity == "warning"
@@ -402,6 +406,15 @@ class DecideResult:
 
     def redacted_request(self) -> dict[str, Any]:
         return state_input.redact_media(self.request, list(self.images), list(self.videos))
+
+
+def answer_text(summary: answers.AnswerSummary, answer: dict[str, Any]) -> str:
+    """An answer card's headline: a score's level with its label ("level 1 · Medium"), so it reads without the
+    legend; other answers as they are."""
+    if summary.type != "score":
+        return summary.top_option
+    label = (answer.get("legend") or {}).get(summary.top_option)
+    return f"level {summary.top_option}" + (f" · {label}" if label else "")
 
 
 def stale_message(causes: list[str]) -> str:
@@ -565,6 +578,14 @@ def save_draft_if_changed(state: MutableMapping, save: Callable[[dict[str, Any]]
     save(with_media_bytes(draft, state))
     state[key("saved_draft")] = draft
     return True
+
+
+IMAGE_PREVIEW_PX = 320  # an attached image's preview: enough to see what it shows, not the column's whole width
+
+
+def image_preview_width(width: int) -> int:
+    """The width an attached image is drawn at: its own when smaller than IMAGE_PREVIEW_PX (never enlarged)."""
+    return min(width, IMAGE_PREVIEW_PX)
 
 
 FRAME_THUMBNAIL_PX = 160  # wide enough to tell what a frame shows, four to a row in half a page
