@@ -21,6 +21,8 @@ from workbench_ui import links, run_charts, run_view, units
 from workbench_ui import why_view as why
 from workbench_ui.shell import (
     RUNNING_SHOWN_KEY,
+    RUNS_START_OPEN,
+    RUNS_START_SET,
     get_engine,
     get_job_runner,
     get_library,
@@ -112,16 +114,18 @@ def render_delete(run: dict) -> None:
 
 # -- start a run ------------------------------------------------------------------------------------------------
 
-with st.expander("Start a run", expanded=not runs, icon=":material/play_arrow:"):
+# open when there is no run yet, or when the Case sets page's "Run this case set" sent the person here
+with st.expander("Start a run", expanded=not runs or st.session_state.pop(RUNS_START_OPEN, False),
+                 icon=":material/play_arrow:"):
     if not sets:
         st.info("No case sets yet: create or import one on the Case sets page.")
     else:
         set_labels = {s["id"]: f"{s['name']} ({s['case_count']} cases)" for s in sets}
-        for stale_key in (K("start.case_set"), "_keep." + K("start.case_set")):
+        for stale_key in (RUNS_START_SET, "_keep." + RUNS_START_SET):
             if st.session_state.get(stale_key, sets[0]["id"]) not in set_labels:  # e.g. the set was deleted
                 st.session_state.pop(stale_key, None)
         # kept widgets: the choices survive a visit to another page
-        start_set = kept_widget(st.selectbox, "Case set", K("start.case_set"), sets[0]["id"], options=list(set_labels),
+        start_set = kept_widget(st.selectbox, "Case set", RUNS_START_SET, sets[0]["id"], options=list(set_labels),
                                 format_func=lambda i: set_labels[i])
         slugs = library.slugs()
         default_slug = next((s["schema_name"] for s in sets if s["id"] == start_set), None)

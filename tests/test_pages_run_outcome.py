@@ -309,3 +309,19 @@ def test_the_compare_pages_one_action_on_a_stopped_endpoint_says_why_and_leaves_
         assert not [s for s in at.success if "Started run" in s.value]
     finally:
         manager.remove(remote)
+
+
+def test_run_this_case_set_opens_start_a_run_with_the_set_and_its_schema(workbench):
+    """Issue 36 point 10: "Run this case set" on the Case sets page leads to the Runs page's Start a run, that set
+    and its own schema chosen."""
+    AppTest.from_file(APP, default_timeout=TIMEOUT).run()
+    store = Store(workbench / "workbench.sqlite3")
+    sets = casesets.load_example_case_sets(store, workbench / "schemas")
+    set_id = sets["security-alert-triage"]
+    at = open_link("pages/cases.py", set=str(set_id))
+    button(at, "Run this case set").click()
+    at.run()
+    ok(at)
+    assert [t.value for t in at.title] == ["Runs"]
+    assert at.selectbox(key="runs.start.case_set").value == set_id
+    assert at.selectbox(key=f"runs.start.schema.{set_id}").value == "security-alert-triage"

@@ -386,6 +386,8 @@ def precision_text(info: dict) -> str:
     return f"FP8 (W8A8 projections): {describe_fidelity(info.get('distance_from_float32'))}"
 
 
+# The Runs page's "Start a run" case set, and its request to open: set by "Run this case set" on the Case sets page.
+RUNS_START_SET, RUNS_START_OPEN = "runs.start.case_set", "runs.start.open"
 RUNNING_SHOWN_KEY = "sidebar.running_runs"  # the runs the sidebar last drew as running (the Runs page checks them)
 
 
