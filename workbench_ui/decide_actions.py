@@ -16,6 +16,7 @@ K = vm.key
 PREFERRED_START_SCHEMA = "support-ticket-routing"
 DRAFT_PARAM = "draft"  # the URL parameter naming this browser session's draft: a reload brings the editors back
 SCHEMA_PARAM = "schema"  # the library schema on screen: a link opens it in a new session
+SCHEMAS_PAGE_PICK = "schemas.selected"  # the Schemas page's selected schema
 
 
 def builder() -> vm.Builder:
@@ -113,6 +114,8 @@ def save_schema(update: bool) -> None:
             flash = ("success", f"Saved as {slug}.json in {library.directory}.")
     except schemas.SchemaError as exc:
         flash = ("error", str(exc))
+    else:
+        vm.set_kept(st.session_state, SCHEMAS_PAGE_PICK, slug)  # the Schemas page opens on the schema edited last
     st.session_state[K("save_flash")] = flash
 
 
