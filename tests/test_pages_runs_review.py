@@ -652,6 +652,12 @@ def test_a_results_row_opens_its_case_in_decide_with_the_runs_questions(workbenc
     assert decide.selectbox(key="decide.library_pick").value == "support-ticket-routing"
     assert f"Case #{row['case']} of run #{run_id}" in "\n".join(i.value for i in decide.info)
     assert param(decide, "case") is None and param(decide, "draft"), "from here on the URL names the draft"
+    # with that run's answer to it (issue 36 point 10), not an empty answers column
+    answered = next(r["response"] for r in store.list_results(run_id) if r["case_id"] == int(row["case"]))
+    shown = decide.session_state["decide.result"]
+    assert shown.response == answered and shown.model_label == run["model_id"] and shown.random_weights
+    assert "the answers below are the run's" in "\n".join(i.value for i in decide.info)
+    assert [h.value for h in decide.subheader].count("Answers") == 1
 
     # the library schema changed since the run: the run's own questions, without the library's identity
     library = shell.get_library()

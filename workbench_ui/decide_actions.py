@@ -10,7 +10,7 @@ import streamlit as st
 from clef_workbench import schemas
 from workbench_ui import decide_model as vm
 from workbench_ui import links, schema_rows
-from workbench_ui.shell import get_library, get_store
+from workbench_ui.shell import get_library, get_store, model_manager
 
 K = vm.key
 PREFERRED_START_SCHEMA = "support-ticket-routing"
@@ -73,7 +73,8 @@ def init_page() -> None:
         draft = get_store().load_draft(draft_key(linked)) if linked else None
         case_link = links.linked_ids(st.query_params) if draft is None else None
         if case_link:  # a case of a run (the Runs page's results, or a link someone sent): that state and schema
-            draft, note = links.case_draft(get_store(), get_library(), *case_link)
+            draft, note = links.case_draft(get_store(), get_library(), *case_link,
+                                           random_weights=model_manager().random_weights)
             st.session_state[K("link_note")] = ("info" if draft else "warning", note)
         if draft is not None:
             vm.restore_draft(st.session_state, draft)
