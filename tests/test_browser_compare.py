@@ -273,23 +273,21 @@ def test_the_matrix_colours_each_cell_shows_confidence_and_a_click_opens_each_ru
 def test_the_first_click_after_the_disagreement_filter_opens_its_case(tmp_path):
     """Issue 36 point 9: after "Only cases where the runs disagree" is switched on, the first click on a cell opens
     its case (it was lost when it fell on the cell clicked before the switch)."""
-    with grid_page(tmp_path) as (page, matrix, _, case_ids):
-        drawn = drawn_grid(page, matrix)
+    def click_the_last_rows_first_cell() -> None:
+        matrix = page.locator('[data-testid="stDataFrame"]').last
+        matrix.scroll_into_view_if_needed()
+        x, y = drawn_grid(page, matrix)[2][0][1]
         box = matrix.bounding_box()
-        x, y = drawn[2][0][1]
         page.mouse.click(box["x"] + x, box["y"] + y)
         settle(page)
+
+    with grid_page(tmp_path) as (page, _, _, case_ids):
+        click_the_last_rows_first_cell()
         expect(page.get_by_role("heading", name=f"Case {case_ids[2]}")).to_be_visible()
         page.get_by_role("button", name="Close the case").click()
         settle(page)
         expect(page.get_by_role("heading", name=f"Case {case_ids[2]}")).to_have_count(0)
         page.get_by_text("Only cases where the runs disagree").click()  # every case of GRID_CASES disagrees
         settle(page)
-        matrix = page.locator('[data-testid="stDataFrame"]').last
-        matrix.scroll_into_view_if_needed()
-        drawn = drawn_grid(page, matrix)
-        box = matrix.bounding_box()
-        x, y = drawn[2][0][1]
-        page.mouse.click(box["x"] + x, box["y"] + y)
-        settle(page)
+        click_the_last_rows_first_cell()
         expect(page.get_by_role("heading", name=f"Case {case_ids[2]}")).to_be_visible()

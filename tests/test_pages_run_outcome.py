@@ -16,14 +16,25 @@ from tests.test_run_outcome import FailingEngine
 from workbench_ui import run_view, shell, units
 
 
-def start_run(store: Store, set_id: int, engine) -> int:
+def start_run(store: Store, set_id: int, engine, **settings) -> int:
     schema = shell.get_library().load("support-ticket-routing").to_dict()
     schema.pop("examples")
     run_id = store.create_run(set_id, schema=schema, model_id="clef-demo",
-                              settings={"chunk_size": 6, "schema_slug": "support-ticket-routing"})
+                              settings={"chunk_size": 6, "schema_slug": "support-ticket-routing", **settings})
     shell.get_job_runner().start(run_id, engine)
     wait_for_run(run_id)
     return run_id
+
+
+def retried_to_the_end(at: AppTest, store: Store, run_id: int) -> dict:
+    """Press "Retry failed cases (12)", wait for the retry to end and draw the page again: the run as it is then."""
+    button(at, "Retry failed cases (12)").click()
+    at.run()
+    wait_for_run(run_id)
+    at.run()
+    ok(at)
+    assert "Finished: all 12 cases have answers." in texts(at)
+    return store.get_run(run_id)
 
 
 @pytest.mark.slow  # the pages on the demo model, with its runs: tens of seconds each on a busy machine
@@ -42,14 +53,8 @@ def test_a_failed_run_reads_failed_at_the_top_exports_and_retries_only_its_faile
     assert len(at.get("download_button")) == 2  # the exports of a run without answers (was a KeyError)
     assert at.selectbox(key="runs.selected").format_func(failed).endswith("12/12 · failed")
 
-    button(at, "Retry failed cases (12)").click()
-    at.run()
-    wait_for_run(failed)
-    at.run()
-    ok(at)
-    run = store.get_run(failed)
+    run = retried_to_the_end(at, store, failed)
     assert (run["id"], run["status"], run["done"], run["errors"]) == (failed, "finished", 12, 0)
-    assert "Finished: all 12 cases have answers." in texts(at)
 
 
 @pytest.mark.slow  # the pages on the demo model, with its runs: tens of seconds each on a busy machine
@@ -104,25 +109,13 @@ def test_a_schema_over_max_length_is_said_before_the_start_and_a_retry_takes_oth
     assert "The schema alone takes" not in errors(at) and not button(at, "Start run").disabled
 
     # a run recorded with that budget anyway (the command line does not ask): every case is refused
-    schema = shell.get_library().load("support-ticket-routing").to_dict()
-    schema.pop("examples")
-    refused = store.create_run(set_id, schema=schema, model_id="clef-demo",
-                               settings={"max_length": 256, "overflow": "refuse",
-                                         "schema_slug": "support-ticket-routing"})
-    shell.get_job_runner().start(refused, shell.get_engine(show_errors=False))
-    wait_for_run(refused)
+    refused = start_run(store, set_id, shell.get_engine(show_errors=False), max_length=256, overflow="refuse")
     at = open_link("pages/runs.py", run=str(refused))
     assert "The run failed" in texts(at)
     assert at.number_input(key=f"runs.retry.{refused}.max_length").value == 256, "the setting that failed, shown"
     at.number_input(key=f"runs.retry.{refused}.max_length").set_value(8192).run()
-    button(at, "Retry failed cases (12)").click()
-    at.run()
-    wait_for_run(refused)
-    at.run()
-    ok(at)
-    run = store.get_run(refused)
+    run = retried_to_the_end(at, store, refused)
     assert (run["status"], run["done"], run["errors"], run["settings"]["max_length"]) == ("finished", 12, 0, 8192)
-    assert "Finished: all 12 cases have answers." in texts(at)
 
 
 @pytest.mark.slow  # the pages on the demo model, with its runs: tens of seconds each on a busy machine
