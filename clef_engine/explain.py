@@ -39,6 +39,7 @@ from .interface import DecisionEngine, ExplainingEngine, Request
 from .model import media
 from .model.encoding import MEDIA_SLOTS, EncodedRecord, render
 from .protocol import EXPLAIN_UNITS, ExplainOption, ValidRequest, prepared
+from .scheduler import JobTiming
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -306,13 +307,15 @@ def submit_explanation(engine: Engine, request: Request, unit: str | None = None
     media_records = _encode_in_parallel(engine, valid, [variant for _, variant in found[text_variants:]])
     records = [record, *text_records, *media_records]
 
-    def respond(probabilities: list) -> list[dict]:
-        response = engine.response(valid, record, probabilities[0], (time.perf_counter() - started) * 1000)
+    def respond(probabilities: list, timing: JobTiming) -> list[dict]:
+        # timed like every answer; its compute is the record's and its variants' (what the explanation cost)
+        response = engine.response(valid, record, probabilities[0], (time.perf_counter() - started) * 1000,
+                                   compute_ms=sum(timing.compute_s) * 1000, queue_ms=timing.queued_s * 1000)
         response["x_explanations"] = explanations(record, found, probabilities)
         response["x_explain_tokens"] = sum(len(r) for r in records[1:])
         return [response]
 
-    return engine.scheduler.submit(records, priority=priority, finalize=respond)
+    return engine.scheduler.submit(records, priority=priority, finalize=respond, timed=True)
 
 
 def _encode_in_parallel(engine: Engine, valid: ValidRequest, variants: list[Callable[[], dict]]) -> list[EncodedRecord]:

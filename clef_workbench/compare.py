@@ -424,7 +424,7 @@ class CompareView:
     agreement: pd.DataFrame  # per question and pair: n, agreement, its interval, flips, the flipped cases
     flips: pd.DataFrame  # one row per flipped (pair, question, case), with a link opening the case
     metrics: pd.DataFrame  # side by side: (question, metric) × runs
-    matrix: pd.DataFrame  # cases × (question · run): the state's first line, "answer (confidence)", a link
+    matrix: pd.DataFrame  # cases × (question · run): a summary of the state, "answer (confidence)", a link
     verdicts: pd.DataFrame  # the matrix's shape: "pass" / "fail" for answers with an expected one, else None
     headers: dict[str, str]  # a compact column name ("team · #12") -> the run it shows, in full
     schema_changes: list[tuple[str, str, str]]  # (run a, run b, readable diff) where their schemas differ
@@ -475,16 +475,33 @@ STATE_LINE_CHARS = 80
 VERDICT_STYLES = {"pass": "background-color: #d9f2e3", "fail": "background-color: #fbdada"}
 
 
-def first_line(state: Any) -> str:
-    """A case's state as one short line for a table row (a structured state as compact JSON)."""
-    text = state if isinstance(state, str) else json.dumps(state, ensure_ascii=False)
-    line = next((part.strip() for part in text.splitlines() if part.strip()), "")
-    return line if len(line) <= STATE_LINE_CHARS else line[: STATE_LINE_CHARS - 1] + "…"
+def _cut(text: str, chars: int) -> str:
+    line = " ".join(text.split())
+    return line if len(line) <= chars else line[: chars - 1].rstrip() + "…"
+
+
+def state_summary(state: Any) -> str:
+    """A case's state as one short line for a table row: a text's first line; a record's values in order, each cut
+    to its share of the line (a long first field must not fill it), its ids left out (they name the case, the case
+    column does that)."""
+    if isinstance(state, str):
+        return _cut(next((part for part in state.splitlines() if part.strip()), ""), STATE_LINE_CHARS)
+    if not isinstance(state, dict):
+        return _cut(json.dumps(state, ensure_ascii=False), STATE_LINE_CHARS)
+    values = [value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+              for name, value in state.items() if not _is_id(str(name)) and value not in ("", None)]
+    share = max(24, STATE_LINE_CHARS // max(1, len(values)))
+    return _cut(" · ".join(_cut(value, share) for value in values), STATE_LINE_CHARS)
+
+
+def _is_id(name: str) -> bool:
+    name = name.lower()
+    return name == "id" or name.endswith(("_id", "-id", " id"))
 
 
 def matrix_table(runs: Sequence[RunData], *, disagreements_only: bool = False
                  ) -> tuple[pd.DataFrame, pd.DataFrame, dict[str, str]]:
-    """The cases × runs grid as promptfoo draws it: per row the case, its position and the first line of its state;
+    """The cases × runs grid as promptfoo draws it: per row the case, its position and a summary of its state;
     per question the expected answer and each run's "answer (confidence)" under a compact header (`team · #12`);
     beside it the verdict of each cell (pass / fail against the expected answer, None without one or for a
     failed case) and the full run label of each compact header."""
@@ -493,7 +510,7 @@ def matrix_table(runs: Sequence[RunData], *, disagreements_only: bool = False
     correct = case_matrix(runs, value="correct", disagreements_only=disagreements_only)
     states = {r["case_id"]: r.get("state") for run in runs for r in run.results}
     table = pd.DataFrame({"case": list(predicted.index), "position": predicted[("position", "")].tolist(),
-                          "state": [first_line(states.get(c, "")) for c in predicted.index]})
+                          "state": [state_summary(states.get(c, "")) for c in predicted.index]})
     verdicts = pd.DataFrame(None, index=table.index, columns=table.columns, dtype=object)
     labels = {run.label: run for run in runs}
     headers: dict[str, str] = {}

@@ -12,7 +12,16 @@ from clef_workbench.casesets import CaseImportError
 from clef_workbench.store import StoreError
 from workbench_ui import cases_view as view
 from workbench_ui.cases_view import NO_SCHEMA, NOT_MAPPED
-from workbench_ui.shell import get_library, get_store, page_key, pick_id, render_shell
+from workbench_ui.shell import (
+    RUNS_START_OPEN,
+    RUNS_START_SET,
+    get_library,
+    get_store,
+    page_key,
+    pick_id,
+    render_shell,
+    set_widget,
+)
 
 render_shell(__file__)
 K = page_key("cases")
@@ -106,6 +115,11 @@ schema, schema_warning = view.case_set_schema(library, case_set["schema_name"])
 if schema_warning:
     st.warning(schema_warning)
 st.caption(view.case_set_caption(case_set))
+if st.button("Run this case set", key=K("run_set"), icon=":material/play_arrow:",
+             help="Opens the Runs page's “Start a run” with this case set and its schema"):
+    set_widget(RUNS_START_SET, case_set_id)
+    st.session_state[RUNS_START_OPEN] = True
+    st.switch_page("pages/runs.py")
 
 # keyed and tracked: the open tab survives reruns whose layout above it changes (a message appearing or going)
 tab_cases, tab_import, tab_export, tab_settings = st.tabs(["Cases", "Import", "Export", "Settings"], key=K("tabs"),

@@ -42,7 +42,8 @@ def start_comparison(set_id: int, slug: str, number: int, names: list[str]) -> N
     are read at the click: the arguments were bound when the page last finished drawing, and a choice made just
     before the click (its rerun cut short by the click) is newer than them."""
     state = st.session_state
-    set_id, slug = state.get(K("start.set"), set_id), state.get(K("start.schema"), slug)
+    set_id = state.get(K("start.set"), set_id)
+    slug = state.get(K(f"start.schema.{set_id}"), slug)
     number, names = state.get(K(f"start.version.{slug}"), number), state.get(K("start.models"), names)
     run_ids, message = cv.start_comparison(store, get_job_runner(), compare.model_choices(model_manager()), set_id,
                                            slug, number, names)
@@ -94,7 +95,9 @@ with st.expander("Run a schema on a case set with these models", expanded=not gr
         start_set = kept_widget(st.selectbox, "Case set", K("start.set"), sets[0]["id"], options=list(set_names),
                                 format_func=set_names.get)
         cols = st.columns(2)
-        slug = kept_widget(cols[0].selectbox, "Schema", K("start.schema"), slugs[0], options=slugs)
+        # per case set, proposing the schema the set was made for
+        slug = kept_widget(cols[0].selectbox, "Schema", K(f"start.schema.{start_set}"),
+                           cv.proposed_schema(next(s for s in sets if s["id"] == start_set), slugs), options=slugs)
         try:
             library.load(slug)  # a file changed outside the workbench becomes its newest version here
             numbers = [v["number"] for v in store.list_schema_versions(slug)]
@@ -236,18 +239,20 @@ st.dataframe(view.metrics, hide_index=True, width="stretch")
 # -- the matrix -------------------------------------------------------------------------------------------------
 
 st.subheader("Cases × runs")
-st.toggle("Only cases where the runs disagree", key=K("disagree"))
+disagree = st.toggle("Only cases where the runs disagree", key=K("disagree"))
 st.caption("Click a cell to open its case below; “Open” is a link to it you can send.")
 st.caption("Each run's cell: its answer (confidence); green where it matches the expected answer, red where it does "
            "not. Hover a header for the run it shows.")
+matrix_name = cv.matrix_key(disagree)
+widths = cv.matrix_widths(view.matrix, view.headers)
 matrix_event = st.dataframe(view.matrix.style.apply(compare.matrix_styles, axis=None, verdicts=view.verdicts),
-                            hide_index=True, width="stretch", key=K("matrix"), on_select="rerun",
+                            hide_index=True, width="stretch", key=K(matrix_name), on_select="rerun",
                             selection_mode="single-cell",
                             column_config={"open": st.column_config.LinkColumn("link", display_text="Open"),
                                            "state": st.column_config.TextColumn("state", width="medium"),
-                                           **{name: st.column_config.TextColumn(name, help=full)
+                                           **{name: st.column_config.TextColumn(name, help=full, width=widths[name])
                                               for name, full in view.headers.items()}})
-open_selected("matrix", [list(cell) for cell in matrix_event.selection.cells],
+open_selected(matrix_name, [list(cell) for cell in matrix_event.selection.cells],
               lambda cell: int(view.matrix.iloc[cell[0]]["case"]))
 
 # -- one case ---------------------------------------------------------------------------------------------------

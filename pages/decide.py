@@ -103,11 +103,22 @@ def render_question(position: int, uid: int, count: int) -> tuple[dict[str, Any]
     return row, messages
 
 
-def render_removed_notice() -> None:
-    """Where the removed question was: what went, and Undo."""
+def render_undo_notice(message: str, name: str, undo, icon: str) -> None:
+    """Where something was removed or replaced: what went, and Undo."""
     cols = st.columns([4, 1], vertical_alignment="center")
-    cols[0].info(f"Removed question “{builder().last_removed}”.", icon=":material/delete:")
-    cols[1].button("Undo", key=K("undo_remove"), icon=":material/undo:", on_click=builder().undo_remove)
+    cols[0].info(message, icon=icon)
+    cols[1].button("Undo", key=K(name), icon=":material/undo:", on_click=undo)
+
+
+def render_removed_notice() -> None:
+    render_undo_notice(f"Removed question “{builder().last_removed}”.", "undo_remove", builder().undo_remove,
+                       ":material/delete:")
+
+
+def render_replaced_notice(place: str) -> None:
+    """What the last Load ("schema") or Use this example ("state") replaced, with Undo."""
+    if message := builder().replaced(place):
+        render_undo_notice(message, f"undo_replace.{place}", builder().undo_replace, ":material/swap_horiz:")
 
 
 def render_answer_card(qid: str, question: dict[str, Any], answer: dict[str, Any], model: str, *,
@@ -122,8 +133,8 @@ def render_answer_card(qid: str, question: dict[str, Any], answer: dict[str, Any
         if instructions:
             st.caption(instructions if isinstance(instructions, str) else json.dumps(instructions))
         # the answer on a row of its own: option ids are long, and a metric cuts what does not fit its column
-        answer_text = f"level {summary.top_option}" if summary.type == "score" else summary.top_option
-        st.metric("Answer", answer_text, help=f"P(true) = {answer['noul']:.4f}" if summary.type == "noul" else None)
+        st.metric("Answer", vm.answer_text(summary, answer),
+                  help=f"P(true) = {answer['noul']:.4f}" if summary.type == "noul" else None)
         metrics = st.columns(3 if summary.score is not None else 2)
         metrics[0].metric("Confidence", answers.percent(summary.confidence),
                           help="choice/score: P(chosen option) / max p, as the response reports it; "
@@ -181,7 +192,10 @@ with left:
         picked = example_cols[0].selectbox("Example states of the loaded schema", range(len(examples)),
                                            format_func=lambda i: examples[i].get("name") or f"Example {i + 1}",
                                            key=K("example_pick"))
-        example_cols[1].button("Use", key=K("use_example"), on_click=actions.use_example, args=(picked,))
+        example_cols[1].button("Use this example", key=K("use_example"), on_click=actions.use_example,
+                               args=(picked,), help="Puts the example into the state editor (Undo brings back "
+                                                    "what it replaces)")
+        render_replaced_notice("state")
     mode = kept_widget(st.radio, "Read the state as", K("state_mode"), "auto", options=["auto", "text", "json"],
                        horizontal=True, format_func={"auto": "auto (JSON if it starts with { or [)",
                                                      "text": "plain text", "json": "JSON"}.get)
@@ -234,8 +248,9 @@ with left:
     if images:
         columns = st.columns(min(4, len(images)))
         for i, image in enumerate(images):
-            columns[i % len(columns)].image(image.data, caption=f"{image.name} · {image.width}×{image.height} · "
-                                                                f"{image.size_bytes / 1024:.0f} KB")
+            columns[i % len(columns)].image(image.data, width=vm.image_preview_width(image.width),
+                                            caption=f"{image.name} · {image.width}×{image.height} · "
+                                                    f"{image.size_bytes / 1024:.0f} KB")
     for video in videos:
         st.video(video.data, format=video.content_type)
         if local_engine:
@@ -272,7 +287,8 @@ with left:
                         placeholder="No schemas in the library" if not slugs else "Choose a schema")
     # buttons in a row that wraps, each at its label's width: in narrow columns they were cut to "New…"
     lib_buttons = st.container(horizontal=True)
-    lib_buttons.button("Load", key=K("load"), disabled=pick is None, on_click=actions.ask_load, args=(pick,))
+    lib_buttons.button("Load", key=K("load"), disabled=pick is None, on_click=actions.ask_load, args=(pick,),
+                       help="Puts the schema's questions on screen; the state you typed stays.")
     lib_buttons.button("New schema", key=K("new_schema"), on_click=actions.new_schema,
                        icon=":material/note_add:", help="Start an empty schema; the state stays.")
     confirm_slug = st.session_state.get(K("confirm_load"))
@@ -282,9 +298,10 @@ with left:
                        "have unsaved changes.", icon=":material/warning:")
             confirm_buttons = st.container(horizontal=True)
             confirm_buttons.button("Discard my changes and load", key=K("confirm_load_yes"),
-                                   on_click=actions.load_schema, args=(confirm_slug,), kwargs={"with_example": True})
+                                   on_click=actions.load_schema, args=(confirm_slug,))
             confirm_buttons.button("Keep my changes", key=K("confirm_load_no"),
                                    on_click=lambda: st.session_state.pop(K("confirm_load"), None))
+    render_replaced_notice("schema")
     if st.session_state.get(K("library_error")):
         st.error(st.session_state[K("library_error")])
 

@@ -36,9 +36,10 @@ RAW = "raw (as the model answered)"
 
 st.title("Review")
 store = get_store()
-runs = view.reviewable_runs(store.list_runs())
+all_runs = store.list_runs()
+runs = view.reviewable_runs(all_runs)
 if not runs:
-    st.info("No run has results yet. Start one on the Runs page.")
+    st.info(view.nothing_to_review(all_runs))
     st.stop()
 
 # the name lives in the URL too, so a reload or a bookmarked link keeps it (session state does not survive a reload)
@@ -317,17 +318,18 @@ def show_item(item: dict) -> None:
             confirm_gold(item, *pending[1:])
         st.text_input("Comment (optional, saved with your action)", key=K(f"comment.{item['id']}"),
                       placeholder="e.g. the second sentence is sarcasm")
-        buttons = st.columns(4)
+        buttons = st.container(horizontal=True)
         # Streamlit's own button shortcuts: they ignore keys typed into inputs, so the name field is safe
-        buttons[0].button(shown.accept, key="review-accept", on_click=act, args=(item, "accept"),
-                          type="primary" if shown.accept_primary else "secondary",
-                          disabled=not reviewer or blind, shortcut="A")
-        buttons[1].button("Mark unknown", key="review-unknown", on_click=act, args=(item, "unknown"),
-                          disabled=not reviewer, shortcut="U")
-        buttons[2].button("Skip", key="review-skip", on_click=act, args=(item, "skip"), disabled=not reviewer,
-                          shortcut="S")
-        buttons[3].button("Undo my last action", key="review-undo", on_click=undo, disabled=not reviewer,
-                          shortcut="Z")
+        if shown.accept:
+            buttons.button(shown.accept, key="review-accept", on_click=act, args=(item, "accept"),
+                           type="primary" if shown.accept_primary else "secondary", disabled=not reviewer,
+                           shortcut="A")
+        buttons.button("Mark unknown", key="review-unknown", on_click=act, args=(item, "unknown"),
+                       disabled=not reviewer, shortcut="U")
+        buttons.button("Skip", key="review-skip", on_click=act, args=(item, "skip"), disabled=not reviewer,
+                       shortcut="S")
+        buttons.button("Undo my last action", key="review-undo", on_click=undo, disabled=not reviewer,
+                       shortcut="Z")
         st.markdown(shown.answer_heading)
         options = view.option_buttons(item, blind=blind, has_reviewer=bool(reviewer))
         option_cols = st.columns(min(len(options), view.MAX_OPTION_COLUMNS))
@@ -335,9 +337,7 @@ def show_item(item: dict) -> None:
             option_cols[index % len(option_cols)].button(
                 option.text, key=f"review-correct-{index + 1}", on_click=act, args=(item, "correct", option.label),
                 disabled=option.disabled, shortcut=option.shortcut)
-        st.caption("Keys: A accept · U unknown · S skip · Z undo · 1–9 correct to that option. Each action moves "
-                   "to this record's next open question, then to the next record (smallest margin first). An answer "
-                   "against the gold label asks first.")
+        st.caption(shown.keys)
         record = review.record_items(store, run_id, item["case_id"])
         with st.container(key="review-record", border=True):
             st.markdown(view.record_heading(record, item["case_id"]))

@@ -20,6 +20,9 @@ from clef_workbench.store import StoreError
 from workbench_ui import links, run_charts, run_view, units
 from workbench_ui import why_view as why
 from workbench_ui.shell import (
+    RUNNING_SHOWN_KEY,
+    RUNS_START_OPEN,
+    RUNS_START_SET,
     get_engine,
     get_job_runner,
     get_library,
@@ -30,6 +33,7 @@ from workbench_ui.shell import (
     pick_run,
     random_weights_notice,
     render_shell,
+    running_run_ids,
 )
 
 render_shell(__file__)
@@ -52,6 +56,22 @@ def fmt_seconds(value: float | None) -> str:
         return "–"
     minutes, seconds = divmod(int(round(value)), 60)
     return f"{minutes} min {seconds:02d} s" if minutes else f"{seconds} s"
+
+
+OVERFLOW_CHOICES = {"refuse": "refuse (the case gets an error result)",
+                    "truncate_state": "truncate the end of the state (counted in the results)"}
+
+
+def budget_inputs(columns, name: str, settings: dict, *, retry: bool = False) -> tuple[int, str]:
+    """max_length and overflow, for a new run ("start") or the retry of a run's failed cases (its settings)."""
+    when = " in the retry" if retry else ""
+    max_length = kept_widget(columns[0].number_input, f"max_length (tokens){when}", K(f"{name}.max_length"),
+                             int(settings.get("max_length") or DEFAULT_MAX_LENGTH), min_value=256,
+                             max_value=262_144, step=1024)
+    overflow = kept_widget(columns[1].radio, f"If a state does not fit{when}", K(f"{name}.overflow"),
+                           settings.get("overflow") or "refuse", options=list(OVERFLOW_CHOICES),
+                           format_func=OVERFLOW_CHOICES.get)
+    return int(max_length), overflow
 
 
 def undo_delete_run(deleted_id: int) -> None:
@@ -94,16 +114,18 @@ def render_delete(run: dict) -> None:
 
 # -- start a run ------------------------------------------------------------------------------------------------
 
-with st.expander("Start a run", expanded=not runs, icon=":material/play_arrow:"):
+# open when there is no run yet, or when the Case sets page's "Run this case set" sent the person here
+with st.expander("Start a run", expanded=not runs or st.session_state.pop(RUNS_START_OPEN, False),
+                 icon=":material/play_arrow:"):
     if not sets:
         st.info("No case sets yet: create or import one on the Case sets page.")
     else:
         set_labels = {s["id"]: f"{s['name']} ({s['case_count']} cases)" for s in sets}
-        for stale_key in (K("start.case_set"), "_keep." + K("start.case_set")):
+        for stale_key in (RUNS_START_SET, "_keep." + RUNS_START_SET):
             if st.session_state.get(stale_key, sets[0]["id"]) not in set_labels:  # e.g. the set was deleted
                 st.session_state.pop(stale_key, None)
         # kept widgets: the choices survive a visit to another page
-        start_set = kept_widget(st.selectbox, "Case set", K("start.case_set"), sets[0]["id"], options=list(set_labels),
+        start_set = kept_widget(st.selectbox, "Case set", RUNS_START_SET, sets[0]["id"], options=list(set_labels),
                                 format_func=lambda i: set_labels[i])
         slugs = library.slugs()
         default_slug = next((s["schema_name"] for s in sets if s["id"] == start_set), None)
@@ -113,12 +135,7 @@ with st.expander("Start a run", expanded=not runs, icon=":material/play_arrow:")
         chunk_size = kept_widget(cols[0].number_input, "Records per batch", K("start.chunk"), 8, min_value=1,
                                  max_value=256, help="Sent to the engine together at bulk priority (interactive "
                                                      "requests from the Decide page go first).")
-        max_length = kept_widget(cols[1].number_input, "max_length (tokens)", K("start.max_length"),
-                                 DEFAULT_MAX_LENGTH, min_value=256, max_value=262_144, step=1024)
-        overflow = kept_widget(cols[2].radio, "If a state does not fit", K("start.overflow"), "refuse",
-                               options=["refuse", "truncate_state"],
-                               help="refuse: the case gets an error result; truncate_state: the end of the state "
-                                    "is cut (counted in the results).")
+        max_length, overflow = budget_inputs(cols[1:], "start", {})
         loaded_models = {model.name: model for model in model_manager().loaded()}  # the default first
         run_model = None
         if len(loaded_models) > 1:
@@ -130,8 +147,18 @@ with st.expander("Start a run", expanded=not runs, icon=":material/play_arrow:")
                                     format_func=lambda name: f"{name} · {loaded_models[name].label}"
                                     if loaded_models[name].label != name else name,
                                     help="Which loaded model runs the case set (add models in the sidebar).")
+        check_engine_now = loaded_models[run_model].engine if run_model else model_manager().state().engine
+        over_budget = None
+        if schema_slug is not None and check_engine_now is not None:
+            try:
+                over_budget = run_view.schema_over_budget(check_engine_now, library.load(schema_slug).questions,
+                                                          int(max_length))
+            except SchemaError:
+                pass  # said when Start is pressed
+        if over_budget:
+            st.error(over_budget, icon=":material/data_usage:")
         if st.button("Start run", key=K("start.go"), type="primary", icon=":material/play_arrow:",
-                     disabled=schema_slug is None):
+                     disabled=schema_slug is None or over_budget is not None):
             try:
                 schema = library.load(schema_slug).to_dict()
             except SchemaError as exc:
@@ -178,7 +205,9 @@ if not runs:
 run_id = pick_run(runs, K("selected"), run_view.run_label)
 if run_id is None:  # the link names a run that is not here: said above, nothing else shown in its place
     st.stop()
-random_weights_notice(next(r["model_id"] for r in runs if r["id"] == run_id))
+selected_run = next(r for r in runs if r["id"] == run_id)
+st.session_state[K(f"drawn_status.{run_id}")] = status_label(selected_run)  # what the selector says
+random_weights_notice(selected_run["model_id"])
 with st.expander("All runs", icon=":material/list:"):
     st.dataframe([{"run": r["id"], "status": status_label(r), "case set": r["case_set_name"],
                    "schema": f"{r['schema_name']} v{r['schema_version']}", "model": r["model_id"],
@@ -191,8 +220,13 @@ def render_progress(run_id: int) -> None:
     progress = runner.progress(run_id)
     # The run ended since the last poll: the whole page reruns first, so that "Finished" is drawn by the same run of
     # the page that draws the final results and their export (drawn here, it showed beside an export button that
-    # still held the results of the last refresh: 32 of 50 cases downloaded after "Finished: all 50").
-    if st.session_state.get(K(f"was_live.{run_id}")) and not progress["live"]:
+    # still held the results of the last refresh: 32 of 50 cases downloaded after "Finished: all 50"). So it does
+    # when the run selector or the sidebar, drawn before, show another status than the database has now (a run that
+    # failed within a second read "running" there beside "The run failed" here).
+    ended = st.session_state.get(K(f"was_live.{run_id}")) and not progress["live"]
+    if ended or run_view.surfaces_stale(st.session_state.get(K(f"drawn_status.{run_id}")),
+                                        st.session_state.get(RUNNING_SHOWN_KEY), store.get_run(run_id),
+                                        running_run_ids()):
         st.session_state[K(f"was_live.{run_id}")] = False
         st.rerun(scope="app")
     total = max(progress["total"], 1)
@@ -266,13 +300,18 @@ def render_outcome(run_id: int, outcome) -> None:
         return
     st.dataframe([{"case": r["case_id"], "error": r["error"]} for r in store.list_results(run_id) if r.get("error")],
                  hide_index=True, width="stretch", key=K(f"errors.{run_id}"))
-    if outcome.can_retry and st.button(f"Retry failed cases ({outcome.errors})", key=K(f"retry.{run_id}"),
-                                       icon=":material/replay:",
-                                       help="Runs only the failed cases again, into this run; answered cases are "
-                                            "kept as they are."):
-        engine = run_engine(run_id)
-        if engine is not None:
-            start_again(run_id, engine, retry_failed=True)
+    if not outcome.can_retry:
+        return
+    with st.container(border=True, key=K(f"retry_box.{run_id}")):
+        st.caption("Retry runs only the failed cases again, into this run, with these settings: change what made "
+                   "them fail (a budget too small) first. Answered cases are kept as they are.")
+        max_length, overflow = budget_inputs(st.columns(2), f"retry.{run_id}", store.get_run(run_id)["settings"] or {},
+                                            retry=True)
+        if st.button(f"Retry failed cases ({outcome.errors})", key=K(f"retry.{run_id}"), icon=":material/replay:"):
+            engine = run_engine(run_id)
+            if engine is not None:
+                store.update_run_settings(run_id, max_length=max_length, overflow=overflow)
+                start_again(run_id, engine, retry_failed=True)
 
 
 def render_results(run_id: int, live: bool) -> None:

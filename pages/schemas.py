@@ -7,7 +7,9 @@ from __future__ import annotations
 import streamlit as st
 
 from clef_workbench import schemas
+from workbench_ui import links
 from workbench_ui import schemas_view as view
+from workbench_ui.decide_actions import SCHEMA_PARAM
 from workbench_ui.shell import get_library, get_store, kept_widget, page_key, render_shell, set_widget
 
 render_shell(__file__)
@@ -166,11 +168,19 @@ if not shown.entries:
     st.stop()
 
 slugs = shown.slugs
-# kept across page switches (a plain widget's value goes when another page runs): the schema stays selected
-if st.session_state.get(K("selected"), st.session_state.get("_keep." + K("selected"))) not in slugs:
-    set_widget(K("selected"), slugs[0])
+# kept across page switches (a plain widget's value goes when another page runs): the schema stays selected; a
+# session's first visit opens the one its link names (?schema=), else the last edited
+first_visit = "_keep." + K("selected") not in st.session_state
+linked = st.query_params.get(SCHEMA_PARAM) if first_visit else None
+if linked is not None and linked not in slugs:
+    st.error(links.missing_schema(linked, slugs), icon=":material/link_off:")
+    st.stop()
+set_widget(K("selected"), view.shown_schema(
+    slugs, linked=linked, kept=st.session_state.get(K("selected"), st.session_state.get("_keep." + K("selected"))),
+    last_edited=view.last_edited(library, slugs)))
 slug = kept_widget(st.selectbox, "Schema", K("selected"), slugs[0], options=slugs,
                    format_func=shown.label)
+st.query_params[SCHEMA_PARAM] = slug  # the address bar links to the schema on screen
 entry = shown.entry(slug)
 
 if entry.problem:

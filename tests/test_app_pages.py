@@ -429,11 +429,32 @@ def test_load_asks_before_discarding_edited_questions(workbench):
     assert [t.value for t in at.text_input if t.key.endswith(".id")][0] == "verdict"
 
 
+def test_load_keeps_the_state_typed_and_use_this_example_can_be_undone(workbench):
+    """Issue 36 point 1, on the page: Load leaves the state editor as typed; the example is its own button, and
+    what it replaces comes back with Undo."""
+    at = start()
+    at.text_area(key="decide.state_text").input("A record I wrote before choosing a schema").run()
+    at.selectbox(key="decide.library_pick").select("invoice-triage").run()
+    button(at, "Load").click().run()
+    no_exceptions(at)
+    assert at.text_area(key="decide.state_text").value == "A record I wrote before choosing a schema"
+    assert [t.value for t in at.text_input if t.key.endswith(".id")][0] == next(
+        iter(SchemaLibrary(workbench / "schemas").load("invoice-triage").questions))
+    button(at, "Use this example").click().run()
+    assert at.text_area(key="decide.state_text").value != "A record I wrote before choosing a schema"
+    assert any("Replaced the state with the example" in i.value for i in at.info)
+    button(at, "Undo").click().run()
+    no_exceptions(at)
+    assert at.text_area(key="decide.state_text").value == "A record I wrote before choosing a schema"
+
+
 def test_new_schema_drops_the_old_identity(workbench):
     at = start()
     assert button(at, "Update “support-ticket-routing”")
     button(at, "New schema").click().run()
     no_exceptions(at)
+    assert not [e.value for e in at.error], "an empty schema is no error (issue 36 point 10): the info says what to do"
+    assert any("No questions yet" in i.value for i in at.info)
     assert at.selectbox(key="decide.library_pick").value is None
     assert button(at, "Update").disabled
     assert at.text_input(key="decide.schema_name").value == ""
@@ -718,3 +739,35 @@ def test_decide_shows_calibrated_probabilities_labelled_as_such_when_a_calibrati
     at.selectbox(key="decide.calibration").select("raw (as the model answered)").run()
     assert [m.help for m in at.metric if m.label == "Answer"] == raw_help
     assert not any("· **calibrated**" in m.value for m in at.markdown)
+
+
+def test_the_schemas_page_opens_the_linked_or_the_last_edited_schema(workbench):
+    """Issue 36 point 10: ?schema= opens that schema (a link to a missing one says so and opens none); without a
+    link, the last edited one; a save on the Decide page makes it the one the Schemas page shows."""
+    library = SchemaLibrary(workbench / "schemas")
+    edited = library.load("security-alert-triage")
+    edited.description = "Edited last."
+    library.update("security-alert-triage", edited)
+    at = start()
+    at.query_params.clear()  # as the sidebar's link opens the page (Decide's URL names its own schema)
+    open_schemas(at)
+    assert at.selectbox(key="schemas.selected").value == "security-alert-triage", "the last edited"
+    assert at.query_params["schema"] in ("security-alert-triage", ["security-alert-triage"])
+
+    linked = AppTest.from_file(APP, default_timeout=TIMEOUT)
+    linked.run()
+    linked.query_params["schema"] = "invoice-triage"
+    assert open_schemas(linked).selectbox(key="schemas.selected").value == "invoice-triage"
+    missing = AppTest.from_file(APP, default_timeout=TIMEOUT)
+    missing.run()
+    missing.query_params["schema"] = "no-such-schema"
+    open_schemas(missing)
+    assert any("Not found: the link asks for the schema “no-such-schema”" in e.value for e in missing.error)
+    assert not [s for s in missing.selectbox if s.key == "schemas.selected"], "no other schema in its place"
+
+    at.switch_page("pages/decide.py")
+    at.run()
+    at.text_input(key="decide.schema_name").input("Refund triage").run()
+    button(at, "Save as new schema").click().run()
+    no_exceptions(at)
+    assert open_schemas(at).selectbox(key="schemas.selected").value == "refund-triage"

@@ -5,6 +5,7 @@ to open its case."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import shutil
@@ -180,10 +181,10 @@ def coloured_cells(png: bytes) -> list[list[tuple[str, tuple[float, float]]]]:
     return [sorted(row, key=lambda c: c[1][0]) for row in grid]
 
 
-def test_the_matrix_colours_each_cell_shows_confidence_and_a_click_opens_each_runs_distribution(tmp_path):
-    """Point 12, promptfoo's grid: green / red per cell against the expected answer, "answer (confidence)", the
-    state's first line per row, compact headers (the run in full on hover), and a click on a cell opens the case
-    with each run's answer and distribution per question."""
+@contextlib.contextmanager
+def grid_page(tmp_path):
+    """The Compare page of two runs of GRID_CASES (recorded in the store, no model run), in Chromium, with its
+    matrix in view: yields the page, the matrix, the run ids and the case ids."""
     db = tmp_path / "workbench.sqlite3"
     store = Store(db)
     set_id = store.create_case_set("Tickets")
@@ -208,50 +209,85 @@ def test_the_matrix_colours_each_cell_shows_confidence_and_a_click_opens_each_ru
             settle(page)
             matrix = page.locator('[data-testid="stDataFrame"]').last
             matrix.scroll_into_view_if_needed()
-            # the grid's accessible table, inside its canvas, holds what the canvas draws
-            headers = matrix.locator('canvas th[role="columnheader"]')
-            expect(headers).to_have_text(["case", "position", "state", "urgent · expected", f"urgent · #{run_ids[0]}",
-                                          f"urgent · #{run_ids[1]}", "team · expected", f"team · #{run_ids[0]}",
-                                          f"team · #{run_ids[1]}", "link"])
-            first_row = matrix.locator('canvas tr[aria-rowindex="2"] td')
-            expect(first_row).to_have_text([str(case_ids[0]), "0", "Refund now", "true", "true (0.90)",
-                                             "true (0.60)", "billing", "billing (0.80)", "tech (0.60)",
-                                             f"/compare?runs={run_ids[0]},{run_ids[1]}&case={case_ids[0]}"])
-
-            # the colours as drawn: the grid can show a stale frame for a moment, so read until it settles
-            deadline = time.monotonic() + 60
-            while True:
-                drawn = coloured_cells(matrix.screenshot())
-                if [[verdict for verdict, _ in row] for row in drawn] == GRID_VERDICTS:
-                    break
-                assert time.monotonic() < deadline, [[verdict for verdict, _ in row] for row in drawn]
-                page.wait_for_timeout(500)
-
-            # the full run name of a compact header, on hover
-            box = matrix.bounding_box()
-            x, y = drawn[0][0][1]
-            page.mouse.move(box["x"] + x, box["y"] + y - 35)  # the header above the first coloured cell
-            # (unsaved: these runs' schema was never saved in the library)
-            expect(page.get_by_test_id("stDataFrameTooltipContent")).to_have_text(
-                f"#{run_ids[0]} model-a · triage v1 (unsaved)")
-
-            # a click on the last row's first cell (model-a's wrong "urgent") opens the case as each run answered it
-            expect(page.locator('[data-testid="stVegaLiteChart"]')).to_have_count(0)
-            x, y = drawn[2][0][1]
-            page.mouse.click(box["x"] + x, box["y"] + y)
-            settle(page)
-            expect(page.get_by_role("heading", name=f"Case {case_ids[2]}")).to_be_visible()
-            assert f"case={case_ids[2]}" in page.url
-            expect(page.get_by_text("Expected: urgent = true, team = tech")).to_be_visible()
-            for label in (f"#{run_ids[0]} model-a · triage v1 (unsaved)",
-                          f"#{run_ids[1]} model-b · triage v1 (unsaved)"):  # each run's column of the case
-                expect(page.locator('[data-testid="stMarkdownContainer"] strong', has_text=label)).to_be_visible()
-            for answer in ("urgent: false (0.700)", "team: billing (0.700)", "urgent: true (0.800)",
-                           "team: tech (0.800)"):
-                expect(page.get_by_text(answer, exact=True)).to_be_visible()
-            charts = page.locator('[data-testid="stVegaLiteChart"]')
-            expect(charts).to_have_count(4)  # one distribution per question and run
-            expect(charts.locator("canvas, svg.marks")).to_have_count(4)
+            yield page, matrix, run_ids, case_ids
         finally:
             page.screenshot(path=str(tmp_path / "matrix.png"), full_page=True)  # kept for a failure
             browser.close()
+
+
+def drawn_grid(page, matrix) -> list[list[tuple[str, tuple[float, float]]]]:
+    """The coloured cells once the grid has settled (it can show a stale frame for a moment)."""
+    deadline = time.monotonic() + 60
+    while True:
+        drawn = coloured_cells(matrix.screenshot())
+        if [[verdict for verdict, _ in row] for row in drawn] == GRID_VERDICTS:
+            return drawn
+        assert time.monotonic() < deadline, [[verdict for verdict, _ in row] for row in drawn]
+        page.wait_for_timeout(500)
+
+
+def test_the_matrix_colours_each_cell_shows_confidence_and_a_click_opens_each_runs_distribution(tmp_path):
+    """Point 12, promptfoo's grid: green / red per cell against the expected answer, "answer (confidence)", the
+    state's first line per row, compact headers (the run in full on hover), and a click on a cell opens the case
+    with each run's answer and distribution per question."""
+    with grid_page(tmp_path) as (page, matrix, run_ids, case_ids):
+        # the grid's accessible table, inside its canvas, holds what the canvas draws
+        headers = matrix.locator('canvas th[role="columnheader"]')
+        expect(headers).to_have_text(["case", "position", "state", "urgent · expected", f"urgent · #{run_ids[0]}",
+                                      f"urgent · #{run_ids[1]}", "team · expected", f"team · #{run_ids[0]}",
+                                      f"team · #{run_ids[1]}", "link"])
+        first_row = matrix.locator('canvas tr[aria-rowindex="2"] td')
+        expect(first_row).to_have_text([str(case_ids[0]), "0", "Refund now", "true", "true (0.90)",
+                                         "true (0.60)", "billing", "billing (0.80)", "tech (0.60)",
+                                         f"/compare?runs={run_ids[0]},{run_ids[1]}&case={case_ids[0]}"])
+
+        drawn = drawn_grid(page, matrix)  # the colours as drawn
+
+        # the full run name of a compact header, on hover
+        box = matrix.bounding_box()
+        x, y = drawn[0][0][1]
+        page.mouse.move(box["x"] + x, box["y"] + y - 35)  # the header above the first coloured cell
+        # (unsaved: these runs' schema was never saved in the library)
+        expect(page.get_by_test_id("stDataFrameTooltipContent")).to_have_text(
+            f"#{run_ids[0]} model-a · triage v1 (unsaved)")
+
+        # a click on the last row's first cell (model-a's wrong "urgent") opens the case as each run answered it
+        expect(page.locator('[data-testid="stVegaLiteChart"]')).to_have_count(0)
+        x, y = drawn[2][0][1]
+        page.mouse.click(box["x"] + x, box["y"] + y)
+        settle(page)
+        expect(page.get_by_role("heading", name=f"Case {case_ids[2]}")).to_be_visible()
+        assert f"case={case_ids[2]}" in page.url
+        expect(page.get_by_text("Expected: urgent = true, team = tech")).to_be_visible()
+        for label in (f"#{run_ids[0]} model-a · triage v1 (unsaved)",
+                      f"#{run_ids[1]} model-b · triage v1 (unsaved)"):  # each run's column of the case
+            expect(page.locator('[data-testid="stMarkdownContainer"] strong', has_text=label)).to_be_visible()
+        for answer in ("urgent: false (0.700)", "team: billing (0.700)", "urgent: true (0.800)",
+                       "team: tech (0.800)"):
+            expect(page.get_by_text(answer, exact=True)).to_be_visible()
+        charts = page.locator('[data-testid="stVegaLiteChart"]')
+        expect(charts).to_have_count(4)  # one distribution per question and run
+        expect(charts.locator("canvas, svg.marks")).to_have_count(4)
+
+
+def test_the_first_click_after_the_disagreement_filter_opens_its_case(tmp_path):
+    """Issue 36 point 9: after "Only cases where the runs disagree" is switched on, the first click on a cell opens
+    its case (it was lost when it fell on the cell clicked before the switch)."""
+    def click_the_last_rows_first_cell() -> None:
+        matrix = page.locator('[data-testid="stDataFrame"]').last
+        matrix.scroll_into_view_if_needed()
+        x, y = drawn_grid(page, matrix)[2][0][1]
+        box = matrix.bounding_box()
+        page.mouse.click(box["x"] + x, box["y"] + y)
+        settle(page)
+
+    with grid_page(tmp_path) as (page, _, _, case_ids):
+        click_the_last_rows_first_cell()
+        expect(page.get_by_role("heading", name=f"Case {case_ids[2]}")).to_be_visible()
+        page.get_by_role("button", name="Close the case").click()
+        settle(page)
+        expect(page.get_by_role("heading", name=f"Case {case_ids[2]}")).to_have_count(0)
+        page.get_by_text("Only cases where the runs disagree").click()  # every case of GRID_CASES disagrees
+        settle(page)
+        click_the_last_rows_first_cell()
+        expect(page.get_by_role("heading", name=f"Case {case_ids[2]}")).to_be_visible()

@@ -66,8 +66,10 @@ def test_the_one_action_starts_a_run_per_model_of_the_saved_version(store, libra
 
 def test_runs_are_labelled_and_the_newest_two_open_unless_a_link_names_others():
     run = {"id": 12, "model_id": "clef-27b", "schema_name": "Ticket routing", "schema_version": 3,
-           "schema_version_id": 5, "status": "finished", "case_set_name": "Tickets"}
+           "schema_version_id": 5, "status": "finished", "case_set_name": "Tickets", "done": 4, "errors": 0}
     assert cv.run_label(run) == "#12 clef-27b · Ticket routing v3 · finished"
+    # the status as every other page says it: a run whose every case failed reads failed (issue 36 point 7)
+    assert cv.run_label({**run, "errors": 4}) == "#12 clef-27b · Ticket routing v3 · failed"
     assert cv.run_label({**run, "schema_version_id": None}) == "#12 clef-27b · Ticket routing v3 (unsaved) · finished"
     assert cv.case_set_label([run, run, run]) == "Tickets (3 runs)"
     assert cv.default_runs([], [4, 9, 7]) == [7, 9]
@@ -102,3 +104,29 @@ def test_an_opened_case_shows_each_runs_answers_charts_latency_or_error():
     assert cv.no_result_message(999) == "Case 999 has no result in these runs."
     assert json.dumps(cv.START_SETTINGS)  # the settings a run records are plain JSON
     assert compare.case_detail(view, 101) is not None
+
+
+def test_the_one_action_proposes_the_case_sets_own_schema():
+    """Issue 36 point 9: the schema the set was made for, not the library's first."""
+    slugs = ["invoice-triage", "support-ticket-routing"]
+    assert cv.proposed_schema({"schema_name": "support-ticket-routing"}, slugs) == "support-ticket-routing"
+    assert cv.proposed_schema({"schema_name": None}, slugs) == "invoice-triage"
+    assert cv.proposed_schema({"schema_name": "deleted-since"}, slugs) == "invoice-triage"
+
+
+def test_the_matrix_summarises_each_case_and_its_cells_are_wide_enough_for_their_answers():
+    """Issue 36 point 9: the state column shows the case (not its first key, nor its id), every answer column is
+    as wide as its longest "answer (confidence)", and the filtered grid is a widget of its own."""
+    record = {"ticket_id": "T-4", "body": "I was charged twice for the same order and want one refunded. " * 4,
+              "subject": "Double charge", "plan": "Business"}
+    summary = compare.state_summary(record)
+    assert "T-4" not in summary and "Double charge" in summary and "Business" in summary
+    assert summary.startswith("I was charged twice") and len(summary) <= compare.STATE_LINE_CHARS
+    assert compare.state_summary("\n  First line\nsecond") == "First line"
+    assert compare.state_summary(["a", 1]) == '["a", 1]'
+
+    matrix = pd.DataFrame({"team · #12": ["shipping (0.83)", None], "team · expected": ["billing", "shipping"]})
+    widths = cv.matrix_widths(matrix, {"team · #12": "run 12", "team · expected": "expected"})
+    assert widths["team · #12"] >= cv.CELL_PADDING_PX + cv.CELL_CHAR_PX * len("shipping (0.83)")
+    assert widths["team · expected"] >= cv.CELL_PADDING_PX + cv.CELL_CHAR_PX * len("team · expected")
+    assert cv.matrix_key(True) != cv.matrix_key(False)

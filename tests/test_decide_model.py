@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from clef_workbench import schemas, state_input
+from clef_workbench import answers, schemas, state_input
 from clef_workbench.schema_library import SchemaLibrary
 from clef_workbench.store import Store
 from workbench_ui import decide_model as vm
@@ -51,7 +51,7 @@ def test_identity_follows_the_schema_on_screen(library):
     state: dict = {}
     builder = vm.Builder(state)
     schema = library.load("support-ticket-routing")
-    builder.load("support-ticket-routing", schema, with_example=True)
+    builder.load("support-ticket-routing", schema)
     assert builder.loaded_slug == "support-ticket-routing" and state["decide.library_pick"] == "support-ticket-routing"
     assert state["decide.state_text"] == schema.examples[0]["state"]
     assert not builder.unsaved_changes()
@@ -67,6 +67,38 @@ def test_identity_follows_the_schema_on_screen(library):
     new = builder.schema_to_save(questions, "Mine", "", update=False)
     assert new.examples == [], "a new schema does not inherit the old schema's example states"
     assert builder.unsaved_changes(), "questions built from nothing are unsaved"
+
+
+def test_load_keeps_the_typed_state_and_what_load_or_an_example_replaces_can_be_undone(library):
+    """Issue 36 point 1: a record is written first, then the schema to ask about it is loaded: the state stays; the
+    schema's example is a separate action; both replacements have an Undo."""
+    state: dict = {}
+    builder = vm.Builder(state)
+    tickets = library.load("support-ticket-routing")
+    builder.load("support-ticket-routing", tickets)
+    assert builder.replaced("schema") is None, "nothing was on screen to replace"
+    vm.set_kept(state, "decide.state_text", "My own record: the invoice is wrong.")
+    state[vm.row_keys(builder.uids[0])["instructions"]] = "My own wording"
+    routing_ids = ids(state)
+
+    invoice = library.load("invoice-triage")
+    builder.load("invoice-triage", invoice)
+    assert state["decide.state_text"] == "My own record: the invoice is wrong."
+    assert ids(state) == list(invoice.questions)
+    assert builder.replaced("schema") == "Loaded “invoice-triage” in place of the questions that were here."
+    builder.undo_replace()
+    assert ids(state) == routing_ids and builder.loaded_slug == "support-ticket-routing"
+    assert builder.rows()[0]["instructions"] == "My own wording"
+    assert state["decide.schema_name"] == tickets.name and state["decide.library_pick"] == "support-ticket-routing"
+    assert builder.unsaved_changes(), "the edited wording is back, still unsaved"
+    assert state["decide.state_text"] == "My own record: the invoice is wrong."
+
+    builder.use_example(0)
+    example = state_input.state_to_text(tickets.examples[0]["state"])
+    assert state["decide.state_text"] == example
+    assert builder.replaced("state") == f"Replaced the state with the example “{tickets.examples[0]['name']}”."
+    builder.undo_replace()
+    assert state["decide.state_text"] == "My own record: the invoice is wrong." and builder.replaced("state") is None
 
 
 def test_a_loaded_schema_keeps_its_examples_on_update_only(library):
@@ -148,7 +180,7 @@ def test_result_record_and_save_as_case(tmp_path):
 def test_draft_round_trip_and_save_only_on_change(library):
     state: dict = {}
     builder = vm.Builder(state)
-    builder.load("support-ticket-routing", library.load("support-ticket-routing"), with_example=True)
+    builder.load("support-ticket-routing", library.load("support-ticket-routing"))
     vm.set_kept(state, "decide.max_length", 2048)
     state[vm.row_keys(builder.uids[1])["id"]] = "renamed"
     saved: list[dict] = []
@@ -284,3 +316,18 @@ def test_durations_switch_to_seconds_above_ten_thousand_ms_and_rates_stay_short(
     assert units.duration(850.24) == "850.2 ms" and units.duration(10_000) == "10,000 ms"
     assert units.duration(10_001) == "10.0 s" and units.duration(150_762.4) == "2 min 31 s"
     assert units.rate(12_016.2, "tok") == "12,016 tok/s" and units.rate(3.4167, "rec") == "3.42 rec/s"
+
+
+def test_a_score_answer_reads_with_its_levels_label():
+    """Issue 36 point 10: "level 1 · Medium", not "level 1" alone."""
+    question = {"type": "score", "instructions": "How urgent?", "levels": ["Low", "Medium", "High"]}
+    answer = {"type": "score", "score": 1.1, "confidence": 0.7, "probabilities": {"0": 0.1, "1": 0.7, "2": 0.2},
+              "legend": {"0": "Low", "1": "Medium", "2": "High"}}
+    assert vm.answer_text(answers.summarize("urgency", question, answer), answer) == "level 1 · Medium"
+    noul = {"type": "noul", "noul": 0.8}
+    assert vm.answer_text(answers.summarize("urgent", {"type": "noul"}, noul), noul) == "true"
+
+
+def test_an_attached_image_is_drawn_at_a_preview_size_never_enlarged():
+    assert vm.image_preview_width(4000) == vm.IMAGE_PREVIEW_PX
+    assert vm.image_preview_width(64) == 64

@@ -73,6 +73,8 @@ def check_deltas(engine, base_request: dict, explained: dict, variant_of) -> int
 def test_text_state_sentences(tiny_engine):
     explained = tiny_engine.explain(request())
     assert explained["answers"] == tiny_engine.decide(request())["answers"]
+    # timed like every other answer (issue 36): its compute covers the record and each variant
+    assert set(TIMINGS) <= set(explained) and explained["x_compute_ms"] > 0 and explained["x_queue_ms"] >= 0
     for segments in explained["x_explanations"].values():
         assert sorted(TEXT_STATE[s["start"]: s["end"]].strip() for s in segments) == sorted(SENTENCES)
         assert all(s["kind"] == "sentence" and s["text"] == TEXT_STATE[s["start"]: s["end"]] for s in segments)
@@ -237,6 +239,7 @@ def test_http_without_x_explain_answers_as_before(client):
     assert without_latency(plain.content) == without_latency(off.content)
     assert set(plain.json()) == {"model", "answers", "usage", *TIMINGS, "x_token_counts", "x_truncated_state_tokens"}
     on = client.post("/v1/systemone", json=body | {"x_explain": True}).json()
+    assert set(TIMINGS) <= set(on), "an explained answer carries the same timings as every other"
     assert {k: v for k, v in on.items() if k not in ("x_explanations", "x_explain_tokens", *TIMINGS)} == {
         k: v for k, v in plain.json().items() if k not in TIMINGS}
 

@@ -16,14 +16,25 @@ from tests.test_run_outcome import FailingEngine
 from workbench_ui import run_view, shell, units
 
 
-def start_run(store: Store, set_id: int, engine) -> int:
+def start_run(store: Store, set_id: int, engine, **settings) -> int:
     schema = shell.get_library().load("support-ticket-routing").to_dict()
     schema.pop("examples")
     run_id = store.create_run(set_id, schema=schema, model_id="clef-demo",
-                              settings={"chunk_size": 6, "schema_slug": "support-ticket-routing"})
+                              settings={"chunk_size": 6, "schema_slug": "support-ticket-routing", **settings})
     shell.get_job_runner().start(run_id, engine)
     wait_for_run(run_id)
     return run_id
+
+
+def retried_to_the_end(at: AppTest, store: Store, run_id: int) -> dict:
+    """Press "Retry failed cases (12)", wait for the retry to end and draw the page again: the run as it is then."""
+    button(at, "Retry failed cases (12)").click()
+    at.run()
+    wait_for_run(run_id)
+    at.run()
+    ok(at)
+    assert "Finished: all 12 cases have answers." in texts(at)
+    return store.get_run(run_id)
 
 
 @pytest.mark.slow  # the pages on the demo model, with its runs: tens of seconds each on a busy machine
@@ -42,14 +53,69 @@ def test_a_failed_run_reads_failed_at_the_top_exports_and_retries_only_its_faile
     assert len(at.get("download_button")) == 2  # the exports of a run without answers (was a KeyError)
     assert at.selectbox(key="runs.selected").format_func(failed).endswith("12/12 · failed")
 
-    button(at, "Retry failed cases (12)").click()
-    at.run()
-    wait_for_run(failed)
-    at.run()
-    ok(at)
-    run = store.get_run(failed)
+    run = retried_to_the_end(at, store, failed)
     assert (run["id"], run["status"], run["done"], run["errors"]) == (failed, "finished", 12, 0)
-    assert "Finished: all 12 cases have answers." in texts(at)
+
+
+@pytest.mark.slow  # the pages on the demo model, with its runs: tens of seconds each on a busy machine
+def test_a_run_that_ends_while_the_page_draws_reads_the_same_in_the_selector_the_sidebar_and_the_page(workbench,
+                                                                                                   monkeypatch):
+    """Issue 36 point 7: a run that fails within a second ended between the drawing of the sidebar and run selector
+    (which read it running) and the progress check (which reads it failed). Every surface must say failed."""
+    AppTest.from_file(APP, default_timeout=TIMEOUT).run()
+    store = Store(workbench / "workbench.sqlite3")
+    set_id = casesets.load_example_case_sets(store, workbench / "schemas")["support-ticket-routing"]
+    failed = start_run(store, set_id, FailingEngine(shell.get_engine(show_errors=False), {""}))
+
+    # The database as it was a moment before the run ended, for the reads before the page's first look at the
+    # run itself (the sidebar's and the selector's); from then on, as it is.
+    ending = {"read": False}
+    list_runs, lease_holder, get_run = Store.list_runs, Store.run_lease_holder, Store.get_run
+
+    def runs_as_they_were(self, *args, **kwargs):
+        runs = list_runs(self, *args, **kwargs)
+        return runs if ending["read"] else [dict(r, status="running") if r["id"] == failed else r for r in runs]
+
+    def holder_as_it_was(self, run_id):
+        return lease_holder(self, run_id) if ending["read"] or run_id != failed else "another-process"
+
+    def run_as_it_is(self, run_id):
+        ending["read"] = True
+        return get_run(self, run_id)
+
+    monkeypatch.setattr(Store, "list_runs", runs_as_they_were)
+    monkeypatch.setattr(Store, "run_lease_holder", holder_as_it_was)
+    monkeypatch.setattr(Store, "get_run", run_as_it_is)
+    at = open_link("pages/runs.py", run=str(failed))
+    assert "The run failed" in texts(at)
+    assert at.selectbox(key="runs.selected").format_func(failed).endswith("12/12 · failed")
+    sidebar = "\n".join(m.value for m in at.sidebar.markdown)
+    assert "**batch runs:** none running" in sidebar, sidebar
+
+
+@pytest.mark.slow  # the pages on the demo model, with its runs: tens of seconds each on a busy machine
+def test_a_schema_over_max_length_is_said_before_the_start_and_a_retry_takes_other_settings(workbench):
+    """Issue 36 point 7: a max_length the schema alone exceeds is said before the run starts (Start is off), and
+    "Retry failed cases" lets the setting that made every case fail be changed first."""
+    AppTest.from_file(APP, default_timeout=TIMEOUT).run()
+    store = Store(workbench / "workbench.sqlite3")
+    set_id = casesets.load_example_case_sets(store, workbench / "schemas")["support-ticket-routing"]
+    at = open_link("pages/runs.py")
+    at.number_input(key="runs.start.max_length").set_value(256).run()
+    ok(at)
+    assert "The schema alone takes" in errors(at) and "more than max_length 256" in errors(at)
+    assert button(at, "Start run").disabled
+    at.number_input(key="runs.start.max_length").set_value(8192).run()
+    assert "The schema alone takes" not in errors(at) and not button(at, "Start run").disabled
+
+    # a run recorded with that budget anyway (the command line does not ask): every case is refused
+    refused = start_run(store, set_id, shell.get_engine(show_errors=False), max_length=256, overflow="refuse")
+    at = open_link("pages/runs.py", run=str(refused))
+    assert "The run failed" in texts(at)
+    assert at.number_input(key=f"runs.retry.{refused}.max_length").value == 256, "the setting that failed, shown"
+    at.number_input(key=f"runs.retry.{refused}.max_length").set_value(8192).run()
+    run = retried_to_the_end(at, store, refused)
+    assert (run["status"], run["done"], run["errors"], run["settings"]["max_length"]) == ("finished", 12, 0, 8192)
 
 
 @pytest.mark.slow  # the pages on the demo model, with its runs: tens of seconds each on a busy machine
@@ -195,7 +261,7 @@ def test_the_compare_pages_one_action_shows_the_run_it_started_and_follows_it_to
     set_id = casesets.load_example_case_sets(store, workbench / "schemas")["support-ticket-routing"]
     at = open_link("pages/compare.py")
     at.selectbox(key="compare.start.set").select(set_id).run()
-    at.selectbox(key="compare.start.schema").select("support-ticket-routing").run()
+    at.selectbox(key=f"compare.start.schema.{set_id}").select("support-ticket-routing").run()
     button(at, "Run this schema on this case set with these models").click().run()
     ok(at)
     run_id = store.list_runs()[0]["id"]
@@ -225,7 +291,7 @@ def test_the_compare_pages_one_action_on_a_stopped_endpoint_says_why_and_leaves_
     try:
         at = open_link("pages/compare.py")
         at.selectbox(key="compare.start.set").select(set_id).run()
-        at.selectbox(key="compare.start.schema").select("support-ticket-routing").run()
+        at.selectbox(key=f"compare.start.schema.{set_id}").select("support-ticket-routing").run()
         at.multiselect(key="compare.start.models").select(remote).run()
         button(at, "Run this schema on this case set with these models").click().run()
         ok(at)
@@ -236,3 +302,19 @@ def test_the_compare_pages_one_action_on_a_stopped_endpoint_says_why_and_leaves_
         assert not [s for s in at.success if "Started run" in s.value]
     finally:
         manager.remove(remote)
+
+
+def test_run_this_case_set_opens_start_a_run_with_the_set_and_its_schema(workbench):
+    """Issue 36 point 10: "Run this case set" on the Case sets page leads to the Runs page's Start a run, that set
+    and its own schema chosen."""
+    AppTest.from_file(APP, default_timeout=TIMEOUT).run()
+    store = Store(workbench / "workbench.sqlite3")
+    sets = casesets.load_example_case_sets(store, workbench / "schemas")
+    set_id = sets["security-alert-triage"]
+    at = open_link("pages/cases.py", set=str(set_id))
+    button(at, "Run this case set").click()
+    at.run()
+    ok(at)
+    assert [t.value for t in at.title] == ["Runs"]
+    assert at.selectbox(key="runs.start.case_set").value == set_id
+    assert at.selectbox(key=f"runs.start.schema.{set_id}").value == "security-alert-triage"

@@ -415,7 +415,8 @@ def test_review_in_blind_mode_and_keeping_the_gold_label(workbench):
     item = store.list_review_items(run_id)[0]
     assert item["reason"] not in texts(at) and "hidden in blind mode" in texts(at)
     assert not at.get("vega_lite_chart"), "no distribution shown in blind mode"
-    assert button(at, "Accept the model's answer").disabled
+    assert not [b for b in at.button if b.key == "review-accept"], "no Accept in blind mode, not even a disabled one"
+    assert "gold label):" not in texts(at) and "A accept" not in texts(at)
     # choosing the model's own answer blind records an accept; the notice then reveals what the model said
     gold = store.get_case(item["case_id"])["expected"]["team"]
     button(at, item["predicted"]).click()
@@ -652,6 +653,12 @@ def test_a_results_row_opens_its_case_in_decide_with_the_runs_questions(workbenc
     assert decide.selectbox(key="decide.library_pick").value == "support-ticket-routing"
     assert f"Case #{row['case']} of run #{run_id}" in "\n".join(i.value for i in decide.info)
     assert param(decide, "case") is None and param(decide, "draft"), "from here on the URL names the draft"
+    # with that run's answer to it (issue 36 point 10), not an empty answers column
+    answered = next(r["response"] for r in store.list_results(run_id) if r["case_id"] == int(row["case"]))
+    shown = decide.session_state["decide.result"]
+    assert shown.response == answered and shown.model_label == run["model_id"] and shown.random_weights
+    assert "the answers below are the run's" in "\n".join(i.value for i in decide.info)
+    assert [h.value for h in decide.subheader].count("Answers") == 1
 
     # the library schema changed since the run: the run's own questions, without the library's identity
     library = shell.get_library()

@@ -67,8 +67,12 @@ def test_progress_and_the_card_of_an_item_in_normal_and_blind_mode(queue):
 
     blind = view.card(item, SCHEMA["questions"]["team"], "tech", blind=True)
     assert "**Why queued:** hidden in blind mode" in blind.queued and "billing" not in blind.queued
-    assert (blind.accept, blind.accept_primary, blind.show_model) == ("Accept the model's answer", False, False)
+    assert (blind.accept, blind.accept_primary, blind.show_model) == (None, False, False)
     assert blind.answer_heading == "**Your answer:**"
+    assert shown.keys.startswith("Keys: A accept · U unknown")
+    # issue 36 point 5: blind hides the gold label too, and has no Accept button nor its key in the legend
+    assert blind.expected is None
+    assert "A accept" not in blind.keys and blind.keys.startswith("Keys: U unknown · S skip · Z undo · 1–9 your answer")
     agreeing = view.card(items[(case_ids[1], "team")], SCHEMA["questions"]["team"], None, blind=False)
     assert agreeing.accept_primary and agreeing.expected is None
 
@@ -126,9 +130,15 @@ def test_actions_gold_label_and_undo_say_what_happened(queue):
 
 def test_runs_and_the_golden_set_are_named_for_people():
     run = {"id": 7, "case_set_name": "Tickets", "schema_name": "tickets", "schema_version": "4", "model_id": "clef",
-           "done": 5}
+           "done": 5, "errors": 1}
     assert view.run_label(run) == "#7 Tickets · tickets v4 · clef"
-    assert view.reviewable_runs([run, dict(run, id=8, done=0)]) == [run]
+    all_failed, pending = dict(run, id=9, errors=5), dict(run, id=8, done=0, errors=0)
+    # issue 36 point 8: a run whose every case failed is not offered (the rules could never select anything there)
+    assert view.reviewable_runs([all_failed, pending, run]) == [run]
+    assert view.nothing_to_review([all_failed, pending]) == (
+        "No run has answers to review: every case failed in run #9 (the Runs page says why); run #8 has no results "
+        "yet.")
+    assert view.nothing_to_review([]) == "No run yet: start one on the Runs page; its answers are reviewed here."
     assert view.golden_name(run) == "Golden: Tickets (run 7)"
     assert view.golden_message(12, "Golden: Tickets (run 7)", 4) == (
         "Created case set #12 “Golden: Tickets (run 7)” with 4 cases. Open it on the Case sets page.")

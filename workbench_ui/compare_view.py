@@ -34,6 +34,31 @@ def missing_for_start(case_sets: list, slugs: list, models: list) -> str | None:
 def case_set_choice(case_set: dict) -> str:
     return f"{case_set['name']} ({case_set['case_count']} cases)"
 
+
+def proposed_schema(case_set: dict, slugs: list[str]) -> str:
+    """The schema the one action proposes for a case set: the one it was made for, else the library's first."""
+    return case_set["schema_name"] if case_set.get("schema_name") in slugs else slugs[0]
+
+
+MATRIX_KEY = "matrix"
+
+
+def matrix_key(disagreements_only: bool) -> str:
+    """The matrix's widget key: one per filter, so that a click on the filtered grid is a new selection of a new
+    grid, never compared with (and lost as) the selection of the grid drawn before the filter changed."""
+    return f"{MATRIX_KEY}.{'disagree' if disagreements_only else 'all'}"
+
+
+CELL_CHAR_PX = 7  # an average character of the grid's 14 px font
+CELL_PADDING_PX = 16  # the grid's cell padding, both sides
+
+
+def matrix_widths(matrix: pd.DataFrame, headers: Mapping[str, str]) -> dict[str, int]:
+    """Each answer column's width in pixels: its longest cell or its header, whichever is wider, so that no
+    "answer (confidence)" is cut ("shipping (0")."""
+    return {name: CELL_PADDING_PX + CELL_CHAR_PX * max([len(name), *(len(str(v)) for v in matrix[name].dropna())])
+            for name in headers}
+
 log = logging.getLogger(__name__)
 
 
@@ -88,7 +113,7 @@ def case_set_label(group: list[dict]) -> str:
 def run_label(run: dict) -> str:
     """A run in the selector; "(unsaved)" when it ran a schema that is not a saved version."""
     return (f"#{run['id']} {run['model_id']} · {run['schema_name']} v{run['schema_version']}"
-            + ("" if run["schema_version_id"] else " (unsaved)") + f" · {run['status']}")
+            + ("" if run["schema_version_id"] else " (unsaved)") + f" · {status_label(run)}")
 
 
 def default_runs(linked: list[int], run_ids: Sequence[int]) -> list[int]:

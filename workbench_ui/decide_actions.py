@@ -10,12 +10,13 @@ import streamlit as st
 from clef_workbench import schemas
 from workbench_ui import decide_model as vm
 from workbench_ui import links, schema_rows
-from workbench_ui.shell import get_library, get_store
+from workbench_ui.shell import get_library, get_store, model_manager
 
 K = vm.key
 PREFERRED_START_SCHEMA = "support-ticket-routing"
 DRAFT_PARAM = "draft"  # the URL parameter naming this browser session's draft: a reload brings the editors back
 SCHEMA_PARAM = "schema"  # the library schema on screen: a link opens it in a new session
+SCHEMAS_PAGE_PICK = "schemas.selected"  # the Schemas page's selected schema
 
 
 def builder() -> vm.Builder:
@@ -32,14 +33,14 @@ def save_draft() -> None:
                              lambda draft: get_store().save_draft(draft_key(st.session_state[K("draft_token")]), draft))
 
 
-def load_schema(slug: str, *, with_example: bool = False) -> None:
-    """Callback: put a library schema into the builder (and optionally its first example state into the editor)."""
+def load_schema(slug: str) -> None:
+    """Callback: put a library schema into the builder; the state typed stays."""
     try:
         schema = get_library().load(slug)
     except schemas.SchemaError as exc:
         st.session_state[K("library_error")] = str(exc)
         return
-    builder().load(slug, schema, with_example=with_example)
+    builder().load(slug, schema)
     st.session_state.pop(K("library_error"), None)
     st.session_state.pop(K("confirm_load"), None)
 
@@ -49,7 +50,7 @@ def ask_load(slug: str) -> None:
     if builder().unsaved_changes():
         st.session_state[K("confirm_load")] = slug
     else:
-        load_schema(slug, with_example=True)
+        load_schema(slug)
 
 
 def new_schema() -> None:
@@ -72,7 +73,8 @@ def init_page() -> None:
         draft = get_store().load_draft(draft_key(linked)) if linked else None
         case_link = links.linked_ids(st.query_params) if draft is None else None
         if case_link:  # a case of a run (the Runs page's results, or a link someone sent): that state and schema
-            draft, note = links.case_draft(get_store(), get_library(), *case_link)
+            draft, note = links.case_draft(get_store(), get_library(), *case_link,
+                                           random_weights=model_manager().random_weights)
             st.session_state[K("link_note")] = ("info" if draft else "warning", note)
         if draft is not None:
             vm.restore_draft(st.session_state, draft)
@@ -89,7 +91,7 @@ def init_page() -> None:
     if st.query_params.get(DRAFT_PARAM) != token:
         st.query_params[DRAFT_PARAM] = token
     if pending:
-        load_schema(pending, with_example=True)
+        load_schema(pending)
 
 
 def save_schema(update: bool) -> None:
@@ -113,6 +115,8 @@ def save_schema(update: bool) -> None:
             flash = ("success", f"Saved as {slug}.json in the schema library (Schemas page).")
     except schemas.SchemaError as exc:
         flash = ("error", str(exc))
+    else:
+        vm.set_kept(st.session_state, SCHEMAS_PAGE_PICK, slug)  # the Schemas page opens on the schema edited last
     st.session_state[K("save_flash")] = flash
 
 

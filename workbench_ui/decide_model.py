@@ -162,9 +162,14 @@ class Builder:
     def forget_removed(self) -> None:
         self.state.pop(key("removed"), None)
 
-    def load(self, slug: str, schema: schemas.Schema, *, with_example: bool = False) -> None:
+    def load(self, slug: str, schema: schemas.Schema) -> None:
         """Put a library schema on screen: its questions, name, description and example states; it becomes the
-        identity. With with_example, its first example state goes into the state editor."""
+        identity. The state editor keeps what was typed (a record is often written before the schema to ask about
+        it is chosen): it gets the schema's first example only when it holds nothing typed (it is empty, or still
+        holds an example of the schema on screen). Questions it replaces can be undone."""
+        typed = self._kept(key("state_text")).strip() not in {"", *self._example_texts()}
+        if self.uids:
+            self._remember_replaced("schema", f"Loaded “{slug}” in place of the questions that were here.")
         self.set_rows(schema_rows.questions_to_rows(schema.questions))
         self.state[key("loaded_slug")] = slug
         self.state[key("loaded_questions")] = schema.questions
@@ -172,7 +177,7 @@ class Builder:
         set_kept(self.state, key("schema_description"), schema.description)
         set_kept(self.state, key("library_pick"), slug)
         self.state[key("examples")] = schema.examples
-        if with_example and schema.examples:
+        if schema.examples and not typed:
             set_kept(self.state, key("state_text"), state_input.state_to_text(schema.examples[0]["state"]))
 
     def new_schema(self) -> None:
@@ -191,8 +196,54 @@ class Builder:
         set_kept(self.state, key("library_pick"), slug)
 
     def use_example(self, index: int) -> None:
-        if 0 <= index < len(self.examples):
-            set_kept(self.state, key("state_text"), state_input.state_to_text(self.examples[index]["state"]))
+        """The loaded schema's example `index` into the state editor; what it replaces can be undone."""
+        if not 0 <= index < len(self.examples):
+            return
+        example = state_input.state_to_text(self.examples[index]["state"])
+        if self._kept(key("state_text")).strip() not in {"", *self._example_texts()}:
+            name = self.examples[index].get("name") or f"Example {index + 1}"
+            self._remember_replaced("state", f"Replaced the state with the example “{name}”.")
+        set_kept(self.state, key("state_text"), example)
+
+    # Undo of Load and Use example: what they replaced, kept until the next replacement or its undo.
+    REPLACEABLE = ("state_text", "schema_name", "schema_description", "library_pick")
+    LOADED = ("loaded_slug", "loaded_questions", "examples")
+
+    def _example_texts(self) -> list[str]:
+        return [state_input.state_to_text(example["state"]).strip() for example in self.examples]
+
+    def _kept(self, name: str) -> str:
+        return str(self.state.get(name, self.state.get(KEEP_PREFIX + name)) or "")
+
+    def _remember_replaced(self, place: str, message: str) -> None:
+        self.state[key("replaced")] = {
+            "place": place, "message": message, "rows": self.rows(),
+            "values": {name: self.state.get(key(name), self.state.get(KEEP_PREFIX + key(name)))
+                       for name in self.REPLACEABLE},
+            "loaded": {name: self.state.get(key(name)) for name in self.LOADED}}
+
+    def replaced(self, place: str) -> str | None:
+        """What the last Load ("schema") or Use example ("state") replaced, in words, while it can be undone."""
+        replaced = self.state.get(key("replaced"))
+        return replaced["message"] if replaced and replaced["place"] == place else None
+
+    def undo_replace(self) -> None:
+        """Put back what the last Load or Use example replaced: the state typed, or the questions and their
+        identity."""
+        replaced = self.state.pop(key("replaced"), None)
+        if replaced is None:
+            return
+        if replaced["place"] == "schema":
+            self.set_rows(replaced["rows"])
+            for name, value in replaced["loaded"].items():
+                if value is None:
+                    self.state.pop(key(name), None)
+                else:
+                    self.state[key(name)] = value
+            for name in ("schema_name", "schema_description", "library_pick"):
+                set_kept(self.state, key(name), replaced["values"][name])
+        else:
+            set_kept(self.state, key("state_text"), replaced["values"]["state_text"])
 
     def unsaved_changes(self) -> bool:
         """True when the questions on screen differ from the loaded schema's (or, with none loaded, when there are
@@ -238,8 +289,12 @@ def question_rows(target: int | str, rows: list[dict[str, Any]]) -> list[int]:
 
 def route_schema_problems(problems: list[schemas.SchemaProblem], rows: list[dict[str, Any]],
                           messages: Messages) -> None:
-    """Builder and lint problems: next to their question, or on the schema when they name none."""
+    """Builder and lint problems: next to their question, or on the schema when they name none. An empty builder
+    (New schema) gets none: its "No questions yet" says what to do, and a red error on a page just opened says
+    something went wrong."""
     for problem in problems:
+        if not rows and problem.loc == ("questions",):
+            continue
         indices = question_rows(problem.loc[1], rows) if len(problem.loc) >= 2 and problem.loc[0] == "questions" \
             else []
         warning = problem.severity == "warning"
@@ -351,6 +406,15 @@ class DecideResult:
 
     def redacted_request(self) -> dict[str, Any]:
         return state_input.redact_media(self.request, list(self.images), list(self.videos))
+
+
+def answer_text(summary: answers.AnswerSummary, answer: dict[str, Any]) -> str:
+    """An answer card's headline: a score's level with its label ("level 1 · Medium"), so it reads without the
+    legend; other answers as they are."""
+    if summary.type != "score":
+        return summary.top_option
+    label = (answer.get("legend") or {}).get(summary.top_option)
+    return f"level {summary.top_option}" + (f" · {label}" if label else "")
 
 
 def stale_message(causes: list[str]) -> str:
@@ -514,6 +578,14 @@ def save_draft_if_changed(state: MutableMapping, save: Callable[[dict[str, Any]]
     save(with_media_bytes(draft, state))
     state[key("saved_draft")] = draft
     return True
+
+
+IMAGE_PREVIEW_PX = 320  # an attached image's preview: enough to see what it shows, not the column's whole width
+
+
+def image_preview_width(width: int) -> int:
+    """The width an attached image is drawn at: its own when smaller than IMAGE_PREVIEW_PX (never enlarged)."""
+    return min(width, IMAGE_PREVIEW_PX)
 
 
 FRAME_THUMBNAIL_PX = 160  # wide enough to tell what a frame shows, four to a row in half a page

@@ -6,6 +6,7 @@ builder, as a draft (the same shape a reload restores), so what the model was as
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlencode
@@ -82,10 +83,11 @@ def linked_ids(params: Any) -> tuple[int, int] | None:
     return int(run_id), int(case_id)
 
 
-def case_draft(store: Any, library: SchemaLibrary, run_id: int,
-               case_id: int) -> tuple[dict[str, Any] | None, str]:
-    """A Decide draft showing case `case_id` asked as run `run_id` asked it, and a sentence saying what is on screen
-    (or, with no draft, why nothing could be opened).
+def case_draft(store: Any, library: SchemaLibrary, run_id: int, case_id: int, *,
+               random_weights: Callable[[str], bool] = lambda model: False) -> tuple[dict[str, Any] | None, str]:
+    """A Decide draft showing case `case_id` asked as run `run_id` asked it, with the run's answer to it (flagged
+    when random_weights(the run's model) says its weights are random), and a sentence saying what is on screen (or,
+    with no draft, why nothing could be opened).
 
     The questions are the run's own (frozen when it started). When the library schema the run came from still has
     exactly these questions, that schema is the draft's identity (Update and the Library picker name it); when it
@@ -114,10 +116,20 @@ def case_draft(store: Any, library: SchemaLibrary, run_id: int,
     }
     if run["settings"].get("max_length") in DECIDE_MAX_LENGTHS:
         draft["max_length"] = run["settings"]["max_length"]
+    answered = next((r["response"] for r in store.list_results(run_id) if r["case_id"] == case_id
+                     and r.get("response")), None)
+    if answered is not None and not case["image_count"] + case["video_count"]:
+        draft["result"] = {  # the run's answer, as Decide keeps the result of a Run (decide_model._result_entry)
+            "request": {"questions": frozen["questions"], "model": run["model_id"]}, "response": answered,
+            "questions": frozen["questions"], "state": case["state"], "media": [],
+            "schema_name": frozen.get("name", ""), "model_label": run["model_id"],
+            "device": run["settings"].get("device") or "", "schema_slug": slug if same else None,
+            "random_weights": random_weights(run["model_id"])}
     where = (f"the schema “{slug}”" if same else
              f"the questions run #{run_id} used ({frozen.get('name', '?')} v{frozen.get('version', '?')}, "
              "not saved in the library as they are)")
-    note = f"Case #{case_id} of run #{run_id} ({run['case_set_name']}) with {where}."
+    note = f"Case #{case_id} of run #{run_id} ({run['case_set_name']}) with {where}" + (
+        "; the answers below are the run's." if "result" in draft else ".")
     media = [f"{case[kind + '_count']} {kind}(s)" for kind in ("image", "video") if case[kind + "_count"]]
     if media:
         note += (f" Its {' and '.join(media)} are not attached here (Decide takes media from uploads): open the "

@@ -30,8 +30,21 @@ def run_label(run: dict) -> str:
 
 
 def reviewable_runs(runs: list[dict]) -> list[dict]:
-    """The runs with results: the only ones a queue can be built from."""
-    return [r for r in runs if r["done"]]
+    """The runs with at least one answer: the only ones a queue can select from (a run whose every case failed has
+    nothing the rules could pick)."""
+    return [r for r in runs if r["done"] > r["errors"]]
+
+
+def nothing_to_review(runs: list[dict]) -> str:
+    """Why no run can be reviewed, when reviewable_runs is empty: no runs, runs whose every case failed, or runs
+    without results yet."""
+    if not runs:
+        return "No run yet: start one on the Runs page; its answers are reviewed here."
+    failed = [f"#{r['id']}" for r in runs if r["done"] and r["done"] == r["errors"]]
+    waiting = [f"#{r['id']}" for r in runs if not r["done"]]
+    reasons = ([f"every case failed in run {', '.join(failed)} (the Runs page says why)"] if failed else []) + \
+        ([f"run {', '.join(waiting)} has no results yet"] if waiting else [])
+    return f"No run has answers to review: {'; '.join(reasons)}."
 
 
 # -- rules ---------------------------------------------------------------------------------------------------------
@@ -154,16 +167,18 @@ class Card:
     question: str
     queued: str
     show_model: bool  # the distribution, the model's answer and the link to Decide (hidden in blind mode)
-    expected: str | None  # the gold label line, when the case set has an expected answer
+    expected: str | None  # the gold label line, when the case set has one and the review is not blind
     model_answer: str
-    accept: str
+    accept: str | None  # the Accept button; none in blind mode (choosing the model's answer there is accepting)
     accept_primary: bool
     answer_heading: str
+    keys: str  # the legend of the keyboard shortcuts: only keys of buttons on screen
 
 
 def card(item: dict, question: dict, expected: Any, *, blind: bool) -> Card:
     """One queue item as the reviewer sees it. Accept is the highlighted default only when it agrees with the gold
-    label (or there is none), and never in blind mode."""
+    label (or there is none). Blind hides the gold label, the model's answer and everything derived from them
+    (the reason it was queued, Accept, its key) until the reviewer has decided."""
     reason = "hidden in blind mode" if blind else item["reason"]
     agrees = review.gold_conflict(item, expected, "accept") is None
     return Card(
@@ -173,13 +188,17 @@ def card(item: dict, question: dict, expected: Any, *, blind: bool) -> Card:
                 f"Model **{item['model_id']}** · schema **{item['schema_name']} v{item['schema_version']}**"
                 f"  \nQueued {when(item['created_at'])} UTC · status {item['status']}"),
         show_model=not blind,
-        expected=(None if expected is None
+        expected=(None if expected is None or blind
                   else f"**Expected answer in the case set (gold label):** {review.label_key(expected)}"),
         model_answer=(f"Answer **{item['predicted']}** · confidence {item['confidence']:.3f} · "
                       f"margin {item['margin']:.3f}"),
-        accept="Accept the model's answer" if blind else f"Accept “{item['predicted']}”",
+        accept=None if blind else f"Accept “{item['predicted']}”",
         accept_primary=agrees and not blind,
         answer_heading="**Your answer:**" if blind else "**Correct to:**",
+        keys=("Keys: " + ("" if blind else "A accept · ") + "U unknown · S skip · Z undo · 1–9 "
+              + ("your answer" if blind else "correct to that option") + ". Each action moves to this record's "
+              "next open question, then to the next record (smallest margin first). An answer against the gold "
+              "label asks first."),
     )
 
 

@@ -3,6 +3,9 @@ baselines a run can be compared with, and durations in a unit a person reads at 
 
 from __future__ import annotations
 
+from typing import Any
+
+from clef_engine.errors import ClefError
 from clef_workbench.run_status import FINISHED_WITH_ERRORS, status_label
 
 STATUS_ICONS = {"pending": "⏳", "running": "▶️", "cancelled": "⏹️", "finished": "✅", FINISHED_WITH_ERRORS: "⚠️",
@@ -17,6 +20,29 @@ def run_label(run: dict) -> str:
     counts = "running" if label == "running" else f"{run['done']}/{run['total']} · {label}"
     return (f"#{run['id']} {STATUS_ICONS.get(label, '')} {run['case_set_name']} · {run['schema_name']} "
             f"v{run['schema_version']} · {run['model_id']} · {counts}")
+
+
+def surfaces_stale(drawn_label: str | None, drawn_running: list[int] | None, run_now: dict,
+                   running_now: list[int]) -> bool:
+    """Whether what the page drew (the run selector's status of the run, the sidebar's running runs) no longer says
+    what the database says: the run ended (a run refused case by case fails within a second) between their drawing
+    and the progress check. The page is then drawn again, so every surface shows the same status."""
+    return (drawn_label is not None and drawn_label != status_label(run_now)) or \
+        (drawn_running is not None and drawn_running != running_now)
+
+
+def schema_over_budget(engine: Any, questions: dict, max_length: int) -> str | None:
+    """Said before a run starts whose schema alone (with an empty state) does not fit max_length: every case would
+    be refused. None when it fits, or where the engine does not count tokens here (a remote endpoint)."""
+    try:
+        counts = engine.count_tokens({"state": "", "questions": questions}, max_length=max_length)
+    except ClefError as exc:
+        return f"The engine refuses this schema: {exc}"
+    if not counts or not counts["fixed_tokens_over"]:
+        return None
+    fixed = counts["total"] - counts["state"]
+    return (f"The schema alone takes {fixed:,} tokens with an empty state, more than max_length {max_length:,}: "
+            f"every case would be refused. Raise max_length above {fixed:,} (or shorten the questions) to start.")
 
 
 def has_answers(run: dict) -> bool:

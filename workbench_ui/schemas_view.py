@@ -45,6 +45,17 @@ class Listing:
         } for e in self.entries]
 
 
+def last_edited(library: SchemaLibrary, slugs: list[str]) -> str | None:
+    """The schema whose file changed last (saved here, on the Decide page, or outside the workbench)."""
+    return max(slugs, key=lambda slug: library.path_of(slug).stat().st_mtime_ns, default=None)
+
+
+def shown_schema(slugs: list[str], *, linked: str | None, kept: str | None, last_edited: str | None) -> str:
+    """The schema the page opens on: the one a link names (a session's first visit), else the one chosen before in
+    this session, else the last edited, else the first."""
+    return next(slug for slug in (linked, kept, last_edited, slugs[0]) if slug in slugs)
+
+
 def listing(library: SchemaLibrary) -> Listing:
     result = Listing(library.list())
     for entry in result.entries:

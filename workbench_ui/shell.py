@@ -365,6 +365,7 @@ def render_status(state: LoadState) -> None:
         st.caption(f"Adding {label_of(source)}…")
     engine = state.engine
     if engine is None:
+        st.session_state.pop(RUNNING_SHOWN_KEY, None)
         st.caption("No model loaded.")
         return
     info = engine.info()
@@ -380,7 +381,7 @@ def render_status(state: LoadState) -> None:
         "peak reserved": _gib(memory.get("peak_reserved")),
         "fast kernels": f"{'on' if fast else 'off'} ({kernel_detail})",
         "queue depth": str(engine.queue_depth()),
-        "batch runs": _running_runs_text(),
+        "batch runs": running_runs_text(shown_running_runs()),
     }
     st.markdown("\n".join(f"- **{k}:** {v}" for k, v in rows.items()))
 
@@ -395,11 +396,25 @@ def precision_text(info: dict) -> str:
     return f"FP8 (W8A8 projections): {describe_fidelity(info.get('distance_from_float32'))}"
 
 
-def _running_runs_text() -> str:
+# The Runs page's "Start a run" case set, and its request to open: set by "Run this case set" on the Case sets page.
+RUNS_START_SET, RUNS_START_OPEN = "runs.start.case_set", "runs.start.open"
+RUNNING_SHOWN_KEY = "sidebar.running_runs"  # the runs the sidebar last drew as running (the Runs page checks them)
+
+
+def running_run_ids() -> list[int]:
     """Runs some workbench process is working on now (their lease is live), from the database: a run's batches
     wait in the engine's queue only one at a time, so the queue depth alone hides them."""
     store = get_store()
-    running = [r["id"] for r in store.list_runs() if r["status"] == "running" and store.run_lease_holder(r["id"])]
+    return [r["id"] for r in store.list_runs() if r["status"] == "running" and store.run_lease_holder(r["id"])]
+
+
+def shown_running_runs() -> list[int]:
+    """running_run_ids, remembered as what the sidebar shows: a page that follows a run redraws when they differ."""
+    running = st.session_state[RUNNING_SHOWN_KEY] = running_run_ids()
+    return running
+
+
+def running_runs_text(running: list[int]) -> str:
     return ", ".join(f"#{run_id}" for run_id in running) + " running" if running else "none running"
 
 

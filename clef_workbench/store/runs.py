@@ -109,6 +109,13 @@ class RunsMixin(StoreBase):
             ).fetchall()
         return [self._run_row(r) for r in rows]
 
+    def update_run_settings(self, run_id: int, **changes: Any) -> None:
+        """Change a run's settings before it is retried or resumed (a budget that refused its cases): the cases it
+        runs from then on use them; its answered cases keep their results."""
+        settings = {**(self.get_run(run_id)["settings"] or {}), **changes}
+        with self._write() as conn:
+            conn.execute("UPDATE runs SET settings_json = ? WHERE id = ?", (_dumps(settings), run_id))
+
     def set_run_status(self, run_id: int, status: str, *, error: str | None = None) -> None:
         """Move a run to a status; `running` stamps started_at (first time), terminal states stamp finished_at."""
         if status not in RUN_STATUSES:
