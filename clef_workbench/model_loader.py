@@ -185,6 +185,11 @@ class LoadState:
     def is_demo(self) -> bool:
         return self.source == DEMO_SOURCE
 
+    @property
+    def busy(self) -> bool:
+        """A model is loading (the default or an added one)."""
+        return self.loading_source is not None or bool(self.adding)
+
 
 class ModelManager:
     """Holds the resident models. Thread-safe; every Streamlit session of the process shares one instance.

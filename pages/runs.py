@@ -269,8 +269,12 @@ def run_engine(run_id: int):
     """The engine a run resumes or retries on: the model it started on, never whichever is the default now; None
     (with the reason shown) when that model is not loaded."""
     model_id = store.get_run(run_id)["model_id"]
+    models = model_manager()
+    if models.state().busy:  # the run's model may be the one loading: wait for it rather than say it is missing
+        with st.spinner("Waiting for the model that is loading…"):
+            models.wait(timeout=600)
     try:
-        return model_manager().get(model_id)
+        return models.get(model_id)
     except KeyError as exc:
         st.error(f"This run was started on the model {model_id!r}, which is not loaded: {exc.args[0]}. Add it in the "
                  "sidebar (Add a model), then try again.")
