@@ -8,10 +8,10 @@ from __future__ import annotations
 import streamlit as st
 
 from clef_workbench import compare
-from clef_workbench.answers import probability_chart
 from clef_workbench.model_loader import DEMO_SOURCE, request_model_name
 from clef_workbench.schemas import SchemaError
 from workbench_ui import compare_view as cv
+from workbench_ui.answers import probability_chart
 from workbench_ui.shell import (
     KEEP_PREFIX,
     demo_output_banner,

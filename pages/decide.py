@@ -15,12 +15,12 @@ import streamlit as st
 
 from clef_engine import DEFAULT_MAX_LENGTH
 from clef_engine.errors import BusyError, ClefError, RequestError, TokenBudgetError
-from clef_workbench import answers, calibration, schemas, state_input
+from clef_workbench import calibration, schemas
 from clef_workbench.model_loader import request_model_name
 from clef_workbench.store import StoreError
+from workbench_ui import answers, links, schema_rows, state_input, units
 from workbench_ui import decide_actions as actions
 from workbench_ui import decide_model as vm
-from workbench_ui import links, schema_rows, units
 from workbench_ui import why_view as why
 from workbench_ui.decide_actions import SCHEMA_PARAM, builder
 from workbench_ui.shell import (

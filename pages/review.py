@@ -11,11 +11,11 @@ import pandas as pd
 import streamlit as st
 
 from clef_workbench import calibration, review
-from clef_workbench.answers import probability_chart
 from clef_workbench.store import ReviewConflictError, StoreError
 from workbench_ui import links, run_charts
 from workbench_ui import review_view as view
 from workbench_ui import why_view as why
+from workbench_ui.answers import probability_chart
 from workbench_ui.decide_model import FRAME_THUMBNAIL_PX, frame_thumbnail
 from workbench_ui.shell import (
     failure_text,

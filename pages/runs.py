@@ -11,7 +11,6 @@ import streamlit as st
 
 from clef_engine import DEFAULT_MAX_LENGTH
 from clef_workbench import calibration, casesets, stats
-from clef_workbench.answers import option_table, probability_chart
 from clef_workbench.jobs import EngineUnreachableError, JobAlreadyRunningError, check_engine
 from clef_workbench.model_loader import request_model_name
 from clef_workbench.run_status import run_outcome, status_label
@@ -19,6 +18,7 @@ from clef_workbench.schemas import SchemaError
 from clef_workbench.store import StoreError
 from workbench_ui import links, run_charts, run_view, units
 from workbench_ui import why_view as why
+from workbench_ui.answers import option_table, probability_chart
 from workbench_ui.shell import (
     RUNNING_SHOWN_KEY,
     RUNS_START_OPEN,

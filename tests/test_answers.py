@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from clef_engine.errors import Problem
-from clef_workbench import answers
+from workbench_ui import answers
 
 QUESTIONS = {
     "spam": {"type": "noul", "instructions": "Spam?", "criteria": {"true": "It is spam."}},

@@ -501,7 +501,7 @@ def test_a_link_opens_the_schema_it_names_in_decide(workbench):
 
 
 def test_the_uploaders_state_the_same_size_limits_as_the_caption(workbench):
-    from clef_workbench import state_input
+    from workbench_ui import state_input
 
     at = start()
     uploaders = {u.key: u.proto.max_upload_size_mb for u in at.get("file_uploader")}

@@ -92,7 +92,7 @@ def test_run_and_the_numbers_are_whole_at_every_screen_size(page):
 
 
 def test_an_image_over_the_limit_is_refused_in_words(page, tmp_path: Path):
-    from clef_workbench import state_input
+    from workbench_ui import state_input
 
     big = tmp_path / "holiday.png"
     big.write_bytes(b"\x89PNG\r\n\x1a\n" + bytes(27 * state_input.MB - 8))  # over the image limit, under the server's
@@ -188,7 +188,7 @@ def test_no_label_button_or_metric_is_cut_on_any_page_at_any_window_size(tmp_pat
 
 def every_page_at_every_size(url: str, run_ids: list[int], root: Path) -> dict[str, list[str]]:
     """What reads cut or broken on each page at each window size, after a Run on Decide."""
-    from clef_workbench import state_input
+    from workbench_ui import state_input
 
     with playwright_api.sync_playwright() as playwright:
         browser = launch_chromium(playwright)

@@ -353,7 +353,7 @@ def bad_input_everywhere(page, store: Store, tmp_path: Path) -> None:
     truthful(page)
 
     # an image over the upload limit
-    from clef_workbench import state_input
+    from workbench_ui import state_input
 
     big = tmp_path / "scan.png"
     big.write_bytes(b"\x89PNG\r\n\x1a\n" + bytes(27 * state_input.MB - 8))

@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from clef_workbench import answers, schemas, state_input
+from clef_workbench import schemas
 from clef_workbench.schema_library import SchemaLibrary
 from clef_workbench.store import Store
+from workbench_ui import answers, schema_rows, state_input
 from workbench_ui import decide_model as vm
-from workbench_ui import schema_rows
 
 REPO = Path(__file__).resolve().parents[1]
 

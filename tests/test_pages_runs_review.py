@@ -13,10 +13,10 @@ import pytest
 from streamlit.dataframe_util import convert_arrow_bytes_to_pandas_df
 from streamlit.testing.v1 import AppTest
 
-from clef_workbench import casesets, review, state_input
+from clef_workbench import casesets, review
 from clef_workbench.review import ReviewRules
 from clef_workbench.store import Store
-from workbench_ui import shell
+from workbench_ui import shell, state_input
 
 pytestmark = pytest.mark.slow  # the Runs and Review pages run real batch runs: minutes in all
 

@@ -12,8 +12,8 @@ import pytest
 from PIL import Image
 
 from clef_engine import protocol
-from clef_workbench import state_input
-from clef_workbench.state_input import (
+from workbench_ui import state_input
+from workbench_ui.state_input import (
     MAX_IMAGES,
     Media,
     MediaError,

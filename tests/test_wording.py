@@ -7,9 +7,8 @@ import pytest
 
 from clef_engine.errors import TokenBudgetError
 from clef_engine.explain import check_cost
-from clef_workbench import answers, state_input
-from clef_workbench.state_input import MediaError
-from workbench_ui import links, shell
+from workbench_ui import answers, links, shell, state_input
+from workbench_ui.state_input import MediaError
 
 
 def test_a_not_found_link_counts_what_exists_in_words():

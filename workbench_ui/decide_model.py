@@ -20,8 +20,8 @@ import numpy as np
 from PIL import Image
 
 from clef_engine.interface import DecisionEngine
-from clef_workbench import answers, schemas, state_input
-from workbench_ui import schema_rows
+from clef_workbench import schemas
+from workbench_ui import answers, schema_rows, state_input
 
 PREFIX = "decide"
 # A widget's value is mirrored under this prefix: Streamlit drops a widget's own key on a run that does not draw it

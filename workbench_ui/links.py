@@ -11,10 +11,9 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlencode
 
-from clef_workbench import state_input
 from clef_workbench.schema_library import SchemaLibrary
 from clef_workbench.store import StoreError
-from workbench_ui import schema_rows
+from workbench_ui import schema_rows, state_input
 
 # Decide's max_length choices are the powers of two from 512 to 262,144 tokens; a run's other values are not shown.
 DECIDE_MAX_LENGTHS = {2 ** power for power in range(9, 19)}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import altair as alt
 import pandas as pd
 
-from clef_workbench.answers import CHOSEN_COLOR, OTHER_COLOR
+from workbench_ui.answers import CHOSEN_COLOR, OTHER_COLOR
 
 
 def latency_histogram(results: list[dict], *, bins: int = 30) -> alt.Chart:

@@ -31,8 +31,8 @@ from clef_workbench.model_loader import (
 )
 from clef_workbench.schema_library import SchemaLibrary
 from clef_workbench.settings import WorkbenchSettings
-from clef_workbench.state_input import IMAGE_EXTENSIONS, MAX_IMAGE_BYTES, MB
 from workbench_ui import links
+from workbench_ui.state_input import IMAGE_EXTENSIONS, MAX_IMAGE_BYTES, MB
 
 log = logging.getLogger(__name__)
 
