@@ -365,7 +365,7 @@ with st.expander("Audit log", icon=":material/history:"):
     st.dataframe(pd.DataFrame(view.audit_rows(log)), hide_index=True, width="stretch")
 
 with st.expander("Export reviewed labels", icon=":material/download:"):
-    labels_csv = pd.DataFrame(view.label_rows(store.list_review_items(run_id))).to_csv(index=False)
+    labels_csv = view.labels_csv(store.list_review_items(run_id))
     st.download_button("Reviewed labels (CSV)", labels_csv, file_name=f"review-run-{run_id}.csv",
         # the key changes with the data: a download button kept under one key can serve its first file again
         mime="text/csv", key=K(f"labels_csv.{run_id}.{len(log)}"), on_click="ignore")

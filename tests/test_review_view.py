@@ -122,6 +122,9 @@ def test_actions_gold_label_and_undo_say_what_happened(queue):
     labels = view.label_rows(store.list_review_items(run_id))
     assert labels == [{"case_id": case_ids[3], "question_id": "team", "status": "corrected", "label": "tech",
                        "model_answer": "billing", "reviewer": "ana", "reason": "answered 'billing', expected 'tech'"}]
+    exported = view.labels_csv(store.list_review_items(run_id))  # opens in Excel as UTF-8: a byte order mark first
+    assert exported.startswith("\ufeffcase_id,question_id,status,label,model_answer,reviewer,reason\n")
+    assert f"{case_ids[3]},team,corrected,tech,billing,ana" in exported
 
     undone = store.undo_last_action("ana", run_id=run_id)
     assert view.undone_message(undone) == f"Undone: case {case_ids[3]} · team is open again."

@@ -8,7 +8,9 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from clef_workbench import review
+import pandas as pd
+
+from clef_workbench import casesets, review
 from clef_workbench.review import ReviewRules
 
 MAX_SHORTCUT_OPTIONS = 9
@@ -252,6 +254,12 @@ def label_rows(items: list[dict]) -> list[dict[str, Any]]:
     return [{"case_id": i["case_id"], "question_id": i["question_id"], "status": i["status"],
              "label": review.label_key(i["label"]) if i["label"] is not None else "", "model_answer": i["predicted"],
              "reviewer": i["reviewer"], "reason": i["reason"]} for i in items if i["status"] in REVIEWED]
+
+
+def labels_csv(items: list[dict]) -> str:
+    """The reviewed labels as a CSV file Excel opens as UTF-8, with the columns of `label_rows` even when empty."""
+    columns = ["case_id", "question_id", "status", "label", "model_answer", "reviewer", "reason"]
+    return casesets.excel_csv(pd.DataFrame(label_rows(items), columns=columns))
 
 
 def golden_name(run: dict) -> str:
