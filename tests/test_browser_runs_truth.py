@@ -86,7 +86,6 @@ def test_links_to_missing_things_say_not_found_list_what_exists_and_keep_the_url
     store, run_id = failed_run(db, "Links", 2)
     for path, asked in (("/runs?run=999", "run 999"), ("/cases?set=999", "case set 999"),
                         ("/compare?runs=999,1000", "run(s) #999, #1000"),
-                        (f"/review?run={run_id}&case=999&question=team", f"case 999 · question team of run #{run_id}"),
                         ("/?schema=no-such-schema", "the schema “no-such-schema”")):
         page.goto(url + path)
         expect(page.get_by_text(f"Not found: the link asks for {asked}", exact=False)).to_be_visible(timeout=LONG)
@@ -94,6 +93,11 @@ def test_links_to_missing_things_say_not_found_list_what_exists_and_keep_the_url
         # the URL still names what was asked for: Decide adds its draft, and "/" is Decide's address, /decide
         shown = path.replace("/?", "/decide?", 1) if path.startswith("/?") else path
         assert page.url.startswith(url + shown), page.url
+    # a link into the review of a run whose every case failed: nothing there can be reviewed, and the page says why
+    page.goto(url + f"/review?run={run_id}&case=999&question=team")
+    expect(page.get_by_text(f"No run has answers to review: every case failed in run #{run_id}", exact=False)) \
+        .to_be_visible(timeout=LONG)
+    no_traceback(page)
     page.goto(url + "/runs?run=999")
     expect(page.get_by_text("Not found: the link asks for run 999", exact=False)).to_be_visible(timeout=LONG)
     expect(page.get_by_role("link", name=f"#{run_id} ")).to_be_visible()  # what exists, as links

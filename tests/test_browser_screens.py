@@ -51,8 +51,8 @@ def test_typed_state_blind_review_and_one_run_status_in_one_sitting(tmp_path):
         page.set_default_timeout(60_000)
         try:
             page.goto(url)
-            expect(page.get_by_text("Its weights are random: the answers mean nothing").first).to_be_visible(
-                timeout=LONG)
+            # the sidebar lists a loaded model's kernels
+            expect(page.get_by_text("fast kernels:")).to_be_visible(timeout=LONG)
             loading_a_schema_keeps_the_typed_state(page)
             blind_review_is_blind(page, reviewed_run)
             a_refused_run_reads_failed_everywhere(page, store)

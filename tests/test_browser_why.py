@@ -197,12 +197,12 @@ def test_why_on_the_vehicle_example_with_a_photo_and_a_video_fits_itself_to_the_
     "Explain by" offers the other units."""
     url, _ = workbench
     page.goto(url)
-    expect(page.get_by_text("Its weights are random: the answers mean nothing")).to_be_visible(timeout=LONG)
+    expect(page.get_by_text("fast kernels:")).to_be_visible(timeout=LONG)  # the sidebar lists a loaded model's kernels
     pick(page, "Library", "Vehicle damage claim (photo)")
     page.get_by_role("button", name="Load", exact=True).click()
     settle(page)
     expect(page.get_by_role("combobox", name="Example states of the loaded schema")).to_be_visible()
-    page.get_by_role("button", name="Use", exact=True).click()
+    page.get_by_role("button", name="Use this example", exact=True).click()
     settle(page)
     expect(page.locator('textarea[aria-label="State"]')).to_contain_text("claim_id")
     photo = tmp_path / "car.png"

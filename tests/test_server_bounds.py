@@ -142,7 +142,7 @@ def test_thousands_of_questions_are_refused_before_they_are_validated(server: Se
     assert response.status_code == 413, response.text[:500]
     detail = response.json()["detail"]
     assert detail["part"] == "schema" and detail["max_tokens_per_request"] == 16384
-    assert "at most 16384 tokens per request" in detail["message"]
+    assert "at most 16,384 tokens per request" in detail["message"]
 
 
 def test_a_small_decide_is_answered_while_an_explanation_runs(server: ServerProcess) -> None:
