@@ -82,11 +82,15 @@ def journey(page, url: str, store: Store, set_id: int) -> None:
     expect(page.get_by_text("Comparing needs two runs of one case set")).to_be_visible()
     pick(page, "Case set", "Example: Support ticket routing (12 cases)", exact=True)
     pick(page, "Schema", SLUG, exact=True)
-    for version in ("v2", "v3 (current)"):
+    for started, version in enumerate(("v2", "v3 (current)"), start=1):
         pick(page, "Version", version, exact=True)
         page.get_by_role("button", name="Run this schema on this case set with these models").click()
         settle(page)
-        expect(page.get_by_text("Started run(s)")).to_be_visible()
+        # the run this click started (the message of the click before stays on screen until the page redraws)
+        deadline = time.monotonic() + LONG / 1000
+        while len(store.list_runs(set_id)) < started and time.monotonic() < deadline:
+            page.wait_for_timeout(500)
+        expect(page.get_by_text(f"Started run(s) #{store.list_runs(set_id)[0]['id']}.")).to_be_visible()
     runs = store.list_runs(set_id)
     assert [r["schema_version"] for r in runs] == ["3", "2"]
     v2_run, v3_run = runs[1]["id"], runs[0]["id"]
