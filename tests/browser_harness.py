@@ -77,3 +77,22 @@ def launch_chromium(playwright: Any):
         raise FileNotFoundError(f"{CHROMIUM_PATH} not found: install Debian's chromium "
                                 "(apt-get install -y chromium) or set CLEF_CHROMIUM to its path")
     return playwright.chromium.launch(executable_path=CHROMIUM_PATH, args=CHROMIUM_ARGS, headless=True)
+
+
+@contextmanager
+def workbench_page(env: dict[str, str], folder: Path, *, width: int = 1440,
+                   height: int = 900) -> Iterator[tuple[Any, str]]:
+    """A workbench process on `env` and one Chromium page of `width` × `height` (actions wait up to 60 s): (page,
+    the workbench's URL). The page's last state is kept in `folder/last.png` for a failure."""
+    import playwright.sync_api as playwright_api
+
+    with running_workbench(env, log_path=folder / "streamlit.log") as url, \
+            playwright_api.sync_playwright() as playwright:
+        browser = launch_chromium(playwright)
+        page = browser.new_page(viewport={"width": width, "height": height})
+        page.set_default_timeout(60_000)
+        try:
+            yield page, url
+        finally:
+            page.screenshot(path=str(folder / "last.png"), full_page=True)
+            browser.close()

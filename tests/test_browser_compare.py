@@ -17,7 +17,7 @@ import pytest
 
 from clef_workbench import casesets
 from clef_workbench.store import Store
-from tests.browser_harness import launch_chromium, running_workbench
+from tests.browser_harness import workbench_page
 from tests.browser_steps import pick, settle
 
 expect = playwright_api.expect
@@ -36,16 +36,8 @@ def test_edit_twice_run_two_versions_compare_and_open_a_case(tmp_path):
     store = Store(db)
     set_id = casesets.load_example_case_sets(store, tmp_path / "schemas")[SLUG]
     env = {"CLEF_DB": str(db), "CLEF_SCHEMAS_DIR": str(tmp_path / "schemas"), "CLEF_MODEL": "demo"}
-    with running_workbench(env, log_path=tmp_path / "streamlit.log") as url, \
-            playwright_api.sync_playwright() as playwright:
-        browser = launch_chromium(playwright)
-        page = browser.new_page(viewport={"width": 1500, "height": 1100})
-        page.set_default_timeout(60_000)
-        try:
-            journey(page, url, store, set_id)
-        finally:
-            page.screenshot(path=str(tmp_path / "compare.png"), full_page=True)  # kept for a failure
-            browser.close()
+    with workbench_page(env, tmp_path, width=1500, height=1100) as (page, url):
+        journey(page, url, store, set_id)
 
 
 def journey(page, url: str, store: Store, set_id: int) -> None:
@@ -202,21 +194,13 @@ def grid_page(tmp_path):
         run_ids.append(run_id)
     shutil.copytree(REPO / "schemas", tmp_path / "schemas")
     env = {"CLEF_DB": str(db), "CLEF_SCHEMAS_DIR": str(tmp_path / "schemas"), "CLEF_MODEL": "demo"}
-    with running_workbench(env, log_path=tmp_path / "streamlit.log") as url, \
-            playwright_api.sync_playwright() as playwright:
-        browser = launch_chromium(playwright)
-        page = browser.new_page(viewport={"width": 1440, "height": 900})
-        page.set_default_timeout(60_000)
-        try:
-            page.goto(f"{url}/compare?runs={run_ids[0]},{run_ids[1]}")
-            expect(page.get_by_role("heading", name="Cases × runs")).to_be_visible(timeout=LONG)
-            settle(page)
-            matrix = page.locator('[data-testid="stDataFrame"]').last
-            matrix.scroll_into_view_if_needed()
-            yield page, matrix, run_ids, case_ids
-        finally:
-            page.screenshot(path=str(tmp_path / "matrix.png"), full_page=True)  # kept for a failure
-            browser.close()
+    with workbench_page(env, tmp_path) as (page, url):
+        page.goto(f"{url}/compare?runs={run_ids[0]},{run_ids[1]}")
+        expect(page.get_by_role("heading", name="Cases × runs")).to_be_visible(timeout=LONG)
+        settle(page)
+        matrix = page.locator('[data-testid="stDataFrame"]').last
+        matrix.scroll_into_view_if_needed()
+        yield page, matrix, run_ids, case_ids
 
 
 def drawn_grid(page, matrix) -> list[list[tuple[str, tuple[float, float]]]]:

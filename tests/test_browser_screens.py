@@ -20,7 +20,7 @@ from clef_workbench import review
 from clef_workbench.review import ReviewRules
 from clef_workbench.store import Store
 from tests import browser_steps
-from tests.browser_harness import launch_chromium, running_workbench
+from tests.browser_harness import workbench_page
 from tests.browser_steps import pick
 from tests.test_browser_compare import GRID_ANSWERS, GRID_CASES, GRID_SCHEMA, grid_response
 
@@ -44,21 +44,12 @@ def test_typed_state_blind_review_and_one_run_status_in_one_sitting(tmp_path):
     store = Store(db)
     reviewed_run = recorded_run_with_a_queue(store)
     env = {"CLEF_DB": str(db), "CLEF_SCHEMAS_DIR": str(tmp_path / "schemas"), "CLEF_MODEL": "demo"}
-    with running_workbench(env, log_path=tmp_path / "streamlit.log") as url, \
-            playwright_api.sync_playwright() as playwright:
-        browser = launch_chromium(playwright)
-        page = browser.new_page(viewport={"width": 1440, "height": 900})
-        page.set_default_timeout(60_000)
-        try:
-            page.goto(url)
-            # the sidebar lists a loaded model's kernels
-            expect(page.get_by_text("fast kernels:")).to_be_visible(timeout=LONG)
-            loading_a_schema_keeps_the_typed_state(page)
-            blind_review_is_blind(page, reviewed_run)
-            a_refused_run_reads_failed_everywhere(page, store)
-        finally:
-            page.screenshot(path=str(tmp_path / "last.png"), full_page=True)  # kept for a failure
-            browser.close()
+    with workbench_page(env, tmp_path) as (page, url):
+        page.goto(url)
+        expect(page.get_by_text("fast kernels:")).to_be_visible(timeout=LONG)  # the sidebar lists the loaded model
+        loading_a_schema_keeps_the_typed_state(page)
+        blind_review_is_blind(page, reviewed_run)
+        a_refused_run_reads_failed_everywhere(page, store)
 
 
 def state_editor(page):
