@@ -37,7 +37,7 @@ REPO = Path(__file__).resolve().parents[1]
 SMOKE = os.environ.get("BENCH_CPU_SMOKE") == "1"
 sys.path.insert(0, str(REPO))
 
-from tests.browser_harness import free_port  # noqa: E402
+from tests.support.browser import free_port  # noqa: E402
 
 SMALL = {"state": "Customer 3 says: I was charged twice for order 1003.",
          "questions": {"billing": {"type": "noul", "instructions": "Is it about billing?"},

@@ -1,0 +1,231 @@
+"""Long records in chunks (fast/packed.py `forward_chunked`): the same hidden states, layer states and answers as the
+whole-record forward, on the CPU in float32 with the tiny release and the chunk forced small."""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import clef_engine
+from clef_engine.config import EngineConfig
+from clef_engine.errors import ReleaseError
+from clef_engine.fast import attention
+from clef_engine.fast.packed import chunk_bounds
+from clef_engine.fast.segments import make_segments
+from tests.engine.test_fast_paths import TOLERANCE, max_difference, request
+from tests.engine.test_triton_kernels import ROOT, run_interpreted
+
+CHUNK = 160  # the engine's chunk here: a request of the tiny tokenizer is ~140 tokens before its state
+
+
+@pytest.fixture(scope="module")
+def chunked_engine(tiny_release):
+    """The tiny release loaded with the chunk size from the environment, as a deployment sets it."""
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("CLEF_PREFILL_CHUNK_TOKENS", str(CHUNK))
+        engine = clef_engine.load(tiny_release, device="cpu", dtype="float32")
+    yield engine
+    engine.close()
+
+
+def test_the_chunk_size_is_a_config_knob_off_on_the_cpu_by_default():
+    assert EngineConfig.resolve(device="cpu", env={}).prefill_chunk_tokens == 0
+    assert EngineConfig.resolve(device="cpu", env={"CLEF_PREFILL_CHUNK_TOKENS": "16_384"}).prefill_chunk_tokens == 16384
+    assert EngineConfig.resolve(device="cpu", env={"CLEF_PREFILL_CHUNK_TOKENS": "9"},
+                                prefill_chunk_tokens=128).prefill_chunk_tokens == 128
+    with pytest.raises(ReleaseError, match="CLEF_PREFILL_CHUNK_TOKENS='big'"):
+        EngineConfig.resolve(device="cpu", env={"CLEF_PREFILL_CHUNK_TOKENS": "big"})
+
+
+def test_chunks_end_at_multiples_of_the_chunk_size_and_at_the_split():
+    assert chunk_bounds(130, 64) == [(0, 64), (64, 128), (128, 130)]
+    assert chunk_bounds(128, 64) == [(0, 64), (64, 128)]
+    assert chunk_bounds(150, 64, split_at=100) == [(0, 64), (64, 100), (100, 128), (128, 150)]
+    assert chunk_bounds(150, 64, split_at=128) == [(0, 64), (64, 128), (128, 150)]
+    assert chunk_bounds(40, 64, split_at=40) == [(0, 40)]
+
+
+@pytest.mark.parametrize(("length", "chunk", "split_at"), [
+    (9, 2, None),  # chunks shorter than the conv's history: its last inputs come from two chunks back
+    (130, 64, None),  # not a multiple of the chunk
+    (128, 64, None),  # a multiple
+    (150, 64, 100),  # the state cache's split inside a chunk
+    (67, 64, 2),  # a split two tokens in
+])
+def test_a_record_in_chunks_has_the_whole_forwards_hidden_states_and_layer_states(tiny_engine, length, chunk,
+                                                                                    split_at):
+    backbone = tiny_engine.backbone
+    ids = torch.randint(0, backbone.embed.shape[0], (length,), generator=torch.Generator().manual_seed(length))
+    whole, want_states = backbone.forward(ids, make_segments([length], tiny_engine.device), split_at=split_at)
+    pieces: list[tuple[int, torch.Tensor]] = []
+    states = backbone.forward_chunked(ids, chunk, lambda start, hidden: pieces.append((start, hidden)),
+                                      split_at=split_at)
+    assert [start for start, _ in pieces] == [start for start, _ in chunk_bounds(length, chunk, split_at)]
+    assert max(hidden.shape[0] for _, hidden in pieces) <= chunk
+    chunked = torch.cat([hidden for _, hidden in pieces])
+    assert (chunked - whole).abs().max().item() <= TOLERANCE
+    if split_at is None:
+        assert states is None
+        return
+    assert len(states) == len(want_states)
+    for got, want in zip(states, want_states):
+        assert [t.shape for t in got.tensors()] == [t.shape for t in want.tensors()]
+        for a, b in zip(got.tensors(), want.tensors()):
+            assert (a.float() - b.float()).abs().max().item() <= TOLERANCE
+
+
+def test_a_long_record_is_answered_in_chunks_as_it_is_whole(tiny_engine, chunked_engine, monkeypatch):
+    """Through the engine's own path with the state cache off: every layer sees at most a chunk of tokens."""
+    monkeypatch.setattr(chunked_engine.state_cache, "enabled", False)
+    rows: list[int] = []
+    run_chunk = chunked_engine.backbone._forward_chunk
+    monkeypatch.setattr(chunked_engine.backbone, "_forward_chunk",
+                        lambda ids, *rest: rows.append(ids.shape[0]) or run_chunk(ids, *rest))
+    short = {"state": "a short ticket", "questions": {"paid": {"type": "noul", "instructions": "Is it paid?"}}}
+    records = [tiny_engine.encode(body) for body in (short, request(20, 1), request(150, 2))]
+    lengths = [len(r) for r in records]
+    assert min(lengths) < CHUNK < max(lengths) and any(n % CHUNK for n in lengths if n > CHUNK)
+    for record in records:
+        whole = tiny_engine.forward_packed([record])
+        chunked = chunked_engine.forward_packed([record])
+        assert max_difference(chunked, whole) <= TOLERANCE
+    assert max(rows) == CHUNK and len(rows) == sum(-(-n // CHUNK) for n in lengths if n > CHUNK)
+
+
+def test_a_long_state_stored_in_chunks_answers_a_new_schema_as_the_whole_record_does(tiny_engine, chunked_engine,
+                                                                                     monkeypatch):
+    """The state cache takes the chunked forward's state at the state's end (a chunk boundary of its own), and the
+    continuation from it answers a new schema as the whole record does; the state is stored after the answer."""
+    cache = chunked_engine.state_cache
+    cache.clear()
+    monkeypatch.setattr(cache, "min_prefix_tokens", 64)
+    events: list[str] = []
+    head_one, put = chunked_engine.head_one, cache.put
+    monkeypatch.setattr(chunked_engine, "head_one", lambda *a: events.append("answer") or head_one(*a))
+    monkeypatch.setattr(cache, "put", lambda *a: events.append("store") or put(*a))
+    first = request(600, 7)
+    second = dict(first, questions={"kind": {"type": "choice", "instructions": "Which kind of ticket",
+                                             "criteria": {"billing": None, "technical": "a fault", "other": None}}})
+    try:
+        for body in (first, second):
+            record = chunked_engine.encode(body)
+            assert record.state_end > 2 * CHUNK and record.state_end % CHUNK  # the split inside a chunk
+            got = chunked_engine.forward_packed([record])
+            assert max_difference(got, tiny_engine.forward_packed([record])) <= TOLERANCE
+        assert events == ["answer", "store", "answer"]  # stored after the first answer; the second is a hit
+        assert cache.stats()["hits"] == 1 and cache.stats()["stored"] == 1
+    finally:
+        cache.clear()
+
+
+def test_a_record_run_in_chunks_first_moves_earlier_states_out_of_the_device_tier(tiny_engine, chunked_engine,
+                                                                                  monkeypatch):
+    """Issue 25's memory bound (weights + the record's keys/values + a bounded working set, whatever came before):
+    while a long record's chunks run, no earlier state is on the device; a record short enough to run whole leaves
+    the stored states where they are. The long record's own state is stored after its answer, and it answers as the
+    whole-record forward does."""
+    cache = chunked_engine.state_cache
+    cache.clear(reset_stats=True)
+    monkeypatch.setattr(cache, "min_prefix_tokens", 40)
+    held_during_chunks: list[int] = []
+    run_chunk = chunked_engine.backbone._forward_chunk
+    monkeypatch.setattr(chunked_engine.backbone, "_forward_chunk",
+                        lambda *args: held_during_chunks.append(cache.stats()["device_bytes"]) or run_chunk(*args))
+    words = "the invoice ticket customer payment refund amount total due date vendor alert".split()
+    short, other_short = ({"state": " ".join(words[(i * 7 + seed) % 12] for i in range(n)),
+                           "questions": {"paid": {"type": "noul", "instructions": "Is it paid?"}}}
+                          for n, seed in ((10, 1), (12, 3)))
+    long = request(600, 8)
+    try:
+        for body in (short, other_short):
+            record = chunked_engine.encode(body)
+            assert record.state_end >= 40 and len(record) < CHUNK
+            chunked_engine.forward_packed([record])
+        assert cache.stats()["entries"] == 2 and not held_during_chunks  # two states kept; nothing ran in chunks
+        record = chunked_engine.encode(long)
+        assert len(record) > 2 * CHUNK
+        got = chunked_engine.forward_packed([record])
+        assert max_difference(got, tiny_engine.forward_packed([record])) <= TOLERANCE
+        assert held_during_chunks and set(held_during_chunks) == {0}
+        stats = cache.stats()
+        assert stats["entries"] == 1 and stats["stored"] == 3 and stats["evicted"] == 2  # the long one's own state
+        chunked_engine.forward_packed([chunked_engine.encode(short)])
+        assert cache.stats()["misses"] == 4  # the short state was moved out: computed again
+    finally:
+        cache.clear()
+
+
+@pytest.mark.slow  # Triton's interpreter on the CPU: minutes
+def test_a_chunked_record_with_the_triton_kernels_matches_the_whole_pytorch_forward():
+    """Chunks after the first continue the conv with the fused kernel (`causal_conv_after_triton`): run in Triton's
+    interpreter against the plain whole-record forward."""
+    out = run_interpreted("""
+        import torch
+        import clef_engine
+        from clef_engine.fast import kernels
+        from clef_engine.fast.segments import make_segments
+        engine = clef_engine.load(clef_engine.demo_release(), device="cpu")
+        backbone = engine.backbone
+        ids = torch.randint(0, backbone.embed.shape[0], (75,), generator=torch.Generator().manual_seed(0))
+        plain, _ = backbone.forward(ids, make_segments([75], torch.device("cpu")))
+        backbone.kernels = kernels.Kernels(causal_conv=kernels.causal_conv_triton,
+                                           causal_conv_after=kernels.causal_conv_after_triton)
+        pieces = []
+        backbone.forward_chunked(ids, 16, lambda start, hidden: pieces.append(hidden))
+        error = (torch.cat(pieces) - plain).abs().max().item()
+        print("max abs difference", error)
+        assert len(pieces) == 5 and error <= 1e-4, error
+    """)
+    assert "max abs difference" in out
+
+
+@pytest.mark.slow  # the benchmark's CPU smoke run: minutes
+def test_the_long_records_benchmark_writes_issue_25s_layout_in_its_cpu_smoke_mode(tmp_path):
+    """bench/long_records.py on a scaled-down model (its ~136k record is ~4k tokens here: chunked, state stored)."""
+    out = tmp_path / "long.json"
+    env = dict(os.environ, BENCH_CPU_SMOKE="1", BENCH_LENGTHS="131072", BENCH_SAMPLES="1", BENCH_16K_SAMPLES="2",
+               BENCH_SKIP="cache_off,longest", BENCH_TINY_DIR=str(tmp_path / "tiny"), PYTHONPATH=str(ROOT))
+    run = subprocess.run([sys.executable, "bench/long_records.py", str(out)], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=900)
+    assert run.returncode == 0, run.stdout + run.stderr
+    results = json.loads(out.read_text())
+    entry = results["long"]["131072"]
+    assert entry["release_ms"] == 22042.9 and entry["ours_ms"] > 0 and "ours_gpu_ms" in entry
+    assert results["p95_over_p50_16k"] >= 1.0
+    detail = results["detail"]
+    assert set(detail["errors"]) == {"cache_off", "longest"}
+    assert detail["config"]["prefill_chunk_tokens"] == "64"
+    assert detail["long_131072"]["tokens"] > 2048 and detail["long_131072"]["state_cache"]["stored"] >= 1
+
+
+@pytest.mark.parametrize("grouped", [True, False])
+@pytest.mark.parametrize(("prefix", "n"), [(700, 300), (512, 256), (100, 37), (0, 50), (256, 1)])
+def test_the_cudnn_chunk_attention_merges_to_the_causal_attention_after_the_earlier_tokens(prefix, n, grouped):
+    """Its two calls (the earlier keys up to a multiple of the step, unmasked; the rest causally, the queries
+    shifted) merged by log-sum-exp, with cuDNN's call swapped for a plain one of the same contract (CPU)."""
+    generator = torch.Generator().manual_seed(prefix + n)
+    q = torch.randn(n, 6, 32, generator=generator)
+    k, v = (torch.randn(prefix + n, 2, 32, generator=generator) for _ in range(2))
+    got = attention.attention_chunk_cudnn(q, k, v, prefix, attend=attention.attention_with_lse_torch, grouped=grouped)
+    assert got.shape == q.shape
+    assert (got - attention.attention_after_prefix(q, k, v, prefix)).abs().max().item() <= TOLERANCE
+
+
+def test_a_record_in_chunks_on_the_cudnn_chunk_attention_has_the_whole_forwards_hidden_states(tiny_engine,
+                                                                                              monkeypatch):
+    backbone = tiny_engine.backbone
+    chunk_attention = functools.partial(attention.attention_chunk_cudnn, attend=attention.attention_with_lse_torch,
+                                        grouped=True)
+    ids = torch.randint(0, backbone.embed.shape[0], (450,), generator=torch.Generator().manual_seed(1))
+    whole, _ = backbone.forward(ids, make_segments([450], tiny_engine.device))
+    monkeypatch.setattr(backbone.kernels, "attention_chunk", chunk_attention)
+    pieces: list[torch.Tensor] = []
+    backbone.forward_chunked(ids, 200, lambda start, hidden: pieces.append(hidden))  # the third after 144 + 256
+    assert len(pieces) == 3
+    assert (torch.cat(pieces) - whole).abs().max().item() <= TOLERANCE
