@@ -99,9 +99,9 @@ class StoreBase:
         """Open a database this process cannot write read-only, without side files: opened normally, a read-only
         file in WAL mode gets `-wal` and `-shm` side files created with its own read-only mode, which keep it
         unusable after its permissions are restored. Without a `-wal` file no connection has it open and the file
-        holds every commit, so SQLite may treat it as immutable (no locks, no side files); with one, it reads
-        through the side files already there. Side files left read-only next to a writable database are named, for
-        the same reason."""
+        holds every commit, so SQLite may treat it as immutable (no locks, no side files; what its owner writes
+        later is for a store opened after); with one, it reads through the side files already there. Side files
+        left read-only next to a writable database are named, for the same reason."""
         wal, shm = (self.path.with_name(self.path.name + suffix) for suffix in ("-wal", "-shm"))
         if self.path.exists() and not _writable(self.path):
             self.read_only = True
