@@ -366,6 +366,7 @@ def calibrate_command(args: argparse.Namespace) -> int:
     store = Store(args.db)
     if args.run is not None:
         try:
+            store.require_writable()  # before the fitting: its result is kept in the store
             calibration_id, reports = calibration.calibrate_run(store, args.run, name=args.name,
                                                                 min_labelled=args.min_labelled, folds=args.folds)
         except (calibration.CalibrationRefused, StoreError) as exc:

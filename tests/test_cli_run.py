@@ -354,6 +354,7 @@ def test_a_read_only_database_is_read_its_writes_refused_without_side_files_and_
                 reader.create_case_set("more")
             reader.close()
             assert main(["calibrate", "--db", str(db), "--export", str(folder / "calibrations.json")]) == 0
+            assert main(["calibrate", "--db", str(db), "--run", "1"]) == 1
             assert main(import_args) == 1
             assert main(["run", "--db", str(db), "--case-set", "tickets", "--schema", str(schema_file), "--model",
                          "demo"]) == 1
@@ -362,7 +363,7 @@ def test_a_read_only_database_is_read_its_writes_refused_without_side_files_and_
             db.chmod(0o644)  # permissions restored by the file's owner: the database works
             imported = main(import_args)
         err = capsys.readouterr().err
-        assert err.count(f"the database file {db} is read-only") == 2 and "Traceback" not in err, err
+        assert err.count(f"the database file {db} is read-only") == 3 and "Traceback" not in err, err
         assert json.loads((folder / "calibrations.json").read_text()) == {"calibrations": {}}
         assert imported == 0, err
         assert [s["case_count"] for s in Store(db).list_case_sets()] == [1]
