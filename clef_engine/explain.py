@@ -17,6 +17,9 @@ An explanation costs the tokens of every variant. They count against `EXPLAIN_BA
 engine's token budget (or a server's token ceiling per request, when less); a record whose variants would take more
 is refused with a TokenBudgetError naming the cost, counted from its segments and its record's length before any
 variant is built.
+
+`explain` (the workbench's Why: one person waits at the screen) submits the variants as interactive work; the HTTP
+server's `Explaining` as bulk work, whatever the request asks (see there).
 """
 
 from __future__ import annotations

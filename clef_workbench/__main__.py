@@ -264,6 +264,7 @@ def run_command(args: argparse.Namespace) -> int:
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be at least 1")
     store = Store(args.db)
+    store.require_writable()  # before the model loads: a run writes its results
     model_id = request_model_name(args.model)
     if args.resume is not None:
         if args.case_set or args.schema or args.new:
@@ -365,6 +366,7 @@ def calibrate_command(args: argparse.Namespace) -> int:
     store = Store(args.db)
     if args.run is not None:
         try:
+            store.require_writable()  # before the fitting: its result is kept in the store
             calibration_id, reports = calibration.calibrate_run(store, args.run, name=args.name,
                                                                 min_labelled=args.min_labelled, folds=args.folds)
         except (calibration.CalibrationRefused, StoreError) as exc:

@@ -273,6 +273,7 @@ def parse_jsonl(jsonl_text: str, schema: dict | None = None, *, base_dir: Path |
     problems: list[str] = []
     cases = []
     questions = (schema or {}).get("questions", {})
+    id_lines: dict[str, int] = {}  # a case's own id → the line that has it first
     for line_number, line in enumerate(jsonl_text.splitlines(), start=1):
         if not line.strip():
             continue
@@ -328,6 +329,9 @@ def parse_jsonl(jsonl_text: str, schema: dict | None = None, *, base_dir: Path |
         if source_id is not None and not isinstance(source_id, str | int):
             problems.append(f"{where}, id: must be text or a whole number")
             source_id = None
+        elif source_id is not None and id_lines.setdefault(str(source_id), line_number) != line_number:
+            problems.append(f"{where}, id: {str(source_id)!r} is line {id_lines[str(source_id)]}'s too (an id names "
+                            "one case)")
         cases.append({"state": state, "expected": expected, "tags": tags,
                       "source_id": None if source_id is None else str(source_id), **media})
     if problems:

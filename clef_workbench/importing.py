@@ -228,9 +228,26 @@ def empty_state_rows(source: SourceFile, mapping: CsvMapping) -> list[BadRow]:
             for number, row in source.rows if not any(row[column].strip() for column in state_columns)]
 
 
+def repeated_id_rows(source: SourceFile, id_column: str, skipped: set[int]) -> list[BadRow]:
+    """Rows whose id an earlier row (not otherwise skipped) has: a case's own id names one case."""
+    first: dict[str, int] = {}
+    repeated = []
+    for number, row in source.rows:
+        value = row.get(id_column, "").strip()
+        if not value or number in skipped:
+            continue
+        if value in first:
+            repeated.append(BadRow(number, f"its id {value!r} is row {first[value]}'s too (an id names one case)"))
+        else:
+            first[value] = number
+    return repeated
+
+
 def bad_rows(source: SourceFile, mapping: CsvMapping | None) -> list[BadRow]:
     """Every row that would not import as a case, in row order."""
     found = list(source.bad_rows) + (empty_state_rows(source, mapping) if mapping else [])
+    if mapping and mapping.id_column:
+        found += repeated_id_rows(source, mapping.id_column, {bad.row for bad in found})
     return sorted(found, key=lambda bad: bad.row)
 
 

@@ -106,7 +106,10 @@ class SchemaLibrary:
             raise SchemaError([SchemaProblem((), f'no schema "{slug}" in {self.directory}')]) from None
         except UnicodeDecodeError:
             raise SchemaError([SchemaProblem((), "the file is not UTF-8 text")], source=path.name) from None
-        return self._recorded(slug, Schema.from_json(text, source=path.name), "on disk")
+        schema = Schema.from_json(text, source=path.name)
+        if self.history is not None and self.history.read_only:  # read as it is: a read-only store keeps no version
+            return schema
+        return self._recorded(slug, schema, "on disk")
 
     def _recorded(self, slug: str, schema: Schema, action: str) -> Schema:
         """The schema numbered as its version in the history (recorded there if its content is new)."""

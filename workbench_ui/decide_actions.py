@@ -28,9 +28,12 @@ def draft_key(token: str) -> str:
 
 
 def save_draft() -> None:
-    """The editors as they are now, kept for a reload of this browser session (saved only when something changed)."""
-    vm.save_draft_if_changed(st.session_state,
-                             lambda draft: get_store().save_draft(draft_key(st.session_state[K("draft_token")]), draft))
+    """The editors as they are now, kept for a reload of this browser session (saved only when something changed;
+    a read-only database keeps none)."""
+    store = get_store()
+    if not store.read_only:
+        vm.save_draft_if_changed(st.session_state,
+                                 lambda draft: store.save_draft(draft_key(st.session_state[K("draft_token")]), draft))
 
 
 def load_schema(slug: str) -> None:

@@ -260,6 +260,9 @@ def render_sidebar() -> None:
         st.divider()
         live_status()
         render_add_model(manager)
+        if get_store().read_only:
+            st.warning(f"The database {get_store().path.name} is read-only for this user: you can look at everything, "
+                       "nothing is saved.", icon=":material/lock:")
 
 
 def render_models(manager: ModelManager) -> None:

@@ -66,6 +66,11 @@ def inserted_id(cursor: sqlite3.Cursor) -> int:
     return cursor.lastrowid
 
 
+def _writable(path: Path) -> bool:
+    """Whether this process may write the file (its effective user, as SQLite's open will be)."""
+    return os.access(path, os.W_OK, effective_ids=os.access in os.supports_effective_ids)
+
+
 def _dumps(value: Any) -> str:
     return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
 
@@ -79,30 +84,47 @@ class StoreBase:
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
+        self.read_only = False
+        self._uri: str | None = None
         if str(path) != ":memory:":
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._refuse_unwritable()
+            self._choose_mode()
         self._local = threading.local()
         conn = self._conn()
-        conn.execute("PRAGMA journal_mode=WAL")
+        if not self.read_only:
+            conn.execute("PRAGMA journal_mode=WAL")
         self._migrate(conn)
 
-    def _refuse_unwritable(self) -> None:
-        """Refuse a database this process cannot write before SQLite opens it: opened, a read-only file in WAL mode
-        gets `-wal` and `-shm` side files created with its own read-only mode, which keep it unusable after its
-        permissions are restored. Side files already left read-only are named, for the same reason."""
-        for path in (self.path, self.path.with_name(self.path.name + "-wal"),
-                     self.path.with_name(self.path.name + "-shm")):
-            if path.exists() and not os.access(path, os.W_OK, effective_ids=os.access in os.supports_effective_ids):
-                raise StoreError(f"the database file {path} is read-only for this user: nothing was read or written; "
-                                 "make it writable (chmod u+w) and try again")
+    def _choose_mode(self) -> None:
+        """Open a database this process cannot write read-only, without side files: opened normally, a read-only
+        file in WAL mode gets `-wal` and `-shm` side files created with its own read-only mode, which keep it
+        unusable after its permissions are restored. Without a `-wal` file no connection has it open and the file
+        holds every commit, so SQLite may treat it as immutable (no locks, no side files; what its owner writes
+        later is for a store opened after); with one, it reads through the side files already there. Side files
+        left read-only next to a writable database are named, for the same reason."""
+        wal, shm = (self.path.with_name(self.path.name + suffix) for suffix in ("-wal", "-shm"))
+        if self.path.exists() and not _writable(self.path):
+            self.read_only = True
+            self._uri = self.path.resolve().as_uri() + ("?mode=ro" if wal.exists() else "?mode=ro&immutable=1")
+            return
+        for side_file in (wal, shm):
+            if side_file.exists() and not _writable(side_file):
+                raise StoreError(f"the database file {side_file} is read-only for this user: nothing was read or "
+                                 "written; make it writable (chmod u+w) and try again")
+
+    def require_writable(self) -> None:
+        """Raise StoreError naming the file when this store was opened read-only."""
+        if self.read_only:
+            raise StoreError(f"the database file {self.path} is read-only for this user: nothing was written; make "
+                             "it writable (chmod u+w) and try again")
 
     def _conn(self) -> sqlite3.Connection:
         """One connection per thread (sqlite3 connections must not be shared across threads)."""
         conn = getattr(self._local, "conn", None)
         if conn is None:
             # isolation_level=None: we issue BEGIN ourselves, so the transaction boundaries are explicit
-            conn = sqlite3.connect(self.path, timeout=BUSY_TIMEOUT_MS / 1000, isolation_level=None)
+            conn = sqlite3.connect(self._uri or self.path, timeout=BUSY_TIMEOUT_MS / 1000, isolation_level=None,
+                                   uri=self._uri is not None)
             conn.row_factory = sqlite3.Row
             conn.execute("PRAGMA foreign_keys=ON")
             conn.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
@@ -112,6 +134,7 @@ class StoreBase:
     @contextmanager
     def _write(self) -> Iterator[sqlite3.Connection]:
         """A write transaction holding the write lock from its first statement (no lock upgrade deadlocks)."""
+        self.require_writable()
         conn = self._conn()
         conn.execute("BEGIN IMMEDIATE")
         try:
@@ -139,6 +162,13 @@ class StoreBase:
             self._local.conn = None
 
     def _migrate(self, conn: sqlite3.Connection) -> None:
+        if self.read_only:
+            version = conn.execute("PRAGMA user_version").fetchone()[0]
+            if version != SCHEMA_VERSION:
+                raise StoreError(f"the database file {self.path} is read-only for this user and has database schema "
+                                 f"version {version}, not this workbench's {SCHEMA_VERSION}: nothing was read; make "
+                                 "it writable (chmod u+w) so that it can be upgraded, or use a matching workbench")
+            return
         conn.execute("BEGIN IMMEDIATE")  # a second process opening the same file waits here, then sees our version
         try:
             version = conn.execute("PRAGMA user_version").fetchone()[0]

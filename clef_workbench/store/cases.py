@@ -164,7 +164,8 @@ class CaseSetsMixin(StoreBase):
         """Append several cases in one transaction: all are added or none (an import never half-lands). With
         skip_existing, a case whose content (state, expected, tags, media) is already in the set is not added
         again, so importing the same file twice is a no-op; returns the ids of the cases added. A case's
-        `source_id` is its own id in the file it came from (a ticket number), shown beside the workbench's."""
+        `source_id` is its own id in the file it came from (a ticket number), shown beside the workbench's: one case
+        of a set has it, so a case whose id another case of the set has is refused (StoreError), nothing added."""
         prepared = []
         for index, case in enumerate(cases):
             try:
@@ -191,10 +192,17 @@ class CaseSetsMixin(StoreBase):
             position = conn.execute(
                 "SELECT COALESCE(MAX(position), -1) + 1 FROM cases WHERE case_set_id = ?", (case_set_id,)
             ).fetchone()[0]
+            id_holders = dict(conn.execute("SELECT source_id, id FROM cases WHERE case_set_id = ? AND deleted_at IS "
+                                           "NULL AND source_id IS NOT NULL", (case_set_id,)).fetchall())
             for state_json, expected_json, tags_json, media, content, source_id in prepared:
                 if present[content] > 0:  # one stored copy answers for one incoming copy
                     present[content] -= 1
                     continue
+                if source_id in id_holders:
+                    raise StoreError(
+                        f"the id {source_id!r} is already case {id_holders[source_id]}'s in this case set (an id "
+                        "names one case); give the new case another id, or edit or delete case "
+                        f"{id_holders[source_id]} first")
                 cur = conn.execute(
                     """INSERT INTO cases (case_set_id, position, state_json, expected_json, tags_json, content_hash,
                                           source_id, created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?)""",
@@ -206,6 +214,8 @@ class CaseSetsMixin(StoreBase):
                     [(case_id, kind, pos, ctype, blob) for kind, pos, ctype, blob in media],
                 )
                 ids.append(case_id)
+                if source_id is not None:
+                    id_holders[source_id] = case_id
                 position += 1
         return ids
 

@@ -35,12 +35,16 @@ JSON = {"content-type": "application/json"}  # what a body sent with httpx's con
 
 
 class ServerProcess:
-    def __init__(self, release: Path, log_path: Path, *extra: str, env: dict[str, str] | None = None):
+    """`python -m clef_engine serve` on `release` (or `python -m LAUNCHER serve`, a module that changes something
+    first and then runs clef_engine's command line)."""
+
+    def __init__(self, release: Path, log_path: Path, *extra: str, env: dict[str, str] | None = None,
+                 launcher: str = "clef_engine"):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
-        command = [sys.executable, "-m", "clef_engine", "serve", "--model", str(release), "--device", "cpu",
+        command = [sys.executable, "-m", launcher, "serve", "--model", str(release), "--device", "cpu",
                    "--port", str(self.port), *extra]
         self.process = subprocess.Popen(command, cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT,
                                         env={**os.environ, **(env or {})})
@@ -69,9 +73,10 @@ class ServerProcess:
 
 
 def serving(tiny_release: Path, tmp_path_factory: pytest.TempPathFactory, log_name: str, *extra: str,
-            env: dict[str, str] | None = None) -> Iterator[ServerProcess]:
+            env: dict[str, str] | None = None, launcher: str = "clef_engine") -> Iterator[ServerProcess]:
     """A real server process on the tiny release for one test module's fixture; stopped when the module is done."""
-    process = ServerProcess(tiny_release, tmp_path_factory.mktemp("logs") / log_name, *extra, env=env)
+    process = ServerProcess(tiny_release, tmp_path_factory.mktemp("logs") / log_name, *extra, env=env,
+                            launcher=launcher)
     try:
         yield process
     finally:

@@ -22,7 +22,7 @@ import pytest
 from PIL import Image
 
 from tests.api.test_server import JSON, ServerProcess, check_answers, make_request, serving
-from tests.api.test_server_http import data_url
+from tests.api.test_server_http import data_url, multipart
 
 pytestmark = pytest.mark.slow  # real server processes
 SMALL_ANSWER_SECONDS = 1.0  # the most the big requests may add to a small one's answer time
@@ -92,3 +92,40 @@ def test_small_request_answered_while_big_ones_are_refused(server: ServerProcess
         assert response.status_code in (413, 422), (name, response.status_code, response.text[:300])
     assert max(latencies) < max(alone) + SMALL_ANSWER_SECONDS, \
         f"small requests took {latencies} s while the big ones were refused (in {took} s), {alone} s alone"
+
+
+@pytest.fixture(scope="module")
+def held_parse(tiny_release: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServerProcess, Path]]:
+    """A server whose multipart parser holds each body until its folder has a `release` file (tests/support/held_multipart.py)."""
+    folder = tmp_path_factory.mktemp("held-multipart")
+    for process in serving(tiny_release, tmp_path_factory, "held-multipart-server.log", launcher="tests.support.held_multipart",
+                           env={"HELD_MULTIPART_DIR": str(folder)}):
+        yield process, folder
+
+
+def test_a_small_decide_is_answered_while_a_multipart_body_is_still_being_parsed(
+        held_parse: tuple[ServerProcess, Path]) -> None:
+    server, folder = held_parse
+    request = make_request(1)
+    body, content_type = multipart(request, {})
+    answered: dict[str, httpx.Response] = {}
+
+    def send() -> None:
+        with httpx.Client(base_url=server.url, timeout=300) as own:
+            answered["multipart"] = own.post("/v1/systemone", content=body, headers={"content-type": content_type})
+
+    thread = threading.Thread(target=send)
+    thread.start()
+    try:
+        while not (folder / "parsing").exists():
+            assert thread.is_alive(), answered
+            time.sleep(0.01)
+        with httpx.Client(base_url=server.url, timeout=300) as http:
+            small = http.post("/v1/systemone", json=make_request(2))
+    finally:
+        (folder / "release").touch()  # only now may the multipart body's parse go on
+        thread.join()
+    assert small.status_code == 200, small.text[:300]
+    assert not (folder / "gave-up").exists(), "the small decide waited for the multipart parse"
+    assert answered["multipart"].status_code == 200, answered["multipart"].text[:300]
+    check_answers(request, answered["multipart"].json())

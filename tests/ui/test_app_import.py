@@ -143,6 +143,22 @@ def test_an_id_column_becomes_the_cases_source_id_and_the_advice_points_at_the_m
         i.value for i in at.info]
     assert store.get_case_set(set_id)["case_count"] == 2
 
+    # ids repeated in the file are bad rows naming the row they repeat; an id the case set has is refused naming it
+    upload(at, "more.csv", b"ticket_id,subject,body\nT-1,Refund,Edited since\nT-3,Login,No code\nT-3,Login,Again\n")
+    button(at, "Use the 2 column(s)", startswith=True).click()
+    at.run()
+    assert "row 4: its id 'T-3' is row 3's too (an id names one case)" in texts(at)
+    [c for c in at.checkbox if c.label.startswith("Skip these 1 row(s)")][0].check()
+    at.run()
+    button(at, "Import 2 cases").click()
+    at.run()
+    ok(at)
+    first = store.list_cases(set_id)[0]["id"]
+    assert [e.value for e in at.error] == [f"Nothing imported: the id 'T-1' is already case {first}'s in this case "
+                                           "set (an id names one case); give the new case another id, or edit or "
+                                           f"delete case {first} first"]
+    assert store.get_case_set(set_id)["case_count"] == 2
+
 
 def test_the_source_id_follows_the_case_to_its_review_card(workbench):
     store = Store(workbench / "workbench.sqlite3")

@@ -771,3 +771,24 @@ def test_the_schemas_page_opens_the_linked_or_the_last_edited_schema(workbench):
     button(at, "Save as new schema").click().run()
     no_exceptions(at)
     assert open_schemas(at).selectbox(key="schemas.selected").value == "refund-triage"
+
+
+def test_every_page_reads_a_read_only_database_and_decide_runs_without_saving(workbench, monkeypatch):
+    """The store opens a file this user cannot write read-only (SQLite's mode=ro, which refuses writes to root too,
+    so the test runs as root with the file reported unwritable): no page may write just by being opened or run."""
+    store = Store(workbench / "workbench.sqlite3")
+    store.add_cases(store.create_case_set("tickets"), [{"state": "my invoice is wrong", "source_id": "T-1"}])
+    store.close()
+    monkeypatch.setattr("clef_workbench.store.base._writable", lambda path: False)
+    at = start()
+    assert [w.value for w in at.sidebar.warning] == [
+        "The database workbench.sqlite3 is read-only for this user: you can look at everything, nothing is saved."]
+    button(at, "Run").click()
+    at.run()
+    no_exceptions(at)
+    assert [m for m in at.metric if m.label == "Answer"]
+    for page in ("cases", "runs", "review", "compare", "schemas"):
+        at.switch_page(f"pages/{page}.py")
+        at.run()
+        assert not at.exception, (page, [(e.message, e.stack_trace[-4:]) for e in at.exception])
+    assert shell.get_store().read_only

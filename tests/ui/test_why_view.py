@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import re
+import threading
+import time
 
 import numpy as np
 import pytest
 from PIL import Image
 
 from clef_engine import TokenBudgetError
-from clef_engine.explain import segment_counts, unit_that_fits
+from clef_engine.explain import explaining, segment_counts, unit_that_fits
 from tests.engine.test_encoding import png_bytes
 from tests.engine.test_engine import data_url
 from tests.engine.test_explain import QUESTIONS, TEXT_STATE
@@ -169,3 +171,39 @@ def test_decide_why_toggle_highlights_the_sentences_and_fields(workbench):
     table = next(m.value for m in at.markdown if "why-fields" in m.value)
     assert [p for p in ("vendor", "total", "lines[0].sku") if f"<code>{p}</code>" in table] == [
         "vendor", "total", "lines[0].sku"]
+
+
+def test_why_on_the_decide_page_goes_before_a_batch_run_and_http_explanations_behind_it(tiny_engine, monkeypatch):
+    """One person waits at the screen for Why: its variants are interactive work, ahead of a batch run's bulk work
+    queued before it; an HTTP `x_explain`, which any client may send back to back, stays bulk, behind both."""
+    scheduler = tiny_engine.scheduler
+    finished: list[str] = []
+    labels = iter(["batch run", "Why on Decide", "HTTP x_explain"])
+    submit = scheduler.submit
+
+    def labelled_submit(records, **options):
+        label = next(labels)
+        future = submit(records, **options)
+        future.add_done_callback(lambda _: finished.append(label))  # on the worker, in the order jobs finish
+        return future
+
+    holding, release = threading.Event(), threading.Event()
+    worker = threading.Thread(target=scheduler.call, args=(lambda: holding.set() or release.wait(),))
+    worker.start()
+    try:
+        assert holding.wait(60)  # the worker is busy: what follows queues, in this order
+        monkeypatch.setattr(scheduler, "submit", labelled_submit)
+        tiny_engine.submit([{"state": TEXT_STATE, "questions": QUESTIONS}] * 3, priority="bulk")
+        why_thread = threading.Thread(target=why.explain, args=(tiny_engine, {"state": TEXT_STATE,
+                                                                              "questions": QUESTIONS}))
+        why_thread.start()
+        while scheduler.queue_depth() < 2:
+            assert why_thread.is_alive()
+            time.sleep(0.005)
+        http = explaining(tiny_engine, True).submit([{"state": TEXT_STATE, "questions": QUESTIONS}])
+    finally:
+        release.set()
+    worker.join()
+    why_thread.join()
+    assert http.result(timeout=120)[0]["x_explanations"]
+    assert finished == ["Why on Decide", "batch run", "HTTP x_explain"]

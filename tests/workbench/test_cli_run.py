@@ -20,7 +20,7 @@ import pytest
 
 from clef_workbench.__main__ import main
 from clef_workbench.jobs import JobRunner
-from clef_workbench.store import Store
+from clef_workbench.store import Store, StoreError
 from tests.support.ray_cluster import assert_same_answers, local_cluster
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -327,7 +327,8 @@ def as_nobody() -> Iterator[None]:
         os.setegid(0)
 
 
-def test_a_read_only_database_is_refused_without_side_files_and_works_once_writable(capsys, monkeypatch):
+def test_a_read_only_database_is_read_its_writes_refused_without_side_files_and_works_once_writable(
+        capsys, monkeypatch):
     import clef_workbench.distributed  # noqa: F401  # what `run` imports, while this process can still read it
 
     monkeypatch.delenv("CLEF_RAY_ADDRESS", raising=False)
@@ -344,16 +345,26 @@ def test_a_read_only_database_is_refused_without_side_files_and_works_once_writa
         tickets.write_text("subject\nmy invoice is wrong\n")
         os.chown(db, NOBODY, NOBODY)
         db.chmod(0o444)
+        content = db.read_bytes()
         import_args = ["import", "--db", str(db), "--case-set", "tickets", str(tickets)]
         with as_nobody():
+            reader = Store(db)  # what the workbench's pages do: they list and show
+            assert [s["name"] for s in reader.list_case_sets()] == ["tickets"] and reader.read_only
+            with pytest.raises(StoreError, match=f"the database file {db} is read-only for this user: nothing"):
+                reader.create_case_set("more")
+            reader.close()
+            assert main(["calibrate", "--db", str(db), "--export", str(folder / "calibrations.json")]) == 0
+            assert main(["calibrate", "--db", str(db), "--run", "1"]) == 1
             assert main(import_args) == 1
-            assert [p.name for p in folder.iterdir() if p.name.startswith("w.db-")] == []  # no -wal, -shm
             assert main(["run", "--db", str(db), "--case-set", "tickets", "--schema", str(schema_file), "--model",
                          "demo"]) == 1
+            assert sorted(p.name for p in folder.iterdir() if p.name.startswith("w.db")) == ["w.db"]  # no -wal, -shm
+            assert db.read_bytes() == content
             db.chmod(0o644)  # permissions restored by the file's owner: the database works
             imported = main(import_args)
         err = capsys.readouterr().err
-        assert err.count(f"the database file {db} is read-only") == 2 and "Traceback" not in err, err
+        assert err.count(f"the database file {db} is read-only") == 3 and "Traceback" not in err, err
+        assert json.loads((folder / "calibrations.json").read_text()) == {"calibrations": {}}
         assert imported == 0, err
         assert [s["case_count"] for s in Store(db).list_case_sets()] == [1]
     finally:

@@ -13,8 +13,8 @@ import pytest
 
 from clef_workbench import importing
 from clef_workbench.__main__ import main
-from clef_workbench.casesets import CaseImportError, CsvMapping
-from clef_workbench.store import Store
+from clef_workbench.casesets import CaseImportError, CsvMapping, import_cases
+from clef_workbench.store import Store, StoreError
 from tests.support.import_files import KINDS, RAGGED, expected_cases, stored
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -285,3 +285,38 @@ def test_an_id_column_is_the_case_id_and_a_row_without_evidence_is_a_bad_row(tmp
     with pytest.raises(CaseImportError) as error:
         importing.parse_cases(jsonl, None, None)
     assert [p.split(":")[0] for p in error.value.problems] == ["line 1", "line 2"]
+
+
+def test_a_case_id_repeated_in_a_file_is_a_bad_row_naming_both_rows_or_lines(tmp_path, capsys):
+    text = "ticket_id,subject\nT-1,Refund please\nT-2,Where is my parcel\nT-1,My invoice is wrong\n"
+    source = importing.read_source("tickets.csv", text.encode())
+    mapping = CsvMapping(state_columns=["subject"], id_column="ticket_id")
+    with pytest.raises(importing.BadRowsError) as refused:
+        importing.parse_cases(source, mapping, None)
+    assert refused.value.problems == ["row 4: its id 'T-1' is row 2's too (an id names one case)"]
+    kept = importing.parse_cases(source, mapping, None, skip_bad_rows=True)
+    assert [(c["source_id"], c["state"]) for c in kept] == [("T-1", {"subject": "Refund please"}),
+                                                          ("T-2", {"subject": "Where is my parcel"})]
+    path = tmp_path / "tickets.csv"
+    path.write_text(text)
+    assert main(["import", "--db", str(tmp_path / "w.db"), "--case-set", "t", str(path)]) == 2
+    assert "row 4: its id 'T-1' is row 2's too (an id names one case)" in capsys.readouterr().err
+
+    jsonl = importing.read_source("cases.jsonl", b'{"id": 7, "state": "a"}\n{"id": "8", "state": "b"}\n'
+                                                 b'{"id": "7", "state": "c"}\n')
+    with pytest.raises(CaseImportError) as refused:
+        importing.parse_cases(jsonl, None, None)
+    assert refused.value.problems == ["line 3, id: '7' is line 1's too (an id names one case)"]
+
+
+def test_a_case_whose_id_the_case_set_already_has_is_refused_naming_the_case_and_nothing_lands(tmp_path):
+    store = Store(tmp_path / "w.db")
+    set_id = store.create_case_set("tickets")
+    (first,) = import_cases(store, set_id, [{"state": "Refund please", "source_id": "T-1"}])
+    assert import_cases(store, set_id, [{"state": "Refund please", "source_id": "T-1"}]) == []  # the same: skipped
+    with pytest.raises(StoreError) as refused:
+        import_cases(store, set_id, [{"state": "Where is my parcel", "source_id": "T-2"},
+                                     {"state": "Refund, edited", "source_id": "T-1"}])
+    assert str(refused.value).startswith(f"the id 'T-1' is already case {first}'s in this case set (an id names "
+                                         "one case)")
+    assert [c["id"] for c in store.list_cases(set_id)] == [first]
