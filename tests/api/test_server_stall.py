@@ -96,10 +96,11 @@ def test_small_request_answered_while_big_ones_are_refused(server: ServerProcess
 
 @pytest.fixture(scope="module")
 def held_parse(tiny_release: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServerProcess, Path]]:
-    """A server whose multipart parser holds each body until its folder has a `release` file (tests/support/held_multipart.py)."""
+    """A server whose multipart parser holds each body until its folder has a `release` file
+    (tests/support/held_multipart.py)."""
     folder = tmp_path_factory.mktemp("held-multipart")
-    for process in serving(tiny_release, tmp_path_factory, "held-multipart-server.log", launcher="tests.support.held_multipart",
-                           env={"HELD_MULTIPART_DIR": str(folder)}):
+    for process in serving(tiny_release, tmp_path_factory, "held-multipart-server.log",
+                           launcher="tests.support.held_multipart", env={"HELD_MULTIPART_DIR": str(folder)}):
         yield process, folder
 
 

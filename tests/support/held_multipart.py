@@ -1,5 +1,6 @@
 """`python -m clef_engine` whose multipart parser holds every body until the test lets it go (for
-tests/api/test_server_stall.py): `python -m tests.support.held_multipart serve ARGS...`, with HELD_MULTIPART_DIR naming a folder.
+tests/api/test_server_stall.py): `python -m tests.support.held_multipart serve ARGS...`, with HELD_MULTIPART_DIR
+naming a folder.
 
 Starting to parse a body, the parser touches `parsing` in that folder, then blocks its thread, as parsing a big body
 keeps a core busy, until `release` exists there; only then does it parse. Had the server parsed on its event loop,
