@@ -15,8 +15,8 @@ import httpx
 import pytest
 
 from clef_engine.serve.bodies import ZstdDecompressor
-from tests.api.test_server import JSON, ServerProcess, serving
-from tests.api.test_server_hostile import (
+from tests.support.api import JSON
+from tests.support.hostile import (
     MAX_GROWTH_MB,
     MAX_WORK_SECONDS,
     SMALL,
@@ -25,16 +25,12 @@ from tests.api.test_server_hostile import (
     engine_metric,
     noul_questions,
 )
+from tests.support.servers import ServerProcess, serving
 
 pytestmark = pytest.mark.slow  # real server processes
 QUESTIONS = {"late": {"type": "noul", "instructions": "Is the parcel late?"},
              "tone": {"type": "choice", "instructions": "What is the tone?",
                       "criteria": {"calm": None, "angry": "The customer is angry."}}}
-
-
-@pytest.fixture(scope="module")
-def server(tiny_release: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    yield from serving(tiny_release, tmp_path_factory, "bounds-server.log")
 
 
 @pytest.fixture(scope="module")

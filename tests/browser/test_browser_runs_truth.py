@@ -15,6 +15,7 @@ import pytest
 from clef_engine.errors import ClefError
 from clef_workbench.jobs import JobRunner
 from clef_workbench.store import Store
+from tests.support import REPO
 from tests.support.browser import launch_chromium, running_workbench
 from tests.support.browser_steps import settle
 
@@ -23,7 +24,6 @@ expect.set_options(timeout=60_000)  # two CPU cores shared with the model and ot
 
 pytestmark = pytest.mark.browser
 
-REPO = Path(__file__).resolve().parents[2]
 LONG = 300_000  # ms, a safety limit: the first page load loads the demo model
 SCHEMA = {"name": "routing", "version": "1", "questions": {
     "team": {"type": "choice", "instructions": "Which team?", "criteria": {"billing": None, "sales": None}}}}

@@ -19,6 +19,12 @@ def settle(page, *, timeout: float | None = None) -> None:
     page.wait_for_function("document.querySelectorAll('[data-stale=\"true\"]').length === 0", timeout=timeout)
 
 
+def commit(locator) -> None:
+    """Streamlit text widgets send their value on blur."""
+    locator.press("Tab")
+    settle(locator.page)
+
+
 def go_to(page, title: str, *, timeout: float | None = None) -> None:
     """Navigate as a person does: the page's link in the sidebar."""
     page.get_by_test_id("stSidebar").get_by_test_id("stPageLink-NavLink").filter(has_text=title).click()
