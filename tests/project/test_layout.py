@@ -1,11 +1,16 @@
 """The layout of the tests and benchmarks (CONTRIBUTING.md): every test module sits in the folder of its layer, a test
 module imports nothing from another test module (what tests share lives in tests/support, so each module can run,
-move or go on its own), and a benchmark imports no other benchmark."""
+move or go on its own), collecting them runs nothing of the project, and a benchmark imports no other benchmark."""
 
 from __future__ import annotations
 
 import ast
+import json
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
 
 from tests.support import REPO
 
@@ -53,3 +58,38 @@ def test_a_benchmark_imports_no_other_benchmark():
                                  if name.startswith("bench.") and name.split(".")[1] not in shared)
                for path in sorted((REPO / "bench").glob("*.py"))}
     assert {name: found for name, found in imports.items() if found} == {}
+
+
+COLLECT_WATCHED = """
+import json, os, subprocess, sys
+import pytest
+
+started = []
+spawn = subprocess.Popen.__init__
+
+
+def watched(self, args, *rest, **options):
+    words = [os.fsdecode(a) for a in ([args] if isinstance(args, (str, bytes, os.PathLike)) else args)]
+    name = os.path.basename(words[0])
+    if name.startswith("python") or name in ("bash", "sh") or any(os.getcwd() in w or ".venv" in w for w in words):
+        started.append(words)
+        raise RuntimeError(f"started at collection: {words}")
+    return spawn(self, args, *rest, **options)
+
+
+subprocess.Popen.__init__ = watched
+code = pytest.main(["--collect-only", "-q", "-p", "no:cacheprovider", "-p", "no:xdist"])
+print("STARTED", json.dumps(started))
+sys.exit(code)
+"""
+
+
+@pytest.mark.slow  # collects the whole suite in a child interpreter
+def test_collecting_the_suite_runs_nothing_of_the_project():
+    """`pytest --collect-only` imports every test module and runs no process of the project (its Python, its
+    `.venv`, a shell): so collecting works where the project's `.venv` is not, and costs only the imports. A library
+    may still run its helpers as it is imported (ctypes asks ldconfig)."""
+    done = subprocess.run([sys.executable, "-c", COLLECT_WATCHED], cwd=REPO, capture_output=True, text=True,
+                          timeout=600)
+    started = json.loads(done.stdout.rsplit("STARTED ", 1)[1])
+    assert started == [] and done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
