@@ -19,7 +19,6 @@ MAX_WORK_SECONDS = 5.0  # of the server's CPU for one hostile request (the issue
 SMALL = make_request(3)
 
 
-
 class RssSampler:
     """The server's resident memory, sampled every few milliseconds in a thread until stopped."""
 
