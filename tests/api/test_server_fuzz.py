@@ -181,7 +181,6 @@ def encode_body(body: bytes, encoding: str | None, honest: bool) -> bytes:
     return compress(body)
 
 
-
 media_items = (
     st.builds(lambda pair, as_object: media_item(*pair, as_object), st.sampled_from(MEDIA_ITEMS), st.booleans())
     | st.builds(media_item, st.sampled_from(sorted({t for t, _ in MEDIA_ITEMS})), st.sampled_from(list(MEDIA)),

@@ -43,6 +43,13 @@ pytestmark = pytest.mark.slow  # real server processes
 SLACK_SECONDS = 1.0  # what a busy CI machine may add to a small decide, on top of twice its idle time
 
 
+@pytest.fixture(scope="module")
+def server(tiny_release: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """The module's own server, not the session's: these tests bound its memory growth, which memory freed by other
+    modules' requests would hide."""
+    yield from serving(tiny_release, tmp_path_factory, "hostile-server.log")
+
+
 def small_decide_seconds(http: httpx.Client) -> float:
     started = time.monotonic()
     response = http.post("/v1/systemone", json=SMALL)

@@ -1,4 +1,6 @@
-"""Shared fixtures: one tiny Clef-format release and one CPU engine per test session."""
+"""The fixtures every test module can take (tests/conftest.py loads this module): one tiny Clef-format release, one
+CPU engine and one default server process per test session, an HTTP client of it per module, a server of a test's
+own, and per test the environment of one workbench."""
 
 from __future__ import annotations
 
@@ -55,6 +57,13 @@ def server(tiny_release: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
     tests that need no other (one per pytest-xdist worker). A module that needs other settings, or a server whose
     state no other test sees, starts its own with `tests.support.servers.serving`."""
     yield from serving(tiny_release, tmp_path_factory, "server.log")
+
+
+@pytest.fixture
+def fresh_server(tiny_release: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """A server process of one test's own, whose memory no earlier request has touched: memory another test's
+    request freed stays in a process and would hide a growth, so a test that bounds the server's growth takes this."""
+    yield from serving(tiny_release, tmp_path_factory, "fresh-server.log")
 
 
 @pytest.fixture(scope="module")
