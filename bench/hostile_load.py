@@ -37,7 +37,7 @@ REPO = Path(__file__).resolve().parents[1]
 SMOKE = os.environ.get("BENCH_CPU_SMOKE") == "1"
 sys.path.insert(0, str(REPO))
 
-from tests.support.browser import free_port  # noqa: E402
+from tests.support.servers import free_port, stop_process, wait_until_healthy  # noqa: E402
 
 SMALL = {"state": "Customer 3 says: I was charged twice for order 1003.",
          "questions": {"billing": {"type": "noul", "instructions": "Is it about billing?"},
@@ -126,13 +126,7 @@ def main() -> int:
                                    "--port", str(port), *(["--device", "cpu"] if args.release is None else [])],
                                   cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
         try:
-            for _ in range(600):
-                try:
-                    if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                time.sleep(0.5)
+            wait_until_healthy(server, f"{url}/health", timeout=300)
             small_clients(url, 4, 3.0)  # warm-up
             alone = summary(small_clients(url, args.clients, args.seconds))
             phases = {"with_hostile": {"30 MB bodies": big_state_body(), "2,800 questions": many_questions_body()},
@@ -152,8 +146,7 @@ def main() -> int:
                     thread.join()
                 answers.update(counts)
         finally:
-            server.terminate()
-            server.wait(30)
+            stop_process(server, timeout=30)
     result = {"clients": args.clients, "seconds": args.seconds, "alone": alone, **measured,
               "p99_ratio": round(measured["with_hostile"]["p99_s"] / alone["p99_s"], 2),
               "explanations_p50_ratio": round(measured["with_explanations"]["p50_s"] / alone["p50_s"], 2),

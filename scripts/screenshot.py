@@ -15,7 +15,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from playwright.sync_api import expect, sync_playwright  # noqa: E402
 
-from tests.support.browser import REPO, launch_chromium, running_workbench  # noqa: E402
+from tests.support import REPO  # noqa: E402
+from tests.support.browser import launch_chromium, running_workbench  # noqa: E402
 
 
 def main(output: Path) -> None:

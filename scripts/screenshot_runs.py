@@ -18,7 +18,8 @@ from playwright.sync_api import expect, sync_playwright  # noqa: E402
 
 from clef_workbench import casesets  # noqa: E402
 from clef_workbench.store import Store  # noqa: E402
-from tests.support.browser import REPO, launch_chromium, running_workbench  # noqa: E402
+from tests.support import REPO  # noqa: E402
+from tests.support.browser import launch_chromium, running_workbench  # noqa: E402
 
 
 def main(output_dir: Path) -> None:

@@ -6,17 +6,14 @@ a traceback or a hang (each answer within the client's timeout), and the server 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
-import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.api.test_server import ServerProcess, serving
-from tests.api.test_server_fuzz import INTERNAL_NAMES
-from tests.api.test_server_http import b64, png
+from tests.support.api import INTERNAL_NAMES
+from tests.support.media import b64, plain_png
+from tests.support.servers import ServerProcess
 
 EXAMPLES = 30
 ANSWER_SECONDS = 120  # a hang is a request unanswered this long
@@ -25,7 +22,7 @@ QUESTIONS = {"late": {"type": "noul", "instructions": "Is the parcel late?"},
              "tone": {"type": "choice", "instructions": "What is the tone?",
                       "criteria": {"calm": None, "angry": "The customer is angry."}},
              "urgency": {"type": "score", "instructions": "How urgent?", "criteria": ["later", "now"]}}
-IMAGE = f"data:image/png;base64,{b64(png(24, 16))}"
+IMAGE = f"data:image/png;base64,{b64(plain_png(24, 16))}"
 
 sentence = st.sampled_from(["The parcel is late.", "I want a refund!", "Why?", "ok", "…", "é\u0301.", "a. ",
                             "\n", "  ", "Line without an end"])
@@ -50,11 +47,6 @@ body = st.fixed_dictionaries(
     optional={"x_overflow": st.sampled_from(["refuse", "truncate_state"]),
               "x_max_length": st.sampled_from([1, 300, 2_000, 16_384, 1_048_576]),
               "images": st.just([IMAGE])})
-
-
-@pytest.fixture(scope="module")
-def server(tiny_release: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    yield from serving(tiny_release, tmp_path_factory, "explain-hostile-server.log")
 
 
 def test_generated_x_explain_bodies_get_an_answer_or_a_4xx(server: ServerProcess) -> None:

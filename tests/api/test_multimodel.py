@@ -19,7 +19,11 @@ from clef_workbench.casesets import build_request
 from clef_workbench.jobs import JobRunner
 from clef_workbench.model_loader import ModelManager
 from clef_workbench.store import Store
-from tests.api.test_server import REPO, ServerProcess, make_request, metric, parse_metrics
+from tests.support import REPO
+from tests.support.api import metric, parse_metrics
+from tests.support.apptest import APP, TIMEOUT, button, no_exceptions
+from tests.support.bodies import make_request
+from tests.support.servers import ServerProcess
 
 pytestmark = pytest.mark.slow  # real server processes
 QUESTIONS = make_request(0)["questions"]
@@ -199,7 +203,6 @@ def test_one_workbench_process_runs_a_case_set_on_two_local_models_and_a_remote_
 def test_decide_and_runs_pick_among_loaded_models_and_the_sidebar_unloads_after_asking(workbench, small_release):
     from streamlit.testing.v1 import AppTest
 
-    from tests.ui.test_app_pages import APP, TIMEOUT, button, no_exceptions
     from workbench_ui import decide_model, shell
 
     manager = shell.model_manager()
@@ -289,7 +292,6 @@ def test_make_default_switches_decide_and_every_random_weight_answer_is_flagged_
     config.json says random_weights) is flagged next to its answers on Decide and Runs, each answer naming its model."""
     from streamlit.testing.v1 import AppTest
 
-    from tests.ui.test_app_pages import APP, TIMEOUT, button, no_exceptions
     from workbench_ui import shell
 
     manager = shell.model_manager()
@@ -350,7 +352,6 @@ def test_adding_a_model_reports_in_place_and_the_selector_follows_make_default(w
     while the demo is loaded); the Unload question appears under the model it is about."""
     from streamlit.testing.v1 import AppTest
 
-    from tests.ui.test_app_pages import TIMEOUT, button, no_exceptions
     from workbench_ui import shell
 
     manager = shell.model_manager()

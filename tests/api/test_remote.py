@@ -37,7 +37,7 @@ from clef_engine.remote_http import retry_after_seconds
 from clef_workbench import compare
 from clef_workbench.jobs import JobRunner
 from clef_workbench.store import Store
-from tests.api.test_server import ServerProcess, serving
+from tests.support.servers import ServerProcess, serving
 
 pytestmark = pytest.mark.slow  # real server processes
 API_KEY = "remote-test-key-\u00e9"  # non-ASCII: the header must carry the key's UTF-8 bytes

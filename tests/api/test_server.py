@@ -13,7 +13,6 @@ import re
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -21,71 +20,17 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.support.browser import free_port, stop_process
+from tests.support import REPO
+from tests.support.api import JSON, check_answers, metric, parse_metrics
+from tests.support.bodies import make_request
+from tests.support.servers import ServerProcess, serving, serving_workbench
 
 pytestmark = pytest.mark.slow  # real server processes
-REPO = Path(__file__).resolve().parents[2]
 API_KEY = "test-key-\u00e9-not-secret"  # non-ASCII on purpose: the comparison must work on bytes
 SDK_KEY = "sdk-key-ascii-only"  # the SDK only sends printable ASCII keys
-STARTUP_SECONDS = 180
-JSON = {"content-type": "application/json"}  # what a body sent with httpx's content= must declare
 
 
-# --- server processes ------------------------------------------------------------------------------------------
-
-
-class ServerProcess:
-    """`python -m clef_engine serve` on `release` (or `python -m LAUNCHER serve`, a module that changes something
-    first and then runs clef_engine's command line)."""
-
-    def __init__(self, release: Path, log_path: Path, *extra: str, env: dict[str, str] | None = None,
-                 launcher: str = "clef_engine"):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = log_path
-        self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
-        command = [sys.executable, "-m", launcher, "serve", "--model", str(release), "--device", "cpu",
-                   "--port", str(self.port), *extra]
-        self.process = subprocess.Popen(command, cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT,
-                                        env={**os.environ, **(env or {})})
-        deadline = time.monotonic() + STARTUP_SECONDS
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"server exited with {self.process.returncode}:\n{self.log()}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.3)
-        self.stop()
-        raise RuntimeError(f"server not healthy after {STARTUP_SECONDS}s:\n{self.log()}")
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")[-5000:]
-
-    def alive(self) -> bool:
-        return self.process.poll() is None
-
-    def stop(self) -> None:
-        stop_process(self.process, timeout=20)
-        self._log.close()
-
-
-def serving(tiny_release: Path, tmp_path_factory: pytest.TempPathFactory, log_name: str, *extra: str,
-            env: dict[str, str] | None = None, launcher: str = "clef_engine") -> Iterator[ServerProcess]:
-    """A real server process on the tiny release for one test module's fixture; stopped when the module is done."""
-    process = ServerProcess(tiny_release, tmp_path_factory.mktemp("logs") / log_name, *extra, env=env,
-                            launcher=launcher)
-    try:
-        yield process
-    finally:
-        process.stop()
-
-
-@pytest.fixture(scope="module")
-def server(tiny_release: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    yield from serving(tiny_release, tmp_path_factory, "server.log")
+# --- servers -----------------------------------------------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
@@ -97,59 +42,6 @@ def auth_server(tiny_release: Path, tmp_path_factory: pytest.TempPathFactory) ->
 
 
 # --- requests and what a correct answer looks like -------------------------------------------------------------
-
-TONES = ["neutral", "angry", "calm"]  # deliberately not sorted: answers must keep the caller's order
-
-
-def make_request(i: int, model: str = "jev-latest") -> dict:
-    """A request with one question of each type; `i` varies the state and the schema."""
-    return {
-        "model": model,
-        "state": {"ticket": f"Customer {i} says: I was charged {i + 1} times for order {1000 + i}.",
-                  "amount": 12.5 * (i + 1), "tags": ["billing"] * (i % 3)},
-        "questions": {
-            "billing": {"type": "noul", "instructions": f"Is ticket {i} about billing?"},
-            "tone": {"type": "choice", "instructions": {"ask": "What is the tone?", "variant": i},
-                     "criteria": {t: (None if t == "calm" else f"The customer sounds {t}.") for t in TONES}},
-            "urgency": {"type": "score", "instructions": "How urgent is it?",
-                        "criteria": ["can wait", {"level": "this week"}, "today", "now"][: 2 + i % 3]},
-        },
-        "some_future_field": {"ignored": True},  # unknown top-level fields are ignored
-    }
-
-
-def check_answers(request: dict, response: dict) -> None:
-    """What a client relies on: every question answered with finite, normalised, self-consistent numbers."""
-    assert response["model"] == request["model"]
-    assert list(response["answers"]) == list(request["questions"])
-    json.dumps(response, allow_nan=False)  # every number finite
-    for qid, question in request["questions"].items():
-        answer = response["answers"][qid]
-        assert answer["type"] == question["type"]
-        if question["type"] == "noul":
-            assert 0.0 <= answer["noul"] <= 1.0
-            continue
-        probabilities = answer["probabilities"]
-        assert all(0.0 <= p <= 1.0 for p in probabilities.values())
-        assert abs(sum(probabilities.values()) - 1.0) <= 5e-5 * len(probabilities) + 1e-9  # 4-decimal rounding
-        if question["type"] == "choice":
-            assert list(probabilities) == list(question["criteria"])
-            assert probabilities[answer["choice"]] == max(probabilities.values())
-            assert answer["confidence"] == probabilities[answer["choice"]]
-        else:
-            levels = [str(i) for i in range(len(question["criteria"]))]
-            assert list(probabilities) == levels
-            assert list(answer["legend"]) == levels
-            assert list(answer["legend"].values()) == question["criteria"]
-            expectation = sum(i * probabilities[level] for i, level in enumerate(levels))
-            assert abs(answer["score"] - expectation) <= 5e-5 * sum(range(len(levels))) + 1e-4
-            assert 0 <= answer["score"] <= len(levels) - 1
-    assert isinstance(response["usage"]["input_tokens"], int) and response["usage"]["input_tokens"] > 0
-    assert response["usage"]["output_tokens"] == 0
-    assert response["x_latency_ms"] > 0
-    assert response["x_token_counts"]["total"] == response["usage"]["input_tokens"]
-    assert response["x_truncated_state_tokens"] == 0
-
 
 def same_answers(a: dict, b: dict, tolerance: float = 2e-4) -> None:
     """Answers equal up to batch-vs-single float noise plus one unit of 4-decimal rounding."""
@@ -165,20 +57,6 @@ def same_answers(a: dict, b: dict, tolerance: float = 2e-4) -> None:
         top = sorted(x["probabilities"].values(), reverse=True)
         if top[0] - top[1] > 2 * tolerance:  # a near tie may legitimately flip
             assert x.get("choice") == y.get("choice")
-
-
-def parse_metrics(text: str) -> dict[str, float]:
-    """Prometheus text → {'name{labels}': value}."""
-    samples = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            samples[name] = float(value)
-    return samples
-
-
-def metric(samples: dict[str, float], key: str) -> float:
-    return samples.get(key, 0.0)
 
 
 def over_models(samples: dict[str, float], name: str, reduce=sum) -> float:
@@ -547,33 +425,14 @@ def test_serve_refuses_missing_api_key_env(tiny_release: Path) -> None:
 
 def test_workbench_and_api_in_one_process(tiny_release: Path, tmp_path: Path) -> None:
     """`streamlit run serve_workbench.py`: the Streamlit UI and the API on one port, one resident engine."""
-    port = free_port()
-    log_path = tmp_path / "workbench.log"
-    env = {**os.environ, "CLEF_MODEL": str(tiny_release), "CLEF_DB": str(tmp_path / "wb.sqlite3"),
-           "CLEF_API_KEY": SDK_KEY}
-    with open(log_path, "wb") as log:
-        process = subprocess.Popen([sys.executable, "-m", "streamlit", "run", "serve_workbench.py",
-                                    "--server.headless", "true", "--server.address", "127.0.0.1",
-                                    "--server.port", str(port), "--browser.gatherUsageStats", "false"],
-                                   cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + STARTUP_SECONDS
-        health = None
-        while time.monotonic() < deadline and process.poll() is None:
-            try:
-                health = httpx.get(f"{url}/health", timeout=2)
-                if health.status_code == 200:
-                    break
-                assert health.status_code == 503 and health.json()["ready"] is False  # loading
-            except httpx.TransportError:
-                pass
-            time.sleep(0.5)
-        assert health is not None and health.status_code == 200, log_path.read_text(errors="replace")[-3000:]
+    from typesafe_sdk import Noul, RetryPolicy, TypeSafeClient
+
+    def loading(health: httpx.Response) -> None:
+        assert health.status_code == 503 and health.json()["ready"] is False, health.text
+
+    with serving_workbench(tiny_release, tmp_path, {"CLEF_API_KEY": SDK_KEY}, while_starting=loading) as (_, url):
+        health = httpx.get(f"{url}/health", timeout=10)
         assert health.json()["model"] == tiny_release.name  # named as /v1/models names it, no server path
-
-        from typesafe_sdk import Noul, RetryPolicy, TypeSafeClient
-
         with TypeSafeClient(api_key=SDK_KEY, base_url=url, compression=False, timeout=120,
                             retry=RetryPolicy(max_retries=0)) as sdk:
             result = sdk.system_one(state="hello", questions={"greeting": Noul(instructions="Is it a greeting?")})
@@ -582,5 +441,3 @@ def test_workbench_and_api_in_one_process(tiny_release: Path, tmp_path: Path) ->
         assert httpx.get(f"{url}/_stcore/health", timeout=10).text == "ok"  # Streamlit's own routes still work
         page = httpx.get(f"{url}/", timeout=10)
         assert page.status_code == 200 and "<title>" in page.text  # the workbench UI is served beside the API
-    finally:
-        stop_process(process, timeout=20)

@@ -15,8 +15,8 @@ import httpx
 import pytest
 
 from clef_engine.serve.bodies import ZstdDecompressor
-from tests.api.test_server import JSON, ServerProcess, serving
-from tests.api.test_server_hostile import (
+from tests.support.api import JSON
+from tests.support.hostile import (
     MAX_GROWTH_MB,
     MAX_WORK_SECONDS,
     SMALL,
@@ -25,16 +25,12 @@ from tests.api.test_server_hostile import (
     engine_metric,
     noul_questions,
 )
+from tests.support.servers import ServerProcess, serving
 
 pytestmark = pytest.mark.slow  # real server processes
 QUESTIONS = {"late": {"type": "noul", "instructions": "Is the parcel late?"},
              "tone": {"type": "choice", "instructions": "What is the tone?",
                       "criteria": {"calm": None, "angry": "The customer is angry."}}}
-
-
-@pytest.fixture(scope="module")
-def server(tiny_release: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    yield from serving(tiny_release, tmp_path_factory, "bounds-server.log")
 
 
 @pytest.fixture(scope="module")
@@ -66,24 +62,24 @@ def zstd(data: bytes) -> bytes:
     return compress(data)
 
 
-# The memory tests come first: memory freed by an earlier test stays in the process, and would hide a growth.
-def test_explaining_a_json_state_of_thousands_of_fields_is_refused_before_its_variants(server: ServerProcess) -> None:
+def test_explaining_a_json_state_of_thousands_of_fields_is_refused_before_its_variants(
+        fresh_server: ServerProcess) -> None:
     """A JSON state of 6,000 fields that fits the budget: refused from the count of its fields, not after copying
     the state once per field (a 24 KB one took 25.7 CPU-seconds before its 413)."""
     body = {"state": {"items": [0] * 6_000}, "questions": QUESTIONS, "x_explain": True}
-    response, growth, work = measured(server, lambda http: http.post("/v1/systemone", json=body))
+    response, growth, work = measured(fresh_server, lambda http: http.post("/v1/systemone", json=body))
     assert response.status_code == 413, response.text[:500]
     assert response.json()["detail"]["part"] == "explanation"
     assert work <= MAX_WORK_SECONDS, f"the refusal took {work:.1f} s of the server's CPU"
     assert growth < MAX_GROWTH_MB, f"the server grew by {growth:.0f} MB"
 
 
-def test_explaining_a_long_text_state_holds_no_variant_in_memory(server: ServerProcess) -> None:
+def test_explaining_a_long_text_state_holds_no_variant_in_memory(fresh_server: ServerProcess) -> None:
     """A 120 KB text of short sentences: each variant was a copy of the state, all held before the cost check
     (0.8 → 5.4 GB)."""
     body = {"state": "The parcel is late. " * 6_000, "questions": QUESTIONS, "x_explain": True,
             "x_overflow": "truncate_state"}
-    response, growth, work = measured(server, lambda http: http.post("/v1/systemone", json=body))
+    response, growth, work = measured(fresh_server, lambda http: http.post("/v1/systemone", json=body))
     assert response.status_code == 413, response.text[:500]
     assert response.json()["detail"]["part"] == "explanation"
     assert growth < MAX_GROWTH_MB, f"the server grew by {growth:.0f} MB"
@@ -91,7 +87,8 @@ def test_explaining_a_long_text_state_holds_no_variant_in_memory(server: ServerP
 
 
 @pytest.mark.parametrize("explain", [False, True], ids=["decide", "x_explain"])
-def test_a_small_zstd_body_of_millions_of_sentences_truncated_is_bounded(server: ServerProcess, explain: bool) -> None:
+def test_a_small_zstd_body_of_millions_of_sentences_truncated_is_bounded(fresh_server: ServerProcess,
+                                                                        explain: bool) -> None:
     """~8 MiB of "a. a. …" in a few KB of zstd, with truncate_state: the state is cut to what fits before it is
     tokenized (the whole of it took 2.3 GB per 8 MiB); an explanation of its millions of sentences is refused from
     their count."""
@@ -101,7 +98,7 @@ def test_a_small_zstd_body_of_millions_of_sentences_truncated_is_bounded(server:
     compressed = zstd(json.dumps(body).encode())
     assert len(compressed) < 8 * 1024
     headers = {**JSON, "content-encoding": "zstd"}
-    response, growth, _ = measured(server, lambda http: http.post("/v1/systemone", content=compressed,
+    response, growth, _ = measured(fresh_server, lambda http: http.post("/v1/systemone", content=compressed,
                                                                   headers=headers))
     assert growth < MAX_GROWTH_MB, f"the server grew by {growth:.0f} MB"
     if explain:

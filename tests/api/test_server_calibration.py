@@ -16,9 +16,10 @@ from hypothesis import strategies as st
 
 from clef_workbench import calibration
 from clef_workbench.store import Store
-from tests.api.test_server import ServerProcess, make_request, server, serving  # noqa: F401 - `server`: a fixture
-from tests.engine.test_explain import TIMINGS, without_latency
 from tests.support import REPO
+from tests.support.api import TIMINGS, without_latency
+from tests.support.bodies import make_request
+from tests.support.servers import ServerProcess, serving
 
 pytestmark = pytest.mark.slow  # real server processes
 

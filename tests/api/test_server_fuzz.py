@@ -3,44 +3,38 @@ of which may get a 5xx or kill it. Random JSON, wrong types, broken encodings an
 cannot take (extreme aspect ratios, 0- and 1-frame videos, PNG bytes labelled video/mp4, GIFs, bad base64), JSON
 assets, and placeholder names that collide with keys, ids and types.
 
-The fuzz test records every bad answer instead of stopping at the first, so that the next test reports all of them
-(grouped) in one run; the media cases are also sent one by one, each its own test, so a failure names its case."""
+The fuzz test records every bad answer instead of stopping at the first and reports all of them (grouped) at its
+end; the media cases are also sent one by one, each its own test, so a failure names its case."""
 
 from __future__ import annotations
 
 import gzip
 import json
-import re
 from collections import Counter
-from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from tests.api.test_server import ServerProcess, check_answers, make_request, serving
-from tests.api.test_server_hostile import lying_jpeg
-from tests.api.test_server_http import b64, gif, mp4, pixel_bomb, png
+from tests.support.api import INTERNAL_NAMES, check_answers
+from tests.support.bodies import make_request
+from tests.support.media import b64, gif, h264_mp4, lying_jpeg, pixel_bomb, plain_png
+from tests.support.servers import ServerProcess
 
 pytestmark = pytest.mark.slow  # real server processes
 FUZZ_EXAMPLES = 1000
-# What an answer must never show: library and Python internals (a client can do nothing with them).
-INTERNAL_NAMES = re.compile(r"Traceback|set_int_max_str_digits|\[Errno|InvalidDataError|PngImagePlugin|MAX_TEXT_CHUNK|"
-                            r"MemoryError|'None'|<class |object at 0x|UnidentifiedImageError|BadGzipFile|zlib|"
-                            r"while decompressing|BrokenProcessPool|_RemoteTraceback|concurrent\.futures")
 MAX_422_BYTES = 64 * 1024
-PNG_OK = png(8, 8)
+PNG_OK = plain_png(8, 8)
 MEDIA = {
     "png 8x8": PNG_OK,
-    "png 201x1": png(201, 1),
-    "png 1x300": png(1, 300),
+    "png 201x1": plain_png(201, 1),
+    "png 1x300": plain_png(1, 300),
     "png 20 MP header": pixel_bomb(),
     "gif": gif(),
-    "mp4 1 frame": mp4(1),
-    "mp4 0 frames": mp4(0),
-    "mp4 3 frames": mp4(3),
+    "mp4 1 frame": h264_mp4(1),
+    "mp4 0 frames": h264_mp4(0),
+    "mp4 3 frames": h264_mp4(3),
     "jpeg lying header": lying_jpeg(4000, 4000),
     "text": b"hello, not media",
     "empty": b"",
@@ -55,11 +49,6 @@ MEDIA_ITEMS = [
 ]
 COLLIDING_NAMES = ["noul", "type", "state", "questions", "choice", "score", "criteria", "instructions", "true",
                    "false", "0", "billing", "tone", "P1", "P10", "[image 1]", "images", ""]
-
-
-@pytest.fixture(scope="module")
-def server(tiny_release: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    yield from serving(tiny_release, tmp_path_factory, "fuzz-server.log")
 
 
 def media_item(content_type: str, name: str, as_object: bool) -> object:
@@ -192,7 +181,6 @@ def encode_body(body: bytes, encoding: str | None, honest: bool) -> bytes:
     return compress(body)
 
 
-
 media_items = (
     st.builds(lambda pair, as_object: media_item(*pair, as_object), st.sampled_from(MEDIA_ITEMS), st.booleans())
     | st.builds(media_item, st.sampled_from(sorted({t for t, _ in MEDIA_ITEMS})), st.sampled_from(list(MEDIA)),
@@ -286,51 +274,52 @@ cases = st.one_of(
     st.tuples(json_bodies, content_types, encodings),
     st.tuples(multipart_bodies(), encodings).map(lambda pair: (pair[0][0], pair[0][1], pair[1])),
 )
-ANSWERS: Counter = Counter()
-FAILURES: list[tuple[int, str, str]] = []
+def test_no_fuzzed_body_gets_a_5xx(server: ServerProcess, client: httpx.Client) -> None:
+    """Every generated body is answered with a 2xx/4xx in our words, the server is still up and answering correctly
+    afterwards, and nothing it logged meanwhile is a traceback."""
+    log_start = server.log_path.stat().st_size
+    answers: Counter = Counter()
+    failures: list[tuple[int, str, str]] = []
 
+    @settings(max_examples=FUZZ_EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True,
+              phases=[Phase.explicit, Phase.generate], database=None)
+    @given(case=cases)
+    def send(case: tuple[bytes, str, tuple[str | None, bool]]) -> None:
+        body, content_type, encoding = case
+        headers = {"content-type": content_type} if content_type else {}
+        if encoding[0]:
+            headers["content-encoding"] = encoding[0]
+        try:
+            response = client.post("/v1/systemone", content=encode_body(body, *encoding), headers=headers)
+        except httpx.TransportError as error:  # the server hung up or died: as bad as a 5xx
+            answers["transport error"] += 1
+            failures.append((0, repr(error), body[:300].decode("utf-8", "replace")))
+            return
+        answers[response.status_code] += 1
+        ok = response.status_code in (200, 413, 415, 422) and not INTERNAL_NAMES.search(response.text)
+        ok = ok and not (response.status_code == 422 and len(response.content) > MAX_422_BYTES)
+        try:
+            answer = response.json()
+            ok = ok and ("answers" in answer if response.status_code == 200 else "detail" in answer)
+            json.dumps(answer, allow_nan=False)
+        except ValueError:
+            ok = False
+        if not ok:
+            failures.append((response.status_code, response.text[:300], body[:300].decode("utf-8", "replace")))
 
-@settings(max_examples=FUZZ_EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True,
-          phases=[Phase.explicit, Phase.generate], database=None)
-@given(case=cases)
-def test_fuzzed_bodies(server: ServerProcess, client: httpx.Client,
-                       case: tuple[bytes, str, tuple[str | None, bool]]) -> None:
-    """Sends one generated body and records how it was answered; test_no_fuzzed_body_got_a_5xx judges."""
-    body, content_type, encoding = case
-    headers = {"content-type": content_type} if content_type else {}
-    if encoding[0]:
-        headers["content-encoding"] = encoding[0]
-    try:
-        response = client.post("/v1/systemone", content=encode_body(body, *encoding), headers=headers)
-    except httpx.TransportError as error:  # the server hung up or died: as bad as a 5xx
-        ANSWERS["transport error"] += 1
-        FAILURES.append((0, repr(error), body[:300].decode("utf-8", "replace")))
-        return
-    ANSWERS[response.status_code] += 1
-    ok = response.status_code in (200, 413, 415, 422) and not INTERNAL_NAMES.search(response.text)
-    ok = ok and not (response.status_code == 422 and len(response.content) > MAX_422_BYTES)
-    try:
-        answer = response.json()
-        ok = ok and ("answers" in answer if response.status_code == 200 else "detail" in answer)
-        json.dumps(answer, allow_nan=False)
-    except ValueError:
-        ok = False
-    if not ok:
-        FAILURES.append((response.status_code, response.text[:300], body[:300].decode("utf-8", "replace")))
-
-
-def test_no_fuzzed_body_got_a_5xx(server: ServerProcess, client: httpx.Client) -> None:
-    # Runs after the fuzz test (file order): every body was answered with a 2xx/4xx, the server is still up and
-    # answering correctly, and nothing it logged is a traceback.
-    assert sum(ANSWERS.values()) >= FUZZ_EXAMPLES, ANSWERS
-    assert ANSWERS[200] >= 50, ANSWERS  # the fuzz reaches the model, not only the parser
-    by_answer = Counter(f"{status} {text[:120]}" for status, text, _ in FAILURES)
-    examples = {f"{status} {text[:120]}": body for status, text, body in FAILURES}
+    send()
+    assert sum(answers.values()) >= FUZZ_EXAMPLES, answers
+    assert answers[200] >= 50, answers  # the fuzz reaches the model, not only the parser
+    by_answer = Counter(f"{status} {text[:120]}" for status, text, _ in failures)
+    examples = {f"{status} {text[:120]}": body for status, text, body in failures}
     report = "\n".join(f"{n}x {answer}\n   e.g. body {examples[answer][:200]!r}"
                        for answer, n in by_answer.most_common())
-    assert not FAILURES, f"{len(FAILURES)} of {sum(ANSWERS.values())} bodies got a bad answer:\n{report}"
+    assert not failures, f"{len(failures)} of {sum(answers.values())} bodies got a bad answer:\n{report}"
     assert server.alive()
     response = client.post("/v1/systemone", json=make_request(7))
     assert response.status_code == 200
     check_answers(make_request(7), response.json())
-    assert not re.search(r"Traceback", server.log()), server.log()
+    with open(server.log_path, "rb") as log:
+        log.seek(log_start)
+        logged = log.read().decode(errors="replace")
+    assert "Traceback" not in logged, logged[-5000:]

@@ -15,8 +15,6 @@ import base64
 import gzip
 import io
 import json
-import os
-import re
 import statistics
 import threading
 import time
@@ -28,45 +26,28 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from tests.api.test_server import JSON, ServerProcess, check_answers, make_request, serving
+from tests.support.api import JSON, check_answers
+from tests.support.hostile import (
+    MAX_GROWTH_MB,
+    MAX_WORK_SECONDS,
+    SMALL,
+    RssSampler,
+    cpu_seconds,
+    engine_metric,
+    noul_questions,
+)
+from tests.support.media import lying_jpeg
+from tests.support.servers import ServerProcess, serving
 
 pytestmark = pytest.mark.slow  # real server processes
-MAX_GROWTH_MB = 500
-MAX_WORK_SECONDS = 5.0  # of the server's CPU for one hostile request (the issue's bound)
 SLACK_SECONDS = 1.0  # what a busy CI machine may add to a small decide, on top of twice its idle time
-SMALL = make_request(3)
 
 
 @pytest.fixture(scope="module")
 def server(tiny_release: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """The module's own server, not the session's: these tests bound its memory growth, which memory freed by other
+    modules' requests would hide."""
     yield from serving(tiny_release, tmp_path_factory, "hostile-server.log")
-
-
-class RssSampler:
-    """The server's resident memory, sampled every few milliseconds in a thread until stopped."""
-
-    def __init__(self, pid: int):
-        self.pid = pid
-        self.baseline = self.rss_mb()
-        self.peak = self.baseline
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def rss_mb(self) -> float:
-        status = Path(f"/proc/{self.pid}/status").read_text()
-        return int(re.search(r"^VmRSS:\s+(\d+) kB", status, re.M).group(1)) / 1024
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self.peak = max(self.peak, self.rss_mb())
-            time.sleep(0.02)
-
-    def stop(self) -> float:
-        """The growth in MB over the baseline."""
-        self._stop.set()
-        self._thread.join()
-        return self.peak - self.baseline
 
 
 def small_decide_seconds(http: httpx.Client) -> float:
@@ -114,11 +95,6 @@ def while_hostile(server: ServerProcess, send: Callable[[httpx.Client], httpx.Re
             f"no small decide was answered in the {hostile_answered - spans[0][0]:.1f} s the hostile request took")
     assert server.alive()
     return response
-
-
-def noul_questions(count: int) -> dict:
-    return {f"q{i}": {"type": "noul", "instructions": f"Is the customer asking about order {i}?"}
-            for i in range(count)}
 
 
 def test_thousands_of_questions_with_a_huge_x_max_length_are_refused_before_work(server: ServerProcess) -> None:
@@ -173,12 +149,6 @@ def h264_video(width: int, height: int, frames: int) -> bytes:
     return buffer.getvalue()
 
 
-def cpu_seconds(pid: int) -> float:
-    """CPU time (user + system, all threads) a process has used so far."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def test_small_full_hd_video_of_many_frames_is_bounded(server: ServerProcess) -> None:
     """A 26 KB video of 400 full-HD frames costs at most MAX_WORK_SECONDS of the server's CPU (its own time,
     whatever the machine's load does to the wall clock) and at most MAX_GROWTH_MB, while others are answered."""
@@ -193,17 +163,6 @@ def test_small_full_hd_video_of_many_frames_is_bounded(server: ServerProcess) ->
     assert work <= MAX_WORK_SECONDS, f"the video took {work:.1f} s of the server's CPU"
     response = while_hostile(server, lambda http: http.post("/v1/systemone", json=body))
     assert response.status_code in (200, 413, 422), response.text[:500]
-
-
-def lying_jpeg(width: int, height: int) -> bytes:
-    """A JPEG whose header says width×height but whose scan data is cut to a few bytes before the end marker: the
-    decoder fills the missing blocks in silently."""
-    buffer = io.BytesIO()
-    Image.new("L", (width, height), 128).save(buffer, "JPEG", quality=1)
-    data = buffer.getvalue()
-    scan = data.index(b"\xff\xda")
-    header_length = int.from_bytes(data[scan + 2: scan + 4], "big")
-    return data[: scan + 2 + header_length + 16] + b"\xff\xd9"
 
 
 def test_jpeg_whose_header_lies_about_its_size_is_refused(server: ServerProcess) -> None:
@@ -281,11 +240,6 @@ def deadline_server(tiny_release: Path, tmp_path_factory: pytest.TempPathFactory
     """A server that sells big requests (no token ceiling to speak of) but answers within half a second."""
     yield from serving(tiny_release, tmp_path_factory, "deadline-server.log", "--request-timeout", "0.5",
                        "--max-tokens-per-request", "1048576")
-
-
-def engine_metric(http: httpx.Client, name: str) -> float:
-    text = http.get("/metrics").text
-    return float(re.search(rf"^{name}\{{model=\"[^\"]+\"\}} (\S+)", text, re.M).group(1))
 
 
 def test_work_past_the_deadline_stops_in_the_engine(server: ServerProcess, deadline_server: ServerProcess) -> None:

@@ -4,8 +4,6 @@ test speaks to a real server process on the tiny release, as a client would."""
 
 from __future__ import annotations
 
-import base64
-import io
 import json
 import math
 import select
@@ -16,11 +14,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
-import numpy as np
 import pytest
-from PIL import Image
 
-from tests.api.test_server import JSON, ServerProcess, check_answers, make_request, serving
+from clef_engine.protocol import data_url
+from tests.support.api import JSON, check_answers
+from tests.support.bodies import make_request, multipart
+from tests.support.media import b64, gif, pixel_bomb, plain_png
+from tests.support.servers import ServerProcess, serving
 
 pytestmark = pytest.mark.slow  # real server processes
 ALLOWED_ORIGIN = "http://allowed.test"
@@ -29,57 +29,7 @@ KEEP_ALIVE_TIMEOUT = 1
 SAFETY_SECONDS = 30  # what a busy machine may add to a timer, as a limit on waiting only
 
 
-# --- media, shared with the fuzz test ---------------------------------------------------------------------------
-
-
-def png(width: int, height: int, color: tuple[int, int, int] = (200, 30, 30)) -> bytes:
-    buffer = io.BytesIO()
-    Image.new("RGB", (width, height), color).save(buffer, format="PNG")
-    return buffer.getvalue()
-
-
-def gif() -> bytes:
-    buffer = io.BytesIO()
-    Image.new("RGB", (8, 8), (0, 0, 255)).save(buffer, format="GIF")
-    return buffer.getvalue()
-
-
-def mp4(frames: int) -> bytes:
-    """An H.264 MP4 with `frames` frames (0: a container whose video stream holds none)."""
-    import av
-
-    buffer = io.BytesIO()
-    with av.open(buffer, mode="w", format="mp4") as container:
-        stream = container.add_stream("libx264", rate=2)
-        stream.width, stream.height, stream.pix_fmt = 32, 32, "yuv420p"
-        for i in range(frames):
-            frame = av.VideoFrame.from_ndarray(np.full((32, 32, 3), 40 * i % 256, dtype=np.uint8), format="rgb24")
-            container.mux(stream.encode(frame))
-        container.mux(stream.encode())
-    return buffer.getvalue()
-
-
-def pixel_bomb() -> bytes:
-    """A small PNG whose header says 20 MP: over the 16 MP limit, to be refused before its pixels are decoded."""
-    buffer = io.BytesIO()
-    Image.new("L", (5000, 4000)).save(buffer, format="PNG")
-    return buffer.getvalue()
-
-
-def b64(data: bytes) -> str:
-    return base64.b64encode(data).decode("ascii")
-
-
-def data_url(content_type: str, data: bytes) -> str:
-    return f"data:{content_type};base64,{b64(data)}"
-
-
 # --- servers ----------------------------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def server(tiny_release: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    yield from serving(tiny_release, tmp_path_factory, "server.log")
 
 
 @pytest.fixture(scope="module")
@@ -93,16 +43,8 @@ def tight_server(tiny_release: Path, tmp_path_factory: pytest.TempPathFactory) -
 # --- JSON assets and placeholders -------------------------------------------------------------------------------
 
 
-def multipart(request: dict, files: dict[str, bytes]) -> tuple[bytes, str]:
-    """The TypeSafe SDK's multipart body: the JSON in a 'request' part, one part per asset."""
-    fields = {"request": (None, json.dumps(request).encode(), "application/json")}
-    fields.update({name: (name, data, "image/png") for name, data in files.items()})
-    built = httpx.Request("POST", "http://x", files=fields)
-    return built.read(), built.headers["content-type"]
-
-
 def test_json_assets_reach_the_engine_like_multipart_ones(client: httpx.Client) -> None:
-    photo = png(40, 24)
+    photo = plain_png(40, 24)
     request = {"state": "see P1", "questions": {"red": {"type": "noul", "instructions": "Is P1 red?"}}}
     as_json = client.post("/v1/systemone", json=request | {"assets": {"P1": {"format": "png", "data_base64": b64(
         photo)}}})
@@ -155,7 +97,7 @@ def test_bad_json_assets_get_4xx_naming_the_asset(client: httpx.Client, case: st
 def test_placeholders_are_replaced_in_text_only(client: httpx.Client) -> None:
     """Asset names that are also keys, ids, types and option ids: only text changes (the old server turned the
     question type "noul" into "[image 1]")."""
-    photo = png(16, 16)
+    photo = plain_png(16, 16)
 
     def request(noul: str, choice: str) -> dict:
         return {
@@ -510,7 +452,7 @@ def test_a_multipart_part_sent_twice_is_refused(client: httpx.Client) -> None:
         ("request", [("request", (None, json.dumps(first).encode(), "application/json")),
                      ("request", (None, json.dumps(second).encode(), "application/json"))]),
         ("P1", [("request", (None, with_asset, "application/json")),
-                ("P1", ("a.png", png(32, 32), "image/png")), ("P1", ("b.png", png(48, 48), "image/png"))]),
+                ("P1", ("a.png", plain_png(32, 32), "image/png")), ("P1", ("b.png", plain_png(48, 48), "image/png"))]),
     ):
         built = httpx.Request("POST", "http://x", files=fields)
         response = client.post("/v1/systemone", content=built.read(),

@@ -9,19 +9,14 @@ import json
 import os
 import re
 import signal
-import subprocess
-import sys
 import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.api.test_server import REPO, STARTUP_SECONDS, ServerProcess
-from tests.support.browser import free_port, stop_process
+from tests.support.servers import ServerProcess, serving_workbench
 
 pytestmark = pytest.mark.slow  # real server processes
 SIGNALS = [signal.SIGTERM, signal.SIGINT, signal.SIGKILL]
@@ -81,37 +76,6 @@ def start_big_body_worker(url: str) -> None:
     assert reply.status_code == 413, reply.text  # far over the token budget: refused, after being parsed
 
 
-# --- the workbench's process --------------------------------------------------------------------------------------
-
-
-@contextmanager
-def workbench(tiny_release: Path, folder: Path) -> Iterator[tuple[subprocess.Popen, str]]:
-    """`streamlit run serve_workbench.py` on 127.0.0.1, healthy (its model loaded): (process, URL)."""
-    port = free_port()
-    env = {**os.environ, "CLEF_MODEL": str(tiny_release), "CLEF_DB": str(folder / "wb.sqlite3")}
-    log_path = folder / "workbench.log"
-    with open(log_path, "wb") as log:
-        process = subprocess.Popen([sys.executable, "-m", "streamlit", "run", "serve_workbench.py",
-                                    "--server.headless", "true", "--server.address", "127.0.0.1",
-                                    "--server.port", str(port), "--browser.gatherUsageStats", "false"],
-                                   cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + STARTUP_SECONDS
-        while time.monotonic() < deadline and process.poll() is None:
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.5)
-        else:
-            raise RuntimeError(f"the workbench did not get healthy:\n{log_path.read_text(errors='replace')[-3000:]}")
-        yield process, url
-    finally:
-        stop_process(process, timeout=20)
-
-
 # --- tests -------------------------------------------------------------------------------------------------------
 
 
@@ -135,7 +99,7 @@ def test_no_process_outlives_serve(tiny_release: Path, tmp_path: Path, sent: sig
 
 @pytest.mark.parametrize("sent", SIGNALS, ids=lambda sent: sent.name)
 def test_no_process_outlives_the_workbench(tiny_release: Path, tmp_path: Path, sent: signal.Signals) -> None:
-    with workbench(tiny_release, tmp_path) as (process, url):
+    with serving_workbench(tiny_release, tmp_path) as (process, url):
         start_big_body_worker(url)
         children = descendants(process.pid)
         assert len(children) >= 2, still_running(children)
@@ -176,7 +140,7 @@ def test_sigint_with_requests_in_flight_answers_them_and_exits_0(tiny_release: P
 
 
 def test_the_workbench_answers_only_its_own_host_names(tiny_release: Path, tmp_path: Path) -> None:
-    with workbench(tiny_release, tmp_path) as (_, url):
+    with serving_workbench(tiny_release, tmp_path) as (_, url):
         for path in ("/health", "/v1/models", "/"):  # the API and the UI alike
             rebound = httpx.get(f"{url}{path}", headers={"host": "evil.example"}, timeout=30)
             assert rebound.status_code == 421, rebound.text

@@ -19,7 +19,9 @@ import pytest
 
 from bench.hostile_load import big_state_body as over_budget_body  # 30 MB, refused 413 after it is parsed
 from bench.hostile_load import many_questions_body
-from tests.api.test_server import JSON, ServerProcess, make_request, serving
+from tests.support.api import JSON
+from tests.support.bodies import make_request
+from tests.support.servers import ServerProcess, serving
 
 pytestmark = pytest.mark.slow  # a real server process, a minute of load
 

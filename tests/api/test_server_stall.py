@@ -21,16 +21,13 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from tests.api.test_server import JSON, ServerProcess, check_answers, make_request, serving
-from tests.api.test_server_http import data_url, multipart
+from clef_engine.protocol import data_url
+from tests.support.api import JSON, check_answers
+from tests.support.bodies import make_request, multipart
+from tests.support.servers import ServerProcess, serving
 
 pytestmark = pytest.mark.slow  # real server processes
 SMALL_ANSWER_SECONDS = 1.0  # the most the big requests may add to a small one's answer time
-
-
-@pytest.fixture(scope="module")
-def server(tiny_release: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    yield from serving(tiny_release, tmp_path_factory, "stall-server.log")
 
 
 def big_state_body() -> bytes:

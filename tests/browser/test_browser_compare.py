@@ -10,22 +10,22 @@ import json
 import re
 import shutil
 import time
-from pathlib import Path
 
 import playwright.sync_api as playwright_api
 import pytest
 
 from clef_workbench import casesets
 from clef_workbench.store import Store
+from tests.support import REPO
 from tests.support.browser import workbench_page
 from tests.support.browser_steps import pick, settle
+from tests.support.compare_runs import GRID_ANSWERS, GRID_CASES, GRID_SCHEMA, grid_response
 
 expect = playwright_api.expect
 expect.set_options(timeout=60_000)  # two CPU cores shared with the model and other work: reruns can take seconds
 
 pytestmark = pytest.mark.browser
 
-REPO = Path(__file__).resolve().parents[2]
 LONG = 300_000  # ms, a safety limit: the first page load builds/loads the demo model
 SLUG = "support-ticket-routing"
 
@@ -130,26 +130,8 @@ def journey(page, url: str, store: Store, set_id: int) -> None:
 
 # -- the cases × runs grid, cell by cell --------------------------------------------------------------------------
 
-GRID_SCHEMA = {"name": "triage", "version": "1", "questions": {
-    "urgent": {"type": "noul", "instructions": "Is it urgent?"},
-    "team": {"type": "choice", "instructions": "Which team?", "options": {"billing": "Money", "tech": "Broken"}}}}
-GRID_CASES = [("Refund now\nMy card was charged twice.", {"urgent": True, "team": "billing"}),
-              ("App crashes", {"urgent": False, "team": "tech"}),
-              ("Hello", {"urgent": True, "team": "tech"})]
-# Per run, per case: (P(urgent), P(billing)). Against the expected answers above each run's cells read, row by row
-# and left to right (urgent #1, urgent #2, team #1, team #2): pass pass pass fail / pass fail pass pass /
-# fail pass fail pass.
-GRID_ANSWERS = {"model-a": [(0.9, 0.8), (0.2, 0.3), (0.3, 0.7)], "model-b": [(0.6, 0.4), (0.7, 0.1), (0.8, 0.2)]}
 GRID_VERDICTS = [["pass", "pass", "pass", "fail"], ["pass", "fail", "pass", "pass"], ["fail", "pass", "fail", "pass"]]
 CELL_COLOURS = {"pass": (0xD9, 0xF2, 0xE3), "fail": (0xFB, 0xDA, 0xDA)}  # compare.VERDICT_STYLES, as drawn
-
-
-def grid_response(p_urgent: float, p_billing: float) -> dict:
-    team = "billing" if p_billing >= 0.5 else "tech"
-    return {"model": "m", "usage": {"input_tokens": 10, "output_tokens": 0}, "answers": {
-        "urgent": {"type": "noul", "noul": p_urgent},
-        "team": {"type": "choice", "choice": team, "confidence": max(p_billing, 1 - p_billing),
-                 "probabilities": {"billing": p_billing, "tech": round(1 - p_billing, 4)}}}}
 
 
 def coloured_cells(png: bytes) -> list[list[tuple[str, tuple[float, float]]]]:

@@ -14,7 +14,8 @@ import pytest
 from PIL import Image
 
 from tests.support.browser import launch_chromium, running_workbench
-from tests.support.browser_steps import pick, settle
+from tests.support.browser_steps import commit, pick, settle
+from tests.support.media import mp4_bytes
 
 expect = playwright_api.expect
 expect.set_options(timeout=60_000)  # two CPU cores shared with the model and other work: reruns can take seconds
@@ -23,12 +24,6 @@ expect.set_options(timeout=60_000)  # two CPU cores shared with the model and ot
 pytestmark = pytest.mark.browser
 
 LONG = 300_000  # ms, a safety limit: the first page load builds/loads the demo model
-
-
-def commit(locator) -> None:
-    """Streamlit text widgets send their value on blur."""
-    locator.press("Tab")
-    settle(locator.page)
 
 
 @pytest.fixture
@@ -138,7 +133,6 @@ def decide_scenario(page, tmp_path: Path) -> None:
 
 def test_video_upload_previews_the_sampled_frames_and_runs(page, tmp_path: Path):
     """An MP4 of 30 frames at 15 fps: the page shows the 4 frames the model reads (2 fps), and the run carries it."""
-    from tests.engine.test_engine import mp4_bytes
 
     expect(page.get_by_text("clef-demo has random weights: its answers mean nothing")).to_be_visible(timeout=LONG)
     state = page.locator('textarea[aria-label="State"]')

@@ -9,8 +9,7 @@ import playwright.sync_api as playwright_api
 import pytest
 
 from clef_workbench.store import Store
-from tests.browser.test_browser_journeys import LONG, demo_workbench
-from tests.support.browser import launch_chromium
+from tests.support.browser import LONG, demo_workbench, launch_chromium
 from tests.support.browser_steps import settle
 from tests.support.import_files import KINDS, delimited, expected_cases, stored
 

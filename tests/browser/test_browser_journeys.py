@@ -7,9 +7,7 @@ from __future__ import annotations
 import contextlib
 import csv
 import re
-import shutil
 import time
-from pathlib import Path
 
 import playwright.sync_api as playwright_api  # noqa: E402
 import pytest
@@ -17,28 +15,14 @@ import pytest
 from clef_workbench import review
 from clef_workbench.schema_library import SchemaLibrary
 from clef_workbench.store import Store
-from tests.support.browser import launch_chromium, running_workbench
-from tests.support.browser_steps import press_shortcut, settle
+from tests.support import REPO
+from tests.support.browser import LONG, demo_workbench, launch_chromium, running_workbench
+from tests.support.browser_steps import delete_row, press_shortcut, settle
 
 expect = playwright_api.expect
 expect.set_options(timeout=60_000)  # two CPU cores shared with the model and other work: reruns can take seconds
 
 pytestmark = pytest.mark.browser
-
-REPO = Path(__file__).resolve().parents[2]
-LONG = 300_000  # ms, a safety limit: the first page load builds/loads the demo model
-
-
-def demo_workbench(tmp_path_factory, name: str, **env: str):
-    """A workbench process on the demo model, with its own SQLite file and a copy of the schema library; yields
-    (url, db, root)."""
-    root = tmp_path_factory.mktemp(name)
-    shutil.copytree(REPO / "schemas", root / "schemas")
-    db = root / "workbench.sqlite3"
-    env = {"CLEF_DB": str(db), "CLEF_SCHEMAS_DIR": str(root / "schemas"), "CLEF_MODEL": "demo", **env}
-    with running_workbench(env, log_path=root / "streamlit.log") as url:
-        yield url, db, root
-
 
 @pytest.fixture(scope="module")
 def workbench(tmp_path_factory):
@@ -446,20 +430,7 @@ def test_deleting_case_rows_in_the_table_can_be_undone(page, workbench):
     grid = page.locator('[class*="st-key-cases-editor"] [data-testid="stDataFrame"]')
     expect(grid).to_be_visible(timeout=LONG)
     settle(page)
-    # The table is drawn on a canvas: select the second row by its selection box (header and rows are 35 px high),
-    # then delete it with the button the table's toolbar shows for a selection. Under CPU load a click can land
-    # before the canvas takes clicks: a person would see no selection and click again.
-    box = grid.bounding_box()
-    delete_rows = page.get_by_role("button", name="Delete row(s)")
-    for _ in range(3):
-        page.mouse.click(box["x"] + 16, box["y"] + 35 + 35 + 17)
-        try:
-            expect(delete_rows).to_be_visible(timeout=5_000)
-            break
-        except AssertionError:
-            continue
-    delete_rows.click()
-    settle(page)
+    delete_row(page, grid, 1)
     assert len(store.list_cases(set_id)) == 3, "nothing is written before Save"
     page.get_by_role("button", name="Save changes").click()
     settle(page)

@@ -13,7 +13,7 @@ from pathlib import Path
 import playwright.sync_api as playwright_api
 import pytest
 
-from tests.support.browser import REPO, launch_chromium, running_workbench
+from tests.support.browser import REPO, demo_workbench, launch_chromium, running_workbench
 from tests.support.browser_steps import go_to, settle
 
 expect = playwright_api.expect
@@ -178,7 +178,6 @@ def seeded_runs(db: Path, schemas: Path) -> list[int]:
 
 
 def test_no_label_button_or_metric_is_cut_on_any_page_at_any_window_size(tmp_path_factory):
-    from tests.browser.test_browser_journeys import demo_workbench
 
     with contextmanager(demo_workbench)(tmp_path_factory, "layout") as (url, db, root):
         run_ids = seeded_runs(db, root / "schemas")

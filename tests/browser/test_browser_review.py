@@ -15,6 +15,7 @@ import pytest
 
 from clef_workbench import review
 from clef_workbench.store import Store
+from tests.support import REPO
 from tests.support.browser import launch_chromium, running_workbench
 from tests.support.browser_steps import go_to, new_case_set_from_csv, press_shortcut, settle
 
@@ -23,7 +24,6 @@ expect = playwright_api.expect
 # No skip when chromium is missing: launch_chromium fails with how to install it (scripts/setup.sh --test does).
 pytestmark = pytest.mark.browser
 
-REPO = Path(__file__).resolve().parents[2]
 LONG = 300_000  # ms, a safety limit: first load builds the demo model; a CPU run of 6 tickets takes a while
 
 TICKETS = [

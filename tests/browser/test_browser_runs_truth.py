@@ -15,15 +15,15 @@ import pytest
 from clef_engine.errors import ClefError
 from clef_workbench.jobs import JobRunner
 from clef_workbench.store import Store
+from tests.support import REPO
 from tests.support.browser import launch_chromium, running_workbench
-from tests.support.browser_steps import settle
+from tests.support.browser_steps import delete_row, settle
 
 expect = playwright_api.expect
 expect.set_options(timeout=60_000)  # two CPU cores shared with the model and other work: reruns can take seconds
 
 pytestmark = pytest.mark.browser
 
-REPO = Path(__file__).resolve().parents[2]
 LONG = 300_000  # ms, a safety limit: the first page load loads the demo model
 SCHEMA = {"name": "routing", "version": "1", "questions": {
     "team": {"type": "choice", "instructions": "Which team?", "criteria": {"billing": None, "sales": None}}}}
@@ -151,19 +151,7 @@ def test_a_refused_case_deletion_puts_the_row_back_in_the_table(page, workbench)
     expect(grid).to_be_visible(timeout=LONG)
     settle(page)
     assert grid_rows(grid) == 3
-    # select the second row by its selection box (header and rows are 35 px high), delete it with the toolbar's
-    # button; under CPU load a click can land before the canvas takes clicks, as in test_browser_journeys
-    box = grid.bounding_box()
-    delete_rows = page.get_by_role("button", name="Delete row(s)")
-    for _ in range(3):
-        page.mouse.click(box["x"] + 16, box["y"] + 35 + 35 + 17)
-        try:
-            expect(delete_rows).to_be_visible(timeout=5_000)
-            break
-        except AssertionError:
-            continue
-    delete_rows.click()
-    settle(page)
+    delete_row(page, grid, 1)
     assert grid_rows(grid) == 2
     page.get_by_role("button", name="Save changes").click()
     settle(page)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import re
 import shutil
-from pathlib import Path
 
 import playwright.sync_api as playwright_api
 import pytest
@@ -19,17 +18,16 @@ import pytest
 from clef_workbench import review
 from clef_workbench.review import ReviewRules
 from clef_workbench.store import Store
-from tests.browser.test_browser_compare import GRID_ANSWERS, GRID_CASES, GRID_SCHEMA, grid_response
-from tests.support import browser_steps
+from tests.support import REPO, browser_steps
 from tests.support.browser import workbench_page
 from tests.support.browser_steps import pick
+from tests.support.compare_runs import GRID_ANSWERS, GRID_CASES, GRID_SCHEMA, grid_response
 
 expect = playwright_api.expect
 expect.set_options(timeout=60_000)  # two CPU cores shared with the model and other work: reruns can take seconds
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
 
-REPO = Path(__file__).resolve().parents[2]
 LONG = 300_000  # ms: a model load, or a run on a busy CPU
 TYPED = "My own record: invoice INV-88 was charged twice."
 

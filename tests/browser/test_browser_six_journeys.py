@@ -22,18 +22,17 @@ import pytest
 from PIL import Image
 
 from clef_workbench.store import Store
-from tests.api.test_server import ServerProcess
-from tests.engine.test_engine import mp4_bytes
-from tests.support import browser_steps
+from tests.support import REPO, browser_steps
 from tests.support.browser import launch_chromium, running_workbench
 from tests.support.browser_steps import new_case_set_from_csv, pick, press_shortcut
+from tests.support.media import mp4_bytes
+from tests.support.servers import ServerProcess
 
 expect = playwright_api.expect
 expect.set_options(timeout=60_000)  # two CPU cores shared with the model and other work: reruns can take seconds
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
 
-REPO = Path(__file__).resolve().parents[2]
 LONG = 300_000  # ms: a model load, or a batch run on a busy CPU
 RUN = 1_800_000  # ms: a 50-case batch run on the demo model on a busy CPU (20 s a record seen under load)
 RANDOM_WEIGHTS = re.compile(r"has random weights: its answers mean nothing")

@@ -23,17 +23,16 @@ from PIL import Image
 
 from clef_workbench import calibration, review
 from clef_workbench.store import Store
-from tests.browser.test_browser_decide import commit
-from tests.engine.test_engine import mp4_bytes
+from tests.support import REPO
 from tests.support.browser import launch_chromium, running_workbench
-from tests.support.browser_steps import go_to, new_case_set_from_csv, pick, settle
+from tests.support.browser_steps import commit, go_to, new_case_set_from_csv, pick, settle
+from tests.support.media import mp4_bytes
 
 expect = playwright_api.expect
 expect.set_options(timeout=30_000)  # two CPU cores shared with the model: reruns can take seconds
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
 
-REPO = Path(__file__).resolve().parents[2]
 LONG = 180_000  # ms: the first load builds the demo model
 RUN = 1_800_000  # ms: a 36-case batch run on the demo model on a busy CPU
 SCREENSHOT = REPO / "docs" / "why-view.png"

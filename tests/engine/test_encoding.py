@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import io
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -10,21 +9,12 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from PIL import Image
 
 from clef_engine.errors import RequestError, TokenBudgetError
 from clef_engine.model.encoding import PREFIX, SUFFIX, UNBOUNDED, render, schema_pieces
 from clef_engine.protocol import parse_questions
-
-REQUEST = {
-    "state": {"vendor": "Ünïcode GmbH", "total": 12.5, "lines": [{"sku": "A-1", "qty": 2}], "note": None},
-    "questions": {
-        "paid": {"type": "noul", "instructions": "Is the invoice paid?", "criteria": {"false": "Still open."}},
-        "route": {"type": "choice", "instructions": {"ask": "Which team?", "hint": ["ap", "ar"]},
-                  "criteria": {"zeta": "Z team", "alpha": None, "mid": {"team": "M", "tier": 2}}},
-        "risk": {"type": "score", "instructions": "", "criteria": ["none", "some", "high"]},
-    },
-}
+from tests.support.bodies import REQUEST
+from tests.support.media import png_bytes
 
 GOLDEN_SCHEMA = (
     "\n\nSCHEMA FIELDS:\n"
@@ -111,13 +101,6 @@ def test_missing_instruction_becomes_question_id_and_noul_overrides_each_side(ti
     assert "INSTRUCTION: q.1\n" in joined
     assert '{"description":"Yes, shipped.","option_id":"true"}' in joined
     assert '{"description":"The proposition is false or the answer is no.","option_id":"false"}' in joined
-
-
-def png_bytes(width: int, height: int, seed: int = 0) -> bytes:
-    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
-    buffer = io.BytesIO()
-    Image.fromarray(pixels).save(buffer, "PNG")
-    return buffer.getvalue()
 
 
 def test_media_tokens_follow_prefix_and_match_processor(tiny_engine):

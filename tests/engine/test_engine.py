@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import base64
-import io
 import json
 import re
 import shutil
@@ -18,30 +17,10 @@ import pytest
 
 import clef_engine
 from clef_engine import ReleaseError, RequestError, TokenBudgetError
+from clef_engine.protocol import data_url
 from clef_engine.scheduler import Scheduler
-from tests.engine.test_encoding import REQUEST, png_bytes
-
-
-def data_url(data: bytes, content_type: str = "image/png") -> str:
-    return f"data:{content_type};base64,{base64.b64encode(data).decode()}"
-
-
-def mp4_bytes(frames: int = 30, fps: int = 15, size: int = 64) -> bytes:
-    import av
-
-    buffer = io.BytesIO()
-    with av.open(buffer, mode="w", format="mp4") as container:
-        stream = container.add_stream("mpeg4", rate=fps)
-        stream.width = stream.height = size
-        stream.pix_fmt = "yuv420p"
-        rng = np.random.default_rng(0)
-        for _ in range(frames):
-            image = rng.integers(0, 256, (size, size, 3), dtype=np.uint8)
-            for packet in stream.encode(av.VideoFrame.from_ndarray(image, format="rgb24")):
-                container.mux(packet)
-        for packet in stream.encode():
-            container.mux(packet)
-    return buffer.getvalue()
+from tests.support.bodies import REQUEST
+from tests.support.media import mp4_bytes, png_bytes
 
 
 def check_response(response: dict, request: dict) -> None:
@@ -75,7 +54,7 @@ def test_decide_answers_every_question(tiny_engine):
 
 def test_decide_many_equals_one_by_one(tiny_engine):
     requests = [dict(REQUEST, state=f"case {i}: " + "details " * (i * 7)) for i in range(6)]
-    requests.append(dict(REQUEST, images=[data_url(png_bytes(64, 96, seed=5))]))
+    requests.append(dict(REQUEST, images=[data_url("image/png", png_bytes(64, 96, seed=5))]))
     batched = tiny_engine.decide_many(requests)
     for request, response in zip(requests, batched):
         single = tiny_engine.decide(request)
@@ -92,8 +71,8 @@ def test_image_forms_give_the_same_answer(tiny_engine, tmp_path):
     image = png_bytes(64, 64, seed=2)
     path = tmp_path / "evidence.png"
     path.write_bytes(image)
-    forms = [data_url(image), {"content_type": "image/png", "base64": base64.b64encode(image).decode()}, image,
-             str(path)]
+    forms = [data_url("image/png", image), {"content_type": "image/png", "base64": base64.b64encode(image).decode()},
+             image, str(path)]
     answers = [tiny_engine.decide(dict(REQUEST, images=[form]))["answers"] for form in forms]
     assert all(a == answers[0] for a in answers)
     without = tiny_engine.decide(REQUEST)["answers"]
@@ -102,11 +81,11 @@ def test_image_forms_give_the_same_answer(tiny_engine, tmp_path):
 
 def test_video_file_is_decoded_at_its_real_fps(tiny_engine, tmp_path):
     video = mp4_bytes(frames=30, fps=15)  # 2 s at 15 fps → 4 frames at 2 fps
-    record = tiny_engine.encode(dict(REQUEST, videos=[data_url(video, "video/mp4")]))
+    record = tiny_engine.encode(dict(REQUEST, videos=[data_url("video/mp4", video)]))
     assert record.videos[0].fps == pytest.approx(15.0)
     assert record.videos[0].frame_indices == [0, 10, 19, 29]
     assert record.videos[0].frames.shape == (4, 64, 64, 3)
-    response = tiny_engine.decide(dict(REQUEST, videos=[data_url(video, "video/mp4")]))
+    response = tiny_engine.decide(dict(REQUEST, videos=[data_url("video/mp4", video)]))
     check_response(response, REQUEST)
     assert response["x_token_counts"]["media"] > 0
 
@@ -165,9 +144,9 @@ BAD_REQUESTS = [
      ("images", 0), "not accepted"),
     ({"state": "x", "questions": {"a": {"type": "noul"}}, "images": ["data:image/png;base64,!!!"]},
      ("images", 0), "invalid base64"),
-    ({"state": "x", "questions": {"a": {"type": "noul"}}, "images": [data_url(b"not a png")]},
+    ({"state": "x", "questions": {"a": {"type": "noul"}}, "images": [data_url("image/png", b"not a png")]},
      ("images", 0), "not a readable image"),
-    ({"state": "x", "questions": {"a": {"type": "noul"}}, "videos": [data_url(b"garbage", "video/mp4")]},
+    ({"state": "x", "questions": {"a": {"type": "noul"}}, "videos": [data_url("video/mp4", b"garbage")]},
      ("videos", 0), "not a readable video"),
     ({"state": float("nan"), "questions": {"a": {"type": "noul"}}}, ("state",), "NaN"),
     ("not an object", (), "JSON object"),

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import io
 import json
-import re
 
 import numpy as np
 import pytest
@@ -16,26 +15,17 @@ from PIL import Image
 
 from clef_engine import RequestError, TokenBudgetError
 from clef_engine.explain import REGION_GRID
-from tests.api.test_server import server  # noqa: F401 - the module's server process, used by conftest's `client`
-from tests.engine.test_encoding import png_bytes
-from tests.engine.test_engine import data_url
+from clef_engine.protocol import data_url
+from tests.support.api import TIMINGS, without_latency
+from tests.support.bodies import QUESTIONS, SENTENCES, TEXT_STATE
+from tests.support.media import png_bytes
 
 EXACT = 1e-4  # the bound for float32 on the CPU (batched variants against each one decided alone)
 # Over HTTP the answers are rounded to 4 decimals, so a difference of two of them is off by up to 1e-4 more.
 ROUNDED = EXACT + 1e-4
 
-SENTENCES = ["The parcel arrived with its box crushed.", "I have asked for a refund twice!",
-             "Nobody answered my emails.", "It was a birthday present for my mother.",
-             "Order 1234 was also two weeks late.", "Please reply today?"]
-TEXT_STATE = " ".join(SENTENCES[:3]) + "\n" + " ".join(SENTENCES[3:])
 JSON_STATE = {"customer": {"name": "Ada", "tier": "gold"}, "order": {"id": 1234, "late_days": 14},
               "message": "Refund me now!"}
-QUESTIONS = {
-    "angry": {"type": "noul", "instructions": "Is the customer angry?"},
-    "topic": {"type": "choice", "instructions": "What is it about?",
-              "criteria": {"shipping": "Delivery or damage", "billing": "Money", "other": None}},
-    "urgency": {"type": "score", "instructions": "How urgent?", "criteria": ["can wait", "this week", "today"]},
-}
 VIDEO_FRAMES = np.random.default_rng(7).integers(0, 256, (8, 32, 32, 3), dtype=np.uint8)
 
 
@@ -111,7 +101,7 @@ def test_json_state_fields(tiny_engine):
 
 def test_image_regions(tiny_engine):
     image = png_bytes(64, 96, seed=11)
-    base_request = request(images=[data_url(image)])
+    base_request = request(images=[data_url("image/png", image)])
     explained = tiny_engine.explain(base_request)
     segments = explained["x_explanations"]["angry"]
     regions = [s for s in segments if s["kind"] == "region"]
@@ -129,13 +119,13 @@ def test_image_regions(tiny_engine):
     def without(segment):
         if segment["kind"] == "sentence":
             state = TEXT_STATE[: segment["start"]] + TEXT_STATE[segment["end"]:]
-            return request(state, images=[data_url(image)])
+            return request(state, images=[data_url("image/png", image)])
         left, top, right, bottom = segment["box"]
         painted = pixels.copy()
         painted[top:bottom, left:right] = mean
         buffer = io.BytesIO()
         Image.fromarray(painted).save(buffer, "PNG")  # sent again as a file, as a client would
-        return request(images=[data_url(buffer.getvalue())])
+        return request(images=[data_url("image/png", buffer.getvalue())])
 
     assert check_deltas(tiny_engine, base_request, explained, without) == 6 + REGION_GRID**2
 
@@ -188,17 +178,10 @@ def test_an_explanation_over_the_budget_is_refused_before_its_variants_are_encod
 # --- over HTTP -----------------------------------------------------------------------------------------------------
 
 
-TIMINGS = ("x_latency_ms", "x_compute_ms", "x_queue_ms")  # this call's times, which differ between two calls
-
-
-def without_latency(raw: bytes) -> bytes:
-    return re.sub(rb'"(x_latency_ms|x_compute_ms|x_queue_ms)":[0-9.eE+-]+', rb'"\1":0', raw)
-
-
 @pytest.mark.slow  # a real server process
 def test_http_x_explain_matches_the_engine_and_deciding_again(client, tiny_engine):
     image = png_bytes(64, 96, seed=11)
-    body = request(images=[data_url(image)], model="jev-latest")
+    body = request(images=[data_url("image/png", image)], model="jev-latest")
     reply = client.post("/v1/systemone", json=body | {"x_explain": True})
     assert reply.status_code == 200, reply.text
     explained = reply.json()

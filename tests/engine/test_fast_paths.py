@@ -18,33 +18,13 @@ from clef_engine.fast.graphs import PrefillGraphs, bucket, buckets
 from clef_engine.fast.packed import LayerState
 from clef_engine.fast.segments import make_segments
 from clef_engine.model.reference import reference_decide
-
-TOLERANCE = 1e-5
-
-
-def request(words: int, seed: int = 0) -> dict:
-    vocabulary = "the invoice ticket customer payment refund amount total due date vendor alert".split()
-    state = " ".join(vocabulary[(i * 7 + seed) % len(vocabulary)] for i in range(words))
-    return {"state": state, "questions": {
-        "paid": {"type": "noul", "instructions": "Is the invoice paid?"},
-        "priority": {"type": "choice", "instructions": f"Priority {seed}",
-                     "criteria": {"high": "urgent", "medium": None, "low": "can wait"}},
-        "severity": {"type": "score", "instructions": "How bad is it", "criteria": ["fine", "bad", "awful"]}}}
-
-
-def distances(a: list, b: list) -> list[float]:
-    """|a - b| for every option of every question of every record."""
-    return [abs(x - y) for ra, rb in zip(a, b) for qa, qb in zip(ra, rb) for x, y in zip(qa, qb)]
-
-
-def max_difference(a: list, b: list) -> float:
-    return max(distances(a, b))
+from tests.support.engine_paths import TOLERANCE, distances, max_difference, words_request
 
 
 @pytest.fixture(scope="module")
 def records(tiny_engine):
     # very different lengths in one pack: a few tokens of state up to ~1,700 tokens
-    return [tiny_engine.encode(request(n, seed)) for seed, n in enumerate((1, 300, 7, 2400, 40))]
+    return [tiny_engine.encode(words_request(n, seed)) for seed, n in enumerate((1, 300, 7, 2400, 40))]
 
 
 def test_engine_uses_the_packed_path_and_says_so(tiny_engine):
@@ -84,7 +64,7 @@ def test_state_cache_hit_and_miss_give_the_uncached_answer(tiny_engine):
     old_threshold = cache.min_prefix_tokens
     cache.min_prefix_tokens = 64
     try:
-        state_request = request(600, 3)
+        state_request = words_request(600, 3)
         first = tiny_engine.encode(state_request)
         other_schema = dict(state_request, questions={
             "kind": {"type": "choice", "instructions": "Which kind of ticket",
@@ -192,7 +172,7 @@ def test_a_long_state_is_stored_by_the_one_forward_that_answers(tiny_engine, mon
     forward = tiny_engine.backbone.forward
     monkeypatch.setattr(tiny_engine.backbone, "forward", lambda *a, **k: calls.append(k) or forward(*a, **k))
     try:
-        tiny_engine.decide(request(500, 5))
+        tiny_engine.decide(words_request(500, 5))
         assert cache.stats()["stored"] >= 1 and cache.stats()["entries"] == 1
         assert len(calls) == 1 and calls[0].get("split_at") is not None
     finally:
@@ -430,7 +410,7 @@ def test_residual_projections_written_in_float32_reach_the_norm_and_come_closer_
 
     truth_engine = clef_engine.load(clef_engine.demo_release(), device="cpu")
     engine = clef_engine.load(clef_engine.demo_release(), device="cpu", dtype=torch.bfloat16)
-    records = [engine.encode(request(n, seed)) for seed, n in enumerate((30, 400, 1200, 60, 700, 150, 900, 20))]
+    records = [engine.encode(words_request(n, seed)) for seed, n in enumerate((30, 400, 1200, 60, 700, 150, 900, 20))]
     truth = truth_engine.forward_packed(records)
     plain = engine.forward_packed(records)
     engine.backbone.kernels = kernels.Kernels(

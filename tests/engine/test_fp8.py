@@ -13,7 +13,6 @@ import os
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch
@@ -25,8 +24,8 @@ from clef_engine.fast import fp8 as FP8
 from clef_engine.fast import kernels as K
 from clef_engine.fast.packed import PackedBackbone
 from clef_engine.fast.segments import make_segments
+from tests.support import REPO
 
-ROOT = Path(__file__).resolve().parents[2]
 cuda = pytest.mark.skipif(not torch.cuda.is_available(),
                           reason="needs a CUDA GPU (the engine checks these at start-up)")
 
@@ -312,8 +311,8 @@ def test_the_fused_fp8_triton_kernels_in_the_interpreter():
         print("interpreted ok")
     """)
     env = dict(os.environ, TRITON_INTERPRET="1",
-               PYTHONPATH=os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH")))))
-    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+               PYTHONPATH=os.pathsep.join(filter(None, (str(REPO), os.environ.get("PYTHONPATH")))))
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
                             timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "interpreted ok" in result.stdout

@@ -13,6 +13,7 @@ from clef_engine.model.head import JointSchemaHead, layout, option_probabilities
 from clef_engine.model.reference import reference_decide, reference_logits
 from clef_engine.model.release import HeadConfig
 from clef_engine.protocol import Question
+from tests.support.bodies import REQUEST
 
 SPEC_NAMES = """
 prior_logit_scale ()  joint_logit_scale ()  residual_gate ()
@@ -163,7 +164,6 @@ def test_probabilities_are_a_softmax_per_question(tiny_engine):
 
 def test_engine_answers_equal_the_reference_path(tiny_engine):
     """Whole path with real encoding: backbone + batched head vs backbone + per-option loop head."""
-    from tests.engine.test_encoding import REQUEST
 
     requests = [REQUEST, dict(REQUEST, state="a much shorter state"), dict(REQUEST, state=["x"] * 50)]
     records = [tiny_engine.encode(r) for r in requests]

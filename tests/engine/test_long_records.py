@@ -18,8 +18,8 @@ from clef_engine.errors import ReleaseError
 from clef_engine.fast import attention
 from clef_engine.fast.packed import chunk_bounds
 from clef_engine.fast.segments import make_segments
-from tests.engine.test_fast_paths import TOLERANCE, max_difference, request
-from tests.engine.test_triton_kernels import ROOT, run_interpreted
+from tests.support import REPO
+from tests.support.engine_paths import TOLERANCE, max_difference, run_interpreted, words_request
 
 CHUNK = 160  # the engine's chunk here: a request of the tiny tokenizer is ~140 tokens before its state
 
@@ -88,7 +88,7 @@ def test_a_long_record_is_answered_in_chunks_as_it_is_whole(tiny_engine, chunked
     monkeypatch.setattr(chunked_engine.backbone, "_forward_chunk",
                         lambda ids, *rest: rows.append(ids.shape[0]) or run_chunk(ids, *rest))
     short = {"state": "a short ticket", "questions": {"paid": {"type": "noul", "instructions": "Is it paid?"}}}
-    records = [tiny_engine.encode(body) for body in (short, request(20, 1), request(150, 2))]
+    records = [tiny_engine.encode(body) for body in (short, words_request(20, 1), words_request(150, 2))]
     lengths = [len(r) for r in records]
     assert min(lengths) < CHUNK < max(lengths) and any(n % CHUNK for n in lengths if n > CHUNK)
     for record in records:
@@ -109,7 +109,7 @@ def test_a_long_state_stored_in_chunks_answers_a_new_schema_as_the_whole_record_
     head_one, put = chunked_engine.head_one, cache.put
     monkeypatch.setattr(chunked_engine, "head_one", lambda *a: events.append("answer") or head_one(*a))
     monkeypatch.setattr(cache, "put", lambda *a: events.append("store") or put(*a))
-    first = request(600, 7)
+    first = words_request(600, 7)
     second = dict(first, questions={"kind": {"type": "choice", "instructions": "Which kind of ticket",
                                              "criteria": {"billing": None, "technical": "a fault", "other": None}}})
     try:
@@ -141,7 +141,7 @@ def test_a_record_run_in_chunks_first_moves_earlier_states_out_of_the_device_tie
     short, other_short = ({"state": " ".join(words[(i * 7 + seed) % 12] for i in range(n)),
                            "questions": {"paid": {"type": "noul", "instructions": "Is it paid?"}}}
                           for n, seed in ((10, 1), (12, 3)))
-    long = request(600, 8)
+    long = words_request(600, 8)
     try:
         for body in (short, other_short):
             record = chunked_engine.encode(body)
@@ -190,8 +190,8 @@ def test_the_long_records_benchmark_writes_issue_25s_layout_in_its_cpu_smoke_mod
     """bench/long_records.py on a scaled-down model (its ~136k record is ~4k tokens here: chunked, state stored)."""
     out = tmp_path / "long.json"
     env = dict(os.environ, BENCH_CPU_SMOKE="1", BENCH_LENGTHS="131072", BENCH_SAMPLES="1", BENCH_16K_SAMPLES="2",
-               BENCH_SKIP="cache_off,longest", BENCH_TINY_DIR=str(tmp_path / "tiny"), PYTHONPATH=str(ROOT))
-    run = subprocess.run([sys.executable, "bench/long_records.py", str(out)], cwd=ROOT, env=env, capture_output=True,
+               BENCH_SKIP="cache_off,longest", BENCH_TINY_DIR=str(tmp_path / "tiny"), PYTHONPATH=str(REPO))
+    run = subprocess.run([sys.executable, "bench/long_records.py", str(out)], cwd=REPO, env=env, capture_output=True,
                          text=True, timeout=900)
     assert run.returncode == 0, run.stdout + run.stderr
     results = json.loads(out.read_text())

@@ -20,7 +20,8 @@ from clef_engine.errors import RequestError
 from clef_engine.model import media
 from clef_engine.model.encoding import VIDEO_PLACEHOLDER, EncodedRecord
 from clef_engine.model.reference import reference_decide
-from clef_engine.protocol import format_answer
+from clef_engine.protocol import data_url, format_answer
+from tests.support.media import mp4_bytes, png_bytes
 
 REQUEST = {
     "state": "Clip from the loading dock camera.",
@@ -33,35 +34,8 @@ REQUEST = {
 }
 
 
-def data_url(data: bytes, content_type: str) -> str:
-    return f"data:{content_type};base64,{base64.b64encode(data).decode()}"
-
-
-def png_bytes(width: int, height: int, seed: int = 0) -> bytes:
-    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
-    buffer = io.BytesIO()
-    Image.fromarray(pixels).save(buffer, "PNG")
-    return buffer.getvalue()
-
-
 def frames(count: int, height: int = 48, width: int = 64, seed: int = 1) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 256, (count, height, width, 3), dtype=np.uint8)
-
-
-def mp4_bytes(count: int = 30, fps: int = 15, size: int = 64) -> bytes:
-    import av
-
-    buffer = io.BytesIO()
-    with av.open(buffer, mode="w", format="mp4") as container:
-        stream = container.add_stream("mpeg4", rate=fps)
-        stream.width = stream.height = size
-        stream.pix_fmt = "yuv420p"
-        for image in frames(count, size, size, seed=4):
-            for packet in stream.encode(av.VideoFrame.from_ndarray(image, format="rgb24")):
-                container.mux(packet)
-        for packet in stream.encode():
-            container.mux(packet)
-    return buffer.getvalue()
 
 
 def all_frames(data: bytes) -> tuple[np.ndarray, float]:
@@ -157,9 +131,9 @@ def test_frame_array_with_fps_brings_its_metadata(tiny_engine, release_processor
 def test_decoded_file_brings_its_real_fps(tiny_engine, release_processor):
     from transformers.video_utils import VideoMetadata
 
-    data = mp4_bytes(count=30, fps=15)
+    data = mp4_bytes(frames=30, fps=15)
     decoded, fps = all_frames(data)
-    request = dict(REQUEST, videos=[data_url(data, "video/mp4")])
+    request = dict(REQUEST, videos=[data_url("video/mp4", data)])
     release = release_probabilities(tiny_engine, release_processor, REQUEST, [decoded],
                                     video_metadata=[VideoMetadata(total_num_frames=len(decoded), fps=fps)])
     assert_close(engine_probabilities(tiny_engine, request), release)
@@ -189,7 +163,7 @@ def refused(engine, request: dict) -> RequestError:
 
 @pytest.mark.parametrize("width, height", [(201, 1), (1, 300), (6401, 32), (4000, 3)])
 def test_image_aspect_ratio_over_200_is_refused_by_name(tiny_engine, width, height):
-    error = refused(tiny_engine, dict(REQUEST, images=[data_url(png_bytes(width, height), "image/png")]))
+    error = refused(tiny_engine, dict(REQUEST, images=[data_url("image/png", png_bytes(width, height))]))
     assert [p.loc for p in error.problems] == [("images", 0)]
     assert f"{width}×{height}" in str(error) and "aspect ratio" in str(error)
 
@@ -214,14 +188,14 @@ def test_videos_of_fewer_frames_than_the_temporal_patch_are_refused(tiny_engine,
 
 
 def test_one_frame_video_file_is_refused(tiny_engine):
-    error = refused(tiny_engine, dict(REQUEST, videos=[data_url(mp4_bytes(count=1), "video/mp4")]))
+    error = refused(tiny_engine, dict(REQUEST, videos=[data_url("video/mp4", mp4_bytes(frames=1))]))
     assert [p.loc for p in error.problems] == [("videos", 0)]
     assert "needs at least 2" in str(error)
 
 
 def test_png_bytes_labelled_video_are_refused(tiny_engine):
     png = png_bytes(64, 64)
-    for item in (data_url(png, "video/mp4"), {"content_type": "video/mp4", "base64": base64.b64encode(png).decode()},
+    for item in (data_url("video/mp4", png), {"content_type": "video/mp4", "base64": base64.b64encode(png).decode()},
                  png):
         error = refused(tiny_engine, dict(REQUEST, videos=[item]))
         assert [p.loc for p in error.problems] == [("videos", 0)]

@@ -8,9 +8,9 @@ import errno
 import pytest
 
 from clef_engine.model import media
-from tests.api.test_server_http import mp4
-from tests.engine.test_encoding import REQUEST, png_bytes
-from tests.engine.test_engine import data_url
+from clef_engine.protocol import data_url
+from tests.support.bodies import REQUEST
+from tests.support.media import h264_mp4, png_bytes
 
 ALLOCATOR_FAILURE = ("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory: you "
                      "tried to allocate 1152921504606846976 bytes. Error code 12 (Cannot allocate memory)")
@@ -24,7 +24,7 @@ def test_processor_out_of_memory_is_a_memory_error_not_a_422(tiny_engine, monkey
 
     monkeypatch.setattr(type(encoder.processor), "__call__", out_of_memory)
     with pytest.raises(MemoryError) as caught:
-        encoder.encode(dict(REQUEST, images=[data_url(png_bytes(32, 32, seed=1))]))
+        encoder.encode(dict(REQUEST, images=[data_url("image/png", png_bytes(32, 32, seed=1))]))
     assert "alloc_cpu" not in str(caught.value)
 
 
@@ -32,7 +32,7 @@ def test_processor_out_of_memory_is_a_memory_error_not_a_422(tiny_engine, monkey
 def test_a_decoder_short_of_memory_or_threads_does_not_call_a_valid_video_corrupt(monkeypatch, code: int) -> None:
     import av
 
-    video = mp4(3)
+    video = h264_mp4(3)
     opened = av.open
 
     def failing(*args, **kwargs):

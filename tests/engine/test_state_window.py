@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from clef_engine.model import encoding
-from tests.engine.test_encoding import REQUEST
+from tests.support.bodies import REQUEST
 
 # pieces the pre-tokenizer treats differently: letters, marks that NFC composes, digits, contractions, punctuation
 # runs ending in newlines, whitespace runs with and without newlines, ideographic space, Hangul jamo

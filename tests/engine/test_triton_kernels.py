@@ -4,26 +4,11 @@ release with every Triton kernel swapped in against the PyTorch set."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import textwrap
-from pathlib import Path
-
 import pytest
 
+from tests.support.engine_paths import run_interpreted
+
 pytestmark = pytest.mark.slow  # Triton's interpreter runs the kernels on the CPU: minutes
-
-ROOT = Path(__file__).resolve().parents[2]  # triton comes with torch (requirements.txt), so these always run
-
-
-def run_interpreted(code: str) -> str:
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
-    result = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=ROOT, env=env, capture_output=True,
-                            text=True, timeout=600)
-    assert result.returncode == 0, result.stdout + result.stderr
-    return result.stdout
-
 
 def test_each_triton_kernel_matches_its_pytorch_function_in_bf16_and_float32():
     out = run_interpreted("""

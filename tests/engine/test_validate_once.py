@@ -4,27 +4,20 @@ pydantic's entry point, `SystemOneRequest.model_validate`, which every validatio
 
 from __future__ import annotations
 
-import io
 from collections.abc import Iterator
 
 import pytest
-from PIL import Image
 
 from clef_engine import protocol
 from clef_workbench.jobs import JobRunner
 from clef_workbench.store import Store
+from tests.support.media import plain_png
 
 SCHEMA = {"questions": {
     "refund": {"type": "noul", "instructions": "Does the customer ask for a refund?"},
     "team": {"type": "choice", "instructions": "Which team should answer?",
              "criteria": {"billing": "Invoices and payments", "support": "Everything else"}},
 }}
-
-
-def png_bytes() -> bytes:
-    buffer = io.BytesIO()
-    Image.new("RGB", (32, 24), (200, 30, 30)).save(buffer, format="PNG")
-    return buffer.getvalue()
 
 
 @pytest.fixture
@@ -47,7 +40,7 @@ def test_one_http_request_is_validated_once(tiny_engine, validations):
     from clef_engine.serve.server import create_app
 
     body = {"model": "clef", "state": {"subject": "Refund", "body": "I was charged twice for my order."},
-            **SCHEMA, "images": [protocol.data_url("image/png", png_bytes())], "x_max_length": 4096}
+            **SCHEMA, "images": [protocol.data_url("image/png", plain_png(32, 24))], "x_max_length": 4096}
     with TestClient(create_app(tiny_engine)) as client:
         validations.clear()  # whatever starting the app validated (a warm-up) is not this request's
         response = client.post("/v1/systemone", json=body)
@@ -61,7 +54,7 @@ def test_a_batch_run_validates_its_schema_once_and_each_cases_evidence_once(tmp_
     store = Store(tmp_path / "w.db")
     set_id = store.create_case_set("tickets")
     store.add_cases(set_id, [{"state": f"Invoice {i} shows the wrong amount, please refund the difference.",
-                              "images": [png_bytes()]} for i in range(5)])
+                              "images": [plain_png(32, 24)]} for i in range(5)])
     run_id = store.create_run(set_id, schema=SCHEMA, model_id="demo", settings={"max_length": 4096})
     sent: list[protocol.ValidRequest] = []
     submit = tiny_engine.submit
@@ -127,7 +120,7 @@ def test_one_decide_page_run_is_validated_once(tiny_engine, validations):
     from workbench_ui.shell import run_queued
 
     request = {"model": "clef", "state": "Please refund the second charge on my card.", **SCHEMA,
-               "images": [protocol.data_url("image/png", png_bytes())]}
+               "images": [protocol.data_url("image/png", plain_png(32, 24))]}
     (response,) = run_queued(tiny_engine, [request], max_length=4096, overflow="truncate_state")
     assert set(response["answers"]) == {"refund", "team"}
     assert len(validations) == 1

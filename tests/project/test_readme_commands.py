@@ -34,7 +34,7 @@ import httpx
 import pytest
 
 from tests.support import REPO
-from tests.support.browser import free_port
+from tests.support.servers import free_port
 
 pytestmark = pytest.mark.slow
 

@@ -4,28 +4,21 @@
 from __future__ import annotations
 
 import os
-import socket
+import shutil
 import subprocess
 import sys
-import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 from tests.support import REPO
+from tests.support.servers import free_port, stop_process, wait_until_healthy
 
 CHROMIUM_PATH = os.environ.get("CLEF_CHROMIUM", "/usr/bin/chromium")
+LONG = 300_000  # ms, a safety limit for a page's first load, which loads the demo model
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
                  "--disable-component-update", "--disable-sync", "--no-first-run"]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @contextmanager
@@ -36,40 +29,26 @@ def running_workbench(env: dict[str, str] | None = None, *, log_path: Path | Non
     command = [sys.executable, "-m", "streamlit", "run", str(REPO / "app.py"), "--server.headless", "true",
                "--server.address", "127.0.0.1", "--server.port", str(port), "--browser.gatherUsageStats", "false",
                "--server.fileWatcherType", "none"]
-    log_path = log_path or Path(os.devnull)
-    with open(log_path, "wb") as log:
+    with open(log_path or os.devnull, "wb") as log:
         process = subprocess.Popen(command, cwd=REPO, env={**os.environ, **(env or {})}, stdout=log,
                                    stderr=subprocess.STDOUT)
         url = f"http://127.0.0.1:{port}"
         try:
-            deadline = time.monotonic() + timeout
-            while True:
-                if process.poll() is not None:
-                    tail = log_path.read_text(errors="replace")[-3000:] if log_path.is_file() else ""
-                    raise RuntimeError(f"streamlit exited with {process.returncode} before serving:\n{tail}")
-                try:
-                    with urllib.request.urlopen(f"{url}/_stcore/health", timeout=2) as reply:
-                        if reply.read().strip() == b"ok":
-                            break
-                except (urllib.error.URLError, ConnectionError, TimeoutError):
-                    pass
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"streamlit did not answer on {url} within {timeout:.0f} s")
-                time.sleep(0.3)
+            wait_until_healthy(process, f"{url}/_stcore/health", log_path, timeout=timeout)
             yield url
         finally:
             stop_process(process, timeout=15)
 
 
-
-def stop_process(process: subprocess.Popen, *, timeout: float) -> None:
-    """Ask a child process to stop; kill it if it has not within `timeout` seconds."""
-    process.terminate()
-    try:
-        process.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
+def demo_workbench(tmp_path_factory, name: str, **env: str) -> Iterator[tuple[str, Path, Path]]:
+    """A workbench process on the demo model, with its own SQLite file and a copy of the schema library, for a
+    fixture (`yield from`): (url, db, root)."""
+    root = tmp_path_factory.mktemp(name)
+    shutil.copytree(REPO / "schemas", root / "schemas")
+    db = root / "workbench.sqlite3"
+    env = {"CLEF_DB": str(db), "CLEF_SCHEMAS_DIR": str(root / "schemas"), "CLEF_MODEL": "demo", **env}
+    with running_workbench(env, log_path=root / "streamlit.log") as url:
+        yield url, db, root
 
 
 def launch_chromium(playwright: Any):

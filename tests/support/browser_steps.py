@@ -1,6 +1,6 @@
 """What a person does in the workbench, as Playwright steps the browser tests share: wait for a rerun to end, go to a
-page by its sidebar link, choose in a selectbox, press a button's keyboard shortcut, and create a case set from a CSV
-file through the Case sets page."""
+page by its sidebar link, choose in a selectbox, commit a text field, press a button's keyboard shortcut, delete a
+data editor's row, and create a case set from a CSV file through the Case sets page."""
 
 from __future__ import annotations
 
@@ -17,6 +17,12 @@ def settle(page, *, timeout: float | None = None) -> None:
     """Wait for the rerun an interaction started: Streamlit marks the elements of a running script stale."""
     page.wait_for_timeout(300)
     page.wait_for_function("document.querySelectorAll('[data-stale=\"true\"]').length === 0", timeout=timeout)
+
+
+def commit(locator) -> None:
+    """Streamlit text widgets send their value on blur."""
+    locator.press("Tab")
+    settle(locator.page)
 
 
 def go_to(page, title: str, *, timeout: float | None = None) -> None:
@@ -68,6 +74,23 @@ def pick(page, label: str, option: str, *, exact: bool = False, scope=None) -> N
     else:
         raise AssertionError(f"{label}: the option {option!r} never showed")
     expect(box).to_have_value(name)
+    settle(page)
+
+
+def delete_row(page, grid, index: int) -> None:
+    """Delete row `index` (from 0) of a data editor: select it by its selection box (the table is drawn on a canvas;
+    header and rows are 35 px high), then press the button the table's toolbar shows for a selection. Under CPU load
+    a click can land before the canvas takes clicks: a person would see no selection and click again."""
+    box = grid.bounding_box()
+    delete_rows = page.get_by_role("button", name="Delete row(s)")
+    for _ in range(3):
+        page.mouse.click(box["x"] + 16, box["y"] + 35 * (index + 1) + 17)
+        try:
+            expect(delete_rows).to_be_visible(timeout=5_000)
+            break
+        except AssertionError:
+            continue
+    delete_rows.click()
     settle(page)
 
 

@@ -1,14 +1,18 @@
-"""Shared fixtures: one tiny Clef-format release and one CPU engine per test session."""
+"""The fixtures every test module can take (tests/conftest.py loads this module): one tiny Clef-format release, one
+CPU engine and one default server process per test session, an HTTP client of it per module, a server of a test's
+own, and per test the environment of one workbench."""
 
 from __future__ import annotations
 
 import os
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from tests.support import REPO
+from tests.support.servers import ServerProcess, serving
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
@@ -47,9 +51,24 @@ def tiny_engine(tiny_release):
     engine.close()
 
 
+@pytest.fixture(scope="session")
+def server(tiny_release: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """One real `python -m clef_engine serve` process on the tiny release with the default settings, shared by the
+    tests that need no other (one per pytest-xdist worker). A module that needs other settings, or a server whose
+    state no other test sees, starts its own with `tests.support.servers.serving`."""
+    yield from serving(tiny_release, tmp_path_factory, "server.log")
+
+
+@pytest.fixture
+def fresh_server(tiny_release: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """A server process of one test's own, whose memory no earlier request has touched: memory another test's
+    request freed stays in a process and would hide a growth, so a test that bounds the server's growth takes this."""
+    yield from serving(tiny_release, tmp_path_factory, "fresh-server.log")
+
+
 @pytest.fixture(scope="module")
-def client(server):
-    """An HTTP client of the module's `server` fixture (a real server process, see tests/api/test_server.py)."""
+def client(server: ServerProcess):
+    """An HTTP client of the `server` fixture (the session's, or the module's own where it defines one)."""
     import httpx
 
     with httpx.Client(base_url=server.url, timeout=120) as http:

@@ -13,28 +13,10 @@ from streamlit.testing.v1 import AppTest
 from clef_workbench import casesets
 from clef_workbench.schema_library import SchemaLibrary
 from clef_workbench.store import Store
-from tests.ui.test_app_pages import APP, button, no_exceptions
+from tests.support.apptest import TIMEOUT, button, no_exceptions, open_page, texts
 from workbench_ui import shell
 
-TIMEOUT = 180
 SLUG = "support-ticket-routing"
-
-
-def open_page(page: str, **query: str) -> AppTest:
-    at = AppTest.from_file(APP, default_timeout=TIMEOUT)
-    at.run()
-    at.switch_page(page)
-    for name, value in query.items():  # a link to the page: its first visit reads them
-        at.query_params[name] = value
-    at.run()
-    no_exceptions(at)
-    return at
-
-
-def texts(at: AppTest) -> str:
-    return "\n".join([m.value for m in at.markdown] + [c.value for c in at.caption] + [s.value for s in at.success]
-                     + [w.value for w in at.warning] + [e.value for e in at.error] + [i.value for i in at.info]
-                     + [c.value for c in at.code] + [h.value for h in at.subheader])
 
 
 def frame(at: AppTest, columns: set[str]):

@@ -11,14 +11,14 @@ from clef_workbench import review
 from clef_workbench.review import ReviewRules
 from clef_workbench.schema_library import SchemaLibrary
 from clef_workbench.store import Store
+from tests.support.apptest import button, case_uploader, new_case_set, no_exceptions, open_page, texts
 from tests.support.import_files import KINDS, RAGGED, expected_cases, stored
-from tests.ui.test_pages_runs_review import button, case_uploader, new_case_set, ok, open_page, texts
 
 
 def upload(at: AppTest, name: str, data: bytes) -> AppTest:
     case_uploader(at).set_value((name, data, "text/csv"))
     at.run()
-    ok(at)
+    no_exceptions(at)
     return at
 
 
@@ -38,7 +38,7 @@ def test_a_latin_1_file_shows_its_encoding_and_imports_its_accents_exactly(workb
     (encoding,) = [s for s in at.selectbox if (s.key or "").startswith("cases.read.encoding.")]
     encoding.select("utf-8")
     at.run()
-    ok(at)
+    no_exceptions(at)
     assert "line 2: byte 0xe9 is not valid UTF-8; choose the encoding the file was saved in" in texts(at)
     assert import_buttons(at) == []
     [s for s in at.selectbox if (s.key or "").startswith("cases.read.encoding.")][0].select("detected")
@@ -48,7 +48,7 @@ def test_a_latin_1_file_shows_its_encoding_and_imports_its_accents_exactly(workb
     at.run()
     button(at, "Import 3 cases").click()
     at.run()
-    ok(at)
+    no_exceptions(at)
     assert "Imported 3 cases into “Tickets”." in texts(at)
     assert stored(store, set_id) == expected_cases(file.rows), "names such as “José Núñez” arrive as written"
 
@@ -60,7 +60,7 @@ def test_a_ragged_file_lists_its_bad_rows_and_imports_nothing_until_skipping_the
     upload(at, "tickets.csv", RAGGED.encode())
     button(at, "Use the 2 column(s)", startswith=True).click()
     at.run()
-    ok(at)
+    no_exceptions(at)
     assert "row 3: 2 cells where the header has 4 columns" in texts(at)
     assert "row 4: 5 cells where the header has 4 columns" in texts(at)
     assert import_buttons(at) == [], "no Import while rows that do not fit are in the file"
@@ -69,10 +69,10 @@ def test_a_ragged_file_lists_its_bad_rows_and_imports_nothing_until_skipping_the
     (skip,) = [c for c in at.checkbox if c.label.startswith("Skip these 2 row(s)")]
     skip.check()
     at.run()
-    ok(at)
+    no_exceptions(at)
     button(at, "Import 2 cases").click()
     at.run()
-    ok(at)
+    no_exceptions(at)
     assert "Imported 2 cases into “Tickets”. Rows not imported, as agreed: 3, 4." in texts(at)
     assert [c["state"] for c in store.list_cases(set_id)] == [
         {"subject": "Refund", "body": "I was charged twice, please help"},
@@ -90,7 +90,7 @@ def test_excel_unicode_text_is_read_as_tab_separated_utf_16(workbench):
     at.run()
     button(at, "Import 5 cases").click()
     at.run()
-    ok(at)
+    no_exceptions(at)
     assert stored(store, set_id) == expected_cases(file.rows)
 
 
@@ -117,14 +117,14 @@ def test_an_id_column_becomes_the_cases_source_id_and_the_advice_points_at_the_m
 
     button(at, "Use the 2 column(s) that are not mapped or labels: subject, body").click()
     at.run()
-    ok(at)
+    no_exceptions(at)
     assert "row 4: the state is empty (subject, body have no value)" in texts(at)
     (skip,) = [c for c in at.checkbox if c.label.startswith("Skip these 1 row(s)")]
     skip.check()
     at.run()
     button(at, "Import 2 cases").click()
     at.run()
-    ok(at)
+    no_exceptions(at)
     assert "Imported 2 cases into “Tickets”. Rows not imported, as agreed: 4." in [m.value for m in at.success]
     assert [(c["source_id"], c["state"]) for c in store.list_cases(set_id)] == [
         ("T-1", {"subject": "Refund", "body": "I was charged twice"}),
@@ -137,7 +137,7 @@ def test_an_id_column_becomes_the_cases_source_id_and_the_advice_points_at_the_m
     at.run()
     button(at, "Import 2 cases").click()
     at.run()
-    ok(at)
+    no_exceptions(at)
     assert not [m.value for m in at.success if "Imported" in m.value]
     assert "Nothing new to import: all 2 are already in “Tickets”. Rows not imported, as agreed: 4." in [
         i.value for i in at.info]
@@ -152,7 +152,7 @@ def test_an_id_column_becomes_the_cases_source_id_and_the_advice_points_at_the_m
     at.run()
     button(at, "Import 2 cases").click()
     at.run()
-    ok(at)
+    no_exceptions(at)
     first = store.list_cases(set_id)[0]["id"]
     assert [e.value for e in at.error] == [f"Nothing imported: the id 'T-1' is already case {first}'s in this case "
                                            "set (an id names one case); give the new case another id, or edit or "

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import shutil
-from pathlib import Path
 
 import pytest
 from streamlit.runtime.scriptrunner_utils.exceptions import StopException
@@ -13,33 +12,19 @@ from streamlit.testing.v1 import AppTest
 
 from clef_workbench.schema_library import SchemaLibrary
 from clef_workbench.store import Store
+from tests.support.apptest import (
+    APP,
+    TIMEOUT,
+    button,
+    case_uploader,
+    engine,
+    new_case_set,
+    no_exceptions,
+    open_page,
+    start,
+)
 from workbench_ui import decide_model as vm
 from workbench_ui import shell
-
-REPO = Path(__file__).resolve().parents[2]
-APP = str(REPO / "app.py")
-TIMEOUT = 120
-
-
-def start() -> AppTest:
-    at = AppTest.from_file(APP, default_timeout=TIMEOUT)
-    at.run()
-    assert not at.exception, [e.message for e in at.exception]
-    return at
-
-
-def no_exceptions(at: AppTest) -> None:
-    assert not at.exception, [(e.message, e.stack_trace[-3:]) for e in at.exception]
-
-
-def button(at: AppTest, label: str):
-    matches = [b for b in at.button if b.label == label]
-    assert matches, f"no button {label!r}: {[b.label for b in at.button]}"
-    return matches[0]
-
-
-def engine():
-    return shell.model_manager().state().engine
 
 
 def charts(at: AppTest) -> int:
@@ -694,7 +679,6 @@ def test_schemas_feedback_sits_next_to_its_action_and_the_selection_is_kept(work
 def test_a_file_chosen_for_import_with_problems_is_not_reported_as_a_failed_change(workbench):
     """Point 13: before Import is pressed nothing was tried, so the file's problems are a warning saying what to do,
     not a red "Nothing was changed"."""
-    from tests.ui.test_pages_runs_review import case_uploader, new_case_set, open_page
 
     at = open_page("pages/cases.py")
     new_case_set(at, "Bad files")

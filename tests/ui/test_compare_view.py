@@ -15,7 +15,7 @@ from clef_workbench.jobs import JobRunner
 from clef_workbench.schema_library import SchemaLibrary
 from clef_workbench.store import Store
 from tests.support import REPO
-from tests.workbench.test_compare import RUN_A, RUN_C
+from tests.support.compare_runs import RUN_A, RUN_C
 from workbench_ui import compare_view as cv
 
 SLUG = "support-ticket-routing"

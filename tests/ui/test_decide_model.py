@@ -4,17 +4,15 @@ token-budget cache, the result record, save as case, and the draft."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
 from clef_workbench import schemas
 from clef_workbench.schema_library import SchemaLibrary
 from clef_workbench.store import Store
+from tests.support import REPO
 from workbench_ui import answers, schema_rows, state_input
 from workbench_ui import decide_model as vm
-
-REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture

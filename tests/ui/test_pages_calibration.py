@@ -8,7 +8,7 @@ import numpy as np
 from streamlit.testing.v1 import AppTest
 
 from clef_workbench.store import Store
-from tests.ui.test_pages_runs_review import APP, TIMEOUT, button, ok, open_link, texts, wait_for_run
+from tests.support.apptest import APP, TIMEOUT, button, no_exceptions, open_page, texts, wait_for_run
 from workbench_ui import shell
 
 
@@ -31,19 +31,19 @@ def test_fit_a_calibration_on_the_runs_page_shows_before_and_after_and_keeps_it(
     AppTest.from_file(APP, default_timeout=TIMEOUT).run()  # loads the demo model in this process
     store = Store(workbench / "workbench.sqlite3")
     few, _ = labelled_run(store, 12)
-    at = open_link("pages/runs.py", run=str(few))
+    at = open_page("pages/runs.py", run=str(few))
     button(at, "Fit a calibration on these labelled cases").click()
     at.run()
-    ok(at)
+    no_exceptions(at)
     assert "Not calibrated: team: 12 labelled case(s)" in texts(at) and "at least 30" in texts(at)
     assert store.list_calibrations() == []
 
     enough, schema_name = labelled_run(store, 40)
-    at = open_link("pages/runs.py", run=str(enough))
+    at = open_page("pages/runs.py", run=str(enough))
     charts_before = len(at.get("vega_lite_chart"))
     button(at, "Fit a calibration on these labelled cases").click()
     at.run()
-    ok(at)
+    no_exceptions(at)
     [kept] = store.list_calibrations(schema_name=schema_name, model_id="clef-demo")
     assert f"Kept as calibration “{kept['name']}”" in texts(at)
     table = next(df.value for df in at.dataframe if "ECE after (held out)" in df.value.columns)

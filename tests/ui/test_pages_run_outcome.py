@@ -11,8 +11,8 @@ from streamlit.testing.v1 import AppTest
 from clef_workbench import casesets, review
 from clef_workbench.review import ReviewRules
 from clef_workbench.store import Store
-from tests.ui.test_pages_runs_review import APP, TIMEOUT, button, ok, open_link, texts, wait_for_run
-from tests.workbench.test_run_outcome import FailingEngine
+from tests.support.apptest import APP, TIMEOUT, button, no_exceptions, open_page, texts, wait_for_run
+from tests.support.endpoints import FailingEngine, RefusingEndpoint, serve
 from workbench_ui import run_view, shell, units
 
 
@@ -32,7 +32,7 @@ def retried_to_the_end(at: AppTest, store: Store, run_id: int) -> dict:
     at.run()
     wait_for_run(run_id)
     at.run()
-    ok(at)
+    no_exceptions(at)
     assert "Finished: all 12 cases have answers." in texts(at)
     return store.get_run(run_id)
 
@@ -45,7 +45,7 @@ def test_a_failed_run_reads_failed_at_the_top_exports_and_retries_only_its_faile
     demo = shell.get_engine(show_errors=False)
     failed = start_run(store, set_id, FailingEngine(demo, {""}))  # every case fails
 
-    at = open_link("pages/runs.py", run=str(failed))
+    at = open_page("pages/runs.py", run=str(failed))
     assert "The run failed: every case failed (12 of 12); the first error: ClefError: engine fault" in texts(at)
     errors = next(df.value for df in at.dataframe if "error" in df.value.columns)
     assert len(errors) == 12
@@ -86,7 +86,7 @@ def test_a_run_that_ends_while_the_page_draws_reads_the_same_in_the_selector_the
     monkeypatch.setattr(Store, "list_runs", runs_as_they_were)
     monkeypatch.setattr(Store, "run_lease_holder", holder_as_it_was)
     monkeypatch.setattr(Store, "get_run", run_as_it_is)
-    at = open_link("pages/runs.py", run=str(failed))
+    at = open_page("pages/runs.py", run=str(failed))
     assert "The run failed" in texts(at)
     assert at.selectbox(key="runs.selected").format_func(failed).endswith("12/12 · failed")
     sidebar = "\n".join(m.value for m in at.sidebar.markdown)
@@ -100,9 +100,9 @@ def test_a_schema_over_max_length_is_said_before_the_start_and_a_retry_takes_oth
     AppTest.from_file(APP, default_timeout=TIMEOUT).run()
     store = Store(workbench / "workbench.sqlite3")
     set_id = casesets.load_example_case_sets(store, workbench / "schemas")["support-ticket-routing"]
-    at = open_link("pages/runs.py")
+    at = open_page("pages/runs.py")
     at.number_input(key="runs.start.max_length").set_value(256).run()
-    ok(at)
+    no_exceptions(at)
     assert "The schema alone takes" in errors(at) and "more than max_length 256" in errors(at)
     assert button(at, "Start run").disabled
     at.number_input(key="runs.start.max_length").set_value(8192).run()
@@ -110,7 +110,7 @@ def test_a_schema_over_max_length_is_said_before_the_start_and_a_retry_takes_oth
 
     # a run recorded with that budget anyway (the command line does not ask): every case is refused
     refused = start_run(store, set_id, shell.get_engine(show_errors=False), max_length=256, overflow="refuse")
-    at = open_link("pages/runs.py", run=str(refused))
+    at = open_page("pages/runs.py", run=str(refused))
     assert "The run failed" in texts(at)
     assert at.number_input(key=f"runs.retry.{refused}.max_length").value == 256, "the setting that failed, shown"
     at.number_input(key=f"runs.retry.{refused}.max_length").set_value(8192).run()
@@ -128,7 +128,7 @@ def test_the_runs_page_compares_with_a_run_that_has_answers_never_an_all_error_o
     start_run(store, set_id, FailingEngine(demo, {""}))  # newer, every case failed
     newest = start_run(store, set_id, demo)
 
-    at = open_link("pages/runs.py", run=str(newest))
+    at = open_page("pages/runs.py", run=str(newest))
     baseline = at.selectbox(key=f"runs.compare.{newest}")
     assert baseline.options == [run_view.run_label(store.get_run(answered))] and baseline.value == answered
     assert "1 other run(s) of this case set have no answers" in texts(at)
@@ -174,30 +174,30 @@ def test_a_link_to_a_missing_run_case_set_review_item_or_schema_says_not_found_a
     set_id = casesets.load_example_case_sets(store, workbench / "schemas")["support-ticket-routing"]
     run_id = start_run(store, set_id, shell.get_engine(show_errors=False))
 
-    runs_page = open_link("pages/runs.py", run="999")
+    runs_page = open_page("pages/runs.py", run="999")
     assert "Not found: the link asks for run 999" in errors(runs_page)
     assert f"[{run_view.run_label(store.get_run(run_id))}](?run={run_id})" in texts(runs_page)  # what exists
     assert not [s for s in runs_page.selectbox if s.key == "runs.selected"], "no other run opened in its place"
     assert param(runs_page, "run") == "999", "the URL still names what was asked for"
 
-    cases_page = open_link("pages/cases.py", set="999")
+    cases_page = open_page("pages/cases.py", set="999")
     assert "Not found: the link asks for case set 999" in errors(cases_page) and param(cases_page, "set") == "999"
     assert not [s for s in cases_page.selectbox if s.key == "cases.selected"]
 
-    compare_page = open_link("pages/compare.py", runs=f"{run_id},999")
+    compare_page = open_page("pages/compare.py", runs=f"{run_id},999")
     assert "Not found: the link asks for run(s) #999" in errors(compare_page)
     assert param(compare_page, "runs") == f"{run_id},999"
 
-    review_page = open_link("pages/review.py", run=str(run_id), case="999", question="team")
+    review_page = open_page("pages/review.py", run=str(run_id), case="999", question="team")
     assert f"Not found: the link asks for case 999 · question team of run #{run_id}" in errors(review_page)
     assert not [c for c in review_page.markdown if c.value.startswith("### Case ")], "no other item in its place"
     assert (param(review_page, "case"), param(review_page, "question")) == ("999", "team")
-    assert "Not found: the link asks for run 999" in errors(open_link("pages/review.py", run="999"))
+    assert "Not found: the link asks for run 999" in errors(open_page("pages/review.py", run="999"))
 
     decide = AppTest.from_file(APP, default_timeout=TIMEOUT)  # Decide is the root page: the link is the first run
     decide.query_params["schema"] = "no-such-schema"
     decide.run()
-    ok(decide)
+    no_exceptions(decide)
     assert "Not found: the link asks for the schema “no-such-schema”" in errors(decide)
     assert param(decide, "schema") == "no-such-schema"
     loaded = decide.session_state["decide.loaded_slug"] if "decide.loaded_slug" in decide.session_state else None
@@ -213,7 +213,7 @@ def test_open_in_review_from_a_results_row_opens_that_answer_queuing_it_when_the
     case_id = store.list_results(run_id)[3]["case_id"]
     assert store.list_review_items(run_id) == []  # no rules applied: the queue is empty
 
-    at = open_link("pages/review.py", run=str(run_id), case=str(case_id), question="priority")
+    at = open_page("pages/review.py", run=str(run_id), case=str(case_id), question="priority")
     assert f"### Case {case_id} · `priority` (score)" in texts(at)
     item = store.list_review_items(run_id)
     assert [(i["case_id"], i["question_id"], i["reason"]) for i in item] == [
@@ -236,10 +236,10 @@ def test_an_answer_against_the_gold_label_asks_in_a_dialog_and_keep_records_the_
     case = store.get_case(item["case_id"], with_media=False)
     store.update_case(item["case_id"], expected={**case["expected"], "team": gold})  # the model disagrees with it
 
-    at = open_link("pages/review.py", reviewer="ana")
+    at = open_page("pages/review.py", reviewer="ana")
     button(at, f"Accept “{item['predicted']}”").click()  # what the A key does
     at.run()
-    ok(at)
+    no_exceptions(at)
     dialogs = at.get("dialog")
     assert len(dialogs) == 1, "the confirmation is a modal in front of the page, not a box below the fold"
     dialog_text = "\n".join(w.value for w in dialogs[0].warning)
@@ -248,7 +248,7 @@ def test_an_answer_against_the_gold_label_asks_in_a_dialog_and_keep_records_the_
 
     button(at, f"Keep “{gold}”").click()
     at.run()
-    ok(at)
+    no_exceptions(at)
     kept = store.get_review_item(item["id"])
     assert (kept["status"], kept["label"], kept["reviewer"]) == ("corrected", gold, "ana"), "Keep records the gold"
     assert not at.get("dialog")
@@ -259,11 +259,11 @@ def test_the_compare_pages_one_action_shows_the_run_it_started_and_follows_it_to
     AppTest.from_file(APP, default_timeout=TIMEOUT).run()
     store = Store(workbench / "workbench.sqlite3")
     set_id = casesets.load_example_case_sets(store, workbench / "schemas")["support-ticket-routing"]
-    at = open_link("pages/compare.py")
+    at = open_page("pages/compare.py")
     at.selectbox(key="compare.start.set").select(set_id).run()
     at.selectbox(key=f"compare.start.schema.{set_id}").select("support-ticket-routing").run()
     button(at, "Run this schema on this case set with these models").click().run()
-    ok(at)
+    no_exceptions(at)
     run_id = store.list_runs()[0]["id"]
     # one run of the set cannot be compared yet, but the page shows it and links to it
     assert f"Run [#{run_id}](/runs?run={run_id}) · clef-demo · " in texts(at)
@@ -275,7 +275,6 @@ def test_the_compare_pages_one_action_shows_the_run_it_started_and_follows_it_to
 def test_the_compare_pages_one_action_on_a_stopped_endpoint_says_why_and_leaves_no_run(workbench):
     """Point 12: the one action with a remote model whose server has stopped (added while it was up) refuses with the
     reason, next to the action, and no run is recorded, pending or otherwise."""
-    from tests.workbench.test_run_outcome import RefusingEndpoint, serve
 
     AppTest.from_file(APP, default_timeout=TIMEOUT).run()
     store = Store(workbench / "workbench.sqlite3")
@@ -289,12 +288,12 @@ def test_the_compare_pages_one_action_on_a_stopped_endpoint_says_why_and_leaves_
     server.shutdown()
     server.server_close()
     try:
-        at = open_link("pages/compare.py")
+        at = open_page("pages/compare.py")
         at.selectbox(key="compare.start.set").select(set_id).run()
         at.selectbox(key=f"compare.start.schema.{set_id}").select("support-ticket-routing").run()
         at.multiselect(key="compare.start.models").select(remote).run()
         button(at, "Run this schema on this case set with these models").click().run()
-        ok(at)
+        no_exceptions(at)
         refusal = [e.value for e in at.error if "No run was started" in e.value]
         assert refusal and f"the endpoint of {remote} did not answer" in refusal[0], texts(at)
         assert f"could not reach {url}" in refusal[0]
@@ -311,10 +310,10 @@ def test_run_this_case_set_opens_start_a_run_with_the_set_and_its_schema(workben
     store = Store(workbench / "workbench.sqlite3")
     sets = casesets.load_example_case_sets(store, workbench / "schemas")
     set_id = sets["security-alert-triage"]
-    at = open_link("pages/cases.py", set=str(set_id))
+    at = open_page("pages/cases.py", set=str(set_id))
     button(at, "Run this case set").click()
     at.run()
-    ok(at)
+    no_exceptions(at)
     assert [t.value for t in at.title] == ["Runs"]
     assert at.selectbox(key="runs.start.case_set").value == set_id
     assert at.selectbox(key=f"runs.start.schema.{set_id}").value == "security-alert-triage"

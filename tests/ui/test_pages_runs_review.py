@@ -16,45 +16,24 @@ from streamlit.testing.v1 import AppTest
 from clef_workbench import casesets, review
 from clef_workbench.review import ReviewRules
 from clef_workbench.store import Store
+from tests.support.apptest import (
+    APP,
+    TIMEOUT,
+    button,
+    case_uploader,
+    new_case_set,
+    no_exceptions,
+    open_page,
+    texts,
+    wait_for_run,
+)
+from tests.support.media import mp4_bytes
 from workbench_ui import shell, state_input
 
 pytestmark = pytest.mark.slow  # the Runs and Review pages run real batch runs: minutes in all
 
-REPO = Path(__file__).resolve().parents[2]
-APP = str(REPO / "app.py")
-TIMEOUT = 180
-
-
-def open_page(page: str) -> AppTest:
-    at = AppTest.from_file(APP, default_timeout=TIMEOUT)
-    at.run()
-    at.switch_page(page)
-    at.run()
-    ok(at)
-    return at
-
-
-def ok(at: AppTest) -> None:
-    assert not at.exception, [(e.message, e.stack_trace[-4:]) for e in at.exception]
-
-
-def button(at: AppTest, label: str, *, startswith: bool = False):
-    found = [b for b in at.button if (b.label.startswith(label) if startswith else b.label == label)]
-    assert found, f"no button {label!r}: {[b.label for b in at.button]}"
-    return found[0]
-
-
-def texts(at: AppTest) -> str:
-    return "\n".join([m.value for m in at.markdown] + [c.value for c in at.caption] + [s.value for s in at.success]
-                     + [w.value for w in at.warning] + [e.value for e in at.error] + [i.value for i in at.info])
-
-
 def metric(at: AppTest, label: str) -> str:
     return next(m.value for m in at.metric if m.label == label)
-
-
-def wait_for_run(run_id: int, timeout: float = TIMEOUT) -> None:
-    assert shell.get_job_runner().wait(run_id, timeout), f"run {run_id} did not end within {timeout} s"
 
 
 def test_cases_page_creates_loads_examples_renames_and_guards_delete(workbench):
@@ -64,7 +43,7 @@ def test_cases_page_creates_loads_examples_renames_and_guards_delete(workbench):
     at.selectbox(key="cases.new_schema").select("support-ticket-routing")
     button(at, "Create").click()
     at.run()
-    ok(at)
+    no_exceptions(at)
     store = Store(workbench / "workbench.sqlite3")
     created = store.list_case_sets()[0]
     assert (created["name"], created["schema_name"]) == ("Escalations", "support-ticket-routing")
@@ -72,7 +51,7 @@ def test_cases_page_creates_loads_examples_renames_and_guards_delete(workbench):
 
     button(at, "Load the example case sets").click()
     at.run()
-    ok(at)
+    no_exceptions(at)
     assert "Example case sets ready: 4." in texts(at)
     names = {s["name"]: s for s in store.list_case_sets()}
     assert names["Example: Support ticket routing"]["case_count"] == 12
@@ -80,7 +59,7 @@ def test_cases_page_creates_loads_examples_renames_and_guards_delete(workbench):
     example_id = names["Example: Support ticket routing"]["id"]
     at.selectbox(key="cases.selected").select(example_id)
     at.run()
-    ok(at)
+    no_exceptions(at)
     assert "Schema: **support-ticket-routing** · 12 cases" in texts(at)
     assert len(at.get("download_button")) == 2
 
@@ -122,7 +101,7 @@ def test_runs_page_runs_cancels_resumes_and_shows_stats(workbench, monkeypatch):
     at.number_input(key="runs.start.chunk").set_value(2)
     button(at, "Start run").click()
     at.run()
-    ok(at)
+    no_exceptions(at)
     run_id = store.list_runs()[0]["id"]
     runner = shell.get_job_runner()
     assert runner.is_running(run_id)
@@ -133,7 +112,7 @@ def test_runs_page_runs_cancels_resumes_and_shows_stats(workbench, monkeypatch):
     at.run()
     at.switch_page("pages/runs.py")
     at.run()
-    ok(at)
+    no_exceptions(at)
     chunks.release(2)  # two chunks of 2 cases (one answered, one queued behind it), then the run waits on the next
     deadline = time.monotonic() + TIMEOUT
     while store.get_run(run_id)["done"] < 2 and time.monotonic() < deadline:
@@ -151,7 +130,7 @@ def test_runs_page_runs_cancels_resumes_and_shows_stats(workbench, monkeypatch):
     chunks.release(100)  # from here on the engine answers freely: the chunks in flight end, the cancel takes effect
     wait_for_run(run_id)
     at.run()
-    ok(at)
+    no_exceptions(at)
     run = store.get_run(run_id)
     assert run["status"] == "cancelled" and run["done"] < 12
     resume = button(at, "Resume (", startswith=True)
@@ -160,7 +139,7 @@ def test_runs_page_runs_cancels_resumes_and_shows_stats(workbench, monkeypatch):
     at.run()
     wait_for_run(run_id)
     at.run()
-    ok(at)
+    no_exceptions(at)
     assert store.get_run(run_id)["status"] == "finished"
     assert at.selectbox(key="runs.selected").format_func(run_id).endswith(" · 12/12 · finished"), "the picker's count"
 
@@ -185,7 +164,7 @@ def test_runs_page_runs_cancels_resumes_and_shows_stats(workbench, monkeypatch):
     second = store.list_runs()[0]["id"]
     wait_for_run(second)
     at.run()
-    ok(at)
+    no_exceptions(at)
     assert at.selectbox(key="runs.selected").value == second
     assert "pairs answered in both runs" in texts(at)
     assert "**Flipped answers**" in texts(at)
@@ -214,12 +193,12 @@ def test_review_page_queue_actions_conflict_undo_and_golden_set(workbench):
     at.slider(key=f"review.rules.margin.{run_id}").set_value(1.0)
     at.multiselect(key=f"review.rules.questions.{run_id}").set_value(["team"])
     at.run()
-    ok(at)
+    no_exceptions(at)
     assert "These rules select **12 item(s)** in 12 case(s); **12 new** to the queue." in texts(at)
     assert store.list_review_items(run_id) == []
     button(at, "Add 12 item(s) to the queue").click()
     at.run()
-    ok(at)
+    no_exceptions(at)
     queue = store.list_review_items(run_id)
     assert len(queue) == 12 and [i["margin"] for i in queue] == sorted(i["margin"] for i in queue)
 
@@ -237,13 +216,13 @@ def test_review_page_queue_actions_conflict_undo_and_golden_set(workbench):
     at.text_input(key=f"review.comment.{queue[0]['id']}").input("checked the body twice")
     accept.click()
     at.run()
-    ok(at)
+    no_exceptions(at)
     if gold != queue[0]["predicted"]:
         assert f"The case set's expected answer is “{gold}”" in texts(at)
         assert store.get_review_item(queue[0]["id"])["status"] == "open", "nothing written before the confirmation"
         button(at, f"Yes, label it “{queue[0]['predicted']}”").click()
         at.run()
-        ok(at)
+        no_exceptions(at)
     assert store.get_review_item(queue[0]["id"])["status"] == "accepted"
     assert store.list_review_actions(item_id=queue[0]["id"])[0]["comment"] == "checked the body twice"
     assert f"### Case {queue[1]['case_id']}" in texts(at)  # advanced to the next worst
@@ -262,7 +241,7 @@ def test_review_page_queue_actions_conflict_undo_and_golden_set(workbench):
     store.apply_review_action(shown["id"], reviewer="ben", action="skip", expected_version=shown["version"])
     button(at, "Mark unknown").click()
     at.run()
-    ok(at)
+    no_exceptions(at)
     assert "was changed by ben" in texts(at)
     assert [a["reviewer"] for a in store.list_review_actions(item_id=shown["id"])] == ["ben"]
 
@@ -270,7 +249,7 @@ def test_review_page_queue_actions_conflict_undo_and_golden_set(workbench):
     at.run()
     button(at, "Undo my last action").click()
     at.run()
-    ok(at)
+    no_exceptions(at)
     assert store.get_review_item(queue[1]["id"])["status"] == "open"
     assert [a["action"] for a in store.list_review_actions(run_id=run_id)] == ["accept", "correct", "skip", "undo"]
     progress = store.review_progress(run_id)
@@ -279,7 +258,7 @@ def test_review_page_queue_actions_conflict_undo_and_golden_set(workbench):
     at.text_input(key=f"review.golden_name.{run_id}").input("Tickets golden")
     button(at, "Export as a new case set").click()
     at.run()
-    ok(at)
+    no_exceptions(at)
     golden = next(s for s in store.list_case_sets() if s["name"] == "Tickets golden")
     assert golden["case_count"] == 1
     assert store.list_cases(golden["id"])[0]["expected"]["team"] == queue[0]["predicted"]
@@ -291,25 +270,10 @@ TICKETS_CSV = ("subject,body,expected_team,priority\n"
                + "".join(f"Ticket {i},My invoice {i} is wrong,billing,{i % 4}\n" for i in range(10))).encode()
 
 
-def new_case_set(at: AppTest, name: str) -> int:
-    at.text_input(key="cases.new_name").input(name)
-    at.selectbox(key="cases.new_schema").select("support-ticket-routing")
-    button(at, "Create").click()
-    at.run()
-    ok(at)
-    return at.selectbox(key="cases.selected").value
-
-
-def case_uploader(at: AppTest):
-    """The Import tab's uploader (a new one after each import, so its key carries a count)."""
-    (uploader,) = [u for u in at.get("file_uploader") if u.key.startswith("cases.upload")]
-    return uploader
-
-
 def upload_csv(at: AppTest, content: bytes) -> AppTest:
     case_uploader(at).set_value(("tickets.csv", content, "text/csv"))
     at.run()
-    ok(at)
+    no_exceptions(at)
     return at
 
 
@@ -328,7 +292,7 @@ def test_csv_import_uses_only_chosen_columns_refreshes_and_is_idempotent(workben
     assert next(m for m in at.multiselect if m.key.startswith("cases.map.state")).value == ["subject", "body"]
     button(at, "Import 10 cases").click()
     at.run()
-    ok(at)
+    no_exceptions(at)
     assert "Imported 10 cases into “Tickets”." in texts(at)
     assert "Tickets (10 cases)" in at.selectbox(key="cases.selected").options, "the picker shows the new count"
     assert not [b for b in at.button if b.label.startswith("Import ")], "no live Import button after importing"
@@ -343,7 +307,7 @@ def test_csv_import_uses_only_chosen_columns_refreshes_and_is_idempotent(workben
     at.run()
     button(at, "Import 10 cases").click()
     at.run()
-    ok(at)
+    no_exceptions(at)
     assert "Nothing new to import: all 10 are already in “Tickets”." in [i.value for i in at.info]
     assert store.get_case_set(set_id)["case_count"] == 10
 
@@ -364,7 +328,7 @@ def test_saving_an_unchanged_table_says_there_was_nothing_to_save(workbench):
     at.run()
     button(at, "Save changes").click()
     at.run()
-    ok(at)
+    no_exceptions(at)
     assert "Nothing to save: the table has no changes." in texts(at)
     assert "Saved:" not in texts(at)
     assert [c["state"] for c in store.list_cases(set_id)] == ["Row 0"]
@@ -378,7 +342,7 @@ def test_delete_a_case_set_asks_first_and_can_be_undone(workbench):
     at.run()
     button(at, "Delete this case set").click()
     at.run()
-    ok(at)
+    no_exceptions(at)
     assert "Delete “Doomed” and its 2 case(s)? You can undo this." in texts(at)
     assert store.get_case_set(set_id)["case_count"] == 2, "nothing deleted before the confirmation"
     button(at, "Cancel").click()
@@ -388,13 +352,13 @@ def test_delete_a_case_set_asks_first_and_can_be_undone(workbench):
     at.run()
     button(at, "Yes, delete it").click()
     at.run()
-    ok(at)
+    no_exceptions(at)
     assert "Deleted case set “Doomed”." in texts(at)
     assert store.list_case_sets() == []
     assert [(c["action"], c["kind"], c["label"]) for c in store.list_changes()] == [("delete", "case_set", "Doomed")]
     button(at, "Undo").click()
     at.run()
-    ok(at)
+    no_exceptions(at)
     assert store.get_case_set(set_id)["case_count"] == 2
     assert at.selectbox(key="cases.selected").value == set_id
     assert [c["action"] for c in store.list_changes()] == ["restore", "delete"]
@@ -411,7 +375,7 @@ def test_review_in_blind_mode_and_keeping_the_gold_label(workbench):
     at.run()
     at.toggle(key="review.blind").set_value(True)
     at.run()
-    ok(at)
+    no_exceptions(at)
     item = store.list_review_items(run_id)[0]
     assert item["reason"] not in texts(at) and "hidden in blind mode" in texts(at)
     assert not at.get("vega_lite_chart"), "no distribution shown in blind mode"
@@ -421,29 +385,17 @@ def test_review_in_blind_mode_and_keeping_the_gold_label(workbench):
     gold = store.get_case(item["case_id"])["expected"]["team"]
     button(at, item["predicted"]).click()
     at.run()
-    ok(at)
+    no_exceptions(at)
     if gold != item["predicted"]:
         assert f"The case set's expected answer is “{gold}”" in texts(at)
         button(at, f"Keep “{gold}”").click()  # the reviewer keeps the gold label: it is recorded as the answer
         at.run()
-        ok(at)
+        no_exceptions(at)
         kept = store.get_review_item(item["id"])
         assert (kept["status"], kept["label"], kept["reviewer"]) == ("corrected", gold, "ana")
     else:
         assert store.get_review_item(item["id"])["status"] == "accepted"
     assert f"The model had answered “{item['predicted']}”" in texts(at)
-
-
-def open_link(page: str, **params: str) -> AppTest:
-    """A new browser session opening a link someone sent: /<page>?param=…"""
-    at = AppTest.from_file(APP, default_timeout=TIMEOUT)
-    at.run()
-    at.switch_page(page)
-    for name, value in params.items():
-        at.query_params[name] = value
-    at.run()
-    ok(at)
-    return at
 
 
 def param(at: AppTest, name: str) -> str | None:
@@ -457,7 +409,7 @@ def test_links_open_the_run_case_set_and_review_item_they_name_and_results_brows
     set_id = store.get_run(run_id)["case_set_id"]
     newer = store.create_run(set_id, schema=store.get_run(run_id)["schema"], model_id="clef-demo")
 
-    runs_page = open_link("pages/runs.py", run=str(run_id))
+    runs_page = open_page("pages/runs.py", run=str(run_id))
     assert runs_page.selectbox(key="runs.selected").value == run_id, "the linked run, not the newest"
     assert param(runs_page, "run") == str(run_id)
     assert "clef-demo has random weights" in texts(runs_page)
@@ -469,15 +421,15 @@ def test_links_open_the_run_case_set_and_review_item_they_name_and_results_brows
     wrong = next(df.value for df in runs_page.dataframe if "probabilities" in df.value.columns)
     assert 0 < len(wrong) < len(table) and not wrong["correct"].any()
     assert wrong["review"].iloc[0].startswith(f"/review?run={run_id}&case=")
-    assert open_link("pages/runs.py").selectbox(key="runs.selected").value == newer, "no link: the newest run"
+    assert open_page("pages/runs.py").selectbox(key="runs.selected").value == newer, "no link: the newest run"
 
-    cases_page = open_link("pages/cases.py", set=str(set_id))
+    cases_page = open_page("pages/cases.py", set=str(set_id))
     assert cases_page.selectbox(key="cases.selected").value == set_id and param(cases_page, "set") == str(set_id)
 
     review.apply_rules(store, run_id, ReviewRules(margin_below=1.0, unknown_option=False,
                                                   disagree_with_expected=False, questions=["team"]))
     target = store.list_review_items(run_id)[5]
-    review_page = open_link("pages/review.py", run=str(run_id), case=str(target["case_id"]), question="team")
+    review_page = open_page("pages/review.py", run=str(run_id), case=str(target["case_id"]), question="team")
     assert f"### Case {target['case_id']} · `team` (choice)" in texts(review_page)
     assert (param(review_page, "case"), param(review_page, "question")) == (str(target["case_id"]), "team")
     assert f"/?run={run_id}&case={target['case_id']}" in [b.proto.url for b in review_page.get("link_button")], \
@@ -492,17 +444,17 @@ def test_delete_a_run_asks_first_and_can_be_undone(workbench):
     at = open_page("pages/runs.py")
     button(at, "Delete this run…").click()
     at.run()
-    ok(at)
+    no_exceptions(at)
     assert f"Delete run #{run_id} and its 0 result(s)? You can undo this." in texts(at)
     assert store.get_run(run_id)["id"] == run_id, "nothing deleted before the confirmation"
     button(at, "Yes, delete it").click()
     at.run()
-    ok(at)
+    no_exceptions(at)
     assert f"Deleted run #{run_id}." in texts(at) and "No runs yet." in texts(at)
     assert store.list_runs() == []
     button(at, "Undo").click()
     at.run()
-    ok(at)
+    no_exceptions(at)
     assert [r["id"] for r in store.list_runs()] == [run_id]
     assert at.selectbox(key="runs.selected").value == run_id
     assert [(c["action"], c["kind"]) for c in store.list_changes()] == [("restore", "run"), ("delete", "run")]
@@ -518,7 +470,7 @@ def test_review_a_whole_record_on_one_screen_with_the_name_kept_in_the_link(work
     assert len(record) == 5, "every question of the record is queued"
 
     # a reload (a new session on the same URL) keeps the reviewer's name
-    at = open_link("pages/review.py", reviewer="ana")
+    at = open_page("pages/review.py", reviewer="ana")
     assert at.text_input(key="review.reviewer").value == "ana"
     assert "Enter your name above to review." not in texts(at)
     assert param(at, "reviewer") == "ana"
@@ -533,7 +485,7 @@ def test_review_a_whole_record_on_one_screen_with_the_name_kept_in_the_link(work
     # an action moves on to the same record's next question, not to another record
     button(at, "Mark unknown").click()
     at.run()
-    ok(at)
+    no_exceptions(at)
     following = next(i for i in record if i["id"] != first["id"])
     assert f"### Case {first['case_id']} · `{following['question_id']}`" in texts(at)
     assert "unknown by ana" in texts(at)
@@ -543,7 +495,7 @@ def test_review_a_whole_record_on_one_screen_with_the_name_kept_in_the_link(work
     at.run()
     at.button(key=f"review-record-open-{record[-1]['id']}").click()
     at.run()
-    ok(at)
+    no_exceptions(at)
     assert f"### Case {first['case_id']} · `{record[-1]['question_id']}`" in texts(at)
     assert "model: hidden" in texts(at) and "model: **" not in texts(at)
     at.text_input(key="review.reviewer").input("").run()
@@ -557,7 +509,6 @@ def test_review_shows_the_frames_the_model_read_for_a_video_case_large_enough_to
     from streamlit.runtime.memory_media_file_storage import MemoryMediaFileStorage
     from streamlit.testing.v1 import app_test
 
-    from tests.engine.test_engine import mp4_bytes
 
     storages: list[MemoryMediaFileStorage] = []
 
@@ -578,7 +529,7 @@ def test_review_shows_the_frames_the_model_read_for_a_video_case_large_enough_to
     shell.get_job_runner().start(run_id, shell.get_engine(show_errors=False))
     wait_for_run(run_id)
     assert review.apply_rules(store, run_id, ReviewRules(margin_below=1.0, unknown_option=False)) == 1
-    at = open_link("pages/review.py", reviewer="ana")
+    at = open_page("pages/review.py", reviewer="ana")
     frames = [e for e in at.get("image") if [i.caption for i in e.proto.imgs] == [f"frame {n}" for n in range(4)]]
     assert frames, "the frames the model read are shown"
     for shown in frames[0].proto.imgs:
@@ -599,7 +550,7 @@ def test_each_case_chart_on_the_runs_page_shows_every_option_label_whole_on_a_ro
     AppTest.from_file(APP, default_timeout=TIMEOUT).run()
     store, run_id = _finished_run(workbench)
     questions = store.get_run(run_id)["schema"]["questions"]
-    at = open_link("pages/runs.py", run=str(run_id))
+    at = open_page("pages/runs.py", run=str(run_id))
     titled = [(spec.get("title") or spec.get("layer", [{}])[0].get("title"), spec, datasets)
               for spec, datasets in chart_specs(at)]
     case_charts = {title: (spec, datasets) for title, spec, datasets in titled if title in questions}
@@ -630,7 +581,7 @@ def open_decide_link(**params: str) -> AppTest:
     for name, value in params.items():
         at.query_params[name] = value
     at.run()
-    ok(at)
+    no_exceptions(at)
     return at
 
 
@@ -638,7 +589,7 @@ def test_a_results_row_opens_its_case_in_decide_with_the_runs_questions(workbenc
     AppTest.from_file(APP, default_timeout=TIMEOUT).run()
     store, run_id = _finished_run(workbench)
     run = store.get_run(run_id)
-    runs_page = open_link("pages/runs.py", run=str(run_id))
+    runs_page = open_page("pages/runs.py", run=str(run_id))
     table = next(df.value for df in runs_page.dataframe if "probabilities" in df.value.columns)
     row = table.iloc[7]
     assert row["decide"] == f"/?run={run_id}&case={row['case']}"

@@ -14,8 +14,7 @@ from streamlit.testing.v1 import AppTest
 
 from clef_workbench import calibration
 from clef_workbench.store import Store
-from tests.ui.test_app_pages import start
-from tests.ui.test_pages_runs_review import APP, TIMEOUT, button, ok, open_link, texts, wait_for_run
+from tests.support.apptest import APP, TIMEOUT, button, no_exceptions, open_page, start, texts, wait_for_run
 from workbench_ui import shell
 from workbench_ui import why_view as why
 
@@ -63,7 +62,7 @@ def test_review_routes_by_calibrated_confidence_shows_it_labelled_and_explains_t
     store = Store(workbench / "workbench.sqlite3")
     run_id = finished_run(store, tickets(store))
     name = keep_flattening(store, run_id)
-    at = open_link("pages/review.py", run=str(run_id))
+    at = open_page("pages/review.py", run=str(run_id))
     for rule in ("unknown", "disagree", "use_margin"):
         at.checkbox(key=f"review.rules.{rule}.{run_id}").uncheck()
     at.checkbox(key=f"review.rules.use_conf.{run_id}").check()
@@ -73,15 +72,15 @@ def test_review_routes_by_calibrated_confidence_shows_it_labelled_and_explains_t
     threshold = round(raw_confidence - 0.01, 2)  # below every raw confidence: the raw rule queues nothing
     at.slider(key=f"review.rules.conf.{run_id}").set_value(threshold)
     at.run()
-    ok(at)
+    no_exceptions(at)
     assert "These rules select **0 item(s)**" in texts(at)
     at.selectbox(key=f"review.rules.calibration.{run_id}").set_value(name).run()
-    ok(at)
+    no_exceptions(at)
     assert "These rules select **6 item(s)** in 6 case(s)" in texts(at)  # flattened: all fall under it
     assert "- **team** — applied: no held-out figures were kept with it" in texts(at)  # next to the choice
     button(at, "Add 6 item(s) to the queue").click()
     at.run()
-    ok(at)
+    no_exceptions(at)
     item = store.list_review_items(run_id)[0]
     assert item["reason"].startswith("calibrated confidence")
     assert f"**Why queued:** {item['reason']}" in texts(at)
@@ -91,7 +90,7 @@ def test_review_routes_by_calibrated_confidence_shows_it_labelled_and_explains_t
     assert "calibrated confidence" in texts(at) and "choose raw above" in texts(at)
     raw_answer = next(r for r in store.list_results(run_id) if r["case_id"] == item["case_id"])["response"]
     at.selectbox(key=f"review.probabilities.{run_id}").set_value("raw (as the model answered)").run()
-    ok(at)
+    no_exceptions(at)
     assert "**Model's distribution** (raw, as the run recorded it)" in texts(at)
     assert f"confidence {raw_answer['answers']['team']['confidence']:.3f}" in texts(at)
 
@@ -99,14 +98,14 @@ def test_review_routes_by_calibrated_confidence_shows_it_labelled_and_explains_t
     assert highlighted(at) == []
     before = engine_records()
     at.toggle(key=f"review.why.{item['id']}").set_value(True).run()
-    ok(at)
+    no_exceptions(at)
     explained = at.session_state[f"review.why_result.{run_id}.{item['case_id']}"][1]
     segments = sorted(explained["x_explanations"]["team"], key=lambda s: s["start"])
     assert highlighted(at) == [why.effect(s["delta"]) for s in segments] and len(segments) == 3
     assert engine_records() == before + 1 + len(segments)
     # blind mode hides Why with the answer (which way a sentence pushed would give the answer away)
     at.toggle(key="review.blind").set_value(True).run()
-    ok(at)
+    no_exceptions(at)
     assert highlighted(at) == [] and not [t for t in at.toggle if t.key == f"review.why.{item['id']}"]
 
 
@@ -114,15 +113,15 @@ def test_a_runs_case_view_computes_why_on_demand(workbench):
     AppTest.from_file(APP, default_timeout=TIMEOUT).run()
     store = Store(workbench / "workbench.sqlite3")
     run_id = finished_run(store, tickets(store, 2))
-    at = open_link("pages/runs.py", run=str(run_id))
+    at = open_page("pages/runs.py", run=str(run_id))
     case_id = store.list_results(run_id)[1]["case_id"]
     at.selectbox(key=f"runs.inspect.{run_id}").set_value(case_id).run()
-    ok(at)
+    no_exceptions(at)
     assert highlighted(at) == [], "nothing is explained until asked"
     before = engine_records()
     button(at, "Why: compute which parts of this case moved its answers").click()
     at.run()
-    ok(at)
+    no_exceptions(at)
     explained = at.session_state[f"runs.why.{run_id}.{case_id}"][1]
     question = at.selectbox(key=f"runs.why.{run_id}.{case_id}.question").value
     segments = sorted(explained["x_explanations"][question], key=lambda s: s["start"])
@@ -142,7 +141,7 @@ def test_compare_reads_calibrated_probabilities_behind_a_labelled_switch(workben
     set_id = tickets(store, 3)
     first, second = finished_run(store, set_id), finished_run(store, set_id)
     name = keep_flattening(store, first)
-    at = open_link("pages/compare.py", set=str(set_id), runs=f"{first},{second}")
+    at = open_page("pages/compare.py", set=str(set_id), runs=f"{first},{second}")
 
     def team_cells() -> list[str]:
         matrix = next(df.value for df in at.dataframe if "state" in df.value.columns)
@@ -151,7 +150,7 @@ def test_compare_reads_calibrated_probabilities_behind_a_labelled_switch(workben
     raw = team_cells()
     assert not [i for i in at.info if "Calibrated probabilities" in i.value]
     at.toggle(key="compare.calibrated").set_value(True).run()
-    ok(at)
+    no_exceptions(at)
     [label] = [i.value for i in at.info if "Calibrated probabilities" in i.value]
     assert f"“{name}”" in label and "Turn the switch off" in label
     calibrated = team_cells()
@@ -186,9 +185,9 @@ def test_decide_says_whether_each_calibration_helps_and_applies_only_those_that_
     at = start()
     button(at, "Run").click()
     at.run()
-    ok(at)
+    no_exceptions(at)
     at.selectbox(key="decide.calibration").select("mixed").run()
-    ok(at)
+    no_exceptions(at)
     verdicts = next(m.value for m in at.markdown if m.value.startswith("- **"))
     assert verdicts.splitlines() == [
         "- **churn_threat** — applied: held-out ECE reduction +0.050 [+0.010, +0.090], 95% interval",
@@ -203,5 +202,5 @@ def test_decide_says_whether_each_calibration_helps_and_applies_only_those_that_
 
     assert calibrated_cards() == ["churn_threat"]  # only the map that helps
     at.checkbox(key="decide.calibration_all").check().run()
-    ok(at)
+    no_exceptions(at)
     assert calibrated_cards() == ["churn_threat", "priority", "team"]  # asked for: every map

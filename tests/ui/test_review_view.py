@@ -10,8 +10,8 @@ import pytest
 
 from clef_workbench import review
 from clef_workbench.review import ReviewRules
-from tests.workbench.test_review import SCHEMA
-from tests.workbench.test_review import run as run  # noqa: F401 — the fixture: a store with a run of five tickets
+from tests.support.review_queue import SCHEMA
+from tests.support.review_queue import run as run  # noqa: F401 - the fixture: a store with a run of five tickets
 from workbench_ui import review_view as view
 
 RULES = ReviewRules(margin_below=0.2, unknown_option=True, disagree_with_expected=True)

@@ -12,10 +12,10 @@ from PIL import Image
 
 from clef_engine import TokenBudgetError
 from clef_engine.explain import explaining, segment_counts, unit_that_fits
-from tests.engine.test_encoding import png_bytes
-from tests.engine.test_engine import data_url
-from tests.engine.test_explain import QUESTIONS, TEXT_STATE
-from tests.ui.test_app_pages import button, engine, no_exceptions, start
+from clef_engine.protocol import data_url
+from tests.support.apptest import button, engine, no_exceptions, start
+from tests.support.bodies import QUESTIONS, TEXT_STATE
+from tests.support.media import png_bytes
 from workbench_ui import why_view as why
 
 
@@ -96,7 +96,8 @@ def test_a_request_offers_the_units_its_segments_come_in():
     assert why.units_for({"state": "a. b."}) == ["everything", "sentence", "line"]
     assert why.units_for({"state": {"a": 1}, "images": ["x"], "videos": ["y"]}) == [
         "everything", "field", "region", "frame"]
-    counts = segment_counts({"state": {"a": 1, "b": [2, 3]}, "images": [data_url(png_bytes(64, 96, seed=1))]}, [4, 8])
+    image = data_url("image/png", png_bytes(64, 96, seed=1))
+    counts = segment_counts({"state": {"a": 1, "b": [2, 3]}, "images": [image]}, [4, 8])
     assert counts == {"field": 3, "region": 16, "frame": 12}
     # the unit with the most segments whose variants surely fit: every variant as long as the record
     assert unit_that_fits(counts, record_tokens=100, budget=100 * 17) == "region"
@@ -105,7 +106,8 @@ def test_a_request_offers_the_units_its_segments_come_in():
 
 
 def test_why_over_the_budget_explains_by_a_coarser_unit_that_fits_and_says_so(tiny_engine, monkeypatch):
-    request = {"state": TEXT_STATE, "questions": QUESTIONS, "images": [data_url(png_bytes(64, 96, seed=11))]}
+    image = data_url("image/png", png_bytes(64, 96, seed=11))
+    request = {"state": TEXT_STATE, "questions": QUESTIONS, "images": [image]}
     record_tokens = tiny_engine.count_tokens(request)["total"]
     # room for the record and its 16 region variants, not for those and the 6 sentence variants too
     monkeypatch.setattr(tiny_engine, "token_budget", -(-record_tokens * 17 // 4))

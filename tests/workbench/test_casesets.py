@@ -7,15 +7,14 @@ import codecs
 import csv
 import io
 import json
-from pathlib import Path
 
 import pytest
 
 from clef_workbench import case_table, casesets, importing
 from clef_workbench.casesets import CaseImportError, CsvMapping
 from clef_workbench.store import Store
+from tests.support import REPO
 
-ROOT = Path(__file__).resolve().parents[2]
 PNG = b"\x89PNG\r\n\x1a\n" + b"\x00" * 16
 SCHEMA = {"name": "tickets", "version": "2", "questions": {
     "team": {"type": "choice", "instructions": "Team?", "criteria": {"billing": "Money", "tech": None}},
@@ -154,11 +153,11 @@ def test_results_export_has_one_row_per_case_and_question_with_every_probability
 
 def test_shipped_example_case_sets_load_with_expected_answers_for_their_schemas(tmp_path):
     store = Store(tmp_path / "w.db")
-    loaded = casesets.load_example_case_sets(store, ROOT / "schemas")
-    assert set(loaded) == {p.stem for p in (ROOT / "examples" / "casesets").glob("*.jsonl")}
+    loaded = casesets.load_example_case_sets(store, REPO / "schemas")
+    assert set(loaded) == {p.stem for p in (REPO / "examples" / "casesets").glob("*.jsonl")}
     assert len(loaded) == 4
     for slug, set_id in loaded.items():
-        schema = json.loads((ROOT / "schemas" / f"{slug}.json").read_text())
+        schema = json.loads((REPO / "schemas" / f"{slug}.json").read_text())
         cases = store.list_cases(set_id)
         assert 8 <= len(cases) <= 12, slug
         for case in cases:  # parse_jsonl already checked every answer against the schema's options
@@ -166,7 +165,7 @@ def test_shipped_example_case_sets_load_with_expected_answers_for_their_schemas(
         assert store.get_case_set(set_id)["schema_name"] == slug
     photos = store.list_cases(loaded["vehicle-damage-claim-photo"])
     assert all(case["image_count"] == 1 for case in photos)
-    assert casesets.load_example_case_sets(store, ROOT / "schemas") == loaded  # idempotent
+    assert casesets.load_example_case_sets(store, REPO / "schemas") == loaded  # idempotent
 
 
 def test_table_edits_update_add_and_delete_and_refuse_bad_rows(tmp_path):

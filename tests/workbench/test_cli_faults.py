@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from clef_workbench.store import Store
+from tests.support import REPO
 
-ROOT = Path(__file__).resolve().parents[2]
 ROWS = 300
 
 
@@ -31,7 +31,7 @@ def cli(*args: str, file_size_limit: int | None = None, module: str = "clef_work
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
         resource.setrlimit(resource.RLIMIT_FSIZE, (file_size_limit, file_size_limit))
 
-    return subprocess.Popen([sys.executable, "-m", module, *args], cwd=ROOT, stdin=subprocess.DEVNULL,
+    return subprocess.Popen([sys.executable, "-m", module, *args], cwd=REPO, stdin=subprocess.DEVNULL,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             preexec_fn=limit if file_size_limit is not None else None)
 

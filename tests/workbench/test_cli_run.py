@@ -21,10 +21,10 @@ import pytest
 from clef_workbench.__main__ import main
 from clef_workbench.jobs import JobRunner
 from clef_workbench.store import Store, StoreError
+from tests.support import REPO
 from tests.support.ray_cluster import assert_same_answers, local_cluster
 
-ROOT = Path(__file__).resolve().parents[2]
-SCHEMA_FILE = ROOT / "schemas" / "support-ticket-routing.json"
+SCHEMA_FILE = REPO / "schemas" / "support-ticket-routing.json"
 SCHEMA = json.loads(SCHEMA_FILE.read_text())
 TICKETS = [{"state": example["state"]} for example in SCHEMA["examples"]]
 # the keys a run started on the Runs page has in its settings
@@ -56,7 +56,7 @@ def test_a_run_from_the_command_line_is_stored_as_a_runs_page_run(tmp_path, tiny
     db, store, set_id = make_db(tmp_path, 2)
     done = subprocess.run(cli("--db", str(db), "--case-set", "tickets", "--schema", str(SCHEMA_FILE),
                               "--model", str(tiny_release), "--device", "cpu"),
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "run 1: 10/10 cases · 0 errors" in done.stdout
 
@@ -82,7 +82,7 @@ def test_on_ray_the_driver_killed_mid_run_then_resumed_loses_and_duplicates_no_c
     child = subprocess.Popen(cli("--db", str(db), "--case-set", "tickets", "--schema", str(SCHEMA_FILE),
                                  "--model", str(tiny_release), "--ray", address, "--replicas", "2",
                                  "--chunk-tokens", "1"),
-                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         # two replicas load the model while the driver waits: minutes on a busy two-core machine
         deadline = time.monotonic() + 900
@@ -178,7 +178,7 @@ def small_run(tmp_path: Path, cases: int) -> tuple[Path, Path, Store]:
 
 def run_cli(*args: str, module: tuple[str, ...] = ("clef_workbench", "run")) -> subprocess.CompletedProcess:
     """The command line without a terminal (stdin closed), as in a script or CI."""
-    return subprocess.run([sys.executable, "-m", *module, *args], cwd=ROOT, capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", *module, *args], cwd=REPO, capture_output=True, text=True,
                           stdin=subprocess.DEVNULL, timeout=300)
 
 
@@ -272,7 +272,7 @@ def test_a_signal_mid_run_cancels_it_with_its_results_kept_and_resume_completes_
     # the run pauses once it has written 2 chunks of results, until the gate opens (see tests/support/paused_run.py)
     child = subprocess.Popen([sys.executable, "-m", "tests.support.paused_run", "results", "2", str(gate), "run", *args,
                               "--case-set", "tickets", "--schema", str(schema_file), "--chunk-size", "2"],
-                             cwd=ROOT, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             cwd=REPO, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                              text=True)
     try:
         deadline = time.monotonic() + 300

@@ -9,14 +9,13 @@ import os
 import signal
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from clef_workbench.jobs import JobRunner
 from clef_workbench.store import Store
+from tests.support import REPO, wait_for
 from tests.support.ray_cluster import assert_same_answers, local_cluster
-from tests.workbench.test_jobs import wait_for
 
 ray = pytest.importorskip("ray")  # in requirements.txt; the module below imports it where it is used
 
@@ -31,13 +30,12 @@ from clef_workbench.distributed import (  # noqa: E402
     token_chunks,
 )
 
-ROOT = Path(__file__).resolve().parents[2]
 PNG = b"\x89PNG\r\n\x1a\n" + b"\x00" * 16
 # ~1,500 tokens a record: slow enough on the CPU that a replica can be killed with chunks in flight
-TICKET_SCHEMA = json.loads((ROOT / "schemas" / "support-ticket-routing.json").read_text())
+TICKET_SCHEMA = json.loads((REPO / "schemas" / "support-ticket-routing.json").read_text())
 TICKET_SCHEMA.pop("examples")
 TICKETS = [{"state": example["state"]} for example in json.loads(
-    (ROOT / "schemas" / "support-ticket-routing.json").read_text())["examples"]]
+    (REPO / "schemas" / "support-ticket-routing.json").read_text())["examples"]]
 SETTINGS = {"chunk_size": 4, "max_length": 3_000, "overflow": "refuse"}
 
 
@@ -112,7 +110,7 @@ except ReplicaError as error:
 
 def test_no_cluster_to_join_is_an_error_naming_our_flag_and_variable_not_rays():
     # A fresh interpreter: this session may already be connected to the test cluster, and then connect does nothing.
-    done = subprocess.run([sys.executable, "-c", NO_CLUSTER_HERE], cwd=ROOT, capture_output=True, text=True,
+    done = subprocess.run([sys.executable, "-c", NO_CLUSTER_HERE], cwd=REPO, capture_output=True, text=True,
                           timeout=300)
     message = done.stdout.strip()
     assert message.startswith("cannot join the Ray cluster at 'auto': Could not find any running Ray instance."), \

@@ -16,9 +16,9 @@ from clef_workbench import importing
 from clef_workbench.__main__ import main
 from clef_workbench.casesets import CaseImportError
 from clef_workbench.store import Store
+from tests.support import REPO
 
-ROOT = Path(__file__).resolve().parents[2]
-SCHEMA_FILE = ROOT / "schemas" / "support-ticket-routing.json"
+SCHEMA_FILE = REPO / "schemas" / "support-ticket-routing.json"
 SCHEMA = {k: v for k, v in json.loads(SCHEMA_FILE.read_text()).items() if k != "examples"}
 FUZZ = settings(max_examples=150, deadline=None, derandomize=True, database=None,
                 phases=[Phase.explicit, Phase.generate], suppress_health_check=list(HealthCheck))

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -15,10 +14,10 @@ from clef_workbench import importing
 from clef_workbench.__main__ import main
 from clef_workbench.casesets import CaseImportError, CsvMapping, import_cases
 from clef_workbench.store import Store, StoreError
+from tests.support import REPO
 from tests.support.import_files import KINDS, RAGGED, expected_cases, stored
 
-ROOT = Path(__file__).resolve().parents[2]
-SCHEMA_FILE = ROOT / "schemas" / "support-ticket-routing.json"
+SCHEMA_FILE = REPO / "schemas" / "support-ticket-routing.json"
 SCHEMA = {k: v for k, v in json.loads(SCHEMA_FILE.read_text()).items() if k != "examples"}
 MAPPING = CsvMapping(state_columns=["subject", "body"], expected_columns={"expected_team": "team",
                                                                          "priority": "priority"})
@@ -118,7 +117,7 @@ def test_the_delimiter_and_encoding_can_be_overridden(tmp_path):
 
 
 def test_a_file_that_is_not_text_or_not_a_workbook_gets_a_message_not_a_traceback(tmp_path, capsys):
-    photo = (ROOT / "examples" / "casesets" / "media" / "burnt-out.png").read_bytes()
+    photo = (REPO / "examples" / "casesets" / "media" / "burnt-out.png").read_bytes()
     with pytest.raises(CaseImportError, match="the file is not text in a supported encoding"):
         importing.read_source("tickets.csv", photo)
     with pytest.raises(CaseImportError, match="^.*line 1 holds a NUL character, which UTF-8 text never does"):
@@ -135,7 +134,7 @@ def test_a_file_that_is_not_text_or_not_a_workbook_gets_a_message_not_a_tracebac
 def readme_batch_example() -> list[str]:
     """The commands of docs/operations.md's "Batch runs from the command line" block, joined across continuation
     lines."""
-    page = (ROOT / "docs" / "operations.md").read_text()
+    page = (REPO / "docs" / "operations.md").read_text()
     section = page.split("## Batch runs from the command line", 1)[1]
     block = section.split("```bash\n", 1)[1].split("```", 1)[0]
     return [line.strip() for line in block.replace("\\\n", " ").splitlines() if line.strip()]
@@ -152,13 +151,13 @@ def test_the_readmes_batch_run_example_runs_as_written_on_a_fresh_database(tmp_p
         assert "data/workbench.sqlite3" in args  # the installed command is this package's main, run by this Python
         args = [sys.executable, "-m", "clef_workbench"] + [str(db) if a == "data/workbench.sqlite3" else a
                                                            for a in args[1:]]
-        done = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=600)
+        done = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=600)
         assert done.returncode == 0, (command, done.stdout[-2000:], done.stderr[-3000:])
     store = Store(db)
     (case_set,) = store.list_case_sets()
     run = store.get_run(1)
     assert (run["status"], run["done"], run["errors"]) == ("finished", case_set["case_count"], 0)
-    assert case_set["case_count"] == len((ROOT / "examples" / "tickets.csv").read_text().splitlines()) - 1
+    assert case_set["case_count"] == len((REPO / "examples" / "tickets.csv").read_text().splitlines()) - 1
 
 
 # -- hostile files (issue 40) and the suggested mapping (issue 36, point 6) ------------------------------------------
@@ -251,7 +250,7 @@ def test_suggest_mapping_sends_ids_to_the_case_id_answers_to_expected_and_never_
 
 def test_import_without_schema_leaves_answers_out_of_the_evidence_and_says_what_it_took(tmp_path, capsys):
     db = tmp_path / "w.db"
-    assert main(["import", "--db", str(db), "--case-set", "tickets", str(ROOT / "examples" / "tickets.csv")]) == 0
+    assert main(["import", "--db", str(db), "--case-set", "tickets", str(REPO / "examples" / "tickets.csv")]) == 0
     out = capsys.readouterr().out
     assert "columns: evidence (the state): from, subject, plan, body · tags: tags · left out: team, priority, " \
            "customer_mood, churn_threat, needs_human_agent (named like answers" in out
@@ -261,7 +260,7 @@ def test_import_without_schema_leaves_answers_out_of_the_evidence_and_says_what_
     assert len(states) == 12 and all(set(state) == {"from", "subject", "plan", "body"} for state in states)
 
     assert main(["import", "--db", str(db), "--case-set", "asked", "--state-column", "subject", "--state-column",
-                 "team", str(ROOT / "examples" / "tickets.csv")]) == 0  # what the user asks for, they get
+                 "team", str(REPO / "examples" / "tickets.csv")]) == 0  # what the user asks for, they get
     asked = next(s for s in store.list_case_sets() if s["name"] == "asked")
     assert all(set(store.get_case(c["id"])["state"]) == {"subject", "team"} for c in store.list_cases(asked["id"]))
 

@@ -8,33 +8,21 @@ import os
 import signal
 import subprocess
 import sys
-import time
-from pathlib import Path
 
 import pytest
 
 from clef_workbench.casesets import build_request
 from clef_workbench.jobs import JobAlreadyRunningError, JobRunner
 from clef_workbench.store import Store
+from tests.support import REPO, wait_for
 
-ROOT = Path(__file__).resolve().parents[2]
 PNG = b"\x89PNG\r\n\x1a\n" + b"\x00" * 16
 SMALL_SCHEMA = {"name": "small", "version": "1", "questions": {
     "urgent": {"type": "noul", "instructions": "Is it urgent?"},
     "team": {"type": "choice", "instructions": "Which team?", "criteria": {"billing": None, "tech": None}},
 }}
 # The shipped support-ticket schema makes each record ~1,500 tokens: slow enough on the CPU to kill mid-run.
-TICKET_SCHEMA = json.loads((ROOT / "schemas" / "support-ticket-routing.json").read_text())
-
-
-def wait_for(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+TICKET_SCHEMA = json.loads((REPO / "schemas" / "support-ticket-routing.json").read_text())
 
 
 def test_run_writes_every_result_and_records_bad_cases_as_errors(tmp_path, tiny_engine):
@@ -105,8 +93,8 @@ def test_resume_after_the_running_process_is_killed(tmp_path, tiny_release, tiny
     set_id = store.create_case_set("tickets")
     case_ids = store.add_cases(set_id, [{"state": example["state"]} for example in TICKET_SCHEMA["examples"]] * 3)
     run_id = store.create_run(set_id, schema=TICKET_SCHEMA, model_id="demo", settings={"chunk_size": 2})
-    child = subprocess.Popen([sys.executable, "-c", CHILD, str(db), str(run_id), str(tiny_release)], cwd=ROOT,
-                             env={**os.environ, "PYTHONPATH": str(ROOT)}, stderr=subprocess.PIPE)
+    child = subprocess.Popen([sys.executable, "-c", CHILD, str(db), str(run_id), str(tiny_release)], cwd=REPO,
+                             env={**os.environ, "PYTHONPATH": str(REPO)}, stderr=subprocess.PIPE)
     try:
         wait_for(lambda: store.get_run(run_id)["done"] >= 2 or child.poll() is not None, 180, "first results")
         assert child.poll() is None, child.stderr.read().decode()[-2000:]

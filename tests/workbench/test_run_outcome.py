@@ -6,71 +6,26 @@ behind a wrapper that fails chosen cases, and real HTTP endpoints on 127.0.0.1 (
 from __future__ import annotations
 
 import json
-import threading
-from concurrent.futures import Future
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pandas as pd
 import pytest
 
-from clef_engine.errors import ClefError
 from clef_engine.remote import RemoteEngine
 from clef_workbench import case_table, casesets
 from clef_workbench.__main__ import main
 from clef_workbench.jobs import EngineUnreachableError, JobRunner
 from clef_workbench.run_status import FINISHED_WITH_ERRORS, run_outcome
 from clef_workbench.store import Store
-from tests.support.browser import free_port
+from tests.support import REPO
+from tests.support.endpoints import FailingEngine, RefusingEndpoint, serve
+from tests.support.servers import free_port
 
-ROOT = Path(__file__).resolve().parents[2]
-SCHEMA_FILE = ROOT / "schemas" / "support-ticket-routing.json"
+SCHEMA_FILE = REPO / "schemas" / "support-ticket-routing.json"
 SCHEMA = {"name": "small", "version": "1", "questions": {
     "urgent": {"type": "noul", "instructions": "Is it urgent?"},
     "team": {"type": "choice", "instructions": "Which team?", "criteria": {"billing": None, "tech": None}},
 }}
-
-
-class FailingEngine:
-    """The tiny engine, except that every request whose state contains one of `failing` raises a ClefError (as a
-    stopped endpoint or an engine fault does). `failing` can be emptied to let a retry through."""
-
-    def __init__(self, engine, failing: set[str]):
-        self.engine = engine
-        self.failing = failing
-
-    def validate(self, request: dict, **budget) -> dict:
-        self.engine.validate(request, **budget)
-        return request  # the plain dict, so that submit can look at its state (the engine validates it there)
-
-    def _refuse(self, requests: list[dict]) -> None:
-        for request in requests:
-            if any(word in str(request["state"]) for word in self.failing):
-                raise ClefError(f"engine fault on {request['state']!r}")
-
-    def submit(self, requests: list[dict], **options) -> Future:
-        if options.get("errors") != "return":
-            self._refuse(requests)
-            return self.engine.submit(requests, **options)
-        # as the engines do with errors="return": a failing request's slot holds its error, the others their answers
-        failing = {i for i, request in enumerate(requests) if any(w in str(request["state"]) for w in self.failing)}
-        good = [request for i, request in enumerate(requests) if i not in failing]
-        outcomes: Future = Future()
-
-        def merge(answered: Future) -> None:
-            answers = iter(answered.result())
-            outcomes.set_result([ClefError(f"engine fault on {requests[i]['state']!r}") if i in failing
-                                 else next(answers) for i in range(len(requests))])
-
-        if good:
-            self.engine.submit(good, **options).add_done_callback(merge)
-        else:
-            outcomes.set_result([ClefError(f"engine fault on {r['state']!r}") for r in requests])
-        return outcomes
-
-    def decide_many(self, requests: list[dict], **options) -> list[dict]:
-        self._refuse(requests)
-        return self.engine.decide_many(requests, **options)
 
 
 def make_run(tmp_path: Path, states: list[str], expected: dict | None = None) -> tuple[Store, int]:
@@ -147,35 +102,6 @@ def test_a_run_on_a_remote_endpoint_that_stopped_is_refused_before_it_starts(tmp
     assert f"could not reach {url}" in str(refused.value)
     run = store.get_run(run_id)
     assert (run["status"], run["done"]) == ("pending", 0)  # nothing ran, nothing recorded
-
-
-class RefusingEndpoint(BaseHTTPRequestHandler):
-    """A System One endpoint that lists a model and then refuses every decision (422), as a misconfigured gateway
-    does: the run reaches it, and every case fails."""
-
-    def do_GET(self):  # noqa: N802 — http.server's name
-        self._reply(200, {"models": [{"name": "jev"}]})
-
-    def do_POST(self):  # noqa: N802
-        self.rfile.read(int(self.headers.get("content-length") or 0))
-        self._reply(422, {"detail": [{"loc": ["body", "state"], "msg": "unsupported state", "type": "value_error"}]})
-
-    def _reply(self, status: int, body: dict) -> None:
-        data = json.dumps(body).encode()
-        self.send_response(status)
-        self.send_header("content-type", "application/json")
-        self.send_header("content-length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def log_message(self, *args) -> None:
-        pass
-
-
-def serve(handler) -> ThreadingHTTPServer:
-    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    return server
 
 
 def cli_db(tmp_path: Path) -> Path:

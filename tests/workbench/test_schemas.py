@@ -11,9 +11,9 @@ import pytest
 from clef_engine.protocol import HOSTED
 from clef_workbench.schema_library import SchemaLibrary, slugify
 from clef_workbench.schemas import Schema, SchemaError, lint_questions, validate_questions
+from tests.support import REPO
 from workbench_ui.schema_rows import questions_to_rows, rows_to_questions
 
-REPO = Path(__file__).resolve().parents[2]
 SHIPPED = REPO / "schemas"
 
 
