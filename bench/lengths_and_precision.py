@@ -206,7 +206,7 @@ def answer_distance(a: list[dict], b: list[dict]) -> dict:
 def weights_gib(engine) -> float:
     from clef_engine.fast.fp8 import weight_bytes
 
-    return build.gib(weight_bytes(engine.model, engine.head))
+    return build.gib(weight_bytes(engine.runner.model, engine.runner.head))
 
 
 class Big:
@@ -238,7 +238,7 @@ def measure_engine(setup: Setup, precision: str) -> dict:
     Big.engine = engine = make_engine(setup, Big.model, Big.head, Big.head_config, Big.config_json, precision)
     detail["engine_s"] = round(time.perf_counter() - t0, 1)
     detail["precision"] = engine.info()["precision"]
-    detail["kernels"] = engine.kernel_info().get("packed")
+    detail["kernels"] = engine.runner.info()["kernels"].get("packed")
     detail["weights_gib"] = weights_gib(engine)
     detail["memory_loaded_gib"] = build.gib(engine.loaded_bytes)
     say(precision, "engine ready in", detail["engine_s"], "s; weights", detail["weights_gib"], "GiB")
@@ -336,7 +336,7 @@ def fidelity_section(setup: Setup) -> None:
         engine = make_engine(setup, model, head, head_config, config_json, precision, cuda_graphs=False)
         try:
             with torch.inference_mode():
-                ours = [engine.forward_batch([r])[0] for r in encoded]
+                ours = [engine.runner.forward([r])[0] for r in encoded]
         finally:
             engine.close()
             del engine

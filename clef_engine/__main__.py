@@ -19,8 +19,8 @@ def cmd_tiny(args: argparse.Namespace) -> int:
 
 
 def cmd_info(args: argparse.Namespace) -> int:
-    from .engine import fast_kernels_available
     from .model import release
+    from .runner import fast_kernels_available
 
     checked = release.check(release.resolve(args.source, args.revision), source=args.source, revision=args.revision)
     described = release.describe(checked)
