@@ -25,7 +25,7 @@ from .fp8_fidelity import measured_fidelity
 from .model import media, release
 from .model.encoding import DEFAULT_MAX_LENGTH, EncodedRecord, Encoder
 from .model.head import JointSchemaHead, load_head
-from .protocol import Question, ValidRequest, format_answer, prepare, prepared
+from .protocol import Question, Response, ValidRequest, format_answer, prepare, prepared
 from .runner import PackedRunner, PlainRunner
 from .scheduler import JobTiming, Scheduler, device_turn
 from .tiny import is_demo_release
@@ -51,9 +51,9 @@ def device_key(device: torch.device) -> str:
 
 
 class Engine:
-    def __init__(self, checked: release.Release, model, head: JointSchemaHead, encoder: Encoder,
+    def __init__(self, checked: release.Release, model: Any, head: JointSchemaHead, encoder: Encoder,
                  device: str | torch.device | None = None, dtype: str | torch.dtype | None = None, *,
-                 config: EngineConfig | None = None, load_seconds: float = 0.0, **options):
+                 config: EngineConfig | None = None, load_seconds: float = 0.0, **options: Any) -> None:
         """`config` as resolved by `load`; without it, one is resolved from `device`, `dtype` and `options`
         (EngineConfig fields)."""
         config = config or EngineConfig.resolve(device=device, dtype=dtype, **options)
@@ -145,7 +145,7 @@ class Engine:
         return self.scheduler.submit(records, priority=priority, finalize=respond, per_record=errors == "return",
                                      timed=True)
 
-    def decide(self, request: Any, *, max_length: int | None = None, overflow: str = "refuse") -> dict:
+    def decide(self, request: Any, *, max_length: int | None = None, overflow: str = "refuse") -> Response:
         return self.submit([request], priority="interactive", max_length=max_length, overflow=overflow).result()[0]
 
     def decide_many(self, requests: Sequence[Any], *, max_length: int | None = None, overflow: str = "refuse",
@@ -173,7 +173,7 @@ class Engine:
         return self.scheduler.submit(records, priority="interactive").result()
 
     def explain(self, request: Any, unit: str | None = None, *, max_length: int | None = None,
-                overflow: str = "refuse") -> dict:
+                overflow: str = "refuse") -> Response:
         """The request's response plus `x_explanations`: per question, the state's segments (sentences, fields,
         image regions, video frames; or only `unit`) ranked by how much removing each moves the answer. See
         explain.py."""
@@ -196,21 +196,23 @@ class Engine:
         return self.scheduler.position(future)
 
     def response(self, request: ValidRequest, record: EncodedRecord, probabilities: list[list[float]],
-                 latency_ms: float, *, compute_ms: float | None = None, queue_ms: float | None = None) -> dict:
+                 latency_ms: float, *, compute_ms: float | None = None, queue_ms: float | None = None) -> Response:
         """One System One response. Beside the answers: `x_latency_ms`, from submission to the answer (queueing
         included); `x_compute_ms`, the record's share of the batch it ran in (by tokens); `x_queue_ms`, how long its
         job waited before its first batch started."""
-        answers = {q.id: format_answer(q, probs) for q, probs in zip(record.questions, probabilities)}
-        return {
+        response: Response = {
             "model": request.model if isinstance(request.model, str) else self.model_id,
-            "answers": answers,
+            "answers": {q.id: format_answer(q, probs) for q, probs in zip(record.questions, probabilities)},
             "usage": {"input_tokens": len(record), "output_tokens": 0},
             "x_latency_ms": round(latency_ms, 2),
-            **({} if compute_ms is None else {"x_compute_ms": round(compute_ms, 3)}),
-            **({} if queue_ms is None else {"x_queue_ms": round(queue_ms, 2)}),
-            "x_token_counts": dict(record.token_counts),
-            "x_truncated_state_tokens": record.truncated_state_tokens,
         }
+        if compute_ms is not None:
+            response["x_compute_ms"] = round(compute_ms, 3)
+        if queue_ms is not None:
+            response["x_queue_ms"] = round(queue_ms, 2)
+        response["x_token_counts"] = dict(record.token_counts)
+        response["x_truncated_state_tokens"] = record.truncated_state_tokens
+        return response
 
     def abandon(self, future: Future) -> None:
         """Its caller gives up on `future` (from `submit`): see Scheduler.abandon."""
