@@ -1,17 +1,7 @@
-"""The model runner: encoded records in, per record per question the options' probabilities out. It knows nothing of
-requests or of the queue; the engine picks one runner at load, from the `EngineConfig`, and the scheduler calls its
-`forward` with each batch and the batch's `BatchSteps` (its one way to reach the scheduler: between layers).
-
-- `PlainRunner` (packed=False): the release's own padded call for every record.
-- `PackedRunner` (default): records with media take the padded multimodal call; text records run through our packed
-  layer loop (fast/packed.py): several records as one pack with no padding; a record alone in its batch replays a
-  CUDA graph of its length bucket (fast/graphs.py; with graphs off, every bucket runs eagerly), or, when its state
-  is long enough to keep, runs once over the whole record and keeps the state's layer states (fast/cache.py) so
-  that a new schema on the same state later runs only the schema's tokens (`continue_from`). A record alone longer
-  than `prefill_chunk_tokens` runs in chunks of that many tokens (bounded activations).
-
-Then the joint head over the batch, and one host sync per batch.
-"""
+"""The model runner: encoded records in, per record per question the options' probabilities out, with one host sync
+per batch. It knows nothing of requests or of the queue: the engine picks one runner at load (`PlainRunner` for
+packed=False, else `PackedRunner`) and the scheduler calls its `forward` with each batch and the batch's
+`BatchSteps`, its one way to reach the scheduler."""
 
 from __future__ import annotations
 
@@ -115,11 +105,10 @@ class PlainRunner:
         return split_probabilities(logits, batch, records)
 
     def warm_up(self, on_worker: Callable[[Callable[[], Any]], Any]) -> None:
-        """Compile and capture what the runner can before a user's first request (`on_worker` calls a function on
-        the thread that answers requests). The plain path has nothing to prepare."""
+        """Compile and capture before a user's first request (`on_worker(fn)` calls fn on the worker thread)."""
 
     def clear_states(self) -> None:
-        """Forget every stored state (the plain path stores none)."""
+        """Forget every stored state."""
 
     def info(self) -> dict[str, Any]:
         """Which path and which kernels answer requests here, and the state cache's counts (None: no cache)."""
@@ -129,8 +118,12 @@ class PlainRunner:
 
 
 class PackedRunner(PlainRunner):
-    """The fast path (see the module's docstring). Its graphs are always there: with CUDA graphs off they hold no
-    bucket and every record runs eagerly."""
+    """The fast path: records with media take the padded multimodal call; text records run through our packed layer
+    loop (fast/packed.py): several records as one pack with no padding; a record alone in its batch replays a CUDA
+    graph of its length bucket (fast/graphs.py; with CUDA graphs off they hold no bucket), or, when its state is long
+    enough to keep, runs once over the whole record and keeps the state's layer states (fast/cache.py) so that a new
+    schema on the same state later runs only the schema's tokens (`continue_from`). A record alone longer than
+    `prefill_chunk_tokens` runs in chunks of that many tokens (bounded activations)."""
 
     path = "forward_packed"
 

@@ -102,7 +102,7 @@ class Job:
     sequence: int
     records: list = field(compare=False)
     lengths: list = field(compare=False)  # tokens of each record
-    finalize: Callable[[list], Any] = field(compare=False)
+    finalize: Callable[..., Any] = field(compare=False)  # (results) or, timed, (results, JobTiming)
     future: Future = field(compare=False)
     submitted: float = field(compare=False, default_factory=time.perf_counter)
     started: bool = field(compare=False, default=False)
@@ -193,11 +193,12 @@ class Scheduler:
         self._running: list[Piece] = []  # the pieces of the batch on the GPU now (innermost)
         self._jobs: dict[int, Job] = {}  # id(future) → its job, until the job is resolved: see abandon
         self._steps = {PRIORITIES["interactive"]: BatchSteps(False, self._stop_if_abandoned),
-                       PRIORITIES["bulk"]: BatchSteps(True, self._stop_if_abandoned, self._let_interactive_in)}
+                       PRIORITIES["bulk"]: BatchSteps(True, self._stop_if_abandoned,
+                                                      lambda: self.run_waiting_interactive())}
         self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
         self._thread.start()
 
-    def submit(self, records: Sequence, *, priority: str = "interactive", tokens: int | None = None,
+    def submit(self, records: Sequence, *, priority: str = "interactive", tokens: float | None = None,
                finalize: Callable[..., Any] = lambda results: results, per_record: bool = False,
                timed: bool = False) -> Future:
         """Queue `records`; the future resolves to finalize(results of run_batch for these records), or with
@@ -207,6 +208,7 @@ class Scheduler:
             raise ValueError(f"priority must be one of {', '.join(PRIORITIES)}")
         future: Future = Future()
         records = list(records)
+        lengths: list[float]
         if tokens is None:
             lengths = [len(r) for r in records]
         else:  # the caller's count for the whole job, shared out
@@ -343,10 +345,6 @@ class Scheduler:
         heap = self._heap
         return (bool(heap) and heap[0].priority == PRIORITIES["interactive"]) or self.turn.interactive_waiting()
 
-    def _let_interactive_in(self) -> None:
-        if self.interactive_waiting():
-            self.run_waiting_interactive()
-
     def run_waiting_interactive(self) -> None:
         """Run the interactive jobs waiting now, inside the bulk batch that calls this (worker thread only): other
         engines' first (they waited for the turn), then this engine's own."""
@@ -378,7 +376,7 @@ class Scheduler:
                     piece.job.future.set_exception(CancelledError("abandoned: the caller's deadline passed"))
             return
         except Exception as error:  # noqa: BLE001 — one failing batch must not kill the worker
-            failed = error
+            failed: Exception | None = error
         else:
             failed = None
         finally:

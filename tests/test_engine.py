@@ -552,7 +552,7 @@ def test_a_decide_during_a_bulk_batch_gets_the_answer_it_gets_alone(tiny_engine)
                     assert abs(value - alone[question_id][key]) <= 1e-4
     for got, want in zip(bulk_answers, bulk_alone):
         assert json.dumps(got, sort_keys=True) == json.dumps(want, sort_keys=True)
-    assert ran_inside  # at least one decide ran inside the bulk batch
+    assert any(ran_inside)  # at least one decide ran inside the bulk batch
 
 
 def test_a_release_says_whether_its_weights_are_random(tiny_release, tiny_engine, tmp_path):

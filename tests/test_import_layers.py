@@ -182,7 +182,7 @@ def test_mypy_checks_that_both_engines_implement_the_protocol():
     import tomllib
 
     checked = tomllib.loads((REPO / "pyproject.toml").read_text(encoding="utf-8"))["tool"]["mypy"]["files"]
-    assert "clef_engine/interface.py" in checked
+    assert "clef_engine" in checked or "clef_engine/interface.py" in checked
     source = (REPO / "clef_engine" / "interface.py").read_text(encoding="utf-8")
     assert "engine: DecisionEngine = local" in source and "engine = remote" in source
 
