@@ -9,7 +9,7 @@ same varied records (lengths, question types and option counts all drawn at rand
 - truth: the release code's path (`reference_decide`: padded text model + per-option loop head) in float32, with
   TF32 off so that float32 really is float32;
 - release: the same path in bf16, in padded batches of 8 as the release code batches;
-- ours: `Engine.forward_batch` in bf16, one record at a time (what `decide` runs) and all records at once (packed).
+- ours: `engine.runner.forward` in bf16, one record at a time (what `decide` runs) and all records at once (packed).
 Each is compared with the truth: max and mean |Δp| over every option, and the argmax flips with the truth's top-two
 gap of each flipped question (a flip on a near tie is rounding; a flip on a wide gap is a defect).
 """
@@ -168,7 +168,7 @@ def release_path(model, head, encoder, dtype: torch.dtype, records: list, batch:
 
 def _variants(engine, encoded: list):
     """Ours again, one record at a time, with one of the engine's kernel choices put back to the plain one, where the
-    engine chose otherwise: what that choice does to the distance (`Engine.use_kernels` empties the prefill graphs
+    engine chose otherwise: what that choice does to the distance (`PackedRunner.use_kernels` empties the prefill graphs
     and the state cache, which hold the default kernels' work, on the way in and out)."""
     from clef_engine.fast import kernels as K
 

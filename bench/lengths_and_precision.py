@@ -20,7 +20,7 @@ Sections (`--sections`, comma-separated, in this order; default bf16,fp8,fidelit
   quantized in place, the checks of `torch._scaled_mm` and the fused FP8 kernels run at start-up; weights in GiB;
   the same batch and `decide` timings; and its answers next to bf16's on the timed requests.
 - fidelity: the 27B model freed; bench/fidelity.py's comparison on the Clef-Flash shape: the truth is the release path
-  in float32 (TF32 off) on 55 varied records; ours in bf16 and in fp8 (`Engine.forward_batch`, one record at a time,
+  in float32 (TF32 off) on 55 varied records; ours in bf16 and in fp8 (`engine.runner.forward`, one record at a time,
   as `decide` runs it; CUDA graphs off, which replay the same kernels). Clef-27B's float32 truth (~110 GB) does not
   fit next to its bf16 copy on one H200, hence the Flash shape (said in `fp8.fidelity_shape`).
 - long: `long` and `p95_over_p50_16k` (and their detail) copied from bench/long_records.py's results (`--long-results`).

@@ -12,7 +12,7 @@ the environment, then from defaults that depend on the device, and returns a fro
 - CLEF_TOKEN_BUDGET (token_budget): most tokens in one GPU batch of interactive work; 65,536 on CUDA, 16,384 on
   the CPU.
 - CLEF_BULK_BATCH_TOKENS (bulk_batch_tokens): most tokens in one batch of bulk work (interactive requests run
-  between its layers, see engine.py); 16,384 on CUDA, the token budget on the CPU.
+  between its layers, see runner.py); 16,384 on CUDA, the token budget on the CPU.
 - CLEF_STATE_CACHE_BYTES (state_cache_bytes): device tier of the long-state cache, 0 = off; 8 GiB on CUDA (plus a
   host tier of 4x), 256 MiB on the CPU.
 - CLEF_PREFILL_CHUNK_TOKENS (prefill_chunk_tokens): one record longer than this runs through the backbone in chunks

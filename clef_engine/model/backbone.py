@@ -2,8 +2,8 @@
 
 `run_padded` is the plain path, the release's own call: right-pad to the longest record, text-only batches through
 `model.model.language_model`, batches with media through the multimodal `model.model`, `use_cache=False`. Right
-padding is exact for real tokens because the backbone is causal. Faster paths live in `fast/packed.py` and are chosen in
-`engine.py`; this one stays as the reference they are tested against.
+padding is exact for real tokens because the backbone is causal. Faster paths live in `fast/packed.py` and run in
+`runner.py`; this one stays as the reference they are tested against.
 """
 
 from __future__ import annotations
