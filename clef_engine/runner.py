@@ -6,6 +6,7 @@ packed=False, else `PackedRunner`) and the scheduler calls its `forward` with ea
 from __future__ import annotations
 
 import importlib.util
+import itertools
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -36,21 +37,6 @@ def fast_kernels_available() -> dict[str, bool]:
             for name, module in (("flash-linear-attention", "fla"), ("causal-conv1d", "causal_conv1d"))}
 
 
-def padded_chunks(records: list[EncodedRecord], indices: Iterable[int], token_budget: int) -> list[list[int]]:
-    """Indices grouped into padded batches: text apart from media, similar lengths together (sorted), each batch's
-    padded size (count × longest) within the token budget; a record longer than the budget goes alone. (The padded
-    call pays for padding, so it regroups the scheduler's batch by length.)"""
-    chunks: list[list[int]] = []
-    for index in sorted(indices, key=lambda i: (records[i].has_media, len(records[i]))):
-        chunk = chunks[-1] if chunks else None
-        if (chunk and records[chunk[0]].has_media == records[index].has_media
-                and (len(chunk) + 1) * len(records[index]) <= token_budget):
-            chunk.append(index)
-        else:
-            chunks.append([index])
-    return chunks
-
-
 class PlainRunner:
     """The release's own padded call for a whole scheduler batch: padded backbone batches of similar length, then
     the batched head."""
@@ -72,7 +58,18 @@ class PlainRunner:
 
     def _forward_padded(self, records: list[EncodedRecord], indices: Iterable[int],
                         results: dict[int, Probabilities], steps: BatchSteps) -> None:
-        for chunk in padded_chunks(records, indices, self.config.token_budget):
+        """Records `indices` in padded batches: text apart from media, similar lengths together (sorted), each
+        batch's padded size (count × longest) within the token budget, a record longer than the budget alone (the
+        padded call pays for padding, so it regroups the scheduler's batch by length)."""
+        chunks: list[list[int]] = []
+        for index in sorted(indices, key=lambda i: (records[i].has_media, len(records[i]))):
+            chunk = chunks[-1] if chunks else None
+            if (chunk and records[chunk[0]].has_media == records[index].has_media
+                    and (len(chunk) + 1) * len(records[index]) <= self.config.token_budget):
+                chunk.append(index)
+            else:
+                chunks.append([index])
+        for chunk in chunks:
             for i, probs in zip(chunk, self.forward_padded([records[i] for i in chunk], steps)):
                 results[i] = probs
 
@@ -270,13 +267,6 @@ class PackedRunner(PlainRunner):
 
 def split_probabilities(logits: torch.Tensor, batch: HeadBatch, records: list[EncodedRecord]) -> list[Probabilities]:
     """Each record's probabilities, per question, out of the batch's flat option logits."""
-    flat = option_probabilities(logits, batch).cpu().tolist()  # the one host sync of the batch
-    out, cursor = [], 0
-    for record in records:
-        per_question = []
-        for spans in record.option_spans:
-            per_question.append(flat[cursor: cursor + len(spans)])
-            cursor += len(spans)
-        out.append(per_question)
-    return out
+    flat = iter(option_probabilities(logits, batch).cpu().tolist())  # the one host sync of the batch
+    return [[list(itertools.islice(flat, len(spans))) for spans in record.option_spans] for record in records]
 

@@ -165,8 +165,7 @@ class BatchAbandoned(Exception):
 
 @dataclass(frozen=True)
 class BatchSteps:
-    """What a running batch may do between its steps, handed to `run_batch` with the batch: the runner's one way to
-    reach the scheduler. The default does nothing (a batch run outside a scheduler)."""
+    """What a batch may do between its steps, handed to `run_batch` with it (the default: nothing)."""
 
     bulk: bool = False  # a bulk batch: interactive work may run between its steps
     stop_if_abandoned: Callable[[], None] = lambda: None  # raises BatchAbandoned once no one waits for the batch
