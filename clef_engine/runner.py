@@ -128,8 +128,7 @@ class PackedRunner(PlainRunner):
                  model_key: str) -> None:
         super().__init__(model, head, config, pad_token_id)
         self.backbone = PackedBackbone(model, precision=config.precision)
-        graph_tokens = config.graph_max_tokens if config.cuda_graphs else 0
-        self.graphs = PrefillGraphs(self.backbone, graph_tokens)
+        self.graphs = PrefillGraphs(self.backbone, config.graph_max_tokens if config.cuda_graphs else 0)
         self.head_graphs = HeadGraphs(head, self.output_embeddings, max_tokens=32_768 if config.cuda_graphs else 0)
         self.state_cache = StateCache(config.device, device_bytes=config.state_cache_bytes,
                                       host_bytes=config.state_cache_host_bytes,

@@ -26,9 +26,7 @@ def reference_logits(head: JointSchemaHead, hidden: torch.Tensor, output_embeddi
     global_state = normed[-1]
     ids = record.input_ids
 
-    questions: list[torch.Tensor] = []
-    contexts: list[torch.Tensor] = []
-    lexicals: list[torch.Tensor] = []
+    questions, contexts, lexicals = [], [], []
     queries: list[torch.Tensor] = []
     for (q_start, q_end), spans in zip(record.question_spans, record.option_spans):
         question = normed[q_start:q_end].mean(0)
