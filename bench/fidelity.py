@@ -9,7 +9,7 @@ same varied records (lengths, question types and option counts all drawn at rand
 - truth: the release code's path (`reference_decide`: padded text model + per-option loop head) in float32, with
   TF32 off so that float32 really is float32;
 - release: the same path in bf16, in padded batches of 8 as the release code batches;
-- ours: `Engine.forward_batch` in bf16, one record at a time (what `decide` runs) and all records at once (packed).
+- ours: `engine.runner.forward` in bf16, one record at a time (what `decide` runs) and all records at once (packed).
 Each is compared with the truth: max and mean |Δp| over every option, and the argmax flips with the truth's top-two
 gap of each flipped question (a flip on a near tie is rounding; a flip on a wide gap is a defect).
 """
@@ -158,7 +158,7 @@ def release_path(model, head, encoder, dtype: torch.dtype, records: list, batch:
     """The release code's answers: padded batches of `batch` records through the text model, then the loop head."""
     from clef_engine.model.reference import reference_decide
 
-    runner = SimpleNamespace(model=model, head=head, encoder=encoder, dtype=dtype,
+    runner = SimpleNamespace(model=model, head=head, pad_token_id=encoder.pad_token_id, dtype=dtype,
                              output_embeddings=model.lm_head.weight)
     out = []
     for start in range(0, len(records), batch):
@@ -168,20 +168,20 @@ def release_path(model, head, encoder, dtype: torch.dtype, records: list, batch:
 
 def _variants(engine, encoded: list):
     """Ours again, one record at a time, with one of the engine's kernel choices put back to the plain one, where the
-    engine chose otherwise: what that choice does to the distance (`Engine.use_kernels` empties the prefill graphs
+    engine chose otherwise: what that choice does to the distance (`PackedRunner.use_kernels` empties the prefill graphs
     and the state cache, which hold the default kernels' work, on the way in and out)."""
     from clef_engine.fast import kernels as K
 
     swaps = {"bf16_residual_projection": {"residual_projection": K.residual_projection_torch}}
-    default = engine.backbone.kernels
+    default = engine.runner.backbone.kernels
     for name, slots in swaps.items():
         if all(getattr(default, slot) is fn for slot, fn in slots.items()):
             continue
-        engine.use_kernels(replace(default, **slots))
+        engine.runner.use_kernels(replace(default, **slots))
         try:
-            yield name, [engine.forward_batch([r])[0] for r in encoded]
+            yield name, [engine.runner.forward([r])[0] for r in encoded]
         finally:
-            engine.use_kernels(default)
+            engine.runner.use_kernels(default)
 
 
 def fidelity(device: str | torch.device = "cuda", shape: str = "flash", records: int = 55, *, seed: int = 0,
@@ -227,10 +227,10 @@ def fidelity(device: str | torch.device = "cuda", shape: str = "flash", records:
         engine = clef_engine.Engine(checked, model, head, encoder, device, dtype, packed=True)  # fuses in place
         try:
             with torch.inference_mode():
-                ours = [engine.forward_batch([r])[0] for r in encoded]
-                packed = engine.forward_batch(encoded)
+                ours = [engine.runner.forward([r])[0] for r in encoded]
+                packed = engine.runner.forward(encoded)
                 variants = {name: answers for name, answers in _variants(engine, encoded)}
-            kernels = engine.backbone.kernels.describe()
+            kernels = engine.runner.backbone.kernels.describe()
         finally:
             engine.close()
 

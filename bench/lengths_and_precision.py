@@ -20,7 +20,7 @@ Sections (`--sections`, comma-separated, in this order; default bf16,fp8,fidelit
   quantized in place, the checks of `torch._scaled_mm` and the fused FP8 kernels run at start-up; weights in GiB;
   the same batch and `decide` timings; and its answers next to bf16's on the timed requests.
 - fidelity: the 27B model freed; bench/fidelity.py's comparison on the Clef-Flash shape: the truth is the release path
-  in float32 (TF32 off) on 55 varied records; ours in bf16 and in fp8 (`Engine.forward_batch`, one record at a time,
+  in float32 (TF32 off) on 55 varied records; ours in bf16 and in fp8 (`engine.runner.forward`, one record at a time,
   as `decide` runs it; CUDA graphs off, which replay the same kernels). Clef-27B's float32 truth (~110 GB) does not
   fit next to its bf16 copy on one H200, hence the Flash shape (said in `fp8.fidelity_shape`).
 - long: `long` and `p95_over_p50_16k` (and their detail) copied from bench/long_records.py's results (`--long-results`).
@@ -206,7 +206,7 @@ def answer_distance(a: list[dict], b: list[dict]) -> dict:
 def weights_gib(engine) -> float:
     from clef_engine.fast.fp8 import weight_bytes
 
-    return build.gib(weight_bytes(engine.model, engine.head))
+    return build.gib(weight_bytes(engine.runner.model, engine.runner.head))
 
 
 class Big:
@@ -238,7 +238,7 @@ def measure_engine(setup: Setup, precision: str) -> dict:
     Big.engine = engine = make_engine(setup, Big.model, Big.head, Big.head_config, Big.config_json, precision)
     detail["engine_s"] = round(time.perf_counter() - t0, 1)
     detail["precision"] = engine.info()["precision"]
-    detail["kernels"] = engine.kernel_info().get("packed")
+    detail["kernels"] = engine.runner.info()["kernels"].get("packed")
     detail["weights_gib"] = weights_gib(engine)
     detail["memory_loaded_gib"] = build.gib(engine.loaded_bytes)
     say(precision, "engine ready in", detail["engine_s"], "s; weights", detail["weights_gib"], "GiB")
@@ -336,7 +336,7 @@ def fidelity_section(setup: Setup) -> None:
         engine = make_engine(setup, model, head, head_config, config_json, precision, cuda_graphs=False)
         try:
             with torch.inference_mode():
-                ours = [engine.forward_batch([r])[0] for r in encoded]
+                ours = [engine.runner.forward([r])[0] for r in encoded]
         finally:
             engine.close()
             del engine

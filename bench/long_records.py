@@ -130,9 +130,9 @@ def allocator_counts() -> dict[str, int]:
 
 def memory_allowed_gib(engine, tokens: int) -> float:
     """Issue 25's bound: weights + the record's attention K/V + 8 GiB."""
-    text = engine.backbone.config
+    text = engine.runner.backbone.config
     attention_layers = sum(1 for kind in text.layer_types[: text.num_hidden_layers] if kind == "full_attention")
-    kv_bytes = tokens * attention_layers * 2 * text.num_key_value_heads * text.head_dim * engine.dtype.itemsize
+    kv_bytes = tokens * attention_layers * 2 * text.num_key_value_heads * text.head_dim * engine.config.dtype.itemsize
     return build.gib(engine.loaded_bytes + kv_bytes + 8 * GiB)
 
 
@@ -163,7 +163,7 @@ def one_length(engine, name: str, tokens: int, samples: int, *, profiled: bool =
         out["peak_gib"] = build.gib(torch.cuda.max_memory_allocated(DEVICE))
         out["peak_reserved_gib"] = build.gib(torch.cuda.max_memory_reserved(DEVICE))
         out["allowed_gib"] = memory_allowed_gib(engine, out["tokens"])
-    out["state_cache"] = engine.state_cache.stats() if engine.state_cache is not None else None
+    out["state_cache"] = engine.info()["state_cache"]
     if out["ours_ms_all"]:
         out["ours_ms"] = round(statistics.median(out["ours_ms_all"]), 1)
     return out
@@ -223,7 +223,7 @@ def p95_16k(engine) -> None:
 @section("cache_off_65536", needs_s=60)
 def cache_off(engine) -> None:
     """One ~67k call with the state cache off: the difference from the default is what storing a state costs."""
-    cache = engine.state_cache
+    cache = engine.runner.state_cache
     cache.enabled = False
     try:
         base = request(engine, LENGTHS["65536"] // SCALE)
@@ -245,7 +245,7 @@ def longest(engine, tiny: Path) -> None:
         config = build.clef_config("clef-flash", tiny)
         if SMOKE:
             build.scale_down(config)
-        flash = build.random_engine(config, tiny, device=str(DEVICE), dtype=engine.dtype,
+        flash = build.random_engine(config, tiny, device=str(DEVICE), dtype=engine.config.dtype,
                                     head_width=64 if SMOKE else 1024)
         flash_bytes = sum(p.numel() * p.element_size() for module in (flash.model, flash.head)
                           for p in module.parameters())
@@ -290,7 +290,7 @@ def main() -> int:
         detail["memory_loaded_gib"] = build.gib(engine.loaded_bytes)
         detail["warm_up_s"] = round(engine.warm_up(), 1)  # as clef_engine.load does
         print("warm-up", detail["warm_up_s"], "s", flush=True)
-    detail["kernels"] = engine.kernel_info()
+    detail["kernels"] = engine.runner.info()["kernels"]
     save()
     for step in (long, p95_16k, cache_off, longest):
         if step.__name__ in SKIP:

@@ -155,14 +155,14 @@ def user_path(engine, ref) -> None:
                   "ours_p95_over_p50": round(row["ours_p95_ms"] / row["ours_p50_ms"], 2),
                   "max_dp_vs_baseline": max(d for d, _ in parity), "argmax_flips": sum(f for _, f in parity),
                   "questions": sum(len(r["questions"]) for r in requests[1:])}
-        if int(name) >= 4096 and engine.state_cache is not None:  # the same cold records with the cache off
-            engine.state_cache.enabled = False
+        if int(name) >= 4096:  # the same cold records with the cache off
+            engine.runner.state_cache.enabled = False
             off = []
             for r in requests[1:]:
                 t0 = time.perf_counter()
                 engine.decide(r, **limit)
                 off.append(ms(t0))
-            engine.state_cache.enabled = True
+            engine.runner.state_cache.enabled = True
             detail["ours_cache_off_ms"] = [round(t, 1) for t in off]
             detail["ours_cache_off_p50_ms"] = p(off, 0.5)
             detail["cache_on_over_off_p50"] = round(row["ours_p50_ms"] / detail["ours_cache_off_p50_ms"], 3)
@@ -171,25 +171,25 @@ def user_path(engine, ref) -> None:
         print(f"  {name}: baseline {row['baseline_p50_ms']} ms, ours p50 {row['ours_p50_ms']} p95 "
               f"{row['ours_p95_ms']} ms, x{detail['ratio_p50']}", flush=True)
         save()
-    if engine.state_cache is not None:
-        results["detail"]["state_cache_after_user_path"] = engine.state_cache.stats()
+    results["detail"]["state_cache_after_user_path"] = engine.runner.state_cache.stats()
 
 
 @section("head_64x10", needs_s=20)
 def head_64x10(engine) -> None:
     schema = questions(64, 10, 64)
     record = engine.encode({"state": " ".join(WORDS * 8), "questions": schema}, max_length=2**31 - 1)
-    hidden = torch.randn(len(record), engine.model.config.text_config.hidden_size, device=DEVICE, dtype=engine.dtype)
+    runner = engine.runner
+    hidden = torch.randn(len(record), runner.model.config.text_config.hidden_size, device=DEVICE, dtype=runner.dtype)
 
     def timed_head() -> list[float]:
         with torch.inference_mode():
             for _ in range(3):
-                engine.head_probabilities(hidden, [record], [0], [len(record)])
+                engine.runner.head_probabilities(hidden, [record], [0], [len(record)])
             times = []
             for _ in range(20):
                 sync()
                 t0 = time.perf_counter()
-                engine.head_probabilities(hidden, [record], [0], [len(record)])
+                engine.runner.head_probabilities(hidden, [record], [0], [len(record)])
                 times.append(ms(t0))
         return times
 
@@ -197,23 +197,24 @@ def head_64x10(engine) -> None:
     results["head_64x10_ms"] = p(times, 0.5)
     results["detail"]["head_64x10"] = {"tokens": len(record), "ms": sorted(round(t, 2) for t in times)}
     with torch.inference_mode():
-        graphed = engine.head_probabilities(hidden, [record], [0], [len(record)])
-        graphs, engine.head_graphs = engine.head_graphs, None  # the eager head on the same input, for parity
-        eager = engine.head_probabilities(hidden, [record], [0], [len(record)])
-        engine.head_graphs = graphs
-    if engine.head_graphs is not None:
-        results["detail"]["head_64x10"]["head_graphs"] = engine.head_graphs.describe()
+        graphed = engine.runner.head_probabilities(hidden, [record], [0], [len(record)])
+        head_graphs = engine.runner.head_graphs
+        head_graphs.disabled = "off for parity"  # the eager head on the same input
+        eager = engine.runner.head_probabilities(hidden, [record], [0], [len(record)])
+        head_graphs.disabled = None
+    if engine.config.cuda_graphs:
+        results["detail"]["head_64x10"]["head_graphs"] = engine.runner.head_graphs.describe()
     results["detail"]["head_64x10"]["graph_vs_eager_max_dp"] = round(max(
         abs(a - b) for qa, qb in zip(graphed[0], eager[0]) for a, b in zip(qa, qb)), 5)
     if DEVICE.type == "cuda":
         with torch.inference_mode():
             results["detail"]["head_64x10"]["profile"] = build.kernel_table(
-                lambda: engine.head_probabilities(hidden, [record], [0], [len(record)]), 3)
+                lambda: engine.runner.head_probabilities(hidden, [record], [0], [len(record)]), 3)
 
 
 @section("cached_16k_new_schema", needs_s=30)
 def cached_state(engine) -> None:
-    engine.state_cache.clear()
+    engine.runner.state_cache.clear()
     state = sized_state(engine, 16_384 // SCALE - 400 // SCALE, questions(4, 3, 77), 77)
     variants = [{"model": "clef", "state": state, "questions": questions(4, 3, 900 + v)} for v in range(7)]
     t0 = time.perf_counter()
@@ -226,11 +227,11 @@ def cached_state(engine) -> None:
         hits.append(ms(t0))
     results["cached_16k_new_schema_ms"] = p(hits, 0.5)
     last = engine.encode(variants[-1])
-    hit_parity = distance(engine.decide(variants[-1]), reference_decide(engine, [last])[0], last)
+    hit_parity = distance(engine.decide(variants[-1]), reference_decide(engine.runner, [last])[0], last)
     results["detail"]["cached_16k_new_schema"] = {
         "tokens": len(engine.encode(variants[1])), "state_end": engine.encode(variants[1]).state_end,
         "cold_ms": round(first, 1), "hits_ms": [round(t, 1) for t in hits],
-        "first_hit_captures_its_graph_ms": round(hits[0], 1), "cache": engine.state_cache.stats(),
+        "first_hit_captures_its_graph_ms": round(hits[0], 1), "cache": engine.runner.state_cache.stats(),
         "hit_vs_baseline_max_dp_flips": hit_parity}
 
 
@@ -314,14 +315,14 @@ def profile(engine) -> None:
     time (graph replay)."""
     if DEVICE.type != "cuda":
         return
-    engine.state_cache.enabled = False
+    engine.runner.state_cache.enabled = False
     out = {}
     for tokens in (1024, 16_384):
         record = engine.encode(request(engine, tokens, seed=60_000 + tokens))
-        engine.forward_batch([record])
+        engine.runner.forward([record])
         out[str(tokens)] = {"tokens": len(record),
-                            "forward_batch": build.kernel_table(lambda: engine.forward_batch([record]), 2)}
-    engine.state_cache.enabled = True
+                            "forward_batch": build.kernel_table(lambda: engine.runner.forward([record]), 2)}
+    engine.runner.state_cache.enabled = True
     results["detail"]["profile"] = out
 
 
@@ -367,10 +368,10 @@ def main() -> int:
                                  "gpu": torch.cuda.get_device_name()}
         detail["memory_loaded_gib"] = build.gib(engine.loaded_bytes)
         detail["warm_up_s"] = round(engine.warm_up(), 1)  # as clef_engine.load does
-        detail["graphs"] = engine.graphs.describe() if engine.graphs is not None else None
+        detail["graphs"] = engine.info()["kernels"]["cuda_graphs"]
         detail["memory_after_warm_up_gib"] = build.gib(torch.cuda.memory_reserved())
         print("warm-up", detail["warm_up_s"], "s", detail["graphs"], flush=True)
-    detail["kernels"] = engine.kernel_info()
+    detail["kernels"] = engine.runner.info()["kernels"]
     save()
 
     ref = functools.partial(reference_decide, engine)
@@ -389,7 +390,7 @@ def main() -> int:
         detail["memory_peak_allocated_gib"] = build.gib(torch.cuda.max_memory_allocated())
         detail["memory_peak_reserved_gib"] = build.gib(torch.cuda.max_memory_reserved())
     detail["scheduler"] = vars(engine.scheduler.stats).copy()
-    detail["kernels_after"] = engine.kernel_info()
+    detail["kernels_after"] = engine.runner.info()["kernels"]
     engine.close()
     del engine, ref
     gc.collect()

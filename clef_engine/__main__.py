@@ -4,10 +4,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
+from typing import TYPE_CHECKING
 
 from .errors import ClefError
 from .tiny import SIZES
+
+if TYPE_CHECKING:
+    from .model.release import Release
 
 
 def cmd_tiny(args: argparse.Namespace) -> int:
@@ -19,8 +24,8 @@ def cmd_tiny(args: argparse.Namespace) -> int:
 
 
 def cmd_info(args: argparse.Namespace) -> int:
-    from .engine import fast_kernels_available
     from .model import release
+    from .runner import fast_kernels_available
 
     checked = release.check(release.resolve(args.source, args.revision), source=args.source, revision=args.revision)
     described = release.describe(checked)
@@ -36,26 +41,20 @@ def cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
-def count_parameters(checked) -> dict[str, int]:
+def count_parameters(checked: Release) -> dict[str, int]:
     """Parameter counts from the safetensors headers alone (no weights read)."""
     from safetensors import safe_open
 
+    from .model.release import HEAD_WEIGHTS
+
     counts = {"backbone": 0, "vision": 0, "head": 0}
-    for file in checked.weight_files:
+    for file, part in [*((file, "backbone") for file in checked.weight_files), (HEAD_WEIGHTS, "head")]:
         with safe_open(checked.path / file, framework="pt") as handle:
             for name in handle.keys():
-                numel = 1
-                for size in handle.get_slice(name).get_shape():
-                    numel *= size
-                counts["backbone"] += numel
-                if ".visual." in name or name.startswith("visual."):
+                numel = math.prod(handle.get_slice(name).get_shape())
+                counts[part] += numel
+                if part == "backbone" and (".visual." in name or name.startswith("visual.")):
                     counts["vision"] += numel
-    with safe_open(checked.path / "joint_head.safetensors", framework="pt") as handle:
-        for name in handle.keys():
-            numel = 1
-            for size in handle.get_slice(name).get_shape():
-                numel *= size
-            counts["head"] += numel
     return counts
 
 
@@ -78,8 +77,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         from .serve.cli import add_serve_parser
     except ImportError:
-        add_serve_parser = None
-    if add_serve_parser is not None:
+        pass
+    else:
         add_serve_parser(commands)
     args = parser.parse_args(argv)
     try:

@@ -119,7 +119,7 @@ def calibrations_from_export(document: Any) -> dict[str, Calibration]:
     if not isinstance(calibrations, Mapping):
         raise ValueError('not a calibrations file written by `python -m clef_workbench calibrate --export`: it needs '
                          'a top-level object {"calibrations": {name: {"questions": {...}}}}')
-    out = {}
+    out: dict[str, Calibration] = {}
     for name, entry in calibrations.items():
         questions = entry.get("questions") if isinstance(entry, Mapping) else None
         if not isinstance(questions, Mapping):

@@ -12,7 +12,7 @@ the environment, then from defaults that depend on the device, and returns a fro
 - CLEF_TOKEN_BUDGET (token_budget): most tokens in one GPU batch of interactive work; 65,536 on CUDA, 16,384 on
   the CPU.
 - CLEF_BULK_BATCH_TOKENS (bulk_batch_tokens): most tokens in one batch of bulk work (interactive requests run
-  between its layers, see engine.py); 16,384 on CUDA, the token budget on the CPU.
+  between its layers, see runner.py); 16,384 on CUDA, the token budget on the CPU.
 - CLEF_STATE_CACHE_BYTES (state_cache_bytes): device tier of the long-state cache, 0 = off; 8 GiB on CUDA (plus a
   host tier of 4x), 256 MiB on the CPU.
 - CLEF_PREFILL_CHUNK_TOKENS (prefill_chunk_tokens): one record longer than this runs through the backbone in chunks
@@ -31,6 +31,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 
@@ -97,7 +98,7 @@ class EngineConfig:
 
     @classmethod
     def resolve(cls, *, device: str | torch.device | None = None, dtype: str | torch.dtype | None = None,
-                env: Mapping[str, str] | None = None, **given) -> EngineConfig:
+                env: Mapping[str, str] | None = None, **given: Any) -> EngineConfig:
         """The config for these keyword arguments (None = not given), then the environment, then the defaults."""
         env = os.environ if env is None else env
         unknown = set(given) - {f for f in cls.__dataclass_fields__}
@@ -115,11 +116,11 @@ class EngineConfig:
                 values[key] = text
             else:
                 values[key] = _count(name, text)
-        device = torch.device(device if device is not None else values.pop("device", None) or default_device())
-        dtype = parse_dtype(dtype if dtype is not None else values.pop("dtype", None), device)
+        where = torch.device(device if device is not None else values.pop("device", None) or default_device())
+        dtype = parse_dtype(dtype if dtype is not None else values.pop("dtype", None), where)
         values.pop("device", None)
         values.pop("dtype", None)
-        cuda = device.type == "cuda"
+        cuda = where.type == "cuda"
         if cuda and not torch.cuda.is_available():
             raise ReleaseError("device cuda was asked for but no CUDA GPU is visible")
         token_budget = values.pop("token_budget", 65_536 if cuda else 16_384)
@@ -129,7 +130,7 @@ class EngineConfig:
                         state_cache_host_bytes=4 * cache_bytes if cuda else 0, warm_up=cuda,
                         prefill_chunk_tokens=16_384 if cuda else 0)
         defaults.update(values)
-        config = cls(device=device, dtype=dtype, **defaults)
+        config = cls(device=where, dtype=dtype, **defaults)
         config = replace(config, precision=check_precision(config))
         return replace(config, cuda_graphs=config.cuda_graphs and cuda and config.packed,
                        bulk_batch_tokens=min(config.bulk_batch_tokens, config.token_budget))

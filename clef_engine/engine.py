@@ -1,23 +1,13 @@
-"""The resident engine: a loaded release, an encoder, and the GPU worker that runs batches.
+"""The resident engine, the request side: validate, encode, submit, respond.
 
 `Engine.decide` / `decide_many` / `submit` encode in the caller's thread (so a bad request fails fast, off the
 GPU), then hand records to the scheduler, the one place that groups records into GPU batches within a token budget.
-The worker thread runs `forward_batch` on each batch, chosen once from the `EngineConfig`:
-
-- `forward_plain` (packed=False): the release's own padded call for every record.
-- `forward_packed` (default): records with media take the padded multimodal call; text records run through our
-  packed layer loop (fast/packed.py): several records as one pack with no padding; a record alone in its batch
-  replays a CUDA graph of its length bucket (fast/graphs.py), or, when its state is long enough to keep, runs once
-  over the whole record and keeps the state's layer states (fast/cache.py) so that a new schema on the same state
-  later runs only the schema's tokens. A record alone longer than `prefill_chunk_tokens` runs in chunks of that
-  many tokens (bounded activations).
-
-Then the joint head over the batch, and one host sync per batch.
+The scheduler's worker thread runs each batch on the model runner (runner.py), chosen once at load from the
+`EngineConfig`; the engine turns the probabilities it returns into System One responses.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import time
 from collections.abc import Sequence
@@ -30,30 +20,18 @@ from .config import EngineConfig
 from .errors import ClefError, RequestError, TokenBudgetError
 from .explain import explain as explain_request
 from .explain import submit_explanation as explanation_future
-from .fast import attention, kernels
-from .fast.cache import PrefixCache, StateCache
-from .fast.graphs import HeadGraphs, PrefillGraphs
-from .fast.head_kernels import head_attention_kernel
-from .fast.packed import PackedBackbone, chunked_head_inputs, pack_ids
-from .fast.segments import make_segments
+from .fast import kernels
 from .fp8_fidelity import measured_fidelity
-from .model import backbone, media, release
+from .model import media, release
 from .model.encoding import DEFAULT_MAX_LENGTH, EncodedRecord, Encoder
-from .model.head import JointSchemaHead, layout, load_head, option_probabilities
-from .protocol import Question, ValidRequest, format_answer, prepare, prepared
-from .scheduler import PRIORITIES, BatchAbandoned, JobTiming, Scheduler, device_turn
+from .model.head import JointSchemaHead, load_head
+from .protocol import Question, Response, ValidRequest, format_answer, prepare, prepared
+from .runner import PackedRunner, PlainRunner
+from .scheduler import JobTiming, Scheduler, device_turn
 from .tiny import is_demo_release
 
-LAYERS_AHEAD = 1  # in a bulk batch, how many layers the host may launch ahead of the GPU
 DECIDE_MANY_GROUP = 16  # requests encoded and queued together by decide_many
 ERROR_MODES = ("raise", "return")  # of submit / decide_many: a bad request raises, or its slot holds its error
-LONG_ATTENTION_WARM_TOKENS = 2 * DEFAULT_MAX_LENGTH  # warm-up builds cuDNN's attention plans up to this length
-
-
-def fast_kernels_available() -> dict[str, bool]:
-    """Which optional fast kernels can be imported here (they are used only on CUDA)."""
-    return {name: importlib.util.find_spec(module) is not None
-            for name, module in (("flash-linear-attention", "fla"), ("causal-conv1d", "causal_conv1d"))}
 
 
 def check_fast_kernels(config: EngineConfig) -> None:
@@ -65,21 +43,6 @@ def check_fast_kernels(config: EngineConfig) -> None:
             "path with allow_slow_kernels=True / CLEF_ALLOW_SLOW_KERNELS=1.")
 
 
-def padded_chunks(records: list[EncodedRecord], indices, token_budget: int) -> list[list[int]]:
-    """Indices grouped into padded batches: text apart from media, similar lengths together (sorted), each batch's
-    padded size (count × longest) within the token budget; a record longer than the budget goes alone. (The padded
-    call pays for padding, so it regroups the scheduler's batch by length.)"""
-    chunks: list[list[int]] = []
-    for index in sorted(indices, key=lambda i: (records[i].has_media, len(records[i]))):
-        chunk = chunks[-1] if chunks else None
-        if (chunk and records[chunk[0]].has_media == records[index].has_media
-                and (len(chunk) + 1) * len(records[index]) <= token_budget):
-            chunk.append(index)
-        else:
-            chunks.append([index])
-    return chunks
-
-
 def device_key(device: torch.device) -> str:
     """One name per physical device ("cuda" and "cuda:0" are the same GPU): engines on it share one GPU queue."""
     if device.type == "cuda":
@@ -88,9 +51,9 @@ def device_key(device: torch.device) -> str:
 
 
 class Engine:
-    def __init__(self, checked: release.Release, model, head: JointSchemaHead, encoder: Encoder,
+    def __init__(self, checked: release.Release, model: Any, head: JointSchemaHead, encoder: Encoder,
                  device: str | torch.device | None = None, dtype: str | torch.dtype | None = None, *,
-                 config: EngineConfig | None = None, load_seconds: float = 0.0, **options):
+                 config: EngineConfig | None = None, load_seconds: float = 0.0, **options: Any) -> None:
         """`config` as resolved by `load`; without it, one is resolved from `device`, `dtype` and `options`
         (EngineConfig fields)."""
         config = config or EngineConfig.resolve(device=device, dtype=dtype, **options)
@@ -98,46 +61,22 @@ class Engine:
         check_fast_kernels(config)
         self.config = config
         self.release = checked
-        self.model = model
-        self.head = head
         self.encoder = encoder
         self.device = config.device
-        self.dtype = config.dtype
         self.load_seconds = load_seconds
         self.warm_up_seconds = 0.0
         self.model_id = checked.source
-        self.output_embeddings = model.lm_head.weight  # the head reads it as a table (untied in Clef)
+        self.token_budget = config.token_budget
         self.loaded_bytes = self._memory_stats().get("allocated", 0)
         # counted once: info() is polled by every open workbench page
         self.backbone_parameters = sum(p.numel() for p in model.parameters())
         self.head_parameters = sum(p.numel() for p in head.parameters())
-        # chosen (and checked on the device) here, on the loading thread: not first inside a CUDA graph capture
-        head.attention = head_attention_kernel(self.device, self.dtype, head.config.width // head.config.heads)
-        self.head_attention = head.attention.__name__
-        self.token_budget = config.token_budget
-        self.backbone: PackedBackbone | None = None
-        self.graphs: PrefillGraphs | None = None
-        self.head_graphs: HeadGraphs | None = None
-        self.state_cache: StateCache | None = None
-        self.prefix: PrefixCache | None = None
-        self.forward_batch = self.forward_plain
+        self.runner = (PackedRunner(model, head, config, encoder.pad_token_id, f"{self.model_id}@{checked.revision}")
+                       if config.packed else PlainRunner(model, head, config, encoder.pad_token_id))
+        if config.fp8:  # the projections are FP8 now, their bf16 weights freed
+            self.loaded_bytes = self._memory_stats().get("allocated", 0)
         self._fp8_fidelity: dict | str | None = None
-        if config.packed:
-            self.backbone = PackedBackbone(model, precision=config.precision)
-            if config.fp8:  # the projections are FP8 now, their bf16 weights freed
-                self.loaded_bytes = self._memory_stats().get("allocated", 0)
-            self.forward_batch = self.forward_packed
-            if config.cuda_graphs:
-                self.graphs = PrefillGraphs(self.backbone, config.graph_max_tokens)
-                self.head_graphs = HeadGraphs(head, self.output_embeddings)
-            self.state_cache = StateCache(config.device, device_bytes=config.state_cache_bytes,
-                                          host_bytes=config.state_cache_host_bytes,
-                                          min_prefix_tokens=config.min_prefix_tokens,
-                                          enabled=config.state_cache_bytes > 0)
-            self.prefix = PrefixCache(self.state_cache, self.backbone, head, self.graphs,
-                                      model_key=f"{self.model_id}@{checked.revision}",
-                                      pad_token_id=encoder.pad_token_id, dtype=config.dtype)
-        self.scheduler = Scheduler(self.forward_batch, token_budget=config.token_budget,
+        self.scheduler = Scheduler(self.runner.forward, token_budget=config.token_budget,
                                    bulk_batch_tokens=config.bulk_batch_tokens,
                                    max_queued_records=config.max_queued_records,
                                    turn=device_turn(device_key(config.device)))
@@ -206,7 +145,7 @@ class Engine:
         return self.scheduler.submit(records, priority=priority, finalize=respond, per_record=errors == "return",
                                      timed=True)
 
-    def decide(self, request: Any, *, max_length: int | None = None, overflow: str = "refuse") -> dict:
+    def decide(self, request: Any, *, max_length: int | None = None, overflow: str = "refuse") -> Response:
         return self.submit([request], priority="interactive", max_length=max_length, overflow=overflow).result()[0]
 
     def decide_many(self, requests: Sequence[Any], *, max_length: int | None = None, overflow: str = "refuse",
@@ -234,7 +173,7 @@ class Engine:
         return self.scheduler.submit(records, priority="interactive").result()
 
     def explain(self, request: Any, unit: str | None = None, *, max_length: int | None = None,
-                overflow: str = "refuse") -> dict:
+                overflow: str = "refuse") -> Response:
         """The request's response plus `x_explanations`: per question, the state's segments (sentences, fields,
         image regions, video frames; or only `unit`) ranked by how much removing each moves the answer. See
         explain.py."""
@@ -257,21 +196,27 @@ class Engine:
         return self.scheduler.position(future)
 
     def response(self, request: ValidRequest, record: EncodedRecord, probabilities: list[list[float]],
-                 latency_ms: float, *, compute_ms: float | None = None, queue_ms: float | None = None) -> dict:
+                 latency_ms: float, *, compute_ms: float | None = None, queue_ms: float | None = None) -> Response:
         """One System One response. Beside the answers: `x_latency_ms`, from submission to the answer (queueing
         included); `x_compute_ms`, the record's share of the batch it ran in (by tokens); `x_queue_ms`, how long its
         job waited before its first batch started."""
-        answers = {q.id: format_answer(q, probs) for q, probs in zip(record.questions, probabilities)}
-        return {
+        response: Response = {
             "model": request.model if isinstance(request.model, str) else self.model_id,
-            "answers": answers,
+            "answers": {q.id: format_answer(q, probs) for q, probs in zip(record.questions, probabilities)},
             "usage": {"input_tokens": len(record), "output_tokens": 0},
             "x_latency_ms": round(latency_ms, 2),
-            **({} if compute_ms is None else {"x_compute_ms": round(compute_ms, 3)}),
-            **({} if queue_ms is None else {"x_queue_ms": round(queue_ms, 2)}),
-            "x_token_counts": dict(record.token_counts),
-            "x_truncated_state_tokens": record.truncated_state_tokens,
         }
+        if compute_ms is not None:
+            response["x_compute_ms"] = round(compute_ms, 3)
+        if queue_ms is not None:
+            response["x_queue_ms"] = round(queue_ms, 2)
+        response["x_token_counts"] = dict(record.token_counts)
+        response["x_truncated_state_tokens"] = record.truncated_state_tokens
+        return response
+
+    def abandon(self, future: Future) -> None:
+        """Its caller gives up on `future` (from `submit`): see Scheduler.abandon."""
+        self.scheduler.abandon(future)
 
     def queue_depth(self) -> int:
         return self.scheduler.queue_depth()
@@ -280,154 +225,6 @@ class Engine:
         """Refuse (BusyError) a submission that would leave more than `records` records waiting; takes effect at
         once, since the scheduler reads the bound on every submit."""
         self.scheduler.max_queued_records = max(1, records)
-
-    # ---- the GPU worker: one scheduler batch at a time ----------------------------------------------------------
-
-    def forward_plain(self, records: list[EncodedRecord]) -> list[list[list[float]]]:
-        """The plain path for a whole scheduler batch: padded backbone batches of similar length."""
-        results: dict[int, list[list[float]]] = {}
-        for chunk in padded_chunks(records, range(len(records)), self.token_budget):
-            for i, probs in zip(chunk, self.forward_padded([records[i] for i in chunk])):
-                results[i] = probs
-        return [results[i] for i in range(len(records))]
-
-    @torch.inference_mode()
-    def forward_packed(self, records: list[EncodedRecord]) -> list[list[list[float]]]:
-        """The fast path for a whole scheduler batch: media records padded; a text record whose state is cached
-        continues from the cache; a text record alone runs by itself (`forward_one`); the other text records run
-        as one pack."""
-        results: dict[int, list[list[float]]] = {}
-        text = [i for i, r in enumerate(records) if not r.has_media]
-        pack = []
-        for i in text:
-            cached = self.prefix.lookup(records[i]) if self.prefix is not None and len(text) > 1 else None
-            if cached is not None:
-                results[i] = self.head_one(*self.prefix.forward_after(records[i], cached), records[i])
-            else:
-                pack.append(i)
-        if len(pack) == 1:
-            results[pack[0]] = self.forward_one(records[pack[0]])
-        elif pack:
-            chosen = [records[i] for i in pack]
-            lengths = [len(r) for r in chosen]
-            segments = make_segments(lengths, self.device)
-            hidden, _ = self.backbone.forward(pack_ids(chosen, self.device), segments,
-                                              between_layers=self._between_layers())
-            for i, probs in zip(pack, self.head_probabilities(hidden, chosen, segments.starts, lengths)):
-                results[i] = probs
-        media = [i for i, r in enumerate(records) if r.has_media]
-        for chunk in padded_chunks(records, media, self.token_budget):
-            for i, probs in zip(chunk, self.forward_padded([records[i] for i in chunk])):
-                results[i] = probs
-        return [results[i] for i in range(len(records))]
-
-    def forward_one(self, record: EncodedRecord) -> list[list[float]]:
-        """One text record: continued from its cached state; or, with a state long enough to keep, one forward that
-        also returns the state, stored once the record is answered; or its length bucket's CUDA graph; or eager. A
-        record longer than `prefill_chunk_tokens` runs in chunks (bounded activations, fast/packed.py)."""
-        chunk = self.config.prefill_chunk_tokens
-        key = self.prefix.key(record) if self.prefix is not None else None
-        cached = self.state_cache.get(key) if key is not None else None
-        if cached is not None:
-            return self.head_one(*self.prefix.forward_after(record, cached), record)
-        if 0 < chunk < len(record) and self.state_cache is not None:
-            self.state_cache.make_room()  # earlier long states would add to this record's activations and state
-        if key is not None:
-            normed, memory, state = self.prefix.forward_for_store(record, self._between_layers(), chunk)
-            answer = self.head_one(normed, memory, record)  # the answer's host sync first: storing is off its path
-            self.state_cache.put(key, state)
-            return answer
-        ids = torch.tensor(record.input_ids, dtype=torch.long).to(self.device, non_blocking=True)
-        if 0 < chunk < len(record):
-            normed, memory, _ = chunked_head_inputs(self.backbone, ids, self.head.token_memory, self.dtype, chunk,
-                                                    between_layers=self._between_layers())
-            return self.head_one(normed, memory, record)
-        hidden = self.graphs.run(ids) if self.graphs is not None else None
-        if hidden is None:
-            hidden, _ = self.backbone.forward(ids, make_segments([len(record)], self.device),
-                                              between_layers=self._between_layers())
-        normed, memory = self.head.token_memory(hidden.to(self.dtype))
-        return self.head_one(normed, memory, record)
-
-    def _between_layers(self):
-        """For an eager forward: a callback between layers that stops the batch once every request in it was
-        abandoned (its caller's deadline passed), and, inside a bulk batch, keeps the host at most LAYERS_AHEAD
-        layers ahead of the GPU and runs the interactive requests waiting: they queue on the GPU behind a few layers
-        of the bulk batch instead of all of it."""
-        scheduler = self.scheduler
-        if scheduler.running_priority != PRIORITIES["bulk"]:
-            def check(_index: int) -> None:
-                if scheduler.should_stop():
-                    raise BatchAbandoned
-            return check
-        launched: list[torch.cuda.Event] = []
-
-        def between(_index: int) -> None:
-            if scheduler.should_stop():
-                raise BatchAbandoned
-            if self.config.cuda:
-                event = torch.cuda.Event()
-                event.record()
-                launched.append(event)
-                if len(launched) > LAYERS_AHEAD:
-                    launched.pop(0).synchronize()
-            if scheduler.interactive_waiting():
-                scheduler.run_waiting_interactive()
-
-        return between
-
-    def _stop_if_abandoned(self) -> None:
-        """Between the backbone and the head, and between padded chunks: the same check as between layers."""
-        if self.scheduler.should_stop():
-            raise BatchAbandoned
-
-    def abandon(self, future: Future) -> None:
-        """Its caller gives up on `future` (from `submit`): see Scheduler.abandon."""
-        self.scheduler.abandon(future)
-
-    @torch.inference_mode()
-    def forward_padded(self, records: list[EncodedRecord]) -> list[list[list[float]]]:
-        """The plain path: padded backbone batch, then the batched head."""
-        self._stop_if_abandoned()
-        hidden = backbone.run_padded(self.model, records, self.encoder.pad_token_id)
-        batch_size, padded_length, width = hidden.shape
-        lengths = [len(r) for r in records]
-        offsets = [b * padded_length for b in range(batch_size)]
-        return self.head_probabilities(hidden.reshape(-1, width), records, offsets, lengths)
-
-    def head_one(self, normed: torch.Tensor, memory: torch.Tensor, record: EncodedRecord) -> list[list[float]]:
-        """The head over one record's normed hidden states and memory: from a CUDA graph of its shape bucket where
-        graphs are on, else eagerly."""
-        self._stop_if_abandoned()
-        if self.head_graphs is not None:
-            probabilities = self.head_graphs.probabilities(normed, memory, record)
-            if probabilities is not None:
-                return probabilities
-        batch = layout([record], [0], [len(record)]).to(self.device)
-        logits = self.head.decide_from_memory(normed, memory, self.output_embeddings, batch)
-        return self._split_probabilities(logits, batch, [record])[0]
-
-    def head_probabilities(self, hidden_flat: torch.Tensor, records: list[EncodedRecord], offsets: list[int],
-                           lengths: list[int]) -> list[list[list[float]]]:
-        self._stop_if_abandoned()
-        if len(records) == 1:
-            normed, memory = self.head.token_memory(hidden_flat[offsets[0]: offsets[0] + lengths[0]].to(self.dtype))
-            return [self.head_one(normed, memory, records[0])]
-        batch = layout(records, offsets, lengths).to(self.device)
-        logits = self.head(hidden_flat.to(self.dtype), self.output_embeddings, batch)
-        return self._split_probabilities(logits, batch, records)
-
-    @staticmethod
-    def _split_probabilities(logits: torch.Tensor, batch, records: list[EncodedRecord]) -> list[list[list[float]]]:
-        flat = option_probabilities(logits, batch).cpu().tolist()  # the one host sync of the batch
-        out, cursor = [], 0
-        for record in records:
-            per_question = []
-            for spans in record.option_spans:
-                per_question.append(flat[cursor: cursor + len(spans)])
-                cursor += len(spans)
-            out.append(per_question)
-        return out
 
     # ---- status -----------------------------------------------------------------------------------------------
 
@@ -451,19 +248,18 @@ class Engine:
             "path": str(self.release.path),
             "device": str(self.device),
             "device_name": torch.cuda.get_device_name(self.device) if self.config.cuda else "CPU",
-            "dtype": str(self.dtype).removeprefix("torch."),
+            "dtype": str(self.config.dtype).removeprefix("torch."),
             **self.precision_info(),
             "backbone_parameters": self.backbone_parameters,
             "head_parameters": self.head_parameters,
             "load_seconds": round(self.load_seconds, 2),
             "warm_up_seconds": round(self.warm_up_seconds, 2),
-            "kernels": self.kernel_info(),
+            **self.runner.info(),  # "kernels" and "state_cache"
             "memory": self.memory(),
             "queue_depth": self.queue_depth(),
             "scheduler": vars(self.scheduler.stats).copy(),
             "demo": is_demo_release(self.release.path),
             "random_weights": self.release.random_weights or is_demo_release(self.release.path),
-            "state_cache": self.state_cache.stats() if self.state_cache is not None else None,
         }
 
     def precision_info(self) -> dict:
@@ -475,30 +271,6 @@ class Engine:
             self._fp8_fidelity = measured_fidelity()
         return {"precision": "fp8", "distance_from_float32": self._fp8_fidelity}
 
-    def kernel_info(self) -> dict:
-        """Which path and which kernels answer requests here."""
-        info: dict[str, Any] = {"available": fast_kernels_available(), "path": self.forward_batch.__name__,
-                                "head_attention": self.head_attention}
-        if self.backbone is not None:
-            info["packed"] = self.backbone.kernels.describe()
-            info["slow_fallbacks"] = self.backbone.kernels.slow if self.config.cuda else []
-            info["fused_projections"] = True
-            info["prefill_chunk_tokens"] = self.config.prefill_chunk_tokens or None  # None: whole records
-            info["media_records"] = "forward_padded (multimodal model, padded batch)"
-            info["cuda_graphs"] = self.graphs.describe() if self.graphs is not None else None
-            info["head_graphs"] = self.head_graphs.describe() if self.head_graphs is not None else None
-        return info
-
-    def use_kernels(self, chosen: kernels.Kernels) -> None:
-        """Run the packed backbone on `chosen` from now on (benchmarks put a kernel back to its plain version to
-        measure what it does). The prefill graphs replay the kernels they were captured with and the state cache holds
-        states the old kernels computed, so both are emptied. Call it while no request runs."""
-        self.backbone.kernels = chosen
-        if self.state_cache is not None:
-            self.state_cache.clear()
-        if self.graphs is not None:
-            self.graphs.forget()
-
     def warm_up(self) -> float:
         """Compile, autotune and capture while loading, not in a user's first request: a CUDA graph for every
         length bucket, cuDNN's attention plan for every padded length of a long record, then one record alone, a
@@ -506,25 +278,14 @@ class Engine:
         is dropped afterwards; on CUDA as long as a bulk batch and longer than a prefill chunk). Returns the seconds
         it took."""
         started = time.perf_counter()
-        if self.graphs is not None:
-            self.graphs.capture_all()
-        if self.backbone is not None and self.backbone.kernels.attention is attention.attention_varlen_cudnn_long:
-            text = self.backbone.config
-            # on the worker thread, which answers requests: torch keeps cuDNN's plans per thread
-            # records longer than a chunk run cuDNN's causal attention on at most a chunk and a step of tokens
-            chunk = self.config.prefill_chunk_tokens
-            warm_tokens = chunk + attention.CUDNN_LENGTH_STEP if chunk else LONG_ATTENTION_WARM_TOKENS
-            self.scheduler.call(lambda: attention.warm_long_attention(
-                self.device, self.dtype, text.num_attention_heads, text.num_key_value_heads, text.head_dim,
-                warm_tokens))
+        self.runner.warm_up(self.scheduler.call)  # on the worker thread, which answers requests
         request = {"state": "warm-up", "questions": {"q": {"type": "noul", "instructions": "warm-up"}}}
         self.decide(request)
         self.decide_many([dict(request, state="warm-up " * n) for n in (1, 40, 333, 1001)])
         # a long state twice: stored, then continued from the cache. On CUDA it is as long as a bulk batch, so that
         # the caching allocator holds blocks for the largest working set before a user's first long record needs
         # them (growing it there cost ~190 ms once per larger size, bench/results/2026-12-01-h200-diagnose.json)
-        cache = self.state_cache
-        caching = cache is not None and cache.enabled
+        caching = self.config.packed and self.config.state_cache_bytes > 0
         if self.config.cuda or caching:  # on the CPU without a cache it would warm nothing
             least = self.config.min_prefix_tokens + 64
             if self.config.cuda:  # and past one chunk, so that the chunked path has run too
@@ -533,8 +294,7 @@ class Engine:
             for questions in (request["questions"], {"other": {"type": "noul", "instructions": "?"}}):
                 self.decide(dict(request, state=long_state, questions=questions), overflow="truncate_state",
                             max_length=max(DEFAULT_MAX_LENGTH, least + 1024))
-        if caching:
-            cache.clear(reset_stats=True)
+        self.runner.clear_states()
         self.warm_up_seconds = time.perf_counter() - started
         return self.warm_up_seconds
 

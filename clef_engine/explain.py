@@ -41,7 +41,7 @@ from .errors import Problem, RequestError, TokenBudgetError
 from .interface import DecisionEngine, ExplainingEngine, Request
 from .model import media
 from .model.encoding import MEDIA_SLOTS, EncodedRecord, render
-from .protocol import EXPLAIN_UNITS, ExplainOption, ValidRequest, prepared
+from .protocol import EXPLAIN_UNITS, ExplainOption, Response, ValidRequest, prepared
 from .scheduler import JobTiming
 
 if TYPE_CHECKING:
@@ -255,7 +255,7 @@ def explanations(record: EncodedRecord, found: list[Segment], probabilities: lis
     return out
 
 
-def explain_budget(engine, max_tokens: int | None = None) -> int:
+def explain_budget(engine: Engine, max_tokens: int | None = None) -> int:
     """The most tokens one explanation may take: EXPLAIN_BATCHES interactive batches, or `max_tokens` (a server's
     token ceiling per request) when that is less."""
     budget = EXPLAIN_BATCHES * engine.token_budget
@@ -310,7 +310,7 @@ def submit_explanation(engine: Engine, request: Request, unit: str | None = None
     media_records = _encode_in_parallel(engine, valid, [variant for _, variant in found[text_variants:]])
     records = [record, *text_records, *media_records]
 
-    def respond(probabilities: list, timing: JobTiming) -> list[dict]:
+    def respond(probabilities: list, timing: JobTiming) -> list[Response]:
         # timed like every answer; its compute is the record's and its variants' (what the explanation cost)
         response = engine.response(valid, record, probabilities[0], (time.perf_counter() - started) * 1000,
                                    compute_ms=sum(timing.compute_s) * 1000, queue_ms=timing.queued_s * 1000)
@@ -331,7 +331,7 @@ def _encode_in_parallel(engine: Engine, valid: ValidRequest, variants: list[Call
 
 
 def explain(engine: Engine, request: Request, unit: str | None = None, *, max_length: int | None = None,
-            overflow: str = "refuse") -> dict:
+            overflow: str = "refuse") -> Response:
     """The request's System One response plus `x_explanations`: per question id, the segments ranked by effect."""
     return submit_explanation(engine, request, unit, max_length=max_length, overflow=overflow).result()[0]
 

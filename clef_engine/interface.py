@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, Protocol, TypeAlias, runtime_checkable
 
-from .protocol import Question, ValidRequest
+from .protocol import Question, Response, ValidRequest
 
 Request: TypeAlias = Mapping[str, Any] | ValidRequest
 
@@ -45,7 +45,7 @@ class DecisionEngine(Protocol):
         a request's own error in its slot instead)."""
         ...
 
-    def decide(self, request: Request, *, max_length: int | None = None, overflow: str = "refuse") -> dict:
+    def decide(self, request: Request, *, max_length: int | None = None, overflow: str = "refuse") -> Response:
         ...
 
     def decide_many(self, requests: Sequence[Request], *, max_length: int | None = None, overflow: str = "refuse",
@@ -87,7 +87,7 @@ class ExplainingEngine(DecisionEngine, Protocol):
     """An engine that also explains its answers (the local engine: a remote endpoint does not)."""
 
     def explain(self, request: Request, unit: str | None = None, *, max_length: int | None = None,
-                overflow: str = "refuse") -> dict:
+                overflow: str = "refuse") -> Response:
         ...
 
     def submit_explanation(self, request: Request, unit: str | None = None, *, priority: str = "interactive",

@@ -19,7 +19,7 @@ import math
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
-from typing import Annotated, Any, Literal, get_args
+from typing import Annotated, Any, Literal, NotRequired, TypedDict, get_args
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, WithJsonSchema
 from pydantic_core import PydanticCustomError
@@ -264,6 +264,25 @@ class SystemOneResponse(BaseModel):
     model: str
     answers: dict[str, AnswerModel]
     usage: Usage
+
+
+class Response(TypedDict):
+    """One System One response as an engine returns it and the server sends it (`SystemOneResponse` is its wire
+    schema): the answers by question id, with the engine's `x_` extras (see Engine.response and RemoteEngine)."""
+
+    model: str
+    answers: dict[str, dict[str, Any]]
+    usage: dict[str, int]
+    x_latency_ms: float
+    x_compute_ms: NotRequired[float]
+    x_queue_ms: NotRequired[float]
+    x_token_counts: NotRequired[dict[str, int]]
+    x_truncated_state_tokens: NotRequired[int]
+    x_calibrated: NotRequired[dict[str, dict[str, Any]]]  # the server's, with x_calibration
+    x_explanations: NotRequired[dict[str, list]]  # Engine.explain's, with the tokens its variants took:
+    x_explain_tokens: NotRequired[int]
+    x_server_latency_ms: NotRequired[float]  # a remote engine's: what the endpoint reported as x_latency_ms
+    x_attempts: NotRequired[int]  # a remote engine's: requests sent (retries included)
 
 
 class ValidationProblem(BaseModel):

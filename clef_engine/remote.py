@@ -43,7 +43,7 @@ import os
 import random
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -55,7 +55,7 @@ from . import environment
 from .environment import API_KEY_ENV
 from .errors import BusyError, CancelledError, ClefError, Problem, RequestError, TokenBudgetError
 from .interface import Request
-from .protocol import Question, ValidRequest, prepare, sniff_content_type
+from .protocol import Question, Response, ValidRequest, prepare, sniff_content_type
 from .remote_http import CallDeadline, deadline_transport, detail_text, exchange, retry_after_seconds
 
 SYSTEM_ONE_PATH = "/v1/systemone"
@@ -144,7 +144,8 @@ def _problems(detail: Any) -> list[Problem]:
         if not isinstance(item, dict):
             problems.append(Problem((), str(item)))
             continue
-        loc = item.get("loc") if isinstance(item.get("loc"), list) else []
+        given = item.get("loc")
+        loc: list = given if isinstance(given, list) else []
         if loc[:1] == ["body"]:
             loc = loc[1:]
         message = item.get("msg") or item.get("message") or json.dumps(item, ensure_ascii=False)
@@ -153,7 +154,8 @@ def _problems(detail: Any) -> list[Problem]:
     return problems
 
 
-_ANSWER_KEYS = {"noul": ("noul",), "choice": ("choice", "probabilities"), "score": ("score", "probabilities")}
+_ANSWER_KEYS: dict[Any, tuple[str, ...]] = {"noul": ("noul",), "choice": ("choice", "probabilities"),
+                                             "score": ("score", "probabilities")}
 PROBABILITY_SUM_TOLERANCE = 0.01  # answers are rounded to 4 decimals per option
 
 
@@ -182,12 +184,13 @@ def _answer_problem(answer: dict) -> str | None:
     return None
 
 
-def _check_response(body: Any, request: dict) -> str | None:
+def _check_response(body: Any, request: Mapping[str, Any]) -> str | None:
     """Why `body` is not a System One response to `request` (None if it is): every question answered, each answer
     of the question's type with its fields, its numbers probabilities."""
     if not isinstance(body, dict) or not isinstance(body.get("answers"), dict):
         return "no 'answers' object"
-    questions = request.get("questions") if isinstance(request.get("questions"), dict) else {}
+    given = request.get("questions")
+    questions: dict = given if isinstance(given, dict) else {}
     for question_id, question in questions.items():
         answer = body["answers"].get(question_id)
         kind = question.get("type") if isinstance(question, dict) else None
@@ -257,7 +260,7 @@ class RemoteEngine:
         self.max_retry_wait_s = max_retry_wait_s
         self.max_response_bytes = max_response_bytes
         key = api_key if api_key is not None else environment.api_key()
-        headers = {"accept": "application/json", "user-agent": "clef-workbench-remote"}
+        headers: dict[str, Any] = {"accept": "application/json", "user-agent": "clef-workbench-remote"}
         limits = httpx.Limits(max_connections=self.max_concurrency, max_keepalive_connections=self.max_concurrency)
         self._client = httpx.Client(
             base_url=self.endpoint,
@@ -297,6 +300,7 @@ class RemoteEngine:
                 raise CancelledError(f"the remote engine for {self.endpoint} was closed")
             attempt += 1
             wait: float | None = None
+            failure: RemoteError | None
             try:
                 with CallDeadline(deadline):
                     response = exchange(self._client, method, path, content, self.max_response_bytes,
@@ -316,7 +320,7 @@ class RemoteEngine:
                     return response, attempt
                 wait = retry_after_seconds(response.headers.get("retry-after"))
                 failure = None
-            if attempt > self.max_retries:
+            if attempt > self.max_retries and failure is not None:
                 raise failure
             asked = wait is not None
             if wait is None:  # exponential backoff with full jitter, so clients that failed together spread out
@@ -420,7 +424,7 @@ class RemoteEngine:
             raise RequestError([Problem((), f"the request cannot be sent as JSON: {exc}", "type_error.json")]) \
                 from None
 
-    def _decide_one(self, request: dict, body: bytes, started: float) -> dict:
+    def _decide_one(self, request: Mapping[str, Any], body: bytes, started: float, model: str | None) -> Response:
         with self._lock:
             self._stats["requests"] += 1
         try:
@@ -443,6 +447,8 @@ class RemoteEngine:
             answer["x_server_latency_ms"] = answer["x_latency_ms"]
         answer["x_latency_ms"] = round((time.perf_counter() - started) * 1000, 2)
         answer["x_attempts"] = attempts
+        if model is not None:  # named by the caller (as the local engine does): the HTTP server names its models
+            answer["model"] = model
         return answer
 
     def submit(self, requests: Sequence[Request], *, priority: str = "interactive", max_length: int | None = None,
@@ -469,6 +475,7 @@ class RemoteEngine:
                 bodies.append(error)
         futures = []
         for request, body in zip(requests, bodies):
+            model = request.model if isinstance(request, ValidRequest) else None
             if isinstance(request, ValidRequest):
                 request = request.request
             if isinstance(body, ClefError):
@@ -477,7 +484,7 @@ class RemoteEngine:
             else:
                 with self._lock:
                     self._in_flight += 1
-                future = self._pool.submit(self._decide_one, request, body, started)
+                future = self._pool.submit(self._decide_one, request, body, started, model)
                 future.add_done_callback(self._finished)
             futures.append(future)
         return _gather(futures, return_errors=errors == "return")
@@ -486,7 +493,7 @@ class RemoteEngine:
         with self._lock:
             self._in_flight -= 1
 
-    def decide(self, request: Request, *, max_length: int | None = None, overflow: str = "refuse") -> dict:
+    def decide(self, request: Request, *, max_length: int | None = None, overflow: str = "refuse") -> Response:
         return self.submit([request], priority="interactive", max_length=max_length, overflow=overflow).result()[0]
 
     def decide_many(self, requests: Sequence[Request], *, max_length: int | None = None, overflow: str = "refuse",

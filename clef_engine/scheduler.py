@@ -4,15 +4,16 @@ Callers (Streamlit sessions, batch jobs, the HTTP API) submit a job — a list o
 future. This is the one place where records are grouped into GPU batches: the worker takes interactive jobs before
 bulk ones, then fills the batch with waiting records of the same priority, in order, up to a token budget
 (`token_budget` for interactive work, so concurrent clients share forward passes; the smaller `bulk_batch_tokens`
-for bulk work). A job larger than a batch is split across batches and resolved when its last record is done. While
-a bulk batch runs, `run_batch` may call `run_waiting_interactive()` between steps (the engine does, between layers):
-interactive jobs waiting then run at once, so an interactive request waits for one step of a bulk batch, not all of
-it. The queue is bounded in records: past the bound, `submit`
-raises BusyError at once instead of growing memory. A job cancelled before it starts is skipped; a job abandoned
-while it runs (`abandon`, when its caller's deadline has passed) stops at the next check `run_batch` makes
-(`should_stop`, between layers), once every job in the batch is abandoned, and its rest is dropped. The scheduler
-knows nothing of tensors: `run_batch` does the work. `call` runs a function on the worker thread between batches,
-for state a library keeps per thread (the warm-up builds cuDNN's attention plans there).
+for bulk work). A job larger than a batch is split across batches and resolved when its last record is done.
+`run_batch(records, steps)` does the work (the model runner's `forward`); the scheduler knows nothing of tensors and
+the runner nothing of the queue: `steps` (a `BatchSteps`) is all the runner sees of the scheduler. Between steps
+(layers) a bulk batch calls `steps.let_interactive_in()`: interactive jobs waiting then run at once, so an
+interactive request waits for one step of a bulk batch, not all of it. The queue is bounded in records: past the
+bound, `submit` raises BusyError at once instead of growing memory. A job cancelled before it starts is skipped; a
+job abandoned while it runs (`abandon`, when its caller's deadline has passed) stops at the next
+`steps.stop_if_abandoned()`, once every job in the batch is abandoned, and its rest is dropped. `call` runs a
+function on the worker thread between batches, for state a library keeps per thread (the warm-up builds cuDNN's
+attention plans there).
 
 A batch that fails is the one place where a failing record is isolated: its jobs are run again each alone, and a job
 submitted `per_record` is halved until the records that fail are alone, each getting its own error in its slot of
@@ -101,7 +102,7 @@ class Job:
     sequence: int
     records: list = field(compare=False)
     lengths: list = field(compare=False)  # tokens of each record
-    finalize: Callable[[list], Any] = field(compare=False)
+    finalize: Callable[..., Any] = field(compare=False)  # (results) or, timed, (results, JobTiming)
     future: Future = field(compare=False)
     submitted: float = field(compare=False, default_factory=time.perf_counter)
     started: bool = field(compare=False, default=False)
@@ -159,11 +160,20 @@ class SchedulerStats:
 
 
 class BatchAbandoned(Exception):
-    """Raised by `run_batch` (through `should_stop`) to stop a batch whose every job was abandoned."""
+    """Raised by `BatchSteps.stop_if_abandoned` to stop a batch whose every job was abandoned."""
+
+
+@dataclass(frozen=True)
+class BatchSteps:
+    """What a batch may do between its steps, handed to `run_batch` with it (the default: nothing)."""
+
+    bulk: bool = False  # a bulk batch: interactive work may run between its steps
+    stop_if_abandoned: Callable[[], None] = lambda: None  # raises BatchAbandoned once no one waits for the batch
+    let_interactive_in: Callable[[], None] = lambda: None  # runs the interactive jobs waiting now, if any
 
 
 class Scheduler:
-    def __init__(self, run_batch: Callable[[list], list], *, token_budget: int = 65_536,
+    def __init__(self, run_batch: Callable[[list, BatchSteps], list], *, token_budget: int = 65_536,
                  bulk_batch_tokens: int | None = None, max_queued_records: int = 4_096, name: str = "clef-gpu-worker",
                  turn: GpuTurn | None = None):
         """`turn`: the device's GpuTurn shared with other engines' schedulers (default: a turn of its own)."""
@@ -181,10 +191,13 @@ class Scheduler:
         self.running_priority: int | None = None  # of the batch on the GPU now (worker thread only)
         self._running: list[Piece] = []  # the pieces of the batch on the GPU now (innermost)
         self._jobs: dict[int, Job] = {}  # id(future) → its job, until the job is resolved: see abandon
+        self._steps = {PRIORITIES["interactive"]: BatchSteps(False, self._stop_if_abandoned),
+                       PRIORITIES["bulk"]: BatchSteps(True, self._stop_if_abandoned,
+                                                      lambda: self.run_waiting_interactive())}
         self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
         self._thread.start()
 
-    def submit(self, records: Sequence, *, priority: str = "interactive", tokens: int | None = None,
+    def submit(self, records: Sequence, *, priority: str = "interactive", tokens: float | None = None,
                finalize: Callable[..., Any] = lambda results: results, per_record: bool = False,
                timed: bool = False) -> Future:
         """Queue `records`; the future resolves to finalize(results of run_batch for these records), or with
@@ -194,6 +207,7 @@ class Scheduler:
             raise ValueError(f"priority must be one of {', '.join(PRIORITIES)}")
         future: Future = Future()
         records = list(records)
+        lengths: list[float]
         if tokens is None:
             lengths = [len(r) for r in records]
         else:  # the caller's count for the whole job, shared out
@@ -230,7 +244,7 @@ class Scheduler:
 
     def abandon(self, future: Future) -> None:
         """The caller of `future` gives up (its deadline passed): cancel it if it has not started; if it runs, run
-        no more of it, and stop the batch it is in at the next `should_stop` check once no one waits for any of
+        no more of it, and stop the batch it is in at its next `stop_if_abandoned` once no one waits for any of
         the batch."""
         if future.cancel():
             return
@@ -239,10 +253,11 @@ class Scheduler:
             if job is not None:
                 job.abandoned = True
 
-    def should_stop(self) -> bool:
-        """For `run_batch`, between steps: whether every job in the running batch is abandoned (cheap)."""
+    def _stop_if_abandoned(self) -> None:
+        """Between steps of the running batch: stop it once every job in it is abandoned (cheap)."""
         running = self._running
-        return bool(running) and all(piece.job.abandoned for piece in running)
+        if running and all(piece.job.abandoned for piece in running):
+            raise BatchAbandoned
 
     def queue_depth(self) -> int:
         """Jobs waiting to start (not counting the batch on the GPU now)."""
@@ -350,7 +365,7 @@ class Scheduler:
         outer_pieces, self._running = self._running, pieces
         self.stats.busy = 1
         try:
-            results = self.run_batch(records)
+            results = self.run_batch(records, self._steps[pieces[0].job.priority])
         except BatchAbandoned:
             self.stats.abandoned_batches += 1
             with self._condition:  # the rest of each job leaves the queue before its caller hears of the end
@@ -360,7 +375,7 @@ class Scheduler:
                     piece.job.future.set_exception(CancelledError("abandoned: the caller's deadline passed"))
             return
         except Exception as error:  # noqa: BLE001 — one failing batch must not kill the worker
-            failed = error
+            failed: Exception | None = error
         else:
             failed = None
         finally:

@@ -15,6 +15,7 @@ import math
 import os
 import threading
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -60,7 +61,7 @@ def training_text() -> list[str]:
             "0123456789 .,;:!?-_/()[]{}\"'"]
 
 
-def build_tokenizer():
+def build_tokenizer() -> Any:
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
     tokenizer = Tokenizer(models.BPE())
@@ -81,7 +82,7 @@ def build_tokenizer():
                                    unk_token=None, model_max_length=262144, clean_up_tokenization_spaces=False)
 
 
-def tiny_config(tokenizer, size: str = "tiny") -> dict:
+def tiny_config(tokenizer: Any, size: str = "tiny") -> dict:
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
     vocab_size = math.ceil(len(tokenizer) / 64) * 64
     shape = SIZES[size]

@@ -2,18 +2,21 @@
 
 `run_padded` is the plain path, the release's own call: right-pad to the longest record, text-only batches through
 `model.model.language_model`, batches with media through the multimodal `model.model`, `use_cache=False`. Right
-padding is exact for real tokens because the backbone is causal. Faster paths live in `fast/packed.py` and are chosen in
-`engine.py`; this one stays as the reference they are tested against.
+padding is exact for real tokens because the backbone is causal. Faster paths live in `fast/packed.py` and run in
+`runner.py`; this one stays as the reference they are tested against.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 
 from .encoding import EncodedRecord
 
 
-def pad_batch(records: list[EncodedRecord], pad_token_id: int, device: torch.device):
+def pad_batch(records: list[EncodedRecord], pad_token_id: int,
+              device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """input_ids [B, T] right-padded and the attention mask, on `device`."""
     longest = max(len(r) for r in records)
     input_ids = torch.full((len(records), longest), pad_token_id, dtype=torch.long)
@@ -35,7 +38,7 @@ def media_batch(records: list[EncodedRecord], device: torch.device, dtype: torch
     return merged
 
 
-def media_token_types(config, input_ids: torch.Tensor) -> torch.Tensor:
+def media_token_types(config: Any, input_ids: torch.Tensor) -> torch.Tensor:
     """Per-token modality (0 text, 1 image, 2 video), which the multimodal model needs for M-RoPE positions."""
     types = torch.zeros_like(input_ids, dtype=torch.int)
     types[input_ids == config.image_token_id] = 1
@@ -44,7 +47,7 @@ def media_token_types(config, input_ids: torch.Tensor) -> torch.Tensor:
 
 
 @torch.inference_mode()
-def run_padded(model, records: list[EncodedRecord], pad_token_id: int) -> torch.Tensor:
+def run_padded(model: Any, records: list[EncodedRecord], pad_token_id: int) -> torch.Tensor:
     """Final hidden states [B, T, hidden] of a right-padded batch."""
     device = model.lm_head.weight.device
     dtype = model.lm_head.weight.dtype

@@ -120,7 +120,7 @@ WHITE_SPACE = frozenset("\t\n\v\f\r \x85\xa0\u1680\u2028\u2029\u202f\u205f\u3000
                         + "".join(map(chr, range(0x2000, 0x200B))))
 
 
-def _malloc_trim():
+def _malloc_trim() -> Any:
     """glibc's malloc_trim, or None elsewhere. Decoded pixels are freed into glibc's arenas, which keep them: without
     a trim, a few large images leave the process gigabytes bigger for good."""
     name = ctypes.util.find_library("c")
@@ -139,7 +139,7 @@ _MALLOC_TRIM = _malloc_trim()
 class Encoder:
     """Holds the tokenizer and processor of a release; encodes requests. Thread-safe for concurrent callers."""
 
-    def __init__(self, processor, *, media_slots: int | None = None):
+    def __init__(self, processor: Any, *, media_slots: int | None = None) -> None:
         import tokenizers
 
         self.processor = processor
@@ -271,7 +271,7 @@ class Encoder:
         metadata = VideoMetadata(total_num_frames=total_frames, fps=fps)
         return [int(i) for i in video_processor.sample_frames(metadata)]
 
-    def image_tokens(self, image) -> int:
+    def image_tokens(self, image: Any) -> int:
         """Tokens of one image (start, pads, end) from its size, by the image processor's own resize rule; raises
         MediaError for a size the processor refuses."""
         image_processor = self.processor.image_processor
@@ -311,7 +311,9 @@ class Encoder:
         """Images with their headers read and videos given as frames (sampled), each checked against the limits and
         the processor's preconditions, with no pixel decoded; video files stay bytes. Returns images, videos
         (media.Video or bytes), problems."""
-        images, videos, problems = [], [], []
+        images: list = []
+        videos: list[media.Video | bytes] = []
+        problems: list[Problem] = []
         for i, item in enumerate(request.images):
             try:
                 image = media.open_image(item)
@@ -374,7 +376,8 @@ class Encoder:
             if pixels >= TRIM_AFTER_PIXELS and _MALLOC_TRIM is not None:
                 _MALLOC_TRIM(0)
 
-    def _process(self, processor, images: list, videos: list[media.Video]):
+    def _process(self, processor: Any, images: list,
+                 videos: list[media.Video]) -> tuple[list[int], dict[str, torch.Tensor], list[media.Video]]:
         from transformers.video_utils import VideoMetadata
 
         text = IMAGE_PLACEHOLDER * len(images) + VIDEO_PLACEHOLDER * len(videos) + "\n"
@@ -507,7 +510,7 @@ def check_budget(counts: dict[str, int], max_length: int, overflow: str, *, at_l
 
     fixed = counts["prefix"] + counts["media"] + counts["schema"] + counts["suffix"]
     if fixed > max_length:
-        largest = max(("media", "schema"), key=counts.get)
+        largest = max(("media", "schema"), key=lambda part: counts[part])
         raise TokenBudgetError(
             f"prefix + media + schema + suffix take {amount(fixed, 'media', 'schema')} tokens, "
             f"{amount(fixed - max_length, 'media', 'schema')} over max_length {max_length:,} before any state; "
@@ -556,7 +559,7 @@ def _kind(character: str) -> str:
     return {"L": "letter", "M": "letter", "N": "digit"}.get(category, "other")
 
 
-def longest_token_bytes(tokenizer) -> int:
+def longest_token_bytes(tokenizer: Any) -> int:
     """Bytes of text the longest token stands for. In a byte-level vocabulary each character of a token is one
     byte; added tokens (`<|im_start|>`, …) match their UTF-8 text."""
     added = {token.content for token in tokenizer.get_added_tokens_decoder().values()}

@@ -23,7 +23,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, fields, replace
 from itertools import chain
 
@@ -126,27 +126,28 @@ class HeadBatch:
 def _pack(arrays: dict[str, np.ndarray | None]) -> tuple[torch.Tensor, dict[str, torch.Tensor | None]]:
     """One uint8 buffer with every array's bytes, and a tensor view of each: int64 arrays first (so each starts
     8-byte aligned), then bool arrays; the length is rounded up to 8 bytes so the whole buffer views as int64."""
-    ints = [name for name, a in arrays.items() if a is not None and a.dtype != np.bool_]  # stored as int64
-    bools = [name for name, a in arrays.items() if a is not None and a.dtype == np.bool_]
-    int_bytes = 8 * sum(arrays[name].size for name in ints)
-    bool_bytes = sum(arrays[name].size for name in bools)
+    present = {name: a for name, a in arrays.items() if a is not None}
+    ints = [name for name, a in present.items() if a.dtype != np.bool_]  # stored as int64
+    bools = [name for name, a in present.items() if a.dtype == np.bool_]
+    int_bytes = 8 * sum(present[name].size for name in ints)
+    bool_bytes = sum(present[name].size for name in bools)
     buffer = torch.empty(int_bytes + -(-bool_bytes // 8) * 8, dtype=torch.uint8)
     raw = buffer.numpy()
     if ints:
-        np.concatenate([arrays[name].reshape(-1) for name in ints], out=raw[:int_bytes].view(np.int64))
+        np.concatenate([present[name].reshape(-1) for name in ints], out=raw[:int_bytes].view(np.int64))
     if bools:
-        np.concatenate([arrays[name].reshape(-1) for name in bools], out=raw[int_bytes: int_bytes + bool_bytes])
+        np.concatenate([present[name].reshape(-1) for name in bools], out=raw[int_bytes: int_bytes + bool_bytes])
     views: dict[str, torch.Tensor | None] = dict.fromkeys(arrays)
     for names, typed, start in ((ints, buffer.view(torch.int64), 0), (bools, buffer.view(torch.bool), int_bytes)):
         for name in names:
-            shape = arrays[name].shape
+            shape = present[name].shape
             strides = (shape[1], 1) if len(shape) == 2 else (1,)
             views[name] = typed.as_strided(shape, strides, start)
-            start += arrays[name].size
+            start += present[name].size
     return buffer, views
 
 
-def _pairs(spans) -> np.ndarray:
+def _pairs(spans: Iterable[Iterable[int]]) -> np.ndarray:
     """(start, end) spans as an [n, 2] int64 array (fromiter over a flat chain: twice as fast as np.array)."""
     return np.fromiter(chain.from_iterable(spans), dtype=np.int64).reshape(-1, 2)
 
@@ -360,7 +361,8 @@ def attend(attention: nn.MultiheadAttention, query: torch.Tensor, memory: torch.
         q = F.linear(query.to(weight.dtype), weight[:width], bias[:width])
         k, v = F.linear(memory.to(weight.dtype), weight[width:], bias[width:]).chunk(2, dim=-1)
     heads = attention.num_heads
-    out = kernel(*(x.unflatten(-1, (heads, width // heads)) for x in (q, k, v)), counts)
+    q, k, v = (x.unflatten(-1, (heads, width // heads)) for x in (q, k, v))
+    out = kernel(q, k, v, counts)
     return _linear(attention.out_proj, out.flatten(-2))
 
 

@@ -18,6 +18,7 @@ import binascii
 import errno
 import io
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,6 +38,8 @@ MAX_IMAGE_PIXELS = HOSTED.max_image_pixels
 MAX_VIDEO_FRAMES = 512
 MAX_DECODED_VIDEO_BYTES = 16 * 1024 * 1024
 MIN_VIDEO_SIDE = 32  # frames are never scaled below this many pixels a side
+# the video processor's rule: (total frames, fps or None) -> the indices of the frames the model reads
+SampleIndices = Callable[[int, float | None], list[int]]
 
 
 
@@ -182,7 +185,7 @@ def video_bytes(item: Any) -> bytes:
     return data
 
 
-def load_video(item: Any, sample_indices) -> Video:
+def load_video(item: Any, sample_indices: SampleIndices) -> Video:
     """Sampled frames of a video. `sample_indices(total_frames, fps or None) -> indices` is the video processor's
     rule."""
     if isinstance(item, Video):
@@ -195,14 +198,14 @@ def load_video(item: Any, sample_indices) -> Video:
     return decode_video(video_bytes(item), sample_indices)
 
 
-def decode_video(data: bytes, sample_indices) -> Video:
+def decode_video(data: bytes, sample_indices: SampleIndices) -> Video:
     """Decode only the sampled frames of an MP4/WebM/MOV file with PyAV, within MAX_VIDEO_FRAMES and
     MAX_DECODED_VIDEO_BYTES: each frame is converted straight to its place in the one output array, scaled down when
     the sample at full size would not fit."""
     import av
 
     try:
-        with av.open(io.BytesIO(data)) as container:
+        with av.open(io.BytesIO(data), mode="r") as container:
             if not container.streams.video:
                 raise MediaError("the file has no video stream")
             stream = container.streams.video[0]

@@ -7,6 +7,7 @@ answer; tests use it as the oracle for the batched head, and the benchmark uses 
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -25,7 +26,8 @@ def reference_logits(head: JointSchemaHead, hidden: torch.Tensor, output_embeddi
     global_state = normed[-1]
     ids = record.input_ids
 
-    questions, contexts, lexicals, queries = [], [], [], []
+    questions, contexts, lexicals = [], [], []
+    queries: list[torch.Tensor] = []
     for (q_start, q_end), spans in zip(record.question_spans, record.option_spans):
         question = normed[q_start:q_end].mean(0)
         questions.append(question)
@@ -78,14 +80,15 @@ def reference_logits(head: JointSchemaHead, hidden: torch.Tensor, output_embeddi
 
 
 @torch.inference_mode()
-def reference_decide(engine, records: list[EncodedRecord]) -> list[list[list[float]]]:
-    """The release code's path end to end: padded backbone batch, then the per-record loop head."""
+def reference_decide(runner: Any, records: list[EncodedRecord]) -> list[list[list[float]]]:
+    """The release code's path end to end on a model runner's weights: padded backbone batch, then the per-record
+    loop head."""
     from .backbone import run_padded
 
-    hidden = run_padded(engine.model, records, engine.encoder.pad_token_id)
+    hidden = run_padded(runner.model, records, runner.pad_token_id)
     out = []
     for b, record in enumerate(records):
-        logits = reference_logits(engine.head, hidden[b, : len(record)].to(engine.dtype), engine.output_embeddings,
+        logits = reference_logits(runner.head, hidden[b, : len(record)].to(runner.dtype), runner.output_embeddings,
                                   record)
         out.append([torch.softmax(q.float(), dim=0).tolist() for q in logits])
     return out

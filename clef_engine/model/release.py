@@ -12,6 +12,7 @@ import os
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -196,7 +197,8 @@ def route_cpu_tensors_to_pytorch_functions() -> None:
             continue
         accepted = set(inspect.signature(plain).parameters)
 
-        def routed(*args, _bound=bound, _plain=plain, _accepted=accepted, **kwargs):
+        def routed(*args: Any, _bound: Any = bound, _plain: Any = plain, _accepted: set[str] = accepted,
+                   **kwargs: Any) -> Any:
             first = args[0] if args else next(iter(kwargs.values()))
             if first.is_cuda:
                 return _bound(*args, **kwargs)
@@ -222,7 +224,7 @@ def load_head_state(release: Release) -> dict[str, torch.Tensor]:
     return load_file(release.path / HEAD_WEIGHTS)
 
 
-def load_processor(release: Release):
+def load_processor(release: Release) -> Any:
     from transformers import AutoProcessor
 
     return AutoProcessor.from_pretrained(release.path)

@@ -10,7 +10,7 @@ import json
 import math
 import re
 import zlib
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from starlette.concurrency import run_in_threadpool
@@ -20,13 +20,13 @@ from starlette.formparsers import MultiPartException, MultiPartParser
 from ..protocol import sniff_content_type
 
 try:  # zstd is what the TypeSafe SDK sends when it has it; stdlib from Python 3.14, else the backport, else off.
-    from compression.zstd import ZstdDecompressor, ZstdError  # type: ignore[import-not-found]
+    from compression.zstd import ZstdDecompressor, ZstdError
 except ImportError:
     try:
         from backports.zstd import ZstdDecompressor, ZstdError
     except ImportError:  # pragma: no cover - depends on the environment
-        ZstdDecompressor = None  # type: ignore[assignment,misc]
-        ZstdError = ValueError  # type: ignore[assignment,misc]
+        ZstdDecompressor = None
+        ZstdError = ValueError
 
 MAX_JSON_DEPTH = 64  # deeper nesting only serves to blow Python's recursion limit in the encoder
 GZIP_ENCODINGS = ("gzip", "x-gzip")  # RFC 9110 §8.4.1.3: x-gzip is gzip
@@ -211,6 +211,7 @@ def decompress(raw: bytes, encoding: str, limit: int, too_large: ApiError) -> by
     out = bytearray()
     view = memoryview(raw)
     position, pending, members = 0, b"", 0
+    data: bytes | memoryview
     decoder = None
     try:
         while pending or position < len(raw):
@@ -275,7 +276,7 @@ async def parse_multipart(content_type: str, raw: bytes, max_part_bytes: int) ->
 
 
 async def _parse_multipart(content_type: str, raw: bytes, max_part_bytes: int) -> dict[str, tuple[str | None, bytes]]:
-    async def stream():
+    async def stream() -> AsyncIterator[bytes]:
         yield raw
 
     parser = _RawFieldsParser(Headers({"content-type": content_type}), stream(), max_files=64, max_fields=64,

@@ -37,6 +37,7 @@ import math
 import signal
 import sys
 from collections.abc import Iterator
+from typing import Any
 
 import h11
 import uvicorn
@@ -158,8 +159,9 @@ class HeaderTimeoutProtocol(H11Protocol):
         self._head_timer = self.loop.call_later(self.header_timeout, self._head_timed_out)
 
     def _disarm_head_timer(self) -> None:
-        if getattr(self, "_head_timer", None) is not None:
-            self._head_timer.cancel()
+        timer = getattr(self, "_head_timer", None)
+        if timer is not None:
+            timer.cancel()
             self._head_timer = None
 
     def _head_timed_out(self) -> None:
@@ -186,7 +188,8 @@ class OrderlyServer(uvicorn.Server):
         self.grace = grace
 
     async def shutdown(self, sockets: list | None = None) -> None:
-        stop = asyncio.get_running_loop().call_later(self.grace, self.config.app.state.system_one.stop)
+        app: Any = self.config.app  # the Starlette app `routes` made
+        stop = asyncio.get_running_loop().call_later(self.grace, app.state.system_one.stop)
         try:
             await super().shutdown(sockets)
         finally:
@@ -226,6 +229,7 @@ def load_models(args: argparse.Namespace) -> dict:
 
     from .. import memory
     from ..config import EngineConfig
+    from ..engine import load as load_engine
     from ..remote import is_endpoint
     from .server import _public_model_name
 
@@ -239,9 +243,10 @@ def load_models(args: argparse.Namespace) -> dict:
                                           allow_slow_kernels=args.allow_slow_kernels)
             local = [name for name, e in models.items() if not e.info().get("remote")]
             memory.check_fits(source, revision=args.revision, config=config, loaded=local)
-            engine = clef_engine.load(source, revision=args.revision, config=config)
+            local_engine = load_engine(source, revision=args.revision, config=config)
             if args.max_queued_records is not None:  # after warm-up, which queues more than one record at once
-                engine.limit_queue(args.max_queued_records)
+                local_engine.limit_queue(args.max_queued_records)
+            engine = local_engine
         name = base = _public_model_name(engine.info())
         count = 2
         while name in models:

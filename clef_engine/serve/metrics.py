@@ -11,6 +11,8 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from ..protocol import Response
+
 log = logging.getLogger("clef_engine.server")
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -56,10 +58,9 @@ class Metrics:
     def count_request(self, path: str, status: int) -> None:
         self.requests.labels(path=path, status=str(status)).inc()
 
-    def count_answer(self, response: dict) -> None:
-        usage = response.get("usage") or {}
-        self.input_tokens.inc(int(usage.get("input_tokens") or 0))
-        self.decisions.inc(len(response.get("answers") or {}))
+    def count_answer(self, response: Response) -> None:
+        self.input_tokens.inc(int(response["usage"].get("input_tokens") or 0))
+        self.decisions.inc(len(response["answers"]))
         self.truncated_state_tokens.inc(int(response.get("x_truncated_state_tokens") or 0))
 
     def enter(self) -> None:

@@ -89,7 +89,7 @@ def document() -> dict:
     )
     schemas = dict(top.get("$defs", {}))
     schemas.update(ErrorBody=_ERROR_BODY, Health=_HEALTH, Models=_MODELS)
-    bearer = [{"bearer": []}]
+    bearer: list[dict[str, list]] = [{"bearer": []}]
     return {
         "openapi": "3.1.0",
         "info": {"title": "Clef System One API", "version": "1",

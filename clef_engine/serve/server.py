@@ -61,7 +61,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import hmac
-import json
 import logging
 import re
 import time
@@ -87,6 +86,7 @@ from ..errors import BusyError, RequestError, TokenBudgetError
 from ..explain import Explaining, explaining
 from ..interface import DecisionEngine
 from ..protocol import DEFAULT_MAX_LENGTH, ValidRequest, check_schema_floor, prepare
+from ..protocol import Response as SystemOneAnswer
 from . import openapi
 from .admission import PACED_REQUEST_BYTES, PACED_SHARE, BigBodies, Paced, Turns
 from .bodies import (
@@ -279,8 +279,11 @@ class SystemOneApi:
             name, engine = await self._engine(body.get("model"))
             answer = await self._decide(engine, name, body, asset_images,
                                         queued=paced.end if paced and not explaining_it else None)
+            # serialized once, here; a number that is not finite fails it: a fault of ours (500), never sent
+            reply = SafeJSONResponse(answer, headers={"x-typesafe-request-id": request_id})
+            self.metrics.count_answer(answer)
             status = 200
-            return SafeJSONResponse(answer, headers={"x-typesafe-request-id": request_id})
+            return reply
         except ApiError as exc:
             status = exc.status
             return error_response(exc, request_id)
@@ -312,7 +315,7 @@ class SystemOneApi:
             self.metrics.latency.observe(time.perf_counter() - started)
 
     async def _decide(self, engine: Any, name: str, body: dict, asset_images: dict[int, str],
-                      queued: Callable[[], None] | None = None) -> dict:
+                      queued: Callable[[], None] | None = None) -> SystemOneAnswer:
         """The engine's answer to `body`; `queued` is called once the engine has the record queued."""
         record = {k: body[k] for k in ENGINE_FIELDS if k in body}
         _check_media(record, skip_images=set(asset_images))
@@ -333,8 +336,10 @@ class SystemOneApi:
         # a calibration that does not exist is the request's fault, found before any work is paid for
         named = body.get("x_calibration")
         calibration = None if named is None else await self._calibration(named)
-        # the engine (and an endpoint a remote engine forwards to) gets the engine's fields, under this server's budget
-        request = replace(valid, request=record).with_budget(min(asked, ceiling), valid.overflow)
+        # the engine (and an endpoint a remote engine forwards to) gets the engine's fields, under this server's budget;
+        # the response names the model as the request did, else as this server does
+        request = replace(valid, request=record, model=name if valid.model is None else valid.model)
+        request = request.with_budget(min(asked, ceiling), valid.overflow)
         self.metrics.enter()
         try:
             results = await self._run_in_time(explaining(engine, valid.explain, self.max_tokens_per_request), request,
@@ -348,12 +353,9 @@ class SystemOneApi:
                            headers={"retry-after": "1"}) from None
         finally:
             self.metrics.leave()
-        response = dict(results[0] if isinstance(results, list) else results)
-        response["model"] = valid.model if valid.model is not None else name
+        [response] = results
         if calibration is not None:
             response["x_calibrated"] = calibrate_answers(calibration, response["answers"])
-        _check_finite(response)
-        self.metrics.count_answer(response)
         return response
 
     async def _calibration(self, name: str) -> Calibration:
@@ -515,7 +517,7 @@ def _precision_text(info: dict) -> str:
         return ""
     from ..fp8_fidelity import describe_fidelity
 
-    return f", W8A8 FP8 projections ({describe_fidelity(info.get('distance_from_float32'))})"
+    return f", W8A8 FP8 projections ({describe_fidelity(info.get('distance_from_float32') or 'not measured')})"
 
 
 def pick_model(models: dict[str, Any], model: Any) -> tuple[str, Any]:
@@ -568,13 +570,6 @@ def _check_model_name(model: Any) -> None:
     if isinstance(model, str) and len(model) > MAX_MODEL_CHARS:
         raise invalid(["model"], f"model must be at most {MAX_MODEL_CHARS} characters (it has {len(model)})",
                       "string_too_long")
-
-
-def _check_finite(response: dict) -> None:
-    try:
-        json.dumps(response, allow_nan=False)
-    except ValueError:
-        raise RuntimeError("the engine produced a non-finite number") from None
 
 
 def _release_date(info: dict) -> str:

@@ -289,7 +289,7 @@ def test_scheduler_serves_interactive_before_bulk_and_bounds_the_queue():
     release = threading.Event()
     order: list[str] = []
 
-    def run_batch(records):
+    def run_batch(records, steps):
         release.wait(5)
         order.extend(records)
         return records
@@ -317,7 +317,7 @@ def test_a_call_runs_alone_on_the_worker_thread_between_batches():
     release = threading.Event()
     batches: list[list] = []
 
-    def run_batch(records):
+    def run_batch(records, steps):
         release.wait(60)
         batches.append([threading.current_thread().name, *records])
         return records
@@ -359,7 +359,7 @@ def test_warm_up_builds_cudnns_attention_plans_on_the_thread_that_answers_reques
 
     threads = []
     monkeypatch.setattr(attention, "warm_long_attention", lambda *args: threads.append(threading.current_thread()))
-    monkeypatch.setattr(tiny_engine.backbone.kernels, "attention", attention.attention_varlen_cudnn_long)
+    monkeypatch.setattr(tiny_engine.runner.backbone.kernels, "attention", attention.attention_varlen_cudnn_long)
     monkeypatch.setattr(tiny_engine, "decide", lambda *args, **kwargs: None)  # the rest of the warm-up
     monkeypatch.setattr(tiny_engine, "decide_many", lambda *args, **kwargs: None)
     tiny_engine.warm_up()
@@ -427,7 +427,7 @@ def test_a_bulk_job_is_split_into_batches_and_an_interactive_request_waits_for_o
     release = threading.Event()
     batches: list[list[str]] = []
 
-    def run_batch(records):
+    def run_batch(records, steps):
         batches.append(list(records))
         if len(batches) == 1:
             first_running.set()
@@ -478,16 +478,16 @@ def test_load_takes_its_config_from_the_environment(tiny_release, monkeypatch):
 
 def test_interactive_work_runs_between_the_steps_of_a_bulk_batch():
     """A long bulk batch lets interactive requests that arrive meanwhile run between its steps (the engine calls
-    run_waiting_interactive between layers): the interactive answer comes before the bulk batch ends."""
+    steps.let_interactive_in() between layers): the interactive answer comes before the bulk batch ends."""
     submitted = threading.Event()
     order: list[str] = []
     scheduler: Scheduler
 
-    def run_batch(records):
+    def run_batch(records, steps):
         if records[0].startswith("bulk"):
             order.append("bulk starts")
             assert submitted.wait(5)
-            scheduler.run_waiting_interactive()  # a step boundary of the bulk batch
+            steps.let_interactive_in()  # a step boundary of the bulk batch
             order.append("bulk ends")
         else:
             order.append("interactive")
@@ -531,7 +531,7 @@ def test_a_decide_during_a_bulk_batch_gets_the_answer_it_gets_alone(tiny_engine)
                     assert abs(value - alone[question_id][key]) <= 1e-4
     for got, want in zip(bulk_answers, bulk_alone):
         assert json.dumps(got, sort_keys=True) == json.dumps(want, sort_keys=True)
-    assert ran_inside  # at least one decide ran inside the bulk batch
+    assert any(ran_inside)  # at least one decide ran inside the bulk batch
 
 
 def test_a_release_says_whether_its_weights_are_random(tiny_release, tiny_engine, tmp_path):
@@ -554,7 +554,7 @@ def test_a_failing_record_of_a_per_record_job_gets_its_own_error_and_the_others_
     failing record is alone; a job that is not per record fails whole."""
     batches: list[list[str]] = []
 
-    def run_batch(records):
+    def run_batch(records, steps):
         batches.append(list(records))
         if "bad" in records:
             raise RuntimeError("cannot run 'bad'")

@@ -37,29 +37,29 @@ def test_engine_uses_the_packed_path_and_says_so(tiny_engine):
 def test_packed_matches_padded_and_reference(tiny_engine, records):
     lengths = sorted(len(r) for r in records)
     assert lengths[-1] > 5 * lengths[0]
-    packed = tiny_engine.forward_packed(records)
-    padded = tiny_engine.forward_padded(records)
-    reference = reference_decide(tiny_engine, records)
+    packed = tiny_engine.runner.forward(records)
+    padded = tiny_engine.runner.forward_padded(records)
+    reference = reference_decide(tiny_engine.runner, records)
     assert max_difference(packed, padded) <= TOLERANCE
     assert max_difference(packed, reference) <= TOLERANCE
 
 
 def test_no_leakage_between_records_of_a_pack(tiny_engine, records):
-    together = tiny_engine.forward_packed(records)
+    together = tiny_engine.runner.forward(records)
     for record, answer in zip(records, together):
-        alone = tiny_engine.forward_packed([record])
+        alone = tiny_engine.runner.forward([record])
         assert max_difference(alone, [answer]) <= TOLERANCE
 
 
 def test_records_that_differ_only_in_an_earlier_record_of_the_pack_get_the_same_answer(tiny_engine, records):
     target = records[1]
-    first = tiny_engine.forward_packed([records[0], target])[1]
-    second = tiny_engine.forward_packed([records[3], target])[1]
+    first = tiny_engine.runner.forward([records[0], target])[1]
+    second = tiny_engine.runner.forward([records[3], target])[1]
     assert max_difference([first], [second]) <= TOLERANCE
 
 
 def test_state_cache_hit_and_miss_give_the_uncached_answer(tiny_engine):
-    cache = tiny_engine.state_cache
+    cache = tiny_engine.runner.state_cache
     cache.clear()
     old_threshold = cache.min_prefix_tokens
     cache.min_prefix_tokens = 64
@@ -71,12 +71,12 @@ def test_state_cache_hit_and_miss_give_the_uncached_answer(tiny_engine):
                      "criteria": {"billing": None, "technical": "a fault", "other": None, "shipping": None}}})
         second = tiny_engine.encode(other_schema)
         assert first.input_ids[: first.state_end] == second.input_ids[: second.state_end]
-        plain = reference_decide(tiny_engine, [first, second])
+        plain = reference_decide(tiny_engine.runner, [first, second])
         before = cache.stats()
-        miss = tiny_engine.forward_packed([first])  # alone: computes and stores the prefix
+        miss = tiny_engine.runner.forward([first])  # alone: computes and stores the prefix
         after_miss = cache.stats()
         assert after_miss["stored"] == before["stored"] + 1 and after_miss["misses"] == before["misses"] + 1
-        hit = tiny_engine.forward_packed([second])  # a new schema on the cached state
+        hit = tiny_engine.runner.forward([second])  # a new schema on the cached state
         assert cache.stats()["hits"] == after_miss["hits"] + 1
         assert max_difference(miss, plain[:1]) <= TOLERANCE
         assert max_difference(hit, plain[1:]) <= TOLERANCE
@@ -90,10 +90,10 @@ def test_state_cache_hit_and_miss_give_the_uncached_answer(tiny_engine):
 
 
 def test_short_prefixes_and_batches_do_not_fill_the_cache(tiny_engine, records):
-    cache = tiny_engine.state_cache
+    cache = tiny_engine.runner.state_cache
     cache.clear()
-    tiny_engine.forward_packed(records)  # a batch: nothing stored
-    tiny_engine.forward_packed(records[:1])  # alone, but a prefix far under min_prefix_tokens
+    tiny_engine.runner.forward(records)  # a batch: nothing stored
+    tiny_engine.runner.forward(records[:1])  # alone, but a prefix far under min_prefix_tokens
     assert cache.stats()["entries"] == 0
 
 
@@ -165,12 +165,12 @@ def test_every_length_up_to_the_graph_limit_has_a_captured_bucket():
 
 def test_a_long_state_is_stored_by_the_one_forward_that_answers(tiny_engine, monkeypatch):
     """A cold record whose state the cache keeps runs the backbone once (not a prefix pass then a continuation)."""
-    cache = tiny_engine.state_cache
+    cache = tiny_engine.runner.state_cache
     cache.clear()
     monkeypatch.setattr(cache, "min_prefix_tokens", 64)
     calls = []
-    forward = tiny_engine.backbone.forward
-    monkeypatch.setattr(tiny_engine.backbone, "forward", lambda *a, **k: calls.append(k) or forward(*a, **k))
+    forward = tiny_engine.runner.backbone.forward
+    monkeypatch.setattr(tiny_engine.runner.backbone, "forward", lambda *a, **k: calls.append(k) or forward(*a, **k))
     try:
         tiny_engine.decide(words_request(500, 5))
         assert cache.stats()["stored"] >= 1 and cache.stats()["entries"] == 1
@@ -267,13 +267,13 @@ def test_the_head_graphs_padding_to_a_shape_bucket_changes_no_answer(tiny_engine
               for j in range(questions)}
     schema["last"] = {"type": "noul", "instructions": "Is it?"}
     record = tiny_engine.encode({"state": "the invoice is late " * 5, "questions": schema}, max_length=2**31 - 1)
-    hidden = torch.randn(len(record), tiny_engine.model.config.text_config.hidden_size, generator=torch.Generator()
-                         .manual_seed(options))
+    hidden = torch.randn(len(record), tiny_engine.runner.model.config.text_config.hidden_size,
+                         generator=torch.Generator().manual_seed(options))
     with torch.inference_mode():
-        normed, memory = tiny_engine.head.token_memory(hidden)
-        padded = HeadGraphs(tiny_engine.head, tiny_engine.output_embeddings, capture=False).probabilities(
+        normed, memory = tiny_engine.runner.head.token_memory(hidden)
+        padded = HeadGraphs(tiny_engine.runner.head, tiny_engine.runner.output_embeddings, capture=False).probabilities(
             normed, memory, record)
-        plain = tiny_engine.head_probabilities(hidden, [record], [0], [len(record)])[0]
+        plain = tiny_engine.runner.head_probabilities(hidden, [record], [0], [len(record)])[0]
     assert [len(q) for q in padded] == [len(q) for q in plain] == [options] * questions + [2]
     assert max_difference([padded], [plain]) <= TOLERANCE
 
@@ -287,8 +287,8 @@ def test_the_head_graphs_bf16_call_stays_close_to_the_eager_head(tiny_engine):
     from clef_engine.fast.graphs import HeadGraphs
     from clef_engine.model.head import layout, option_probabilities
 
-    head = copy.deepcopy(tiny_engine.head).to(torch.bfloat16)
-    embeddings = tiny_engine.output_embeddings.to(torch.bfloat16)
+    head = copy.deepcopy(tiny_engine.runner.head).to(torch.bfloat16)
+    embeddings = tiny_engine.runner.output_embeddings.to(torch.bfloat16)
     schema = {f"q{j}": {"type": "choice", "instructions": f"which {j}?",
                         "criteria": {f"o{k}": f"option {k} of {j}" for k in range(6)}} for j in range(12)}
     record = tiny_engine.encode({"state": "the invoice is late " * 40, "questions": schema}, max_length=2**31 - 1)
@@ -313,32 +313,34 @@ def test_the_heads_attention_reads_each_records_real_keys_by_count_in_batches_an
     from clef_engine.model import head as head_module
 
     assert head_attention_kernel(torch.device("cpu"), torch.float32, 64) is head_module.attention_masked
-    assert tiny_engine.head.attention is head_module.attention_masked
+    assert tiny_engine.runner.head.attention is head_module.attention_masked
     seen = []
 
     def watched(q, k, v, counts):
         seen.append((q.shape[1], k.shape[1], None if counts is None else counts.tolist()))
         return head_module.attention_masked(q, k, v, counts)
 
-    monkeypatch.setattr(tiny_engine.head, "attention", watched)
+    monkeypatch.setattr(tiny_engine.runner.head, "attention", watched)
     short = {"state": "the invoice is paid", "questions": {"q": {"type": "noul", "instructions": "Paid?"}}}
     long = {"state": "the invoice is late " * 30, "questions": {
         f"q{j}": {"type": "choice", "instructions": f"which {j}?", "criteria": {"a": "one", "b": "two"}}
         for j in range(3)}}
     records = [tiny_engine.encode(request) for request in (short, long)]
     lengths = [len(r) for r in records]
-    hidden = torch.randn(sum(lengths), tiny_engine.head.config.hidden_size, generator=torch.Generator().manual_seed(5))
+    hidden = torch.randn(sum(lengths), tiny_engine.runner.head.config.hidden_size,
+                         generator=torch.Generator().manual_seed(5))
     with torch.inference_mode():
-        tiny_engine.head_probabilities(hidden, records, [0, lengths[0]], lengths)
-    config = tiny_engine.head.config
+        tiny_engine.runner.head_probabilities(hidden, records, [0, lengths[0]], lengths)
+    config = tiny_engine.runner.head.config
     route = (6, max(lengths), lengths)  # options padded to the most of one record (3 x 2), over its own memory
     assert seen == [route] * config.routing_layers + [(3, 3, [1, 3]), (3, max(lengths), lengths)] * config.layers
 
     seen.clear()
     record = records[1]
     with torch.inference_mode():
-        normed, memory = tiny_engine.head.token_memory(hidden[lengths[0]:])
-        HeadGraphs(tiny_engine.head, tiny_engine.output_embeddings, capture=False).probabilities(normed, memory, record)
+        normed, memory = tiny_engine.runner.head.token_memory(hidden[lengths[0]:])
+        HeadGraphs(tiny_engine.runner.head, tiny_engine.runner.output_embeddings, capture=False).probabilities(
+            normed, memory, record)
     padded = {keys for _, keys, counts in seen if counts == [len(record)]}
     assert len(padded) == 1 and padded.pop() > len(record)  # the bucket's padded memory, of which the record's tokens
     assert all(counts in ([len(record)], [3]) for _, _, counts in seen)  # ... and its 3 questions of the fields
@@ -411,14 +413,14 @@ def test_residual_projections_written_in_float32_reach_the_norm_and_come_closer_
     truth_engine = clef_engine.load(clef_engine.demo_release(), device="cpu")
     engine = clef_engine.load(clef_engine.demo_release(), device="cpu", dtype=torch.bfloat16)
     records = [engine.encode(words_request(n, seed)) for seed, n in enumerate((30, 400, 1200, 60, 700, 150, 900, 20))]
-    truth = truth_engine.forward_packed(records)
-    plain = engine.forward_packed(records)
-    engine.backbone.kernels = kernels.Kernels(
+    truth = truth_engine.runner.forward(records)
+    plain = engine.runner.forward(records)
+    engine.runner.backbone.kernels = kernels.Kernels(
         residual_projection=lambda x, weight: F.linear(x.float(), weight.float()))
     ids = torch.tensor(records[0].input_ids)
-    hidden, _ = engine.backbone.forward(ids, make_segments([len(ids)], torch.device("cpu")))
+    hidden, _ = engine.runner.backbone.forward(ids, make_segments([len(ids)], torch.device("cpu")))
     assert hidden.dtype == torch.bfloat16
-    wide = engine.forward_packed(records)
+    wide = engine.runner.forward(records)
     assert max_difference(wide, plain) < 0.05  # the same model, a few roundings apart
     farther = scipy.stats.ttest_rel(distances(wide, truth), distances(plain, truth), alternative="greater")
     assert farther.pvalue > 0.01, farther
@@ -472,7 +474,7 @@ def test_the_engine_gives_the_head_the_attention_kernel_chosen_for_its_device(ti
     """The model layer knows only the exact kernel; the engine hands the head the one fast/head_kernels.py picks for
     its device (flash on a GPU that runs it), and that kernel answers every attention of the head."""
     import clef_engine
-    from clef_engine import engine as engine_module
+    from clef_engine import runner as runner_module
     from clef_engine.model.head import attention_masked
 
     keys_seen = []
@@ -481,14 +483,14 @@ def test_the_engine_gives_the_head_the_attention_kernel_chosen_for_its_device(ti
         keys_seen.append(k.shape[1])
         return attention_masked(q, k, v, counts)
 
-    monkeypatch.setattr(engine_module, "head_attention_kernel", lambda device, dtype, head_dim: chosen)
+    monkeypatch.setattr(runner_module, "head_attention_kernel", lambda device, dtype, head_dim: chosen)
     engine = clef_engine.load(tiny_release, device="cpu", dtype="float32")
     try:
-        assert engine.head.attention is chosen and engine.kernel_info()["head_attention"] == "chosen"
+        assert engine.runner.head.attention is chosen and engine.info()["kernels"]["head_attention"] == "chosen"
         engine.decide({"state": "the invoice is paid", "questions": {"q": {"type": "noul", "instructions": "Paid?"}}})
     finally:
         engine.close()
-    config = engine.head.config
+    config = engine.runner.head.config
     assert len(keys_seen) == config.routing_layers + 2 * config.layers
 
 
@@ -512,7 +514,8 @@ def test_a_cpu_model_answers_where_transformers_bound_its_gated_deltanet_to_cuda
         monkeypatch.setattr(qwen, name, cuda_only(getattr(bound, "__wrapped__", bound)))
     engine = clef_engine.load(tiny_release, device="cpu", dtype="float32")
     try:
-        assert max_difference(engine.forward_padded(records), tiny_engine.forward_padded(records)) <= TOLERANCE
-        assert max_difference(reference_decide(engine, records), tiny_engine.forward_packed(records)) <= TOLERANCE
+        ours, theirs = engine.runner, tiny_engine.runner
+        assert max_difference(ours.forward_padded(records), theirs.forward_padded(records)) <= TOLERANCE
+        assert max_difference(reference_decide(ours, records), theirs.forward(records)) <= TOLERANCE
     finally:
         engine.close()

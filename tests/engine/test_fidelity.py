@@ -61,15 +61,15 @@ def test_a_kernel_choice_is_measured_against_the_plain_one_with_nothing_left_fro
 
     engine = clef_engine.load(clef_engine.demo_release(), device="cpu", dtype=torch.bfloat16)
     wide = kernels.Kernels(residual_projection=lambda x, weight: F.linear(x.float(), weight.float()))
-    engine.backbone.kernels = wide
+    engine.runner.backbone.kernels = wide
     records = [engine.encode({"state": "the invoice is late " * n, "questions": {
         "late": {"type": "noul", "instructions": "Is it late?"}}}) for n in (3, 700)]
-    default = [engine.forward_batch([r])[0] for r in records]
-    assert engine.state_cache.stats()["stored"] == 1  # the long record's state, computed with the default kernels
-    hits = engine.state_cache.stats()["hits"]
+    default = [engine.runner.forward([r])[0] for r in records]
+    assert engine.runner.state_cache.stats()["stored"] == 1  # the long record's state, from the default kernels
+    hits = engine.runner.state_cache.stats()["hits"]
     variants = dict(_variants(engine, records))
     assert list(variants) == ["bf16_residual_projection"]
-    assert engine.state_cache.stats()["hits"] == hits  # the variant computed its own states
-    assert engine.backbone.kernels is wide
-    engine.backbone.kernels = kernels.Kernels()
-    assert variants["bf16_residual_projection"] == [engine.forward_batch([r])[0] for r in records] != default
+    assert engine.runner.state_cache.stats()["hits"] == hits  # the variant computed its own states
+    assert engine.runner.backbone.kernels is wide
+    engine.runner.backbone.kernels = kernels.Kernels()
+    assert variants["bf16_residual_projection"] == [engine.runner.forward([r])[0] for r in records] != default

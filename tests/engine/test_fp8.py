@@ -138,7 +138,7 @@ def records(engine):
 
 def test_the_fp8_backbone_stays_close_to_bf16_and_holds_no_bf16_projection_weights(bf16_engine):
     engine = bf16_engine
-    model = copy.deepcopy(engine.model)
+    model = copy.deepcopy(engine.runner.model)
     backbone = PackedBackbone(model, K.Kernels(fp8=FP8.Fp8Kernels()), precision="fp8")
     text = model.model.language_model
     for layer in text.layers:  # every projection is FP8 now, the transformers modules included
@@ -152,7 +152,7 @@ def test_the_fp8_backbone_stays_close_to_bf16_and_holds_no_bf16_projection_weigh
     encoded = records(engine)
     ids = torch.tensor([t for r in encoded for t in r.input_ids])
     segments = make_segments([len(r) for r in encoded], torch.device("cpu"))
-    want, _ = engine.backbone.forward(ids, segments)
+    want, _ = engine.runner.backbone.forward(ids, segments)
     got, _ = backbone.forward(ids, segments)
     error = ((got.float() - want.float()).norm() / want.float().norm()).item()
     assert 0 < error < 0.1, error  # quantized (not the bf16 path), and close to it
@@ -165,7 +165,7 @@ def test_the_fp8_backbone_stays_close_to_bf16_and_holds_no_bf16_projection_weigh
 
 
 def test_an_fp8_backbone_refuses_kernels_without_fp8_slots(bf16_engine):
-    model = copy.deepcopy(bf16_engine.model)
+    model = copy.deepcopy(bf16_engine.runner.model)
     with pytest.raises(ReleaseError, match="FP8 slots"):
         PackedBackbone(model, K.Kernels(), precision="fp8")
     backbone = PackedBackbone(model, K.Kernels(fp8=FP8.Fp8Kernels()), precision="fp8")
@@ -177,7 +177,7 @@ def test_an_fp8_backbone_refuses_kernels_without_fp8_slots(bf16_engine):
 def test_scaled_mm_shapes_are_checked_before_quantizing(bf16_engine):
     """The tiny release's Gated DeltaNet b/a projections have 4 outputs: torch._scaled_mm cannot take them, and the
     refusal names them rather than failing inside the first request."""
-    model = copy.deepcopy(bf16_engine.model)
+    model = copy.deepcopy(bf16_engine.runner.model)
     kernels = K.Kernels(fp8=FP8.Fp8Kernels(linear=FP8.linear_fp8_scaled_mm))
     with pytest.raises(ReleaseError, match=r"multiples of 16.*in_proj_b \[4, 64\]"):
         PackedBackbone(model, kernels, precision="fp8")

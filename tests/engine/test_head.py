@@ -74,10 +74,10 @@ def test_parameter_count_matches_published_head_sizes(hidden, parameters):
 
 
 def test_strict_load_rejects_a_foreign_state_dict(tiny_engine):
-    state = tiny_engine.head.state_dict()
+    state = tiny_engine.runner.head.state_dict()
     state.pop("residual_gate")
     with pytest.raises(RuntimeError, match="residual_gate"):
-        JointSchemaHead(tiny_engine.head.config).load_state_dict(state, strict=True)
+        JointSchemaHead(tiny_engine.runner.head.config).load_state_dict(state, strict=True)
 
 
 def random_record(rng: random.Random, n_questions: int, max_options: int, vocab: int) -> EncodedRecord:
@@ -126,7 +126,7 @@ def batched_vs_reference(head, embeddings, records, seed: int) -> float:
 @pytest.mark.parametrize("seed", range(6))
 def test_batched_head_equals_per_option_oracle(tiny_engine, seed):
     rng = random.Random(seed)
-    head, embeddings = tiny_engine.head, tiny_engine.output_embeddings
+    head, embeddings = tiny_engine.runner.head, tiny_engine.runner.output_embeddings
     records = [random_record(rng, rng.randint(1, 12), rng.choice([3, 10, 40]), embeddings.shape[0])
                for _ in range(rng.randint(1, 5))]
     assert batched_vs_reference(head, embeddings, records, seed) <= 1e-5
@@ -135,7 +135,7 @@ def test_batched_head_equals_per_option_oracle(tiny_engine, seed):
 def test_batched_head_at_the_published_limits(tiny_engine):
     """64 questions, choice questions up to 255 options, in a batch with a one-question record."""
     rng = random.Random(7)
-    head, embeddings = tiny_engine.head, tiny_engine.output_embeddings
+    head, embeddings = tiny_engine.runner.head, tiny_engine.runner.output_embeddings
     big = random_record(rng, 64, 255, embeddings.shape[0])
     wide = random_record(rng, 1, 2, embeddings.shape[0])
     wide_spans, cursor = [], len(wide.input_ids)
@@ -151,12 +151,13 @@ def test_batched_head_at_the_published_limits(tiny_engine):
 
 def test_probabilities_are_a_softmax_per_question(tiny_engine):
     rng = random.Random(3)
-    records = [random_record(rng, 5, 6, tiny_engine.output_embeddings.shape[0]) for _ in range(3)]
+    records = [random_record(rng, 5, 6, tiny_engine.runner.output_embeddings.shape[0]) for _ in range(3)]
     offsets = [0, len(records[0]), len(records[0]) + len(records[1])]
     batch = layout(records, offsets, [len(r) for r in records])
-    hidden = torch.randn(sum(len(r) for r in records), tiny_engine.head.config.hidden_size)
+    hidden = torch.randn(sum(len(r) for r in records), tiny_engine.runner.head.config.hidden_size)
     with torch.inference_mode():
-        probabilities = option_probabilities(tiny_engine.head(hidden, tiny_engine.output_embeddings, batch), batch)
+        logits = tiny_engine.runner.head(hidden, tiny_engine.runner.output_embeddings, batch)
+        probabilities = option_probabilities(logits, batch)
     sums = torch.zeros(batch.question_count.shape[0]).index_add_(0, batch.option_question, probabilities)
     assert torch.allclose(sums, torch.ones_like(sums), atol=1e-6)
     assert (probabilities > 0).all()
@@ -167,8 +168,8 @@ def test_engine_answers_equal_the_reference_path(tiny_engine):
 
     requests = [REQUEST, dict(REQUEST, state="a much shorter state"), dict(REQUEST, state=["x"] * 50)]
     records = [tiny_engine.encode(r) for r in requests]
-    ours = tiny_engine.forward_padded(records)
-    reference = reference_decide(tiny_engine, records)
+    ours = tiny_engine.runner.forward_padded(records)
+    reference = reference_decide(tiny_engine.runner, records)
     worst = max(abs(a - b) for ro, rr in zip(ours, reference) for qo, qr in zip(ro, rr) for a, b in zip(qo, qr))
     assert worst <= 1e-5
 
@@ -178,7 +179,7 @@ def test_engine_answers_equal_the_reference_path(tiny_engine):
 def test_every_dropout_is_a_no_op(tiny_engine):
     """The batched forward skips dropout and calls the layers' parameters directly: exact only while every dropout
     has p=0 and the decoder layers are pre-norm with exact GELU."""
-    for module in tiny_engine.head.modules():
+    for module in tiny_engine.runner.head.modules():
         if isinstance(module, torch.nn.Dropout):
             assert module.p == 0.0
         if isinstance(module, torch.nn.MultiheadAttention):
@@ -189,7 +190,7 @@ def test_every_dropout_is_a_no_op(tiny_engine):
 
 def test_one_record_has_no_padding_and_equals_the_oracle(tiny_engine):
     rng = random.Random(11)
-    head, embeddings = tiny_engine.head, tiny_engine.output_embeddings
+    head, embeddings = tiny_engine.runner.head, tiny_engine.runner.output_embeddings
     record = random_record(rng, 64, 10, embeddings.shape[0])
     batch = layout([record], [0], [len(record)])
     assert batch.record_rows is None and batch.memory_padding is None and batch.record_options is None
@@ -209,7 +210,7 @@ def batch_vs_reference_one(head, embeddings, record, offset: int) -> float:
 def test_mixed_batch_with_padding_equals_the_oracle(tiny_engine):
     """Records of different lengths, question and option counts: memory, options and fields all padded."""
     rng = random.Random(12)
-    head, embeddings = tiny_engine.head, tiny_engine.output_embeddings
+    head, embeddings = tiny_engine.runner.head, tiny_engine.runner.output_embeddings
     records = [random_record(rng, n, 10, embeddings.shape[0]) for n in (1, 9, 3)]
     records[1].input_ids += [0] * 100  # the longest by far
     offsets = [0, len(records[0]), len(records[0]) + len(records[1])]
@@ -222,7 +223,7 @@ def test_a_very_long_option_is_pooled_in_chunks(tiny_engine):
     """One span far longer than the others is cut into chunks (the grid stays ~2x the tokens) and gives the same
     answers."""
     rng = random.Random(13)
-    head, embeddings = tiny_engine.head, tiny_engine.output_embeddings
+    head, embeddings = tiny_engine.runner.head, tiny_engine.runner.output_embeddings
     record = random_record(rng, 4, 10, embeddings.shape[0])
     start = len(record.input_ids)
     record.input_ids += [rng.randrange(embeddings.shape[0]) for _ in range(300)]
@@ -341,7 +342,7 @@ def test_bf16_head_keeps_float32_between_its_gemms_and_is_closer_to_float32_than
     import copy
 
     rng = random.Random(5)
-    head32, embeddings32 = tiny_engine.head, tiny_engine.output_embeddings
+    head32, embeddings32 = tiny_engine.runner.head, tiny_engine.runner.output_embeddings
     head16, embeddings16 = copy.deepcopy(head32).to(torch.bfloat16), embeddings32.to(torch.bfloat16)
     record = random_record(rng, 64, 10, embeddings32.shape[0])
     hidden = torch.randn(len(record), head32.config.hidden_size, generator=torch.Generator().manual_seed(0))
@@ -363,12 +364,13 @@ def test_a_bf16_head_reloaded_in_place_answers_with_its_new_weights(tiny_engine)
     import copy
 
     rng = random.Random(9)
-    embeddings = tiny_engine.output_embeddings.to(torch.bfloat16)
+    embeddings = tiny_engine.runner.output_embeddings.to(torch.bfloat16)
     record = random_record(rng, 4, 5, embeddings.shape[0])
-    hidden = torch.randn(len(record), tiny_engine.head.config.hidden_size, generator=torch.Generator().manual_seed(9))
+    hidden = torch.randn(len(record), tiny_engine.runner.head.config.hidden_size,
+                         generator=torch.Generator().manual_seed(9))
     hidden = hidden.to(torch.bfloat16)
     batch = layout([record], [0], [len(record)])
-    head = copy.deepcopy(tiny_engine.head).to(torch.bfloat16)
+    head = copy.deepcopy(tiny_engine.runner.head).to(torch.bfloat16)
     other = {name: value + 0.05 if "norm" in name or "scorer.3" in name or "scale" in name else value
              for name, value in head.state_dict().items()}
     fresh = JointSchemaHead(head.config).to(torch.bfloat16).eval()

@@ -60,7 +60,7 @@ def test_chunks_end_at_multiples_of_the_chunk_size_and_at_the_split():
 ])
 def test_a_record_in_chunks_has_the_whole_forwards_hidden_states_and_layer_states(tiny_engine, length, chunk,
                                                                                     split_at):
-    backbone = tiny_engine.backbone
+    backbone = tiny_engine.runner.backbone
     ids = torch.randint(0, backbone.embed.shape[0], (length,), generator=torch.Generator().manual_seed(length))
     whole, want_states = backbone.forward(ids, make_segments([length], tiny_engine.device), split_at=split_at)
     pieces: list[tuple[int, torch.Tensor]] = []
@@ -82,18 +82,18 @@ def test_a_record_in_chunks_has_the_whole_forwards_hidden_states_and_layer_state
 
 def test_a_long_record_is_answered_in_chunks_as_it_is_whole(tiny_engine, chunked_engine, monkeypatch):
     """Through the engine's own path with the state cache off: every layer sees at most a chunk of tokens."""
-    monkeypatch.setattr(chunked_engine.state_cache, "enabled", False)
+    monkeypatch.setattr(chunked_engine.runner.state_cache, "enabled", False)
     rows: list[int] = []
-    run_chunk = chunked_engine.backbone._forward_chunk
-    monkeypatch.setattr(chunked_engine.backbone, "_forward_chunk",
+    run_chunk = chunked_engine.runner.backbone._forward_chunk
+    monkeypatch.setattr(chunked_engine.runner.backbone, "_forward_chunk",
                         lambda ids, *rest: rows.append(ids.shape[0]) or run_chunk(ids, *rest))
     short = {"state": "a short ticket", "questions": {"paid": {"type": "noul", "instructions": "Is it paid?"}}}
     records = [tiny_engine.encode(body) for body in (short, words_request(20, 1), words_request(150, 2))]
     lengths = [len(r) for r in records]
     assert min(lengths) < CHUNK < max(lengths) and any(n % CHUNK for n in lengths if n > CHUNK)
     for record in records:
-        whole = tiny_engine.forward_packed([record])
-        chunked = chunked_engine.forward_packed([record])
+        whole = tiny_engine.runner.forward([record])
+        chunked = chunked_engine.runner.forward([record])
         assert max_difference(chunked, whole) <= TOLERANCE
     assert max(rows) == CHUNK and len(rows) == sum(-(-n // CHUNK) for n in lengths if n > CHUNK)
 
@@ -102,12 +102,12 @@ def test_a_long_state_stored_in_chunks_answers_a_new_schema_as_the_whole_record_
                                                                                      monkeypatch):
     """The state cache takes the chunked forward's state at the state's end (a chunk boundary of its own), and the
     continuation from it answers a new schema as the whole record does; the state is stored after the answer."""
-    cache = chunked_engine.state_cache
+    cache = chunked_engine.runner.state_cache
     cache.clear()
     monkeypatch.setattr(cache, "min_prefix_tokens", 64)
     events: list[str] = []
-    head_one, put = chunked_engine.head_one, cache.put
-    monkeypatch.setattr(chunked_engine, "head_one", lambda *a: events.append("answer") or head_one(*a))
+    head_one, put = chunked_engine.runner.head_one, cache.put
+    monkeypatch.setattr(chunked_engine.runner, "head_one", lambda *a: events.append("answer") or head_one(*a))
     monkeypatch.setattr(cache, "put", lambda *a: events.append("store") or put(*a))
     first = words_request(600, 7)
     second = dict(first, questions={"kind": {"type": "choice", "instructions": "Which kind of ticket",
@@ -116,8 +116,8 @@ def test_a_long_state_stored_in_chunks_answers_a_new_schema_as_the_whole_record_
         for body in (first, second):
             record = chunked_engine.encode(body)
             assert record.state_end > 2 * CHUNK and record.state_end % CHUNK  # the split inside a chunk
-            got = chunked_engine.forward_packed([record])
-            assert max_difference(got, tiny_engine.forward_packed([record])) <= TOLERANCE
+            got = chunked_engine.runner.forward([record])
+            assert max_difference(got, tiny_engine.runner.forward([record])) <= TOLERANCE
         assert events == ["answer", "store", "answer"]  # stored after the first answer; the second is a hit
         assert cache.stats()["hits"] == 1 and cache.stats()["stored"] == 1
     finally:
@@ -130,12 +130,12 @@ def test_a_record_run_in_chunks_first_moves_earlier_states_out_of_the_device_tie
     while a long record's chunks run, no earlier state is on the device; a record short enough to run whole leaves
     the stored states where they are. The long record's own state is stored after its answer, and it answers as the
     whole-record forward does."""
-    cache = chunked_engine.state_cache
+    cache = chunked_engine.runner.state_cache
     cache.clear(reset_stats=True)
     monkeypatch.setattr(cache, "min_prefix_tokens", 40)
     held_during_chunks: list[int] = []
-    run_chunk = chunked_engine.backbone._forward_chunk
-    monkeypatch.setattr(chunked_engine.backbone, "_forward_chunk",
+    run_chunk = chunked_engine.runner.backbone._forward_chunk
+    monkeypatch.setattr(chunked_engine.runner.backbone, "_forward_chunk",
                         lambda *args: held_during_chunks.append(cache.stats()["device_bytes"]) or run_chunk(*args))
     words = "the invoice ticket customer payment refund amount total due date vendor alert".split()
     short, other_short = ({"state": " ".join(words[(i * 7 + seed) % 12] for i in range(n)),
@@ -146,16 +146,16 @@ def test_a_record_run_in_chunks_first_moves_earlier_states_out_of_the_device_tie
         for body in (short, other_short):
             record = chunked_engine.encode(body)
             assert record.state_end >= 40 and len(record) < CHUNK
-            chunked_engine.forward_packed([record])
+            chunked_engine.runner.forward([record])
         assert cache.stats()["entries"] == 2 and not held_during_chunks  # two states kept; nothing ran in chunks
         record = chunked_engine.encode(long)
         assert len(record) > 2 * CHUNK
-        got = chunked_engine.forward_packed([record])
-        assert max_difference(got, tiny_engine.forward_packed([record])) <= TOLERANCE
+        got = chunked_engine.runner.forward([record])
+        assert max_difference(got, tiny_engine.runner.forward([record])) <= TOLERANCE
         assert held_during_chunks and set(held_during_chunks) == {0}
         stats = cache.stats()
         assert stats["entries"] == 1 and stats["stored"] == 3 and stats["evicted"] == 2  # the long one's own state
-        chunked_engine.forward_packed([chunked_engine.encode(short)])
+        chunked_engine.runner.forward([chunked_engine.encode(short)])
         assert cache.stats()["misses"] == 4  # the short state was moved out: computed again
     finally:
         cache.clear()
@@ -171,7 +171,7 @@ def test_a_chunked_record_with_the_triton_kernels_matches_the_whole_pytorch_forw
         from clef_engine.fast import kernels
         from clef_engine.fast.segments import make_segments
         engine = clef_engine.load(clef_engine.demo_release(), device="cpu")
-        backbone = engine.backbone
+        backbone = engine.runner.backbone
         ids = torch.randint(0, backbone.embed.shape[0], (75,), generator=torch.Generator().manual_seed(0))
         plain, _ = backbone.forward(ids, make_segments([75], torch.device("cpu")))
         backbone.kernels = kernels.Kernels(causal_conv=kernels.causal_conv_triton,
@@ -219,7 +219,7 @@ def test_the_cudnn_chunk_attention_merges_to_the_causal_attention_after_the_earl
 
 def test_a_record_in_chunks_on_the_cudnn_chunk_attention_has_the_whole_forwards_hidden_states(tiny_engine,
                                                                                               monkeypatch):
-    backbone = tiny_engine.backbone
+    backbone = tiny_engine.runner.backbone
     chunk_attention = functools.partial(attention.attention_chunk_cudnn, attend=attention.attention_with_lse_torch,
                                         grouped=True)
     ids = torch.randint(0, backbone.embed.shape[0], (450,), generator=torch.Generator().manual_seed(1))

@@ -71,12 +71,12 @@ def release_probabilities(engine, processor, request: dict, videos: list, **proc
         option_spans=[[(a + shift, b + shift) for a, b in spans] for spans in text_only.option_spans],
         token_counts={}, media_offset=start,
         media_inputs={k: outputs[k] for k in ("pixel_values_videos", "video_grid_thw")})
-    return reference_decide(engine, [record])[0]
+    return reference_decide(engine.runner, [record])[0]
 
 
 def engine_probabilities(engine, request: dict) -> list[list[float]]:
     """What Engine.decide computes, before rounding: the same encode and the same batch function."""
-    return engine.forward_batch([engine.encode(request)])[0]
+    return engine.runner.forward([engine.encode(request)])[0]
 
 
 def assert_close(ours: list[list[float]], release: list[list[float]], tolerance: float = 1e-5) -> None:

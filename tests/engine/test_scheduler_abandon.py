@@ -8,26 +8,25 @@ import threading
 import pytest
 
 from clef_engine.errors import CancelledError
-from clef_engine.scheduler import BatchAbandoned, Scheduler
+from clef_engine.scheduler import BatchSteps, Scheduler
 
 STEPS = 2_000  # a batch that is not abandoned takes a few seconds
 
 
 class Steps:
-    """A run_batch of many steps that checks `should_stop` between them, as the engine does between layers."""
+    """A run_batch of many steps that calls `steps.stop_if_abandoned` between them, as the runner does between
+    layers."""
 
     def __init__(self) -> None:
-        self.scheduler: Scheduler | None = None
         self.started = threading.Event()
         self.steps = 0
         self.batches: list[list] = []
 
-    def __call__(self, records: list) -> list:
+    def __call__(self, records: list, steps: BatchSteps) -> list:
         self.batches.append(records)
         self.started.set()
         for _ in range(STEPS):
-            if self.scheduler.should_stop():
-                raise BatchAbandoned
+            steps.stop_if_abandoned()
             self.steps += 1
             threading.Event().wait(0.001)
         return [f"done {r}" for r in records]
@@ -35,7 +34,7 @@ class Steps:
 
 def test_a_running_job_abandoned_stops_at_the_next_step() -> None:
     steps = Steps()
-    scheduler = steps.scheduler = Scheduler(steps, token_budget=10)
+    scheduler = Scheduler(steps, token_budget=10)
     try:
         future = scheduler.submit(["a"], tokens=1)
         assert steps.started.wait(30)
@@ -52,7 +51,7 @@ def test_a_running_job_abandoned_stops_at_the_next_step() -> None:
 
 def test_an_abandoned_job_runs_no_more_of_its_batches() -> None:
     steps = Steps()
-    scheduler = steps.scheduler = Scheduler(steps, token_budget=2)
+    scheduler = Scheduler(steps, token_budget=2)
     try:
         future = scheduler.submit(["a", "b", "c", "d", "e", "f"], tokens=6)  # three batches of two
         assert steps.started.wait(30)
@@ -69,7 +68,7 @@ def test_an_abandoned_job_runs_no_more_of_its_batches() -> None:
 
 def test_abandoning_a_queued_job_cancels_it() -> None:
     steps = Steps()
-    scheduler = steps.scheduler = Scheduler(steps, token_budget=1)
+    scheduler = Scheduler(steps, token_budget=1)
     try:
         running = scheduler.submit(["a"], tokens=1)
         assert steps.started.wait(30)

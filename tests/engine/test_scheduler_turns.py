@@ -10,14 +10,14 @@ from concurrent.futures import Future
 
 import pytest
 
-from clef_engine.scheduler import GpuTurn, Scheduler, device_turn
+from clef_engine.scheduler import BatchSteps, GpuTurn, Scheduler, device_turn
 
 BATCH_S = 0.05  # the fake GPU's time per batch
 
 
 class FakeGpu:
     """run_batch of each engine logs (engine, what it started / ended) on one shared timeline; `layers` splits a batch
-    into steps with the engine's between-layers call, as Engine.forward_packed does in bulk batches."""
+    into steps with the engine's between-layers call, as the packed runner does in bulk batches."""
 
     def __init__(self) -> None:
         self.log: list[tuple[str, str]] = []
@@ -27,9 +27,7 @@ class FakeGpu:
         self.during: dict[tuple[str, int], Callable[[], None]] = {}  # (record, layer) → called after that layer
 
     def engine(self, name: str, turn: GpuTurn, *, layers: int = 1, batch_s: float = BATCH_S) -> Scheduler:
-        holder: dict[str, Scheduler] = {}
-
-        def run_batch(records: list) -> list:
+        def run_batch(records: list, steps: BatchSteps) -> list:
             with self.lock:
                 self.running += 1
                 self.overlaps += self.running > 1
@@ -43,9 +41,7 @@ class FakeGpu:
                 if layer < layers - 1:
                     with self.lock:
                         self.running -= 1
-                    scheduler = holder["scheduler"]
-                    if scheduler.interactive_waiting():
-                        scheduler.run_waiting_interactive()
+                    steps.let_interactive_in()
                     with self.lock:
                         self.running += 1
             with self.lock:
@@ -53,8 +49,7 @@ class FakeGpu:
                 self.log.append((name, f"end {records[0]}"))
             return records
 
-        holder["scheduler"] = Scheduler(run_batch, token_budget=1, name=f"worker-{name}", turn=turn)
-        return holder["scheduler"]
+        return Scheduler(run_batch, token_budget=1, name=f"worker-{name}", turn=turn)
 
 
 def test_two_engines_alternate_and_never_overlap():

@@ -60,18 +60,18 @@ def test_packed_backbone_with_triton_kernels_matches_the_pytorch_kernels():
         records = [engine.encode(r) for r in requests]
         ids = torch.tensor([t for r in records for t in r.input_ids])
         segments = make_segments([len(r) for r in records], torch.device("cpu"))
-        plain, _ = engine.backbone.forward(ids, segments)
+        plain, _ = engine.runner.backbone.forward(ids, segments)
         fused = kernels.Kernels(rms_norm=kernels.rms_norm_triton, gated_rms_norm=kernels.gated_rms_norm_triton,
                                 causal_conv=kernels.causal_conv_triton, norm_rope=kernels.norm_rope_triton,
                                 sigmoid_gate=kernels.sigmoid_gate_triton, silu_mul=kernels.silu_mul_triton)
-        engine.backbone.kernels = fused
-        got, _ = engine.backbone.forward(ids, segments)
+        engine.runner.backbone.kernels = fused
+        got, _ = engine.runner.backbone.forward(ids, segments)
         error = (got - plain).abs().max().item()
         print("max abs difference", error)
         assert error <= 1e-4, error
-        answers = engine.forward_packed(records)
-        engine.backbone.kernels = kernels.Kernels()
-        assert max(abs(a - b) for x, y in zip(answers, engine.forward_packed(records)) for qa, qb in zip(x, y)
+        answers = engine.runner.forward(records)
+        engine.runner.backbone.kernels = kernels.Kernels()
+        assert max(abs(a - b) for x, y in zip(answers, engine.runner.forward(records)) for qa, qb in zip(x, y)
                    for a, b in zip(qa, qb)) <= 1e-5
     """)
     assert "max abs difference" in out

@@ -1,0 +1,271 @@
+"""The model runner: encoded records in, per record per question the options' probabilities out, with one host sync
+per batch. It knows nothing of requests or of the queue: the engine picks one runner at load (`PlainRunner` for
+packed=False, else `PackedRunner`) and the scheduler calls its `forward` with each batch and the batch's
+`BatchSteps`, its one way to reach the scheduler."""
+
+from __future__ import annotations
+
+import importlib.util
+import itertools
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+from .config import EngineConfig
+from .fast import attention, kernels
+from .fast.cache import PrefixCache, PrefixState, StateCache
+from .fast.graphs import HeadGraphs, PrefillGraphs
+from .fast.head_kernels import head_attention_kernel
+from .fast.packed import PackedBackbone, chunked_head_inputs, pack_ids
+from .fast.segments import make_segments
+from .model import backbone
+from .model.encoding import DEFAULT_MAX_LENGTH, EncodedRecord
+from .model.head import HeadBatch, JointSchemaHead, layout, option_probabilities
+from .scheduler import BatchSteps
+
+LAYERS_AHEAD = 1  # in a bulk batch, how many layers the host may launch ahead of the GPU
+LONG_ATTENTION_WARM_TOKENS = 2 * DEFAULT_MAX_LENGTH  # warm-up builds cuDNN's attention plans up to this length
+UNCHECKED = BatchSteps()  # a batch run outside the scheduler (tests, benchmarks): nothing to stop or let in
+
+Probabilities = list[list[float]]  # one record's: per question, the options' probabilities in model order
+
+
+def fast_kernels_available() -> dict[str, bool]:
+    """Which optional fast kernels can be imported here (they are used only on CUDA)."""
+    return {name: importlib.util.find_spec(module) is not None
+            for name, module in (("flash-linear-attention", "fla"), ("causal-conv1d", "causal_conv1d"))}
+
+
+class PlainRunner:
+    """The release's own padded call for a whole scheduler batch: padded backbone batches of similar length, then
+    the batched head."""
+
+    path = "forward_plain"
+
+    def __init__(self, model: Any, head: JointSchemaHead, config: EngineConfig, pad_token_id: int) -> None:
+        self.model, self.head, self.config, self.pad_token_id = model, head, config, pad_token_id
+        self.device, self.dtype = config.device, config.dtype
+        self.output_embeddings = model.lm_head.weight  # the head reads it as a table (untied in Clef)
+        # chosen (and checked on the device) here, on the loading thread: not first inside a CUDA graph capture
+        head.attention = head_attention_kernel(self.device, self.dtype, head.config.width // head.config.heads)
+
+    @torch.inference_mode()
+    def forward(self, records: list[EncodedRecord], steps: BatchSteps = UNCHECKED) -> list[Probabilities]:
+        results: dict[int, Probabilities] = {}
+        self._forward_padded(records, range(len(records)), results, steps)
+        return [results[i] for i in range(len(records))]
+
+    def _forward_padded(self, records: list[EncodedRecord], indices: Iterable[int],
+                        results: dict[int, Probabilities], steps: BatchSteps) -> None:
+        """Records `indices` in padded batches: text apart from media, similar lengths together (sorted), each
+        batch's padded size (count × longest) within the token budget, a record longer than the budget alone (the
+        padded call pays for padding, so it regroups the scheduler's batch by length)."""
+        chunks: list[list[int]] = []
+        for index in sorted(indices, key=lambda i: (records[i].has_media, len(records[i]))):
+            chunk = chunks[-1] if chunks else None
+            if (chunk and records[chunk[0]].has_media == records[index].has_media
+                    and (len(chunk) + 1) * len(records[index]) <= self.config.token_budget):
+                chunk.append(index)
+            else:
+                chunks.append([index])
+        for chunk in chunks:
+            for i, probs in zip(chunk, self.forward_padded([records[i] for i in chunk], steps)):
+                results[i] = probs
+
+    @torch.inference_mode()
+    def forward_padded(self, records: list[EncodedRecord], steps: BatchSteps = UNCHECKED) -> list[Probabilities]:
+        """One padded backbone batch, then the batched head."""
+        steps.stop_if_abandoned()
+        hidden = backbone.run_padded(self.model, records, self.pad_token_id)
+        batch_size, padded_length, width = hidden.shape
+        lengths = [len(r) for r in records]
+        offsets = [b * padded_length for b in range(batch_size)]
+        return self.head_probabilities(hidden.reshape(-1, width), records, offsets, lengths, steps)
+
+    def head_one(self, normed: torch.Tensor, memory: torch.Tensor, record: EncodedRecord,
+                 steps: BatchSteps = UNCHECKED) -> Probabilities:
+        """The head over one record's normed hidden states and memory."""
+        steps.stop_if_abandoned()
+        batch = layout([record], [0], [len(record)]).to(self.device)
+        logits = self.head.decide_from_memory(normed, memory, self.output_embeddings, batch)
+        return split_probabilities(logits, batch, [record])[0]
+
+    def head_probabilities(self, hidden_flat: torch.Tensor, records: list[EncodedRecord], offsets: list[int],
+                           lengths: list[int], steps: BatchSteps = UNCHECKED) -> list[Probabilities]:
+        steps.stop_if_abandoned()
+        if len(records) == 1:
+            normed, memory = self.head.token_memory(hidden_flat[offsets[0]: offsets[0] + lengths[0]].to(self.dtype))
+            return [self.head_one(normed, memory, records[0], steps)]
+        batch = layout(records, offsets, lengths).to(self.device)
+        logits = self.head(hidden_flat.to(self.dtype), self.output_embeddings, batch)
+        return split_probabilities(logits, batch, records)
+
+    def warm_up(self, on_worker: Callable[[Callable[[], Any]], Any]) -> None:
+        """Compile and capture before a user's first request (`on_worker(fn)` calls fn on the worker thread)."""
+
+    def clear_states(self) -> None:
+        """Forget every stored state."""
+
+    def info(self) -> dict[str, Any]:
+        """Which path and which kernels answer requests here, and the state cache's counts (None: no cache)."""
+        return {"kernels": {"available": fast_kernels_available(), "path": self.path,
+                            "head_attention": self.head.attention.__name__},
+                "state_cache": None}
+
+
+class PackedRunner(PlainRunner):
+    """The fast path: records with media take the padded multimodal call; text records run through our packed layer
+    loop (fast/packed.py): several records as one pack with no padding; a record alone in its batch replays a CUDA
+    graph of its length bucket (fast/graphs.py; with CUDA graphs off they hold no bucket), or, when its state is long
+    enough to keep, runs once over the whole record and keeps the state's layer states (fast/cache.py) so that a new
+    schema on the same state later runs only the schema's tokens (`continue_from`). A record alone longer than
+    `prefill_chunk_tokens` runs in chunks of that many tokens (bounded activations)."""
+
+    path = "forward_packed"
+
+    def __init__(self, model: Any, head: JointSchemaHead, config: EngineConfig, pad_token_id: int,
+                 model_key: str) -> None:
+        super().__init__(model, head, config, pad_token_id)
+        self.backbone = PackedBackbone(model, precision=config.precision)
+        self.graphs = PrefillGraphs(self.backbone, config.graph_max_tokens if config.cuda_graphs else 0)
+        self.head_graphs = HeadGraphs(head, self.output_embeddings, max_tokens=32_768 if config.cuda_graphs else 0)
+        self.state_cache = StateCache(config.device, device_bytes=config.state_cache_bytes,
+                                      host_bytes=config.state_cache_host_bytes,
+                                      min_prefix_tokens=config.min_prefix_tokens,
+                                      enabled=config.state_cache_bytes > 0)
+        self.prefix = PrefixCache(self.state_cache, self.backbone, head, self.graphs, model_key=model_key,
+                                  pad_token_id=pad_token_id, dtype=config.dtype)
+
+    @torch.inference_mode()
+    def forward(self, records: list[EncodedRecord], steps: BatchSteps = UNCHECKED) -> list[Probabilities]:
+        """A whole scheduler batch: media records padded; a text record whose state is cached continues from the
+        cache; a text record alone runs by itself (`forward_one`); the other text records run as one pack."""
+        results: dict[int, Probabilities] = {}
+        text = [i for i, r in enumerate(records) if not r.has_media]
+        pack = []
+        for i in text:
+            cached = self.prefix.lookup(records[i]) if len(text) > 1 else None
+            if cached is not None:
+                results[i] = self.continue_from(cached, [records[i]], steps)[0]
+            else:
+                pack.append(i)
+        if len(pack) == 1:
+            results[pack[0]] = self.forward_one(records[pack[0]], steps)
+        elif pack:
+            chosen = [records[i] for i in pack]
+            lengths = [len(r) for r in chosen]
+            segments = make_segments(lengths, self.device)
+            hidden, _ = self.backbone.forward(pack_ids(chosen, self.device), segments,
+                                              between_layers=self.between_layers(steps))
+            for i, probs in zip(pack, self.head_probabilities(hidden, chosen, segments.starts, lengths, steps)):
+                results[i] = probs
+        self._forward_padded(records, [i for i, r in enumerate(records) if r.has_media], results, steps)
+        return [results[i] for i in range(len(records))]
+
+    def continue_from(self, state: PrefixState, records: list[EncodedRecord],
+                      steps: BatchSteps = UNCHECKED) -> list[Probabilities]:
+        """Text records whose state is the stored `state` (`prefix.lookup(record)`): the backbone over each one's
+        schema and suffix tokens only, continuing from the state (from a CUDA graph once the state is reused),
+        then the head."""
+        return [self.head_one(*self.prefix.forward_after(record, state), record, steps) for record in records]
+
+    def forward_one(self, record: EncodedRecord, steps: BatchSteps = UNCHECKED) -> Probabilities:
+        """One text record: continued from its cached state; or, with a state long enough to keep, one forward that
+        also returns the state, stored once the record is answered; or its length bucket's CUDA graph; or eager. A
+        record longer than `prefill_chunk_tokens` runs in chunks (bounded activations, fast/packed.py)."""
+        chunk = self.config.prefill_chunk_tokens
+        key = self.prefix.key(record)
+        cached = self.state_cache.get(key) if key is not None else None
+        if cached is not None:
+            return self.continue_from(cached, [record], steps)[0]
+        if 0 < chunk < len(record):
+            self.state_cache.make_room()  # earlier long states would add to this record's activations and state
+        if key is not None:
+            normed, memory, state = self.prefix.forward_for_store(record, self.between_layers(steps), chunk)
+            answer = self.head_one(normed, memory, record, steps)  # the answer's host sync first: storing after
+            self.state_cache.put(key, state)
+            return answer
+        ids = torch.tensor(record.input_ids, dtype=torch.long).to(self.device, non_blocking=True)
+        if 0 < chunk < len(record):
+            normed, memory, _ = chunked_head_inputs(self.backbone, ids, self.head.token_memory, self.dtype, chunk,
+                                                    between_layers=self.between_layers(steps))
+            return self.head_one(normed, memory, record, steps)
+        hidden = self.graphs.run(ids)
+        if hidden is None:
+            hidden, _ = self.backbone.forward(ids, make_segments([len(record)], self.device),
+                                              between_layers=self.between_layers(steps))
+        normed, memory = self.head.token_memory(hidden.to(self.dtype))
+        return self.head_one(normed, memory, record, steps)
+
+    def between_layers(self, steps: BatchSteps) -> Callable[[int], None]:
+        """For an eager forward: called between layers, it stops the batch once every request in it was abandoned,
+        and, inside a bulk batch, keeps the host at most LAYERS_AHEAD layers ahead of the GPU and lets the
+        interactive requests waiting run: they queue on the GPU behind a few layers of the bulk batch instead of
+        all of it."""
+        if not steps.bulk:
+            return lambda _index: steps.stop_if_abandoned()
+        launched: list[torch.cuda.Event] = []
+
+        def between(_index: int) -> None:
+            steps.stop_if_abandoned()
+            if self.config.cuda:
+                event = torch.cuda.Event()
+                event.record()
+                launched.append(event)
+                if len(launched) > LAYERS_AHEAD:
+                    launched.pop(0).synchronize()
+            steps.let_interactive_in()
+
+        return between
+
+    def head_one(self, normed: torch.Tensor, memory: torch.Tensor, record: EncodedRecord,
+                 steps: BatchSteps = UNCHECKED) -> Probabilities:
+        """From a CUDA graph of the record's shape bucket where head graphs take it, else eagerly."""
+        steps.stop_if_abandoned()
+        probabilities = self.head_graphs.probabilities(normed, memory, record)
+        return probabilities if probabilities is not None else super().head_one(normed, memory, record)
+
+    def use_kernels(self, chosen: kernels.Kernels) -> None:
+        """Run the packed backbone on `chosen` from now on (benchmarks put a kernel back to its plain version to
+        measure what it does). The prefill graphs replay the kernels they were captured with and the state cache
+        holds states the old kernels computed, so both are emptied. Call it while no request runs."""
+        self.backbone.kernels = chosen
+        self.state_cache.clear()
+        self.graphs.forget()
+
+    def warm_up(self, on_worker: Callable[[Callable[[], Any]], Any]) -> None:
+        """A CUDA graph for every length bucket, and cuDNN's attention plan for every padded length of a long
+        record, built on the worker thread (torch keeps cuDNN's plans per thread)."""
+        if self.config.cuda_graphs:
+            self.graphs.capture_all()
+        if self.backbone.kernels.attention is attention.attention_varlen_cudnn_long:
+            text = self.backbone.config
+            # records longer than a chunk run cuDNN's causal attention on at most a chunk and a step of tokens
+            chunk = self.config.prefill_chunk_tokens
+            warm_tokens = chunk + attention.CUDNN_LENGTH_STEP if chunk else LONG_ATTENTION_WARM_TOKENS
+            on_worker(lambda: attention.warm_long_attention(
+                self.device, self.dtype, text.num_attention_heads, text.num_key_value_heads, text.head_dim,
+                warm_tokens))
+
+    def clear_states(self) -> None:
+        self.state_cache.clear(reset_stats=True)
+
+    def info(self) -> dict[str, Any]:
+        info = super().info()
+        info["kernels"].update(
+            packed=self.backbone.kernels.describe(),
+            slow_fallbacks=self.backbone.kernels.slow if self.config.cuda else [],
+            fused_projections=True, prefill_chunk_tokens=self.config.prefill_chunk_tokens or None,  # None: whole
+            media_records="forward_padded (multimodal model, padded batch)",
+            cuda_graphs=self.graphs.describe() if self.config.cuda_graphs else None,
+            head_graphs=self.head_graphs.describe() if self.config.cuda_graphs else None)
+        info["state_cache"] = self.state_cache.stats()
+        return info
+
+
+def split_probabilities(logits: torch.Tensor, batch: HeadBatch, records: list[EncodedRecord]) -> list[Probabilities]:
+    """Each record's probabilities, per question, out of the batch's flat option logits."""
+    flat = iter(option_probabilities(logits, batch).cpu().tolist())  # the one host sync of the batch
+    return [[list(itertools.islice(flat, len(spans))) for spans in record.option_spans] for record in records]
+
