@@ -22,7 +22,7 @@ out of that run's numbers and of every pair it is in; `n` says how many cases ea
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import combinations
 from typing import Any
@@ -37,6 +37,7 @@ DEFAULT_BOOTSTRAP = 1000
 DEFAULT_LEVEL = 0.95
 QUALITY_METRICS = ("accuracy", "ece", "brier")
 LATENCY_METRICS = ("latency_p50_ms", "latency_mean_ms")
+Statistic = Callable[..., np.ndarray]  # per-case columns → the statistic (bootstrapped along the last axis)
 
 
 @dataclass(frozen=True)
@@ -164,7 +165,7 @@ def _p50(values: np.ndarray) -> np.ndarray:
     return np.percentile(values, 50, axis=-1, method=stats.PERCENTILE_METHOD)
 
 
-def _metric_columns(rows: pd.DataFrame, metric: str, bins: int) -> tuple[list[np.ndarray], Callable]:
+def _metric_columns(rows: pd.DataFrame, metric: str, bins: int) -> tuple[list[np.ndarray], Statistic]:
     """The per-case columns a quality metric is computed from, and the statistic over them."""
     if metric == "accuracy":
         return [rows["correct"].to_numpy(float)], _mean
@@ -182,7 +183,7 @@ def _latencies(run: RunData) -> pd.Series:
 # ---- the comparisons ----------------------------------------------------------------------------------------------
 
 
-def _pairs(frame: pd.DataFrame, runs: Sequence[RunData]):
+def _pairs(frame: pd.DataFrame, runs: Sequence[RunData]) -> Iterator[tuple[RunData, RunData, pd.DataFrame]]:
     """(run a, run b, their answers joined on case and question), for every pair, questions of the same type only
     (a question whose type changed between schema versions has no comparable answer)."""
     for a, b in combinations(runs, 2):
@@ -286,7 +287,7 @@ def differences(runs: Sequence[RunData], *, baseline: int = 0, bins: int = 10, n
                 columns_b, _ = _metric_columns(group.rename(columns=lambda c: c.removesuffix("_b")), metric, bins)
                 k = len(columns_a)
 
-                def paired(*columns: np.ndarray, statistic=statistic, k=k) -> np.ndarray:
+                def paired(*columns: np.ndarray, statistic: Statistic = statistic, k: int = k) -> np.ndarray:
                     return statistic(*columns[k:]) - statistic(*columns[:k])
 
                 value = float(paired(*columns_a, *columns_b))
@@ -295,7 +296,7 @@ def differences(runs: Sequence[RunData], *, baseline: int = 0, bins: int = 10, n
                              "metric": metric, "difference": value, "low": low, "high": high, "n": len(group)})
         both = pd.concat([_latencies(base), _latencies(run)], axis=1, join="inner").to_numpy().T
         for metric, statistic in zip(LATENCY_METRICS, (_p50, _mean), strict=True):
-            def paired_latency(a: np.ndarray, b: np.ndarray, statistic=statistic) -> np.ndarray:
+            def paired_latency(a: np.ndarray, b: np.ndarray, statistic: Statistic = statistic) -> np.ndarray:
                 return statistic(b) - statistic(a)
 
             value = float(paired_latency(both[0], both[1])) if both.shape[1] else np.nan

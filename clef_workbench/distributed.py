@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from clef_engine.errors import ClefError, ReleaseError
+from clef_engine.interface import DecisionEngine
 from clef_workbench.casesets import build_request
 from clef_workbench.jobs import JobRunner, _LiveJob
 from clef_workbench.settings import ENVIRONMENT, WorkbenchSettings
@@ -91,7 +92,7 @@ class Replica:
 
     def __init__(self, source: str, revision: str | None, device: str | None, dtype: str | None):
         self.source, self.revision, self.device, self.dtype = source, revision, device, dtype
-        self.engine = None
+        self.engine: DecisionEngine | None = None
         # chunks run in IN_FLIGHT_PER_REPLICA threads: after a restart, the first two both find no engine, and
         # two threads importing transformers' lazy modules at once fail with ImportError
         self.loading = threading.Lock()
@@ -118,9 +119,10 @@ class Replica:
                 except Exception as exc:  # out of memory, no GPU visible …: the driver's message names the node too
                     log.exception("on node %s: loading %s failed", self.node(), self.source)
                     raise ReplicaError(f"on node {self.node()}: {type(exc).__name__}: {exc}") from None
-        info = self.engine.info()
+            engine = self.engine
+        info = engine.info()
         return {"node": self.node(), "device": info["device"], "dtype": info["dtype"], "revision": info["revision"],
-                "token_budget": self.engine.token_budget}
+                "token_budget": engine.token_budget}
 
     def decide(self, items: list[tuple[int, dict]], options: dict) -> list[dict]:
         self.load()
@@ -276,7 +278,7 @@ class RayJobRunner(JobRunner):
         self.pool = pool
         self.address = address
         self.replicas = replicas
-        self.chunk_tokens = chunk_tokens  # None: the run's setting, else the replica's token budget
+        self.replica_chunk_tokens = chunk_tokens  # None: the run's setting, else the replica's token budget
 
     def _work_leased(self, run_id: int, engine: Any, job: _LiveJob) -> None:
         try:
@@ -303,7 +305,7 @@ class RayJobRunner(JobRunner):
         settings = run["settings"] or {}
         options = {"max_length": settings.get("max_length"), "overflow": settings.get("overflow", "refuse")}
         # the setting JobRunner reads too; by default a chunk is one full batch of the replica's engine
-        chunk_tokens = int(self.chunk_tokens or settings.get("chunk_tokens") or pool.info["token_budget"])
+        chunk_tokens = int(self.replica_chunk_tokens or settings.get("chunk_tokens") or pool.info["token_budget"])
         tokens = TokenEstimate()
         chunks = token_chunks(self.store, run, self.store.unfinished_case_ids(run_id), chunk_tokens, tokens)
         retry: deque[list[tuple[int, dict]]] = deque()  # chunks of a crashed replica, sent again first

@@ -78,7 +78,7 @@ class EngineUnreachableError(RuntimeError):
     """The run's model is a remote endpoint that did not answer its check: the run is not started."""
 
 
-def check_engine(engine: DecisionEngine) -> None:
+def check_engine(engine: DecisionEngine | None) -> None:
     """Before a run starts: reach a remote endpoint with one small request (its model list), so that a stopped or
     refusing endpoint is reported at once instead of as one error per case minutes later. Local engines have
     nothing to check. Raises EngineUnreachableError with the endpoint's reason."""
@@ -104,10 +104,12 @@ class JobRunner:
         self._jobs: dict[int, _LiveJob] = {}
         self._lock = threading.Lock()
 
-    def start(self, run_id: int, engine: DecisionEngine, *, retry_failed: bool = False, check: bool = True) -> None:
+    def start(self, run_id: int, engine: DecisionEngine | None, *, retry_failed: bool = False,
+              check: bool = True) -> None:
         """Start (or resume) a run in a background thread; only cases without a result are sent. With
         retry_failed, the cases whose result is an error are sent again too (their errors are replaced, in the
-        same run). A remote model is checked first (check_engine), unless the caller has just done so (check)."""
+        same run). A remote model is checked first (check_engine), unless the caller has just done so (check).
+        `engine` is None only for a RayJobRunner given its replicas."""
         self.store.get_run(run_id)  # raises NotFoundError for a bad id before any thread starts
         if check:
             check_engine(engine)
@@ -154,18 +156,19 @@ class JobRunner:
         running but no thread here is: the process that ran it stopped — resume it)."""
         run = self.store.get_run(run_id)
         job = self._jobs.get(run_id)
-        live = job is not None and job.thread.is_alive()
+        running = job if job is not None and job.thread.is_alive() else None
+        live = running is not None
         remaining = run["total"] - run["done"]
         holder = self.store.run_lease_holder(run_id)
         elsewhere = not live and holder is not None and holder != self.owner  # ours: a lease we could not release
         rate = eta = None
-        if live and job.processed:
-            rate = job.processed / max(time.monotonic() - job.session_started, 1e-9)
+        if running is not None and running.processed:
+            rate = running.processed / max(time.monotonic() - running.session_started, 1e-9)
             eta = remaining / rate
         return {
             "run_id": run_id, "status": run["status"], "total": run["total"], "done": run["done"],
             "errors": run["errors"], "remaining": remaining, "rate_per_s": rate, "eta_s": eta, "live": live,
-            "cancelling": live and job.cancel.is_set(),
+            "cancelling": running is not None and running.cancel.is_set(),
             "elsewhere": elsewhere,  # another process holds the run's lease and works on it
             "interrupted": run["status"] == "running" and not live and not elsewhere,
             "error": run["error"] or (job.last_error if job else None),
@@ -184,7 +187,7 @@ class JobRunner:
             if not renewed:
                 job.lease_lost.set()  # taken over after we failed to renew in time: stop, the new holder goes on
 
-    def _work(self, run_id: int, engine: DecisionEngine) -> None:
+    def _work(self, run_id: int, engine: DecisionEngine | None) -> None:
         job = self._jobs[run_id]
         threading.Thread(target=self._heartbeat, args=(run_id, job), name=f"clef-lease-{run_id}",
                          daemon=True).start()
@@ -197,9 +200,11 @@ class JobRunner:
             except sqlite3.Error:
                 pass  # unwritable database: the lease lapses by itself (expiry, or this process gone)
 
-    def _work_leased(self, run_id: int, engine: DecisionEngine, job: _LiveJob) -> None:
+    def _work_leased(self, run_id: int, engine: DecisionEngine | None, job: _LiveJob) -> None:
         in_flight: deque[_Chunk] = deque()
         try:
+            if engine is None:
+                raise ValueError("a run in this process needs a loaded model: none was given")
             run = self.store.get_run(run_id)
             settings = run["settings"] or {}
             fixed_size = int(settings["chunk_size"]) if settings.get("chunk_size") else None
@@ -315,7 +320,7 @@ class JobRunner:
     def _finish_chunk(self, chunk: _Chunk, engine: DecisionEngine, job: _LiveJob) -> list[dict]:
         """Wait for the chunk's answers; results in the form Store.record_results takes. Cases the engine was too
         busy for are sent again, with backoff, like a chunk refused as a whole."""
-        if not chunk.valid:
+        if chunk.future is None:  # no valid case: nothing went to the engine
             return chunk.errors
         try:
             outcomes = chunk.future.result()
