@@ -32,6 +32,7 @@ import pandas as pd
 
 from clef_workbench import calibration, schema_diff, stats
 from clef_workbench.jobs import EngineUnreachableError, check_engine
+from clef_workbench.store import Result, Run, RunSettings
 
 DEFAULT_BOOTSTRAP = 1000
 DEFAULT_LEVEL = 0.95
@@ -44,21 +45,20 @@ Statistic = Callable[..., np.ndarray]  # per-case columns → the statistic (boo
 class RunData:
     """One run as the store gives it: `run` from Store.get_run, `results` from Store.list_results."""
 
-    run: dict
-    results: list[dict]
+    run: Run
+    results: list[Result]
 
     @property
     def id(self) -> int:
-        return int(self.run["id"])
+        return self.run["id"]
 
     @property
     def label(self) -> str:
         """Short and unique among runs: `#id model · schema vN`."""
-        model = str(self.run.get("model_id") or "?").rstrip("/").rsplit("/", 1)[-1] or "?"
+        model = self.run["model_id"].rstrip("/").rsplit("/", 1)[-1] or "?"
         # a run from the store whose schema content was never saved in the library links no version
         unsaved = " (unsaved)" if "schema_version_id" in self.run and self.run["schema_version_id"] is None else ""
-        return (f"#{self.id} {model} · {self.run.get('schema_name') or 'schema'} "
-                f"v{self.run.get('schema_version', '?')}{unsaved}")
+        return f"#{self.id} {model} · {self.run['schema_name']} v{self.run['schema_version']}{unsaved}"
 
 
 def load_runs(store: Any, run_ids: Sequence[int]) -> list[RunData]:
@@ -69,7 +69,7 @@ def load_runs(store: Any, run_ids: Sequence[int]) -> list[RunData]:
 
 
 def start_runs(store: Any, runner: Any, case_set_id: int, schema: dict, engines: Mapping[str, Any], *,
-               settings: dict | None = None) -> list[int]:
+               settings: RunSettings = RunSettings()) -> list[int]:
     """One run of `schema` on the case set per engine (a local Engine or a RemoteEngine), named by its key (the run's
     model_id, also the `model` its requests carry), all started on `runner` (a jobs.JobRunner) at once: each runs
     in its own thread, so a remote endpoint answers while the local GPU works. Returns the run ids, in order.
@@ -176,8 +176,9 @@ def _metric_columns(rows: pd.DataFrame, metric: str, bins: int) -> tuple[list[np
 
 def _latencies(run: RunData) -> pd.Series:
     """Latency of each successful result, indexed by case id."""
-    ok = [r for r in run.results if not r.get("error") and r.get("response") and r.get("latency_ms") is not None]
-    return pd.Series([float(r["latency_ms"]) for r in ok], index=[r["case_id"] for r in ok], dtype=float)
+    ok = [(r["case_id"], latency) for r in run.results
+          if not r["error"] and r["response"] and (latency := r["latency_ms"]) is not None]
+    return pd.Series([latency for _, latency in ok], index=[case_id for case_id, _ in ok], dtype=float)
 
 
 # ---- the comparisons ----------------------------------------------------------------------------------------------
@@ -367,11 +368,11 @@ def parse_run_ids(text: str | None) -> list[int]:
     return [int(part) for part in (text or "").split(",") if part.strip().isdigit()]
 
 
-def runs_by_case_set(runs: Sequence[dict]) -> dict[int, list[dict]]:
+def runs_by_case_set(runs: Sequence[Run]) -> dict[int, list[Run]]:
     """Runs (Store.list_runs, newest first) grouped by case set, only case sets with two runs or more."""
-    grouped: dict[int, list[dict]] = {}
+    grouped: dict[int, list[Run]] = {}
     for run in runs:
-        grouped.setdefault(int(run["case_set_id"]), []).append(run)
+        grouped.setdefault(run["case_set_id"], []).append(run)
     return {set_id: group for set_id, group in grouped.items() if len(group) >= 2}
 
 

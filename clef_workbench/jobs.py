@@ -35,7 +35,7 @@ from clef_engine.protocol import Question, ValidRequest, prepare_questions
 from clef_engine.remote import RemoteEngine
 from clef_workbench.casesets import build_request
 from clef_workbench.run_status import every_case_failed_message
-from clef_workbench.store import Store, new_lease_owner, now_iso
+from clef_workbench.store import NewResult, Response, Run, Store, new_lease_owner, now_iso
 
 log = logging.getLogger(__name__)
 
@@ -65,9 +65,15 @@ class _Chunk:
 
     started_at: str
     valid: list[tuple[int, ValidRequest]] = field(default_factory=list)  # (case id, request) sent to the engine
-    errors: list[dict] = field(default_factory=list)  # cases refused before the engine
+    errors: list[NewResult] = field(default_factory=list)  # cases refused before the engine
     future: Future | None = None
     began: float = 0.0
+
+
+def error_result(case_id: int, error: Exception, started_at: str) -> NewResult:
+    """A case's result when it got no answer: its error, by type and message."""
+    return NewResult(case_id=case_id, error=f"{type(error).__name__}: {error}", started_at=started_at,
+                     finished_at=now_iso())
 
 
 class JobAlreadyRunningError(RuntimeError):
@@ -206,9 +212,8 @@ class JobRunner:
             if engine is None:
                 raise ValueError("a run in this process needs a loaded model: none was given")
             run = self.store.get_run(run_id)
-            settings = run["settings"] or {}
-            fixed_size = int(settings["chunk_size"]) if settings.get("chunk_size") else None
-            chunk_tokens = int(settings.get("chunk_tokens") or self.chunk_tokens)
+            fixed_size = run["settings"].chunk_size
+            chunk_tokens = run["settings"].chunk_tokens or self.chunk_tokens
             pending = deque(self.store.unfinished_case_ids(run_id))
             tokens_seen = cases_seen = 0
             while pending or in_flight:
@@ -217,7 +222,7 @@ class JobRunner:
                     size = fixed_size or (max(1, chunk_tokens * cases_seen // tokens_seen) if tokens_seen
                                           else self.chunk_size)
                     chunk = [pending.popleft() for _ in range(min(size, len(pending)))]
-                    in_flight.append(self._submit_chunk(run, chunk, engine, settings, job))
+                    in_flight.append(self._submit_chunk(run, chunk, engine, job))
                     if len(in_flight) < 2 and pending:
                         continue  # keep one chunk queued behind the one on the GPU
                 elif stop:
@@ -227,7 +232,7 @@ class JobRunner:
                 results = self._finish_chunk(in_flight.popleft(), engine, job)
                 self.store.record_results(run_id, results)  # while the next chunk runs
                 job.processed += len(results)
-                counted = [r["input_tokens"] for r in results if r.get("input_tokens")]
+                counted = [tokens for r in results if (tokens := r.get("input_tokens"))]
                 tokens_seen += sum(counted)
                 cases_seen += len(counted)
             self._end_run(run_id, job)
@@ -255,7 +260,7 @@ class JobRunner:
             return
         run = self.store.get_run(run_id)
         if run["done"] and run["errors"] == run["done"]:  # no case got an answer: the run failed
-            first = next(r["error"] for r in self.store.list_results(run_id) if r.get("error"))
+            first = next(r["error"] for r in self.store.list_results(run_id) if r["error"] is not None)
             self.store.set_run_status(run_id, "failed", error=every_case_failed_message(run["errors"], first))
         else:
             self.store.set_run_status(run_id, "finished")
@@ -272,19 +277,17 @@ class JobRunner:
         except sqlite3.Error:
             pass  # the run stays `running` under a lease nobody renews: progress() reports it interrupted
 
-    def _submit_chunk(self, run: dict, case_ids: list[int], engine: DecisionEngine, settings: dict,
-                      job: _LiveJob) -> _Chunk:
+    def _submit_chunk(self, run: Run, case_ids: list[int], engine: DecisionEngine, job: _LiveJob) -> _Chunk:
         """Build and check the chunk's requests, then queue the valid ones on the engine (encoding them here)."""
         chunk = _Chunk(started_at=now_iso())
         questions = self._run_questions(run, job)
         for case in self.store.get_cases(case_ids):
             request = build_request(case, run["schema"], model=run["model_id"])
             try:  # validated here, once: the engine encodes the ValidRequest under the run's budget as it is
-                valid = engine.validate(request, max_length=settings.get("max_length"),
-                                        overflow=settings.get("overflow", "refuse"), questions=questions)
+                valid = engine.validate(request, max_length=run["settings"].max_length,
+                                        overflow=run["settings"].overflow, questions=questions)
             except ClefError as exc:  # a bad case is recorded as an error result, the run goes on
-                chunk.errors.append({"case_id": case["id"], "error": f"{type(exc).__name__}: {exc}",
-                                     "started_at": chunk.started_at, "finished_at": now_iso()})
+                chunk.errors.append(error_result(case["id"], exc, chunk.started_at))
                 continue
             chunk.valid.append((case["id"], valid))
         if not chunk.valid:
@@ -300,7 +303,7 @@ class JobRunner:
         return chunk
 
     @staticmethod
-    def _run_questions(run: dict, job: _LiveJob) -> tuple[Question, ...] | None:
+    def _run_questions(run: Run, job: _LiveJob) -> tuple[Question, ...] | None:
         """The run's schema validated once, the first time a chunk asks (its cases then validate only their
         evidence); None while the schema is not valid, so that each case reports the problem."""
         if job.questions is None:
@@ -317,7 +320,7 @@ class JobRunner:
         carries the run's budget (see _submit_chunk)."""
         return engine.submit(requests, priority="bulk", errors="return")
 
-    def _finish_chunk(self, chunk: _Chunk, engine: DecisionEngine, job: _LiveJob) -> list[dict]:
+    def _finish_chunk(self, chunk: _Chunk, engine: DecisionEngine, job: _LiveJob) -> list[NewResult]:
         """Wait for the chunk's answers; results in the form Store.record_results takes. Cases the engine was too
         busy for are sent again, with backoff, like a chunk refused as a whole."""
         if chunk.future is None:  # no valid case: nothing went to the engine
@@ -341,21 +344,21 @@ class JobRunner:
                                             (time.perf_counter() - chunk.began) * 1000)
 
     @staticmethod
-    def _results(valid: list[tuple[int, Any]], outcomes: list[Any], started_at: str, wall_ms: float) -> list[dict]:
+    def _results(valid: list[tuple[int, Any]], outcomes: list[Response | Exception], started_at: str,
+                 wall_ms: float) -> list[NewResult]:
         """One result per case from the engine's outcomes (a response, or the case's own error)."""
         finished_at = now_iso()
-        out = []
+        out: list[NewResult] = []
         for (case_id, _), response in zip(valid, outcomes, strict=True):
             if isinstance(response, Exception):
-                out.append({"case_id": case_id, "error": f"{type(response).__name__}: {response}",
-                            "started_at": started_at, "finished_at": finished_at})
+                out.append(error_result(case_id, response, started_at))
                 continue
             out.append({
                 "case_id": case_id, "response": response,
                 # the record's own compute as the engine saw it (its share of its batch's time), never the time its
                 # chunk waited behind the run's previous one; an engine that does not say: the wall time shared
                 "latency_ms": response.get("x_compute_ms", response.get("x_latency_ms", wall_ms / len(valid))),
-                "input_tokens": (response.get("usage") or {}).get("input_tokens"),
+                "input_tokens": response["usage"]["input_tokens"] if "usage" in response else None,
                 "token_counts": response.get("x_token_counts"),
                 "started_at": started_at, "finished_at": finished_at,
             })

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from clef_workbench.jobs import JobRunner
-from clef_workbench.store import Store
+from clef_workbench.store import RunSettings, Store
 from tests.ray_cluster import assert_same_answers, local_cluster
 from tests.test_jobs import wait_for
 
@@ -38,7 +38,7 @@ TICKET_SCHEMA = json.loads((ROOT / "schemas" / "support-ticket-routing.json").re
 TICKET_SCHEMA.pop("examples")
 TICKETS = [{"state": example["state"]} for example in json.loads(
     (ROOT / "schemas" / "support-ticket-routing.json").read_text())["examples"]]
-SETTINGS = {"chunk_size": 4, "max_length": 3_000, "overflow": "refuse"}
+SETTINGS = RunSettings(chunk_size=4, max_length=3_000)
 
 
 def ticket_set(store: Store, copies: int, *, bad_cases: bool = False) -> int:
