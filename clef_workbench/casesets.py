@@ -431,7 +431,7 @@ def results_table(store: Store, run_id: int) -> pd.DataFrame:
         out.update({f"p:{option}": p for option, p in row.distribution.items()})
         rows.append(out)
     for result in results:
-        if result.get("error"):
+        if result["error"]:
             rows.append({"run_id": run_id, "case_id": result["case_id"], "source_id": result["source_id"],
                          "position": result["position"], "error": result["error"]})
     # the columns are named even when no case has an answer (every case failed): a run of errors exports its errors
@@ -491,7 +491,7 @@ def export_results_jsonl(store: Store, run_id: int) -> str:
             else int(row.input_tokens),
         }, ensure_ascii=False))
     for result in results:
-        if result.get("error"):
+        if result["error"]:
             lines.append(json.dumps({"run_id": run_id, "case_id": result["case_id"], "source_id": result["source_id"],
                                      "error": result["error"]}))
     return "\n".join(lines) + ("\n" if lines else "")

@@ -100,9 +100,9 @@ def check_comparable(runs: Sequence[RunData]) -> None:
     ids = [r.id for r in runs]
     if len(set(ids)) != len(ids):
         raise ValueError(f"a run is listed twice: {ids}")
-    case_sets = {r.run.get("case_set_id") for r in runs}
+    case_sets = {r.run["case_set_id"] for r in runs}
     if len(case_sets) > 1:
-        detail = ", ".join(f"run {r.id} → case set {r.run.get('case_set_id')}" for r in runs)
+        detail = ", ".join(f"run {r.id} → case set {r.run['case_set_id']}" for r in runs)
         raise ValueError(f"runs of different case sets cannot be compared case by case ({detail})")
 
 
@@ -328,8 +328,8 @@ def case_matrix(runs: Sequence[RunData], *, value: str = "predicted", question_i
     cases: dict[int, dict] = {}
     for run in runs:
         for result in run.results:
-            case = cases.setdefault(result["case_id"], {"position": result.get("position")})
-            if result.get("error") and value == "predicted":
+            case = cases.setdefault(result["case_id"], {"position": result["position"]})
+            if result["error"] and value == "predicted":
                 for question_id in run.run["schema"]["questions"]:
                     case[(question_id, run.label)] = f"error: {result['error']}"
     for row in frame[frame["question_id"].isin(questions)].itertuples(index=False):
@@ -510,7 +510,7 @@ def matrix_table(runs: Sequence[RunData], *, disagreements_only: bool = False
     predicted = case_matrix(runs, disagreements_only=disagreements_only)
     confidence = case_matrix(runs, value="confidence", disagreements_only=disagreements_only)
     correct = case_matrix(runs, value="correct", disagreements_only=disagreements_only)
-    states = {r["case_id"]: r.get("state") for run in runs for r in run.results}
+    states = {r["case_id"]: r["state"] for run in runs for r in run.results}
     table = pd.DataFrame({"case": list(predicted.index), "position": predicted[("position", "")].tolist(),
                           "state": [state_summary(states.get(c, "")) for c in predicted.index]})
     verdicts = pd.DataFrame(None, index=table.index, columns=table.columns, dtype=object)
@@ -548,13 +548,13 @@ def case_detail(view: CompareView, case_id: int) -> dict | None:
         if result is None:
             per_run.append({"run": run.label, "error": "no result yet", "answers": {}, "latency_ms": None})
             continue
-        case = case or {"case_id": case_id, "state": result.get("state"), "expected": result.get("expected") or {},
+        case = case or {"case_id": case_id, "state": result["state"], "expected": result["expected"],
                         "tags": result.get("tags") or []}
         frame = stats.answer_frame([result], run.run["schema"])
         answers_ = {row.question_id: {"predicted": row.predicted, "confidence": float(row.confidence),
                                       "probabilities": row.distribution} for row in frame.itertuples()}
-        per_run.append({"run": run.label, "error": result.get("error"), "answers": answers_,
-                        "latency_ms": result.get("latency_ms")})
+        per_run.append({"run": run.label, "error": result["error"], "answers": answers_,
+                        "latency_ms": result["latency_ms"]})
     if case is None:
         return None
     return {**case, "runs": per_run}

@@ -108,7 +108,7 @@ def test_on_ray_the_driver_killed_mid_run_then_resumed_loses_and_duplicates_no_c
     killed_at = run["done"]
     assert run["status"] == "running" and 2 <= killed_at < 20
     assert run["settings"].ray["replicas"] == 2 and run["settings"].chunk_tokens == 1
-    assert PAGE_SETTINGS <= set(run["settings"].to_json())
+    assert PAGE_SETTINGS - {"precision"} <= set(run["settings"].to_json())  # Ray's replicas name no precision
     before = {r["case_id"]: (r["id"], r["finished_at"]) for r in store.list_results(run["id"])}
 
     from clef_workbench.distributed import make_job_runner
