@@ -319,7 +319,7 @@ def store_run(engine, requests: list[dict], schema: dict, db: Path) -> tuple[flo
     set_id = store.create_case_set(f"bench {time.time()}")
     store.add_cases(set_id, [{"state": r["state"]} for r in requests])
     run_id = store.create_run(set_id, schema={"name": "bench", "version": "1", "questions": schema},
-                              model_id="clef", settings={})
+                              model_id="clef")
     runner = JobRunner(store)
     t0 = time.perf_counter()
     runner.start(run_id, engine)

@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from clef_workbench.jobs import JobRunner  # noqa: E402
-from clef_workbench.store import Store  # noqa: E402
+from clef_workbench.store import RunSettings, Store  # noqa: E402
 
 SCHEMA = json.loads((ROOT / "schemas" / "support-ticket-routing.json").read_text())
 TICKETS = [example["state"] for example in SCHEMA.pop("examples")]
@@ -53,7 +53,7 @@ def cpu_seconds(pids: list[int]) -> float:
     return total / os.sysconf("SC_CLK_TCK")
 
 
-def timed_run(store: Store, set_id: int, runner: JobRunner, engine, settings: dict, pids: list[int]) -> dict:
+def timed_run(store: Store, set_id: int, runner: JobRunner, engine, settings: RunSettings, pids: list[int]) -> dict:
     """One run; its wall time, and the CPU time of `pids` (this process, plus the replicas on Ray) over it: on a
     machine shared with other work, wall time measures the share the run got, CPU time what it cost."""
     run_id = store.create_run(set_id, schema=SCHEMA, model_id="bench", settings=settings)
@@ -106,9 +106,7 @@ def main() -> None:
     source = args.model or str(build_tiny_release(work / "tiny", seed=0))
     store = Store(work / "bench.db")
     set_id = case_set(store, args.cases)
-    settings = {"max_length": 8_192, "overflow": "refuse"}
-    if args.chunk_size:  # 0: JobRunner sizes its chunks by tokens
-        settings["chunk_size"] = args.chunk_size
+    settings = RunSettings(max_length=8_192, chunk_size=args.chunk_size or None)  # 0: chunks sized by tokens
     torch.set_num_threads(args.threads)
     report: dict = {"model": args.model or "tiny release (python -m clef_engine tiny)", "cases": args.cases,
                     "schema": SCHEMA["name"], "threads_in_process": args.threads, "cpu_count": os.cpu_count(),

@@ -41,6 +41,7 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 
 from clef_engine import DEFAULT_MAX_LENGTH, ClefError
@@ -50,7 +51,7 @@ from clef_workbench.jobs import DEFAULT_CHUNK_SIZE, JobRunner, check_engine
 from clef_workbench.model_loader import DEMO_SOURCE, request_model_name
 from clef_workbench.schema_library import SchemaLibrary
 from clef_workbench.schemas import Schema, SchemaError
-from clef_workbench.store import NotFoundError, Store, StoreError
+from clef_workbench.store import NotFoundError, RayPlacement, Run, RunSettings, Store, StoreError
 
 PROGRESS_EVERY_S = 2.0
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -213,19 +214,19 @@ def watch(runner: JobRunner, run_id: int, stop: threading.Event) -> dict:
             return progress
 
 
-def same_run(store: Store, case_set_id: int, schema: dict, model_id: str, settings: dict) -> dict | None:
+def same_run(store: Store, case_set_id: int, schema: dict, model_id: str, settings: RunSettings) -> Run | None:
     """The newest run of this case set with the same questions, model and token budget: its results are what this
     invocation would compute."""
     for run in store.list_runs(case_set_id):
-        ran = run["settings"] or {}
+        ran = run["settings"]
         if (run["model_id"] == model_id and run["schema"].get("questions") == schema["questions"]
                 and run["schema"].get("name") == schema.get("name")
-                and ran.get("max_length") == settings["max_length"] and ran.get("overflow") == settings["overflow"]):
+                and (ran.max_length, ran.overflow) == (settings.max_length, settings.overflow)):
             return run
     return None
 
 
-def resume_or_new(store: Store, run: dict) -> int | None:
+def resume_or_new(store: Store, run: Run) -> int | None:
     """What to do about an earlier run of the same work: the run id to resume, or None for a new run. Asks at a
     terminal; without one, refuses with the flags that decide."""
     left = run["total"] - run["done"]
@@ -281,7 +282,7 @@ def run_command(args: argparse.Namespace) -> int:
             print(f"run {run['id']} has a result for every case: nothing to resume")
             return 0
         run_id: int | None = run["id"]
-        settings = run["settings"] or {}
+        settings = run["settings"]
         schema, case_set_name = run["schema"], run["case_set_name"]
     else:
         if not args.case_set or not args.schema:
@@ -289,8 +290,8 @@ def run_command(args: argparse.Namespace) -> int:
         case_set_id = find_case_set(store, args.case_set)
         schema = load_schema(args.schema)
         case_set_name = args.case_set
-        settings = {"chunk_size": args.chunk_size, "max_length": args.max_length, "overflow": args.overflow,
-                    "schema_slug": args.schema.stem}
+        settings = RunSettings(chunk_size=args.chunk_size, max_length=args.max_length, overflow=args.overflow,
+                               schema_slug=args.schema.stem)
         earlier = None if args.new else same_run(store, case_set_id, schema, model_id, settings)
         run_id = None if earlier is None else resume_or_new(store, earlier)
     source = model_source(args.model)
@@ -310,10 +311,10 @@ def run_command(args: argparse.Namespace) -> int:
         print(f"starting replicas of {args.model} on Ray ({address})…", flush=True)
         pool = ReplicaPool.start(source, revision=args.revision, replicas=args.replicas, dtype=args.dtype)
         info = pool.info
-        settings["chunk_tokens"] = args.chunk_tokens or info["token_budget"]
-        settings["ray"] = {"address": address, "replicas": info["replicas"], "nodes": info["nodes"]}
+        settings = replace(settings, chunk_tokens=args.chunk_tokens or info["token_budget"],
+                           ray=RayPlacement(address=address, replicas=info["replicas"], nodes=info["nodes"]))
         runner = RayJobRunner(store, pool=pool)
-    settings.update(device=info.get("device"), dtype=info.get("dtype"), precision=info.get("precision"))
+    settings = replace(settings, device=info.get("device"), dtype=info.get("dtype"), precision=info.get("precision"))
     try:
         with stop_on_signals() as stop:
             if engine is not None:

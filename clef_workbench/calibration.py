@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import pandas as pd
@@ -24,7 +24,7 @@ from scipy.optimize import minimize, minimize_scalar
 
 from clef_engine.calibrated import QuestionMap, calibrated_answer
 from clef_workbench import stats
-from clef_workbench.store import Store
+from clef_workbench.store import Answer, Calibration, Response, Result, Run, Store
 
 MIN_LABELLED = 30
 PLATT_BOUND = 50.0  # |a|, |b| of a Platt fit
@@ -327,33 +327,33 @@ def export_document(store: Store) -> dict[str, Any]:
         for stored in store.list_calibrations()}}
 
 
-def calibrate_response(maps: dict[str, QuestionCalibration], response: dict) -> dict[str, dict[str, float]]:
+def calibrate_response(maps: dict[str, QuestionCalibration], response: Response) -> dict[str, dict[str, float]]:
     """Calibrated distributions of a System One response's answers, by question (questions without a map are left
     out: they are shown raw)."""
     out = {}
-    for question_id, answer in response.get("answers", {}).items():
+    for question_id, answer in response["answers"].items():
         question = maps.get(question_id)
         if question is not None and answer.get("type") == question.question_type:
             out[question_id] = question.apply(stats.distribution_of(question.question_type, answer))
     return out
 
 
-def for_run(store: Store, run: dict) -> dict | None:
+def for_run(store: Store, run: Run) -> Calibration | None:
     """The newest calibration fitted for the run's schema and model (a map only holds for that pair), or None."""
     return next(iter(store.list_calibrations(schema_name=run["schema_name"], model_id=run["model_id"])), None)
 
 
-def calibrated_results(stored: dict, results: list[dict]) -> list[dict]:
+def calibrated_results(stored: Calibration, results: list[Result]) -> list[Result]:
     """A run's results (`Store.list_results`) with each answer the stored calibration has a map for replaced by its
     calibrated answer; the rest as they were."""
     maps = applied_maps(stored["payload"])
-    out = []
+    out: list[Result] = []
     for result in results:
-        response = result.get("response")
-        if response and response.get("answers"):
+        response = result["response"]
+        if response and response["answers"]:
             distributions = calibrate_response(maps, response)
-            answers = {qid: calibrated_answer(answer, distributions[qid]) if qid in distributions else answer
-                       for qid, answer in response["answers"].items()}
+            answers = {qid: cast(Answer, calibrated_answer(answer, distributions[qid])) if qid in distributions
+                       else answer for qid, answer in response["answers"].items()}
             result = {**result, "response": {**response, "answers": answers}}
         out.append(result)
     return out
@@ -382,12 +382,12 @@ def calibrate_run(store: Store, run_id: int, *, name: str | None = None, min_lab
     return store.save_calibration(name, run, calibration_payload(reports)), reports
 
 
-def calibrated_response(store: Store, name: str, response: dict, *, every_question: bool = False
-                        ) -> tuple[dict, dict]:
+def calibrated_response(store: Store, name: str, response: Response, *, every_question: bool = False
+                        ) -> tuple[Calibration, dict[str, Any]]:
     """(the stored calibration named `name`, the response's answers calibrated by it where it has a map that is
     applied (`applied_maps`), others as they were): what Decide, Runs and Review show when a calibration is chosen."""
     stored = store.get_calibration(name=name)
     distributions = calibrate_response(applied_maps(stored["payload"], every_question=every_question), response)
     answers = {qid: calibrated_answer(answer, distributions[qid]) if qid in distributions else answer
-               for qid, answer in response.get("answers", {}).items()}
+               for qid, answer in response["answers"].items()}
     return stored, answers

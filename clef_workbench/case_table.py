@@ -11,7 +11,7 @@ from typing import Any
 import pandas as pd
 
 from clef_workbench.casesets import CaseImportError, coerce_expected, state_text
-from clef_workbench.store import Store
+from clef_workbench.store import NewCase, Store
 
 EDITOR_COLUMNS = ["id", "state", "expected", "tags", "images", "videos"]
 
@@ -84,8 +84,8 @@ def apply_case_edits(store: Store, case_set_id: int, edited: pd.DataFrame, schem
     current = {c["id"]: c for c in store.list_cases(case_set_id)}
     questions = (schema or {}).get("questions")
     problems: list[str] = []
-    to_add: list[dict] = []
-    to_update: list[tuple[int, dict]] = []
+    to_add: list[NewCase] = []
+    to_update: list[tuple[int, NewCase]] = []
     kept: set[int] = set()
     for number, row in enumerate(edited.to_dict("records"), start=1):
         raw_id = row.get("id")
@@ -121,7 +121,7 @@ def apply_case_edits(store: Store, case_set_id: int, edited: pd.DataFrame, schem
                 continue
         tags_text = row.get("tags")
         tags = [t.strip() for t in str(tags_text).split(",") if t.strip()] if isinstance(tags_text, str) else []
-        fields = {"state": state, "expected": expected, "tags": tags}
+        fields = NewCase(state=state, expected=expected, tags=tags)
         if case_id is None:
             to_add.append(fields)
         elif case_id not in current:
@@ -136,8 +136,8 @@ def apply_case_edits(store: Store, case_set_id: int, edited: pd.DataFrame, schem
     to_delete = [case_id for case_id in current if case_id not in kept]
     if to_delete and store.list_runs(case_set_id):  # refused for cases with results: checked before any write
         raise CaseDeletionRefusedError(to_delete)
-    for case_id, fields in to_update:
-        store.update_case(case_id, **fields)
+    for case_id, case in to_update:
+        store.update_case(case_id, state=case["state"], expected=case.get("expected"), tags=case.get("tags"))
     if to_add:
         store.add_cases(case_set_id, to_add)
     for case_id in to_delete:

@@ -21,7 +21,7 @@ import pandas as pd
 
 from clef_engine import protocol
 from clef_workbench.stats import answer_frame
-from clef_workbench.store import Store, media_content_type
+from clef_workbench.store import Case, NewCase, Store, media_content_type
 
 
 class CaseImportError(ValueError):
@@ -40,7 +40,7 @@ class CaseImportError(ValueError):
 data_url = protocol.data_url
 
 
-def build_request(case: dict, schema: dict, *, model: str = protocol.DEFAULT_MODEL_NAME) -> dict:
+def build_request(case: Case, schema: dict, *, model: str = protocol.DEFAULT_MODEL_NAME) -> dict:
     """System One request for a stored case (Store.get_case with media) and a schema. Media stay the bytes the
     store holds: the local engine takes bytes, and a remote one sends them as data URLs (remote.media_for_wire)."""
     return protocol.build_request(
@@ -187,7 +187,7 @@ def _load_media(ref: str, kind: str, base_dir: Path | None) -> bytes:
 
 
 def parse_rows(header: list[str], rows: list[tuple[int, dict[str, str]]], mapping: CsvMapping,
-               schema: dict | None = None, *, base_dir: Path | None = None) -> list[dict]:
+               schema: dict | None = None, *, base_dir: Path | None = None) -> list[NewCase]:
     """Rows of a table (row number, column → cell text) → case dicts (state, expected, tags, images, videos).
     Raises CaseImportError listing every bad cell."""
     problems: list[str] = []
@@ -213,7 +213,7 @@ def parse_rows(header: list[str], rows: list[tuple[int, dict[str, str]]], mappin
                             f"{schema.get('name')!r} does not have")
     if problems:
         raise CaseImportError(problems)
-    cases = []
+    cases: list[NewCase] = []
     for row_number, row in rows:
         where = f"row {row_number}"
         state: Any
@@ -258,7 +258,8 @@ def parse_rows(header: list[str], rows: list[tuple[int, dict[str, str]]], mappin
                     except (ValueError, OSError) as exc:
                         problems.append(f"{where}, column {column!r}: {exc}")
         source_id = (row[mapping.id_column] or "").strip() if mapping.id_column else ""
-        cases.append({"state": state, "expected": expected, "tags": tags, "source_id": source_id or None, **media})
+        cases.append(NewCase(state=state, expected=expected, tags=tags, source_id=source_id or None,
+                             images=media["images"], videos=media["videos"]))
     if problems:
         raise CaseImportError(problems)
     if not cases:
@@ -266,12 +267,12 @@ def parse_rows(header: list[str], rows: list[tuple[int, dict[str, str]]], mappin
     return cases
 
 
-def parse_jsonl(jsonl_text: str, schema: dict | None = None, *, base_dir: Path | None = None) -> list[dict]:
+def parse_jsonl(jsonl_text: str, schema: dict | None = None, *, base_dir: Path | None = None) -> list[NewCase]:
     """JSONL → case dicts. Each line: {"state": any, "id"?: the case's own id, "expected"?: {question: answer},
     "tags"?: [str], "images"?: [data URL | {"content_type", "base64"} | path], "videos"?: same}. Blank lines are
     skipped."""
     problems: list[str] = []
-    cases = []
+    cases: list[NewCase] = []
     questions = (schema or {}).get("questions", {})
     id_lines: dict[str, int] = {}  # a case's own id → the line that has it first
     for line_number, line in enumerate(jsonl_text.splitlines(), start=1):
@@ -332,8 +333,9 @@ def parse_jsonl(jsonl_text: str, schema: dict | None = None, *, base_dir: Path |
         elif source_id is not None and id_lines.setdefault(str(source_id), line_number) != line_number:
             problems.append(f"{where}, id: {str(source_id)!r} is line {id_lines[str(source_id)]}'s too (an id names "
                             "one case)")
-        cases.append({"state": state, "expected": expected, "tags": tags,
-                      "source_id": None if source_id is None else str(source_id), **media})
+        cases.append(NewCase(state=state, expected=expected, tags=tags,
+                             source_id=None if source_id is None else str(source_id),
+                             images=media["images"], videos=media["videos"]))
     if problems:
         raise CaseImportError(problems)
     if not cases:
@@ -341,7 +343,7 @@ def parse_jsonl(jsonl_text: str, schema: dict | None = None, *, base_dir: Path |
     return cases
 
 
-def import_cases(store: Store, case_set_id: int, cases: list[dict]) -> list[int]:
+def import_cases(store: Store, case_set_id: int, cases: list[NewCase]) -> list[int]:
     """Add parsed cases to a case set in one transaction. A case whose content is already in the set is skipped,
     so importing the same file twice adds its rows once. Returns the ids of the cases added."""
     return store.add_cases(case_set_id, cases, skip_existing=True)
@@ -433,7 +435,7 @@ def results_table(store: Store, run_id: int) -> pd.DataFrame:
         out.update({f"p:{option}": p for option, p in row.distribution.items()})
         rows.append(out)
     for result in results:
-        if result.get("error"):
+        if result["error"]:
             rows.append({"run_id": run_id, "case_id": result["case_id"], "source_id": result["source_id"],
                          "position": result["position"], "error": result["error"]})
     # the columns are named even when no case has an answer (every case failed): a run of errors exports its errors
@@ -493,7 +495,7 @@ def export_results_jsonl(store: Store, run_id: int) -> str:
             else int(row.input_tokens),
         }, ensure_ascii=False))
     for result in results:
-        if result.get("error"):
+        if result["error"]:
             lines.append(json.dumps({"run_id": run_id, "case_id": result["case_id"], "source_id": result["source_id"],
                                      "error": result["error"]}))
     return "\n".join(lines) + ("\n" if lines else "")

@@ -22,7 +22,7 @@ out of that run's numbers and of every pair it is in; `n` says how many cases ea
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import combinations
 from typing import Any
@@ -32,32 +32,33 @@ import pandas as pd
 
 from clef_workbench import calibration, schema_diff, stats
 from clef_workbench.jobs import EngineUnreachableError, check_engine
+from clef_workbench.store import Result, Run, RunSettings
 
 DEFAULT_BOOTSTRAP = 1000
 DEFAULT_LEVEL = 0.95
 QUALITY_METRICS = ("accuracy", "ece", "brier")
 LATENCY_METRICS = ("latency_p50_ms", "latency_mean_ms")
+Statistic = Callable[..., np.ndarray]  # per-case columns → the statistic (bootstrapped along the last axis)
 
 
 @dataclass(frozen=True)
 class RunData:
     """One run as the store gives it: `run` from Store.get_run, `results` from Store.list_results."""
 
-    run: dict
-    results: list[dict]
+    run: Run
+    results: list[Result]
 
     @property
     def id(self) -> int:
-        return int(self.run["id"])
+        return self.run["id"]
 
     @property
     def label(self) -> str:
         """Short and unique among runs: `#id model · schema vN`."""
-        model = str(self.run.get("model_id") or "?").rstrip("/").rsplit("/", 1)[-1] or "?"
+        model = self.run["model_id"].rstrip("/").rsplit("/", 1)[-1] or "?"
         # a run from the store whose schema content was never saved in the library links no version
         unsaved = " (unsaved)" if "schema_version_id" in self.run and self.run["schema_version_id"] is None else ""
-        return (f"#{self.id} {model} · {self.run.get('schema_name') or 'schema'} "
-                f"v{self.run.get('schema_version', '?')}{unsaved}")
+        return f"#{self.id} {model} · {self.run['schema_name']} v{self.run['schema_version']}{unsaved}"
 
 
 def load_runs(store: Any, run_ids: Sequence[int]) -> list[RunData]:
@@ -68,7 +69,7 @@ def load_runs(store: Any, run_ids: Sequence[int]) -> list[RunData]:
 
 
 def start_runs(store: Any, runner: Any, case_set_id: int, schema: dict, engines: Mapping[str, Any], *,
-               settings: dict | None = None) -> list[int]:
+               settings: RunSettings = RunSettings()) -> list[int]:
     """One run of `schema` on the case set per engine (a local Engine or a RemoteEngine), named by its key (the run's
     model_id, also the `model` its requests carry), all started on `runner` (a jobs.JobRunner) at once: each runs
     in its own thread, so a remote endpoint answers while the local GPU works. Returns the run ids, in order.
@@ -99,9 +100,9 @@ def check_comparable(runs: Sequence[RunData]) -> None:
     ids = [r.id for r in runs]
     if len(set(ids)) != len(ids):
         raise ValueError(f"a run is listed twice: {ids}")
-    case_sets = {r.run.get("case_set_id") for r in runs}
+    case_sets = {r.run["case_set_id"] for r in runs}
     if len(case_sets) > 1:
-        detail = ", ".join(f"run {r.id} → case set {r.run.get('case_set_id')}" for r in runs)
+        detail = ", ".join(f"run {r.id} → case set {r.run['case_set_id']}" for r in runs)
         raise ValueError(f"runs of different case sets cannot be compared case by case ({detail})")
 
 
@@ -164,7 +165,7 @@ def _p50(values: np.ndarray) -> np.ndarray:
     return np.percentile(values, 50, axis=-1, method=stats.PERCENTILE_METHOD)
 
 
-def _metric_columns(rows: pd.DataFrame, metric: str, bins: int) -> tuple[list[np.ndarray], Callable]:
+def _metric_columns(rows: pd.DataFrame, metric: str, bins: int) -> tuple[list[np.ndarray], Statistic]:
     """The per-case columns a quality metric is computed from, and the statistic over them."""
     if metric == "accuracy":
         return [rows["correct"].to_numpy(float)], _mean
@@ -175,14 +176,15 @@ def _metric_columns(rows: pd.DataFrame, metric: str, bins: int) -> tuple[list[np
 
 def _latencies(run: RunData) -> pd.Series:
     """Latency of each successful result, indexed by case id."""
-    ok = [r for r in run.results if not r.get("error") and r.get("response") and r.get("latency_ms") is not None]
-    return pd.Series([float(r["latency_ms"]) for r in ok], index=[r["case_id"] for r in ok], dtype=float)
+    ok = [(r["case_id"], latency) for r in run.results
+          if not r["error"] and r["response"] and (latency := r["latency_ms"]) is not None]
+    return pd.Series([latency for _, latency in ok], index=[case_id for case_id, _ in ok], dtype=float)
 
 
 # ---- the comparisons ----------------------------------------------------------------------------------------------
 
 
-def _pairs(frame: pd.DataFrame, runs: Sequence[RunData]):
+def _pairs(frame: pd.DataFrame, runs: Sequence[RunData]) -> Iterator[tuple[RunData, RunData, pd.DataFrame]]:
     """(run a, run b, their answers joined on case and question), for every pair, questions of the same type only
     (a question whose type changed between schema versions has no comparable answer)."""
     for a, b in combinations(runs, 2):
@@ -286,7 +288,7 @@ def differences(runs: Sequence[RunData], *, baseline: int = 0, bins: int = 10, n
                 columns_b, _ = _metric_columns(group.rename(columns=lambda c: c.removesuffix("_b")), metric, bins)
                 k = len(columns_a)
 
-                def paired(*columns: np.ndarray, statistic=statistic, k=k) -> np.ndarray:
+                def paired(*columns: np.ndarray, statistic: Statistic = statistic, k: int = k) -> np.ndarray:
                     return statistic(*columns[k:]) - statistic(*columns[:k])
 
                 value = float(paired(*columns_a, *columns_b))
@@ -295,7 +297,7 @@ def differences(runs: Sequence[RunData], *, baseline: int = 0, bins: int = 10, n
                              "metric": metric, "difference": value, "low": low, "high": high, "n": len(group)})
         both = pd.concat([_latencies(base), _latencies(run)], axis=1, join="inner").to_numpy().T
         for metric, statistic in zip(LATENCY_METRICS, (_p50, _mean), strict=True):
-            def paired_latency(a: np.ndarray, b: np.ndarray, statistic=statistic) -> np.ndarray:
+            def paired_latency(a: np.ndarray, b: np.ndarray, statistic: Statistic = statistic) -> np.ndarray:
                 return statistic(b) - statistic(a)
 
             value = float(paired_latency(both[0], both[1])) if both.shape[1] else np.nan
@@ -326,8 +328,8 @@ def case_matrix(runs: Sequence[RunData], *, value: str = "predicted", question_i
     cases: dict[int, dict] = {}
     for run in runs:
         for result in run.results:
-            case = cases.setdefault(result["case_id"], {"position": result.get("position")})
-            if result.get("error") and value == "predicted":
+            case = cases.setdefault(result["case_id"], {"position": result["position"]})
+            if result["error"] and value == "predicted":
                 for question_id in run.run["schema"]["questions"]:
                     case[(question_id, run.label)] = f"error: {result['error']}"
     for row in frame[frame["question_id"].isin(questions)].itertuples(index=False):
@@ -366,11 +368,11 @@ def parse_run_ids(text: str | None) -> list[int]:
     return [int(part) for part in (text or "").split(",") if part.strip().isdigit()]
 
 
-def runs_by_case_set(runs: Sequence[dict]) -> dict[int, list[dict]]:
+def runs_by_case_set(runs: Sequence[Run]) -> dict[int, list[Run]]:
     """Runs (Store.list_runs, newest first) grouped by case set, only case sets with two runs or more."""
-    grouped: dict[int, list[dict]] = {}
+    grouped: dict[int, list[Run]] = {}
     for run in runs:
-        grouped.setdefault(int(run["case_set_id"]), []).append(run)
+        grouped.setdefault(run["case_set_id"], []).append(run)
     return {set_id: group for set_id, group in grouped.items() if len(group) >= 2}
 
 
@@ -508,7 +510,7 @@ def matrix_table(runs: Sequence[RunData], *, disagreements_only: bool = False
     predicted = case_matrix(runs, disagreements_only=disagreements_only)
     confidence = case_matrix(runs, value="confidence", disagreements_only=disagreements_only)
     correct = case_matrix(runs, value="correct", disagreements_only=disagreements_only)
-    states = {r["case_id"]: r.get("state") for run in runs for r in run.results}
+    states = {r["case_id"]: r["state"] for run in runs for r in run.results}
     table = pd.DataFrame({"case": list(predicted.index), "position": predicted[("position", "")].tolist(),
                           "state": [state_summary(states.get(c, "")) for c in predicted.index]})
     verdicts = pd.DataFrame(None, index=table.index, columns=table.columns, dtype=object)
@@ -546,13 +548,13 @@ def case_detail(view: CompareView, case_id: int) -> dict | None:
         if result is None:
             per_run.append({"run": run.label, "error": "no result yet", "answers": {}, "latency_ms": None})
             continue
-        case = case or {"case_id": case_id, "state": result.get("state"), "expected": result.get("expected") or {},
+        case = case or {"case_id": case_id, "state": result["state"], "expected": result["expected"],
                         "tags": result.get("tags") or []}
         frame = stats.answer_frame([result], run.run["schema"])
         answers_ = {row.question_id: {"predicted": row.predicted, "confidence": float(row.confidence),
                                       "probabilities": row.distribution} for row in frame.itertuples()}
-        per_run.append({"run": run.label, "error": result.get("error"), "answers": answers_,
-                        "latency_ms": result.get("latency_ms")})
+        per_run.append({"run": run.label, "error": result["error"], "answers": answers_,
+                        "latency_ms": result["latency_ms"]})
     if case is None:
         return None
     return {**case, "runs": per_run}

@@ -34,10 +34,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from clef_engine.errors import ClefError, ReleaseError
+from clef_engine.interface import DecisionEngine
 from clef_workbench.casesets import build_request
-from clef_workbench.jobs import JobRunner, _LiveJob
+from clef_workbench.jobs import JobRunner, _LiveJob, error_result
 from clef_workbench.settings import ENVIRONMENT, WorkbenchSettings
-from clef_workbench.store import Store, now_iso
+from clef_workbench.store import NewResult, Run, RunSettings, Store, now_iso
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +92,7 @@ class Replica:
 
     def __init__(self, source: str, revision: str | None, device: str | None, dtype: str | None):
         self.source, self.revision, self.device, self.dtype = source, revision, device, dtype
-        self.engine = None
+        self.engine: DecisionEngine | None = None
         # chunks run in IN_FLIGHT_PER_REPLICA threads: after a restart, the first two both find no engine, and
         # two threads importing transformers' lazy modules at once fail with ImportError
         self.loading = threading.Lock()
@@ -118,26 +119,27 @@ class Replica:
                 except Exception as exc:  # out of memory, no GPU visible …: the driver's message names the node too
                     log.exception("on node %s: loading %s failed", self.node(), self.source)
                     raise ReplicaError(f"on node {self.node()}: {type(exc).__name__}: {exc}") from None
-        info = self.engine.info()
+            engine = self.engine
+        info = engine.info()
         return {"node": self.node(), "device": info["device"], "dtype": info["dtype"], "revision": info["revision"],
-                "token_budget": self.engine.token_budget}
+                "token_budget": engine.token_budget}
 
-    def decide(self, items: list[tuple[int, dict]], options: dict) -> list[dict]:
+    def decide(self, items: list[tuple[int, dict]], settings: RunSettings) -> list[NewResult]:
         self.load()
-        return decide_chunk(self.engine, items, options)
+        return decide_chunk(self.engine, items, settings)
 
 
-def decide_chunk(engine: Any, items: list[tuple[int, dict]], options: dict) -> list[dict]:
+def decide_chunk(engine: Any, items: list[tuple[int, dict]], settings: RunSettings) -> list[NewResult]:
     """Results of one chunk, in the form Store.record_results takes and JobRunner writes: a bad case (invalid, over
     the token budget) becomes an error result and the others are still answered."""
     started_at = now_iso()
-    results, valid = [], []
+    results: list[NewResult] = []
+    valid = []
     for case_id, request in items:
         try:  # validated here, once: decide_many encodes the ValidRequest under the run's budget as it is
-            prepared = engine.validate(request, **options)
+            prepared = engine.validate(request, max_length=settings.max_length, overflow=settings.overflow)
         except ClefError as exc:
-            results.append({"case_id": case_id, "error": f"{type(exc).__name__}: {exc}",
-                            "started_at": started_at, "finished_at": now_iso()})
+            results.append(error_result(case_id, exc, started_at))
             continue
         valid.append((case_id, prepared))
     if valid:
@@ -234,15 +236,15 @@ class TokenEstimate:
         ratio = self.counted / self.estimated if self.estimated and self.counted else 1.0
         return max(1, round(estimate_tokens(request) * ratio))
 
-    def observe(self, chunk: list[tuple[int, dict]], results: list[dict]) -> None:
+    def observe(self, chunk: list[tuple[int, dict]], results: list[NewResult]) -> None:
         requests = dict(chunk)
         for result in results:
-            if result.get("input_tokens"):  # error results were not tokenized
+            if tokens := result.get("input_tokens"):  # error results were not tokenized
                 self.estimated += estimate_tokens(requests[result["case_id"]])
-                self.counted += result["input_tokens"]
+                self.counted += tokens
 
 
-def token_chunks(store: Store, run: dict, case_ids: list[int], chunk_tokens: int,
+def token_chunks(store: Store, run: Run, case_ids: list[int], chunk_tokens: int,
                  tokens: TokenEstimate | None = None) -> Iterator[list[tuple[int, dict]]]:
     """The cases as (case id, request) chunks of about `chunk_tokens` estimated tokens each (at least one case, at
     most MAX_CASES_PER_CHUNK), read from the store a few hundred at a time. Lazy: each chunk is cut with the
@@ -276,7 +278,7 @@ class RayJobRunner(JobRunner):
         self.pool = pool
         self.address = address
         self.replicas = replicas
-        self.chunk_tokens = chunk_tokens  # None: the run's setting, else the replica's token budget
+        self.replica_chunk_tokens = chunk_tokens  # None: the run's setting, else the replica's token budget
 
     def _work_leased(self, run_id: int, engine: Any, job: _LiveJob) -> None:
         try:
@@ -300,10 +302,8 @@ class RayJobRunner(JobRunner):
         from ray.exceptions import RayActorError, RayTaskError
 
         run = self.store.get_run(run_id)
-        settings = run["settings"] or {}
-        options = {"max_length": settings.get("max_length"), "overflow": settings.get("overflow", "refuse")}
         # the setting JobRunner reads too; by default a chunk is one full batch of the replica's engine
-        chunk_tokens = int(self.chunk_tokens or settings.get("chunk_tokens") or pool.info["token_budget"])
+        chunk_tokens = self.replica_chunk_tokens or run["settings"].chunk_tokens or pool.info["token_budget"]
         tokens = TokenEstimate()
         chunks = token_chunks(self.store, run, self.store.unfinished_case_ids(run_id), chunk_tokens, tokens)
         retry: deque[list[tuple[int, dict]]] = deque()  # chunks of a crashed replica, sent again first
@@ -317,7 +317,7 @@ class RayJobRunner(JobRunner):
                 chunk = retry.popleft() if retry else next(chunks, None)
                 if chunk is None:
                     break
-                in_flight[slot.actor.decide.remote(chunk, options)] = (chunk, slot)
+                in_flight[slot.actor.decide.remote(chunk, run["settings"])] = (chunk, slot)
                 slot.in_flight += 1
             if not in_flight:
                 break

@@ -21,6 +21,7 @@ import charset_normalizer
 import pandas as pd
 
 from clef_workbench.casesets import CaseImportError, CsvMapping, label_like_columns, parse_jsonl, parse_rows
+from clef_workbench.store import NewCase
 
 # The encodings spreadsheets and text editors save in: codec → what the user is shown.
 ENCODINGS = {
@@ -252,7 +253,7 @@ def bad_rows(source: SourceFile, mapping: CsvMapping | None) -> list[BadRow]:
 
 
 def parse_cases(source: SourceFile, mapping: CsvMapping | None, schema: dict | None, *,
-                skip_bad_rows: bool = False, base_dir: Path | None = None) -> list[dict]:
+                skip_bad_rows: bool = False, base_dir: Path | None = None) -> list[NewCase]:
     """The cases of a read file. Raises BadRowsError when rows do not fit and `skip_bad_rows` is false (nothing
     is imported then), and CaseImportError for bad cells."""
     if source.kind == "jsonl":
@@ -308,7 +309,7 @@ def suggest_mapping(columns: list[str], question_ids: Sequence[str] = ()) -> Csv
 
 
 def parse_csv(csv_text: str, mapping: CsvMapping, schema: dict | None = None, *,
-              base_dir: Path | None = None) -> list[dict]:
+              base_dir: Path | None = None) -> list[NewCase]:
     """Comma-separated text → case dicts (state, expected, tags, images, videos). Raises CaseImportError listing
     every bad cell and every row that does not fit the header (row numbers count the header as row 1, like a
     spreadsheet). Files of other encodings and delimiters, and skipping bad rows: `read_source`."""

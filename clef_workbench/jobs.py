@@ -35,7 +35,7 @@ from clef_engine.protocol import Question, ValidRequest, prepare_questions
 from clef_engine.remote import RemoteEngine
 from clef_workbench.casesets import build_request
 from clef_workbench.run_status import every_case_failed_message
-from clef_workbench.store import Store, new_lease_owner, now_iso
+from clef_workbench.store import NewResult, Response, Run, Store, new_lease_owner, now_iso
 
 log = logging.getLogger(__name__)
 
@@ -65,9 +65,15 @@ class _Chunk:
 
     started_at: str
     valid: list[tuple[int, ValidRequest]] = field(default_factory=list)  # (case id, request) sent to the engine
-    errors: list[dict] = field(default_factory=list)  # cases refused before the engine
+    errors: list[NewResult] = field(default_factory=list)  # cases refused before the engine
     future: Future | None = None
     began: float = 0.0
+
+
+def error_result(case_id: int, error: Exception, started_at: str) -> NewResult:
+    """A case's result when it got no answer: its error, by type and message."""
+    return NewResult(case_id=case_id, error=f"{type(error).__name__}: {error}", started_at=started_at,
+                     finished_at=now_iso())
 
 
 class JobAlreadyRunningError(RuntimeError):
@@ -78,7 +84,7 @@ class EngineUnreachableError(RuntimeError):
     """The run's model is a remote endpoint that did not answer its check: the run is not started."""
 
 
-def check_engine(engine: DecisionEngine) -> None:
+def check_engine(engine: DecisionEngine | None) -> None:
     """Before a run starts: reach a remote endpoint with one small request (its model list), so that a stopped or
     refusing endpoint is reported at once instead of as one error per case minutes later. Local engines have
     nothing to check. Raises EngineUnreachableError with the endpoint's reason."""
@@ -104,10 +110,12 @@ class JobRunner:
         self._jobs: dict[int, _LiveJob] = {}
         self._lock = threading.Lock()
 
-    def start(self, run_id: int, engine: DecisionEngine, *, retry_failed: bool = False, check: bool = True) -> None:
+    def start(self, run_id: int, engine: DecisionEngine | None, *, retry_failed: bool = False,
+              check: bool = True) -> None:
         """Start (or resume) a run in a background thread; only cases without a result are sent. With
         retry_failed, the cases whose result is an error are sent again too (their errors are replaced, in the
-        same run). A remote model is checked first (check_engine), unless the caller has just done so (check)."""
+        same run). A remote model is checked first (check_engine), unless the caller has just done so (check).
+        `engine` is None only for a RayJobRunner given its replicas."""
         self.store.get_run(run_id)  # raises NotFoundError for a bad id before any thread starts
         if check:
             check_engine(engine)
@@ -154,18 +162,19 @@ class JobRunner:
         running but no thread here is: the process that ran it stopped — resume it)."""
         run = self.store.get_run(run_id)
         job = self._jobs.get(run_id)
-        live = job is not None and job.thread.is_alive()
+        running = job if job is not None and job.thread.is_alive() else None
+        live = running is not None
         remaining = run["total"] - run["done"]
         holder = self.store.run_lease_holder(run_id)
         elsewhere = not live and holder is not None and holder != self.owner  # ours: a lease we could not release
         rate = eta = None
-        if live and job.processed:
-            rate = job.processed / max(time.monotonic() - job.session_started, 1e-9)
+        if running is not None and running.processed:
+            rate = running.processed / max(time.monotonic() - running.session_started, 1e-9)
             eta = remaining / rate
         return {
             "run_id": run_id, "status": run["status"], "total": run["total"], "done": run["done"],
             "errors": run["errors"], "remaining": remaining, "rate_per_s": rate, "eta_s": eta, "live": live,
-            "cancelling": live and job.cancel.is_set(),
+            "cancelling": running is not None and running.cancel.is_set(),
             "elsewhere": elsewhere,  # another process holds the run's lease and works on it
             "interrupted": run["status"] == "running" and not live and not elsewhere,
             "error": run["error"] or (job.last_error if job else None),
@@ -184,7 +193,7 @@ class JobRunner:
             if not renewed:
                 job.lease_lost.set()  # taken over after we failed to renew in time: stop, the new holder goes on
 
-    def _work(self, run_id: int, engine: DecisionEngine) -> None:
+    def _work(self, run_id: int, engine: DecisionEngine | None) -> None:
         job = self._jobs[run_id]
         threading.Thread(target=self._heartbeat, args=(run_id, job), name=f"clef-lease-{run_id}",
                          daemon=True).start()
@@ -197,13 +206,14 @@ class JobRunner:
             except sqlite3.Error:
                 pass  # unwritable database: the lease lapses by itself (expiry, or this process gone)
 
-    def _work_leased(self, run_id: int, engine: DecisionEngine, job: _LiveJob) -> None:
+    def _work_leased(self, run_id: int, engine: DecisionEngine | None, job: _LiveJob) -> None:
         in_flight: deque[_Chunk] = deque()
         try:
+            if engine is None:
+                raise ValueError("a run in this process needs a loaded model: none was given")
             run = self.store.get_run(run_id)
-            settings = run["settings"] or {}
-            fixed_size = int(settings["chunk_size"]) if settings.get("chunk_size") else None
-            chunk_tokens = int(settings.get("chunk_tokens") or self.chunk_tokens)
+            fixed_size = run["settings"].chunk_size
+            chunk_tokens = run["settings"].chunk_tokens or self.chunk_tokens
             pending = deque(self.store.unfinished_case_ids(run_id))
             tokens_seen = cases_seen = 0
             while pending or in_flight:
@@ -212,7 +222,7 @@ class JobRunner:
                     size = fixed_size or (max(1, chunk_tokens * cases_seen // tokens_seen) if tokens_seen
                                           else self.chunk_size)
                     chunk = [pending.popleft() for _ in range(min(size, len(pending)))]
-                    in_flight.append(self._submit_chunk(run, chunk, engine, settings, job))
+                    in_flight.append(self._submit_chunk(run, chunk, engine, job))
                     if len(in_flight) < 2 and pending:
                         continue  # keep one chunk queued behind the one on the GPU
                 elif stop:
@@ -222,7 +232,7 @@ class JobRunner:
                 results = self._finish_chunk(in_flight.popleft(), engine, job)
                 self.store.record_results(run_id, results)  # while the next chunk runs
                 job.processed += len(results)
-                counted = [r["input_tokens"] for r in results if r.get("input_tokens")]
+                counted = [tokens for r in results if (tokens := r.get("input_tokens"))]
                 tokens_seen += sum(counted)
                 cases_seen += len(counted)
             self._end_run(run_id, job)
@@ -250,7 +260,7 @@ class JobRunner:
             return
         run = self.store.get_run(run_id)
         if run["done"] and run["errors"] == run["done"]:  # no case got an answer: the run failed
-            first = next(r["error"] for r in self.store.list_results(run_id) if r.get("error"))
+            first = next(r["error"] for r in self.store.list_results(run_id) if r["error"] is not None)
             self.store.set_run_status(run_id, "failed", error=every_case_failed_message(run["errors"], first))
         else:
             self.store.set_run_status(run_id, "finished")
@@ -267,19 +277,17 @@ class JobRunner:
         except sqlite3.Error:
             pass  # the run stays `running` under a lease nobody renews: progress() reports it interrupted
 
-    def _submit_chunk(self, run: dict, case_ids: list[int], engine: DecisionEngine, settings: dict,
-                      job: _LiveJob) -> _Chunk:
+    def _submit_chunk(self, run: Run, case_ids: list[int], engine: DecisionEngine, job: _LiveJob) -> _Chunk:
         """Build and check the chunk's requests, then queue the valid ones on the engine (encoding them here)."""
         chunk = _Chunk(started_at=now_iso())
         questions = self._run_questions(run, job)
         for case in self.store.get_cases(case_ids):
             request = build_request(case, run["schema"], model=run["model_id"])
             try:  # validated here, once: the engine encodes the ValidRequest under the run's budget as it is
-                valid = engine.validate(request, max_length=settings.get("max_length"),
-                                        overflow=settings.get("overflow", "refuse"), questions=questions)
+                valid = engine.validate(request, max_length=run["settings"].max_length,
+                                        overflow=run["settings"].overflow, questions=questions)
             except ClefError as exc:  # a bad case is recorded as an error result, the run goes on
-                chunk.errors.append({"case_id": case["id"], "error": f"{type(exc).__name__}: {exc}",
-                                     "started_at": chunk.started_at, "finished_at": now_iso()})
+                chunk.errors.append(error_result(case["id"], exc, chunk.started_at))
                 continue
             chunk.valid.append((case["id"], valid))
         if not chunk.valid:
@@ -295,7 +303,7 @@ class JobRunner:
         return chunk
 
     @staticmethod
-    def _run_questions(run: dict, job: _LiveJob) -> tuple[Question, ...] | None:
+    def _run_questions(run: Run, job: _LiveJob) -> tuple[Question, ...] | None:
         """The run's schema validated once, the first time a chunk asks (its cases then validate only their
         evidence); None while the schema is not valid, so that each case reports the problem."""
         if job.questions is None:
@@ -312,10 +320,10 @@ class JobRunner:
         carries the run's budget (see _submit_chunk)."""
         return engine.submit(requests, priority="bulk", errors="return")
 
-    def _finish_chunk(self, chunk: _Chunk, engine: DecisionEngine, job: _LiveJob) -> list[dict]:
+    def _finish_chunk(self, chunk: _Chunk, engine: DecisionEngine, job: _LiveJob) -> list[NewResult]:
         """Wait for the chunk's answers; results in the form Store.record_results takes. Cases the engine was too
         busy for are sent again, with backoff, like a chunk refused as a whole."""
-        if not chunk.valid:
+        if chunk.future is None:  # no valid case: nothing went to the engine
             return chunk.errors
         try:
             outcomes = chunk.future.result()
@@ -336,21 +344,21 @@ class JobRunner:
                                             (time.perf_counter() - chunk.began) * 1000)
 
     @staticmethod
-    def _results(valid: list[tuple[int, Any]], outcomes: list[Any], started_at: str, wall_ms: float) -> list[dict]:
+    def _results(valid: list[tuple[int, Any]], outcomes: list[Response | Exception], started_at: str,
+                 wall_ms: float) -> list[NewResult]:
         """One result per case from the engine's outcomes (a response, or the case's own error)."""
         finished_at = now_iso()
-        out = []
+        out: list[NewResult] = []
         for (case_id, _), response in zip(valid, outcomes, strict=True):
             if isinstance(response, Exception):
-                out.append({"case_id": case_id, "error": f"{type(response).__name__}: {response}",
-                            "started_at": started_at, "finished_at": finished_at})
+                out.append(error_result(case_id, response, started_at))
                 continue
             out.append({
                 "case_id": case_id, "response": response,
                 # the record's own compute as the engine saw it (its share of its batch's time), never the time its
                 # chunk waited behind the run's previous one; an engine that does not say: the wall time shared
                 "latency_ms": response.get("x_compute_ms", response.get("x_latency_ms", wall_ms / len(valid))),
-                "input_tokens": (response.get("usage") or {}).get("input_tokens"),
+                "input_tokens": response["usage"]["input_tokens"] if "usage" in response else None,
                 "token_counts": response.get("x_token_counts"),
                 "started_at": started_at, "finished_at": finished_at,
             })

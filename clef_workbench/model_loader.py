@@ -12,8 +12,9 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -89,8 +90,6 @@ def label_of(source: str) -> str:
 
 def request_model_name(source: str | None) -> str:
     """The `model` field the workbench puts in requests (the response echoes it): a short name, not a path."""
-    from pathlib import Path
-
     if not source:
         return "clef"
     names = {CLEF_REPO.lower(): "clef", CLEF_FLASH_REPO.lower(): "clef-flash", DEMO_SOURCE: "clef-demo"}
@@ -201,7 +200,8 @@ class ModelManager:
     the memory free on its device (clef_engine.memory), so a model that would not fit is refused with a message
     naming the models loaded, not an out-of-memory error halfway through."""
 
-    def __init__(self, loader=None, demo_path=None, free_memory=None):
+    def __init__(self, loader: Callable[..., Any] | None = None, demo_path: Callable[[], Path] | None = None,
+                 free_memory: Callable[..., int] | None = None):
         import clef_engine
         from clef_engine import memory
 
@@ -239,7 +239,7 @@ class ModelManager:
                 return
             resident = self._by_source(source)
             if resident is not None:
-                old = self._models.pop(self._requested, None) if self._requested != resident.name else None
+                old = self._models.pop(self._requested, None) if self._requested not in (None, resident.name) else None
                 self._default = self._requested = resident.name
                 if old is not None:
                     old.engine.close()

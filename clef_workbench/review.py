@@ -18,7 +18,7 @@ import pandas as pd
 from clef_workbench import calibration
 from clef_workbench.schemas import UNKNOWN_DESCRIPTION_PATTERN, UNKNOWN_OPTION_ID_PATTERN
 from clef_workbench.stats import answer_frame, top_two
-from clef_workbench.store import Store
+from clef_workbench.store import NewCase, NewReviewItem, ReviewItem, Run, Store
 
 
 @dataclass
@@ -101,7 +101,17 @@ def _other_run_answers(store: Store, run_id: int) -> dict[tuple[int, str], str]:
                                               strict=True)}
 
 
-def candidates(store: Store, run_id: int, rules: ReviewRules) -> list[dict]:
+def _review_item(run: Run, row: Any, reason: str) -> NewReviewItem:
+    """The item to queue for one row of the run's answer frame, its reason, model and schema version frozen now."""
+    return NewReviewItem(
+        run_id=run["id"], case_id=int(row.case_id), question_id=row.question_id, question_type=row.question_type,
+        distribution=row.distribution, predicted=row.predicted, confidence=float(row.confidence),
+        margin=float(row.margin), reason=reason,
+        model_id=run["model_id"] + (f"@{run['model_revision']}" if run["model_revision"] else ""),
+        schema_name=run["schema_name"], schema_version=run["schema_version"])
+
+
+def candidates(store: Store, run_id: int, rules: ReviewRules) -> list[NewReviewItem]:
     """The review items these rules would queue for a run (not yet written), worst first."""
     run = store.get_run(run_id)
     schema = run["schema"]
@@ -116,13 +126,7 @@ def candidates(store: Store, run_id: int, rules: ReviewRules) -> list[dict]:
         reasons = _reasons(row, rules, unknown_options(schema["questions"][row.question_id]),
                            other_answers.get((int(row.case_id), row.question_id)))
         if reasons:
-            items.append({
-                "run_id": run_id, "case_id": int(row.case_id), "question_id": row.question_id,
-                "question_type": row.question_type, "distribution": row.distribution, "predicted": row.predicted,
-                "confidence": float(row.confidence), "margin": float(row.margin), "reason": "; ".join(reasons),
-                "model_id": run["model_id"] + (f"@{run['model_revision']}" if run.get("model_revision") else ""),
-                "schema_name": run["schema_name"], "schema_version": run["schema_version"],
-            })
+            items.append(_review_item(run, row, "; ".join(reasons)))
     items.sort(key=lambda i: (i["margin"], i["confidence"]))
     return items
 
@@ -161,7 +165,7 @@ def label_key(value: Any) -> str:
     return str(value).lower() if isinstance(value, bool) else str(value)
 
 
-def gold_conflict(item: dict, expected: Any, action: str, label: Any = None) -> str | None:
+def gold_conflict(item: ReviewItem, expected: Any, action: str, label: Any = None) -> str | None:
     """The case set's expected answer (the gold label) that this action would contradict, or None. accept labels
     the item with the model's answer, correct with `label`; unknown and skip give no label."""
     if expected is None or action not in ("accept", "correct"):
@@ -173,7 +177,7 @@ def gold_conflict(item: dict, expected: Any, action: str, label: Any = None) -> 
 OPENED_FROM_LINK = "opened from a link"
 
 
-def item_for_link(store: Store, run_id: int, case_id: int, question_id: str | None) -> dict | None:
+def item_for_link(store: Store, run_id: int, case_id: int, question_id: str | None) -> ReviewItem | None:
     """The review item a link names (a results row's "Open in Review", or a link someone sent): the queued item of
     this case and question (the case's first queued question without one), else a new item for that answer,
     queued with the reason "opened from a link" (the person asked to review it). None when the run has no answer
@@ -187,17 +191,11 @@ def item_for_link(store: Store, run_id: int, case_id: int, question_id: str | No
     if rows.empty:
         return None
     row = next(rows.itertuples(index=False))
-    store.queue_review_items([{
-        "run_id": run_id, "case_id": case_id, "question_id": row.question_id, "question_type": row.question_type,
-        "distribution": row.distribution, "predicted": row.predicted, "confidence": float(row.confidence),
-        "margin": float(row.margin), "reason": OPENED_FROM_LINK,
-        "model_id": run["model_id"] + (f"@{run['model_revision']}" if run.get("model_revision") else ""),
-        "schema_name": run["schema_name"], "schema_version": run["schema_version"],
-    }])
+    store.queue_review_items([_review_item(run, row, OPENED_FROM_LINK)])
     return next(i for i in record_items(store, run_id, case_id) if i["question_id"] == row.question_id)
 
 
-def shown_answer(store: Store, item: dict, calibration_name: str | None = None) -> dict:
+def shown_answer(store: Store, item: ReviewItem, calibration_name: str | None = None) -> dict:
     """What the card of `item` shows: the model's own distribution of the item's answer as the run recorded it
     (the item's frozen copy if the run no longer has it), or, with `calibration_name`, that calibration's map of it
     when it has one for the question. Keys: distribution, predicted, confidence, margin, and `calibration` (the
@@ -222,7 +220,7 @@ def shown_answer(store: Store, item: dict, calibration_name: str | None = None) 
             "calibration": stored}
 
 
-def record_items(store: Store, run_id: int, case_id: int) -> list[dict]:
+def record_items(store: Store, run_id: int, case_id: int) -> list[ReviewItem]:
     """Every queued item of one record (case) of a run, in the schema's question order, so a reviewer reads the
     record once and answers all its questions on one screen."""
     order = {q: i for i, q in enumerate(store.get_run(run_id)["schema"]["questions"])}
@@ -231,7 +229,7 @@ def record_items(store: Store, run_id: int, case_id: int) -> list[dict]:
 
 
 def next_item(store: Store, run_id: int, *, after_item_id: int | None = None,
-              case_id: int | None = None) -> dict | None:
+              case_id: int | None = None) -> ReviewItem | None:
     """The next item to review. With `case_id`, first the record's own open items (the reviewer has just read
     that record); then the worst open item; if none, the worst skipped one (skipping `after_item_id`, so skip
     moves on)."""
@@ -254,12 +252,13 @@ def export_golden_set(store: Store, run_id: int, name: str, *, keep_other_expect
     items = [i for i in store.list_review_items(run_id) if i["status"] in ("accepted", "corrected", "unknown")]
     if not any(i["status"] in ("accepted", "corrected") for i in items):
         raise ValueError(f"run {run_id} has no accepted or corrected review items to export")
-    by_case: dict[int, list[dict]] = {}
+    by_case: dict[int, list[ReviewItem]] = {}
     for item in items:
         by_case.setdefault(item["case_id"], []).append(item)
-    cases = []
+    cases: list[NewCase] = []
     for case_id, case_items in by_case.items():
-        labels = {i["question_id"]: i["label"] for i in case_items if i["status"] in ("accepted", "corrected")}
+        labels = {i["question_id"]: label for i in case_items
+                  if i["status"] in ("accepted", "corrected") and (label := i["label"]) is not None}
         if not labels:
             continue
         case = store.get_case(case_id)
@@ -269,11 +268,11 @@ def export_golden_set(store: Store, run_id: int, name: str, *, keep_other_expect
         expected.update(labels)
         tags = list(dict.fromkeys(case["tags"] + ["golden"] + [f"unknown:{i['question_id']}" for i in case_items
                                                                if i["status"] == "unknown"]))
-        cases.append({"state": case["state"], "expected": expected, "tags": tags,
-                      "images": [m["data"] for m in case["images"]], "videos": [m["data"] for m in case["videos"]]})
+        cases.append(NewCase(state=case["state"], expected=expected, tags=tags,
+                             images=[m["data"] for m in case["images"]], videos=[m["data"] for m in case["videos"]]))
     # the library slug the run was started with, so the golden set maps its expected answers on re-import
     case_set_id = store.create_case_set(
-        name, schema_name=(run["settings"] or {}).get("schema_slug") or run["schema_name"],
+        name, schema_name=run["settings"].schema_slug or run["schema_name"],
         description=f"Golden set reviewed from run {run_id} ({run['case_set_name']}, schema {run['schema_name']} "
                     f"v{run['schema_version']}, model {run['model_id']})",
     )

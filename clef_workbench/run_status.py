@@ -5,7 +5,10 @@ success — is decided here, from the run's counts and its error results."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+from clef_workbench.store import Result, Run
 
 FINISHED_WITH_ERRORS = "finished with errors"
 
@@ -33,7 +36,7 @@ def every_case_failed_message(errors: int, first_error: str) -> str:
     return f"every case failed ({errors} of {errors}); the first error: {first_error}"
 
 
-def status_label(run: dict) -> str:
+def status_label(run: Run) -> str:
     """The status as shown, from a run's row alone (its status and counts): a finished run whose every case failed
     reads `failed`, one with some failed cases `finished with errors`."""
     status, done, errors = run["status"], run["done"], run["errors"]
@@ -44,14 +47,14 @@ def status_label(run: dict) -> str:
     return status
 
 
-def run_outcome(run: dict, results: list[dict]) -> RunOutcome:
+def run_outcome(run: Run, results: Sequence[Result]) -> RunOutcome:
     """The outcome of `run` (a Store.get_run row) given its results (Store.list_results rows, in case order)."""
-    failed = [r for r in results if r.get("error")]
+    failed = [r for r in results if r["error"]]
     first_error = failed[0]["error"] if failed else None
-    ids = [int(r["case_id"]) for r in failed]
+    ids = [r["case_id"] for r in failed]
     status, done, total = run["status"], run["done"], run["total"]
     if status == "failed":
-        reason = run.get("error") or first_error or "no reason was recorded"
+        reason = run["error"] or first_error or "no reason was recorded"
         return RunOutcome("failed", "error", len(failed), first_error, ids,
                           f"The run failed: {reason}. {done - len(failed)} of {total} cases have answers.")
     if status == "finished" and failed and len(failed) == done:

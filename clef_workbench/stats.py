@@ -21,10 +21,13 @@ Definitions used throughout (shown in the UI next to the numbers):
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping, Sequence
 from typing import Any, Final
 
 import numpy as np
 import pandas as pd
+
+from clef_workbench.store import Result
 
 PERCENTILE_METHOD: Final = "linear"
 
@@ -40,7 +43,7 @@ def _label_key(value: Any) -> str | None:
     return str(value)
 
 
-def distribution_of(question_type: str, answer: dict) -> dict[str, float]:
+def distribution_of(question_type: str, answer: Mapping[str, Any]) -> dict[str, float]:
     """Every option's probability from one System One answer, keyed like expected answers."""
     if question_type == "noul":
         p_true = float(answer["noul"])
@@ -56,7 +59,7 @@ def top_two(distribution: dict[str, float]) -> tuple[str, float, float]:
     return best, p_best, p_best - p_second
 
 
-def answer_frame(results: list[dict], schema: dict) -> pd.DataFrame:
+def answer_frame(results: Sequence[Result], schema: dict) -> pd.DataFrame:
     """One row per (case, question) of the successful results of a run.
 
     Columns: case_id, position, question_id, question_type, predicted, confidence, margin, distribution (dict),
@@ -110,7 +113,7 @@ def answer_frame(results: list[dict], schema: dict) -> pd.DataFrame:
     return frame
 
 
-def coverage(results: list[dict], frame: pd.DataFrame) -> dict[str, Any]:
+def coverage(results: Sequence[Result], frame: pd.DataFrame) -> dict[str, Any]:
     """What the statistics of a run rest on: results, failed (left out of every statistic), answered, answered
     with an expected answer for at least one question (what accuracy and calibration use), and a sentence saying
     so."""
@@ -131,14 +134,14 @@ def coverage(results: list[dict], frame: pd.DataFrame) -> dict[str, Any]:
             "sentence": sentence}
 
 
-def _results_frame(results: list[dict]) -> pd.DataFrame:
+def _results_frame(results: Sequence[Result]) -> pd.DataFrame:
     frame = pd.DataFrame(results)
     if frame.empty:
         return pd.DataFrame(columns=["case_id", "latency_ms", "input_tokens", "error", "started_at", "finished_at"])
     return frame
 
 
-def latency_stats(results: list[dict]) -> dict[str, Any]:
+def latency_stats(results: Sequence[Result]) -> dict[str, Any]:
     """p50 / p95 / p99 / max / mean latency in ms over successful results, the sample count, and the time window
     (first chunk start to last result, ISO strings, plus its length in seconds)."""
     frame = _results_frame(results)
@@ -150,8 +153,8 @@ def latency_stats(results: list[dict]) -> dict[str, Any]:
     out["max"] = float(latency.max()) if latency.size else None
     out["mean"] = float(latency.mean()) if latency.size else None
     # the wait before a record's batch started (the engine's x_queue_ms), apart from its compute
-    queue = pd.Series([(r.get("response") or {}).get("x_queue_ms") for r in results if not r.get("error")],
-                      dtype=float).dropna()
+    queue = pd.Series([response.get("x_queue_ms") for r in results
+                       if not r.get("error") and (response := r.get("response"))], dtype=float).dropna()
     out["queue_count"] = int(queue.size)
     out["queue_p50"] = float(np.percentile(queue, 50, method=PERCENTILE_METHOD)) if queue.size else None
     out["queue_max"] = float(queue.max()) if queue.size else None
@@ -165,7 +168,7 @@ def latency_stats(results: list[dict]) -> dict[str, Any]:
     return out
 
 
-def busy_seconds(results: list[dict]) -> float:
+def busy_seconds(results: Sequence[Result]) -> float:
     """Length of the union of the results' [started_at, finished_at] intervals, in seconds."""
     frame = _results_frame(results)
     if frame.empty:
@@ -184,7 +187,7 @@ def busy_seconds(results: list[dict]) -> float:
     return total + (current_end - current_start).total_seconds()
 
 
-def throughput(results: list[dict], n_questions: int) -> dict[str, float | None]:
+def throughput(results: Sequence[Result], n_questions: int) -> dict[str, float | None]:
     """records/s, decisions/s (records × questions), input tokens/s over busy time; tokens per record (mean and
     median over successful results)."""
     frame = _results_frame(results)
@@ -283,7 +286,7 @@ def calibration_summary(frame: pd.DataFrame, bins: int = 10) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=["question_id", "n", "ece", "brier"])
 
 
-def slowest_cases(results: list[dict], n: int = 10) -> pd.DataFrame:
+def slowest_cases(results: Sequence[Result], n: int = 10) -> pd.DataFrame:
     """The n successful results with the highest latency, slowest first."""
     frame = _results_frame(results)
     ok = frame[frame["error"].isna()] if "error" in frame else frame
@@ -330,7 +333,7 @@ def compare_runs(frame_a: pd.DataFrame, frame_b: pd.DataFrame) -> dict[str, Any]
 # -- browsing a run's results -------------------------------------------------------------------------------------
 
 
-def browse_table(results: list[dict], schema: dict) -> pd.DataFrame:
+def browse_table(results: Sequence[Result], schema: dict) -> pd.DataFrame:
     """One row per (case, question) for reading a run: case, its source id (its own id in the file it came from),
     question, the state as text, expected, predicted,
     confidence, margin, correct (True / False / None without an expected answer), tags, and every option's

@@ -15,7 +15,7 @@ from clef_workbench.jobs import EngineUnreachableError, JobAlreadyRunningError, 
 from clef_workbench.model_loader import request_model_name
 from clef_workbench.run_status import run_outcome, status_label
 from clef_workbench.schemas import SchemaError
-from clef_workbench.store import StoreError
+from clef_workbench.store import RunSettings, StoreError
 from workbench_ui import links, run_charts, run_view, units
 from workbench_ui import why_view as why
 from workbench_ui.answers import option_table, probability_chart
@@ -62,14 +62,14 @@ OVERFLOW_CHOICES = {"refuse": "refuse (the case gets an error result)",
                     "truncate_state": "truncate the end of the state (counted in the results)"}
 
 
-def budget_inputs(columns, name: str, settings: dict, *, retry: bool = False) -> tuple[int, str]:
+def budget_inputs(columns, name: str, settings: RunSettings, *, retry: bool = False) -> tuple[int, str]:
     """max_length and overflow, for a new run ("start") or the retry of a run's failed cases (its settings)."""
     when = " in the retry" if retry else ""
     max_length = kept_widget(columns[0].number_input, f"max_length (tokens){when}", K(f"{name}.max_length"),
-                             int(settings.get("max_length") or DEFAULT_MAX_LENGTH), min_value=256,
+                             settings.max_length or DEFAULT_MAX_LENGTH, min_value=256,
                              max_value=262_144, step=1024)
     overflow = kept_widget(columns[1].radio, f"If a state does not fit{when}", K(f"{name}.overflow"),
-                           settings.get("overflow") or "refuse", options=list(OVERFLOW_CHOICES),
+                           settings.overflow, options=list(OVERFLOW_CHOICES),
                            format_func=OVERFLOW_CHOICES.get)
     return int(max_length), overflow
 
@@ -135,7 +135,7 @@ with st.expander("Start a run", expanded=not runs or st.session_state.pop(RUNS_S
         chunk_size = kept_widget(cols[0].number_input, "Records per batch", K("start.chunk"), 8, min_value=1,
                                  max_value=256, help="Sent to the engine together at bulk priority (interactive "
                                                      "requests from the Decide page go first).")
-        max_length, overflow = budget_inputs(cols[1:], "start", {})
+        max_length, overflow = budget_inputs(cols[1:], "start", RunSettings())
         loaded_models = {model.name: model for model in model_manager().loaded()}  # the default first
         run_model = None
         if len(loaded_models) > 1:
@@ -179,10 +179,10 @@ with st.expander("Start a run", expanded=not runs or st.session_state.pop(RUNS_S
                 st.stop()
             info = engine.info()
             run_id = store.create_run(start_set, schema=schema, model_id=model_id, model_revision=info.get("revision"),
-                                      settings={"chunk_size": int(chunk_size), "max_length": int(max_length),
-                                                "overflow": overflow, "schema_slug": schema_slug,
-                                                "device": info.get("device"), "dtype": info.get("dtype"),
-                                                "precision": info.get("precision")})
+                                      settings=RunSettings(chunk_size=int(chunk_size), max_length=int(max_length),
+                                                           overflow=overflow, schema_slug=schema_slug,
+                                                           device=info.get("device"), dtype=info.get("dtype"),
+                                                           precision=info.get("precision")))
             runner.start(run_id, engine, check=False)  # checked above, before the run was recorded
             st.session_state[K("selected")] = run_id
             st.session_state["_keep." + K("selected")] = run_id
@@ -309,7 +309,7 @@ def render_outcome(run_id: int, outcome) -> None:
     with st.container(border=True, key=K(f"retry_box.{run_id}")):
         st.caption("Retry runs only the failed cases again, into this run, with these settings: change what made "
                    "them fail (a budget too small) first. Answered cases are kept as they are.")
-        max_length, overflow = budget_inputs(st.columns(2), f"retry.{run_id}", store.get_run(run_id)["settings"] or {},
+        max_length, overflow = budget_inputs(st.columns(2), f"retry.{run_id}", store.get_run(run_id)["settings"],
                                             retry=True)
         if st.button(f"Retry failed cases ({outcome.errors})", key=K(f"retry.{run_id}"), icon=":material/replay:"):
             engine = run_engine(run_id)
@@ -326,8 +326,8 @@ def render_results(run_id: int, live: bool) -> None:
     results = store.list_results(run_id)
     st.caption(f"Schema **{run['schema_name']} v{run['schema_version']}** · model **{run['model_id']}**"
                f"{' @ ' + run['model_revision'] if run['model_revision'] else ''} · batch "
-               f"{run['settings'].get('chunk_size', '?')} · max_length {run['settings'].get('max_length', '?')} "
-               f"({run['settings'].get('overflow', 'refuse')}) · started {(run['started_at'] or '–')[:19]}")
+               f"{run['settings'].chunk_size or '?'} · max_length {run['settings'].max_length or '?'} "
+               f"({run['settings'].overflow}) · started {(run['started_at'] or '–')[:19]}")
     render_delete(run)
     st.session_state[K(f"shown.{run_id}")] = len(results)
     if not results:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import pandas as pd
@@ -17,11 +17,12 @@ from clef_workbench.casesets import plain_label
 from clef_workbench.compare import CompareView, ModelChoice
 from clef_workbench.jobs import EngineUnreachableError
 from clef_workbench.run_status import status_label
+from clef_workbench.store import Run, RunSettings
 from workbench_ui import links, run_charts, units
 
 UNFINISHED = ("pending", "running")
 # The one action runs as the Runs page would with its defaults.
-START_SETTINGS = {"chunk_size": 8, "max_length": DEFAULT_MAX_LENGTH, "overflow": "refuse"}
+START_SETTINGS = RunSettings(chunk_size=8, max_length=DEFAULT_MAX_LENGTH)
 
 
 def missing_for_start(case_sets: list, slugs: list, models: list) -> str | None:
@@ -77,7 +78,7 @@ def start_comparison(store: Any, runner: Any, models: list[ModelChoice], set_id:
     schema.pop("examples", None)  # as the Runs page keeps it
     try:
         run_ids = compare.start_runs(store, runner, set_id, schema, engines,
-                                     settings={**START_SETTINGS, "schema_slug": slug})
+                                     settings=replace(START_SETTINGS, schema_slug=slug))
     except EngineUnreachableError as exc:  # checked before any run is recorded: none is left pending
         return [], str(exc)
     except Exception as exc:  # noqa: BLE001 — any other failure: a message, no traceback
@@ -86,17 +87,17 @@ def start_comparison(store: Any, runner: Any, models: list[ModelChoice], set_id:
     return run_ids, f"Started run(s) {', '.join(f'#{r}' for r in run_ids)}."
 
 
-def started_run_line(run: dict) -> str:
+def started_run_line(run: Run) -> str:
     """A run the one action started, linked to its Runs page, with how far it is."""
     return (f"Run [#{run['id']}](/runs?run={run['id']}) · {run['model_id']} · {status_label(run)} · "
             f"{run['done']}/{run['total']} cases")
 
 
-def is_unfinished(run: dict) -> bool:
+def is_unfinished(run: Run) -> bool:
     return run["status"] in UNFINISHED
 
 
-def missing_runs(linked: list[int], all_runs: Mapping[int, dict]) -> links.Missing | None:
+def missing_runs(linked: list[int], all_runs: Mapping[int, Run]) -> links.Missing | None:
     """The "not found" of a link to runs that are not here, with the runs there are; None when all are here."""
     gone = [r for r in linked if r not in all_runs]
     if not gone:
@@ -105,12 +106,12 @@ def missing_runs(linked: list[int], all_runs: Mapping[int, dict]) -> links.Missi
                          lambda r: f"#{r} {all_runs[r]['case_set_name']} · {all_runs[r]['model_id']}", param="runs")
 
 
-def case_set_label(group: list[dict]) -> str:
+def case_set_label(group: list[Run]) -> str:
     """A case set with runs, in the selector: its name and how many runs it has."""
     return f"{group[0]['case_set_name']} ({len(group)} runs)"
 
 
-def run_label(run: dict) -> str:
+def run_label(run: Run) -> str:
     """A run in the selector; "(unsaved)" when it ran a schema that is not a saved version."""
     return (f"#{run['id']} {run['model_id']} · {run['schema_name']} v{run['schema_version']}"
             + ("" if run["schema_version_id"] else " (unsaved)") + f" · {status_label(run)}")

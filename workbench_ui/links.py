@@ -99,7 +99,8 @@ def case_draft(store: Any, library: SchemaLibrary, run_id: int, case_id: int, *,
     if case["case_set_id"] != run["case_set_id"]:
         return None, f"The link names case #{case_id}, which is not in run #{run_id}'s case set."
     frozen = run["schema"]
-    slug = run.get("schema_slug") or run["settings"].get("schema_slug")
+    settings = run["settings"]
+    slug = run["schema_slug"] or settings.schema_slug
     library_schema = library.load(slug) if slug and library.exists(slug) else None
     same = library_schema is not None and library_schema.to_dict()["questions"] == frozen["questions"]
     draft: dict[str, Any] = {
@@ -108,13 +109,13 @@ def case_draft(store: Any, library: SchemaLibrary, run_id: int, case_id: int, *,
         "schema_name": frozen.get("name", ""),
         "schema_description": frozen.get("description", ""),
         "rows": schema_rows.questions_to_rows(frozen["questions"]),
-        "overflow": run["settings"].get("overflow"),
+        "overflow": settings.overflow,
         "loaded_slug": slug if same else None,
         "loaded_questions": library_schema.questions if same else None,
         "examples": library_schema.examples if same else None,
     }
-    if run["settings"].get("max_length") in DECIDE_MAX_LENGTHS:
-        draft["max_length"] = run["settings"]["max_length"]
+    if settings.max_length in DECIDE_MAX_LENGTHS:
+        draft["max_length"] = settings.max_length
     answered = next((r["response"] for r in store.list_results(run_id) if r["case_id"] == case_id
                      and r.get("response")), None)
     if answered is not None and not case["image_count"] + case["video_count"]:
@@ -122,7 +123,7 @@ def case_draft(store: Any, library: SchemaLibrary, run_id: int, case_id: int, *,
             "request": {"questions": frozen["questions"], "model": run["model_id"]}, "response": answered,
             "questions": frozen["questions"], "state": case["state"], "media": [],
             "schema_name": frozen.get("name", ""), "model_label": run["model_id"],
-            "device": run["settings"].get("device") or "", "schema_slug": slug if same else None,
+            "device": settings.device or "", "schema_slug": slug if same else None,
             "random_weights": random_weights(run["model_id"])}
     where = (f"the schema “{slug}”" if same else
              f"the questions run #{run_id} used ({frozen.get('name', '?')} v{frozen.get('version', '?')}, "

@@ -12,6 +12,7 @@ import pandas as pd
 
 from clef_workbench import casesets, review
 from clef_workbench.review import ReviewRules
+from clef_workbench.store import ReviewItem, Run
 
 MAX_SHORTCUT_OPTIONS = 9
 MAX_OPTION_COLUMNS = 5
@@ -27,17 +28,17 @@ def when(iso: str, *, digits: int = 19) -> str:
     return iso[:digits].replace("T", " ")
 
 
-def run_label(run: dict) -> str:
+def run_label(run: Run) -> str:
     return f"#{run['id']} {run['case_set_name']} · {run['schema_name']} v{run['schema_version']} · {run['model_id']}"
 
 
-def reviewable_runs(runs: list[dict]) -> list[dict]:
+def reviewable_runs(runs: list[Run]) -> list[Run]:
     """The runs with at least one answer: the only ones a queue can select from (a run whose every case failed has
     nothing the rules could pick)."""
     return [r for r in runs if r["done"] > r["errors"]]
 
 
-def nothing_to_review(runs: list[dict]) -> str:
+def nothing_to_review(runs: list[Run]) -> str:
     """Why no run can be reviewed, when reviewable_runs is empty: no runs, runs whose every case failed, or runs
     without results yet."""
     if not runs:
@@ -110,19 +111,19 @@ def option_label(option: str) -> Any:
     return True if option == "true" else False if option == "false" else option
 
 
-def resolved_action(item: dict, action: str, label: Any, *, blind: bool) -> tuple[str, Any]:
+def resolved_action(item: ReviewItem, action: str, label: Any, *, blind: bool) -> tuple[str, Any]:
     """The action to record: in blind mode, choosing the model's own answer is accepting it."""
     if blind and action == "correct" and review.label_key(label) == item["predicted"]:
         return "accept", None
     return action, label
 
 
-def saved_message(item: dict, action: str, *, blind: bool) -> str:
+def saved_message(item: ReviewItem, action: str, *, blind: bool) -> str:
     seen = f" The model had answered “{item['predicted']}”." if blind else ""
     return f"{action.capitalize()} saved for case {item['case_id']} · {item['question_id']}.{seen}"
 
 
-def undone_message(item: dict) -> str:
+def undone_message(item: ReviewItem) -> str:
     return f"Undone: case {item['case_id']} · {item['question_id']} is {item['status']} again."
 
 
@@ -137,7 +138,7 @@ class GoldQuestion:
     keep_label: Any
 
 
-def gold_question(item: dict, action: str, label: Any, gold: str) -> GoldQuestion:
+def gold_question(item: ReviewItem, action: str, label: Any, gold: str) -> GoldQuestion:
     new = item["predicted"] if action == "accept" else review.label_key(label)
     keep_action = "accept" if gold == item["predicted"] else "correct"
     return GoldQuestion(
@@ -149,13 +150,13 @@ def gold_question(item: dict, action: str, label: Any, gold: str) -> GoldQuestio
 # -- the card -------------------------------------------------------------------------------------------------------
 
 
-def outcome(item: dict) -> str:
+def outcome(item: ReviewItem) -> str:
     """What became of an item: its status, the label recorded and by whom."""
     return (item["status"] + (f" as “{review.label_key(item['label'])}”" if item["label"] is not None else "")
             + (f" by {item['reviewer']}" if item["reviewer"] else ""))
 
 
-def reviewed_note(item: dict) -> str | None:
+def reviewed_note(item: ReviewItem) -> str | None:
     """Said above an item a link opened that was reviewed already; None for an item still open."""
     if item["status"] in OPEN:
         return None
@@ -177,7 +178,7 @@ class Card:
     keys: str  # the legend of the keyboard shortcuts: only keys of buttons on screen
 
 
-def card(item: dict, question: dict, expected: Any, *, blind: bool) -> Card:
+def card(item: ReviewItem, question: dict, expected: Any, *, blind: bool) -> Card:
     """One queue item as the reviewer sees it. Accept is the highlighted default only when it agrees with the gold
     label (or there is none). Blind hides the gold label, the model's answer and everything derived from them
     (the reason it was queued, Accept, its key) until the reviewer has decided."""
@@ -220,7 +221,7 @@ class OptionButton:
     shortcut: str | None
 
 
-def option_buttons(item: dict, *, blind: bool, has_reviewer: bool) -> list[OptionButton]:
+def option_buttons(item: ReviewItem, *, blind: bool, has_reviewer: bool) -> list[OptionButton]:
     """A button per option to correct to; the model's own answer is no correction (except blind), keys 1–9."""
     return [OptionButton(option, option_label(option),
                          not has_reviewer or (option == item["predicted"] and not blind),
@@ -228,12 +229,12 @@ def option_buttons(item: dict, *, blind: bool, has_reviewer: bool) -> list[Optio
             for index, option in enumerate(item["distribution"])]
 
 
-def record_heading(record: list[dict], case_id: int) -> str:
+def record_heading(record: list[ReviewItem], case_id: int) -> str:
     return (f"**All {len(record)} queued question(s) of case {case_id}** — answer them here without reading the "
             "record again")
 
 
-def record_row(other: dict, *, current: bool, blind: bool) -> tuple[str, str, str]:
+def record_row(other: ReviewItem, *, current: bool, blind: bool) -> tuple[str, str, str]:
     """One queued question of the record: which, the model's answer (hidden in blind mode), what became of it."""
     return (("▶ " if current else "") + f"`{other['question_id']}` ({other['question_type']})",
             "model: hidden" if blind else f"model: **{other['predicted']}** ({other['confidence']:.2f})",

@@ -27,6 +27,7 @@ from clef_engine.explain import segment_counts, unit_that_fits
 from clef_engine.interface import DecisionEngine, ExplainingEngine
 from clef_engine.model import media
 from clef_workbench.casesets import build_request
+from clef_workbench.store import Case, Run
 
 TOWARDS = (26, 127, 55)  # green: the segment supports the answer
 AGAINST = (207, 34, 46)  # red: the segment works against it
@@ -293,7 +294,7 @@ def render_why(explained: dict, question_id: str, state: Any, images: list[Image
     st.markdown(top_html(segments), unsafe_allow_html=True)
 
 
-def render_case_why(key: str, models: list, run: dict, case: dict, *, question_id: str | None = None) -> None:
+def render_case_why(key: str, models: list, run: Run, case: Case, *, question_id: str | None = None) -> None:
     """Explain a stored case (`Store.get_case`, with media) of `run` as its schema asks, with the run's model if it
     is resident (else the default, and said so), computed once and kept under `key`; then draw one question's
     explanation (`question_id`, or a choice of the questions)."""
@@ -304,11 +305,9 @@ def render_case_why(key: str, models: list, run: dict, case: dict, *, question_i
         st.info("Why needs a loaded model: load one in the sidebar.")
         return
     request = build_request(case, run["schema"], model=run["model_id"])
-    settings = run.get("settings") or {}
     try:
         explained = cached_explanation(st.session_state, key, model.engine, request,
-                                       max_length=settings.get("max_length"),
-                                       overflow=settings.get("overflow") or "refuse")
+                                       max_length=run["settings"].max_length, overflow=run["settings"].overflow)
     except (ClefError, ValueError) as exc:
         st.error(f"Why could not be computed: {exc}")
         return

@@ -14,7 +14,8 @@ One `Store` object over one module per concern:
 - `review.py`: review rules, the queue, reviewer actions and undo;
 - `drafts.py`: per-session drafts of the Decide page;
 - `schema_versions.py`: the schema history (every saved content of a library schema) that runs link to;
-- `calibrations.py`: calibrations fitted on a run's labelled cases, with the run's schema version and model.
+- `calibrations.py`: calibrations fitted on a run's labelled cases, with the run's schema version and model;
+- `rows.py`: the types of what the store takes and returns (rows, a run's settings, a result's response).
 """
 
 from __future__ import annotations
@@ -36,6 +37,24 @@ from clef_workbench.store.cases import CaseSetsMixin, case_hash
 from clef_workbench.store.drafts import DraftsMixin
 from clef_workbench.store.migrations import MIGRATIONS, SCHEMA_VERSION
 from clef_workbench.store.review import REVIEW_ACTIONS, REVIEW_STATUSES, ReviewMixin
+from clef_workbench.store.rows import (
+    Answer,
+    Calibration,
+    Case,
+    CaseSet,
+    Change,
+    NewCase,
+    NewResult,
+    NewReviewItem,
+    RayPlacement,
+    Response,
+    Result,
+    ReviewAction,
+    ReviewItem,
+    Run,
+    RunSettings,
+    SchemaVersion,
+)
 from clef_workbench.store.runs import RUN_STATUSES, RunsMixin, new_lease_owner
 from clef_workbench.store.schema_versions import SCHEMA_VERSION_ACTIONS, SchemaVersionsMixin, schema_hashes
 
@@ -43,7 +62,8 @@ __all__ = [
     "BUSY_TIMEOUT_MS", "CHANGE_KINDS", "MIGRATIONS", "REVIEW_ACTIONS", "REVIEW_STATUSES", "RUN_STATUSES",
     "SCHEMA_VERSION", "SCHEMA_VERSION_ACTIONS", "DuplicateNameError", "NotFoundError", "ReviewConflictError",
     "Store", "StoreError", "_dumps", "_loads", "case_hash", "media_content_type", "new_lease_owner", "now_iso",
-    "schema_hashes",
+    "schema_hashes", "Answer", "Calibration", "Case", "CaseSet", "Change", "NewCase", "NewResult", "NewReviewItem",
+    "RayPlacement", "Response", "Result", "ReviewAction", "ReviewItem", "Run", "RunSettings", "SchemaVersion",
 ]
 
 

@@ -11,10 +11,11 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from clef_engine.protocol import sniff_content_type
 from clef_workbench.store.migrations import MIGRATIONS, SCHEMA_VERSION
+from clef_workbench.store.rows import Change, ReviewItem
 
 BUSY_TIMEOUT_MS = 30_000
 CHANGE_KINDS = ("case_set", "case", "run", "schema")
@@ -38,7 +39,7 @@ class NotFoundError(StoreError, KeyError):
 class ReviewConflictError(StoreError):
     """The review item changed since the reviewer loaded it; the action was not applied."""
 
-    def __init__(self, message: str, *, item: dict | None = None):
+    def __init__(self, message: str, *, item: ReviewItem | None = None):
         super().__init__(message)
         self.item = item
 
@@ -210,7 +211,7 @@ class StoreBase:
         with self._write() as conn:
             return self._log_change(conn, action, kind, object_id, label, who=who, data=data)
 
-    def list_changes(self, *, kind: str | None = None) -> list[dict]:
+    def list_changes(self, *, kind: str | None = None) -> list[Change]:
         """The change log, newest first, `data` decoded."""
         query, params = "SELECT * FROM change_log", []
         if kind is not None:
@@ -221,5 +222,5 @@ class StoreBase:
         for row in rows:
             entry = dict(row)
             entry["data"] = _loads(entry.pop("data_json"))
-            out.append(entry)
+            out.append(cast(Change, entry))
         return out

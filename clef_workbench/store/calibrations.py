@@ -4,19 +4,20 @@ the schema version and the model that produced the run, since a map is only vali
 from __future__ import annotations
 
 import sqlite3
-from typing import Any
+from typing import Any, cast
 
 from clef_workbench.store.base import DuplicateNameError, NotFoundError, StoreBase, _dumps, _loads, inserted_id, now_iso
+from clef_workbench.store.rows import Calibration, Run
 
 
 class CalibrationsMixin(StoreBase):
     @staticmethod
-    def _calibration_row(row: sqlite3.Row) -> dict:
+    def _calibration_row(row: sqlite3.Row) -> Calibration:
         calibration = dict(row)
         calibration["payload"] = _loads(calibration.pop("payload_json"))
-        return calibration
+        return cast(Calibration, calibration)
 
-    def save_calibration(self, name: str, run: dict, payload: dict[str, Any]) -> int:
+    def save_calibration(self, name: str, run: Run, payload: dict[str, Any]) -> int:
         """Keep a calibration fitted on `run` (a `get_run` row) under a unique `name`."""
         with self._write() as conn:
             if conn.execute("SELECT 1 FROM calibrations WHERE name = ?", (name,)).fetchone():
@@ -24,18 +25,18 @@ class CalibrationsMixin(StoreBase):
             cur = conn.execute(
                 """INSERT INTO calibrations (name, run_id, schema_name, schema_version_id, model_id, payload_json,
                    created_at) VALUES (?, ?, ?, ?, ?, ?, ?)""",
-                (name, run["id"], run["schema_name"], run.get("schema_version_id"), run["model_id"],
+                (name, run["id"], run["schema_name"], run["schema_version_id"], run["model_id"],
                  _dumps(payload), now_iso()))
             return inserted_id(cur)
 
-    def get_calibration(self, calibration_id: int | None = None, *, name: str | None = None) -> dict:
+    def get_calibration(self, calibration_id: int | None = None, *, name: str | None = None) -> Calibration:
         column, value = ("id", calibration_id) if name is None else ("name", name)
         row = self._conn().execute(f"SELECT * FROM calibrations WHERE {column} = ?", (value,)).fetchone()
         if row is None:
             raise NotFoundError(f"calibration {value!r} does not exist")
         return self._calibration_row(row)
 
-    def list_calibrations(self, *, schema_name: str | None = None, model_id: str | None = None) -> list[dict]:
+    def list_calibrations(self, *, schema_name: str | None = None, model_id: str | None = None) -> list[Calibration]:
         """Calibrations, newest first, optionally only those for one schema and/or model."""
         query, args = "SELECT * FROM calibrations WHERE 1 = 1", list[str]()
         if schema_name is not None:

@@ -8,7 +8,7 @@ import hashlib
 import json
 import sqlite3
 from collections import Counter
-from typing import Any
+from typing import Any, cast
 
 from clef_workbench.store.base import (
     DuplicateNameError,
@@ -21,6 +21,7 @@ from clef_workbench.store.base import (
     media_content_type,
     now_iso,
 )
+from clef_workbench.store.rows import Case, CaseSet, Label, Media, NewCase
 
 
 def case_hash(state: Any, expected: Any, tags: Any, media: list[tuple[str, bytes]], source_id: str | None = None
@@ -83,18 +84,18 @@ class CaseSetsMixin(StoreBase):
         (SELECT COUNT(*) FROM cases c WHERE c.case_set_id = s.id AND c.deleted_at IS NULL) AS case_count
         FROM case_sets s"""
 
-    def list_case_sets(self, *, deleted: bool = False) -> list[dict]:
+    def list_case_sets(self, *, deleted: bool = False) -> list[CaseSet]:
         """Every case set with its case count, newest first (with deleted=True: the deleted ones instead)."""
         where = "s.deleted_at IS NOT NULL" if deleted else "s.deleted_at IS NULL"
         rows = self._conn().execute(f"{self._SET_SELECT} WHERE {where} ORDER BY s.id DESC").fetchall()
-        return [dict(r) for r in rows]
+        return [cast(CaseSet, dict(r)) for r in rows]
 
-    def get_case_set(self, case_set_id: int) -> dict:
+    def get_case_set(self, case_set_id: int) -> CaseSet:
         row = self._conn().execute(self._SET_SELECT + " WHERE s.id = ? AND s.deleted_at IS NULL",
                                    (case_set_id,)).fetchone()
         if row is None:
             raise NotFoundError(f"case set {case_set_id} does not exist")
-        return dict(row)
+        return cast(CaseSet, dict(row))
 
     def update_case_set(
         self,
@@ -152,7 +153,7 @@ class CaseSetsMixin(StoreBase):
         state: Any,
         images: list[bytes] | None = None,
         videos: list[bytes] | None = None,
-        expected: dict[str, str | bool | int] | None = None,
+        expected: dict[str, Label] | None = None,
         tags: list[str] | None = None,
         source_id: str | None = None,
     ) -> int:
@@ -160,7 +161,7 @@ class CaseSetsMixin(StoreBase):
         return self.add_cases(case_set_id, [{"state": state, "images": images, "videos": videos, "expected": expected,
                                              "tags": tags, "source_id": source_id}])[0]
 
-    def add_cases(self, case_set_id: int, cases: list[dict], *, skip_existing: bool = False) -> list[int]:
+    def add_cases(self, case_set_id: int, cases: list[NewCase], *, skip_existing: bool = False) -> list[int]:
         """Append several cases in one transaction: all are added or none (an import never half-lands). With
         skip_existing, a case whose content (state, expected, tags, media) is already in the set is not added
         again, so importing the same file twice is a no-op; returns the ids of the cases added. A case's
@@ -171,8 +172,8 @@ class CaseSetsMixin(StoreBase):
             try:
                 media = [
                     (kind, position, media_content_type(blob, kind), bytes(blob))
-                    for kind in ("image", "video")
-                    for position, blob in enumerate(case.get(kind + "s") or [])
+                    for kind, blobs in (("image", case.get("images")), ("video", case.get("videos")))
+                    for position, blob in enumerate(blobs or [])
                 ]
                 state_json = _dumps(case["state"])
                 source_id = case.get("source_id")
@@ -238,7 +239,7 @@ class CaseSetsMixin(StoreBase):
         case_id: int,
         *,
         state: Any = ...,
-        expected: dict[str, str | bool | int] | None = ...,  # type: ignore[assignment]
+        expected: dict[str, Label] | None = ...,  # type: ignore[assignment]
         tags: list[str] | None = ...,  # type: ignore[assignment]
     ) -> None:
         """Change the given fields of a case (media stay)."""
@@ -279,7 +280,7 @@ class CaseSetsMixin(StoreBase):
             self._log_change(conn, "restore", "case", case_id, f"case {case_id}: {row['state_json'][:80]}", who=who)
 
     @staticmethod
-    def _case_row(row: sqlite3.Row) -> dict:
+    def _case_row(row: sqlite3.Row) -> Case:
         return {
             "id": row["id"],
             "case_set_id": row["case_set_id"],
@@ -297,7 +298,7 @@ class CaseSetsMixin(StoreBase):
         (SELECT COUNT(*) FROM case_media m WHERE m.case_id = c.id AND m.kind = 'video') AS video_count
         FROM cases c"""
 
-    def list_cases(self, case_set_id: int) -> list[dict]:
+    def list_cases(self, case_set_id: int) -> list[Case]:
         """Cases of a set in order, without media bytes (counts only)."""
         rows = self._conn().execute(
             self._CASE_SELECT + " WHERE c.case_set_id = ? AND c.deleted_at IS NULL ORDER BY c.position",
@@ -305,7 +306,7 @@ class CaseSetsMixin(StoreBase):
         ).fetchall()
         return [self._case_row(r) for r in rows]
 
-    def get_case(self, case_id: int, *, with_media: bool = True) -> dict:
+    def get_case(self, case_id: int, *, with_media: bool = True) -> Case:
         """One case; with media, `images`/`videos` are lists of {content_type, data: bytes} in order. A deleted
         case is still found here: runs and reviews that used it keep showing it."""
         with self._read() as conn:
@@ -318,12 +319,11 @@ class CaseSetsMixin(StoreBase):
                     "SELECT kind, content_type, data FROM case_media WHERE case_id = ? ORDER BY kind, position",
                     (case_id,),
                 ).fetchall()
-                case["images"] = [{"content_type": m["content_type"], "data": m["data"]} for m in media
-                                  if m["kind"] == "image"]
-                case["videos"] = [{"content_type": m["content_type"], "data": m["data"]} for m in media
-                                  if m["kind"] == "video"]
+                items = [(m["kind"], Media(content_type=m["content_type"], data=m["data"])) for m in media]
+                case["images"] = [item for kind, item in items if kind == "image"]
+                case["videos"] = [item for kind, item in items if kind == "video"]
         return case
 
-    def get_cases(self, case_ids: list[int]) -> list[dict]:
+    def get_cases(self, case_ids: list[int]) -> list[Case]:
         """Several cases with media, in the order asked."""
         return [self.get_case(case_id) for case_id in case_ids]

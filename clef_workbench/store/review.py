@@ -5,9 +5,10 @@ log of actions with undo."""
 from __future__ import annotations
 
 import sqlite3
-from typing import Any
+from typing import Any, cast
 
 from clef_workbench.store.base import NotFoundError, ReviewConflictError, StoreBase, StoreError, _dumps, _loads, now_iso
+from clef_workbench.store.rows import ItemState, Label, NewReviewItem, ReviewAction, ReviewItem
 
 REVIEW_STATUSES = ("open", "accepted", "corrected", "unknown", "skipped")
 REVIEW_ACTIONS = ("accept", "correct", "unknown", "skip")
@@ -32,11 +33,9 @@ class ReviewMixin(StoreBase):
                 (schema_name, _dumps(rules), now_iso()),
             )
 
-    def queue_review_items(self, items: list[dict]) -> int:
-        """Add items to the review queue with their reason frozen now. Each dict: run_id, case_id, question_id,
-        question_type, distribution {option: p}, predicted, confidence, margin, reason, model_id, schema_name,
-        schema_version. An item already queued for the same (run, case, question) is left as it is. Returns the
-        number added."""
+    def queue_review_items(self, items: list[NewReviewItem]) -> int:
+        """Add items to the review queue with their reason frozen now. An item already queued for the same (run, case,
+        question) is left as it is. Returns the number added."""
         stamp = now_iso()
         with self._write() as conn:
             before = conn.total_changes
@@ -58,13 +57,13 @@ class ReviewMixin(StoreBase):
             return conn.total_changes - before
 
     @staticmethod
-    def _item_row(row: sqlite3.Row) -> dict:
+    def _item_row(row: sqlite3.Row) -> ReviewItem:
         item = dict(row)
         item["distribution"] = _loads(item.pop("distribution_json"))
         item["label"] = _loads(item.pop("label_json"))
-        return item
+        return cast(ReviewItem, item)
 
-    def list_review_items(self, run_id: int, *, statuses: tuple[str, ...] | None = None) -> list[dict]:
+    def list_review_items(self, run_id: int, *, statuses: tuple[str, ...] | None = None) -> list[ReviewItem]:
         """Queue of a run, worst first: open items before skipped ones before done ones, each by smallest margin."""
         query = """SELECT * FROM review_items WHERE run_id = ?"""
         params: list[Any] = [run_id]
@@ -75,7 +74,7 @@ class ReviewMixin(StoreBase):
                      margin ASC, confidence ASC, id ASC"""
         return [self._item_row(r) for r in self._conn().execute(query, params).fetchall()]
 
-    def get_review_item(self, item_id: int) -> dict:
+    def get_review_item(self, item_id: int) -> ReviewItem:
         row = self._conn().execute("SELECT * FROM review_items WHERE id = ?", (item_id,)).fetchone()
         if row is None:
             raise NotFoundError(f"review item {item_id} does not exist")
@@ -93,13 +92,13 @@ class ReviewMixin(StoreBase):
         return counts
 
     @staticmethod
-    def _item_state(item: dict | sqlite3.Row) -> dict:
+    def _item_state(item: sqlite3.Row) -> ItemState:
         return {"status": item["status"], "label": _loads(item["label_json"]), "reviewer": item["reviewer"]}
 
     def apply_review_action(
         self, item_id: int, *, reviewer: str, action: str, expected_version: int, label: Any = None,
         comment: str | None = None,
-    ) -> dict:
+    ) -> ReviewItem:
         """Apply accept / correct / unknown / skip to an item, if it is still at the version the reviewer saw.
 
         accept labels the item with the model's answer; correct with `label` (option id, level or bool); unknown
@@ -122,7 +121,7 @@ class ReviewMixin(StoreBase):
                 )
             allowed = list(_loads(row["distribution_json"]).keys())
             if action == "accept":
-                new_label: Any = _coerce_label(row["question_type"], row["predicted"])
+                new_label: Label | None = _coerce_label(row["question_type"], row["predicted"])
             elif action == "correct":
                 if label is None:
                     raise ValueError("correct needs the right answer (an option id, a level or true/false)")
@@ -132,7 +131,7 @@ class ReviewMixin(StoreBase):
             else:
                 new_label = None
             before = self._item_state(row)
-            after = {"status": _ACTION_STATUS[action], "label": new_label, "reviewer": reviewer}
+            after = ItemState(status=_ACTION_STATUS[action], label=new_label, reviewer=reviewer)
             self._set_item_state(conn, item_id, after)
             conn.execute(
                 """INSERT INTO review_actions (item_id, reviewer, at, action, before_json, after_json, comment)
@@ -142,7 +141,7 @@ class ReviewMixin(StoreBase):
             return self._item_row(conn.execute("SELECT * FROM review_items WHERE id = ?", (item_id,)).fetchone())
 
     @staticmethod
-    def _set_item_state(conn: sqlite3.Connection, item_id: int, state: dict) -> None:
+    def _set_item_state(conn: sqlite3.Connection, item_id: int, state: ItemState) -> None:
         conn.execute(
             """UPDATE review_items SET status = ?, label_json = ?, reviewer = ?, version = version + 1,
                updated_at = ? WHERE id = ?""",
@@ -150,7 +149,7 @@ class ReviewMixin(StoreBase):
              now_iso(), item_id),
         )
 
-    def undo_last_action(self, reviewer: str, *, run_id: int | None = None) -> dict:
+    def undo_last_action(self, reviewer: str, *, run_id: int | None = None) -> ReviewItem:
         """Undo this reviewer's most recent action that is not yet undone, by appending an `undo` entry and
         restoring the item's previous state. Refused if another reviewer changed the item since. Returns the item.
         """
@@ -185,7 +184,7 @@ class ReviewMixin(StoreBase):
             )
             return self._item_row(conn.execute("SELECT * FROM review_items WHERE id = ?", (row["id"],)).fetchone())
 
-    def list_review_actions(self, *, run_id: int | None = None, item_id: int | None = None) -> list[dict]:
+    def list_review_actions(self, *, run_id: int | None = None, item_id: int | None = None) -> list[ReviewAction]:
         """The audit log in the order written, with before/after states decoded."""
         query = """SELECT a.*, i.run_id, i.case_id, i.question_id FROM review_actions a
                    JOIN review_items i ON i.id = a.item_id WHERE 1 = 1"""
@@ -202,16 +201,16 @@ class ReviewMixin(StoreBase):
             entry = dict(row)
             entry["before"] = _loads(entry.pop("before_json"))
             entry["after"] = _loads(entry.pop("after_json"))
-            out.append(entry)
+            out.append(cast(ReviewAction, entry))
         return out
 
 
-def _label_key(label: str | bool | int) -> str:
+def _label_key(label: Label) -> str:
     """The distribution key of a label: 'true'/'false' for noul, '2' for a score level, the id for a choice."""
     return str(label).lower() if isinstance(label, bool) else str(label)
 
 
-def _coerce_label(question_type: str, value: Any) -> str | bool | int:
+def _coerce_label(question_type: str, value: Any) -> Label:
     """A label in the type expected answers use: bool for noul, int level for score, option id str for choice."""
     if question_type == "noul":
         if isinstance(value, bool):

@@ -8,9 +8,11 @@ import socket
 import sqlite3
 import time
 import uuid
-from typing import Any
+from dataclasses import replace
+from typing import Any, cast
 
 from clef_workbench.store.base import NotFoundError, StoreBase, StoreError, _dumps, _loads, inserted_id, now_iso
+from clef_workbench.store.rows import NewResult, Result, Run, RunSettings
 from clef_workbench.store.schema_versions import find_version_row
 
 RUN_STATUSES = ("pending", "running", "cancelled", "finished", "failed")
@@ -45,17 +47,17 @@ class RunsMixin(StoreBase):
         schema: dict,
         model_id: str,
         model_revision: str | None = None,
-        settings: dict | None = None,
+        settings: RunSettings = RunSettings(),
     ) -> int:
         """Record a run of a case set against a schema (a dict with name, version, questions); status pending.
-        The run is linked to the schema history's version of exactly this content (settings["schema_slug"]'s
+        The run is linked to the schema history's version of exactly this content (settings.schema_slug's
         first) and carries its number; content never saved in the library is linked to none (`schema_slug` None)
         and keeps the version its dict says."""
         if not isinstance(schema, dict) or not isinstance(schema.get("questions"), dict) or not schema["questions"]:
             raise ValueError("schema must be a dict with a non-empty 'questions' map")
         self.get_case_set(case_set_id)  # type: ignore[attr-defined]  # CaseSetsMixin's
         with self._write() as conn:
-            version = find_version_row(conn, schema, (settings or {}).get("schema_slug"))
+            version = find_version_row(conn, schema, settings.schema_slug)
             if version is not None:
                 schema = {**schema, "version": version["number"]}
             cur = conn.execute(
@@ -70,18 +72,18 @@ class RunsMixin(StoreBase):
                     None if version is None else version["id"],
                     model_id,
                     model_revision,
-                    _dumps(settings or {}),
+                    _dumps(settings.to_json()),
                     now_iso(),
                 ),
             )
             return inserted_id(cur)
 
     @staticmethod
-    def _run_row(row: sqlite3.Row) -> dict:
+    def _run_row(row: sqlite3.Row) -> Run:
         run = dict(row)
         run["schema"] = _loads(run.pop("schema_json"))
-        run["settings"] = _loads(run.pop("settings_json"))
-        return run
+        run["settings"] = RunSettings.from_json(_loads(run.pop("settings_json")))
+        return cast(Run, run)
 
     _RUN_SELECT = """SELECT r.*, s.name AS case_set_name, v.slug AS schema_slug,
         (SELECT COUNT(*) FROM cases c WHERE c.case_set_id = r.case_set_id AND c.deleted_at IS NULL) AS total,
@@ -90,7 +92,7 @@ class RunsMixin(StoreBase):
         FROM runs r JOIN case_sets s ON s.id = r.case_set_id
         LEFT JOIN schema_versions v ON v.id = r.schema_version_id"""
 
-    def get_run(self, run_id: int) -> dict:
+    def get_run(self, run_id: int) -> Run:
         """A run with its schema, settings and progress counts (total cases, done, errors)."""
         row = self._conn().execute(self._RUN_SELECT + " WHERE r.id = ? AND r.deleted_at IS NULL",
                                    (run_id,)).fetchone()
@@ -98,7 +100,7 @@ class RunsMixin(StoreBase):
             raise NotFoundError(f"run {run_id} does not exist")
         return self._run_row(row)
 
-    def list_runs(self, case_set_id: int | None = None, *, deleted: bool = False) -> list[dict]:
+    def list_runs(self, case_set_id: int | None = None, *, deleted: bool = False) -> list[Run]:
         """Runs, newest first, optionally of one case set (with deleted=True: the deleted ones instead)."""
         where = "r.deleted_at IS NOT NULL" if deleted else "r.deleted_at IS NULL"
         if case_set_id is None:
@@ -112,9 +114,9 @@ class RunsMixin(StoreBase):
     def update_run_settings(self, run_id: int, **changes: Any) -> None:
         """Change a run's settings before it is retried or resumed (a budget that refused its cases): the cases it
         runs from then on use them; its answered cases keep their results."""
-        settings = {**(self.get_run(run_id)["settings"] or {}), **changes}
+        settings = replace(self.get_run(run_id)["settings"], **changes)
         with self._write() as conn:
-            conn.execute("UPDATE runs SET settings_json = ? WHERE id = ?", (_dumps(settings), run_id))
+            conn.execute("UPDATE runs SET settings_json = ? WHERE id = ?", (_dumps(settings.to_json()), run_id))
 
     def set_run_status(self, run_id: int, status: str, *, error: str | None = None) -> None:
         """Move a run to a status; `running` stamps started_at (first time), terminal states stamp finished_at."""
@@ -223,10 +225,9 @@ class RunsMixin(StoreBase):
         ).fetchall()
         return [r[0] for r in rows]
 
-    def record_results(self, run_id: int, results: list[dict]) -> int:
-        """Write results of one chunk atomically. Each dict: case_id, response | error, latency_ms, input_tokens,
-        token_counts, started_at, finished_at. A (run, case) already recorded is kept, not duplicated; returns
-        how many rows were new."""
+    def record_results(self, run_id: int, results: list[NewResult]) -> int:
+        """Write results of one chunk atomically. A (run, case) already recorded is kept, not duplicated; returns how
+        many rows were new."""
         stamp = now_iso()
         rows = [
             (
@@ -257,7 +258,7 @@ class RunsMixin(StoreBase):
         with self._write() as conn:
             return conn.execute("DELETE FROM results WHERE run_id = ? AND error IS NOT NULL", (run_id,)).rowcount
 
-    def list_results(self, run_id: int) -> list[dict]:
+    def list_results(self, run_id: int) -> list[Result]:
         """Results of a run in case-set order, each with the case's own id, state, expected answers and tags."""
         rows = self._conn().execute(
             """SELECT x.*, c.position, c.source_id, c.state_json, c.expected_json, c.tags_json FROM results x
@@ -266,11 +267,8 @@ class RunsMixin(StoreBase):
         ).fetchall()
         out = []
         for row in rows:
-            item: dict[str, Any] = dict(row)
-            item["response"] = _loads(item.pop("response_json"))
-            item["token_counts"] = _loads(item.pop("token_counts_json"))
-            item["state"] = _loads(item.pop("state_json"))
-            item["expected"] = _loads(item.pop("expected_json"))
-            item["tags"] = _loads(item.pop("tags_json"))
-            out.append(item)
+            item = dict(row)
+            for name in ("response", "token_counts", "state", "expected", "tags"):
+                item[name] = _loads(item.pop(f"{name}_json"))
+            out.append(cast(Result, item))
         return out

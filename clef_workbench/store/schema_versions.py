@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import hashlib
 import sqlite3
-from typing import Any
+from typing import Any, cast
 
 from clef_workbench.store.base import NotFoundError, StoreBase, _dumps, _loads, inserted_id, now_iso
+from clef_workbench.store.rows import RecordedSchemaVersion, SchemaVersion
 
 # Why a version was written: the library's operations, and "on disk" for a file changed outside the workbench
 # (a git pull, an editor) that the workbench read.
@@ -39,12 +40,12 @@ class SchemaVersionsMixin(StoreBase):
                          FROM schema_versions v"""
 
     @staticmethod
-    def _version_row(row: sqlite3.Row) -> dict:
+    def _version_row(row: sqlite3.Row) -> SchemaVersion:
         version = dict(row)
         version["schema"] = _loads(version.pop("schema_json"))
-        return version
+        return cast(SchemaVersion, version)
 
-    def record_schema_version(self, slug: str, schema: dict, *, action: str, who: str = "") -> dict:
+    def record_schema_version(self, slug: str, schema: dict, *, action: str, who: str = "") -> RecordedSchemaVersion:
         """Keep `schema` (a library file's content) as the next version of `slug`, unless it is the content of the
         slug's latest version already. Returns that version, with `new` saying whether it was just written. Its
         number is one more than the latest, or the schema's own `version` if that is higher (a file that had
@@ -56,11 +57,11 @@ class SchemaVersionsMixin(StoreBase):
         # The library records every file it reads: a read answers the usual case (unchanged) without the write lock.
         latest = self._conn().execute(latest_query, (slug,)).fetchone()
         if latest is not None and latest["content_hash"] == content_hash:
-            return {**self._version_row(latest), "new": False}
+            return RecordedSchemaVersion(**self._version_row(latest), new=False)
         with self._write() as conn:
             latest = conn.execute(latest_query, (slug,)).fetchone()
             if latest is not None and latest["content_hash"] == content_hash:
-                return {**self._version_row(latest), "new": False}
+                return RecordedSchemaVersion(**self._version_row(latest), new=False)
             own = schema.get("version")
             number = max((latest["number"] if latest is not None else 0) + 1,
                          own if isinstance(own, int) and not isinstance(own, bool) else 1)
@@ -71,26 +72,26 @@ class SchemaVersionsMixin(StoreBase):
                 (slug, number, content_hash, run_hash, _dumps(numbered), action, who or "", now_iso()),
             )
             version_id = inserted_id(cur)
-        return {**self.get_schema_version(version_id), "new": True}
+        return RecordedSchemaVersion(**self.get_schema_version(version_id), new=True)
 
-    def get_schema_version(self, version_id: int) -> dict:
+    def get_schema_version(self, version_id: int) -> SchemaVersion:
         row = self._conn().execute(self._VERSION_SELECT + " WHERE v.id = ?", (version_id,)).fetchone()
         if row is None:
             raise NotFoundError(f"schema version {version_id} does not exist")
         return self._version_row(row)
 
-    def list_schema_versions(self, slug: str) -> list[dict]:
+    def list_schema_versions(self, slug: str) -> list[SchemaVersion]:
         """The versions of a slug, newest first, each with how many (not deleted) runs used it."""
         rows = self._conn().execute(self._VERSION_SELECT + " WHERE v.slug = ? ORDER BY v.number DESC",
                                     (slug,)).fetchall()
         return [self._version_row(r) for r in rows]
 
-    def latest_schema_version(self, slug: str) -> dict | None:
+    def latest_schema_version(self, slug: str) -> SchemaVersion | None:
         row = self._conn().execute(self._VERSION_SELECT + " WHERE v.slug = ? ORDER BY v.number DESC LIMIT 1",
                                    (slug,)).fetchone()
         return None if row is None else self._version_row(row)
 
-    def get_schema_version_number(self, slug: str, number: int) -> dict:
+    def get_schema_version_number(self, slug: str, number: int) -> SchemaVersion:
         row = self._conn().execute(self._VERSION_SELECT + " WHERE v.slug = ? AND v.number = ?",
                                    (slug, number)).fetchone()
         if row is None:
@@ -102,7 +103,7 @@ class SchemaVersionsMixin(StoreBase):
         rows = self._conn().execute("SELECT DISTINCT slug FROM schema_versions ORDER BY slug").fetchall()
         return [r[0] for r in rows]
 
-    def find_schema_version(self, schema: dict, *, slug: str | None = None) -> dict | None:
+    def find_schema_version(self, schema: dict, *, slug: str | None = None) -> SchemaVersion | None:
         """The version a run of `schema` would be linked to, or None (content never saved in the library)."""
         row = find_version_row(self._conn(), schema, slug)
         return None if row is None else self.get_schema_version(row["id"])

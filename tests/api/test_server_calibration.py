@@ -34,7 +34,7 @@ def store_with_calibrations(db: Path) -> Store:
     set_id = store.create_case_set("tickets")
     store.add_cases(set_id, [{"state": "ticket"}])
     schema = {"name": "tickets", "questions": {"billing": {"type": "noul"}}}
-    run = store.get_run(store.create_run(set_id, schema=schema, model_id="tiny", settings={}))
+    run = store.get_run(store.create_run(set_id, schema=schema, model_id="tiny"))
     store.save_calibration("tickets · tiny", run, {"questions": {
         q.question_id: calibration.asdict(q) for q in (SOFT_BILLING, WARM_TONE, SHARP_URGENCY)}, "report": []})
     store.save_calibration("billing only", run, {"questions": {"billing": calibration.asdict(SOFT_BILLING)},

@@ -14,7 +14,7 @@ import pytest
 
 from clef_workbench import review
 from clef_workbench.schema_library import SchemaLibrary
-from clef_workbench.store import Store
+from clef_workbench.store import RunSettings, Store
 from tests.support import REPO
 from tests.support.browser import LONG, demo_workbench, launch_chromium, running_workbench
 from tests.support.browser_steps import delete_row, press_shortcut, settle
@@ -242,7 +242,7 @@ def test_a_results_row_opens_its_case_in_decide(page, workbench):
     schema = SchemaLibrary(root / "schemas").load("support-ticket-routing").to_dict()
     schema.pop("examples", None)
     run_id = store.create_run(set_id, schema=schema, model_id="clef",
-                              settings={"schema_slug": "support-ticket-routing"})
+                              settings=RunSettings(schema_slug="support-ticket-routing"))
     finish_with_sales_answers(store, run_id, case_ids)
 
     page.goto(f"{url}/runs?run={run_id}")

@@ -14,7 +14,7 @@ import pytest
 
 from clef_engine.errors import ClefError
 from clef_workbench.jobs import JobRunner
-from clef_workbench.store import Store
+from clef_workbench.store import RunSettings, Store
 from tests.support import REPO
 from tests.support.browser import launch_chromium, running_workbench
 from tests.support.browser_steps import delete_row, settle
@@ -74,7 +74,7 @@ def failed_run(db: Path, name: str, cases: int) -> tuple[Store, int]:
     set_id = store.create_case_set(name)
     store.add_cases(set_id, [{"state": f"Ticket {i}: my invoice is wrong", "expected": {"team": "billing"}}
                              for i in range(cases)])
-    run_id = store.create_run(set_id, schema=SCHEMA, model_id="clef-demo", settings={"chunk_size": 4})
+    run_id = store.create_run(set_id, schema=SCHEMA, model_id="clef-demo", settings=RunSettings(chunk_size=4))
     runner = JobRunner(store)
     runner.start(run_id, StoppedEndpoint())
     assert runner.wait(run_id, timeout=60)

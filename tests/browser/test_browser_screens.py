@@ -144,4 +144,4 @@ def a_refused_run_reads_failed_everywhere(page, store: Store) -> None:
     expect(page.get_by_text("Finished: all 2 cases have answers.")).to_be_visible(timeout=LONG)
     expect(page.get_by_role("combobox", name="Run")).to_have_value(re.compile(rf"^#{run_id} .*· finished$"))
     run = store.get_run(run_id)
-    assert (run["status"], run["errors"], run["settings"]["max_length"]) == ("finished", 0, 8192)
+    assert (run["status"], run["errors"], run["settings"].max_length) == ("finished", 0, 8192)

@@ -10,7 +10,7 @@ import pytest
 
 from clef_engine import protocol
 from clef_workbench.jobs import JobRunner
-from clef_workbench.store import Store
+from clef_workbench.store import RunSettings, Store
 from tests.support.media import plain_png
 
 SCHEMA = {"questions": {
@@ -55,7 +55,7 @@ def test_a_batch_run_validates_its_schema_once_and_each_cases_evidence_once(tmp_
     set_id = store.create_case_set("tickets")
     store.add_cases(set_id, [{"state": f"Invoice {i} shows the wrong amount, please refund the difference.",
                               "images": [plain_png(32, 24)]} for i in range(5)])
-    run_id = store.create_run(set_id, schema=SCHEMA, model_id="demo", settings={"max_length": 4096})
+    run_id = store.create_run(set_id, schema=SCHEMA, model_id="demo", settings=RunSettings(max_length=4096))
     sent: list[protocol.ValidRequest] = []
     submit = tiny_engine.submit
 
@@ -95,7 +95,7 @@ def test_a_batch_run_tokenizes_its_schema_once(tmp_path, tiny_engine, monkeypatc
     store = Store(tmp_path / "w.db")
     set_id = store.create_case_set("tickets")
     store.add_cases(set_id, [{"state": f"Ticket {i}: the parcel is late."} for i in range(6)])
-    run_id = store.create_run(set_id, schema=schema, model_id="demo", settings={})
+    run_id = store.create_run(set_id, schema=schema, model_id="demo")
     runner = JobRunner(store)
     runner.start(run_id, tiny_engine)
     assert runner.wait(run_id, timeout=120)
@@ -108,7 +108,7 @@ def test_a_run_whose_schema_is_invalid_reports_the_problem_on_every_case(tmp_pat
     set_id = store.create_case_set("tickets")
     store.add_cases(set_id, [{"state": "Refund please."}, {"state": "Where is my parcel?"}])
     schema = {"questions": {"refund": {"type": "yes_or_no", "instructions": "Refund?"}}}
-    run_id = store.create_run(set_id, schema=schema, model_id="demo", settings={})
+    run_id = store.create_run(set_id, schema=schema, model_id="demo")
     runner = JobRunner(store)
     runner.start(run_id, tiny_engine)
     assert runner.wait(run_id, timeout=120)

@@ -702,7 +702,7 @@ def test_decide_shows_calibrated_probabilities_labelled_as_such_when_a_calibrati
     store = Store(workbench / "workbench.sqlite3")
     set_id = store.create_case_set("labelled")
     store.add_cases(set_id, [{"state": "a ticket"}])
-    run_id = store.create_run(set_id, schema=schema, model_id="clef-demo", settings={})
+    run_id = store.create_run(set_id, schema=schema, model_id="clef-demo")
     flatten = QuestionCalibration("churn_threat", "noul", "platt", a=0.0, b=0.0)  # every answer becomes 0.5
     store.save_calibration("flat churn", store.get_run(run_id),
                            {"questions": {"churn_threat": asdict(flatten)}, "report": []})

@@ -58,7 +58,7 @@ def test_the_one_action_starts_a_run_per_model_of_the_saved_version(store, libra
     assert message == f"Started run(s) #{run_ids[0]}." and len(run_ids) == 1
     assert runner.wait(run_ids[0], timeout=600)
     run = store.get_run(run_ids[0])
-    assert run["settings"]["schema_slug"] == SLUG and run["settings"]["overflow"] == "refuse"
+    assert run["settings"].schema_slug == SLUG and run["settings"].overflow == "refuse"
     assert "examples" not in run["schema"]
     assert not cv.is_unfinished(run)
     assert cv.started_run_line(run) == (f"Run [#{run['id']}](/runs?run={run['id']}) · tiny · finished · 2/2 cases")
@@ -102,7 +102,7 @@ def test_an_opened_case_shows_each_runs_answers_charts_latency_or_error():
 
     assert cv.case_shown(view, 999) is None
     assert cv.no_result_message(999) == "Case 999 has no result in these runs."
-    assert json.dumps(cv.START_SETTINGS)  # the settings a run records are plain JSON
+    assert json.dumps(cv.START_SETTINGS.to_json())  # the settings a run records are plain JSON
     assert compare.case_detail(view, 101) is not None
 
 

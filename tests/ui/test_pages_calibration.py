@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 from streamlit.testing.v1 import AppTest
 
-from clef_workbench.store import Store
+from clef_workbench.store import RunSettings, Store
 from tests.support.apptest import APP, TIMEOUT, button, no_exceptions, open_page, texts, wait_for_run
 from workbench_ui import shell
 
@@ -21,7 +21,7 @@ def labelled_run(store: Store, cases: int) -> tuple[int, str]:
     store.add_cases(set_id, [{"state": f"Ticket {i}: parcel {900 + i} lost, refund {i} euros",
                               "expected": {"team": teams[int(rng.integers(len(teams)))],
                                            "priority": int(rng.integers(levels))}} for i in range(cases)])
-    run_id = store.create_run(set_id, schema=schema, model_id="clef-demo", settings={"chunk_size": 16})
+    run_id = store.create_run(set_id, schema=schema, model_id="clef-demo", settings=RunSettings(chunk_size=16))
     shell.get_job_runner().start(run_id, shell.get_engine(show_errors=False))
     wait_for_run(run_id)
     return run_id, schema["name"]

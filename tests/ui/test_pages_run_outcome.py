@@ -10,7 +10,7 @@ from streamlit.testing.v1 import AppTest
 
 from clef_workbench import casesets, review
 from clef_workbench.review import ReviewRules
-from clef_workbench.store import Store
+from clef_workbench.store import RunSettings, Store
 from tests.support.apptest import APP, TIMEOUT, button, no_exceptions, open_page, texts, wait_for_run
 from tests.support.endpoints import FailingEngine, RefusingEndpoint, serve
 from workbench_ui import run_view, shell, units
@@ -20,7 +20,7 @@ def start_run(store: Store, set_id: int, engine, **settings) -> int:
     schema = shell.get_library().load("support-ticket-routing").to_dict()
     schema.pop("examples")
     run_id = store.create_run(set_id, schema=schema, model_id="clef-demo",
-                              settings={"chunk_size": 6, "schema_slug": "support-ticket-routing", **settings})
+                              settings=RunSettings(chunk_size=6, schema_slug="support-ticket-routing", **settings))
     shell.get_job_runner().start(run_id, engine)
     wait_for_run(run_id)
     return run_id
@@ -115,7 +115,7 @@ def test_a_schema_over_max_length_is_said_before_the_start_and_a_retry_takes_oth
     assert at.number_input(key=f"runs.retry.{refused}.max_length").value == 256, "the setting that failed, shown"
     at.number_input(key=f"runs.retry.{refused}.max_length").set_value(8192).run()
     run = retried_to_the_end(at, store, refused)
-    assert (run["status"], run["done"], run["errors"], run["settings"]["max_length"]) == ("finished", 12, 0, 8192)
+    assert (run["status"], run["done"], run["errors"], run["settings"].max_length) == ("finished", 12, 0, 8192)
 
 
 @pytest.mark.slow  # the pages on the demo model, with its runs: tens of seconds each on a busy machine

@@ -15,7 +15,7 @@ from streamlit.testing.v1 import AppTest
 
 from clef_workbench import casesets, review
 from clef_workbench.review import ReviewRules
-from clef_workbench.store import Store
+from clef_workbench.store import RunSettings, Store
 from tests.support.apptest import (
     APP,
     TIMEOUT,
@@ -105,7 +105,7 @@ def test_runs_page_runs_cancels_resumes_and_shows_stats(workbench, monkeypatch):
     run_id = store.list_runs()[0]["id"]
     runner = shell.get_job_runner()
     assert runner.is_running(run_id)
-    assert store.get_run(run_id)["settings"]["chunk_size"] == 2
+    assert store.get_run(run_id)["settings"].chunk_size == 2
 
     # the job belongs to the process, not the page: switch away and back, it is still going
     at.switch_page("pages/review.py")
@@ -176,7 +176,7 @@ def _finished_run(workbench: Path) -> tuple[Store, int]:
     schema = shell.get_library().load("support-ticket-routing").to_dict()
     schema.pop("examples")
     run_id = store.create_run(set_id, schema=schema, model_id="clef-demo",
-                              settings={"chunk_size": 6, "schema_slug": "support-ticket-routing"})
+                              settings=RunSettings(chunk_size=6, schema_slug="support-ticket-routing"))
     shell.get_job_runner().start(run_id, shell.get_engine(show_errors=False))
     wait_for_run(run_id)
     return store, run_id

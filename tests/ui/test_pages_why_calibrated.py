@@ -13,7 +13,7 @@ import pytest
 from streamlit.testing.v1 import AppTest
 
 from clef_workbench import calibration
-from clef_workbench.store import Store
+from clef_workbench.store import RunSettings, Store
 from tests.support.apptest import APP, TIMEOUT, button, no_exceptions, open_page, start, texts, wait_for_run
 from workbench_ui import shell
 from workbench_ui import why_view as why
@@ -27,7 +27,7 @@ FLATTEN_TEAM = calibration.QuestionCalibration("team", "choice", "temperature", 
 def finished_run(store: Store, set_id: int) -> int:
     schema = shell.get_library().load("support-ticket-routing").to_dict()
     schema.pop("examples")
-    run_id = store.create_run(set_id, schema=schema, model_id="clef-demo", settings={"chunk_size": 8})
+    run_id = store.create_run(set_id, schema=schema, model_id="clef-demo", settings=RunSettings(chunk_size=8))
     shell.get_job_runner().start(run_id, shell.get_engine(show_errors=False))
     wait_for_run(run_id)
     return run_id
@@ -171,7 +171,7 @@ def test_decide_says_whether_each_calibration_helps_and_applies_only_those_that_
     store = Store(workbench / "workbench.sqlite3")
     set_id = store.create_case_set("labelled")
     store.add_cases(set_id, [{"state": "a ticket"}])
-    run_id = store.create_run(set_id, schema=schema, model_id="clef-demo", settings={})
+    run_id = store.create_run(set_id, schema=schema, model_id="clef-demo")
     maps = {"churn_threat": calibration.QuestionCalibration("churn_threat", "noul", "platt", a=0.0, b=0.0),
             "team": calibration.QuestionCalibration("team", "choice", "temperature",
                                                     temperature=float(np.exp(calibration.LOG_TEMPERATURE_BOUND))),

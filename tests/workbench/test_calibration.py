@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from clef_workbench import calibration, stats
+from clef_workbench.store import RunSettings
 
 SCHEMA = {"questions": {
     "urgent": {"type": "noul"},
@@ -123,7 +124,7 @@ def test_calibrate_from_the_command_line_on_a_real_run(tmp_path, tiny_engine):
     store = Store(db)
     set_id = store.create_case_set("labelled")
     store.add_cases(set_id, cases)
-    run_id = store.create_run(set_id, schema=schema, model_id="tiny", settings={"chunk_size": 16})
+    run_id = store.create_run(set_id, schema=schema, model_id="tiny", settings=RunSettings(chunk_size=16))
     runner = JobRunner(store)
     runner.start(run_id, tiny_engine)
     assert runner.wait(run_id, timeout=600)
@@ -141,7 +142,7 @@ def test_calibrate_from_the_command_line_on_a_real_run(tmp_path, tiny_engine):
     # a second calibration of a run without labels is refused with the reason, exit 1
     bare = store.create_case_set("bare")
     store.add_cases(bare, [{"state": "no labels here"}])
-    bare_run = store.create_run(bare, schema=schema, model_id="tiny", settings={})
+    bare_run = store.create_run(bare, schema=schema, model_id="tiny")
     runner.start(bare_run, tiny_engine)
     assert runner.wait(bare_run, timeout=300)
     refused = subprocess.run([sys.executable, "-m", "clef_workbench", "calibrate", "--db", str(db), "--run",
@@ -159,7 +160,7 @@ def _store_with_two_runs(tmp_path):
     runs = []
     for model, p_true in (("model-a", [0.9, 0.8, 0.3, 0.6]), ("model-b", [0.85, 0.2, 0.35, 0.7])):
         run_id = store.create_run(set_id, schema={"name": "t", "questions": {"urgent": {"type": "noul"}}},
-                                  model_id=model, settings={})
+                                  model_id=model)
         store.record_results(run_id, [{"case_id": c, "response": {"answers": {"urgent": {"type": "noul",
                                                                                           "noul": p}}},
                                        "error": None, "latency_ms": 1.0, "input_tokens": 3,

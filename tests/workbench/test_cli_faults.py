@@ -98,7 +98,7 @@ def test_a_calibration_export_that_does_not_fit_on_the_disk_leaves_the_earlier_f
     set_id = store.create_case_set("tickets")
     store.add_cases(set_id, [{"state": "ticket"}])
     schema = {"name": "t", "version": 1, "questions": {"urgent": {"type": "noul"}}}
-    run = store.get_run(store.create_run(set_id, schema=schema, model_id="tiny", settings={}))
+    run = store.get_run(store.create_run(set_id, schema=schema, model_id="tiny"))
     payload = {"questions": {"urgent": {"question_type": "noul", "method": "platt", "a": 1.0, "b": 0.0,
                                         "temperature": None}}, "report": []}
     store.save_calibration("first", run, payload)

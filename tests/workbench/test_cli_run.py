@@ -14,13 +14,14 @@ import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from clef_workbench.__main__ import main
 from clef_workbench.jobs import JobRunner
-from clef_workbench.store import Store, StoreError
+from clef_workbench.store import RunSettings, Store, StoreError
 from tests.support import REPO
 from tests.support.ray_cluster import assert_same_answers, local_cluster
 
@@ -44,7 +45,7 @@ def cli(*args: str) -> list[str]:
 
 
 def in_process(store: Store, set_id: int, engine, schema: dict) -> list[dict]:
-    run_id = store.create_run(set_id, schema=schema, model_id="demo", settings={"chunk_size": 8})
+    run_id = store.create_run(set_id, schema=schema, model_id="demo", settings=RunSettings(chunk_size=8))
     runner = JobRunner(store)
     runner.start(run_id, engine)
     assert runner.wait(run_id, timeout=300)
@@ -62,9 +63,9 @@ def test_a_run_from_the_command_line_is_stored_as_a_runs_page_run(tmp_path, tiny
 
     run = store.get_run(1)
     assert (run["status"], run["done"], run["total"], run["errors"]) == ("finished", 10, 10, 0)
-    assert set(run["settings"]) == PAGE_SETTINGS and run["settings"]["schema_slug"] == "support-ticket-routing"
-    assert run["settings"]["device"] == "cpu" and run["settings"]["dtype"] == "float32"
-    assert run["settings"]["precision"] == "bf16"  # which precision answered the run
+    assert set(run["settings"].to_json()) == PAGE_SETTINGS and run["settings"].schema_slug == "support-ticket-routing"
+    assert run["settings"].device == "cpu" and run["settings"].dtype == "float32"
+    assert run["settings"].precision == "bf16"  # which precision answered the run
     page_schema = {k: v for k, v in SCHEMA.items() if k != "examples"}  # what the page stores: the library's dict
     assert run["schema"]["questions"] == page_schema["questions"] and run["schema"]["name"] == page_schema["name"]
     assert run["model_id"] == tiny_release.name and run["started_at"] and run["finished_at"]
@@ -106,8 +107,8 @@ def test_on_ray_the_driver_killed_mid_run_then_resumed_loses_and_duplicates_no_c
     run = store.list_runs()[0]
     killed_at = run["done"]
     assert run["status"] == "running" and 2 <= killed_at < 20
-    assert run["settings"]["ray"]["replicas"] == 2 and run["settings"]["chunk_tokens"] == 1
-    assert PAGE_SETTINGS <= set(run["settings"])
+    assert run["settings"].ray["replicas"] == 2 and run["settings"].chunk_tokens == 1
+    assert PAGE_SETTINGS - {"precision"} <= set(run["settings"].to_json())  # Ray's replicas name no precision
     before = {r["case_id"]: (r["id"], r["finished_at"]) for r in store.list_results(run["id"])}
 
     from clef_workbench.distributed import make_job_runner
@@ -230,7 +231,7 @@ def test_resume_and_new_are_checked_before_any_model_loads(tmp_path, capsys, mon
     assert main([*common, "--resume", "7"]) == 2
     assert "--resume: there is no run 7" in capsys.readouterr().err
     set_id = store.list_case_sets()[0]["id"]
-    run_id = store.create_run(set_id, schema=SMALL_SCHEMA, model_id="another-model", settings={})
+    run_id = store.create_run(set_id, schema=SMALL_SCHEMA, model_id="another-model")
     assert main([*common, "--resume", str(run_id)]) == 2
     assert "runs model 'another-model', not 'clef-demo'" in capsys.readouterr().err
     assert main([*common, "--resume", str(run_id), "--schema", str(schema_file)]) == 2
@@ -244,10 +245,10 @@ def test_at_a_terminal_the_same_work_asks_whether_to_resume(tmp_path, monkeypatc
 
     db, schema_file, store = small_run(tmp_path, 3)
     set_id = store.list_case_sets()[0]["id"]
-    settings = {"chunk_size": 8, "max_length": 8192, "overflow": "refuse"}
+    settings = RunSettings(chunk_size=8, max_length=8192)
     run_id = store.create_run(set_id, schema=SMALL_SCHEMA, model_id="clef-demo", settings=settings)
     assert same_run(store, set_id, SMALL_SCHEMA, "another-model", settings) is None
-    assert same_run(store, set_id, SMALL_SCHEMA, "clef-demo", dict(settings, max_length=400)) is None
+    assert same_run(store, set_id, SMALL_SCHEMA, "clef-demo", replace(settings, max_length=400)) is None
     run = same_run(store, set_id, SMALL_SCHEMA, "clef-demo", settings)
     assert run["id"] == run_id
 

@@ -13,7 +13,7 @@ import sys
 import pytest
 
 from clef_workbench.jobs import JobRunner
-from clef_workbench.store import Store
+from clef_workbench.store import RunSettings, Store
 from tests.support import REPO, wait_for
 from tests.support.ray_cluster import assert_same_answers, local_cluster
 
@@ -36,7 +36,7 @@ TICKET_SCHEMA = json.loads((REPO / "schemas" / "support-ticket-routing.json").re
 TICKET_SCHEMA.pop("examples")
 TICKETS = [{"state": example["state"]} for example in json.loads(
     (REPO / "schemas" / "support-ticket-routing.json").read_text())["examples"]]
-SETTINGS = {"chunk_size": 4, "max_length": 3_000, "overflow": "refuse"}
+SETTINGS = RunSettings(chunk_size=4, max_length=3_000)
 
 
 def ticket_set(store: Store, copies: int, *, bad_cases: bool = False) -> int:

@@ -13,7 +13,7 @@ import pytest
 
 from clef_workbench.casesets import build_request
 from clef_workbench.jobs import JobAlreadyRunningError, JobRunner
-from clef_workbench.store import Store
+from clef_workbench.store import RunSettings, Store
 from tests.support import REPO, wait_for
 
 PNG = b"\x89PNG\r\n\x1a\n" + b"\x00" * 16
@@ -32,7 +32,7 @@ def test_run_writes_every_result_and_records_bad_cases_as_errors(tmp_path, tiny_
     too_many_images = store.add_case(set_id, state="five photos", images=[PNG] * 5)
     too_long = store.add_case(set_id, state="word " * 400)  # over max_length=400 with overflow refuse
     run_id = store.create_run(set_id, schema=SMALL_SCHEMA, model_id="demo",
-                              settings={"chunk_size": 4, "max_length": 400, "overflow": "refuse"})
+                              settings=RunSettings(chunk_size=4, max_length=400))
     runner = JobRunner(store)
     runner.start(run_id, tiny_engine)
     assert runner.wait(run_id, timeout=120)
@@ -54,7 +54,7 @@ def test_cancel_then_resume_finishes_without_redoing_cases(tmp_path, tiny_engine
     store = Store(tmp_path / "w.db")
     set_id = store.create_case_set("tickets")
     store.add_cases(set_id, [{"state": example["state"]} for example in TICKET_SCHEMA["examples"]] * 2)
-    run_id = store.create_run(set_id, schema=TICKET_SCHEMA, model_id="demo", settings={"chunk_size": 2})
+    run_id = store.create_run(set_id, schema=TICKET_SCHEMA, model_id="demo", settings=RunSettings(chunk_size=2))
     runner = JobRunner(store)
     runner.start(run_id, tiny_engine)
     with pytest.raises(JobAlreadyRunningError):
@@ -92,7 +92,7 @@ def test_resume_after_the_running_process_is_killed(tmp_path, tiny_release, tiny
     store = Store(db)
     set_id = store.create_case_set("tickets")
     case_ids = store.add_cases(set_id, [{"state": example["state"]} for example in TICKET_SCHEMA["examples"]] * 3)
-    run_id = store.create_run(set_id, schema=TICKET_SCHEMA, model_id="demo", settings={"chunk_size": 2})
+    run_id = store.create_run(set_id, schema=TICKET_SCHEMA, model_id="demo", settings=RunSettings(chunk_size=2))
     child = subprocess.Popen([sys.executable, "-c", CHILD, str(db), str(run_id), str(tiny_release)], cwd=REPO,
                              env={**os.environ, "PYTHONPATH": str(REPO)}, stderr=subprocess.PIPE)
     try:
@@ -134,7 +134,7 @@ def test_a_second_runner_on_the_same_run_is_refused_then_resumes_once_the_first_
     store = Store(db)
     set_id = store.create_case_set("tickets")
     store.add_cases(set_id, [{"state": example["state"]} for example in TICKET_SCHEMA["examples"]] * 2)
-    run_id = store.create_run(set_id, schema=TICKET_SCHEMA, model_id="demo", settings={"chunk_size": 2})
+    run_id = store.create_run(set_id, schema=TICKET_SCHEMA, model_id="demo", settings=RunSettings(chunk_size=2))
     first, second = JobRunner(Store(db)), JobRunner(Store(db))
     first.start(run_id, tiny_engine)
     with pytest.raises(JobAlreadyRunningError, match="being run by another process"):
@@ -169,7 +169,8 @@ def test_chunks_are_sized_by_tokens_and_the_next_one_is_queued_before_the_last_i
     first_tokens = sum(tiny_engine.count_tokens(build_request({"state": s}, SMALL_SCHEMA))["total"]
                        for s in states[:8])
     chunk_tokens = 3 * first_tokens // 8
-    run_id = store.create_run(set_id, schema=SMALL_SCHEMA, model_id="demo", settings={"chunk_tokens": chunk_tokens})
+    run_id = store.create_run(set_id, schema=SMALL_SCHEMA, model_id="demo",
+                              settings=RunSettings(chunk_tokens=chunk_tokens))
     events: list[tuple[str, int]] = []
 
     class Recording:
@@ -209,7 +210,7 @@ def test_one_case_over_the_token_budget_costs_its_chunk_nothing(tmp_path, tiny_e
     states[30] = "word " * 400  # over max_length=400 with overflow refuse
     case_ids = store.add_cases(set_id, [{"state": state} for state in states])
     run_id = store.create_run(set_id, schema=SMALL_SCHEMA, model_id="demo",
-                              settings={"chunk_size": 64, "max_length": 400, "overflow": "refuse"})
+                              settings=RunSettings(chunk_size=64, max_length=400))
     batches: list[int] = []
     run_batch = tiny_engine.scheduler.run_batch
 
@@ -240,7 +241,7 @@ def test_decide_chunk_on_a_replica_answers_the_good_cases_in_one_batch(tiny_engi
     run_batch = tiny_engine.scheduler.run_batch
     monkeypatch.setattr(tiny_engine.scheduler, "run_batch", lambda records: batches.append(len(records))
                         or run_batch(records))
-    results = decide_chunk(tiny_engine, list(enumerate(requests)), {"max_length": 400, "overflow": "refuse"})
+    results = decide_chunk(tiny_engine, list(enumerate(requests)), RunSettings(max_length=400))
     assert batches == [11]
     assert [r["case_id"] for r in results] == list(range(12))
     assert results[5]["error"].startswith("TokenBudgetError") and "response" not in results[5]
@@ -254,7 +255,7 @@ def test_a_store_that_stops_taking_results_fails_the_run_with_one_message_and_re
     store = Store(tmp_path / "w.db")
     set_id = store.create_case_set("tickets")
     store.add_cases(set_id, [{"state": f"ticket {i}: my invoice is wrong"} for i in range(12)])
-    run_id = store.create_run(set_id, schema=SMALL_SCHEMA, model_id="demo", settings={"chunk_size": 2})
+    run_id = store.create_run(set_id, schema=SMALL_SCHEMA, model_id="demo", settings=RunSettings(chunk_size=2))
     record_results = store.record_results
     writes = [0]
 

@@ -16,7 +16,7 @@ from clef_workbench import case_table, casesets
 from clef_workbench.__main__ import main
 from clef_workbench.jobs import EngineUnreachableError, JobRunner
 from clef_workbench.run_status import FINISHED_WITH_ERRORS, run_outcome
-from clef_workbench.store import Store
+from clef_workbench.store import RunSettings, Store
 from tests.support import REPO
 from tests.support.endpoints import FailingEngine, RefusingEndpoint, serve
 from tests.support.servers import free_port
@@ -32,7 +32,7 @@ def make_run(tmp_path: Path, states: list[str], expected: dict | None = None) ->
     store = Store(tmp_path / "w.db")
     set_id = store.create_case_set("tickets")
     store.add_cases(set_id, [{"state": s, **({"expected": expected} if expected else {})} for s in states])
-    return store, store.create_run(set_id, schema=SCHEMA, model_id="demo", settings={"chunk_size": 2})
+    return store, store.create_run(set_id, schema=SCHEMA, model_id="demo", settings=RunSettings(chunk_size=2))
 
 
 def run_to_end(store: Store, run_id: int, engine, **start) -> JobRunner:
@@ -139,7 +139,7 @@ def test_a_records_latency_is_its_share_of_its_own_batch_and_the_queue_wait_is_a
     set_id = store.create_case_set("tickets")
     store.add_cases(set_id, [{"state": example["state"]} for example in tickets["examples"]] * 2)
     tickets.pop("examples")
-    run_id = store.create_run(set_id, schema=tickets, model_id="demo", settings={"chunk_size": 2})
+    run_id = store.create_run(set_id, schema=tickets, model_id="demo", settings=RunSettings(chunk_size=2))
     run_to_end(store, run_id, tiny_engine)
 
     chunks: dict[tuple[str, str], list[dict]] = {}

@@ -12,7 +12,7 @@ import pytest
 from clef_workbench.schema_diff import diff_schemas, diff_text, word_diff
 from clef_workbench.schema_library import SchemaLibrary
 from clef_workbench.schemas import Schema, SchemaError
-from clef_workbench.store import Store
+from clef_workbench.store import RunSettings, Store
 
 QUESTIONS = {
     "angry": {"type": "noul", "instructions": "Is the customer angry?", "criteria": {"true": "Shouting, threats",
@@ -150,7 +150,7 @@ def test_runs_are_pinned_to_the_version_of_the_content_they_ran(library, store):
     def run_of(schema: dict) -> dict:
         schema.pop("examples", None)  # as the Runs page and the CLI keep it
         return store.get_run(store.create_run(set_id, schema=schema, model_id="clef-demo",
-                                              settings={"schema_slug": slug}))
+                                              settings=RunSettings(schema_slug=slug)))
 
     v1 = store.get_schema_version_number(slug, 1)
     old = run_of(dict(v1["schema"]))

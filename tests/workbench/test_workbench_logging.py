@@ -10,7 +10,7 @@ from pathlib import Path
 from clef_engine.errors import ClefError
 from clef_workbench.jobs import JobRunner
 from clef_workbench.model_loader import ModelManager
-from clef_workbench.store import Store
+from clef_workbench.store import RunSettings, Store
 
 SCHEMA = {"name": "small", "version": "1", "questions": {
     "team": {"type": "choice", "instructions": "Which team?", "criteria": {"billing": None, "tech": None}}}}
@@ -33,7 +33,7 @@ class EngineThatFails:
 def run_on(store: Store, engine, cases: int = 3) -> int:
     set_id = store.create_case_set("tickets")
     store.add_cases(set_id, [{"state": f"ticket {i}: my invoice is wrong"} for i in range(cases)])
-    run_id = store.create_run(set_id, schema=SCHEMA, model_id="demo", settings={"chunk_size": 2})
+    run_id = store.create_run(set_id, schema=SCHEMA, model_id="demo", settings=RunSettings(chunk_size=2))
     runner = JobRunner(store)
     runner.start(run_id, engine, check=False)
     assert runner.wait(run_id, timeout=120)
