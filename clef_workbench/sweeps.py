@@ -630,7 +630,7 @@ def load_sweep(store: Any, sweep_id: int, *, threshold: float | None = None, fol
         questions = {q: _question_score(q, frame[frame["question_id"] == q],
                                         frames[0][frames[0]["question_id"] == q], is_base=i == 0, seed=seed)
                      for q in sweep["schema"]["questions"]}
-        cases = _per_case(frame).join(base_cases, rsuffix="_base", how="inner")
+        cases = _per_case(frame).join(base_cases.add_suffix("_base"), how="inner")
         scores.append(VariantScore(
             variant=variant,
             accuracy=_metric([cases["right"].to_numpy(float), cases["labelled"].to_numpy(float)], _ratio, seed),
