@@ -11,7 +11,7 @@ at BENCH_STATE_CACHE_GIB (64) so that every case's state stays cached for the re
 
 A case set of BENCH_CASES (200) cases, each state ~BENCH_STATE_TOKENS (2,100: past the cache's 2,048-token
 `min_prefix_tokens`, so that a plain run finds the states) tokens, with random gold labels, in a workbench SQLite
-store; a base schema of 3 choice questions of 4 options and a noul (~340 tokens), and its 19 automatic variants:
+store; a base schema of 3 choice questions of 3 options and a noul (~340 tokens), and its 19 automatic variants:
 
 - plain_run_s: one run of the base schema through the workbench's JobRunner (what the Runs page does);
 - sweep_s: the sweep of the 20 variants (`sweeps.run_sweep`: one state per case, every variant continued from it),
@@ -132,7 +132,7 @@ def main() -> int:
     if engine.config.cuda:
         detail["gpu"] = torch.cuda.get_device_name()
         detail["memory_loaded_gib"] = build.gib(engine.loaded_bytes)
-    schema = {"name": "bench", "version": 1, "description": "", "questions": build.schema(4, 4, seed=3, noul_every=4)}
+    schema = {"name": "bench", "version": 1, "description": "", "questions": build.schema(4, 3, seed=3, noul_every=4)}
     store = Store(Path(tempfile.mkdtemp(prefix="clef-sweep-db-")) / "bench.sqlite3")
     case_set_id = case_set(engine, store, schema["questions"])
     counts = engine.count_tokens({"state": store.list_cases(case_set_id)[0]["state"], "questions": schema["questions"]})
