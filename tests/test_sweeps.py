@@ -349,3 +349,31 @@ def test_a_sweep_killed_mid_way_resumes_without_computing_a_case_twice_or_losing
     assert (document["sweep"], document["done"], document["state_prefills"]) == (sweep["id"], CASES, CASES)
     assert len(store.list_sweep_answers(sweep["id"])) == CASES * 2
     assert finished_cases(db, sweep["id"]) == {c["id"] for c in store.list_cases(case_set_id)}
+
+
+@pytest.mark.ray
+def test_a_sweep_on_ray_splits_the_cases_across_replicas_each_doing_all_variants_of_its_cases(tmp_path, tiny_release,
+                                                                                             tiny_engine):
+    from clef_workbench.distributed import ReplicaPool
+    from tests.ray_cluster import TOLERANCE, local_cluster
+
+    local_cluster()
+    store = Store(tmp_path / "w.db")
+    case_set_id = labelled_set(store, 6)
+    variants = [v for v in sweeps.auto_variants(SCHEMA) if v.question == "urgent" or v.kind == "reversed"]
+    on_ray, here = (sweeps.start_sweep(store, case_set_id, SCHEMA, variants, model_id="tiny") for _ in range(2))
+    pool = ReplicaPool.start(str(tiny_release), replicas=2)
+    try:
+        progress = sweeps.run_sweep(store, on_ray, pool)
+    finally:
+        pool.shutdown()
+    assert (progress.status, progress.done, progress.state_prefills) == ("finished", 6, 6)
+    assert store.get_sweep(on_ray)["state_prefills"] == 6  # one per case: its variants ran on one replica
+    sweeps.run_sweep(store, here, tiny_engine)
+    for remote, local in zip(store.list_sweep_answers(on_ray), store.list_sweep_answers(here), strict=True):
+        assert (remote["case_id"], remote["variant"]) == (local["case_id"], local["variant"])
+        for question, answer in local["response"]["answers"].items():
+            got = remote["response"]["answers"][question]
+            assert got.get("noul", 0) == pytest.approx(answer.get("noul", 0), abs=TOLERANCE)
+            for option, p in answer.get("probabilities", {}).items():
+                assert got["probabilities"][option] == pytest.approx(p, abs=TOLERANCE)
