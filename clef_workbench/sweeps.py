@@ -136,8 +136,8 @@ class BestSchema:
 
 @dataclass(frozen=True)
 class SweepProgress:
-    """Where a sweep stands: cases done of total, the states prefilled by this process's engine for the cases it
-    computed, rate and ETA (None until measured), and its status."""
+    """Where a sweep stands: cases done of total, the cases this call computed and the states prefilled for them,
+    rate and ETA (None until measured), and its status."""
 
     sweep_id: int
     done: int
@@ -147,7 +147,6 @@ class SweepProgress:
     rate_per_s: float | None = None
     eta_s: float | None = None
     state_prefills: int = 0
-    error: str | None = None
 
 
 @dataclass(frozen=True)
@@ -683,8 +682,8 @@ def leaderboard(result: SweepResult) -> pd.DataFrame:
 
 def list_sweeps(store: Any, case_set_id: int | None = None) -> list[dict[str, Any]]:
     """Sweeps, newest first (optionally of one case set): id, case_set_id, case_set_name, schema_name, model_id,
-    status, variants (count), done, total, state_prefills, created_at."""
-    keys = ("id", "case_set_id", "case_set_name", "schema_name", "model_id", "status", "done", "total",
+    status, error (why it failed), variants (count), done, total, state_prefills, created_at."""
+    keys = ("id", "case_set_id", "case_set_name", "schema_name", "model_id", "status", "error", "done", "total",
             "state_prefills", "created_at")
     return [{**{k: sweep[k] for k in keys}, "variants": sweep["variant_count"]}
             for sweep in store.list_sweeps(case_set_id)]

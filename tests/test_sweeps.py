@@ -162,8 +162,8 @@ def test_scores_flips_mcnemar_order_sensitivity_and_the_held_out_best(tmp_path):
     assert {"schema", "heldout_accuracy", "heldout_ci"} <= set(document["best"])
     assert sweeps.list_sweeps(store)[0] | {"created_at": None} == {
         "id": sweep_id, "case_set_id": case_set_id, "case_set_name": "tickets", "schema_name": "tickets",
-        "model_id": "m", "status": "pending", "done": 20, "total": 20, "state_prefills": 20, "created_at": None,
-        "variants": 4}
+        "model_id": "m", "status": "pending", "error": None, "done": 20, "total": 20, "state_prefills": 20,
+        "created_at": None, "variants": 4}
 
 
 # ---- on the tiny release --------------------------------------------------------------------------------------------
