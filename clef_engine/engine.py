@@ -27,7 +27,7 @@ from .model.encoding import DEFAULT_MAX_LENGTH, EncodedRecord, Encoder
 from .model.head import JointSchemaHead, load_head
 from .protocol import Question, Response, ValidRequest, format_answer, prepare, prepared
 from .runner import PackedRunner, PlainRunner
-from .scheduler import JobTiming, Scheduler, device_turn
+from .scheduler import JobTiming, Scheduler, WorkerCall, device_turn
 from .tiny import is_demo_release
 
 DECIDE_MANY_GROUP = 16  # requests encoded and queued together by decide_many
@@ -172,6 +172,34 @@ class Engine:
         records = [self.encode(r, max_length=max_length, overflow=overflow) for r in requests]
         return self.scheduler.submit(records, priority="interactive").result()
 
+    def decide_variants(self, requests: Sequence[Any], *, max_length: int | None = None, overflow: str = "refuse",
+                        priority: str = "bulk", probabilities: bool = False) -> list[Any]:
+        """Responses to requests over one state with different schemas (the variants of a schema sweep), as
+        `decide_many` gives them, at the cost of one state: on the worker thread, in one call, the records that share
+        a state prefix (tokens before the schema, and media) have it prefilled once (or taken from the state cache,
+        which keeps it for a later call) and every schema continued from it (`PackedRunner.forward_variants`), whatever
+        the state's length (the cache's `min_prefix_tokens` weighs one reuse; here there are many). Each response
+        says `x_state_cached`: true when its record continued from a state it did not compute itself. Records with
+        media, and every record without the packed path, run as `decide_many` runs them. A bad request raises before
+        anything runs. `probabilities`: per request, per question, the options' probabilities in model order,
+        unrounded (as `probabilities`), instead of responses."""
+        started = time.perf_counter()
+        valids = [prepared(request, max_length=max_length, overflow=overflow) for request in requests]
+        records = [self.encoder.encode(valid) for valid in valids]
+        runner = self.runner
+        if isinstance(runner, PackedRunner) and not any(record.has_media for record in records):
+            outcomes, computed = self.scheduler.submit(
+                [WorkerCall(lambda: runner.forward_variants(records))], priority=priority, tokens=float("inf"),
+                finalize=lambda results: results[0]).result()
+        else:
+            outcomes = self.scheduler.submit(records, priority=priority).result()
+            computed = set(range(len(records)))
+        if probabilities:
+            return outcomes
+        latency_ms = (time.perf_counter() - started) * 1000
+        return [dict(self.response(valid, record, probs, latency_ms), x_state_cached=i not in computed)
+                for i, (valid, record, probs) in enumerate(zip(valids, records, outcomes, strict=True))]
+
     def explain(self, request: Any, unit: str | None = None, *, max_length: int | None = None,
                 overflow: str = "refuse") -> Response:
         """The request's response plus `x_explanations`: per question, the state's segments (sentences, fields,
@@ -254,7 +282,7 @@ class Engine:
             "head_parameters": self.head_parameters,
             "load_seconds": round(self.load_seconds, 2),
             "warm_up_seconds": round(self.warm_up_seconds, 2),
-            **self.runner.info(),  # "kernels" and "state_cache"
+            **self.runner.info(),  # "kernels", "state_cache" and "state_prefills"
             "memory": self.memory(),
             "queue_depth": self.queue_depth(),
             "scheduler": vars(self.scheduler.stats).copy(),

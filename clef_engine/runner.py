@@ -14,7 +14,7 @@ import torch
 
 from .config import EngineConfig
 from .fast import attention, kernels
-from .fast.cache import PrefixCache, PrefixState, StateCache
+from .fast.cache import PrefixCache, PrefixState, StateCache, prefix_key
 from .fast.graphs import HeadGraphs, PrefillGraphs
 from .fast.head_kernels import head_attention_kernel
 from .fast.packed import PackedBackbone, chunked_head_inputs, pack_ids
@@ -49,6 +49,7 @@ class PlainRunner:
         self.output_embeddings = model.lm_head.weight  # the head reads it as a table (untied in Clef)
         # chosen (and checked on the device) here, on the loading thread: not first inside a CUDA graph capture
         head.attention = head_attention_kernel(self.device, self.dtype, head.config.width // head.config.heads)
+        self.state_prefills = 0  # records whose state the backbone computed, rather than continued from a kept one
 
     @torch.inference_mode()
     def forward(self, records: list[EncodedRecord], steps: BatchSteps = UNCHECKED) -> list[Probabilities]:
@@ -78,6 +79,7 @@ class PlainRunner:
         """One padded backbone batch, then the batched head."""
         steps.stop_if_abandoned()
         hidden = backbone.run_padded(self.model, records, self.pad_token_id)
+        self.state_prefills += len(records)
         batch_size, padded_length, width = hidden.shape
         lengths = [len(r) for r in records]
         offsets = [b * padded_length for b in range(batch_size)]
@@ -111,7 +113,7 @@ class PlainRunner:
         """Which path and which kernels answer requests here, and the state cache's counts (None: no cache)."""
         return {"kernels": {"available": fast_kernels_available(), "path": self.path,
                             "head_attention": self.head.attention.__name__},
-                "state_cache": None}
+                "state_cache": None, "state_prefills": self.state_prefills}
 
 
 class PackedRunner(PlainRunner):
@@ -154,6 +156,7 @@ class PackedRunner(PlainRunner):
             results[pack[0]] = self.forward_one(records[pack[0]], steps)
         elif pack:
             chosen = [records[i] for i in pack]
+            self.state_prefills += len(chosen)
             lengths = [len(r) for r in chosen]
             segments = make_segments(lengths, self.device)
             hidden, _ = self.backbone.forward(pack_ids(chosen, self.device), segments,
@@ -179,13 +182,9 @@ class PackedRunner(PlainRunner):
         cached = self.state_cache.get(key) if key is not None else None
         if cached is not None:
             return self.continue_from(cached, [record], steps)[0]
-        if 0 < chunk < len(record):
-            self.state_cache.make_room()  # earlier long states would add to this record's activations and state
         if key is not None:
-            normed, memory, state = self.prefix.forward_for_store(record, self.between_layers(steps), chunk)
-            answer = self.head_one(normed, memory, record, steps)  # the answer's host sync first: storing after
-            self.state_cache.put(key, state)
-            return answer
+            return self.prefill_and_keep(record, key, steps)[0]
+        self.start_prefill(record)
         ids = torch.tensor(record.input_ids, dtype=torch.long).to(self.device, non_blocking=True)
         if 0 < chunk < len(record):
             normed, memory, _ = chunked_head_inputs(self.backbone, ids, self.head.token_memory, self.dtype, chunk,
@@ -197,6 +196,45 @@ class PackedRunner(PlainRunner):
                                               between_layers=self.between_layers(steps))
         normed, memory = self.head.token_memory(hidden.to(self.dtype))
         return self.head_one(normed, memory, record, steps)
+
+    def start_prefill(self, record: EncodedRecord) -> None:
+        """Count a record computing its state alone; one run in chunks first makes room in the state cache (earlier
+        long states would add to its activations and state)."""
+        self.state_prefills += 1
+        if 0 < self.config.prefill_chunk_tokens < len(record):
+            self.state_cache.make_room()
+
+    def prefill_and_keep(self, record: EncodedRecord, key: str,
+                         steps: BatchSteps = UNCHECKED) -> tuple[Probabilities, PrefixState]:
+        """One text record computed whole, and its state, kept under `key` in the state cache once it is answered."""
+        self.start_prefill(record)
+        normed, memory, state = self.prefix.forward_for_store(record, self.between_layers(steps),
+                                                              self.config.prefill_chunk_tokens)
+        answer = self.head_one(normed, memory, record, steps)  # the answer's host sync first: storing after
+        self.state_cache.put(key, state)
+        return answer, state
+
+    @torch.inference_mode()
+    def forward_variants(self, records: list[EncodedRecord],
+                         steps: BatchSteps = UNCHECKED) -> tuple[list[Probabilities], set[int]]:
+        """Text records grouped by their state (its tokens before the schema, and media), whatever its length
+        (`min_prefix_tokens` weighs one reuse; a schema sweep's variants are many): per group the state comes from
+        the cache, or the group's first record computes it (`prefill_and_keep`), and the others continue from it.
+        Returns the probabilities and the indices of the records that computed a state."""
+        groups: dict[str, list[int]] = {}
+        for i, record in enumerate(records):
+            key = prefix_key(self.prefix.model_key, record.input_ids[: record.state_end], record.media_digest)
+            groups.setdefault(key, []).append(i)
+        results: dict[int, Probabilities] = {}
+        computed: set[int] = set()
+        for key, indices in groups.items():
+            state = self.state_cache.get(key)
+            if state is None:
+                first, indices = indices[0], indices[1:]
+                results[first], state = self.prefill_and_keep(records[first], key, steps)
+                computed.add(first)
+            results.update(zip(indices, self.continue_from(state, [records[i] for i in indices], steps)))
+        return [results[i] for i in range(len(records))], computed
 
     def between_layers(self, steps: BatchSteps) -> Callable[[int], None]:
         """For an eager forward: called between layers, it stops the batch once every request in it was abandoned,

@@ -27,7 +27,7 @@ from typing import Any, Final
 import numpy as np
 import pandas as pd
 
-from clef_workbench.store import Result
+from clef_workbench.store import Answered, Result
 
 PERCENTILE_METHOD: Final = "linear"
 
@@ -59,7 +59,7 @@ def top_two(distribution: dict[str, float]) -> tuple[str, float, float]:
     return best, p_best, p_best - p_second
 
 
-def answer_frame(results: Sequence[Result], schema: dict) -> pd.DataFrame:
+def answer_frame(results: Sequence[Answered], schema: dict) -> pd.DataFrame:
     """One row per (case, question) of the successful results of a run.
 
     Columns: case_id, position, question_id, question_type, predicted, confidence, margin, distribution (dict),

@@ -15,6 +15,7 @@ One `Store` object over one module per concern:
 - `drafts.py`: per-session drafts of the Decide page;
 - `schema_versions.py`: the schema history (every saved content of a library schema) that runs link to;
 - `calibrations.py`: calibrations fitted on a run's labelled cases, with the run's schema version and model;
+- `sweeps.py`: schema sweeps, their variants and one answer per case and variant;
 - `rows.py`: the types of what the store takes and returns (rows, a run's settings, a result's response).
 """
 
@@ -39,6 +40,7 @@ from clef_workbench.store.migrations import MIGRATIONS, SCHEMA_VERSION
 from clef_workbench.store.review import REVIEW_ACTIONS, REVIEW_STATUSES, ReviewMixin
 from clef_workbench.store.rows import (
     Answer,
+    Answered,
     Calibration,
     Case,
     CaseSet,
@@ -54,18 +56,24 @@ from clef_workbench.store.rows import (
     Run,
     RunSettings,
     SchemaVersion,
+    Sweep,
+    SweepAnswer,
+    SweepVariant,
 )
 from clef_workbench.store.runs import RUN_STATUSES, RunsMixin, new_lease_owner
 from clef_workbench.store.schema_versions import SCHEMA_VERSION_ACTIONS, SchemaVersionsMixin, schema_hashes
+from clef_workbench.store.sweeps import SweepsMixin
 
 __all__ = [
     "BUSY_TIMEOUT_MS", "CHANGE_KINDS", "MIGRATIONS", "REVIEW_ACTIONS", "REVIEW_STATUSES", "RUN_STATUSES",
     "SCHEMA_VERSION", "SCHEMA_VERSION_ACTIONS", "DuplicateNameError", "NotFoundError", "ReviewConflictError",
     "Store", "StoreError", "_dumps", "_loads", "case_hash", "media_content_type", "new_lease_owner", "now_iso",
-    "schema_hashes", "Answer", "Calibration", "Case", "CaseSet", "Change", "NewCase", "NewResult", "NewReviewItem",
-    "RayPlacement", "Response", "Result", "ReviewAction", "ReviewItem", "Run", "RunSettings", "SchemaVersion",
+    "schema_hashes", "Answer", "Answered", "Calibration", "Case", "CaseSet", "Change", "NewCase", "NewResult",
+    "NewReviewItem", "RayPlacement", "Response", "Result", "ReviewAction", "ReviewItem", "Run", "RunSettings",
+    "SchemaVersion", "Sweep", "SweepAnswer", "SweepVariant",
 ]
 
 
-class Store(CaseSetsMixin, RunsMixin, ReviewMixin, DraftsMixin, SchemaVersionsMixin, CalibrationsMixin):
+class Store(CaseSetsMixin, RunsMixin, ReviewMixin, DraftsMixin, SchemaVersionsMixin, CalibrationsMixin,
+            SweepsMixin):
     """All persistent state of the workbench in one SQLite file. Safe to share between threads and processes."""

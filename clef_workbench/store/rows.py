@@ -260,3 +260,58 @@ class Calibration(TypedDict):
     model_id: str
     payload: dict[str, Any]
     created_at: str
+
+
+class SweepVariant(TypedDict):
+    """A schema sweep's variant: the schema it runs, and per question the map of its option ids back to the base's."""
+
+    name: str
+    kind: str
+    question: str | None  # the question it changes (None: several, or none)
+    schema: dict[str, Any]
+    relabel: dict[str, dict[str, str]]
+
+
+class Sweep(TypedDict):
+    id: int
+    case_set_id: int
+    case_set_name: str
+    schema: dict[str, Any]  # the base schema
+    schema_name: str
+    schema_version_id: int | None
+    model_id: str
+    model_revision: str | None
+    settings: dict[str, Any]
+    status: str
+    error: str | None
+    created_at: str
+    started_at: str | None
+    finished_at: str | None
+    variant_count: int
+    total: int  # its cases
+    done: int  # cases with every variant's answer
+    state_prefills: int  # states computed for the done cases
+    variants: NotRequired[list[SweepVariant]]  # get_sweep's, in order
+
+
+class Answered(TypedDict):
+    """What scoring (stats.answer_frame) reads of a case's answer: a Result is one, a sweep's answer makes one."""
+
+    case_id: int
+    position: int
+    response: Response | None
+    error: str | None
+    expected: dict[str, Label]
+    latency_ms: float | None
+    input_tokens: int | None
+
+
+class SweepAnswer(TypedDict):
+    """One variant's answer to one case, with the case's position and expected answers."""
+
+    case_id: int
+    position: int
+    variant: int  # its position
+    response: Response | None  # None: it failed
+    error: str | None
+    expected: dict[str, Label]
