@@ -28,6 +28,7 @@ import torch
 
 from .config import EngineConfig
 from .errors import ClefError, RequestError, TokenBudgetError
+from .explain import SharedPrefixes
 from .explain import explain as explain_request
 from .explain import submit_explanation as explanation_future
 from .fast import attention, kernels
@@ -293,11 +294,11 @@ class Engine:
 
     @torch.inference_mode()
     def forward_packed(self, records: list[EncodedRecord]) -> list[list[list[float]]]:
-        """The fast path for a whole scheduler batch: media records padded; a text record whose state is cached
-        continues from the cache; a text record alone runs by itself (`forward_one`); the other text records run
-        as one pack."""
-        results: dict[int, list[list[float]]] = {}
-        text = [i for i, r in enumerate(records) if not r.has_media]
+        """The fast path for a whole scheduler batch: an explanation's record and variants as explain.py's
+        SharedPrefixes decides them; media records padded; a text record whose state is cached continues from the
+        cache; a text record alone runs by itself (`forward_one`); the other text records run as one pack."""
+        results: dict[int, Any] = {i: r.decide(self) for i, r in enumerate(records) if isinstance(r, SharedPrefixes)}
+        text = [i for i, r in enumerate(records) if i not in results and not r.has_media]
         pack = []
         for i in text:
             cached = self.prefix.lookup(records[i]) if self.prefix is not None and len(text) > 1 else None
@@ -315,7 +316,7 @@ class Engine:
                                               between_layers=self._between_layers())
             for i, probs in zip(pack, self.head_probabilities(hidden, chosen, segments.starts, lengths)):
                 results[i] = probs
-        media = [i for i, r in enumerate(records) if r.has_media]
+        media = [i for i, r in enumerate(records) if i not in results and r.has_media]
         for chunk in padded_chunks(records, media, self.token_budget):
             for i, probs in zip(chunk, self.forward_padded([records[i] for i in chunk])):
                 results[i] = probs

@@ -2,10 +2,12 @@
 
 The state is split into segments — the sentences (or lines) of a text state, the leaf fields of a JSON state, a
 grid of regions of each image, the sampled frames of each video — and the record is decided again once per segment
-with that segment removed, every variant in one scheduler job (the engine packs them into as few batches as its
-token budget allows). Text is removed by deleting its characters, a field by deleting it from its object or list;
-an image region or a video frame is painted over with the mean colour of its image or frame, so that the media's
-token count, and the batch's shape, stay the same.
+with that segment removed, every variant in one scheduler job. A variant shares every token before its first change
+with the record: for a text record (on the engine's packed path) the record runs once, in chunks ending at those
+points, and each variant continues from the record's state there (`SharedPrefixes`); records with media are packed
+into as few batches as the engine's token budget allows. Text is removed by deleting its characters, a field by
+deleting it from its object or list; an image region or a video frame is painted over with the mean colour of its
+image or frame, so that the media's token count, and the batch's shape, stay the same.
 
 For each question the answered option is the one the full record picks (for `noul` the likelier of true/false,
 for a score its likeliest level), and each segment's `delta` is P(that option without the segment) − P(that option
@@ -32,9 +34,12 @@ from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import torch
 from PIL import Image
 
 from .errors import Problem, RequestError, TokenBudgetError
+from .fast.cache import PrefixState
+from .fast.packed import chunked_head_inputs
 from .interface import DecisionEngine, ExplainingEngine, Request
 from .model import media
 from .model.encoding import MEDIA_SLOTS, EncodedRecord, render
@@ -306,8 +311,10 @@ def submit_explanation(engine: Engine, request: Request, unit: str | None = None
         check_cost(len(record), len(found), total, budget, at_least=len(text_records) < text_variants)
     media_records = _encode_in_parallel(engine, valid, [variant for _, variant in found[text_variants:]])
     records = [record, *text_records, *media_records]
+    shared = engine.backbone is not None and not record.has_media  # text variants of a text record, packed path
 
-    def respond(probabilities: list, timing: JobTiming) -> list[dict]:
+    def respond(results: list, timing: JobTiming) -> list[dict]:
+        probabilities = results[0] if shared else results
         # timed like every answer; its compute is the record's and its variants' (what the explanation cost)
         response = engine.response(valid, record, probabilities[0], (time.perf_counter() - started) * 1000,
                                    compute_ms=sum(timing.compute_s) * 1000, queue_ms=timing.queued_s * 1000)
@@ -315,7 +322,55 @@ def submit_explanation(engine: Engine, request: Request, unit: str | None = None
         response["x_explain_tokens"] = sum(len(r) for r in records[1:])
         return [response]
 
-    return engine.scheduler.submit(records, priority=priority, finalize=respond, timed=True)
+    job = [SharedPrefixes(records)] if shared else records
+    return engine.scheduler.submit(job, priority=priority, finalize=respond, timed=True)
+
+
+def shared_prefix(record: EncodedRecord, variant: EncodedRecord) -> int:
+    """How many of the variant's first tokens are the record's: everything before its first change (at least the
+    encoder's fixed prefix), never past the variant's state (the head reads the schema's rows, which are computed)."""
+    limit = min(len(record), variant.state_end)
+    return next((i for i in range(limit) if record.input_ids[i] != variant.input_ids[i]), limit)
+
+
+class SharedPrefixes:
+    """A text record and its text variants, one item of a scheduler job that the engine decides as a whole
+    (`decide`): the record runs once, in chunks ending where a variant first differs from it, and each variant
+    continues from the record's layer states there (the state cache's continuation path), so it computes only its
+    tokens from its first change on. Its length, what the scheduler budgets, is every member's tokens: what the
+    explanation is charged (see explain_budget)."""
+
+    def __init__(self, records: list[EncodedRecord]):
+        self.records = records
+        self.shared = [shared_prefix(records[0], variant) for variant in records[1:]]
+
+    def __len__(self) -> int:
+        return sum(len(r) for r in self.records)
+
+    def decide(self, engine: Engine) -> list[list[list[float]]]:
+        """Per member, the record first, the options' probabilities per question (as the engine's forward_batch
+        gives them). Runs on the engine's GPU worker, in the batch that holds this item."""
+        base = self.records[0]
+        between = engine._between_layers()
+        probabilities: list = [None] * len(self.records)
+        at_split: dict[int, list[int]] = {}
+        for index, split in enumerate(self.shared, start=1):
+            at_split.setdefault(split, []).append(index)
+
+        def continue_variants(end: int, layers: list, memory: torch.Tensor) -> None:
+            state = PrefixState(end, layers, memory)
+            for index in at_split[end]:
+                variant = self.records[index]
+                inputs = engine.prefix.forward_after(variant, state, graph=False, between_layers=between)
+                probabilities[index] = engine.head_one(*inputs, variant)
+
+        ids = torch.tensor(base.input_ids, dtype=torch.long).to(engine.device, non_blocking=True)
+        chunk = engine.config.prefill_chunk_tokens or len(base)
+        normed, memory, _ = chunked_head_inputs(engine.backbone, ids, engine.head.token_memory, engine.dtype, chunk,
+                                                splits=sorted(at_split), on_split=continue_variants,
+                                                between_layers=between)
+        probabilities[0] = engine.head_one(normed, memory, base)
+        return probabilities
 
 
 def _encode_in_parallel(engine: Engine, valid: ValidRequest, variants: list[Callable[[], dict]]) -> list[EncodedRecord]:
