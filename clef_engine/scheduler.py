@@ -217,12 +217,13 @@ class Scheduler:
             self._condition.notify()
         return future
 
-    def call(self, fn: Callable[[], Any]) -> Any:
+    def call(self, fn: Callable[[], Any], priority: str = "interactive") -> Any:
         """Call `fn` on the worker thread, between batches, and return what it returns (or raise what it raises).
         For state a library keeps per thread: torch keeps cuDNN's attention plans per thread, so plans built on
         another thread would be built again for the first request that needs them. Its length is infinite: it runs
-        alone in its batch."""
-        return self.submit([WorkerCall(fn)], tokens=float("inf"), finalize=lambda results: results[0]).result()
+        alone in its batch. As "bulk", interactive work waiting goes first (the engine's background warm-up)."""
+        return self.submit([WorkerCall(fn)], priority=priority, tokens=float("inf"),
+                           finalize=lambda results: results[0]).result()
 
     def _forget(self, future: Future) -> None:
         with self._condition:
