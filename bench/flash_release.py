@@ -21,28 +21,35 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.build import build_head, build_model, clef_config, gib, parameter_count  # noqa: E402
+from bench.build import build_head, build_model, clef_config, gib, parameter_count, scale_down  # noqa: E402
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "processor_config.json", "chat_template.jinja")
 
 
-def write_release(directory: Path, tiny: Path) -> dict:
+def write_release(directory: Path, tiny: Path, shape: str = "clef-flash", *, smoke: bool = False) -> dict:
+    """A release of `shape` ("clef-flash" or "clef", bench/build.py's SIZES) in `directory`; `smoke`: scaled down and
+    built on the CPU (BENCH_CPU_SMOKE)."""
     from safetensors.torch import save_file
 
     started = time.perf_counter()
-    config = clef_config("clef-flash", tiny)
-    model = build_model(config)
+    config = clef_config(shape, tiny)
+    if smoke:
+        scale_down(config)
+    device = "cpu" if smoke else "cuda"
+    model = build_model(config, device=device)
     built = time.perf_counter()
     params = parameter_count(model)
     model.save_pretrained(directory, max_shard_size="5GB")
     del model
-    torch.cuda.empty_cache()
+    if not smoke:
+        torch.cuda.empty_cache()
     saved = time.perf_counter()
-    head, head_config = build_head(4096)
+    hidden = config["text_config"]["hidden_size"]
+    head, head_config = build_head(hidden, device=device, width=64 if smoke else 1024)
     state = {k: v.detach().to("cpu").contiguous() for k, v in head.state_dict().items()}
     save_file(state, str(directory / "joint_head.safetensors"), metadata={"format": "pt"})
     (directory / "joint_head_config.json").write_text(json.dumps(
-        {"hidden_size": 4096, "width": head_config.width, "routing_layers": head_config.routing_layers,
+        {"hidden_size": hidden, "width": head_config.width, "routing_layers": head_config.routing_layers,
          "layers": head_config.layers, "heads": head_config.heads, "feedforward": head_config.feedforward}, indent=2))
     for name in TOKENIZER_FILES + ("joint_schema_model.py", "LICENSE"):
         if (tiny / name).exists():
