@@ -482,7 +482,7 @@ def test_health_and_models(client: httpx.Client, tiny_release: Path) -> None:
     health = client.get("/health")
     assert health.status_code == 200
     body = health.json()
-    assert body["ready"] is True and body["device"] == "cpu" and body["model"]
+    assert body["ready"] is True and body["state"] == "ready" and body["device"] == "cpu" and body["model"]
     assert "revision" in body
     models = client.get("/v1/models").json()["models"]
     assert [m["name"] for m in models][1] == "jev-latest"
