@@ -162,3 +162,19 @@ def test_health_of_a_real_server_says_warming_then_ready(tiny_release, tmp_path)
         until(lambda: httpx.get(f"{url}/health", timeout=5).json()["state"] == "ready", "/health to say ready")
     finally:
         stop_process(process, timeout=20)
+
+
+def test_compile_and_autotune_caches_live_in_the_projects_cache_folder(tmp_path, monkeypatch):
+    """Set before a CUDA release loads (Triton reads them when the kernels' modules are imported), so that a later
+    process finds what an earlier one compiled and autotuned; a value the operator set is kept."""
+    import torch
+
+    monkeypatch.setenv("CLEF_CACHE_DIR", str(tmp_path))
+    for name in ("TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_AUTOTUNING",
+                 "FLA_DISABLE_BACKEND_DISPATCH"):  # restored afterwards
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/srv/inductor")
+    EngineConfig(device=torch.device("cuda"), dtype=torch.bfloat16).apply_process_settings()
+    assert os.environ["TRITON_CACHE_DIR"] == str(tmp_path / "triton")
+    assert os.environ["TRITON_CACHE_AUTOTUNING"] == "1"
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == "/srv/inductor"
