@@ -449,10 +449,13 @@ class Scheduler:
             job.future.set_exception(error)
 
     def _account(self, records: list, started: float) -> None:
+        """Count the batch: an item that stands for several records (an explanation's record and variants,
+        explain.SharedPrefixes, with their `records`) counts as those."""
         stats = self.stats
+        count = sum(len(getattr(r, "records", (r,))) for r in records)
         stats.batches += 1
-        stats.records += len(records)
+        stats.records += count
         stats.tokens += sum(len(r) for r in records)
-        stats.last_batch_records = len(records)
-        stats.largest_batch_records = max(stats.largest_batch_records, len(records))
+        stats.last_batch_records = count
+        stats.largest_batch_records = max(stats.largest_batch_records, count)
         stats.busy_seconds += time.perf_counter() - started
