@@ -12,6 +12,7 @@ import functools
 import json
 import math
 import random
+import shutil
 import sys
 import threading
 import time
@@ -329,6 +330,46 @@ def store_run(engine, requests: list[dict], schema: dict, db: Path) -> tuple[flo
     return seconds, tokens, runner.progress(run_id)
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "processor_config.json", "chat_template.jinja")
+
+
+def write_release(directory: Path, tiny: Path, shape: str = "clef-flash", *, smoke: bool = False) -> dict:
+    """A release of `shape` ("clef-flash" or "clef", SIZES) in `directory`; `smoke`: scaled down and
+    built on the CPU (BENCH_CPU_SMOKE)."""
+    from safetensors.torch import save_file
+
+    started = time.perf_counter()
+    config = clef_config(shape, tiny)
+    if smoke:
+        scale_down(config)
+    device = "cpu" if smoke else "cuda"
+    model = build_model(config, device=device)
+    built = time.perf_counter()
+    params = parameter_count(model)
+    model.save_pretrained(directory, max_shard_size="5GB")
+    del model
+    if not smoke:
+        torch.cuda.empty_cache()
+    saved = time.perf_counter()
+    hidden = config["text_config"]["hidden_size"]
+    head, head_config = build_head(hidden, device=device, width=64 if smoke else 1024)
+    state = {k: v.detach().to("cpu").contiguous() for k, v in head.state_dict().items()}
+    save_file(state, str(directory / "joint_head.safetensors"), metadata={"format": "pt"})
+    (directory / "joint_head_config.json").write_text(json.dumps(
+        {"hidden_size": hidden, "width": head_config.width, "routing_layers": head_config.routing_layers,
+         "layers": head_config.layers, "heads": head_config.heads, "feedforward": head_config.feedforward}, indent=2))
+    for name in TOKENIZER_FILES + ("joint_schema_model.py", "LICENSE"):
+        if (tiny / name).exists():
+            shutil.copy(tiny / name, directory / name)
+    (directory / "README.md").write_text("# Clef-Flash-shaped release, random weights (benchmark only)\n")
+    shards = sorted(directory.glob("model-*.safetensors"))
+    return {"backbone_parameters": params, "head_parameters": parameter_count(head),
+            "build_s": round(built - started, 1),
+            "save_s": round(saved - built, 1), "shards": len(shards),
+            "bytes_on_disk": sum(p.stat().st_size for p in directory.glob("*.safetensors"))}
+
+
+
 __all__ = ["clef_config", "scale_down", "build_model", "build_head", "random_engine", "parameter_count", "gib",
            "floor_ms", "math", "WORDS", "schema", "sized_state", "sized_request", "sync", "percentile", "closed_loop",
-           "sections", "kernel_table", "store_run"]
+           "sections", "kernel_table", "store_run", "write_release"]

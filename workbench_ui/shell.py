@@ -345,13 +345,14 @@ def follow_add() -> None:
 
 
 def live_status() -> None:
-    """The model status. While a model loads it redraws on its own every few seconds (until the page's next run);
-    otherwise it is redrawn with the page. A refresh of its own finishing while the page runs made the browser redraw
-    the page's text fields from their declared defaults and send those back as if typed, wiping what a person wrote
-    (a draft's question ids, a case set's name). It never reruns the page itself: a rerun started by the server
-    carries the fields' values as the server last saw them, and an edit the browser sent meanwhile was lost."""
+    """The model status. While a model loads or warms up it redraws on its own every few seconds (until the page's
+    next run); otherwise it is redrawn with the page. A refresh of its own finishing while the page runs made the
+    browser redraw the page's text fields from their declared defaults and send those back as if typed, wiping what a
+    person wrote (a draft's question ids, a case set's name). It never reruns the page itself: a rerun started by the
+    server carries the fields' values as the server last saw them, and an edit the browser sent meanwhile was
+    lost."""
     state = model_manager().state()
-    if state.loading_source or state.adding:
+    if state.status in ("loading", "warming") or state.adding:
         st.fragment(follow_load, run_every=STATUS_REFRESH_SECONDS)()
     else:
         render_status(state)
@@ -362,8 +363,9 @@ def follow_load() -> None:
 
 
 def render_status(state: LoadState) -> None:
-    if state.loading_source:
-        st.caption(f"Loading {label_of(state.loading_source)}… {state.loading_seconds:.0f} s")
+    line = state.status_line()
+    if line:
+        st.caption(line)
     for source in state.adding:
         st.caption(f"Adding {label_of(source)}…")
     engine = state.engine
