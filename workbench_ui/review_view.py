@@ -10,8 +10,10 @@ from typing import Any
 
 import pandas as pd
 
-from clef_workbench import casesets, review
+from clef_workbench import calibration, casesets, review
 from clef_workbench.review import ReviewRules
+from clef_workbench.store import ReviewConflictError, StoreError
+from workbench_ui import run_charts
 
 MAX_SHORTCUT_OPTIONS = 9
 MAX_OPTION_COLUMNS = 5
@@ -268,3 +270,68 @@ def golden_name(run: dict) -> str:
 
 def golden_message(golden_id: int, name: str, case_count: int) -> str:
     return f"Created case set #{golden_id} “{name}” with {case_count} cases. Open it on the Case sets page."
+
+
+# -- what the reviewer does, and what it says ---------------------------------------------------------------------
+
+
+def apply_action(store: Any, item: dict, action: str, label: Any, *, reviewer: str, comment: str | None,
+                 blind: bool) -> tuple[str, str]:
+    """Record an action as of the item's version on screen: the message's kind ("success" when recorded) and text;
+    a change by someone else since is a warning, a refused action an error."""
+    try:
+        store.apply_review_action(item["id"], reviewer=reviewer, action=action, label=label,
+                                  expected_version=item["version"], comment=comment)
+    except ReviewConflictError as exc:
+        return "warning", str(exc)
+    except (ValueError, StoreError) as exc:
+        return "error", str(exc)
+    return "success", saved_message(item, action, blind=blind)
+
+
+def undo_last(store: Any, reviewer: str, run_id: int) -> tuple[dict | None, str]:
+    """Undo the reviewer's last action in the run: the item it reopened and the message, or None and why not."""
+    try:
+        item = store.undo_last_action(reviewer, run_id=run_id)
+    except StoreError as exc:
+        return None, str(exc)
+    return item, undone_message(item)
+
+
+def export_golden(store: Any, run_id: int, name: str) -> tuple[str, str]:
+    """The reviewed labels as a new case set: the message's kind and text."""
+    try:
+        golden_id = review.export_golden_set(store, run_id, name)
+    except (ValueError, StoreError) as exc:
+        return "error", str(exc)
+    return "success", golden_message(golden_id, name, store.get_case_set(golden_id)["case_count"])
+
+
+def fitted_calibrations(store: Any, schema_name: str) -> list[str]:
+    """The names of the calibrations fitted for a schema: what thresholds and the distribution can read from."""
+    return [c["name"] for c in store.list_calibrations(schema_name=schema_name)]
+
+
+@dataclass(frozen=True)
+class Distribution:
+    heading: str
+    verdict: str | None  # how the calibration chosen did for this question, when it has a map for it
+    table: pd.DataFrame  # run_charts.distribution_table's rows, for answers.probability_chart
+    caption: str
+
+
+def distribution(store: Any, item: dict, question: dict, chosen: str | None) -> Distribution:
+    """The item's distribution as the run recorded it, or as the calibration `chosen` (a name) maps it."""
+    answer = review.shown_answer(store, item, chosen)
+    judged = calibration.verdicts(store.get_calibration(name=chosen)["payload"]).get(item["question_id"]) \
+        if chosen else None
+    fitted_on = answer["calibration"]
+    if fitted_on is not None:
+        heading = (f"**Calibrated distribution** · “{chosen}” (fitted on {fitted_on['model_id']}'s answers in run "
+                   f"{fitted_on['run_id']})")
+    else:
+        heading = ("**Model's distribution** (raw, as the run recorded it)"
+                   + (f" · “{chosen}” has no map for this question" if chosen and not judged else ""))
+    return Distribution(heading, f"“{chosen}” for {item['question_id']}: {judged.reason}" if judged else None,
+                        run_charts.distribution_table(question, answer["distribution"], answer["predicted"]),
+                        answer_caption(answer))
