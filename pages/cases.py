@@ -7,8 +7,10 @@ import streamlit as st
 
 from clef_workbench import case_table, importing
 from workbench_ui import cases_view as view
-from workbench_ui.cases_view import NOT_MAPPED
+from workbench_ui import units
+from workbench_ui.cases_view import NO_SCHEMA, NOT_MAPPED
 from workbench_ui.shell import (
+    KEEP_PREFIX,
     RUNS_START_OPEN,
     RUNS_START_SET,
     get_library,
@@ -39,7 +41,7 @@ def flash(kind: str, message: str, *, undo: tuple[str, int] | None = None) -> No
 def undo_delete(kind: str, object_id: int | list[int]) -> None:
     outcome, message = view.restore_deleted(store, kind, object_id)
     if kind == "case_set" and outcome == "success":
-        select_set(object_id)
+        set_widget(K("selected"), object_id)
     flash(outcome, message)
 
 
@@ -65,13 +67,6 @@ def show_problems(problems: list[str], *, stage: str) -> None:
     st.markdown(view.problems_markdown(problems))
 
 
-def select_set(case_set_id: int | None) -> None:
-    for key in (K("selected"), "_keep." + K("selected")):
-        if case_set_id is None:
-            st.session_state.pop(key, None)
-        else:
-            st.session_state[key] = case_set_id
-
 
 show_flash()
 deleted_sets = store.list_case_sets(deleted=True)
@@ -93,12 +88,13 @@ with top[1]:
             schema_pick = st.selectbox("Schema it is meant for", view.schema_options(schema_slugs), key=K("new_schema"))
             description = st.text_area("Description", key=K("new_description"))
             if st.form_submit_button("Create"):
-                new_id, message = view.create_case_set(store, name, schema_pick, description)
-                if new_id is None:
-                    st.error(message)
+                new_id, refused = units.refusal(store.create_case_set, name, description=description,
+                                                schema_name=None if schema_pick == NO_SCHEMA else schema_pick)
+                if refused:
+                    st.error(refused)
                 else:
-                    select_set(new_id)
-                    st.success(message)
+                    set_widget(K("selected"), new_id)
+                    st.success(f"Created case set #{new_id}.")
 
 sets = store.list_case_sets()
 if not sets:
@@ -192,12 +188,12 @@ def import_file(case_set_id: int, case_set: dict, schema: dict | None) -> None:
     if st.button(f"Import {len(parsed)} cases", key=K("do_import"), type="primary", icon=":material/upload:"):
         added, refused = view.import_parsed(store, case_set_id, parsed)
         if added is None:
-            st.error(refused)
+            st.error(f"Nothing imported: {refused}")
             return
         st.session_state.pop(K(f"editor.{case_set_id}"), None)
         st.session_state.pop(K(f"editor_restored.{case_set_id}"), None)
         st.session_state[K("imports_done")] = imports_done + 1
-        flash(*view.imported_message(case_set["name"], len(parsed), added,
+        flash(*view.imported_message(case_set["name"], len(parsed), len(added),
                                      [b.row for b in bad_rows] if skip_bad_rows else None))
         st.rerun()
 
@@ -314,7 +310,8 @@ with tab_settings:
         new_schema = st.selectbox("Schema", options, index=options.index(view.schema_pick(case_set, schema_slugs)))
         new_description = st.text_area("Description", value=case_set["description"])
         if st.form_submit_button("Save settings"):
-            refused = view.update_case_set(store, case_set_id, new_name, new_schema, new_description)
+            _, refused = units.refusal(store.update_case_set, case_set_id, name=new_name, description=new_description,
+                                       schema_name="" if new_schema == NO_SCHEMA else new_schema)
             if refused:
                 st.error(refused)
             else:
@@ -332,12 +329,13 @@ with tab_settings:
             confirm_cols = st.columns(2)
             if confirm_cols[0].button("Yes, delete it", key=K("delete_yes"), type="primary"):
                 st.session_state.pop(K("confirm_delete"), None)
-                kind, message = view.delete_case_set(store, case_set)
-                if kind == "error":
-                    st.error(message)
+                _, refused = units.refusal(store.delete_case_set, case_set_id)
+                if refused:
+                    st.error(refused)
                 else:
-                    select_set(None)
-                    flash(kind, message, undo=("case_set", case_set_id))
+                    for key in (K("selected"), KEEP_PREFIX + K("selected")):
+                        st.session_state.pop(key, None)
+                    flash("success", f"Deleted case set “{case_set['name']}”.", undo=("case_set", case_set_id))
                     st.rerun()
             if confirm_cols[1].button("Cancel", key=K("delete_no")):
                 st.session_state.pop(K("confirm_delete"), None)

@@ -546,11 +546,13 @@ if result:
                                   key=K("confirm_labels"))
             tags = st.text_input("Tags (comma separated)", key=K("case_tags"))
             if st.button("Save as case", key=K("save_case"), icon=":material/save:"):
-                case_id, message = vm.save_as_case(store, result, set_name, with_labels=confirm, tags_text=tags)
-                if case_id is None:
-                    st.error(message)
+                case_id, refused = units.refusal(vm.save_as_case, store, result, set_name, with_labels=confirm,
+                                                 tags_text=tags)
+                if refused:
+                    st.error(f"Not saved: {refused}")
                 else:
-                    st.success(message)
+                    with_labels = "with expected labels" if confirm else "without expected labels"
+                    st.success(f"Saved case #{case_id} to “{set_name}” ({with_labels}).")
 
 if builder().loaded_slug:
     st.query_params[SCHEMA_PARAM] = builder().loaded_slug

@@ -12,7 +12,7 @@ import pandas as pd
 import streamlit as st
 
 from clef_workbench import calibration, review
-from workbench_ui import links
+from workbench_ui import links, units
 from workbench_ui import review_view as view
 from workbench_ui import why_view as why
 from workbench_ui.answers import probability_chart
@@ -205,12 +205,12 @@ def undo() -> None:
     if not reviewer:
         st.session_state[notice_key] = ("error", view.NAME_FIRST_FOR_UNDO)
         return
-    item, message = view.undo_last(store, reviewer, run_id)
-    if item is None:
-        st.session_state[notice_key] = ("warning", message)
+    item, refused = units.refusal(store.undo_last_action, reviewer, run_id=run_id)
+    if refused:
+        st.session_state[notice_key] = ("warning", refused)
     else:
         st.session_state[current_key] = item["id"]
-        st.session_state[notice_key] = ("info", message)
+        st.session_state[notice_key] = ("info", view.undone_message(item))
 
 
 blind = st.toggle("Blind review: hide the model's answer until I decide", key=K("blind"),
@@ -367,7 +367,9 @@ with st.expander("Export reviewed labels", icon=":material/download:"):
     golden_name = st.text_input("Golden set name", value=view.golden_name(run),
                                 key=K(f"golden_name.{run_id}"))
     if st.button("Export as a new case set", key=K(f"golden.{run_id}"), icon=":material/workspace_premium:"):
-        st.session_state[K("golden_result")] = view.export_golden(store, run_id, golden_name)
+        golden_id, refused = units.refusal(review.export_golden_set, store, run_id, golden_name)
+        st.session_state[K("golden_result")] = ("error", refused) if refused else ("success", view.golden_message(
+            golden_id, golden_name, store.get_case_set(golden_id)["case_count"]))
 if K("golden_result") in st.session_state:  # outside the expander, so it stays visible if the expander closes
     kind, message = st.session_state.pop(K("golden_result"))
     getattr(st, kind)(message)

@@ -12,7 +12,7 @@ from clef_workbench.jobs import EngineUnreachableError, JobAlreadyRunningError, 
 from clef_workbench.model_loader import request_model_name
 from clef_workbench.run_status import run_outcome, status_label
 from clef_workbench.schemas import SchemaError
-from workbench_ui import run_charts, run_view
+from workbench_ui import run_charts, run_view, units
 from workbench_ui import why_view as why
 from workbench_ui.answers import option_table, probability_chart
 from workbench_ui.shell import (
@@ -30,6 +30,7 @@ from workbench_ui.shell import (
     random_weights_notice,
     render_shell,
     running_run_ids,
+    set_widget,
 )
 
 render_shell(__file__)
@@ -67,16 +68,12 @@ def budget_inputs(columns, name: str, settings: dict, *, retry: bool = False) ->
     return int(max_length), overflow
 
 
-def select_run(run_id: int) -> None:
-    st.session_state[K("selected")] = run_id
-    st.session_state["_keep." + K("selected")] = run_id
-
-
 def undo_delete_run(deleted_id: int) -> None:
-    kind, text = run_view.restore_run(store, deleted_id)
-    if kind == "success":
-        select_run(deleted_id)
-    st.session_state[K("flash")] = (kind, text, None)
+    _, refused = units.refusal(store.restore_run, deleted_id)
+    if not refused:
+        set_widget(K("selected"), deleted_id)
+    st.session_state[K("flash")] = ("error", f"Not restored: {refused}", None) if refused else (
+        "success", f"Restored run #{deleted_id}.", None)
 
 
 def render_delete(run: dict) -> None:
@@ -94,11 +91,11 @@ def render_delete(run: dict) -> None:
         cols = st.columns(2)
         if cols[0].button("Yes, delete it", key=K("delete_yes"), type="primary"):
             st.session_state.pop(confirm_key, None)
-            deleted = run_view.delete_run(store, run)
-            if deleted[0] == "error":
-                st.error(deleted[1])
+            _, refused = units.refusal(store.delete_run, run["id"])
+            if refused:
+                st.error(refused)
                 return
-            st.session_state[K("flash")] = deleted
+            st.session_state[K("flash")] = ("success", f"Deleted run #{run['id']}.", run["id"])
             st.rerun()
         if cols[1].button("Cancel", key=K("delete_no")):
             st.session_state.pop(confirm_key, None)
@@ -184,7 +181,7 @@ with st.expander("Start a run", expanded=not runs or st.session_state.pop(RUNS_S
             run_id = run_view.create_run(store, start_set, schema, schema_slug, model_id, engine.info(),
                                          chunk_size=int(chunk_size), max_length=int(max_length), overflow=overflow)
             runner.start(run_id, engine, check=False)  # checked above, before the run was recorded
-            select_run(run_id)
+            set_widget(K("selected"), run_id)
             st.rerun()
 
 flash = st.session_state.pop(K("flash"), None)

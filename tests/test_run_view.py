@@ -1,5 +1,5 @@
 """The Runs page's view-model on a real store: a run of four support tickets in two batches of two (one case failed),
-read as the page shows it: speed, quality, the table to browse, the export, a comparison, delete and undo, and the
+read as the page shows it: speed, quality, the table to browse, the export and a comparison, and the
 buttons that run on a model while one loads."""
 
 from __future__ import annotations
@@ -146,16 +146,6 @@ def test_a_run_is_recorded_without_the_schemas_examples_and_with_the_engines_bui
     assert "examples" not in made["schema"] and made["model_revision"] == "r1"
     assert made["settings"] == {"chunk_size": 8, "max_length": 2048, "overflow": "truncate_state",
                                 "schema_slug": "tickets", "device": "cpu", "dtype": "float32", "precision": "bf16"}
-
-
-def test_a_deleted_run_comes_back_with_undo_and_a_failed_undo_says_why(run):
-    store, this = run
-    assert view.delete_run(store, this) == ("success", f"Deleted run #{this['id']}.", this["id"])
-    assert this["id"] not in [r["id"] for r in store.list_runs()]
-    assert view.restore_run(store, this["id"]) == ("success", f"Restored run #{this['id']}.")
-    assert this["id"] in [r["id"] for r in store.list_runs()]
-    assert view.restore_run(store, this["id"]) == ("error", f"Not restored: run {this['id']} is not deleted")
-    assert view.delete_run(store, {**this, "id": 999}) == ("error", "run 999 does not exist", None)
 
 
 def test_too_few_labelled_cases_refuse_a_calibration_with_the_reason(run):

@@ -16,6 +16,7 @@ from clef_workbench.casesets import CaseImportError, CsvMapping
 from clef_workbench.schema_library import SchemaLibrary
 from clef_workbench.schemas import SchemaError
 from clef_workbench.store import StoreError
+from workbench_ui import units
 
 NO_SCHEMA = "(none)"
 NOT_MAPPED = "(not mapped)"
@@ -249,33 +250,9 @@ def load_examples(store: Any, library: SchemaLibrary) -> str:
     return f"Example case sets ready: {len(casesets.load_example_case_sets(store, library.directory))}."
 
 
-def create_case_set(store: Any, name: str, schema_pick: str, description: str) -> tuple[int | None, str]:
-    """A new case set: (its id, the message), or (None, why not)."""
-    try:
-        new_id = store.create_case_set(name, schema_name=None if schema_pick == NO_SCHEMA else schema_pick,
-                                       description=description)
-    except (StoreError, ValueError) as exc:
-        return None, str(exc)
-    return new_id, f"Created case set #{new_id}."
-
-
-def update_case_set(store: Any, case_set_id: int, name: str, schema_pick: str, description: str) -> str | None:
-    """Save a case set's settings; why not, when refused."""
-    try:
-        store.update_case_set(case_set_id, name=name, schema_name="" if schema_pick == NO_SCHEMA else schema_pick,
-                              description=description)
-    except (StoreError, ValueError) as exc:
-        return str(exc)
-    return None
-
-
-def delete_case_set(store: Any, case_set: dict) -> tuple[str, str]:
-    """Delete (hide) a case set: the message's kind and text (a success offers Undo)."""
-    try:
-        store.delete_case_set(case_set["id"])
-    except StoreError as exc:
-        return "error", str(exc)
-    return "success", f"Deleted case set “{case_set['name']}”."
+def import_parsed(store: Any, case_set_id: int, parsed: list[dict]) -> tuple[list[int] | None, str | None]:
+    """Add the parsed cases, skipping those already in the set: the ids added, or None and why nothing was."""
+    return units.refusal(casesets.import_cases, store, case_set_id, parsed)
 
 
 @dataclass(frozen=True)
@@ -326,14 +303,6 @@ def parse_file(source: Any, mapping: CsvMapping | None, schema: dict | None,
         return [], []
     except CaseImportError as exc:
         return [], exc.problems
-
-
-def import_parsed(store: Any, case_set_id: int, parsed: list[dict]) -> tuple[int | None, str | None]:
-    """Add the parsed cases (those already in the set are skipped): how many went in, or why nothing did."""
-    try:
-        return len(casesets.import_cases(store, case_set_id, parsed)), None
-    except (StoreError, ValueError) as exc:
-        return None, f"Nothing imported: {exc}"
 
 
 @dataclass(frozen=True)

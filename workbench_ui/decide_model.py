@@ -21,7 +21,6 @@ from PIL import Image
 
 from clef_engine.interface import DecisionEngine
 from clef_workbench import schemas
-from clef_workbench.store import StoreError
 from workbench_ui import answers, schema_rows, state_input
 
 PREFIX = "decide"
@@ -436,24 +435,18 @@ def keep_result(state: MutableMapping, result: DecideResult) -> None:
         state.pop(key(name), None)
     state[key("result")] = result
 
-def save_as_case(store: Any, result: DecideResult, case_set_name: str, *, with_labels: bool,
-                 tags_text: str) -> tuple[int | None, str]:
+def save_as_case(store: Any, result: DecideResult, case_set_name: str, *, with_labels: bool, tags_text: str) -> int:
     """Add the run's state and media to a case set (created if missing); with_labels stores the model's answers as
-    the expected answers (the user checked them). Returns the case id and the message, or None and why not."""
-    try:
-        # the library identity (the slug the Case sets and Runs pages load), not the display name
-        case_set_id = store.get_or_create_case_set(case_set_name, schema_name=result.schema_slug or None)
-        case_id = store.add_case(
-            case_set_id, state=result.state,
-            images=[m.data for m in result.images] or None,
-            videos=[m.data for m in result.videos] or None,
-            expected=result.expected_labels() if with_labels else None,
-            tags=[t.strip() for t in tags_text.split(",") if t.strip()] or None,
-        )
-    except (StoreError, ValueError) as exc:
-        return None, f"Not saved: {exc}"
-    with_labels_text = "with expected labels" if with_labels else "without expected labels"
-    return case_id, f"Saved case #{case_id} to “{case_set_name}” ({with_labels_text})."
+    the expected answers (the user checked them). Returns the case id. Raises StoreError / ValueError."""
+    # the library identity (the slug the Case sets and Runs pages load), not the display name
+    case_set_id = store.get_or_create_case_set(case_set_name, schema_name=result.schema_slug or None)
+    return store.add_case(
+        case_set_id, state=result.state,
+        images=[m.data for m in result.images] or None,
+        videos=[m.data for m in result.videos] or None,
+        expected=result.expected_labels() if with_labels else None,
+        tags=[t.strip() for t in tags_text.split(",") if t.strip()] or None,
+    )
 
 
 # -- the draft: what a reload brings back -----------------------------------------------------------------------

@@ -289,24 +289,6 @@ def apply_action(store: Any, item: dict, action: str, label: Any, *, reviewer: s
     return "success", saved_message(item, action, blind=blind)
 
 
-def undo_last(store: Any, reviewer: str, run_id: int) -> tuple[dict | None, str]:
-    """Undo the reviewer's last action in the run: the item it reopened and the message, or None and why not."""
-    try:
-        item = store.undo_last_action(reviewer, run_id=run_id)
-    except StoreError as exc:
-        return None, str(exc)
-    return item, undone_message(item)
-
-
-def export_golden(store: Any, run_id: int, name: str) -> tuple[str, str]:
-    """The reviewed labels as a new case set: the message's kind and text."""
-    try:
-        golden_id = review.export_golden_set(store, run_id, name)
-    except (ValueError, StoreError) as exc:
-        return "error", str(exc)
-    return "success", golden_message(golden_id, name, store.get_case_set(golden_id)["case_count"])
-
-
 def fitted_calibrations(store: Any, schema_name: str) -> list[str]:
     """The names of the calibrations fitted for a schema: what thresholds and the distribution can read from."""
     return [c["name"] for c in store.list_calibrations(schema_name=schema_name)]

@@ -89,9 +89,6 @@ def run_engine(models: Any, model_id: str) -> tuple[Any, str | None]:
                       "in the sidebar (Add a model), then try again.")
 
 
-# -- start, delete and undo -------------------------------------------------------------------------------------
-
-
 def create_run(store: Any, case_set_id: int, schema: dict, schema_slug: str, model_id: str, engine_info: dict,
                *, chunk_size: int, max_length: int, overflow: str) -> int:
     """Record a new run of a case set (its schema without examples), with the settings and the engine's build."""
@@ -100,23 +97,6 @@ def create_run(store: Any, case_set_id: int, schema: dict, schema_slug: str, mod
                             settings={"chunk_size": chunk_size, "max_length": max_length, "overflow": overflow,
                                       "schema_slug": schema_slug, "device": engine_info.get("device"),
                                       "dtype": engine_info.get("dtype"), "precision": engine_info.get("precision")})
-
-
-def delete_run(store: Any, run: dict) -> tuple[str, str, int | None]:
-    """Delete (hide) a run: the message's kind, its text, and the run Undo brings back (None when refused)."""
-    try:
-        store.delete_run(run["id"])
-    except StoreError as exc:
-        return "error", str(exc), None
-    return "success", f"Deleted run #{run['id']}.", run["id"]
-
-
-def restore_run(store: Any, run_id: int) -> tuple[str, str]:
-    try:
-        store.restore_run(run_id)
-    except StoreError as exc:
-        return "error", f"Not restored: {exc}"
-    return "success", f"Restored run #{run_id}."
 
 
 # -- what a run's results say -----------------------------------------------------------------------------------
