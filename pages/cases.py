@@ -13,12 +13,14 @@ from workbench_ui.shell import (
     KEEP_PREFIX,
     RUNS_START_OPEN,
     RUNS_START_SET,
+    confirm_delete,
     get_library,
     get_store,
     page_key,
     pick_id,
     render_shell,
     set_widget,
+    show_flash,
 )
 
 render_shell(__file__)
@@ -45,17 +47,6 @@ def undo_delete(kind: str, object_id: int | list[int]) -> None:
     flash(outcome, message)
 
 
-def show_flash() -> None:
-    message = st.session_state.pop(K("flash"), None)
-    if not message:
-        return
-    kind, text, undo = message
-    cols = st.columns([5, 1], vertical_alignment="center")
-    getattr(cols[0], kind)(text)
-    if undo is not None:
-        cols[1].button("Undo", key=K("undo"), icon=":material/undo:", on_click=undo_delete, args=undo)
-
-
 def show_problems(problems: list[str], *, stage: str) -> None:
     """The problems of a save that was refused (an error), or of a file chosen for import (nothing was tried yet: a
     warning naming what fixes them: a choice above, or the file)."""
@@ -68,7 +59,7 @@ def show_problems(problems: list[str], *, stage: str) -> None:
 
 
 
-show_flash()
+show_flash(K("flash"), undo_delete, K("undo"))
 deleted_sets = store.list_case_sets(deleted=True)
 if deleted_sets:
     with st.expander(f"Deleted case sets ({len(deleted_sets)})", icon=":material/restore_from_trash:"):
@@ -323,20 +314,13 @@ with tab_settings:
         else:
             st.session_state[K("confirm_delete")] = case_set_id
     if st.session_state.get(K("confirm_delete")) == case_set_id:
-        with st.container(border=True, key=K("confirm_delete_box")):
-            st.warning(f"Delete “{case_set['name']}” and its {case_set['case_count']} case(s)? You can undo this.",
-                       icon=":material/delete:")
-            confirm_cols = st.columns(2)
-            if confirm_cols[0].button("Yes, delete it", key=K("delete_yes"), type="primary"):
-                st.session_state.pop(K("confirm_delete"), None)
-                _, refused = units.refusal(store.delete_case_set, case_set_id)
-                if refused:
-                    st.error(refused)
-                else:
-                    for key in (K("selected"), KEEP_PREFIX + K("selected")):
-                        st.session_state.pop(key, None)
-                    flash("success", f"Deleted case set “{case_set['name']}”.", undo=("case_set", case_set_id))
-                    st.rerun()
-            if confirm_cols[1].button("Cancel", key=K("delete_no")):
-                st.session_state.pop(K("confirm_delete"), None)
+        question = f"Delete “{case_set['name']}” and its {case_set['case_count']} case(s)? You can undo this."
+        if confirm_delete(question, K, K("confirm_delete")):
+            _, refused = units.refusal(store.delete_case_set, case_set_id)
+            if refused:
+                st.error(refused)
+            else:
+                for key in (K("selected"), KEEP_PREFIX + K("selected")):
+                    st.session_state.pop(key, None)
+                flash("success", f"Deleted case set “{case_set['name']}”.", undo=("case_set", case_set_id))
                 st.rerun()

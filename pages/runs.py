@@ -19,6 +19,7 @@ from workbench_ui.shell import (
     RUNNING_SHOWN_KEY,
     RUNS_START_OPEN,
     RUNS_START_SET,
+    confirm_delete,
     get_engine,
     get_job_runner,
     get_library,
@@ -31,6 +32,7 @@ from workbench_ui.shell import (
     render_shell,
     running_run_ids,
     set_widget,
+    show_flash,
 )
 
 render_shell(__file__)
@@ -85,21 +87,13 @@ def render_delete(run: dict) -> None:
             st.session_state[confirm_key] = True
             st.rerun()
         return
-    with st.container(border=True, key=K("confirm_delete_box")):
-        st.warning(f"Delete run #{run['id']} and its {run['done']} result(s)? You can undo this.",
-                   icon=":material/delete:")
-        cols = st.columns(2)
-        if cols[0].button("Yes, delete it", key=K("delete_yes"), type="primary"):
-            st.session_state.pop(confirm_key, None)
-            _, refused = units.refusal(store.delete_run, run["id"])
-            if refused:
-                st.error(refused)
-                return
-            st.session_state[K("flash")] = ("success", f"Deleted run #{run['id']}.", run["id"])
-            st.rerun()
-        if cols[1].button("Cancel", key=K("delete_no")):
-            st.session_state.pop(confirm_key, None)
-            st.rerun()
+    if confirm_delete(f"Delete run #{run['id']} and its {run['done']} result(s)? You can undo this.", K, confirm_key):
+        _, refused = units.refusal(store.delete_run, run["id"])
+        if refused:
+            st.error(refused)
+            return
+        st.session_state[K("flash")] = ("success", f"Deleted run #{run['id']}.", (run["id"],))
+        st.rerun()
 
 
 def rerun_when_loaded() -> None:
@@ -184,13 +178,7 @@ with st.expander("Start a run", expanded=not runs or st.session_state.pop(RUNS_S
             set_widget(K("selected"), run_id)
             st.rerun()
 
-flash = st.session_state.pop(K("flash"), None)
-if flash:
-    kind, text, undo_id = flash
-    flash_cols = st.columns([5, 1], vertical_alignment="center")
-    getattr(flash_cols[0], kind)(text)
-    if undo_id is not None:
-        flash_cols[1].button("Undo", key=K("undo"), icon=":material/undo:", on_click=undo_delete_run, args=(undo_id,))
+show_flash(K("flash"), undo_delete_run, K("undo"))
 
 if not runs:
     st.info("No runs yet.")

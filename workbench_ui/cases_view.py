@@ -27,9 +27,9 @@ PREVIEW_STATE_CHARS = 200
 LISTED_PROBLEMS = 50
 
 
-def when(iso: str) -> str:
-    """A stored UTC timestamp as people read it: date and time to the second."""
-    return iso[:19].replace("T", " ")
+def when(iso: str, *, digits: int = 19) -> str:
+    """A stored UTC timestamp as people read it: date and time to the second (or the millisecond, digits=23)."""
+    return iso[:digits].replace("T", " ")
 
 
 def case_set_label(case_set: dict) -> str:

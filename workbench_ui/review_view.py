@@ -14,6 +14,7 @@ from clef_workbench import calibration, casesets, review
 from clef_workbench.review import ReviewRules
 from clef_workbench.store import ReviewConflictError, StoreError
 from workbench_ui import run_charts
+from workbench_ui.cases_view import when
 
 MAX_SHORTCUT_OPTIONS = 9
 MAX_OPTION_COLUMNS = 5
@@ -23,10 +24,6 @@ OPEN = ("open", "skipped")  # statuses of an item still to review
 REVIEWED = ("accepted", "corrected", "unknown")
 NAME_FIRST = "Enter your name first: every action is recorded with it."
 NAME_FIRST_FOR_UNDO = "Enter your name first: you can undo only your own actions."
-
-
-def when(iso: str, *, digits: int = 19) -> str:
-    return iso[:digits].replace("T", " ")
 
 
 def run_label(run: dict) -> str:

@@ -5,7 +5,6 @@ quality, export, and the comparison with a baseline). The numbers come from clef
 from __future__ import annotations
 
 import hashlib
-import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,6 +15,7 @@ from clef_workbench import calibration, casesets, stats
 from clef_workbench.run_status import FINISHED_WITH_ERRORS, status_label
 from clef_workbench.store import StoreError
 from workbench_ui import links, units
+from workbench_ui.cases_view import export_stem
 
 STATUS_ICONS = {"pending": "⏳", "running": "▶️", "cancelled": "⏹️", "finished": "✅", FINISHED_WITH_ERRORS: "⚠️",
                 "failed": "❌"}
@@ -64,8 +64,6 @@ def comparison_baselines(runs: list[dict], run: dict) -> tuple[list[dict], int]:
     same_set = [r for r in runs if r["case_set_id"] == run["case_set_id"] and r["id"] != run["id"] and r["done"]]
     usable = [r for r in same_set if has_answers(r)]
     return usable, len(same_set) - len(usable)
-
-
 
 
 # -- a run's buttons while a model loads ------------------------------------------------------------------------
@@ -242,7 +240,7 @@ def export(store: Any, run: dict, result_count: int, live: bool) -> Export:
     return Export("One row per case × question; a failed case is one row with its error."
                   + (f" The run is still going: the files hold the {result_count} case(s) answered so far." if live
                      else ""),
-                  re.sub(r"[^a-z0-9]+", "-", f"run-{run['id']}-{run['case_set_name']}".lower()).strip("-"),
+                  export_stem(f"run-{run['id']}-{run['case_set_name']}"),
                   casesets.export_results_csv(store, run["id"]), casesets.export_results_jsonl(store, run["id"]))
 
 
