@@ -540,6 +540,30 @@ def set_widget(key: str, value: Any) -> None:
     st.session_state[KEEP_PREFIX + key] = value
 
 
+def show_flash(key: str, undo: Callable[..., Any], undo_key: str) -> None:
+    """The message an action left for the page's next run: (kind, text, Undo's arguments or None)."""
+    if flash := st.session_state.pop(key, None):
+        kind, text, undo_args = flash
+        cols = st.columns([5, 1], vertical_alignment="center")
+        getattr(cols[0], kind)(text)
+        if undo_args is not None:
+            cols[1].button("Undo", key=undo_key, icon=":material/undo:", on_click=undo, args=undo_args)
+
+
+def confirm_delete(question: str, key: Callable[[str], str], confirm_key: str) -> bool:
+    """Asks before a delete (`confirm_key` set opened the question): True when "Yes, delete it" was clicked. Either
+    button closes the question."""
+    with st.container(border=True, key=key("confirm_delete_box")):
+        st.warning(question, icon=":material/delete:")
+        cols = st.columns(2)
+        yes = cols[0].button("Yes, delete it", key=key("delete_yes"), type="primary")
+        if yes or cols[1].button("Cancel", key=key("delete_no")):
+            st.session_state.pop(confirm_key, None)
+        if not yes and confirm_key not in st.session_state:  # cancelled: drawn again without the question
+            st.rerun()
+    return yes
+
+
 def format_json(value: Any) -> str:
     import json
 
