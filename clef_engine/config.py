@@ -18,12 +18,19 @@ the environment, then from defaults that depend on the device, and returns a fro
 - CLEF_PREFILL_CHUNK_TOKENS (prefill_chunk_tokens): one record longer than this runs through the backbone in chunks
   of at most this many tokens, so that its activations stay bounded whatever its length (fast/packed.py); 0 = whole
   records. 16,384 on CUDA, 0 on the CPU.
+- CLEF_WARM_UP (warm_up): after loading, compile, autotune and capture in the background while the engine answers
+  (the engine reads "warming" until done; `Engine.warm_up_steps`); on with CUDA, off on the CPU.
 - CLEF_PRECISION (precision): `bf16` (default) or `fp8`: W8A8 FP8 (e4m3) for the backbone's projection GEMMs
   (fast/fp8.py), opt-in; it needs CUDA with compute capability >= 8.9, `torch._scaled_mm`, dtype bf16 and the packed
   path, and is refused with the reason otherwise.
 
-FLA_DISABLE_BACKEND_DISPATCH is set (if unset) when an engine is built: flash-linear-attention's backend registry
-would otherwise walk its backends on every kernel call, and nothing but its Triton backend runs on these GPUs.
+Process settings, each set (if unset) before a release loads (`apply_process_settings`):
+- FLA_DISABLE_BACKEND_DISPATCH: flash-linear-attention's backend registry would otherwise walk its backends on every
+  kernel call, and nothing but its Triton backend runs on these GPUs.
+- TRITON_CACHE_DIR, TORCHINDUCTOR_CACHE_DIR: the compiled kernels, in `triton/` and `inductor/` of the project's
+  cache folder (CLEF_CACHE_DIR, see environment.py), and TRITON_CACHE_AUTOTUNING=1: the autotuner's choices too,
+  so that a later process on the machine (or one sharing the folder) compiles and autotunes nothing again. Triton
+  reads them when the kernels' modules are imported, which loading the backbone does.
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ from typing import Any
 
 import torch
 
+from . import environment
 from .errors import ReleaseError
 from .model.release import default_device, parse_dtype
 
@@ -49,6 +57,7 @@ ENVIRONMENT = {
     "state_cache_bytes": "CLEF_STATE_CACHE_BYTES",
     "prefill_chunk_tokens": "CLEF_PREFILL_CHUNK_TOKENS",
     "precision": "CLEF_PRECISION",
+    "warm_up": "CLEF_WARM_UP",
 }
 PRECISIONS = ("bf16", "fp8")
 FP8_MIN_CAPABILITY = (8, 9)  # FP8 tensor cores: Ada (8.9) and Hopper (9.0) on
@@ -89,7 +98,7 @@ class EngineConfig:
     min_prefix_tokens: int = 2048  # shorter state prefixes are cheaper to recompute than to store
     prefill_chunk_tokens: int = 0  # one record longer than this runs in chunks of at most this many tokens; 0: whole
     max_queued_records: int = 4096
-    warm_up: bool = False  # compile, autotune and capture while loading, not in a user's first request
+    warm_up: bool = False  # compile, autotune and capture after loading, in the background, not in users' requests
     precision: str = "bf16"  # of the backbone's projection GEMMs: "bf16" (the model's dtype) or "fp8" (W8A8)
 
     @property
@@ -110,7 +119,7 @@ class EngineConfig:
             if not text or key in values or (key == "device" and device is not None) or (
                     key == "dtype" and dtype is not None):
                 continue
-            if key in ("allow_slow_kernels", "cuda_graphs"):
+            if key in ("allow_slow_kernels", "cuda_graphs", "warm_up"):
                 values[key] = _flag(name, text)
             elif key in ("device", "dtype", "precision"):
                 values[key] = text
@@ -142,7 +151,11 @@ class EngineConfig:
     def apply_process_settings(self) -> None:
         """Process-wide settings the fast kernels read (see the module docstring)."""
         if self.cuda:
+            cache = environment.cache_dir()
             os.environ.setdefault("FLA_DISABLE_BACKEND_DISPATCH", "1")
+            os.environ.setdefault("TRITON_CACHE_DIR", str(cache / "triton"))
+            os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache / "inductor"))
+            os.environ.setdefault("TRITON_CACHE_AUTOTUNING", "1")
 
 
 def check_precision(config: EngineConfig) -> str:

@@ -8,10 +8,13 @@ The scheduler's worker thread runs each batch on the model runner (runner.py), c
 
 from __future__ import annotations
 
+import logging
 import os
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
+from functools import partial
 from typing import Any
 
 import torch
@@ -26,10 +29,11 @@ from .model import media, release
 from .model.encoding import DEFAULT_MAX_LENGTH, EncodedRecord, Encoder
 from .model.head import JointSchemaHead, load_head
 from .protocol import Question, Response, ValidRequest, format_answer, prepare, prepared
-from .runner import PackedRunner, PlainRunner
-from .scheduler import JobTiming, Scheduler, WorkerCall, device_turn
+from .runner import PackedRunner, PlainRunner, StateVariants
+from .scheduler import JobTiming, Scheduler, device_turn
 from .tiny import is_demo_release
 
+log = logging.getLogger(__name__)
 DECIDE_MANY_GROUP = 16  # requests encoded and queued together by decide_many
 ERROR_MODES = ("raise", "return")  # of submit / decide_many: a bad request raises, or its slot holds its error
 
@@ -65,6 +69,7 @@ class Engine:
         self.device = config.device
         self.load_seconds = load_seconds
         self.warm_up_seconds = 0.0
+        self.warming = False  # see `state`
         self.model_id = checked.source
         self.token_budget = config.token_budget
         self.loaded_bytes = self._memory_stats().get("allocated", 0)
@@ -186,11 +191,9 @@ class Engine:
         started = time.perf_counter()
         valids = [prepared(request, max_length=max_length, overflow=overflow) for request in requests]
         records = [self.encoder.encode(valid) for valid in valids]
-        runner = self.runner
-        if isinstance(runner, PackedRunner) and not any(record.has_media for record in records):
-            outcomes, computed = self.scheduler.submit(
-                [WorkerCall(lambda: runner.forward_variants(records))], priority=priority, tokens=float("inf"),
-                finalize=lambda results: results[0]).result()
+        if isinstance(self.runner, PackedRunner) and not any(record.has_media for record in records):
+            outcomes, computed = self.scheduler.submit([StateVariants(records)], priority=priority,
+                                                       finalize=lambda results: results[0]).result()
         else:
             outcomes = self.scheduler.submit(records, priority=priority).result()
             computed = set(range(len(records)))
@@ -281,6 +284,7 @@ class Engine:
             "backbone_parameters": self.backbone_parameters,
             "head_parameters": self.head_parameters,
             "load_seconds": round(self.load_seconds, 2),
+            "state": self.state,
             "warm_up_seconds": round(self.warm_up_seconds, 2),
             **self.runner.info(),  # "kernels", "state_cache" and "state_prefills"
             "memory": self.memory(),
@@ -299,17 +303,57 @@ class Engine:
             self._fp8_fidelity = measured_fidelity()
         return {"precision": "fp8", "distance_from_float32": self._fp8_fidelity}
 
+    @property
+    def state(self) -> str:
+        """"warming" while the background warm-up runs (requests are answered meanwhile, eagerly where a graph is
+        not captured yet), then "ready"."""
+        return "warming" if self.warming else "ready"
+
+    def start_warm_up(self) -> None:
+        """Warm up on a thread of its own (what `load` does): the engine answers from now on, and reads "warming"
+        until the warm-up is done."""
+        self.warming = True
+        threading.Thread(target=self._warm_up_in_background, name=f"clef-warm-up-{self.model_id}",
+                         daemon=True).start()
+
+    def _warm_up_in_background(self) -> None:
+        try:
+            self.warm_up()
+        except Exception:  # noqa: BLE001 — closed meanwhile, or a step failed: the engine answers all the same
+            log.warning("warm-up of %s stopped", self.model_id, exc_info=True)
+
     def warm_up(self) -> float:
-        """Compile, autotune and capture while loading, not in a user's first request: a CUDA graph for every
-        length bucket, cuDNN's attention plan for every padded length of a long record, then one record alone, a
-        pack of records of uneven lengths, and a long state twice (stored, then continued from the cache; the entry
-        is dropped afterwards; on CUDA as long as a bulk batch and longer than a prefill chunk). Returns the seconds
-        it took."""
+        """Run the warm-up's steps (`warm_up_steps`) one after the other, requests answered between any two; the
+        engine reads "warming" until the last is done (a graph bucket not captured yet runs eagerly meanwhile).
+        Returns the seconds it took."""
         started = time.perf_counter()
-        self.runner.warm_up(self.scheduler.call)  # on the worker thread, which answers requests
-        request = {"state": "warm-up", "questions": {"q": {"type": "noul", "instructions": "warm-up"}}}
-        self.decide(request)
-        self.decide_many([dict(request, state="warm-up " * n) for n in (1, 40, 333, 1001)])
+        self.warming = True
+        self.runner.capture_on_use(False)
+        try:
+            for step in self.warm_up_steps():
+                step()
+        finally:
+            self.runner.capture_on_use(True)
+            self.warm_up_seconds = time.perf_counter() - started
+            self.warming = False
+        return self.warm_up_seconds
+
+    def warm_up_steps(self) -> list[Callable[[], Any]]:
+        """What the warm-up compiles, autotunes and captures, so that a user's first request of a length does not:
+        one record alone, a pack of records of uneven lengths, the runner's own steps (`PackedRunner.warm_up_steps`:
+        its CUDA graphs and cuDNN plans), and a long state twice (stored, then continued from the cache; on CUDA as
+        long as a bulk batch and longer than a prefill chunk), the stored states emptied after it. Each step waits
+        for its turn as bulk work (on the worker thread, or as requests), so the requests of users go first."""
+        def on_worker(fn: Callable[[], Any]) -> Callable[[], Any]:
+            return partial(self.scheduler.call, fn, priority="bulk")
+
+        def answer(requests: list[dict[str, Any]], **options: Any) -> Callable[[], Any]:
+            return partial(self.decide_many, requests, priority="bulk", **options)
+
+        # first what every request runs (on a cold machine: the kernels' compiles), then the graphs
+        request: dict[str, Any] = {"state": "warm-up", "questions": {"q": {"type": "noul", "instructions": "warm-up"}}}
+        steps = [answer([request]), answer([dict(request, state="warm-up " * n) for n in (1, 40, 333, 1001)])]
+        steps += [on_worker(step) for step in self.runner.warm_up_steps()]
         # a long state twice: stored, then continued from the cache. On CUDA it is as long as a bulk batch, so that
         # the caching allocator holds blocks for the largest working set before a user's first long record needs
         # them (growing it there cost ~190 ms once per larger size, bench/results/2026-12-01-h200-diagnose.json)
@@ -319,12 +363,11 @@ class Engine:
             if self.config.cuda:  # and past one chunk, so that the chunked path has run too
                 least = max(least, self.config.bulk_batch_tokens - 256, self.config.prefill_chunk_tokens + 256)
             long_state = "warm " * least
-            for questions in (request["questions"], {"other": {"type": "noul", "instructions": "?"}}):
-                self.decide(dict(request, state=long_state, questions=questions), overflow="truncate_state",
-                            max_length=max(DEFAULT_MAX_LENGTH, least + 1024))
-        self.runner.clear_states()
-        self.warm_up_seconds = time.perf_counter() - started
-        return self.warm_up_seconds
+            steps += [answer([dict(request, state=long_state, questions=questions)], overflow="truncate_state",
+                             max_length=max(DEFAULT_MAX_LENGTH, least + 1024))
+                      for questions in (request["questions"], {"other": {"type": "noul", "instructions": "?"}})]
+        steps.append(on_worker(self.runner.clear_states))
+        return steps
 
     def close(self, wait: bool = False) -> None:
         self.scheduler.close(wait)
@@ -347,6 +390,7 @@ def load(source: str | os.PathLike, *, device: str | torch.device | None = None,
                                             allow_slow_kernels=allow_slow_kernels,
                                             state_cache_bytes=state_cache_bytes, precision=precision)
     check_fast_kernels(config)  # before minutes of loading
+    config.apply_process_settings()  # before the kernels' modules are imported: Triton reads its settings then
     path = release.resolve(source, revision)
     checked = release.check(path, source=str(source), revision=revision)
     if config.cuda:
@@ -359,7 +403,7 @@ def load(source: str | os.PathLike, *, device: str | torch.device | None = None,
     encoder = Encoder(release.load_processor(checked))
     engine = Engine(checked, model, head, encoder, config=config, load_seconds=time.perf_counter() - started)
     if config.warm_up:
-        engine.warm_up()
+        engine.start_warm_up()
     return engine
 
 

@@ -2,10 +2,12 @@
 
 The state is split into segments — the sentences (or lines) of a text state, the leaf fields of a JSON state, a
 grid of regions of each image, the sampled frames of each video — and the record is decided again once per segment
-with that segment removed, every variant in one scheduler job (the engine packs them into as few batches as its
-token budget allows). Text is removed by deleting its characters, a field by deleting it from its object or list;
-an image region or a video frame is painted over with the mean colour of its image or frame, so that the media's
-token count, and the batch's shape, stay the same.
+with that segment removed, every variant in one scheduler job. A variant shares every token before its first change
+with the record: for a text record (on the engine's packed path) the record runs once, in chunks ending at those
+points, and each variant continues from the record's state there (`SharedPrefixes`); records with media are packed
+into as few batches as the engine's token budget allows. Text is removed by deleting its characters, a field by
+deleting it from its object or list; an image region or a video frame is painted over with the mean colour of its
+image or frame, so that the media's token count, and the batch's shape, stay the same.
 
 For each question the answered option is the one the full record picks (for `noul` the likelier of true/false,
 for a score its likeliest level), and each segment's `delta` is P(that option without the segment) − P(that option
@@ -42,6 +44,7 @@ from .interface import DecisionEngine, ExplainingEngine, Request
 from .model import media
 from .model.encoding import MEDIA_SLOTS, EncodedRecord, render
 from .protocol import EXPLAIN_UNITS, ExplainOption, Response, ValidRequest, prepared
+from .runner import SharedPrefixes
 from .scheduler import JobTiming
 
 if TYPE_CHECKING:
@@ -309,8 +312,10 @@ def submit_explanation(engine: Engine, request: Request, unit: str | None = None
         check_cost(len(record), len(found), total, budget, at_least=len(text_records) < text_variants)
     media_records = _encode_in_parallel(engine, valid, [variant for _, variant in found[text_variants:]])
     records = [record, *text_records, *media_records]
+    shared = engine.config.packed and not record.has_media  # text variants of a text record: the packed runner's
 
-    def respond(probabilities: list, timing: JobTiming) -> list[Response]:
+    def respond(results: list, timing: JobTiming) -> list[Response]:
+        probabilities = results[0] if shared else results
         # timed like every answer; its compute is the record's and its variants' (what the explanation cost)
         response = engine.response(valid, record, probabilities[0], (time.perf_counter() - started) * 1000,
                                    compute_ms=sum(timing.compute_s) * 1000, queue_ms=timing.queued_s * 1000)
@@ -318,7 +323,9 @@ def submit_explanation(engine: Engine, request: Request, unit: str | None = None
         response["x_explain_tokens"] = sum(len(r) for r in records[1:])
         return [response]
 
-    return engine.scheduler.submit(records, priority=priority, finalize=respond, timed=True)
+    job = [SharedPrefixes(records)] if shared else records
+    return engine.scheduler.submit(job, priority=priority, finalize=respond, timed=True)
+
 
 
 def _encode_in_parallel(engine: Engine, valid: ValidRequest, variants: list[Callable[[], dict]]) -> list[EncodedRecord]:

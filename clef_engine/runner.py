@@ -1,13 +1,16 @@
 """The model runner: encoded records in, per record per question the options' probabilities out, with one host sync
 per batch. It knows nothing of requests or of the queue: the engine picks one runner at load (`PlainRunner` for
 packed=False, else `PackedRunner`) and the scheduler calls its `forward` with each batch and the batch's
-`BatchSteps`, its one way to reach the scheduler."""
+`BatchSteps`, its one way to reach the scheduler. A batch holds encoded records and, on the packed path, items that
+stand for several records decided as one: Why's `SharedPrefixes` (a record and its variants) and a schema sweep's
+`StateVariants` (records over one state, or a few)."""
 
 from __future__ import annotations
 
 import importlib.util
 import itertools
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
+from functools import partial
 from typing import Any
 
 import torch
@@ -103,8 +106,14 @@ class PlainRunner:
         logits = self.head(hidden_flat.to(self.dtype), self.output_embeddings, batch)
         return split_probabilities(logits, batch, records)
 
-    def warm_up(self, on_worker: Callable[[Callable[[], Any]], Any]) -> None:
-        """Compile and capture before a user's first request (`on_worker(fn)` calls fn on the worker thread)."""
+    def warm_up_steps(self) -> list[Callable[[], Any]]:
+        """What to compile and capture before a user's first request needs it (the engine's warm-up runs each step
+        on the worker thread, as bulk work): nothing here."""
+        return []
+
+    def capture_on_use(self, on: bool) -> None:
+        """Whether a graph not captured yet is captured when a record first needs it (off while warming up): no
+        graphs here."""
 
     def clear_states(self) -> None:
         """Forget every stored state."""
@@ -140,9 +149,20 @@ class PackedRunner(PlainRunner):
                                   pad_token_id=pad_token_id, dtype=config.dtype)
 
     @torch.inference_mode()
-    def forward(self, records: list[EncodedRecord], steps: BatchSteps = UNCHECKED) -> list[Probabilities]:
-        """A whole scheduler batch: media records padded; a text record whose state is cached continues from the
-        cache; a text record alone runs by itself (`forward_one`); the other text records run as one pack."""
+    def forward(self, batch: Sequence[EncodedRecord | SharedPrefixes | StateVariants],
+                steps: BatchSteps = UNCHECKED) -> list[Any]:
+        """A whole scheduler batch: an explanation's record and variants as one item (`forward_shared`, its result
+        the list of theirs), a sweep's variants as one (`forward_variants`); the records as `forward_records` runs
+        them."""
+        whole = {i: self.forward_shared(item, steps) if isinstance(item, SharedPrefixes)
+                 else self.forward_variants(item.records, steps)
+                 for i, item in enumerate(batch) if not isinstance(item, EncodedRecord)}
+        answers = iter(self.forward_records([item for item in batch if isinstance(item, EncodedRecord)], steps))
+        return [whole[i] if i in whole else next(answers) for i in range(len(batch))]
+
+    def forward_records(self, records: list[EncodedRecord], steps: BatchSteps = UNCHECKED) -> list[Probabilities]:
+        """Media records padded; a text record whose state is cached continues from the cache; a text record alone
+        runs by itself (`forward_one`); the other text records run as one pack."""
         results: dict[int, Probabilities] = {}
         text = [i for i, r in enumerate(records) if not r.has_media]
         pack = []
@@ -166,12 +186,39 @@ class PackedRunner(PlainRunner):
         self._forward_padded(records, [i for i, r in enumerate(records) if r.has_media], results, steps)
         return [results[i] for i in range(len(records))]
 
-    def continue_from(self, state: PrefixState, records: list[EncodedRecord],
-                      steps: BatchSteps = UNCHECKED) -> list[Probabilities]:
-        """Text records whose state is the stored `state` (`prefix.lookup(record)`): the backbone over each one's
-        schema and suffix tokens only, continuing from the state (from a CUDA graph once the state is reused),
-        then the head."""
-        return [self.head_one(*self.prefix.forward_after(record, state), record, steps) for record in records]
+    def continue_from(self, state: PrefixState, records: list[EncodedRecord], steps: BatchSteps = UNCHECKED, *,
+                      graph: bool = True) -> list[Probabilities]:
+        """Text records whose first tokens are the state's (`prefix.lookup(record)`, or Why's variants): the
+        backbone over each one's tokens after the state only, continuing from it (from a CUDA graph once a stored
+        state is reused; `graph` off for a state used once), then the head."""
+        between = self.between_layers(steps)
+        return [self.head_one(*self.prefix.forward_after(record, state, graph=graph, between_layers=between),
+                              record, steps) for record in records]
+
+    def forward_shared(self, item: SharedPrefixes, steps: BatchSteps = UNCHECKED) -> list[Probabilities]:
+        """Per member of `item`, the record first, its probabilities: the record runs once, in chunks ending where a
+        variant first differs from it, and each variant continues from the record's layer states there (as from a
+        stored state), so it computes only its tokens from its first change on."""
+        record = item.records[0]
+        variants_at: dict[int, list[int]] = {}
+        for index, split in enumerate(item.shared, start=1):
+            variants_at.setdefault(split, []).append(index)
+        results: dict[int, Probabilities] = {}
+        self.state_prefills += 1  # the record's; its variants continue from its states
+
+        def continue_variants(end: int, layers: list[Any], memory: torch.Tensor) -> None:
+            indices = variants_at[end]
+            answers = self.continue_from(PrefixState(end, layers, memory), [item.records[i] for i in indices], steps,
+                                         graph=False)
+            results.update(zip(indices, answers))
+
+        ids = torch.tensor(record.input_ids, dtype=torch.long).to(self.device, non_blocking=True)
+        normed, memory, _ = chunked_head_inputs(self.backbone, ids, self.head.token_memory, self.dtype,
+                                                self.config.prefill_chunk_tokens or len(record),
+                                                splits=sorted(variants_at), on_split=continue_variants,
+                                                between_layers=self.between_layers(steps))
+        results[0] = self.head_one(normed, memory, record, steps)
+        return [results[i] for i in range(len(item.records))]
 
     def forward_one(self, record: EncodedRecord, steps: BatchSteps = UNCHECKED) -> Probabilities:
         """One text record: continued from its cached state; or, with a state long enough to keep, one forward that
@@ -214,7 +261,6 @@ class PackedRunner(PlainRunner):
         self.state_cache.put(key, state)
         return answer, state
 
-    @torch.inference_mode()
     def forward_variants(self, records: list[EncodedRecord],
                          steps: BatchSteps = UNCHECKED) -> tuple[list[Probabilities], set[int]]:
         """Text records grouped by their state (its tokens before the schema, and media), whatever its length
@@ -272,19 +318,23 @@ class PackedRunner(PlainRunner):
         self.state_cache.clear()
         self.graphs.forget()
 
-    def warm_up(self, on_worker: Callable[[Callable[[], Any]], Any]) -> None:
-        """A CUDA graph for every length bucket, and cuDNN's attention plan for every padded length of a long
-        record, built on the worker thread (torch keeps cuDNN's plans per thread)."""
+    def warm_up_steps(self) -> list[Callable[[], Any]]:
+        """A CUDA graph for each length bucket, one step each (longest first), and cuDNN's attention plan for every
+        padded length of a long record (on the worker thread: torch keeps cuDNN's plans per thread)."""
+        steps: list[Callable[[], Any]] = []
         if self.config.cuda_graphs:
-            self.graphs.capture_all()
+            steps += [partial(self.graphs.capture_bucket, length) for length in self.graphs.lengths_to_capture()]
         if self.backbone.kernels.attention is attention.attention_varlen_cudnn_long:
             text = self.backbone.config
             # records longer than a chunk run cuDNN's causal attention on at most a chunk and a step of tokens
             chunk = self.config.prefill_chunk_tokens
             warm_tokens = chunk + attention.CUDNN_LENGTH_STEP if chunk else LONG_ATTENTION_WARM_TOKENS
-            on_worker(lambda: attention.warm_long_attention(
-                self.device, self.dtype, text.num_attention_heads, text.num_key_value_heads, text.head_dim,
-                warm_tokens))
+            steps.append(partial(attention.warm_long_attention, self.device, self.dtype, text.num_attention_heads,
+                                 text.num_key_value_heads, text.head_dim, warm_tokens))
+        return steps
+
+    def capture_on_use(self, on: bool) -> None:
+        self.graphs.capture_on_use = on
 
     def clear_states(self) -> None:
         self.state_cache.clear(reset_stats=True)
@@ -300,6 +350,39 @@ class PackedRunner(PlainRunner):
             head_graphs=self.head_graphs.describe() if self.config.cuda_graphs else None)
         info["state_cache"] = self.state_cache.stats()
         return info
+
+
+class SharedPrefixes:
+    """A text record and its text variants (Why, explain.py), one item of a scheduler batch that the packed runner
+    decides as a whole (`PackedRunner.forward_shared`). Its length, what the scheduler budgets, is every member's
+    tokens: what the explanation is charged (see explain.explain_budget)."""
+
+    def __init__(self, records: list[EncodedRecord]) -> None:
+        self.records = records
+        self.shared = [shared_prefix(records[0], variant) for variant in records[1:]]
+
+    def __len__(self) -> int:
+        return sum(len(r) for r in self.records)
+
+
+class StateVariants:
+    """Records over one state or a few with different schemas (a schema sweep's variants, Engine.decide_variants),
+    one item of a scheduler batch that the packed runner decides as a whole (`PackedRunner.forward_variants`, its
+    result the probabilities and the indices of the records that computed a state). Its length is every member's
+    tokens."""
+
+    def __init__(self, records: list[EncodedRecord]) -> None:
+        self.records = records
+
+    def __len__(self) -> int:
+        return sum(len(r) for r in self.records)
+
+
+def shared_prefix(record: EncodedRecord, variant: EncodedRecord) -> int:
+    """How many of the variant's first tokens are the record's: everything before its first change (at least the
+    encoder's fixed prefix), never past the variant's state (the head reads the schema's rows, which are computed)."""
+    limit = min(len(record), variant.state_end)
+    return next((i for i in range(limit) if record.input_ids[i] != variant.input_ids[i]), limit)
 
 
 def split_probabilities(logits: torch.Tensor, batch: HeadBatch, records: list[EncodedRecord]) -> list[Probabilities]:

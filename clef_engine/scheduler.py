@@ -231,12 +231,13 @@ class Scheduler:
             self._condition.notify()
         return future
 
-    def call(self, fn: Callable[[], Any]) -> Any:
+    def call(self, fn: Callable[[], Any], priority: str = "interactive") -> Any:
         """Call `fn` on the worker thread, between batches, and return what it returns (or raise what it raises).
         For state a library keeps per thread: torch keeps cuDNN's attention plans per thread, so plans built on
         another thread would be built again for the first request that needs them. Its length is infinite: it runs
-        alone in its batch."""
-        return self.submit([WorkerCall(fn)], tokens=float("inf"), finalize=lambda results: results[0]).result()
+        alone in its batch. As "bulk", interactive work waiting goes first (the engine's background warm-up)."""
+        return self.submit([WorkerCall(fn)], priority=priority, tokens=float("inf"),
+                           finalize=lambda results: results[0]).result()
 
     def _forget(self, future: Future) -> None:
         with self._condition:
@@ -463,10 +464,13 @@ class Scheduler:
             job.future.set_exception(error)
 
     def _account(self, records: list, started: float) -> None:
+        """Count the batch: an item that stands for several records (an explanation's record and variants,
+        explain.SharedPrefixes, with their `records`) counts as those."""
         stats = self.stats
+        count = sum(len(getattr(r, "records", (r,))) for r in records)
         stats.batches += 1
-        stats.records += len(records)
+        stats.records += count
         stats.tokens += sum(len(r) for r in records)
-        stats.last_batch_records = len(records)
-        stats.largest_batch_records = max(stats.largest_batch_records, len(records))
+        stats.last_batch_records = count
+        stats.largest_batch_records = max(stats.largest_batch_records, count)
         stats.busy_seconds += time.perf_counter() - started

@@ -189,6 +189,26 @@ class LoadState:
         """A model is loading (the default or an added one)."""
         return self.loading_source is not None or bool(self.adding)
 
+    @property
+    def status(self) -> str:
+        """Of the default model: "loading"; "warming" while its engine compiles and captures in the background (it
+        answers meanwhile, see clef_engine's Engine.state); "ready"; or "none" when no model is resident. An engine
+        that does not warm up (a remote endpoint) is ready once loaded."""
+        if self.loading_source is not None:
+            return "loading"
+        if self.engine is None:
+            return "none"
+        return getattr(self.engine, "state", "ready")
+
+    def status_line(self) -> str | None:
+        """The sidebar's line about the default model while it is not ready yet, else None."""
+        if self.status == "loading":
+            return f"Loading {label_of(self.loading_source or '')}… {self.loading_seconds:.0f} s"
+        if self.status == "warming":
+            return (f"Warming up {label_of(self.source or '')}: it answers now; lengths not asked for yet are "
+                    "compiled and captured in the background, and requests go first.")
+        return None
+
 
 class ModelManager:
     """Holds the resident models. Thread-safe; every Streamlit session of the process shares one instance.

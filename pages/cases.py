@@ -1,26 +1,26 @@
 """Case sets: create, import CSV / text / JSONL / Excel with a column mapping, edit in a table, export. Rendering
-only: reading files, parsing, validation and storage are in clef_workbench.importing, clef_workbench.casesets and
-clef_workbench.store."""
+only: what it reads, imports, saves and says comes from workbench_ui.cases_view."""
 
 from __future__ import annotations
 
 import streamlit as st
 
-from clef_workbench import case_table, casesets, importing
-from clef_workbench.case_table import CaseDeletionRefusedError
-from clef_workbench.casesets import CaseImportError
-from clef_workbench.store import StoreError
+from clef_workbench import case_table, importing
 from workbench_ui import cases_view as view
+from workbench_ui import units
 from workbench_ui.cases_view import NO_SCHEMA, NOT_MAPPED
 from workbench_ui.shell import (
+    KEEP_PREFIX,
     RUNS_START_OPEN,
     RUNS_START_SET,
+    confirm_delete,
     get_library,
     get_store,
     page_key,
     pick_id,
     render_shell,
     set_widget,
+    show_flash,
 )
 
 render_shell(__file__)
@@ -43,34 +43,23 @@ def flash(kind: str, message: str, *, undo: tuple[str, int] | None = None) -> No
 def undo_delete(kind: str, object_id: int | list[int]) -> None:
     outcome, message = view.restore_deleted(store, kind, object_id)
     if kind == "case_set" and outcome == "success":
-        st.session_state[K("selected")] = object_id
-        st.session_state["_keep." + K("selected")] = object_id
+        set_widget(K("selected"), object_id)
     flash(outcome, message)
 
 
-def show_flash() -> None:
-    message = st.session_state.pop(K("flash"), None)
-    if not message:
-        return
-    kind, text, undo = message
-    cols = st.columns([5, 1], vertical_alignment="center")
-    getattr(cols[0], kind)(text)
-    if undo is not None:
-        cols[1].button("Undo", key=K("undo"), icon=":material/undo:", on_click=undo_delete, args=undo)
-
-
-def show_problems(exc: CaseImportError, *, stage: str) -> None:
+def show_problems(problems: list[str], *, stage: str) -> None:
     """The problems of a save that was refused (an error), or of a file chosen for import (nothing was tried yet: a
     warning naming what fixes them: a choice above, or the file)."""
-    heading = view.problems_heading(len(exc.problems), stage=stage)
+    heading = view.problems_heading(len(problems), stage=stage)
     if stage == "save":
         st.error(heading)
     else:
         st.warning(heading, icon=":material/warning:")
-    st.markdown(view.problems_markdown(exc.problems))
+    st.markdown(view.problems_markdown(problems))
 
 
-show_flash()
+
+show_flash(K("flash"), undo_delete, K("undo"))
 deleted_sets = store.list_case_sets(deleted=True)
 if deleted_sets:
     with st.expander(f"Deleted case sets ({len(deleted_sets)})", icon=":material/restore_from_trash:"):
@@ -83,22 +72,19 @@ top = st.columns([3, 2])
 with top[1]:
     if st.button("Load the example case sets", key=K("load_examples"), icon=":material/library_add:",
                  help="One example set per shipped schema, with expected answers."):
-        loaded = casesets.load_example_case_sets(store, library.directory)
-        st.success(f"Example case sets ready: {len(loaded)}.")
+        st.success(view.load_examples(store, library))
     with st.popover("New case set", icon=":material/add:"):
         with st.form(K("create_form"), clear_on_submit=True):
             name = st.text_input("Name", key=K("new_name"))
             schema_pick = st.selectbox("Schema it is meant for", view.schema_options(schema_slugs), key=K("new_schema"))
             description = st.text_area("Description", key=K("new_description"))
             if st.form_submit_button("Create"):
-                try:
-                    new_id = store.create_case_set(name, schema_name=None if schema_pick == NO_SCHEMA else schema_pick,
-                                                   description=description)
-                except (StoreError, ValueError) as exc:
-                    st.error(str(exc))
+                new_id, refused = units.refusal(store.create_case_set, name, description=description,
+                                                schema_name=None if schema_pick == NO_SCHEMA else schema_pick)
+                if refused:
+                    st.error(refused)
                 else:
-                    st.session_state[K("selected")] = new_id
-                    st.session_state["_keep." + K("selected")] = new_id
+                    set_widget(K("selected"), new_id)
                     st.success(f"Created case set #{new_id}.")
 
 sets = store.list_case_sets()
@@ -147,17 +133,15 @@ with tab_cases:
         },
     )
     if st.button("Save changes", key=K("save_edits"), icon=":material/save:"):
-        try:
-            edits = case_table.apply_case_edits(store, case_set_id, edited, schema)
-        except CaseDeletionRefusedError as exc:
+        edits = view.save_edits(store, case_set_id, edited, schema)
+        if isinstance(edits, view.SaveRefused) and edits.kept_case_ids:
             generation = 1 + (0 if restored is None else restored[0])
             st.session_state[K(f"editor_restored.{case_set_id}")] = (
-                generation, case_table.with_rows_restored(frame, edited, exc.case_ids))
-            flash("error", f"Nothing was changed: {'; '.join(exc.problems)}. Delete its runs first. The rows are back "
-                           "in the table; your other edits are still there, not saved.")
+                generation, case_table.with_rows_restored(frame, edited, edits.kept_case_ids))
+            flash("error", view.kept_rows_message(edits))
             st.rerun()
-        except CaseImportError as exc:
-            show_problems(exc, stage="save")
+        elif isinstance(edits, view.SaveRefused):
+            show_problems(edits.problems, stage="save")
         else:
             st.session_state.pop(editor_key, None)
             st.session_state.pop(K(f"editor_restored.{case_set_id}"), None)
@@ -177,133 +161,138 @@ def import_file(case_set_id: int, case_set: dict, schema: dict | None) -> None:
                               help="JSONL: one object per line with state, and optionally expected, tags, images and "
                                    "videos (data URLs). CSV, text and Excel: map the columns below. Rows already "
                                    "in the case set are skipped.")
-    if upload is not None:
-        kind = importing.file_kind(upload.name)
-        read_cols = st.columns(2)
-        encoding = None
-        if kind != "xlsx":
-            encoding = read_cols[0].selectbox(
-                "Encoding", [DETECTED, *importing.ENCODINGS], key=K(f"read.encoding.{upload.file_id}"),
-                format_func=lambda codec: "Detected" if codec == DETECTED else importing.ENCODINGS[codec],
-                help="The encoding the file was saved in; change it if the preview shows wrong characters.")
-        delimiter = None
-        if kind == "delimited":
-            delimiter = read_cols[1].selectbox(
-                "Delimiter", [DETECTED, *importing.DELIMITERS], key=K(f"read.delimiter.{upload.file_id}"),
-                format_func=lambda d: "Detected" if d == DETECTED else importing.DELIMITERS[d].capitalize())
-        parsed = source = None
-        try:
-            source = importing.read_source(upload.name, upload.getvalue(),
-                                           encoding=None if encoding == DETECTED else encoding,
-                                           delimiter=None if delimiter == DETECTED else delimiter)
-        except CaseImportError as exc:
-            show_problems(exc, stage="read")
-        if source is not None:
-            detected = " (detected)" if source.encoding and source.encoding == source.detected_encoding else ""
-            st.caption(f"Read as **{source.describe()}**{detected}.")
-        mapping = None
-        if source is not None and source.kind != "jsonl":
-            columns = source.columns
-            st.write(f"Columns: {', '.join(f'`{c}`' for c in columns)}")
-            questions = list((schema or {}).get("questions", {}))
-            guessed = importing.guess_expected_columns(columns, questions)
-            chosen_columns = view.ImportMapping(columns, questions,
-                                                answer_names=[] if questions else view.library_question_ids(library))
-            if questions:
-                st.markdown("**Expected answers** (column per question)")
-                cols = st.columns(min(3, len(questions)))
-                for index, question_id in enumerate(questions):
-                    picked = cols[index % len(cols)].selectbox(
-                        question_id, [NOT_MAPPED, *columns],
-                        index=view.expected_column_index(columns, guessed, question_id),
-                        key=K(f"map.expected.{question_id}"))
-                    if picked != NOT_MAPPED:
-                        chosen_columns.expected[picked] = question_id
-            else:
-                st.caption("This case set has no schema, so expected answers cannot be mapped (set one under "
-                           "Settings).")
-            label_cols = st.columns(2)
-            chosen_columns.tags_column = label_cols[0].selectbox("Tags column", [NOT_MAPPED, *columns],
-                                                                 key=K("map.tags"),
-                                                                 index=view.tags_column_index(columns))
-            chosen_columns.id_column = label_cols[1].selectbox(
-                "Source id column", [NOT_MAPPED, *columns], key=K(f"map.id.{upload.file_id}"),
-                index=view.source_id_column_index(columns),
-                help="Each case keeps this value as its own id (a ticket number), shown in runs, review and "
-                     "exports. The model does not read it.")
-            state_mode = st.radio("State", view.STATE_MODES, horizontal=True, key=K("map.state_mode"))
-            candidates = chosen_columns.suggested_state()
-            if state_mode == view.FIELDS_FROM_COLUMNS:
-                state_key = K(f"map.state.{upload.file_id}")
+    source = None if upload is None else read_upload(upload)
+    if source is None:
+        return
+    mapping = None if source.kind == "jsonl" else choose_mapping(source.columns, schema, upload.file_id)
+    bad_rows = [] if mapping is None else importing.bad_rows(source, mapping)
+    skip_bad_rows = bool(bad_rows) and offer_to_skip(bad_rows, upload.file_id)
+    if mapping is not None and not (mapping.state_columns or mapping.state_text_column):
+        return  # without a state the advice above says what to choose
+    parsed, problems = view.parse_file(source, mapping, schema, skip_bad_rows)
+    if problems:
+        show_problems(problems, stage="file" if source.kind == "jsonl" else "cells")
+    if not parsed:
+        return
+    st.markdown(f"**Preview** — {len(parsed)} case(s)")
+    st.dataframe(view.preview_rows(parsed), hide_index=True, width="stretch")
+    if st.button(f"Import {len(parsed)} cases", key=K("do_import"), type="primary", icon=":material/upload:"):
+        added, refused = view.import_parsed(store, case_set_id, parsed)
+        if added is None:
+            st.error(f"Nothing imported: {refused}")
+            return
+        st.session_state.pop(K(f"editor.{case_set_id}"), None)
+        st.session_state.pop(K(f"editor_restored.{case_set_id}"), None)
+        st.session_state[K("imports_done")] = imports_done + 1
+        flash(*view.imported_message(case_set["name"], len(parsed), len(added),
+                                     [b.row for b in bad_rows] if skip_bad_rows else None))
+        st.rerun()
 
-                def choose_candidates(keys: list[str] = candidates, key: str = state_key) -> None:
-                    st.session_state[key] = keys
 
-                state_columns = st.multiselect("Columns that become state fields (a.b nests)", columns,
-                                               key=state_key, placeholder="Choose the columns the model reads",
-                                               help="Only the columns chosen here are sent to the model.")
-                if candidates and not state_columns:
-                    st.button(view.suggest_button_label(candidates), key=K("map.state_suggest"),
-                              on_click=choose_candidates)
-                mapping = chosen_columns.mapping(state_columns=state_columns)
-                chosen = state_columns
-                if not state_columns:
-                    st.info(view.state_choice_advice(candidates), icon=":material/arrow_upward:")
-            else:
-                state_column = st.selectbox("State column", columns, key=K("map.state_text"))
-                mapping = chosen_columns.mapping(state_text_column=state_column)
-                chosen = [state_column]
-            state_warning = chosen_columns.state_warning(chosen)
-            if state_warning and state_warning[0] == "warning":
-                st.warning(state_warning[1], icon=":material/warning:")
-            elif state_warning:
-                st.caption(state_warning[1])
-        bad_rows = importing.bad_rows(source, mapping) if source is not None and source.kind != "jsonl" else []
-        skip_bad_rows = False
-        if bad_rows:
-            with st.container(border=True, key=K("bad_rows")):
-                st.warning(f"{len(bad_rows)} row(s) cannot be imported as cases (rows count the header as row 1):",
-                           icon=":material/warning:")
-                st.markdown(view.bad_rows_markdown(bad_rows))
-                skip_bad_rows = st.checkbox(f"Skip these {len(bad_rows)} row(s) and import the others",
-                                            key=K(f"skip_bad_rows.{upload.file_id}"))
-        state_chosen = mapping is None or mapping.state_columns or mapping.state_text_column
-        if source is not None and state_chosen:  # without a state the advice above says what to choose
-            try:
-                parsed = importing.parse_cases(source, mapping, schema, skip_bad_rows=skip_bad_rows)
-            except importing.BadRowsError:
-                pass  # listed above, with the box that skips them
-            except CaseImportError as exc:
-                show_problems(exc, stage="file" if source.kind == "jsonl" else "cells")
-        if parsed:
-            st.markdown(f"**Preview** — {len(parsed)} case(s)")
-            st.dataframe(view.preview_rows(parsed), hide_index=True, width="stretch")
-            if st.button(f"Import {len(parsed)} cases", key=K("do_import"), type="primary",
-                         icon=":material/upload:"):
-                try:
-                    added = casesets.import_cases(store, case_set_id, parsed)
-                except (StoreError, ValueError) as exc:
-                    st.error(f"Nothing imported: {exc}")
-                else:
-                    st.session_state.pop(K(f"editor.{case_set_id}"), None)
-                    st.session_state.pop(K(f"editor_restored.{case_set_id}"), None)
-                    st.session_state[K("imports_done")] = imports_done + 1
-                    flash(*view.imported_message(case_set["name"], len(parsed), len(added),
-                                                 [b.row for b in bad_rows] if skip_bad_rows else None))
-                    st.rerun()
+def read_upload(upload):
+    """The chosen file, read with the encoding and delimiter chosen (or detected); None, its problems shown, when it
+    cannot be read."""
+    kind = importing.file_kind(upload.name)
+    read_cols = st.columns(2)
+    encoding = delimiter = DETECTED
+    if kind != "xlsx":
+        encoding = read_cols[0].selectbox(
+            "Encoding", [DETECTED, *importing.ENCODINGS], key=K(f"read.encoding.{upload.file_id}"),
+            format_func=lambda codec: "Detected" if codec == DETECTED else importing.ENCODINGS[codec],
+            help="The encoding the file was saved in; change it if the preview shows wrong characters.")
+    if kind == "delimited":
+        delimiter = read_cols[1].selectbox(
+            "Delimiter", [DETECTED, *importing.DELIMITERS], key=K(f"read.delimiter.{upload.file_id}"),
+            format_func=lambda d: "Detected" if d == DETECTED else importing.DELIMITERS[d].capitalize())
+    source, problems = view.read_file(upload.name, upload.getvalue(), None if encoding == DETECTED else encoding,
+                                      None if delimiter == DETECTED else delimiter)
+    if problems:
+        show_problems(problems, stage="read")
+    else:
+        st.caption(view.read_caption(source))
+    return source
+
+
+def choose_mapping(columns: list[str], schema: dict | None, file_id: str):
+    """Which columns are the expected answers, the tags, the source id and the state."""
+    st.write(f"Columns: {', '.join(f'`{c}`' for c in columns)}")
+    questions = list((schema or {}).get("questions", {}))
+    chosen_columns = view.ImportMapping(columns, questions,
+                                        answer_names=[] if questions else view.library_question_ids(library))
+    if questions:
+        st.markdown("**Expected answers** (column per question)")
+        guessed = importing.guess_expected_columns(columns, questions)
+        cols = st.columns(min(3, len(questions)))
+        for index, question_id in enumerate(questions):
+            picked = cols[index % len(cols)].selectbox(
+                question_id, [NOT_MAPPED, *columns], index=view.expected_column_index(columns, guessed, question_id),
+                key=K(f"map.expected.{question_id}"))
+            if picked != NOT_MAPPED:
+                chosen_columns.expected[picked] = question_id
+    else:
+        st.caption("This case set has no schema, so expected answers cannot be mapped (set one under Settings).")
+    label_cols = st.columns(2)
+    chosen_columns.tags_column = label_cols[0].selectbox("Tags column", [NOT_MAPPED, *columns], key=K("map.tags"),
+                                                         index=view.tags_column_index(columns))
+    chosen_columns.id_column = label_cols[1].selectbox(
+        "Source id column", [NOT_MAPPED, *columns], key=K(f"map.id.{file_id}"),
+        index=view.source_id_column_index(columns),
+        help="Each case keeps this value as its own id (a ticket number), shown in runs, review and exports. The "
+             "model does not read it.")
+    return choose_state(chosen_columns, file_id)
+
+
+def choose_state(chosen_columns: view.ImportMapping, file_id: str):
+    """The state: fields from chosen columns (a suggestion offered), or one column's text; a warning when answers
+    would leak into it."""
+    columns = chosen_columns.columns
+    state_mode = st.radio("State", view.STATE_MODES, horizontal=True, key=K("map.state_mode"))
+    if state_mode == view.FIELDS_FROM_COLUMNS:
+        candidates = chosen_columns.suggested_state()
+        state_key = K(f"map.state.{file_id}")
+
+        def choose_candidates(keys: list[str] = candidates, key: str = state_key) -> None:
+            st.session_state[key] = keys
+
+        chosen = st.multiselect("Columns that become state fields (a.b nests)", columns, key=state_key,
+                                placeholder="Choose the columns the model reads",
+                                help="Only the columns chosen here are sent to the model.")
+        if candidates and not chosen:
+            st.button(view.suggest_button_label(candidates), key=K("map.state_suggest"), on_click=choose_candidates)
+        mapping = chosen_columns.mapping(state_columns=chosen)
+        if not chosen:
+            st.info(view.state_choice_advice(candidates), icon=":material/arrow_upward:")
+    else:
+        state_column = st.selectbox("State column", columns, key=K("map.state_text"))
+        mapping = chosen_columns.mapping(state_text_column=state_column)
+        chosen = [state_column]
+    state_warning = chosen_columns.state_warning(chosen)
+    if state_warning and state_warning[0] == "warning":
+        st.warning(state_warning[1], icon=":material/warning:")
+    elif state_warning:
+        st.caption(state_warning[1])
+    return mapping
+
+
+def offer_to_skip(bad_rows: list, file_id: str) -> bool:
+    """The rows that cannot be imported, and the choice to import the others (False until chosen)."""
+    with st.container(border=True, key=K("bad_rows")):
+        st.warning(f"{len(bad_rows)} row(s) cannot be imported as cases (rows count the header as row 1):",
+                   icon=":material/warning:")
+        st.markdown(view.bad_rows_markdown(bad_rows))
+        return st.checkbox(f"Skip these {len(bad_rows)} row(s) and import the others",
+                           key=K(f"skip_bad_rows.{file_id}"))
 
 
 with tab_import:
     import_file(case_set_id, case_set, schema)
 
 with tab_export:
-    slug = view.export_stem(case_set["name"])
-    st.download_button("Download JSONL (with media)", casesets.export_jsonl(store, case_set_id),
-                       file_name=f"{slug}.jsonl", mime="application/jsonl", key=K("export_jsonl"),
-                       icon=":material/download:", on_click="ignore")
-    st.download_button("Download CSV (media counted, not included)", casesets.export_csv(store, case_set_id),
-                       file_name=f"{slug}.csv", mime="text/csv", key=K("export_csv"),
-                       icon=":material/download:", on_click="ignore")
+    files = view.export_files(store, case_set)
+    st.download_button("Download JSONL (with media)", files.jsonl, file_name=f"{files.stem}.jsonl",
+                       mime="application/jsonl", key=K("export_jsonl"), icon=":material/download:", on_click="ignore")
+    st.download_button("Download CSV (media counted, not included)", files.csv, file_name=f"{files.stem}.csv",
+                       mime="text/csv", key=K("export_csv"), icon=":material/download:", on_click="ignore")
 
 with tab_settings:
     with st.form(K(f"settings.{case_set_id}")):
@@ -312,12 +301,10 @@ with tab_settings:
         new_schema = st.selectbox("Schema", options, index=options.index(view.schema_pick(case_set, schema_slugs)))
         new_description = st.text_area("Description", value=case_set["description"])
         if st.form_submit_button("Save settings"):
-            try:
-                store.update_case_set(case_set_id, name=new_name,
-                                      schema_name="" if new_schema == NO_SCHEMA else new_schema,
-                                      description=new_description)
-            except (StoreError, ValueError) as exc:
-                st.error(str(exc))
+            _, refused = units.refusal(store.update_case_set, case_set_id, name=new_name, description=new_description,
+                                       schema_name="" if new_schema == NO_SCHEMA else new_schema)
+            if refused:
+                st.error(refused)
             else:
                 st.rerun()
     if st.button("Delete this case set", key=K("delete"), icon=":material/delete:"):
@@ -327,21 +314,13 @@ with tab_settings:
         else:
             st.session_state[K("confirm_delete")] = case_set_id
     if st.session_state.get(K("confirm_delete")) == case_set_id:
-        with st.container(border=True, key=K("confirm_delete_box")):
-            st.warning(f"Delete “{case_set['name']}” and its {case_set['case_count']} case(s)? You can undo this.",
-                       icon=":material/delete:")
-            confirm_cols = st.columns(2)
-            if confirm_cols[0].button("Yes, delete it", key=K("delete_yes"), type="primary"):
-                st.session_state.pop(K("confirm_delete"), None)
-                try:
-                    store.delete_case_set(case_set_id)
-                except StoreError as exc:
-                    st.error(str(exc))
-                else:
-                    st.session_state.pop(K("selected"), None)
-                    st.session_state.pop("_keep." + K("selected"), None)
-                    flash("success", f"Deleted case set “{case_set['name']}”.", undo=("case_set", case_set_id))
-                    st.rerun()
-            if confirm_cols[1].button("Cancel", key=K("delete_no")):
-                st.session_state.pop(K("confirm_delete"), None)
+        question = f"Delete “{case_set['name']}” and its {case_set['case_count']} case(s)? You can undo this."
+        if confirm_delete(question, K, K("confirm_delete")):
+            _, refused = units.refusal(store.delete_case_set, case_set_id)
+            if refused:
+                st.error(refused)
+            else:
+                for key in (K("selected"), KEEP_PREFIX + K("selected")):
+                    st.session_state.pop(key, None)
+                flash("success", f"Deleted case set “{case_set['name']}”.", undo=("case_set", case_set_id))
                 st.rerun()

@@ -17,7 +17,6 @@ from clef_engine import DEFAULT_MAX_LENGTH
 from clef_engine.errors import BusyError, ClefError, RequestError, TokenBudgetError
 from clef_workbench import calibration, schemas
 from clef_workbench.model_loader import request_model_name
-from clef_workbench.store import StoreError
 from workbench_ui import answers, links, schema_rows, state_input, units
 from workbench_ui import decide_actions as actions
 from workbench_ui import decide_model as vm
@@ -547,10 +546,10 @@ if result:
                                   key=K("confirm_labels"))
             tags = st.text_input("Tags (comma separated)", key=K("case_tags"))
             if st.button("Save as case", key=K("save_case"), icon=":material/save:"):
-                try:
-                    case_id = vm.save_as_case(store, result, set_name, with_labels=confirm, tags_text=tags)
-                except (StoreError, ValueError) as exc:
-                    st.error(f"Not saved: {exc}")
+                case_id, refused = units.refusal(vm.save_as_case, store, result, set_name, with_labels=confirm,
+                                                 tags_text=tags)
+                if refused:
+                    st.error(f"Not saved: {refused}")
                 else:
                     with_labels = "with expected labels" if confirm else "without expected labels"
                     st.success(f"Saved case #{case_id} to “{set_name}” ({with_labels}).")

@@ -3,7 +3,8 @@ evidence, full distribution, the frozen reason — with accept / correct / unkno
 auto-advance and undo. An action that would contradict the case set's expected answer (the gold label) asks first;
 blind mode hides the model's answer until the reviewer has decided. Every action, with its comment, goes to the
 append-only audit log. Export the labels as a golden set.
-Rendering only: rules in clef_workbench.review, actions and conflicts in clef_workbench.store."""
+Rendering only: rules in clef_workbench.review; what the page shows and what its actions say in
+workbench_ui.review_view."""
 
 from __future__ import annotations
 
@@ -11,8 +12,7 @@ import pandas as pd
 import streamlit as st
 
 from clef_workbench import calibration, review
-from clef_workbench.store import ReviewConflictError, StoreError
-from workbench_ui import links, run_charts
+from workbench_ui import links, units
 from workbench_ui import review_view as view
 from workbench_ui import why_view as why
 from workbench_ui.answers import probability_chart
@@ -109,7 +109,7 @@ with st.expander(f"Queue rules for schema “{run['schema_name']}”", expanded=
                                 key=K(f"rules.disagree.{run_id}"))
     picked_questions = st.multiselect("Questions", list(questions), default=saved.questions or list(questions),
                                       key=K(f"rules.questions.{run_id}"))
-    fitted = [c["name"] for c in store.list_calibrations(schema_name=run["schema_name"])]
+    fitted = view.fitted_calibrations(store, run["schema_name"])
     threshold_sources = [RAW, *fitted]
     read_from = st.selectbox(
         "Confidence and margin read from", threshold_sources, key=K(f"rules.calibration.{run_id}"),
@@ -176,16 +176,9 @@ def act(item: dict, action: str, label=None, *, confirmed: bool = False) -> None
         st.session_state[confirm_key] = (item["id"], action, label, gold)
         return
     st.session_state.pop(confirm_key, None)
-    try:
-        store.apply_review_action(item["id"], reviewer=reviewer, action=action, label=label,
-                                  expected_version=item["version"],
-                                  comment=st.session_state.get(K(f"comment.{item['id']}")))
-    except ReviewConflictError as exc:
-        st.session_state[notice_key] = ("warning", str(exc))
-    except (ValueError, StoreError) as exc:
-        st.session_state[notice_key] = ("error", str(exc))
-    else:
-        st.session_state[notice_key] = ("success", view.saved_message(item, action, blind=blind))
+    st.session_state[notice_key] = view.apply_action(store, item, action, label, reviewer=reviewer, blind=blind,
+                                                     comment=st.session_state.get(K(f"comment.{item['id']}")))
+    if st.session_state[notice_key][0] == "success":
         # stay on the record until its questions are done: the reviewer has just read it
         following = review.next_item(store, run_id, after_item_id=item["id"], case_id=item["case_id"])
         st.session_state[current_key] = None if following is None else following["id"]
@@ -212,10 +205,9 @@ def undo() -> None:
     if not reviewer:
         st.session_state[notice_key] = ("error", view.NAME_FIRST_FOR_UNDO)
         return
-    try:
-        item = store.undo_last_action(reviewer, run_id=run_id)
-    except (ReviewConflictError, StoreError) as exc:
-        st.session_state[notice_key] = ("warning", str(exc))
+    item, refused = units.refusal(store.undo_last_action, reviewer, run_id=run_id)
+    if refused:
+        st.session_state[notice_key] = ("warning", refused)
     else:
         st.session_state[current_key] = item["id"]
         st.session_state[notice_key] = ("info", view.undone_message(item))
@@ -245,8 +237,7 @@ def show_item(item: dict) -> None:
     record's other queued questions."""
     question = questions.get(item["question_id"], {"type": item["question_type"]})
     case = store.get_case(item["case_id"])
-    expected = case["expected"].get(item["question_id"])
-    shown = view.card(item, question, expected, blind=blind)
+    shown = view.card(item, question, case["expected"].get(item["question_id"]), blind=blind)
     with st.container(key="review-card", border=True):
         header = st.columns([3, 2])
         header[0].markdown(shown.title)
@@ -259,96 +250,100 @@ def show_item(item: dict) -> None:
                                   icon=":material/psychology:")
         body = st.columns([1, 1])
         with body[0]:
-            st.markdown("**State**")
-            if isinstance(case["state"], str):
-                st.text(case["state"])
-            else:
-                st.json(case["state"], expanded=True)
-            for index, image in enumerate(case["images"]):
-                st.image(image["data"], caption=f"image {index + 1}", width=360)
-            for index, video in enumerate(case["videos"]):
-                st.markdown(f"**Video {index + 1}**")
-                st.video(video["data"], format=video["content_type"])
-                try:
-                    engine = model_manager().state().engine
-                    sampled = engine.sample_video_frames(video["data"]) if engine is not None else None
-                    if sampled is not None:  # the frames the model actually saw
-                        frames = list(sampled.frames[:: max(1, len(sampled.frames) // 8)])
-                        st.image([frame_thumbnail(f) for f in frames], width=FRAME_THUMBNAIL_PX,
-                                 caption=[f"frame {i}" for i in range(len(frames))])
-                except Exception as exc:  # noqa: BLE001 — a preview problem must not block the review
-                    st.caption(failure_text("Sampled frames unavailable", exc))
-            if shown.expected:
-                st.markdown(shown.expected)
-            # Why shows which way each part pushed the answer, so it would give the answer away in blind mode
-            if shown.show_model and st.toggle("Why: highlight what moved this answer", key=K(f"why.{item['id']}"),
-                                              help="Each sentence, field, image region and frame is removed in turn "
-                                                   "and the record decided again, in one batched run"):
-                why.render_case_why(K(f"why_result.{run_id}.{item['case_id']}"), model_manager().loaded(), run,
-                                    case, question_id=item["question_id"])
+            show_evidence(item, case, shown)
         with body[1]:
-            if not shown.show_model:
-                st.info("The model's answer is hidden: decide from the evidence, then choose below.",
-                        icon=":material/visibility_off:")
-            else:
-                fitted = [c["name"] for c in store.list_calibrations(schema_name=run["schema_name"])]
-                sources = [RAW, *fitted]
-                chosen = st.selectbox("Probabilities", sources, key=K(f"probabilities.{run_id}"),
-                                      index=sources.index(rules.calibration) if rules.calibration in fitted else 0,
-                                      help="The model's own probabilities, or a calibration's map of them") \
-                    if fitted else RAW
-                answer = review.shown_answer(store, item, chosen if chosen in fitted else None)
-                table = run_charts.distribution_table(question, answer["distribution"], answer["predicted"])
-                fitted_on = answer["calibration"]
-                judged = calibration.verdicts(store.get_calibration(name=chosen)["payload"]).get(
-                    item["question_id"]) if chosen in fitted else None
-                if fitted_on is not None:
-                    st.markdown(f"**Calibrated distribution** · “{chosen}” (fitted on {fitted_on['model_id']}'s "
-                                f"answers in run {fitted_on['run_id']})")
-                else:
-                    st.markdown("**Model's distribution** (raw, as the run recorded it)"
-                                + (f" · “{chosen}” has no map for this question" if chosen in fitted and not judged
-                                   else ""))
-                if judged:
-                    st.caption(f"“{chosen}” for {item['question_id']}: {judged.reason}")
-                st.altair_chart(probability_chart(table), width="stretch")
-                st.caption(view.answer_caption(answer))
+            show_distribution(item, question, shown)
         pending = st.session_state.get(confirm_key)
         if pending and pending[0] == item["id"]:
             confirm_gold(item, *pending[1:])
-        st.text_input("Comment (optional, saved with your action)", key=K(f"comment.{item['id']}"),
-                      placeholder="e.g. the second sentence is sarcasm")
-        buttons = st.container(horizontal=True)
-        # Streamlit's own button shortcuts: they ignore keys typed into inputs, so the name field is safe
-        if shown.accept:
-            buttons.button(shown.accept, key="review-accept", on_click=act, args=(item, "accept"),
-                           type="primary" if shown.accept_primary else "secondary", disabled=not reviewer,
-                           shortcut="A")
-        buttons.button("Mark unknown", key="review-unknown", on_click=act, args=(item, "unknown"),
-                       disabled=not reviewer, shortcut="U")
-        buttons.button("Skip", key="review-skip", on_click=act, args=(item, "skip"), disabled=not reviewer,
-                       shortcut="S")
-        buttons.button("Undo my last action", key="review-undo", on_click=undo, disabled=not reviewer,
-                       shortcut="Z")
-        st.markdown(shown.answer_heading)
-        options = view.option_buttons(item, blind=blind, has_reviewer=bool(reviewer))
-        option_cols = st.columns(min(len(options), view.MAX_OPTION_COLUMNS))
-        for index, option in enumerate(options):
-            option_cols[index % len(option_cols)].button(
-                option.text, key=f"review-correct-{index + 1}", on_click=act, args=(item, "correct", option.label),
-                disabled=option.disabled, shortcut=option.shortcut)
-        st.caption(shown.keys)
-        record = review.record_items(store, run_id, item["case_id"])
-        with st.container(key="review-record", border=True):
-            st.markdown(view.record_heading(record, item["case_id"]))
-            for other in record:
-                row = st.columns([2, 2, 2, 1], vertical_alignment="center")
-                current = other["id"] == item["id"]
-                for column, text in zip(row[:3], view.record_row(other, current=current, blind=blind), strict=True):
-                    column.markdown(text)
-                row[3].button("Open", key=f"review-record-open-{other['id']}", disabled=current,
-                              on_click=lambda item_id=other["id"]: st.session_state.update(
-                                  {current_key: item_id, K("showing_link"): item_id}))
+        show_actions(item, shown)
+        show_record(item)
+
+
+def show_evidence(item: dict, case: dict, shown: view.Card) -> None:
+    """The record as the model read it: its state, images and videos (with the frames the model saw)."""
+    st.markdown("**State**")
+    if isinstance(case["state"], str):
+        st.text(case["state"])
+    else:
+        st.json(case["state"], expanded=True)
+    for index, image in enumerate(case["images"]):
+        st.image(image["data"], caption=f"image {index + 1}", width=360)
+    for index, video in enumerate(case["videos"]):
+        st.markdown(f"**Video {index + 1}**")
+        st.video(video["data"], format=video["content_type"])
+        try:
+            engine = model_manager().state().engine
+            sampled = engine.sample_video_frames(video["data"]) if engine is not None else None
+            if sampled is not None:  # the frames the model actually saw
+                frames = list(sampled.frames[:: max(1, len(sampled.frames) // 8)])
+                st.image([frame_thumbnail(f) for f in frames], width=FRAME_THUMBNAIL_PX,
+                         caption=[f"frame {i}" for i in range(len(frames))])
+        except Exception as exc:  # noqa: BLE001 — a preview problem must not block the review
+            st.caption(failure_text("Sampled frames unavailable", exc))
+    if shown.expected:
+        st.markdown(shown.expected)
+    # Why shows which way each part pushed the answer, so it would give the answer away in blind mode
+    if shown.show_model and st.toggle("Why: highlight what moved this answer", key=K(f"why.{item['id']}"),
+                                      help="Each sentence, field, image region and frame is removed in turn and the "
+                                           "record decided again, in one batched run"):
+        why.render_case_why(K(f"why_result.{run_id}.{item['case_id']}"), model_manager().loaded(), run, case,
+                            question_id=item["question_id"])
+
+
+def show_distribution(item: dict, question: dict, shown: view.Card) -> None:
+    if not shown.show_model:
+        st.info("The model's answer is hidden: decide from the evidence, then choose below.",
+                icon=":material/visibility_off:")
+        return
+    fitted = view.fitted_calibrations(store, run["schema_name"])
+    sources = [RAW, *fitted]
+    chosen = st.selectbox("Probabilities", sources, key=K(f"probabilities.{run_id}"),
+                          index=sources.index(rules.calibration) if rules.calibration in fitted else 0,
+                          help="The model's own probabilities, or a calibration's map of them") if fitted else RAW
+    distribution = view.distribution(store, item, question, chosen if chosen in fitted else None)
+    st.markdown(distribution.heading)
+    if distribution.verdict:
+        st.caption(distribution.verdict)
+    st.altair_chart(probability_chart(distribution.table), width="stretch")
+    st.caption(distribution.caption)
+
+
+def show_actions(item: dict, shown: view.Card) -> None:
+    st.text_input("Comment (optional, saved with your action)", key=K(f"comment.{item['id']}"),
+                  placeholder="e.g. the second sentence is sarcasm")
+    buttons = st.container(horizontal=True)
+    # Streamlit's own button shortcuts: they ignore keys typed into inputs, so the name field is safe
+    if shown.accept:
+        buttons.button(shown.accept, key="review-accept", on_click=act, args=(item, "accept"),
+                       type="primary" if shown.accept_primary else "secondary", disabled=not reviewer, shortcut="A")
+    buttons.button("Mark unknown", key="review-unknown", on_click=act, args=(item, "unknown"),
+                   disabled=not reviewer, shortcut="U")
+    buttons.button("Skip", key="review-skip", on_click=act, args=(item, "skip"), disabled=not reviewer, shortcut="S")
+    buttons.button("Undo my last action", key="review-undo", on_click=undo, disabled=not reviewer, shortcut="Z")
+    st.markdown(shown.answer_heading)
+    options = view.option_buttons(item, blind=blind, has_reviewer=bool(reviewer))
+    option_cols = st.columns(min(len(options), view.MAX_OPTION_COLUMNS))
+    for index, option in enumerate(options):
+        option_cols[index % len(option_cols)].button(
+            option.text, key=f"review-correct-{index + 1}", on_click=act, args=(item, "correct", option.label),
+            disabled=option.disabled, shortcut=option.shortcut)
+    st.caption(shown.keys)
+
+
+def show_record(item: dict) -> None:
+    """The record's other queued questions, to answer without reading it again."""
+    record = review.record_items(store, run_id, item["case_id"])
+    with st.container(key="review-record", border=True):
+        st.markdown(view.record_heading(record, item["case_id"]))
+        for other in record:
+            row = st.columns([2, 2, 2, 1], vertical_alignment="center")
+            current = other["id"] == item["id"]
+            for column, text in zip(row[:3], view.record_row(other, current=current, blind=blind), strict=True):
+                column.markdown(text)
+            row[3].button("Open", key=f"review-record-open-{other['id']}", disabled=current,
+                          on_click=lambda item_id=other["id"]: st.session_state.update(
+                              {current_key: item_id, K("showing_link"): item_id}))
 
 
 if item is None:
@@ -372,14 +367,9 @@ with st.expander("Export reviewed labels", icon=":material/download:"):
     golden_name = st.text_input("Golden set name", value=view.golden_name(run),
                                 key=K(f"golden_name.{run_id}"))
     if st.button("Export as a new case set", key=K(f"golden.{run_id}"), icon=":material/workspace_premium:"):
-        try:
-            golden_id = review.export_golden_set(store, run_id, golden_name)
-        except (ValueError, StoreError) as exc:
-            golden_result = ("error", str(exc))
-        else:
-            golden_result = ("success", view.golden_message(golden_id, golden_name,
-                                                            store.get_case_set(golden_id)["case_count"]))
-        st.session_state[K("golden_result")] = golden_result
+        golden_id, refused = units.refusal(review.export_golden_set, store, run_id, golden_name)
+        st.session_state[K("golden_result")] = ("error", refused) if refused else ("success", view.golden_message(
+            golden_id, golden_name, store.get_case_set(golden_id)["case_count"]))
 if K("golden_result") in st.session_state:  # outside the expander, so it stays visible if the expander closes
     kind, message = st.session_state.pop(K("golden_result"))
     getattr(st, kind)(message)

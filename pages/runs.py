@@ -4,25 +4,22 @@ the process-wide JobRunner (clef_workbench.jobs), numbers come from clef_workben
 
 from __future__ import annotations
 
-import hashlib
-import re
-
 import streamlit as st
 
 from clef_engine import DEFAULT_MAX_LENGTH
-from clef_workbench import calibration, casesets, stats
+from clef_workbench import calibration
 from clef_workbench.jobs import EngineUnreachableError, JobAlreadyRunningError, check_engine
 from clef_workbench.model_loader import request_model_name
 from clef_workbench.run_status import run_outcome, status_label
 from clef_workbench.schemas import SchemaError
-from clef_workbench.store import RunSettings, StoreError
-from workbench_ui import links, run_charts, run_view, units
+from workbench_ui import run_charts, run_view, units
 from workbench_ui import why_view as why
 from workbench_ui.answers import option_table, probability_chart
 from workbench_ui.shell import (
     RUNNING_SHOWN_KEY,
     RUNS_START_OPEN,
     RUNS_START_SET,
+    confirm_delete,
     get_engine,
     get_job_runner,
     get_library,
@@ -34,6 +31,8 @@ from workbench_ui.shell import (
     random_weights_notice,
     render_shell,
     running_run_ids,
+    set_widget,
+    show_flash,
 )
 
 render_shell(__file__)
@@ -48,9 +47,6 @@ sets = store.list_case_sets()
 runs = store.list_runs()
 
 
-fmt_rate = units.rate
-
-
 def fmt_seconds(value: float | None) -> str:
     if value is None:
         return "–"
@@ -62,7 +58,7 @@ OVERFLOW_CHOICES = {"refuse": "refuse (the case gets an error result)",
                     "truncate_state": "truncate the end of the state (counted in the results)"}
 
 
-def budget_inputs(columns, name: str, settings: RunSettings, *, retry: bool = False) -> tuple[int, str]:
+def budget_inputs(columns, name: str, settings: run_view.RunSettings, *, retry: bool = False) -> tuple[int, str]:
     """max_length and overflow, for a new run ("start") or the retry of a run's failed cases (its settings)."""
     when = " in the retry" if retry else ""
     max_length = kept_widget(columns[0].number_input, f"max_length (tokens){when}", K(f"{name}.max_length"),
@@ -75,14 +71,11 @@ def budget_inputs(columns, name: str, settings: RunSettings, *, retry: bool = Fa
 
 
 def undo_delete_run(deleted_id: int) -> None:
-    try:
-        store.restore_run(deleted_id)
-    except StoreError as exc:
-        st.session_state[K("flash")] = ("error", f"Not restored: {exc}", None)
-    else:
-        st.session_state[K("selected")] = deleted_id
-        st.session_state["_keep." + K("selected")] = deleted_id
-        st.session_state[K("flash")] = ("success", f"Restored run #{deleted_id}.", None)
+    _, refused = units.refusal(store.restore_run, deleted_id)
+    if not refused:
+        set_widget(K("selected"), deleted_id)
+    st.session_state[K("flash")] = ("error", f"Not restored: {refused}", None) if refused else (
+        "success", f"Restored run #{deleted_id}.", None)
 
 
 def render_delete(run: dict) -> None:
@@ -94,25 +87,27 @@ def render_delete(run: dict) -> None:
             st.session_state[confirm_key] = True
             st.rerun()
         return
-    with st.container(border=True, key=K("confirm_delete_box")):
-        st.warning(f"Delete run #{run['id']} and its {run['done']} result(s)? You can undo this.",
-                   icon=":material/delete:")
-        cols = st.columns(2)
-        if cols[0].button("Yes, delete it", key=K("delete_yes"), type="primary"):
-            st.session_state.pop(confirm_key, None)
-            try:
-                store.delete_run(run["id"])
-            except StoreError as exc:
-                st.error(str(exc))
-                return
-            st.session_state[K("flash")] = ("success", f"Deleted run #{run['id']}.", run["id"])
-            st.rerun()
-        if cols[1].button("Cancel", key=K("delete_no")):
-            st.session_state.pop(confirm_key, None)
-            st.rerun()
+    if confirm_delete(f"Delete run #{run['id']} and its {run['done']} result(s)? You can undo this.", K, confirm_key):
+        _, refused = units.refusal(store.delete_run, run["id"])
+        if refused:
+            st.error(refused)
+            return
+        st.session_state[K("flash")] = ("success", f"Deleted run #{run['id']}.", (run["id"],))
+        st.rerun()
+
+
+def rerun_when_loaded() -> None:
+    """Polls while a model loads (the buttons that run on a model wait meanwhile) and reruns the page when it is
+    ready, rather than holding a button's run of the page until then."""
+    if not model_manager().state().busy:
+        st.rerun(scope="app")
 
 
 # -- start a run ------------------------------------------------------------------------------------------------
+
+models_busy = model_manager().state().busy
+if models_busy:
+    st.fragment(rerun_when_loaded, run_every=1.0)()
 
 # open when there is no run yet, or when the Case sets page's "Run this case set" sent the person here
 with st.expander("Start a run", expanded=not runs or st.session_state.pop(RUNS_START_OPEN, False),
@@ -135,7 +130,7 @@ with st.expander("Start a run", expanded=not runs or st.session_state.pop(RUNS_S
         chunk_size = kept_widget(cols[0].number_input, "Records per batch", K("start.chunk"), 8, min_value=1,
                                  max_value=256, help="Sent to the engine together at bulk priority (interactive "
                                                      "requests from the Decide page go first).")
-        max_length, overflow = budget_inputs(cols[1:], "start", RunSettings())
+        max_length, overflow = budget_inputs(cols[1:], "start", run_view.RunSettings())
         loaded_models = {model.name: model for model in model_manager().loaded()}  # the default first
         run_model = None
         if len(loaded_models) > 1:
@@ -157,14 +152,14 @@ with st.expander("Start a run", expanded=not runs or st.session_state.pop(RUNS_S
                 pass  # said when Start is pressed
         if over_budget:
             st.error(over_budget, icon=":material/data_usage:")
-        if st.button("Start run", key=K("start.go"), type="primary", icon=":material/play_arrow:",
-                     disabled=schema_slug is None or over_budget is not None):
+        start_label, loading = run_view.model_button("Start run", models_busy)
+        if st.button(start_label, key=K("start.go"), type="primary", icon=":material/play_arrow:",
+                     disabled=loading or schema_slug is None or over_budget is not None):
             try:
                 schema = library.load(schema_slug).to_dict()
             except SchemaError as exc:
                 st.error(f"Schema {schema_slug!r} does not load: {exc}")
                 st.stop()
-            schema.pop("examples", None)
             engine = get_engine()
             if engine is None:
                 st.error("No model is loaded, so the run cannot start. Choose a model in the sidebar.")
@@ -177,24 +172,13 @@ with st.expander("Start a run", expanded=not runs or st.session_state.pop(RUNS_S
             except EngineUnreachableError as exc:
                 st.error(str(exc), icon=":material/cloud_off:")
                 st.stop()
-            info = engine.info()
-            run_id = store.create_run(start_set, schema=schema, model_id=model_id, model_revision=info.get("revision"),
-                                      settings=RunSettings(chunk_size=int(chunk_size), max_length=int(max_length),
-                                                           overflow=overflow, schema_slug=schema_slug,
-                                                           device=info.get("device"), dtype=info.get("dtype"),
-                                                           precision=info.get("precision")))
+            run_id = run_view.create_run(store, start_set, schema, schema_slug, model_id, engine.info(),
+                                         chunk_size=int(chunk_size), max_length=int(max_length), overflow=overflow)
             runner.start(run_id, engine, check=False)  # checked above, before the run was recorded
-            st.session_state[K("selected")] = run_id
-            st.session_state["_keep." + K("selected")] = run_id
+            set_widget(K("selected"), run_id)
             st.rerun()
 
-flash = st.session_state.pop(K("flash"), None)
-if flash:
-    kind, text, undo_id = flash
-    flash_cols = st.columns([5, 1], vertical_alignment="center")
-    getattr(flash_cols[0], kind)(text)
-    if undo_id is not None:
-        flash_cols[1].button("Undo", key=K("undo"), icon=":material/undo:", on_click=undo_delete_run, args=(undo_id,))
+show_flash(K("flash"), undo_delete_run, K("undo"))
 
 if not runs:
     st.info("No runs yet.")
@@ -252,8 +236,9 @@ def render_progress(run_id: int) -> None:
                        "saved; resume to run the remaining cases.")
         render_outcome(run_id, outcome)
         if progress["remaining"] and progress["status"] != "pending":
-            if st.button(f"Resume ({progress['remaining']} cases left)", key=K(f"resume.{run_id}"),
-                         icon=":material/play_arrow:"):
+            label, loading = run_view.model_button(f"Resume ({progress['remaining']} cases left)",
+                                                   model_manager().state().busy)
+            if st.button(label, key=K(f"resume.{run_id}"), icon=":material/play_arrow:", disabled=loading):
                 engine = run_engine(run_id)
                 if engine is not None:
                     start_again(run_id, engine)
@@ -268,17 +253,10 @@ def render_progress(run_id: int) -> None:
 def run_engine(run_id: int):
     """The engine a run resumes or retries on: the model it started on, never whichever is the default now; None
     (with the reason shown) when that model is not loaded."""
-    model_id = store.get_run(run_id)["model_id"]
-    models = model_manager()
-    if models.state().busy:  # the run's model may be the one loading: wait for it rather than say it is missing
-        with st.spinner("Waiting for the model that is loading…"):
-            models.wait(timeout=600)
-    try:
-        return models.get(model_id)
-    except KeyError as exc:
-        st.error(f"This run was started on the model {model_id!r}, which is not loaded: {exc.args[0]}. Add it in the "
-                 "sidebar (Add a model), then try again.")
-        return None
+    engine, missing = run_view.run_engine(model_manager(), store.get_run(run_id)["model_id"])
+    if missing:
+        st.error(missing)
+    return engine
 
 
 def start_again(run_id: int, engine, *, retry_failed: bool = False) -> None:
@@ -302,8 +280,8 @@ def render_outcome(run_id: int, outcome) -> None:
                                                      "info": ":material/info:"}[outcome.tone])
     if not outcome.errors:
         return
-    st.dataframe([{"case": r["case_id"], "error": r["error"]} for r in store.list_results(run_id) if r.get("error")],
-                 hide_index=True, width="stretch", key=K(f"errors.{run_id}"))
+    st.dataframe(run_view.error_rows(store.list_results(run_id)), hide_index=True, width="stretch",
+                 key=K(f"errors.{run_id}"))
     if not outcome.can_retry:
         return
     with st.container(border=True, key=K(f"retry_box.{run_id}")):
@@ -311,7 +289,8 @@ def render_outcome(run_id: int, outcome) -> None:
                    "them fail (a budget too small) first. Answered cases are kept as they are.")
         max_length, overflow = budget_inputs(st.columns(2), f"retry.{run_id}", store.get_run(run_id)["settings"],
                                             retry=True)
-        if st.button(f"Retry failed cases ({outcome.errors})", key=K(f"retry.{run_id}"), icon=":material/replay:"):
+        label, loading = run_view.model_button(f"Retry failed cases ({outcome.errors})", model_manager().state().busy)
+        if st.button(label, key=K(f"retry.{run_id}"), icon=":material/replay:", disabled=loading):
             engine = run_engine(run_id)
             if engine is not None:
                 store.update_run_settings(run_id, max_length=max_length, overflow=overflow)
@@ -321,31 +300,28 @@ def render_outcome(run_id: int, outcome) -> None:
 def render_results(run_id: int, live: bool) -> None:
     """Everything below the progress: the results, their statistics, export and comparison."""
     run = store.get_run(run_id)
-    schema = run["schema"]
-    questions = schema["questions"]
     results = store.list_results(run_id)
-    st.caption(f"Schema **{run['schema_name']} v{run['schema_version']}** · model **{run['model_id']}**"
-               f"{' @ ' + run['model_revision'] if run['model_revision'] else ''} · batch "
-               f"{run['settings'].chunk_size or '?'} · max_length {run['settings'].max_length or '?'} "
-               f"({run['settings'].overflow}) · started {(run['started_at'] or '–')[:19]}")
+    st.caption(run_view.settings_caption(run))
     render_delete(run)
     st.session_state[K(f"shown.{run_id}")] = len(results)
     if not results:
         st.info("The first results appear here when the first batch finishes." if live else "No results yet.")
         return
-
-    frame = stats.answer_frame(results, schema)
-    covered = stats.coverage(results, frame)
-    if not covered["answered"]:
+    frame, covered = run_view.answers(results, run["schema"])
+    if covered["answered"]:
+        render_browse(run_id, run_view.browse(run_id, results, run["schema"]), run["schema"]["questions"])
+        render_speed(run_view.speed(results, len(run["schema"]["questions"])), results)
+        render_quality(run_id, frame, run["schema"]["questions"], covered)
+        render_cases(run, results, frame)
+    else:
         st.info(covered["sentence"])
-        render_export(run, results, live)
-        return
+    render_export(run, len(results), live)
+    if covered["answered"]:
+        render_compare(run, frame)
 
-    # -- browse -----------------------------------------------------------------------------------------------------
 
+def render_browse(run_id: int, browse: run_view.Browse, questions: dict) -> None:
     st.subheader("Results")
-    browse = stats.browse_table(results, schema)
-    all_tags = sorted({t for r in results for t in (r.get("tags") or [])})
     filter_cols = st.columns([1, 1, 2, 2])
     # kept: the progress fragment refreshes while a run is live, and kept widgets survive the browser's redraws then
     wrong_only = kept_widget(filter_cols[0].toggle, "Wrong only", K(f"browse.wrong.{run_id}"), False,
@@ -355,20 +331,14 @@ def render_results(run_id: int, live: bool) -> None:
                             min_value=0.0, max_value=1.0, step=0.05, disabled=not low_conf)
     picked_questions = kept_widget(filter_cols[2].multiselect, "Questions", K(f"browse.questions.{run_id}"), [],
                                    options=list(questions), placeholder="All questions")
-    picked_tags = kept_widget(filter_cols[3].multiselect, "Tags", K(f"browse.tags.{run_id}"), [], options=all_tags,
-                              placeholder="All tags", disabled=not all_tags)
+    picked_tags = kept_widget(filter_cols[3].multiselect, "Tags", K(f"browse.tags.{run_id}"), [],
+                              options=browse.tags, placeholder="All tags", disabled=not browse.tags)
     search = kept_widget(st.text_input, "Search the states and answers", K(f"browse.search.{run_id}"), "",
                          placeholder="e.g. refund, or an option id")
-    shown = stats.filter_browse(browse, wrong_only=wrong_only, confidence_below=threshold if low_conf else None,
-                                questions=picked_questions, tags=picked_tags, search=search)
-    shown = shown.assign(decide=[links.decide_url(run_id, case) for case in shown["case"]],
-                         review=[links.review_url(run_id, case, question)
-                                 for case, question in zip(shown["case"], shown["question"], strict=True)])
-    st.caption(f"{len(shown)} of {len(browse)} answers. Select a row to open its case in Decide (its state and "
-               "this run's questions, to ask again) or in Review; “Open” does the same in a new tab, and the links "
-               "can be sent.")
-    # the key names the rows shown, so a selection never outlives them (another filter, new results of a live run)
-    rows_digest = hashlib.sha1("\n".join(shown["review"]).encode()).hexdigest()[:12]
+    shown, caption, rows_digest = run_view.browsed(browse.table, wrong_only=wrong_only, questions=picked_questions,
+                                                   confidence_below=threshold if low_conf else None,
+                                                   tags=picked_tags, search=search)
+    st.caption(caption)
     picked = st.dataframe(shown, hide_index=True, width="stretch", key=K(f"browse.table.{run_id}.{rows_digest}"),
                           on_select="rerun", selection_mode="single-row",
                           column_order=["case", "question", "decide", "review",
@@ -388,109 +358,94 @@ def render_results(run_id: int, live: bool) -> None:
         open_cols[1].link_button(f"Open case {row['case']} · {row['question']} in Review", row["review"],
                                  icon=":material/fact_check:", width="stretch")
 
-    # -- speed ------------------------------------------------------------------------------------------------------
 
+def render_metrics(metrics: list[run_view.Metric]) -> None:
+    for column, metric in zip(st.columns(len(metrics)), metrics, strict=True):
+        column.metric(metric.label, metric.value, help=metric.help)
+
+
+def render_speed(speed: run_view.Speed, results: list[dict]) -> None:
     st.subheader("Latency and throughput")
-    latency = stats.latency_stats(results)
-    speed = stats.throughput(results, len(questions))
-    compute_help = ("A record's compute: the time of the engine batch it ran in, times its share of that batch's "
-                    "tokens (the engine's x_compute_ms). Waiting behind earlier batches is not in it.")
-    cols = st.columns(6)
-    cols[0].metric("p50 compute per record", units.duration(latency["p50"]), help=compute_help)
-    cols[1].metric("p95 compute per record", units.duration(latency["p95"]), help=compute_help)
-    cols[2].metric("p99 compute per record", units.duration(latency["p99"]), help=compute_help)
-    cols[3].metric("max compute per record", units.duration(latency["max"]), help=compute_help)
-    cols[4].metric("p50 queue wait", units.duration(latency["queue_p50"]),
-                   help="How long a record's batch waited in the engine's queue before it started (behind this "
-                        "run's previous batch, other runs, or Decide requests): the engine's x_queue_ms.")
-    cols[5].metric("samples", f"{latency['count']}", help=f"{latency['errors']} error results excluded")
-    batches = len({(r["started_at"], r["finished_at"]) for r in results if not r.get("error")})
-    st.caption(f"n = {latency['count']} records in {batches} batch(es); {latency['errors']} failed cases left out. "
-               "Compute per record = its batch's time split by the records' token shares; queue wait (max "
-               f"{units.duration(latency['queue_max'])}) is shown apart. Runs recorded before the engine reported "
-               "compute show each record's time from submission to answer instead.")
-    st.caption(f"Window {str(latency['window_start'])[:19]} → {str(latency['window_end'])[:19]} UTC "
-               f"({latency['window_s']:.1f} s); percentiles use linear interpolation (numpy 'linear').")
-    cols = st.columns(4)
-    cols[0].metric("records/s", fmt_rate(speed["records_per_s"], "rec"))
-    cols[1].metric("decisions/s", fmt_rate(speed["decisions_per_s"], "dec"))
-    cols[2].metric("tokens/s", fmt_rate(speed["tokens_per_s"], "tok"))
-    cols[3].metric("tokens per record", "–" if speed["tokens_per_record_mean"] is None
-                   else f"{speed['tokens_per_record_mean']:,.0f} (median {speed['tokens_per_record_median']:,.0f})")
-    st.caption(f"Throughput over {speed['busy_s']:.1f} s of busy time (pauses between cancel and resume excluded).")
+    render_metrics(speed.latency)
+    for note in speed.latency_notes:
+        st.caption(note)
+    render_metrics(speed.throughput)
+    st.caption(speed.throughput_note)
     st.altair_chart(run_charts.latency_histogram(results), width="stretch")
 
-    # -- quality ----------------------------------------------------------------------------------------------------
 
+def render_quality(run_id: int, frame, questions: dict, covered: dict) -> None:
     st.subheader("Accuracy against expected answers")
-    accuracy = stats.accuracy_by_question(frame)
     if not covered["with_expected"]:
         st.info(covered["sentence"])
-    else:
-        st.caption(covered["sentence"])
-        cols = st.columns([1, 1])
-        cols[0].dataframe(accuracy, hide_index=True, width="stretch",
-                          column_config={"accuracy": st.column_config.NumberColumn(format="percent")})
-        cols[1].altair_chart(run_charts.accuracy_chart(accuracy), width="stretch",
-                             height=run_charts.accuracy_chart_height(int(accuracy["accuracy"].notna().sum())))
-        mae = stats.score_mae(frame)
-        if not mae.empty:
-            st.markdown("**Score questions — mean absolute error** of Σ i·p_i against the expected level")
-            st.dataframe(mae, hide_index=True)
-        choice_questions = [q for q, spec in questions.items() if spec["type"] == "choice"]
-        if choice_questions:
-            st.markdown("**Confusion matrices** (choice questions; rows expected, columns predicted)")
-            chart_cols = st.columns(min(2, len(choice_questions)))
-            for index, question_id in enumerate(choice_questions):
-                matrix = stats.confusion_matrix(frame, question_id, labels=casesets.option_ids(questions[question_id]))
-                if matrix.to_numpy().sum():
-                    chart_cols[index % len(chart_cols)].altair_chart(
-                        run_charts.confusion_heatmap(matrix, question_id), width="stretch",
-                        height=run_charts.confusion_heatmap_height(len(matrix.index)))
-        st.markdown("**Calibration** — confidence = probability of the predicted answer; 10 equal-width bins; "
-                    "ECE = Σ (n_b/N)·|accuracy_b − confidence_b|; Brier: yes/no (p − y)², "
-                    "choice/score Σ_k (p_k − y_k)²")
-        summary = stats.calibration_summary(frame)
-        st.dataframe(summary, hide_index=True, column_config={"ece": st.column_config.NumberColumn(format="%.3f"),
-                                                              "brier": st.column_config.NumberColumn(format="%.3f")})
-        diagram_cols = st.columns(3)
-        for index, question_id in enumerate(summary["question_id"]):
-            result = stats.calibration(frame, question_id)
-            diagram_cols[index % 3].altair_chart(run_charts.reliability_diagram(result["bins"], question_id))
-        fitted_key = K(f"calibration.{run_id}")
-        if st.button("Fit a calibration on these labelled cases", key=K(f"calibrate.{run_id}"),
-                     icon=":material/tune:", help="Per question: Platt scaling (yes/no) or a temperature (choice, "
-                     "score), judged on held-out cases (5-fold); kept for this schema and model, and offered on "
-                     "Decide and in Review's rules"):
-            try:
-                calibration_id, reports = calibration.calibrate_run(store, run_id)
-            except (calibration.CalibrationRefused, StoreError) as exc:
-                st.warning(f"Not calibrated: {exc}")
-            else:
-                st.session_state[fitted_key] = (store.get_calibration(calibration_id)["name"], reports)
-        if fitted := st.session_state.get(fitted_key):
-            name, reports = fitted
-            st.success(f"Kept as calibration “{name}”. ECE and Brier after: on cases each fold's fit did not see; "
-                       "[95% bootstrap interval].")
-            st.dataframe(calibration.summary_table(reports), hide_index=True)
-            after_cols = st.columns(3)
-            for index, report in enumerate(r for r in reports if r.calibration is not None):
-                after_cols[index % 3].altair_chart(run_charts.reliability_before_after(
-                    report.bins_before, report.bins_after, report.question_id))
+        return
+    st.caption(covered["sentence"])
+    quality = run_view.quality(frame, questions)
+    cols = st.columns([1, 1])
+    cols[0].dataframe(quality.accuracy, hide_index=True, width="stretch",
+                      column_config={"accuracy": st.column_config.NumberColumn(format="percent")})
+    cols[1].altair_chart(run_charts.accuracy_chart(quality.accuracy), width="stretch",
+                         height=run_charts.accuracy_chart_height(quality.accuracy_rows))
+    if not quality.score_mae.empty:
+        st.markdown("**Score questions — mean absolute error** of Σ i·p_i against the expected level")
+        st.dataframe(quality.score_mae, hide_index=True)
+    if quality.choice_questions:
+        st.markdown("**Confusion matrices** (choice questions; rows expected, columns predicted)")
+        chart_cols = st.columns(min(2, quality.choice_questions))
+        for index, (question_id, matrix) in enumerate(quality.confusions):
+            chart_cols[index % len(chart_cols)].altair_chart(
+                run_charts.confusion_heatmap(matrix, question_id), width="stretch",
+                height=run_charts.confusion_heatmap_height(len(matrix.index)))
+    st.markdown("**Calibration** — confidence = probability of the predicted answer; 10 equal-width bins; "
+                "ECE = Σ (n_b/N)·|accuracy_b − confidence_b|; Brier: yes/no (p − y)², "
+                "choice/score Σ_k (p_k − y_k)²")
+    st.dataframe(quality.calibration, hide_index=True,
+                 column_config={"ece": st.column_config.NumberColumn(format="%.3f"),
+                                "brier": st.column_config.NumberColumn(format="%.3f")})
+    diagram_cols = st.columns(3)
+    for index, (question_id, bins) in enumerate(quality.reliability):
+        diagram_cols[index % 3].altair_chart(run_charts.reliability_diagram(bins, question_id))
+    render_calibrate(run_id)
 
+
+def render_calibrate(run_id: int) -> None:
+    fitted_key = K(f"calibration.{run_id}")
+    if st.button("Fit a calibration on these labelled cases", key=K(f"calibrate.{run_id}"),
+                 icon=":material/tune:", help="Per question: Platt scaling (yes/no) or a temperature (choice, "
+                 "score), judged on held-out cases (5-fold); kept for this schema and model, and offered on "
+                 "Decide and in Review's rules"):
+        refused, fitted = run_view.fit_calibration(store, run_id)
+        if refused:
+            st.warning(refused)
+        else:
+            st.session_state[fitted_key] = fitted
+    if fitted := st.session_state.get(fitted_key):
+        name, reports = fitted
+        st.success(f"Kept as calibration “{name}”. ECE and Brier after: on cases each fold's fit did not see; "
+                   "[95% bootstrap interval].")
+        st.dataframe(calibration.summary_table(reports), hide_index=True)
+        after_cols = st.columns(3)
+        for index, report in enumerate(r for r in reports if r.calibration is not None):
+            after_cols[index % 3].altair_chart(run_charts.reliability_before_after(
+                report.bins_before, report.bins_after, report.question_id))
+
+
+def render_cases(run: dict, results: list[dict], frame) -> None:
+    """The slowest and least confident cases, and one case's answers (and why) on demand."""
+    run_id = run["id"]
     st.subheader("Slowest and least confident cases")
+    slowest, least_confident = run_view.extremes(results, frame)
     cols = st.columns(2)
     cols[0].markdown("**Slowest**")
-    cols[0].dataframe(stats.slowest_cases(results, 10), hide_index=True, width="stretch")
+    cols[0].dataframe(slowest, hide_index=True, width="stretch")
     cols[1].markdown("**Least confident** (smallest margin top-1 − top-2)")
-    cols[1].dataframe(stats.least_confident(frame, 10), hide_index=True, width="stretch")
+    cols[1].dataframe(least_confident, hide_index=True, width="stretch")
     with st.expander("One case's answers", icon=":material/search:"):
-        case_ids = [r["case_id"] for r in results if r.get("response")]
-        if case_ids:
-            picked_case = st.selectbox("Case", case_ids, key=K(f"inspect.{run_id}"))
-            response = next(r["response"] for r in results if r["case_id"] == picked_case)
-            for question_id, answer in response["answers"].items():
-                table = option_table(questions.get(question_id, {}), answer)
+        responses = {r["case_id"]: r["response"] for r in results if r.get("response")}
+        if responses:
+            picked_case = st.selectbox("Case", list(responses), key=K(f"inspect.{run_id}"))
+            for question_id, answer in responses[picked_case]["answers"].items():
+                table = option_table(run["schema"]["questions"].get(question_id, {}), answer)
                 st.altair_chart(probability_chart(table, title=question_id), width="stretch")
             why_key = K(f"why.{run_id}.{picked_case}")
             if st.button("Why: compute which parts of this case moved its answers", key=K(f"why_button.{run_id}"),
@@ -498,26 +453,19 @@ def render_results(run_id: int, live: bool) -> None:
                          "in turn and the case decided again, in one batched run") or why_key in st.session_state:
                 why.render_case_why(why_key, model_manager().loaded(), run, store.get_case(picked_case))
 
-    render_export(run, results, live)
 
-    # -- compare ----------------------------------------------------------------------------------------------------
-
-    render_compare(run, frame)
-
-
-def render_export(run: dict, results: list[dict], live: bool) -> None:
+def render_export(run: dict, result_count: int, live: bool) -> None:
     run_id = run["id"]
+    files = run_view.export(store, run, result_count, live)
     st.subheader("Export")
-    st.caption("One row per case × question; a failed case is one row with its error."
-               + (f" The run is still going: the files hold the {len(results)} case(s) answered so far." if live
-                  else ""))
-    slug = re.sub(r"[^a-z0-9]+", "-", f"run-{run_id}-{run['case_set_name']}".lower()).strip("-")
+    st.caption(files.caption)
     cols = st.columns(2)
-    cols[0].download_button("Results CSV (case × question, every option's probability)",
-                            casesets.export_results_csv(store, run_id), file_name=f"{slug}.csv", mime="text/csv",
-                            key=K(f"export_csv.{run_id}.{len(results)}"), icon=":material/download:", on_click="ignore")
-    cols[1].download_button("Results JSONL", casesets.export_results_jsonl(store, run_id), file_name=f"{slug}.jsonl",
-                            mime="application/jsonl", key=K(f"export_jsonl.{run_id}.{len(results)}"),
+    cols[0].download_button("Results CSV (case × question, every option's probability)", files.csv,
+                            file_name=f"{files.stem}.csv", mime="text/csv",
+                            key=K(f"export_csv.{run_id}.{result_count}"),
+                            icon=":material/download:", on_click="ignore")
+    cols[1].download_button("Results JSONL", files.jsonl, file_name=f"{files.stem}.jsonl",
+                            mime="application/jsonl", key=K(f"export_jsonl.{run_id}.{result_count}"),
                             icon=":material/download:", on_click="ignore")
 
 
@@ -535,9 +483,7 @@ def render_compare(run: dict, frame) -> None:
         other_labels = {r["id"]: run_view.run_label(r) for r in others}
         baseline_id = st.selectbox("Baseline run (A); this run is B", list(other_labels),
                                    format_func=lambda i: other_labels[i], key=K(f"compare.{run_id}"))
-        baseline = store.get_run(baseline_id)
-        frame_a = stats.answer_frame(store.list_results(baseline_id), baseline["schema"])
-        comparison = stats.compare_runs(frame_a, frame)
+        comparison = run_view.comparison(store, baseline_id, frame)
         st.caption(f"{comparison['compared']} (case, question) pairs answered in both runs.")
         cols = st.columns(2)
         cols[0].markdown("**Accuracy change per question** (B − A)")

@@ -8,11 +8,15 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from clef_workbench import casesets, importing
-from clef_workbench.casesets import CsvMapping
+import pandas as pd
+
+from clef_workbench import case_table, casesets, importing
+from clef_workbench.case_table import CaseDeletionRefusedError
+from clef_workbench.casesets import CaseImportError, CsvMapping
 from clef_workbench.schema_library import SchemaLibrary
 from clef_workbench.schemas import SchemaError
-from clef_workbench.store import StoreError
+from clef_workbench.store import NewCase, StoreError
+from workbench_ui import units
 
 NO_SCHEMA = "(none)"
 NOT_MAPPED = "(not mapped)"
@@ -23,9 +27,9 @@ PREVIEW_STATE_CHARS = 200
 LISTED_PROBLEMS = 50
 
 
-def when(iso: str) -> str:
-    """A stored UTC timestamp as people read it: date and time to the second."""
-    return iso[:19].replace("T", " ")
+def when(iso: str, *, digits: int = 19) -> str:
+    """A stored UTC timestamp as people read it: date and time to the second (or the millisecond, digits=23)."""
+    return iso[:digits].replace("T", " ")
 
 
 def case_set_label(case_set: dict) -> str:
@@ -237,3 +241,77 @@ def imported_message(set_name: str, parsed: int, added: int, skipped_rows: list[
     were = "was" if already == 1 else "were"
     return "success", (f"Imported {plural(added, 'case')} into “{set_name}”."
                        + (f" {already:,} {were} already in it and skipped." if already else "") + skipped)
+
+
+# -- actions: each returns what to say, never raises for a person's input --------------------------------------------
+
+
+def load_examples(store: Any, library: SchemaLibrary) -> str:
+    return f"Example case sets ready: {len(casesets.load_example_case_sets(store, library.directory))}."
+
+
+def import_parsed(store: Any, case_set_id: int, parsed: list[dict]) -> tuple[list[int] | None, str | None]:
+    """Add the parsed cases, skipping those already in the set: the ids added, or None and why nothing was."""
+    return units.refusal(casesets.import_cases, store, case_set_id, parsed)
+
+
+@dataclass(frozen=True)
+class SaveRefused:
+    """Why a table's edits were not saved: the problems, and the cases whose deletion was refused (they have runs;
+    the table puts their rows back)."""
+
+    problems: list[str]
+    kept_case_ids: list[int] | None = None
+
+
+def save_edits(store: Any, case_set_id: int, edited: pd.DataFrame,
+               schema: dict | None) -> case_table.CaseEdits | SaveRefused:
+    """The table's edits saved (case_table's summary of them), or SaveRefused: nothing was changed."""
+    try:
+        return case_table.apply_case_edits(store, case_set_id, edited, schema)
+    except CaseDeletionRefusedError as exc:
+        return SaveRefused(exc.problems, exc.case_ids)
+    except CaseImportError as exc:
+        return SaveRefused(exc.problems)
+
+
+def kept_rows_message(refused: SaveRefused) -> str:
+    return (f"Nothing was changed: {'; '.join(refused.problems)}. Delete its runs first. The rows are back in the "
+            "table; your other edits are still there, not saved.")
+
+
+def read_file(name: str, data: bytes, encoding: str | None, delimiter: str | None) -> tuple[Any, list[str]]:
+    """A chosen file read as a table or JSON lines (importing.read_source), or None and what is wrong with it."""
+    try:
+        return importing.read_source(name, data, encoding=encoding, delimiter=delimiter), []
+    except CaseImportError as exc:
+        return None, exc.problems
+
+
+def read_caption(source: Any) -> str:
+    detected = " (detected)" if source.encoding and source.encoding == source.detected_encoding else ""
+    return f"Read as **{source.describe()}**{detected}."
+
+
+def parse_file(source: Any, mapping: CsvMapping | None, schema: dict | None,
+               skip_bad_rows: bool) -> tuple[list[NewCase], list[str]]:
+    """The cases of a read file under the mapping, or none and the problems of its cells. Rows that do not fit
+    (listed apart, with the choice to skip them) give neither."""
+    try:
+        return importing.parse_cases(source, mapping, schema, skip_bad_rows=skip_bad_rows), []
+    except importing.BadRowsError:
+        return [], []
+    except CaseImportError as exc:
+        return [], exc.problems
+
+
+@dataclass(frozen=True)
+class ExportFiles:
+    stem: str
+    jsonl: str
+    csv: str
+
+
+def export_files(store: Any, case_set: dict) -> ExportFiles:
+    return ExportFiles(export_stem(case_set["name"]), casesets.export_jsonl(store, case_set["id"]),
+                       casesets.export_csv(store, case_set["id"]))

@@ -10,9 +10,11 @@ from typing import Any
 
 import pandas as pd
 
-from clef_workbench import casesets, review
+from clef_workbench import calibration, casesets, review
 from clef_workbench.review import ReviewRules
-from clef_workbench.store import ReviewItem, Run
+from clef_workbench.store import ReviewConflictError, ReviewItem, Run, StoreError
+from workbench_ui import run_charts
+from workbench_ui.cases_view import when
 
 MAX_SHORTCUT_OPTIONS = 9
 MAX_OPTION_COLUMNS = 5
@@ -22,10 +24,6 @@ OPEN = ("open", "skipped")  # statuses of an item still to review
 REVIEWED = ("accepted", "corrected", "unknown")
 NAME_FIRST = "Enter your name first: every action is recorded with it."
 NAME_FIRST_FOR_UNDO = "Enter your name first: you can undo only your own actions."
-
-
-def when(iso: str, *, digits: int = 19) -> str:
-    return iso[:digits].replace("T", " ")
 
 
 def run_label(run: Run) -> str:
@@ -269,3 +267,50 @@ def golden_name(run: dict) -> str:
 
 def golden_message(golden_id: int, name: str, case_count: int) -> str:
     return f"Created case set #{golden_id} “{name}” with {case_count} cases. Open it on the Case sets page."
+
+
+# -- what the reviewer does, and what it says ---------------------------------------------------------------------
+
+
+def apply_action(store: Any, item: ReviewItem, action: str, label: Any, *, reviewer: str, comment: str | None,
+                 blind: bool) -> tuple[str, str]:
+    """Record an action as of the item's version on screen: the message's kind ("success" when recorded) and text;
+    a change by someone else since is a warning, a refused action an error."""
+    try:
+        store.apply_review_action(item["id"], reviewer=reviewer, action=action, label=label,
+                                  expected_version=item["version"], comment=comment)
+    except ReviewConflictError as exc:
+        return "warning", str(exc)
+    except (ValueError, StoreError) as exc:
+        return "error", str(exc)
+    return "success", saved_message(item, action, blind=blind)
+
+
+def fitted_calibrations(store: Any, schema_name: str) -> list[str]:
+    """The names of the calibrations fitted for a schema: what thresholds and the distribution can read from."""
+    return [c["name"] for c in store.list_calibrations(schema_name=schema_name)]
+
+
+@dataclass(frozen=True)
+class Distribution:
+    heading: str
+    verdict: str | None  # how the calibration chosen did for this question, when it has a map for it
+    table: pd.DataFrame  # run_charts.distribution_table's rows, for answers.probability_chart
+    caption: str
+
+
+def distribution(store: Any, item: ReviewItem, question: dict, chosen: str | None) -> Distribution:
+    """The item's distribution as the run recorded it, or as the calibration `chosen` (a name) maps it."""
+    answer = review.shown_answer(store, item, chosen)
+    judged = calibration.verdicts(store.get_calibration(name=chosen)["payload"]).get(item["question_id"]) \
+        if chosen else None
+    fitted_on = answer["calibration"]
+    if fitted_on is not None:
+        heading = (f"**Calibrated distribution** · “{chosen}” (fitted on {fitted_on['model_id']}'s answers in run "
+                   f"{fitted_on['run_id']})")
+    else:
+        heading = ("**Model's distribution** (raw, as the run recorded it)"
+                   + (f" · “{chosen}” has no map for this question" if chosen and not judged else ""))
+    return Distribution(heading, f"“{chosen}” for {item['question_id']}: {judged.reason}" if judged else None,
+                        run_charts.distribution_table(question, answer["distribution"], answer["predicted"]),
+                        answer_caption(answer))

@@ -345,13 +345,14 @@ def follow_add() -> None:
 
 
 def live_status() -> None:
-    """The model status. While a model loads it redraws on its own every few seconds (until the page's next run);
-    otherwise it is redrawn with the page. A refresh of its own finishing while the page runs made the browser redraw
-    the page's text fields from their declared defaults and send those back as if typed, wiping what a person wrote
-    (a draft's question ids, a case set's name). It never reruns the page itself: a rerun started by the server
-    carries the fields' values as the server last saw them, and an edit the browser sent meanwhile was lost."""
+    """The model status. While a model loads or warms up it redraws on its own every few seconds (until the page's
+    next run); otherwise it is redrawn with the page. A refresh of its own finishing while the page runs made the
+    browser redraw the page's text fields from their declared defaults and send those back as if typed, wiping what a
+    person wrote (a draft's question ids, a case set's name). It never reruns the page itself: a rerun started by the
+    server carries the fields' values as the server last saw them, and an edit the browser sent meanwhile was
+    lost."""
     state = model_manager().state()
-    if state.loading_source or state.adding:
+    if state.status in ("loading", "warming") or state.adding:
         st.fragment(follow_load, run_every=STATUS_REFRESH_SECONDS)()
     else:
         render_status(state)
@@ -362,8 +363,9 @@ def follow_load() -> None:
 
 
 def render_status(state: LoadState) -> None:
-    if state.loading_source:
-        st.caption(f"Loading {label_of(state.loading_source)}… {state.loading_seconds:.0f} s")
+    line = state.status_line()
+    if line:
+        st.caption(line)
     for source in state.adding:
         st.caption(f"Adding {label_of(source)}…")
     engine = state.engine
@@ -536,6 +538,30 @@ def set_widget(key: str, value: Any) -> None:
     """Set a kept widget's value from a callback (before the widget renders)."""
     st.session_state[key] = value
     st.session_state[KEEP_PREFIX + key] = value
+
+
+def show_flash(key: str, undo: Callable[..., Any], undo_key: str) -> None:
+    """The message an action left for the page's next run: (kind, text, Undo's arguments or None)."""
+    if flash := st.session_state.pop(key, None):
+        kind, text, undo_args = flash
+        cols = st.columns([5, 1], vertical_alignment="center")
+        getattr(cols[0], kind)(text)
+        if undo_args is not None:
+            cols[1].button("Undo", key=undo_key, icon=":material/undo:", on_click=undo, args=undo_args)
+
+
+def confirm_delete(question: str, key: Callable[[str], str], confirm_key: str) -> bool:
+    """Asks before a delete (`confirm_key` set opened the question): True when "Yes, delete it" was clicked. Either
+    button closes the question."""
+    with st.container(border=True, key=key("confirm_delete_box")):
+        st.warning(question, icon=":material/delete:")
+        cols = st.columns(2)
+        yes = cols[0].button("Yes, delete it", key=key("delete_yes"), type="primary")
+        if yes or cols[1].button("Cancel", key=key("delete_no")):
+            st.session_state.pop(confirm_key, None)
+        if not yes and confirm_key not in st.session_state:  # cancelled: drawn again without the question
+            st.rerun()
+    return yes
 
 
 def format_json(value: Any) -> str:

@@ -1,7 +1,23 @@
-"""Numbers as the pages show them: short enough for a metric's column at 1024 px, with the unit chosen for the
-size (a six-digit millisecond count was cut to "150,762.4…")."""
+"""What the pages show of numbers and of refusals. Numbers short enough for a metric's column at 1024 px, with the
+unit chosen for the size (a six-digit millisecond count was cut to "150,762.4…"); an action a person asked for that
+the store or its input refused, as the reason, never a traceback."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from clef_workbench.store import StoreError
+
+T = TypeVar("T")
+
+
+def refusal(action: Callable[..., T], *args: Any, **kwargs: Any) -> tuple[T | None, str | None]:
+    """(What `action` returned, None), or (None, why the store or a bad value refused it)."""
+    try:
+        return action(*args, **kwargs), None
+    except (StoreError, ValueError) as exc:
+        return None, str(exc)
 
 SECONDS_ABOVE_MS = 10_000  # durations above this many milliseconds are shown in seconds
 

@@ -260,10 +260,12 @@ class PrefixCache:
         # a view: the schema's few rows more than a copy would keep, and no second copy of a long state's memory
         return normed, memory, PrefixState(length, layers, memory[:length])
 
-    def forward_after(self, record, state: PrefixState) -> tuple[torch.Tensor, torch.Tensor]:
-        """The backbone over the schema + suffix tokens only, continuing from the stored state; the head's inputs of
-        the whole record (rows of the state's tokens are zero in `normed`: the head reads them only through the
-        stored memory)."""
+    def forward_after(self, record, state: PrefixState, *, graph: bool = True,
+                      between_layers=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The backbone over the tokens after `state` only (the schema + suffix of a stored state), continuing from
+        it; the head's inputs of the whole record (rows of the state's tokens are zero in `normed`: the head reads
+        them only through the stored memory). `graph`: replay (or capture) the state's continuation graph; off for a
+        state used once (Why's variants, explain.py), which a capture would only slow down."""
         from .graphs import bucket
         from .segments import make_segments
 
@@ -274,10 +276,11 @@ class PrefixCache:
         device = self.backbone.device
         ids = record.input_ids[start:] + [self.pad_token_id] * (padded - new)
         ids = torch.tensor(ids, dtype=torch.long).to(device, non_blocking=True)
-        hidden = self.graphs.run_after_prefix(ids, state) if self.graphs is not None else None
+        hidden = self.graphs.run_after_prefix(ids, state) if self.graphs is not None and graph else None
         if hidden is None:
             segments = make_segments([padded], device, first_position=start)
-            hidden, _ = self.backbone.forward(ids, segments, prefix=state.layers, prefix_length=start)
+            hidden, _ = self.backbone.forward(ids, segments, prefix=state.layers, prefix_length=start,
+                                              between_layers=between_layers)
         normed_new, memory_new = self.head.token_memory(hidden[:new].to(self.dtype))
         normed = normed_new.new_zeros(len(record), normed_new.shape[-1])
         normed[start:] = normed_new

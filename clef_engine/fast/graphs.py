@@ -5,8 +5,11 @@ with one launch. Two kinds, one owner:
 
 - prefill graphs: one record of up to `max_tokens` tokens, right-padded to a bucket length (multiples of 32 up to
   1,024 tokens, of 128 up to 2,048, of 256 beyond). Padding after the last real token changes nothing before it
-  (the backbone is causal). `capture_all` captures every bucket while the engine warms up, so any record of any
-  length replays a graph; the memory that costs is measured there and bounded by `memory_limit`.
+  (the backbone is causal). The engine's background warm-up captures every bucket, one `capture_bucket` at a time
+  between requests, so that afterwards any record of any length replays a graph; the memory that costs is
+  measured there and bounded by `memory_limit`. Until it is done (`capture_on_use` off) a record whose bucket is
+  not captured yet runs eagerly instead of capturing it in the request's time; afterwards a bucket left out (the
+  memory bound) is captured on first use.
 - continuation graphs: one record continuing after a cached state prefix (fast/cache.py). A graph reads the
   entry's tensors by address, so its graphs live exactly as long as the entry object: they are kept in a
   WeakKeyDictionary keyed by it (an entry evicted, or moved to host memory and back as a new object, takes its
@@ -98,7 +101,8 @@ class PrefillGraphs:
         self.captures = 0
         self.replays = 0
         self.continuation_replays = 0
-        self.memory_bytes = 0  # device memory the captured prefill graphs hold (measured by capture_all)
+        self.memory_bytes = 0  # device memory the captured prefill graphs hold (measured by capture_bucket)
+        self.capture_on_use = True  # off while the warm-up captures: a missing bucket runs eagerly meanwhile
 
     def _capture(self, length: int) -> Graph:
         return self._capture_with(torch.zeros(length, dtype=torch.long, device=self.backbone.device))[0]
@@ -136,39 +140,39 @@ class PrefillGraphs:
     def usable(self, n: int) -> bool:
         return self.disabled is None and n <= self.max_tokens
 
-    def capture_all(self) -> dict:
-        """Capture every bucket up to max_tokens (longest first, so the pool is sized once by the largest), stopping
-        where the pool would outgrow `memory_limit`. Returns what it captured and the memory it took."""
+    def lengths_to_capture(self) -> list[int]:
+        """Every bucket up to max_tokens, longest first (so that the pool is sized once, by the largest)."""
+        return sorted(buckets(self.max_tokens), reverse=True)
+
+    def capture_bucket(self, length: int) -> None:
+        """Capture one bucket (a warm-up step, on the worker thread), measuring the memory it adds; nothing once
+        graphs are off, the bucket is there, or the graphs hold `memory_limit` (the buckets left are captured on
+        first use, within the same pool)."""
+        if self.disabled is not None or length in self.prefill or self.memory_bytes > self.memory_limit:
+            return
         device = self.backbone.device
         torch.cuda.synchronize(device)
-        torch.cuda.empty_cache()  # what stays reserved afterwards is what the graphs hold
+        torch.cuda.empty_cache()  # count what the graph holds, not freed scratch
         before = torch.cuda.memory_reserved(device)
-        for length in sorted(buckets(self.max_tokens), reverse=True):
-            if self.disabled is not None:
-                break
-            if length in self.prefill:
-                continue
-            torch.cuda.empty_cache()  # count what the graphs hold, not the eager runs' freed scratch
-            if torch.cuda.memory_reserved(device) - before > self.memory_limit:
-                break  # the buckets left are captured on first use, within the same pool
-            try:
-                self.prefill[length] = self._capture(length)
-            except Exception as error:  # noqa: BLE001 — fall back to eager, and say why
-                self.disabled = f"{type(error).__name__}: {error}"[:500]
-                torch.cuda.synchronize(device)
+        try:
+            self.prefill[length] = self._capture(length)
+        except Exception as error:  # noqa: BLE001 — fall back to eager, and say why
+            self.disabled = f"{type(error).__name__}: {error}"[:500]
         torch.cuda.synchronize(device)
         torch.cuda.empty_cache()
-        self.memory_bytes = torch.cuda.memory_reserved(device) - before
-        return {"buckets": len(self.prefill), "memory_bytes": self.memory_bytes, "disabled": self.disabled}
+        self.memory_bytes += torch.cuda.memory_reserved(device) - before
 
     def run(self, input_ids: torch.Tensor) -> torch.Tensor | None:
-        """Hidden states [n, hidden] of one record from its bucket's graph (captured now if warm-up did not), or
-        None if graphs are off for it. The result is a view into the graph's output: read it before the next call."""
+        """Hidden states [n, hidden] of one record from its bucket's graph (captured now if warm-up did not, once
+        it is done), or None if graphs are off for it or its bucket waits for the warm-up. The result is a view into
+        the graph's output: read it before the next call."""
         n = input_ids.shape[0]
         if not self.usable(n):
             return None
         length = bucket(n)
         graph = self.prefill.get(length)
+        if graph is None and not self.capture_on_use:
+            return None
         if graph is None:
             try:
                 graph = self._capture(length)

@@ -23,6 +23,7 @@ Media records are not handled here (the engine sends them to the padded multimod
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -242,27 +243,34 @@ class PackedBackbone:
 
     @torch.inference_mode()
     def forward_chunked(self, input_ids: torch.Tensor, chunk_tokens: int, on_chunk, *, split_at: int | None = None,
-                        between_layers=None) -> list[LayerState] | None:
+                        splits: Sequence[int] = (), on_split=None, between_layers=None) -> list[LayerState] | None:
         """One record in chunks of at most `chunk_tokens` tokens, each chunk through every layer before the next,
         so that the activations are one chunk's whatever the record's length. Each layer carries what the next
         chunk needs: attention writes its K/V into one buffer of the record's length (no copies as it grows) and a
         chunk's queries attend to every earlier key and to their own chunk's causally; the conv and the gated-delta
         recurrence continue from the previous chunk's last inputs and final state, as after a cached state.
         `on_chunk(start, hidden)` receives each chunk's final hidden states, in order. With `split_at`, a chunk ends
-        there and every layer's state at that point is returned, its K/V as views of the buffers (no copy)."""
+        there and every layer's state at that point is returned, its K/V as views of the buffers (no copy); with
+        `splits`, a chunk ends at each and `on_split(end, states)` receives those states there, before the next
+        chunk runs (what Why's variants continue from, explain.py)."""
         n = input_ids.shape[0]
-        if split_at is not None and not 0 < split_at <= n:
-            raise ValueError(f"split_at={split_at} must lie within the record")
+        cuts = {*splits, *([split_at] if split_at is not None else [])}
+        if not all(0 < cut <= n for cut in cuts):
+            raise ValueError(f"splits {sorted(cuts)} must lie within the record of {n} tokens")
         carried: list[LayerState | None] = [None] * len(self.layers)
         buffers = {index: tuple(torch.empty(n, layer.kv_heads, layer.head_dim, device=self.device, dtype=self.dtype)
                                 for _ in range(2))
                    for index, layer in enumerate(self.layers) if layer.kind != "linear_attention"}
         at_split = None
-        for start, end in chunk_bounds(n, chunk_tokens, split_at):
+        for start, end in chunk_bounds(n, chunk_tokens, cuts):
             on_chunk(start, self._forward_chunk(input_ids[start:end], start, carried, buffers, between_layers))
-            if end == split_at:
-                at_split = [LayerState(keys=buffers[i][0][:end], values=buffers[i][1][:end]) if i in buffers
-                            else carried[i] for i in range(len(self.layers))]
+            if end in cuts:
+                states = [LayerState(keys=buffers[i][0][:end], values=buffers[i][1][:end]) if i in buffers
+                          else carried[i] for i in range(len(self.layers))]
+                if end == split_at:
+                    at_split = states
+                if end in splits:
+                    on_split(end, states)
         return at_split
 
     def _forward_chunk(self, chunk_ids: torch.Tensor, start: int, carried: list[LayerState | None],
@@ -373,19 +381,21 @@ class PackedBackbone:
         return self._project_residual(out, layer.o_proj)
 
 
-def chunk_bounds(n: int, chunk_tokens: int, split_at: int | None = None) -> list[tuple[int, int]]:
+def chunk_bounds(n: int, chunk_tokens: int, split_at: int | Iterable[int] | None = None) -> list[tuple[int, int]]:
     """(start, end) of the chunks of a record of `n` tokens: at multiples of `chunk_tokens` (so that most chunks
-    share one shape), and one more boundary at `split_at`."""
-    cuts = sorted({*range(chunk_tokens, n, chunk_tokens), *([split_at] if split_at is not None else []), n})
+    share one shape), and one more boundary at `split_at` (or at each of several)."""
+    splits = [split_at] if isinstance(split_at, int) else list(split_at or ())
+    cuts = sorted({*range(chunk_tokens, n, chunk_tokens), *splits, n})
     return list(zip([0] + cuts[:-1], cuts))
 
 
 def chunked_head_inputs(backbone: PackedBackbone, input_ids: torch.Tensor, token_memory, dtype: torch.dtype,
-                        chunk_tokens: int, *, split_at: int | None = None,
+                        chunk_tokens: int, *, split_at: int | None = None, splits: Sequence[int] = (), on_split=None,
                         between_layers=None) -> tuple[torch.Tensor, torch.Tensor, list[LayerState] | None]:
     """The head's inputs (normed hidden states, memory) of one record run in chunks (`forward_chunked`), each
     chunk's taken by `token_memory` (the head's, row by row) as soon as it is done: the record's final hidden
-    states are never whole. Also the layer states at `split_at`, if asked."""
+    states are never whole. Also the layer states at `split_at`, if asked; and at each of `splits`,
+    `on_split(end, states, memory)` with the memory of the tokens before `end`."""
     n = input_ids.shape[0]
     normed = memory = None
 
@@ -398,7 +408,9 @@ def chunked_head_inputs(backbone: PackedBackbone, input_ids: torch.Tensor, token
         normed[start: start + hidden.shape[0]] = normed_chunk
         memory[start: start + hidden.shape[0]] = memory_chunk
 
-    states = backbone.forward_chunked(input_ids, chunk_tokens, take, split_at=split_at, between_layers=between_layers)
+    states = backbone.forward_chunked(input_ids, chunk_tokens, take, split_at=split_at, splits=splits,
+                                      on_split=lambda end, layers: on_split(end, layers, memory[:end]),
+                                      between_layers=between_layers)
     return normed, memory, states
 
 

@@ -6,7 +6,9 @@
                                 [--keep-alive-timeout S] [--shutdown-grace S] [--cors-origin ORIGIN ...]
                                 [--calibrations FILE]
 
-The models load before the server listens, so once /health answers the server is ready. With several `--model`s
+The models load before the server listens, so once /health answers the server answers requests; on CUDA each model
+then warms up in the background (compiles and captures for lengths not asked for yet, requests first), and /health's
+`state` says "warming" until the default model's warm-up is done, then "ready". With several `--model`s
 each keeps its own engine (the local ones share their GPU's queue, taking turns), the first is the default, and a
 request's `"model"` picks one by the name /v1/models lists; `jev-latest` and names not loaded go to the default.
 Before each local model loads, its memory need is checked against the memory free on its device (with the models

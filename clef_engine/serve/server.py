@@ -3,9 +3,10 @@
 Routes (see `routes`):
 - `POST /v1/systemone` — a System One request (spec §5) → a System One response, plus `x_` extras.
 - `GET /v1/models` — every resident model, the default first, and the `jev-latest` alias of the default.
-- `GET /health` — `{"ready", "model", "models", "revision", "device"}` (`model`: the default); 503 while no engine
-  is loaded. Never needs a key. Models are named as /v1/models names them (a local release by its folder name,
-  never a server path).
+- `GET /health` — `{"ready", "state", "model", "models", "revision", "device"}` (`model`: the default); 503 while
+  no engine is loaded (`state` "loading"). `state` is the default model's: "warming" while it compiles and captures
+  in the background (it answers meanwhile: `ready` is true), then "ready". Never needs a key. Models are named as
+  /v1/models names them (a local release by its folder name, never a server path).
 - `GET /metrics` — Prometheus text exposition (prometheus-client, one registry per app).
 - `GET /openapi.json` and `GET /docs` — the OpenAPI document and a self-contained page rendering it (no CDN).
 
@@ -451,6 +452,7 @@ class SystemOneApi:
         info = await run_in_threadpool(safe_call, engine.info, {}) if engine is not None else {}
         body = {
             "ready": engine is not None,
+            "state": info.get("state", "ready") if engine is not None else "loading",
             "model": name,
             "models": list(models),
             "revision": info.get("revision"),

@@ -24,6 +24,7 @@ from tests.support import REPO
 from tests.support.api import JSON, check_answers, metric, parse_metrics
 from tests.support.bodies import make_request
 from tests.support.servers import ServerProcess, serving, serving_workbench
+from tests.support.warm_up import until
 
 pytestmark = pytest.mark.slow  # real server processes
 API_KEY = "test-key-\u00e9-not-secret"  # non-ASCII on purpose: the comparison must work on bytes
@@ -365,7 +366,7 @@ def test_health_and_models(client: httpx.Client, tiny_release: Path) -> None:
     health = client.get("/health")
     assert health.status_code == 200
     body = health.json()
-    assert body["ready"] is True and body["device"] == "cpu" and body["model"]
+    assert body["ready"] is True and body["state"] == "ready" and body["device"] == "cpu" and body["model"]
     assert "revision" in body
     models = client.get("/v1/models").json()["models"]
     assert [m["name"] for m in models][1] == "jev-latest"
@@ -374,6 +375,30 @@ def test_health_and_models(client: httpx.Client, tiny_release: Path) -> None:
     assert [m["precision"] for m in models] == ["bf16", "bf16"]  # which precision answers, the alias's too
     assert client.get("/nope").status_code == 404
     assert client.get("/v1/systemone").status_code == 405
+
+
+WARM_UP_GATE = "warm-up-gate"  # in the test's tmp_path: the warming server's warm-up waits until it exists
+
+
+@pytest.fixture
+def warming_server(tiny_release: Path, tmp_path: Path,
+                   tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    yield from serving(tiny_release, tmp_path_factory, "warming-server.log", launcher="tests.support.warming_server",
+                       env={"CLEF_WARM_UP": "1", "WARM_UP_GATE": str(tmp_path / WARM_UP_GATE)})
+
+
+@pytest.mark.slow  # a real server process of its own
+def test_health_of_a_real_server_says_warming_then_ready(warming_server: ServerProcess, tmp_path: Path) -> None:
+    """Issue 38: the server answers once its model is loaded; /health says "warming" (200, ready) while the warm-up
+    runs in the background (held here until the test lets it go), then "ready"."""
+    health_url = f"{warming_server.url}/health"
+    health = httpx.get(health_url, timeout=5).json()
+    assert health["state"] == "warming" and health["ready"] is True
+    answer = httpx.post(f"{warming_server.url}/v1/systemone", json=make_request(0), timeout=60)
+    assert answer.status_code == 200 and set(answer.json()["answers"]) == {"billing", "tone", "urgency"}
+    assert httpx.get(health_url, timeout=5).json()["state"] == "warming"  # answered while warming
+    (tmp_path / WARM_UP_GATE).touch()
+    until(lambda: httpx.get(health_url, timeout=5).json()["state"] == "ready", "/health to say ready")
 
 
 def test_metrics_count_what_happened(server: ServerProcess, client: httpx.Client) -> None:

@@ -15,6 +15,7 @@ from PIL import Image
 
 from clef_engine import RequestError, TokenBudgetError
 from clef_engine.explain import REGION_GRID
+from clef_engine.fast.graphs import bucket
 from clef_engine.protocol import data_url
 from tests.support.api import TIMINGS, without_latency
 from tests.support.bodies import QUESTIONS, SENTENCES, TEXT_STATE
@@ -145,6 +146,23 @@ def test_video_frames(tiny_engine):
         return request(videos=[{"frames": frames, "fps": 4.0}])
 
     assert check_deltas(tiny_engine, base_request, explained, without) == len(record.videos[0].frame_indices)
+
+
+def test_the_variants_continue_after_the_tokens_they_share_with_the_record(tiny_engine, monkeypatch):
+    """Issue 38: the record runs once and each variant computes only its tokens from its first change on (right-
+    padded to a length bucket, as every continuation after a state), not its whole length again."""
+    computed: list[int] = []
+    layers = tiny_engine.runner.backbone._layers
+    monkeypatch.setattr(tiny_engine.runner.backbone, "_layers",
+                        lambda x, *args, **kwargs: computed.append(x.shape[0]) or layers(x, *args, **kwargs))
+    explained = tiny_engine.explain(request())
+    record = tiny_engine.encode(request())
+    variants = [tiny_engine.encode(request(TEXT_STATE[: s["start"]] + TEXT_STATE[s["end"]:]))
+                for s in explained["x_explanations"]["angry"]]
+    shared = [next(i for i, (a, b) in enumerate(zip(record.input_ids, v.input_ids)) if a != b) for v in variants]
+    assert min(shared) > 0 and max(shared) < record.state_end
+    assert sum(computed) == len(record) + sum(bucket(len(v) - n) for v, n in zip(variants, shared))
+    assert sum(computed) < len(record) + sum(len(v) for v in variants)
 
 
 @pytest.mark.parametrize(("state", "extra", "unit", "message"), [

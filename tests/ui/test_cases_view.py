@@ -8,11 +8,12 @@ import shutil
 
 import pytest
 
-from clef_workbench import casesets, importing, stats
+from clef_workbench import case_table, casesets, importing, stats
 from clef_workbench.schema_library import SchemaLibrary
 from clef_workbench.store import Store
 from tests.support import REPO
 from workbench_ui import cases_view as view
+from workbench_ui import units
 
 TICKETS_CSV = (
     "ticket_id,subject,body,team,tags\n"
@@ -201,3 +202,48 @@ def test_without_a_schema_columns_named_after_the_librarys_questions_are_answers
     assert chosen.state_warning(["subject", "body"])[0] == "caption"
     kind, text = chosen.state_warning(["subject", "body", "team"])  # asked for on purpose: allowed, and said
     assert kind == "warning" and "the model reads the answer: team." in text
+
+
+def test_an_action_the_store_refuses_gives_its_reason_never_a_traceback(store, library):
+    new_id, refused = units.refusal(store.create_case_set, "Tickets", schema_name="support-ticket-routing")
+    assert refused is None and store.get_case_set(new_id)["name"] == "Tickets"
+    assert units.refusal(store.create_case_set, "Tickets") == (
+        None, "a case set named 'Tickets' already exists; choose another name")
+    assert units.refusal(store.delete_case_set, 999) == (None, "case set 999 does not exist")
+    assert view.load_examples(store, library) == f"Example case sets ready: {len(library.slugs())}."
+
+
+def test_a_file_is_read_parsed_and_imported_or_says_what_is_wrong(store):
+    set_id = store.create_case_set("Tickets")
+    source, problems = view.read_file("tickets.csv", TICKETS_CSV, None, None)
+    assert problems == [] and view.read_caption(source).startswith("Read as **")
+    assert view.read_file("empty.csv", b"", None, None) == (None, ["empty.csv is empty"])
+    mapping = view.ImportMapping(source.columns, [], tags_column="tags", id_column="ticket_id").mapping(
+        state_columns=["subject", "body"])
+    parsed, problems = view.parse_file(source, mapping, None, skip_bad_rows=False)
+    assert problems == [] and [c["source_id"] for c in parsed] == ["T-1", "T-2", "T-3"]
+    added, refused = view.import_parsed(store, set_id, parsed)
+    assert len(added) == 3 and refused is None
+    assert view.import_parsed(store, set_id, parsed) == ([], None)  # already there: skipped
+    ragged, _ = view.read_file("tickets.csv", TICKETS_CSV + b"T-4,,\n", None, None)
+    assert view.parse_file(ragged, mapping, None, skip_bad_rows=False) == ([], [])  # listed apart, with the skip box
+    assert len(view.parse_file(ragged, mapping, None, skip_bad_rows=True)[0]) == 3
+    files = view.export_files(store, store.get_case_set(set_id))
+    assert files.stem == "tickets" and len(files.jsonl.splitlines()) == 3 and "T-2" in files.csv
+
+
+def test_a_table_save_refused_keeps_the_rows_of_cases_with_runs_and_says_why(store):
+    set_id = store.create_case_set("Tickets")
+    kept, gone = store.add_case(set_id, state="ticket 1"), store.add_case(set_id, state="ticket 2")
+    store.create_run(set_id, schema={"name": "t", "questions": {"urgent": {"type": "noul"}}}, model_id="m")
+    frame = case_table.editor_frame(store, set_id)
+    refused = view.save_edits(store, set_id, frame[frame["id"] != gone], None)
+    assert isinstance(refused, view.SaveRefused) and refused.kept_case_ids == [gone]
+    assert view.kept_rows_message(refused).endswith("Delete its runs first. The rows are back in the table; your "
+                                                    "other edits are still there, not saved.")
+    bad = frame.assign(expected=['{"team": ', ""])
+    refused = view.save_edits(store, set_id, bad, None)
+    assert isinstance(refused, view.SaveRefused) and refused.kept_case_ids is None and len(refused.problems) == 1
+    saved = view.save_edits(store, set_id, frame.assign(tags=["vip", ""]), None)
+    assert saved.summary() == "Saved: 0 added, 1 updated, 0 deleted."
+    assert store.get_case(kept)["tags"] == ["vip"]

@@ -317,3 +317,39 @@ def test_run_this_case_set_opens_start_a_run_with_the_set_and_its_schema(workben
     assert [t.value for t in at.title] == ["Runs"]
     assert at.selectbox(key="runs.start.case_set").value == set_id
     assert at.selectbox(key=f"runs.start.schema.{set_id}").value == "security-alert-triage"
+
+
+class SlowEndpoint:
+    """An endpoint whose load waits for the test: the model manager is busy loading it until then."""
+
+    def info(self) -> dict:
+        return {}
+
+    def close(self) -> None:
+        pass
+
+
+def test_while_a_model_loads_start_waits_without_holding_the_page_and_is_offered_when_it_is_loaded(workbench,
+                                                                                                   monkeypatch):
+    """Review leftover b: Resume and Retry held the page's script run for up to 600 s under a spinner while a model
+    loaded. The buttons that run on a model say "Model loading…" and wait instead; the page is drawn at once."""
+    import threading
+
+    AppTest.from_file(APP, default_timeout=TIMEOUT).run()  # loads the demo model in this process
+    casesets.load_example_case_sets(Store(workbench / "workbench.sqlite3"), workbench / "schemas")
+    manager = shell.model_manager()
+    loaded = threading.Event()
+    monkeypatch.setattr(manager, "_loader", lambda source, **options: loaded.wait(TIMEOUT) and SlowEndpoint())
+    manager.add("http://127.0.0.1:9")
+    try:
+        at = open_page("pages/runs.py")
+        start = next(b for b in at.button if b.key == "runs.start.go")
+        assert (start.label, start.disabled) == ("Model loading…", True)
+    finally:
+        loaded.set()
+        manager.wait(TIMEOUT)
+    at.run()
+    no_exceptions(at)
+    start = next(b for b in at.button if b.key == "runs.start.go")
+    assert (start.label, start.disabled) == ("Start run", False)
+    manager.remove(next(m.name for m in manager.loaded() if m.source == "http://127.0.0.1:9"))

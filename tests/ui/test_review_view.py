@@ -145,3 +145,26 @@ def test_runs_and_the_golden_set_are_named_for_people():
     assert view.golden_name(run) == "Golden: Tickets (run 7)"
     assert view.golden_message(12, "Golden: Tickets (run 7)", 4) == (
         "Created case set #12 “Golden: Tickets (run 7)” with 4 cases. Open it on the Case sets page.")
+
+
+def test_an_action_on_an_item_changed_since_it_was_shown_warns_and_a_bad_one_is_an_error(queue):
+    store, run_id, case_ids, items = queue
+    item = items[(case_ids[3], "team")]
+    assert view.apply_action(store, item, "correct", "tech", reviewer="ana", comment=None, blind=False) == (
+        "success", f"Correct saved for case {case_ids[3]} · team.")
+    kind, message = view.apply_action(store, item, "accept", None, reviewer="bo", comment=None, blind=False)
+    assert kind == "warning" and "changed" in message  # bo saw the version before ana's correction
+    assert view.apply_action(store, store.get_review_item(item["id"]), "shrug", None, reviewer="bo", comment=None,
+                             blind=False)[0] == "error"
+    assert store.get_review_item(item["id"])["label"] == "tech"
+
+
+def test_the_distribution_reads_raw_until_a_calibration_is_chosen(queue):
+    store, run_id, case_ids, items = queue
+    item = items[(case_ids[1], "team")]
+    assert view.fitted_calibrations(store, "tickets") == []
+    shown = view.distribution(store, item, SCHEMA["questions"]["team"], None)
+    assert shown.heading == "**Model's distribution** (raw, as the run recorded it)" and shown.verdict is None
+    assert shown.caption == "Answer **billing** · confidence 0.450 · margin 0.050"
+    assert dict(zip(shown.table["option"], shown.table["probability"], strict=True)) == {
+        "billing": 0.45, "tech": 0.40, "none_of_these": 0.15}

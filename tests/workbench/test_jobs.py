@@ -214,9 +214,9 @@ def test_one_case_over_the_token_budget_costs_its_chunk_nothing(tmp_path, tiny_e
     batches: list[int] = []
     run_batch = tiny_engine.scheduler.run_batch
 
-    def counting(records):
+    def counting(records, steps):
         batches.append(len(records))
-        return run_batch(records)
+        return run_batch(records, steps)
 
     monkeypatch.setattr(tiny_engine.scheduler, "run_batch", counting)
     runner = JobRunner(store)
@@ -239,8 +239,8 @@ def test_decide_chunk_on_a_replica_answers_the_good_cases_in_one_batch(tiny_engi
     requests[5] = build_request({"state": "word " * 400}, SMALL_SCHEMA)
     batches: list[int] = []
     run_batch = tiny_engine.scheduler.run_batch
-    monkeypatch.setattr(tiny_engine.scheduler, "run_batch", lambda records: batches.append(len(records))
-                        or run_batch(records))
+    monkeypatch.setattr(tiny_engine.scheduler, "run_batch", lambda records, steps: batches.append(len(records))
+                        or run_batch(records, steps))
     results = decide_chunk(tiny_engine, list(enumerate(requests)), RunSettings(max_length=400))
     assert batches == [11]
     assert [r["case_id"] for r in results] == list(range(12))

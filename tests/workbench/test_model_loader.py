@@ -13,6 +13,7 @@ import clef_engine
 from clef_engine.errors import ReleaseError
 from clef_workbench import model_loader
 from clef_workbench.model_loader import DEMO_SOURCE, ModelManager
+from tests.support.warm_up import WAIT_SECONDS, held_warm_up, until, warming_engine
 
 
 class FakeEngine:
@@ -321,3 +322,22 @@ def test_models_whose_weights_are_random_are_flagged_by_name():
     # runs recorded under a demo name stay flagged after it is unloaded; other names are not guessed at
     assert manager.random_weights("clef-demo") and manager.random_weights("clef-demo-2")
     assert not manager.random_weights("random-tiny") and not manager.random_weights("12")
+
+
+def test_the_sidebar_says_warming_until_the_warm_up_ends(tiny_release, monkeypatch):
+    """Issue 38: a model answers as soon as it is loaded, warming up in the background meanwhile."""
+    gate = threading.Event()
+    held_warm_up(monkeypatch, gate)
+    manager = ModelManager(loader=warming_engine)
+    try:
+        manager.request(str(tiny_release))
+        state = manager.wait(WAIT_SECONDS)
+        assert state.engine is not None and state.status == "warming"
+        assert "Warming up" in (state.status_line() or "") and "Loading" not in (state.status_line() or "")
+        gate.set()
+        until(lambda: manager.state().status == "ready", "the sidebar to say ready")
+        assert manager.state().status_line() is None
+    finally:
+        gate.set()
+        if manager.state().engine is not None:
+            manager.state().engine.close(wait=True)
