@@ -7,7 +7,6 @@ import json
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -18,8 +17,8 @@ from clef_workbench import sweeps
 from clef_workbench.__main__ import main
 from clef_workbench.casesets import build_request
 from clef_workbench.store import Store, StoreError
+from tests.support import REPO, wait_for
 
-ROOT = Path(__file__).resolve().parents[2]
 CASES = 12  # of the killed sweep
 TEAMS = ["billing", "tech", "sales"]
 SCHEMA = {"name": "tickets", "version": 1, "description": "", "questions": {
@@ -233,7 +232,7 @@ def test_decide_variants_equals_each_request_alone_and_reuses_a_kept_state(tiny_
 
 
 def sweep_cli(*args: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "clef_workbench", "sweep", *args], cwd=ROOT,
+    return subprocess.Popen([sys.executable, "-m", "clef_workbench", "sweep", *args], cwd=REPO,
                             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -319,11 +318,9 @@ def test_a_sweep_killed_mid_way_resumes_without_computing_a_case_twice_or_losing
             "--variants", str(tmp_path / "variants.json")]
     child = sweep_cli(*args)
     try:
-        deadline = time.monotonic() + 600
-        while not store.list_sweeps() or store.list_sweeps()[0]["done"] < 3:
-            assert child.poll() is None, child.communicate()[1][-3000:]
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
+        wait_for(lambda: child.poll() is not None or (store.list_sweeps() and store.list_sweeps()[0]["done"] >= 3),
+                 600, "3 cases of the sweep stored")
+        assert child.poll() is None, child.communicate()[1][-3000:]
         child.send_signal(signal.SIGKILL)
         child.wait(timeout=60)
     finally:
