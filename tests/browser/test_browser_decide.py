@@ -13,7 +13,7 @@ import playwright.sync_api as playwright_api  # noqa: E402
 import pytest
 from PIL import Image
 
-from tests.support.browser import launch_chromium, running_workbench
+from tests.support.browser import chromium_page, running_workbench
 from tests.support.browser_steps import commit, pick, settle
 from tests.support.media import mp4_bytes
 
@@ -35,13 +35,9 @@ def workbench_url(tmp_path: Path):
 
 @pytest.fixture
 def page(workbench_url):
-    with playwright_api.sync_playwright() as playwright:
-        browser = launch_chromium(playwright)
-        page = browser.new_page(viewport={"width": 1400, "height": 1000})
-        page.set_default_timeout(60_000)
+    with chromium_page(width=1400, height=1000) as page:
         page.goto(workbench_url)
         yield page
-        browser.close()
 
 
 def test_decide_in_a_real_browser(page, tmp_path: Path):

@@ -16,7 +16,7 @@ from clef_workbench import review
 from clef_workbench.schema_library import SchemaLibrary
 from clef_workbench.store import RunSettings, Store
 from tests.support import REPO
-from tests.support.browser import LONG, demo_workbench, launch_chromium, running_workbench
+from tests.support.browser import LONG, chromium_page, demo_workbench, running_workbench
 from tests.support.browser_steps import delete_row, press_shortcut, settle
 
 expect = playwright_api.expect
@@ -32,13 +32,8 @@ def workbench(tmp_path_factory):
 @pytest.fixture
 def page(workbench, request):
     _, _, root = workbench
-    with playwright_api.sync_playwright() as playwright:
-        browser = launch_chromium(playwright)
-        page = browser.new_page(viewport={"width": 1500, "height": 1100})
-        page.set_default_timeout(60_000)
+    with chromium_page(width=1500, height=1100, screenshot=root / f"{request.node.name}.png") as page:
         yield page
-        page.screenshot(path=str(root / f"{request.node.name}.png"), full_page=True)  # kept for a failure
-        browser.close()
 
 
 def test_reloading_decide_brings_the_draft_back(page, workbench):

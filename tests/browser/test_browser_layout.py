@@ -13,7 +13,8 @@ from pathlib import Path
 import playwright.sync_api as playwright_api
 import pytest
 
-from tests.support.browser import REPO, demo_workbench, launch_chromium, running_workbench
+from tests.support import REPO
+from tests.support.browser import chromium_page, demo_workbench, launch_chromium, running_workbench
 from tests.support.browser_steps import go_to, settle
 
 expect = playwright_api.expect
@@ -53,14 +54,10 @@ def page(tmp_path: Path):
     shutil.copytree(REPO / "schemas", tmp_path / "schemas")
     env = {"CLEF_DB": str(tmp_path / "workbench.sqlite3"), "CLEF_SCHEMAS_DIR": str(tmp_path / "schemas")}
     with running_workbench(env, log_path=tmp_path / "streamlit.log") as url, \
-            playwright_api.sync_playwright() as playwright:
-        browser = launch_chromium(playwright)
-        page = browser.new_page(viewport={"width": VIEWPORTS[0][0], "height": VIEWPORTS[0][1]})
-        page.set_default_timeout(60_000)
+            chromium_page(width=VIEWPORTS[0][0], height=VIEWPORTS[0][1]) as page:
         page.goto(url)
         page.get_by_role("button", name="Run").wait_for(timeout=LONG)
         yield page
-        browser.close()
 
 
 def test_run_and_the_numbers_are_whole_at_every_screen_size(page):

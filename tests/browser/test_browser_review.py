@@ -16,7 +16,7 @@ import pytest
 from clef_workbench import review
 from clef_workbench.store import Store
 from tests.support import REPO
-from tests.support.browser import launch_chromium, running_workbench
+from tests.support.browser import chromium_page, running_workbench
 from tests.support.browser_steps import go_to, new_case_set_from_csv, press_shortcut, settle
 
 expect = playwright_api.expect
@@ -57,13 +57,8 @@ def workbench(tmp_path: Path):
 
 @pytest.fixture
 def page(workbench):
-    url, _ = workbench
-    with playwright_api.sync_playwright() as playwright:
-        browser = launch_chromium(playwright)
-        page = browser.new_page(viewport={"width": 1500, "height": 1100}, accept_downloads=True)
-        page.set_default_timeout(60_000)
+    with chromium_page(width=1500, height=1100, accept_downloads=True) as page:
         yield page
-        browser.close()
 
 
 def test_import_run_review_with_keyboard_and_export(page, workbench, tmp_path: Path):

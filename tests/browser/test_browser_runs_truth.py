@@ -16,7 +16,7 @@ from clef_engine.errors import ClefError
 from clef_workbench.jobs import JobRunner
 from clef_workbench.store import RunSettings, Store
 from tests.support import REPO
-from tests.support.browser import launch_chromium, running_workbench
+from tests.support.browser import chromium_page, running_workbench
 from tests.support.browser_steps import delete_row, settle
 
 expect = playwright_api.expect
@@ -47,13 +47,8 @@ def workbench(tmp_path_factory):
 @pytest.fixture
 def page(workbench, request):
     _, _, root = workbench
-    with playwright_api.sync_playwright() as playwright:
-        browser = launch_chromium(playwright)
-        page = browser.new_page(viewport={"width": 1440, "height": 900}, accept_downloads=True)
-        page.set_default_timeout(60_000)
+    with chromium_page(screenshot=root / f"{request.node.name}.png", accept_downloads=True) as page:
         yield page
-        page.screenshot(path=str(root / f"{request.node.name}.png"), full_page=True)  # kept for a failure
-        browser.close()
 
 
 class StoppedEndpoint:

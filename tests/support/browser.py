@@ -60,19 +60,29 @@ def launch_chromium(playwright: Any):
 
 
 @contextmanager
-def workbench_page(env: dict[str, str], folder: Path, *, width: int = 1440,
-                   height: int = 900) -> Iterator[tuple[Any, str]]:
-    """A workbench process on `env` and one Chromium page of `width` × `height` (actions wait up to 60 s): (page,
-    the workbench's URL). The page's last state is kept in `folder/last.png` for a failure."""
+def chromium_page(*, width: int = 1440, height: int = 900, screenshot: Path | None = None,
+                  **options: Any) -> Iterator[Any]:
+    """One page of `width` × `height` in its own Chromium (actions wait up to 60 s; `options` go to `new_page`, e.g.
+    accept_downloads). With `screenshot`, the page's last state is kept there, for a failure."""
     import playwright.sync_api as playwright_api
 
-    with running_workbench(env, log_path=folder / "streamlit.log") as url, \
-            playwright_api.sync_playwright() as playwright:
+    with playwright_api.sync_playwright() as playwright:
         browser = launch_chromium(playwright)
-        page = browser.new_page(viewport={"width": width, "height": height})
+        page = browser.new_page(viewport={"width": width, "height": height}, **options)
         page.set_default_timeout(60_000)
         try:
-            yield page, url
+            yield page
         finally:
-            page.screenshot(path=str(folder / "last.png"), full_page=True)
+            if screenshot is not None:
+                page.screenshot(path=str(screenshot), full_page=True)
             browser.close()
+
+
+@contextmanager
+def workbench_page(env: dict[str, str], folder: Path, *, width: int = 1440,
+                   height: int = 900) -> Iterator[tuple[Any, str]]:
+    """A workbench process on `env` and one Chromium page of `width` × `height`: (page, the workbench's URL). The
+    page's last state is kept in `folder/last.png` for a failure."""
+    with running_workbench(env, log_path=folder / "streamlit.log") as url, \
+            chromium_page(width=width, height=height, screenshot=folder / "last.png") as page:
+        yield page, url

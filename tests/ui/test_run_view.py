@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from clef_workbench.model_loader import ModelManager
-from clef_workbench.store import Store
+from clef_workbench.store import RunSettings, Store
 from workbench_ui import run_view as view
 
 SCHEMA = {"name": "tickets", "version": "4", "questions": {
@@ -41,7 +41,7 @@ def run(tmp_path) -> tuple[Store, dict]:
         {"state": "x" * 10, "expected": {}},
     ])
     run_id = store.create_run(set_id, schema=SCHEMA, model_id="clef", model_revision="abc",
-                              settings={"chunk_size": 2, "max_length": 4096, "overflow": "refuse"})
+                              settings=RunSettings(chunk_size=2, max_length=4096))
     store.record_results(run_id, [
         {"case_id": case_ids[0], "response": answer(0.9, 0.9, 10), "latency_ms": 100, "input_tokens": 100,
          **FIRST_BATCH},
@@ -144,8 +144,8 @@ def test_a_run_is_recorded_without_the_schemas_examples_and_with_the_engines_bui
                              chunk_size=8, max_length=2048, overflow="truncate_state")
     made = store.get_run(run_id)
     assert "examples" not in made["schema"] and made["model_revision"] == "r1"
-    assert made["settings"] == {"chunk_size": 8, "max_length": 2048, "overflow": "truncate_state",
-                                "schema_slug": "tickets", "device": "cpu", "dtype": "float32", "precision": "bf16"}
+    assert made["settings"] == RunSettings(chunk_size=8, max_length=2048, overflow="truncate_state",
+                                           schema_slug="tickets", device="cpu", dtype="float32", precision="bf16")
 
 
 def test_too_few_labelled_cases_refuse_a_calibration_with_the_reason(run):
