@@ -50,6 +50,7 @@ PAGE_SPECS = [
     ("runs.py", "Runs", ":material/speed:"),
     ("review.py", "Review", ":material/fact_check:"),
     ("compare.py", "Compare", ":material/compare_arrows:"),
+    ("sweeps.py", "Sweeps", ":material/leaderboard:"),
 ]
 
 
@@ -93,6 +94,20 @@ def _job_runner(db_path: str):
     from clef_workbench.store import Store
 
     return make_job_runner(Store(db_path))
+
+
+def get_sweep_runner():
+    """The process-wide sweep runner of the current database: sweeps keep going across page switches, reloads and
+    sessions."""
+    return _sweep_runner(str(get_store().path))
+
+
+@st.cache_resource(show_spinner=False)
+def _sweep_runner(db_path: str):
+    from clef_workbench.store import Store
+    from clef_workbench.sweep_runner import SweepRunner
+
+    return SweepRunner(Store(db_path))
 
 
 def get_library() -> SchemaLibrary:
