@@ -1,0 +1,179 @@
+"""The Sweeps page's view-model: alternatives written per question, the leaderboard (table, chart rows, order
+sensitivity, the composed best schema), a variant's flipped cases with their Decide links, and Adopt into a real
+schema library (the new version's note, refusals, Undo)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from clef_workbench.schema_library import SchemaLibrary
+from clef_workbench.store import Store
+from clef_workbench.sweeps import BestSchema, Metric, QuestionScore, SweepResult, Variant, VariantScore
+from tests.conftest import REPO
+from workbench_ui import sweeps_view as sv
+
+SLUG = "support-ticket-routing"
+
+
+@pytest.fixture
+def store(tmp_path) -> Store:
+    return Store(tmp_path / "w.db")
+
+
+@pytest.fixture
+def library(tmp_path, store) -> SchemaLibrary:
+    shutil.copytree(REPO / "schemas", tmp_path / "schemas")
+    return SchemaLibrary(tmp_path / "schemas", history=store)
+
+
+# -- written alternatives --------------------------------------------------------------------------------------------
+
+
+def test_an_alternative_starts_from_the_question_and_must_change_it(library):
+    questions = library.load(SLUG).questions
+    team = sv.alternative_editor(questions["team"])
+    assert team.instructions == "Which team should handle this ticket?"
+    assert team.options.splitlines()[0] == "billing: Invoices, charges, refunds, payment methods, plan prices."
+    assert sv.alternative_editor(questions["priority"]).options.splitlines()[0].startswith("Low: a question")
+    assert sv.alternative_editor(questions["needs_human_agent"]).options.splitlines() == [
+        "true: It needs investigation, a judgement call, an account change, or an apology.",
+        "false: A standard how-to article fully answers it."]
+
+    assert sv.written_alternative("team", questions["team"], team.instructions, team.options) == (
+        None, ['question "team": the alternative is the question as it is; change its instructions or options'])
+    reordered = "\n".join(reversed(team.options.splitlines()))
+    question, problems = sv.written_alternative("team", questions["team"], "Which queue owns it?", reordered)
+    assert problems == [] and question["instructions"] == "Which queue owns it?"
+    assert list(question["criteria"])[0] == "none_of_these"  # the order typed is the order the model reads
+
+    assert sv.written_alternative("team", questions["team"], "Which queue?", "billing\nbilling: twice")[1] == [
+        'question "team", field "criteria": option id "billing" appears more than once']
+    assert sv.written_alternative("churn_threat", questions["churn_threat"], "Leaving?", "maybe: perhaps")[1] == [
+        'question "churn_threat", field "criteria": a yes/no question describes only `true` and `false`, not maybe']
+
+
+# -- a sweep's scores, as load_sweep gives them -------------------------------------------------------------------
+
+BASE = {"name": "Tickets", "version": 2, "questions": {
+    "team": {"type": "choice", "instructions": "Which team?", "criteria": {"billing": "Money", "tech": "Broken"}},
+    "urgent": {"type": "noul", "instructions": "Is it urgent?", "criteria": None}}}
+REVERSED = sv.with_question(BASE, "team", {**BASE["questions"]["team"], "criteria": {"tech": "Broken",
+                                                                                    "billing": "Money"}})
+PLAIN = sv.with_question(BASE, "urgent", {"type": "noul", "instructions": "", "criteria": None})
+
+
+def score(variant: Variant, accuracy: Metric, change: Metric, flips: dict[str, list[int]],
+          order: float | None = None) -> VariantScore:
+    questions = {qid: QuestionScore(qid, 40, accuracy, Metric(0.5), Metric(0.6), Metric(0.1), flips.get(qid, []),
+                                    change, None if variant.kind == "base" else 0.2,
+                                    change.low is not None and change.low > 0) for qid in BASE["questions"]}
+    return VariantScore(variant, accuracy, change, questions, sorted({c for ids in flips.values() for c in ids}),
+                        order)
+
+
+def result_of(case_ids: list[int], slug: str = SLUG) -> SweepResult:
+    base = Variant("base", BASE, "base")
+    variants = [
+        score(base, Metric(0.70, 0.60, 0.80), Metric(0.0, 0.0, 0.0), {}),
+        score(Variant("team: reversed", REVERSED, "reversed", "team"), Metric(0.65, 0.55, 0.75),
+              Metric(-0.05, -0.12, 0.02), {"team": case_ids[:2]}, order=0.25),
+        score(Variant("urgent: no instructions", PLAIN, "no_instructions", "urgent"), Metric(0.80, 0.71, 0.88),
+              Metric(0.10, 0.04, 0.16), {"urgent": [case_ids[2]]}),
+    ]
+    best = BestSchema(PLAIN, {"team": "base", "urgent": "urgent: no instructions"}, 5, Metric(0.78, 0.69, 0.86),
+                      Metric(0.70, 0.60, 0.80))
+    return SweepResult(7, "finished", 1, "Tickets", BASE, "clef-demo", {"schema_slug": slug, "schema_version": 2},
+                       "2026-12-03T20:00:00", 40, 40, 40, variants, {"team": 0.25}, 0.2, ["team"], best)
+
+
+def test_the_leaderboard_says_what_beats_the_base_only_when_the_interval_excludes_zero():
+    result = result_of([11, 12, 13])
+    table = sv.leaderboard_table(result)
+    assert list(table["variant"]) == ["urgent: no instructions", "base", "team: reversed"]
+    assert table.iloc[0].to_dict() == {
+        "variant": "urgent: no instructions", "kind": "no_instructions", "accuracy": "0.800 [0.710, 0.880]",
+        "change vs base": "+0.100 [+0.040, +0.160]", "against the base": "better", "flipped cases": 1,
+        "order sensitivity": "", "team": "0.800 [0.710, 0.880]", "urgent": "0.800 [0.710, 0.880]"}
+    assert list(table["against the base"]) == ["better", "base", "no clear difference"]
+    assert table.iloc[2]["order sensitivity"] == "25%" and table.iloc[1]["change vs base"] == ""
+
+    chart = sv.chart_frame(result)
+    assert len(chart) == 3 * 3  # each variant: overall and each of two questions
+    assert list(chart[chart["variant"] == "base"]["scope"]) == ["overall", "team", "urgent"]
+    assert chart.iloc[0][["accuracy", "low", "high"]].tolist() == [0.70, 0.60, 0.80]
+
+    assert sv.order_sensitivity_lines(result) == [
+        (True, "`team`: 25% of cases change their answer when only the options' order changes — above the "
+               "threshold (threshold 20%)")]
+    assert sv.best_text(result) == (
+        "**Composed best schema** (`team` from “base”, `urgent` from “urgent: no instructions”): held-out accuracy "
+        "0.780 [0.690, 0.860] against the base's 0.700 [0.600, 0.800] on the same cases (5-fold: each question's "
+        "wording chosen on the other folds).")
+    assert sv.metric_text(Metric(None)) == "–"
+
+
+def test_a_variants_flipped_cases_open_in_decide_with_its_questions(store, library):
+    set_id = store.create_case_set("Tickets")
+    case_ids = store.add_cases(set_id, [
+        {"state": "Charged twice\nfor March", "expected": {"team": "billing", "urgent": True}},
+        {"state": {"subject": "App crashes"}, "expected": {"team": "tech"}},
+        {"state": "Hello", "expected": {"urgent": False}}])
+    result = result_of(case_ids)
+    flips = sv.flipped_cases(store, result, "team: reversed")
+    assert flips.to_dict("records") == [
+        {"case": case_ids[0], "question": "team", "expected": "billing", "state": "Charged twice",
+         "decide": f"/?sweep=7&variant=team%3A+reversed&case={case_ids[0]}"},
+        {"case": case_ids[1], "question": "team", "expected": "tech", "state": '{"subject": "App crashes"}',
+         "decide": f"/?sweep=7&variant=team%3A+reversed&case={case_ids[1]}"}]
+    assert sv.flipped_cases(store, result, "base").empty
+
+
+# -- adopt ---------------------------------------------------------------------------------------------------------
+
+
+def test_adopt_asks_then_writes_a_version_whose_history_names_the_sweep_and_undo_restores(store, library):
+    before = library.load(SLUG)
+    result = result_of([1, 2, 3])
+    choices = sv.adoption_choices(result)
+    assert list(choices) == [sv.BEST, "urgent: no instructions", "team: reversed"]  # the better ones first
+    assert choices[sv.BEST] == "Composed best schema (held-out accuracy 0.780 [0.690, 0.860])"
+    assert sv.adopt_question(library, result, sv.BEST) == (
+        f"The composed best schema becomes version 2 of {SLUG}.json, its history naming sweep #7 and its figures. "
+        "The library's support-ticket-routing.json is at version 1 now; the sweep ran version 2. You can undo this.")
+
+    adopted, message = sv.adopt(library, result, sv.BEST)
+    assert message == f"Adopted as version 2 of {SLUG}.json (Schemas page → History)."
+    assert adopted == sv.Adopted(SLUG, 2, 1)
+    now = library.load(SLUG)
+    assert now.questions == PLAIN["questions"]  # the sweep's questions ...
+    assert (now.name, now.description, now.examples) == (before.name, before.description, before.examples)
+    latest = store.list_schema_versions(SLUG)[0]
+    assert (latest["number"], latest["action"]) == (2, "adopt")
+    assert latest["note"] == ("sweep #7 (Tickets, 40 cases, clef-demo): composed best schema, held-out accuracy "
+                              "0.780 [0.690, 0.860] vs base 0.700 [0.600, 0.800] (5-fold)")
+
+    assert sv.adopt(library, result, sv.BEST) == (
+        None, f"Not adopted: version 2 of {SLUG}.json already has these questions.")
+    assert sv.undo_adoption(library, adopted) == (
+        f"Undone: version 1 of {SLUG}.json is current again (as version 3).")
+    assert library.load(SLUG).questions == before.questions
+    assert [(v["number"], v["action"]) for v in store.list_schema_versions(SLUG)] == [
+        (3, "restore"), (2, "adopt"), (1, "on disk")]
+
+    variant, _ = sv.adopt(library, result, "team: reversed")
+    assert variant is not None and list(library.load(SLUG).questions["team"]["criteria"]) == ["tech", "billing"]
+    assert store.list_schema_versions(SLUG)[0]["note"] == (
+        "sweep #7 (Tickets, 40 cases, clef-demo): variant “team: reversed”, accuracy 0.650 [0.550, 0.750], change "
+        "vs base -0.050 [-0.120, +0.020] (no clear difference)")
+
+
+def test_adopt_into_a_schema_deleted_since_says_so_and_writes_nothing(store, library):
+    library.delete(SLUG)
+    assert sv.adopt(library, result_of([1, 2, 3]), sv.BEST) == (
+        None, f"Not adopted: the library has no schema {SLUG!r} any more (deleted or renamed); restore it on the "
+              "Schemas page first.")
+    assert not library.exists(SLUG)
+    assert json.dumps(store.list_schema_versions(SLUG)[0]["schema"]["questions"]) != json.dumps(PLAIN["questions"])
