@@ -4,6 +4,7 @@ schema library (the new version's note, refusals, Undo)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 
@@ -113,6 +114,12 @@ def test_the_leaderboard_says_what_beats_the_base_only_when_the_interval_exclude
         "0.780 [0.690, 0.860] against the base's 0.700 [0.600, 0.800] on the same cases (5-fold: each question's "
         "wording chosen on the other folds).")
     assert sv.metric_text(Metric(None)) == "–"
+
+    base_wins = dataclasses.replace(result, best=dataclasses.replace(result.best, schema=BASE,
+                                                                     choices={"team": "base", "urgent": "base"}))
+    assert sv.best_text(base_wins) == ("**Composed best schema**: the base as it is (`team` from “base”, `urgent` "
+                                       "from “base”); nothing to adopt from it.")
+    assert list(sv.adoption_choices(base_wins)) == ["urgent: no instructions", "team: reversed"]
 
 
 def test_a_variants_flipped_cases_open_in_decide_with_its_questions(store, library):

@@ -305,6 +305,8 @@ def best_text(result: sweeps.SweepResult) -> str | None:
     if best is None:
         return None
     choices = ", ".join(f"`{qid}` from “{name}”" for qid, name in best.choices.items())
+    if not composed_differs(result):
+        return f"**Composed best schema**: the base as it is ({choices}); nothing to adopt from it."
     return (f"**Composed best schema** ({choices}): held-out accuracy {metric_text(best.heldout_accuracy)} against "
             f"the base's {metric_text(best.base_heldout_accuracy)} on the same cases ({best.folds}-fold: each "
             "question's wording chosen on the other folds).")
@@ -338,11 +340,17 @@ def flipped_cases(store: Any, result: sweeps.SweepResult, name: str) -> pd.DataF
 BEST = "best"  # the adoption choice of the composed best schema
 
 
+def composed_differs(result: sweeps.SweepResult) -> bool:
+    """Whether there is a composed best schema other than the base (where the base wins every question, it is the
+    base as it is: nothing to adopt)."""
+    return result.best is not None and result.best.schema["questions"] != result.base_schema["questions"]
+
+
 def adoption_choices(result: sweeps.SweepResult) -> dict[str, str]:
-    """What can be adopted, value → label: the composed best schema (when there is one), then every variant but
-    the base, the better ones first."""
+    """What can be adopted, value → label: the composed best schema (when it is not the base), then every variant
+    but the base, the better ones first."""
     choices = {}
-    if result.best is not None:
+    if composed_differs(result):
         choices[BEST] = f"Composed best schema (held-out accuracy {metric_text(result.best.heldout_accuracy)})"
     scores = sorted((s for s in result.variants if s.variant.kind != "base"),
                     key=lambda s: (better_text(s.variant, s.accuracy_change) != "better", -(s.accuracy.value or 0)))
