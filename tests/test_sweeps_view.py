@@ -7,13 +7,17 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
+from urllib.parse import parse_qsl
 
 import pytest
 
+from clef_workbench import sweeps
 from clef_workbench.schema_library import SchemaLibrary
 from clef_workbench.store import Store
+from clef_workbench.sweep_runner import SweepRunner
 from clef_workbench.sweeps import BestSchema, Metric, QuestionScore, SweepResult, Variant, VariantScore
 from tests.conftest import REPO
+from workbench_ui import links
 from workbench_ui import sweeps_view as sv
 
 SLUG = "support-ticket-routing"
@@ -45,10 +49,11 @@ def test_an_alternative_starts_from_the_question_and_must_change_it(library):
 
     assert sv.written_alternative("team", questions["team"], team.instructions, team.options) == (
         None, ['question "team": the alternative is the question as it is; change its instructions or options'])
-    reordered = "\n".join(reversed(team.options.splitlines()))
-    question, problems = sv.written_alternative("team", questions["team"], "Which queue owns it?", reordered)
+    fewer = "\n".join(team.options.splitlines()[:-1]) + "\nother: Anything else."
+    question, problems = sv.written_alternative("team", questions["team"], "Which queue owns it?", fewer)
     assert problems == [] and question["instructions"] == "Which queue owns it?"
-    assert list(question["criteria"])[0] == "none_of_these"  # the order typed is the order the model reads
+    assert list(question["criteria"])[-2:] == ["shipping", "other"] and question["criteria"]["other"] == (
+        "Anything else.")
 
     assert sv.written_alternative("team", questions["team"], "Which queue?", "billing\nbilling: twice")[1] == [
         'question "team", field "criteria": option id "billing" appears more than once']
@@ -61,9 +66,11 @@ def test_an_alternative_starts_from_the_question_and_must_change_it(library):
 BASE = {"name": "Tickets", "version": 2, "questions": {
     "team": {"type": "choice", "instructions": "Which team?", "criteria": {"billing": "Money", "tech": "Broken"}},
     "urgent": {"type": "noul", "instructions": "Is it urgent?", "criteria": None}}}
-REVERSED = sv.with_question(BASE, "team", {**BASE["questions"]["team"], "criteria": {"tech": "Broken",
-                                                                                    "billing": "Money"}})
-PLAIN = sv.with_question(BASE, "urgent", {"type": "noul", "instructions": "", "criteria": None})
+REVERSED = {**BASE, "questions": {**BASE["questions"], "team": {
+    "type": "choice", "instructions": "Which team?", "criteria": {"o01_tech": "Broken", "o02_billing": "Money"}}}}
+WORDED = {**BASE, "questions": {**BASE["questions"], "team": {
+    "type": "choice", "instructions": "Which queue owns it?", "criteria": {"billing": "Money", "tech": "Broken"}}}}
+PLAIN = {**BASE, "questions": {**BASE["questions"], "urgent": {"type": "noul", "instructions": "", "criteria": None}}}
 
 
 def score(variant: Variant, accuracy: Metric, change: Metric, flips: dict[str, list[int]],
@@ -79,12 +86,14 @@ def result_of(case_ids: list[int], slug: str = SLUG) -> SweepResult:
     base = Variant("base", BASE, "base")
     variants = [
         score(base, Metric(0.70, 0.60, 0.80), Metric(0.0, 0.0, 0.0), {}),
-        score(Variant("team: reversed", REVERSED, "reversed", "team"), Metric(0.65, 0.55, 0.75),
+        score(Variant("reversed:team", REVERSED, "reversed", "team"), Metric(0.65, 0.55, 0.75),
               Metric(-0.05, -0.12, 0.02), {"team": case_ids[:2]}, order=0.25),
-        score(Variant("urgent: no instructions", PLAIN, "no_instructions", "urgent"), Metric(0.80, 0.71, 0.88),
+        score(Variant("written:team", WORDED, "custom", "team"), Metric(0.72, 0.62, 0.81), Metric(0.02, -0.03, 0.07),
+              {"team": case_ids[1:2]}),
+        score(Variant("no_instructions:urgent", PLAIN, "no_instructions", "urgent"), Metric(0.80, 0.71, 0.88),
               Metric(0.10, 0.04, 0.16), {"urgent": [case_ids[2]]}),
     ]
-    best = BestSchema(PLAIN, {"team": "base", "urgent": "urgent: no instructions"}, 5, Metric(0.78, 0.69, 0.86),
+    best = BestSchema(PLAIN, {"team": "base", "urgent": "no_instructions:urgent"}, 5, Metric(0.78, 0.69, 0.86),
                       Metric(0.70, 0.60, 0.80))
     return SweepResult(7, "finished", 1, "Tickets", BASE, "clef-demo", {"schema_slug": slug, "schema_version": 2},
                        "2026-12-03T20:00:00", 40, 40, 40, variants, {"team": 0.25}, 0.2, ["team"], best)
@@ -93,16 +102,16 @@ def result_of(case_ids: list[int], slug: str = SLUG) -> SweepResult:
 def test_the_leaderboard_says_what_beats_the_base_only_when_the_interval_excludes_zero():
     result = result_of([11, 12, 13])
     table = sv.leaderboard_table(result)
-    assert list(table["variant"]) == ["urgent: no instructions", "base", "team: reversed"]
+    assert list(table["variant"]) == ["no_instructions:urgent", "written:team", "base", "reversed:team"]
     assert table.iloc[0].to_dict() == {
-        "variant": "urgent: no instructions", "kind": "no_instructions", "accuracy": "0.800 [0.710, 0.880]",
+        "variant": "no_instructions:urgent", "kind": "no_instructions", "accuracy": "0.800 [0.710, 0.880]",
         "change vs base": "+0.100 [+0.040, +0.160]", "against the base": "better", "flipped cases": 1,
         "order sensitivity": "", "team": "0.800 [0.710, 0.880]", "urgent": "0.800 [0.710, 0.880]"}
-    assert list(table["against the base"]) == ["better", "base", "no clear difference"]
-    assert table.iloc[2]["order sensitivity"] == "25%" and table.iloc[1]["change vs base"] == ""
+    assert list(table["against the base"]) == ["better", "no clear difference", "base", "no clear difference"]
+    assert table.iloc[3]["order sensitivity"] == "25%" and table.iloc[2]["change vs base"] == ""
 
     chart = sv.chart_frame(result)
-    assert len(chart) == 3 * 3  # each variant: overall and each of two questions
+    assert len(chart) == 4 * 3  # each variant: overall and each of two questions
     assert list(chart[chart["variant"] == "base"]["scope"]) == ["overall", "team", "urgent"]
     assert chart.iloc[0][["accuracy", "low", "high"]].tolist() == [0.70, 0.60, 0.80]
 
@@ -110,7 +119,7 @@ def test_the_leaderboard_says_what_beats_the_base_only_when_the_interval_exclude
         (True, "`team`: 25% of cases change their answer when only the options' order changes — above the "
                "threshold (threshold 20%)")]
     assert sv.best_text(result) == (
-        "**Composed best schema** (`team` from “base”, `urgent` from “urgent: no instructions”): held-out accuracy "
+        "**Composed best schema** (`team` from “base”, `urgent` from “no_instructions:urgent”): held-out accuracy "
         "0.780 [0.690, 0.860] against the base's 0.700 [0.600, 0.800] on the same cases (5-fold: each question's "
         "wording chosen on the other folds).")
     assert sv.metric_text(Metric(None)) == "–"
@@ -119,7 +128,7 @@ def test_the_leaderboard_says_what_beats_the_base_only_when_the_interval_exclude
                                                                      choices={"team": "base", "urgent": "base"}))
     assert sv.best_text(base_wins) == ("**Composed best schema**: the base as it is (`team` from “base”, `urgent` "
                                        "from “base”); nothing to adopt from it.")
-    assert list(sv.adoption_choices(base_wins)) == ["urgent: no instructions", "team: reversed"]
+    assert list(sv.adoption_choices(base_wins)) == ["no_instructions:urgent", "written:team"]
 
 
 def test_a_variants_flipped_cases_open_in_decide_with_its_questions(store, library):
@@ -129,7 +138,7 @@ def test_a_variants_flipped_cases_open_in_decide_with_its_questions(store, libra
         {"state": {"subject": "App crashes"}, "expected": {"team": "tech"}},
         {"state": "Hello", "expected": {"urgent": False}}])
     result = result_of(case_ids)
-    flips = sv.flipped_cases(store, result, "team: reversed")
+    flips = sv.flipped_cases(store, result, "reversed:team")
     assert flips.to_dict("records") == [
         {"case": case_ids[0], "question": "team", "expected": "billing", "state": "Charged twice",
          "decide": f"/?sweep=7&variant=team%3A+reversed&case={case_ids[0]}"},
@@ -145,7 +154,8 @@ def test_adopt_asks_then_writes_a_version_whose_history_names_the_sweep_and_undo
     before = library.load(SLUG)
     result = result_of([1, 2, 3])
     choices = sv.adoption_choices(result)
-    assert list(choices) == [sv.BEST, "urgent: no instructions", "team: reversed"]  # the better ones first
+    # the better ones first; never an order diagnostic, whose option ids are renamed to set the order
+    assert list(choices) == [sv.BEST, "no_instructions:urgent", "written:team"]
     assert choices[sv.BEST] == "Composed best schema (held-out accuracy 0.780 [0.690, 0.860])"
     assert sv.adopt_question(library, result, sv.BEST) == (
         f"The composed best schema becomes version 2 of {SLUG}.json, its history naming sweep #7 and its figures. "
@@ -170,11 +180,11 @@ def test_adopt_asks_then_writes_a_version_whose_history_names_the_sweep_and_undo
     assert [(v["number"], v["action"]) for v in store.list_schema_versions(SLUG)] == [
         (3, "restore"), (2, "adopt"), (1, "on disk")]
 
-    variant, _ = sv.adopt(library, result, "team: reversed")
-    assert variant is not None and list(library.load(SLUG).questions["team"]["criteria"]) == ["tech", "billing"]
+    variant, _ = sv.adopt(library, result, "written:team")
+    assert variant is not None and library.load(SLUG).questions["team"]["instructions"] == "Which queue owns it?"
     assert store.list_schema_versions(SLUG)[0]["note"] == (
-        "sweep #7 (Tickets, 40 cases, clef-demo): variant “team: reversed”, accuracy 0.650 [0.550, 0.750], change "
-        "vs base -0.050 [-0.120, +0.020] (no clear difference)")
+        "sweep #7 (Tickets, 40 cases, clef-demo): variant “written:team”, accuracy 0.720 [0.620, 0.810], change "
+        "vs base +0.020 [-0.030, +0.070] (no clear difference)")
 
 
 def test_adopt_into_a_schema_deleted_since_says_so_and_writes_nothing(store, library):
@@ -184,3 +194,58 @@ def test_adopt_into_a_schema_deleted_since_says_so_and_writes_nothing(store, lib
               "Schemas page first.")
     assert not library.exists(SLUG)
     assert json.dumps(store.list_schema_versions(SLUG)[0]["schema"]["questions"]) != json.dumps(PLAIN["questions"])
+
+
+# -- a real sweep on the tiny release -------------------------------------------------------------------------------
+
+
+def test_a_sweep_starts_in_the_background_resumes_and_its_cases_open_in_decide(store, library, tiny_engine):
+    set_id = store.create_case_set("Tickets", schema_name=SLUG)
+    case_ids = store.add_cases(set_id, [{"state": text, "expected": {"team": team}} for text, team in (
+        ("I was charged twice for March.", "billing"), ("The app crashes when I open settings.", "technical_support"),
+        ("Someone logged into my account from Brazil.", "account_security"), ("Hello", "none_of_these"))])
+    schema, problem = sv.library_schema(library, SLUG)
+    assert problem is None and "examples" not in schema
+    worded, _ = sv.written_alternative("team", schema["questions"]["team"], "Which queue owns this ticket?",
+                                       sv.alternative_editor(schema["questions"]["team"]).options)
+    variants, line = sv.planned_variants(schema, ["no_instructions"], [("team", worded), ("team", worded)])
+    assert [v.name for v in variants] == ["base", *(f"no_instructions:{q}" for q in schema["questions"]),
+                                          "written:team", "written 2:team"]
+    assert line == f"{len(variants)} variants, the base included, on every labelled case." and sv.can_start(variants)
+    assert sv.planned_variants(schema, [], [])[1] == (
+        "Tick an automatic variant or write an alternative: the base alone is no sweep.")
+
+    runner = SweepRunner(store)
+    sweep_id, message = sv.start_sweep(store, runner, tiny_engine, "tiny", set_id, SLUG, variants, folds=2)
+    assert message == f"Started sweep #{sweep_id}: {len(variants)} variants."
+    assert runner.wait(sweep_id, timeout=600)
+    shown = sv.progress_shown(runner, sv.sweep_row(store, sweep_id))
+    assert shown == sv.ProgressShown(1.0, "4 / 4 cases · status **finished**", False, None)
+    result = sv.load_result(store, sweep_id, 0.1)
+    assert result.settings["schema_slug"] == SLUG and result.state_prefills == 4
+    assert sv.leaderboard_caption(result).startswith(
+        f"4 of 4 labelled cases of “Tickets” on tiny, 4 state(s) prefilled for {len(variants)} variants.")
+
+    # a sweep that stopped before its cases were done (here: never started) says so, and resumes with them
+    stopped = sweeps.start_sweep(store, set_id, schema, variants[:2], model_id="tiny", folds=2,
+                                 settings={"schema_slug": SLUG})
+    shown = sv.progress_shown(runner, sv.sweep_row(store, stopped))
+    assert (shown.text, shown.live) == ("0 / 4 cases · status **pending**", False)
+    assert shown.problem == (f"Sweep #{stopped} stopped with 4 of 4 cases left (cancelled, or the workbench stopped "
+                             "while it ran): resume it to compute only those.")
+    assert sv.resume_sweep(runner, tiny_engine, stopped) == f"Resumed sweep #{stopped}."
+    assert runner.wait(stopped, timeout=600)
+    assert sv.progress_shown(runner, sv.sweep_row(store, stopped)).text == "4 / 4 cases · status **finished**"
+
+    # a case of the sweep opens in Decide with the variant's questions
+    url = links.sweep_decide_url(sweep_id, "written:team", case_ids[0])
+    params = dict(parse_qsl(url.removeprefix("/?")))
+    draft, note = links.sweep_case_draft(store, library, *links.linked_sweep_case(params))
+    assert note == (f"Case #{case_ids[0]} of sweep #{sweep_id} (Tickets) with the questions of its variant "
+                    "“written:team”: Run asks them again.")
+    assert draft["state_text"] == "I was charged twice for March."
+    assert [row["instructions"] for row in draft["rows"]][0] == "Which queue owns this ticket?"
+    assert draft["loaded_slug"] is None  # not the library's questions: saving cannot overwrite the schema
+    assert links.sweep_case_draft(store, library, sweep_id, "base", case_ids[0])[0]["loaded_slug"] == SLUG
+    assert links.sweep_case_draft(store, library, sweep_id, "nope", case_ids[0]) == (
+        None, f"Sweep #{sweep_id} has no variant “nope”.")

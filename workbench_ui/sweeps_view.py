@@ -5,6 +5,7 @@ is clef_workbench.sweeps'."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,8 +37,8 @@ def alternative_editor(question: dict[str, Any]) -> AlternativeEditor:
                                  "One level per line, the lowest first.")
     if row["type"] == "choice":
         return AlternativeEditor(row["instructions"], schema_rows.options_to_text(row["options"]),
-                                 "One option per line: `id: description` (or just `id`). Add, remove, reorder or "
-                                 "reword options.")
+                                 "One option per line: `id: description` (or just `id`). Add, remove or reword "
+                                 "options; the model reads them sorted by id, whatever their order here.")
     sides = [{"id": side, "description": row[side]} for side in ("true", "false") if row[side]]
     return AlternativeEditor(row["instructions"], schema_rows.options_to_text(sides),
                              "What `true` and `false` mean, `true: …` and `false: …`, or nothing.")
@@ -99,28 +100,22 @@ def missing_for_sweep(case_sets: list[dict], slugs: list[str], engine: Any) -> s
     return f"A sweep needs {' and '.join(missing)}." if missing else None
 
 
-def with_question(schema: dict[str, Any], question_id: str, question: dict[str, Any]) -> dict[str, Any]:
-    """`schema` with one question replaced, in its place (the order of questions is what the model reads)."""
-    return {**schema, "questions": {qid: question if qid == question_id else q
-                                    for qid, q in schema["questions"].items()}}
-
-
-def custom_variant(schema: dict[str, Any], question_id: str, question: dict[str, Any], number: int) -> sweeps.Variant:
-    """A written alternative as a variant of `schema`: the `number`th written for its question."""
-    return sweeps.Variant(f"{question_id}: written #{number}", with_question(schema, question_id, question), "custom",
-                          question_id)
+def written_variants(schema: dict[str, Any], written: list[tuple[str, dict[str, Any]]]) -> list[sweeps.Variant]:
+    """The alternatives written per question as variants of `schema`, named "written:QUESTION" ("written 2:…" for
+    a question's second)."""
+    entries, numbers = [], {}
+    for question_id, question in written:
+        numbers[question_id] = numbers.get(question_id, 0) + 1
+        number = "" if numbers[question_id] == 1 else f" {numbers[question_id]}"
+        entries.append({"name": f"written{number}:{question_id}", "questions": {question_id: question}})
+    return sweeps.variants_from_json(json.dumps(entries), schema, source="your alternatives") if entries else []
 
 
 def planned_variants(schema: dict[str, Any], kinds: list[str],
                      written: list[tuple[str, dict[str, Any]]]) -> tuple[list[sweeps.Variant], str]:
     """The variants a sweep of `schema` would score (the base first), and a line saying how many, or why it cannot
     start (over MAX_VARIANTS, nothing but the base)."""
-    numbers: dict[str, int] = {}
-    custom = []
-    for question_id, question in written:
-        numbers[question_id] = numbers.get(question_id, 0) + 1
-        custom.append(custom_variant(schema, question_id, question, numbers[question_id]))
-    variants = [sweeps.base_variant(schema), *sweeps.auto_variants(schema, kinds), *custom]
+    variants = [sweeps.base_variant(schema), *sweeps.auto_variants(schema, kinds), *written_variants(schema, written)]
     if len(variants) > sweeps.MAX_VARIANTS:
         return variants, (f"{len(variants)} variants, the base included: a sweep holds at most "
                           f"{sweeps.MAX_VARIANTS}. Untick a kind or remove alternatives.")
@@ -276,7 +271,8 @@ def leaderboard_table(result: sweeps.SweepResult) -> pd.DataFrame:
     accuracy."""
     questions = list(result.base_schema["questions"])
     rows = []
-    for score in sorted(result.variants, key=lambda s: -(s.accuracy.value or 0.0)):
+    for name in sweeps.leaderboard(result)["variant"]:
+        score = variant_score(result, name)
         rows.append({"variant": score.variant.name, "kind": score.variant.kind,
                      "accuracy": metric_text(score.accuracy),
                      "change vs base": "" if score.variant.kind == "base" else metric_text(score.accuracy_change,
@@ -348,11 +344,12 @@ def composed_differs(result: sweeps.SweepResult) -> bool:
 
 def adoption_choices(result: sweeps.SweepResult) -> dict[str, str]:
     """What can be adopted, value → label: the composed best schema (when it is not the base), then every variant
-    but the base, the better ones first."""
+    but the base, the better ones first. Not the order diagnostics: their options are renamed to set their order
+    (o01_…), which would change the schema's option ids, and with them every label."""
     choices = {}
     if composed_differs(result):
         choices[BEST] = f"Composed best schema (held-out accuracy {metric_text(result.best.heldout_accuracy)})"
-    scores = sorted((s for s in result.variants if s.variant.kind != "base"),
+    scores = sorted((s for s in result.variants if s.variant.kind not in ("base", *sweeps.NOT_CANDIDATES)),
                     key=lambda s: (better_text(s.variant, s.accuracy_change) != "better", -(s.accuracy.value or 0)))
     for score in scores:
         choices[score.variant.name] = (f"{score.variant.name} (accuracy {metric_text(score.accuracy)}, "
