@@ -141,9 +141,9 @@ def test_a_variants_flipped_cases_open_in_decide_with_its_questions(store, libra
     flips = sv.flipped_cases(store, result, "reversed:team")
     assert flips.to_dict("records") == [
         {"case": case_ids[0], "question": "team", "expected": "billing", "state": "Charged twice",
-         "decide": f"/?sweep=7&variant=team%3A+reversed&case={case_ids[0]}"},
+         "decide": f"/?sweep=7&variant=reversed%3Ateam&case={case_ids[0]}"},
         {"case": case_ids[1], "question": "team", "expected": "tech", "state": '{"subject": "App crashes"}',
-         "decide": f"/?sweep=7&variant=team%3A+reversed&case={case_ids[1]}"}]
+         "decide": f"/?sweep=7&variant=reversed%3Ateam&case={case_ids[1]}"}]
     assert sv.flipped_cases(store, result, "base").empty
 
 
