@@ -31,7 +31,7 @@ from .errors import ClefError, RequestError, TokenBudgetError
 from .explain import explain as explain_request
 from .explain import submit_explanation as explanation_future
 from .fast import attention, kernels
-from .fast.cache import PrefixCache, StateCache
+from .fast.cache import PrefixCache, StateCache, prefix_key
 from .fast.graphs import HeadGraphs, PrefillGraphs
 from .fast.head_kernels import head_attention_kernel
 from .fast.packed import PackedBackbone, chunked_head_inputs, pack_ids
@@ -41,7 +41,7 @@ from .model import backbone, media, release
 from .model.encoding import DEFAULT_MAX_LENGTH, EncodedRecord, Encoder
 from .model.head import JointSchemaHead, layout, load_head, option_probabilities
 from .protocol import Question, ValidRequest, format_answer, prepare, prepared
-from .scheduler import PRIORITIES, BatchAbandoned, JobTiming, Scheduler, device_turn
+from .scheduler import PRIORITIES, BatchAbandoned, JobTiming, Scheduler, WorkerCall, device_turn
 from .tiny import is_demo_release
 
 LAYERS_AHEAD = 1  # in a bulk batch, how many layers the host may launch ahead of the GPU
@@ -121,6 +121,7 @@ class Engine:
         self.state_cache: StateCache | None = None
         self.prefix: PrefixCache | None = None
         self.forward_batch = self.forward_plain
+        self.state_prefills = 0  # records whose state the backbone computed, rather than continued from a kept one
         self._fp8_fidelity: dict | str | None = None
         if config.packed:
             self.backbone = PackedBackbone(model, precision=config.precision)
@@ -137,7 +138,7 @@ class Engine:
             self.prefix = PrefixCache(self.state_cache, self.backbone, head, self.graphs,
                                       model_key=f"{self.model_id}@{checked.revision}",
                                       pad_token_id=encoder.pad_token_id, dtype=config.dtype)
-        self.scheduler = Scheduler(self.forward_batch, token_budget=config.token_budget,
+        self.scheduler = Scheduler(self._counting_prefills(self.forward_batch), token_budget=config.token_budget,
                                    bulk_batch_tokens=config.bulk_batch_tokens,
                                    max_queued_records=config.max_queued_records,
                                    turn=device_turn(device_key(config.device)))
@@ -232,6 +233,57 @@ class Engine:
         rounded from."""
         records = [self.encode(r, max_length=max_length, overflow=overflow) for r in requests]
         return self.scheduler.submit(records, priority="interactive").result()
+
+    def decide_variants(self, requests: Sequence[Any], *, max_length: int | None = None, overflow: str = "refuse",
+                        priority: str = "bulk", probabilities: bool = False) -> list[Any]:
+        """Responses to requests over one state with different schemas (the variants of a schema sweep), as
+        `decide_many` gives them, at the cost of one state: on the worker thread, in one call, the records that share
+        a state prefix (tokens before the schema, and media) have it prefilled once (or taken from the state cache,
+        which keeps it for a later call) and every schema continued from it (`PrefixCache.forward_after`), whatever
+        the state's length (the cache's `min_prefix_tokens` weighs one reuse; here there are many). Records with
+        media, and every record without the packed path, run as `decide_many` runs them. A bad request raises before
+        anything runs. `probabilities`: per request, per question, the options' probabilities in model order,
+        unrounded (as `probabilities`), instead of responses."""
+        started = time.perf_counter()
+        valids = [prepared(request, max_length=max_length, overflow=overflow) for request in requests]
+        records = [self.encoder.encode(valid) for valid in valids]
+        if self.prefix is None or any(record.has_media for record in records):
+            outcomes = self.scheduler.submit(records, priority=priority).result()
+        else:
+            outcomes = self.scheduler.submit([WorkerCall(lambda: self._forward_shared_state(records))],
+                                             priority=priority, tokens=float("inf"),
+                                             finalize=lambda results: results[0]).result()
+        if probabilities:
+            return outcomes
+        latency_ms = (time.perf_counter() - started) * 1000
+        return [self.response(valid, record, probs, latency_ms)
+                for valid, record, probs in zip(valids, records, outcomes, strict=True)]
+
+    @torch.inference_mode()
+    def _forward_shared_state(self, records: list[EncodedRecord]) -> list[list[list[float]]]:
+        """decide_variants on the worker thread: per distinct state prefix, one prefill (`forward_for_store`, which
+        also answers the first record) unless the cache holds it, then the other records continued from it."""
+        results: dict[int, list[list[float]]] = {}
+        groups: dict[str, list[int]] = {}
+        for i, record in enumerate(records):
+            key = prefix_key(self.prefix.model_key, record.input_ids[: record.state_end], record.media_digest)
+            groups.setdefault(key, []).append(i)
+        chunk = self.config.prefill_chunk_tokens
+        for key, indices in groups.items():
+            state = self.state_cache.get(key)
+            if state is None:
+                first = records[indices[0]]
+                if 0 < chunk < len(first):
+                    self.state_cache.make_room()  # as forward_one: a chunked record's activations take its room
+                normed, memory, state = self.prefix.forward_for_store(first, self._between_layers(), chunk)
+                self.state_prefills += 1
+                results[indices[0]] = self.head_one(normed, memory, first)
+                if self.state_cache.enabled:
+                    self.state_cache.put(key, state)
+                indices = indices[1:]
+            for i in indices:
+                results[i] = self.head_one(*self.prefix.forward_after(records[i], state), records[i])
+        return [results[i] for i in range(len(records))]
 
     def explain(self, request: Any, unit: str | None = None, *, max_length: int | None = None,
                 overflow: str = "refuse") -> dict:
@@ -349,6 +401,18 @@ class Engine:
         normed, memory = self.head.token_memory(hidden.to(self.dtype))
         return self.head_one(normed, memory, record)
 
+    def _counting_prefills(self, forward_batch):
+        """`forward_batch` counting in `state_prefills` the records of each batch not continued from the state
+        cache (its hits during the batch)."""
+        def counted(records: list[EncodedRecord]) -> list[list[list[float]]]:
+            hits = self.state_cache.stats()["hits"] if self.state_cache is not None else 0
+            try:
+                return forward_batch(records)
+            finally:
+                after = self.state_cache.stats()["hits"] if self.state_cache is not None else 0
+                self.state_prefills += len(records) - (after - hits)
+        return counted
+
     def _between_layers(self):
         """For an eager forward: a callback between layers that stops the batch once every request in it was
         abandoned (its caller's deadline passed), and, inside a bulk batch, keeps the host at most LAYERS_AHEAD
@@ -464,6 +528,7 @@ class Engine:
             "demo": is_demo_release(self.release.path),
             "random_weights": self.release.random_weights or is_demo_release(self.release.path),
             "state_cache": self.state_cache.stats() if self.state_cache is not None else None,
+            "state_prefills": self.state_prefills,
         }
 
     def precision_info(self) -> dict:

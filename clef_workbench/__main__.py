@@ -27,6 +27,15 @@ fits a calibration per question on the run's labelled cases (`clef_workbench.cal
 before and after on held-out cases, and keeps it in the store; exits 1 when no question has enough labels.
 `--export FILE` then writes every calibration in the store to FILE, for `clef-engine serve --calibrations FILE`
 (a request's "x_calibration" names one); without --run it only exports.
+
+    python -m clef_workbench sweep --db DB --case-set NAME --schema NAME --model SOURCE [--variants auto|FILE.json]
+        [--folds K] [--json OUT] [--fail-if-order-sensitive X] [--resume]
+
+scores variants of a schema (a library schema's id or name, or a file) on the case set's labelled cases
+(`clef_workbench.sweeps`): each case's state prefilled once, every variant continued from it. It prints the
+leaderboard and writes the JSON document to OUT; exits 0 when the sweep finished, 1 when it failed or was cancelled
+(Ctrl-C or SIGTERM stop it after the case in flight; `--resume` goes on with it), 2 when the input is wrong (nothing
+stored), and 3 when `--fail-if-order-sensitive X` finds a question whose order sensitivity exceeds X.
 """
 
 from __future__ import annotations
@@ -34,6 +43,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import signal
 import sqlite3
 import sys
@@ -44,7 +54,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from clef_engine import DEFAULT_MAX_LENGTH, ClefError
-from clef_workbench import calibration, importing
+from clef_workbench import calibration, importing, sweeps
 from clef_workbench.casesets import CaseImportError, CsvMapping, import_cases
 from clef_workbench.jobs import DEFAULT_CHUNK_SIZE, JobRunner, check_engine
 from clef_workbench.model_loader import DEMO_SOURCE, request_model_name
@@ -96,6 +106,32 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                      help="a state over max_length: an error result (refuse) or its end cut off")
     run.add_argument("--device", help="in process: cpu or cuda (default: cuda when present)")
     run.add_argument("--dtype", help="float32, bfloat16 … (default: bf16 on CUDA, float32 on the CPU)")
+    sweep = commands.add_parser("sweep", help="score variants of a schema on a labelled case set, one state per case")
+    sweep.add_argument("--db", required=True, type=path_argument,
+                       help="the workbench's SQLite file (CLEF_DB of the workbench)")
+    sweep.add_argument("--case-set", required=True, help="name of a case set in the database, with expected answers")
+    sweep.add_argument("--schema", required=True,
+                       help="the base schema: its id or name in the schema library (CLEF_SCHEMAS_DIR), or a file")
+    sweep.add_argument("--model", required=True,
+                       help=f"a release folder, a Hugging Face repo id, or {DEMO_SOURCE!r} for the demo release")
+    sweep.add_argument("--revision", help="Hub revision of the release")
+    sweep.add_argument("--variants", default="auto", metavar="auto|FILE.json",
+                       help="'auto' (default): every automatic variant; or a JSON file of your own, a list of "
+                            '{"name", "questions": {question id: question}}')
+    sweep.add_argument("--folds", type=int, default=sweeps.DEFAULT_FOLDS,
+                       help="k of the k-fold choice of the best variant per question")
+    sweep.add_argument("--json", type=path_argument, metavar="OUT", help="write the results as JSON to OUT")
+    sweep.add_argument("--fail-if-order-sensitive", type=float, metavar="X",
+                       help="exit 3 when a question's order sensitivity (share of cases whose answer changes with "
+                            "the options' order alone) exceeds X")
+    sweep.add_argument("--resume", action="store_true",
+                       help="go on with the stopped sweep of the same case set, schema, variants and model (only "
+                            "its cases without answers are computed); a new sweep when there is none")
+    sweep.add_argument("--max-length", type=int, default=DEFAULT_MAX_LENGTH, help="token budget of one record")
+    sweep.add_argument("--overflow", choices=["refuse", "truncate_state"], default="refuse",
+                       help="a state over max_length: an error answer (refuse) or its end cut off")
+    sweep.add_argument("--device", help="cpu or cuda (default: cuda when present)")
+    sweep.add_argument("--dtype", help="float32, bfloat16 … (default: bf16 on CUDA, float32 on the CPU)")
     calibrate = commands.add_parser(
         "calibrate", help="fit per-question calibration on a run's labelled cases and print before/after")
     calibrate.add_argument("--db", required=True, type=path_argument,
@@ -344,6 +380,134 @@ def run_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def find_schema(text: str) -> tuple[dict, str | None]:
+    """--schema: a library schema by id or name, else a file; (the schema, its library id or None)."""
+    library = SchemaLibrary()
+    for slug in library.slugs():
+        try:
+            schema = library.load(slug)
+        except SchemaError:
+            continue  # a broken file is no match; when it is the one named, the error below names the file
+        if text in (slug, schema.name):
+            data = schema.to_dict()
+            data.pop("examples", None)
+            return data, slug
+    path = Path(text)
+    if path.is_file():
+        return load_schema(path), None
+    known = ", ".join(repr(s) for s in library.slugs()) or "none"
+    raise UsageError(f"--schema: {text!r} is neither a schema of the library {library.directory} (there: {known}) "
+                     "nor a file")
+
+
+def sweep_variants(text: str, schema: dict) -> list[sweeps.Variant]:
+    if text == "auto":
+        return sweeps.auto_variants(schema)
+    try:
+        data = Path(text).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = "not UTF-8 text" if isinstance(exc, UnicodeDecodeError) else exc.strerror or exc
+        raise UsageError(f"--variants: cannot read {text}: {reason}") from None
+    try:
+        return sweeps.variants_from_json(data, schema, source=text)
+    except sweeps.SweepError as exc:
+        raise UsageError(f"--variants: {exc}") from None
+
+
+def same_sweep(store: Store, case_set_id: int, schema: dict, variants: list[sweeps.Variant],
+               model_id: str) -> dict | None:
+    """The newest sweep of this case set with the same base questions, variants and model."""
+    wanted = [(v.name, v.schema["questions"]) for v in variants]
+    for listed in store.list_sweeps(case_set_id):
+        if listed["model_id"] != model_id or listed["schema"]["questions"] != schema["questions"]:
+            continue
+        sweep = store.get_sweep(listed["id"])
+        if [(v["name"], v["schema"]["questions"]) for v in sweep["variants"]] == wanted:
+            return sweep
+    return None
+
+
+def print_sweep(result: sweeps.SweepResult) -> None:
+    board = sweeps.leaderboard(result)
+    print(board.to_string(index=False, float_format=lambda x: f"{x:.3f}"))
+    if result.order_sensitivity:
+        print("order sensitivity: " + ", ".join(f"{q} {share:.1%}" for q, share in result.order_sensitivity.items()))
+    if result.best is not None:
+        best = result.best
+        print(f"best per question (chosen on {best.folds} folds' training cases): "
+              + ", ".join(f"{q}: {name}" for q, name in best.choices.items()))
+        print(f"held-out accuracy {best.heldout_accuracy.value:.3f} [{best.heldout_accuracy.low:.3f}, "
+              f"{best.heldout_accuracy.high:.3f}]; the base {best.base_heldout_accuracy.value:.3f}")
+    print(f"{result.cases} cases, {result.state_prefills} states prefilled, {len(result.errors)} failed answers")
+
+
+def sweep_command(args: argparse.Namespace) -> int:
+    if not Path(args.db).is_file():
+        raise UsageError(f"--db: {args.db} does not exist (create case sets in the workbench or import them first)")
+    if args.max_length < 1:
+        raise UsageError("--max-length must be at least 1")
+    if args.json is not None and (args.json.is_dir() or not args.json.parent.is_dir()):
+        raise UsageError(f"--json: {str(args.json)!r} is not a file name in an existing folder")
+    store = Store(args.db)
+    case_set_id = find_case_set(store, args.case_set)
+    schema, slug = find_schema(args.schema)
+    variants = [sweeps.base_variant(schema), *sweep_variants(args.variants, schema)]
+    try:
+        variants, _ = sweeps.check_sweep(store, case_set_id, schema, variants, folds=args.folds)
+    except sweeps.SweepError as exc:
+        raise UsageError(str(exc)) from None
+    model_id = request_model_name(args.model)
+    earlier = same_sweep(store, case_set_id, schema, variants, model_id)
+    if earlier is not None and earlier["done"] < earlier["total"] and not args.resume:
+        raise UsageError(f"sweep {earlier['id']} of this case set, schema, variants and model stopped at "
+                         f"{earlier['done']}/{earlier['total']} cases: pass --resume to compute only the rest")
+    import clef_engine
+
+    print(f"loading {args.model} in this process…", flush=True)
+    engine = clef_engine.load(model_source(args.model), revision=args.revision, device=args.device, dtype=args.dtype)
+    info = engine.info()
+    if args.resume and earlier is not None:
+        sweep_id = earlier["id"]
+        print(f"resuming sweep {sweep_id}: {earlier['done']}/{earlier['total']} cases done", flush=True)
+    else:
+        settings = {"max_length": args.max_length, "overflow": args.overflow, "schema_slug": slug,
+                    "device": info["device"], "dtype": info["dtype"], "precision": info["precision"]}
+        sweep_id = sweeps.start_sweep(store, case_set_id, schema, variants, model_id=model_id,
+                                      model_revision=info.get("revision"), settings=settings, folds=args.folds)
+        print(f"sweep {sweep_id}: {len(variants)} variants over {args.case_set} on {info['device']}", flush=True)
+    last_print = [0.0]
+
+    def show(progress: sweeps.SweepProgress) -> None:
+        now = time.monotonic()
+        if progress.status != "running" or now - last_print[0] >= PROGRESS_EVERY_S:
+            rate = f"{progress.rate_per_s:.2f} cases/s" if progress.rate_per_s else "measuring"
+            print(f"sweep {sweep_id}: {progress.done}/{progress.total} cases · {rate} · ETA "
+                  f"{fmt_seconds(progress.eta_s)}", flush=True)
+            last_print[0] = now
+
+    try:
+        with stop_on_signals() as stop:
+            progress = sweeps.run_sweep(store, sweep_id, engine, progress=show, stop=stop.is_set)
+    finally:
+        engine.close()
+    result = sweeps.load_sweep(store, sweep_id, threshold=args.fail_if_order_sensitive)
+    print_sweep(result)
+    if args.json is not None:
+        document = {**result.to_json(), "computed_now": {"cases": progress.computed,
+                                                         "state_prefills": progress.state_prefills},
+                    "command": shlex.join(["python", "-m", "clef_workbench", *args.argv])}
+        write_whole(args.json, json.dumps(document, indent=2, ensure_ascii=False) + "\n")
+    if progress.status != "finished":
+        print(f"sweep {sweep_id} {progress.status} at {progress.done}/{progress.total} cases (to go on: the same "
+              "command with --resume)", file=sys.stderr)
+        return 1
+    if result.flagged:
+        print(f"order sensitive above {args.fail_if_order_sensitive}: " + ", ".join(
+            f"{q} ({result.order_sensitivity[q]:.1%})" for q in result.flagged), file=sys.stderr)
+        return 3
+    return 0
+
+
 def write_whole(path: Path, text: str) -> None:
     """Write a file through a temporary one beside it, renamed over it once complete: a full disk or a killed
     process leaves the earlier file as it was, never a truncated one."""
@@ -480,7 +644,9 @@ def import_command(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    command = {"run": run_command, "import": import_command, "calibrate": calibrate_command}[args.command]
+    args.argv = sys.argv[1:] if argv is None else argv
+    command = {"run": run_command, "import": import_command, "calibrate": calibrate_command,
+               "sweep": sweep_command}[args.command]
     try:
         return command(args)
     except UsageError as exc:

@@ -150,7 +150,7 @@ def _mean(values: np.ndarray) -> np.ndarray:
     return values.mean(axis=-1)
 
 
-def _ece(bins: int) -> Callable[[np.ndarray, np.ndarray], np.ndarray]:
+def ece_statistic(bins: int) -> Callable[[np.ndarray, np.ndarray], np.ndarray]:
     """ECE as stats.calibration defines it, over the last axis: Σ_b |Σ_{i∈b} (correct_i − confidence_i)| / N."""
     def ece(confidence: np.ndarray, correct: np.ndarray) -> np.ndarray:
         index = np.clip(np.floor(np.round(confidence * bins, 9)).astype(int), 0, bins - 1)
@@ -170,7 +170,7 @@ def _metric_columns(rows: pd.DataFrame, metric: str, bins: int) -> tuple[list[np
         return [rows["correct"].to_numpy(float)], _mean
     if metric == "brier":
         return [rows["brier"].to_numpy(float)], _mean
-    return [rows["confidence"].to_numpy(float), rows["correct"].to_numpy(float)], _ece(bins)
+    return [rows["confidence"].to_numpy(float), rows["correct"].to_numpy(float)], ece_statistic(bins)
 
 
 def _latencies(run: RunData) -> pd.Series:

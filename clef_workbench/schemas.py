@@ -188,6 +188,13 @@ def _normalized(text: str) -> str:
     return " ".join(text.lower().split())
 
 
+def way_out_options(criteria: dict[str, Any]) -> list[str]:
+    """The ids of a choice question's options that give the model a way out when no real option fits ("unknown",
+    "none of these"), by their id or their description."""
+    return [k for k, v in criteria.items() if UNKNOWN_OPTION_ID_PATTERN.search(re.sub(r"[_.\-]+", " ", k))
+            or UNKNOWN_DESCRIPTION_PATTERN.search(v if isinstance(v, str) else "")]
+
+
 def lint_questions(questions: Any) -> list[SchemaProblem]:
     """Warnings about a questions map that the hosted service would refuse, or that is valid but likely to give
     poor or ambiguous answers."""
@@ -210,9 +217,7 @@ def lint_questions(questions: Any) -> list[SchemaProblem]:
                                           f'"{qid}" as the question', "warning"))
         criteria = question.get("criteria")
         if question["type"] == "choice" and isinstance(criteria, dict):
-            has_way_out = any(UNKNOWN_OPTION_ID_PATTERN.search(re.sub(r"[_.\-]+", " ", k))
-                              or UNKNOWN_DESCRIPTION_PATTERN.search(v or "") for k, v in criteria.items())
-            if not has_way_out:
+            if not way_out_options(criteria):
                 warnings.append(SchemaProblem(("questions", qid, "criteria"),
                                               f"{_q(qid, 'criteria')}: no \"unknown\" / \"none of these\" option; "
                                               "when nothing fits, the model must still pick one of the listed "

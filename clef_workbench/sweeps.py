@@ -6,15 +6,20 @@ description removed, the instructions removed, the options reversed or shuffled,
 removed), runs every variant on every labelled case, and scores them honestly:
 
 - per variant and question: accuracy, macro-F1, log loss and ECE against the gold labels, each with a percentile
-  bootstrap interval over cases (`compare.bootstrap_interval`, seeded);
+  bootstrap interval over cases (`compare.bootstrap_interval`, seeded); the predicted answer, confidence and ECE are
+  `stats.py`'s, so the numbers match a run's;
 - against the base schema: the cases whose answer flips, the exact McNemar test on the paired right/wrong outcomes
   (scipy's binomial test on the discordant pairs) and the paired bootstrap interval of the accuracy change; a variant
   is "better" only when that interval lies above zero;
-- order sensitivity per question: the share of cases whose answer changes when only the options' order changes
-  (the reversed and shuffled variants against the base), flagged above a threshold the analyst sets;
+- order sensitivity per question: the share of cases whose answer changes when only the options' order changes,
+  flagged above a threshold the analyst sets. The model reads a choice question's options sorted by id (the spec:
+  the caller's order never reaches it), so an order is imposed by numbering the ids (`o01_billing`, …): the
+  "relabelled" variant numbers them in the base's order, "reversed" and "shuffled" in another, and sensitivity
+  compares those two with "relabelled", so that only the order differs. Answers are mapped back to the base's ids;
 - no overfitting by selection: per question, the best variant is chosen on the training folds of a k-fold split of
   the cases and scored on the held-out fold (`best`); the composed schema takes, for each question, the wording
-  chosen on all cases.
+  chosen on all cases. A variant's answers to a question are scored as if the question stood alone: the composed
+  schema's other questions may differ from the variant's, and the joint head reads them.
 
 Execution is case-major (`run_sweep`): for each case the engine prefills the state once and continues every
 variant's schema from it in one worker call (`Engine.decide_variants`), so a sweep of V variants over N cases
@@ -24,17 +29,34 @@ status, one answer per case and variant) and resumes after a kill without comput
 
 from __future__ import annotations
 
+import copy
+import json
+import math
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+import pandas as pd
+from scipy.stats import binomtest
+
+from clef_engine import ClefError
+from clef_workbench import stats
+from clef_workbench.casesets import build_request
+from clef_workbench.compare import bootstrap_interval, ece_statistic
+from clef_workbench.schemas import Schema, SchemaError, way_out_options
+
 MAX_VARIANTS = 64  # a sweep's variants, the base included
 DEFAULT_FOLDS = 5
 DEFAULT_SEED = 0
+ECE_BINS = 10
+LOG_LOSS_FLOOR = 5e-5  # stored probabilities are rounded to 4 decimals: a 0 was below half of the last digit
 AUTO_KINDS = ("no_descriptions", "no_instructions", "reversed", "shuffled", "unknown_added", "unknown_removed")
-ORDER_KINDS = ("reversed", "shuffled")  # the options' order only: what order sensitivity compares with the base
-VARIANT_KINDS = ("base", *AUTO_KINDS, "custom")
-SWEEP_STATUSES = ("pending", "running", "cancelled", "finished", "failed")
+ORDER_KINDS = ("reversed", "shuffled")  # the options' order only: compared with the "relabelled" variant
+VARIANT_KINDS = ("base", *AUTO_KINDS, "relabelled", "custom")
+NOT_CANDIDATES = ("relabelled", *ORDER_KINDS)  # diagnostics: their option ids are numbered, not the analyst's
+UNKNOWN_OPTION = ("unknown", "None of the other options fits, or the state does not say.")
 
 
 class SweepError(ValueError):
@@ -46,12 +68,13 @@ class SweepError(ValueError):
 class Variant:
     """One version of the schema a sweep scores. `schema` is a whole schema dict (name, version, questions);
     `kind` one of VARIANT_KINDS; `question` the question it changes (None for the base, or a custom variant that
-    changes several)."""
+    changes several). `relabel`: per question whose option ids it renamed, {its id: the base's id}."""
 
     name: str
     schema: dict[str, Any]
     kind: str
     question: str | None = None
+    relabel: dict[str, dict[str, str]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -68,7 +91,7 @@ class QuestionScore:
     """One variant's answers to one question against the gold labels, and against the base schema's answers."""
 
     question: str
-    n: int  # cases with a gold label for the question and an answer from the variant
+    n: int  # cases with a gold label for the question and an answer from the variant and the base
     accuracy: Metric
     macro_f1: Metric
     log_loss: Metric
@@ -91,6 +114,10 @@ class VariantScore:
     flips_vs_base: list[int]  # case ids where any question's answer differs from the base's
     order_sensitivity: float | None  # order variants: share of cases whose answer to `question` changed; else None
 
+    @property
+    def better(self) -> bool:
+        return self.accuracy_change.low is not None and self.accuracy_change.low > 0
+
 
 @dataclass(frozen=True)
 class BestSchema:
@@ -109,13 +136,14 @@ class BestSchema:
 
 @dataclass(frozen=True)
 class SweepProgress:
-    """Where a sweep stands: cases done of total, state prefills so far in this process, rate and ETA (None until
-    measured), and its status."""
+    """Where a sweep stands: cases done of total, the states prefilled by this process's engine for the cases it
+    computed, rate and ETA (None until measured), and its status."""
 
     sweep_id: int
     done: int
     total: int
     status: str
+    computed: int = 0  # cases computed by this call of run_sweep
     rate_per_s: float | None = None
     eta_s: float | None = None
     state_prefills: int = 0
@@ -138,7 +166,7 @@ class SweepResult:
     created_at: str
     cases: int  # labelled cases in the sweep
     done: int  # cases with an answer for every variant
-    state_prefills: int  # states prefilled to compute the answers (stored with each case's answers)
+    state_prefills: int  # states prefilled to compute the done cases (stored with each case's answers)
     variants: list[VariantScore]
     order_sensitivity: dict[str, float]
     threshold: float | None
@@ -148,19 +176,42 @@ class SweepResult:
 
     def to_json(self) -> dict[str, Any]:
         """The CLI's --json document (docs/workbench.md "Schema sweeps")."""
-        raise NotImplementedError
+        def metric(name: str, value: Metric) -> dict[str, Any]:
+            return {name: value.value, f"{name}_ci": [value.low, value.high]}
+
+        variants = []
+        for score in self.variants:
+            variant = score.variant
+            variants.append({
+                "name": variant.name, "kind": variant.kind, "question": variant.question,
+                **metric("accuracy", score.accuracy), **metric("accuracy_change", score.accuracy_change),
+                "better": score.better, "flips_vs_base": score.flips_vs_base,
+                "order_sensitivity": score.order_sensitivity,
+                "questions": {q: {"n": s.n, **metric("accuracy", s.accuracy), **metric("macro_f1", s.macro_f1),
+                                  **metric("log_loss", s.log_loss), **metric("ece", s.ece),
+                                  **metric("accuracy_change", s.accuracy_change), "mcnemar_p": s.mcnemar_p,
+                                  "better": s.better, "flips": s.flips}
+                              for q, s in score.questions.items()},
+            })
+        best = None
+        if self.best is not None:
+            best = {"schema": self.best.schema, "choices": self.best.choices, "folds": self.best.folds,
+                    **metric("heldout_accuracy", self.best.heldout_accuracy),
+                    **metric("base_heldout_accuracy", self.best.base_heldout_accuracy)}
+            best["heldout_ci"] = best.pop("heldout_accuracy_ci")
+            best["base_heldout_ci"] = best.pop("base_heldout_accuracy_ci")
+        return {"sweep": self.id, "status": self.status, "case_set": self.case_set_name,
+                "schema": self.base_schema.get("name"), "model": self.model_id,
+                "precision": self.settings.get("precision"), "cases": self.cases, "done": self.done,
+                "state_prefills": self.state_prefills, "variants": variants,
+                "order_sensitivity": self.order_sensitivity, "order_threshold": self.threshold,
+                "order_sensitive": self.flagged, "best": best, "errors": self.errors}
 
 
 ProgressCallback = Callable[[SweepProgress], None]
 
 
-def auto_variants(schema: dict[str, Any], kinds: Sequence[str] = AUTO_KINDS, *,
-                  seed: int = DEFAULT_SEED) -> list[Variant]:
-    """The automatic variants of `schema` of the given kinds, one per question where the kind applies (option
-    descriptions and the order of options: choice questions; instructions: every question; "unknown": choice
-    questions, added where none is offered and removed where one is). Shuffles are seeded. The base is not
-    included."""
-    raise NotImplementedError
+# ---- variants -------------------------------------------------------------------------------------------------------
 
 
 def base_variant(schema: dict[str, Any]) -> Variant:
@@ -168,40 +219,460 @@ def base_variant(schema: dict[str, Any]) -> Variant:
     return Variant("base", schema, "base", None)
 
 
+def _with_question(schema: dict[str, Any], question_id: str, question: dict[str, Any]) -> dict[str, Any]:
+    questions = dict(schema["questions"])
+    questions[question_id] = question
+    return {**schema, "questions": questions}
+
+
+def _numbered(order: list[str]) -> dict[str, str]:
+    """{numbered id: base id} putting the options in `order` (the model reads them sorted by id)."""
+    return {f"o{position:02d}_{option}": option for position, option in enumerate(order, 1)}
+
+
+def _question_variants(question_id: str, question: dict[str, Any], kinds: Sequence[str],
+                       rng: np.random.Generator) -> list[tuple[str, dict[str, Any], dict[str, str]]]:
+    """(kind, changed question, relabel) of every kind that applies to the question."""
+    out: list[tuple[str, dict[str, Any], dict[str, str]]] = []
+    criteria: Any = question.get("criteria")
+    choice = question["type"] == "choice" and isinstance(criteria, dict)
+    if "no_descriptions" in kinds:
+        if choice and any(v is not None for v in criteria.values()):
+            out.append(("no_descriptions", {**question, "criteria": dict.fromkeys(criteria)}, {}))
+        elif question["type"] == "noul" and criteria is not None:
+            out.append(("no_descriptions", {**question, "criteria": None}, {}))
+    if "no_instructions" in kinds and question.get("instructions"):
+        out.append(("no_instructions", {**question, "instructions": ""}, {}))
+    if choice and len(criteria) >= 2 and any(kind in kinds for kind in ORDER_KINDS):
+        model_order = sorted(criteria)
+        orders = {"relabelled": model_order, "reversed": model_order[::-1]}
+        if "shuffled" in kinds and len(criteria) >= 3:
+            shuffled = list(model_order)
+            while shuffled in (model_order, model_order[::-1]):
+                shuffled = [model_order[i] for i in rng.permutation(len(model_order))]
+            orders["shuffled"] = shuffled
+        for kind, order in orders.items():
+            if kind == "relabelled" or kind in kinds:
+                relabel = _numbered(order)
+                out.append((kind, {**question, "criteria": {new: criteria[old] for new, old in relabel.items()}},
+                            relabel))
+    if choice:
+        way_out = way_out_options(criteria)
+        if "unknown_added" in kinds and not way_out and UNKNOWN_OPTION[0] not in criteria:
+            out.append(("unknown_added", {**question, "criteria": {**criteria, UNKNOWN_OPTION[0]: UNKNOWN_OPTION[1]}},
+                        {}))
+        if "unknown_removed" in kinds and way_out and len(criteria) - len(way_out) >= 2:
+            kept = {k: v for k, v in criteria.items() if k not in way_out}
+            out.append(("unknown_removed", {**question, "criteria": kept}, {}))
+    return out
+
+
+def auto_variants(schema: dict[str, Any], kinds: Sequence[str] = AUTO_KINDS, *,
+                  seed: int = DEFAULT_SEED) -> list[Variant]:
+    """The automatic variants of `schema` of the given kinds, one per question where the kind applies: option
+    descriptions removed (choice, and noul with criteria), instructions removed (every question that has them),
+    options reversed or shuffled (choice, with their "relabelled" control, see the module docstring; shuffled needs
+    three options), "unknown" added where a choice question offers no way out and removed where one does. Shuffles
+    are seeded. The base is not included. Names are "KIND:QUESTION"."""
+    unknown = set(kinds) - set(AUTO_KINDS)
+    if unknown:
+        raise SweepError(f"unknown kind(s) of automatic variant: {', '.join(sorted(unknown))} (known: "
+                         f"{', '.join(AUTO_KINDS)})")
+    rng = np.random.default_rng(seed)
+    variants = []
+    for question_id, question in schema["questions"].items():
+        for kind, changed, relabel in _question_variants(question_id, question, kinds, rng):
+            variants.append(Variant(f"{kind}:{question_id}", _with_question(schema, question_id, changed), kind,
+                                    question_id, {question_id: relabel} if relabel else {}))
+    return variants
+
+
+def changed_questions(variant: Variant, base: dict[str, Any]) -> list[str]:
+    """The questions whose wording the variant changes."""
+    return [q for q in base["questions"] if variant.schema["questions"].get(q) != base["questions"][q]]
+
+
 def variants_from_json(text: str, base: dict[str, Any], *, source: str = "variants") -> list[Variant]:
-    """The analyst's variants from a JSON file: a list of {"name", "questions"} (questions: a map of question id →
-    question replacing the base's; other questions keep the base's wording), or the word "auto". Raises SweepError
-    naming the entry and field of every problem."""
-    raise NotImplementedError
+    """The analyst's variants from a JSON document: a list of {"name", "questions"} (questions: a map of question
+    id → question replacing the base's; the other questions keep the base's wording). Raises SweepError naming the
+    entry and field of every problem."""
+    try:
+        entries = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise SweepError(f"{source}: not valid JSON: {exc.msg} at line {exc.lineno}, column {exc.colno}") from None
+    if not isinstance(entries, list) or not entries:
+        raise SweepError(f'{source}: must hold a non-empty JSON list of {{"name", "questions"}} objects')
+    problems, variants = [], []
+    for number, entry in enumerate(entries, 1):
+        where = f"{source}: entry {number}"
+        if not isinstance(entry, dict) or not isinstance(entry.get("name"), str) or not entry["name"].strip():
+            problems.append(f'{where}: must be an object with a non-empty "name"')
+            continue
+        where += f" ({entry['name']!r})"
+        questions = entry.get("questions")
+        if not isinstance(questions, dict) or not questions:
+            problems.append(f'{where}, field "questions": must map question ids of the base schema to questions')
+            continue
+        strange = [q for q in questions if q not in base["questions"]]
+        if strange:
+            problems.append(f'{where}, field "questions": {", ".join(map(repr, strange))} not in the base schema '
+                            f"(its questions: {', '.join(base['questions'])})")
+            continue
+        schema = {**base, "questions": {q: questions.get(q, v) for q, v in base["questions"].items()}}
+        try:
+            Schema.from_dict(schema, source=where)
+        except SchemaError as exc:
+            problems.append(str(exc))
+            continue
+        retyped = [q for q in questions if questions[q].get("type") != base["questions"][q]["type"]]
+        if retyped:
+            problems.append(f'{where}, field "questions": {", ".join(map(repr, retyped))} changes the question type; '
+                            "a sweep compares answers of the same type")
+            continue
+        variant = Variant(entry["name"].strip(), schema, "custom")
+        changed = changed_questions(variant, base)
+        variants.append(Variant(variant.name, schema, "custom", changed[0] if len(changed) == 1 else None))
+    if problems:
+        raise SweepError("; ".join(problems))
+    return variants
+
+
+# ---- starting and running -------------------------------------------------------------------------------------------
+
+
+def labelled_cases(store: Any, case_set_id: int, schema: dict[str, Any]) -> list[int]:
+    """Ids of the case set's cases with an expected answer to at least one of the schema's questions, in order."""
+    return [case["id"] for case in store.list_cases(case_set_id)
+            if any((case["expected"] or {}).get(q) is not None for q in schema["questions"])]
+
+
+def check_sweep(store: Any, case_set_id: int, schema: dict[str, Any], variants: Sequence[Variant], *,
+                folds: int = DEFAULT_FOLDS) -> tuple[list[Variant], list[int]]:
+    """The variants a sweep would hold (the base first, added when `variants` lacks it) and the labelled case ids it
+    would run; raises SweepError when the case set has no labelled case, a variant's schema is invalid or its
+    question ids differ from the base's, names repeat, there are more than MAX_VARIANTS, or folds < 2."""
+    if folds < 2:
+        raise SweepError(f"folds must be at least 2 (got {folds}): the best variant is chosen on some cases and "
+                         "scored on others")
+    chosen = list(variants)
+    if not chosen or chosen[0].kind != "base":
+        chosen.insert(0, base_variant(schema))
+    if len(chosen) > MAX_VARIANTS:
+        raise SweepError(f"{len(chosen)} variants (the base included): a sweep holds at most {MAX_VARIANTS}; tick "
+                         "fewer kinds of automatic variant or write fewer")
+    names = [v.name for v in chosen]
+    repeated = sorted({n for n in names if names.count(n) > 1})
+    if repeated:
+        raise SweepError(f"variant names must be unique: {', '.join(map(repr, repeated))} appear more than once")
+    for variant in chosen:
+        if list(variant.schema["questions"]) != list(schema["questions"]):
+            raise SweepError(f"variant {variant.name!r}: its questions ({', '.join(variant.schema['questions'])}) "
+                             f"must be the base's, in order ({', '.join(schema['questions'])})")
+        try:
+            Schema.from_dict(variant.schema, source=f"variant {variant.name!r}")
+        except SchemaError as exc:
+            raise SweepError(str(exc)) from None
+    case_ids = labelled_cases(store, case_set_id, schema)
+    if not case_ids:
+        name = store.get_case_set(case_set_id)["name"]
+        raise SweepError(f"case set {name!r} has no case with an expected answer to a question of schema "
+                         f"{schema.get('name')!r} ({', '.join(schema['questions'])}): label cases in Review, or "
+                         "import them with a column expected_<question>")
+    return chosen, case_ids
 
 
 def start_sweep(store: Any, case_set_id: int, schema: dict[str, Any], variants: Sequence[Variant], *,
                 model_id: str, model_revision: str | None = None, settings: dict[str, Any] | None = None,
                 folds: int = DEFAULT_FOLDS) -> int:
-    """Record a sweep of the case set's labelled cases (status pending) and return its id. The base variant is
-    added first when `variants` lacks it. Raises SweepError when the case set has no labelled case, a variant's
-    schema is invalid or its questions differ in ids from the base's, names repeat, or there are more than
-    MAX_VARIANTS."""
-    raise NotImplementedError
+    """Record a sweep of the case set's labelled cases (status pending) and return its id; `check_sweep` says what
+    is refused. `settings`: what the answers depend on besides the schema (max_length, overflow, precision…)."""
+    chosen, case_ids = check_sweep(store, case_set_id, schema, variants, folds=folds)
+    return int(store.create_sweep(
+        case_set_id, schema=schema, case_ids=case_ids, model_id=model_id, model_revision=model_revision,
+        settings={**(settings or {}), "folds": folds},
+        variants=[{"name": v.name, "kind": v.kind, "question": v.question, "schema": v.schema,
+                   "relabel": v.relabel} for v in chosen]))
+
+
+def _state_prefills(engine: Any) -> int | None:
+    """The engine's count of prefilled states; None for an engine that does not count them (a remote endpoint)."""
+    from clef_engine import Engine
+
+    return engine.state_prefills if isinstance(engine, Engine) else None
+
+
+def _decide_case(engine: Any, requests: list[dict], settings: dict[str, Any]) -> list[tuple[Any, str | None]]:
+    """(response, None) or (None, error) per variant of one case: the local engine continues every variant from one
+    prefilled state; any other engine gets them as separate requests."""
+    from clef_engine import Engine
+
+    max_length, overflow = settings.get("max_length"), settings.get("overflow") or "refuse"
+    try:
+        if isinstance(engine, Engine):
+            outcomes: list[Any] = engine.decide_variants(requests, max_length=max_length, overflow=overflow)
+        else:
+            outcomes = engine.decide_many(requests, errors="return", max_length=max_length, overflow=overflow)
+    except ClefError as exc:  # the case's state cannot be decided (over the token budget): an error for each variant
+        return [(None, str(exc))] * len(requests)
+    return [(None, str(o)) if isinstance(o, Exception) else (o, None) for o in outcomes]
 
 
 def run_sweep(store: Any, sweep_id: int, engine: Any, *, progress: ProgressCallback | None = None,
               stop: Callable[[], bool] | None = None) -> SweepProgress:
     """Compute the sweep's cases that have no answers yet, case-major: per case one call of
-    `engine.decide_variants` (its state prefilled once, every variant continued from it); an engine without it
-    (a remote endpoint) gets each variant as a request. Each case's answers are stored in one transaction, so a
-    kill loses at most the case in flight and a later call resumes with the rest. `progress` is called after each
-    case; `stop()` true ends the sweep as cancelled after the case in flight. Returns the final progress."""
-    raise NotImplementedError
+    `Engine.decide_variants` (its state prefilled once, every variant continued from it); an engine that is not
+    the local one (a remote endpoint) gets each variant as a request. Each case's answers are stored in one
+    transaction, so a kill loses at most the case in flight and a later call resumes with the rest. `progress` is
+    called after each case; `stop()` true ends the sweep as cancelled after the case in flight. An exception other
+    than a case's own bad input marks the sweep failed and is raised. Returns the final progress."""
+    sweep = store.get_sweep(sweep_id)
+    left = store.sweep_cases_left(sweep_id)
+    total, done = sweep["total"], sweep["total"] - len(left)
+    store.set_sweep_status(sweep_id, "running")
+    started, prefills, status = time.monotonic(), 0, "finished"
+
+    def report(computed: int, now_status: str, error: str | None = None) -> SweepProgress:
+        elapsed = time.monotonic() - started
+        rate = computed / elapsed if computed and elapsed > 0 else None
+        return SweepProgress(sweep_id, done + computed, total, now_status, computed, rate,
+                             (len(left) - computed) / rate if rate else None, prefills, error)
+
+    computed = 0
+    try:
+        for case_id in left:
+            if stop is not None and stop():
+                status = "cancelled"
+                break
+            case = store.get_case(case_id)
+            requests = [build_request(case, v["schema"], model=sweep["model_id"]) for v in sweep["variants"]]
+            before, began = _state_prefills(engine), time.perf_counter()
+            answers = _decide_case(engine, requests, sweep["settings"])
+            after = _state_prefills(engine)
+            case_prefills = len(requests) if before is None or after is None else after - before
+            store.record_sweep_case(sweep_id, case_id, [(i, r, e) for i, (r, e) in enumerate(answers)],
+                                    state_prefills=case_prefills, compute_ms=(time.perf_counter() - began) * 1000)
+            prefills += case_prefills
+            computed += 1
+            if progress is not None:
+                progress(report(computed, "running"))
+    except BaseException as exc:
+        store.set_sweep_status(sweep_id, "failed", error=f"{type(exc).__name__}: {exc}"[:2000])
+        raise
+    store.set_sweep_status(sweep_id, status)
+    final = report(computed, status)
+    if progress is not None:
+        progress(final)
+    return final
+
+
+# ---- scoring --------------------------------------------------------------------------------------------------------
+
+
+def _to_base_ids(response: dict[str, Any], relabel: dict[str, dict[str, str]]) -> dict[str, Any]:
+    """A response of a relabelled variant with its answers' option ids mapped back to the base's."""
+    answers = dict(response.get("answers") or {})
+    for question_id, names in relabel.items():
+        answer = answers.get(question_id)
+        if answer is not None:
+            answers[question_id] = {**answer, "choice": names.get(answer["choice"], answer["choice"]),
+                                    "probabilities": {names.get(k, k): p for k, p in answer["probabilities"].items()}}
+    return {**response, "answers": answers}
+
+
+def answer_frames(sweep: dict[str, Any], answers: list[dict[str, Any]]) -> list[pd.DataFrame]:
+    """Per variant, `stats.answer_frame` of its answers in the base's terms (option ids mapped back), with
+    `log_loss` (−ln of the gold option's probability, floored at LOG_LOSS_FLOOR) per labelled row."""
+    frames = []
+    for position, variant in enumerate(sweep["variants"]):
+        results = [{"case_id": a["case_id"], "expected": a["expected"], "error": a["error"],
+                    "response": _to_base_ids(a["response"], variant["relabel"]) if a["response"] else None}
+                   for a in answers if a["variant"] == position]
+        frame = stats.answer_frame(results, sweep["schema"])
+        frame["log_loss"] = [np.nan if e is None else -math.log(max(d.get(e, 0.0), LOG_LOSS_FLOOR))
+                             for d, e in zip(frame["distribution"], frame["expected"], strict=True)]
+        frames.append(frame)
+    return frames
+
+
+def _mean(values: np.ndarray) -> np.ndarray:
+    return values.mean(axis=-1)
+
+
+def _ratio(numerator: np.ndarray, denominator: np.ndarray) -> np.ndarray:
+    return numerator.sum(axis=-1) / np.maximum(denominator.sum(axis=-1), 1)
+
+
+def _macro_f1(classes: int) -> Callable[[np.ndarray, np.ndarray], np.ndarray]:
+    """Macro-F1 over the last axis of class codes, averaged over the classes present in the gold or predicted
+    answers (scikit-learn's `f1_score(average="macro")`)."""
+    def macro_f1(gold: np.ndarray, predicted: np.ndarray) -> np.ndarray:
+        total, present = np.zeros(gold.shape[:-1]), np.zeros(gold.shape[:-1])
+        for code in range(classes):
+            is_gold, is_predicted = gold == code, predicted == code
+            hits = (is_gold & is_predicted).sum(axis=-1)
+            denominator = is_gold.sum(axis=-1) + is_predicted.sum(axis=-1)
+            total += np.where(denominator > 0, 2 * hits / np.maximum(denominator, 1), 0.0)
+            present += denominator > 0
+        return total / np.maximum(present, 1)
+    return macro_f1
+
+
+def _metric(columns: list[np.ndarray], statistic: Callable[..., np.ndarray], seed: int) -> Metric:
+    if len(columns[0]) == 0:
+        return Metric(None)
+    value = float(statistic(*(np.asarray(c, dtype=float) for c in columns)))
+    low, high = bootstrap_interval(columns, statistic, seed=seed)
+    return Metric(value, low, high)
+
+
+def _mcnemar(base_correct: np.ndarray, variant_correct: np.ndarray) -> float:
+    """Exact McNemar p-value (two-sided): the discordant pairs' split tested against 1/2."""
+    fixed = int(((base_correct == 0) & (variant_correct == 1)).sum())
+    broke = int(((base_correct == 1) & (variant_correct == 0)).sum())
+    return 1.0 if fixed + broke == 0 else float(binomtest(fixed, fixed + broke, 0.5).pvalue)
+
+
+def _question_score(question_id: str, rows: pd.DataFrame, base_rows: pd.DataFrame, *, is_base: bool,
+                    seed: int) -> QuestionScore:
+    """`rows` and `base_rows`: one question's answers of the variant and of the base."""
+    joined = rows.merge(base_rows[["case_id", "predicted", "correct"]], on="case_id", suffixes=("", "_base"))
+    flips = [int(c) for c in joined.loc[joined["predicted"] != joined["predicted_base"], "case_id"]]
+    labelled = joined[joined["expected"].notna()]
+    correct, base_correct = labelled["correct"].to_numpy(float), labelled["correct_base"].to_numpy(float)
+    classes = sorted(set(labelled["expected"]) | set(labelled["predicted"]))
+    codes = {c: i for i, c in enumerate(classes)}
+    change = _metric([correct - base_correct], _mean, seed)
+    return QuestionScore(
+        question=question_id, n=len(labelled),
+        accuracy=_metric([correct], _mean, seed),
+        macro_f1=_metric([labelled["expected"].map(codes).to_numpy(float),
+                          labelled["predicted"].map(codes).to_numpy(float)], _macro_f1(len(classes)), seed),
+        log_loss=_metric([labelled["log_loss"].to_numpy(float)], _mean, seed),
+        ece=_metric([labelled["confidence"].to_numpy(float), correct], ece_statistic(ECE_BINS), seed),
+        flips=flips, accuracy_change=change,
+        mcnemar_p=None if is_base or not len(labelled) else _mcnemar(base_correct, correct),
+        better=change.low is not None and change.low > 0)
+
+
+def _per_case(frame: pd.DataFrame) -> pd.DataFrame:
+    """Labelled answers per case: how many, how many right."""
+    labelled = frame[frame["expected"].notna()]
+    return labelled.groupby("case_id")["correct"].agg(right="sum", labelled="count")
+
+
+def _order_sensitivity(variants: list[Variant], frames: list[pd.DataFrame]) -> dict[str, float]:
+    """Per order variant's name: the share of cases whose answer to its question differs from the "relabelled" one's."""
+    controls = {v.question: frames[i] for i, v in enumerate(variants) if v.kind == "relabelled"}
+    out = {}
+    for i, variant in enumerate(variants):
+        if variant.kind in ORDER_KINDS and variant.question in controls:
+            control = controls[variant.question]
+            joined = frames[i][frames[i]["question_id"] == variant.question].merge(
+                control[control["question_id"] == variant.question], on="case_id", suffixes=("", "_control"))
+            if len(joined):
+                out[variant.name] = float((joined["predicted"] != joined["predicted_control"]).mean())
+    return out
+
+
+def _question_accuracy(frame: pd.DataFrame, question_id: str, cases: set[int]) -> float:
+    rows = frame[(frame["question_id"] == question_id) & frame["expected"].notna() & frame["case_id"].isin(cases)]
+    return float(rows["correct"].mean()) if len(rows) else -math.inf
+
+
+def _best(base: dict[str, Any], variants: list[Variant], frames: list[pd.DataFrame], folds: int,
+          seed: int) -> BestSchema | None:
+    """Per question the best candidate (the base, or a variant changing the question that is not an order
+    diagnostic) chosen on training folds and scored on the held-out fold; the composed schema chosen on all."""
+    case_ids = sorted(set(frames[0].loc[frames[0]["expected"].notna(), "case_id"]))
+    k = min(folds, len(case_ids))
+    if k < 2:
+        return None
+    candidates = {q: [0] + [i for i, v in enumerate(variants) if i and v.kind not in NOT_CANDIDATES
+                            and q in changed_questions(v, base)]
+                  for q in base["questions"]}
+    fold_of = dict(zip(np.random.default_rng(seed).permutation(case_ids).tolist(),
+                       [i % k for i in range(len(case_ids))], strict=True))
+    held_out = []
+    for fold in range(k):
+        train = {c for c, f in fold_of.items() if f != fold}
+        test = set(fold_of) - train
+        for question_id, options in candidates.items():
+            chosen = max(options, key=lambda i: _question_accuracy(frames[i], question_id, train))
+            frame = frames[chosen]
+            held_out.append(frame[(frame["question_id"] == question_id) & frame["case_id"].isin(test)])
+    everything = set(case_ids)
+    choices = {q: max(options, key=lambda i: _question_accuracy(frames[i], q, everything))
+               for q, options in candidates.items()}
+    composed = copy.deepcopy(base)
+    for question_id, chosen in choices.items():
+        composed["questions"][question_id] = copy.deepcopy(variants[chosen].schema["questions"][question_id])
+
+    def pooled(frame: pd.DataFrame) -> Metric:
+        cases = _per_case(frame)
+        return _metric([cases["right"].to_numpy(float), cases["labelled"].to_numpy(float)], _ratio, seed)
+
+    return BestSchema(composed, {q: variants[i].name for q, i in choices.items()}, k,
+                      pooled(pd.concat(held_out, ignore_index=True)), pooled(frames[0]))
 
 
 def load_sweep(store: Any, sweep_id: int, *, threshold: float | None = None, folds: int | None = None,
                seed: int = DEFAULT_SEED) -> SweepResult:
-    """A stored sweep with its scores over the cases done so far (see the module docstring)."""
-    raise NotImplementedError
+    """A stored sweep with its scores over the cases done so far (see the module docstring). `folds`: the k of the
+    best-variant selection (default: the sweep's own); `threshold`: order sensitivity above it is flagged."""
+    sweep = store.get_sweep(sweep_id)
+    answers = store.list_sweep_answers(sweep_id)
+    variants = [Variant(v["name"], v["schema"], v["kind"], v["question"], v["relabel"]) for v in sweep["variants"]]
+    frames = answer_frames(sweep, answers)
+    base_cases = _per_case(frames[0])
+    sensitivity = _order_sensitivity(variants, frames)
+    scores = []
+    for i, (variant, frame) in enumerate(zip(variants, frames, strict=True)):
+        questions = {q: _question_score(q, frame[frame["question_id"] == q],
+                                        frames[0][frames[0]["question_id"] == q], is_base=i == 0, seed=seed)
+                     for q in sweep["schema"]["questions"]}
+        cases = _per_case(frame).join(base_cases.add_suffix("_base"), how="inner")
+        scores.append(VariantScore(
+            variant=variant,
+            accuracy=_metric([cases["right"].to_numpy(float), cases["labelled"].to_numpy(float)], _ratio, seed),
+            accuracy_change=_metric([(cases["right"] - cases["right_base"]).to_numpy(float),
+                                     cases["labelled"].to_numpy(float)], _ratio, seed),
+            questions=questions,
+            flips_vs_base=sorted({c for s in questions.values() for c in s.flips}),
+            order_sensitivity=sensitivity.get(variant.name)))
+    by_question: dict[str, float] = {}
+    for variant in variants:
+        if variant.name in sensitivity:
+            question = str(variant.question)
+            by_question[question] = max(by_question.get(question, 0.0), sensitivity[variant.name])
+    flagged = [] if threshold is None else [q for q, share in by_question.items() if share > threshold]
+    return SweepResult(
+        id=sweep["id"], status=sweep["status"], case_set_id=sweep["case_set_id"],
+        case_set_name=sweep["case_set_name"], base_schema=sweep["schema"], model_id=sweep["model_id"],
+        settings=sweep["settings"], created_at=sweep["created_at"], cases=sweep["total"], done=sweep["done"],
+        state_prefills=sweep["state_prefills"], variants=scores, order_sensitivity=by_question,
+        threshold=threshold, flagged=flagged,
+        best=_best(sweep["schema"], variants, frames, folds or sweep["settings"].get("folds", DEFAULT_FOLDS), seed),
+        errors=[{"case_id": a["case_id"], "variant": variants[a["variant"]].name, "error": a["error"]}
+                for a in answers if a["error"]])
+
+
+def leaderboard(result: SweepResult) -> pd.DataFrame:
+    """One row per variant, most accurate first: its overall accuracy and change vs the base with their intervals,
+    whether it is better, how many cases flip, and its order sensitivity."""
+    rows = [{"variant": s.variant.name, "kind": s.variant.kind, "question": s.variant.question,
+             "accuracy": s.accuracy.value, "low": s.accuracy.low, "high": s.accuracy.high,
+             "change": s.accuracy_change.value, "change_low": s.accuracy_change.low,
+             "change_high": s.accuracy_change.high, "better": s.better, "flips": len(s.flips_vs_base),
+             "order_sensitivity": s.order_sensitivity} for s in result.variants]
+    frame = pd.DataFrame(rows, columns=["variant", "kind", "question", "accuracy", "low", "high", "change",
+                                        "change_low", "change_high", "better", "flips", "order_sensitivity"])
+    return frame.sort_values("accuracy", ascending=False, kind="stable", na_position="last").reset_index(drop=True)
 
 
 def list_sweeps(store: Any, case_set_id: int | None = None) -> list[dict[str, Any]]:
     """Sweeps, newest first (optionally of one case set): id, case_set_id, case_set_name, schema_name, model_id,
-    status, variants (count), done, total, created_at."""
-    raise NotImplementedError
+    status, variants (count), done, total, state_prefills, created_at."""
+    keys = ("id", "case_set_id", "case_set_name", "schema_name", "model_id", "status", "done", "total",
+            "state_prefills", "created_at")
+    return [{**{k: sweep[k] for k in keys}, "variants": sweep["variant_count"]}
+            for sweep in store.list_sweeps(case_set_id)]

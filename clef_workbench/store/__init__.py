@@ -14,7 +14,8 @@ One `Store` object over one module per concern:
 - `review.py`: review rules, the queue, reviewer actions and undo;
 - `drafts.py`: per-session drafts of the Decide page;
 - `schema_versions.py`: the schema history (every saved content of a library schema) that runs link to;
-- `calibrations.py`: calibrations fitted on a run's labelled cases, with the run's schema version and model.
+- `calibrations.py`: calibrations fitted on a run's labelled cases, with the run's schema version and model;
+- `sweeps.py`: schema sweeps, their variants and one answer per case and variant.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from clef_workbench.store.migrations import MIGRATIONS, SCHEMA_VERSION
 from clef_workbench.store.review import REVIEW_ACTIONS, REVIEW_STATUSES, ReviewMixin
 from clef_workbench.store.runs import RUN_STATUSES, RunsMixin, new_lease_owner
 from clef_workbench.store.schema_versions import SCHEMA_VERSION_ACTIONS, SchemaVersionsMixin, schema_hashes
+from clef_workbench.store.sweeps import SweepsMixin
 
 __all__ = [
     "BUSY_TIMEOUT_MS", "CHANGE_KINDS", "MIGRATIONS", "REVIEW_ACTIONS", "REVIEW_STATUSES", "RUN_STATUSES",
@@ -47,5 +49,6 @@ __all__ = [
 ]
 
 
-class Store(CaseSetsMixin, RunsMixin, ReviewMixin, DraftsMixin, SchemaVersionsMixin, CalibrationsMixin):
+class Store(CaseSetsMixin, RunsMixin, ReviewMixin, DraftsMixin, SchemaVersionsMixin, CalibrationsMixin,
+            SweepsMixin):
     """All persistent state of the workbench in one SQLite file. Safe to share between threads and processes."""

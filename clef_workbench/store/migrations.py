@@ -180,7 +180,55 @@ MIGRATIONS: list[list[str]] = [
     [
         "ALTER TABLE cases ADD COLUMN source_id TEXT",
     ],
-    # 7: a schema version's note: where a version came from when its action alone does not say (an adopted sweep's
+    # 7: schema sweeps: a base schema and its variants over a case set's labelled cases (frozen when it starts), one
+    # answer per case and variant, and per finished case how many states computing it prefilled
+    [
+        """CREATE TABLE sweeps (
+            id INTEGER PRIMARY KEY,
+            case_set_id INTEGER NOT NULL REFERENCES case_sets(id),
+            schema_json TEXT NOT NULL,
+            schema_name TEXT NOT NULL,
+            schema_version_id INTEGER REFERENCES schema_versions(id),
+            model_id TEXT NOT NULL,
+            model_revision TEXT,
+            settings_json TEXT NOT NULL DEFAULT '{}',
+            status TEXT NOT NULL DEFAULT 'pending'
+                CHECK (status IN ('pending', 'running', 'cancelled', 'finished', 'failed')),
+            error TEXT,
+            created_at TEXT NOT NULL,
+            started_at TEXT,
+            finished_at TEXT
+        )""",
+        """CREATE TABLE sweep_variants (
+            sweep_id INTEGER NOT NULL REFERENCES sweeps(id) ON DELETE CASCADE,
+            position INTEGER NOT NULL,
+            name TEXT NOT NULL,
+            kind TEXT NOT NULL,
+            question TEXT,
+            schema_json TEXT NOT NULL,
+            relabel_json TEXT NOT NULL DEFAULT '{}',
+            PRIMARY KEY (sweep_id, position),
+            UNIQUE (sweep_id, name)
+        )""",
+        """CREATE TABLE sweep_cases (
+            sweep_id INTEGER NOT NULL REFERENCES sweeps(id) ON DELETE CASCADE,
+            case_id INTEGER NOT NULL REFERENCES cases(id),
+            position INTEGER NOT NULL,
+            state_prefills INTEGER,
+            compute_ms REAL,
+            finished_at TEXT,
+            PRIMARY KEY (sweep_id, case_id)
+        )""",
+        """CREATE TABLE sweep_answers (
+            sweep_id INTEGER NOT NULL REFERENCES sweeps(id) ON DELETE CASCADE,
+            case_id INTEGER NOT NULL REFERENCES cases(id),
+            variant INTEGER NOT NULL,
+            response_json TEXT,
+            error TEXT,
+            PRIMARY KEY (sweep_id, case_id, variant)
+        )""",
+    ],
+    # 8: a schema version's note: where a version came from when its action alone does not say (an adopted sweep's
     # result names the sweep and its figures)
     [
         "ALTER TABLE schema_versions ADD COLUMN note TEXT NOT NULL DEFAULT ''",

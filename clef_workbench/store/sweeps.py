@@ -1,0 +1,118 @@
+"""Schema sweeps (`clef_workbench.sweeps`): a base schema and its variants over a case set's labelled cases, frozen
+when the sweep is recorded, and one answer per case and variant. A case's answers are written in one transaction
+with the mark that it is finished, so a killed sweep has every case either whole or not started, and a case is never
+written twice (its mark is set once; a second write is refused)."""
+
+from __future__ import annotations
+
+import sqlite3
+from typing import Any
+
+from clef_workbench.store.base import NotFoundError, StoreBase, StoreError, _dumps, _loads, inserted_id, now_iso
+from clef_workbench.store.runs import RUN_STATUSES
+from clef_workbench.store.schema_versions import find_version_row
+
+
+class SweepsMixin(StoreBase):
+    def create_sweep(self, case_set_id: int, *, schema: dict, variants: list[dict], case_ids: list[int],
+                     model_id: str, model_revision: str | None = None, settings: dict | None = None) -> int:
+        """Record a sweep (status pending) of `case_ids` of the case set; `variants` in order, each {name, kind,
+        question, schema, relabel}. Linked to the schema history's version of the base's content, if saved."""
+        self.get_case_set(case_set_id)  # type: ignore[attr-defined]  # CaseSetsMixin's
+        with self._write() as conn:
+            version = find_version_row(conn, schema, (settings or {}).get("schema_slug"))
+            cur = conn.execute(
+                """INSERT INTO sweeps (case_set_id, schema_json, schema_name, schema_version_id, model_id,
+                   model_revision, settings_json, created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?)""",
+                (case_set_id, _dumps(schema), str(schema.get("name") or "unnamed"),
+                 None if version is None else version["id"], model_id, model_revision, _dumps(settings or {}),
+                 now_iso()))
+            sweep_id = inserted_id(cur)
+            conn.executemany(
+                """INSERT INTO sweep_variants (sweep_id, position, name, kind, question, schema_json, relabel_json)
+                   VALUES (?, ?, ?, ?, ?, ?, ?)""",
+                [(sweep_id, position, v["name"], v["kind"], v.get("question"), _dumps(v["schema"]),
+                  _dumps(v.get("relabel") or {})) for position, v in enumerate(variants)])
+            conn.executemany("INSERT INTO sweep_cases (sweep_id, case_id, position) VALUES (?, ?, ?)",
+                             [(sweep_id, case_id, position) for position, case_id in enumerate(case_ids)])
+            return sweep_id
+
+    _SWEEP_SELECT = """SELECT w.*, s.name AS case_set_name,
+        (SELECT COUNT(*) FROM sweep_variants v WHERE v.sweep_id = w.id) AS variant_count,
+        (SELECT COUNT(*) FROM sweep_cases c WHERE c.sweep_id = w.id) AS total,
+        (SELECT COUNT(*) FROM sweep_cases c WHERE c.sweep_id = w.id AND c.finished_at IS NOT NULL) AS done,
+        (SELECT COALESCE(SUM(c.state_prefills), 0) FROM sweep_cases c WHERE c.sweep_id = w.id) AS state_prefills
+        FROM sweeps w JOIN case_sets s ON s.id = w.case_set_id"""
+
+    @staticmethod
+    def _sweep_row(row: sqlite3.Row) -> dict:
+        sweep = dict(row)
+        sweep["schema"] = _loads(sweep.pop("schema_json"))
+        sweep["settings"] = _loads(sweep.pop("settings_json"))
+        return sweep
+
+    def get_sweep(self, sweep_id: int) -> dict:
+        """A sweep with its base schema, settings, variants (in order) and progress (total cases, done, the states
+        prefilled for the done ones)."""
+        with self._read() as conn:
+            row = conn.execute(self._SWEEP_SELECT + " WHERE w.id = ?", (sweep_id,)).fetchone()
+            if row is None:
+                raise NotFoundError(f"sweep {sweep_id} does not exist")
+            sweep = self._sweep_row(row)
+            sweep["variants"] = [
+                {"name": v["name"], "kind": v["kind"], "question": v["question"], "schema": _loads(v["schema_json"]),
+                 "relabel": _loads(v["relabel_json"])}
+                for v in conn.execute("SELECT * FROM sweep_variants WHERE sweep_id = ? ORDER BY position",
+                                      (sweep_id,))]
+        return sweep
+
+    def list_sweeps(self, case_set_id: int | None = None) -> list[dict]:
+        """Sweeps, newest first, optionally of one case set (without their variants)."""
+        where, args = ("", ()) if case_set_id is None else (" WHERE w.case_set_id = ?", (case_set_id,))
+        rows = self._conn().execute(self._SWEEP_SELECT + where + " ORDER BY w.id DESC", args).fetchall()
+        return [self._sweep_row(row) for row in rows]
+
+    def sweep_cases_left(self, sweep_id: int) -> list[int]:
+        """The sweep's case ids without answers yet, in order."""
+        rows = self._conn().execute(
+            "SELECT case_id FROM sweep_cases WHERE sweep_id = ? AND finished_at IS NULL ORDER BY position",
+            (sweep_id,)).fetchall()
+        return [row["case_id"] for row in rows]
+
+    def record_sweep_case(self, sweep_id: int, case_id: int, answers: list[tuple[int, Any, str | None]], *,
+                          state_prefills: int, compute_ms: float) -> None:
+        """A case's answers, one (variant position, response or None, error or None) per variant, and the mark
+        that it is finished, in one transaction. A case finished already is refused (StoreError): it would have
+        been computed twice."""
+        with self._write() as conn:
+            marked = conn.execute(
+                """UPDATE sweep_cases SET state_prefills = ?, compute_ms = ?, finished_at = ?
+                   WHERE sweep_id = ? AND case_id = ? AND finished_at IS NULL""",
+                (state_prefills, compute_ms, now_iso(), sweep_id, case_id)).rowcount
+            if marked != 1:
+                raise StoreError(f"case {case_id} of sweep {sweep_id} is not one of its cases left to compute")
+            conn.executemany(
+                "INSERT INTO sweep_answers (sweep_id, case_id, variant, response_json, error) VALUES (?, ?, ?, ?, ?)",
+                [(sweep_id, case_id, variant, None if response is None else _dumps(response), error)
+                 for variant, response, error in answers])
+
+    def list_sweep_answers(self, sweep_id: int) -> list[dict]:
+        """Every stored answer of the sweep: case_id, variant (position), response (None when it failed), error, and
+        the case's expected answers; in case order, then variant order."""
+        rows = self._conn().execute(
+            """SELECT a.case_id, a.variant, a.response_json, a.error, c.expected_json FROM sweep_answers a
+               JOIN sweep_cases s ON s.sweep_id = a.sweep_id AND s.case_id = a.case_id
+               JOIN cases c ON c.id = a.case_id
+               WHERE a.sweep_id = ? ORDER BY s.position, a.variant""", (sweep_id,)).fetchall()
+        return [{"case_id": row["case_id"], "variant": row["variant"], "response": _loads(row["response_json"]),
+                 "error": row["error"], "expected": _loads(row["expected_json"])} for row in rows]
+
+    def set_sweep_status(self, sweep_id: int, status: str, *, error: str | None = None) -> None:
+        """Move a sweep to a status; `running` stamps started_at (first time), the others finished_at."""
+        if status not in RUN_STATUSES:
+            raise ValueError(f"status must be one of {RUN_STATUSES}")
+        stamp = "started_at = COALESCE(started_at, ?)" if status == "running" else "finished_at = ?"
+        with self._write() as conn:
+            if conn.execute(f"UPDATE sweeps SET status = ?, error = ?, {stamp} WHERE id = ?",
+                            (status, error, now_iso(), sweep_id)).rowcount != 1:
+                raise NotFoundError(f"sweep {sweep_id} does not exist")

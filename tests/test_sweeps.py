@@ -1,0 +1,345 @@
+"""Schema sweeps (issue 39): variants, case-major execution on the tiny release, the store, the scores, the CLI."""
+
+from __future__ import annotations
+
+import copy
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from scipy.stats import binomtest
+
+from clef_workbench import sweeps
+from clef_workbench.__main__ import main
+from clef_workbench.casesets import build_request
+from clef_workbench.store import Store, StoreError
+
+ROOT = Path(__file__).resolve().parent.parent
+TEAMS = ["billing", "tech", "sales"]
+SCHEMA = {"name": "tickets", "version": 1, "description": "", "questions": {
+    "team": {"type": "choice", "instructions": "Which team should handle the ticket?",
+             "criteria": {"billing": "Invoices and payments.", "tech": "Bugs and outages.", "sales": "New purchases."}},
+    "urgent": {"type": "noul", "instructions": "Is the ticket urgent?", "criteria": None}}}
+
+
+def labelled_set(store: Store, count: int, *, name: str = "tickets", unlabelled: int = 0) -> int:
+    case_set_id = store.create_case_set(name)
+    store.add_cases(case_set_id, [
+        {"state": {"subject": f"ticket {i}", "body": "words " * (i % 7) + f"about {TEAMS[i % 3]}"},
+         "expected": {"team": TEAMS[(i * 7) % 3], "urgent": i % 2 == 0}} for i in range(count)]
+        + [{"state": f"unlabelled {i}"} for i in range(unlabelled)])
+    return case_set_id
+
+
+# ---- variants -------------------------------------------------------------------------------------------------------
+
+
+def test_auto_variants_change_one_question_each_and_order_variants_number_the_ids():
+    variants = {v.name: v for v in sweeps.auto_variants(SCHEMA)}
+    assert list(variants) == ["no_descriptions:team", "no_instructions:team", "relabelled:team", "reversed:team",
+                              "shuffled:team", "unknown_added:team", "no_instructions:urgent"]
+    for variant in variants.values():
+        assert sweeps.changed_questions(variant, SCHEMA) == [variant.question]
+    assert variants["no_descriptions:team"].schema["questions"]["team"]["criteria"] == dict.fromkeys(TEAMS)
+    assert variants["unknown_added:team"].schema["questions"]["team"]["criteria"]["unknown"]
+    # the model reads options sorted by id: the numbers set the order it reads them in; the relabel maps back
+    orders = {kind: [variants[f"{kind}:team"].relabel["team"][k]
+                     for k in sorted(variants[f"{kind}:team"].schema["questions"]["team"]["criteria"])]
+              for kind in ("relabelled", "reversed", "shuffled")}
+    assert orders["relabelled"] == sorted(TEAMS) and orders["reversed"] == sorted(TEAMS)[::-1]
+    assert sorted(orders["shuffled"]) == sorted(TEAMS)
+    assert orders["shuffled"] not in (orders["relabelled"], orders["reversed"])
+    assert sweeps.auto_variants(SCHEMA, seed=0) == sweeps.auto_variants(SCHEMA, seed=0)  # seeded
+    with_way_out = copy.deepcopy(SCHEMA)
+    with_way_out["questions"]["team"]["criteria"]["none_of_these"] = "Nothing fits."
+    removed = sweeps.auto_variants(with_way_out, ["unknown_removed", "unknown_added"])
+    assert [v.name for v in removed] == ["unknown_removed:team"]
+    assert list(removed[0].schema["questions"]["team"]["criteria"]) == TEAMS
+
+
+def test_variants_from_a_file_name_every_problem_by_entry_and_field():
+    good = sweeps.variants_from_json(json.dumps([{"name": "terse", "questions": {
+        "urgent": {"type": "noul", "instructions": "Urgent?", "criteria": None}}}]), SCHEMA)
+    assert [(v.name, v.kind, v.question) for v in good] == [("terse", "custom", "urgent")]
+    assert good[0].schema["questions"]["team"] == SCHEMA["questions"]["team"]
+    with pytest.raises(sweeps.SweepError) as caught:
+        sweeps.variants_from_json(json.dumps([
+            {"name": "x", "questions": {"nope": {"type": "noul", "instructions": "?"}}},
+            {"name": "y", "questions": {"team": {"type": "noul", "instructions": "?"}}},
+            {"questions": {}}]), SCHEMA, source="v.json")
+    message = str(caught.value)
+    assert "v.json: entry 1 ('x'), field \"questions\": 'nope' not in the base schema" in message
+    assert "entry 2 ('y')" in message and "changes the question type" in message
+    assert 'entry 3: must be an object with a non-empty "name"' in message
+    with pytest.raises(sweeps.SweepError, match="line 1, column"):
+        sweeps.variants_from_json("[{", SCHEMA)
+
+
+def test_a_sweep_refuses_what_it_cannot_score_and_stores_nothing(tmp_path):
+    store = Store(tmp_path / "w.db")
+    labelled = labelled_set(store, 4)
+    unlabelled = store.create_case_set("unlabelled")
+    store.add_cases(unlabelled, [{"state": "no answer"}])
+    too_many = [sweeps.Variant(f"v{i}", SCHEMA, "custom") for i in range(sweeps.MAX_VARIANTS)]
+    for case_set_id, variants, folds, message in [
+            (unlabelled, [], 5, "case set 'unlabelled' has no case with an expected answer"),
+            (labelled, too_many, 5, f"{sweeps.MAX_VARIANTS + 1} variants .* at most {sweeps.MAX_VARIANTS}"),
+            (labelled, [sweeps.Variant("a", SCHEMA, "custom")] * 2, 5, "'a' appear more than once"),
+            (labelled, [], 1, "folds must be at least 2")]:
+        with pytest.raises(sweeps.SweepError, match=message):
+            sweeps.start_sweep(store, case_set_id, SCHEMA, variants, model_id="m", folds=folds)
+    assert store.list_sweeps() == []
+
+
+# ---- scoring, on answers written to the store -----------------------------------------------------------------------
+
+
+def response(team: str, p_team: float, urgent: float) -> dict:
+    others = [t for t in TEAMS if t != team]
+    probabilities = {team: p_team, others[0]: (1 - p_team) / 2, others[1]: (1 - p_team) / 2}
+    return {"answers": {"team": {"type": "choice", "choice": team, "confidence": p_team,
+                                 "probabilities": probabilities},
+                        "urgent": {"type": "noul", "noul": urgent}}}
+
+
+def test_scores_flips_mcnemar_order_sensitivity_and_the_held_out_best(tmp_path):
+    """A base right on half the cases, a variant right on all but two, and a reversed order variant that answers
+    the relabelled control's ids differently on 3 of 20 cases: the numbers follow from these counts."""
+    store = Store(tmp_path / "w.db")
+    case_set_id = labelled_set(store, 20)
+    cases = store.list_cases(case_set_id)
+    variants = [v for v in sweeps.auto_variants(SCHEMA, ["reversed", "no_instructions"]) if v.question == "team"]
+    sweep_id = sweeps.start_sweep(store, case_set_id, SCHEMA, variants, model_id="m", folds=4)
+    names = [v["name"] for v in store.get_sweep(sweep_id)["variants"]]
+    assert names == ["base", "no_instructions:team", "relabelled:team", "reversed:team"]
+    relabel = {v.kind: {base: new for new, base in v.relabel.get("team", {}).items()} for v in variants}
+    for i, case in enumerate(cases):
+        gold = case["expected"]["team"]
+        wrong = TEAMS[(TEAMS.index(gold) + 1) % 3]
+        base = response(gold if i % 2 else wrong, 0.9, 0.2)
+        better = response(gold if i >= 2 else wrong, 0.8, 0.2)
+        control_team = gold if i % 2 else wrong
+        flipped = wrong if i < 3 and i % 2 else (gold if i < 3 else control_team)
+        answers = [base, better]
+        for kind, team in (("relabelled", control_team), ("reversed", flipped)):
+            answer = response(team, 0.9, 0.2)
+            answer["answers"]["team"]["choice"] = relabel[kind][team]
+            answer["answers"]["team"]["probabilities"] = {relabel[kind][k]: p for k, p in
+                                                          answer["answers"]["team"]["probabilities"].items()}
+            answers.append(answer)
+        store.record_sweep_case(sweep_id, case["id"], [(v, r, None) for v, r in enumerate(answers)],
+                                state_prefills=1, compute_ms=1.0)
+    with pytest.raises(StoreError, match="not one of its cases left"):  # a case is never written twice
+        store.record_sweep_case(sweep_id, cases[0]["id"], [], state_prefills=1, compute_ms=1.0)
+
+    result = sweeps.load_sweep(store, sweep_id, threshold=0.1)
+    scores = {s.variant.name: s for s in result.variants}
+    base, better = scores["base"].questions["team"], scores["no_instructions:team"].questions["team"]
+    assert (base.accuracy.value, better.accuracy.value) == (0.5, 0.9)
+    assert base.accuracy.low <= 0.5 <= base.accuracy.high
+    # discordant pairs: fixed where the base was wrong (even i ≥ 2: 9 cases), broken where it was right (i = 1)
+    assert better.mcnemar_p == pytest.approx(binomtest(9, 10, 0.5).pvalue)
+    assert better.accuracy_change.value == pytest.approx(0.4) and better.better and not base.better
+    assert better.flips == [c["id"] for i, c in enumerate(cases) if (i % 2 == 1) != (i >= 2)]
+    assert better.log_loss.value == pytest.approx(-(18 * np.log(0.8) + 2 * np.log(0.1)) / 20)
+    assert better.macro_f1.value is not None and 0 < better.macro_f1.value <= 1
+    assert scores["reversed:team"].order_sensitivity == pytest.approx(3 / 20)
+    assert result.order_sensitivity == {"team": pytest.approx(0.15)} and result.flagged == ["team"]
+    assert result.state_prefills == 20 and result.done == result.cases == 20
+    # chosen on training folds only, and never an order diagnostic: the better wording wins on every fold
+    assert result.best is not None and result.best.choices == {"team": "no_instructions:team", "urgent": "base"}
+    assert result.best.schema["questions"]["team"]["instructions"] == ""
+    assert result.best.heldout_accuracy.value > result.best.base_heldout_accuracy.value
+    document = json.loads(json.dumps(result.to_json()))
+    entry = next(v for v in document["variants"] if v["name"] == "no_instructions:team")
+    assert {"name", "accuracy", "accuracy_ci", "flips_vs_base", "order_sensitivity"} <= set(entry)
+    assert {"schema", "heldout_accuracy", "heldout_ci"} <= set(document["best"])
+    assert sweeps.list_sweeps(store)[0] | {"created_at": None} == {
+        "id": sweep_id, "case_set_id": case_set_id, "case_set_name": "tickets", "schema_name": "tickets",
+        "model_id": "m", "status": "pending", "done": 20, "total": 20, "state_prefills": 20, "created_at": None,
+        "variants": 4}
+
+
+# ---- on the tiny release --------------------------------------------------------------------------------------------
+
+
+def test_a_sweep_of_8_variants_over_40_cases_prefills_40_states_and_answers_as_each_variant_alone(
+        tiny_engine, tmp_path):
+    store = Store(tmp_path / "w.db")
+    case_set_id = labelled_set(store, 40)
+    variants = sweeps.auto_variants(SCHEMA)
+    sweep_id = sweeps.start_sweep(store, case_set_id, SCHEMA, variants, model_id="tiny")
+    assert store.get_sweep(sweep_id)["variant_count"] == 8
+    tiny_engine.state_cache.clear()
+    before = tiny_engine.state_prefills
+    seen: list[sweeps.SweepProgress] = []
+    progress = sweeps.run_sweep(store, sweep_id, tiny_engine, progress=seen.append)
+    assert tiny_engine.state_prefills - before == 40 == progress.state_prefills
+    assert progress.status == "finished" and [p.done for p in seen[:-1]] == list(range(1, 41))
+    assert seen[-1].eta_s == 0 and store.get_sweep(sweep_id)["state_prefills"] == 40
+
+    # each variant decided on its own: 320 records, 320 states
+    sweep = store.get_sweep(sweep_id)
+    requests = [build_request(store.get_case(case_id), v["schema"]) for case_id in
+                [c["id"] for c in store.list_cases(case_set_id)] for v in sweep["variants"]]
+    before = tiny_engine.state_prefills
+    alone = tiny_engine.probabilities(requests)
+    assert tiny_engine.state_prefills - before == 320
+    stored = store.list_sweep_answers(sweep_id)
+    assert len(stored) == 320
+    for answer, request, probabilities in zip(stored, requests, alone, strict=True):
+        questions = tiny_engine.validate(request).questions
+        for question, p in zip(questions, probabilities, strict=True):
+            given = answer["response"]["answers"][question.id]
+            if question.type == "noul":
+                assert given["noul"] == pytest.approx(p[0], abs=5e-5 + 1e-5)
+            else:  # rounded to 4 decimals as every response is: within half a last digit plus float noise
+                assert given["choice"] == question.option_ids[int(np.argmax(p))]
+                for option, value in zip(question.option_ids, p, strict=True):
+                    assert given["probabilities"][option] == pytest.approx(value, abs=5e-5 + 1e-5)
+
+
+def test_decide_variants_equals_each_request_alone_and_reuses_a_kept_state(tiny_engine):
+    """Unrounded, float32: the state continued for every schema answers as the whole record does. A second call
+    on the same state takes it from the state cache: no prefill (a re-run after an edit)."""
+    state = {"subject": "refund", "body": "I was charged twice for my subscription " * 12}
+    schemas = [v.schema for v in sweeps.auto_variants(SCHEMA)]
+    requests = [{"state": state, "questions": s["questions"]} for s in schemas]
+    tiny_engine.state_cache.clear()
+    before = tiny_engine.state_prefills
+    shared = tiny_engine.decide_variants(requests, probabilities=True)
+    assert tiny_engine.state_prefills - before == 1
+    alone = [tiny_engine.probabilities([r])[0] for r in requests]
+    assert tiny_engine.state_prefills - before == 1 + len(requests)
+    for ours, theirs in zip(shared, alone, strict=True):
+        for p, q in zip(ours, theirs, strict=True):
+            np.testing.assert_allclose(p, q, atol=1e-5, rtol=0)
+    before = tiny_engine.state_prefills
+    again = tiny_engine.decide_variants(requests[:2])
+    assert tiny_engine.state_prefills == before
+    for ours, request in zip(again, requests[:2], strict=True):
+        theirs = tiny_engine.decide(request)["answers"]
+        assert ours["answers"]["team"]["choice"] == theirs["team"]["choice"]
+        assert ours["answers"]["urgent"]["noul"] == pytest.approx(theirs["urgent"]["noul"], abs=1e-4)
+
+
+# ---- the command line -----------------------------------------------------------------------------------------------
+
+
+def sweep_cli(*args: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "clef_workbench", "sweep", *args], cwd=ROOT,
+                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+@pytest.fixture
+def sweep_db(tmp_path):
+    db = tmp_path / "w.db"
+    store = Store(db)
+    labelled_set(store, 6, unlabelled=2)
+    store.add_cases(store.create_case_set("unlabelled"), [{"state": "no answer"}])
+    (tmp_path / "tickets.json").write_text(json.dumps(SCHEMA))
+    return db
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"--case-set": "nope"}, "--case-set: no case set named 'nope' in"),
+    ({"--schema": "nope"}, "--schema: 'nope' is neither a schema of the library"),
+    ({"--case-set": "unlabelled"}, "case set 'unlabelled' has no case with an expected answer"),
+    ({"--variants": "VARIANTS"}, "variants.json: entry 1 ('x'), field \"questions\": 'nope' not in the base schema"),
+    ({"--variants": "MISSING"}, "--variants: cannot read"),
+    ({"--folds": "1"}, "folds must be at least 2"),
+])
+def test_sweep_cli_refuses_bad_input_naming_it_and_stores_nothing(sweep_db, capsys, change, message):
+    folder = sweep_db.parent
+    (folder / "variants.json").write_text(json.dumps([{"name": "x", "questions": {"nope": {}}}]))
+    args = {"--db": str(sweep_db), "--case-set": "tickets", "--schema": str(folder / "tickets.json"),
+            "--model": "unused"} | change
+    args = {k: {"VARIANTS": str(folder / "variants.json"), "MISSING": str(folder / "missing.json")}.get(v, v)
+            for k, v in args.items()}
+    cases_before = [len(Store(sweep_db).list_cases(s["id"])) for s in Store(sweep_db).list_case_sets()]
+    assert main(["sweep", *[x for pair in args.items() for x in pair]]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("python -m clef_workbench sweep: error: ") and message in err, err
+    store = Store(sweep_db)
+    assert store.list_sweeps() == []
+    assert [len(store.list_cases(s["id"])) for s in store.list_case_sets()] == cases_before
+
+
+def test_sweep_cli_prints_the_leaderboard_writes_the_json_and_fails_on_order_sensitivity(sweep_db, tiny_release,
+                                                                                        capsys):
+    out_file = sweep_db.parent / "out.json"
+    variants = sweep_db.parent / "variants.json"
+    variants.write_text(json.dumps([{"name": "terse", "questions": {
+        "urgent": {"type": "noul", "instructions": "Urgent?", "criteria": None}}}]))
+    args = ["sweep", "--db", str(sweep_db), "--case-set", "tickets", "--schema", str(sweep_db.parent / "tickets.json"),
+            "--model", str(tiny_release), "--device", "cpu", "--dtype", "float32", "--folds", "3",
+            "--json", str(out_file)]
+    assert main([*args, "--variants", str(variants)]) == 0
+    out = capsys.readouterr().out
+    assert "terse" in out and "6 cases, 6 states prefilled" in out
+    document = json.loads(out_file.read_text())
+    assert (document["cases"], document["state_prefills"], document["computed_now"]["cases"]) == (6, 6, 6)
+    assert [v["name"] for v in document["variants"]] == ["base", "terse"]
+    for variant in document["variants"]:
+        low, high = variant["accuracy_ci"]
+        assert low <= variant["accuracy"] <= high and isinstance(variant["flips_vs_base"], list)
+    assert set(document["best"]) >= {"schema", "heldout_accuracy", "heldout_ci"}
+    assert document["command"].startswith("python -m clef_workbench sweep --db ")
+    # any share exceeds -1: the order variants of "team" make its sensitivity a number, so the flag trips
+    assert main([*args, "--fail-if-order-sensitive", "-1"]) == 3
+    err = capsys.readouterr().err
+    assert "order sensitive above -1.0: team (" in err
+    assert json.loads(out_file.read_text())["order_sensitive"] == ["team"]
+
+
+def finished_cases(db: Path, sweep_id: int) -> set[int]:
+    store = Store(db)
+    done = {case_id for case_id in (c["id"] for c in store.list_cases(store.get_sweep(sweep_id)["case_set_id"]))}
+    return done - set(store.sweep_cases_left(sweep_id))
+
+
+@pytest.mark.kill
+def test_a_sweep_killed_mid_way_resumes_without_computing_a_case_twice_or_losing_one(tmp_path, tiny_release):
+    db = tmp_path / "w.db"
+    store = Store(db)
+    case_set_id = labelled_set(store, 16)
+    (tmp_path / "tickets.json").write_text(json.dumps(SCHEMA))
+    args = ["--db", str(db), "--case-set", "tickets", "--schema", str(tmp_path / "tickets.json"),
+            "--model", str(tiny_release), "--device", "cpu", "--dtype", "float32", "--variants", "auto"]
+    child = sweep_cli(*args)
+    try:
+        deadline = time.monotonic() + 600
+        while not store.list_sweeps() or store.list_sweeps()[0]["done"] < 3:
+            assert child.poll() is None, child.communicate()[1][-3000:]
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        child.send_signal(signal.SIGKILL)
+        child.wait(timeout=60)
+    finally:
+        if child.poll() is None:
+            child.kill()
+        child.communicate()
+    sweep = store.list_sweeps()[0]
+    done_before = finished_cases(db, sweep["id"])
+    assert sweep["status"] == "running" and 3 <= len(done_before) < 16
+    assert sweep["state_prefills"] == len(done_before)  # one state per finished case, answers of every variant
+
+    refused = sweep_cli(*args)  # without --resume: names the stopped sweep, computes nothing
+    _, err = refused.communicate(timeout=600)
+    assert refused.returncode == 2 and f"sweep {sweep['id']} of this case set" in err and "--resume" in err
+
+    out_file = tmp_path / "out.json"
+    resumed = sweep_cli(*args, "--resume", "--json", str(out_file))
+    out, err = resumed.communicate(timeout=600)
+    assert resumed.returncode == 0, err[-3000:]
+    document = json.loads(out_file.read_text())
+    left = 16 - len(done_before)
+    assert document["computed_now"] == {"cases": left, "state_prefills": left}
+    assert (document["sweep"], document["done"], document["state_prefills"]) == (sweep["id"], 16, 16)
+    assert len(store.list_sweep_answers(sweep["id"])) == 16 * len(store.get_sweep(sweep["id"])["variants"])
+    assert finished_cases(db, sweep["id"]) == {c["id"] for c in store.list_cases(case_set_id)}
