@@ -19,6 +19,7 @@ from clef_workbench.schema_library import SchemaLibrary
 from clef_workbench.store import Store
 from tests.browser_harness import workbench_page
 from tests.browser_steps import go_to, new_case_set_from_csv, pick, settle
+from tests.test_app_sweeps import one_question_schema
 from workbench_ui import sweeps_view as sv
 
 expect = playwright_api.expect
@@ -29,7 +30,7 @@ pytestmark = pytest.mark.browser
 REPO = Path(__file__).resolve().parents[1]
 LONG = 300_000  # ms, a safety limit: the first page load builds the demo model
 SWEEP = 1_200_000  # ms: the sweep of every variant over the cases on a busy CPU
-SLUG = "support-ticket-routing"
+SLUG = "ticket-team"
 TEAMS = ["billing", "technical_support", "account_security", "sales", "shipping"]
 CASES = 10
 
@@ -62,6 +63,7 @@ def select_row(page, grid, row: int, shows) -> None:
 def test_import_sweep_watch_read_open_a_flip_adopt_and_find_it_in_the_history(tmp_path):
     shutil.copytree(REPO / "schemas", tmp_path / "schemas")
     db = tmp_path / "workbench.sqlite3"
+    one_question_schema(SchemaLibrary(tmp_path / "schemas", history=Store(db)))
     csv_path = tmp_path / "labelled.csv"
     labelled_csv(csv_path)
     env = {"CLEF_DB": str(db), "CLEF_SCHEMAS_DIR": str(tmp_path / "schemas"), "CLEF_MODEL": "demo"}
@@ -151,7 +153,7 @@ def journey(page, url: str, library: SchemaLibrary, csv_path: Path) -> None:
     assert latest["schema"]["questions"] == sv.adopted_questions(result, best_variant)
 
     go_to(page, "Schemas", timeout=LONG)
-    pick(page, "Schema", f"Support ticket routing ({SLUG}.json)", exact=True)
+    pick(page, "Schema", f"Ticket team ({SLUG}.json)", exact=True)
     page.get_by_role("tab", name="History").click()
     settle(page)
     history = page.locator('[data-testid="stDataFrame"]', has_text="sweep #1 (Sweep tickets")
