@@ -94,7 +94,7 @@ def journey(page, url: str, library: SchemaLibrary, csv_path: Path) -> None:
     expect(page.get_by_text(f"Started sweep #1: {len(planned)} variants.")).to_be_visible(timeout=LONG)
 
     # -- its progress, followed until it ends: the cases done only grow, and the page draws the leaderboard then
-    progress = page.get_by_test_id("stProgress")
+    progress = page.get_by_test_id("stProgress").first  # the fragment's bar, and for a moment its redraw
     seen: list[int] = []
     while True:
         expect(progress).to_be_visible(timeout=LONG)

@@ -143,7 +143,8 @@ def leaderboard_chart(data: pd.DataFrame) -> alt.FacetChart:
     color = alt.Color("against the base:N", scale=alt.Scale(domain=list(LEADERBOARD_COLORS),
                                                            range=list(LEADERBOARD_COLORS.values())),
                       legend=alt.Legend(orient="bottom", title=None))
-    base = alt.Chart().encode(y=alt.Y("variant:N", sort=variants, title=None), color=color)
+    base = alt.Chart().encode(y=alt.Y("variant:N", sort=variants, title=None, axis=alt.Axis(labelLimit=240)),
+                              color=color)
     interval = base.mark_rule(strokeWidth=2).encode(
         x=alt.X("low:Q", scale=alt.Scale(domain=[0, 1]), axis=alt.Axis(format="%"), title="accuracy"), x2="high:Q")
     point = base.mark_point(filled=True, size=60).encode(
