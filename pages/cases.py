@@ -21,6 +21,7 @@ from workbench_ui.shell import (
     pick_id,
     render_shell,
     set_widget,
+    show_flash,
 )
 
 render_shell(__file__)
@@ -48,17 +49,6 @@ def undo_delete(kind: str, object_id: int | list[int]) -> None:
     flash(outcome, message)
 
 
-def show_flash() -> None:
-    message = st.session_state.pop(K("flash"), None)
-    if not message:
-        return
-    kind, text, undo = message
-    cols = st.columns([5, 1], vertical_alignment="center")
-    getattr(cols[0], kind)(text)
-    if undo is not None:
-        cols[1].button("Undo", key=K("undo"), icon=":material/undo:", on_click=undo_delete, args=undo)
-
-
 def show_problems(exc: CaseImportError, *, stage: str) -> None:
     """The problems of a save that was refused (an error), or of a file chosen for import (nothing was tried yet: a
     warning naming what fixes them: a choice above, or the file)."""
@@ -70,7 +60,7 @@ def show_problems(exc: CaseImportError, *, stage: str) -> None:
     st.markdown(view.problems_markdown(exc.problems))
 
 
-show_flash()
+show_flash(K("flash"), undo_delete)
 deleted_sets = store.list_case_sets(deleted=True)
 if deleted_sets:
     with st.expander(f"Deleted case sets ({len(deleted_sets)})", icon=":material/restore_from_trash:"):

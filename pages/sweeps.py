@@ -22,6 +22,7 @@ from workbench_ui.shell import (
     pick_id,
     render_shell,
     set_widget,
+    show_flash,
 )
 
 render_shell(__file__)
@@ -30,7 +31,7 @@ store, library, runner = get_store(), get_library(), get_sweep_runner()
 
 
 def flash(kind: str, message: str, undo: sv.Adopted | None = None) -> None:
-    st.session_state[K("flash")] = (kind, message, undo)
+    st.session_state[K("flash")] = (kind, message, None if undo is None else (undo,))
 
 
 def written(slug: str) -> list:
@@ -110,17 +111,6 @@ def render_start() -> None:
     st.caption(line)
     st.button("Start the sweep", key=K("start.go"), type="primary", icon=":material/play_arrow:",
               disabled=not sv.can_start(variants), on_click=start, args=(set_id, slug, variants, int(folds)))
-
-
-def show_flash() -> None:
-    message = st.session_state.pop(K("flash"), None)
-    if not message:
-        return
-    kind, text, undo = message
-    cols = st.columns([5, 1], vertical_alignment="center")
-    getattr(cols[0], kind)(text)
-    if undo is not None:
-        cols[1].button("Undo", key=K("undo"), icon=":material/undo:", on_click=undo_adoption, args=(undo,))
 
 
 def undo_adoption(adopted: sv.Adopted) -> None:
@@ -224,7 +214,7 @@ st.caption("Many versions of a schema scored on a labelled case set at once: eac
 all_sweeps = sv.sweep_rows(store)
 with st.expander("Start a sweep", expanded=not all_sweeps, icon=":material/play_arrow:"):
     render_start()
-show_flash()
+show_flash(K("flash"), undo_adoption)
 if not all_sweeps:
     st.stop()
 sweep_id = pick_id([s["id"] for s in all_sweeps], K("selected"), "Sweep",

@@ -494,6 +494,19 @@ def declared_default(widget_name: str, value: Any, options: Any = None) -> dict[
     return {"index": choices.index(value)} if value in choices else {}
 
 
+def show_flash(key: str, undo: Callable[..., None]) -> None:
+    """The message a page's action left under `key` for its next run, (kind, text, undo arguments or None), shown
+    once; with undo arguments, an Undo button beside it calls undo(*arguments)."""
+    message = st.session_state.pop(key, None)
+    if not message:
+        return
+    kind, text, undo_args = message
+    cols = st.columns([5, 1], vertical_alignment="center")
+    getattr(cols[0], kind)(text)
+    if undo_args is not None:
+        cols[1].button("Undo", key=f"{key}.undo", icon=":material/undo:", on_click=undo, args=undo_args)
+
+
 def url_int(name: str) -> int | None:
     """An integer URL parameter (?run=12), or None when absent or not a number."""
     value = st.query_params.get(name)
