@@ -12,6 +12,7 @@ import functools
 import json
 import math
 import random
+import shutil
 import sys
 import threading
 import time
@@ -127,6 +128,49 @@ def random_engine(config: dict, tiny_release: Path, *, device: str = "cuda", dty
     checked = Release(path=tiny_release, source="clef-27b-shaped-random", revision=None, config=config,
                       head_config=head_config, weight_files=())
     return clef_engine.Engine(checked, model, head, Encoder(load_processor(checked)), torch.device(device), dtype)
+
+
+RELEASE_FILES = ("tokenizer.json", "tokenizer_config.json", "processor_config.json", "chat_template.jinja",
+                 "joint_schema_model.py", "LICENSE")
+
+
+def write_release(directory: Path, tiny: Path, name: str, *, smoke: bool = False) -> dict:
+    """A release of the `name` shape ("clef", "clef-flash"; scaled down with `smoke`, on the CPU) with random bf16
+    weights written to `directory` with every file of a real one: sharded safetensors + index by transformers'
+    save_pretrained, config.json of the real class, joint_head.safetensors + joint_head_config.json, and the tiny
+    release's tokenizer / processor / chat template files (the tiny tokenizer's ids fit the big vocabulary).
+    Returns what it wrote and how long it took."""
+    from safetensors.torch import save_file
+
+    started = time.perf_counter()
+    config = clef_config(name, tiny)
+    if smoke:
+        scale_down(config)
+    device = "cpu" if smoke else "cuda"
+    model = build_model(config, device=device)
+    built = time.perf_counter()
+    params = parameter_count(model)
+    directory.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(directory, max_shard_size="5GB")
+    del model
+    if not smoke:
+        torch.cuda.empty_cache()
+    saved = time.perf_counter()
+    hidden = config["text_config"]["hidden_size"]
+    head, head_config = build_head(hidden, device=device, width=64 if smoke else 1024)
+    state = {k: v.detach().to("cpu").contiguous() for k, v in head.state_dict().items()}
+    save_file(state, str(directory / "joint_head.safetensors"), metadata={"format": "pt"})
+    (directory / "joint_head_config.json").write_text(json.dumps(
+        {"hidden_size": hidden, "width": head_config.width, "routing_layers": head_config.routing_layers,
+         "layers": head_config.layers, "heads": head_config.heads, "feedforward": head_config.feedforward}, indent=2))
+    for file in RELEASE_FILES:
+        if (tiny / file).exists():
+            shutil.copy(tiny / file, directory / file)
+    (directory / "README.md").write_text(f"# {name}-shaped release, random weights (benchmark only)\n")
+    shards = sorted(directory.glob("model-*.safetensors"))
+    return {"backbone_parameters": params, "head_parameters": parameter_count(head),
+            "build_s": round(built - started, 1), "save_s": round(saved - built, 1), "shards": len(shards),
+            "bytes_on_disk": sum(p.stat().st_size for p in directory.glob("*.safetensors"))}
 
 
 def parameter_count(module) -> int:
@@ -329,6 +373,7 @@ def store_run(engine, requests: list[dict], schema: dict, db: Path) -> tuple[flo
     return seconds, tokens, runner.progress(run_id)
 
 
-__all__ = ["clef_config", "scale_down", "build_model", "build_head", "random_engine", "parameter_count", "gib",
+__all__ = ["clef_config", "scale_down", "build_model", "build_head", "random_engine", "write_release",
+           "parameter_count", "gib",
            "floor_ms", "math", "WORDS", "schema", "sized_state", "sized_request", "sync", "percentile", "closed_loop",
            "sections", "kernel_table", "store_run"]

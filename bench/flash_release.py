@@ -3,9 +3,7 @@
 
     python bench/flash_release.py OUT_DIR RESULT_JSON [--keep]
 
-The release has every file of a real one: sharded safetensors + index written by transformers' save_pretrained,
-config.json of the real class, joint_head.safetensors + joint_head_config.json (hidden 4096), and the tiny
-release's tokenizer / processor / chat template files (the tiny tokenizer's ids fit the big vocabulary).
+The release has every file of a real one (`bench/build.py: write_release`).
 """
 
 from __future__ import annotations
@@ -21,38 +19,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.build import build_head, build_model, clef_config, gib, parameter_count  # noqa: E402
-
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "processor_config.json", "chat_template.jinja")
-
-
-def write_release(directory: Path, tiny: Path) -> dict:
-    from safetensors.torch import save_file
-
-    started = time.perf_counter()
-    config = clef_config("clef-flash", tiny)
-    model = build_model(config)
-    built = time.perf_counter()
-    params = parameter_count(model)
-    model.save_pretrained(directory, max_shard_size="5GB")
-    del model
-    torch.cuda.empty_cache()
-    saved = time.perf_counter()
-    head, head_config = build_head(4096)
-    state = {k: v.detach().to("cpu").contiguous() for k, v in head.state_dict().items()}
-    save_file(state, str(directory / "joint_head.safetensors"), metadata={"format": "pt"})
-    (directory / "joint_head_config.json").write_text(json.dumps(
-        {"hidden_size": 4096, "width": head_config.width, "routing_layers": head_config.routing_layers,
-         "layers": head_config.layers, "heads": head_config.heads, "feedforward": head_config.feedforward}, indent=2))
-    for name in TOKENIZER_FILES + ("joint_schema_model.py", "LICENSE"):
-        if (tiny / name).exists():
-            shutil.copy(tiny / name, directory / name)
-    (directory / "README.md").write_text("# Clef-Flash-shaped release, random weights (benchmark only)\n")
-    shards = sorted(directory.glob("model-*.safetensors"))
-    return {"backbone_parameters": params, "head_parameters": parameter_count(head),
-            "build_s": round(built - started, 1),
-            "save_s": round(saved - built, 1), "shards": len(shards),
-            "bytes_on_disk": sum(p.stat().st_size for p in directory.glob("*.safetensors"))}
+from bench.build import gib, write_release  # noqa: E402
 
 
 def request() -> dict:
@@ -77,7 +44,7 @@ def main() -> int:
     tiny = build_tiny_release(args.directory.parent / "tiny-for-flash")
     args.directory.mkdir(parents=True, exist_ok=True)
     result: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
-    result["write"] = write_release(args.directory, tiny)
+    result["write"] = write_release(args.directory, tiny, "clef-flash")
     print("written", result["write"], flush=True)
     torch.cuda.reset_peak_memory_stats()
     started = time.perf_counter()

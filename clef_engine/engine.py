@@ -240,7 +240,8 @@ class Engine:
         `decide_many` gives them, at the cost of one state: on the worker thread, in one call, the records that share
         a state prefix (tokens before the schema, and media) have it prefilled once (or taken from the state cache,
         which keeps it for a later call) and every schema continued from it (`PrefixCache.forward_after`), whatever
-        the state's length (the cache's `min_prefix_tokens` weighs one reuse; here there are many). Records with
+        the state's length (the cache's `min_prefix_tokens` weighs one reuse; here there are many). Each response
+        says `x_state_cached`: true when its record continued from a state it did not compute itself. Records with
         media, and every record without the packed path, run as `decide_many` runs them. A bad request raises before
         anything runs. `probabilities`: per request, per question, the options' probabilities in model order,
         unrounded (as `probabilities`), instead of responses."""
@@ -249,21 +250,24 @@ class Engine:
         records = [self.encoder.encode(valid) for valid in valids]
         if self.prefix is None or any(record.has_media for record in records):
             outcomes = self.scheduler.submit(records, priority=priority).result()
+            computed = set(range(len(records)))
         else:
-            outcomes = self.scheduler.submit([WorkerCall(lambda: self._forward_shared_state(records))],
-                                             priority=priority, tokens=float("inf"),
-                                             finalize=lambda results: results[0]).result()
+            outcomes, computed = self.scheduler.submit(
+                [WorkerCall(lambda: self._forward_shared_state(records))], priority=priority, tokens=float("inf"),
+                finalize=lambda results: results[0]).result()
         if probabilities:
             return outcomes
         latency_ms = (time.perf_counter() - started) * 1000
-        return [self.response(valid, record, probs, latency_ms)
-                for valid, record, probs in zip(valids, records, outcomes, strict=True)]
+        return [dict(self.response(valid, record, probs, latency_ms), x_state_cached=i not in computed)
+                for i, (valid, record, probs) in enumerate(zip(valids, records, outcomes, strict=True))]
 
     @torch.inference_mode()
-    def _forward_shared_state(self, records: list[EncodedRecord]) -> list[list[list[float]]]:
+    def _forward_shared_state(self, records: list[EncodedRecord]) -> tuple[list[list[list[float]]], set[int]]:
         """decide_variants on the worker thread: per distinct state prefix, one prefill (`forward_for_store`, which
-        also answers the first record) unless the cache holds it, then the other records continued from it."""
+        also answers the first record) unless the cache holds it, then the other records continued from it. Returns
+        the probabilities and the indices of the records whose state was computed."""
         results: dict[int, list[list[float]]] = {}
+        computed: set[int] = set()
         groups: dict[str, list[int]] = {}
         for i, record in enumerate(records):
             key = prefix_key(self.prefix.model_key, record.input_ids[: record.state_end], record.media_digest)
@@ -277,13 +281,14 @@ class Engine:
                     self.state_cache.make_room()  # as forward_one: a chunked record's activations take its room
                 normed, memory, state = self.prefix.forward_for_store(first, self._between_layers(), chunk)
                 self.state_prefills += 1
+                computed.add(indices[0])
                 results[indices[0]] = self.head_one(normed, memory, first)
                 if self.state_cache.enabled:
                     self.state_cache.put(key, state)
                 indices = indices[1:]
             for i in indices:
                 results[i] = self.head_one(*self.prefix.forward_after(records[i], state), records[i])
-        return [results[i] for i in range(len(records))]
+        return [results[i] for i in range(len(records))], computed
 
     def explain(self, request: Any, unit: str | None = None, *, max_length: int | None = None,
                 overflow: str = "refuse") -> dict:

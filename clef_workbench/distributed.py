@@ -126,6 +126,13 @@ class Replica:
         self.load()
         return decide_chunk(self.engine, items, options)
 
+    def decide_variants(self, requests: list[dict], settings: dict) -> tuple[list, int]:
+        """One case of a schema sweep (`sweeps.decide_case`): its state prefilled once here, every variant after."""
+        from clef_workbench.sweeps import decide_case
+
+        self.load()
+        return decide_case(self.engine, requests, settings)
+
 
 def decide_chunk(engine: Any, items: list[tuple[int, dict]], options: dict) -> list[dict]:
     """Results of one chunk, in the form Store.record_results takes and JobRunner writes: a bad case (invalid, over
@@ -296,9 +303,6 @@ class RayJobRunner(JobRunner):
             self._fail_run(run_id, job, exc)
 
     def _stream(self, run_id: int, pool: ReplicaPool, job: _LiveJob) -> None:
-        import ray
-        from ray.exceptions import RayActorError, RayTaskError
-
         run = self.store.get_run(run_id)
         settings = run["settings"] or {}
         options = {"max_length": settings.get("max_length"), "overflow": settings.get("overflow", "refuse")}
@@ -306,40 +310,52 @@ class RayJobRunner(JobRunner):
         chunk_tokens = int(self.chunk_tokens or settings.get("chunk_tokens") or pool.info["token_budget"])
         tokens = TokenEstimate()
         chunks = token_chunks(self.store, run, self.store.unfinished_case_ids(run_id), chunk_tokens, tokens)
-        retry: deque[list[tuple[int, dict]]] = deque()  # chunks of a crashed replica, sent again first
-        in_flight: dict[Any, tuple[list[tuple[int, dict]], _Slot]] = {}
-        while True:
-            stopping = job.cancel.is_set() or job.lease_lost.is_set()
-            while not stopping and pool.slots:
-                slot = min(pool.slots, key=lambda s: s.in_flight)
-                if slot.in_flight >= IN_FLIGHT_PER_REPLICA:
-                    break
-                chunk = retry.popleft() if retry else next(chunks, None)
-                if chunk is None:
-                    break
-                in_flight[slot.actor.decide.remote(chunk, options)] = (chunk, slot)
-                slot.in_flight += 1
-            if not in_flight:
+        for chunk, results in on_replicas(pool, chunks, lambda actor, chunk: actor.decide.remote(chunk, options),
+                                          lambda: job.cancel.is_set() or job.lease_lost.is_set()):
+            self.store.record_results(run_id, results)
+            job.processed += len(results)
+            tokens.observe(chunk, results)
+
+
+def on_replicas(pool: ReplicaPool, items: Iterator[Any], call: Any, stop: Any) -> Iterator[tuple[Any, Any]]:
+    """(item, result) of each item as its replica returns it: `call(actor, item)` sends it to the least busy replica
+    (an object ref), IN_FLIGHT_PER_REPLICA at a time per replica. Once `stop()` is true no item is sent and those
+    in flight are awaited. An item of a replica dead for good goes to another first; ReplicaError when none is left
+    or a replica raised."""
+    import ray
+    from ray.exceptions import RayActorError, RayTaskError
+
+    retry: deque[Any] = deque()  # items of a crashed replica, sent again first
+    in_flight: dict[Any, tuple[Any, _Slot]] = {}
+    while True:
+        while not stop() and pool.slots:
+            slot = min(pool.slots, key=lambda s: s.in_flight)
+            if slot.in_flight >= IN_FLIGHT_PER_REPLICA:
                 break
-            # a timeout, so that cancel and a lost lease are seen while a long chunk runs
-            ready, _ = ray.wait(list(in_flight), num_returns=1, timeout=0.5)
-            for ref in ready:
-                chunk, slot = in_flight.pop(ref)
-                slot.in_flight -= 1
-                try:
-                    results = ray.get(ref)
-                except RayActorError:  # dead for good: Ray has already restarted it MAX_RESTARTS times
-                    pool.drop(slot)
-                    retry.appendleft(chunk)
-                    if not pool.slots:
-                        raise ReplicaError(f"every replica died (nodes: {', '.join(pool.dropped)}); the run's "
-                                           "finished results are kept, resume it to go on") from None
-                    continue
-                except RayTaskError as exc:
-                    raise ReplicaError(f"a replica failed: {_cause(exc)}") from None
-                self.store.record_results(run_id, results)
-                job.processed += len(results)
-                tokens.observe(chunk, results)
+            item = retry.popleft() if retry else next(items, None)
+            if item is None:
+                break
+            in_flight[call(slot.actor, item)] = (item, slot)
+            slot.in_flight += 1
+        if not in_flight:
+            return
+        # a timeout, so that a stop is seen while a long item runs
+        ready, _ = ray.wait(list(in_flight), num_returns=1, timeout=0.5)
+        for ref in ready:
+            item, slot = in_flight.pop(ref)
+            slot.in_flight -= 1
+            try:
+                result = ray.get(ref)
+            except RayActorError:  # dead for good: Ray has already restarted it MAX_RESTARTS times
+                pool.drop(slot)
+                retry.appendleft(item)
+                if not pool.slots:
+                    raise ReplicaError(f"every replica died (nodes: {', '.join(pool.dropped)}); the finished "
+                                       "results are kept, resume to go on") from None
+                continue
+            except RayTaskError as exc:
+                raise ReplicaError(f"a replica failed: {_cause(exc)}") from None
+            yield item, result
 
 
 def make_job_runner(store: Store, *, address: str | None = None, **kwargs: Any) -> JobRunner:
@@ -352,4 +368,4 @@ def make_job_runner(store: Store, *, address: str | None = None, **kwargs: Any) 
 
 
 __all__ = ["ADDRESS_ENV", "RayJobRunner", "Replica", "ReplicaError", "ReplicaPool", "TokenEstimate", "connect",
-           "decide_chunk", "estimate_tokens", "make_job_runner", "ray_address", "token_chunks"]
+           "decide_chunk", "estimate_tokens", "make_job_runner", "on_replicas", "ray_address", "token_chunks"]

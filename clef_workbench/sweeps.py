@@ -33,7 +33,7 @@ import copy
 import json
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -394,16 +394,11 @@ def start_sweep(store: Any, case_set_id: int, schema: dict[str, Any], variants: 
                    "relabel": v.relabel} for v in chosen]))
 
 
-def _state_prefills(engine: Any) -> int | None:
-    """The engine's count of prefilled states; None for an engine that does not count them (a remote endpoint)."""
-    from clef_engine import Engine
-
-    return engine.state_prefills if isinstance(engine, Engine) else None
-
-
-def _decide_case(engine: Any, requests: list[dict], settings: dict[str, Any]) -> list[tuple[Any, str | None]]:
-    """(response, None) or (None, error) per variant of one case: the local engine continues every variant from one
-    prefilled state; any other engine gets them as separate requests."""
+def decide_case(engine: Any, requests: list[dict], settings: dict[str, Any]) -> tuple[list[tuple[Any, str | None]],
+                                                                                        int]:
+    """One case's variants: (response, None) or (None, error) per variant, and how many states were prefilled for
+    them. The local engine continues every variant from one prefilled state (its responses say which did not compute
+    their state: `x_state_cached`); any other engine gets them as separate requests, a state each."""
     from clef_engine import Engine
 
     max_length, overflow = settings.get("max_length"), settings.get("overflow") or "refuse"
@@ -413,53 +408,70 @@ def _decide_case(engine: Any, requests: list[dict], settings: dict[str, Any]) ->
         else:
             outcomes = engine.decide_many(requests, errors="return", max_length=max_length, overflow=overflow)
     except ClefError as exc:  # the case's state cannot be decided (over the token budget): an error for each variant
-        return [(None, str(exc))] * len(requests)
-    return [(None, str(o)) if isinstance(o, Exception) else (o, None) for o in outcomes]
+        return [(None, str(exc))] * len(requests), 0
+    answers: list[tuple[Any, str | None]] = [(None, str(o)) if isinstance(o, Exception) else (o, None)
+                                             for o in outcomes]
+    return answers, sum(1 for response, _ in answers if response is not None and not response.get("x_state_cached"))
+
+
+def _computed(store: Any, sweep: dict[str, Any], case_ids: list[int], engine: Any,
+              stop: Callable[[], bool]) -> Iterator[tuple[int, tuple[list[tuple[Any, str | None]], int]]]:
+    """(case id, decide_case's outcome) of each case, in process, or on Ray's replicas when `engine` is a
+    distributed.ReplicaPool (each replica doing all variants of its cases)."""
+    def requests(case_id: int) -> list[dict]:
+        case = store.get_case(case_id)
+        return [build_request(case, v["schema"], model=sweep["model_id"]) for v in sweep["variants"]]
+
+    from clef_workbench.distributed import ReplicaPool, on_replicas
+
+    if isinstance(engine, ReplicaPool):
+        yield from on_replicas(engine, iter(case_ids), lambda actor, case_id: actor.decide_variants.remote(
+            requests(case_id), sweep["settings"]), stop)
+        return
+    for case_id in case_ids:
+        if stop():
+            return
+        yield case_id, decide_case(engine, requests(case_id), sweep["settings"])
 
 
 def run_sweep(store: Any, sweep_id: int, engine: Any, *, progress: ProgressCallback | None = None,
               stop: Callable[[], bool] | None = None) -> SweepProgress:
     """Compute the sweep's cases that have no answers yet, case-major: per case one call of
     `Engine.decide_variants` (its state prefilled once, every variant continued from it); an engine that is not
-    the local one (a remote endpoint) gets each variant as a request. Each case's answers are stored in one
-    transaction, so a kill loses at most the case in flight and a later call resumes with the rest. `progress` is
-    called after each case; `stop()` true ends the sweep as cancelled after the case in flight. An exception other
-    than a case's own bad input marks the sweep failed and is raised. Returns the final progress."""
+    the local one (a remote endpoint) gets each variant as a request; a distributed.ReplicaPool splits the cases
+    across its replicas. Each case's answers are stored in one transaction, so a kill loses at most the cases in
+    flight and a later call resumes with the rest. `progress` is called after each case; `stop()` true ends the
+    sweep as cancelled after the cases in flight. An exception other than a case's own bad input marks the sweep
+    failed and is raised. Returns the final progress."""
     sweep = store.get_sweep(sweep_id)
     left = store.sweep_cases_left(sweep_id)
     total, done = sweep["total"], sweep["total"] - len(left)
     store.set_sweep_status(sweep_id, "running")
-    started, prefills, status = time.monotonic(), 0, "finished"
+    started, computed, prefills = time.monotonic(), 0, 0
+    stopped = stop or (lambda: False)
 
-    def report(computed: int, now_status: str, error: str | None = None) -> SweepProgress:
+    def report(status: str) -> SweepProgress:
         elapsed = time.monotonic() - started
         rate = computed / elapsed if computed and elapsed > 0 else None
-        return SweepProgress(sweep_id, done + computed, total, now_status, computed, rate,
-                             (len(left) - computed) / rate if rate else None, prefills, error)
+        return SweepProgress(sweep_id, done + computed, total, status, computed, rate,
+                             (len(left) - computed) / rate if rate else None, prefills)
 
-    computed = 0
     try:
-        for case_id in left:
-            if stop is not None and stop():
-                status = "cancelled"
-                break
-            case = store.get_case(case_id)
-            requests = [build_request(case, v["schema"], model=sweep["model_id"]) for v in sweep["variants"]]
-            before, began = _state_prefills(engine), time.perf_counter()
-            answers = _decide_case(engine, requests, sweep["settings"])
-            after = _state_prefills(engine)
-            case_prefills = len(requests) if before is None or after is None else after - before
+        began = time.perf_counter()
+        for case_id, (answers, case_prefills) in _computed(store, sweep, left, engine, stopped):
             store.record_sweep_case(sweep_id, case_id, [(i, r, e) for i, (r, e) in enumerate(answers)],
                                     state_prefills=case_prefills, compute_ms=(time.perf_counter() - began) * 1000)
+            began = time.perf_counter()
             prefills += case_prefills
             computed += 1
             if progress is not None:
-                progress(report(computed, "running"))
+                progress(report("running"))
     except BaseException as exc:
         store.set_sweep_status(sweep_id, "failed", error=f"{type(exc).__name__}: {exc}"[:2000])
         raise
+    status = "finished" if computed == len(left) else "cancelled"
     store.set_sweep_status(sweep_id, status)
-    final = report(computed, status)
+    final = report(status)
     if progress is not None:
         progress(final)
     return final

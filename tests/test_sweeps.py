@@ -20,6 +20,7 @@ from clef_workbench.casesets import build_request
 from clef_workbench.store import Store, StoreError
 
 ROOT = Path(__file__).resolve().parent.parent
+CASES = 12  # of the killed sweep
 TEAMS = ["billing", "tech", "sales"]
 SCHEMA = {"name": "tickets", "version": 1, "description": "", "questions": {
     "team": {"type": "choice", "instructions": "Which team should handle the ticket?",
@@ -305,12 +306,17 @@ def finished_cases(db: Path, sweep_id: int) -> set[int]:
 
 @pytest.mark.kill
 def test_a_sweep_killed_mid_way_resumes_without_computing_a_case_twice_or_losing_one(tmp_path, tiny_release):
+    """kill -9 after 3 or more cases are stored; the resumed sweep computes exactly the cases left (the store
+    refuses a case written twice, and the engine's prefills count the cases it computed)."""
     db = tmp_path / "w.db"
     store = Store(db)
-    case_set_id = labelled_set(store, 16)
+    case_set_id = labelled_set(store, CASES)
     (tmp_path / "tickets.json").write_text(json.dumps(SCHEMA))
+    (tmp_path / "variants.json").write_text(json.dumps([{"name": "terse", "questions": {
+        "urgent": {"type": "noul", "instructions": "Urgent?", "criteria": None}}}]))
     args = ["--db", str(db), "--case-set", "tickets", "--schema", str(tmp_path / "tickets.json"),
-            "--model", str(tiny_release), "--device", "cpu", "--dtype", "float32", "--variants", "auto"]
+            "--model", str(tiny_release), "--device", "cpu", "--dtype", "float32",
+            "--variants", str(tmp_path / "variants.json")]
     child = sweep_cli(*args)
     try:
         deadline = time.monotonic() + 600
@@ -326,7 +332,7 @@ def test_a_sweep_killed_mid_way_resumes_without_computing_a_case_twice_or_losing
         child.communicate()
     sweep = store.list_sweeps()[0]
     done_before = finished_cases(db, sweep["id"])
-    assert sweep["status"] == "running" and 3 <= len(done_before) < 16
+    assert sweep["status"] == "running" and 3 <= len(done_before) < CASES
     assert sweep["state_prefills"] == len(done_before)  # one state per finished case, answers of every variant
 
     refused = sweep_cli(*args)  # without --resume: names the stopped sweep, computes nothing
@@ -338,8 +344,36 @@ def test_a_sweep_killed_mid_way_resumes_without_computing_a_case_twice_or_losing
     out, err = resumed.communicate(timeout=600)
     assert resumed.returncode == 0, err[-3000:]
     document = json.loads(out_file.read_text())
-    left = 16 - len(done_before)
+    left = CASES - len(done_before)
     assert document["computed_now"] == {"cases": left, "state_prefills": left}
-    assert (document["sweep"], document["done"], document["state_prefills"]) == (sweep["id"], 16, 16)
-    assert len(store.list_sweep_answers(sweep["id"])) == 16 * len(store.get_sweep(sweep["id"])["variants"])
+    assert (document["sweep"], document["done"], document["state_prefills"]) == (sweep["id"], CASES, CASES)
+    assert len(store.list_sweep_answers(sweep["id"])) == CASES * 2
     assert finished_cases(db, sweep["id"]) == {c["id"] for c in store.list_cases(case_set_id)}
+
+
+@pytest.mark.ray
+def test_a_sweep_on_ray_splits_the_cases_across_replicas_each_doing_all_variants_of_its_cases(tmp_path, tiny_release,
+                                                                                             tiny_engine):
+    from clef_workbench.distributed import ReplicaPool
+    from tests.ray_cluster import TOLERANCE, local_cluster
+
+    local_cluster()
+    store = Store(tmp_path / "w.db")
+    case_set_id = labelled_set(store, 6)
+    variants = [v for v in sweeps.auto_variants(SCHEMA) if v.question == "urgent" or v.kind == "reversed"]
+    on_ray, here = (sweeps.start_sweep(store, case_set_id, SCHEMA, variants, model_id="tiny") for _ in range(2))
+    pool = ReplicaPool.start(str(tiny_release), replicas=2)
+    try:
+        progress = sweeps.run_sweep(store, on_ray, pool)
+    finally:
+        pool.shutdown()
+    assert (progress.status, progress.done, progress.state_prefills) == ("finished", 6, 6)
+    assert store.get_sweep(on_ray)["state_prefills"] == 6  # one per case: its variants ran on one replica
+    sweeps.run_sweep(store, here, tiny_engine)
+    for remote, local in zip(store.list_sweep_answers(on_ray), store.list_sweep_answers(here), strict=True):
+        assert (remote["case_id"], remote["variant"]) == (local["case_id"], local["variant"])
+        for question, answer in local["response"]["answers"].items():
+            got = remote["response"]["answers"][question]
+            assert got.get("noul", 0) == pytest.approx(answer.get("noul", 0), abs=TOLERANCE)
+            for option, p in answer.get("probabilities", {}).items():
+                assert got["probabilities"][option] == pytest.approx(p, abs=TOLERANCE)

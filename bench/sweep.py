@@ -1,0 +1,203 @@
+"""A schema sweep on the Clef-27B shape on one H200, next to one plain run and the naive way (issue 39).
+
+    python bench/sweep.py OUT.json                    (CUDA; flash-linear-attention installed)
+    BENCH_CPU_SMOKE=1 python bench/sweep.py OUT.json  (a scaled-down release on the CPU: checks the script only)
+
+A release of the Clef-27B shape with random bf16 weights (never zeros, `build.write_release`) is written to
+BENCH_RELEASE_DIR (default /tmp/clef-27b-random; ~54 GB, minutes) unless that folder already holds one (its
+`.complete` marker): on a machine that stays warm, a first device call may write it (BENCH_WRITE_ONLY=1 stops there)
+and a second measure. It is loaded through `clef_engine.load` (warm-up included) with the state cache's device tier
+at BENCH_STATE_CACHE_GIB (64) so that every case's state stays cached for the re-run.
+
+A case set of BENCH_CASES (200) cases, each state ~BENCH_STATE_TOKENS (2,100: past the cache's 2,048-token
+`min_prefix_tokens`, so that a plain run finds the states) tokens, with random gold labels, in a workbench SQLite
+store; a base schema of 3 choice questions of 3 options and a noul (~340 tokens), and its 19 automatic variants:
+
+- plain_run_s: one run of the base schema through the workbench's JobRunner (what the Runs page does);
+- sweep_s: the sweep of the 20 variants (`sweeps.run_sweep`: one state per case, every variant continued from it),
+  state cache emptied first; state_prefills says how many states the engine computed;
+- rerun_s: a plain run of the base with one question's instructions edited, right after the sweep (its states are
+  cached: each record continues from its state);
+- naive_s: the 20 variants as 20 plain runs, cache emptied before each; when BENCH_DEADLINE_S (560) would pass, the
+  runs measured are scaled to 20 (`naive_runs_measured` says how many were).
+
+Writes OUT.json after every step: the issue's keys at the top level, the rest under "detail".
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench import build  # noqa: E402
+
+SMOKE = os.environ.get("BENCH_CPU_SMOKE") == "1"
+DEADLINE = time.perf_counter() + float(os.environ.get("BENCH_DEADLINE_S", "560"))
+CASES = int(os.environ.get("BENCH_CASES", "6" if SMOKE else "200"))
+STATE_TOKENS = int(os.environ.get("BENCH_STATE_TOKENS", "140" if SMOKE else "2100"))
+CACHE_GIB = float(os.environ.get("BENCH_STATE_CACHE_GIB", "1" if SMOKE else "64"))
+RELEASE = Path(os.environ.get("BENCH_RELEASE_DIR") or (tempfile.mkdtemp(prefix="clef-sweep-release-") if SMOKE
+                                                       else "/tmp/clef-27b-random"))
+VARIANTS = 20
+
+results: dict = {"sweep_s": None, "plain_run_s": None, "naive_s": None, "rerun_s": None, "variants": None,
+                 "cases": CASES, "command": " ".join([sys.executable.rsplit("/", 1)[-1], *sys.argv]),
+                 "detail": {"errors": {}}}
+OUT: Path
+
+
+def save() -> None:
+    OUT.write_text(json.dumps(results, indent=1, default=str))
+
+
+def left() -> float:
+    return DEADLINE - time.perf_counter()
+
+
+section = build.sections(left, save, results["detail"]["errors"])
+
+
+def release(tiny: Path) -> None:
+    if (RELEASE / ".complete").exists():
+        results["detail"]["release"] = {"reused": str(RELEASE)}
+        return
+    written = build.write_release(RELEASE, tiny, "clef", smoke=SMOKE)
+    (RELEASE / ".complete").write_text("written by bench/sweep.py\n")
+    results["detail"]["release"] = {"written": str(RELEASE), **written}
+    save()
+
+
+def case_set(engine, store, questions: dict) -> int:
+    """CASES cases with states of ~STATE_TOKENS tokens and random gold answers to every question."""
+    from clef_workbench.casesets import option_ids
+
+    rng = random.Random(7)
+    empty = engine.count_tokens({"state": "", "questions": questions})["total"]
+    cases = [{"state": build.sized_state(engine, STATE_TOKENS + empty, questions, seed),
+              "expected": {q: rng.choice(option_ids(question)) for q, question in questions.items()}}
+             for seed in range(CASES)]
+    for case in cases:
+        case["expected"] = {q: v == "true" if questions[q]["type"] == "noul" else v
+                            for q, v in case["expected"].items()}
+    case_set_id = store.create_case_set("bench sweep")
+    store.add_cases(case_set_id, cases)
+    return case_set_id
+
+
+def plain_run(engine, store, case_set_id: int, schema: dict) -> float:
+    from clef_workbench.jobs import JobRunner
+
+    run_id = store.create_run(case_set_id, schema=schema, model_id="clef", settings={})
+    runner = JobRunner(store)
+    started = time.perf_counter()
+    runner.start(run_id, engine)
+    runner.wait(run_id)
+    seconds = time.perf_counter() - started
+    progress = runner.progress(run_id)
+    if progress["status"] != "finished" or progress["errors"]:
+        raise RuntimeError(f"run {run_id}: {progress}")
+    return seconds
+
+
+def main() -> int:
+    global OUT
+    OUT = Path(sys.argv[1])
+    OUT.parent.mkdir(parents=True, exist_ok=True)
+    import clef_engine
+    from clef_engine.tiny import build_tiny_release
+    from clef_workbench import sweeps
+    from clef_workbench.store import Store
+
+    detail = results["detail"]
+    tiny = build_tiny_release(Path(tempfile.mkdtemp(prefix="clef-bench-tiny-")))
+    section("write_release")(release)(tiny)
+    if os.environ.get("BENCH_WRITE_ONLY") == "1" or not (RELEASE / ".complete").exists():
+        save()
+        return 0
+    started = time.perf_counter()
+    engine = clef_engine.load(RELEASE, device="cpu" if SMOKE else None, dtype="float32" if SMOKE else None,
+                              state_cache_bytes=int(CACHE_GIB * 2**30))
+    detail["load_s"] = round(time.perf_counter() - started, 1)
+    detail["warm_up_s"] = round(engine.warm_up_seconds, 1)
+    detail["config"] = {k: str(v) for k, v in vars(engine.config).items()}
+    if engine.config.cuda:
+        detail["gpu"] = torch.cuda.get_device_name()
+        detail["memory_loaded_gib"] = build.gib(engine.loaded_bytes)
+    schema = {"name": "bench", "version": 1, "description": "", "questions": build.schema(4, 3, seed=3, noul_every=4)}
+    store = Store(Path(tempfile.mkdtemp(prefix="clef-sweep-db-")) / "bench.sqlite3")
+    case_set_id = case_set(engine, store, schema["questions"])
+    counts = engine.count_tokens({"state": store.list_cases(case_set_id)[0]["state"], "questions": schema["questions"]})
+    detail["tokens"] = {"record": counts["total"], "state": counts["state"], "schema_and_rest": counts["total"]
+                        - counts["state"]}
+    variants = sweeps.auto_variants(schema)
+    results["variants"] = len(variants) + 1
+    save()
+    print(f"loaded in {detail['load_s']} s; {CASES} cases of {counts['total']} tokens; {len(variants) + 1} variants",
+          flush=True)
+
+    @section("plain_run")
+    def measure_plain() -> None:
+        engine.state_cache.clear()
+        results["plain_run_s"] = round(plain_run(engine, store, case_set_id, schema), 2)
+
+    @section("sweep")
+    def measure_sweep() -> None:
+        engine.state_cache.clear(reset_stats=True)
+        sweep_id = sweeps.start_sweep(store, case_set_id, schema, variants, model_id="clef")
+        before = engine.state_prefills
+        started = time.perf_counter()
+        progress = sweeps.run_sweep(store, sweep_id, engine)
+        results["sweep_s"] = round(time.perf_counter() - started, 2)
+        cache = engine.state_cache.stats()
+        detail["sweep"] = {"status": progress.status, "state_prefills": engine.state_prefills - before,
+                           "answers": len(store.list_sweep_answers(sweep_id)), "state_cache": cache,
+                           "bytes_per_state": cache["device_bytes"] // max(1, cache["entries"]),
+                           "states_held_at_the_device_default_8_gib": (8 * 2**30) // max(
+                               1, cache["device_bytes"] // max(1, cache["entries"]))}
+
+    @section("rerun")
+    def measure_rerun() -> None:
+        edited = {**schema, "questions": dict(schema["questions"])}
+        first = next(iter(edited["questions"]))
+        edited["questions"][first] = {**edited["questions"][first], "instructions": "Edited: which one applies?"}
+        hits = engine.state_cache.stats()["hits"]
+        results["rerun_s"] = round(plain_run(engine, store, case_set_id, edited), 2)
+        detail["rerun_cache_hits"] = engine.state_cache.stats()["hits"] - hits
+
+    @section("naive")
+    def measure_naive() -> None:
+        seconds = []
+        for variant in [sweeps.base_variant(schema), *variants]:
+            if seconds and left() < 1.5 * max(seconds):
+                break
+            engine.state_cache.clear()
+            seconds.append(plain_run(engine, store, case_set_id, variant.schema))
+        results["naive_s"] = round(sum(seconds) * VARIANTS / len(seconds), 2)
+        detail["naive_runs_measured"] = len(seconds)
+        detail["naive_run_s"] = [round(s, 2) for s in seconds]
+
+    measure_plain()
+    measure_sweep()
+    measure_rerun()
+    measure_naive()
+    if results["plain_run_s"]:
+        detail["ratios"] = {key: round(results[key] / results["plain_run_s"], 2)
+                            for key in ("sweep_s", "rerun_s", "naive_s") if results[key] is not None}
+    detail["state_prefills_total"] = engine.state_prefills
+    engine.close()
+    save()
+    build.print_summary(results)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
