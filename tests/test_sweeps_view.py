@@ -214,6 +214,11 @@ def test_a_sweep_starts_in_the_background_resumes_and_its_cases_open_in_decide(s
     assert line == f"{len(variants)} variants, the base included, on every labelled case." and sv.can_start(variants)
     assert sv.planned_variants(schema, [], [])[1] == (
         "Tick an automatic variant or write an alternative: the base alone is no sweep.")
+    gone = sv.planned_variants(schema, ["no_instructions"], [("moved", worded)])  # the question was renamed since
+    assert gone == ([sweeps.base_variant(schema)], "Remove the alternatives that no longer fit the schema: your "
+                    "alternatives: entry 1 ('written:moved'), field \"questions\": 'moved' not in the base schema "
+                    f"(its questions: {', '.join(schema['questions'])})")
+    assert not sv.can_start(gone[0])
 
     runner = SweepRunner(store)
     sweep_id, message = sv.start_sweep(store, runner, tiny_engine, "tiny", set_id, SLUG, variants, folds=2)

@@ -114,8 +114,13 @@ def written_variants(schema: dict[str, Any], written: list[tuple[str, dict[str, 
 def planned_variants(schema: dict[str, Any], kinds: list[str],
                      written: list[tuple[str, dict[str, Any]]]) -> tuple[list[sweeps.Variant], str]:
     """The variants a sweep of `schema` would score (the base first), and a line saying how many, or why it cannot
-    start (over MAX_VARIANTS, nothing but the base)."""
-    variants = [sweeps.base_variant(schema), *sweeps.auto_variants(schema, kinds), *written_variants(schema, written)]
+    start (over MAX_VARIANTS, nothing but the base, alternatives the schema has changed under since they were
+    written)."""
+    try:
+        variants = [sweeps.base_variant(schema), *sweeps.auto_variants(schema, kinds),
+                    *written_variants(schema, written)]
+    except sweeps.SweepError as exc:
+        return [sweeps.base_variant(schema)], f"Remove the alternatives that no longer fit the schema: {exc}"
     if len(variants) > sweeps.MAX_VARIANTS:
         return variants, (f"{len(variants)} variants, the base included: a sweep holds at most "
                           f"{sweeps.MAX_VARIANTS}. Untick a kind or remove alternatives.")
