@@ -111,19 +111,19 @@ class SchemaLibrary:
             return schema
         return self._recorded(slug, schema, "on disk")
 
-    def _recorded(self, slug: str, schema: Schema, action: str) -> Schema:
+    def _recorded(self, slug: str, schema: Schema, action: str, note: str = "") -> Schema:
         """The schema numbered as its version in the history (recorded there if its content is new)."""
         if self.history is None:
             return schema
-        version = self.history.record_schema_version(slug, schema.to_dict(), action=action)
+        version = self.history.record_schema_version(slug, schema.to_dict(), action=action, note=note)
         return dataclasses.replace(schema, version=version["number"])
 
-    def _write(self, slug: str, schema: Schema, action: str) -> Schema:
+    def _write(self, slug: str, schema: Schema, action: str, note: str = "") -> Schema:
         problems = validate_schema_dict(schema.to_dict())
         if problems:
             raise SchemaError(problems, source=schema.name)
         # into the history first: a file never holds a version the history lacks
-        schema = self._recorded(slug, schema, action)
+        schema = self._recorded(slug, schema, action, note)
         self.directory.mkdir(parents=True, exist_ok=True)
         path = self.path_of(slug)
         tmp = path.with_name(f".{path.name}.tmp")
@@ -147,10 +147,10 @@ class SchemaLibrary:
         self._write(slug, schema, action)
         return slug
 
-    def update(self, slug: str, schema: Schema, *, action: str = "update") -> Schema:
+    def update(self, slug: str, schema: Schema, *, action: str = "update", note: str = "") -> Schema:
         """Overwrite an existing schema. The version goes up by one when anything but the version changed (each
-        save is a version); returns what was saved. The slug (file name) stays, even if the name changed, so
-        references to it keep working."""
+        save is a version, `note` kept with it in the history); returns what was saved. The slug (file name) stays,
+        even if the name changed, so references to it keep working."""
         current = self.load(slug)
         saved = Schema(name=schema.name, questions=plain_json(schema.questions), version=current.version,
                        description=schema.description, examples=plain_json(list(schema.examples)))
@@ -158,7 +158,7 @@ class SchemaLibrary:
             saved.version = current.version + 1
         else:
             saved.version = max(schema.version, current.version)
-        return self._write(slug, saved, action)
+        return self._write(slug, saved, action, note)
 
     def duplicate(self, slug: str, new_name: str | None = None) -> str:
         """Copy a schema under a new name (default "<name> (copy)"), starting again at version 1."""

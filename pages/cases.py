@@ -58,8 +58,7 @@ def show_problems(problems: list[str], *, stage: str) -> None:
     st.markdown(view.problems_markdown(problems))
 
 
-
-show_flash(K("flash"), undo_delete, K("undo"))
+show_flash(K("flash"), undo_delete)
 deleted_sets = store.list_case_sets(deleted=True)
 if deleted_sets:
     with st.expander(f"Deleted case sets ({len(deleted_sets)})", icon=":material/restore_from_trash:"):

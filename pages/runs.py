@@ -178,7 +178,7 @@ with st.expander("Start a run", expanded=not runs or st.session_state.pop(RUNS_S
             set_widget(K("selected"), run_id)
             st.rerun()
 
-show_flash(K("flash"), undo_delete_run, K("undo"))
+show_flash(K("flash"), undo_delete_run)
 
 if not runs:
     st.info("No runs yet.")

@@ -224,7 +224,8 @@ with tabs[2]:
     if not versions:
         st.info("No history yet: fix the file so that it loads.")
     else:
-        st.dataframe(view.version_rows(versions), hide_index=True, width="stretch")
+        st.dataframe(view.version_rows(versions), hide_index=True, width="stretch",
+                     column_config={"note": st.column_config.TextColumn(width="large")})
         numbers = [v["number"] for v in versions]
         cols = st.columns(2)
         # keyed by the latest number too: a new save resets the pair to (the one before, the latest)

@@ -75,9 +75,13 @@ def init_page() -> None:
         linked = st.query_params.get(DRAFT_PARAM)
         draft = get_store().load_draft(draft_key(linked)) if linked else None
         case_link = links.linked_ids(st.query_params) if draft is None else None
+        sweep_link = links.linked_sweep_case(st.query_params) if draft is None else None
         if case_link:  # a case of a run (the Runs page's results, or a link someone sent): that state and schema
             draft, note = links.case_draft(get_store(), get_library(), *case_link,
                                            random_weights=model_manager().random_weights)
+            st.session_state[K("link_note")] = ("info" if draft else "warning", note)
+        elif sweep_link:  # a flipped case of a sweep (the Sweeps page): that state and the variant's questions
+            draft, note = links.sweep_case_draft(get_store(), get_library(), *sweep_link)
             st.session_state[K("link_note")] = ("info" if draft else "warning", note)
         if draft is not None:
             vm.restore_draft(st.session_state, draft)
@@ -89,7 +93,7 @@ def init_page() -> None:
                 # a link to a schema that is not in the library opens none in its place (the page says so)
                 pending = (linked if linked in slugs else None if linked else PREFERRED_START_SCHEMA
                            if PREFERRED_START_SCHEMA in slugs else (slugs[0] if slugs else None))
-    for name in ("run", "case"):  # opened once; from here on the draft is what the URL names
+    for name in ("run", "case", "sweep", "variant"):  # opened once; from here on the draft is what the URL names
         st.query_params.pop(name, None)
     if st.query_params.get(DRAFT_PARAM) != token:
         st.query_params[DRAFT_PARAM] = token

@@ -82,15 +82,32 @@ def linked_ids(params: Any) -> tuple[int, int] | None:
     return int(run_id), int(case_id)
 
 
+def _draft(library: SchemaLibrary, case: dict[str, Any], schema: dict[str, Any], slug: str | None) -> dict[str, Any]:
+    """A Decide draft of `case` asked with `schema`'s questions. When the library schema `slug` still has exactly
+    these questions, that schema is the draft's identity (Update and the Library picker name it); when it changed
+    or is gone, the questions come without one, so saving cannot overwrite the newer schema."""
+    library_schema = library.load(slug) if slug and library.exists(slug) else None
+    same = library_schema is not None and library_schema.to_dict()["questions"] == schema["questions"]
+    return {
+        "state_text": state_input.state_to_text(case["state"]),
+        "state_mode": "text" if isinstance(case["state"], str) else "json",
+        "schema_name": schema.get("name", ""),
+        "schema_description": schema.get("description", ""),
+        "rows": schema_rows.questions_to_rows(schema["questions"]),
+        "loaded_slug": slug if same else None,
+        "loaded_questions": library_schema.questions if same else None,
+        "examples": library_schema.examples if same else None,
+    }
+
+
 def case_draft(store: Any, library: SchemaLibrary, run_id: int, case_id: int, *,
                random_weights: Callable[[str], bool] = lambda model: False) -> tuple[dict[str, Any] | None, str]:
     """A Decide draft showing case `case_id` asked as run `run_id` asked it, with the run's answer to it (flagged
     when random_weights(the run's model) says its weights are random), and a sentence saying what is on screen (or,
     with no draft, why nothing could be opened).
 
-    The questions are the run's own (frozen when it started). When the library schema the run came from still has
-    exactly these questions, that schema is the draft's identity (Update and the Library picker name it); when it
-    changed or is gone, the questions come without one, so saving cannot overwrite the newer schema."""
+    The questions are the run's own (frozen when it started), with the library schema the run came from as the
+    draft's identity while it still has them (see _draft)."""
     try:
         run = store.get_run(run_id)
         case = store.get_case(case_id, with_media=False)
@@ -101,19 +118,9 @@ def case_draft(store: Any, library: SchemaLibrary, run_id: int, case_id: int, *,
     frozen = run["schema"]
     settings = run["settings"]
     slug = run["schema_slug"] or settings.schema_slug
-    library_schema = library.load(slug) if slug and library.exists(slug) else None
-    same = library_schema is not None and library_schema.to_dict()["questions"] == frozen["questions"]
-    draft: dict[str, Any] = {
-        "state_text": state_input.state_to_text(case["state"]),
-        "state_mode": "text" if isinstance(case["state"], str) else "json",
-        "schema_name": frozen.get("name", ""),
-        "schema_description": frozen.get("description", ""),
-        "rows": schema_rows.questions_to_rows(frozen["questions"]),
-        "overflow": settings.overflow,
-        "loaded_slug": slug if same else None,
-        "loaded_questions": library_schema.questions if same else None,
-        "examples": library_schema.examples if same else None,
-    }
+    draft = _draft(library, case, frozen, slug)
+    same = draft["loaded_slug"] is not None
+    draft["overflow"] = settings.overflow
     if settings.max_length in DECIDE_MAX_LENGTHS:
         draft["max_length"] = settings.max_length
     answered = next((r["response"] for r in store.list_results(run_id) if r["case_id"] == case_id
@@ -135,3 +142,37 @@ def case_draft(store: Any, library: SchemaLibrary, run_id: int, case_id: int, *,
         note += (f" Its {' and '.join(media)} are not attached here (Decide takes media from uploads): open the "
                  "case in Review to see them.")
     return draft, note
+
+
+def sweep_decide_url(sweep_id: int, variant: str, case_id: int) -> str:
+    """Decide with this case of a sweep asked with one variant's questions."""
+    return "/?" + urlencode({"sweep": sweep_id, "variant": variant, "case": case_id})
+
+
+def linked_sweep_case(params: Any) -> tuple[int, str, int] | None:
+    """(sweep id, variant, case id) from query parameters, or None when the link names no case of a sweep."""
+    sweep_id, variant, case_id = params.get("sweep"), params.get("variant"), params.get("case")
+    if not variant or not str(sweep_id).isdigit() or not str(case_id).isdigit():
+        return None
+    return int(sweep_id), str(variant), int(case_id)
+
+
+def sweep_case_draft(store: Any, library: SchemaLibrary, sweep_id: int, variant: str,
+                     case_id: int) -> tuple[dict[str, Any] | None, str]:
+    """A Decide draft showing case `case_id` of a sweep asked with the questions of its variant `variant`, and a
+    sentence saying what is on screen (or, with no draft, why nothing could be opened)."""
+    from clef_workbench import sweeps
+
+    try:
+        sweep = sweeps.load_sweep(store, sweep_id)
+        case = store.get_case(case_id, with_media=False)
+    except (StoreError, sweeps.SweepError) as exc:
+        return None, f"The link names case #{case_id} of sweep #{sweep_id}, which is not in this workbench: {exc}."
+    schema = next((s.variant.schema for s in sweep.variants if s.variant.name == variant), None)
+    if schema is None:
+        return None, f"Sweep #{sweep_id} has no variant “{variant}”."
+    if case["case_set_id"] != sweep.case_set_id:
+        return None, f"The link names case #{case_id}, which is not in sweep #{sweep_id}'s case set."
+    draft = _draft(library, case, schema, sweep.settings.get("schema_slug"))
+    return draft, (f"Case #{case_id} of sweep #{sweep_id} ({sweep.case_set_name}) with the questions of its variant "
+                   f"“{variant}”: Run asks them again.")

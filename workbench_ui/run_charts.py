@@ -131,3 +131,25 @@ def distribution_table(question: dict, distribution: dict[str, float], predicted
         rows.append({"option": option, "label": label, "description": description, "probability": float(p),
                      "chosen": option == predicted})
     return pd.DataFrame(rows, columns=["option", "label", "description", "probability", "chosen"])
+
+
+LEADERBOARD_COLORS = {"base": OTHER_COLOR, "better": "#27ae60", "worse": "#d64545", "no clear difference": "#2f80ed"}
+
+
+def leaderboard_chart(data: pd.DataFrame) -> alt.FacetChart:
+    """A sweep's leaderboard (workbench_ui.sweeps_view.chart_frame): per scope (overall, then each question) each
+    variant's accuracy as a point on its 95 % interval, coloured by how it compares with the base."""
+    variants = list(dict.fromkeys(data["variant"]))
+    color = alt.Color("against the base:N", scale=alt.Scale(domain=list(LEADERBOARD_COLORS),
+                                                           range=list(LEADERBOARD_COLORS.values())),
+                      legend=alt.Legend(orient="bottom", title=None))
+    base = alt.Chart().encode(y=alt.Y("variant:N", sort=variants, title=None, axis=alt.Axis(labelLimit=240)),
+                              color=color)
+    interval = base.mark_rule(strokeWidth=2).encode(
+        x=alt.X("low:Q", scale=alt.Scale(domain=[0, 1]), axis=alt.Axis(format="%"), title="accuracy"), x2="high:Q")
+    point = base.mark_point(filled=True, size=60).encode(
+        x="accuracy:Q", tooltip=["variant", "scope", alt.Tooltip("accuracy:Q", format=".3f"),
+                                 alt.Tooltip("low:Q", format=".3f"), alt.Tooltip("high:Q", format=".3f"),
+                                 "against the base"])
+    return alt.layer(interval, point, data=data).properties(width=240, height=18 * len(variants) + 10).facet(
+        facet=alt.Facet("scope:N", sort=list(dict.fromkeys(data["scope"])), title=None), columns=3)

@@ -89,9 +89,10 @@ def question_rows(schema: Schema) -> list[dict[str, Any]]:
 
 
 def version_rows(versions: list[dict]) -> list[dict[str, Any]]:
-    """The history table, newest first as the store gives it."""
+    """The history table, newest first as the store gives it; `note` says where a version came from when "how"
+    alone does not (an adopted sweep's result: the sweep and its figures)."""
     return [{"version": v["number"], "saved": v["created_at"][:19].replace("T", " "), "how": v["action"],
-             "by": v["who"], "runs": v["run_count"]} for v in versions]
+             "note": v["note"], "by": v["who"], "runs": v["run_count"]} for v in versions]
 
 
 def default_diff_from(numbers: list[int]) -> int:

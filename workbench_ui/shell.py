@@ -50,6 +50,7 @@ PAGE_SPECS = [
     ("runs.py", "Runs", ":material/speed:"),
     ("review.py", "Review", ":material/fact_check:"),
     ("compare.py", "Compare", ":material/compare_arrows:"),
+    ("sweeps.py", "Sweeps", ":material/leaderboard:"),
 ]
 
 
@@ -93,6 +94,20 @@ def _job_runner(db_path: str):
     from clef_workbench.store import Store
 
     return make_job_runner(Store(db_path))
+
+
+def get_sweep_runner():
+    """The process-wide sweep runner of the current database: sweeps keep going across page switches, reloads and
+    sessions."""
+    return _sweep_runner(str(get_store().path))
+
+
+@st.cache_resource(show_spinner=False)
+def _sweep_runner(db_path: str):
+    from clef_workbench.store import Store
+    from clef_workbench.sweep_runner import SweepRunner
+
+    return SweepRunner(Store(db_path))
 
 
 def get_library() -> SchemaLibrary:
@@ -484,6 +499,19 @@ def declared_default(widget_name: str, value: Any, options: Any = None) -> dict[
     return {"index": choices.index(value)} if value in choices else {}
 
 
+def show_flash(key: str, undo: Callable[..., None]) -> None:
+    """The message a page's action left under `key` for its next run, (kind, text, undo arguments or None), shown
+    once; with undo arguments, an Undo button beside it calls undo(*arguments)."""
+    message = st.session_state.pop(key, None)
+    if not message:
+        return
+    kind, text, undo_args = message
+    cols = st.columns([5, 1], vertical_alignment="center")
+    getattr(cols[0], kind)(text)
+    if undo_args is not None:
+        cols[1].button("Undo", key=f"{key}.undo", icon=":material/undo:", on_click=undo, args=undo_args)
+
+
 def url_int(name: str) -> int | None:
     """An integer URL parameter (?run=12), or None when absent or not a number."""
     value = st.query_params.get(name)
@@ -538,16 +566,6 @@ def set_widget(key: str, value: Any) -> None:
     """Set a kept widget's value from a callback (before the widget renders)."""
     st.session_state[key] = value
     st.session_state[KEEP_PREFIX + key] = value
-
-
-def show_flash(key: str, undo: Callable[..., Any], undo_key: str) -> None:
-    """The message an action left for the page's next run: (kind, text, Undo's arguments or None)."""
-    if flash := st.session_state.pop(key, None):
-        kind, text, undo_args = flash
-        cols = st.columns([5, 1], vertical_alignment="center")
-        getattr(cols[0], kind)(text)
-        if undo_args is not None:
-            cols[1].button("Undo", key=undo_key, icon=":material/undo:", on_click=undo, args=undo_args)
 
 
 def confirm_delete(question: str, key: Callable[[str], str], confirm_key: str) -> bool:

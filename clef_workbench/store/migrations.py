@@ -228,5 +228,10 @@ MIGRATIONS: list[list[str]] = [
             PRIMARY KEY (sweep_id, case_id, variant)
         )""",
     ],
+    # 8: a schema version's note: where a version came from when its action alone does not say (an adopted sweep's
+    # result names the sweep and its figures)
+    [
+        "ALTER TABLE schema_versions ADD COLUMN note TEXT NOT NULL DEFAULT ''",
+    ],
 ]
 SCHEMA_VERSION = len(MIGRATIONS)

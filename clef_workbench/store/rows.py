@@ -243,6 +243,7 @@ class SchemaVersion(TypedDict):
     schema: dict[str, Any]
     action: str
     who: str
+    note: str  # where it came from, when that is more than its action (a sweep adopted: its name and figures)
     created_at: str
     run_count: int  # runs (not deleted) that ran it
 

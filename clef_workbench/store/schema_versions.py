@@ -17,9 +17,10 @@ from typing import Any, cast
 from clef_workbench.store.base import NotFoundError, StoreBase, _dumps, _loads, inserted_id, now_iso
 from clef_workbench.store.rows import RecordedSchemaVersion, SchemaVersion
 
-# Why a version was written: the library's operations, and "on disk" for a file changed outside the workbench
-# (a git pull, an editor) that the workbench read.
-SCHEMA_VERSION_ACTIONS = ("create", "update", "duplicate", "import", "restore", "on disk")
+# Why a version was written: the library's operations, "adopt" for a sweep's result made the schema's new version
+# (its note names the sweep and its figures), and "on disk" for a file changed outside the workbench (a git pull,
+# an editor) that the workbench read.
+SCHEMA_VERSION_ACTIONS = ("create", "update", "duplicate", "import", "restore", "adopt", "on disk")
 
 
 def _digest(value: Any) -> str:
@@ -45,7 +46,8 @@ class SchemaVersionsMixin(StoreBase):
         version["schema"] = _loads(version.pop("schema_json"))
         return cast(SchemaVersion, version)
 
-    def record_schema_version(self, slug: str, schema: dict, *, action: str, who: str = "") -> RecordedSchemaVersion:
+    def record_schema_version(self, slug: str, schema: dict, *, action: str, who: str = "",
+                              note: str = "") -> RecordedSchemaVersion:
         """Keep `schema` (a library file's content) as the next version of `slug`, unless it is the content of the
         slug's latest version already. Returns that version, with `new` saying whether it was just written. Its
         number is one more than the latest, or the schema's own `version` if that is higher (a file that had
@@ -67,9 +69,9 @@ class SchemaVersionsMixin(StoreBase):
                          own if isinstance(own, int) and not isinstance(own, bool) else 1)
             numbered = {**schema, "version": number}
             cur = conn.execute(
-                """INSERT INTO schema_versions (slug, number, content_hash, run_hash, schema_json, action, who,
-                                                created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?)""",
-                (slug, number, content_hash, run_hash, _dumps(numbered), action, who or "", now_iso()),
+                """INSERT INTO schema_versions (slug, number, content_hash, run_hash, schema_json, action, who, note,
+                                                created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)""",
+                (slug, number, content_hash, run_hash, _dumps(numbered), action, who or "", note, now_iso()),
             )
             version_id = inserted_id(cur)
         return RecordedSchemaVersion(**self.get_schema_version(version_id), new=True)

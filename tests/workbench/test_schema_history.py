@@ -128,6 +128,17 @@ def test_restore_makes_a_new_version_and_loses_nothing(library, store):
         library.restore(slug, 9)
 
 
+def test_a_version_keeps_the_note_saying_where_it_came_from(library, store):
+    slug = library.create(Schema(name="Tickets", questions=QUESTIONS))
+    schema = library.load(slug)
+    schema.questions = {**QUESTIONS, "angry": {**QUESTIONS["angry"], "instructions": "Is the customer upset?"}}
+    note = "sweep #4, variant “angry: reworded”: accuracy 0.82 [0.71, 0.90] held out"
+    adopted = library.update(slug, schema, action="adopt", note=note)
+    assert adopted.version == 2
+    assert [(v["number"], v["action"], v["note"]) for v in store.list_schema_versions(slug)] == [
+        (2, "adopt", note), (1, "create", "")]
+
+
 def test_delete_keeps_the_history_and_undo_brings_the_schema_back(library, store):
     slug = library.create(Schema(name="Tickets", questions=QUESTIONS))
     edited(library, slug, lambda q: q.pop("severity"))

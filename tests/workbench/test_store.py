@@ -101,7 +101,7 @@ def test_migrating_a_version_1_file_keeps_its_data(tmp_path):
     conn.close()
 
     store = Store(path)
-    assert store.schema_version() == store_module.SCHEMA_VERSION == 7
+    assert store.schema_version() == store_module.SCHEMA_VERSION == 8
     # a run from before the schema history links no version: it ran a schema the history never saw
     assert (store.get_run(3)["schema_version"], store.get_run(3)["schema_slug"]) == ("3", None)
     assert store.list_cases(1)[0]["tags"] == []  # column added by migration 2 with its default

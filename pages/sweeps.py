@@ -1,0 +1,231 @@
+"""Sweeps: many versions of a schema scored on a labelled case set at once — tick automatic variants, write
+alternatives per question, start (in the background, with progress and ETA), read the leaderboard, list a variant's
+flipped cases (each opens in Decide), and adopt the best version into the schema library. Rendering only: what is
+shown comes from workbench_ui.sweeps_view, the sweep itself from clef_workbench.sweeps."""
+
+from __future__ import annotations
+
+import streamlit as st
+
+from clef_workbench.model_loader import request_model_name
+from workbench_ui import run_charts
+from workbench_ui import sweeps_view as sv
+from workbench_ui.compare_view import case_set_choice, proposed_schema
+from workbench_ui.shell import (
+    get_engine,
+    get_library,
+    get_store,
+    get_sweep_runner,
+    kept_widget,
+    model_manager,
+    page_key,
+    pick_id,
+    render_shell,
+    set_widget,
+    show_flash,
+)
+
+render_shell(__file__)
+K = page_key("sweeps")
+store, library, runner = get_store(), get_library(), get_sweep_runner()
+
+
+def flash(kind: str, message: str, undo: sv.Adopted | None = None) -> None:
+    st.session_state[K("flash")] = (kind, message, None if undo is None else (undo,))
+
+
+def written(slug: str) -> list:
+    """The alternatives written for a schema in this session: [question id, question] pairs."""
+    return st.session_state.setdefault(K(f"written.{slug}"), [])
+
+
+def add_alternative(slug: str, question_id: str, question: dict) -> None:
+    editor = K(f"alt.{slug}.{question_id}")
+    alternative, problems = sv.written_alternative(question_id, question, st.session_state.get(f"{editor}.text", ""),
+                                                   st.session_state.get(f"{editor}.options", ""))
+    if alternative is None:
+        st.session_state[K("alt_problems")] = problems
+        return
+    st.session_state.pop(K("alt_problems"), None)
+    written(slug).append([question_id, alternative])
+
+
+def render_alternatives(slug: str, schema: dict) -> None:
+    """Write alternatives per question: its instructions and options, reworded; each is one more variant."""
+    questions = schema["questions"]
+    question_id = st.selectbox("Question", list(questions), key=K(f"alt_question.{slug}"))
+    editor = K(f"alt.{slug}.{question_id}")
+    filled = sv.alternative_editor(questions[question_id])
+    st.text_area("Instructions", filled.instructions, key=f"{editor}.text", height=68)
+    st.text_area("Options", filled.options, key=f"{editor}.options", help=filled.options_help, height=120)
+    st.button("Add this alternative", key=K("alt_add"), icon=":material/add:", on_click=add_alternative,
+              args=(slug, question_id, questions[question_id]))
+    for message in st.session_state.get(K("alt_problems"), []):
+        st.error(message)
+    for index, (qid, question) in enumerate(written(slug)):
+        cols = st.columns([6, 1], vertical_alignment="center")
+        cols[0].markdown(f"`{qid}`: {question['instructions'] or '(no instructions)'}")
+        if cols[1].button("Remove", key=K(f"alt_remove.{slug}.{index}")):
+            written(slug).pop(index)
+            st.rerun()
+
+
+def start(set_id: int, slug: str, variants: list, folds: int) -> None:
+    engine = get_engine()
+    if engine is None:
+        flash("error", "No model is loaded, so the sweep cannot start. Choose a model in the sidebar.")
+        return
+    model_id = model_manager().default_name() or request_model_name(model_manager().state().source)
+    sweep_id, message = sv.start_sweep(store, runner, engine, model_id, set_id, slug, variants, folds=folds)
+    flash("success" if sweep_id else "error", message)
+    if sweep_id is not None:
+        set_widget(K("selected"), sweep_id)
+        st.query_params["sweep"] = str(sweep_id)
+
+
+def render_start() -> None:
+    """Pick a case set and a schema, tick automatic variants, write alternatives, and start."""
+    sets, slugs = sv.case_sets(store), library.slugs()
+    missing = sv.missing_for_sweep(sets, slugs, model_manager().state().engine)
+    if missing:
+        st.info(missing)
+        return
+    set_labels = {s["id"]: case_set_choice(s) for s in sets}
+    set_id = kept_widget(st.selectbox, "Labelled case set", K("start.set"), sets[0]["id"], options=list(set_labels),
+                         format_func=set_labels.get)
+    slug = kept_widget(st.selectbox, "Schema", K(f"start.schema.{set_id}"),
+                       proposed_schema(next(s for s in sets if s["id"] == set_id), slugs), options=slugs)
+    schema, problem = sv.library_schema(library, slug)
+    if schema is None:
+        st.error(problem)
+        return
+    st.markdown("**Automatic variants** — one per question where the change applies")
+    cols = st.columns(3)
+    kinds = [kind for index, (kind, label) in enumerate(sv.AUTO_KIND_LABELS.items())
+             if kept_widget(cols[index % 3].checkbox, label, K(f"start.kind.{kind}"), False)]
+    with st.expander(f"Alternatives you write ({len(written(slug))})", icon=":material/edit:"):
+        render_alternatives(slug, schema)
+    folds = kept_widget(st.number_input, "Folds (the best wording is chosen on the others, scored on each)",
+                        K("start.folds"), sv.DEFAULT_FOLDS, min_value=2, max_value=20)
+    variants, line = sv.planned_variants(schema, kinds, written(slug))
+    st.caption(line)
+    st.button("Start the sweep", key=K("start.go"), type="primary", icon=":material/play_arrow:",
+              disabled=not sv.can_start(variants), on_click=start, args=(set_id, slug, variants, int(folds)))
+
+
+def undo_adoption(adopted: sv.Adopted) -> None:
+    flash("info", sv.undo_adoption(library, adopted))
+
+
+def resume(sweep: dict) -> None:
+    try:
+        engine = model_manager().get(sweep["model_id"])
+    except KeyError:
+        flash("error", sv.model_missing_message(sweep))
+        return
+    flash("info", sv.resume_sweep(runner, engine, sweep["id"]))
+
+
+def follow(sweep_id: int) -> None:
+    """The sweep's progress; the whole page again when a sweep this process ran ends (its final leaderboard)."""
+    sweep = sv.sweep_row(store, sweep_id)
+    shown = sv.progress_shown(runner, sweep)
+    st.progress(shown.fraction, text=shown.text)
+    if shown.live:
+        st.button("Cancel", key=K(f"cancel.{sweep_id}"), icon=":material/stop:", on_click=runner.cancel,
+                  args=(sweep_id,))
+    elif shown.problem:
+        st.warning(shown.problem)
+        if sweep["done"] < sweep["total"]:
+            st.button(f"Resume ({sweep['total'] - sweep['done']} cases left)", key=K(f"resume.{sweep_id}"),
+                      icon=":material/play_arrow:", on_click=resume, args=(sweep,))
+    if st.session_state.get(K(f"was_live.{sweep_id}")) and not shown.live:
+        st.session_state[K(f"was_live.{sweep_id}")] = False
+        st.rerun(scope="app")
+    st.session_state[K(f"was_live.{sweep_id}")] = shown.live
+
+
+def render_leaderboard(result) -> str | None:
+    """The chart and the table of every variant; returns the variant whose row is selected."""
+    st.subheader("Leaderboard")
+    st.caption(sv.leaderboard_caption(result))
+    chart = sv.chart_frame(result)
+    if chart.empty:
+        st.info("No labelled answers yet: the leaderboard appears with the first finished cases.")
+        return None
+    st.altair_chart(run_charts.leaderboard_chart(chart), width="content")
+    table = sv.leaderboard_table(result)
+    st.caption("Select a variant's row to list the cases it flips against the base.")
+    event = st.dataframe(table, hide_index=True, width="stretch", key=K(f"board.{result.id}.{result.done}"),
+                         on_select="rerun", selection_mode="single-row")
+    for flagged, line in sv.order_sensitivity_lines(result):
+        (st.warning if flagged else st.caption)(line)
+    if best := sv.best_text(result):
+        st.markdown(best)
+    return str(table.iloc[event.selection.rows[0]]["variant"]) if event.selection.rows else None
+
+
+def render_flips(result, variant: str) -> None:
+    flips = sv.flipped_cases(store, result, variant)
+    st.subheader(f"Cases “{variant}” flips")
+    if flips.empty:
+        st.info(f"“{variant}” answers every case as the base does.")
+        return
+    st.caption(f"{len(flips)} answer(s) differ from the base. Select a row to open its case in Decide with the "
+               "variant's questions; “Open” does the same in a new tab.")
+    event = st.dataframe(flips, hide_index=True, width="stretch", key=K(f"flips.{result.id}.{variant}"),
+                         on_select="rerun", selection_mode="single-row",
+                         column_config={"state": st.column_config.TextColumn(width="large"),
+                                        "decide": st.column_config.LinkColumn("Decide", display_text="Open")})
+    if event.selection.rows:
+        row = flips.iloc[event.selection.rows[0]]
+        st.link_button(f"Open case {row['case']} in Decide", row["decide"], icon=":material/psychology:")
+
+
+def adopt(result, choice: str) -> None:
+    st.session_state.pop(K("confirm_adopt"), None)
+    adopted, message = sv.adopt(library, result, choice)
+    flash("success" if adopted else "error", message, adopted)
+
+
+def render_adopt(result) -> None:
+    """Adopt: asks first, then writes the new version; its Undo restores the version it replaced."""
+    st.subheader("Adopt")
+    choices = sv.adoption_choices(result)
+    if not choices:
+        st.info("Nothing to adopt yet.")
+        return
+    choice = st.selectbox("Version to adopt", list(choices), format_func=choices.get, key=K(f"adopt.{result.id}"))
+    if st.session_state.get(K("confirm_adopt")) != (result.id, choice):
+        if st.button("Adopt…", key=K("adopt"), icon=":material/check:"):
+            st.session_state[K("confirm_adopt")] = (result.id, choice)
+            st.rerun()
+        return
+    with st.container(border=True, key=K("confirm_adopt_box")):
+        st.warning(sv.adopt_question(library, result, choice), icon=":material/help:")
+        cols = st.columns(2)
+        cols[0].button("Yes, adopt it", key=K("adopt_yes"), type="primary", on_click=adopt, args=(result, choice))
+        cols[1].button("Cancel", key=K("adopt_no"), on_click=st.session_state.pop, args=(K("confirm_adopt"), None))
+
+
+st.title("Schema sweeps")
+st.caption("Many versions of a schema scored on a labelled case set at once: each case's state is read once and "
+           "every version continues from it.")
+all_sweeps = sv.sweep_rows(store)
+with st.expander("Start a sweep", expanded=not all_sweeps, icon=":material/play_arrow:"):
+    render_start()
+show_flash(K("flash"), undo_adoption)
+if not all_sweeps:
+    st.stop()
+sweep_id = pick_id([s["id"] for s in all_sweeps], K("selected"), "Sweep",
+                   {s["id"]: sv.sweep_label(s) for s in all_sweeps}.get, param="sweep", what="sweep")
+if sweep_id is None:  # the link names a sweep that is not here: said above
+    st.stop()
+st.fragment(follow, run_every=1.0 if runner.is_running(sweep_id) else None)(sweep_id)
+threshold = kept_widget(st.slider, "Flag a question whose answers change with the options' order for more than",
+                        K("threshold"), 0.1, min_value=0.0, max_value=1.0, step=0.05, format="%.2f")
+result = sv.load_result(store, sweep_id, threshold)
+picked = render_leaderboard(result)
+if picked:
+    render_flips(result, picked)
+render_adopt(result)
