@@ -22,7 +22,7 @@ CHOSEN_COLOR = "#f38020"  # highlighted bar
 OTHER_COLOR = "#9aa5b1"
 BUDGET_PARTS = ("prefix", "media", "state", "schema", "suffix")
 BUDGET_COLORS = ("#9aa5b1", "#8e6bd8", "#2f80ed", "#27ae60", "#cbd2d9")
-BUDGET_CHART_HEIGHT = 110  # pixels with the legend and axis
+BUDGET_CHART_HEIGHT = 150  # pixels with the legend and axis
 
 
 @dataclass(frozen=True)
@@ -226,7 +226,7 @@ def budget_chart(counts: dict[str, int]) -> alt.Chart:
         color=alt.Color("part:N", sort=domain, scale=alt.Scale(domain=domain, range=[*BUDGET_COLORS, "#eef1f4",
                                                                                      "#d64545"]),
                         # labelLimit 0: every part's name whole (Vega cut "over max_length" to "over max_le…")
-                        legend=alt.Legend(orient="top", title=None, direction="horizontal", labelLimit=0)),
+                        legend=alt.Legend(orient="top", title=None, direction="horizontal", labelLimit=0, columns=3)),
         tooltip=["part:N", alt.Tooltip("tokens:Q", format=","), alt.Tooltip("start:Q", format=","),
                  alt.Tooltip("end:Q", format=",")],
     ).properties(height=BUDGET_CHART_HEIGHT)

@@ -54,6 +54,14 @@ def test_the_sidebar_names_one_precision_the_weights_really_have():
 
 
 def test_the_budget_legend_names_every_part_whole():
-    """Vega cuts a legend label at 160 px by default: "over max_le…"."""
+    """Vega cuts a legend label at 160 px by default ("over max_le…"), and a legend wider than its chart is cut at the
+    chart's edge: in one row, "over max_length" ended as "over ma" on Decide at 1280×900. Its columns must fit the
+    narrowest chart: Decide's right column at 1024×768, 290 px wide (measured in Chromium)."""
     chart = answers.budget_chart({"prefix": 20, "schema": 300, "state": 900, "suffix": 10, "max_length": 1024})
-    assert chart.to_dict()["encoding"]["color"]["legend"]["labelLimit"] == 0
+    spec = chart.to_dict()
+    legend = spec["encoding"]["color"]["legend"]
+    assert legend["labelLimit"] == 0
+    labels = spec["encoding"]["color"]["scale"]["domain"]
+    columns = legend.get("columns", len(labels))  # Vega's grid: each column as wide as its widest entry
+    width = sum(max(len(label) for label in labels[j::columns]) * 7 + 28 for j in range(columns))  # ~7 px a letter
+    assert width <= 290, f"the legend needs ~{width} px in {columns} columns"
