@@ -473,7 +473,8 @@ if result:
         top = st.columns(2) + st.columns(2)  # two rows: the model name does not fit a quarter of half a page
         top[0].metric("Latency", units.duration(response.get("x_latency_ms", 0)),
                       help="submit → response, queue included")
-        top[1].metric("Input tokens", f"{response['usage']['input_tokens']:,}")
+        input_tokens = response.get("usage", {}).get("input_tokens")  # a stored answer from elsewhere may lack it
+        top[1].metric("Input tokens", "–" if input_tokens is None else f"{input_tokens:,}")
         top[2].metric("Truncated state tokens", f"{response.get('x_truncated_state_tokens', 0):,}")
         top[3].metric("Model", result.model_label, help=f"on {result.device}")
         st.caption("Tokens: " + " · ".join(f"{part} {counts.get(part, 0):,}" for part in answers.BUDGET_PARTS))

@@ -16,9 +16,10 @@ from tests.support.browser import launch_chromium, running_workbench
 
 pytestmark = pytest.mark.browser
 
-PAGE_TITLES = ["Decide", "Schemas", "Case sets", "Runs", "Review", "Compare"]
-PAGE_PATHS = ["decide", "schemas", "cases", "runs", "review", "compare"]  # pages/NAME.py is at /NAME
-FILE_NAMES = ["app", "decide", "schemas", "cases", "runs", "review", "compare"]  # Streamlit's names for pages/*.py
+PAGE_TITLES = ["Decide", "Schemas", "Case sets", "Runs", "Review", "Compare", "Sweeps"]
+PAGE_PATHS = ["decide", "schemas", "cases", "runs", "review", "compare", "sweeps"]  # pages/NAME.py is at /NAME
+# Streamlit's names for pages/*.py
+FILE_NAMES = ["app", "decide", "schemas", "cases", "runs", "review", "compare", "sweeps"]
 SCHEMA = {"name": "routing", "version": "1", "questions": {
     "team": {"type": "single_select", "question": "Which team?", "options": {"billing": "Billing", "tech": "Tech"}}}}
 LONG = 120_000  # first render on a busy machine: imports, the demo model's load
