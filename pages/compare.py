@@ -10,6 +10,7 @@ import streamlit as st
 from clef_workbench import compare
 from clef_workbench.model_loader import DEMO_SOURCE, request_model_name
 from clef_workbench.schemas import SchemaError
+from workbench_ui import cases_view
 from workbench_ui import compare_view as cv
 from workbench_ui.answers import probability_chart
 from workbench_ui.shell import (
@@ -91,7 +92,7 @@ with st.expander("Run a schema on a case set with these models", expanded=not gr
     if missing:
         st.info(missing)
     else:
-        set_names = {s["id"]: cv.case_set_choice(s) for s in sets}
+        set_names = {s["id"]: cases_view.case_set_label(s) for s in sets}
         start_set = kept_widget(st.selectbox, "Case set", K("start.set"), sets[0]["id"], options=list(set_names),
                                 format_func=set_names.get)
         cols = st.columns(2)

@@ -10,7 +10,8 @@ import streamlit as st
 from clef_workbench.model_loader import request_model_name
 from workbench_ui import run_charts
 from workbench_ui import sweeps_view as sv
-from workbench_ui.compare_view import case_set_choice, proposed_schema
+from workbench_ui.cases_view import case_set_label
+from workbench_ui.compare_view import proposed_schema
 from workbench_ui.shell import (
     get_engine,
     get_library,
@@ -90,7 +91,7 @@ def render_start() -> None:
     if missing:
         st.info(missing)
         return
-    set_labels = {s["id"]: case_set_choice(s) for s in sets}
+    set_labels = {s["id"]: case_set_label(s) for s in sets}
     set_id = kept_widget(st.selectbox, "Labelled case set", K("start.set"), sets[0]["id"], options=list(set_labels),
                          format_func=set_labels.get)
     slug = kept_widget(st.selectbox, "Schema", K(f"start.schema.{set_id}"),

@@ -32,10 +32,6 @@ def missing_for_start(case_sets: list, slugs: list, models: list) -> str | None:
     return f"Needs {' and '.join(missing)}." if missing else None
 
 
-def case_set_choice(case_set: dict) -> str:
-    return f"{case_set['name']} ({case_set['case_count']} cases)"
-
-
 def proposed_schema(case_set: dict, slugs: list[str]) -> str:
     """The schema the one action proposes for a case set: the one it was made for, else the library's first."""
     return case_set["schema_name"] if case_set.get("schema_name") in slugs else slugs[0]

@@ -37,7 +37,6 @@ def test_the_one_action_says_what_it_still_needs():
         "Needs a case set (Case sets page) and a schema (Schemas page) and a loaded model (sidebar).")
     assert cv.missing_for_start([{"id": 1}], ["triage"], []) == "Needs a loaded model (sidebar)."
     assert cv.missing_for_start([{"id": 1}], ["triage"], ["m"]) is None
-    assert cv.case_set_choice({"name": "Tickets", "case_count": 12}) == "Tickets (12 cases)"
 
 
 def test_the_one_action_starts_a_run_per_model_of_the_saved_version(store, library, tiny_engine):
