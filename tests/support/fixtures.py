@@ -90,3 +90,20 @@ def workbench(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     shell.get_store.clear()
     yield tmp_path
     shell.get_store.clear()
+
+
+@pytest.fixture
+def store(tmp_path: Path):
+    """An empty workbench database in the test's folder (a module may define its own `store`)."""
+    from clef_workbench.store import Store
+
+    return Store(tmp_path / "w.db")
+
+
+@pytest.fixture
+def library(tmp_path: Path, store):
+    """A copy of the shipped schema library whose versions `store` keeps (a module may define its own `library`)."""
+    from clef_workbench.schema_library import SchemaLibrary
+
+    shutil.copytree(REPO / "schemas", tmp_path / "schemas")
+    return SchemaLibrary(tmp_path / "schemas", history=store)

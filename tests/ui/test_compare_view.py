@@ -4,32 +4,16 @@ the selectors' labels and defaults, a link to runs that are gone, and one case a
 from __future__ import annotations
 
 import json
-import shutil
 
 import pandas as pd
-import pytest
 
 from clef_workbench import compare
 from clef_workbench.compare import CompareView, ModelChoice
 from clef_workbench.jobs import JobRunner
-from clef_workbench.schema_library import SchemaLibrary
-from clef_workbench.store import Store
-from tests.support import REPO
 from tests.support.compare_runs import RUN_A, RUN_C
 from workbench_ui import compare_view as cv
 
 SLUG = "support-ticket-routing"
-
-
-@pytest.fixture
-def store(tmp_path) -> Store:
-    return Store(tmp_path / "w.db")
-
-
-@pytest.fixture
-def library(tmp_path, store) -> SchemaLibrary:
-    shutil.copytree(REPO / "schemas", tmp_path / "schemas")
-    return SchemaLibrary(tmp_path / "schemas", history=store)
 
 
 def test_the_one_action_says_what_it_still_needs():

@@ -6,32 +6,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import shutil
 from urllib.parse import parse_qsl
 
-import pytest
-
 from clef_workbench import sweeps
-from clef_workbench.schema_library import SchemaLibrary
-from clef_workbench.store import Store
 from clef_workbench.sweep_runner import SweepRunner
 from clef_workbench.sweeps import BestSchema, Metric, QuestionScore, SweepResult, Variant, VariantScore
-from tests.support import REPO
 from workbench_ui import links
 from workbench_ui import sweeps_view as sv
 
 SLUG = "support-ticket-routing"
-
-
-@pytest.fixture
-def store(tmp_path) -> Store:
-    return Store(tmp_path / "w.db")
-
-
-@pytest.fixture
-def library(tmp_path, store) -> SchemaLibrary:
-    shutil.copytree(REPO / "schemas", tmp_path / "schemas")
-    return SchemaLibrary(tmp_path / "schemas", history=store)
 
 
 # -- written alternatives --------------------------------------------------------------------------------------------
