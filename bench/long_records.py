@@ -247,7 +247,7 @@ def longest(engine, tiny: Path) -> None:
             build.scale_down(config)
         flash = build.random_engine(config, tiny, device=str(DEVICE), dtype=engine.config.dtype,
                                     head_width=64 if SMOKE else 1024)
-        flash_bytes = sum(p.numel() * p.element_size() for module in (flash.model, flash.head)
+        flash_bytes = sum(p.numel() * p.element_size() for module in (flash.runner.model, flash.runner.head)
                           for p in module.parameters())
         results["detail"]["flash_resident"] = {"build_s": round(time.perf_counter() - t0, 1),
                                                "weights_gib": build.gib(flash_bytes)}

@@ -2,7 +2,7 @@
 `clef_engine.load` a release written to disk, for a Clef-Flash-shaped and a Clef-27B-shaped release (random bf16
 weights, bench/build.write_release).
 
-    python bench/start.py OUT.json [--models flash,clef] [--directory /tmp/start]   (CUDA; < 10 min per model)
+    python bench/start.py OUT.json [--models flash,clef] [--directory /tmp/start] [--keep]   (CUDA; < 6 min per model)
     BENCH_CPU_SMOKE=1 python bench/start.py /tmp/smoke/start.json                     (scaled down, CPU: the script)
 
 Per model, the release is written, its files are dropped from the page cache (posix_fadvise DONTNEED: the next
@@ -18,8 +18,10 @@ Each figure is the parent's wall time from starting the process (interpreter and
 first answer (`engine.decide`, a short record). The child goes on until its background warm-up is done and reports
 its phases (`import_s`, `load_s`, `decide_s` of the first answer, the engine's state then, `ready_s` from its
 start to the end of the warm-up): the cold process must finish compiling for the warm one to find the caches. The
-release is deleted after its model (the 27B shape takes 55 GB of the disk). OUT is merged into if it exists, and
-saved after every process.
+cache folder stays in DIRECTORY/cache-<model> (emptied before the cold process): later benchmarks in the same
+machine session can start warm with CLEF_CACHE_DIR pointing there. The release is deleted after its model (the 27B
+shape takes 55 GB of the disk) unless --keep, which leaves it in DIRECTORY/<model> with bench/sweep.py's
+`.complete` marker (BENCH_RELEASE_DIR). OUT is merged into if it exists, and saved after every process.
 """
 
 from __future__ import annotations
@@ -114,7 +116,7 @@ def disk_read_gb_s(directory: Path) -> float:
     return round(largest.stat().st_size / seconds / 1e9, 2)
 
 
-def measure(model: str, directory: Path, results: dict, save) -> None:
+def measure(model: str, directory: Path, results: dict, save, keep: bool) -> None:
     from bench.build import write_release
     from clef_engine.tiny import build_tiny_release
 
@@ -126,13 +128,17 @@ def measure(model: str, directory: Path, results: dict, save) -> None:
     os.sync()
     detail["page_cache_dropped"] = drop_from_page_cache(release)
     detail["disk_read_gb_s"] = disk_read_gb_s(release)
-    with tempfile.TemporaryDirectory(dir=directory) as cache:
-        for run in ("cold", "warm"):
-            detail[run] = fresh_process(release, Path(cache))
-            results["start"][f"{model}_{run}_s"] = detail[run]["first_answer_s"]
-            save()
-            print(model, run, detail[run], flush=True)
-    shutil.rmtree(release, ignore_errors=True)
+    cache = directory / f"cache-{model}"
+    shutil.rmtree(cache, ignore_errors=True)
+    for run in ("cold", "warm"):
+        detail[run] = fresh_process(release, cache)
+        results["start"][f"{model}_{run}_s"] = detail[run]["first_answer_s"]
+        save()
+        print(model, run, detail[run], flush=True)
+    if keep:
+        (release / ".complete").write_text("written by bench/start.py\n")
+    else:
+        shutil.rmtree(release, ignore_errors=True)
 
 
 def main() -> int:
@@ -140,6 +146,7 @@ def main() -> int:
     parser.add_argument("out", type=Path, nargs="?")
     parser.add_argument("--models", default="flash,clef")
     parser.add_argument("--directory", type=Path, default=Path(tempfile.gettempdir()) / "start")
+    parser.add_argument("--keep", action="store_true", help="leave the releases on disk for later benchmarks")
     parser.add_argument("--child", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child is not None:
@@ -162,7 +169,7 @@ def main() -> int:
 
     args.directory.mkdir(parents=True, exist_ok=True)
     for model in args.models.split(","):
-        measure(model, args.directory, results, save)
+        measure(model, args.directory, results, save, args.keep)
     print(json.dumps(results["start"]))
     return 0
 

@@ -20,7 +20,10 @@ per-option Python-loop head): the release's own `joint_schema_model.py` is not i
 - fidelity: bench/fidelity.py's distances from the float32 truth (Clef-Flash shape), after the 27B engine is freed.
 
 Writes OUT.json after every section: the keys issue 12 names at the top level, everything else under "detail".
-BENCH_SKIP=fidelity leaves the fidelity section out; BENCH_ONLY=fidelity runs it alone (on the H200 it takes minutes
+BENCH_SHAPE=clef-flash runs the same sections on the Clef-Flash shape (issue 38: both models guarded; its
+user_path p50s are copied to `flash."<bucket>".{release_ms, ours_ms}`); BENCH_PROFILE=4096 adds that length to the
+profile section (a decide with the cache on next to the forward alone). BENCH_SKIP=fidelity leaves the fidelity
+section out; BENCH_ONLY=fidelity runs it alone (on the H200 it takes minutes
 of its own: a Flash-shaped model, its float32 copy, and 55 records three ways). BENCH_BUCKETS=4096,16384 times only
 those length buckets (the random lengths then differ from a full run's); BENCH_DEADLINE_S (560) skips the sections
 that would not finish in time, so that a run inside a device call's limit still writes what it measured.
@@ -49,6 +52,7 @@ SMOKE = os.environ.get("BENCH_CPU_SMOKE") == "1"
 DEVICE = torch.device("cpu" if SMOKE else "cuda")
 DEADLINE = time.perf_counter() + float(os.environ.get("BENCH_DEADLINE_S", "560"))
 SCALE = 16 if SMOKE else 1  # lengths divided by this on the CPU
+SHAPE = os.environ.get("BENCH_SHAPE", "clef")
 BUCKETS = {"512": (450, 600, 16), "1024": (900, 1150, 16), "4096": (3500, 4500, 10), "16384": (15000, 17000, 5)}
 WORDS = build.WORDS
 
@@ -167,6 +171,9 @@ def user_path(engine, ref) -> None:
             detail["ours_cache_off_p50_ms"] = p(off, 0.5)
             detail["cache_on_over_off_p50"] = round(row["ours_p50_ms"] / detail["ours_cache_off_p50_ms"], 3)
         results["user_path"][name] = row
+        if SHAPE == "clef-flash":
+            results.setdefault("flash", {})[name] = {"release_ms": row["baseline_p50_ms"],
+                                                     "ours_ms": row["ours_p50_ms"]}
         results["detail"][f"user_path_{name}"] = detail
         print(f"  {name}: baseline {row['baseline_p50_ms']} ms, ours p50 {row['ours_p50_ms']} p95 "
               f"{row['ours_p95_ms']} ms, x{detail['ratio_p50']}", flush=True)
@@ -315,14 +322,21 @@ def profile(engine) -> None:
     time (graph replay)."""
     if DEVICE.type != "cuda":
         return
-    engine.runner.state_cache.enabled = False
     out = {}
-    for tokens in (1024, 16_384):
-        record = engine.encode(request(engine, tokens, seed=60_000 + tokens))
+    extra = [int(n) for n in os.environ.get("BENCH_PROFILE", "").split(",") if n]
+    for tokens in sorted({1024, 16_384, *extra}):
+        limit = {"max_length": 20_000} if tokens > 4096 else {}
+        engine.runner.state_cache.enabled = False
+        record = engine.encode(request(engine, tokens, seed=60_000 + tokens), **limit)
         engine.runner.forward([record])
         out[str(tokens)] = {"tokens": len(record),
                             "forward_batch": build.kernel_table(lambda: engine.runner.forward([record]), 2)}
-    engine.runner.state_cache.enabled = True
+        engine.runner.state_cache.enabled = True
+        if tokens in extra:  # what decide adds around the forward: the state cache's store, the head, the answer
+            fresh = iter(request(engine, tokens, seed=61_000 + tokens + i, schema=questions(4, 3, 7))
+                         for i in range(8))
+            engine.decide(next(fresh), **limit)
+            out[str(tokens)]["decide"] = build.kernel_table(lambda: engine.decide(next(fresh), **limit), 2)
     results["detail"]["profile"] = out
 
 
@@ -351,7 +365,7 @@ def main() -> int:
     from clef_engine.tiny import build_tiny_release
 
     tiny = build_tiny_release(Path(os.environ.get("BENCH_TINY_DIR", tempfile.mkdtemp(prefix="clef-bench-tiny-"))))
-    config = build.clef_config("clef", tiny)
+    config = build.clef_config(SHAPE, tiny)
     if SMOKE:
         build.scale_down(config)
     t0 = time.perf_counter()
@@ -374,9 +388,13 @@ def main() -> int:
     detail["kernels"] = engine.runner.info()["kernels"]
     save()
 
-    ref = functools.partial(reference_decide, engine)
+    ref = functools.partial(reference_decide, engine.runner)
     user_path(engine, ref)
-    if only == "user_path":  # a follow-up run of that section alone
+    if only in ("user_path", "user_path,profile"):  # a follow-up run of that section (and the profile) alone
+        if only.endswith("profile"):
+            profile(engine)
+        detail["kernels_after"] = engine.runner.info()["kernels"]
+        detail["state_cache"] = engine.runner.state_cache.stats()
         save()
         print(json.dumps(results["user_path"]), detail["errors"], detail.get("graphs"))
         return 0
