@@ -189,11 +189,19 @@ class PackedRunner(PlainRunner):
     def continue_from(self, state: PrefixState, records: list[EncodedRecord], steps: BatchSteps = UNCHECKED, *,
                       graph: bool = True) -> list[Probabilities]:
         """Text records whose first tokens are the state's (`prefix.lookup(record)`, or Why's variants): the
-        backbone over each one's tokens after the state only, continuing from it (from a CUDA graph once a stored
-        state is reused; `graph` off for a state used once), then the head."""
+        backbone over each one's tokens after the state only, continuing from it, then the head. One record runs
+        from a CUDA graph once a stored state is reused (`graph` off for a state used once); several (a sweep's
+        variants) run as packs of up to `bulk_batch_tokens` new tokens, one backbone forward each: twenty
+        forwards of a few hundred tokens would leave the GPU mostly idle."""
         between = self.between_layers(steps)
-        return [self.head_one(*self.prefix.forward_after(record, state, graph=graph, between_layers=between),
-                              record, steps) for record in records]
+        if len(records) == 1:
+            return [self.head_one(*self.prefix.forward_after(records[0], state, graph=graph, between_layers=between),
+                                  records[0], steps)]
+        answers: list[Probabilities] = []
+        for pack in packs_after(records, state.length, self.config.bulk_batch_tokens):
+            inputs = self.prefix.forward_after_pack(pack, state, between_layers=between)
+            answers += [self.head_one(normed, memory, record, steps) for record, (normed, memory) in zip(pack, inputs)]
+        return answers
 
     def forward_shared(self, item: SharedPrefixes, steps: BatchSteps = UNCHECKED) -> list[Probabilities]:
         """Per member of `item`, the record first, its probabilities: the record runs once, in chunks ending where a
@@ -363,6 +371,20 @@ class SharedPrefixes:
 
     def __len__(self) -> int:
         return sum(len(r) for r in self.records)
+
+
+def packs_after(records: list[EncodedRecord], state_length: int, tokens: int) -> list[list[EncodedRecord]]:
+    """The records continuing after one state, in packs of at most `tokens` new tokens (one record at least)."""
+    packs: list[list[EncodedRecord]] = []
+    size = 0
+    for record in records:
+        new = len(record) - state_length
+        if not packs or size + new > tokens:
+            packs.append([])
+            size = 0
+        packs[-1].append(record)
+        size += new
+    return packs
 
 
 class StateVariants:

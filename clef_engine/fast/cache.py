@@ -23,6 +23,7 @@ import hashlib
 import queue
 import threading
 from collections import OrderedDict
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -282,6 +283,31 @@ class PrefixCache:
             hidden, _ = self.backbone.forward(ids, segments, prefix=state.layers, prefix_length=start,
                                               between_layers=between_layers)
         normed_new, memory_new = self.head.token_memory(hidden[:new].to(self.dtype))
-        normed = normed_new.new_zeros(len(record), normed_new.shape[-1])
-        normed[start:] = normed_new
-        return normed, torch.cat([state.memory.to(memory_new.dtype), memory_new])
+        return _whole_record(len(record), state, normed_new, memory_new)
+
+    def forward_after_pack(self, records, state: PrefixState,
+                           between_layers=None) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """`forward_after` of several records over the same state (a sweep's variants) as one pack: one backbone
+        forward (no graph, no padding), then each record's head inputs in turn (one whole-record copy at a time)."""
+        from .segments import make_segments
+
+        start = state.length
+        device = self.backbone.device
+        lengths = [len(record) - start for record in records]
+        ids = [token for record in records for token in record.input_ids[start:]]
+        ids = torch.tensor(ids, dtype=torch.long).to(device, non_blocking=True)
+        segments = make_segments(lengths, device, first_position=start)
+        hidden, _ = self.backbone.forward(ids, segments, prefix=state.layers, prefix_length=start,
+                                          between_layers=between_layers)
+        normed_new, memory_new = self.head.token_memory(hidden.to(self.dtype))
+        for record, row, n in zip(records, segments.starts, lengths):
+            yield _whole_record(len(record), state, normed_new[row: row + n], memory_new[row: row + n])
+
+
+def _whole_record(length: int, state: PrefixState, normed_new: torch.Tensor,
+                  memory_new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The head's inputs of a whole record from those of its tokens after `state`: `normed` zero over the state's
+    rows (the head reads them only through the memory), the memory the state's then the new tokens'."""
+    normed = normed_new.new_zeros(length, normed_new.shape[-1])
+    normed[state.length:] = normed_new
+    return normed, torch.cat([state.memory.to(memory_new.dtype), memory_new])

@@ -202,11 +202,11 @@ class PackedBackbone:
 
         `between_layers(index)`, if given, is called after each layer is launched (the engine lets waiting
         interactive requests run there, in the middle of a long bulk batch).
-        `prefix` (one record only): continue after `prefix_length` cached tokens. `split_at` (one record only, no
-        prefix): also return each layer's state after the first `split_at` tokens, for the state cache; the hidden
-        states are those of the plain forward."""
-        if (prefix is not None or split_at is not None) and segments.count != 1:
-            raise ValueError("prefix continuation and state collection work on one record at a time")
+        `prefix`: every record of the pack continues after the same `prefix_length` cached tokens (a sweep's
+        variants of one state). `split_at` (one record only, no prefix): also return each layer's state after the
+        first `split_at` tokens, for the state cache; the hidden states are those of the plain forward."""
+        if split_at is not None and segments.count != 1:
+            raise ValueError("state collection works on one record at a time")
         if split_at is not None and (prefix is not None or not 0 < split_at <= input_ids.shape[0]):
             raise ValueError(f"split_at={split_at} must lie within the record and cannot follow a prefix")
         collect = split_at is not None
@@ -301,6 +301,12 @@ class PackedBackbone:
         b = projected[:, conv_dim + value_dim: conv_dim + value_dim + v_heads]
         a = projected[:, conv_dim + value_dim + v_heads:]
         key_dim = layer.key_dim
+        if before is not None and segments.count > 1:  # records continuing after one state: each from it alone
+            core = torch.cat([self._delta_after(layer, mixed[start: start + length], a[start: start + length],
+                                                b[start: start + length], before, part)
+                              for part, start, length in zip(segments.parts, segments.starts, segments.lengths)])
+            core = kern.gated_rms_norm(core, z, layer.gated_norm, layer.gated_norm_eps)
+            return self._project_residual(core.view(n, value_dim), layer.out_proj), None
         if before is not None:
             q, k, v = kern.causal_conv_after(mixed, layer.conv_weight, before.conv_tail, segments, key_dim)
         else:
@@ -333,6 +339,17 @@ class PackedBackbone:
             state = LayerState(conv_tail=tail.contiguous(), recurrent=final)
         return out, state
 
+    def _delta_after(self, layer: FastLayer, mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                     before: LayerState, part: Segments) -> torch.Tensor:
+        """The conv and the gated-delta recurrence of one record continuing after `before`."""
+        n = mixed.shape[0]
+        q, k, v = self.kernels.causal_conv_after(mixed, layer.conv_weight, before.conv_tail, part, layer.key_dim)
+        core, _ = self.kernels.gated_delta(q.view(n, layer.k_heads, layer.k_head_dim),
+                                           k.view(n, layer.k_heads, layer.k_head_dim),
+                                           v.view(n, layer.v_heads, layer.v_head_dim), a, b, layer.A_log,
+                                           layer.dt_bias, part, initial_state=before.recurrent)
+        return core
+
     def attention(self, layer: FastLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                   segments: Segments, before: LayerState | None, prefix_length: int,
                   split_at: int | None) -> tuple[torch.Tensor, LayerState | None]:
@@ -345,16 +362,18 @@ class PackedBackbone:
         k = kern.norm_rope(projected, heads * dim * 2, dim, kv_heads, dim, layer.k_norm, cos, sin, self.eps)
         v = projected[:, heads * dim * 2 + kv_heads * dim:].view(n, kv_heads, dim)
         gate = projected[:, : heads * dim * 2].view(n, heads, 2 * dim)[..., dim:]
-        if before is not None:
-            keys, values = torch.cat([before.keys, k]), torch.cat([before.values, v])
-            out = kern.attention_after_prefix(q, keys, values, prefix_length)
+        if before is not None:  # each record of the pack after the cached keys
+            out = torch.cat([kern.attention_after_prefix(q[start: start + length],
+                                                         torch.cat([before.keys, k[start: start + length]]),
+                                                         torch.cat([before.values, v[start: start + length]]),
+                                                         prefix_length)
+                             for start, length in zip(segments.starts, segments.lengths)])
         else:
-            keys, values = k, v
             out = kern.attention(q, k, v, segments)
         out = kern.sigmoid_gate(out.reshape(n, heads, dim), gate)
         state = None
-        if split_at is not None:  # copies: the views would keep the whole record's projection alive
-            state = LayerState(keys=keys[:split_at].clone(), values=values[:split_at].clone())
+        if split_at is not None:  # (never after a prefix) copies: views would keep the whole projection alive
+            state = LayerState(keys=k[:split_at].clone(), values=v[:split_at].clone())
         return self._project_residual(out, layer.o_proj), state
 
     def attention_chunk(self, layer: FastLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

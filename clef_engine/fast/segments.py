@@ -4,6 +4,7 @@ packed backbone (kernels.py, attention.py)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -29,6 +30,17 @@ class Segments:
     @property
     def count(self) -> int:
         return len(self.lengths)
+
+    @cached_property
+    def parts(self) -> list[Segments]:
+        """Each record of the pack as a pack of its own (its rows: `starts[i]` on), for the kernels that take one
+        record at a time; made once per pack."""
+        if self.count == 1:
+            return [self]
+        device = self.positions.device
+        return [Segments([n], [0], self.positions[start: start + n], None,
+                         torch.tensor([0, n], dtype=torch.int32).to(device, non_blocking=True), None, n)
+                for start, n in zip(self.starts, self.lengths)]
 
 
 def make_segments(lengths: list[int], device: torch.device, *, first_position: int = 0) -> Segments:

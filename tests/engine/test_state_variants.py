@@ -1,0 +1,65 @@
+"""A sweep's variants of one state (Engine.decide_variants) continue from it as packs: one backbone forward per pack
+of up to `bulk_batch_tokens` new tokens, each variant answering as it does alone."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+QUESTIONS = [
+    {"team": {"type": "choice", "instructions": "Which team should handle the ticket?",
+              "criteria": {"billing": "Invoices and payments.", "tech": "Bugs and outages.", "sales": "Purchases."}}},
+    {"team": {"type": "choice", "instructions": "Route the ticket.",
+              "criteria": {"tech": "Bugs and outages.", "billing": "Invoices and payments."}}},
+    {"urgent": {"type": "noul", "instructions": "Is the ticket urgent?"}},
+    {"urgent": {"type": "noul", "instructions": "Must someone answer within the hour?"},
+     "mood": {"type": "score", "instructions": "How upset is the customer?",
+              "criteria": ["calm", "annoyed", "furious"]}},
+    {"team": {"type": "choice", "instructions": "Which team?",
+              "criteria": {"sales": "New purchases.", "billing": "Invoices.", "tech": "Outages.", "unknown": "None."}}},
+]
+STATE = {"subject": "charged twice", "body": "I was charged twice for my subscription and the app crashes. " * 6}
+
+
+@pytest.fixture
+def forwards_after_a_state(tiny_engine, monkeypatch):
+    """The new-token counts of every backbone forward that continues after a cached state."""
+    seen: list[int] = []
+    backbone = tiny_engine.runner.backbone
+    forward = backbone.forward
+
+    def counting(input_ids, segments, **kwargs):
+        if kwargs.get("prefix") is not None:
+            seen.append(int(input_ids.shape[0]))
+        return forward(input_ids, segments, **kwargs)
+
+    monkeypatch.setattr(backbone, "forward", counting)
+    return seen
+
+
+def requests() -> list[dict]:
+    return [{"state": STATE, "questions": questions} for questions in QUESTIONS]
+
+
+@pytest.mark.parametrize("pack_tokens", [None, 250])
+def test_the_variants_of_a_state_run_as_packs_and_answer_as_each_alone(tiny_engine, forwards_after_a_state,
+                                                                       monkeypatch, pack_tokens):
+    runner = tiny_engine.runner
+    if pack_tokens is not None:  # small packs: the variants split over several forwards
+        monkeypatch.setattr(runner, "config", dataclasses.replace(runner.config, bulk_batch_tokens=pack_tokens))
+    runner.state_cache.clear()
+    shared = tiny_engine.decide_variants(requests(), probabilities=True)
+    records = [tiny_engine.encode(r) for r in requests()]
+    state_length = records[0].state_end
+    new_tokens = [len(r) - state_length for r in records[1:]]  # the first record computes the state
+    if pack_tokens is None:
+        assert forwards_after_a_state == [sum(new_tokens)]  # one forward for every variant, not one each
+    else:
+        assert len(forwards_after_a_state) > 1 and sum(forwards_after_a_state) == sum(new_tokens)
+        assert all(n <= pack_tokens or n == max(new_tokens) for n in forwards_after_a_state)
+    alone = [tiny_engine.probabilities([r])[0] for r in requests()]
+    for ours, theirs in zip(shared, alone, strict=True):
+        for p, q in zip(ours, theirs, strict=True):
+            np.testing.assert_allclose(p, q, atol=1e-5, rtol=0)
