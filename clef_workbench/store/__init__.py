@@ -39,7 +39,6 @@ from clef_workbench.store.drafts import DraftsMixin
 from clef_workbench.store.migrations import MIGRATIONS, SCHEMA_VERSION
 from clef_workbench.store.review import REVIEW_ACTIONS, REVIEW_STATUSES, ReviewMixin
 from clef_workbench.store.rows import (
-    Answer,
     Answered,
     Calibration,
     Case,
@@ -68,7 +67,7 @@ __all__ = [
     "BUSY_TIMEOUT_MS", "CHANGE_KINDS", "MIGRATIONS", "REVIEW_ACTIONS", "REVIEW_STATUSES", "RUN_STATUSES",
     "SCHEMA_VERSION", "SCHEMA_VERSION_ACTIONS", "DuplicateNameError", "NotFoundError", "ReviewConflictError",
     "Store", "StoreError", "_dumps", "_loads", "case_hash", "media_content_type", "new_lease_owner", "now_iso",
-    "schema_hashes", "Answer", "Answered", "Calibration", "Case", "CaseSet", "Change", "NewCase", "NewResult",
+    "schema_hashes", "Answered", "Calibration", "Case", "CaseSet", "Change", "NewCase", "NewResult",
     "NewReviewItem", "RayPlacement", "Response", "Result", "ReviewAction", "ReviewItem", "Run", "RunSettings",
     "SchemaVersion", "Sweep", "SweepAnswer", "SweepVariant",
 ]
