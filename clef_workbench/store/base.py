@@ -187,6 +187,14 @@ class StoreBase:
             raise
         conn.execute("COMMIT")
 
+    @staticmethod
+    def _decoded(row: sqlite3.Row, *columns: str) -> dict[str, Any]:
+        """The row as a dict, each `<column>_json` decoded under `column`."""
+        item = dict(row)
+        for column in columns:
+            item[column] = _loads(item.pop(f"{column}_json"))
+        return item
+
     def schema_version(self) -> int:
         """The migration number this file is at."""
         return self._conn().execute("PRAGMA user_version").fetchone()[0]
@@ -218,9 +226,4 @@ class StoreBase:
             query += " WHERE kind = ?"
             params.append(kind)
         rows = self._conn().execute(query + " ORDER BY id DESC", params).fetchall()
-        out = []
-        for row in rows:
-            entry = dict(row)
-            entry["data"] = _loads(entry.pop("data_json"))
-            out.append(cast(Change, entry))
-        return out
+        return [cast(Change, self._decoded(row, "data")) for row in rows]

@@ -6,16 +6,13 @@ from __future__ import annotations
 import sqlite3
 from typing import Any, cast
 
-from clef_workbench.store.base import DuplicateNameError, NotFoundError, StoreBase, _dumps, _loads, inserted_id, now_iso
+from clef_workbench.store.base import DuplicateNameError, NotFoundError, StoreBase, _dumps, inserted_id, now_iso
 from clef_workbench.store.rows import Calibration, Run
 
 
 class CalibrationsMixin(StoreBase):
-    @staticmethod
-    def _calibration_row(row: sqlite3.Row) -> Calibration:
-        calibration = dict(row)
-        calibration["payload"] = _loads(calibration.pop("payload_json"))
-        return cast(Calibration, calibration)
+    def _calibration_row(self, row: sqlite3.Row) -> Calibration:
+        return cast(Calibration, self._decoded(row, "payload"))
 
     def save_calibration(self, name: str, run: Run, payload: dict[str, Any]) -> int:
         """Keep a calibration fitted on `run` (a `get_run` row) under a unique `name`."""

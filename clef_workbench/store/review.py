@@ -56,12 +56,8 @@ class ReviewMixin(StoreBase):
             )
             return conn.total_changes - before
 
-    @staticmethod
-    def _item_row(row: sqlite3.Row) -> ReviewItem:
-        item = dict(row)
-        item["distribution"] = _loads(item.pop("distribution_json"))
-        item["label"] = _loads(item.pop("label_json"))
-        return cast(ReviewItem, item)
+    def _item_row(self, row: sqlite3.Row) -> ReviewItem:
+        return cast(ReviewItem, self._decoded(row, "distribution", "label"))
 
     def list_review_items(self, run_id: int, *, statuses: tuple[str, ...] | None = None) -> list[ReviewItem]:
         """Queue of a run, worst first: open items before skipped ones before done ones, each by smallest margin."""
@@ -196,13 +192,7 @@ class ReviewMixin(StoreBase):
             query += " AND a.item_id = ?"
             params.append(item_id)
         rows = self._conn().execute(query + " ORDER BY a.id", params).fetchall()
-        out = []
-        for row in rows:
-            entry = dict(row)
-            entry["before"] = _loads(entry.pop("before_json"))
-            entry["after"] = _loads(entry.pop("after_json"))
-            out.append(cast(ReviewAction, entry))
-        return out
+        return [cast(ReviewAction, self._decoded(row, "before", "after")) for row in rows]
 
 
 def _label_key(label: Label) -> str:

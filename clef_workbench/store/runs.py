@@ -78,10 +78,8 @@ class RunsMixin(StoreBase):
             )
             return inserted_id(cur)
 
-    @staticmethod
-    def _run_row(row: sqlite3.Row) -> Run:
-        run = dict(row)
-        run["schema"] = _loads(run.pop("schema_json"))
+    def _run_row(self, row: sqlite3.Row) -> Run:
+        run = self._decoded(row, "schema")
         run["settings"] = RunSettings.from_json(_loads(run.pop("settings_json")))
         return cast(Run, run)
 
@@ -265,10 +263,5 @@ class RunsMixin(StoreBase):
                JOIN cases c ON c.id = x.case_id WHERE x.run_id = ? ORDER BY c.position""",
             (run_id,),
         ).fetchall()
-        out = []
-        for row in rows:
-            item = dict(row)
-            for name in ("response", "token_counts", "state", "expected", "tags"):
-                item[name] = _loads(item.pop(f"{name}_json"))
-            out.append(cast(Result, item))
-        return out
+        columns = ("response", "token_counts", "state", "expected", "tags")
+        return [cast(Result, self._decoded(row, *columns)) for row in rows]

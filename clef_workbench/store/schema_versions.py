@@ -14,7 +14,7 @@ import hashlib
 import sqlite3
 from typing import Any, cast
 
-from clef_workbench.store.base import NotFoundError, StoreBase, _dumps, _loads, inserted_id, now_iso
+from clef_workbench.store.base import NotFoundError, StoreBase, _dumps, inserted_id, now_iso
 from clef_workbench.store.rows import RecordedSchemaVersion, SchemaVersion
 
 # Why a version was written: the library's operations, "adopt" for a sweep's result made the schema's new version
@@ -40,11 +40,8 @@ class SchemaVersionsMixin(StoreBase):
                                        AND r.deleted_at IS NULL) AS run_count
                          FROM schema_versions v"""
 
-    @staticmethod
-    def _version_row(row: sqlite3.Row) -> SchemaVersion:
-        version = dict(row)
-        version["schema"] = _loads(version.pop("schema_json"))
-        return cast(SchemaVersion, version)
+    def _version_row(self, row: sqlite3.Row) -> SchemaVersion:
+        return cast(SchemaVersion, self._decoded(row, "schema"))
 
     def record_schema_version(self, slug: str, schema: dict, *, action: str, who: str = "",
                               note: str = "") -> RecordedSchemaVersion:
@@ -104,11 +101,6 @@ class SchemaVersionsMixin(StoreBase):
         """Every slug with a history, sorted (deleted schemas included: their history stays)."""
         rows = self._conn().execute("SELECT DISTINCT slug FROM schema_versions ORDER BY slug").fetchall()
         return [r[0] for r in rows]
-
-    def find_schema_version(self, schema: dict, *, slug: str | None = None) -> SchemaVersion | None:
-        """The version a run of `schema` would be linked to, or None (content never saved in the library)."""
-        row = find_version_row(self._conn(), schema, slug)
-        return None if row is None else self.get_schema_version(row["id"])
 
 
 def find_version_row(conn: sqlite3.Connection, schema: dict, slug: str | None) -> sqlite3.Row | None:
