@@ -9,16 +9,16 @@ queue is ordered worst first: smallest margin (Store.list_review_items).
 
 from __future__ import annotations
 
-import re
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import pandas as pd
 
 from clef_workbench import calibration
-from clef_workbench.schemas import UNKNOWN_DESCRIPTION_PATTERN, UNKNOWN_OPTION_ID_PATTERN
+from clef_workbench.schemas import way_out_options
 from clef_workbench.stats import answer_frame, top_two
 from clef_workbench.store import NewCase, NewReviewItem, ReviewItem, Run, Store
+from clef_workbench.store.review import label_key
 
 
 @dataclass
@@ -54,17 +54,9 @@ def save_rules(store: Store, schema_name: str, rules: ReviewRules) -> None:
 
 
 def unknown_options(question: dict) -> set[str]:
-    """Ids of a choice question's unknown-type options (empty for noul and score questions). Uses the schema
-    lint's patterns, so the options the lint accepts as a way out are exactly the ones this rule watches: the id
-    (with _ . - read as spaces) names unknown / none / other / unclear / cannot tell …, or the description says
-    "none of these", "cannot tell", "not enough information" …"""
-    if question.get("type") != "choice":
-        return set()
-    return {
-        str(option_id) for option_id, description in (question.get("criteria") or {}).items()
-        if UNKNOWN_OPTION_ID_PATTERN.search(re.sub(r"[_.\-]+", " ", str(option_id)))
-        or (isinstance(description, str) and UNKNOWN_DESCRIPTION_PATTERN.search(description))
-    }
+    """Ids of a choice question's unknown-type options (empty for noul and score questions): the options the schema
+    lint accepts as a way out are exactly the ones this rule watches."""
+    return set(way_out_options(question.get("criteria") or {})) if question.get("type") == "choice" else set()
 
 
 def _reasons(row: Any, rules: ReviewRules, unknown_ids: set[str], other_answer: str | None) -> list[str]:
@@ -158,11 +150,6 @@ def apply_rules(store: Store, run_id: int, rules: ReviewRules) -> int:
     """Queue the items the rules select, freezing each one's reason, distribution, model and schema version now.
     Items already queued are kept as they are. Returns how many were added."""
     return store.queue_review_items(candidates(store, run_id, rules))
-
-
-def label_key(value: Any) -> str:
-    """An answer as a distribution key: 'true'/'false' for noul, '2' for a score level, the id for a choice."""
-    return str(value).lower() if isinstance(value, bool) else str(value)
 
 
 def gold_conflict(item: ReviewItem, expected: Any, action: str, label: Any = None) -> str | None:

@@ -122,7 +122,7 @@ class ReviewMixin(StoreBase):
                 if label is None:
                     raise ValueError("correct needs the right answer (an option id, a level or true/false)")
                 new_label = _coerce_label(row["question_type"], label)
-                if _label_key(new_label) not in allowed:
+                if label_key(new_label) not in allowed:
                     raise ValueError(f"{label!r} is not an option of question {row['question_id']!r}: {allowed}")
             else:
                 new_label = None
@@ -195,7 +195,7 @@ class ReviewMixin(StoreBase):
         return [cast(ReviewAction, self._decoded(row, "before", "after")) for row in rows]
 
 
-def _label_key(label: Label) -> str:
+def label_key(label: Label) -> str:
     """The distribution key of a label: 'true'/'false' for noul, '2' for a score level, the id for a choice."""
     return str(label).lower() if isinstance(label, bool) else str(label)
 
