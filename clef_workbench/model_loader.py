@@ -151,21 +151,14 @@ def is_demo_name(name: str | None) -> bool:
     return base == demo or (base.startswith(demo + "-") and base.removeprefix(demo + "-").isdigit())
 
 
-def reports_random_weights(engine: Any) -> bool:
-    """Whether an engine says its weights are random (a local release's config.json, an endpoint's /v1/models)."""
+def reported_info(engine: Any) -> dict[str, Any]:
+    """What an engine says of itself (whether its weights are random: a local release's config.json, an endpoint's
+    /v1/models; its precision), or {} when it cannot say: it is taken at its word of nothing."""
     try:
-        return bool(engine.info().get("random_weights"))
-    except Exception:  # noqa: BLE001 — an engine that cannot say is taken at its word of nothing
-        log.warning("could not ask %r whether its weights are random", engine, exc_info=True)
-        return False
-
-
-def reported_precision(engine: Any) -> str | None:
-    """The precision an engine says answers ("bf16", "fp8"), or None when it does not say (an endpoint)."""
-    try:
-        return engine.info().get("precision")
-    except Exception:  # noqa: BLE001 — an engine that cannot say is shown without one
-        return None
+        return engine.info() or {}
+    except Exception:  # noqa: BLE001 — a model that answers is still resident
+        log.warning("could not ask %r what it is", engine, exc_info=True)
+        return {}
 
 
 @dataclass(frozen=True)
@@ -377,9 +370,9 @@ class ModelManager:
 
     def _resident(self, source: str, engine: Any) -> LoadedModel:
         """Called with the lock held."""
-        demo = source == DEMO_SOURCE
+        demo, info = source == DEMO_SOURCE, reported_info(engine)
         return LoadedModel(self._unique_name(source), source, label_of(source), engine, demo,
-                           demo or reports_random_weights(engine), reported_precision(engine))
+                           demo or bool(info.get("random_weights")), info.get("precision"))
 
     def _end_with(self, error: str | None, started: float) -> None:
         """Called with the lock held when a load or an add ends: its failure is shown; its success clears only a
