@@ -632,9 +632,7 @@ def import_command(args: argparse.Namespace) -> int:
     if not args.case_set.strip():
         raise UsageError("--case-set must not be empty")
     store = Store(args.db)
-    existing = [s["id"] for s in store.list_case_sets() if s["name"] == args.case_set]
-    case_set_id = existing[0] if existing else store.create_case_set(
-        args.case_set, schema_name=args.schema.stem if args.schema else None)
+    case_set_id = store.get_or_create_case_set(args.case_set, schema_name=args.schema.stem if args.schema else None)
     added = import_cases(store, case_set_id, cases)
     print(f"imported {len(added)} case(s) into {args.case_set!r} (case set {case_set_id})"
           + (f"; {len(cases) - len(added)} already in it were skipped" if len(added) < len(cases) else ""))

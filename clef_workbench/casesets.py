@@ -37,9 +37,6 @@ class CaseImportError(ValueError):
 
 # -- requests ---------------------------------------------------------------------------------------------------
 
-data_url = protocol.data_url
-
-
 def build_request(case: Case, schema: dict, *, model: str = protocol.DEFAULT_MODEL_NAME) -> dict:
     """System One request for a stored case (Store.get_case with media) and a schema. Media stay the bytes the
     store holds: the local engine takes bytes, and a remote one sends them as data URLs (remote.media_for_wire)."""
@@ -161,11 +158,13 @@ def json_value(text: str) -> Any:
     return value
 
 
-def _load_media(ref: str, kind: str, base_dir: Path | None) -> bytes:
-    """An image or video named in a file: a base64 data URL, or a path inside `base_dir`, the folder of a file read
-    from disk. An uploaded file (no `base_dir`) names no paths: it must never make the server read its own files."""
-    ref = ref.strip()
-    if ref.startswith("data:"):
+def _load_media(ref: Any, kind: str, base_dir: Path | None) -> bytes:
+    """An image or video named in a file: {"content_type", "base64"}, a base64 data URL, or a path inside
+    `base_dir`, the folder of a file read from disk. An uploaded file (no `base_dir`) names no paths: it must never
+    make the server read its own files."""
+    if isinstance(ref, dict):
+        data = base64.b64decode(ref["base64"], validate=True)
+    elif (ref := str(ref).strip()).startswith("data:"):
         header, _, payload = ref.partition(",")
         if ";base64" not in header:
             raise ValueError("data URL must be base64-encoded")
@@ -314,12 +313,7 @@ def parse_jsonl(jsonl_text: str, schema: dict | None = None, *, base_dir: Path |
                 continue
             for index, ref in enumerate(refs):
                 try:
-                    if isinstance(ref, dict):
-                        data = base64.b64decode(ref["base64"], validate=True)
-                        media_content_type(data, kind)
-                    else:
-                        data = _load_media(str(ref), kind, base_dir)
-                    media[kind + "s"].append(data)
+                    media[kind + "s"].append(_load_media(ref, kind, base_dir))
                 except (ValueError, KeyError, TypeError, OSError) as exc:
                     problems.append(f"{where}, {kind}s[{index}]: {exc}")
         tags = record.get("tags") or []
@@ -372,10 +366,9 @@ def export_jsonl(store: Store, case_set_id: int) -> str:
         record: dict[str, Any] = {"state": case["state"], "expected": case["expected"], "tags": case["tags"]}
         if case["source_id"] is not None:
             record = {"id": case["source_id"], **record}
-        if case["images"]:
-            record["images"] = [data_url(m["content_type"], m["data"]) for m in case["images"]]
-        if case["videos"]:
-            record["videos"] = [data_url(m["content_type"], m["data"]) for m in case["videos"]]
+        for kind, media in (("images", case["images"]), ("videos", case["videos"])):
+            if media:
+                record[kind] = [protocol.data_url(m["content_type"], m["data"]) for m in media]
         lines.append(json.dumps(record, ensure_ascii=False))
     return "\n".join(lines) + ("\n" if lines else "")
 

@@ -261,8 +261,7 @@ def export_golden_set(store: Store, run_id: int, name: str, *, keep_other_expect
     case_set_id = store.create_case_set(
         name, schema_name=run["settings"].schema_slug or run["schema_name"],
         description=f"Golden set reviewed from run {run_id} ({run['case_set_name']}, schema {run['schema_name']} "
-                    f"v{run['schema_version']}, model {run['model_id']})",
-    )
+                    f"v{run['schema_version']}, model {run['model_id']})")
     try:
         store.add_cases(case_set_id, cases)
     except Exception:

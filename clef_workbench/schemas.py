@@ -268,9 +268,7 @@ class Schema:
     def to_dict(self) -> dict[str, Any]:
         """The file's content, keys in the fixed order name, version, description, questions, examples."""
         data: dict[str, Any] = {
-            "name": self.name,
-            "version": self.version,
-            "description": self.description,
+            "name": self.name, "version": self.version, "description": self.description,
             "questions": {qid: _keys_first(q, "type", "instructions", "criteria") for qid, q in self.questions.items()},
         }
         if self.examples:
@@ -287,13 +285,8 @@ class Schema:
         problems = validate_schema_dict(data)
         if problems:
             raise SchemaError(problems, source=source)
-        return cls(
-            name=data["name"].strip(),
-            version=data.get("version", 1),
-            description=data.get("description", ""),
-            questions=plain_json(data["questions"]),
-            examples=plain_json(data.get("examples", [])),
-        )
+        return cls(name=data["name"].strip(), version=data.get("version", 1), description=data.get("description", ""),
+                   questions=plain_json(data["questions"]), examples=plain_json(data.get("examples", [])))
 
     @classmethod
     def from_json(cls, text: str, *, source: str = "schema") -> Schema:

@@ -84,27 +84,15 @@ def answer_frame(results: Sequence[Answered], schema: dict) -> pd.DataFrame:
             expected_key = _label_key(expected.get(question_id))
             if qtype == "noul" and expected_key is not None:
                 expected_key = {"yes": "true", "no": "false", "1": "true", "0": "false"}.get(
-                    expected_key.lower(), expected_key.lower()
-                )
-            rows.append(
-                {
-                    "case_id": result["case_id"],
-                    "position": result.get("position"),
-                    "question_id": question_id,
-                    "question_type": qtype,
-                    "predicted": predicted,
-                    "confidence": confidence,
-                    "margin": margin,
-                    "distribution": distribution,
-                    "expected": expected_key,
-                    "correct": np.nan if expected_key is None else float(predicted == expected_key),
-                    "score": float(answer["score"]) if qtype == "score" else np.nan,
-                    "expected_level": float(expected_key) if qtype == "score" and expected_key is not None
-                    else np.nan,
-                    "latency_ms": result.get("latency_ms"),
-                    "input_tokens": result.get("input_tokens"),
-                }
-            )
+                    expected_key.lower(), expected_key.lower())
+            rows.append({
+                "case_id": result["case_id"], "position": result.get("position"), "question_id": question_id,
+                "question_type": qtype, "predicted": predicted, "confidence": confidence, "margin": margin,
+                "distribution": distribution, "expected": expected_key,
+                "correct": np.nan if expected_key is None else float(predicted == expected_key),
+                "score": float(answer["score"]) if qtype == "score" else np.nan,
+                "expected_level": float(expected_key) if qtype == "score" and expected_key is not None else np.nan,
+                "latency_ms": result.get("latency_ms"), "input_tokens": result.get("input_tokens")})
     columns = ["case_id", "position", "question_id", "question_type", "predicted", "confidence", "margin",
                "distribution", "expected", "correct", "score", "expected_level", "latency_ms", "input_tokens"]
     frame = pd.DataFrame(rows, columns=columns)

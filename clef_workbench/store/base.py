@@ -174,10 +174,8 @@ class StoreBase:
         try:
             version = conn.execute("PRAGMA user_version").fetchone()[0]
             if version > SCHEMA_VERSION:
-                raise StoreError(
-                    f"{self.path} has database schema version {version}, newer than this workbench knows "
-                    f"({SCHEMA_VERSION}); upgrade the workbench or point CLEF_DB at another file"
-                )
+                raise StoreError(f"{self.path} has database schema version {version}, newer than this workbench knows "
+                                 f"({SCHEMA_VERSION}); upgrade the workbench or point CLEF_DB at another file")
             for number in range(version + 1, SCHEMA_VERSION + 1):
                 for statement in MIGRATIONS[number - 1]:
                     conn.execute(statement)
@@ -206,8 +204,7 @@ class StoreBase:
                     who: str = "", data: Any = None) -> int:
         cur = conn.execute(
             "INSERT INTO change_log (at, who, action, kind, object_id, label, data_json) VALUES (?, ?, ?, ?, ?, ?, ?)",
-            (now_iso(), who or "", action, kind, str(object_id), label, None if data is None else _dumps(data)),
-        )
+            (now_iso(), who or "", action, kind, str(object_id), label, None if data is None else _dumps(data)))
         return inserted_id(cur)
 
     def log_change(self, action: str, kind: str, object_id: Any, label: str, *, who: str = "",

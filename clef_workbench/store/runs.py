@@ -40,15 +40,8 @@ def _owner_process_gone(owner: str) -> bool:
 
 
 class RunsMixin(StoreBase):
-    def create_run(
-        self,
-        case_set_id: int,
-        *,
-        schema: dict,
-        model_id: str,
-        model_revision: str | None = None,
-        settings: RunSettings = RunSettings(),
-    ) -> int:
+    def create_run(self, case_set_id: int, *, schema: dict, model_id: str, model_revision: str | None = None,
+                   settings: RunSettings = RunSettings()) -> int:
         """Record a run of a case set against a schema (a dict with name, version, questions); status pending.
         The run is linked to the schema history's version of exactly this content (settings.schema_slug's
         first) and carries its number; content never saved in the library is linked to none (`schema_slug` None)
@@ -64,18 +57,9 @@ class RunsMixin(StoreBase):
                 """INSERT INTO runs (case_set_id, schema_json, schema_name, schema_version, schema_version_id,
                                      model_id, model_revision, settings_json, created_at)
                    VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)""",
-                (
-                    case_set_id,
-                    _dumps(schema),
-                    str(schema.get("name") or "unnamed"),
-                    str(schema.get("version") or "1"),
-                    None if version is None else version["id"],
-                    model_id,
-                    model_revision,
-                    _dumps(settings.to_json()),
-                    now_iso(),
-                ),
-            )
+                (case_set_id, _dumps(schema), str(schema.get("name") or "unnamed"), str(schema.get("version") or "1"),
+                 None if version is None else version["id"], model_id, model_revision, _dumps(settings.to_json()),
+                 now_iso()))
             return inserted_id(cur)
 
     def _run_row(self, row: sqlite3.Row) -> Run:
@@ -227,20 +211,10 @@ class RunsMixin(StoreBase):
         """Write results of one chunk atomically. A (run, case) already recorded is kept, not duplicated; returns how
         many rows were new."""
         stamp = now_iso()
-        rows = [
-            (
-                run_id,
-                r["case_id"],
-                None if r.get("response") is None else _dumps(r["response"]),
-                r.get("error"),
-                r.get("latency_ms"),
-                r.get("input_tokens"),
-                None if r.get("token_counts") is None else _dumps(r["token_counts"]),
-                r.get("started_at") or stamp,
-                r.get("finished_at") or stamp,
-            )
-            for r in results
-        ]
+        rows = [(run_id, r["case_id"], None if r.get("response") is None else _dumps(r["response"]), r.get("error"),
+                 r.get("latency_ms"), r.get("input_tokens"),
+                 None if r.get("token_counts") is None else _dumps(r["token_counts"]),
+                 r.get("started_at") or stamp, r.get("finished_at") or stamp) for r in results]
         with self._write() as conn:
             before = conn.total_changes
             conn.executemany(

@@ -68,8 +68,7 @@ class SchemaVersionsMixin(StoreBase):
             cur = conn.execute(
                 """INSERT INTO schema_versions (slug, number, content_hash, run_hash, schema_json, action, who, note,
                                                 created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)""",
-                (slug, number, content_hash, run_hash, _dumps(numbered), action, who or "", note, now_iso()),
-            )
+                (slug, number, content_hash, run_hash, _dumps(numbered), action, who or "", note, now_iso()))
             version_id = inserted_id(cur)
         return RecordedSchemaVersion(**self.get_schema_version(version_id), new=True)
 
