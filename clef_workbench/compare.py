@@ -5,15 +5,6 @@ Clef agree with the hosted service?". Everything here is a plain function of run
 (`Store.get_run` + `Store.list_results`, bundled as `RunData`); `load_runs` fetches them. Definitions of the
 predicted answer, confidence, accuracy, ECE and Brier are `stats.py`'s, so the numbers match the run page.
 
-- `agreement`: per question and pair of runs, how often they give the same answer, with the flipped case ids;
-- `flips`: one row per case and question where a pair of runs disagrees, and whether the change fixed or broke it;
-- `metrics`: accuracy, ECE and Brier per run and question, latency per run, each with a bootstrap interval and n;
-- `differences`: the same metrics as run − baseline with a paired bootstrap interval (same cases resampled in both);
-- `case_matrix`: cases × (question, run) to browse, the expected answer beside the runs' answers;
-- `start_runs`: "run this schema on this case set with these models" as one action;
-- `build_view` (+ `runs_by_case_set`, `model_choices`, `case_detail`): the Compare page's view-model, tables ready
-  to show, each case with a link that opens it.
-
 Intervals are percentile bootstrap intervals over cases (a case is the unit that was sampled, not a (case,
 question) pair), seeded so the same runs give the same numbers. Cases a run has no successful result for are left
 out of that run's numbers and of every pair it is in; `n` says how many cases each number rests on.
