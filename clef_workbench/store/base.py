@@ -202,10 +202,9 @@ class StoreBase:
     @staticmethod
     def _log_change(conn: sqlite3.Connection, action: str, kind: str, object_id: Any, label: str, *,
                     who: str = "", data: Any = None) -> int:
-        cur = conn.execute(
+        return inserted_id(conn.execute(
             "INSERT INTO change_log (at, who, action, kind, object_id, label, data_json) VALUES (?, ?, ?, ?, ?, ?, ?)",
-            (now_iso(), who or "", action, kind, str(object_id), label, None if data is None else _dumps(data)))
-        return inserted_id(cur)
+            (now_iso(), who or "", action, kind, str(object_id), label, None if data is None else _dumps(data))))
 
     def log_change(self, action: str, kind: str, object_id: Any, label: str, *, who: str = "",
                    data: Any = None) -> int:

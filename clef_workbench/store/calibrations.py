@@ -19,12 +19,11 @@ class CalibrationsMixin(StoreBase):
         with self._write() as conn:
             if conn.execute("SELECT 1 FROM calibrations WHERE name = ?", (name,)).fetchone():
                 raise DuplicateNameError(f"a calibration named {name!r} exists already")
-            cur = conn.execute(
+            return inserted_id(conn.execute(
                 """INSERT INTO calibrations (name, run_id, schema_name, schema_version_id, model_id, payload_json,
                    created_at) VALUES (?, ?, ?, ?, ?, ?, ?)""",
                 (name, run["id"], run["schema_name"], run["schema_version_id"], run["model_id"],
-                 _dumps(payload), now_iso()))
-            return inserted_id(cur)
+                 _dumps(payload), now_iso())))
 
     def get_calibration(self, calibration_id: int | None = None, *, name: str | None = None) -> Calibration:
         column, value = ("id", calibration_id) if name is None else ("name", name)

@@ -65,11 +65,10 @@ class SchemaVersionsMixin(StoreBase):
             number = max((latest["number"] if latest is not None else 0) + 1,
                          own if isinstance(own, int) and not isinstance(own, bool) else 1)
             numbered = {**schema, "version": number}
-            cur = conn.execute(
+            version_id = inserted_id(conn.execute(
                 """INSERT INTO schema_versions (slug, number, content_hash, run_hash, schema_json, action, who, note,
                                                 created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)""",
-                (slug, number, content_hash, run_hash, _dumps(numbered), action, who or "", note, now_iso()))
-            version_id = inserted_id(cur)
+                (slug, number, content_hash, run_hash, _dumps(numbered), action, who or "", note, now_iso())))
         return RecordedSchemaVersion(**self.get_schema_version(version_id), new=True)
 
     def get_schema_version(self, version_id: int) -> SchemaVersion:
