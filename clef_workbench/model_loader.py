@@ -380,24 +380,26 @@ class ModelManager:
         if error is not None or self._error_at <= started:
             self._error, self._error_at = error, time.monotonic()
 
-    def _load(self, source: str, precision: str | None = None) -> None:
-        started = time.monotonic()
-        engine, error, notice = None, None, None
-        loaded_source = source
+    def _try_load(self, source: str, precision: str | None = None) -> tuple[Any, str | None]:
+        """(its engine, None), or (None, what failed and what to do)."""
         try:
-            engine = self._load_one(source, precision)
+            return self._load_one(source, precision), None
         except Exception as exc:  # noqa: BLE001 — any failure becomes a message; the app must not show a traceback
             log.exception("loading %s failed", label_of(source))  # the traceback for the operator's log
-            error = describe_failure(source, exc)
+            return None, describe_failure(source, exc)
+
+    def _load(self, source: str, precision: str | None = None) -> None:
+        started = time.monotonic()
+        engine, error = self._try_load(source, precision)
+        loaded_source, notice = source, None
         if engine is None and source != DEMO_SOURCE and not self._models:
             # Nothing is resident: fall back to the demo model so the workbench stays usable.
-            try:
-                engine = self._load_one(DEMO_SOURCE)
+            engine, demo_error = self._try_load(DEMO_SOURCE)
+            if engine is None:
+                error = f"{error} The demo model failed too: {demo_error}"
+            else:
                 loaded_source = DEMO_SOURCE
                 notice = "Running on the demo model because the requested model could not be loaded."
-            except Exception as exc:  # noqa: BLE001
-                log.exception("loading the demo model failed")
-                error = f"{error} The demo model failed too: {describe_failure(DEMO_SOURCE, exc)}"
         old = None
         with self._done:
             if engine is not None:
@@ -414,12 +416,7 @@ class ModelManager:
 
     def _add(self, source: str, precision: str | None = None) -> None:
         started = time.monotonic()
-        engine, error = None, None
-        try:
-            engine = self._load_one(source, precision)
-        except Exception as exc:  # noqa: BLE001 — a message for the sidebar, never a traceback
-            log.exception("adding %s failed", label_of(source))
-            error = describe_failure(source, exc)
+        engine, error = self._try_load(source, precision)
         with self._done:
             if engine is not None:
                 model = self._resident(source, engine)
