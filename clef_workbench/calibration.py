@@ -171,11 +171,10 @@ def calibrate(frame: pd.DataFrame, *, min_labelled: int = MIN_LABELLED, folds: i
         question_rows = frame[frame["question_id"] == question_id]
         qtype = question_rows["question_type"].iloc[0]
         rows = _labelled(frame, question_id)
-        report = QuestionReport(question_id, qtype, len(rows))
         if len(rows) < min_labelled:
-            report.refused = (f"{len(rows)} labelled case(s) with an expected answer among the options; calibrating "
-                              f"needs at least {min_labelled}")
-            reports.append(report)
+            reports.append(QuestionReport(question_id, qtype, len(rows), refused=(
+                f"{len(rows)} labelled case(s) with an expected answer among the options; calibrating needs at least "
+                f"{min_labelled}")))
             continue
         held_out: list[dict[str, float]] = [{}] * len(rows)
         for train, test in k_folds(len(rows), min(folds, len(rows)), seed):
@@ -183,13 +182,11 @@ def calibrate(frame: pd.DataFrame, *, min_labelled: int = MIN_LABELLED, folds: i
             for i in test:
                 held_out[i] = fitted.apply(rows["distribution"].iloc[i])
         after = with_distributions(rows, held_out)
-        report.calibration = fit_question(rows)
-        intervals = _bootstrap(rows, after, bins, seed)
-        report.ece_before, report.ece_after = intervals["ece_before"], intervals["ece_after"]
-        report.brier_before, report.brier_after = intervals["brier_before"], intervals["brier_after"]
-        report.ece_reduction = intervals["ece_reduction"]
-        report.bins_before = stats.calibration(rows, question_id, bins)["bins"]
-        report.bins_after = stats.calibration(after, question_id, bins)["bins"]
+        report = QuestionReport(question_id, qtype, len(rows), calibration=fit_question(rows),
+                                bins_before=stats.calibration(rows, question_id, bins)["bins"],
+                                bins_after=stats.calibration(after, question_id, bins)["bins"])
+        for name, interval in _bootstrap(rows, after, bins, seed).items():  # ece_before, …, ece_reduction
+            setattr(report, name, interval)
         reports.append(report)
     return reports
 

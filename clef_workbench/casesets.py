@@ -190,11 +190,9 @@ def parse_rows(header: list[str], rows: list[tuple[int, dict[str, str]]], mappin
     """Rows of a table (row number, column → cell text) → case dicts (state, expected, tags, images, videos).
     Raises CaseImportError listing every bad cell."""
     problems: list[str] = []
-    used = list(mapping.state_columns) + list(mapping.expected_columns) + list(mapping.image_columns) + list(
-        mapping.video_columns) + [c for c in (mapping.state_text_column, mapping.tags_column, mapping.id_column) if c]
-    in_header = set(header)
-    for column in used:
-        if column not in in_header:
+    for column in [*mapping.state_columns, *mapping.expected_columns, *mapping.image_columns, *mapping.video_columns,
+                   *(c for c in (mapping.state_text_column, mapping.tags_column, mapping.id_column) if c)]:
+        if column not in header:
             problems.append(f"column {column!r} is not in the CSV (columns: {', '.join(header)})")
     if not mapping.state_columns and not mapping.state_text_column:
         problems.append("map at least one column to the state")
