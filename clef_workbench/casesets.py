@@ -20,7 +20,7 @@ from typing import Any
 import pandas as pd
 
 from clef_engine import protocol
-from clef_workbench.stats import answer_frame
+from clef_workbench.stats import answer_frame, state_text
 from clef_workbench.store import Case, NewCase, Store, media_content_type
 
 
@@ -385,8 +385,7 @@ def cases_table(store: Store, case_set_id: int) -> pd.DataFrame:
                 row[f"state.{key}"] = value if isinstance(value, str | int | float | bool) or value is None \
                     else json.dumps(value, ensure_ascii=False)
         else:
-            state = case["state"]
-            row["state"] = state if isinstance(state, str) else json.dumps(state, ensure_ascii=False)
+            row["state"] = state_text(case["state"])
         for question_id, value in case["expected"].items():
             row[f"expected.{question_id}"] = value
         row["tags"] = "; ".join(case["tags"])
@@ -528,9 +527,3 @@ def load_example_case_sets(store: Store, schemas_dir: Path | None = None,
         loaded[slug] = case_set_id
     return loaded
 
-
-# -- table editing ------------------------------------------------------------------------------------------------
-
-
-def state_text(state: Any) -> str:
-    return state if isinstance(state, str) else json.dumps(state, ensure_ascii=False)

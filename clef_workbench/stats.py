@@ -32,6 +32,11 @@ from clef_workbench.store import Answered, Result
 PERCENTILE_METHOD: Final = "linear"
 
 
+def state_text(state: Any) -> str:
+    """A case's state as text: a text as it is, anything else as JSON."""
+    return state if isinstance(state, str) else json.dumps(state, ensure_ascii=False)
+
+
 def _label_key(value: Any) -> str | None:
     """Expected answers as distribution keys: bools and yes/no → 'true'/'false', ints → '2', strings as is."""
     if value is None or (isinstance(value, float) and np.isnan(value)):
@@ -336,10 +341,9 @@ def browse_table(results: Sequence[Result], schema: dict) -> pd.DataFrame:
     rows = []
     for row in frame.itertuples(index=False):
         result = by_case[row.case_id]
-        state = result.get("state")
         rows.append({
             "case": int(row.case_id), "source id": result.get("source_id"), "question": row.question_id,
-            "state": state if isinstance(state, str) else json.dumps(state, ensure_ascii=False),
+            "state": state_text(result.get("state")),
             "expected": row.expected, "predicted": row.predicted, "confidence": round(float(row.confidence), 4),
             "margin": round(float(row.margin), 4), "correct": None if pd.isna(row.correct) else bool(row.correct),
             "tags": ", ".join(result.get("tags") or []),
