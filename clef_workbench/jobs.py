@@ -156,10 +156,9 @@ class JobRunner:
 
     def cancel(self, run_id: int) -> bool:
         """Ask a live run to stop after the chunk in flight; returns False if it is not running here."""
-        job = self._jobs.get(run_id)
-        if job is None or not job.thread.is_alive():
+        if not self.is_running(run_id):
             return False
-        job.cancel.set()
+        self._jobs[run_id].cancel.set()
         return True
 
     def is_running(self, run_id: int) -> bool:

@@ -33,24 +33,15 @@ class ReviewRules:
     calibration: str | None = None  # a stored calibration's name: thresholds apply to calibrated confidence
     disagree_with_run: int | None = None  # another run of the same case set: queue answers that differ
 
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict | None) -> ReviewRules:
-        if not data:
-            return cls()
-        known = {k: v for k, v in data.items() if k in cls.__dataclass_fields__}
-        return cls(**known)
-
 
 def load_rules(store: Store, schema_name: str) -> ReviewRules:
-    """The saved rules for a schema, or the defaults."""
-    return ReviewRules.from_dict(store.get_review_rules(schema_name))
+    """The saved rules for a schema, or the defaults; keys this workbench does not know are left out."""
+    saved = store.get_review_rules(schema_name) or {}
+    return ReviewRules(**{key: value for key, value in saved.items() if key in ReviewRules.__dataclass_fields__})
 
 
 def save_rules(store: Store, schema_name: str, rules: ReviewRules) -> None:
-    store.save_review_rules(schema_name, rules.to_dict())
+    store.save_review_rules(schema_name, asdict(rules))
 
 
 def unknown_options(question: dict) -> set[str]:
