@@ -37,6 +37,9 @@ class CaseImportError(ValueError):
 
 # -- requests ---------------------------------------------------------------------------------------------------
 
+data_url = protocol.data_url
+
+
 def build_request(case: Case, schema: dict, *, model: str = protocol.DEFAULT_MODEL_NAME) -> dict:
     """System One request for a stored case (Store.get_case with media) and a schema. Media stay the bytes the
     store holds: the local engine takes bytes, and a remote one sends them as data URLs (remote.media_for_wire)."""
@@ -366,7 +369,7 @@ def export_jsonl(store: Store, case_set_id: int) -> str:
             record = {"id": case["source_id"], **record}
         for kind, media in (("images", case["images"]), ("videos", case["videos"])):
             if media:
-                record[kind] = [protocol.data_url(m["content_type"], m["data"]) for m in media]
+                record[kind] = [data_url(m["content_type"], m["data"]) for m in media]
         lines.append(json.dumps(record, ensure_ascii=False))
     return "\n".join(lines) + ("\n" if lines else "")
 
