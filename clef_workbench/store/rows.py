@@ -126,23 +126,28 @@ class NewResult(TypedDict):
     finished_at: NotRequired[str]
 
 
-class Result(TypedDict):
-    """A result with its case's position, own id, state, expected answers and tags."""
+class Answered(TypedDict):
+    """What scoring (stats.answer_frame) reads of a case's answer: a Result is one, a sweep's answer makes one."""
+
+    case_id: int
+    position: int
+    response: Response | None
+    error: str | None
+    expected: dict[str, Label]
+    latency_ms: float | None
+    input_tokens: int | None
+
+
+class Result(Answered):
+    """A result with its case's own id, state and tags."""
 
     id: int
     run_id: int
-    case_id: int
-    response: Response | None
-    error: str | None
-    latency_ms: float | None
-    input_tokens: int | None
     token_counts: dict[str, int] | None
     started_at: str
     finished_at: str
-    position: int
     source_id: str | None
     state: Any
-    expected: dict[str, Label]
     tags: list[str]
 
 
@@ -266,18 +271,6 @@ class Sweep(TypedDict):
     done: int  # cases with every variant's answer
     state_prefills: int  # states computed for the done cases
     variants: NotRequired[list[SweepVariant]]  # get_sweep's, in order
-
-
-class Answered(TypedDict):
-    """What scoring (stats.answer_frame) reads of a case's answer: a Result is one, a sweep's answer makes one."""
-
-    case_id: int
-    position: int
-    response: Response | None
-    error: str | None
-    expected: dict[str, Label]
-    latency_ms: float | None
-    input_tokens: int | None
 
 
 class SweepAnswer(TypedDict):
