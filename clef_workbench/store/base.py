@@ -170,8 +170,7 @@ class StoreBase:
                                  f"version {version}, not this workbench's {SCHEMA_VERSION}: nothing was read; make "
                                  "it writable (chmod u+w) so that it can be upgraded, or use a matching workbench")
             return
-        conn.execute("BEGIN IMMEDIATE")  # a second process opening the same file waits here, then sees our version
-        try:
+        with self._write() as conn:  # a second process opening the same file waits here, then sees our version
             version = conn.execute("PRAGMA user_version").fetchone()[0]
             if version > SCHEMA_VERSION:
                 raise StoreError(f"{self.path} has database schema version {version}, newer than this workbench knows "
@@ -180,10 +179,6 @@ class StoreBase:
                 for statement in MIGRATIONS[number - 1]:
                     conn.execute(statement)
                 conn.execute(f"PRAGMA user_version={number}")
-        except BaseException:
-            conn.execute("ROLLBACK")
-            raise
-        conn.execute("COMMIT")
 
     @staticmethod
     def _decoded(row: sqlite3.Row, *columns: str) -> dict[str, Any]:
