@@ -57,7 +57,7 @@ from pathlib import Path
 from clef_engine import DEFAULT_MAX_LENGTH, ClefError
 from clef_workbench import calibration, importing, sweeps
 from clef_workbench.casesets import CaseImportError, CsvMapping, import_cases
-from clef_workbench.jobs import DEFAULT_CHUNK_SIZE, JobRunner, check_engine
+from clef_workbench.jobs import DEFAULT_CHUNK_SIZE, JobRunner, RunProgress, check_engine
 from clef_workbench.model_loader import DEMO_SOURCE, request_model_name
 from clef_workbench.schema_library import SchemaLibrary
 from clef_workbench.schemas import Schema, SchemaError
@@ -231,7 +231,7 @@ def stop_on_signals() -> Iterator[threading.Event]:
             signal.signal(signum, handler)
 
 
-def watch(runner: JobRunner, run_id: int, stop: threading.Event) -> dict:
+def watch(runner: JobRunner, run_id: int, stop: threading.Event) -> RunProgress:
     """Print progress until the run's job ends; once `stop` is set, ask it to stop after the chunk in flight."""
     last_print, last_done, cancelling = 0.0, -1, False
     while True:
@@ -632,9 +632,7 @@ def import_command(args: argparse.Namespace) -> int:
     if not args.case_set.strip():
         raise UsageError("--case-set must not be empty")
     store = Store(args.db)
-    existing = [s["id"] for s in store.list_case_sets() if s["name"] == args.case_set]
-    case_set_id = existing[0] if existing else store.create_case_set(
-        args.case_set, schema_name=args.schema.stem if args.schema else None)
+    case_set_id = store.get_or_create_case_set(args.case_set, schema_name=args.schema.stem if args.schema else None)
     added = import_cases(store, case_set_id, cases)
     print(f"imported {len(added)} case(s) into {args.case_set!r} (case set {case_set_id})"
           + (f"; {len(cases) - len(added)} already in it were skipped" if len(added) < len(cases) else ""))

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
-from typing import Any, cast
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -24,7 +24,7 @@ from scipy.optimize import minimize, minimize_scalar
 
 from clef_engine.calibrated import QuestionMap, calibrated_answer
 from clef_workbench import stats
-from clef_workbench.store import Answer, Calibration, Response, Result, Run, Store
+from clef_workbench.store import Calibration, Response, Result, Run, Store
 
 MIN_LABELLED = 30
 PLATT_BOUND = 50.0  # |a|, |b| of a Platt fit
@@ -131,15 +131,9 @@ def _per_case(rows: pd.DataFrame, bins: int) -> tuple[np.ndarray, np.ndarray, np
     """Per case: its confidence bin, correct − confidence, and its Brier term, binned and scored exactly as
     `stats.calibration` does, so that a resample's ECE and Brier are sums over these."""
     confidence = rows["confidence"].to_numpy(dtype=float)
-    index = np.clip(np.floor(np.round(confidence * bins, 9)).astype(int), 0, bins - 1)
-    gap = rows["correct"].to_numpy(dtype=float) - confidence
-    if rows["question_type"].iloc[0] == "noul":
-        brier = np.array([(d["true"] - (expected == "true")) ** 2
-                          for d, expected in zip(rows["distribution"], rows["expected"], strict=True)])
-    else:
-        brier = np.array([sum((p - (option == expected)) ** 2 for option, p in d.items())
-                          for d, expected in zip(rows["distribution"], rows["expected"], strict=True)])
-    return index, gap, brier
+    brier = np.array([stats.brier_term(t, d, e) for t, d, e in
+                      zip(rows["question_type"], rows["distribution"], rows["expected"], strict=True)])
+    return stats.confidence_bins(confidence, bins), rows["correct"].to_numpy(dtype=float) - confidence, brier
 
 
 def _ece_brier(per_case: tuple[np.ndarray, np.ndarray, np.ndarray], sample: np.ndarray, bins: int
@@ -177,11 +171,10 @@ def calibrate(frame: pd.DataFrame, *, min_labelled: int = MIN_LABELLED, folds: i
         question_rows = frame[frame["question_id"] == question_id]
         qtype = question_rows["question_type"].iloc[0]
         rows = _labelled(frame, question_id)
-        report = QuestionReport(question_id, qtype, len(rows))
         if len(rows) < min_labelled:
-            report.refused = (f"{len(rows)} labelled case(s) with an expected answer among the options; calibrating "
-                              f"needs at least {min_labelled}")
-            reports.append(report)
+            reports.append(QuestionReport(question_id, qtype, len(rows), refused=(
+                f"{len(rows)} labelled case(s) with an expected answer among the options; calibrating needs at least "
+                f"{min_labelled}")))
             continue
         held_out: list[dict[str, float]] = [{}] * len(rows)
         for train, test in k_folds(len(rows), min(folds, len(rows)), seed):
@@ -189,13 +182,11 @@ def calibrate(frame: pd.DataFrame, *, min_labelled: int = MIN_LABELLED, folds: i
             for i in test:
                 held_out[i] = fitted.apply(rows["distribution"].iloc[i])
         after = with_distributions(rows, held_out)
-        report.calibration = fit_question(rows)
-        intervals = _bootstrap(rows, after, bins, seed)
-        report.ece_before, report.ece_after = intervals["ece_before"], intervals["ece_after"]
-        report.brier_before, report.brier_after = intervals["brier_before"], intervals["brier_after"]
-        report.ece_reduction = intervals["ece_reduction"]
-        report.bins_before = stats.calibration(rows, question_id, bins)["bins"]
-        report.bins_after = stats.calibration(after, question_id, bins)["bins"]
+        report = QuestionReport(question_id, qtype, len(rows), calibration=fit_question(rows),
+                                bins_before=stats.calibration(rows, question_id, bins)["bins"],
+                                bins_after=stats.calibration(after, question_id, bins)["bins"])
+        for name, interval in _bootstrap(rows, after, bins, seed).items():  # ece_before, …, ece_reduction
+            setattr(report, name, interval)
         reports.append(report)
     return reports
 
@@ -347,16 +338,14 @@ def calibrated_results(stored: Calibration, results: list[Result]) -> list[Resul
     """A run's results (`Store.list_results`) with each answer the stored calibration has a map for replaced by its
     calibrated answer; the rest as they were."""
     maps = applied_maps(stored["payload"])
-    out: list[Result] = []
-    for result in results:
-        response = result["response"]
-        if response and response["answers"]:
-            distributions = calibrate_response(maps, response)
-            answers = {qid: cast(Answer, calibrated_answer(answer, distributions[qid])) if qid in distributions
-                       else answer for qid, answer in response["answers"].items()}
-            result = {**result, "response": {**response, "answers": answers}}
-        out.append(result)
-    return out
+    return [{**result, "response": {**response, "answers": _calibrated_answers(maps, response)}}
+            if (response := result["response"]) else result for result in results]
+
+
+def _calibrated_answers(maps: dict[str, QuestionCalibration], response: Response) -> dict[str, dict[str, Any]]:
+    distributions = calibrate_response(maps, response)
+    return {qid: calibrated_answer(answer, distributions[qid]) if qid in distributions else answer
+            for qid, answer in response["answers"].items()}
 
 
 class CalibrationRefused(Exception):
@@ -387,7 +376,4 @@ def calibrated_response(store: Store, name: str, response: Response, *, every_qu
     """(the stored calibration named `name`, the response's answers calibrated by it where it has a map that is
     applied (`applied_maps`), others as they were): what Decide, Runs and Review show when a calibration is chosen."""
     stored = store.get_calibration(name=name)
-    distributions = calibrate_response(applied_maps(stored["payload"], every_question=every_question), response)
-    answers = {qid: calibrated_answer(answer, distributions[qid]) if qid in distributions else answer
-               for qid, answer in response["answers"].items()}
-    return stored, answers
+    return stored, _calibrated_answers(applied_maps(stored["payload"], every_question=every_question), response)

@@ -4,7 +4,6 @@ back to the store, checked row by row before anything is written."""
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -88,11 +87,9 @@ def apply_case_edits(store: Store, case_set_id: int, edited: pd.DataFrame, schem
     to_update: list[tuple[int, NewCase]] = []
     kept: set[int] = set()
     for number, row in enumerate(edited.to_dict("records"), start=1):
-        raw_id = row.get("id")
-        case_id = None if raw_id is None or (isinstance(raw_id, float) and math.isnan(raw_id)) else int(raw_id)
+        case_id = None if pd.isna(row.get("id")) else int(row["id"])
         state_text = row.get("state")
-        if state_text is None or (isinstance(state_text, float) and math.isnan(state_text)) or not str(
-                state_text).strip():
+        if pd.isna(state_text) or not str(state_text).strip():
             problems.append(f"row {number}, state: must not be empty")
             continue
         try:

@@ -20,7 +20,7 @@ from typing import Any
 import pandas as pd
 
 from clef_engine import protocol
-from clef_workbench.stats import answer_frame
+from clef_workbench.stats import answer_frame, state_text
 from clef_workbench.store import Case, NewCase, Store, media_content_type
 
 
@@ -161,11 +161,13 @@ def json_value(text: str) -> Any:
     return value
 
 
-def _load_media(ref: str, kind: str, base_dir: Path | None) -> bytes:
-    """An image or video named in a file: a base64 data URL, or a path inside `base_dir`, the folder of a file read
-    from disk. An uploaded file (no `base_dir`) names no paths: it must never make the server read its own files."""
-    ref = ref.strip()
-    if ref.startswith("data:"):
+def _load_media(ref: Any, kind: str, base_dir: Path | None) -> bytes:
+    """An image or video named in a file: {"content_type", "base64"}, a base64 data URL, or a path inside
+    `base_dir`, the folder of a file read from disk. An uploaded file (no `base_dir`) names no paths: it must never
+    make the server read its own files."""
+    if isinstance(ref, dict):
+        data = base64.b64decode(ref["base64"], validate=True)
+    elif (ref := str(ref).strip()).startswith("data:"):
         header, _, payload = ref.partition(",")
         if ";base64" not in header:
             raise ValueError("data URL must be base64-encoded")
@@ -191,11 +193,9 @@ def parse_rows(header: list[str], rows: list[tuple[int, dict[str, str]]], mappin
     """Rows of a table (row number, column → cell text) → case dicts (state, expected, tags, images, videos).
     Raises CaseImportError listing every bad cell."""
     problems: list[str] = []
-    used = list(mapping.state_columns) + list(mapping.expected_columns) + list(mapping.image_columns) + list(
-        mapping.video_columns) + [c for c in (mapping.state_text_column, mapping.tags_column, mapping.id_column) if c]
-    in_header = set(header)
-    for column in used:
-        if column not in in_header:
+    for column in [*mapping.state_columns, *mapping.expected_columns, *mapping.image_columns, *mapping.video_columns,
+                   *(c for c in (mapping.state_text_column, mapping.tags_column, mapping.id_column) if c)]:
+        if column not in header:
             problems.append(f"column {column!r} is not in the CSV (columns: {', '.join(header)})")
     if not mapping.state_columns and not mapping.state_text_column:
         problems.append("map at least one column to the state")
@@ -314,12 +314,7 @@ def parse_jsonl(jsonl_text: str, schema: dict | None = None, *, base_dir: Path |
                 continue
             for index, ref in enumerate(refs):
                 try:
-                    if isinstance(ref, dict):
-                        data = base64.b64decode(ref["base64"], validate=True)
-                        media_content_type(data, kind)
-                    else:
-                        data = _load_media(str(ref), kind, base_dir)
-                    media[kind + "s"].append(data)
+                    media[kind + "s"].append(_load_media(ref, kind, base_dir))
                 except (ValueError, KeyError, TypeError, OSError) as exc:
                     problems.append(f"{where}, {kind}s[{index}]: {exc}")
         tags = record.get("tags") or []
@@ -372,10 +367,9 @@ def export_jsonl(store: Store, case_set_id: int) -> str:
         record: dict[str, Any] = {"state": case["state"], "expected": case["expected"], "tags": case["tags"]}
         if case["source_id"] is not None:
             record = {"id": case["source_id"], **record}
-        if case["images"]:
-            record["images"] = [data_url(m["content_type"], m["data"]) for m in case["images"]]
-        if case["videos"]:
-            record["videos"] = [data_url(m["content_type"], m["data"]) for m in case["videos"]]
+        for kind, media in (("images", case["images"]), ("videos", case["videos"])):
+            if media:
+                record[kind] = [data_url(m["content_type"], m["data"]) for m in media]
         lines.append(json.dumps(record, ensure_ascii=False))
     return "\n".join(lines) + ("\n" if lines else "")
 
@@ -394,8 +388,7 @@ def cases_table(store: Store, case_set_id: int) -> pd.DataFrame:
                 row[f"state.{key}"] = value if isinstance(value, str | int | float | bool) or value is None \
                     else json.dumps(value, ensure_ascii=False)
         else:
-            state = case["state"]
-            row["state"] = state if isinstance(state, str) else json.dumps(state, ensure_ascii=False)
+            row["state"] = state_text(case["state"])
         for question_id, value in case["expected"].items():
             row[f"expected.{question_id}"] = value
         row["tags"] = "; ".join(case["tags"])
@@ -537,9 +530,3 @@ def load_example_case_sets(store: Store, schemas_dir: Path | None = None,
         loaded[slug] = case_set_id
     return loaded
 
-
-# -- table editing ------------------------------------------------------------------------------------------------
-
-
-def state_text(state: Any) -> str:
-    return state if isinstance(state, str) else json.dumps(state, ensure_ascii=False)

@@ -5,15 +5,6 @@ Clef agree with the hosted service?". Everything here is a plain function of run
 (`Store.get_run` + `Store.list_results`, bundled as `RunData`); `load_runs` fetches them. Definitions of the
 predicted answer, confidence, accuracy, ECE and Brier are `stats.py`'s, so the numbers match the run page.
 
-- `agreement`: per question and pair of runs, how often they give the same answer, with the flipped case ids;
-- `flips`: one row per case and question where a pair of runs disagrees, and whether the change fixed or broke it;
-- `metrics`: accuracy, ECE and Brier per run and question, latency per run, each with a bootstrap interval and n;
-- `differences`: the same metrics as run − baseline with a paired bootstrap interval (same cases resampled in both);
-- `case_matrix`: cases × (question, run) to browse, the expected answer beside the runs' answers;
-- `start_runs`: "run this schema on this case set with these models" as one action;
-- `build_view` (+ `runs_by_case_set`, `model_choices`, `case_detail`): the Compare page's view-model, tables ready
-  to show, each case with a link that opens it.
-
 Intervals are percentile bootstrap intervals over cases (a case is the unit that was sampled, not a (case,
 question) pair), seeded so the same runs give the same numbers. Cases a run has no successful result for are left
 out of that run's numbers and of every pair it is in; `n` says how many cases each number rests on.
@@ -107,8 +98,8 @@ def check_comparable(runs: Sequence[RunData]) -> None:
 
 
 def answers(runs: Sequence[RunData]) -> pd.DataFrame:
-    """`stats.answer_frame` of every run, stacked, with `run_id` and `run` (label) columns and a per-row `brier`
-    (noul: (P(true) − y)²; choice and score: Σ_k (p_k − y_k)²; NaN without an expected answer)."""
+    """`stats.answer_frame` of every run, stacked, with `run_id` and `run` (label) columns and each row's `brier`
+    (`stats.brier_term`)."""
     frames = []
     for run in runs:
         frame = stats.answer_frame(run.results, run.run["schema"])
@@ -116,17 +107,9 @@ def answers(runs: Sequence[RunData]) -> pd.DataFrame:
         frame.insert(0, "run_id", run.id)
         frames.append(frame)
     frame = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
-    frame["brier"] = [_brier(t, d, e) for t, d, e in zip(frame["question_type"], frame["distribution"],
-                                                           frame["expected"], strict=True)]
+    frame["brier"] = [stats.brier_term(t, d, e) for t, d, e in zip(frame["question_type"], frame["distribution"],
+                                                                     frame["expected"], strict=True)]
     return frame
-
-
-def _brier(question_type: str, distribution: dict[str, float], expected: str | None) -> float:
-    if expected is None:
-        return np.nan
-    if question_type == "noul":
-        return (distribution["true"] - (1.0 if expected == "true" else 0.0)) ** 2
-    return float(sum((p - (1.0 if option == expected else 0.0)) ** 2 for option, p in distribution.items()))
 
 
 # ---- bootstrap ----------------------------------------------------------------------------------------------------
@@ -154,7 +137,7 @@ def _mean(values: np.ndarray) -> np.ndarray:
 def ece_statistic(bins: int) -> Callable[[np.ndarray, np.ndarray], np.ndarray]:
     """ECE as stats.calibration defines it, over the last axis: Σ_b |Σ_{i∈b} (correct_i − confidence_i)| / N."""
     def ece(confidence: np.ndarray, correct: np.ndarray) -> np.ndarray:
-        index = np.clip(np.floor(np.round(confidence * bins, 9)).astype(int), 0, bins - 1)
+        index = stats.confidence_bins(confidence, bins)
         gap = correct - confidence
         per_bin = [np.where(index == b, gap, 0.0).sum(axis=-1) for b in range(bins)]
         return np.abs(np.stack(per_bin)).sum(axis=0) / confidence.shape[-1]

@@ -27,7 +27,7 @@ import time
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypedDict
 
 from clef_engine.errors import BusyError, ClefError
 from clef_engine.interface import DecisionEngine
@@ -74,6 +74,24 @@ def error_result(case_id: int, error: Exception, started_at: str) -> NewResult:
     """A case's result when it got no answer: its error, by type and message."""
     return NewResult(case_id=case_id, error=f"{type(error).__name__}: {error}", started_at=started_at,
                      finished_at=now_iso())
+
+
+class RunProgress(TypedDict):
+    """A run's status from the database plus live numbers (JobRunner.progress)."""
+
+    run_id: int
+    status: str
+    total: int
+    done: int
+    errors: int
+    remaining: int
+    rate_per_s: float | None  # cases/s in this session
+    eta_s: float | None
+    live: bool  # a thread in this process is working on it
+    cancelling: bool
+    elsewhere: bool  # another process holds the run's lease and works on it
+    interrupted: bool  # the database says running but no thread here is: the process that ran it stopped — resume it
+    error: str | None
 
 
 class JobAlreadyRunningError(RuntimeError):
@@ -138,10 +156,9 @@ class JobRunner:
 
     def cancel(self, run_id: int) -> bool:
         """Ask a live run to stop after the chunk in flight; returns False if it is not running here."""
-        job = self._jobs.get(run_id)
-        if job is None or not job.thread.is_alive():
+        if not self.is_running(run_id):
             return False
-        job.cancel.set()
+        self._jobs[run_id].cancel.set()
         return True
 
     def is_running(self, run_id: int) -> bool:
@@ -156,10 +173,7 @@ class JobRunner:
         job.thread.join(timeout)
         return not job.thread.is_alive()
 
-    def progress(self, run_id: int) -> dict[str, Any]:
-        """Status from the database plus live numbers: total, done, errors, remaining, rate (cases/s in this
-        session), eta_s, live (a thread in this process is working on it), interrupted (the database says
-        running but no thread here is: the process that ran it stopped — resume it)."""
+    def progress(self, run_id: int) -> RunProgress:
         run = self.store.get_run(run_id)
         job = self._jobs.get(run_id)
         running = job if job is not None and job.thread.is_alive() else None
@@ -171,14 +185,12 @@ class JobRunner:
         if running is not None and running.processed:
             rate = running.processed / max(time.monotonic() - running.session_started, 1e-9)
             eta = remaining / rate
-        return {
-            "run_id": run_id, "status": run["status"], "total": run["total"], "done": run["done"],
-            "errors": run["errors"], "remaining": remaining, "rate_per_s": rate, "eta_s": eta, "live": live,
-            "cancelling": running is not None and running.cancel.is_set(),
-            "elsewhere": elsewhere,  # another process holds the run's lease and works on it
-            "interrupted": run["status"] == "running" and not live and not elsewhere,
-            "error": run["error"] or (job.last_error if job else None),
-        }
+        return RunProgress(
+            run_id=run_id, status=run["status"], total=run["total"], done=run["done"], errors=run["errors"],
+            remaining=remaining, rate_per_s=rate, eta_s=eta, live=live,
+            cancelling=running is not None and running.cancel.is_set(), elsewhere=elsewhere,
+            interrupted=run["status"] == "running" and not live and not elsewhere,
+            error=run["error"] or (job.last_error if job else None))
 
     # -- the worker thread -------------------------------------------------------------------------------------
 
@@ -294,8 +306,11 @@ class JobRunner:
             return chunk
         chunk.began = time.perf_counter()
         try:
-            chunk.future = self._with_busy_retry(lambda: self._send(engine, [r for _, r in chunk.valid]),
-                                                 job)
+            # an answer or an error per request: a case over the token budget is an error result, and the rest of
+            # its chunk runs as it would have without it
+            requests = [r for _, r in chunk.valid]
+            chunk.future = self._with_busy_retry(
+                lambda: engine.submit(requests, priority="bulk", errors="return"), job)
         except ClefError as exc:  # the engine refused the whole chunk (an endpoint that stopped): each case's error
             log.warning("run %s: the engine refused a chunk of %d cases", run["id"], len(chunk.valid), exc_info=exc)
             chunk.future = Future()
@@ -313,13 +328,6 @@ class JobRunner:
                 job.questions = ()
         return job.questions or None
 
-    @staticmethod
-    def _send(engine: DecisionEngine, requests: list[ValidRequest]) -> Future:
-        """Queue requests on the engine with an answer or an error per request (errors="return"): a case over the
-        token budget is an error result and the rest of its chunk runs as it would have without it. Each request
-        carries the run's budget (see _submit_chunk)."""
-        return engine.submit(requests, priority="bulk", errors="return")
-
     def _finish_chunk(self, chunk: _Chunk, engine: DecisionEngine, job: _LiveJob) -> list[NewResult]:
         """Wait for the chunk's answers; results in the form Store.record_results takes. Cases the engine was too
         busy for are sent again, with backoff, like a chunk refused as a whole."""
@@ -336,8 +344,8 @@ class JobRunner:
                 break
             time.sleep(min(0.1 * 2 ** attempt, 5.0))
             requests = [chunk.valid[i][1] for i in busy]
-            again = self._with_busy_retry(lambda requests=requests: self._send(engine, requests),
-                                          job).result()
+            again = self._with_busy_retry(
+                lambda requests=requests: engine.submit(requests, priority="bulk", errors="return"), job).result()
             for i, outcome in zip(busy, again, strict=True):
                 outcomes[i] = outcome
         return chunk.errors + self._results(chunk.valid, outcomes, chunk.started_at,

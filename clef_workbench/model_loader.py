@@ -151,21 +151,14 @@ def is_demo_name(name: str | None) -> bool:
     return base == demo or (base.startswith(demo + "-") and base.removeprefix(demo + "-").isdigit())
 
 
-def reports_random_weights(engine: Any) -> bool:
-    """Whether an engine says its weights are random (a local release's config.json, an endpoint's /v1/models)."""
+def reported_info(engine: Any) -> dict[str, Any]:
+    """What an engine says of itself (whether its weights are random: a local release's config.json, an endpoint's
+    /v1/models; its precision), or {} when it cannot say: it is taken at its word of nothing."""
     try:
-        return bool(engine.info().get("random_weights"))
-    except Exception:  # noqa: BLE001 — an engine that cannot say is taken at its word of nothing
-        log.warning("could not ask %r whether its weights are random", engine, exc_info=True)
-        return False
-
-
-def reported_precision(engine: Any) -> str | None:
-    """The precision an engine says answers ("bf16", "fp8"), or None when it does not say (an endpoint)."""
-    try:
-        return engine.info().get("precision")
-    except Exception:  # noqa: BLE001 — an engine that cannot say is shown without one
-        return None
+        return engine.info() or {}
+    except Exception:  # noqa: BLE001 — a model that answers is still resident
+        log.warning("could not ask %r what it is", engine, exc_info=True)
+        return {}
 
 
 @dataclass(frozen=True)
@@ -377,9 +370,9 @@ class ModelManager:
 
     def _resident(self, source: str, engine: Any) -> LoadedModel:
         """Called with the lock held."""
-        demo = source == DEMO_SOURCE
+        demo, info = source == DEMO_SOURCE, reported_info(engine)
         return LoadedModel(self._unique_name(source), source, label_of(source), engine, demo,
-                           demo or reports_random_weights(engine), reported_precision(engine))
+                           demo or bool(info.get("random_weights")), info.get("precision"))
 
     def _end_with(self, error: str | None, started: float) -> None:
         """Called with the lock held when a load or an add ends: its failure is shown; its success clears only a
@@ -387,24 +380,26 @@ class ModelManager:
         if error is not None or self._error_at <= started:
             self._error, self._error_at = error, time.monotonic()
 
-    def _load(self, source: str, precision: str | None = None) -> None:
-        started = time.monotonic()
-        engine, error, notice = None, None, None
-        loaded_source = source
+    def _try_load(self, source: str, precision: str | None = None) -> tuple[Any, str | None]:
+        """(its engine, None), or (None, what failed and what to do)."""
         try:
-            engine = self._load_one(source, precision)
+            return self._load_one(source, precision), None
         except Exception as exc:  # noqa: BLE001 — any failure becomes a message; the app must not show a traceback
             log.exception("loading %s failed", label_of(source))  # the traceback for the operator's log
-            error = describe_failure(source, exc)
+            return None, describe_failure(source, exc)
+
+    def _load(self, source: str, precision: str | None = None) -> None:
+        started = time.monotonic()
+        engine, error = self._try_load(source, precision)
+        loaded_source, notice = source, None
         if engine is None and source != DEMO_SOURCE and not self._models:
             # Nothing is resident: fall back to the demo model so the workbench stays usable.
-            try:
-                engine = self._load_one(DEMO_SOURCE)
+            engine, demo_error = self._try_load(DEMO_SOURCE)
+            if engine is None:
+                error = f"{error} The demo model failed too: {demo_error}"
+            else:
                 loaded_source = DEMO_SOURCE
                 notice = "Running on the demo model because the requested model could not be loaded."
-            except Exception as exc:  # noqa: BLE001
-                log.exception("loading the demo model failed")
-                error = f"{error} The demo model failed too: {describe_failure(DEMO_SOURCE, exc)}"
         old = None
         with self._done:
             if engine is not None:
@@ -421,12 +416,7 @@ class ModelManager:
 
     def _add(self, source: str, precision: str | None = None) -> None:
         started = time.monotonic()
-        engine, error = None, None
-        try:
-            engine = self._load_one(source, precision)
-        except Exception as exc:  # noqa: BLE001 — a message for the sidebar, never a traceback
-            log.exception("adding %s failed", label_of(source))
-            error = describe_failure(source, exc)
+        engine, error = self._try_load(source, precision)
         with self._done:
             if engine is not None:
                 model = self._resident(source, engine)

@@ -9,16 +9,16 @@ queue is ordered worst first: smallest margin (Store.list_review_items).
 
 from __future__ import annotations
 
-import re
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import pandas as pd
 
 from clef_workbench import calibration
-from clef_workbench.schemas import UNKNOWN_DESCRIPTION_PATTERN, UNKNOWN_OPTION_ID_PATTERN
+from clef_workbench.schemas import way_out_options
 from clef_workbench.stats import answer_frame, top_two
 from clef_workbench.store import NewCase, NewReviewItem, ReviewItem, Run, Store
+from clef_workbench.store.review import label_key
 
 
 @dataclass
@@ -33,38 +33,21 @@ class ReviewRules:
     calibration: str | None = None  # a stored calibration's name: thresholds apply to calibrated confidence
     disagree_with_run: int | None = None  # another run of the same case set: queue answers that differ
 
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict | None) -> ReviewRules:
-        if not data:
-            return cls()
-        known = {k: v for k, v in data.items() if k in cls.__dataclass_fields__}
-        return cls(**known)
-
 
 def load_rules(store: Store, schema_name: str) -> ReviewRules:
-    """The saved rules for a schema, or the defaults."""
-    return ReviewRules.from_dict(store.get_review_rules(schema_name))
+    """The saved rules for a schema, or the defaults; keys this workbench does not know are left out."""
+    saved = store.get_review_rules(schema_name) or {}
+    return ReviewRules(**{key: value for key, value in saved.items() if key in ReviewRules.__dataclass_fields__})
 
 
 def save_rules(store: Store, schema_name: str, rules: ReviewRules) -> None:
-    store.save_review_rules(schema_name, rules.to_dict())
+    store.save_review_rules(schema_name, asdict(rules))
 
 
 def unknown_options(question: dict) -> set[str]:
-    """Ids of a choice question's unknown-type options (empty for noul and score questions). Uses the schema
-    lint's patterns, so the options the lint accepts as a way out are exactly the ones this rule watches: the id
-    (with _ . - read as spaces) names unknown / none / other / unclear / cannot tell …, or the description says
-    "none of these", "cannot tell", "not enough information" …"""
-    if question.get("type") != "choice":
-        return set()
-    return {
-        str(option_id) for option_id, description in (question.get("criteria") or {}).items()
-        if UNKNOWN_OPTION_ID_PATTERN.search(re.sub(r"[_.\-]+", " ", str(option_id)))
-        or (isinstance(description, str) and UNKNOWN_DESCRIPTION_PATTERN.search(description))
-    }
+    """Ids of a choice question's unknown-type options (empty for noul and score questions): the options the schema
+    lint accepts as a way out are exactly the ones this rule watches."""
+    return set(way_out_options(question.get("criteria") or {})) if question.get("type") == "choice" else set()
 
 
 def _reasons(row: Any, rules: ReviewRules, unknown_ids: set[str], other_answer: str | None) -> list[str]:
@@ -158,11 +141,6 @@ def apply_rules(store: Store, run_id: int, rules: ReviewRules) -> int:
     """Queue the items the rules select, freezing each one's reason, distribution, model and schema version now.
     Items already queued are kept as they are. Returns how many were added."""
     return store.queue_review_items(candidates(store, run_id, rules))
-
-
-def label_key(value: Any) -> str:
-    """An answer as a distribution key: 'true'/'false' for noul, '2' for a score level, the id for a choice."""
-    return str(value).lower() if isinstance(value, bool) else str(value)
 
 
 def gold_conflict(item: ReviewItem, expected: Any, action: str, label: Any = None) -> str | None:
@@ -274,8 +252,7 @@ def export_golden_set(store: Store, run_id: int, name: str, *, keep_other_expect
     case_set_id = store.create_case_set(
         name, schema_name=run["settings"].schema_slug or run["schema_name"],
         description=f"Golden set reviewed from run {run_id} ({run['case_set_name']}, schema {run['schema_name']} "
-                    f"v{run['schema_version']}, model {run['model_id']})",
-    )
+                    f"v{run['schema_version']}, model {run['model_id']})")
     try:
         store.add_cases(case_set_id, cases)
     except Exception:

@@ -225,13 +225,8 @@ class SchemaLibrary:
         parsed = loads_schema_json(data, source=source)
         if isinstance(parsed, dict) and "name" not in parsed:
             # A System One request or a bare questions map: wrap it, naming it after the uploaded file.
-            stem = Path(filename).stem if filename else "imported schema"
-            if "questions" in parsed:
-                questions = parsed["questions"]
-            else:
-                questions = parsed
-            wrapped = dict(name=stem, version=1, description=f"Imported from {source}", questions=questions)
-            parsed = wrapped
+            parsed = {"name": Path(filename).stem if filename else "imported schema", "version": 1,
+                      "description": f"Imported from {source}", "questions": parsed.get("questions", parsed)}
         schema = Schema.from_dict(parsed, source=source)
         slug = slugify(schema.name)
         if overwrite and self.exists(slug):

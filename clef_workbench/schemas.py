@@ -268,13 +268,11 @@ class Schema:
     def to_dict(self) -> dict[str, Any]:
         """The file's content, keys in the fixed order name, version, description, questions, examples."""
         data: dict[str, Any] = {
-            "name": self.name,
-            "version": self.version,
-            "description": self.description,
-            "questions": {qid: _canonical_question(q) for qid, q in self.questions.items()},
+            "name": self.name, "version": self.version, "description": self.description,
+            "questions": {qid: _keys_first(q, "type", "instructions", "criteria") for qid, q in self.questions.items()},
         }
         if self.examples:
-            data["examples"] = [_canonical_example(e) for e in self.examples]
+            data["examples"] = [_keys_first(e, "name", "state") for e in self.examples]
         return data
 
     def to_json(self) -> str:
@@ -287,13 +285,8 @@ class Schema:
         problems = validate_schema_dict(data)
         if problems:
             raise SchemaError(problems, source=source)
-        return cls(
-            name=data["name"].strip(),
-            version=data.get("version", 1),
-            description=data.get("description", ""),
-            questions=plain_json(data["questions"]),
-            examples=plain_json(data.get("examples", [])),
-        )
+        return cls(name=data["name"].strip(), version=data.get("version", 1), description=data.get("description", ""),
+                   questions=plain_json(data["questions"]), examples=plain_json(data.get("examples", [])))
 
     @classmethod
     def from_json(cls, text: str, *, source: str = "schema") -> Schema:
@@ -313,18 +306,11 @@ def plain_json(value: Any) -> Any:
     return value
 
 
-def _canonical_question(question: dict[str, Any]) -> dict[str, Any]:
-    # Fixed key order so files diff cleanly; choice options and score levels keep the author's order
-    # (the response echoes choice ids in that order; score level order is meaning).
-    out: dict[str, Any] = {k: question[k] for k in ("type", "instructions", "criteria") if k in question}
-    out.update({k: v for k, v in question.items() if k not in out})
-    return out
-
-
-def _canonical_example(example: dict[str, Any]) -> dict[str, Any]:
-    out: dict[str, Any] = {k: example[k] for k in ("name", "state") if k in example}
-    out.update({k: v for k, v in example.items() if k not in out})
-    return out
+def _keys_first(value: dict[str, Any], *first: str) -> dict[str, Any]:
+    """`value` with the keys `first` in that order ahead of the rest, so that files diff cleanly. Choice options and
+    score levels keep the author's order (the response echoes choice ids in that order; score level order is
+    meaning)."""
+    return {**{key: value[key] for key in first if key in value}, **value}
 
 
 def validate_schema_dict(data: Any) -> list[SchemaProblem]:

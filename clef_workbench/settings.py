@@ -18,9 +18,10 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 ENVIRONMENT = {
     "model": "CLEF_MODEL",
@@ -58,24 +59,10 @@ class WorkbenchSettings:
         """The settings from `env` (default: the process's environment); an unset or blank variable takes its
         default."""
         env = os.environ if env is None else env
-
-        def read(key: str) -> str | None:
-            return (env.get(ENVIRONMENT[key]) or "").strip() or None
-
-        defaults = cls()
-        db_path, schemas_dir = read("db_path"), read("schemas_dir")
-        port, refresh = read("port"), read("status_refresh_s")
-        return cls(
-            model=read("model"),
-            revision=read("revision"),
-            db_path=Path(db_path) if db_path else defaults.db_path,
-            schemas_dir=Path(schemas_dir) if schemas_dir else defaults.schemas_dir,
-            host=read("host") or defaults.host,
-            port=_port(port) if port else defaults.port,
-            status_refresh_s=_seconds(refresh) if refresh else defaults.status_refresh_s,
-            api_key=read("api_key"),
-            ray_address=read("ray_address"),
-        )
+        parse: dict[str, Callable[[str], Any]] = {"db_path": Path, "schemas_dir": Path, "port": _port,
+                                                  "status_refresh_s": _seconds}
+        return cls(**{name: parse.get(name, str)(text) for name, variable in ENVIRONMENT.items()
+                      if (text := (env.get(variable) or "").strip())})
 
 
 def _port(text: str) -> int:

@@ -32,6 +32,11 @@ from clef_workbench.store import Answered, Result
 PERCENTILE_METHOD: Final = "linear"
 
 
+def state_text(state: Any) -> str:
+    """A case's state as text: a text as it is, anything else as JSON."""
+    return state if isinstance(state, str) else json.dumps(state, ensure_ascii=False)
+
+
 def _label_key(value: Any) -> str | None:
     """Expected answers as distribution keys: bools and yes/no → 'true'/'false', ints → '2', strings as is."""
     if value is None or (isinstance(value, float) and np.isnan(value)):
@@ -84,27 +89,15 @@ def answer_frame(results: Sequence[Answered], schema: dict) -> pd.DataFrame:
             expected_key = _label_key(expected.get(question_id))
             if qtype == "noul" and expected_key is not None:
                 expected_key = {"yes": "true", "no": "false", "1": "true", "0": "false"}.get(
-                    expected_key.lower(), expected_key.lower()
-                )
-            rows.append(
-                {
-                    "case_id": result["case_id"],
-                    "position": result.get("position"),
-                    "question_id": question_id,
-                    "question_type": qtype,
-                    "predicted": predicted,
-                    "confidence": confidence,
-                    "margin": margin,
-                    "distribution": distribution,
-                    "expected": expected_key,
-                    "correct": np.nan if expected_key is None else float(predicted == expected_key),
-                    "score": float(answer["score"]) if qtype == "score" else np.nan,
-                    "expected_level": float(expected_key) if qtype == "score" and expected_key is not None
-                    else np.nan,
-                    "latency_ms": result.get("latency_ms"),
-                    "input_tokens": result.get("input_tokens"),
-                }
-            )
+                    expected_key.lower(), expected_key.lower())
+            rows.append({
+                "case_id": result["case_id"], "position": result.get("position"), "question_id": question_id,
+                "question_type": qtype, "predicted": predicted, "confidence": confidence, "margin": margin,
+                "distribution": distribution, "expected": expected_key,
+                "correct": np.nan if expected_key is None else float(predicted == expected_key),
+                "score": float(answer["score"]) if qtype == "score" else np.nan,
+                "expected_level": float(expected_key) if qtype == "score" and expected_key is not None else np.nan,
+                "latency_ms": result.get("latency_ms"), "input_tokens": result.get("input_tokens")})
     columns = ["case_id", "position", "question_id", "question_type", "predicted", "confidence", "margin",
                "distribution", "expected", "correct", "score", "expected_level", "latency_ms", "input_tokens"]
     frame = pd.DataFrame(rows, columns=columns)
@@ -238,22 +231,35 @@ def score_mae(frame: pd.DataFrame) -> pd.DataFrame:
     return out.rename(columns={"count": "n_expected", "mean": "mae"}).reset_index()
 
 
+def confidence_bins(confidence: np.ndarray, bins: int) -> np.ndarray:
+    """The bin of each confidence: bin b holds [b/bins, (b+1)/bins), 1.0 goes into the last. Rounding first keeps
+    0.7 (stored as 0.69999…) in the 0.7 bin rather than the one below."""
+    return np.clip(np.floor(np.round(confidence * bins, 9)).astype(int), 0, bins - 1)
+
+
+def brier_term(question_type: str, distribution: dict[str, float], expected: str | None) -> float:
+    """One answer's Brier term: noul (P(true) − y)², choice and score Σ_k (p_k − y_k)²; NaN without an expected
+    answer."""
+    if expected is None:
+        return np.nan
+    if question_type == "noul":
+        return (distribution["true"] - (expected == "true")) ** 2
+    return float(sum((p - (option == expected)) ** 2 for option, p in distribution.items()))
+
+
 def calibration(frame: pd.DataFrame, question_id: str, bins: int = 10) -> dict[str, Any]:
     """Reliability bins, ECE and Brier score of one question over cases with an expected answer.
 
     Returns {"bins": DataFrame(bin_low, bin_high, count, mean_confidence, accuracy), "ece", "brier", "n"}."""
     rows = frame[(frame["question_id"] == question_id) & frame["expected"].notna()]
     edges = np.round(np.linspace(0.0, 1.0, bins + 1), 10)  # 0.7, not 0.7000000000000001, in the table
-    empty = pd.DataFrame({"bin_low": edges[:-1], "bin_high": edges[1:], "count": 0,
+    table = pd.DataFrame({"bin_low": edges[:-1], "bin_high": edges[1:], "count": 0,
                           "mean_confidence": np.nan, "accuracy": np.nan})
     if rows.empty:
-        return {"bins": empty, "ece": None, "brier": None, "n": 0}
+        return {"bins": table, "ece": None, "brier": None, "n": 0}
     confidence = rows["confidence"].to_numpy(dtype=float)
     correct = rows["correct"].to_numpy(dtype=float)
-    # bin b holds [edge_b, edge_b+1); confidence 1.0 goes into the last bin
-    # rounding first keeps 0.7 (stored as 0.69999…) in the 0.7 bin rather than the one below
-    index = np.clip(np.floor(np.round(confidence * bins, 9)).astype(int), 0, bins - 1)
-    table = empty.copy()
+    index = confidence_bins(confidence, bins)
     for b in range(bins):
         mask = index == b
         if mask.any():
@@ -262,16 +268,8 @@ def calibration(frame: pd.DataFrame, question_id: str, bins: int = 10) -> dict[s
     table["count"] = table["count"].astype(int)
     filled = table[table["count"] > 0]
     ece = float((filled["count"] / len(rows) * (filled["accuracy"] - filled["mean_confidence"]).abs()).sum())
-    qtype = rows["question_type"].iloc[0]
-    if qtype == "noul":
-        p_true = np.array([d["true"] for d in rows["distribution"]])
-        y_true = (rows["expected"] == "true").to_numpy(dtype=float)
-        brier = float(np.mean((p_true - y_true) ** 2))
-    else:
-        brier = float(np.mean([
-            sum((p - (1.0 if option == expected else 0.0)) ** 2 for option, p in distribution.items())
-            for distribution, expected in zip(rows["distribution"], rows["expected"], strict=True)
-        ]))
+    brier = float(np.mean([brier_term(t, d, e) for t, d, e in
+                           zip(rows["question_type"], rows["distribution"], rows["expected"], strict=True)]))
     return {"bins": table, "ece": ece, "brier": brier, "n": len(rows)}
 
 
@@ -343,10 +341,9 @@ def browse_table(results: Sequence[Result], schema: dict) -> pd.DataFrame:
     rows = []
     for row in frame.itertuples(index=False):
         result = by_case[row.case_id]
-        state = result.get("state")
         rows.append({
             "case": int(row.case_id), "source id": result.get("source_id"), "question": row.question_id,
-            "state": state if isinstance(state, str) else json.dumps(state, ensure_ascii=False),
+            "state": state_text(result.get("state")),
             "expected": row.expected, "predicted": row.predicted, "confidence": round(float(row.confidence), 4),
             "margin": round(float(row.margin), 4), "correct": None if pd.isna(row.correct) else bool(row.correct),
             "tags": ", ".join(result.get("tags") or []),

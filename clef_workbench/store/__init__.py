@@ -22,55 +22,45 @@ One `Store` object over one module per concern:
 from __future__ import annotations
 
 from clef_workbench.store.base import (
-    BUSY_TIMEOUT_MS,
-    CHANGE_KINDS,
     DuplicateNameError,
     NotFoundError,
     ReviewConflictError,
     StoreError,
     _dumps,
-    _loads,
     media_content_type,
     now_iso,
 )
 from clef_workbench.store.calibrations import CalibrationsMixin
-from clef_workbench.store.cases import CaseSetsMixin, case_hash
+from clef_workbench.store.cases import CaseSetsMixin
 from clef_workbench.store.drafts import DraftsMixin
 from clef_workbench.store.migrations import MIGRATIONS, SCHEMA_VERSION
-from clef_workbench.store.review import REVIEW_ACTIONS, REVIEW_STATUSES, ReviewMixin
+from clef_workbench.store.review import ReviewMixin
 from clef_workbench.store.rows import (
-    Answer,
     Answered,
     Calibration,
     Case,
-    CaseSet,
-    Change,
     NewCase,
     NewResult,
     NewReviewItem,
     RayPlacement,
     Response,
     Result,
-    ReviewAction,
     ReviewItem,
     Run,
     RunSettings,
-    SchemaVersion,
     Sweep,
     SweepAnswer,
     SweepVariant,
 )
-from clef_workbench.store.runs import RUN_STATUSES, RunsMixin, new_lease_owner
-from clef_workbench.store.schema_versions import SCHEMA_VERSION_ACTIONS, SchemaVersionsMixin, schema_hashes
+from clef_workbench.store.runs import RunsMixin, new_lease_owner
+from clef_workbench.store.schema_versions import SchemaVersionsMixin
 from clef_workbench.store.sweeps import SweepsMixin
 
 __all__ = [
-    "BUSY_TIMEOUT_MS", "CHANGE_KINDS", "MIGRATIONS", "REVIEW_ACTIONS", "REVIEW_STATUSES", "RUN_STATUSES",
-    "SCHEMA_VERSION", "SCHEMA_VERSION_ACTIONS", "DuplicateNameError", "NotFoundError", "ReviewConflictError",
-    "Store", "StoreError", "_dumps", "_loads", "case_hash", "media_content_type", "new_lease_owner", "now_iso",
-    "schema_hashes", "Answer", "Answered", "Calibration", "Case", "CaseSet", "Change", "NewCase", "NewResult",
-    "NewReviewItem", "RayPlacement", "Response", "Result", "ReviewAction", "ReviewItem", "Run", "RunSettings",
-    "SchemaVersion", "Sweep", "SweepAnswer", "SweepVariant",
+    "MIGRATIONS", "SCHEMA_VERSION", "DuplicateNameError", "NotFoundError", "ReviewConflictError", "Store",
+    "StoreError", "_dumps", "media_content_type", "new_lease_owner", "now_iso", "Answered", "Calibration", "Case",
+    "NewCase", "NewResult", "NewReviewItem", "RayPlacement", "Response", "Result", "ReviewItem", "Run", "RunSettings",
+    "Sweep", "SweepAnswer", "SweepVariant",
 ]
 
 

@@ -170,22 +170,23 @@ class StoreBase:
                                  f"version {version}, not this workbench's {SCHEMA_VERSION}: nothing was read; make "
                                  "it writable (chmod u+w) so that it can be upgraded, or use a matching workbench")
             return
-        conn.execute("BEGIN IMMEDIATE")  # a second process opening the same file waits here, then sees our version
-        try:
+        with self._write() as conn:  # a second process opening the same file waits here, then sees our version
             version = conn.execute("PRAGMA user_version").fetchone()[0]
             if version > SCHEMA_VERSION:
-                raise StoreError(
-                    f"{self.path} has database schema version {version}, newer than this workbench knows "
-                    f"({SCHEMA_VERSION}); upgrade the workbench or point CLEF_DB at another file"
-                )
+                raise StoreError(f"{self.path} has database schema version {version}, newer than this workbench knows "
+                                 f"({SCHEMA_VERSION}); upgrade the workbench or point CLEF_DB at another file")
             for number in range(version + 1, SCHEMA_VERSION + 1):
                 for statement in MIGRATIONS[number - 1]:
                     conn.execute(statement)
                 conn.execute(f"PRAGMA user_version={number}")
-        except BaseException:
-            conn.execute("ROLLBACK")
-            raise
-        conn.execute("COMMIT")
+
+    @staticmethod
+    def _decoded(row: sqlite3.Row, *columns: str) -> dict[str, Any]:
+        """The row as a dict, each `<column>_json` decoded under `column`."""
+        item = dict(row)
+        for column in columns:
+            item[column] = _loads(item.pop(f"{column}_json"))
+        return item
 
     def schema_version(self) -> int:
         """The migration number this file is at."""
@@ -196,11 +197,9 @@ class StoreBase:
     @staticmethod
     def _log_change(conn: sqlite3.Connection, action: str, kind: str, object_id: Any, label: str, *,
                     who: str = "", data: Any = None) -> int:
-        cur = conn.execute(
+        return inserted_id(conn.execute(
             "INSERT INTO change_log (at, who, action, kind, object_id, label, data_json) VALUES (?, ?, ?, ?, ?, ?, ?)",
-            (now_iso(), who or "", action, kind, str(object_id), label, None if data is None else _dumps(data)),
-        )
-        return inserted_id(cur)
+            (now_iso(), who or "", action, kind, str(object_id), label, None if data is None else _dumps(data))))
 
     def log_change(self, action: str, kind: str, object_id: Any, label: str, *, who: str = "",
                    data: Any = None) -> int:
@@ -218,9 +217,4 @@ class StoreBase:
             query += " WHERE kind = ?"
             params.append(kind)
         rows = self._conn().execute(query + " ORDER BY id DESC", params).fetchall()
-        out = []
-        for row in rows:
-            entry = dict(row)
-            entry["data"] = _loads(entry.pop("data_json"))
-            out.append(cast(Change, entry))
-        return out
+        return [cast(Change, self._decoded(row, "data")) for row in rows]

@@ -6,28 +6,24 @@ from __future__ import annotations
 import sqlite3
 from typing import Any, cast
 
-from clef_workbench.store.base import DuplicateNameError, NotFoundError, StoreBase, _dumps, _loads, inserted_id, now_iso
+from clef_workbench.store.base import DuplicateNameError, NotFoundError, StoreBase, _dumps, inserted_id, now_iso
 from clef_workbench.store.rows import Calibration, Run
 
 
 class CalibrationsMixin(StoreBase):
-    @staticmethod
-    def _calibration_row(row: sqlite3.Row) -> Calibration:
-        calibration = dict(row)
-        calibration["payload"] = _loads(calibration.pop("payload_json"))
-        return cast(Calibration, calibration)
+    def _calibration_row(self, row: sqlite3.Row) -> Calibration:
+        return cast(Calibration, self._decoded(row, "payload"))
 
     def save_calibration(self, name: str, run: Run, payload: dict[str, Any]) -> int:
         """Keep a calibration fitted on `run` (a `get_run` row) under a unique `name`."""
         with self._write() as conn:
             if conn.execute("SELECT 1 FROM calibrations WHERE name = ?", (name,)).fetchone():
                 raise DuplicateNameError(f"a calibration named {name!r} exists already")
-            cur = conn.execute(
+            return inserted_id(conn.execute(
                 """INSERT INTO calibrations (name, run_id, schema_name, schema_version_id, model_id, payload_json,
                    created_at) VALUES (?, ?, ?, ?, ?, ?, ?)""",
                 (name, run["id"], run["schema_name"], run["schema_version_id"], run["model_id"],
-                 _dumps(payload), now_iso()))
-            return inserted_id(cur)
+                 _dumps(payload), now_iso())))
 
     def get_calibration(self, calibration_id: int | None = None, *, name: str | None = None) -> Calibration:
         column, value = ("id", calibration_id) if name is None else ("name", name)

@@ -52,11 +52,9 @@ class CaseSetsMixin(StoreBase):
             raise ValueError("case set name must not be empty")
         try:
             with self._write() as conn:
-                cur = conn.execute(
+                return inserted_id(conn.execute(
                     "INSERT INTO case_sets (name, schema_name, description, created_at) VALUES (?, ?, ?, ?)",
-                    (name, schema_name, description, now_iso()),
-                )
-                return inserted_id(cur)
+                    (name, schema_name, description, now_iso())))
         except sqlite3.IntegrityError as exc:
             raise self._name_taken(name) from exc
 
@@ -97,14 +95,8 @@ class CaseSetsMixin(StoreBase):
             raise NotFoundError(f"case set {case_set_id} does not exist")
         return cast(CaseSet, dict(row))
 
-    def update_case_set(
-        self,
-        case_set_id: int,
-        *,
-        name: str | None = None,
-        schema_name: str | None = None,
-        description: str | None = None,
-    ) -> None:
+    def update_case_set(self, case_set_id: int, *, name: str | None = None, schema_name: str | None = None,
+                        description: str | None = None) -> None:
         self.get_case_set(case_set_id)
         try:
             with self._write() as conn:
@@ -146,17 +138,9 @@ class CaseSetsMixin(StoreBase):
 
     # -- cases -------------------------------------------------------------------------------------------------
 
-    def add_case(
-        self,
-        case_set_id: int,
-        *,
-        state: Any,
-        images: list[bytes] | None = None,
-        videos: list[bytes] | None = None,
-        expected: dict[str, Label] | None = None,
-        tags: list[str] | None = None,
-        source_id: str | None = None,
-    ) -> int:
+    def add_case(self, case_set_id: int, *, state: Any, images: list[bytes] | None = None,
+                 videos: list[bytes] | None = None, expected: dict[str, Label] | None = None,
+                 tags: list[str] | None = None, source_id: str | None = None) -> int:
         """Append one case (media stored with it as blobs); returns its id."""
         return self.add_cases(case_set_id, [{"state": state, "images": images, "videos": videos, "expected": expected,
                                              "tags": tags, "source_id": source_id}])[0]
@@ -190,9 +174,8 @@ class CaseSetsMixin(StoreBase):
                             (case_set_id,)).fetchone() is None:
                 raise NotFoundError(f"case set {case_set_id} does not exist")
             present = self._content_hashes(conn, case_set_id) if skip_existing else Counter()
-            position = conn.execute(
-                "SELECT COALESCE(MAX(position), -1) + 1 FROM cases WHERE case_set_id = ?", (case_set_id,)
-            ).fetchone()[0]
+            position = conn.execute("SELECT COALESCE(MAX(position), -1) + 1 FROM cases WHERE case_set_id = ?",
+                                    (case_set_id,)).fetchone()[0]
             id_holders = dict(conn.execute("SELECT source_id, id FROM cases WHERE case_set_id = ? AND deleted_at IS "
                                            "NULL AND source_id IS NOT NULL", (case_set_id,)).fetchall())
             for state_json, expected_json, tags_json, media, content, source_id in prepared:
@@ -204,16 +187,13 @@ class CaseSetsMixin(StoreBase):
                         f"the id {source_id!r} is already case {id_holders[source_id]}'s in this case set (an id "
                         "names one case); give the new case another id, or edit or delete case "
                         f"{id_holders[source_id]} first")
-                cur = conn.execute(
+                case_id = inserted_id(conn.execute(
                     """INSERT INTO cases (case_set_id, position, state_json, expected_json, tags_json, content_hash,
                                           source_id, created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?)""",
-                    (case_set_id, position, state_json, expected_json, tags_json, content, source_id, now_iso()),
-                )
-                case_id = inserted_id(cur)
+                    (case_set_id, position, state_json, expected_json, tags_json, content, source_id, now_iso())))
                 conn.executemany(
                     "INSERT INTO case_media (case_id, kind, position, content_type, data) VALUES (?, ?, ?, ?, ?)",
-                    [(case_id, kind, pos, ctype, blob) for kind, pos, ctype, blob in media],
-                )
+                    [(case_id, kind, pos, ctype, blob) for kind, pos, ctype, blob in media])
                 ids.append(case_id)
                 if source_id is not None:
                     id_holders[source_id] = case_id
@@ -234,14 +214,9 @@ class CaseSetsMixin(StoreBase):
                             (case_set_id,)).fetchall()
         return Counter(r[0] for r in rows)
 
-    def update_case(
-        self,
-        case_id: int,
-        *,
-        state: Any = ...,
-        expected: dict[str, Label] | None = ...,  # type: ignore[assignment]
-        tags: list[str] | None = ...,  # type: ignore[assignment]
-    ) -> None:
+    def update_case(self, case_id: int, *, state: Any = ...,
+                    expected: dict[str, Label] | None = ...,  # type: ignore[assignment]
+                    tags: list[str] | None = ...) -> None:  # type: ignore[assignment]
         """Change the given fields of a case (media stay)."""
         with self._write() as conn:
             if conn.execute("SELECT 1 FROM cases WHERE id = ? AND deleted_at IS NULL", (case_id,)).fetchone() is None:
@@ -281,17 +256,9 @@ class CaseSetsMixin(StoreBase):
 
     @staticmethod
     def _case_row(row: sqlite3.Row) -> Case:
-        return {
-            "id": row["id"],
-            "case_set_id": row["case_set_id"],
-            "position": row["position"],
-            "source_id": row["source_id"],
-            "state": _loads(row["state_json"]),
-            "expected": _loads(row["expected_json"]),
-            "tags": _loads(row["tags_json"]),
-            "image_count": row["image_count"],
-            "video_count": row["video_count"],
-        }
+        return Case(id=row["id"], case_set_id=row["case_set_id"], position=row["position"], source_id=row["source_id"],
+                    state=_loads(row["state_json"]), expected=_loads(row["expected_json"]),
+                    tags=_loads(row["tags_json"]), image_count=row["image_count"], video_count=row["video_count"])
 
     _CASE_SELECT = """SELECT c.*,
         (SELECT COUNT(*) FROM case_media m WHERE m.case_id = c.id AND m.kind = 'image') AS image_count,
@@ -300,10 +267,8 @@ class CaseSetsMixin(StoreBase):
 
     def list_cases(self, case_set_id: int) -> list[Case]:
         """Cases of a set in order, without media bytes (counts only)."""
-        rows = self._conn().execute(
-            self._CASE_SELECT + " WHERE c.case_set_id = ? AND c.deleted_at IS NULL ORDER BY c.position",
-            (case_set_id,),
-        ).fetchall()
+        rows = self._conn().execute(self._CASE_SELECT + " WHERE c.case_set_id = ? AND c.deleted_at IS NULL ORDER BY "
+                                    "c.position", (case_set_id,)).fetchall()
         return [self._case_row(r) for r in rows]
 
     def get_case(self, case_id: int, *, with_media: bool = True) -> Case:
@@ -315,10 +280,8 @@ class CaseSetsMixin(StoreBase):
                 raise NotFoundError(f"case {case_id} does not exist")
             case = self._case_row(row)
             if with_media:
-                media = conn.execute(
-                    "SELECT kind, content_type, data FROM case_media WHERE case_id = ? ORDER BY kind, position",
-                    (case_id,),
-                ).fetchall()
+                media = conn.execute("SELECT kind, content_type, data FROM case_media WHERE case_id = ? ORDER BY kind, "
+                                     "position", (case_id,)).fetchall()
                 items = [(m["kind"], Media(content_type=m["content_type"], data=m["data"])) for m in media]
                 case["images"] = [item for kind, item in items if kind == "image"]
                 case["videos"] = [item for kind, item in items if kind == "video"]

@@ -18,8 +18,7 @@ class DraftsMixin(StoreBase):
             conn.execute(
                 """INSERT INTO drafts (key, data_json, updated_at) VALUES (?, ?, ?)
                    ON CONFLICT (key) DO UPDATE SET data_json = excluded.data_json, updated_at = excluded.updated_at""",
-                (key, _dumps(data), now_iso()),
-            )
+                (key, _dumps(data), now_iso()))
             cutoff = (datetime.now(UTC) - timedelta(days=DRAFT_DAYS)).isoformat(timespec="milliseconds")
             conn.execute("DELETE FROM drafts WHERE updated_at < ?", (cutoff,))
 

@@ -20,18 +20,16 @@ class ReviewMixin(StoreBase):
     # -- review queue ------------------------------------------------------------------------------------------
 
     def get_review_rules(self, schema_name: str) -> dict | None:
-        row = self._conn().execute("SELECT rules_json FROM review_rules WHERE schema_name = ?", (schema_name,))
-        found = row.fetchone()
-        return None if found is None else _loads(found[0])
+        query = "SELECT rules_json FROM review_rules WHERE schema_name = ?"
+        row = self._conn().execute(query, (schema_name,)).fetchone()
+        return None if row is None else _loads(row[0])
 
     def save_review_rules(self, schema_name: str, rules: dict) -> None:
         with self._write() as conn:
             conn.execute(
                 """INSERT INTO review_rules (schema_name, rules_json, updated_at) VALUES (?, ?, ?)
                    ON CONFLICT (schema_name) DO UPDATE SET rules_json = excluded.rules_json,
-                   updated_at = excluded.updated_at""",
-                (schema_name, _dumps(rules), now_iso()),
-            )
+                   updated_at = excluded.updated_at""", (schema_name, _dumps(rules), now_iso()))
 
     def queue_review_items(self, items: list[NewReviewItem]) -> int:
         """Add items to the review queue with their reason frozen now. An item already queued for the same (run, case,
@@ -45,23 +43,13 @@ class ReviewMixin(StoreBase):
                        created_at, updated_at)
                    VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
                    ON CONFLICT (run_id, case_id, question_id) DO NOTHING""",
-                [
-                    (
-                        i["run_id"], i["case_id"], i["question_id"], i["question_type"], _dumps(i["distribution"]),
-                        str(i["predicted"]), float(i["confidence"]), float(i["margin"]), i["reason"],
-                        i["model_id"], i["schema_name"], str(i["schema_version"]), stamp, stamp,
-                    )
-                    for i in items
-                ],
-            )
+                [(i["run_id"], i["case_id"], i["question_id"], i["question_type"], _dumps(i["distribution"]),
+                  str(i["predicted"]), float(i["confidence"]), float(i["margin"]), i["reason"], i["model_id"],
+                  i["schema_name"], str(i["schema_version"]), stamp, stamp) for i in items])
             return conn.total_changes - before
 
-    @staticmethod
-    def _item_row(row: sqlite3.Row) -> ReviewItem:
-        item = dict(row)
-        item["distribution"] = _loads(item.pop("distribution_json"))
-        item["label"] = _loads(item.pop("label_json"))
-        return cast(ReviewItem, item)
+    def _item_row(self, row: sqlite3.Row) -> ReviewItem:
+        return cast(ReviewItem, self._decoded(row, "distribution", "label"))
 
     def list_review_items(self, run_id: int, *, statuses: tuple[str, ...] | None = None) -> list[ReviewItem]:
         """Queue of a run, worst first: open items before skipped ones before done ones, each by smallest margin."""
@@ -82,9 +70,8 @@ class ReviewMixin(StoreBase):
 
     def review_progress(self, run_id: int) -> dict[str, int]:
         """Counts per status plus total and reviewed (accepted + corrected + unknown)."""
-        rows = self._conn().execute(
-            "SELECT status, COUNT(*) FROM review_items WHERE run_id = ? GROUP BY status", (run_id,)
-        ).fetchall()
+        rows = self._conn().execute("SELECT status, COUNT(*) FROM review_items WHERE run_id = ? GROUP BY status",
+                                    (run_id,)).fetchall()
         counts = {status: 0 for status in REVIEW_STATUSES}
         counts.update({r[0]: r[1] for r in rows})
         counts["total"] = sum(counts[s] for s in REVIEW_STATUSES)
@@ -95,10 +82,8 @@ class ReviewMixin(StoreBase):
     def _item_state(item: sqlite3.Row) -> ItemState:
         return {"status": item["status"], "label": _loads(item["label_json"]), "reviewer": item["reviewer"]}
 
-    def apply_review_action(
-        self, item_id: int, *, reviewer: str, action: str, expected_version: int, label: Any = None,
-        comment: str | None = None,
-    ) -> ReviewItem:
+    def apply_review_action(self, item_id: int, *, reviewer: str, action: str, expected_version: int,
+                            label: Any = None, comment: str | None = None) -> ReviewItem:
         """Apply accept / correct / unknown / skip to an item, if it is still at the version the reviewer saw.
 
         accept labels the item with the model's answer; correct with `label` (option id, level or bool); unknown
@@ -126,7 +111,7 @@ class ReviewMixin(StoreBase):
                 if label is None:
                     raise ValueError("correct needs the right answer (an option id, a level or true/false)")
                 new_label = _coerce_label(row["question_type"], label)
-                if _label_key(new_label) not in allowed:
+                if label_key(new_label) not in allowed:
                     raise ValueError(f"{label!r} is not an option of question {row['question_id']!r}: {allowed}")
             else:
                 new_label = None
@@ -136,8 +121,7 @@ class ReviewMixin(StoreBase):
             conn.execute(
                 """INSERT INTO review_actions (item_id, reviewer, at, action, before_json, after_json, comment)
                    VALUES (?, ?, ?, ?, ?, ?, ?)""",
-                (item_id, reviewer, now_iso(), action, _dumps(before), _dumps(after), (comment or "").strip() or None),
-            )
+                (item_id, reviewer, now_iso(), action, _dumps(before), _dumps(after), (comment or "").strip() or None))
             return self._item_row(conn.execute("SELECT * FROM review_items WHERE id = ?", (item_id,)).fetchone())
 
     @staticmethod
@@ -146,8 +130,7 @@ class ReviewMixin(StoreBase):
             """UPDATE review_items SET status = ?, label_json = ?, reviewer = ?, version = version + 1,
                updated_at = ? WHERE id = ?""",
             (state["status"], None if state["label"] is None else _dumps(state["label"]), state["reviewer"],
-             now_iso(), item_id),
-        )
+             now_iso(), item_id))
 
     def undo_last_action(self, reviewer: str, *, run_id: int | None = None) -> ReviewItem:
         """Undo this reviewer's most recent action that is not yet undone, by appending an `undo` entry and
@@ -180,8 +163,7 @@ class ReviewMixin(StoreBase):
             conn.execute(
                 """INSERT INTO review_actions (item_id, reviewer, at, action, before_json, after_json,
                                                undoes_action_id) VALUES (?, ?, ?, 'undo', ?, ?, ?)""",
-                (row["id"], reviewer, now_iso(), _dumps(current), _dumps(restored), last["id"]),
-            )
+                (row["id"], reviewer, now_iso(), _dumps(current), _dumps(restored), last["id"]))
             return self._item_row(conn.execute("SELECT * FROM review_items WHERE id = ?", (row["id"],)).fetchone())
 
     def list_review_actions(self, *, run_id: int | None = None, item_id: int | None = None) -> list[ReviewAction]:
@@ -196,16 +178,10 @@ class ReviewMixin(StoreBase):
             query += " AND a.item_id = ?"
             params.append(item_id)
         rows = self._conn().execute(query + " ORDER BY a.id", params).fetchall()
-        out = []
-        for row in rows:
-            entry = dict(row)
-            entry["before"] = _loads(entry.pop("before_json"))
-            entry["after"] = _loads(entry.pop("after_json"))
-            out.append(cast(ReviewAction, entry))
-        return out
+        return [cast(ReviewAction, self._decoded(row, "before", "after")) for row in rows]
 
 
-def _label_key(label: Label) -> str:
+def label_key(label: Label) -> str:
     """The distribution key of a label: 'true'/'false' for noul, '2' for a score level, the id for a choice."""
     return str(label).lower() if isinstance(label, bool) else str(label)
 

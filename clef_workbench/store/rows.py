@@ -1,12 +1,13 @@
-"""What the store takes and returns, typed: the rows (JSON columns decoded), the settings a run keeps, and the engine's
-response as a result keeps it. Rows are plain dicts at run time (TypedDicts): a page indexes them as before."""
+"""What the store takes and returns, typed: the rows (JSON columns decoded) and the settings a run keeps. A result
+keeps the engine's response as it came (clef_engine.protocol.Response). Rows are plain dicts at run time
+(TypedDicts): a page indexes them as before."""
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
 from typing import Any, NotRequired, TypedDict
 
-from clef_engine.protocol import OverflowPolicy
+from clef_engine.protocol import OverflowPolicy, Response
 
 Label = str | bool | int  # an expected answer or a reviewer's label: option id, noul's bool, score level
 
@@ -45,34 +46,6 @@ class RunSettings:
     def to_json(self) -> dict[str, Any]:
         """The settings to store: those set (not None)."""
         return {key: value for key, value in asdict(self).items() if value is not None}
-
-
-class Answer(TypedDict, total=False):
-    """One question's answer: `type` and that type's fields (clef_engine.protocol's answer models)."""
-
-    type: str
-    noul: float
-    choice: str
-    score: float
-    confidence: float
-    probabilities: dict[str, float]
-    legend: dict[str, Any]
-
-
-class Usage(TypedDict):
-    input_tokens: int
-
-
-class Response(TypedDict):
-    """A System One response as the workbench reads it: the answers by question id, the tokens used, and the engine's
-    `x_` timings and token counts."""
-
-    answers: dict[str, Answer]
-    usage: NotRequired[Usage]
-    x_latency_ms: NotRequired[float]
-    x_compute_ms: NotRequired[float]
-    x_queue_ms: NotRequired[float]
-    x_token_counts: NotRequired[dict[str, int]]
 
 
 class CaseSet(TypedDict):
@@ -153,23 +126,28 @@ class NewResult(TypedDict):
     finished_at: NotRequired[str]
 
 
-class Result(TypedDict):
-    """A result with its case's position, own id, state, expected answers and tags."""
+class Answered(TypedDict):
+    """What scoring (stats.answer_frame) reads of a case's answer: a Result is one, a sweep's answer makes one."""
+
+    case_id: int
+    position: int
+    response: Response | None
+    error: str | None
+    expected: dict[str, Label]
+    latency_ms: float | None
+    input_tokens: int | None
+
+
+class Result(Answered):
+    """A result with its case's own id, state and tags."""
 
     id: int
     run_id: int
-    case_id: int
-    response: Response | None
-    error: str | None
-    latency_ms: float | None
-    input_tokens: int | None
     token_counts: dict[str, int] | None
     started_at: str
     finished_at: str
-    position: int
     source_id: str | None
     state: Any
-    expected: dict[str, Label]
     tags: list[str]
 
 
@@ -293,18 +271,6 @@ class Sweep(TypedDict):
     done: int  # cases with every variant's answer
     state_prefills: int  # states computed for the done cases
     variants: NotRequired[list[SweepVariant]]  # get_sweep's, in order
-
-
-class Answered(TypedDict):
-    """What scoring (stats.answer_frame) reads of a case's answer: a Result is one, a sweep's answer makes one."""
-
-    case_id: int
-    position: int
-    response: Response | None
-    error: str | None
-    expected: dict[str, Label]
-    latency_ms: float | None
-    input_tokens: int | None
 
 
 class SweepAnswer(TypedDict):

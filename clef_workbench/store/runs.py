@@ -40,15 +40,8 @@ def _owner_process_gone(owner: str) -> bool:
 
 
 class RunsMixin(StoreBase):
-    def create_run(
-        self,
-        case_set_id: int,
-        *,
-        schema: dict,
-        model_id: str,
-        model_revision: str | None = None,
-        settings: RunSettings = RunSettings(),
-    ) -> int:
+    def create_run(self, case_set_id: int, *, schema: dict, model_id: str, model_revision: str | None = None,
+                   settings: RunSettings = RunSettings()) -> int:
         """Record a run of a case set against a schema (a dict with name, version, questions); status pending.
         The run is linked to the schema history's version of exactly this content (settings.schema_slug's
         first) and carries its number; content never saved in the library is linked to none (`schema_slug` None)
@@ -60,28 +53,16 @@ class RunsMixin(StoreBase):
             version = find_version_row(conn, schema, settings.schema_slug)
             if version is not None:
                 schema = {**schema, "version": version["number"]}
-            cur = conn.execute(
+            return inserted_id(conn.execute(
                 """INSERT INTO runs (case_set_id, schema_json, schema_name, schema_version, schema_version_id,
                                      model_id, model_revision, settings_json, created_at)
                    VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)""",
-                (
-                    case_set_id,
-                    _dumps(schema),
-                    str(schema.get("name") or "unnamed"),
-                    str(schema.get("version") or "1"),
-                    None if version is None else version["id"],
-                    model_id,
-                    model_revision,
-                    _dumps(settings.to_json()),
-                    now_iso(),
-                ),
-            )
-            return inserted_id(cur)
+                (case_set_id, _dumps(schema), str(schema.get("name") or "unnamed"), str(schema.get("version") or "1"),
+                 None if version is None else version["id"], model_id, model_revision, _dumps(settings.to_json()),
+                 now_iso())))
 
-    @staticmethod
-    def _run_row(row: sqlite3.Row) -> Run:
-        run = dict(row)
-        run["schema"] = _loads(run.pop("schema_json"))
+    def _run_row(self, row: sqlite3.Row) -> Run:
+        run = self._decoded(row, "schema")
         run["settings"] = RunSettings.from_json(_loads(run.pop("settings_json")))
         return cast(Run, run)
 
@@ -103,12 +84,10 @@ class RunsMixin(StoreBase):
     def list_runs(self, case_set_id: int | None = None, *, deleted: bool = False) -> list[Run]:
         """Runs, newest first, optionally of one case set (with deleted=True: the deleted ones instead)."""
         where = "r.deleted_at IS NOT NULL" if deleted else "r.deleted_at IS NULL"
-        if case_set_id is None:
-            rows = self._conn().execute(f"{self._RUN_SELECT} WHERE {where} ORDER BY r.id DESC").fetchall()
-        else:
-            rows = self._conn().execute(
-                f"{self._RUN_SELECT} WHERE {where} AND r.case_set_id = ? ORDER BY r.id DESC", (case_set_id,)
-            ).fetchall()
+        params: tuple[int, ...] = ()
+        if case_set_id is not None:
+            where, params = where + " AND r.case_set_id = ?", (case_set_id,)
+        rows = self._conn().execute(f"{self._RUN_SELECT} WHERE {where} ORDER BY r.id DESC", params).fetchall()
         return [self._run_row(r) for r in rows]
 
     def update_run_settings(self, run_id: int, **changes: Any) -> None:
@@ -124,18 +103,13 @@ class RunsMixin(StoreBase):
             raise ValueError(f"run status must be one of {RUN_STATUSES}, not {status!r}")
         with self._write() as conn:
             if status == "running":
-                conn.execute(
-                    """UPDATE runs SET status = ?, error = NULL, finished_at = NULL,
-                       started_at = COALESCE(started_at, ?) WHERE id = ?""",
-                    (status, now_iso(), run_id),
-                )
+                conn.execute("""UPDATE runs SET status = ?, error = NULL, finished_at = NULL,
+                                started_at = COALESCE(started_at, ?) WHERE id = ?""", (status, now_iso(), run_id))
             elif status == "pending":
                 conn.execute("UPDATE runs SET status = ? WHERE id = ?", (status, run_id))
             else:
-                conn.execute(
-                    "UPDATE runs SET status = ?, error = ?, finished_at = ? WHERE id = ?",
-                    (status, error, now_iso(), run_id),
-                )
+                conn.execute("UPDATE runs SET status = ?, error = ?, finished_at = ? WHERE id = ?",
+                             (status, error, now_iso(), run_id))
 
     def delete_run(self, run_id: int, *, who: str = "") -> None:
         """Delete a run (soft: restore_run brings it back with its results); refused while a process works on it,
@@ -144,11 +118,8 @@ class RunsMixin(StoreBase):
             row = conn.execute("SELECT * FROM runs WHERE id = ? AND deleted_at IS NULL", (run_id,)).fetchone()
             if row is None:
                 raise NotFoundError(f"run {run_id} does not exist")
-            acted = conn.execute(
-                """SELECT COUNT(*) FROM review_actions a JOIN review_items i ON i.id = a.item_id
-                   WHERE i.run_id = ?""",
-                (run_id,),
-            ).fetchone()[0]
+            acted = conn.execute("""SELECT COUNT(*) FROM review_actions a JOIN review_items i ON i.id = a.item_id
+                                    WHERE i.run_id = ?""", (run_id,)).fetchone()[0]
             if acted:
                 raise StoreError(f"run {run_id} has {acted} review action(s) in the audit log; it cannot be deleted")
             if self._live_owner(row) is not None:
@@ -220,37 +191,23 @@ class RunsMixin(StoreBase):
             """SELECT c.id FROM cases c JOIN runs r ON r.case_set_id = c.case_set_id
                WHERE r.id = ? AND c.deleted_at IS NULL
                  AND NOT EXISTS (SELECT 1 FROM results x WHERE x.run_id = r.id AND x.case_id = c.id)
-               ORDER BY c.position""",
-            (run_id,),
-        ).fetchall()
+               ORDER BY c.position""", (run_id,)).fetchall()
         return [r[0] for r in rows]
 
     def record_results(self, run_id: int, results: list[NewResult]) -> int:
         """Write results of one chunk atomically. A (run, case) already recorded is kept, not duplicated; returns how
         many rows were new."""
         stamp = now_iso()
-        rows = [
-            (
-                run_id,
-                r["case_id"],
-                None if r.get("response") is None else _dumps(r["response"]),
-                r.get("error"),
-                r.get("latency_ms"),
-                r.get("input_tokens"),
-                None if r.get("token_counts") is None else _dumps(r["token_counts"]),
-                r.get("started_at") or stamp,
-                r.get("finished_at") or stamp,
-            )
-            for r in results
-        ]
+        rows = [(run_id, r["case_id"], None if r.get("response") is None else _dumps(r["response"]), r.get("error"),
+                 r.get("latency_ms"), r.get("input_tokens"),
+                 None if r.get("token_counts") is None else _dumps(r["token_counts"]),
+                 r.get("started_at") or stamp, r.get("finished_at") or stamp) for r in results]
         with self._write() as conn:
             before = conn.total_changes
             conn.executemany(
                 """INSERT INTO results (run_id, case_id, response_json, error, latency_ms, input_tokens,
                                         token_counts_json, started_at, finished_at)
-                   VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (run_id, case_id) DO NOTHING""",
-                rows,
-            )
+                   VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (run_id, case_id) DO NOTHING""", rows)
             return conn.total_changes - before
 
     def delete_error_results(self, run_id: int) -> int:
@@ -262,13 +219,6 @@ class RunsMixin(StoreBase):
         """Results of a run in case-set order, each with the case's own id, state, expected answers and tags."""
         rows = self._conn().execute(
             """SELECT x.*, c.position, c.source_id, c.state_json, c.expected_json, c.tags_json FROM results x
-               JOIN cases c ON c.id = x.case_id WHERE x.run_id = ? ORDER BY c.position""",
-            (run_id,),
-        ).fetchall()
-        out = []
-        for row in rows:
-            item = dict(row)
-            for name in ("response", "token_counts", "state", "expected", "tags"):
-                item[name] = _loads(item.pop(f"{name}_json"))
-            out.append(cast(Result, item))
-        return out
+               JOIN cases c ON c.id = x.case_id WHERE x.run_id = ? ORDER BY c.position""", (run_id,)).fetchall()
+        columns = ("response", "token_counts", "state", "expected", "tags")
+        return [cast(Result, self._decoded(row, *columns)) for row in rows]

@@ -14,7 +14,7 @@ import hashlib
 import sqlite3
 from typing import Any, cast
 
-from clef_workbench.store.base import NotFoundError, StoreBase, _dumps, _loads, inserted_id, now_iso
+from clef_workbench.store.base import NotFoundError, StoreBase, _dumps, inserted_id, now_iso
 from clef_workbench.store.rows import RecordedSchemaVersion, SchemaVersion
 
 # Why a version was written: the library's operations, "adopt" for a sweep's result made the schema's new version
@@ -40,11 +40,8 @@ class SchemaVersionsMixin(StoreBase):
                                        AND r.deleted_at IS NULL) AS run_count
                          FROM schema_versions v"""
 
-    @staticmethod
-    def _version_row(row: sqlite3.Row) -> SchemaVersion:
-        version = dict(row)
-        version["schema"] = _loads(version.pop("schema_json"))
-        return cast(SchemaVersion, version)
+    def _version_row(self, row: sqlite3.Row) -> SchemaVersion:
+        return cast(SchemaVersion, self._decoded(row, "schema"))
 
     def record_schema_version(self, slug: str, schema: dict, *, action: str, who: str = "",
                               note: str = "") -> RecordedSchemaVersion:
@@ -68,12 +65,10 @@ class SchemaVersionsMixin(StoreBase):
             number = max((latest["number"] if latest is not None else 0) + 1,
                          own if isinstance(own, int) and not isinstance(own, bool) else 1)
             numbered = {**schema, "version": number}
-            cur = conn.execute(
+            version_id = inserted_id(conn.execute(
                 """INSERT INTO schema_versions (slug, number, content_hash, run_hash, schema_json, action, who, note,
                                                 created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)""",
-                (slug, number, content_hash, run_hash, _dumps(numbered), action, who or "", note, now_iso()),
-            )
-            version_id = inserted_id(cur)
+                (slug, number, content_hash, run_hash, _dumps(numbered), action, who or "", note, now_iso())))
         return RecordedSchemaVersion(**self.get_schema_version(version_id), new=True)
 
     def get_schema_version(self, version_id: int) -> SchemaVersion:
@@ -104,11 +99,6 @@ class SchemaVersionsMixin(StoreBase):
         """Every slug with a history, sorted (deleted schemas included: their history stays)."""
         rows = self._conn().execute("SELECT DISTINCT slug FROM schema_versions ORDER BY slug").fetchall()
         return [r[0] for r in rows]
-
-    def find_schema_version(self, schema: dict, *, slug: str | None = None) -> SchemaVersion | None:
-        """The version a run of `schema` would be linked to, or None (content never saved in the library)."""
-        row = find_version_row(self._conn(), schema, slug)
-        return None if row is None else self.get_schema_version(row["id"])
 
 
 def find_version_row(conn: sqlite3.Connection, schema: dict, slug: str | None) -> sqlite3.Row | None:
