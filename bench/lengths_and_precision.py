@@ -5,12 +5,12 @@ results file.
 
     python bench/lengths_and_precision.py OUT.json --smoke        (CUDA, a tiny shape: checks everything, ~1-2 min)
     python bench/lengths_and_precision.py OUT.json                (CUDA; flash-linear-attention installed; < 10 min)
-    python bench/lengths_and_precision.py OUT.json --no-decide    (issue 38's keys only: batch speed and fidelity)
+    python bench/lengths_and_precision.py OUT.json --sections fidelity,bf16,fp8 --no-decide     (issue 38's keys)
     python bench/lengths_and_precision.py OUT.json --sections fidelity         (one section again, merged into OUT)
     python bench/lengths_and_precision.py OUT.json --sections long --long-results long-records.json   (no GPU)
     python bench/lengths_and_precision.py OUT.json --smoke --device cpu       (the script only, plain FP8 functions)
 
-Sections (`--sections`, comma-separated, in this order; default bf16,fp8,fidelity):
+Sections (`--sections`, comma-separated, run in the order given, `long` first; default bf16,fp8,fidelity):
 - bf16: one model with random bf16 weights of the Clef-27B shape (bench/build.py, never zeros) in an engine with the
   default configuration: 256 cases of 700-1,300 tokens through the workbench's JobRunner + SQLite, after an untimed
   `decide_many` of all of them (Triton compiles and autotunes for every pack length, the allocator grows; the
@@ -18,7 +18,7 @@ Sections (`--sections`, comma-separated, in this order; default bf16,fp8,fidelit
   graphs); then `decide` p50 at ~512 and ~1k tokens (16 fresh states each, lengths drawn from 450-600 and 900-1,150
   as bench/user_paths.py does, each request decided once untimed first so that its length's CUDA graph is captured
   before the timed call).
-- fp8: the bf16 engine closed, the same model (the same weights) loaded again with precision="fp8": its projections
+- fp8: the bf16 engine closed, the same model (the same weights) loaded again with precision="fp8":
   its in-layer projections quantized in place in 128x128 blocks, the checks of the blockwise `torch._scaled_mm`
   and the fused FP8 norm run at start-up (a kernel that fails its check is replaced by its plain version:
   `detail.fp8.kernels` says which ran, and why); weights in GiB; the same batch and `decide` timings; and its
@@ -32,10 +32,10 @@ Sections (`--sections`, comma-separated, in this order; default bf16,fp8,fidelit
 Writes OUT.json after every section and step, in issue 25's and 38's layout: `fp8.{bf16_batch_tokens_per_s,
 fp8_batch_tokens_per_s, batch_speedup, p50_512_ms, p50_1024_ms, weights_gib, max_dp, max_flip_margin, flips,
 questions}` (plus `gate_met`, `scheme`, `fidelity_shape`), `long`, `p95_over_p50_16k`; everything else under
-`detail`. An existing OUT.json is
-read first and the sections run now replace their keys, so several calls build one file. BENCH_DEADLINE_S (560) is
-the time after start by which it stops starting steps that would not end in time. Copy the file to
-bench/results/<date>-h200-lengths-and-precision.json: the engine reads FP8's distance from float32 there
+`detail`. An existing OUT.json is read first and the sections run now replace their keys, so several calls build one
+file. BENCH_DEADLINE_S (560) is the time after start by which it stops starting steps that would not end in time.
+Copy the file to bench/results/<date>-h200-lengths-and-precision.json (or its `fp8` keys into issue 38's
+<date>-h200-start-and-shapes.json): the engine reads FP8's distance from float32 there
 (`Engine.info()["distance_from_float32"]`).
 """
 
@@ -224,6 +224,9 @@ class Big:
 
 
 def build_big(setup: Setup) -> None:
+    free()  # what an earlier section (fidelity, when run first) left
+    if setup.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
     config_json = build.clef_config("clef", setup.tiny)
     if setup.smoke:
         build.scale_down(config_json)
@@ -420,9 +423,10 @@ def main(argv: list[str] | None = None) -> int:
 
             runs[-1]["environment"] = {"torch": torch.__version__, "transformers": transformers.__version__,
                                        "gpu": torch.cuda.get_device_name()}
-        for name, step in (("bf16", bf16_section), ("fp8", fp8_section), ("fidelity", fidelity_section)):
-            if name in chosen:
-                step(setup)
+        steps = {"bf16": bf16_section, "fp8": fp8_section, "fidelity": fidelity_section}
+        for name in chosen:
+            if name in steps:
+                steps[name](setup)
         close_big_engine()
     runs[-1]["elapsed_s"] = round(time.perf_counter() - STARTED, 1)
     save()
