@@ -349,12 +349,15 @@ def fidelity_section(setup: Setup) -> None:
         try:
             with torch.inference_mode():
                 ours = [engine.runner.forward([r])[0] for r in encoded]
+            fp8_kernels = {k: v for k, v in engine.runner.backbone.kernels.describe().items() if k.startswith("fp8.")}
         finally:
             engine.close()
             del engine
             free()
         distance = F.compare(ours, truth)
         distance["seconds"] = round(time.perf_counter() - t0, 1)
+        if fp8_kernels:  # which FP8 GEMM and norm answered (a plain one where the CUDA one failed its check)
+            distance["kernels"] = fp8_kernels
         detail[precision] = distance
         say(precision, "vs float32:", {k: v for k, v in distance.items() if k != "flip_margins"})
         save()
