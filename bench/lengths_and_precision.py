@@ -1,14 +1,16 @@
 # ruff: noqa: B023 — the timed closures run at once, inside the loop iteration that defines them
-"""FP8 next to bf16 on the Clef-27B architecture on one H200 (issue 25, "An opt-in FP8 precision"), in one run,
-and the merge of bench/long_records.py's sections into the same results file.
+"""FP8 next to bf16 on the Clef-27B architecture on one H200 (issue 25, "An opt-in FP8 precision"; issue 38's
+block-scaled scheme, fast/fp8.py), in one run, and the merge of bench/long_records.py's sections into the same
+results file.
 
     python bench/lengths_and_precision.py OUT.json --smoke        (CUDA, a tiny shape: checks everything, ~1-2 min)
     python bench/lengths_and_precision.py OUT.json                (CUDA; flash-linear-attention installed; < 10 min)
+    python bench/lengths_and_precision.py OUT.json --sections fidelity,bf16,fp8 --no-decide     (issue 38's keys)
     python bench/lengths_and_precision.py OUT.json --sections fidelity         (one section again, merged into OUT)
     python bench/lengths_and_precision.py OUT.json --sections long --long-results long-records.json   (no GPU)
     python bench/lengths_and_precision.py OUT.json --smoke --device cpu       (the script only, plain FP8 functions)
 
-Sections (`--sections`, comma-separated, in this order; default bf16,fp8,fidelity):
+Sections (`--sections`, comma-separated, run in the order given, `long` first; default bf16,fp8,fidelity):
 - bf16: one model with random bf16 weights of the Clef-27B shape (bench/build.py, never zeros) in an engine with the
   default configuration: 256 cases of 700-1,300 tokens through the workbench's JobRunner + SQLite, after an untimed
   `decide_many` of all of them (Triton compiles and autotunes for every pack length, the allocator grows; the
@@ -16,21 +18,24 @@ Sections (`--sections`, comma-separated, in this order; default bf16,fp8,fidelit
   graphs); then `decide` p50 at ~512 and ~1k tokens (16 fresh states each, lengths drawn from 450-600 and 900-1,150
   as bench/user_paths.py does, each request decided once untimed first so that its length's CUDA graph is captured
   before the timed call).
-- fp8: the bf16 engine closed, the same model (the same weights) loaded again with precision="fp8": its projections
-  quantized in place, the checks of `torch._scaled_mm` and the fused FP8 kernels run at start-up; weights in GiB;
-  the same batch and `decide` timings; and its answers next to bf16's on the timed requests.
+- fp8: the bf16 engine closed, the same model (the same weights) loaded again with precision="fp8":
+  its in-layer projections quantized in place in 128x128 blocks, the checks of the blockwise `torch._scaled_mm`
+  and the fused FP8 norm run at start-up (a kernel that fails its check is replaced by its plain version:
+  `detail.fp8.kernels` says which ran, and why); weights in GiB; the same batch and `decide` timings; and its
+  answers next to bf16's on the timed requests. `--no-decide` leaves out the `decide` timings of both sections.
 - fidelity: the 27B model freed; bench/fidelity.py's comparison on the Clef-Flash shape: the truth is the release path
   in float32 (TF32 off) on 55 varied records; ours in bf16 and in fp8 (`engine.runner.forward`, one record at a time,
   as `decide` runs it; CUDA graphs off, which replay the same kernels). Clef-27B's float32 truth (~110 GB) does not
   fit next to its bf16 copy on one H200, hence the Flash shape (said in `fp8.fidelity_shape`).
 - long: `long` and `p95_over_p50_16k` (and their detail) copied from bench/long_records.py's results (`--long-results`).
 
-Writes OUT.json after every section and step, in issue 25's layout: `fp8.{bf16_batch_tokens_per_s,
-fp8_batch_tokens_per_s, p50_512_ms, p50_1024_ms, weights_gib, max_dp, max_flip_margin, flips, questions}` (plus
-`gate_met`, `fidelity_shape`), `long`, `p95_over_p50_16k`; everything else under `detail`. An existing OUT.json is
-read first and the sections run now replace their keys, so several calls build one file. BENCH_DEADLINE_S (560) is
-the time after start by which it stops starting steps that would not end in time. Copy the file to
-bench/results/<date>-h200-lengths-and-precision.json: the engine reads FP8's distance from float32 there
+Writes OUT.json after every section and step, in issue 25's and 38's layout: `fp8.{bf16_batch_tokens_per_s,
+fp8_batch_tokens_per_s, batch_speedup, p50_512_ms, p50_1024_ms, weights_gib, max_dp, max_flip_margin, flips,
+questions}` (plus `gate_met`, `scheme`, `fidelity_shape`), `long`, `p95_over_p50_16k`; everything else under
+`detail`. An existing OUT.json is read first and the sections run now replace their keys, so several calls build one
+file. BENCH_DEADLINE_S (560) is the time after start by which it stops starting steps that would not end in time.
+Copy the file to bench/results/<date>-h200-lengths-and-precision.json (or its `fp8` keys into issue 38's
+<date>-h200-start-and-shapes.json): the engine reads FP8's distance from float32 there
 (`Engine.info()["distance_from_float32"]`).
 """
 
@@ -63,7 +68,6 @@ LATENCY_BUCKETS = {"512": (450, 600), "1024": (900, 1150)}
 # projection's features a multiple of 16 (torch._scaled_mm's rule; fidelity.py's "tiny" has 4-wide b/a projections)
 SMOKE_FIDELITY_SHAPE = dict(hidden=256, ffn=512, layers=4, heads=4, kv_heads=2, gdn_k=4, gdn_v=16, vision_out=256,
                             head_width=64, vocab="tiny", state_tokens=(30, 150))
-GATE = {"max_dp": 0.05, "max_flip_margin": 0.05}  # issue 25's fidelity gate for FP8
 
 results: dict = {"fp8": {}, "long": {}, "p95_over_p50_16k": None, "detail": {"errors": {}}}
 OUT: Path
@@ -94,6 +98,7 @@ class Setup:
         from clef_engine.tiny import build_tiny_release
 
         self.smoke = args.smoke
+        self.decide = not args.no_decide
         self.device = torch.device(args.device)
         self.scale = 16 if self.smoke else 1  # request lengths divided by this in the smoke run
         self.tiny = build_tiny_release(Path(tempfile.mkdtemp(prefix="clef-bench-tiny-")))
@@ -219,6 +224,9 @@ class Big:
 
 
 def build_big(setup: Setup) -> None:
+    free()  # what an earlier section (fidelity, when run first) left
+    if setup.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
     config_json = build.clef_config("clef", setup.tiny)
     if setup.smoke:
         build.scale_down(config_json)
@@ -246,11 +254,13 @@ def measure_engine(setup: Setup, precision: str) -> dict:
     detail["batch_run"] = batch_run(setup, engine)
     say(precision, "batch:", detail["batch_run"]["tokens_per_s"], "tokens/s")
     save()
-    if Big.latency_requests is None:
-        Big.latency_requests = latency_requests(setup, engine)
-    timed = latencies(engine, Big.latency_requests)
-    detail["decide"] = {name: {k: v for k, v in row.items() if k != "answers"} for name, row in timed.items()}
-    say(precision, "decide p50:", {name: row["p50_ms"] for name, row in timed.items()})
+    timed = {}
+    if setup.decide:
+        if Big.latency_requests is None:
+            Big.latency_requests = latency_requests(setup, engine)
+        timed = latencies(engine, Big.latency_requests)
+        detail["decide"] = {name: {k: v for k, v in row.items() if k != "answers"} for name, row in timed.items()}
+        say(precision, "decide p50:", {name: row["p50_ms"] for name, row in timed.items()})
     if setup.device.type == "cuda":
         detail["memory_peak_allocated_gib"] = build.gib(torch.cuda.max_memory_allocated())
     detail["scheduler"] = vars(engine.scheduler.stats).copy()
@@ -272,13 +282,14 @@ def fp8_section(setup: Setup) -> None:
     close_big_engine()  # its fused bf16 weights go as the fp8 engine re-fuses and quantizes the modules' views
     answers = measure_engine(setup, "fp8")
     detail = results["detail"]["fp8"]
+    say("fp8 kernels:", {k: v for k, v in detail["kernels"].items() if k.startswith("fp8.")})
     fp8 = results["fp8"]
     fp8["fp8_batch_tokens_per_s"] = detail["batch_run"]["tokens_per_s"]
     for name in LATENCY_BUCKETS:
-        fp8[f"p50_{name}_ms"] = detail["decide"].get(name, {}).get("p50_ms")
+        fp8[f"p50_{name}_ms"] = detail.get("decide", {}).get(name, {}).get("p50_ms")
     fp8["weights_gib"] = detail["weights_gib"]
     if fp8.get("bf16_batch_tokens_per_s"):
-        fp8["batch_over_bf16"] = round(fp8["fp8_batch_tokens_per_s"] / fp8["bf16_batch_tokens_per_s"], 3)
+        fp8["batch_speedup"] = round(fp8["fp8_batch_tokens_per_s"] / fp8["bf16_batch_tokens_per_s"], 3)
     if Big.bf16_answers:  # the same requests, the same weights: how far FP8 moves the answers from bf16's
         detail["vs_bf16"] = {name: answer_distance(answers[name], Big.bf16_answers[name])
                              for name in answers if name in Big.bf16_answers}
@@ -288,6 +299,7 @@ def fp8_section(setup: Setup) -> None:
 def fidelity_section(setup: Setup) -> None:
     """Distances from the float32 truth (bench/fidelity.py's records and comparison) of ours in bf16 and in fp8."""
     from bench import fidelity as F
+    from clef_engine.fp8_fidelity import GATE_FLIP_MARGIN, GATE_MAX_DP, SCHEME
 
     close_big_engine()
     Big.model = Big.head = None
@@ -337,12 +349,15 @@ def fidelity_section(setup: Setup) -> None:
         try:
             with torch.inference_mode():
                 ours = [engine.runner.forward([r])[0] for r in encoded]
+            fp8_kernels = {k: v for k, v in engine.runner.backbone.kernels.describe().items() if k.startswith("fp8.")}
         finally:
             engine.close()
             del engine
             free()
         distance = F.compare(ours, truth)
         distance["seconds"] = round(time.perf_counter() - t0, 1)
+        if fp8_kernels:  # which FP8 GEMM and norm answered (a plain one where the CUDA one failed its check)
+            distance["kernels"] = fp8_kernels
         detail[precision] = distance
         say(precision, "vs float32:", {k: v for k, v in distance.items() if k != "flip_margins"})
         save()
@@ -351,8 +366,8 @@ def fidelity_section(setup: Setup) -> None:
         fp8 = detail["fp8"]
         margin = max(fp8["flip_margins"], default=0.0)
         results["fp8"].update(max_dp=fp8["max_dp"], max_flip_margin=margin, flips=fp8["flips"],
-                              questions=detail["questions"],
-                              gate_met=fp8["max_dp"] <= GATE["max_dp"] and margin <= GATE["max_flip_margin"],
+                              questions=detail["questions"], scheme=SCHEME,
+                              gate_met=fp8["max_dp"] <= GATE_MAX_DP and margin <= GATE_FLIP_MARGIN,
                               fidelity_shape=(f"{shape} (random weights; the truth is the release path in float32; "
                                               "Clef-27B's float32 truth does not fit next to its bf16 copy on one "
                                               "H200)" if not setup.smoke else f"{shape} (smoke)"))
@@ -376,6 +391,8 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"comma-separated, of {', '.join(SECTIONS)} (default bf16,fp8,fidelity)")
     parser.add_argument("--long-results", type=Path, help="bench/long_records.py's results, for --sections long")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes and counts: the whole run in a minute or two")
+    parser.add_argument("--no-decide", action="store_true",
+                        help="leave out the decide timings of the bf16 and fp8 sections (batch speed only)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--deadline-s", type=float, default=None, help="default: BENCH_DEADLINE_S or 560")
     args = parser.parse_args(argv)
@@ -409,9 +426,10 @@ def main(argv: list[str] | None = None) -> int:
 
             runs[-1]["environment"] = {"torch": torch.__version__, "transformers": transformers.__version__,
                                        "gpu": torch.cuda.get_device_name()}
-        for name, step in (("bf16", bf16_section), ("fp8", fp8_section), ("fidelity", fidelity_section)):
-            if name in chosen:
-                step(setup)
+        steps = {"bf16": bf16_section, "fp8": fp8_section, "fidelity": fidelity_section}
+        for name in chosen:
+            if name in steps:
+                steps[name](setup)
         close_big_engine()
     runs[-1]["elapsed_s"] = round(time.perf_counter() - STARTED, 1)
     save()

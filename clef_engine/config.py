@@ -20,9 +20,10 @@ the environment, then from defaults that depend on the device, and returns a fro
   records. 16,384 on CUDA, 0 on the CPU.
 - CLEF_WARM_UP (warm_up): after loading, compile, autotune and capture in the background while the engine answers
   (the engine reads "warming" until done; `Engine.warm_up_steps`); on with CUDA, off on the CPU.
-- CLEF_PRECISION (precision): `bf16` (default) or `fp8`: W8A8 FP8 (e4m3) for the backbone's projection GEMMs
-  (fast/fp8.py), opt-in; it needs CUDA with compute capability >= 8.9, `torch._scaled_mm`, dtype bf16 and the packed
-  path, and is refused with the reason otherwise.
+- CLEF_PRECISION (precision): `bf16` (default) or `fp8`: W8A8 FP8 (e4m3, 128x128 weight blocks, 1x128 activation
+  groups) for the backbone's in-layer projection GEMMs, the residual-feeding ones staying bf16 (fast/fp8.py), opt-in;
+  it needs CUDA with compute capability >= 8.9, `torch._scaled_mm`, dtype bf16 and the packed path, and is refused
+  with the reason otherwise.
 
 Process settings, each set (if unset) before a release loads (`apply_process_settings`):
 - FLA_DISABLE_BACKEND_DISPATCH: flash-linear-attention's backend registry would otherwise walk its backends on every

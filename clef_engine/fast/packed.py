@@ -14,9 +14,10 @@ storing a long state costs no second pass. CUDA graphs of this forward live in g
 A long record alone runs in chunks (`forward_chunked`): each chunk through every layer, continuing after the chunks
 before it as after a cached state, so that its activations are one chunk's whatever its length.
 
-With precision "fp8" (fp8.py) the projections' weights are quantized to e4m3 at load and the kernels that produce
-their inputs write them quantized per row: the residual add + RMSNorm, SiLU·mul, and a row-quantize of the attention
-and Gated DeltaNet outputs. Everything else runs as in bf16.
+With precision "fp8" (fp8.py) the in-layer projections' weights (q/k/v, Gated DeltaNet in_proj, MLP gate/up) are
+quantized to e4m3 in 128x128 blocks at load and the residual add + RMSNorm that produces their inputs writes them
+quantized per token in groups of 128 columns. Everything else, the residual-feeding projections included, runs as in
+bf16.
 
 Media records are not handled here (the engine sends them to the padded multimodal path).
 """
@@ -103,8 +104,8 @@ class PackedBackbone:
     """The text model of a loaded `Qwen3_5ForConditionalGeneration`, run packed."""
 
     def __init__(self, model, kernels: K.Kernels | None = None, precision: str = "bf16"):
-        """`precision` "fp8" quantizes the projections in place (fp8.py): the transformers modules then run FP8 too,
-        and their bf16 weights are freed. `kernels` must then have FP8 slots (`kernels.fp8`)."""
+        """`precision` "fp8" quantizes the in-layer projections in place (fp8.py): those transformers modules then run
+        FP8 too, and their bf16 weights are freed. `kernels` must then have FP8 slots (`kernels.fp8`)."""
         text = model.model.language_model
         self.precision = precision
         self.config = text.config
@@ -140,8 +141,9 @@ class PackedBackbone:
         if fp8.linear is FP8.linear_fp8_scaled_mm:
             bad = FP8.unsupported_shapes(modules)
             if bad:
-                raise ReleaseError(f"precision fp8: torch._scaled_mm needs in and out features that are multiples of "
-                                   f"{FP8.SCALED_MM_MULTIPLE}; these projections are not: {', '.join(bad[:4])}")
+                raise ReleaseError(f"precision fp8: the blockwise torch._scaled_mm needs in features that are "
+                                   f"multiples of {FP8.BLOCK} and out features multiples of "
+                                   f"{FP8.SCALED_MM_OUT_MULTIPLE}; these projections are not: {', '.join(bad[:4])}")
         layers = []
         with torch.no_grad():
             for layer in modules:
@@ -159,7 +161,7 @@ class PackedBackbone:
             raise ReleaseError("this backbone's projections are FP8 and its kernels have no FP8 slots")
         return self.kernels.fp8
 
-    # ---- the projections and the kernels that produce their inputs (bf16, or FP8 rows) --------------------------
+    # ---- the projections and the kernels that produce their inputs (bf16, or FP8 blocks) ------------------------
 
     def _norm(self, branch: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None):
         """Residual add + RMSNorm; the normed output is the next projection's input."""
@@ -174,18 +176,13 @@ class PackedBackbone:
         return fp8.linear(x, weight) if fp8 is not None else F.linear(x, weight)
 
     def _project_residual(self, x, weight) -> torch.Tensor:
-        """A projection whose output joins the residual stream (o_proj, Gated DeltaNet out_proj, MLP down); `x` in
-        the model's dtype, or already FP8 rows (SiLU·mul's)."""
-        fp8 = self.fp8
-        if fp8 is None:
-            return self.kernels.residual_projection(x, weight)
-        return fp8.linear(x if isinstance(x, FP8.Fp8Rows) else fp8.quantize_rows(x), weight)
+        """A projection whose output joins the residual stream (o_proj, Gated DeltaNet out_proj, MLP down): bf16 in
+        either precision."""
+        return self.kernels.residual_projection(x, weight)
 
     def _mlp(self, layer: FastLayer, normed) -> torch.Tensor:
-        fp8 = self.fp8
         gate_up = self._project(normed, layer.gate_up)
-        activated = (fp8.silu_mul if fp8 is not None else self.kernels.silu_mul)(gate_up, layer.intermediate)
-        return self._project_residual(activated, layer.down)
+        return self._project_residual(self.kernels.silu_mul(gate_up, layer.intermediate), layer.down)
 
     # ---- one forward --------------------------------------------------------------------------------------------
 

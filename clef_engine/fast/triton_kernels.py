@@ -267,105 +267,45 @@ def sigmoid_gate(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     return out
 
 
-# ---- FP8 (precision="fp8"): the projections' inputs written as e4m3 with one float32 scale per row ------------------
-# Each row is scaled so that its largest magnitude maps to e4m3's largest finite value (448), as
-# fp8.quantize_rows_torch does: row i = values[i] * scales[i]. Quantizing where the activations are produced saves
-# the separate pass that, measured on the H200, ate the FP8 GEMM's gain (../shared/measurements/2026-12-02).
+# ---- FP8 (precision="fp8"): the projections' inputs written as e4m3, one float32 scale per token per group -------
+# Each group of `group` (128) columns of a row is scaled so that its largest magnitude maps to e4m3's largest finite
+# value (448), as fp8.quantize_blocks_torch does: x[i, j] = values[i, j] * scales[i, j // group]. Quantizing where
+# the activations are produced saves the separate pass that, measured on the H200, ate the FP8 GEMM's gain
+# (../shared/measurements/2026-12-02).
 
 FP8_MAX = tl.constexpr(448.0)  # e4m3's largest finite value (constexpr: read inside the kernels)
-FP8_MIN_AMAX = tl.constexpr(1e-12)  # an all-zero row gets this amax (its values stay zero), never a division by 0
+FP8_MIN_AMAX = tl.constexpr(1e-12)  # an all-zero group gets this amax (its values stay zero), never a division by 0
 
 
 @triton.jit
-def _add_rms_norm_fp8_kernel(x_ptr, residual_ptr, sum_ptr, values_ptr, scales_ptr, weight_ptr, D, eps,
-                             HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+def _add_rms_norm_fp8_kernel(x_ptr, residual_ptr, sum_ptr, values_ptr, scales_ptr, weight_ptr, D, ROWS, eps,
+                             HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, GROUP: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < D
     normed = _add_and_norm_row(x_ptr, residual_ptr, sum_ptr, weight_ptr, row, cols, mask, D, eps, HAS_RESIDUAL)
-    amax = tl.maximum(tl.max(tl.abs(normed), axis=0), FP8_MIN_AMAX)
-    scale = amax / FP8_MAX
-    quantized = tl.minimum(tl.maximum(normed / scale, -FP8_MAX), FP8_MAX)
-    tl.store(values_ptr + row * D + cols, quantized.to(values_ptr.dtype.element_ty), mask=mask)
-    tl.store(scales_ptr + row, scale)
+    groups = tl.reshape(normed, (BLOCK // GROUP, GROUP))  # columns past D are 0: no group's amax changes
+    scale = tl.maximum(tl.max(tl.abs(groups), axis=1), FP8_MIN_AMAX) / FP8_MAX
+    quantized = tl.minimum(tl.maximum(groups / scale[:, None], -FP8_MAX), FP8_MAX)
+    tl.store(values_ptr + row * D + cols, tl.reshape(quantized, (BLOCK,)).to(values_ptr.dtype.element_ty), mask=mask)
+    group = tl.arange(0, BLOCK // GROUP)
+    tl.store(scales_ptr + group * ROWS + row, scale, mask=group * GROUP < D)  # column-major [ROWS, groups]
 
 
-def add_rms_norm_fp8(x: torch.Tensor, weight_plus_one: torch.Tensor, eps: float,
-                     residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(e4m3 values [N, D], float32 scales [N, 1], residual + x [N, D] in float32): `add_rms_norm`'s normed output
-    (in float32, never rounded to bf16) quantized per row, in the same one pass."""
+def add_rms_norm_fp8(x: torch.Tensor, weight_plus_one: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+                     group: int = 128) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(e4m3 values [N, D], float32 scales [N, ceil(D / group)] column-major, residual + x [N, D] in float32):
+    `add_rms_norm`'s normed output (in float32, never rounded to bf16) quantized per token per `group` columns, in
+    the same one pass."""
     width = x.shape[-1]
     x2 = x.reshape(-1, width).contiguous()
     rows = x2.shape[0]
     values = torch.empty(x2.shape, dtype=torch.float8_e4m3fn, device=x2.device)
-    scales = torch.empty(rows, 1, dtype=torch.float32, device=x2.device)
+    scales = torch.empty(-(-width // group), rows, dtype=torch.float32, device=x2.device).t()
     total = torch.empty(x2.shape, dtype=torch.float32, device=x2.device)
     residual2 = residual.reshape(-1, width).contiguous() if residual is not None else x2
-    block = triton.next_power_of_2(width)
-    _add_rms_norm_fp8_kernel[(rows,)](x2, residual2, total, values, scales, weight_plus_one, width, eps,
-                                      HAS_RESIDUAL=residual is not None, BLOCK=block,
+    block = max(triton.next_power_of_2(width), group)
+    _add_rms_norm_fp8_kernel[(rows,)](x2, residual2, total, values, scales, weight_plus_one, width, rows, eps,
+                                      HAS_RESIDUAL=residual is not None, BLOCK=block, GROUP=group,
                                       num_warps=8 if block >= 4096 else 4)
     return values, scales, total
-
-
-@triton.jit
-def _silu_mul_fp8_kernel(gate_up_ptr, values_ptr, scales_ptr, WIDTH, BLOCK: tl.constexpr):
-    """One row per program, two passes over it: the row's amax, then the scaled values. The second pass reads the
-    row again (from L2: one row of the gate/up output is tens of KB) instead of holding it in registers."""
-    row = tl.program_id(0).to(tl.int64)
-    source = gate_up_ptr + row * 2 * WIDTH
-    amax = tl.zeros([BLOCK], dtype=tl.float32)
-    for start in range(0, WIDTH, BLOCK):
-        cols = start + tl.arange(0, BLOCK)
-        mask = cols < WIDTH
-        gate = tl.load(source + cols, mask=mask, other=0.0).to(tl.float32)
-        up = tl.load(source + WIDTH + cols, mask=mask, other=0.0).to(tl.float32)
-        amax = tl.maximum(amax, tl.abs(gate / (1.0 + tl.exp(-gate)) * up))
-    scale = tl.maximum(tl.max(amax, axis=0), FP8_MIN_AMAX) / FP8_MAX
-    for start in range(0, WIDTH, BLOCK):
-        cols = start + tl.arange(0, BLOCK)
-        mask = cols < WIDTH
-        gate = tl.load(source + cols, mask=mask, other=0.0).to(tl.float32)
-        up = tl.load(source + WIDTH + cols, mask=mask, other=0.0).to(tl.float32)
-        quantized = tl.minimum(tl.maximum(gate / (1.0 + tl.exp(-gate)) * up / scale, -FP8_MAX), FP8_MAX)
-        tl.store(values_ptr + row * WIDTH + cols, quantized.to(values_ptr.dtype.element_ty), mask=mask)
-    tl.store(scales_ptr + row, scale)
-
-
-def silu_mul_fp8(gate_up: torch.Tensor, intermediate: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(e4m3 values [N, I], float32 scales [N, 1]) of silu(gate_up[:, :I]) * gate_up[:, I:], computed in float32."""
-    gate_up = gate_up.contiguous()
-    rows = gate_up.shape[0]
-    values = torch.empty(rows, intermediate, dtype=torch.float8_e4m3fn, device=gate_up.device)
-    scales = torch.empty(rows, 1, dtype=torch.float32, device=gate_up.device)
-    _silu_mul_fp8_kernel[(rows,)](gate_up, values, scales, intermediate, BLOCK=2048, num_warps=8)
-    return values, scales
-
-
-@triton.jit
-def _quantize_rows_kernel(x_ptr, values_ptr, scales_ptr, WIDTH, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    amax = tl.zeros([BLOCK], dtype=tl.float32)
-    for start in range(0, WIDTH, BLOCK):
-        cols = start + tl.arange(0, BLOCK)
-        x = tl.load(x_ptr + row * WIDTH + cols, mask=cols < WIDTH, other=0.0).to(tl.float32)
-        amax = tl.maximum(amax, tl.abs(x))
-    scale = tl.maximum(tl.max(amax, axis=0), FP8_MIN_AMAX) / FP8_MAX
-    for start in range(0, WIDTH, BLOCK):
-        cols = start + tl.arange(0, BLOCK)
-        mask = cols < WIDTH
-        x = tl.load(x_ptr + row * WIDTH + cols, mask=mask, other=0.0).to(tl.float32)
-        quantized = tl.minimum(tl.maximum(x / scale, -FP8_MAX), FP8_MAX)
-        tl.store(values_ptr + row * WIDTH + cols, quantized.to(values_ptr.dtype.element_ty), mask=mask)
-    tl.store(scales_ptr + row, scale)
-
-
-def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(e4m3 values [N, D], float32 scales [N, 1]) of x [N, D] (the attention and Gated DeltaNet outputs, which
-    reach their projection through a kernel of their own)."""
-    x = x.contiguous()
-    rows, width = x.shape
-    values = torch.empty(rows, width, dtype=torch.float8_e4m3fn, device=x.device)
-    scales = torch.empty(rows, 1, dtype=torch.float32, device=x.device)
-    _quantize_rows_kernel[(rows,)](x, values, scales, width, BLOCK=2048, num_warps=8)
-    return values, scales

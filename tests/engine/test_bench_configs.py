@@ -19,10 +19,12 @@ def test_benchmark_architecture_matches_the_release(tiny_release, name, paramete
 
 
 @pytest.mark.parametrize("name", ["clef", "clef-flash"])
-def test_fp8_takes_every_projection_of_the_published_architectures_and_clef_fits_in_30_gib(tiny_release, name):
-    """precision="fp8" quantizes every projection for torch._scaled_mm, which needs in and out features that are
-    multiples of 16: none of the published architectures' projections is refused. And Clef-27B's weights in FP8
-    (projections one byte a parameter, the rest bf16, the 256 MB head) are within issue 25's 30 GiB."""
+def test_fp8_takes_every_in_layer_projection_of_the_published_architectures(tiny_release, name):
+    """precision="fp8" quantizes the in-layer projections for the blockwise torch._scaled_mm, which needs in features
+    in whole groups of 128 and out features that are multiples of 16: none of the published architectures' is
+    refused. Clef-27B's weights in FP8 (those projections one byte a parameter, the rest bf16, the 256 MB head) are
+    under three quarters of its bf16 weights (issue 25's 30 GiB no longer: the residual-feeding projections, a
+    quarter of the parameters and more, stay bf16)."""
     from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
 
     from clef_engine.fast import fp8
@@ -38,8 +40,8 @@ def test_fp8_takes_every_projection_of_the_published_architectures_and_clef_fits
     total = sum(p.numel() for p in model.parameters())
     fp8_bytes = projection_parameters + 2 * (total - projection_parameters) + 256 * 10**6
     if name == "clef":
-        assert projection_parameters > 0.85 * total
-        assert fp8_bytes <= 30 * 2**30, fp8_bytes / 2**30
+        assert projection_parameters > 0.55 * total
+        assert fp8_bytes <= 0.75 * 2 * total, fp8_bytes / 2**30
 
 
 def bench_imports() -> dict[str, set[str]]:

@@ -1,9 +1,10 @@
-"""precision="fp8": W8A8 FP8 projections (clef_engine/fast/fp8.py).
+"""precision="fp8": block-scaled W8A8 FP8 for the in-layer projections (clef_engine/fast/fp8.py).
 
-On the CPU the plain PyTorch versions run (the FP8 GEMM, the quantizing norms, the whole packed backbone and its
-transformers modules in FP8). The CUDA kernels (`torch._scaled_mm`, the fused Triton kernels) are checked by the
-engine at start-up (`fp8.fp8_matches_torch`); the tests marked `cuda` run those checks and an FP8 backbone on a GPU
-and are skipped only where no CUDA GPU is visible. The Triton kernels also run here in Triton's CPU interpreter."""
+On the CPU the plain PyTorch versions run (the block GEMM, the quantizing norm, the whole packed backbone, its
+transformers modules and an engine in FP8). The CUDA kernels (`torch._scaled_mm` with blockwise scales, the fused
+Triton norm) are checked by the engine at start-up (`fp8.select_fp8_kernels`); the tests marked `cuda` run those
+checks and an FP8 backbone on a GPU and are skipped only where no CUDA GPU is visible. The Triton norm also runs here
+in Triton's CPU interpreter."""
 
 from __future__ import annotations
 
@@ -13,10 +14,10 @@ import os
 import subprocess
 import sys
 import textwrap
+from dataclasses import replace
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from clef_engine.config import EngineConfig
 from clef_engine.errors import ReleaseError
@@ -37,62 +38,105 @@ def e4m3_step(x: torch.Tensor) -> torch.Tensor:
 
 # ---- the plain FP8 functions -------------------------------------------------------------------------------------
 
-def test_rows_quantize_to_e4m3_with_their_amax_at_448_and_within_one_step():
+def groups_apart(rows: int, width: int) -> torch.Tensor:
+    """Random [rows, width] whose 128-column groups are up to six decades apart, and apart again from row to row."""
+    scale = torch.logspace(-3, 3, FP8._blocks(width)).repeat_interleave(FP8.BLOCK)[:width]
+    return torch.randn(rows, width) * scale * torch.rand(rows, 1)
+
+
+def test_activations_quantize_per_token_per_128_columns_with_each_groups_amax_at_448():
     torch.manual_seed(0)
-    x = torch.randn(9, 200) * torch.logspace(-3, 3, 9)[:, None]  # rows six decades apart
-    x[4] = 0  # a zero row stays zero, with a finite scale
-    rows = FP8.quantize_rows_torch(x)
-    assert rows.values.dtype == torch.float8_e4m3fn and rows.scales.shape == (9, 1)
-    assert torch.isfinite(rows.scales).all() and (rows.values[4].float() == 0).all()
-    live = [i for i in range(9) if i != 4]
-    assert torch.equal(rows.values[live].float().abs().amax(-1), torch.full((8,), 448.0))
-    scaled = x / rows.scales
-    assert ((rows.values.float() - scaled).abs() <= e4m3_step(scaled) / 2 + 1e-6).all()  # rounded to nearest
+    x = groups_apart(9, 320)  # two full groups and a partial one
+    x[4, 128:256] = 0  # a zero group stays zero, with a finite scale
+    blocks = FP8.quantize_blocks_torch(x)
+    assert blocks.values.dtype == torch.float8_e4m3fn and blocks.values.shape == (9, 320)
+    assert blocks.scales.shape == (9, 3) and blocks.scales.stride() == (1, 9)  # column-major, as _scaled_mm wants
+    assert torch.isfinite(blocks.scales).all() and (blocks.values[4, 128:256].float() == 0).all()
+    amax = blocks.values.float().abs()
+    group_amax = torch.stack([amax[:, start:start + 128].amax(-1) for start in (0, 128, 256)], 1)
+    live = torch.ones_like(group_amax, dtype=torch.bool)
+    live[4, 1] = False
+    assert (group_amax[live] == 448).all()  # every group uses e4m3's whole range, the small ones too
+    scaled = x / FP8._expand(blocks.scales, 9, 320, row_block=1)
+    assert ((blocks.values.float() - scaled).abs() <= e4m3_step(scaled) / 2 + 1e-6).all()  # rounded to nearest
+    # the round trip: each element within half a step of its group's range, however small the group
+    error = (blocks.dequantize() - x).abs() / FP8._expand(blocks.scales * 448, 9, 320, row_block=1)
+    assert error.max() <= 1 / 28  # half of e4m3's largest step (32) over 448
 
 
-def test_the_plain_fp8_linear_equals_the_dequantized_product():
+def test_weights_quantize_in_128x128_blocks_and_an_outlier_costs_only_its_block():
     torch.manual_seed(1)
-    x = FP8.quantize_rows_torch(torch.randn(37, 96) * torch.rand(37, 1) * 5)
-    weight = FP8.quantize_weight(torch.randn(48, 96) * 0.02)
-    assert weight.values.shape == (48, 96) and weight.scales.shape == (1, 48)
-    got = FP8.linear_fp8_torch(x, weight)
-    want = F.linear(x.values.float() * x.scales, weight.values.float() * weight.scales.t())
-    assert got.dtype == torch.bfloat16
-    assert torch.allclose(got.float(), want, rtol=8e-3, atol=1e-6 * want.abs().max().item())  # one bf16 rounding
-    if hasattr(torch, "_scaled_mm"):  # where torch has a CPU _scaled_mm, the start-up check passes here too
-        try:
-            torch._scaled_mm(x.values[:16, :32], weight.values[:16, :32].t(), scale_a=x.scales[:16],
-                             scale_b=weight.scales[:, :16], out_dtype=torch.bfloat16)
-        except (RuntimeError, NotImplementedError):
-            return
-        assert FP8.scaled_mm_matches(torch.device("cpu")) is None
+    weight = torch.randn(300, 384) * 0.02  # 3 x 3 blocks, the last row of blocks partial
+    weight[5, 7] = 30.0  # an outlier, in block (0, 0)
+    quantized = FP8.quantize_weight(weight)
+    assert quantized.values.shape == (300, 384) and quantized.scales.shape == (3, 3)
+    assert quantized.scales.t().stride() == (1, 4)  # block scale rows padded to 4: cuBLAS's 128x128 layout
+    assert quantized.scales[0, 0] == pytest.approx(30.0 / 448)
+    error = (quantized.dequantize() - weight).abs()
+    per_block = [[error[r:r + 128, c:c + 128].max().item() for c in (0, 128, 256)] for r in (0, 128, 256)]
+    assert per_block[0][0] <= 30.0 / 28  # the outlier's block: coarse
+    others = [e for r, row in enumerate(per_block) for c, e in enumerate(row) if (r, c) != (0, 0)]
+    rest = weight.clone()
+    rest[:128, :128] = 0
+    assert max(others) <= rest.abs().max().item() / 28  # every other block as fine as without the outlier
+    sub, skip = quantized.rows(130, 200)  # a projection inside a fused weight, not on a block boundary
+    assert skip == 2 and sub.values.shape == (72, 384) and sub.scales.shape == (1, 3)
+    assert torch.equal(sub.dequantize()[skip:], quantized.dequantize()[130:200])
 
 
-def test_the_quantizing_norm_and_activation_equal_quantizing_the_plain_ones():
-    """rms_norm_fp8 / silu_mul_fp8 are kernels.rms_norm_torch / silu_mul in float32, quantized per row; the residual
-    stream they return is the plain float32 sum."""
+def test_the_plain_block_gemm_is_the_dequantized_product_and_within_fp8s_error_of_float32():
     torch.manual_seed(2)
-    x, residual, gain = torch.randn(11, 64).bfloat16(), torch.randn(11, 64) * 3, 1 + 0.1 * torch.randn(64)
-    rows, stream = FP8.rms_norm_fp8_torch(x, gain, 1e-6, residual)
+    x, weight = groups_apart(37, 384), torch.randn(200, 384) * 0.02
+    blocks, quantized = FP8.quantize_blocks_torch(x), FP8.quantize_weight(weight)
+    got = FP8.linear_fp8_torch(blocks, quantized)
+    assert got.dtype == torch.bfloat16 and got.shape == (37, 200)
+    exact = blocks.dequantize() @ quantized.dequantize().t()
+    assert torch.allclose(got.float(), exact, rtol=8e-3, atol=1e-6 * exact.abs().max().item())  # one bf16 rounding
+    truth = x @ weight.t()
+    error = ((got.float() - truth).norm() / truth.norm()).item()
+    # e4m3 rounds each operand to 3 mantissa bits (relative error up to 1/16, ~1/40 rms); the product's error is
+    # about that of the two operands together
+    assert 0.005 < error < 0.06, error
+
+
+def test_the_quantizing_norm_equals_quantizing_the_plain_norm():
+    """rms_norm_fp8 is kernels.rms_norm_torch in float32, quantized in blocks; the residual stream it returns is the
+    plain float32 sum."""
+    torch.manual_seed(3)
+    x, residual, gain = torch.randn(11, 320).bfloat16(), torch.randn(11, 320) * 3, 1 + 0.1 * torch.randn(320)
+    blocks, stream = FP8.rms_norm_fp8_torch(x, gain, 1e-6, residual)
     normed, want_stream = K.rms_norm_torch(x, gain, 1e-6, residual, torch.float32)
     assert torch.equal(stream, want_stream)
-    assert FP8.rows_differ(rows, FP8.quantize_rows_torch(normed)) is None
-    gate_up = torch.randn(11, 2 * 40).bfloat16()
-    activated = K.silu_mul_torch(gate_up.float(), 40)
-    assert FP8.rows_differ(FP8.silu_mul_fp8_torch(gate_up, 40), FP8.quantize_rows_torch(activated)) is None
+    assert FP8.blocks_differ(blocks, FP8.quantize_blocks_torch(normed)) is None
 
 
-def test_rows_differ_tells_one_rounding_step_from_a_wrong_kernel():
-    torch.manual_seed(3)
-    want = FP8.quantize_rows_torch(torch.randn(8, 128))
+def test_blocks_differ_tells_one_rounding_step_from_a_wrong_kernel():
+    torch.manual_seed(4)
+    want = FP8.quantize_blocks_torch(torch.randn(8, 256))
     nudged = want.values.clone()
-    column = int((want.values[0].float().abs() < 400).nonzero()[0])  # not the row's amax (448: no step above it)
+    column = int((want.values[0].float().abs() < 400).nonzero()[0])  # not a group's amax (448: no step above it)
     nudged.view(torch.uint8)[0, column] += 1  # the next e4m3 magnitude (sign and magnitude bits)
     assert (nudged[0, column].float() - want.values[0, column].float()).abs() > 0
-    assert FP8.rows_differ(FP8.Fp8Rows(nudged, want.scales), want) is None  # one element one step off: rounding
-    wrong = FP8.Fp8Rows((want.values.float() * 0.5).to(FP8.E4M3), want.scales)
-    assert "more than one e4m3 step" in FP8.rows_differ(wrong, want)
-    assert "scales differ" in FP8.rows_differ(FP8.Fp8Rows(want.values, want.scales * 1.01), want)
+    assert FP8.blocks_differ(FP8.Fp8Blocks(nudged, want.scales), want) is None  # one element one step off: rounding
+    wrong = FP8.Fp8Blocks((want.values.float() * 0.5).to(FP8.E4M3), want.scales)
+    assert "more than one e4m3 step" in FP8.blocks_differ(wrong, want)
+    assert "scales differ" in FP8.blocks_differ(FP8.Fp8Blocks(want.values, want.scales * 1.01), want)
+    row_major = FP8.Fp8Blocks(want.values, want.scales.contiguous())
+    assert "column-major" in FP8.blocks_differ(row_major, want)
+
+
+def test_a_scaled_mm_that_fails_its_check_leaves_the_plain_gemm_with_the_reason(monkeypatch):
+    """On the CPU torch has no blockwise _scaled_mm: the check says so instead of raising, and on CUDA the same
+    answer keeps the plain GEMM (select_fp8_kernels), named in the kernels' description."""
+    problem = FP8.scaled_mm_matches(torch.device("cpu"))
+    assert problem is not None and "torch._scaled_mm" in problem
+    monkeypatch.setattr(FP8, "triton_fp8_matches_torch", lambda device: None)
+    monkeypatch.setattr(FP8, "scaled_mm_matches", lambda device: "torch._scaled_mm failed: no blockwise recipe")
+    kernels = FP8.select_fp8_kernels(torch.device("cuda"))
+    assert kernels.rms_norm is FP8.rms_norm_fp8_triton and kernels.linear is FP8.linear_fp8_torch
+    described = kernels.describe()
+    assert described["fp8.linear"] == "fp8.linear_fp8_torch"
+    assert described["fp8.linear_fallback"] == "torch._scaled_mm failed: no blockwise recipe"
 
 
 # ---- the config ------------------------------------------------------------------------------------------------------
@@ -136,18 +180,31 @@ def records(engine):
     return [engine.encode(r) for r in requests]
 
 
-def test_the_fp8_backbone_stays_close_to_bf16_and_holds_no_bf16_projection_weights(bf16_engine):
+RESIDUAL_PROJECTIONS = (("mlp", "down_proj"), ("linear_attn", "out_proj"), ("self_attn", "o_proj"))
+
+
+def residual_weights(layers) -> dict[tuple[int, str], torch.Tensor]:
+    return {(index, child): getattr(getattr(layer, parent), child).weight
+            for index, layer in enumerate(layers) for parent, child in RESIDUAL_PROJECTIONS if hasattr(layer, parent)}
+
+
+def test_the_fp8_backbone_quantizes_the_in_layer_projections_and_leaves_the_residual_ones_bf16(bf16_engine):
     engine = bf16_engine
     model = copy.deepcopy(engine.runner.model)
-    backbone = PackedBackbone(model, K.Kernels(fp8=FP8.Fp8Kernels()), precision="fp8")
     text = model.model.language_model
-    for layer in text.layers:  # every projection is FP8 now, the transformers modules included
-        assert isinstance(layer.mlp.down_proj, FP8.Fp8Linear) and isinstance(layer.mlp.gate_proj, FP8.Fp8Linear)
-        assert not any(isinstance(m, torch.nn.Linear) for m in layer.modules())
-        assert sum(isinstance(m, FP8.Fp8Linear) for m in layer.modules()) in (3 + 4 + 1, 3 + 3 + 1)
-    assert isinstance(backbone.layers[0].gate_up, FP8.Fp8Weight)
+    before = {key: weight.detach().clone() for key, weight in residual_weights(text.layers).items()}
+    backbone = PackedBackbone(model, K.Kernels(fp8=FP8.Fp8Kernels()), precision="fp8")
+    for layer in text.layers:  # q/k/v, in_proj, gate/up FP8, the transformers modules included
+        assert isinstance(layer.mlp.gate_proj, FP8.Fp8Linear) and isinstance(layer.mlp.up_proj, FP8.Fp8Linear)
+        assert sum(isinstance(m, FP8.Fp8Linear) for m in layer.modules()) in (2 + 4, 2 + 3)
+    after = residual_weights(text.layers)
+    assert len(after) == 2 * len(text.layers)  # down_proj and one of out_proj / o_proj in every layer
+    for key, weight in after.items():  # the residual-feeding projections: untouched bf16, used as they are
+        assert weight.dtype == torch.bfloat16 and torch.equal(weight, before[key]), key
+    fast = backbone.layers[0]
+    assert isinstance(fast.gate_up, FP8.Fp8Weight) and fast.down.data_ptr() == after[(0, "down_proj")].data_ptr()
     # the fused weight and the modules share one storage: the gate_proj module is the first rows of gate_up
-    assert text.layers[0].mlp.gate_proj.weight_fp8.data_ptr() == backbone.layers[0].gate_up.values.data_ptr()
+    assert text.layers[0].mlp.gate_proj.weight_fp8.data_ptr() == fast.gate_up.values.data_ptr()
 
     encoded = records(engine)
     ids = torch.tensor([t for r in encoded for t in r.input_ids])
@@ -157,11 +214,46 @@ def test_the_fp8_backbone_stays_close_to_bf16_and_holds_no_bf16_projection_weigh
     error = ((got.float() - want.float()).norm() / want.float().norm()).item()
     assert 0 < error < 0.1, error  # quantized (not the bf16 path), and close to it
 
-    # the padded path (records with media, packed=False) runs the Fp8Linear modules: the same FP8 model
+    # the padded path (records with media, packed=False) runs the Fp8Linear modules: the same FP8 model. The tiny
+    # in_proj_b and in_proj_a start inside a 128-row block of the fused in_proj: their modules skip its first rows
+    assert text.layers[0].linear_attn.in_proj_b.skip > 0
     padded = model.model.language_model(input_ids=torch.tensor([encoded[1].input_ids]), use_cache=False)
     alone, _ = backbone.forward(torch.tensor(encoded[1].input_ids), make_segments([len(encoded[1])], "cpu"))
     drift = ((padded.last_hidden_state[0].float() - alone.float()).norm() / alone.float().norm()).item()
     assert drift < 0.05, drift  # the same weights and quantization; the residual stream rounds differently
+
+
+def answer_gaps(a: dict, b: dict) -> list[float]:
+    """|Δp| of every option of two responses' answers to the same questions."""
+    def probabilities(answer: dict) -> dict:
+        return answer["probabilities"] if "probabilities" in answer else {"true": answer["noul"]}
+    return [abs(probabilities(a[q])[k] - probabilities(b[q])[k]) for q in a for k in probabilities(a[q])]
+
+
+def test_an_engine_loaded_in_fp8_answers_close_to_bf16_and_float32(tiny_release, bf16_engine, tiny_engine):
+    """The whole engine on the tiny release in FP8 (the config built as bf16, then marked fp8: on the CPU the config
+    refuses FP8, and the plain block GEMM runs): every answer near bf16's and float32's, and not bf16's itself."""
+    import clef_engine
+
+    config = replace(EngineConfig.resolve(device="cpu", dtype="bfloat16", env={}), precision="fp8")
+    engine = clef_engine.load(tiny_release, config=config)
+    try:
+        assert engine.info()["precision"] == "fp8"
+        assert engine.runner.backbone.kernels.describe()["fp8.linear"] == "fp8.linear_fp8_torch"
+        requests = [{"state": text, "questions": {
+            "paid": {"type": "noul", "instructions": "Is it paid?"},
+            "tone": {"type": "choice", "instructions": "Tone?",
+                     "criteria": {"calm": None, "angry": None, "neutral": None}}}}
+            for text in ("the invoice is paid", "refund the customer " * 40, "late delivery, angry vendor " * 12)]
+        fp8 = [engine.decide(r)["answers"] for r in requests]
+        bf16 = [bf16_engine.decide(r)["answers"] for r in requests]
+        float32 = [tiny_engine.decide(r)["answers"] for r in requests]
+    finally:
+        engine.close()
+    from_bf16 = [gap for a, b in zip(fp8, bf16) for gap in answer_gaps(a, b)]
+    from_float32 = [gap for a, b in zip(fp8, float32) for gap in answer_gaps(a, b)]
+    assert max(from_bf16) > 0  # FP8 answered, not bf16
+    assert max(from_bf16) < 0.1 and max(from_float32) < 0.1, (max(from_bf16), max(from_float32))
 
 
 def test_an_fp8_backbone_refuses_kernels_without_fp8_slots(bf16_engine):
@@ -175,11 +267,12 @@ def test_an_fp8_backbone_refuses_kernels_without_fp8_slots(bf16_engine):
 
 
 def test_scaled_mm_shapes_are_checked_before_quantizing(bf16_engine):
-    """The tiny release's Gated DeltaNet b/a projections have 4 outputs: torch._scaled_mm cannot take them, and the
-    refusal names them rather than failing inside the first request."""
+    """The tiny release is 64 wide (the blockwise torch._scaled_mm wants in features in whole groups of 128) and its
+    Gated DeltaNet b/a projections have 4 outputs: the refusal names them rather than failing inside the first
+    request."""
     model = copy.deepcopy(bf16_engine.runner.model)
     kernels = K.Kernels(fp8=FP8.Fp8Kernels(linear=FP8.linear_fp8_scaled_mm))
-    with pytest.raises(ReleaseError, match=r"multiples of 16.*in_proj_b \[4, 64\]"):
+    with pytest.raises(ReleaseError, match=r"multiples of 128 .*layer 0 gate_proj \[\d+, 64\]"):
         PackedBackbone(model, kernels, precision="fp8")
 
 
@@ -191,7 +284,7 @@ def test_info_says_which_precision_answers(bf16_engine):
 
 
 def test_measured_fidelity_comes_from_the_newest_results_file(tmp_path):
-    from clef_engine.fp8_fidelity import describe_fidelity, measured_fidelity
+    from clef_engine.fp8_fidelity import SCHEME, describe_fidelity, measured_fidelity
 
     assert measured_fidelity(tmp_path) == "not measured"
     assert describe_fidelity("not measured") == "distance from float32 not measured"
@@ -205,7 +298,16 @@ def test_measured_fidelity_comes_from_the_newest_results_file(tmp_path):
     assert fidelity["source"] == "bench/results/2026-12-03-h200-lengths-and-precision.json"
     assert describe_fidelity(fidelity).startswith("max |Δp| 0.031 from float32, 4 of 240 answers flipped (gate met")
     (tmp_path / "2026-12-03-h200-lengths-and-precision.json").unlink()
-    assert measured_fidelity(tmp_path)["gate_met"] is False  # 0.2 > 0.05
+    missed = measured_fidelity(tmp_path)
+    assert missed["gate_met"] is False and missed["scheme"].startswith("row-wise")  # written before `fp8.scheme`
+    assert describe_fidelity(missed).endswith("(gate missed: max |Δp| 0.200 > 0.05 and a flip at a margin of "
+                                              "0.300 > 0.05; bench/results/2026-12-01-h200-lengths-and-precision.json)")
+    # issue 38's results file carries the same keys, and the newer date wins whichever file it is
+    (tmp_path / "2026-12-05-h200-start-and-shapes.json").write_text(json.dumps(
+        {"fp8": {"max_dp": 0.06, "flips": 2, "max_flip_margin": 0.01, "questions": 240, "scheme": SCHEME}}))
+    newest = measured_fidelity(tmp_path)
+    assert newest["source"] == "bench/results/2026-12-05-h200-start-and-shapes.json" and newest["scheme"] == SCHEME
+    assert "(gate missed: max |Δp| 0.060 > 0.05; " in describe_fidelity(newest)
 
 
 def test_the_model_manager_loads_in_the_precision_chosen(tmp_path):
@@ -267,8 +369,9 @@ def test_the_fp8_backbone_on_the_gpu_matches_the_plain_fp8_backbone(tiny_release
     def distance(a: torch.Tensor, b: torch.Tensor) -> float:
         return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
-    # The fused kernels quantize the norm's float32 output where the plain path quantizes it rounded to bf16, so the
-    # two FP8 paths round differently: the tolerance is FP8's own distance from the bf16 backbone, not a fixed one.
+    # The fused norm and _scaled_mm round and sum in another order than the plain path (a value on a rounding boundary
+    # lands one e4m3 step away), so the two FP8 paths differ a little: the tolerance is FP8's own distance from the
+    # bf16 backbone, not a fixed one.
     fp8_distance = distance(want, reference)
     assert distance(got, reference) <= 1.1 * fp8_distance, (distance(got, reference), fp8_distance)
     assert distance(got, want) <= fp8_distance, (distance(got, want), fp8_distance)
@@ -277,16 +380,18 @@ def test_the_fp8_backbone_on_the_gpu_matches_the_plain_fp8_backbone(tiny_release
 # ---- the fused Triton kernels in Triton's CPU interpreter ------------------------------------------------------------
 
 @pytest.mark.slow
-def test_the_fused_fp8_triton_kernels_in_the_interpreter():
+def test_the_fused_fp8_triton_norm_in_the_interpreter():
     """Triton's interpreter runs float8 but rounds a value that carries into the next power of two one binade low
     (124.5 -> 64 where e4m3 has 128; the GPU's conversion is right): those aside, values match within one e4m3 step
-    on at most 1% of the elements (as `fp8.rows_differ` allows on the GPU), the scales and the residual stream to
-    float32 rounding, so the kernels' loops, masks, amax and scales are checked here."""
+    on at most 1% of the elements (as `fp8.blocks_differ` allows on the GPU), the scales (their column-major layout
+    too) and the residual stream to float32 rounding, so the kernel's groups, masks, amax and scales are checked
+    here, at widths of whole groups, a partial last group, and less than one group."""
     code = textwrap.dedent("""
         import torch
         from clef_engine.fast import fp8 as FP8
 
         def check(got, want):
+            assert got.scales.stride() == want.scales.stride(), (got.scales.stride(), want.scales.stride())
             assert torch.allclose(got.scales, want.scales, rtol=1e-5, atol=0), (got.scales / want.scales).max()
             a, b = got.values.float(), want.values.float()
             differ = a != b
@@ -294,20 +399,17 @@ def test_the_fused_fp8_triton_kernels_in_the_interpreter():
             rounded = (a - b).abs() <= 0.125 * torch.maximum(a.abs(), b.abs()) + 2 ** -9  # one step
             assert not (differ & ~carried & ~rounded).any(), (a[differ & ~carried & ~rounded], b[differ & ~carried])
             assert int((differ & ~carried).sum()) <= a.numel() // 100, int((differ & ~carried).sum())
-            return int(differ.sum())
 
         torch.manual_seed(0)
-        x, residual, gain = torch.randn(45, 320).bfloat16(), torch.randn(45, 320) * 4, 1 + 0.1 * torch.randn(320)
-        for previous in (None, residual):
-            (got, got_sum), (want, want_sum) = (fn(x, gain, 1e-6, previous)
-                                                for fn in (FP8.rms_norm_fp8_triton, FP8.rms_norm_fp8_torch))
-            assert torch.allclose(got_sum, want_sum, rtol=1e-6, atol=1e-6)
-            check(got, want)
-        gate_up = (torch.randn(45, 5000) * 3).bfloat16()
-        check(FP8.silu_mul_fp8_triton(gate_up, 2500), FP8.silu_mul_fp8_torch(gate_up, 2500))
-        rows = torch.randn(45, 3000) * torch.rand(45, 1) * 10
-        rows[3] = 0
-        check(FP8.quantize_rows_triton(rows), FP8.quantize_rows_torch(rows))
+        for width in (256, 320, 64):
+            groups = (0.01 + 10 * torch.rand(1, -(-width // 128))).repeat_interleave(128, 1)[:, :width]
+            x = (torch.randn(45, width) * groups).bfloat16()
+            residual, gain = torch.randn(45, width) * 4, 1 + 0.1 * torch.randn(width)
+            for previous in (None, residual):
+                (got, got_sum), (want, want_sum) = (fn(x, gain, 1e-6, previous)
+                                                    for fn in (FP8.rms_norm_fp8_triton, FP8.rms_norm_fp8_torch))
+                assert torch.allclose(got_sum, want_sum, rtol=1e-6, atol=1e-6)
+                check(got, want)
         print("interpreted ok")
     """)
     env = dict(os.environ, TRITON_INTERPRET="1",
