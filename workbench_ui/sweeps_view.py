@@ -308,9 +308,12 @@ def best_text(result: sweeps.SweepResult) -> str | None:
     choices = ", ".join(f"`{qid}` from “{name}”" for qid, name in best.choices.items())
     if not composed_differs(result):
         return f"**Composed best schema**: the base as it is ({choices}); nothing to adopt from it."
+    if best.heldout_accuracy.value is None:
+        return (f"**Composed best schema** ({choices}): its held-out accuracy is measured when every case is done "
+                f"({best.folds}-fold: each fold's cases answered by the schema composed on the other folds).")
     return (f"**Composed best schema** ({choices}): held-out accuracy {metric_text(best.heldout_accuracy)} against "
-            f"the base's {metric_text(best.base_heldout_accuracy)} on the same cases ({best.folds}-fold: each "
-            "question's wording chosen on the other folds).")
+            f"the base's {metric_text(best.base_heldout_accuracy)} on the same {best.cases} cases ({best.folds}-fold: "
+            "each fold's cases answered by the schema of each question's best wording on the other folds).")
 
 
 # -- a variant's flipped cases --------------------------------------------------------------------------------------
