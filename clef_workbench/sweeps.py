@@ -45,7 +45,7 @@ from clef_workbench import stats
 from clef_workbench.casesets import build_request
 from clef_workbench.compare import bootstrap_interval, ece_statistic
 from clef_workbench.schemas import Schema, SchemaError, way_out_options
-from clef_workbench.store import Answered, Response, Store, Sweep, SweepAnswer, SweepVariant
+from clef_workbench.store import Answered, Response, RunSettings, Store, Sweep, SweepAnswer, SweepVariant
 
 MAX_VARIANTS = 64  # a sweep's variants, the base included
 DEFAULT_FOLDS = 5
@@ -718,6 +718,32 @@ def leaderboard(result: SweepResult) -> pd.DataFrame:
     frame = pd.DataFrame(rows, columns=["variant", "kind", "question", "accuracy", "low", "high", "change",
                                         "change_low", "change_high", "better", "flips", "order_sensitivity"])
     return frame.sort_values("accuracy", ascending=False, kind="stable", na_position="last").reset_index(drop=True)
+
+
+def variant_run(store: Store, sweep_id: int, name: str) -> int:
+    """A finished run holding variant `name`'s answers to the sweep's cases, option ids in the base's terms (its
+    schema: the variant's, named "<base> · sweep #N · <variant>"), so that Review opens them as it opens a run's:
+    made on first use, the same run after."""
+    sweep = store.get_sweep(sweep_id)
+    position = next((i for i, v in enumerate(sweep["variants"]) if v["name"] == name), None)
+    if position is None:
+        raise SweepError(f"sweep {sweep_id} has no variant {name!r}")
+    variant = sweep["variants"][position]
+    schema = {**copy.deepcopy(variant["schema"]), "name": f"{sweep['schema'].get('name')} · sweep #{sweep_id} · {name}"}
+    for question_id, names in variant["relabel"].items():
+        question = schema["questions"][question_id]
+        question["criteria"] = {names[option]: text for option, text in question["criteria"].items()}
+    made = [r["id"] for r in store.list_runs(sweep["case_set_id"]) if r["schema_name"] == schema["name"]]
+    if made:
+        return made[0]
+    run_id = store.create_run(sweep["case_set_id"], schema=schema, model_id=sweep["model_id"],
+                              settings=RunSettings(schema_slug=sweep["settings"].get("schema_slug")))
+    store.record_results(run_id, [
+        {"case_id": a["case_id"], "response": _to_base_ids(a["response"], variant["relabel"])} if a["response"]
+        else {"case_id": a["case_id"], "error": a["error"] or "no answer"}
+        for a in store.list_sweep_answers(sweep_id) if a["variant"] == position])
+    store.set_run_status(run_id, "finished")
+    return run_id
 
 
 def list_sweeps(store: Store, case_set_id: int | None = None) -> list[dict[str, Any]]:

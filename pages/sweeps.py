@@ -1,7 +1,7 @@
 """Sweeps: many versions of a schema scored on a labelled case set at once — tick automatic variants, write
 alternatives per question, start (in the background, with progress and ETA), read the leaderboard, list a variant's
-flipped cases (each opens in Decide), and adopt the best version into the schema library. Rendering only: what is
-shown comes from workbench_ui.sweeps_view, the sweep itself from clef_workbench.sweeps."""
+flipped cases (each opens in Decide or Review), and adopt the best version into the schema library. Rendering only:
+what is shown comes from workbench_ui.sweeps_view, the sweep itself from clef_workbench.sweeps."""
 
 from __future__ import annotations
 
@@ -173,7 +173,7 @@ def render_flips(result, variant: str) -> None:
         st.info(f"“{variant}” answers every case as the base does.")
         return
     st.caption(f"{len(flips)} answer(s) differ from the base. Select a row to open its case in Decide with the "
-               "variant's questions; “Open” does the same in a new tab.")
+               "variant's questions (“Open” does the same in a new tab), or in Review with the variant's answer.")
     event = st.dataframe(flips, hide_index=True, width="stretch", key=K(f"flips.{result.id}.{variant}"),
                          on_select="rerun", selection_mode="single-row",
                          column_config={"state": st.column_config.TextColumn(width="large"),
@@ -181,6 +181,9 @@ def render_flips(result, variant: str) -> None:
     if event.selection.rows:
         row = flips.iloc[event.selection.rows[0]]
         st.link_button(f"Open case {row['case']} in Decide", row["decide"], icon=":material/psychology:")
+        if st.button(f"Open case {row['case']} in Review", key=K("review"), icon=":material/rate_review:"):
+            st.switch_page("pages/review.py", query_params=sv.review_params(store, result, variant, int(row["case"]),
+                                                                            str(row["question"])))
 
 
 def adopt(result, choice: str) -> None:

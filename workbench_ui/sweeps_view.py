@@ -326,7 +326,7 @@ def variant_score(result: sweeps.SweepResult, name: str) -> sweeps.VariantScore:
 def flipped_cases(store: Any, result: sweeps.SweepResult, name: str) -> pd.DataFrame:
     """The cases where variant `name` answers a question otherwise than the base: one row per case and question,
     with the expected answer, the state's first line and a link that opens the case in Decide with the variant's
-    questions."""
+    questions (Review: `review_params`)."""
     score = variant_score(result, name)
     rows = []
     for qid, question in score.questions.items():
@@ -337,6 +337,12 @@ def flipped_cases(store: Any, result: sweeps.SweepResult, name: str) -> pd.DataF
                          "state": state_text(case["state"]).strip().splitlines()[0][:120] if case["state"] else "",
                          "decide": links.sweep_decide_url(result.id, name, case_id)})
     return pd.DataFrame(rows, columns=["case", "question", "expected", "state", "decide"])
+
+
+def review_params(store: Any, result: sweeps.SweepResult, name: str, case_id: int, question: str) -> dict[str, str]:
+    """Review's query parameters for a flipped case: its answer to `question` in the variant's answers as a run
+    (`sweeps.variant_run`: made on first use), where it can be labelled as any run's."""
+    return {"run": str(sweeps.variant_run(store, result.id, name)), "case": str(case_id), "question": question}
 
 
 # -- adopt ----------------------------------------------------------------------------------------------------------

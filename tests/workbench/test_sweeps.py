@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from scipy.stats import binomtest
 
-from clef_workbench import sweeps
+from clef_workbench import review, sweeps
 from clef_workbench.__main__ import main
 from clef_workbench.casesets import build_request
 from clef_workbench.store import Store, StoreError
@@ -120,6 +120,7 @@ def test_scores_flips_mcnemar_order_sensitivity_and_the_held_out_best(tmp_path, 
     names = [v["name"] for v in store.get_sweep(sweep_id)["variants"]]
     assert names == ["base", "no_instructions:team", "relabelled:team", "reversed:team"]
     relabel = {v.kind: {base: new for new, base in v.relabel.get("team", {}).items()} for v in variants}
+    reversed_team = {}  # case id: the reversed variant's team, in the base's ids
     for i, case in enumerate(cases):
         gold = case["expected"]["team"]
         wrong = TEAMS[(TEAMS.index(gold) + 1) % 3]
@@ -127,6 +128,7 @@ def test_scores_flips_mcnemar_order_sensitivity_and_the_held_out_best(tmp_path, 
         better = response(gold if i >= 2 else wrong, 0.8, 0.2)
         control_team = gold if i % 2 else wrong
         flipped = wrong if i < 3 and i % 2 else (gold if i < 3 else control_team)
+        reversed_team[case["id"]] = flipped
         answers = [base, better]
         for kind, team in (("relabelled", control_team), ("reversed", flipped)):
             answer = response(team, 0.9, 0.2)
@@ -182,6 +184,20 @@ def test_scores_flips_mcnemar_order_sensitivity_and_the_held_out_best(tmp_path, 
     entry = next(v for v in document["variants"] if v["name"] == "no_instructions:team")
     assert {"name", "accuracy", "accuracy_ci", "flips_vs_base", "order_sensitivity"} <= set(entry)
     assert {"schema", "heldout_accuracy", "heldout_ci"} <= set(document["best"])
+    # a variant's answers open in Review as a run's: made once, in the base's option ids, each case's answer queued
+    # when a link asks for it
+    review_run = sweeps.variant_run(store, sweep_id, "reversed:team")
+    assert sweeps.variant_run(store, sweep_id, "reversed:team") == review_run and len(store.list_runs()) == 1
+    run = store.get_run(review_run)
+    assert run["schema"]["name"] == f"tickets · sweep #{sweep_id} · reversed:team" and run["status"] == "finished"
+    assert list(run["schema"]["questions"]["team"]["criteria"]) == sorted(TEAMS)[::-1]  # the order it was asked in
+    assert {r["case_id"]: r["response"]["answers"]["team"]["choice"]
+            for r in store.list_results(review_run)} == reversed_team
+    flipped = scores["reversed:team"].questions["team"].flips[0]
+    item = review.item_for_link(store, review_run, flipped, "team")
+    assert item is not None and (item["case_id"], item["question_id"]) == (flipped, "team")
+    with pytest.raises(sweeps.SweepError, match="has no variant 'nope'"):
+        sweeps.variant_run(store, sweep_id, "nope")
     assert sweeps.list_sweeps(store)[0] | {"created_at": None} == {
         "id": sweep_id, "case_set_id": case_set_id, "case_set_name": "tickets", "schema_name": "tickets",
         "model_id": "m", "status": "finished", "error": None, "done": 20, "total": 20, "state_prefills": 20,
