@@ -178,8 +178,8 @@ class SweepResult:
 
     def to_json(self) -> dict[str, Any]:
         """The CLI's --json document (docs/workbench.md "Schema sweeps")."""
-        def metric(name: str, value: Metric) -> dict[str, Any]:
-            return {name: value.value, f"{name}_ci": [value.low, value.high]}
+        def metric(name: str, value: Metric, ci: str | None = None) -> dict[str, Any]:
+            return {name: value.value, ci or f"{name}_ci": [value.low, value.high]}
 
         variants = []
         for score in self.variants:
@@ -199,10 +199,8 @@ class SweepResult:
         if self.best is not None:
             best = {"schema": self.best.schema, "choices": self.best.choices, "folds": self.best.folds,
                     "heldout_cases": self.best.cases, "state_prefills": self.best.state_prefills,
-                    **metric("heldout_accuracy", self.best.heldout_accuracy),
-                    **metric("base_heldout_accuracy", self.best.base_heldout_accuracy)}
-            best["heldout_ci"] = best.pop("heldout_accuracy_ci")
-            best["base_heldout_ci"] = best.pop("base_heldout_accuracy_ci")
+                    **metric("heldout_accuracy", self.best.heldout_accuracy, "heldout_ci"),
+                    **metric("base_heldout_accuracy", self.best.base_heldout_accuracy, "base_heldout_ci")}
         return {"sweep": self.id, "status": self.status, "case_set": self.case_set_name,
                 "schema": self.base_schema.get("name"), "model": self.model_id,
                 "precision": self.settings.get("precision"), "cases": self.cases, "done": self.done,
@@ -593,6 +591,11 @@ def _per_case(frame: pd.DataFrame) -> pd.DataFrame:
     return labelled.groupby("case_id")["correct"].agg(right="sum", labelled="count")
 
 
+def _pooled(cases: pd.DataFrame, seed: int) -> Metric:
+    """Accuracy over every labelled answer of `cases` (`_per_case`'s), the interval resampling cases."""
+    return _metric([cases["right"].to_numpy(float), cases["labelled"].to_numpy(float)], _ratio, seed)
+
+
 def _order_sensitivity(variants: list[Variant], frames: list[pd.DataFrame]) -> dict[str, float]:
     """Per order variant's name: the share of cases whose answer to its question differs from the "relabelled" one's."""
     controls = {v.question: frames[i] for i, v in enumerate(variants) if v.kind == "relabelled"}
@@ -655,12 +658,9 @@ def _best(sweep: Sweep, variants: list[Variant], frames: list[pd.DataFrame], hel
     schema, choices = _composed(sweep["schema"], variants, frames, set(fold_of))
     answered = pd.concat(heldout, ignore_index=True) if heldout else frames[0].iloc[:0]
 
-    def pooled(frame: pd.DataFrame) -> Metric:
-        cases = _per_case(frame[frame["case_id"].isin(answered["case_id"])])
-        return _metric([cases["right"].to_numpy(float), cases["labelled"].to_numpy(float)], _ratio, DEFAULT_SEED)
-
-    return BestSchema(schema, choices, len(set(fold_of.values())), pooled(answered), pooled(frames[0]),
-                      answered["case_id"].nunique(), state_prefills)
+    base = frames[0][frames[0]["case_id"].isin(answered["case_id"])]
+    return BestSchema(schema, choices, len(set(fold_of.values())), _pooled(_per_case(answered), DEFAULT_SEED),
+                      _pooled(_per_case(base), DEFAULT_SEED), answered["case_id"].nunique(), state_prefills)
 
 
 def load_sweep(store: Store, sweep_id: int, *, threshold: float | None = None,
@@ -685,17 +685,15 @@ def load_sweep(store: Store, sweep_id: int, *, threshold: float | None = None,
         cases = _per_case(frame).join(base_cases.add_suffix("_base"), how="inner")
         scores.append(VariantScore(
             variant=variant,
-            accuracy=_metric([cases["right"].to_numpy(float), cases["labelled"].to_numpy(float)], _ratio, seed),
+            accuracy=_pooled(cases, seed),
             accuracy_change=_metric([(cases["right"] - cases["right_base"]).to_numpy(float),
                                      cases["labelled"].to_numpy(float)], _ratio, seed),
             questions=questions,
             flips_vs_base=sorted({c for s in questions.values() for c in s.flips}),
             order_sensitivity=sensitivity.get(variant.name)))
     by_question: dict[str, float] = {}
-    for variant in variants:
-        if variant.name in sensitivity:
-            question = str(variant.question)
-            by_question[question] = max(by_question.get(question, 0.0), sensitivity[variant.name])
+    for v in (v for v in variants if v.name in sensitivity):
+        by_question[str(v.question)] = max(by_question.get(str(v.question), 0.0), sensitivity[v.name])
     flagged = [] if threshold is None else [q for q, share in by_question.items() if share > threshold]
     return SweepResult(
         id=sweep["id"], status=sweep["status"], case_set_id=sweep["case_set_id"],

@@ -84,14 +84,6 @@ AUTO_KIND_LABELS = {
 }
 
 
-DEFAULT_FOLDS = sweeps.DEFAULT_FOLDS
-
-
-def case_sets(store: Any) -> list[dict[str, Any]]:
-    """The case sets a sweep can start on (one without expected answers is refused with a message when started)."""
-    return store.list_case_sets()
-
-
 def missing_for_sweep(case_sets: list[dict], slugs: list[str], engine: Any) -> str | None:
     """What a sweep still needs, in words; None when one can start."""
     missing = [what for what, there in (("a labelled case set (Case sets page)", case_sets),
@@ -163,11 +155,6 @@ def library_schema(library: SchemaLibrary, slug: str) -> tuple[dict[str, Any] | 
 # -- its progress -------------------------------------------------------------------------------------------------
 
 
-def sweep_rows(store: Any) -> list[dict[str, Any]]:
-    """Every sweep, newest first (list_sweeps rows)."""
-    return sweeps.list_sweeps(store)
-
-
 def sweep_row(store: Any, sweep_id: int) -> dict[str, Any]:
     return next(s for s in sweeps.list_sweeps(store) if s["id"] == sweep_id)
 
@@ -220,11 +207,6 @@ def resume_sweep(runner: SweepRunner, engine: Any, sweep_id: int) -> str:
 # -- the leaderboard ----------------------------------------------------------------------------------------------
 
 OVERALL = "overall"
-
-
-def load_result(store: Any, sweep_id: int, threshold: float) -> sweeps.SweepResult:
-    """The sweep's scores over the cases done so far, order sensitivity flagged above `threshold`."""
-    return sweeps.load_sweep(store, sweep_id, threshold=threshold)
 
 
 def leaderboard_caption(result: sweeps.SweepResult) -> str:

@@ -211,7 +211,7 @@ def test_a_sweep_starts_in_the_background_resumes_and_its_cases_open_in_decide(s
     assert runner.wait(sweep_id, timeout=600)
     shown = sv.progress_shown(runner, sv.sweep_row(store, sweep_id))
     assert shown == sv.ProgressShown(1.0, "4 / 4 cases · status **finished**", False, None)
-    result = sv.load_result(store, sweep_id, 0.1)
+    result = sweeps.load_sweep(store, sweep_id, threshold=0.1)
     assert result.settings["schema_slug"] == SLUG and result.state_prefills == 4
     assert sv.leaderboard_caption(result).startswith(
         f"4 of 4 labelled cases of “Tickets” on tiny, 4 state(s) prefilled for {len(variants)} variants.")

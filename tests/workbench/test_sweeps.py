@@ -408,23 +408,35 @@ def test_a_sweep_killed_mid_way_resumes_without_computing_a_case_twice_or_losing
 @pytest.mark.ray
 def test_a_sweep_on_ray_splits_the_cases_across_replicas_each_doing_all_variants_of_its_cases(tmp_path, tiny_release,
                                                                                              tiny_engine):
-    from clef_workbench.distributed import ReplicaPool
+    """`sweep --ray`: two replicas of a real local cluster, one state per case (its variants on one replica), the
+    held-out check there too, and the answers a sweep in process gives."""
     from tests.support.ray_cluster import TOLERANCE, local_cluster
 
-    local_cluster()
-    store = Store(tmp_path / "w.db")
+    address = local_cluster()
+    db = tmp_path / "w.db"
+    store = Store(db)
     case_set_id = labelled_set(store, 6)
-    variants = [v for v in sweeps.auto_variants(SCHEMA) if v.question == "urgent" or v.kind == "reversed"]
-    on_ray, here = (sweeps.start_sweep(store, case_set_id, SCHEMA, variants, model_id="tiny") for _ in range(2))
-    pool = ReplicaPool.start(str(tiny_release), replicas=2)
-    try:
-        progress = sweeps.run_sweep(store, on_ray, pool)
-    finally:
-        pool.shutdown()
-    assert (progress.status, progress.done, progress.state_prefills) == ("finished", 6, 6)
-    assert store.get_sweep(on_ray)["state_prefills"] == 6  # one per case: its variants ran on one replica
+    (tmp_path / "tickets.json").write_text(json.dumps(SCHEMA))
+    out_file = tmp_path / "out.json"
+    child = sweep_cli("--db", str(db), "--case-set", "tickets", "--schema", str(tmp_path / "tickets.json"),
+                      "--model", str(tiny_release), "--dtype", "float32", "--folds", "3", "--ray", address,
+                      "--replicas", "2", "--json", str(out_file))
+    out, err = child.communicate(timeout=1800)  # two replicas load the release on a busy two-core machine
+    assert child.returncode == 0, err[-3000:]
+    assert "(Ray, 2 replicas)" in out
+    document = json.loads(out_file.read_text())
+    on_ray = store.get_sweep(document["sweep"])
+    assert (document["done"], on_ray["state_prefills"], on_ray["settings"]["replicas"]) == (6, 6, 2)
+    assert document["best"]["heldout_cases"] == 6
+
+    own = [sweeps.Variant(v["name"], v["schema"], v["kind"], v["question"], v["relabel"])
+           for v in on_ray["variants"] if v["kind"] != "composed"]
+    here = sweeps.start_sweep(store, case_set_id, SCHEMA, own, model_id=on_ray["model_id"], folds=3)
     sweeps.run_sweep(store, here, tiny_engine)
-    for remote, local in zip(store.list_sweep_answers(on_ray), store.list_sweep_answers(here), strict=True):
+    local_answers = [a for a in store.list_sweep_answers(here) if a["variant"] < len(own)]
+    remote_answers = [a for a in store.list_sweep_answers(on_ray["id"]) if a["variant"] < len(own)]
+    assert len(remote_answers) == 6 * len(own)
+    for remote, local in zip(remote_answers, local_answers, strict=True):
         assert (remote["case_id"], remote["variant"]) == (local["case_id"], local["variant"])
         for question, answer in local["response"]["answers"].items():
             got = remote["response"]["answers"][question]
