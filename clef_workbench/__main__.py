@@ -29,10 +29,11 @@ before and after on held-out cases, and keeps it in the store; exits 1 when no q
 (a request's "x_calibration" names one); without --run it only exports.
 
     python -m clef_workbench sweep --db DB --case-set NAME --schema NAME --model SOURCE [--variants auto|FILE.json]
-        [--folds K] [--json OUT] [--fail-if-order-sensitive X] [--resume]
+        [--folds K] [--json OUT] [--fail-if-order-sensitive X] [--resume] [--ray ADDRESS] [--replicas N]
 
 scores variants of a schema (a library schema's id or name, or a file) on the case set's labelled cases
-(`clef_workbench.sweeps`): each case's state prefilled once, every variant continued from it. It prints the
+(`clef_workbench.sweeps`): each case's state prefilled once, every variant continued from it (on Ray: the cases
+split across replicas, each doing all variants of its cases). It prints the
 leaderboard and writes the JSON document to OUT; exits 0 when the sweep finished, 1 when it failed or was cancelled
 (Ctrl-C or SIGTERM stop it after the case in flight; `--resume` goes on with it), 2 when the input is wrong (nothing
 stored), and 3 when `--fail-if-order-sensitive X` finds a question whose order sensitivity exceeds X.
@@ -53,6 +54,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 from clef_engine import DEFAULT_MAX_LENGTH, ClefError
 from clef_workbench import calibration, importing, sweeps
@@ -131,7 +133,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     sweep.add_argument("--max-length", type=int, default=DEFAULT_MAX_LENGTH, help="token budget of one record")
     sweep.add_argument("--overflow", choices=["refuse", "truncate_state"], default="refuse",
                        help="a state over max_length: an error answer (refuse) or its end cut off")
-    sweep.add_argument("--device", help="cpu or cuda (default: cuda when present)")
+    sweep.add_argument("--ray", metavar="ADDRESS",
+                       help="split the cases across engine replicas on this Ray cluster, each doing all variants of "
+                            "its cases ('auto' or the head's host:6379); default CLEF_RAY_ADDRESS, else in process")
+    sweep.add_argument("--replicas", type=int, help="engine replicas on Ray (default: one per GPU of the cluster)")
+    sweep.add_argument("--device", help="in process: cpu or cuda (default: cuda when present)")
     sweep.add_argument("--dtype", help="float32, bfloat16 … (default: bf16 on CUDA, float32 on the CPU)")
     calibrate = commands.add_parser(
         "calibrate", help="fit per-question calibration on a run's labelled cases and print before/after")
@@ -424,7 +430,7 @@ def same_sweep(store: Store, case_set_id: int, schema: dict, variants: list[swee
         if listed["model_id"] != model_id or listed["schema"]["questions"] != schema["questions"]:
             continue
         sweep = store.get_sweep(listed["id"])
-        if [(v["name"], v["schema"]["questions"]) for v in sweep["variants"]] == wanted:
+        if [(v["name"], v["schema"]["questions"]) for v in sweep["variants"] if v["kind"] != "composed"] == wanted:
             return sweep
     return None
 
@@ -438,16 +444,23 @@ def print_sweep(result: sweeps.SweepResult) -> None:
         best = result.best
         print(f"best per question (chosen on {best.folds} folds' training cases): "
               + ", ".join(f"{q}: {name}" for q, name in best.choices.items()))
-        print(f"held-out accuracy {best.heldout_accuracy.value:.3f} [{best.heldout_accuracy.low:.3f}, "
-              f"{best.heldout_accuracy.high:.3f}]; the base {best.base_heldout_accuracy.value:.3f}")
+        if best.heldout_accuracy.value is not None and best.base_heldout_accuracy.value is not None:
+            print(f"composed per fold, run on its held-out {best.cases} cases: accuracy "
+                  f"{best.heldout_accuracy.value:.3f} [{best.heldout_accuracy.low:.3f}, "
+                  f"{best.heldout_accuracy.high:.3f}]; the base {best.base_heldout_accuracy.value:.3f}")
     print(f"{result.cases} cases, {result.state_prefills} states prefilled, {len(result.errors)} failed answers")
 
 
 def sweep_command(args: argparse.Namespace) -> int:
+    from clef_workbench.distributed import ReplicaPool, connect, ray_address
+
     if not Path(args.db).is_file():
         raise UsageError(f"--db: {args.db} does not exist (create case sets in the workbench or import them first)")
-    if args.max_length < 1:
-        raise UsageError("--max-length must be at least 1")
+    if args.max_length < 1 or (args.replicas is not None and args.replicas < 1):
+        raise UsageError("--max-length and --replicas must be at least 1")
+    address = ray_address(args.ray)
+    if address is None and args.replicas:
+        raise UsageError("--replicas is for sweeps on Ray: add --ray ADDRESS or set CLEF_RAY_ADDRESS")
     if args.json is not None and (args.json.is_dir() or not args.json.parent.is_dir()):
         raise UsageError(f"--json: {str(args.json)!r} is not a file name in an existing folder")
     store = Store(args.db)
@@ -460,23 +473,35 @@ def sweep_command(args: argparse.Namespace) -> int:
         raise UsageError(str(exc)) from None
     model_id = request_model_name(args.model)
     earlier = same_sweep(store, case_set_id, schema, variants, model_id)
-    if earlier is not None and earlier["done"] < earlier["total"] and not args.resume:
+    if earlier is not None and earlier["status"] != "finished" and not args.resume:
         raise UsageError(f"sweep {earlier['id']} of this case set, schema, variants and model stopped at "
                          f"{earlier['done']}/{earlier['total']} cases: pass --resume to compute only the rest")
-    import clef_engine
+    engine: Any
+    if address is None:
+        import clef_engine
 
-    print(f"loading {args.model} in this process…", flush=True)
-    engine = clef_engine.load(model_source(args.model), revision=args.revision, device=args.device, dtype=args.dtype)
-    info = engine.info()
+        print(f"loading {args.model} in this process…", flush=True)
+        engine = clef_engine.load(model_source(args.model), revision=args.revision, device=args.device,
+                                  dtype=args.dtype)
+        info = engine.info()
+    else:
+        connect(address)
+        print(f"starting replicas of {args.model} on Ray ({address})…", flush=True)
+        engine = ReplicaPool.start(model_source(args.model), revision=args.revision, replicas=args.replicas,
+                                   dtype=args.dtype)
+        info = engine.info
     if args.resume and earlier is not None:
         sweep_id = earlier["id"]
         print(f"resuming sweep {sweep_id}: {earlier['done']}/{earlier['total']} cases done", flush=True)
     else:
         settings = {"max_length": args.max_length, "overflow": args.overflow, "schema_slug": slug,
-                    "device": info["device"], "dtype": info["dtype"], "precision": info["precision"]}
+                    "device": info["device"], "dtype": info["dtype"], "precision": info.get("precision"),
+                    "replicas": info.get("replicas")}
         sweep_id = sweeps.start_sweep(store, case_set_id, schema, variants, model_id=model_id,
                                       model_revision=info.get("revision"), settings=settings, folds=args.folds)
-        print(f"sweep {sweep_id}: {len(variants)} variants over {args.case_set} on {info['device']}", flush=True)
+        where = f"Ray, {info['replicas']} replicas" if address else "in process"
+        print(f"sweep {sweep_id}: {len(variants)} variants over {args.case_set} on {info['device']} ({where})",
+              flush=True)
     last_print = [0.0]
 
     def show(progress: sweeps.SweepProgress) -> None:
@@ -491,7 +516,7 @@ def sweep_command(args: argparse.Namespace) -> int:
         with stop_on_signals() as stop:
             progress = sweeps.run_sweep(store, sweep_id, engine, progress=show, stop=stop.is_set)
     finally:
-        engine.close()
+        engine.shutdown() if address else engine.close()
     result = sweeps.load_sweep(store, sweep_id, threshold=args.fail_if_order_sensitive)
     print_sweep(result)
     if args.json is not None:

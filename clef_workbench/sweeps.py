@@ -16,10 +16,10 @@ removed), runs every variant on every labelled case, and scores them honestly:
   the caller's order never reaches it), so an order is imposed by numbering the ids (`o01_billing`, …): the
   "relabelled" variant numbers them in the base's order, "reversed" and "shuffled" in another, and sensitivity
   compares those two with "relabelled", so that only the order differs. Answers are mapped back to the base's ids;
-- no overfitting by selection: per question, the best variant is chosen on the training folds of a k-fold split of
-  the cases and scored on the held-out fold (`best`); the composed schema takes, for each question, the wording
-  chosen on all cases. A variant's answers to a question are scored as if the question stood alone: the composed
-  schema's other questions may differ from the variant's, and the joint head reads them.
+- no overfitting by selection: per fold of a k-fold split of the cases, each question's best wording is chosen on
+  the other folds, and the schema composed of them is run on this fold's cases once every case is done (`best`:
+  their pooled accuracy, measured, not inferred from the variants' answers, since the joint head reads every
+  question); the composed schema to adopt takes, for each question, the wording chosen on all cases.
 
 Execution is case-major (`run_sweep`): for each case the engine prefills the state once and continues every
 variant's schema from it in one worker call (`Engine.decide_variants`), so a sweep of V variants over N cases
@@ -45,7 +45,7 @@ from clef_workbench import stats
 from clef_workbench.casesets import build_request
 from clef_workbench.compare import bootstrap_interval, ece_statistic
 from clef_workbench.schemas import Schema, SchemaError, way_out_options
-from clef_workbench.store import Answered, Response, Store, Sweep, SweepAnswer
+from clef_workbench.store import Answered, Response, RunSettings, Store, Sweep, SweepAnswer, SweepVariant
 
 MAX_VARIANTS = 64  # a sweep's variants, the base included
 DEFAULT_FOLDS = 5
@@ -123,15 +123,18 @@ class VariantScore:
 class BestSchema:
     """The composed best schema and what it scores where it was not chosen.
 
-    `choices`: per question, the variant whose wording of it was best on all cases. `heldout_accuracy`: per fold,
-    each question's best variant chosen on the other folds and scored on this fold, pooled over folds, with a
-    bootstrap interval over cases. `base_heldout_accuracy`: the base on the same answers, for comparison."""
+    `schema`: each question worded as the variant best on all cases words it (`choices`: that variant's name).
+    `heldout_accuracy`: per fold, the schema composed of each question's best wording on the other folds, run on
+    this fold's cases (after every case of the sweep is done), pooled over folds, with a bootstrap interval over
+    cases; None until it has run. `base_heldout_accuracy`: the base on the same cases, for comparison."""
 
     schema: dict[str, Any]
     choices: dict[str, str]
     folds: int
     heldout_accuracy: Metric
     base_heldout_accuracy: Metric
+    cases: int  # the held-out cases the composed schemas answered
+    state_prefills: int  # states prefilled for them (those still in the state cache are continued)
 
 
 @dataclass(frozen=True)
@@ -165,7 +168,7 @@ class SweepResult:
     created_at: str
     cases: int  # labelled cases in the sweep
     done: int  # cases with an answer for every variant
-    state_prefills: int  # states prefilled to compute the done cases (stored with each case's answers)
+    state_prefills: int  # states prefilled for the done cases' answers and the held-out check's
     variants: list[VariantScore]
     order_sensitivity: dict[str, float]
     threshold: float | None
@@ -175,8 +178,8 @@ class SweepResult:
 
     def to_json(self) -> dict[str, Any]:
         """The CLI's --json document (docs/workbench.md "Schema sweeps")."""
-        def metric(name: str, value: Metric) -> dict[str, Any]:
-            return {name: value.value, f"{name}_ci": [value.low, value.high]}
+        def metric(name: str, value: Metric, ci: str | None = None) -> dict[str, Any]:
+            return {name: value.value, ci or f"{name}_ci": [value.low, value.high]}
 
         variants = []
         for score in self.variants:
@@ -195,10 +198,9 @@ class SweepResult:
         best = None
         if self.best is not None:
             best = {"schema": self.best.schema, "choices": self.best.choices, "folds": self.best.folds,
-                    **metric("heldout_accuracy", self.best.heldout_accuracy),
-                    **metric("base_heldout_accuracy", self.best.base_heldout_accuracy)}
-            best["heldout_ci"] = best.pop("heldout_accuracy_ci")
-            best["base_heldout_ci"] = best.pop("base_heldout_accuracy_ci")
+                    "heldout_cases": self.best.cases, "state_prefills": self.best.state_prefills,
+                    **metric("heldout_accuracy", self.best.heldout_accuracy, "heldout_ci"),
+                    **metric("base_heldout_accuracy", self.best.base_heldout_accuracy, "base_heldout_ci")}
         return {"sweep": self.id, "status": self.status, "case_set": self.case_set_name,
                 "schema": self.base_schema.get("name"), "model": self.model_id,
                 "precision": self.settings.get("precision"), "cases": self.cases, "done": self.done,
@@ -227,6 +229,10 @@ def _with_question(schema: dict[str, Any], question_id: str, question: dict[str,
 def _numbered(order: list[str]) -> dict[str, str]:
     """{numbered id: base id} putting the options in `order` (the model reads them sorted by id)."""
     return {f"o{position:02d}_{option}": option for position, option in enumerate(order, 1)}
+
+
+def _variant(stored: SweepVariant) -> Variant:
+    return Variant(stored["name"], stored["schema"], stored["kind"], stored["question"], stored["relabel"])
 
 
 def _question_variants(question_id: str, question: dict[str, Any], kinds: Sequence[str],
@@ -393,13 +399,14 @@ def start_sweep(store: Store, case_set_id: int, schema: dict[str, Any], variants
                    "relabel": v.relabel} for v in chosen]))
 
 
-def _computed(store: Store, sweep: Sweep, case_ids: list[int], engine: Any,
-              stop: Callable[[], bool]) -> Iterator[tuple[int, tuple[list[tuple[Any, str | None]], int]]]:
-    """(case id, `distributed.decide_case`'s outcome) of each case, in process, or on Ray's replicas when `engine`
-    is a distributed.ReplicaPool (each replica doing all variants of its cases)."""
+def _computed(store: Store, sweep: Sweep, case_ids: list[int], schemas: Callable[[int], list[dict[str, Any]]],
+              engine: Any, stop: Callable[[], bool]) -> Iterator[tuple[int, tuple[list[tuple[Any, str | None]], int]]]:
+    """(case id, `distributed.decide_case`'s outcome for the case under `schemas(case id)`) of each case, in
+    process, or on Ray's replicas when `engine` is a distributed.ReplicaPool (each replica doing all schemas of its
+    cases)."""
     def requests(case_id: int) -> list[dict]:
         case = store.get_case(case_id)
-        return [build_request(case, v["schema"], model=sweep["model_id"]) for v in sweep["variants"]]
+        return [build_request(case, schema, model=sweep["model_id"]) for schema in schemas(case_id)]
 
     from clef_workbench.distributed import ReplicaPool, decide_case, on_replicas
 
@@ -413,16 +420,44 @@ def _computed(store: Store, sweep: Sweep, case_ids: list[int], engine: Any,
         yield case_id, decide_case(engine, requests(case_id), sweep["settings"])
 
 
+def _run_heldout(store: Store, sweep_id: int, engine: Any, stop: Callable[[], bool]) -> tuple[int, bool]:
+    """Run the held-out check of a sweep whose cases are all done: per fold, the schema composed of each question's
+    best wording on the other folds (added as a "composed" variant once) answers this fold's cases, continuing
+    their states; the cases last computed first, as their states are the likeliest to be in the state cache.
+    Returns the states prefilled and whether every case has its answer."""
+    sweep = store.get_sweep(sweep_id)
+    own = [v for v in sweep["variants"] if v["kind"] != "composed"]
+    frames = answer_frames({**sweep, "variants": own}, store.list_sweep_answers(sweep_id))
+    if len(own) == len(sweep["variants"]):
+        store.add_sweep_variants(sweep_id, _heldout_variants(sweep, frames))
+        sweep = store.get_sweep(sweep_id)
+    fold_of = _fold_of(sweep, frames[0])
+    answers = store.list_sweep_answers(sweep_id)  # in the sweep's order of cases
+    answered = {(a["case_id"], a["variant"]) for a in answers}
+    position = {case_id: len(own) + fold for case_id, fold in fold_of.items()}
+    left = [c for c in reversed(dict.fromkeys(a["case_id"] for a in answers)) if c in position
+            and (c, position[c]) not in answered]
+    prefills = computed = 0
+    for case_id, (outcome, case_prefills) in _computed(
+            store, sweep, left, lambda c: [sweep["variants"][position[c]]["schema"]], engine, stop):
+        store.record_sweep_answers(sweep_id, case_id, [(position[case_id], *outcome[0])])
+        prefills += case_prefills
+        computed += 1
+    return prefills, computed == len(left)
+
+
 def run_sweep(store: Store, sweep_id: int, engine: Any, *, progress: ProgressCallback | None = None,
               stop: Callable[[], bool] | None = None) -> SweepProgress:
     """Compute the sweep's cases that have no answers yet, case-major: per case one call of
     `Engine.decide_variants` (its state prefilled once, every variant continued from it); an engine that is not
     the local one (a remote endpoint) gets each variant as a request; a distributed.ReplicaPool splits the cases
     across its replicas. Each case's answers are stored in one transaction, so a kill loses at most the cases in
-    flight and a later call resumes with the rest. `progress` is called after each case; `stop()` true ends the
-    sweep as cancelled after the cases in flight. An exception other than a case's own bad input marks the sweep
-    failed and is raised. Returns the final progress."""
+    flight and a later call resumes with the rest. Then the held-out check runs (`_run_heldout`), resumable the same
+    way. `progress` is called after each case; `stop()` true ends the sweep as cancelled after the cases in flight.
+    An exception other than a case's own bad input marks the sweep failed and is raised. Returns the final
+    progress."""
     sweep = store.get_sweep(sweep_id)
+    own = [v["schema"] for v in sweep["variants"] if v["kind"] != "composed"]
     left = store.sweep_cases_left(sweep_id)
     total, done = sweep["total"], sweep["total"] - len(left)
     store.set_sweep_status(sweep_id, "running")
@@ -437,7 +472,7 @@ def run_sweep(store: Store, sweep_id: int, engine: Any, *, progress: ProgressCal
 
     try:
         began = time.perf_counter()
-        for case_id, (answers, case_prefills) in _computed(store, sweep, left, engine, stopped):
+        for case_id, (answers, case_prefills) in _computed(store, sweep, left, lambda _: own, engine, stopped):
             store.record_sweep_case(sweep_id, case_id, [(i, r, e) for i, (r, e) in enumerate(answers)],
                                     state_prefills=case_prefills, compute_ms=(time.perf_counter() - began) * 1000)
             began = time.perf_counter()
@@ -445,10 +480,14 @@ def run_sweep(store: Store, sweep_id: int, engine: Any, *, progress: ProgressCal
             computed += 1
             if progress is not None:
                 progress(report("running"))
+        finished = computed == len(left)
+        if finished:
+            heldout_prefills, finished = _run_heldout(store, sweep_id, engine, stopped)
+            prefills += heldout_prefills
     except BaseException as exc:
         store.set_sweep_status(sweep_id, "failed", error=f"{type(exc).__name__}: {exc}"[:2000])
         raise
-    status = "finished" if computed == len(left) else "cancelled"
+    status = "finished" if finished else "cancelled"
     store.set_sweep_status(sweep_id, status)
     final = report(status)
     if progress is not None:
@@ -552,6 +591,11 @@ def _per_case(frame: pd.DataFrame) -> pd.DataFrame:
     return labelled.groupby("case_id")["correct"].agg(right="sum", labelled="count")
 
 
+def _pooled(cases: pd.DataFrame, seed: int) -> Metric:
+    """Accuracy over every labelled answer of `cases` (`_per_case`'s), the interval resampling cases."""
+    return _metric([cases["right"].to_numpy(float), cases["labelled"].to_numpy(float)], _ratio, seed)
+
+
 def _order_sensitivity(variants: list[Variant], frames: list[pd.DataFrame]) -> dict[str, float]:
     """Per order variant's name: the share of cases whose answer to its question differs from the "relabelled" one's."""
     controls = {v.question: frames[i] for i, v in enumerate(variants) if v.kind == "relabelled"}
@@ -571,50 +615,66 @@ def _question_accuracy(frame: pd.DataFrame, question_id: str, cases: set[int]) -
     return float(rows["correct"].mean()) if len(rows) else -math.inf
 
 
-def _best(base: dict[str, Any], variants: list[Variant], frames: list[pd.DataFrame], folds: int,
-          seed: int) -> BestSchema | None:
-    """Per question the best candidate (the base, or a variant changing the question that is not an order
-    diagnostic) chosen on training folds and scored on the held-out fold; the composed schema chosen on all."""
-    case_ids = sorted(set(frames[0].loc[frames[0]["expected"].notna(), "case_id"]))
-    k = min(folds, len(case_ids))
-    if k < 2:
-        return None
-    candidates = {q: [0] + [i for i, v in enumerate(variants) if i and v.kind not in NOT_CANDIDATES
-                            and q in changed_questions(v, base)]
-                  for q in base["questions"]}
-    fold_of = dict(zip(np.random.default_rng(seed).permutation(case_ids).tolist(),
-                       [i % k for i in range(len(case_ids))], strict=True))
-    held_out = []
-    for fold in range(k):
-        train = {c for c, f in fold_of.items() if f != fold}
-        test = set(fold_of) - train
-        for question_id, options in candidates.items():
-            chosen = max(options, key=lambda i: _question_accuracy(frames[i], question_id, train))
-            frame = frames[chosen]
-            held_out.append(frame[(frame["question_id"] == question_id) & frame["case_id"].isin(test)])
-    everything = set(case_ids)
-    choices = {q: max(options, key=lambda i: _question_accuracy(frames[i], q, everything))
-               for q, options in candidates.items()}
-    composed = copy.deepcopy(base)
-    for question_id, chosen in choices.items():
+def _fold_of(sweep: Sweep, base: pd.DataFrame) -> dict[int, int]:
+    """Each case with a labelled answer of the base (`base`: its frame) to its fold of the sweep's seeded k-fold
+    split (k: the sweep's folds, at most the cases); empty below 2 cases."""
+    case_ids = sorted(set(base.loc[base["expected"].notna(), "case_id"]))
+    k = min(sweep["settings"].get("folds", DEFAULT_FOLDS), len(case_ids))
+    return {} if k < 2 else dict(zip(np.random.default_rng(DEFAULT_SEED).permutation(case_ids).tolist(),
+                                     [i % k for i in range(len(case_ids))], strict=True))
+
+
+def _composed(base: dict[str, Any], variants: list[Variant], frames: list[pd.DataFrame],
+              cases: set[int]) -> tuple[dict[str, Any], dict[str, str]]:
+    """The base with each question worded as its most accurate candidate on `cases` words it (a candidate: the
+    base, or a variant changing the question that is not an order diagnostic); and per question that variant's name."""
+    composed, choices = copy.deepcopy(base), {}
+    for question_id in base["questions"]:
+        candidates = [0] + [i for i, v in enumerate(variants) if i and v.kind not in NOT_CANDIDATES
+                            and question_id in changed_questions(v, base)]
+        chosen = max(candidates, key=lambda i: _question_accuracy(frames[i], question_id, cases))
         composed["questions"][question_id] = copy.deepcopy(variants[chosen].schema["questions"][question_id])
-
-    def pooled(frame: pd.DataFrame) -> Metric:
-        cases = _per_case(frame)
-        return _metric([cases["right"].to_numpy(float), cases["labelled"].to_numpy(float)], _ratio, seed)
-
-    return BestSchema(composed, {q: variants[i].name for q, i in choices.items()}, k,
-                      pooled(pd.concat(held_out, ignore_index=True)), pooled(frames[0]))
+        choices[question_id] = variants[chosen].name
+    return composed, choices
 
 
-def load_sweep(store: Store, sweep_id: int, *, threshold: float | None = None, folds: int | None = None,
+def _heldout_variants(sweep: Sweep, frames: list[pd.DataFrame]) -> list[SweepVariant]:
+    """Per fold, the composed schema chosen on the other folds' cases, as a variant that answers this fold's."""
+    variants = [_variant(v) for v in sweep["variants"]]
+    fold_of = _fold_of(sweep, frames[0])
+    return [{"name": f"composed:fold{fold + 1}", "kind": "composed", "question": None, "relabel": {},
+             "schema": _composed(sweep["schema"], variants, frames, {c for c, f in fold_of.items() if f != fold})[0]}
+            for fold in sorted(set(fold_of.values()))]
+
+
+def _best(sweep: Sweep, variants: list[Variant], frames: list[pd.DataFrame], heldout: list[pd.DataFrame],
+          state_prefills: int) -> BestSchema | None:
+    """The composed schema chosen on all cases, and what the composed schemas chosen per fold scored where they
+    ran: on their held-out fold's cases (`heldout`: their answers, one frame per fold; empty until run;
+    `state_prefills`: the states prefilled for them)."""
+    fold_of = _fold_of(sweep, frames[0])
+    if not fold_of:
+        return None
+    schema, choices = _composed(sweep["schema"], variants, frames, set(fold_of))
+    answered = pd.concat(heldout, ignore_index=True) if heldout else frames[0].iloc[:0]
+
+    base = frames[0][frames[0]["case_id"].isin(answered["case_id"])]
+    return BestSchema(schema, choices, len(set(fold_of.values())), _pooled(_per_case(answered), DEFAULT_SEED),
+                      _pooled(_per_case(base), DEFAULT_SEED), answered["case_id"].nunique(), state_prefills)
+
+
+def load_sweep(store: Store, sweep_id: int, *, threshold: float | None = None,
                seed: int = DEFAULT_SEED) -> SweepResult:
-    """A stored sweep with its scores over the cases done so far (see the module docstring). `folds`: the k of the
-    best-variant selection (default: the sweep's own); `threshold`: order sensitivity above it is flagged."""
+    """A stored sweep with its scores over the cases done so far (see the module docstring); order sensitivity
+    above `threshold` is flagged."""
     sweep = store.get_sweep(sweep_id)
     answers = store.list_sweep_answers(sweep_id)
-    variants = [Variant(v["name"], v["schema"], v["kind"], v["question"], v["relabel"]) for v in sweep["variants"]]
+    every = [_variant(v) for v in sweep["variants"]]
     frames = answer_frames(sweep, answers)
+    own = sum(v.kind != "composed" for v in every)  # the composed ones come last: the held-out check's
+    variants, frames, heldout = every[:own], frames[:own], frames[own:]
+    heldout_prefills = sum(1 for a in answers if a["variant"] >= own and a["response"]
+                           and not a["response"].get("x_state_cached"))
     base_cases = _per_case(frames[0])
     sensitivity = _order_sensitivity(variants, frames)
     scores = []
@@ -625,26 +685,23 @@ def load_sweep(store: Store, sweep_id: int, *, threshold: float | None = None, f
         cases = _per_case(frame).join(base_cases.add_suffix("_base"), how="inner")
         scores.append(VariantScore(
             variant=variant,
-            accuracy=_metric([cases["right"].to_numpy(float), cases["labelled"].to_numpy(float)], _ratio, seed),
+            accuracy=_pooled(cases, seed),
             accuracy_change=_metric([(cases["right"] - cases["right_base"]).to_numpy(float),
                                      cases["labelled"].to_numpy(float)], _ratio, seed),
             questions=questions,
             flips_vs_base=sorted({c for s in questions.values() for c in s.flips}),
             order_sensitivity=sensitivity.get(variant.name)))
     by_question: dict[str, float] = {}
-    for variant in variants:
-        if variant.name in sensitivity:
-            question = str(variant.question)
-            by_question[question] = max(by_question.get(question, 0.0), sensitivity[variant.name])
+    for v in (v for v in variants if v.name in sensitivity):
+        by_question[str(v.question)] = max(by_question.get(str(v.question), 0.0), sensitivity[v.name])
     flagged = [] if threshold is None else [q for q, share in by_question.items() if share > threshold]
     return SweepResult(
         id=sweep["id"], status=sweep["status"], case_set_id=sweep["case_set_id"],
         case_set_name=sweep["case_set_name"], base_schema=sweep["schema"], model_id=sweep["model_id"],
         settings=sweep["settings"], created_at=sweep["created_at"], cases=sweep["total"], done=sweep["done"],
-        state_prefills=sweep["state_prefills"], variants=scores, order_sensitivity=by_question,
-        threshold=threshold, flagged=flagged,
-        best=_best(sweep["schema"], variants, frames, folds or sweep["settings"].get("folds", DEFAULT_FOLDS), seed),
-        errors=[{"case_id": a["case_id"], "variant": variants[a["variant"]].name, "error": a["error"]}
+        state_prefills=sweep["state_prefills"] + heldout_prefills, variants=scores, order_sensitivity=by_question,
+        threshold=threshold, flagged=flagged, best=_best(sweep, variants, frames, heldout, heldout_prefills),
+        errors=[{"case_id": a["case_id"], "variant": every[a["variant"]].name, "error": a["error"]}
                 for a in answers if a["error"]])
 
 
@@ -659,6 +716,32 @@ def leaderboard(result: SweepResult) -> pd.DataFrame:
     frame = pd.DataFrame(rows, columns=["variant", "kind", "question", "accuracy", "low", "high", "change",
                                         "change_low", "change_high", "better", "flips", "order_sensitivity"])
     return frame.sort_values("accuracy", ascending=False, kind="stable", na_position="last").reset_index(drop=True)
+
+
+def variant_run(store: Store, sweep_id: int, name: str) -> int:
+    """A finished run holding variant `name`'s answers to the sweep's cases, option ids in the base's terms (its
+    schema: the variant's, named "<base> · sweep #N · <variant>"), so that Review opens them as it opens a run's:
+    made on first use, the same run after."""
+    sweep = store.get_sweep(sweep_id)
+    position = next((i for i, v in enumerate(sweep["variants"]) if v["name"] == name), None)
+    if position is None:
+        raise SweepError(f"sweep {sweep_id} has no variant {name!r}")
+    variant = sweep["variants"][position]
+    schema = {**copy.deepcopy(variant["schema"]), "name": f"{sweep['schema'].get('name')} · sweep #{sweep_id} · {name}"}
+    for question_id, names in variant["relabel"].items():
+        question = schema["questions"][question_id]
+        question["criteria"] = {names[option]: text for option, text in question["criteria"].items()}
+    made = [r["id"] for r in store.list_runs(sweep["case_set_id"]) if r["schema_name"] == schema["name"]]
+    if made:
+        return made[0]
+    run_id = store.create_run(sweep["case_set_id"], schema=schema, model_id=sweep["model_id"],
+                              settings=RunSettings(schema_slug=sweep["settings"].get("schema_slug")))
+    store.record_results(run_id, [
+        {"case_id": a["case_id"], "response": _to_base_ids(a["response"], variant["relabel"])} if a["response"]
+        else {"case_id": a["case_id"], "error": a["error"] or "no answer"}
+        for a in store.list_sweep_answers(sweep_id) if a["variant"] == position])
+    store.set_run_status(run_id, "finished")
+    return run_id
 
 
 def list_sweeps(store: Store, case_set_id: int | None = None) -> list[dict[str, Any]]:

@@ -1,12 +1,13 @@
 """Sweeps: many versions of a schema scored on a labelled case set at once — tick automatic variants, write
 alternatives per question, start (in the background, with progress and ETA), read the leaderboard, list a variant's
-flipped cases (each opens in Decide), and adopt the best version into the schema library. Rendering only: what is
-shown comes from workbench_ui.sweeps_view, the sweep itself from clef_workbench.sweeps."""
+flipped cases (each opens in Decide or Review), and adopt the best version into the schema library. Rendering only:
+what is shown comes from workbench_ui.sweeps_view, the sweep itself from clef_workbench.sweeps."""
 
 from __future__ import annotations
 
 import streamlit as st
 
+from clef_workbench import sweeps
 from clef_workbench.model_loader import request_model_name
 from workbench_ui import run_charts
 from workbench_ui import sweeps_view as sv
@@ -86,7 +87,7 @@ def start(set_id: int, slug: str, variants: list, folds: int) -> None:
 
 def render_start() -> None:
     """Pick a case set and a schema, tick automatic variants, write alternatives, and start."""
-    sets, slugs = sv.case_sets(store), library.slugs()
+    sets, slugs = store.list_case_sets(), library.slugs()
     missing = sv.missing_for_sweep(sets, slugs, model_manager().state().engine)
     if missing:
         st.info(missing)
@@ -107,7 +108,7 @@ def render_start() -> None:
     with st.expander(f"Alternatives you write ({len(written(slug))})", icon=":material/edit:"):
         render_alternatives(slug, schema)
     folds = kept_widget(st.number_input, "Folds (the best wording is chosen on the others, scored on each)",
-                        K("start.folds"), sv.DEFAULT_FOLDS, min_value=2, max_value=20)
+                        K("start.folds"), sweeps.DEFAULT_FOLDS, min_value=2, max_value=20)
     variants, line = sv.planned_variants(schema, kinds, written(slug))
     st.caption(line)
     st.button("Start the sweep", key=K("start.go"), type="primary", icon=":material/play_arrow:",
@@ -173,7 +174,7 @@ def render_flips(result, variant: str) -> None:
         st.info(f"“{variant}” answers every case as the base does.")
         return
     st.caption(f"{len(flips)} answer(s) differ from the base. Select a row to open its case in Decide with the "
-               "variant's questions; “Open” does the same in a new tab.")
+               "variant's questions (“Open” does the same in a new tab), or in Review with the variant's answer.")
     event = st.dataframe(flips, hide_index=True, width="stretch", key=K(f"flips.{result.id}.{variant}"),
                          on_select="rerun", selection_mode="single-row",
                          column_config={"state": st.column_config.TextColumn(width="large"),
@@ -181,6 +182,9 @@ def render_flips(result, variant: str) -> None:
     if event.selection.rows:
         row = flips.iloc[event.selection.rows[0]]
         st.link_button(f"Open case {row['case']} in Decide", row["decide"], icon=":material/psychology:")
+        if st.button(f"Open case {row['case']} in Review", key=K("review"), icon=":material/rate_review:"):
+            st.switch_page("pages/review.py", query_params=sv.review_params(store, result, variant, int(row["case"]),
+                                                                            str(row["question"])))
 
 
 def adopt(result, choice: str) -> None:
@@ -212,7 +216,7 @@ def render_adopt(result) -> None:
 st.title("Schema sweeps")
 st.caption("Many versions of a schema scored on a labelled case set at once: each case's state is read once and "
            "every version continues from it.")
-all_sweeps = sv.sweep_rows(store)
+all_sweeps = sweeps.list_sweeps(store)
 with st.expander("Start a sweep", expanded=not all_sweeps, icon=":material/play_arrow:"):
     render_start()
 show_flash(K("flash"), undo_adoption)
@@ -225,7 +229,7 @@ if sweep_id is None:  # the link names a sweep that is not here: said above
 st.fragment(follow, run_every=1.0 if runner.is_running(sweep_id) else None)(sweep_id)
 threshold = kept_widget(st.slider, "Flag a question whose answers change with the options' order for more than",
                         K("threshold"), 0.1, min_value=0.0, max_value=1.0, step=0.05, format="%.2f")
-result = sv.load_result(store, sweep_id, threshold)
+result = sweeps.load_sweep(store, sweep_id, threshold=threshold)
 picked = render_leaderboard(result)
 if picked:
     render_flips(result, picked)

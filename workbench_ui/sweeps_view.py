@@ -84,14 +84,6 @@ AUTO_KIND_LABELS = {
 }
 
 
-DEFAULT_FOLDS = sweeps.DEFAULT_FOLDS
-
-
-def case_sets(store: Any) -> list[dict[str, Any]]:
-    """The case sets a sweep can start on (one without expected answers is refused with a message when started)."""
-    return store.list_case_sets()
-
-
 def missing_for_sweep(case_sets: list[dict], slugs: list[str], engine: Any) -> str | None:
     """What a sweep still needs, in words; None when one can start."""
     missing = [what for what, there in (("a labelled case set (Case sets page)", case_sets),
@@ -163,11 +155,6 @@ def library_schema(library: SchemaLibrary, slug: str) -> tuple[dict[str, Any] | 
 # -- its progress -------------------------------------------------------------------------------------------------
 
 
-def sweep_rows(store: Any) -> list[dict[str, Any]]:
-    """Every sweep, newest first (list_sweeps rows)."""
-    return sweeps.list_sweeps(store)
-
-
 def sweep_row(store: Any, sweep_id: int) -> dict[str, Any]:
     return next(s for s in sweeps.list_sweeps(store) if s["id"] == sweep_id)
 
@@ -220,11 +207,6 @@ def resume_sweep(runner: SweepRunner, engine: Any, sweep_id: int) -> str:
 # -- the leaderboard ----------------------------------------------------------------------------------------------
 
 OVERALL = "overall"
-
-
-def load_result(store: Any, sweep_id: int, threshold: float) -> sweeps.SweepResult:
-    """The sweep's scores over the cases done so far, order sensitivity flagged above `threshold`."""
-    return sweeps.load_sweep(store, sweep_id, threshold=threshold)
 
 
 def leaderboard_caption(result: sweeps.SweepResult) -> str:
@@ -308,9 +290,12 @@ def best_text(result: sweeps.SweepResult) -> str | None:
     choices = ", ".join(f"`{qid}` from “{name}”" for qid, name in best.choices.items())
     if not composed_differs(result):
         return f"**Composed best schema**: the base as it is ({choices}); nothing to adopt from it."
+    if best.heldout_accuracy.value is None:
+        return (f"**Composed best schema** ({choices}): its held-out accuracy is measured when every case is done "
+                f"({best.folds}-fold: each fold's cases answered by the schema composed on the other folds).")
     return (f"**Composed best schema** ({choices}): held-out accuracy {metric_text(best.heldout_accuracy)} against "
-            f"the base's {metric_text(best.base_heldout_accuracy)} on the same cases ({best.folds}-fold: each "
-            "question's wording chosen on the other folds).")
+            f"the base's {metric_text(best.base_heldout_accuracy)} on the same {best.cases} cases ({best.folds}-fold: "
+            "each fold's cases answered by the schema of each question's best wording on the other folds).")
 
 
 # -- a variant's flipped cases --------------------------------------------------------------------------------------
@@ -323,7 +308,7 @@ def variant_score(result: sweeps.SweepResult, name: str) -> sweeps.VariantScore:
 def flipped_cases(store: Any, result: sweeps.SweepResult, name: str) -> pd.DataFrame:
     """The cases where variant `name` answers a question otherwise than the base: one row per case and question,
     with the expected answer, the state's first line and a link that opens the case in Decide with the variant's
-    questions."""
+    questions (Review: `review_params`)."""
     score = variant_score(result, name)
     rows = []
     for qid, question in score.questions.items():
@@ -334,6 +319,12 @@ def flipped_cases(store: Any, result: sweeps.SweepResult, name: str) -> pd.DataF
                          "state": state_text(case["state"]).strip().splitlines()[0][:120] if case["state"] else "",
                          "decide": links.sweep_decide_url(result.id, name, case_id)})
     return pd.DataFrame(rows, columns=["case", "question", "expected", "state", "decide"])
+
+
+def review_params(store: Any, result: sweeps.SweepResult, name: str, case_id: int, question: str) -> dict[str, str]:
+    """Review's query parameters for a flipped case: its answer to `question` in the variant's answers as a run
+    (`sweeps.variant_run`: made on first use), where it can be labelled as any run's."""
+    return {"run": str(sweeps.variant_run(store, result.id, name)), "case": str(case_id), "question": question}
 
 
 # -- adopt ----------------------------------------------------------------------------------------------------------

@@ -1,7 +1,8 @@
 """Schema sweeps (`clef_workbench.sweeps`): a base schema and its variants over a case set's labelled cases, frozen
 when the sweep is recorded, and one answer per case and variant. A case's answers are written in one transaction
 with the mark that it is finished, so a killed sweep has every case either whole or not started, and a case is never
-written twice (its mark is set once; a second write is refused)."""
+written twice (its mark is set once; a second write is refused). Once every case is finished, the composed schemas
+of the held-out check are added as variants of kind "composed", each answering the cases of its fold only."""
 
 from __future__ import annotations
 
@@ -30,17 +31,27 @@ class SweepsMixin(StoreBase):
                  None if version is None else version["id"], model_id, model_revision, _dumps(settings or {}),
                  now_iso()))
             sweep_id = inserted_id(cur)
-            conn.executemany(
-                """INSERT INTO sweep_variants (sweep_id, position, name, kind, question, schema_json, relabel_json)
-                   VALUES (?, ?, ?, ?, ?, ?, ?)""",
-                [(sweep_id, position, v["name"], v["kind"], v["question"], _dumps(v["schema"]),
-                  _dumps(v["relabel"])) for position, v in enumerate(variants)])
+            self._insert_variants(conn, sweep_id, variants)
             conn.executemany("INSERT INTO sweep_cases (sweep_id, case_id, position) VALUES (?, ?, ?)",
                              [(sweep_id, case_id, position) for position, case_id in enumerate(case_ids)])
             return sweep_id
 
+    def add_sweep_variants(self, sweep_id: int, variants: list[SweepVariant]) -> None:
+        """Variants added after the sweep's own (the held-out check's composed schemas), in order."""
+        with self._write() as conn:
+            self._insert_variants(conn, sweep_id, variants)
+
+    @staticmethod
+    def _insert_variants(conn: sqlite3.Connection, sweep_id: int, variants: list[SweepVariant]) -> None:
+        start = conn.execute("SELECT COUNT(*) FROM sweep_variants WHERE sweep_id = ?", (sweep_id,)).fetchone()[0]
+        conn.executemany(
+            """INSERT INTO sweep_variants (sweep_id, position, name, kind, question, schema_json, relabel_json)
+               VALUES (?, ?, ?, ?, ?, ?, ?)""",
+            [(sweep_id, position, v["name"], v["kind"], v["question"], _dumps(v["schema"]), _dumps(v["relabel"]))
+             for position, v in enumerate(variants, start)])
+
     _SWEEP_SELECT = """SELECT w.*, s.name AS case_set_name,
-        (SELECT COUNT(*) FROM sweep_variants v WHERE v.sweep_id = w.id) AS variant_count,
+        (SELECT COUNT(*) FROM sweep_variants v WHERE v.sweep_id = w.id AND v.kind != 'composed') AS variant_count,
         (SELECT COUNT(*) FROM sweep_cases c WHERE c.sweep_id = w.id) AS total,
         (SELECT COUNT(*) FROM sweep_cases c WHERE c.sweep_id = w.id AND c.finished_at IS NOT NULL) AS done,
         (SELECT COALESCE(SUM(c.state_prefills), 0) FROM sweep_cases c WHERE c.sweep_id = w.id) AS state_prefills
@@ -93,10 +104,26 @@ class SweepsMixin(StoreBase):
                 (state_prefills, compute_ms, now_iso(), sweep_id, case_id)).rowcount
             if marked != 1:
                 raise StoreError(f"case {case_id} of sweep {sweep_id} is not one of its cases left to compute")
-            conn.executemany(
-                "INSERT INTO sweep_answers (sweep_id, case_id, variant, response_json, error) VALUES (?, ?, ?, ?, ?)",
-                [(sweep_id, case_id, variant, None if response is None else _dumps(response), error)
-                 for variant, response, error in answers])
+            self._insert_answers(conn, sweep_id, case_id, answers)
+
+    def record_sweep_answers(self, sweep_id: int, case_id: int,
+                             answers: list[tuple[int, Response | None, str | None]]) -> None:
+        """Answers of a finished case to variants added later (`add_sweep_variants`); an answer stored already is
+        refused (StoreError): it would have been computed twice."""
+        try:
+            with self._write() as conn:
+                self._insert_answers(conn, sweep_id, case_id, answers)
+        except sqlite3.IntegrityError:
+            raise StoreError(f"case {case_id} of sweep {sweep_id} has an answer to one of these variants "
+                             "already") from None
+
+    @staticmethod
+    def _insert_answers(conn: sqlite3.Connection, sweep_id: int, case_id: int,
+                        answers: list[tuple[int, Response | None, str | None]]) -> None:
+        conn.executemany(
+            "INSERT INTO sweep_answers (sweep_id, case_id, variant, response_json, error) VALUES (?, ?, ?, ?, ?)",
+            [(sweep_id, case_id, variant, None if response is None else _dumps(response), error)
+             for variant, response, error in answers])
 
     def list_sweep_answers(self, sweep_id: int) -> list[SweepAnswer]:
         """Every stored answer of the sweep, in case order, then variant order."""

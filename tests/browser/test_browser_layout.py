@@ -16,6 +16,7 @@ import pytest
 from tests.support import REPO
 from tests.support.browser import chromium_page, demo_workbench, launch_chromium, running_workbench
 from tests.support.browser_steps import go_to, settle
+from tests.support.sweeps import seeded_sweep
 
 expect = playwright_api.expect
 
@@ -138,12 +139,13 @@ UNREADABLE = """(selector) => {
   }
   return found;
 }"""
-PAGES = ["Decide", "Schemas", "Case sets", "Runs", "Review", "Compare"]
+PAGES = ["Decide", "Schemas", "Case sets", "Runs", "Review", "Compare", "Sweeps"]
 
 
 def seeded_runs(db: Path, schemas: Path) -> list[int]:
     """Two finished runs of the example tickets on the demo model's schema, answered as an engine would answer (one
-    case failed), so that the Runs page shows its metrics, Review a queue and Compare its matrix."""
+    case failed), so that the Runs page shows its metrics, Review a queue and Compare its matrix; and a finished
+    sweep of them for the Sweeps page's leaderboard."""
     from clef_engine import protocol
     from clef_workbench import casesets
     from clef_workbench.store import Store
@@ -171,6 +173,7 @@ def seeded_runs(db: Path, schemas: Path) -> list[int]:
         store.record_results(run_id, results)
         store.set_run_status(run_id, "finished")
         run_ids.append(run_id)
+    seeded_sweep(store, set_id, schema, slug)
     return run_ids
 
 
@@ -204,7 +207,7 @@ def every_page_at_every_size(url: str, run_ids: list[int], root: Path) -> dict[s
             page.get_by_text("Latency").first.wait_for(timeout=LONG)
             expect(page.get_by_role("button", name="Deploy")).to_have_count(0)  # a local tool deploys nothing
             for title in PAGES:
-                go_to(page, title)
+                go_to(page, title, timeout=LONG)  # Sweeps scores its sweep first: seconds on a busy CPU
                 if title == "Runs":  # the latest run, with its metrics
                     page.goto(f"{url}/runs?run={run_ids[-1]}")
                     page.get_by_text("Latency and throughput").wait_for(timeout=LONG)

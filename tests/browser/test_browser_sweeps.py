@@ -1,7 +1,7 @@
 """A schema sweep in a real browser (`streamlit run app.py` on the demo model, Debian's headless Chromium through
 Playwright): import a labelled case set through the Case sets page, start a sweep with automatic variants on the
-Sweeps page, watch its progress, read the leaderboard, open a flipped case in Decide, adopt the best variant and find
-it in the Schemas page's history."""
+Sweeps page, watch its progress, read the leaderboard, open a flipped case in Decide and in Review, adopt the best
+variant and find it in the Schemas page's history."""
 
 from __future__ import annotations
 
@@ -139,6 +139,19 @@ def journey(page, url: str, library: SchemaLibrary, csv_path: Path) -> None:
     subject = store.get_case(case_id)["state"]["subject"]
     expect(decide.get_by_role("textbox", name="State", exact=True)).to_have_value(re.compile(re.escape(subject)))
     decide.close()
+
+    # ... and in Review, with the variant's answer: its answers made a run once, which Review opens at this case
+    question = str(flips.iloc[0]["question"])
+    page.get_by_role("button", name=f"Open case {case_id} in Review").click()
+    expect(page).to_have_title("Review · Clef Workbench", timeout=LONG)
+    expect(page.get_by_role("heading", name=f"Case {case_id} · {question}")).to_be_visible(timeout=LONG)
+    review_run = sweeps.variant_run(store, 1, flipper.variant.name)  # the run the button made, not a second one
+    assert [r["id"] for r in store.list_runs()] == [review_run]
+    answered = next(r for r in store.list_results(review_run) if r["case_id"] == case_id)
+    predicted = answered["response"]["answers"][question]["choice"]
+    expect(page.get_by_text(re.compile(rf"Answer {re.escape(predicted)} · confidence"))).to_be_visible()
+    go_to(page, "Sweeps", timeout=LONG)
+    expect(page.get_by_role("heading", name="Leaderboard")).to_have_count(1, timeout=LONG)
 
     # -- adopt the best variant: asked first, then the new version is in the library's history
     choices = sv.adoption_choices(result)

@@ -43,7 +43,7 @@ def test_start_a_sweep_read_its_leaderboard_adopt_and_undo(workbench):
 
     at.run()  # the page after the sweep ended: its leaderboard
     no_exceptions(at)
-    result = sv.load_result(store, 1, 0.1)
+    result = sweeps.load_sweep(store, 1, threshold=0.1)
     board = next(t.value for t in at.dataframe if "against the base" in t.value.columns)
     assert sorted(board["variant"]) == sorted(v.name for v in variants)  # every variant, the most accurate first
     assert list(board["variant"]) == list(sweeps.leaderboard(result)["variant"])

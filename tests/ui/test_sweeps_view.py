@@ -77,7 +77,7 @@ def result_of(case_ids: list[int], slug: str = SLUG) -> SweepResult:
               Metric(0.10, 0.04, 0.16), {"urgent": [case_ids[2]]}),
     ]
     best = BestSchema(PLAIN, {"team": "base", "urgent": "no_instructions:urgent"}, 5, Metric(0.78, 0.69, 0.86),
-                      Metric(0.70, 0.60, 0.80))
+                      Metric(0.70, 0.60, 0.80), 40, 3)
     return SweepResult(7, "finished", 1, "Tickets", BASE, "clef-demo", {"schema_slug": slug, "schema_version": 2},
                        "2026-12-03T20:00:00", 40, 40, 40, variants, {"team": 0.25}, 0.2, ["team"], best)
 
@@ -103,8 +103,10 @@ def test_the_leaderboard_says_what_beats_the_base_only_when_the_interval_exclude
                "threshold (threshold 20%)")]
     assert sv.best_text(result) == (
         "**Composed best schema** (`team` from “base”, `urgent` from “no_instructions:urgent”): held-out accuracy "
-        "0.780 [0.690, 0.860] against the base's 0.700 [0.600, 0.800] on the same cases (5-fold: each question's "
-        "wording chosen on the other folds).")
+        "0.780 [0.690, 0.860] against the base's 0.700 [0.600, 0.800] on the same 40 cases (5-fold: each fold's "
+        "cases answered by the schema of each question's best wording on the other folds).")
+    not_yet = dataclasses.replace(result, best=dataclasses.replace(result.best, heldout_accuracy=Metric(None)))
+    assert "held-out accuracy is measured when every case is done" in sv.best_text(not_yet)
     assert sv.metric_text(Metric(None)) == "–"
 
     base_wins = dataclasses.replace(result, best=dataclasses.replace(result.best, schema=BASE,
@@ -209,7 +211,7 @@ def test_a_sweep_starts_in_the_background_resumes_and_its_cases_open_in_decide(s
     assert runner.wait(sweep_id, timeout=600)
     shown = sv.progress_shown(runner, sv.sweep_row(store, sweep_id))
     assert shown == sv.ProgressShown(1.0, "4 / 4 cases · status **finished**", False, None)
-    result = sv.load_result(store, sweep_id, 0.1)
+    result = sweeps.load_sweep(store, sweep_id, threshold=0.1)
     assert result.settings["schema_slug"] == SLUG and result.state_prefills == 4
     assert sv.leaderboard_caption(result).startswith(
         f"4 of 4 labelled cases of “Tickets” on tiny, 4 state(s) prefilled for {len(variants)} variants.")

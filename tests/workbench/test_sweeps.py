@@ -7,13 +7,14 @@ import json
 import signal
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
 import pytest
 from scipy.stats import binomtest
 
-from clef_workbench import sweeps
+from clef_workbench import review, sweeps
 from clef_workbench.__main__ import main
 from clef_workbench.casesets import build_request
 from clef_workbench.store import Store, StoreError
@@ -107,9 +108,10 @@ def response(team: str, p_team: float, urgent: float) -> dict:
                         "urgent": {"type": "noul", "noul": urgent}}}
 
 
-def test_scores_flips_mcnemar_order_sensitivity_and_the_held_out_best(tmp_path):
+def test_scores_flips_mcnemar_order_sensitivity_and_the_held_out_best(tmp_path, tiny_engine):
     """A base right on half the cases, a variant right on all but two, and a reversed order variant that answers
-    the relabelled control's ids differently on 3 of 20 cases: the numbers follow from these counts."""
+    the relabelled control's ids differently on 3 of 20 cases: the numbers follow from these counts. The composed
+    best is scored only once it has run on the held-out cases (here on the tiny release)."""
     store = Store(tmp_path / "w.db")
     case_set_id = labelled_set(store, 20)
     cases = store.list_cases(case_set_id)
@@ -118,6 +120,7 @@ def test_scores_flips_mcnemar_order_sensitivity_and_the_held_out_best(tmp_path):
     names = [v["name"] for v in store.get_sweep(sweep_id)["variants"]]
     assert names == ["base", "no_instructions:team", "relabelled:team", "reversed:team"]
     relabel = {v.kind: {base: new for new, base in v.relabel.get("team", {}).items()} for v in variants}
+    reversed_team = {}  # case id: the reversed variant's team, in the base's ids
     for i, case in enumerate(cases):
         gold = case["expected"]["team"]
         wrong = TEAMS[(TEAMS.index(gold) + 1) % 3]
@@ -125,6 +128,7 @@ def test_scores_flips_mcnemar_order_sensitivity_and_the_held_out_best(tmp_path):
         better = response(gold if i >= 2 else wrong, 0.8, 0.2)
         control_team = gold if i % 2 else wrong
         flipped = wrong if i < 3 and i % 2 else (gold if i < 3 else control_team)
+        reversed_team[case["id"]] = flipped
         answers = [base, better]
         for kind, team in (("relabelled", control_team), ("reversed", flipped)):
             answer = response(team, 0.9, 0.2)
@@ -151,17 +155,52 @@ def test_scores_flips_mcnemar_order_sensitivity_and_the_held_out_best(tmp_path):
     assert scores["reversed:team"].order_sensitivity == pytest.approx(3 / 20)
     assert result.order_sensitivity == {"team": pytest.approx(0.15)} and result.flagged == ["team"]
     assert result.state_prefills == 20 and result.done == result.cases == 20
-    # chosen on training folds only, and never an order diagnostic: the better wording wins on every fold
+    # never an order diagnostic: the better wording wins; held out, nothing is known until the composed schemas run
     assert result.best is not None and result.best.choices == {"team": "no_instructions:team", "urgent": "base"}
     assert result.best.schema["questions"]["team"]["instructions"] == ""
-    assert result.best.heldout_accuracy.value > result.best.base_heldout_accuracy.value
+    assert (result.best.heldout_accuracy.value, result.best.cases) == (None, 0)
+
+    # every case is done: running the sweep runs only the held-out check, per fold the schema composed on the
+    # other folds (the better wording wins on each) answering that fold's 5 cases, each state prefilled once
+    progress = sweeps.run_sweep(store, sweep_id, tiny_engine)
+    assert (progress.status, progress.computed, progress.state_prefills) == ("finished", 0, 20)
+    sweep = store.get_sweep(sweep_id)
+    composed = sweep["variants"][len(names):]
+    assert [v["name"] for v in composed] == [f"composed:fold{f}" for f in range(1, 5)]
+    assert all(v["schema"]["questions"] == result.best.schema["questions"] for v in composed)
+    heldout = [a for a in store.list_sweep_answers(sweep_id) if a["variant"] >= len(names)]
+    assert sorted(a["case_id"] for a in heldout) == sorted(c["id"] for c in cases)
+    assert sorted(Counter(a["variant"] for a in heldout).values()) == [5] * 4
+    scored = sweeps.load_sweep(store, sweep_id).best
+    assert (scored.cases, scored.state_prefills, scored.folds) == (20, 20, 4)
+
+    def right(answer: dict) -> int:
+        given, gold = answer["response"]["answers"], answer["expected"]
+        return (given["team"]["choice"] == gold["team"]) + ((given["urgent"]["noul"] >= 0.5) == gold["urgent"])
+
+    assert scored.heldout_accuracy.value == pytest.approx(sum(map(right, heldout)) / 40)
+    assert scored.base_heldout_accuracy.value == pytest.approx(0.5)  # its team and urgent answers right on odd i
     document = json.loads(json.dumps(result.to_json()))
     entry = next(v for v in document["variants"] if v["name"] == "no_instructions:team")
     assert {"name", "accuracy", "accuracy_ci", "flips_vs_base", "order_sensitivity"} <= set(entry)
     assert {"schema", "heldout_accuracy", "heldout_ci"} <= set(document["best"])
+    # a variant's answers open in Review as a run's: made once, in the base's option ids, each case's answer queued
+    # when a link asks for it
+    review_run = sweeps.variant_run(store, sweep_id, "reversed:team")
+    assert sweeps.variant_run(store, sweep_id, "reversed:team") == review_run and len(store.list_runs()) == 1
+    run = store.get_run(review_run)
+    assert run["schema"]["name"] == f"tickets · sweep #{sweep_id} · reversed:team" and run["status"] == "finished"
+    assert list(run["schema"]["questions"]["team"]["criteria"]) == sorted(TEAMS)[::-1]  # the order it was asked in
+    assert {r["case_id"]: r["response"]["answers"]["team"]["choice"]
+            for r in store.list_results(review_run)} == reversed_team
+    flipped = scores["reversed:team"].questions["team"].flips[0]
+    item = review.item_for_link(store, review_run, flipped, "team")
+    assert item is not None and (item["case_id"], item["question_id"]) == (flipped, "team")
+    with pytest.raises(sweeps.SweepError, match="has no variant 'nope'"):
+        sweeps.variant_run(store, sweep_id, "nope")
     assert sweeps.list_sweeps(store)[0] | {"created_at": None} == {
         "id": sweep_id, "case_set_id": case_set_id, "case_set_name": "tickets", "schema_name": "tickets",
-        "model_id": "m", "status": "pending", "error": None, "done": 20, "total": 20, "state_prefills": 20,
+        "model_id": "m", "status": "finished", "error": None, "done": 20, "total": 20, "state_prefills": 20,
         "created_at": None, "variants": 4}
 
 
@@ -183,15 +222,16 @@ def test_a_sweep_of_8_variants_over_40_cases_prefills_40_states_and_answers_as_e
     assert progress.status == "finished" and [p.done for p in seen[:-1]] == list(range(1, 41))
     assert seen[-1].eta_s == 0 and store.get_sweep(sweep_id)["state_prefills"] == 40
 
-    # each variant decided on its own: 320 records, 320 states
+    # per case, its 8 variants and the held-out check's schema composed for its fold (from the state cache: the 40
+    # above are all the sweep prefilled), each decided on its own: 360 records, 360 states
     sweep = store.get_sweep(sweep_id)
-    requests = [build_request(store.get_case(case_id), v["schema"]) for case_id in
-                [c["id"] for c in store.list_cases(case_set_id)] for v in sweep["variants"]]
+    stored = store.list_sweep_answers(sweep_id)
+    assert len(stored) == 360 and len(sweep["variants"]) == 8 + sweeps.DEFAULT_FOLDS
+    assert set(Counter(a["case_id"] for a in stored).values()) == {9}
+    requests = [build_request(store.get_case(a["case_id"]), sweep["variants"][a["variant"]]["schema"]) for a in stored]
     before = tiny_engine.runner.state_prefills
     alone = tiny_engine.probabilities(requests)
-    assert tiny_engine.runner.state_prefills - before == 320
-    stored = store.list_sweep_answers(sweep_id)
-    assert len(stored) == 320
+    assert tiny_engine.runner.state_prefills - before == 360
     for answer, request, probabilities in zip(stored, requests, alone, strict=True):
         questions = tiny_engine.validate(request).questions
         for question, p in zip(questions, probabilities, strict=True):
@@ -270,31 +310,43 @@ def test_sweep_cli_refuses_bad_input_naming_it_and_stores_nothing(sweep_db, caps
     assert [len(store.list_cases(s["id"])) for s in store.list_case_sets()] == cases_before
 
 
-def test_sweep_cli_prints_the_leaderboard_writes_the_json_and_fails_on_order_sensitivity(sweep_db, tiny_release,
-                                                                                        capsys):
+def test_sweep_cli_prints_the_leaderboard_writes_the_json_and_fails_on_order_sensitivity(sweep_db, tiny_release):
+    """The command as CI runs it: its own process, its exit code, the JSON document it writes."""
     out_file = sweep_db.parent / "out.json"
     variants = sweep_db.parent / "variants.json"
     variants.write_text(json.dumps([{"name": "terse", "questions": {
         "urgent": {"type": "noul", "instructions": "Urgent?", "criteria": None}}}]))
-    args = ["sweep", "--db", str(sweep_db), "--case-set", "tickets", "--schema", str(sweep_db.parent / "tickets.json"),
+    args = ["--db", str(sweep_db), "--case-set", "tickets", "--schema", str(sweep_db.parent / "tickets.json"),
             "--model", str(tiny_release), "--device", "cpu", "--dtype", "float32", "--folds", "3",
             "--json", str(out_file)]
-    assert main([*args, "--variants", str(variants)]) == 0
-    out = capsys.readouterr().out
-    assert "terse" in out and "6 cases, 6 states prefilled" in out
+    out, err = sweep_cli(*args, "--variants", str(variants)).communicate(timeout=600)
+    assert "terse" in out and "6 cases, 6 states prefilled" in out, err[-3000:]
     document = json.loads(out_file.read_text())
-    assert (document["cases"], document["state_prefills"], document["computed_now"]["cases"]) == (6, 6, 6)
+    assert (document["status"], document["cases"], document["state_prefills"]) == ("finished", 6, 6)
     assert [v["name"] for v in document["variants"]] == ["base", "terse"]
     for variant in document["variants"]:
         low, high = variant["accuracy_ci"]
         assert low <= variant["accuracy"] <= high and isinstance(variant["flips_vs_base"], list)
-    assert set(document["best"]) >= {"schema", "heldout_accuracy", "heldout_ci"}
+        assert variant["order_sensitivity"] is None  # no order-only variant
+    best = document["best"]
+    low, high = best["heldout_ci"]
+    assert low <= best["heldout_accuracy"] <= high and best["heldout_cases"] == 6  # each case of its fold, run
+    assert best["schema"]["questions"].keys() == SCHEMA["questions"].keys()
     assert document["command"].startswith("python -m clef_workbench sweep --db ")
-    # any share exceeds -1: the order variants of "team" make its sensitivity a number, so the flag trips
-    assert main([*args, "--fail-if-order-sensitive", "-1"]) == 3
-    err = capsys.readouterr().err
-    assert "order sensitive above -1.0: team (" in err
-    assert json.loads(out_file.read_text())["order_sensitive"] == ["team"]
+
+    # any share exceeds -1: the automatic order variants of "team" give it a sensitivity, so the flag trips
+    order = sweep_cli(*args, "--fail-if-order-sensitive", "-1")
+    _, err = order.communicate(timeout=600)
+    assert order.returncode == 3 and "order sensitive above -1.0: team (" in err, err[-3000:]
+    document = json.loads(out_file.read_text())
+    assert document["order_sensitive"] == ["team"]
+    shares = [v["order_sensitivity"] for v in document["variants"] if v["kind"] in sweeps.ORDER_KINDS]
+    assert shares and all(0 <= share <= 1 for share in shares)
+    assert document["order_sensitivity"]["team"] == max(shares)
+    # above every share: exit 0
+    calm = sweep_cli(*args, "--fail-if-order-sensitive", "1", "--resume")
+    _, err = calm.communicate(timeout=600)
+    assert calm.returncode == 0, err[-3000:]
 
 
 def finished_cases(db: Path, sweep_id: int) -> set[int]:
@@ -342,32 +394,49 @@ def test_a_sweep_killed_mid_way_resumes_without_computing_a_case_twice_or_losing
     assert resumed.returncode == 0, err[-3000:]
     document = json.loads(out_file.read_text())
     left = CASES - len(done_before)
-    assert document["computed_now"] == {"cases": left, "state_prefills": left}
-    assert (document["sweep"], document["done"], document["state_prefills"]) == (sweep["id"], CASES, CASES)
-    assert len(store.list_sweep_answers(sweep["id"])) == CASES * 2
+    # the held-out check then continues the states of the cases computed here from the state cache; those the
+    # killed process computed are prefilled again, once each
+    assert document["computed_now"] == {"cases": left, "state_prefills": left + len(done_before)}
+    assert (document["sweep"], document["done"], document["best"]["state_prefills"]) == (sweep["id"], CASES,
+                                                                                        len(done_before))
+    assert document["state_prefills"] == CASES + len(done_before)
+    answers = store.list_sweep_answers(sweep["id"])
+    assert sorted(Counter((a["case_id"], a["variant"] < 2) for a in answers).values()) == [1] * CASES + [2] * CASES
     assert finished_cases(db, sweep["id"]) == {c["id"] for c in store.list_cases(case_set_id)}
 
 
 @pytest.mark.ray
 def test_a_sweep_on_ray_splits_the_cases_across_replicas_each_doing_all_variants_of_its_cases(tmp_path, tiny_release,
                                                                                              tiny_engine):
-    from clef_workbench.distributed import ReplicaPool
+    """`sweep --ray`: two replicas of a real local cluster, one state per case (its variants on one replica), the
+    held-out check there too, and the answers a sweep in process gives."""
     from tests.support.ray_cluster import TOLERANCE, local_cluster
 
-    local_cluster()
-    store = Store(tmp_path / "w.db")
+    address = local_cluster()
+    db = tmp_path / "w.db"
+    store = Store(db)
     case_set_id = labelled_set(store, 6)
-    variants = [v for v in sweeps.auto_variants(SCHEMA) if v.question == "urgent" or v.kind == "reversed"]
-    on_ray, here = (sweeps.start_sweep(store, case_set_id, SCHEMA, variants, model_id="tiny") for _ in range(2))
-    pool = ReplicaPool.start(str(tiny_release), replicas=2)
-    try:
-        progress = sweeps.run_sweep(store, on_ray, pool)
-    finally:
-        pool.shutdown()
-    assert (progress.status, progress.done, progress.state_prefills) == ("finished", 6, 6)
-    assert store.get_sweep(on_ray)["state_prefills"] == 6  # one per case: its variants ran on one replica
+    (tmp_path / "tickets.json").write_text(json.dumps(SCHEMA))
+    out_file = tmp_path / "out.json"
+    child = sweep_cli("--db", str(db), "--case-set", "tickets", "--schema", str(tmp_path / "tickets.json"),
+                      "--model", str(tiny_release), "--dtype", "float32", "--folds", "3", "--ray", address,
+                      "--replicas", "2", "--json", str(out_file))
+    out, err = child.communicate(timeout=1800)  # two replicas load the release on a busy two-core machine
+    assert child.returncode == 0, err[-3000:]
+    assert "(Ray, 2 replicas)" in out
+    document = json.loads(out_file.read_text())
+    on_ray = store.get_sweep(document["sweep"])
+    assert (document["done"], on_ray["state_prefills"], on_ray["settings"]["replicas"]) == (6, 6, 2)
+    assert document["best"]["heldout_cases"] == 6
+
+    own = [sweeps.Variant(v["name"], v["schema"], v["kind"], v["question"], v["relabel"])
+           for v in on_ray["variants"] if v["kind"] != "composed"]
+    here = sweeps.start_sweep(store, case_set_id, SCHEMA, own, model_id=on_ray["model_id"], folds=3)
     sweeps.run_sweep(store, here, tiny_engine)
-    for remote, local in zip(store.list_sweep_answers(on_ray), store.list_sweep_answers(here), strict=True):
+    local_answers = [a for a in store.list_sweep_answers(here) if a["variant"] < len(own)]
+    remote_answers = [a for a in store.list_sweep_answers(on_ray["id"]) if a["variant"] < len(own)]
+    assert len(remote_answers) == 6 * len(own)
+    for remote, local in zip(remote_answers, local_answers, strict=True):
         assert (remote["case_id"], remote["variant"]) == (local["case_id"], local["variant"])
         for question, answer in local["response"]["answers"].items():
             got = remote["response"]["answers"][question]
