@@ -8,12 +8,15 @@ from __future__ import annotations
 import json
 
 import httpx
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.support.api import INTERNAL_NAMES
 from tests.support.media import b64, plain_png
 from tests.support.servers import ServerProcess
+
+pytestmark = pytest.mark.slow  # a real server process
 
 EXAMPLES = 30
 ANSWER_SECONDS = 120  # a hang is a request unanswered this long

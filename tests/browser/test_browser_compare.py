@@ -17,7 +17,7 @@ import pytest
 from clef_workbench import casesets
 from clef_workbench.store import Store
 from tests.support import REPO
-from tests.support.browser import workbench_page
+from tests.support.browser import chromium_page, running_workbench, workbench_page
 from tests.support.browser_steps import pick, settle
 from tests.support.compare_runs import GRID_ANSWERS, GRID_CASES, GRID_SCHEMA, grid_response
 
@@ -159,11 +159,12 @@ def coloured_cells(png: bytes) -> list[list[tuple[str, tuple[float, float]]]]:
     return [sorted(row, key=lambda c: c[1][0]) for row in grid]
 
 
-@contextlib.contextmanager
-def grid_page(tmp_path):
-    """The Compare page of two runs of GRID_CASES (recorded in the store, no model run), in Chromium, with its
-    matrix in view: yields the page, the matrix, the run ids and the case ids."""
-    db = tmp_path / "workbench.sqlite3"
+@pytest.fixture(scope="module")
+def grid_workbench(tmp_path_factory):
+    """A workbench whose store holds two recorded runs of GRID_CASES (no model run): (url, run ids, case ids, its
+    folder). The Compare page only reads the store, so the tests that look at these runs share it."""
+    folder = tmp_path_factory.mktemp("grid")
+    db = folder / "workbench.sqlite3"
     store = Store(db)
     set_id = store.create_case_set("Tickets")
     case_ids = store.add_cases(set_id, [{"state": state, "expected": expected} for state, expected in GRID_CASES])
@@ -174,9 +175,18 @@ def grid_page(tmp_path):
                                        "input_tokens": 10} for case_id, answer in zip(case_ids, answers, strict=True)])
         store.set_run_status(run_id, "finished")
         run_ids.append(run_id)
-    shutil.copytree(REPO / "schemas", tmp_path / "schemas")
-    env = {"CLEF_DB": str(db), "CLEF_SCHEMAS_DIR": str(tmp_path / "schemas"), "CLEF_MODEL": "demo"}
-    with workbench_page(env, tmp_path) as (page, url):
+    shutil.copytree(REPO / "schemas", folder / "schemas")
+    env = {"CLEF_DB": str(db), "CLEF_SCHEMAS_DIR": str(folder / "schemas"), "CLEF_MODEL": "demo"}
+    with running_workbench(env, log_path=folder / "streamlit.log") as url:
+        yield url, run_ids, case_ids, folder
+
+
+@contextlib.contextmanager
+def grid_page(grid_workbench, name: str):
+    """The Compare page of the two recorded runs in a Chromium of its own, with its matrix in view: yields the page,
+    the matrix, the run ids and the case ids. The page's last state is kept in the workbench's folder as `name`.png."""
+    url, run_ids, case_ids, folder = grid_workbench
+    with chromium_page(screenshot=folder / f"{name}.png") as page:
         page.goto(f"{url}/compare?runs={run_ids[0]},{run_ids[1]}")
         expect(page.get_by_role("heading", name="Cases × runs")).to_be_visible(timeout=LONG)
         settle(page)
@@ -196,11 +206,11 @@ def drawn_grid(page, matrix) -> list[list[tuple[str, tuple[float, float]]]]:
         page.wait_for_timeout(500)
 
 
-def test_the_matrix_colours_each_cell_shows_confidence_and_a_click_opens_each_runs_distribution(tmp_path):
+def test_the_matrix_colours_each_cell_shows_confidence_and_a_click_opens_each_runs_distribution(grid_workbench):
     """Point 12, promptfoo's grid: green / red per cell against the expected answer, "answer (confidence)", the
     state's first line per row, compact headers (the run in full on hover), and a click on a cell opens the case
     with each run's answer and distribution per question."""
-    with grid_page(tmp_path) as (page, matrix, run_ids, case_ids):
+    with grid_page(grid_workbench, "matrix") as (page, matrix, run_ids, case_ids):
         # the grid's accessible table, inside its canvas, holds what the canvas draws
         headers = matrix.locator('canvas th[role="columnheader"]')
         expect(headers).to_have_text(["case", "position", "state", "urgent · expected", f"urgent · #{run_ids[0]}",
@@ -240,7 +250,7 @@ def test_the_matrix_colours_each_cell_shows_confidence_and_a_click_opens_each_ru
         expect(charts.locator("canvas, svg.marks")).to_have_count(4)
 
 
-def test_the_first_click_after_the_disagreement_filter_opens_its_case(tmp_path):
+def test_the_first_click_after_the_disagreement_filter_opens_its_case(grid_workbench):
     """Issue 36 point 9: after "Only cases where the runs disagree" is switched on, the first click on a cell opens
     its case (it was lost when it fell on the cell clicked before the switch)."""
     def click_the_last_rows_first_cell() -> None:
@@ -251,7 +261,7 @@ def test_the_first_click_after_the_disagreement_filter_opens_its_case(tmp_path):
         page.mouse.click(box["x"] + x, box["y"] + y)
         settle(page)
 
-    with grid_page(tmp_path) as (page, _, _, case_ids):
+    with grid_page(grid_workbench, "filter") as (page, _, _, case_ids):
         click_the_last_rows_first_cell()
         expect(page.get_by_role("heading", name=f"Case {case_ids[2]}")).to_be_visible()
         page.get_by_role("button", name="Close the case").click()

@@ -26,10 +26,13 @@ pytestmark = pytest.mark.browser
 LONG = 300_000  # ms, a safety limit: the first page load builds/loads the demo model
 
 
-@pytest.fixture
-def workbench_url(tmp_path: Path):
-    env = {"CLEF_DB": str(tmp_path / "workbench.sqlite3"), "CLEF_SCHEMAS_DIR": str(tmp_path / "schemas")}
-    with running_workbench(env, log_path=tmp_path / "streamlit.log") as url:
+@pytest.fixture(scope="module")
+def workbench_url(tmp_path_factory):
+    """One workbench for the module: each test opens it in a Chromium of its own, a session that starts empty (an
+    empty schema library: Decide starts with no questions; nothing here saves a schema)."""
+    folder = tmp_path_factory.mktemp("decide")
+    env = {"CLEF_DB": str(folder / "workbench.sqlite3"), "CLEF_SCHEMAS_DIR": str(folder / "schemas")}
+    with running_workbench(env, log_path=folder / "streamlit.log") as url:
         yield url
 
 

@@ -9,10 +9,10 @@ from __future__ import annotations
 import re
 
 import pytest
-from playwright.sync_api import expect, sync_playwright
+from playwright.sync_api import expect
 
 from clef_workbench.store import Store
-from tests.support.browser import launch_chromium, running_workbench
+from tests.support.browser import chromium_page, running_workbench
 
 pytestmark = pytest.mark.browser
 
@@ -35,37 +35,32 @@ def test_deep_links_on_a_fresh_server_open_their_page_in_the_app_navigation(tmp_
     store.create_run(set_id, schema=SCHEMA, model_id="clef-demo")  # the newest: what the page shows without a link
     log = tmp_path / "streamlit.log"
     with running_workbench({"CLEF_DB": str(db), "CLEF_MODEL": "demo"}, log_path=log) as url, \
-            sync_playwright() as playwright:
-        browser = launch_chromium(playwright)
-        try:
-            page = browser.new_page()
-            page.goto(f"{url}/runs?run={linked}")  # the server's very first session
-            main = page.get_by_test_id("stMain")
-            expect(main.get_by_role("heading", name="Runs", exact=True)).to_be_visible(timeout=LONG)
-            expect(main.get_by_role("combobox", name="Run")).to_have_value(re.compile(rf"^#{linked} "), timeout=LONG)
-            expect(page).to_have_url(re.compile(rf"/runs\?run={linked}$"))
-            expect(main.get_by_text("Not found")).to_have_count(0)
+            chromium_page(width=1280, height=720, screenshot=tmp_path / "last.png") as page:
+        page.goto(f"{url}/runs?run={linked}")  # the server's very first session
+        main = page.get_by_test_id("stMain")
+        expect(main.get_by_role("heading", name="Runs", exact=True)).to_be_visible(timeout=LONG)
+        expect(main.get_by_role("combobox", name="Run")).to_have_value(re.compile(rf"^#{linked} "), timeout=LONG)
+        expect(page).to_have_url(re.compile(rf"/runs\?run={linked}$"))
+        expect(main.get_by_text("Not found")).to_have_count(0)
 
-            expect(page).to_have_title("Runs · Clef Workbench")
-            sidebar = page.get_by_test_id("stSidebar")
-            expect_workbench_navigation(sidebar)
-            expect(page.get_by_test_id("stSidebarNav")).to_have_count(0)  # Streamlit's list of the folder's files
-            for name in FILE_NAMES:
-                expect(sidebar.get_by_text(name, exact=True)).to_have_count(0)
+        expect(page).to_have_title("Runs · Clef Workbench")
+        sidebar = page.get_by_test_id("stSidebar")
+        expect_workbench_navigation(sidebar)
+        expect(page.get_by_test_id("stSidebarNav")).to_have_count(0)  # Streamlit's list of the folder's files
+        for name in FILE_NAMES:
+            expect(sidebar.get_by_text(name, exact=True)).to_have_count(0)
 
-            page.goto(f"{url}/review")
-            expect(main.get_by_role("heading", name="Review", exact=True)).to_be_visible(timeout=LONG)
-            # The Review page stops early when no run has results; the sidebar's model status is still there.
-            expect(sidebar.get_by_text("queue depth")).to_be_visible(timeout=LONG)
-            expect(page).to_have_title("Review · Clef Workbench")
-            expect_workbench_navigation(sidebar)
+        page.goto(f"{url}/review")
+        expect(main.get_by_role("heading", name="Review", exact=True)).to_be_visible(timeout=LONG)
+        # The Review page stops early when no run has results; the sidebar's model status is still there.
+        expect(sidebar.get_by_text("queue depth")).to_be_visible(timeout=LONG)
+        expect(page).to_have_title("Review · Clef Workbench")
+        expect_workbench_navigation(sidebar)
 
-            page.goto(url)
-            expect(main.get_by_role("heading", name="Decide", exact=True)).to_be_visible(timeout=LONG)
-            expect(page).to_have_title("Decide · Clef Workbench")
-            expect_workbench_navigation(sidebar)
-        finally:
-            browser.close()
+        page.goto(url)
+        expect(main.get_by_role("heading", name="Decide", exact=True)).to_be_visible(timeout=LONG)
+        expect(page).to_have_title("Decide · Clef Workbench")
+        expect_workbench_navigation(sidebar)
     server_log = log.read_text(errors="replace")
     assert "Traceback" not in server_log and "Warning" not in server_log, server_log[-3000:]
 

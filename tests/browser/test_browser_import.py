@@ -9,7 +9,7 @@ import playwright.sync_api as playwright_api
 import pytest
 
 from clef_workbench.store import Store
-from tests.support.browser import LONG, demo_workbench, launch_chromium
+from tests.support.browser import LONG, chromium_page, demo_workbench
 from tests.support.browser_steps import settle
 from tests.support.import_files import KINDS, delimited, expected_cases, stored
 
@@ -55,21 +55,14 @@ def test_excel_unicode_text_and_a_semicolon_csv_import_with_their_text_intact(wo
     unicode_text = KINDS["excel unicode text"]
     (root / unicode_text.file_name).write_bytes(unicode_text.data)
     (root / "factures.csv").write_text(delimited(SEMICOLON_ROWS, ";"), encoding="utf-8", newline="")
-    with playwright_api.sync_playwright() as playwright:
-        browser = launch_chromium(playwright)
-        page = browser.new_page(viewport={"width": 1440, "height": 900})
-        page.set_default_timeout(60_000)
-        try:
-            page.goto(f"{url}/cases?set={unicode_set}")
-            expect(page.get_by_role("heading", name="Case sets")).to_be_visible(timeout=LONG)
-            settle(page)
-            import_file(page, root / unicode_text.file_name, "UTF-16 with BOM, tab-separated, 5 rows", 5)
-            page.goto(f"{url}/cases?set={semicolon_set}")
-            expect(page.get_by_role("heading", name="Case sets")).to_be_visible(timeout=LONG)
-            settle(page)
-            import_file(page, root / "factures.csv", "UTF-8, semicolon-separated, 2 rows", 2)
-        finally:
-            page.screenshot(path=str(root / "import.png"), full_page=True)  # kept for a failure
-            browser.close()
+    with chromium_page(screenshot=root / "import.png") as page:  # the last screen kept for a failure
+        page.goto(f"{url}/cases?set={unicode_set}")
+        expect(page.get_by_role("heading", name="Case sets")).to_be_visible(timeout=LONG)
+        settle(page)
+        import_file(page, root / unicode_text.file_name, "UTF-16 with BOM, tab-separated, 5 rows", 5)
+        page.goto(f"{url}/cases?set={semicolon_set}")
+        expect(page.get_by_role("heading", name="Case sets")).to_be_visible(timeout=LONG)
+        settle(page)
+        import_file(page, root / "factures.csv", "UTF-8, semicolon-separated, 2 rows", 2)
     assert stored(store, unicode_set) == expected_cases(unicode_text.rows)
     assert stored(store, semicolon_set) == expected_cases(SEMICOLON_ROWS)

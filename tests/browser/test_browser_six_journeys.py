@@ -23,7 +23,7 @@ from PIL import Image
 
 from clef_workbench.store import Store
 from tests.support import REPO, browser_steps
-from tests.support.browser import launch_chromium, running_workbench
+from tests.support.browser import chromium_page, running_workbench
 from tests.support.browser_steps import new_case_set_from_csv, pick, press_shortcut
 from tests.support.media import mp4_bytes
 from tests.support.servers import ServerProcess
@@ -104,21 +104,14 @@ def test_six_journeys_in_one_sitting(tmp_path, endpoint):
     db = tmp_path / "workbench.sqlite3"
     env = {"CLEF_DB": str(db), "CLEF_SCHEMAS_DIR": str(tmp_path / "schemas"), "CLEF_MODEL": "demo"}
     with running_workbench(env, log_path=tmp_path / "streamlit.log") as url, \
-            playwright_api.sync_playwright() as playwright:
-        browser = launch_chromium(playwright)
-        page = browser.new_page(viewport={"width": 1440, "height": 900}, accept_downloads=True)
-        page.set_default_timeout(60_000)
+            chromium_page(screenshot=tmp_path / "last-screen.png", accept_downloads=True) as page:
         store = Store(db)
-        try:
-            write_and_run_a_schema(page, url)
-            demo_with_an_image_and_a_video(page, tmp_path)
-            import_run_browse_review_export(page, store, tmp_path)
-            two_schema_versions_and_compare(page, store)
-            several_models_and_a_remote_endpoint(page, store, endpoint)
-            bad_input_everywhere(page, store, tmp_path)
-        finally:
-            page.screenshot(path=str(tmp_path / "last-screen.png"), full_page=True)  # kept for a failure
-            browser.close()
+        write_and_run_a_schema(page, url)
+        demo_with_an_image_and_a_video(page, tmp_path)
+        import_run_browse_review_export(page, store, tmp_path)
+        two_schema_versions_and_compare(page, store)
+        several_models_and_a_remote_endpoint(page, store, endpoint)
+        bad_input_everywhere(page, store, tmp_path)
 
 
 def write_and_run_a_schema(page, url: str) -> None:

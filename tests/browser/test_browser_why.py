@@ -24,7 +24,7 @@ from PIL import Image
 from clef_workbench import calibration, review
 from clef_workbench.store import Store
 from tests.support import REPO
-from tests.support.browser import launch_chromium, running_workbench
+from tests.support.browser import chromium_page, running_workbench
 from tests.support.browser_steps import commit, go_to, new_case_set_from_csv, pick, settle
 from tests.support.media import mp4_bytes
 
@@ -65,17 +65,8 @@ def workbench(tmp_path: Path):
 
 @pytest.fixture
 def page(tmp_path: Path):
-    with playwright_api.sync_playwright() as playwright:
-        browser = launch_chromium(playwright)
-        page = browser.new_page(viewport={"width": 1280, "height": 900})
-        page.set_default_timeout(60_000)
-        try:
-            yield page
-        except Exception:
-            page.screenshot(path=str(tmp_path / "failure.png"), full_page=True)
-            raise
-        finally:
-            browser.close()
+    with chromium_page(width=1280, height=900, screenshot=tmp_path / "last.png") as page:  # kept for a failure
+        yield page
 
 
 def run_and_wait(page) -> None:

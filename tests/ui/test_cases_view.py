@@ -4,13 +4,8 @@ what a delete and its undo say; on a real store, the shipped schemas and a reali
 from __future__ import annotations
 
 import json
-import shutil
-
-import pytest
 
 from clef_workbench import case_table, casesets, importing, stats
-from clef_workbench.schema_library import SchemaLibrary
-from clef_workbench.store import Store
 from tests.support import REPO
 from workbench_ui import cases_view as view
 from workbench_ui import units
@@ -21,17 +16,6 @@ TICKETS_CSV = (
     "T-2,Crash,The app closes when I open settings.,tech,\n"
     "T-3,Login,\"Café owner here: the password reset mail never arrives.\",tech,urgent\n"
 ).encode()
-
-
-@pytest.fixture
-def store(tmp_path) -> Store:
-    return Store(tmp_path / "w.db")
-
-
-@pytest.fixture
-def library(tmp_path) -> SchemaLibrary:
-    shutil.copytree(REPO / "schemas", tmp_path / "schemas")
-    return SchemaLibrary(tmp_path / "schemas")
 
 
 def test_a_case_set_reads_with_its_count_schema_and_dates(store):

@@ -5,19 +5,10 @@ from __future__ import annotations
 
 import json
 
-import pytest
-
 from clef_workbench import schemas
-from clef_workbench.schema_library import SchemaLibrary
 from clef_workbench.store import Store
-from tests.support import REPO
 from workbench_ui import answers, schema_rows, state_input
 from workbench_ui import decide_model as vm
-
-
-@pytest.fixture
-def library() -> SchemaLibrary:
-    return SchemaLibrary(REPO / "schemas")
 
 
 def ids(state: dict) -> list[str]:

@@ -4,20 +4,8 @@ shipped schemas, a broken file and a real store as the history."""
 from __future__ import annotations
 
 import json
-import shutil
 
-import pytest
-
-from clef_workbench.schema_library import SchemaLibrary
-from clef_workbench.store import Store
-from tests.support import REPO
 from workbench_ui import schemas_view as view
-
-
-@pytest.fixture
-def library(tmp_path) -> SchemaLibrary:
-    shutil.copytree(REPO / "schemas", tmp_path / "schemas")
-    return SchemaLibrary(tmp_path / "schemas", history=Store(tmp_path / "w.db"))
 
 
 def test_the_library_table_lists_every_file_and_says_which_one_does_not_load(library):

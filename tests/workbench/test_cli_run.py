@@ -73,59 +73,6 @@ def test_a_run_from_the_command_line_is_stored_as_a_runs_page_run(tmp_path, tiny
     assert_same_answers(in_process(store, set_id, tiny_engine, run["schema"]), store.list_results(1))
 
 
-@pytest.mark.slow
-@pytest.mark.ray
-@pytest.mark.kill
-def test_on_ray_the_driver_killed_mid_run_then_resumed_loses_and_duplicates_no_case(tmp_path, tiny_release,
-                                                                                       tiny_engine, monkeypatch):
-    address = local_cluster()
-    db, store, set_id = make_db(tmp_path, 4)
-    child = subprocess.Popen(cli("--db", str(db), "--case-set", "tickets", "--schema", str(SCHEMA_FILE),
-                                 "--model", str(tiny_release), "--ray", address, "--replicas", "2",
-                                 "--chunk-tokens", "1"),
-                             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        # two replicas load the model while the driver waits: minutes on a busy two-core machine
-        deadline = time.monotonic() + 900
-        while child.poll() is None:
-            runs = store.list_runs()
-            if runs and runs[0]["done"] >= 2:
-                break
-            assert time.monotonic() < deadline, "the run had not answered 2 cases after 900 s"
-            time.sleep(0.1)
-        assert child.poll() is None, child.stderr.read()[-3000:]
-        child.send_signal(signal.SIGKILL)  # the driver dies: its replicas go with it, its lease with its process
-        child.wait(timeout=30)
-    finally:
-        if child.poll() is None:
-            child.kill()
-    out = child.stdout.read()
-    child.stdout.close()
-    child.stderr.close()
-    assert "Ray, 2 replicas" in out
-
-    run = store.list_runs()[0]
-    killed_at = run["done"]
-    assert run["status"] == "running" and 2 <= killed_at < 20
-    assert run["settings"].ray["replicas"] == 2 and run["settings"].chunk_tokens == 1
-    assert PAGE_SETTINGS - {"precision"} <= set(run["settings"].to_json())  # Ray's replicas name no precision
-    before = {r["case_id"]: (r["id"], r["finished_at"]) for r in store.list_results(run["id"])}
-
-    from clef_workbench.distributed import make_job_runner
-
-    monkeypatch.setenv("CLEF_RAY_ADDRESS", address)
-    runner = make_job_runner(store)  # as the Runs page gets it
-    assert runner.progress(run["id"])["interrupted"]
-    runner.start(run["id"], tiny_engine)
-    # two replicas load the model again: as long as the first time on a busy machine
-    assert runner.wait(run["id"], timeout=900), "the resumed run had not ended after 900 s"
-    assert store.get_run(run["id"])["status"] == "finished"
-    results = store.list_results(run["id"])
-    assert len({r["case_id"] for r in results}) == len(results) == 20  # none lost, none duplicated
-    assert all((r["id"], r["finished_at"]) == before[r["case_id"]] for r in results if r["case_id"] in before)
-    assert_same_answers(in_process(store, set_id, tiny_engine, run["schema"]), results)
-
-
 def test_wrong_input_is_a_message_naming_the_argument_and_exit_code_2(tmp_path, capsys, monkeypatch):
     monkeypatch.delenv("CLEF_RAY_ADDRESS", raising=False)
     db, store, _ = make_db(tmp_path, 1)
@@ -370,3 +317,57 @@ def test_a_read_only_database_is_read_its_writes_refused_without_side_files_and_
         assert [s["case_count"] for s in Store(db).list_case_sets()] == [1]
     finally:
         shutil.rmtree(folder)
+
+
+# Last in the module: the Ray cluster it starts is held, and other workers wait for it, until the module ends.
+@pytest.mark.slow
+@pytest.mark.ray
+@pytest.mark.kill
+def test_on_ray_the_driver_killed_mid_run_then_resumed_loses_and_duplicates_no_case(tmp_path, tiny_release,
+                                                                                       tiny_engine, monkeypatch):
+    address = local_cluster()
+    db, store, set_id = make_db(tmp_path, 4)
+    child = subprocess.Popen(cli("--db", str(db), "--case-set", "tickets", "--schema", str(SCHEMA_FILE),
+                                 "--model", str(tiny_release), "--ray", address, "--replicas", "2",
+                                 "--chunk-tokens", "1"),
+                             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        # two replicas load the model while the driver waits: minutes on a busy two-core machine
+        deadline = time.monotonic() + 900
+        while child.poll() is None:
+            runs = store.list_runs()
+            if runs and runs[0]["done"] >= 2:
+                break
+            assert time.monotonic() < deadline, "the run had not answered 2 cases after 900 s"
+            time.sleep(0.1)
+        assert child.poll() is None, child.stderr.read()[-3000:]
+        child.send_signal(signal.SIGKILL)  # the driver dies: its replicas go with it, its lease with its process
+        child.wait(timeout=30)
+    finally:
+        if child.poll() is None:
+            child.kill()
+    out = child.stdout.read()
+    child.stdout.close()
+    child.stderr.close()
+    assert "Ray, 2 replicas" in out
+
+    run = store.list_runs()[0]
+    killed_at = run["done"]
+    assert run["status"] == "running" and 2 <= killed_at < 20
+    assert run["settings"].ray["replicas"] == 2 and run["settings"].chunk_tokens == 1
+    assert PAGE_SETTINGS - {"precision"} <= set(run["settings"].to_json())  # Ray's replicas name no precision
+    before = {r["case_id"]: (r["id"], r["finished_at"]) for r in store.list_results(run["id"])}
+
+    from clef_workbench.distributed import make_job_runner
+
+    monkeypatch.setenv("CLEF_RAY_ADDRESS", address)
+    runner = make_job_runner(store)  # as the Runs page gets it
+    assert runner.progress(run["id"])["interrupted"]
+    runner.start(run["id"], tiny_engine)
+    # two replicas load the model again: as long as the first time on a busy machine
+    assert runner.wait(run["id"], timeout=900), "the resumed run had not ended after 900 s"
+    assert store.get_run(run["id"])["status"] == "finished"
+    results = store.list_results(run["id"])
+    assert len({r["case_id"] for r in results}) == len(results) == 20  # none lost, none duplicated
+    assert all((r["id"], r["finished_at"]) == before[r["case_id"]] for r in results if r["case_id"] in before)
+    assert_same_answers(in_process(store, set_id, tiny_engine, run["schema"]), results)

@@ -37,7 +37,8 @@ GOOD_QUESTIONS = {
 
 
 @pytest.fixture
-def library(tmp_path: Path) -> SchemaLibrary:
+def plain_library(tmp_path: Path) -> SchemaLibrary:
+    """An empty schema folder without a history: the library is the folder alone."""
     return SchemaLibrary(tmp_path / "schemas")
 
 
@@ -132,17 +133,17 @@ def test_noul_criteria_may_be_one_sided_null_or_absent():
                                "b": {"type": "noul", "instructions": "?"}}) == []
 
 
-def test_duplicate_question_and_option_ids_in_a_file_are_errors(library: SchemaLibrary):
+def test_duplicate_question_and_option_ids_in_a_file_are_errors(plain_library: SchemaLibrary):
     text = """{"name": "Dup", "version": 1, "description": "",
                "questions": {"a": {"type": "noul", "instructions": "x"},
                              "a": {"type": "choice", "instructions": "y",
                                    "criteria": {"k": null, "k": null, "l": null}}}}"""
     with pytest.raises(SchemaError) as caught:
-        library.import_json(text, filename="dup.json")
+        plain_library.import_json(text, filename="dup.json")
     found = messages(caught.value.problems)
     assert any('question "a": the id appears more than once' in m for m in found), found
     assert any('option id "k" appears more than once' in m for m in found), found
-    assert not library.slugs(), "an invalid schema must not be written"
+    assert not plain_library.slugs(), "an invalid schema must not be written"
 
 
 # --- lint ------------------------------------------------------------------------------------------------------
@@ -240,116 +241,116 @@ def test_rows_report_missing_ids_and_duplicate_option_ids():
 # --- the library on disk ---------------------------------------------------------------------------------------
 
 
-def test_create_writes_a_stable_diffable_file(library: SchemaLibrary):
+def test_create_writes_a_stable_diffable_file(plain_library: SchemaLibrary):
     schema = Schema(name="Ticket routing: EU/US", description="Route tickets.", questions=GOOD_QUESTIONS,
                     examples=[{"state": {"body": "hi"}, "name": "hello"}])
-    slug = library.create(schema)
+    slug = plain_library.create(schema)
     assert slug == "ticket-routing-eu-us"
-    text = (library.directory / f"{slug}.json").read_text(encoding="utf-8")
+    text = (plain_library.directory / f"{slug}.json").read_text(encoding="utf-8")
     assert text.endswith("}\n") and text.startswith('{\n  "name": "Ticket routing: EU/US",\n  "version": 1,')
     data = json.loads(text)
     assert list(data) == ["name", "version", "description", "questions", "examples"]
     assert list(data["examples"][0]) == ["name", "state"]
     assert list(data["questions"]["team"]) == ["type", "instructions", "criteria"]
     # Saving again what was loaded gives identical bytes: no churn in git.
-    library.update(slug, library.load(slug))
-    assert (library.directory / f"{slug}.json").read_text(encoding="utf-8") == text
+    plain_library.update(slug, plain_library.load(slug))
+    assert (plain_library.directory / f"{slug}.json").read_text(encoding="utf-8") == text
 
 
-def test_create_never_overwrites_and_picks_a_new_slug(library: SchemaLibrary):
-    first = library.create(Schema(name="Claims", questions=GOOD_QUESTIONS))
-    second = library.create(Schema(name="claims", questions={"x": noul()}))
+def test_create_never_overwrites_and_picks_a_new_slug(plain_library: SchemaLibrary):
+    first = plain_library.create(Schema(name="Claims", questions=GOOD_QUESTIONS))
+    second = plain_library.create(Schema(name="claims", questions={"x": noul()}))
     assert (first, second) == ("claims", "claims-2")
-    assert library.load("claims").questions == GOOD_QUESTIONS
+    assert plain_library.load("claims").questions == GOOD_QUESTIONS
 
 
-def test_update_bumps_version_when_anything_but_the_version_changes(library: SchemaLibrary):
-    slug = library.create(Schema(name="Alerts", questions=GOOD_QUESTIONS))
-    assert library.update(slug, library.load(slug)).version == 1  # saving what is there changes nothing
-    described = library.load(slug)
+def test_update_bumps_version_when_anything_but_the_version_changes(plain_library: SchemaLibrary):
+    slug = plain_library.create(Schema(name="Alerts", questions=GOOD_QUESTIONS))
+    assert plain_library.update(slug, plain_library.load(slug)).version == 1  # saving what is there changes nothing
+    described = plain_library.load(slug)
     described.description = "Only the description changed."
-    assert library.update(slug, described).version == 2  # each save of new content is a version
-    changed = library.load(slug)
+    assert plain_library.update(slug, described).version == 2  # each save of new content is a version
+    changed = plain_library.load(slug)
     changed.questions = {**changed.questions, "extra": noul("Another question?")}
-    saved = library.update(slug, changed)
+    saved = plain_library.update(slug, changed)
     assert saved.version == 3
-    assert library.load(slug).version == 3 and "extra" in library.load(slug).questions
+    assert plain_library.load(slug).version == 3 and "extra" in plain_library.load(slug).questions
 
 
-def test_invalid_schema_is_refused_and_nothing_is_written(library: SchemaLibrary):
-    slug = library.create(Schema(name="Keep me", questions=GOOD_QUESTIONS))
-    before = (library.directory / f"{slug}.json").read_bytes()
-    broken = library.load(slug)
+def test_invalid_schema_is_refused_and_nothing_is_written(plain_library: SchemaLibrary):
+    slug = plain_library.create(Schema(name="Keep me", questions=GOOD_QUESTIONS))
+    before = (plain_library.directory / f"{slug}.json").read_bytes()
+    broken = plain_library.load(slug)
     broken.questions = {"team": choice({})}
     with pytest.raises(SchemaError, match='question "team", field "criteria": a choice needs at least one option'):
-        library.update(slug, broken)
-    assert (library.directory / f"{slug}.json").read_bytes() == before
+        plain_library.update(slug, broken)
+    assert (plain_library.directory / f"{slug}.json").read_bytes() == before
 
 
-def test_duplicate_and_delete(library: SchemaLibrary):
-    slug = library.create(Schema(name="Invoices", questions=GOOD_QUESTIONS, version=1))
-    changed = library.load(slug)
+def test_duplicate_and_delete(plain_library: SchemaLibrary):
+    slug = plain_library.create(Schema(name="Invoices", questions=GOOD_QUESTIONS, version=1))
+    changed = plain_library.load(slug)
     changed.questions = {"only": noul()}
-    library.update(slug, changed)
-    copy = library.duplicate(slug)
+    plain_library.update(slug, changed)
+    copy = plain_library.duplicate(slug)
     assert copy == "invoices-copy"
-    assert library.load(copy).name == "Invoices (copy)"
-    assert library.load(copy).version == 1
-    assert library.load(copy).questions == {"only": noul()}
-    library.delete(slug)
-    assert library.slugs() == [copy]
+    assert plain_library.load(copy).name == "Invoices (copy)"
+    assert plain_library.load(copy).version == 1
+    assert plain_library.load(copy).questions == {"only": noul()}
+    plain_library.delete(slug)
+    assert plain_library.slugs() == [copy]
     with pytest.raises(SchemaError, match='no schema "invoices"'):
-        library.load(slug)
+        plain_library.load(slug)
 
 
-def test_export_then_import_round_trips(library: SchemaLibrary, tmp_path: Path):
-    slug = library.create(Schema(name="Round trip", questions=GOOD_QUESTIONS, description="d"))
-    exported = library.export_json(slug)
+def test_export_then_import_round_trips(plain_library: SchemaLibrary, tmp_path: Path):
+    slug = plain_library.create(Schema(name="Round trip", questions=GOOD_QUESTIONS, description="d"))
+    exported = plain_library.export_json(slug)
     other = SchemaLibrary(tmp_path / "other")
     new_slug = other.import_json(exported.encode("utf-8"), filename="anything.json")
     assert new_slug == "round-trip"
     assert other.export_json(new_slug) == exported
 
 
-def test_import_ignores_the_uploaded_file_name_for_paths(library: SchemaLibrary, tmp_path: Path):
+def test_import_ignores_the_uploaded_file_name_for_paths(plain_library: SchemaLibrary, tmp_path: Path):
     text = json.dumps({"name": "../../etc/passwd", "version": 1, "description": "", "questions": GOOD_QUESTIONS})
-    slug = library.import_json(text, filename="../../../evil.json")
+    slug = plain_library.import_json(text, filename="../../../evil.json")
     assert slug == "etc-passwd"
-    assert [p.name for p in library.directory.iterdir()] == ["etc-passwd.json"]
+    assert [p.name for p in plain_library.directory.iterdir()] == ["etc-passwd.json"]
     assert not (tmp_path / "evil.json").exists()
     with pytest.raises(SchemaError, match="is not a schema id"):
-        library.load("../secrets")
+        plain_library.load("../secrets")
     with pytest.raises(SchemaError, match="is not a schema id"):
-        library.delete("/etc/passwd")
+        plain_library.delete("/etc/passwd")
 
 
-def test_import_a_bare_questions_map_or_a_request_named_after_the_file(library: SchemaLibrary):
-    slug = library.import_json(json.dumps(GOOD_QUESTIONS), filename="Ticket triage.json")
-    assert slug == "ticket-triage" and library.load(slug).questions == GOOD_QUESTIONS
+def test_import_a_bare_questions_map_or_a_request_named_after_the_file(plain_library: SchemaLibrary):
+    slug = plain_library.import_json(json.dumps(GOOD_QUESTIONS), filename="Ticket triage.json")
+    assert slug == "ticket-triage" and plain_library.load(slug).questions == GOOD_QUESTIONS
     request = {"model": "clef", "state": "hi", "questions": GOOD_QUESTIONS}
-    slug = library.import_json(json.dumps(request), filename="req.json")
-    assert library.load(slug).name == "req"
+    slug = plain_library.import_json(json.dumps(request), filename="req.json")
+    assert plain_library.load(slug).name == "req"
 
 
-def test_import_reports_json_syntax_errors_with_line_and_column(library: SchemaLibrary):
+def test_import_reports_json_syntax_errors_with_line_and_column(plain_library: SchemaLibrary):
     with pytest.raises(SchemaError, match=r"bad\.json: not valid JSON: Expecting ',' delimiter at line 3, column 3"):
-        library.import_json('{"name": "x",\n "version": 1\n  "questions": {}}', filename="bad.json")
+        plain_library.import_json('{"name": "x",\n "version": 1\n  "questions": {}}', filename="bad.json")
     with pytest.raises(SchemaError, match="not UTF-8"):
-        library.import_json(b"\xff\xfe\x00garbage", filename="bin.json")
+        plain_library.import_json(b"\xff\xfe\x00garbage", filename="bin.json")
 
 
-def test_import_with_overwrite_replaces_same_named_schema(library: SchemaLibrary):
-    library.create(Schema(name="Same", questions={"a": noul()}))
+def test_import_with_overwrite_replaces_same_named_schema(plain_library: SchemaLibrary):
+    plain_library.create(Schema(name="Same", questions={"a": noul()}))
     text = Schema(name="Same", questions=GOOD_QUESTIONS).to_json()
-    assert library.import_json(text) == "same-2"
-    assert library.import_json(text, overwrite=True) == "same"
-    assert library.load("same").questions == GOOD_QUESTIONS
+    assert plain_library.import_json(text) == "same-2"
+    assert plain_library.import_json(text, overwrite=True) == "same"
+    assert plain_library.load("same").questions == GOOD_QUESTIONS
 
 
-def test_listing_shows_broken_files_instead_of_failing(library: SchemaLibrary):
-    library.create(Schema(name="Good", questions=GOOD_QUESTIONS))
-    (library.directory / "broken.json").write_text('{"name": "Broken", "questions": {}}\n', encoding="utf-8")
-    entries = {e.slug: e for e in library.list()}
+def test_listing_shows_broken_files_instead_of_failing(plain_library: SchemaLibrary):
+    plain_library.create(Schema(name="Good", questions=GOOD_QUESTIONS))
+    (plain_library.directory / "broken.json").write_text('{"name": "Broken", "questions": {}}\n', encoding="utf-8")
+    entries = {e.slug: e for e in plain_library.list()}
     assert entries["good"].problem is None and entries["good"].question_count == 3
     assert "\"questions\": at least one question is required" in entries["broken"].problem
 
