@@ -10,7 +10,7 @@ import pytest
 
 from clef_workbench.store import Store
 from tests.support.browser import LONG, chromium_page, demo_workbench
-from tests.support.browser_steps import settle
+from tests.support.browser_steps import model_loaded, settle
 from tests.support.import_files import KINDS, delimited, expected_cases, stored
 
 expect = playwright_api.expect
@@ -58,7 +58,7 @@ def test_excel_unicode_text_and_a_semicolon_csv_import_with_their_text_intact(wo
     with chromium_page(screenshot=root / "import.png") as page:  # the last screen kept for a failure
         page.goto(f"{url}/cases?set={unicode_set}")
         expect(page.get_by_role("heading", name="Case sets")).to_be_visible(timeout=LONG)
-        settle(page)
+        model_loaded(page)
         import_file(page, root / unicode_text.file_name, "UTF-16 with BOM, tab-separated, 5 rows", 5)
         page.goto(f"{url}/cases?set={semicolon_set}")
         expect(page.get_by_role("heading", name="Case sets")).to_be_visible(timeout=LONG)

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import playwright.sync_api as playwright_api
 
+from tests.support.browser import LONG
+
 expect = playwright_api.expect
 
 
@@ -17,6 +19,13 @@ def settle(page, *, timeout: float | None = None) -> None:
     """Wait for the rerun an interaction started: Streamlit marks the elements of a running script stale."""
     page.wait_for_timeout(300)
     page.wait_for_function("document.querySelectorAll('[data-stale=\"true\"]').length === 0", timeout=timeout)
+
+
+def model_loaded(page) -> None:
+    """Wait until the sidebar shows the loaded model: while it loads, the sidebar's status reruns every second or
+    so, and a file chosen while one lands can be dropped."""
+    playwright_api.expect(page.get_by_text("GPU memory loaded")).to_be_visible(timeout=LONG)
+    settle(page)
 
 
 def commit(locator) -> None:
