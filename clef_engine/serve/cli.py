@@ -1,30 +1,8 @@
-"""`python -m clef_engine serve`: the System One API on a resident engine, standalone.
+"""`clef-engine serve`: the System One API on resident engines, standalone (docs/operations.md says how to run it).
 
-    python -m clef_engine serve --model SOURCE [--model SOURCE ...] [--host 127.0.0.1] [--port 8000] [--api-key-env VAR]
-                                [--device cuda|cpu] [--dtype bfloat16|float32] [--precision bf16|fp8] [--revision REV]
-                                [--max-body-mb 32] [--max-queued-records N] [--request-timeout S] [--header-timeout S]
-                                [--keep-alive-timeout S] [--shutdown-grace S] [--cors-origin ORIGIN ...]
-                                [--calibrations FILE]
-
-The models load before the server listens, so once /health answers the server answers requests; on CUDA each model
-then warms up in the background (compiles and captures for lengths not asked for yet, requests first), and /health's
-`state` says "warming" until the default model's warm-up is done, then "ready". With several `--model`s
-each keeps its own engine (the local ones share their GPU's queue, taking turns), the first is the default, and a
-request's `"model"` picks one by the name /v1/models lists; `jev-latest` and names not loaded go to the default.
-Before each local model loads, its memory need is checked against the memory free on its device (with the models
-before it resident), so a model that does not fit is a clear error, not an out-of-memory crash.
-
-Connections: a client must send a request's line and headers within --header-timeout seconds of connecting (or of
-its previous answer), an idle keep-alive connection is closed after --keep-alive-timeout seconds, and a body must
-arrive within --request-timeout seconds; slow or silent clients lose their connection, everybody else is answered.
-
-Stopping (SIGINT or SIGTERM): the server stops accepting connections, gives the requests in flight --shutdown-grace
-seconds to finish, answers those still unanswered 503 shutting_down, lets the engines finish (abandoned work stops at
-the next layer) and exits 0. Its big-body worker processes end with it, even when it is killed (see
-admission.die_with_parent).
-
-`--calibrations FILE` (written by `python -m clef_workbench calibrate --export FILE`) names the calibrations a
-request's `"x_calibration"` may ask for; the file is read once, at start.
+The models load, each checked first against the memory free on its device, before the server listens: once /health
+answers, requests are answered. On SIGINT or SIGTERM it stops in order (see OrderlyServer); its big-body worker
+processes end with it however it ends (see admission.die_with_parent).
 """
 
 from __future__ import annotations
