@@ -1,14 +1,10 @@
-"""The System One contract (spec §5), in one place: request and response models, the rules the engine reads
-options by, shared defaults, request builders, and the hosted Clef service's published limits.
+"""The System One contract (spec §5), in one place: request and response models (the OpenAPI document is built
+from them), the order the engine reads options in, shared defaults, request builders, and the hosted Clef service's
+published limits.
 
-The contract accepts what the release code accepts: any non-empty question id, at least one question, at least one
-option per choice and one level per score. Sizes are bounded by the token budget and the body size, not here. The
-hosted service's stricter limits (`HOSTED`) are data for the workbench's lint, which warns; nothing refuses locally
-on their account.
-
-Validation collects every problem in the request (not just the first), each with its location, so a client or the
-workbench can show the message next to the field it concerns. The HTTP server builds its OpenAPI document from the
-models below (`SystemOneRequest.model_json_schema()`, `SystemOneResponse.model_json_schema()`).
+The contract accepts what the release code accepts (any non-empty question id, one option or level at least); sizes
+are bounded by the token budget and the body size. The hosted service's stricter limits (`HOSTED`) only feed the
+workbench's lint. Validation reports every problem with its location, so each message can stand by its field.
 """
 
 from __future__ import annotations
@@ -423,11 +419,10 @@ def parse_questions(request: Any) -> list[Question]:
 
 @dataclass(frozen=True)
 class ValidRequest:
-    """A request the contract accepted, in the form the engine consumes: validated once, by `prepare`, where it
-    enters (the HTTP server, the job runner, the Decide page, `Engine.submit` for a plain dict) and never again on
-    its way to the GPU. It carries what the engine reads: the state, the questions in schema order, the media
-    items as given (decoded by the encoder), and the token budget and overflow policy the record is encoded under.
-    `request` is the request as given (not copied): what a remote engine sends and what explanations vary."""
+    """A request the contract accepted, validated once by `prepare` where it enters (the HTTP server, the job
+    runner, the Decide page, `Engine.submit` for a plain dict) and never again on its way to the GPU: what the
+    engine reads, with the budget it is encoded under. `request` is the request as given (not copied): what a remote
+    engine sends and what explanations vary."""
 
     request: Mapping[str, Any]
     model: str | None
@@ -506,11 +501,10 @@ def prepared(request: Mapping[str, Any] | ValidRequest, *, max_length: int | Non
 
 
 def check_schema_floor(request: Any, max_length: int) -> None:
-    """Raise TokenBudgetError when the request's questions cannot fit `max_length` tokens whatever they say, from
-    their number and their options' alone (no validation, no rendering): each question's schema is at least its
-    header, "ALLOWED OPTIONS", "END FIELD" and per option "OPTION k: ", its JSON and a newline, each a text piece
-    tokenized alone into one token or more (spec §2). What a request of thousands of questions costs before it is
-    refused; a malformed question counts what it has."""
+    """Raise TokenBudgetError when the request's questions cannot fit `max_length` tokens, counted from their number
+    and their options' before any validation: each question's header, "ALLOWED OPTIONS" and "END FIELD", and per
+    option "OPTION k: ", its JSON and a newline, are text pieces of at least one token each (spec §2). So a request
+    of thousands of questions is refused cheaply; a malformed question counts what it has."""
     questions = request.get("questions") if isinstance(request, dict) else None
     if not isinstance(questions, dict):
         return
@@ -592,12 +586,6 @@ def build_request(state: Any, questions: Mapping[str, Any], *, images: Iterable[
     if videos:
         request["videos"] = videos
     return request
-
-
-def noul_confidence(p_true: float) -> float:
-    """Noul answers carry no confidence on the wire; the workbench uses max(p, 1 − p), the probability of the
-    answer it would give."""
-    return max(p_true, 1.0 - p_true)
 
 
 def format_answer(question: Question, probabilities: list[float]) -> dict:
