@@ -18,7 +18,7 @@ from typing import Any
 
 from starlette.concurrency import run_in_threadpool
 
-from .bodies import ApiError, request_from_json, request_from_json_file
+from .bodies import api_error, request_from_json, request_from_json_file
 
 BIG_BODY_BYTES = 1 << 20  # bodies from this size on are parsed in the big-body processes
 BIG_BODY_WORKERS = 2
@@ -125,10 +125,8 @@ class Turns:
                 turn.lock.release()
             self._leave(client, turn)
             if isinstance(exc, TimeoutError):
-                raise ApiError(429, {"error_type": "overloaded",
-                                     "message": "this client's earlier large requests are still being prepared; "
-                                                "send large requests one at a time"},
-                               headers={"retry-after": "1"}) from None
+                raise api_error(429, "overloaded", "this client's earlier large requests are still being prepared; "
+                                "send large requests one at a time", retry_after=1) from None
             raise
         return Paced(self, client, turn)
 

@@ -130,9 +130,7 @@ class SystemOneApi:
     async def _models(self) -> dict[str, Any]:
         models = await run_in_threadpool(self.models_or_none)
         if not models:
-            error = api_error(503, "not_ready", "the model is not loaded yet; see GET /health")
-            error.headers["retry-after"] = "5"
-            raise error
+            raise api_error(503, "not_ready", "the model is not loaded yet; see GET /health", retry_after=5)
         return models
 
     # --- auth and body ---------------------------------------------------------------------------------------
@@ -289,8 +287,7 @@ class SystemOneApi:
         except TokenBudgetError as exc:
             raise _too_many_tokens(exc, asked, ceiling) from None
         except BusyError as exc:
-            raise ApiError(429, {"error_type": "overloaded", "message": str(exc) or "the model queue is full"},
-                           headers={"retry-after": "1"}) from None
+            raise api_error(429, "overloaded", str(exc) or "the model queue is full", retry_after=1) from None
         finally:
             self.metrics.leave()
         [response] = results
@@ -343,15 +340,12 @@ class SystemOneApi:
             raise
 
     def _shutting_down_error(self) -> ApiError:
-        return ApiError(503, {"error_type": "shutting_down",
-                              "message": "the server is shutting down and did not answer; send the request again"},
-                        headers={"retry-after": "1"})
+        return api_error(503, "shutting_down", "the server is shutting down and did not answer; send the request again",
+                         retry_after=1)
 
     def _deadline_error(self) -> ApiError:
-        return ApiError(503, {"error_type": "deadline_exceeded",
-                              "message": f"the model did not answer within {self.request_timeout:g} seconds "
-                                         "(the server is busy or the request is very large); try again later"},
-                        headers={"retry-after": "1"})
+        return api_error(503, "deadline_exceeded", f"the model did not answer within {self.request_timeout:g} seconds "
+                         "(the server is busy or the request is very large); try again later", retry_after=1)
 
     async def models(self, request: Request) -> Response:
         status = 500
