@@ -366,10 +366,9 @@ class RemoteEngine:
         if response.status_code != 200:
             raise self._error(response, attempts)
         try:
-            listed = response.json()["models"]
-            self.models = [m["name"] for m in listed if isinstance(m, dict) and isinstance(m.get("name"), str)]
-            self.random_weight_models = {m["name"] for m in listed if isinstance(m, dict)
-                                         and isinstance(m.get("name"), str) and m.get("random_weights") is True}
+            listed = [m for m in response.json()["models"] if isinstance(m, dict) and isinstance(m.get("name"), str)]
+            self.models = [m["name"] for m in listed]
+            self.random_weight_models = {m["name"] for m in listed if m.get("random_weights") is True}
         except (ValueError, KeyError, TypeError):
             raise RemoteError(f"{self.endpoint}{MODELS_PATH} answered something that is not a model list: "
                               f"{response.text[:200]!r}", endpoint=self.endpoint, status=200) from None
@@ -379,9 +378,7 @@ class RemoteEngine:
 
     def validate(self, request: Any, *, max_length: int | None = None, overflow: str | None = None,
                  questions: tuple[Question, ...] | None = None) -> ValidRequest:
-        """`request` validated once against the System One contract as this package reads it (no network; the
-        endpoint may refuse more, which decide reports as a RemoteRequestError), as `submit` takes it: raises
-        RequestError naming every problem. See protocol.prepare for the budget."""
+        """As protocol.prepare, with no network: the endpoint may refuse more (a RemoteRequestError)."""
         return prepare(request, max_length=max_length, overflow=overflow, questions=questions)
 
     def _body(self, request: Any, max_length: int | None, overflow: str) -> bytes:
@@ -431,11 +428,8 @@ class RemoteEngine:
 
     def submit(self, requests: Sequence[Request], *, priority: str = "interactive", max_length: int | None = None,
                overflow: str = "refuse", errors: str = "raise") -> Future:
-        """Send each request (up to `max_concurrency` at once); the future resolves to one System One response per
-        request, in order, or raises the first request's error. A request that cannot be sent as JSON raises
-        RequestError here. With errors="return", as Engine.submit: each request's slot holds its response or its
-        own error (one that cannot be sent as JSON included), and the others are sent as if it were not there.
-        `priority` is accepted for compatibility with Engine; the endpoint schedules."""
+        """As Engine.submit, up to `max_concurrency` requests at once; one that cannot be sent as JSON is a
+        RequestError here (in its slot with errors="return"). `priority` is not sent: the endpoint schedules."""
         if errors not in ("raise", "return"):
             raise ValueError(f"errors must be 'raise' or 'return', not {errors!r}")
         if overflow not in OVERFLOW_POLICIES:
@@ -482,11 +476,9 @@ class RemoteEngine:
                            errors=errors).result()
 
     def count_tokens(self, request: Any, *, max_length: int | None = None) -> None:
-        """None: the endpoint tokenizes on its side (and reports input_tokens in its answer)."""
         return None
 
     def sample_video_frames(self, video: bytes) -> None:
-        """None: the endpoint samples a video's frames on its side."""
         return None
 
     def abandon(self, future: Future) -> None:
@@ -496,7 +488,6 @@ class RemoteEngine:
     # ---- status -----------------------------------------------------------------------------------------------
 
     def queue_position(self, future: Future) -> int | None:
-        """None: the endpoint's queue is not visible from here."""
         return None
 
     def queue_depth(self) -> int:
