@@ -39,9 +39,7 @@ class BigBodies:
         self._turns: dict[str, Turn] = {}
 
     async def parse(self, client: str, raw: bytes, parts: dict) -> tuple[dict, dict[int, str]]:
-        """`request_from_json(raw, parts)` off the event loop (parsing a body of many megabytes there would hold up
-        every other request): a small body in the shared thread pool, a big one in the big-body processes, one at a
-        time per client."""
+        """`request_from_json(raw, parts)` off the event loop: a small body in the thread pool, a big one here."""
         if len(raw) < BIG_BODY_BYTES:
             return await run_in_threadpool(request_from_json, raw, parts)
         turn = self._turns.setdefault(client, Turn())
