@@ -257,7 +257,11 @@ class SystemOneApi:
         """The engine's answer to `body`; `queued` is called once the engine has the record queued."""
         record = {k: body[k] for k in ENGINE_FIELDS if k in body}
         _check_media(record, skip_images=set(asset_images))
-        ceiling = self.token_ceiling(engine)
+        # the most tokens one request may buy: the operator's limit, else the engine's token budget, else the model's
+        # default length (a remote engine has no budget here)
+        ceiling = self.max_tokens_per_request
+        if ceiling is None:
+            ceiling = engine.token_budget if engine.token_budget and engine.token_budget > 0 else DEFAULT_MAX_LENGTH
         asked = body.get("x_max_length")
         asked = asked if type(asked) is int and asked >= 1 else DEFAULT_MAX_LENGTH  # validated below
         try:
@@ -276,8 +280,8 @@ class SystemOneApi:
         calibration = None if named is None else await self._calibration(named)
         # the engine (and an endpoint a remote engine forwards to) gets the engine's fields, under this server's budget;
         # the response names the model as the request did, else as this server does
-        request = replace(valid, request=record, model=name if valid.model is None else valid.model)
-        request = request.with_budget(min(asked, ceiling), valid.overflow)
+        request = replace(valid, request=record, model=name if valid.model is None else valid.model,
+                          max_length=min(asked, ceiling))
         self.metrics.enter()
         try:
             results = await self._run_in_time(explaining(engine, valid.explain, self.max_tokens_per_request), request,
@@ -302,14 +306,6 @@ class SystemOneApi:
             raise invalid(["x_calibration"], f"no calibration named {clip(name)!r} on this server; it has: {listed}",
                           "value_error.calibration")
         return known[name]
-
-    def token_ceiling(self, engine: DecisionEngine) -> int:
-        """The most tokens one request may buy on `engine`: the operator's limit, else the engine's token budget
-        (the most it runs in one batch), else the model's default length (a remote engine has no budget here)."""
-        if self.max_tokens_per_request is not None:
-            return self.max_tokens_per_request
-        budget = engine.token_budget
-        return budget if budget is not None and budget > 0 else DEFAULT_MAX_LENGTH
 
     async def _run_in_time(self, engine: DecisionEngine | Explaining, request: ValidRequest,
                            queued: Callable[[], None] | None = None) -> list:
