@@ -151,12 +151,6 @@ class HeaderTimeoutProtocol(H11Protocol):
             self.transport.close()
 
 
-def with_header_timeout(seconds: float, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> type[HeaderTimeoutProtocol]:
-    """The protocol class for uvicorn's `http=` option, with its header deadline and body limit set."""
-    return type("HeaderTimeoutProtocol", (HeaderTimeoutProtocol,),
-                {"header_timeout": seconds, "max_body_bytes": max_body_bytes})
-
-
 class OrderlyServer(uvicorn.Server):
     """uvicorn's server, stopping in order on SIGINT or SIGTERM: no new connections, the requests in flight get
     `grace` seconds to finish, then those still unanswered get 503 (`SystemOneApi.stop`), and `run` returns. uvicorn
@@ -267,7 +261,8 @@ def run_serve(args: argparse.Namespace) -> int:
         print("error: --max-tokens-per-request must be at least 1", file=sys.stderr)
         return 2
     allowed_hosts = args.allowed_host or default_allowed_hosts(args.host)
-    app = create_app(models, api_key=api_key, max_body_bytes=int(args.max_body_mb * 2**20),
+    max_body_bytes = int(args.max_body_mb * 2**20)
+    app = create_app(models, api_key=api_key, max_body_bytes=max_body_bytes,
                      request_timeout=args.request_timeout, max_tokens_per_request=args.max_tokens_per_request,
                      cors_origins=args.cors_origin, allowed_hosts=allowed_hosts,
                      calibrations=lambda: calibrations)
@@ -278,7 +273,8 @@ def run_serve(args: argparse.Namespace) -> int:
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
                             timeout_graceful_shutdown=args.shutdown_grace + ANSWER_SECONDS,
                             timeout_keep_alive=args.keep_alive_timeout,
-                            http=with_header_timeout(args.header_timeout, int(args.max_body_mb * 2**20)))
+                            http=type("HeaderTimeoutProtocol", (HeaderTimeoutProtocol,),
+                                      {"header_timeout": args.header_timeout, "max_body_bytes": max_body_bytes}))
     try:
         OrderlyServer(config, args.shutdown_grace).run()
     finally:
