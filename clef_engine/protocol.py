@@ -434,10 +434,6 @@ class ValidRequest:
     overflow: OverflowPolicy = "refuse"
     explain: bool | ExplainOption | None = None
 
-    def with_budget(self, max_length: int | None, overflow: str) -> ValidRequest:
-        """The same request under another token budget or overflow policy (checked as `prepare` checks them)."""
-        return replace(self, max_length=_checked_max_length(max_length), overflow=_checked_overflow(overflow))
-
     def with_evidence(self, variant: Mapping[str, Any]) -> ValidRequest:
         """The same questions and budget over the state and media of `variant`, a copy of `request` with evidence
         taken out (an explanation's variants): derived from validated evidence, so not validated again."""

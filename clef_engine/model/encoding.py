@@ -24,7 +24,7 @@ import queue
 import threading
 import unicodedata
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -413,7 +413,7 @@ class Encoder:
         valid = prepared(request)
         questions, images, videos, state_text = self.open_request(valid)
         if videos:
-            return dict(self.encode(valid.with_budget(UNBOUNDED, "refuse")).token_counts)
+            return dict(self.encode(replace(valid, max_length=UNBOUNDED, overflow="refuse")).token_counts)
         pieces, instruction_piece, _ = schema_pieces(questions)
         piece_ids = self.tokenize_schema(pieces)
         _check_instructions(questions, [piece_ids[piece] for piece in instruction_piece])
