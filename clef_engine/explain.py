@@ -24,6 +24,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
@@ -318,13 +319,13 @@ def explain(engine: Engine, request: Request, unit: str | None = None, *, max_le
     return submit_explanation(engine, request, unit, max_length=max_length, overflow=overflow).result()[0]
 
 
+@dataclass(frozen=True)
 class Explaining:
     """An engine whose `submit` answers with explanations: what the HTTP server calls for `"x_explain"`."""
 
-    def __init__(self, engine: ExplainingEngine, unit: str | None, max_tokens: int | None = None):
-        self.engine = engine
-        self.unit = unit
-        self.max_tokens = max_tokens
+    engine: ExplainingEngine
+    unit: str | None
+    max_tokens: int | None = None
 
     def submit(self, requests: Sequence[Request], *, priority: str = "interactive", max_length: int | None = None,
                overflow: str = "refuse") -> Future:

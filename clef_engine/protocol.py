@@ -85,8 +85,7 @@ class HostedLimits:
 HOSTED = HostedLimits()
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# JSON values
+# --- JSON values ----------------------------------------------------------------------------------------------
 
 
 def _is_text(value: str) -> bool:
@@ -153,8 +152,7 @@ _MEDIA_ITEM_SCHEMA = {"anyOf": [
 MediaList = Annotated[list[Any], WithJsonSchema({"type": "array", "items": _MEDIA_ITEM_SCHEMA})]
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# Request models
+# --- Request models -------------------------------------------------------------------------------------------
 
 
 class _Question(BaseModel):
@@ -220,8 +218,7 @@ class SystemOneRequest(BaseModel):
         None, description="Add x_calibrated: the answers as the named calibration maps them (server extension)")
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# Response models
+# --- Response models ------------------------------------------------------------------------------------------
 
 
 class NoulAnswer(BaseModel):
@@ -293,8 +290,7 @@ class ValidationErrorBody(BaseModel):
     detail: list[ValidationProblem]
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# Validation
+# --- Validation -----------------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -517,8 +513,7 @@ def check_schema_floor(request: Any, max_length: int) -> None:
                 max_length=max_length)
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# The hosted service's limits
+# --- The hosted service's limits ------------------------------------------------------------------------------
 
 
 def _span(allowed: range) -> str:
@@ -561,8 +556,7 @@ def hosted_service_problems(request_or_questions: Any) -> list[Problem]:
     return problems
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# Building requests and formatting answers
+# --- Building requests and formatting answers -----------------------------------------------------------------
 
 
 def data_url(content_type: str, data: bytes) -> str:
