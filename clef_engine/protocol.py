@@ -78,7 +78,6 @@ class HostedLimits:
     question_id: re.Pattern = re.compile(r"[A-Za-z0-9_.\-]{1,100}")
     question_id_rule: str = "1–100 letters, digits, '_', '.' or '-'"
     max_images: int = 4
-    image_content_types: tuple[str, ...] = IMAGE_CONTENT_TYPES
     max_image_pixels: int = 16_000_000
 
 
