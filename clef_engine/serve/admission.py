@@ -14,6 +14,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from concurrent.futures.process import BrokenProcessPool
+from dataclasses import dataclass, field
 from typing import Any
 
 from starlette.concurrency import run_in_threadpool
@@ -144,13 +145,15 @@ class Turns:
                 del self._clients[stale]
 
 
+@dataclass
 class Paced:
     """A big request's turn, from its start until `end` (called once it is queued in the engine, or answered)."""
 
-    def __init__(self, turns: Turns, client: str, turn: Turn):
-        self.turns, self.client, self.turn = turns, client, turn
-        self.started = time.monotonic()
-        self._ended = False
+    turns: Turns
+    client: str
+    turn: Turn
+    started: float = field(default_factory=time.monotonic)
+    _ended: bool = False
 
     def end(self) -> None:
         if not self._ended:
@@ -158,11 +161,11 @@ class Paced:
             self.turns.end(self)
 
 
+@dataclass
 class Turn:
     """One client's turn at the big-body pool (or at preparing big requests), how many of its requests want it,
     and when its next big request may start."""
 
-    def __init__(self) -> None:
-        self.lock = asyncio.Lock()
-        self.users = 0
-        self.ready_at = 0.0
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    users: int = 0
+    ready_at: float = 0.0
