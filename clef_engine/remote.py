@@ -100,7 +100,6 @@ def media_for_wire(request: dict) -> dict:
             continue
         converted = []
         for index, item in enumerate(items):
-            data = None
             if isinstance(item, (bytes, bytearray, memoryview)):
                 data = bytes(item)
             elif isinstance(item, os.PathLike) or (isinstance(item, str) and not item.startswith("data:")):
@@ -109,10 +108,10 @@ def media_for_wire(request: dict) -> dict:
                 except OSError as exc:
                     raise RequestError([Problem((key, index), f"cannot read {item}: {exc.strerror or exc}",
                                                 "value_error.media")]) from None
-            if data is None:
+            else:
                 converted.append(item)
                 continue
-            # the endpoint says what it takes
+            # what the bytes are; the endpoint says whether it takes them
             converted.append(data_url(sniff_content_type(data) or "application/octet-stream", data))
         out[key] = converted
     return out
