@@ -24,7 +24,10 @@ import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from .. import environment
-from .server import DEFAULT_MAX_BODY_BYTES, DEFAULT_REQUEST_TIMEOUT
+from ..calibrated import load_calibrations
+from ..errors import ClefError
+from .responses import default_allowed_hosts
+from .server import DEFAULT_MAX_BODY_BYTES, DEFAULT_REQUEST_TIMEOUT, _public_model_name, create_app
 
 DEFAULT_HEADER_TIMEOUT = 10.0
 DEFAULT_KEEP_ALIVE_TIMEOUT = 5
@@ -205,7 +208,6 @@ def load_models(args: argparse.Namespace) -> dict:
     from ..config import EngineConfig
     from ..engine import load as load_engine
     from ..remote import is_endpoint
-    from .server import _public_model_name
 
     models: dict = {}
     for source in args.model:
@@ -231,10 +233,6 @@ def load_models(args: argparse.Namespace) -> dict:
 
 def run_serve(args: argparse.Namespace) -> int:
     """Load the model, then serve until interrupted. Returns the exit status."""
-    from ..errors import ClefError
-    from .responses import default_allowed_hosts
-    from .server import create_app
-
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     api_key = _api_key_from_env(args.api_key_env)
     if not _is_loopback(args.host) and api_key is None:
@@ -245,8 +243,6 @@ def run_serve(args: argparse.Namespace) -> int:
         return 2
     calibrations: dict = {}
     if args.calibrations is not None:
-        from ..calibrated import load_calibrations
-
         try:
             calibrations = load_calibrations(args.calibrations)
         except ValueError as exc:
