@@ -74,12 +74,9 @@ def main(argv: list[str] | None = None) -> int:
     info.add_argument("--device")
     info.add_argument("--dtype")
     info.set_defaults(run=cmd_info)
-    try:
-        from .serve.cli import add_serve_parser
-    except ImportError:
-        pass
-    else:
-        add_serve_parser(commands)
+    from .serve.cli import add_serve_parser
+
+    add_serve_parser(commands)
     args = parser.parse_args(argv)
     try:
         return args.run(args)

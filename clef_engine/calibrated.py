@@ -1,17 +1,12 @@
 """How sure, over HTTP: `"x_calibration": "<name>"` on `POST /v1/systemone` adds `"x_calibrated"` answers.
 
-A calibration is a map per question from the model's distribution to a calibrated one, fitted by the workbench on a
-run's labelled cases (`clef_workbench.calibration`): Platt scaling of the log-odds for `noul`,
-P'(true) = σ(a · logit P(true) + b); a temperature for `choice` and `score`, P'(k) ∝ P(k)^(1/T), which keeps the
-ranking of the options. This module holds only the maps and their arithmetic (no fitting, no store, no torch), so
-that the standalone server can apply calibrations exported to a file, and the workbench-served API the ones in its
-store, through the same `CalibrationProvider`.
-
-The file `clef-engine serve --calibrations FILE` reads is what `python -m clef_workbench calibrate --export FILE`
-writes: `{"calibrations": {name: {"questions": {question_id: {"question_type", "method", "a", "b", "temperature"}},
-"schema_name", "model_id", "run_id"}}}` (the last three say what it was fitted on; they are not needed to apply it).
-A map is checked when it is read, so that applying it can never fail: Platt scaling for noul questions only, a
-temperature for choice and score only, every parameter a finite number in the range of `PARAMETER_RANGES`.
+A calibration maps, per question, the model's distribution to a calibrated one, as the workbench fitted it
+(`clef_workbench.calibration`): Platt scaling for `noul`, P'(true) = σ(a · logit P(true) + b); a temperature for
+`choice` and `score`, P'(k) ∝ P(k)^(1/T), which keeps the options' ranking. Only the maps and their arithmetic are
+here (no fitting, store or torch), so the standalone server applies the ones exported to a file (`clef-engine serve
+--calibrations FILE`, from `calibrate --export`: `{"calibrations": {name: {"questions": {question_id:
+{"question_type", "method", "a", "b", "temperature"}}, ...}}}`) and the workbench's API the ones in its store. A map
+is checked when it is read, so that applying it can never fail.
 """
 
 from __future__ import annotations

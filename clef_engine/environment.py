@@ -1,10 +1,5 @@
-"""The environment variables the engine's library entry points fall back on, read here and nowhere else outside
-config.py (whose EngineConfig holds the engine's own knobs and imports torch; this module does not, so a remote
-client reads its key without it).
-
-- CLEF_API_KEY: the bearer key `clef_engine.load("http://…")` sends when it is given no `api_key`.
-- CLEF_CACHE_DIR: where `clef_engine.demo_release()` builds the demo release; ~/.cache/clef-workbench if unset.
-- `clef-engine serve --api-key-env NAME`: the variable NAME holds the key the server requires.
+"""The environment variables the engine's library entry points fall back on (the remote key, the demo release's
+folder, `serve --api-key-env NAME`), read here and in config.py only; torch-free, so a remote client needs no torch.
 """
 
 from __future__ import annotations
@@ -12,8 +7,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-API_KEY_ENV = "CLEF_API_KEY"
-CACHE_DIR_ENV = "CLEF_CACHE_DIR"
+API_KEY_ENV = "CLEF_API_KEY"  # the key `clef_engine.load("http://…")` sends when given no api_key
+CACHE_DIR_ENV = "CLEF_CACHE_DIR"  # where demo_release() builds the demo release (~/.cache/clef-workbench if unset)
 
 
 def api_key() -> str | None:

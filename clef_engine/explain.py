@@ -1,27 +1,18 @@
-"""Why: which part of a record's evidence moved each answer (issue 26, evidence attribution).
+"""Why: which part of a record's evidence moved each answer (evidence attribution; docs/api.md says what a client
+gets).
 
-The state is split into segments — the sentences (or lines) of a text state, the leaf fields of a JSON state, a
-grid of regions of each image, the sampled frames of each video — and the record is decided again once per segment
-with that segment removed, every variant in one scheduler job. A variant shares every token before its first change
-with the record: for a text record (on the engine's packed path) the record runs once, in chunks ending at those
-points, and each variant continues from the record's state there (`SharedPrefixes`); records with media are packed
-into as few batches as the engine's token budget allows. Text is removed by deleting its characters, a field by
-deleting it from its object or list; an image region or a video frame is painted over with the mean colour of its
-image or frame, so that the media's token count, and the batch's shape, stay the same.
+The evidence is split into segments — sentences (or lines) of a text state, leaf fields of a JSON state, a grid of
+regions of each image, the sampled frames of each video — and the record is decided again once per segment with it
+removed, every variant in one scheduler job. Text is deleted, a field deleted from its object or list; a region or
+frame is painted in its image's mean colour, so that the token count, and the batch's shape, stay the same. A text
+variant shares every token before its first change with the record, so on the packed path the record runs once, in
+chunks ending at those points, and each variant continues from there (`SharedPrefixes`).
 
-For each question the answered option is the one the full record picks (for `noul` the likelier of true/false,
-for a score its likeliest level), and each segment's `delta` is P(that option without the segment) − P(that option
-with everything), from the same unrounded probabilities the answers are rounded from: deleting the characters
-`start..end` of a text state and deciding again moves the answered option's probability by exactly `delta`
-(up to the engine's batch-vs-alone noise).
-
-An explanation costs the tokens of every variant. They count against `EXPLAIN_BATCHES` interactive batches of the
-engine's token budget (or a server's token ceiling per request, when less); a record whose variants would take more
-is refused with a TokenBudgetError naming the cost, counted from its segments and its record's length before any
-variant is built.
-
-`explain` (the workbench's Why: one person waits at the screen) submits the variants as interactive work; the HTTP
-server's `Explaining` as bulk work, whatever the request asks (see there).
+Each segment's `delta` is P(answered option without it) − P(answered option), from the unrounded probabilities: the
+answered option is the one the full record picks. An explanation may cost `EXPLAIN_BATCHES` interactive batches of
+tokens (less under a server's per-request ceiling); one over that is refused, counted from its segments before any
+variant is built. `explain` (the workbench's Why: a person waits) runs the variants as interactive work; the HTTP
+server's `Explaining` as bulk work.
 """
 
 from __future__ import annotations
@@ -31,8 +22,9 @@ import itertools
 import re
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
@@ -50,7 +42,6 @@ from .scheduler import JobTiming
 if TYPE_CHECKING:
     from .engine import Engine
 
-UNITS = EXPLAIN_UNITS
 MEDIA_UNITS = ("region", "frame")
 REGION_GRID = 4  # an image is split into REGION_GRID × REGION_GRID regions
 EXPLAIN_BATCHES = 4  # an explanation may take this many interactive batches' worth of tokens
@@ -109,15 +100,6 @@ def region_boxes(width: int, height: int, grid: int = REGION_GRID) -> list[tuple
             if xs[c + 1] > xs[c] and ys[r + 1] > ys[r]]
 
 
-def without_region(pixels: np.ndarray, box: tuple[int, int, int, int], colour: np.ndarray) -> Image.Image:
-    """An RGB image of `pixels` (H×W×3 uint8, left as they are) with `box` painted in `colour`, the image's mean
-    colour: the caller converts and averages an image once for all of its regions."""
-    painted = pixels.copy()
-    left, top, right, bottom = box
-    painted[top:bottom, left:right] = colour
-    return Image.fromarray(painted)
-
-
 def without_frame(video: media.Video, index: int) -> media.Video:
     """The sampled video with its `index`-th sampled frame painted in that frame's mean colour."""
     frames = video.frames.copy()
@@ -126,9 +108,9 @@ def without_frame(video: media.Video, index: int) -> media.Video:
 
 
 def check_unit(unit: Any) -> str | None:
-    if unit is None or unit in UNITS:
+    if unit is None or unit in EXPLAIN_UNITS:
         return unit
-    raise RequestError([Problem(("x_explain", "unit"), f"unit must be one of {', '.join(UNITS)}; got {unit!r}",
+    raise RequestError([Problem(("x_explain", "unit"), f"unit must be one of {', '.join(EXPLAIN_UNITS)}; got {unit!r}",
                                 "literal_error")])
 
 
@@ -140,8 +122,7 @@ def segments(request: Mapping[str, Any], record: EncodedRecord, unit: str | None
     built. `unit` None: sentences of a text state or fields of a JSON state, plus the regions of every image and the
     frames of every video; else only that kind. Text segments (sentences, lines, fields) come first, then media
     ones. Media in the variants are the decoded images and the sampled videos the record was made from, so nothing
-    is decoded more than once."""
-    unit = check_unit(unit)
+    is decoded more than once. `unit` is one of EXPLAIN_UNITS (see check_unit)."""
     state = request["state"]
     opened = [media.open_image(item) for item in request.get("images") or []]  # headers: sizes, no pixels
     decoded = _Decoded(opened)
@@ -203,8 +184,12 @@ class _Decoded:
             return self._images
 
     def without_region(self, index: int, box: tuple[int, int, int, int]) -> list:
+        """The images with image `index`'s `box` painted in its mean colour."""
         images = self.images()
-        return images[:index] + [without_region(self._pixels[index], box, self._colours[index])] + images[index + 1:]
+        painted = self._pixels[index].copy()
+        left, top, right, bottom = box
+        painted[top:bottom, left:right] = self._colours[index]
+        return images[:index] + [Image.fromarray(painted)] + images[index + 1:]
 
 
 # ---- a segmentation that fits ------------------------------------------------------------------------------------
@@ -215,17 +200,13 @@ def segment_counts(request: Mapping[str, Any], frame_counts: Sequence[int]) -> d
     frames the model samples from each of its videos; the units that make none are left out."""
     state = request["state"]
     if isinstance(state, str):
-        counts = {"sentence": count(text_spans(state)), "line": count(text_spans(state, "line"))}
+        counts = {"sentence": sum(1 for _ in text_spans(state)), "line": sum(1 for _ in text_spans(state, "line"))}
     else:
-        counts = {"field": count(json_leaves(state))}
+        counts = {"field": sum(1 for _ in json_leaves(state))}
     counts["region"] = sum(len(region_boxes(image.width, image.height))
                            for image in map(media.load_image, request.get("images") or []))
     counts["frame"] = sum(frame_counts)
     return {unit: count for unit, count in counts.items() if count}
-
-
-def count(items: Iterable[Any]) -> int:
-    return sum(1 for _ in items)
 
 
 def unit_that_fits(counts: Mapping[str, int], record_tokens: int, budget: int) -> str | None:
@@ -239,15 +220,11 @@ def unit_that_fits(counts: Mapping[str, int], record_tokens: int, budget: int) -
 # ---- deciding the variants ----------------------------------------------------------------------------------------
 
 
-def answered_options(record: EncodedRecord, probabilities: list[list[float]]) -> list[int]:
-    """Per question, the index (model order) of the option its answer gives: the likeliest, ties to the first."""
-    return [max(range(len(probs)), key=lambda k: (probs[k], -k)) for probs in probabilities]
-
-
 def explanations(record: EncodedRecord, found: list[Segment], probabilities: list) -> dict[str, list]:
     """Per question id, the segments with their `delta`, largest |delta| first (ties in the state's order)."""
     base = probabilities[0]
-    chosen = answered_options(record, base)
+    # per question, the option (model order) its answer gives: the likeliest, ties to the first
+    chosen = [max(range(len(probs)), key=lambda k: (probs[k], -k)) for probs in base]
     out: dict[str, list] = {}
     for q, question in enumerate(record.questions):
         k = chosen[q]
@@ -327,7 +304,6 @@ def submit_explanation(engine: Engine, request: Request, unit: str | None = None
     return engine.scheduler.submit(job, priority=priority, finalize=respond, timed=True)
 
 
-
 def _encode_in_parallel(engine: Engine, valid: ValidRequest, variants: list[Callable[[], dict]]) -> list[EncodedRecord]:
     """The request with each evidence variant, each built and encoded on one of up to MEDIA_SLOTS threads (so that
     at most that many variants' pixels are held before they are processed)."""
@@ -343,13 +319,13 @@ def explain(engine: Engine, request: Request, unit: str | None = None, *, max_le
     return submit_explanation(engine, request, unit, max_length=max_length, overflow=overflow).result()[0]
 
 
+@dataclass(frozen=True)
 class Explaining:
     """An engine whose `submit` answers with explanations: what the HTTP server calls for `"x_explain"`."""
 
-    def __init__(self, engine: ExplainingEngine, unit: str | None, max_tokens: int | None = None):
-        self.engine = engine
-        self.unit = unit
-        self.max_tokens = max_tokens
+    engine: ExplainingEngine
+    unit: str | None
+    max_tokens: int | None = None
 
     def submit(self, requests: Sequence[Request], *, priority: str = "interactive", max_length: int | None = None,
                overflow: str = "refuse") -> Future:

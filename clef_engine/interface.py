@@ -1,10 +1,8 @@
-"""What the workbench and the HTTP server may ask of an engine: one typed protocol that the local engine
-(`clef_engine.Engine`) and a remote System One endpoint (`clef_engine.remote.RemoteEngine`) both implement. Callers
-outside the engine use these methods and nothing else: no probing for attributes, no reaching into an engine's
-encoder or scheduler. Torch-free, like the contract beside it.
+"""What the workbench and the HTTP server may ask of an engine, the local `Engine` or a `RemoteEngine` alike: these
+methods and nothing else (no probing for attributes, no reaching into an encoder or scheduler). Torch-free.
 
-A request is a plain dict or a `ValidRequest` (validated once where it entered, see protocol.prepare); a
-ValidRequest carries its own token budget and overflow policy, so `max_length` / `overflow` apply to plain dicts.
+A request is a plain dict or a `ValidRequest` (see protocol.prepare), which carries its own token budget and
+overflow policy: `max_length` / `overflow` apply to plain dicts.
 """
 
 from __future__ import annotations
@@ -29,14 +27,12 @@ class DecisionEngine(Protocol):
 
     @property
     def token_budget(self) -> int | None:
-        """The most tokens the engine runs in one batch (so the most one request can take); None where the
-        endpoint decides."""
+        """The most tokens one batch, so one request, may take; None where the endpoint decides."""
         ...
 
     def validate(self, request: Request, *, max_length: int | None = None, overflow: str | None = None,
                  questions: tuple[Question, ...] | None = None) -> ValidRequest:
-        """The request validated once (see protocol.prepare; `questions`: its schema's, prepared once by
-        protocol.prepare_questions); raises RequestError naming every problem."""
+        """protocol.prepare: the request validated once, or RequestError naming every problem."""
         ...
 
     def submit(self, requests: Sequence[Request], *, priority: str = "interactive", max_length: int | None = None,
@@ -53,17 +49,16 @@ class DecisionEngine(Protocol):
         ...
 
     def count_tokens(self, request: Request, *, max_length: int | None = None) -> dict[str, int] | None:
-        """Token counts of each part and what `max_length` would cut; None where the engine does not tokenize
-        here (a remote endpoint counts on its side and reports input_tokens in its answer)."""
+        """Token counts of each part; None where the tokenizer is elsewhere (a remote endpoint)."""
         ...
 
     def sample_video_frames(self, video: bytes) -> Any | None:
-        """The frames of a video file the model reads (a clef_engine.model.media.Video), or None where the
-        sampling happens elsewhere (a remote endpoint). Raises MediaError for a video that cannot be decoded."""
+        """The frames the model reads of a video file (a media.Video; MediaError if it cannot be decoded), or None
+        where the sampling happens elsewhere (a remote endpoint)."""
         ...
 
     def queue_position(self, future: Future) -> int | None:
-        """Jobs ahead of `future` (from `submit`) in the queue; None once it runs, or where the queue is elsewhere."""
+        """Jobs ahead of `future` in the queue; None once it runs, or where the queue is elsewhere."""
         ...
 
     def queue_depth(self) -> int:

@@ -1,14 +1,10 @@
-"""The System One contract (spec §5), in one place: request and response models, the rules the engine reads
-options by, shared defaults, request builders, and the hosted Clef service's published limits.
+"""The System One contract (spec §5), in one place: request and response models (the OpenAPI document is built
+from them), the order the engine reads options in, shared defaults, request builders, and the hosted Clef service's
+published limits.
 
-The contract accepts what the release code accepts: any non-empty question id, at least one question, at least one
-option per choice and one level per score. Sizes are bounded by the token budget and the body size, not here. The
-hosted service's stricter limits (`HOSTED`) are data for the workbench's lint, which warns; nothing refuses locally
-on their account.
-
-Validation collects every problem in the request (not just the first), each with its location, so a client or the
-workbench can show the message next to the field it concerns. The HTTP server builds its OpenAPI document from the
-models below (`SystemOneRequest.model_json_schema()`, `SystemOneResponse.model_json_schema()`).
+The contract accepts what the release code accepts (any non-empty question id, one option or level at least); sizes
+are bounded by the token budget and the body size. The hosted service's stricter limits (`HOSTED`) only feed the
+workbench's lint. Validation reports every problem with its location, so each message can stand by its field.
 """
 
 from __future__ import annotations
@@ -82,15 +78,13 @@ class HostedLimits:
     question_id: re.Pattern = re.compile(r"[A-Za-z0-9_.\-]{1,100}")
     question_id_rule: str = "1–100 letters, digits, '_', '.' or '-'"
     max_images: int = 4
-    image_content_types: tuple[str, ...] = IMAGE_CONTENT_TYPES
     max_image_pixels: int = 16_000_000
 
 
 HOSTED = HostedLimits()
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# JSON values
+# --- JSON values ----------------------------------------------------------------------------------------------
 
 
 def _is_text(value: str) -> bool:
@@ -157,8 +151,7 @@ _MEDIA_ITEM_SCHEMA = {"anyOf": [
 MediaList = Annotated[list[Any], WithJsonSchema({"type": "array", "items": _MEDIA_ITEM_SCHEMA})]
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# Request models
+# --- Request models -------------------------------------------------------------------------------------------
 
 
 class _Question(BaseModel):
@@ -224,8 +217,7 @@ class SystemOneRequest(BaseModel):
         None, description="Add x_calibrated: the answers as the named calibration maps them (server extension)")
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# Response models
+# --- Response models ------------------------------------------------------------------------------------------
 
 
 class NoulAnswer(BaseModel):
@@ -297,8 +289,7 @@ class ValidationErrorBody(BaseModel):
     detail: list[ValidationProblem]
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# Validation
+# --- Validation -----------------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -423,11 +414,10 @@ def parse_questions(request: Any) -> list[Question]:
 
 @dataclass(frozen=True)
 class ValidRequest:
-    """A request the contract accepted, in the form the engine consumes: validated once, by `prepare`, where it
-    enters (the HTTP server, the job runner, the Decide page, `Engine.submit` for a plain dict) and never again on
-    its way to the GPU. It carries what the engine reads: the state, the questions in schema order, the media
-    items as given (decoded by the encoder), and the token budget and overflow policy the record is encoded under.
-    `request` is the request as given (not copied): what a remote engine sends and what explanations vary."""
+    """A request the contract accepted, validated once by `prepare` where it enters (the HTTP server, the job
+    runner, the Decide page, `Engine.submit` for a plain dict) and never again on its way to the GPU: what the
+    engine reads, with the budget it is encoded under. `request` is the request as given (not copied): what a remote
+    engine sends and what explanations vary."""
 
     request: Mapping[str, Any]
     model: str | None
@@ -438,10 +428,6 @@ class ValidRequest:
     max_length: int | None = None  # None: DEFAULT_MAX_LENGTH
     overflow: OverflowPolicy = "refuse"
     explain: bool | ExplainOption | None = None
-
-    def with_budget(self, max_length: int | None, overflow: str) -> ValidRequest:
-        """The same request under another token budget or overflow policy (checked as `prepare` checks them)."""
-        return replace(self, max_length=_checked_max_length(max_length), overflow=_checked_overflow(overflow))
 
     def with_evidence(self, variant: Mapping[str, Any]) -> ValidRequest:
         """The same questions and budget over the state and media of `variant`, a copy of `request` with evidence
@@ -506,11 +492,10 @@ def prepared(request: Mapping[str, Any] | ValidRequest, *, max_length: int | Non
 
 
 def check_schema_floor(request: Any, max_length: int) -> None:
-    """Raise TokenBudgetError when the request's questions cannot fit `max_length` tokens whatever they say, from
-    their number and their options' alone (no validation, no rendering): each question's schema is at least its
-    header, "ALLOWED OPTIONS", "END FIELD" and per option "OPTION k: ", its JSON and a newline, each a text piece
-    tokenized alone into one token or more (spec §2). What a request of thousands of questions costs before it is
-    refused; a malformed question counts what it has."""
+    """Raise TokenBudgetError when the request's questions cannot fit `max_length` tokens, counted from their number
+    and their options' before any validation: each question's header, "ALLOWED OPTIONS" and "END FIELD", and per
+    option "OPTION k: ", its JSON and a newline, are text pieces of at least one token each (spec §2). So a request
+    of thousands of questions is refused cheaply; a malformed question counts what it has."""
     questions = request.get("questions") if isinstance(request, dict) else None
     if not isinstance(questions, dict):
         return
@@ -527,8 +512,7 @@ def check_schema_floor(request: Any, max_length: int) -> None:
                 max_length=max_length)
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# The hosted service's limits
+# --- The hosted service's limits ------------------------------------------------------------------------------
 
 
 def _span(allowed: range) -> str:
@@ -571,8 +555,7 @@ def hosted_service_problems(request_or_questions: Any) -> list[Problem]:
     return problems
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# Building requests and formatting answers
+# --- Building requests and formatting answers -----------------------------------------------------------------
 
 
 def data_url(content_type: str, data: bytes) -> str:
@@ -592,12 +575,6 @@ def build_request(state: Any, questions: Mapping[str, Any], *, images: Iterable[
     if videos:
         request["videos"] = videos
     return request
-
-
-def noul_confidence(p_true: float) -> float:
-    """Noul answers carry no confidence on the wire; the workbench uses max(p, 1 − p), the probability of the
-    answer it would give."""
-    return max(p_true, 1.0 - p_true)
 
 
 def format_answer(question: Question, probabilities: list[float]) -> dict:

@@ -1,42 +1,25 @@
-"""A remote System One endpoint used like a local engine: `RemoteEngine` implements the `DecisionEngine` of
-interface.py, as `clef_engine.Engine` does, and answers by POSTing to `/v1/systemone` (hosted Jev, a gateway in front
-of hosted Clef, another workbench's API); what only a local engine knows (token counts, sampled video frames, queue
-positions) it answers with None.
+"""A remote System One endpoint used like a local engine: `RemoteEngine` implements interface.py's `DecisionEngine`
+by POSTing to `/v1/systemone` (hosted Jev, a gateway to hosted Clef, another workbench's API); what only a local
+engine knows (token counts, sampled video frames, queue positions) it answers with None.
 
-What a user expects of a client of a remote service:
-- one `httpx.Client` (connections are reused), at most `max_concurrency` requests in flight from this object;
-- a deadline per request: `timeout` seconds from when it is sent to its answer, connecting, sending, every read
-  and every wait between retries included, so a server that trickles its answer a byte at a time, or never
-  answers, cannot hold a caller longer (every socket operation is given what is left of the deadline, see
-  remote_http.py);
-- retries with exponential backoff and jitter on 408/429/5xx and on connection failures, only while the deadline
-  leaves time for them, waiting what `Retry-After` asks for instead when the server says: a number of seconds or
-  an HTTP date, capped at `max_retry_wait_s`; one that asks for longer than the deadline leaves ends the call at
-  once with the server's error;
-- an answer of at most `max_response_bytes` (read as it streams in and abandoned past the cap, never held whole);
-  a 200 whose answers are not what the request asked for (a missing answer, a probability that is NaN, infinite,
-  outside [0, 1] or not a number) is a `RemoteError`, never passed on;
-- errors the rest of the package already handles: 422 → `RequestError` with the server's problems (so the field at
-  fault is named), 413 → `TokenBudgetError` (or `RequestTooLargeError` for a body over the server's limit), 429
-  after the retries → `BusyError`, 401/403 → `RemoteAuthError`, anything else → `RemoteError`; every message names
-  the endpoint;
-- `x_latency_ms` in each response is the latency the client saw (from `submit` to the answer, retries included),
-  the server's own figure kept as `x_server_latency_ms`, with `x_attempts`.
+As a client of a remote service should: one `httpx.Client`, at most `max_concurrency` requests in flight; a deadline
+of `timeout` seconds per request that every socket operation and retry wait is held to (remote_http.py), so a server
+trickling its answer cannot hold a caller longer; retries with backoff and jitter on 408/429/5xx and connection
+failures while the deadline leaves time, or after what `Retry-After` asks (capped at `max_retry_wait_s`); answers
+read up to `max_response_bytes`, and a 200 whose answers are not what was asked for is a `RemoteError`, never passed
+on. Errors come back as the package's own: 422 → `RequestError` naming the server's problems, 413 →
+`TokenBudgetError` or `RequestTooLargeError`, 429 after the retries → `BusyError`, 401/403 → `RemoteAuthError`,
+else `RemoteError`, each naming the endpoint.
 
-The API key comes from the `api_key` argument or the `CLEF_API_KEY` environment variable. It lives only in the
-HTTP client's headers: it is not an attribute, not in `info()`, and a key inside the URL is refused (URLs end up in
-run records).
-
-Requests are sent as given, except that media given as bytes or file paths (which a local engine reads) go as data
-URLs. Decisions are pure functions of the request, so retrying a POST is safe. `model`, when set, replaces each
-request's `"model"`: this object stands for one model, as a local engine does. `max_length` and `overflow` travel
-as the `x_max_length` / `x_overflow` fields our server reads; they are only sent when not the
-default, since other servers may not know them (hosted Jev ignores unknown fields).
+The API key (`api_key`, else `CLEF_API_KEY`) lives only in the client's headers: never an attribute, never in
+`info()`, and a key in the URL is refused (URLs end up in run records). Decisions are pure functions of the request,
+so retrying a POST is safe. Media given as bytes or paths go as data URLs; `model` replaces each request's "model"
+(this object stands for one model); `x_max_length` / `x_overflow` are sent only when not the default, since other
+servers may not know them.
 """
 
 from __future__ import annotations
 
-import base64
 import json
 import math
 import os
@@ -55,14 +38,13 @@ from . import environment
 from .environment import API_KEY_ENV
 from .errors import BusyError, CancelledError, ClefError, Problem, RequestError, TokenBudgetError
 from .interface import Request
-from .protocol import Question, Response, ValidRequest, prepare, sniff_content_type
+from .protocol import OVERFLOW_POLICIES, Question, Response, ValidRequest, data_url, prepare, sniff_content_type
 from .remote_http import CallDeadline, deadline_transport, detail_text, exchange, retry_after_seconds
 
 SYSTEM_ONE_PATH = "/v1/systemone"
 MODELS_PATH = "/v1/models"
 RETRY_STATUSES = frozenset({408, 429, 500, 502, 503, 504, 529})
 BUSY_STATUSES = frozenset({429, 529})  # overloaded: after the retries, BusyError (batch jobs back off on it)
-OVERFLOW_POLICIES = ("refuse", "truncate_state")
 MAX_RESPONSE_BYTES = 32 * 1024 * 1024  # a System One answer is kilobytes; this leaves room for huge schemas
 
 
@@ -118,7 +100,6 @@ def media_for_wire(request: dict) -> dict:
             continue
         converted = []
         for index, item in enumerate(items):
-            data = None
             if isinstance(item, (bytes, bytearray, memoryview)):
                 data = bytes(item)
             elif isinstance(item, os.PathLike) or (isinstance(item, str) and not item.startswith("data:")):
@@ -127,11 +108,11 @@ def media_for_wire(request: dict) -> dict:
                 except OSError as exc:
                     raise RequestError([Problem((key, index), f"cannot read {item}: {exc.strerror or exc}",
                                                 "value_error.media")]) from None
-            if data is None:
+            else:
                 converted.append(item)
                 continue
-            content_type = sniff_content_type(data) or "application/octet-stream"  # the endpoint says what it takes
-            converted.append(f"data:{content_type};base64,{base64.b64encode(data).decode('ascii')}")
+            # what the bytes are; the endpoint says whether it takes them
+            converted.append(data_url(sniff_content_type(data) or "application/octet-stream", data))
         out[key] = converted
     return out
 
@@ -348,11 +329,11 @@ class RemoteEngine:
         status = response.status_code
         url = str(response.request.url)
         said = detail_text(response)
+        try:
+            detail = response.json().get("detail")
+        except (ValueError, AttributeError):
+            detail = said
         if status == 422:
-            try:
-                detail = response.json().get("detail")
-            except (ValueError, AttributeError):
-                detail = said
             return RemoteRequestError(url, _problems(detail))
         if status in (401, 403):
             hint = (f"pass api_key= or set ${API_KEY_ENV}" if not self._has_key
@@ -363,10 +344,6 @@ class RemoteEngine:
             return RemoteError(f"{url} does not exist (404 {said}); is {self.endpoint} a System One endpoint?",
                                endpoint=self.endpoint, status=status)
         if status == 413:
-            try:
-                detail = response.json().get("detail")
-            except (ValueError, AttributeError):
-                detail = None
             if isinstance(detail, dict) and isinstance(detail.get("over_by"), int):
                 return TokenBudgetError(f"{url}: {detail.get('message') or said}", over_by=detail["over_by"],
                                         part=str(detail.get("part") or "state"),
@@ -388,10 +365,9 @@ class RemoteEngine:
         if response.status_code != 200:
             raise self._error(response, attempts)
         try:
-            listed = response.json()["models"]
-            self.models = [m["name"] for m in listed if isinstance(m, dict) and isinstance(m.get("name"), str)]
-            self.random_weight_models = {m["name"] for m in listed if isinstance(m, dict)
-                                         and isinstance(m.get("name"), str) and m.get("random_weights") is True}
+            listed = [m for m in response.json()["models"] if isinstance(m, dict) and isinstance(m.get("name"), str)]
+            self.models = [m["name"] for m in listed]
+            self.random_weight_models = {m["name"] for m in listed if m.get("random_weights") is True}
         except (ValueError, KeyError, TypeError):
             raise RemoteError(f"{self.endpoint}{MODELS_PATH} answered something that is not a model list: "
                               f"{response.text[:200]!r}", endpoint=self.endpoint, status=200) from None
@@ -401,9 +377,7 @@ class RemoteEngine:
 
     def validate(self, request: Any, *, max_length: int | None = None, overflow: str | None = None,
                  questions: tuple[Question, ...] | None = None) -> ValidRequest:
-        """`request` validated once against the System One contract as this package reads it (no network; the
-        endpoint may refuse more, which decide reports as a RemoteRequestError), as `submit` takes it: raises
-        RequestError naming every problem. See protocol.prepare for the budget."""
+        """As protocol.prepare, with no network: the endpoint may refuse more (a RemoteRequestError)."""
         return prepare(request, max_length=max_length, overflow=overflow, questions=questions)
 
     def _body(self, request: Any, max_length: int | None, overflow: str) -> bytes:
@@ -453,11 +427,8 @@ class RemoteEngine:
 
     def submit(self, requests: Sequence[Request], *, priority: str = "interactive", max_length: int | None = None,
                overflow: str = "refuse", errors: str = "raise") -> Future:
-        """Send each request (up to `max_concurrency` at once); the future resolves to one System One response per
-        request, in order, or raises the first request's error. A request that cannot be sent as JSON raises
-        RequestError here. With errors="return", as Engine.submit: each request's slot holds its response or its
-        own error (one that cannot be sent as JSON included), and the others are sent as if it were not there.
-        `priority` is accepted for compatibility with Engine; the endpoint schedules."""
+        """As Engine.submit, up to `max_concurrency` requests at once; one that cannot be sent as JSON is a
+        RequestError here (in its slot with errors="return"). `priority` is not sent: the endpoint schedules."""
         if errors not in ("raise", "return"):
             raise ValueError(f"errors must be 'raise' or 'return', not {errors!r}")
         if overflow not in OVERFLOW_POLICIES:
@@ -504,11 +475,9 @@ class RemoteEngine:
                            errors=errors).result()
 
     def count_tokens(self, request: Any, *, max_length: int | None = None) -> None:
-        """None: the endpoint tokenizes on its side (and reports input_tokens in its answer)."""
         return None
 
     def sample_video_frames(self, video: bytes) -> None:
-        """None: the endpoint samples a video's frames on its side."""
         return None
 
     def abandon(self, future: Future) -> None:
@@ -518,7 +487,6 @@ class RemoteEngine:
     # ---- status -----------------------------------------------------------------------------------------------
 
     def queue_position(self, future: Future) -> int | None:
-        """None: the endpoint's queue is not visible from here."""
         return None
 
     def queue_depth(self) -> int:

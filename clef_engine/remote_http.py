@@ -66,8 +66,7 @@ def _time_left(timeout: float | None, error: type[Exception]) -> float | None:
 
 
 class _DeadlineStream(httpcore.NetworkStream):
-    """A connection whose reads and writes end by the deadline of the thread using it. httpx's own timeouts are
-    per socket operation: a server sending a byte a second would never trip them."""
+    """A connection whose reads and writes end by the deadline of the thread using it (see the module docstring)."""
 
     def __init__(self, stream: httpcore.NetworkStream):
         self._stream = stream

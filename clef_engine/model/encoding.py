@@ -24,7 +24,7 @@ import queue
 import threading
 import unicodedata
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -41,7 +41,6 @@ SUFFIX = "\n<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\nJOINT SCHE
 IMAGE_PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
 VIDEO_PLACEHOLDER = "<|vision_start|><|video_pad|><|vision_end|>"
 UNBOUNDED = 2**31 - 1  # a max_length no record reaches: counting, not refusing
-PARTS = ("prefix", "media", "state", "schema", "suffix")
 
 
 def render(value: Any) -> str:
@@ -139,7 +138,7 @@ _MALLOC_TRIM = _malloc_trim()
 class Encoder:
     """Holds the tokenizer and processor of a release; encodes requests. Thread-safe for concurrent callers."""
 
-    def __init__(self, processor: Any, *, media_slots: int | None = None) -> None:
+    def __init__(self, processor: Any) -> None:
         import tokenizers
 
         self.processor = processor
@@ -154,7 +153,7 @@ class Encoder:
         self.max_token_bytes = longest_token_bytes(self._text)
         self._normalizer = (json.loads(self._text.to_str()).get("normalizer") or {}).get("type")
         self._processors: queue.Queue = queue.Queue()
-        for _ in range(max(1, MEDIA_SLOTS if media_slots is None else media_slots)):
+        for _ in range(MEDIA_SLOTS):
             self._processors.put(copy.deepcopy(processor))
         self._memo_lock = threading.Lock()
         self._states: OrderedDict[bytes, array.array] = OrderedDict()  # digest of a long state -> ids, recent last
@@ -230,19 +229,14 @@ class Encoder:
         """The state's ids, from the memo when this long state was accepted before (a long state is re-sent
         unchanged while an analyst iterates on a schema, and the state cache's continuation path would otherwise
         spend tens of ms of CPU per decide on it)."""
-        ids = self.remembered_state(text)
-        return ids if ids is not None else self.tokenize(text)
-
-    def remembered_state(self, text: str) -> list[int] | None:
         if len(text) < STATE_MEMO_MIN_CHARS:
-            return None
+            return self.tokenize(text)
         key = _text_digest(text)
         with self._memo_lock:
             ids = self._states.get(key)
-            if ids is None:
-                return None
-            self._states.move_to_end(key)
-        return ids.tolist()
+            if ids is not None:
+                self._states.move_to_end(key)
+        return self.tokenize(text) if ids is None else ids.tolist()
 
     def remember_state(self, text: str, ids: list[int]) -> None:
         """Keep the ids of a long state of an accepted record (never of a refused one: a client sending ever new
@@ -307,33 +301,6 @@ class Encoder:
         per_frame_pair = patches // (sampled // temporal) // video_processor.merge_size**2
         return -(-sampled // temporal) * (per_frame_pair + 2)
 
-    def open_media(self, request: ValidRequest) -> tuple[list, list, list[Problem]]:
-        """Images with their headers read and videos given as frames (sampled), each checked against the limits and
-        the processor's preconditions, with no pixel decoded; video files stay bytes. Returns images, videos
-        (media.Video or bytes), problems."""
-        images: list = []
-        videos: list[media.Video | bytes] = []
-        problems: list[Problem] = []
-        for i, item in enumerate(request.images):
-            try:
-                image = media.open_image(item)
-                self.image_tokens(image)
-                images.append(image)
-            except media.MediaError as error:
-                problems.append(Problem(("images", i), str(error), "value_error.image"))
-        for i, item in enumerate(request.videos):
-            try:
-                given = media.video_frames(item)
-                if given is None and not isinstance(item, media.Video):  # a Video is already sampled
-                    videos.append(media.video_bytes(item))
-                    continue
-                video = media.load_video(item, self.video_sample_indices)
-                self.video_tokens(video)
-                videos.append(video)
-            except media.MediaError as error:
-                problems.append(Problem(("videos", i), str(error), "value_error.video"))
-        return images, videos, problems
-
     def media_bound(self, images: list, videos: list) -> int:
         """A lower bound on the media tokens of opened media (exact for images; video files count 0 until
         decoded)."""
@@ -346,7 +313,7 @@ class Encoder:
     def encode_media(self, images: list, videos: list) -> tuple[list[int], dict[str, torch.Tensor],
                                                                  list[media.Video]]:
         """Decode the pixels and run the processor, as the release does: one call with every image and video, a
-        frame array with no fps without metadata. At most `media_slots` requests do this at once."""
+        frame array with no fps without metadata. At most MEDIA_SLOTS requests do this at once."""
         if not images and not videos:
             return [], {}, []
         processor = self._processors.get()
@@ -410,9 +377,30 @@ class Encoder:
     # ---- records ----------------------------------------------------------------------------------------------
 
     def open_request(self, request: ValidRequest) -> tuple[list[Question], list, list, str]:
-        """Open a validated request's media (headers only): its questions, images, videos and state text. Raises
-        RequestError listing every problem."""
-        images, videos, problems = self.open_media(request)
+        """A validated request's questions, images, videos and state text, its media opened (headers read, videos
+        given as frames sampled; video files stay bytes) and checked against the limits and the processor's
+        preconditions with no pixel decoded. Raises RequestError listing every problem."""
+        images: list = []
+        videos: list[media.Video | bytes] = []
+        problems: list[Problem] = []
+        for i, item in enumerate(request.images):
+            try:
+                image = media.open_image(item)
+                self.image_tokens(image)
+                images.append(image)
+            except media.MediaError as error:
+                problems.append(Problem(("images", i), str(error), "value_error.image"))
+        for i, item in enumerate(request.videos):
+            try:
+                given = media.video_frames(item)
+                if given is None and not isinstance(item, media.Video):  # a Video is already sampled
+                    videos.append(media.video_bytes(item))
+                    continue
+                video = media.load_video(item, self.video_sample_indices)
+                self.video_tokens(video)
+                videos.append(video)
+            except media.MediaError as error:
+                problems.append(Problem(("videos", i), str(error), "value_error.video"))
         if problems:
             raise RequestError(problems)
         return list(request.questions), images, videos, render(request.state)
@@ -425,7 +413,7 @@ class Encoder:
         valid = prepared(request)
         questions, images, videos, state_text = self.open_request(valid)
         if videos:
-            return dict(self.encode(valid.with_budget(UNBOUNDED, "refuse")).token_counts)
+            return dict(self.encode(replace(valid, max_length=UNBOUNDED, overflow="refuse")).token_counts)
         pieces, instruction_piece, _ = schema_pieces(questions)
         piece_ids = self.tokenize_schema(pieces)
         _check_instructions(questions, [piece_ids[piece] for piece in instruction_piece])

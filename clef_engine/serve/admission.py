@@ -14,11 +14,12 @@ import tempfile
 import time
 from collections.abc import Callable
 from concurrent.futures.process import BrokenProcessPool
+from dataclasses import dataclass, field
 from typing import Any
 
 from starlette.concurrency import run_in_threadpool
 
-from .bodies import ApiError, request_from_json, request_from_json_file
+from .bodies import api_error, request_from_json, request_from_json_file
 
 BIG_BODY_BYTES = 1 << 20  # bodies from this size on are parsed in the big-body processes
 BIG_BODY_WORKERS = 2
@@ -39,9 +40,7 @@ class BigBodies:
         self._turns: dict[str, Turn] = {}
 
     async def parse(self, client: str, raw: bytes, parts: dict) -> tuple[dict, dict[int, str]]:
-        """`request_from_json(raw, parts)` off the event loop (parsing a body of many megabytes there would hold up
-        every other request): a small body in the shared thread pool, a big one in the big-body processes, one at a
-        time per client."""
+        """`request_from_json(raw, parts)` off the event loop: a small body in the thread pool, a big one here."""
         if len(raw) < BIG_BODY_BYTES:
             return await run_in_threadpool(request_from_json, raw, parts)
         turn = self._turns.setdefault(client, Turn())
@@ -125,10 +124,8 @@ class Turns:
                 turn.lock.release()
             self._leave(client, turn)
             if isinstance(exc, TimeoutError):
-                raise ApiError(429, {"error_type": "overloaded",
-                                     "message": "this client's earlier large requests are still being prepared; "
-                                                "send large requests one at a time"},
-                               headers={"retry-after": "1"}) from None
+                raise api_error(429, "overloaded", "this client's earlier large requests are still being prepared; "
+                                "send large requests one at a time", retry_after=1) from None
             raise
         return Paced(self, client, turn)
 
@@ -148,13 +145,15 @@ class Turns:
                 del self._clients[stale]
 
 
+@dataclass
 class Paced:
     """A big request's turn, from its start until `end` (called once it is queued in the engine, or answered)."""
 
-    def __init__(self, turns: Turns, client: str, turn: Turn):
-        self.turns, self.client, self.turn = turns, client, turn
-        self.started = time.monotonic()
-        self._ended = False
+    turns: Turns
+    client: str
+    turn: Turn
+    started: float = field(default_factory=time.monotonic)
+    _ended: bool = False
 
     def end(self) -> None:
         if not self._ended:
@@ -162,11 +161,11 @@ class Paced:
             self.turns.end(self)
 
 
+@dataclass
 class Turn:
     """One client's turn at the big-body pool (or at preparing big requests), how many of its requests want it,
     and when its next big request may start."""
 
-    def __init__(self) -> None:
-        self.lock = asyncio.Lock()
-        self.users = 0
-        self.ready_at = 0.0
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    users: int = 0
+    ready_at: float = 0.0

@@ -48,8 +48,10 @@ class ApiError(Exception):
         super().__init__(status, detail)
 
 
-def api_error(status: int, error_type: str, message: str, **extra: Any) -> ApiError:
-    return ApiError(status, {"error_type": error_type, "message": message, **extra})
+def api_error(status: int, error_type: str, message: str, *, retry_after: int | None = None,
+              **extra: Any) -> ApiError:
+    headers = None if retry_after is None else {"retry-after": str(retry_after)}
+    return ApiError(status, {"error_type": error_type, "message": message, **extra}, headers)
 
 
 def invalid(loc: list[str | int], msg: str, type_: str) -> ApiError:
@@ -76,16 +78,6 @@ def body_kind(content_type: str | None) -> str:
     raise api_error(415, "unsupported_media_type",
                  f"{sent} is not accepted: send {JSON_MEDIA_TYPE} (or {MULTIPART_MEDIA_TYPE} with a 'request' part, "
                  "as the TypeSafe SDK does for file assets)", accepted=[JSON_MEDIA_TYPE, MULTIPART_MEDIA_TYPE])
-
-
-def _check_json_tree(value: Any) -> None:
-    """Refuse JSON nested deeper than MAX_JSON_DEPTH, and strings that are not Unicode (JSON allows escaped lone
-    surrogates like "\\ud800"; nothing downstream can encode them). Iterative: no recursion to blow."""
-    # A body of a million small objects takes a while to walk, holding the GIL that every other request needs: the
-    # quick walk below keeps no locations, and only a body it finds fault with is walked again to name the place.
-    if not _json_tree_at_fault(value):
-        return
-    _locate_json_fault(value)
 
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
@@ -181,7 +173,12 @@ def parse_json_body(raw: bytes) -> dict:
         raise invalid([], f"JSON nested deeper than {MAX_JSON_DEPTH} levels", "json_too_deep") from None
     if not isinstance(value, dict):
         raise invalid([], f"the body must be a JSON object, not {_json_type(value)}", "model_attributes_type")
-    _check_json_tree(value)
+    # JSON nested deeper than MAX_JSON_DEPTH, or strings that are not Unicode (JSON allows escaped lone surrogates
+    # like "\ud800"; nothing downstream can encode them), are refused. A body of a million small objects takes a
+    # while to walk, holding the GIL every other request needs: the quick walk keeps no locations, and only a body
+    # it finds fault with is walked again to name the place. Both iterative: no recursion to blow.
+    if _json_tree_at_fault(value):
+        _locate_json_fault(value)
     return value
 
 
@@ -356,15 +353,9 @@ def replace_placeholders(body: dict, labels: dict[str, str]) -> dict:
 def _replace_in_question(question: Any, replace: Callable[[str], str]) -> Any:
     if not isinstance(question, dict):
         return question
-    out = dict(question)
-    if "instructions" in out:
-        out["instructions"] = _replace_in_strings(out["instructions"], replace)
-    criteria = out.get("criteria")
-    if isinstance(criteria, dict):  # noul / choice: option id → description
-        out["criteria"] = {option: _replace_in_strings(text, replace) for option, text in criteria.items()}
-    elif isinstance(criteria, list):  # score: level descriptions
-        out["criteria"] = [_replace_in_strings(text, replace) for text in criteria]
-    return out
+    # criteria: option id → description (noul, choice) or level descriptions (score); keys are ids, kept as they are
+    return {key: _replace_in_strings(value, replace) if key in ("instructions", "criteria") else value
+            for key, value in question.items()}
 
 
 def assets_to_images(body: dict, parts: dict[str, tuple[str | None, bytes]]) -> tuple[dict, dict[int, str]]:
@@ -436,8 +427,6 @@ def name_assets(problems: list[dict], sources: dict[int, str]) -> list[dict]:
             problem = {**problem, "loc": ["assets", name, *loc[2:]], "msg": f"asset {clip(name)!r}: {problem['msg']}"}
         named.append(problem)
     return named
-
-
 
 
 def request_from_json_file(path: str, parts: dict[str, tuple[str | None, bytes]]) -> tuple[dict, dict[int, str]]:

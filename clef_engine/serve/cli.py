@@ -1,30 +1,8 @@
-"""`python -m clef_engine serve`: the System One API on a resident engine, standalone.
+"""`clef-engine serve`: the System One API on resident engines, standalone (docs/operations.md says how to run it).
 
-    python -m clef_engine serve --model SOURCE [--model SOURCE ...] [--host 127.0.0.1] [--port 8000] [--api-key-env VAR]
-                                [--device cuda|cpu] [--dtype bfloat16|float32] [--precision bf16|fp8] [--revision REV]
-                                [--max-body-mb 32] [--max-queued-records N] [--request-timeout S] [--header-timeout S]
-                                [--keep-alive-timeout S] [--shutdown-grace S] [--cors-origin ORIGIN ...]
-                                [--calibrations FILE]
-
-The models load before the server listens, so once /health answers the server answers requests; on CUDA each model
-then warms up in the background (compiles and captures for lengths not asked for yet, requests first), and /health's
-`state` says "warming" until the default model's warm-up is done, then "ready". With several `--model`s
-each keeps its own engine (the local ones share their GPU's queue, taking turns), the first is the default, and a
-request's `"model"` picks one by the name /v1/models lists; `jev-latest` and names not loaded go to the default.
-Before each local model loads, its memory need is checked against the memory free on its device (with the models
-before it resident), so a model that does not fit is a clear error, not an out-of-memory crash.
-
-Connections: a client must send a request's line and headers within --header-timeout seconds of connecting (or of
-its previous answer), an idle keep-alive connection is closed after --keep-alive-timeout seconds, and a body must
-arrive within --request-timeout seconds; slow or silent clients lose their connection, everybody else is answered.
-
-Stopping (SIGINT or SIGTERM): the server stops accepting connections, gives the requests in flight --shutdown-grace
-seconds to finish, answers those still unanswered 503 shutting_down, lets the engines finish (abandoned work stops at
-the next layer) and exits 0. Its big-body worker processes end with it, even when it is killed (see
-admission.die_with_parent).
-
-`--calibrations FILE` (written by `python -m clef_workbench calibrate --export FILE`) names the calibrations a
-request's `"x_calibration"` may ask for; the file is read once, at start.
+The models load, each checked first against the memory free on its device, before the server listens: once /health
+answers, requests are answered. On SIGINT or SIGTERM it stops in order (see OrderlyServer); its big-body worker
+processes end with it however it ends (see admission.die_with_parent).
 """
 
 from __future__ import annotations
@@ -46,7 +24,10 @@ import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from .. import environment
-from .server import DEFAULT_MAX_BODY_BYTES, DEFAULT_REQUEST_TIMEOUT
+from ..calibrated import load_calibrations
+from ..errors import ClefError
+from .responses import default_allowed_hosts
+from .server import DEFAULT_MAX_BODY_BYTES, DEFAULT_REQUEST_TIMEOUT, _public_model_name, create_app
 
 DEFAULT_HEADER_TIMEOUT = 10.0
 DEFAULT_KEEP_ALIVE_TIMEOUT = 5
@@ -173,12 +154,6 @@ class HeaderTimeoutProtocol(H11Protocol):
             self.transport.close()
 
 
-def with_header_timeout(seconds: float, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> type[HeaderTimeoutProtocol]:
-    """The protocol class for uvicorn's `http=` option, with its header deadline and body limit set."""
-    return type("HeaderTimeoutProtocol", (HeaderTimeoutProtocol,),
-                {"header_timeout": seconds, "max_body_bytes": max_body_bytes})
-
-
 class OrderlyServer(uvicorn.Server):
     """uvicorn's server, stopping in order on SIGINT or SIGTERM: no new connections, the requests in flight get
     `grace` seconds to finish, then those still unanswered get 503 (`SystemOneApi.stop`), and `run` returns. uvicorn
@@ -233,7 +208,6 @@ def load_models(args: argparse.Namespace) -> dict:
     from ..config import EngineConfig
     from ..engine import load as load_engine
     from ..remote import is_endpoint
-    from .server import _public_model_name
 
     models: dict = {}
     for source in args.model:
@@ -259,10 +233,6 @@ def load_models(args: argparse.Namespace) -> dict:
 
 def run_serve(args: argparse.Namespace) -> int:
     """Load the model, then serve until interrupted. Returns the exit status."""
-    from ..errors import ClefError
-    from .responses import default_allowed_hosts
-    from .server import create_app
-
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     api_key = _api_key_from_env(args.api_key_env)
     if not _is_loopback(args.host) and api_key is None:
@@ -273,8 +243,6 @@ def run_serve(args: argparse.Namespace) -> int:
         return 2
     calibrations: dict = {}
     if args.calibrations is not None:
-        from ..calibrated import load_calibrations
-
         try:
             calibrations = load_calibrations(args.calibrations)
         except ValueError as exc:
@@ -289,7 +257,8 @@ def run_serve(args: argparse.Namespace) -> int:
         print("error: --max-tokens-per-request must be at least 1", file=sys.stderr)
         return 2
     allowed_hosts = args.allowed_host or default_allowed_hosts(args.host)
-    app = create_app(models, api_key=api_key, max_body_bytes=int(args.max_body_mb * 2**20),
+    max_body_bytes = int(args.max_body_mb * 2**20)
+    app = create_app(models, api_key=api_key, max_body_bytes=max_body_bytes,
                      request_timeout=args.request_timeout, max_tokens_per_request=args.max_tokens_per_request,
                      cors_origins=args.cors_origin, allowed_hosts=allowed_hosts,
                      calibrations=lambda: calibrations)
@@ -300,7 +269,8 @@ def run_serve(args: argparse.Namespace) -> int:
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
                             timeout_graceful_shutdown=args.shutdown_grace + ANSWER_SECONDS,
                             timeout_keep_alive=args.keep_alive_timeout,
-                            http=with_header_timeout(args.header_timeout, int(args.max_body_mb * 2**20)))
+                            http=type("HeaderTimeoutProtocol", (HeaderTimeoutProtocol,),
+                                      {"header_timeout": args.header_timeout, "max_body_bytes": max_body_bytes}))
     try:
         OrderlyServer(config, args.shutdown_grace).run()
     finally:

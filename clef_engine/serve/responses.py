@@ -67,9 +67,8 @@ def default_allowed_hosts(bind_host: str) -> list[str]:
 
 
 def host_allow_list(allowed: Collection[str], setting: str = "the server's --allowed-host") -> list[Middleware]:
-    """The middleware refusing Host headers not in `allowed` with 421 (none when `allowed` holds '*'): a web page
-    whose own name was made to point at this machine (DNS rebinding) cannot reach a server bound to it. `setting`
-    is what the 421 names as the way to allow another host."""
+    """The middleware refusing Host headers not in `allowed` with 421 (none when `allowed` holds '*'), so that a page
+    whose name was made to point at this machine (DNS rebinding) cannot reach it; the 421 names `setting`."""
     return [] if "*" in allowed else [Middleware(HostAllowList, allowed=allowed, setting=setting)]
 
 

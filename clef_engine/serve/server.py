@@ -1,60 +1,6 @@
-"""A Jev / System One–compatible HTTP API served from a resident Clef engine.
-
-Routes (see `routes`):
-- `POST /v1/systemone` — a System One request (spec §5) → a System One response, plus `x_` extras.
-- `GET /v1/models` — every resident model, the default first, and the `jev-latest` alias of the default.
-- `GET /health` — `{"ready", "state", "model", "models", "revision", "device"}` (`model`: the default); 503 while
-  no engine is loaded (`state` "loading"). `state` is the default model's: "warming" while it compiles and captures
-  in the background (it answers meanwhile: `ready` is true), then "ready". Never needs a key. Models are named as
-  /v1/models names them (a local release by its folder name, never a server path).
-- `GET /metrics` — Prometheus text exposition (prometheus-client, one registry per app).
-- `GET /openapi.json` and `GET /docs` — the OpenAPI document and a self-contained page rendering it (no CDN).
-
-Wire contract beyond spec §5:
-- Unknown top-level fields are ignored; `model` may be any string of at most 256 characters and is echoed in the
-  response.
-- Several models: the provider may give a mapping name → engine (the default first). A request's `model` picks the
-  engine of that name (exactly, or ignoring case and an owner prefix: `Cloudflare/clef-flash` and `clef-flash` name
-  the same model); `jev-latest` and any name that is not loaded go to the default model, as hosted Jev accepts any
-  model name. /metrics reports every resident model's engine, labelled `model`.
-- Overflow: a record over the token budget gets 413 unless the request body opts in with the top-level field
-  `"x_overflow": "truncate_state"` (the reference's behaviour: cut the end of the state; the response says how many
-  state tokens were dropped in `x_truncated_state_tokens`). `"x_max_length": N` sets the budget, at most
-  `max_tokens_per_request` (default: the engine's token budget); asking more gets that ceiling, and a 413 over it
-  says so (`max_tokens_per_request` in the detail).
-- Media: `images` (PNG/JPEG/WebP) and `videos` (MP4/WebM/MOV) as data URLs or `{"content_type", "base64"}` objects;
-  the engine checks formats and limits. File paths, which the engine accepts from Python callers, are refused over
-  HTTP (they would read the server's disk). The TypeSafe SDK's `assets` (JSON `{"format", "data_base64"}` or
-  multipart parts) are accepted in both body kinds alike: each asset becomes one image after the request's own
-  images, and its placeholder is replaced by `[image N]` inside text only — the state's strings, question
-  instructions, option and level descriptions — never in keys, question ids, types or other structure.
-- Bodies: `Content-Type: application/json` (parameters allowed) or the SDK's `multipart/form-data`; anything else
-  gets 415. At most `max_body_bytes` (default 32 MiB) before and after decompression, nested at most 64 deep,
-  strings valid Unicode, numbers finite and at most 100 characters. `Content-Encoding: gzip` (`x-gzip`) or `zstd`
-  (the TypeSafe SDK compresses with zstd when it can), at most 256 members. Bodies of 1 MiB or more are parsed in
-  worker processes, one at a time per client address (bodies.py has the parsing, admission.py the worker
-  processes and the turns; metrics.py the metrics).
-- Fair shares: requests of 64 KiB or more (or chunked) are prepared one at a time per client address, and while others
-  are in flight a client's next one waits in proportion to its last one's cost (see `admission.Turns`); 429 past the
-  timeout. Explanations (`x_explain`) take such turns whatever their size, held until they are answered, and their
-  variants run as bulk work (a small decide waits for a layer of them, not for all).
-- Time: a body that has not arrived within `request_timeout` seconds gets 408; a request the engine has not
-  answered within `request_timeout` seconds gets 503 `deadline_exceeded`, and its work is abandoned: cancelled
-  if queued, stopped at the engine's next layer if running.
-- Errors: 422 `{"detail": [{"loc", "msg", "type"}]}` for invalid requests (locations start with "body", as in the
-  ecosystem); other errors `{"detail": {"error_type", "message"}}`: 401 authentication_error (with
-  `WWW-Authenticate: Bearer`), 408 request_timeout, 413 request_too_large / token_budget_exceeded, 415
-  unsupported_media_type / unsupported_encoding, 429 overloaded (Retry-After: 1), 503 not_ready while no model is
-  loaded, deadline_exceeded, or shutting_down when the server stops before answering (see `SystemOneApi.stop`).
-  Any other 5xx is a server fault, never the request's. A 422 lists at most 20 problems and counts the rest;
-  messages and the client's strings in them are clipped; a request that runs out of memory gets 413.
-- With an API key configured, `/v1/*` and `/metrics` need `Authorization: Bearer KEY`; without one an
-  Authorization header is ignored. No CORS headers are sent unless `create_app(cors_origins=...)` asks for them.
-- `create_app(allowed_hosts=...)`: other Host headers get 421 misdirected_request. No path is redirected.
-- Calibration: `"x_calibration": "<name>"` adds `"x_calibrated"`: question id → the answer as that calibration maps
-  it (same shape as the contract's answer; questions it has no map for are left out), beside the contract's own
-  fields, which are unchanged. The names come from the calibration provider (`clef-engine serve --calibrations
-  FILE`, or the workbench's store); a name it does not know is a 422 listing the ones it does.
+"""The System One HTTP API (Jev-compatible) on resident Clef engines: `POST /v1/systemone`, `GET /v1/models`,
+`/health`, `/metrics`, `/openapi.json` and `/docs`. The wire contract (fields, limits, errors) is docs/api.md.
+bodies.py reads bodies, admission.py paces big ones, metrics.py counts, responses.py shapes error answers.
 """
 
 from __future__ import annotations
@@ -119,14 +65,15 @@ EngineProvider = Callable[[], Any]  # returns an engine, a mapping name → engi
 class SystemOneApi:
     """The handlers, bound to an engine provider, an optional key, limits and the metrics they keep."""
 
-    def __init__(self, engine_provider: EngineProvider | Any, *, api_key: str | None, max_body_bytes: int,
-                 request_timeout: float = DEFAULT_REQUEST_TIMEOUT, max_tokens_per_request: int | None = None,
-                 calibrations: CalibrationProvider | None = None):
-        """`max_tokens_per_request`: the most tokens one request may buy (None: each engine's token budget, the
-        most it runs in one batch); a request's `x_max_length` may lower it, never raise it. `calibrations`: the
-        calibrations a request's `x_calibration` may name (None: none)."""
-        self._provider = engine_provider if callable(engine_provider) and not _looks_like_engine(engine_provider) \
-            else (lambda: engine_provider)
+    def __init__(self, engine_provider: EngineProvider | Any, *, api_key: str | None = None,
+                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, request_timeout: float = DEFAULT_REQUEST_TIMEOUT,
+                 max_tokens_per_request: int | None = None, calibrations: CalibrationProvider | None = None):
+        """`engine_provider`: an engine, a mapping name → engine (the default first), or a callable returning either
+        per request (it may load on first call, raise or return None while none is loaded). `max_tokens_per_request`:
+        the most tokens one request may buy (None: each engine's token budget); `x_max_length` may lower it, never
+        raise it. `calibrations`: returns those a request's `x_calibration` may name (None: none)."""
+        self._provider = engine_provider if callable(engine_provider) and not isinstance(
+            engine_provider, DecisionEngine) else (lambda: engine_provider)
         self._key = api_key.encode("utf-8") if api_key else None
         self.max_body_bytes = max_body_bytes
         self.request_timeout = request_timeout
@@ -180,16 +127,10 @@ class SystemOneApi:
             named = self._named = (weakref.ref(engine), _public_model_name(safe_call(engine.info, default={})))
         return named[1]
 
-    async def _engine(self, model: Any = None) -> tuple[str, Any]:
-        """(name, engine) of the model a request's `model` field names (see pick_model)."""
-        return pick_model(await self._models(), model)
-
     async def _models(self) -> dict[str, Any]:
         models = await run_in_threadpool(self.models_or_none)
         if not models:
-            error = api_error(503, "not_ready", "the model is not loaded yet; see GET /health")
-            error.headers["retry-after"] = "5"
-            raise error
+            raise api_error(503, "not_ready", "the model is not loaded yet; see GET /health", retry_after=5)
         return models
 
     # --- auth and body ---------------------------------------------------------------------------------------
@@ -228,14 +169,6 @@ class SystemOneApi:
         # Inflating up to max_body_bytes takes a while; off the event loop, so that other requests go on meanwhile.
         return await run_in_threadpool(decompress, raw, encoding, limit, too_large)
 
-    async def _read_body_in_time(self, request: Request) -> bytes:
-        # A client trickling its body would otherwise hold a connection and a handler as long as it likes.
-        try:
-            return await asyncio.wait_for(self._read_body(request), self.request_timeout)
-        except TimeoutError:
-            raise api_error(408, "request_timeout",
-                         f"the request body did not arrive within {self.request_timeout:g} seconds") from None
-
     async def _parse_request(self, kind: str, content_type: str, raw: bytes,
                              client: str) -> tuple[dict, dict[int, str]]:
         """The request object and, when assets became images, image index → asset name."""
@@ -270,14 +203,18 @@ class SystemOneApi:
             # a body over the limit is refused from its Content-Length at once, with no turn to wait for
             if size is None or PACED_REQUEST_BYTES <= size <= self.max_body_bytes:
                 paced = await self._paced.begin(client, lambda: self._requests_in_flight > 1, self.request_timeout)
-            raw = await self._read_body_in_time(request)
+            try:  # a client trickling its body would otherwise hold a connection and a handler as long as it likes
+                raw = await asyncio.wait_for(self._read_body(request), self.request_timeout)
+            except TimeoutError:
+                raise api_error(408, "request_timeout",
+                                f"the request body did not arrive within {self.request_timeout:g} seconds") from None
             body, asset_images = await self._parse_request(kind, content_type, raw, client)
             # an explanation costs many decides, whatever its size: paced as big requests are, until it is answered
             explaining_it = body.get("x_explain") not in (None, False)
             if explaining_it and paced is None:
                 paced = await self._paced.begin(client, lambda: self._requests_in_flight > 1, self.request_timeout)
             _check_model_name(body.get("model"))
-            name, engine = await self._engine(body.get("model"))
+            name, engine = pick_model(await self._models(), body.get("model"))
             answer = await self._decide(engine, name, body, asset_images,
                                         queued=paced.end if paced and not explaining_it else None)
             # serialized once, here; a number that is not finite fails it: a fault of ours (500), never sent
@@ -320,7 +257,11 @@ class SystemOneApi:
         """The engine's answer to `body`; `queued` is called once the engine has the record queued."""
         record = {k: body[k] for k in ENGINE_FIELDS if k in body}
         _check_media(record, skip_images=set(asset_images))
-        ceiling = self.token_ceiling(engine)
+        # the most tokens one request may buy: the operator's limit, else the engine's token budget, else the model's
+        # default length (a remote engine has no budget here)
+        ceiling = self.max_tokens_per_request
+        if ceiling is None:
+            ceiling = engine.token_budget if engine.token_budget and engine.token_budget > 0 else DEFAULT_MAX_LENGTH
         asked = body.get("x_max_length")
         asked = asked if type(asked) is int and asked >= 1 else DEFAULT_MAX_LENGTH  # validated below
         try:
@@ -339,8 +280,8 @@ class SystemOneApi:
         calibration = None if named is None else await self._calibration(named)
         # the engine (and an endpoint a remote engine forwards to) gets the engine's fields, under this server's budget;
         # the response names the model as the request did, else as this server does
-        request = replace(valid, request=record, model=name if valid.model is None else valid.model)
-        request = request.with_budget(min(asked, ceiling), valid.overflow)
+        request = replace(valid, request=record, model=name if valid.model is None else valid.model,
+                          max_length=min(asked, ceiling))
         self.metrics.enter()
         try:
             results = await self._run_in_time(explaining(engine, valid.explain, self.max_tokens_per_request), request,
@@ -350,8 +291,7 @@ class SystemOneApi:
         except TokenBudgetError as exc:
             raise _too_many_tokens(exc, asked, ceiling) from None
         except BusyError as exc:
-            raise ApiError(429, {"error_type": "overloaded", "message": str(exc) or "the model queue is full"},
-                           headers={"retry-after": "1"}) from None
+            raise api_error(429, "overloaded", str(exc) or "the model queue is full", retry_after=1) from None
         finally:
             self.metrics.leave()
         [response] = results
@@ -366,14 +306,6 @@ class SystemOneApi:
             raise invalid(["x_calibration"], f"no calibration named {clip(name)!r} on this server; it has: {listed}",
                           "value_error.calibration")
         return known[name]
-
-    def token_ceiling(self, engine: DecisionEngine) -> int:
-        """The most tokens one request may buy on `engine`: the operator's limit, else the engine's token budget
-        (the most it runs in one batch), else the model's default length (a remote engine has no budget here)."""
-        if self.max_tokens_per_request is not None:
-            return self.max_tokens_per_request
-        budget = engine.token_budget
-        return budget if budget is not None and budget > 0 else DEFAULT_MAX_LENGTH
 
     async def _run_in_time(self, engine: DecisionEngine | Explaining, request: ValidRequest,
                            queued: Callable[[], None] | None = None) -> list:
@@ -398,21 +330,18 @@ class SystemOneApi:
         try:
             return await asyncio.wait_for(waiting, max(0.0, deadline - time.monotonic()))
         except (TimeoutError, asyncio.CancelledError) as exc:
-            _abandon(engine, future)
+            engine.abandon(future)  # a remote engine only cancels what it has not sent
             if isinstance(exc, TimeoutError):
                 raise self._deadline_error() from None
             raise
 
     def _shutting_down_error(self) -> ApiError:
-        return ApiError(503, {"error_type": "shutting_down",
-                              "message": "the server is shutting down and did not answer; send the request again"},
-                        headers={"retry-after": "1"})
+        return api_error(503, "shutting_down", "the server is shutting down and did not answer; send the request again",
+                         retry_after=1)
 
     def _deadline_error(self) -> ApiError:
-        return ApiError(503, {"error_type": "deadline_exceeded",
-                              "message": f"the model did not answer within {self.request_timeout:g} seconds "
-                                         "(the server is busy or the request is very large); try again later"},
-                        headers={"retry-after": "1"})
+        return api_error(503, "deadline_exceeded", f"the model did not answer within {self.request_timeout:g} seconds "
+                         "(the server is busy or the request is very large); try again later", retry_after=1)
 
     async def models(self, request: Request) -> Response:
         status = 500
@@ -479,8 +408,6 @@ class SystemOneApi:
         return HTMLResponse(openapi.docs_page(openapi.document()))
 
 
-
-
 def _invalid_request(exc: RequestError, asset_images: dict[int, str]) -> ApiError:
     problems = name_assets([p.as_dict() for p in exc.problems], asset_images)
     return ApiError(422, [{**p, "loc": ["body", *p["loc"]]} for p in problems])
@@ -503,14 +430,9 @@ def _unauthorized(message: str, challenge: str) -> ApiError:
                     headers={"www-authenticate": challenge})
 
 
-def _abandon(engine: DecisionEngine | Explaining, future: concurrent.futures.Future) -> None:
-    """Give up on `future`: the engine stops its work (a remote engine only cancels it if it has not started)."""
-    engine.abandon(future)
-
-
 def _abandon_submitted(engine: DecisionEngine | Explaining, task: asyncio.Future) -> None:
     if not task.cancelled() and task.exception() is None:
-        _abandon(engine, task.result())
+        engine.abandon(task.result())
 
 
 def _precision_text(info: dict) -> str:
@@ -539,10 +461,6 @@ def _public_model_name(info: dict) -> str:
     """A repo id as is; a local release folder by its folder name (clients need not see server paths)."""
     source = str(info.get("model") or "clef")
     return Path(source).name if ("/" in source or "\\" in source) and Path(source).exists() else source
-
-
-def _looks_like_engine(obj: Any) -> bool:
-    return isinstance(obj, DecisionEngine)
 
 
 def _check_media(record: dict, skip_images: Collection[int] = ()) -> None:
@@ -594,40 +512,22 @@ async def _http_exception(request: Request, exc: Exception) -> Response:
                         headers=exc.headers)
 
 
-def routes(engine_provider: EngineProvider | Any, *, api_key: str | None = None,
-           max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, request_timeout: float = DEFAULT_REQUEST_TIMEOUT,
-           max_tokens_per_request: int | None = None, calibrations: CalibrationProvider | None = None) -> list[Route]:
-    """The API's routes, to mount in another Starlette app (e.g. `st.App(..., routes=routes(get_engine))`).
-
-    `engine_provider` is the engine, a mapping name → engine (several models, the default first), or a callable
-    returning either (called per request; it may load on first call, e.g. a `st.cache_resource` function, and may
-    raise or return None while no model is loaded). `calibrations` returns the calibrations by name that a request's
-    `x_calibration` may name (called per request naming one).
-    """
-    return SystemOneApi(engine_provider, api_key=api_key, max_body_bytes=max_body_bytes,
-                        request_timeout=request_timeout, max_tokens_per_request=max_tokens_per_request,
-                        calibrations=calibrations).routes()
+def routes(engine_provider: EngineProvider | Any, **settings: Any) -> list[Route]:
+    """The API's routes, to mount in another Starlette app (the workbench's); `settings` as SystemOneApi takes them."""
+    return SystemOneApi(engine_provider, **settings).routes()
 
 
-def create_app(engine_provider: EngineProvider | Any, *, api_key: str | None = None,
-               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, request_timeout: float = DEFAULT_REQUEST_TIMEOUT,
-               max_tokens_per_request: int | None = None, cors_origins: list[str] | None = None,
-               allowed_hosts: Collection[str] | None = None,
-               calibrations: CalibrationProvider | None = None) -> Starlette:
-    """A standalone Starlette app serving the System One API from `engine_provider`. CORS headers only for the
-    origins named in `cors_origins` (none by default: a web page elsewhere gets no readable answer). With
-    `allowed_hosts`, a request whose Host header names another host gets 421: a web page whose own name was made to
-    point at this machine (DNS rebinding) cannot reach a server bound to it. No redirects: a path with a trailing
-    slash is not found, never sent to a Location built from the client's Host. `app.state.system_one` is the
-    `SystemOneApi` (its `stop` answers the requests still unanswered when the server stops)."""
+def create_app(engine_provider: EngineProvider | Any, *, cors_origins: list[str] | None = None,
+               allowed_hosts: Collection[str] | None = None, **settings: Any) -> Starlette:
+    """A standalone app serving the API. CORS headers only for `cors_origins` (none by default: a page elsewhere gets
+    no readable answer); with `allowed_hosts`, another Host gets 421 (DNS rebinding); no redirects, so a Location is
+    never built from the client's Host. `app.state.system_one` is the SystemOneApi (`stop` at shutdown)."""
     middleware = host_allow_list(allowed_hosts) if allowed_hosts is not None else []
     if cors_origins:
         middleware.append(Middleware(CORSMiddleware, allow_origins=list(cors_origins), allow_methods=["GET", "POST"],
                                      allow_headers=["authorization", "content-type", "content-encoding"],
                                      expose_headers=["x-typesafe-request-id", "retry-after"]))
-    api = SystemOneApi(engine_provider, api_key=api_key, max_body_bytes=max_body_bytes,
-                       request_timeout=request_timeout, max_tokens_per_request=max_tokens_per_request,
-                       calibrations=calibrations)
+    api = SystemOneApi(engine_provider, **settings)
     app = Starlette(routes=api.routes(), exception_handlers={HTTPException: _http_exception}, middleware=middleware)
     app.router.redirect_slashes = False
     app.state.system_one = api
