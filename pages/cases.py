@@ -10,10 +10,10 @@ from workbench_ui import cases_view as view
 from workbench_ui import units
 from workbench_ui.cases_view import NO_SCHEMA, NOT_MAPPED
 from workbench_ui.shell import (
-    KEEP_PREFIX,
     RUNS_START_OPEN,
     RUNS_START_SET,
     confirm_delete,
+    forget_widget,
     get_library,
     get_store,
     page_key,
@@ -319,7 +319,6 @@ with tab_settings:
             if refused:
                 st.error(refused)
             else:
-                for key in (K("selected"), KEEP_PREFIX + K("selected")):
-                    st.session_state.pop(key, None)
+                forget_widget(K("selected"))
                 flash("success", f"Deleted case set “{case_set['name']}”.", undo=("case_set", case_set_id))
                 st.rerun()

@@ -15,7 +15,6 @@ from workbench_ui import compare_view as cv
 from workbench_ui.answers import probability_chart
 from workbench_ui.shell import (
     KEEP_PREFIX,
-    demo_output_banner,
     format_json,
     get_engine,
     get_job_runner,
@@ -25,6 +24,7 @@ from workbench_ui.shell import (
     model_manager,
     page_key,
     pick_id,
+    random_weights_notice,
     render_shell,
     set_widget,
     show_not_found,
@@ -173,8 +173,7 @@ if len(picked) < 2:
     st.info("Pick two runs or more.")
     st.stop()
 
-demo_output_banner(next((runs_by_id[r]["model_id"] for r in picked if runs_by_id[r]["model_id"] == DEMO_MODEL),
-                        None))
+random_weights_notice(DEMO_MODEL if any(runs_by_id[r]["model_id"] == DEMO_MODEL for r in picked) else None)
 unfinished = [runs_by_id[r] for r in picked if cv.is_unfinished(runs_by_id[r])]
 
 

@@ -30,6 +30,7 @@ from workbench_ui.shell import (
     get_store,
     kept_widget,
     model_manager,
+    pick_model,
     random_weights_notice,
     random_weights_text,
     render_shell,
@@ -174,10 +175,8 @@ loaded_models = {model.name: model for model in model_manager().loaded()}
 model_name = vm.model_for_run(st.session_state, list(loaded_models), model_manager().default_name()) \
     or request_model_name(model_manager().state().source)
 if engine is not None and len(loaded_models) > 1:
-    model_name = kept_widget(run_box.selectbox, "Model", K("model"), options=list(loaded_models),
-                             format_func=lambda name: f"{name} · {loaded_models[name].label}"
-                             if loaded_models[name].label != name else name,
-                             help="Which loaded model answers this page's runs (add models in the sidebar).")
+    model_name = pick_model(run_box.selectbox, K("model"), loaded_models,
+                            "Which loaded model answers this page's runs (add models in the sidebar).")
 if model_name in loaded_models:
     engine = loaded_models[model_name].engine
 local_engine = engine is not None and vm.counts_tokens_here(engine)

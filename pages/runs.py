@@ -20,6 +20,7 @@ from workbench_ui.shell import (
     RUNS_START_OPEN,
     RUNS_START_SET,
     confirm_delete,
+    forget_widget,
     get_engine,
     get_job_runner,
     get_library,
@@ -27,6 +28,7 @@ from workbench_ui.shell import (
     kept_widget,
     model_manager,
     page_key,
+    pick_model,
     pick_run,
     random_weights_notice,
     render_shell,
@@ -116,9 +118,7 @@ with st.expander("Start a run", expanded=not runs or st.session_state.pop(RUNS_S
         st.info("No case sets yet: create or import one on the Case sets page.")
     else:
         set_labels = {s["id"]: f"{s['name']} ({s['case_count']} cases)" for s in sets}
-        for stale_key in (RUNS_START_SET, "_keep." + RUNS_START_SET):
-            if st.session_state.get(stale_key, sets[0]["id"]) not in set_labels:  # e.g. the set was deleted
-                st.session_state.pop(stale_key, None)
+        forget_widget(RUNS_START_SET, unless_in=set_labels)
         # kept widgets: the choices survive a visit to another page
         start_set = kept_widget(st.selectbox, "Case set", RUNS_START_SET, sets[0]["id"], options=list(set_labels),
                                 format_func=lambda i: set_labels[i])
@@ -134,14 +134,10 @@ with st.expander("Start a run", expanded=not runs or st.session_state.pop(RUNS_S
         loaded_models = {model.name: model for model in model_manager().loaded()}  # the default first
         run_model = None
         if len(loaded_models) > 1:
-            for stale_key in (K("start.model"), "_keep." + K("start.model")):
-                if st.session_state.get(stale_key) not in (None, *loaded_models):  # unloaded since
-                    st.session_state.pop(stale_key, None)
-            run_model = kept_widget(st.selectbox, "Model", K("start.model"), next(iter(loaded_models)),
-                                    options=list(loaded_models),
-                                    format_func=lambda name: f"{name} · {loaded_models[name].label}"
-                                    if loaded_models[name].label != name else name,
-                                    help="Which loaded model runs the case set (add models in the sidebar).")
+            forget_widget(K("start.model"), unless_in=loaded_models)
+            run_model = pick_model(st.selectbox, K("start.model"), loaded_models,
+                                   "Which loaded model runs the case set (add models in the sidebar).",
+                                   default=next(iter(loaded_models)))
         check_engine_now = loaded_models[run_model].engine if run_model else model_manager().state().engine
         over_budget = None
         if schema_slug is not None and check_engine_now is not None:

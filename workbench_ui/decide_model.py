@@ -48,6 +48,19 @@ def set_kept(state: MutableMapping, name: str, value: Any) -> None:
     state[KEEP_PREFIX + name] = value
 
 
+def kept(state: MutableMapping, name: str, default: Any = None) -> Any:
+    """A kept widget's value: the widget's own while it is drawn, else the mirror's."""
+    return state.get(name, state.get(KEEP_PREFIX + name, default))
+
+
+def forget_kept(state: MutableMapping, name: str, unless_in: Any = ()) -> None:
+    """Forget a kept widget's value unless it is among `unless_in` (its options now: a set deleted, a model
+    unloaded)."""
+    for stale in (name, KEEP_PREFIX + name):
+        if stale in state and state[stale] not in unless_in:
+            del state[stale]
+
+
 def row_keys(uid: int) -> dict[str, str]:
     return {f: key(f"q{uid}.{f}") for f in ROW_FIELDS}
 
@@ -106,7 +119,7 @@ class Builder:
         out = []
         for uid in self.uids:
             keys = row_keys(uid)
-            value = {f: self.state.get(keys[f], self.state.get(KEEP_PREFIX + keys[f], "")) for f in ROW_FIELDS}
+            value = {f: kept(self.state, keys[f], "") for f in ROW_FIELDS}
             row = {"id": value["id"], "type": value["type"] or "noul", "instructions": value["instructions"]}
             if row["type"] == "choice":
                 row["options"] = schema_rows.text_to_options(value["options"] or "")
@@ -144,9 +157,7 @@ class Builder:
         widgets' values stay kept under its uid)."""
         position = self.uids.index(uid)
         self.uids.remove(uid)
-        self.state[key("removed")] = {"uid": uid, "position": position,
-                                      "id": self.state.get(row_keys(uid)["id"],
-                                                           self.state.get(KEEP_PREFIX + row_keys(uid)["id"]))}
+        self.state[key("removed")] = {"uid": uid, "position": position, "id": kept(self.state, row_keys(uid)["id"])}
 
     @property
     def last_removed(self) -> str | None:
@@ -213,13 +224,12 @@ class Builder:
         return [state_input.state_to_text(example["state"]).strip() for example in self.examples]
 
     def _kept(self, name: str) -> str:
-        return str(self.state.get(name, self.state.get(KEEP_PREFIX + name)) or "")
+        return str(kept(self.state, name) or "")
 
     def _remember_replaced(self, place: str, message: str) -> None:
         self.state[key("replaced")] = {
             "place": place, "message": message, "rows": self.rows(),
-            "values": {name: self.state.get(key(name), self.state.get(KEEP_PREFIX + key(name)))
-                       for name in self.REPLACEABLE},
+            "values": {name: kept(self.state, key(name)) for name in self.REPLACEABLE},
             "loaded": {name: self.state.get(key(name)) for name in self.LOADED}}
 
     def replaced(self, place: str) -> str | None:
@@ -497,7 +507,7 @@ def draft_of(state: MutableMapping) -> dict[str, Any]:
     """The editors' contents and the last run's result as JSON-able data; media by their digest (with_media_bytes
     adds the bytes)."""
     builder = Builder(state)
-    values = {name: state.get(key(name), state.get(KEEP_PREFIX + key(name))) for name in DRAFT_FIELDS}
+    values = {name: kept(state, key(name)) for name in DRAFT_FIELDS}
     media = state.get(key("media"), state.get(key("restored_media"))) or []
     return {**values, "rows": builder.rows(), "loaded_slug": builder.loaded_slug,
             "loaded_questions": state.get(key("loaded_questions")), "examples": builder.examples,
@@ -611,9 +621,8 @@ def model_for_run(state: MutableMapping, names: list[str], default: str | None) 
     session), which switches this page to the new default."""
     if state.get(key("model_default_seen")) != default:
         state[key("model_default_seen")] = default
-        state.pop(key("model"), None)
-        state.pop(KEEP_PREFIX + key("model"), None)
-    chosen = chosen_model(names, state.get(key("model"), state.get(KEEP_PREFIX + key("model"))))
+        forget_kept(state, key("model"))
+    chosen = chosen_model(names, kept(state, key("model")))
     set_kept(state, key("model"), chosen)
     return chosen
 

@@ -7,6 +7,7 @@ Pages import from here and from clef_workbench; nothing here knows SQL or tensor
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -32,6 +33,7 @@ from clef_workbench.model_loader import (
 from clef_workbench.schema_library import SchemaLibrary
 from clef_workbench.settings import WorkbenchSettings
 from workbench_ui import links
+from workbench_ui.decide_model import KEEP_PREFIX, forget_kept, kept, set_kept
 from workbench_ui.state_input import IMAGE_EXTENSIONS, MAX_IMAGE_BYTES, MB
 
 log = logging.getLogger(__name__)
@@ -135,18 +137,13 @@ def get_engine(*, show_errors: bool = True):
                 status.update(label="Loading failed", state="error", expanded=False)
             else:
                 status.update(label=f"Loaded {label_of(state.source)}", state="complete", expanded=False)
-    if show_errors:
-        show_load_messages(state)
-    return state.engine
-
-
-def show_load_messages(state: LoadState) -> None:
-    if state.error:
-        st.error(state.error, icon=":material/warning:")
-    if state.notice:
-        st.info(state.notice)
     # no banner of its own for the demo: the pages flag random weights next to the answers, once (three banners
     # said it at once after the first Run)
+    if show_errors and state.error:
+        st.error(state.error, icon=":material/warning:")
+    if show_errors and state.notice:
+        st.info(state.notice)
+    return state.engine
 
 
 def random_weights_text(model_name: str) -> str:
@@ -163,11 +160,6 @@ def random_weights_notice(model_name: str | None) -> bool:
         return False
     st.warning(random_weights_text(model_name), icon=":material/casino:")
     return True
-
-
-def demo_output_banner(model_id: str | None = None) -> None:
-    """The Compare page's name for random_weights_notice."""
-    random_weights_notice(model_id)
 
 
 def _gib(n: int | None) -> str:
@@ -298,23 +290,12 @@ def render_models(manager: ModelManager) -> None:
             st.rerun()
         if st.button("Unload…", key=f"sidebar.remove.{model.name}", icon=":material/close:"):
             st.session_state["sidebar.confirm_remove"] = confirming = model.name
-        if confirming == model.name:  # the question right under the button that asked it
-            confirm_unload(manager, model.name)
-
-
-def confirm_unload(manager: ModelManager, name: str) -> None:
-    with st.container(border=True):
-        st.warning(f"Unload {name}? Runs on it stop after their batch in flight; you can load it again.")
-        cols = st.columns(2)
-        if cols[0].button("Yes, unload", key="sidebar.remove_yes", type="primary"):
-            st.session_state.pop("sidebar.confirm_remove", None)
-            try:
-                manager.remove(name)
-            except KeyError as exc:
-                st.error(str(exc))
-            st.rerun()
-        if cols[1].button("Cancel", key="sidebar.remove_no"):
-            st.session_state.pop("sidebar.confirm_remove", None)
+        # the question right under the button that asked it
+        if confirming == model.name and confirm_delete(
+                f"Unload {model.name}? Runs on it stop after their batch in flight; you can load it again.",
+                page_key("sidebar"), "sidebar.confirm_remove", yes_label="Yes, unload", icon=None):
+            with contextlib.suppress(KeyError):  # unloaded meanwhile by another session
+                manager.remove(model.name)
             st.rerun()
 
 
@@ -368,13 +349,9 @@ def live_status() -> None:
     lost."""
     state = model_manager().state()
     if state.status in ("loading", "warming") or state.adding:
-        st.fragment(follow_load, run_every=STATUS_REFRESH_SECONDS)()
+        st.fragment(lambda: render_status(model_manager().state()), run_every=STATUS_REFRESH_SECONDS)()
     else:
         render_status(state)
-
-
-def follow_load() -> None:
-    render_status(model_manager().state())
 
 
 def render_status(state: LoadState) -> None:
@@ -401,7 +378,7 @@ def render_status(state: LoadState) -> None:
         "peak reserved": _gib(memory.get("peak_reserved")),
         "fast kernels": f"{'on' if fast else 'off'} ({kernel_detail})",
         "queue depth": str(engine.queue_depth()),
-        "batch runs": running_runs_text(shown_running_runs()),
+        "batch runs": running_runs_text(),
     }
     st.markdown("\n".join(f"- **{k}:** {v}" for k, v in rows.items()))
 
@@ -428,13 +405,10 @@ def running_run_ids() -> list[int]:
     return [r["id"] for r in store.list_runs() if r["status"] == "running" and store.run_lease_holder(r["id"])]
 
 
-def shown_running_runs() -> list[int]:
-    """running_run_ids, remembered as what the sidebar shows: a page that follows a run redraws when they differ."""
+def running_runs_text() -> str:
+    """The runs running now, remembered as what the sidebar shows: a page that follows a run redraws when they
+    differ."""
     running = st.session_state[RUNNING_SHOWN_KEY] = running_run_ids()
-    return running
-
-
-def running_runs_text(running: list[int]) -> str:
     return ", ".join(f"#{run_id}" for run_id in running) + " running" if running else "none running"
 
 
@@ -470,9 +444,6 @@ def failure_text(what: str, exc: BaseException) -> str:
 def page_key(page: str) -> Callable[[str], str]:
     """Namespaced session-state keys per page: key("rows") -> "decide.rows"."""
     return lambda name: f"{page}.{name}"
-
-
-KEEP_PREFIX = "_keep."
 
 
 def kept_widget(widget: Callable[..., Any], label: str, key: str, default: Any = None, **kwargs: Any) -> Any:
@@ -533,7 +504,7 @@ def pick_id(ids: list[int], key: str, label: str, format_func: Callable[[int], s
             return None
         chosen = linked
     else:
-        chosen = st.session_state.get(key, st.session_state.get(KEEP_PREFIX + key))
+        chosen = kept(st.session_state, key)
     if chosen not in ids:
         chosen = ids[0]
     st.session_state[key] = st.session_state[KEEP_PREFIX + key] = chosen
@@ -562,19 +533,31 @@ def pick_run(runs: list[dict], key: str, label: Callable[[dict], str]) -> int | 
     return pick_id(list(labels), key, "Run", labels.get, param="run", what="run")
 
 
+def pick_model(widget: Callable[..., Any], key: str, models: dict[str, Any], help: str, default: str | None = None
+               ) -> str:
+    """A selector of the loaded models (`models`: name → model, the default first), kept across page switches."""
+    return kept_widget(widget, "Model", key, default, options=list(models), help=help,
+                       format_func=lambda name: f"{name} · {models[name].label}" if models[name].label != name
+                       else name)
+
+
+def forget_widget(key: str, unless_in: Any = ()) -> None:
+    forget_kept(st.session_state, key, unless_in)
+
+
 def set_widget(key: str, value: Any) -> None:
     """Set a kept widget's value from a callback (before the widget renders)."""
-    st.session_state[key] = value
-    st.session_state[KEEP_PREFIX + key] = value
+    set_kept(st.session_state, key, value)
 
 
-def confirm_delete(question: str, key: Callable[[str], str], confirm_key: str) -> bool:
-    """Asks before a delete (`confirm_key` set opened the question): True when "Yes, delete it" was clicked. Either
-    button closes the question."""
+def confirm_delete(question: str, key: Callable[[str], str], confirm_key: str, *, yes_label: str = "Yes, delete it",
+                   icon: str | None = ":material/delete:") -> bool:
+    """Asks before a delete (`confirm_key` set opened the question): True when `yes_label` was clicked. Either button
+    closes the question."""
     with st.container(border=True, key=key("confirm_delete_box")):
-        st.warning(question, icon=":material/delete:")
+        st.warning(question, icon=icon)
         cols = st.columns(2)
-        yes = cols[0].button("Yes, delete it", key=key("delete_yes"), type="primary")
+        yes = cols[0].button(yes_label, key=key("delete_yes"), type="primary")
         if yes or cols[1].button("Cancel", key=key("delete_no")):
             st.session_state.pop(confirm_key, None)
         if not yes and confirm_key not in st.session_state:  # cancelled: drawn again without the question
