@@ -27,6 +27,7 @@ from workbench_ui.shell import (
     random_weights_notice,
     render_shell,
     set_widget,
+    show_message,
     show_not_found,
     url_int,
 )
@@ -114,9 +115,7 @@ with st.expander("Run a schema on a case set with these models", expanded=not gr
                   icon=":material/play_arrow:", disabled=not numbers or not names, on_click=start_comparison,
                   args=(start_set, slug, number, names))
 
-message = st.session_state.pop(K("flash"), None)
-if message:
-    getattr(st, message[0])(message[1])
+show_message(K("flash"))
 
 
 def follow_started(run_ids: list[int]) -> None:

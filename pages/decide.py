@@ -35,6 +35,7 @@ from workbench_ui.shell import (
     random_weights_text,
     render_shell,
     run_queued,
+    show_message,
 )
 
 render_shell(__file__)
@@ -49,17 +50,6 @@ def sampled_frames(video: state_input.Media, model_id: str, _engine) -> Any:
 K = vm.key
 QUESTION_TYPES = list(schemas.QUESTION_TYPES)
 MAX_LENGTH_CHOICES = sorted({512, 1024, 2048, 4096, 8192, DEFAULT_MAX_LENGTH, 32_768, 65_536, 131_072, 262_144})
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Rendering helpers
-
-
-def show_messages(container, errors: list[str], warnings: list[str] = ()) -> None:
-    for message in errors:
-        container.error(message, icon=":material/error:")
-    for message in warnings:
-        container.warning(message, icon=":material/warning:")
 
 
 def render_question(position: int, uid: int, count: int) -> tuple[dict[str, Any], Any]:
@@ -157,8 +147,7 @@ actions.init_page()
 # tab) while the page still draws would otherwise lose the edit, the save being the run's last step.
 actions.save_draft()
 st.title("Decide")
-if link_note := st.session_state.pop(K("link_note"), None):
-    getattr(st, link_note[0])(link_note[1], icon=":material/link:")
+show_message(K("link_note"), icon=":material/link:")
 engine = get_engine()
 library = get_library()
 messages = vm.Messages()
@@ -215,16 +204,13 @@ with left:
 
 images: list[state_input.Media] = []
 videos: list[state_input.Media] = []
-for uploaded in image_files or []:
-    try:
-        images.append(state_input.check_image(uploaded.name, uploaded.getvalue()))
-    except state_input.MediaError as exc:
-        messages.add("media", str(exc))
-for uploaded in video_files or []:
-    try:
-        videos.append(state_input.check_video(uploaded.name, uploaded.getvalue()))
-    except state_input.MediaError as exc:
-        messages.add("media", str(exc))
+for files, check, accepted in ((image_files, state_input.check_image, images),
+                               (video_files, state_input.check_video, videos)):
+    for uploaded in files or []:
+        try:
+            accepted.append(check(uploaded.name, uploaded.getvalue()))
+        except state_input.MediaError as exc:
+            messages.add("media", str(exc))
 restored = vm.restored_media(st.session_state)  # the uploads of this draft before a reload
 images = vm.with_restored([m for m in restored if m.kind == "image"], images)
 videos = vm.with_restored([m for m in restored if m.kind == "video"], videos)
@@ -334,9 +320,7 @@ with left:
                             disabled=not loaded_slug, on_click=actions.save_schema, args=(True,),
                             help=f"Write these questions to {loaded_slug}.json as a new version" if loaded_slug
                             else "Load a schema from the library to update it")
-        saved_message = st.session_state.pop(K("save_flash"), None)
-        if saved_message:
-            getattr(st, saved_message[0])(saved_message[1])
+        show_message(K("save_flash"))
 
 # --- Validate everything, then put each message next to its field ----------------------------------------------
 questions, builder_problems = schema_rows.rows_to_questions(rows)
@@ -413,12 +397,12 @@ else:
             budget_messages.success(status.message)
 
 # Every message next to its field.
-show_messages(state_messages, messages.errors.get("state", []), messages.warnings.get("state", []))
-show_messages(media_messages, messages.errors.get("media", []), messages.warnings.get("media", []))
-show_messages(schema_messages, messages.errors.get("schema", []), messages.warnings.get("schema", []))
-for index, box in enumerate(question_messages):
-    show_messages(box, messages.errors.get(index, []), messages.warnings.get(index, []))
-show_messages(budget_messages, messages.errors.get("budget", []))
+for place, box in [("state", state_messages), ("media", media_messages), ("schema", schema_messages),
+                   *enumerate(question_messages), ("budget", budget_messages)]:
+    for message in messages.errors.get(place, []):
+        box.error(message, icon=":material/error:")
+    for message in messages.warnings.get(place, []):
+        box.warning(message, icon=":material/warning:")
 if last_error and last_error.get("budget"):
     budget_messages.error(last_error["budget"])
 

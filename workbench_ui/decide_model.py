@@ -1,9 +1,8 @@
-"""The Decide page's logic, without Streamlit: the schema builder's state machine, routing of problems to the field
-they concern, the token-budget cache, the result record of a run, save-as-case, and the per-session draft.
+"""The Decide page's logic, without Streamlit (so every rule is unit-tested directly): the schema builder, problems
+routed to their field, the token-budget cache, a run's result, save-as-case, and the per-session draft.
 
-State lives in a mutable mapping (Streamlit's session_state on the page, a plain dict in tests) under keys
-`decide.<name>`; each builder question has a stable uid so its widgets keep their values when questions move
-(widget keys `decide.q<uid>.<field>`). Nothing here imports streamlit, so every rule is unit-tested directly.
+State lives in a mutable mapping (session_state on the page, a dict in tests) under keys `decide.<name>`; each
+builder question has a stable uid so its widgets keep their values when questions move (`decide.q<uid>.<field>`).
 """
 
 from __future__ import annotations
@@ -95,14 +94,10 @@ class Builder:
         return uid
 
     def _write_row(self, uid: int, row: dict[str, Any]) -> None:
-        keys = row_keys(uid)
-        set_kept(self.state, keys["id"], row["id"])
-        set_kept(self.state, keys["type"], row["type"])
-        set_kept(self.state, keys["instructions"], row.get("instructions") or "")
-        set_kept(self.state, keys["options"], schema_rows.options_to_text(row.get("options") or []))
-        set_kept(self.state, keys["levels"], schema_rows.levels_to_text(row.get("levels") or []))
-        set_kept(self.state, keys["true"], row.get("true") or "")
-        set_kept(self.state, keys["false"], row.get("false") or "")
+        texts = {"options": schema_rows.options_to_text(row.get("options") or []),
+                 "levels": schema_rows.levels_to_text(row.get("levels") or [])}
+        for name, widget_key in row_keys(uid).items():
+            set_kept(self.state, widget_key, texts.get(name, row.get(name) or ""))
 
     def set_rows(self, rows: list[dict[str, Any]]) -> None:
         """Replace the questions; every field's widget is (re)initialised from the rows."""
@@ -115,7 +110,6 @@ class Builder:
         self.state.pop(key("removed"), None)  # the questions it undid are gone
 
     def rows(self) -> list[dict[str, Any]]:
-        """The questions as the widgets hold them (the raw text of options and levels parsed)."""
         out = []
         for uid in self.uids:
             keys = row_keys(uid)
@@ -328,20 +322,18 @@ def route_engine_problems(by_field: dict[str, list[str]], rows: list[dict[str, A
                 messages.add(target, text)
 
 
-# Engine wording → the label of the control that sets it, so a message names what the user sees.
+# Engine wording → the label of the control that sets it, so a message names what the user sees (max_length is
+# both).
 CONTROL_LABELS = {
     "overflow='truncate_state'": "“If the state does not fit: truncate the end of the state”",
     "overflow='refuse'": "“If the state does not fit: refuse”",
     "truncate_state": "“truncate the end of the state”",
-    "max_length": "max_length (tokens)",
 }
 
 
 def in_control_words(message: str) -> str:
-    """An engine message with its API option names replaced by the labels of the page's controls."""
     for api, label in CONTROL_LABELS.items():
-        if api != "max_length":
-            message = message.replace(api, label)
+        message = message.replace(api, label)
     return message
 
 
@@ -349,7 +341,6 @@ def in_control_words(message: str) -> str:
 
 
 def fingerprint(request: dict[str, Any] | None) -> str:
-    """A stable hash of a request: the same editors' contents give the same fingerprint."""
     return hashlib.sha256(json.dumps(request, sort_keys=True, default=str).encode()).hexdigest() if request else ""
 
 
@@ -440,10 +431,10 @@ SAVE_AS_CASE_FIELDS = ("case_set_pick", "case_set_new", "confirm_labels", "case_
 
 
 def keep_result(state: MutableMapping, result: DecideResult) -> None:
-    """A new run's result on screen, with the Save as case fields proposing its schema's case set."""
     for name in SAVE_AS_CASE_FIELDS:
         state.pop(key(name), None)
     state[key("result")] = result
+
 
 def save_as_case(store: Any, result: DecideResult, case_set_name: str, *, with_labels: bool, tags_text: str) -> int:
     """Add the run's state and media to a case set (created if missing); with_labels stores the model's answers as
@@ -463,7 +454,7 @@ def save_as_case(store: Any, result: DecideResult, case_set_name: str, *, with_l
 
 
 def set_media(state: MutableMapping, media: list[state_input.Media]) -> None:
-    """The media the request on screen carries (uploaded and restored from the draft): the draft keeps them."""
+    """The media the request on screen carries (uploaded, and restored from the draft): the draft keeps them."""
     state[key("media")] = list(media)
 
 
@@ -473,10 +464,7 @@ def restored_media(state: MutableMapping) -> list[state_input.Media]:
 
 
 def remove_restored_media(state: MutableMapping, index: int) -> None:
-    media = restored_media(state)
-    if 0 <= index < len(media):
-        del media[index]
-        state[key("restored_media")] = media
+    state[key("restored_media")] = [m for i, m in enumerate(restored_media(state)) if i != index]
 
 
 def with_restored(restored: list[state_input.Media], uploaded: list[state_input.Media]) -> list[state_input.Media]:
@@ -581,7 +569,6 @@ def restore_draft(state: MutableMapping, draft: dict[str, Any]) -> None:
 
 
 def save_draft_if_changed(state: MutableMapping, save: Callable[[dict[str, Any]], None]) -> bool:
-    """Call save(draft) when the editors changed since the last save; True if it did."""
     draft = draft_of(state)
     if draft == state.get(key("saved_draft")):
         return False

@@ -1,9 +1,6 @@
-"""The Streamlit shell: the process-wide engine and store as the pages see them, the sidebar (model choice and
-status), the demo banner, kept widgets, and running requests through the one GPU queue with "queued, n ahead"
-feedback.
-
-Pages import from here and from clef_workbench; nothing here knows SQL or tensors.
-"""
+"""The Streamlit shell: the process-wide engine, store and runners as the pages see them, the sidebar (models and
+status), kept widgets, and requests run through the one GPU queue with "queued, n ahead" feedback. Nothing here
+knows SQL or tensors."""
 
 from __future__ import annotations
 
@@ -40,8 +37,6 @@ log = logging.getLogger(__name__)
 
 POLL_SECONDS = 0.2
 STATUS_REFRESH_SECONDS = WorkbenchSettings.from_env().status_refresh_s  # how often the sidebar status redraws itself
-
-
 PAGES_DIR = Path(__file__).resolve().parents[1] / "pages"
 # (file in pages/, title, icon), in the navigation's order; pages not there yet (other parts of the workbench) are
 # simply not listed.
@@ -84,37 +79,27 @@ def get_store():
     return Store(WorkbenchSettings.from_env().db_path)
 
 
+# The process-wide runners of the current database: batch runs and sweeps keep going across page switches, reloads
+# and sessions.
 def get_job_runner():
-    """The process-wide batch-run runner of the current database: runs keep going across page switches, reloads
-    and sessions."""
-    return _job_runner(str(get_store().path))
-
-
-@st.cache_resource(show_spinner=False)
-def _job_runner(db_path: str):
-    from clef_workbench.distributed import make_job_runner  # on Ray when CLEF_RAY_ADDRESS is set
-    from clef_workbench.store import Store
-
-    return make_job_runner(Store(db_path))
+    return _runner("runs", str(get_store().path))
 
 
 def get_sweep_runner():
-    """The process-wide sweep runner of the current database: sweeps keep going across page switches, reloads and
-    sessions."""
-    return _sweep_runner(str(get_store().path))
+    return _runner("sweeps", str(get_store().path))
 
 
 @st.cache_resource(show_spinner=False)
-def _sweep_runner(db_path: str):
+def _runner(kind: str, db_path: str):
+    from clef_workbench.distributed import make_job_runner  # on Ray when CLEF_RAY_ADDRESS is set
     from clef_workbench.store import Store
     from clef_workbench.sweep_runner import SweepRunner
 
-    return SweepRunner(Store(db_path))
+    return make_job_runner(Store(db_path)) if kind == "runs" else SweepRunner(Store(db_path))
 
 
 def get_library() -> SchemaLibrary:
-    """The schema library folder (CLEF_SCHEMAS_DIR, default ./schemas), its history in the store. Cheap: reads
-    files on demand."""
+    """The schema library folder (CLEF_SCHEMAS_DIR), its history in the store. Cheap: reads files on demand."""
     return SchemaLibrary(history=get_store())
 
 
@@ -152,14 +137,11 @@ def random_weights_text(model_name: str) -> str:
             "confidences from it say nothing about Clef; use Clef or Clef-Flash for answers to act on.")
 
 
-def random_weights_notice(model_name: str | None) -> bool:
-    """Where a page shows answers (a Decide result, a run's results, a review queue): a warning, in the main area,
-    when the model that produced them has random weights (the demo, a release or an endpoint that says so). True
-    if it warned."""
-    if not model_name or not model_manager().random_weights(model_name):
-        return False
-    st.warning(random_weights_text(model_name), icon=":material/casino:")
-    return True
+def random_weights_notice(model_name: str | None) -> None:
+    """Where a page shows answers: a warning when the model that produced them has random weights (the demo, a
+    release or an endpoint that says so)."""
+    if model_name and model_manager().random_weights(model_name):
+        st.warning(random_weights_text(model_name), icon=":material/casino:")
 
 
 def _gib(n: int | None) -> str:
@@ -172,18 +154,11 @@ SOURCE_INPUTS = {"local": ("Release folder", "/models/clef-flash"),
                  "endpoint": ("Endpoint URL (key from CLEF_API_KEY, never stored)", "https://host:8000")}
 
 
-def _choice_of(source: str | None) -> str:
-    """The MODEL_CHOICES label a source falls under."""
-    if not source:
-        return "Demo model (random weights)"
-    if is_endpoint(source):
-        return "System One endpoint (URL)"
-    return next((label for label, src in MODEL_CHOICES.items() if src == source), "Local release folder")
-
-
 def pick_source(label: str, key: str, current: str | None = None) -> str:
     """A model source from MODEL_CHOICES, with a text box for a folder or an endpoint URL."""
-    current_choice = _choice_of(current)
+    current_choice = ("Demo model (random weights)" if not current else "System One endpoint (URL)"
+                      if is_endpoint(current) else
+                      next((label for label, src in MODEL_CHOICES.items() if src == current), "Local release folder"))
     picked = st.selectbox(label, list(MODEL_CHOICES), index=list(MODEL_CHOICES).index(current_choice),
                           key=f"{key}_choice")
     source = MODEL_CHOICES[picked]
@@ -468,6 +443,12 @@ def declared_default(widget_name: str, value: Any, options: Any = None) -> dict[
         return {"default": [v for v in value or () if v in options]}
     choices = list(options) if widget_name in ("selectbox", "radio") and options is not None else []
     return {"index": choices.index(value)} if value in choices else {}
+
+
+def show_message(key: str, **kwargs: Any) -> None:
+    """The message (kind, text) an action left under `key` for the page's next run, shown once."""
+    if message := st.session_state.pop(key, None):
+        getattr(st, message[0])(message[1], **kwargs)
 
 
 def show_flash(key: str, undo: Callable[..., None]) -> None:
