@@ -400,7 +400,7 @@ def render_quality(run_id: int, frame, questions: dict, covered: dict) -> None:
                                 "brier": st.column_config.NumberColumn(format="%.3f")})
     diagram_cols = st.columns(3)
     for index, (question_id, bins) in enumerate(quality.reliability):
-        diagram_cols[index % 3].altair_chart(run_charts.reliability_diagram(bins, question_id))
+        diagram_cols[index % 3].altair_chart(run_charts.reliability_diagram(question_id, bins))
     render_calibrate(run_id)
 
 
@@ -422,8 +422,8 @@ def render_calibrate(run_id: int) -> None:
         st.dataframe(calibration.summary_table(reports), hide_index=True)
         after_cols = st.columns(3)
         for index, report in enumerate(r for r in reports if r.calibration is not None):
-            after_cols[index % 3].altair_chart(run_charts.reliability_before_after(
-                report.bins_before, report.bins_after, report.question_id))
+            after_cols[index % 3].altair_chart(run_charts.reliability_diagram(
+                report.question_id, report.bins_before, report.bins_after))
 
 
 def render_cases(run: dict, results: list[dict], frame) -> None:

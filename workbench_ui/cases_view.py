@@ -307,9 +307,10 @@ def parse_file(source: Any, mapping: CsvMapping | None, schema: dict | None,
 
 @dataclass(frozen=True)
 class ExportFiles:
-    stem: str
+    stem: str  # the files' name without its suffix
     jsonl: str
     csv: str
+    caption: str = ""
 
 
 def export_files(store: Any, case_set: dict) -> ExportFiles:

@@ -15,7 +15,7 @@ from clef_workbench import calibration, casesets, stats
 from clef_workbench.run_status import FINISHED_WITH_ERRORS, status_label
 from clef_workbench.store import Run, RunSettings, StoreError
 from workbench_ui import links, units
-from workbench_ui.cases_view import export_stem
+from workbench_ui.cases_view import ExportFiles, export_stem
 
 STATUS_ICONS = {"pending": "⏳", "running": "▶️", "cancelled": "⏹️", "finished": "✅", FINISHED_WITH_ERRORS: "⚠️",
                 "failed": "❌"}
@@ -228,21 +228,11 @@ def fit_calibration(store: Any, run_id: int) -> tuple[str | None, tuple[str, lis
 # -- export and comparison --------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Export:
-    caption: str
-    stem: str
-    csv: str
-    jsonl: str
-
-
-def export(store: Any, run: dict, result_count: int, live: bool) -> Export:
-    """The run's results as files: one row per case × question; a failed case is one row with its error."""
-    return Export("One row per case × question; a failed case is one row with its error."
-                  + (f" The run is still going: the files hold the {result_count} case(s) answered so far." if live
-                     else ""),
-                  export_stem(f"run-{run['id']}-{run['case_set_name']}"),
-                  casesets.export_results_csv(store, run["id"]), casesets.export_results_jsonl(store, run["id"]))
+def export(store: Any, run: dict, result_count: int, live: bool) -> ExportFiles:
+    still_going = f" The run is still going: the files hold the {result_count} case(s) answered so far." if live else ""
+    return ExportFiles(export_stem(f"run-{run['id']}-{run['case_set_name']}"),
+                       casesets.export_results_jsonl(store, run["id"]), casesets.export_results_csv(store, run["id"]),
+                       "One row per case × question; a failed case is one row with its error." + still_going)
 
 
 def comparison(store: Any, baseline_id: int, frame: pd.DataFrame) -> dict[str, Any]:
