@@ -1,10 +1,6 @@
 """Decide: write a state, attach media, build a schema, check the token budget, run, read the answers, save a case.
-
-Rendering only: the builder's state machine, problem routing, the token-budget cache, the result record, save as
-case and the draft are in workbench_ui.decide_model, what its buttons do in workbench_ui.decide_actions; parsing,
-validation, charts and labels in clef_workbench.
-Nothing here runs the model unless Run is pressed.
-"""
+Rendering only: the logic is workbench_ui.decide_model's, what the buttons do workbench_ui.decide_actions'. Nothing
+here runs the model unless Run is pressed."""
 
 from __future__ import annotations
 
@@ -49,7 +45,6 @@ def sampled_frames(video: state_input.Media, model_id: str, _engine) -> Any:
 
 K = vm.key
 QUESTION_TYPES = list(schemas.QUESTION_TYPES)
-MAX_LENGTH_CHOICES = sorted({512, 1024, 2048, 4096, 8192, DEFAULT_MAX_LENGTH, 32_768, 65_536, 131_072, 262_144})
 
 
 def render_question(position: int, uid: int, count: int) -> tuple[dict[str, Any], Any]:
@@ -349,10 +344,8 @@ fingerprint = vm.fingerprint(request)
 # --- Token budget and Run ----------------------------------------------------------------------------------------
 budget_box.subheader("Token budget")
 budget_cols = budget_box.columns([1, 2])
-# A fixed list rather than a free number field: budgets are powers of two in practice, and a list cannot be
-# left empty or mistyped to a value that refuses every request.
 max_length = int(kept_widget(budget_cols[0].selectbox, "max_length (tokens)", K("max_length"), DEFAULT_MAX_LENGTH,
-                             options=MAX_LENGTH_CHOICES, format_func="{:,}".format))
+                             options=links.DECIDE_MAX_LENGTHS, format_func="{:,}".format))
 overflow = kept_widget(budget_cols[1].radio, "If the state does not fit", K("overflow"), "refuse",
                        options=["refuse", "truncate_state"], horizontal=True,
                        format_func={"refuse": "refuse (show an error)",

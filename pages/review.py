@@ -2,9 +2,8 @@
 evidence, full distribution, the frozen reason — with accept / correct / unknown / skip, keyboard shortcuts,
 auto-advance and undo. An action that would contradict the case set's expected answer (the gold label) asks first;
 blind mode hides the model's answer until the reviewer has decided. Every action, with its comment, goes to the
-append-only audit log. Export the labels as a golden set.
-Rendering only: rules in clef_workbench.review; what the page shows and what its actions say in
-workbench_ui.review_view."""
+append-only audit log. Export the labels as a golden set. Rendering only: rules in clef_workbench.review, what the
+page shows and what its actions say in workbench_ui.review_view."""
 
 from __future__ import annotations
 

@@ -15,10 +15,9 @@ from clef_workbench.schema_library import SchemaLibrary
 from clef_workbench.store import StoreError
 from workbench_ui import schema_rows, state_input
 
-# Decide's max_length choices are the powers of two from 512 to 262,144 tokens; a run's other values are not shown.
-DECIDE_MAX_LENGTHS = {2 ** power for power in range(9, 19)}
-
-
+# Decide's max_length choices: the powers of two from 512 to 262,144 tokens (a run's other values are not shown).
+# A list rather than a free number field: it cannot be left empty or mistyped to a value that refuses every request.
+DECIDE_MAX_LENGTHS = [2 ** power for power in range(9, 19)]
 MISSING_LINKS_SHOWN = 20
 
 

@@ -54,27 +54,18 @@ def schema_over_budget(engine: Any, questions: dict, max_length: int) -> str | N
             f"every case would be refused. Raise max_length above {fixed:,} (or shorten the questions) to start.")
 
 
-def has_answers(run: dict) -> bool:
-    return run["done"] > run["errors"]
-
-
 def comparison_baselines(runs: list[dict], run: dict) -> tuple[list[dict], int]:
     """The runs `run` can be compared with: the other runs of its case set that have at least one answer, newest
     first (the first is the default); and how many were left out because every case of theirs failed."""
     same_set = [r for r in runs if r["case_set_id"] == run["case_set_id"] and r["id"] != run["id"] and r["done"]]
-    usable = [r for r in same_set if has_answers(r)]
+    usable = [r for r in same_set if r["done"] > r["errors"]]
     return usable, len(same_set) - len(usable)
-
-
-# -- a run's buttons while a model loads ------------------------------------------------------------------------
-
-MODEL_LOADING = "Model loading…"
 
 
 def model_button(label: str, models_busy: bool) -> tuple[str, bool]:
     """A button that runs cases on a model (Start, Resume, Retry), as (label, disabled): while a model loads it
     reads "Model loading…" and waits, the run's model may be the one loading; the page reruns when the load ends."""
-    return (MODEL_LOADING, True) if models_busy else (label, False)
+    return ("Model loading…", True) if models_busy else (label, False)
 
 
 def run_engine(models: Any, model_id: str) -> tuple[Any, str | None]:
