@@ -96,28 +96,6 @@ def shift_histogram(shifts: pd.DataFrame) -> alt.Chart:
     ).properties(height=220, title="Probability shift")
 
 
-def distribution_table(question: dict, distribution: dict[str, float], predicted: str) -> pd.DataFrame:
-    """A review item's frozen distribution as the table answers.probability_chart draws: option, label,
-    description, probability, chosen."""
-    qtype = question.get("type")
-    criteria = question.get("criteria")
-    rows = []
-    for option, p in distribution.items():
-        if qtype == "choice":
-            description = (criteria or {}).get(option) or ""
-            label = option
-        elif qtype == "score":
-            levels = criteria or []
-            description = levels[int(option)] if option.isdigit() and int(option) < len(levels) else ""
-            label = f"{option}: {description}" if description else option  # whole: the chart wraps it
-        else:
-            description = ((criteria or {}) if isinstance(criteria, dict) else {}).get(option) or ""
-            label = option
-        rows.append({"option": option, "label": label, "description": description, "probability": float(p),
-                     "chosen": option == predicted})
-    return pd.DataFrame(rows, columns=["option", "label", "description", "probability", "chosen"])
-
-
 LEADERBOARD_COLORS = {"base": OTHER_COLOR, "better": "#27ae60", "worse": "#d64545", "no clear difference": "#2f80ed"}
 
 
