@@ -278,7 +278,7 @@ def offer_to_skip(bad_rows: list, file_id: str) -> bool:
     with st.container(border=True, key=K("bad_rows")):
         st.warning(f"{len(bad_rows)} row(s) cannot be imported as cases (rows count the header as row 1):",
                    icon=":material/warning:")
-        st.markdown(view.bad_rows_markdown(bad_rows))
+        st.markdown(view.problems_markdown(bad_rows))
         return st.checkbox(f"Skip these {len(bad_rows)} row(s) and import the others",
                            key=K(f"skip_bad_rows.{file_id}"))
 
