@@ -32,7 +32,6 @@ class AnswerSummary:
     question_id: str
     type: str
     top_option: str  # "true"/"false", a choice id, or a score level "0".."n-1"
-    top_probability: float
     confidence: float
     margin: float
     score: float | None  # expected level Σ i·p_i, score questions only
@@ -97,8 +96,8 @@ def summarize(question_id: str, question: dict[str, Any], answer: dict[str, Any]
         else:
             label = str(top["option"])
             score = None
-    return AnswerSummary(question_id, qtype, str(top["option"]), float(top["probability"]), confidence,
-                         margin(table["probability"]), score, label)
+    return AnswerSummary(question_id, qtype, str(top["option"]), confidence, margin(table["probability"]), score,
+                         label)
 
 
 def expected_labels(questions: dict[str, Any], response: dict[str, Any]) -> dict[str, str | bool | int]:

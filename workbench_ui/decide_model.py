@@ -280,9 +280,6 @@ class Messages:
         if message not in bucket.setdefault(place, []):
             bucket[place].append(message)
 
-    def has_errors(self) -> bool:
-        return any(self.errors.values())
-
 
 def question_rows(target: int | str, rows: list[dict[str, Any]]) -> list[int]:
     """Row indices a problem about question `target` (its position or its id) belongs to."""
