@@ -15,6 +15,7 @@ from clef_workbench.schemas import SchemaError
 from workbench_ui import run_charts, run_view, units
 from workbench_ui import why_view as why
 from workbench_ui.answers import option_table, probability_chart
+from workbench_ui.cases_view import when
 from workbench_ui.shell import (
     RUNNING_SHOWN_KEY,
     RUNS_START_OPEN,
@@ -192,7 +193,7 @@ with st.expander("All runs", icon=":material/list:"):
     st.dataframe([{"run": r["id"], "status": status_label(r), "case set": r["case_set_name"],
                    "schema": f"{r['schema_name']} v{r['schema_version']}", "model": r["model_id"],
                    "revision": r["model_revision"], "done": r["done"], "total": r["total"], "errors": r["errors"],
-                   "created": r["created_at"][:19].replace("T", " ")} for r in runs],
+                   "created": when(r["created_at"])} for r in runs],
                  hide_index=True, width="stretch")
 
 
