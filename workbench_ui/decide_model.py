@@ -476,7 +476,7 @@ def _media_entry(media: state_input.Media) -> dict[str, Any]:
             "sha256": hashlib.sha256(media.data).hexdigest()}
 
 
-def _result_entry(result: DecideResult | None) -> dict[str, Any] | None:
+def result_entry(result: DecideResult | None) -> dict[str, Any] | None:
     """The last run's result as JSON-able data: its request without the media (rebuilt from them on restore) and its
     media by digest, like the draft's own."""
     if result is None:
@@ -496,7 +496,7 @@ def draft_of(state: MutableMapping) -> dict[str, Any]:
     media = state.get(key("media"), state.get(key("restored_media"))) or []
     return {**values, "rows": builder.rows(), "loaded_slug": builder.loaded_slug,
             "loaded_questions": state.get(key("loaded_questions")), "examples": builder.examples,
-            "media": [_media_entry(m) for m in media], "result": _result_entry(state.get(key("result")))}
+            "media": [_media_entry(m) for m in media], "result": result_entry(state.get(key("result")))}
 
 
 def with_media_bytes(draft: dict[str, Any], state: MutableMapping) -> dict[str, Any]:
