@@ -5,6 +5,7 @@ knows SQL or tensors."""
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import time
 from collections.abc import Callable
@@ -547,6 +548,4 @@ def confirm_delete(question: str, key: Callable[[str], str], confirm_key: str, *
 
 
 def format_json(value: Any) -> str:
-    import json
-
     return json.dumps(value, indent=2, ensure_ascii=False)
