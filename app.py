@@ -1,11 +1,8 @@
-"""Clef Workbench: `streamlit run app.py`. The default page ("/"): it opens the Decide page.
+"""Clef Workbench: `streamlit run app.py`. The default page ("/") opens the Decide page.
 
-Navigation is Streamlit's public pages-directory mode: each `pages/NAME.py` is a page at /NAME (so links such as
-/runs?run=2 and /review open their page on any server, fresh or not), and each page draws the workbench's shell
-itself (`workbench_ui.shell.render_shell`: the browser tab's title, the navigation by title, the sidebar's model
-selector and status). Streamlit's own navigation of file names is hidden (`client.showSidebarNavigation = false` in
-.streamlit/config.toml). Why this mode: it is Streamlit's documented behaviour for a `pages/` folder, and `pages/`
-is the product's layout.
+Streamlit's pages-directory mode, its documented behaviour for a `pages/` folder: each `pages/NAME.py` is a page at
+/NAME (so links such as /runs?run=2 open their page on any server, fresh or not) and draws the workbench's shell
+itself (`workbench_ui.shell.render_shell`); Streamlit's own navigation of file names is hidden (.streamlit/config.toml).
 """
 
 from __future__ import annotations

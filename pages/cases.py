@@ -10,10 +10,10 @@ from workbench_ui import cases_view as view
 from workbench_ui import units
 from workbench_ui.cases_view import NO_SCHEMA, NOT_MAPPED
 from workbench_ui.shell import (
-    KEEP_PREFIX,
     RUNS_START_OPEN,
     RUNS_START_SET,
     confirm_delete,
+    forget_widget,
     get_library,
     get_store,
     page_key,
@@ -278,7 +278,7 @@ def offer_to_skip(bad_rows: list, file_id: str) -> bool:
     with st.container(border=True, key=K("bad_rows")):
         st.warning(f"{len(bad_rows)} row(s) cannot be imported as cases (rows count the header as row 1):",
                    icon=":material/warning:")
-        st.markdown(view.bad_rows_markdown(bad_rows))
+        st.markdown(view.problems_markdown(bad_rows))
         return st.checkbox(f"Skip these {len(bad_rows)} row(s) and import the others",
                            key=K(f"skip_bad_rows.{file_id}"))
 
@@ -319,7 +319,6 @@ with tab_settings:
             if refused:
                 st.error(refused)
             else:
-                for key in (K("selected"), KEEP_PREFIX + K("selected")):
-                    st.session_state.pop(key, None)
+                forget_widget(K("selected"))
                 flash("success", f"Deleted case set “{case_set['name']}”.", undo=("case_set", case_set_id))
                 st.rerun()

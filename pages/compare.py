@@ -15,7 +15,6 @@ from workbench_ui import compare_view as cv
 from workbench_ui.answers import probability_chart
 from workbench_ui.shell import (
     KEEP_PREFIX,
-    demo_output_banner,
     format_json,
     get_engine,
     get_job_runner,
@@ -25,8 +24,10 @@ from workbench_ui.shell import (
     model_manager,
     page_key,
     pick_id,
+    random_weights_notice,
     render_shell,
     set_widget,
+    show_message,
     show_not_found,
     url_int,
 )
@@ -114,9 +115,7 @@ with st.expander("Run a schema on a case set with these models", expanded=not gr
                   icon=":material/play_arrow:", disabled=not numbers or not names, on_click=start_comparison,
                   args=(start_set, slug, number, names))
 
-message = st.session_state.pop(K("flash"), None)
-if message:
-    getattr(st, message[0])(message[1])
+show_message(K("flash"))
 
 
 def follow_started(run_ids: list[int]) -> None:
@@ -173,8 +172,7 @@ if len(picked) < 2:
     st.info("Pick two runs or more.")
     st.stop()
 
-demo_output_banner(next((runs_by_id[r]["model_id"] for r in picked if runs_by_id[r]["model_id"] == DEMO_MODEL),
-                        None))
+random_weights_notice(DEMO_MODEL if any(runs_by_id[r]["model_id"] == DEMO_MODEL for r in picked) else None)
 unfinished = [runs_by_id[r] for r in picked if cv.is_unfinished(runs_by_id[r])]
 
 

@@ -1,10 +1,6 @@
 """Decide: write a state, attach media, build a schema, check the token budget, run, read the answers, save a case.
-
-Rendering only: the builder's state machine, problem routing, the token-budget cache, the result record, save as
-case and the draft are in workbench_ui.decide_model, what its buttons do in workbench_ui.decide_actions; parsing,
-validation, charts and labels in clef_workbench.
-Nothing here runs the model unless Run is pressed.
-"""
+Rendering only: the logic is workbench_ui.decide_model's, what the buttons do workbench_ui.decide_actions'. Nothing
+here runs the model unless Run is pressed."""
 
 from __future__ import annotations
 
@@ -30,10 +26,12 @@ from workbench_ui.shell import (
     get_store,
     kept_widget,
     model_manager,
+    pick_model,
     random_weights_notice,
     random_weights_text,
     render_shell,
     run_queued,
+    show_message,
 )
 
 render_shell(__file__)
@@ -47,18 +45,6 @@ def sampled_frames(video: state_input.Media, model_id: str, _engine) -> Any:
 
 K = vm.key
 QUESTION_TYPES = list(schemas.QUESTION_TYPES)
-MAX_LENGTH_CHOICES = sorted({512, 1024, 2048, 4096, 8192, DEFAULT_MAX_LENGTH, 32_768, 65_536, 131_072, 262_144})
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Rendering helpers
-
-
-def show_messages(container, errors: list[str], warnings: list[str] = ()) -> None:
-    for message in errors:
-        container.error(message, icon=":material/error:")
-    for message in warnings:
-        container.warning(message, icon=":material/warning:")
 
 
 def render_question(position: int, uid: int, count: int) -> tuple[dict[str, Any], Any]:
@@ -156,8 +142,7 @@ actions.init_page()
 # tab) while the page still draws would otherwise lose the edit, the save being the run's last step.
 actions.save_draft()
 st.title("Decide")
-if link_note := st.session_state.pop(K("link_note"), None):
-    getattr(st, link_note[0])(link_note[1], icon=":material/link:")
+show_message(K("link_note"), icon=":material/link:")
 engine = get_engine()
 library = get_library()
 messages = vm.Messages()
@@ -174,10 +159,8 @@ loaded_models = {model.name: model for model in model_manager().loaded()}
 model_name = vm.model_for_run(st.session_state, list(loaded_models), model_manager().default_name()) \
     or request_model_name(model_manager().state().source)
 if engine is not None and len(loaded_models) > 1:
-    model_name = kept_widget(run_box.selectbox, "Model", K("model"), options=list(loaded_models),
-                             format_func=lambda name: f"{name} · {loaded_models[name].label}"
-                             if loaded_models[name].label != name else name,
-                             help="Which loaded model answers this page's runs (add models in the sidebar).")
+    model_name = pick_model(run_box.selectbox, K("model"), loaded_models,
+                            "Which loaded model answers this page's runs (add models in the sidebar).")
 if model_name in loaded_models:
     engine = loaded_models[model_name].engine
 local_engine = engine is not None and vm.counts_tokens_here(engine)
@@ -216,16 +199,13 @@ with left:
 
 images: list[state_input.Media] = []
 videos: list[state_input.Media] = []
-for uploaded in image_files or []:
-    try:
-        images.append(state_input.check_image(uploaded.name, uploaded.getvalue()))
-    except state_input.MediaError as exc:
-        messages.add("media", str(exc))
-for uploaded in video_files or []:
-    try:
-        videos.append(state_input.check_video(uploaded.name, uploaded.getvalue()))
-    except state_input.MediaError as exc:
-        messages.add("media", str(exc))
+for files, check, accepted in ((image_files, state_input.check_image, images),
+                               (video_files, state_input.check_video, videos)):
+    for uploaded in files or []:
+        try:
+            accepted.append(check(uploaded.name, uploaded.getvalue()))
+        except state_input.MediaError as exc:
+            messages.add("media", str(exc))
 restored = vm.restored_media(st.session_state)  # the uploads of this draft before a reload
 images = vm.with_restored([m for m in restored if m.kind == "image"], images)
 videos = vm.with_restored([m for m in restored if m.kind == "video"], videos)
@@ -335,9 +315,7 @@ with left:
                             disabled=not loaded_slug, on_click=actions.save_schema, args=(True,),
                             help=f"Write these questions to {loaded_slug}.json as a new version" if loaded_slug
                             else "Load a schema from the library to update it")
-        saved_message = st.session_state.pop(K("save_flash"), None)
-        if saved_message:
-            getattr(st, saved_message[0])(saved_message[1])
+        show_message(K("save_flash"))
 
 # --- Validate everything, then put each message next to its field ----------------------------------------------
 questions, builder_problems = schema_rows.rows_to_questions(rows)
@@ -366,10 +344,8 @@ fingerprint = vm.fingerprint(request)
 # --- Token budget and Run ----------------------------------------------------------------------------------------
 budget_box.subheader("Token budget")
 budget_cols = budget_box.columns([1, 2])
-# A fixed list rather than a free number field: budgets are powers of two in practice, and a list cannot be
-# left empty or mistyped to a value that refuses every request.
 max_length = int(kept_widget(budget_cols[0].selectbox, "max_length (tokens)", K("max_length"), DEFAULT_MAX_LENGTH,
-                             options=MAX_LENGTH_CHOICES, format_func="{:,}".format))
+                             options=links.DECIDE_MAX_LENGTHS, format_func="{:,}".format))
 overflow = kept_widget(budget_cols[1].radio, "If the state does not fit", K("overflow"), "refuse",
                        options=["refuse", "truncate_state"], horizontal=True,
                        format_func={"refuse": "refuse (show an error)",
@@ -414,12 +390,12 @@ else:
             budget_messages.success(status.message)
 
 # Every message next to its field.
-show_messages(state_messages, messages.errors.get("state", []), messages.warnings.get("state", []))
-show_messages(media_messages, messages.errors.get("media", []), messages.warnings.get("media", []))
-show_messages(schema_messages, messages.errors.get("schema", []), messages.warnings.get("schema", []))
-for index, box in enumerate(question_messages):
-    show_messages(box, messages.errors.get(index, []), messages.warnings.get(index, []))
-show_messages(budget_messages, messages.errors.get("budget", []))
+for place, box in [("state", state_messages), ("media", media_messages), ("schema", schema_messages),
+                   *enumerate(question_messages), ("budget", budget_messages)]:
+    for message in messages.errors.get(place, []):
+        box.error(message, icon=":material/error:")
+    for message in messages.warnings.get(place, []):
+        box.warning(message, icon=":material/warning:")
 if last_error and last_error.get("budget"):
     budget_messages.error(last_error["budget"])
 

@@ -2,9 +2,8 @@
 evidence, full distribution, the frozen reason — with accept / correct / unknown / skip, keyboard shortcuts,
 auto-advance and undo. An action that would contradict the case set's expected answer (the gold label) asks first;
 blind mode hides the model's answer until the reviewer has decided. Every action, with its comment, goes to the
-append-only audit log. Export the labels as a golden set.
-Rendering only: rules in clef_workbench.review; what the page shows and what its actions say in
-workbench_ui.review_view."""
+append-only audit log. Export the labels as a golden set. Rendering only: rules in clef_workbench.review, what the
+page shows and what its actions say in workbench_ui.review_view."""
 
 from __future__ import annotations
 
@@ -26,6 +25,7 @@ from workbench_ui.shell import (
     pick_run,
     random_weights_notice,
     render_shell,
+    show_message,
     show_not_found,
     url_int,
 )
@@ -217,9 +217,7 @@ blind = st.toggle("Blind review: hide the model's answer until I decide", key=K(
                   help="The distribution, the model's answer and the reason it was queued stay hidden; choose the "
                        "right answer yourself. Choosing the model's answer records an accept.")
 
-if K("notice") in st.session_state:
-    kind, message = st.session_state.pop(notice_key)
-    getattr(st, kind)(message)
+show_message(notice_key)
 if not reviewer:
     st.warning("Enter your name above to review.")
 
@@ -370,6 +368,4 @@ with st.expander("Export reviewed labels", icon=":material/download:"):
         golden_id, refused = units.refusal(review.export_golden_set, store, run_id, golden_name)
         st.session_state[K("golden_result")] = ("error", refused) if refused else ("success", view.golden_message(
             golden_id, golden_name, store.get_case_set(golden_id)["case_count"]))
-if K("golden_result") in st.session_state:  # outside the expander, so it stays visible if the expander closes
-    kind, message = st.session_state.pop(K("golden_result"))
-    getattr(st, kind)(message)
+show_message(K("golden_result"))  # outside the expander, so it stays visible if the expander closes

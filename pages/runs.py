@@ -15,11 +15,13 @@ from clef_workbench.schemas import SchemaError
 from workbench_ui import run_charts, run_view, units
 from workbench_ui import why_view as why
 from workbench_ui.answers import option_table, probability_chart
+from workbench_ui.cases_view import when
 from workbench_ui.shell import (
     RUNNING_SHOWN_KEY,
     RUNS_START_OPEN,
     RUNS_START_SET,
     confirm_delete,
+    forget_widget,
     get_engine,
     get_job_runner,
     get_library,
@@ -27,6 +29,7 @@ from workbench_ui.shell import (
     kept_widget,
     model_manager,
     page_key,
+    pick_model,
     pick_run,
     random_weights_notice,
     render_shell,
@@ -116,9 +119,7 @@ with st.expander("Start a run", expanded=not runs or st.session_state.pop(RUNS_S
         st.info("No case sets yet: create or import one on the Case sets page.")
     else:
         set_labels = {s["id"]: f"{s['name']} ({s['case_count']} cases)" for s in sets}
-        for stale_key in (RUNS_START_SET, "_keep." + RUNS_START_SET):
-            if st.session_state.get(stale_key, sets[0]["id"]) not in set_labels:  # e.g. the set was deleted
-                st.session_state.pop(stale_key, None)
+        forget_widget(RUNS_START_SET, unless_in=set_labels)
         # kept widgets: the choices survive a visit to another page
         start_set = kept_widget(st.selectbox, "Case set", RUNS_START_SET, sets[0]["id"], options=list(set_labels),
                                 format_func=lambda i: set_labels[i])
@@ -134,14 +135,10 @@ with st.expander("Start a run", expanded=not runs or st.session_state.pop(RUNS_S
         loaded_models = {model.name: model for model in model_manager().loaded()}  # the default first
         run_model = None
         if len(loaded_models) > 1:
-            for stale_key in (K("start.model"), "_keep." + K("start.model")):
-                if st.session_state.get(stale_key) not in (None, *loaded_models):  # unloaded since
-                    st.session_state.pop(stale_key, None)
-            run_model = kept_widget(st.selectbox, "Model", K("start.model"), next(iter(loaded_models)),
-                                    options=list(loaded_models),
-                                    format_func=lambda name: f"{name} · {loaded_models[name].label}"
-                                    if loaded_models[name].label != name else name,
-                                    help="Which loaded model runs the case set (add models in the sidebar).")
+            forget_widget(K("start.model"), unless_in=loaded_models)
+            run_model = pick_model(st.selectbox, K("start.model"), loaded_models,
+                                   "Which loaded model runs the case set (add models in the sidebar).",
+                                   default=next(iter(loaded_models)))
         check_engine_now = loaded_models[run_model].engine if run_model else model_manager().state().engine
         over_budget = None
         if schema_slug is not None and check_engine_now is not None:
@@ -196,7 +193,7 @@ with st.expander("All runs", icon=":material/list:"):
     st.dataframe([{"run": r["id"], "status": status_label(r), "case set": r["case_set_name"],
                    "schema": f"{r['schema_name']} v{r['schema_version']}", "model": r["model_id"],
                    "revision": r["model_revision"], "done": r["done"], "total": r["total"], "errors": r["errors"],
-                   "created": r["created_at"][:19].replace("T", " ")} for r in runs],
+                   "created": when(r["created_at"])} for r in runs],
                  hide_index=True, width="stretch")
 
 
@@ -404,7 +401,7 @@ def render_quality(run_id: int, frame, questions: dict, covered: dict) -> None:
                                 "brier": st.column_config.NumberColumn(format="%.3f")})
     diagram_cols = st.columns(3)
     for index, (question_id, bins) in enumerate(quality.reliability):
-        diagram_cols[index % 3].altair_chart(run_charts.reliability_diagram(bins, question_id))
+        diagram_cols[index % 3].altair_chart(run_charts.reliability_diagram(question_id, bins))
     render_calibrate(run_id)
 
 
@@ -426,8 +423,8 @@ def render_calibrate(run_id: int) -> None:
         st.dataframe(calibration.summary_table(reports), hide_index=True)
         after_cols = st.columns(3)
         for index, report in enumerate(r for r in reports if r.calibration is not None):
-            after_cols[index % 3].altair_chart(run_charts.reliability_before_after(
-                report.bins_before, report.bins_after, report.question_id))
+            after_cols[index % 3].altair_chart(run_charts.reliability_diagram(
+                report.question_id, report.bins_before, report.bins_after))
 
 
 def render_cases(run: dict, results: list[dict], frame) -> None:

@@ -10,7 +10,7 @@ from clef_workbench import schemas
 from workbench_ui import links
 from workbench_ui import schemas_view as view
 from workbench_ui.decide_actions import SCHEMA_PARAM
-from workbench_ui.shell import get_library, get_store, kept_widget, page_key, render_shell, set_widget
+from workbench_ui.shell import forget_widget, get_library, get_store, kept_widget, page_key, render_shell, set_widget
 
 render_shell(__file__)
 K = page_key("schemas")
@@ -81,8 +81,7 @@ def delete_schema(slug: str) -> None:
     except schemas.SchemaError as exc:
         flash("error", str(exc), "delete")
         return
-    for gone in (K("selected"), "_keep." + K("selected")):
-        st.session_state.pop(gone, None)
+    forget_widget(K("selected"))
     reset_editor(slug)
     st.session_state[K("undo")] = slug
     flash("success", f"Deleted {slug}.json.")

@@ -32,7 +32,6 @@ class AnswerSummary:
     question_id: str
     type: str
     top_option: str  # "true"/"false", a choice id, or a score level "0".."n-1"
-    top_probability: float
     confidence: float
     margin: float
     score: float | None  # expected level Σ i·p_i, score questions only
@@ -40,36 +39,36 @@ class AnswerSummary:
 
 
 def option_table(question: dict[str, Any], answer: dict[str, Any]) -> pd.DataFrame:
-    """One row per option, in the order the author wrote them: option, label (for axes), description, probability,
-    chosen. For score questions the chosen level is the most probable one."""
+    """An answer's distribution_table. For score questions the chosen level is the most probable one."""
     qtype = answer.get("type", question.get("type"))
-    criteria = question.get("criteria")
-    rows: list[dict[str, Any]] = []
     if qtype == "noul":
         p_true = float(answer["noul"])
-        sides = criteria if isinstance(criteria, dict) else {}
-        for option, p in (("true", p_true), ("false", 1.0 - p_true)):
-            rows.append({"option": option, "label": option,
-                         "description": sides.get(option) or NOUL_DEFAULT_DESCRIPTIONS[option], "probability": p})
-        chosen = "true" if p_true >= 0.5 else "false"
-    elif qtype == "choice":
-        descriptions = criteria if isinstance(criteria, dict) else {}
-        for option, p in answer["probabilities"].items():
-            rows.append({"option": option, "label": option, "description": descriptions.get(option) or "",
-                         "probability": float(p)})
-        chosen = answer["choice"]
-    elif qtype == "score":
-        legend = answer.get("legend") or {}
-        for level, p in answer["probabilities"].items():
-            description = legend.get(level, "")
-            rows.append({"option": level, "label": f"{level}: {description}" if description else level,
-                         "description": description, "probability": float(p)})
-        chosen = max(rows, key=lambda r: r["probability"])["option"]
-    else:
+        return distribution_table({**question, "type": qtype}, {"true": p_true, "false": 1.0 - p_true},
+                                  "true" if p_true >= 0.5 else "false")
+    if qtype not in ("choice", "score"):
         raise ValueError(f"unknown answer type {qtype!r}")
-    table = pd.DataFrame(rows, columns=["option", "label", "description", "probability"])
-    table["chosen"] = table["option"] == chosen
-    return table
+    probabilities = answer["probabilities"]
+    chosen = answer["choice"] if qtype == "choice" else max(probabilities, key=lambda o: float(probabilities[o]))
+    return distribution_table({**question, "type": qtype}, probabilities, chosen, legend=answer.get("legend"))
+
+
+def distribution_table(question: dict[str, Any], distribution: dict[str, float], chosen: str, *,
+                       legend: dict[str, str] | None = None) -> pd.DataFrame:
+    """One row per option of a distribution (option → probability), in its order: option, label (for axes, a score
+    level's whole: the chart wraps it), description (from the question's criteria, a score's from `legend` when
+    the answer has one), probability, chosen."""
+    qtype, criteria = question.get("type"), question.get("criteria")
+    described = criteria if isinstance(criteria, dict) else {}
+    if qtype == "score":
+        levels = criteria if isinstance(criteria, list) else []
+        described = legend if legend is not None else {str(level): text for level, text in enumerate(levels)}
+    rows = []
+    for option, p in distribution.items():
+        description = described.get(option) or (NOUL_DEFAULT_DESCRIPTIONS.get(option, "") if qtype == "noul" else "")
+        label = f"{option}: {description}" if qtype == "score" and description else option
+        rows.append({"option": option, "label": label, "description": description, "probability": float(p),
+                     "chosen": option == chosen})
+    return pd.DataFrame(rows, columns=["option", "label", "description", "probability", "chosen"])
 
 
 def margin(probabilities: list[float] | pd.Series) -> float:
@@ -97,8 +96,8 @@ def summarize(question_id: str, question: dict[str, Any], answer: dict[str, Any]
         else:
             label = str(top["option"])
             score = None
-    return AnswerSummary(question_id, qtype, str(top["option"]), float(top["probability"]), confidence,
-                         margin(table["probability"]), score, label)
+    return AnswerSummary(question_id, qtype, str(top["option"]), confidence, margin(table["probability"]), score,
+                         label)
 
 
 def expected_labels(questions: dict[str, Any], response: dict[str, Any]) -> dict[str, str | bool | int]:

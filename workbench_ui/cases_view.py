@@ -82,13 +82,9 @@ def export_stem(name: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-") or "cases"
 
 
-def problems_markdown(problems: list[str]) -> str:
-    return "\n".join(f"- {p}" for p in problems[:LISTED_PROBLEMS])
-
-
-def bad_rows_markdown(bad_rows: list) -> str:
-    more = len(bad_rows) - LISTED_PROBLEMS
-    return "\n".join(f"- {bad}" for bad in bad_rows[:LISTED_PROBLEMS]) + (f"\n- … and {more} more" if more > 0 else "")
+def problems_markdown(problems: list) -> str:
+    more = len(problems) - LISTED_PROBLEMS
+    return "\n".join(f"- {p}" for p in problems[:LISTED_PROBLEMS]) + (f"\n- … and {more} more" if more > 0 else "")
 
 
 def plural(count: int, noun: str) -> str:
@@ -307,9 +303,10 @@ def parse_file(source: Any, mapping: CsvMapping | None, schema: dict | None,
 
 @dataclass(frozen=True)
 class ExportFiles:
-    stem: str
+    stem: str  # the files' name without its suffix
     jsonl: str
     csv: str
+    caption: str = ""
 
 
 def export_files(store: Any, case_set: dict) -> ExportFiles:

@@ -18,7 +18,8 @@ from clef_workbench.compare import CompareView, ModelChoice
 from clef_workbench.jobs import EngineUnreachableError
 from clef_workbench.run_status import status_label
 from clef_workbench.store import Run, RunSettings
-from workbench_ui import links, run_charts, units
+from workbench_ui import links, units
+from workbench_ui.answers import distribution_table
 
 UNFINISHED = ("pending", "running")
 # The one action runs as the Runs page would with its defaults.
@@ -122,7 +123,7 @@ def default_runs(linked: list[int], run_ids: Sequence[int]) -> list[int]:
 class AnswerShown:
     question_id: str
     text: str  # "`team`: **billing** (0.913)"
-    chart: pd.DataFrame  # the rows run_charts.distribution_table gives, for answers.probability_chart
+    chart: pd.DataFrame  # answers.distribution_table's rows, for answers.probability_chart
 
 
 @dataclass(frozen=True)
@@ -153,8 +154,8 @@ def case_shown(view: CompareView, case_id: int) -> CaseShown | None:
     for run in detail["runs"]:
         answers = [AnswerShown(question_id,
                                f"`{question_id}`: **{plain_label(answer['predicted'])}** ({answer['confidence']:.3f})",
-                               run_charts.distribution_table(questions_of[run["run"]].get(question_id, {}),
-                                                             answer["probabilities"], answer["predicted"]))
+                               distribution_table(questions_of[run["run"]].get(question_id, {}),
+                                                  answer["probabilities"], answer["predicted"]))
                    for question_id, answer in run["answers"].items()]
         latency = None if run["latency_ms"] is None else f"compute {units.duration(run['latency_ms'])}"
         columns.append(RunColumn(run["run"], run["error"], answers, latency))

@@ -1,9 +1,8 @@
-"""The Decide page's logic, without Streamlit: the schema builder's state machine, routing of problems to the field
-they concern, the token-budget cache, the result record of a run, save-as-case, and the per-session draft.
+"""The Decide page's logic, without Streamlit (so every rule is unit-tested directly): the schema builder, problems
+routed to their field, the token-budget cache, a run's result, save-as-case, and the per-session draft.
 
-State lives in a mutable mapping (Streamlit's session_state on the page, a plain dict in tests) under keys
-`decide.<name>`; each builder question has a stable uid so its widgets keep their values when questions move
-(widget keys `decide.q<uid>.<field>`). Nothing here imports streamlit, so every rule is unit-tested directly.
+State lives in a mutable mapping (session_state on the page, a dict in tests) under keys `decide.<name>`; each
+builder question has a stable uid so its widgets keep their values when questions move (`decide.q<uid>.<field>`).
 """
 
 from __future__ import annotations
@@ -48,6 +47,19 @@ def set_kept(state: MutableMapping, name: str, value: Any) -> None:
     state[KEEP_PREFIX + name] = value
 
 
+def kept(state: MutableMapping, name: str, default: Any = None) -> Any:
+    """A kept widget's value: the widget's own while it is drawn, else the mirror's."""
+    return state.get(name, state.get(KEEP_PREFIX + name, default))
+
+
+def forget_kept(state: MutableMapping, name: str, unless_in: Any = ()) -> None:
+    """Forget a kept widget's value unless it is among `unless_in` (its options now: a set deleted, a model
+    unloaded)."""
+    for stale in (name, KEEP_PREFIX + name):
+        if stale in state and state[stale] not in unless_in:
+            del state[stale]
+
+
 def row_keys(uid: int) -> dict[str, str]:
     return {f: key(f"q{uid}.{f}") for f in ROW_FIELDS}
 
@@ -82,14 +94,10 @@ class Builder:
         return uid
 
     def _write_row(self, uid: int, row: dict[str, Any]) -> None:
-        keys = row_keys(uid)
-        set_kept(self.state, keys["id"], row["id"])
-        set_kept(self.state, keys["type"], row["type"])
-        set_kept(self.state, keys["instructions"], row.get("instructions") or "")
-        set_kept(self.state, keys["options"], schema_rows.options_to_text(row.get("options") or []))
-        set_kept(self.state, keys["levels"], schema_rows.levels_to_text(row.get("levels") or []))
-        set_kept(self.state, keys["true"], row.get("true") or "")
-        set_kept(self.state, keys["false"], row.get("false") or "")
+        texts = {"options": schema_rows.options_to_text(row.get("options") or []),
+                 "levels": schema_rows.levels_to_text(row.get("levels") or [])}
+        for name, widget_key in row_keys(uid).items():
+            set_kept(self.state, widget_key, texts.get(name, row.get(name) or ""))
 
     def set_rows(self, rows: list[dict[str, Any]]) -> None:
         """Replace the questions; every field's widget is (re)initialised from the rows."""
@@ -102,11 +110,10 @@ class Builder:
         self.state.pop(key("removed"), None)  # the questions it undid are gone
 
     def rows(self) -> list[dict[str, Any]]:
-        """The questions as the widgets hold them (the raw text of options and levels parsed)."""
         out = []
         for uid in self.uids:
             keys = row_keys(uid)
-            value = {f: self.state.get(keys[f], self.state.get(KEEP_PREFIX + keys[f], "")) for f in ROW_FIELDS}
+            value = {f: kept(self.state, keys[f], "") for f in ROW_FIELDS}
             row = {"id": value["id"], "type": value["type"] or "noul", "instructions": value["instructions"]}
             if row["type"] == "choice":
                 row["options"] = schema_rows.text_to_options(value["options"] or "")
@@ -144,9 +151,7 @@ class Builder:
         widgets' values stay kept under its uid)."""
         position = self.uids.index(uid)
         self.uids.remove(uid)
-        self.state[key("removed")] = {"uid": uid, "position": position,
-                                      "id": self.state.get(row_keys(uid)["id"],
-                                                           self.state.get(KEEP_PREFIX + row_keys(uid)["id"]))}
+        self.state[key("removed")] = {"uid": uid, "position": position, "id": kept(self.state, row_keys(uid)["id"])}
 
     @property
     def last_removed(self) -> str | None:
@@ -213,13 +218,12 @@ class Builder:
         return [state_input.state_to_text(example["state"]).strip() for example in self.examples]
 
     def _kept(self, name: str) -> str:
-        return str(self.state.get(name, self.state.get(KEEP_PREFIX + name)) or "")
+        return str(kept(self.state, name) or "")
 
     def _remember_replaced(self, place: str, message: str) -> None:
         self.state[key("replaced")] = {
             "place": place, "message": message, "rows": self.rows(),
-            "values": {name: self.state.get(key(name), self.state.get(KEEP_PREFIX + key(name)))
-                       for name in self.REPLACEABLE},
+            "values": {name: kept(self.state, key(name)) for name in self.REPLACEABLE},
             "loaded": {name: self.state.get(key(name)) for name in self.LOADED}}
 
     def replaced(self, place: str) -> str | None:
@@ -276,9 +280,6 @@ class Messages:
         if message not in bucket.setdefault(place, []):
             bucket[place].append(message)
 
-    def has_errors(self) -> bool:
-        return any(self.errors.values())
-
 
 def question_rows(target: int | str, rows: list[dict[str, Any]]) -> list[int]:
     """Row indices a problem about question `target` (its position or its id) belongs to."""
@@ -318,20 +319,18 @@ def route_engine_problems(by_field: dict[str, list[str]], rows: list[dict[str, A
                 messages.add(target, text)
 
 
-# Engine wording → the label of the control that sets it, so a message names what the user sees.
+# Engine wording → the label of the control that sets it, so a message names what the user sees (max_length is
+# both).
 CONTROL_LABELS = {
     "overflow='truncate_state'": "“If the state does not fit: truncate the end of the state”",
     "overflow='refuse'": "“If the state does not fit: refuse”",
     "truncate_state": "“truncate the end of the state”",
-    "max_length": "max_length (tokens)",
 }
 
 
 def in_control_words(message: str) -> str:
-    """An engine message with its API option names replaced by the labels of the page's controls."""
     for api, label in CONTROL_LABELS.items():
-        if api != "max_length":
-            message = message.replace(api, label)
+        message = message.replace(api, label)
     return message
 
 
@@ -339,7 +338,6 @@ def in_control_words(message: str) -> str:
 
 
 def fingerprint(request: dict[str, Any] | None) -> str:
-    """A stable hash of a request: the same editors' contents give the same fingerprint."""
     return hashlib.sha256(json.dumps(request, sort_keys=True, default=str).encode()).hexdigest() if request else ""
 
 
@@ -430,10 +428,10 @@ SAVE_AS_CASE_FIELDS = ("case_set_pick", "case_set_new", "confirm_labels", "case_
 
 
 def keep_result(state: MutableMapping, result: DecideResult) -> None:
-    """A new run's result on screen, with the Save as case fields proposing its schema's case set."""
     for name in SAVE_AS_CASE_FIELDS:
         state.pop(key(name), None)
     state[key("result")] = result
+
 
 def save_as_case(store: Any, result: DecideResult, case_set_name: str, *, with_labels: bool, tags_text: str) -> int:
     """Add the run's state and media to a case set (created if missing); with_labels stores the model's answers as
@@ -453,7 +451,7 @@ def save_as_case(store: Any, result: DecideResult, case_set_name: str, *, with_l
 
 
 def set_media(state: MutableMapping, media: list[state_input.Media]) -> None:
-    """The media the request on screen carries (uploaded and restored from the draft): the draft keeps them."""
+    """The media the request on screen carries (uploaded, and restored from the draft): the draft keeps them."""
     state[key("media")] = list(media)
 
 
@@ -463,10 +461,7 @@ def restored_media(state: MutableMapping) -> list[state_input.Media]:
 
 
 def remove_restored_media(state: MutableMapping, index: int) -> None:
-    media = restored_media(state)
-    if 0 <= index < len(media):
-        del media[index]
-        state[key("restored_media")] = media
+    state[key("restored_media")] = [m for i, m in enumerate(restored_media(state)) if i != index]
 
 
 def with_restored(restored: list[state_input.Media], uploaded: list[state_input.Media]) -> list[state_input.Media]:
@@ -481,7 +476,7 @@ def _media_entry(media: state_input.Media) -> dict[str, Any]:
             "sha256": hashlib.sha256(media.data).hexdigest()}
 
 
-def _result_entry(result: DecideResult | None) -> dict[str, Any] | None:
+def result_entry(result: DecideResult | None) -> dict[str, Any] | None:
     """The last run's result as JSON-able data: its request without the media (rebuilt from them on restore) and its
     media by digest, like the draft's own."""
     if result is None:
@@ -497,11 +492,11 @@ def draft_of(state: MutableMapping) -> dict[str, Any]:
     """The editors' contents and the last run's result as JSON-able data; media by their digest (with_media_bytes
     adds the bytes)."""
     builder = Builder(state)
-    values = {name: state.get(key(name), state.get(KEEP_PREFIX + key(name))) for name in DRAFT_FIELDS}
+    values = {name: kept(state, key(name)) for name in DRAFT_FIELDS}
     media = state.get(key("media"), state.get(key("restored_media"))) or []
     return {**values, "rows": builder.rows(), "loaded_slug": builder.loaded_slug,
             "loaded_questions": state.get(key("loaded_questions")), "examples": builder.examples,
-            "media": [_media_entry(m) for m in media], "result": _result_entry(state.get(key("result")))}
+            "media": [_media_entry(m) for m in media], "result": result_entry(state.get(key("result")))}
 
 
 def with_media_bytes(draft: dict[str, Any], state: MutableMapping) -> dict[str, Any]:
@@ -571,7 +566,6 @@ def restore_draft(state: MutableMapping, draft: dict[str, Any]) -> None:
 
 
 def save_draft_if_changed(state: MutableMapping, save: Callable[[dict[str, Any]], None]) -> bool:
-    """Call save(draft) when the editors changed since the last save; True if it did."""
     draft = draft_of(state)
     if draft == state.get(key("saved_draft")):
         return False
@@ -611,9 +605,8 @@ def model_for_run(state: MutableMapping, names: list[str], default: str | None) 
     session), which switches this page to the new default."""
     if state.get(key("model_default_seen")) != default:
         state[key("model_default_seen")] = default
-        state.pop(key("model"), None)
-        state.pop(KEEP_PREFIX + key("model"), None)
-    chosen = chosen_model(names, state.get(key("model"), state.get(KEEP_PREFIX + key("model"))))
+        forget_kept(state, key("model"))
+    chosen = chosen_model(names, kept(state, key("model")))
     set_kept(state, key("model"), chosen)
     return chosen
 

@@ -13,12 +13,11 @@ from urllib.parse import urlencode
 
 from clef_workbench.schema_library import SchemaLibrary
 from clef_workbench.store import StoreError
-from workbench_ui import schema_rows, state_input
+from workbench_ui import decide_model, schema_rows, state_input
 
-# Decide's max_length choices are the powers of two from 512 to 262,144 tokens; a run's other values are not shown.
-DECIDE_MAX_LENGTHS = {2 ** power for power in range(9, 19)}
-
-
+# Decide's max_length choices: the powers of two from 512 to 262,144 tokens (a run's other values are not shown).
+# A list rather than a free number field: it cannot be left empty or mistyped to a value that refuses every request.
+DECIDE_MAX_LENGTHS = [2 ** power for power in range(9, 19)]
 MISSING_LINKS_SHOWN = 20
 
 
@@ -126,12 +125,11 @@ def case_draft(store: Any, library: SchemaLibrary, run_id: int, case_id: int, *,
     answered = next((r["response"] for r in store.list_results(run_id) if r["case_id"] == case_id
                      and r.get("response")), None)
     if answered is not None and not case["image_count"] + case["video_count"]:
-        draft["result"] = {  # the run's answer, as Decide keeps the result of a Run (decide_model._result_entry)
-            "request": {"questions": frozen["questions"], "model": run["model_id"]}, "response": answered,
-            "questions": frozen["questions"], "state": case["state"], "media": [],
-            "schema_name": frozen.get("name", ""), "model_label": run["model_id"],
-            "device": settings.device or "", "schema_slug": slug if same else None,
-            "random_weights": random_weights(run["model_id"])}
+        draft["result"] = decide_model.result_entry(decide_model.DecideResult(  # the run's answer, as Decide keeps one
+            request={"questions": frozen["questions"], "model": run["model_id"]}, response=answered,
+            questions=frozen["questions"], state=case["state"], images=(), videos=(),
+            schema_name=frozen.get("name", ""), model_label=run["model_id"], device=settings.device or "",
+            schema_slug=slug if same else None, random_weights=random_weights(run["model_id"])))
     where = (f"the schema “{slug}”" if same else
              f"the questions run #{run_id} used ({frozen.get('name', '?')} v{frozen.get('version', '?')}, "
              "not saved in the library as they are)")

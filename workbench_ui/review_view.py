@@ -13,7 +13,7 @@ import pandas as pd
 from clef_workbench import calibration, casesets, review
 from clef_workbench.review import ReviewRules
 from clef_workbench.store import ReviewConflictError, ReviewItem, Run, StoreError
-from workbench_ui import run_charts
+from workbench_ui.answers import distribution_table
 from workbench_ui.cases_view import when
 
 MAX_SHORTCUT_OPTIONS = 9
@@ -295,7 +295,7 @@ def fitted_calibrations(store: Any, schema_name: str) -> list[str]:
 class Distribution:
     heading: str
     verdict: str | None  # how the calibration chosen did for this question, when it has a map for it
-    table: pd.DataFrame  # run_charts.distribution_table's rows, for answers.probability_chart
+    table: pd.DataFrame  # answers.distribution_table's rows, for answers.probability_chart
     caption: str
 
 
@@ -312,5 +312,5 @@ def distribution(store: Any, item: ReviewItem, question: dict, chosen: str | Non
         heading = ("**Model's distribution** (raw, as the run recorded it)"
                    + (f" · “{chosen}” has no map for this question" if chosen and not judged else ""))
     return Distribution(heading, f"“{chosen}” for {item['question_id']}: {judged.reason}" if judged else None,
-                        run_charts.distribution_table(question, answer["distribution"], answer["predicted"]),
+                        distribution_table(question, answer["distribution"], answer["predicted"]),
                         answer_caption(answer))

@@ -65,41 +65,26 @@ def confusion_heatmap(matrix: pd.DataFrame, question_id: str) -> alt.LayerChart:
     return (cells + text).properties(width=size, height=size, title=f"Confusion: {question_id}")
 
 
-def reliability_diagram(bins: pd.DataFrame, question_id: str) -> alt.LayerChart:
-    """Accuracy against mean confidence per bin (points sized by count) and the diagonal of perfect calibration."""
-    filled = bins[bins["count"] > 0]
+def reliability_diagram(question_id: str, bins: pd.DataFrame, calibrated: pd.DataFrame | None = None
+                        ) -> alt.LayerChart:
+    """Accuracy against mean confidence per bin (points sized by count) and the diagonal of perfect calibration;
+    with `calibrated` bins (on the same held-out cases), the raw and the calibrated curve, told apart by a legend."""
+    curves = {"raw": bins} if calibrated is None else {"raw": bins, "calibrated (held out)": calibrated}
+    data = pd.concat([b.assign(probabilities=name) for name, b in curves.items()])
+    colors = [CHOSEN_COLOR] if calibrated is None else [OTHER_COLOR, CHOSEN_COLOR]
     diagonal = alt.Chart(pd.DataFrame({"x": [0.0, 1.0], "y": [0.0, 1.0]})).mark_line(
         color=OTHER_COLOR, strokeDash=[4, 3]).encode(x="x:Q", y="y:Q")
-    points = alt.Chart(filled).mark_circle(color=CHOSEN_COLOR, opacity=0.9).encode(
+    base = alt.Chart(data[data["count"] > 0]).encode(
         x=alt.X("mean_confidence:Q", scale=alt.Scale(domain=[0, 1]), title="mean confidence"),
         y=alt.Y("accuracy:Q", scale=alt.Scale(domain=[0, 1]), title="accuracy"),
-        size=alt.Size("count:Q", legend=None),
-        tooltip=["bin_low", "bin_high", "count", alt.Tooltip("mean_confidence:Q", format=".3f"),
-                 alt.Tooltip("accuracy:Q", format=".3f")],
-    )
-    line = alt.Chart(filled).mark_line(color=CHOSEN_COLOR).encode(x="mean_confidence:Q", y="accuracy:Q")
-    return (diagonal + line + points).properties(width=220, height=220, title=f"Reliability: {question_id}")
-
-
-def reliability_before_after(before: pd.DataFrame, after: pd.DataFrame, question_id: str) -> alt.LayerChart:
-    """Two reliability curves of one question on the same held-out cases: the model's own probabilities and the
-    calibrated ones, with the diagonal of perfect calibration."""
-    data = pd.concat([before.assign(probabilities="raw"), after.assign(probabilities="calibrated (held out)")])
-    data = data[data["count"] > 0]
-    diagonal = alt.Chart(pd.DataFrame({"x": [0.0, 1.0], "y": [0.0, 1.0]})).mark_line(
-        color=OTHER_COLOR, strokeDash=[4, 3]).encode(x="x:Q", y="y:Q")
-    color = alt.Color("probabilities:N", scale=alt.Scale(domain=["raw", "calibrated (held out)"],
-                                                        range=[OTHER_COLOR, CHOSEN_COLOR]),
-                      legend=alt.Legend(orient="bottom", title=None))
-    base = alt.Chart(data).encode(
-        x=alt.X("mean_confidence:Q", scale=alt.Scale(domain=[0, 1]), title="mean confidence"),
-        y=alt.Y("accuracy:Q", scale=alt.Scale(domain=[0, 1]), title="accuracy"), color=color)
+        color=alt.Color("probabilities:N", scale=alt.Scale(domain=list(curves), range=colors),
+                        legend=None if calibrated is None else alt.Legend(orient="bottom", title=None)))
     points = base.mark_circle(opacity=0.9).encode(
         size=alt.Size("count:Q", legend=None),
-        tooltip=["probabilities", "count", alt.Tooltip("mean_confidence:Q", format=".3f"),
+        tooltip=["probabilities", "bin_low", "bin_high", "count", alt.Tooltip("mean_confidence:Q", format=".3f"),
                  alt.Tooltip("accuracy:Q", format=".3f")])
-    return (diagonal + base.mark_line() + points).properties(width=220, height=240,
-                                                           title=f"Reliability: {question_id}")
+    return (diagonal + base.mark_line() + points).properties(
+        width=220, height=220 if calibrated is None else 240, title=f"Reliability: {question_id}")
 
 
 def shift_histogram(shifts: pd.DataFrame) -> alt.Chart:
@@ -109,28 +94,6 @@ def shift_histogram(shifts: pd.DataFrame) -> alt.Chart:
         x=alt.X("shift:Q", bin=alt.Bin(extent=[-1, 1], step=0.05), title="p(B) − p(A) per option"),
         y=alt.Y("count():Q", title="options"),
     ).properties(height=220, title="Probability shift")
-
-
-def distribution_table(question: dict, distribution: dict[str, float], predicted: str) -> pd.DataFrame:
-    """A review item's frozen distribution as the table answers.probability_chart draws: option, label,
-    description, probability, chosen."""
-    qtype = question.get("type")
-    criteria = question.get("criteria")
-    rows = []
-    for option, p in distribution.items():
-        if qtype == "choice":
-            description = (criteria or {}).get(option) or ""
-            label = option
-        elif qtype == "score":
-            levels = criteria or []
-            description = levels[int(option)] if option.isdigit() and int(option) < len(levels) else ""
-            label = f"{option}: {description}" if description else option  # whole: the chart wraps it
-        else:
-            description = ((criteria or {}) if isinstance(criteria, dict) else {}).get(option) or ""
-            label = option
-        rows.append({"option": option, "label": label, "description": description, "probability": float(p),
-                     "chosen": option == predicted})
-    return pd.DataFrame(rows, columns=["option", "label", "description", "probability", "chosen"])
 
 
 LEADERBOARD_COLORS = {"base": OTHER_COLOR, "better": "#27ae60", "worse": "#d64545", "no clear difference": "#2f80ed"}

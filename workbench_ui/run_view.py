@@ -15,7 +15,7 @@ from clef_workbench import calibration, casesets, stats
 from clef_workbench.run_status import FINISHED_WITH_ERRORS, status_label
 from clef_workbench.store import Run, RunSettings, StoreError
 from workbench_ui import links, units
-from workbench_ui.cases_view import export_stem
+from workbench_ui.cases_view import ExportFiles, export_stem
 
 STATUS_ICONS = {"pending": "⏳", "running": "▶️", "cancelled": "⏹️", "finished": "✅", FINISHED_WITH_ERRORS: "⚠️",
                 "failed": "❌"}
@@ -54,27 +54,18 @@ def schema_over_budget(engine: Any, questions: dict, max_length: int) -> str | N
             f"every case would be refused. Raise max_length above {fixed:,} (or shorten the questions) to start.")
 
 
-def has_answers(run: dict) -> bool:
-    return run["done"] > run["errors"]
-
-
 def comparison_baselines(runs: list[dict], run: dict) -> tuple[list[dict], int]:
     """The runs `run` can be compared with: the other runs of its case set that have at least one answer, newest
     first (the first is the default); and how many were left out because every case of theirs failed."""
     same_set = [r for r in runs if r["case_set_id"] == run["case_set_id"] and r["id"] != run["id"] and r["done"]]
-    usable = [r for r in same_set if has_answers(r)]
+    usable = [r for r in same_set if r["done"] > r["errors"]]
     return usable, len(same_set) - len(usable)
-
-
-# -- a run's buttons while a model loads ------------------------------------------------------------------------
-
-MODEL_LOADING = "Model loading…"
 
 
 def model_button(label: str, models_busy: bool) -> tuple[str, bool]:
     """A button that runs cases on a model (Start, Resume, Retry), as (label, disabled): while a model loads it
     reads "Model loading…" and waits, the run's model may be the one loading; the page reruns when the load ends."""
-    return (MODEL_LOADING, True) if models_busy else (label, False)
+    return ("Model loading…", True) if models_busy else (label, False)
 
 
 def run_engine(models: Any, model_id: str) -> tuple[Any, str | None]:
@@ -228,21 +219,11 @@ def fit_calibration(store: Any, run_id: int) -> tuple[str | None, tuple[str, lis
 # -- export and comparison --------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Export:
-    caption: str
-    stem: str
-    csv: str
-    jsonl: str
-
-
-def export(store: Any, run: dict, result_count: int, live: bool) -> Export:
-    """The run's results as files: one row per case × question; a failed case is one row with its error."""
-    return Export("One row per case × question; a failed case is one row with its error."
-                  + (f" The run is still going: the files hold the {result_count} case(s) answered so far." if live
-                     else ""),
-                  export_stem(f"run-{run['id']}-{run['case_set_name']}"),
-                  casesets.export_results_csv(store, run["id"]), casesets.export_results_jsonl(store, run["id"]))
+def export(store: Any, run: dict, result_count: int, live: bool) -> ExportFiles:
+    still_going = f" The run is still going: the files hold the {result_count} case(s) answered so far." if live else ""
+    return ExportFiles(export_stem(f"run-{run['id']}-{run['case_set_name']}"),
+                       casesets.export_results_jsonl(store, run["id"]), casesets.export_results_csv(store, run["id"]),
+                       "One row per case × question; a failed case is one row with its error." + still_going)
 
 
 def comparison(store: Any, baseline_id: int, frame: pd.DataFrame) -> dict[str, Any]:

@@ -9,6 +9,7 @@ from typing import Any
 from clef_workbench.schema_diff import diff_schemas, diff_text
 from clef_workbench.schema_library import SchemaEntry, SchemaLibrary
 from clef_workbench.schemas import Schema, SchemaProblem
+from workbench_ui.cases_view import when
 
 STARTER_QUESTIONS = {"q1": {"type": "noul", "instructions": "Replace this with your first question.", "criteria": None}}
 
@@ -91,7 +92,7 @@ def question_rows(schema: Schema) -> list[dict[str, Any]]:
 def version_rows(versions: list[dict]) -> list[dict[str, Any]]:
     """The history table, newest first as the store gives it; `note` says where a version came from when "how"
     alone does not (an adopted sweep's result: the sweep and its figures)."""
-    return [{"version": v["number"], "saved": v["created_at"][:19].replace("T", " "), "how": v["action"],
+    return [{"version": v["number"], "saved": when(v["created_at"]), "how": v["action"],
              "note": v["note"], "by": v["who"], "runs": v["run_count"]} for v in versions]
 
 

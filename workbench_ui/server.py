@@ -24,8 +24,8 @@ APP_SCRIPT = Path(__file__).resolve().parents[1] / "app.py"
 
 
 def resident_models() -> dict | None:
-    """The process's resident models, name → engine, the default first (None while none is loaded), from the same
-    ModelManager the pages use: a request's "model" picks one. The first call starts loading the default model."""
+    """The pages' resident models, name → engine, the default first (None while none is loaded). The first call
+    starts loading the default model."""
     return {model.name: model.engine for model in shared_manager().loaded()} or None
 
 
@@ -35,7 +35,7 @@ def stored_calibrations() -> dict[str, Calibration]:
 
 
 def api_routes(api_key: str | None = None) -> list:
-    """The HTTP API's routes over the resident engine and the store's calibrations; api_key defaults to
+    """The HTTP API's routes over the resident engines and the store's calibrations; api_key defaults to
     CLEF_API_KEY."""
     return routes(resident_models, api_key=api_key if api_key is not None else WorkbenchSettings.from_env().api_key,
                   calibrations=stored_calibrations)

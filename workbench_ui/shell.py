@@ -1,12 +1,11 @@
-"""The Streamlit shell: the process-wide engine and store as the pages see them, the sidebar (model choice and
-status), the demo banner, kept widgets, and running requests through the one GPU queue with "queued, n ahead"
-feedback.
-
-Pages import from here and from clef_workbench; nothing here knows SQL or tensors.
-"""
+"""The Streamlit shell: the process-wide engine, store and runners as the pages see them, the sidebar (models and
+status), kept widgets, and requests run through the one GPU queue with "queued, n ahead" feedback. Nothing here
+knows SQL or tensors."""
 
 from __future__ import annotations
 
+import contextlib
+import json
 import logging
 import time
 from collections.abc import Callable
@@ -32,14 +31,13 @@ from clef_workbench.model_loader import (
 from clef_workbench.schema_library import SchemaLibrary
 from clef_workbench.settings import WorkbenchSettings
 from workbench_ui import links
+from workbench_ui.decide_model import KEEP_PREFIX, forget_kept, kept, set_kept
 from workbench_ui.state_input import IMAGE_EXTENSIONS, MAX_IMAGE_BYTES, MB
 
 log = logging.getLogger(__name__)
 
 POLL_SECONDS = 0.2
 STATUS_REFRESH_SECONDS = WorkbenchSettings.from_env().status_refresh_s  # how often the sidebar status redraws itself
-
-
 PAGES_DIR = Path(__file__).resolve().parents[1] / "pages"
 # (file in pages/, title, icon), in the navigation's order; pages not there yet (other parts of the workbench) are
 # simply not listed.
@@ -82,37 +80,27 @@ def get_store():
     return Store(WorkbenchSettings.from_env().db_path)
 
 
+# The process-wide runners of the current database: batch runs and sweeps keep going across page switches, reloads
+# and sessions.
 def get_job_runner():
-    """The process-wide batch-run runner of the current database: runs keep going across page switches, reloads
-    and sessions."""
-    return _job_runner(str(get_store().path))
-
-
-@st.cache_resource(show_spinner=False)
-def _job_runner(db_path: str):
-    from clef_workbench.distributed import make_job_runner  # on Ray when CLEF_RAY_ADDRESS is set
-    from clef_workbench.store import Store
-
-    return make_job_runner(Store(db_path))
+    return _runner("runs", str(get_store().path))
 
 
 def get_sweep_runner():
-    """The process-wide sweep runner of the current database: sweeps keep going across page switches, reloads and
-    sessions."""
-    return _sweep_runner(str(get_store().path))
+    return _runner("sweeps", str(get_store().path))
 
 
 @st.cache_resource(show_spinner=False)
-def _sweep_runner(db_path: str):
+def _runner(kind: str, db_path: str):
+    from clef_workbench.distributed import make_job_runner  # on Ray when CLEF_RAY_ADDRESS is set
     from clef_workbench.store import Store
     from clef_workbench.sweep_runner import SweepRunner
 
-    return SweepRunner(Store(db_path))
+    return make_job_runner(Store(db_path)) if kind == "runs" else SweepRunner(Store(db_path))
 
 
 def get_library() -> SchemaLibrary:
-    """The schema library folder (CLEF_SCHEMAS_DIR, default ./schemas), its history in the store. Cheap: reads
-    files on demand."""
+    """The schema library folder (CLEF_SCHEMAS_DIR), its history in the store. Cheap: reads files on demand."""
     return SchemaLibrary(history=get_store())
 
 
@@ -135,18 +123,13 @@ def get_engine(*, show_errors: bool = True):
                 status.update(label="Loading failed", state="error", expanded=False)
             else:
                 status.update(label=f"Loaded {label_of(state.source)}", state="complete", expanded=False)
-    if show_errors:
-        show_load_messages(state)
-    return state.engine
-
-
-def show_load_messages(state: LoadState) -> None:
-    if state.error:
-        st.error(state.error, icon=":material/warning:")
-    if state.notice:
-        st.info(state.notice)
     # no banner of its own for the demo: the pages flag random weights next to the answers, once (three banners
     # said it at once after the first Run)
+    if show_errors and state.error:
+        st.error(state.error, icon=":material/warning:")
+    if show_errors and state.notice:
+        st.info(state.notice)
+    return state.engine
 
 
 def random_weights_text(model_name: str) -> str:
@@ -155,19 +138,11 @@ def random_weights_text(model_name: str) -> str:
             "confidences from it say nothing about Clef; use Clef or Clef-Flash for answers to act on.")
 
 
-def random_weights_notice(model_name: str | None) -> bool:
-    """Where a page shows answers (a Decide result, a run's results, a review queue): a warning, in the main area,
-    when the model that produced them has random weights (the demo, a release or an endpoint that says so). True
-    if it warned."""
-    if not model_name or not model_manager().random_weights(model_name):
-        return False
-    st.warning(random_weights_text(model_name), icon=":material/casino:")
-    return True
-
-
-def demo_output_banner(model_id: str | None = None) -> None:
-    """The Compare page's name for random_weights_notice."""
-    random_weights_notice(model_id)
+def random_weights_notice(model_name: str | None) -> None:
+    """Where a page shows answers: a warning when the model that produced them has random weights (the demo, a
+    release or an endpoint that says so)."""
+    if model_name and model_manager().random_weights(model_name):
+        st.warning(random_weights_text(model_name), icon=":material/casino:")
 
 
 def _gib(n: int | None) -> str:
@@ -180,18 +155,11 @@ SOURCE_INPUTS = {"local": ("Release folder", "/models/clef-flash"),
                  "endpoint": ("Endpoint URL (key from CLEF_API_KEY, never stored)", "https://host:8000")}
 
 
-def _choice_of(source: str | None) -> str:
-    """The MODEL_CHOICES label a source falls under."""
-    if not source:
-        return "Demo model (random weights)"
-    if is_endpoint(source):
-        return "System One endpoint (URL)"
-    return next((label for label, src in MODEL_CHOICES.items() if src == source), "Local release folder")
-
-
 def pick_source(label: str, key: str, current: str | None = None) -> str:
     """A model source from MODEL_CHOICES, with a text box for a folder or an endpoint URL."""
-    current_choice = _choice_of(current)
+    current_choice = ("Demo model (random weights)" if not current else "System One endpoint (URL)"
+                      if is_endpoint(current) else
+                      next((label for label, src in MODEL_CHOICES.items() if src == current), "Local release folder"))
     picked = st.selectbox(label, list(MODEL_CHOICES), index=list(MODEL_CHOICES).index(current_choice),
                           key=f"{key}_choice")
     source = MODEL_CHOICES[picked]
@@ -298,23 +266,12 @@ def render_models(manager: ModelManager) -> None:
             st.rerun()
         if st.button("Unload…", key=f"sidebar.remove.{model.name}", icon=":material/close:"):
             st.session_state["sidebar.confirm_remove"] = confirming = model.name
-        if confirming == model.name:  # the question right under the button that asked it
-            confirm_unload(manager, model.name)
-
-
-def confirm_unload(manager: ModelManager, name: str) -> None:
-    with st.container(border=True):
-        st.warning(f"Unload {name}? Runs on it stop after their batch in flight; you can load it again.")
-        cols = st.columns(2)
-        if cols[0].button("Yes, unload", key="sidebar.remove_yes", type="primary"):
-            st.session_state.pop("sidebar.confirm_remove", None)
-            try:
-                manager.remove(name)
-            except KeyError as exc:
-                st.error(str(exc))
-            st.rerun()
-        if cols[1].button("Cancel", key="sidebar.remove_no"):
-            st.session_state.pop("sidebar.confirm_remove", None)
+        # the question right under the button that asked it
+        if confirming == model.name and confirm_delete(
+                f"Unload {model.name}? Runs on it stop after their batch in flight; you can load it again.",
+                page_key("sidebar"), "sidebar.confirm_remove", yes_label="Yes, unload", icon=None):
+            with contextlib.suppress(KeyError):  # unloaded meanwhile by another session
+                manager.remove(model.name)
             st.rerun()
 
 
@@ -368,13 +325,9 @@ def live_status() -> None:
     lost."""
     state = model_manager().state()
     if state.status in ("loading", "warming") or state.adding:
-        st.fragment(follow_load, run_every=STATUS_REFRESH_SECONDS)()
+        st.fragment(lambda: render_status(model_manager().state()), run_every=STATUS_REFRESH_SECONDS)()
     else:
         render_status(state)
-
-
-def follow_load() -> None:
-    render_status(model_manager().state())
 
 
 def render_status(state: LoadState) -> None:
@@ -401,7 +354,7 @@ def render_status(state: LoadState) -> None:
         "peak reserved": _gib(memory.get("peak_reserved")),
         "fast kernels": f"{'on' if fast else 'off'} ({kernel_detail})",
         "queue depth": str(engine.queue_depth()),
-        "batch runs": running_runs_text(shown_running_runs()),
+        "batch runs": running_runs_text(),
     }
     st.markdown("\n".join(f"- **{k}:** {v}" for k, v in rows.items()))
 
@@ -428,13 +381,10 @@ def running_run_ids() -> list[int]:
     return [r["id"] for r in store.list_runs() if r["status"] == "running" and store.run_lease_holder(r["id"])]
 
 
-def shown_running_runs() -> list[int]:
-    """running_run_ids, remembered as what the sidebar shows: a page that follows a run redraws when they differ."""
+def running_runs_text() -> str:
+    """The runs running now, remembered as what the sidebar shows: a page that follows a run redraws when they
+    differ."""
     running = st.session_state[RUNNING_SHOWN_KEY] = running_run_ids()
-    return running
-
-
-def running_runs_text(running: list[int]) -> str:
     return ", ".join(f"#{run_id}" for run_id in running) + " running" if running else "none running"
 
 
@@ -472,9 +422,6 @@ def page_key(page: str) -> Callable[[str], str]:
     return lambda name: f"{page}.{name}"
 
 
-KEEP_PREFIX = "_keep."
-
-
 def kept_widget(widget: Callable[..., Any], label: str, key: str, default: Any = None, **kwargs: Any) -> Any:
     """A widget whose value survives page switches. Streamlit drops a widget's state when a run does not render it
     (another page), so we keep a copy under a non-widget key and restore it when the widget comes back."""
@@ -497,6 +444,12 @@ def declared_default(widget_name: str, value: Any, options: Any = None) -> dict[
         return {"default": [v for v in value or () if v in options]}
     choices = list(options) if widget_name in ("selectbox", "radio") and options is not None else []
     return {"index": choices.index(value)} if value in choices else {}
+
+
+def show_message(key: str, **kwargs: Any) -> None:
+    """The message (kind, text) an action left under `key` for the page's next run, shown once."""
+    if message := st.session_state.pop(key, None):
+        getattr(st, message[0])(message[1], **kwargs)
 
 
 def show_flash(key: str, undo: Callable[..., None]) -> None:
@@ -533,7 +486,7 @@ def pick_id(ids: list[int], key: str, label: str, format_func: Callable[[int], s
             return None
         chosen = linked
     else:
-        chosen = st.session_state.get(key, st.session_state.get(KEEP_PREFIX + key))
+        chosen = kept(st.session_state, key)
     if chosen not in ids:
         chosen = ids[0]
     st.session_state[key] = st.session_state[KEEP_PREFIX + key] = chosen
@@ -562,19 +515,31 @@ def pick_run(runs: list[dict], key: str, label: Callable[[dict], str]) -> int | 
     return pick_id(list(labels), key, "Run", labels.get, param="run", what="run")
 
 
+def pick_model(widget: Callable[..., Any], key: str, models: dict[str, Any], help: str, default: str | None = None
+               ) -> str:
+    """A selector of the loaded models (`models`: name → model, the default first), kept across page switches."""
+    return kept_widget(widget, "Model", key, default, options=list(models), help=help,
+                       format_func=lambda name: f"{name} · {models[name].label}" if models[name].label != name
+                       else name)
+
+
+def forget_widget(key: str, unless_in: Any = ()) -> None:
+    forget_kept(st.session_state, key, unless_in)
+
+
 def set_widget(key: str, value: Any) -> None:
     """Set a kept widget's value from a callback (before the widget renders)."""
-    st.session_state[key] = value
-    st.session_state[KEEP_PREFIX + key] = value
+    set_kept(st.session_state, key, value)
 
 
-def confirm_delete(question: str, key: Callable[[str], str], confirm_key: str) -> bool:
-    """Asks before a delete (`confirm_key` set opened the question): True when "Yes, delete it" was clicked. Either
-    button closes the question."""
+def confirm_delete(question: str, key: Callable[[str], str], confirm_key: str, *, yes_label: str = "Yes, delete it",
+                   icon: str | None = ":material/delete:") -> bool:
+    """Asks before a delete (`confirm_key` set opened the question): True when `yes_label` was clicked. Either button
+    closes the question."""
     with st.container(border=True, key=key("confirm_delete_box")):
-        st.warning(question, icon=":material/delete:")
+        st.warning(question, icon=icon)
         cols = st.columns(2)
-        yes = cols[0].button("Yes, delete it", key=key("delete_yes"), type="primary")
+        yes = cols[0].button(yes_label, key=key("delete_yes"), type="primary")
         if yes or cols[1].button("Cancel", key=key("delete_no")):
             st.session_state.pop(confirm_key, None)
         if not yes and confirm_key not in st.session_state:  # cancelled: drawn again without the question
@@ -583,6 +548,4 @@ def confirm_delete(question: str, key: Callable[[str], str], confirm_key: str) -
 
 
 def format_json(value: Any) -> str:
-    import json
-
     return json.dumps(value, indent=2, ensure_ascii=False)

@@ -78,11 +78,6 @@ def _reject_constant(name: str) -> Any:
     raise _NonStandardConstant(name)
 
 
-def looks_like_json(text: str) -> bool:
-    """Auto mode treats text starting with { or [ as JSON; anything else is a plain-text state."""
-    return text.lstrip()[:1] in ("{", "[")
-
-
 def parse_state(text: str, mode: StateMode = "auto") -> ParsedState:
     """Turn the editor's text into a state. Raises StateInputError with line/column for bad JSON.
 
@@ -92,7 +87,7 @@ def parse_state(text: str, mode: StateMode = "auto") -> ParsedState:
         raise StateInputError("The state is empty: write the record the model should read (plain text or JSON).")
     if len(text) > MAX_STATE_CHARS:
         raise StateInputError(f"The state has {len(text):,} characters; at most {MAX_STATE_CHARS:,} are accepted.")
-    if mode == "text" or (mode == "auto" and not looks_like_json(text)):
+    if mode == "text" or (mode == "auto" and text.lstrip()[:1] not in ("{", "[")):
         return ParsedState(text, "text")
     duplicates: list[str] = []
 

@@ -35,13 +35,9 @@ def duration(ms: float | None) -> str:
     return f"{minutes} min {rest:02d} s"
 
 
-def quantity(value: float | None) -> str:
-    """A count or rate: whole numbers from 100 up (a decimal there only widens the column), else 3 digits."""
+def rate(value: float | None, unit: str) -> str:
+    """A rate per second: "12,016 tok/s", "3.42 rec/s": whole numbers from 100 up (a decimal there only widens the
+    column), else 3 digits."""
     if value is None:
         return "–"
-    return f"{value:,.0f}" if abs(value) >= 100 else f"{value:.3g}"
-
-
-def rate(value: float | None, unit: str) -> str:
-    """A rate per second: "12,016 tok/s", "3.42 rec/s"."""
-    return "–" if value is None else f"{quantity(value)} {unit}/s"
+    return (f"{value:,.0f}" if abs(value) >= 100 else f"{value:.3g}") + f" {unit}/s"

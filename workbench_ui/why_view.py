@@ -1,15 +1,10 @@
 """Decide's "Why" view: which part of the evidence moved each answer, drawn from an explained response.
 
-`explain` asks the engine (clef_engine/explain.py) for a response with `x_explanations`; the rest turns one
-question's segments into what the page shows: the text state with each sentence highlighted by its effect, the JSON
-fields ranked, each image with its regions outlined and labelled, the frames of each video, and the largest effects
-as a table. A segment whose removal lowers the answered option's probability (delta < 0) supported the answer
-("towards", green); one whose removal raises it worked against the answer (red). Every value is in percentage points
-and every colour on one fixed scale (FULL_SCALE), with a key. When explaining everything at once is over the
-engine's budget, `explain` picks the unit with the most segments that fits, and the page says so.
-
-`render_why` draws it with Streamlit, and `render_case_why` explains a stored case of a run (Review's item, the Runs
-page's case view) with the run's model when it is loaded; everything above them is plain and unit-tested.
+A segment whose removal lowers the answered option's probability (delta < 0) supported the answer ("towards",
+green); one whose removal raises it worked against the answer (red). Every value is in percentage points and every
+colour on one fixed scale (FULL_SCALE), with a key. `render_why` draws it with Streamlit, `render_case_why` explains
+a stored case of a run (Review, the Runs page) with the run's model when it is loaded; the rest is plain and
+unit-tested.
 """
 
 from __future__ import annotations

@@ -88,7 +88,7 @@ def test_an_import_says_what_went_in_what_was_there_and_which_rows_were_left_out
     assert view.imported_message("Tickets", 10, 0, None) == (
         "info", "Nothing new to import: all 10 are already in “Tickets”.")
     many = [f"row {n}: empty state" for n in range(2, 60)]
-    listed = view.bad_rows_markdown(many).splitlines()
+    listed = view.problems_markdown(many).splitlines()
     assert len(listed) == 51 and listed[-1] == "- … and 8 more"
     assert view.problems_markdown(["a", "b"]) == "- a\n- b"
     assert view.export_stem("Tickets — EU, March 2026!") == "tickets-eu-march-2026"
