@@ -193,9 +193,10 @@ def parse_rows(header: list[str], rows: list[tuple[int, dict[str, str]]], mappin
     """Rows of a table (row number, column → cell text) → case dicts (state, expected, tags, images, videos).
     Raises CaseImportError listing every bad cell."""
     problems: list[str] = []
+    in_header = set(header)  # not the list: thousands of columns, each looked up
     for column in [*mapping.state_columns, *mapping.expected_columns, *mapping.image_columns, *mapping.video_columns,
                    *(c for c in (mapping.state_text_column, mapping.tags_column, mapping.id_column) if c)]:
-        if column not in header:
+        if column not in in_header:
             problems.append(f"column {column!r} is not in the CSV (columns: {', '.join(header)})")
     if not mapping.state_columns and not mapping.state_text_column:
         problems.append("map at least one column to the state")
