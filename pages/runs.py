@@ -177,6 +177,11 @@ with st.expander("Start a run", expanded=not runs or st.session_state.pop(RUNS_S
 
 show_flash(K("flash"), undo_delete_run)
 
+if sweeps_listed := run_view.sweep_rows(store.list_sweeps()):
+    with st.expander(f"Schema sweeps ({len(sweeps_listed)})", icon=":material/leaderboard:"):
+        st.dataframe(sweeps_listed, hide_index=True, width="stretch",
+                     column_config={"open": st.column_config.LinkColumn("link", display_text="Open in Sweeps")})
+
 if not runs:
     st.info("No runs yet.")
     st.stop()

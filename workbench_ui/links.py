@@ -142,6 +142,10 @@ def case_draft(store: Any, library: SchemaLibrary, run_id: int, case_id: int, *,
     return draft, note
 
 
+def sweep_url(sweep_id: int) -> str:
+    return "/sweeps?" + urlencode({"sweep": sweep_id})
+
+
 def sweep_decide_url(sweep_id: int, variant: str, case_id: int) -> str:
     """Decide with this case of a sweep asked with one variant's questions."""
     return "/?" + urlencode({"sweep": sweep_id, "variant": variant, "case": case_id})

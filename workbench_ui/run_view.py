@@ -13,9 +13,9 @@ import pandas as pd
 from clef_engine.errors import ClefError
 from clef_workbench import calibration, casesets, stats
 from clef_workbench.run_status import FINISHED_WITH_ERRORS, status_label
-from clef_workbench.store import Run, RunSettings, StoreError
+from clef_workbench.store import Run, RunSettings, StoreError, Sweep
 from workbench_ui import links, units
-from workbench_ui.cases_view import ExportFiles, export_stem
+from workbench_ui.cases_view import ExportFiles, export_stem, when
 
 STATUS_ICONS = {"pending": "⏳", "running": "▶️", "cancelled": "⏹️", "finished": "✅", FINISHED_WITH_ERRORS: "⚠️",
                 "failed": "❌"}
@@ -90,6 +90,13 @@ def create_run(store: Any, case_set_id: int, schema: dict, schema_slug: str, mod
 
 
 # -- what a run's results say -----------------------------------------------------------------------------------
+
+
+def sweep_rows(sweeps: list[Sweep]) -> list[dict[str, Any]]:
+    """The Runs page's list of sweeps (stored like runs, issue 39): one row each, its link opening it on Sweeps."""
+    return [{"sweep": s["id"], "status": s["status"], "case set": s["case_set_name"], "schema": s["schema_name"],
+             "variants": s["variant_count"], "done": s["done"], "total": s["total"], "model": s["model_id"],
+             "created": when(s["created_at"]), "open": links.sweep_url(s["id"])} for s in sweeps]
 
 
 def settings_caption(run: Run) -> str:

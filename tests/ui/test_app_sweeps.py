@@ -64,3 +64,12 @@ def test_start_a_sweep_read_its_leaderboard_adopt_and_undo(workbench):
     no_exceptions(at)
     assert f"Undone: version 1 of {SLUG}.json is current again (as version 3)." in [i.value for i in at.info]
     assert library.load(SLUG).questions == store.get_schema_version_number(SLUG, 1)["schema"]["questions"]
+
+    runs = open_page("pages/runs.py")  # a sweep is listed with the runs, its link opening it on Sweeps
+    no_exceptions(runs)
+    assert [e.label for e in runs.expander if e.label.startswith("Schema sweeps")] == ["Schema sweeps (1)"]
+    listed = next(t.value for t in runs.dataframe if "variants" in t.value.columns)
+    assert listed.to_dict("records") == [
+        {"sweep": 1, "status": "finished", "case set": "Tickets", "schema": "Ticket team", "variants": len(variants),
+         "done": len(TICKETS), "total": len(TICKETS), "model": store.get_sweep(1)["model_id"],
+         "created": listed["created"][0], "open": "/sweeps?sweep=1"}]
