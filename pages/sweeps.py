@@ -229,7 +229,7 @@ if sweep_id is None:  # the link names a sweep that is not here: said above
 st.fragment(follow, run_every=1.0 if runner.is_running(sweep_id) else None)(sweep_id)
 threshold = kept_widget(st.slider, "Flag a question whose answers change with the options' order for more than",
                         K("threshold"), 0.1, min_value=0.0, max_value=1.0, step=0.05, format="%.2f")
-result = sweeps.load_sweep(store, sweep_id, threshold=threshold)
+result = sv.scored_sweep(store, sweep_id, threshold)
 picked = render_leaderboard(result)
 if picked:
     render_flips(result, picked)

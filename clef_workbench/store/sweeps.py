@@ -136,6 +136,10 @@ class SweepsMixin(StoreBase):
                  "response": _loads(row["response_json"]), "error": row["error"],
                  "expected": _loads(row["expected_json"])} for row in rows]
 
+    def count_sweep_answers(self, sweep_id: int) -> int:
+        row = self._conn().execute("SELECT COUNT(*) FROM sweep_answers WHERE sweep_id = ?", (sweep_id,)).fetchone()
+        return int(row[0])
+
     def set_sweep_status(self, sweep_id: int, status: str, *, error: str | None = None) -> None:
         """Move a sweep to a status; `running` stamps started_at (first time), the others finished_at."""
         if status not in RUN_STATUSES:

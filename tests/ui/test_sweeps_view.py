@@ -11,6 +11,7 @@ from urllib.parse import parse_qsl
 from clef_workbench import sweeps
 from clef_workbench.sweep_runner import SweepRunner
 from clef_workbench.sweeps import BestSchema, Metric, QuestionScore, SweepResult, Variant, VariantScore
+from tests.support.sweeps import one_question_schema, seeded_sweep
 from workbench_ui import links
 from workbench_ui import sweeps_view as sv
 
@@ -239,3 +240,26 @@ def test_a_sweep_starts_in_the_background_resumes_and_its_cases_open_in_decide(s
     assert links.sweep_case_draft(store, library, sweep_id, "base", case_ids[0])[0]["loaded_slug"] == SLUG
     assert links.sweep_case_draft(store, library, sweep_id, "nope", case_ids[0]) == (
         None, f"Sweep #{sweep_id} has no variant “nope”.")
+
+
+def test_the_page_scores_a_sweep_again_only_when_what_is_stored_changes(store, library, monkeypatch):
+    """Scoring takes seconds (bootstrap intervals) and the page runs again at every click: the same stored sweep
+    and threshold are scored once; a new threshold, status or sweep is scored anew."""
+    one_question_schema(library)
+    schema = library.load("ticket-team").to_dict()
+    set_id = store.create_case_set("Tickets")
+    store.add_cases(set_id, [{"state": f"ticket {i}", "expected": {"team": "billing"}} for i in range(4)])
+    sweep_id = seeded_sweep(store, set_id, schema, "ticket-team")
+    scored: list[int] = []
+    load_sweep = sweeps.load_sweep
+    monkeypatch.setattr(sweeps, "load_sweep", lambda *a, **k: scored.append(a[1]) or load_sweep(*a, **k))
+
+    first = sv.scored_sweep(store, sweep_id, 0.1)
+    assert sv.scored_sweep(store, sweep_id, 0.1) is first and scored == [sweep_id]
+    assert sweeps.leaderboard(first).equals(sweeps.leaderboard(load_sweep(store, sweep_id, threshold=0.1)))
+    sv.scored_sweep(store, sweep_id, 0.3)
+    assert scored == [sweep_id, sweep_id]
+    store.set_sweep_status(sweep_id, "cancelled")
+    assert sv.scored_sweep(store, sweep_id, 0.1).status == "cancelled" and len(scored) == 3
+    other = seeded_sweep(store, set_id, schema, "ticket-team")
+    assert sv.scored_sweep(store, other, 0.1).id == other and scored[-1] == other
