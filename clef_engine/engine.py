@@ -323,13 +323,19 @@ class Engine:
             log.warning("warm-up of %s stopped", self.model_id, exc_info=True)
 
     def warm_up(self) -> float:
-        """Run the warm-up's steps (`warm_up_steps`) one after the other, requests answered between any two; the
-        engine reads "warming" until the last is done (a graph bucket not captured yet runs eagerly meanwhile).
-        Returns the seconds it took."""
+        """Compile the fast kernels and switch to them (until then requests run on the plain ones, see
+        PackedRunner), then run the warm-up's steps (`warm_up_steps`) one after the other, requests answered between
+        any two; the engine reads "warming" until the last is done (a graph bucket not captured yet runs eagerly
+        meanwhile). Returns the seconds it took."""
         started = time.perf_counter()
         self.warming = True
         self.runner.capture_on_use(False)
         try:
+            runner = self.runner
+            if isinstance(runner, PackedRunner):  # compiled here, not on the worker: requests run meanwhile
+                fast = runner.compile_fast_kernels()
+                if fast is not None:
+                    self.scheduler.call(partial(runner.use_kernels, fast), priority="bulk")
             for step in self.warm_up_steps():
                 step()
         finally:

@@ -7,6 +7,8 @@ stand for several records decided as one: Why's `SharedPrefixes` (a record and i
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import importlib.util
 import itertools
 from collections.abc import Callable, Iterable, Sequence
@@ -138,9 +140,17 @@ class PackedRunner(PlainRunner):
     def __init__(self, model: Any, head: JointSchemaHead, config: EngineConfig, pad_token_id: int,
                  model_key: str) -> None:
         super().__init__(model, head, config, pad_token_id)
-        self.backbone = PackedBackbone(model, precision=config.precision)
-        self.graphs = PrefillGraphs(self.backbone, config.graph_max_tokens if config.cuda_graphs else 0)
-        self.head_graphs = HeadGraphs(head, self.output_embeddings, max_tokens=32_768 if config.cuda_graphs else 0)
+        # With a warm-up to come, the engine answers at once on the plain PyTorch kernels (nothing to compile) and
+        # the warm-up compiles and checks the fast ones (`compile_fast_kernels`) before switching to them: on a
+        # cold machine their compiles and autotuning take longer than loading the weights. FP8 needs its kernels to
+        # quantize the weights, so it chooses them now.
+        self.plain_until_warm = config.warm_up and config.precision != "fp8"
+        self.backbone = PackedBackbone(model, kernels.Kernels() if self.plain_until_warm else None,
+                                       precision=config.precision)
+        self.graphs = PrefillGraphs(self.backbone, 0)
+        self.head_graphs = HeadGraphs(head, self.output_embeddings, max_tokens=0)
+        if not self.plain_until_warm:
+            self.enable_graphs()
         self.state_cache = StateCache(config.device, device_bytes=config.state_cache_bytes,
                                       host_bytes=config.state_cache_host_bytes,
                                       min_prefix_tokens=config.min_prefix_tokens,
@@ -318,13 +328,41 @@ class PackedRunner(PlainRunner):
         probabilities = self.head_graphs.probabilities(normed, memory, record)
         return probabilities if probabilities is not None else super().head_one(normed, memory, record)
 
+    def enable_graphs(self) -> None:
+        """CUDA graphs (when configured) from now on: not while the plain kernels stand in for the fast ones, since
+        a capture on the worker thread must not overlap the warm-up's compiles on its own thread."""
+        on = self.config.cuda_graphs
+        self.graphs.max_tokens = self.config.graph_max_tokens if on else 0
+        self.head_graphs.max_tokens = 32_768 if on else 0
+
+    def compile_fast_kernels(self) -> kernels.Kernels | None:
+        """The fast kernels chosen, checked and compiled on the calling thread (the warm-up's), on a stream of its
+        own, while the worker answers requests on the plain ones; None if the backbone runs on its chosen kernels
+        already. Pass the result to `use_kernels` on the worker thread."""
+        if not self.plain_until_warm:
+            return None
+        chosen = self.backbone.select_kernels()
+        trial = copy.copy(self.backbone)  # the same weights, on the chosen kernels
+        trial.kernels = chosen
+        lengths = [300, 41]  # a pack of two: every kernel the packed path launches compiles and autotunes here
+        side = torch.cuda.Stream(self.device) if self.config.cuda else None
+        with torch.inference_mode(), torch.cuda.stream(side) if side else contextlib.nullcontext():
+            ids = torch.zeros(sum(lengths), dtype=torch.long, device=self.device)
+            trial.forward(ids, make_segments(lengths, self.device))
+        if side is not None:
+            side.synchronize()
+        return chosen
+
     def use_kernels(self, chosen: kernels.Kernels) -> None:
-        """Run the packed backbone on `chosen` from now on (benchmarks put a kernel back to its plain version to
-        measure what it does). The prefill graphs replay the kernels they were captured with and the state cache
-        holds states the old kernels computed, so both are emptied. Call it while no request runs."""
+        """Run the packed backbone on `chosen` from now on (the warm-up's switch to the fast kernels; benchmarks put
+        a kernel back to its plain version to measure what it does). The prefill graphs replay the kernels they were
+        captured with and the state cache holds states the old kernels computed, so both are emptied. Call it while
+        no request runs."""
         self.backbone.kernels = chosen
+        self.plain_until_warm = False
         self.state_cache.clear()
         self.graphs.forget()
+        self.enable_graphs()
 
     def warm_up_steps(self) -> list[Callable[[], Any]]:
         """A CUDA graph for each length bucket, one step each (longest first), and cuDNN's attention plan for every

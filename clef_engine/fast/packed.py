@@ -116,7 +116,7 @@ class PackedBackbone:
         self.dtype = self.embed.dtype
         layers = text.layers[: self.config.num_hidden_layers]
         if precision == "fp8":  # kernels first: each layer is quantized as it is fused (see _fp8_layers)
-            self.kernels = kernels or self._select_kernels(precision)
+            self.kernels = kernels or self.select_kernels()
             self.layers = self._fp8_layers(layers)
             with torch.no_grad():
                 self.final_norm = (1.0 + text.norm.weight.detach().float()).contiguous()
@@ -124,12 +124,13 @@ class PackedBackbone:
         with torch.no_grad():  # not inference_mode: the fused weights must stay usable by plain transformers calls
             self.layers = [FastLayer(layer, self.config) for layer in layers]
             self.final_norm = (1.0 + text.norm.weight.detach().float()).contiguous()
-        self.kernels = kernels or self._select_kernels(precision)
+        self.kernels = kernels or self.select_kernels()
 
-    def _select_kernels(self, precision: str) -> K.Kernels:
+    def select_kernels(self) -> K.Kernels:
+        """The fastest kernels that work for this backbone here (kernels.select_kernels)."""
         return K.select_kernels(self.device, self.dtype, heads=self.config.num_attention_heads,
                                 kv_heads=self.config.num_key_value_heads, head_dim=self.config.head_dim,
-                                value_head_dim=self.config.linear_value_head_dim, precision=precision)
+                                value_head_dim=self.config.linear_value_head_dim, precision=self.precision)
 
     def _fp8_layers(self, modules) -> list[FastLayer]:
         """Every layer fused and its projections quantized to FP8 at once, so that only one layer's bf16 weights are
