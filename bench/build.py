@@ -127,7 +127,9 @@ def random_engine(config: dict, tiny_release: Path, *, device: str = "cuda", dty
         model, head = model.to(dtype), head.to(dtype)
     checked = Release(path=tiny_release, source="clef-27b-shaped-random", revision=None, config=config,
                       head_config=head_config, weight_files=())
-    return clef_engine.Engine(checked, model, head, Encoder(load_processor(checked)), torch.device(device), dtype)
+    # warm_up=False: the fast kernels are chosen as the engine is built (the caller warms up, if it wants to)
+    return clef_engine.Engine(checked, model, head, Encoder(load_processor(checked)), torch.device(device), dtype,
+                              warm_up=False)
 
 
 RELEASE_FILES = ("tokenizer.json", "tokenizer_config.json", "processor_config.json", "chat_template.jinja",

@@ -112,7 +112,9 @@ def engine_config(setup: Setup, precision: str, **options):
     if setup.device.type == "cpu" and precision == "fp8":
         return replace(EngineConfig.resolve(device="cpu", dtype="bfloat16", precision="bf16", **options),
                        precision="fp8")
-    return EngineConfig.resolve(device=str(setup.device), dtype="bfloat16", precision=precision, **options)
+    # no background warm-up: the kernels are chosen as the engine is built (see PackedRunner)
+    return EngineConfig.resolve(device=str(setup.device), dtype="bfloat16", precision=precision, warm_up=False,
+                                **options)
 
 
 def make_engine(setup: Setup, model, head, head_config, config_json: dict, precision: str, **options):

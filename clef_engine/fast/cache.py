@@ -44,6 +44,7 @@ class PrefixState:
     length: int
     layers: list[LayerState]
     memory: torch.Tensor  # [length, head width]: the head's memory projection of the prefix tokens
+    reuses_alone: int = 0  # records continued from it one at a time (`PrefixCache.forward_after`)
 
     @property
     def nbytes(self) -> int:
@@ -265,8 +266,9 @@ class PrefixCache:
                       between_layers=None) -> tuple[torch.Tensor, torch.Tensor]:
         """The backbone over the tokens after `state` only (the schema + suffix of a stored state), continuing from
         it; the head's inputs of the whole record (rows of the state's tokens are zero in `normed`: the head reads
-        them only through the stored memory). `graph`: replay (or capture) the state's continuation graph; off for a
-        state used once (Why's variants, explain.py), which a capture would only slow down."""
+        them only through the stored memory). `graph`: replay the state's continuation graph, captured on the
+        state's second reuse alone, not its first: a capture costs about three eager runs, and a plain run over
+        cached states (a sweep's re-run) reuses each once; off for a state used once (Why's variants)."""
         from .graphs import bucket
         from .segments import make_segments
 
@@ -277,7 +279,9 @@ class PrefixCache:
         device = self.backbone.device
         ids = record.input_ids[start:] + [self.pad_token_id] * (padded - new)
         ids = torch.tensor(ids, dtype=torch.long).to(device, non_blocking=True)
-        hidden = self.graphs.run_after_prefix(ids, state) if self.graphs is not None and graph else None
+        state.reuses_alone += 1
+        graph = graph and state.reuses_alone > 1 and self.graphs is not None
+        hidden = self.graphs.run_after_prefix(ids, state) if graph else None
         if hidden is None:
             segments = make_segments([padded], device, first_position=start)
             hidden, _ = self.backbone.forward(ids, segments, prefix=state.layers, prefix_length=start,

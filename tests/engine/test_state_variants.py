@@ -63,3 +63,22 @@ def test_the_variants_of_a_state_run_as_packs_and_answer_as_each_alone(tiny_engi
     for ours, theirs in zip(shared, alone, strict=True):
         for p, q in zip(ours, theirs, strict=True):
             np.testing.assert_allclose(p, q, atol=1e-5, rtol=0)
+
+
+def test_a_state_captures_its_continuation_graph_on_its_second_reuse_alone_not_its_first(tiny_engine, monkeypatch):
+    """A capture costs about three eager runs: a plain run over cached states (a sweep's re-run) reuses each state
+    once, and must not capture a graph per state (on the H200 that made the re-run 3x slower)."""
+    captures_or_replays: list[int] = []
+
+    class Graphs:
+        def run_after_prefix(self, ids, state):
+            captures_or_replays.append(state.reuses_alone)
+            return None  # then the eager path answers
+
+    monkeypatch.setattr(tiny_engine.runner.prefix, "graphs", Graphs())
+    monkeypatch.setattr(tiny_engine.runner.state_cache, "min_prefix_tokens", 64)  # the tiny state is kept
+    tiny_engine.runner.state_cache.clear(reset_stats=True)
+    for questions in QUESTIONS[:4]:  # the first stores the state, the next three continue from it alone
+        tiny_engine.decide({"state": STATE, "questions": questions})
+    assert tiny_engine.runner.state_cache.stats()["hits"] == 3
+    assert captures_or_replays == [2, 3]
