@@ -30,6 +30,7 @@ from .model.head import HeadBatch, JointSchemaHead, layout, option_probabilities
 from .scheduler import BatchSteps
 
 LAYERS_AHEAD = 1  # in a bulk batch, how many layers the host may launch ahead of the GPU
+SHARED_SPLITS = 4  # at most so many points where a Why record's variants continue from its states
 LONG_ATTENTION_WARM_TOKENS = 2 * DEFAULT_MAX_LENGTH  # warm-up builds cuDNN's attention plans up to this length
 UNCHECKED = BatchSteps()  # a batch run outside the scheduler (tests, benchmarks): nothing to stop or let in
 
@@ -214,13 +215,17 @@ class PackedRunner(PlainRunner):
         return answers
 
     def forward_shared(self, item: SharedPrefixes, steps: BatchSteps = UNCHECKED) -> list[Probabilities]:
-        """Per member of `item`, the record first, its probabilities: the record runs once, in chunks ending where a
-        variant first differs from it, and each variant continues from the record's layer states there (as from a
-        stored state), so it computes only its tokens from its first change on."""
+        """Per member of `item`, the record first, its probabilities: the record runs once, in up to
+        `SHARED_SPLITS` + 1 chunks, and each variant continues from the record's layer states at the last chunk end
+        before its first change (as from a stored state), with the other variants continuing from there as one
+        pack. A chunk end at every variant's change would recompute nothing twice but run a forward of a few dozen
+        tokens per variant, which on the H200 took longer than one pack of every variant whole."""
         record = item.records[0]
+        splits = sorted(set(item.shared))
+        ends = sorted({splits[i * len(splits) // SHARED_SPLITS] for i in range(SHARED_SPLITS)})
         variants_at: dict[int, list[int]] = {}
         for index, split in enumerate(item.shared, start=1):
-            variants_at.setdefault(split, []).append(index)
+            variants_at.setdefault(max(end for end in ends if end <= split), []).append(index)
         results: dict[int, Probabilities] = {}
         self.state_prefills += 1  # the record's; its variants continue from its states
 
