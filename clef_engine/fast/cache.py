@@ -85,9 +85,6 @@ class CacheStats:
     stored: int = 0
     evicted: int = 0
     moved_to_host: int = 0
-    device_bytes: int = 0
-    host_bytes: int = 0
-    entries: int = 0
 
 
 @dataclass
@@ -204,11 +201,9 @@ class StateCache:
 
     def stats(self) -> dict:
         with self._lock:
-            stats = CacheStats(**{k: v for k, v in vars(self._stats).items()})
-            stats.device_bytes = self._tier_bytes(self._device_entries)
-            stats.host_bytes = self._tier_bytes(self._host_entries)
-            stats.entries = len(self._device_entries) + len(self._host_entries)
-        out = vars(stats).copy()
+            out = dict(vars(self._stats), device_bytes=self._tier_bytes(self._device_entries),
+                       host_bytes=self._tier_bytes(self._host_entries),
+                       entries=len(self._device_entries) + len(self._host_entries))
         out.update(enabled=self.enabled, device_limit=self.device_bytes, host_limit=self.host_bytes,
                    min_prefix_tokens=self.min_prefix_tokens, moving_to_host=self._spilling)
         return out
