@@ -379,12 +379,8 @@ def _problem(error: Mapping[str, Any], questions: Any) -> Problem:
     return Problem(tuple(loc), message, kind)
 
 
-def validate_request(request: Any) -> SystemOneRequest:
+def validate_request(request: Any, model: type[SystemOneRequest] = SystemOneRequest) -> SystemOneRequest:
     """The request as a model, or RequestError listing every problem with its location."""
-    return _validated(SystemOneRequest, request)
-
-
-def _validated(model: type[SystemOneRequest], request: Any) -> SystemOneRequest:
     if not isinstance(request, dict):
         raise RequestError([Problem((), "the request must be a JSON object", "dict_type")])
     try:
@@ -436,19 +432,6 @@ class ValidRequest:
                        videos=tuple(variant.get("videos") or ()))
 
 
-def _checked_max_length(max_length: Any) -> int | None:
-    if max_length is not None and (not isinstance(max_length, int) or isinstance(max_length, bool)
-                                   or max_length < 1):
-        raise RequestError([Problem(("max_length",), "max_length must be a positive integer")])
-    return max_length
-
-
-def _checked_overflow(overflow: Any) -> OverflowPolicy:
-    if overflow not in OVERFLOW_POLICIES:
-        raise RequestError([Problem(("overflow",), f"overflow must be one of {OVERFLOW_POLICIES}")])
-    return overflow
-
-
 class _EvidenceRequest(SystemOneRequest):
     """A request whose questions were validated before, with the schema they come from (see `prepare`)."""
 
@@ -474,13 +457,20 @@ def prepare(request: Any, *, max_length: int | None = None, overflow: str | None
         questions = tuple(_to_question(qid, q) for qid, q in model.questions.items())
     else:
         evidence = {k: v for k, v in request.items() if k != "questions"} if isinstance(request, dict) else request
-        model = _validated(_EvidenceRequest, evidence)
-    return ValidRequest(
-        request=request, model=model.model, state=model.state, questions=questions,
-        images=tuple(model.images or ()), videos=tuple(model.videos or ()),
-        max_length=_checked_max_length(model.x_max_length if max_length is None else max_length),
-        overflow=_checked_overflow(model.x_overflow if overflow is None else overflow),
-        explain=model.x_explain)
+        model = validate_request(evidence, _EvidenceRequest)
+    max_length = model.x_max_length if max_length is None else max_length
+    if max_length is not None and (not isinstance(max_length, int) or isinstance(max_length, bool) or max_length < 1):
+        raise RequestError([Problem(("max_length",), "max_length must be a positive integer")])
+    return ValidRequest(request=request, model=model.model, state=model.state, questions=questions,
+                        images=tuple(model.images or ()), videos=tuple(model.videos or ()), max_length=max_length,
+                        overflow=_checked_overflow(model.x_overflow if overflow is None else overflow),
+                        explain=model.x_explain)
+
+
+def _checked_overflow(overflow: Any) -> OverflowPolicy:
+    if overflow not in OVERFLOW_POLICIES:
+        raise RequestError([Problem(("overflow",), f"overflow must be one of {OVERFLOW_POLICIES}")])
+    return overflow
 
 
 def prepared(request: Mapping[str, Any] | ValidRequest, *, max_length: int | None = None,
@@ -568,13 +558,8 @@ def build_request(state: Any, questions: Mapping[str, Any], *, images: Iterable[
     """A System One request dict. Media are data URLs (see `data_url`, the wire's form) or bytes (what an engine
     in this process takes), images before videos, in the order given; the `images` / `videos` keys are present
     only when there are any."""
-    request: dict[str, Any] = {"model": model, "state": state, "questions": questions}
-    images, videos = list(images), list(videos)
-    if images:
-        request["images"] = images
-    if videos:
-        request["videos"] = videos
-    return request
+    media = {"images": list(images), "videos": list(videos)}
+    return {"model": model, "state": state, "questions": questions, **{k: v for k, v in media.items() if v}}
 
 
 def format_answer(question: Question, probabilities: list[float]) -> dict:

@@ -1,21 +1,15 @@
 """A remote System One endpoint used like a local engine: `RemoteEngine` implements interface.py's `DecisionEngine`
-by POSTing to `/v1/systemone` (hosted Jev, a gateway to hosted Clef, another workbench's API); what only a local
-engine knows (token counts, sampled video frames, queue positions) it answers with None.
+by POSTing to `/v1/systemone` (hosted Jev, a gateway to hosted Clef, another workbench's API).
 
 As a client of a remote service should: one `httpx.Client`, at most `max_concurrency` requests in flight; a deadline
 of `timeout` seconds per request that every socket operation and retry wait is held to (remote_http.py), so a server
 trickling its answer cannot hold a caller longer; retries with backoff and jitter on 408/429/5xx and connection
-failures while the deadline leaves time, or after what `Retry-After` asks (capped at `max_retry_wait_s`); answers
-read up to `max_response_bytes`, and a 200 whose answers are not what was asked for is a `RemoteError`, never passed
-on. Errors come back as the package's own: 422 → `RequestError` naming the server's problems, 413 →
-`TokenBudgetError` or `RequestTooLargeError`, 429 after the retries → `BusyError`, 401/403 → `RemoteAuthError`,
-else `RemoteError`, each naming the endpoint.
+failures while the deadline leaves time (decisions are pure functions of the request, so retrying a POST is safe);
+answers read up to `max_response_bytes`, and a 200 whose answers are not what was asked for is a `RemoteError`,
+never passed on. Errors come back as the package's own, each naming the endpoint (`RemoteEngine._error`).
 
 The API key (`api_key`, else `CLEF_API_KEY`) lives only in the client's headers: never an attribute, never in
-`info()`, and a key in the URL is refused (URLs end up in run records). Decisions are pure functions of the request,
-so retrying a POST is safe. Media given as bytes or paths go as data URLs; `model` replaces each request's "model"
-(this object stands for one model); `x_max_length` / `x_overflow` are sent only when not the default, since other
-servers may not know them.
+`info()`, and a key in the URL is refused (URLs end up in run records).
 """
 
 from __future__ import annotations
@@ -386,9 +380,9 @@ class RemoteEngine:
         if not isinstance(request, dict):
             raise RequestError([Problem((), "the request must be a JSON object", "type_error.dict")])
         body = media_for_wire(request)
-        if self.model is not None:
+        if self.model is not None:  # this object stands for one model
             body["model"] = self.model
-        if max_length is not None:
+        if max_length is not None:  # sent only when not the default: other servers may not know these fields
             body["x_max_length"] = max_length
         if overflow != "refuse":
             body["x_overflow"] = overflow

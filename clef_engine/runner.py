@@ -206,11 +206,11 @@ class PackedRunner(PlainRunner):
         forwards of a few hundred tokens would leave the GPU mostly idle."""
         between = self.between_layers(steps)
         if len(records) == 1:
-            return [self.head_one(*self.prefix.forward_after(records[0], state, graph=graph, between_layers=between),
-                                  records[0], steps)]
+            inputs = self.prefix.forward_after(records, state, alone=True, graph=graph, between_layers=between)
+            return [self.head_one(*next(inputs), records[0], steps)]
         answers: list[Probabilities] = []
         for pack in packs_after(records, state.length, self.config.bulk_batch_tokens):
-            inputs = self.prefix.forward_after_pack(pack, state, between_layers=between)
+            inputs = self.prefix.forward_after(pack, state, between_layers=between)
             answers += [self.head_one(normed, memory, record, steps) for record, (normed, memory) in zip(pack, inputs)]
         return answers
 

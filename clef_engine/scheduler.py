@@ -1,27 +1,17 @@
 """One queue, one GPU worker thread: every GPU call in the process goes through here.
 
 Callers (Streamlit sessions, batch jobs, the HTTP API) submit a job — a list of encoded records — and wait on a
-future. This is the one place where records are grouped into GPU batches: the worker takes interactive jobs before
-bulk ones, then fills the batch with waiting records of the same priority, in order, up to a token budget
-(`token_budget` for interactive work, so concurrent clients share forward passes; the smaller `bulk_batch_tokens`
-for bulk work). A job larger than a batch is split across batches and resolved when its last record is done.
-`run_batch(records, steps)` does the work (the model runner's `forward`); the scheduler knows nothing of tensors and
-the runner nothing of the queue: `steps` (a `BatchSteps`) is all the runner sees of the scheduler. Between steps
-(layers) a bulk batch calls `steps.let_interactive_in()`: interactive jobs waiting then run at once, so an
-interactive request waits for one step of a bulk batch, not all of it. The queue is bounded in records: past the
-bound, `submit` raises BusyError at once instead of growing memory. A job cancelled before it starts is skipped; a
-job abandoned while it runs (`abandon`, when its caller's deadline has passed) stops at the next
-`steps.stop_if_abandoned()`, once every job in the batch is abandoned, and its rest is dropped. `call` runs a
-function on the worker thread between batches, for state a library keeps per thread (the warm-up builds cuDNN's
-attention plans there).
-
-A batch that fails is the one place where a failing record is isolated: its jobs are run again each alone, and a job
-submitted `per_record` is halved until the records that fail are alone, each getting its own error in its slot of
-the results while the others are answered (a job that is not per record fails whole).
+future. This is the one place where records are grouped into GPU batches: interactive jobs before bulk ones, then
+waiting records of the same priority, in order, up to a token budget (`token_budget` for interactive work, so
+concurrent clients share forward passes; the smaller `bulk_batch_tokens` for bulk work); a job larger than a batch
+is split across batches. `run_batch(records, steps)` does the work (the model runner's `forward`); the scheduler
+knows nothing of tensors and the runner nothing of the queue: `steps` (a `BatchSteps`) is all the runner sees of
+the scheduler. Between steps (layers) a bulk batch lets waiting interactive jobs run, so an interactive request
+waits for one step of a bulk batch, not all of it. The queue is bounded in records: past the bound, `submit` raises
+BusyError at once instead of growing memory. A failing batch is where a failing record is isolated (`_isolate`).
 
 Several engines in one process (Clef and Clef-Flash resident together) each keep their own scheduler, and the
-schedulers of one device share a `GpuTurn`: a worker runs a batch only while it holds the turn, so the device runs
-one engine's batch at a time and the engines take turns fairly (see GpuTurn).
+schedulers of one device share a `GpuTurn`, so the device runs one engine's batch at a time.
 """
 
 from __future__ import annotations
@@ -115,10 +105,6 @@ class Job:
     first_batch_at: float | None = field(compare=False, default=None)
     compute_s: dict = field(compare=False, default_factory=dict)  # record index -> its share of its batch's time
 
-    @property
-    def tokens(self) -> int:
-        return sum(self.lengths)
-
 
 @dataclass(frozen=True)
 class JobTiming:
@@ -207,11 +193,8 @@ class Scheduler:
             raise ValueError(f"priority must be one of {', '.join(PRIORITIES)}")
         future: Future = Future()
         records = list(records)
-        lengths: list[float]
-        if tokens is None:
-            lengths = [len(r) for r in records]
-        else:  # the caller's count for the whole job, shared out
-            lengths = [tokens / max(1, len(records))] * len(records)
+        # `tokens`: the caller's count for the whole job, shared out
+        lengths = [len(r) for r in records] if tokens is None else [tokens / max(1, len(records))] * len(records)
         job = Job(PRIORITIES[priority], next(self._sequence), records, lengths, finalize, future,
                   results=[None] * len(records), per_record=per_record, timed=timed)
         if not records:
@@ -268,11 +251,7 @@ class Scheduler:
     def position(self, future: Future) -> int | None:
         """How many jobs run before this one; None once it has started or finished."""
         with self._condition:
-            ordered = sorted(self._heap)
-            for index, job in enumerate(ordered):
-                if job.future is future:
-                    return index
-        return None
+            return next((index for index, job in enumerate(sorted(self._heap)) if job.future is future), None)
 
     def close(self, wait: bool = False) -> None:
         """Take no more work: the worker runs what is queued (abandoned jobs it drops), then ends. `wait`: return
@@ -397,13 +376,10 @@ class Scheduler:
     def _drop_queued(self, jobs: list[Job]) -> None:
         """Take the records of `jobs` not run yet out of the queue. Called with the lock held."""
         dropped = {id(job) for job in jobs}
-        kept = [job for job in self._heap if id(job) not in dropped]
-        if len(kept) == len(self._heap):
-            return
         for job in self._heap:
             if id(job) in dropped:
                 self._queued_records -= len(job.records) - job.taken
-        self._heap = kept
+        self._heap = [job for job in self._heap if id(job) not in dropped]
         heapq.heapify(self._heap)
 
     def _isolate(self, pieces: list[Piece], error: Exception) -> None:
@@ -458,8 +434,8 @@ class Scheduler:
                 timing = JobTiming(queued_s=(job.first_batch_at or job.submitted) - job.submitted,
                                    compute_s=[job.compute_s.get(i, 0.0) for i in range(len(job.records))])
                 job.future.set_result(job.finalize(job.results, timing))
-                return
-            job.future.set_result(job.finalize(job.results))
+            else:
+                job.future.set_result(job.finalize(job.results))
         except Exception as error:  # noqa: BLE001
             job.future.set_exception(error)
 

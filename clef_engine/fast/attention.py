@@ -176,18 +176,6 @@ def attention_with_lse_cudnn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return out, lse.reshape(q.shape[:3]).float()
 
 
-def attention_with_lse_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                             causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """The same in plain PyTorch (top-left causal mask, as cuDNN's; K/V heads grouped), what tests swap in."""
-    repeat = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(repeat, dim=1).float(), v.repeat_interleave(repeat, dim=1).float()
-    scores = q.float() @ k.transpose(-1, -2) * q.shape[-1] ** -0.5
-    if causal:
-        scores = scores.masked_fill(torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).triu(1),
-                                    float("-inf"))
-    return (torch.softmax(scores, -1) @ v).to(q.dtype), torch.logsumexp(scores, -1)
-
-
 def attention_chunk_cudnn(q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, prefix: int,
                           attend=attention_with_lse_cudnn, grouped: bool | None = None) -> torch.Tensor:
     """A chunk of a long record after `prefix` earlier tokens on cuDNN's fused attention, which has no causal mask

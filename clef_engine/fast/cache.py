@@ -20,6 +20,7 @@ graphs.py's continuation graphs (kept per entry object there, not inside the ent
 from __future__ import annotations
 
 import hashlib
+import itertools
 import queue
 import threading
 from collections import OrderedDict
@@ -85,9 +86,6 @@ class CacheStats:
     stored: int = 0
     evicted: int = 0
     moved_to_host: int = 0
-    device_bytes: int = 0
-    host_bytes: int = 0
-    entries: int = 0
 
 
 @dataclass
@@ -204,11 +202,9 @@ class StateCache:
 
     def stats(self) -> dict:
         with self._lock:
-            stats = CacheStats(**{k: v for k, v in vars(self._stats).items()})
-            stats.device_bytes = self._tier_bytes(self._device_entries)
-            stats.host_bytes = self._tier_bytes(self._host_entries)
-            stats.entries = len(self._device_entries) + len(self._host_entries)
-        out = vars(stats).copy()
+            out = dict(vars(self._stats), device_bytes=self._tier_bytes(self._device_entries),
+                       host_bytes=self._tier_bytes(self._host_entries),
+                       entries=len(self._device_entries) + len(self._host_entries))
         out.update(enabled=self.enabled, device_limit=self.device_bytes, host_limit=self.host_bytes,
                    min_prefix_tokens=self.min_prefix_tokens, moving_to_host=self._spilling)
         return out
@@ -262,49 +258,35 @@ class PrefixCache:
         # a view: the schema's few rows more than a copy would keep, and no second copy of a long state's memory
         return normed, memory, PrefixState(length, layers, memory[:length])
 
-    def forward_after(self, record, state: PrefixState, *, graph: bool = True,
-                      between_layers=None) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward_after(self, records, state: PrefixState, *, alone: bool = False, graph: bool = False,
+                      between_layers=None) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """The backbone over the tokens after `state` only (the schema + suffix of a stored state), continuing from
-        it; the head's inputs of the whole record (rows of the state's tokens are zero in `normed`: the head reads
-        them only through the stored memory). `graph`: replay the state's continuation graph, captured on the
-        state's second reuse alone, not its first: a capture costs about three eager runs, and a plain run over
-        cached states (a sweep's re-run) reuses each once; off for a state used once (Why's variants)."""
+        it, for records over the same state as one pack (a sweep's variants: one backbone forward); then each
+        record's head inputs in turn, one whole-record copy at a time (rows of the state's tokens are zero in
+        `normed`: the head reads them only through the stored memory). `alone`: one record, right-padded to a bucket
+        length (a graph per bucket, and GEMMs of odd row counts run slower per token; padding after the last real
+        token changes nothing before it: the backbone is causal); `graph`: it replays the state's continuation
+        graph, captured on the state's second reuse alone, not its first: a capture costs about three eager runs,
+        and a plain run over cached states (a sweep's re-run) reuses each once; off for a state used once (Why)."""
         from .graphs import bucket
         from .segments import make_segments
 
-        start, new = state.length, len(record) - state.length
-        # right-padded to a bucket length: a graph per bucket, and GEMMs of odd row counts run slower per token;
-        # padding after the last real token changes nothing before it (the backbone is causal)
-        padded = bucket(new)
-        device = self.backbone.device
-        ids = record.input_ids[start:] + [self.pad_token_id] * (padded - new)
-        ids = torch.tensor(ids, dtype=torch.long).to(device, non_blocking=True)
-        state.reuses_alone += 1
-        graph = graph and state.reuses_alone > 1 and self.graphs is not None
-        hidden = self.graphs.run_after_prefix(ids, state) if graph else None
-        if hidden is None:
-            segments = make_segments([padded], device, first_position=start)
-            hidden, _ = self.backbone.forward(ids, segments, prefix=state.layers, prefix_length=start,
-                                              between_layers=between_layers)
-        normed_new, memory_new = self.head.token_memory(hidden[:new].to(self.dtype))
-        return _whole_record(len(record), state, normed_new, memory_new)
-
-    def forward_after_pack(self, records, state: PrefixState,
-                           between_layers=None) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        """`forward_after` of several records over the same state (a sweep's variants) as one pack: one backbone
-        forward (no graph, no padding), then each record's head inputs in turn (one whole-record copy at a time)."""
-        from .segments import make_segments
-
-        start = state.length
-        device = self.backbone.device
+        start, device = state.length, self.backbone.device
         lengths = [len(record) - start for record in records]
         ids = [token for record in records for token in record.input_ids[start:]]
-        ids = torch.tensor(ids, dtype=torch.long).to(device, non_blocking=True)
-        segments = make_segments(lengths, device, first_position=start)
-        hidden, _ = self.backbone.forward(ids, segments, prefix=state.layers, prefix_length=start,
-                                          between_layers=between_layers)
-        normed_new, memory_new = self.head.token_memory(hidden.to(self.dtype))
-        for record, row, n in zip(records, segments.starts, lengths):
+        if alone:
+            ids += [self.pad_token_id] * (bucket(lengths[0]) - lengths[0])
+        tokens = torch.tensor(ids, dtype=torch.long).to(device, non_blocking=True)
+        if alone:
+            state.reuses_alone += 1
+        graph = alone and graph and state.reuses_alone > 1 and self.graphs is not None
+        hidden = self.graphs.run_after_prefix(tokens, state) if graph else None
+        if hidden is None:
+            segments = make_segments([len(ids)] if alone else lengths, device, first_position=start)
+            hidden, _ = self.backbone.forward(tokens, segments, prefix=state.layers, prefix_length=start,
+                                              between_layers=between_layers)
+        normed_new, memory_new = self.head.token_memory(hidden[: sum(lengths)].to(self.dtype))
+        for record, row, n in zip(records, itertools.accumulate([0, *lengths]), lengths):
             yield _whole_record(len(record), state, normed_new[row: row + n], memory_new[row: row + n])
 
 

@@ -44,20 +44,24 @@ def side_stream(device: torch.device) -> torch.cuda.Stream:
     return _side_streams[device]
 
 
-def capture(graph: torch.cuda.CUDAGraph, body, device: torch.device, pool=None):
-    """Capture `body()` into `graph` on the side stream and return its output. As torch.cuda.graph does, minus its
-    gc.collect() and empty_cache() before every capture: in a process holding a whole model they are slow, and the
-    request that first meets a new shape would pay for them."""
+def capture(body, device: torch.device, pool=None) -> tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]:
+    """A graph of `body()` (returning a tensor) captured on the side stream after one eager run of it there: that
+    run compiles and autotunes every kernel for these shapes, and its output is a real answer. Returns (the graph, a
+    copy of the eager output, the graph's output). As torch.cuda.graph does, minus its gc.collect() and
+    empty_cache() before every capture: in a process holding a whole model they are slow, and the request that
+    first meets a new shape would pay for them."""
     stream = side_stream(device)
     stream.wait_stream(torch.cuda.current_stream(device))
+    graph = torch.cuda.CUDAGraph()
     with torch.cuda.stream(stream):
+        eager = body().clone()
         graph.capture_begin(pool=pool, capture_error_mode="thread_local")
         try:
             out = body()
         finally:
             graph.capture_end()
     torch.cuda.current_stream(device).wait_stream(stream)
-    return out
+    return graph, eager, out
 
 
 def bucket(n: int) -> int:
@@ -109,23 +113,14 @@ class PrefillGraphs:
 
     def _capture_with(self, ids: torch.Tensor, prefix=None) -> tuple[Graph, torch.Tensor]:
         """Capture the forward of `ids` (after `prefix`, a cached PrefixState, if given). Returns the graph and the
-        output of the eager run made just before capturing: that run compiles and autotunes every kernel for these
-        shapes, and on real ids it is a real answer."""
+        output of the eager run made just before capturing (on real ids a real answer)."""
         device = self.backbone.device
-        length = ids.shape[0]
         first = prefix.length if prefix is not None else 0
-        segments = make_segments([length], device, first_position=first)
+        segments = make_segments([ids.shape[0]], device, first_position=first)
         arguments = {"prefix": prefix.layers, "prefix_length": first} if prefix is not None else {}
         static_ids = ids.clone()
-        side = side_stream(device)
-        side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side):
-            eager, _ = self.backbone.forward(static_ids, segments, **arguments)
-            eager = eager.clone()
-        torch.cuda.current_stream(device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        hidden, _ = capture(graph, lambda: self.backbone.forward(static_ids, segments, **arguments), device,
-                            self.pool)
+        graph, eager, hidden = capture(lambda: self.backbone.forward(static_ids, segments, **arguments)[0], device,
+                                       self.pool)
         self.pool = graph.pool()
         self.captures += 1
         return Graph(graph, static_ids, hidden, segments), eager
@@ -488,13 +483,8 @@ class HeadGraphs:
         self.pool = None
 
     def _capture(self, entry: HeadGraph) -> torch.Tensor:
-        side = side_stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
-            eager = self._body(entry).clone()  # compiles for these shapes; answers this call
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        entry.probabilities = capture(graph, lambda: self._body(entry), self.device, self.pool)
+        """The graph of `entry`'s bucket; returns the answer of the eager run before the capture."""
+        graph, eager, entry.probabilities = capture(lambda: self._body(entry), self.device, self.pool)
         self.pool = graph.pool()
         entry.graph = graph
         self.captures += 1

@@ -63,23 +63,6 @@ def partial_attention_flash(q, k, v, cu_q, cu_k, max_q, max_k, used_k):
     return out, lse
 
 
-def partial_attention_torch(q, k, v, cu_q, cu_k, max_q, max_k, used_k):
-    """The same in plain PyTorch, sequence by sequence (what tests swap in for the flash kernel)."""
-    scale = q.shape[-1] ** -0.5
-    outs, lses = [], []
-    for index in range(cu_q.numel() - 1):
-        qs = q[int(cu_q[index]): int(cu_q[index + 1])].float().transpose(0, 1)  # [H, Lq, d]
-        start = int(cu_k[index])
-        end = start + min(int(used_k[index]), int(cu_k[index + 1]) - start)
-        ks, vs = (x[start:end].float().transpose(0, 1) for x in (k, v))
-        scores = qs @ ks.transpose(1, 2) * scale
-        lse = torch.logsumexp(scores, -1) if end > start else torch.full(qs.shape[:2], float("inf"))
-        out = torch.softmax(scores, -1) @ vs if end > start else torch.zeros_like(qs)
-        outs.append(out.transpose(0, 1).to(q.dtype))
-        lses.append(lse)
-    return torch.cat(outs), torch.cat(lses, dim=1)
-
-
 def attention_split_keys(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, counts: torch.Tensor | None,
                          splits: int, partial=partial_attention_flash) -> torch.Tensor:
     """`attention_flash_counts` with each row's keys cut into `splits` pieces of equal padded length, every piece

@@ -266,19 +266,14 @@ def _bmm_writes_float32(device: torch.device) -> bool:
         return False
 
 
-def float32_bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a @ b ([G, M, K] x [G, K, N]) in float32. On CUDA a bf16/fp16 GEMM accumulates in float32 and writes float32
-    (bmm's out_dtype), so nothing is rounded to bf16 on the way out; elsewhere (or on a torch without out_dtype)
-    the plain float32 product."""
-    if b.is_cuda and b.dtype in (torch.bfloat16, torch.float16) and _bmm_writes_float32(b.device):
-        return torch.bmm(a.to(b.dtype), b, out_dtype=torch.float32)
-    return a.float() @ b.float()
-
-
 def pooled_sums(pooling: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     """pooling @ rows in float32 ([G, spans, rows] x [G, rows, D] -> [G, spans, D]): span sums as a batch of GEMMs
-    instead of a padded gather, a mask and a reduction."""
-    return float32_bmm(pooling, rows)
+    instead of a padded gather, a mask and a reduction. On CUDA a bf16/fp16 GEMM accumulates in float32 and writes
+    float32 (bmm's out_dtype), so nothing is rounded to bf16 on the way out; elsewhere (or on a torch without
+    out_dtype) the plain float32 product."""
+    if rows.is_cuda and rows.dtype in (torch.bfloat16, torch.float16) and _bmm_writes_float32(rows.device):
+        return torch.bmm(pooling.to(rows.dtype), rows, out_dtype=torch.float32)
+    return pooling.float() @ rows.float()
 
 
 # ---- the layers as plain functions of the modules' parameters (eval mode: every dropout has p=0) --------------

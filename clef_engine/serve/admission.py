@@ -15,7 +15,6 @@ import time
 from collections.abc import Callable
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
-from typing import Any
 
 from starlette.concurrency import run_in_threadpool
 
@@ -65,7 +64,8 @@ class BigBodies:
             # The body travels through a file, not the pool's pipe: pickling tens of megabytes holds the GIL for as
             # long as parsing them would, while a file's write is a system call that lets go of it.
             with tempfile.NamedTemporaryFile(prefix="clef-body-") as spool:
-                await run_in_threadpool(_write_all, spool, raw)
+                await run_in_threadpool(spool.write, raw)  # a body this big skips the file's buffer
+                spool.flush()
                 return await asyncio.wrap_future(pool.submit(request_from_json_file, spool.name, parts))
         except BrokenProcessPool:
             # a worker died under this body (the kernel's out-of-memory killer): the body's size, not a fault; the
@@ -90,11 +90,6 @@ def die_with_parent(parent: int) -> None:
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
     if os.getppid() != parent:  # the server died before the line above: no signal will come
         os._exit(0)
-
-
-def _write_all(file: Any, data: bytes) -> None:
-    file.write(data)
-    file.flush()
 
 
 class Turns:

@@ -83,46 +83,36 @@ def body_kind(content_type: str | None) -> str:
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
-def _json_tree_at_fault(value: Any) -> bool:
-    stack: list[tuple[Any, int]] = [(value, 0)]
+def _check_json_tree(value: Any) -> None:
+    """Refuse JSON nested deeper than MAX_JSON_DEPTH, or holding strings that are not Unicode (JSON allows escaped
+    lone surrogates like "\\ud800"; nothing downstream can encode them), naming the place. A body of a million small
+    objects takes a while to walk, holding the GIL every other request needs: the walk builds no locations (each
+    container's entry points to its parent's) and names a place only for a fault. Iterative: no recursion to blow."""
+    stack: list[tuple[Any, Any, Any, int]] = [(value, None, None, 0)]  # container, parent's entry, key there, depth
     while stack:
-        item, depth = stack.pop()
+        entry = stack.pop()
+        item, depth = entry[0], entry[3]
         if depth >= MAX_JSON_DEPTH:
-            return True
-        if type(item) is dict:
-            if any(not key.isascii() and _SURROGATE.search(key) for key in item):
-                return True
-            children = item.values()
-        else:
-            children = item
-        for child in children:
+            raise invalid(_location(entry)[:8], f"JSON nested deeper than {MAX_JSON_DEPTH} levels", "json_too_deep")
+        is_dict = type(item) is dict
+        key: Any  # str in an object, int in an array
+        for key, child in item.items() if is_dict else enumerate(item):
+            if is_dict and not key.isascii() and _SURROGATE.search(key):
+                _check_text(key, [*_location(entry), key])
             kind = type(child)
             if kind is str:
                 if not child.isascii() and _SURROGATE.search(child):
-                    return True
+                    _check_text(child, [*_location(entry), key])
             elif kind is dict or kind is list:
-                stack.append((child, depth + 1))
-    return False
+                stack.append((child, entry, key, depth + 1))
 
 
-def _locate_json_fault(value: Any) -> None:
-    stack: list[tuple[Any, list[str | int]]] = [(value, [])]
-    while stack:
-        item, loc = stack.pop()
-        if isinstance(item, str):
-            _check_text(item, loc)
-            continue
-        if isinstance(item, dict):
-            children: list[tuple[str | int, Any]] = list(item.items())
-            for key in item:
-                _check_text(key, [*loc, key])
-        elif isinstance(item, list):
-            children = list(enumerate(item))
-        else:
-            continue
-        if len(loc) >= MAX_JSON_DEPTH:
-            raise invalid(loc[:8], f"JSON nested deeper than {MAX_JSON_DEPTH} levels", "json_too_deep")
-        stack.extend((child, [*loc, key]) for key, child in children)
+def _location(entry: tuple[Any, Any, Any, int]) -> list[str | int]:
+    loc: list[str | int] = []
+    while entry[1] is not None:
+        loc.append(entry[2])
+        entry = entry[1]
+    return loc[::-1]
 
 
 def _check_text(text: str, loc: list[str | int]) -> None:
@@ -173,12 +163,7 @@ def parse_json_body(raw: bytes) -> dict:
         raise invalid([], f"JSON nested deeper than {MAX_JSON_DEPTH} levels", "json_too_deep") from None
     if not isinstance(value, dict):
         raise invalid([], f"the body must be a JSON object, not {_json_type(value)}", "model_attributes_type")
-    # JSON nested deeper than MAX_JSON_DEPTH, or strings that are not Unicode (JSON allows escaped lone surrogates
-    # like "\ud800"; nothing downstream can encode them), are refused. A body of a million small objects takes a
-    # while to walk, holding the GIL every other request needs: the quick walk keeps no locations, and only a body
-    # it finds fault with is walked again to name the place. Both iterative: no recursion to blow.
-    if _json_tree_at_fault(value):
-        _locate_json_fault(value)
+    _check_json_tree(value)
     return value
 
 

@@ -36,7 +36,6 @@ ANSWER_SECONDS = 5.0  # after the grace, for the 503s to be written before uvico
 
 
 def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    """Add the `serve` subcommand to `python -m clef_engine`'s subparsers."""
     parser = subparsers.add_parser(
         "serve",
         help="serve the Jev / System One HTTP API from a resident model",
@@ -277,16 +276,3 @@ def run_serve(args: argparse.Namespace) -> int:
         for engine in models.values():  # a local engine's worker must be out of torch before the interpreter ends
             engine.close(wait=True)
     return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Run `serve` on its own (`python -m clef_engine.serve.cli --model ...`)."""
-    parser = argparse.ArgumentParser(prog="python -m clef_engine")
-    subparsers = parser.add_subparsers(dest="command", required=True)
-    add_serve_parser(subparsers)
-    args = parser.parse_args(["serve", *(sys.argv[1:] if argv is None else argv)])
-    return args.run(args)
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -67,9 +67,8 @@ class Metrics:
         with self._in_flight_lock:
             self._in_flight_now += 1
             self.in_flight.set(self._in_flight_now)
-            if self._in_flight_now > self._in_flight_most:
-                self._in_flight_most = self._in_flight_now
-                self.max_in_flight.set(self._in_flight_most)
+            self._in_flight_most = max(self._in_flight_most, self._in_flight_now)
+            self.max_in_flight.set(self._in_flight_most)
 
     def leave(self) -> None:
         with self._in_flight_lock:

@@ -18,7 +18,7 @@ from clef_engine.fast.graphs import PrefillGraphs, bucket, buckets
 from clef_engine.fast.packed import LayerState
 from clef_engine.fast.segments import make_segments
 from clef_engine.model.reference import reference_decide
-from tests.support.engine_paths import TOLERANCE, distances, max_difference, words_request
+from tests.support.engine_paths import TOLERANCE, distances, max_difference, partial_attention_torch, words_request
 
 
 @pytest.fixture(scope="module")
@@ -432,7 +432,7 @@ def test_the_heads_attention_split_over_the_keys_answers_as_the_whole_keys_do(sp
     (what the head runs on CUDA through flash, `attention_flash_split`). With the plain per-piece kernel here, the
     merged answer equals the masked attention's, in a batch whose rows have different real key counts, including a
     row whose last pieces hold no real key, and with no counts at all."""
-    from clef_engine.fast.head_kernels import attention_split_keys, partial_attention_torch
+    from clef_engine.fast.head_kernels import attention_split_keys
     from clef_engine.model.head import attention_masked
 
     generator = torch.Generator().manual_seed(21)

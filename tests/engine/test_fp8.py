@@ -153,10 +153,10 @@ def test_precision_defaults_to_bf16_and_fp8_is_refused_on_the_cpu_with_the_reaso
 
 
 def test_serve_takes_precision(tiny_release):
-    from clef_engine.serve.cli import main
+    from clef_engine.__main__ import main
 
     with pytest.raises(SystemExit):  # argparse refuses a precision it does not know, before any load
-        main(["--model", str(tiny_release), "--precision", "int4"])
+        main(["serve", "--model", str(tiny_release), "--precision", "int4"])
 
 
 # ---- the FP8 backbone on the CPU (plain kernels) ---------------------------------------------------------------------

@@ -19,7 +19,13 @@ from clef_engine.fast import attention
 from clef_engine.fast.packed import chunk_bounds
 from clef_engine.fast.segments import make_segments
 from tests.support import REPO
-from tests.support.engine_paths import TOLERANCE, max_difference, run_interpreted, words_request
+from tests.support.engine_paths import (
+    TOLERANCE,
+    attention_with_lse_torch,
+    max_difference,
+    run_interpreted,
+    words_request,
+)
 
 CHUNK = 160  # the engine's chunk here: a request of the tiny tokenizer is ~140 tokens before its state
 
@@ -212,7 +218,7 @@ def test_the_cudnn_chunk_attention_merges_to_the_causal_attention_after_the_earl
     generator = torch.Generator().manual_seed(prefix + n)
     q = torch.randn(n, 6, 32, generator=generator)
     k, v = (torch.randn(prefix + n, 2, 32, generator=generator) for _ in range(2))
-    got = attention.attention_chunk_cudnn(q, k, v, prefix, attend=attention.attention_with_lse_torch, grouped=grouped)
+    got = attention.attention_chunk_cudnn(q, k, v, prefix, attend=attention_with_lse_torch, grouped=grouped)
     assert got.shape == q.shape
     assert (got - attention.attention_after_prefix(q, k, v, prefix)).abs().max().item() <= TOLERANCE
 
@@ -220,7 +226,7 @@ def test_the_cudnn_chunk_attention_merges_to_the_causal_attention_after_the_earl
 def test_a_record_in_chunks_on_the_cudnn_chunk_attention_has_the_whole_forwards_hidden_states(tiny_engine,
                                                                                               monkeypatch):
     backbone = tiny_engine.runner.backbone
-    chunk_attention = functools.partial(attention.attention_chunk_cudnn, attend=attention.attention_with_lse_torch,
+    chunk_attention = functools.partial(attention.attention_chunk_cudnn, attend=attention_with_lse_torch,
                                         grouped=True)
     ids = torch.randint(0, backbone.embed.shape[0], (450,), generator=torch.Generator().manual_seed(1))
     whole, _ = backbone.forward(ids, make_segments([450], tiny_engine.device))
