@@ -12,7 +12,7 @@ from workbench_ui.cases_view import NO_SCHEMA, NOT_MAPPED
 from workbench_ui.shell import (
     RUNS_START_OPEN,
     RUNS_START_SET,
-    confirm_delete,
+    confirm,
     forget_widget,
     get_library,
     get_store,
@@ -314,7 +314,7 @@ with tab_settings:
             st.session_state[K("confirm_delete")] = case_set_id
     if st.session_state.get(K("confirm_delete")) == case_set_id:
         question = f"Delete “{case_set['name']}” and its {case_set['case_count']} case(s)? You can undo this."
-        if confirm_delete(question, K, K("confirm_delete")):
+        if confirm(question, K, K("confirm_delete")):
             _, refused = units.refusal(store.delete_case_set, case_set_id)
             if refused:
                 st.error(refused)

@@ -20,7 +20,7 @@ from workbench_ui.shell import (
     RUNNING_SHOWN_KEY,
     RUNS_START_OPEN,
     RUNS_START_SET,
-    confirm_delete,
+    confirm,
     forget_widget,
     get_engine,
     get_job_runner,
@@ -90,7 +90,7 @@ def render_delete(run: dict) -> None:
             st.session_state[confirm_key] = True
             st.rerun()
         return
-    if confirm_delete(f"Delete run #{run['id']} and its {run['done']} result(s)? You can undo this.", K, confirm_key):
+    if confirm(f"Delete run #{run['id']} and its {run['done']} result(s)? You can undo this.", K, confirm_key):
         _, refused = units.refusal(store.delete_run, run["id"])
         if refused:
             st.error(refused)

@@ -14,6 +14,7 @@ from workbench_ui import sweeps_view as sv
 from workbench_ui.cases_view import case_set_label
 from workbench_ui.compare_view import proposed_schema
 from workbench_ui.shell import (
+    confirm,
     get_engine,
     get_library,
     get_store,
@@ -187,12 +188,6 @@ def render_flips(result, variant: str) -> None:
                                                                             str(row["question"])))
 
 
-def adopt(result, choice: str) -> None:
-    st.session_state.pop(K("confirm_adopt"), None)
-    adopted, message = sv.adopt(library, result, choice)
-    flash("success" if adopted else "error", message, adopted)
-
-
 def render_adopt(result) -> None:
     """Adopt: asks first, then writes the new version; its Undo restores the version it replaced."""
     st.subheader("Adopt")
@@ -205,12 +200,11 @@ def render_adopt(result) -> None:
         if st.button("Adopt…", key=K("adopt"), icon=":material/check:"):
             st.session_state[K("confirm_adopt")] = (result.id, choice)
             st.rerun()
-        return
-    with st.container(border=True, key=K("confirm_adopt_box")):
-        st.warning(sv.adopt_question(library, result, choice), icon=":material/help:")
-        cols = st.columns(2)
-        cols[0].button("Yes, adopt it", key=K("adopt_yes"), type="primary", on_click=adopt, args=(result, choice))
-        cols[1].button("Cancel", key=K("adopt_no"), on_click=st.session_state.pop, args=(K("confirm_adopt"), None))
+    elif confirm(sv.adopt_question(library, result, choice), K, K("confirm_adopt"), yes_label="Yes, adopt it",
+                 icon=":material/help:"):
+        adopted, message = sv.adopt(library, result, choice)
+        flash("success" if adopted else "error", message, adopted)
+        st.rerun()
 
 
 st.title("Schema sweeps")

@@ -1,9 +1,6 @@
-"""The Decide page's logic, without Streamlit (so every rule is unit-tested directly): the schema builder, problems
-routed to their field, the token-budget cache, a run's result, save-as-case, and the per-session draft.
-
-State lives in a mutable mapping (session_state on the page, a dict in tests) under keys `decide.<name>`; each
-builder question has a stable uid so its widgets keep their values when questions move (`decide.q<uid>.<field>`).
-"""
+"""The Decide page's logic without Streamlit: the schema builder, problems routed to their field, the token-budget
+cache, a run's result, save-as-case and the draft. State lives in a mapping under `decide.<name>`; each question has a
+stable uid so its widgets keep their values when questions move."""
 
 from __future__ import annotations
 
@@ -53,8 +50,7 @@ def kept(state: MutableMapping, name: str, default: Any = None) -> Any:
 
 
 def forget_kept(state: MutableMapping, name: str, unless_in: Any = ()) -> None:
-    """Forget a kept widget's value unless it is among `unless_in` (its options now: a set deleted, a model
-    unloaded)."""
+    """Forget a kept widget's value unless it is among `unless_in` (its options now)."""
     for stale in (name, KEEP_PREFIX + name):
         if stale in state and state[stale] not in unless_in:
             del state[stale]
@@ -68,10 +64,8 @@ def row_keys(uid: int) -> dict[str, str]:
 
 
 class Builder:
-    """The questions on screen and which library schema (if any) they came from.
-
-    `loaded_slug` is the identity: the Update button, the Library picker and the case set proposed by "Save as
-    case" follow it, and `new_schema` clears it together with everything that belonged to the old schema."""
+    """The questions on screen and the library schema they came from: `loaded_slug` is the identity that Update, the
+    Library picker and Save as case follow."""
 
     def __init__(self, state: MutableMapping):
         self.state = state
@@ -147,8 +141,7 @@ class Builder:
         uids[i], uids[j] = uids[j], uids[i]
 
     def remove(self, uid: int) -> None:
-        """Take a question off screen; `undo_remove` puts the last one back where it was, with what it held (its
-        widgets' values stay kept under its uid)."""
+        """Take a question off screen; `undo_remove` puts it back where it was, with its kept values."""
         position = self.uids.index(uid)
         self.uids.remove(uid)
         self.state[key("removed")] = {"uid": uid, "position": position, "id": kept(self.state, row_keys(uid)["id"])}
@@ -168,10 +161,8 @@ class Builder:
         self.state.pop(key("removed"), None)
 
     def load(self, slug: str, schema: schemas.Schema) -> None:
-        """Put a library schema on screen: its questions, name, description and example states; it becomes the
-        identity. The state editor keeps what was typed (a record is often written before the schema to ask about
-        it is chosen): it gets the schema's first example only when it holds nothing typed (it is empty, or still
-        holds an example of the schema on screen). Questions it replaces can be undone."""
+        """Put a library schema on screen; it becomes the identity. The state editor gets its first example only when it
+        holds nothing typed. Undoable."""
         typed = self._kept(key("state_text")).strip() not in {"", *self._example_texts()}
         if self.uids:
             self._remember_replaced("schema", f"Loaded “{slug}” in place of the questions that were here.")
@@ -232,8 +223,7 @@ class Builder:
         return replaced["message"] if replaced and replaced["place"] == place else None
 
     def undo_replace(self) -> None:
-        """Put back what the last Load or Use example replaced: the state typed, or the questions and their
-        identity."""
+        """Put back what the last Load or Use example replaced."""
         replaced = self.state.pop(key("replaced"), None)
         if replaced is None:
             return
@@ -250,8 +240,7 @@ class Builder:
             set_kept(self.state, key("state_text"), replaced["values"]["state_text"])
 
     def unsaved_changes(self) -> bool:
-        """True when the questions on screen differ from the loaded schema's (or, with none loaded, when there are
-        any): loading another schema would discard them."""
+        """True when the questions on screen differ from the loaded schema's (or exist, with none loaded)."""
         questions, _ = schema_rows.rows_to_questions(self.rows())
         loaded = self.state.get(key("loaded_questions"))
         if loaded is None:
@@ -259,8 +248,7 @@ class Builder:
         return json.dumps(questions, sort_keys=True) != json.dumps(loaded, sort_keys=True)
 
     def schema_to_save(self, questions: dict, name: str, description: str, *, update: bool) -> schemas.Schema:
-        """The schema the Save buttons write. Example states belong to the loaded schema: they go with an update of
-        it, not into a new schema."""
+        """The schema the Save buttons write; examples go with an update only, not into a new schema."""
         return schemas.Schema(name=name.strip() or "Untitled schema", questions=questions, description=description,
                               examples=self.examples if update else [])
 
@@ -290,9 +278,8 @@ def question_rows(target: int | str, rows: list[dict[str, Any]]) -> list[int]:
 
 def route_schema_problems(problems: list[schemas.SchemaProblem], rows: list[dict[str, Any]],
                           messages: Messages) -> None:
-    """Builder and lint problems: next to their question, or on the schema when they name none. An empty builder
-    (New schema) gets none: its "No questions yet" says what to do, and a red error on a page just opened says
-    something went wrong."""
+    """Builder and lint problems next to their question, or on the schema; none for an empty builder (its "No questions
+    yet" says what to do)."""
     for problem in problems:
         if not rows and problem.loc == ("questions",):
             continue
@@ -342,9 +329,8 @@ def fingerprint(request: dict[str, Any] | None) -> str:
 
 
 class BudgetCache:
-    """Token counts of the last request, so a rerun that changed nothing does not tokenize again. Keyed by the
-    request's fingerprint, max_length and the engine object itself (held weakly): a reloaded model never gets
-    counts from the one before it, even if Python reuses its id."""
+    """Token counts of the last request, keyed by its fingerprint, max_length and the engine (held weakly, so a reloaded
+    model never reuses counts of the one before)."""
 
     def __init__(self) -> None:
         self._key: tuple[str, int] | None = None
@@ -366,8 +352,7 @@ class BudgetCache:
 
 @dataclass(frozen=True)
 class DecideResult:
-    """What one press of Run produced, kept while the editors change: the exact request, the response, and what
-    Save as case and the JSON tabs need."""
+    """What one press of Run produced, kept while the editors change."""
 
     request: dict[str, Any]
     response: dict[str, Any]
@@ -386,8 +371,7 @@ class DecideResult:
 
     def stale_causes(self, *, questions: dict[str, Any], state: Any, images: list[state_input.Media],
                      videos: list[state_input.Media], model: str | None) -> list[str]:
-        """What changed on screen since Run, in words ("the schema", "the state", "the media", "the model"):
-        empty when these answers are still those of the inputs on screen."""
+        """What changed on screen since Run, in words; empty when the answers still match the inputs."""
         causes = []
         if json.dumps(questions, sort_keys=True) != json.dumps(self.questions, sort_keys=True):
             causes.append("the schema")
@@ -407,8 +391,7 @@ class DecideResult:
 
 
 def answer_text(summary: answers.AnswerSummary, answer: dict[str, Any]) -> str:
-    """An answer card's headline: a score's level with its label ("level 1 · Medium"), so it reads without the
-    legend; other answers as they are."""
+    """An answer card's headline: a score's level with its label ("level 1 · Medium")."""
     if summary.type != "score":
         return summary.top_option
     label = (answer.get("legend") or {}).get(summary.top_option)
@@ -434,8 +417,8 @@ def keep_result(state: MutableMapping, result: DecideResult) -> None:
 
 
 def save_as_case(store: Any, result: DecideResult, case_set_name: str, *, with_labels: bool, tags_text: str) -> int:
-    """Add the run's state and media to a case set (created if missing); with_labels stores the model's answers as
-    the expected answers (the user checked them). Returns the case id. Raises StoreError / ValueError."""
+    """Add the run's state and media to a case set (created if missing), with the answers as expected labels when asked.
+    Raises StoreError / ValueError."""
     # the library identity (the slug the Case sets and Runs pages load), not the display name
     case_set_id = store.get_or_create_case_set(case_set_name, schema_name=result.schema_slug or None)
     return store.add_case(
@@ -477,8 +460,7 @@ def _media_entry(media: state_input.Media) -> dict[str, Any]:
 
 
 def result_entry(result: DecideResult | None) -> dict[str, Any] | None:
-    """The last run's result as JSON-able data: its request without the media (rebuilt from them on restore) and its
-    media by digest, like the draft's own."""
+    """The last run's result as JSON-able data: the request without media, the media by digest."""
     if result is None:
         return None
     return {"request": {k: v for k, v in result.request.items() if k not in ("images", "videos")},
@@ -489,8 +471,7 @@ def result_entry(result: DecideResult | None) -> dict[str, Any] | None:
 
 
 def draft_of(state: MutableMapping) -> dict[str, Any]:
-    """The editors' contents and the last run's result as JSON-able data; media by their digest (with_media_bytes
-    adds the bytes)."""
+    """The editors' contents and the last result as JSON-able data, media by digest."""
     builder = Builder(state)
     values = {name: kept(state, key(name)) for name in DRAFT_FIELDS}
     media = state.get(key("media"), state.get(key("restored_media"))) or []
@@ -500,9 +481,7 @@ def draft_of(state: MutableMapping) -> dict[str, Any]:
 
 
 def with_media_bytes(draft: dict[str, Any], state: MutableMapping) -> dict[str, Any]:
-    """The draft as stored: each medium with its bytes (base64), so a reload brings the uploads back too. The media
-    the last result was run with carry bytes only where the editors no longer hold them (each set is within the
-    media limits, and the same file is stored once)."""
+    """The draft as stored: each medium with its bytes (base64), once, so a reload brings the uploads back."""
     on_screen = {hashlib.sha256(m.data).hexdigest(): m.data
                  for m in state.get(key("media"), state.get(key("restored_media"))) or []}
     stored = {**draft, "media": [{**entry, "base64": _base64(on_screen[entry["sha256"]])}
@@ -526,8 +505,7 @@ def _media_of(entry: dict[str, Any], data: bytes) -> state_input.Media:
 
 
 def _restored_result(entry: dict[str, Any], on_screen: dict[str, bytes]) -> DecideResult | None:
-    """The last run's result from its draft entry, its request carrying its media again; None when a medium it was
-    run with is missing from the draft (its answers would no longer match a request that can be shown)."""
+    """The last result from its draft entry; None when a medium it ran with is missing."""
     media = []
     for medium in entry.get("media") or []:
         data = base64.b64decode(medium["base64"]) if medium.get("base64") else on_screen.get(medium["sha256"])
@@ -586,9 +564,8 @@ FRAME_THUMBNAIL_PX = 160  # wide enough to tell what a frame shows, four to a ro
 
 
 def frame_thumbnail(frame: np.ndarray, width: int = FRAME_THUMBNAIL_PX) -> Image.Image:
-    """A sampled video frame (H×W×3 uint8) as an image at least `width` pixels wide. Frames are often small (the
-    model's sampling size), and an image is shown at its own size: enlarged by whole pixels (nearest neighbour), so
-    what is seen is exactly what the model read, not a blur."""
+    """A sampled frame at least `width` px wide, enlarged by whole pixels (nearest) so it shows exactly what the model
+    read."""
     image = Image.fromarray(np.asarray(frame))
     if image.width >= width:
         return image
@@ -600,9 +577,7 @@ def frame_thumbnail(frame: np.ndarray, width: int = FRAME_THUMBNAIL_PX) -> Image
 
 
 def model_for_run(state: MutableMapping, names: list[str], default: str | None) -> str | None:
-    """The model this page's next run uses, among the loaded `names` (the default first), kept as the model
-    picker's value: the one picked here while it stays loaded, until the default changes (Make default, in any
-    session), which switches this page to the new default."""
+    """The model this page's next run uses: the one picked here while loaded, until the default changes."""
     if state.get(key("model_default_seen")) != default:
         state[key("model_default_seen")] = default
         forget_kept(state, key("model"))
@@ -612,14 +587,12 @@ def model_for_run(state: MutableMapping, names: list[str], default: str | None) 
 
 
 def chosen_model(names: list[str], picked: str | None) -> str | None:
-    """The model a Decide run uses among the loaded ones (`names`, the default first): the one picked on this page
-    while it stays loaded; otherwise (never picked, or since unloaded) the default."""
+    """The picked model while it stays loaded, else the default (`names[0]`)."""
     if picked in names:
         return picked
     return names[0] if names else None
 
 
 def counts_tokens_here(engine: DecisionEngine) -> bool:
-    """Whether token counts (the budget bar) and sampled video frames can be shown for `engine`: a local engine
-    tokenizes here; a remote endpoint tokenizes on its side (and reports input_tokens in its answer)."""
+    """A local engine tokenizes here; a remote endpoint does so on its side."""
     return not engine.info().get("remote")

@@ -1,6 +1,5 @@
-"""The Streamlit shell: the process-wide engine, store and runners as the pages see them, the sidebar (models and
-status), kept widgets, and requests run through the one GPU queue with "queued, n ahead" feedback. Nothing here
-knows SQL or tensors."""
+"""The Streamlit shell: the process-wide engine, store and runners, the sidebar (models and status), kept widgets, and
+requests through the one GPU queue with "queued, n ahead" feedback."""
 
 from __future__ import annotations
 
@@ -39,8 +38,7 @@ log = logging.getLogger(__name__)
 POLL_SECONDS = 0.2
 STATUS_REFRESH_SECONDS = WorkbenchSettings.from_env().status_refresh_s  # how often the sidebar status redraws itself
 PAGES_DIR = Path(__file__).resolve().parents[1] / "pages"
-# (file in pages/, title, icon), in the navigation's order; pages not there yet (other parts of the workbench) are
-# simply not listed.
+# (file in pages/, title, icon), in the navigation's order
 PAGE_SPECS = [
     ("decide.py", "Decide", ":material/psychology:"),
     ("schemas.py", "Schemas", ":material/schema:"),
@@ -53,12 +51,10 @@ PAGE_SPECS = [
 
 
 def render_shell(page_file: str) -> None:
-    """The first call of every page in pages/ (`render_shell(__file__)`): the browser tab's title, the workbench's
-    navigation and the sidebar. Streamlit runs a page of its pages folder on its own (a link, a click, a reload), so
-    each page draws the shell itself and looks the same however it was opened."""
+    """Every page's first call: the tab's title, the navigation and the sidebar (a page opened by link or reload draws
+    the shell itself)."""
     name = Path(page_file).name
     title, icon = next((title, icon) for file, title, icon in PAGE_SPECS if file == name)
-    # the browser tab names the page, so several open tabs of the workbench can be told apart
     st.set_page_config(page_title=f"{title} · Clef Workbench", page_icon=icon, layout="wide")
     with st.sidebar:
         for file, page_title, page_icon in PAGE_SPECS:
@@ -67,9 +63,7 @@ def render_shell(page_file: str) -> None:
     render_sidebar()  # before the page, so a page that stops early (st.stop) still has it; its status refreshes itself
 
 
-def model_manager() -> ModelManager:
-    """One per process, shared by all sessions and the HTTP API: one resident model, one GPU queue."""
-    return shared_manager()
+model_manager = shared_manager  # one per process, shared by all sessions and the HTTP API
 
 
 @st.cache_resource(show_spinner=False)
@@ -80,8 +74,7 @@ def get_store():
     return Store(WorkbenchSettings.from_env().db_path)
 
 
-# The process-wide runners of the current database: batch runs and sweeps keep going across page switches, reloads
-# and sessions.
+# The process-wide runners: batch runs and sweeps keep going across page switches, reloads and sessions.
 def get_job_runner():
     return _runner("runs", str(get_store().path))
 
@@ -105,12 +98,11 @@ def get_library() -> SchemaLibrary:
 
 
 def get_engine(*, show_errors: bool = True):
-    """The resident engine, waiting (with progress) while a load runs. Returns None if no model could be loaded;
-    the reason is shown unless show_errors is False."""
+    """The resident engine, waiting (with progress) while a load runs; None, with the reason shown unless show_errors is
+    False, when none loaded."""
     manager = model_manager()
     state = manager.state()
-    # Always there, empty once loaded: the page's elements keep their places when the load ends, so the browser
-    # updates them rather than drawing the page anew (which would drop what someone is typing).
+    # always there: the page's elements keep their places when the load ends (a redraw drops what is being typed)
     loading_area = st.container()
     if state.loading_source is not None:
         with loading_area.status(f"Loading {label_of(state.loading_source)}…", expanded=True) as status:
@@ -123,8 +115,6 @@ def get_engine(*, show_errors: bool = True):
                 status.update(label="Loading failed", state="error", expanded=False)
             else:
                 status.update(label=f"Loaded {label_of(state.source)}", state="complete", expanded=False)
-    # no banner of its own for the demo: the pages flag random weights next to the answers, once (three banners
-    # said it at once after the first Run)
     if show_errors and state.error:
         st.error(state.error, icon=":material/warning:")
     if show_errors and state.notice:
@@ -139,8 +129,7 @@ def random_weights_text(model_name: str) -> str:
 
 
 def random_weights_notice(model_name: str | None) -> None:
-    """Where a page shows answers: a warning when the model that produced them has random weights (the demo, a
-    release or an endpoint that says so)."""
+    """A warning where answers come from a model with random weights."""
     if model_name and model_manager().random_weights(model_name):
         st.warning(random_weights_text(model_name), icon=":material/casino:")
 
@@ -174,8 +163,7 @@ PRECISION_CHOICES = {"bf16 (default)": "bf16", "FP8 (W8A8: faster, slightly less
 
 
 def pick_precision(key: str, source: str) -> str | None:
-    """The precision to load a local model in: a choice on a machine whose GPU runs FP8; elsewhere a line saying why
-    there is none, and None (the engine's default)."""
+    """bf16 or FP8 where the GPU runs FP8; elsewhere a line saying why not, and None (the engine's default)."""
     if not source or is_endpoint(source):
         return None  # an endpoint answers in whatever precision it runs
     unavailable = fp8_unavailable()
@@ -188,12 +176,8 @@ def pick_precision(key: str, source: str) -> str | None:
     return PRECISION_CHOICES[picked]
 
 
-# Nothing on a page may hide what it says behind an ellipsis at 1024 px ("Make def…", "p50 compute per re…",
-# "150,762.4…"), nor break a word across lines ("Rem/ove", "81.7/%"): button labels, metric labels and values wrap
-# between words, a button is at least as wide as its longest word, metric values shrink with a narrow window, and
-# below 1280 px the page's side margins give their room to the content. Decide's Images uploader takes files up to
-# the videos' size, so that an image over its own limit is refused in words under it (not by the browser with a red
-# icon): its instructions say the images' limit, not the uploader's ("64MB per file" beside a caption of 20 MB).
+# No ellipsis nor word broken across lines at 1024 px: labels and values wrap between words, buttons are as wide as
+# their longest word, margins shrink below 1280 px. Decide's Images uploader states the images' limit, not its own.
 PAGE_STYLE = """<style>
 button [data-testid="stMarkdownContainer"], button [data-testid="stMarkdownContainer"] *,
 [data-testid="stMetricLabel"], [data-testid="stMetricLabel"] *,
@@ -211,8 +195,7 @@ button [data-testid="stMarkdownContainer"], button [data-testid="stMarkdownConta
 
 
 def render_sidebar() -> None:
-    """The default model's selector, the other resident models (add, make default, remove) and the status, drawn
-    before the page."""
+    """The default model's selector, the other resident models and the status, drawn before the page."""
     st.html(PAGE_STYLE)
     manager = model_manager()
     state = manager.state()
@@ -249,8 +232,7 @@ def render_sidebar() -> None:
 
 
 def render_models(manager: ModelManager) -> None:
-    """Every resident model when there are several (Decide, Runs and the API pick among them), with Make default and
-    Unload (which asks first)."""
+    """Every resident model when there are several, with Make default and Unload (asked first)."""
     models = manager.loaded()
     if len(models) > 1:
         st.caption("Loaded models (the API and the Decide and Runs pages pick among them):")
@@ -267,7 +249,7 @@ def render_models(manager: ModelManager) -> None:
         if st.button("Unload…", key=f"sidebar.remove.{model.name}", icon=":material/close:"):
             st.session_state["sidebar.confirm_remove"] = confirming = model.name
         # the question right under the button that asked it
-        if confirming == model.name and confirm_delete(
+        if confirming == model.name and confirm(
                 f"Unload {model.name}? Runs on it stop after their batch in flight; you can load it again.",
                 page_key("sidebar"), "sidebar.confirm_remove", yes_label="Yes, unload", icon=None):
             with contextlib.suppress(KeyError):  # unloaded meanwhile by another session
@@ -277,8 +259,7 @@ def render_models(manager: ModelManager) -> None:
 
 def render_add_model(manager: ModelManager) -> None:
     """Load one more model beside the resident ones."""
-    # open while this session's add has something to say: the rerun after Add (and the model list growing above it)
-    # would otherwise draw the expander closed again, hiding its progress and outcome
+    # open while this session's add has news: a rerun would draw it closed, hiding its progress
     with st.expander("Add a model", icon=":material/add:", expanded=ADDED_KEY in st.session_state,
                      key="sidebar.add_box"):
         st.caption("Loads beside the others (each keeps its own engine; local ones share the GPU's queue). Memory "
@@ -317,12 +298,9 @@ def follow_add() -> None:
 
 
 def live_status() -> None:
-    """The model status. While a model loads or warms up it redraws on its own every few seconds (until the page's
-    next run); otherwise it is redrawn with the page. A refresh of its own finishing while the page runs made the
-    browser redraw the page's text fields from their declared defaults and send those back as if typed, wiping what a
-    person wrote (a draft's question ids, a case set's name). It never reruns the page itself: a rerun started by the
-    server carries the fields' values as the server last saw them, and an edit the browser sent meanwhile was
-    lost."""
+    """The model status, refreshing itself only while a model loads or warms up. It never reruns the page: a refresh
+    finishing during the page's run made the browser send the text fields' declared defaults back as typed, and a
+    server-started rerun carries stale values."""
     state = model_manager().state()
     if state.status in ("loading", "warming") or state.adding:
         st.fragment(lambda: render_status(model_manager().state()), run_every=STATUS_REFRESH_SECONDS)()
@@ -360,8 +338,7 @@ def render_status(state: LoadState) -> None:
 
 
 def precision_text(info: dict) -> str:
-    """Which precision answers: the weights' dtype ("float32" on the CPU, "bfloat16"), or "FP8 (W8A8) — max |Δp| …
-    from float32 …" with its measured distance. One line: a dtype beside an engine's default "bf16" contradicted it."""
+    """Which precision answers: the weights' dtype, or FP8 with its measured distance from float32."""
     if info.get("precision") != "fp8":
         return info.get("dtype") or info.get("precision") or "–"
     from clef_engine.fp8_fidelity import describe_fidelity
@@ -375,23 +352,21 @@ RUNNING_SHOWN_KEY = "sidebar.running_runs"  # the runs the sidebar last drew as 
 
 
 def running_run_ids() -> list[int]:
-    """Runs some workbench process is working on now (their lease is live), from the database: a run's batches
-    wait in the engine's queue only one at a time, so the queue depth alone hides them."""
+    """Runs some workbench process works on now (live lease): the queue depth alone hides them."""
     store = get_store()
     return [r["id"] for r in store.list_runs() if r["status"] == "running" and store.run_lease_holder(r["id"])]
 
 
 def running_runs_text() -> str:
-    """The runs running now, remembered as what the sidebar shows: a page that follows a run redraws when they
-    differ."""
+    """The runs running now, remembered so a page following a run redraws when they differ."""
     running = st.session_state[RUNNING_SHOWN_KEY] = running_run_ids()
     return ", ".join(f"#{run_id}" for run_id in running) + " running" if running else "none running"
 
 
 def run_queued(engine, requests: list[dict], *, max_length: int | None = None, overflow: str = "refuse",
                on_wait: Callable[[str], None] | None = None) -> list[dict]:
-    """Run requests on the shared GPU queue at interactive priority, reporting "queued, n ahead" while waiting.
-    Raises what engine.submit raises for a bad request (RequestError, TokenBudgetError) or BusyError."""
+    """Run requests at interactive priority, reporting "queued, n ahead" while waiting. Raises what engine.submit
+    raises."""
     prepared = [engine.validate(request, max_length=max_length, overflow=overflow) for request in requests]
     future = engine.submit(prepared, priority="interactive")  # validated once, above: carries its budget
     started = time.monotonic()
@@ -411,8 +386,7 @@ def run_queued(engine, requests: list[dict], *, max_length: int | None = None, o
 
 
 def failure_text(what: str, exc: BaseException) -> str:
-    """The words a page shows for a failure it catches broadly ("The run failed: RuntimeError: …"), so that the page
-    stays up; the traceback goes to the operator's log."""
+    """The words for a failure a page catches broadly; the traceback goes to the log."""
     log.error("%s", what, exc_info=exc)
     return f"{what}: {type(exc).__name__}: {exc}"
 
@@ -423,13 +397,11 @@ def page_key(page: str) -> Callable[[str], str]:
 
 
 def kept_widget(widget: Callable[..., Any], label: str, key: str, default: Any = None, **kwargs: Any) -> Any:
-    """A widget whose value survives page switches. Streamlit drops a widget's state when a run does not render it
-    (another page), so we keep a copy under a non-widget key and restore it when the widget comes back."""
+    """A widget whose value survives page switches (Streamlit drops the state of a widget a run does not draw): a copy
+    is kept and restored."""
     if key not in st.session_state:
         st.session_state[key] = st.session_state.get(KEEP_PREFIX + key, default)
-    # The browser falls back to a widget's declared default whenever it redraws the widget without the value it
-    # held (a fragment's refresh finishing during the page's own run does that), and sends that back as if chosen:
-    # declared as the value the server holds, such a fallback changes nothing.
+    # declared as the value the server holds: a browser redraw that falls back to the default changes nothing
     kwargs.update(declared_default(widget.__name__, st.session_state[key], kwargs.get("options")))
     value = widget(label, key=key, **kwargs)
     st.session_state[KEEP_PREFIX + key] = value
@@ -453,8 +425,8 @@ def show_message(key: str, **kwargs: Any) -> None:
 
 
 def show_flash(key: str, undo: Callable[..., None]) -> None:
-    """The message a page's action left under `key` for its next run, (kind, text, undo arguments or None), shown
-    once; with undo arguments, an Undo button beside it calls undo(*arguments)."""
+    """The message (kind, text, undo arguments or None) an action left under `key`, shown once, with Undo when it has
+    arguments."""
     message = st.session_state.pop(key, None)
     if not message:
         return
@@ -473,11 +445,8 @@ def url_int(name: str) -> int | None:
 
 def pick_id(ids: list[int], key: str, label: str, format_func: Callable[[int], str], *, param: str,
             what: str) -> int | None:
-    """A selector of one row (a run, a case set) whose choice is kept across page switches and shared through the
-    URL: a session's first visit opens the one the link names (?run=12), and the URL always names the one shown,
-    so the address bar is a link to what is on screen. A link to one that does not exist (deleted, a typo, another
-    database) shows "not found" with what exists, and returns None: it never opens another one in its place nor
-    rewrites the URL. A kept choice deleted since falls back to the first (newest)."""
+    """A selector of one row kept across page switches and shared through the URL (`param`): a first visit opens the
+    linked one; a link to one that is not there shows "not found" and returns None."""
     first_visit = KEEP_PREFIX + key not in st.session_state
     if first_visit and st.query_params.get(param) is not None:
         linked = url_int(param)
@@ -496,8 +465,7 @@ def pick_id(ids: list[int], key: str, label: str, format_func: Callable[[int], s
 
 
 def show_not_found(missing: links.Missing, key: str | None = None) -> None:
-    """"Not found" for a link: what it asked for, and links to what exists. With `key` (a pick_id selector), a
-    button opens the first that exists instead, when the person asks."""
+    """"Not found" for a link, with links to what exists; with `key`, a button opens the first instead."""
     st.error(missing.message, icon=":material/link_off:")
     if missing.links:
         st.markdown("\n".join(f"- [{text}]({url})" for text, url in missing.links)
@@ -532,15 +500,15 @@ def set_widget(key: str, value: Any) -> None:
     set_kept(st.session_state, key, value)
 
 
-def confirm_delete(question: str, key: Callable[[str], str], confirm_key: str, *, yes_label: str = "Yes, delete it",
-                   icon: str | None = ":material/delete:") -> bool:
-    """Asks before a delete (`confirm_key` set opened the question): True when `yes_label` was clicked. Either button
-    closes the question."""
-    with st.container(border=True, key=key("confirm_delete_box")):
+def confirm(question: str, key: Callable[[str], str], confirm_key: str, *, yes_label: str = "Yes, delete it",
+            no_label: str = "Cancel", icon: str | None = ":material/delete:") -> bool:
+    """Asks before an action (`confirm_key` set opened it): True when `yes_label` was clicked; either button closes
+    it."""
+    with st.container(border=True, key=key("confirm_box")):
         st.warning(question, icon=icon)
         cols = st.columns(2)
-        yes = cols[0].button(yes_label, key=key("delete_yes"), type="primary")
-        if yes or cols[1].button("Cancel", key=key("delete_no")):
+        yes = cols[0].button(yes_label, key=key("confirm_yes"), type="primary")
+        if yes or cols[1].button(no_label, key=key("confirm_no")):
             st.session_state.pop(confirm_key, None)
         if not yes and confirm_key not in st.session_state:  # cancelled: drawn again without the question
             st.rerun()
