@@ -1,5 +1,4 @@
-"""Case sets: create, import CSV / text / JSONL / Excel with a column mapping, edit in a table, export. Rendering
-only: what it reads, imports, saves and says comes from workbench_ui.cases_view."""
+"""Case sets: create, import with a column mapping, edit, export. Rendering only (workbench_ui.cases_view)."""
 
 from __future__ import annotations
 
@@ -48,8 +47,7 @@ def undo_delete(kind: str, object_id: int | list[int]) -> None:
 
 
 def show_problems(problems: list[str], *, stage: str) -> None:
-    """The problems of a save that was refused (an error), or of a file chosen for import (nothing was tried yet: a
-    warning naming what fixes them: a choice above, or the file)."""
+    """The problems of a refused save (an error) or of a chosen file (a warning)."""
     heading = view.problems_heading(len(problems), stage=stage)
     if stage == "save":
         st.error(heading)
@@ -150,8 +148,7 @@ with tab_cases:
 
 
 def import_file(case_set_id: int, case_set: dict, schema: dict | None) -> None:
-    """The Import tab: choose a file, how to read it and which columns mean what, see the problems and a preview,
-    then import."""
+    """The Import tab: a file, how to read it, its mapping, its problems and preview, then import."""
     # a new uploader after each import: the imported file leaves no live Import button behind, and the next file
     # goes into an empty uploader instead of replacing one (a replacement raced the page's rerun in the browser)
     imports_done = st.session_state.get(K("imports_done"), 0)
@@ -189,8 +186,7 @@ def import_file(case_set_id: int, case_set: dict, schema: dict | None) -> None:
 
 
 def read_upload(upload):
-    """The chosen file, read with the encoding and delimiter chosen (or detected); None, its problems shown, when it
-    cannot be read."""
+    """The file read with the encoding and delimiter chosen; None, its problems shown, when unreadable."""
     kind = importing.file_kind(upload.name)
     read_cols = st.columns(2)
     encoding = delimiter = DETECTED
@@ -242,8 +238,7 @@ def choose_mapping(columns: list[str], schema: dict | None, file_id: str):
 
 
 def choose_state(chosen_columns: view.ImportMapping, file_id: str):
-    """The state: fields from chosen columns (a suggestion offered), or one column's text; a warning when answers
-    would leak into it."""
+    """The state: fields from chosen columns or one column's text; a warning when answers leak into it."""
     columns = chosen_columns.columns
     state_mode = st.radio("State", view.STATE_MODES, horizontal=True, key=K("map.state_mode"))
     if state_mode == view.FIELDS_FROM_COLUMNS:

@@ -1,7 +1,5 @@
-"""Compare: two or more runs of one case set side by side (different models, schema versions, or a local and a
-remote model): agreement and flips per question, accuracy / calibration / latency with bootstrap intervals, a
-matrix of cases × runs where a click opens the case, and "run this schema on this case set with these models" as
-one action. Rendering only: the numbers and tables come from clef_workbench.compare."""
+"""Compare: runs of one case set side by side — agreement, flips, metrics with intervals, a cases × runs matrix, and one
+action that runs a schema with several models. Rendering only (workbench_ui.compare_view)."""
 
 from __future__ import annotations
 
@@ -40,9 +38,7 @@ DEMO_MODEL = request_model_name(DEMO_SOURCE)
 
 
 def start_comparison(set_id: int, slug: str, number: int, names: list[str]) -> None:
-    """Callback of the one action: a run of the schema version per model, then show them side by side. The pickers
-    are read at the click: the arguments were bound when the page last finished drawing, and a choice made just
-    before the click (its rerun cut short by the click) is newer than them."""
+    """The one action's callback; the pickers are read at the click (a choice just made is newer than the arguments)."""
     state = st.session_state
     set_id = state.get(K("start.set"), set_id)
     slug = state.get(K(f"start.schema.{set_id}"), slug)
@@ -69,8 +65,7 @@ def open_case(case_id: int | None) -> None:
 
 
 def open_selected(table: str, selection: list, case_of) -> None:
-    """Open the case of a table's selected row or cell, once per new selection (a selection stays selected on
-    the next runs, and must not reopen a case the user closed since)."""
+    """Open the case of a new selection (a kept selection must not reopen a closed case)."""
     seen = K(f"{table}.seen")
     if selection and selection != st.session_state.get(seen):
         open_case(case_of(selection[0]))
@@ -119,8 +114,7 @@ show_message(K("flash"))
 
 
 def follow_started(run_ids: list[int]) -> None:
-    """The runs the one action started, followed to their end (each links to its Runs page); the whole page again
-    when the last one ends, so that they are compared."""
+    """The started runs, followed to their end; then the whole page again."""
     runs_now = {r["id"]: r for r in store.list_runs()}
     shown = [runs_now[r] for r in run_ids if r in runs_now]
     for run in shown:

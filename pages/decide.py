@@ -1,6 +1,5 @@
-"""Decide: write a state, attach media, build a schema, check the token budget, run, read the answers, save a case.
-Rendering only: the logic is workbench_ui.decide_model's, what the buttons do workbench_ui.decide_actions'. Nothing
-here runs the model unless Run is pressed."""
+"""Decide: a state, media and a schema; the token budget; Run; the answers; save as case. Rendering only
+(workbench_ui.decide_model and decide_actions)."""
 
 from __future__ import annotations
 

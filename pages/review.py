@@ -1,9 +1,5 @@
-"""Review: build a run's queue from per-schema rules (with a preview count), then work through it worst first —
-evidence, full distribution, the frozen reason — with accept / correct / unknown / skip, keyboard shortcuts,
-auto-advance and undo. An action that would contradict the case set's expected answer (the gold label) asks first;
-blind mode hides the model's answer until the reviewer has decided. Every action, with its comment, goes to the
-append-only audit log. Export the labels as a golden set. Rendering only: rules in clef_workbench.review, what the
-page shows and what its actions say in workbench_ui.review_view."""
+"""Review: a run's queue from per-schema rules, worked through worst first with accept / correct / unknown / skip, keys
+and undo; blind mode; the audit log and a golden set. Rendering only (workbench_ui.review_view)."""
 
 from __future__ import annotations
 
@@ -59,9 +55,7 @@ questions = run["schema"]["questions"]
 
 
 def linked_item() -> dict | None:
-    """The item a link names (?run=&case=&question=: a results row's "Open in Review", or a link someone sent), on
-    the session's first visit of this run; queued now when the run has that answer but no item for it. A link to
-    an answer the run does not have says so and shows nothing in its place."""
+    """The item a link names, on the first visit of this run; a link to an answer the run lacks says so."""
     seen_key = K(f"link_seen.{run_id}")
     if st.session_state.get(seen_key):
         return None
@@ -164,8 +158,7 @@ confirm_key = K("confirm_gold")
 
 
 def act(item: dict, action: str, label=None, *, confirmed: bool = False) -> None:
-    """Apply an action as of the version shown, then advance to the next worst item. An answer that contradicts
-    the case's expected answer is not applied until the reviewer confirms it."""
+    """Apply an action as of the version shown and advance; an answer against the gold label waits for confirmation."""
     if not reviewer:
         st.session_state[notice_key] = ("error", view.NAME_FIRST)
         return
@@ -186,9 +179,7 @@ def act(item: dict, action: str, label=None, *, confirmed: bool = False) -> None
 
 @st.dialog("This answer overrides the gold label", on_dismiss=lambda: st.session_state.pop(confirm_key, None))
 def confirm_gold(item: dict, action: str, label, gold: str) -> None:
-    """Asks before an answer against the case's expected one is recorded: a modal, in front of what the reviewer
-    is looking at whether they clicked or used a key (a box in the page opened below the fold). Both buttons
-    record what they say."""
+    """A modal before an answer against the gold label (in front of the reviewer, however they acted)."""
     asked = view.gold_question(item, action, label, gold)
     st.warning(asked.warning, icon=":material/warning:")
     cols = st.columns(2)
@@ -231,8 +222,7 @@ if item is not None:  # the address bar links to the item on screen
 
 
 def show_item(item: dict) -> None:
-    """The queue item on screen: the evidence, the model's distribution (hidden in blind mode), the actions and the
-    record's other queued questions."""
+    """The item on screen: evidence, distribution (hidden when blind), actions and the record's other questions."""
     question = questions.get(item["question_id"], {"type": item["question_type"]})
     case = store.get_case(item["case_id"])
     shown = view.card(item, question, case["expected"].get(item["question_id"]), blind=blind)

@@ -1,6 +1,5 @@
-"""Runs: start, cancel and resume batch runs of a case set against a schema; progress with ETA; latency,
-throughput, accuracy, confusion, calibration; compare two runs; export results. Rendering only: the job lives in
-the process-wide JobRunner (clef_workbench.jobs), numbers come from clef_workbench.stats."""
+"""Runs: start, cancel and resume batch runs; progress; latency, throughput, accuracy, calibration; compare; export.
+Rendering only (workbench_ui.run_view)."""
 
 from __future__ import annotations
 
@@ -100,8 +99,7 @@ def render_delete(run: dict) -> None:
 
 
 def rerun_when_loaded() -> None:
-    """Polls while a model loads (the buttons that run on a model wait meanwhile) and reruns the page when it is
-    ready, rather than holding a button's run of the page until then."""
+    """Reruns the page when the model load ends."""
     if not model_manager().state().busy:
         st.rerun(scope="app")
 
@@ -253,8 +251,7 @@ def render_progress(run_id: int) -> None:
 
 
 def run_engine(run_id: int):
-    """The engine a run resumes or retries on: the model it started on, never whichever is the default now; None
-    (with the reason shown) when that model is not loaded."""
+    """The engine a run resumes on (its own model); None, with the reason shown, when not loaded."""
     engine, missing = run_view.run_engine(model_manager(), store.get_run(run_id)["model_id"])
     if missing:
         st.error(missing)
@@ -273,8 +270,7 @@ def start_again(run_id: int, engine, *, retry_failed: bool = False) -> None:
 
 
 def render_outcome(run_id: int, outcome) -> None:
-    """What happened, at the top of the run: failed / finished with errors with the count and the first error, the
-    failed cases and a retry of only those (into this run)."""
+    """What happened: the outcome, the failed cases and a retry of only those."""
     if outcome is None or not outcome.message:
         return
     getattr(st, outcome.tone)(outcome.message, icon={"error": ":material/error:", "warning": ":material/warning:",

@@ -1,6 +1,4 @@
-"""Schemas: the library of saved schemas (one JSON file each) — browse, lint, create, edit, duplicate, delete (and
-undo), import, export, the history of each schema (versions, the diff between any two, restore), and open one in the
-Decide page's builder."""
+"""Schemas: the library — browse, lint, create, edit, duplicate, delete (undo), import, export, history."""
 
 from __future__ import annotations
 
@@ -18,8 +16,7 @@ library = get_library()
 
 
 def flash(kind: str, message: str, place: str = "top") -> None:
-    """A message for the next run, shown where `place` says: next to the action that caused it ("create",
-    "import", "duplicate", "delete"), or at the top ("top": a change to the library as a whole, with its Undo)."""
+    """A message for the next run, next to the action that caused it (`place`) or at the top."""
     st.session_state[K("flash")] = (kind, message, place)
 
 

@@ -1,7 +1,5 @@
-"""Sweeps: many versions of a schema scored on a labelled case set at once — tick automatic variants, write
-alternatives per question, start (in the background, with progress and ETA), read the leaderboard, list a variant's
-flipped cases (each opens in Decide or Review), and adopt the best version into the schema library. Rendering only:
-what is shown comes from workbench_ui.sweeps_view, the sweep itself from clef_workbench.sweeps."""
+"""Sweeps: versions of a schema scored on a labelled case set at once, a leaderboard, flipped cases, and adopting the
+best. Rendering only (workbench_ui.sweeps_view)."""
 
 from __future__ import annotations
 

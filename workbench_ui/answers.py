@@ -1,10 +1,5 @@
-"""Turn a System One response into what the Decide page shows: per-option tables, margins, charts, labels.
-
-Confidence conventions (the spec notes servers differ): for choice and score we show the response's own
-`confidence` (the release code's P(choice) / max p). Noul answers carry none; we derive max(p, 1 − p), i.e. the
-probability of the more likely side, so all three types read the same way.
-Margin is top1 − top2 over the question's option probabilities (for noul |2p − 1|).
-"""
+"""A System One response as the Decide page shows it: per-option tables, margins, charts, labels. Confidence is the
+response's own for choice and score, max(p, 1 − p) for noul; margin is top1 − top2."""
 
 from __future__ import annotations
 
@@ -54,9 +49,7 @@ def option_table(question: dict[str, Any], answer: dict[str, Any]) -> pd.DataFra
 
 def distribution_table(question: dict[str, Any], distribution: dict[str, float], chosen: str, *,
                        legend: dict[str, str] | None = None) -> pd.DataFrame:
-    """One row per option of a distribution (option → probability), in its order: option, label (for axes, a score
-    level's whole: the chart wraps it), description (from the question's criteria, a score's from `legend` when
-    the answer has one), probability, chosen."""
+    """One row per option of a distribution, in its order: option, label, description, probability, chosen."""
     qtype, criteria = question.get("type"), question.get("criteria")
     described = criteria if isinstance(criteria, dict) else {}
     if qtype == "score":
@@ -107,17 +100,13 @@ def expected_labels(questions: dict[str, Any], response: dict[str, Any]) -> dict
 
 
 def percent(probability: float) -> str:
-    """A probability as every number of an answer shows it ("81.7%"): the bar's label and the card's metrics round
-    alike (pandas' round put 81.6% on the bar of an 81.7% confidence)."""
+    """A probability as every number of an answer shows it ("81.7%"), so the bar and the card round alike."""
     return f"{probability:.1%}"
 
 
 def probability_chart(table: pd.DataFrame, *, title: str | None = None) -> alt.Chart:
-    """Horizontal bars of every option's probability, author's order top to bottom, the chosen one highlighted.
-
-    Every option keeps its whole label (long ones wrapped onto several lines, never cut or dropped), and every
-    option gets a row tall enough for its label: the chart is as tall as its options need, so show it with the
-    element height left to its content (st.altair_chart's default), not squeezed into a fixed height."""
+    """Bars of every option's probability, the chosen one highlighted; each label whole (wrapped) and the chart as tall
+    as its options need."""
     data = table.assign(percent=table["probability"].map(percent),
                         answer=table["chosen"].map({True: "chosen", False: "other"}),
                         label=[wrap_label(str(label)) for label in table["label"]])
@@ -200,8 +189,7 @@ def budget_status(counts: dict[str, int]) -> BudgetStatus:
 
 
 def budget_table(counts: dict[str, int]) -> pd.DataFrame:
-    """One row per part in encoding order with start/end offsets, for a stacked bar; then "free" up to max_length,
-    or "over max_length" from max_length to the total (drawn over the parts it overlaps)."""
+    """One row per part with start/end offsets, then "free" up to max_length or "over max_length"."""
     rows, start = [], 0
     for part in BUDGET_PARTS:
         tokens = int(counts.get(part, 0))
@@ -236,8 +224,7 @@ def budget_chart(counts: dict[str, int]) -> alt.Chart:
 
 
 def field_of(loc: tuple | list) -> str:
-    """Which part of the Decide page an engine Problem's loc concerns: "state", "images", "videos", "schema",
-    "question:<id>", or "request" for anything else (model name, unknown fields)."""
+    """Which part of the Decide page an engine problem's loc concerns."""
     loc = tuple(loc)
     if not loc:
         return "request"

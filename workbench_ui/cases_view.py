@@ -1,6 +1,5 @@
-"""What the Case sets page shows, without Streamlit: the labels of case sets, the schema a set's expected answers
-are checked against, the import's column mapping and its warnings, the preview, and the messages of imports,
-deletes and their undo."""
+"""What the Case sets page shows, without Streamlit: labels, the schema answers are checked against, the import's
+mapping, preview and messages, and deletes with their undo."""
 
 from __future__ import annotations
 
@@ -46,8 +45,7 @@ def case_set_caption(case_set: dict) -> str:
 
 
 def case_set_schema(library: SchemaLibrary, slug: str | None) -> tuple[dict | None, str | None]:
-    """The schema a case set's expected answers are checked against, and a warning when it names one that does
-    not load (the set is still usable: its answers go unchecked)."""
+    """The schema a set's expected answers are checked against, and a warning when it does not load."""
     if not slug or slug not in library.slugs():
         return None, None
     try:
@@ -57,8 +55,7 @@ def case_set_schema(library: SchemaLibrary, slug: str | None) -> tuple[dict | No
 
 
 def library_question_ids(library: SchemaLibrary) -> list[str]:
-    """Every question id of the library's schemas that load: for a case set without a schema, a column named
-    after one (`team`, `priority`) is an answer someone wrote down, not evidence for the model."""
+    """Every question id of the library: without a schema, a column named like one holds an answer, not evidence."""
     ids: dict[str, None] = {}
     for slug in library.slugs():
         try:
@@ -102,8 +99,7 @@ def delete_refusal(case_set: dict, runs_of_set: list[dict]) -> str | None:
 
 
 def restore_deleted(store: Any, kind: str, object_id: Any) -> tuple[str, str]:
-    """Undo a delete: "cases" (a list of case ids), a "case_set" or one case (an id). Returns the message's kind
-    and text."""
+    """Undo a delete of "cases" (ids), a "case_set" or one case: the message's kind and text."""
     try:
         if kind == "cases":
             for case_id in object_id:
@@ -177,8 +173,7 @@ class ImportMapping:
         return [c for c in state if c in self.label_like or c in self.expected]
 
     def state_warning(self, state: list[str]) -> tuple[str, str] | None:
-        """("warning", text) when answers leak into the state; ("caption", text) naming the answer-like columns
-        left out of it; None when there are none."""
+        """A warning when answers leak into the state; a caption naming the answer-like columns left out."""
         leaked = self.leaked(state)
         if leaked:
             return ("warning", "These columns look like expected answers and are in the state, so the model reads "
@@ -202,9 +197,7 @@ def state_choice_advice(candidates: list[str]) -> str:
 
 
 def problems_heading(count: int, *, stage: str) -> str:
-    """The line above listed problems: of a save that was refused ("save"), of reading a chosen file ("read": each
-    problem says which choice above fixes it), of a file whose records carry their own meaning ("file": JSONL,
-    only the file can fix them), or of its cells under the mapping chosen ("cells")."""
+    """The line above listed problems, by stage: a refused "save", a file to "read", a JSONL "file", or "cells"."""
     problems = plural(count, "problem")
     if stage == "save":
         return f"Nothing was changed: {problems}."
@@ -227,8 +220,7 @@ def preview_rows(parsed: list[dict]) -> list[dict[str, Any]]:
 
 
 def imported_message(set_name: str, parsed: int, added: int, skipped_rows: list[int] | None) -> tuple[str, str]:
-    """After an import, the message's kind and text: how many cases went in, how many were there already, which
-    bad rows were left out. Nothing new is not a success: it says so as information."""
+    """After an import, the message's kind and text (nothing new is information, not success)."""
     already = parsed - added
     skipped = f" Rows not imported, as agreed: {', '.join(map(str, skipped_rows))}." if skipped_rows else ""
     if not added:
@@ -253,8 +245,7 @@ def import_parsed(store: Any, case_set_id: int, parsed: list[dict]) -> tuple[lis
 
 @dataclass(frozen=True)
 class SaveRefused:
-    """Why a table's edits were not saved: the problems, and the cases whose deletion was refused (they have runs;
-    the table puts their rows back)."""
+    """Why edits were not saved, and the cases whose deletion was refused (their rows come back)."""
 
     problems: list[str]
     kept_case_ids: list[int] | None = None
@@ -291,8 +282,7 @@ def read_caption(source: Any) -> str:
 
 def parse_file(source: Any, mapping: CsvMapping | None, schema: dict | None,
                skip_bad_rows: bool) -> tuple[list[NewCase], list[str]]:
-    """The cases of a read file under the mapping, or none and the problems of its cells. Rows that do not fit
-    (listed apart, with the choice to skip them) give neither."""
+    """The cases of a read file under the mapping, or the problems of its cells (bad rows give neither)."""
     try:
         return importing.parse_cases(source, mapping, schema, skip_bad_rows=skip_bad_rows), []
     except importing.BadRowsError:

@@ -1,6 +1,5 @@
-"""What the Compare page shows, without Streamlit: what the one action still needs, the labels of case sets, schema
-versions and runs, which runs open by default, the runs a link names that are not here, and one case as every run
-answered it (with its charts' data). The numbers themselves come from clef_workbench.compare."""
+"""What the Compare page shows, without Streamlit: what the one action needs, labels, the runs that open first, missing
+links, and one case as every run answered it."""
 
 from __future__ import annotations
 
@@ -42,8 +41,7 @@ MATRIX_KEY = "matrix"
 
 
 def matrix_key(disagreements_only: bool) -> str:
-    """The matrix's widget key: one per filter, so that a click on the filtered grid is a new selection of a new
-    grid, never compared with (and lost as) the selection of the grid drawn before the filter changed."""
+    """The matrix's key, one per filter: a click on the filtered grid is never lost as the old grid's selection."""
     return f"{MATRIX_KEY}.{'disagree' if disagreements_only else 'all'}"
 
 
@@ -52,8 +50,7 @@ CELL_PADDING_PX = 16  # the grid's cell padding, both sides
 
 
 def matrix_widths(matrix: pd.DataFrame, headers: Mapping[str, str]) -> dict[str, int]:
-    """Each answer column's width in pixels: its longest cell or its header, whichever is wider, so that no
-    "answer (confidence)" is cut ("shipping (0")."""
+    """Each answer column's width: its longest cell or header, so no answer is cut."""
     return {name: CELL_PADDING_PX + CELL_CHAR_PX * max([len(name), *(len(str(v)) for v in matrix[name].dropna())])
             for name in headers}
 
@@ -62,8 +59,7 @@ log = logging.getLogger(__name__)
 
 def start_comparison(store: Any, runner: Any, models: list[ModelChoice], set_id: int, slug: str, number: int,
                      names: list[str]) -> tuple[list[int], str]:
-    """The one action: a run of the schema version per chosen model. Returns the runs started (oldest first) and the
-    message to show; no runs and an error message when nothing started."""
+    """The one action: a run of the schema version per model; the runs started (oldest first) and the message."""
     choices = {c.name: c.engine for c in models}
     engines = {name: choices[name] for name in names if name in choices}
     if not engines:

@@ -1,6 +1,5 @@
-"""What the Review page shows, without Streamlit: the run selector's labels, the queue rules as the form holds them
-and what they would select, the queue's progress, the card of one item (blind or not), its buttons, the record's
-other questions, the gold-label question, the messages of actions and undo, the audit log and the export."""
+"""What the Review page shows, without Streamlit: labels, the rules and their preview, progress, an item's card, its
+buttons, the gold-label question, messages, the audit log and the export."""
 
 from __future__ import annotations
 
@@ -31,14 +30,12 @@ def run_label(run: Run) -> str:
 
 
 def reviewable_runs(runs: list[Run]) -> list[Run]:
-    """The runs with at least one answer: the only ones a queue can select from (a run whose every case failed has
-    nothing the rules could pick)."""
+    """The runs with at least one answer."""
     return [r for r in runs if r["done"] > r["errors"]]
 
 
 def nothing_to_review(runs: list[Run]) -> str:
-    """Why no run can be reviewed, when reviewable_runs is empty: no runs, runs whose every case failed, or runs
-    without results yet."""
+    """Why no run can be reviewed: none, every case failed, or no results yet."""
     if not runs:
         return "No run yet: start one on the Runs page; its answers are reviewed here."
     failed = [f"#{r['id']}" for r in runs if r["done"] and r["done"] == r["errors"]]
@@ -69,8 +66,7 @@ def unknown_options_help(questions: dict[str, dict]) -> str:
 def rules_from_form(questions: dict[str, dict], *, use_confidence: bool, confidence: float, use_margin: bool,
                     margin: float, unknown: bool, disagree: bool, picked_questions: list[str],
                     calibration: str | None = None) -> ReviewRules:
-    """The rules the form says; every question picked means every question (also those a later schema adds).
-    With `calibration` (a stored calibration's name) the thresholds apply to calibrated confidence and margin."""
+    """The rules the form says; every question picked means every question."""
     return ReviewRules(confidence_below=confidence if use_confidence else None,
                        margin_below=margin if use_margin else None, unknown_option=unknown,
                        disagree_with_expected=disagree,
@@ -177,9 +173,8 @@ class Card:
 
 
 def card(item: ReviewItem, question: dict, expected: Any, *, blind: bool) -> Card:
-    """One queue item as the reviewer sees it. Accept is the highlighted default only when it agrees with the gold
-    label (or there is none). Blind hides the gold label, the model's answer and everything derived from them
-    (the reason it was queued, Accept, its key) until the reviewer has decided."""
+    """One queue item as the reviewer sees it; blind hides the gold label, the model's answer and what derives from
+    them."""
     reason = "hidden in blind mode" if blind else item["reason"]
     agrees = review.gold_conflict(item, expected, "accept") is None
     return Card(
@@ -274,8 +269,7 @@ def golden_message(golden_id: int, name: str, case_count: int) -> str:
 
 def apply_action(store: Any, item: ReviewItem, action: str, label: Any, *, reviewer: str, comment: str | None,
                  blind: bool) -> tuple[str, str]:
-    """Record an action as of the item's version on screen: the message's kind ("success" when recorded) and text;
-    a change by someone else since is a warning, a refused action an error."""
+    """Record an action as of the version on screen: the message's kind and text."""
     try:
         store.apply_review_action(item["id"], reviewer=reviewer, action=action, label=label,
                                   expected_version=item["version"], comment=comment)

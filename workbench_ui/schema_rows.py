@@ -1,8 +1,4 @@
-"""Builder rows: the editable, list-shaped form of a questions map (the Decide page's schema builder).
-
-A row is {"id", "type", "instructions", "options": [{"id", "description"}], "levels": [str], "true": str,
-"false": str}. Rows are a list, so a duplicated id stays visible instead of being merged.
-"""
+"""Builder rows: the editable, list-shaped form of a questions map (a list, so a duplicated id stays visible)."""
 
 from __future__ import annotations
 
@@ -79,8 +75,7 @@ def options_to_text(options: Iterable[dict[str, Any]]) -> str:
 
 
 def text_to_options(text: str) -> list[dict[str, str]]:
-    """Editor text back to options. Each non-blank line is `id: description` or `id`; the id ends at the first
-    colon, so ids typed in the builder cannot contain one (schema files can)."""
+    """Editor text back to options: each non-blank line `id: description` or `id` (the id ends at the first colon)."""
     options = []
     for line in text.splitlines():
         if not line.strip():
@@ -100,10 +95,8 @@ def text_to_levels(text: str) -> list[str]:
 
 
 def rows_to_questions(rows: Iterable[dict[str, Any]]) -> tuple[dict[str, Any], list[SchemaProblem]]:
-    """Rows as a questions map, plus errors the map alone could not show (duplicate ids, options dropped).
-
-    The errors from validate_questions on the result are included, so the caller needs only this list.
-    """
+    """Rows as a questions map, with every problem: duplicate ids and options the map cannot show, and
+    validate_questions'."""
     questions: dict[str, Any] = {}
     problems: list[SchemaProblem] = []
     first_of: dict[str, int] = {}

@@ -1,5 +1,5 @@
-"""What the Schemas page shows, without Streamlit: the library's listing with each file's lint, one schema's
-questions as a table, its history and which versions to compare, and the messages of the page's actions."""
+"""What the Schemas page shows, without Streamlit: the listing with lint, a schema's questions, its history and the
+messages of its actions."""
 
 from __future__ import annotations
 
@@ -52,8 +52,7 @@ def last_edited(library: SchemaLibrary, slugs: list[str]) -> str | None:
 
 
 def shown_schema(slugs: list[str], *, linked: str | None, kept: str | None, last_edited: str | None) -> str:
-    """The schema the page opens on: the one a link names (a session's first visit), else the one chosen before in
-    this session, else the last edited, else the first."""
+    """The schema the page opens on: linked (first visit), else chosen before, else last edited, else the first."""
     return next(slug for slug in (linked, kept, last_edited, slugs[0]) if slug in slugs)
 
 
@@ -90,8 +89,7 @@ def question_rows(schema: Schema) -> list[dict[str, Any]]:
 
 
 def version_rows(versions: list[dict]) -> list[dict[str, Any]]:
-    """The history table, newest first as the store gives it; `note` says where a version came from when "how"
-    alone does not (an adopted sweep's result: the sweep and its figures)."""
+    """The history table, newest first; `note` says where a version came from (an adopted sweep)."""
     return [{"version": v["number"], "saved": when(v["created_at"]), "how": v["action"],
              "note": v["note"], "by": v["who"], "runs": v["run_count"]} for v in versions]
 

@@ -1,9 +1,4 @@
-"""What the Decide page turns into a System One request: the state text, the attached media, and the schema.
-
-- `parse_state`: the editor's text as a plain-text state or a JSON value; JSON errors name the line and column.
-- `check_image` / `check_video`: an upload's real type from its bytes (not its file name), size and pixel limits.
-- `build_request`: state + questions + media → the request dict sent to the engine (and shown to the user).
-"""
+"""What the Decide page turns into a System One request: the state text, the attached media, and the schema."""
 
 from __future__ import annotations
 
@@ -79,10 +74,8 @@ def _reject_constant(name: str) -> Any:
 
 
 def parse_state(text: str, mode: StateMode = "auto") -> ParsedState:
-    """Turn the editor's text into a state. Raises StateInputError with line/column for bad JSON.
-
-    mode "text": the text as is. mode "json": must be one JSON value. mode "auto": JSON when it starts with { or [.
-    """
+    """The editor's text as a state ("auto": JSON when it starts with { or [). Raises StateInputError with line and
+    column."""
     if not text.strip():
         raise StateInputError("The state is empty: write the record the model should read (plain text or JSON).")
     if len(text) > MAX_STATE_CHARS:
@@ -240,8 +233,7 @@ DEFAULT_MODEL_NAME = protocol.DEFAULT_MODEL_NAME
 
 def build_request(state: Any, questions: dict[str, Any], *, images: Sequence[Media] = (),
                   videos: Sequence[Media] = (), model: str = DEFAULT_MODEL_NAME) -> dict[str, Any]:
-    """The System One request for a state, a questions map and accepted media (images before videos, in the order
-    given). Media travel as data URLs. `images`/`videos` keys are present only when there are any."""
+    """The System One request for a state, questions and media (as data URLs, images first)."""
     check_media_counts(images, videos)
     return protocol.build_request(state, questions, images=[m.data_url() for m in images],
                                   videos=[m.data_url() for m in videos], model=model)
@@ -249,8 +241,7 @@ def build_request(state: Any, questions: dict[str, Any], *, images: Sequence[Med
 
 def redact_media(request: dict[str, Any], images: Sequence[Media] = (), videos: Sequence[Media] = (),
                  keep_chars: int = 48) -> dict[str, Any]:
-    """A copy of a request for display: each data URL shortened to its start plus the file name and size, because
-    megabytes of base64 in a code block make the page unusable. The full request is offered as a download."""
+    """A request for display, each data URL shortened (the full request is a download)."""
     shown = dict(request)
     for key, items in (("images", images), ("videos", videos)):
         urls = request.get(key)
@@ -264,8 +255,5 @@ def redact_media(request: dict[str, Any], images: Sequence[Media] = (), videos: 
 
 
 def sampled_video_frames(engine: DecisionEngine, video: Media) -> Any | None:
-    """The frames of a video that the engine's video processor samples (what the model sees), as a
-    clef_engine.model.media.Video: frames T×H×W×3 uint8, fps, source frame indices, source frame count; None for
-    an engine that samples elsewhere (a remote endpoint). Raises MediaError (the engine's) when the video cannot
-    be decoded."""
+    """The frames the engine samples from a video (what the model sees); None for a remote endpoint."""
     return engine.sample_video_frames(video.data)

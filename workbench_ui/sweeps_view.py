@@ -1,7 +1,5 @@
-"""What the Sweeps page shows, without Streamlit: the alternatives a person writes per question (their editor's
-text and what is wrong with it), and Adopt (a sweep's schema made the library schema's new version, its note naming
-the sweep and its figures; undone by restoring the version before). The sweep itself (variants, execution, scores)
-is clef_workbench.sweeps'."""
+"""What the Sweeps page shows, without Streamlit: the alternatives written per question, the planned variants, progress,
+the leaderboard, flipped cases, and Adopt (undone by restoring the version before)."""
 
 from __future__ import annotations
 
@@ -26,8 +24,8 @@ _SCORED_LOCK = threading.Lock()  # each browser session runs the page on a threa
 
 
 def scored_sweep(store: Any, sweep_id: int, threshold: float) -> sweeps.SweepResult:
-    """`sweeps.load_sweep`, scored again only when the sweep's stored answers change: its bootstrap intervals take
-    seconds, and the page runs again at every click (a row selected, Adopt)."""
+    """`sweeps.load_sweep`, scored again only when the sweep's stored answers change (its bootstrap takes seconds; the
+    page reruns at every click)."""
     sweep = store.get_sweep(sweep_id)
     key = (str(store.path), sweep_id, sweep["created_at"], sweep["status"], store.count_sweep_answers(sweep_id),
            threshold)
@@ -42,8 +40,7 @@ def scored_sweep(store: Any, sweep_id: int, threshold: float) -> sweeps.SweepRes
 
 @dataclass(frozen=True)
 class AlternativeEditor:
-    """A question's editor text for a written alternative: its instructions and its options as text (choice and
-    yes/no: `id: description` per line; score: one level per line, lowest first)."""
+    """A question's editor text for an alternative: its instructions, and its options as text."""
 
     instructions: str
     options: str
@@ -67,8 +64,7 @@ def alternative_editor(question: dict[str, Any]) -> AlternativeEditor:
 
 def written_alternative(question_id: str, question: dict[str, Any], instructions: str,
                         options: str) -> tuple[dict[str, Any] | None, list[str]]:
-    """The alternative a person wrote for `question` as a question of the same type, or None with what is wrong
-    (each message names the question and field). The same question as it is is refused: it is no alternative."""
+    """The alternative written for `question`, or None with what is wrong (the question as it is is no alternative)."""
     row = {"id": question_id, "type": question["type"], "instructions": instructions.strip(), "options": [],
            "levels": [], "true": "", "false": ""}
     if question["type"] == "score":
@@ -114,8 +110,7 @@ def missing_for_sweep(case_sets: list[dict], slugs: list[str], engine: Any) -> s
 
 
 def written_variants(schema: dict[str, Any], written: list[tuple[str, dict[str, Any]]]) -> list[sweeps.Variant]:
-    """The alternatives written per question as variants of `schema`, named "written:QUESTION" ("written 2:…" for
-    a question's second)."""
+    """The alternatives as variants of `schema`, named "written:QUESTION" ("written 2:…" for a second)."""
     entries, numbers = [], {}
     for question_id, question in written:
         numbers[question_id] = numbers.get(question_id, 0) + 1
@@ -126,9 +121,8 @@ def written_variants(schema: dict[str, Any], written: list[tuple[str, dict[str, 
 
 def planned_variants(schema: dict[str, Any], kinds: list[str],
                      written: list[tuple[str, dict[str, Any]]]) -> tuple[list[sweeps.Variant], str]:
-    """The variants a sweep of `schema` would score (the base first), and a line saying how many, or why it cannot
-    start (over MAX_VARIANTS, nothing but the base, alternatives the schema has changed under since they were
-    written)."""
+    """The variants a sweep of `schema` would score (the base first), and a line saying how many or why it cannot
+    start."""
     try:
         variants = [sweeps.base_variant(schema), *sweeps.auto_variants(schema, kinds),
                     *written_variants(schema, written)]
@@ -163,8 +157,7 @@ def start_sweep(store: Any, runner: SweepRunner, engine: Any, model_id: str, cas
 
 
 def library_schema(library: SchemaLibrary, slug: str) -> tuple[dict[str, Any] | None, str | None]:
-    """The library schema a sweep starts from (its example states left out, as runs keep it), or the reason it
-    does not load."""
+    """The library schema a sweep starts from (without examples), or why it does not load."""
     try:
         schema = library.load(slug).to_dict()
     except SchemaError as exc:
@@ -274,9 +267,8 @@ def better_text(variant: sweeps.Variant, change: sweeps.Metric) -> str:
 
 
 def leaderboard_table(result: sweeps.SweepResult) -> pd.DataFrame:
-    """One row per variant, best overall accuracy first (the base where it falls): accuracy [interval], the change
-    against the base [paired interval] and what it means, flipped cases, order sensitivity, then each question's
-    accuracy."""
+    """One row per variant, best overall accuracy first: accuracy, change vs base and its meaning, flips, order
+    sensitivity, then each question's accuracy."""
     questions = list(result.base_schema["questions"])
     rows = []
     for name in sweeps.leaderboard(result)["variant"]:
@@ -327,9 +319,7 @@ def variant_score(result: sweeps.SweepResult, name: str) -> sweeps.VariantScore:
 
 
 def flipped_cases(store: Any, result: sweeps.SweepResult, name: str) -> pd.DataFrame:
-    """The cases where variant `name` answers a question otherwise than the base: one row per case and question,
-    with the expected answer, the state's first line and a link that opens the case in Decide with the variant's
-    questions (Review: `review_params`)."""
+    """The cases where variant `name` answers otherwise than the base, with a link to open each in Decide."""
     score = variant_score(result, name)
     rows = []
     for qid, question in score.questions.items():
@@ -343,8 +333,7 @@ def flipped_cases(store: Any, result: sweeps.SweepResult, name: str) -> pd.DataF
 
 
 def review_params(store: Any, result: sweeps.SweepResult, name: str, case_id: int, question: str) -> dict[str, str]:
-    """Review's query parameters for a flipped case: its answer to `question` in the variant's answers as a run
-    (`sweeps.variant_run`: made on first use), where it can be labelled as any run's."""
+    """Review's query parameters for a flipped case, its variant's answers as a run (made on first use)."""
     return {"run": str(sweeps.variant_run(store, result.id, name)), "case": str(case_id), "question": question}
 
 
@@ -354,15 +343,13 @@ BEST = "best"  # the adoption choice of the composed best schema
 
 
 def composed_differs(result: sweeps.SweepResult) -> bool:
-    """Whether there is a composed best schema other than the base (where the base wins every question, it is the
-    base as it is: nothing to adopt)."""
+    """Whether the composed best schema differs from the base."""
     return result.best is not None and result.best.schema["questions"] != result.base_schema["questions"]
 
 
 def adoption_choices(result: sweeps.SweepResult) -> dict[str, str]:
-    """What can be adopted, value → label: the composed best schema (when it is not the base), then every variant
-    but the base, the better ones first. Not the order diagnostics: their options are renamed to set their order
-    (o01_…), which would change the schema's option ids, and with them every label."""
+    """What can be adopted, value → label: the composed best, then every variant but the base and the order diagnostics
+    (their renamed options would change every label), better first."""
     choices = {}
     if composed_differs(result):
         choices[BEST] = f"Composed best schema (held-out accuracy {metric_text(result.best.heldout_accuracy)})"
