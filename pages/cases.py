@@ -113,8 +113,7 @@ with tab_cases:
                "`{question: answer}` (choice: option id, yes/no: true/false, score: level number) and tags. "
                "Add rows at the bottom; delete rows with the row menu. Nothing is written until you save.")
     frame = case_table.editor_frame(store, case_set_id)
-    # after a refused deletion the table starts again from the edits with the refused rows back (a new editor: its
-    # rows are the table given, not the browser's copy with the rows gone)
+    # after a refused deletion, a new editor: the edits with the refused rows back
     restored = st.session_state.get(K(f"editor_restored.{case_set_id}"))
     editor_key = K(f"editor.{case_set_id}" if restored is None else f"editor.{case_set_id}.{restored[0]}")
     edited = st.data_editor(
@@ -149,8 +148,7 @@ with tab_cases:
 
 def import_file(case_set_id: int, case_set: dict, schema: dict | None) -> None:
     """The Import tab: a file, how to read it, its mapping, its problems and preview, then import."""
-    # a new uploader after each import: the imported file leaves no live Import button behind, and the next file
-    # goes into an empty uploader instead of replacing one (a replacement raced the page's rerun in the browser)
+    # a new uploader after each import: replacing a file raced the page's rerun in the browser
     imports_done = st.session_state.get(K("imports_done"), 0)
     upload = st.file_uploader("CSV, tab-separated text, JSONL or Excel file",
                               type=["csv", "tsv", "txt", "jsonl", "json", "xlsx"], key=K(f"upload.{imports_done}"),

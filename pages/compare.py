@@ -74,8 +74,6 @@ def open_selected(table: str, selection: list, case_of) -> None:
 
 st.title("Compare runs")
 
-# -- the one action ---------------------------------------------------------------------------------------------
-
 sets = store.list_case_sets()
 groups = compare.runs_by_case_set(store.list_runs())
 with st.expander("Run a schema on a case set with these models", expanded=not groups,
@@ -132,7 +130,6 @@ if started:
     started_running = any(statuses.get(r) in ("pending", "running") for r in started)
     st.fragment(follow_started, run_every=2.0 if started_running else None)(started)
 
-# -- which runs -------------------------------------------------------------------------------------------------
 
 all_runs = {r["id"]: r for r in store.list_runs()}
 linked = compare.parse_run_ids(st.query_params.get("runs"))
@@ -201,7 +198,6 @@ if view.schema_changes:
             st.markdown(f"**{run_a}** → **{run_b}**")
             st.code(text, language=None, wrap_lines=True)
 
-# -- agreement and flips ----------------------------------------------------------------------------------------
 
 st.subheader("Agreement per question")
 st.caption("How often two runs give the same answer, over the cases both answered (n), with a 95 % bootstrap "
@@ -221,15 +217,12 @@ if not view.flips.empty:
                        "open": st.column_config.LinkColumn("link", display_text="Open")})
     open_selected("flips", flips_event.selection.rows, lambda row: int(view.flips.iloc[row]["case_id"]))
 
-# -- metrics ----------------------------------------------------------------------------------------------------
 
 st.subheader("Accuracy, calibration and latency")
 st.caption("Each cell: value [95 % bootstrap interval] and n, the cases it rests on. Accuracy, ECE and Brier "
            "per question over the cases with an expected answer; latency per run, as each run recorded it "
            "(a remote model's includes the network).")
 st.dataframe(view.metrics, hide_index=True, width="stretch")
-
-# -- the matrix -------------------------------------------------------------------------------------------------
 
 st.subheader("Cases × runs")
 disagree = st.toggle("Only cases where the runs disagree", key=K("disagree"))
@@ -248,7 +241,6 @@ matrix_event = st.dataframe(view.matrix.style.apply(compare.matrix_styles, axis=
 open_selected(matrix_name, [list(cell) for cell in matrix_event.selection.cells],
               lambda cell: int(view.matrix.iloc[cell[0]]["case"]))
 
-# -- one case ---------------------------------------------------------------------------------------------------
 
 def show_case(detail: cv.CaseShown) -> None:
     """The opened case: its state and expected answers, then a column per run with its answers and charts."""

@@ -133,12 +133,8 @@ def render_answer_card(qid: str, question: dict[str, Any], answer: dict[str, Any
             st.caption(f"Legend: {legend}")
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# The page
-
 actions.init_page()
-# Saved first: an edit's values are in the session state before this run draws anything, and a reload (or a closed
-# tab) while the page still draws would otherwise lose the edit, the save being the run's last step.
+# saved first too: a reload while the page still draws would lose the edit
 actions.save_draft()
 st.title("Decide")
 show_message(K("link_note"), icon=":material/link:")
@@ -148,12 +144,10 @@ messages = vm.Messages()
 if (asked := st.query_params.get(SCHEMA_PARAM)) and not builder().loaded_slug and asked not in library.slugs():
     st.error(links.missing_schema(asked, library.slugs()), icon=":material/link_off:")
 
-# One screen: what goes in (state, media, schema) on the left; Run, the answers and the token budget on the right,
-# with Run on top, so neither is below the budget bar or the long schema builder.
+# what goes in on the left; Run on top of the answers and the token budget on the right
 left, right = st.columns([1, 1], gap="large")
 with right:
     run_box, answers_box, budget_box = st.container(), st.container(), st.container()
-# With several models loaded, this page's runs use the one picked here (the default until one is picked).
 loaded_models = {model.name: model for model in model_manager().loaded()}
 model_name = vm.model_for_run(st.session_state, list(loaded_models), model_manager().default_name()) \
     or request_model_name(model_manager().state().source)
@@ -164,7 +158,6 @@ if model_name in loaded_models:
     engine = loaded_models[model_name].engine
 local_engine = engine is not None and vm.counts_tokens_here(engine)
 
-# --- State -------------------------------------------------------------------------------------------------------
 with left:
     st.subheader("State")
     examples = builder().examples
@@ -187,9 +180,7 @@ with left:
 
     st.subheader("Media")
     st.caption(state_input.media_limits_text())
-    # Images are taken up to the server's upload limit and checked here: a file over the uploader's own limit was
-    # refused by the browser with a red icon and the reason only for screen readers; the check below says it in
-    # words under the uploader (images: the caption's limit).
+    # images up to the videos' limit: one over its own is refused below in words, not by the browser's red icon
     image_files = st.file_uploader("Images", type=list(state_input.IMAGE_EXTENSIONS), accept_multiple_files=True,
                                    key=K("images"), max_upload_size=state_input.MAX_VIDEO_BYTES // state_input.MB)
     video_files = st.file_uploader("Videos", type=list(state_input.VIDEO_EXTENSIONS), accept_multiple_files=True,
@@ -248,7 +239,6 @@ with left:
                 if len(sampled.frames) > len(shown):
                     st.caption(f"… and {len(sampled.frames) - len(shown)} more frames.")
 
-# --- Schema builder ----------------------------------------------------------------------------------------------
 with left:
     st.subheader("Schema")
     if builder().unsaved_changes():
@@ -303,8 +293,7 @@ with left:
                        icon=":material/add:")
     schema_messages = st.container()
 
-    # Open while it has news: Save's callback adds and removes elements above it (the unsaved-changes badge), which
-    # redrew it closed, its success message hidden inside.
+    # open while it has news: a change above it redrew it closed, its message hidden inside
     with st.expander("Save to the library", expanded=K("save_flash") in st.session_state, key=K("save_box")):
         schema_name = kept_widget(st.text_input, "Name", K("schema_name"), "")
         schema_description = kept_widget(st.text_area, "Description", K("schema_description"), "", height=68)
@@ -316,7 +305,6 @@ with left:
                             else "Load a schema from the library to update it")
         show_message(K("save_flash"))
 
-# --- Validate everything, then put each message next to its field ----------------------------------------------
 questions, builder_problems = schema_rows.rows_to_questions(rows)
 vm.route_schema_problems(builder_problems + schemas.lint_questions(questions), rows, messages)
 
@@ -340,7 +328,6 @@ if ready:
     request = state_input.build_request(state_value, questions, images=images, videos=videos, model=model_name)
 fingerprint = vm.fingerprint(request)
 
-# --- Token budget and Run ----------------------------------------------------------------------------------------
 budget_box.subheader("Token budget")
 budget_cols = budget_box.columns([1, 2])
 max_length = int(kept_widget(budget_cols[0].selectbox, "max_length (tokens)", K("max_length"), DEFAULT_MAX_LENGTH,
@@ -350,7 +337,7 @@ overflow = kept_widget(budget_cols[1].radio, "If the state does not fit", K("ove
                        format_func={"refuse": "refuse (show an error)",
                                     "truncate_state": "truncate the end of the state"}.get)
 budget_messages = budget_box.container()
-# Errors of the last Run belong to exactly that request and those budget settings: change any, and they go.
+# the last Run's errors go when the request or the budget settings change
 run_key = (fingerprint, max_length, overflow)
 last_error = st.session_state.get(K("last_error"))
 if last_error and last_error["key"] != run_key:
@@ -388,7 +375,6 @@ else:
         else:
             budget_messages.success(status.message)
 
-# Every message next to its field.
 for place, box in [("state", state_messages), ("media", media_messages), ("schema", schema_messages),
                    *enumerate(question_messages), ("budget", budget_messages)]:
     for message in messages.errors.get(place, []):
@@ -400,7 +386,7 @@ if last_error and last_error.get("budget"):
 
 can_run = (engine is not None and request is not None and not engine_refused
            and not (status is not None and status.fixed_tokens_over))
-# Run on a row of its own at its full width: in a column it was cut to "R.." at 1280×720 and to nothing at 1024.
+# on a row of its own: in a column it was cut to "R.." at 1280×720
 run_clicked = run_box.button("Run", type="primary", key=K("run"), disabled=not can_run,
                              icon=":material/play_arrow:", shortcut="Ctrl+Enter",
                              help="Runs the state and schema on screen (Ctrl+Enter).")
@@ -430,7 +416,6 @@ if run_clicked and request is not None and engine is not None:
             random_weights=model_manager().random_weights(model_name),
         ))
 
-# --- Results -----------------------------------------------------------------------------------------------------
 result: vm.DecideResult | None = st.session_state.get(K("result"))
 if not (result and result.model_label == model_name):  # else the answers below say it
     with random_weights_line:

@@ -38,7 +38,7 @@ if not runs:
     st.info(view.nothing_to_review(all_runs))
     st.stop()
 
-# the name lives in the URL too, so a reload or a bookmarked link keeps it (session state does not survive a reload)
+# the name lives in the URL too, so a reload keeps it
 reviewer = kept_widget(st.text_input, "Your name (recorded with every action)", K("reviewer"),
                        default=st.query_params.get("reviewer", ""), placeholder="e.g. ana.lopez").strip()
 if reviewer:
@@ -51,7 +51,6 @@ if run_id is None:  # the link names a run that is not here (or has no results):
 run = store.get_run(run_id)
 random_weights_notice(run["model_id"])
 questions = run["schema"]["questions"]
-
 
 
 def linked_item() -> dict | None:
@@ -78,8 +77,6 @@ def linked_item() -> dict | None:
 
 
 linked = linked_item()
-
-# -- rules and queue building -----------------------------------------------------------------------------------
 
 progress = store.review_progress(run_id)
 with st.expander(f"Queue rules for schema “{run['schema_name']}”", expanded=progress["total"] == 0,
@@ -133,8 +130,6 @@ if progress["total"] == 0:
     st.info("The queue of this run is empty. Set the rules above and add items.")
     st.stop()
 st.progress(view.progress_fraction(progress), text=view.progress_text(progress))
-
-# -- the current item -------------------------------------------------------------------------------------------
 
 current_key = K(f"current.{run_id}")
 notice_key = K("notice")
@@ -340,8 +335,6 @@ if item is None:
 else:
     show_item(item)
 
-
-# -- log and export ---------------------------------------------------------------------------------------------
 
 with st.expander("Audit log", icon=":material/history:"):
     log = store.list_review_actions(run_id=run_id)

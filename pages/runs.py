@@ -104,8 +104,6 @@ def rerun_when_loaded() -> None:
         st.rerun(scope="app")
 
 
-# -- start a run ------------------------------------------------------------------------------------------------
-
 models_busy = model_manager().state().busy
 if models_busy:
     st.fragment(rerun_when_loaded, run_every=1.0)()
@@ -184,7 +182,6 @@ if not runs:
     st.info("No runs yet.")
     st.stop()
 
-# -- pick a run -------------------------------------------------------------------------------------------------
 
 run_id = pick_run(runs, K("selected"), run_view.run_label)
 if run_id is None:  # the link names a run that is not here: said above, nothing else shown in its place
@@ -202,11 +199,8 @@ with st.expander("All runs", icon=":material/list:"):
 
 def render_progress(run_id: int) -> None:
     progress = runner.progress(run_id)
-    # The run ended since the last poll: the whole page reruns first, so that "Finished" is drawn by the same run of
-    # the page that draws the final results and their export (drawn here, it showed beside an export button that
-    # still held the results of the last refresh: 32 of 50 cases downloaded after "Finished: all 50"). So it does
-    # when the run selector or the sidebar, drawn before, show another status than the database has now (a run that
-    # failed within a second read "running" there beside "The run failed" here).
+    # The run ended since the last poll, or the selector or sidebar show another status: the whole page again, so
+    # that "Finished" is drawn with the final results and their export (not beside an export of an older refresh).
     ended = st.session_state.get(K(f"was_live.{run_id}")) and not progress["live"]
     if ended or run_view.surfaces_stale(st.session_state.get(K(f"drawn_status.{run_id}")),
                                         st.session_state.get(RUNNING_SHOWN_KEY), store.get_run(run_id),
@@ -242,9 +236,7 @@ def render_progress(run_id: int) -> None:
                 engine = run_engine(run_id)
                 if engine is not None:
                     start_again(run_id, engine)
-    # the fragment polls only while a job is live; when it ends, the whole page reruns (above) to show the final
-    # stats and to stop the results' own refresh. While it runs, the results refresh themselves (`render_results`),
-    # and the page reruns only for the first results, when there is no filter or search below yet to type into.
+    # the page reruns for the first results only: later ones refresh themselves (`render_results`)
     st.session_state[K(f"was_live.{run_id}")] = progress["live"]
     if progress["live"] and progress["done"] and not st.session_state.get(K(f"shown.{run_id}")):
         st.rerun(scope="app")
@@ -321,7 +313,6 @@ def render_results(run_id: int, live: bool) -> None:
 def render_browse(run_id: int, browse: run_view.Browse, questions: dict) -> None:
     st.subheader("Results")
     filter_cols = st.columns([1, 1, 2, 2])
-    # kept: the progress fragment refreshes while a run is live, and kept widgets survive the browser's redraws then
     wrong_only = kept_widget(filter_cols[0].toggle, "Wrong only", K(f"browse.wrong.{run_id}"), False,
                              help="Answers that disagree with the case's expected answer")
     low_conf = kept_widget(filter_cols[1].toggle, "Low confidence", K(f"browse.low.{run_id}"), False)
@@ -498,8 +489,6 @@ live = runner.is_running(run_id) or progress_now["elsewhere"]
 # what this full run of the page shows below (the progress fragment, rerunning alone, compares against it)
 st.session_state[K(f"shown.{run_id}")] = progress_now["done"]
 st.fragment(render_progress, run_every=1.0 if live else None)(run_id)
-# While a run is live the results refresh themselves, as a fragment of their own, instead of the page being rerun by
-# the server: a server-started rerun carries the widgets' values as the server last saw them, and a search typed
-# meanwhile was lost (1 journey in 3 under CPU load). The timer of a fragment runs in the browser, which sends what
-# it holds.
+# A live run's results refresh as a fragment (its timer runs in the browser, which sends what it holds): a rerun
+# started by the server carried stale widget values, losing a search being typed.
 st.fragment(render_results, run_every=STATS_REFRESH_S if live else None)(run_id, live)

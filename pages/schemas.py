@@ -117,8 +117,7 @@ st.title("Schema library")
 st.caption(f"Folder: `{library.directory}` (set CLEF_SCHEMAS_DIR to change). One JSON file per schema, "
            "indented and in a fixed key order, so changes diff cleanly in git.")
 
-# Always there, so a message appearing or going does not move the widgets below it (the tabs would jump back to
-# the first one).
+# always there: a message appearing must not move the tabs below (they would jump back to the first)
 flash_area = st.container()
 message = st.session_state.get(K("flash"))
 if message and message[2] == "top":
@@ -164,8 +163,7 @@ if not shown.entries:
     st.stop()
 
 slugs = shown.slugs
-# kept across page switches (a plain widget's value goes when another page runs): the schema stays selected; a
-# session's first visit opens the one its link names (?schema=), else the last edited
+# a session's first visit opens the one its link names (?schema=), else the last edited
 first_visit = "_keep." + K("selected") not in st.session_state
 linked = st.query_params.get(SCHEMA_PARAM) if first_visit else None
 if linked is not None and linked not in slugs:

@@ -124,8 +124,7 @@ def probability_chart(table: pd.DataFrame, *, title: str | None = None) -> alt.C
         tooltip=[alt.Tooltip("option:N"), alt.Tooltip("description:N"), alt.Tooltip("probability:Q", format=".4f")],
     )
     labels = base.mark_text(align="left", dx=3).encode(text="percent:N")
-    # fit-x: the chart fills the width; its height is the rows' (a step per option) plus axis and title, where
-    # Streamlit's default ("fit") would squeeze everything, labels included, into a fixed height
+    # fit-x: the full width, and the rows' height (Streamlit's "fit" squeezed the labels into a fixed height)
     chart = (bars + labels).properties(height=alt.Step(option_step(data["label"])),
                                        autosize=alt.AutoSizeParams(type="fit-x", contains="padding"))
     return chart.properties(title=title) if title else chart
@@ -147,10 +146,6 @@ def option_step(labels: Iterable[str]) -> int:
     """Pixels per option row: enough for the longest (wrapped) label's lines and a bar."""
     lines = max((label.count("\n") + 1 for label in labels), default=1)
     return max(24, LABEL_LINE_PX * lines + ROW_PADDING_PX)
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Token budget
 
 
 @dataclass(frozen=True)
@@ -217,10 +212,6 @@ def budget_chart(counts: dict[str, int]) -> alt.Chart:
         tooltip=["part:N", alt.Tooltip("tokens:Q", format=","), alt.Tooltip("start:Q", format=","),
                  alt.Tooltip("end:Q", format=",")],
     ).properties(height=BUDGET_CHART_HEIGHT)
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Errors next to fields
 
 
 def field_of(loc: tuple | list) -> str:

@@ -114,9 +114,6 @@ def restore_deleted(store: Any, kind: str, object_id: Any) -> tuple[str, str]:
         return "error", f"Not restored: {exc}"
 
 
-# -- import ------------------------------------------------------------------------------------------------------
-
-
 def tags_column_index(columns: list[str]) -> int:
     """The tags selector's default: a column named "tags", else not mapped."""
     return 1 + columns.index("tags") if "tags" in columns else 0
@@ -229,9 +226,6 @@ def imported_message(set_name: str, parsed: int, added: int, skipped_rows: list[
     were = "was" if already == 1 else "were"
     return "success", (f"Imported {plural(added, 'case')} into “{set_name}”."
                        + (f" {already:,} {were} already in it and skipped." if already else "") + skipped)
-
-
-# -- actions: each returns what to say, never raises for a person's input --------------------------------------------
 
 
 def load_examples(store: Any, library: SchemaLibrary) -> str:

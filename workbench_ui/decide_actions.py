@@ -64,8 +64,7 @@ def init_page() -> None:
     pending = st.session_state.pop(K("pending_load"), None)
     token = st.session_state.get(K("draft_token"))
     if token is None:
-        # A new session writes its draft under a token of its own, even when the URL names another one (a reload,
-        # or a link someone sent): it starts from that draft, but its edits never overwrite the sender's.
+        # a token of its own: a session opened from another's draft never overwrites it
         token = secrets.token_urlsafe(9)
         st.session_state[K("draft_token")] = token
     if K("uids") not in st.session_state:

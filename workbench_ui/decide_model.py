@@ -20,8 +20,7 @@ from clef_workbench import schemas
 from workbench_ui import answers, schema_rows, state_input
 
 PREFIX = "decide"
-# A widget's value is mirrored under this prefix: Streamlit drops a widget's own key on a run that does not draw it
-# (another page), and the page restores it from the mirror (workbench_ui.shell.kept_widget).
+# a widget's value mirrored under this prefix survives a run that does not draw it (shell.kept_widget)
 KEEP_PREFIX = "_keep."
 ROW_FIELDS = ("id", "type", "instructions", "options", "levels", "true", "false")
 NEW_QUESTION_DEFAULTS = {
@@ -30,7 +29,6 @@ NEW_QUESTION_DEFAULTS = {
                            {"id": "unknown", "description": "None of these fits."}]},
     "score": {"levels": ["Low", "Medium", "High"]},
 }
-# What a draft keeps besides the questions: the editors' values a reload must bring back.
 DRAFT_FIELDS = ("state_text", "state_mode", "schema_name", "schema_description", "max_length", "overflow")
 
 
@@ -58,9 +56,6 @@ def forget_kept(state: MutableMapping, name: str, unless_in: Any = ()) -> None:
 
 def row_keys(uid: int) -> dict[str, str]:
     return {f: key(f"q{uid}.{f}") for f in ROW_FIELDS}
-
-
-# -- the schema builder -----------------------------------------------------------------------------------------
 
 
 class Builder:
@@ -253,9 +248,6 @@ class Builder:
                               examples=self.examples if update else [])
 
 
-# -- problems next to their fields ------------------------------------------------------------------------------
-
-
 @dataclass
 class Messages:
     """Errors and warnings per place on the page: "state", "media", "schema", "budget" or a question's row index."""
@@ -306,8 +298,7 @@ def route_engine_problems(by_field: dict[str, list[str]], rows: list[dict[str, A
                 messages.add(target, text)
 
 
-# Engine wording → the label of the control that sets it, so a message names what the user sees (max_length is
-# both).
+# engine wording → the label of the control that sets it
 CONTROL_LABELS = {
     "overflow='truncate_state'": "“If the state does not fit: truncate the end of the state”",
     "overflow='refuse'": "“If the state does not fit: refuse”",
@@ -319,9 +310,6 @@ def in_control_words(message: str) -> str:
     for api, label in CONTROL_LABELS.items():
         message = message.replace(api, label)
     return message
-
-
-# -- token budget -----------------------------------------------------------------------------------------------
 
 
 def fingerprint(request: dict[str, Any] | None) -> str:
@@ -345,9 +333,6 @@ class BudgetCache:
         counts = engine.count_tokens(request, max_length=max_length)
         self._key, self._engine, self._counts = wanted, weakref.ref(engine), counts
         return counts
-
-
-# -- the result of a run ----------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -406,7 +391,7 @@ def stale_message(causes: list[str]) -> str:
             "was then; press Run for answers to what is on screen.")
 
 
-# Save as case's fields: proposed afresh from each new result (a kept value would name the previous schema's set).
+# Save as case's fields, proposed afresh from each new result
 SAVE_AS_CASE_FIELDS = ("case_set_pick", "case_set_new", "confirm_labels", "case_tags")
 
 
@@ -428,9 +413,6 @@ def save_as_case(store: Any, result: DecideResult, case_set_name: str, *, with_l
         expected=result.expected_labels() if with_labels else None,
         tags=[t.strip() for t in tags_text.split(",") if t.strip()] or None,
     )
-
-
-# -- the draft: what a reload brings back -----------------------------------------------------------------------
 
 
 def set_media(state: MutableMapping, media: list[state_input.Media]) -> None:
@@ -571,9 +553,6 @@ def frame_thumbnail(frame: np.ndarray, width: int = FRAME_THUMBNAIL_PX) -> Image
         return image
     factor = -(-width // image.width)  # ceiling: a whole number of screen pixels per frame pixel
     return image.resize((image.width * factor, image.height * factor), Image.Resampling.NEAREST)
-
-
-# -- which model a run uses -------------------------------------------------------------------------------------
 
 
 def model_for_run(state: MutableMapping, names: list[str], default: str | None) -> str | None:

@@ -11,8 +11,7 @@ from clef_workbench.schema_library import SchemaLibrary
 from clef_workbench.store import StoreError
 from workbench_ui import decide_model, schema_rows, state_input
 
-# Decide's max_length choices: the powers of two from 512 to 262,144 tokens (a run's other values are not shown).
-# A list rather than a free number field: it cannot be left empty or mistyped to a value that refuses every request.
+# Decide's max_length choices, 512 to 262,144: a list cannot be mistyped to a value that refuses every request
 DECIDE_MAX_LENGTHS = [2 ** power for power in range(9, 19)]
 MISSING_LINKS_SHOWN = 20
 

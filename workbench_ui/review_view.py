@@ -45,9 +45,6 @@ def nothing_to_review(runs: list[Run]) -> str:
     return f"No run has answers to review: {'; '.join(reasons)}."
 
 
-# -- rules ---------------------------------------------------------------------------------------------------------
-
-
 def margin_default(saved: ReviewRules) -> float:
     return saved.margin_below if saved.margin_below is not None else DEFAULT_MARGIN_BELOW
 
@@ -97,9 +94,6 @@ def progress_fraction(progress: dict) -> float:
     return progress["reviewed"] / progress["total"] if progress["total"] else 0.0
 
 
-# -- actions ------------------------------------------------------------------------------------------------------
-
-
 def option_label(option: str) -> Any:
     """A distribution's option as the label an action records: yes/no answers as booleans."""
     return True if option == "true" else False if option == "false" else option
@@ -139,9 +133,6 @@ def gold_question(item: ReviewItem, action: str, label: Any, gold: str) -> GoldQ
         f"The case set's expected answer is “{gold}”. Labelling case {item['case_id']} · {item['question_id']} "
         f"“{new}” overrides that gold label in the reviewed labels and the golden set.",
         f"Yes, label it “{new}”", f"Keep “{gold}”", keep_action, None if keep_action == "accept" else gold)
-
-
-# -- the card -------------------------------------------------------------------------------------------------------
 
 
 def outcome(item: ReviewItem) -> str:
@@ -234,9 +225,6 @@ def record_row(other: ReviewItem, *, current: bool, blind: bool) -> tuple[str, s
             outcome(other))
 
 
-# -- log and export ---------------------------------------------------------------------------------------------
-
-
 def audit_rows(actions: list[dict]) -> list[dict[str, Any]]:
     return [{"#": a["id"], "when": when(a["at"], digits=23), "who": a["reviewer"], "action": a["action"],
              "case": a["case_id"], "question": a["question_id"], "comment": a.get("comment") or "",
@@ -262,9 +250,6 @@ def golden_name(run: dict) -> str:
 
 def golden_message(golden_id: int, name: str, case_count: int) -> str:
     return f"Created case set #{golden_id} “{name}” with {case_count} cases. Open it on the Case sets page."
-
-
-# -- what the reviewer does, and what it says ---------------------------------------------------------------------
 
 
 def apply_action(store: Any, item: ReviewItem, action: str, label: Any, *, reviewer: str, comment: str | None,

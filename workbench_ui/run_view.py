@@ -80,9 +80,6 @@ def create_run(store: Any, case_set_id: int, schema: dict, schema_slug: str, mod
                                                  precision=engine_info.get("precision")))
 
 
-# -- what a run's results say -----------------------------------------------------------------------------------
-
-
 def sweep_rows(sweeps: list[Sweep]) -> list[dict[str, Any]]:
     """The Runs page's list of sweeps (stored like runs, issue 39): one row each, its link opening it on Sweeps."""
     return [{"sweep": s["id"], "status": s["status"], "case set": s["case_set_name"], "schema": s["schema_name"],
@@ -211,9 +208,6 @@ def fit_calibration(store: Any, run_id: int) -> tuple[str | None, tuple[str, lis
     except (calibration.CalibrationRefused, StoreError) as exc:
         return f"Not calibrated: {exc}", None
     return None, (store.get_calibration(calibration_id)["name"], reports)
-
-
-# -- export and comparison --------------------------------------------------------------------------------------
 
 
 def export(store: Any, run: dict, result_count: int, live: bool) -> ExportFiles:

@@ -13,21 +13,16 @@ from clef_engine import protocol
 from clef_engine.interface import DecisionEngine
 from clef_engine.protocol import sniff_content_type
 
-# Upload limits, shown in the UI next to the uploaders; stricter than the contract, which has none. Images follow
-# the limits published for hosted Clef (spec §5), so what the Decide page sends would also be taken there; the
-# byte limits keep one request's upload and base64 copy small.
+# Upload limits, stricter than the contract's: images as hosted Clef takes them (spec §5).
 MAX_IMAGES = protocol.HOSTED.max_images
 MAX_IMAGE_PIXELS = protocol.HOSTED.max_image_pixels
-# A megabyte is 1,000,000 bytes here, as the uploaders' file chips count it (Streamlit counts in 1,000s except on
-# Windows): a file's size and its limit read alike on the chip, in the caption and in a refusal.
+# 1,000,000 bytes, as the uploaders' file chips count a megabyte
 MB = 1_000_000
 MAX_IMAGE_BYTES = 20 * MB
-# Videos cost many tokens (2 frames per second are sampled) and have no published limit: the page takes as many as
-# images, and these keep a single Decide request reasonable on one GPU.
+# videos have no published limit: these keep one request reasonable on one GPU
 MAX_VIDEOS = protocol.HOSTED.max_images
 MAX_VIDEO_BYTES = 64 * MB
 MAX_VIDEO_SECONDS = 120.0
-# Streamlit text areas get slow long before this; a state this long cannot fit a 16k-token context anyway.
 MAX_STATE_CHARS = 2_000_000
 
 IMAGE_TYPES = {t: protocol.MEDIA_TYPE_NAMES[t] for t in protocol.IMAGE_CONTENT_TYPES}
@@ -111,10 +106,6 @@ def state_to_text(state: Any) -> str:
     if isinstance(state, str):
         return state
     return json.dumps(state, indent=2, ensure_ascii=False)
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Media
 
 
 class MediaError(ValueError):
@@ -222,10 +213,6 @@ def media_limits_text() -> str:
     return (f"Images: {_names(IMAGE_TYPES)}, up to {MAX_IMAGES} per request, {_mb(MAX_IMAGE_BYTES)} and "
             f"{MAX_IMAGE_PIXELS / 1e6:.0f} MP each. Videos: {_names(VIDEO_TYPES)}, up to {MAX_VIDEOS} per request, "
             f"{_mb(MAX_VIDEO_BYTES)} and {MAX_VIDEO_SECONDS:.0f} s each.")
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Request
 
 
 DEFAULT_MODEL_NAME = protocol.DEFAULT_MODEL_NAME

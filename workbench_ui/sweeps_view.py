@@ -89,8 +89,6 @@ def written_alternative(question_id: str, question: dict[str, Any], instructions
     return written, []
 
 
-# -- the sweep to start -------------------------------------------------------------------------------------------
-
 AUTO_KIND_LABELS = {
     "no_descriptions": "Each option's description removed",
     "no_instructions": "The instructions removed",
@@ -166,9 +164,6 @@ def library_schema(library: SchemaLibrary, slug: str) -> tuple[dict[str, Any] | 
     return schema, None
 
 
-# -- its progress -------------------------------------------------------------------------------------------------
-
-
 def sweep_row(store: Any, sweep_id: int) -> dict[str, Any]:
     return next(s for s in sweeps.list_sweeps(store) if s["id"] == sweep_id)
 
@@ -217,8 +212,6 @@ def resume_sweep(runner: SweepRunner, engine: Any, sweep_id: int) -> str:
         return str(exc)
     return f"Resumed sweep #{sweep_id}."
 
-
-# -- the leaderboard ----------------------------------------------------------------------------------------------
 
 OVERALL = "overall"
 
@@ -311,9 +304,6 @@ def best_text(result: sweeps.SweepResult) -> str | None:
             "each fold's cases answered by the schema of each question's best wording on the other folds).")
 
 
-# -- a variant's flipped cases --------------------------------------------------------------------------------------
-
-
 def variant_score(result: sweeps.SweepResult, name: str) -> sweeps.VariantScore:
     return next(score for score in result.variants if score.variant.name == name)
 
@@ -336,8 +326,6 @@ def review_params(store: Any, result: sweeps.SweepResult, name: str, case_id: in
     """Review's query parameters for a flipped case, its variant's answers as a run (made on first use)."""
     return {"run": str(sweeps.variant_run(store, result.id, name)), "case": str(case_id), "question": question}
 
-
-# -- adopt ----------------------------------------------------------------------------------------------------------
 
 BEST = "best"  # the adoption choice of the composed best schema
 

@@ -22,8 +22,7 @@ from clef_workbench.store import Case, Run
 TOWARDS = (26, 127, 55)  # green: the segment supports the answer
 AGAINST = (207, 34, 46)  # red: the segment works against it
 SMALLEST_ALPHA, LARGEST_ALPHA = 0.12, 0.65  # background opacity of the weakest and the strongest segment
-# One scale for every question and record: a colour's strength is its effect in percentage points, full at FULL_SCALE
-# and beyond (not relative to the largest effect in view, which made 1.7 points look like 6.7 elsewhere).
+# one scale everywhere: a colour is full from FULL_SCALE on, never relative to the largest effect in view
 FULL_SCALE = 0.10
 KEY_STEPS = (-0.10, -0.05, -0.01, 0.0, 0.01, 0.05, 0.10)  # the swatches of the key
 TOP_SEGMENTS = 5  # the largest effects listed in a table under the view
@@ -245,9 +244,6 @@ def answered_option(answer: dict) -> str:
         return answer["choice"]
     probabilities = answer["probabilities"]
     return f"level {max(probabilities, key=probabilities.get)}"
-
-
-# ---- Streamlit ------------------------------------------------------------------------------------------------------
 
 
 def render_why(explained: dict, question_id: str, state: Any, images: list[Image.Image]) -> None:
