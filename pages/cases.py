@@ -35,7 +35,6 @@ schema_slugs = library.slugs()
 
 
 def flash(kind: str, message: str, *, undo: tuple[str, int] | None = None) -> None:
-    """A message for the next run of the page (import and delete rerun it), optionally with an Undo button."""
     st.session_state[K("flash")] = (kind, message, undo)
 
 

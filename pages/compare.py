@@ -169,7 +169,6 @@ unfinished = [runs_by_id[r] for r in picked if cv.is_unfinished(runs_by_id[r])]
 
 @st.fragment(run_every=2.0 if unfinished else None)
 def progress() -> None:
-    """While a run works: its progress, and the whole page again when it is done."""
     now = [store.get_run(r["id"]) for r in unfinished]
     for run in now:
         st.caption(f"Run #{run['id']}: {run['status']}, {run['done']}/{run['total']} cases.")
@@ -243,7 +242,6 @@ open_selected(matrix_name, [list(cell) for cell in matrix_event.selection.cells]
 
 
 def show_case(detail: cv.CaseShown) -> None:
-    """The opened case: its state and expected answers, then a column per run with its answers and charts."""
     st.subheader(f"Case {detail.case_id}")
     if isinstance(detail.state, str):
         st.code(detail.state, language=None, wrap_lines=True)

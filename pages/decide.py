@@ -88,7 +88,6 @@ def render_question(position: int, uid: int, count: int) -> tuple[dict[str, Any]
 
 
 def render_undo_notice(message: str, name: str, undo, icon: str) -> None:
-    """Where something was removed or replaced: what went, and Undo."""
     cols = st.columns([4, 1], vertical_alignment="center")
     cols[0].info(message, icon=icon)
     cols[1].button("Undo", key=K(name), icon=":material/undo:", on_click=undo)
@@ -100,7 +99,6 @@ def render_removed_notice() -> None:
 
 
 def render_replaced_notice(place: str) -> None:
-    """What the last Load ("schema") or Use this example ("state") replaced, with Undo."""
     if message := builder().replaced(place):
         render_undo_notice(message, f"undo_replace.{place}", builder().undo_replace, ":material/swap_horiz:")
 

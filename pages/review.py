@@ -244,7 +244,6 @@ def show_item(item: dict) -> None:
 
 
 def show_evidence(item: dict, case: dict, shown: view.Card) -> None:
-    """The record as the model read it: its state, images and videos (with the frames the model saw)."""
     st.markdown("**State**")
     if isinstance(case["state"], str):
         st.text(case["state"])
@@ -315,7 +314,6 @@ def show_actions(item: dict, shown: view.Card) -> None:
 
 
 def show_record(item: dict) -> None:
-    """The record's other queued questions, to answer without reading it again."""
     record = review.record_items(store, run_id, item["case_id"])
     with st.container(key="review-record", border=True):
         st.markdown(view.record_heading(record, item["case_id"]))

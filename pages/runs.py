@@ -99,7 +99,6 @@ def render_delete(run: dict) -> None:
 
 
 def rerun_when_loaded() -> None:
-    """Reruns the page when the model load ends."""
     if not model_manager().state().busy:
         st.rerun(scope="app")
 
@@ -288,7 +287,6 @@ def render_outcome(run_id: int, outcome) -> None:
 
 
 def render_results(run_id: int, live: bool) -> None:
-    """Everything below the progress: the results, their statistics, export and comparison."""
     run = store.get_run(run_id)
     results = store.list_results(run_id)
     st.caption(run_view.settings_caption(run))
@@ -420,7 +418,6 @@ def render_calibrate(run_id: int) -> None:
 
 
 def render_cases(run: dict, results: list[dict], frame) -> None:
-    """The slowest and least confident cases, and one case's answers (and why) on demand."""
     run_id = run["id"]
     st.subheader("Slowest and least confident cases")
     slowest, least_confident = run_view.extremes(results, frame)

@@ -36,7 +36,6 @@ def flash(kind: str, message: str, undo: sv.Adopted | None = None) -> None:
 
 
 def written(slug: str) -> list:
-    """The alternatives written for a schema in this session: [question id, question] pairs."""
     return st.session_state.setdefault(K(f"written.{slug}"), [])
 
 
@@ -52,7 +51,6 @@ def add_alternative(slug: str, question_id: str, question: dict) -> None:
 
 
 def render_alternatives(slug: str, schema: dict) -> None:
-    """Write alternatives per question: its instructions and options, reworded; each is one more variant."""
     questions = schema["questions"]
     question_id = st.selectbox("Question", list(questions), key=K(f"alt_question.{slug}"))
     editor = K(f"alt.{slug}.{question_id}")
@@ -85,7 +83,6 @@ def start(set_id: int, slug: str, variants: list, folds: int) -> None:
 
 
 def render_start() -> None:
-    """Pick a case set and a schema, tick automatic variants, write alternatives, and start."""
     sets, slugs = store.list_case_sets(), library.slugs()
     missing = sv.missing_for_sweep(sets, slugs, model_manager().state().engine)
     if missing:
@@ -187,7 +184,6 @@ def render_flips(result, variant: str) -> None:
 
 
 def render_adopt(result) -> None:
-    """Adopt: asks first, then writes the new version; its Undo restores the version it replaced."""
     st.subheader("Adopt")
     choices = sv.adoption_choices(result)
     if not choices:

@@ -22,8 +22,6 @@ BUDGET_CHART_HEIGHT = 150  # pixels with the legend and axis
 
 @dataclass(frozen=True)
 class AnswerSummary:
-    """The numbers on one question's card."""
-
     question_id: str
     type: str
     top_option: str  # "true"/"false", a choice id, or a score level "0".."n-1"
@@ -174,7 +172,6 @@ class BudgetStatus:
 
 
 def budget_status(counts: dict[str, int]) -> BudgetStatus:
-    """From engine.count_tokens output."""
     total = int(counts["total"])
     limit = int(counts["max_length"])
     fixed = total - int(counts["state"])
@@ -199,7 +196,6 @@ def budget_table(counts: dict[str, int]) -> pd.DataFrame:
 
 
 def budget_chart(counts: dict[str, int]) -> alt.Chart:
-    """A stacked horizontal bar: the parts, then free space up to max_length (or the overflow in red)."""
     table = budget_table(counts)
     domain = [*BUDGET_PARTS, "free", "over max_length"]
     return alt.Chart(table).mark_bar(height=26).encode(

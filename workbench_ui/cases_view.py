@@ -115,18 +115,15 @@ def restore_deleted(store: Any, kind: str, object_id: Any) -> tuple[str, str]:
 
 
 def tags_column_index(columns: list[str]) -> int:
-    """The tags selector's default: a column named "tags", else not mapped."""
     return 1 + columns.index("tags") if "tags" in columns else 0
 
 
 def source_id_column_index(columns: list[str]) -> int:
-    """The source id selector's default: the first column named like a record's own id, else not mapped."""
     id_like = importing.id_like_columns(columns)
     return 1 + columns.index(id_like[0]) if id_like else 0
 
 
 def expected_column_index(columns: list[str], guessed: dict[str, str], question_id: str) -> int:
-    """A question's expected-answer selector default: the column guessed for it, else not mapped."""
     options = [NOT_MAPPED, *columns]
     return options.index(guessed.get(question_id, NOT_MAPPED))
 
@@ -144,7 +141,6 @@ class ImportMapping:
 
     @property
     def label_like(self) -> list[str]:
-        """Columns that look like expected answers (left out of a suggested state)."""
         return casesets.label_like_columns(self.columns, [*self.questions, *self.answer_names])
 
     @property
@@ -166,7 +162,6 @@ class ImportMapping:
                           id_column=source_id)
 
     def leaked(self, state: list[str]) -> list[str]:
-        """State columns that hold answers: the model would read the answer it is asked for."""
         return [c for c in state if c in self.label_like or c in self.expected]
 
     def state_warning(self, state: list[str]) -> tuple[str, str] | None:
@@ -233,7 +228,6 @@ def load_examples(store: Any, library: SchemaLibrary) -> str:
 
 
 def import_parsed(store: Any, case_set_id: int, parsed: list[dict]) -> tuple[list[int] | None, str | None]:
-    """Add the parsed cases, skipping those already in the set: the ids added, or None and why nothing was."""
     return units.refusal(casesets.import_cases, store, case_set_id, parsed)
 
 
@@ -247,7 +241,6 @@ class SaveRefused:
 
 def save_edits(store: Any, case_set_id: int, edited: pd.DataFrame,
                schema: dict | None) -> case_table.CaseEdits | SaveRefused:
-    """The table's edits saved (case_table's summary of them), or SaveRefused: nothing was changed."""
     try:
         return case_table.apply_case_edits(store, case_set_id, edited, schema)
     except CaseDeletionRefusedError as exc:
@@ -262,7 +255,6 @@ def kept_rows_message(refused: SaveRefused) -> str:
 
 
 def read_file(name: str, data: bytes, encoding: str | None, delimiter: str | None) -> tuple[Any, list[str]]:
-    """A chosen file read as a table or JSON lines (importing.read_source), or None and what is wrong with it."""
     try:
         return importing.read_source(name, data, encoding=encoding, delimiter=delimiter), []
     except CaseImportError as exc:

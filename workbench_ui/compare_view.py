@@ -26,7 +26,6 @@ START_SETTINGS = RunSettings(chunk_size=8, max_length=DEFAULT_MAX_LENGTH)
 
 
 def missing_for_start(case_sets: list, slugs: list, models: list) -> str | None:
-    """What the one action needs and is not there yet, in words; None when it can run."""
     missing = [what for what, there in (("a case set (Case sets page)", case_sets), ("a schema (Schemas page)", slugs),
                                         ("a loaded model (sidebar)", models)) if not there]
     return f"Needs {' and '.join(missing)}." if missing else None
@@ -81,7 +80,6 @@ def start_comparison(store: Any, runner: Any, models: list[ModelChoice], set_id:
 
 
 def started_run_line(run: Run) -> str:
-    """A run the one action started, linked to its Runs page, with how far it is."""
     return (f"Run [#{run['id']}](/runs?run={run['id']}) · {run['model_id']} · {status_label(run)} · "
             f"{run['done']}/{run['total']} cases")
 
@@ -100,7 +98,6 @@ def missing_runs(linked: list[int], all_runs: Mapping[int, Run]) -> links.Missin
 
 
 def case_set_label(group: list[Run]) -> str:
-    """A case set with runs, in the selector: its name and how many runs it has."""
     return f"{group[0]['case_set_name']} ({len(group)} runs)"
 
 
@@ -124,8 +121,6 @@ class AnswerShown:
 
 @dataclass(frozen=True)
 class RunColumn:
-    """One run's column of an opened case."""
-
     title: str
     error: str | None
     answers: list[AnswerShown]

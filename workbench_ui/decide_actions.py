@@ -98,7 +98,6 @@ def init_page() -> None:
 
 
 def save_schema(update: bool) -> None:
-    """Callback of the Save buttons: writes the questions on screen; the saved schema becomes the identity."""
     questions, problems = schema_rows.rows_to_questions(builder().rows())
     if any(p.severity == "error" for p in problems):
         st.session_state[K("save_flash")] = ("error", "Fix the errors in the questions first; nothing was saved.")

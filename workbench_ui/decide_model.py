@@ -89,7 +89,6 @@ class Builder:
             set_kept(self.state, widget_key, texts.get(name, row.get(name) or ""))
 
     def set_rows(self, rows: list[dict[str, Any]]) -> None:
-        """Replace the questions; every field's widget is (re)initialised from the rows."""
         uids = []
         for row in rows:
             uid = self._new_uid()
@@ -181,7 +180,6 @@ class Builder:
         set_kept(self.state, key("library_pick"), None)
 
     def saved_as(self, slug: str, schema: schemas.Schema) -> None:
-        """The questions on screen were saved as `slug`: that is the identity now."""
         self.state[key("loaded_slug")] = slug
         self.state[key("loaded_questions")] = schema.questions
         set_kept(self.state, key("library_pick"), slug)
@@ -262,7 +260,6 @@ class Messages:
 
 
 def question_rows(target: int | str, rows: list[dict[str, Any]]) -> list[int]:
-    """Row indices a problem about question `target` (its position or its id) belongs to."""
     if isinstance(target, int):
         return [target] if 0 <= target < len(rows) else []
     return [i for i, row in enumerate(rows) if str(row["id"]).strip() == target]
@@ -285,7 +282,6 @@ def route_schema_problems(problems: list[schemas.SchemaProblem], rows: list[dict
 
 
 def route_engine_problems(by_field: dict[str, list[str]], rows: list[dict[str, Any]], messages: Messages) -> None:
-    """Problems the engine reported (answers.problems_by_field), each next to the field it concerns."""
     for place, texts in by_field.items():
         if place.startswith("question:"):
             indices = question_rows(place.split(":", 1)[1], rows)
@@ -416,12 +412,10 @@ def save_as_case(store: Any, result: DecideResult, case_set_name: str, *, with_l
 
 
 def set_media(state: MutableMapping, media: list[state_input.Media]) -> None:
-    """The media the request on screen carries (uploaded, and restored from the draft): the draft keeps them."""
     state[key("media")] = list(media)
 
 
 def restored_media(state: MutableMapping) -> list[state_input.Media]:
-    """Media a reload brought back from the draft (the browser's uploaders start empty after a reload)."""
     return list(state.get(key("restored_media")) or [])
 
 
@@ -505,7 +499,6 @@ def _restored_result(entry: dict[str, Any], on_screen: dict[str, bytes]) -> Deci
 
 
 def restore_draft(state: MutableMapping, draft: dict[str, Any]) -> None:
-    """Put a saved draft back on screen, with the answers of its last run."""
     builder = Builder(state)
     builder.set_rows(draft.get("rows") or [])
     for name in DRAFT_FIELDS:

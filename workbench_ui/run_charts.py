@@ -85,7 +85,6 @@ def reliability_diagram(question_id: str, bins: pd.DataFrame, calibrated: pd.Dat
 
 
 def shift_histogram(shifts: pd.DataFrame) -> alt.Chart:
-    """Histogram of per-option probability changes p_B − p_A between two runs."""
     data = shifts if not shifts.empty else pd.DataFrame({"shift": pd.Series(dtype=float)})
     return alt.Chart(data).mark_bar(color="#8e6bd8").encode(
         x=alt.X("shift:Q", bin=alt.Bin(extent=[-1, 1], step=0.05), title="p(B) − p(A) per option"),

@@ -71,7 +71,6 @@ def run_engine(models: Any, model_id: str) -> tuple[Any, str | None]:
 
 def create_run(store: Any, case_set_id: int, schema: dict, schema_slug: str, model_id: str, engine_info: dict,
                *, chunk_size: int, max_length: int, overflow: str) -> int:
-    """Record a new run of a case set (its schema without examples), with the settings and the engine's build."""
     schema = {k: v for k, v in schema.items() if k != "examples"}
     return store.create_run(case_set_id, schema=schema, model_id=model_id, model_revision=engine_info.get("revision"),
                             settings=RunSettings(chunk_size=chunk_size, max_length=max_length, overflow=overflow,
@@ -81,7 +80,6 @@ def create_run(store: Any, case_set_id: int, schema: dict, schema_slug: str, mod
 
 
 def sweep_rows(sweeps: list[Sweep]) -> list[dict[str, Any]]:
-    """The Runs page's list of sweeps (stored like runs, issue 39): one row each, its link opening it on Sweeps."""
     return [{"sweep": s["id"], "status": s["status"], "case set": s["case_set_name"], "schema": s["schema_name"],
              "variants": s["variant_count"], "done": s["done"], "total": s["total"], "model": s["model_id"],
              "created": when(s["created_at"]), "open": links.sweep_url(s["id"])} for s in sweeps]
@@ -100,7 +98,6 @@ def error_rows(results: list[dict]) -> list[dict]:
 
 
 def answers(results: list[dict], schema: dict) -> tuple[pd.DataFrame, dict]:
-    """One row per (case, question) answered, and what the statistics rest on (its `sentence` says it)."""
     frame = stats.answer_frame(results, schema)
     return frame, stats.coverage(results, frame)
 
@@ -150,7 +147,6 @@ class Speed:
 
 
 def speed(results: list[dict], question_count: int) -> Speed:
-    """Latency per record and throughput, as metrics with the sentences that say what they measure."""
     latency = stats.latency_stats(results)
     rates = stats.throughput(results, question_count)
     batches = len({(r["started_at"], r["finished_at"]) for r in results if not r.get("error")})
@@ -186,7 +182,6 @@ class Quality:
 
 
 def quality(frame: pd.DataFrame, questions: dict[str, dict]) -> Quality:
-    """Accuracy, score error, confusion and calibration of the answers that have expected ones."""
     accuracy = stats.accuracy_by_question(frame)
     choices = [q for q, spec in questions.items() if spec["type"] == "choice"]
     confusions = [(q, stats.confusion_matrix(frame, q, labels=casesets.option_ids(questions[q]))) for q in choices]
@@ -197,7 +192,6 @@ def quality(frame: pd.DataFrame, questions: dict[str, dict]) -> Quality:
 
 
 def extremes(results: list[dict], frame: pd.DataFrame, count: int = 10) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """The slowest cases, and the least confident answers (smallest margin first)."""
     return stats.slowest_cases(results, count), stats.least_confident(frame, count)
 
 
@@ -218,6 +212,5 @@ def export(store: Any, run: dict, result_count: int, live: bool) -> ExportFiles:
 
 
 def comparison(store: Any, baseline_id: int, frame: pd.DataFrame) -> dict[str, Any]:
-    """The run (B) against a baseline run (A): accuracy change per question, flipped answers, probability shifts."""
     baseline = store.get_run(baseline_id)
     return stats.compare_runs(stats.answer_frame(store.list_results(baseline_id), baseline["schema"]), frame)

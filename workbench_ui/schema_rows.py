@@ -21,7 +21,6 @@ def _as_text(value: Any) -> str:
 
 
 def question_to_row(qid: str, question: dict[str, Any]) -> dict[str, Any]:
-    """One question of a questions map as an editable row."""
     criteria = question.get("criteria")
     row: dict[str, Any] = {
         "id": qid,
@@ -66,7 +65,6 @@ def row_to_question(row: dict[str, Any]) -> dict[str, Any]:
 
 
 def options_to_text(options: Iterable[dict[str, Any]]) -> str:
-    """Choice options as editor text: one option per line, `id: description` (or just `id`)."""
     lines = []
     for option in options:
         description = (option.get("description") or "").strip()
@@ -86,7 +84,6 @@ def text_to_options(text: str) -> list[dict[str, str]]:
 
 
 def levels_to_text(levels: Iterable[str]) -> str:
-    """Score levels as editor text: one per line, lowest first."""
     return "\n".join(str(level) for level in levels)
 
 

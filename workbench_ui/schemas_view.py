@@ -16,8 +16,6 @@ STARTER_QUESTIONS = {"q1": {"type": "noul", "instructions": "Replace this with y
 
 @dataclass
 class Listing:
-    """The library as the page lists it: every file, the schemas that load and their lint problems."""
-
     entries: list[SchemaEntry]
     schemas: dict[str, Schema] = field(default_factory=dict)
     lint: dict[str, list[SchemaProblem]] = field(default_factory=dict)
@@ -30,7 +28,6 @@ class Listing:
         return next(e for e in self.entries if e.slug == slug)
 
     def label(self, slug: str) -> str:
-        """A schema in the selector: its name and its file."""
         return f"{self.entry(slug).name} ({slug}.json)"
 
     def table(self) -> list[dict[str, Any]]:
@@ -76,7 +73,6 @@ def overview(schema: Schema) -> str:
 
 
 def question_rows(schema: Schema) -> list[dict[str, Any]]:
-    """The questions table: id, type, instructions and the answers each question allows, in a few words."""
     rows = []
     for qid, question in schema.questions.items():
         criteria = question.get("criteria")
@@ -107,7 +103,6 @@ class VersionDiff:
 
 
 def version_diff(versions: list[dict], old_number: int, new_number: int) -> VersionDiff:
-    """What changed from one version of a schema's history to another."""
     by_number = {v["number"]: v for v in versions}
     changes = diff_schemas(by_number[old_number]["schema"], by_number[new_number]["schema"])
     return VersionDiff(f"Changes from version {old_number} to version {new_number}", diff_text(changes),

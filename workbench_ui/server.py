@@ -22,7 +22,6 @@ def resident_models() -> dict | None:
 
 
 def stored_calibrations() -> dict[str, Calibration]:
-    """Every calibration in the workbench's store (CLEF_DB, as the pages open it), by name."""
     return calibrations_from_export(export_document(Store(WorkbenchSettings.from_env().db_path)))
 
 

@@ -68,7 +68,6 @@ model_manager = shared_manager  # one per process, shared by all sessions and th
 
 @st.cache_resource(show_spinner=False)
 def get_store():
-    """The workbench's SQLite store, path from CLEF_DB (default data/workbench.sqlite3)."""
     from clef_workbench.store import Store
 
     return Store(WorkbenchSettings.from_env().db_path)
@@ -258,7 +257,6 @@ def render_models(manager: ModelManager) -> None:
 
 
 def render_add_model(manager: ModelManager) -> None:
-    """Load one more model beside the resident ones."""
     # open while this session's add has news: a rerun would draw it closed, hiding its progress
     with st.expander("Add a model", icon=":material/add:", expanded=ADDED_KEY in st.session_state,
                      key="sidebar.add_box"):
@@ -282,7 +280,6 @@ ADDED_KEY = "sidebar.added"  # the model this session last asked to add: its pro
 
 
 def follow_add() -> None:
-    """The add this session asked for, under its Add button: its progress while it loads, then what became of it."""
     manager = model_manager()
     source = st.session_state.get(ADDED_KEY)
     state = manager.state()
@@ -392,7 +389,6 @@ def failure_text(what: str, exc: BaseException) -> str:
 
 
 def page_key(page: str) -> Callable[[str], str]:
-    """Namespaced session-state keys per page: key("rows") -> "decide.rows"."""
     return lambda name: f"{page}.{name}"
 
 
@@ -438,7 +434,6 @@ def show_flash(key: str, undo: Callable[..., None]) -> None:
 
 
 def url_int(name: str) -> int | None:
-    """An integer URL parameter (?run=12), or None when absent or not a number."""
     value = st.query_params.get(name)
     return int(value) if value is not None and str(value).isdigit() else None
 
@@ -478,7 +473,6 @@ def show_not_found(missing: links.Missing, key: str | None = None) -> None:
 
 
 def pick_run(runs: list[dict], key: str, label: Callable[[dict], str]) -> int | None:
-    """The run selector of the Runs and Review pages (see pick_id; the URL parameter is `run`)."""
     labels = {run["id"]: label(run) for run in runs}
     return pick_id(list(labels), key, "Run", labels.get, param="run", what="run")
 
@@ -496,7 +490,6 @@ def forget_widget(key: str, unless_in: Any = ()) -> None:
 
 
 def set_widget(key: str, value: Any) -> None:
-    """Set a kept widget's value from a callback (before the widget renders)."""
     set_kept(st.session_state, key, value)
 
 

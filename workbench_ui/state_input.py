@@ -46,8 +46,6 @@ class StateInputError(ValueError):
 
 @dataclass(frozen=True)
 class ParsedState:
-    """The state to send: `value` is a str for plain text, any JSON value otherwise."""
-
     value: Any
     kind: Literal["text", "json"]
     warnings: tuple[str, ...] = ()
@@ -102,7 +100,6 @@ def parse_state(text: str, mode: StateMode = "auto") -> ParsedState:
 
 
 def state_to_text(state: Any) -> str:
-    """A state as editor text: strings as they are, anything else as indented JSON."""
     if isinstance(state, str):
         return state
     return json.dumps(state, indent=2, ensure_ascii=False)
@@ -129,7 +126,6 @@ class Media:
         return len(self.data)
 
     def data_url(self) -> str:
-        """The form a System One request carries media in."""
         return protocol.data_url(self.content_type, self.data)
 
 
@@ -201,7 +197,6 @@ def check_video(name: str, data: bytes) -> Media:
 
 
 def check_media_counts(images: Sequence[Any], videos: Sequence[Any]) -> None:
-    """Raise MediaError when more files are attached than a request may carry."""
     if len(images) > MAX_IMAGES:
         raise MediaError(f"{len(images)} images attached; a request carries at most {MAX_IMAGES}.")
     if len(videos) > MAX_VIDEOS:
@@ -209,7 +204,6 @@ def check_media_counts(images: Sequence[Any], videos: Sequence[Any]) -> None:
 
 
 def media_limits_text() -> str:
-    """The limits in one sentence, for the UI."""
     return (f"Images: {_names(IMAGE_TYPES)}, up to {MAX_IMAGES} per request, {_mb(MAX_IMAGE_BYTES)} and "
             f"{MAX_IMAGE_PIXELS / 1e6:.0f} MP each. Videos: {_names(VIDEO_TYPES)}, up to {MAX_VIDEOS} per request, "
             f"{_mb(MAX_VIDEO_BYTES)} and {MAX_VIDEO_SECONDS:.0f} s each.")

@@ -48,7 +48,6 @@ class AlternativeEditor:
 
 
 def alternative_editor(question: dict[str, Any]) -> AlternativeEditor:
-    """The editor of an alternative to `question`, filled with the question as it is."""
     row = schema_rows.question_to_row("q", question)
     if row["type"] == "score":
         return AlternativeEditor(row["instructions"], schema_rows.levels_to_text(row["levels"]),
@@ -100,7 +99,6 @@ AUTO_KIND_LABELS = {
 
 
 def missing_for_sweep(case_sets: list[dict], slugs: list[str], engine: Any) -> str | None:
-    """What a sweep still needs, in words; None when one can start."""
     missing = [what for what, there in (("a labelled case set (Case sets page)", case_sets),
                                         ("a schema (Schemas page)", slugs), ("a loaded model (sidebar)", engine))
                if not there]
@@ -140,7 +138,6 @@ def can_start(variants: list[sweeps.Variant]) -> bool:
 
 def start_sweep(store: Any, runner: SweepRunner, engine: Any, model_id: str, case_set_id: int, slug: str,
                 variants: list[sweeps.Variant], *, folds: int) -> tuple[int | None, str]:
-    """Record the sweep and start it in the background; its id and the message to show (None and why not)."""
     base = variants[0].schema
     info = engine.info()
     settings = {"schema_slug": slug, "schema_version": base.get("version"), "device": info.get("device"),
@@ -169,7 +166,6 @@ def sweep_row(store: Any, sweep_id: int) -> dict[str, Any]:
 
 
 def sweep_label(sweep: dict[str, Any]) -> str:
-    """A sweep in the selector."""
     return (f"#{sweep['id']} {sweep['case_set_name']} · {sweep['schema_name']} · {sweep['variants']} variants · "
             f"{sweep['model_id']} · {sweep['status']}")
 
@@ -205,7 +201,6 @@ def model_missing_message(sweep: dict[str, Any]) -> str:
 
 
 def resume_sweep(runner: SweepRunner, engine: Any, sweep_id: int) -> str:
-    """Resume a stopped sweep's cases left; the message to show."""
     try:
         runner.start(sweep_id, engine)
     except SweepAlreadyRunningError as exc:
@@ -217,7 +212,6 @@ OVERALL = "overall"
 
 
 def leaderboard_caption(result: sweeps.SweepResult) -> str:
-    """What the leaderboard rests on and how to read it."""
     return (f"{result.done} of {result.cases} labelled cases of “{result.case_set_name}” on {result.model_id}, "
             f"{result.state_prefills} state(s) prefilled for {len(result.variants)} variants. Accuracy with its 95 % "
             "bootstrap interval over cases; a variant is better or worse than the base only when the paired "
@@ -235,7 +229,6 @@ def metric_text(metric: sweeps.Metric, *, signed: bool = False) -> str:
 
 
 def chart_frame(result: sweeps.SweepResult) -> pd.DataFrame:
-    """The leaderboard chart's rows: each variant's accuracy with its interval, overall and per question."""
     rows = []
     for score in result.variants:
         scopes = [(OVERALL, score.accuracy, score.accuracy_change)] + [
@@ -331,7 +324,6 @@ BEST = "best"  # the adoption choice of the composed best schema
 
 
 def composed_differs(result: sweeps.SweepResult) -> bool:
-    """Whether the composed best schema differs from the base."""
     return result.best is not None and result.best.schema["questions"] != result.base_schema["questions"]
 
 
@@ -367,12 +359,10 @@ def adoption_note(result: sweeps.SweepResult, choice: str) -> str:
 
 
 def sweep_slug(result: sweeps.SweepResult) -> str | None:
-    """The library schema the sweep started from."""
     return result.settings.get("schema_slug")
 
 
 def adopt_question(library: SchemaLibrary, result: sweeps.SweepResult, choice: str) -> str:
-    """The question Adopt asks before it writes anything."""
     slug = sweep_slug(result)
     current = library.load(slug).version if slug and library.exists(slug) else None
     what = "The composed best schema" if choice == BEST else f"Variant “{choice}”"

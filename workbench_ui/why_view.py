@@ -95,7 +95,6 @@ def model_for_run(models: list, model_id: str) -> Any | None:
 
 
 def request_images(request: dict) -> list[Image.Image]:
-    """The request's images as the model saw them (RGB), for the heatmaps."""
     return [media.load_image(item) for item in request.get("images") or []]
 
 
@@ -129,7 +128,6 @@ def describe(delta: float) -> str:
 
 
 def key_html() -> str:
-    """The colour key: the fixed scale's swatches, each with its effect in percentage points."""
     swatches = "".join(
         f'<span class="why-key-step" style="background:{colour(step)};padding:0 6px;border-radius:3px;'
         f'margin-right:4px;white-space:nowrap">{points(step)}{" or more" if abs(step) == FULL_SCALE else ""}</span>'
@@ -166,7 +164,6 @@ def path_text(path: list) -> str:
 
 
 def fields_html(segments: list[dict]) -> str:
-    """The JSON state's fields, strongest effect first, each row coloured by its effect."""
     rows = "".join(
         f'<tr class="why-{effect(s["delta"])}" style="background:{colour(s["delta"])}">'
         f"<td><code>{html.escape(path_text(s['path']))}</code></td><td>{html.escape(s['text'])}</td>"
@@ -230,7 +227,6 @@ def region_overlay(image: Image.Image, segments: list[dict], image_index: int) -
 
 
 def frame_rows(segments: list[dict]) -> list[dict]:
-    """The videos' frames that were explained, strongest effect first."""
     return [{"video": s["video"] + 1, "frame": s["frame"], "seconds": s.get("seconds"),
              "P(answer) without it, pp": round(s["delta"] * 100, 1), "effect": effect(s["delta"])}
             for s in segments if s.get("kind") == "frame"]
