@@ -1,5 +1,4 @@
-"""Compare: runs of one case set side by side — agreement, flips, metrics with intervals, a cases × runs matrix, and one
-action that runs a schema with several models. Rendering only (workbench_ui.compare_view)."""
+"""Compare: runs of one case set side by side, and one action that runs a schema with several models."""
 
 from __future__ import annotations
 

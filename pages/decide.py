@@ -1,5 +1,4 @@
-"""Decide: a state, media and a schema; the token budget; Run; the answers; save as case. Rendering only
-(workbench_ui.decide_model and decide_actions)."""
+"""Decide: a state, media and a schema; the token budget; Run; the answers; save as case."""
 
 from __future__ import annotations
 

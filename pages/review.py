@@ -1,5 +1,4 @@
-"""Review: a run's queue from per-schema rules, worked through worst first with accept / correct / unknown / skip, keys
-and undo; blind mode; the audit log and a golden set. Rendering only (workbench_ui.review_view)."""
+"""Review: a run's queue from per-schema rules, worked through worst first; blind mode; audit log; golden set."""
 
 from __future__ import annotations
 

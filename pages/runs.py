@@ -1,5 +1,4 @@
-"""Runs: start, cancel and resume batch runs; progress; latency, throughput, accuracy, calibration; compare; export.
-Rendering only (workbench_ui.run_view)."""
+"""Runs: start, follow, resume and retry batch runs; their results, statistics, export and comparison."""
 
 from __future__ import annotations
 

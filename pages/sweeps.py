@@ -1,5 +1,4 @@
-"""Sweeps: versions of a schema scored on a labelled case set at once, a leaderboard, flipped cases, and adopting the
-best. Rendering only (workbench_ui.sweeps_view)."""
+"""Sweeps: versions of a schema scored on a labelled case set at once; leaderboard, flips, adopt."""
 
 from __future__ import annotations
 

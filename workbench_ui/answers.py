@@ -1,5 +1,4 @@
-"""A System One response as the Decide page shows it: per-option tables, margins, charts, labels. Confidence is the
-response's own for choice and score, max(p, 1 − p) for noul; margin is top1 − top2."""
+"""A System One response as the Decide page shows it: per-option tables, margins, charts, labels."""
 
 from __future__ import annotations
 
@@ -103,8 +102,7 @@ def percent(probability: float) -> str:
 
 
 def probability_chart(table: pd.DataFrame, *, title: str | None = None) -> alt.Chart:
-    """Bars of every option's probability, the chosen one highlighted; each label whole (wrapped) and the chart as tall
-    as its options need."""
+    """Bars of every option's probability, the chosen one highlighted, each label whole (wrapped)."""
     data = table.assign(percent=table["probability"].map(percent),
                         answer=table["chosen"].map({True: "chosen", False: "other"}),
                         label=[wrap_label(str(label)) for label in table["label"]])
@@ -154,10 +152,6 @@ class BudgetStatus:
     max_length: int
     state_tokens_over: int  # state tokens that would be cut (from the end) with overflow="truncate_state"
     fixed_tokens_over: int  # prefix + media + schema + suffix over max_length: cannot run at all
-
-    @property
-    def fits(self) -> bool:
-        return self.state_tokens_over == 0 and self.fixed_tokens_over == 0
 
     @property
     def message(self) -> str:

@@ -1,5 +1,4 @@
-"""What the Case sets page shows, without Streamlit: labels, the schema answers are checked against, the import's
-mapping, preview and messages, and deletes with their undo."""
+"""What the Case sets page shows and says, without Streamlit: labels, imports, edits, deletes."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""What the Compare page shows, without Streamlit: what the one action needs, labels, the runs that open first, missing
-links, and one case as every run answered it."""
+"""What the Compare page shows, without Streamlit; the numbers come from clef_workbench.compare."""
 
 from __future__ import annotations
 

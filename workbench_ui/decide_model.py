@@ -1,6 +1,5 @@
-"""The Decide page's logic without Streamlit: the schema builder, problems routed to their field, the token-budget
-cache, a run's result, save-as-case and the draft. State lives in a mapping under `decide.<name>`; each question has a
-stable uid so its widgets keep their values when questions move."""
+"""The Decide page's logic without Streamlit. State lives in a mapping under `decide.<name>`; each question has a stable
+uid so its widgets keep their values when questions move."""
 
 from __future__ import annotations
 
@@ -23,12 +22,10 @@ PREFIX = "decide"
 # a widget's value mirrored under this prefix survives a run that does not draw it (shell.kept_widget)
 KEEP_PREFIX = "_keep."
 ROW_FIELDS = ("id", "type", "instructions", "options", "levels", "true", "false")
-NEW_QUESTION_DEFAULTS = {
-    "noul": {},
-    "choice": {"options": [{"id": "option_a", "description": ""}, {"id": "option_b", "description": ""},
-                           {"id": "unknown", "description": "None of these fits."}]},
-    "score": {"levels": ["Low", "Medium", "High"]},
-}
+# a new question's options and levels, whatever its type: they show when its type changes
+NEW_OPTIONS = [{"id": "option_a", "description": ""}, {"id": "option_b", "description": ""},
+               {"id": "unknown", "description": "None of these fits."}]
+NEW_LEVELS = ["Low", "Medium", "High"]
 DRAFT_FIELDS = ("state_text", "state_mode", "schema_name", "schema_description", "max_length", "overflow")
 
 
@@ -59,8 +56,7 @@ def row_keys(uid: int) -> dict[str, str]:
 
 
 class Builder:
-    """The questions on screen and the library schema they came from: `loaded_slug` is the identity that Update, the
-    Library picker and Save as case follow."""
+    """The questions on screen and the library schema they came from (`loaded_slug`, their identity)."""
 
     def __init__(self, state: MutableMapping):
         self.state = state
@@ -89,12 +85,9 @@ class Builder:
             set_kept(self.state, widget_key, texts.get(name, row.get(name) or ""))
 
     def set_rows(self, rows: list[dict[str, Any]]) -> None:
-        uids = []
-        for row in rows:
-            uid = self._new_uid()
+        self.state[key("uids")] = [self._new_uid() for _ in rows]
+        for uid, row in zip(self.uids, rows, strict=True):
             self._write_row(uid, row)
-            uids.append(uid)
-        self.state[key("uids")] = uids
         self.state.pop(key("removed"), None)  # the questions it undid are gone
 
     def rows(self) -> list[dict[str, Any]]:
@@ -118,13 +111,8 @@ class Builder:
         while f"q{n}" in existing:
             n += 1
         self.forget_removed()
-        defaults = NEW_QUESTION_DEFAULTS[qtype]
         uid = self._new_uid()
-        self._write_row(uid, {
-            "id": f"q{n}", "type": qtype, "instructions": "",
-            "options": defaults.get("options", NEW_QUESTION_DEFAULTS["choice"]["options"]),
-            "levels": defaults.get("levels", NEW_QUESTION_DEFAULTS["score"]["levels"]),
-        })
+        self._write_row(uid, {"id": f"q{n}", "type": qtype, "options": NEW_OPTIONS, "levels": NEW_LEVELS})
         self.uids.append(uid)
 
     def move(self, uid: int, step: int) -> None:
@@ -155,8 +143,7 @@ class Builder:
         self.state.pop(key("removed"), None)
 
     def load(self, slug: str, schema: schemas.Schema) -> None:
-        """Put a library schema on screen; it becomes the identity. The state editor gets its first example only when it
-        holds nothing typed. Undoable."""
+        """Put a library schema on screen (undoable); the state editor gets its first example unless typed in."""
         typed = self._kept(key("state_text")).strip() not in {"", *self._example_texts()}
         if self.uids:
             self._remember_replaced("schema", f"Loaded “{slug}” in place of the questions that were here.")
@@ -267,8 +254,7 @@ def question_rows(target: int | str, rows: list[dict[str, Any]]) -> list[int]:
 
 def route_schema_problems(problems: list[schemas.SchemaProblem], rows: list[dict[str, Any]],
                           messages: Messages) -> None:
-    """Builder and lint problems next to their question, or on the schema; none for an empty builder (its "No questions
-    yet" says what to do)."""
+    """Builder and lint problems next to their question, or on the schema; none for an empty builder."""
     for problem in problems:
         if not rows and problem.loc == ("questions",):
             continue
@@ -283,12 +269,10 @@ def route_schema_problems(problems: list[schemas.SchemaProblem], rows: list[dict
 
 def route_engine_problems(by_field: dict[str, list[str]], rows: list[dict[str, Any]], messages: Messages) -> None:
     for place, texts in by_field.items():
-        if place.startswith("question:"):
-            indices = question_rows(place.split(":", 1)[1], rows)
-            targets: list[Any] = indices or ["schema"]
-        else:
-            targets = [{"state": "state", "images": "media", "videos": "media", "schema": "schema"}.get(place,
-                                                                                                      "budget")]
+        targets: list[Any] = (question_rows(place.split(":", 1)[1], rows) or ["schema"]
+                              if place.startswith("question:") else
+                              [{"state": "state", "images": "media", "videos": "media", "schema": "schema"}.get(
+                                  place, "budget")])
         for target in targets:
             for text in texts:
                 messages.add(target, text)
@@ -313,8 +297,7 @@ def fingerprint(request: dict[str, Any] | None) -> str:
 
 
 class BudgetCache:
-    """Token counts of the last request, keyed by its fingerprint, max_length and the engine (held weakly, so a reloaded
-    model never reuses counts of the one before)."""
+    """Token counts of the last request, per request, max_length and engine (held weakly)."""
 
     def __init__(self) -> None:
         self._key: tuple[str, int] | None = None
@@ -398,8 +381,7 @@ def keep_result(state: MutableMapping, result: DecideResult) -> None:
 
 
 def save_as_case(store: Any, result: DecideResult, case_set_name: str, *, with_labels: bool, tags_text: str) -> int:
-    """Add the run's state and media to a case set (created if missing), with the answers as expected labels when asked.
-    Raises StoreError / ValueError."""
+    """Add the run's state and media to a case set (created if missing). Raises StoreError / ValueError."""
     # the library identity (the slug the Case sets and Runs pages load), not the display name
     case_set_id = store.get_or_create_case_set(case_set_name, schema_name=result.schema_slug or None)
     return store.add_case(
@@ -539,8 +521,7 @@ FRAME_THUMBNAIL_PX = 160  # wide enough to tell what a frame shows, four to a ro
 
 
 def frame_thumbnail(frame: np.ndarray, width: int = FRAME_THUMBNAIL_PX) -> Image.Image:
-    """A sampled frame at least `width` px wide, enlarged by whole pixels (nearest) so it shows exactly what the model
-    read."""
+    """A sampled frame at least `width` px wide, enlarged by whole pixels: exactly what the model read."""
     image = Image.fromarray(np.asarray(frame))
     if image.width >= width:
         return image

@@ -74,8 +74,7 @@ def linked_ids(params: Any) -> tuple[int, int] | None:
 
 
 def _draft(library: SchemaLibrary, case: dict[str, Any], schema: dict[str, Any], slug: str | None) -> dict[str, Any]:
-    """A Decide draft of `case` with `schema`'s questions; the library schema `slug` is its identity only while it has
-    exactly these questions."""
+    """A Decide draft of `case` with `schema`'s questions, the library schema `slug` its identity if unchanged."""
     library_schema = library.load(slug) if slug and library.exists(slug) else None
     same = library_schema is not None and library_schema.to_dict()["questions"] == schema["questions"]
     return {
@@ -92,8 +91,7 @@ def _draft(library: SchemaLibrary, case: dict[str, Any], schema: dict[str, Any],
 
 def case_draft(store: Any, library: SchemaLibrary, run_id: int, case_id: int, *,
                random_weights: Callable[[str], bool] = lambda model: False) -> tuple[dict[str, Any] | None, str]:
-    """A Decide draft of a run's case as the run asked it, with the run's answer, and a sentence saying what is on
-    screen (or why nothing)."""
+    """A Decide draft of a run's case as the run asked it, with its answer, and what is on screen (or why not)."""
     try:
         run = store.get_run(run_id)
         case = store.get_case(case_id, with_media=False)

@@ -1,5 +1,4 @@
-"""What the Review page shows, without Streamlit: labels, the rules and their preview, progress, an item's card, its
-buttons, the gold-label question, messages, the audit log and the export."""
+"""What the Review page shows and says, without Streamlit."""
 
 from __future__ import annotations
 
@@ -156,7 +155,6 @@ class Card:
     queued: str
     show_model: bool  # the distribution, the model's answer and the link to Decide (hidden in blind mode)
     expected: str | None  # the gold label line, when the case set has one and the review is not blind
-    model_answer: str
     accept: str | None  # the Accept button; none in blind mode (choosing the model's answer there is accepting)
     accept_primary: bool
     answer_heading: str
@@ -164,8 +162,7 @@ class Card:
 
 
 def card(item: ReviewItem, question: dict, expected: Any, *, blind: bool) -> Card:
-    """One queue item as the reviewer sees it; blind hides the gold label, the model's answer and what derives from
-    them."""
+    """One queue item as the reviewer sees it; blind hides the gold label and the model's answer."""
     reason = "hidden in blind mode" if blind else item["reason"]
     agrees = review.gold_conflict(item, expected, "accept") is None
     return Card(
@@ -177,8 +174,6 @@ def card(item: ReviewItem, question: dict, expected: Any, *, blind: bool) -> Car
         show_model=not blind,
         expected=(None if expected is None or blind
                   else f"**Expected answer in the case set (gold label):** {review.label_key(expected)}"),
-        model_answer=(f"Answer **{item['predicted']}** · confidence {item['confidence']:.3f} · "
-                      f"margin {item['margin']:.3f}"),
         accept=None if blind else f"Accept “{item['predicted']}”",
         accept_primary=agrees and not blind,
         answer_heading="**Your answer:**" if blind else "**Correct to:**",

@@ -1,5 +1,4 @@
-"""What the Runs page shows, without Streamlit: the selector's labels, the messages of start and delete, and a run's
-results (browse, speed, quality, export, comparison)."""
+"""What the Runs page shows, without Streamlit; the numbers come from clef_workbench.stats."""
 
 from __future__ import annotations
 

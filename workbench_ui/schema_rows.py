@@ -92,8 +92,7 @@ def text_to_levels(text: str) -> list[str]:
 
 
 def rows_to_questions(rows: Iterable[dict[str, Any]]) -> tuple[dict[str, Any], list[SchemaProblem]]:
-    """Rows as a questions map, with every problem: duplicate ids and options the map cannot show, and
-    validate_questions'."""
+    """Rows as a questions map, with every problem (duplicate ids and validate_questions')."""
     questions: dict[str, Any] = {}
     problems: list[SchemaProblem] = []
     first_of: dict[str, int] = {}

@@ -1,5 +1,4 @@
-"""What the Schemas page shows, without Streamlit: the listing with lint, a schema's questions, its history and the
-messages of its actions."""
+"""What the Schemas page shows and says, without Streamlit."""
 
 from __future__ import annotations
 

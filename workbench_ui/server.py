@@ -1,5 +1,4 @@
-"""The HTTP API routes of the workbench process (serve_workbench.py): the API answers with the workbench's resident
-models and serves any calibration in its store."""
+"""The HTTP API routes of the workbench process (serve_workbench.py), over its resident models."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""The Streamlit shell: the process-wide engine, store and runners, the sidebar (models and status), kept widgets, and
-requests through the one GPU queue with "queued, n ahead" feedback."""
+"""The Streamlit shell: the process-wide engine, store and runners, the sidebar, kept widgets, the GPU queue."""
 
 from __future__ import annotations
 
@@ -51,8 +50,7 @@ PAGE_SPECS = [
 
 
 def render_shell(page_file: str) -> None:
-    """Every page's first call: the tab's title, the navigation and the sidebar (a page opened by link or reload draws
-    the shell itself)."""
+    """Every page's first call: the tab's title, the navigation and the sidebar."""
     name = Path(page_file).name
     title, icon = next((title, icon) for file, title, icon in PAGE_SPECS if file == name)
     st.set_page_config(page_title=f"{title} · Clef Workbench", page_icon=icon, layout="wide")
@@ -97,8 +95,7 @@ def get_library() -> SchemaLibrary:
 
 
 def get_engine(*, show_errors: bool = True):
-    """The resident engine, waiting (with progress) while a load runs; None, with the reason shown unless show_errors is
-    False, when none loaded."""
+    """The resident engine, waiting while a load runs; None (the reason shown) when none is loaded."""
     manager = model_manager()
     state = manager.state()
     # always there: the page's elements keep their places when the load ends (a redraw drops what is being typed)
@@ -295,9 +292,7 @@ def follow_add() -> None:
 
 
 def live_status() -> None:
-    """The model status, refreshing itself only while a model loads or warms up. It never reruns the page: a refresh
-    finishing during the page's run made the browser send the text fields' declared defaults back as typed, and a
-    server-started rerun carries stale values."""
+    """The model status, refreshing itself only while a model loads (never rerunning the page: stale values)."""
     state = model_manager().state()
     if state.status in ("loading", "warming") or state.adding:
         st.fragment(lambda: render_status(model_manager().state()), run_every=STATUS_REFRESH_SECONDS)()
@@ -362,8 +357,7 @@ def running_runs_text() -> str:
 
 def run_queued(engine, requests: list[dict], *, max_length: int | None = None, overflow: str = "refuse",
                on_wait: Callable[[str], None] | None = None) -> list[dict]:
-    """Run requests at interactive priority, reporting "queued, n ahead" while waiting. Raises what engine.submit
-    raises."""
+    """Run requests at interactive priority, showing "queued, n ahead" while waiting."""
     prepared = [engine.validate(request, max_length=max_length, overflow=overflow) for request in requests]
     future = engine.submit(prepared, priority="interactive")  # validated once, above: carries its budget
     started = time.monotonic()
@@ -393,8 +387,7 @@ def page_key(page: str) -> Callable[[str], str]:
 
 
 def kept_widget(widget: Callable[..., Any], label: str, key: str, default: Any = None, **kwargs: Any) -> Any:
-    """A widget whose value survives page switches (Streamlit drops the state of a widget a run does not draw): a copy
-    is kept and restored."""
+    """A widget whose value survives page switches (a copy is kept and restored)."""
     if key not in st.session_state:
         st.session_state[key] = st.session_state.get(KEEP_PREFIX + key, default)
     # declared as the value the server holds: a browser redraw that falls back to the default changes nothing
@@ -421,8 +414,7 @@ def show_message(key: str, **kwargs: Any) -> None:
 
 
 def show_flash(key: str, undo: Callable[..., None]) -> None:
-    """The message (kind, text, undo arguments or None) an action left under `key`, shown once, with Undo when it has
-    arguments."""
+    """The message (kind, text, undo arguments) an action left under `key`, shown once, with Undo."""
     message = st.session_state.pop(key, None)
     if not message:
         return
@@ -440,8 +432,7 @@ def url_int(name: str) -> int | None:
 
 def pick_id(ids: list[int], key: str, label: str, format_func: Callable[[int], str], *, param: str,
             what: str) -> int | None:
-    """A selector of one row kept across page switches and shared through the URL (`param`): a first visit opens the
-    linked one; a link to one that is not there shows "not found" and returns None."""
+    """A selector of one row kept across pages and shared through the URL; None for a link to a missing one."""
     first_visit = KEEP_PREFIX + key not in st.session_state
     if first_visit and st.query_params.get(param) is not None:
         linked = url_int(param)
@@ -495,8 +486,7 @@ def set_widget(key: str, value: Any) -> None:
 
 def confirm(question: str, key: Callable[[str], str], confirm_key: str, *, yes_label: str = "Yes, delete it",
             no_label: str = "Cancel", icon: str | None = ":material/delete:") -> bool:
-    """Asks before an action (`confirm_key` set opened it): True when `yes_label` was clicked; either button closes
-    it."""
+    """Asks before an action: True when `yes_label` was clicked; either button closes the question."""
     with st.container(border=True, key=key("confirm_box")):
         st.warning(question, icon=icon)
         cols = st.columns(2)

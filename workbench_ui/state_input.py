@@ -67,8 +67,7 @@ def _reject_constant(name: str) -> Any:
 
 
 def parse_state(text: str, mode: StateMode = "auto") -> ParsedState:
-    """The editor's text as a state ("auto": JSON when it starts with { or [). Raises StateInputError with line and
-    column."""
+    """The editor's text as a state. Raises StateInputError with line and column."""
     if not text.strip():
         raise StateInputError("The state is empty: write the record the model should read (plain text or JSON).")
     if len(text) > MAX_STATE_CHARS:

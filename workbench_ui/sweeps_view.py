@@ -1,5 +1,4 @@
-"""What the Sweeps page shows, without Streamlit: the alternatives written per question, the planned variants, progress,
-the leaderboard, flipped cases, and Adopt (undone by restoring the version before)."""
+"""What the Sweeps page shows and does, without Streamlit; the sweep itself is clef_workbench.sweeps'."""
 
 from __future__ import annotations
 
@@ -24,8 +23,7 @@ _SCORED_LOCK = threading.Lock()  # each browser session runs the page on a threa
 
 
 def scored_sweep(store: Any, sweep_id: int, threshold: float) -> sweeps.SweepResult:
-    """`sweeps.load_sweep`, scored again only when the sweep's stored answers change (its bootstrap takes seconds; the
-    page reruns at every click)."""
+    """`sweeps.load_sweep`, scored again only when its answers change (the bootstrap takes seconds)."""
     sweep = store.get_sweep(sweep_id)
     key = (str(store.path), sweep_id, sweep["created_at"], sweep["status"], store.count_sweep_answers(sweep_id),
            threshold)
@@ -117,8 +115,7 @@ def written_variants(schema: dict[str, Any], written: list[tuple[str, dict[str, 
 
 def planned_variants(schema: dict[str, Any], kinds: list[str],
                      written: list[tuple[str, dict[str, Any]]]) -> tuple[list[sweeps.Variant], str]:
-    """The variants a sweep of `schema` would score (the base first), and a line saying how many or why it cannot
-    start."""
+    """The variants a sweep would score (the base first), and how many or why it cannot start."""
     try:
         variants = [sweeps.base_variant(schema), *sweeps.auto_variants(schema, kinds),
                     *written_variants(schema, written)]
@@ -253,8 +250,7 @@ def better_text(variant: sweeps.Variant, change: sweeps.Metric) -> str:
 
 
 def leaderboard_table(result: sweeps.SweepResult) -> pd.DataFrame:
-    """One row per variant, best overall accuracy first: accuracy, change vs base and its meaning, flips, order
-    sensitivity, then each question's accuracy."""
+    """One row per variant, best accuracy first, with its change against the base."""
     questions = list(result.base_schema["questions"])
     rows = []
     for name in sweeps.leaderboard(result)["variant"]:
@@ -328,8 +324,7 @@ def composed_differs(result: sweeps.SweepResult) -> bool:
 
 
 def adoption_choices(result: sweeps.SweepResult) -> dict[str, str]:
-    """What can be adopted, value → label: the composed best, then every variant but the base and the order diagnostics
-    (their renamed options would change every label), better first."""
+    """What can be adopted: the composed best, then the variants (not the order diagnostics)."""
     choices = {}
     if composed_differs(result):
         choices[BEST] = f"Composed best schema (held-out accuracy {metric_text(result.best.heldout_accuracy)})"

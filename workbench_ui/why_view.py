@@ -1,6 +1,5 @@
-"""Decide's "Why" view: which part of the evidence moved each answer. A segment whose removal lowers the answer's
-probability (delta < 0) supports it (green), else works against it (red); values in percentage points on one fixed
-scale."""
+"""Decide's "Why" view: which part of the evidence moved each answer (green supports it, red works against it), in
+percentage points on one fixed scale."""
 
 from __future__ import annotations
 
@@ -41,8 +40,7 @@ def units_for(request: dict) -> list[str]:
 
 def explain(engine: DecisionEngine, request: dict, unit: str = EVERYTHING, *, max_length: int | None = None,
             overflow: str = "refuse") -> dict:
-    """The response with `x_explanations`, segmented by `unit`; over one explanation's budget, by the finest unit that
-    fits instead (said in `x_why_fallback`). Raises as the engine does; ValueError for a model that cannot explain."""
+    """The response with `x_explanations` by `unit`, or by the finest unit that fits the budget (`x_why_fallback`)."""
     if not isinstance(engine, ExplainingEngine):
         raise ValueError("Why needs a model loaded in this workbench; a System One endpoint does not explain")
     try:
@@ -269,8 +267,7 @@ def render_why(explained: dict, question_id: str, state: Any, images: list[Image
 
 
 def render_case_why(key: str, models: list, run: Run, case: Case, *, question_id: str | None = None) -> None:
-    """Explain a stored case of `run` with the run's model if resident (else the default, said so), kept under `key`;
-    then draw one question's explanation."""
+    """Explain a stored case with the run's model if resident (else the default, said so)."""
     import streamlit as st
 
     model = model_for_run(models, run["model_id"])
