@@ -8,23 +8,27 @@ from clef_workbench import schemas
 from workbench_ui import links
 from workbench_ui import schemas_view as view
 from workbench_ui.decide_actions import SCHEMA_PARAM
-from workbench_ui.shell import forget_widget, get_library, get_store, kept_widget, page_key, render_shell, set_widget
+from workbench_ui.shell import (
+    forget_widget,
+    get_library,
+    get_store,
+    kept_widget,
+    page_key,
+    render_shell,
+    set_widget,
+    show_flash,
+    show_message,
+)
 
 render_shell(__file__)
 K = page_key("schemas")
 library = get_library()
 
 
-def flash(kind: str, message: str, place: str = "top") -> None:
-    """A message for the next run, next to the action that caused it (`place`) or at the top."""
-    st.session_state[K("flash")] = (kind, message, place)
-
-
-def show_flash(place: str, container=None) -> None:
-    message = st.session_state.get(K("flash"))
-    if message and message[2] == place:
-        st.session_state.pop(K("flash"))
-        getattr(container or st, message[0])(message[1])
+def flash(kind: str, message: str, place: str = "top", *, undo: str | None = None) -> None:
+    """A message for the next run, next to the action that caused it (`place`), or at the top with its Undo."""
+    undo_args = None if undo is None else (undo,)
+    st.session_state[K(f"flash.{place}")] = (kind, message, undo_args) if place == "top" else (kind, message)
 
 
 def editor_key(slug: str) -> str:
@@ -80,8 +84,7 @@ def delete_schema(slug: str) -> None:
         return
     forget_widget(K("selected"))
     reset_editor(slug)
-    st.session_state[K("undo")] = slug
-    flash("success", f"Deleted {slug}.json.")
+    flash("success", f"Deleted {slug}.json.", undo=slug)
 
 
 def restore_schema(slug: str, number: int | None = None) -> None:
@@ -91,7 +94,6 @@ def restore_schema(slug: str, number: int | None = None) -> None:
     except schemas.SchemaError as exc:
         flash("error", f"Not restored: {exc}")
         return
-    st.session_state.pop(K("undo"), None)
     set_widget(K("selected"), slug)
     reset_editor(slug)
     flash("success", view.restored_message(slug, number, restored))
@@ -118,16 +120,8 @@ st.caption(f"Folder: `{library.directory}` (set CLEF_SCHEMAS_DIR to change). One
            "indented and in a fixed key order, so changes diff cleanly in git.")
 
 # always there: a message appearing must not move the tabs below (they would jump back to the first)
-flash_area = st.container()
-message = st.session_state.get(K("flash"))
-if message and message[2] == "top":
-    st.session_state.pop(K("flash"))
-    undo_slug = st.session_state.pop(K("undo"), None)
-    cols = flash_area.columns([5, 1], vertical_alignment="center")
-    getattr(cols[0], message[0])(message[1])
-    if undo_slug and message[0] == "success":
-        cols[1].button("Undo", key=K("undo_delete"), icon=":material/undo:", on_click=restore_schema,
-                       args=(undo_slug,))
+with st.container():
+    show_flash(K("flash.top"), restore_schema)
 
 shown = view.listing(library)
 if shown.entries:
@@ -139,7 +133,7 @@ with st.expander("Create a new schema", icon=":material/add:"):
     st.text_input("Name", key=K("new_name"), placeholder="Refund request triage")
     st.text_area("Description", key=K("new_description"), height=68)
     st.button("Create", key=K("create"), on_click=create_schema)
-    show_flash("create")
+    show_message(K("flash.create"))
 
 with st.expander("Import a schema file", icon=":material/upload:"):
     st.caption("A schema file exported from here, a bare System One questions map, or a whole request (its "
@@ -147,7 +141,7 @@ with st.expander("Import a schema file", icon=":material/upload:"):
     st.file_uploader("JSON file", type=["json"], key=K("import_file"))
     st.checkbox("Replace a schema with the same name", key=K("import_overwrite"))
     st.button("Import", key=K("import"), on_click=import_schema)
-    show_flash("import")
+    show_message(K("flash.import"))
 
 deleted = library.deleted()
 deleted_area = st.container()  # always there, as the flash area above
@@ -210,7 +204,7 @@ with tabs[1]:
     cols = st.columns(2)
     cols[0].button("Save changes", key=K("save"), type="primary", on_click=save_json, args=(slug,))
     cols[1].button("Discard changes", key=K("discard"), on_click=reset_editor, args=(slug,))
-    show_flash("edit")
+    show_message(K("flash.edit"))
     st.caption("The version goes up by one when the questions change.")
 
 with tabs[2]:
@@ -240,7 +234,7 @@ with tabs[2]:
 with tabs[3]:
     st.text_input("Name of the copy", key=K(f"dup_name.{slug}"), placeholder=f"{entry.name} (copy)")
     st.button("Duplicate", key=K("duplicate"), on_click=duplicate_schema, args=(slug,))
-    show_flash("duplicate")
+    show_message(K("flash.duplicate"))
     st.divider()
     if schema is not None:
         st.download_button("Export (download JSON)", library.export_json(slug), file_name=f"{slug}.json",
@@ -249,4 +243,4 @@ with tabs[3]:
     ticked = st.checkbox(f"Yes, delete {slug}.json", key=K(f"confirm_delete.{slug}"))
     st.button("Delete", key=K("delete"), on_click=delete_schema, args=(slug,), disabled=not ticked,
               help=None if ticked else f"Tick “Yes, delete {slug}.json” first")
-    show_flash("delete")
+    show_message(K("flash.delete"))

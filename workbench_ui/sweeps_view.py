@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import threading
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,23 +17,20 @@ from clef_workbench.schemas import Schema, SchemaError
 from clef_workbench.sweep_runner import SweepAlreadyRunningError, SweepRunner
 from workbench_ui import links, schema_rows, units
 
-_SCORED: OrderedDict[tuple, sweeps.SweepResult] = OrderedDict()  # the last few sweeps scored in this process
-_SCORED_KEPT = 8
-_SCORED_LOCK = threading.Lock()  # each browser session runs the page on a thread of its own
+_SCORING = threading.Lock()  # sessions run on threads of their own: one scores, the others reuse its result
 
 
 def scored_sweep(store: Any, sweep_id: int, threshold: float) -> sweeps.SweepResult:
     """`sweeps.load_sweep`, scored again only when its answers change (the bootstrap takes seconds)."""
     sweep = store.get_sweep(sweep_id)
-    key = (str(store.path), sweep_id, sweep["created_at"], sweep["status"], store.count_sweep_answers(sweep_id),
-           threshold)
-    with _SCORED_LOCK:
-        if key not in _SCORED:
-            _SCORED[key] = sweeps.load_sweep(store, sweep_id, threshold=threshold)
-            while len(_SCORED) > _SCORED_KEPT:
-                _SCORED.popitem(last=False)
-        _SCORED.move_to_end(key)
-        return _SCORED[key]
+    with _SCORING:
+        return _scored(store, sweep_id, threshold, (sweep["created_at"], sweep["status"],
+                                                    store.count_sweep_answers(sweep_id)))
+
+
+@functools.lru_cache(maxsize=8)
+def _scored(store: Any, sweep_id: int, threshold: float, version: tuple) -> sweeps.SweepResult:
+    return sweeps.load_sweep(store, sweep_id, threshold=threshold)
 
 
 @dataclass(frozen=True)
