@@ -6,31 +6,18 @@ import streamlit as st
 
 from clef_workbench import case_table, importing
 from workbench_ui import cases_view as view
-from workbench_ui import units
+from workbench_ui import shell, units
 from workbench_ui.cases_view import NO_SCHEMA, NOT_MAPPED
-from workbench_ui.shell import (
-    RUNS_START_OPEN,
-    RUNS_START_SET,
-    confirm,
-    forget_widget,
-    get_library,
-    get_store,
-    page_key,
-    pick_id,
-    render_shell,
-    set_widget,
-    show_flash,
-)
 
-render_shell(__file__)
-K = page_key("cases")
+shell.render_shell(__file__)
+K = shell.page_key("cases")
 DETECTED = "detected"
 
 st.title("Case sets")
 st.caption("A case set is a named list of records (state, images, videos, expected answers, tags) to run against a "
            "schema. Media are stored with the case in the workbench database.")
-store = get_store()
-library = get_library()
+store = shell.get_store()
+library = shell.get_library()
 schema_slugs = library.slugs()
 
 
@@ -41,7 +28,7 @@ def flash(kind: str, message: str, *, undo: tuple[str, int] | None = None) -> No
 def undo_delete(kind: str, object_id: int | list[int]) -> None:
     outcome, message = view.restore_deleted(store, kind, object_id)
     if kind == "case_set" and outcome == "success":
-        set_widget(K("selected"), object_id)
+        shell.set_widget(K("selected"), object_id)
     flash(outcome, message)
 
 
@@ -55,7 +42,7 @@ def show_problems(problems: list[str], *, stage: str) -> None:
     st.markdown(view.problems_markdown(problems))
 
 
-show_flash(K("flash"), undo_delete)
+shell.show_flash(K("flash"), undo_delete)
 deleted_sets = store.list_case_sets(deleted=True)
 if deleted_sets:
     with st.expander(f"Deleted case sets ({len(deleted_sets)})", icon=":material/restore_from_trash:"):
@@ -80,7 +67,7 @@ with top[1]:
                 if refused:
                     st.error(refused)
                 else:
-                    set_widget(K("selected"), new_id)
+                    shell.set_widget(K("selected"), new_id)
                     st.success(f"Created case set #{new_id}.")
 
 sets = store.list_case_sets()
@@ -89,7 +76,7 @@ if not sets:
     st.stop()
 labels = {s["id"]: view.case_set_label(s) for s in sets}
 with top[0]:
-    case_set_id = pick_id(list(labels), K("selected"), "Case set", labels.get, param="set", what="case set")
+    case_set_id = shell.pick_id(list(labels), K("selected"), "Case set", labels.get, param="set", what="case set")
     if case_set_id is None:  # the link names a case set that is not here: said above
         st.stop()
 case_set = store.get_case_set(case_set_id)
@@ -99,8 +86,8 @@ if schema_warning:
 st.caption(view.case_set_caption(case_set))
 if st.button("Run this case set", key=K("run_set"), icon=":material/play_arrow:",
              help="Opens the Runs page's “Start a run” with this case set and its schema"):
-    set_widget(RUNS_START_SET, case_set_id)
-    st.session_state[RUNS_START_OPEN] = True
+    shell.set_widget(shell.RUNS_START_SET, case_set_id)
+    st.session_state[shell.RUNS_START_OPEN] = True
     st.switch_page("pages/runs.py")
 
 # keyed and tracked: the open tab survives reruns whose layout above it changes (a message appearing or going)
@@ -306,11 +293,11 @@ with tab_settings:
             st.session_state[K("confirm_delete")] = case_set_id
     if st.session_state.get(K("confirm_delete")) == case_set_id:
         question = f"Delete “{case_set['name']}” and its {case_set['case_count']} case(s)? You can undo this."
-        if confirm(question, K, K("confirm_delete")):
+        if shell.confirm(question, K, K("confirm_delete")):
             _, refused = units.refusal(store.delete_case_set, case_set_id)
             if refused:
                 st.error(refused)
             else:
-                forget_widget(K("selected"))
+                shell.forget_widget(K("selected"))
                 flash("success", f"Deleted case set “{case_set['name']}”.", undo=("case_set", case_set_id))
                 st.rerun()

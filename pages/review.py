@@ -6,31 +6,18 @@ import pandas as pd
 import streamlit as st
 
 from clef_workbench import calibration, review
-from workbench_ui import links, units
+from workbench_ui import links, shell, units
 from workbench_ui import review_view as view
 from workbench_ui import why_view as why
 from workbench_ui.answers import probability_chart
 from workbench_ui.decide_model import FRAME_THUMBNAIL_PX, frame_thumbnail
-from workbench_ui.shell import (
-    failure_text,
-    get_store,
-    kept_widget,
-    model_manager,
-    page_key,
-    pick_run,
-    random_weights_notice,
-    render_shell,
-    show_message,
-    show_not_found,
-    url_int,
-)
 
-render_shell(__file__)
-K = page_key("review")
+shell.render_shell(__file__)
+K = shell.page_key("review")
 RAW = "raw (as the model answered)"
 
 st.title("Review")
-store = get_store()
+store = shell.get_store()
 all_runs = store.list_runs()
 runs = view.reviewable_runs(all_runs)
 if not runs:
@@ -38,17 +25,17 @@ if not runs:
     st.stop()
 
 # the name lives in the URL too, so a reload keeps it
-reviewer = kept_widget(st.text_input, "Your name (recorded with every action)", K("reviewer"),
-                       default=st.query_params.get("reviewer", ""), placeholder="e.g. ana.lopez").strip()
+reviewer = shell.kept_widget(st.text_input, "Your name (recorded with every action)", K("reviewer"),
+                             default=st.query_params.get("reviewer", ""), placeholder="e.g. ana.lopez").strip()
 if reviewer:
     st.query_params["reviewer"] = reviewer
 else:
     st.query_params.pop("reviewer", None)
-run_id = pick_run(runs, K("run"), view.run_label)
+run_id = shell.pick_run(runs, K("run"), view.run_label)
 if run_id is None:  # the link names a run that is not here (or has no results): said above
     st.stop()
 run = store.get_run(run_id)
-random_weights_notice(run["model_id"])
+shell.random_weights_notice(run["model_id"])
 questions = run["schema"]["questions"]
 
 
@@ -60,11 +47,11 @@ def linked_item() -> dict | None:
     if st.query_params.get("case") is None:  # from here on the URL names the item on screen, not a link
         st.session_state[seen_key] = True
         return None
-    case_id, question_id = url_int("case"), st.query_params.get("question")
+    case_id, question_id = shell.url_int("case"), st.query_params.get("question")
     item = None if case_id is None else review.item_for_link(store, run_id, case_id, question_id)
     if item is None:
-        show_not_found(links.missing_review_item(run_id, st.query_params.get("case"), question_id,
-                                                 store.list_review_items(run_id)))
+        shell.show_not_found(links.missing_review_item(run_id, st.query_params.get("case"), question_id,
+                                                       store.list_review_items(run_id)))
         if st.button("Go to the review queue", key=K("not_found_queue"), icon=":material/arrow_forward:"):
             st.session_state[seen_key] = True
             st.query_params.pop("case", None)
@@ -202,7 +189,7 @@ blind = st.toggle("Blind review: hide the model's answer until I decide", key=K(
                   help="The distribution, the model's answer and the reason it was queued stay hidden; choose the "
                        "right answer yourself. Choosing the model's answer records an accept.")
 
-show_message(notice_key)
+shell.show_message(notice_key)
 if not reviewer:
     st.warning("Enter your name above to review.")
 
@@ -254,21 +241,21 @@ def show_evidence(item: dict, case: dict, shown: view.Card) -> None:
         st.markdown(f"**Video {index + 1}**")
         st.video(video["data"], format=video["content_type"])
         try:
-            engine = model_manager().state().engine
+            engine = shell.model_manager().state().engine
             sampled = engine.sample_video_frames(video["data"]) if engine is not None else None
             if sampled is not None:  # the frames the model actually saw
                 frames = list(sampled.frames[:: max(1, len(sampled.frames) // 8)])
                 st.image([frame_thumbnail(f) for f in frames], width=FRAME_THUMBNAIL_PX,
                          caption=[f"frame {i}" for i in range(len(frames))])
         except Exception as exc:  # noqa: BLE001 — a preview problem must not block the review
-            st.caption(failure_text("Sampled frames unavailable", exc))
+            st.caption(shell.failure_text("Sampled frames unavailable", exc))
     if shown.expected:
         st.markdown(shown.expected)
     # Why shows which way each part pushed the answer, so it would give the answer away in blind mode
     if shown.show_model and st.toggle("Why: highlight what moved this answer", key=K(f"why.{item['id']}"),
                                       help="Each sentence, field, image region and frame is removed in turn and the "
                                            "record decided again, in one batched run"):
-        why.render_case_why(K(f"why_result.{run_id}.{item['case_id']}"), model_manager().loaded(), run, case,
+        why.render_case_why(K(f"why_result.{run_id}.{item['case_id']}"), shell.model_manager().loaded(), run, case,
                             question_id=item["question_id"])
 
 
@@ -348,4 +335,4 @@ with st.expander("Export reviewed labels", icon=":material/download:"):
         golden_id, refused = units.refusal(review.export_golden_set, store, run_id, golden_name)
         st.session_state[K("golden_result")] = ("error", refused) if refused else ("success", view.golden_message(
             golden_id, golden_name, store.get_case_set(golden_id)["case_count"]))
-show_message(K("golden_result"))  # outside the expander, so it stays visible if the expander closes
+shell.show_message(K("golden_result"))  # outside the expander, so it stays visible if the expander closes

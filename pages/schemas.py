@@ -5,24 +5,13 @@ from __future__ import annotations
 import streamlit as st
 
 from clef_workbench import schemas
-from workbench_ui import links
+from workbench_ui import links, shell
 from workbench_ui import schemas_view as view
 from workbench_ui.decide_actions import SCHEMA_PARAM
-from workbench_ui.shell import (
-    forget_widget,
-    get_library,
-    get_store,
-    kept_widget,
-    page_key,
-    render_shell,
-    set_widget,
-    show_flash,
-    show_message,
-)
 
-render_shell(__file__)
-K = page_key("schemas")
-library = get_library()
+shell.render_shell(__file__)
+K = shell.page_key("schemas")
+library = shell.get_library()
 
 
 def flash(kind: str, message: str, place: str = "top", *, undo: str | None = None) -> None:
@@ -45,7 +34,7 @@ def create_schema() -> None:
         flash("error", "Give the new schema a name.", "create")
         return
     slug = library.create(view.starter_schema(name, st.session_state.get(K("new_description"), "")))
-    set_widget(K("selected"), slug)
+    shell.set_widget(K("selected"), slug)
     flash("success", f"Created {slug}.json with one starter question: edit it below or open it in Decide.", "create")
 
 
@@ -69,7 +58,7 @@ def duplicate_schema(slug: str) -> None:
     except schemas.SchemaError as exc:
         flash("error", str(exc), "duplicate")
         return
-    set_widget(K("selected"), new_slug)
+    shell.set_widget(K("selected"), new_slug)
     flash("success", f"Duplicated as {new_slug}.json.", "duplicate")
 
 
@@ -82,7 +71,7 @@ def delete_schema(slug: str) -> None:
     except schemas.SchemaError as exc:
         flash("error", str(exc), "delete")
         return
-    forget_widget(K("selected"))
+    shell.forget_widget(K("selected"))
     reset_editor(slug)
     flash("success", f"Deleted {slug}.json.", undo=slug)
 
@@ -94,7 +83,7 @@ def restore_schema(slug: str, number: int | None = None) -> None:
     except schemas.SchemaError as exc:
         flash("error", f"Not restored: {exc}")
         return
-    set_widget(K("selected"), slug)
+    shell.set_widget(K("selected"), slug)
     reset_editor(slug)
     flash("success", view.restored_message(slug, number, restored))
 
@@ -110,7 +99,7 @@ def import_schema() -> None:
     except schemas.SchemaError as exc:
         flash("error", f"Not imported. {exc}", "import")
         return
-    set_widget(K("selected"), slug)
+    shell.set_widget(K("selected"), slug)
     reset_editor(slug)
     flash("success", f"Imported {upload.name} as {slug}.json.", "import")
 
@@ -121,7 +110,7 @@ st.caption(f"Folder: `{library.directory}` (set CLEF_SCHEMAS_DIR to change). One
 
 # always there: a message appearing must not move the tabs below (they would jump back to the first)
 with st.container():
-    show_flash(K("flash.top"), restore_schema)
+    shell.show_flash(K("flash.top"), restore_schema)
 
 shown = view.listing(library)
 if shown.entries:
@@ -133,7 +122,7 @@ with st.expander("Create a new schema", icon=":material/add:"):
     st.text_input("Name", key=K("new_name"), placeholder="Refund request triage")
     st.text_area("Description", key=K("new_description"), height=68)
     st.button("Create", key=K("create"), on_click=create_schema)
-    show_message(K("flash.create"))
+    shell.show_message(K("flash.create"))
 
 with st.expander("Import a schema file", icon=":material/upload:"):
     st.caption("A schema file exported from here, a bare System One questions map, or a whole request (its "
@@ -141,7 +130,7 @@ with st.expander("Import a schema file", icon=":material/upload:"):
     st.file_uploader("JSON file", type=["json"], key=K("import_file"))
     st.checkbox("Replace a schema with the same name", key=K("import_overwrite"))
     st.button("Import", key=K("import"), on_click=import_schema)
-    show_message(K("flash.import"))
+    shell.show_message(K("flash.import"))
 
 deleted = library.deleted()
 deleted_area = st.container()  # always there, as the flash area above
@@ -163,11 +152,11 @@ linked = st.query_params.get(SCHEMA_PARAM) if first_visit else None
 if linked is not None and linked not in slugs:
     st.error(links.missing_schema(linked, slugs), icon=":material/link_off:")
     st.stop()
-set_widget(K("selected"), view.shown_schema(
+shell.set_widget(K("selected"), view.shown_schema(
     slugs, linked=linked, kept=st.session_state.get(K("selected"), st.session_state.get("_keep." + K("selected"))),
     last_edited=view.last_edited(library, slugs)))
-slug = kept_widget(st.selectbox, "Schema", K("selected"), slugs[0], options=slugs,
-                   format_func=shown.label)
+slug = shell.kept_widget(st.selectbox, "Schema", K("selected"), slugs[0], options=slugs,
+                         format_func=shown.label)
 st.query_params[SCHEMA_PARAM] = slug  # the address bar links to the schema on screen
 entry = shown.entry(slug)
 
@@ -204,11 +193,11 @@ with tabs[1]:
     cols = st.columns(2)
     cols[0].button("Save changes", key=K("save"), type="primary", on_click=save_json, args=(slug,))
     cols[1].button("Discard changes", key=K("discard"), on_click=reset_editor, args=(slug,))
-    show_message(K("flash.edit"))
+    shell.show_message(K("flash.edit"))
     st.caption("The version goes up by one when the questions change.")
 
 with tabs[2]:
-    versions = get_store().list_schema_versions(slug) if entry.problem is None else []
+    versions = shell.get_store().list_schema_versions(slug) if entry.problem is None else []
     if not versions:
         st.info("No history yet: fix the file so that it loads.")
     else:
@@ -234,7 +223,7 @@ with tabs[2]:
 with tabs[3]:
     st.text_input("Name of the copy", key=K(f"dup_name.{slug}"), placeholder=f"{entry.name} (copy)")
     st.button("Duplicate", key=K("duplicate"), on_click=duplicate_schema, args=(slug,))
-    show_message(K("flash.duplicate"))
+    shell.show_message(K("flash.duplicate"))
     st.divider()
     if schema is not None:
         st.download_button("Export (download JSON)", library.export_json(slug), file_name=f"{slug}.json",
@@ -243,4 +232,4 @@ with tabs[3]:
     ticked = st.checkbox(f"Yes, delete {slug}.json", key=K(f"confirm_delete.{slug}"))
     st.button("Delete", key=K("delete"), on_click=delete_schema, args=(slug,), disabled=not ticked,
               help=None if ticked else f"Tick “Yes, delete {slug}.json” first")
-    show_message(K("flash.delete"))
+    shell.show_message(K("flash.delete"))

@@ -14,7 +14,6 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
-from clef_engine.interface import DecisionEngine
 from clef_workbench import schemas
 from workbench_ui import answers, schema_rows, state_input
 
@@ -278,7 +277,6 @@ def route_engine_problems(by_field: dict[str, list[str]], rows: list[dict[str, A
                 messages.add(target, text)
 
 
-# engine wording → the label of the control that sets it
 CONTROL_LABELS = {
     "overflow='truncate_state'": "“If the state does not fit: truncate the end of the state”",
     "overflow='refuse'": "“If the state does not fit: refuse”",
@@ -544,8 +542,3 @@ def chosen_model(names: list[str], picked: str | None) -> str | None:
     if picked in names:
         return picked
     return names[0] if names else None
-
-
-def counts_tokens_here(engine: DecisionEngine) -> bool:
-    """A local engine tokenizes here; a remote endpoint does so on its side."""
-    return not engine.info().get("remote")

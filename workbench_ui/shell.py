@@ -37,7 +37,6 @@ log = logging.getLogger(__name__)
 POLL_SECONDS = 0.2
 STATUS_REFRESH_SECONDS = WorkbenchSettings.from_env().status_refresh_s  # how often the sidebar status redraws itself
 PAGES_DIR = Path(__file__).resolve().parents[1] / "pages"
-# (file in pages/, title, icon), in the navigation's order
 PAGE_SPECS = [
     ("decide.py", "Decide", ":material/psychology:"),
     ("schemas.py", "Schemas", ":material/schema:"),

@@ -10,7 +10,6 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from clef_engine import protocol
-from clef_engine.interface import DecisionEngine
 from clef_engine.protocol import sniff_content_type
 
 # Upload limits, stricter than the contract's: images as hosted Clef takes them (spec §5).
@@ -232,8 +231,3 @@ def redact_media(request: dict[str, Any], images: Sequence[Media] = (), videos: 
             label = f"{items[i].name}, {items[i].size_bytes:,} bytes" if i < len(items) else f"{len(url):,} chars"
             shown[key].append(url if len(url) <= keep_chars else f"{url[:keep_chars]}… [{label}]")
     return shown
-
-
-def sampled_video_frames(engine: DecisionEngine, video: Media) -> Any | None:
-    """The frames the engine samples from a video (what the model sees); None for a remote endpoint."""
-    return engine.sample_video_frames(video.data)
