@@ -43,8 +43,7 @@ def show_problems(problems: list[str], *, stage: str) -> None:
 
 
 shell.show_flash(K("flash"), undo_delete)
-deleted_sets = store.list_case_sets(deleted=True)
-if deleted_sets:
+if deleted_sets := store.list_case_sets(deleted=True):
     with st.expander(f"Deleted case sets ({len(deleted_sets)})", icon=":material/restore_from_trash:"):
         for deleted in deleted_sets[:20]:
             cols = st.columns([5, 1], vertical_alignment="center")

@@ -64,8 +64,7 @@ with st.expander("Run a schema on a case set with these models", expanded=not gr
     if not models and shell.get_engine(show_errors=False) is not None:  # the first model is loading: wait for it
         models = compare.model_choices(shell.model_manager())
     slugs = library.slugs()
-    missing = cv.missing_for_start(sets, slugs, models)
-    if missing:
+    if missing := cv.missing_for_start(sets, slugs, models):
         st.info(missing)
     else:
         set_names = {s["id"]: cases_view.case_set_label(s) for s in sets}

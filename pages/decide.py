@@ -96,8 +96,7 @@ def render_answer_card(qid: str, question: dict[str, Any], answer: dict[str, Any
         st.markdown(f"**{qid}** · {answer['type']} · answered by {model}" + (" · **calibrated**" if calibrated else ""))
         if calibrated:
             st.caption(calibrated)
-        instructions = question.get("instructions")
-        if instructions:
+        if instructions := question.get("instructions"):
             st.caption(instructions if isinstance(instructions, str) else json.dumps(instructions))
         # the answer on a row of its own: option ids are long, and a metric cuts what does not fit its column
         st.metric("Answer", vm.answer_text(summary, answer),
@@ -142,8 +141,7 @@ local_engine = engine is not None and not engine.info().get("remote")  # a remot
 
 with left:
     st.subheader("State")
-    examples = builder().examples
-    if examples:
+    if examples := builder().examples:
         example_cols = st.columns([4, 1], vertical_alignment="bottom")
         picked = example_cols[0].selectbox("Example states of the loaded schema", range(len(examples)),
                                            format_func=lambda i: examples[i].get("name") or f"Example {i + 1}",
@@ -241,8 +239,7 @@ with left:
                        help="Puts the schema's questions on screen; the state you typed stays.")
     lib_buttons.button("New schema", key=K("new_schema"), on_click=actions.new_schema,
                        icon=":material/note_add:", help="Start an empty schema; the state stays.")
-    confirm_slug = st.session_state.get(K("confirm_load"))
-    if confirm_slug:
+    if confirm_slug := st.session_state.get(K("confirm_load")):
         with st.container(border=True, key=K("confirm_load_box")):
             st.warning(f"Loading “{names.get(confirm_slug, confirm_slug)}” replaces the questions on screen, which "
                        "have unsaved changes.", icon=":material/warning:")
@@ -424,8 +421,7 @@ if result:
             st.warning(f"The last {response['x_truncated_state_tokens']:,} tokens of the state were cut to fit "
                        "max_length: the model did not read them.")
         shown, calibration_note = response["answers"], None
-        fitted = [c["name"] for c in shell.get_store().list_calibrations(schema_name=result.schema_name)]
-        if fitted:
+        if fitted := [c["name"] for c in shell.get_store().list_calibrations(schema_name=result.schema_name)]:
             chosen = st.selectbox("Probabilities", ["raw (as the model answered)", *fitted], key=K("calibration"),
                                   help="A calibration fitted on a run's labelled cases (Runs → Calibrate) maps "
                                        "each question's probabilities to how often such answers were right")

@@ -101,8 +101,7 @@ with st.expander(f"Queue rules for schema “{run['schema_name']}”", expanded=
                                  calibration=read_from if read_from in fitted else None)
     preview = review.preview(store, run_id, rules)
     st.markdown(view.preview_summary(preview))
-    breakdown = view.preview_breakdown(preview)
-    if breakdown:
+    if breakdown := view.preview_breakdown(preview):
         st.caption(breakdown)
     if st.button(f"Add {preview['new']} item(s) to the queue", key=K(f"apply.{run_id}"), type="primary",
                  disabled=preview["new"] == 0):
@@ -111,7 +110,6 @@ with st.expander(f"Queue rules for schema “{run['schema_name']}”", expanded=
         st.success(f"Queued {added} item(s); their reasons are frozen as of now.")
         st.rerun()
 
-progress = store.review_progress(run_id)
 if progress["total"] == 0:
     st.info("The queue of this run is empty. Set the rules above and add items.")
     st.stop()
@@ -196,8 +194,7 @@ if not reviewer:
 item = current_item()
 if item is not None:  # the address bar links to the item on screen
     st.query_params["case"], st.query_params["question"] = str(item["case_id"]), item["question_id"]
-    reviewed_note = view.reviewed_note(item)
-    if reviewed_note:
+    if reviewed_note := view.reviewed_note(item):
         st.session_state[K("showing_link")] = item["id"]
         st.info(reviewed_note)
 

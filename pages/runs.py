@@ -406,8 +406,7 @@ def render_cases(run: dict, results: list[dict], frame) -> None:
     cols[1].markdown("**Least confident** (smallest margin top-1 − top-2)")
     cols[1].dataframe(least_confident, hide_index=True, width="stretch")
     with st.expander("One case's answers", icon=":material/search:"):
-        responses = {r["case_id"]: r["response"] for r in results if r.get("response")}
-        if responses:
+        if responses := {r["case_id"]: r["response"] for r in results if r.get("response")}:
             picked_case = st.selectbox("Case", list(responses), key=K(f"inspect.{run_id}"))
             for question_id, answer in responses[picked_case]["answers"].items():
                 table = option_table(run["schema"]["questions"].get(question_id, {}), answer)

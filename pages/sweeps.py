@@ -69,8 +69,7 @@ def start(set_id: int, slug: str, variants: list, folds: int) -> None:
 
 def render_start() -> None:
     sets, slugs = store.list_case_sets(), library.slugs()
-    missing = sv.missing_for_sweep(sets, slugs, shell.model_manager().state().engine)
-    if missing:
+    if missing := sv.missing_for_sweep(sets, slugs, shell.model_manager().state().engine):
         st.info(missing)
         return
     set_labels = {s["id"]: case_set_label(s) for s in sets}
@@ -203,7 +202,6 @@ st.fragment(follow, run_every=1.0 if runner.is_running(sweep_id) else None)(swee
 threshold = shell.kept_widget(st.slider, "Flag a question whose answers change with the options' order for more than",
                               K("threshold"), 0.1, min_value=0.0, max_value=1.0, step=0.05, format="%.2f")
 result = sv.scored_sweep(store, sweep_id, threshold)
-picked = render_leaderboard(result)
-if picked:
+if picked := render_leaderboard(result):
     render_flips(result, picked)
 render_adopt(result)

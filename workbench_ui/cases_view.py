@@ -165,8 +165,7 @@ class ImportMapping:
 
     def state_warning(self, state: list[str]) -> tuple[str, str] | None:
         """A warning when answers leak into the state; a caption naming the answer-like columns left out."""
-        leaked = self.leaked(state)
-        if leaked:
+        if leaked := self.leaked(state):
             return ("warning", "These columns look like expected answers and are in the state, so the model reads "
                                f"the answer: {', '.join(leaked)}. Remove them from the state unless that is what you "
                                "want.")

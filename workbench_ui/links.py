@@ -120,8 +120,7 @@ def case_draft(store: Any, library: SchemaLibrary, run_id: int, case_id: int, *,
              "not saved in the library as they are)")
     note = f"Case #{case_id} of run #{run_id} ({run['case_set_name']}) with {where}" + (
         "; the answers below are the run's." if "result" in draft else ".")
-    media = [f"{case[kind + '_count']} {kind}(s)" for kind in ("image", "video") if case[kind + "_count"]]
-    if media:
+    if media := [f"{case[kind + '_count']} {kind}(s)" for kind in ("image", "video") if case[kind + "_count"]]:
         note += (f" Its {' and '.join(media)} are not attached here (Decide takes media from uploads): open the "
                  "case in Review to see them.")
     return draft, note

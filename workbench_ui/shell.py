@@ -13,19 +13,8 @@ from typing import Any
 import streamlit as st
 
 from clef_engine.remote import is_endpoint
-from clef_workbench.model_loader import (
-    CLEF_FLASH_REPO,
-    CLEF_REPO,
-    DEMO_SOURCE,
-    LoadState,
-    ModelManager,
-    fp8_fidelity_text,
-    fp8_unavailable,
-    is_demo_name,
-    kernel_summary,
-    label_of,
-    shared_manager,
-)
+from clef_workbench import model_loader
+from clef_workbench.model_loader import LoadState, ModelManager, label_of
 from clef_workbench.schema_library import SchemaLibrary
 from clef_workbench.settings import WorkbenchSettings
 from workbench_ui import links
@@ -60,7 +49,7 @@ def render_shell(page_file: str) -> None:
     render_sidebar()  # before the page, so a page that stops early (st.stop) still has it; its status refreshes itself
 
 
-model_manager = shared_manager  # one per process, shared by all sessions and the HTTP API
+model_manager = model_loader.shared_manager  # one per process, shared by all sessions and the HTTP API
 
 
 @st.cache_resource(show_spinner=False)
@@ -118,7 +107,7 @@ def get_engine(*, show_errors: bool = True):
 
 
 def random_weights_text(model_name: str) -> str:
-    demo = "**Demo model.** " if is_demo_name(model_name) else ""
+    demo = "**Demo model.** " if model_loader.is_demo_name(model_name) else ""
     return (f"{demo}**{model_name} has random weights: its answers mean nothing.** Accuracy, calibration and "
             "confidences from it say nothing about Clef; use Clef or Clef-Flash for answers to act on.")
 
@@ -133,8 +122,9 @@ def _gib(n: int | None) -> str:
     return "–" if not n else f"{n / 2**30:.1f} GiB"
 
 
-MODEL_CHOICES = {"Clef (27B)": CLEF_REPO, "Clef-Flash (9B)": CLEF_FLASH_REPO, "Local release folder": "local",
-                 "System One endpoint (URL)": "endpoint", "Demo model (random weights)": DEMO_SOURCE}
+MODEL_CHOICES = {"Clef (27B)": model_loader.CLEF_REPO, "Clef-Flash (9B)": model_loader.CLEF_FLASH_REPO,
+                 "Local release folder": "local", "System One endpoint (URL)": "endpoint",
+                 "Demo model (random weights)": model_loader.DEMO_SOURCE}
 SOURCE_INPUTS = {"local": ("Release folder", "/models/clef-flash"),
                  "endpoint": ("Endpoint URL (key from CLEF_API_KEY, never stored)", "https://host:8000")}
 
@@ -161,13 +151,14 @@ def pick_precision(key: str, source: str) -> str | None:
     """bf16 or FP8 where the GPU runs FP8; elsewhere a line saying why not, and None (the engine's default)."""
     if not source or is_endpoint(source):
         return None  # an endpoint answers in whatever precision it runs
-    unavailable = fp8_unavailable()
+    unavailable = model_loader.fp8_unavailable()
     if unavailable is not None:
         st.caption(f"Precision: bf16. FP8 is not offered here: {unavailable}.")
         return None
     picked = st.radio("Precision", list(PRECISION_CHOICES), key=f"{key}_precision", horizontal=True,
                       help="FP8 runs the backbone's projections in 8-bit floating point: faster and half the weight "
-                           f"memory, answers slightly further from the exact ones ({fp8_fidelity_text()}).")
+                           "memory, answers slightly further from the exact ones "
+                           f"({model_loader.fp8_fidelity_text()}).")
     return PRECISION_CHOICES[picked]
 
 
@@ -300,8 +291,7 @@ def live_status() -> None:
 
 
 def render_status(state: LoadState) -> None:
-    line = state.status_line()
-    if line:
+    if line := state.status_line():
         st.caption(line)
     for source in state.adding:
         st.caption(f"Adding {label_of(source)}…")
@@ -312,7 +302,7 @@ def render_status(state: LoadState) -> None:
         return
     info = engine.info()
     memory = info.get("memory") or {}
-    fast, kernel_detail = kernel_summary(info.get("kernels") or {})
+    fast, kernel_detail = model_loader.kernel_summary(info.get("kernels") or {})
     rows = {
         "model": label_of(state.source or info.get("model", "?")) if state.is_demo else info.get("model", "?"),
         "revision": info.get("revision") or "–",

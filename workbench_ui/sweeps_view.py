@@ -73,8 +73,7 @@ def written_alternative(question_id: str, question: dict[str, Any], instructions
                           f"and `false`, not {', '.join(unknown)}"]
         row.update(sides)
     questions, problems = schema_rows.rows_to_questions([row])
-    errors = [p.msg for p in problems if p.severity == "error"]
-    if errors:
+    if errors := [p.msg for p in problems if p.severity == "error"]:
         return None, errors
     written = questions[question_id]
     if written == schema_rows.row_to_question(schema_rows.question_to_row(question_id, question)):

@@ -260,8 +260,7 @@ def render_why(explained: dict, question_id: str, state: Any, images: list[Image
         if any(s.get("kind") == "region" and s["image"] == index for s in segments):
             st.image(region_overlay(image, segments, index),
                      caption=f"Image {index + 1}: each region outlined and labelled with its effect")
-    frames = frame_rows(segments)
-    if frames:
+    if frames := frame_rows(segments):
         st.dataframe(frames, hide_index=True)
     st.markdown(top_html(segments), unsafe_allow_html=True)
 
