@@ -100,12 +100,7 @@ def undo_adoption(adopted: sv.Adopted) -> None:
 
 
 def resume(sweep: dict) -> None:
-    try:
-        engine = shell.model_manager().get(sweep["model_id"])
-    except KeyError:
-        flash("error", sv.model_missing_message(sweep))
-        return
-    flash("info", sv.resume_sweep(runner, engine, sweep["id"]))
+    flash(*sv.resume_sweep(runner, shell.model_manager(), sweep))
 
 
 def follow(sweep_id: int) -> None:

@@ -188,17 +188,18 @@ def progress_shown(runner: SweepRunner, sweep: dict[str, Any]) -> ProgressShown:
     return ProgressShown(done / max(total, 1), text, running_here, problem)
 
 
-def model_missing_message(sweep: dict[str, Any]) -> str:
-    return (f"Sweep #{sweep['id']} was started on the model {sweep['model_id']!r}, which is not loaded: add it in the "
-            "sidebar (Add a model), then resume.")
-
-
-def resume_sweep(runner: SweepRunner, engine: Any, sweep_id: int) -> str:
+def resume_sweep(runner: SweepRunner, models: Any, sweep: dict[str, Any]) -> tuple[str, str]:
+    """Resume a stopped sweep on the model it started on: the message's kind and text."""
     try:
-        runner.start(sweep_id, engine)
+        engine = models.get(sweep["model_id"])
+    except KeyError:
+        return "error", (f"Sweep #{sweep['id']} was started on the model {sweep['model_id']!r}, which is not loaded: "
+                         "add it in the sidebar (Add a model), then resume.")
+    try:
+        runner.start(sweep["id"], engine)
     except SweepAlreadyRunningError as exc:
-        return str(exc)
-    return f"Resumed sweep #{sweep_id}."
+        return "info", str(exc)
+    return "info", f"Resumed sweep #{sweep['id']}."
 
 
 OVERALL = "overall"
