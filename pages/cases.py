@@ -19,6 +19,7 @@ st.caption("A case set is a named list of records (state, images, videos, expect
 store = shell.get_store()
 library = shell.get_library()
 schema_slugs = library.slugs()
+schema_choices = [NO_SCHEMA, *schema_slugs]
 
 
 def flash(kind: str, message: str, *, undo: tuple[str, int] | None = None) -> None:
@@ -58,7 +59,7 @@ with top[1]:
     with st.popover("New case set", icon=":material/add:"):
         with st.form(K("create_form"), clear_on_submit=True):
             name = st.text_input("Name", key=K("new_name"))
-            schema_pick = st.selectbox("Schema it is meant for", view.schema_options(schema_slugs), key=K("new_schema"))
+            schema_pick = st.selectbox("Schema it is meant for", schema_choices, key=K("new_schema"))
             description = st.text_area("Description", key=K("new_description"))
             if st.form_submit_button("Create"):
                 new_id, refused = units.refusal(store.create_case_set, name, description=description,
@@ -227,15 +228,12 @@ def choose_state(chosen_columns: view.ImportMapping, file_id: str):
     if state_mode == view.FIELDS_FROM_COLUMNS:
         candidates = chosen_columns.suggested_state()
         state_key = K(f"map.state.{file_id}")
-
-        def choose_candidates(keys: list[str] = candidates, key: str = state_key) -> None:
-            st.session_state[key] = keys
-
         chosen = st.multiselect("Columns that become state fields (a.b nests)", columns, key=state_key,
                                 placeholder="Choose the columns the model reads",
                                 help="Only the columns chosen here are sent to the model.")
         if candidates and not chosen:
-            st.button(view.suggest_button_label(candidates), key=K("map.state_suggest"), on_click=choose_candidates)
+            st.button(view.suggest_button_label(candidates), key=K("map.state_suggest"),
+                      on_click=st.session_state.update, args=({state_key: candidates},))
         mapping = chosen_columns.mapping(state_columns=chosen)
         if not chosen:
             st.info(view.state_choice_advice(candidates), icon=":material/arrow_upward:")
@@ -274,8 +272,8 @@ with tab_export:
 with tab_settings:
     with st.form(K(f"settings.{case_set_id}")):
         new_name = st.text_input("Name", value=case_set["name"])
-        options = view.schema_options(schema_slugs)
-        new_schema = st.selectbox("Schema", options, index=options.index(view.schema_pick(case_set, schema_slugs)))
+        new_schema = st.selectbox("Schema", schema_choices,
+                                  index=schema_choices.index(view.schema_pick(case_set, schema_slugs)))
         new_description = st.text_area("Description", value=case_set["description"])
         if st.form_submit_button("Save settings"):
             _, refused = units.refusal(store.update_case_set, case_set_id, name=new_name, description=new_description,

@@ -146,7 +146,7 @@ with left:
         picked = example_cols[0].selectbox("Example states of the loaded schema", range(len(examples)),
                                            format_func=lambda i: examples[i].get("name") or f"Example {i + 1}",
                                            key=K("example_pick"))
-        example_cols[1].button("Use this example", key=K("use_example"), on_click=actions.use_example,
+        example_cols[1].button("Use this example", key=K("use_example"), on_click=builder().use_example,
                                args=(picked,), help="Puts the example into the state editor (Undo brings back "
                                                     "what it replaces)")
         render_replaced_notice("state")

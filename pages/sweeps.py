@@ -95,10 +95,6 @@ def render_start() -> None:
               disabled=not sv.can_start(variants), on_click=start, args=(set_id, slug, variants, int(folds)))
 
 
-def undo_adoption(adopted: sv.Adopted) -> None:
-    flash("info", sv.undo_adoption(library, adopted))
-
-
 def resume(sweep: dict) -> None:
     flash(*sv.resume_sweep(runner, shell.model_manager(), sweep))
 
@@ -186,7 +182,7 @@ st.caption("Many versions of a schema scored on a labelled case set at once: eac
 all_sweeps = sweeps.list_sweeps(store)
 with st.expander("Start a sweep", expanded=not all_sweeps, icon=":material/play_arrow:"):
     render_start()
-shell.show_flash(K("flash"), undo_adoption)
+shell.show_flash(K("flash"), lambda adopted: flash("info", sv.undo_adoption(library, adopted)))
 if not all_sweeps:
     st.stop()
 sweep_id = shell.pick_id([s["id"] for s in all_sweeps], K("selected"), "Sweep",

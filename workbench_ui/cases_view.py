@@ -64,10 +64,6 @@ def library_question_ids(library: SchemaLibrary) -> list[str]:
     return list(ids)
 
 
-def schema_options(slugs: list[str]) -> list[str]:
-    return [NO_SCHEMA, *slugs]
-
-
 def schema_pick(case_set: dict, slugs: list[str]) -> str:
     """The settings' schema choice for a set: its schema, or none when that schema is not in the library."""
     return case_set["schema_name"] if case_set["schema_name"] in slugs else NO_SCHEMA
@@ -152,13 +148,10 @@ class ImportMapping:
         return importing.suggested_state_columns(self.columns, left_out, self.questions)
 
     def mapping(self, *, state_columns: list[str] | None = None, state_text_column: str | None = None) -> CsvMapping:
-        tags = None if self.tags_column == NOT_MAPPED else self.tags_column
-        source_id = None if self.id_column == NOT_MAPPED else self.id_column
-        if state_text_column is not None:
-            return CsvMapping(state_text_column=state_text_column, expected_columns=self.expected, tags_column=tags,
-                              id_column=source_id)
-        return CsvMapping(state_columns=state_columns or [], expected_columns=self.expected, tags_column=tags,
-                          id_column=source_id)
+        return CsvMapping(state_columns=state_columns or [], state_text_column=state_text_column,
+                          expected_columns=self.expected,
+                          tags_column=None if self.tags_column == NOT_MAPPED else self.tags_column,
+                          id_column=None if self.id_column == NOT_MAPPED else self.id_column)
 
     def leaked(self, state: list[str]) -> list[str]:
         return [c for c in state if c in self.label_like or c in self.expected]

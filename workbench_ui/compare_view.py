@@ -19,7 +19,6 @@ from clef_workbench.store import Run, RunSettings
 from workbench_ui import links, units
 from workbench_ui.answers import distribution_table
 
-UNFINISHED = ("pending", "running")
 # The one action runs as the Runs page would with its defaults.
 START_SETTINGS = RunSettings(chunk_size=8, max_length=DEFAULT_MAX_LENGTH)
 
@@ -35,12 +34,9 @@ def proposed_schema(case_set: dict, slugs: list[str]) -> str:
     return case_set["schema_name"] if case_set.get("schema_name") in slugs else slugs[0]
 
 
-MATRIX_KEY = "matrix"
-
-
 def matrix_key(disagreements_only: bool) -> str:
     """The matrix's key, one per filter: a click on the filtered grid is never lost as the old grid's selection."""
-    return f"{MATRIX_KEY}.{'disagree' if disagreements_only else 'all'}"
+    return f"matrix.{'disagree' if disagreements_only else 'all'}"
 
 
 CELL_CHAR_PX = 7  # an average character of the grid's 14 px font
@@ -84,7 +80,7 @@ def started_run_line(run: Run) -> str:
 
 
 def is_unfinished(run: Run) -> bool:
-    return run["status"] in UNFINISHED
+    return run["status"] in ("pending", "running")
 
 
 def missing_runs(linked: list[int], all_runs: Mapping[int, Run]) -> links.Missing | None:

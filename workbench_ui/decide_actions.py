@@ -120,7 +120,3 @@ def save_schema(update: bool) -> None:
     else:
         vm.set_kept(st.session_state, SCHEMAS_PAGE_PICK, slug)  # the Schemas page opens on the schema edited last
     st.session_state[K("save_flash")] = flash
-
-
-def use_example(index: int) -> None:
-    builder().use_example(index)

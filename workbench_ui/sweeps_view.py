@@ -202,9 +202,6 @@ def resume_sweep(runner: SweepRunner, models: Any, sweep: dict[str, Any]) -> tup
     return "info", f"Resumed sweep #{sweep['id']}."
 
 
-OVERALL = "overall"
-
-
 def leaderboard_caption(result: sweeps.SweepResult) -> str:
     return (f"{result.done} of {result.cases} labelled cases of “{result.case_set_name}” on {result.model_id}, "
             f"{result.state_prefills} state(s) prefilled for {len(result.variants)} variants. Accuracy with its 95 % "
@@ -225,7 +222,7 @@ def metric_text(metric: sweeps.Metric, *, signed: bool = False) -> str:
 def chart_frame(result: sweeps.SweepResult) -> pd.DataFrame:
     rows = []
     for score in result.variants:
-        scopes = [(OVERALL, score.accuracy, score.accuracy_change)] + [
+        scopes = [("overall", score.accuracy, score.accuracy_change)] + [
             (qid, q.accuracy, q.accuracy_change) for qid, q in score.questions.items()]
         for scope, accuracy, change in scopes:
             if accuracy.value is not None:
