@@ -1,9 +1,4 @@
-"""Clef Workbench: `streamlit run app.py`. The default page ("/") opens the Decide page.
-
-Streamlit's pages-directory mode, its documented behaviour for a `pages/` folder: each `pages/NAME.py` is a page at
-/NAME (so links such as /runs?run=2 open their page on any server, fresh or not) and draws the workbench's shell
-itself (`workbench_ui.shell.render_shell`); Streamlit's own navigation of file names is hidden (.streamlit/config.toml).
-"""
+"""Clef Workbench: `streamlit run app.py`. Each `pages/NAME.py` is a page at /NAME; the root opens Decide."""
 
 from __future__ import annotations
 

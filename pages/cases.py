@@ -1,5 +1,4 @@
-"""Case sets: create, import CSV / text / JSONL / Excel with a column mapping, edit in a table, export. Rendering
-only: what it reads, imports, saves and says comes from workbench_ui.cases_view."""
+"""Case sets: create, import with a column mapping, edit, export. Rendering only (workbench_ui.cases_view)."""
 
 from __future__ import annotations
 
@@ -7,49 +6,35 @@ import streamlit as st
 
 from clef_workbench import case_table, importing
 from workbench_ui import cases_view as view
-from workbench_ui import units
+from workbench_ui import shell, units
 from workbench_ui.cases_view import NO_SCHEMA, NOT_MAPPED
-from workbench_ui.shell import (
-    RUNS_START_OPEN,
-    RUNS_START_SET,
-    confirm_delete,
-    forget_widget,
-    get_library,
-    get_store,
-    page_key,
-    pick_id,
-    render_shell,
-    set_widget,
-    show_flash,
-)
 
-render_shell(__file__)
-K = page_key("cases")
+shell.render_shell(__file__)
+K = shell.page_key("cases")
 DETECTED = "detected"
 
 st.title("Case sets")
 st.caption("A case set is a named list of records (state, images, videos, expected answers, tags) to run against a "
            "schema. Media are stored with the case in the workbench database.")
-store = get_store()
-library = get_library()
+store = shell.get_store()
+library = shell.get_library()
 schema_slugs = library.slugs()
+schema_choices = [NO_SCHEMA, *schema_slugs]
 
 
 def flash(kind: str, message: str, *, undo: tuple[str, int] | None = None) -> None:
-    """A message for the next run of the page (import and delete rerun it), optionally with an Undo button."""
     st.session_state[K("flash")] = (kind, message, undo)
 
 
 def undo_delete(kind: str, object_id: int | list[int]) -> None:
     outcome, message = view.restore_deleted(store, kind, object_id)
     if kind == "case_set" and outcome == "success":
-        set_widget(K("selected"), object_id)
+        shell.set_widget(K("selected"), object_id)
     flash(outcome, message)
 
 
 def show_problems(problems: list[str], *, stage: str) -> None:
-    """The problems of a save that was refused (an error), or of a file chosen for import (nothing was tried yet: a
-    warning naming what fixes them: a choice above, or the file)."""
+    """The problems of a refused save (an error) or of a chosen file (a warning)."""
     heading = view.problems_heading(len(problems), stage=stage)
     if stage == "save":
         st.error(heading)
@@ -58,9 +43,8 @@ def show_problems(problems: list[str], *, stage: str) -> None:
     st.markdown(view.problems_markdown(problems))
 
 
-show_flash(K("flash"), undo_delete)
-deleted_sets = store.list_case_sets(deleted=True)
-if deleted_sets:
+shell.show_flash(K("flash"), undo_delete)
+if deleted_sets := store.list_case_sets(deleted=True):
     with st.expander(f"Deleted case sets ({len(deleted_sets)})", icon=":material/restore_from_trash:"):
         for deleted in deleted_sets[:20]:
             cols = st.columns([5, 1], vertical_alignment="center")
@@ -75,7 +59,7 @@ with top[1]:
     with st.popover("New case set", icon=":material/add:"):
         with st.form(K("create_form"), clear_on_submit=True):
             name = st.text_input("Name", key=K("new_name"))
-            schema_pick = st.selectbox("Schema it is meant for", view.schema_options(schema_slugs), key=K("new_schema"))
+            schema_pick = st.selectbox("Schema it is meant for", schema_choices, key=K("new_schema"))
             description = st.text_area("Description", key=K("new_description"))
             if st.form_submit_button("Create"):
                 new_id, refused = units.refusal(store.create_case_set, name, description=description,
@@ -83,7 +67,7 @@ with top[1]:
                 if refused:
                     st.error(refused)
                 else:
-                    set_widget(K("selected"), new_id)
+                    shell.set_widget(K("selected"), new_id)
                     st.success(f"Created case set #{new_id}.")
 
 sets = store.list_case_sets()
@@ -92,7 +76,7 @@ if not sets:
     st.stop()
 labels = {s["id"]: view.case_set_label(s) for s in sets}
 with top[0]:
-    case_set_id = pick_id(list(labels), K("selected"), "Case set", labels.get, param="set", what="case set")
+    case_set_id = shell.pick_id(list(labels), K("selected"), "Case set", labels.get, param="set", what="case set")
     if case_set_id is None:  # the link names a case set that is not here: said above
         st.stop()
 case_set = store.get_case_set(case_set_id)
@@ -102,8 +86,8 @@ if schema_warning:
 st.caption(view.case_set_caption(case_set))
 if st.button("Run this case set", key=K("run_set"), icon=":material/play_arrow:",
              help="Opens the Runs page's “Start a run” with this case set and its schema"):
-    set_widget(RUNS_START_SET, case_set_id)
-    st.session_state[RUNS_START_OPEN] = True
+    shell.set_widget(shell.RUNS_START_SET, case_set_id)
+    st.session_state[shell.RUNS_START_OPEN] = True
     st.switch_page("pages/runs.py")
 
 # keyed and tracked: the open tab survives reruns whose layout above it changes (a message appearing or going)
@@ -115,8 +99,7 @@ with tab_cases:
                "`{question: answer}` (choice: option id, yes/no: true/false, score: level number) and tags. "
                "Add rows at the bottom; delete rows with the row menu. Nothing is written until you save.")
     frame = case_table.editor_frame(store, case_set_id)
-    # after a refused deletion the table starts again from the edits with the refused rows back (a new editor: its
-    # rows are the table given, not the browser's copy with the rows gone)
+    # after a refused deletion, a new editor: the edits with the refused rows back
     restored = st.session_state.get(K(f"editor_restored.{case_set_id}"))
     editor_key = K(f"editor.{case_set_id}" if restored is None else f"editor.{case_set_id}.{restored[0]}")
     edited = st.data_editor(
@@ -150,10 +133,8 @@ with tab_cases:
 
 
 def import_file(case_set_id: int, case_set: dict, schema: dict | None) -> None:
-    """The Import tab: choose a file, how to read it and which columns mean what, see the problems and a preview,
-    then import."""
-    # a new uploader after each import: the imported file leaves no live Import button behind, and the next file
-    # goes into an empty uploader instead of replacing one (a replacement raced the page's rerun in the browser)
+    """The Import tab: a file, how to read it, its mapping, its problems and preview, then import."""
+    # a new uploader after each import: replacing a file raced the page's rerun in the browser
     imports_done = st.session_state.get(K("imports_done"), 0)
     upload = st.file_uploader("CSV, tab-separated text, JSONL or Excel file",
                               type=["csv", "tsv", "txt", "jsonl", "json", "xlsx"], key=K(f"upload.{imports_done}"),
@@ -189,8 +170,7 @@ def import_file(case_set_id: int, case_set: dict, schema: dict | None) -> None:
 
 
 def read_upload(upload):
-    """The chosen file, read with the encoding and delimiter chosen (or detected); None, its problems shown, when it
-    cannot be read."""
+    """The file read with the encoding and delimiter chosen; None, its problems shown, when unreadable."""
     kind = importing.file_kind(upload.name)
     read_cols = st.columns(2)
     encoding = delimiter = DETECTED
@@ -242,22 +222,18 @@ def choose_mapping(columns: list[str], schema: dict | None, file_id: str):
 
 
 def choose_state(chosen_columns: view.ImportMapping, file_id: str):
-    """The state: fields from chosen columns (a suggestion offered), or one column's text; a warning when answers
-    would leak into it."""
+    """The state: fields from chosen columns or one column's text; a warning when answers leak into it."""
     columns = chosen_columns.columns
     state_mode = st.radio("State", view.STATE_MODES, horizontal=True, key=K("map.state_mode"))
     if state_mode == view.FIELDS_FROM_COLUMNS:
         candidates = chosen_columns.suggested_state()
         state_key = K(f"map.state.{file_id}")
-
-        def choose_candidates(keys: list[str] = candidates, key: str = state_key) -> None:
-            st.session_state[key] = keys
-
         chosen = st.multiselect("Columns that become state fields (a.b nests)", columns, key=state_key,
                                 placeholder="Choose the columns the model reads",
                                 help="Only the columns chosen here are sent to the model.")
         if candidates and not chosen:
-            st.button(view.suggest_button_label(candidates), key=K("map.state_suggest"), on_click=choose_candidates)
+            st.button(view.suggest_button_label(candidates), key=K("map.state_suggest"),
+                      on_click=st.session_state.update, args=({state_key: candidates},))
         mapping = chosen_columns.mapping(state_columns=chosen)
         if not chosen:
             st.info(view.state_choice_advice(candidates), icon=":material/arrow_upward:")
@@ -296,8 +272,8 @@ with tab_export:
 with tab_settings:
     with st.form(K(f"settings.{case_set_id}")):
         new_name = st.text_input("Name", value=case_set["name"])
-        options = view.schema_options(schema_slugs)
-        new_schema = st.selectbox("Schema", options, index=options.index(view.schema_pick(case_set, schema_slugs)))
+        new_schema = st.selectbox("Schema", schema_choices,
+                                  index=schema_choices.index(view.schema_pick(case_set, schema_slugs)))
         new_description = st.text_area("Description", value=case_set["description"])
         if st.form_submit_button("Save settings"):
             _, refused = units.refusal(store.update_case_set, case_set_id, name=new_name, description=new_description,
@@ -314,11 +290,11 @@ with tab_settings:
             st.session_state[K("confirm_delete")] = case_set_id
     if st.session_state.get(K("confirm_delete")) == case_set_id:
         question = f"Delete “{case_set['name']}” and its {case_set['case_count']} case(s)? You can undo this."
-        if confirm_delete(question, K, K("confirm_delete")):
+        if shell.confirm(question, K, K("confirm_delete")):
             _, refused = units.refusal(store.delete_case_set, case_set_id)
             if refused:
                 st.error(refused)
             else:
-                forget_widget(K("selected"))
+                shell.forget_widget(K("selected"))
                 flash("success", f"Deleted case set “{case_set['name']}”.", undo=("case_set", case_set_id))
                 st.rerun()

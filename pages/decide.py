@@ -1,6 +1,4 @@
-"""Decide: write a state, attach media, build a schema, check the token budget, run, read the answers, save a case.
-Rendering only: the logic is workbench_ui.decide_model's, what the buttons do workbench_ui.decide_actions'. Nothing
-here runs the model unless Run is pressed."""
+"""Decide: a state, media and a schema; the token budget; Run; the answers; save as case."""
 
 from __future__ import annotations
 
@@ -13,34 +11,19 @@ from clef_engine import DEFAULT_MAX_LENGTH
 from clef_engine.errors import BusyError, ClefError, RequestError, TokenBudgetError
 from clef_workbench import calibration, schemas
 from clef_workbench.model_loader import request_model_name
-from workbench_ui import answers, links, schema_rows, state_input, units
+from workbench_ui import answers, links, schema_rows, shell, state_input, units
 from workbench_ui import decide_actions as actions
 from workbench_ui import decide_model as vm
 from workbench_ui import why_view as why
 from workbench_ui.decide_actions import SCHEMA_PARAM, builder
-from workbench_ui.shell import (
-    failure_text,
-    format_json,
-    get_engine,
-    get_library,
-    get_store,
-    kept_widget,
-    model_manager,
-    pick_model,
-    random_weights_notice,
-    random_weights_text,
-    render_shell,
-    run_queued,
-    show_message,
-)
 
-render_shell(__file__)
+shell.render_shell(__file__)
 
 
 @st.cache_data(max_entries=8, show_spinner=False)
 def sampled_frames(video: state_input.Media, model_id: str, _engine) -> Any:
     """The frames the model reads, decoded once per video and model rather than on every rerun of the page."""
-    return state_input.sampled_video_frames(_engine, video)
+    return _engine.sample_video_frames(video.data)
 
 
 K = vm.key
@@ -53,43 +36,43 @@ def render_question(position: int, uid: int, count: int) -> tuple[dict[str, Any]
     with st.container(border=True, key=K(f"card{uid}")):
         top = st.columns([3, 2, 0.6, 0.6, 0.6], vertical_alignment="bottom", gap="xsmall")
         with top[0]:
-            qid = kept_widget(st.text_input, f"Question {position + 1} id", keys["id"], "",
-                              help="Letters, digits, _ . - (1–100 characters). Answers are keyed by it.")
+            qid = shell.kept_widget(st.text_input, f"Question {position + 1} id", keys["id"], "",
+                                    help="Letters, digits, _ . - (1–100 characters). Answers are keyed by it.")
         with top[1]:
-            qtype = kept_widget(st.selectbox, "Type", keys["type"], "noul", options=QUESTION_TYPES,
-                                help="noul: yes/no · choice: one of several options · score: ordered levels")
+            qtype = shell.kept_widget(st.selectbox, "Type", keys["type"], "noul", options=QUESTION_TYPES,
+                                      help="noul: yes/no · choice: one of several options · score: ordered levels")
         top[2].button("", icon=":material/arrow_upward:", key=K(f"q{uid}.up"), on_click=builder().move,
                       args=(uid, -1), disabled=position == 0, help="Move up")
         top[3].button("", icon=":material/arrow_downward:", key=K(f"q{uid}.down"), on_click=builder().move,
                       args=(uid, 1), disabled=position == count - 1, help="Move down")
         top[4].button("", icon=":material/delete:", key=K(f"q{uid}.remove"), on_click=builder().remove, args=(uid,),
                       help="Remove")
-        instructions = kept_widget(st.text_area, "Instructions", keys["instructions"], "", height=68,
-                                   placeholder="The question the model answers about the state")
+        instructions = shell.kept_widget(st.text_area, "Instructions", keys["instructions"], "", height=68,
+                                         placeholder="The question the model answers about the state")
         row: dict[str, Any] = {"id": qid, "type": qtype, "instructions": instructions}
         if qtype == "choice":
-            text = kept_widget(st.text_area, "Options — one per line: id: description", keys["options"], "",
-                               height=120, help="The model reads options sorted by id; answers list them in "
+            text = shell.kept_widget(st.text_area, "Options — one per line: id: description", keys["options"], "",
+                                     height=120, help="The model reads options sorted by id; answers list them in "
                                                 "this order. Add an 'unknown' option for when nothing fits.")
             row["options"] = schema_rows.text_to_options(text)
         elif qtype == "score":
-            text = kept_widget(st.text_area, "Levels — one per line, lowest first", keys["levels"], "", height=120,
-                               help="Level ids are 0, 1, 2, … in this order; the score is Σ level × probability.")
+            text = shell.kept_widget(st.text_area, "Levels — one per line, lowest first", keys["levels"], "",
+                                     height=120, help="Level ids are 0, 1, 2, … in this order; the score is Σ level × "
+                                                      "probability.")
             row["levels"] = schema_rows.text_to_levels(text)
         else:
             sides = st.columns(2)
             with sides[0]:
-                row["true"] = kept_widget(st.text_input, "“true” means (optional)", keys["true"], "",
-                                          placeholder=answers.NOUL_DEFAULT_DESCRIPTIONS["true"])
+                row["true"] = shell.kept_widget(st.text_input, "“true” means (optional)", keys["true"], "",
+                                                placeholder=answers.NOUL_DEFAULT_DESCRIPTIONS["true"])
             with sides[1]:
-                row["false"] = kept_widget(st.text_input, "“false” means (optional)", keys["false"], "",
-                                           placeholder=answers.NOUL_DEFAULT_DESCRIPTIONS["false"])
+                row["false"] = shell.kept_widget(st.text_input, "“false” means (optional)", keys["false"], "",
+                                                 placeholder=answers.NOUL_DEFAULT_DESCRIPTIONS["false"])
         messages = st.container()
     return row, messages
 
 
 def render_undo_notice(message: str, name: str, undo, icon: str) -> None:
-    """Where something was removed or replaced: what went, and Undo."""
     cols = st.columns([4, 1], vertical_alignment="center")
     cols[0].info(message, icon=icon)
     cols[1].button("Undo", key=K(name), icon=":material/undo:", on_click=undo)
@@ -101,7 +84,6 @@ def render_removed_notice() -> None:
 
 
 def render_replaced_notice(place: str) -> None:
-    """What the last Load ("schema") or Use this example ("state") replaced, with Undo."""
     if message := builder().replaced(place):
         render_undo_notice(message, f"undo_replace.{place}", builder().undo_replace, ":material/swap_horiz:")
 
@@ -114,8 +96,7 @@ def render_answer_card(qid: str, question: dict[str, Any], answer: dict[str, Any
         st.markdown(f"**{qid}** · {answer['type']} · answered by {model}" + (" · **calibrated**" if calibrated else ""))
         if calibrated:
             st.caption(calibrated)
-        instructions = question.get("instructions")
-        if instructions:
+        if instructions := question.get("instructions"):
             st.caption(instructions if isinstance(instructions, str) else json.dumps(instructions))
         # the answer on a row of its own: option ids are long, and a metric cuts what does not fit its column
         st.metric("Answer", vm.answer_text(summary, answer),
@@ -134,63 +115,52 @@ def render_answer_card(qid: str, question: dict[str, Any], answer: dict[str, Any
             st.caption(f"Legend: {legend}")
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# The page
-
 actions.init_page()
-# Saved first: an edit's values are in the session state before this run draws anything, and a reload (or a closed
-# tab) while the page still draws would otherwise lose the edit, the save being the run's last step.
+# saved first too: a reload while the page still draws would lose the edit
 actions.save_draft()
 st.title("Decide")
-show_message(K("link_note"), icon=":material/link:")
-engine = get_engine()
-library = get_library()
+shell.show_message(K("link_note"), icon=":material/link:")
+engine = shell.get_engine()
+library = shell.get_library()
 messages = vm.Messages()
 if (asked := st.query_params.get(SCHEMA_PARAM)) and not builder().loaded_slug and asked not in library.slugs():
     st.error(links.missing_schema(asked, library.slugs()), icon=":material/link_off:")
 
-# One screen: what goes in (state, media, schema) on the left; Run, the answers and the token budget on the right,
-# with Run on top, so neither is below the budget bar or the long schema builder.
 left, right = st.columns([1, 1], gap="large")
 with right:
     run_box, answers_box, budget_box = st.container(), st.container(), st.container()
-# With several models loaded, this page's runs use the one picked here (the default until one is picked).
-loaded_models = {model.name: model for model in model_manager().loaded()}
-model_name = vm.model_for_run(st.session_state, list(loaded_models), model_manager().default_name()) \
-    or request_model_name(model_manager().state().source)
+loaded_models = {model.name: model for model in shell.model_manager().loaded()}
+model_name = vm.model_for_run(st.session_state, list(loaded_models), shell.model_manager().default_name()) \
+    or request_model_name(shell.model_manager().state().source)
 if engine is not None and len(loaded_models) > 1:
-    model_name = pick_model(run_box.selectbox, K("model"), loaded_models,
-                            "Which loaded model answers this page's runs (add models in the sidebar).")
+    model_name = shell.pick_model(run_box.selectbox, K("model"), loaded_models,
+                                  "Which loaded model answers this page's runs (add models in the sidebar).")
 if model_name in loaded_models:
     engine = loaded_models[model_name].engine
-local_engine = engine is not None and vm.counts_tokens_here(engine)
+local_engine = engine is not None and not engine.info().get("remote")  # a remote endpoint counts on its side
 
-# --- State -------------------------------------------------------------------------------------------------------
 with left:
     st.subheader("State")
-    examples = builder().examples
-    if examples:
+    if examples := builder().examples:
         example_cols = st.columns([4, 1], vertical_alignment="bottom")
         picked = example_cols[0].selectbox("Example states of the loaded schema", range(len(examples)),
                                            format_func=lambda i: examples[i].get("name") or f"Example {i + 1}",
                                            key=K("example_pick"))
-        example_cols[1].button("Use this example", key=K("use_example"), on_click=actions.use_example,
+        example_cols[1].button("Use this example", key=K("use_example"), on_click=builder().use_example,
                                args=(picked,), help="Puts the example into the state editor (Undo brings back "
                                                     "what it replaces)")
         render_replaced_notice("state")
-    mode = kept_widget(st.radio, "Read the state as", K("state_mode"), "auto", options=["auto", "text", "json"],
-                       horizontal=True, format_func={"auto": "auto (JSON if it starts with { or [)",
-                                                     "text": "plain text", "json": "JSON"}.get)
-    state_text = kept_widget(st.text_area, "State", K("state_text"), "", height=300,
-                             placeholder='{"subject": "Refund", "body": "…"}  or plain text',
-                             label_visibility="collapsed")
+    mode = shell.kept_widget(st.radio, "Read the state as", K("state_mode"), "auto", options=["auto", "text", "json"],
+                             horizontal=True, format_func={"auto": "auto (JSON if it starts with { or [)",
+                                                           "text": "plain text", "json": "JSON"}.get)
+    state_text = shell.kept_widget(st.text_area, "State", K("state_text"), "", height=300,
+                                   placeholder='{"subject": "Refund", "body": "…"}  or plain text',
+                                   label_visibility="collapsed")
     state_messages = st.container()
 
     st.subheader("Media")
     st.caption(state_input.media_limits_text())
-    # Images are taken up to the server's upload limit and checked here: a file over the uploader's own limit was
-    # refused by the browser with a red icon and the reason only for screen readers; the check below says it in
-    # words under the uploader (images: the caption's limit).
+    # images up to the videos' limit: one over its own is refused below in words, not by the browser's red icon
     image_files = st.file_uploader("Images", type=list(state_input.IMAGE_EXTENSIONS), accept_multiple_files=True,
                                    key=K("images"), max_upload_size=state_input.MAX_VIDEO_BYTES // state_input.MB)
     video_files = st.file_uploader("Videos", type=list(state_input.VIDEO_EXTENSIONS), accept_multiple_files=True,
@@ -249,7 +219,6 @@ with left:
                 if len(sampled.frames) > len(shown):
                     st.caption(f"… and {len(sampled.frames) - len(shown)} more frames.")
 
-# --- Schema builder ----------------------------------------------------------------------------------------------
 with left:
     st.subheader("Schema")
     if builder().unsaved_changes():
@@ -270,8 +239,7 @@ with left:
                        help="Puts the schema's questions on screen; the state you typed stays.")
     lib_buttons.button("New schema", key=K("new_schema"), on_click=actions.new_schema,
                        icon=":material/note_add:", help="Start an empty schema; the state stays.")
-    confirm_slug = st.session_state.get(K("confirm_load"))
-    if confirm_slug:
+    if confirm_slug := st.session_state.get(K("confirm_load")):
         with st.container(border=True, key=K("confirm_load_box")):
             st.warning(f"Loading “{names.get(confirm_slug, confirm_slug)}” replaces the questions on screen, which "
                        "have unsaved changes.", icon=":material/warning:")
@@ -304,20 +272,18 @@ with left:
                        icon=":material/add:")
     schema_messages = st.container()
 
-    # Open while it has news: Save's callback adds and removes elements above it (the unsaved-changes badge), which
-    # redrew it closed, its success message hidden inside.
+    # open while it has news: a change above it redrew it closed, its message hidden inside
     with st.expander("Save to the library", expanded=K("save_flash") in st.session_state, key=K("save_box")):
-        schema_name = kept_widget(st.text_input, "Name", K("schema_name"), "")
-        schema_description = kept_widget(st.text_area, "Description", K("schema_description"), "", height=68)
+        schema_name = shell.kept_widget(st.text_input, "Name", K("schema_name"), "")
+        schema_description = shell.kept_widget(st.text_area, "Description", K("schema_description"), "", height=68)
         save_buttons = st.container(horizontal=True)
         save_buttons.button("Save as new schema", key=K("save_new"), on_click=actions.save_schema, args=(False,))
         save_buttons.button(f"Update “{loaded_slug}”" if loaded_slug else "Update", key=K("save_update"),
                             disabled=not loaded_slug, on_click=actions.save_schema, args=(True,),
                             help=f"Write these questions to {loaded_slug}.json as a new version" if loaded_slug
                             else "Load a schema from the library to update it")
-        show_message(K("save_flash"))
+        shell.show_message(K("save_flash"))
 
-# --- Validate everything, then put each message next to its field ----------------------------------------------
 questions, builder_problems = schema_rows.rows_to_questions(rows)
 vm.route_schema_problems(builder_problems + schemas.lint_questions(questions), rows, messages)
 
@@ -341,17 +307,16 @@ if ready:
     request = state_input.build_request(state_value, questions, images=images, videos=videos, model=model_name)
 fingerprint = vm.fingerprint(request)
 
-# --- Token budget and Run ----------------------------------------------------------------------------------------
 budget_box.subheader("Token budget")
 budget_cols = budget_box.columns([1, 2])
-max_length = int(kept_widget(budget_cols[0].selectbox, "max_length (tokens)", K("max_length"), DEFAULT_MAX_LENGTH,
-                             options=links.DECIDE_MAX_LENGTHS, format_func="{:,}".format))
-overflow = kept_widget(budget_cols[1].radio, "If the state does not fit", K("overflow"), "refuse",
-                       options=["refuse", "truncate_state"], horizontal=True,
-                       format_func={"refuse": "refuse (show an error)",
-                                    "truncate_state": "truncate the end of the state"}.get)
+max_length = int(shell.kept_widget(budget_cols[0].selectbox, "max_length (tokens)", K("max_length"), DEFAULT_MAX_LENGTH,
+                                   options=links.DECIDE_MAX_LENGTHS, format_func="{:,}".format))
+overflow = shell.kept_widget(budget_cols[1].radio, "If the state does not fit", K("overflow"), "refuse",
+                             options=["refuse", "truncate_state"], horizontal=True,
+                             format_func={"refuse": "refuse (show an error)",
+                                          "truncate_state": "truncate the end of the state"}.get)
 budget_messages = budget_box.container()
-# Errors of the last Run belong to exactly that request and those budget settings: change any, and they go.
+# the last Run's errors go when the request or the budget settings change
 run_key = (fingerprint, max_length, overflow)
 last_error = st.session_state.get(K("last_error"))
 if last_error and last_error["key"] != run_key:
@@ -389,7 +354,6 @@ else:
         else:
             budget_messages.success(status.message)
 
-# Every message next to its field.
 for place, box in [("state", state_messages), ("media", media_messages), ("schema", schema_messages),
                    *enumerate(question_messages), ("budget", budget_messages)]:
     for message in messages.errors.get(place, []):
@@ -401,7 +365,7 @@ if last_error and last_error.get("budget"):
 
 can_run = (engine is not None and request is not None and not engine_refused
            and not (status is not None and status.fixed_tokens_over))
-# Run on a row of its own at its full width: in a column it was cut to "R.." at 1280×720 and to nothing at 1024.
+# on a row of its own: in a column it was cut to "R.." at 1280×720
 run_clicked = run_box.button("Run", type="primary", key=K("run"), disabled=not can_run,
                              icon=":material/play_arrow:", shortcut="Ctrl+Enter",
                              help="Runs the state and schema on screen (Ctrl+Enter).")
@@ -409,8 +373,8 @@ wait_line = run_box.empty()
 random_weights_line = run_box.empty()  # filled once this run's result is known: one notice, not two
 if run_clicked and request is not None and engine is not None:
     try:
-        response = run_queued(engine, [request], max_length=max_length, overflow=overflow,
-                              on_wait=lambda text: wait_line.info(text, icon=":material/hourglass_top:"))[0]
+        response = shell.run_queued(engine, [request], max_length=max_length, overflow=overflow,
+                                    on_wait=lambda text: wait_line.info(text, icon=":material/hourglass_top:"))[0]
     except RequestError as exc:
         st.session_state[K("last_error")] = {"key": run_key, "by_field": answers.problems_by_field(exc.problems)}
         st.rerun()
@@ -420,7 +384,7 @@ if run_clicked and request is not None and engine is not None:
     except BusyError as exc:
         wait_line.error(f"The GPU queue is full: {exc}")
     except Exception as exc:  # noqa: BLE001 — a failed forward pass must not take the page down
-        wait_line.error(failure_text("The run failed", exc))
+        wait_line.error(shell.failure_text("The run failed", exc))
     else:
         wait_line.empty()
         st.session_state.pop(K("last_error"), None)
@@ -428,20 +392,19 @@ if run_clicked and request is not None and engine is not None:
             request=request, response=response, questions=questions, state=state_value,
             images=tuple(images), videos=tuple(videos), schema_name=schema_name.strip() or (loaded_slug or ""),
             model_label=model_name, device=engine.info().get("device", ""), schema_slug=loaded_slug,
-            random_weights=model_manager().random_weights(model_name),
+            random_weights=shell.model_manager().random_weights(model_name),
         ))
 
-# --- Results -----------------------------------------------------------------------------------------------------
 result: vm.DecideResult | None = st.session_state.get(K("result"))
 if not (result and result.model_label == model_name):  # else the answers below say it
     with random_weights_line:
-        random_weights_notice(model_name)
+        shell.random_weights_notice(model_name)
 if result:
     with answers_box:
         response = result.response
         st.subheader("Answers")
         if result.random_weights:
-            st.warning(random_weights_text(result.model_label), icon=":material/casino:")
+            st.warning(shell.random_weights_text(result.model_label), icon=":material/casino:")
         if causes := result.stale_causes(questions=questions, state=state_value, images=images, videos=videos,
                                          model=model_name):
             st.warning(vm.stale_message(causes), icon=":material/history:")
@@ -458,17 +421,16 @@ if result:
             st.warning(f"The last {response['x_truncated_state_tokens']:,} tokens of the state were cut to fit "
                        "max_length: the model did not read them.")
         shown, calibration_note = response["answers"], None
-        fitted = [c["name"] for c in get_store().list_calibrations(schema_name=result.schema_name)]
-        if fitted:
+        if fitted := [c["name"] for c in shell.get_store().list_calibrations(schema_name=result.schema_name)]:
             chosen = st.selectbox("Probabilities", ["raw (as the model answered)", *fitted], key=K("calibration"),
                                   help="A calibration fitted on a run's labelled cases (Runs → Calibrate) maps "
                                        "each question's probabilities to how often such answers were right")
             if chosen in fitted:
-                stored = get_store().get_calibration(name=chosen)
+                stored = shell.get_store().get_calibration(name=chosen)
                 st.markdown(calibration.verdicts_text(stored["payload"]))
                 every_question = st.checkbox("Apply it also where it did not help", key=K("calibration_all"),
                                              help="Questions marked “not applied” above stay raw unless this is on")
-                stored, shown = calibration.calibrated_response(get_store(), chosen, response,
+                stored, shown = calibration.calibrated_response(shell.get_store(), chosen, response,
                                                                 every_question=every_question)
                 calibration_note = (f"Calibrated with “{chosen}” (fitted on {stored['model_id']}'s answers in run "
                                     f"{stored['run_id']}); choose raw above to see the model's own probabilities.")
@@ -498,16 +460,16 @@ if result:
 
         tabs = st.tabs(["Response JSON", "Request JSON"])
         with tabs[0]:
-            st.code(format_json(response), language="json")
+            st.code(shell.format_json(response), language="json")
         with tabs[1]:
             if result.images or result.videos:
                 st.caption("Media data URLs are shortened here; the download holds the exact request.")
-            st.code(format_json(result.redacted_request()), language="json")
-            st.download_button("Download the exact request", format_json(result.request), file_name="request.json",
-                               mime="application/json", key=K("download_request"))
+            st.code(shell.format_json(result.redacted_request()), language="json")
+            st.download_button("Download the exact request", shell.format_json(result.request),
+                               file_name="request.json", mime="application/json", key=K("download_request"))
 
         with st.expander("Save as case", icon=":material/bookmark_add:"):
-            store = get_store()
+            store = shell.get_store()
             existing = [s["name"] for s in store.list_case_sets()]
             default_set = result.default_case_set()
             options = existing + ["New case set…"]
@@ -533,7 +495,7 @@ if result:
 
 if builder().loaded_slug:
     st.query_params[SCHEMA_PARAM] = builder().loaded_slug
-elif st.query_params.get(SCHEMA_PARAM) in get_library().slugs():  # unloaded since; a missing one's link stays
+elif st.query_params.get(SCHEMA_PARAM) in shell.get_library().slugs():  # unloaded since; a missing one's link stays
     del st.query_params[SCHEMA_PARAM]
 
 actions.save_draft()  # and again for what this run changed itself

@@ -1,9 +1,4 @@
-"""Review: build a run's queue from per-schema rules (with a preview count), then work through it worst first —
-evidence, full distribution, the frozen reason — with accept / correct / unknown / skip, keyboard shortcuts,
-auto-advance and undo. An action that would contradict the case set's expected answer (the gold label) asks first;
-blind mode hides the model's answer until the reviewer has decided. Every action, with its comment, goes to the
-append-only audit log. Export the labels as a golden set. Rendering only: rules in clef_workbench.review, what the
-page shows and what its actions say in workbench_ui.review_view."""
+"""Review: a run's queue from per-schema rules, worked through worst first; blind mode; audit log; golden set."""
 
 from __future__ import annotations
 
@@ -11,68 +6,52 @@ import pandas as pd
 import streamlit as st
 
 from clef_workbench import calibration, review
-from workbench_ui import links, units
+from workbench_ui import links, shell, units
 from workbench_ui import review_view as view
 from workbench_ui import why_view as why
 from workbench_ui.answers import probability_chart
 from workbench_ui.decide_model import FRAME_THUMBNAIL_PX, frame_thumbnail
-from workbench_ui.shell import (
-    failure_text,
-    get_store,
-    kept_widget,
-    model_manager,
-    page_key,
-    pick_run,
-    random_weights_notice,
-    render_shell,
-    show_message,
-    show_not_found,
-    url_int,
-)
 
-render_shell(__file__)
-K = page_key("review")
+shell.render_shell(__file__)
+K = shell.page_key("review")
 RAW = "raw (as the model answered)"
 
 st.title("Review")
-store = get_store()
+store = shell.get_store()
 all_runs = store.list_runs()
 runs = view.reviewable_runs(all_runs)
 if not runs:
     st.info(view.nothing_to_review(all_runs))
     st.stop()
 
-# the name lives in the URL too, so a reload or a bookmarked link keeps it (session state does not survive a reload)
-reviewer = kept_widget(st.text_input, "Your name (recorded with every action)", K("reviewer"),
-                       default=st.query_params.get("reviewer", ""), placeholder="e.g. ana.lopez").strip()
+# the name lives in the URL too, so a reload keeps it
+reviewer = shell.kept_widget(st.text_input, "Your name (recorded with every action)", K("reviewer"),
+                             default=st.query_params.get("reviewer", ""), placeholder="e.g. ana.lopez").strip()
 if reviewer:
     st.query_params["reviewer"] = reviewer
 else:
     st.query_params.pop("reviewer", None)
-run_id = pick_run(runs, K("run"), view.run_label)
+run_id = shell.pick_run(runs, K("run"), view.run_label)
 if run_id is None:  # the link names a run that is not here (or has no results): said above
     st.stop()
 run = store.get_run(run_id)
-random_weights_notice(run["model_id"])
+shell.random_weights_notice(run["model_id"])
 questions = run["schema"]["questions"]
 
 
-
 def linked_item() -> dict | None:
-    """The item a link names (?run=&case=&question=: a results row's "Open in Review", or a link someone sent), on
-    the session's first visit of this run; queued now when the run has that answer but no item for it. A link to
-    an answer the run does not have says so and shows nothing in its place."""
+    """The item a link names, on the first visit of this run; a link to an answer the run lacks says so."""
     seen_key = K(f"link_seen.{run_id}")
     if st.session_state.get(seen_key):
         return None
     if st.query_params.get("case") is None:  # from here on the URL names the item on screen, not a link
         st.session_state[seen_key] = True
         return None
-    case_id, question_id = url_int("case"), st.query_params.get("question")
+    case_id, question_id = shell.url_int("case"), st.query_params.get("question")
     item = None if case_id is None else review.item_for_link(store, run_id, case_id, question_id)
     if item is None:
-        show_not_found(links.missing_review_item(run_id, st.query_params.get("case"), question_id,
-                                                 store.list_review_items(run_id)))
+        shell.show_not_found(links.missing_review_item(run_id, st.query_params.get("case"), question_id,
+                                                       store.list_review_items(run_id)))
         if st.button("Go to the review queue", key=K("not_found_queue"), icon=":material/arrow_forward:"):
             st.session_state[seen_key] = True
             st.query_params.pop("case", None)
@@ -84,8 +63,6 @@ def linked_item() -> dict | None:
 
 
 linked = linked_item()
-
-# -- rules and queue building -----------------------------------------------------------------------------------
 
 progress = store.review_progress(run_id)
 with st.expander(f"Queue rules for schema “{run['schema_name']}”", expanded=progress["total"] == 0,
@@ -124,8 +101,7 @@ with st.expander(f"Queue rules for schema “{run['schema_name']}”", expanded=
                                  calibration=read_from if read_from in fitted else None)
     preview = review.preview(store, run_id, rules)
     st.markdown(view.preview_summary(preview))
-    breakdown = view.preview_breakdown(preview)
-    if breakdown:
+    if breakdown := view.preview_breakdown(preview):
         st.caption(breakdown)
     if st.button(f"Add {preview['new']} item(s) to the queue", key=K(f"apply.{run_id}"), type="primary",
                  disabled=preview["new"] == 0):
@@ -134,13 +110,10 @@ with st.expander(f"Queue rules for schema “{run['schema_name']}”", expanded=
         st.success(f"Queued {added} item(s); their reasons are frozen as of now.")
         st.rerun()
 
-progress = store.review_progress(run_id)
 if progress["total"] == 0:
     st.info("The queue of this run is empty. Set the rules above and add items.")
     st.stop()
 st.progress(view.progress_fraction(progress), text=view.progress_text(progress))
-
-# -- the current item -------------------------------------------------------------------------------------------
 
 current_key = K(f"current.{run_id}")
 notice_key = K("notice")
@@ -164,8 +137,7 @@ confirm_key = K("confirm_gold")
 
 
 def act(item: dict, action: str, label=None, *, confirmed: bool = False) -> None:
-    """Apply an action as of the version shown, then advance to the next worst item. An answer that contradicts
-    the case's expected answer is not applied until the reviewer confirms it."""
+    """Apply an action as of the version shown and advance; an answer against the gold label waits for confirmation."""
     if not reviewer:
         st.session_state[notice_key] = ("error", view.NAME_FIRST)
         return
@@ -186,9 +158,7 @@ def act(item: dict, action: str, label=None, *, confirmed: bool = False) -> None
 
 @st.dialog("This answer overrides the gold label", on_dismiss=lambda: st.session_state.pop(confirm_key, None))
 def confirm_gold(item: dict, action: str, label, gold: str) -> None:
-    """Asks before an answer against the case's expected one is recorded: a modal, in front of what the reviewer
-    is looking at whether they clicked or used a key (a box in the page opened below the fold). Both buttons
-    record what they say."""
+    """A modal before an answer against the gold label (in front of the reviewer, however they acted)."""
     asked = view.gold_question(item, action, label, gold)
     st.warning(asked.warning, icon=":material/warning:")
     cols = st.columns(2)
@@ -217,22 +187,20 @@ blind = st.toggle("Blind review: hide the model's answer until I decide", key=K(
                   help="The distribution, the model's answer and the reason it was queued stay hidden; choose the "
                        "right answer yourself. Choosing the model's answer records an accept.")
 
-show_message(notice_key)
+shell.show_message(notice_key)
 if not reviewer:
     st.warning("Enter your name above to review.")
 
 item = current_item()
 if item is not None:  # the address bar links to the item on screen
     st.query_params["case"], st.query_params["question"] = str(item["case_id"]), item["question_id"]
-    reviewed_note = view.reviewed_note(item)
-    if reviewed_note:
+    if reviewed_note := view.reviewed_note(item):
         st.session_state[K("showing_link")] = item["id"]
         st.info(reviewed_note)
 
 
 def show_item(item: dict) -> None:
-    """The queue item on screen: the evidence, the model's distribution (hidden in blind mode), the actions and the
-    record's other queued questions."""
+    """The item on screen: evidence, distribution (hidden when blind), actions and the record's other questions."""
     question = questions.get(item["question_id"], {"type": item["question_type"]})
     case = store.get_case(item["case_id"])
     shown = view.card(item, question, case["expected"].get(item["question_id"]), blind=blind)
@@ -259,7 +227,6 @@ def show_item(item: dict) -> None:
 
 
 def show_evidence(item: dict, case: dict, shown: view.Card) -> None:
-    """The record as the model read it: its state, images and videos (with the frames the model saw)."""
     st.markdown("**State**")
     if isinstance(case["state"], str):
         st.text(case["state"])
@@ -271,21 +238,21 @@ def show_evidence(item: dict, case: dict, shown: view.Card) -> None:
         st.markdown(f"**Video {index + 1}**")
         st.video(video["data"], format=video["content_type"])
         try:
-            engine = model_manager().state().engine
+            engine = shell.model_manager().state().engine
             sampled = engine.sample_video_frames(video["data"]) if engine is not None else None
             if sampled is not None:  # the frames the model actually saw
                 frames = list(sampled.frames[:: max(1, len(sampled.frames) // 8)])
                 st.image([frame_thumbnail(f) for f in frames], width=FRAME_THUMBNAIL_PX,
                          caption=[f"frame {i}" for i in range(len(frames))])
         except Exception as exc:  # noqa: BLE001 — a preview problem must not block the review
-            st.caption(failure_text("Sampled frames unavailable", exc))
+            st.caption(shell.failure_text("Sampled frames unavailable", exc))
     if shown.expected:
         st.markdown(shown.expected)
     # Why shows which way each part pushed the answer, so it would give the answer away in blind mode
     if shown.show_model and st.toggle("Why: highlight what moved this answer", key=K(f"why.{item['id']}"),
                                       help="Each sentence, field, image region and frame is removed in turn and the "
                                            "record decided again, in one batched run"):
-        why.render_case_why(K(f"why_result.{run_id}.{item['case_id']}"), model_manager().loaded(), run, case,
+        why.render_case_why(K(f"why_result.{run_id}.{item['case_id']}"), shell.model_manager().loaded(), run, case,
                             question_id=item["question_id"])
 
 
@@ -330,7 +297,6 @@ def show_actions(item: dict, shown: view.Card) -> None:
 
 
 def show_record(item: dict) -> None:
-    """The record's other queued questions, to answer without reading it again."""
     record = review.record_items(store, run_id, item["case_id"])
     with st.container(key="review-record", border=True):
         st.markdown(view.record_heading(record, item["case_id"]))
@@ -351,8 +317,6 @@ else:
     show_item(item)
 
 
-# -- log and export ---------------------------------------------------------------------------------------------
-
 with st.expander("Audit log", icon=":material/history:"):
     log = store.list_review_actions(run_id=run_id)
     st.dataframe(pd.DataFrame(view.audit_rows(log)), hide_index=True, width="stretch")
@@ -368,4 +332,4 @@ with st.expander("Export reviewed labels", icon=":material/download:"):
         golden_id, refused = units.refusal(review.export_golden_set, store, run_id, golden_name)
         st.session_state[K("golden_result")] = ("error", refused) if refused else ("success", view.golden_message(
             golden_id, golden_name, store.get_case_set(golden_id)["case_count"]))
-show_message(K("golden_result"))  # outside the expander, so it stays visible if the expander closes
+shell.show_message(K("golden_result"))  # outside the expander, so it stays visible if the expander closes

@@ -1,6 +1,4 @@
-"""Runs: start, cancel and resume batch runs of a case set against a schema; progress with ETA; latency,
-throughput, accuracy, confusion, calibration; compare two runs; export results. Rendering only: the job lives in
-the process-wide JobRunner (clef_workbench.jobs), numbers come from clef_workbench.stats."""
+"""Runs: start, follow, resume and retry batch runs; their results, statistics, export and comparison."""
 
 from __future__ import annotations
 
@@ -12,40 +10,19 @@ from clef_workbench.jobs import EngineUnreachableError, JobAlreadyRunningError, 
 from clef_workbench.model_loader import request_model_name
 from clef_workbench.run_status import run_outcome, status_label
 from clef_workbench.schemas import SchemaError
-from workbench_ui import run_charts, run_view, units
+from workbench_ui import run_charts, run_view, shell, units
 from workbench_ui import why_view as why
 from workbench_ui.answers import option_table, probability_chart
 from workbench_ui.cases_view import when
-from workbench_ui.shell import (
-    RUNNING_SHOWN_KEY,
-    RUNS_START_OPEN,
-    RUNS_START_SET,
-    confirm_delete,
-    forget_widget,
-    get_engine,
-    get_job_runner,
-    get_library,
-    get_store,
-    kept_widget,
-    model_manager,
-    page_key,
-    pick_model,
-    pick_run,
-    random_weights_notice,
-    render_shell,
-    running_run_ids,
-    set_widget,
-    show_flash,
-)
 
-render_shell(__file__)
-K = page_key("runs")
+shell.render_shell(__file__)
+K = shell.page_key("runs")
 STATS_REFRESH_S = 5.0
 
 st.title("Runs")
-store = get_store()
-runner = get_job_runner()
-library = get_library()
+store = shell.get_store()
+runner = shell.get_job_runner()
+library = shell.get_library()
 sets = store.list_case_sets()
 runs = store.list_runs()
 
@@ -64,19 +41,19 @@ OVERFLOW_CHOICES = {"refuse": "refuse (the case gets an error result)",
 def budget_inputs(columns, name: str, settings: run_view.RunSettings, *, retry: bool = False) -> tuple[int, str]:
     """max_length and overflow, for a new run ("start") or the retry of a run's failed cases (its settings)."""
     when = " in the retry" if retry else ""
-    max_length = kept_widget(columns[0].number_input, f"max_length (tokens){when}", K(f"{name}.max_length"),
-                             settings.max_length or DEFAULT_MAX_LENGTH, min_value=256,
-                             max_value=262_144, step=1024)
-    overflow = kept_widget(columns[1].radio, f"If a state does not fit{when}", K(f"{name}.overflow"),
-                           settings.overflow, options=list(OVERFLOW_CHOICES),
-                           format_func=OVERFLOW_CHOICES.get)
+    max_length = shell.kept_widget(columns[0].number_input, f"max_length (tokens){when}", K(f"{name}.max_length"),
+                                   settings.max_length or DEFAULT_MAX_LENGTH, min_value=256,
+                                   max_value=262_144, step=1024)
+    overflow = shell.kept_widget(columns[1].radio, f"If a state does not fit{when}", K(f"{name}.overflow"),
+                                 settings.overflow, options=list(OVERFLOW_CHOICES),
+                                 format_func=OVERFLOW_CHOICES.get)
     return int(max_length), overflow
 
 
 def undo_delete_run(deleted_id: int) -> None:
     _, refused = units.refusal(store.restore_run, deleted_id)
     if not refused:
-        set_widget(K("selected"), deleted_id)
+        shell.set_widget(K("selected"), deleted_id)
     st.session_state[K("flash")] = ("error", f"Not restored: {refused}", None) if refused else (
         "success", f"Restored run #{deleted_id}.", None)
 
@@ -90,7 +67,7 @@ def render_delete(run: dict) -> None:
             st.session_state[confirm_key] = True
             st.rerun()
         return
-    if confirm_delete(f"Delete run #{run['id']} and its {run['done']} result(s)? You can undo this.", K, confirm_key):
+    if shell.confirm(f"Delete run #{run['id']} and its {run['done']} result(s)? You can undo this.", K, confirm_key):
         _, refused = units.refusal(store.delete_run, run["id"])
         if refused:
             st.error(refused)
@@ -100,46 +77,42 @@ def render_delete(run: dict) -> None:
 
 
 def rerun_when_loaded() -> None:
-    """Polls while a model loads (the buttons that run on a model wait meanwhile) and reruns the page when it is
-    ready, rather than holding a button's run of the page until then."""
-    if not model_manager().state().busy:
+    if not shell.model_manager().state().busy:
         st.rerun(scope="app")
 
 
-# -- start a run ------------------------------------------------------------------------------------------------
-
-models_busy = model_manager().state().busy
+models_busy = shell.model_manager().state().busy
 if models_busy:
     st.fragment(rerun_when_loaded, run_every=1.0)()
 
 # open when there is no run yet, or when the Case sets page's "Run this case set" sent the person here
-with st.expander("Start a run", expanded=not runs or st.session_state.pop(RUNS_START_OPEN, False),
+with st.expander("Start a run", expanded=not runs or st.session_state.pop(shell.RUNS_START_OPEN, False),
                  icon=":material/play_arrow:"):
     if not sets:
         st.info("No case sets yet: create or import one on the Case sets page.")
     else:
         set_labels = {s["id"]: f"{s['name']} ({s['case_count']} cases)" for s in sets}
-        forget_widget(RUNS_START_SET, unless_in=set_labels)
-        # kept widgets: the choices survive a visit to another page
-        start_set = kept_widget(st.selectbox, "Case set", RUNS_START_SET, sets[0]["id"], options=list(set_labels),
-                                format_func=lambda i: set_labels[i])
+        shell.forget_widget(shell.RUNS_START_SET, unless_in=set_labels)
+        start_set = shell.kept_widget(st.selectbox, "Case set", shell.RUNS_START_SET, sets[0]["id"],
+                                      options=list(set_labels), format_func=lambda i: set_labels[i])
         slugs = library.slugs()
         default_slug = next((s["schema_name"] for s in sets if s["id"] == start_set), None)
-        schema_slug = kept_widget(st.selectbox, "Schema", K(f"start.schema.{start_set}"),
-                                  default_slug if default_slug in slugs else slugs[0], options=slugs) if slugs else None
+        schema_slug = shell.kept_widget(st.selectbox, "Schema", K(f"start.schema.{start_set}"),
+                                        default_slug if default_slug in slugs else slugs[0],
+                                        options=slugs) if slugs else None
         cols = st.columns(3)
-        chunk_size = kept_widget(cols[0].number_input, "Records per batch", K("start.chunk"), 8, min_value=1,
-                                 max_value=256, help="Sent to the engine together at bulk priority (interactive "
+        chunk_size = shell.kept_widget(cols[0].number_input, "Records per batch", K("start.chunk"), 8, min_value=1,
+                                       max_value=256, help="Sent to the engine together at bulk priority (interactive "
                                                      "requests from the Decide page go first).")
         max_length, overflow = budget_inputs(cols[1:], "start", run_view.RunSettings())
-        loaded_models = {model.name: model for model in model_manager().loaded()}  # the default first
+        loaded_models = {model.name: model for model in shell.model_manager().loaded()}  # the default first
         run_model = None
         if len(loaded_models) > 1:
-            forget_widget(K("start.model"), unless_in=loaded_models)
-            run_model = pick_model(st.selectbox, K("start.model"), loaded_models,
-                                   "Which loaded model runs the case set (add models in the sidebar).",
-                                   default=next(iter(loaded_models)))
-        check_engine_now = loaded_models[run_model].engine if run_model else model_manager().state().engine
+            shell.forget_widget(K("start.model"), unless_in=loaded_models)
+            run_model = shell.pick_model(st.selectbox, K("start.model"), loaded_models,
+                                         "Which loaded model runs the case set (add models in the sidebar).",
+                                         default=next(iter(loaded_models)))
+        check_engine_now = loaded_models[run_model].engine if run_model else shell.model_manager().state().engine
         over_budget = None
         if schema_slug is not None and check_engine_now is not None:
             try:
@@ -157,11 +130,11 @@ with st.expander("Start a run", expanded=not runs or st.session_state.pop(RUNS_S
             except SchemaError as exc:
                 st.error(f"Schema {schema_slug!r} does not load: {exc}")
                 st.stop()
-            engine = get_engine()
+            engine = shell.get_engine()
             if engine is None:
                 st.error("No model is loaded, so the run cannot start. Choose a model in the sidebar.")
                 st.stop()
-            model_id = model_manager().default_name() or request_model_name(model_manager().state().source)
+            model_id = shell.model_manager().default_name() or request_model_name(shell.model_manager().state().source)
             if run_model is not None:
                 engine, model_id = loaded_models[run_model].engine, run_model
             try:
@@ -172,10 +145,10 @@ with st.expander("Start a run", expanded=not runs or st.session_state.pop(RUNS_S
             run_id = run_view.create_run(store, start_set, schema, schema_slug, model_id, engine.info(),
                                          chunk_size=int(chunk_size), max_length=int(max_length), overflow=overflow)
             runner.start(run_id, engine, check=False)  # checked above, before the run was recorded
-            set_widget(K("selected"), run_id)
+            shell.set_widget(K("selected"), run_id)
             st.rerun()
 
-show_flash(K("flash"), undo_delete_run)
+shell.show_flash(K("flash"), undo_delete_run)
 
 if sweeps_listed := run_view.sweep_rows(store.list_sweeps()):
     with st.expander(f"Schema sweeps ({len(sweeps_listed)})", icon=":material/leaderboard:"):
@@ -186,14 +159,13 @@ if not runs:
     st.info("No runs yet.")
     st.stop()
 
-# -- pick a run -------------------------------------------------------------------------------------------------
 
-run_id = pick_run(runs, K("selected"), run_view.run_label)
+run_id = shell.pick_run(runs, K("selected"), run_view.run_label)
 if run_id is None:  # the link names a run that is not here: said above, nothing else shown in its place
     st.stop()
 selected_run = next(r for r in runs if r["id"] == run_id)
 st.session_state[K(f"drawn_status.{run_id}")] = status_label(selected_run)  # what the selector says
-random_weights_notice(selected_run["model_id"])
+shell.random_weights_notice(selected_run["model_id"])
 with st.expander("All runs", icon=":material/list:"):
     st.dataframe([{"run": r["id"], "status": status_label(r), "case set": r["case_set_name"],
                    "schema": f"{r['schema_name']} v{r['schema_version']}", "model": r["model_id"],
@@ -204,15 +176,12 @@ with st.expander("All runs", icon=":material/list:"):
 
 def render_progress(run_id: int) -> None:
     progress = runner.progress(run_id)
-    # The run ended since the last poll: the whole page reruns first, so that "Finished" is drawn by the same run of
-    # the page that draws the final results and their export (drawn here, it showed beside an export button that
-    # still held the results of the last refresh: 32 of 50 cases downloaded after "Finished: all 50"). So it does
-    # when the run selector or the sidebar, drawn before, show another status than the database has now (a run that
-    # failed within a second read "running" there beside "The run failed" here).
+    # The run ended since the last poll, or the selector or sidebar show another status: the whole page again, so
+    # that "Finished" is drawn with the final results and their export (not beside an export of an older refresh).
     ended = st.session_state.get(K(f"was_live.{run_id}")) and not progress["live"]
     if ended or run_view.surfaces_stale(st.session_state.get(K(f"drawn_status.{run_id}")),
-                                        st.session_state.get(RUNNING_SHOWN_KEY), store.get_run(run_id),
-                                        running_run_ids()):
+                                        st.session_state.get(shell.RUNNING_SHOWN_KEY), store.get_run(run_id),
+                                        shell.running_run_ids()):
         st.session_state[K(f"was_live.{run_id}")] = False
         st.rerun(scope="app")
     total = max(progress["total"], 1)
@@ -239,23 +208,20 @@ def render_progress(run_id: int) -> None:
         render_outcome(run_id, outcome)
         if progress["remaining"] and progress["status"] != "pending":
             label, loading = run_view.model_button(f"Resume ({progress['remaining']} cases left)",
-                                                   model_manager().state().busy)
+                                                   shell.model_manager().state().busy)
             if st.button(label, key=K(f"resume.{run_id}"), icon=":material/play_arrow:", disabled=loading):
                 engine = run_engine(run_id)
                 if engine is not None:
                     start_again(run_id, engine)
-    # the fragment polls only while a job is live; when it ends, the whole page reruns (above) to show the final
-    # stats and to stop the results' own refresh. While it runs, the results refresh themselves (`render_results`),
-    # and the page reruns only for the first results, when there is no filter or search below yet to type into.
+    # the page reruns for the first results only: later ones refresh themselves (`render_results`)
     st.session_state[K(f"was_live.{run_id}")] = progress["live"]
     if progress["live"] and progress["done"] and not st.session_state.get(K(f"shown.{run_id}")):
         st.rerun(scope="app")
 
 
 def run_engine(run_id: int):
-    """The engine a run resumes or retries on: the model it started on, never whichever is the default now; None
-    (with the reason shown) when that model is not loaded."""
-    engine, missing = run_view.run_engine(model_manager(), store.get_run(run_id)["model_id"])
+    """The engine a run resumes on (its own model); None, with the reason shown, when not loaded."""
+    engine, missing = run_view.run_engine(shell.model_manager(), store.get_run(run_id)["model_id"])
     if missing:
         st.error(missing)
     return engine
@@ -273,8 +239,7 @@ def start_again(run_id: int, engine, *, retry_failed: bool = False) -> None:
 
 
 def render_outcome(run_id: int, outcome) -> None:
-    """What happened, at the top of the run: failed / finished with errors with the count and the first error, the
-    failed cases and a retry of only those (into this run)."""
+    """What happened: the outcome, the failed cases and a retry of only those."""
     if outcome is None or not outcome.message:
         return
     getattr(st, outcome.tone)(outcome.message, icon={"error": ":material/error:", "warning": ":material/warning:",
@@ -291,7 +256,8 @@ def render_outcome(run_id: int, outcome) -> None:
                    "them fail (a budget too small) first. Answered cases are kept as they are.")
         max_length, overflow = budget_inputs(st.columns(2), f"retry.{run_id}", store.get_run(run_id)["settings"],
                                             retry=True)
-        label, loading = run_view.model_button(f"Retry failed cases ({outcome.errors})", model_manager().state().busy)
+        label, loading = run_view.model_button(f"Retry failed cases ({outcome.errors})",
+                                               shell.model_manager().state().busy)
         if st.button(label, key=K(f"retry.{run_id}"), icon=":material/replay:", disabled=loading):
             engine = run_engine(run_id)
             if engine is not None:
@@ -300,7 +266,6 @@ def render_outcome(run_id: int, outcome) -> None:
 
 
 def render_results(run_id: int, live: bool) -> None:
-    """Everything below the progress: the results, their statistics, export and comparison."""
     run = store.get_run(run_id)
     results = store.list_results(run_id)
     st.caption(run_view.settings_caption(run))
@@ -325,18 +290,17 @@ def render_results(run_id: int, live: bool) -> None:
 def render_browse(run_id: int, browse: run_view.Browse, questions: dict) -> None:
     st.subheader("Results")
     filter_cols = st.columns([1, 1, 2, 2])
-    # kept: the progress fragment refreshes while a run is live, and kept widgets survive the browser's redraws then
-    wrong_only = kept_widget(filter_cols[0].toggle, "Wrong only", K(f"browse.wrong.{run_id}"), False,
-                             help="Answers that disagree with the case's expected answer")
-    low_conf = kept_widget(filter_cols[1].toggle, "Low confidence", K(f"browse.low.{run_id}"), False)
-    threshold = kept_widget(filter_cols[1].slider, "Confidence below", K(f"browse.threshold.{run_id}"), 0.6,
-                            min_value=0.0, max_value=1.0, step=0.05, disabled=not low_conf)
-    picked_questions = kept_widget(filter_cols[2].multiselect, "Questions", K(f"browse.questions.{run_id}"), [],
-                                   options=list(questions), placeholder="All questions")
-    picked_tags = kept_widget(filter_cols[3].multiselect, "Tags", K(f"browse.tags.{run_id}"), [],
-                              options=browse.tags, placeholder="All tags", disabled=not browse.tags)
-    search = kept_widget(st.text_input, "Search the states and answers", K(f"browse.search.{run_id}"), "",
-                         placeholder="e.g. refund, or an option id")
+    wrong_only = shell.kept_widget(filter_cols[0].toggle, "Wrong only", K(f"browse.wrong.{run_id}"), False,
+                                   help="Answers that disagree with the case's expected answer")
+    low_conf = shell.kept_widget(filter_cols[1].toggle, "Low confidence", K(f"browse.low.{run_id}"), False)
+    threshold = shell.kept_widget(filter_cols[1].slider, "Confidence below", K(f"browse.threshold.{run_id}"), 0.6,
+                                  min_value=0.0, max_value=1.0, step=0.05, disabled=not low_conf)
+    picked_questions = shell.kept_widget(filter_cols[2].multiselect, "Questions", K(f"browse.questions.{run_id}"), [],
+                                         options=list(questions), placeholder="All questions")
+    picked_tags = shell.kept_widget(filter_cols[3].multiselect, "Tags", K(f"browse.tags.{run_id}"), [],
+                                    options=browse.tags, placeholder="All tags", disabled=not browse.tags)
+    search = shell.kept_widget(st.text_input, "Search the states and answers", K(f"browse.search.{run_id}"), "",
+                               placeholder="e.g. refund, or an option id")
     shown, caption, rows_digest = run_view.browsed(browse.table, wrong_only=wrong_only, questions=picked_questions,
                                                    confidence_below=threshold if low_conf else None,
                                                    tags=picked_tags, search=search)
@@ -433,7 +397,6 @@ def render_calibrate(run_id: int) -> None:
 
 
 def render_cases(run: dict, results: list[dict], frame) -> None:
-    """The slowest and least confident cases, and one case's answers (and why) on demand."""
     run_id = run["id"]
     st.subheader("Slowest and least confident cases")
     slowest, least_confident = run_view.extremes(results, frame)
@@ -443,8 +406,7 @@ def render_cases(run: dict, results: list[dict], frame) -> None:
     cols[1].markdown("**Least confident** (smallest margin top-1 − top-2)")
     cols[1].dataframe(least_confident, hide_index=True, width="stretch")
     with st.expander("One case's answers", icon=":material/search:"):
-        responses = {r["case_id"]: r["response"] for r in results if r.get("response")}
-        if responses:
+        if responses := {r["case_id"]: r["response"] for r in results if r.get("response")}:
             picked_case = st.selectbox("Case", list(responses), key=K(f"inspect.{run_id}"))
             for question_id, answer in responses[picked_case]["answers"].items():
                 table = option_table(run["schema"]["questions"].get(question_id, {}), answer)
@@ -453,7 +415,7 @@ def render_cases(run: dict, results: list[dict], frame) -> None:
             if st.button("Why: compute which parts of this case moved its answers", key=K(f"why_button.{run_id}"),
                          icon=":material/highlight:", help="Each sentence, field, image region and frame is removed "
                          "in turn and the case decided again, in one batched run") or why_key in st.session_state:
-                why.render_case_why(why_key, model_manager().loaded(), run, store.get_case(picked_case))
+                why.render_case_why(why_key, shell.model_manager().loaded(), run, store.get_case(picked_case))
 
 
 def render_export(run: dict, result_count: int, live: bool) -> None:
@@ -502,8 +464,6 @@ live = runner.is_running(run_id) or progress_now["elsewhere"]
 # what this full run of the page shows below (the progress fragment, rerunning alone, compares against it)
 st.session_state[K(f"shown.{run_id}")] = progress_now["done"]
 st.fragment(render_progress, run_every=1.0 if live else None)(run_id)
-# While a run is live the results refresh themselves, as a fragment of their own, instead of the page being rerun by
-# the server: a server-started rerun carries the widgets' values as the server last saw them, and a search typed
-# meanwhile was lost (1 journey in 3 under CPU load). The timer of a fragment runs in the browser, which sends what
-# it holds.
+# A live run's results refresh as a fragment (its timer runs in the browser, which sends what it holds): a rerun
+# started by the server carried stale widget values, losing a search being typed.
 st.fragment(render_results, run_every=STATS_REFRESH_S if live else None)(run_id, live)

@@ -1,33 +1,23 @@
-"""Schemas: the library of saved schemas (one JSON file each) — browse, lint, create, edit, duplicate, delete (and
-undo), import, export, the history of each schema (versions, the diff between any two, restore), and open one in the
-Decide page's builder."""
+"""Schemas: the library — browse, lint, create, edit, duplicate, delete (undo), import, export, history."""
 
 from __future__ import annotations
 
 import streamlit as st
 
 from clef_workbench import schemas
-from workbench_ui import links
+from workbench_ui import links, shell
 from workbench_ui import schemas_view as view
 from workbench_ui.decide_actions import SCHEMA_PARAM
-from workbench_ui.shell import forget_widget, get_library, get_store, kept_widget, page_key, render_shell, set_widget
 
-render_shell(__file__)
-K = page_key("schemas")
-library = get_library()
-
-
-def flash(kind: str, message: str, place: str = "top") -> None:
-    """A message for the next run, shown where `place` says: next to the action that caused it ("create",
-    "import", "duplicate", "delete"), or at the top ("top": a change to the library as a whole, with its Undo)."""
-    st.session_state[K("flash")] = (kind, message, place)
+shell.render_shell(__file__)
+K = shell.page_key("schemas")
+library = shell.get_library()
 
 
-def show_flash(place: str, container=None) -> None:
-    message = st.session_state.get(K("flash"))
-    if message and message[2] == place:
-        st.session_state.pop(K("flash"))
-        getattr(container or st, message[0])(message[1])
+def flash(kind: str, message: str, place: str = "top", *, undo: str | None = None) -> None:
+    """A message for the next run, next to the action that caused it (`place`), or at the top with its Undo."""
+    undo_args = None if undo is None else (undo,)
+    st.session_state[K(f"flash.{place}")] = (kind, message, undo_args) if place == "top" else (kind, message)
 
 
 def editor_key(slug: str) -> str:
@@ -44,7 +34,7 @@ def create_schema() -> None:
         flash("error", "Give the new schema a name.", "create")
         return
     slug = library.create(view.starter_schema(name, st.session_state.get(K("new_description"), "")))
-    set_widget(K("selected"), slug)
+    shell.set_widget(K("selected"), slug)
     flash("success", f"Created {slug}.json with one starter question: edit it below or open it in Decide.", "create")
 
 
@@ -68,7 +58,7 @@ def duplicate_schema(slug: str) -> None:
     except schemas.SchemaError as exc:
         flash("error", str(exc), "duplicate")
         return
-    set_widget(K("selected"), new_slug)
+    shell.set_widget(K("selected"), new_slug)
     flash("success", f"Duplicated as {new_slug}.json.", "duplicate")
 
 
@@ -81,10 +71,9 @@ def delete_schema(slug: str) -> None:
     except schemas.SchemaError as exc:
         flash("error", str(exc), "delete")
         return
-    forget_widget(K("selected"))
+    shell.forget_widget(K("selected"))
     reset_editor(slug)
-    st.session_state[K("undo")] = slug
-    flash("success", f"Deleted {slug}.json.")
+    flash("success", f"Deleted {slug}.json.", undo=slug)
 
 
 def restore_schema(slug: str, number: int | None = None) -> None:
@@ -94,8 +83,7 @@ def restore_schema(slug: str, number: int | None = None) -> None:
     except schemas.SchemaError as exc:
         flash("error", f"Not restored: {exc}")
         return
-    st.session_state.pop(K("undo"), None)
-    set_widget(K("selected"), slug)
+    shell.set_widget(K("selected"), slug)
     reset_editor(slug)
     flash("success", view.restored_message(slug, number, restored))
 
@@ -111,7 +99,7 @@ def import_schema() -> None:
     except schemas.SchemaError as exc:
         flash("error", f"Not imported. {exc}", "import")
         return
-    set_widget(K("selected"), slug)
+    shell.set_widget(K("selected"), slug)
     reset_editor(slug)
     flash("success", f"Imported {upload.name} as {slug}.json.", "import")
 
@@ -120,18 +108,9 @@ st.title("Schema library")
 st.caption(f"Folder: `{library.directory}` (set CLEF_SCHEMAS_DIR to change). One JSON file per schema, "
            "indented and in a fixed key order, so changes diff cleanly in git.")
 
-# Always there, so a message appearing or going does not move the widgets below it (the tabs would jump back to
-# the first one).
-flash_area = st.container()
-message = st.session_state.get(K("flash"))
-if message and message[2] == "top":
-    st.session_state.pop(K("flash"))
-    undo_slug = st.session_state.pop(K("undo"), None)
-    cols = flash_area.columns([5, 1], vertical_alignment="center")
-    getattr(cols[0], message[0])(message[1])
-    if undo_slug and message[0] == "success":
-        cols[1].button("Undo", key=K("undo_delete"), icon=":material/undo:", on_click=restore_schema,
-                       args=(undo_slug,))
+# always there: a message appearing must not move the tabs below (they would jump back to the first)
+with st.container():
+    shell.show_flash(K("flash.top"), restore_schema)
 
 shown = view.listing(library)
 if shown.entries:
@@ -143,7 +122,7 @@ with st.expander("Create a new schema", icon=":material/add:"):
     st.text_input("Name", key=K("new_name"), placeholder="Refund request triage")
     st.text_area("Description", key=K("new_description"), height=68)
     st.button("Create", key=K("create"), on_click=create_schema)
-    show_flash("create")
+    shell.show_message(K("flash.create"))
 
 with st.expander("Import a schema file", icon=":material/upload:"):
     st.caption("A schema file exported from here, a bare System One questions map, or a whole request (its "
@@ -151,7 +130,7 @@ with st.expander("Import a schema file", icon=":material/upload:"):
     st.file_uploader("JSON file", type=["json"], key=K("import_file"))
     st.checkbox("Replace a schema with the same name", key=K("import_overwrite"))
     st.button("Import", key=K("import"), on_click=import_schema)
-    show_flash("import")
+    shell.show_message(K("flash.import"))
 
 deleted = library.deleted()
 deleted_area = st.container()  # always there, as the flash area above
@@ -167,18 +146,17 @@ if not shown.entries:
     st.stop()
 
 slugs = shown.slugs
-# kept across page switches (a plain widget's value goes when another page runs): the schema stays selected; a
-# session's first visit opens the one its link names (?schema=), else the last edited
+# a session's first visit opens the one its link names (?schema=), else the last edited
 first_visit = "_keep." + K("selected") not in st.session_state
 linked = st.query_params.get(SCHEMA_PARAM) if first_visit else None
 if linked is not None and linked not in slugs:
     st.error(links.missing_schema(linked, slugs), icon=":material/link_off:")
     st.stop()
-set_widget(K("selected"), view.shown_schema(
+shell.set_widget(K("selected"), view.shown_schema(
     slugs, linked=linked, kept=st.session_state.get(K("selected"), st.session_state.get("_keep." + K("selected"))),
     last_edited=view.last_edited(library, slugs)))
-slug = kept_widget(st.selectbox, "Schema", K("selected"), slugs[0], options=slugs,
-                   format_func=shown.label)
+slug = shell.kept_widget(st.selectbox, "Schema", K("selected"), slugs[0], options=slugs,
+                         format_func=shown.label)
 st.query_params[SCHEMA_PARAM] = slug  # the address bar links to the schema on screen
 entry = shown.entry(slug)
 
@@ -215,11 +193,11 @@ with tabs[1]:
     cols = st.columns(2)
     cols[0].button("Save changes", key=K("save"), type="primary", on_click=save_json, args=(slug,))
     cols[1].button("Discard changes", key=K("discard"), on_click=reset_editor, args=(slug,))
-    show_flash("edit")
+    shell.show_message(K("flash.edit"))
     st.caption("The version goes up by one when the questions change.")
 
 with tabs[2]:
-    versions = get_store().list_schema_versions(slug) if entry.problem is None else []
+    versions = shell.get_store().list_schema_versions(slug) if entry.problem is None else []
     if not versions:
         st.info("No history yet: fix the file so that it loads.")
     else:
@@ -245,7 +223,7 @@ with tabs[2]:
 with tabs[3]:
     st.text_input("Name of the copy", key=K(f"dup_name.{slug}"), placeholder=f"{entry.name} (copy)")
     st.button("Duplicate", key=K("duplicate"), on_click=duplicate_schema, args=(slug,))
-    show_flash("duplicate")
+    shell.show_message(K("flash.duplicate"))
     st.divider()
     if schema is not None:
         st.download_button("Export (download JSON)", library.export_json(slug), file_name=f"{slug}.json",
@@ -254,4 +232,4 @@ with tabs[3]:
     ticked = st.checkbox(f"Yes, delete {slug}.json", key=K(f"confirm_delete.{slug}"))
     st.button("Delete", key=K("delete"), on_click=delete_schema, args=(slug,), disabled=not ticked,
               help=None if ticked else f"Tick “Yes, delete {slug}.json” first")
-    show_flash("delete")
+    shell.show_message(K("flash.delete"))

@@ -1,7 +1,4 @@
-"""Sweeps: many versions of a schema scored on a labelled case set at once — tick automatic variants, write
-alternatives per question, start (in the background, with progress and ETA), read the leaderboard, list a variant's
-flipped cases (each opens in Decide or Review), and adopt the best version into the schema library. Rendering only:
-what is shown comes from workbench_ui.sweeps_view, the sweep itself from clef_workbench.sweeps."""
+"""Sweeps: versions of a schema scored on a labelled case set at once; leaderboard, flips, adopt."""
 
 from __future__ import annotations
 
@@ -9,27 +6,14 @@ import streamlit as st
 
 from clef_workbench import sweeps
 from clef_workbench.model_loader import request_model_name
-from workbench_ui import run_charts
+from workbench_ui import run_charts, shell
 from workbench_ui import sweeps_view as sv
 from workbench_ui.cases_view import case_set_label
 from workbench_ui.compare_view import proposed_schema
-from workbench_ui.shell import (
-    get_engine,
-    get_library,
-    get_store,
-    get_sweep_runner,
-    kept_widget,
-    model_manager,
-    page_key,
-    pick_id,
-    render_shell,
-    set_widget,
-    show_flash,
-)
 
-render_shell(__file__)
-K = page_key("sweeps")
-store, library, runner = get_store(), get_library(), get_sweep_runner()
+shell.render_shell(__file__)
+K = shell.page_key("sweeps")
+store, library, runner = shell.get_store(), shell.get_library(), shell.get_sweep_runner()
 
 
 def flash(kind: str, message: str, undo: sv.Adopted | None = None) -> None:
@@ -37,7 +21,6 @@ def flash(kind: str, message: str, undo: sv.Adopted | None = None) -> None:
 
 
 def written(slug: str) -> list:
-    """The alternatives written for a schema in this session: [question id, question] pairs."""
     return st.session_state.setdefault(K(f"written.{slug}"), [])
 
 
@@ -53,7 +36,6 @@ def add_alternative(slug: str, question_id: str, question: dict) -> None:
 
 
 def render_alternatives(slug: str, schema: dict) -> None:
-    """Write alternatives per question: its instructions and options, reworded; each is one more variant."""
     questions = schema["questions"]
     question_id = st.selectbox("Question", list(questions), key=K(f"alt_question.{slug}"))
     editor = K(f"alt.{slug}.{question_id}")
@@ -73,30 +55,28 @@ def render_alternatives(slug: str, schema: dict) -> None:
 
 
 def start(set_id: int, slug: str, variants: list, folds: int) -> None:
-    engine = get_engine()
+    engine = shell.get_engine()
     if engine is None:
         flash("error", "No model is loaded, so the sweep cannot start. Choose a model in the sidebar.")
         return
-    model_id = model_manager().default_name() or request_model_name(model_manager().state().source)
+    model_id = shell.model_manager().default_name() or request_model_name(shell.model_manager().state().source)
     sweep_id, message = sv.start_sweep(store, runner, engine, model_id, set_id, slug, variants, folds=folds)
     flash("success" if sweep_id else "error", message)
     if sweep_id is not None:
-        set_widget(K("selected"), sweep_id)
+        shell.set_widget(K("selected"), sweep_id)
         st.query_params["sweep"] = str(sweep_id)
 
 
 def render_start() -> None:
-    """Pick a case set and a schema, tick automatic variants, write alternatives, and start."""
     sets, slugs = store.list_case_sets(), library.slugs()
-    missing = sv.missing_for_sweep(sets, slugs, model_manager().state().engine)
-    if missing:
+    if missing := sv.missing_for_sweep(sets, slugs, shell.model_manager().state().engine):
         st.info(missing)
         return
     set_labels = {s["id"]: case_set_label(s) for s in sets}
-    set_id = kept_widget(st.selectbox, "Labelled case set", K("start.set"), sets[0]["id"], options=list(set_labels),
-                         format_func=set_labels.get)
-    slug = kept_widget(st.selectbox, "Schema", K(f"start.schema.{set_id}"),
-                       proposed_schema(next(s for s in sets if s["id"] == set_id), slugs), options=slugs)
+    set_id = shell.kept_widget(st.selectbox, "Labelled case set", K("start.set"), sets[0]["id"],
+                               options=list(set_labels), format_func=set_labels.get)
+    slug = shell.kept_widget(st.selectbox, "Schema", K(f"start.schema.{set_id}"),
+                             proposed_schema(next(s for s in sets if s["id"] == set_id), slugs), options=slugs)
     schema, problem = sv.library_schema(library, slug)
     if schema is None:
         st.error(problem)
@@ -104,28 +84,19 @@ def render_start() -> None:
     st.markdown("**Automatic variants** — one per question where the change applies")
     cols = st.columns(3)
     kinds = [kind for index, (kind, label) in enumerate(sv.AUTO_KIND_LABELS.items())
-             if kept_widget(cols[index % 3].checkbox, label, K(f"start.kind.{kind}"), False)]
+             if shell.kept_widget(cols[index % 3].checkbox, label, K(f"start.kind.{kind}"), False)]
     with st.expander(f"Alternatives you write ({len(written(slug))})", icon=":material/edit:"):
         render_alternatives(slug, schema)
-    folds = kept_widget(st.number_input, "Folds (the best wording is chosen on the others, scored on each)",
-                        K("start.folds"), sweeps.DEFAULT_FOLDS, min_value=2, max_value=20)
+    folds = shell.kept_widget(st.number_input, "Folds (the best wording is chosen on the others, scored on each)",
+                              K("start.folds"), sweeps.DEFAULT_FOLDS, min_value=2, max_value=20)
     variants, line = sv.planned_variants(schema, kinds, written(slug))
     st.caption(line)
     st.button("Start the sweep", key=K("start.go"), type="primary", icon=":material/play_arrow:",
               disabled=not sv.can_start(variants), on_click=start, args=(set_id, slug, variants, int(folds)))
 
 
-def undo_adoption(adopted: sv.Adopted) -> None:
-    flash("info", sv.undo_adoption(library, adopted))
-
-
 def resume(sweep: dict) -> None:
-    try:
-        engine = model_manager().get(sweep["model_id"])
-    except KeyError:
-        flash("error", sv.model_missing_message(sweep))
-        return
-    flash("info", sv.resume_sweep(runner, engine, sweep["id"]))
+    flash(*sv.resume_sweep(runner, shell.model_manager(), sweep))
 
 
 def follow(sweep_id: int) -> None:
@@ -187,14 +158,7 @@ def render_flips(result, variant: str) -> None:
                                                                             str(row["question"])))
 
 
-def adopt(result, choice: str) -> None:
-    st.session_state.pop(K("confirm_adopt"), None)
-    adopted, message = sv.adopt(library, result, choice)
-    flash("success" if adopted else "error", message, adopted)
-
-
 def render_adopt(result) -> None:
-    """Adopt: asks first, then writes the new version; its Undo restores the version it replaced."""
     st.subheader("Adopt")
     choices = sv.adoption_choices(result)
     if not choices:
@@ -205,12 +169,11 @@ def render_adopt(result) -> None:
         if st.button("Adopt…", key=K("adopt"), icon=":material/check:"):
             st.session_state[K("confirm_adopt")] = (result.id, choice)
             st.rerun()
-        return
-    with st.container(border=True, key=K("confirm_adopt_box")):
-        st.warning(sv.adopt_question(library, result, choice), icon=":material/help:")
-        cols = st.columns(2)
-        cols[0].button("Yes, adopt it", key=K("adopt_yes"), type="primary", on_click=adopt, args=(result, choice))
-        cols[1].button("Cancel", key=K("adopt_no"), on_click=st.session_state.pop, args=(K("confirm_adopt"), None))
+    elif shell.confirm(sv.adopt_question(library, result, choice), K, K("confirm_adopt"), yes_label="Yes, adopt it",
+                       icon=":material/help:"):
+        adopted, message = sv.adopt(library, result, choice)
+        flash("success" if adopted else "error", message, adopted)
+        st.rerun()
 
 
 st.title("Schema sweeps")
@@ -219,18 +182,17 @@ st.caption("Many versions of a schema scored on a labelled case set at once: eac
 all_sweeps = sweeps.list_sweeps(store)
 with st.expander("Start a sweep", expanded=not all_sweeps, icon=":material/play_arrow:"):
     render_start()
-show_flash(K("flash"), undo_adoption)
+shell.show_flash(K("flash"), lambda adopted: flash("info", sv.undo_adoption(library, adopted)))
 if not all_sweeps:
     st.stop()
-sweep_id = pick_id([s["id"] for s in all_sweeps], K("selected"), "Sweep",
-                   {s["id"]: sv.sweep_label(s) for s in all_sweeps}.get, param="sweep", what="sweep")
+sweep_id = shell.pick_id([s["id"] for s in all_sweeps], K("selected"), "Sweep",
+                         {s["id"]: sv.sweep_label(s) for s in all_sweeps}.get, param="sweep", what="sweep")
 if sweep_id is None:  # the link names a sweep that is not here: said above
     st.stop()
 st.fragment(follow, run_every=1.0 if runner.is_running(sweep_id) else None)(sweep_id)
-threshold = kept_widget(st.slider, "Flag a question whose answers change with the options' order for more than",
-                        K("threshold"), 0.1, min_value=0.0, max_value=1.0, step=0.05, format="%.2f")
+threshold = shell.kept_widget(st.slider, "Flag a question whose answers change with the options' order for more than",
+                              K("threshold"), 0.1, min_value=0.0, max_value=1.0, step=0.05, format="%.2f")
 result = sv.scored_sweep(store, sweep_id, threshold)
-picked = render_leaderboard(result)
-if picked:
+if picked := render_leaderboard(result):
     render_flips(result, picked)
 render_adopt(result)

@@ -1,10 +1,4 @@
-"""Turn a System One response into what the Decide page shows: per-option tables, margins, charts, labels.
-
-Confidence conventions (the spec notes servers differ): for choice and score we show the response's own
-`confidence` (the release code's P(choice) / max p). Noul answers carry none; we derive max(p, 1 − p), i.e. the
-probability of the more likely side, so all three types read the same way.
-Margin is top1 − top2 over the question's option probabilities (for noul |2p − 1|).
-"""
+"""A System One response as the Decide page shows it: per-option tables, margins, charts, labels."""
 
 from __future__ import annotations
 
@@ -27,8 +21,6 @@ BUDGET_CHART_HEIGHT = 150  # pixels with the legend and axis
 
 @dataclass(frozen=True)
 class AnswerSummary:
-    """The numbers on one question's card."""
-
     question_id: str
     type: str
     top_option: str  # "true"/"false", a choice id, or a score level "0".."n-1"
@@ -54,9 +46,7 @@ def option_table(question: dict[str, Any], answer: dict[str, Any]) -> pd.DataFra
 
 def distribution_table(question: dict[str, Any], distribution: dict[str, float], chosen: str, *,
                        legend: dict[str, str] | None = None) -> pd.DataFrame:
-    """One row per option of a distribution (option → probability), in its order: option, label (for axes, a score
-    level's whole: the chart wraps it), description (from the question's criteria, a score's from `legend` when
-    the answer has one), probability, chosen."""
+    """One row per option of a distribution, in its order: option, label, description, probability, chosen."""
     qtype, criteria = question.get("type"), question.get("criteria")
     described = criteria if isinstance(criteria, dict) else {}
     if qtype == "score":
@@ -107,17 +97,12 @@ def expected_labels(questions: dict[str, Any], response: dict[str, Any]) -> dict
 
 
 def percent(probability: float) -> str:
-    """A probability as every number of an answer shows it ("81.7%"): the bar's label and the card's metrics round
-    alike (pandas' round put 81.6% on the bar of an 81.7% confidence)."""
+    """A probability as every number of an answer shows it ("81.7%"), so the bar and the card round alike."""
     return f"{probability:.1%}"
 
 
 def probability_chart(table: pd.DataFrame, *, title: str | None = None) -> alt.Chart:
-    """Horizontal bars of every option's probability, author's order top to bottom, the chosen one highlighted.
-
-    Every option keeps its whole label (long ones wrapped onto several lines, never cut or dropped), and every
-    option gets a row tall enough for its label: the chart is as tall as its options need, so show it with the
-    element height left to its content (st.altair_chart's default), not squeezed into a fixed height."""
+    """Bars of every option's probability, the chosen one highlighted, each label whole (wrapped)."""
     data = table.assign(percent=table["probability"].map(percent),
                         answer=table["chosen"].map({True: "chosen", False: "other"}),
                         label=[wrap_label(str(label)) for label in table["label"]])
@@ -135,8 +120,7 @@ def probability_chart(table: pd.DataFrame, *, title: str | None = None) -> alt.C
         tooltip=[alt.Tooltip("option:N"), alt.Tooltip("description:N"), alt.Tooltip("probability:Q", format=".4f")],
     )
     labels = base.mark_text(align="left", dx=3).encode(text="percent:N")
-    # fit-x: the chart fills the width; its height is the rows' (a step per option) plus axis and title, where
-    # Streamlit's default ("fit") would squeeze everything, labels included, into a fixed height
+    # fit-x: the full width, and the rows' height (Streamlit's "fit" squeezed the labels into a fixed height)
     chart = (bars + labels).properties(height=alt.Step(option_step(data["label"])),
                                        autosize=alt.AutoSizeParams(type="fit-x", contains="padding"))
     return chart.properties(title=title) if title else chart
@@ -160,10 +144,6 @@ def option_step(labels: Iterable[str]) -> int:
     return max(24, LABEL_LINE_PX * lines + ROW_PADDING_PX)
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# Token budget
-
-
 @dataclass(frozen=True)
 class BudgetStatus:
     """What the budget bar says: does the record fit max_length, and if not, what happens."""
@@ -172,10 +152,6 @@ class BudgetStatus:
     max_length: int
     state_tokens_over: int  # state tokens that would be cut (from the end) with overflow="truncate_state"
     fixed_tokens_over: int  # prefix + media + schema + suffix over max_length: cannot run at all
-
-    @property
-    def fits(self) -> bool:
-        return self.state_tokens_over == 0 and self.fixed_tokens_over == 0
 
     @property
     def message(self) -> str:
@@ -190,7 +166,6 @@ class BudgetStatus:
 
 
 def budget_status(counts: dict[str, int]) -> BudgetStatus:
-    """From engine.count_tokens output."""
     total = int(counts["total"])
     limit = int(counts["max_length"])
     fixed = total - int(counts["state"])
@@ -200,8 +175,7 @@ def budget_status(counts: dict[str, int]) -> BudgetStatus:
 
 
 def budget_table(counts: dict[str, int]) -> pd.DataFrame:
-    """One row per part in encoding order with start/end offsets, for a stacked bar; then "free" up to max_length,
-    or "over max_length" from max_length to the total (drawn over the parts it overlaps)."""
+    """One row per part with start/end offsets, then "free" up to max_length or "over max_length"."""
     rows, start = [], 0
     for part in BUDGET_PARTS:
         tokens = int(counts.get(part, 0))
@@ -216,7 +190,6 @@ def budget_table(counts: dict[str, int]) -> pd.DataFrame:
 
 
 def budget_chart(counts: dict[str, int]) -> alt.Chart:
-    """A stacked horizontal bar: the parts, then free space up to max_length (or the overflow in red)."""
     table = budget_table(counts)
     domain = [*BUDGET_PARTS, "free", "over max_length"]
     return alt.Chart(table).mark_bar(height=26).encode(
@@ -231,13 +204,8 @@ def budget_chart(counts: dict[str, int]) -> alt.Chart:
     ).properties(height=BUDGET_CHART_HEIGHT)
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# Errors next to fields
-
-
 def field_of(loc: tuple | list) -> str:
-    """Which part of the Decide page an engine Problem's loc concerns: "state", "images", "videos", "schema",
-    "question:<id>", or "request" for anything else (model name, unknown fields)."""
+    """Which part of the Decide page an engine problem's loc concerns."""
     loc = tuple(loc)
     if not loc:
         return "request"

@@ -1,6 +1,4 @@
-"""What the Case sets page shows, without Streamlit: the labels of case sets, the schema a set's expected answers
-are checked against, the import's column mapping and its warnings, the preview, and the messages of imports,
-deletes and their undo."""
+"""What the Case sets page shows and says, without Streamlit: labels, imports, edits, deletes."""
 
 from __future__ import annotations
 
@@ -46,8 +44,7 @@ def case_set_caption(case_set: dict) -> str:
 
 
 def case_set_schema(library: SchemaLibrary, slug: str | None) -> tuple[dict | None, str | None]:
-    """The schema a case set's expected answers are checked against, and a warning when it names one that does
-    not load (the set is still usable: its answers go unchecked)."""
+    """The schema a set's expected answers are checked against, and a warning when it does not load."""
     if not slug or slug not in library.slugs():
         return None, None
     try:
@@ -57,8 +54,7 @@ def case_set_schema(library: SchemaLibrary, slug: str | None) -> tuple[dict | No
 
 
 def library_question_ids(library: SchemaLibrary) -> list[str]:
-    """Every question id of the library's schemas that load: for a case set without a schema, a column named
-    after one (`team`, `priority`) is an answer someone wrote down, not evidence for the model."""
+    """Every question id of the library: without a schema, a column named like one holds an answer, not evidence."""
     ids: dict[str, None] = {}
     for slug in library.slugs():
         try:
@@ -66,10 +62,6 @@ def library_question_ids(library: SchemaLibrary) -> list[str]:
         except SchemaError:
             continue
     return list(ids)
-
-
-def schema_options(slugs: list[str]) -> list[str]:
-    return [NO_SCHEMA, *slugs]
 
 
 def schema_pick(case_set: dict, slugs: list[str]) -> str:
@@ -102,8 +94,7 @@ def delete_refusal(case_set: dict, runs_of_set: list[dict]) -> str | None:
 
 
 def restore_deleted(store: Any, kind: str, object_id: Any) -> tuple[str, str]:
-    """Undo a delete: "cases" (a list of case ids), a "case_set" or one case (an id). Returns the message's kind
-    and text."""
+    """Undo a delete of "cases" (ids), a "case_set" or one case: the message's kind and text."""
     try:
         if kind == "cases":
             for case_id in object_id:
@@ -118,22 +109,16 @@ def restore_deleted(store: Any, kind: str, object_id: Any) -> tuple[str, str]:
         return "error", f"Not restored: {exc}"
 
 
-# -- import ------------------------------------------------------------------------------------------------------
-
-
 def tags_column_index(columns: list[str]) -> int:
-    """The tags selector's default: a column named "tags", else not mapped."""
     return 1 + columns.index("tags") if "tags" in columns else 0
 
 
 def source_id_column_index(columns: list[str]) -> int:
-    """The source id selector's default: the first column named like a record's own id, else not mapped."""
     id_like = importing.id_like_columns(columns)
     return 1 + columns.index(id_like[0]) if id_like else 0
 
 
 def expected_column_index(columns: list[str], guessed: dict[str, str], question_id: str) -> int:
-    """A question's expected-answer selector default: the column guessed for it, else not mapped."""
     options = [NOT_MAPPED, *columns]
     return options.index(guessed.get(question_id, NOT_MAPPED))
 
@@ -151,7 +136,6 @@ class ImportMapping:
 
     @property
     def label_like(self) -> list[str]:
-        """Columns that look like expected answers (left out of a suggested state)."""
         return casesets.label_like_columns(self.columns, [*self.questions, *self.answer_names])
 
     @property
@@ -164,23 +148,17 @@ class ImportMapping:
         return importing.suggested_state_columns(self.columns, left_out, self.questions)
 
     def mapping(self, *, state_columns: list[str] | None = None, state_text_column: str | None = None) -> CsvMapping:
-        tags = None if self.tags_column == NOT_MAPPED else self.tags_column
-        source_id = None if self.id_column == NOT_MAPPED else self.id_column
-        if state_text_column is not None:
-            return CsvMapping(state_text_column=state_text_column, expected_columns=self.expected, tags_column=tags,
-                              id_column=source_id)
-        return CsvMapping(state_columns=state_columns or [], expected_columns=self.expected, tags_column=tags,
-                          id_column=source_id)
+        return CsvMapping(state_columns=state_columns or [], state_text_column=state_text_column,
+                          expected_columns=self.expected,
+                          tags_column=None if self.tags_column == NOT_MAPPED else self.tags_column,
+                          id_column=None if self.id_column == NOT_MAPPED else self.id_column)
 
     def leaked(self, state: list[str]) -> list[str]:
-        """State columns that hold answers: the model would read the answer it is asked for."""
         return [c for c in state if c in self.label_like or c in self.expected]
 
     def state_warning(self, state: list[str]) -> tuple[str, str] | None:
-        """("warning", text) when answers leak into the state; ("caption", text) naming the answer-like columns
-        left out of it; None when there are none."""
-        leaked = self.leaked(state)
-        if leaked:
+        """A warning when answers leak into the state; a caption naming the answer-like columns left out."""
+        if leaked := self.leaked(state):
             return ("warning", "These columns look like expected answers and are in the state, so the model reads "
                                f"the answer: {', '.join(leaked)}. Remove them from the state unless that is what you "
                                "want.")
@@ -202,9 +180,7 @@ def state_choice_advice(candidates: list[str]) -> str:
 
 
 def problems_heading(count: int, *, stage: str) -> str:
-    """The line above listed problems: of a save that was refused ("save"), of reading a chosen file ("read": each
-    problem says which choice above fixes it), of a file whose records carry their own meaning ("file": JSONL,
-    only the file can fix them), or of its cells under the mapping chosen ("cells")."""
+    """The line above listed problems, by stage: a refused "save", a file to "read", a JSONL "file", or "cells"."""
     problems = plural(count, "problem")
     if stage == "save":
         return f"Nothing was changed: {problems}."
@@ -227,8 +203,7 @@ def preview_rows(parsed: list[dict]) -> list[dict[str, Any]]:
 
 
 def imported_message(set_name: str, parsed: int, added: int, skipped_rows: list[int] | None) -> tuple[str, str]:
-    """After an import, the message's kind and text: how many cases went in, how many were there already, which
-    bad rows were left out. Nothing new is not a success: it says so as information."""
+    """After an import, the message's kind and text (nothing new is information, not success)."""
     already = parsed - added
     skipped = f" Rows not imported, as agreed: {', '.join(map(str, skipped_rows))}." if skipped_rows else ""
     if not added:
@@ -239,22 +214,17 @@ def imported_message(set_name: str, parsed: int, added: int, skipped_rows: list[
                        + (f" {already:,} {were} already in it and skipped." if already else "") + skipped)
 
 
-# -- actions: each returns what to say, never raises for a person's input --------------------------------------------
-
-
 def load_examples(store: Any, library: SchemaLibrary) -> str:
     return f"Example case sets ready: {len(casesets.load_example_case_sets(store, library.directory))}."
 
 
 def import_parsed(store: Any, case_set_id: int, parsed: list[dict]) -> tuple[list[int] | None, str | None]:
-    """Add the parsed cases, skipping those already in the set: the ids added, or None and why nothing was."""
     return units.refusal(casesets.import_cases, store, case_set_id, parsed)
 
 
 @dataclass(frozen=True)
 class SaveRefused:
-    """Why a table's edits were not saved: the problems, and the cases whose deletion was refused (they have runs;
-    the table puts their rows back)."""
+    """Why edits were not saved, and the cases whose deletion was refused (their rows come back)."""
 
     problems: list[str]
     kept_case_ids: list[int] | None = None
@@ -262,7 +232,6 @@ class SaveRefused:
 
 def save_edits(store: Any, case_set_id: int, edited: pd.DataFrame,
                schema: dict | None) -> case_table.CaseEdits | SaveRefused:
-    """The table's edits saved (case_table's summary of them), or SaveRefused: nothing was changed."""
     try:
         return case_table.apply_case_edits(store, case_set_id, edited, schema)
     except CaseDeletionRefusedError as exc:
@@ -277,7 +246,6 @@ def kept_rows_message(refused: SaveRefused) -> str:
 
 
 def read_file(name: str, data: bytes, encoding: str | None, delimiter: str | None) -> tuple[Any, list[str]]:
-    """A chosen file read as a table or JSON lines (importing.read_source), or None and what is wrong with it."""
     try:
         return importing.read_source(name, data, encoding=encoding, delimiter=delimiter), []
     except CaseImportError as exc:
@@ -291,8 +259,7 @@ def read_caption(source: Any) -> str:
 
 def parse_file(source: Any, mapping: CsvMapping | None, schema: dict | None,
                skip_bad_rows: bool) -> tuple[list[NewCase], list[str]]:
-    """The cases of a read file under the mapping, or none and the problems of its cells. Rows that do not fit
-    (listed apart, with the choice to skip them) give neither."""
+    """The cases of a read file under the mapping, or the problems of its cells (bad rows give neither)."""
     try:
         return importing.parse_cases(source, mapping, schema, skip_bad_rows=skip_bad_rows), []
     except importing.BadRowsError:

@@ -1,6 +1,4 @@
-"""What the Compare page shows, without Streamlit: what the one action still needs, the labels of case sets, schema
-versions and runs, which runs open by default, the runs a link names that are not here, and one case as every run
-answered it (with its charts' data). The numbers themselves come from clef_workbench.compare."""
+"""What the Compare page shows, without Streamlit; the numbers come from clef_workbench.compare."""
 
 from __future__ import annotations
 
@@ -21,13 +19,11 @@ from clef_workbench.store import Run, RunSettings
 from workbench_ui import links, units
 from workbench_ui.answers import distribution_table
 
-UNFINISHED = ("pending", "running")
 # The one action runs as the Runs page would with its defaults.
 START_SETTINGS = RunSettings(chunk_size=8, max_length=DEFAULT_MAX_LENGTH)
 
 
 def missing_for_start(case_sets: list, slugs: list, models: list) -> str | None:
-    """What the one action needs and is not there yet, in words; None when it can run."""
     missing = [what for what, there in (("a case set (Case sets page)", case_sets), ("a schema (Schemas page)", slugs),
                                         ("a loaded model (sidebar)", models)) if not there]
     return f"Needs {' and '.join(missing)}." if missing else None
@@ -38,13 +34,9 @@ def proposed_schema(case_set: dict, slugs: list[str]) -> str:
     return case_set["schema_name"] if case_set.get("schema_name") in slugs else slugs[0]
 
 
-MATRIX_KEY = "matrix"
-
-
 def matrix_key(disagreements_only: bool) -> str:
-    """The matrix's widget key: one per filter, so that a click on the filtered grid is a new selection of a new
-    grid, never compared with (and lost as) the selection of the grid drawn before the filter changed."""
-    return f"{MATRIX_KEY}.{'disagree' if disagreements_only else 'all'}"
+    """The matrix's key, one per filter: a click on the filtered grid is never lost as the old grid's selection."""
+    return f"matrix.{'disagree' if disagreements_only else 'all'}"
 
 
 CELL_CHAR_PX = 7  # an average character of the grid's 14 px font
@@ -52,8 +44,7 @@ CELL_PADDING_PX = 16  # the grid's cell padding, both sides
 
 
 def matrix_widths(matrix: pd.DataFrame, headers: Mapping[str, str]) -> dict[str, int]:
-    """Each answer column's width in pixels: its longest cell or its header, whichever is wider, so that no
-    "answer (confidence)" is cut ("shipping (0")."""
+    """Each answer column's width: its longest cell or header, so no answer is cut."""
     return {name: CELL_PADDING_PX + CELL_CHAR_PX * max([len(name), *(len(str(v)) for v in matrix[name].dropna())])
             for name in headers}
 
@@ -62,8 +53,7 @@ log = logging.getLogger(__name__)
 
 def start_comparison(store: Any, runner: Any, models: list[ModelChoice], set_id: int, slug: str, number: int,
                      names: list[str]) -> tuple[list[int], str]:
-    """The one action: a run of the schema version per chosen model. Returns the runs started (oldest first) and the
-    message to show; no runs and an error message when nothing started."""
+    """The one action: a run of the schema version per model; the runs started (oldest first) and the message."""
     choices = {c.name: c.engine for c in models}
     engines = {name: choices[name] for name in names if name in choices}
     if not engines:
@@ -85,13 +75,12 @@ def start_comparison(store: Any, runner: Any, models: list[ModelChoice], set_id:
 
 
 def started_run_line(run: Run) -> str:
-    """A run the one action started, linked to its Runs page, with how far it is."""
     return (f"Run [#{run['id']}](/runs?run={run['id']}) · {run['model_id']} · {status_label(run)} · "
             f"{run['done']}/{run['total']} cases")
 
 
 def is_unfinished(run: Run) -> bool:
-    return run["status"] in UNFINISHED
+    return run["status"] in ("pending", "running")
 
 
 def missing_runs(linked: list[int], all_runs: Mapping[int, Run]) -> links.Missing | None:
@@ -104,7 +93,6 @@ def missing_runs(linked: list[int], all_runs: Mapping[int, Run]) -> links.Missin
 
 
 def case_set_label(group: list[Run]) -> str:
-    """A case set with runs, in the selector: its name and how many runs it has."""
     return f"{group[0]['case_set_name']} ({len(group)} runs)"
 
 
@@ -128,8 +116,6 @@ class AnswerShown:
 
 @dataclass(frozen=True)
 class RunColumn:
-    """One run's column of an opened case."""
-
     title: str
     error: str | None
     answers: list[AnswerShown]

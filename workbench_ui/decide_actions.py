@@ -1,5 +1,4 @@
-"""What the Decide page's buttons and first run do to the session state, the URL, the schema library and the
-draft store: its callbacks, kept apart from the page, which only renders (pages/decide.py)."""
+"""What the Decide page's buttons and first run do to the session state, the URL, the library and the drafts."""
 
 from __future__ import annotations
 
@@ -28,8 +27,7 @@ def draft_key(token: str) -> str:
 
 
 def save_draft() -> None:
-    """The editors as they are now, kept for a reload of this browser session (saved only when something changed;
-    a read-only database keeps none)."""
+    """Keep the editors for a reload of this browser session (when changed; none with a read-only database)."""
     store = get_store()
     if not store.read_only:
         vm.save_draft_if_changed(st.session_state,
@@ -62,13 +60,11 @@ def new_schema() -> None:
 
 
 def init_page() -> None:
-    """First run of a session: the draft named in the URL if there is one (a reload), else the preferred example
-    schema. "Open in Decide" on the Schemas page leaves a pending slug."""
+    """A session's first run: the draft the URL names, a linked case, else the preferred schema (or a pending one)."""
     pending = st.session_state.pop(K("pending_load"), None)
     token = st.session_state.get(K("draft_token"))
     if token is None:
-        # A new session writes its draft under a token of its own, even when the URL names another one (a reload,
-        # or a link someone sent): it starts from that draft, but its edits never overwrite the sender's.
+        # a token of its own: a session opened from another's draft never overwrites it
         token = secrets.token_urlsafe(9)
         st.session_state[K("draft_token")] = token
     if K("uids") not in st.session_state:
@@ -102,7 +98,6 @@ def init_page() -> None:
 
 
 def save_schema(update: bool) -> None:
-    """Callback of the Save buttons: writes the questions on screen; the saved schema becomes the identity."""
     questions, problems = schema_rows.rows_to_questions(builder().rows())
     if any(p.severity == "error" for p in problems):
         st.session_state[K("save_flash")] = ("error", "Fix the errors in the questions first; nothing was saved.")
@@ -125,7 +120,3 @@ def save_schema(update: bool) -> None:
     else:
         vm.set_kept(st.session_state, SCHEMAS_PAGE_PICK, slug)  # the Schemas page opens on the schema edited last
     st.session_state[K("save_flash")] = flash
-
-
-def use_example(index: int) -> None:
-    builder().use_example(index)

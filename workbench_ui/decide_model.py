@@ -1,9 +1,5 @@
-"""The Decide page's logic, without Streamlit (so every rule is unit-tested directly): the schema builder, problems
-routed to their field, the token-budget cache, a run's result, save-as-case, and the per-session draft.
-
-State lives in a mutable mapping (session_state on the page, a dict in tests) under keys `decide.<name>`; each
-builder question has a stable uid so its widgets keep their values when questions move (`decide.q<uid>.<field>`).
-"""
+"""The Decide page's logic without Streamlit. State lives in a mapping under `decide.<name>`; each question has a stable
+uid so its widgets keep their values when questions move."""
 
 from __future__ import annotations
 
@@ -18,22 +14,17 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
-from clef_engine.interface import DecisionEngine
 from clef_workbench import schemas
 from workbench_ui import answers, schema_rows, state_input
 
 PREFIX = "decide"
-# A widget's value is mirrored under this prefix: Streamlit drops a widget's own key on a run that does not draw it
-# (another page), and the page restores it from the mirror (workbench_ui.shell.kept_widget).
+# a widget's value mirrored under this prefix survives a run that does not draw it (shell.kept_widget)
 KEEP_PREFIX = "_keep."
 ROW_FIELDS = ("id", "type", "instructions", "options", "levels", "true", "false")
-NEW_QUESTION_DEFAULTS = {
-    "noul": {},
-    "choice": {"options": [{"id": "option_a", "description": ""}, {"id": "option_b", "description": ""},
-                           {"id": "unknown", "description": "None of these fits."}]},
-    "score": {"levels": ["Low", "Medium", "High"]},
-}
-# What a draft keeps besides the questions: the editors' values a reload must bring back.
+# a new question's options and levels, whatever its type: they show when its type changes
+NEW_OPTIONS = [{"id": "option_a", "description": ""}, {"id": "option_b", "description": ""},
+               {"id": "unknown", "description": "None of these fits."}]
+NEW_LEVELS = ["Low", "Medium", "High"]
 DRAFT_FIELDS = ("state_text", "state_mode", "schema_name", "schema_description", "max_length", "overflow")
 
 
@@ -53,8 +44,7 @@ def kept(state: MutableMapping, name: str, default: Any = None) -> Any:
 
 
 def forget_kept(state: MutableMapping, name: str, unless_in: Any = ()) -> None:
-    """Forget a kept widget's value unless it is among `unless_in` (its options now: a set deleted, a model
-    unloaded)."""
+    """Forget a kept widget's value unless it is among `unless_in` (its options now)."""
     for stale in (name, KEEP_PREFIX + name):
         if stale in state and state[stale] not in unless_in:
             del state[stale]
@@ -64,14 +54,8 @@ def row_keys(uid: int) -> dict[str, str]:
     return {f: key(f"q{uid}.{f}") for f in ROW_FIELDS}
 
 
-# -- the schema builder -----------------------------------------------------------------------------------------
-
-
 class Builder:
-    """The questions on screen and which library schema (if any) they came from.
-
-    `loaded_slug` is the identity: the Update button, the Library picker and the case set proposed by "Save as
-    case" follow it, and `new_schema` clears it together with everything that belonged to the old schema."""
+    """The questions on screen and the library schema they came from (`loaded_slug`, their identity)."""
 
     def __init__(self, state: MutableMapping):
         self.state = state
@@ -100,13 +84,9 @@ class Builder:
             set_kept(self.state, widget_key, texts.get(name, row.get(name) or ""))
 
     def set_rows(self, rows: list[dict[str, Any]]) -> None:
-        """Replace the questions; every field's widget is (re)initialised from the rows."""
-        uids = []
-        for row in rows:
-            uid = self._new_uid()
+        self.state[key("uids")] = [self._new_uid() for _ in rows]
+        for uid, row in zip(self.uids, rows, strict=True):
             self._write_row(uid, row)
-            uids.append(uid)
-        self.state[key("uids")] = uids
         self.state.pop(key("removed"), None)  # the questions it undid are gone
 
     def rows(self) -> list[dict[str, Any]]:
@@ -130,13 +110,8 @@ class Builder:
         while f"q{n}" in existing:
             n += 1
         self.forget_removed()
-        defaults = NEW_QUESTION_DEFAULTS[qtype]
         uid = self._new_uid()
-        self._write_row(uid, {
-            "id": f"q{n}", "type": qtype, "instructions": "",
-            "options": defaults.get("options", NEW_QUESTION_DEFAULTS["choice"]["options"]),
-            "levels": defaults.get("levels", NEW_QUESTION_DEFAULTS["score"]["levels"]),
-        })
+        self._write_row(uid, {"id": f"q{n}", "type": qtype, "options": NEW_OPTIONS, "levels": NEW_LEVELS})
         self.uids.append(uid)
 
     def move(self, uid: int, step: int) -> None:
@@ -147,8 +122,7 @@ class Builder:
         uids[i], uids[j] = uids[j], uids[i]
 
     def remove(self, uid: int) -> None:
-        """Take a question off screen; `undo_remove` puts the last one back where it was, with what it held (its
-        widgets' values stay kept under its uid)."""
+        """Take a question off screen; `undo_remove` puts it back where it was, with its kept values."""
         position = self.uids.index(uid)
         self.uids.remove(uid)
         self.state[key("removed")] = {"uid": uid, "position": position, "id": kept(self.state, row_keys(uid)["id"])}
@@ -168,10 +142,7 @@ class Builder:
         self.state.pop(key("removed"), None)
 
     def load(self, slug: str, schema: schemas.Schema) -> None:
-        """Put a library schema on screen: its questions, name, description and example states; it becomes the
-        identity. The state editor keeps what was typed (a record is often written before the schema to ask about
-        it is chosen): it gets the schema's first example only when it holds nothing typed (it is empty, or still
-        holds an example of the schema on screen). Questions it replaces can be undone."""
+        """Put a library schema on screen (undoable); the state editor gets its first example unless typed in."""
         typed = self._kept(key("state_text")).strip() not in {"", *self._example_texts()}
         if self.uids:
             self._remember_replaced("schema", f"Loaded “{slug}” in place of the questions that were here.")
@@ -195,7 +166,6 @@ class Builder:
         set_kept(self.state, key("library_pick"), None)
 
     def saved_as(self, slug: str, schema: schemas.Schema) -> None:
-        """The questions on screen were saved as `slug`: that is the identity now."""
         self.state[key("loaded_slug")] = slug
         self.state[key("loaded_questions")] = schema.questions
         set_kept(self.state, key("library_pick"), slug)
@@ -232,8 +202,7 @@ class Builder:
         return replaced["message"] if replaced and replaced["place"] == place else None
 
     def undo_replace(self) -> None:
-        """Put back what the last Load or Use example replaced: the state typed, or the questions and their
-        identity."""
+        """Put back what the last Load or Use example replaced."""
         replaced = self.state.pop(key("replaced"), None)
         if replaced is None:
             return
@@ -250,8 +219,7 @@ class Builder:
             set_kept(self.state, key("state_text"), replaced["values"]["state_text"])
 
     def unsaved_changes(self) -> bool:
-        """True when the questions on screen differ from the loaded schema's (or, with none loaded, when there are
-        any): loading another schema would discard them."""
+        """True when the questions on screen differ from the loaded schema's (or exist, with none loaded)."""
         questions, _ = schema_rows.rows_to_questions(self.rows())
         loaded = self.state.get(key("loaded_questions"))
         if loaded is None:
@@ -259,13 +227,9 @@ class Builder:
         return json.dumps(questions, sort_keys=True) != json.dumps(loaded, sort_keys=True)
 
     def schema_to_save(self, questions: dict, name: str, description: str, *, update: bool) -> schemas.Schema:
-        """The schema the Save buttons write. Example states belong to the loaded schema: they go with an update of
-        it, not into a new schema."""
+        """The schema the Save buttons write; examples go with an update only, not into a new schema."""
         return schemas.Schema(name=name.strip() or "Untitled schema", questions=questions, description=description,
                               examples=self.examples if update else [])
-
-
-# -- problems next to their fields ------------------------------------------------------------------------------
 
 
 @dataclass
@@ -282,7 +246,6 @@ class Messages:
 
 
 def question_rows(target: int | str, rows: list[dict[str, Any]]) -> list[int]:
-    """Row indices a problem about question `target` (its position or its id) belongs to."""
     if isinstance(target, int):
         return [target] if 0 <= target < len(rows) else []
     return [i for i, row in enumerate(rows) if str(row["id"]).strip() == target]
@@ -290,9 +253,7 @@ def question_rows(target: int | str, rows: list[dict[str, Any]]) -> list[int]:
 
 def route_schema_problems(problems: list[schemas.SchemaProblem], rows: list[dict[str, Any]],
                           messages: Messages) -> None:
-    """Builder and lint problems: next to their question, or on the schema when they name none. An empty builder
-    (New schema) gets none: its "No questions yet" says what to do, and a red error on a page just opened says
-    something went wrong."""
+    """Builder and lint problems next to their question, or on the schema; none for an empty builder."""
     for problem in problems:
         if not rows and problem.loc == ("questions",):
             continue
@@ -306,21 +267,16 @@ def route_schema_problems(problems: list[schemas.SchemaProblem], rows: list[dict
 
 
 def route_engine_problems(by_field: dict[str, list[str]], rows: list[dict[str, Any]], messages: Messages) -> None:
-    """Problems the engine reported (answers.problems_by_field), each next to the field it concerns."""
     for place, texts in by_field.items():
-        if place.startswith("question:"):
-            indices = question_rows(place.split(":", 1)[1], rows)
-            targets: list[Any] = indices or ["schema"]
-        else:
-            targets = [{"state": "state", "images": "media", "videos": "media", "schema": "schema"}.get(place,
-                                                                                                      "budget")]
+        targets: list[Any] = (question_rows(place.split(":", 1)[1], rows) or ["schema"]
+                              if place.startswith("question:") else
+                              [{"state": "state", "images": "media", "videos": "media", "schema": "schema"}.get(
+                                  place, "budget")])
         for target in targets:
             for text in texts:
                 messages.add(target, text)
 
 
-# Engine wording → the label of the control that sets it, so a message names what the user sees (max_length is
-# both).
 CONTROL_LABELS = {
     "overflow='truncate_state'": "“If the state does not fit: truncate the end of the state”",
     "overflow='refuse'": "“If the state does not fit: refuse”",
@@ -334,17 +290,12 @@ def in_control_words(message: str) -> str:
     return message
 
 
-# -- token budget -----------------------------------------------------------------------------------------------
-
-
 def fingerprint(request: dict[str, Any] | None) -> str:
     return hashlib.sha256(json.dumps(request, sort_keys=True, default=str).encode()).hexdigest() if request else ""
 
 
 class BudgetCache:
-    """Token counts of the last request, so a rerun that changed nothing does not tokenize again. Keyed by the
-    request's fingerprint, max_length and the engine object itself (held weakly): a reloaded model never gets
-    counts from the one before it, even if Python reuses its id."""
+    """Token counts of the last request, per request, max_length and engine (held weakly)."""
 
     def __init__(self) -> None:
         self._key: tuple[str, int] | None = None
@@ -361,13 +312,9 @@ class BudgetCache:
         return counts
 
 
-# -- the result of a run ----------------------------------------------------------------------------------------
-
-
 @dataclass(frozen=True)
 class DecideResult:
-    """What one press of Run produced, kept while the editors change: the exact request, the response, and what
-    Save as case and the JSON tabs need."""
+    """What one press of Run produced, kept while the editors change."""
 
     request: dict[str, Any]
     response: dict[str, Any]
@@ -386,8 +333,7 @@ class DecideResult:
 
     def stale_causes(self, *, questions: dict[str, Any], state: Any, images: list[state_input.Media],
                      videos: list[state_input.Media], model: str | None) -> list[str]:
-        """What changed on screen since Run, in words ("the schema", "the state", "the media", "the model"):
-        empty when these answers are still those of the inputs on screen."""
+        """What changed on screen since Run, in words; empty when the answers still match the inputs."""
         causes = []
         if json.dumps(questions, sort_keys=True) != json.dumps(self.questions, sort_keys=True):
             causes.append("the schema")
@@ -407,8 +353,7 @@ class DecideResult:
 
 
 def answer_text(summary: answers.AnswerSummary, answer: dict[str, Any]) -> str:
-    """An answer card's headline: a score's level with its label ("level 1 · Medium"), so it reads without the
-    legend; other answers as they are."""
+    """An answer card's headline: a score's level with its label ("level 1 · Medium")."""
     if summary.type != "score":
         return summary.top_option
     label = (answer.get("legend") or {}).get(summary.top_option)
@@ -423,7 +368,7 @@ def stale_message(causes: list[str]) -> str:
             "was then; press Run for answers to what is on screen.")
 
 
-# Save as case's fields: proposed afresh from each new result (a kept value would name the previous schema's set).
+# Save as case's fields, proposed afresh from each new result
 SAVE_AS_CASE_FIELDS = ("case_set_pick", "case_set_new", "confirm_labels", "case_tags")
 
 
@@ -434,8 +379,7 @@ def keep_result(state: MutableMapping, result: DecideResult) -> None:
 
 
 def save_as_case(store: Any, result: DecideResult, case_set_name: str, *, with_labels: bool, tags_text: str) -> int:
-    """Add the run's state and media to a case set (created if missing); with_labels stores the model's answers as
-    the expected answers (the user checked them). Returns the case id. Raises StoreError / ValueError."""
+    """Add the run's state and media to a case set (created if missing). Raises StoreError / ValueError."""
     # the library identity (the slug the Case sets and Runs pages load), not the display name
     case_set_id = store.get_or_create_case_set(case_set_name, schema_name=result.schema_slug or None)
     return store.add_case(
@@ -447,16 +391,11 @@ def save_as_case(store: Any, result: DecideResult, case_set_name: str, *, with_l
     )
 
 
-# -- the draft: what a reload brings back -----------------------------------------------------------------------
-
-
 def set_media(state: MutableMapping, media: list[state_input.Media]) -> None:
-    """The media the request on screen carries (uploaded, and restored from the draft): the draft keeps them."""
     state[key("media")] = list(media)
 
 
 def restored_media(state: MutableMapping) -> list[state_input.Media]:
-    """Media a reload brought back from the draft (the browser's uploaders start empty after a reload)."""
     return list(state.get(key("restored_media")) or [])
 
 
@@ -477,8 +416,7 @@ def _media_entry(media: state_input.Media) -> dict[str, Any]:
 
 
 def result_entry(result: DecideResult | None) -> dict[str, Any] | None:
-    """The last run's result as JSON-able data: its request without the media (rebuilt from them on restore) and its
-    media by digest, like the draft's own."""
+    """The last run's result as JSON-able data: the request without media, the media by digest."""
     if result is None:
         return None
     return {"request": {k: v for k, v in result.request.items() if k not in ("images", "videos")},
@@ -489,8 +427,7 @@ def result_entry(result: DecideResult | None) -> dict[str, Any] | None:
 
 
 def draft_of(state: MutableMapping) -> dict[str, Any]:
-    """The editors' contents and the last run's result as JSON-able data; media by their digest (with_media_bytes
-    adds the bytes)."""
+    """The editors' contents and the last result as JSON-able data, media by digest."""
     builder = Builder(state)
     values = {name: kept(state, key(name)) for name in DRAFT_FIELDS}
     media = state.get(key("media"), state.get(key("restored_media"))) or []
@@ -500,9 +437,7 @@ def draft_of(state: MutableMapping) -> dict[str, Any]:
 
 
 def with_media_bytes(draft: dict[str, Any], state: MutableMapping) -> dict[str, Any]:
-    """The draft as stored: each medium with its bytes (base64), so a reload brings the uploads back too. The media
-    the last result was run with carry bytes only where the editors no longer hold them (each set is within the
-    media limits, and the same file is stored once)."""
+    """The draft as stored: each medium with its bytes (base64), once, so a reload brings the uploads back."""
     on_screen = {hashlib.sha256(m.data).hexdigest(): m.data
                  for m in state.get(key("media"), state.get(key("restored_media"))) or []}
     stored = {**draft, "media": [{**entry, "base64": _base64(on_screen[entry["sha256"]])}
@@ -526,8 +461,7 @@ def _media_of(entry: dict[str, Any], data: bytes) -> state_input.Media:
 
 
 def _restored_result(entry: dict[str, Any], on_screen: dict[str, bytes]) -> DecideResult | None:
-    """The last run's result from its draft entry, its request carrying its media again; None when a medium it was
-    run with is missing from the draft (its answers would no longer match a request that can be shown)."""
+    """The last result from its draft entry; None when a medium it ran with is missing."""
     media = []
     for medium in entry.get("media") or []:
         data = base64.b64decode(medium["base64"]) if medium.get("base64") else on_screen.get(medium["sha256"])
@@ -545,7 +479,6 @@ def _restored_result(entry: dict[str, Any], on_screen: dict[str, bytes]) -> Deci
 
 
 def restore_draft(state: MutableMapping, draft: dict[str, Any]) -> None:
-    """Put a saved draft back on screen, with the answers of its last run."""
     builder = Builder(state)
     builder.set_rows(draft.get("rows") or [])
     for name in DRAFT_FIELDS:
@@ -586,9 +519,7 @@ FRAME_THUMBNAIL_PX = 160  # wide enough to tell what a frame shows, four to a ro
 
 
 def frame_thumbnail(frame: np.ndarray, width: int = FRAME_THUMBNAIL_PX) -> Image.Image:
-    """A sampled video frame (H×W×3 uint8) as an image at least `width` pixels wide. Frames are often small (the
-    model's sampling size), and an image is shown at its own size: enlarged by whole pixels (nearest neighbour), so
-    what is seen is exactly what the model read, not a blur."""
+    """A sampled frame at least `width` px wide, enlarged by whole pixels: exactly what the model read."""
     image = Image.fromarray(np.asarray(frame))
     if image.width >= width:
         return image
@@ -596,13 +527,8 @@ def frame_thumbnail(frame: np.ndarray, width: int = FRAME_THUMBNAIL_PX) -> Image
     return image.resize((image.width * factor, image.height * factor), Image.Resampling.NEAREST)
 
 
-# -- which model a run uses -------------------------------------------------------------------------------------
-
-
 def model_for_run(state: MutableMapping, names: list[str], default: str | None) -> str | None:
-    """The model this page's next run uses, among the loaded `names` (the default first), kept as the model
-    picker's value: the one picked here while it stays loaded, until the default changes (Make default, in any
-    session), which switches this page to the new default."""
+    """The model this page's next run uses: the one picked here while loaded, until the default changes."""
     if state.get(key("model_default_seen")) != default:
         state[key("model_default_seen")] = default
         forget_kept(state, key("model"))
@@ -612,14 +538,7 @@ def model_for_run(state: MutableMapping, names: list[str], default: str | None) 
 
 
 def chosen_model(names: list[str], picked: str | None) -> str | None:
-    """The model a Decide run uses among the loaded ones (`names`, the default first): the one picked on this page
-    while it stays loaded; otherwise (never picked, or since unloaded) the default."""
+    """The picked model while it stays loaded, else the default (`names[0]`)."""
     if picked in names:
         return picked
     return names[0] if names else None
-
-
-def counts_tokens_here(engine: DecisionEngine) -> bool:
-    """Whether token counts (the budget bar) and sampled video frames can be shown for `engine`: a local engine
-    tokenizes here; a remote endpoint tokenizes on its side (and reports input_tokens in its answer)."""
-    return not engine.info().get("remote")

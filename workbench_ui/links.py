@@ -1,8 +1,4 @@
-"""Links from one page to another that a person can also send: a case of a run opened in Decide or in Review.
-
-Decide reads `?run=<id>&case=<id>`: the case's state goes into the state editor and the run's questions into the
-builder, as a draft (the same shape a reload restores), so what the model was asked can be asked again or edited.
-"""
+"""Links from one page to another that a person can also send: a case of a run opened in Decide or in Review."""
 
 from __future__ import annotations
 
@@ -15,16 +11,14 @@ from clef_workbench.schema_library import SchemaLibrary
 from clef_workbench.store import StoreError
 from workbench_ui import decide_model, schema_rows, state_input
 
-# Decide's max_length choices: the powers of two from 512 to 262,144 tokens (a run's other values are not shown).
-# A list rather than a free number field: it cannot be left empty or mistyped to a value that refuses every request.
+# Decide's max_length choices, 512 to 262,144: a list cannot be mistyped to a value that refuses every request
 DECIDE_MAX_LENGTHS = [2 ** power for power in range(9, 19)]
 MISSING_LINKS_SHOWN = 20
 
 
 @dataclass(frozen=True)
 class Missing:
-    """A link to something that is not there: the message naming what was asked for, links to what exists (text,
-    URL; the first MISSING_LINKS_SHOWN, `more` counting the rest), and the first that exists (id, label)."""
+    """A link to something that is not there: the message, links to what exists (the first few) and the first one."""
 
     message: str
     param: str
@@ -35,8 +29,7 @@ class Missing:
 
 
 def missing(what: str, asked: Any, ids: list[int], label: Any, *, param: str) -> Missing:
-    """The "not found" of a link whose `param` names `asked`, a `what` (run, case set) not among `ids`; the links
-    to the existing ones keep the page and change only that parameter."""
+    """The "not found" of a link whose `param` names `asked`, a `what` not among `ids`."""
     there = ("There is 1: pick it below." if len(ids) == 1 else f"There are {len(ids):,}: pick one below." if ids
              else f"There is no {what} yet.")
     shown = [(str(label(i)), "?" + urlencode({param: i})) for i in ids[:MISSING_LINKS_SHOWN]]
@@ -46,8 +39,7 @@ def missing(what: str, asked: Any, ids: list[int], label: Any, *, param: str) ->
 
 
 def missing_review_item(run_id: int, case_id: Any, question_id: str | None, items: list[dict]) -> Missing:
-    """The "not found" of a Review link whose run has no answer for that case (and question): the items of the
-    run's queue as links."""
+    """The "not found" of a Review link whose run has no answer for that case and question."""
     asked = f"case {case_id}" + (f" · question {question_id}" if question_id else "") + f" of run #{run_id}"
     there = f"Its review queue has {len(items)} item(s):" if items else "Its review queue is empty."
     shown = [(f"case {i['case_id']} · {i['question_id']} ({i['status']})",
@@ -82,9 +74,7 @@ def linked_ids(params: Any) -> tuple[int, int] | None:
 
 
 def _draft(library: SchemaLibrary, case: dict[str, Any], schema: dict[str, Any], slug: str | None) -> dict[str, Any]:
-    """A Decide draft of `case` asked with `schema`'s questions. When the library schema `slug` still has exactly
-    these questions, that schema is the draft's identity (Update and the Library picker name it); when it changed
-    or is gone, the questions come without one, so saving cannot overwrite the newer schema."""
+    """A Decide draft of `case` with `schema`'s questions, the library schema `slug` its identity if unchanged."""
     library_schema = library.load(slug) if slug and library.exists(slug) else None
     same = library_schema is not None and library_schema.to_dict()["questions"] == schema["questions"]
     return {
@@ -101,12 +91,7 @@ def _draft(library: SchemaLibrary, case: dict[str, Any], schema: dict[str, Any],
 
 def case_draft(store: Any, library: SchemaLibrary, run_id: int, case_id: int, *,
                random_weights: Callable[[str], bool] = lambda model: False) -> tuple[dict[str, Any] | None, str]:
-    """A Decide draft showing case `case_id` asked as run `run_id` asked it, with the run's answer to it (flagged
-    when random_weights(the run's model) says its weights are random), and a sentence saying what is on screen (or,
-    with no draft, why nothing could be opened).
-
-    The questions are the run's own (frozen when it started), with the library schema the run came from as the
-    draft's identity while it still has them (see _draft)."""
+    """A Decide draft of a run's case as the run asked it, with its answer, and what is on screen (or why not)."""
     try:
         run = store.get_run(run_id)
         case = store.get_case(case_id, with_media=False)
@@ -135,8 +120,7 @@ def case_draft(store: Any, library: SchemaLibrary, run_id: int, case_id: int, *,
              "not saved in the library as they are)")
     note = f"Case #{case_id} of run #{run_id} ({run['case_set_name']}) with {where}" + (
         "; the answers below are the run's." if "result" in draft else ".")
-    media = [f"{case[kind + '_count']} {kind}(s)" for kind in ("image", "video") if case[kind + "_count"]]
-    if media:
+    if media := [f"{case[kind + '_count']} {kind}(s)" for kind in ("image", "video") if case[kind + "_count"]]:
         note += (f" Its {' and '.join(media)} are not attached here (Decide takes media from uploads): open the "
                  "case in Review to see them.")
     return draft, note
@@ -161,8 +145,7 @@ def linked_sweep_case(params: Any) -> tuple[int, str, int] | None:
 
 def sweep_case_draft(store: Any, library: SchemaLibrary, sweep_id: int, variant: str,
                      case_id: int) -> tuple[dict[str, Any] | None, str]:
-    """A Decide draft showing case `case_id` of a sweep asked with the questions of its variant `variant`, and a
-    sentence saying what is on screen (or, with no draft, why nothing could be opened)."""
+    """A Decide draft of a sweep's case asked with one variant's questions, and what is on screen (or why nothing)."""
     from clef_workbench import sweeps
 
     try:

@@ -1,6 +1,4 @@
-"""What the Review page shows, without Streamlit: the run selector's labels, the queue rules as the form holds them
-and what they would select, the queue's progress, the card of one item (blind or not), its buttons, the record's
-other questions, the gold-label question, the messages of actions and undo, the audit log and the export."""
+"""What the Review page shows and says, without Streamlit."""
 
 from __future__ import annotations
 
@@ -31,14 +29,12 @@ def run_label(run: Run) -> str:
 
 
 def reviewable_runs(runs: list[Run]) -> list[Run]:
-    """The runs with at least one answer: the only ones a queue can select from (a run whose every case failed has
-    nothing the rules could pick)."""
+    """The runs with at least one answer."""
     return [r for r in runs if r["done"] > r["errors"]]
 
 
 def nothing_to_review(runs: list[Run]) -> str:
-    """Why no run can be reviewed, when reviewable_runs is empty: no runs, runs whose every case failed, or runs
-    without results yet."""
+    """Why no run can be reviewed: none, every case failed, or no results yet."""
     if not runs:
         return "No run yet: start one on the Runs page; its answers are reviewed here."
     failed = [f"#{r['id']}" for r in runs if r["done"] and r["done"] == r["errors"]]
@@ -46,9 +42,6 @@ def nothing_to_review(runs: list[Run]) -> str:
     reasons = ([f"every case failed in run {', '.join(failed)} (the Runs page says why)"] if failed else []) + \
         ([f"run {', '.join(waiting)} has no results yet"] if waiting else [])
     return f"No run has answers to review: {'; '.join(reasons)}."
-
-
-# -- rules ---------------------------------------------------------------------------------------------------------
 
 
 def margin_default(saved: ReviewRules) -> float:
@@ -69,8 +62,7 @@ def unknown_options_help(questions: dict[str, dict]) -> str:
 def rules_from_form(questions: dict[str, dict], *, use_confidence: bool, confidence: float, use_margin: bool,
                     margin: float, unknown: bool, disagree: bool, picked_questions: list[str],
                     calibration: str | None = None) -> ReviewRules:
-    """The rules the form says; every question picked means every question (also those a later schema adds).
-    With `calibration` (a stored calibration's name) the thresholds apply to calibrated confidence and margin."""
+    """The rules the form says; every question picked means every question."""
     return ReviewRules(confidence_below=confidence if use_confidence else None,
                        margin_below=margin if use_margin else None, unknown_option=unknown,
                        disagree_with_expected=disagree,
@@ -99,9 +91,6 @@ def progress_text(progress: dict) -> str:
 
 def progress_fraction(progress: dict) -> float:
     return progress["reviewed"] / progress["total"] if progress["total"] else 0.0
-
-
-# -- actions ------------------------------------------------------------------------------------------------------
 
 
 def option_label(option: str) -> Any:
@@ -145,9 +134,6 @@ def gold_question(item: ReviewItem, action: str, label: Any, gold: str) -> GoldQ
         f"Yes, label it “{new}”", f"Keep “{gold}”", keep_action, None if keep_action == "accept" else gold)
 
 
-# -- the card -------------------------------------------------------------------------------------------------------
-
-
 def outcome(item: ReviewItem) -> str:
     """What became of an item: its status, the label recorded and by whom."""
     return (item["status"] + (f" as “{review.label_key(item['label'])}”" if item["label"] is not None else "")
@@ -169,7 +155,6 @@ class Card:
     queued: str
     show_model: bool  # the distribution, the model's answer and the link to Decide (hidden in blind mode)
     expected: str | None  # the gold label line, when the case set has one and the review is not blind
-    model_answer: str
     accept: str | None  # the Accept button; none in blind mode (choosing the model's answer there is accepting)
     accept_primary: bool
     answer_heading: str
@@ -177,9 +162,7 @@ class Card:
 
 
 def card(item: ReviewItem, question: dict, expected: Any, *, blind: bool) -> Card:
-    """One queue item as the reviewer sees it. Accept is the highlighted default only when it agrees with the gold
-    label (or there is none). Blind hides the gold label, the model's answer and everything derived from them
-    (the reason it was queued, Accept, its key) until the reviewer has decided."""
+    """One queue item as the reviewer sees it; blind hides the gold label and the model's answer."""
     reason = "hidden in blind mode" if blind else item["reason"]
     agrees = review.gold_conflict(item, expected, "accept") is None
     return Card(
@@ -191,8 +174,6 @@ def card(item: ReviewItem, question: dict, expected: Any, *, blind: bool) -> Car
         show_model=not blind,
         expected=(None if expected is None or blind
                   else f"**Expected answer in the case set (gold label):** {review.label_key(expected)}"),
-        model_answer=(f"Answer **{item['predicted']}** · confidence {item['confidence']:.3f} · "
-                      f"margin {item['margin']:.3f}"),
         accept=None if blind else f"Accept “{item['predicted']}”",
         accept_primary=agrees and not blind,
         answer_heading="**Your answer:**" if blind else "**Correct to:**",
@@ -239,9 +220,6 @@ def record_row(other: ReviewItem, *, current: bool, blind: bool) -> tuple[str, s
             outcome(other))
 
 
-# -- log and export ---------------------------------------------------------------------------------------------
-
-
 def audit_rows(actions: list[dict]) -> list[dict[str, Any]]:
     return [{"#": a["id"], "when": when(a["at"], digits=23), "who": a["reviewer"], "action": a["action"],
              "case": a["case_id"], "question": a["question_id"], "comment": a.get("comment") or "",
@@ -269,13 +247,9 @@ def golden_message(golden_id: int, name: str, case_count: int) -> str:
     return f"Created case set #{golden_id} “{name}” with {case_count} cases. Open it on the Case sets page."
 
 
-# -- what the reviewer does, and what it says ---------------------------------------------------------------------
-
-
 def apply_action(store: Any, item: ReviewItem, action: str, label: Any, *, reviewer: str, comment: str | None,
                  blind: bool) -> tuple[str, str]:
-    """Record an action as of the item's version on screen: the message's kind ("success" when recorded) and text;
-    a change by someone else since is a warning, a refused action an error."""
+    """Record an action as of the version on screen: the message's kind and text."""
     try:
         store.apply_review_action(item["id"], reviewer=reviewer, action=action, label=label,
                                   expected_version=item["version"], comment=comment)

@@ -9,8 +9,7 @@ from workbench_ui.answers import CHOSEN_COLOR, OTHER_COLOR
 
 
 def latency_histogram(results: list[dict], *, bins: int = 30) -> alt.Chart:
-    """Histogram of per-record compute (ms: a record's share of its batch's time) over successful results, with p50 and
-    p95 rules."""
+    """Histogram of per-record compute over successful results, with p50 and p95 rules."""
     data = pd.DataFrame([{"latency_ms": r["latency_ms"]} for r in results
                          if not r.get("error") and r.get("latency_ms") is not None])
     if data.empty:
@@ -40,8 +39,7 @@ def accuracy_chart(accuracy: pd.DataFrame) -> alt.Chart:
 
 
 def accuracy_chart_height(question_count: int) -> int:
-    """Pixels for the whole accuracy chart, axes included: Streamlit fits a chart, axes and all, into its height,
-    and without one it squeezes the band scale to a single row."""
+    """Pixels for the whole chart, axes included (without a height Streamlit squeezes it to one row)."""
     return 34 * question_count + 90
 
 
@@ -67,8 +65,7 @@ def confusion_heatmap(matrix: pd.DataFrame, question_id: str) -> alt.LayerChart:
 
 def reliability_diagram(question_id: str, bins: pd.DataFrame, calibrated: pd.DataFrame | None = None
                         ) -> alt.LayerChart:
-    """Accuracy against mean confidence per bin (points sized by count) and the diagonal of perfect calibration;
-    with `calibrated` bins (on the same held-out cases), the raw and the calibrated curve, told apart by a legend."""
+    """Accuracy against mean confidence per bin and the diagonal; with `calibrated`, both curves."""
     curves = {"raw": bins} if calibrated is None else {"raw": bins, "calibrated (held out)": calibrated}
     data = pd.concat([b.assign(probabilities=name) for name, b in curves.items()])
     colors = [CHOSEN_COLOR] if calibrated is None else [OTHER_COLOR, CHOSEN_COLOR]
@@ -88,7 +85,6 @@ def reliability_diagram(question_id: str, bins: pd.DataFrame, calibrated: pd.Dat
 
 
 def shift_histogram(shifts: pd.DataFrame) -> alt.Chart:
-    """Histogram of per-option probability changes p_B − p_A between two runs."""
     data = shifts if not shifts.empty else pd.DataFrame({"shift": pd.Series(dtype=float)})
     return alt.Chart(data).mark_bar(color="#8e6bd8").encode(
         x=alt.X("shift:Q", bin=alt.Bin(extent=[-1, 1], step=0.05), title="p(B) − p(A) per option"),
@@ -100,8 +96,7 @@ LEADERBOARD_COLORS = {"base": OTHER_COLOR, "better": "#27ae60", "worse": "#d6454
 
 
 def leaderboard_chart(data: pd.DataFrame) -> alt.FacetChart:
-    """A sweep's leaderboard (workbench_ui.sweeps_view.chart_frame): per scope (overall, then each question) each
-    variant's accuracy as a point on its 95 % interval, coloured by how it compares with the base."""
+    """Per scope, each variant's accuracy on its 95 % interval, coloured by how it compares with the base."""
     variants = list(dict.fromkeys(data["variant"]))
     color = alt.Color("against the base:N", scale=alt.Scale(domain=list(LEADERBOARD_COLORS),
                                                            range=list(LEADERBOARD_COLORS.values())),

@@ -1,6 +1,4 @@
-"""What the Runs page shows, without Streamlit: the run selector's labels, its buttons while a model loads, the
-messages of a start, a delete and its undo, and a run's results as the page draws them (the table to browse, speed,
-quality, export, and the comparison with a baseline). The numbers come from clef_workbench.stats."""
+"""What the Runs page shows, without Streamlit; the numbers come from clef_workbench.stats."""
 
 from __future__ import annotations
 
@@ -22,9 +20,7 @@ STATUS_ICONS = {"pending": "⏳", "running": "▶️", "cancelled": "⏹️", "f
 
 
 def run_label(run: dict) -> str:
-    """A run in the selector. The label is drawn with the page, while the progress bar beside it refreshes on its
-    own: a running run's label names no count (which would go stale: "8/50" beside a bar at 40/50); an ended
-    run's counts no longer change."""
+    """A run in the selector; a running run's label names no count (it would go stale beside the bar)."""
     label = status_label(run)
     counts = "running" if label == "running" else f"{run['done']}/{run['total']} · {label}"
     return (f"#{run['id']} {STATUS_ICONS.get(label, '')} {run['case_set_name']} · {run['schema_name']} "
@@ -33,16 +29,13 @@ def run_label(run: dict) -> str:
 
 def surfaces_stale(drawn_label: str | None, drawn_running: list[int] | None, run_now: dict,
                    running_now: list[int]) -> bool:
-    """Whether what the page drew (the run selector's status of the run, the sidebar's running runs) no longer says
-    what the database says: the run ended (a run refused case by case fails within a second) between their drawing
-    and the progress check. The page is then drawn again, so every surface shows the same status."""
+    """Whether the selector's or the sidebar's status no longer matches the database (the page is drawn again)."""
     return (drawn_label is not None and drawn_label != status_label(run_now)) or \
         (drawn_running is not None and drawn_running != running_now)
 
 
 def schema_over_budget(engine: Any, questions: dict, max_length: int) -> str | None:
-    """Said before a run starts whose schema alone (with an empty state) does not fit max_length: every case would
-    be refused. None when it fits, or where the engine does not count tokens here (a remote endpoint)."""
+    """Why a run would refuse every case (the schema alone is over max_length); None when it fits."""
     try:
         counts = engine.count_tokens({"state": "", "questions": questions}, max_length=max_length)
     except ClefError as exc:
@@ -55,22 +48,19 @@ def schema_over_budget(engine: Any, questions: dict, max_length: int) -> str | N
 
 
 def comparison_baselines(runs: list[dict], run: dict) -> tuple[list[dict], int]:
-    """The runs `run` can be compared with: the other runs of its case set that have at least one answer, newest
-    first (the first is the default); and how many were left out because every case of theirs failed."""
+    """The other runs of the set with answers, newest first, and how many were left out (all failed)."""
     same_set = [r for r in runs if r["case_set_id"] == run["case_set_id"] and r["id"] != run["id"] and r["done"]]
     usable = [r for r in same_set if r["done"] > r["errors"]]
     return usable, len(same_set) - len(usable)
 
 
 def model_button(label: str, models_busy: bool) -> tuple[str, bool]:
-    """A button that runs cases on a model (Start, Resume, Retry), as (label, disabled): while a model loads it
-    reads "Model loading…" and waits, the run's model may be the one loading; the page reruns when the load ends."""
+    """A button that runs on a model, as (label, disabled): "Model loading…" while a model loads."""
     return ("Model loading…", True) if models_busy else (label, False)
 
 
 def run_engine(models: Any, model_id: str) -> tuple[Any, str | None]:
-    """The engine a run resumes or retries on: the model it started on, never whichever is the default now; or
-    None and why, when that model is not loaded."""
+    """The engine a run resumes on (the model it started on), or None and why."""
     try:
         return models.get(model_id), None
     except KeyError as exc:
@@ -80,7 +70,6 @@ def run_engine(models: Any, model_id: str) -> tuple[Any, str | None]:
 
 def create_run(store: Any, case_set_id: int, schema: dict, schema_slug: str, model_id: str, engine_info: dict,
                *, chunk_size: int, max_length: int, overflow: str) -> int:
-    """Record a new run of a case set (its schema without examples), with the settings and the engine's build."""
     schema = {k: v for k, v in schema.items() if k != "examples"}
     return store.create_run(case_set_id, schema=schema, model_id=model_id, model_revision=engine_info.get("revision"),
                             settings=RunSettings(chunk_size=chunk_size, max_length=max_length, overflow=overflow,
@@ -89,11 +78,7 @@ def create_run(store: Any, case_set_id: int, schema: dict, schema_slug: str, mod
                                                  precision=engine_info.get("precision")))
 
 
-# -- what a run's results say -----------------------------------------------------------------------------------
-
-
 def sweep_rows(sweeps: list[Sweep]) -> list[dict[str, Any]]:
-    """The Runs page's list of sweeps (stored like runs, issue 39): one row each, its link opening it on Sweeps."""
     return [{"sweep": s["id"], "status": s["status"], "case set": s["case_set_name"], "schema": s["schema_name"],
              "variants": s["variant_count"], "done": s["done"], "total": s["total"], "model": s["model_id"],
              "created": when(s["created_at"]), "open": links.sweep_url(s["id"])} for s in sweeps]
@@ -112,7 +97,6 @@ def error_rows(results: list[dict]) -> list[dict]:
 
 
 def answers(results: list[dict], schema: dict) -> tuple[pd.DataFrame, dict]:
-    """One row per (case, question) answered, and what the statistics rest on (its `sentence` says it)."""
     frame = stats.answer_frame(results, schema)
     return frame, stats.coverage(results, frame)
 
@@ -132,8 +116,7 @@ def browse(run_id: int, results: list[dict], schema: dict) -> Browse:
 
 
 def browsed(table: pd.DataFrame, **filters: Any) -> tuple[pd.DataFrame, str, str]:
-    """The rows the filters keep (stats.filter_browse's), the caption, and a digest naming them, for the table's
-    key: a selection never outlives the rows it was made on (another filter, new results of a live run)."""
+    """The rows the filters keep, the caption, and a digest of them for the table's key."""
     shown = stats.filter_browse(table, **filters)
     caption = (f"{len(shown)} of {len(table)} answers. Select a row to open its case in Decide (its state and this "
                "run's questions, to ask again) or in Review; “Open” does the same in a new tab, and the links can be "
@@ -163,7 +146,6 @@ class Speed:
 
 
 def speed(results: list[dict], question_count: int) -> Speed:
-    """Latency per record and throughput, as metrics with the sentences that say what they measure."""
     latency = stats.latency_stats(results)
     rates = stats.throughput(results, question_count)
     batches = len({(r["started_at"], r["finished_at"]) for r in results if not r.get("error")})
@@ -199,7 +181,6 @@ class Quality:
 
 
 def quality(frame: pd.DataFrame, questions: dict[str, dict]) -> Quality:
-    """Accuracy, score error, confusion and calibration of the answers that have expected ones."""
     accuracy = stats.accuracy_by_question(frame)
     choices = [q for q, spec in questions.items() if spec["type"] == "choice"]
     confusions = [(q, stats.confusion_matrix(frame, q, labels=casesets.option_ids(questions[q]))) for q in choices]
@@ -210,7 +191,6 @@ def quality(frame: pd.DataFrame, questions: dict[str, dict]) -> Quality:
 
 
 def extremes(results: list[dict], frame: pd.DataFrame, count: int = 10) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """The slowest cases, and the least confident answers (smallest margin first)."""
     return stats.slowest_cases(results, count), stats.least_confident(frame, count)
 
 
@@ -223,9 +203,6 @@ def fit_calibration(store: Any, run_id: int) -> tuple[str | None, tuple[str, lis
     return None, (store.get_calibration(calibration_id)["name"], reports)
 
 
-# -- export and comparison --------------------------------------------------------------------------------------
-
-
 def export(store: Any, run: dict, result_count: int, live: bool) -> ExportFiles:
     still_going = f" The run is still going: the files hold the {result_count} case(s) answered so far." if live else ""
     return ExportFiles(export_stem(f"run-{run['id']}-{run['case_set_name']}"),
@@ -234,6 +211,5 @@ def export(store: Any, run: dict, result_count: int, live: bool) -> ExportFiles:
 
 
 def comparison(store: Any, baseline_id: int, frame: pd.DataFrame) -> dict[str, Any]:
-    """The run (B) against a baseline run (A): accuracy change per question, flipped answers, probability shifts."""
     baseline = store.get_run(baseline_id)
     return stats.compare_runs(stats.answer_frame(store.list_results(baseline_id), baseline["schema"]), frame)

@@ -1,8 +1,4 @@
-"""Builder rows: the editable, list-shaped form of a questions map (the Decide page's schema builder).
-
-A row is {"id", "type", "instructions", "options": [{"id", "description"}], "levels": [str], "true": str,
-"false": str}. Rows are a list, so a duplicated id stays visible instead of being merged.
-"""
+"""Builder rows: the editable, list-shaped form of a questions map (a list, so a duplicated id stays visible)."""
 
 from __future__ import annotations
 
@@ -25,7 +21,6 @@ def _as_text(value: Any) -> str:
 
 
 def question_to_row(qid: str, question: dict[str, Any]) -> dict[str, Any]:
-    """One question of a questions map as an editable row."""
     criteria = question.get("criteria")
     row: dict[str, Any] = {
         "id": qid,
@@ -70,7 +65,6 @@ def row_to_question(row: dict[str, Any]) -> dict[str, Any]:
 
 
 def options_to_text(options: Iterable[dict[str, Any]]) -> str:
-    """Choice options as editor text: one option per line, `id: description` (or just `id`)."""
     lines = []
     for option in options:
         description = (option.get("description") or "").strip()
@@ -79,8 +73,7 @@ def options_to_text(options: Iterable[dict[str, Any]]) -> str:
 
 
 def text_to_options(text: str) -> list[dict[str, str]]:
-    """Editor text back to options. Each non-blank line is `id: description` or `id`; the id ends at the first
-    colon, so ids typed in the builder cannot contain one (schema files can)."""
+    """Editor text back to options: each non-blank line `id: description` or `id` (the id ends at the first colon)."""
     options = []
     for line in text.splitlines():
         if not line.strip():
@@ -91,7 +84,6 @@ def text_to_options(text: str) -> list[dict[str, str]]:
 
 
 def levels_to_text(levels: Iterable[str]) -> str:
-    """Score levels as editor text: one per line, lowest first."""
     return "\n".join(str(level) for level in levels)
 
 
@@ -100,10 +92,7 @@ def text_to_levels(text: str) -> list[str]:
 
 
 def rows_to_questions(rows: Iterable[dict[str, Any]]) -> tuple[dict[str, Any], list[SchemaProblem]]:
-    """Rows as a questions map, plus errors the map alone could not show (duplicate ids, options dropped).
-
-    The errors from validate_questions on the result are included, so the caller needs only this list.
-    """
+    """Rows as a questions map, with every problem (duplicate ids and validate_questions')."""
     questions: dict[str, Any] = {}
     problems: list[SchemaProblem] = []
     first_of: dict[str, int] = {}

@@ -1,5 +1,4 @@
-"""What the Schemas page shows, without Streamlit: the library's listing with each file's lint, one schema's
-questions as a table, its history and which versions to compare, and the messages of the page's actions."""
+"""What the Schemas page shows and says, without Streamlit."""
 
 from __future__ import annotations
 
@@ -16,8 +15,6 @@ STARTER_QUESTIONS = {"q1": {"type": "noul", "instructions": "Replace this with y
 
 @dataclass
 class Listing:
-    """The library as the page lists it: every file, the schemas that load and their lint problems."""
-
     entries: list[SchemaEntry]
     schemas: dict[str, Schema] = field(default_factory=dict)
     lint: dict[str, list[SchemaProblem]] = field(default_factory=dict)
@@ -30,7 +27,6 @@ class Listing:
         return next(e for e in self.entries if e.slug == slug)
 
     def label(self, slug: str) -> str:
-        """A schema in the selector: its name and its file."""
         return f"{self.entry(slug).name} ({slug}.json)"
 
     def table(self) -> list[dict[str, Any]]:
@@ -52,8 +48,7 @@ def last_edited(library: SchemaLibrary, slugs: list[str]) -> str | None:
 
 
 def shown_schema(slugs: list[str], *, linked: str | None, kept: str | None, last_edited: str | None) -> str:
-    """The schema the page opens on: the one a link names (a session's first visit), else the one chosen before in
-    this session, else the last edited, else the first."""
+    """The schema the page opens on: linked (first visit), else chosen before, else last edited, else the first."""
     return next(slug for slug in (linked, kept, last_edited, slugs[0]) if slug in slugs)
 
 
@@ -77,7 +72,6 @@ def overview(schema: Schema) -> str:
 
 
 def question_rows(schema: Schema) -> list[dict[str, Any]]:
-    """The questions table: id, type, instructions and the answers each question allows, in a few words."""
     rows = []
     for qid, question in schema.questions.items():
         criteria = question.get("criteria")
@@ -90,8 +84,7 @@ def question_rows(schema: Schema) -> list[dict[str, Any]]:
 
 
 def version_rows(versions: list[dict]) -> list[dict[str, Any]]:
-    """The history table, newest first as the store gives it; `note` says where a version came from when "how"
-    alone does not (an adopted sweep's result: the sweep and its figures)."""
+    """The history table, newest first; `note` says where a version came from (an adopted sweep)."""
     return [{"version": v["number"], "saved": when(v["created_at"]), "how": v["action"],
              "note": v["note"], "by": v["who"], "runs": v["run_count"]} for v in versions]
 
@@ -109,7 +102,6 @@ class VersionDiff:
 
 
 def version_diff(versions: list[dict], old_number: int, new_number: int) -> VersionDiff:
-    """What changed from one version of a schema's history to another."""
     by_number = {v["number"]: v for v in versions}
     changes = diff_schemas(by_number[old_number]["schema"], by_number[new_number]["schema"])
     return VersionDiff(f"Changes from version {old_number} to version {new_number}", diff_text(changes),

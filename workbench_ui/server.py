@@ -1,12 +1,4 @@
-"""The workbench and the System One HTTP API in one process, sharing one resident engine and its GPU queue.
-
-`serve_workbench.py` at the repository root is the launcher (Streamlit finds its `st.App` there); this module
-gives it the API routes. The API answers with the models the workbench has resident (CLEF_MODEL and the sidebar's
-additions; a request's "model" picks one, any other name the default) and says 503 / "ready": false while none is.
-With CLEF_API_KEY set, /v1/* and /metrics require `Authorization: Bearer <key>`. A request's "x_calibration" may
-name any calibration in the workbench's store (CLEF_DB), read when a request names one, so one fitted on the Runs
-page is served at once.
-"""
+"""The HTTP API routes of the workbench process (serve_workbench.py), over its resident models."""
 
 from __future__ import annotations
 
@@ -24,26 +16,21 @@ APP_SCRIPT = Path(__file__).resolve().parents[1] / "app.py"
 
 
 def resident_models() -> dict | None:
-    """The pages' resident models, name → engine, the default first (None while none is loaded). The first call
-    starts loading the default model."""
+    """The resident models, name → engine, the default first; None while none is loaded."""
     return {model.name: model.engine for model in shared_manager().loaded()} or None
 
 
 def stored_calibrations() -> dict[str, Calibration]:
-    """Every calibration in the workbench's store (CLEF_DB, as the pages open it), by name."""
     return calibrations_from_export(export_document(Store(WorkbenchSettings.from_env().db_path)))
 
 
 def api_routes(api_key: str | None = None) -> list:
-    """The HTTP API's routes over the resident engines and the store's calibrations; api_key defaults to
-    CLEF_API_KEY."""
+    """The HTTP API's routes over the resident engines and stored calibrations; api_key defaults to CLEF_API_KEY."""
     return routes(resident_models, api_key=api_key if api_key is not None else WorkbenchSettings.from_env().api_key,
                   calibrations=stored_calibrations)
 
 
 def host_check(bound_to: str) -> list:
-    """The standalone server's Host allow-list for a workbench bound to `bound_to` (every address: any host), as
-    middleware for the whole app, UI and API: a web page whose own name was made to point at this machine (DNS
-    rebinding) gets 421."""
+    """The standalone server's Host allow-list (421 against DNS rebinding), as middleware for the whole app."""
     return host_allow_list(default_allowed_hosts(bound_to),
                            setting="the workbench's address: --server.address, or CLEF_HOST")

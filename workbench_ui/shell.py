@@ -1,6 +1,4 @@
-"""The Streamlit shell: the process-wide engine, store and runners as the pages see them, the sidebar (models and
-status), kept widgets, and requests run through the one GPU queue with "queued, n ahead" feedback. Nothing here
-knows SQL or tensors."""
+"""The Streamlit shell: the process-wide engine, store and runners, the sidebar, kept widgets, the GPU queue."""
 
 from __future__ import annotations
 
@@ -15,19 +13,8 @@ from typing import Any
 import streamlit as st
 
 from clef_engine.remote import is_endpoint
-from clef_workbench.model_loader import (
-    CLEF_FLASH_REPO,
-    CLEF_REPO,
-    DEMO_SOURCE,
-    LoadState,
-    ModelManager,
-    fp8_fidelity_text,
-    fp8_unavailable,
-    is_demo_name,
-    kernel_summary,
-    label_of,
-    shared_manager,
-)
+from clef_workbench import model_loader
+from clef_workbench.model_loader import LoadState, ModelManager, label_of
 from clef_workbench.schema_library import SchemaLibrary
 from clef_workbench.settings import WorkbenchSettings
 from workbench_ui import links
@@ -39,8 +26,6 @@ log = logging.getLogger(__name__)
 POLL_SECONDS = 0.2
 STATUS_REFRESH_SECONDS = WorkbenchSettings.from_env().status_refresh_s  # how often the sidebar status redraws itself
 PAGES_DIR = Path(__file__).resolve().parents[1] / "pages"
-# (file in pages/, title, icon), in the navigation's order; pages not there yet (other parts of the workbench) are
-# simply not listed.
 PAGE_SPECS = [
     ("decide.py", "Decide", ":material/psychology:"),
     ("schemas.py", "Schemas", ":material/schema:"),
@@ -53,12 +38,9 @@ PAGE_SPECS = [
 
 
 def render_shell(page_file: str) -> None:
-    """The first call of every page in pages/ (`render_shell(__file__)`): the browser tab's title, the workbench's
-    navigation and the sidebar. Streamlit runs a page of its pages folder on its own (a link, a click, a reload), so
-    each page draws the shell itself and looks the same however it was opened."""
+    """Every page's first call: the tab's title, the navigation and the sidebar."""
     name = Path(page_file).name
     title, icon = next((title, icon) for file, title, icon in PAGE_SPECS if file == name)
-    # the browser tab names the page, so several open tabs of the workbench can be told apart
     st.set_page_config(page_title=f"{title} · Clef Workbench", page_icon=icon, layout="wide")
     with st.sidebar:
         for file, page_title, page_icon in PAGE_SPECS:
@@ -67,21 +49,17 @@ def render_shell(page_file: str) -> None:
     render_sidebar()  # before the page, so a page that stops early (st.stop) still has it; its status refreshes itself
 
 
-def model_manager() -> ModelManager:
-    """One per process, shared by all sessions and the HTTP API: one resident model, one GPU queue."""
-    return shared_manager()
+model_manager = model_loader.shared_manager  # one per process, shared by all sessions and the HTTP API
 
 
 @st.cache_resource(show_spinner=False)
 def get_store():
-    """The workbench's SQLite store, path from CLEF_DB (default data/workbench.sqlite3)."""
     from clef_workbench.store import Store
 
     return Store(WorkbenchSettings.from_env().db_path)
 
 
-# The process-wide runners of the current database: batch runs and sweeps keep going across page switches, reloads
-# and sessions.
+# The process-wide runners: batch runs and sweeps keep going across page switches, reloads and sessions.
 def get_job_runner():
     return _runner("runs", str(get_store().path))
 
@@ -105,12 +83,10 @@ def get_library() -> SchemaLibrary:
 
 
 def get_engine(*, show_errors: bool = True):
-    """The resident engine, waiting (with progress) while a load runs. Returns None if no model could be loaded;
-    the reason is shown unless show_errors is False."""
+    """The resident engine, waiting while a load runs; None (the reason shown) when none is loaded."""
     manager = model_manager()
     state = manager.state()
-    # Always there, empty once loaded: the page's elements keep their places when the load ends, so the browser
-    # updates them rather than drawing the page anew (which would drop what someone is typing).
+    # always there: the page's elements keep their places when the load ends (a redraw drops what is being typed)
     loading_area = st.container()
     if state.loading_source is not None:
         with loading_area.status(f"Loading {label_of(state.loading_source)}…", expanded=True) as status:
@@ -123,8 +99,6 @@ def get_engine(*, show_errors: bool = True):
                 status.update(label="Loading failed", state="error", expanded=False)
             else:
                 status.update(label=f"Loaded {label_of(state.source)}", state="complete", expanded=False)
-    # no banner of its own for the demo: the pages flag random weights next to the answers, once (three banners
-    # said it at once after the first Run)
     if show_errors and state.error:
         st.error(state.error, icon=":material/warning:")
     if show_errors and state.notice:
@@ -133,14 +107,13 @@ def get_engine(*, show_errors: bool = True):
 
 
 def random_weights_text(model_name: str) -> str:
-    demo = "**Demo model.** " if is_demo_name(model_name) else ""
+    demo = "**Demo model.** " if model_loader.is_demo_name(model_name) else ""
     return (f"{demo}**{model_name} has random weights: its answers mean nothing.** Accuracy, calibration and "
             "confidences from it say nothing about Clef; use Clef or Clef-Flash for answers to act on.")
 
 
 def random_weights_notice(model_name: str | None) -> None:
-    """Where a page shows answers: a warning when the model that produced them has random weights (the demo, a
-    release or an endpoint that says so)."""
+    """A warning where answers come from a model with random weights."""
     if model_name and model_manager().random_weights(model_name):
         st.warning(random_weights_text(model_name), icon=":material/casino:")
 
@@ -149,8 +122,9 @@ def _gib(n: int | None) -> str:
     return "–" if not n else f"{n / 2**30:.1f} GiB"
 
 
-MODEL_CHOICES = {"Clef (27B)": CLEF_REPO, "Clef-Flash (9B)": CLEF_FLASH_REPO, "Local release folder": "local",
-                 "System One endpoint (URL)": "endpoint", "Demo model (random weights)": DEMO_SOURCE}
+MODEL_CHOICES = {"Clef (27B)": model_loader.CLEF_REPO, "Clef-Flash (9B)": model_loader.CLEF_FLASH_REPO,
+                 "Local release folder": "local", "System One endpoint (URL)": "endpoint",
+                 "Demo model (random weights)": model_loader.DEMO_SOURCE}
 SOURCE_INPUTS = {"local": ("Release folder", "/models/clef-flash"),
                  "endpoint": ("Endpoint URL (key from CLEF_API_KEY, never stored)", "https://host:8000")}
 
@@ -174,26 +148,22 @@ PRECISION_CHOICES = {"bf16 (default)": "bf16", "FP8 (W8A8: faster, slightly less
 
 
 def pick_precision(key: str, source: str) -> str | None:
-    """The precision to load a local model in: a choice on a machine whose GPU runs FP8; elsewhere a line saying why
-    there is none, and None (the engine's default)."""
+    """bf16 or FP8 where the GPU runs FP8; elsewhere a line saying why not, and None (the engine's default)."""
     if not source or is_endpoint(source):
         return None  # an endpoint answers in whatever precision it runs
-    unavailable = fp8_unavailable()
+    unavailable = model_loader.fp8_unavailable()
     if unavailable is not None:
         st.caption(f"Precision: bf16. FP8 is not offered here: {unavailable}.")
         return None
     picked = st.radio("Precision", list(PRECISION_CHOICES), key=f"{key}_precision", horizontal=True,
                       help="FP8 runs the backbone's projections in 8-bit floating point: faster and half the weight "
-                           f"memory, answers slightly further from the exact ones ({fp8_fidelity_text()}).")
+                           "memory, answers slightly further from the exact ones "
+                           f"({model_loader.fp8_fidelity_text()}).")
     return PRECISION_CHOICES[picked]
 
 
-# Nothing on a page may hide what it says behind an ellipsis at 1024 px ("Make def…", "p50 compute per re…",
-# "150,762.4…"), nor break a word across lines ("Rem/ove", "81.7/%"): button labels, metric labels and values wrap
-# between words, a button is at least as wide as its longest word, metric values shrink with a narrow window, and
-# below 1280 px the page's side margins give their room to the content. Decide's Images uploader takes files up to
-# the videos' size, so that an image over its own limit is refused in words under it (not by the browser with a red
-# icon): its instructions say the images' limit, not the uploader's ("64MB per file" beside a caption of 20 MB).
+# No ellipsis nor word broken across lines at 1024 px: labels and values wrap between words, buttons are as wide as
+# their longest word, margins shrink below 1280 px. Decide's Images uploader states the images' limit, not its own.
 PAGE_STYLE = """<style>
 button [data-testid="stMarkdownContainer"], button [data-testid="stMarkdownContainer"] *,
 [data-testid="stMetricLabel"], [data-testid="stMetricLabel"] *,
@@ -211,8 +181,7 @@ button [data-testid="stMarkdownContainer"], button [data-testid="stMarkdownConta
 
 
 def render_sidebar() -> None:
-    """The default model's selector, the other resident models (add, make default, remove) and the status, drawn
-    before the page."""
+    """The default model's selector, the other resident models and the status, drawn before the page."""
     st.html(PAGE_STYLE)
     manager = model_manager()
     state = manager.state()
@@ -249,8 +218,7 @@ def render_sidebar() -> None:
 
 
 def render_models(manager: ModelManager) -> None:
-    """Every resident model when there are several (Decide, Runs and the API pick among them), with Make default and
-    Unload (which asks first)."""
+    """Every resident model when there are several, with Make default and Unload (asked first)."""
     models = manager.loaded()
     if len(models) > 1:
         st.caption("Loaded models (the API and the Decide and Runs pages pick among them):")
@@ -267,7 +235,7 @@ def render_models(manager: ModelManager) -> None:
         if st.button("Unload…", key=f"sidebar.remove.{model.name}", icon=":material/close:"):
             st.session_state["sidebar.confirm_remove"] = confirming = model.name
         # the question right under the button that asked it
-        if confirming == model.name and confirm_delete(
+        if confirming == model.name and confirm(
                 f"Unload {model.name}? Runs on it stop after their batch in flight; you can load it again.",
                 page_key("sidebar"), "sidebar.confirm_remove", yes_label="Yes, unload", icon=None):
             with contextlib.suppress(KeyError):  # unloaded meanwhile by another session
@@ -276,9 +244,7 @@ def render_models(manager: ModelManager) -> None:
 
 
 def render_add_model(manager: ModelManager) -> None:
-    """Load one more model beside the resident ones."""
-    # open while this session's add has something to say: the rerun after Add (and the model list growing above it)
-    # would otherwise draw the expander closed again, hiding its progress and outcome
+    # open while this session's add has news: a rerun would draw it closed, hiding its progress
     with st.expander("Add a model", icon=":material/add:", expanded=ADDED_KEY in st.session_state,
                      key="sidebar.add_box"):
         st.caption("Loads beside the others (each keeps its own engine; local ones share the GPU's queue). Memory "
@@ -301,7 +267,6 @@ ADDED_KEY = "sidebar.added"  # the model this session last asked to add: its pro
 
 
 def follow_add() -> None:
-    """The add this session asked for, under its Add button: its progress while it loads, then what became of it."""
     manager = model_manager()
     source = st.session_state.get(ADDED_KEY)
     state = manager.state()
@@ -317,12 +282,7 @@ def follow_add() -> None:
 
 
 def live_status() -> None:
-    """The model status. While a model loads or warms up it redraws on its own every few seconds (until the page's
-    next run); otherwise it is redrawn with the page. A refresh of its own finishing while the page runs made the
-    browser redraw the page's text fields from their declared defaults and send those back as if typed, wiping what a
-    person wrote (a draft's question ids, a case set's name). It never reruns the page itself: a rerun started by the
-    server carries the fields' values as the server last saw them, and an edit the browser sent meanwhile was
-    lost."""
+    """The model status, refreshing itself only while a model loads (never rerunning the page: stale values)."""
     state = model_manager().state()
     if state.status in ("loading", "warming") or state.adding:
         st.fragment(lambda: render_status(model_manager().state()), run_every=STATUS_REFRESH_SECONDS)()
@@ -331,8 +291,7 @@ def live_status() -> None:
 
 
 def render_status(state: LoadState) -> None:
-    line = state.status_line()
-    if line:
+    if line := state.status_line():
         st.caption(line)
     for source in state.adding:
         st.caption(f"Adding {label_of(source)}…")
@@ -343,7 +302,7 @@ def render_status(state: LoadState) -> None:
         return
     info = engine.info()
     memory = info.get("memory") or {}
-    fast, kernel_detail = kernel_summary(info.get("kernels") or {})
+    fast, kernel_detail = model_loader.kernel_summary(info.get("kernels") or {})
     rows = {
         "model": label_of(state.source or info.get("model", "?")) if state.is_demo else info.get("model", "?"),
         "revision": info.get("revision") or "–",
@@ -360,8 +319,7 @@ def render_status(state: LoadState) -> None:
 
 
 def precision_text(info: dict) -> str:
-    """Which precision answers: the weights' dtype ("float32" on the CPU, "bfloat16"), or "FP8 (W8A8) — max |Δp| …
-    from float32 …" with its measured distance. One line: a dtype beside an engine's default "bf16" contradicted it."""
+    """Which precision answers: the weights' dtype, or FP8 with its measured distance from float32."""
     if info.get("precision") != "fp8":
         return info.get("dtype") or info.get("precision") or "–"
     from clef_engine.fp8_fidelity import describe_fidelity
@@ -375,23 +333,20 @@ RUNNING_SHOWN_KEY = "sidebar.running_runs"  # the runs the sidebar last drew as 
 
 
 def running_run_ids() -> list[int]:
-    """Runs some workbench process is working on now (their lease is live), from the database: a run's batches
-    wait in the engine's queue only one at a time, so the queue depth alone hides them."""
+    """Runs some workbench process works on now (live lease): the queue depth alone hides them."""
     store = get_store()
     return [r["id"] for r in store.list_runs() if r["status"] == "running" and store.run_lease_holder(r["id"])]
 
 
 def running_runs_text() -> str:
-    """The runs running now, remembered as what the sidebar shows: a page that follows a run redraws when they
-    differ."""
+    """The runs running now, remembered so a page following a run redraws when they differ."""
     running = st.session_state[RUNNING_SHOWN_KEY] = running_run_ids()
     return ", ".join(f"#{run_id}" for run_id in running) + " running" if running else "none running"
 
 
 def run_queued(engine, requests: list[dict], *, max_length: int | None = None, overflow: str = "refuse",
                on_wait: Callable[[str], None] | None = None) -> list[dict]:
-    """Run requests on the shared GPU queue at interactive priority, reporting "queued, n ahead" while waiting.
-    Raises what engine.submit raises for a bad request (RequestError, TokenBudgetError) or BusyError."""
+    """Run requests at interactive priority, showing "queued, n ahead" while waiting."""
     prepared = [engine.validate(request, max_length=max_length, overflow=overflow) for request in requests]
     future = engine.submit(prepared, priority="interactive")  # validated once, above: carries its budget
     started = time.monotonic()
@@ -411,25 +366,20 @@ def run_queued(engine, requests: list[dict], *, max_length: int | None = None, o
 
 
 def failure_text(what: str, exc: BaseException) -> str:
-    """The words a page shows for a failure it catches broadly ("The run failed: RuntimeError: …"), so that the page
-    stays up; the traceback goes to the operator's log."""
+    """The words for a failure a page catches broadly; the traceback goes to the log."""
     log.error("%s", what, exc_info=exc)
     return f"{what}: {type(exc).__name__}: {exc}"
 
 
 def page_key(page: str) -> Callable[[str], str]:
-    """Namespaced session-state keys per page: key("rows") -> "decide.rows"."""
     return lambda name: f"{page}.{name}"
 
 
 def kept_widget(widget: Callable[..., Any], label: str, key: str, default: Any = None, **kwargs: Any) -> Any:
-    """A widget whose value survives page switches. Streamlit drops a widget's state when a run does not render it
-    (another page), so we keep a copy under a non-widget key and restore it when the widget comes back."""
+    """A widget whose value survives page switches (a copy is kept and restored)."""
     if key not in st.session_state:
         st.session_state[key] = st.session_state.get(KEEP_PREFIX + key, default)
-    # The browser falls back to a widget's declared default whenever it redraws the widget without the value it
-    # held (a fragment's refresh finishing during the page's own run does that), and sends that back as if chosen:
-    # declared as the value the server holds, such a fallback changes nothing.
+    # declared as the value the server holds: a browser redraw that falls back to the default changes nothing
     kwargs.update(declared_default(widget.__name__, st.session_state[key], kwargs.get("options")))
     value = widget(label, key=key, **kwargs)
     st.session_state[KEEP_PREFIX + key] = value
@@ -453,8 +403,7 @@ def show_message(key: str, **kwargs: Any) -> None:
 
 
 def show_flash(key: str, undo: Callable[..., None]) -> None:
-    """The message a page's action left under `key` for its next run, (kind, text, undo arguments or None), shown
-    once; with undo arguments, an Undo button beside it calls undo(*arguments)."""
+    """The message (kind, text, undo arguments) an action left under `key`, shown once, with Undo."""
     message = st.session_state.pop(key, None)
     if not message:
         return
@@ -466,18 +415,13 @@ def show_flash(key: str, undo: Callable[..., None]) -> None:
 
 
 def url_int(name: str) -> int | None:
-    """An integer URL parameter (?run=12), or None when absent or not a number."""
     value = st.query_params.get(name)
     return int(value) if value is not None and str(value).isdigit() else None
 
 
 def pick_id(ids: list[int], key: str, label: str, format_func: Callable[[int], str], *, param: str,
             what: str) -> int | None:
-    """A selector of one row (a run, a case set) whose choice is kept across page switches and shared through the
-    URL: a session's first visit opens the one the link names (?run=12), and the URL always names the one shown,
-    so the address bar is a link to what is on screen. A link to one that does not exist (deleted, a typo, another
-    database) shows "not found" with what exists, and returns None: it never opens another one in its place nor
-    rewrites the URL. A kept choice deleted since falls back to the first (newest)."""
+    """A selector of one row kept across pages and shared through the URL; None for a link to a missing one."""
     first_visit = KEEP_PREFIX + key not in st.session_state
     if first_visit and st.query_params.get(param) is not None:
         linked = url_int(param)
@@ -496,8 +440,7 @@ def pick_id(ids: list[int], key: str, label: str, format_func: Callable[[int], s
 
 
 def show_not_found(missing: links.Missing, key: str | None = None) -> None:
-    """"Not found" for a link: what it asked for, and links to what exists. With `key` (a pick_id selector), a
-    button opens the first that exists instead, when the person asks."""
+    """"Not found" for a link, with links to what exists; with `key`, a button opens the first instead."""
     st.error(missing.message, icon=":material/link_off:")
     if missing.links:
         st.markdown("\n".join(f"- [{text}]({url})" for text, url in missing.links)
@@ -510,7 +453,6 @@ def show_not_found(missing: links.Missing, key: str | None = None) -> None:
 
 
 def pick_run(runs: list[dict], key: str, label: Callable[[dict], str]) -> int | None:
-    """The run selector of the Runs and Review pages (see pick_id; the URL parameter is `run`)."""
     labels = {run["id"]: label(run) for run in runs}
     return pick_id(list(labels), key, "Run", labels.get, param="run", what="run")
 
@@ -528,19 +470,17 @@ def forget_widget(key: str, unless_in: Any = ()) -> None:
 
 
 def set_widget(key: str, value: Any) -> None:
-    """Set a kept widget's value from a callback (before the widget renders)."""
     set_kept(st.session_state, key, value)
 
 
-def confirm_delete(question: str, key: Callable[[str], str], confirm_key: str, *, yes_label: str = "Yes, delete it",
-                   icon: str | None = ":material/delete:") -> bool:
-    """Asks before a delete (`confirm_key` set opened the question): True when `yes_label` was clicked. Either button
-    closes the question."""
-    with st.container(border=True, key=key("confirm_delete_box")):
+def confirm(question: str, key: Callable[[str], str], confirm_key: str, *, yes_label: str = "Yes, delete it",
+            no_label: str = "Cancel", icon: str | None = ":material/delete:") -> bool:
+    """Asks before an action: True when `yes_label` was clicked; either button closes the question."""
+    with st.container(border=True, key=key("confirm_box")):
         st.warning(question, icon=icon)
         cols = st.columns(2)
-        yes = cols[0].button(yes_label, key=key("delete_yes"), type="primary")
-        if yes or cols[1].button("Cancel", key=key("delete_no")):
+        yes = cols[0].button(yes_label, key=key("confirm_yes"), type="primary")
+        if yes or cols[1].button(no_label, key=key("confirm_no")):
             st.session_state.pop(confirm_key, None)
         if not yes and confirm_key not in st.session_state:  # cancelled: drawn again without the question
             st.rerun()

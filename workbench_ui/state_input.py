@@ -1,9 +1,4 @@
-"""What the Decide page turns into a System One request: the state text, the attached media, and the schema.
-
-- `parse_state`: the editor's text as a plain-text state or a JSON value; JSON errors name the line and column.
-- `check_image` / `check_video`: an upload's real type from its bytes (not its file name), size and pixel limits.
-- `build_request`: state + questions + media → the request dict sent to the engine (and shown to the user).
-"""
+"""What the Decide page turns into a System One request: the state text, the attached media, and the schema."""
 
 from __future__ import annotations
 
@@ -15,24 +10,18 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from clef_engine import protocol
-from clef_engine.interface import DecisionEngine
 from clef_engine.protocol import sniff_content_type
 
-# Upload limits, shown in the UI next to the uploaders; stricter than the contract, which has none. Images follow
-# the limits published for hosted Clef (spec §5), so what the Decide page sends would also be taken there; the
-# byte limits keep one request's upload and base64 copy small.
+# Upload limits, stricter than the contract's: images as hosted Clef takes them (spec §5).
 MAX_IMAGES = protocol.HOSTED.max_images
 MAX_IMAGE_PIXELS = protocol.HOSTED.max_image_pixels
-# A megabyte is 1,000,000 bytes here, as the uploaders' file chips count it (Streamlit counts in 1,000s except on
-# Windows): a file's size and its limit read alike on the chip, in the caption and in a refusal.
+# 1,000,000 bytes, as the uploaders' file chips count a megabyte
 MB = 1_000_000
 MAX_IMAGE_BYTES = 20 * MB
-# Videos cost many tokens (2 frames per second are sampled) and have no published limit: the page takes as many as
-# images, and these keep a single Decide request reasonable on one GPU.
+# videos have no published limit: these keep one request reasonable on one GPU
 MAX_VIDEOS = protocol.HOSTED.max_images
 MAX_VIDEO_BYTES = 64 * MB
 MAX_VIDEO_SECONDS = 120.0
-# Streamlit text areas get slow long before this; a state this long cannot fit a 16k-token context anyway.
 MAX_STATE_CHARS = 2_000_000
 
 IMAGE_TYPES = {t: protocol.MEDIA_TYPE_NAMES[t] for t in protocol.IMAGE_CONTENT_TYPES}
@@ -56,8 +45,6 @@ class StateInputError(ValueError):
 
 @dataclass(frozen=True)
 class ParsedState:
-    """The state to send: `value` is a str for plain text, any JSON value otherwise."""
-
     value: Any
     kind: Literal["text", "json"]
     warnings: tuple[str, ...] = ()
@@ -79,10 +66,7 @@ def _reject_constant(name: str) -> Any:
 
 
 def parse_state(text: str, mode: StateMode = "auto") -> ParsedState:
-    """Turn the editor's text into a state. Raises StateInputError with line/column for bad JSON.
-
-    mode "text": the text as is. mode "json": must be one JSON value. mode "auto": JSON when it starts with { or [.
-    """
+    """The editor's text as a state. Raises StateInputError with line and column."""
     if not text.strip():
         raise StateInputError("The state is empty: write the record the model should read (plain text or JSON).")
     if len(text) > MAX_STATE_CHARS:
@@ -114,14 +98,9 @@ def parse_state(text: str, mode: StateMode = "auto") -> ParsedState:
 
 
 def state_to_text(state: Any) -> str:
-    """A state as editor text: strings as they are, anything else as indented JSON."""
     if isinstance(state, str):
         return state
     return json.dumps(state, indent=2, ensure_ascii=False)
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Media
 
 
 class MediaError(ValueError):
@@ -145,7 +124,6 @@ class Media:
         return len(self.data)
 
     def data_url(self) -> str:
-        """The form a System One request carries media in."""
         return protocol.data_url(self.content_type, self.data)
 
 
@@ -217,7 +195,6 @@ def check_video(name: str, data: bytes) -> Media:
 
 
 def check_media_counts(images: Sequence[Any], videos: Sequence[Any]) -> None:
-    """Raise MediaError when more files are attached than a request may carry."""
     if len(images) > MAX_IMAGES:
         raise MediaError(f"{len(images)} images attached; a request carries at most {MAX_IMAGES}.")
     if len(videos) > MAX_VIDEOS:
@@ -225,14 +202,9 @@ def check_media_counts(images: Sequence[Any], videos: Sequence[Any]) -> None:
 
 
 def media_limits_text() -> str:
-    """The limits in one sentence, for the UI."""
     return (f"Images: {_names(IMAGE_TYPES)}, up to {MAX_IMAGES} per request, {_mb(MAX_IMAGE_BYTES)} and "
             f"{MAX_IMAGE_PIXELS / 1e6:.0f} MP each. Videos: {_names(VIDEO_TYPES)}, up to {MAX_VIDEOS} per request, "
             f"{_mb(MAX_VIDEO_BYTES)} and {MAX_VIDEO_SECONDS:.0f} s each.")
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Request
 
 
 DEFAULT_MODEL_NAME = protocol.DEFAULT_MODEL_NAME
@@ -240,8 +212,7 @@ DEFAULT_MODEL_NAME = protocol.DEFAULT_MODEL_NAME
 
 def build_request(state: Any, questions: dict[str, Any], *, images: Sequence[Media] = (),
                   videos: Sequence[Media] = (), model: str = DEFAULT_MODEL_NAME) -> dict[str, Any]:
-    """The System One request for a state, a questions map and accepted media (images before videos, in the order
-    given). Media travel as data URLs. `images`/`videos` keys are present only when there are any."""
+    """The System One request for a state, questions and media (as data URLs, images first)."""
     check_media_counts(images, videos)
     return protocol.build_request(state, questions, images=[m.data_url() for m in images],
                                   videos=[m.data_url() for m in videos], model=model)
@@ -249,8 +220,7 @@ def build_request(state: Any, questions: dict[str, Any], *, images: Sequence[Med
 
 def redact_media(request: dict[str, Any], images: Sequence[Media] = (), videos: Sequence[Media] = (),
                  keep_chars: int = 48) -> dict[str, Any]:
-    """A copy of a request for display: each data URL shortened to its start plus the file name and size, because
-    megabytes of base64 in a code block make the page unusable. The full request is offered as a download."""
+    """A request for display, each data URL shortened (the full request is a download)."""
     shown = dict(request)
     for key, items in (("images", images), ("videos", videos)):
         urls = request.get(key)
@@ -261,11 +231,3 @@ def redact_media(request: dict[str, Any], images: Sequence[Media] = (), videos: 
             label = f"{items[i].name}, {items[i].size_bytes:,} bytes" if i < len(items) else f"{len(url):,} chars"
             shown[key].append(url if len(url) <= keep_chars else f"{url[:keep_chars]}… [{label}]")
     return shown
-
-
-def sampled_video_frames(engine: DecisionEngine, video: Media) -> Any | None:
-    """The frames of a video that the engine's video processor samples (what the model sees), as a
-    clef_engine.model.media.Video: frames T×H×W×3 uint8, fps, source frame indices, source frame count; None for
-    an engine that samples elsewhere (a remote endpoint). Raises MediaError (the engine's) when the video cannot
-    be decoded."""
-    return engine.sample_video_frames(video.data)

@@ -1,13 +1,10 @@
-"""What the Sweeps page shows, without Streamlit: the alternatives a person writes per question (their editor's
-text and what is wrong with it), and Adopt (a sweep's schema made the library schema's new version, its note naming
-the sweep and its figures; undone by restoring the version before). The sweep itself (variants, execution, scores)
-is clef_workbench.sweeps'."""
+"""What the Sweeps page shows and does, without Streamlit; the sweep itself is clef_workbench.sweeps'."""
 
 from __future__ import annotations
 
+import functools
 import json
 import threading
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,30 +17,25 @@ from clef_workbench.schemas import Schema, SchemaError
 from clef_workbench.sweep_runner import SweepAlreadyRunningError, SweepRunner
 from workbench_ui import links, schema_rows, units
 
-_SCORED: OrderedDict[tuple, sweeps.SweepResult] = OrderedDict()  # the last few sweeps scored in this process
-_SCORED_KEPT = 8
-_SCORED_LOCK = threading.Lock()  # each browser session runs the page on a thread of its own
+_SCORING = threading.Lock()  # sessions run on threads of their own: one scores, the others reuse its result
 
 
 def scored_sweep(store: Any, sweep_id: int, threshold: float) -> sweeps.SweepResult:
-    """`sweeps.load_sweep`, scored again only when the sweep's stored answers change: its bootstrap intervals take
-    seconds, and the page runs again at every click (a row selected, Adopt)."""
+    """`sweeps.load_sweep`, scored again only when its answers change (the bootstrap takes seconds)."""
     sweep = store.get_sweep(sweep_id)
-    key = (str(store.path), sweep_id, sweep["created_at"], sweep["status"], store.count_sweep_answers(sweep_id),
-           threshold)
-    with _SCORED_LOCK:
-        if key not in _SCORED:
-            _SCORED[key] = sweeps.load_sweep(store, sweep_id, threshold=threshold)
-            while len(_SCORED) > _SCORED_KEPT:
-                _SCORED.popitem(last=False)
-        _SCORED.move_to_end(key)
-        return _SCORED[key]
+    with _SCORING:
+        return _scored(store, sweep_id, threshold, (sweep["created_at"], sweep["status"],
+                                                    store.count_sweep_answers(sweep_id)))
+
+
+@functools.lru_cache(maxsize=8)
+def _scored(store: Any, sweep_id: int, threshold: float, version: tuple) -> sweeps.SweepResult:
+    return sweeps.load_sweep(store, sweep_id, threshold=threshold)
 
 
 @dataclass(frozen=True)
 class AlternativeEditor:
-    """A question's editor text for a written alternative: its instructions and its options as text (choice and
-    yes/no: `id: description` per line; score: one level per line, lowest first)."""
+    """A question's editor text for an alternative: its instructions, and its options as text."""
 
     instructions: str
     options: str
@@ -51,7 +43,6 @@ class AlternativeEditor:
 
 
 def alternative_editor(question: dict[str, Any]) -> AlternativeEditor:
-    """The editor of an alternative to `question`, filled with the question as it is."""
     row = schema_rows.question_to_row("q", question)
     if row["type"] == "score":
         return AlternativeEditor(row["instructions"], schema_rows.levels_to_text(row["levels"]),
@@ -67,8 +58,7 @@ def alternative_editor(question: dict[str, Any]) -> AlternativeEditor:
 
 def written_alternative(question_id: str, question: dict[str, Any], instructions: str,
                         options: str) -> tuple[dict[str, Any] | None, list[str]]:
-    """The alternative a person wrote for `question` as a question of the same type, or None with what is wrong
-    (each message names the question and field). The same question as it is is refused: it is no alternative."""
+    """The alternative written for `question`, or None with what is wrong (the question as it is is no alternative)."""
     row = {"id": question_id, "type": question["type"], "instructions": instructions.strip(), "options": [],
            "levels": [], "true": "", "false": ""}
     if question["type"] == "score":
@@ -83,8 +73,7 @@ def written_alternative(question_id: str, question: dict[str, Any], instructions
                           f"and `false`, not {', '.join(unknown)}"]
         row.update(sides)
     questions, problems = schema_rows.rows_to_questions([row])
-    errors = [p.msg for p in problems if p.severity == "error"]
-    if errors:
+    if errors := [p.msg for p in problems if p.severity == "error"]:
         return None, errors
     written = questions[question_id]
     if written == schema_rows.row_to_question(schema_rows.question_to_row(question_id, question)):
@@ -92,8 +81,6 @@ def written_alternative(question_id: str, question: dict[str, Any], instructions
                       "instructions or options"]
     return written, []
 
-
-# -- the sweep to start -------------------------------------------------------------------------------------------
 
 AUTO_KIND_LABELS = {
     "no_descriptions": "Each option's description removed",
@@ -106,7 +93,6 @@ AUTO_KIND_LABELS = {
 
 
 def missing_for_sweep(case_sets: list[dict], slugs: list[str], engine: Any) -> str | None:
-    """What a sweep still needs, in words; None when one can start."""
     missing = [what for what, there in (("a labelled case set (Case sets page)", case_sets),
                                         ("a schema (Schemas page)", slugs), ("a loaded model (sidebar)", engine))
                if not there]
@@ -114,8 +100,7 @@ def missing_for_sweep(case_sets: list[dict], slugs: list[str], engine: Any) -> s
 
 
 def written_variants(schema: dict[str, Any], written: list[tuple[str, dict[str, Any]]]) -> list[sweeps.Variant]:
-    """The alternatives written per question as variants of `schema`, named "written:QUESTION" ("written 2:…" for
-    a question's second)."""
+    """The alternatives as variants of `schema`, named "written:QUESTION" ("written 2:…" for a second)."""
     entries, numbers = [], {}
     for question_id, question in written:
         numbers[question_id] = numbers.get(question_id, 0) + 1
@@ -126,9 +111,7 @@ def written_variants(schema: dict[str, Any], written: list[tuple[str, dict[str, 
 
 def planned_variants(schema: dict[str, Any], kinds: list[str],
                      written: list[tuple[str, dict[str, Any]]]) -> tuple[list[sweeps.Variant], str]:
-    """The variants a sweep of `schema` would score (the base first), and a line saying how many, or why it cannot
-    start (over MAX_VARIANTS, nothing but the base, alternatives the schema has changed under since they were
-    written)."""
+    """The variants a sweep would score (the base first), and how many or why it cannot start."""
     try:
         variants = [sweeps.base_variant(schema), *sweeps.auto_variants(schema, kinds),
                     *written_variants(schema, written)]
@@ -148,7 +131,6 @@ def can_start(variants: list[sweeps.Variant]) -> bool:
 
 def start_sweep(store: Any, runner: SweepRunner, engine: Any, model_id: str, case_set_id: int, slug: str,
                 variants: list[sweeps.Variant], *, folds: int) -> tuple[int | None, str]:
-    """Record the sweep and start it in the background; its id and the message to show (None and why not)."""
     base = variants[0].schema
     info = engine.info()
     settings = {"schema_slug": slug, "schema_version": base.get("version"), "device": info.get("device"),
@@ -163,8 +145,7 @@ def start_sweep(store: Any, runner: SweepRunner, engine: Any, model_id: str, cas
 
 
 def library_schema(library: SchemaLibrary, slug: str) -> tuple[dict[str, Any] | None, str | None]:
-    """The library schema a sweep starts from (its example states left out, as runs keep it), or the reason it
-    does not load."""
+    """The library schema a sweep starts from (without examples), or why it does not load."""
     try:
         schema = library.load(slug).to_dict()
     except SchemaError as exc:
@@ -173,15 +154,11 @@ def library_schema(library: SchemaLibrary, slug: str) -> tuple[dict[str, Any] | 
     return schema, None
 
 
-# -- its progress -------------------------------------------------------------------------------------------------
-
-
 def sweep_row(store: Any, sweep_id: int) -> dict[str, Any]:
     return next(s for s in sweeps.list_sweeps(store) if s["id"] == sweep_id)
 
 
 def sweep_label(sweep: dict[str, Any]) -> str:
-    """A sweep in the selector."""
     return (f"#{sweep['id']} {sweep['case_set_name']} · {sweep['schema_name']} · {sweep['variants']} variants · "
             f"{sweep['model_id']} · {sweep['status']}")
 
@@ -211,27 +188,21 @@ def progress_shown(runner: SweepRunner, sweep: dict[str, Any]) -> ProgressShown:
     return ProgressShown(done / max(total, 1), text, running_here, problem)
 
 
-def model_missing_message(sweep: dict[str, Any]) -> str:
-    return (f"Sweep #{sweep['id']} was started on the model {sweep['model_id']!r}, which is not loaded: add it in the "
-            "sidebar (Add a model), then resume.")
-
-
-def resume_sweep(runner: SweepRunner, engine: Any, sweep_id: int) -> str:
-    """Resume a stopped sweep's cases left; the message to show."""
+def resume_sweep(runner: SweepRunner, models: Any, sweep: dict[str, Any]) -> tuple[str, str]:
+    """Resume a stopped sweep on the model it started on: the message's kind and text."""
     try:
-        runner.start(sweep_id, engine)
+        engine = models.get(sweep["model_id"])
+    except KeyError:
+        return "error", (f"Sweep #{sweep['id']} was started on the model {sweep['model_id']!r}, which is not loaded: "
+                         "add it in the sidebar (Add a model), then resume.")
+    try:
+        runner.start(sweep["id"], engine)
     except SweepAlreadyRunningError as exc:
-        return str(exc)
-    return f"Resumed sweep #{sweep_id}."
-
-
-# -- the leaderboard ----------------------------------------------------------------------------------------------
-
-OVERALL = "overall"
+        return "info", str(exc)
+    return "info", f"Resumed sweep #{sweep['id']}."
 
 
 def leaderboard_caption(result: sweeps.SweepResult) -> str:
-    """What the leaderboard rests on and how to read it."""
     return (f"{result.done} of {result.cases} labelled cases of “{result.case_set_name}” on {result.model_id}, "
             f"{result.state_prefills} state(s) prefilled for {len(result.variants)} variants. Accuracy with its 95 % "
             "bootstrap interval over cases; a variant is better or worse than the base only when the paired "
@@ -249,10 +220,9 @@ def metric_text(metric: sweeps.Metric, *, signed: bool = False) -> str:
 
 
 def chart_frame(result: sweeps.SweepResult) -> pd.DataFrame:
-    """The leaderboard chart's rows: each variant's accuracy with its interval, overall and per question."""
     rows = []
     for score in result.variants:
-        scopes = [(OVERALL, score.accuracy, score.accuracy_change)] + [
+        scopes = [("overall", score.accuracy, score.accuracy_change)] + [
             (qid, q.accuracy, q.accuracy_change) for qid, q in score.questions.items()]
         for scope, accuracy, change in scopes:
             if accuracy.value is not None:
@@ -274,9 +244,7 @@ def better_text(variant: sweeps.Variant, change: sweeps.Metric) -> str:
 
 
 def leaderboard_table(result: sweeps.SweepResult) -> pd.DataFrame:
-    """One row per variant, best overall accuracy first (the base where it falls): accuracy [interval], the change
-    against the base [paired interval] and what it means, flipped cases, order sensitivity, then each question's
-    accuracy."""
+    """One row per variant, best accuracy first, with its change against the base."""
     questions = list(result.base_schema["questions"])
     rows = []
     for name in sweeps.leaderboard(result)["variant"]:
@@ -319,17 +287,12 @@ def best_text(result: sweeps.SweepResult) -> str | None:
             "each fold's cases answered by the schema of each question's best wording on the other folds).")
 
 
-# -- a variant's flipped cases --------------------------------------------------------------------------------------
-
-
 def variant_score(result: sweeps.SweepResult, name: str) -> sweeps.VariantScore:
     return next(score for score in result.variants if score.variant.name == name)
 
 
 def flipped_cases(store: Any, result: sweeps.SweepResult, name: str) -> pd.DataFrame:
-    """The cases where variant `name` answers a question otherwise than the base: one row per case and question,
-    with the expected answer, the state's first line and a link that opens the case in Decide with the variant's
-    questions (Review: `review_params`)."""
+    """The cases where variant `name` answers otherwise than the base, with a link to open each in Decide."""
     score = variant_score(result, name)
     rows = []
     for qid, question in score.questions.items():
@@ -343,26 +306,19 @@ def flipped_cases(store: Any, result: sweeps.SweepResult, name: str) -> pd.DataF
 
 
 def review_params(store: Any, result: sweeps.SweepResult, name: str, case_id: int, question: str) -> dict[str, str]:
-    """Review's query parameters for a flipped case: its answer to `question` in the variant's answers as a run
-    (`sweeps.variant_run`: made on first use), where it can be labelled as any run's."""
+    """Review's query parameters for a flipped case, its variant's answers as a run (made on first use)."""
     return {"run": str(sweeps.variant_run(store, result.id, name)), "case": str(case_id), "question": question}
 
-
-# -- adopt ----------------------------------------------------------------------------------------------------------
 
 BEST = "best"  # the adoption choice of the composed best schema
 
 
 def composed_differs(result: sweeps.SweepResult) -> bool:
-    """Whether there is a composed best schema other than the base (where the base wins every question, it is the
-    base as it is: nothing to adopt)."""
     return result.best is not None and result.best.schema["questions"] != result.base_schema["questions"]
 
 
 def adoption_choices(result: sweeps.SweepResult) -> dict[str, str]:
-    """What can be adopted, value → label: the composed best schema (when it is not the base), then every variant
-    but the base, the better ones first. Not the order diagnostics: their options are renamed to set their order
-    (o01_…), which would change the schema's option ids, and with them every label."""
+    """What can be adopted: the composed best, then the variants (not the order diagnostics)."""
     choices = {}
     if composed_differs(result):
         choices[BEST] = f"Composed best schema (held-out accuracy {metric_text(result.best.heldout_accuracy)})"
@@ -392,12 +348,10 @@ def adoption_note(result: sweeps.SweepResult, choice: str) -> str:
 
 
 def sweep_slug(result: sweeps.SweepResult) -> str | None:
-    """The library schema the sweep started from."""
     return result.settings.get("schema_slug")
 
 
 def adopt_question(library: SchemaLibrary, result: sweeps.SweepResult, choice: str) -> str:
-    """The question Adopt asks before it writes anything."""
     slug = sweep_slug(result)
     current = library.load(slug).version if slug and library.exists(slug) else None
     what = "The composed best schema" if choice == BEST else f"Variant “{choice}”"

@@ -1,6 +1,4 @@
-"""What the pages show of numbers and of refusals. Numbers short enough for a metric's column at 1024 px, with the
-unit chosen for the size (a six-digit millisecond count was cut to "150,762.4…"); an action a person asked for that
-the store or its input refused, as the reason, never a traceback."""
+"""Numbers as the pages show them (short enough for a metric at 1024 px), and refusals as their reason."""
 
 from __future__ import annotations
 
@@ -36,8 +34,7 @@ def duration(ms: float | None) -> str:
 
 
 def rate(value: float | None, unit: str) -> str:
-    """A rate per second: "12,016 tok/s", "3.42 rec/s": whole numbers from 100 up (a decimal there only widens the
-    column), else 3 digits."""
+    """A rate per second: whole numbers from 100 up, else 3 digits."""
     if value is None:
         return "–"
     return (f"{value:,.0f}" if abs(value) >= 100 else f"{value:.3g}") + f" {unit}/s"

@@ -1,11 +1,5 @@
-"""Decide's "Why" view: which part of the evidence moved each answer, drawn from an explained response.
-
-A segment whose removal lowers the answered option's probability (delta < 0) supported the answer ("towards",
-green); one whose removal raises it worked against the answer (red). Every value is in percentage points and every
-colour on one fixed scale (FULL_SCALE), with a key. `render_why` draws it with Streamlit, `render_case_why` explains
-a stored case of a run (Review, the Runs page) with the run's model when it is loaded; the rest is plain and
-unit-tested.
-"""
+"""Decide's "Why" view: which part of the evidence moved each answer (green supports it, red works against it), in
+percentage points on one fixed scale."""
 
 from __future__ import annotations
 
@@ -27,8 +21,7 @@ from clef_workbench.store import Case, Run
 TOWARDS = (26, 127, 55)  # green: the segment supports the answer
 AGAINST = (207, 34, 46)  # red: the segment works against it
 SMALLEST_ALPHA, LARGEST_ALPHA = 0.12, 0.65  # background opacity of the weakest and the strongest segment
-# One scale for every question and record: a colour's strength is its effect in percentage points, full at FULL_SCALE
-# and beyond (not relative to the largest effect in view, which made 1.7 points look like 6.7 elsewhere).
+# one scale everywhere: a colour is full from FULL_SCALE on, never relative to the largest effect in view
 FULL_SCALE = 0.10
 KEY_STEPS = (-0.10, -0.05, -0.01, 0.0, 0.01, 0.05, 0.10)  # the swatches of the key
 TOP_SEGMENTS = 5  # the largest effects listed in a table under the view
@@ -47,11 +40,7 @@ def units_for(request: dict) -> list[str]:
 
 def explain(engine: DecisionEngine, request: dict, unit: str = EVERYTHING, *, max_length: int | None = None,
             overflow: str = "refuse") -> dict:
-    """The response to `request` with `x_explanations` (per question, segments ranked by effect), its state and media
-    segmented by `unit` (a key of UNIT_LABELS). When that is over the token budget of one explanation, explained by the
-    unit with the most segments that fits instead, and the response says so in `x_why_fallback` (the unit asked for,
-    the one used, and what the first cost). Raises RequestError / TokenBudgetError as the engine does (when no unit
-    fits, saying so), ValueError for a model that cannot explain here."""
+    """The response with `x_explanations` by `unit`, or by the finest unit that fits the budget (`x_why_fallback`)."""
     if not isinstance(engine, ExplainingEngine):
         raise ValueError("Why needs a model loaded in this workbench; a System One endpoint does not explain")
     try:
@@ -88,8 +77,7 @@ def fallback_note(explained: dict) -> str | None:
 
 def cached_explanation(state: MutableMapping, key: str, engine: DecisionEngine, request: dict, *,
                        unit: str = EVERYTHING, max_length: int | None, overflow: str) -> dict:
-    """The explanation of `request` by `unit`, computed once per request, unit, budget and model and kept in
-    `state[key]` (the toggle reruns the page on every click; an explanation costs a batched run)."""
+    """The explanation, computed once per request, unit, budget and model and kept in `state[key]`."""
     identity = (json.dumps(request, sort_keys=True, default=str), unit, max_length, overflow,
                 engine.model_id, id(engine))
     kept = state.get(key)
@@ -100,13 +88,11 @@ def cached_explanation(state: MutableMapping, key: str, engine: DecisionEngine, 
 
 
 def model_for_run(models: list, model_id: str) -> Any | None:
-    """Of the resident models (`ModelManager.loaded()`, the default first), the one that produced a run (its
-    request name is the run's model id), else the default; None when none is loaded."""
+    """The resident model that produced a run, else the default; None when none is loaded."""
     return next((m for m in models if m.name == model_id), models[0] if models else None)
 
 
 def request_images(request: dict) -> list[Image.Image]:
-    """The request's images as the model saw them (RGB), for the heatmaps."""
     return [media.load_image(item) for item in request.get("images") or []]
 
 
@@ -140,7 +126,6 @@ def describe(delta: float) -> str:
 
 
 def key_html() -> str:
-    """The colour key: the fixed scale's swatches, each with its effect in percentage points."""
     swatches = "".join(
         f'<span class="why-key-step" style="background:{colour(step)};padding:0 6px;border-radius:3px;'
         f'margin-right:4px;white-space:nowrap">{points(step)}{" or more" if abs(step) == FULL_SCALE else ""}</span>'
@@ -150,8 +135,7 @@ def key_html() -> str:
 
 
 def text_html(state: str, segments: list[dict]) -> str:
-    """The text state as HTML, each sentence or line in a span coloured by its effect (title: its effect in words)
-    and followed by its value in percentage points; the text itself as written, whitespace and line breaks kept."""
+    """The text state as HTML, each sentence coloured by its effect and followed by its value, whitespace kept."""
     spans = sorted((s for s in segments if "start" in s), key=lambda s: s["start"])
     parts, cursor = [], 0
     for segment in spans:
@@ -178,7 +162,6 @@ def path_text(path: list) -> str:
 
 
 def fields_html(segments: list[dict]) -> str:
-    """The JSON state's fields, strongest effect first, each row coloured by its effect."""
     rows = "".join(
         f'<tr class="why-{effect(s["delta"])}" style="background:{colour(s["delta"])}">'
         f"<td><code>{html.escape(path_text(s['path']))}</code></td><td>{html.escape(s['text'])}</td>"
@@ -221,8 +204,7 @@ def top_html(segments: list[dict], count: int = TOP_SEGMENTS) -> str:
 
 
 def region_overlay(image: Image.Image, segments: list[dict], image_index: int) -> Image.Image:
-    """The image at DISPLAY_WIDTH with each region outlined in its effect's colour (thicker the larger the effect)
-    and labelled with its value on a solid patch: both outlined in white and black, they read on any picture."""
+    """The image at DISPLAY_WIDTH with each region outlined in its effect's colour and labelled with its value."""
     scale = DISPLAY_WIDTH / image.width
     out = image.convert("RGB").resize((DISPLAY_WIDTH, max(1, round(image.height * scale))),
                                       Image.Resampling.NEAREST if scale >= 1 else Image.Resampling.LANCZOS)
@@ -243,7 +225,6 @@ def region_overlay(image: Image.Image, segments: list[dict], image_index: int) -
 
 
 def frame_rows(segments: list[dict]) -> list[dict]:
-    """The videos' frames that were explained, strongest effect first."""
     return [{"video": s["video"] + 1, "frame": s["frame"], "seconds": s.get("seconds"),
              "P(answer) without it, pp": round(s["delta"] * 100, 1), "effect": effect(s["delta"])}
             for s in segments if s.get("kind") == "frame"]
@@ -259,12 +240,8 @@ def answered_option(answer: dict) -> str:
     return f"level {max(probabilities, key=probabilities.get)}"
 
 
-# ---- Streamlit ------------------------------------------------------------------------------------------------------
-
-
 def render_why(explained: dict, question_id: str, state: Any, images: list[Image.Image]) -> None:
-    """One question's explanation: the key, the text or fields of the state, each image with its regions labelled,
-    the frames, and the largest effects as a table; every value in percentage points."""
+    """One question's explanation: the key, the state, the images' regions, the frames and the largest effects."""
     import streamlit as st
 
     segments = explained["x_explanations"][question_id]
@@ -283,16 +260,13 @@ def render_why(explained: dict, question_id: str, state: Any, images: list[Image
         if any(s.get("kind") == "region" and s["image"] == index for s in segments):
             st.image(region_overlay(image, segments, index),
                      caption=f"Image {index + 1}: each region outlined and labelled with its effect")
-    frames = frame_rows(segments)
-    if frames:
+    if frames := frame_rows(segments):
         st.dataframe(frames, hide_index=True)
     st.markdown(top_html(segments), unsafe_allow_html=True)
 
 
 def render_case_why(key: str, models: list, run: Run, case: Case, *, question_id: str | None = None) -> None:
-    """Explain a stored case (`Store.get_case`, with media) of `run` as its schema asks, with the run's model if it
-    is resident (else the default, and said so), computed once and kept under `key`; then draw one question's
-    explanation (`question_id`, or a choice of the questions)."""
+    """Explain a stored case with the run's model if resident (else the default, said so)."""
     import streamlit as st
 
     model = model_for_run(models, run["model_id"])

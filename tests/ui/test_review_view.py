@@ -62,7 +62,6 @@ def test_progress_and_the_card_of_an_item_in_normal_and_blind_mode(queue):
     assert "**Why queued:** answered 'billing', expected 'tech'" in shown.queued
     assert "Model **clef@abc** · schema **tickets v4**" in shown.queued and shown.queued.endswith("status open")
     assert shown.expected == "**Expected answer in the case set (gold label):** tech"
-    assert shown.model_answer == "Answer **billing** · confidence 0.800 · margin 0.650"
     assert (shown.accept, shown.accept_primary, shown.show_model) == ("Accept “billing”", False, True)
 
     blind = view.card(item, SCHEMA["questions"]["team"], "tech", blind=True)

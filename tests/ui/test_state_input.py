@@ -235,9 +235,9 @@ def test_build_request_refuses_too_many_images():
 
 
 def test_video_preview_shows_the_frames_the_engine_sends(tiny_engine):
-    """The Decide page previews sampled_video_frames; they must be the frames the encoder feeds the model."""
+    """The Decide page previews the engine's sampled frames; they must be the frames the encoder feeds the model."""
     clip = check_video("clip.mp4", video_bytes(frames=20, fps=10))
-    preview = state_input.sampled_video_frames(tiny_engine, clip)
+    preview = tiny_engine.sample_video_frames(clip.data)
     request = build_request("s", QUESTIONS, videos=[clip])
     record = tiny_engine.encode(request)
     (sent,) = record.videos

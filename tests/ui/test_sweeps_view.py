@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from types import SimpleNamespace
 from urllib.parse import parse_qsl
 
 from clef_workbench import sweeps
@@ -224,7 +225,9 @@ def test_a_sweep_starts_in_the_background_resumes_and_its_cases_open_in_decide(s
     assert (shown.text, shown.live) == ("0 / 4 cases · status **pending**", False)
     assert shown.problem == (f"Sweep #{stopped} stopped with 4 of 4 cases left (cancelled, or the workbench stopped "
                              "while it ran): resume it to compute only those.")
-    assert sv.resume_sweep(runner, tiny_engine, stopped) == f"Resumed sweep #{stopped}."
+    models = SimpleNamespace(get={"tiny": tiny_engine}.__getitem__)  # as ModelManager.get: KeyError when not loaded
+    assert sv.resume_sweep(runner, models, {"id": stopped, "model_id": "gone"})[0] == "error"
+    assert sv.resume_sweep(runner, models, sv.sweep_row(store, stopped)) == ("info", f"Resumed sweep #{stopped}.")
     assert runner.wait(stopped, timeout=600)
     assert sv.progress_shown(runner, sv.sweep_row(store, stopped)).text == "4 / 4 cases · status **finished**"
 
