@@ -33,7 +33,9 @@ import copy
 import json
 import math
 import time
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -414,10 +416,19 @@ def _computed(store: Store, sweep: Sweep, case_ids: list[int], schemas: Callable
         yield from on_replicas(engine, iter(case_ids), lambda actor, case_id: actor.decide_variants.remote(
             requests(case_id), sweep["settings"]), stop)
         return
-    for case_id in case_ids:
-        if stop():
-            return
-        yield case_id, decide_case(engine, requests(case_id), sweep["settings"])
+    # two cases in flight: the next one is validated and encoded while the GPU runs this one (one after the
+    # other, the GPU waited on the host between every two cases)
+    in_flight: deque[tuple[int, Future]] = deque()
+    with ThreadPoolExecutor(max_workers=2, thread_name_prefix="sweep-case") as pool:
+        for case_id in case_ids:
+            if stop():
+                break
+            in_flight.append((case_id, pool.submit(decide_case, engine, requests(case_id), sweep["settings"])))
+            if len(in_flight) == 2:
+                done_id, outcome = in_flight.popleft()
+                yield done_id, outcome.result()
+        for done_id, outcome in in_flight:
+            yield done_id, outcome.result()
 
 
 def _run_heldout(store: Store, sweep_id: int, engine: Any, stop: Callable[[], bool]) -> tuple[int, bool]:

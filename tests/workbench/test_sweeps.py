@@ -7,6 +7,7 @@ import json
 import signal
 import subprocess
 import sys
+import threading
 from collections import Counter
 from pathlib import Path
 
@@ -21,6 +22,7 @@ from clef_workbench.store import Store, StoreError
 from tests.support import REPO, wait_for
 
 CASES = 12  # of the killed sweep
+WAIT_S = 30  # only a bound on a hang
 TEAMS = ["billing", "tech", "sales"]
 SCHEMA = {"name": "tickets", "version": 1, "description": "", "questions": {
     "team": {"type": "choice", "instructions": "Which team should handle the ticket?",
@@ -242,6 +244,30 @@ def test_a_sweep_of_8_variants_over_40_cases_prefills_40_states_and_answers_as_e
                 assert given["choice"] == question.option_ids[int(np.argmax(p))]
                 for option, value in zip(question.option_ids, p, strict=True):
                     assert given["probabilities"][option] == pytest.approx(value, abs=5e-5 + 1e-5)
+
+
+def test_a_sweep_encodes_the_next_case_while_the_engine_runs_one(tiny_engine, tmp_path, monkeypatch):
+    """One case after the other, the GPU waited on the host (validating and encoding the next case's variants) between
+    every two cases: the next case is submitted while one runs."""
+    store = Store(tmp_path / "w.db")
+    sweep_id = sweeps.start_sweep(store, labelled_set(store, 6), SCHEMA, sweeps.auto_variants(SCHEMA)[:2],
+                                  model_id="tiny")
+    decide_variants = tiny_engine.decide_variants
+    second_case = threading.Event()
+    calls: list[int] = []
+    overlapped: list[bool] = []
+
+    def held(requests, **options):
+        calls.append(len(requests))
+        if len(calls) == 1:  # the first case waits for the second case's call to come in
+            overlapped.append(second_case.wait(WAIT_S))
+        else:
+            second_case.set()
+        return decide_variants(requests, **options)
+
+    monkeypatch.setattr(tiny_engine, "decide_variants", held)
+    assert sweeps.run_sweep(store, sweep_id, tiny_engine).status == "finished"
+    assert overlapped[0] and len(store.list_sweep_answers(sweep_id)) == 6 * 3 + 6  # the held-out check's too
 
 
 def test_decide_variants_equals_each_request_alone_and_reuses_a_kept_state(tiny_engine):
