@@ -249,48 +249,6 @@ def metrics(runs: Sequence[RunData], *, bins: int = 10, n_boot: int = DEFAULT_BO
     return pd.DataFrame(rows, columns=["run_id", "run", "question_id", "metric", "value", "low", "high", "n"])
 
 
-def differences(runs: Sequence[RunData], *, baseline: int = 0, bins: int = 10, n_boot: int = DEFAULT_BOOTSTRAP,
-                level: float = DEFAULT_LEVEL, seed: int = 0) -> pd.DataFrame:
-    """Each run against `runs[baseline]`: difference (run − baseline) of every quality metric per question and of
-    latency per run, over the cases both have, with a paired bootstrap interval (the same cases drawn for both
-    runs, so case difficulty cancels out). Positive accuracy differences are better; positive ECE, Brier and
-    latency differences are worse."""
-    check_comparable(runs)
-    frame = answers(runs)
-    base = runs[baseline]
-    rows = []
-    for run in runs:
-        if run.id == base.id:
-            continue
-        _, _, joined = next(_pairs(frame, [base, run]))
-        joined = joined[joined["expected_a"].notna()]
-        for question_id, group in joined.groupby("question_id", sort=False):
-            for metric in QUALITY_METRICS:
-                columns_a, statistic = _metric_columns(group.rename(columns=lambda c: c.removesuffix("_a")),
-                                                       metric, bins)
-                columns_b, _ = _metric_columns(group.rename(columns=lambda c: c.removesuffix("_b")), metric, bins)
-                k = len(columns_a)
-
-                def paired(*columns: np.ndarray, statistic: Statistic = statistic, k: int = k) -> np.ndarray:
-                    return statistic(*columns[k:]) - statistic(*columns[:k])
-
-                value = float(paired(*columns_a, *columns_b))
-                low, high = bootstrap_interval(columns_a + columns_b, paired, n_boot=n_boot, level=level, seed=seed)
-                rows.append({"run_id": run.id, "run": run.label, "baseline": base.label, "question_id": question_id,
-                             "metric": metric, "difference": value, "low": low, "high": high, "n": len(group)})
-        both = pd.concat([_latencies(base), _latencies(run)], axis=1, join="inner").to_numpy().T
-        for metric, statistic in zip(LATENCY_METRICS, (_p50, _mean), strict=True):
-            def paired_latency(a: np.ndarray, b: np.ndarray, statistic: Statistic = statistic) -> np.ndarray:
-                return statistic(b) - statistic(a)
-
-            value = float(paired_latency(both[0], both[1])) if both.shape[1] else np.nan
-            low, high = bootstrap_interval([both[0], both[1]], paired_latency, n_boot=n_boot, level=level, seed=seed)
-            rows.append({"run_id": run.id, "run": run.label, "baseline": base.label, "question_id": None,
-                         "metric": metric, "difference": value, "low": low, "high": high, "n": int(both.shape[1])})
-    return pd.DataFrame(rows, columns=["run_id", "run", "baseline", "question_id", "metric", "difference", "low",
-                                       "high", "n"])
-
-
 MATRIX_VALUES = ("predicted", "confidence", "correct")
 
 
