@@ -98,8 +98,7 @@ def check_comparable(runs: Sequence[RunData]) -> None:
 
 
 def answers(runs: Sequence[RunData]) -> pd.DataFrame:
-    """`stats.answer_frame` of every run, stacked, with `run_id` and `run` (label) columns and each row's `brier`
-    (`stats.brier_term`)."""
+    """`stats.answer_frame` of every run, stacked, with `run_id`, `run` (label) and `brier` columns."""
     frames = []
     for run in runs:
         frame = stats.answer_frame(run.results, run.run["schema"])
@@ -130,7 +129,7 @@ def bootstrap_interval(columns: Sequence[np.ndarray], statistic: Callable[..., n
     return float(low), float(high)
 
 
-def _mean(values: np.ndarray) -> np.ndarray:
+def mean(values: np.ndarray) -> np.ndarray:
     return values.mean(axis=-1)
 
 
@@ -151,17 +150,10 @@ def _p50(values: np.ndarray) -> np.ndarray:
 def _metric_columns(rows: pd.DataFrame, metric: str, bins: int) -> tuple[list[np.ndarray], Statistic]:
     """The per-case columns a quality metric is computed from, and the statistic over them."""
     if metric == "accuracy":
-        return [rows["correct"].to_numpy(float)], _mean
+        return [rows["correct"].to_numpy(float)], mean
     if metric == "brier":
-        return [rows["brier"].to_numpy(float)], _mean
+        return [rows["brier"].to_numpy(float)], mean
     return [rows["confidence"].to_numpy(float), rows["correct"].to_numpy(float)], ece_statistic(bins)
-
-
-def _latencies(run: RunData) -> pd.Series:
-    """Latency of each successful result, indexed by case id."""
-    ok = [(r["case_id"], latency) for r in run.results
-          if not r["error"] and r["response"] and (latency := r["latency_ms"]) is not None]
-    return pd.Series([latency for _, latency in ok], index=[case_id for case_id, _ in ok], dtype=float)
 
 
 # ---- the comparisons ----------------------------------------------------------------------------------------------
@@ -187,7 +179,7 @@ def agreement(runs: Sequence[RunData], *, n_boot: int = DEFAULT_BOOTSTRAP, level
         for question_id, group in joined.groupby("question_id", sort=False):
             group = group.sort_values("position_a", kind="stable")
             same = (group["predicted_a"] == group["predicted_b"]).to_numpy(float)
-            low, high = bootstrap_interval([same], _mean, n_boot=n_boot, level=level, seed=seed)
+            low, high = bootstrap_interval([same], mean, n_boot=n_boot, level=level, seed=seed)
             rows.append({"question_id": question_id, "run_a": a.label, "run_b": b.label, "run_a_id": a.id,
                          "run_b_id": b.id, "n": len(group), "agreements": int(same.sum()),
                          "agreement": float(same.mean()), "low": low, "high": high,
@@ -196,12 +188,6 @@ def agreement(runs: Sequence[RunData], *, n_boot: int = DEFAULT_BOOTSTRAP, level
     columns = ["question_id", "run_a", "run_b", "run_a_id", "run_b_id", "n", "agreements", "agreement", "low",
                "high", "flips", "flipped_case_ids"]
     return pd.DataFrame(rows, columns=columns)
-
-
-def _change(correct_a: float, correct_b: float) -> str:
-    if np.isnan(correct_a) or np.isnan(correct_b):
-        return "no expected answer"
-    return {(0, 1): "fixed", (1, 0): "broken"}.get((int(correct_a), int(correct_b)), "both wrong")
 
 
 def flips(runs: Sequence[RunData]) -> pd.DataFrame:
@@ -213,7 +199,9 @@ def flips(runs: Sequence[RunData]) -> pd.DataFrame:
     for a, b, joined in _pairs(frame, runs):
         flipped = joined[joined["predicted_a"] != joined["predicted_b"]].copy()
         flipped["run_a"], flipped["run_b"], flipped["run_a_id"], flipped["run_b_id"] = a.label, b.label, a.id, b.id
-        flipped["change"] = [_change(x, y) for x, y in zip(flipped["correct_a"], flipped["correct_b"], strict=True)]
+        flipped["change"] = ["no expected answer" if np.isnan(x) or np.isnan(y) else
+                             {(0, 1): "fixed", (1, 0): "broken"}.get((int(x), int(y)), "both wrong")
+                             for x, y in zip(flipped["correct_a"], flipped["correct_b"], strict=True)]
         parts.append(flipped.sort_values(["question_id", "position_a"], kind="stable"))
     columns = ["run_a", "run_b", "run_a_id", "run_b_id", "question_id", "case_id", "position", "expected",
                "predicted_a", "predicted_b", "confidence_a", "confidence_b", "change"]
@@ -240,8 +228,9 @@ def metrics(runs: Sequence[RunData], *, bins: int = 10, n_boot: int = DEFAULT_BO
                 low, high = bootstrap_interval(columns, statistic, n_boot=n_boot, level=level, seed=seed)
                 rows.append({"run_id": run.id, "run": run.label, "question_id": question_id, "metric": metric,
                              "value": value, "low": low, "high": high, "n": len(group)})
-        latency = _latencies(run).to_numpy()
-        for metric, statistic in zip(LATENCY_METRICS, (_p50, _mean), strict=True):
+        latency = np.array([r["latency_ms"] for r in run.results
+                            if not r["error"] and r["response"] and r["latency_ms"] is not None], dtype=float)
+        for metric, statistic in zip(LATENCY_METRICS, (_p50, mean), strict=True):
             value = float(statistic(latency)) if latency.size else np.nan
             low, high = bootstrap_interval([latency], statistic, n_boot=n_boot, level=level, seed=seed)
             rows.append({"run_id": run.id, "run": run.label, "question_id": None, "metric": metric,
@@ -292,7 +281,6 @@ def case_matrix(runs: Sequence[RunData], *, value: str = "predicted", question_i
     return matrix
 
 
-
 # ---- the Compare page's view-model ---------------------------------------------------------------------------------
 
 COMPARE_PAGE = "/compare"
@@ -340,21 +328,15 @@ def model_choices(manager: Any) -> list[ModelChoice]:
                         state.source == DEMO_SOURCE)]
 
 
-def _interval(value: float, low: float, high: float, n: int, digits: int) -> str:
-    if np.isnan(value):
-        return f"– (n={n})"
-    return f"{value:.{digits}f} [{low:.{digits}f}, {high:.{digits}f}] n={n}"
-
-
 def side_by_side(table: pd.DataFrame) -> pd.DataFrame:
     """`metrics` as one row per (question, metric) and one column per run, each cell "value [low, high] n=…"."""
     if table.empty:
         return pd.DataFrame()
     cells = table.assign(
         question=table["question_id"].fillna("(all)"),
-        cell=[_interval(v, lo, hi, n, 1 if m in LATENCY_METRICS else 3)
-              for v, lo, hi, n, m in zip(table["value"], table["low"], table["high"], table["n"], table["metric"],
-                                         strict=True)])
+        cell=[f"– (n={n})" if np.isnan(v) else f"{v:.{d}f} [{lo:.{d}f}, {hi:.{d}f}] n={n}"
+              for v, lo, hi, n, d in zip(table["value"], table["low"], table["high"], table["n"],
+                                         [1 if m in LATENCY_METRICS else 3 for m in table["metric"]], strict=True)])
     wide = cells.pivot_table(index=["question", "metric"], columns="run", values="cell", aggfunc="first", sort=False)
     return wide[[label for label in dict.fromkeys(table["run"]) if label in wide.columns]].reset_index()
 

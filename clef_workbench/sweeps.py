@@ -43,7 +43,7 @@ from scipy.stats import binomtest
 
 from clef_workbench import stats
 from clef_workbench.casesets import build_request
-from clef_workbench.compare import bootstrap_interval, ece_statistic
+from clef_workbench.compare import bootstrap_interval, ece_statistic, mean
 from clef_workbench.schemas import Schema, SchemaError, way_out_options
 from clef_workbench.store import Answered, Response, RunSettings, Store, Sweep, SweepAnswer, SweepVariant
 
@@ -220,12 +220,6 @@ def base_variant(schema: dict[str, Any]) -> Variant:
     return Variant("base", schema, "base", None)
 
 
-def _with_question(schema: dict[str, Any], question_id: str, question: dict[str, Any]) -> dict[str, Any]:
-    questions = dict(schema["questions"])
-    questions[question_id] = question
-    return {**schema, "questions": questions}
-
-
 def _numbered(order: list[str]) -> dict[str, str]:
     """{numbered id: base id} putting the options in `order` (the model reads them sorted by id)."""
     return {f"o{position:02d}_{option}": option for position, option in enumerate(order, 1)}
@@ -287,8 +281,9 @@ def auto_variants(schema: dict[str, Any], kinds: Sequence[str] = AUTO_KINDS, *,
     variants = []
     for question_id, question in schema["questions"].items():
         for kind, changed, relabel in _question_variants(question_id, question, kinds, rng):
-            variants.append(Variant(f"{kind}:{question_id}", _with_question(schema, question_id, changed), kind,
-                                    question_id, {question_id: relabel} if relabel else {}))
+            changed_schema = {**schema, "questions": {**schema["questions"], question_id: changed}}
+            variants.append(Variant(f"{kind}:{question_id}", changed_schema, kind, question_id,
+                                    {question_id: relabel} if relabel else {}))
     return variants
 
 
@@ -345,12 +340,6 @@ def variants_from_json(text: str, base: dict[str, Any], *, source: str = "varian
 # ---- starting and running -------------------------------------------------------------------------------------------
 
 
-def labelled_cases(store: Store, case_set_id: int, schema: dict[str, Any]) -> list[int]:
-    """Ids of the case set's cases with an expected answer to at least one of the schema's questions, in order."""
-    return [case["id"] for case in store.list_cases(case_set_id)
-            if any((case["expected"] or {}).get(q) is not None for q in schema["questions"])]
-
-
 def check_sweep(store: Store, case_set_id: int, schema: dict[str, Any], variants: Sequence[Variant], *,
                 folds: int = DEFAULT_FOLDS) -> tuple[list[Variant], list[int]]:
     """The variants a sweep would hold (the base first, added when `variants` lacks it) and the labelled case ids it
@@ -377,7 +366,8 @@ def check_sweep(store: Store, case_set_id: int, schema: dict[str, Any], variants
             Schema.from_dict(variant.schema, source=f"variant {variant.name!r}")
         except SchemaError as exc:
             raise SweepError(str(exc)) from None
-    case_ids = labelled_cases(store, case_set_id, schema)
+    case_ids = [case["id"] for case in store.list_cases(case_set_id)
+                if any((case["expected"] or {}).get(q) is not None for q in schema["questions"])]
     if not case_ids:
         name = store.get_case_set(case_set_id)["name"]
         raise SweepError(f"case set {name!r} has no case with an expected answer to a question of schema "
@@ -525,10 +515,6 @@ def answer_frames(sweep: Sweep, answers: list[SweepAnswer]) -> list[pd.DataFrame
     return frames
 
 
-def _mean(values: np.ndarray) -> np.ndarray:
-    return values.mean(axis=-1)
-
-
 def _ratio(numerator: np.ndarray, denominator: np.ndarray) -> np.ndarray:
     return numerator.sum(axis=-1) / np.maximum(denominator.sum(axis=-1), 1)
 
@@ -572,13 +558,13 @@ def _question_score(question_id: str, rows: pd.DataFrame, base_rows: pd.DataFram
     correct, base_correct = labelled["correct"].to_numpy(float), labelled["correct_base"].to_numpy(float)
     classes = sorted(set(labelled["expected"]) | set(labelled["predicted"]))
     codes = {c: i for i, c in enumerate(classes)}
-    change = _metric([correct - base_correct], _mean, seed)
+    change = _metric([correct - base_correct], mean, seed)
     return QuestionScore(
         question=question_id, n=len(labelled),
-        accuracy=_metric([correct], _mean, seed),
+        accuracy=_metric([correct], mean, seed),
         macro_f1=_metric([labelled["expected"].map(codes).to_numpy(float),
                           labelled["predicted"].map(codes).to_numpy(float)], _macro_f1(len(classes)), seed),
-        log_loss=_metric([labelled["log_loss"].to_numpy(float)], _mean, seed),
+        log_loss=_metric([labelled["log_loss"].to_numpy(float)], mean, seed),
         ece=_metric([labelled["confidence"].to_numpy(float), correct], ece_statistic(ECE_BINS), seed),
         flips=flips, accuracy_change=change,
         mcnemar_p=None if is_base or not len(labelled) else _mcnemar(base_correct, correct),

@@ -121,10 +121,10 @@ def test_runs_must_be_comparable():
 
 def test_bootstrap_interval_is_seeded_and_empty_safe():
     values = [np.array([1.0, 0.0, 1.0, 1.0, 0.0, 1.0, 0.0, 1.0])]
-    first = compare.bootstrap_interval(values, compare._mean, seed=3)
-    assert first == compare.bootstrap_interval(values, compare._mean, seed=3)
+    first = compare.bootstrap_interval(values, compare.mean, seed=3)
+    assert first == compare.bootstrap_interval(values, compare.mean, seed=3)
     assert first[0] < 0.625 < first[1]
-    assert all(np.isnan(compare.bootstrap_interval([np.array([])], compare._mean)))
+    assert all(np.isnan(compare.bootstrap_interval([np.array([])], compare.mean)))
 
 
 def test_load_runs_from_the_store(tmp_path):
