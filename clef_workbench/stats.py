@@ -127,18 +127,17 @@ def coverage(results: Sequence[Result], frame: pd.DataFrame) -> dict[str, Any]:
             "sentence": sentence}
 
 
-def _results_frame(results: Sequence[Result]) -> pd.DataFrame:
-    frame = pd.DataFrame(results)
-    if frame.empty:
-        return pd.DataFrame(columns=["case_id", "latency_ms", "input_tokens", "error", "started_at", "finished_at"])
-    return frame
+def _results_frame(results: Sequence[Result]) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """Every result, and the successful ones."""
+    frame = pd.DataFrame(results) if results else pd.DataFrame(
+        columns=["case_id", "latency_ms", "input_tokens", "error", "started_at", "finished_at"])
+    return frame, frame[frame["error"].isna()]
 
 
 def latency_stats(results: Sequence[Result]) -> dict[str, Any]:
     """p50 / p95 / p99 / max / mean latency in ms over successful results, the sample count, and the time window
     (first chunk start to last result, ISO strings, plus its length in seconds)."""
-    frame = _results_frame(results)
-    ok = frame[frame["error"].isna()] if "error" in frame else frame
+    frame, ok = _results_frame(results)
     latency = pd.to_numeric(ok["latency_ms"], errors="coerce").dropna()
     out: dict[str, Any] = {"count": int(latency.size), "errors": int(len(frame) - len(ok))}
     for name, q in (("p50", 0.5), ("p95", 0.95), ("p99", 0.99)):
@@ -163,7 +162,7 @@ def latency_stats(results: Sequence[Result]) -> dict[str, Any]:
 
 def busy_seconds(results: Sequence[Result]) -> float:
     """Length of the union of the results' [started_at, finished_at] intervals, in seconds."""
-    frame = _results_frame(results)
+    frame, _ = _results_frame(results)
     if frame.empty:
         return 0.0
     starts = pd.to_datetime(frame["started_at"], utc=True, format="ISO8601")
@@ -183,8 +182,7 @@ def busy_seconds(results: Sequence[Result]) -> float:
 def throughput(results: Sequence[Result], n_questions: int) -> dict[str, float | None]:
     """records/s, decisions/s (records × questions), input tokens/s over busy time; tokens per record (mean and
     median over successful results)."""
-    frame = _results_frame(results)
-    ok = frame[frame["error"].isna()] if "error" in frame else frame
+    _, ok = _results_frame(results)
     busy = busy_seconds(results)
     tokens = pd.to_numeric(ok["input_tokens"], errors="coerce").dropna()
     records = len(ok)
@@ -286,8 +284,7 @@ def calibration_summary(frame: pd.DataFrame, bins: int = 10) -> pd.DataFrame:
 
 def slowest_cases(results: Sequence[Result], n: int = 10) -> pd.DataFrame:
     """The n successful results with the highest latency, slowest first."""
-    frame = _results_frame(results)
-    ok = frame[frame["error"].isna()] if "error" in frame else frame
+    _, ok = _results_frame(results)
     columns = [c for c in ("case_id", "position", "latency_ms", "input_tokens") if c in ok]
     return ok.sort_values("latency_ms", ascending=False, kind="stable").head(n)[columns].reset_index(drop=True)
 
