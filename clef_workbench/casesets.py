@@ -188,6 +188,35 @@ def _load_media(ref: Any, kind: str, base_dir: Path | None) -> bytes:
     return data
 
 
+def _expected(answers: list[tuple[str, str, Any]], schema: dict | None, problems: list[str]) -> dict[str, Any]:
+    """(where, question id, raw answer) → the expected answers to store; each bad one is added to `problems`."""
+    expected: dict[str, Any] = {}
+    questions = (schema or {}).get("questions", {})
+    for where, question_id, value in answers:
+        if schema is None:
+            expected[question_id] = value
+        elif question_id not in questions:
+            problems.append(f"{where}: the schema {schema.get('name')!r} has no such question")
+        else:
+            try:
+                expected[question_id] = coerce_expected(question_id, questions[question_id], value)
+            except ValueError as exc:
+                problems.append(f"{where}: {exc}")
+    return expected
+
+
+def _media(refs: list[tuple[str, str, Any]], base_dir: Path | None, problems: list[str]) -> dict[str, list[bytes]]:
+    """(where, "image" or "video", reference) → {"images": [bytes], "videos": [bytes]}; each bad one is added to
+    `problems`."""
+    media: dict[str, list[bytes]] = {"images": [], "videos": []}
+    for where, kind, ref in refs:
+        try:
+            media[kind + "s"].append(_load_media(ref, kind, base_dir))
+        except (ValueError, KeyError, TypeError, OSError) as exc:
+            problems.append(f"{where}: {exc}")
+    return media
+
+
 def parse_rows(header: list[str], rows: list[tuple[int, dict[str, str]]], mapping: CsvMapping,
                schema: dict | None = None, *, base_dir: Path | None = None) -> list[NewCase]:
     """Rows of a table (row number, column → cell text) → case dicts (state, expected, tags, images, videos).
@@ -237,27 +266,15 @@ def parse_rows(header: list[str], rows: list[tuple[int, dict[str, str]]], mappin
         if state in ({}, ""):
             problems.append(f"{where}: the state is empty (no value in its state column(s))")
             continue
-        expected: dict[str, Any] = {}
-        for column, question_id in mapping.expected_columns.items():
-            cell = (row[column] or "").strip()
-            if not cell:
-                continue
-            try:
-                expected[question_id] = (coerce_expected(question_id, questions[question_id], cell)
-                                         if schema is not None else cell)
-            except ValueError as exc:
-                problems.append(f"{where}, column {column!r}: {exc}")
+        expected = _expected([(f"{where}, column {column!r}", question_id, cell)
+                              for column, question_id in mapping.expected_columns.items()
+                              if (cell := (row[column] or "").strip())], schema, problems)
         tags: list[str] = []
         if mapping.tags_column and row[mapping.tags_column]:
             tags = [t.strip() for t in row[mapping.tags_column].replace(",", ";").split(";") if t.strip()]
-        media: dict[str, list[bytes]] = {"images": [], "videos": []}
-        for kind, columns in (("image", mapping.image_columns), ("video", mapping.video_columns)):
-            for column in columns:
-                if row[column]:
-                    try:
-                        media[kind + "s"].append(_load_media(row[column], kind, base_dir))
-                    except (ValueError, OSError) as exc:
-                        problems.append(f"{where}, column {column!r}: {exc}")
+        media = _media([(f"{where}, column {column!r}", kind, row[column])
+                        for kind, columns in (("image", mapping.image_columns), ("video", mapping.video_columns))
+                        for column in columns if row[column]], base_dir, problems)
         source_id = (row[mapping.id_column] or "").strip() if mapping.id_column else ""
         cases.append(NewCase(state=state, expected=expected, tags=tags, source_id=source_id or None,
                              images=media["images"], videos=media["videos"]))
@@ -274,7 +291,6 @@ def parse_jsonl(jsonl_text: str, schema: dict | None = None, *, base_dir: Path |
     skipped."""
     problems: list[str] = []
     cases: list[NewCase] = []
-    questions = (schema or {}).get("questions", {})
     id_lines: dict[str, int] = {}  # a case's own id → the line that has it first
     for line_number, line in enumerate(jsonl_text.splitlines(), start=1):
         if not line.strip():
@@ -295,29 +311,14 @@ def parse_jsonl(jsonl_text: str, schema: dict | None = None, *, base_dir: Path |
         if not isinstance(record.get("expected") or {}, dict):
             problems.append(f"{where}, expected: must be an object of question → answer")
             continue
-        expected: dict[str, Any] = {}
-        for question_id, value in (record.get("expected") or {}).items():
-            if schema is None:
-                expected[question_id] = value
-            elif question_id not in questions:
-                problems.append(f"{where}, expected.{question_id}: the schema {schema.get('name')!r} has no such "
-                                "question")
-            else:
-                try:
-                    expected[question_id] = coerce_expected(question_id, questions[question_id], value)
-                except ValueError as exc:
-                    problems.append(f"{where}, expected.{question_id}: {exc}")
-        media: dict[str, list[bytes]] = {"images": [], "videos": []}
-        for kind in ("image", "video"):
-            refs = record.get(kind + "s") or []
-            if not isinstance(refs, list):
-                problems.append(f"{where}, {kind}s: must be a list")
-                continue
-            for index, ref in enumerate(refs):
-                try:
-                    media[kind + "s"].append(_load_media(ref, kind, base_dir))
-                except (ValueError, KeyError, TypeError, OSError) as exc:
-                    problems.append(f"{where}, {kind}s[{index}]: {exc}")
+        expected = _expected([(f"{where}, expected.{question_id}", question_id, value)
+                              for question_id, value in (record.get("expected") or {}).items()], schema, problems)
+        for kind in ("images", "videos"):
+            if not isinstance(record.get(kind) or [], list):
+                problems.append(f"{where}, {kind}: must be a list")
+        media = _media([(f"{where}, {kind}s[{index}]", kind, ref) for kind in ("image", "video")
+                        if isinstance(refs := record.get(kind + "s") or [], list)
+                        for index, ref in enumerate(refs)], base_dir, problems)
         tags = record.get("tags") or []
         if not isinstance(tags, list) or not all(isinstance(t, str) for t in tags):
             problems.append(f"{where}, tags: must be a list of strings")
