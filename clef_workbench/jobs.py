@@ -305,17 +305,23 @@ class JobRunner:
         if not chunk.valid:
             return chunk
         chunk.began = time.perf_counter()
-        try:
-            # an answer or an error per request: a case over the token budget is an error result, and the rest of
-            # its chunk runs as it would have without it
-            requests = [r for _, r in chunk.valid]
-            chunk.future = self._with_busy_retry(
-                lambda: engine.submit(requests, priority="bulk", errors="return"), job)
-        except ClefError as exc:  # the engine refused the whole chunk (an endpoint that stopped): each case's error
-            log.warning("run %s: the engine refused a chunk of %d cases", run["id"], len(chunk.valid), exc_info=exc)
-            chunk.future = Future()
-            chunk.future.set_result([exc] * len(chunk.valid))
+        chunk.future = self._submit(engine, [r for _, r in chunk.valid])
         return chunk
+
+    @staticmethod
+    def _submit(engine: DecisionEngine, requests: list[ValidRequest]) -> Future:
+        """The requests queued on the engine: an answer or an error per request (a case over the token budget is
+        an error result, and the rest of its chunk runs as it would have without it). A chunk the engine refuses
+        whole (its queue full, an endpoint that stopped) gets that error for each case: _finish_chunk sends those
+        that were too busy again."""
+        try:
+            return engine.submit(requests, priority="bulk", errors="return")
+        except ClefError as exc:
+            if not isinstance(exc, BusyError):
+                log.warning("the engine refused a chunk of %d cases", len(requests), exc_info=exc)
+            refused: Future = Future()
+            refused.set_result([exc] * len(requests))
+            return refused
 
     @staticmethod
     def _run_questions(run: Run, job: _LiveJob) -> tuple[Question, ...] | None:
@@ -330,7 +336,7 @@ class JobRunner:
 
     def _finish_chunk(self, chunk: _Chunk, engine: DecisionEngine, job: _LiveJob) -> list[NewResult]:
         """Wait for the chunk's answers; results in the form Store.record_results takes. Cases the engine was too
-        busy for are sent again, with backoff, like a chunk refused as a whole."""
+        busy for are sent again, with backoff."""
         if chunk.future is None:  # no valid case: nothing went to the engine
             return chunk.errors
         try:
@@ -338,14 +344,12 @@ class JobRunner:
         except ClefError as exc:  # the whole chunk failed on the engine: each of its cases gets that error
             log.warning("a chunk of %d cases failed on the engine", len(chunk.valid), exc_info=exc)
             outcomes = [exc] * len(chunk.valid)
-        for attempt in range(BUSY_RETRIES - 1):
+        for attempt in range(BUSY_RETRIES):
             busy = [i for i, outcome in enumerate(outcomes) if isinstance(outcome, BusyError)]
             if not busy or job.cancel.is_set():
                 break
             time.sleep(min(0.1 * 2 ** attempt, 5.0))
-            requests = [chunk.valid[i][1] for i in busy]
-            again = self._with_busy_retry(
-                lambda requests=requests: engine.submit(requests, priority="bulk", errors="return"), job).result()
+            again = self._submit(engine, [chunk.valid[i][1] for i in busy]).result()
             for i, outcome in zip(busy, again, strict=True):
                 outcomes[i] = outcome
         return chunk.errors + self._results(chunk.valid, outcomes, chunk.started_at,
@@ -371,14 +375,3 @@ class JobRunner:
                 "started_at": started_at, "finished_at": finished_at,
             })
         return out
-
-    @staticmethod
-    def _with_busy_retry(call: Any, job: _LiveJob) -> Any:
-        for attempt in range(BUSY_RETRIES):
-            try:
-                return call()
-            except BusyError:
-                if job.cancel.is_set() or attempt == BUSY_RETRIES - 1:
-                    raise
-                time.sleep(min(0.1 * 2 ** attempt, 5.0))
-        raise AssertionError("unreachable")
