@@ -188,7 +188,7 @@ def _load_media(ref: Any, kind: str, base_dir: Path | None) -> bytes:
     return data
 
 
-def _expected(answers: list[tuple[str, str, Any]], schema: dict | None, problems: list[str]) -> dict[str, Any]:
+def parse_expected(answers: list[tuple[str, str, Any]], schema: dict | None, problems: list[str]) -> dict[str, Any]:
     """(where, question id, raw answer) → the expected answers to store; each bad one is added to `problems`."""
     expected: dict[str, Any] = {}
     questions = (schema or {}).get("questions", {})
@@ -266,7 +266,7 @@ def parse_rows(header: list[str], rows: list[tuple[int, dict[str, str]]], mappin
         if state in ({}, ""):
             problems.append(f"{where}: the state is empty (no value in its state column(s))")
             continue
-        expected = _expected([(f"{where}, column {column!r}", question_id, cell)
+        expected = parse_expected([(f"{where}, column {column!r}", question_id, cell)
                               for column, question_id in mapping.expected_columns.items()
                               if (cell := (row[column] or "").strip())], schema, problems)
         tags: list[str] = []
@@ -311,7 +311,7 @@ def parse_jsonl(jsonl_text: str, schema: dict | None = None, *, base_dir: Path |
         if not isinstance(record.get("expected") or {}, dict):
             problems.append(f"{where}, expected: must be an object of question → answer")
             continue
-        expected = _expected([(f"{where}, expected.{question_id}", question_id, value)
+        expected = parse_expected([(f"{where}, expected.{question_id}", question_id, value)
                               for question_id, value in (record.get("expected") or {}).items()], schema, problems)
         for kind in ("images", "videos"):
             if not isinstance(record.get(kind) or [], list):

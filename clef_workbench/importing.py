@@ -307,14 +307,3 @@ def suggest_mapping(columns: list[str], question_ids: Sequence[str] = ()) -> Csv
     return CsvMapping(state_columns=suggested_state_columns(columns, used, question_ids), expected_columns=expected,
                       tags_column=tags_column, id_column=id_column)
 
-
-def parse_csv(csv_text: str, mapping: CsvMapping, schema: dict | None = None, *,
-              base_dir: Path | None = None) -> list[NewCase]:
-    """Comma-separated text → case dicts (state, expected, tags, images, videos). Raises CaseImportError listing
-    every bad cell and every row that does not fit the header (row numbers count the header as row 1, like a
-    spreadsheet). Files of other encodings and delimiters, and skipping bad rows: `read_source`."""
-    source = read_delimited(csv_text, ",")
-    skipped = bad_rows(source, mapping)
-    if skipped:
-        raise CaseImportError([str(bad) for bad in skipped])
-    return parse_rows(source.columns, source.rows, mapping, schema, base_dir=base_dir)
