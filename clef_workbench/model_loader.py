@@ -204,14 +204,11 @@ class LoadState:
 
 
 class ModelManager:
-    """Holds the resident models. Thread-safe; every Streamlit session of the process shares one instance.
-
-    Several models can be resident at once (Clef and Clef-Flash on one H200, a remote endpoint beside them), each
-    with its own engine; the local ones share their device's GPU queue (clef_engine.scheduler.GpuTurn). One of
-    them is the default model: `request` / `state` / `wait` are about it (pages that run one model use it), `add` /
-    `remove` / `get` / `loaded` about all of them. Before a local release loads, its memory need is checked against
-    the memory free on its device (clef_engine.memory), so a model that would not fit is refused with a message
-    naming the models loaded, not an out-of-memory error halfway through."""
+    """Holds the resident models (Clef and Clef-Flash on one H200, a remote endpoint beside them); thread-safe, one
+    per process. The local ones share their device's GPU queue (clef_engine.scheduler.GpuTurn). `request` / `state` /
+    `wait` are about the default model, `add` / `remove` / `get` / `loaded` about all. A local release's memory need
+    is checked against its device's free memory first (clef_engine.memory), so a model that would not fit is refused
+    naming the models loaded, not by an out-of-memory error halfway through."""
 
     def __init__(self, loader: Callable[..., Any] | None = None, demo_path: Callable[[], Path] | None = None,
                  free_memory: Callable[..., int] | None = None):
@@ -263,7 +260,6 @@ class ModelManager:
                          daemon=True).start()
 
     def wait(self, timeout: float | None = None) -> LoadState:
-        """Block until no load is in progress (or the timeout passes)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._done:
             while self._loading is not None or self._adding:
@@ -278,8 +274,7 @@ class ModelManager:
     def loaded(self) -> list[LoadedModel]:
         """The resident models, the default first, then in load order."""
         with self._lock:
-            models = list(self._models.values())
-            return sorted(models, key=lambda m: m.name != self._default)
+            return sorted(self._models.values(), key=lambda m: m.name != self._default)
 
     def get(self, name: str) -> Any:
         """The engine of the model named `name` (or loaded from the source `name`)."""
@@ -301,7 +296,6 @@ class ModelManager:
             return self._default
 
     def set_default(self, name: str) -> None:
-        """Make a resident model the default (nothing is unloaded)."""
         with self._lock:
             if name not in self._models:
                 raise KeyError(f"no model named {name!r} is loaded (loaded: {', '.join(self._models) or 'none'})")
@@ -368,8 +362,7 @@ class ModelManager:
         self._check_memory(source, source)
         return self._loader(source, **load_options(), **chosen)
 
-    def _resident(self, source: str, engine: Any) -> LoadedModel:
-        """Called with the lock held."""
+    def _resident(self, source: str, engine: Any) -> LoadedModel:  # the lock held
         demo, info = source == DEMO_SOURCE, reported_info(engine)
         return LoadedModel(self._unique_name(source), source, label_of(source), engine, demo,
                            demo or bool(info.get("random_weights")), info.get("precision"))
