@@ -311,7 +311,8 @@ class ModelManager:
                     source == self._loading:
                 return
             self._adding[source] = time.monotonic()
-        threading.Thread(target=self._add, args=(source, precision), name=f"clef-add-{source}", daemon=True).start()
+        threading.Thread(target=self._load, args=(source, precision), kwargs={"adding": True},
+                         name=f"clef-add-{source}", daemon=True).start()
 
     def remove(self, name: str) -> None:
         """Unload the model named `name` (its worker finishes queued jobs, then exits). When it was the default, the
@@ -381,11 +382,12 @@ class ModelManager:
             log.exception("loading %s failed", label_of(source))  # the traceback for the operator's log
             return None, describe_failure(source, exc)
 
-    def _load(self, source: str, precision: str | None = None) -> None:
+    def _load(self, source: str, precision: str | None = None, *, adding: bool = False) -> None:
+        """The thread of a `request` (the new default, replacing the model the last one loaded) or of an `add`."""
         started = time.monotonic()
         engine, error = self._try_load(source, precision)
         loaded_source, notice = source, None
-        if engine is None and source != DEMO_SOURCE and not self._models:
+        if engine is None and not adding and source != DEMO_SOURCE and not self._models:
             # Nothing is resident: fall back to the demo model so the workbench stays usable.
             engine, demo_error = self._try_load(DEMO_SOURCE)
             if engine is None:
@@ -396,29 +398,23 @@ class ModelManager:
         old = None
         with self._done:
             if engine is not None:
-                old = self._models.pop(self._requested, None) if self._requested is not None else None
+                if not adding and self._requested is not None:
+                    old = self._models.pop(self._requested, None)
                 model = self._resident(loaded_source, engine)
                 self._models[model.name] = model
-                self._default = self._requested = model.name
-                self._notice = notice
+                if adding:
+                    self._default = self._default or model.name
+                else:
+                    self._default = self._requested = model.name
+                    self._notice = notice
             self._end_with(error, started)
-            self._loading = None
+            if adding:
+                self._adding.pop(source, None)
+            else:
+                self._loading = None
             self._done.notify_all()
         if old is not None and old.engine is not engine:
             old.engine.close()  # the worker finishes queued jobs, then exits; memory goes with the last reference
-
-    def _add(self, source: str, precision: str | None = None) -> None:
-        started = time.monotonic()
-        engine, error = self._try_load(source, precision)
-        with self._done:
-            if engine is not None:
-                model = self._resident(source, engine)
-                self._models[model.name] = model
-                if self._default is None:
-                    self._default = model.name
-            self._end_with(error, started)
-            self._adding.pop(source, None)
-            self._done.notify_all()
 
 
 _shared: ModelManager | None = None
