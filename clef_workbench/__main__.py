@@ -175,14 +175,6 @@ def load_schema(path: Path) -> dict:
     return schema
 
 
-def model_source(model: str) -> str:
-    if model == DEMO_SOURCE:
-        from clef_engine import demo_release
-
-        return str(demo_release())
-    return model
-
-
 def open_store(db: Path) -> Store:
     if not db.is_file():
         raise UsageError(f"--db: {db} does not exist (create case sets in the workbench or import them first)")
@@ -207,10 +199,10 @@ def check_model_args(args: argparse.Namespace, *ray_only: str) -> str | None:
 
 def start_model(args: argparse.Namespace, address: str | None) -> tuple[Any, dict[str, Any]]:
     """The release loaded in this process, or a distributed.ReplicaPool of it on Ray; and what it says of itself."""
-    source = model_source(args.model)
-    if address is None:
-        import clef_engine
+    import clef_engine
 
+    source = str(clef_engine.demo_release()) if args.model == DEMO_SOURCE else args.model
+    if address is None:
         print(f"loading {args.model} in this process…", flush=True)
         engine = clef_engine.load(source, revision=args.revision, device=args.device, dtype=args.dtype)
         return engine, engine.info()
@@ -372,14 +364,20 @@ def run_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def library_schemas(library: SchemaLibrary) -> Iterator[tuple[str, Schema]]:
+    """(slug, schema) of each schema of the library (CLEF_SCHEMAS_DIR) that loads: a broken file is no match, and
+    names no questions."""
+    for slug in library.slugs():
+        try:
+            yield slug, library.load(slug)
+        except SchemaError:
+            continue
+
+
 def find_schema(text: str) -> tuple[dict, str | None]:
     """--schema: a library schema by id or name, else a file; (the schema, its library id or None)."""
     library = SchemaLibrary()
-    for slug in library.slugs():
-        try:
-            schema = library.load(slug)
-        except SchemaError:
-            continue  # a broken file is no match; when it is the one named, the error below names the file
+    for slug, schema in library_schemas(library):
         if text in (slug, schema.name):
             data = schema.to_dict()
             data.pop("examples", None)
@@ -538,24 +536,13 @@ def calibrate_command(args: argparse.Namespace) -> int:
     return 0
 
 
-def library_question_ids() -> list[str]:
-    """The question ids of every schema in the library (CLEF_SCHEMAS_DIR): without --schema, a column named after
-    one holds answers, which the model must not read as evidence."""
-    library = SchemaLibrary()
-    ids: list[str] = []
-    for slug in library.slugs():
-        try:
-            ids.extend(library.load(slug).questions)
-        except SchemaError:
-            continue  # a broken file names no questions
-    return ids
-
-
 def import_mapping(args: argparse.Namespace, columns: list[str], schema: dict | None) -> CsvMapping:
     """The mapping of the flags, importing.suggest_mapping's where a flag is left out. Without --schema a column
     named like an answer is left out: its answers cannot be checked, and the model must not read them."""
-    questions = list((schema or {}).get("questions", {}))
-    mapping = importing.suggest_mapping(columns, questions or library_question_ids())
+    # without --schema, a column named after a question of any library schema holds answers: never evidence
+    questions = list((schema or {}).get("questions", {})) or [
+        question for _, library_schema in library_schemas(SchemaLibrary()) for question in library_schema.questions]
+    mapping = importing.suggest_mapping(columns, questions)
     if schema is None:
         mapping.expected_columns = {}
     if args.expected:
