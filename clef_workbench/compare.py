@@ -61,13 +61,10 @@ def load_runs(store: Any, run_ids: Sequence[int]) -> list[RunData]:
 
 def start_runs(store: Any, runner: Any, case_set_id: int, schema: dict, engines: Mapping[str, Any], *,
                settings: RunSettings = RunSettings()) -> list[int]:
-    """One run of `schema` on the case set per engine (a local Engine or a RemoteEngine), named by its key (the run's
-    model_id, also the `model` its requests carry), all started on `runner` (a jobs.JobRunner) at once: each runs
-    in its own thread, so a remote endpoint answers while the local GPU works. Returns the run ids, in order.
-
-    Every remote endpoint is checked before any run is recorded: one that does not answer raises
-    jobs.EngineUnreachableError naming its model, and no run is left pending (the others are not started either, so
-    the comparison asked for is not half made)."""
+    """One run of `schema` on the case set per engine, its key the run's model_id, all started on `runner` at once
+    (each in its own thread: a remote endpoint answers while the local GPU works); the run ids, in order. Every
+    remote endpoint is checked before any run is recorded: one that does not answer raises EngineUnreachableError
+    naming its model, and no run is started, so the comparison asked for is not half made."""
     if not engines:
         raise ValueError("pick at least one model to run")
     for name, engine in engines.items():
@@ -243,12 +240,10 @@ MATRIX_VALUES = ("predicted", "confidence", "correct")
 
 def case_matrix(runs: Sequence[RunData], *, value: str = "predicted", question_ids: Sequence[str] | None = None,
                 disagreements_only: bool = False) -> pd.DataFrame:
-    """Cases × runs to browse: index case_id (case-set order), a `position` column, then columns
-    (question_id, "expected") and (question_id, run label) for every run, holding the run's `value`
-    (predicted answer, its confidence, or whether it was right). A case a run failed on shows `error: …` as its
-    predicted answer (NaN for the numbers); a case not run yet shows None, and so does the expected answer of a case
-    no run answered. `disagreements_only` keeps the cases where two runs' answers (or an answer and a failure) to
-    some shown question differ."""
+    """Cases × runs to browse, in case-set order: per question the expected answer and each run's `value` (predicted
+    answer, its confidence, or whether it was right). A failed case shows `error: …` as its answer (NaN for the
+    numbers), a case not run yet None. `disagreements_only` keeps the cases where two runs' answers (or an answer
+    and a failure) to some shown question differ."""
     if value not in MATRIX_VALUES:
         raise ValueError(f"value must be one of {MATRIX_VALUES}, not {value!r}")
     check_comparable(runs)
@@ -314,18 +309,8 @@ class ModelChoice:
 
 
 def model_choices(manager: Any) -> list[ModelChoice]:
-    """The models this process holds, to run a case set on: `manager.loaded()` (several resident models), or the
-    one resident engine of a manager that holds one."""
-    from clef_workbench.model_loader import DEMO_SOURCE, label_of, request_model_name
-
-    loaded = getattr(manager, "loaded", None)
-    if callable(loaded):
-        return [ModelChoice(m.name, m.label, m.engine, bool(m.is_demo)) for m in loaded() if m.engine is not None]
-    state = manager.state()
-    if state.engine is None:
-        return []
-    return [ModelChoice(request_model_name(state.source), label_of(state.source or ""), state.engine,
-                        state.source == DEMO_SOURCE)]
+    """The models this process holds (a model_loader.ModelManager's), to run a case set on."""
+    return [ModelChoice(m.name, m.label, m.engine, bool(m.is_demo)) for m in manager.loaded() if m.engine is not None]
 
 
 def side_by_side(table: pd.DataFrame) -> pd.DataFrame:

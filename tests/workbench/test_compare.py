@@ -219,18 +219,12 @@ def test_runs_to_pick_and_links():
     assert compare.parse_run_ids(None) == []
 
 
-def test_model_choices_of_a_manager_with_several_models_or_one():
+def test_model_choices_of_a_manager_with_several_models():
     from types import SimpleNamespace
 
-    from clef_workbench.model_loader import DEMO_SOURCE, LoadState
+    from clef_workbench.model_loader import DEMO_SOURCE
 
-    engine = object()
-    single = SimpleNamespace(state=lambda: LoadState(engine, DEMO_SOURCE, None, 0.0, None, None))
-    assert compare.model_choices(single) == [compare.ModelChoice("clef-demo", "Demo model (random weights)", engine,
-                                                                 True)]
-    empty = SimpleNamespace(state=lambda: LoadState(None, None, "demo", 1.0, None, None))
-    assert compare.model_choices(empty) == []
-    flash = object()
+    engine, flash = object(), object()
     several = SimpleNamespace(loaded=lambda: [
         SimpleNamespace(name="clef-demo", source=DEMO_SOURCE, label="Demo", engine=engine, is_demo=True),
         SimpleNamespace(name="clef-flash", source="Cloudflare/clef-flash", label="Clef-Flash (9B)", engine=flash,
