@@ -267,8 +267,8 @@ def parse_rows(header: list[str], rows: list[tuple[int, dict[str, str]]], mappin
             problems.append(f"{where}: the state is empty (no value in its state column(s))")
             continue
         expected = parse_expected([(f"{where}, column {column!r}", question_id, cell)
-                              for column, question_id in mapping.expected_columns.items()
-                              if (cell := (row[column] or "").strip())], schema, problems)
+                                   for column, question_id in mapping.expected_columns.items()
+                                   if (cell := (row[column] or "").strip())], schema, problems)
         tags: list[str] = []
         if mapping.tags_column and row[mapping.tags_column]:
             tags = [t.strip() for t in row[mapping.tags_column].replace(",", ";").split(";") if t.strip()]
@@ -312,7 +312,8 @@ def parse_jsonl(jsonl_text: str, schema: dict | None = None, *, base_dir: Path |
             problems.append(f"{where}, expected: must be an object of question → answer")
             continue
         expected = parse_expected([(f"{where}, expected.{question_id}", question_id, value)
-                              for question_id, value in (record.get("expected") or {}).items()], schema, problems)
+                                   for question_id, value in (record.get("expected") or {}).items()],
+                                  schema, problems)
         for kind in ("images", "videos"):
             if not isinstance(record.get(kind) or [], list):
                 problems.append(f"{where}, {kind}: must be a list")
@@ -341,8 +342,8 @@ def parse_jsonl(jsonl_text: str, schema: dict | None = None, *, base_dir: Path |
 
 
 def import_cases(store: Store, case_set_id: int, cases: list[NewCase]) -> list[int]:
-    """Add parsed cases to a case set in one transaction. A case whose content is already in the set is skipped,
-    so importing the same file twice adds its rows once. Returns the ids of the cases added."""
+    """Add parsed cases in one transaction, skipping those already in the set (a file imported twice adds its rows
+    once); the ids of the cases added."""
     return store.add_cases(case_set_id, cases, skip_existing=True)
 
 
@@ -377,9 +378,8 @@ def export_jsonl(store: Store, case_set_id: int) -> str:
 
 
 def cases_table(store: Store, case_set_id: int) -> pd.DataFrame:
-    """One row per case: id, source_id (the case's own id, where one was imported), state (object states flattened
-    to `state.<key>`, values JSON-encoded unless scalar), expected.<question>, tags ('; '-joined), images, videos
-    (counts)."""
+    """One row per case: object states flattened to `state.<key>` (values JSON-encoded unless scalar), an expected
+    answer per question, media counted."""
     cases = store.list_cases(case_set_id)
     rows = []
     flatten = bool(cases) and all(isinstance(c["state"], dict) for c in cases)
@@ -501,15 +501,10 @@ def export_results_jsonl(store: Store, run_id: int) -> str:
 EXAMPLES_DIR = Path(__file__).resolve().parent.parent / "examples" / "casesets"
 
 
-def example_case_set_name(schema_name: str) -> str:
-    return f"Example: {schema_name}"
-
-
 def load_example_case_sets(store: Store, schemas_dir: Path | None = None,
                            examples_dir: Path | None = None) -> dict[str, int]:
-    """Import each shipped example case set (examples/casesets/<schema slug>.jsonl, media paths relative to that
-    folder) whose schema is in the library, as "Example: <schema name>". Sets that already exist are left alone.
-    Returns {schema slug: case set id}."""
+    """Import each shipped example case set (examples/casesets/<schema slug>.jsonl) whose schema is in the library
+    and that is not there yet, as "Example: <schema name>"; {schema slug: case set id}."""
     from clef_workbench.schema_library import SchemaLibrary  # the library module is the other half of the workbench
 
     library = SchemaLibrary(schemas_dir)
@@ -520,7 +515,7 @@ def load_example_case_sets(store: Store, schemas_dir: Path | None = None,
         if not library.exists(slug):
             continue
         schema = library.load(slug)
-        name = example_case_set_name(schema.name)
+        name = f"Example: {schema.name}"
         existing = [s for s in store.list_case_sets() if s["name"] == name]
         if existing:
             loaded[slug] = existing[0]["id"]

@@ -98,10 +98,8 @@ def _pairs_hook(pairs: list[tuple[str, Any]]) -> _PairsDict:
 
 
 def loads_schema_json(text: str, *, source: str = "schema") -> Any:
-    """Parse JSON text, keeping track of duplicate keys so that validation can report duplicate ids.
-
-    Raises SchemaError naming the line and column of a syntax error.
-    """
+    """Parse JSON text, keeping duplicate keys so that validation can report duplicate ids; a syntax error raises
+    SchemaError naming its line and column."""
     try:
         return json.loads(text, object_pairs_hook=_pairs_hook)
     except json.JSONDecodeError as exc:
@@ -110,22 +108,10 @@ def loads_schema_json(text: str, *, source: str = "schema") -> Any:
         ) from None
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# Validation and lint
-
+# -- validation and lint ------------------------------------------------------------------------------------------
 
 def _q(qid: str, fieldname: str) -> str:
     return f'question "{qid}", field "{fieldname}"'
-
-
-def _is_blank_instruction(instructions: Any) -> bool:
-    if instructions is None:
-        return True
-    if isinstance(instructions, str):
-        return not instructions.strip()
-    if isinstance(instructions, dict | list):
-        return len(instructions) == 0
-    return False
 
 
 def _where(loc: tuple[str | int, ...]) -> str:
@@ -211,7 +197,8 @@ def lint_questions(questions: Any) -> list[SchemaProblem]:
         seen_folded.setdefault(folded, qid)
         if not isinstance(question, dict) or question.get("type") not in QUESTION_TYPES:
             continue
-        if _is_blank_instruction(question.get("instructions")):
+        instructions = question.get("instructions")
+        if instructions in (None, {}, []) or (isinstance(instructions, str) and not instructions.strip()):
             warnings.append(SchemaProblem(("questions", qid, "instructions"),
                                           f"{_q(qid, 'instructions')}: empty; the model will read only the id "
                                           f'"{qid}" as the question', "warning"))
@@ -251,9 +238,7 @@ def lint_questions(questions: Any) -> list[SchemaProblem]:
     return warnings
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# The schema document
-
+# -- the schema document ------------------------------------------------------------------------------------------
 
 @dataclass
 class Schema:
@@ -276,7 +261,7 @@ class Schema:
         return data
 
     def to_json(self) -> str:
-        """Indent 2, UTF-8 text, trailing newline: the exact bytes of the library file."""
+        """The exact text of the library file."""
         return json.dumps(self.to_dict(), indent=2, ensure_ascii=False) + "\n"
 
     @classmethod

@@ -60,8 +60,7 @@ UNKNOWN_OPTION = ("unknown", "None of the other options fits, or the state does 
 
 
 class SweepError(ValueError):
-    """A sweep cannot be built or started as asked (an unlabelled case set, a bad variant, too many variants): the
-    message says what and where."""
+    """A sweep cannot be built or started as asked; the message says what and where."""
 
 
 @dataclass(frozen=True)
@@ -104,8 +103,7 @@ class QuestionScore:
 
 @dataclass(frozen=True)
 class VariantScore:
-    """A variant's scores: per question, and overall (every labelled (case, question) answer pooled; the interval
-    resamples cases)."""
+    """A variant's scores: per question, and overall (every labelled answer pooled; the interval resamples cases)."""
 
     variant: Variant
     accuracy: Metric
@@ -139,8 +137,7 @@ class BestSchema:
 
 @dataclass(frozen=True)
 class SweepProgress:
-    """Where a sweep stands: cases done of total, the cases this call computed and the states prefilled for them,
-    rate and ETA (None until measured), and its status."""
+    """Where a sweep stands; rate and ETA are None until measured."""
 
     sweep_id: int
     done: int
@@ -216,7 +213,6 @@ ProgressCallback = Callable[[SweepProgress], None]
 
 
 def base_variant(schema: dict[str, Any]) -> Variant:
-    """The schema as it is, the variant every other is compared with."""
     return Variant("base", schema, "base", None)
 
 
@@ -288,7 +284,6 @@ def auto_variants(schema: dict[str, Any], kinds: Sequence[str] = AUTO_KINDS, *,
 
 
 def changed_questions(variant: Variant, base: dict[str, Any]) -> list[str]:
-    """The questions whose wording the variant changes."""
     return [q for q in base["questions"] if variant.schema["questions"].get(q) != base["questions"][q]]
 
 
@@ -379,8 +374,8 @@ def check_sweep(store: Store, case_set_id: int, schema: dict[str, Any], variants
 def start_sweep(store: Store, case_set_id: int, schema: dict[str, Any], variants: Sequence[Variant], *,
                 model_id: str, model_revision: str | None = None, settings: dict[str, Any] | None = None,
                 folds: int = DEFAULT_FOLDS) -> int:
-    """Record a sweep of the case set's labelled cases (status pending) and return its id; `check_sweep` says what
-    is refused. `settings`: what the answers depend on besides the schema (max_length, overflow, precision…)."""
+    """Record a pending sweep of the case set's labelled cases (`check_sweep` says what is refused); its id.
+    `settings`: what the answers depend on besides the schema (max_length, overflow, precision…)."""
     chosen, case_ids = check_sweep(store, case_set_id, schema, variants, folds=folds)
     return int(store.create_sweep(
         case_set_id, schema=schema, case_ids=case_ids, model_id=model_id, model_revision=model_revision,
@@ -438,14 +433,11 @@ def _run_heldout(store: Store, sweep_id: int, engine: Any, stop: Callable[[], bo
 
 def run_sweep(store: Store, sweep_id: int, engine: Any, *, progress: ProgressCallback | None = None,
               stop: Callable[[], bool] | None = None) -> SweepProgress:
-    """Compute the sweep's cases that have no answers yet, case-major: per case one call of
-    `Engine.decide_variants` (its state prefilled once, every variant continued from it); an engine that is not
-    the local one (a remote endpoint) gets each variant as a request; a distributed.ReplicaPool splits the cases
-    across its replicas. Each case's answers are stored in one transaction, so a kill loses at most the cases in
-    flight and a later call resumes with the rest. Then the held-out check runs (`_run_heldout`), resumable the same
-    way. `progress` is called after each case; `stop()` true ends the sweep as cancelled after the cases in flight.
-    An exception other than a case's own bad input marks the sweep failed and is raised. Returns the final
-    progress."""
+    """Compute the sweep's cases that have no answers yet, case-major (`_computed`), each case's answers stored in
+    one transaction, so a kill loses at most the cases in flight and a later call resumes with the rest; then the
+    held-out check (`_run_heldout`), resumable the same way. `progress` is called after each case; `stop()` true
+    ends the sweep as cancelled after the cases in flight. Any other exception marks the sweep failed and is
+    raised. Returns the final progress."""
     sweep = store.get_sweep(sweep_id)
     own = [v["schema"] for v in sweep["variants"] if v["kind"] != "composed"]
     left = store.sweep_cases_left(sweep_id)
@@ -489,7 +481,7 @@ def run_sweep(store: Store, sweep_id: int, engine: Any, *, progress: ProgressCal
 
 
 def _to_base_ids(response: Response, relabel: dict[str, dict[str, str]]) -> Response:
-    """A response of a relabelled variant with its answers' option ids mapped back to the base's."""
+    """A relabelled variant's response with its answers' option ids mapped back to the base's."""
     answers = dict(response.get("answers") or {})
     for question_id, names in relabel.items():
         answer = answers.get(question_id)
@@ -602,8 +594,8 @@ def _question_accuracy(frame: pd.DataFrame, question_id: str, cases: set[int]) -
 
 
 def _fold_of(sweep: Sweep, base: pd.DataFrame) -> dict[int, int]:
-    """Each case with a labelled answer of the base (`base`: its frame) to its fold of the sweep's seeded k-fold
-    split (k: the sweep's folds, at most the cases); empty below 2 cases."""
+    """Each case the base (`base`: its frame) answered with a label → its fold of the sweep's seeded k-fold split
+    (k at most the cases); empty below 2 cases."""
     case_ids = sorted(set(base.loc[base["expected"].notna(), "case_id"]))
     k = min(sweep["settings"].get("folds", DEFAULT_FOLDS), len(case_ids))
     return {} if k < 2 else dict(zip(np.random.default_rng(DEFAULT_SEED).permutation(case_ids).tolist(),
@@ -651,8 +643,7 @@ def _best(sweep: Sweep, variants: list[Variant], frames: list[pd.DataFrame], hel
 
 def load_sweep(store: Store, sweep_id: int, *, threshold: float | None = None,
                seed: int = DEFAULT_SEED) -> SweepResult:
-    """A stored sweep with its scores over the cases done so far (see the module docstring); order sensitivity
-    above `threshold` is flagged."""
+    """A stored sweep scored over the cases done so far; order sensitivity above `threshold` is flagged."""
     sweep = store.get_sweep(sweep_id)
     answers = store.list_sweep_answers(sweep_id)
     every = [_variant(v) for v in sweep["variants"]]
