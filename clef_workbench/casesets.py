@@ -109,7 +109,6 @@ class CsvMapping:
     id_column: str | None = None
     image_columns: list[str] = field(default_factory=list)
     video_columns: list[str] = field(default_factory=list)
-    infer_types: bool = True
 
 
 def _infer_scalar(text: str) -> Any:
@@ -262,7 +261,7 @@ def parse_rows(header: list[str], rows: list[tuple[int, dict[str, str]]], mappin
                 cell = row[column]
                 if cell is None or cell == "":
                     continue  # empty cells are left out of the state rather than sent as ""
-                _set_dotted(state, column, _infer_scalar(cell) if mapping.infer_types else cell)
+                _set_dotted(state, column, _infer_scalar(cell))
         if state in ({}, ""):
             problems.append(f"{where}: the state is empty (no value in its state column(s))")
             continue
@@ -501,16 +500,14 @@ def export_results_jsonl(store: Store, run_id: int) -> str:
 EXAMPLES_DIR = Path(__file__).resolve().parent.parent / "examples" / "casesets"
 
 
-def load_example_case_sets(store: Store, schemas_dir: Path | None = None,
-                           examples_dir: Path | None = None) -> dict[str, int]:
+def load_example_case_sets(store: Store, schemas_dir: Path | None = None) -> dict[str, int]:
     """Import each shipped example case set (examples/casesets/<schema slug>.jsonl) whose schema is in the library
     and that is not there yet, as "Example: <schema name>"; {schema slug: case set id}."""
     from clef_workbench.schema_library import SchemaLibrary  # the library module is the other half of the workbench
 
     library = SchemaLibrary(schemas_dir)
-    folder = Path(examples_dir or EXAMPLES_DIR)
     loaded: dict[str, int] = {}
-    for path in sorted(folder.glob("*.jsonl")):
+    for path in sorted(EXAMPLES_DIR.glob("*.jsonl")):
         slug = path.stem
         if not library.exists(slug):
             continue
@@ -520,7 +517,7 @@ def load_example_case_sets(store: Store, schemas_dir: Path | None = None,
         if existing:
             loaded[slug] = existing[0]["id"]
             continue
-        cases = parse_jsonl(path.read_text(encoding="utf-8"), schema.to_dict(), base_dir=folder)
+        cases = parse_jsonl(path.read_text(encoding="utf-8"), schema.to_dict(), base_dir=EXAMPLES_DIR)
         case_set_id = store.create_case_set(name, schema_name=slug,
                                             description=f"Shipped example cases for the schema {schema.name!r}")
         store.add_cases(case_set_id, cases)

@@ -69,7 +69,6 @@ class SourceFile:
     encoding: str | None = None
     detected_encoding: str | None = None
     delimiter: str | None = None
-    detected_delimiter: str | None = None
     columns: list[str] = field(default_factory=list)
     rows: list[tuple[int, dict[str, str]]] = field(default_factory=list)
     bad_rows: list[BadRow] = field(default_factory=list)
@@ -175,14 +174,13 @@ def sniff_delimiter(text: str) -> str:
 
 def read_delimited(text: str, delimiter: str | None = None, *, name: str = "the file") -> SourceFile:
     """Delimited text → header and rows; `delimiter` None: sniffed."""
-    detected = sniff_delimiter(text)
-    used = delimiter or detected
+    used = delimiter or sniff_delimiter(text)
     reader = csv.reader(io.StringIO(text, newline=""), delimiter=used)
     try:
         records = list(reader)
     except csv.Error as exc:
         raise CaseImportError([f"line {reader.line_num}: {exc}"]) from None
-    source = SourceFile(name, "delimited", delimiter=used, detected_delimiter=detected)
+    source = SourceFile(name, "delimited", delimiter=used)
     return _split_rows(source, records)
 
 

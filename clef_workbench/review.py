@@ -221,10 +221,10 @@ def next_item(store: Store, run_id: int, *, after_item_id: int | None = None,
     return None
 
 
-def export_golden_set(store: Store, run_id: int, name: str, *, keep_other_expected: bool = True) -> int:
+def export_golden_set(store: Store, run_id: int, name: str) -> int:
     """A new case set of every case with at least one accepted or corrected item, whose expected answers are the
-    reviewed labels (and, with keep_other_expected, the case's original expected answers for questions nobody
-    reviewed). Items marked unknown give no label but a tag `unknown:<question>`. Media are copied."""
+    reviewed labels (the case's own for questions nobody reviewed). Items marked unknown give no label but a tag
+    `unknown:<question>`. Media are copied."""
     run = store.get_run(run_id)
     items = [i for i in store.list_review_items(run_id) if i["status"] in ("accepted", "corrected", "unknown")]
     if not any(i["status"] in ("accepted", "corrected") for i in items):
@@ -239,7 +239,7 @@ def export_golden_set(store: Store, run_id: int, name: str, *, keep_other_expect
         if not labels:
             continue
         case = store.get_case(case_id)
-        expected = dict(case["expected"]) if keep_other_expected else {}
+        expected = dict(case["expected"])
         for unknown in (i["question_id"] for i in case_items if i["status"] == "unknown"):
             expected.pop(unknown, None)
         expected.update(labels)
