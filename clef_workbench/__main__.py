@@ -1,42 +1,20 @@
-"""Command line of the workbench's services, for scripts and CI:
+"""Command line of the workbench's services, for scripts and CI (`--help` lists each command's flags):
 
-    python -m clef_workbench run --db DB --case-set NAME --schema FILE --model SOURCE [--ray ADDRESS] [--replicas N]
-    python -m clef_workbench run --db DB --resume RUN_ID --model SOURCE
-
-runs a case set against a schema file and leaves the run in the store exactly as the Runs page does (same settings,
-same results), so Runs, Review and the exports show it. It prints progress and ends with a line saying how the run
-ended; it exits 0 when the run finished, 1 when it failed or was cancelled (Ctrl-C or SIGTERM cancel it after the chunk
-in flight, its finished results kept, and `--resume` goes on with the rest), 2 when the input is wrong and 130 on
-Ctrl-C before the run started.
-
-A case set is never computed twice by accident: when the database already holds a run of the same case set, schema,
-model and budget, a second invocation asks whether to resume it (at a terminal) or, without one, refuses, naming the
-run and the flags that choose: `--resume RUN_ID` (only the cases without a result are computed) or `--new`.
-
-    python -m clef_workbench import --db DB --case-set NAME FILE [--schema FILE] [--encoding ENC] [--delimiter D]
-        [--state-column C ...] [--skip-bad-rows]
-
-imports a CSV / tab-separated / JSONL / .xlsx file into a case set (created when missing) as the Case sets page's
-Import tab does. It prints how the file was read and what was imported and skipped, and exits 0 when it imported,
-2 when the input is wrong (nothing imported) and 1 when the store refused.
-
-    python -m clef_workbench calibrate --db DB --run RUN [--name NAME] [--min-labelled N] [--folds K] [--export FILE]
-    python -m clef_workbench calibrate --db DB --export FILE
-
-fits a calibration per question on the run's labelled cases (`clef_workbench.calibration`), prints ECE and Brier
-before and after on held-out cases, and keeps it in the store; exits 1 when no question has enough labels.
-`--export FILE` then writes every calibration in the store to FILE, for `clef-engine serve --calibrations FILE`
-(a request's "x_calibration" names one); without --run it only exports.
-
-    python -m clef_workbench sweep --db DB --case-set NAME --schema NAME --model SOURCE [--variants auto|FILE.json]
-        [--folds K] [--json OUT] [--fail-if-order-sensitive X] [--resume] [--ray ADDRESS] [--replicas N]
-
-scores variants of a schema (a library schema's id or name, or a file) on the case set's labelled cases
-(`clef_workbench.sweeps`): each case's state prefilled once, every variant continued from it (on Ray: the cases
-split across replicas, each doing all variants of its cases). It prints the
-leaderboard and writes the JSON document to OUT; exits 0 when the sweep finished, 1 when it failed or was cancelled
-(Ctrl-C or SIGTERM stop it after the case in flight; `--resume` goes on with it), 2 when the input is wrong (nothing
-stored), and 3 when `--fail-if-order-sensitive X` finds a question whose order sensitivity exceeds X.
+- `run` runs a case set against a schema file and leaves the run in the store exactly as the Runs page does, so
+  Runs, Review and the exports show it. Exits 0 when the run finished, 1 when it failed or was cancelled (Ctrl-C or
+  SIGTERM cancel it after the chunk in flight, its finished results kept; `--resume RUN_ID` goes on with the rest),
+  2 on wrong input and 130 on Ctrl-C before the run started. A case set is never computed twice by accident: when
+  the store holds a run of the same case set, schema, model and budget, it asks whether to resume it (at a
+  terminal) or, without one, refuses, naming the flags that choose (`--resume RUN_ID` or `--new`).
+- `import` reads a CSV / tab-separated / JSONL / .xlsx file into a case set as the Case sets page's Import tab does;
+  exits 0 when it imported, 2 on wrong input (nothing imported), 1 when the store refused.
+- `calibrate` fits a calibration per question on a run's labelled cases (`clef_workbench.calibration`), prints ECE
+  and Brier before and after on held-out cases and keeps it; exits 1 when no question has enough labels.
+  `--export FILE` writes every stored calibration for `clef-engine serve --calibrations FILE`.
+- `sweep` scores variants of a schema on a case set's labelled cases (`clef_workbench.sweeps`), prints the
+  leaderboard and writes the JSON document to `--json OUT`; exits 0 when it finished, 1 when it failed or was
+  cancelled (`--resume` goes on), 2 on wrong input (nothing stored), 3 when `--fail-if-order-sensitive X` finds a
+  question whose order sensitivity exceeds X.
 """
 
 from __future__ import annotations
@@ -83,9 +61,24 @@ def path_argument(text: str) -> Path:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m clef_workbench")
     commands = parser.add_subparsers(dest="command", required=True)
-    run = commands.add_parser("run", help="run a case set against a schema and store the results")
-    run.add_argument("--db", required=True, type=path_argument,
-                     help="the workbench's SQLite file (CLEF_DB of the workbench)")
+    store = argparse.ArgumentParser(add_help=False)
+    store.add_argument("--db", required=True, type=path_argument,
+                       help="the workbench's SQLite file (CLEF_DB of the workbench)")
+    model = argparse.ArgumentParser(add_help=False)  # run's and sweep's: where and how the model answers
+    model.add_argument("--model", required=True,
+                       help=f"a release folder, a Hugging Face repo id, or {DEMO_SOURCE!r} for the demo release")
+    model.add_argument("--revision", help="Hub revision of the release")
+    model.add_argument("--max-length", type=int, default=DEFAULT_MAX_LENGTH, help="token budget of one record")
+    model.add_argument("--overflow", choices=["refuse", "truncate_state"], default="refuse",
+                       help="a state over max_length: an error answer (refuse) or its end cut off")
+    model.add_argument("--ray", metavar="ADDRESS",
+                       help="run on this Ray cluster ('auto' or the head's host:6379); default CLEF_RAY_ADDRESS, "
+                            "none: in this process")
+    model.add_argument("--replicas", type=int, help="engine replicas on Ray (default: one per GPU of the cluster)")
+    model.add_argument("--device", help="in process: cpu or cuda (default: cuda when present)")
+    model.add_argument("--dtype", help="float32, bfloat16 … (default: bf16 on CUDA, float32 on the CPU)")
+    run = commands.add_parser("run", parents=[store, model],
+                              help="run a case set against a schema and store the results")
     run.add_argument("--case-set", help="name of a case set in the database")
     run.add_argument("--schema", type=path_argument, help="a schema JSON file (as in the schema library)")
     run.add_argument("--resume", type=int, metavar="RUN_ID",
@@ -93,31 +86,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                           "without a result are computed, with the run's case set, schema and settings")
     run.add_argument("--new", action="store_true",
                      help="start a new run even though one of the same case set, schema and model exists")
-    run.add_argument("--model", required=True,
-                     help=f"a release folder, a Hugging Face repo id, or {DEMO_SOURCE!r} for the demo release")
-    run.add_argument("--revision", help="Hub revision of the release")
-    run.add_argument("--ray", metavar="ADDRESS",
-                     help="run on this Ray cluster ('auto' or the head's host:6379); default CLEF_RAY_ADDRESS, "
-                          "none: in this process")
-    run.add_argument("--replicas", type=int, help="engine replicas on Ray (default: one per GPU of the cluster)")
     run.add_argument("--chunk-tokens", type=int,
                      help="on Ray, cases are sent in chunks of about this many tokens (default: the replica's "
                           "token budget)")
     run.add_argument("--chunk-size", type=int, default=DEFAULT_CHUNK_SIZE, help="records per batch, in process")
-    run.add_argument("--max-length", type=int, default=DEFAULT_MAX_LENGTH, help="token budget of one record")
-    run.add_argument("--overflow", choices=["refuse", "truncate_state"], default="refuse",
-                     help="a state over max_length: an error result (refuse) or its end cut off")
-    run.add_argument("--device", help="in process: cpu or cuda (default: cuda when present)")
-    run.add_argument("--dtype", help="float32, bfloat16 … (default: bf16 on CUDA, float32 on the CPU)")
-    sweep = commands.add_parser("sweep", help="score variants of a schema on a labelled case set, one state per case")
-    sweep.add_argument("--db", required=True, type=path_argument,
-                       help="the workbench's SQLite file (CLEF_DB of the workbench)")
+    sweep = commands.add_parser("sweep", parents=[store, model],
+                                help="score variants of a schema on a labelled case set, one state per case")
     sweep.add_argument("--case-set", required=True, help="name of a case set in the database, with expected answers")
     sweep.add_argument("--schema", required=True,
                        help="the base schema: its id or name in the schema library (CLEF_SCHEMAS_DIR), or a file")
-    sweep.add_argument("--model", required=True,
-                       help=f"a release folder, a Hugging Face repo id, or {DEMO_SOURCE!r} for the demo release")
-    sweep.add_argument("--revision", help="Hub revision of the release")
     sweep.add_argument("--variants", default="auto", metavar="auto|FILE.json",
                        help="'auto' (default): every automatic variant; or a JSON file of your own, a list of "
                             '{"name", "questions": {question id: question}}')
@@ -130,19 +107,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     sweep.add_argument("--resume", action="store_true",
                        help="go on with the stopped sweep of the same case set, schema, variants and model (only "
                             "its cases without answers are computed); a new sweep when there is none")
-    sweep.add_argument("--max-length", type=int, default=DEFAULT_MAX_LENGTH, help="token budget of one record")
-    sweep.add_argument("--overflow", choices=["refuse", "truncate_state"], default="refuse",
-                       help="a state over max_length: an error answer (refuse) or its end cut off")
-    sweep.add_argument("--ray", metavar="ADDRESS",
-                       help="split the cases across engine replicas on this Ray cluster, each doing all variants of "
-                            "its cases ('auto' or the head's host:6379); default CLEF_RAY_ADDRESS, else in process")
-    sweep.add_argument("--replicas", type=int, help="engine replicas on Ray (default: one per GPU of the cluster)")
-    sweep.add_argument("--device", help="in process: cpu or cuda (default: cuda when present)")
-    sweep.add_argument("--dtype", help="float32, bfloat16 … (default: bf16 on CUDA, float32 on the CPU)")
     calibrate = commands.add_parser(
-        "calibrate", help="fit per-question calibration on a run's labelled cases and print before/after")
-    calibrate.add_argument("--db", required=True, type=path_argument,
-                           help="the workbench's SQLite file (CLEF_DB of the workbench)")
+        "calibrate", parents=[store], help="fit per-question calibration on a run's labelled cases and print "
+                                           "before/after")
     calibrate.add_argument("--run", type=int, help="the run whose labelled cases to fit on (required unless --export)")
     calibrate.add_argument("--name", help="name to keep it under (default: schema · model · run)")
     calibrate.add_argument("--min-labelled", type=int, default=calibration.MIN_LABELLED,
@@ -208,12 +175,43 @@ def load_schema(path: Path) -> dict:
     return schema
 
 
-def model_source(model: str) -> str:
-    if model == DEMO_SOURCE:
-        from clef_engine import demo_release
+def open_store(db: Path) -> Store:
+    if not db.is_file():
+        raise UsageError(f"--db: {db} does not exist (create case sets in the workbench or import them first)")
+    return Store(db)
 
-        return str(demo_release())
-    return model
+
+def check_model_args(args: argparse.Namespace, *ray_only: str) -> str | None:
+    """The Ray address the run or sweep goes to (None: in this process), once the numbers are checked to be at least
+    1 and the options in `ray_only` (besides --replicas) are checked to come with an address."""
+    for name in ("replicas", "max_length", *ray_only, "chunk_size"):
+        if getattr(args, name, None) is not None and getattr(args, name) < 1:
+            raise UsageError(f"--{name.replace('_', '-')} must be at least 1")
+    from clef_workbench.distributed import ray_address
+
+    address = ray_address(args.ray)
+    given = [f"--{name.replace('_', '-')}" for name in ("replicas", *ray_only) if getattr(args, name)]
+    if address is None and given:
+        raise UsageError(f"{' and '.join(given)} {'is' if len(given) == 1 else 'are'} for work on Ray: add "
+                         "--ray ADDRESS or set CLEF_RAY_ADDRESS")
+    return address
+
+
+def start_model(args: argparse.Namespace, address: str | None) -> tuple[Any, dict[str, Any]]:
+    """The release loaded in this process, or a distributed.ReplicaPool of it on Ray; and what it says of itself."""
+    import clef_engine
+
+    source = str(clef_engine.demo_release()) if args.model == DEMO_SOURCE else args.model
+    if address is None:
+        print(f"loading {args.model} in this process…", flush=True)
+        engine = clef_engine.load(source, revision=args.revision, device=args.device, dtype=args.dtype)
+        return engine, engine.info()
+    from clef_workbench.distributed import ReplicaPool, connect
+
+    connect(address)
+    print(f"starting replicas of {args.model} on Ray ({address})…", flush=True)
+    pool = ReplicaPool.start(source, revision=args.revision, replicas=args.replicas, dtype=args.dtype)
+    return pool, pool.info
 
 
 def fmt_seconds(value: float | None) -> str:
@@ -299,14 +297,10 @@ def resume_or_new(store: Store, run: Run) -> int | None:
 
 
 def run_command(args: argparse.Namespace) -> int:
-    from clef_workbench.distributed import RayJobRunner, ReplicaPool, connect, ray_address
+    from clef_workbench.distributed import RayJobRunner
 
-    if not Path(args.db).is_file():
-        raise UsageError(f"--db: {args.db} does not exist (create case sets in the workbench or import them first)")
-    for name in ("replicas", "chunk_tokens", "chunk_size", "max_length"):
-        if getattr(args, name) is not None and getattr(args, name) < 1:
-            raise UsageError(f"--{name.replace('_', '-')} must be at least 1")
-    store = Store(args.db)
+    address = check_model_args(args, "chunk_tokens")
+    store = open_store(args.db)
     store.require_writable()  # before the model loads: a run writes its results
     model_id = request_model_name(args.model)
     if args.resume is not None:
@@ -336,47 +330,29 @@ def run_command(args: argparse.Namespace) -> int:
                                schema_slug=args.schema.stem)
         earlier = None if args.new else same_run(store, case_set_id, schema, model_id, settings)
         run_id = None if earlier is None else resume_or_new(store, earlier)
-    source = model_source(args.model)
-    address = ray_address(args.ray)
-    if address is None and (args.replicas or args.chunk_tokens):
-        raise UsageError("--replicas and --chunk-tokens are for runs on Ray: add --ray ADDRESS or set CLEF_RAY_ADDRESS")
-    engine = pool = None
-    if address is None:
-        import clef_engine
-
-        print(f"loading {args.model} in this process…", flush=True)
-        engine = clef_engine.load(source, revision=args.revision, device=args.device, dtype=args.dtype)
-        info = engine.info()
-        runner = JobRunner(store)
-    else:
-        connect(address)
-        print(f"starting replicas of {args.model} on Ray ({address})…", flush=True)
-        pool = ReplicaPool.start(source, revision=args.revision, replicas=args.replicas, dtype=args.dtype)
-        info = pool.info
+    model, info = start_model(args, address)
+    engine = model if address is None else None  # on Ray, the runner holds the replicas
+    runner = JobRunner(store) if address is None else RayJobRunner(store, pool=model)
+    if address is not None:
         settings = replace(settings, chunk_tokens=args.chunk_tokens or info["token_budget"],
                            ray=RayPlacement(address=address, replicas=info["replicas"], nodes=info["nodes"]))
-        runner = RayJobRunner(store, pool=pool)
     settings = replace(settings, device=info.get("device"), dtype=info.get("dtype"), precision=info.get("precision"))
     try:
         with stop_on_signals() as stop:
-            if engine is not None:
-                check_engine(engine)  # a remote endpoint that does not answer: refused before a run is recorded
+            check_engine(engine)  # a remote endpoint that does not answer: refused before a run is recorded
             if run_id is None:
                 run_id = store.create_run(case_set_id, schema=schema, model_id=model_id,
                                           model_revision=info.get("revision"), settings=settings)
                 doing = f"run {run_id}"
             else:
                 doing = f"resuming run {run_id}"
-            where = f"Ray, {info['replicas']} replicas" if pool else "in process"
+            where = f"Ray, {info['replicas']} replicas" if address else "in process"
             print(f"{doing}: {case_set_name} · {schema['name']} v{schema['version']} · {args.model} on "
                   f"{info.get('device')} ({where})", flush=True)
             runner.start(run_id, engine, check=False)  # checked above, before the run was recorded
             progress = watch(runner, run_id, stop)
     finally:
-        if pool is not None:
-            pool.shutdown()
-        if engine is not None:
-            engine.close()
+        model.shutdown() if address else model.close()
     if progress["status"] != "finished":
         # a run whose failure could not be written to the store still reads `running` there
         status = "failed" if progress["error"] and progress["status"] == "running" else progress["status"]
@@ -388,14 +364,20 @@ def run_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def library_schemas(library: SchemaLibrary) -> Iterator[tuple[str, Schema]]:
+    """(slug, schema) of each schema of the library (CLEF_SCHEMAS_DIR) that loads: a broken file is no match, and
+    names no questions."""
+    for slug in library.slugs():
+        try:
+            yield slug, library.load(slug)
+        except SchemaError:
+            continue
+
+
 def find_schema(text: str) -> tuple[dict, str | None]:
     """--schema: a library schema by id or name, else a file; (the schema, its library id or None)."""
     library = SchemaLibrary()
-    for slug in library.slugs():
-        try:
-            schema = library.load(slug)
-        except SchemaError:
-            continue  # a broken file is no match; when it is the one named, the error below names the file
+    for slug, schema in library_schemas(library):
         if text in (slug, schema.name):
             data = schema.to_dict()
             data.pop("examples", None)
@@ -452,18 +434,10 @@ def print_sweep(result: sweeps.SweepResult) -> None:
 
 
 def sweep_command(args: argparse.Namespace) -> int:
-    from clef_workbench.distributed import ReplicaPool, connect, ray_address
-
-    if not Path(args.db).is_file():
-        raise UsageError(f"--db: {args.db} does not exist (create case sets in the workbench or import them first)")
-    if args.max_length < 1 or (args.replicas is not None and args.replicas < 1):
-        raise UsageError("--max-length and --replicas must be at least 1")
-    address = ray_address(args.ray)
-    if address is None and args.replicas:
-        raise UsageError("--replicas is for sweeps on Ray: add --ray ADDRESS or set CLEF_RAY_ADDRESS")
+    address = check_model_args(args)
     if args.json is not None and (args.json.is_dir() or not args.json.parent.is_dir()):
         raise UsageError(f"--json: {str(args.json)!r} is not a file name in an existing folder")
-    store = Store(args.db)
+    store = open_store(args.db)
     case_set_id = find_case_set(store, args.case_set)
     schema, slug = find_schema(args.schema)
     variants = [sweeps.base_variant(schema), *sweep_variants(args.variants, schema)]
@@ -476,20 +450,7 @@ def sweep_command(args: argparse.Namespace) -> int:
     if earlier is not None and earlier["status"] != "finished" and not args.resume:
         raise UsageError(f"sweep {earlier['id']} of this case set, schema, variants and model stopped at "
                          f"{earlier['done']}/{earlier['total']} cases: pass --resume to compute only the rest")
-    engine: Any
-    if address is None:
-        import clef_engine
-
-        print(f"loading {args.model} in this process…", flush=True)
-        engine = clef_engine.load(model_source(args.model), revision=args.revision, device=args.device,
-                                  dtype=args.dtype)
-        info = engine.info()
-    else:
-        connect(address)
-        print(f"starting replicas of {args.model} on Ray ({address})…", flush=True)
-        engine = ReplicaPool.start(model_source(args.model), revision=args.revision, replicas=args.replicas,
-                                   dtype=args.dtype)
-        info = engine.info
+    engine, info = start_model(args, address)
     if args.resume and earlier is not None:
         sweep_id = earlier["id"]
         print(f"resuming sweep {sweep_id}: {earlier['done']}/{earlier['total']} cases done", flush=True)
@@ -523,7 +484,7 @@ def sweep_command(args: argparse.Namespace) -> int:
         document = {**result.to_json(), "computed_now": {"cases": progress.computed,
                                                          "state_prefills": progress.state_prefills},
                     "command": shlex.join(["python", "-m", "clef_workbench", *args.argv])}
-        write_whole(args.json, json.dumps(document, indent=2, ensure_ascii=False) + "\n")
+        write_json(args.json, document)
     if progress.status != "finished":
         print(f"sweep {sweep_id} {progress.status} at {progress.done}/{progress.total} cases (to go on: the same "
               "command with --resume)", file=sys.stderr)
@@ -535,12 +496,12 @@ def sweep_command(args: argparse.Namespace) -> int:
     return 0
 
 
-def write_whole(path: Path, text: str) -> None:
+def write_json(path: Path, document: dict[str, Any]) -> None:
     """Write a file through a temporary one beside it, renamed over it once complete: a full disk or a killed
     process leaves the earlier file as it was, never a truncated one."""
     partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
     try:
-        partial.write_text(text, encoding="utf-8")
+        partial.write_text(json.dumps(document, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
         os.replace(partial, path)
     finally:
         partial.unlink(missing_ok=True)
@@ -551,9 +512,7 @@ def calibrate_command(args: argparse.Namespace) -> int:
         raise UsageError("name the run to fit on (--run) or a file to export to (--export)")
     if args.export is not None and (args.export.is_dir() or not args.export.name):
         raise UsageError(f"--export: {str(args.export)!r} is not a file name")
-    if not Path(args.db).is_file():
-        raise UsageError(f"--db: {args.db} does not exist")
-    store = Store(args.db)
+    store = open_store(args.db)
     if args.run is not None:
         try:
             store.require_writable()  # before the fitting: its result is kept in the store
@@ -568,7 +527,7 @@ def calibrate_command(args: argparse.Namespace) -> int:
     if args.export is not None:
         document = calibration.export_document(store)
         try:
-            write_whole(args.export, json.dumps(document, indent=2, ensure_ascii=False) + "\n")
+            write_json(args.export, document)
         except OSError as exc:
             print(f"python -m clef_workbench calibrate: --export {args.export}: cannot write it "
                   f"({exc.strerror or exc}); the file was left as it was", file=sys.stderr)
@@ -577,24 +536,13 @@ def calibrate_command(args: argparse.Namespace) -> int:
     return 0
 
 
-def library_question_ids() -> list[str]:
-    """The question ids of every schema in the library (CLEF_SCHEMAS_DIR): without --schema, a column named after
-    one holds answers, which the model must not read as evidence."""
-    library = SchemaLibrary()
-    ids: list[str] = []
-    for slug in library.slugs():
-        try:
-            ids.extend(library.load(slug).questions)
-        except SchemaError:
-            continue  # a broken file names no questions
-    return ids
-
-
 def import_mapping(args: argparse.Namespace, columns: list[str], schema: dict | None) -> CsvMapping:
     """The mapping of the flags, importing.suggest_mapping's where a flag is left out. Without --schema a column
     named like an answer is left out: its answers cannot be checked, and the model must not read them."""
-    questions = list((schema or {}).get("questions", {}))
-    mapping = importing.suggest_mapping(columns, questions or library_question_ids())
+    # without --schema, a column named after a question of any library schema holds answers: never evidence
+    questions = list((schema or {}).get("questions", {})) or [
+        question for _, library_schema in library_schemas(SchemaLibrary()) for question in library_schema.questions]
+    mapping = importing.suggest_mapping(columns, questions)
     if schema is None:
         mapping.expected_columns = {}
     if args.expected:

@@ -233,12 +233,6 @@ def at_bound(question: QuestionCalibration) -> str | None:
     return None
 
 
-def held_out_effect(reduction: Interval) -> str:
-    """The held-out ECE reduction (before − after: above zero is better) with its interval."""
-    return (f"held-out ECE reduction {reduction.value:+.3f} [{reduction.low:+.3f}, {reduction.high:+.3f}], "
-            f"{INTERVAL:.0%} interval")
-
-
 def verdict(question: QuestionCalibration, reduction: Interval | None) -> Verdict:
     """A map is applied when the interval of its held-out ECE reduction lies above zero and no parameter stopped at
     its bound. A map kept without held-out figures (none measured) is applied unless it is at a bound."""
@@ -246,7 +240,8 @@ def verdict(question: QuestionCalibration, reduction: Interval | None) -> Verdic
     if reduction is None:
         return Verdict(False, f"not applied: {bound}") if bound else \
             Verdict(True, "applied: no held-out figures were kept with it")
-    effect = held_out_effect(reduction)
+    effect = (f"held-out ECE reduction {reduction.value:+.3f} [{reduction.low:+.3f}, {reduction.high:+.3f}], "
+              f"{INTERVAL:.0%} interval")
     if bound:
         return Verdict(False, f"not applied: {bound} ({effect})")
     if reduction.low <= 0:
@@ -318,17 +313,6 @@ def export_document(store: Store) -> dict[str, Any]:
         for stored in store.list_calibrations()}}
 
 
-def calibrate_response(maps: dict[str, QuestionCalibration], response: Response) -> dict[str, dict[str, float]]:
-    """Calibrated distributions of a System One response's answers, by question (questions without a map are left
-    out: they are shown raw)."""
-    out = {}
-    for question_id, answer in response["answers"].items():
-        question = maps.get(question_id)
-        if question is not None and answer.get("type") == question.question_type:
-            out[question_id] = question.apply(stats.distribution_of(question.question_type, answer))
-    return out
-
-
 def for_run(store: Store, run: Run) -> Calibration | None:
     """The newest calibration fitted for the run's schema and model (a map only holds for that pair), or None."""
     return next(iter(store.list_calibrations(schema_name=run["schema_name"], model_id=run["model_id"])), None)
@@ -338,13 +322,14 @@ def calibrated_results(stored: Calibration, results: list[Result]) -> list[Resul
     """A run's results (`Store.list_results`) with each answer the stored calibration has a map for replaced by its
     calibrated answer; the rest as they were."""
     maps = applied_maps(stored["payload"])
-    return [{**result, "response": {**response, "answers": _calibrated_answers(maps, response)}}
+    return [{**result, "response": {**response, "answers": calibrated_answers(maps, response)}}
             if (response := result["response"]) else result for result in results]
 
 
-def _calibrated_answers(maps: dict[str, QuestionCalibration], response: Response) -> dict[str, dict[str, Any]]:
-    distributions = calibrate_response(maps, response)
-    return {qid: calibrated_answer(answer, distributions[qid]) if qid in distributions else answer
+def calibrated_answers(maps: dict[str, QuestionCalibration], response: Response) -> dict[str, dict[str, Any]]:
+    """A System One response's answers, each one a map of the same question type has calibrated; the others raw."""
+    return {qid: calibrated_answer(answer, question.apply(stats.distribution_of(question.question_type, answer)))
+            if (question := maps.get(qid)) is not None and answer.get("type") == question.question_type else answer
             for qid, answer in response["answers"].items()}
 
 
@@ -376,4 +361,4 @@ def calibrated_response(store: Store, name: str, response: Response, *, every_qu
     """(the stored calibration named `name`, the response's answers calibrated by it where it has a map that is
     applied (`applied_maps`), others as they were): what Decide, Runs and Review show when a calibration is chosen."""
     stored = store.get_calibration(name=name)
-    return stored, _calibrated_answers(applied_maps(stored["payload"], every_question=every_question), response)
+    return stored, calibrated_answers(applied_maps(stored["payload"], every_question=every_question), response)

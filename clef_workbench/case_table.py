@@ -9,7 +9,7 @@ from typing import Any
 
 import pandas as pd
 
-from clef_workbench.casesets import CaseImportError, coerce_expected, state_text
+from clef_workbench.casesets import CaseImportError, parse_expected, state_text
 from clef_workbench.store import NewCase, Store
 
 EDITOR_COLUMNS = ["id", "state", "expected", "tags", "images", "videos"]
@@ -47,16 +47,6 @@ def with_rows_restored(original: pd.DataFrame, edited: pd.DataFrame, case_ids: l
     return table.iloc[sorted(range(len(table)), key=order.__getitem__)].reset_index(drop=True)
 
 
-def _parsestate_text(text: str) -> Any:
-    if text.strip().startswith(("{", "[")):
-        try:
-            return json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"looks like JSON but does not parse ({exc.msg} at line {exc.lineno} column "
-                             f"{exc.colno})") from exc
-    return text
-
-
 @dataclass(frozen=True)
 class CaseEdits:
     """What a save of the case table wrote: how many cases were added and updated, and which were deleted (their
@@ -81,7 +71,6 @@ def apply_case_edits(store: Store, case_set_id: int, edited: pd.DataFrame, schem
     are updated, ids missing from `edited` are deleted. Every row is checked first; on any problem nothing is
     written and CaseImportError names each bad row (1-based, as shown) and column."""
     current = {c["id"]: c for c in store.list_cases(case_set_id)}
-    questions = (schema or {}).get("questions")
     problems: list[str] = []
     to_add: list[NewCase] = []
     to_update: list[tuple[int, NewCase]] = []
@@ -92,30 +81,27 @@ def apply_case_edits(store: Store, case_set_id: int, edited: pd.DataFrame, schem
         if pd.isna(state_text) or not str(state_text).strip():
             problems.append(f"row {number}, state: must not be empty")
             continue
-        try:
-            state = _parsestate_text(str(state_text))
-        except ValueError as exc:
-            problems.append(f"row {number}, state: {exc}")
-            continue
-        expected: dict[str, Any] = {}
-        expected_text = row.get("expected")
-        if isinstance(expected_text, str) and expected_text.strip():
+        state: Any = str(state_text)
+        if state.strip().startswith(("{", "[")):
             try:
-                raw = json.loads(expected_text)
-                if not isinstance(raw, dict):
-                    raise ValueError("must be a JSON object {question: answer}")
-                for question_id, value in raw.items():
-                    if questions is not None:
-                        if question_id not in questions:
-                            raise ValueError(f"the schema has no question {question_id!r}")
-                        value = coerce_expected(question_id, questions[question_id], value)
-                    expected[question_id] = value
+                state = json.loads(state)
             except json.JSONDecodeError as exc:
-                problems.append(f"row {number}, expected: not JSON ({exc.msg} at column {exc.colno})")
+                problems.append(f"row {number}, state: looks like JSON but does not parse ({exc.msg} at line "
+                                f"{exc.lineno} column {exc.colno})")
                 continue
-            except ValueError as exc:
-                problems.append(f"row {number}, expected: {exc}")
-                continue
+        expected_text = row.get("expected")
+        try:
+            raw = json.loads(expected_text) if isinstance(expected_text, str) and expected_text.strip() else {}
+        except json.JSONDecodeError as exc:
+            problems.append(f"row {number}, expected: not JSON ({exc.msg} at column {exc.colno})")
+            continue
+        if not isinstance(raw, dict):
+            problems.append(f"row {number}, expected: must be a JSON object {{question: answer}}")
+            continue
+        reported = len(problems)
+        expected = parse_expected([(f"row {number}, expected", q, v) for q, v in raw.items()], schema, problems)
+        if len(problems) > reported:
+            continue
         tags_text = row.get("tags")
         tags = [t.strip() for t in str(tags_text).split(",") if t.strip()] if isinstance(tags_text, str) else []
         fields = NewCase(state=state, expected=expected, tags=tags)

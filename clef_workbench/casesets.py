@@ -109,7 +109,6 @@ class CsvMapping:
     id_column: str | None = None
     image_columns: list[str] = field(default_factory=list)
     video_columns: list[str] = field(default_factory=list)
-    infer_types: bool = True
 
 
 def _infer_scalar(text: str) -> Any:
@@ -188,6 +187,35 @@ def _load_media(ref: Any, kind: str, base_dir: Path | None) -> bytes:
     return data
 
 
+def parse_expected(answers: list[tuple[str, str, Any]], schema: dict | None, problems: list[str]) -> dict[str, Any]:
+    """(where, question id, raw answer) → the expected answers to store; each bad one is added to `problems`."""
+    expected: dict[str, Any] = {}
+    questions = (schema or {}).get("questions", {})
+    for where, question_id, value in answers:
+        if schema is None:
+            expected[question_id] = value
+        elif question_id not in questions:
+            problems.append(f"{where}: the schema {schema.get('name')!r} has no such question")
+        else:
+            try:
+                expected[question_id] = coerce_expected(question_id, questions[question_id], value)
+            except ValueError as exc:
+                problems.append(f"{where}: {exc}")
+    return expected
+
+
+def _media(refs: list[tuple[str, str, Any]], base_dir: Path | None, problems: list[str]) -> dict[str, list[bytes]]:
+    """(where, "image" or "video", reference) → {"images": [bytes], "videos": [bytes]}; each bad one is added to
+    `problems`."""
+    media: dict[str, list[bytes]] = {"images": [], "videos": []}
+    for where, kind, ref in refs:
+        try:
+            media[kind + "s"].append(_load_media(ref, kind, base_dir))
+        except (ValueError, KeyError, TypeError, OSError) as exc:
+            problems.append(f"{where}: {exc}")
+    return media
+
+
 def parse_rows(header: list[str], rows: list[tuple[int, dict[str, str]]], mapping: CsvMapping,
                schema: dict | None = None, *, base_dir: Path | None = None) -> list[NewCase]:
     """Rows of a table (row number, column → cell text) → case dicts (state, expected, tags, images, videos).
@@ -233,31 +261,19 @@ def parse_rows(header: list[str], rows: list[tuple[int, dict[str, str]]], mappin
                 cell = row[column]
                 if cell is None or cell == "":
                     continue  # empty cells are left out of the state rather than sent as ""
-                _set_dotted(state, column, _infer_scalar(cell) if mapping.infer_types else cell)
+                _set_dotted(state, column, _infer_scalar(cell))
         if state in ({}, ""):
             problems.append(f"{where}: the state is empty (no value in its state column(s))")
             continue
-        expected: dict[str, Any] = {}
-        for column, question_id in mapping.expected_columns.items():
-            cell = (row[column] or "").strip()
-            if not cell:
-                continue
-            try:
-                expected[question_id] = (coerce_expected(question_id, questions[question_id], cell)
-                                         if schema is not None else cell)
-            except ValueError as exc:
-                problems.append(f"{where}, column {column!r}: {exc}")
+        expected = parse_expected([(f"{where}, column {column!r}", question_id, cell)
+                                   for column, question_id in mapping.expected_columns.items()
+                                   if (cell := (row[column] or "").strip())], schema, problems)
         tags: list[str] = []
         if mapping.tags_column and row[mapping.tags_column]:
             tags = [t.strip() for t in row[mapping.tags_column].replace(",", ";").split(";") if t.strip()]
-        media: dict[str, list[bytes]] = {"images": [], "videos": []}
-        for kind, columns in (("image", mapping.image_columns), ("video", mapping.video_columns)):
-            for column in columns:
-                if row[column]:
-                    try:
-                        media[kind + "s"].append(_load_media(row[column], kind, base_dir))
-                    except (ValueError, OSError) as exc:
-                        problems.append(f"{where}, column {column!r}: {exc}")
+        media = _media([(f"{where}, column {column!r}", kind, row[column])
+                        for kind, columns in (("image", mapping.image_columns), ("video", mapping.video_columns))
+                        for column in columns if row[column]], base_dir, problems)
         source_id = (row[mapping.id_column] or "").strip() if mapping.id_column else ""
         cases.append(NewCase(state=state, expected=expected, tags=tags, source_id=source_id or None,
                              images=media["images"], videos=media["videos"]))
@@ -274,7 +290,6 @@ def parse_jsonl(jsonl_text: str, schema: dict | None = None, *, base_dir: Path |
     skipped."""
     problems: list[str] = []
     cases: list[NewCase] = []
-    questions = (schema or {}).get("questions", {})
     id_lines: dict[str, int] = {}  # a case's own id → the line that has it first
     for line_number, line in enumerate(jsonl_text.splitlines(), start=1):
         if not line.strip():
@@ -295,29 +310,15 @@ def parse_jsonl(jsonl_text: str, schema: dict | None = None, *, base_dir: Path |
         if not isinstance(record.get("expected") or {}, dict):
             problems.append(f"{where}, expected: must be an object of question → answer")
             continue
-        expected: dict[str, Any] = {}
-        for question_id, value in (record.get("expected") or {}).items():
-            if schema is None:
-                expected[question_id] = value
-            elif question_id not in questions:
-                problems.append(f"{where}, expected.{question_id}: the schema {schema.get('name')!r} has no such "
-                                "question")
-            else:
-                try:
-                    expected[question_id] = coerce_expected(question_id, questions[question_id], value)
-                except ValueError as exc:
-                    problems.append(f"{where}, expected.{question_id}: {exc}")
-        media: dict[str, list[bytes]] = {"images": [], "videos": []}
-        for kind in ("image", "video"):
-            refs = record.get(kind + "s") or []
-            if not isinstance(refs, list):
-                problems.append(f"{where}, {kind}s: must be a list")
-                continue
-            for index, ref in enumerate(refs):
-                try:
-                    media[kind + "s"].append(_load_media(ref, kind, base_dir))
-                except (ValueError, KeyError, TypeError, OSError) as exc:
-                    problems.append(f"{where}, {kind}s[{index}]: {exc}")
+        expected = parse_expected([(f"{where}, expected.{question_id}", question_id, value)
+                                   for question_id, value in (record.get("expected") or {}).items()],
+                                  schema, problems)
+        for kind in ("images", "videos"):
+            if not isinstance(record.get(kind) or [], list):
+                problems.append(f"{where}, {kind}: must be a list")
+        media = _media([(f"{where}, {kind}s[{index}]", kind, ref) for kind in ("image", "video")
+                        if isinstance(refs := record.get(kind + "s") or [], list)
+                        for index, ref in enumerate(refs)], base_dir, problems)
         tags = record.get("tags") or []
         if not isinstance(tags, list) or not all(isinstance(t, str) for t in tags):
             problems.append(f"{where}, tags: must be a list of strings")
@@ -340,8 +341,8 @@ def parse_jsonl(jsonl_text: str, schema: dict | None = None, *, base_dir: Path |
 
 
 def import_cases(store: Store, case_set_id: int, cases: list[NewCase]) -> list[int]:
-    """Add parsed cases to a case set in one transaction. A case whose content is already in the set is skipped,
-    so importing the same file twice adds its rows once. Returns the ids of the cases added."""
+    """Add parsed cases in one transaction, skipping those already in the set (a file imported twice adds its rows
+    once); the ids of the cases added."""
     return store.add_cases(case_set_id, cases, skip_existing=True)
 
 
@@ -376,9 +377,8 @@ def export_jsonl(store: Store, case_set_id: int) -> str:
 
 
 def cases_table(store: Store, case_set_id: int) -> pd.DataFrame:
-    """One row per case: id, source_id (the case's own id, where one was imported), state (object states flattened
-    to `state.<key>`, values JSON-encoded unless scalar), expected.<question>, tags ('; '-joined), images, videos
-    (counts)."""
+    """One row per case: object states flattened to `state.<key>` (values JSON-encoded unless scalar), an expected
+    answer per question, media counted."""
     cases = store.list_cases(case_set_id)
     rows = []
     flatten = bool(cases) and all(isinstance(c["state"], dict) for c in cases)
@@ -500,31 +500,24 @@ def export_results_jsonl(store: Store, run_id: int) -> str:
 EXAMPLES_DIR = Path(__file__).resolve().parent.parent / "examples" / "casesets"
 
 
-def example_case_set_name(schema_name: str) -> str:
-    return f"Example: {schema_name}"
-
-
-def load_example_case_sets(store: Store, schemas_dir: Path | None = None,
-                           examples_dir: Path | None = None) -> dict[str, int]:
-    """Import each shipped example case set (examples/casesets/<schema slug>.jsonl, media paths relative to that
-    folder) whose schema is in the library, as "Example: <schema name>". Sets that already exist are left alone.
-    Returns {schema slug: case set id}."""
+def load_example_case_sets(store: Store, schemas_dir: Path | None = None) -> dict[str, int]:
+    """Import each shipped example case set (examples/casesets/<schema slug>.jsonl) whose schema is in the library
+    and that is not there yet, as "Example: <schema name>"; {schema slug: case set id}."""
     from clef_workbench.schema_library import SchemaLibrary  # the library module is the other half of the workbench
 
     library = SchemaLibrary(schemas_dir)
-    folder = Path(examples_dir or EXAMPLES_DIR)
     loaded: dict[str, int] = {}
-    for path in sorted(folder.glob("*.jsonl")):
+    for path in sorted(EXAMPLES_DIR.glob("*.jsonl")):
         slug = path.stem
         if not library.exists(slug):
             continue
         schema = library.load(slug)
-        name = example_case_set_name(schema.name)
+        name = f"Example: {schema.name}"
         existing = [s for s in store.list_case_sets() if s["name"] == name]
         if existing:
             loaded[slug] = existing[0]["id"]
             continue
-        cases = parse_jsonl(path.read_text(encoding="utf-8"), schema.to_dict(), base_dir=folder)
+        cases = parse_jsonl(path.read_text(encoding="utf-8"), schema.to_dict(), base_dir=EXAMPLES_DIR)
         case_set_id = store.create_case_set(name, schema_name=slug,
                                             description=f"Shipped example cases for the schema {schema.name!r}")
         store.add_cases(case_set_id, cases)

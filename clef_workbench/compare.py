@@ -61,13 +61,10 @@ def load_runs(store: Any, run_ids: Sequence[int]) -> list[RunData]:
 
 def start_runs(store: Any, runner: Any, case_set_id: int, schema: dict, engines: Mapping[str, Any], *,
                settings: RunSettings = RunSettings()) -> list[int]:
-    """One run of `schema` on the case set per engine (a local Engine or a RemoteEngine), named by its key (the run's
-    model_id, also the `model` its requests carry), all started on `runner` (a jobs.JobRunner) at once: each runs
-    in its own thread, so a remote endpoint answers while the local GPU works. Returns the run ids, in order.
-
-    Every remote endpoint is checked before any run is recorded: one that does not answer raises
-    jobs.EngineUnreachableError naming its model, and no run is left pending (the others are not started either, so
-    the comparison asked for is not half made)."""
+    """One run of `schema` on the case set per engine, its key the run's model_id, all started on `runner` at once
+    (each in its own thread: a remote endpoint answers while the local GPU works); the run ids, in order. Every
+    remote endpoint is checked before any run is recorded: one that does not answer raises EngineUnreachableError
+    naming its model, and no run is started, so the comparison asked for is not half made."""
     if not engines:
         raise ValueError("pick at least one model to run")
     for name, engine in engines.items():
@@ -98,8 +95,7 @@ def check_comparable(runs: Sequence[RunData]) -> None:
 
 
 def answers(runs: Sequence[RunData]) -> pd.DataFrame:
-    """`stats.answer_frame` of every run, stacked, with `run_id` and `run` (label) columns and each row's `brier`
-    (`stats.brier_term`)."""
+    """`stats.answer_frame` of every run, stacked, with `run_id`, `run` (label) and `brier` columns."""
     frames = []
     for run in runs:
         frame = stats.answer_frame(run.results, run.run["schema"])
@@ -130,7 +126,7 @@ def bootstrap_interval(columns: Sequence[np.ndarray], statistic: Callable[..., n
     return float(low), float(high)
 
 
-def _mean(values: np.ndarray) -> np.ndarray:
+def mean(values: np.ndarray) -> np.ndarray:
     return values.mean(axis=-1)
 
 
@@ -151,17 +147,10 @@ def _p50(values: np.ndarray) -> np.ndarray:
 def _metric_columns(rows: pd.DataFrame, metric: str, bins: int) -> tuple[list[np.ndarray], Statistic]:
     """The per-case columns a quality metric is computed from, and the statistic over them."""
     if metric == "accuracy":
-        return [rows["correct"].to_numpy(float)], _mean
+        return [rows["correct"].to_numpy(float)], mean
     if metric == "brier":
-        return [rows["brier"].to_numpy(float)], _mean
+        return [rows["brier"].to_numpy(float)], mean
     return [rows["confidence"].to_numpy(float), rows["correct"].to_numpy(float)], ece_statistic(bins)
-
-
-def _latencies(run: RunData) -> pd.Series:
-    """Latency of each successful result, indexed by case id."""
-    ok = [(r["case_id"], latency) for r in run.results
-          if not r["error"] and r["response"] and (latency := r["latency_ms"]) is not None]
-    return pd.Series([latency for _, latency in ok], index=[case_id for case_id, _ in ok], dtype=float)
 
 
 # ---- the comparisons ----------------------------------------------------------------------------------------------
@@ -187,7 +176,7 @@ def agreement(runs: Sequence[RunData], *, n_boot: int = DEFAULT_BOOTSTRAP, level
         for question_id, group in joined.groupby("question_id", sort=False):
             group = group.sort_values("position_a", kind="stable")
             same = (group["predicted_a"] == group["predicted_b"]).to_numpy(float)
-            low, high = bootstrap_interval([same], _mean, n_boot=n_boot, level=level, seed=seed)
+            low, high = bootstrap_interval([same], mean, n_boot=n_boot, level=level, seed=seed)
             rows.append({"question_id": question_id, "run_a": a.label, "run_b": b.label, "run_a_id": a.id,
                          "run_b_id": b.id, "n": len(group), "agreements": int(same.sum()),
                          "agreement": float(same.mean()), "low": low, "high": high,
@@ -196,12 +185,6 @@ def agreement(runs: Sequence[RunData], *, n_boot: int = DEFAULT_BOOTSTRAP, level
     columns = ["question_id", "run_a", "run_b", "run_a_id", "run_b_id", "n", "agreements", "agreement", "low",
                "high", "flips", "flipped_case_ids"]
     return pd.DataFrame(rows, columns=columns)
-
-
-def _change(correct_a: float, correct_b: float) -> str:
-    if np.isnan(correct_a) or np.isnan(correct_b):
-        return "no expected answer"
-    return {(0, 1): "fixed", (1, 0): "broken"}.get((int(correct_a), int(correct_b)), "both wrong")
 
 
 def flips(runs: Sequence[RunData]) -> pd.DataFrame:
@@ -213,7 +196,9 @@ def flips(runs: Sequence[RunData]) -> pd.DataFrame:
     for a, b, joined in _pairs(frame, runs):
         flipped = joined[joined["predicted_a"] != joined["predicted_b"]].copy()
         flipped["run_a"], flipped["run_b"], flipped["run_a_id"], flipped["run_b_id"] = a.label, b.label, a.id, b.id
-        flipped["change"] = [_change(x, y) for x, y in zip(flipped["correct_a"], flipped["correct_b"], strict=True)]
+        flipped["change"] = ["no expected answer" if np.isnan(x) or np.isnan(y) else
+                             {(0, 1): "fixed", (1, 0): "broken"}.get((int(x), int(y)), "both wrong")
+                             for x, y in zip(flipped["correct_a"], flipped["correct_b"], strict=True)]
         parts.append(flipped.sort_values(["question_id", "position_a"], kind="stable"))
     columns = ["run_a", "run_b", "run_a_id", "run_b_id", "question_id", "case_id", "position", "expected",
                "predicted_a", "predicted_b", "confidence_a", "confidence_b", "change"]
@@ -240,8 +225,9 @@ def metrics(runs: Sequence[RunData], *, bins: int = 10, n_boot: int = DEFAULT_BO
                 low, high = bootstrap_interval(columns, statistic, n_boot=n_boot, level=level, seed=seed)
                 rows.append({"run_id": run.id, "run": run.label, "question_id": question_id, "metric": metric,
                              "value": value, "low": low, "high": high, "n": len(group)})
-        latency = _latencies(run).to_numpy()
-        for metric, statistic in zip(LATENCY_METRICS, (_p50, _mean), strict=True):
+        latency = np.array([r["latency_ms"] for r in run.results
+                            if not r["error"] and r["response"] and r["latency_ms"] is not None], dtype=float)
+        for metric, statistic in zip(LATENCY_METRICS, (_p50, mean), strict=True):
             value = float(statistic(latency)) if latency.size else np.nan
             low, high = bootstrap_interval([latency], statistic, n_boot=n_boot, level=level, seed=seed)
             rows.append({"run_id": run.id, "run": run.label, "question_id": None, "metric": metric,
@@ -249,59 +235,15 @@ def metrics(runs: Sequence[RunData], *, bins: int = 10, n_boot: int = DEFAULT_BO
     return pd.DataFrame(rows, columns=["run_id", "run", "question_id", "metric", "value", "low", "high", "n"])
 
 
-def differences(runs: Sequence[RunData], *, baseline: int = 0, bins: int = 10, n_boot: int = DEFAULT_BOOTSTRAP,
-                level: float = DEFAULT_LEVEL, seed: int = 0) -> pd.DataFrame:
-    """Each run against `runs[baseline]`: difference (run − baseline) of every quality metric per question and of
-    latency per run, over the cases both have, with a paired bootstrap interval (the same cases drawn for both
-    runs, so case difficulty cancels out). Positive accuracy differences are better; positive ECE, Brier and
-    latency differences are worse."""
-    check_comparable(runs)
-    frame = answers(runs)
-    base = runs[baseline]
-    rows = []
-    for run in runs:
-        if run.id == base.id:
-            continue
-        _, _, joined = next(_pairs(frame, [base, run]))
-        joined = joined[joined["expected_a"].notna()]
-        for question_id, group in joined.groupby("question_id", sort=False):
-            for metric in QUALITY_METRICS:
-                columns_a, statistic = _metric_columns(group.rename(columns=lambda c: c.removesuffix("_a")),
-                                                       metric, bins)
-                columns_b, _ = _metric_columns(group.rename(columns=lambda c: c.removesuffix("_b")), metric, bins)
-                k = len(columns_a)
-
-                def paired(*columns: np.ndarray, statistic: Statistic = statistic, k: int = k) -> np.ndarray:
-                    return statistic(*columns[k:]) - statistic(*columns[:k])
-
-                value = float(paired(*columns_a, *columns_b))
-                low, high = bootstrap_interval(columns_a + columns_b, paired, n_boot=n_boot, level=level, seed=seed)
-                rows.append({"run_id": run.id, "run": run.label, "baseline": base.label, "question_id": question_id,
-                             "metric": metric, "difference": value, "low": low, "high": high, "n": len(group)})
-        both = pd.concat([_latencies(base), _latencies(run)], axis=1, join="inner").to_numpy().T
-        for metric, statistic in zip(LATENCY_METRICS, (_p50, _mean), strict=True):
-            def paired_latency(a: np.ndarray, b: np.ndarray, statistic: Statistic = statistic) -> np.ndarray:
-                return statistic(b) - statistic(a)
-
-            value = float(paired_latency(both[0], both[1])) if both.shape[1] else np.nan
-            low, high = bootstrap_interval([both[0], both[1]], paired_latency, n_boot=n_boot, level=level, seed=seed)
-            rows.append({"run_id": run.id, "run": run.label, "baseline": base.label, "question_id": None,
-                         "metric": metric, "difference": value, "low": low, "high": high, "n": int(both.shape[1])})
-    return pd.DataFrame(rows, columns=["run_id", "run", "baseline", "question_id", "metric", "difference", "low",
-                                       "high", "n"])
-
-
 MATRIX_VALUES = ("predicted", "confidence", "correct")
 
 
 def case_matrix(runs: Sequence[RunData], *, value: str = "predicted", question_ids: Sequence[str] | None = None,
                 disagreements_only: bool = False) -> pd.DataFrame:
-    """Cases × runs to browse: index case_id (case-set order), a `position` column, then columns
-    (question_id, "expected") and (question_id, run label) for every run, holding the run's `value`
-    (predicted answer, its confidence, or whether it was right). A case a run failed on shows `error: …` as its
-    predicted answer (NaN for the numbers); a case not run yet shows None, and so does the expected answer of a case
-    no run answered. `disagreements_only` keeps the cases where two runs' answers (or an answer and a failure) to
-    some shown question differ."""
+    """Cases × runs to browse, in case-set order: per question the expected answer and each run's `value` (predicted
+    answer, its confidence, or whether it was right). A failed case shows `error: …` as its answer (NaN for the
+    numbers), a case not run yet None. `disagreements_only` keeps the cases where two runs' answers (or an answer
+    and a failure) to some shown question differ."""
     if value not in MATRIX_VALUES:
         raise ValueError(f"value must be one of {MATRIX_VALUES}, not {value!r}")
     check_comparable(runs)
@@ -332,7 +274,6 @@ def case_matrix(runs: Sequence[RunData], *, value: str = "predicted", question_i
             differ |= answered.nunique(axis=1) > 1
         matrix = matrix[differ.reindex(matrix.index)]
     return matrix
-
 
 
 # ---- the Compare page's view-model ---------------------------------------------------------------------------------
@@ -368,24 +309,8 @@ class ModelChoice:
 
 
 def model_choices(manager: Any) -> list[ModelChoice]:
-    """The models this process holds, to run a case set on: `manager.loaded()` (several resident models), or the
-    one resident engine of a manager that holds one."""
-    from clef_workbench.model_loader import DEMO_SOURCE, label_of, request_model_name
-
-    loaded = getattr(manager, "loaded", None)
-    if callable(loaded):
-        return [ModelChoice(m.name, m.label, m.engine, bool(m.is_demo)) for m in loaded() if m.engine is not None]
-    state = manager.state()
-    if state.engine is None:
-        return []
-    return [ModelChoice(request_model_name(state.source), label_of(state.source or ""), state.engine,
-                        state.source == DEMO_SOURCE)]
-
-
-def _interval(value: float, low: float, high: float, n: int, digits: int) -> str:
-    if np.isnan(value):
-        return f"– (n={n})"
-    return f"{value:.{digits}f} [{low:.{digits}f}, {high:.{digits}f}] n={n}"
+    """The models this process holds (a model_loader.ModelManager's), to run a case set on."""
+    return [ModelChoice(m.name, m.label, m.engine, bool(m.is_demo)) for m in manager.loaded() if m.engine is not None]
 
 
 def side_by_side(table: pd.DataFrame) -> pd.DataFrame:
@@ -394,9 +319,9 @@ def side_by_side(table: pd.DataFrame) -> pd.DataFrame:
         return pd.DataFrame()
     cells = table.assign(
         question=table["question_id"].fillna("(all)"),
-        cell=[_interval(v, lo, hi, n, 1 if m in LATENCY_METRICS else 3)
-              for v, lo, hi, n, m in zip(table["value"], table["low"], table["high"], table["n"], table["metric"],
-                                         strict=True)])
+        cell=[f"– (n={n})" if np.isnan(v) else f"{v:.{d}f} [{lo:.{d}f}, {hi:.{d}f}] n={n}"
+              for v, lo, hi, n, d in zip(table["value"], table["low"], table["high"], table["n"],
+                                         [1 if m in LATENCY_METRICS else 3 for m in table["metric"]], strict=True)])
     wide = cells.pivot_table(index=["question", "metric"], columns="run", values="cell", aggfunc="first", sort=False)
     return wide[[label for label in dict.fromkeys(table["run"]) if label in wide.columns]].reset_index()
 

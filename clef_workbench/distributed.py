@@ -384,7 +384,3 @@ def make_job_runner(store: Store, *, address: str | None = None, **kwargs: Any) 
     if address is None:
         return JobRunner(store, **kwargs)
     return RayJobRunner(store, address=address, **kwargs)
-
-
-__all__ = ["ADDRESS_ENV", "RayJobRunner", "Replica", "ReplicaError", "ReplicaPool", "TokenEstimate", "connect",
-           "decide_chunk", "estimate_tokens", "make_job_runner", "on_replicas", "ray_address", "token_chunks"]

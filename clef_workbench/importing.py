@@ -69,7 +69,6 @@ class SourceFile:
     encoding: str | None = None
     detected_encoding: str | None = None
     delimiter: str | None = None
-    detected_delimiter: str | None = None
     columns: list[str] = field(default_factory=list)
     rows: list[tuple[int, dict[str, str]]] = field(default_factory=list)
     bad_rows: list[BadRow] = field(default_factory=list)
@@ -175,14 +174,13 @@ def sniff_delimiter(text: str) -> str:
 
 def read_delimited(text: str, delimiter: str | None = None, *, name: str = "the file") -> SourceFile:
     """Delimited text → header and rows; `delimiter` None: sniffed."""
-    detected = sniff_delimiter(text)
-    used = delimiter or detected
+    used = delimiter or sniff_delimiter(text)
     reader = csv.reader(io.StringIO(text, newline=""), delimiter=used)
     try:
         records = list(reader)
     except csv.Error as exc:
         raise CaseImportError([f"line {reader.line_num}: {exc}"]) from None
-    source = SourceFile(name, "delimited", delimiter=used, detected_delimiter=detected)
+    source = SourceFile(name, "delimited", delimiter=used)
     return _split_rows(source, records)
 
 
@@ -307,14 +305,3 @@ def suggest_mapping(columns: list[str], question_ids: Sequence[str] = ()) -> Csv
     return CsvMapping(state_columns=suggested_state_columns(columns, used, question_ids), expected_columns=expected,
                       tags_column=tags_column, id_column=id_column)
 
-
-def parse_csv(csv_text: str, mapping: CsvMapping, schema: dict | None = None, *,
-              base_dir: Path | None = None) -> list[NewCase]:
-    """Comma-separated text → case dicts (state, expected, tags, images, videos). Raises CaseImportError listing
-    every bad cell and every row that does not fit the header (row numbers count the header as row 1, like a
-    spreadsheet). Files of other encodings and delimiters, and skipping bad rows: `read_source`."""
-    source = read_delimited(csv_text, ",")
-    skipped = bad_rows(source, mapping)
-    if skipped:
-        raise CaseImportError([str(bad) for bad in skipped])
-    return parse_rows(source.columns, source.rows, mapping, schema, base_dir=base_dir)

@@ -27,7 +27,7 @@ import time
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, TypedDict
+from typing import Any, Generic, TypedDict, TypeVar
 
 from clef_engine.errors import BusyError, ClefError
 from clef_engine.interface import DecisionEngine
@@ -47,9 +47,44 @@ LEASE_TTL_S = 30.0
 
 
 @dataclass
-class _LiveJob:
+class LiveThread:
+    """A thread working on one run or sweep, and the event that asks it to stop after the work in flight."""
+
     thread: threading.Thread
     cancel: threading.Event = field(default_factory=threading.Event)
+
+
+Live = TypeVar("Live", bound=LiveThread)
+
+
+class BackgroundThreads(Generic[Live]):
+    """One background thread per run (or sweep) id, so that the work goes on when the person switches pages."""
+
+    def __init__(self) -> None:
+        self._live: dict[int, Live] = {}
+        self._lock = threading.Lock()
+
+    def cancel(self, key: int) -> bool:
+        """Ask a live thread to stop after the work in flight; False when none runs here."""
+        if not self.is_running(key):
+            return False
+        self._live[key].cancel.set()
+        return True
+
+    def is_running(self, key: int) -> bool:
+        live = self._live.get(key)
+        return live is not None and live.thread.is_alive()
+
+    def wait(self, key: int, timeout: float | None = None) -> bool:
+        """Block until the thread ends; True when it has (or none was started here)."""
+        live = self._live.get(key)
+        if live is not None:
+            live.thread.join(timeout)
+        return not self.is_running(key)
+
+
+@dataclass
+class _LiveJob(LiveThread):
     session_started: float = field(default_factory=time.monotonic)
     processed: int = 0  # cases finished by this thread (for the rate; earlier sessions are not counted)
     last_error: str | None = None
@@ -115,18 +150,17 @@ def check_engine(engine: DecisionEngine | None) -> None:
                                      f"request ({exc})") from exc
 
 
-class JobRunner:
+class JobRunner(BackgroundThreads[_LiveJob]):
     """Starts, cancels and reports on batch runs. Create one per process (the UI caches it as a resource)."""
 
     def __init__(self, store: Store, *, chunk_size: int = DEFAULT_CHUNK_SIZE, chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
                  lease_ttl_s: float = LEASE_TTL_S):
+        super().__init__()
         self.store = store
         self.chunk_size = chunk_size
         self.chunk_tokens = chunk_tokens
         self.lease_ttl_s = lease_ttl_s
         self.owner = new_lease_owner()
-        self._jobs: dict[int, _LiveJob] = {}
-        self._lock = threading.Lock()
 
     def start(self, run_id: int, engine: DecisionEngine | None, *, retry_failed: bool = False,
               check: bool = True) -> None:
@@ -138,8 +172,7 @@ class JobRunner:
         if check:
             check_engine(engine)
         with self._lock:
-            job = self._jobs.get(run_id)
-            if job is not None and job.thread.is_alive():
+            if self.is_running(run_id):
                 raise JobAlreadyRunningError(f"run {run_id} is already running")
             holder = self.store.acquire_run_lease(run_id, self.owner, self.lease_ttl_s)
             if holder is not None:
@@ -150,32 +183,13 @@ class JobRunner:
                 self.store.delete_error_results(run_id)
             thread = threading.Thread(target=self._work, args=(run_id, engine), name=f"clef-run-{run_id}",
                                       daemon=True)
-            self._jobs[run_id] = _LiveJob(thread=thread)
+            self._live[run_id] = _LiveJob(thread=thread)
         self.store.set_run_status(run_id, "running")
         thread.start()
 
-    def cancel(self, run_id: int) -> bool:
-        """Ask a live run to stop after the chunk in flight; returns False if it is not running here."""
-        if not self.is_running(run_id):
-            return False
-        self._jobs[run_id].cancel.set()
-        return True
-
-    def is_running(self, run_id: int) -> bool:
-        job = self._jobs.get(run_id)
-        return job is not None and job.thread.is_alive()
-
-    def wait(self, run_id: int, timeout: float | None = None) -> bool:
-        """Block until the run's thread ends; returns True if it has ended."""
-        job = self._jobs.get(run_id)
-        if job is None:
-            return True
-        job.thread.join(timeout)
-        return not job.thread.is_alive()
-
     def progress(self, run_id: int) -> RunProgress:
         run = self.store.get_run(run_id)
-        job = self._jobs.get(run_id)
+        job = self._live.get(run_id)
         running = job if job is not None and job.thread.is_alive() else None
         live = running is not None
         remaining = run["total"] - run["done"]
@@ -206,7 +220,7 @@ class JobRunner:
                 job.lease_lost.set()  # taken over after we failed to renew in time: stop, the new holder goes on
 
     def _work(self, run_id: int, engine: DecisionEngine | None) -> None:
-        job = self._jobs[run_id]
+        job = self._live[run_id]
         threading.Thread(target=self._heartbeat, args=(run_id, job), name=f"clef-lease-{run_id}",
                          daemon=True).start()
         try:
@@ -305,17 +319,23 @@ class JobRunner:
         if not chunk.valid:
             return chunk
         chunk.began = time.perf_counter()
-        try:
-            # an answer or an error per request: a case over the token budget is an error result, and the rest of
-            # its chunk runs as it would have without it
-            requests = [r for _, r in chunk.valid]
-            chunk.future = self._with_busy_retry(
-                lambda: engine.submit(requests, priority="bulk", errors="return"), job)
-        except ClefError as exc:  # the engine refused the whole chunk (an endpoint that stopped): each case's error
-            log.warning("run %s: the engine refused a chunk of %d cases", run["id"], len(chunk.valid), exc_info=exc)
-            chunk.future = Future()
-            chunk.future.set_result([exc] * len(chunk.valid))
+        chunk.future = self._submit(engine, [r for _, r in chunk.valid])
         return chunk
+
+    @staticmethod
+    def _submit(engine: DecisionEngine, requests: list[ValidRequest]) -> Future:
+        """The requests queued on the engine: an answer or an error per request (a case over the token budget is
+        an error result, and the rest of its chunk runs as it would have without it). A chunk the engine refuses
+        whole (its queue full, an endpoint that stopped) gets that error for each case: _finish_chunk sends those
+        that were too busy again."""
+        try:
+            return engine.submit(requests, priority="bulk", errors="return")
+        except ClefError as exc:
+            if not isinstance(exc, BusyError):
+                log.warning("the engine refused a chunk of %d cases", len(requests), exc_info=exc)
+            refused: Future = Future()
+            refused.set_result([exc] * len(requests))
+            return refused
 
     @staticmethod
     def _run_questions(run: Run, job: _LiveJob) -> tuple[Question, ...] | None:
@@ -330,7 +350,7 @@ class JobRunner:
 
     def _finish_chunk(self, chunk: _Chunk, engine: DecisionEngine, job: _LiveJob) -> list[NewResult]:
         """Wait for the chunk's answers; results in the form Store.record_results takes. Cases the engine was too
-        busy for are sent again, with backoff, like a chunk refused as a whole."""
+        busy for are sent again, with backoff."""
         if chunk.future is None:  # no valid case: nothing went to the engine
             return chunk.errors
         try:
@@ -338,14 +358,12 @@ class JobRunner:
         except ClefError as exc:  # the whole chunk failed on the engine: each of its cases gets that error
             log.warning("a chunk of %d cases failed on the engine", len(chunk.valid), exc_info=exc)
             outcomes = [exc] * len(chunk.valid)
-        for attempt in range(BUSY_RETRIES - 1):
+        for attempt in range(BUSY_RETRIES):
             busy = [i for i, outcome in enumerate(outcomes) if isinstance(outcome, BusyError)]
             if not busy or job.cancel.is_set():
                 break
             time.sleep(min(0.1 * 2 ** attempt, 5.0))
-            requests = [chunk.valid[i][1] for i in busy]
-            again = self._with_busy_retry(
-                lambda requests=requests: engine.submit(requests, priority="bulk", errors="return"), job).result()
+            again = self._submit(engine, [chunk.valid[i][1] for i in busy]).result()
             for i, outcome in zip(busy, again, strict=True):
                 outcomes[i] = outcome
         return chunk.errors + self._results(chunk.valid, outcomes, chunk.started_at,
@@ -371,14 +389,3 @@ class JobRunner:
                 "started_at": started_at, "finished_at": finished_at,
             })
         return out
-
-    @staticmethod
-    def _with_busy_retry(call: Any, job: _LiveJob) -> Any:
-        for attempt in range(BUSY_RETRIES):
-            try:
-                return call()
-            except BusyError:
-                if job.cancel.is_set() or attempt == BUSY_RETRIES - 1:
-                    raise
-                time.sleep(min(0.1 * 2 ** attempt, 5.0))
-        raise AssertionError("unreachable")

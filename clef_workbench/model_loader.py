@@ -204,14 +204,11 @@ class LoadState:
 
 
 class ModelManager:
-    """Holds the resident models. Thread-safe; every Streamlit session of the process shares one instance.
-
-    Several models can be resident at once (Clef and Clef-Flash on one H200, a remote endpoint beside them), each
-    with its own engine; the local ones share their device's GPU queue (clef_engine.scheduler.GpuTurn). One of
-    them is the default model: `request` / `state` / `wait` are about it (pages that run one model use it), `add` /
-    `remove` / `get` / `loaded` about all of them. Before a local release loads, its memory need is checked against
-    the memory free on its device (clef_engine.memory), so a model that would not fit is refused with a message
-    naming the models loaded, not an out-of-memory error halfway through."""
+    """Holds the resident models (Clef and Clef-Flash on one H200, a remote endpoint beside them); thread-safe, one
+    per process. The local ones share their device's GPU queue (clef_engine.scheduler.GpuTurn). `request` / `state` /
+    `wait` are about the default model, `add` / `remove` / `get` / `loaded` about all. A local release's memory need
+    is checked against its device's free memory first (clef_engine.memory), so a model that would not fit is refused
+    naming the models loaded, not by an out-of-memory error halfway through."""
 
     def __init__(self, loader: Callable[..., Any] | None = None, demo_path: Callable[[], Path] | None = None,
                  free_memory: Callable[..., int] | None = None):
@@ -263,7 +260,6 @@ class ModelManager:
                          daemon=True).start()
 
     def wait(self, timeout: float | None = None) -> LoadState:
-        """Block until no load is in progress (or the timeout passes)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._done:
             while self._loading is not None or self._adding:
@@ -278,8 +274,7 @@ class ModelManager:
     def loaded(self) -> list[LoadedModel]:
         """The resident models, the default first, then in load order."""
         with self._lock:
-            models = list(self._models.values())
-            return sorted(models, key=lambda m: m.name != self._default)
+            return sorted(self._models.values(), key=lambda m: m.name != self._default)
 
     def get(self, name: str) -> Any:
         """The engine of the model named `name` (or loaded from the source `name`)."""
@@ -301,7 +296,6 @@ class ModelManager:
             return self._default
 
     def set_default(self, name: str) -> None:
-        """Make a resident model the default (nothing is unloaded)."""
         with self._lock:
             if name not in self._models:
                 raise KeyError(f"no model named {name!r} is loaded (loaded: {', '.join(self._models) or 'none'})")
@@ -317,7 +311,8 @@ class ModelManager:
                     source == self._loading:
                 return
             self._adding[source] = time.monotonic()
-        threading.Thread(target=self._add, args=(source, precision), name=f"clef-add-{source}", daemon=True).start()
+        threading.Thread(target=self._load, args=(source, precision), kwargs={"adding": True},
+                         name=f"clef-add-{source}", daemon=True).start()
 
     def remove(self, name: str) -> None:
         """Unload the model named `name` (its worker finishes queued jobs, then exits). When it was the default, the
@@ -368,8 +363,7 @@ class ModelManager:
         self._check_memory(source, source)
         return self._loader(source, **load_options(), **chosen)
 
-    def _resident(self, source: str, engine: Any) -> LoadedModel:
-        """Called with the lock held."""
+    def _resident(self, source: str, engine: Any) -> LoadedModel:  # the lock held
         demo, info = source == DEMO_SOURCE, reported_info(engine)
         return LoadedModel(self._unique_name(source), source, label_of(source), engine, demo,
                            demo or bool(info.get("random_weights")), info.get("precision"))
@@ -388,11 +382,12 @@ class ModelManager:
             log.exception("loading %s failed", label_of(source))  # the traceback for the operator's log
             return None, describe_failure(source, exc)
 
-    def _load(self, source: str, precision: str | None = None) -> None:
+    def _load(self, source: str, precision: str | None = None, *, adding: bool = False) -> None:
+        """The thread of a `request` (the new default, replacing the model the last one loaded) or of an `add`."""
         started = time.monotonic()
         engine, error = self._try_load(source, precision)
         loaded_source, notice = source, None
-        if engine is None and source != DEMO_SOURCE and not self._models:
+        if engine is None and not adding and source != DEMO_SOURCE and not self._models:
             # Nothing is resident: fall back to the demo model so the workbench stays usable.
             engine, demo_error = self._try_load(DEMO_SOURCE)
             if engine is None:
@@ -403,29 +398,23 @@ class ModelManager:
         old = None
         with self._done:
             if engine is not None:
-                old = self._models.pop(self._requested, None) if self._requested is not None else None
+                if not adding and self._requested is not None:
+                    old = self._models.pop(self._requested, None)
                 model = self._resident(loaded_source, engine)
                 self._models[model.name] = model
-                self._default = self._requested = model.name
-                self._notice = notice
+                if adding:
+                    self._default = self._default or model.name
+                else:
+                    self._default = self._requested = model.name
+                    self._notice = notice
             self._end_with(error, started)
-            self._loading = None
+            if adding:
+                self._adding.pop(source, None)
+            else:
+                self._loading = None
             self._done.notify_all()
         if old is not None and old.engine is not engine:
             old.engine.close()  # the worker finishes queued jobs, then exits; memory goes with the last reference
-
-    def _add(self, source: str, precision: str | None = None) -> None:
-        started = time.monotonic()
-        engine, error = self._try_load(source, precision)
-        with self._done:
-            if engine is not None:
-                model = self._resident(source, engine)
-                self._models[model.name] = model
-                if self._default is None:
-                    self._default = model.name
-            self._end_with(error, started)
-            self._adding.pop(source, None)
-            self._done.notify_all()
 
 
 _shared: ModelManager | None = None

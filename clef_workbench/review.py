@@ -114,20 +114,21 @@ def candidates(store: Store, run_id: int, rules: ReviewRules) -> list[NewReviewI
     return items
 
 
+# the rule each part of a reason (`_reasons`) comes from, by how the part starts
+RULE_OF_REASON = {"margin": "margin", "confidence": "confidence", "chose": "unknown option",
+                  "answered": "disagrees with expected", "run ": "disagrees with another run"}
+
+
 def preview(store: Store, run_id: int, rules: ReviewRules) -> dict[str, Any]:
     """How many items these rules would queue: total, new (not queued before), distinct cases, and counts per
     question and per rule."""
     items = candidates(store, run_id, rules)
     queued = {(i["case_id"], i["question_id"]) for i in store.list_review_items(run_id)}
-    by_rule: dict[str, int] = {"margin": 0, "confidence": 0, "unknown option": 0, "disagrees with expected": 0,
-                               "disagrees with another run": 0}
+    by_rule = dict.fromkeys(RULE_OF_REASON.values(), 0)
     for item in items:
         for part in item["reason"].split("; "):
-            part = part.removeprefix("calibrated ")
-            key = ("margin" if part.startswith("margin") else "confidence" if part.startswith("confidence")
-                   else "unknown option" if part.startswith("chose")
-                   else "disagrees with another run" if part.startswith("run ") else "disagrees with expected")
-            by_rule[key] += 1
+            by_rule[next(rule for start, rule in RULE_OF_REASON.items()
+                         if part.removeprefix("calibrated ").startswith(start))] += 1
     return {
         "items": len(items),
         "new": sum((i["case_id"], i["question_id"]) not in queued for i in items),
@@ -156,9 +157,8 @@ OPENED_FROM_LINK = "opened from a link"
 
 
 def item_for_link(store: Store, run_id: int, case_id: int, question_id: str | None) -> ReviewItem | None:
-    """The review item a link names (a results row's "Open in Review", or a link someone sent): the queued item of
-    this case and question (the case's first queued question without one), else a new item for that answer,
-    queued with the reason "opened from a link" (the person asked to review it). None when the run has no answer
+    """The review item a link names: the queued item of this case and question (without one, the case's first),
+    else a new item for that answer, queued with the reason "opened from a link". None when the run has no answer
     for it (no such case or question, or its case failed): nothing else is opened in its place."""
     queued = [i for i in record_items(store, run_id, case_id) if question_id is None or i["question_id"] == question_id]
     if queued:
@@ -174,10 +174,9 @@ def item_for_link(store: Store, run_id: int, case_id: int, question_id: str | No
 
 
 def shown_answer(store: Store, item: ReviewItem, calibration_name: str | None = None) -> dict:
-    """What the card of `item` shows: the model's own distribution of the item's answer as the run recorded it
-    (the item's frozen copy if the run no longer has it), or, with `calibration_name`, that calibration's map of it
-    when it has one for the question. Keys: distribution, predicted, confidence, margin, and `calibration` (the
-    stored calibration, None when the numbers are raw)."""
+    """What the card of `item` shows: the answer's distribution as the run recorded it (the item's frozen copy if
+    the run no longer has it), or that calibration's map of it when it has one for the question; `calibration` is
+    the stored calibration, None when the numbers are raw."""
     run = store.get_run(item["run_id"])
     frame = answer_frame([r for r in store.list_results(item["run_id"]) if r["case_id"] == item["case_id"]],
                          run["schema"])
@@ -222,10 +221,10 @@ def next_item(store: Store, run_id: int, *, after_item_id: int | None = None,
     return None
 
 
-def export_golden_set(store: Store, run_id: int, name: str, *, keep_other_expected: bool = True) -> int:
+def export_golden_set(store: Store, run_id: int, name: str) -> int:
     """A new case set of every case with at least one accepted or corrected item, whose expected answers are the
-    reviewed labels (and, with keep_other_expected, the case's original expected answers for questions nobody
-    reviewed). Items marked unknown give no label but a tag `unknown:<question>`. Media are copied."""
+    reviewed labels (the case's own for questions nobody reviewed). Items marked unknown give no label but a tag
+    `unknown:<question>`. Media are copied."""
     run = store.get_run(run_id)
     items = [i for i in store.list_review_items(run_id) if i["status"] in ("accepted", "corrected", "unknown")]
     if not any(i["status"] in ("accepted", "corrected") for i in items):
@@ -240,7 +239,7 @@ def export_golden_set(store: Store, run_id: int, name: str, *, keep_other_expect
         if not labels:
             continue
         case = store.get_case(case_id)
-        expected = dict(case["expected"]) if keep_other_expected else {}
+        expected = dict(case["expected"])
         for unknown in (i["question_id"] for i in case_items if i["status"] == "unknown"):
             expected.pop(unknown, None)
         expected.update(labels)

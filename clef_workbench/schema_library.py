@@ -55,13 +55,10 @@ class SchemaEntry:
 
 
 class SchemaLibrary:
-    """The schema files of one folder. Slugs (file stems) are the ids; they never contain path separators.
-
-    With a `history` (the workbench's Store), every content a schema is saved with is also kept there as a numbered
-    version (clef_workbench/store/schema_versions.py) and the file carries that number; a file changed outside the
-    workbench (git, an editor) becomes a version when the library reads it. Deleting keeps the history, so a
-    deleted schema can be restored, and any version can be restored as a new one. Without a history the library is
-    the folder alone."""
+    """The schema files of one folder; slugs (file stems, never with a path separator) are the ids. With a
+    `history` (the workbench's Store), every content a schema is saved with, or that the library reads after git or
+    an editor changed it, is kept there as a numbered version that the file carries; deleting keeps the history, so
+    a deleted schema, or any version, can be restored as a new version."""
 
     def __init__(self, directory: str | os.PathLike[str] | None = None, *, history: Any = None):
         if directory is None:

@@ -98,10 +98,8 @@ def _pairs_hook(pairs: list[tuple[str, Any]]) -> _PairsDict:
 
 
 def loads_schema_json(text: str, *, source: str = "schema") -> Any:
-    """Parse JSON text, keeping track of duplicate keys so that validation can report duplicate ids.
-
-    Raises SchemaError naming the line and column of a syntax error.
-    """
+    """Parse JSON text, keeping duplicate keys so that validation can report duplicate ids; a syntax error raises
+    SchemaError naming its line and column."""
     try:
         return json.loads(text, object_pairs_hook=_pairs_hook)
     except json.JSONDecodeError as exc:
@@ -110,22 +108,10 @@ def loads_schema_json(text: str, *, source: str = "schema") -> Any:
         ) from None
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# Validation and lint
-
+# -- validation and lint ------------------------------------------------------------------------------------------
 
 def _q(qid: str, fieldname: str) -> str:
     return f'question "{qid}", field "{fieldname}"'
-
-
-def _is_blank_instruction(instructions: Any) -> bool:
-    if instructions is None:
-        return True
-    if isinstance(instructions, str):
-        return not instructions.strip()
-    if isinstance(instructions, dict | list):
-        return len(instructions) == 0
-    return False
 
 
 def _where(loc: tuple[str | int, ...]) -> str:
@@ -201,59 +187,50 @@ def lint_questions(questions: Any) -> list[SchemaProblem]:
     if not isinstance(questions, dict):
         return []
     warnings = [_schema_problem(p, "warning") for p in protocol.hosted_service_problems(questions)]
+
+    def warn(text: str, qid: str, field: str = "id", *option: str) -> None:
+        loc = ("questions", qid) if field == "id" else ("questions", qid, field, *option)
+        warnings.append(SchemaProblem(loc, f"{_q(qid, field)}: {text}", "warning"))
+
     seen_folded: dict[str, str] = {}
     for qid, question in questions.items():
         folded = qid.casefold()
         if folded in seen_folded:
-            warnings.append(SchemaProblem(("questions", qid), f'question "{qid}", field "id": differs from '
-                                                              f'"{seen_folded[folded]}" only in letter case',
-                                          "warning"))
+            warn(f'differs from "{seen_folded[folded]}" only in letter case', qid)
         seen_folded.setdefault(folded, qid)
         if not isinstance(question, dict) or question.get("type") not in QUESTION_TYPES:
             continue
-        if _is_blank_instruction(question.get("instructions")):
-            warnings.append(SchemaProblem(("questions", qid, "instructions"),
-                                          f"{_q(qid, 'instructions')}: empty; the model will read only the id "
-                                          f'"{qid}" as the question', "warning"))
+        instructions = question.get("instructions")
+        if instructions in (None, {}, []) or (isinstance(instructions, str) and not instructions.strip()):
+            warn(f'empty; the model will read only the id "{qid}" as the question', qid, "instructions")
         criteria = question.get("criteria")
-        if question["type"] == "choice" and isinstance(criteria, dict):
-            if not way_out_options(criteria):
-                warnings.append(SchemaProblem(("questions", qid, "criteria"),
-                                              f"{_q(qid, 'criteria')}: no \"unknown\" / \"none of these\" option; "
-                                              "when nothing fits, the model must still pick one of the listed "
-                                              "options", "warning"))
-            folded_ids: dict[str, str] = {}
-            for option_id in criteria:
-                key = _normalized(option_id)
-                if key in folded_ids:
-                    warnings.append(SchemaProblem(("questions", qid, "criteria", option_id),
-                                                  f'{_q(qid, "criteria")}: option ids "{folded_ids[key]}" and '
-                                                  f'"{option_id}" differ only in case or spaces', "warning"))
-                folded_ids.setdefault(key, option_id)
+        options = criteria if question["type"] == "choice" and isinstance(criteria, dict) else None
+        if options is not None and not way_out_options(options):
+            warn('no "unknown" / "none of these" option; when nothing fits, the model must still pick one of the '
+                 "listed options", qid, "criteria")
+        folded_ids: dict[str, str] = {}
+        for option_id in options or {}:
+            key = _normalized(option_id)
+            if key in folded_ids:
+                warn(f'option ids "{folded_ids[key]}" and "{option_id}" differ only in case or spaces', qid,
+                     "criteria", option_id)
+            folded_ids.setdefault(key, option_id)
         described = _descriptions(question)
         for i, (label_a, desc_a) in enumerate(described):
             for label_b, desc_b in described[i + 1:]:
                 a, b = _normalized(desc_a), _normalized(desc_b)
-                if not a or not b:
-                    continue
-                ratio = difflib.SequenceMatcher(None, a, b).ratio()
+                ratio = difflib.SequenceMatcher(None, a, b).ratio() if a and b else 0.0
                 if ratio >= NEAR_DUPLICATE_RATIO:
-                    warnings.append(SchemaProblem(("questions", qid, "criteria"),
-                                                  f"{_q(qid, 'criteria')}: {label_a} and {label_b} have nearly the "
-                                                  f"same description ({ratio:.0%} similar); the model can hardly "
-                                                  "tell them apart", "warning"))
-        if question["type"] == "choice" and isinstance(criteria, dict):
-            for option_id, desc in criteria.items():
-                if desc is None or (isinstance(desc, str) and not desc.strip()):
-                    warnings.append(SchemaProblem(("questions", qid, "criteria", option_id),
-                                                  f'{_q(qid, "criteria")}: option "{option_id}" has no '
-                                                  "description; the model sees only its id", "warning"))
+                    warn(f"{label_a} and {label_b} have nearly the same description ({ratio:.0%} similar); the "
+                         "model can hardly tell them apart", qid, "criteria")
+        for option_id, desc in (options or {}).items():
+            if desc is None or (isinstance(desc, str) and not desc.strip()):
+                warn(f'option "{option_id}" has no description; the model sees only its id', qid, "criteria",
+                     option_id)
     return warnings
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# The schema document
-
+# -- the schema document ------------------------------------------------------------------------------------------
 
 @dataclass
 class Schema:
@@ -276,7 +253,7 @@ class Schema:
         return data
 
     def to_json(self) -> str:
-        """Indent 2, UTF-8 text, trailing newline: the exact bytes of the library file."""
+        """The exact text of the library file."""
         return json.dumps(self.to_dict(), indent=2, ensure_ascii=False) + "\n"
 
     @classmethod

@@ -3,15 +3,7 @@
 `WorkbenchSettings.from_env()` reads them when called (a test or a launcher may set them just before) and returns a
 frozen object; a value that cannot be used raises SettingsError naming the variable and what it takes. The engine's
 own knobs (CLEF_DEVICE, CLEF_TOKEN_BUDGET, ...) are `clef_engine/config.py`'s EngineConfig to read.
-
-- CLEF_MODEL (model): the default model, a repo id, a release folder or an endpoint URL; None: chosen by the GPU.
-- CLEF_REVISION (revision): the Hub revision to load; None: the latest.
-- CLEF_DB (db_path): the SQLite file of case sets, runs, results, reviews and the audit log.
-- CLEF_SCHEMAS_DIR (schemas_dir): the schema library's folder.
-- CLEF_HOST, CLEF_PORT (host, port): where `python serve_workbench.py` serves the workbench and its API.
-- CLEF_STATUS_REFRESH_S (status_refresh_s): how often the sidebar's model status redraws itself while a model loads.
-- CLEF_API_KEY (api_key): the key the workbench's HTTP API requires; None: no key.
-- CLEF_RAY_ADDRESS (ray_address): the Ray cluster batch runs go to; None: the workbench's own process.
+docs/operations.md says what each variable does and its default.
 """
 
 from __future__ import annotations

@@ -57,7 +57,7 @@ def distribution_of(question_type: str, answer: Mapping[str, Any]) -> dict[str, 
 
 
 def top_two(distribution: dict[str, float]) -> tuple[str, float, float]:
-    """(predicted option, its probability, margin over the runner-up). Ties go to the first option listed."""
+    """(predicted option, its probability, margin over the runner-up); ties go to the first option listed."""
     ordered = sorted(distribution.items(), key=lambda kv: -kv[1])
     best, p_best = ordered[0]
     p_second = ordered[1][1] if len(ordered) > 1 else 0.0
@@ -65,11 +65,9 @@ def top_two(distribution: dict[str, float]) -> tuple[str, float, float]:
 
 
 def answer_frame(results: Sequence[Answered], schema: dict) -> pd.DataFrame:
-    """One row per (case, question) of the successful results of a run.
-
-    Columns: case_id, position, question_id, question_type, predicted, confidence, margin, distribution (dict),
-    expected (key or None), correct (bool, NaN without expected), score (score questions: Σ i·p_i),
-    expected_level (score questions), latency_ms, input_tokens. `results` are Store.list_results rows."""
+    """One row per (case, question) of the successful results of a run: the answer's distribution, predicted
+    option, confidence and margin, the expected key (None without one), correct (NaN without one), and for score
+    questions the score Σ i·p_i and the expected level."""
     questions = schema["questions"]
     rows = []
     for result in results:
@@ -107,9 +105,8 @@ def answer_frame(results: Sequence[Answered], schema: dict) -> pd.DataFrame:
 
 
 def coverage(results: Sequence[Result], frame: pd.DataFrame) -> dict[str, Any]:
-    """What the statistics of a run rest on: results, failed (left out of every statistic), answered, answered
-    with an expected answer for at least one question (what accuracy and calibration use), and a sentence saying
-    so."""
+    """What the statistics of a run rest on (failed results are left out of every statistic, accuracy and
+    calibration use the answered cases with an expected answer), in counts and a sentence."""
     failed = sum(1 for r in results if r.get("error"))
     answered = len(results) - failed
     with_expected = int(frame.loc[frame["expected"].notna(), "case_id"].nunique()) if not frame.empty else 0
@@ -127,18 +124,17 @@ def coverage(results: Sequence[Result], frame: pd.DataFrame) -> dict[str, Any]:
             "sentence": sentence}
 
 
-def _results_frame(results: Sequence[Result]) -> pd.DataFrame:
-    frame = pd.DataFrame(results)
-    if frame.empty:
-        return pd.DataFrame(columns=["case_id", "latency_ms", "input_tokens", "error", "started_at", "finished_at"])
-    return frame
+def _results_frame(results: Sequence[Result]) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """Every result, and the successful ones."""
+    frame = pd.DataFrame(results) if results else pd.DataFrame(
+        columns=["case_id", "latency_ms", "input_tokens", "error", "started_at", "finished_at"])
+    return frame, frame[frame["error"].isna()]
 
 
 def latency_stats(results: Sequence[Result]) -> dict[str, Any]:
     """p50 / p95 / p99 / max / mean latency in ms over successful results, the sample count, and the time window
     (first chunk start to last result, ISO strings, plus its length in seconds)."""
-    frame = _results_frame(results)
-    ok = frame[frame["error"].isna()] if "error" in frame else frame
+    frame, ok = _results_frame(results)
     latency = pd.to_numeric(ok["latency_ms"], errors="coerce").dropna()
     out: dict[str, Any] = {"count": int(latency.size), "errors": int(len(frame) - len(ok))}
     for name, q in (("p50", 0.5), ("p95", 0.95), ("p99", 0.99)):
@@ -163,7 +159,7 @@ def latency_stats(results: Sequence[Result]) -> dict[str, Any]:
 
 def busy_seconds(results: Sequence[Result]) -> float:
     """Length of the union of the results' [started_at, finished_at] intervals, in seconds."""
-    frame = _results_frame(results)
+    frame, _ = _results_frame(results)
     if frame.empty:
         return 0.0
     starts = pd.to_datetime(frame["started_at"], utc=True, format="ISO8601")
@@ -183,8 +179,7 @@ def busy_seconds(results: Sequence[Result]) -> float:
 def throughput(results: Sequence[Result], n_questions: int) -> dict[str, float | None]:
     """records/s, decisions/s (records × questions), input tokens/s over busy time; tokens per record (mean and
     median over successful results)."""
-    frame = _results_frame(results)
-    ok = frame[frame["error"].isna()] if "error" in frame else frame
+    _, ok = _results_frame(results)
     busy = busy_seconds(results)
     tokens = pd.to_numeric(ok["input_tokens"], errors="coerce").dropna()
     records = len(ok)
@@ -248,9 +243,7 @@ def brier_term(question_type: str, distribution: dict[str, float], expected: str
 
 
 def calibration(frame: pd.DataFrame, question_id: str, bins: int = 10) -> dict[str, Any]:
-    """Reliability bins, ECE and Brier score of one question over cases with an expected answer.
-
-    Returns {"bins": DataFrame(bin_low, bin_high, count, mean_confidence, accuracy), "ece", "brier", "n"}."""
+    """Reliability bins, ECE and Brier score of one question over cases with an expected answer."""
     rows = frame[(frame["question_id"] == question_id) & frame["expected"].notna()]
     edges = np.round(np.linspace(0.0, 1.0, bins + 1), 10)  # 0.7, not 0.7000000000000001, in the table
     table = pd.DataFrame({"bin_low": edges[:-1], "bin_high": edges[1:], "count": 0,
@@ -286,8 +279,7 @@ def calibration_summary(frame: pd.DataFrame, bins: int = 10) -> pd.DataFrame:
 
 def slowest_cases(results: Sequence[Result], n: int = 10) -> pd.DataFrame:
     """The n successful results with the highest latency, slowest first."""
-    frame = _results_frame(results)
-    ok = frame[frame["error"].isna()] if "error" in frame else frame
+    _, ok = _results_frame(results)
     columns = [c for c in ("case_id", "position", "latency_ms", "input_tokens") if c in ok]
     return ok.sort_values("latency_ms", ascending=False, kind="stable").head(n)[columns].reset_index(drop=True)
 
@@ -301,11 +293,8 @@ def least_confident(frame: pd.DataFrame, n: int = 10) -> pd.DataFrame:
 
 
 def compare_runs(frame_a: pd.DataFrame, frame_b: pd.DataFrame) -> dict[str, Any]:
-    """Compare two runs of the same case set (A = baseline, B = new).
-
-    Returns {"accuracy": per-question accuracy in A and B and the change B − A, "flipped": (case, question) pairs
-    whose predicted answer differs, with both answers and whether each was correct, "shifts": one row per
-    (case, question, option) present in both runs with p_a, p_b and shift = p_b − p_a (for the histogram)}."""
+    """Two runs of the same case set (A = baseline, B = new): per-question accuracy of each and the change B − A,
+    the (case, question) answers that flipped, and per (case, question, option) the shift p_b − p_a."""
     acc_a = accuracy_by_question(frame_a)[["question_id", "accuracy"]].rename(columns={"accuracy": "accuracy_a"})
     acc_b = accuracy_by_question(frame_b)[["question_id", "accuracy"]].rename(columns={"accuracy": "accuracy_b"})
     accuracy = acc_a.merge(acc_b, on="question_id", how="outer")
@@ -332,10 +321,8 @@ def compare_runs(frame_a: pd.DataFrame, frame_b: pd.DataFrame) -> dict[str, Any]
 
 
 def browse_table(results: Sequence[Result], schema: dict) -> pd.DataFrame:
-    """One row per (case, question) for reading a run: case, its source id (its own id in the file it came from),
-    question, the state as text, expected, predicted,
-    confidence, margin, correct (True / False / None without an expected answer), tags, and every option's
-    probability as a short "option p" list."""
+    """One row per (case, question) for reading a run, the state as text and every option's probability as a short
+    "option p" list."""
     frame = answer_frame(results, schema)
     by_case = {r["case_id"]: r for r in results}
     rows = []

@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import logging
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from clef_workbench import sweeps
+from clef_workbench.jobs import BackgroundThreads, LiveThread
 from clef_workbench.sweeps import SweepProgress
 
 log = logging.getLogger(__name__)
@@ -21,20 +22,17 @@ class SweepAlreadyRunningError(RuntimeError):
 
 
 @dataclass
-class _LiveSweep:
-    thread: threading.Thread
-    cancel: threading.Event = field(default_factory=threading.Event)
+class _LiveSweep(LiveThread):
     progress: SweepProgress | None = None  # the last progress run_sweep reported
     error: str | None = None  # what stopped the thread, when run_sweep raised
 
 
-class SweepRunner:
+class SweepRunner(BackgroundThreads[_LiveSweep]):
     """Starts, cancels and reports on sweeps. Create one per process (the workbench caches it as a resource)."""
 
     def __init__(self, store: Any):
+        super().__init__()
         self.store = store
-        self._sweeps: dict[int, _LiveSweep] = {}
-        self._lock = threading.Lock()
 
     def start(self, sweep_id: int, engine: Any) -> None:
         """Run (or resume) the sweep's unfinished cases in a background thread."""
@@ -43,39 +41,21 @@ class SweepRunner:
                 raise SweepAlreadyRunningError(f"sweep #{sweep_id} is already running")
             thread = threading.Thread(target=self._work, args=(sweep_id, engine), name=f"clef-sweep-{sweep_id}",
                                       daemon=True)
-            self._sweeps[sweep_id] = _LiveSweep(thread)
+            self._live[sweep_id] = _LiveSweep(thread)
         thread.start()
-
-    def cancel(self, sweep_id: int) -> bool:
-        """Ask a live sweep to stop after the case in flight; False when it is not running here."""
-        if not self.is_running(sweep_id):
-            return False
-        self._sweeps[sweep_id].cancel.set()
-        return True
-
-    def is_running(self, sweep_id: int) -> bool:
-        live = self._sweeps.get(sweep_id)
-        return live is not None and live.thread.is_alive()
-
-    def wait(self, sweep_id: int, timeout: float | None = None) -> bool:
-        """Block until the sweep's thread ends; True when it has."""
-        live = self._sweeps.get(sweep_id)
-        if live is not None:
-            live.thread.join(timeout)
-        return not self.is_running(sweep_id)
 
     def live_progress(self, sweep_id: int) -> SweepProgress | None:
         """The last progress of a sweep running here (rate and ETA included); None when none runs here."""
-        live = self._sweeps.get(sweep_id)
+        live = self._live.get(sweep_id)
         return live.progress if live is not None and live.thread.is_alive() else None
 
     def last_error(self, sweep_id: int) -> str | None:
         """What stopped the sweep's last thread here, when something did."""
-        live = self._sweeps.get(sweep_id)
+        live = self._live.get(sweep_id)
         return live.error if live is not None else None
 
     def _work(self, sweep_id: int, engine: Any) -> None:
-        live = self._sweeps[sweep_id]
+        live = self._live[sweep_id]
 
         def report(progress: SweepProgress) -> None:
             live.progress = progress

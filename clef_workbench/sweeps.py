@@ -45,7 +45,7 @@ from scipy.stats import binomtest
 
 from clef_workbench import stats
 from clef_workbench.casesets import build_request
-from clef_workbench.compare import bootstrap_interval, ece_statistic
+from clef_workbench.compare import bootstrap_interval, ece_statistic, mean
 from clef_workbench.schemas import Schema, SchemaError, way_out_options
 from clef_workbench.store import Answered, Response, RunSettings, Store, Sweep, SweepAnswer, SweepVariant
 
@@ -62,8 +62,7 @@ UNKNOWN_OPTION = ("unknown", "None of the other options fits, or the state does 
 
 
 class SweepError(ValueError):
-    """A sweep cannot be built or started as asked (an unlabelled case set, a bad variant, too many variants): the
-    message says what and where."""
+    """A sweep cannot be built or started as asked; the message says what and where."""
 
 
 @dataclass(frozen=True)
@@ -106,8 +105,7 @@ class QuestionScore:
 
 @dataclass(frozen=True)
 class VariantScore:
-    """A variant's scores: per question, and overall (every labelled (case, question) answer pooled; the interval
-    resamples cases)."""
+    """A variant's scores: per question, and overall (every labelled answer pooled; the interval resamples cases)."""
 
     variant: Variant
     accuracy: Metric
@@ -141,8 +139,7 @@ class BestSchema:
 
 @dataclass(frozen=True)
 class SweepProgress:
-    """Where a sweep stands: cases done of total, the cases this call computed and the states prefilled for them,
-    rate and ETA (None until measured), and its status."""
+    """Where a sweep stands; rate and ETA are None until measured."""
 
     sweep_id: int
     done: int
@@ -218,14 +215,7 @@ ProgressCallback = Callable[[SweepProgress], None]
 
 
 def base_variant(schema: dict[str, Any]) -> Variant:
-    """The schema as it is, the variant every other is compared with."""
     return Variant("base", schema, "base", None)
-
-
-def _with_question(schema: dict[str, Any], question_id: str, question: dict[str, Any]) -> dict[str, Any]:
-    questions = dict(schema["questions"])
-    questions[question_id] = question
-    return {**schema, "questions": questions}
 
 
 def _numbered(order: list[str]) -> dict[str, str]:
@@ -289,13 +279,13 @@ def auto_variants(schema: dict[str, Any], kinds: Sequence[str] = AUTO_KINDS, *,
     variants = []
     for question_id, question in schema["questions"].items():
         for kind, changed, relabel in _question_variants(question_id, question, kinds, rng):
-            variants.append(Variant(f"{kind}:{question_id}", _with_question(schema, question_id, changed), kind,
-                                    question_id, {question_id: relabel} if relabel else {}))
+            changed_schema = {**schema, "questions": {**schema["questions"], question_id: changed}}
+            variants.append(Variant(f"{kind}:{question_id}", changed_schema, kind, question_id,
+                                    {question_id: relabel} if relabel else {}))
     return variants
 
 
 def changed_questions(variant: Variant, base: dict[str, Any]) -> list[str]:
-    """The questions whose wording the variant changes."""
     return [q for q in base["questions"] if variant.schema["questions"].get(q) != base["questions"][q]]
 
 
@@ -347,12 +337,6 @@ def variants_from_json(text: str, base: dict[str, Any], *, source: str = "varian
 # ---- starting and running -------------------------------------------------------------------------------------------
 
 
-def labelled_cases(store: Store, case_set_id: int, schema: dict[str, Any]) -> list[int]:
-    """Ids of the case set's cases with an expected answer to at least one of the schema's questions, in order."""
-    return [case["id"] for case in store.list_cases(case_set_id)
-            if any((case["expected"] or {}).get(q) is not None for q in schema["questions"])]
-
-
 def check_sweep(store: Store, case_set_id: int, schema: dict[str, Any], variants: Sequence[Variant], *,
                 folds: int = DEFAULT_FOLDS) -> tuple[list[Variant], list[int]]:
     """The variants a sweep would hold (the base first, added when `variants` lacks it) and the labelled case ids it
@@ -379,7 +363,8 @@ def check_sweep(store: Store, case_set_id: int, schema: dict[str, Any], variants
             Schema.from_dict(variant.schema, source=f"variant {variant.name!r}")
         except SchemaError as exc:
             raise SweepError(str(exc)) from None
-    case_ids = labelled_cases(store, case_set_id, schema)
+    case_ids = [case["id"] for case in store.list_cases(case_set_id)
+                if any((case["expected"] or {}).get(q) is not None for q in schema["questions"])]
     if not case_ids:
         name = store.get_case_set(case_set_id)["name"]
         raise SweepError(f"case set {name!r} has no case with an expected answer to a question of schema "
@@ -391,8 +376,8 @@ def check_sweep(store: Store, case_set_id: int, schema: dict[str, Any], variants
 def start_sweep(store: Store, case_set_id: int, schema: dict[str, Any], variants: Sequence[Variant], *,
                 model_id: str, model_revision: str | None = None, settings: dict[str, Any] | None = None,
                 folds: int = DEFAULT_FOLDS) -> int:
-    """Record a sweep of the case set's labelled cases (status pending) and return its id; `check_sweep` says what
-    is refused. `settings`: what the answers depend on besides the schema (max_length, overflow, precision…)."""
+    """Record a pending sweep of the case set's labelled cases (`check_sweep` says what is refused); its id.
+    `settings`: what the answers depend on besides the schema (max_length, overflow, precision…)."""
     chosen, case_ids = check_sweep(store, case_set_id, schema, variants, folds=folds)
     return int(store.create_sweep(
         case_set_id, schema=schema, case_ids=case_ids, model_id=model_id, model_revision=model_revision,
@@ -459,14 +444,11 @@ def _run_heldout(store: Store, sweep_id: int, engine: Any, stop: Callable[[], bo
 
 def run_sweep(store: Store, sweep_id: int, engine: Any, *, progress: ProgressCallback | None = None,
               stop: Callable[[], bool] | None = None) -> SweepProgress:
-    """Compute the sweep's cases that have no answers yet, case-major: per case one call of
-    `Engine.decide_variants` (its state prefilled once, every variant continued from it); an engine that is not
-    the local one (a remote endpoint) gets each variant as a request; a distributed.ReplicaPool splits the cases
-    across its replicas. Each case's answers are stored in one transaction, so a kill loses at most the cases in
-    flight and a later call resumes with the rest. Then the held-out check runs (`_run_heldout`), resumable the same
-    way. `progress` is called after each case; `stop()` true ends the sweep as cancelled after the cases in flight.
-    An exception other than a case's own bad input marks the sweep failed and is raised. Returns the final
-    progress."""
+    """Compute the sweep's cases that have no answers yet, case-major (`_computed`), each case's answers stored in
+    one transaction, so a kill loses at most the cases in flight and a later call resumes with the rest; then the
+    held-out check (`_run_heldout`), resumable the same way. `progress` is called after each case; `stop()` true
+    ends the sweep as cancelled after the cases in flight. Any other exception marks the sweep failed and is
+    raised. Returns the final progress."""
     sweep = store.get_sweep(sweep_id)
     own = [v["schema"] for v in sweep["variants"] if v["kind"] != "composed"]
     left = store.sweep_cases_left(sweep_id)
@@ -510,7 +492,7 @@ def run_sweep(store: Store, sweep_id: int, engine: Any, *, progress: ProgressCal
 
 
 def _to_base_ids(response: Response, relabel: dict[str, dict[str, str]]) -> Response:
-    """A response of a relabelled variant with its answers' option ids mapped back to the base's."""
+    """A relabelled variant's response with its answers' option ids mapped back to the base's."""
     answers = dict(response.get("answers") or {})
     for question_id, names in relabel.items():
         answer = answers.get(question_id)
@@ -534,10 +516,6 @@ def answer_frames(sweep: Sweep, answers: list[SweepAnswer]) -> list[pd.DataFrame
                              for d, e in zip(frame["distribution"], frame["expected"], strict=True)]
         frames.append(frame)
     return frames
-
-
-def _mean(values: np.ndarray) -> np.ndarray:
-    return values.mean(axis=-1)
 
 
 def _ratio(numerator: np.ndarray, denominator: np.ndarray) -> np.ndarray:
@@ -583,13 +561,13 @@ def _question_score(question_id: str, rows: pd.DataFrame, base_rows: pd.DataFram
     correct, base_correct = labelled["correct"].to_numpy(float), labelled["correct_base"].to_numpy(float)
     classes = sorted(set(labelled["expected"]) | set(labelled["predicted"]))
     codes = {c: i for i, c in enumerate(classes)}
-    change = _metric([correct - base_correct], _mean, seed)
+    change = _metric([correct - base_correct], mean, seed)
     return QuestionScore(
         question=question_id, n=len(labelled),
-        accuracy=_metric([correct], _mean, seed),
+        accuracy=_metric([correct], mean, seed),
         macro_f1=_metric([labelled["expected"].map(codes).to_numpy(float),
                           labelled["predicted"].map(codes).to_numpy(float)], _macro_f1(len(classes)), seed),
-        log_loss=_metric([labelled["log_loss"].to_numpy(float)], _mean, seed),
+        log_loss=_metric([labelled["log_loss"].to_numpy(float)], mean, seed),
         ece=_metric([labelled["confidence"].to_numpy(float), correct], ece_statistic(ECE_BINS), seed),
         flips=flips, accuracy_change=change,
         mcnemar_p=None if is_base or not len(labelled) else _mcnemar(base_correct, correct),
@@ -627,8 +605,8 @@ def _question_accuracy(frame: pd.DataFrame, question_id: str, cases: set[int]) -
 
 
 def _fold_of(sweep: Sweep, base: pd.DataFrame) -> dict[int, int]:
-    """Each case with a labelled answer of the base (`base`: its frame) to its fold of the sweep's seeded k-fold
-    split (k: the sweep's folds, at most the cases); empty below 2 cases."""
+    """Each case the base (`base`: its frame) answered with a label → its fold of the sweep's seeded k-fold split
+    (k at most the cases); empty below 2 cases."""
     case_ids = sorted(set(base.loc[base["expected"].notna(), "case_id"]))
     k = min(sweep["settings"].get("folds", DEFAULT_FOLDS), len(case_ids))
     return {} if k < 2 else dict(zip(np.random.default_rng(DEFAULT_SEED).permutation(case_ids).tolist(),
@@ -676,8 +654,7 @@ def _best(sweep: Sweep, variants: list[Variant], frames: list[pd.DataFrame], hel
 
 def load_sweep(store: Store, sweep_id: int, *, threshold: float | None = None,
                seed: int = DEFAULT_SEED) -> SweepResult:
-    """A stored sweep with its scores over the cases done so far (see the module docstring); order sensitivity
-    above `threshold` is flagged."""
+    """A stored sweep scored over the cases done so far; order sensitivity above `threshold` is flagged."""
     sweep = store.get_sweep(sweep_id)
     answers = store.list_sweep_answers(sweep_id)
     every = [_variant(v) for v in sweep["variants"]]

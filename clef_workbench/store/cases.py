@@ -146,11 +146,9 @@ class CaseSetsMixin(StoreBase):
                                              "tags": tags, "source_id": source_id}])[0]
 
     def add_cases(self, case_set_id: int, cases: list[NewCase], *, skip_existing: bool = False) -> list[int]:
-        """Append several cases in one transaction: all are added or none (an import never half-lands). With
-        skip_existing, a case whose content (state, expected, tags, media) is already in the set is not added
-        again, so importing the same file twice is a no-op; returns the ids of the cases added. A case's
-        `source_id` is its own id in the file it came from (a ticket number), shown beside the workbench's: one case
-        of a set has it, so a case whose id another case of the set has is refused (StoreError), nothing added."""
+        """Append cases in one transaction, all or none (an import never half-lands); the ids of those added. With
+        skip_existing, a case whose content is already in the set is not added again. A case's `source_id` (its own
+        id in its file, a ticket number) names one case of a set: a repeated one is refused (StoreError)."""
         prepared = []
         for index, case in enumerate(cases):
             try:

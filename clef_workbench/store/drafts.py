@@ -26,7 +26,3 @@ class DraftsMixin(StoreBase):
         """The draft kept under `key`, or None."""
         row = self._conn().execute("SELECT data_json FROM drafts WHERE key = ?", (key,)).fetchone()
         return None if row is None else _loads(row[0])
-
-    def delete_draft(self, key: str) -> None:
-        with self._write() as conn:
-            conn.execute("DELETE FROM drafts WHERE key = ?", (key,))

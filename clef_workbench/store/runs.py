@@ -42,10 +42,9 @@ def _owner_process_gone(owner: str) -> bool:
 class RunsMixin(StoreBase):
     def create_run(self, case_set_id: int, *, schema: dict, model_id: str, model_revision: str | None = None,
                    settings: RunSettings = RunSettings()) -> int:
-        """Record a run of a case set against a schema (a dict with name, version, questions); status pending.
-        The run is linked to the schema history's version of exactly this content (settings.schema_slug's
-        first) and carries its number; content never saved in the library is linked to none (`schema_slug` None)
-        and keeps the version its dict says."""
+        """Record a pending run of a case set against a schema dict, linked to the schema history's version of this
+        content (settings.schema_slug's first) and carrying its number; content never saved in the library links
+        none and keeps the version its dict says."""
         if not isinstance(schema, dict) or not isinstance(schema.get("questions"), dict) or not schema["questions"]:
             raise ValueError("schema must be a dict with a non-empty 'questions' map")
         self.get_case_set(case_set_id)  # type: ignore[attr-defined]  # CaseSetsMixin's

@@ -94,8 +94,8 @@ def test_stored_payload_round_trips_and_calibrates_a_response(reports):
     response = {"answers": {"urgent": {"type": "noul", "noul": 0.99},
                             "team": {"type": "choice", "probabilities": {"billing": 0.9, "tech": 0.05,
                                                                           "sales": 0.05}}}}
-    calibrated = calibration.calibrate_response(maps, response)
-    assert calibrated["urgent"]["true"] < 0.99 and calibrated["team"]["billing"] < 0.9
+    calibrated = calibration.calibrated_answers(maps, response)
+    assert calibrated["urgent"]["noul"] < 0.99 and calibrated["team"]["probabilities"]["billing"] < 0.9
 
 
 @pytest.mark.slow

@@ -28,11 +28,16 @@ Login,App shows error 500,,3,tech,no,1,
 """
 
 
+def parse_csv(text, mapping, schema, **options):
+    """Comma-separated text read as the import reads a file, every row required to fit."""
+    return importing.parse_cases(importing.read_delimited(text, ","), mapping, schema, **options)
+
+
 def test_csv_import_maps_columns_to_state_and_expected(tmp_path):
     mapping = CsvMapping(state_columns=["subject", "body", "customer.tier", "seats"],
                          expected_columns={"team_label": "team", "urgent_label": "urgent", "prio": "priority"},
                          tags_column="labels")
-    cases = importing.parse_csv(CSV_TEXT, mapping, SCHEMA)
+    cases = parse_csv(CSV_TEXT, mapping, SCHEMA)
     assert cases[0]["state"] == {"subject": "Refund", "body": "I was charged twice", "customer": {"tier": "gold"},
                                  "seats": 12}
     assert cases[0]["expected"] == {"team": "billing", "urgent": True, "priority": 2}
@@ -55,7 +60,7 @@ def test_csv_import_names_every_bad_cell_and_imports_nothing():
     mapping = CsvMapping(state_columns=["subject"], expected_columns={"team_label": "team", "urgent_label": "urgent",
                                                                       "prio": "priority"})
     with pytest.raises(CaseImportError) as error:
-        importing.parse_csv(bad, mapping, SCHEMA)
+        parse_csv(bad, mapping, SCHEMA)
     problems = error.value.problems
     assert len(problems) == 3
     assert problems[0].startswith("row 4, column 'team_label': 'sales' is not an option of question 'team'")
@@ -65,20 +70,20 @@ def test_csv_import_names_every_bad_cell_and_imports_nothing():
 
 def test_csv_mapping_errors_name_the_column():
     with pytest.raises(CaseImportError, match="column 'nope' is not in the CSV"):
-        importing.parse_csv(CSV_TEXT, CsvMapping(state_columns=["nope"]), SCHEMA)
+        parse_csv(CSV_TEXT, CsvMapping(state_columns=["nope"]), SCHEMA)
     with pytest.raises(CaseImportError, match="mapped to question 'sla', which the schema 'tickets' does not have"):
-        importing.parse_csv(CSV_TEXT, CsvMapping(state_columns=["body"], expected_columns={"prio": "sla"}), SCHEMA)
+        parse_csv(CSV_TEXT, CsvMapping(state_columns=["body"], expected_columns={"prio": "sla"}), SCHEMA)
 
 
 def test_csv_text_state_column_and_image_paths(tmp_path):
     (tmp_path / "a.png").write_bytes(PNG)
     text = 'state,photo\n"{""x"": 1}",a.png\nplain words,\n'
-    cases = importing.parse_csv(text, CsvMapping(state_text_column="state", image_columns=["photo"]), None,
+    cases = parse_csv(text, CsvMapping(state_text_column="state", image_columns=["photo"]), None,
                                base_dir=tmp_path)
     assert cases[0]["state"] == {"x": 1} and cases[0]["images"] == [PNG]
     assert cases[1]["state"] == "plain words" and cases[1]["images"] == []
     with pytest.raises(CaseImportError, match="row 2, column 'photo': image file .*b.png' not found"):
-        importing.parse_csv("state,photo\nx,b.png\n", CsvMapping(state_text_column="state", image_columns=["photo"]),
+        parse_csv("state,photo\nx,b.png\n", CsvMapping(state_text_column="state", image_columns=["photo"]),
                            None, base_dir=tmp_path)
 
 

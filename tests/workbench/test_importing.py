@@ -92,7 +92,7 @@ def test_rows_that_do_not_fit_are_listed_and_imported_only_when_skipping_them_is
 
 def test_parse_csv_refuses_a_ragged_row_instead_of_importing_a_short_state():
     with pytest.raises(CaseImportError) as refused:
-        importing.parse_csv(RAGGED, MAPPING, SCHEMA)
+        importing.parse_cases(importing.read_delimited(RAGGED, ","), MAPPING, SCHEMA)
     assert refused.value.problems[0] == "row 3: 2 cells where the header has 4 columns"
 
 
