@@ -310,6 +310,7 @@ def test_sweep_cli_refuses_bad_input_naming_it_and_stores_nothing(sweep_db, caps
     assert [len(store.list_cases(s["id"])) for s in store.list_case_sets()] == cases_before
 
 
+@pytest.mark.slow  # three command-line processes, each loading the model
 def test_sweep_cli_prints_the_leaderboard_writes_the_json_and_fails_on_order_sensitivity(sweep_db, tiny_release):
     """The command as CI runs it: its own process, its exit code, the JSON document it writes."""
     out_file = sweep_db.parent / "out.json"
