@@ -15,7 +15,7 @@ import playwright.sync_api as playwright_api
 import pytest
 
 from tests.support import REPO
-from tests.support.browser import chromium_page, demo_workbench, running_workbench
+from tests.support.browser import chromium_page, demo_workbench, launch_chromium, running_workbench
 from tests.support.browser_steps import go_to, settle
 from tests.support.sweeps import seeded_sweep
 
@@ -197,29 +197,35 @@ def every_page_at_every_size(url: str, run_ids: list[int], root: Path) -> dict[s
     """What reads cut or broken on each page at each window size, after a Run on Decide."""
     from workbench_ui import state_input
 
-    with chromium_page(width=1440, height=900) as page:
+    with playwright_api.sync_playwright() as playwright:
+        browser = launch_chromium(playwright)
+        page = browser.new_page(viewport={"width": 1440, "height": 900})
+        page.set_default_timeout(60_000)
         found = {}
-        page.goto(url)
-        page.get_by_role("button", name="Run").wait_for(timeout=LONG)
-        # the Images uploader's instructions state the images' limit, as the caption under it does
-        instructions = page.locator('.st-key-decide-images [data-testid="stFileUploaderDropzoneInstructions"] span')
-        limit = f"{state_input.MAX_IMAGE_BYTES // state_input.MB} MB"
-        assert instructions.evaluate("el => getComputedStyle(el, '::after').content").startswith(
-            f'"{limit} per file')
-        expect(page.get_by_text(re.compile(rf"Images: .*{limit}"))).to_be_visible()
-        page.get_by_role("button", name="Run").click()
-        page.get_by_text("Latency").first.wait_for(timeout=LONG)
-        expect(page.get_by_role("button", name="Deploy")).to_have_count(0)  # a local tool deploys nothing
-        for title in PAGES:
-            go_to(page, title, timeout=LONG)  # Sweeps scores its sweep first: seconds on a busy CPU
-            if title == "Runs":  # the latest run, with its metrics
-                page.goto(f"{url}/runs?run={run_ids[-1]}")
-                page.get_by_text("Latency and throughput").wait_for(timeout=LONG)
-            for width, height in VIEWPORTS:
-                page.set_viewport_size({"width": width, "height": height})
-                settle(page)
-                assert page.locator(READABLE).count() > 0, title
-                if unreadable := page.evaluate(UNREADABLE, READABLE):
-                    found[f"{title} at {width}×{height}"] = sorted(set(unreadable))
-                    page.screenshot(path=str(root / f"{title}-{width}.png"), full_page=True)
+        try:
+            page.goto(url)
+            page.get_by_role("button", name="Run").wait_for(timeout=LONG)
+            # the Images uploader's instructions state the images' limit, as the caption under it does
+            instructions = page.locator('.st-key-decide-images [data-testid="stFileUploaderDropzoneInstructions"] span')
+            limit = f"{state_input.MAX_IMAGE_BYTES // state_input.MB} MB"
+            assert instructions.evaluate("el => getComputedStyle(el, '::after').content").startswith(
+                f'"{limit} per file')
+            expect(page.get_by_text(re.compile(rf"Images: .*{limit}"))).to_be_visible()
+            page.get_by_role("button", name="Run").click()
+            page.get_by_text("Latency").first.wait_for(timeout=LONG)
+            expect(page.get_by_role("button", name="Deploy")).to_have_count(0)  # a local tool deploys nothing
+            for title in PAGES:
+                go_to(page, title, timeout=LONG)  # Sweeps scores its sweep first: seconds on a busy CPU
+                if title == "Runs":  # the latest run, with its metrics
+                    page.goto(f"{url}/runs?run={run_ids[-1]}")
+                    page.get_by_text("Latency and throughput").wait_for(timeout=LONG)
+                for width, height in VIEWPORTS:
+                    page.set_viewport_size({"width": width, "height": height})
+                    settle(page)
+                    assert page.locator(READABLE).count() > 0, title
+                    if unreadable := page.evaluate(UNREADABLE, READABLE):
+                        found[f"{title} at {width}×{height}"] = sorted(set(unreadable))
+                        page.screenshot(path=str(root / f"{title}-{width}.png"), full_page=True)
+        finally:
+            browser.close()
     return found

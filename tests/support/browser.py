@@ -7,7 +7,6 @@ import os
 import shutil
 import subprocess
 import sys
-import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -18,7 +17,6 @@ from tests.support.servers import free_port, stop_process, wait_until_healthy
 
 CHROMIUM_PATH = os.environ.get("CLEF_CHROMIUM", "/usr/bin/chromium")
 LONG = 300_000  # ms, a safety limit for a page's first load, which loads the demo model
-ACTION_TIMEOUT = 60_000  # ms, how long a page's actions and waits wait by default
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
                  "--disable-component-update", "--disable-sync", "--no-first-run"]
 
@@ -61,61 +59,17 @@ def launch_chromium(playwright: Any):
     return playwright.chromium.launch(executable_path=CHROMIUM_PATH, args=CHROMIUM_ARGS, headless=True)
 
 
-class ScriptRuns:
-    """The app's script runs as a page's websocket carries them (Streamlit's protobuf messages): `settled` once the
-    page's latest websocket is open and the last run it asked for or saw start has finished. A run that ends early for
-    a rerun (a widget changed mid-run, `st.rerun()`) is followed by the next run's start: no end."""
-
-    def __init__(self, page: Any) -> None:
-        self.socket: Any = None
-        self.finished = False
-        page.on("websocket", self._opened)
-
-    @property
-    def settled(self) -> bool:
-        return self.socket is not None and not self.socket.is_closed() and self.finished
-
-    def _opened(self, socket: Any) -> None:
-        self.socket, self.finished = socket, False  # a new document asks for its first run
-        socket.on("framesent", lambda payload: self._sent(socket, payload))
-        socket.on("framereceived", lambda payload: self._received(socket, payload))
-
-    def _sent(self, socket: Any, payload: bytes | str) -> None:
-        from streamlit.proto.BackMsg_pb2 import BackMsg
-
-        if socket is self.socket and isinstance(payload, bytes) \
-                and BackMsg.FromString(payload).WhichOneof("type") == "rerun_script":
-            self.finished = False
-
-    def _received(self, socket: Any, payload: bytes | str) -> None:
-        from streamlit.proto.ForwardMsg_pb2 import ForwardMsg
-
-        if socket is not self.socket or not isinstance(payload, bytes):
-            return
-        message = ForwardMsg.FromString(payload)
-        kind = message.WhichOneof("type")
-        if kind == "new_session":
-            self.finished = False
-        elif kind == "script_finished":
-            self.finished = message.script_finished != ForwardMsg.FINISHED_EARLY_FOR_RERUN
-
-
-SCRIPT_RUNS: weakref.WeakKeyDictionary[Any, ScriptRuns] = weakref.WeakKeyDictionary()  # page → its runs
-
-
 @contextmanager
 def chromium_page(*, width: int = 1440, height: int = 900, screenshot: Path | None = None,
                   **options: Any) -> Iterator[Any]:
     """One page of `width` × `height` in its own Chromium (actions wait up to 60 s; `options` go to `new_page`, e.g.
-    accept_downloads), its script runs watched (`SCRIPT_RUNS`, for browser_steps.settle). With `screenshot`, the
-    page's last state is kept there, for a failure."""
+    accept_downloads). With `screenshot`, the page's last state is kept there, for a failure."""
     import playwright.sync_api as playwright_api
 
     with playwright_api.sync_playwright() as playwright:
         browser = launch_chromium(playwright)
         page = browser.new_page(viewport={"width": width, "height": height}, **options)
-        page.set_default_timeout(ACTION_TIMEOUT)
-        SCRIPT_RUNS[page] = ScriptRuns(page)
+        page.set_default_timeout(60_000)
         try:
             yield page
         finally:

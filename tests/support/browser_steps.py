@@ -5,28 +5,19 @@ data editor's row, and create a case set from a CSV file through the Case sets p
 from __future__ import annotations
 
 import re
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 import playwright.sync_api as playwright_api
 
-from tests.support.browser import ACTION_TIMEOUT, LONG, SCRIPT_RUNS
+from tests.support.browser import LONG
 
 expect = playwright_api.expect
 
 
 def settle(page, *, timeout: float | None = None) -> None:
-    """Wait for the rerun an interaction started to end: the page's websocket has carried the end of the last run
-    asked for (browser.ScriptRuns), and no element is stale (Streamlit marks those a running script has not drawn
-    again). The first pause lets the interaction's message reach the websocket."""
-    page.wait_for_timeout(100)
-    runs = SCRIPT_RUNS[page]
-    deadline = time.monotonic() + (timeout or ACTION_TIMEOUT) / 1000
-    while not runs.settled:
-        if time.monotonic() > deadline:
-            raise playwright_api.TimeoutError(f"the app's script run did not end within {timeout or ACTION_TIMEOUT} ms")
-        page.wait_for_timeout(50)
+    """Wait for the rerun an interaction started: Streamlit marks the elements of a running script stale."""
+    page.wait_for_timeout(300)
     page.wait_for_function("document.querySelectorAll('[data-stale=\"true\"]').length === 0", timeout=timeout)
 
 
