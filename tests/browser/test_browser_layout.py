@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -50,13 +51,20 @@ def whole_label(page, name: str, width: int, height: int, *, on_screen: bool) ->
     return box
 
 
+@pytest.fixture(scope="module")
+def workbench(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """One for the module's Decide pages (each test opens its own browser session): their URL."""
+    root = tmp_path_factory.mktemp("layout")
+    shutil.copytree(REPO / "schemas", root / "schemas")
+    env = {"CLEF_DB": str(root / "workbench.sqlite3"), "CLEF_SCHEMAS_DIR": str(root / "schemas")}
+    with running_workbench(env, log_path=root / "streamlit.log") as url:
+        yield url
+
+
 @pytest.fixture
-def page(tmp_path: Path):
-    shutil.copytree(REPO / "schemas", tmp_path / "schemas")
-    env = {"CLEF_DB": str(tmp_path / "workbench.sqlite3"), "CLEF_SCHEMAS_DIR": str(tmp_path / "schemas")}
-    with running_workbench(env, log_path=tmp_path / "streamlit.log") as url, \
-            chromium_page(width=VIEWPORTS[0][0], height=VIEWPORTS[0][1]) as page:
-        page.goto(url)
+def page(workbench: str):
+    with chromium_page(width=VIEWPORTS[0][0], height=VIEWPORTS[0][1]) as page:
+        page.goto(workbench)
         page.get_by_role("button", name="Run").wait_for(timeout=LONG)
         yield page
 

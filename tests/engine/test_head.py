@@ -132,6 +132,7 @@ def test_batched_head_equals_per_option_oracle(tiny_engine, seed):
     assert batched_vs_reference(head, embeddings, records, seed) <= 1e-5
 
 
+@pytest.mark.slow  # 64 questions and 255 options through the reference head: the quick tier's slowest
 def test_batched_head_at_the_published_limits(tiny_engine):
     """64 questions, choice questions up to 255 options, in a batch with a one-question record."""
     rng = random.Random(7)

@@ -5,6 +5,7 @@ interpreter, as a user's process starts, because this test session has long sinc
 from __future__ import annotations
 
 import ast
+import functools
 import subprocess
 import sys
 from pathlib import Path
@@ -84,8 +85,9 @@ ENGINE_INSIDE = {"clef_engine/engine.py", "clef_engine/explain.py", "clef_engine
 ENGINE_PARTS = {"encoder", "scheduler", "release"}
 
 
+@functools.cache
 def product_modules() -> dict[str, ast.Module]:
-    """Repository-relative path → parsed source of every product module."""
+    """Repository-relative path → parsed source of every product module (parsed once: four tests read them)."""
     paths: list[Path] = []
     for entry in PRODUCT:
         path = REPO / entry

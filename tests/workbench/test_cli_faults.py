@@ -17,6 +17,8 @@ import pytest
 from clef_workbench.store import Store
 from tests.support import REPO
 
+pytestmark = pytest.mark.slow  # each test runs the command line in child processes, several times
+
 ROWS = 300
 
 
