@@ -35,12 +35,10 @@ def render_question(position: int, uid: int, count: int) -> tuple[dict[str, Any]
     keys = vm.row_keys(uid)
     with st.container(border=True, key=K(f"card{uid}")):
         top = st.columns([3, 2, 0.6, 0.6, 0.6], vertical_alignment="bottom", gap="xsmall")
-        with top[0]:
-            qid = shell.kept_widget(st.text_input, f"Question {position + 1} id", keys["id"], "",
-                                    help="Letters, digits, _ . - (1–100 characters). Answers are keyed by it.")
-        with top[1]:
-            qtype = shell.kept_widget(st.selectbox, "Type", keys["type"], "noul", options=QUESTION_TYPES,
-                                      help="noul: yes/no · choice: one of several options · score: ordered levels")
+        qid = shell.kept_widget(top[0].text_input, f"Question {position + 1} id", keys["id"], "",
+                                help="Letters, digits, _ . - (1–100 characters). Answers are keyed by it.")
+        qtype = shell.kept_widget(top[1].selectbox, "Type", keys["type"], "noul", options=QUESTION_TYPES,
+                                  help="noul: yes/no · choice: one of several options · score: ordered levels")
         top[2].button("", icon=":material/arrow_upward:", key=K(f"q{uid}.up"), on_click=builder().move,
                       args=(uid, -1), disabled=position == 0, help="Move up")
         top[3].button("", icon=":material/arrow_downward:", key=K(f"q{uid}.down"), on_click=builder().move,
@@ -61,13 +59,9 @@ def render_question(position: int, uid: int, count: int) -> tuple[dict[str, Any]
                                                       "probability.")
             row["levels"] = schema_rows.text_to_levels(text)
         else:
-            sides = st.columns(2)
-            with sides[0]:
-                row["true"] = shell.kept_widget(st.text_input, "“true” means (optional)", keys["true"], "",
-                                                placeholder=answers.NOUL_DEFAULT_DESCRIPTIONS["true"])
-            with sides[1]:
-                row["false"] = shell.kept_widget(st.text_input, "“false” means (optional)", keys["false"], "",
-                                                 placeholder=answers.NOUL_DEFAULT_DESCRIPTIONS["false"])
+            for side, column in zip(("true", "false"), st.columns(2), strict=True):
+                row[side] = shell.kept_widget(column.text_input, f"“{side}” means (optional)", keys[side], "",
+                                              placeholder=answers.NOUL_DEFAULT_DESCRIPTIONS[side])
         messages = st.container()
     return row, messages
 
@@ -210,14 +204,12 @@ with left:
             else:
                 st.caption(f"{video.name}: the model reads these {len(sampled.frames)} of {sampled.total_frames} "
                            f"frames ({sampled.fps:.1f} fps source).")
-                shown = list(range(len(sampled.frames)))[:16]
                 columns = st.columns(4)
-                for n, i in enumerate(shown):
-                    seconds = sampled.frame_indices[i] / sampled.fps if sampled.fps else 0
-                    columns[n % 4].image(vm.frame_thumbnail(sampled.frames[i]), width="stretch",
-                                         caption=f"#{sampled.frame_indices[i]} · {seconds:.1f}s")
-                if len(sampled.frames) > len(shown):
-                    st.caption(f"… and {len(sampled.frames) - len(shown)} more frames.")
+                for n, (frame, index) in enumerate(zip(sampled.frames[:16], sampled.frame_indices, strict=False)):
+                    columns[n % 4].image(vm.frame_thumbnail(frame), width="stretch",
+                                         caption=f"#{index} · {index / sampled.fps if sampled.fps else 0:.1f}s")
+                if len(sampled.frames) > 16:
+                    st.caption(f"… and {len(sampled.frames) - 16} more frames.")
 
 with left:
     st.subheader("Schema")

@@ -27,13 +27,6 @@ sets = store.list_case_sets()
 runs = store.list_runs()
 
 
-def fmt_seconds(value: float | None) -> str:
-    if value is None:
-        return "–"
-    minutes, seconds = divmod(int(round(value)), 60)
-    return f"{minutes} min {seconds:02d} s" if minutes else f"{seconds} s"
-
-
 OVERFLOW_CHOICES = {"refuse": "refuse (the case gets an error result)",
                     "truncate_state": "truncate the end of the state (counted in the results)"}
 
@@ -191,7 +184,7 @@ def render_progress(run_id: int) -> None:
                      f"status **{outcome.label if outcome else progress['status']}**")
     if progress["live"]:
         cols = st.columns([3, 1])
-        eta = fmt_seconds(progress["eta_s"]) if progress["eta_s"] is not None else "after the first batch"
+        eta = run_view.fmt_seconds(progress["eta_s"]) if progress["eta_s"] is not None else "after the first batch"
         rate = f"{progress['rate_per_s']:.2f} cases/s" if progress["rate_per_s"] else "measuring…"
         cols[0].markdown(f"**Running** · {rate} · ETA {eta}"
                          + (" · cancelling after the batch in flight…" if progress["cancelling"] else ""))
@@ -207,20 +200,20 @@ def render_progress(run_id: int) -> None:
                        "saved; resume to run the remaining cases.")
         render_outcome(run_id, outcome)
         if progress["remaining"] and progress["status"] != "pending":
-            label, loading = run_view.model_button(f"Resume ({progress['remaining']} cases left)",
-                                                   shell.model_manager().state().busy)
-            if st.button(label, key=K(f"resume.{run_id}"), icon=":material/play_arrow:", disabled=loading):
-                engine = run_engine(run_id)
-                if engine is not None:
-                    start_again(run_id, engine)
+            if (engine := run_engine_button(run_id, f"Resume ({progress['remaining']} cases left)", "resume",
+                                            ":material/play_arrow:")) is not None:
+                start_again(run_id, engine)
     # the page reruns for the first results only: later ones refresh themselves (`render_results`)
     st.session_state[K(f"was_live.{run_id}")] = progress["live"]
     if progress["live"] and progress["done"] and not st.session_state.get(K(f"shown.{run_id}")):
         st.rerun(scope="app")
 
 
-def run_engine(run_id: int):
-    """The engine a run resumes on (its own model); None, with the reason shown, when not loaded."""
+def run_engine_button(run_id: int, label: str, name: str, icon: str):
+    """A button that runs on the run's own model: that engine once clicked; None, said why when not loaded."""
+    label, loading = run_view.model_button(label, shell.model_manager().state().busy)
+    if not st.button(label, key=K(f"{name}.{run_id}"), icon=icon, disabled=loading):
+        return None
     engine, missing = run_view.run_engine(shell.model_manager(), store.get_run(run_id)["model_id"])
     if missing:
         st.error(missing)
@@ -256,13 +249,10 @@ def render_outcome(run_id: int, outcome) -> None:
                    "them fail (a budget too small) first. Answered cases are kept as they are.")
         max_length, overflow = budget_inputs(st.columns(2), f"retry.{run_id}", store.get_run(run_id)["settings"],
                                             retry=True)
-        label, loading = run_view.model_button(f"Retry failed cases ({outcome.errors})",
-                                               shell.model_manager().state().busy)
-        if st.button(label, key=K(f"retry.{run_id}"), icon=":material/replay:", disabled=loading):
-            engine = run_engine(run_id)
-            if engine is not None:
-                store.update_run_settings(run_id, max_length=max_length, overflow=overflow)
-                start_again(run_id, engine, retry_failed=True)
+        if (engine := run_engine_button(run_id, f"Retry failed cases ({outcome.errors})", "retry",
+                                        ":material/replay:")) is not None:
+            store.update_run_settings(run_id, max_length=max_length, overflow=overflow)
+            start_again(run_id, engine, retry_failed=True)
 
 
 def render_results(run_id: int, live: bool) -> None:

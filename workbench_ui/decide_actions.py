@@ -75,9 +75,9 @@ def init_page() -> None:
         if case_link:  # a case of a run (the Runs page's results, or a link someone sent): that state and schema
             draft, note = links.case_draft(get_store(), get_library(), *case_link,
                                            random_weights=model_manager().random_weights)
-            st.session_state[K("link_note")] = ("info" if draft else "warning", note)
         elif sweep_link:  # a flipped case of a sweep (the Sweeps page): that state and the variant's questions
             draft, note = links.sweep_case_draft(get_store(), get_library(), *sweep_link)
+        if case_link or sweep_link:
             st.session_state[K("link_note")] = ("info" if draft else "warning", note)
         if draft is not None:
             vm.restore_draft(st.session_state, draft)
@@ -108,15 +108,14 @@ def save_schema(update: bool) -> None:
                                       st.session_state.get(K("schema_description"), ""), update=update)
     try:
         if slug:
-            saved = library.update(slug, schema)
-            builder().saved_as(slug, saved)
-            flash = ("success", f"Updated {slug}.json (version {saved.version}).")
+            schema = library.update(slug, schema)
+            flash = ("success", f"Updated {slug}.json (version {schema.version}).")
         else:
             slug = library.create(schema)
-            builder().saved_as(slug, schema)
             flash = ("success", f"Saved as {slug}.json in the schema library (Schemas page).")
     except schemas.SchemaError as exc:
         flash = ("error", str(exc))
     else:
+        builder().saved_as(slug, schema)
         vm.set_kept(st.session_state, SCHEMAS_PAGE_PICK, slug)  # the Schemas page opens on the schema edited last
     st.session_state[K("save_flash")] = flash

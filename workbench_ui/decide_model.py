@@ -147,11 +147,9 @@ class Builder:
         if self.uids:
             self._remember_replaced("schema", f"Loaded “{slug}” in place of the questions that were here.")
         self.set_rows(schema_rows.questions_to_rows(schema.questions))
-        self.state[key("loaded_slug")] = slug
-        self.state[key("loaded_questions")] = schema.questions
+        self.saved_as(slug, schema)
         set_kept(self.state, key("schema_name"), schema.name)
         set_kept(self.state, key("schema_description"), schema.description)
-        set_kept(self.state, key("library_pick"), slug)
         self.state[key("examples")] = schema.examples
         if schema.examples and not typed:
             set_kept(self.state, key("state_text"), state_input.state_to_text(schema.examples[0]["state"]))
@@ -161,9 +159,8 @@ class Builder:
         self.set_rows([])
         for name in ("loaded_slug", "loaded_questions", "examples"):
             self.state.pop(key(name), None)
-        set_kept(self.state, key("schema_name"), "")
-        set_kept(self.state, key("schema_description"), "")
-        set_kept(self.state, key("library_pick"), None)
+        for name, value in (("schema_name", ""), ("schema_description", ""), ("library_pick", None)):
+            set_kept(self.state, key(name), value)
 
     def saved_as(self, slug: str, schema: schemas.Schema) -> None:
         self.state[key("loaded_slug")] = slug
