@@ -37,7 +37,7 @@ from typing import Any
 from clef_engine import DEFAULT_MAX_LENGTH, ClefError
 from clef_workbench import calibration, importing, sweeps
 from clef_workbench.casesets import CaseImportError, CsvMapping, import_cases
-from clef_workbench.jobs import DEFAULT_CHUNK_SIZE, JobRunner, RunProgress, check_engine
+from clef_workbench.jobs import DEFAULT_CHUNK_SIZE, JobRunner, RunProgress, check_engine, fmt_seconds
 from clef_workbench.model_loader import DEMO_SOURCE, request_model_name
 from clef_workbench.schema_library import SchemaLibrary
 from clef_workbench.schemas import Schema, SchemaError
@@ -212,13 +212,6 @@ def start_model(args: argparse.Namespace, address: str | None) -> tuple[Any, dic
     print(f"starting replicas of {args.model} on Ray ({address})…", flush=True)
     pool = ReplicaPool.start(source, revision=args.revision, replicas=args.replicas, dtype=args.dtype)
     return pool, pool.info
-
-
-def fmt_seconds(value: float | None) -> str:
-    if value is None:
-        return "–"
-    minutes, seconds = divmod(int(round(value)), 60)
-    return f"{minutes} min {seconds:02d} s" if minutes else f"{seconds} s"
 
 
 @contextmanager

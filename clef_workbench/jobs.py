@@ -129,6 +129,14 @@ class RunProgress(TypedDict):
     error: str | None
 
 
+def fmt_seconds(value: float | None) -> str:
+    """A duration (an ETA) as the command line and the Runs page say it."""
+    if value is None:
+        return "–"
+    minutes, seconds = divmod(int(round(value)), 60)
+    return f"{minutes} min {seconds:02d} s" if minutes else f"{seconds} s"
+
+
 class JobAlreadyRunningError(RuntimeError):
     """The run already has a live job in this process, or another process holds its lease."""
 
