@@ -98,6 +98,7 @@ class _LiveJob(LiveThread):
 class _Chunk:
     """One chunk of a run between its submission to the engine and its results."""
 
+    run_id: int
     started_at: str
     valid: list[tuple[int, ValidRequest]] = field(default_factory=list)  # (case id, request) sent to the engine
     errors: list[NewResult] = field(default_factory=list)  # cases refused before the engine
@@ -313,7 +314,7 @@ class JobRunner(BackgroundThreads[_LiveJob]):
 
     def _submit_chunk(self, run: Run, case_ids: list[int], engine: DecisionEngine, job: _LiveJob) -> _Chunk:
         """Build and check the chunk's requests, then queue the valid ones on the engine (encoding them here)."""
-        chunk = _Chunk(started_at=now_iso())
+        chunk = _Chunk(run_id=run["id"], started_at=now_iso())
         questions = self._run_questions(run, job)
         for case in self.store.get_cases(case_ids):
             request = build_request(case, run["schema"], model=run["model_id"])
@@ -327,20 +328,22 @@ class JobRunner(BackgroundThreads[_LiveJob]):
         if not chunk.valid:
             return chunk
         chunk.began = time.perf_counter()
-        chunk.future = self._submit(engine, [r for _, r in chunk.valid])
+        chunk.future = self._submit(engine, chunk)
         return chunk
 
     @staticmethod
-    def _submit(engine: DecisionEngine, requests: list[ValidRequest]) -> Future:
+    def _submit(engine: DecisionEngine, chunk: _Chunk, only: list[int] | None = None) -> Future:
         """The requests queued on the engine: an answer or an error per request (a case over the token budget is
         an error result, and the rest of its chunk runs as it would have without it). A chunk the engine refuses
         whole (its queue full, an endpoint that stopped) gets that error for each case: _finish_chunk sends those
         that were too busy again."""
+        requests = [r for _, r in chunk.valid] if only is None else [chunk.valid[i][1] for i in only]
         try:
             return engine.submit(requests, priority="bulk", errors="return")
         except ClefError as exc:
             if not isinstance(exc, BusyError):
-                log.warning("the engine refused a chunk of %d cases", len(requests), exc_info=exc)
+                log.warning("run %s: the engine refused a chunk of %d cases", chunk.run_id, len(requests),
+                            exc_info=exc)
             refused: Future = Future()
             refused.set_result([exc] * len(requests))
             return refused
@@ -371,7 +374,7 @@ class JobRunner(BackgroundThreads[_LiveJob]):
             if not busy or job.cancel.is_set():
                 break
             time.sleep(min(0.1 * 2 ** attempt, 5.0))
-            again = self._submit(engine, [chunk.valid[i][1] for i in busy]).result()
+            again = self._submit(engine, chunk, busy).result()
             for i, outcome in zip(busy, again, strict=True):
                 outcomes[i] = outcome
         return chunk.errors + self._results(chunk.valid, outcomes, chunk.started_at,
