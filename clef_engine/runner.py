@@ -222,7 +222,7 @@ class PackedRunner(PlainRunner):
         tokens per variant, which on the H200 took longer than one pack of every variant whole."""
         record = item.records[0]
         splits = sorted(set(item.shared))
-        ends = sorted({splits[i * len(splits) // SHARED_SPLITS] for i in range(SHARED_SPLITS)})
+        ends = sorted({splits[i * len(splits) // SHARED_SPLITS] for i in range(SHARED_SPLITS)} if splits else ())
         variants_at: dict[int, list[int]] = {}
         for index, split in enumerate(item.shared, start=1):
             variants_at.setdefault(max(end for end in ends if end <= split), []).append(index)

@@ -133,7 +133,8 @@ def test_a_calibrations_file_that_would_fail_requests_stops_the_server_saying_wh
 
 
 X_CALIBRATION = st.one_of(st.sampled_from(["tickets · tiny", "billing only"]), st.text(max_size=20), st.none(),
-                          st.integers(), st.floats(), st.lists(st.text(max_size=3), max_size=2),
+                          st.integers(), st.floats(allow_nan=False, allow_infinity=False),  # what JSON carries
+                          st.lists(st.text(max_size=3), max_size=2),
                           st.dictionaries(st.text(max_size=3), st.integers(), max_size=2))
 
 
