@@ -58,10 +58,9 @@ def empty_workbench(tmp_path: Path):
     yield from serve(tmp_path, library=False)
 
 
-@pytest.fixture(scope="module")
-def workbench(tmp_path_factory: pytest.TempPathFactory):
-    """One for the module: the Decide journey stores no run or case set, the calibration journey's first."""
-    yield from serve(tmp_path_factory.mktemp("why"), library=True)
+@pytest.fixture
+def workbench(tmp_path: Path):
+    yield from serve(tmp_path, library=True)
 
 
 @pytest.fixture
