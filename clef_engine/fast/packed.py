@@ -299,20 +299,22 @@ class PackedBackbone:
         b = projected[:, conv_dim + value_dim: conv_dim + value_dim + v_heads]
         a = projected[:, conv_dim + value_dim + v_heads:]
         key_dim = layer.key_dim
-        if before is not None and segments.count > 1:  # records continuing after one state: each from it alone
-            core = torch.cat([self._delta_after(layer, mixed[start: start + length], a[start: start + length],
-                                                b[start: start + length], before, part)
-                              for part, start, length in zip(segments.parts, segments.starts, segments.lengths)])
-            core = kern.gated_rms_norm(core, z, layer.gated_norm, layer.gated_norm_eps)
-            return self._project_residual(core.view(n, value_dim), layer.out_proj), None
-        if before is not None:
-            q, k, v = kern.causal_conv_after(mixed, layer.conv_weight, before.conv_tail, segments, key_dim)
-        else:
+        if before is None:
             q, k, v = kern.causal_conv(mixed, layer.conv_weight, segments, key_dim)
+        elif segments.count == 1:
+            q, k, v = kern.causal_conv_after(mixed, layer.conv_weight, before.conv_tail, segments, key_dim)
+        else:  # records continuing after one state: each behind a copy of its conv tail, one pack of the plain conv
+            tails, rows = segments.behind(before.conv_tail.shape[0])
+            pieces = [piece for start, length in zip(segments.starts, segments.lengths)
+                      for piece in (before.conv_tail.to(mixed.dtype), mixed[start: start + length])]
+            q, k, v = (part.index_select(0, rows) for part in
+                       kern.causal_conv(torch.cat(pieces), layer.conv_weight, tails, key_dim))
         q = q.view(n, layer.k_heads, layer.k_head_dim)
         k = k.view(n, layer.k_heads, layer.k_head_dim)
         v = v.view(n, v_heads, layer.v_head_dim)
-        initial = before.recurrent if before is not None else None
+        initial = None  # after a state: every record of the pack starts from its recurrent state
+        if before is not None:
+            initial = before.recurrent.expand(segments.count, *before.recurrent.shape[1:]).contiguous()
         state = None
         if split_at is None or split_at == n:
             core, final = kern.gated_delta(q, k, v, a, b, layer.A_log, layer.dt_bias, segments, initial_state=initial,
@@ -337,17 +339,6 @@ class PackedBackbone:
             state = LayerState(conv_tail=tail.contiguous(), recurrent=final)
         return out, state
 
-    def _delta_after(self, layer: FastLayer, mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
-                     before: LayerState, part: Segments) -> torch.Tensor:
-        """The conv and the gated-delta recurrence of one record continuing after `before`."""
-        n = mixed.shape[0]
-        q, k, v = self.kernels.causal_conv_after(mixed, layer.conv_weight, before.conv_tail, part, layer.key_dim)
-        core, _ = self.kernels.gated_delta(q.view(n, layer.k_heads, layer.k_head_dim),
-                                           k.view(n, layer.k_heads, layer.k_head_dim),
-                                           v.view(n, layer.v_heads, layer.v_head_dim), a, b, layer.A_log,
-                                           layer.dt_bias, part, initial_state=before.recurrent)
-        return core
-
     def attention(self, layer: FastLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                   segments: Segments, before: LayerState | None, prefix_length: int,
                   split_at: int | None) -> tuple[torch.Tensor, LayerState | None]:
@@ -360,12 +351,11 @@ class PackedBackbone:
         k = kern.norm_rope(projected, heads * dim * 2, dim, kv_heads, dim, layer.k_norm, cos, sin, self.eps)
         v = projected[:, heads * dim * 2 + kv_heads * dim:].view(n, kv_heads, dim)
         gate = projected[:, : heads * dim * 2].view(n, heads, 2 * dim)[..., dim:]
-        if before is not None:  # each record of the pack after the cached keys
-            out = torch.cat([kern.attention_after_prefix(q[start: start + length],
-                                                         torch.cat([before.keys, k[start: start + length]]),
-                                                         torch.cat([before.values, v[start: start + length]]),
-                                                         prefix_length)
-                             for start, length in zip(segments.starts, segments.lengths)])
+        if before is not None and segments.count == 1:  # one record after the cached keys
+            out = kern.attention_after_prefix(q, torch.cat([before.keys, k]), torch.cat([before.values, v]),
+                                              prefix_length)
+        elif before is not None:  # each record of the pack after the same cached keys
+            out = kern.attention_after_shared_prefix(q, k, v, before.keys, before.values, segments)
         else:
             out = kern.attention(q, k, v, segments)
         out = kern.sigmoid_gate(out.reshape(n, heads, dim), gate)

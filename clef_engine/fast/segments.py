@@ -3,8 +3,7 @@ packed backbone (kernels.py, attention.py)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from functools import cached_property
+from dataclasses import dataclass, field
 
 import torch
 
@@ -22,6 +21,7 @@ class Segments:
     cu_seqlens_int32: torch.Tensor | None
     chunk_indices: torch.Tensor | None  # fla's per-chunk (record, chunk) table, precomputed on the host
     max_length: int
+    behind_tails: dict[int, tuple[Segments, torch.Tensor]] = field(default_factory=dict, repr=False)
 
     @property
     def total(self) -> int:
@@ -31,16 +31,16 @@ class Segments:
     def count(self) -> int:
         return len(self.lengths)
 
-    @cached_property
-    def parts(self) -> list[Segments]:
-        """Each record of the pack as a pack of its own (its rows: `starts[i]` on), for the kernels that take one
-        record at a time; made once per pack."""
-        if self.count == 1:
-            return [self]
-        device = self.positions.device
-        return [Segments([n], [0], self.positions[start: start + n], None,
-                         torch.tensor([0, n], dtype=torch.int32).to(device, non_blocking=True), None, n)
-                for start, n in zip(self.starts, self.lengths)]
+    def behind(self, width: int) -> tuple[Segments, torch.Tensor]:
+        """The pack with `width` more rows before each record (the last inputs of earlier tokens, for the conv of
+        records that continue after a cached state), and the indices of the records' own rows in it; made once per
+        pack."""
+        if width not in self.behind_tails:
+            rows = torch.cat([torch.arange(start + (i + 1) * width, start + (i + 1) * width + n)
+                              for i, (start, n) in enumerate(zip(self.starts, self.lengths))])
+            self.behind_tails[width] = (make_segments([width + n for n in self.lengths], self.positions.device),
+                                        rows.to(self.positions.device, non_blocking=True))
+        return self.behind_tails[width]
 
 
 def make_segments(lengths: list[int], device: torch.device, *, first_position: int = 0) -> Segments:

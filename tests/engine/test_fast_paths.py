@@ -230,10 +230,10 @@ def test_conv_does_not_read_across_records():
 
 
 def sdpa_as_varlen(aligned_to_last_key: bool):
-    """A stand-in for torch's flash varlen_attn (CUDA only) for one sequence, causal mask aligned to the last key
-    (flash-attention's convention) or, wrongly, to the first."""
+    """A stand-in for torch's flash varlen_attn (CUDA only), causal mask aligned to each sequence's last key
+    (flash-attention's convention) or, wrongly, to its first."""
 
-    def varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, *, window_size=(-1, -1)):
+    def one(q, k, v):
         n, total = q.shape[0], k.shape[0]
         repeat = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
@@ -242,6 +242,10 @@ def sdpa_as_varlen(aligned_to_last_key: bool):
         out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
                                              attn_mask=allowed)
         return out.transpose(0, 1)
+
+    def varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, *, window_size=(-1, -1)):
+        bounds = zip(cu_q.tolist(), cu_q.tolist()[1:], cu_k.tolist(), cu_k.tolist()[1:])
+        return torch.cat([one(q[qs:qe], k[ks:ke], v[ks:ke]) for qs, qe, ks, ke in bounds])
 
     return varlen_attn
 
@@ -253,6 +257,23 @@ def test_prefix_varlen_check_accepts_only_a_mask_aligned_to_the_last_key(monkeyp
     problem = attention.prefix_varlen_matches_sdpa(torch.device("cpu"), torch.float32, 4, 2, 16)
     attention._varlen_parameters.cache_clear()
     assert (problem is None) == aligned, problem
+
+
+@pytest.mark.parametrize("copy_rows", [1 << 17, 200])
+def test_records_after_one_prefix_attend_as_each_alone_in_one_call_or_in_groups(monkeypatch, copy_rows):
+    """A sweep's variants after one cached state: the packed varlen call (its cached keys copied per record, in
+    groups when they would exceed the copy bound) answers what each record after the prefix answers alone."""
+    monkeypatch.setattr(attention, "_varlen_function", lambda: sdpa_as_varlen(True))
+    monkeypatch.setattr(attention, "SHARED_PREFIX_COPY_ROWS", copy_rows)
+    attention._varlen_parameters.cache_clear()
+    generator = torch.Generator().manual_seed(4)
+    segments = make_segments([9, 31, 4], torch.device("cpu"), first_position=150)
+    q, k, v = (torch.randn(segments.total, heads, 16, generator=generator) for heads in (4, 2, 2))
+    keys, values = torch.randn(2, 150, 2, 16, generator=generator)
+    got = attention.attention_after_shared_prefix_varlen(q, k, v, keys, values, segments)
+    attention._varlen_parameters.cache_clear()
+    want = attention.attention_after_shared_prefix(q, k, v, keys, values, segments)
+    assert (got - want).abs().max().item() <= 1e-5
 
 
 @pytest.mark.parametrize("shape", [(1, 1), (3, 2), (5, 7), (2, 300)])
