@@ -22,13 +22,18 @@ cache folder stays in DIRECTORY/cache-<model> (emptied before the cold process):
 machine session can start warm with CLEF_CACHE_DIR pointing there. The release is deleted after its model (the 27B
 shape takes 55 GB of the disk) unless --keep, which leaves it in DIRECTORY/<model> with bench/sweep.py's
 `.complete` marker (BENCH_RELEASE_DIR). OUT is merged into if it exists, and saved after every process.
+BENCH_PROFILE_LOAD=1 adds a third, warm process whose `clef_engine.load` runs under cProfile (a diagnostic, in
+`detail.<model>.profiled_load`; its times are not the start figures).
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import json
 import os
+import pstats
 import shutil
 import subprocess
 import sys
@@ -43,6 +48,7 @@ SHAPES = {"flash": "clef-flash", "clef": "clef"}
 REQUEST = {"model": "start", "state": "a customer asks for a refund of order 1234",
            "questions": {"refund_due": {"type": "noul", "instructions": "Is a refund due?"}}}
 FIRST_ANSWER = "first-answer"  # the child's line the parent times
+PROFILE_LOAD = os.environ.get("BENCH_PROFILE_LOAD_CHILD") == "1"  # set by the parent for its profiled process
 
 
 def child(release: Path) -> None:
@@ -51,8 +57,16 @@ def child(release: Path) -> None:
     import clef_engine
 
     imported = time.perf_counter()
+    profile = cProfile.Profile() if PROFILE_LOAD else None
+    if profile is not None:
+        profile.enable()
     engine = clef_engine.load(release, device="cpu" if SMOKE else None)
     loaded = time.perf_counter()
+    if profile is not None:
+        profile.disable()
+        listing = io.StringIO()
+        pstats.Stats(profile, stream=listing).sort_stats("cumulative").print_stats(40)
+        print(json.dumps({"load_profile": listing.getvalue().splitlines()}), flush=True)
     answer = engine.decide(REQUEST)
     answered = time.perf_counter()
     state = engine.state
@@ -68,9 +82,9 @@ def child(release: Path) -> None:
     engine.close(wait=True)
 
 
-def fresh_process(release: Path, cache: Path) -> dict:
+def fresh_process(release: Path, cache: Path, extra_env: dict | None = None) -> dict:
     """Start a child with `cache` as its cache folder; the seconds to its first answer and what it reported."""
-    env = {**os.environ, "CLEF_CACHE_DIR": str(cache)}
+    env = {**os.environ, "CLEF_CACHE_DIR": str(cache), **(extra_env or {})}
     if SMOKE:
         env["CLEF_WARM_UP"] = "1"  # off on the CPU by default: the smoke run checks the background path too
     for name in ("TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR"):
@@ -84,7 +98,7 @@ def fresh_process(release: Path, cache: Path) -> dict:
         if line.strip() == FIRST_ANSWER:
             first = time.perf_counter() - started
         elif line.startswith("{"):
-            report = json.loads(line)
+            report.update(json.loads(line))
         else:
             print(line, end="", flush=True)
     process.wait()
@@ -135,6 +149,10 @@ def measure(model: str, directory: Path, results: dict, save, keep: bool) -> Non
         results["start"][f"{model}_{run}_s"] = detail[run]["first_answer_s"]
         save()
         print(model, run, detail[run], flush=True)
+    if os.environ.get("BENCH_PROFILE_LOAD") == "1":  # a third, warm process: where its load's time goes
+        profiled = fresh_process(release, cache, {"BENCH_PROFILE_LOAD_CHILD": "1"})
+        detail["profiled_load"] = {"load_s_under_cprofile": profiled["load_s"], "top": profiled["load_profile"]}
+        save()
     if keep:
         (release / ".complete").write_text("written by bench/start.py\n")
     else:

@@ -7,6 +7,8 @@ engine's modules load on first use of `Engine`, `EngineConfig`, `RemoteEngine`, 
 from __future__ import annotations
 
 import importlib
+import os
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .errors import BusyError, ClefError, Problem, ReleaseError, RequestError, TokenBudgetError
@@ -38,6 +40,10 @@ def load(source: Any, *, api_key: str | None = None, **options: Any) -> Engine |
     """A release (folder, repo id, or 'clef' / 'clef-flash') → a resident `Engine` (options: `engine.load`); an
     http(s) URL of a System One endpoint → a `RemoteEngine` with the same interface (options: `RemoteEngine`, key
     from `api_key` or $CLEF_API_KEY)."""
+    from .model import page_cache
+
+    if isinstance(source, (str, os.PathLike)) and Path(source).is_dir():
+        page_cache.read_in_background(Path(source))  # the disk works while torch and transformers import
     from . import engine, remote
 
     if remote.is_endpoint(source):

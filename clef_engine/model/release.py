@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import threading
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -18,6 +17,7 @@ from typing import Any
 import torch
 
 from ..errors import ReleaseError
+from . import page_cache
 
 ARCHITECTURE = "Qwen3_5ForConditionalGeneration"
 HEAD_WEIGHTS = "joint_head.safetensors"
@@ -215,23 +215,9 @@ def load_backbone(release: Release, device: torch.device, dtype: torch.dtype) ->
     from transformers import Qwen3_5ForConditionalGeneration
 
     route_cpu_tensors_to_pytorch_functions()
-    readers = [threading.Thread(target=read_into_page_cache, args=(release.path / name,), daemon=True)
-               for name in release.weight_files]
-    for reader in readers:
-        reader.start()
+    page_cache.read_in_background(release.path)  # already started by clef_engine.load for a folder
     model = Qwen3_5ForConditionalGeneration.from_pretrained(release.path, dtype=dtype, device_map=str(device))
     return model.eval().requires_grad_(False)
-
-
-def read_into_page_cache(path: Path, block: int = 16 << 20) -> None:
-    """Read a file through, in large blocks, so that the OS keeps it in its page cache. transformers reads the
-    shards by faulting in the pages of a memory map, tensor by tensor, which on a cold page cache runs at a fraction
-    of the disk's speed; the shards read at once, by large sequential reads beside it, reach the disk's speed and
-    the loader then finds most pages in memory."""
-    buffer = bytearray(block)
-    with open(path, "rb", buffering=0) as file:
-        while file.readinto(buffer):
-            pass
 
 
 def load_head_state(release: Release) -> dict[str, torch.Tensor]:
