@@ -110,18 +110,12 @@ def fit_question(rows: pd.DataFrame) -> QuestionCalibration:
 
 
 def with_distributions(rows: pd.DataFrame, distributions: list[dict[str, float]]) -> pd.DataFrame:
-    """`rows` with each distribution replaced and the predicted answer, confidence and correctness recomputed."""
+    """`rows` with each distribution replaced and the predicted answer, confidence, margin and correctness
+    recomputed."""
     out = rows.copy()
     out["distribution"] = distributions
-    predicted, confidence = [], []
-    for distribution, qtype in zip(distributions, out["question_type"], strict=True):
-        best, p_best, _ = stats.top_two(distribution)
-        if qtype == "noul":
-            best = "true" if distribution["true"] >= 0.5 else "false"
-            p_best = max(distribution["true"], distribution["false"])
-        predicted.append(best)
-        confidence.append(p_best)
-    out["predicted"], out["confidence"] = predicted, confidence
+    predicted = [stats.predict(qtype, d) for qtype, d in zip(out["question_type"], distributions, strict=True)]
+    out["predicted"], out["confidence"], out["margin"] = ([p[i] for p in predicted] for i in range(3))
     out["correct"] = [np.nan if expected is None else float(predicted == expected)
                       for predicted, expected in zip(out["predicted"], out["expected"], strict=True)]
     return out

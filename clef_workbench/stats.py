@@ -56,11 +56,14 @@ def distribution_of(question_type: str, answer: Mapping[str, Any]) -> dict[str, 
     return {str(k): float(v) for k, v in answer["probabilities"].items()}
 
 
-def top_two(distribution: dict[str, float]) -> tuple[str, float, float]:
-    """(predicted option, its probability, margin over the runner-up); ties go to the first option listed."""
+def predict(question_type: str, distribution: dict[str, float]) -> tuple[str, float, float]:
+    """(predicted option, its probability, margin over the runner-up); ties go to the first option listed, and a
+    noul answer of p = 0.5 exactly counts as true, as documented."""
     ordered = sorted(distribution.items(), key=lambda kv: -kv[1])
     best, p_best = ordered[0]
     p_second = ordered[1][1] if len(ordered) > 1 else 0.0
+    if question_type == "noul":
+        best = "true" if distribution["true"] >= 0.5 else "false"
     return best, p_best, p_best - p_second
 
 
@@ -81,9 +84,7 @@ def answer_frame(results: Sequence[Answered], schema: dict) -> pd.DataFrame:
                 continue
             qtype = question["type"]
             distribution = distribution_of(qtype, answer)
-            predicted, confidence, margin = top_two(distribution)
-            if qtype == "noul":  # p = 0.5 exactly counts as true, as documented
-                predicted = "true" if distribution["true"] >= 0.5 else "false"
+            predicted, confidence, margin = predict(qtype, distribution)
             expected_key = _label_key(expected.get(question_id))
             if qtype == "noul" and expected_key is not None:
                 expected_key = {"yes": "true", "no": "false", "1": "true", "0": "false"}.get(
