@@ -345,7 +345,7 @@ def run_command(args: argparse.Namespace) -> int:
             runner.start(run_id, engine, check=False)  # checked above, before the run was recorded
             progress = watch(runner, run_id, stop)
     finally:
-        model.shutdown() if address else model.close()
+        model.close()
     if progress["status"] != "finished":
         # a run whose failure could not be written to the store still reads `running` there
         status = "failed" if progress["error"] and progress["status"] == "running" else progress["status"]
@@ -470,7 +470,7 @@ def sweep_command(args: argparse.Namespace) -> int:
         with stop_on_signals() as stop:
             progress = sweeps.run_sweep(store, sweep_id, engine, progress=show, stop=stop.is_set)
     finally:
-        engine.shutdown() if address else engine.close()
+        engine.close()
     result = sweeps.load_sweep(store, sweep_id, threshold=args.fail_if_order_sensitive)
     print_sweep(result)
     if args.json is not None:

@@ -36,7 +36,7 @@ from typing import Any
 from clef_engine.errors import ClefError, ReleaseError
 from clef_engine.interface import DecisionEngine
 from clef_workbench.casesets import build_request
-from clef_workbench.jobs import JobRunner, _LiveJob, error_result
+from clef_workbench.jobs import JobRunner, _LiveJob, validated
 from clef_workbench.settings import ENVIRONMENT, WorkbenchSettings
 from clef_workbench.store import NewResult, Run, RunSettings, Store, now_iso
 
@@ -158,15 +158,7 @@ def decide_chunk(engine: Any, items: list[tuple[int, dict]], settings: RunSettin
     """Results of one chunk, in the form Store.record_results takes and JobRunner writes: a bad case (invalid, over
     the token budget) becomes an error result and the others are still answered."""
     started_at = now_iso()
-    results: list[NewResult] = []
-    valid = []
-    for case_id, request in items:
-        try:  # validated here, once: decide_many encodes the ValidRequest under the run's budget as it is
-            prepared = engine.validate(request, max_length=settings.max_length, overflow=settings.overflow)
-        except ClefError as exc:
-            results.append(error_result(case_id, exc, started_at))
-            continue
-        valid.append((case_id, prepared))
+    valid, results = validated(engine, items, settings, started_at)
     if valid:
         began = time.perf_counter()
         outcomes = engine.decide_many([request for _, request in valid], priority="bulk", errors="return")
@@ -220,7 +212,7 @@ class ReplicaPool:
         info = dict(infos[0], nodes=[i["node"] for i in infos], replicas=count)
         return cls(str(source), revision, slots, info)
 
-    def shutdown(self) -> None:
+    def close(self) -> None:
         import ray
 
         for slot in self.slots:
@@ -305,22 +297,18 @@ class RayJobRunner(JobRunner):
         self.replicas = replicas
         self.replica_chunk_tokens = chunk_tokens  # None: the run's setting, else the replica's token budget
 
-    def _work_leased(self, run_id: int, engine: Any, job: _LiveJob) -> None:
+    def _compute(self, run_id: int, engine: Any, job: _LiveJob, in_flight: deque) -> None:
+        pool = self.pool
+        if pool is None:
+            connect(self.address or "auto")
+            info = engine.info()  # the replicas load the release the local engine has loaded
+            pool = ReplicaPool.start(info["model"], revision=info["revision"], replicas=self.replicas)
+            job.session_started = time.monotonic()  # the rate (and ETA) counts computing, not loading
         try:
-            pool = self.pool
-            if pool is None:
-                connect(self.address or "auto")
-                info = engine.info()  # the replicas load the release the local engine has loaded
-                pool = ReplicaPool.start(info["model"], revision=info["revision"], replicas=self.replicas)
-                job.session_started = time.monotonic()  # the rate (and ETA) counts computing, not loading
-            try:
-                self._stream(run_id, pool, job)
-            finally:
-                if pool is not self.pool:
-                    pool.shutdown()
-            self._end_run(run_id, job)
-        except Exception as exc:  # noqa: BLE001 — the run stops, its finished results stay; the message goes to the run page
-            self._fail_run(run_id, job, exc)
+            self._stream(run_id, pool, job)
+        finally:
+            if pool is not self.pool:
+                pool.close()
 
     def _stream(self, run_id: int, pool: ReplicaPool, job: _LiveJob) -> None:
         run = self.store.get_run(run_id)
