@@ -1,15 +1,11 @@
-"""How sure: calibrate a run's probabilities on its labelled cases, and say honestly whether that helped.
+"""How sure: calibrate a run's probabilities on its labelled cases, and say honestly whether that helped
+(docs/workbench.md "Confidence" says what the person sees).
 
-Per question, one map from the model's distribution to a calibrated one:
-* ``noul``: Platt scaling on the log-odds, P'(true) = σ(a · logit P(true) + b);
-* ``choice`` and ``score``: a temperature, P'(k) ∝ P(k)^(1/T) (the softmax of the log-probabilities over T), which
-  keeps the ranking of the options and so the predicted answer.
-
-Both are fitted by minimising the negative log-likelihood of the expected answers with scipy's optimizers. Whether it
-helps is measured on cases the map did not see: k-fold (``k_folds``), each case's calibrated
-distribution comes from the map fitted on the other folds; ECE and Brier before and after are computed on those
-held-out distributions, with percentile bootstrap intervals over cases. The map that is stored is then fitted on every
-labelled case. A question with fewer than ``MIN_LABELLED`` labelled cases is not fitted, and the report says why.
+Per question, one map from the model's distribution to a calibrated one (`clef_engine.calibrated` applies it): Platt
+scaling on the log-odds for ``noul``, a temperature for ``choice`` and ``score`` (it keeps the options' ranking and so
+the predicted answer), each fitted by minimising the negative log-likelihood of the expected answers. Whether it helps
+is measured on cases the map did not see (``k_folds``), with bootstrap intervals over cases; the stored map is then
+fitted on every labelled case.
 """
 
 from __future__ import annotations

@@ -161,20 +161,13 @@ def latency_stats(results: Sequence[Result]) -> dict[str, Any]:
 def busy_seconds(results: Sequence[Result]) -> float:
     """Length of the union of the results' [started_at, finished_at] intervals, in seconds."""
     frame, _ = _results_frame(results)
-    if frame.empty:
-        return 0.0
-    starts = pd.to_datetime(frame["started_at"], utc=True, format="ISO8601")
-    ends = pd.to_datetime(frame["finished_at"], utc=True, format="ISO8601")
-    intervals = sorted(zip(starts, ends, strict=True))
-    total = 0.0
-    current_start, current_end = intervals[0]
-    for start, end in intervals[1:]:
-        if start <= current_end:
-            current_end = max(current_end, end)
-        else:
-            total += (current_end - current_start).total_seconds()
-            current_start, current_end = start, end
-    return total + (current_end - current_start).total_seconds()
+    spans = pd.DataFrame({"start": pd.to_datetime(frame["started_at"], utc=True, format="ISO8601"),
+                          "end": pd.to_datetime(frame["finished_at"], utc=True, format="ISO8601")})
+    spans = spans.sort_values(["start", "end"])
+    # a busy stretch ends where the next interval starts after every earlier one has finished
+    stretch = (spans["start"] > spans["end"].cummax().shift()).cumsum()
+    merged = spans.groupby(stretch).agg(start=("start", "min"), end=("end", "max"))
+    return float((merged["end"] - merged["start"]).dt.total_seconds().sum())
 
 
 def throughput(results: Sequence[Result], n_questions: int) -> dict[str, float | None]:
