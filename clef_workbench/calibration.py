@@ -10,7 +10,7 @@ fitted on every labelled case.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -117,39 +117,25 @@ def with_distributions(rows: pd.DataFrame, distributions: list[dict[str, float]]
     return out
 
 
-def _per_case(rows: pd.DataFrame, bins: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Per case: its confidence bin, correct − confidence, and its Brier term, binned and scored exactly as
-    `stats.calibration` does, so that a resample's ECE and Brier are sums over these."""
-    confidence = rows["confidence"].to_numpy(dtype=float)
-    brier = np.array([stats.brier_term(t, d, e) for t, d, e in
-                      zip(rows["question_type"], rows["distribution"], rows["expected"], strict=True)])
-    return stats.confidence_bins(confidence, bins), rows["correct"].to_numpy(dtype=float) - confidence, brier
-
-
-def _ece_brier(per_case: tuple[np.ndarray, np.ndarray, np.ndarray], sample: np.ndarray, bins: int
-               ) -> tuple[float, float]:
-    index, gap, brier = (a[sample] for a in per_case)
-    return float(np.abs(np.bincount(index, weights=gap, minlength=bins)).sum() / len(sample)), float(brier.mean())
-
-
 def _bootstrap(before: pd.DataFrame, after: pd.DataFrame, bins: int, seed: int) -> dict[str, Interval]:
-    """ECE and Brier before and after with percentile intervals, resampling the same cases for both."""
-    rng = np.random.default_rng(seed)
-    n = len(before)
-    cases_before, cases_after = _per_case(before, bins), _per_case(after, bins)
-    everything = np.arange(n)
-    point = [*_ece_brier(cases_before, everything, bins), *_ece_brier(cases_after, everything, bins)]
-    samples = np.empty((BOOTSTRAP_SAMPLES, 4))
-    for i in range(BOOTSTRAP_SAMPLES):
-        sample = rng.integers(0, n, n)
-        samples[i] = [*_ece_brier(cases_before, sample, bins), *_ece_brier(cases_after, sample, bins)]
-    tail = (1 - INTERVAL) / 2 * 100
-    # the paired change (before − after) over the same resampled cases: what the fit bought
-    samples = np.column_stack([samples, samples[:, 0] - samples[:, 2]])
-    point.append(point[0] - point[2])
-    low, high = np.percentile(samples, [tail, 100 - tail], axis=0)
-    names = ["ece_before", "brier_before", "ece_after", "brier_after", "ece_reduction"]
-    return {name: Interval(float(point[i]), float(low[i]), float(high[i])) for i, name in enumerate(names)}
+    """ECE and Brier before and after, and what the fit bought (the ECE reduction), each with its percentile
+    interval; every interval resamples the same cases (one seed), so before and after stay paired."""
+    ece = stats.ece_statistic(bins)
+
+    def reduction(*columns: np.ndarray) -> np.ndarray:
+        return ece(*columns[:2]) - ece(*columns[2:])
+
+    ece_before, ece_after = ([rows["confidence"].to_numpy(float), rows["correct"].to_numpy(float)]
+                             for rows in (before, after))
+    measures: dict[str, tuple[list[np.ndarray], Callable[..., np.ndarray]]] = {
+        "ece_before": (ece_before, ece), "brier_before": ([stats.brier_terms(before)], stats.mean),
+        "ece_after": (ece_after, ece), "brier_after": ([stats.brier_terms(after)], stats.mean),
+        "ece_reduction": (ece_before + ece_after, reduction)}
+    out = {}
+    for name, (columns, statistic) in measures.items():
+        low, high = stats.bootstrap_interval(columns, statistic, n_boot=BOOTSTRAP_SAMPLES, level=INTERVAL, seed=seed)
+        out[name] = Interval(float(statistic(*columns)), low, high)
+    return out
 
 
 def calibrate(frame: pd.DataFrame, *, min_labelled: int = MIN_LABELLED, folds: int = FOLDS, bins: int = 10,

@@ -1,23 +1,13 @@
-"""Batch runs on a Ray cluster: one engine replica per GPU as a Ray actor; the driver streams a run's cases to them
-in token-sized chunks and writes each chunk's results to the store as it comes back.
+"""Batch runs on a Ray cluster (docs/operations.md says what a person sees): one engine replica per GPU as a Ray
+actor; the driver streams a run's cases to them in token-sized chunks. `RayJobRunner` is a JobRunner whose work loop
+sends chunks to replicas, so the lease, progress, cancel, resume and every store field are JobRunner's.
 
-Where a run executes is configuration: with CLEF_RAY_ADDRESS unset, `make_job_runner` gives the JobRunner of
-clef_workbench.jobs (the resident engine); set to `auto` or a cluster address, it gives a RayJobRunner. That is a
-JobRunner whose work loop sends chunks to replicas instead of the resident engine; the lease, heartbeat, progress,
-ETA, cancel, resume and every store field are JobRunner's, so the Runs page and the CLI show a Ray run as a local one.
-
-Plain actors rather than Ray Data's `map_batches` over an actor pool, for less code of ours: a chunk is a list of
-(case id, request) and its results a list of dicts, which an actor call passes as they are, where Ray Data would turn
-nested responses into Arrow columns and back; and what a run needs beyond "call the replicas" (record each chunk as
-it returns, stop on cancel or a lost lease, put a dead replica's chunks back) is a few lines of the loop in
-RayJobRunner._stream instead of code around Ray Data's executor.
-
-Failures: when a replica's process dies (killed, out of memory), Ray restarts it (up to MAX_RESTARTS times), it
-loads the release again, and Ray sends it the chunks it had in flight again; the other replicas go on meanwhile. A
-replica dead for good (restarts used up, node lost) fails its chunks with RayActorError: the driver drops it and puts
-them back at the front of the queue for the others. Store.record_results keeps the first result of a (run, case), so
-a chunk computed twice is stored once. When the driver dies, its replicas die with it (they are its
-actors) and its lease lapses; resuming runs only the cases without a result, as for a local run.
+Plain actors rather than Ray Data's `map_batches`, for less code of ours: a chunk and its results pass through an
+actor call as they are (Ray Data would turn nested responses into Arrow columns and back), and what a run needs
+beyond "call the replicas" (record each chunk as it returns, stop on cancel, put a dead replica's chunks back) is a
+few lines of `on_replicas`. A replica Ray restarts (up to MAX_RESTARTS) loads the release again and gets its chunks
+again; one dead for good is dropped and its chunks go to the others first. Store.record_results keeps the first
+result of a (run, case), so a chunk computed twice is stored once.
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ Definitions used throughout (shown in the UI next to the numbers):
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Final
 
 import numpy as np
@@ -30,6 +30,8 @@ import pandas as pd
 from clef_workbench.store import Answered, Result
 
 PERCENTILE_METHOD: Final = "linear"
+DEFAULT_BOOTSTRAP = 1000
+DEFAULT_LEVEL = 0.95
 
 
 def state_text(state: Any) -> str:
@@ -236,6 +238,41 @@ def brier_term(question_type: str, distribution: dict[str, float], expected: str
     return float(sum((p - (option == expected)) ** 2 for option, p in distribution.items()))
 
 
+def bootstrap_interval(columns: Sequence[np.ndarray], statistic: Callable[..., np.ndarray], *,
+                       n_boot: int = DEFAULT_BOOTSTRAP, level: float = DEFAULT_LEVEL,
+                       seed: int = 0) -> tuple[float, float]:
+    """Percentile bootstrap interval of `statistic` over rows: every column is resampled with the same row indices
+    (paired). `statistic` takes the resampled columns as (n_boot, n) arrays and returns n_boot values.
+    (NaN, NaN) when there are no rows."""
+    n = len(columns[0])
+    if n == 0:
+        return np.nan, np.nan
+    index = np.random.default_rng(seed).integers(0, n, size=(n_boot, n))
+    values = statistic(*(np.asarray(c, dtype=float)[index] for c in columns))
+    low, high = np.quantile(values, [(1 - level) / 2, 1 - (1 - level) / 2])
+    return float(low), float(high)
+
+
+def mean(values: np.ndarray) -> np.ndarray:
+    return values.mean(axis=-1)
+
+
+def ece_statistic(bins: int) -> Callable[[np.ndarray, np.ndarray], np.ndarray]:
+    """ECE as stats.calibration defines it, over the last axis: Σ_b |Σ_{i∈b} (correct_i − confidence_i)| / N."""
+    def ece(confidence: np.ndarray, correct: np.ndarray) -> np.ndarray:
+        index = confidence_bins(confidence, bins)
+        gap = correct - confidence
+        per_bin = [np.where(index == b, gap, 0.0).sum(axis=-1) for b in range(bins)]
+        return np.abs(np.stack(per_bin)).sum(axis=0) / confidence.shape[-1]
+    return ece
+
+
+def brier_terms(rows: pd.DataFrame) -> np.ndarray:
+    """Each row's Brier term (`brier_term`) of an answer frame."""
+    return np.array([brier_term(t, d, e) for t, d, e in
+                     zip(rows["question_type"], rows["distribution"], rows["expected"], strict=True)], dtype=float)
+
+
 def calibration(frame: pd.DataFrame, question_id: str, bins: int = 10) -> dict[str, Any]:
     """Reliability bins, ECE and Brier score of one question over cases with an expected answer."""
     rows = frame[(frame["question_id"] == question_id) & frame["expected"].notna()]
@@ -255,8 +292,7 @@ def calibration(frame: pd.DataFrame, question_id: str, bins: int = 10) -> dict[s
     table["count"] = table["count"].astype(int)
     filled = table[table["count"] > 0]
     ece = float((filled["count"] / len(rows) * (filled["accuracy"] - filled["mean_confidence"]).abs()).sum())
-    brier = float(np.mean([brier_term(t, d, e) for t, d, e in
-                           zip(rows["question_type"], rows["distribution"], rows["expected"], strict=True)]))
+    brier = float(brier_terms(rows).mean())
     return {"bins": table, "ece": ece, "brier": brier, "n": len(rows)}
 
 

@@ -1,7 +1,7 @@
 """Schema sweeps: many versions of a schema scored on a labelled case set at the cost of one state per case.
 docs/workbench.md "Schema sweeps" says what a sweep builds, scores and stores; the choices behind the code:
 
-- intervals are percentile bootstraps over cases (`compare.bootstrap_interval`, seeded), and the predicted answer,
+- intervals are percentile bootstraps over cases (`stats.bootstrap_interval`, seeded), and the predicted answer,
   confidence and ECE are `stats.py`'s, so the numbers match a run's;
 - the model reads a choice question's options sorted by id (the caller's order never reaches it), so an order is
   imposed by numbering the ids (`o01_billing`, …); answers are mapped back to the base's ids before scoring;
@@ -30,8 +30,8 @@ from scipy.stats import binomtest
 
 from clef_workbench import stats
 from clef_workbench.casesets import build_request
-from clef_workbench.compare import bootstrap_interval, ece_statistic, mean
 from clef_workbench.schemas import Schema, SchemaError, way_out_options
+from clef_workbench.stats import bootstrap_interval, ece_statistic, mean
 from clef_workbench.store import Answered, Response, RunSettings, Store, Sweep, SweepAnswer, SweepVariant
 
 MAX_VARIANTS = 64  # a sweep's variants, the base included
