@@ -102,16 +102,14 @@ class CaseSetsMixin(StoreBase):
     def update_case_set(self, case_set_id: int, *, name: str | None = None, schema_name: str | None = None,
                         description: str | None = None) -> None:
         self.get_case_set(case_set_id)
+        if name is not None and not name.strip():
+            raise ValueError("case set name must not be empty")
+        changes = {"name": name and name.strip(), "schema_name": schema_name, "description": description}
         try:
             with self._write() as conn:
-                if name is not None:
-                    if not name.strip():
-                        raise ValueError("case set name must not be empty")
-                    conn.execute("UPDATE case_sets SET name = ? WHERE id = ?", (name.strip(), case_set_id))
-                if schema_name is not None:
-                    conn.execute("UPDATE case_sets SET schema_name = ? WHERE id = ?", (schema_name, case_set_id))
-                if description is not None:
-                    conn.execute("UPDATE case_sets SET description = ? WHERE id = ?", (description, case_set_id))
+                for column, value in changes.items():
+                    if value is not None:
+                        conn.execute(f"UPDATE case_sets SET {column} = ? WHERE id = ?", (value, case_set_id))
         except sqlite3.IntegrityError as exc:
             raise self._name_taken((name or "").strip()) from exc
 
