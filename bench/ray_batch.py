@@ -138,7 +138,7 @@ def main() -> None:
             last[count] = entry["runs"][-1]["run_id"]
             print(json.dumps({"replicas": count, "ray": entry["runs"][-1],
                               "in_process": report["in_process"][-1]}), flush=True)
-        pool.shutdown()
+        pool.close()
     last.setdefault("in_process", report["in_process"][-1]["run_id"])
 
     local_tps = statistics.median(r["tokens_per_s"] for r in report["in_process"])

@@ -1,20 +1,8 @@
-"""Command line of the workbench's services, for scripts and CI (`--help` lists each command's flags):
-
-- `run` runs a case set against a schema file and leaves the run in the store exactly as the Runs page does, so
-  Runs, Review and the exports show it. Exits 0 when the run finished, 1 when it failed or was cancelled (Ctrl-C or
-  SIGTERM cancel it after the chunk in flight, its finished results kept; `--resume RUN_ID` goes on with the rest),
-  2 on wrong input and 130 on Ctrl-C before the run started. A case set is never computed twice by accident: when
-  the store holds a run of the same case set, schema, model and budget, it asks whether to resume it (at a
-  terminal) or, without one, refuses, naming the flags that choose (`--resume RUN_ID` or `--new`).
-- `import` reads a CSV / tab-separated / JSONL / .xlsx file into a case set as the Case sets page's Import tab does;
-  exits 0 when it imported, 2 on wrong input (nothing imported), 1 when the store refused.
-- `calibrate` fits a calibration per question on a run's labelled cases (`clef_workbench.calibration`), prints ECE
-  and Brier before and after on held-out cases and keeps it; exits 1 when no question has enough labels.
-  `--export FILE` writes every stored calibration for `clef-engine serve --calibrations FILE`.
-- `sweep` scores variants of a schema on a case set's labelled cases (`clef_workbench.sweeps`), prints the
-  leaderboard and writes the JSON document to `--json OUT`; exits 0 when it finished, 1 when it failed or was
-  cancelled (`--resume` goes on), 2 on wrong input (nothing stored), 3 when `--fail-if-order-sensitive X` finds a
-  question whose order sensitivity exceeds X.
+"""Command line of the workbench's services, for scripts and CI (`--help` lists each command's flags): `run`,
+`import`, `calibrate` and `sweep` do what the Runs, Case sets and Sweeps pages do and leave the same rows in the store.
+docs/operations.md ("Batch runs from the command line") and docs/workbench.md ("Schema sweeps") say what each does
+and its exit codes: 0 done, 1 failed or cancelled (the store refused, a run or sweep stopped), 2 wrong input (nothing
+stored), 3 a sweep above `--fail-if-order-sensitive`, 130 Ctrl-C before a run started.
 """
 
 from __future__ import annotations
@@ -345,7 +333,7 @@ def run_command(args: argparse.Namespace) -> int:
             runner.start(run_id, engine, check=False)  # checked above, before the run was recorded
             progress = watch(runner, run_id, stop)
     finally:
-        model.shutdown() if address else model.close()
+        model.close()
     if progress["status"] != "finished":
         # a run whose failure could not be written to the store still reads `running` there
         status = "failed" if progress["error"] and progress["status"] == "running" else progress["status"]
@@ -470,7 +458,7 @@ def sweep_command(args: argparse.Namespace) -> int:
         with stop_on_signals() as stop:
             progress = sweeps.run_sweep(store, sweep_id, engine, progress=show, stop=stop.is_set)
     finally:
-        engine.shutdown() if address else engine.close()
+        engine.close()
     result = sweeps.load_sweep(store, sweep_id, threshold=args.fail_if_order_sensitive)
     print_sweep(result)
     if args.json is not None:

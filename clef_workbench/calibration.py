@@ -1,20 +1,16 @@
-"""How sure: calibrate a run's probabilities on its labelled cases, and say honestly whether that helped.
+"""How sure: calibrate a run's probabilities on its labelled cases, and say honestly whether that helped
+(docs/workbench.md "Confidence" says what the person sees).
 
-Per question, one map from the model's distribution to a calibrated one:
-* ``noul``: Platt scaling on the log-odds, P'(true) = σ(a · logit P(true) + b);
-* ``choice`` and ``score``: a temperature, P'(k) ∝ P(k)^(1/T) (the softmax of the log-probabilities over T), which
-  keeps the ranking of the options and so the predicted answer.
-
-Both are fitted by minimising the negative log-likelihood of the expected answers with scipy's optimizers. Whether it
-helps is measured on cases the map did not see: k-fold (``k_folds``), each case's calibrated
-distribution comes from the map fitted on the other folds; ECE and Brier before and after are computed on those
-held-out distributions, with percentile bootstrap intervals over cases. The map that is stored is then fitted on every
-labelled case. A question with fewer than ``MIN_LABELLED`` labelled cases is not fitted, and the report says why.
+Per question, one map from the model's distribution to a calibrated one (`clef_engine.calibrated` applies it): Platt
+scaling on the log-odds for ``noul``, a temperature for ``choice`` and ``score`` (it keeps the options' ranking and so
+the predicted answer), each fitted by minimising the negative log-likelihood of the expected answers. Whether it helps
+is measured on cases the map did not see (``k_folds``), with bootstrap intervals over cases; the stored map is then
+fitted on every labelled case.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -110,56 +106,36 @@ def fit_question(rows: pd.DataFrame) -> QuestionCalibration:
 
 
 def with_distributions(rows: pd.DataFrame, distributions: list[dict[str, float]]) -> pd.DataFrame:
-    """`rows` with each distribution replaced and the predicted answer, confidence and correctness recomputed."""
+    """`rows` with each distribution replaced and the predicted answer, confidence, margin and correctness
+    recomputed."""
     out = rows.copy()
     out["distribution"] = distributions
-    predicted, confidence = [], []
-    for distribution, qtype in zip(distributions, out["question_type"], strict=True):
-        best, p_best, _ = stats.top_two(distribution)
-        if qtype == "noul":
-            best = "true" if distribution["true"] >= 0.5 else "false"
-            p_best = max(distribution["true"], distribution["false"])
-        predicted.append(best)
-        confidence.append(p_best)
-    out["predicted"], out["confidence"] = predicted, confidence
+    predicted = [stats.predict(qtype, d) for qtype, d in zip(out["question_type"], distributions, strict=True)]
+    out["predicted"], out["confidence"], out["margin"] = ([p[i] for p in predicted] for i in range(3))
     out["correct"] = [np.nan if expected is None else float(predicted == expected)
                       for predicted, expected in zip(out["predicted"], out["expected"], strict=True)]
     return out
 
 
-def _per_case(rows: pd.DataFrame, bins: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Per case: its confidence bin, correct − confidence, and its Brier term, binned and scored exactly as
-    `stats.calibration` does, so that a resample's ECE and Brier are sums over these."""
-    confidence = rows["confidence"].to_numpy(dtype=float)
-    brier = np.array([stats.brier_term(t, d, e) for t, d, e in
-                      zip(rows["question_type"], rows["distribution"], rows["expected"], strict=True)])
-    return stats.confidence_bins(confidence, bins), rows["correct"].to_numpy(dtype=float) - confidence, brier
-
-
-def _ece_brier(per_case: tuple[np.ndarray, np.ndarray, np.ndarray], sample: np.ndarray, bins: int
-               ) -> tuple[float, float]:
-    index, gap, brier = (a[sample] for a in per_case)
-    return float(np.abs(np.bincount(index, weights=gap, minlength=bins)).sum() / len(sample)), float(brier.mean())
-
-
 def _bootstrap(before: pd.DataFrame, after: pd.DataFrame, bins: int, seed: int) -> dict[str, Interval]:
-    """ECE and Brier before and after with percentile intervals, resampling the same cases for both."""
-    rng = np.random.default_rng(seed)
-    n = len(before)
-    cases_before, cases_after = _per_case(before, bins), _per_case(after, bins)
-    everything = np.arange(n)
-    point = [*_ece_brier(cases_before, everything, bins), *_ece_brier(cases_after, everything, bins)]
-    samples = np.empty((BOOTSTRAP_SAMPLES, 4))
-    for i in range(BOOTSTRAP_SAMPLES):
-        sample = rng.integers(0, n, n)
-        samples[i] = [*_ece_brier(cases_before, sample, bins), *_ece_brier(cases_after, sample, bins)]
-    tail = (1 - INTERVAL) / 2 * 100
-    # the paired change (before − after) over the same resampled cases: what the fit bought
-    samples = np.column_stack([samples, samples[:, 0] - samples[:, 2]])
-    point.append(point[0] - point[2])
-    low, high = np.percentile(samples, [tail, 100 - tail], axis=0)
-    names = ["ece_before", "brier_before", "ece_after", "brier_after", "ece_reduction"]
-    return {name: Interval(float(point[i]), float(low[i]), float(high[i])) for i, name in enumerate(names)}
+    """ECE and Brier before and after, and what the fit bought (the ECE reduction), each with its percentile
+    interval; every interval resamples the same cases (one seed), so before and after stay paired."""
+    ece = stats.ece_statistic(bins)
+
+    def reduction(*columns: np.ndarray) -> np.ndarray:
+        return ece(*columns[:2]) - ece(*columns[2:])
+
+    ece_before, ece_after = ([rows["confidence"].to_numpy(float), rows["correct"].to_numpy(float)]
+                             for rows in (before, after))
+    measures: dict[str, tuple[list[np.ndarray], Callable[..., np.ndarray]]] = {
+        "ece_before": (ece_before, ece), "brier_before": ([stats.brier_terms(before)], stats.mean),
+        "ece_after": (ece_after, ece), "brier_after": ([stats.brier_terms(after)], stats.mean),
+        "ece_reduction": (ece_before + ece_after, reduction)}
+    out = {}
+    for name, (columns, statistic) in measures.items():
+        low, high = stats.bootstrap_interval(columns, statistic, n_boot=BOOTSTRAP_SAMPLES, level=INTERVAL, seed=seed)
+        out[name] = Interval(float(statistic(*columns)), low, high)
+    return out
 
 
 def calibrate(frame: pd.DataFrame, *, min_labelled: int = MIN_LABELLED, folds: int = FOLDS, bins: int = 10,

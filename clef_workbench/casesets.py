@@ -21,7 +21,7 @@ import pandas as pd
 
 from clef_engine import protocol
 from clef_workbench.stats import answer_frame, state_text
-from clef_workbench.store import Case, NewCase, Store, media_content_type
+from clef_workbench.store import Case, NewCase, Result, Store, media_content_type
 
 
 class CaseImportError(ValueError):
@@ -216,6 +216,12 @@ def _media(refs: list[tuple[str, str, Any]], base_dir: Path | None, problems: li
     return media
 
 
+def _parsed(cases: list[NewCase], problems: list[str], no_cases: str) -> list[NewCase]:
+    if problems or not cases:
+        raise CaseImportError(problems or [no_cases])
+    return cases
+
+
 def parse_rows(header: list[str], rows: list[tuple[int, dict[str, str]]], mapping: CsvMapping,
                schema: dict | None = None, *, base_dir: Path | None = None) -> list[NewCase]:
     """Rows of a table (row number, column → cell text) → case dicts (state, expected, tags, images, videos).
@@ -277,11 +283,7 @@ def parse_rows(header: list[str], rows: list[tuple[int, dict[str, str]]], mappin
         source_id = (row[mapping.id_column] or "").strip() if mapping.id_column else ""
         cases.append(NewCase(state=state, expected=expected, tags=tags, source_id=source_id or None,
                              images=media["images"], videos=media["videos"]))
-    if problems:
-        raise CaseImportError(problems)
-    if not cases:
-        raise CaseImportError(["the file has no data rows"])
-    return cases
+    return _parsed(cases, problems, "the file has no data rows")
 
 
 def parse_jsonl(jsonl_text: str, schema: dict | None = None, *, base_dir: Path | None = None) -> list[NewCase]:
@@ -333,11 +335,7 @@ def parse_jsonl(jsonl_text: str, schema: dict | None = None, *, base_dir: Path |
         cases.append(NewCase(state=state, expected=expected, tags=tags,
                              source_id=None if source_id is None else str(source_id),
                              images=media["images"], videos=media["videos"]))
-    if problems:
-        raise CaseImportError(problems)
-    if not cases:
-        raise CaseImportError(["the file has no records"])
-    return cases
+    return _parsed(cases, problems, "the file has no records")
 
 
 def import_cases(store: Store, case_set_id: int, cases: list[NewCase]) -> list[int]:
@@ -411,14 +409,18 @@ def excel_csv(table: pd.DataFrame) -> str:
     return "\ufeff" + table.to_csv(index=False)
 
 
+def _run_answers(store: Store, run_id: int) -> tuple[list[Result], pd.DataFrame, dict[int, str | None]]:
+    """A run's results, their answer frame, and each case's own id."""
+    results = store.list_results(run_id)
+    return results, answer_frame(results, store.get_run(run_id)["schema"]), {r["case_id"]: r["source_id"]
+                                                                             for r in results}
+
+
 def results_table(store: Store, run_id: int) -> pd.DataFrame:
     """One row per case × question of a run: answer, confidence, margin, expected, correct, score, and one
     `p:<option>` column per option with that option's probability (empty for options of other questions).
     Failed cases appear once with their error."""
-    run = store.get_run(run_id)
-    results = store.list_results(run_id)
-    frame = answer_frame(results, run["schema"])
-    source_ids = {r["case_id"]: r["source_id"] for r in results}
+    results, frame, source_ids = _run_answers(store, run_id)
     rows = []
     for row in frame.itertuples(index=False):
         out = {"run_id": run_id, "case_id": row.case_id, "source_id": source_ids[row.case_id],
@@ -472,10 +474,7 @@ def export_results_csv(store: Store, run_id: int) -> str:
 
 def export_results_jsonl(store: Store, run_id: int) -> str:
     """One JSON object per case × question with a `probabilities` map of every option."""
-    run = store.get_run(run_id)
-    results = store.list_results(run_id)
-    frame = answer_frame(results, run["schema"])
-    source_ids = {r["case_id"]: r["source_id"] for r in results}
+    results, frame, source_ids = _run_answers(store, run_id)
     lines = []
     for row in frame.itertuples(index=False):
         lines.append(json.dumps({

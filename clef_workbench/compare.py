@@ -23,10 +23,9 @@ import pandas as pd
 
 from clef_workbench import calibration, schema_diff, stats
 from clef_workbench.jobs import EngineUnreachableError, check_engine
+from clef_workbench.stats import DEFAULT_BOOTSTRAP, DEFAULT_LEVEL, bootstrap_interval, ece_statistic, mean
 from clef_workbench.store import Result, Run, RunSettings
 
-DEFAULT_BOOTSTRAP = 1000
-DEFAULT_LEVEL = 0.95
 QUALITY_METRICS = ("accuracy", "ece", "brier")
 LATENCY_METRICS = ("latency_p50_ms", "latency_mean_ms")
 Statistic = Callable[..., np.ndarray]  # per-case columns → the statistic (bootstrapped along the last axis)
@@ -106,38 +105,6 @@ def answers(runs: Sequence[RunData]) -> pd.DataFrame:
     frame["brier"] = [stats.brier_term(t, d, e) for t, d, e in zip(frame["question_type"], frame["distribution"],
                                                                      frame["expected"], strict=True)]
     return frame
-
-
-# ---- bootstrap ----------------------------------------------------------------------------------------------------
-
-
-def bootstrap_interval(columns: Sequence[np.ndarray], statistic: Callable[..., np.ndarray], *,
-                       n_boot: int = DEFAULT_BOOTSTRAP, level: float = DEFAULT_LEVEL,
-                       seed: int = 0) -> tuple[float, float]:
-    """Percentile bootstrap interval of `statistic` over rows: every column is resampled with the same row indices
-    (paired). `statistic` takes the resampled columns as (n_boot, n) arrays and returns n_boot values.
-    (NaN, NaN) when there are no rows."""
-    n = len(columns[0])
-    if n == 0:
-        return np.nan, np.nan
-    index = np.random.default_rng(seed).integers(0, n, size=(n_boot, n))
-    values = statistic(*(np.asarray(c, dtype=float)[index] for c in columns))
-    low, high = np.quantile(values, [(1 - level) / 2, 1 - (1 - level) / 2])
-    return float(low), float(high)
-
-
-def mean(values: np.ndarray) -> np.ndarray:
-    return values.mean(axis=-1)
-
-
-def ece_statistic(bins: int) -> Callable[[np.ndarray, np.ndarray], np.ndarray]:
-    """ECE as stats.calibration defines it, over the last axis: Σ_b |Σ_{i∈b} (correct_i − confidence_i)| / N."""
-    def ece(confidence: np.ndarray, correct: np.ndarray) -> np.ndarray:
-        index = stats.confidence_bins(confidence, bins)
-        gap = correct - confidence
-        per_bin = [np.where(index == b, gap, 0.0).sum(axis=-1) for b in range(bins)]
-        return np.abs(np.stack(per_bin)).sum(axis=0) / confidence.shape[-1]
-    return ece
 
 
 def _p50(values: np.ndarray) -> np.ndarray:

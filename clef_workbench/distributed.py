@@ -1,23 +1,13 @@
-"""Batch runs on a Ray cluster: one engine replica per GPU as a Ray actor; the driver streams a run's cases to them
-in token-sized chunks and writes each chunk's results to the store as it comes back.
+"""Batch runs on a Ray cluster (docs/operations.md says what a person sees): one engine replica per GPU as a Ray
+actor; the driver streams a run's cases to them in token-sized chunks. `RayJobRunner` is a JobRunner whose work loop
+sends chunks to replicas, so the lease, progress, cancel, resume and every store field are JobRunner's.
 
-Where a run executes is configuration: with CLEF_RAY_ADDRESS unset, `make_job_runner` gives the JobRunner of
-clef_workbench.jobs (the resident engine); set to `auto` or a cluster address, it gives a RayJobRunner. That is a
-JobRunner whose work loop sends chunks to replicas instead of the resident engine; the lease, heartbeat, progress,
-ETA, cancel, resume and every store field are JobRunner's, so the Runs page and the CLI show a Ray run as a local one.
-
-Plain actors rather than Ray Data's `map_batches` over an actor pool, for less code of ours: a chunk is a list of
-(case id, request) and its results a list of dicts, which an actor call passes as they are, where Ray Data would turn
-nested responses into Arrow columns and back; and what a run needs beyond "call the replicas" (record each chunk as
-it returns, stop on cancel or a lost lease, put a dead replica's chunks back) is a few lines of the loop in
-RayJobRunner._stream instead of code around Ray Data's executor.
-
-Failures: when a replica's process dies (killed, out of memory), Ray restarts it (up to MAX_RESTARTS times), it
-loads the release again, and Ray sends it the chunks it had in flight again; the other replicas go on meanwhile. A
-replica dead for good (restarts used up, node lost) fails its chunks with RayActorError: the driver drops it and puts
-them back at the front of the queue for the others. Store.record_results keeps the first result of a (run, case), so
-a chunk computed twice is stored once. When the driver dies, its replicas die with it (they are its
-actors) and its lease lapses; resuming runs only the cases without a result, as for a local run.
+Plain actors rather than Ray Data's `map_batches`, for less code of ours: a chunk and its results pass through an
+actor call as they are (Ray Data would turn nested responses into Arrow columns and back), and what a run needs
+beyond "call the replicas" (record each chunk as it returns, stop on cancel, put a dead replica's chunks back) is a
+few lines of `on_replicas`. A replica Ray restarts (up to MAX_RESTARTS) loads the release again and gets its chunks
+again; one dead for good is dropped and its chunks go to the others first. Store.record_results keeps the first
+result of a (run, case), so a chunk computed twice is stored once.
 """
 
 from __future__ import annotations
@@ -36,7 +26,7 @@ from typing import Any
 from clef_engine.errors import ClefError, ReleaseError
 from clef_engine.interface import DecisionEngine
 from clef_workbench.casesets import build_request
-from clef_workbench.jobs import JobRunner, _LiveJob, error_result
+from clef_workbench.jobs import JobRunner, _LiveJob, validated
 from clef_workbench.settings import ENVIRONMENT, WorkbenchSettings
 from clef_workbench.store import NewResult, Run, RunSettings, Store, now_iso
 
@@ -158,15 +148,7 @@ def decide_chunk(engine: Any, items: list[tuple[int, dict]], settings: RunSettin
     """Results of one chunk, in the form Store.record_results takes and JobRunner writes: a bad case (invalid, over
     the token budget) becomes an error result and the others are still answered."""
     started_at = now_iso()
-    results: list[NewResult] = []
-    valid = []
-    for case_id, request in items:
-        try:  # validated here, once: decide_many encodes the ValidRequest under the run's budget as it is
-            prepared = engine.validate(request, max_length=settings.max_length, overflow=settings.overflow)
-        except ClefError as exc:
-            results.append(error_result(case_id, exc, started_at))
-            continue
-        valid.append((case_id, prepared))
+    valid, results = validated(engine, items, settings, started_at)
     if valid:
         began = time.perf_counter()
         outcomes = engine.decide_many([request for _, request in valid], priority="bulk", errors="return")
@@ -220,7 +202,7 @@ class ReplicaPool:
         info = dict(infos[0], nodes=[i["node"] for i in infos], replicas=count)
         return cls(str(source), revision, slots, info)
 
-    def shutdown(self) -> None:
+    def close(self) -> None:
         import ray
 
         for slot in self.slots:
@@ -305,22 +287,18 @@ class RayJobRunner(JobRunner):
         self.replicas = replicas
         self.replica_chunk_tokens = chunk_tokens  # None: the run's setting, else the replica's token budget
 
-    def _work_leased(self, run_id: int, engine: Any, job: _LiveJob) -> None:
+    def _compute(self, run_id: int, engine: Any, job: _LiveJob, in_flight: deque) -> None:
+        pool = self.pool
+        if pool is None:
+            connect(self.address or "auto")
+            info = engine.info()  # the replicas load the release the local engine has loaded
+            pool = ReplicaPool.start(info["model"], revision=info["revision"], replicas=self.replicas)
+            job.session_started = time.monotonic()  # the rate (and ETA) counts computing, not loading
         try:
-            pool = self.pool
-            if pool is None:
-                connect(self.address or "auto")
-                info = engine.info()  # the replicas load the release the local engine has loaded
-                pool = ReplicaPool.start(info["model"], revision=info["revision"], replicas=self.replicas)
-                job.session_started = time.monotonic()  # the rate (and ETA) counts computing, not loading
-            try:
-                self._stream(run_id, pool, job)
-            finally:
-                if pool is not self.pool:
-                    pool.shutdown()
-            self._end_run(run_id, job)
-        except Exception as exc:  # noqa: BLE001 — the run stops, its finished results stay; the message goes to the run page
-            self._fail_run(run_id, job, exc)
+            self._stream(run_id, pool, job)
+        finally:
+            if pool is not self.pool:
+                pool.close()
 
     def _stream(self, run_id: int, pool: ReplicaPool, job: _LiveJob) -> None:
         run = self.store.get_run(run_id)

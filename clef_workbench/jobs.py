@@ -25,17 +25,18 @@ import sqlite3
 import threading
 import time
 from collections import deque
+from collections.abc import Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypedDict, TypeVar
 
 from clef_engine.errors import BusyError, ClefError
-from clef_engine.interface import DecisionEngine
+from clef_engine.interface import DecisionEngine, Request
 from clef_engine.protocol import Question, ValidRequest, prepare_questions
 from clef_engine.remote import RemoteEngine
 from clef_workbench.casesets import build_request
 from clef_workbench.run_status import every_case_failed_message
-from clef_workbench.store import NewResult, Response, Run, Store, new_lease_owner, now_iso
+from clef_workbench.store import NewResult, Response, Run, RunSettings, Store, new_lease_owner, now_iso
 
 log = logging.getLogger(__name__)
 
@@ -110,6 +111,20 @@ def error_result(case_id: int, error: Exception, started_at: str) -> NewResult:
     """A case's result when it got no answer: its error, by type and message."""
     return NewResult(case_id=case_id, error=f"{type(error).__name__}: {error}", started_at=started_at,
                      finished_at=now_iso())
+
+
+def validated(engine: DecisionEngine, requests: Iterable[tuple[int, Request]], settings: RunSettings, started_at: str,
+              questions: tuple[Question, ...] | None = None) -> tuple[list[tuple[int, ValidRequest]], list[NewResult]]:
+    """The cases' requests validated, once: the engine encodes a ValidRequest under the run's budget as it is. A
+    case it refuses becomes an error result, and the run goes on."""
+    valid, errors = [], []
+    for case_id, request in requests:
+        try:
+            valid.append((case_id, engine.validate(request, max_length=settings.max_length,
+                                                   overflow=settings.overflow, questions=questions)))
+        except ClefError as exc:
+            errors.append(error_result(case_id, exc, started_at))
+    return valid, errors
 
 
 class RunProgress(TypedDict):
@@ -244,36 +259,40 @@ class JobRunner(BackgroundThreads[_LiveJob]):
     def _work_leased(self, run_id: int, engine: DecisionEngine | None, job: _LiveJob) -> None:
         in_flight: deque[_Chunk] = deque()
         try:
-            if engine is None:
-                raise ValueError("a run in this process needs a loaded model: none was given")
-            run = self.store.get_run(run_id)
-            fixed_size = run["settings"].chunk_size
-            chunk_tokens = run["settings"].chunk_tokens or self.chunk_tokens
-            pending = deque(self.store.unfinished_case_ids(run_id))
-            tokens_seen = cases_seen = 0
-            while pending or in_flight:
-                stop = job.cancel.is_set() or job.lease_lost.is_set()
-                if pending and not stop:
-                    size = fixed_size or (max(1, chunk_tokens * cases_seen // tokens_seen) if tokens_seen
-                                          else self.chunk_size)
-                    chunk = [pending.popleft() for _ in range(min(size, len(pending)))]
-                    in_flight.append(self._submit_chunk(run, chunk, engine, job))
-                    if len(in_flight) < 2 and pending:
-                        continue  # keep one chunk queued behind the one on the GPU
-                elif stop:
-                    pending.clear()
-                if not in_flight:
-                    break
-                results = self._finish_chunk(in_flight.popleft(), engine, job)
-                self.store.record_results(run_id, results)  # while the next chunk runs
-                job.processed += len(results)
-                counted = [tokens for r in results if (tokens := r.get("input_tokens"))]
-                tokens_seen += sum(counted)
-                cases_seen += len(counted)
+            self._compute(run_id, engine, job, in_flight)
             self._end_run(run_id, job)
         except Exception as exc:  # noqa: BLE001 — the run stops, its finished results stay; the message goes to the run page
             self._drain(in_flight)
             self._fail_run(run_id, job, exc)
+
+    def _compute(self, run_id: int, engine: DecisionEngine | None, job: _LiveJob, in_flight: deque[_Chunk]) -> None:
+        """Every case of the run without a result, in chunks, two in flight on the engine; until cancelled."""
+        if engine is None:
+            raise ValueError("a run in this process needs a loaded model: none was given")
+        run = self.store.get_run(run_id)
+        fixed_size = run["settings"].chunk_size
+        chunk_tokens = run["settings"].chunk_tokens or self.chunk_tokens
+        pending = deque(self.store.unfinished_case_ids(run_id))
+        tokens_seen = cases_seen = 0
+        while pending or in_flight:
+            stop = job.cancel.is_set() or job.lease_lost.is_set()
+            if pending and not stop:
+                size = fixed_size or (max(1, chunk_tokens * cases_seen // tokens_seen) if tokens_seen
+                                      else self.chunk_size)
+                chunk = [pending.popleft() for _ in range(min(size, len(pending)))]
+                in_flight.append(self._submit_chunk(run, chunk, engine, job))
+                if len(in_flight) < 2 and pending:
+                    continue  # keep one chunk queued behind the one on the GPU
+            elif stop:
+                pending.clear()
+            if not in_flight:
+                break
+            results = self._finish_chunk(in_flight.popleft(), engine, job)
+            self.store.record_results(run_id, results)  # while the next chunk runs
+            job.processed += len(results)
+            counted = [tokens for r in results if (tokens := r.get("input_tokens"))]
+            tokens_seen += sum(counted)
+            cases_seen += len(counted)
 
     @staticmethod
     def _drain(in_flight: deque[_Chunk]) -> None:
@@ -315,16 +334,10 @@ class JobRunner(BackgroundThreads[_LiveJob]):
     def _submit_chunk(self, run: Run, case_ids: list[int], engine: DecisionEngine, job: _LiveJob) -> _Chunk:
         """Build and check the chunk's requests, then queue the valid ones on the engine (encoding them here)."""
         chunk = _Chunk(run_id=run["id"], started_at=now_iso())
-        questions = self._run_questions(run, job)
-        for case in self.store.get_cases(case_ids):
-            request = build_request(case, run["schema"], model=run["model_id"])
-            try:  # validated here, once: the engine encodes the ValidRequest under the run's budget as it is
-                valid = engine.validate(request, max_length=run["settings"].max_length,
-                                        overflow=run["settings"].overflow, questions=questions)
-            except ClefError as exc:  # a bad case is recorded as an error result, the run goes on
-                chunk.errors.append(error_result(case["id"], exc, chunk.started_at))
-                continue
-            chunk.valid.append((case["id"], valid))
+        requests = ((case["id"], build_request(case, run["schema"], model=run["model_id"]))
+                    for case in self.store.get_cases(case_ids))
+        chunk.valid, chunk.errors = validated(engine, requests, run["settings"], chunk.started_at,
+                                              self._run_questions(run, job))
         if not chunk.valid:
             return chunk
         chunk.began = time.perf_counter()

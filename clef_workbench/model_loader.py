@@ -279,10 +279,7 @@ class ModelManager:
     def get(self, name: str) -> Any:
         """The engine of the model named `name` (or loaded from the source `name`)."""
         with self._lock:
-            model = self._models.get(name) or self._by_source(name)
-            if model is None:
-                raise KeyError(f"no model named {name!r} is loaded (loaded: {', '.join(self._models) or 'none'})")
-            return model.engine
+            return (self._models.get(name) or self._by_source(name) or self._named(name)).engine
 
     def random_weights(self, name: str | None) -> bool:
         """Whether answers recorded as coming from the model `name` come from random weights: a resident model by
@@ -297,9 +294,7 @@ class ModelManager:
 
     def set_default(self, name: str) -> None:
         with self._lock:
-            if name not in self._models:
-                raise KeyError(f"no model named {name!r} is loaded (loaded: {', '.join(self._models) or 'none'})")
-            self._default = name
+            self._default = self._named(name).name
 
     def add(self, source: str, precision: str | None = None) -> None:
         """Start loading `source` as an additional model (background thread; `state().adding` and `wait` follow it),
@@ -318,9 +313,7 @@ class ModelManager:
         """Unload the model named `name` (its worker finishes queued jobs, then exits). When it was the default, the
         next resident model becomes the default. Raises KeyError when no such model is loaded."""
         with self._lock:
-            if name not in self._models:
-                raise KeyError(f"no model named {name!r} is loaded (loaded: {', '.join(self._models) or 'none'})")
-            model = self._models.pop(name)
+            model = self._models.pop(self._named(name).name)
             if self._requested == name:
                 self._requested = None
             if self._default == name:
@@ -328,6 +321,11 @@ class ModelManager:
         model.engine.close()
 
     # ---- loading -------------------------------------------------------------------------------------------------
+
+    def _named(self, name: str) -> LoadedModel:  # the lock held
+        if name not in self._models:
+            raise KeyError(f"no model named {name!r} is loaded (loaded: {', '.join(self._models) or 'none'})")
+        return self._models[name]
 
     def _by_source(self, source: str) -> LoadedModel | None:
         return next((m for m in self._models.values() if m.source == source), None)

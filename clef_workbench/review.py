@@ -16,7 +16,7 @@ import pandas as pd
 
 from clef_workbench import calibration
 from clef_workbench.schemas import way_out_options
-from clef_workbench.stats import answer_frame, top_two
+from clef_workbench.stats import answer_frame, predict
 from clef_workbench.store import NewCase, NewReviewItem, ReviewItem, Run, Store
 from clef_workbench.store.review import label_key
 
@@ -72,9 +72,12 @@ def _calibrated(store: Store, frame: pd.DataFrame, calibration_name: str) -> pd.
     distributions = [maps[q].apply(d) if q in maps else d
                      for q, d in zip(frame["question_id"], frame["distribution"], strict=True)]
     out = calibration.with_distributions(frame, distributions)
-    out["margin"] = [top_two(d)[2] for d in distributions]
     out["calibrated"] = [q in maps for q in frame["question_id"]]  # a map not applied leaves the question raw
     return out
+
+
+def _case_answers(store: Store, run: Run, case_id: int) -> pd.DataFrame:
+    return answer_frame([r for r in store.list_results(run["id"]) if r["case_id"] == case_id], run["schema"])
 
 
 def _other_run_answers(store: Store, run_id: int) -> dict[tuple[int, str], str]:
@@ -164,7 +167,7 @@ def item_for_link(store: Store, run_id: int, case_id: int, question_id: str | No
     if queued:
         return queued[0]
     run = store.get_run(run_id)
-    frame = answer_frame([r for r in store.list_results(run_id) if r["case_id"] == case_id], run["schema"])
+    frame = _case_answers(store, run, case_id)
     rows = frame if question_id is None else frame[frame["question_id"] == question_id]
     if rows.empty:
         return None
@@ -177,9 +180,7 @@ def shown_answer(store: Store, item: ReviewItem, calibration_name: str | None = 
     """What the card of `item` shows: the answer's distribution as the run recorded it (the item's frozen copy if
     the run no longer has it), or that calibration's map of it when it has one for the question; `calibration` is
     the stored calibration, None when the numbers are raw."""
-    run = store.get_run(item["run_id"])
-    frame = answer_frame([r for r in store.list_results(item["run_id"]) if r["case_id"] == item["case_id"]],
-                         run["schema"])
+    frame = _case_answers(store, store.get_run(item["run_id"]), item["case_id"])
     rows = frame[frame["question_id"] == item["question_id"]]
     raw = rows["distribution"].iloc[0] if not rows.empty else item["distribution"]
     stored, distribution = None, raw
@@ -190,10 +191,8 @@ def shown_answer(store: Store, item: ReviewItem, calibration_name: str | None = 
             stored = None  # the calibration has no map for this question: raw, and said so by `calibration` None
         else:
             distribution = question.apply(raw)
-    calibrated = calibration.with_distributions(pd.DataFrame([{
-        "question_type": item["question_type"], "expected": None}]), [distribution]).iloc[0]
-    return {"distribution": distribution, "predicted": calibrated["predicted"],
-            "confidence": float(calibrated["confidence"]), "margin": top_two(distribution)[2],
+    predicted, confidence, margin = predict(item["question_type"], distribution)
+    return {"distribution": distribution, "predicted": predicted, "confidence": float(confidence), "margin": margin,
             "calibration": stored}
 
 

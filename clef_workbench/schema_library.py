@@ -149,20 +149,17 @@ class SchemaLibrary:
         save is a version, `note` kept with it in the history); returns what was saved. The slug (file name) stays,
         even if the name changed, so references to it keep working."""
         current = self.load(slug)
-        saved = Schema(name=schema.name, questions=plain_json(schema.questions), version=current.version,
-                       description=schema.description, examples=plain_json(list(schema.examples)))
-        if _content(saved) != _content(current):
-            saved.version = current.version + 1
-        else:
-            saved.version = max(schema.version, current.version)
+        saved = dataclasses.replace(schema, questions=plain_json(schema.questions), version=current.version,
+                                    examples=plain_json(list(schema.examples)))
+        saved.version = current.version + 1 if _content(saved) != _content(current) else max(schema.version,
+                                                                                              current.version)
         return self._write(slug, saved, action, note)
 
     def duplicate(self, slug: str, new_name: str | None = None) -> str:
         """Copy a schema under a new name (default "<name> (copy)"), starting again at version 1."""
         original = self.load(slug)
-        copy = Schema(name=new_name or f"{original.name} (copy)", questions=original.questions, version=1,
-                      description=original.description, examples=original.examples)
-        return self.create(copy, action="duplicate")
+        return self.create(dataclasses.replace(original, name=new_name or f"{original.name} (copy)", version=1),
+                           action="duplicate")
 
     def delete(self, slug: str, *, who: str = "") -> None:
         """Remove the file. With a history, its versions stay and the delete is logged: `restore` undoes it."""

@@ -110,10 +110,6 @@ def loads_schema_json(text: str, *, source: str = "schema") -> Any:
 
 # -- validation and lint ------------------------------------------------------------------------------------------
 
-def _q(qid: str, fieldname: str) -> str:
-    return f'question "{qid}", field "{fieldname}"'
-
-
 def _where(loc: tuple[str | int, ...]) -> str:
     """A location in a questions map in words: 'question "q1", field "criteria"'."""
     if len(loc) < 2 or loc[0] != "questions":
@@ -145,11 +141,13 @@ def validate_questions(questions: Any) -> list[SchemaProblem]:
             continue
         for key in question:
             if key not in protocol.QUESTION_FIELDS:
-                problems.append(SchemaProblem(("questions", qid, key), f"{_q(qid, key)}: unknown field (allowed: "
-                                                                       f"{', '.join(protocol.QUESTION_FIELDS)})"))
+                loc = ("questions", qid, key)
+                problems.append(SchemaProblem(loc, f"{_where(loc)}: unknown field (allowed: "
+                                                   f"{', '.join(protocol.QUESTION_FIELDS)})"))
         for dup in getattr(question.get("criteria"), "duplicate_keys", ()):
+            where = _where(("questions", qid, "criteria"))
             problems.append(SchemaProblem(("questions", qid, "criteria", dup),
-                                          f'{_q(qid, "criteria")}: option id "{dup}" appears more than once'))
+                                          f'{where}: option id "{dup}" appears more than once'))
     try:
         protocol.validate_request({"state": "", "questions": questions})
     except RequestError as exc:
@@ -190,7 +188,7 @@ def lint_questions(questions: Any) -> list[SchemaProblem]:
 
     def warn(text: str, qid: str, field: str = "id", *option: str) -> None:
         loc = ("questions", qid) if field == "id" else ("questions", qid, field, *option)
-        warnings.append(SchemaProblem(loc, f"{_q(qid, field)}: {text}", "warning"))
+        warnings.append(SchemaProblem(loc, f"{_where(('questions', qid, field))}: {text}", "warning"))
 
     seen_folded: dict[str, str] = {}
     for qid, question in questions.items():

@@ -21,7 +21,7 @@ Definitions used throughout (shown in the UI next to the numbers):
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Final
 
 import numpy as np
@@ -30,6 +30,8 @@ import pandas as pd
 from clef_workbench.store import Answered, Result
 
 PERCENTILE_METHOD: Final = "linear"
+DEFAULT_BOOTSTRAP = 1000
+DEFAULT_LEVEL = 0.95
 
 
 def state_text(state: Any) -> str:
@@ -56,11 +58,14 @@ def distribution_of(question_type: str, answer: Mapping[str, Any]) -> dict[str, 
     return {str(k): float(v) for k, v in answer["probabilities"].items()}
 
 
-def top_two(distribution: dict[str, float]) -> tuple[str, float, float]:
-    """(predicted option, its probability, margin over the runner-up); ties go to the first option listed."""
+def predict(question_type: str, distribution: dict[str, float]) -> tuple[str, float, float]:
+    """(predicted option, its probability, margin over the runner-up); ties go to the first option listed, and a
+    noul answer of p = 0.5 exactly counts as true, as documented."""
     ordered = sorted(distribution.items(), key=lambda kv: -kv[1])
     best, p_best = ordered[0]
     p_second = ordered[1][1] if len(ordered) > 1 else 0.0
+    if question_type == "noul":
+        best = "true" if distribution["true"] >= 0.5 else "false"
     return best, p_best, p_best - p_second
 
 
@@ -81,9 +86,7 @@ def answer_frame(results: Sequence[Answered], schema: dict) -> pd.DataFrame:
                 continue
             qtype = question["type"]
             distribution = distribution_of(qtype, answer)
-            predicted, confidence, margin = top_two(distribution)
-            if qtype == "noul":  # p = 0.5 exactly counts as true, as documented
-                predicted = "true" if distribution["true"] >= 0.5 else "false"
+            predicted, confidence, margin = predict(qtype, distribution)
             expected_key = _label_key(expected.get(question_id))
             if qtype == "noul" and expected_key is not None:
                 expected_key = {"yes": "true", "no": "false", "1": "true", "0": "false"}.get(
@@ -160,20 +163,13 @@ def latency_stats(results: Sequence[Result]) -> dict[str, Any]:
 def busy_seconds(results: Sequence[Result]) -> float:
     """Length of the union of the results' [started_at, finished_at] intervals, in seconds."""
     frame, _ = _results_frame(results)
-    if frame.empty:
-        return 0.0
-    starts = pd.to_datetime(frame["started_at"], utc=True, format="ISO8601")
-    ends = pd.to_datetime(frame["finished_at"], utc=True, format="ISO8601")
-    intervals = sorted(zip(starts, ends, strict=True))
-    total = 0.0
-    current_start, current_end = intervals[0]
-    for start, end in intervals[1:]:
-        if start <= current_end:
-            current_end = max(current_end, end)
-        else:
-            total += (current_end - current_start).total_seconds()
-            current_start, current_end = start, end
-    return total + (current_end - current_start).total_seconds()
+    spans = pd.DataFrame({"start": pd.to_datetime(frame["started_at"], utc=True, format="ISO8601"),
+                          "end": pd.to_datetime(frame["finished_at"], utc=True, format="ISO8601")})
+    spans = spans.sort_values(["start", "end"])
+    # a busy stretch ends where the next interval starts after every earlier one has finished
+    stretch = (spans["start"] > spans["end"].cummax().shift()).cumsum()
+    merged = spans.groupby(stretch).agg(start=("start", "min"), end=("end", "max"))
+    return float((merged["end"] - merged["start"]).dt.total_seconds().sum())
 
 
 def throughput(results: Sequence[Result], n_questions: int) -> dict[str, float | None]:
@@ -242,6 +238,41 @@ def brier_term(question_type: str, distribution: dict[str, float], expected: str
     return float(sum((p - (option == expected)) ** 2 for option, p in distribution.items()))
 
 
+def bootstrap_interval(columns: Sequence[np.ndarray], statistic: Callable[..., np.ndarray], *,
+                       n_boot: int = DEFAULT_BOOTSTRAP, level: float = DEFAULT_LEVEL,
+                       seed: int = 0) -> tuple[float, float]:
+    """Percentile bootstrap interval of `statistic` over rows: every column is resampled with the same row indices
+    (paired). `statistic` takes the resampled columns as (n_boot, n) arrays and returns n_boot values.
+    (NaN, NaN) when there are no rows."""
+    n = len(columns[0])
+    if n == 0:
+        return np.nan, np.nan
+    index = np.random.default_rng(seed).integers(0, n, size=(n_boot, n))
+    values = statistic(*(np.asarray(c, dtype=float)[index] for c in columns))
+    low, high = np.quantile(values, [(1 - level) / 2, 1 - (1 - level) / 2])
+    return float(low), float(high)
+
+
+def mean(values: np.ndarray) -> np.ndarray:
+    return values.mean(axis=-1)
+
+
+def ece_statistic(bins: int) -> Callable[[np.ndarray, np.ndarray], np.ndarray]:
+    """ECE as stats.calibration defines it, over the last axis: Σ_b |Σ_{i∈b} (correct_i − confidence_i)| / N."""
+    def ece(confidence: np.ndarray, correct: np.ndarray) -> np.ndarray:
+        index = confidence_bins(confidence, bins)
+        gap = correct - confidence
+        per_bin = [np.where(index == b, gap, 0.0).sum(axis=-1) for b in range(bins)]
+        return np.abs(np.stack(per_bin)).sum(axis=0) / confidence.shape[-1]
+    return ece
+
+
+def brier_terms(rows: pd.DataFrame) -> np.ndarray:
+    """Each row's Brier term (`brier_term`) of an answer frame."""
+    return np.array([brier_term(t, d, e) for t, d, e in
+                     zip(rows["question_type"], rows["distribution"], rows["expected"], strict=True)], dtype=float)
+
+
 def calibration(frame: pd.DataFrame, question_id: str, bins: int = 10) -> dict[str, Any]:
     """Reliability bins, ECE and Brier score of one question over cases with an expected answer."""
     rows = frame[(frame["question_id"] == question_id) & frame["expected"].notna()]
@@ -261,8 +292,7 @@ def calibration(frame: pd.DataFrame, question_id: str, bins: int = 10) -> dict[s
     table["count"] = table["count"].astype(int)
     filled = table[table["count"] > 0]
     ece = float((filled["count"] / len(rows) * (filled["accuracy"] - filled["mean_confidence"]).abs()).sum())
-    brier = float(np.mean([brier_term(t, d, e) for t, d, e in
-                           zip(rows["question_type"], rows["distribution"], rows["expected"], strict=True)]))
+    brier = float(brier_terms(rows).mean())
     return {"bins": table, "ece": ece, "brier": brier, "n": len(rows)}
 
 

@@ -1,30 +1,15 @@
 """Schema sweeps: many versions of a schema scored on a labelled case set at the cost of one state per case.
+docs/workbench.md "Schema sweeps" says what a sweep builds, scores and stores; the choices behind the code:
 
-An analyst's loop is "change a question's wording, run the case set again, see whether it got better". A sweep does
-the whole loop at once: from a base schema it builds variants (the analyst's own, and automatic ones: each option's
-description removed, the instructions removed, the options reversed or shuffled, an "unknown" option added or
-removed), runs every variant on every labelled case, and scores them honestly:
-
-- per variant and question: accuracy, macro-F1, log loss and ECE against the gold labels, each with a percentile
-  bootstrap interval over cases (`compare.bootstrap_interval`, seeded); the predicted answer, confidence and ECE are
-  `stats.py`'s, so the numbers match a run's;
-- against the base schema: the cases whose answer flips, the exact McNemar test on the paired right/wrong outcomes
-  (scipy's binomial test on the discordant pairs) and the paired bootstrap interval of the accuracy change; a variant
-  is "better" only when that interval lies above zero;
-- order sensitivity per question: the share of cases whose answer changes when only the options' order changes,
-  flagged above a threshold the analyst sets. The model reads a choice question's options sorted by id (the spec:
-  the caller's order never reaches it), so an order is imposed by numbering the ids (`o01_billing`, …): the
-  "relabelled" variant numbers them in the base's order, "reversed" and "shuffled" in another, and sensitivity
-  compares those two with "relabelled", so that only the order differs. Answers are mapped back to the base's ids;
-- no overfitting by selection: per fold of a k-fold split of the cases, each question's best wording is chosen on
-  the other folds, and the schema composed of them is run on this fold's cases once every case is done (`best`:
-  their pooled accuracy, measured, not inferred from the variants' answers, since the joint head reads every
-  question); the composed schema to adopt takes, for each question, the wording chosen on all cases.
-
-Execution is case-major (`run_sweep`): for each case the engine prefills the state once and continues every
-variant's schema from it in one worker call (`Engine.decide_variants`), so a sweep of V variants over N cases
-prefills N states, not N × V. A sweep is stored like a run (case set, base schema, variants, model, precision,
-status, one answer per case and variant) and resumes after a kill without computing a finished case again.
+- intervals are percentile bootstraps over cases (`stats.bootstrap_interval`, seeded), and the predicted answer,
+  confidence and ECE are `stats.py`'s, so the numbers match a run's;
+- the model reads a choice question's options sorted by id (the caller's order never reaches it), so an order is
+  imposed by numbering the ids (`o01_billing`, …); answers are mapped back to the base's ids before scoring;
+- the held-out check runs the composed schemas (`best`) rather than inferring them from the variants' answers,
+  since the joint head reads every question;
+- execution is case-major (`run_sweep`): one worker call per case continues every variant from its state
+  (`Engine.decide_variants`), and each case's answers are stored in one transaction, so a killed sweep resumes
+  without computing a finished case again.
 """
 
 from __future__ import annotations
@@ -45,8 +30,8 @@ from scipy.stats import binomtest
 
 from clef_workbench import stats
 from clef_workbench.casesets import build_request
-from clef_workbench.compare import bootstrap_interval, ece_statistic, mean
 from clef_workbench.schemas import Schema, SchemaError, way_out_options
+from clef_workbench.stats import bootstrap_interval, ece_statistic, mean
 from clef_workbench.store import Answered, Response, RunSettings, Store, Sweep, SweepAnswer, SweepVariant
 
 MAX_VARIANTS = 64  # a sweep's variants, the base included
@@ -211,9 +196,6 @@ class SweepResult:
 ProgressCallback = Callable[[SweepProgress], None]
 
 
-# ---- variants -------------------------------------------------------------------------------------------------------
-
-
 def base_variant(schema: dict[str, Any]) -> Variant:
     return Variant("base", schema, "base", None)
 
@@ -326,15 +308,11 @@ def variants_from_json(text: str, base: dict[str, Any], *, source: str = "varian
             problems.append(f'{where}, field "questions": {", ".join(map(repr, retyped))} changes the question type; '
                             "a sweep compares answers of the same type")
             continue
-        variant = Variant(entry["name"].strip(), schema, "custom")
-        changed = changed_questions(variant, base)
-        variants.append(Variant(variant.name, schema, "custom", changed[0] if len(changed) == 1 else None))
+        changed = [q for q in base["questions"] if schema["questions"][q] != base["questions"][q]]
+        variants.append(Variant(entry["name"].strip(), schema, "custom", changed[0] if len(changed) == 1 else None))
     if problems:
         raise SweepError("; ".join(problems))
     return variants
-
-
-# ---- starting and running -------------------------------------------------------------------------------------------
 
 
 def check_sweep(store: Store, case_set_id: int, schema: dict[str, Any], variants: Sequence[Variant], *,
@@ -486,9 +464,6 @@ def run_sweep(store: Store, sweep_id: int, engine: Any, *, progress: ProgressCal
     if progress is not None:
         progress(final)
     return final
-
-
-# ---- scoring --------------------------------------------------------------------------------------------------------
 
 
 def _to_base_ids(response: Response, relabel: dict[str, dict[str, str]]) -> Response:

@@ -1,22 +1,10 @@
-"""SQLite persistence for case sets, runs, results, the review queue and drafts. The only package that speaks SQL.
+"""SQLite persistence of the workbench, the only package that speaks SQL: one `Store` over a module per concern
+(docs/architecture.md lists them; `rows.py` types what they take and return).
 
-One file (path configurable), WAL mode so readers never block the writer, foreign keys on, numbered migrations
-tracked in `PRAGMA user_version` (`migrations.py`). Every write runs in a `BEGIN IMMEDIATE` transaction: the write
-lock is taken up front, so two writers queue on SQLite's busy timeout instead of failing half-way. Deletes are soft
-and logged in an append-only change log, so they can be undone. Review actions check the version of the item the
-reviewer saw; a stale action is refused with `ReviewConflictError`, never applied twice. The audit logs
-(`review_actions`, `change_log`) are append-only, enforced by triggers.
-
-One `Store` object over one module per concern:
-- `base.py`: connections, transactions, migrations, the change log, errors;
-- `cases.py`: case sets and cases (media, content hashes, soft delete);
-- `runs.py`: runs, results, the cross-process run lease;
-- `review.py`: review rules, the queue, reviewer actions and undo;
-- `drafts.py`: per-session drafts of the Decide page;
-- `schema_versions.py`: the schema history (every saved content of a library schema) that runs link to;
-- `calibrations.py`: calibrations fitted on a run's labelled cases, with the run's schema version and model;
-- `sweeps.py`: schema sweeps, their variants and one answer per case and variant;
-- `rows.py`: the types of what the store takes and returns (rows, a run's settings, a result's response).
+One file, WAL mode so readers never block the writer, foreign keys on, numbered migrations in `PRAGMA user_version`.
+Every write takes the write lock up front (`BEGIN IMMEDIATE`), so two writers queue on the busy timeout instead of
+failing half-way. Deletes are soft and logged, so they can be undone; a review action names the item version the
+reviewer saw and a stale one is refused (`ReviewConflictError`); the audit logs are append-only (triggers).
 """
 
 from __future__ import annotations

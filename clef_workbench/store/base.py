@@ -7,7 +7,7 @@ import json
 import os
 import sqlite3
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime
 from pathlib import Path
@@ -200,6 +200,22 @@ class StoreBase:
         return inserted_id(conn.execute(
             "INSERT INTO change_log (at, who, action, kind, object_id, label, data_json) VALUES (?, ?, ?, ?, ?, ?, ?)",
             (now_iso(), who or "", action, kind, str(object_id), label, None if data is None else _dumps(data))))
+
+    def _set_deleted(self, kind: str, object_id: int, *, deleted: bool, who: str,
+                     label: Callable[[sqlite3.Row], str],
+                     refuse: Callable[[sqlite3.Connection, sqlite3.Row], str | None] = lambda conn, row: None) -> None:
+        """Soft-delete (or restore) one row of `kind`'s table and log it; `refuse` says why it may not be, if so."""
+        table, words = {"case_set": ("case_sets", "case set"), "case": ("cases", "case"), "run": ("runs", "run")}[kind]
+        with self._write() as conn:
+            row = conn.execute(f"SELECT * FROM {table} WHERE id = ? AND deleted_at IS {'' if deleted else 'NOT '}NULL",
+                               (object_id,)).fetchone()
+            if row is None:
+                raise NotFoundError(f"{words} {object_id} {'does not exist' if deleted else 'is not deleted'}")
+            reason = refuse(conn, row)
+            if reason:
+                raise StoreError(reason)
+            conn.execute(f"UPDATE {table} SET deleted_at = ? WHERE id = ?", (now_iso() if deleted else None, object_id))
+            self._log_change(conn, "delete" if deleted else "restore", kind, object_id, label(row), who=who)
 
     def log_change(self, action: str, kind: str, object_id: Any, label: str, *, who: str = "",
                    data: Any = None) -> int:

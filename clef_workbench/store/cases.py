@@ -38,6 +38,10 @@ def case_hash(state: Any, expected: Any, tags: Any, media: list[tuple[str, bytes
     return digest.hexdigest()
 
 
+def _case_label(row: sqlite3.Row) -> str:
+    return f"case {row['id']}: {row['state_json'][:80]}"
+
+
 def _dumps_sorted(value: Any) -> str:
     return json.dumps(value, ensure_ascii=False, sort_keys=True, separators=(",", ":"))
 
@@ -98,43 +102,31 @@ class CaseSetsMixin(StoreBase):
     def update_case_set(self, case_set_id: int, *, name: str | None = None, schema_name: str | None = None,
                         description: str | None = None) -> None:
         self.get_case_set(case_set_id)
+        if name is not None and not name.strip():
+            raise ValueError("case set name must not be empty")
+        changes = {"name": name and name.strip(), "schema_name": schema_name, "description": description}
         try:
             with self._write() as conn:
-                if name is not None:
-                    if not name.strip():
-                        raise ValueError("case set name must not be empty")
-                    conn.execute("UPDATE case_sets SET name = ? WHERE id = ?", (name.strip(), case_set_id))
-                if schema_name is not None:
-                    conn.execute("UPDATE case_sets SET schema_name = ? WHERE id = ?", (schema_name, case_set_id))
-                if description is not None:
-                    conn.execute("UPDATE case_sets SET description = ? WHERE id = ?", (description, case_set_id))
+                for column, value in changes.items():
+                    if value is not None:
+                        conn.execute(f"UPDATE case_sets SET {column} = ? WHERE id = ?", (value, case_set_id))
         except sqlite3.IntegrityError as exc:
             raise self._name_taken((name or "").strip()) from exc
 
     def delete_case_set(self, case_set_id: int, *, who: str = "") -> None:
         """Delete a case set (soft: restore_case_set brings it back with its cases); refused while runs of it exist
         (their results would be orphaned)."""
-        with self._write() as conn:
-            row = conn.execute("SELECT name FROM case_sets WHERE id = ? AND deleted_at IS NULL",
-                               (case_set_id,)).fetchone()
-            if row is None:
-                raise NotFoundError(f"case set {case_set_id} does not exist")
+        def runs_of(conn: sqlite3.Connection, row: sqlite3.Row) -> str | None:
             runs = conn.execute("SELECT COUNT(*) FROM runs WHERE case_set_id = ? AND deleted_at IS NULL",
                                 (case_set_id,)).fetchone()[0]
-            if runs:
-                raise StoreError(f"case set {case_set_id} has {runs} run(s); delete the runs first")
-            conn.execute("UPDATE case_sets SET deleted_at = ? WHERE id = ?", (now_iso(), case_set_id))
-            self._log_change(conn, "delete", "case_set", case_set_id, row["name"], who=who)
+            return f"case set {case_set_id} has {runs} run(s); delete the runs first" if runs else None
+
+        self._set_deleted("case_set", case_set_id, deleted=True, who=who, label=lambda row: row["name"],
+                          refuse=runs_of)
 
     def restore_case_set(self, case_set_id: int, *, who: str = "") -> None:
         """Undo delete_case_set."""
-        with self._write() as conn:
-            row = conn.execute("SELECT name FROM case_sets WHERE id = ? AND deleted_at IS NOT NULL",
-                               (case_set_id,)).fetchone()
-            if row is None:
-                raise NotFoundError(f"case set {case_set_id} is not deleted")
-            conn.execute("UPDATE case_sets SET deleted_at = NULL WHERE id = ?", (case_set_id,))
-            self._log_change(conn, "restore", "case_set", case_set_id, row["name"], who=who)
+        self._set_deleted("case_set", case_set_id, deleted=False, who=who, label=lambda row: row["name"])
 
     # -- cases -------------------------------------------------------------------------------------------------
 
@@ -229,28 +221,16 @@ class CaseSetsMixin(StoreBase):
 
     def delete_case(self, case_id: int, *, who: str = "") -> None:
         """Delete a case (soft: restore_case brings it back); refused while runs have results for it."""
-        with self._write() as conn:
-            row = conn.execute("SELECT state_json FROM cases WHERE id = ? AND deleted_at IS NULL",
-                               (case_id,)).fetchone()
-            if row is None:
-                raise NotFoundError(f"case {case_id} does not exist")
-            used = conn.execute(
-                """SELECT COUNT(*) FROM results x JOIN runs r ON r.id = x.run_id
-                   WHERE x.case_id = ? AND r.deleted_at IS NULL""", (case_id,)).fetchone()[0]
-            if used:
-                raise StoreError(f"case {case_id} has results in {used} run(s); delete those runs first")
-            conn.execute("UPDATE cases SET deleted_at = ? WHERE id = ?", (now_iso(), case_id))
-            self._log_change(conn, "delete", "case", case_id, f"case {case_id}: {row['state_json'][:80]}", who=who)
+        def used(conn: sqlite3.Connection, row: sqlite3.Row) -> str | None:
+            runs = conn.execute("""SELECT COUNT(*) FROM results x JOIN runs r ON r.id = x.run_id
+                                   WHERE x.case_id = ? AND r.deleted_at IS NULL""", (case_id,)).fetchone()[0]
+            return f"case {case_id} has results in {runs} run(s); delete those runs first" if runs else None
+
+        self._set_deleted("case", case_id, deleted=True, who=who, label=_case_label, refuse=used)
 
     def restore_case(self, case_id: int, *, who: str = "") -> None:
         """Undo delete_case (into its case set, at its old position)."""
-        with self._write() as conn:
-            row = conn.execute("SELECT state_json FROM cases WHERE id = ? AND deleted_at IS NOT NULL",
-                               (case_id,)).fetchone()
-            if row is None:
-                raise NotFoundError(f"case {case_id} is not deleted")
-            conn.execute("UPDATE cases SET deleted_at = NULL WHERE id = ?", (case_id,))
-            self._log_change(conn, "restore", "case", case_id, f"case {case_id}: {row['state_json'][:80]}", who=who)
+        self._set_deleted("case", case_id, deleted=False, who=who, label=_case_label)
 
     @staticmethod
     def _case_row(row: sqlite3.Row) -> Case:

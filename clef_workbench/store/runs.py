@@ -11,7 +11,7 @@ import uuid
 from dataclasses import replace
 from typing import Any, cast
 
-from clef_workbench.store.base import NotFoundError, StoreBase, StoreError, _dumps, _loads, inserted_id, now_iso
+from clef_workbench.store.base import NotFoundError, StoreBase, _dumps, _loads, inserted_id, now_iso
 from clef_workbench.store.rows import NewResult, Result, Run, RunSettings
 from clef_workbench.store.schema_versions import find_version_row
 
@@ -37,6 +37,10 @@ def _owner_process_gone(owner: str) -> bool:
     except PermissionError:  # it exists, under another user
         return False
     return False
+
+
+def _run_label(row: sqlite3.Row) -> str:
+    return f"run {row['id']} · {row['schema_name']}"
 
 
 class RunsMixin(StoreBase):
@@ -113,31 +117,24 @@ class RunsMixin(StoreBase):
     def delete_run(self, run_id: int, *, who: str = "") -> None:
         """Delete a run (soft: restore_run brings it back with its results); refused while a process works on it,
         and once reviewers have acted on it (the audit log is permanent)."""
-        with self._write() as conn:
-            row = conn.execute("SELECT * FROM runs WHERE id = ? AND deleted_at IS NULL", (run_id,)).fetchone()
-            if row is None:
-                raise NotFoundError(f"run {run_id} does not exist")
+        def busy(conn: sqlite3.Connection, row: sqlite3.Row) -> str | None:
             acted = conn.execute("""SELECT COUNT(*) FROM review_actions a JOIN review_items i ON i.id = a.item_id
                                     WHERE i.run_id = ?""", (run_id,)).fetchone()[0]
             if acted:
-                raise StoreError(f"run {run_id} has {acted} review action(s) in the audit log; it cannot be deleted")
-            if self._live_owner(row) is not None:
-                raise StoreError(f"run {run_id} is running; cancel it first")
-            conn.execute("UPDATE runs SET deleted_at = ? WHERE id = ?", (now_iso(), run_id))
-            self._log_change(conn, "delete", "run", run_id, f"run {run_id} · {row['schema_name']}", who=who)
+                return f"run {run_id} has {acted} review action(s) in the audit log; it cannot be deleted"
+            return f"run {run_id} is running; cancel it first" if self._live_owner(row) is not None else None
+
+        self._set_deleted("run", run_id, deleted=True, who=who, label=_run_label, refuse=busy)
 
     def restore_run(self, run_id: int, *, who: str = "") -> None:
         """Undo delete_run."""
-        with self._write() as conn:
-            row = conn.execute("SELECT * FROM runs WHERE id = ? AND deleted_at IS NOT NULL", (run_id,)).fetchone()
-            if row is None:
-                raise NotFoundError(f"run {run_id} is not deleted")
+        def set_deleted(conn: sqlite3.Connection, row: sqlite3.Row) -> str | None:
             deleted_set = conn.execute("SELECT name FROM case_sets WHERE id = ? AND deleted_at IS NOT NULL",
                                        (row["case_set_id"],)).fetchone()
-            if deleted_set is not None:
-                raise StoreError(f"restore the case set {deleted_set['name']!r} first: run {run_id} belongs to it")
-            conn.execute("UPDATE runs SET deleted_at = NULL WHERE id = ?", (run_id,))
-            self._log_change(conn, "restore", "run", run_id, f"run {run_id} · {row['schema_name']}", who=who)
+            return None if deleted_set is None else \
+                f"restore the case set {deleted_set['name']!r} first: run {run_id} belongs to it"
+
+        self._set_deleted("run", run_id, deleted=False, who=who, label=_run_label, refuse=set_deleted)
 
     # -- the lease: one process at a time works on a run -------------------------------------------------------
 

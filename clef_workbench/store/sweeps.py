@@ -9,7 +9,7 @@ from __future__ import annotations
 import sqlite3
 from typing import Any, cast
 
-from clef_workbench.store.base import NotFoundError, StoreBase, StoreError, _dumps, _loads, inserted_id, now_iso
+from clef_workbench.store.base import NotFoundError, StoreBase, StoreError, _dumps, inserted_id, now_iso
 from clef_workbench.store.rows import Response, Sweep, SweepAnswer, SweepVariant
 from clef_workbench.store.runs import RUN_STATUSES
 from clef_workbench.store.schema_versions import find_version_row
@@ -57,12 +57,8 @@ class SweepsMixin(StoreBase):
         (SELECT COALESCE(SUM(c.state_prefills), 0) FROM sweep_cases c WHERE c.sweep_id = w.id) AS state_prefills
         FROM sweeps w JOIN case_sets s ON s.id = w.case_set_id"""
 
-    @staticmethod
-    def _sweep_row(row: sqlite3.Row) -> Sweep:
-        sweep = dict(row)
-        sweep["schema"] = _loads(sweep.pop("schema_json"))
-        sweep["settings"] = _loads(sweep.pop("settings_json"))
-        return cast(Sweep, sweep)
+    def _sweep_row(self, row: sqlite3.Row) -> Sweep:
+        return cast(Sweep, self._decoded(row, "schema", "settings"))
 
     def get_sweep(self, sweep_id: int) -> Sweep:
         """A sweep with its base schema, settings, variants (in order) and progress (total cases, done, the states
@@ -72,11 +68,9 @@ class SweepsMixin(StoreBase):
             if row is None:
                 raise NotFoundError(f"sweep {sweep_id} does not exist")
             sweep = self._sweep_row(row)
-            sweep["variants"] = [
-                {"name": v["name"], "kind": v["kind"], "question": v["question"], "schema": _loads(v["schema_json"]),
-                 "relabel": _loads(v["relabel_json"])}
-                for v in conn.execute("SELECT * FROM sweep_variants WHERE sweep_id = ? ORDER BY position",
-                                      (sweep_id,))]
+            sweep["variants"] = [cast(SweepVariant, self._decoded(v, "schema", "relabel")) for v in conn.execute(
+                "SELECT name, kind, question, schema_json, relabel_json FROM sweep_variants WHERE sweep_id = ? "
+                "ORDER BY position", (sweep_id,))]
         return sweep
 
     def list_sweeps(self, case_set_id: int | None = None) -> list[Sweep]:
@@ -132,9 +126,7 @@ class SweepsMixin(StoreBase):
                JOIN sweep_cases s ON s.sweep_id = a.sweep_id AND s.case_id = a.case_id
                JOIN cases c ON c.id = a.case_id
                WHERE a.sweep_id = ? ORDER BY s.position, a.variant""", (sweep_id,)).fetchall()
-        return [{"case_id": row["case_id"], "position": row["position"], "variant": row["variant"],
-                 "response": _loads(row["response_json"]), "error": row["error"],
-                 "expected": _loads(row["expected_json"])} for row in rows]
+        return [cast(SweepAnswer, self._decoded(row, "response", "expected")) for row in rows]
 
     def count_sweep_answers(self, sweep_id: int) -> int:
         row = self._conn().execute("SELECT COUNT(*) FROM sweep_answers WHERE sweep_id = ?", (sweep_id,)).fetchone()

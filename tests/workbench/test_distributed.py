@@ -144,7 +144,7 @@ def test_ray_run_answers_as_in_process_with_a_replica_killed_mid_run(tmp_path, t
         assert len(pool.slots) == 2 and not pool.dropped  # Ray restarted it and sent it its chunks again
         assert ray.get(pool.slots[0].actor.pid.remote()) != killed
     finally:
-        pool.shutdown()
+        pool.close()
 
     run = store.get_run(run_id)
     assert (run["status"], run["done"], run["total"], run["errors"]) == ("finished", 22, 22, 2), run["error"]
