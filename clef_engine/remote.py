@@ -113,19 +113,15 @@ def media_for_wire(request: dict) -> dict:
 
 def _problems(detail: Any) -> list[Problem]:
     """422 detail (pydantic style `[{loc, msg, type}]`) as Problems, locations relative to the request."""
-    items = detail if isinstance(detail, list) else [detail]
     problems = []
-    for item in items:
+    for item in detail if isinstance(detail, list) else [detail]:
         if not isinstance(item, dict):
             problems.append(Problem((), str(item)))
             continue
-        given = item.get("loc")
-        loc: list = given if isinstance(given, list) else []
-        if loc[:1] == ["body"]:
-            loc = loc[1:]
+        loc = item["loc"] if isinstance(item.get("loc"), list) else []
         message = item.get("msg") or item.get("message") or json.dumps(item, ensure_ascii=False)
-        problems.append(Problem(tuple(loc), str(message), str(item.get("type") or item.get("error_type")
-                                                                or "value_error")))
+        problems.append(Problem(tuple(loc[1:] if loc[:1] == ["body"] else loc), str(message),
+                                str(item.get("type") or item.get("error_type") or "value_error")))
     return problems
 
 
@@ -179,7 +175,7 @@ def _check_response(body: Any, request: Mapping[str, Any]) -> str | None:
     return None
 
 
-def _gather(futures: list[Future], *, return_errors: bool = False) -> Future:
+def _gather(futures: list[Future], *, return_errors: bool) -> Future:
     """One future for a list of futures: their results in order, or the first exception (the others cancelled);
     with `return_errors`, a future's ClefError takes its place in the results instead."""
     outer: Future = Future()
@@ -440,16 +436,16 @@ class RemoteEngine:
                 bodies.append(error)
         futures = []
         for request, body in zip(requests, bodies):
-            model = request.model if isinstance(request, ValidRequest) else None
-            if isinstance(request, ValidRequest):
-                request = request.request
+            future: Future = Future()
             if isinstance(body, ClefError):
-                future: Future = Future()
                 future.set_exception(body)
             else:
                 with self._lock:
                     self._in_flight += 1
-                future = self._pool.submit(self._decide_one, request, body, started, model)
+                if isinstance(request, ValidRequest):
+                    future = self._pool.submit(self._decide_one, request.request, body, started, request.model)
+                else:
+                    future = self._pool.submit(self._decide_one, request, body, started, None)
                 future.add_done_callback(self._finished)
             futures.append(future)
         return _gather(futures, return_errors=errors == "return")
@@ -459,7 +455,7 @@ class RemoteEngine:
             self._in_flight -= 1
 
     def decide(self, request: Request, *, max_length: int | None = None, overflow: str = "refuse") -> Response:
-        return self.submit([request], priority="interactive", max_length=max_length, overflow=overflow).result()[0]
+        return self.submit([request], max_length=max_length, overflow=overflow).result()[0]
 
     def decide_many(self, requests: Sequence[Request], *, max_length: int | None = None, overflow: str = "refuse",
                     priority: str = "bulk", errors: str = "raise") -> list[Any]:

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from starlette.concurrency import run_in_threadpool
 
-from .bodies import api_error, request_from_json, request_from_json_file
+from .bodies import api_error, request_from_json
 
 BIG_BODY_BYTES = 1 << 20  # bodies from this size on are parsed in the big-body processes
 BIG_BODY_WORKERS = 2
@@ -66,7 +66,7 @@ class BigBodies:
             with tempfile.NamedTemporaryFile(prefix="clef-body-") as spool:
                 await run_in_threadpool(spool.write, raw)  # a body this big skips the file's buffer
                 spool.flush()
-                return await asyncio.wrap_future(pool.submit(request_from_json_file, spool.name, parts))
+                return await asyncio.wrap_future(pool.submit(request_from_json, spool.name, parts))
         except BrokenProcessPool:
             # a worker died under this body (the kernel's out-of-memory killer): the body's size, not a fault; the
             # next big body gets fresh workers
