@@ -185,7 +185,7 @@ class SystemOneApi:
     async def system_one(self, request: Request) -> Response:
         started = time.perf_counter()
         request_id = uuid.uuid4().hex
-        status = 500
+        response: Response | None = None  # None: a fault of ours, raised on (counted as a 500)
         paced: Paced | None = None
         self._requests_in_flight += 1
         handling = asyncio.current_task()
@@ -218,39 +218,33 @@ class SystemOneApi:
             answer = await self._decide(engine, name, body, asset_images,
                                         queued=paced.end if paced and not explaining_it else None)
             # serialized once, here; a number that is not finite fails it: a fault of ours (500), never sent
-            reply = SafeJSONResponse(answer, headers={"x-typesafe-request-id": request_id})
+            response = SafeJSONResponse(answer, headers={"x-typesafe-request-id": request_id})
             self.metrics.count_answer(answer)
-            status = 200
-            return reply
         except ApiError as exc:
-            status = exc.status
-            return error_response(exc, request_id)
+            response = error_response(exc, request_id)
         except ClientDisconnect:
-            status = 499
-            return Response(status_code=499)
+            response = Response(status_code=499)
         except asyncio.CancelledError:
             if not self._stopped or handling.uncancel() > 0:  # not (only) `stop`'s cancellation: not ours to end
                 raise
-            status = 503
-            return error_response(_shutting_down(), request_id)
+            response = error_response(_shutting_down(), request_id)
         except MemoryError:  # the request needed more memory than the server has: the request's size, not a fault
             log.warning("request %s ran out of memory", request_id)
-            status = 413
-            return error_response(api_error(413, "request_too_large", "the request needs more memory than this "
-                                            "server has to give one request; send less (fewer or smaller media, a "
-                                            "shorter state)"), request_id)
+            response = error_response(api_error(413, "request_too_large", "the request needs more memory than this "
+                                                "server has to give one request; send less (fewer or smaller media, "
+                                                "a shorter state)"), request_id)
         except Exception:  # a fault of ours, never of the input (the input's faults are ApiErrors above)
             log.exception("POST /v1/systemone failed (request %s)", request_id)
-            status = 500
-            return error_response(api_error(500, "internal_error", f"internal error (request {request_id})"),
-                                   request_id)
+            response = error_response(api_error(500, "internal_error", f"internal error (request {request_id})"),
+                                      request_id)
         finally:
             self._handling.discard(handling)
             self._requests_in_flight -= 1
             if paced is not None:
                 paced.end()
-            self.metrics.count_request("/v1/systemone", status)
+            self.metrics.count_request("/v1/systemone", response.status_code if response is not None else 500)
             self.metrics.latency.observe(time.perf_counter() - started)
+        return response
 
     async def _decide(self, engine: Any, name: str, body: dict, asset_images: dict[int, str],
                       queued: Callable[[], None] | None = None) -> SystemOneAnswer:
