@@ -1,10 +1,7 @@
 """The System One contract (spec §5), in one place: request and response models (the OpenAPI document is built
 from them), the order the engine reads options in, shared defaults, request builders, and the hosted Clef service's
-published limits.
-
-The contract accepts what the release code accepts (any non-empty question id, one option or level at least); sizes
-are bounded by the token budget and the body size. The hosted service's stricter limits (`HOSTED`) only feed the
-workbench's lint. Validation reports every problem with its location, so each message can stand by its field.
+published limits (`HOSTED`, which only feed the workbench's lint: the contract accepts what the release code
+accepts). Validation reports every problem with its location, so each message can stand by its field.
 """
 
 from __future__ import annotations

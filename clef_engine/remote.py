@@ -1,15 +1,12 @@
 """A remote System One endpoint used like a local engine: `RemoteEngine` implements interface.py's `DecisionEngine`
 by POSTing to `/v1/systemone` (hosted Jev, a gateway to hosted Clef, another workbench's API).
 
-As a client of a remote service should: one `httpx.Client`, at most `max_concurrency` requests in flight; a deadline
-of `timeout` seconds per request that every socket operation and retry wait is held to (remote_http.py), so a server
-trickling its answer cannot hold a caller longer; retries with backoff and jitter on 408/429/5xx and connection
-failures while the deadline leaves time (decisions are pure functions of the request, so retrying a POST is safe);
-answers read up to `max_response_bytes`, and a 200 whose answers are not what was asked for is a `RemoteError`,
-never passed on. Errors come back as the package's own, each naming the endpoint (`RemoteEngine._error`).
-
-The API key (`api_key`, else `CLEF_API_KEY`) lives only in the client's headers: never an attribute, never in
-`info()`, and a key in the URL is refused (URLs end up in run records).
+At most `max_concurrency` requests in flight; a deadline of `timeout` seconds per request that every socket operation
+and retry wait is held to (remote_http.py); retries with backoff and jitter on 408/429/5xx and connection failures
+(decisions are pure functions of the request, so retrying a POST is safe); answers read up to `max_response_bytes`,
+and a 200 whose answers are not what was asked for is a `RemoteError`, never passed on. The API key (`api_key`, else
+`CLEF_API_KEY`) lives only in the client's headers: never an attribute, never in `info()`, never in the URL (URLs
+end up in run records).
 """
 
 from __future__ import annotations
@@ -33,7 +30,7 @@ from .environment import API_KEY_ENV
 from .errors import BusyError, CancelledError, ClefError, Problem, RequestError, TokenBudgetError
 from .interface import Request
 from .protocol import OVERFLOW_POLICIES, Question, Response, ValidRequest, data_url, prepare, sniff_content_type
-from .remote_http import CallDeadline, deadline_transport, detail_text, exchange, retry_after_seconds
+from .remote_http import call_deadline, deadline_transport, detail_text, exchange, retry_after_seconds
 
 SYSTEM_ONE_PATH = "/v1/systemone"
 MODELS_PATH = "/v1/models"
@@ -273,7 +270,7 @@ class RemoteEngine:
             wait: float | None = None
             failure: RemoteError | None
             try:
-                with CallDeadline(deadline):
+                with call_deadline(deadline):
                     response = exchange(self._client, method, path, content, self.max_response_bytes,
                                         self._too_large)
             except httpx.TimeoutException as exc:

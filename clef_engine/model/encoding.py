@@ -169,7 +169,7 @@ class Encoder:
     # ---- text -------------------------------------------------------------------------------------------------
 
     def tokenize(self, text: str) -> list[int]:
-        return self._encode_batch([text], add_special_tokens=False)[0].ids
+        return self.tokenize_many([text])[0]
 
     def tokenize_many(self, texts: list[str]) -> list[list[int]]:
         return [encoding.ids for encoding in self._encode_batch(texts, add_special_tokens=False)]
@@ -432,16 +432,12 @@ class Encoder:
 
         input_ids = self.prefix_ids + media_ids + state_ids
         state_end = len(input_ids)
-        question_spans: list[tuple[int, int]] = []
-        option_spans: list[list[tuple[int, int]]] = [[] for _ in questions]
-        starts = {}
-        for index, ids in enumerate(piece_ids):
-            starts[index] = len(input_ids)
+        spans = []  # [start, end) of each schema piece
+        for ids in piece_ids:
+            spans.append((len(input_ids), len(input_ids) + len(ids)))
             input_ids.extend(ids)
-        for j, piece in enumerate(instruction_piece):
-            question_spans.append((starts[piece], starts[piece] + len(piece_ids[piece])))
-            for option in option_piece[j]:
-                option_spans[j].append((starts[option], starts[option] + len(piece_ids[option])))
+        question_spans = [spans[piece] for piece in instruction_piece]
+        option_spans = [[spans[piece] for piece in pieces] for pieces in option_piece]
         input_ids.extend(self.suffix_ids)
         counts["total"] = len(input_ids)
         _check_instructions(questions, [piece_ids[piece] for piece in instruction_piece])

@@ -453,20 +453,13 @@ def _check_media(record: dict, skip_images: Collection[int] = ()) -> None:
     """Over HTTP, media must travel in the request: a data URL or {content_type, base64}. (The engine also takes
     file paths and frame arrays from Python callers; over the network a path would read the server's files.)
     `skip_images`: indices holding asset bytes the server decoded itself."""
-    problems = []
-    for key in ("images", "videos"):
-        items = record.get(key)
-        if not isinstance(items, list):
-            continue  # None is fine; other types get the engine's own message
-        for index, item in enumerate(items):
-            if key == "images" and index in skip_images:
-                continue
-            ok = (isinstance(item, str) and item.startswith("data:")) or (
-                isinstance(item, dict) and "base64" in item and set(item) <= {"base64", "content_type"})
-            if not ok:
-                problems.append({"loc": ["body", key, index], "type": "value_error.media",
-                                 "msg": f"each of {key} must be a data URL (data:<type>;base64,...) or an object "
-                                        "{\"content_type\": ..., \"base64\": ...}"})
+    problems = [{"loc": ["body", key, index], "type": "value_error.media",
+                 "msg": f"each of {key} must be a data URL (data:<type>;base64,...) or an object "
+                        "{\"content_type\": ..., \"base64\": ...}"}
+                for key in ("images", "videos") if isinstance(record.get(key), list)  # others: the engine's message
+                for index, item in enumerate(record[key]) if not (key == "images" and index in skip_images)
+                and not (isinstance(item, str) and item.startswith("data:"))
+                and not (isinstance(item, dict) and "base64" in item and set(item) <= {"base64", "content_type"})]
     if problems:
         raise ApiError(422, problems)
 
