@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .protocol import Question, format_answer
+
 METHOD_OF_TYPE = {"noul": "platt", "choice": "temperature", "score": "temperature"}
 # Wider than the fitter's bounds (clef_workbench.calibration: |a|, |b| ≤ 50, T from 1/20 to 20); past them a map only
 # turns every answer one-hot or uniform, and a temperature near 0 makes P^(1/T) overflow.
@@ -85,15 +87,14 @@ def distribution_of(answer: Mapping[str, Any]) -> dict[str, float]:
 
 def calibrated_answer(answer: Mapping[str, Any], distribution: Mapping[str, float]) -> dict:
     """A System One answer with `distribution` (calibrated) in place of the model's probabilities, its choice,
-    confidence and score recomputed as the contract defines them (4 decimals)."""
-    if answer["type"] == "noul":
-        return {"type": "noul", "noul": round(distribution["true"], 4)}
-    probabilities = {option: round(distribution[option], 4) for option in answer["probabilities"]}
-    if answer["type"] == "choice":
-        best = max(probabilities, key=lambda option: distribution[option])
-        return {"type": "choice", "choice": best, "confidence": probabilities[best], "probabilities": probabilities}
-    return {**answer, "score": round(sum(int(level) * p for level, p in distribution.items()), 4),
-            "confidence": round(max(distribution.values()), 4), "probabilities": probabilities}
+    confidence and score recomputed as the contract defines them (ties: the first option in the answer's order)."""
+    options = tuple(distribution) if answer["type"] == "noul" else tuple(answer["probabilities"])
+    legend = tuple(answer.get("legend", {}).get(option) for option in options)
+    formatted = format_answer(Question("", answer["type"], None, options, legend, options),
+                              [distribution[option] for option in options])
+    if "legend" not in answer:  # kept as the answer had it
+        formatted.pop("legend", None)
+    return formatted
 
 
 def calibrate_answers(calibration: Calibration, answers: Mapping[str, Mapping[str, Any]]) -> dict[str, dict]:

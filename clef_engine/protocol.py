@@ -1,10 +1,7 @@
 """The System One contract (spec §5), in one place: request and response models (the OpenAPI document is built
 from them), the order the engine reads options in, shared defaults, request builders, and the hosted Clef service's
-published limits.
-
-The contract accepts what the release code accepts (any non-empty question id, one option or level at least); sizes
-are bounded by the token budget and the body size. The hosted service's stricter limits (`HOSTED`) only feed the
-workbench's lint. Validation reports every problem with its location, so each message can stand by its field.
+published limits (`HOSTED`, which only feed the workbench's lint: the contract accepts what the release code
+accepts). Validation reports every problem with its location, so each message can stand by its field.
 """
 
 from __future__ import annotations
@@ -45,6 +42,7 @@ VIDEO_CONTENT_TYPES = ("video/mp4", "video/webm", "video/quicktime")
 MEDIA_TYPE_NAMES = {"image/png": "PNG", "image/jpeg": "JPEG", "image/webp": "WebP",
                     "video/mp4": "MP4", "video/webm": "WebM", "video/quicktime": "MOV"}
 MAX_MEDIA_BYTES = 64 * 1024 * 1024  # one media item, before decoding
+SURROGATE = re.compile("[\ud800-\udfff]")  # a code point no UTF-8 encoder (nor tokenizer) takes
 
 
 def sniff_content_type(data: bytes) -> str | None:
@@ -89,11 +87,7 @@ HOSTED = HostedLimits()
 
 def _is_text(value: str) -> bool:
     """Valid JSON can carry unpaired surrogates ("\\ud800") that no tokenizer or UTF-8 encoder accepts."""
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
+    return value.isascii() or not SURROGATE.search(value)
 
 
 def _is_json_value(value: Any) -> bool:
@@ -405,7 +399,7 @@ def _explain_problem(value: Any) -> Problem:
 
 def parse_questions(request: Any) -> list[Question]:
     """Validate the request and return its questions in schema order. Raises RequestError listing every problem."""
-    return [_to_question(qid, q) for qid, q in validate_request(request).questions.items()]
+    return list(prepare(request).questions)
 
 
 @dataclass(frozen=True)
@@ -441,8 +435,7 @@ class _EvidenceRequest(SystemOneRequest):
 def prepare_questions(questions: Any) -> tuple[Question, ...]:
     """A schema's questions map validated once, as `prepare` would validate it inside a request: what a batch run
     hands `prepare` for each of its cases. Raises RequestError with the problems located under `questions`."""
-    model = validate_request({"state": "", "questions": questions})
-    return tuple(_to_question(qid, q) for qid, q in model.questions.items())
+    return prepare({"state": "", "questions": questions}).questions
 
 
 def prepare(request: Any, *, max_length: int | None = None, overflow: str | None = None,
@@ -459,18 +452,14 @@ def prepare(request: Any, *, max_length: int | None = None, overflow: str | None
         evidence = {k: v for k, v in request.items() if k != "questions"} if isinstance(request, dict) else request
         model = validate_request(evidence, _EvidenceRequest)
     max_length = model.x_max_length if max_length is None else max_length
-    if max_length is not None and (not isinstance(max_length, int) or isinstance(max_length, bool) or max_length < 1):
+    if max_length is not None and (type(max_length) is not int or max_length < 1):
         raise RequestError([Problem(("max_length",), "max_length must be a positive integer")])
-    return ValidRequest(request=request, model=model.model, state=model.state, questions=questions,
-                        images=tuple(model.images or ()), videos=tuple(model.videos or ()), max_length=max_length,
-                        overflow=_checked_overflow(model.x_overflow if overflow is None else overflow),
-                        explain=model.x_explain)
-
-
-def _checked_overflow(overflow: Any) -> OverflowPolicy:
+    overflow = model.x_overflow if overflow is None else overflow
     if overflow not in OVERFLOW_POLICIES:
         raise RequestError([Problem(("overflow",), f"overflow must be one of {OVERFLOW_POLICIES}")])
-    return overflow
+    return ValidRequest(request=request, model=model.model, state=model.state, questions=questions,
+                        images=tuple(model.images or ()), videos=tuple(model.videos or ()), max_length=max_length,
+                        overflow=overflow, explain=model.x_explain)  # type: ignore[arg-type]
 
 
 def prepared(request: Mapping[str, Any] | ValidRequest, *, max_length: int | None = None,
@@ -512,10 +501,8 @@ def _span(allowed: range) -> str:
 def hosted_service_problems(request_or_questions: Any) -> list[Problem]:
     """Where the hosted Clef service would refuse a request (or a bare questions map) that the contract accepts.
     Locations are in the request (`("questions", id, ...)`). Shapes the contract refuses are not repeated here."""
-    if isinstance(request_or_questions, dict) and "questions" in request_or_questions:
-        request = request_or_questions
-    else:
-        request = {"questions": request_or_questions}
+    is_request = isinstance(request_or_questions, dict) and "questions" in request_or_questions
+    request = request_or_questions if is_request else {"questions": request_or_questions}
     problems: list[Problem] = []
 
     def refuse(loc: tuple[str | int, ...], what: str) -> None:
@@ -567,19 +554,10 @@ def format_answer(question: Question, probabilities: list[float]) -> dict:
     by_id = dict(zip(question.option_ids, probabilities))
     if question.type == "noul":
         return {"type": "noul", "noul": round(by_id["true"], 4)}
+    rounded = {o: round(by_id[o], 4) for o in question.caller_option_ids}
     if question.type == "choice":
         best = max(question.option_ids, key=lambda o: by_id[o])  # ties go to the first in model order
-        return {
-            "type": "choice",
-            "choice": best,
-            "confidence": round(by_id[best], 4),
-            "probabilities": {o: round(by_id[o], 4) for o in question.caller_option_ids},
-        }
-    expectation = sum(i * p for i, p in enumerate(probabilities))
-    return {
-        "type": "score",
-        "score": round(expectation, 4),
-        "confidence": round(max(probabilities), 4),
-        "legend": dict(zip(question.option_ids, question.option_descriptions)),
-        "probabilities": {o: round(by_id[o], 4) for o in question.option_ids},
-    }
+        return {"type": "choice", "choice": best, "confidence": round(by_id[best], 4), "probabilities": rounded}
+    return {"type": "score", "score": round(sum(i * p for i, p in enumerate(probabilities)), 4),
+            "confidence": round(max(probabilities), 4),
+            "legend": dict(zip(question.option_ids, question.option_descriptions)), "probabilities": rounded}

@@ -1,15 +1,12 @@
 """A remote System One endpoint used like a local engine: `RemoteEngine` implements interface.py's `DecisionEngine`
 by POSTing to `/v1/systemone` (hosted Jev, a gateway to hosted Clef, another workbench's API).
 
-As a client of a remote service should: one `httpx.Client`, at most `max_concurrency` requests in flight; a deadline
-of `timeout` seconds per request that every socket operation and retry wait is held to (remote_http.py), so a server
-trickling its answer cannot hold a caller longer; retries with backoff and jitter on 408/429/5xx and connection
-failures while the deadline leaves time (decisions are pure functions of the request, so retrying a POST is safe);
-answers read up to `max_response_bytes`, and a 200 whose answers are not what was asked for is a `RemoteError`,
-never passed on. Errors come back as the package's own, each naming the endpoint (`RemoteEngine._error`).
-
-The API key (`api_key`, else `CLEF_API_KEY`) lives only in the client's headers: never an attribute, never in
-`info()`, and a key in the URL is refused (URLs end up in run records).
+At most `max_concurrency` requests in flight; a deadline of `timeout` seconds per request that every socket operation
+and retry wait is held to (remote_http.py); retries with backoff and jitter on 408/429/5xx and connection failures
+(decisions are pure functions of the request, so retrying a POST is safe); answers read up to `max_response_bytes`,
+and a 200 whose answers are not what was asked for is a `RemoteError`, never passed on. The API key (`api_key`, else
+`CLEF_API_KEY`) lives only in the client's headers: never an attribute, never in `info()`, never in the URL (URLs
+end up in run records).
 """
 
 from __future__ import annotations
@@ -33,7 +30,7 @@ from .environment import API_KEY_ENV
 from .errors import BusyError, CancelledError, ClefError, Problem, RequestError, TokenBudgetError
 from .interface import Request
 from .protocol import OVERFLOW_POLICIES, Question, Response, ValidRequest, data_url, prepare, sniff_content_type
-from .remote_http import CallDeadline, deadline_transport, detail_text, exchange, retry_after_seconds
+from .remote_http import call_deadline, deadline_transport, detail_text, exchange, retry_after_seconds
 
 SYSTEM_ONE_PATH = "/v1/systemone"
 MODELS_PATH = "/v1/models"
@@ -113,19 +110,15 @@ def media_for_wire(request: dict) -> dict:
 
 def _problems(detail: Any) -> list[Problem]:
     """422 detail (pydantic style `[{loc, msg, type}]`) as Problems, locations relative to the request."""
-    items = detail if isinstance(detail, list) else [detail]
     problems = []
-    for item in items:
+    for item in detail if isinstance(detail, list) else [detail]:
         if not isinstance(item, dict):
             problems.append(Problem((), str(item)))
             continue
-        given = item.get("loc")
-        loc: list = given if isinstance(given, list) else []
-        if loc[:1] == ["body"]:
-            loc = loc[1:]
+        loc = item["loc"] if isinstance(item.get("loc"), list) else []
         message = item.get("msg") or item.get("message") or json.dumps(item, ensure_ascii=False)
-        problems.append(Problem(tuple(loc), str(message), str(item.get("type") or item.get("error_type")
-                                                                or "value_error")))
+        problems.append(Problem(tuple(loc[1:] if loc[:1] == ["body"] else loc), str(message),
+                                str(item.get("type") or item.get("error_type") or "value_error")))
     return problems
 
 
@@ -179,7 +172,7 @@ def _check_response(body: Any, request: Mapping[str, Any]) -> str | None:
     return None
 
 
-def _gather(futures: list[Future], *, return_errors: bool = False) -> Future:
+def _gather(futures: list[Future], *, return_errors: bool) -> Future:
     """One future for a list of futures: their results in order, or the first exception (the others cancelled);
     with `return_errors`, a future's ClefError takes its place in the results instead."""
     outer: Future = Future()
@@ -277,7 +270,7 @@ class RemoteEngine:
             wait: float | None = None
             failure: RemoteError | None
             try:
-                with CallDeadline(deadline):
+                with call_deadline(deadline):
                     response = exchange(self._client, method, path, content, self.max_response_bytes,
                                         self._too_large)
             except httpx.TimeoutException as exc:
@@ -440,16 +433,16 @@ class RemoteEngine:
                 bodies.append(error)
         futures = []
         for request, body in zip(requests, bodies):
-            model = request.model if isinstance(request, ValidRequest) else None
-            if isinstance(request, ValidRequest):
-                request = request.request
+            future: Future = Future()
             if isinstance(body, ClefError):
-                future: Future = Future()
                 future.set_exception(body)
             else:
                 with self._lock:
                     self._in_flight += 1
-                future = self._pool.submit(self._decide_one, request, body, started, model)
+                if isinstance(request, ValidRequest):
+                    future = self._pool.submit(self._decide_one, request.request, body, started, request.model)
+                else:
+                    future = self._pool.submit(self._decide_one, request, body, started, None)
                 future.add_done_callback(self._finished)
             futures.append(future)
         return _gather(futures, return_errors=errors == "return")
@@ -459,7 +452,7 @@ class RemoteEngine:
             self._in_flight -= 1
 
     def decide(self, request: Request, *, max_length: int | None = None, overflow: str = "refuse") -> Response:
-        return self.submit([request], priority="interactive", max_length=max_length, overflow=overflow).result()[0]
+        return self.submit([request], max_length=max_length, overflow=overflow).result()[0]
 
     def decide_many(self, requests: Sequence[Request], *, max_length: int | None = None, overflow: str = "refuse",
                     priority: str = "bulk", errors: str = "raise") -> list[Any]:

@@ -5,12 +5,13 @@ cap, and the one-line summary of what a server said about an error."""
 
 from __future__ import annotations
 
+import contextlib
 import email.utils
 import json
 import math
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
 from typing import Any
 
@@ -41,16 +42,13 @@ def retry_after_seconds(value: str | None) -> float | None:
 _deadline = threading.local()  # `at`: the monotonic time the current thread's HTTP exchange must end by
 
 
-class CallDeadline:
+@contextlib.contextmanager
+def call_deadline(at: float) -> Iterator[None]:
     """While active, every socket operation of this thread's HTTP exchange gets what is left until `at`."""
-
-    def __init__(self, at: float):
-        self.at = at
-
-    def __enter__(self) -> None:
-        _deadline.at = self.at
-
-    def __exit__(self, *exc_info: object) -> None:
+    _deadline.at = at
+    try:
+        yield
+    finally:
         _deadline.at = None
 
 

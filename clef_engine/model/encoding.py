@@ -24,6 +24,7 @@ import queue
 import threading
 import unicodedata
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -168,7 +169,7 @@ class Encoder:
     # ---- text -------------------------------------------------------------------------------------------------
 
     def tokenize(self, text: str) -> list[int]:
-        return self._encode_batch([text], add_special_tokens=False)[0].ids
+        return self.tokenize_many([text])[0]
 
     def tokenize_many(self, texts: list[str]) -> list[list[int]]:
         return [encoding.ids for encoding in self._encode_batch(texts, add_special_tokens=False)]
@@ -212,43 +213,38 @@ class Encoder:
         SCHEMA_MEMO_ENTRIES seen: a batch run's cases, and an analyst's reruns on new states, share one schema.
         The lists returned are shared: callers read them."""
         key = tuple(pieces)
-        with self._memo_lock:
-            ids = self._schemas.get(key)
-            if ids is not None:
-                self._schemas.move_to_end(key)
-                return ids
-        ids = self.tokenize_many(pieces)
-        if sum(map(len, pieces)) <= SCHEMA_MEMO_MAX_CHARS:
-            with self._memo_lock:
-                self._schemas[key] = ids
-                while len(self._schemas) > SCHEMA_MEMO_ENTRIES:
-                    self._schemas.popitem(last=False)
+        ids = self._recall(self._schemas, key)
+        if ids is None:
+            ids = self.tokenize_many(pieces)
+            if sum(map(len, pieces)) <= SCHEMA_MEMO_MAX_CHARS:
+                self._keep(self._schemas, key, ids, SCHEMA_MEMO_ENTRIES)
         return ids
 
     def tokenize_state(self, text: str) -> list[int]:
         """The state's ids, from the memo when this long state was accepted before (a long state is re-sent
         unchanged while an analyst iterates on a schema, and the state cache's continuation path would otherwise
         spend tens of ms of CPU per decide on it)."""
-        if len(text) < STATE_MEMO_MIN_CHARS:
-            return self.tokenize(text)
-        key = _text_digest(text)
-        with self._memo_lock:
-            ids = self._states.get(key)
-            if ids is not None:
-                self._states.move_to_end(key)
+        ids = self._recall(self._states, _text_digest(text)) if len(text) >= STATE_MEMO_MIN_CHARS else None
         return self.tokenize(text) if ids is None else ids.tolist()
 
     def remember_state(self, text: str, ids: list[int]) -> None:
         """Keep the ids of a long state of an accepted record (never of a refused one: a client sending ever new
         oversized states must not grow the process)."""
-        if len(text) < STATE_MEMO_MIN_CHARS:
-            return
-        key = _text_digest(text)
+        if len(text) >= STATE_MEMO_MIN_CHARS:
+            self._keep(self._states, _text_digest(text), array.array("I", ids), STATE_MEMO_ENTRIES)
+
+    def _recall(self, memo: OrderedDict, key: Any) -> Any:
         with self._memo_lock:
-            self._states[key] = array.array("I", ids)
-            self._states.move_to_end(key)
-            while len(self._states) > STATE_MEMO_ENTRIES:
-                self._states.popitem(last=False)
+            if key in memo:
+                memo.move_to_end(key)
+            return memo.get(key)
+
+    def _keep(self, memo: OrderedDict, key: Any, value: Any, entries: int) -> None:
+        with self._memo_lock:
+            memo[key] = value
+            memo.move_to_end(key)
+            while len(memo) > entries:
+                memo.popitem(last=False)
 
     # ---- media ------------------------------------------------------------------------------------------------
 
@@ -317,29 +313,15 @@ class Encoder:
         if not images and not videos:
             return [], {}, []
         processor = self._processors.get()
-        pixels = 0
+        decoded: list[list] = [[], []]
         try:
-            problems, decoded_images, decoded_videos = [], [], []
-            for i, image in enumerate(images):
-                try:
-                    decoded_images.append(media.decode_image(image))
-                    pixels += image.width * image.height
-                except media.MediaError as error:
-                    problems.append(Problem(("images", i), str(error), "value_error.image"))
-            for i, video in enumerate(videos):
-                try:
-                    if not isinstance(video, media.Video):
-                        video = media.decode_video(video, self.video_sample_indices)
-                        self.video_tokens(video)
-                    decoded_videos.append(video)
-                    pixels += video.frames.size // 3
-                except media.MediaError as error:
-                    problems.append(Problem(("videos", i), str(error), "value_error.video"))
-            if problems:
-                raise RequestError(problems)
-            return self._process(processor, decoded_images, decoded_videos)
+            decoded = _each_media(images, media.decode_image, videos, lambda video: video if isinstance(
+                video, media.Video) else self._checked_video(media.decode_video(video, self.video_sample_indices)))
+            return self._process(processor, *decoded)
         finally:
             self._processors.put(processor)
+            pixels = sum(image.width * image.height for image in images) + sum(
+                video.frames.size // 3 for video in decoded[1])
             if pixels >= TRIM_AFTER_PIXELS and _MALLOC_TRIM is not None:
                 _MALLOC_TRIM(0)
 
@@ -380,30 +362,22 @@ class Encoder:
         """A validated request's questions, images, videos and state text, its media opened (headers read, videos
         given as frames sampled; video files stay bytes) and checked against the limits and the processor's
         preconditions with no pixel decoded. Raises RequestError listing every problem."""
-        images: list = []
-        videos: list[media.Video | bytes] = []
-        problems: list[Problem] = []
-        for i, item in enumerate(request.images):
-            try:
-                image = media.open_image(item)
-                self.image_tokens(image)
-                images.append(image)
-            except media.MediaError as error:
-                problems.append(Problem(("images", i), str(error), "value_error.image"))
-        for i, item in enumerate(request.videos):
-            try:
-                given = media.video_frames(item)
-                if given is None and not isinstance(item, media.Video):  # a Video is already sampled
-                    videos.append(media.video_bytes(item))
-                    continue
-                video = media.load_video(item, self.video_sample_indices)
-                self.video_tokens(video)
-                videos.append(video)
-            except media.MediaError as error:
-                problems.append(Problem(("videos", i), str(error), "value_error.video"))
-        if problems:
-            raise RequestError(problems)
+        def image(item: Any) -> Any:
+            opened = media.open_image(item)
+            self.image_tokens(opened)
+            return opened
+
+        def video(item: Any) -> media.Video | bytes:
+            if media.video_frames(item) is None and not isinstance(item, media.Video):  # a Video is already sampled
+                return media.video_bytes(item)
+            return self._checked_video(media.load_video(item, self.video_sample_indices))
+
+        images, videos = _each_media(request.images, image, request.videos, video)
         return list(request.questions), images, videos, render(request.state)
+
+    def _checked_video(self, video: media.Video) -> media.Video:
+        self.video_tokens(video)
+        return video
 
     def count_tokens(self, request: dict | ValidRequest) -> dict[str, int]:
         """The tokens of each part and their total, as `encode` with no budget counts them. An image's tokens
@@ -458,16 +432,12 @@ class Encoder:
 
         input_ids = self.prefix_ids + media_ids + state_ids
         state_end = len(input_ids)
-        question_spans: list[tuple[int, int]] = []
-        option_spans: list[list[tuple[int, int]]] = [[] for _ in questions]
-        starts = {}
-        for index, ids in enumerate(piece_ids):
-            starts[index] = len(input_ids)
+        spans = []  # [start, end) of each schema piece
+        for ids in piece_ids:
+            spans.append((len(input_ids), len(input_ids) + len(ids)))
             input_ids.extend(ids)
-        for j, piece in enumerate(instruction_piece):
-            question_spans.append((starts[piece], starts[piece] + len(piece_ids[piece])))
-            for option in option_piece[j]:
-                option_spans[j].append((starts[option], starts[option] + len(piece_ids[option])))
+        question_spans = [spans[piece] for piece in instruction_piece]
+        option_spans = [[spans[piece] for piece in pieces] for pieces in option_piece]
         input_ids.extend(self.suffix_ids)
         counts["total"] = len(input_ids)
         _check_instructions(questions, [piece_ids[piece] for piece in instruction_piece])
@@ -480,6 +450,22 @@ class Encoder:
             media_offset=len(self.prefix_ids) if media_ids else None, media_inputs=media_inputs,
             media_digest=_digest(media_inputs), state_end=state_end, videos=decoded_videos,
         )
+
+
+def _each_media(images: Any, open_image: Callable[[Any], Any], videos: Any,
+                open_video: Callable[[Any], Any]) -> list[list]:
+    """`open_image` of every image and `open_video` of every video, or RequestError listing every one that fails."""
+    opened: dict[str, list] = {"images": [], "videos": []}
+    problems = []
+    for key, items, open_item in (("images", images, open_image), ("videos", videos, open_video)):
+        for i, item in enumerate(items):
+            try:
+                opened[key].append(open_item(item))
+            except media.MediaError as error:
+                problems.append(Problem((key, i), str(error), f"value_error.{key[:-1]}"))
+    if problems:
+        raise RequestError(problems)
+    return [opened["images"], opened["videos"]]
 
 
 def _check_instructions(questions: list[Question], instruction_ids: list[list[int]]) -> None:

@@ -1,21 +1,16 @@
 """The joint schema head (spec §4), batched over records, questions and options.
 
-Parameter names and shapes match the release's `joint_head.safetensors`, so the real file loads strictly. The
-forward pass takes a whole batch at once: spans are pooled as padded [spans, longest, D] gathers summed in float32,
-options and fields are padded per record, and each attention reads only a record's real keys (its key count: flash
-attention's `seqused_k` on CUDA, an additive mask elsewhere). Padding keys get exactly zero weight, so each record
-sees only its own memory and its own options, as in the per-record reference loop. A batch of one record (every
-request that runs alone) needs no padding: no memory gather, no key counts.
+Parameter names and shapes match the release's `joint_head.safetensors`, so the real file loads strictly. Spans are
+pooled as padded gathers summed in float32, options and fields are padded per record, and each attention reads only
+a record's real keys (flash attention's `seqused_k` on CUDA, an additive mask elsewhere): padding keys get exactly
+zero weight, as in the per-record reference loop. A batch of one record needs no padding at all. The layers run as
+small functions of the modules' parameters (`attend`, `route`, `decode`; the modules' own forwards serve the
+reference loop): the same math in eval mode, with fewer kernels and less Python.
 
-The batched forward runs the layers as small functions of the modules' parameters (`attend`, `route`, `decode`)
-rather than through nn.MultiheadAttention / nn.TransformerDecoderLayer: the same math in eval mode (every dropout
-has p=0), with fewer kernels and less Python. The modules' own forwards stay for the reference loop.
-
-Precision: the GEMMs run in the weights' dtype (bf16 on a GPU), but everything between them stays in float32 where
-the release code rounds to bf16: span means, the option and field residual streams, LayerNorms, the routing
-softmax and its weighted sum, the cosines and the final logits. These tensors have one row per option or question,
-so keeping them costs a few small casts, not memory traffic. The one [tokens, width] tensor, the memory, stays in
-the weights' dtype. With float32 weights every cast is a no-op and the math is the release code's.
+Precision: the GEMMs run in the weights' dtype (bf16 on a GPU); what lies between them (span means, the residual
+streams, LayerNorms, the routing softmax, cosines, logits) stays in float32 where the release code rounds to bf16.
+Those tensors have one row per option or question, so this costs a few small casts; the memory ([tokens, width])
+stays in the weights' dtype. With float32 weights every cast is a no-op and the math is the release code's.
 """
 
 from __future__ import annotations
@@ -109,7 +104,7 @@ class HeadBatch:
             return self
         source = self.buffer
         if device.type == "cuda" and not source.is_pinned():
-            source = torch.empty(source.shape, dtype=source.dtype, pin_memory=True).copy_(source)
+            source = source.pin_memory()
         return self.with_buffer(source.to(device, non_blocking=True))
 
     def with_buffer(self, buffer: torch.Tensor) -> HeadBatch:
@@ -425,8 +420,7 @@ class JointSchemaHead(nn.Module):
 
     def forward(self, hidden: torch.Tensor, output_embeddings: torch.Tensor, batch: HeadBatch) -> torch.Tensor:
         """Logits of every option of every question of every record, flat in batch order ([O])."""
-        normed, memory_flat = self.token_memory(hidden)
-        return self.decide_from_memory(normed, memory_flat, output_embeddings, batch)
+        return self.decide_from_memory(*self.token_memory(hidden), output_embeddings, batch)
 
     def decide_from_memory(self, normed: torch.Tensor, memory_flat: torch.Tensor, output_embeddings: torch.Tensor,
                            batch: HeadBatch) -> torch.Tensor:

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from starlette.concurrency import run_in_threadpool
 
-from .bodies import api_error, request_from_json, request_from_json_file
+from .bodies import api_error, request_from_json
 
 BIG_BODY_BYTES = 1 << 20  # bodies from this size on are parsed in the big-body processes
 BIG_BODY_WORKERS = 2
@@ -36,21 +36,17 @@ class BigBodies:
 
     def __init__(self) -> None:
         self._pool: concurrent.futures.ProcessPoolExecutor | None = None
-        self._turns: dict[str, Turn] = {}
+        self._turns = Turns(share=1.0)  # one at a time per client, no rest after
 
     async def parse(self, client: str, raw: bytes, parts: dict) -> tuple[dict, dict[int, str]]:
         """`request_from_json(raw, parts)` off the event loop: a small body in the thread pool, a big one here."""
         if len(raw) < BIG_BODY_BYTES:
             return await run_in_threadpool(request_from_json, raw, parts)
-        turn = self._turns.setdefault(client, Turn())
-        turn.users += 1
+        turn = await self._turns.begin(client, lambda: False, None)
         try:
-            async with turn.lock:
-                return await self._in_pool(raw, parts)
+            return await self._in_pool(raw, parts)
         finally:
-            turn.users -= 1
-            if not turn.users:
-                del self._turns[client]
+            turn.end()
 
     async def _in_pool(self, raw: bytes, parts: dict) -> tuple[dict, dict[int, str]]:
         pool = self._pool
@@ -66,7 +62,7 @@ class BigBodies:
             with tempfile.NamedTemporaryFile(prefix="clef-body-") as spool:
                 await run_in_threadpool(spool.write, raw)  # a body this big skips the file's buffer
                 spool.flush()
-                return await asyncio.wrap_future(pool.submit(request_from_json_file, spool.name, parts))
+                return await asyncio.wrap_future(pool.submit(request_from_json, spool.name, parts))
         except BrokenProcessPool:
             # a worker died under this body (the kernel's out-of-memory killer): the body's size, not a fault; the
             # next big body gets fresh workers
@@ -104,7 +100,9 @@ class Turns:
         self._rest_per_second = 1 / share - 1
         self._clients: dict[str, Turn] = {}
 
-    async def begin(self, client: str, others_in_flight: Callable[[], bool], timeout: float) -> Paced:
+    async def begin(self, client: str, others_in_flight: Callable[[], bool], timeout: float | None) -> Paced:
+        """The client's turn once its earlier one has ended (and rested while `others_in_flight()`); 429 past
+        `timeout` seconds (None: no limit)."""
         turn = self._clients.setdefault(client, Turn())
         turn.users += 1
         acquired = False
@@ -113,7 +111,7 @@ class Turns:
             acquired = True
             delay = turn.ready_at - time.monotonic()
             if delay > 0 and others_in_flight():
-                await asyncio.sleep(min(delay, timeout))
+                await asyncio.sleep(delay if timeout is None else min(delay, timeout))
         except BaseException as exc:  # timed out, or the client went away while waiting
             if acquired:
                 turn.lock.release()
@@ -158,8 +156,7 @@ class Paced:
 
 @dataclass
 class Turn:
-    """One client's turn at the big-body pool (or at preparing big requests), how many of its requests want it,
-    and when its next big request may start."""
+    """One client's turn, how many of its requests want it, and when its next one may start."""
 
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     users: int = 0

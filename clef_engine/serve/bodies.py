@@ -17,7 +17,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import Headers
 from starlette.formparsers import MultiPartException, MultiPartParser
 
-from ..protocol import sniff_content_type
+from ..protocol import SURROGATE, sniff_content_type
 
 try:  # zstd is what the TypeSafe SDK sends when it has it; stdlib from Python 3.14, else the backport, else off.
     from compression.zstd import ZstdDecompressor, ZstdError
@@ -80,9 +80,6 @@ def body_kind(content_type: str | None) -> str:
                  "as the TypeSafe SDK does for file assets)", accepted=[JSON_MEDIA_TYPE, MULTIPART_MEDIA_TYPE])
 
 
-_SURROGATE = re.compile("[\ud800-\udfff]")
-
-
 def _check_json_tree(value: Any) -> None:
     """Refuse JSON nested deeper than MAX_JSON_DEPTH, or holding strings that are not Unicode (JSON allows escaped
     lone surrogates like "\\ud800"; nothing downstream can encode them), naming the place. A body of a million small
@@ -97,11 +94,11 @@ def _check_json_tree(value: Any) -> None:
         is_dict = type(item) is dict
         key: Any  # str in an object, int in an array
         for key, child in item.items() if is_dict else enumerate(item):
-            if is_dict and not key.isascii() and _SURROGATE.search(key):
+            if is_dict and not key.isascii() and SURROGATE.search(key):
                 _check_text(key, [*_location(entry), key])
             kind = type(child)
             if kind is str:
-                if not child.isascii() and _SURROGATE.search(child):
+                if not child.isascii() and SURROGATE.search(child):
                     _check_text(child, [*_location(entry), key])
             elif kind is dict or kind is list:
                 stack.append((child, entry, key, depth + 1))
@@ -125,20 +122,19 @@ def _check_text(text: str, loc: list[str | int]) -> None:
                               "Unicode", "string_unicode") from None
 
 
-def _finite_float(text: str) -> float:
-    if len(text) > MAX_NUMBER_DIGITS:
-        raise ValueError(f"a number of {len(text)} characters is out of range")
-    value = float(text)
-    if not math.isfinite(value):
-        raise ValueError(f"number {text[:20]} is out of range")
-    return value
+def _number(convert: Callable[[str], float], unit: str) -> Callable[[str], float]:
+    """A JSON number parser refusing numbers too long to mean anything (Python refuses very long digit strings
+    itself, in a message about its own settings) and infinite ones."""
 
+    def parse(text: str) -> float:
+        if len(text) > MAX_NUMBER_DIGITS:
+            raise ValueError(f"a number of {len(text)} {unit} is out of range")
+        value = convert(text)
+        if not math.isfinite(value):
+            raise ValueError(f"number {text[:20]} is out of range")
+        return value
 
-def _bounded_int(text: str) -> int:
-    # Python refuses to convert very long digit strings itself, in a message about its own settings.
-    if len(text) > MAX_NUMBER_DIGITS:
-        raise ValueError(f"a number of {len(text)} digits is out of range")
-    return int(text)
+    return parse
 
 
 def _reject_constant(name: str) -> None:
@@ -152,8 +148,8 @@ def parse_json_body(raw: bytes) -> dict:
     except UnicodeDecodeError as exc:
         raise invalid([exc.start], f"body is not UTF-8: {exc.reason} at byte {exc.start}", "json_invalid") from None
     try:
-        value = json.loads(text, parse_constant=_reject_constant, parse_float=_finite_float,
-                           parse_int=_bounded_int)
+        value = json.loads(text, parse_constant=_reject_constant, parse_float=_number(float, "characters"),
+                           parse_int=_number(int, "digits"))
     except json.JSONDecodeError as exc:
         raise invalid([exc.pos], f"JSON decode error: {exc.msg} (line {exc.lineno}, column {exc.colno})",
                        "json_invalid") from None
@@ -168,11 +164,8 @@ def parse_json_body(raw: bytes) -> dict:
 
 
 def _json_type(value: Any) -> str:
-    if value is None:
-        return "null"
-    return {bool: "a boolean", int: "a number", float: "a number", str: "a string", list: "an array"}.get(
-        type(value), type(value).__name__
-    )
+    names = {bool: "a boolean", int: "a number", float: "a number", str: "a string", list: "an array"}
+    return "null" if value is None else names.get(type(value), type(value).__name__)
 
 
 def decompress(raw: bytes, encoding: str, limit: int, too_large: ApiError) -> bytes:
@@ -331,16 +324,11 @@ def replace_placeholders(body: dict, labels: dict[str, str]) -> dict:
         out["state"] = _replace_in_strings(out["state"], replace)
     questions = out.get("questions")
     if isinstance(questions, dict):
-        out["questions"] = {qid: _replace_in_question(question, replace) for qid, question in questions.items()}
+        # criteria: option id → description (noul, choice) or level descriptions (score); keys are ids, kept as is
+        out["questions"] = {qid: {key: _replace_in_strings(value, replace) if key in ("instructions", "criteria")
+                                  else value for key, value in question.items()} if isinstance(question, dict)
+                            else question for qid, question in questions.items()}
     return out
-
-
-def _replace_in_question(question: Any, replace: Callable[[str], str]) -> Any:
-    if not isinstance(question, dict):
-        return question
-    # criteria: option id → description (noul, choice) or level descriptions (score); keys are ids, kept as they are
-    return {key: _replace_in_strings(value, replace) if key in ("instructions", "criteria") else value
-            for key, value in question.items()}
 
 
 def assets_to_images(body: dict, parts: dict[str, tuple[str | None, bytes]]) -> tuple[dict, dict[int, str]]:
@@ -398,7 +386,12 @@ def _asset_bytes(asset: dict, loc: list[str | int], parts: dict[str, tuple[str |
                        "value_error.base64") from None
 
 
-def request_from_json(raw: bytes, parts: dict[str, tuple[str | None, bytes]]) -> tuple[dict, dict[int, str]]:
+def request_from_json(raw: bytes | str, parts: dict[str, tuple[str | None, bytes]]) -> tuple[dict, dict[int, str]]:
+    """The request object of a JSON body (or of a body spooled to a file at path `raw`: what the big-body worker
+    processes run), its assets turned into images."""
+    if isinstance(raw, str):
+        with open(raw, "rb") as file:
+            raw = file.read()
     return assets_to_images(parse_json_body(raw), parts)
 
 
@@ -412,10 +405,3 @@ def name_assets(problems: list[dict], sources: dict[int, str]) -> list[dict]:
             problem = {**problem, "loc": ["assets", name, *loc[2:]], "msg": f"asset {clip(name)!r}: {problem['msg']}"}
         named.append(problem)
     return named
-
-
-def request_from_json_file(path: str, parts: dict[str, tuple[str | None, bytes]]) -> tuple[dict, dict[int, str]]:
-    """`request_from_json` of a body spooled to a file: what the big-body worker processes run."""
-    with open(path, "rb") as file:
-        raw = file.read()
-    return request_from_json(raw, parts)

@@ -150,12 +150,8 @@ def docs_page(doc: dict) -> str:
 
 
 def _schema_link(answer: dict[str, Any]) -> str:
-    for content in answer.get("content", {}).values():
-        ref = content.get("schema", {}).get("$ref", "")
-        if ref:
-            name = ref.rsplit("/", 1)[-1]
-            return f"<a href='#{_e(name)}'>{_e(name)}</a>"
-    return ""
+    names = [c["schema"]["$ref"].rsplit("/", 1)[-1] for c in answer.get("content", {}).values() if "schema" in c]
+    return f"<a href='#{_e(names[0])}'>{_e(names[0])}</a>" if names else ""
 
 
 def _e(text: str) -> str:

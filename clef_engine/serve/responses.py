@@ -82,17 +82,14 @@ class HostAllowList:
         self.setting = setting
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] in ("http", "websocket"):
-            host = Headers(scope=scope).get("host", "")
-            name = host.rsplit(":", 1)[0] if not host.endswith("]") else host
-            if name.lower() not in self.allowed and scope["type"] == "websocket":  # a browser page's live channel
-                await WebSocketClose(code=1008)(scope, receive, send)  # policy violation: refused before accepting
-                return
-            if name.lower() not in self.allowed:
-                response = SafeJSONResponse({"detail": {
-                    "error_type": "misdirected_request",
-                    "message": f"this server does not answer for host {clip(host)!r}; allowed: "
-                               f"{', '.join(sorted(self.allowed))} ({self.setting})"}}, status_code=421)
-                await response(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
+        host = Headers(scope=scope).get("host", "") if scope["type"] in ("http", "websocket") else None
+        if host is None or (host.rsplit(":", 1)[0] if not host.endswith("]") else host).lower() in self.allowed:
+            await self.app(scope, receive, send)
+        elif scope["type"] == "websocket":  # a browser page's live channel
+            await WebSocketClose(code=1008)(scope, receive, send)  # policy violation: refused before accepting
+        else:
+            refusal = SafeJSONResponse({"detail": {
+                "error_type": "misdirected_request",
+                "message": f"this server does not answer for host {clip(host)!r}; allowed: "
+                           f"{', '.join(sorted(self.allowed))} ({self.setting})"}}, status_code=421)
+            await refusal(scope, receive, send)

@@ -13,7 +13,7 @@ import re
 import time
 import uuid
 import weakref
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Awaitable, Callable, Collection, Mapping
 from dataclasses import replace
 from datetime import UTC, datetime
 from pathlib import Path
@@ -185,7 +185,7 @@ class SystemOneApi:
     async def system_one(self, request: Request) -> Response:
         started = time.perf_counter()
         request_id = uuid.uuid4().hex
-        status = 500
+        response: Response | None = None  # None: a fault of ours, raised on (counted as a 500)
         paced: Paced | None = None
         self._requests_in_flight += 1
         handling = asyncio.current_task()
@@ -193,7 +193,7 @@ class SystemOneApi:
         self._handling.add(handling)
         try:
             if self._stopped:  # come on a connection kept alive while the server stops
-                raise self._shutting_down_error()
+                raise _shutting_down()
             self._authenticate(request)
             content_type = request.headers.get("content-type", "")
             kind = body_kind(content_type)
@@ -218,39 +218,33 @@ class SystemOneApi:
             answer = await self._decide(engine, name, body, asset_images,
                                         queued=paced.end if paced and not explaining_it else None)
             # serialized once, here; a number that is not finite fails it: a fault of ours (500), never sent
-            reply = SafeJSONResponse(answer, headers={"x-typesafe-request-id": request_id})
+            response = SafeJSONResponse(answer, headers={"x-typesafe-request-id": request_id})
             self.metrics.count_answer(answer)
-            status = 200
-            return reply
         except ApiError as exc:
-            status = exc.status
-            return error_response(exc, request_id)
+            response = error_response(exc, request_id)
         except ClientDisconnect:
-            status = 499
-            return Response(status_code=499)
+            response = Response(status_code=499)
         except asyncio.CancelledError:
             if not self._stopped or handling.uncancel() > 0:  # not (only) `stop`'s cancellation: not ours to end
                 raise
-            status = 503
-            return error_response(self._shutting_down_error(), request_id)
+            response = error_response(_shutting_down(), request_id)
         except MemoryError:  # the request needed more memory than the server has: the request's size, not a fault
             log.warning("request %s ran out of memory", request_id)
-            status = 413
-            return error_response(api_error(413, "request_too_large", "the request needs more memory than this "
-                                            "server has to give one request; send less (fewer or smaller media, a "
-                                            "shorter state)"), request_id)
+            response = error_response(api_error(413, "request_too_large", "the request needs more memory than this "
+                                                "server has to give one request; send less (fewer or smaller media, "
+                                                "a shorter state)"), request_id)
         except Exception:  # a fault of ours, never of the input (the input's faults are ApiErrors above)
             log.exception("POST /v1/systemone failed (request %s)", request_id)
-            status = 500
-            return error_response(api_error(500, "internal_error", f"internal error (request {request_id})"),
-                                   request_id)
+            response = error_response(api_error(500, "internal_error", f"internal error (request {request_id})"),
+                                      request_id)
         finally:
             self._handling.discard(handling)
             self._requests_in_flight -= 1
             if paced is not None:
                 paced.end()
-            self.metrics.count_request("/v1/systemone", status)
+            self.metrics.count_request("/v1/systemone", response.status_code if response is not None else 500)
             self.metrics.latency.observe(time.perf_counter() - started)
+        return response
 
     async def _decide(self, engine: Any, name: str, body: dict, asset_images: dict[int, str],
                       queued: Callable[[], None] | None = None) -> SystemOneAnswer:
@@ -314,66 +308,56 @@ class SystemOneApi:
         stopped between layers if running (the engine's `abandon`); encoding already running in a thread cannot be
         interrupted, so its work is abandoned as soon as it is queued."""
         deadline = time.monotonic() + self.request_timeout
-        submitting = asyncio.ensure_future(
-            run_in_threadpool(engine.submit, [request], priority="interactive"))
+        submitting = asyncio.ensure_future(run_in_threadpool(engine.submit, [request], priority="interactive"))
         try:
             future: concurrent.futures.Future = await asyncio.wait_for(asyncio.shield(submitting),
                                                                        self.request_timeout)
+            if queued is not None:
+                queued()
+            return await asyncio.wait_for(asyncio.wrap_future(future), max(0.0, deadline - time.monotonic()))
         except (TimeoutError, asyncio.CancelledError) as exc:  # past the deadline, or the server stops (`stop`)
+            # a remote engine only cancels what it has not sent
             submitting.add_done_callback(lambda task: _abandon_submitted(engine, task))
             if isinstance(exc, TimeoutError):
-                raise self._deadline_error() from None
+                raise api_error(503, "deadline_exceeded", f"the model did not answer within "
+                                f"{self.request_timeout:g} seconds (the server is busy or the request is very large); "
+                                "try again later", retry_after=1) from None
             raise
-        if queued is not None:
-            queued()
-        waiting = asyncio.wrap_future(future)
-        try:
-            return await asyncio.wait_for(waiting, max(0.0, deadline - time.monotonic()))
-        except (TimeoutError, asyncio.CancelledError) as exc:
-            engine.abandon(future)  # a remote engine only cancels what it has not sent
-            if isinstance(exc, TimeoutError):
-                raise self._deadline_error() from None
-            raise
-
-    def _shutting_down_error(self) -> ApiError:
-        return api_error(503, "shutting_down", "the server is shutting down and did not answer; send the request again",
-                         retry_after=1)
-
-    def _deadline_error(self) -> ApiError:
-        return api_error(503, "deadline_exceeded", f"the model did not answer within {self.request_timeout:g} seconds "
-                         "(the server is busy or the request is very large); try again later", retry_after=1)
 
     async def models(self, request: Request) -> Response:
-        status = 500
+        return await self._counted("/v1/models", request, self._models_list)
+
+    async def _models_list(self) -> Response:
+        listed = []
+        for index, (name, engine) in enumerate((await self._models()).items()):
+            info = await run_in_threadpool(safe_call, engine.info, {})
+            where = "remote endpoint" if info.get("remote") else f"on {info.get('device', '?')}"
+            description = (f"Clef decision model {name} (revision {info.get('revision') or 'local'}) {where}"
+                           + _precision_text(info) + "."
+                           + (f" The default: {MODEL_ALIAS} and any name not listed here map to it."
+                              if index == 0 else ""))
+            # a client (the workbench) flags answers of a model whose weights are random as meaning nothing
+            entry = {"name": name, "description": description, "release_date": _release_date(info),
+                     "random_weights": bool(info.get("random_weights"))}
+            if info.get("precision"):  # which precision answers (a remote endpoint may not say)
+                entry["precision"] = info["precision"]
+            if "distance_from_float32" in info:
+                entry["distance_from_float32"] = info["distance_from_float32"]
+            listed.append(entry)
+        default = listed[0]
+        listed.append({**{key: value for key, value in default.items() if key not in ("name", "description")},
+                       "name": MODEL_ALIAS, "description": f"Alias of {default['name']}."})
+        return JSONResponse({"models": listed})
+
+    async def _counted(self, path: str, request: Request, answer: Callable[[], Awaitable[Response]]) -> Response:
+        """`answer()` for an authenticated request, or the error answer; counted by path and status."""
         try:
             self._authenticate(request)
-            models = await self._models()
-            listed = []
-            for index, (name, engine) in enumerate(models.items()):
-                info = await run_in_threadpool(safe_call, engine.info, {})
-                where = "remote endpoint" if info.get("remote") else f"on {info.get('device', '?')}"
-                description = (f"Clef decision model {name} (revision {info.get('revision') or 'local'}) {where}"
-                               + _precision_text(info) + "."
-                               + (f" The default: {MODEL_ALIAS} and any name not listed here map to it."
-                                  if index == 0 else ""))
-                # a client (the workbench) flags answers of a model whose weights are random as meaning nothing
-                entry = {"name": name, "description": description, "release_date": _release_date(info),
-                         "random_weights": bool(info.get("random_weights"))}
-                if info.get("precision"):  # which precision answers (a remote endpoint may not say)
-                    entry["precision"] = info["precision"]
-                if "distance_from_float32" in info:
-                    entry["distance_from_float32"] = info["distance_from_float32"]
-                listed.append(entry)
-            default = listed[0]
-            listed.append({**{key: value for key, value in default.items() if key not in ("name", "description")},
-                           "name": MODEL_ALIAS, "description": f"Alias of {default['name']}."})
-            status = 200
-            return JSONResponse({"models": listed})
+            response = await answer()
         except ApiError as exc:
-            status = exc.status
-            return error_response(exc)
-        finally:
-            self.metrics.count_request("/v1/models", status)
+            response = error_response(exc)
+        self.metrics.count_request(path, response.status_code)
+        return response
 
     async def health(self, request: Request) -> Response:
         models = await run_in_threadpool(self.models_or_none) or {}
@@ -392,12 +376,9 @@ class SystemOneApi:
         return JSONResponse(body, status_code=status)
 
     async def metrics_text(self, request: Request) -> Response:
-        try:
-            self._authenticate(request)
-        except ApiError as exc:
-            self.metrics.count_request("/metrics", exc.status)
-            return error_response(exc)
-        self.metrics.count_request("/metrics", 200)
+        return await self._counted("/metrics", request, self._exposition)
+
+    async def _exposition(self) -> Response:
         text = await run_in_threadpool(self.metrics.exposition)
         return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
@@ -428,6 +409,11 @@ def _too_many_tokens(exc: TokenBudgetError, asked: int, ceiling: int) -> ApiErro
 def _unauthorized(message: str, challenge: str) -> ApiError:
     return ApiError(401, {"error_type": "authentication_error", "message": message},
                     headers={"www-authenticate": challenge})
+
+
+def _shutting_down() -> ApiError:
+    return api_error(503, "shutting_down", "the server is shutting down and did not answer; send the request again",
+                     retry_after=1)
 
 
 def _abandon_submitted(engine: DecisionEngine | Explaining, task: asyncio.Future) -> None:
@@ -467,20 +453,13 @@ def _check_media(record: dict, skip_images: Collection[int] = ()) -> None:
     """Over HTTP, media must travel in the request: a data URL or {content_type, base64}. (The engine also takes
     file paths and frame arrays from Python callers; over the network a path would read the server's files.)
     `skip_images`: indices holding asset bytes the server decoded itself."""
-    problems = []
-    for key in ("images", "videos"):
-        items = record.get(key)
-        if not isinstance(items, list):
-            continue  # None is fine; other types get the engine's own message
-        for index, item in enumerate(items):
-            if key == "images" and index in skip_images:
-                continue
-            ok = (isinstance(item, str) and item.startswith("data:")) or (
-                isinstance(item, dict) and "base64" in item and set(item) <= {"base64", "content_type"})
-            if not ok:
-                problems.append({"loc": ["body", key, index], "type": "value_error.media",
-                                 "msg": f"each of {key} must be a data URL (data:<type>;base64,...) or an object "
-                                        "{\"content_type\": ..., \"base64\": ...}"})
+    problems = [{"loc": ["body", key, index], "type": "value_error.media",
+                 "msg": f"each of {key} must be a data URL (data:<type>;base64,...) or an object "
+                        "{\"content_type\": ..., \"base64\": ...}"}
+                for key in ("images", "videos") if isinstance(record.get(key), list)  # others: the engine's message
+                for index, item in enumerate(record[key]) if not (key == "images" and index in skip_images)
+                and not (isinstance(item, str) and item.startswith("data:"))
+                and not (isinstance(item, dict) and "base64" in item and set(item) <= {"base64", "content_type"})]
     if problems:
         raise ApiError(422, problems)
 
