@@ -30,13 +30,13 @@ K = vm.key
 QUESTION_TYPES = list(schemas.QUESTION_TYPES)
 
 
-def render_question(position: int, uid: int, count: int) -> tuple[dict[str, Any], Any]:
-    """One question's editor; returns its row and a container for its messages."""
+def render_question(position: int, uid: int, count: int) -> Any:
+    """One question's editor (its row is the builder's); returns a container for its messages."""
     keys = vm.row_keys(uid)
     with st.container(border=True, key=K(f"card{uid}")):
         top = st.columns([3, 2, 0.6, 0.6, 0.6], vertical_alignment="bottom", gap="xsmall")
-        qid = shell.kept_widget(top[0].text_input, f"Question {position + 1} id", keys["id"], "",
-                                help="Letters, digits, _ . - (1–100 characters). Answers are keyed by it.")
+        shell.kept_widget(top[0].text_input, f"Question {position + 1} id", keys["id"], "",
+                          help="Letters, digits, _ . - (1–100 characters). Answers are keyed by it.")
         qtype = shell.kept_widget(top[1].selectbox, "Type", keys["type"], "noul", options=QUESTION_TYPES,
                                   help="noul: yes/no · choice: one of several options · score: ordered levels")
         top[2].button("", icon=":material/arrow_upward:", key=K(f"q{uid}.up"), on_click=builder().move,
@@ -45,25 +45,20 @@ def render_question(position: int, uid: int, count: int) -> tuple[dict[str, Any]
                       args=(uid, 1), disabled=position == count - 1, help="Move down")
         top[4].button("", icon=":material/delete:", key=K(f"q{uid}.remove"), on_click=builder().remove, args=(uid,),
                       help="Remove")
-        instructions = shell.kept_widget(st.text_area, "Instructions", keys["instructions"], "", height=68,
-                                         placeholder="The question the model answers about the state")
-        row: dict[str, Any] = {"id": qid, "type": qtype, "instructions": instructions}
+        shell.kept_widget(st.text_area, "Instructions", keys["instructions"], "", height=68,
+                          placeholder="The question the model answers about the state")
         if qtype == "choice":
-            text = shell.kept_widget(st.text_area, "Options — one per line: id: description", keys["options"], "",
-                                     height=120, help="The model reads options sorted by id; answers list them in "
-                                                "this order. Add an 'unknown' option for when nothing fits.")
-            row["options"] = schema_rows.text_to_options(text)
+            shell.kept_widget(st.text_area, "Options — one per line: id: description", keys["options"], "",
+                              height=120, help="The model reads options sorted by id; answers list them in this "
+                                               "order. Add an 'unknown' option for when nothing fits.")
         elif qtype == "score":
-            text = shell.kept_widget(st.text_area, "Levels — one per line, lowest first", keys["levels"], "",
-                                     height=120, help="Level ids are 0, 1, 2, … in this order; the score is Σ level × "
-                                                      "probability.")
-            row["levels"] = schema_rows.text_to_levels(text)
+            shell.kept_widget(st.text_area, "Levels — one per line, lowest first", keys["levels"], "", height=120,
+                              help="Level ids are 0, 1, 2, … in this order; the score is Σ level × probability.")
         else:
             for side, column in zip(("true", "false"), st.columns(2), strict=True):
-                row[side] = shell.kept_widget(column.text_input, f"“{side}” means (optional)", keys[side], "",
-                                              placeholder=answers.NOUL_DEFAULT_DESCRIPTIONS[side])
-        messages = st.container()
-    return row, messages
+                shell.kept_widget(column.text_input, f"“{side}” means (optional)", keys[side], "",
+                                  placeholder=answers.NOUL_DEFAULT_DESCRIPTIONS[side])
+        return st.container()
 
 
 def render_undo_notice(message: str, name: str, undo, icon: str) -> None:
@@ -245,15 +240,13 @@ with left:
         st.error(st.session_state[K("library_error")])
 
     uids = list(builder().uids)
-    rows: list[dict[str, Any]] = []
     question_messages: list[Any] = []
     removed = st.session_state.get(K("removed"))
     for position, uid in enumerate(uids):
         if removed and removed["position"] == position:
             render_removed_notice()
-        row, box = render_question(position, uid, len(uids))
-        rows.append(row)
-        question_messages.append(box)
+        question_messages.append(render_question(position, uid, len(uids)))
+    rows = builder().rows()  # as the editors above hold them
     if removed and removed["position"] >= len(uids):
         render_removed_notice()
     if not uids:
