@@ -406,21 +406,18 @@ if result:
             st.warning(f"The last {response['x_truncated_state_tokens']:,} tokens of the state were cut to fit "
                        "max_length: the model did not read them.")
         shown, calibration_note = response["answers"], None
-        if fitted := [c["name"] for c in shell.get_store().list_calibrations(schema_name=result.schema_name)]:
-            chosen = st.selectbox("Probabilities", ["raw (as the model answered)", *fitted], key=K("calibration"),
-                                  help="A calibration fitted on a run's labelled cases (Runs → Calibrate) maps "
-                                       "each question's probabilities to how often such answers were right")
-            if chosen in fitted:
-                stored = shell.get_store().get_calibration(name=chosen)
-                st.markdown(calibration.verdicts_text(stored["payload"]))
-                every_question = st.checkbox("Apply it also where it did not help", key=K("calibration_all"),
-                                             help="Questions marked “not applied” above stay raw unless this is on")
-                stored, shown = calibration.calibrated_response(shell.get_store(), chosen, response,
-                                                                every_question=every_question)
-                calibration_note = (f"Calibrated with “{chosen}” (fitted on {stored['model_id']}'s answers in run "
-                                    f"{stored['run_id']}); choose raw above to see the model's own probabilities.")
-                if stored["model_id"] != result.model_label:
-                    calibration_note += f" This answer is from {result.model_label}, not {stored['model_id']}."
+        if chosen := shell.pick_calibration(
+                "Probabilities", K("calibration"), result.schema_name, verdicts=True,
+                help="A calibration fitted on a run's labelled cases (Runs → Calibrate) maps each question's "
+                     "probabilities to how often such answers were right"):
+            every_question = st.checkbox("Apply it also where it did not help", key=K("calibration_all"),
+                                         help="Questions marked “not applied” above stay raw unless this is on")
+            stored, shown = calibration.calibrated_response(shell.get_store(), chosen, response,
+                                                            every_question=every_question)
+            calibration_note = (f"Calibrated with “{chosen}” (fitted on {stored['model_id']}'s answers in run "
+                                f"{stored['run_id']}); choose raw above to see the model's own probabilities.")
+            if stored["model_id"] != result.model_label:
+                calibration_note += f" This answer is from {result.model_label}, not {stored['model_id']}."
         for qid, answer in shown.items():  # one card per row: half a page is one card wide
             render_answer_card(qid, result.questions.get(qid, {}), answer, result.model_label,
                                calibrated=calibration_note if answer is not response["answers"][qid] else None)

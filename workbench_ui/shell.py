@@ -13,7 +13,7 @@ from typing import Any
 import streamlit as st
 
 from clef_engine.remote import is_endpoint
-from clef_workbench import model_loader
+from clef_workbench import calibration, model_loader
 from clef_workbench.model_loader import ModelManager, label_of
 from clef_workbench.schema_library import SchemaLibrary
 from clef_workbench.settings import WorkbenchSettings
@@ -319,6 +319,25 @@ def precision_text(info: dict) -> str:
     from clef_engine.fp8_fidelity import describe_fidelity
 
     return f"FP8 (W8A8 projections): {describe_fidelity(info.get('distance_from_float32'))}"
+
+
+RAW_PROBABILITIES = "raw (as the model answered)"
+
+
+def pick_calibration(label: str, key: str, schema_name: str, *, help: str, saved: str | None = None,
+                     always: bool = False, verdicts: bool = False) -> str | None:
+    """A calibration fitted for the schema to read probabilities through, or None for the model's own; no selector
+    while none is fitted unless `always`; with `verdicts`, how the one chosen did per question under it."""
+    fitted = [c["name"] for c in get_store().list_calibrations(schema_name=schema_name)]
+    if not fitted and not always:
+        return None
+    choices = [RAW_PROBABILITIES, *fitted]
+    chosen = st.selectbox(label, choices, key=key, index=choices.index(saved) if saved in fitted else 0, help=help)
+    if chosen not in fitted:
+        return None
+    if verdicts:
+        st.markdown(calibration.verdicts_text(get_store().get_calibration(name=chosen)["payload"]))
+    return chosen
 
 
 # The Runs page's "Start a run" case set, and its request to open: set by "Run this case set" on the Case sets page.
