@@ -99,11 +99,8 @@ def follow_started(run_ids: list[int]) -> None:
     shown = [runs_now[r] for r in run_ids if r in runs_now]
     for run in shown:
         st.markdown(cv.started_run_line(run))
-    running = any(cv.is_unfinished(run) for run in shown)
-    if st.session_state.get(K("started_running")) and not running:
-        st.session_state[K("started_running")] = False
+    if shell.ended_since_last_poll(K("started_running"), any(cv.is_unfinished(run) for run in shown)):
         st.rerun(scope="app")
-    st.session_state[K("started_running")] = running
 
 
 if started := st.session_state.get(K("started"), []):

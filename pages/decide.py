@@ -30,13 +30,13 @@ K = vm.key
 QUESTION_TYPES = list(schemas.QUESTION_TYPES)
 
 
-def render_question(position: int, uid: int, count: int) -> tuple[dict[str, Any], Any]:
-    """One question's editor; returns its row and a container for its messages."""
+def render_question(position: int, uid: int, count: int) -> Any:
+    """One question's editor (its row is the builder's); returns a container for its messages."""
     keys = vm.row_keys(uid)
     with st.container(border=True, key=K(f"card{uid}")):
         top = st.columns([3, 2, 0.6, 0.6, 0.6], vertical_alignment="bottom", gap="xsmall")
-        qid = shell.kept_widget(top[0].text_input, f"Question {position + 1} id", keys["id"], "",
-                                help="Letters, digits, _ . - (1–100 characters). Answers are keyed by it.")
+        shell.kept_widget(top[0].text_input, f"Question {position + 1} id", keys["id"], "",
+                          help="Letters, digits, _ . - (1–100 characters). Answers are keyed by it.")
         qtype = shell.kept_widget(top[1].selectbox, "Type", keys["type"], "noul", options=QUESTION_TYPES,
                                   help="noul: yes/no · choice: one of several options · score: ordered levels")
         top[2].button("", icon=":material/arrow_upward:", key=K(f"q{uid}.up"), on_click=builder().move,
@@ -45,25 +45,20 @@ def render_question(position: int, uid: int, count: int) -> tuple[dict[str, Any]
                       args=(uid, 1), disabled=position == count - 1, help="Move down")
         top[4].button("", icon=":material/delete:", key=K(f"q{uid}.remove"), on_click=builder().remove, args=(uid,),
                       help="Remove")
-        instructions = shell.kept_widget(st.text_area, "Instructions", keys["instructions"], "", height=68,
-                                         placeholder="The question the model answers about the state")
-        row: dict[str, Any] = {"id": qid, "type": qtype, "instructions": instructions}
+        shell.kept_widget(st.text_area, "Instructions", keys["instructions"], "", height=68,
+                          placeholder="The question the model answers about the state")
         if qtype == "choice":
-            text = shell.kept_widget(st.text_area, "Options — one per line: id: description", keys["options"], "",
-                                     height=120, help="The model reads options sorted by id; answers list them in "
-                                                "this order. Add an 'unknown' option for when nothing fits.")
-            row["options"] = schema_rows.text_to_options(text)
+            shell.kept_widget(st.text_area, "Options — one per line: id: description", keys["options"], "",
+                              height=120, help="The model reads options sorted by id; answers list them in this "
+                                               "order. Add an 'unknown' option for when nothing fits.")
         elif qtype == "score":
-            text = shell.kept_widget(st.text_area, "Levels — one per line, lowest first", keys["levels"], "",
-                                     height=120, help="Level ids are 0, 1, 2, … in this order; the score is Σ level × "
-                                                      "probability.")
-            row["levels"] = schema_rows.text_to_levels(text)
+            shell.kept_widget(st.text_area, "Levels — one per line, lowest first", keys["levels"], "", height=120,
+                              help="Level ids are 0, 1, 2, … in this order; the score is Σ level × probability.")
         else:
             for side, column in zip(("true", "false"), st.columns(2), strict=True):
-                row[side] = shell.kept_widget(column.text_input, f"“{side}” means (optional)", keys[side], "",
-                                              placeholder=answers.NOUL_DEFAULT_DESCRIPTIONS[side])
-        messages = st.container()
-    return row, messages
+                shell.kept_widget(column.text_input, f"“{side}” means (optional)", keys[side], "",
+                                  placeholder=answers.NOUL_DEFAULT_DESCRIPTIONS[side])
+        return st.container()
 
 
 def render_undo_notice(message: str, name: str, undo, icon: str) -> None:
@@ -245,15 +240,13 @@ with left:
         st.error(st.session_state[K("library_error")])
 
     uids = list(builder().uids)
-    rows: list[dict[str, Any]] = []
     question_messages: list[Any] = []
     removed = st.session_state.get(K("removed"))
     for position, uid in enumerate(uids):
         if removed and removed["position"] == position:
             render_removed_notice()
-        row, box = render_question(position, uid, len(uids))
-        rows.append(row)
-        question_messages.append(box)
+        question_messages.append(render_question(position, uid, len(uids)))
+    rows = builder().rows()  # as the editors above hold them
     if removed and removed["position"] >= len(uids):
         render_removed_notice()
     if not uids:
@@ -413,21 +406,18 @@ if result:
             st.warning(f"The last {response['x_truncated_state_tokens']:,} tokens of the state were cut to fit "
                        "max_length: the model did not read them.")
         shown, calibration_note = response["answers"], None
-        if fitted := [c["name"] for c in shell.get_store().list_calibrations(schema_name=result.schema_name)]:
-            chosen = st.selectbox("Probabilities", ["raw (as the model answered)", *fitted], key=K("calibration"),
-                                  help="A calibration fitted on a run's labelled cases (Runs → Calibrate) maps "
-                                       "each question's probabilities to how often such answers were right")
-            if chosen in fitted:
-                stored = shell.get_store().get_calibration(name=chosen)
-                st.markdown(calibration.verdicts_text(stored["payload"]))
-                every_question = st.checkbox("Apply it also where it did not help", key=K("calibration_all"),
-                                             help="Questions marked “not applied” above stay raw unless this is on")
-                stored, shown = calibration.calibrated_response(shell.get_store(), chosen, response,
-                                                                every_question=every_question)
-                calibration_note = (f"Calibrated with “{chosen}” (fitted on {stored['model_id']}'s answers in run "
-                                    f"{stored['run_id']}); choose raw above to see the model's own probabilities.")
-                if stored["model_id"] != result.model_label:
-                    calibration_note += f" This answer is from {result.model_label}, not {stored['model_id']}."
+        if chosen := shell.pick_calibration(
+                "Probabilities", K("calibration"), result.schema_name, verdicts=True,
+                help="A calibration fitted on a run's labelled cases (Runs → Calibrate) maps each question's "
+                     "probabilities to how often such answers were right"):
+            every_question = st.checkbox("Apply it also where it did not help", key=K("calibration_all"),
+                                         help="Questions marked “not applied” above stay raw unless this is on")
+            stored, shown = calibration.calibrated_response(shell.get_store(), chosen, response,
+                                                            every_question=every_question)
+            calibration_note = (f"Calibrated with “{chosen}” (fitted on {stored['model_id']}'s answers in run "
+                                f"{stored['run_id']}); choose raw above to see the model's own probabilities.")
+            if stored["model_id"] != result.model_label:
+                calibration_note += f" This answer is from {result.model_label}, not {stored['model_id']}."
         for qid, answer in shown.items():  # one card per row: half a page is one card wide
             render_answer_card(qid, result.questions.get(qid, {}), answer, result.model_label,
                                calibrated=calibration_note if answer is not response["answers"][qid] else None)

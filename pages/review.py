@@ -5,7 +5,7 @@ from __future__ import annotations
 import pandas as pd
 import streamlit as st
 
-from clef_workbench import calibration, review
+from clef_workbench import review
 from workbench_ui import links, shell, units
 from workbench_ui import review_view as view
 from workbench_ui import why_view as why
@@ -14,7 +14,6 @@ from workbench_ui.decide_model import FRAME_THUMBNAIL_PX, frame_thumbnail
 
 shell.render_shell(__file__)
 K = shell.page_key("review")
-RAW = "raw (as the model answered)"
 
 st.title("Review")
 store = shell.get_store()
@@ -86,19 +85,14 @@ with st.expander(f"Queue rules for schema “{run['schema_name']}”", expanded=
                                 key=K(f"rules.disagree.{run_id}"))
     picked_questions = st.multiselect("Questions", list(questions), default=saved.questions or list(questions),
                                       key=K(f"rules.questions.{run_id}"))
-    fitted = view.fitted_calibrations(store, run["schema_name"])
-    threshold_sources = [RAW, *fitted]
-    read_from = st.selectbox(
-        "Confidence and margin read from", threshold_sources, key=K(f"rules.calibration.{run_id}"),
-        index=threshold_sources.index(saved.calibration) if saved.calibration in fitted else 0,
+    read_from = shell.pick_calibration(
+        "Confidence and margin read from", K(f"rules.calibration.{run_id}"), run["schema_name"],
+        saved=saved.calibration, always=True, verdicts=True,
         help="A calibration fitted on a run's labelled cases (Runs → Fit a calibration): the thresholds then apply "
              "to calibrated confidence, how often such answers were right")
-    if read_from in fitted:
-        st.markdown(calibration.verdicts_text(store.get_calibration(name=read_from)["payload"]))
     rules = view.rules_from_form(questions, use_confidence=use_confidence, confidence=confidence,
                                  use_margin=use_margin, margin=margin, unknown=unknown, disagree=disagree,
-                                 picked_questions=picked_questions,
-                                 calibration=read_from if read_from in fitted else None)
+                                 picked_questions=picked_questions, calibration=read_from)
     preview = review.preview(store, run_id, rules)
     st.markdown(view.preview_summary(preview))
     if breakdown := view.preview_breakdown(preview):
@@ -261,12 +255,10 @@ def show_distribution(item: dict, question: dict, shown: view.Card) -> None:
         st.info("The model's answer is hidden: decide from the evidence, then choose below.",
                 icon=":material/visibility_off:")
         return
-    fitted = view.fitted_calibrations(store, run["schema_name"])
-    sources = [RAW, *fitted]
-    chosen = st.selectbox("Probabilities", sources, key=K(f"probabilities.{run_id}"),
-                          index=sources.index(rules.calibration) if rules.calibration in fitted else 0,
-                          help="The model's own probabilities, or a calibration's map of them") if fitted else RAW
-    distribution = view.distribution(store, item, question, chosen if chosen in fitted else None)
+    chosen = shell.pick_calibration("Probabilities", K(f"probabilities.{run_id}"), run["schema_name"],
+                                    saved=rules.calibration, help="The model's own probabilities, or a "
+                                                                  "calibration's map of them")
+    distribution = view.distribution(store, item, question, chosen)
     st.markdown(distribution.heading)
     if distribution.verdict:
         st.caption(distribution.verdict)

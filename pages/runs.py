@@ -171,11 +171,9 @@ def render_progress(run_id: int) -> None:
     progress = runner.progress(run_id)
     # The run ended since the last poll, or the selector or sidebar show another status: the whole page again, so
     # that "Finished" is drawn with the final results and their export (not beside an export of an older refresh).
-    ended = st.session_state.get(K(f"was_live.{run_id}")) and not progress["live"]
-    if ended or run_view.surfaces_stale(st.session_state.get(K(f"drawn_status.{run_id}")),
-                                        st.session_state.get(shell.RUNNING_SHOWN_KEY), store.get_run(run_id),
-                                        shell.running_run_ids()):
-        st.session_state[K(f"was_live.{run_id}")] = False
+    if shell.ended_since_last_poll(K(f"was_live.{run_id}"), progress["live"]) or run_view.surfaces_stale(
+            st.session_state.get(K(f"drawn_status.{run_id}")), st.session_state.get(shell.RUNNING_SHOWN_KEY),
+            store.get_run(run_id), shell.running_run_ids()):
         st.rerun(scope="app")
     total = max(progress["total"], 1)
     outcome = run_outcome(store.get_run(run_id), store.list_results(run_id)) if not progress["live"] else None
@@ -204,7 +202,6 @@ def render_progress(run_id: int) -> None:
                                             ":material/play_arrow:")) is not None:
                 start_again(run_id, engine)
     # the page reruns for the first results only: later ones refresh themselves (`render_results`)
-    st.session_state[K(f"was_live.{run_id}")] = progress["live"]
     if progress["live"] and progress["done"] and not st.session_state.get(K(f"shown.{run_id}")):
         st.rerun(scope="app")
 

@@ -112,10 +112,8 @@ def follow(sweep_id: int) -> None:
         if sweep["done"] < sweep["total"]:
             st.button(f"Resume ({sweep['total'] - sweep['done']} cases left)", key=K(f"resume.{sweep_id}"),
                       icon=":material/play_arrow:", on_click=resume, args=(sweep,))
-    if st.session_state.get(K(f"was_live.{sweep_id}")) and not shown.live:
-        st.session_state[K(f"was_live.{sweep_id}")] = False
+    if shell.ended_since_last_poll(K(f"was_live.{sweep_id}"), shown.live):
         st.rerun(scope="app")
-    st.session_state[K(f"was_live.{sweep_id}")] = shown.live
 
 
 def render_leaderboard(result) -> str | None:

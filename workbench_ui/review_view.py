@@ -260,11 +260,6 @@ def apply_action(store: Any, item: ReviewItem, action: str, label: Any, *, revie
     return "success", saved_message(item, action, blind=blind)
 
 
-def fitted_calibrations(store: Any, schema_name: str) -> list[str]:
-    """The names of the calibrations fitted for a schema: what thresholds and the distribution can read from."""
-    return [c["name"] for c in store.list_calibrations(schema_name=schema_name)]
-
-
 @dataclass(frozen=True)
 class Distribution:
     heading: str

@@ -13,8 +13,8 @@ from typing import Any
 import streamlit as st
 
 from clef_engine.remote import is_endpoint
-from clef_workbench import model_loader
-from clef_workbench.model_loader import LoadState, ModelManager, label_of
+from clef_workbench import calibration, model_loader
+from clef_workbench.model_loader import ModelManager, label_of
 from clef_workbench.schema_library import SchemaLibrary
 from clef_workbench.settings import WorkbenchSettings
 from workbench_ui import links
@@ -205,12 +205,11 @@ def render_sidebar() -> None:
             if st.button(f"Load {label_of(source)}", key="sidebar.load"):
                 manager.request(source, precision)
                 st.rerun()
-        if state.adding:  # the list redraws itself while a model is added, so it shows the new one at once
-            st.fragment(lambda: render_models(manager), run_every=STATUS_REFRESH_SECONDS)()
-        else:
-            render_models(manager)
+        # the list redraws itself while a model is added, so it shows the new one at once
+        redrawn_while(bool(state.adding), lambda: render_models(manager))
         st.divider()
-        live_status()
+        # the model status, refreshing itself only while a model loads (never rerunning the page: stale values)
+        redrawn_while(state.status in ("loading", "warming") or bool(state.adding), render_status)
         render_add_model(manager)
         if get_store().read_only:
             st.warning(f"The database {get_store().path.name} is read-only for this user: you can look at everything, "
@@ -256,11 +255,8 @@ def render_add_model(manager: ModelManager) -> None:
             manager.add(source, precision)
             st.session_state[ADDED_KEY] = source
             st.rerun()  # drawn again with the list of models following the load
-        added = st.session_state.get(ADDED_KEY)
-        if added in manager.state().adding:
-            st.fragment(follow_add, run_every=STATUS_REFRESH_SECONDS)()  # redraws itself until the load ends
-        elif added:
-            follow_add()
+        if added := st.session_state.get(ADDED_KEY):
+            redrawn_while(added in manager.state().adding, follow_add)  # redraws itself until the load ends
 
 
 ADDED_KEY = "sidebar.added"  # the model this session last asked to add: its progress and outcome show under Add
@@ -281,16 +277,14 @@ def follow_add() -> None:
         st.error(state.error, icon=":material/error:")
 
 
-def live_status() -> None:
-    """The model status, refreshing itself only while a model loads (never rerunning the page: stale values)."""
+def redrawn_while(busy: bool, draw: Callable[[], None]) -> None:
+    """`draw` now, and while `busy` again every STATUS_REFRESH_SECONDS on its own, without rerunning the page.
+    Each `draw` is a function of its own: a fragment is known by its function's name and its container."""
+    (st.fragment(draw, run_every=STATUS_REFRESH_SECONDS) if busy else draw)()
+
+
+def render_status() -> None:
     state = model_manager().state()
-    if state.status in ("loading", "warming") or state.adding:
-        st.fragment(lambda: render_status(model_manager().state()), run_every=STATUS_REFRESH_SECONDS)()
-    else:
-        render_status(state)
-
-
-def render_status(state: LoadState) -> None:
     if line := state.status_line():
         st.caption(line)
     for source in state.adding:
@@ -325,6 +319,25 @@ def precision_text(info: dict) -> str:
     from clef_engine.fp8_fidelity import describe_fidelity
 
     return f"FP8 (W8A8 projections): {describe_fidelity(info.get('distance_from_float32'))}"
+
+
+RAW_PROBABILITIES = "raw (as the model answered)"
+
+
+def pick_calibration(label: str, key: str, schema_name: str, *, help: str, saved: str | None = None,
+                     always: bool = False, verdicts: bool = False) -> str | None:
+    """A calibration fitted for the schema to read probabilities through, or None for the model's own; no selector
+    while none is fitted unless `always`; with `verdicts`, how the one chosen did per question under it."""
+    fitted = [c["name"] for c in get_store().list_calibrations(schema_name=schema_name)]
+    if not fitted and not always:
+        return None
+    choices = [RAW_PROBABILITIES, *fitted]
+    chosen = st.selectbox(label, choices, key=key, index=choices.index(saved) if saved in fitted else 0, help=help)
+    if chosen not in fitted:
+        return None
+    if verdicts:
+        st.markdown(calibration.verdicts_text(get_store().get_calibration(name=chosen)["payload"]))
+    return chosen
 
 
 # The Runs page's "Start a run" case set, and its request to open: set by "Run this case set" on the Case sets page.
@@ -363,6 +376,12 @@ def run_queued(engine, requests: list[dict], *, max_length: int | None = None, o
         except TimeoutError:
             continue
     return future.result()
+
+
+def ended_since_last_poll(key: str, live: bool) -> bool:
+    """Whether what `key` follows was live at the last poll and is not now: the page is then drawn again whole."""
+    was_live, st.session_state[key] = st.session_state.get(key), live
+    return bool(was_live) and not live
 
 
 def failure_text(what: str, exc: BaseException) -> str:

@@ -161,7 +161,6 @@ def test_an_action_on_an_item_changed_since_it_was_shown_warns_and_a_bad_one_is_
 def test_the_distribution_reads_raw_until_a_calibration_is_chosen(queue):
     store, run_id, case_ids, items = queue
     item = items[(case_ids[1], "team")]
-    assert view.fitted_calibrations(store, "tickets") == []
     shown = view.distribution(store, item, SCHEMA["questions"]["team"], None)
     assert shown.heading == "**Model's distribution** (raw, as the run recorded it)" and shown.verdict is None
     assert shown.caption == "Answer **billing** · confidence 0.450 · margin 0.050"
