@@ -172,17 +172,20 @@ class PackedRunner(PlainRunner):
         return [whole[i] if i in whole else next(answers) for i in range(len(batch))]
 
     def forward_records(self, records: list[EncodedRecord], steps: BatchSteps = UNCHECKED) -> list[Probabilities]:
-        """Media records padded; a text record whose state is cached continues from the cache; a text record alone
-        runs by itself (`forward_one`); the other text records run as one pack."""
+        """Media records padded; the text records whose states are cached continue from them, together; a text
+        record alone runs by itself (`forward_one`); the other text records run as one pack."""
         results: dict[int, Probabilities] = {}
         text = [i for i, r in enumerate(records) if not r.has_media]
-        pack = []
+        pack, continued, states = [], [], []
         for i in text:
             cached = self.prefix.lookup(records[i]) if len(text) > 1 else None
             if cached is not None:
-                results[i] = self.continue_from(cached, [records[i]], steps)[0]
+                continued.append(i)
+                states.append(cached)
             else:
                 pack.append(i)
+        if continued:
+            results.update(zip(continued, self.continue_from([records[i] for i in continued], states, steps)))
         if len(pack) == 1:
             results[pack[0]] = self.forward_one(records[pack[0]], steps)
         elif pack:
@@ -197,21 +200,24 @@ class PackedRunner(PlainRunner):
         self._forward_padded(records, [i for i, r in enumerate(records) if r.has_media], results, steps)
         return [results[i] for i in range(len(records))]
 
-    def continue_from(self, state: PrefixState, records: list[EncodedRecord], steps: BatchSteps = UNCHECKED, *,
-                      graph: bool = True) -> list[Probabilities]:
-        """Text records whose first tokens are the state's (`prefix.lookup(record)`, or Why's variants): the
-        backbone over each one's tokens after the state only, continuing from it, then the head. One record runs
-        from a CUDA graph once a stored state is reused (`graph` off for a state used once); several (a sweep's
-        variants) run as packs of up to `bulk_batch_tokens` new tokens, one backbone forward each: twenty
-        forwards of a few hundred tokens would leave the GPU mostly idle."""
+    def continue_from(self, records: list[EncodedRecord], states: list[PrefixState],
+                      steps: BatchSteps = UNCHECKED, *, graph: bool = True) -> list[Probabilities]:
+        """Text records whose first tokens are their state's (`prefix.lookup(record)`; a sweep's or Why's variants
+        share one): the backbone over each one's tokens after its state only, continuing from it, then the head.
+        One record runs from a CUDA graph once a stored state is reused (`graph` off for a state used once);
+        several run as packs of up to `bulk_batch_tokens` new tokens, one backbone forward each: twenty forwards
+        of a few hundred tokens would leave the GPU mostly idle, the host launching kernels."""
         between = self.between_layers(steps)
         if len(records) == 1:
-            inputs = self.prefix.forward_after(records, state, alone=True, graph=graph, between_layers=between)
+            inputs = self.prefix.forward_after(records, states, alone=True, graph=graph, between_layers=between)
             return [self.head_one(*next(inputs), records[0], steps)]
         answers: list[Probabilities] = []
-        for pack in packs_after(records, state.length, self.config.bulk_batch_tokens):
-            inputs = self.prefix.forward_after(pack, state, between_layers=between)
-            answers += [self.head_one(normed, memory, record, steps) for record, (normed, memory) in zip(pack, inputs)]
+        for pack in packs_after([len(r) - s.length for r, s in zip(records, states, strict=True)],
+                                self.config.bulk_batch_tokens):
+            chosen = [records[i] for i in pack]
+            inputs = self.prefix.forward_after(chosen, [states[i] for i in pack], between_layers=between)
+            answers += [self.head_one(normed, memory, record, steps)
+                        for record, (normed, memory) in zip(chosen, inputs)]
         return answers
 
     def forward_shared(self, item: SharedPrefixes, steps: BatchSteps = UNCHECKED) -> list[Probabilities]:
@@ -231,8 +237,8 @@ class PackedRunner(PlainRunner):
 
         def continue_variants(end: int, layers: list[Any], memory: torch.Tensor) -> None:
             indices = variants_at[end]
-            answers = self.continue_from(PrefixState(end, layers, memory), [item.records[i] for i in indices], steps,
-                                         graph=False)
+            answers = self.continue_from([item.records[i] for i in indices],
+                                         [PrefixState(end, layers, memory)] * len(indices), steps, graph=False)
             results.update(zip(indices, answers))
 
         ids = torch.tensor(record.input_ids, dtype=torch.long).to(self.device, non_blocking=True)
@@ -251,7 +257,7 @@ class PackedRunner(PlainRunner):
         key = self.prefix.key(record)
         cached = self.state_cache.get(key) if key is not None else None
         if cached is not None:
-            return self.continue_from(cached, [record], steps)[0]
+            return self.continue_from([record], [cached], steps)[0]
         if key is not None:
             return self.prefill_and_keep(record, key, steps)[0]
         self.start_prefill(record)
@@ -302,7 +308,8 @@ class PackedRunner(PlainRunner):
                 first, indices = indices[0], indices[1:]
                 results[first], state = self.prefill_and_keep(records[first], key, steps)
                 computed.add(first)
-            results.update(zip(indices, self.continue_from(state, [records[i] for i in indices], steps)))
+            results.update(zip(indices, self.continue_from([records[i] for i in indices], [state] * len(indices),
+                                                           steps)))
         return [results[i] for i in range(len(records))], computed
 
     def between_layers(self, steps: BatchSteps) -> Callable[[int], None]:
@@ -416,16 +423,16 @@ class SharedPrefixes:
         return sum(len(r) for r in self.records)
 
 
-def packs_after(records: list[EncodedRecord], state_length: int, tokens: int) -> list[list[EncodedRecord]]:
-    """The records continuing after one state, in packs of at most `tokens` new tokens (one record at least)."""
-    packs: list[list[EncodedRecord]] = []
+def packs_after(new_tokens: list[int], tokens: int) -> list[list[int]]:
+    """The indices of records continuing after cached states, whose new tokens are `new_tokens`, in packs of at
+    most `tokens` new tokens (one record at least), in order."""
+    packs: list[list[int]] = []
     size = 0
-    for record in records:
-        new = len(record) - state_length
+    for index, new in enumerate(new_tokens):
         if not packs or size + new > tokens:
             packs.append([])
             size = 0
-        packs[-1].append(record)
+        packs[-1].append(index)
         size += new
     return packs
 

@@ -125,40 +125,47 @@ def attention_after_prefix_varlen(q: torch.Tensor, k_all: torch.Tensor, v_all: t
     return _varlen_function()(q.contiguous(), k_all, v_all, cu_q, cu_k, n, total, **kwargs)
 
 
-def attention_after_shared_prefix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: torch.Tensor,
-                                  values: torch.Tensor, segments: Segments) -> torch.Tensor:
-    """Records that each continue after the same cached keys/values [P, Hk, D] (a sweep's variants of one state):
-    q [N, Hq, D] and k/v [N, Hk, D] are the pack's own; each record through `attention_after_prefix` in turn."""
-    return torch.cat([attention_after_prefix(q[start: start + n], torch.cat([keys, k[start: start + n]]),
-                                             torch.cat([values, v[start: start + n]]), keys.shape[0])
-                      for start, n in zip(segments.starts, segments.lengths)])
+def attention_after_prefixes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: list[torch.Tensor],
+                             values: list[torch.Tensor], segments: Segments) -> torch.Tensor:
+    """Records that each continue after cached keys/values [P_r, Hk, D] (its state's; a sweep's variants share
+    one): q [N, Hq, D] and k/v [N, Hk, D] are the pack's own; each record through `attention_after_prefix`."""
+    return torch.cat([attention_after_prefix(q[start: start + n], torch.cat([cached_k, k[start: start + n]]),
+                                             torch.cat([cached_v, v[start: start + n]]), cached_k.shape[0])
+                      for cached_k, cached_v, start, n in zip(keys, values, segments.starts, segments.lengths)])
 
 
-SHARED_PREFIX_COPY_ROWS = 1 << 17  # K/V rows one call of the packed version below copies the cached keys into
+PREFIX_COPY_ROWS = 1 << 17  # K/V rows one call of the packed version below copies the cached keys into
 
 
-def attention_after_shared_prefix_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: torch.Tensor,
-                                         values: torch.Tensor, segments: Segments) -> torch.Tensor:
-    """The same in one flash varlen call per group of records: each record's keys are the cached ones then its own
-    (the cached ones copied once per record, a group's copies within SHARED_PREFIX_COPY_ROWS rows), and the causal
-    mask, aligned to each record's last key as in `attention_after_prefix_varlen`, lets its query t see the cached
-    keys and its own up to t. One record at a time, a sweep's twenty variants spent more time launching than
-    computing."""
-    prefix = keys.shape[0]
-    records = list(zip(segments.starts, segments.lengths))
-    per_call = max(1, SHARED_PREFIX_COPY_ROWS // (prefix + segments.max_length))
-    outputs = []
-    for first in range(0, len(records), per_call):
-        group = records[first: first + per_call]
-        rows = q[group[0][0]: group[-1][0] + group[-1][1]]
-        k_all = torch.cat([part for start, n in group for part in (keys, k[start: start + n])])
-        v_all = torch.cat([part for start, n in group for part in (values, v[start: start + n])])
-        k_all, v_all, kwargs = _varlen_arguments(rows, k_all, v_all)
-        lengths = [n for _, n in group]
+def attention_after_prefixes_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: list[torch.Tensor],
+                                    values: list[torch.Tensor], segments: Segments) -> torch.Tensor:
+    """The same in one flash varlen call per group of records: each record's keys are its cached ones then its own
+    (copied together, a group's copies within PREFIX_COPY_ROWS rows), and the causal mask, aligned to each record's
+    last key as in `attention_after_prefix_varlen`, lets its query t see the cached keys and its own up to t. One
+    record at a time, a sweep's twenty variants spent more time launching than computing."""
+    records = list(zip(keys, values, segments.starts, segments.lengths))
+    outputs, group, rows = [], [], 0
+
+    def attend(group: list) -> torch.Tensor:
+        first, last = group[0][2], group[-1][2] + group[-1][3]
+        k_all = torch.cat([part for cached_k, _, start, n in group for part in (cached_k, k[start: start + n])])
+        v_all = torch.cat([part for _, cached_v, start, n in group for part in (cached_v, v[start: start + n])])
+        k_all, v_all, kwargs = _varlen_arguments(q[first:last], k_all, v_all)
+        queries = [n for *_, n in group]
+        keys_per = [cached_k.shape[0] + n for cached_k, _, _, n in group]
         cu_q, cu_k = (torch.tensor(list(itertools.accumulate(counts, initial=0)), dtype=torch.int32).to(
-            q.device, non_blocking=True) for counts in (lengths, [prefix + n for n in lengths]))
-        outputs.append(_varlen_function()(rows.contiguous(), k_all, v_all, cu_q, cu_k, max(lengths),
-                                          prefix + max(lengths), **kwargs))
+            q.device, non_blocking=True) for counts in (queries, keys_per))
+        return _varlen_function()(q[first:last].contiguous(), k_all, v_all, cu_q, cu_k, max(queries),
+                                  max(keys_per), **kwargs)
+
+    for record in records:
+        size = record[0].shape[0] + record[3]
+        if group and rows + size > PREFIX_COPY_ROWS:
+            outputs.append(attend(group))
+            group, rows = [], 0
+        group.append(record)
+        rows += size
+    outputs.append(attend(group))
     return torch.cat(outputs) if len(outputs) > 1 else outputs[0]
 
 
@@ -386,15 +393,15 @@ def prefix_varlen_matches_sdpa(device: torch.device, dtype: torch.dtype, heads: 
         error = (got - want).abs().max().item()
         if not error <= 2e-2:
             return f"varlen attention after a prefix differs from the masked SDPA by {error:.3g}"
-        segments = make_segments([new, 20], device, first_position=prefix)
+        segments = make_segments([new, 20], device, first_position=[prefix, 90])
         q2, k2, v2 = (torch.randn(segments.total, h, dim, device=device, dtype=dtype, generator=generator)
                       for h in (heads, kv_heads, kv_heads))
-        keys, values = k[:prefix], v[:prefix]
-        got = attention_after_shared_prefix_varlen(q2, k2, v2, keys, values, segments).float()
-        want = attention_after_shared_prefix(q2, k2, v2, keys, values, segments).float()
+        keys, values = [k[:prefix], k[:90]], [v[:prefix], v[:90]]
+        got = attention_after_prefixes_varlen(q2, k2, v2, keys, values, segments).float()
+        want = attention_after_prefixes(q2, k2, v2, keys, values, segments).float()
         error = (got - want).abs().max().item()
         if not error <= 2e-2:
-            return f"varlen attention of records after one prefix differs from the masked SDPA by {error:.3g}"
+            return f"varlen attention of records after their prefixes differs from the masked SDPA by {error:.3g}"
     except Exception as error:  # noqa: BLE001 — any failure means: keep the masked SDPA
         return f"varlen attention after a prefix failed: {type(error).__name__}: {error}"[:300]
     return None

@@ -258,35 +258,36 @@ class PrefixCache:
         # a view: the schema's few rows more than a copy would keep, and no second copy of a long state's memory
         return normed, memory, PrefixState(length, layers, memory[:length])
 
-    def forward_after(self, records, state: PrefixState, *, alone: bool = False, graph: bool = False,
+    def forward_after(self, records, states: list[PrefixState], *, alone: bool = False, graph: bool = False,
                       between_layers=None) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        """The backbone over the tokens after `state` only (the schema + suffix of a stored state), continuing from
-        it, for records over the same state as one pack (a sweep's variants: one backbone forward); then each
-        record's head inputs in turn, one whole-record copy at a time (rows of the state's tokens are zero in
-        `normed`: the head reads them only through the stored memory). `alone`: one record, right-padded to a bucket
-        length (a graph per bucket, and GEMMs of odd row counts run slower per token; padding after the last real
-        token changes nothing before it: the backbone is causal); `graph`: it replays the state's continuation
-        graph, captured on the state's second reuse alone, not its first: a capture costs about three eager runs,
-        and a plain run over cached states (a sweep's re-run) reuses each once; off for a state used once (Why)."""
+        """The backbone over the tokens after each record's stored state only (the schema + suffix), continuing
+        from it, the records as one pack (a sweep's variants over one state, a re-run's records over theirs: one
+        backbone forward); then each record's head inputs in turn, one whole-record copy at a time (rows of the
+        state's tokens are zero in `normed`: the head reads them only through the stored memory). `alone`: one
+        record, right-padded to a bucket length (a graph per bucket, and GEMMs of odd row counts run slower per
+        token; padding after the last real token changes nothing before it: the backbone is causal); `graph`: it
+        replays the state's continuation graph, captured on the state's second reuse alone, not its first: a
+        capture costs about three eager runs, and a plain run over cached states reuses each once; off for a state
+        used once (Why)."""
         from .graphs import bucket
         from .segments import make_segments
 
-        start, device = state.length, self.backbone.device
-        lengths = [len(record) - start for record in records]
-        ids = [token for record in records for token in record.input_ids[start:]]
+        device = self.backbone.device
+        lengths = [len(record) - state.length for record, state in zip(records, states, strict=True)]
+        ids = [token for record, state in zip(records, states) for token in record.input_ids[state.length:]]
         if alone:
             ids += [self.pad_token_id] * (bucket(lengths[0]) - lengths[0])
+            states[0].reuses_alone += 1
         tokens = torch.tensor(ids, dtype=torch.long).to(device, non_blocking=True)
-        if alone:
-            state.reuses_alone += 1
-        graph = alone and graph and state.reuses_alone > 1 and self.graphs is not None
-        hidden = self.graphs.run_after_prefix(tokens, state) if graph else None
+        graph = alone and graph and states[0].reuses_alone > 1 and self.graphs is not None
+        hidden = self.graphs.run_after_prefix(tokens, states[0]) if graph else None
         if hidden is None:
-            segments = make_segments([len(ids)] if alone else lengths, device, first_position=start)
-            hidden, _ = self.backbone.forward(tokens, segments, prefix=state.layers, prefix_length=start,
+            segments = make_segments([len(ids)] if alone else lengths, device,
+                                     first_position=[state.length for state in states])
+            hidden, _ = self.backbone.forward(tokens, segments, prefixes=[state.layers for state in states],
                                               between_layers=between_layers)
         normed_new, memory_new = self.head.token_memory(hidden[: sum(lengths)].to(self.dtype))
-        for record, row, n in zip(records, itertools.accumulate([0, *lengths]), lengths):
+        for record, state, row, n in zip(records, states, itertools.accumulate([0, *lengths]), lengths):
             yield _whole_record(len(record), state, normed_new[row: row + n], memory_new[row: row + n])
 
 

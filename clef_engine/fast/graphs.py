@@ -117,7 +117,7 @@ class PrefillGraphs:
         device = self.backbone.device
         first = prefix.length if prefix is not None else 0
         segments = make_segments([ids.shape[0]], device, first_position=first)
-        arguments = {"prefix": prefix.layers, "prefix_length": first} if prefix is not None else {}
+        arguments = {"prefixes": [prefix.layers]} if prefix is not None else {}
         static_ids = ids.clone()
         graph, eager, hidden = capture(lambda: self.backbone.forward(static_ids, segments, **arguments)[0], device,
                                        self.pool)

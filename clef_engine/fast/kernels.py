@@ -23,8 +23,8 @@ import torch.nn.functional as F
 from .attention import (
     attention_after_prefix,
     attention_after_prefix_varlen,
-    attention_after_shared_prefix,
-    attention_after_shared_prefix_varlen,
+    attention_after_prefixes,
+    attention_after_prefixes_varlen,
     attention_chunk_cudnn,
     attention_sdpa,
     attention_varlen,
@@ -295,7 +295,7 @@ class Kernels:
     gated_delta: Callable = gated_delta_torch
     attention: Callable = attention_sdpa
     attention_after_prefix: Callable = attention_after_prefix
-    attention_after_shared_prefix: Callable = attention_after_shared_prefix  # a pack's records after one prefix
+    attention_after_prefixes: Callable = attention_after_prefixes  # a pack's records, each after its state
     attention_chunk: Callable = attention_after_prefix  # a long record's chunk after the chunks before it
     norm_rope: Callable = norm_rope_torch
     sigmoid_gate: Callable = sigmoid_gate_torch
@@ -305,7 +305,7 @@ class Kernels:
     notes: dict = field(default_factory=dict)
 
     SLOTS = ("rms_norm", "gated_rms_norm", "causal_conv", "causal_conv_after", "gated_delta", "attention",
-             "attention_after_prefix", "attention_after_shared_prefix", "attention_chunk", "norm_rope",
+             "attention_after_prefix", "attention_after_prefixes", "attention_chunk", "norm_rope",
              "sigmoid_gate", "silu_mul", "residual_projection")
 
     def describe(self) -> dict[str, str]:
@@ -426,7 +426,7 @@ def select_kernels(device: torch.device, dtype: torch.dtype, *, heads: int, kv_h
         prefix_problem = prefix_varlen_matches_sdpa(device, dtype, heads, kv_heads, head_dim)
         if prefix_problem is None:
             kernels.attention_after_prefix = kernels.attention_chunk = attention_after_prefix_varlen
-            kernels.attention_after_shared_prefix = attention_after_shared_prefix_varlen
+            kernels.attention_after_prefixes = attention_after_prefixes_varlen
         else:
             kernels.notes["prefix_attention_fallback"] = prefix_problem
         chunk_problem = chunk_attention_cudnn_pays(device, dtype, heads, kv_heads, head_dim)

@@ -193,19 +193,20 @@ class PackedBackbone:
         return cos[0], sin[0]
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, segments: Segments, *, prefix: list[LayerState] | None = None,
-                prefix_length: int = 0, split_at: int | None = None,
+    def forward(self, input_ids: torch.Tensor, segments: Segments, *,
+                prefixes: Sequence[list[LayerState]] | None = None, split_at: int | None = None,
                 between_layers=None) -> tuple[torch.Tensor, list[LayerState] | None]:
         """Final hidden states [N, hidden] of the packed tokens (after the final norm).
 
         `between_layers(index)`, if given, is called after each layer is launched (the engine lets waiting
         interactive requests run there, in the middle of a long bulk batch).
-        `prefix`: every record of the pack continues after the same `prefix_length` cached tokens (a sweep's
-        variants of one state). `split_at` (one record only, no prefix): also return each layer's state after the
-        first `split_at` tokens, for the state cache; the hidden states are those of the plain forward."""
+        `prefixes`: per record of the pack, the layer states of the cached tokens it continues after (a sweep's
+        variants share one state, a re-run's records each have their own; `segments.positions` go on from them).
+        `split_at` (one record only, no prefix): also return each layer's state after the first `split_at` tokens,
+        for the state cache; the hidden states are those of the plain forward."""
         if split_at is not None and segments.count != 1:
             raise ValueError("state collection works on one record at a time")
-        if split_at is not None and (prefix is not None or not 0 < split_at <= input_ids.shape[0]):
+        if split_at is not None and (prefixes is not None or not 0 < split_at <= input_ids.shape[0]):
             raise ValueError(f"split_at={split_at} must lie within the record and cannot follow a prefix")
         collect = split_at is not None
         x = F.embedding(input_ids, self.embed)
@@ -213,11 +214,11 @@ class PackedBackbone:
         states: list[LayerState] | None = [] if collect else None
 
         def mix(index: int, layer: FastLayer, normed: torch.Tensor) -> torch.Tensor:
-            before = prefix[index] if prefix is not None else None
+            before = [layers[index] for layers in prefixes] if prefixes is not None else None
             if layer.kind == "linear_attention":
                 branch, state = self.gated_delta_net(layer, normed, segments, before, split_at)
             else:
-                branch, state = self.attention(layer, normed, cos, sin, segments, before, prefix_length, split_at)
+                branch, state = self.attention(layer, normed, cos, sin, segments, before, split_at)
             if states is not None:
                 states.append(state)
             return branch
@@ -282,13 +283,15 @@ class PackedBackbone:
 
         def mix(index: int, layer: FastLayer, normed: torch.Tensor) -> torch.Tensor:
             if layer.kind == "linear_attention":
-                branch, carried[index] = self.gated_delta_net(layer, normed, segments, carried[index], n)
+                before = carried[index]
+                branch, carried[index] = self.gated_delta_net(layer, normed, segments,
+                                                              None if before is None else [before], n)
                 return branch
             return self.attention_chunk(layer, normed, cos, sin, segments, buffers[index], start)
 
         return self._layers(x, mix, between_layers)
 
-    def gated_delta_net(self, layer: FastLayer, x: torch.Tensor, segments: Segments, before: LayerState | None,
+    def gated_delta_net(self, layer: FastLayer, x: torch.Tensor, segments: Segments, before: list[LayerState] | None,
                         split_at: int | None) -> tuple[torch.Tensor, LayerState | None]:
         n = x.shape[0]
         kern = self.kernels
@@ -302,19 +305,19 @@ class PackedBackbone:
         if before is None:
             q, k, v = kern.causal_conv(mixed, layer.conv_weight, segments, key_dim)
         elif segments.count == 1:
-            q, k, v = kern.causal_conv_after(mixed, layer.conv_weight, before.conv_tail, segments, key_dim)
-        else:  # records continuing after one state: each behind a copy of its conv tail, one pack of the plain conv
-            tails, rows = segments.behind(before.conv_tail.shape[0])
-            pieces = [piece for start, length in zip(segments.starts, segments.lengths)
-                      for piece in (before.conv_tail.to(mixed.dtype), mixed[start: start + length])]
+            q, k, v = kern.causal_conv_after(mixed, layer.conv_weight, before[0].conv_tail, segments, key_dim)
+        else:  # records continuing after cached states: each behind its state's conv tail, one pack of the plain conv
+            tails, rows = segments.behind(layer.conv_width - 1)
+            pieces = [piece for state, start, length in zip(before, segments.starts, segments.lengths)
+                      for piece in (state.conv_tail.to(mixed.dtype), mixed[start: start + length])]
             q, k, v = (part.index_select(0, rows) for part in
                        kern.causal_conv(torch.cat(pieces), layer.conv_weight, tails, key_dim))
         q = q.view(n, layer.k_heads, layer.k_head_dim)
         k = k.view(n, layer.k_heads, layer.k_head_dim)
         v = v.view(n, v_heads, layer.v_head_dim)
-        initial = None  # after a state: every record of the pack starts from its recurrent state
-        if before is not None:
-            initial = before.recurrent.expand(segments.count, *before.recurrent.shape[1:]).contiguous()
+        # after cached states: each record of the pack starts from its state's recurrent state
+        initial = None if before is None else before[0].recurrent if len(before) == 1 else torch.cat(
+            [state.recurrent for state in before])
         state = None
         if split_at is None or split_at == n:
             core, final = kern.gated_delta(q, k, v, a, b, layer.A_log, layer.dt_bias, segments, initial_state=initial,
@@ -333,14 +336,14 @@ class PackedBackbone:
             width = layer.conv_width - 1
             tail = mixed[max(0, split_at - width): split_at]
             if tail.shape[0] < width:  # fewer inputs than the conv reads: the earlier ones come from before
-                earlier = (before.conv_tail.to(tail.dtype) if before is not None
+                earlier = (before[0].conv_tail.to(tail.dtype) if before is not None
                            else tail.new_zeros(width, tail.shape[1]))
                 tail = torch.cat([earlier, tail])[-width:]
             state = LayerState(conv_tail=tail.contiguous(), recurrent=final)
         return out, state
 
     def attention(self, layer: FastLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                  segments: Segments, before: LayerState | None, prefix_length: int,
+                  segments: Segments, before: list[LayerState] | None,
                   split_at: int | None) -> tuple[torch.Tensor, LayerState | None]:
         n = x.shape[0]
         kern = self.kernels
@@ -351,11 +354,12 @@ class PackedBackbone:
         k = kern.norm_rope(projected, heads * dim * 2, dim, kv_heads, dim, layer.k_norm, cos, sin, self.eps)
         v = projected[:, heads * dim * 2 + kv_heads * dim:].view(n, kv_heads, dim)
         gate = projected[:, : heads * dim * 2].view(n, heads, 2 * dim)[..., dim:]
-        if before is not None and segments.count == 1:  # one record after the cached keys
-            out = kern.attention_after_prefix(q, torch.cat([before.keys, k]), torch.cat([before.values, v]),
-                                              prefix_length)
-        elif before is not None:  # each record of the pack after the same cached keys
-            out = kern.attention_after_shared_prefix(q, k, v, before.keys, before.values, segments)
+        if before is not None and segments.count == 1:  # one record after its cached keys
+            out = kern.attention_after_prefix(q, torch.cat([before[0].keys, k]), torch.cat([before[0].values, v]),
+                                              before[0].keys.shape[0])
+        elif before is not None:  # each record of the pack after its state's cached keys
+            out = kern.attention_after_prefixes(q, k, v, [state.keys for state in before],
+                                                [state.values for state in before], segments)
         else:
             out = kern.attention(q, k, v, segments)
         out = kern.sigmoid_gate(out.reshape(n, heads, dim), gate)

@@ -43,12 +43,15 @@ class Segments:
         return self.behind_tails[width]
 
 
-def make_segments(lengths: list[int], device: torch.device, *, first_position: int = 0) -> Segments:
+def make_segments(lengths: list[int], device: torch.device, *, first_position: int | list[int] = 0) -> Segments:
+    """`first_position`: each record's first position (after the cached tokens it continues), one for all or one
+    per record."""
     starts, cursor = [], 0
     for length in lengths:
         starts.append(cursor)
         cursor += length
-    positions = torch.cat([torch.arange(first_position, first_position + n) for n in lengths])
+    firsts = first_position if isinstance(first_position, list) else [first_position] * len(lengths)
+    positions = torch.cat([torch.arange(first, first + n) for first, n in zip(firsts, lengths, strict=True)])
     positions = positions.to(device, non_blocking=True)
     if len(lengths) == 1:  # no varlen for fla; the attention kernel still takes [0, n]
         cu_single = torch.tensor([0, lengths[0]], dtype=torch.int32).to(device, non_blocking=True)

@@ -260,19 +260,21 @@ def test_prefix_varlen_check_accepts_only_a_mask_aligned_to_the_last_key(monkeyp
 
 
 @pytest.mark.parametrize("copy_rows", [1 << 17, 200])
-def test_records_after_one_prefix_attend_as_each_alone_in_one_call_or_in_groups(monkeypatch, copy_rows):
-    """A sweep's variants after one cached state: the packed varlen call (its cached keys copied per record, in
-    groups when they would exceed the copy bound) answers what each record after the prefix answers alone."""
+def test_records_after_cached_states_attend_as_each_alone_in_one_call_or_in_groups(monkeypatch, copy_rows):
+    """Records continuing after cached states (a sweep's variants share one, a re-run's have their own): the packed
+    varlen call (each record's cached keys copied before its own, in groups when they would exceed the copy bound)
+    answers what each record after its prefix answers alone."""
     monkeypatch.setattr(attention, "_varlen_function", lambda: sdpa_as_varlen(True))
-    monkeypatch.setattr(attention, "SHARED_PREFIX_COPY_ROWS", copy_rows)
+    monkeypatch.setattr(attention, "PREFIX_COPY_ROWS", copy_rows)
     attention._varlen_parameters.cache_clear()
     generator = torch.Generator().manual_seed(4)
-    segments = make_segments([9, 31, 4], torch.device("cpu"), first_position=150)
+    segments = make_segments([9, 31, 4], torch.device("cpu"), first_position=[150, 150, 70])
     q, k, v = (torch.randn(segments.total, heads, 16, generator=generator) for heads in (4, 2, 2))
-    keys, values = torch.randn(2, 150, 2, 16, generator=generator)
-    got = attention.attention_after_shared_prefix_varlen(q, k, v, keys, values, segments)
+    shared_k, shared_v, own_k, own_v = torch.randn(4, 150, 2, 16, generator=generator)
+    keys, values = [shared_k, shared_k, own_k[:70]], [shared_v, shared_v, own_v[:70]]
+    got = attention.attention_after_prefixes_varlen(q, k, v, keys, values, segments)
     attention._varlen_parameters.cache_clear()
-    want = attention.attention_after_shared_prefix(q, k, v, keys, values, segments)
+    want = attention.attention_after_prefixes(q, k, v, keys, values, segments)
     assert (got - want).abs().max().item() <= 1e-5
 
 
