@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 import sys
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -59,6 +60,58 @@ def launch_chromium(playwright: Any):
     return playwright.chromium.launch(executable_path=CHROMIUM_PATH, args=CHROMIUM_ARGS, headless=True)
 
 
+class Reruns:
+    """The script runs a page asked its workbench for and the runs that ended, read off the page's websocket frames
+    (Streamlit's protobuf messages). A widget's change, a button, a page link and an upload's end each send a
+    `rerun_script` (an upload first sends `file_urls_request`); the server answers with `script_finished`, which also
+    answers any request that arrived while the script ran (Streamlit runs it once more for them). A run stopped for
+    such a rerun (FINISHED_EARLY_FOR_RERUN) answers nothing: another run follows."""
+
+    def __init__(self, page: Any) -> None:
+        self.asked = self.answered = 0  # request counts: sent, and sent before the latest finished run
+        page.on("websocket", self.watch)
+
+    def watch(self, websocket: Any) -> None:
+        if "/_stcore/stream" not in websocket.url:
+            return
+        self.answered = self.asked  # a new connection (load, reload): what the old one asked is moot
+        websocket.on("framesent", self.sent)
+        websocket.on("framereceived", self.received)
+
+    def sent(self, payload: bytes | str) -> None:
+        from streamlit.proto.BackMsg_pb2 import BackMsg
+
+        if isinstance(payload, bytes) and BackMsg.FromString(payload).WhichOneof("type") in (
+                "rerun_script", "file_urls_request"):
+            self.asked += 1
+
+    def received(self, payload: bytes | str) -> None:
+        from streamlit.proto.ForwardMsg_pb2 import ForwardMsg
+
+        if not isinstance(payload, bytes):
+            return
+        message = ForwardMsg.FromString(payload)
+        if message.WhichOneof("type") == "script_finished" and \
+                message.script_finished != ForwardMsg.ScriptFinishedStatus.FINISHED_EARLY_FOR_RERUN:
+            self.answered = self.asked
+
+    @property
+    def pending(self) -> bool:
+        return self.answered < self.asked
+
+
+RERUNS: weakref.WeakKeyDictionary[Any, Reruns] = weakref.WeakKeyDictionary()
+
+
+def new_page(browser: Any, **options: Any) -> Any:
+    """A page of `browser` (actions wait up to 60 s) whose script runs are followed (`RERUNS[page]`, for
+    browser_steps.settle)."""
+    page = browser.new_page(**options)
+    page.set_default_timeout(60_000)
+    RERUNS[page] = Reruns(page)
+    return page
+
+
 @contextmanager
 def chromium_page(*, width: int = 1440, height: int = 900, screenshot: Path | None = None,
                   **options: Any) -> Iterator[Any]:
@@ -68,8 +121,7 @@ def chromium_page(*, width: int = 1440, height: int = 900, screenshot: Path | No
 
     with playwright_api.sync_playwright() as playwright:
         browser = launch_chromium(playwright)
-        page = browser.new_page(viewport={"width": width, "height": height}, **options)
-        page.set_default_timeout(60_000)
+        page = new_page(browser, viewport={"width": width, "height": height}, **options)
         try:
             yield page
         finally:

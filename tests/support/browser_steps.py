@@ -5,20 +5,30 @@ data editor's row, and create a case set from a CSV file through the Case sets p
 from __future__ import annotations
 
 import re
+import time
 from collections.abc import Callable
 from pathlib import Path
 
 import playwright.sync_api as playwright_api
 
-from tests.support.browser import LONG
+from tests.support.browser import LONG, RERUNS
 
 expect = playwright_api.expect
 
 
 def settle(page, *, timeout: float | None = None) -> None:
-    """Wait for the rerun an interaction started: Streamlit marks the elements of a running script stale."""
-    page.wait_for_timeout(300)
+    """Wait for the reruns the page asked for to end (their `script_finished` came over the websocket), then for
+    Streamlit to have dropped the elements it marked stale and drawn two frames. An interaction that asked for no
+    rerun (opening a list, a tab already shown) waits only for the frames."""
+    reruns = RERUNS[page]
+    page.wait_for_timeout(20)  # events the browser sent during the last action reach `reruns` while Playwright waits
+    deadline = time.monotonic() + (timeout or 60_000) / 1000  # as long as any other wait (the page default)
+    while reruns.pending:
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{reruns.asked - reruns.answered} script run(s) never ended")
+        page.wait_for_timeout(25)
     page.wait_for_function("document.querySelectorAll('[data-stale=\"true\"]').length === 0", timeout=timeout)
+    page.evaluate("() => new Promise(done => requestAnimationFrame(() => requestAnimationFrame(done)))")
 
 
 def model_loaded(page) -> None:
