@@ -109,6 +109,7 @@ def test_an_image_over_the_limit_is_refused_in_words(page, tmp_path: Path):
     refusal.wait_for(timeout=LONG)
     assert refusal.is_visible()
     assert refusal.bounding_box()["height"] > 0, "in words on screen, not only for screen readers"
+    expect(page.get_by_test_id("stException")).to_have_count(0)  # a refusal, not a traceback
 
 
 # Issue 36, point 11: every element a person reads on any page, at every window size: its text is neither cut (a

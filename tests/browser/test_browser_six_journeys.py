@@ -3,8 +3,8 @@ Chromium session (Debian's headless Chromium through Playwright), one person goi
 
 (a) write and run a schema; (b) demo with an image and a video; (c) import a 50-case CSV, batch-run, browse,
 review, export; (d) two schema versions and Compare; (e) several models and a remote endpoint (a real `clef_engine
-serve` process on the tiny release); (f) bad input everywhere (a bad CSV, bad schema JSON, an oversize upload, a
-run whose every case is refused).
+serve` process on the tiny release); (f) bad input everywhere (a bad CSV, bad schema JSON; an oversize upload:
+test_browser_layout.py; a run whose every case is refused: test_browser_screens.py).
 
 After every step the page must tell the truth: no traceback, no run reading "finished" when every case failed, and
 the random-weights warning on screen wherever answers from a random-weight model are."""
@@ -343,30 +343,3 @@ def bad_input_everywhere(page, store: Store, tmp_path: Path) -> None:
     settle(page)
     expect(page.get_by_text(re.compile(r"^not valid JSON: .* at line 1, column 42$"))).to_be_visible()
     truthful(page)
-
-    # an image over the upload limit
-    from workbench_ui import state_input
-
-    big = tmp_path / "scan.png"
-    big.write_bytes(b"\x89PNG\r\n\x1a\n" + bytes(27 * state_input.MB - 8))
-    go_to(page, "Decide")
-    upload(page, "Images", big)
-    limit = f"{state_input.MAX_IMAGE_BYTES // state_input.MB} MB image limit"
-    expect(page.get_by_text(re.compile(rf"^scan\.png: 27\.0 MB is over the {limit}"))).to_be_visible(timeout=LONG)
-    truthful(page)
-
-    # a run whose every case is refused (a budget no state fits): it reads failed, never finished
-    set_id = store.create_case_set("Too long", schema_name="support-ticket-routing")
-    store.add_cases(set_id, [{"state": "A very long complaint. " * 400} for _ in range(2)])
-    go_to(page, "Runs")
-    open_start_a_run(page)
-    pick(page, "Case set", "Too long (2 cases)")
-    pick(page, "Model", "clef-demo", scope=page.get_by_test_id("stMain"))
-    # 2,048: the schema fits (a budget it does not fit keeps Start off, issue 36), no 5,600-token state does
-    fill(page.get_by_label("max_length (tokens)", exact=True), "2048")
-    page.get_by_role("button", name="Start run").click()
-    expect(page.get_by_text(re.compile(r"^The run failed: "))).to_be_visible(timeout=LONG)
-    expect(page.get_by_text(PROGRESS).first).to_contain_text("status failed")
-    truthful(page)
-    run = store.list_runs(set_id)[0]
-    assert (run["status"], run["errors"]) == ("failed", 2)
