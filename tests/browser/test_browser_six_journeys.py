@@ -3,8 +3,9 @@ Chromium session (Debian's headless Chromium through Playwright), one person goi
 
 (a) write and run a schema; (b) demo with an image and a video; (c) import a 50-case CSV, batch-run, browse,
 review, export; (d) two schema versions and Compare; (e) several models and a remote endpoint (a real `clef_engine
-serve` process on the tiny release); (f) bad input everywhere (a bad CSV, bad schema JSON; an oversize upload:
-test_browser_layout.py; a run whose every case is refused: test_browser_screens.py).
+serve` process on the tiny release); (f) bad input everywhere (a bad CSV, bad schema JSON). Checked elsewhere, not
+again here: review's keys and its export (test_browser_review.py), an oversize upload (test_browser_layout.py), a
+run whose every case is refused (test_browser_screens.py).
 
 After every step the page must tell the truth: no traceback, no run reading "finished" when every case failed, and
 the random-weights warning on screen wherever answers from a random-weight model are."""
@@ -24,7 +25,7 @@ from PIL import Image
 from clef_workbench.store import Store
 from tests.support import REPO, browser_steps
 from tests.support.browser import chromium_page, running_workbench
-from tests.support.browser_steps import new_case_set_from_csv, pick, press_shortcut
+from tests.support.browser_steps import new_case_set_from_csv, pick
 from tests.support.media import mp4_bytes
 from tests.support.servers import ServerProcess
 
@@ -208,31 +209,8 @@ def import_run_browse_review_export(page, store: Store, tmp_path: Path) -> None:
     assert len(list(csv.DictReader(io.StringIO(Path(download.value.path()).read_text())))) == 50
     truthful(page)
 
-    go_to(page, "Review")
+    go_to(page, "Review")  # reviewing by keyboard and the labels' export: test_browser_review.py
     random_weights_shown(page)
-    fill(page.get_by_label("Your name (recorded with every action)"), "ana")
-    add = page.get_by_role("button", name=re.compile(r"^Add \d+ item\(s\) to the queue$"))
-    add.click()
-    settle(page)
-    expect(page.locator(".st-key-review-card")).to_be_visible()
-    expect(page.get_by_role("button", name="Mark unknown")).to_be_enabled()
-    def unknown_saved() -> bool:  # its message may already be redrawn away: the store says
-        return any(item["status"] == "unknown" for run in store.list_runs()
-                   for item in store.list_review_items(run["id"]))
-
-    press_shortcut(page, "u", unknown_saved)  # unknown: never against a gold label
-    for _ in range(60):
-        if unknown_saved():
-            break
-        page.wait_for_timeout(500)
-    assert unknown_saved(), "pressing U twice saved nothing"
-    truthful(page)
-    random_weights_shown(page)
-    page.get_by_text("Export reviewed labels", exact=True).click()
-    with page.expect_download() as download:
-        page.get_by_role("button", name="Reviewed labels (CSV)").click()
-    labels = list(csv.DictReader(io.StringIO(Path(download.value.path()).read_text())))
-    assert [row["status"] for row in labels] == ["unknown"]
     truthful(page)
 
 
