@@ -7,7 +7,6 @@ import os
 import shutil
 import subprocess
 import sys
-import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -60,55 +59,57 @@ def launch_chromium(playwright: Any):
     return playwright.chromium.launch(executable_path=CHROMIUM_PATH, args=CHROMIUM_ARGS, headless=True)
 
 
-class Reruns:
-    """The script runs a page asked its workbench for and the runs that ended, read off the page's websocket frames
-    (Streamlit's protobuf messages). A widget's change, a button, a page link and an upload's end each send a
-    `rerun_script` (an upload first sends `file_urls_request`); the server answers with `script_finished`, which also
-    answers any request that arrived while the script ran (Streamlit runs it once more for them). A run stopped for
-    such a rerun (FINISHED_EARLY_FOR_RERUN) answers nothing: another run follows."""
-
-    def __init__(self, page: Any) -> None:
-        self.asked = self.answered = 0  # request counts: sent, and sent before the latest finished run
-        page.on("websocket", self.watch)
-
-    def watch(self, websocket: Any) -> None:
-        if "/_stcore/stream" not in websocket.url:
-            return
-        self.answered = self.asked  # a new connection (load, reload): what the old one asked is moot
-        websocket.on("framesent", self.sent)
-        websocket.on("framereceived", self.received)
-
-    def sent(self, payload: bytes | str) -> None:
-        from streamlit.proto.BackMsg_pb2 import BackMsg
-
-        if isinstance(payload, bytes) and BackMsg.FromString(payload).WhichOneof("type") in (
-                "rerun_script", "file_urls_request"):
-            self.asked += 1
-
-    def received(self, payload: bytes | str) -> None:
-        from streamlit.proto.ForwardMsg_pb2 import ForwardMsg
-
-        if not isinstance(payload, bytes):
-            return
-        message = ForwardMsg.FromString(payload)
-        if message.WhichOneof("type") == "script_finished" and \
-                message.script_finished != ForwardMsg.ScriptFinishedStatus.FINISHED_EARLY_FOR_RERUN:
-            self.answered = self.asked
-
-    @property
-    def pending(self) -> bool:
-        return self.answered < self.asked
-
-
-RERUNS: weakref.WeakKeyDictionary[Any, Reruns] = weakref.WeakKeyDictionary()
+# Counts, in the page, the script runs it asks its workbench for and the runs that ended, from the websocket's
+# protobuf messages (field numbers of Streamlit's BackMsg and ForwardMsg). A widget's change, a button, a page link
+# and an upload each send a rerun_script (11; an upload first a file_urls_request, 16), in the same event handler as
+# the interaction; the server answers with script_finished (6), which also answers the requests that arrived while
+# the script ran (Streamlit runs it once more for them). A run stopped for such a rerun (status 2,
+# FINISHED_EARLY_FOR_RERUN) answers nothing: another run follows. A new connection (load, reload) drops what the old
+# one asked.
+COUNT_RERUNS = """(() => {
+  const reruns = window.__reruns = {asked: 0, answered: 0};
+  const fields = bytes => {  // the top-level fields of a protobuf message: {number: varint value or true}
+    const found = {};
+    let at = 0;
+    const varint = () => { let value = 0, scale = 1, byte; do { byte = bytes[at++]; value += (byte & 127) * scale;
+                                                                 scale *= 128; } while (byte & 128); return value; };
+    while (at < bytes.length) {
+      const tag = varint(), number = Math.floor(tag / 8), wire = tag % 8;
+      if (wire === 0) found[number] = varint();
+      else if (wire === 2) { const length = varint(); at += length; found[number] = true; }
+      else if (wire === 1) at += 8;
+      else if (wire === 5) at += 4;
+      else break;
+    }
+    return found;
+  };
+  const asBytes = data => data instanceof ArrayBuffer ? new Uint8Array(data)
+    : ArrayBuffer.isView(data) ? new Uint8Array(data.buffer, data.byteOffset, data.byteLength) : null;
+  const send = WebSocket.prototype.send;
+  WebSocket.prototype.send = function (data) {
+    const bytes = asBytes(data);
+    if (bytes && this.url.includes("/_stcore/stream")) {
+      if (!this.__counted) {
+        this.__counted = true;
+        reruns.answered = reruns.asked;
+        this.addEventListener("message", event => {
+          const message = event.data instanceof ArrayBuffer ? fields(new Uint8Array(event.data)) : {};
+          if (6 in message && message[6] !== 2) reruns.answered = reruns.asked;
+        });
+      }
+      const message = fields(bytes);
+      if (11 in message || 16 in message) reruns.asked += 1;
+    }
+    return send.call(this, data);
+  };
+})()"""
 
 
 def new_page(browser: Any, **options: Any) -> Any:
-    """A page of `browser` (actions wait up to 60 s) whose script runs are followed (`RERUNS[page]`, for
-    browser_steps.settle)."""
+    """A page of `browser` (actions wait up to 60 s) that counts its script runs, for browser_steps.settle."""
     page = browser.new_page(**options)
     page.set_default_timeout(60_000)
-    RERUNS[page] = Reruns(page)
+    page.add_init_script(COUNT_RERUNS)
     return page
 
 

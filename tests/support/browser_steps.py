@@ -5,30 +5,31 @@ data editor's row, and create a case set from a CSV file through the Case sets p
 from __future__ import annotations
 
 import re
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 import playwright.sync_api as playwright_api
 
-from tests.support.browser import LONG, RERUNS
+from tests.support.browser import LONG
 
 expect = playwright_api.expect
 
 
+# No script run the page asked for is pending (browser.COUNT_RERUNS) and Streamlit has dropped the elements it marked
+# stale; true also on a page that has not loaded the workbench yet.
+SETTLED = """() => (!window.__reruns || window.__reruns.asked === window.__reruns.answered)
+                 && !document.querySelector('[data-stale="true"]')"""
+TWO_FRAMES = "() => new Promise(done => requestAnimationFrame(() => requestAnimationFrame(done)))"
+
+
 def settle(page, *, timeout: float | None = None) -> None:
-    """Wait for the reruns the page asked for to end (their `script_finished` came over the websocket), then for
-    Streamlit to have dropped the elements it marked stale and drawn two frames. An interaction that asked for no
-    rerun (opening a list, a tab already shown) waits only for the frames."""
-    reruns = RERUNS[page]
-    page.wait_for_timeout(20)  # events the browser sent during the last action reach `reruns` while Playwright waits
-    deadline = time.monotonic() + (timeout or 60_000) / 1000  # as long as any other wait (the page default)
-    while reruns.pending:
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{reruns.asked - reruns.answered} script run(s) never ended")
-        page.wait_for_timeout(25)
-    page.wait_for_function("document.querySelectorAll('[data-stale=\"true\"]').length === 0", timeout=timeout)
-    page.evaluate("() => new Promise(done => requestAnimationFrame(() => requestAnimationFrame(done)))")
+    """Wait until the script runs the page asked for have ended and their elements are drawn, still so two frames
+    later: an upload or a table's edit asks for its run a moment after the interaction that made it."""
+    while True:
+        page.wait_for_function(SETTLED, timeout=timeout)
+        page.evaluate(TWO_FRAMES)
+        if page.evaluate(SETTLED):
+            return
 
 
 def model_loaded(page) -> None:
