@@ -158,6 +158,8 @@ def demo_with_an_image_and_a_video(page, tmp_path: Path) -> None:
     upload(page, "Videos", clip)
     expect(page.get_by_text("doorstep.mp4: the model reads these 4 of 30 frames (15.0 fps source).")
            ).to_be_visible(timeout=LONG)
+    for index, seconds in ((0, 0.0), (10, 0.7), (19, 1.3), (29, 1.9)):  # the frames read, at 2 fps
+        expect(page.get_by_text(f"#{index} · {seconds:.1f}s", exact=True)).to_be_visible()
     truthful(page)
     # the answers of the text-only run are outdated now, and say why
     expect(page.get_by_text(re.compile(r"Outdated: the media has changed"))).to_be_visible()
@@ -166,6 +168,8 @@ def demo_with_an_image_and_a_video(page, tmp_path: Path) -> None:
     truthful(page)
     random_weights_shown(page)
     expect(page.get_by_text("Outdated:", exact=False)).to_have_count(0)
+    page.get_by_role("tab", name="Request JSON").click()  # the run's request carries the video
+    expect(page.locator('[data-testid="stCode"]').filter(has_text='"data:video/mp4;base64,')).not_to_have_count(0)
 
     page.reload()  # the media and the answers are still there
     expect(page.get_by_text(re.compile(r"parcel\.png · 64×48"))).to_be_visible(timeout=LONG)
