@@ -18,7 +18,7 @@ from clef_workbench import casesets
 from clef_workbench.store import Store
 from tests.support import REPO
 from tests.support.browser import chromium_page, running_workbench, workbench_page
-from tests.support.browser_steps import pick, settle
+from tests.support.browser_steps import pick, settle, settle_grid_change
 from tests.support.compare_runs import GRID_ANSWERS, GRID_CASES, GRID_SCHEMA, grid_response
 
 expect = playwright_api.expect
@@ -212,8 +212,7 @@ def test_the_matrix_colours_each_cell_shows_confidence_and_a_click_opens_each_ru
         # a click on the last row's first cell (model-a's wrong "urgent") opens the case as each run answered it
         expect(page.locator('[data-testid="stVegaLiteChart"]')).to_have_count(0)
         x, y = drawn[2][0][1]
-        page.mouse.click(box["x"] + x, box["y"] + y)
-        settle(page)
+        settle_grid_change(page, lambda: page.mouse.click(box["x"] + x, box["y"] + y))
         expect(page.get_by_role("heading", name=f"Case {case_ids[2]}")).to_be_visible()
         assert f"case={case_ids[2]}" in page.url
         expect(page.get_by_text("Expected: urgent = true, team = tech")).to_be_visible()
@@ -236,8 +235,7 @@ def test_the_first_click_after_the_disagreement_filter_opens_its_case(grid_workb
         matrix.scroll_into_view_if_needed()
         x, y = drawn_grid(page, matrix)[2][0][1]
         box = matrix.bounding_box()
-        page.mouse.click(box["x"] + x, box["y"] + y)
-        settle(page)
+        settle_grid_change(page, lambda: page.mouse.click(box["x"] + x, box["y"] + y))
 
     with grid_page(grid_workbench, "filter") as (page, _, _, case_ids):
         click_the_last_rows_first_cell()
