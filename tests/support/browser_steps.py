@@ -20,8 +20,7 @@ expect = playwright_api.expect
 # stale; true also on a page that has not loaded the workbench yet.
 SETTLED = """() => (!window.__reruns || window.__reruns.asked === window.__reruns.answered)
                  && !document.querySelector('[data-stale="true"]')"""
-SETTLED_TWO_FRAMES_LATER = f"""() => new Promise(done => requestAnimationFrame(() => requestAnimationFrame(
-                                     () => done(({SETTLED})()))))"""
+TWO_FRAMES = "() => new Promise(done => requestAnimationFrame(() => requestAnimationFrame(done)))"
 
 
 def settle(page, *, timeout: float | None = None) -> None:
@@ -29,7 +28,8 @@ def settle(page, *, timeout: float | None = None) -> None:
     later: an upload or a table's edit asks for its run a moment after the interaction that made it."""
     while True:
         page.wait_for_function(SETTLED, timeout=timeout)
-        if page.evaluate(SETTLED_TWO_FRAMES_LATER):
+        page.evaluate(TWO_FRAMES)
+        if page.evaluate(SETTLED):
             return
 
 
