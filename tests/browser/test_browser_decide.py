@@ -1,6 +1,6 @@
 """The Decide page in a real browser: `streamlit run app.py` as a subprocess, Debian's headless Chromium through
 Playwright. Writes a JSON state, builds a schema with one question of each type, runs it on the demo model, sees
-the charts, attaches an image and runs again."""
+the charts, attaches an image and runs again. (A video upload: test_browser_six_journeys.py.)"""
 
 from __future__ import annotations
 
@@ -15,7 +15,6 @@ from PIL import Image
 
 from tests.support.browser import chromium_page, running_workbench
 from tests.support.browser_steps import commit, pick, settle
-from tests.support.media import mp4_bytes
 
 expect = playwright_api.expect
 expect.set_options(timeout=60_000)  # two CPU cores shared with the model and other work: reruns can take seconds
@@ -128,30 +127,6 @@ def decide_scenario(page, tmp_path: Path) -> None:
     expect(request_code).to_contain_text("[photo.png, ")
     expect(page.locator('[data-testid="stVegaLiteChart"] canvas, [data-testid="stVegaLiteChart"] svg.marks')
            ).to_have_count(4)
-
-
-def test_video_upload_previews_the_sampled_frames_and_runs(page, tmp_path: Path):
-    """An MP4 of 30 frames at 15 fps: the page shows the 4 frames the model reads (2 fps), and the run carries it."""
-
-    expect(page.get_by_text("clef-demo has random weights: its answers mean nothing")).to_be_visible(timeout=LONG)
-    state = page.locator('textarea[aria-label="State"]')
-    state.fill("Dashcam clip of the parking lot.")
-    commit(state)
-    pick(page, "New question type", "noul", exact=True)
-    page.get_by_role("button", name="Add question").click()
-    settle(page)
-    clip = tmp_path / "clip.mp4"
-    clip.write_bytes(mp4_bytes(frames=30, fps=15))
-    uploader = page.locator('[data-testid="stFileUploader"]').filter(has_text="Videos")
-    uploader.locator('input[type="file"]').set_input_files(str(clip))
-    expect(page.get_by_text("clip.mp4: the model reads these 4 of 30 frames (15.0 fps source).")
-           ).to_be_visible(timeout=LONG)
-    for index, seconds in ((0, 0.0), (10, 0.7), (19, 1.3), (29, 1.9)):
-        expect(page.get_by_text(f"#{index} · {seconds:.1f}s", exact=True)).to_be_visible()
-    page.get_by_role("button", name="Run").click()
-    expect(page.get_by_text(re.compile(r"^Tokens: prefix \d+ · media [1-9]\d*"))).to_be_visible(timeout=LONG)
-    page.get_by_role("tab", name="Request JSON").click()
-    expect(page.locator('[data-testid="stCode"]').nth(1)).to_contain_text('"data:video/mp4;base64,')
 
 
 def test_an_uploaded_image_and_the_answers_survive_a_reload(page, tmp_path: Path):

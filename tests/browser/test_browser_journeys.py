@@ -279,6 +279,9 @@ PAGE_TEXT = """() => ({
 })"""
 
 
+DRAWN = "() => !document.querySelector('[data-stale=\"true\"]')"  # no element of a finished run left stale
+
+
 def value_now(field) -> str | None:
     """The field's value, or None while a redraw has it off the page (a probe: the caller looks again)."""
     try:
@@ -346,10 +349,12 @@ def test_the_runs_page_follows_a_run_to_its_end_and_keeps_a_search_typed_meanwhi
             assert label_count.group(1) == progress.group(1), (label, progress.group(0))
         search = page.get_by_role("textbox", name="Search the states and answers")
         if not searched and progress and int(progress.group(1)) < total * 3 // 4 and search.count() == 1:
-            settle(page)  # as a person: the results are drawn, then typed into
+            # as a person: the results are drawn, then typed into. Not settle(): the progress asks for a rerun at
+            # each refresh while the run goes, so the page's runs only all end with the run
+            page.wait_for_function(DRAWN)
             search.fill("refund")  # typed while the run goes and the results redraw themselves (every case matches)
             search.press("Tab")
-            settle(page)
+            page.wait_for_function(DRAWN)
             expect(search).to_have_value("refund")  # taken (a loss later is the redraws' doing)
             searched = True
         if (value_now(picker) or "").endswith(f"{total}/{total} · finished"):

@@ -15,7 +15,7 @@ import playwright.sync_api as playwright_api
 import pytest
 
 from tests.support import REPO
-from tests.support.browser import chromium_page, demo_workbench, launch_chromium, running_workbench
+from tests.support.browser import chromium_page, demo_workbench, launch_chromium, new_page, running_workbench
 from tests.support.browser_steps import go_to, settle
 from tests.support.sweeps import seeded_sweep
 
@@ -109,6 +109,7 @@ def test_an_image_over_the_limit_is_refused_in_words(page, tmp_path: Path):
     refusal.wait_for(timeout=LONG)
     assert refusal.is_visible()
     assert refusal.bounding_box()["height"] > 0, "in words on screen, not only for screen readers"
+    expect(page.get_by_test_id("stException")).to_have_count(0)  # a refusal, not a traceback
 
 
 # Issue 36, point 11: every element a person reads on any page, at every window size: its text is neither cut (a
@@ -199,8 +200,7 @@ def every_page_at_every_size(url: str, run_ids: list[int], root: Path) -> dict[s
 
     with playwright_api.sync_playwright() as playwright:
         browser = launch_chromium(playwright)
-        page = browser.new_page(viewport={"width": 1440, "height": 900})
-        page.set_default_timeout(60_000)
+        page = new_page(browser, viewport={"width": 1440, "height": 900})
         found = {}
         try:
             page.goto(url)

@@ -129,6 +129,8 @@ def a_refused_run_reads_failed_everywhere(page, store: Store) -> None:
     settle(page)
     page.get_by_role("button", name="Start run").click()
     expect(page.get_by_text(re.compile(r"^The run failed: "))).to_be_visible(timeout=LONG)
+    progress = page.get_by_text(re.compile(r"\d+ / \d+ cases · \d+ errors · status ")).first
+    expect(progress).to_contain_text("status failed")  # never "finished" when every case failed
     settle(page)
     run_id = store.list_runs(set_id)[0]["id"]
     # the same status everywhere, within one refresh of the progress

@@ -3,8 +3,9 @@ Chromium session (Debian's headless Chromium through Playwright), one person goi
 
 (a) write and run a schema; (b) demo with an image and a video; (c) import a 50-case CSV, batch-run, browse,
 review, export; (d) two schema versions and Compare; (e) several models and a remote endpoint (a real `clef_engine
-serve` process on the tiny release); (f) bad input everywhere (a bad CSV, bad schema JSON, an oversize upload, a
-run whose every case is refused).
+serve` process on the tiny release); (f) bad input everywhere (a bad CSV, bad schema JSON). Checked elsewhere, not
+again here: review's keys and its export (test_browser_review.py), an oversize upload (test_browser_layout.py), a
+run whose every case is refused (test_browser_screens.py).
 
 After every step the page must tell the truth: no traceback, no run reading "finished" when every case failed, and
 the random-weights warning on screen wherever answers from a random-weight model are."""
@@ -24,7 +25,7 @@ from PIL import Image
 from clef_workbench.store import Store
 from tests.support import REPO, browser_steps
 from tests.support.browser import chromium_page, running_workbench
-from tests.support.browser_steps import new_case_set_from_csv, pick, press_shortcut
+from tests.support.browser_steps import new_case_set_from_csv, pick
 from tests.support.media import mp4_bytes
 from tests.support.servers import ServerProcess
 
@@ -157,6 +158,8 @@ def demo_with_an_image_and_a_video(page, tmp_path: Path) -> None:
     upload(page, "Videos", clip)
     expect(page.get_by_text("doorstep.mp4: the model reads these 4 of 30 frames (15.0 fps source).")
            ).to_be_visible(timeout=LONG)
+    for index, seconds in ((0, 0.0), (10, 0.7), (19, 1.3), (29, 1.9)):  # the frames read, at 2 fps
+        expect(page.get_by_text(f"#{index} · {seconds:.1f}s", exact=True)).to_be_visible()
     truthful(page)
     # the answers of the text-only run are outdated now, and say why
     expect(page.get_by_text(re.compile(r"Outdated: the media has changed"))).to_be_visible()
@@ -165,6 +168,8 @@ def demo_with_an_image_and_a_video(page, tmp_path: Path) -> None:
     truthful(page)
     random_weights_shown(page)
     expect(page.get_by_text("Outdated:", exact=False)).to_have_count(0)
+    page.get_by_role("tab", name="Request JSON").click()  # the run's request carries the video
+    expect(page.locator('[data-testid="stCode"]').filter(has_text='"data:video/mp4;base64,')).not_to_have_count(0)
 
     page.reload()  # the media and the answers are still there
     expect(page.get_by_text(re.compile(r"parcel\.png · 64×48"))).to_be_visible(timeout=LONG)
@@ -208,31 +213,8 @@ def import_run_browse_review_export(page, store: Store, tmp_path: Path) -> None:
     assert len(list(csv.DictReader(io.StringIO(Path(download.value.path()).read_text())))) == 50
     truthful(page)
 
-    go_to(page, "Review")
+    go_to(page, "Review")  # reviewing by keyboard and the labels' export: test_browser_review.py
     random_weights_shown(page)
-    fill(page.get_by_label("Your name (recorded with every action)"), "ana")
-    add = page.get_by_role("button", name=re.compile(r"^Add \d+ item\(s\) to the queue$"))
-    add.click()
-    settle(page)
-    expect(page.locator(".st-key-review-card")).to_be_visible()
-    expect(page.get_by_role("button", name="Mark unknown")).to_be_enabled()
-    def unknown_saved() -> bool:  # its message may already be redrawn away: the store says
-        return any(item["status"] == "unknown" for run in store.list_runs()
-                   for item in store.list_review_items(run["id"]))
-
-    press_shortcut(page, "u", unknown_saved)  # unknown: never against a gold label
-    for _ in range(60):
-        if unknown_saved():
-            break
-        page.wait_for_timeout(500)
-    assert unknown_saved(), "pressing U twice saved nothing"
-    truthful(page)
-    random_weights_shown(page)
-    page.get_by_text("Export reviewed labels", exact=True).click()
-    with page.expect_download() as download:
-        page.get_by_role("button", name="Reviewed labels (CSV)").click()
-    labels = list(csv.DictReader(io.StringIO(Path(download.value.path()).read_text())))
-    assert [row["status"] for row in labels] == ["unknown"]
     truthful(page)
 
 
@@ -343,30 +325,3 @@ def bad_input_everywhere(page, store: Store, tmp_path: Path) -> None:
     settle(page)
     expect(page.get_by_text(re.compile(r"^not valid JSON: .* at line 1, column 42$"))).to_be_visible()
     truthful(page)
-
-    # an image over the upload limit
-    from workbench_ui import state_input
-
-    big = tmp_path / "scan.png"
-    big.write_bytes(b"\x89PNG\r\n\x1a\n" + bytes(27 * state_input.MB - 8))
-    go_to(page, "Decide")
-    upload(page, "Images", big)
-    limit = f"{state_input.MAX_IMAGE_BYTES // state_input.MB} MB image limit"
-    expect(page.get_by_text(re.compile(rf"^scan\.png: 27\.0 MB is over the {limit}"))).to_be_visible(timeout=LONG)
-    truthful(page)
-
-    # a run whose every case is refused (a budget no state fits): it reads failed, never finished
-    set_id = store.create_case_set("Too long", schema_name="support-ticket-routing")
-    store.add_cases(set_id, [{"state": "A very long complaint. " * 400} for _ in range(2)])
-    go_to(page, "Runs")
-    open_start_a_run(page)
-    pick(page, "Case set", "Too long (2 cases)")
-    pick(page, "Model", "clef-demo", scope=page.get_by_test_id("stMain"))
-    # 2,048: the schema fits (a budget it does not fit keeps Start off, issue 36), no 5,600-token state does
-    fill(page.get_by_label("max_length (tokens)", exact=True), "2048")
-    page.get_by_role("button", name="Start run").click()
-    expect(page.get_by_text(re.compile(r"^The run failed: "))).to_be_visible(timeout=LONG)
-    expect(page.get_by_text(PROGRESS).first).to_contain_text("status failed")
-    truthful(page)
-    run = store.list_runs(set_id)[0]
-    assert (run["status"], run["errors"]) == ("failed", 2)

@@ -59,6 +59,60 @@ def launch_chromium(playwright: Any):
     return playwright.chromium.launch(executable_path=CHROMIUM_PATH, args=CHROMIUM_ARGS, headless=True)
 
 
+# Counts, in the page, the script runs it asks its workbench for and the runs that ended, from the websocket's
+# protobuf messages (field numbers of Streamlit's BackMsg and ForwardMsg). A widget's change, a button, a page link
+# and an upload each send a rerun_script (11; an upload first a file_urls_request, 16), in the same event handler as
+# the interaction; the server answers with script_finished (6), which also answers the requests that arrived while
+# the script ran (Streamlit runs it once more for them). A run stopped for such a rerun (status 2,
+# FINISHED_EARLY_FOR_RERUN) answers nothing: another run follows. A new connection (load, reload) drops what the old
+# one asked.
+COUNT_RERUNS = """(() => {
+  const reruns = window.__reruns = {asked: 0, answered: 0};
+  const fields = bytes => {  // the top-level fields of a protobuf message: {number: varint value or true}
+    const found = {};
+    let at = 0;
+    const varint = () => { let value = 0, scale = 1, byte; do { byte = bytes[at++]; value += (byte & 127) * scale;
+                                                                 scale *= 128; } while (byte & 128); return value; };
+    while (at < bytes.length) {
+      const tag = varint(), number = Math.floor(tag / 8), wire = tag % 8;
+      if (wire === 0) found[number] = varint();
+      else if (wire === 2) { const length = varint(); at += length; found[number] = true; }
+      else if (wire === 1) at += 8;
+      else if (wire === 5) at += 4;
+      else break;
+    }
+    return found;
+  };
+  const asBytes = data => data instanceof ArrayBuffer ? new Uint8Array(data)
+    : ArrayBuffer.isView(data) ? new Uint8Array(data.buffer, data.byteOffset, data.byteLength) : null;
+  const send = WebSocket.prototype.send;
+  WebSocket.prototype.send = function (data) {
+    const bytes = asBytes(data);
+    if (bytes && this.url.includes("/_stcore/stream")) {
+      if (!this.__counted) {
+        this.__counted = true;
+        reruns.answered = reruns.asked;
+        this.addEventListener("message", event => {
+          const message = event.data instanceof ArrayBuffer ? fields(new Uint8Array(event.data)) : {};
+          if (6 in message && message[6] !== 2) reruns.answered = reruns.asked;
+        });
+      }
+      const message = fields(bytes);
+      if (11 in message || 16 in message) reruns.asked += 1;
+    }
+    return send.call(this, data);
+  };
+})()"""
+
+
+def new_page(browser: Any, **options: Any) -> Any:
+    """A page of `browser` (actions wait up to 60 s) that counts its script runs, for browser_steps.settle."""
+    page = browser.new_page(**options)
+    page.set_default_timeout(60_000)
+    page.add_init_script(COUNT_RERUNS)
+    return page
+
+
 @contextmanager
 def chromium_page(*, width: int = 1440, height: int = 900, screenshot: Path | None = None,
                   **options: Any) -> Iterator[Any]:
@@ -68,8 +122,7 @@ def chromium_page(*, width: int = 1440, height: int = 900, screenshot: Path | No
 
     with playwright_api.sync_playwright() as playwright:
         browser = launch_chromium(playwright)
-        page = browser.new_page(viewport={"width": width, "height": height}, **options)
-        page.set_default_timeout(60_000)
+        page = new_page(browser, viewport={"width": width, "height": height}, **options)
         try:
             yield page
         finally:

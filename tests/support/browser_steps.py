@@ -4,6 +4,7 @@ data editor's row, and create a case set from a CSV file through the Case sets p
 
 from __future__ import annotations
 
+import contextlib
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -15,10 +16,35 @@ from tests.support.browser import LONG
 expect = playwright_api.expect
 
 
+# No script run the page asked for is pending (browser.COUNT_RERUNS) and Streamlit has dropped the elements it marked
+# stale; true also on a page that has not loaded the workbench yet.
+SETTLED = """() => (!window.__reruns || window.__reruns.asked === window.__reruns.answered)
+                 && !document.querySelector('[data-stale="true"]')"""
+TWO_FRAMES = "() => new Promise(done => requestAnimationFrame(() => requestAnimationFrame(done)))"
+
+
 def settle(page, *, timeout: float | None = None) -> None:
-    """Wait for the rerun an interaction started: Streamlit marks the elements of a running script stale."""
-    page.wait_for_timeout(300)
-    page.wait_for_function("document.querySelectorAll('[data-stale=\"true\"]').length === 0", timeout=timeout)
+    """Wait until the script runs the page asked for have ended and their elements are drawn, still so two frames
+    later: an upload or a table's edit asks for its run a moment after the interaction that made it."""
+    while True:
+        page.wait_for_function(SETTLED, timeout=timeout)
+        page.evaluate(TWO_FRAMES)
+        if page.evaluate(SETTLED):
+            return
+
+
+ASKED = "(() => window.__reruns ? window.__reruns.asked : 0)"
+
+
+def settle_grid_change(page, change: Callable[[], object], *, patience_ms: int = 5_000) -> None:
+    """Make `change` on a data grid (a click on a cell, a row deleted) and settle. A grid sends its selection or edit
+    150 ms after the change (Streamlit debounces them), after any two frames: wait for it to be sent first, for up
+    to `patience_ms` (a click that changed nothing sends nothing)."""
+    asked = page.evaluate(ASKED)
+    change()
+    with contextlib.suppress(playwright_api.TimeoutError):
+        page.wait_for_function(f"() => {ASKED}() > {asked}", timeout=patience_ms)
+    settle(page)
 
 
 def model_loaded(page) -> None:
@@ -99,8 +125,7 @@ def delete_row(page, grid, index: int) -> None:
             break
         except AssertionError:
             continue
-    delete_rows.click()
-    settle(page)
+    settle_grid_change(page, delete_rows.click)
 
 
 def new_case_set_from_csv(page, name: str, schema: str, csv_path: Path, cases: int) -> None:
