@@ -316,8 +316,7 @@ class PackedBackbone:
         k = k.view(n, layer.k_heads, layer.k_head_dim)
         v = v.view(n, v_heads, layer.v_head_dim)
         # after cached states: each record of the pack starts from its state's recurrent state
-        initial = None if before is None else before[0].recurrent if len(before) == 1 else torch.cat(
-            [state.recurrent for state in before])
+        initial = torch.cat([state.recurrent for state in before]) if before is not None else None
         state = None
         if split_at is None or split_at == n:
             core, final = kern.gated_delta(q, k, v, a, b, layer.A_log, layer.dt_bias, segments, initial_state=initial,
