@@ -19,7 +19,12 @@ store; a base schema of 3 choice questions of 3 options and a noul (~340 tokens)
 - rerun_s: a plain run of the base with one question's instructions edited, right after the sweep (its states are
   cached: each record continues from its state);
 - naive_s: the 20 variants as 20 plain runs, cache emptied before each; when BENCH_DEADLINE_S (560) would pass, the
-  runs measured are scaled to 20 (`naive_runs_measured` says how many were).
+  runs measured are scaled to 20 (`naive_runs_measured` says how many were);
+- detail.profile (a diagnostic, after the re-run): one case's 20 variants (`Engine.decide_variants`, state cache
+  emptied) under torch.profiler (GPU busy time against wall time, kernels by category), and again with a device
+  sync around each phase (the state's prefill, the backbone over the variants, each variant's head, encoding);
+  then a sweep of the first 12 cases under the profiler (`sweep_of_12_cases`: GPU busy time against wall time in
+  the sweep's own loop, its held-out check included).
 
 Writes OUT.json after every step: the issue's keys at the top level, the rest under "detail".
 """
@@ -108,6 +113,45 @@ def plain_run(engine, store, case_set_id: int, schema: dict) -> float:
     return seconds
 
 
+def phases(engine, fn, iterations: int = 2) -> dict:
+    """Per call of `fn`: milliseconds in each of the runner's phases, each timed with a device sync around it (the
+    syncs add idle time; the prefill's backbone forward and head count in theirs too), and the call in all."""
+    runner = engine.runner
+    spent: dict[str, float] = {}
+
+    def sync() -> None:
+        if engine.config.cuda:
+            torch.cuda.synchronize()
+
+    def timed(owner, attribute: str, name: str) -> None:
+        inner = getattr(owner, attribute)
+
+        def wrapper(*args, **kwargs):
+            sync()
+            started = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                sync()
+                spent[name] = spent.get(name, 0.0) + time.perf_counter() - started
+        setattr(owner, attribute, wrapper)
+
+    timed(runner, "prefill_and_keep", "state_prefill_whole_record")
+    timed(runner, "head_one", "heads")
+    timed(runner.backbone, "forward", "backbone_forwards")
+    timed(engine.encoder, "encode", "encode")
+    started = time.perf_counter()
+    try:
+        for _ in range(iterations):
+            fn()
+    finally:
+        for owner, attribute in ((runner, "prefill_and_keep"), (runner, "head_one"), (runner.backbone, "forward"),
+                                 (engine.encoder, "encode")):
+            delattr(owner, attribute)
+    spent["call"] = time.perf_counter() - started
+    return {name: round(seconds * 1000 / iterations, 1) for name, seconds in spent.items()}
+
+
 def main() -> int:
     global OUT
     OUT = Path(sys.argv[1])
@@ -159,9 +203,16 @@ def main() -> int:
         engine.runner.state_cache.clear(reset_stats=True)
         sweep_id = sweeps.start_sweep(store, case_set_id, schema, variants, model_id="clef")
         before = engine.runner.state_prefills
+        case_done: list[float] = []
         started = time.perf_counter()
-        progress = sweeps.run_sweep(store, sweep_id, engine)
+        progress = sweeps.run_sweep(store, sweep_id, engine, progress=lambda p: case_done.append(time.perf_counter())
+                                    if p.status == "running" else None)
         results["sweep_s"] = round(time.perf_counter() - started, 2)
+        tenth = max(1, len(case_done) // 10)  # the first and the last tenth of the cases: does a case slow down
+        detail["sweep_timeline"] = {"first_tenth_s_per_case": round((case_done[tenth - 1] - started) / tenth, 3),
+                                    "last_tenth_s_per_case": round((case_done[-1] - case_done[-tenth - 1]) / tenth, 3)
+                                    if len(case_done) > tenth else None,
+                                    "heldout_s": round(time.perf_counter() - case_done[-1], 2)}
         cache = engine.runner.state_cache.stats()
         detail["sweep"] = {"status": progress.status, "state_prefills": engine.runner.state_prefills - before,
                            "answers": len(store.list_sweep_answers(sweep_id)), "state_cache": cache,
@@ -190,9 +241,35 @@ def main() -> int:
         detail["naive_runs_measured"] = len(seconds)
         detail["naive_run_s"] = [round(s, 2) for s in seconds]
 
+    @section("profile", needs_s=60)
+    def profile_case() -> None:
+        from clef_workbench.casesets import build_request
+
+        case = store.get_case(store.list_cases(case_set_id)[0]["id"])
+        requests = [build_request(case, v.schema, model="clef") for v in [sweeps.base_variant(schema), *variants]]
+
+        def one_case() -> None:
+            engine.runner.state_cache.clear()
+            engine.decide_variants(requests)
+
+        one_case()
+        detail["profile"] = {"kernels": build.kernel_table(one_case, iterations=2) if engine.config.cuda else None,
+                             "phases_ms": phases(engine, one_case)}
+        few = store.create_case_set("bench sweep, the first 12 cases")
+        store.add_cases(few, [{"state": c["state"], "expected": c["expected"]}
+                              for c in store.list_cases(case_set_id)[:12]])
+
+        def a_sweep() -> None:  # the same cases' states again: under the profiler in the sweep's loop, threads and all
+            engine.runner.state_cache.clear()
+            sweeps.run_sweep(store, sweeps.start_sweep(store, few, schema, variants, model_id="clef"), engine)
+
+        detail["profile"]["sweep_of_12_cases"] = (build.kernel_table(a_sweep, iterations=1) if engine.config.cuda
+                                                  else a_sweep())  # on the CPU: the script only
+
     measure_plain()
     measure_sweep()
     measure_rerun()
+    profile_case()
     measure_naive()
     if results["plain_run_s"]:
         detail["ratios"] = {key: round(results[key] / results["plain_run_s"], 2)

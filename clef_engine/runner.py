@@ -29,7 +29,7 @@ from .model.encoding import DEFAULT_MAX_LENGTH, EncodedRecord
 from .model.head import HeadBatch, JointSchemaHead, layout, option_probabilities
 from .scheduler import BatchSteps
 
-LAYERS_AHEAD = 1  # in a bulk batch, how many layers the host may launch ahead of the GPU
+MAX_LAYERS_AHEAD = 8  # in a bulk batch, the most layers the host may launch ahead of the GPU (see between_layers)
 SHARED_SPLITS = 4  # at most so many points where a Why record's variants continue from its states
 LONG_ATTENTION_WARM_TOKENS = 2 * DEFAULT_MAX_LENGTH  # warm-up builds cuDNN's attention plans up to this length
 UNCHECKED = BatchSteps()  # a batch run outside the scheduler (tests, benchmarks): nothing to stop or let in
@@ -95,9 +95,7 @@ class PlainRunner:
                  steps: BatchSteps = UNCHECKED) -> Probabilities:
         """The head over one record's normed hidden states and memory."""
         steps.stop_if_abandoned()
-        batch = layout([record], [0], [len(record)]).to(self.device)
-        logits = self.head.decide_from_memory(normed, memory, self.output_embeddings, batch)
-        return split_probabilities(logits, batch, [record])[0]
+        return self.head_from_memory(normed, memory, [record], [0], [len(record)])[0]
 
     def head_probabilities(self, hidden_flat: torch.Tensor, records: list[EncodedRecord], offsets: list[int],
                            lengths: list[int], steps: BatchSteps = UNCHECKED) -> list[Probabilities]:
@@ -105,8 +103,14 @@ class PlainRunner:
         if len(records) == 1:
             normed, memory = self.head.token_memory(hidden_flat[offsets[0]: offsets[0] + lengths[0]].to(self.dtype))
             return [self.head_one(normed, memory, records[0], steps)]
+        return self.head_from_memory(*self.head.token_memory(hidden_flat.to(self.dtype)), records, offsets, lengths)
+
+    def head_from_memory(self, normed: torch.Tensor, memory: torch.Tensor, records: list[EncodedRecord],
+                         offsets: list[int], lengths: list[int]) -> list[Probabilities]:
+        """The head over records whose normed hidden states and memory start at flat rows `offsets`: one host
+        sync for them all."""
         batch = layout(records, offsets, lengths).to(self.device)
-        logits = self.head(hidden_flat.to(self.dtype), self.output_embeddings, batch)
+        logits = self.head.decide_from_memory(normed, memory, self.output_embeddings, batch)
         return split_probabilities(logits, batch, records)
 
     def warm_up_steps(self) -> list[Callable[[], Any]]:
@@ -194,7 +198,7 @@ class PackedRunner(PlainRunner):
             lengths = [len(r) for r in chosen]
             segments = make_segments(lengths, self.device)
             hidden, _ = self.backbone.forward(pack_ids(chosen, self.device), segments,
-                                              between_layers=self.between_layers(steps))
+                                              between_layers=self.between_layers(steps, sum(lengths)))
             for i, probs in zip(pack, self.head_probabilities(hidden, chosen, segments.starts, lengths, steps)):
                 results[i] = probs
         self._forward_padded(records, [i for i, r in enumerate(records) if r.has_media], results, steps)
@@ -206,18 +210,22 @@ class PackedRunner(PlainRunner):
         share one): the backbone over each one's tokens after its state only, continuing from it, then the head.
         One record runs from a CUDA graph once a stored state is reused (`graph` off for a state used once);
         several run as packs of up to `bulk_batch_tokens` new tokens, one backbone forward each: twenty forwards
-        of a few hundred tokens would leave the GPU mostly idle, the host launching kernels."""
-        between = self.between_layers(steps)
+        of a few hundred tokens would leave the GPU mostly idle, the host launching kernels, and so would a head
+        and its host sync per record: each pack's records go through the head at once."""
+        new_tokens = [len(r) - s.length for r, s in zip(records, states, strict=True)]
         if len(records) == 1:
-            inputs = self.prefix.forward_after(records, states, alone=True, graph=graph, between_layers=between)
-            return [self.head_one(*next(inputs), records[0], steps)]
+            normed, memory = self.prefix.forward_after(records, states, alone=True, graph=graph,
+                                                       between_layers=self.between_layers(steps, new_tokens[0]))
+            return [self.head_one(normed, memory, records[0], steps)]
         answers: list[Probabilities] = []
-        for pack in packs_after([len(r) - s.length for r, s in zip(records, states, strict=True)],
-                                self.config.bulk_batch_tokens):
+        for pack in packs_after(new_tokens, self.config.bulk_batch_tokens):
             chosen = [records[i] for i in pack]
-            inputs = self.prefix.forward_after(chosen, [states[i] for i in pack], between_layers=between)
-            answers += [self.head_one(normed, memory, record, steps)
-                        for record, (normed, memory) in zip(chosen, inputs)]
+            between = self.between_layers(steps, sum(new_tokens[i] for i in pack))
+            normed, memory = self.prefix.forward_after(chosen, [states[i] for i in pack], between_layers=between)
+            steps.stop_if_abandoned()
+            lengths = [len(record) for record in chosen]
+            answers += self.head_from_memory(normed, memory, chosen, list(itertools.accumulate([0, *lengths[:-1]])),
+                                             lengths)
         return answers
 
     def forward_shared(self, item: SharedPrefixes, steps: BatchSteps = UNCHECKED) -> list[Probabilities]:
@@ -245,7 +253,7 @@ class PackedRunner(PlainRunner):
         normed, memory, _ = chunked_head_inputs(self.backbone, ids, self.head.token_memory, self.dtype,
                                                 self.config.prefill_chunk_tokens or len(record),
                                                 splits=sorted(variants_at), on_split=continue_variants,
-                                                between_layers=self.between_layers(steps))
+                                                between_layers=self.between_layers(steps, len(record)))
         results[0] = self.head_one(normed, memory, record, steps)
         return [results[i] for i in range(len(item.records))]
 
@@ -264,12 +272,12 @@ class PackedRunner(PlainRunner):
         ids = torch.tensor(record.input_ids, dtype=torch.long).to(self.device, non_blocking=True)
         if 0 < chunk < len(record):
             normed, memory, _ = chunked_head_inputs(self.backbone, ids, self.head.token_memory, self.dtype, chunk,
-                                                    between_layers=self.between_layers(steps))
+                                                    between_layers=self.between_layers(steps, chunk))
             return self.head_one(normed, memory, record, steps)
         hidden = self.graphs.run(ids)
         if hidden is None:
             hidden, _ = self.backbone.forward(ids, make_segments([len(record)], self.device),
-                                              between_layers=self.between_layers(steps))
+                                              between_layers=self.between_layers(steps, len(record)))
         normed, memory = self.head.token_memory(hidden.to(self.dtype))
         return self.head_one(normed, memory, record, steps)
 
@@ -284,7 +292,7 @@ class PackedRunner(PlainRunner):
                          steps: BatchSteps = UNCHECKED) -> tuple[Probabilities, PrefixState]:
         """One text record computed whole, and its state, kept under `key` in the state cache once it is answered."""
         self.start_prefill(record)
-        normed, memory, state = self.prefix.forward_for_store(record, self.between_layers(steps),
+        normed, memory, state = self.prefix.forward_for_store(record, self.between_layers(steps, len(record)),
                                                               self.config.prefill_chunk_tokens)
         answer = self.head_one(normed, memory, record, steps)  # the answer's host sync first: storing after
         self.state_cache.put(key, state)
@@ -294,29 +302,37 @@ class PackedRunner(PlainRunner):
                          steps: BatchSteps = UNCHECKED) -> tuple[list[Probabilities], set[int]]:
         """Text records grouped by their state (its tokens before the schema, and media), whatever its length
         (`min_prefix_tokens` weighs one reuse; a schema sweep's variants are many): per group the state comes from
-        the cache, or the group's first record computes it (`prefill_and_keep`), and the others continue from it.
-        Returns the probabilities and the indices of the records that computed a state."""
+        the cache, or the group's first record computes it (`prefill_and_keep`); then every other record of every
+        group continues from its group's state, together (`continue_from`'s packs). Returns the probabilities and
+        the indices of the records that computed a state."""
         groups: dict[str, list[int]] = {}
         for i, record in enumerate(records):
             key = prefix_key(self.prefix.model_key, record.input_ids[: record.state_end], record.media_digest)
             groups.setdefault(key, []).append(i)
         results: dict[int, Probabilities] = {}
         computed: set[int] = set()
+        continuing: list[int] = []
+        states: list[PrefixState] = []
         for key, indices in groups.items():
             state = self.state_cache.get(key)
             if state is None:
                 first, indices = indices[0], indices[1:]
                 results[first], state = self.prefill_and_keep(records[first], key, steps)
                 computed.add(first)
-            results.update(zip(indices, self.continue_from([records[i] for i in indices], [state] * len(indices),
-                                                           steps)))
+            continuing += indices
+            states += [state] * len(indices)
+        if continuing:
+            results.update(zip(continuing, self.continue_from([records[i] for i in continuing], states, steps)))
         return [results[i] for i in range(len(records))], computed
 
-    def between_layers(self, steps: BatchSteps) -> Callable[[int], None]:
-        """For an eager forward: called between layers, it stops the batch once every request in it was abandoned,
-        and, inside a bulk batch, keeps the host at most LAYERS_AHEAD layers ahead of the GPU and lets the
-        interactive requests waiting run: they queue on the GPU behind a few layers of the bulk batch instead of
-        all of it."""
+    def between_layers(self, steps: BatchSteps, tokens: int) -> Callable[[int], None]:
+        """For an eager forward of `tokens` tokens: called between layers, it stops the batch once every request in
+        it was abandoned, and, inside a bulk batch, keeps the host about one full pack's layer of GPU work ahead of
+        the GPU (`bulk_batch_tokens` // `tokens` layers, 1 to MAX_LAYERS_AHEAD) and lets the interactive requests
+        waiting run: they queue on the GPU behind that much of the bulk batch instead of all of it. A small
+        forward's layer is short: one layer ahead, the GPU idled whenever the host, back from its wait, waited for
+        the GIL longer than that (another thread running Python holds it up to the 5 ms switch interval)."""
+        ahead = min(MAX_LAYERS_AHEAD, max(1, self.config.bulk_batch_tokens // max(1, tokens)))
         if not steps.bulk:
             return lambda _index: steps.stop_if_abandoned()
         launched: list[torch.cuda.Event] = []
@@ -327,7 +343,7 @@ class PackedRunner(PlainRunner):
                 event = torch.cuda.Event()
                 event.record()
                 launched.append(event)
-                if len(launched) > LAYERS_AHEAD:
+                if len(launched) > ahead:
                     launched.pop(0).synchronize()
             steps.let_interactive_in()
 

@@ -24,7 +24,6 @@ import itertools
 import queue
 import threading
 from collections import OrderedDict
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -259,16 +258,16 @@ class PrefixCache:
         return normed, memory, PrefixState(length, layers, memory[:length])
 
     def forward_after(self, records, states: list[PrefixState], *, alone: bool = False, graph: bool = False,
-                      between_layers=None) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+                      between_layers=None) -> tuple[torch.Tensor, torch.Tensor]:
         """The backbone over the tokens after each record's stored state only (the schema + suffix), continuing
         from it, the records as one pack (a sweep's variants over one state, a re-run's records over theirs: one
-        backbone forward); then each record's head inputs in turn, one whole-record copy at a time (rows of the
-        state's tokens are zero in `normed`: the head reads them only through the stored memory). `alone`: one
-        record, right-padded to a bucket length (a graph per bucket, and GEMMs of odd row counts run slower per
-        token; padding after the last real token changes nothing before it: the backbone is causal); `graph`: it
-        replays the state's continuation graph, captured on the state's second reuse alone, not its first: a
-        capture costs about three eager runs, and a plain run over cached states reuses each once; off for a state
-        used once (Why)."""
+        backbone forward); then the head's inputs of the whole records, one after another as the head's packed
+        layout reads them (rows of a state's tokens are zero in `normed`: the head reads them only through the
+        stored memory). `alone`: one record, right-padded to a bucket length (a graph per bucket, and GEMMs of odd
+        row counts run slower per token; padding after the last real token changes nothing before it: the backbone
+        is causal); `graph`: it replays the state's continuation graph, captured on the state's second reuse alone,
+        not its first: a capture costs about three eager runs, and a plain run over cached states reuses each once;
+        off for a state used once (Why)."""
         from .graphs import bucket
         from .segments import make_segments
 
@@ -287,14 +286,10 @@ class PrefixCache:
             hidden, _ = self.backbone.forward(tokens, segments, prefixes=[state.layers for state in states],
                                               between_layers=between_layers)
         normed_new, memory_new = self.head.token_memory(hidden[: sum(lengths)].to(self.dtype))
-        for record, state, row, n in zip(records, states, itertools.accumulate([0, *lengths]), lengths):
-            yield _whole_record(len(record), state, normed_new[row: row + n], memory_new[row: row + n])
-
-
-def _whole_record(length: int, state: PrefixState, normed_new: torch.Tensor,
-                  memory_new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The head's inputs of a whole record from those of its tokens after `state`: `normed` zero over the state's
-    rows (the head reads them only through the memory), the memory the state's then the new tokens'."""
-    normed = normed_new.new_zeros(length, normed_new.shape[-1])
-    normed[state.length:] = normed_new
-    return normed, torch.cat([state.memory.to(memory_new.dtype), memory_new])
+        normed = normed_new.new_zeros(sum(len(record) for record in records), normed_new.shape[-1])
+        memory = []
+        for record, state, start, new, n in zip(records, states, itertools.accumulate([0, *map(len, records)]),
+                                                itertools.accumulate([0, *lengths]), lengths):
+            normed[start + state.length: start + len(record)] = normed_new[new: new + n]
+            memory += [state.memory.to(memory_new.dtype), memory_new[new: new + n]]
+        return normed, torch.cat(memory)

@@ -40,13 +40,28 @@ def forwards_after_a_state(tiny_engine, monkeypatch):
     return seen
 
 
+@pytest.fixture
+def head_calls(tiny_engine, monkeypatch):
+    """How many times the head ran (each call ends in one host sync)."""
+    calls: list[int] = []
+    head = tiny_engine.runner.head
+    decide = head.decide_from_memory
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return decide(*args, **kwargs)
+
+    monkeypatch.setattr(head, "decide_from_memory", counting)
+    return calls
+
+
 def requests() -> list[dict]:
     return [{"state": STATE, "questions": questions} for questions in QUESTIONS]
 
 
 @pytest.mark.parametrize("pack_tokens", [None, 250])
 def test_the_variants_of_a_state_run_as_packs_and_answer_as_each_alone(tiny_engine, forwards_after_a_state,
-                                                                       monkeypatch, pack_tokens):
+                                                                       head_calls, monkeypatch, pack_tokens):
     runner = tiny_engine.runner
     if pack_tokens is not None:  # small packs: the variants split over several forwards
         monkeypatch.setattr(runner, "config", dataclasses.replace(runner.config, bulk_batch_tokens=pack_tokens))
@@ -57,8 +72,10 @@ def test_the_variants_of_a_state_run_as_packs_and_answer_as_each_alone(tiny_engi
     new_tokens = [len(r) - state_length for r in records[1:]]  # the first record computes the state
     if pack_tokens is None:
         assert forwards_after_a_state == [sum(new_tokens)]  # one forward for every variant, not one each
+        assert len(head_calls) == 2  # the state's record, then every variant at once: not a host sync each
     else:
         assert len(forwards_after_a_state) > 1 and sum(forwards_after_a_state) == sum(new_tokens)
+        assert len(head_calls) == 1 + len(forwards_after_a_state)
         assert all(n <= pack_tokens or n == max(new_tokens) for n in forwards_after_a_state)
     alone = [tiny_engine.probabilities([r])[0] for r in requests()]
     for ours, theirs in zip(shared, alone, strict=True):
