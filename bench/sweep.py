@@ -229,7 +229,7 @@ def main() -> int:
         results["rerun_s"] = round(plain_run(engine, store, case_set_id, edited), 2)
         detail["rerun_cache_hits"] = engine.runner.state_cache.stats()["hits"] - hits
 
-    @section("naive")
+    @section("naive", needs_s=50)
     def measure_naive() -> None:
         seconds = []
         for variant in [sweeps.base_variant(schema), *variants]:
