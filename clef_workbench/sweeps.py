@@ -35,6 +35,7 @@ from clef_workbench.stats import bootstrap_interval, ece_statistic, mean
 from clef_workbench.store import Answered, Response, RunSettings, Store, Sweep, SweepAnswer, SweepVariant
 
 MAX_VARIANTS = 64  # a sweep's variants, the base included
+HELDOUT_CASES_PER_CALL = 32  # a held-out check's cases, one request each, decided together: one pack, not 32
 DEFAULT_FOLDS = 5
 DEFAULT_SEED = 0
 ECE_BINS = 10
@@ -365,33 +366,53 @@ def start_sweep(store: Store, case_set_id: int, schema: dict[str, Any], variants
 
 
 def _computed(store: Store, sweep: Sweep, case_ids: list[int], schemas: Callable[[int], list[dict[str, Any]]],
-              engine: Any, stop: Callable[[], bool]) -> Iterator[tuple[int, tuple[list[tuple[Any, str | None]], int]]]:
+              engine: Any, stop: Callable[[], bool],
+              cases_per_call: int = 1) -> Iterator[tuple[int, tuple[list[tuple[Any, str | None]], int]]]:
     """(case id, `distributed.decide_case`'s outcome for the case under `schemas(case id)`) of each case, in
-    process, or on Ray's replicas when `engine` is a distributed.ReplicaPool (each replica doing all schemas of its
-    cases)."""
+    process (`cases_per_call` cases in one engine call), or on Ray's replicas when `engine` is a
+    distributed.ReplicaPool (each replica doing all schemas of its cases)."""
     def requests(case_id: int) -> list[dict]:
         case = store.get_case(case_id)
         return [build_request(case, schema, model=sweep["model_id"]) for schema in schemas(case_id)]
 
-    from clef_workbench.distributed import ReplicaPool, decide_case, on_replicas
+    from clef_workbench.distributed import ReplicaPool, on_replicas
 
     if isinstance(engine, ReplicaPool):
         yield from on_replicas(engine, iter(case_ids), lambda actor, case_id: actor.decide_variants.remote(
             requests(case_id), sweep["settings"]), stop)
         return
-    # two cases in flight: the next one is validated and encoded while the GPU runs this one (one after the
+    calls = [case_ids[start: start + cases_per_call] for start in range(0, len(case_ids), cases_per_call)]
+    # two calls in flight: the next one is validated and encoded while the GPU runs this one (one after the
     # other, the GPU waited on the host between every two cases)
-    in_flight: deque[tuple[int, Future]] = deque()
+    in_flight: deque[Future] = deque()
     with ThreadPoolExecutor(max_workers=2, thread_name_prefix="sweep-case") as pool:
-        for case_id in case_ids:
+        for call in calls:
             if stop():
                 break
-            in_flight.append((case_id, pool.submit(decide_case, engine, requests(case_id), sweep["settings"])))
+            in_flight.append(pool.submit(_decide_together, engine, [(c, requests(c)) for c in call],
+                                         sweep["settings"]))
             if len(in_flight) == 2:
-                done_id, outcome = in_flight.popleft()
-                yield done_id, outcome.result()
-        for done_id, outcome in in_flight:
-            yield done_id, outcome.result()
+                yield from in_flight.popleft().result()
+        for outcome in in_flight:
+            yield from outcome.result()
+
+
+def _decide_together(engine: Any, cases: list[tuple[int, list[dict]]],
+                     settings: dict[str, Any]) -> list[tuple[int, tuple[list[tuple[Any, str | None]], int]]]:
+    """`decide_case` of several cases' requests in one call (a held-out check's one request per case: their
+    continuations run as packs, not one forward each), split back per case; each case alone again when the call
+    answered none (a case over the token budget fails the whole call), so that its error is not the others'."""
+    from clef_workbench.distributed import decide_case
+
+    answers, _ = decide_case(engine, [request for _, requests in cases for request in requests], settings)
+    if len(cases) > 1 and all(response is None for response, _ in answers):
+        return [(case_id, decide_case(engine, requests, settings)) for case_id, requests in cases]
+    outcomes, start = [], 0
+    for case_id, requests in cases:
+        mine, start = answers[start: start + len(requests)], start + len(requests)
+        outcomes.append((case_id, (mine, sum(1 for response, _ in mine
+                                             if response is not None and not response.get("x_state_cached")))))
+    return outcomes
 
 
 def _run_heldout(store: Store, sweep_id: int, engine: Any, stop: Callable[[], bool]) -> tuple[int, bool]:
@@ -413,7 +434,8 @@ def _run_heldout(store: Store, sweep_id: int, engine: Any, stop: Callable[[], bo
             and (c, position[c]) not in answered]
     prefills = computed = 0
     for case_id, (outcome, case_prefills) in _computed(
-            store, sweep, left, lambda c: [sweep["variants"][position[c]]["schema"]], engine, stop):
+            store, sweep, left, lambda c: [sweep["variants"][position[c]]["schema"]], engine, stop,
+            HELDOUT_CASES_PER_CALL):
         store.record_sweep_answers(sweep_id, case_id, [(position[case_id], *outcome[0])])
         prefills += case_prefills
         computed += 1

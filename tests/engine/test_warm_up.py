@@ -78,6 +78,26 @@ def test_requests_run_on_the_plain_kernels_until_the_warm_up_has_compiled_the_fa
         engine.close(wait=True)
 
 
+def test_the_warm_up_compiles_the_kernels_that_continue_from_a_kept_state(tiny_engine, monkeypatch):
+    """A sweep's first case and a re-run's first batch keep a state and continue from it: on the H200 the compiles
+    and autotuning of those kernels slowed a sweep's first 20 cases by ~14 s. The warm-up's compile of the chosen
+    kernels runs them too."""
+    from clef_engine.fast import kernels
+
+    continued: list[int] = []
+
+    def attention_after_prefixes(*args, **kwargs):  # the chosen kernel, as the plain one under another name
+        continued.append(1)
+        return kernels.attention_after_prefixes(*args, **kwargs)
+
+    monkeypatch.setattr(PackedBackbone, "select_kernels",
+                        lambda self: kernels.Kernels(attention_after_prefixes=attention_after_prefixes))
+    monkeypatch.setattr(tiny_engine.runner, "plain_until_warm", True)  # as on CUDA with a warm-up
+    chosen = tiny_engine.runner.compile_fast_kernels()
+    assert chosen is not None and chosen.attention_after_prefixes is attention_after_prefixes
+    assert continued
+
+
 def test_the_warm_up_steps_wait_behind_requests(tiny_release, monkeypatch):
     """A step asks for the worker as bulk work: an interactive request queued after it still runs first."""
     gate = threading.Event()
