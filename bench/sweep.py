@@ -11,7 +11,9 @@ at BENCH_STATE_CACHE_GIB (64) so that every case's state stays cached for the re
 
 A case set of BENCH_CASES (200) cases, each state ~BENCH_STATE_TOKENS (2,100: past the cache's 2,048-token
 `min_prefix_tokens`, so that a plain run finds the states) tokens, with random gold labels, in a workbench SQLite
-store; a base schema of 3 choice questions of 3 options and a noul (~340 tokens), and its 19 automatic variants:
+store; a base schema of BENCH_QUESTIONS (3) questions, a noul and choices of 3 options (~340 tokens after the state,
+the issue's workload; 4 questions: ~440), its automatic variants (13 for 3 questions) and alternatives written as an
+analyst writes them (one question's instructions reworded each) up to 19 variants besides the base:
 
 - plain_run_s: one run of the base schema through the workbench's JobRunner (what the Runs page does);
 - sweep_s: the sweep of the 20 variants (`sweeps.run_sweep`: one state per case, every variant continued from it),
@@ -53,6 +55,7 @@ CACHE_GIB = float(os.environ.get("BENCH_STATE_CACHE_GIB", "1" if SMOKE else "64"
 RELEASE = Path(os.environ.get("BENCH_RELEASE_DIR") or (tempfile.mkdtemp(prefix="clef-sweep-release-") if SMOKE
                                                        else "/tmp/clef-27b-random"))
 VARIANTS = 20
+QUESTIONS = int(os.environ.get("BENCH_QUESTIONS", "3"))  # 3: ~340 tokens after the state, the issue's schema
 
 results: dict = {"sweep_s": None, "plain_run_s": None, "naive_s": None, "rerun_s": None, "variants": None,
                  "cases": CASES, "command": " ".join([sys.executable.rsplit("/", 1)[-1], *sys.argv]),
@@ -79,6 +82,20 @@ def release(tiny: Path) -> None:
     (RELEASE / ".complete").write_text("written by bench/sweep.py\n")
     results["detail"]["release"] = {"written": str(RELEASE), **written}
     save()
+
+
+def written_variants(schema: dict, count: int) -> list:
+    """`count` alternatives an analyst writes (`sweeps.variants_from_json`): one question's instructions reworded
+    each, the questions in turn."""
+    from clef_workbench import sweeps
+
+    ids = list(schema["questions"])
+    entries = [{"name": f"{ids[n % len(ids)]} reworded {n // len(ids) + 1}",
+                "questions": {ids[n % len(ids)]: {**schema["questions"][ids[n % len(ids)]],
+                                                  "instructions": f"Rewording {n + 1}: "
+                                                  + schema["questions"][ids[n % len(ids)]]["instructions"]}}}
+               for n in range(count)]
+    return sweeps.variants_from_json(json.dumps(entries), schema) if entries else []
 
 
 def case_set(engine, store, questions: dict) -> int:
@@ -181,13 +198,15 @@ def main() -> int:
     if engine.config.cuda:
         detail["gpu"] = torch.cuda.get_device_name()
         detail["memory_loaded_gib"] = build.gib(engine.loaded_bytes)
-    schema = {"name": "bench", "version": 1, "description": "", "questions": build.schema(4, 3, seed=3, noul_every=4)}
+    schema = {"name": "bench", "version": 1, "description": "",
+              "questions": build.schema(QUESTIONS, 3, seed=3, noul_every=4)}
     store = Store(Path(tempfile.mkdtemp(prefix="clef-sweep-db-")) / "bench.sqlite3")
     case_set_id = case_set(engine, store, schema["questions"])
     counts = engine.count_tokens({"state": store.list_cases(case_set_id)[0]["state"], "questions": schema["questions"]})
     detail["tokens"] = {"record": counts["total"], "state": counts["state"], "schema_and_rest": counts["total"]
                         - counts["state"]}
     variants = sweeps.auto_variants(schema)
+    variants += written_variants(schema, VARIANTS - 1 - len(variants))
     results["variants"] = len(variants) + 1
     save()
     print(f"loaded in {detail['load_s']} s; {CASES} cases of {counts['total']} tokens; {len(variants) + 1} variants",
