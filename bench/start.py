@@ -23,7 +23,10 @@ machine session can start warm with CLEF_CACHE_DIR pointing there. The release i
 shape takes 55 GB of the disk) unless --keep, which leaves it in DIRECTORY/<model> with bench/sweep.py's
 `.complete` marker (BENCH_RELEASE_DIR). OUT is merged into if it exists, and saved after every process.
 BENCH_PROFILE_LOAD=1 adds a third, warm process whose `clef_engine.load` runs under cProfile (a diagnostic, in
-`detail.<model>.profiled_load`; its times are not the start figures).
+`detail.<model>.profiled_load`; its times are not the start figures). BENCH_WRITE_BYTECODE=1 starts the processes
+without PYTHONDONTWRITEBYTECODE, which the H200's image sets: the cold process then writes the `.pyc` files a pip
+install into `.venv` (scripts/setup.sh) writes at install time, and the warm one reads them, as on a user's machine
+(`detail.write_bytecode` says which way it ran).
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ REQUEST = {"model": "start", "state": "a customer asks for a refund of order 123
            "questions": {"refund_due": {"type": "noul", "instructions": "Is a refund due?"}}}
 FIRST_ANSWER = "first-answer"  # the child's line the parent times
 PROFILE_LOAD = os.environ.get("BENCH_PROFILE_LOAD_CHILD") == "1"  # set by the parent for its profiled process
+WRITE_BYTECODE = os.environ.get("BENCH_WRITE_BYTECODE") == "1"
 
 
 def child(release: Path) -> None:
@@ -89,6 +93,8 @@ def fresh_process(release: Path, cache: Path, extra_env: dict | None = None) -> 
         env["CLEF_WARM_UP"] = "1"  # off on the CPU by default: the smoke run checks the background path too
     for name in ("TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR"):
         env.pop(name, None)  # the engine puts them in the cache folder
+    if WRITE_BYTECODE:
+        env.pop("PYTHONDONTWRITEBYTECODE", None)
     started = time.perf_counter()
     process = subprocess.Popen([sys.executable, __file__, "--child", str(release)], stdout=subprocess.PIPE,
                                text=True, env=env)
@@ -142,6 +148,7 @@ def measure(model: str, directory: Path, results: dict, save, keep: bool) -> Non
     os.sync()
     detail["page_cache_dropped"] = drop_from_page_cache(release)
     detail["disk_read_gb_s"] = disk_read_gb_s(release)
+    detail["write_bytecode"] = WRITE_BYTECODE
     cache = directory / f"cache-{model}"
     shutil.rmtree(cache, ignore_errors=True)
     for run in ("cold", "warm"):
