@@ -29,7 +29,7 @@ from .model.encoding import DEFAULT_MAX_LENGTH, EncodedRecord
 from .model.head import HeadBatch, JointSchemaHead, layout, option_probabilities
 from .scheduler import BatchSteps
 
-MAX_LAYERS_AHEAD = 8  # in a bulk batch, the most layers the host may launch ahead of the GPU (see between_layers)
+LAYERS_AHEAD = 1  # in a bulk batch, how many layers the host may launch ahead of the GPU
 SHARED_SPLITS = 4  # at most so many points where a Why record's variants continue from its states
 LONG_ATTENTION_WARM_TOKENS = 2 * DEFAULT_MAX_LENGTH  # warm-up builds cuDNN's attention plans up to this length
 UNCHECKED = BatchSteps()  # a batch run outside the scheduler (tests, benchmarks): nothing to stop or let in
@@ -198,7 +198,7 @@ class PackedRunner(PlainRunner):
             lengths = [len(r) for r in chosen]
             segments = make_segments(lengths, self.device)
             hidden, _ = self.backbone.forward(pack_ids(chosen, self.device), segments,
-                                              between_layers=self.between_layers(steps, sum(lengths)))
+                                              between_layers=self.between_layers(steps))
             for i, probs in zip(pack, self.head_probabilities(hidden, chosen, segments.starts, lengths, steps)):
                 results[i] = probs
         self._forward_padded(records, [i for i, r in enumerate(records) if r.has_media], results, steps)
@@ -215,12 +215,12 @@ class PackedRunner(PlainRunner):
         new_tokens = [len(r) - s.length for r, s in zip(records, states, strict=True)]
         if len(records) == 1:
             normed, memory = self.prefix.forward_after(records, states, alone=True, graph=graph,
-                                                       between_layers=self.between_layers(steps, new_tokens[0]))
+                                                       between_layers=self.between_layers(steps))
             return [self.head_one(normed, memory, records[0], steps)]
         answers: list[Probabilities] = []
         for pack in packs_after(new_tokens, self.config.bulk_batch_tokens):
             chosen = [records[i] for i in pack]
-            between = self.between_layers(steps, sum(new_tokens[i] for i in pack))
+            between = self.between_layers(steps)
             normed, memory = self.prefix.forward_after(chosen, [states[i] for i in pack], between_layers=between)
             steps.stop_if_abandoned()
             lengths = [len(record) for record in chosen]
@@ -253,7 +253,7 @@ class PackedRunner(PlainRunner):
         normed, memory, _ = chunked_head_inputs(self.backbone, ids, self.head.token_memory, self.dtype,
                                                 self.config.prefill_chunk_tokens or len(record),
                                                 splits=sorted(variants_at), on_split=continue_variants,
-                                                between_layers=self.between_layers(steps, len(record)))
+                                                between_layers=self.between_layers(steps))
         results[0] = self.head_one(normed, memory, record, steps)
         return [results[i] for i in range(len(item.records))]
 
@@ -272,12 +272,12 @@ class PackedRunner(PlainRunner):
         ids = torch.tensor(record.input_ids, dtype=torch.long).to(self.device, non_blocking=True)
         if 0 < chunk < len(record):
             normed, memory, _ = chunked_head_inputs(self.backbone, ids, self.head.token_memory, self.dtype, chunk,
-                                                    between_layers=self.between_layers(steps, chunk))
+                                                    between_layers=self.between_layers(steps))
             return self.head_one(normed, memory, record, steps)
         hidden = self.graphs.run(ids)
         if hidden is None:
             hidden, _ = self.backbone.forward(ids, make_segments([len(record)], self.device),
-                                              between_layers=self.between_layers(steps, len(record)))
+                                              between_layers=self.between_layers(steps))
         normed, memory = self.head.token_memory(hidden.to(self.dtype))
         return self.head_one(normed, memory, record, steps)
 
@@ -292,7 +292,7 @@ class PackedRunner(PlainRunner):
                          steps: BatchSteps = UNCHECKED) -> tuple[Probabilities, PrefixState]:
         """One text record computed whole, and its state, kept under `key` in the state cache once it is answered."""
         self.start_prefill(record)
-        normed, memory, state = self.prefix.forward_for_store(record, self.between_layers(steps, len(record)),
+        normed, memory, state = self.prefix.forward_for_store(record, self.between_layers(steps),
                                                               self.config.prefill_chunk_tokens)
         answer = self.head_one(normed, memory, record, steps)  # the answer's host sync first: storing after
         self.state_cache.put(key, state)
@@ -325,14 +325,11 @@ class PackedRunner(PlainRunner):
             results.update(zip(continuing, self.continue_from([records[i] for i in continuing], states, steps)))
         return [results[i] for i in range(len(records))], computed
 
-    def between_layers(self, steps: BatchSteps, tokens: int) -> Callable[[int], None]:
-        """For an eager forward of `tokens` tokens: called between layers, it stops the batch once every request in
-        it was abandoned, and, inside a bulk batch, keeps the host about one full pack's layer of GPU work ahead of
-        the GPU (`bulk_batch_tokens` // `tokens` layers, 1 to MAX_LAYERS_AHEAD) and lets the interactive requests
-        waiting run: they queue on the GPU behind that much of the bulk batch instead of all of it. A small
-        forward's layer is short: one layer ahead, the GPU idled whenever the host, back from its wait, waited for
-        the GIL longer than that (another thread running Python holds it up to the 5 ms switch interval)."""
-        ahead = min(MAX_LAYERS_AHEAD, max(1, self.config.bulk_batch_tokens // max(1, tokens)))
+    def between_layers(self, steps: BatchSteps) -> Callable[[int], None]:
+        """For an eager forward: called between layers, it stops the batch once every request in it was abandoned,
+        and, inside a bulk batch, keeps the host at most LAYERS_AHEAD layers ahead of the GPU and lets the
+        interactive requests waiting run: they queue on the GPU behind a few layers of the bulk batch instead of
+        all of it."""
         if not steps.bulk:
             return lambda _index: steps.stop_if_abandoned()
         launched: list[torch.cuda.Event] = []
@@ -343,7 +340,7 @@ class PackedRunner(PlainRunner):
                 event = torch.cuda.Event()
                 event.record()
                 launched.append(event)
-                if len(launched) > ahead:
+                if len(launched) > LAYERS_AHEAD:
                     launched.pop(0).synchronize()
             steps.let_interactive_in()
 
