@@ -7,7 +7,7 @@ import json
 import os
 import sqlite3
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import UTC, datetime
 from pathlib import Path
@@ -78,6 +78,12 @@ def _dumps(value: Any) -> str:
 
 def _loads(text: str | None) -> Any:
     return None if text is None else json.loads(text)
+
+
+def filtered(query: str, filters: dict[str, Any]) -> tuple[str, list[Any]]:
+    """`query` (which has a WHERE) narrowed to rows whose columns equal the filters that are not None; its params."""
+    given = {column: value for column, value in filters.items() if value is not None}
+    return query + "".join(f" AND {column} = ?" for column in given), list(given.values())
 
 
 class StoreBase:
@@ -180,6 +186,14 @@ class StoreBase:
                     conn.execute(statement)
                 conn.execute(f"PRAGMA user_version={number}")
 
+    def _one(self, query: str, params: Sequence[Any], missing: str, conn: sqlite3.Connection | None = None
+             ) -> sqlite3.Row:
+        """The row `query` finds (on `conn`, else this thread's connection); NotFoundError(`missing`) if none."""
+        row = (conn or self._conn()).execute(query, params).fetchone()
+        if row is None:
+            raise NotFoundError(missing)
+        return row
+
     @staticmethod
     def _decoded(row: sqlite3.Row, *columns: str) -> dict[str, Any]:
         """The row as a dict, each `<column>_json` decoded under `column`."""
@@ -207,10 +221,9 @@ class StoreBase:
         """Soft-delete (or restore) one row of `kind`'s table and log it; `refuse` says why it may not be, if so."""
         table, words = {"case_set": ("case_sets", "case set"), "case": ("cases", "case"), "run": ("runs", "run")}[kind]
         with self._write() as conn:
-            row = conn.execute(f"SELECT * FROM {table} WHERE id = ? AND deleted_at IS {'' if deleted else 'NOT '}NULL",
-                               (object_id,)).fetchone()
-            if row is None:
-                raise NotFoundError(f"{words} {object_id} {'does not exist' if deleted else 'is not deleted'}")
+            row = self._one(f"SELECT * FROM {table} WHERE id = ? AND deleted_at IS {'' if deleted else 'NOT '}NULL",
+                            (object_id,), f"{words} {object_id} {'does not exist' if deleted else 'is not deleted'}",
+                            conn)
             reason = refuse(conn, row)
             if reason:
                 raise StoreError(reason)
@@ -228,9 +241,6 @@ class StoreBase:
 
     def list_changes(self, *, kind: str | None = None) -> list[Change]:
         """The change log, newest first, `data` decoded."""
-        query, params = "SELECT * FROM change_log", []
-        if kind is not None:
-            query += " WHERE kind = ?"
-            params.append(kind)
+        query, params = filtered("SELECT * FROM change_log WHERE 1 = 1", {"kind": kind})
         rows = self._conn().execute(query + " ORDER BY id DESC", params).fetchall()
         return [cast(Change, self._decoded(row, "data")) for row in rows]

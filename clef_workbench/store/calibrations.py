@@ -6,7 +6,7 @@ from __future__ import annotations
 import sqlite3
 from typing import Any, cast
 
-from clef_workbench.store.base import DuplicateNameError, NotFoundError, StoreBase, _dumps, inserted_id, now_iso
+from clef_workbench.store.base import DuplicateNameError, StoreBase, _dumps, filtered, inserted_id, now_iso
 from clef_workbench.store.rows import Calibration, Run
 
 
@@ -27,17 +27,12 @@ class CalibrationsMixin(StoreBase):
 
     def get_calibration(self, calibration_id: int | None = None, *, name: str | None = None) -> Calibration:
         column, value = ("id", calibration_id) if name is None else ("name", name)
-        row = self._conn().execute(f"SELECT * FROM calibrations WHERE {column} = ?", (value,)).fetchone()
-        if row is None:
-            raise NotFoundError(f"calibration {value!r} does not exist")
-        return self._calibration_row(row)
+        return self._calibration_row(self._one(f"SELECT * FROM calibrations WHERE {column} = ?", (value,),
+                                               f"calibration {value!r} does not exist"))
 
     def list_calibrations(self, *, schema_name: str | None = None, model_id: str | None = None) -> list[Calibration]:
         """Calibrations, newest first, optionally only those for one schema and/or model."""
-        query, args = "SELECT * FROM calibrations WHERE 1 = 1", list[str]()
-        if schema_name is not None:
-            query, args = query + " AND schema_name = ?", [*args, schema_name]
-        if model_id is not None:
-            query, args = query + " AND model_id = ?", [*args, model_id]
+        query, args = filtered("SELECT * FROM calibrations WHERE 1 = 1",
+                               {"schema_name": schema_name, "model_id": model_id})
         rows = self._conn().execute(query + " ORDER BY id DESC", args).fetchall()
         return [self._calibration_row(row) for row in rows]

@@ -12,7 +12,6 @@ from typing import Any, cast
 
 from clef_workbench.store.base import (
     DuplicateNameError,
-    NotFoundError,
     StoreBase,
     StoreError,
     _dumps,
@@ -93,11 +92,8 @@ class CaseSetsMixin(StoreBase):
         return [cast(CaseSet, dict(r)) for r in rows]
 
     def get_case_set(self, case_set_id: int) -> CaseSet:
-        row = self._conn().execute(self._SET_SELECT + " WHERE s.id = ? AND s.deleted_at IS NULL",
-                                   (case_set_id,)).fetchone()
-        if row is None:
-            raise NotFoundError(f"case set {case_set_id} does not exist")
-        return cast(CaseSet, dict(row))
+        return cast(CaseSet, dict(self._one(self._SET_SELECT + " WHERE s.id = ? AND s.deleted_at IS NULL",
+                                            (case_set_id,), f"case set {case_set_id} does not exist")))
 
     def update_case_set(self, case_set_id: int, *, name: str | None = None, schema_name: str | None = None,
                         description: str | None = None) -> None:
@@ -160,9 +156,8 @@ class CaseSetsMixin(StoreBase):
                  source_id))
         ids: list[int] = []
         with self._write() as conn:
-            if conn.execute("SELECT 1 FROM case_sets WHERE id = ? AND deleted_at IS NULL",
-                            (case_set_id,)).fetchone() is None:
-                raise NotFoundError(f"case set {case_set_id} does not exist")
+            self._one("SELECT 1 FROM case_sets WHERE id = ? AND deleted_at IS NULL", (case_set_id,),
+                      f"case set {case_set_id} does not exist", conn)
             present = self._content_hashes(conn, case_set_id) if skip_existing else Counter()
             position = conn.execute("SELECT COALESCE(MAX(position), -1) + 1 FROM cases WHERE case_set_id = ?",
                                     (case_set_id,)).fetchone()[0]
@@ -209,8 +204,8 @@ class CaseSetsMixin(StoreBase):
                     tags: list[str] | None = ...) -> None:  # type: ignore[assignment]
         """Change the given fields of a case (media stay)."""
         with self._write() as conn:
-            if conn.execute("SELECT 1 FROM cases WHERE id = ? AND deleted_at IS NULL", (case_id,)).fetchone() is None:
-                raise NotFoundError(f"case {case_id} does not exist")
+            self._one("SELECT 1 FROM cases WHERE id = ? AND deleted_at IS NULL", (case_id,),
+                      f"case {case_id} does not exist", conn)
             if state is not ...:
                 conn.execute("UPDATE cases SET state_json = ? WHERE id = ?", (_dumps(state), case_id))
             if expected is not ...:
@@ -253,10 +248,8 @@ class CaseSetsMixin(StoreBase):
         """One case; with media, `images`/`videos` are lists of {content_type, data: bytes} in order. A deleted
         case is still found here: runs and reviews that used it keep showing it."""
         with self._read() as conn:
-            row = conn.execute(self._CASE_SELECT + " WHERE c.id = ?", (case_id,)).fetchone()
-            if row is None:
-                raise NotFoundError(f"case {case_id} does not exist")
-            case = self._case_row(row)
+            case = self._case_row(self._one(self._CASE_SELECT + " WHERE c.id = ?", (case_id,),
+                                            f"case {case_id} does not exist", conn))
             if with_media:
                 media = conn.execute("SELECT kind, content_type, data FROM case_media WHERE case_id = ? ORDER BY kind, "
                                      "position", (case_id,)).fetchall()

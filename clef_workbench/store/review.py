@@ -7,7 +7,7 @@ from __future__ import annotations
 import sqlite3
 from typing import Any, cast
 
-from clef_workbench.store.base import NotFoundError, ReviewConflictError, StoreBase, StoreError, _dumps, _loads, now_iso
+from clef_workbench.store.base import ReviewConflictError, StoreBase, StoreError, _dumps, _loads, filtered, now_iso
 from clef_workbench.store.rows import ItemState, Label, NewReviewItem, ReviewAction, ReviewItem
 
 REVIEW_STATUSES = ("open", "accepted", "corrected", "unknown", "skipped")
@@ -63,10 +63,8 @@ class ReviewMixin(StoreBase):
         return [self._item_row(r) for r in self._conn().execute(query, params).fetchall()]
 
     def get_review_item(self, item_id: int) -> ReviewItem:
-        row = self._conn().execute("SELECT * FROM review_items WHERE id = ?", (item_id,)).fetchone()
-        if row is None:
-            raise NotFoundError(f"review item {item_id} does not exist")
-        return self._item_row(row)
+        return self._item_row(self._one("SELECT * FROM review_items WHERE id = ?", (item_id,),
+                                        f"review item {item_id} does not exist"))
 
     def review_progress(self, run_id: int) -> dict[str, int]:
         """Counts per status plus total and reviewed (accepted + corrected + unknown)."""
@@ -95,9 +93,8 @@ class ReviewMixin(StoreBase):
         if action not in REVIEW_ACTIONS:
             raise ValueError(f"action must be one of {REVIEW_ACTIONS}, not {action!r}")
         with self._write() as conn:
-            row = conn.execute("SELECT * FROM review_items WHERE id = ?", (item_id,)).fetchone()
-            if row is None:
-                raise NotFoundError(f"review item {item_id} does not exist")
+            row = self._one("SELECT * FROM review_items WHERE id = ?", (item_id,),
+                            f"review item {item_id} does not exist", conn)
             if row["version"] != expected_version:
                 raise ReviewConflictError(
                     f"review item {item_id} was changed by {row['reviewer'] or 'another reviewer'} "
@@ -140,13 +137,11 @@ class ReviewMixin(StoreBase):
         if not reviewer:
             raise ValueError("reviewer name is required")
         with self._write() as conn:
-            query = """SELECT a.* FROM review_actions a JOIN review_items i ON i.id = a.item_id
-                       WHERE a.reviewer = ? AND a.action != 'undo'
-                         AND NOT EXISTS (SELECT 1 FROM review_actions u WHERE u.undoes_action_id = a.id)"""
-            params: list[Any] = [reviewer]
-            if run_id is not None:
-                query += " AND i.run_id = ?"
-                params.append(run_id)
+            query, params = filtered(
+                """SELECT a.* FROM review_actions a JOIN review_items i ON i.id = a.item_id
+                   WHERE a.action != 'undo'
+                     AND NOT EXISTS (SELECT 1 FROM review_actions u WHERE u.undoes_action_id = a.id)""",
+                {"a.reviewer": reviewer, "i.run_id": run_id})
             last = conn.execute(query + " ORDER BY a.id DESC LIMIT 1", params).fetchone()
             if last is None:
                 raise StoreError(f"{reviewer} has no action left to undo")
@@ -168,15 +163,9 @@ class ReviewMixin(StoreBase):
 
     def list_review_actions(self, *, run_id: int | None = None, item_id: int | None = None) -> list[ReviewAction]:
         """The audit log in the order written, with before/after states decoded."""
-        query = """SELECT a.*, i.run_id, i.case_id, i.question_id FROM review_actions a
-                   JOIN review_items i ON i.id = a.item_id WHERE 1 = 1"""
-        params: list[Any] = []
-        if run_id is not None:
-            query += " AND i.run_id = ?"
-            params.append(run_id)
-        if item_id is not None:
-            query += " AND a.item_id = ?"
-            params.append(item_id)
+        query, params = filtered("""SELECT a.*, i.run_id, i.case_id, i.question_id FROM review_actions a
+                                    JOIN review_items i ON i.id = a.item_id WHERE 1 = 1""",
+                                 {"i.run_id": run_id, "a.item_id": item_id})
         rows = self._conn().execute(query + " ORDER BY a.id", params).fetchall()
         return [cast(ReviewAction, self._decoded(row, "before", "after")) for row in rows]
 

@@ -11,7 +11,7 @@ import uuid
 from dataclasses import replace
 from typing import Any, cast
 
-from clef_workbench.store.base import NotFoundError, StoreBase, _dumps, _loads, inserted_id, now_iso
+from clef_workbench.store.base import StoreBase, _dumps, _loads, filtered, inserted_id, now_iso
 from clef_workbench.store.rows import NewResult, Result, Run, RunSettings
 from clef_workbench.store.schema_versions import find_version_row
 
@@ -78,19 +78,14 @@ class RunsMixin(StoreBase):
 
     def get_run(self, run_id: int) -> Run:
         """A run with its schema, settings and progress counts (total cases, done, errors)."""
-        row = self._conn().execute(self._RUN_SELECT + " WHERE r.id = ? AND r.deleted_at IS NULL",
-                                   (run_id,)).fetchone()
-        if row is None:
-            raise NotFoundError(f"run {run_id} does not exist")
-        return self._run_row(row)
+        return self._run_row(self._one(self._RUN_SELECT + " WHERE r.id = ? AND r.deleted_at IS NULL", (run_id,),
+                                       f"run {run_id} does not exist"))
 
     def list_runs(self, case_set_id: int | None = None, *, deleted: bool = False) -> list[Run]:
         """Runs, newest first, optionally of one case set (with deleted=True: the deleted ones instead)."""
-        where = "r.deleted_at IS NOT NULL" if deleted else "r.deleted_at IS NULL"
-        params: tuple[int, ...] = ()
-        if case_set_id is not None:
-            where, params = where + " AND r.case_set_id = ?", (case_set_id,)
-        rows = self._conn().execute(f"{self._RUN_SELECT} WHERE {where} ORDER BY r.id DESC", params).fetchall()
+        query, params = filtered(f"{self._RUN_SELECT} WHERE r.deleted_at IS {'NOT ' if deleted else ''}NULL",
+                                 {"r.case_set_id": case_set_id})
+        rows = self._conn().execute(query + " ORDER BY r.id DESC", params).fetchall()
         return [self._run_row(r) for r in rows]
 
     def update_run_settings(self, run_id: int, **changes: Any) -> None:
@@ -150,10 +145,8 @@ class RunsMixin(StoreBase):
         live lease (another process is working on the run). A lease whose holder's process is gone, or that was
         not renewed in time, is taken over."""
         with self._write() as conn:
-            row = conn.execute("SELECT lease_owner, lease_expires_at FROM runs WHERE id = ? AND deleted_at IS NULL",
-                               (run_id,)).fetchone()
-            if row is None:
-                raise NotFoundError(f"run {run_id} does not exist")
+            row = self._one("SELECT lease_owner, lease_expires_at FROM runs WHERE id = ? AND deleted_at IS NULL",
+                            (run_id,), f"run {run_id} does not exist", conn)
             holder = self._live_owner(row)
             if holder is not None and holder != owner:
                 return holder

@@ -14,7 +14,7 @@ import hashlib
 import sqlite3
 from typing import Any, cast
 
-from clef_workbench.store.base import NotFoundError, StoreBase, _dumps, inserted_id, now_iso
+from clef_workbench.store.base import StoreBase, _dumps, inserted_id, now_iso
 from clef_workbench.store.rows import RecordedSchemaVersion, SchemaVersion
 
 # Why a version was written: the library's operations, "adopt" for a sweep's result made the schema's new version
@@ -72,10 +72,8 @@ class SchemaVersionsMixin(StoreBase):
         return RecordedSchemaVersion(**self.get_schema_version(version_id), new=True)
 
     def get_schema_version(self, version_id: int) -> SchemaVersion:
-        row = self._conn().execute(self._VERSION_SELECT + " WHERE v.id = ?", (version_id,)).fetchone()
-        if row is None:
-            raise NotFoundError(f"schema version {version_id} does not exist")
-        return self._version_row(row)
+        return self._version_row(self._one(self._VERSION_SELECT + " WHERE v.id = ?", (version_id,),
+                                           f"schema version {version_id} does not exist"))
 
     def list_schema_versions(self, slug: str) -> list[SchemaVersion]:
         """The versions of a slug, newest first, each with how many (not deleted) runs used it."""
@@ -89,11 +87,8 @@ class SchemaVersionsMixin(StoreBase):
         return None if row is None else self._version_row(row)
 
     def get_schema_version_number(self, slug: str, number: int) -> SchemaVersion:
-        row = self._conn().execute(self._VERSION_SELECT + " WHERE v.slug = ? AND v.number = ?",
-                                   (slug, number)).fetchone()
-        if row is None:
-            raise NotFoundError(f'schema "{slug}" has no version {number}')
-        return self._version_row(row)
+        return self._version_row(self._one(self._VERSION_SELECT + " WHERE v.slug = ? AND v.number = ?",
+                                           (slug, number), f'schema "{slug}" has no version {number}'))
 
     def schema_history_slugs(self) -> list[str]:
         """Every slug with a history, sorted (deleted schemas included: their history stays)."""

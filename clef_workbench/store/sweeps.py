@@ -64,10 +64,8 @@ class SweepsMixin(StoreBase):
         """A sweep with its base schema, settings, variants (in order) and progress (total cases, done, the states
         prefilled for the done ones)."""
         with self._read() as conn:
-            row = conn.execute(self._SWEEP_SELECT + " WHERE w.id = ?", (sweep_id,)).fetchone()
-            if row is None:
-                raise NotFoundError(f"sweep {sweep_id} does not exist")
-            sweep = self._sweep_row(row)
+            sweep = self._sweep_row(self._one(self._SWEEP_SELECT + " WHERE w.id = ?", (sweep_id,),
+                                              f"sweep {sweep_id} does not exist", conn))
             sweep["variants"] = [cast(SweepVariant, self._decoded(v, "schema", "relabel")) for v in conn.execute(
                 "SELECT name, kind, question, schema_json, relabel_json FROM sweep_variants WHERE sweep_id = ? "
                 "ORDER BY position", (sweep_id,))]
