@@ -31,7 +31,7 @@ def case_hash(state: Any, expected: Any, tags: Any, media: list[tuple[str, bytes
     canonical = {"state": state, "expected": expected or {}, "tags": list(tags or [])}
     if source_id is not None:  # a case without one keeps the hash it was stored with
         canonical["source_id"] = source_id
-    digest.update(_dumps_sorted(canonical).encode())
+    digest.update(json.dumps(canonical, ensure_ascii=False, sort_keys=True, separators=(",", ":")).encode())
     for kind, blob in media:
         digest.update(kind.encode() + hashlib.sha256(blob).digest())
     return digest.hexdigest()
@@ -39,10 +39,6 @@ def case_hash(state: Any, expected: Any, tags: Any, media: list[tuple[str, bytes
 
 def _case_label(row: sqlite3.Row) -> str:
     return f"case {row['id']}: {row['state_json'][:80]}"
-
-
-def _dumps_sorted(value: Any) -> str:
-    return json.dumps(value, ensure_ascii=False, sort_keys=True, separators=(",", ":"))
 
 
 class CaseSetsMixin(StoreBase):

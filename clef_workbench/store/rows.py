@@ -88,28 +88,33 @@ class Case(TypedDict):
     videos: NotRequired[list[Media]]
 
 
-class Run(TypedDict):
+class Batch(TypedDict):
+    """What a run and a sweep share: a schema over a case set's cases on one model, and where it stands."""
+
     id: int
     case_set_id: int
     case_set_name: str
-    schema: dict[str, Any]  # name, version, description, questions: the content it ran
+    schema: dict[str, Any]  # name, version, description, questions: the content it ran (a sweep's: its base)
     schema_name: str
-    schema_version: str
     schema_version_id: int | None
-    schema_slug: str | None  # of the linked schema version; None: content never saved in the library
     model_id: str
     model_revision: str | None
-    settings: RunSettings
     status: str
     error: str | None
     created_at: str
     started_at: str | None
     finished_at: str | None
+    total: int  # its cases (a run's: those of its case set)
+    done: int  # cases finished (a run's: with a result; a sweep's: with every variant's answer)
+
+
+class Run(Batch):
+    schema_version: str
+    schema_slug: str | None  # of the linked schema version; None: content never saved in the library
+    settings: RunSettings
     deleted_at: str | None
     lease_owner: str | None
     lease_expires_at: float | None
-    total: int  # cases of its case set
-    done: int  # cases with a result
     errors: int  # results that are an error
 
 
@@ -251,24 +256,9 @@ class SweepVariant(TypedDict):
     relabel: dict[str, dict[str, str]]
 
 
-class Sweep(TypedDict):
-    id: int
-    case_set_id: int
-    case_set_name: str
-    schema: dict[str, Any]  # the base schema
-    schema_name: str
-    schema_version_id: int | None
-    model_id: str
-    model_revision: str | None
+class Sweep(Batch):
     settings: dict[str, Any]
-    status: str
-    error: str | None
-    created_at: str
-    started_at: str | None
-    finished_at: str | None
     variant_count: int
-    total: int  # its cases
-    done: int  # cases with every variant's answer
     state_prefills: int  # states computed for the done cases
     variants: NotRequired[list[SweepVariant]]  # get_sweep's, in order
 
