@@ -102,8 +102,7 @@ def answers(runs: Sequence[RunData]) -> pd.DataFrame:
         frame.insert(0, "run_id", run.id)
         frames.append(frame)
     frame = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
-    frame["brier"] = [stats.brier_term(t, d, e) for t, d, e in zip(frame["question_type"], frame["distribution"],
-                                                                     frame["expected"], strict=True)]
+    frame["brier"] = stats.brier_terms(frame)
     return frame
 
 
@@ -183,22 +182,23 @@ def metrics(runs: Sequence[RunData], *, bins: int = 10, n_boot: int = DEFAULT_BO
     check_comparable(runs)
     frame = answers(runs)
     rows = []
+
+    def add(run: RunData, question_id: str | None, metric: str, columns: list[np.ndarray],
+            statistic: Statistic) -> None:
+        n = len(columns[0])
+        low, high = bootstrap_interval(columns, statistic, n_boot=n_boot, level=level, seed=seed)
+        rows.append({"run_id": run.id, "run": run.label, "question_id": question_id, "metric": metric,
+                     "value": float(statistic(*columns)) if n else np.nan, "low": low, "high": high, "n": n})
+
     for run in runs:
         mine = frame[(frame["run_id"] == run.id) & frame["expected"].notna()]
         for question_id, group in mine.groupby("question_id", sort=False):
             for metric in QUALITY_METRICS:
-                columns, statistic = _metric_columns(group, metric, bins)
-                value = float(statistic(*columns))
-                low, high = bootstrap_interval(columns, statistic, n_boot=n_boot, level=level, seed=seed)
-                rows.append({"run_id": run.id, "run": run.label, "question_id": question_id, "metric": metric,
-                             "value": value, "low": low, "high": high, "n": len(group)})
+                add(run, str(question_id), metric, *_metric_columns(group, metric, bins))
         latency = np.array([r["latency_ms"] for r in run.results
                             if not r["error"] and r["response"] and r["latency_ms"] is not None], dtype=float)
         for metric, statistic in zip(LATENCY_METRICS, (_p50, mean), strict=True):
-            value = float(statistic(latency)) if latency.size else np.nan
-            low, high = bootstrap_interval([latency], statistic, n_boot=n_boot, level=level, seed=seed)
-            rows.append({"run_id": run.id, "run": run.label, "question_id": None, "metric": metric,
-                         "value": value, "low": low, "high": high, "n": int(latency.size)})
+            add(run, None, metric, [latency], statistic)
     return pd.DataFrame(rows, columns=["run_id", "run", "question_id", "metric", "value", "low", "high", "n"])
 
 

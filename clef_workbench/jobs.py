@@ -247,16 +247,6 @@ class JobRunner(BackgroundThreads[_LiveJob]):
         job = self._live[run_id]
         threading.Thread(target=self._heartbeat, args=(run_id, job), name=f"clef-lease-{run_id}",
                          daemon=True).start()
-        try:
-            self._work_leased(run_id, engine, job)
-        finally:
-            job.lease_lost.set()  # ends the heartbeat
-            try:
-                self.store.release_run_lease(run_id, self.owner)
-            except sqlite3.Error:
-                pass  # unwritable database: the lease lapses by itself (expiry, or this process gone)
-
-    def _work_leased(self, run_id: int, engine: DecisionEngine | None, job: _LiveJob) -> None:
         in_flight: deque[_Chunk] = deque()
         try:
             self._compute(run_id, engine, job, in_flight)
@@ -264,6 +254,12 @@ class JobRunner(BackgroundThreads[_LiveJob]):
         except Exception as exc:  # noqa: BLE001 — the run stops, its finished results stay; the message goes to the run page
             self._drain(in_flight)
             self._fail_run(run_id, job, exc)
+        finally:
+            job.lease_lost.set()  # ends the heartbeat
+            try:
+                self.store.release_run_lease(run_id, self.owner)
+            except sqlite3.Error:
+                pass  # unwritable database: the lease lapses by itself (expiry, or this process gone)
 
     def _compute(self, run_id: int, engine: DecisionEngine | None, job: _LiveJob, in_flight: deque[_Chunk]) -> None:
         """Every case of the run without a result, in chunks, two in flight on the engine; until cancelled."""
