@@ -524,15 +524,13 @@ def import_mapping(args: argparse.Namespace, columns: list[str], schema: dict | 
     questions = list((schema or {}).get("questions", {})) or [
         question for _, library_schema in library_schemas(SchemaLibrary()) for question in library_schema.questions]
     mapping = importing.suggest_mapping(columns, questions)
-    if schema is None:
+    if schema is None or args.expected:
         mapping.expected_columns = {}
-    if args.expected:
-        mapping.expected_columns = {}
-        for pair in args.expected:
-            column, sep, question_id = pair.partition("=")
-            if not sep or not column or not question_id:
-                raise UsageError(f"--expected: {pair!r} is not COLUMN=QUESTION")
-            mapping.expected_columns[column] = question_id
+    for pair in args.expected:
+        column, sep, question_id = pair.partition("=")
+        if not sep or not column or not question_id:
+            raise UsageError(f"--expected: {pair!r} is not COLUMN=QUESTION")
+        mapping.expected_columns[column] = question_id
     mapping.tags_column = args.tags_column or mapping.tags_column
     mapping.id_column = args.id_column or mapping.id_column
     mapping.image_columns, mapping.video_columns = args.image_column, args.video_column

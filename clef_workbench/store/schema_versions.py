@@ -39,6 +39,7 @@ class SchemaVersionsMixin(StoreBase):
     _VERSION_SELECT = """SELECT v.*, (SELECT COUNT(*) FROM runs r WHERE r.schema_version_id = v.id
                                        AND r.deleted_at IS NULL) AS run_count
                          FROM schema_versions v"""
+    _LATEST = _VERSION_SELECT + " WHERE v.slug = ? ORDER BY v.number DESC LIMIT 1"
 
     def _version_row(self, row: sqlite3.Row) -> SchemaVersion:
         return cast(SchemaVersion, self._decoded(row, "schema"))
@@ -52,13 +53,12 @@ class SchemaVersionsMixin(StoreBase):
         if action not in SCHEMA_VERSION_ACTIONS:
             raise ValueError(f"action must be one of {SCHEMA_VERSION_ACTIONS}, not {action!r}")
         content_hash, run_hash = schema_hashes(schema)
-        latest_query = self._VERSION_SELECT + " WHERE v.slug = ? ORDER BY v.number DESC LIMIT 1"
         # The library records every file it reads: a read answers the usual case (unchanged) without the write lock.
-        latest = self._conn().execute(latest_query, (slug,)).fetchone()
+        latest = self._conn().execute(self._LATEST, (slug,)).fetchone()
         if latest is not None and latest["content_hash"] == content_hash:
             return RecordedSchemaVersion(**self._version_row(latest), new=False)
         with self._write() as conn:
-            latest = conn.execute(latest_query, (slug,)).fetchone()
+            latest = conn.execute(self._LATEST, (slug,)).fetchone()
             if latest is not None and latest["content_hash"] == content_hash:
                 return RecordedSchemaVersion(**self._version_row(latest), new=False)
             own = schema.get("version")
@@ -82,8 +82,7 @@ class SchemaVersionsMixin(StoreBase):
         return [self._version_row(r) for r in rows]
 
     def latest_schema_version(self, slug: str) -> SchemaVersion | None:
-        row = self._conn().execute(self._VERSION_SELECT + " WHERE v.slug = ? ORDER BY v.number DESC LIMIT 1",
-                                   (slug,)).fetchone()
+        row = self._conn().execute(self._LATEST, (slug,)).fetchone()
         return None if row is None else self._version_row(row)
 
     def get_schema_version_number(self, slug: str, number: int) -> SchemaVersion:
