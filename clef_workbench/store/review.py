@@ -112,22 +112,23 @@ class ReviewMixin(StoreBase):
                     raise ValueError(f"{label!r} is not an option of question {row['question_id']!r}: {allowed}")
             else:
                 new_label = None
-            before = self._item_state(row)
             after = ItemState(status=_ACTION_STATUS[action], label=new_label, reviewer=reviewer)
-            self._set_item_state(conn, item_id, after)
-            conn.execute(
-                """INSERT INTO review_actions (item_id, reviewer, at, action, before_json, after_json, comment)
-                   VALUES (?, ?, ?, ?, ?, ?, ?)""",
-                (item_id, reviewer, now_iso(), action, _dumps(before), _dumps(after), (comment or "").strip() or None))
-            return self._item_row(conn.execute("SELECT * FROM review_items WHERE id = ?", (item_id,)).fetchone())
+            return self._act(conn, item_id, reviewer, action, self._item_state(row), after,
+                             comment=(comment or "").strip() or None)
 
-    @staticmethod
-    def _set_item_state(conn: sqlite3.Connection, item_id: int, state: ItemState) -> None:
+    def _act(self, conn: sqlite3.Connection, item_id: int, reviewer: str, action: str, before: ItemState,
+             after: ItemState, *, comment: str | None = None, undoes: int | None = None) -> ReviewItem:
+        """Move the item from `before` to `after` and append the action to the audit log; the item as it is now."""
         conn.execute(
             """UPDATE review_items SET status = ?, label_json = ?, reviewer = ?, version = version + 1,
                updated_at = ? WHERE id = ?""",
-            (state["status"], None if state["label"] is None else _dumps(state["label"]), state["reviewer"],
+            (after["status"], None if after["label"] is None else _dumps(after["label"]), after["reviewer"],
              now_iso(), item_id))
+        conn.execute(
+            """INSERT INTO review_actions (item_id, reviewer, at, action, before_json, after_json, comment,
+                                           undoes_action_id) VALUES (?, ?, ?, ?, ?, ?, ?, ?)""",
+            (item_id, reviewer, now_iso(), action, _dumps(before), _dumps(after), comment, undoes))
+        return self._item_row(conn.execute("SELECT * FROM review_items WHERE id = ?", (item_id,)).fetchone())
 
     def undo_last_action(self, reviewer: str, *, run_id: int | None = None) -> ReviewItem:
         """Undo this reviewer's most recent action that is not yet undone, by appending an `undo` entry and
@@ -153,13 +154,8 @@ class ReviewMixin(StoreBase):
                     "it cannot be undone",
                     item=self._item_row(row),
                 )
-            restored = _loads(last["before_json"])
-            self._set_item_state(conn, row["id"], restored)
-            conn.execute(
-                """INSERT INTO review_actions (item_id, reviewer, at, action, before_json, after_json,
-                                               undoes_action_id) VALUES (?, ?, ?, 'undo', ?, ?, ?)""",
-                (row["id"], reviewer, now_iso(), _dumps(current), _dumps(restored), last["id"]))
-            return self._item_row(conn.execute("SELECT * FROM review_items WHERE id = ?", (row["id"],)).fetchone())
+            return self._act(conn, row["id"], reviewer, "undo", current, _loads(last["before_json"]),
+                             undoes=last["id"])
 
     def list_review_actions(self, *, run_id: int | None = None, item_id: int | None = None) -> list[ReviewAction]:
         """The audit log in the order written, with before/after states decoded."""
