@@ -9,7 +9,7 @@ from __future__ import annotations
 import sqlite3
 from typing import Any, cast
 
-from clef_workbench.store.base import NotFoundError, StoreBase, StoreError, _dumps, inserted_id, now_iso
+from clef_workbench.store.base import NotFoundError, StoreBase, StoreError, _dumps, filtered, inserted_id, now_iso
 from clef_workbench.store.rows import Response, Sweep, SweepAnswer, SweepVariant
 from clef_workbench.store.runs import RUN_STATUSES
 from clef_workbench.store.schema_versions import find_version_row
@@ -73,8 +73,8 @@ class SweepsMixin(StoreBase):
 
     def list_sweeps(self, case_set_id: int | None = None) -> list[Sweep]:
         """Sweeps, newest first, optionally of one case set (without their variants)."""
-        where, args = ("", ()) if case_set_id is None else (" WHERE w.case_set_id = ?", (case_set_id,))
-        rows = self._conn().execute(self._SWEEP_SELECT + where + " ORDER BY w.id DESC", args).fetchall()
+        query, args = filtered(self._SWEEP_SELECT + " WHERE 1 = 1", {"w.case_set_id": case_set_id})
+        rows = self._conn().execute(query + " ORDER BY w.id DESC", args).fetchall()
         return [self._sweep_row(row) for row in rows]
 
     def sweep_cases_left(self, sweep_id: int) -> list[int]:
