@@ -95,10 +95,6 @@ def render_start() -> None:
               disabled=not sv.can_start(variants), on_click=start, args=(set_id, slug, variants, int(folds)))
 
 
-def resume(sweep: dict) -> None:
-    flash(*sv.resume_sweep(runner, shell.model_manager(), sweep))
-
-
 def follow(sweep_id: int) -> None:
     """The sweep's progress; the whole page again when a sweep this process ran ends (its final leaderboard)."""
     sweep = sv.sweep_row(store, sweep_id)
@@ -111,7 +107,8 @@ def follow(sweep_id: int) -> None:
         st.warning(shown.problem)
         if sweep["done"] < sweep["total"]:
             st.button(f"Resume ({sweep['total'] - sweep['done']} cases left)", key=K(f"resume.{sweep_id}"),
-                      icon=":material/play_arrow:", on_click=resume, args=(sweep,))
+                      icon=":material/play_arrow:",
+                      on_click=lambda: flash(*sv.resume_sweep(runner, shell.model_manager(), sweep)))
     if shell.ended_since_last_poll(K(f"was_live.{sweep_id}"), shown.live):
         st.rerun(scope="app")
 
