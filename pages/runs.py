@@ -353,8 +353,7 @@ def render_quality(run_id: int, frame, questions: dict, covered: dict) -> None:
                 "ECE = Σ (n_b/N)·|accuracy_b − confidence_b|; Brier: yes/no (p − y)², "
                 "choice/score Σ_k (p_k − y_k)²")
     st.dataframe(quality.calibration, hide_index=True,
-                 column_config={"ece": st.column_config.NumberColumn(format="%.3f"),
-                                "brier": st.column_config.NumberColumn(format="%.3f")})
+                 column_config=dict.fromkeys(("ece", "brier"), st.column_config.NumberColumn(format="%.3f")))
     diagram_cols = st.columns(3)
     for index, (question_id, bins) in enumerate(quality.reliability):
         diagram_cols[index % 3].altair_chart(run_charts.reliability_diagram(question_id, bins))

@@ -64,9 +64,7 @@ def distribution_table(question: dict[str, Any], distribution: dict[str, float],
 def margin(probabilities: list[float] | pd.Series) -> float:
     """top1 − top2; 1.0 when there is a single option."""
     ordered = sorted((float(p) for p in probabilities), reverse=True)
-    if len(ordered) < 2:
-        return 1.0
-    return ordered[0] - ordered[1]
+    return ordered[0] - ordered[1] if len(ordered) > 1 else 1.0
 
 
 def summarize(question_id: str, question: dict[str, Any], answer: dict[str, Any]) -> AnswerSummary:

@@ -22,22 +22,15 @@ def _as_text(value: Any) -> str:
 
 def question_to_row(qid: str, question: dict[str, Any]) -> dict[str, Any]:
     criteria = question.get("criteria")
-    row: dict[str, Any] = {
-        "id": qid,
-        "type": question.get("type", "noul"),
-        "instructions": _as_text(question.get("instructions", "")),
-        "options": [],
-        "levels": [],
-        "true": "",
-        "false": "",
-    }
+    row: dict[str, Any] = {"id": qid, "type": question.get("type", "noul"),
+                           "instructions": _as_text(question.get("instructions", "")), "options": [], "levels": [],
+                           "true": "", "false": ""}
     if row["type"] == "choice" and isinstance(criteria, dict):
         row["options"] = [{"id": k, "description": _as_text(v)} for k, v in criteria.items()]
     elif row["type"] == "score" and isinstance(criteria, list):
         row["levels"] = [_as_text(v) for v in criteria]
     elif row["type"] == "noul" and isinstance(criteria, dict):
-        row["true"] = _as_text(criteria.get("true"))
-        row["false"] = _as_text(criteria.get("false"))
+        row.update({side: _as_text(criteria.get(side)) for side in NOUL_CRITERIA_KEYS})
     return row
 
 
@@ -51,11 +44,8 @@ def row_to_question(row: dict[str, Any]) -> dict[str, Any]:
     instructions = row.get("instructions", "")
     question: dict[str, Any] = {"type": qtype, "instructions": instructions}
     if qtype == "choice":
-        question["criteria"] = {
-            str(o.get("id", "")).strip(): (o.get("description") or "").strip() or None
-            for o in row.get("options", [])
-            if str(o.get("id", "")).strip()
-        }
+        question["criteria"] = {str(o.get("id", "")).strip(): (o.get("description") or "").strip() or None
+                                for o in row.get("options", []) if str(o.get("id", "")).strip()}
     elif qtype == "score":
         question["criteria"] = [str(level) for level in row.get("levels", [])]
     else:

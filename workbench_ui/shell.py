@@ -364,13 +364,11 @@ def run_queued(engine, requests: list[dict], *, max_length: int | None = None, o
     future = engine.submit(prepared, priority="interactive")  # validated once, above: carries its budget
     started = time.monotonic()
     while not future.done():
-        position = engine.queue_position(future)
         if on_wait is not None:
-            if position:
-                on_wait(f"Queued, {position} ahead (queue depth {engine.queue_depth()}) — "
-                        f"{time.monotonic() - started:.0f} s")
-            else:
-                on_wait(f"Running on {engine.info().get('device', 'the device')}… {time.monotonic() - started:.1f} s")
+            waited = time.monotonic() - started
+            position = engine.queue_position(future)
+            on_wait(f"Queued, {position} ahead (queue depth {engine.queue_depth()}) — {waited:.0f} s" if position
+                    else f"Running on {engine.info().get('device', 'the device')}… {waited:.1f} s")
         try:
             return future.result(timeout=POLL_SECONDS)
         except TimeoutError:
