@@ -9,7 +9,7 @@ from clef_workbench.model_loader import request_model_name
 from workbench_ui import run_charts, shell
 from workbench_ui import sweeps_view as sv
 from workbench_ui.cases_view import case_set_label
-from workbench_ui.compare_view import proposed_schema
+from workbench_ui.compare_view import missing_for_start, proposed_schema
 
 shell.render_shell(__file__)
 K = shell.page_key("sweeps")
@@ -69,7 +69,8 @@ def start(set_id: int, slug: str, variants: list, folds: int) -> None:
 
 def render_start() -> None:
     sets, slugs = store.list_case_sets(), library.slugs()
-    if missing := sv.missing_for_sweep(sets, slugs, shell.model_manager().state().engine):
+    if missing := missing_for_start(sets, slugs, shell.model_manager().state().engine, needs="A sweep needs",
+                                    case_set="a labelled case set"):
         st.info(missing)
         return
     set_labels = {s["id"]: case_set_label(s) for s in sets}

@@ -92,13 +92,6 @@ AUTO_KIND_LABELS = {
 }
 
 
-def missing_for_sweep(case_sets: list[dict], slugs: list[str], engine: Any) -> str | None:
-    missing = [what for what, there in (("a labelled case set (Case sets page)", case_sets),
-                                        ("a schema (Schemas page)", slugs), ("a loaded model (sidebar)", engine))
-               if not there]
-    return f"A sweep needs {' and '.join(missing)}." if missing else None
-
-
 def written_variants(schema: dict[str, Any], written: list[tuple[str, dict[str, Any]]]) -> list[sweeps.Variant]:
     """The alternatives as variants of `schema`, named "written:QUESTION" ("written 2:…" for a second)."""
     entries, numbers = [], {}
