@@ -175,9 +175,8 @@ def render_progress(run_id: int) -> None:
             st.session_state.get(K(f"drawn_status.{run_id}")), st.session_state.get(shell.RUNNING_SHOWN_KEY),
             store.get_run(run_id), shell.running_run_ids()):
         st.rerun(scope="app")
-    total = max(progress["total"], 1)
     outcome = run_outcome(store.get_run(run_id), store.list_results(run_id)) if not progress["live"] else None
-    st.progress(progress["done"] / total,
+    st.progress(progress["done"] / max(progress["total"], 1),
                 text=f"{progress['done']} / {progress['total']} cases · {progress['errors']} errors · "
                      f"status **{outcome.label if outcome else progress['status']}**")
     if progress["live"]:

@@ -157,7 +157,7 @@ class Builder:
     def new_schema(self) -> None:
         """Start an empty schema: no questions, no name, no examples, no identity (the state is kept)."""
         self.set_rows([])
-        for name in ("loaded_slug", "loaded_questions", "examples"):
+        for name in self.LOADED:
             self.state.pop(key(name), None)
         for name, value in (("schema_name", ""), ("schema_description", ""), ("library_pick", None)):
             set_kept(self.state, key(name), value)
@@ -481,7 +481,7 @@ def restore_draft(state: MutableMapping, draft: dict[str, Any]) -> None:
     for name in DRAFT_FIELDS:
         if draft.get(name) is not None:
             set_kept(state, key(name), draft[name])
-    for name in ("loaded_slug", "loaded_questions", "examples"):
+    for name in Builder.LOADED:
         if draft.get(name) is not None:
             state[key(name)] = draft[name]
     set_kept(state, key("library_pick"), draft.get("loaded_slug"))
