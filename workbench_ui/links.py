@@ -67,10 +67,8 @@ def review_url(run_id: int, case_id: int, question_id: str) -> str:
 
 def linked_ids(params: Any) -> tuple[int, int] | None:
     """(run id, case id) from query parameters, or None when the link names no case (or not as numbers)."""
-    run_id, case_id = params.get("run"), params.get("case")
-    if run_id is None or case_id is None or not str(run_id).isdigit() or not str(case_id).isdigit():
-        return None
-    return int(run_id), int(case_id)
+    run_id, case_id = str(params.get("run")), str(params.get("case"))  # "None" when missing: no digits
+    return (int(run_id), int(case_id)) if run_id.isdigit() and case_id.isdigit() else None
 
 
 def _draft(library: SchemaLibrary, case: dict[str, Any], schema: dict[str, Any], slug: str | None) -> dict[str, Any]:

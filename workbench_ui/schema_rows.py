@@ -64,13 +64,8 @@ def options_to_text(options: Iterable[dict[str, Any]]) -> str:
 
 def text_to_options(text: str) -> list[dict[str, str]]:
     """Editor text back to options: each non-blank line `id: description` or `id` (the id ends at the first colon)."""
-    options = []
-    for line in text.splitlines():
-        if not line.strip():
-            continue
-        option_id, _, description = line.partition(":")
-        options.append({"id": option_id.strip(), "description": description.strip()})
-    return options
+    lines = (line.partition(":") for line in text.splitlines() if line.strip())
+    return [{"id": option_id.strip(), "description": description.strip()} for option_id, _, description in lines]
 
 
 def levels_to_text(levels: Iterable[str]) -> str:

@@ -98,9 +98,7 @@ def parse_state(text: str, mode: StateMode = "auto") -> ParsedState:
 
 
 def state_to_text(state: Any) -> str:
-    if isinstance(state, str):
-        return state
-    return json.dumps(state, indent=2, ensure_ascii=False)
+    return state if isinstance(state, str) else json.dumps(state, indent=2, ensure_ascii=False)
 
 
 class MediaError(ValueError):
