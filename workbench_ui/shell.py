@@ -491,13 +491,13 @@ def set_widget(key: str, value: Any) -> None:
 
 
 def confirm(question: str, key: Callable[[str], str], confirm_key: str, *, yes_label: str = "Yes, delete it",
-            no_label: str = "Cancel", icon: str | None = ":material/delete:") -> bool:
-    """Asks before an action: True when `yes_label` was clicked; either button closes the question."""
+            icon: str | None = ":material/delete:") -> bool:
+    """Asks before an action: True when `yes_label` was clicked; it or Cancel closes the question."""
     with st.container(border=True, key=key("confirm_box")):
         st.warning(question, icon=icon)
         cols = st.columns(2)
         yes = cols[0].button(yes_label, key=key("confirm_yes"), type="primary")
-        if yes or cols[1].button(no_label, key=key("confirm_no")):
+        if yes or cols[1].button("Cancel", key=key("confirm_no")):
             st.session_state.pop(confirm_key, None)
         if not yes and confirm_key not in st.session_state:  # cancelled: drawn again without the question
             st.rerun()
