@@ -135,10 +135,8 @@ def sweep_decide_url(sweep_id: int, variant: str, case_id: int) -> str:
 
 def linked_sweep_case(params: Any) -> tuple[int, str, int] | None:
     """(sweep id, variant, case id) from query parameters, or None when the link names no case of a sweep."""
-    sweep_id, variant, case_id = params.get("sweep"), params.get("variant"), params.get("case")
-    if not variant or not str(sweep_id).isdigit() or not str(case_id).isdigit():
-        return None
-    return int(sweep_id), str(variant), int(case_id)
+    sweep_id, variant, case_id = str(params.get("sweep")), params.get("variant"), str(params.get("case"))
+    return (int(sweep_id), str(variant), int(case_id)) if variant and sweep_id.isdigit() and case_id.isdigit() else None
 
 
 def sweep_case_draft(store: Any, library: SchemaLibrary, sweep_id: int, variant: str,
