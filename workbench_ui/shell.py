@@ -113,7 +113,6 @@ def random_weights_text(model_name: str) -> str:
 
 
 def random_weights_notice(model_name: str | None) -> None:
-    """A warning where answers come from a model with random weights."""
     if model_name and model_manager().random_weights(model_name):
         st.warning(random_weights_text(model_name), icon=":material/casino:")
 
