@@ -311,8 +311,6 @@ engine_refused = bool(last_error and last_error["by_field"])
 if last_error:
     vm.route_engine_problems(last_error["by_field"], rows, messages)
 status: answers.BudgetStatus | None = None
-if K("budget_cache") not in st.session_state:
-    st.session_state[K("budget_cache")] = vm.BudgetCache()
 if engine is None:
     budget_messages.info("No model is loaded, so tokens cannot be counted and nothing can run.")
 elif request is None:
@@ -322,7 +320,7 @@ elif not local_engine:
                          "them); the budget settings travel with the request.")
 else:
     try:
-        counts = st.session_state[K("budget_cache")].counts(engine, request, max_length)
+        counts = st.session_state.setdefault(K("budget_cache"), vm.BudgetCache()).counts(engine, request, max_length)
     except RequestError as exc:
         engine_refused = True
         vm.route_engine_problems(answers.problems_by_field(exc.problems), rows, messages)

@@ -175,9 +175,8 @@ def render_progress(run_id: int) -> None:
             st.session_state.get(K(f"drawn_status.{run_id}")), st.session_state.get(shell.RUNNING_SHOWN_KEY),
             store.get_run(run_id), shell.running_run_ids()):
         st.rerun(scope="app")
-    total = max(progress["total"], 1)
     outcome = run_outcome(store.get_run(run_id), store.list_results(run_id)) if not progress["live"] else None
-    st.progress(progress["done"] / total,
+    st.progress(progress["done"] / max(progress["total"], 1),
                 text=f"{progress['done']} / {progress['total']} cases · {progress['errors']} errors · "
                      f"status **{outcome.label if outcome else progress['status']}**")
     if progress["live"]:
@@ -353,8 +352,7 @@ def render_quality(run_id: int, frame, questions: dict, covered: dict) -> None:
                 "ECE = Σ (n_b/N)·|accuracy_b − confidence_b|; Brier: yes/no (p − y)², "
                 "choice/score Σ_k (p_k − y_k)²")
     st.dataframe(quality.calibration, hide_index=True,
-                 column_config={"ece": st.column_config.NumberColumn(format="%.3f"),
-                                "brier": st.column_config.NumberColumn(format="%.3f")})
+                 column_config=dict.fromkeys(("ece", "brier"), st.column_config.NumberColumn(format="%.3f")))
     diagram_cols = st.columns(3)
     for index, (question_id, bins) in enumerate(quality.reliability):
         diagram_cols[index % 3].altair_chart(run_charts.reliability_diagram(question_id, bins))

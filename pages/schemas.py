@@ -5,7 +5,7 @@ from __future__ import annotations
 import streamlit as st
 
 from clef_workbench import schemas
-from workbench_ui import links, shell
+from workbench_ui import links, shell, units
 from workbench_ui import schemas_view as view
 from workbench_ui.decide_actions import SCHEMA_PARAM
 
@@ -28,14 +28,20 @@ def reset_editor(slug: str) -> None:
     st.session_state.pop(editor_key(slug), None)
 
 
+def open_schema(slug: str, message: str, place: str = "top") -> None:
+    """After an action: `slug` on screen with its file as it is now in the editor, and what was done."""
+    shell.set_widget(K("selected"), slug)
+    reset_editor(slug)
+    flash("success", message, place)
+
+
 def create_schema() -> None:
     name = st.session_state.get(K("new_name"), "").strip()
     if not name:
         flash("error", "Give the new schema a name.", "create")
         return
     slug = library.create(view.starter_schema(name, st.session_state.get(K("new_description"), "")))
-    shell.set_widget(K("selected"), slug)
-    flash("success", f"Created {slug}.json with one starter question: edit it below or open it in Decide.", "create")
+    open_schema(slug, f"Created {slug}.json with one starter question: edit it below or open it in Decide.", "create")
 
 
 def save_json(slug: str) -> None:
@@ -53,23 +59,21 @@ def save_json(slug: str) -> None:
 
 def duplicate_schema(slug: str) -> None:
     new_name = st.session_state.get(K(f"dup_name.{slug}"), "").strip() or None
-    try:
-        new_slug = library.duplicate(slug, new_name)
-    except schemas.SchemaError as exc:
-        flash("error", str(exc), "duplicate")
-        return
-    shell.set_widget(K("selected"), new_slug)
-    flash("success", f"Duplicated as {new_slug}.json.", "duplicate")
+    new_slug, refused = units.refusal(library.duplicate, slug, new_name)
+    if refused:
+        flash("error", refused, "duplicate")
+    else:
+        open_schema(new_slug, f"Duplicated as {new_slug}.json.", "duplicate")
 
 
 def delete_schema(slug: str) -> None:
     if not st.session_state.get(K(f"confirm_delete.{slug}")):
         flash("error", view.delete_unconfirmed_message(slug), "delete")
         return
-    try:
-        library.delete(slug)  # the history keeps every version and the delete is logged: Undo writes it back
-    except schemas.SchemaError as exc:
-        flash("error", str(exc), "delete")
+    # the history keeps every version and the delete is logged: Undo writes it back
+    _, refused = units.refusal(library.delete, slug)
+    if refused:
+        flash("error", refused, "delete")
         return
     shell.forget_widget(K("selected"))
     reset_editor(slug)
@@ -78,14 +82,11 @@ def delete_schema(slug: str) -> None:
 
 def restore_schema(slug: str, number: int | None = None) -> None:
     """Undo a delete (number None), or make an old version the current one (a new version)."""
-    try:
-        restored = library.restore(slug, number)
-    except schemas.SchemaError as exc:
-        flash("error", f"Not restored: {exc}")
-        return
-    shell.set_widget(K("selected"), slug)
-    reset_editor(slug)
-    flash("success", view.restored_message(slug, number, restored))
+    restored, refused = units.refusal(library.restore, slug, number)
+    if refused:
+        flash("error", f"Not restored: {refused}")
+    else:
+        open_schema(slug, view.restored_message(slug, number, restored))
 
 
 def import_schema() -> None:
@@ -93,15 +94,12 @@ def import_schema() -> None:
     if upload is None:
         flash("error", "Choose a JSON file to import first.", "import")
         return
-    try:
-        slug = library.import_json(upload.getvalue(), filename=upload.name,
-                                   overwrite=bool(st.session_state.get(K("import_overwrite"))))
-    except schemas.SchemaError as exc:
-        flash("error", f"Not imported. {exc}", "import")
-        return
-    shell.set_widget(K("selected"), slug)
-    reset_editor(slug)
-    flash("success", f"Imported {upload.name} as {slug}.json.", "import")
+    slug, refused = units.refusal(library.import_json, upload.getvalue(), filename=upload.name,
+                                  overwrite=bool(st.session_state.get(K("import_overwrite"))))
+    if refused:
+        flash("error", f"Not imported. {refused}", "import")
+    else:
+        open_schema(slug, f"Imported {upload.name} as {slug}.json.", "import")
 
 
 st.title("Schema library")

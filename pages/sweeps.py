@@ -9,7 +9,7 @@ from clef_workbench.model_loader import request_model_name
 from workbench_ui import run_charts, shell
 from workbench_ui import sweeps_view as sv
 from workbench_ui.cases_view import case_set_label
-from workbench_ui.compare_view import proposed_schema
+from workbench_ui.compare_view import missing_for_start, proposed_schema
 
 shell.render_shell(__file__)
 K = shell.page_key("sweeps")
@@ -69,7 +69,8 @@ def start(set_id: int, slug: str, variants: list, folds: int) -> None:
 
 def render_start() -> None:
     sets, slugs = store.list_case_sets(), library.slugs()
-    if missing := sv.missing_for_sweep(sets, slugs, shell.model_manager().state().engine):
+    if missing := missing_for_start(sets, slugs, shell.model_manager().state().engine, needs="A sweep needs",
+                                    case_set="a labelled case set"):
         st.info(missing)
         return
     set_labels = {s["id"]: case_set_label(s) for s in sets}
@@ -95,10 +96,6 @@ def render_start() -> None:
               disabled=not sv.can_start(variants), on_click=start, args=(set_id, slug, variants, int(folds)))
 
 
-def resume(sweep: dict) -> None:
-    flash(*sv.resume_sweep(runner, shell.model_manager(), sweep))
-
-
 def follow(sweep_id: int) -> None:
     """The sweep's progress; the whole page again when a sweep this process ran ends (its final leaderboard)."""
     sweep = sv.sweep_row(store, sweep_id)
@@ -111,7 +108,8 @@ def follow(sweep_id: int) -> None:
         st.warning(shown.problem)
         if sweep["done"] < sweep["total"]:
             st.button(f"Resume ({sweep['total'] - sweep['done']} cases left)", key=K(f"resume.{sweep_id}"),
-                      icon=":material/play_arrow:", on_click=resume, args=(sweep,))
+                      icon=":material/play_arrow:",
+                      on_click=lambda: flash(*sv.resume_sweep(runner, shell.model_manager(), sweep)))
     if shell.ended_since_last_poll(K(f"was_live.{sweep_id}"), shown.live):
         st.rerun(scope="app")
 

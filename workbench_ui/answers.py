@@ -64,28 +64,21 @@ def distribution_table(question: dict[str, Any], distribution: dict[str, float],
 def margin(probabilities: list[float] | pd.Series) -> float:
     """top1 − top2; 1.0 when there is a single option."""
     ordered = sorted((float(p) for p in probabilities), reverse=True)
-    if len(ordered) < 2:
-        return 1.0
-    return ordered[0] - ordered[1]
+    return ordered[0] - ordered[1] if len(ordered) > 1 else 1.0
 
 
 def summarize(question_id: str, question: dict[str, Any], answer: dict[str, Any]) -> AnswerSummary:
     table = option_table(question, answer)
     top = table.loc[table["chosen"]].iloc[0]
     qtype = answer["type"]
+    label: str | bool | int
     if qtype == "noul":
         p_true = float(answer["noul"])
-        confidence = max(p_true, 1.0 - p_true)
-        label: str | bool | int = p_true >= 0.5
-        score = None
+        confidence, label = max(p_true, 1.0 - p_true), p_true >= 0.5
     else:
         confidence = float(answer.get("confidence", top["probability"]))
-        if qtype == "score":
-            label = int(top["option"])
-            score = float(answer["score"])
-        else:
-            label = str(top["option"])
-            score = None
+        label = int(top["option"]) if qtype == "score" else str(top["option"])
+    score = float(answer["score"]) if qtype == "score" else None
     return AnswerSummary(question_id, qtype, str(top["option"]), confidence, margin(table["probability"]), score,
                          label)
 
@@ -206,13 +199,8 @@ def budget_chart(counts: dict[str, int]) -> alt.Chart:
 
 def field_of(loc: tuple | list) -> str:
     """Which part of the Decide page an engine problem's loc concerns."""
-    loc = tuple(loc)
-    if not loc:
-        return "request"
-    head = loc[0]
-    if head == "state":
-        return "state"
-    if head in ("images", "videos"):
+    head = loc[0] if loc else None
+    if head in ("state", "images", "videos"):
         return head
     if head == "questions":
         return f"question:{loc[1]}" if len(loc) > 1 else "schema"

@@ -65,7 +65,6 @@ def library_question_ids(library: SchemaLibrary) -> list[str]:
 
 
 def schema_pick(case_set: dict, slugs: list[str]) -> str:
-    """The settings' schema choice for a set: its schema, or none when that schema is not in the library."""
     return case_set["schema_name"] if case_set["schema_name"] in slugs else NO_SCHEMA
 
 

@@ -23,10 +23,12 @@ from workbench_ui.answers import distribution_table
 START_SETTINGS = RunSettings(chunk_size=8, max_length=DEFAULT_MAX_LENGTH)
 
 
-def missing_for_start(case_sets: list, slugs: list, models: list) -> str | None:
-    missing = [what for what, there in (("a case set (Case sets page)", case_sets), ("a schema (Schemas page)", slugs),
+def missing_for_start(case_sets: list, slugs: list, models: Any, *, needs: str = "Needs",
+                      case_set: str = "a case set") -> str | None:
+    """What starting (the one action, or a sweep) needs that is not there yet, and where to get it."""
+    missing = [what for what, there in ((f"{case_set} (Case sets page)", case_sets), ("a schema (Schemas page)", slugs),
                                         ("a loaded model (sidebar)", models)) if not there]
-    return f"Needs {' and '.join(missing)}." if missing else None
+    return f"{needs} {' and '.join(missing)}." if missing else None
 
 
 def proposed_schema(case_set: dict, slugs: list[str]) -> str:

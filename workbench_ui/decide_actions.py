@@ -62,11 +62,8 @@ def new_schema() -> None:
 def init_page() -> None:
     """A session's first run: the draft the URL names, a linked case, else the preferred schema (or a pending one)."""
     pending = st.session_state.pop(K("pending_load"), None)
-    token = st.session_state.get(K("draft_token"))
-    if token is None:
-        # a token of its own: a session opened from another's draft never overwrites it
-        token = secrets.token_urlsafe(9)
-        st.session_state[K("draft_token")] = token
+    # a token of its own: a session opened from another's draft never overwrites it
+    token = st.session_state.setdefault(K("draft_token"), secrets.token_urlsafe(9))
     if K("uids") not in st.session_state:
         linked = st.query_params.get(DRAFT_PARAM)
         draft = get_store().load_draft(draft_key(linked)) if linked else None

@@ -157,7 +157,7 @@ class Builder:
     def new_schema(self) -> None:
         """Start an empty schema: no questions, no name, no examples, no identity (the state is kept)."""
         self.set_rows([])
-        for name in ("loaded_slug", "loaded_questions", "examples"):
+        for name in self.LOADED:
             self.state.pop(key(name), None)
         for name, value in (("schema_name", ""), ("schema_description", ""), ("library_pick", None)):
             set_kept(self.state, key(name), value)
@@ -295,17 +295,14 @@ class BudgetCache:
     """Token counts of the last request, per request, max_length and engine (held weakly)."""
 
     def __init__(self) -> None:
-        self._key: tuple[str, int] | None = None
-        self._engine: weakref.ref | None = None
-        self._counts: dict[str, int] | None = None
+        self._last: tuple[tuple[str, int], weakref.ref, dict[str, int]] | None = None
 
     def counts(self, engine: Any, request: dict[str, Any], max_length: int) -> dict[str, int]:
         wanted = (fingerprint(request), max_length)
-        if self._counts is not None and self._key == wanted and self._engine is not None and \
-                self._engine() is engine:
-            return self._counts
+        if self._last is not None and self._last[0] == wanted and self._last[1]() is engine:
+            return self._last[2]
         counts = engine.count_tokens(request, max_length=max_length)
-        self._key, self._engine, self._counts = wanted, weakref.ref(engine), counts
+        self._last = (wanted, weakref.ref(engine), counts)
         return counts
 
 
@@ -481,7 +478,7 @@ def restore_draft(state: MutableMapping, draft: dict[str, Any]) -> None:
     for name in DRAFT_FIELDS:
         if draft.get(name) is not None:
             set_kept(state, key(name), draft[name])
-    for name in ("loaded_slug", "loaded_questions", "examples"):
+    for name in Builder.LOADED:
         if draft.get(name) is not None:
             state[key(name)] = draft[name]
     set_kept(state, key("library_pick"), draft.get("loaded_slug"))

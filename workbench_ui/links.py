@@ -67,10 +67,8 @@ def review_url(run_id: int, case_id: int, question_id: str) -> str:
 
 def linked_ids(params: Any) -> tuple[int, int] | None:
     """(run id, case id) from query parameters, or None when the link names no case (or not as numbers)."""
-    run_id, case_id = params.get("run"), params.get("case")
-    if run_id is None or case_id is None or not str(run_id).isdigit() or not str(case_id).isdigit():
-        return None
-    return int(run_id), int(case_id)
+    run_id, case_id = str(params.get("run")), str(params.get("case"))  # "None" when missing: no digits
+    return (int(run_id), int(case_id)) if run_id.isdigit() and case_id.isdigit() else None
 
 
 def _draft(library: SchemaLibrary, case: dict[str, Any], schema: dict[str, Any], slug: str | None) -> dict[str, Any]:
@@ -137,10 +135,8 @@ def sweep_decide_url(sweep_id: int, variant: str, case_id: int) -> str:
 
 def linked_sweep_case(params: Any) -> tuple[int, str, int] | None:
     """(sweep id, variant, case id) from query parameters, or None when the link names no case of a sweep."""
-    sweep_id, variant, case_id = params.get("sweep"), params.get("variant"), params.get("case")
-    if not variant or not str(sweep_id).isdigit() or not str(case_id).isdigit():
-        return None
-    return int(sweep_id), str(variant), int(case_id)
+    sweep_id, variant, case_id = str(params.get("sweep")), params.get("variant"), str(params.get("case"))
+    return (int(sweep_id), str(variant), int(case_id)) if variant and sweep_id.isdigit() and case_id.isdigit() else None
 
 
 def sweep_case_draft(store: Any, library: SchemaLibrary, sweep_id: int, variant: str,

@@ -53,7 +53,6 @@ def confidence_default(saved: ReviewRules) -> float:
 
 
 def unknown_options_help(questions: dict[str, dict]) -> str:
-    """The unknown-type options of each question, for the rule's help."""
     return ("Options such as unknown / none of these / other / cannot tell: "
             + "; ".join(f"{q}: {', '.join(sorted(ids))}" for q, spec in questions.items()
                         if (ids := review.unknown_options(spec))))
@@ -135,7 +134,6 @@ def gold_question(item: ReviewItem, action: str, label: Any, gold: str) -> GoldQ
 
 
 def outcome(item: ReviewItem) -> str:
-    """What became of an item: its status, the label recorded and by whom."""
     return (item["status"] + (f" as “{review.label_key(item['label'])}”" if item["label"] is not None else "")
             + (f" by {item['reviewer']}" if item["reviewer"] else ""))
 

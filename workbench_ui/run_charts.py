@@ -8,14 +8,12 @@ import pandas as pd
 from workbench_ui.answers import CHOSEN_COLOR, OTHER_COLOR
 
 
-def latency_histogram(results: list[dict], *, bins: int = 30) -> alt.Chart:
+def latency_histogram(results: list[dict]) -> alt.Chart:
     """Histogram of per-record compute over successful results, with p50 and p95 rules."""
-    data = pd.DataFrame([{"latency_ms": r["latency_ms"]} for r in results
-                         if not r.get("error") and r.get("latency_ms") is not None])
-    if data.empty:
-        data = pd.DataFrame({"latency_ms": pd.Series(dtype=float)})
+    data = pd.DataFrame({"latency_ms": pd.Series([r["latency_ms"] for r in results if not r.get("error")
+                                                  and r.get("latency_ms") is not None], dtype=float)})
     bars = alt.Chart(data).mark_bar(color="#2f80ed").encode(
-        x=alt.X("latency_ms:Q", bin=alt.Bin(maxbins=bins), title="compute per record (ms)"),
+        x=alt.X("latency_ms:Q", bin=alt.Bin(maxbins=30), title="compute per record (ms)"),
         y=alt.Y("count():Q", title="records"),
         tooltip=[alt.Tooltip("count():Q", title="records")],
     )

@@ -22,22 +22,15 @@ def _as_text(value: Any) -> str:
 
 def question_to_row(qid: str, question: dict[str, Any]) -> dict[str, Any]:
     criteria = question.get("criteria")
-    row: dict[str, Any] = {
-        "id": qid,
-        "type": question.get("type", "noul"),
-        "instructions": _as_text(question.get("instructions", "")),
-        "options": [],
-        "levels": [],
-        "true": "",
-        "false": "",
-    }
+    row: dict[str, Any] = {"id": qid, "type": question.get("type", "noul"),
+                           "instructions": _as_text(question.get("instructions", "")), "options": [], "levels": [],
+                           "true": "", "false": ""}
     if row["type"] == "choice" and isinstance(criteria, dict):
         row["options"] = [{"id": k, "description": _as_text(v)} for k, v in criteria.items()]
     elif row["type"] == "score" and isinstance(criteria, list):
         row["levels"] = [_as_text(v) for v in criteria]
     elif row["type"] == "noul" and isinstance(criteria, dict):
-        row["true"] = _as_text(criteria.get("true"))
-        row["false"] = _as_text(criteria.get("false"))
+        row.update({side: _as_text(criteria.get(side)) for side in NOUL_CRITERIA_KEYS})
     return row
 
 
@@ -51,11 +44,8 @@ def row_to_question(row: dict[str, Any]) -> dict[str, Any]:
     instructions = row.get("instructions", "")
     question: dict[str, Any] = {"type": qtype, "instructions": instructions}
     if qtype == "choice":
-        question["criteria"] = {
-            str(o.get("id", "")).strip(): (o.get("description") or "").strip() or None
-            for o in row.get("options", [])
-            if str(o.get("id", "")).strip()
-        }
+        question["criteria"] = {str(o.get("id", "")).strip(): (o.get("description") or "").strip() or None
+                                for o in row.get("options", []) if str(o.get("id", "")).strip()}
     elif qtype == "score":
         question["criteria"] = [str(level) for level in row.get("levels", [])]
     else:
@@ -74,13 +64,8 @@ def options_to_text(options: Iterable[dict[str, Any]]) -> str:
 
 def text_to_options(text: str) -> list[dict[str, str]]:
     """Editor text back to options: each non-blank line `id: description` or `id` (the id ends at the first colon)."""
-    options = []
-    for line in text.splitlines():
-        if not line.strip():
-            continue
-        option_id, _, description = line.partition(":")
-        options.append({"id": option_id.strip(), "description": description.strip()})
-    return options
+    lines = (line.partition(":") for line in text.splitlines() if line.strip())
+    return [{"id": option_id.strip(), "description": description.strip()} for option_id, _, description in lines]
 
 
 def levels_to_text(levels: Iterable[str]) -> str:

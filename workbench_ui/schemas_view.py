@@ -31,15 +31,11 @@ class Listing:
 
     def table(self) -> list[dict[str, Any]]:
         """The library table: one row per file; a file that does not load says so instead of counts."""
-        return [{
-            "file": f"{e.slug}.json",
-            "name": e.name,
-            "version": e.version if e.problem is None else None,
-            "questions": e.question_count if e.problem is None else None,
-            "lint": ("cannot load" if e.problem else
-                     f"{len(self.lint[e.slug])} warning(s)" if self.lint[e.slug] else "ok"),
-            "description": e.description,
-        } for e in self.entries]
+        return [{"file": f"{e.slug}.json", "name": e.name, "version": e.version if e.problem is None else None,
+                 "questions": e.question_count if e.problem is None else None,
+                 "lint": ("cannot load" if e.problem else
+                          f"{len(self.lint[e.slug])} warning(s)" if self.lint[e.slug] else "ok"),
+                 "description": e.description} for e in self.entries]
 
 
 def last_edited(library: SchemaLibrary, slugs: list[str]) -> str | None:

@@ -24,10 +24,9 @@ def stored_calibrations() -> dict[str, Calibration]:
     return calibrations_from_export(export_document(Store(WorkbenchSettings.from_env().db_path)))
 
 
-def api_routes(api_key: str | None = None) -> list:
-    """The HTTP API's routes over the resident engines and stored calibrations; api_key defaults to CLEF_API_KEY."""
-    return routes(resident_models, api_key=api_key if api_key is not None else WorkbenchSettings.from_env().api_key,
-                  calibrations=stored_calibrations)
+def api_routes() -> list:
+    """The HTTP API's routes over the resident engines and stored calibrations, keyed by CLEF_API_KEY."""
+    return routes(resident_models, api_key=WorkbenchSettings.from_env().api_key, calibrations=stored_calibrations)
 
 
 def host_check(bound_to: str) -> list:

@@ -113,7 +113,6 @@ def random_weights_text(model_name: str) -> str:
 
 
 def random_weights_notice(model_name: str | None) -> None:
-    """A warning where answers come from a model with random weights."""
     if model_name and model_manager().random_weights(model_name):
         st.warning(random_weights_text(model_name), icon=":material/casino:")
 
@@ -364,13 +363,11 @@ def run_queued(engine, requests: list[dict], *, max_length: int | None = None, o
     future = engine.submit(prepared, priority="interactive")  # validated once, above: carries its budget
     started = time.monotonic()
     while not future.done():
-        position = engine.queue_position(future)
         if on_wait is not None:
-            if position:
-                on_wait(f"Queued, {position} ahead (queue depth {engine.queue_depth()}) — "
-                        f"{time.monotonic() - started:.0f} s")
-            else:
-                on_wait(f"Running on {engine.info().get('device', 'the device')}… {time.monotonic() - started:.1f} s")
+            waited = time.monotonic() - started
+            position = engine.queue_position(future)
+            on_wait(f"Queued, {position} ahead (queue depth {engine.queue_depth()}) — {waited:.0f} s" if position
+                    else f"Running on {engine.info().get('device', 'the device')}… {waited:.1f} s")
         try:
             return future.result(timeout=POLL_SECONDS)
         except TimeoutError:
@@ -493,13 +490,13 @@ def set_widget(key: str, value: Any) -> None:
 
 
 def confirm(question: str, key: Callable[[str], str], confirm_key: str, *, yes_label: str = "Yes, delete it",
-            no_label: str = "Cancel", icon: str | None = ":material/delete:") -> bool:
-    """Asks before an action: True when `yes_label` was clicked; either button closes the question."""
+            icon: str | None = ":material/delete:") -> bool:
+    """Asks before an action: True when `yes_label` was clicked; it or Cancel closes the question."""
     with st.container(border=True, key=key("confirm_box")):
         st.warning(question, icon=icon)
         cols = st.columns(2)
         yes = cols[0].button(yes_label, key=key("confirm_yes"), type="primary")
-        if yes or cols[1].button(no_label, key=key("confirm_no")):
+        if yes or cols[1].button("Cancel", key=key("confirm_no")):
             st.session_state.pop(confirm_key, None)
         if not yes and confirm_key not in st.session_state:  # cancelled: drawn again without the question
             st.rerun()

@@ -98,9 +98,7 @@ def parse_state(text: str, mode: StateMode = "auto") -> ParsedState:
 
 
 def state_to_text(state: Any) -> str:
-    if isinstance(state, str):
-        return state
-    return json.dumps(state, indent=2, ensure_ascii=False)
+    return state if isinstance(state, str) else json.dumps(state, indent=2, ensure_ascii=False)
 
 
 class MediaError(ValueError):
@@ -207,11 +205,8 @@ def media_limits_text() -> str:
             f"{_mb(MAX_VIDEO_BYTES)} and {MAX_VIDEO_SECONDS:.0f} s each.")
 
 
-DEFAULT_MODEL_NAME = protocol.DEFAULT_MODEL_NAME
-
-
 def build_request(state: Any, questions: dict[str, Any], *, images: Sequence[Media] = (),
-                  videos: Sequence[Media] = (), model: str = DEFAULT_MODEL_NAME) -> dict[str, Any]:
+                  videos: Sequence[Media] = (), model: str = protocol.DEFAULT_MODEL_NAME) -> dict[str, Any]:
     """The System One request for a state, questions and media (as data URLs, images first)."""
     check_media_counts(images, videos)
     return protocol.build_request(state, questions, images=[m.data_url() for m in images],

@@ -92,13 +92,6 @@ AUTO_KIND_LABELS = {
 }
 
 
-def missing_for_sweep(case_sets: list[dict], slugs: list[str], engine: Any) -> str | None:
-    missing = [what for what, there in (("a labelled case set (Case sets page)", case_sets),
-                                        ("a schema (Schemas page)", slugs), ("a loaded model (sidebar)", engine))
-               if not there]
-    return f"A sweep needs {' and '.join(missing)}." if missing else None
-
-
 def written_variants(schema: dict[str, Any], written: list[tuple[str, dict[str, Any]]]) -> list[sweeps.Variant]:
     """The alternatives as variants of `schema`, named "written:QUESTION" ("written 2:…" for a second)."""
     entries, numbers = [], {}
@@ -347,12 +340,8 @@ def adoption_note(result: sweeps.SweepResult, choice: str) -> str:
             f"{metric_text(score.accuracy_change, signed=True)} ({better_text(score.variant, score.accuracy_change)})")
 
 
-def sweep_slug(result: sweeps.SweepResult) -> str | None:
-    return result.settings.get("schema_slug")
-
-
 def adopt_question(library: SchemaLibrary, result: sweeps.SweepResult, choice: str) -> str:
-    slug = sweep_slug(result)
+    slug = result.settings.get("schema_slug")
     current = library.load(slug).version if slug and library.exists(slug) else None
     what = "The composed best schema" if choice == BEST else f"Variant “{choice}”"
     ran = result.settings.get("schema_version")
@@ -371,7 +360,7 @@ class Adopted:
 
 def adopt(library: SchemaLibrary, result: sweeps.SweepResult, choice: str) -> tuple[Adopted | None, str]:
     """Make the chosen schema the library schema's new version; what was done (None and why not)."""
-    slug = sweep_slug(result)
+    slug = result.settings.get("schema_slug")
     if not slug or not library.exists(slug):
         return None, (f"Not adopted: the library has no schema {slug!r} any more (deleted or renamed); restore it "
                       "on the Schemas page first.")
