@@ -86,26 +86,24 @@ def media_for_wire(request: dict) -> dict:
     endpoint to judge. Raises RequestError for a path that cannot be read."""
     out = dict(request)
     for key in ("images", "videos"):
-        items = request.get(key)
-        if not isinstance(items, list):
-            continue
-        converted = []
-        for index, item in enumerate(items):
-            if isinstance(item, (bytes, bytearray, memoryview)):
-                data = bytes(item)
-            elif isinstance(item, os.PathLike) or (isinstance(item, str) and not item.startswith("data:")):
-                try:
-                    data = Path(item).read_bytes()
-                except OSError as exc:
-                    raise RequestError([Problem((key, index), f"cannot read {item}: {exc.strerror or exc}",
-                                                "value_error.media")]) from None
-            else:
-                converted.append(item)
-                continue
-            # what the bytes are; the endpoint says whether it takes them
-            converted.append(data_url(sniff_content_type(data) or "application/octet-stream", data))
-        out[key] = converted
+        if isinstance(request.get(key), list):
+            out[key] = [_item_for_wire(item, (key, index)) for index, item in enumerate(request[key])]
     return out
+
+
+def _item_for_wire(item: Any, loc: tuple[str, int]) -> Any:
+    if isinstance(item, (bytes, bytearray, memoryview)):
+        data = bytes(item)
+    elif isinstance(item, os.PathLike) or (isinstance(item, str) and not item.startswith("data:")):
+        try:
+            data = Path(item).read_bytes()
+        except OSError as exc:
+            raise RequestError([Problem(loc, f"cannot read {item}: {exc.strerror or exc}", "value_error.media")]) \
+                from None
+    else:
+        return item
+    # what the bytes are; the endpoint says whether it takes them
+    return data_url(sniff_content_type(data) or "application/octet-stream", data)
 
 
 def _problems(detail: Any) -> list[Problem]:
@@ -385,7 +383,9 @@ class RemoteEngine:
             raise RequestError([Problem((), f"the request cannot be sent as JSON: {exc}", "type_error.json")]) \
                 from None
 
-    def _decide_one(self, request: Mapping[str, Any], body: bytes, started: float, model: str | None) -> Response:
+    def _decide_one(self, request: Request, body: bytes, started: float) -> Response:
+        # the model is named by the caller (as the local engine does): the HTTP server names its models
+        asked, model = (request.request, request.model) if isinstance(request, ValidRequest) else (request, None)
         with self._lock:
             self._stats["requests"] += 1
         try:
@@ -396,7 +396,7 @@ class RemoteEngine:
                 answer = response.json()
             except ValueError:
                 answer = None
-            problem = _check_response(answer, request) if answer is not None else "not JSON"
+            problem = _check_response(answer, asked) if answer is not None else "not JSON"
             if problem is not None:
                 raise RemoteError(f"{self.endpoint}{SYSTEM_ONE_PATH} answered 200 with a malformed response "
                                   f"({problem}): {response.text[:200]!r}", endpoint=self.endpoint, status=200)
@@ -408,7 +408,7 @@ class RemoteEngine:
             answer["x_server_latency_ms"] = answer["x_latency_ms"]
         answer["x_latency_ms"] = round((time.perf_counter() - started) * 1000, 2)
         answer["x_attempts"] = attempts
-        if model is not None:  # named by the caller (as the local engine does): the HTTP server names its models
+        if model is not None:
             answer["model"] = model
         return answer
 
@@ -439,10 +439,7 @@ class RemoteEngine:
             else:
                 with self._lock:
                     self._in_flight += 1
-                if isinstance(request, ValidRequest):
-                    future = self._pool.submit(self._decide_one, request.request, body, started, request.model)
-                else:
-                    future = self._pool.submit(self._decide_one, request, body, started, None)
+                future = self._pool.submit(self._decide_one, request, body, started)
                 future.add_done_callback(self._finished)
             futures.append(future)
         return _gather(futures, return_errors=errors == "return")
@@ -532,6 +529,3 @@ def is_endpoint(source: Any) -> bool:
     """True when a model source names a remote endpoint (an http or https URL) rather than a release."""
     return isinstance(source, str) and source.strip().lower().startswith(("http://", "https://"))
 
-
-__all__ = ["RemoteEngine", "RemoteError", "RemoteAuthError", "RemoteRequestError", "RequestTooLargeError",
-           "parse_endpoint", "retry_after_seconds", "is_endpoint", "API_KEY_ENV"]

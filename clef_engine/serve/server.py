@@ -90,11 +90,11 @@ class SystemOneApi:
     def routes(self) -> list[Route]:
         return [
             Route("/v1/systemone", self.system_one, methods=["POST"]),
-            Route("/v1/models", self.models, methods=["GET"]),
+            Route("/v1/models", self._counted("/v1/models", self._models_list), methods=["GET"]),
             Route("/health", self.health, methods=["GET"]),
-            Route("/metrics", self.metrics_text, methods=["GET"]),
-            Route("/openapi.json", self.openapi_json, methods=["GET"]),
-            Route("/docs", self.docs, methods=["GET"]),
+            Route("/metrics", self._counted("/metrics", self._exposition), methods=["GET"]),
+            Route("/openapi.json", lambda request: JSONResponse(openapi.document()), methods=["GET"]),
+            Route("/docs", lambda request: HTMLResponse(openapi.docs_page(openapi.document())), methods=["GET"]),
         ]
 
     def stop(self) -> None:
@@ -324,9 +324,6 @@ class SystemOneApi:
                                 "try again later", retry_after=1) from None
             raise
 
-    async def models(self, request: Request) -> Response:
-        return await self._counted("/v1/models", request, self._models_list)
-
     async def _models_list(self) -> Response:
         listed = []
         for index, (name, engine) in enumerate((await self._models()).items()):
@@ -349,15 +346,20 @@ class SystemOneApi:
                        "name": MODEL_ALIAS, "description": f"Alias of {default['name']}."})
         return JSONResponse({"models": listed})
 
-    async def _counted(self, path: str, request: Request, answer: Callable[[], Awaitable[Response]]) -> Response:
-        """`answer()` for an authenticated request, or the error answer; counted by path and status."""
-        try:
-            self._authenticate(request)
-            response = await answer()
-        except ApiError as exc:
-            response = error_response(exc)
-        self.metrics.count_request(path, response.status_code)
-        return response
+    def _counted(self, path: str,
+                 answer: Callable[[], Awaitable[Response]]) -> Callable[[Request], Awaitable[Response]]:
+        """The handler of `path`: `answer()` for an authenticated request, or the error answer; counted by status."""
+
+        async def handle(request: Request) -> Response:
+            try:
+                self._authenticate(request)
+                response = await answer()
+            except ApiError as exc:
+                response = error_response(exc)
+            self.metrics.count_request(path, response.status_code)
+            return response
+
+        return handle
 
     async def health(self, request: Request) -> Response:
         models = await run_in_threadpool(self.models_or_none) or {}
@@ -375,18 +377,9 @@ class SystemOneApi:
         self.metrics.count_request("/health", status)
         return JSONResponse(body, status_code=status)
 
-    async def metrics_text(self, request: Request) -> Response:
-        return await self._counted("/metrics", request, self._exposition)
-
     async def _exposition(self) -> Response:
         text = await run_in_threadpool(self.metrics.exposition)
         return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
-
-    async def openapi_json(self, request: Request) -> Response:
-        return JSONResponse(openapi.document())
-
-    async def docs(self, request: Request) -> Response:
-        return HTMLResponse(openapi.docs_page(openapi.document()))
 
 
 def _invalid_request(exc: RequestError, asset_images: dict[int, str]) -> ApiError:
