@@ -265,8 +265,7 @@ class RemoteEngine:
             if self._closed.is_set():
                 raise CancelledError(f"the remote engine for {self.endpoint} was closed")
             attempt += 1
-            wait: float | None = None
-            failure: RemoteError | None
+            failure: RemoteError | None = None
             try:
                 with call_deadline(deadline):
                     response = exchange(self._client, method, path, content, self.max_response_bytes,
@@ -284,19 +283,17 @@ class RemoteEngine:
             else:
                 if response.status_code not in RETRY_STATUSES or attempt > self.max_retries:
                     return response, attempt
-                wait = retry_after_seconds(response.headers.get("retry-after"))
-                failure = None
             if attempt > self.max_retries and failure is not None:
                 raise failure
-            asked = wait is not None
-            if wait is None:  # exponential backoff with full jitter, so clients that failed together spread out
-                wait = random.uniform(0.5, 1.0) * min(self.max_backoff_s, self.backoff_s * 2 ** (attempt - 1))
-            wait = min(wait, self.max_retry_wait_s)
+            asked = retry_after_seconds(response.headers.get("retry-after")) if failure is None else None
+            # without a Retry-After: exponential backoff with full jitter, so clients that failed together spread out
+            wait = min(self.max_retry_wait_s, asked if asked is not None else
+                       random.uniform(0.5, 1.0) * min(self.max_backoff_s, self.backoff_s * 2 ** (attempt - 1)))
             if time.monotonic() + wait >= deadline:  # no time left for another attempt: end now, not at the deadline
                 if failure is not None:
                     raise failure
                 note = (f"; it asked to be retried after {wait:g} s, past this call's {self.timeout:g} s deadline"
-                        if asked else "")
+                        if asked is not None else "")
                 raise self._error(response, attempt, note=note)
             with self._lock:
                 self._stats["retries"] += 1

@@ -99,10 +99,10 @@ class HeaderTimeoutProtocol(H11Protocol):
 
     header_timeout: float = DEFAULT_HEADER_TIMEOUT
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    _head_timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
-        self._head_timer: asyncio.TimerHandle | None = None
         self._arm_head_timer()
 
     def data_received(self, data: bytes) -> None:
@@ -141,9 +141,8 @@ class HeaderTimeoutProtocol(H11Protocol):
         self._head_timer = self.loop.call_later(self.header_timeout, self._head_timed_out)
 
     def _disarm_head_timer(self) -> None:
-        timer = getattr(self, "_head_timer", None)
-        if timer is not None:
-            timer.cancel()
+        if self._head_timer is not None:
+            self._head_timer.cancel()
             self._head_timer = None
 
     def _head_timed_out(self) -> None:

@@ -150,24 +150,21 @@ class SystemOneApi:
         if not hmac.compare_digest(token.strip().encode("latin-1"), self._key):
             raise _unauthorized("invalid API key", 'Bearer realm="clef", error="invalid_token"')
 
-    async def _read_body(self, request: Request) -> bytes:
+    async def _read_body(self, request: Request, declared_size: int | None) -> bytes:
         limit = self.max_body_bytes
         too_large = api_error(413, "request_too_large", f"the request body is larger than {limit} bytes")
-        declared = request.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > limit:
+        if declared_size is not None and declared_size > limit:
             raise too_large
-        chunks, size = [], 0
+        raw = bytearray()
         async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
+            raw += chunk
+            if len(raw) > limit:
                 raise too_large
-            chunks.append(chunk)
-        raw = b"".join(chunks)
         encoding = request.headers.get("content-encoding", "identity").strip().lower()
         if encoding in ("", "identity"):
-            return raw
+            return bytes(raw)
         # Inflating up to max_body_bytes takes a while; off the event loop, so that other requests go on meanwhile.
-        return await run_in_threadpool(decompress, raw, encoding, limit, too_large)
+        return await run_in_threadpool(decompress, bytes(raw), encoding, limit, too_large)
 
     async def _parse_request(self, kind: str, content_type: str, raw: bytes,
                              client: str) -> tuple[dict, dict[int, str]]:
@@ -204,7 +201,7 @@ class SystemOneApi:
             if size is None or PACED_REQUEST_BYTES <= size <= self.max_body_bytes:
                 paced = await self._paced.begin(client, lambda: self._requests_in_flight > 1, self.request_timeout)
             try:  # a client trickling its body would otherwise hold a connection and a handler as long as it likes
-                raw = await asyncio.wait_for(self._read_body(request), self.request_timeout)
+                raw = await asyncio.wait_for(self._read_body(request, size), self.request_timeout)
             except TimeoutError:
                 raise api_error(408, "request_timeout",
                                 f"the request body did not arrive within {self.request_timeout:g} seconds") from None
