@@ -30,7 +30,7 @@ from .environment import API_KEY_ENV
 from .errors import BusyError, CancelledError, ClefError, Problem, RequestError, TokenBudgetError
 from .interface import Request
 from .protocol import OVERFLOW_POLICIES, Question, Response, ValidRequest, data_url, prepare, sniff_content_type
-from .remote_http import call_deadline, deadline_transport, detail_text, exchange, retry_after_seconds
+from .remote_http import call_deadline, deadline_transport, detail_of, exchange, retry_after_seconds
 
 SYSTEM_ONE_PATH = "/v1/systemone"
 MODELS_PATH = "/v1/models"
@@ -310,11 +310,7 @@ class RemoteEngine:
         ends the message of a retried status."""
         status = response.status_code
         url = str(response.request.url)
-        said = detail_text(response)
-        try:
-            detail = response.json().get("detail")
-        except (ValueError, AttributeError):
-            detail = said
+        detail, said = detail_of(response)
         if status == 422:
             return RemoteRequestError(url, _problems(detail))
         if status in (401, 403):
