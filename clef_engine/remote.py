@@ -182,7 +182,7 @@ def _gather(futures: list[Future], *, return_errors: bool) -> Future:
         with lock:
             if outer.done():
                 return
-            error = CancelledError("the request was cancelled") if future.cancelled() else future.exception()
+            error = _error_of(future)
             if error is not None and not (return_errors and isinstance(error, ClefError)):
                 outer.set_exception(error)
                 for other in futures:
@@ -199,10 +199,12 @@ def _gather(futures: list[Future], *, return_errors: bool) -> Future:
     return outer
 
 
+def _error_of(future: Future) -> BaseException | None:
+    return CancelledError("the request was cancelled") if future.cancelled() else future.exception()
+
+
 def _outcome(future: Future) -> Any:
-    if future.cancelled():
-        return CancelledError("the request was cancelled")
-    return future.exception() or future.result()
+    return _error_of(future) or future.result()
 
 
 class RemoteEngine:
