@@ -213,8 +213,7 @@ class RemoteEngine:
     def __init__(self, url: str, *, api_key: str | None = None, model: str | None = None, timeout: float = 120.0,
                  connect_timeout: float = 10.0, max_concurrency: int = 8, max_retries: int = 4,
                  backoff_s: float = 0.5, max_backoff_s: float = 30.0, max_retry_wait_s: float = 120.0,
-                 max_response_bytes: int = MAX_RESPONSE_BYTES, check: bool = True,
-                 transport: httpx.BaseTransport | None = None):
+                 max_response_bytes: int = MAX_RESPONSE_BYTES, check: bool = True):
         """`timeout`: seconds a request may take from its sending to its answer, retries included."""
         self.endpoint = parse_endpoint(url)
         self.model_id = self.endpoint  # what runs record as the model; the key never is part of it
@@ -236,7 +235,7 @@ class RemoteEngine:
             headers={**headers, **({"authorization": b"Bearer " + key.strip().encode()} if key else {})},
             timeout=httpx.Timeout(timeout, connect=min(connect_timeout, timeout)),
             limits=limits,
-            transport=transport if transport is not None else deadline_transport(limits),
+            transport=deadline_transport(limits),
         )
         self._has_key = bool(key)
         self._pool = ThreadPoolExecutor(max_workers=self.max_concurrency, thread_name_prefix="clef-remote")
