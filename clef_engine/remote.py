@@ -132,7 +132,7 @@ def _is_probability(value: Any) -> bool:
 def _answer_problem(answer: dict) -> str | None:
     """Why an answer's numbers cannot be right (None if they can): a probability that is not a number in [0, 1],
     probabilities that do not sum to 1, a choice that is not one of them, a score that is not a finite number."""
-    if "noul" in _ANSWER_KEYS.get(answer["type"], ()):
+    if answer["type"] == "noul":
         return None if _is_probability(answer["noul"]) else "its noul is not a probability in [0, 1]"
     probabilities = answer["probabilities"]
     if not isinstance(probabilities, dict) or not probabilities:

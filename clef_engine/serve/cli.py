@@ -239,6 +239,9 @@ def run_serve(args: argparse.Namespace) -> int:
     if not 0 <= args.shutdown_grace < math.inf:  # NaN too
         print("error: --shutdown-grace must be a number of seconds, 0 or more", file=sys.stderr)
         return 2
+    if args.max_tokens_per_request is not None and args.max_tokens_per_request < 1:
+        print("error: --max-tokens-per-request must be at least 1", file=sys.stderr)
+        return 2
     calibrations: dict = {}
     if args.calibrations is not None:
         try:
@@ -250,9 +253,6 @@ def run_serve(args: argparse.Namespace) -> int:
         models = load_models(args)
     except ClefError as exc:  # a missing or broken release, no fast kernels on CUDA, no room: say so, no traceback
         print(f"error: {exc}", file=sys.stderr)
-        return 2
-    if args.max_tokens_per_request is not None and args.max_tokens_per_request < 1:
-        print("error: --max-tokens-per-request must be at least 1", file=sys.stderr)
         return 2
     allowed_hosts = args.allowed_host or default_allowed_hosts(args.host)
     max_body_bytes = int(args.max_body_mb * 2**20)
