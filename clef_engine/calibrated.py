@@ -48,8 +48,7 @@ class QuestionMap:
         if method != METHOD_OF_TYPE[question_type]:
             raise ValueError(f"a {question_type} question is calibrated by method {METHOD_OF_TYPE[question_type]!r}; "
                              f"got {method!r}")
-        defaults = {"a": cls.a, "b": cls.b, "temperature": cls.temperature}
-        numbers = {name: _parameter(name, params.get(name, default)) for name, default in defaults.items()}
+        numbers = {name: _parameter(name, params.get(name, getattr(cls, name))) for name in PARAMETER_RANGES}
         return cls(question_type=question_type, method=method, **numbers)
 
     def apply(self, distribution: Mapping[str, float]) -> dict[str, float]:

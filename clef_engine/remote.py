@@ -30,7 +30,7 @@ from .environment import API_KEY_ENV
 from .errors import BusyError, CancelledError, ClefError, Problem, RequestError, TokenBudgetError
 from .interface import Request
 from .protocol import OVERFLOW_POLICIES, Question, Response, ValidRequest, data_url, prepare, sniff_content_type
-from .remote_http import call_deadline, deadline_transport, detail_text, exchange, retry_after_seconds
+from .remote_http import call_deadline, deadline_transport, detail_of, exchange, retry_after_seconds
 
 SYSTEM_ONE_PATH = "/v1/systemone"
 MODELS_PATH = "/v1/models"
@@ -86,26 +86,24 @@ def media_for_wire(request: dict) -> dict:
     endpoint to judge. Raises RequestError for a path that cannot be read."""
     out = dict(request)
     for key in ("images", "videos"):
-        items = request.get(key)
-        if not isinstance(items, list):
-            continue
-        converted = []
-        for index, item in enumerate(items):
-            if isinstance(item, (bytes, bytearray, memoryview)):
-                data = bytes(item)
-            elif isinstance(item, os.PathLike) or (isinstance(item, str) and not item.startswith("data:")):
-                try:
-                    data = Path(item).read_bytes()
-                except OSError as exc:
-                    raise RequestError([Problem((key, index), f"cannot read {item}: {exc.strerror or exc}",
-                                                "value_error.media")]) from None
-            else:
-                converted.append(item)
-                continue
-            # what the bytes are; the endpoint says whether it takes them
-            converted.append(data_url(sniff_content_type(data) or "application/octet-stream", data))
-        out[key] = converted
+        if isinstance(request.get(key), list):
+            out[key] = [_item_for_wire(item, (key, index)) for index, item in enumerate(request[key])]
     return out
+
+
+def _item_for_wire(item: Any, loc: tuple[str, int]) -> Any:
+    if isinstance(item, (bytes, bytearray, memoryview)):
+        data = bytes(item)
+    elif isinstance(item, os.PathLike) or (isinstance(item, str) and not item.startswith("data:")):
+        try:
+            data = Path(item).read_bytes()
+        except OSError as exc:
+            raise RequestError([Problem(loc, f"cannot read {item}: {exc.strerror or exc}", "value_error.media")]) \
+                from None
+    else:
+        return item
+    # what the bytes are; the endpoint says whether it takes them
+    return data_url(sniff_content_type(data) or "application/octet-stream", data)
 
 
 def _problems(detail: Any) -> list[Problem]:
@@ -134,7 +132,7 @@ def _is_probability(value: Any) -> bool:
 def _answer_problem(answer: dict) -> str | None:
     """Why an answer's numbers cannot be right (None if they can): a probability that is not a number in [0, 1],
     probabilities that do not sum to 1, a choice that is not one of them, a score that is not a finite number."""
-    if "noul" in _ANSWER_KEYS.get(answer["type"], ()):
+    if answer["type"] == "noul":
         return None if _is_probability(answer["noul"]) else "its noul is not a probability in [0, 1]"
     probabilities = answer["probabilities"]
     if not isinstance(probabilities, dict) or not probabilities:
@@ -184,7 +182,7 @@ def _gather(futures: list[Future], *, return_errors: bool) -> Future:
         with lock:
             if outer.done():
                 return
-            error = CancelledError("the request was cancelled") if future.cancelled() else future.exception()
+            error = _error_of(future)
             if error is not None and not (return_errors and isinstance(error, ClefError)):
                 outer.set_exception(error)
                 for other in futures:
@@ -201,10 +199,12 @@ def _gather(futures: list[Future], *, return_errors: bool) -> Future:
     return outer
 
 
+def _error_of(future: Future) -> BaseException | None:
+    return CancelledError("the request was cancelled") if future.cancelled() else future.exception()
+
+
 def _outcome(future: Future) -> Any:
-    if future.cancelled():
-        return CancelledError("the request was cancelled")
-    return future.exception() or future.result()
+    return _error_of(future) or future.result()
 
 
 class RemoteEngine:
@@ -213,8 +213,7 @@ class RemoteEngine:
     def __init__(self, url: str, *, api_key: str | None = None, model: str | None = None, timeout: float = 120.0,
                  connect_timeout: float = 10.0, max_concurrency: int = 8, max_retries: int = 4,
                  backoff_s: float = 0.5, max_backoff_s: float = 30.0, max_retry_wait_s: float = 120.0,
-                 max_response_bytes: int = MAX_RESPONSE_BYTES, check: bool = True,
-                 transport: httpx.BaseTransport | None = None):
+                 max_response_bytes: int = MAX_RESPONSE_BYTES, check: bool = True):
         """`timeout`: seconds a request may take from its sending to its answer, retries included."""
         self.endpoint = parse_endpoint(url)
         self.model_id = self.endpoint  # what runs record as the model; the key never is part of it
@@ -236,7 +235,7 @@ class RemoteEngine:
             headers={**headers, **({"authorization": b"Bearer " + key.strip().encode()} if key else {})},
             timeout=httpx.Timeout(timeout, connect=min(connect_timeout, timeout)),
             limits=limits,
-            transport=transport if transport is not None else deadline_transport(limits),
+            transport=deadline_transport(limits),
         )
         self._has_key = bool(key)
         self._pool = ThreadPoolExecutor(max_workers=self.max_concurrency, thread_name_prefix="clef-remote")
@@ -267,8 +266,7 @@ class RemoteEngine:
             if self._closed.is_set():
                 raise CancelledError(f"the remote engine for {self.endpoint} was closed")
             attempt += 1
-            wait: float | None = None
-            failure: RemoteError | None
+            failure: RemoteError | None = None
             try:
                 with call_deadline(deadline):
                     response = exchange(self._client, method, path, content, self.max_response_bytes,
@@ -286,19 +284,17 @@ class RemoteEngine:
             else:
                 if response.status_code not in RETRY_STATUSES or attempt > self.max_retries:
                     return response, attempt
-                wait = retry_after_seconds(response.headers.get("retry-after"))
-                failure = None
             if attempt > self.max_retries and failure is not None:
                 raise failure
-            asked = wait is not None
-            if wait is None:  # exponential backoff with full jitter, so clients that failed together spread out
-                wait = random.uniform(0.5, 1.0) * min(self.max_backoff_s, self.backoff_s * 2 ** (attempt - 1))
-            wait = min(wait, self.max_retry_wait_s)
+            asked = retry_after_seconds(response.headers.get("retry-after")) if failure is None else None
+            # without a Retry-After: exponential backoff with full jitter, so clients that failed together spread out
+            wait = min(self.max_retry_wait_s, asked if asked is not None else
+                       random.uniform(0.5, 1.0) * min(self.max_backoff_s, self.backoff_s * 2 ** (attempt - 1)))
             if time.monotonic() + wait >= deadline:  # no time left for another attempt: end now, not at the deadline
                 if failure is not None:
                     raise failure
                 note = (f"; it asked to be retried after {wait:g} s, past this call's {self.timeout:g} s deadline"
-                        if asked else "")
+                        if asked is not None else "")
                 raise self._error(response, attempt, note=note)
             with self._lock:
                 self._stats["retries"] += 1
@@ -315,11 +311,7 @@ class RemoteEngine:
         ends the message of a retried status."""
         status = response.status_code
         url = str(response.request.url)
-        said = detail_text(response)
-        try:
-            detail = response.json().get("detail")
-        except (ValueError, AttributeError):
-            detail = said
+        detail, said = detail_of(response)
         if status == 422:
             return RemoteRequestError(url, _problems(detail))
         if status in (401, 403):
@@ -385,7 +377,9 @@ class RemoteEngine:
             raise RequestError([Problem((), f"the request cannot be sent as JSON: {exc}", "type_error.json")]) \
                 from None
 
-    def _decide_one(self, request: Mapping[str, Any], body: bytes, started: float, model: str | None) -> Response:
+    def _decide_one(self, request: Request, body: bytes, started: float) -> Response:
+        # the model is named by the caller (as the local engine does): the HTTP server names its models
+        asked, model = (request.request, request.model) if isinstance(request, ValidRequest) else (request, None)
         with self._lock:
             self._stats["requests"] += 1
         try:
@@ -396,7 +390,7 @@ class RemoteEngine:
                 answer = response.json()
             except ValueError:
                 answer = None
-            problem = _check_response(answer, request) if answer is not None else "not JSON"
+            problem = _check_response(answer, asked) if answer is not None else "not JSON"
             if problem is not None:
                 raise RemoteError(f"{self.endpoint}{SYSTEM_ONE_PATH} answered 200 with a malformed response "
                                   f"({problem}): {response.text[:200]!r}", endpoint=self.endpoint, status=200)
@@ -408,7 +402,7 @@ class RemoteEngine:
             answer["x_server_latency_ms"] = answer["x_latency_ms"]
         answer["x_latency_ms"] = round((time.perf_counter() - started) * 1000, 2)
         answer["x_attempts"] = attempts
-        if model is not None:  # named by the caller (as the local engine does): the HTTP server names its models
+        if model is not None:
             answer["model"] = model
         return answer
 
@@ -439,10 +433,7 @@ class RemoteEngine:
             else:
                 with self._lock:
                     self._in_flight += 1
-                if isinstance(request, ValidRequest):
-                    future = self._pool.submit(self._decide_one, request.request, body, started, request.model)
-                else:
-                    future = self._pool.submit(self._decide_one, request, body, started, None)
+                future = self._pool.submit(self._decide_one, request, body, started)
                 future.add_done_callback(self._finished)
             futures.append(future)
         return _gather(futures, return_errors=errors == "return")
@@ -532,6 +523,3 @@ def is_endpoint(source: Any) -> bool:
     """True when a model source names a remote endpoint (an http or https URL) rather than a release."""
     return isinstance(source, str) and source.strip().lower().startswith(("http://", "https://"))
 
-
-__all__ = ["RemoteEngine", "RemoteError", "RemoteAuthError", "RemoteRequestError", "RequestTooLargeError",
-           "parse_endpoint", "retry_after_seconds", "is_endpoint", "API_KEY_ENV"]

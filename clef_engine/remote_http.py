@@ -1,7 +1,7 @@
 """The HTTP side of `RemoteEngine` (remote.py), torch-free like it: a deadline per call that every socket operation
 of the exchange is held to (httpx's own timeouts are per operation: a server trickling a byte a second would never
 trip them), `Retry-After` read as seconds or an HTTP date, an answer read as it streams in and abandoned past a size
-cap, and the one-line summary of what a server said about an error."""
+cap, and what a server said about an error."""
 
 from __future__ import annotations
 
@@ -125,12 +125,15 @@ def exchange(client: httpx.Client, method: str, path: str, content: bytes | None
     return httpx.Response(response.status_code, headers=headers, content=bytes(body), request=response.request)
 
 
-def detail_text(response: httpx.Response) -> str:
-    """What the server said about an error, in one line: `error_type: message`, or the start of the body."""
+def detail_of(response: httpx.Response) -> tuple[Any, str]:
+    """What the server said about an error: its JSON `detail` (else the start of the body), and that in one line,
+    `error_type: message` when it has them."""
     try:
         detail = response.json().get("detail")
     except (ValueError, AttributeError):
-        return response.text[:300].strip() or response.reason_phrase
+        said = response.text[:300].strip() or response.reason_phrase
+        return said, said
     if isinstance(detail, dict):
-        return ": ".join(str(detail[k]) for k in ("error_type", "message") if detail.get(k)) or json.dumps(detail)
-    return json.dumps(detail, ensure_ascii=False)[:300]
+        return detail, ": ".join(str(detail[k]) for k in ("error_type", "message") if detail.get(k)) or \
+            json.dumps(detail)
+    return detail, json.dumps(detail, ensure_ascii=False)[:300]

@@ -94,12 +94,12 @@ def _check_json_tree(value: Any) -> None:
         is_dict = type(item) is dict
         key: Any  # str in an object, int in an array
         for key, child in item.items() if is_dict else enumerate(item):
-            if is_dict and not key.isascii() and SURROGATE.search(key):
-                _check_text(key, [*_location(entry), key])
+            if is_dict and not key.isascii() and (bad := SURROGATE.search(key)):
+                raise _not_unicode(bad.start(), [*_location(entry), key])
             kind = type(child)
             if kind is str:
-                if not child.isascii() and SURROGATE.search(child):
-                    _check_text(child, [*_location(entry), key])
+                if not child.isascii() and (bad := SURROGATE.search(child)):
+                    raise _not_unicode(bad.start(), [*_location(entry), key])
             elif kind is dict or kind is list:
                 stack.append((child, entry, key, depth + 1))
 
@@ -112,14 +112,10 @@ def _location(entry: tuple[Any, Any, Any, int]) -> list[str | int]:
     return loc[::-1]
 
 
-def _check_text(text: str, loc: list[str | int]) -> None:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        where = [part.encode("utf-8", "backslashreplace").decode("utf-8") if isinstance(part, str) else part
-                 for part in loc]
-        raise invalid(where, f"string has an unpaired UTF-16 surrogate at character {exc.start}: not valid "
-                              "Unicode", "string_unicode") from None
+def _not_unicode(at: int, loc: list[str | int]) -> ApiError:
+    where = [p.encode("utf-8", "backslashreplace").decode("utf-8") if isinstance(p, str) else p for p in loc]
+    return invalid(where, f"string has an unpaired UTF-16 surrogate at character {at}: not valid Unicode",
+                   "string_unicode")
 
 
 def _number(convert: Callable[[str], float], unit: str) -> Callable[[str], float]:

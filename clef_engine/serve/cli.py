@@ -99,10 +99,10 @@ class HeaderTimeoutProtocol(H11Protocol):
 
     header_timeout: float = DEFAULT_HEADER_TIMEOUT
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    _head_timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
-        self._head_timer: asyncio.TimerHandle | None = None
         self._arm_head_timer()
 
     def data_received(self, data: bytes) -> None:
@@ -141,9 +141,8 @@ class HeaderTimeoutProtocol(H11Protocol):
         self._head_timer = self.loop.call_later(self.header_timeout, self._head_timed_out)
 
     def _disarm_head_timer(self) -> None:
-        timer = getattr(self, "_head_timer", None)
-        if timer is not None:
-            timer.cancel()
+        if self._head_timer is not None:
+            self._head_timer.cancel()
             self._head_timer = None
 
     def _head_timed_out(self) -> None:
@@ -240,6 +239,9 @@ def run_serve(args: argparse.Namespace) -> int:
     if not 0 <= args.shutdown_grace < math.inf:  # NaN too
         print("error: --shutdown-grace must be a number of seconds, 0 or more", file=sys.stderr)
         return 2
+    if args.max_tokens_per_request is not None and args.max_tokens_per_request < 1:
+        print("error: --max-tokens-per-request must be at least 1", file=sys.stderr)
+        return 2
     calibrations: dict = {}
     if args.calibrations is not None:
         try:
@@ -251,9 +253,6 @@ def run_serve(args: argparse.Namespace) -> int:
         models = load_models(args)
     except ClefError as exc:  # a missing or broken release, no fast kernels on CUDA, no room: say so, no traceback
         print(f"error: {exc}", file=sys.stderr)
-        return 2
-    if args.max_tokens_per_request is not None and args.max_tokens_per_request < 1:
-        print("error: --max-tokens-per-request must be at least 1", file=sys.stderr)
         return 2
     allowed_hosts = args.allowed_host or default_allowed_hosts(args.host)
     max_body_bytes = int(args.max_body_mb * 2**20)

@@ -35,8 +35,7 @@ class Metrics:
     test's) never share or double-register counters. The engine's numbers are read at scrape time."""
 
     def __init__(self, models_or_none: Callable[[], dict[str, Any] | None]):
-        self.registry = CollectorRegistry()
-        registry = self.registry
+        self.registry = registry = CollectorRegistry()
         self.requests = Counter("clef_api_requests", "HTTP requests answered, by path and status.",
                                 ["path", "status"], registry=registry)
         self.latency = Histogram("clef_api_request_duration_seconds", "Time to answer POST /v1/systemone, any status.",

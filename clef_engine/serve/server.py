@@ -90,11 +90,11 @@ class SystemOneApi:
     def routes(self) -> list[Route]:
         return [
             Route("/v1/systemone", self.system_one, methods=["POST"]),
-            Route("/v1/models", self.models, methods=["GET"]),
+            Route("/v1/models", self._counted("/v1/models", self._models_list), methods=["GET"]),
             Route("/health", self.health, methods=["GET"]),
-            Route("/metrics", self.metrics_text, methods=["GET"]),
-            Route("/openapi.json", self.openapi_json, methods=["GET"]),
-            Route("/docs", self.docs, methods=["GET"]),
+            Route("/metrics", self._counted("/metrics", self._exposition), methods=["GET"]),
+            Route("/openapi.json", lambda request: JSONResponse(openapi.document()), methods=["GET"]),
+            Route("/docs", lambda request: HTMLResponse(openapi.docs_page(openapi.document())), methods=["GET"]),
         ]
 
     def stop(self) -> None:
@@ -150,24 +150,21 @@ class SystemOneApi:
         if not hmac.compare_digest(token.strip().encode("latin-1"), self._key):
             raise _unauthorized("invalid API key", 'Bearer realm="clef", error="invalid_token"')
 
-    async def _read_body(self, request: Request) -> bytes:
+    async def _read_body(self, request: Request, declared_size: int | None) -> bytes:
         limit = self.max_body_bytes
         too_large = api_error(413, "request_too_large", f"the request body is larger than {limit} bytes")
-        declared = request.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > limit:
+        if declared_size is not None and declared_size > limit:
             raise too_large
-        chunks, size = [], 0
+        raw = bytearray()
         async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
+            raw += chunk
+            if len(raw) > limit:
                 raise too_large
-            chunks.append(chunk)
-        raw = b"".join(chunks)
         encoding = request.headers.get("content-encoding", "identity").strip().lower()
         if encoding in ("", "identity"):
-            return raw
+            return bytes(raw)
         # Inflating up to max_body_bytes takes a while; off the event loop, so that other requests go on meanwhile.
-        return await run_in_threadpool(decompress, raw, encoding, limit, too_large)
+        return await run_in_threadpool(decompress, bytes(raw), encoding, limit, too_large)
 
     async def _parse_request(self, kind: str, content_type: str, raw: bytes,
                              client: str) -> tuple[dict, dict[int, str]]:
@@ -204,7 +201,7 @@ class SystemOneApi:
             if size is None or PACED_REQUEST_BYTES <= size <= self.max_body_bytes:
                 paced = await self._paced.begin(client, lambda: self._requests_in_flight > 1, self.request_timeout)
             try:  # a client trickling its body would otherwise hold a connection and a handler as long as it likes
-                raw = await asyncio.wait_for(self._read_body(request), self.request_timeout)
+                raw = await asyncio.wait_for(self._read_body(request, size), self.request_timeout)
             except TimeoutError:
                 raise api_error(408, "request_timeout",
                                 f"the request body did not arrive within {self.request_timeout:g} seconds") from None
@@ -324,9 +321,6 @@ class SystemOneApi:
                                 "try again later", retry_after=1) from None
             raise
 
-    async def models(self, request: Request) -> Response:
-        return await self._counted("/v1/models", request, self._models_list)
-
     async def _models_list(self) -> Response:
         listed = []
         for index, (name, engine) in enumerate((await self._models()).items()):
@@ -349,15 +343,20 @@ class SystemOneApi:
                        "name": MODEL_ALIAS, "description": f"Alias of {default['name']}."})
         return JSONResponse({"models": listed})
 
-    async def _counted(self, path: str, request: Request, answer: Callable[[], Awaitable[Response]]) -> Response:
-        """`answer()` for an authenticated request, or the error answer; counted by path and status."""
-        try:
-            self._authenticate(request)
-            response = await answer()
-        except ApiError as exc:
-            response = error_response(exc)
-        self.metrics.count_request(path, response.status_code)
-        return response
+    def _counted(self, path: str,
+                 answer: Callable[[], Awaitable[Response]]) -> Callable[[Request], Awaitable[Response]]:
+        """The handler of `path`: `answer()` for an authenticated request, or the error answer; counted by status."""
+
+        async def handle(request: Request) -> Response:
+            try:
+                self._authenticate(request)
+                response = await answer()
+            except ApiError as exc:
+                response = error_response(exc)
+            self.metrics.count_request(path, response.status_code)
+            return response
+
+        return handle
 
     async def health(self, request: Request) -> Response:
         models = await run_in_threadpool(self.models_or_none) or {}
@@ -375,18 +374,9 @@ class SystemOneApi:
         self.metrics.count_request("/health", status)
         return JSONResponse(body, status_code=status)
 
-    async def metrics_text(self, request: Request) -> Response:
-        return await self._counted("/metrics", request, self._exposition)
-
     async def _exposition(self) -> Response:
         text = await run_in_threadpool(self.metrics.exposition)
         return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
-
-    async def openapi_json(self, request: Request) -> Response:
-        return JSONResponse(openapi.document())
-
-    async def docs(self, request: Request) -> Response:
-        return HTMLResponse(openapi.docs_page(openapi.document()))
 
 
 def _invalid_request(exc: RequestError, asset_images: dict[int, str]) -> ApiError:
