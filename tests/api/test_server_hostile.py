@@ -242,17 +242,12 @@ def deadline_server(tiny_release: Path, tmp_path_factory: pytest.TempPathFactory
                        "--max-tokens-per-request", "1048576")
 
 
-def test_work_past_the_deadline_stops_in_the_engine(server: ServerProcess, deadline_server: ServerProcess) -> None:
-    """A request the engine cannot finish in time gets 503, and the engine stops working on it at its next layer:
-    it is idle again well before the request's whole work (measured on the default server, which has the time to
-    answer it) would have been done."""
-    # ~15k tokens (under the default server's 16,384 ceiling): seconds of work on the tiny CPU model even on an idle
-    # machine, so the half-second deadline always falls inside it (100 questions alone once finished in time)
+def test_work_past_the_deadline_stops_in_the_engine(deadline_server: ServerProcess) -> None:
+    """A request the engine cannot finish in time gets 503, and the engine stops working on it part-way: the batch
+    counts as abandoned (raised between two layers, not finished), and the engine is idle again."""
+    # ~15k tokens: seconds of work on the tiny CPU model even on an idle machine, so the half-second deadline always
+    # falls inside it (100 questions alone once finished in time)
     body = {"state": "The parcel never came. " + "It was due on Monday. " * 400, "questions": noul_questions(100)}
-    with httpx.Client(base_url=server.url, timeout=300) as http:
-        started = time.monotonic()
-        assert http.post("/v1/systemone", json=body).status_code == 200
-        uncancelled = time.monotonic() - started
     with httpx.Client(base_url=deadline_server.url, timeout=300) as http:
         assert engine_metric(http, "clef_engine_abandoned_batches_total") == 0
         response = http.post("/v1/systemone", json=body)
@@ -262,10 +257,7 @@ def test_work_past_the_deadline_stops_in_the_engine(server: ServerProcess, deadl
         while engine_metric(http, "clef_engine_busy") != 0:
             assert time.monotonic() - answered < 300, "the engine is still busy"
             time.sleep(0.05)
-        idle_after = time.monotonic() - answered
         assert engine_metric(http, "clef_engine_abandoned_batches_total") == 1
-    assert idle_after < max(1.0, uncancelled / 2), \
-        f"busy {idle_after:.2f} s after the 503; the whole request takes {uncancelled:.2f} s"
 
 
 def test_impossible_chunk_size_is_refused_at_once(server: ServerProcess) -> None:
