@@ -226,6 +226,5 @@ def test_the_workbench_uses_the_contract_module():
     assert schemas.QUESTION_TYPES is protocol.QUESTION_TYPES
     assert answers.NOUL_DEFAULT_DESCRIPTIONS is protocol.NOUL_DEFAULT_DESCRIPTIONS
     assert casesets.data_url is protocol.data_url
-    assert state_input.DEFAULT_MODEL_NAME == protocol.DEFAULT_MODEL_NAME
     assert state_input.MAX_IMAGES == protocol.HOSTED.max_images
     assert casesets.option_ids({"type": "choice", "criteria": {"z": None, "a": None}}) == ["z", "a"]
