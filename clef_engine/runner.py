@@ -218,9 +218,9 @@ class PackedRunner(PlainRunner):
                                                        between_layers=self.between_layers(steps))
             return [self.head_one(normed, memory, records[0], steps)]
         answers: list[Probabilities] = []
+        between = self.between_layers(steps)
         for pack in packs_after(new_tokens, self.config.bulk_batch_tokens):
             chosen = [records[i] for i in pack]
-            between = self.between_layers(steps)
             normed, memory = self.prefix.forward_after(chosen, [states[i] for i in pack], between_layers=between)
             steps.stop_if_abandoned()
             lengths = [len(record) for record in chosen]
@@ -369,7 +369,7 @@ class PackedRunner(PlainRunner):
         chosen = self.backbone.select_kernels()
         trial = copy.copy(self.backbone)  # the same weights, on the chosen kernels
         trial.kernels = chosen
-        long, short = 300, 41  # every kernel the packed path launches compiles and autotunes here: a pack of two,
+        long, short = 300, 41  # every kernel the packed path launches compiles and autotunes here: a pack of two
         side = torch.cuda.Stream(self.device) if self.config.cuda else None
         with torch.inference_mode(), torch.cuda.stream(side) if side else contextlib.nullcontext():
             ids = torch.zeros(long + short, dtype=torch.long, device=self.device)

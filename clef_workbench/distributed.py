@@ -141,7 +141,12 @@ def decide_case(engine: Any, requests: list[dict],
         return [(None, str(exc))] * len(requests), 0
     answers: list[tuple[Any, str | None]] = [(None, str(o)) if isinstance(o, Exception) else (o, None)
                                              for o in outcomes]
-    return answers, sum(1 for response, _ in answers if response is not None and not response.get("x_state_cached"))
+    return answers, state_prefills(answers)
+
+
+def state_prefills(answers: list[tuple[Any, str | None]]) -> int:
+    """How many of these answers computed their state rather than continuing a kept one (`x_state_cached`)."""
+    return sum(1 for response, _ in answers if response is not None and not response.get("x_state_cached"))
 
 
 def decide_chunk(engine: Any, items: list[tuple[int, dict]], settings: RunSettings) -> list[NewResult]:

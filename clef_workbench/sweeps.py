@@ -402,7 +402,7 @@ def _decide_together(engine: Any, cases: list[tuple[int, list[dict]]],
     """`decide_case` of several cases' requests in one call (a held-out check's one request per case: their
     continuations run as packs, not one forward each), split back per case; each case alone again when the call
     answered none (a case over the token budget fails the whole call), so that its error is not the others'."""
-    from clef_workbench.distributed import decide_case
+    from clef_workbench.distributed import decide_case, state_prefills
 
     answers, _ = decide_case(engine, [request for _, requests in cases for request in requests], settings)
     if len(cases) > 1 and all(response is None for response, _ in answers):
@@ -410,8 +410,7 @@ def _decide_together(engine: Any, cases: list[tuple[int, list[dict]]],
     outcomes, start = [], 0
     for case_id, requests in cases:
         mine, start = answers[start: start + len(requests)], start + len(requests)
-        outcomes.append((case_id, (mine, sum(1 for response, _ in mine
-                                             if response is not None and not response.get("x_state_cached")))))
+        outcomes.append((case_id, (mine, state_prefills(mine))))
     return outcomes
 
 
