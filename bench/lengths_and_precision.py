@@ -116,8 +116,7 @@ section = build.sections(left, save, results["detail"]["errors"])
 # `to_fp8(engine)` converts a loaded bf16 engine: the packed backbone's fused weights become FP8 and the backbone an
 # `Fp8Backbone`, whose `_norm` and `_project` (the product's seam between a projection and its input) run FP8; the
 # transformers modules of those projections become `Fp8Linear` over views of the same FP8 weights, so that their bf16
-# weights are freed and the padded path (records with media) runs in FP8 too. FP8 is not part of the product: it
-# missed its gate (bench/results/2026-12-04-h200-start-and-shapes.json: max |Δp| 0.169 against 0.05, 71 flips).
+# weights are freed and the padded path (records with media) runs in FP8 too.
 
 # The gate issue 25 set for FP8 against the float32 truth: max |Δp| and the truth's top-two gap of any flipped answer
 GATE_MAX_DP = 0.05
