@@ -20,10 +20,6 @@ the environment, then from defaults that depend on the device, and returns a fro
   records. 16,384 on CUDA, 0 on the CPU.
 - CLEF_WARM_UP (warm_up): after loading, compile, autotune and capture in the background while the engine answers
   (the engine reads "warming" until done; `Engine.warm_up_steps`); on with CUDA, off on the CPU.
-- CLEF_PRECISION (precision): `bf16` (default) or `fp8`: W8A8 FP8 (e4m3, 128x128 weight blocks, 1x128 activation
-  groups) for the backbone's in-layer projection GEMMs, the residual-feeding ones staying bf16 (fast/fp8.py), opt-in;
-  it needs CUDA with compute capability >= 8.9, `torch._scaled_mm`, dtype bf16 and the packed path, and is refused
-  with the reason otherwise.
 
 Process settings, each set (if unset) before a release loads (`apply_process_settings`):
 - FLA_DISABLE_BACKEND_DISPATCH: flash-linear-attention's backend registry would otherwise walk its backends on every
@@ -57,11 +53,8 @@ ENVIRONMENT = {
     "bulk_batch_tokens": "CLEF_BULK_BATCH_TOKENS",
     "state_cache_bytes": "CLEF_STATE_CACHE_BYTES",
     "prefill_chunk_tokens": "CLEF_PREFILL_CHUNK_TOKENS",
-    "precision": "CLEF_PRECISION",
     "warm_up": "CLEF_WARM_UP",
 }
-PRECISIONS = ("bf16", "fp8")
-FP8_MIN_CAPABILITY = (8, 9)  # FP8 tensor cores: Ada (8.9) and Hopper (9.0) on
 TRUE, FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
 
@@ -100,7 +93,6 @@ class EngineConfig:
     prefill_chunk_tokens: int = 0  # one record longer than this runs in chunks of at most this many tokens; 0: whole
     max_queued_records: int = 4096
     warm_up: bool = False  # compile, autotune and capture after loading, in the background, not in users' requests
-    precision: str = "bf16"  # of the backbone's projection GEMMs: "bf16" (the model's dtype) or "fp8" (W8A8)
 
     @property
     def cuda(self) -> bool:
@@ -122,7 +114,7 @@ class EngineConfig:
                 continue
             if key in ("allow_slow_kernels", "cuda_graphs", "warm_up"):
                 values[key] = _flag(name, text)
-            elif key in ("device", "dtype", "precision"):
+            elif key in ("device", "dtype"):
                 values[key] = text
             else:
                 values[key] = _count(name, text)
@@ -141,13 +133,8 @@ class EngineConfig:
                         prefill_chunk_tokens=16_384 if cuda else 0)
         defaults.update(values)
         config = cls(device=where, dtype=dtype, **defaults)
-        config = replace(config, precision=check_precision(config))
         return replace(config, cuda_graphs=config.cuda_graphs and cuda and config.packed,
                        bulk_batch_tokens=min(config.bulk_batch_tokens, config.token_budget))
-
-    @property
-    def fp8(self) -> bool:
-        return self.precision == "fp8"
 
     def apply_process_settings(self) -> None:
         """Process-wide settings the fast kernels read (see the module docstring)."""
@@ -157,34 +144,3 @@ class EngineConfig:
             os.environ.setdefault("TRITON_CACHE_DIR", str(cache / "triton"))
             os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache / "inductor"))
             os.environ.setdefault("TRITON_CACHE_AUTOTUNING", "1")
-
-
-def check_precision(config: EngineConfig) -> str:
-    """`config.precision` normalized ("bf16" or "fp8"); a ReleaseError naming why if FP8 cannot run here."""
-    precision = str(config.precision).strip().lower()
-    if precision not in PRECISIONS:
-        raise ReleaseError(f"precision {config.precision!r} is not known: use {' or '.join(PRECISIONS)} "
-                           f"(CLEF_PRECISION, --precision)")
-    if precision == "fp8":
-        problem = fp8_unsupported(config)
-        if problem is not None:
-            raise ReleaseError(f"precision fp8 cannot run here: {problem}. Use precision bf16 (the default).")
-    return precision
-
-
-def fp8_unsupported(config: EngineConfig) -> str | None:
-    """Why W8A8 FP8 cannot run with this config on this machine, or None. (Whether `torch._scaled_mm` computes what
-    it should is checked on the device when the kernels are chosen: fast/fp8.py, `fp8_matches_torch`.)"""
-    if not config.cuda:
-        return f"it needs a CUDA GPU and the device is {config.device}"
-    capability = torch.cuda.get_device_capability(config.device)
-    if capability < FP8_MIN_CAPABILITY:
-        return (f"{torch.cuda.get_device_name(config.device)} has compute capability {capability[0]}.{capability[1]}; "
-                f"FP8 tensor cores need {FP8_MIN_CAPABILITY[0]}.{FP8_MIN_CAPABILITY[1]} or newer (Ada, Hopper)")
-    if not hasattr(torch, "_scaled_mm") or not hasattr(torch, "float8_e4m3fn"):
-        return f"torch {torch.__version__} has no torch._scaled_mm / float8_e4m3fn"
-    if config.dtype != torch.bfloat16:
-        return f"it runs on a bfloat16 model and the dtype is {str(config.dtype).removeprefix('torch.')}"
-    if not config.packed:
-        return "it runs in the packed path (packed=False runs the release's own bf16 call)"
-    return None

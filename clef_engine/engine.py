@@ -24,7 +24,6 @@ from .errors import ClefError, RequestError, TokenBudgetError
 from .explain import explain as explain_request
 from .explain import submit_explanation as explanation_future
 from .fast import kernels
-from .fp8_fidelity import measured_fidelity
 from .model import media, release
 from .model.encoding import DEFAULT_MAX_LENGTH, EncodedRecord, Encoder
 from .model.head import JointSchemaHead, load_head
@@ -78,9 +77,6 @@ class Engine:
         self.head_parameters = sum(p.numel() for p in head.parameters())
         self.runner = (PackedRunner(model, head, config, encoder.pad_token_id, f"{self.model_id}@{checked.revision}")
                        if config.packed else PlainRunner(model, head, config, encoder.pad_token_id))
-        if config.fp8:  # the projections are FP8 now, their bf16 weights freed
-            self.loaded_bytes = self._memory_stats().get("allocated", 0)
-        self._fp8_fidelity: dict | str | None = None
         self.scheduler = Scheduler(self.runner.forward, token_budget=config.token_budget,
                                    bulk_batch_tokens=config.bulk_batch_tokens,
                                    max_queued_records=config.max_queued_records,
@@ -280,7 +276,7 @@ class Engine:
             "device": str(self.device),
             "device_name": torch.cuda.get_device_name(self.device) if self.config.cuda else "CPU",
             "dtype": str(self.config.dtype).removeprefix("torch."),
-            **self.precision_info(),
+            "precision": "bf16",  # runs and sweeps record it; FP8 is a bench experiment (lengths_and_precision.py)
             "backbone_parameters": self.backbone_parameters,
             "head_parameters": self.head_parameters,
             "load_seconds": round(self.load_seconds, 2),
@@ -293,15 +289,6 @@ class Engine:
             "demo": is_demo_release(self.release.path),
             "random_weights": self.release.random_weights or is_demo_release(self.release.path),
         }
-
-    def precision_info(self) -> dict:
-        """Which precision answers: "bf16", or "fp8" (W8A8 projections) with its measured distance from the float32
-        answer (bench/lengths_and_precision.py's results, read once, or "not measured")."""
-        if not self.config.fp8:
-            return {"precision": "bf16"}
-        if self._fp8_fidelity is None:
-            self._fp8_fidelity = measured_fidelity()
-        return {"precision": "fp8", "distance_from_float32": self._fp8_fidelity}
 
     @property
     def state(self) -> str:
@@ -381,20 +368,18 @@ class Engine:
 
 def load(source: str | os.PathLike, *, device: str | torch.device | None = None,
          dtype: str | torch.dtype | None = None, revision: str | None = None, packed: bool | None = None,
-         allow_slow_kernels: bool | None = None, state_cache_bytes: int | None = None, precision: str | None = None,
+         allow_slow_kernels: bool | None = None, state_cache_bytes: int | None = None,
          config: EngineConfig | None = None) -> Engine:
     """Load a release (folder, repo id, or 'clef' / 'clef-flash') and keep it resident.
 
     Options not given come from the environment, then the defaults (see config.py and the README's Configuration
     table): `packed` (default on) answers text records through the packed fast path, which on CUDA needs
     flash-linear-attention unless `allow_slow_kernels`; `state_cache_bytes` bounds the device tier of the state
-    cache (0 turns it off); `precision` "fp8" runs the backbone's projections in W8A8 FP8 (fast/fp8.py; CUDA with
-    compute capability 8.9 or newer), "bf16" (the default) in the model's dtype. A full `config` replaces all of
-    them."""
+    cache (0 turns it off). A full `config` replaces all of them."""
     started = time.perf_counter()
     config = config or EngineConfig.resolve(device=device, dtype=dtype, packed=packed,
                                             allow_slow_kernels=allow_slow_kernels,
-                                            state_cache_bytes=state_cache_bytes, precision=precision)
+                                            state_cache_bytes=state_cache_bytes)
     check_fast_kernels(config)  # before minutes of loading
     config.apply_process_settings()  # before the kernels' modules are imported: Triton reads its settings then
     path = release.resolve(source, revision)

@@ -147,11 +147,9 @@ class PackedRunner(PlainRunner):
         super().__init__(model, head, config, pad_token_id)
         # With a warm-up to come, the engine answers at once on the plain PyTorch kernels (nothing to compile) and
         # the warm-up compiles and checks the fast ones (`compile_fast_kernels`) before switching to them: on a
-        # cold machine their compiles and autotuning take longer than loading the weights. FP8 needs its kernels to
-        # quantize the weights, so it chooses them now.
-        self.plain_until_warm = config.warm_up and config.precision != "fp8"
-        self.backbone = PackedBackbone(model, kernels.Kernels() if self.plain_until_warm else None,
-                                       precision=config.precision)
+        # cold machine their compiles and autotuning take longer than loading the weights.
+        self.plain_until_warm = config.warm_up
+        self.backbone = PackedBackbone(model, kernels.Kernels() if self.plain_until_warm else None)
         self.graphs = PrefillGraphs(self.backbone, 0)
         self.head_graphs = HeadGraphs(head, self.output_embeddings, max_tokens=0)
         if not self.plain_until_warm:

@@ -42,31 +42,6 @@ def cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
-def fp8_unavailable() -> str | None:
-    """Why the workbench does not offer FP8 for a local model here (no CUDA GPU, one older than Ada/Hopper, FP8's
-    measured distance from float32 over issue 25's gate), or None. Whether torch._scaled_mm and the FP8 kernels
-    compute what they should is checked when the model loads."""
-    from clef_engine.config import EngineConfig, fp8_unsupported
-    from clef_engine.errors import ClefError
-    from clef_engine.fp8_fidelity import describe_fidelity, measured_fidelity
-
-    try:
-        problem = fp8_unsupported(EngineConfig.resolve(precision="bf16"))
-    except ClefError as exc:  # CLEF_DEVICE / CLEF_DTYPE that do not resolve: the load will say so itself
-        return str(exc)
-    fidelity = measured_fidelity()
-    if problem is None and isinstance(fidelity, dict) and not fidelity.get("gate_met"):
-        return f"it missed the fidelity gate: {describe_fidelity(fidelity)}"
-    return problem
-
-
-def fp8_fidelity_text() -> str:
-    """FP8's measured distance from the float32 answer, in words (or that it was not measured)."""
-    from clef_engine.fp8_fidelity import describe_fidelity, measured_fidelity
-
-    return describe_fidelity(measured_fidelity())
-
-
 def default_source(env: Mapping[str, str] | None = None, *, cuda: bool | None = None) -> str:
     """CLEF_MODEL if set; otherwise Clef when a CUDA GPU is present, else the demo model."""
     configured = WorkbenchSettings.from_env(env).model
@@ -141,7 +116,6 @@ class LoadedModel:
     engine: Any
     is_demo: bool
     random_weights: bool = False  # its answers mean nothing: the demo, a release or endpoint that says so
-    precision: str | None = None  # of its projections, as its engine reports it ("bf16", "fp8"); None: not said
 
 
 def is_demo_name(name: str | None) -> bool:
@@ -153,7 +127,7 @@ def is_demo_name(name: str | None) -> bool:
 
 def reported_info(engine: Any) -> dict[str, Any]:
     """What an engine says of itself (whether its weights are random: a local release's config.json, an endpoint's
-    /v1/models; its precision), or {} when it cannot say: it is taken at its word of nothing."""
+    /v1/models), or {} when it cannot say: it is taken at its word of nothing."""
     try:
         return engine.info() or {}
     except Exception:  # noqa: BLE001 — a model that answers is still resident
@@ -239,10 +213,10 @@ class ModelManager:
             return LoadState(default.engine if default else None, default.source if default else None,
                              self._loading, seconds, self._error, self._notice, tuple(self._adding))
 
-    def request(self, source: str, precision: str | None = None) -> None:
+    def request(self, source: str) -> None:
         """Make `source` the default model, replacing (and unloading) the model the last `request` loaded; models
-        from `add` stay. Loads it unless it is resident already (`precision`, "bf16" or "fp8", for a local model;
-        None: the engine's default). Returns at once; nothing happens while another `request` load runs."""
+        from `add` stay. Loads it unless it is resident already. Returns at once; nothing happens while another
+        `request` load runs."""
         source = source.strip()
         with self._lock:
             if self._loading is not None or source in self._adding:
@@ -256,7 +230,7 @@ class ModelManager:
                 return
             self._loading = source
             self._loading_since = time.monotonic()
-        threading.Thread(target=self._load, args=(source, precision), name=f"clef-load-{source}",
+        threading.Thread(target=self._load, args=(source,), name=f"clef-load-{source}",
                          daemon=True).start()
 
     def wait(self, timeout: float | None = None) -> LoadState:
@@ -296,17 +270,16 @@ class ModelManager:
         with self._lock:
             self._default = self._named(name).name
 
-    def add(self, source: str, precision: str | None = None) -> None:
-        """Start loading `source` as an additional model (background thread; `state().adding` and `wait` follow it),
-        in `precision` if given (see `request`). Nothing happens when it is resident or loading already. A failure
-        is kept in `state().error`."""
+    def add(self, source: str) -> None:
+        """Start loading `source` as an additional model (background thread; `state().adding` and `wait` follow it).
+        Nothing happens when it is resident or loading already. A failure is kept in `state().error`."""
         source = source.strip()
         with self._lock:
             if not source or self._by_source(source) is not None or source in self._adding or \
                     source == self._loading:
                 return
             self._adding[source] = time.monotonic()
-        threading.Thread(target=self._load, args=(source, precision), kwargs={"adding": True},
+        threading.Thread(target=self._load, args=(source,), kwargs={"adding": True},
                          name=f"clef-add-{source}", daemon=True).start()
 
     def remove(self, name: str) -> None:
@@ -345,26 +318,25 @@ class ModelManager:
         memory.check_fits(path, label=label_of(source), revision=load_options().get("revision"), loaded=resident,
                           free=self._free_memory)
 
-    def _load_one(self, source: str, precision: str | None = None) -> Any:
+    def _load_one(self, source: str) -> Any:
         if is_endpoint(source):  # a System One endpoint: no weights here (key from CLEF_API_KEY, never stored)
             return self._loader(source)
-        chosen = {"precision": precision} if precision else {}  # else the engine's own default (CLEF_PRECISION)
         if source == DEMO_SOURCE:
             path = self._demo_path()
             self._check_memory(source, path)
-            return self._loader(path, **chosen)
+            return self._loader(path)
         if source.lower() in GPU_ONLY_SOURCES and not cuda_available():
             from clef_engine.errors import ReleaseError
 
             raise ReleaseError(f"{label_of(source)} needs a CUDA GPU and none is visible here. Run the workbench on "
                                "a GPU machine (see README), or use the demo model to try the workbench.")
         self._check_memory(source, source)
-        return self._loader(source, **load_options(), **chosen)
+        return self._loader(source, **load_options())
 
     def _resident(self, source: str, engine: Any) -> LoadedModel:  # the lock held
         demo, info = source == DEMO_SOURCE, reported_info(engine)
         return LoadedModel(self._unique_name(source), source, label_of(source), engine, demo,
-                           demo or bool(info.get("random_weights")), info.get("precision"))
+                           demo or bool(info.get("random_weights")))
 
     def _end_with(self, error: str | None, started: float) -> None:
         """Called with the lock held when a load or an add ends: its failure is shown; its success clears only a
@@ -372,18 +344,18 @@ class ModelManager:
         if error is not None or self._error_at <= started:
             self._error, self._error_at = error, time.monotonic()
 
-    def _try_load(self, source: str, precision: str | None = None) -> tuple[Any, str | None]:
+    def _try_load(self, source: str) -> tuple[Any, str | None]:
         """(its engine, None), or (None, what failed and what to do)."""
         try:
-            return self._load_one(source, precision), None
+            return self._load_one(source), None
         except Exception as exc:  # noqa: BLE001 — any failure becomes a message; the app must not show a traceback
             log.exception("loading %s failed", label_of(source))  # the traceback for the operator's log
             return None, describe_failure(source, exc)
 
-    def _load(self, source: str, precision: str | None = None, *, adding: bool = False) -> None:
+    def _load(self, source: str, *, adding: bool = False) -> None:
         """The thread of a `request` (the new default, replacing the model the last one loaded) or of an `add`."""
         started = time.monotonic()
-        engine, error = self._try_load(source, precision)
+        engine, error = self._try_load(source)
         loaded_source, notice = source, None
         if engine is None and not adding and source != DEMO_SOURCE and not self._models:
             # Nothing is resident: fall back to the demo model so the workbench stays usable.

@@ -143,24 +143,6 @@ def pick_source(label: str, key: str, current: str | None = None) -> str:
     return source
 
 
-PRECISION_CHOICES = {"bf16 (default)": "bf16", "FP8 (W8A8: faster, slightly less exact)": "fp8"}
-
-
-def pick_precision(key: str, source: str) -> str | None:
-    """bf16 or FP8 where the GPU runs FP8; elsewhere a line saying why not, and None (the engine's default)."""
-    if not source or is_endpoint(source):
-        return None  # an endpoint answers in whatever precision it runs
-    unavailable = model_loader.fp8_unavailable()
-    if unavailable is not None:
-        st.caption(f"Precision: bf16. FP8 is not offered here: {unavailable}.")
-        return None
-    picked = st.radio("Precision", list(PRECISION_CHOICES), key=f"{key}_precision", horizontal=True,
-                      help="FP8 runs the backbone's projections in 8-bit floating point: faster and half the weight "
-                           "memory, answers slightly further from the exact ones "
-                           f"({model_loader.fp8_fidelity_text()}).")
-    return PRECISION_CHOICES[picked]
-
-
 # No ellipsis nor word broken across lines at 1024 px: labels and values wrap between words, buttons are as wide as
 # their longest word, margins shrink below 1280 px. Decide's Images uploader states the images' limit, not its own.
 PAGE_STYLE = """<style>
@@ -200,9 +182,8 @@ def render_sidebar() -> None:
                 st.rerun()
         elif source and source != current:
             st.caption("Switching reloads the model for every open session.")
-            precision = pick_precision("sidebar.model", source)
             if st.button(f"Load {label_of(source)}", key="sidebar.load"):
-                manager.request(source, precision)
+                manager.request(source)
                 st.rerun()
         # the list redraws itself while a model is added, so it shows the new one at once
         redrawn_while(bool(state.adding), lambda: render_models(manager))
@@ -224,7 +205,7 @@ def render_models(manager: ModelManager) -> None:
     for index, model in enumerate(models if len(models) > 1 else []):
         st.markdown(f"**{model.name}**" + (" (default)" if index == 0 else "")
                     + (" · random weights" if model.random_weights else "")
-                    + (" · FP8" if model.precision == "fp8" else "") + f"  \n{model.label}")
+                    + f"  \n{model.label}")
         # stacked, not side by side: half the sidebar's width cut "Make default" to "Make def…"
         if index and st.button("Make default", key=f"sidebar.default.{model.name}", icon=":material/star:",
                                help="The model pages and API requests use unless they pick another"):
@@ -248,10 +229,9 @@ def render_add_model(manager: ModelManager) -> None:
         st.caption("Loads beside the others (each keeps its own engine; local ones share the GPU's queue). Memory "
                    "is checked first: a model that does not fit is refused.")
         source = pick_source("Model to add", "sidebar.add")
-        precision = pick_precision("sidebar.add", source)
         loaded_sources = {m.source for m in manager.loaded()}
         if st.button("Add", key="sidebar.add", disabled=not source or source in loaded_sources):
-            manager.add(source, precision)
+            manager.add(source)
             st.session_state[ADDED_KEY] = source
             st.rerun()  # drawn again with the list of models following the load
         if added := st.session_state.get(ADDED_KEY):
@@ -300,7 +280,7 @@ def render_status() -> None:
         "model": label_of(state.source or info.get("model", "?")) if state.is_demo else info.get("model", "?"),
         "revision": info.get("revision") or "–",
         "device": f"{info.get('device')} ({info.get('device_name', '')})",
-        "precision": precision_text(info),
+        "precision": info.get("dtype") or "–",  # the weights' dtype: float32 on a CPU, bfloat16 on a GPU
         "GPU memory loaded": _gib(memory.get("loaded")),
         "peak allocated": _gib(memory.get("peak_allocated")),
         "peak reserved": _gib(memory.get("peak_reserved")),
@@ -309,15 +289,6 @@ def render_status() -> None:
         "batch runs": running_runs_text(),
     }
     st.markdown("\n".join(f"- **{k}:** {v}" for k, v in rows.items()))
-
-
-def precision_text(info: dict) -> str:
-    """Which precision answers: the weights' dtype, or FP8 with its measured distance from float32."""
-    if info.get("precision") != "fp8":
-        return info.get("dtype") or info.get("precision") or "–"
-    from clef_engine.fp8_fidelity import describe_fidelity
-
-    return f"FP8 (W8A8 projections): {describe_fidelity(info.get('distance_from_float32'))}"
 
 
 RAW_PROBABILITIES = "raw (as the model answered)"

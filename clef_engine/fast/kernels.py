@@ -34,7 +34,6 @@ from .attention import (
     prefix_varlen_matches_sdpa,
     varlen_matches_sdpa,
 )
-from .fp8 import Fp8Kernels, select_fp8_kernels
 from .segments import Segments, make_segments
 
 # FLA_DISABLE_BACKEND_DISPATCH (fla's backend registry would walk its backends on every call) is set by the
@@ -301,7 +300,6 @@ class Kernels:
     sigmoid_gate: Callable = sigmoid_gate_torch
     silu_mul: Callable = silu_mul_torch
     residual_projection: Callable = residual_projection_torch
-    fp8: Fp8Kernels | None = None  # precision="fp8": the FP8 projections' slots (fp8.py); None: bf16
     notes: dict = field(default_factory=dict)
 
     SLOTS = ("rms_norm", "gated_rms_norm", "causal_conv", "causal_conv_after", "gated_delta", "attention",
@@ -313,8 +311,6 @@ class Kernels:
         for name in self.SLOTS:
             fn = getattr(self, name)
             names[name] = f"{fn.__module__.rsplit('.', 1)[-1]}.{fn.__name__}"
-        if self.fp8 is not None:
-            names.update(self.fp8.describe())
         names.update(self.notes)
         return names
 
@@ -399,13 +395,11 @@ def triton_matches_torch(device: torch.device, dtype: torch.dtype, *, heads: int
 
 
 def select_kernels(device: torch.device, dtype: torch.dtype, *, heads: int, kv_heads: int, head_dim: int,
-                   value_head_dim: int = 128, precision: str = "bf16") -> Kernels:
-    """The fastest set that works here (see the module docstring); `notes` say why a fallback was taken. With
-    precision "fp8" also the FP8 slots (fp8.py), checked on the device: a ReleaseError if they disagree."""
-    fp8 = select_fp8_kernels(device) if precision == "fp8" else None
+                   value_head_dim: int = 128) -> Kernels:
+    """The fastest set that works here (see the module docstring); `notes` say why a fallback was taken."""
     if device.type != "cuda":
-        return Kernels(fp8=fp8, notes={"reason": "CPU: PyTorch reference kernels"})
-    kernels = Kernels(fp8=fp8)
+        return Kernels(notes={"reason": "CPU: PyTorch reference kernels"})
+    kernels = Kernels()
     if fla_importable():
         kernels.causal_conv = causal_conv_fla
         kernels.gated_delta = gated_delta_fla

@@ -14,11 +14,6 @@ storing a long state costs no second pass. CUDA graphs of this forward live in g
 A long record alone runs in chunks (`forward_chunked`): each chunk through every layer, continuing after the chunks
 before it as after a cached state, so that its activations are one chunk's whatever its length.
 
-With precision "fp8" (fp8.py) the in-layer projections' weights (q/k/v, Gated DeltaNet in_proj, MLP gate/up) are
-quantized to e4m3 in 128x128 blocks at load and the residual add + RMSNorm that produces their inputs writes them
-quantized per token in groups of 128 columns. Everything else, the residual-feeding projections included, runs as in
-bf16.
-
 Media records are not handled here (the engine sends them to the padded multimodal path).
 """
 
@@ -31,8 +26,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..errors import ReleaseError
-from . import fp8 as FP8
 from . import kernels as K
 from .segments import Segments, make_segments
 
@@ -103,26 +96,16 @@ class FastLayer:
 class PackedBackbone:
     """The text model of a loaded `Qwen3_5ForConditionalGeneration`, run packed."""
 
-    def __init__(self, model, kernels: K.Kernels | None = None, precision: str = "bf16"):
-        """`precision` "fp8" quantizes the in-layer projections in place (fp8.py): those transformers modules then run
-        FP8 too, and their bf16 weights are freed. `kernels` must then have FP8 slots (`kernels.fp8`)."""
+    def __init__(self, model, kernels: K.Kernels | None = None):
         text = model.model.language_model
-        self.precision = precision
         self.config = text.config
         self.eps = self.config.rms_norm_eps
         self.embed = text.embed_tokens.weight
         self.rotary = text.rotary_emb
         self.device = self.embed.device
         self.dtype = self.embed.dtype
-        layers = text.layers[: self.config.num_hidden_layers]
-        if precision == "fp8":  # kernels first: each layer is quantized as it is fused (see _fp8_layers)
-            self.kernels = kernels or self.select_kernels()
-            self.layers = self._fp8_layers(layers)
-            with torch.no_grad():
-                self.final_norm = (1.0 + text.norm.weight.detach().float()).contiguous()
-            return
         with torch.no_grad():  # not inference_mode: the fused weights must stay usable by plain transformers calls
-            self.layers = [FastLayer(layer, self.config) for layer in layers]
+            self.layers = [FastLayer(layer, self.config) for layer in text.layers[: self.config.num_hidden_layers]]
             self.final_norm = (1.0 + text.norm.weight.detach().float()).contiguous()
         self.kernels = kernels or self.select_kernels()
 
@@ -130,55 +113,21 @@ class PackedBackbone:
         """The fastest kernels that work for this backbone here (kernels.select_kernels)."""
         return K.select_kernels(self.device, self.dtype, heads=self.config.num_attention_heads,
                                 kv_heads=self.config.num_key_value_heads, head_dim=self.config.head_dim,
-                                value_head_dim=self.config.linear_value_head_dim, precision=self.precision)
+                                value_head_dim=self.config.linear_value_head_dim)
 
-    def _fp8_layers(self, modules) -> list[FastLayer]:
-        """Every layer fused and its projections quantized to FP8 at once, so that only one layer's bf16 weights are
-        ever copied (the modules' weights may still be views of another backbone's fused ones). Shapes that
-        torch._scaled_mm cannot take are refused before anything changes."""
-        fp8 = self.kernels.fp8
-        if fp8 is None:
-            raise ReleaseError("precision fp8 needs kernels with FP8 slots (kernels.fp8)")
-        if fp8.linear is FP8.linear_fp8_scaled_mm:
-            bad = FP8.unsupported_shapes(modules)
-            if bad:
-                raise ReleaseError(f"precision fp8: the blockwise torch._scaled_mm needs in features that are "
-                                   f"multiples of {FP8.BLOCK} and out features multiples of "
-                                   f"{FP8.SCALED_MM_OUT_MULTIPLE}; these projections are not: {', '.join(bad[:4])}")
-        layers = []
-        with torch.no_grad():
-            for layer in modules:
-                fast = FastLayer(layer, self.config)
-                FP8.quantize_layer(fast, layer, fp8)
-                layers.append(fast)
-        return layers
-
-    @property
-    def fp8(self) -> FP8.Fp8Kernels | None:
-        """The FP8 slots when the projections are FP8, else None (bf16)."""
-        if self.precision != "fp8":
-            return None
-        if self.kernels.fp8 is None:  # the weights are FP8: a kernel set without FP8 slots cannot run them
-            raise ReleaseError("this backbone's projections are FP8 and its kernels have no FP8 slots")
-        return self.kernels.fp8
-
-    # ---- the projections and the kernels that produce their inputs (bf16, or FP8 blocks) ------------------------
+    # ---- the projections and the kernels that produce their inputs ---------------------------------------------
+    # (the FP8 experiment, bench/lengths_and_precision.py, overrides `_norm` and `_project` of a loaded backbone)
 
     def _norm(self, branch: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None):
         """Residual add + RMSNorm; the normed output is the next projection's input."""
-        fp8 = self.fp8
-        if fp8 is not None:
-            return fp8.rms_norm(branch, weight, self.eps, residual)
         return self.kernels.rms_norm(branch, weight, self.eps, residual, self.dtype)
 
     def _project(self, x, weight) -> torch.Tensor:
         """A projection whose output stays in the layer (q/k/v and gate, Gated DeltaNet in_proj, MLP gate/up)."""
-        fp8 = self.fp8
-        return fp8.linear(x, weight) if fp8 is not None else F.linear(x, weight)
+        return F.linear(x, weight)
 
     def _project_residual(self, x, weight) -> torch.Tensor:
-        """A projection whose output joins the residual stream (o_proj, Gated DeltaNet out_proj, MLP down): bf16 in
-        either precision."""
+        """A projection whose output joins the residual stream (o_proj, Gated DeltaNet out_proj, MLP down)."""
         return self.kernels.residual_projection(x, weight)
 
     def _mlp(self, layer: FastLayer, normed) -> torch.Tensor:

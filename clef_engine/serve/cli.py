@@ -52,9 +52,6 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                              "'Authorization: Bearer <key>'")
     parser.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda when present)")
     parser.add_argument("--dtype", default=None, help="bfloat16, float16 or float32 (default: bf16 on CUDA)")
-    parser.add_argument("--precision", default=None, choices=["bf16", "fp8"],
-                        help="of the backbone's projection GEMMs: bf16 (default) or fp8 (W8A8, opt-in; CUDA with "
-                             "compute capability 8.9 or newer; or set CLEF_PRECISION)")
     parser.add_argument("--allow-slow-kernels", action="store_true", default=None,
                         help="on CUDA, start even without the fast kernels (or set CLEF_ALLOW_SLOW_KERNELS=1)")
     parser.add_argument("--max-body-mb", type=float, default=DEFAULT_MAX_BODY_BYTES / 2**20,
@@ -213,7 +210,7 @@ def load_models(args: argparse.Namespace) -> dict:
         if is_endpoint(source):
             engine = clef_engine.load(source)  # key from CLEF_API_KEY
         else:
-            config = EngineConfig.resolve(device=args.device, dtype=args.dtype, precision=args.precision,
+            config = EngineConfig.resolve(device=args.device, dtype=args.dtype,
                                           allow_slow_kernels=args.allow_slow_kernels)
             local = [name for name, e in models.items() if not e.info().get("remote")]
             memory.check_fits(source, revision=args.revision, config=config, loaded=local)

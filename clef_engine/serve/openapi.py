@@ -51,13 +51,7 @@ _MODELS = {
         "properties": {"name": {"type": "string"}, "description": {"type": "string"},
                        "release_date": {"type": "string", "format": "date"},
                        "random_weights": {"type": "boolean",
-                                          "description": "The model's weights are random: its answers mean nothing"},
-                       "precision": {"type": "string", "enum": ["bf16", "fp8"],
-                                     "description": "Of the backbone's projections: bf16, or fp8 (W8A8, opt-in)"},
-                       "distance_from_float32": {
-                           "description": "FP8 only: its measured distance from the float32 answer (max_dp, flips, "
-                                          "questions, gate_met, source), or \"not measured\"",
-                           "oneOf": [{"type": "object"}, {"type": "string"}]}},
+                                          "description": "The model's weights are random: its answers mean nothing"}},
     }}},
 }
 

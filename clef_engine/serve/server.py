@@ -326,17 +326,12 @@ class SystemOneApi:
         for index, (name, engine) in enumerate((await self._models()).items()):
             info = await run_in_threadpool(safe_call, engine.info, {})
             where = "remote endpoint" if info.get("remote") else f"on {info.get('device', '?')}"
-            description = (f"Clef decision model {name} (revision {info.get('revision') or 'local'}) {where}"
-                           + _precision_text(info) + "."
+            description = (f"Clef decision model {name} (revision {info.get('revision') or 'local'}) {where}."
                            + (f" The default: {MODEL_ALIAS} and any name not listed here map to it."
                               if index == 0 else ""))
             # a client (the workbench) flags answers of a model whose weights are random as meaning nothing
             entry = {"name": name, "description": description, "release_date": _release_date(info),
                      "random_weights": bool(info.get("random_weights"))}
-            if info.get("precision"):  # which precision answers (a remote endpoint may not say)
-                entry["precision"] = info["precision"]
-            if "distance_from_float32" in info:
-                entry["distance_from_float32"] = info["distance_from_float32"]
             listed.append(entry)
         default = listed[0]
         listed.append({**{key: value for key, value in default.items() if key not in ("name", "description")},
@@ -409,15 +404,6 @@ def _shutting_down() -> ApiError:
 def _abandon_submitted(engine: DecisionEngine | Explaining, task: asyncio.Future) -> None:
     if not task.cancelled() and task.exception() is None:
         engine.abandon(task.result())
-
-
-def _precision_text(info: dict) -> str:
-    """", FP8 projections (max |Δp| ... from float32 ...)" for an FP8 engine; nothing for bf16 or an endpoint."""
-    if info.get("precision") != "fp8":
-        return ""
-    from ..fp8_fidelity import describe_fidelity
-
-    return f", W8A8 FP8 projections ({describe_fidelity(info.get('distance_from_float32') or 'not measured')})"
 
 
 def pick_model(models: dict[str, Any], model: Any) -> tuple[str, Any]:

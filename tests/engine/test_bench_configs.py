@@ -20,14 +20,14 @@ def test_benchmark_architecture_matches_the_release(tiny_release, name, paramete
 
 @pytest.mark.parametrize("name", ["clef", "clef-flash"])
 def test_fp8_takes_every_in_layer_projection_of_the_published_architectures(tiny_release, name):
-    """precision="fp8" quantizes the in-layer projections for the blockwise torch._scaled_mm, which needs in features
-    in whole groups of 128 and out features that are multiples of 16: none of the published architectures' is
-    refused. Clef-27B's weights in FP8 (those projections one byte a parameter, the rest bf16, the 256 MB head) are
-    under three quarters of its bf16 weights (issue 25's 30 GiB no longer: the residual-feeding projections, a
-    quarter of the parameters and more, stay bf16)."""
+    """The FP8 experiment (bench/lengths_and_precision.py) quantizes the in-layer projections for the blockwise
+    torch._scaled_mm, which needs in features in whole groups of 128 and out features that are multiples of 16: none
+    of the published architectures' is refused. Clef-27B's weights in FP8 (those projections one byte a parameter,
+    the rest bf16, the 256 MB head) are under three quarters of its bf16 weights (issue 25's 30 GiB no longer: the
+    residual-feeding projections, a quarter of the parameters and more, stay bf16)."""
     from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
 
-    from clef_engine.fast import fp8
+    from bench import lengths_and_precision as fp8
     from clef_engine.fast.packed import FastLayer
 
     with torch.device("meta"):

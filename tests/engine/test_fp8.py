@@ -1,34 +1,30 @@
-"""precision="fp8": block-scaled W8A8 FP8 for the in-layer projections (clef_engine/fast/fp8.py).
+"""The FP8 experiment (bench/lengths_and_precision.py): block-scaled W8A8 FP8 for the in-layer projections of a
+loaded bf16 engine. Not a product setting: it missed its fidelity gate; these tests keep the experiment sound.
 
 On the CPU the plain PyTorch versions run (the block GEMM, the quantizing norm, the whole packed backbone, its
-transformers modules and an engine in FP8). The CUDA kernels (`torch._scaled_mm` with blockwise scales, the fused
-Triton norm) are checked by the engine at start-up (`fp8.select_fp8_kernels`); the tests marked `cuda` run those
-checks and an FP8 backbone on a GPU and are skipped only where no CUDA GPU is visible. The Triton norm also runs here
-in Triton's CPU interpreter."""
+transformers modules and an engine converted to FP8). The CUDA kernels (`torch._scaled_mm` with blockwise scales, the
+fused Triton norm) are checked by `select_fp8_kernels` before they are taken; the tests marked `cuda` run those checks
+and an FP8 backbone on a GPU and are skipped only where no CUDA GPU is visible. The Triton norm also runs here in
+Triton's CPU interpreter."""
 
 from __future__ import annotations
 
 import copy
-import json
 import os
 import subprocess
 import sys
 import textwrap
-from dataclasses import replace
 
 import pytest
 import torch
 
-from clef_engine.config import EngineConfig
-from clef_engine.errors import ReleaseError
-from clef_engine.fast import fp8 as FP8
+from bench import lengths_and_precision as FP8
 from clef_engine.fast import kernels as K
 from clef_engine.fast.packed import PackedBackbone
 from clef_engine.fast.segments import make_segments
 from tests.support import REPO
 
-cuda = pytest.mark.skipif(not torch.cuda.is_available(),
-                          reason="needs a CUDA GPU (the engine checks these at start-up)")
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
 def e4m3_step(x: torch.Tensor) -> torch.Tensor:
@@ -127,7 +123,7 @@ def test_blocks_differ_tells_one_rounding_step_from_a_wrong_kernel():
 
 def test_a_scaled_mm_that_fails_its_check_leaves_the_plain_gemm_with_the_reason(monkeypatch):
     """On the CPU torch has no blockwise _scaled_mm: the check says so instead of raising, and on CUDA the same
-    answer keeps the plain GEMM (select_fp8_kernels), named in the kernels' description."""
+    answer keeps the plain GEMM (select_fp8_kernels), named in the FP8 kernels' description."""
     problem = FP8.scaled_mm_matches(torch.device("cpu"))
     assert problem is not None and "torch._scaled_mm" in problem
     monkeypatch.setattr(FP8, "triton_fp8_matches_torch", lambda device: None)
@@ -135,31 +131,11 @@ def test_a_scaled_mm_that_fails_its_check_leaves_the_plain_gemm_with_the_reason(
     kernels = FP8.select_fp8_kernels(torch.device("cuda"))
     assert kernels.rms_norm is FP8.rms_norm_fp8_triton and kernels.linear is FP8.linear_fp8_torch
     described = kernels.describe()
-    assert described["fp8.linear"] == "fp8.linear_fp8_torch"
+    assert described["fp8.linear"] == "linear_fp8_torch"
     assert described["fp8.linear_fallback"] == "torch._scaled_mm failed: no blockwise recipe"
 
 
-# ---- the config ------------------------------------------------------------------------------------------------------
-
-def test_precision_defaults_to_bf16_and_fp8_is_refused_on_the_cpu_with_the_reason():
-    assert EngineConfig.resolve(device="cpu", env={}).precision == "bf16"
-    assert EngineConfig.resolve(device="cpu", env={"CLEF_PRECISION": "BF16"}).precision == "bf16"
-    with pytest.raises(ReleaseError, match=r"precision fp8 cannot run here: it needs a CUDA GPU and the device is cpu"):
-        EngineConfig.resolve(device="cpu", precision="fp8", env={})
-    with pytest.raises(ReleaseError, match="needs a CUDA GPU"):
-        EngineConfig.resolve(device="cpu", env={"CLEF_PRECISION": "fp8"})
-    with pytest.raises(ReleaseError, match=r"precision 'int4' is not known: use bf16 or fp8"):
-        EngineConfig.resolve(device="cpu", env={"CLEF_PRECISION": "int4"})
-
-
-def test_serve_takes_precision(tiny_release):
-    from clef_engine.__main__ import main
-
-    with pytest.raises(SystemExit):  # argparse refuses a precision it does not know, before any load
-        main(["serve", "--model", str(tiny_release), "--precision", "int4"])
-
-
-# ---- the FP8 backbone on the CPU (plain kernels) ---------------------------------------------------------------------
+# ---- a loaded bf16 engine converted to FP8 on the CPU (plain kernels) ------------------------------------------------
 
 @pytest.fixture(scope="module")
 def bf16_engine(tiny_release):
@@ -188,16 +164,25 @@ def residual_weights(layers) -> dict[tuple[int, str], torch.Tensor]:
             for index, layer in enumerate(layers) for parent, child in RESIDUAL_PROJECTIONS if hasattr(layer, parent)}
 
 
-def test_the_fp8_backbone_quantizes_the_in_layer_projections_and_leaves_the_residual_ones_bf16(bf16_engine):
-    engine = bf16_engine
-    model = copy.deepcopy(engine.runner.model)
-    text = model.model.language_model
-    before = {key: weight.detach().clone() for key, weight in residual_weights(text.layers).items()}
-    backbone = PackedBackbone(model, K.Kernels(fp8=FP8.Fp8Kernels()), precision="fp8")
+@pytest.fixture(scope="module")
+def fp8_engine(tiny_release):
+    import clef_engine
+
+    engine = clef_engine.load(tiny_release, device="cpu", dtype="bfloat16")
+    FP8.to_fp8(engine)
+    yield engine
+    engine.close()
+
+
+def test_to_fp8_quantizes_the_in_layer_projections_and_leaves_the_residual_ones_bf16(bf16_engine, fp8_engine):
+    text = fp8_engine.runner.model.model.language_model
+    backbone = fp8_engine.runner.backbone
+    assert isinstance(backbone, FP8.Fp8Backbone)
     for layer in text.layers:  # q/k/v, in_proj, gate/up FP8, the transformers modules included
         assert isinstance(layer.mlp.gate_proj, FP8.Fp8Linear) and isinstance(layer.mlp.up_proj, FP8.Fp8Linear)
         assert sum(isinstance(m, FP8.Fp8Linear) for m in layer.modules()) in (2 + 4, 2 + 3)
     after = residual_weights(text.layers)
+    before = residual_weights(bf16_engine.runner.model.model.language_model.layers)
     assert len(after) == 2 * len(text.layers)  # down_proj and one of out_proj / o_proj in every layer
     for key, weight in after.items():  # the residual-feeding projections: untouched bf16, used as they are
         assert weight.dtype == torch.bfloat16 and torch.equal(weight, before[key]), key
@@ -206,10 +191,10 @@ def test_the_fp8_backbone_quantizes_the_in_layer_projections_and_leaves_the_resi
     # the fused weight and the modules share one storage: the gate_proj module is the first rows of gate_up
     assert text.layers[0].mlp.gate_proj.weight_fp8.data_ptr() == fast.gate_up.values.data_ptr()
 
-    encoded = records(engine)
+    encoded = records(bf16_engine)
     ids = torch.tensor([t for r in encoded for t in r.input_ids])
     segments = make_segments([len(r) for r in encoded], torch.device("cpu"))
-    want, _ = engine.runner.backbone.forward(ids, segments)
+    want, _ = bf16_engine.runner.backbone.forward(ids, segments)
     got, _ = backbone.forward(ids, segments)
     error = ((got.float() - want.float()).norm() / want.float().norm()).item()
     assert 0 < error < 0.1, error  # quantized (not the bf16 path), and close to it
@@ -217,7 +202,7 @@ def test_the_fp8_backbone_quantizes_the_in_layer_projections_and_leaves_the_resi
     # the padded path (records with media, packed=False) runs the Fp8Linear modules: the same FP8 model. The tiny
     # in_proj_b and in_proj_a start inside a 128-row block of the fused in_proj: their modules skip its first rows
     assert text.layers[0].linear_attn.in_proj_b.skip > 0
-    padded = model.model.language_model(input_ids=torch.tensor([encoded[1].input_ids]), use_cache=False)
+    padded = text(input_ids=torch.tensor([encoded[1].input_ids]), use_cache=False)
     alone, _ = backbone.forward(torch.tensor(encoded[1].input_ids), make_segments([len(encoded[1])], "cpu"))
     drift = ((padded.last_hidden_state[0].float() - alone.float()).norm() / alone.float().norm()).item()
     assert drift < 0.05, drift  # the same weights and quantization; the residual stream rounds differently
@@ -230,118 +215,35 @@ def answer_gaps(a: dict, b: dict) -> list[float]:
     return [abs(probabilities(a[q])[k] - probabilities(b[q])[k]) for q in a for k in probabilities(a[q])]
 
 
-def test_an_engine_loaded_in_fp8_answers_close_to_bf16_and_float32(tiny_release, bf16_engine, tiny_engine):
-    """The whole engine on the tiny release in FP8 (the config built as bf16, then marked fp8: on the CPU the config
-    refuses FP8, and the plain block GEMM runs): every answer near bf16's and float32's, and not bf16's itself."""
-    import clef_engine
-
-    config = replace(EngineConfig.resolve(device="cpu", dtype="bfloat16", env={}), precision="fp8")
-    engine = clef_engine.load(tiny_release, config=config)
-    try:
-        assert engine.info()["precision"] == "fp8"
-        assert engine.runner.backbone.kernels.describe()["fp8.linear"] == "fp8.linear_fp8_torch"
-        requests = [{"state": text, "questions": {
-            "paid": {"type": "noul", "instructions": "Is it paid?"},
-            "tone": {"type": "choice", "instructions": "Tone?",
-                     "criteria": {"calm": None, "angry": None, "neutral": None}}}}
-            for text in ("the invoice is paid", "refund the customer " * 40, "late delivery, angry vendor " * 12)]
-        fp8 = [engine.decide(r)["answers"] for r in requests]
-        bf16 = [bf16_engine.decide(r)["answers"] for r in requests]
-        float32 = [tiny_engine.decide(r)["answers"] for r in requests]
-    finally:
-        engine.close()
+def test_an_engine_converted_to_fp8_answers_close_to_bf16_and_float32(fp8_engine, bf16_engine, tiny_engine):
+    """The whole engine on the tiny release in FP8 (the plain block GEMM on the CPU): every answer near bf16's and
+    float32's, and not bf16's itself."""
+    assert FP8.fp8_kernels(fp8_engine)["fp8.linear"] == "linear_fp8_torch" and FP8.fp8_kernels(bf16_engine) == {}
+    requests = [{"state": text, "questions": {
+        "paid": {"type": "noul", "instructions": "Is it paid?"},
+        "tone": {"type": "choice", "instructions": "Tone?",
+                 "criteria": {"calm": None, "angry": None, "neutral": None}}}}
+        for text in ("the invoice is paid", "refund the customer " * 40, "late delivery, angry vendor " * 12)]
+    fp8 = [fp8_engine.decide(r)["answers"] for r in requests]
+    bf16 = [bf16_engine.decide(r)["answers"] for r in requests]
+    float32 = [tiny_engine.decide(r)["answers"] for r in requests]
     from_bf16 = [gap for a, b in zip(fp8, bf16) for gap in answer_gaps(a, b)]
     from_float32 = [gap for a, b in zip(fp8, float32) for gap in answer_gaps(a, b)]
     assert max(from_bf16) > 0  # FP8 answered, not bf16
     assert max(from_bf16) < 0.1 and max(from_float32) < 0.1, (max(from_bf16), max(from_float32))
 
 
-def test_an_fp8_backbone_refuses_kernels_without_fp8_slots(bf16_engine):
-    model = copy.deepcopy(bf16_engine.runner.model)
-    with pytest.raises(ReleaseError, match="FP8 slots"):
-        PackedBackbone(model, K.Kernels(), precision="fp8")
-    backbone = PackedBackbone(model, K.Kernels(fp8=FP8.Fp8Kernels()), precision="fp8")
-    backbone.kernels = K.Kernels()  # a benchmark swapping in a set without FP8 slots
-    with pytest.raises(ReleaseError, match="no FP8 slots"):
-        backbone.forward(torch.tensor([1, 2, 3]), make_segments([3], "cpu"))
-
-
 def test_scaled_mm_shapes_are_checked_before_quantizing(bf16_engine):
     """The tiny release is 64 wide (the blockwise torch._scaled_mm wants in features in whole groups of 128) and its
-    Gated DeltaNet b/a projections have 4 outputs: the refusal names them rather than failing inside the first
-    request."""
-    model = copy.deepcopy(bf16_engine.runner.model)
-    kernels = K.Kernels(fp8=FP8.Fp8Kernels(linear=FP8.linear_fp8_scaled_mm))
-    with pytest.raises(ReleaseError, match=r"multiples of 128 .*layer 0 gate_proj \[\d+, 64\]"):
-        PackedBackbone(model, kernels, precision="fp8")
+    Gated DeltaNet b/a projections have 4 outputs: the refusal names them, and nothing was quantized."""
+    kernels = FP8.Fp8Kernels(linear=FP8.linear_fp8_scaled_mm)
+    with pytest.raises(ValueError, match=r"multiples of 128 .*layer 0 gate_proj \[\d+, 64\]"):
+        FP8.to_fp8(bf16_engine, kernels)
+    assert not isinstance(bf16_engine.runner.backbone, FP8.Fp8Backbone)
+    assert not isinstance(bf16_engine.runner.model.model.language_model.layers[0].mlp.gate_proj, FP8.Fp8Linear)
 
 
-# ---- what the engine says --------------------------------------------------------------------------------------------
-
-def test_info_says_which_precision_answers(bf16_engine):
-    info = bf16_engine.info()
-    assert info["precision"] == "bf16" and "distance_from_float32" not in info
-
-
-def test_measured_fidelity_comes_from_the_newest_results_file(tmp_path):
-    from clef_engine.fp8_fidelity import SCHEME, describe_fidelity, measured_fidelity
-
-    assert measured_fidelity(tmp_path) == "not measured"
-    assert describe_fidelity("not measured") == "distance from float32 not measured"
-    (tmp_path / "2026-12-01-h200-lengths-and-precision.json").write_text(json.dumps(
-        {"fp8": {"max_dp": 0.2, "flips": 9, "max_flip_margin": 0.3, "questions": 240}}))
-    (tmp_path / "2026-12-03-h200-lengths-and-precision.json").write_text(json.dumps(
-        {"fp8": {"max_dp": 0.031, "flips": 4, "max_flip_margin": 0.012, "questions": 240}}))
-    (tmp_path / "2026-12-04-h200-lengths-and-precision.json").write_text(json.dumps({"fp8": {}}))  # not measured
-    fidelity = measured_fidelity(tmp_path)
-    assert fidelity["max_dp"] == 0.031 and fidelity["gate_met"] is True
-    assert fidelity["source"] == "bench/results/2026-12-03-h200-lengths-and-precision.json"
-    assert describe_fidelity(fidelity).startswith("max |Δp| 0.031 from float32, 4 of 240 answers flipped (gate met")
-    (tmp_path / "2026-12-03-h200-lengths-and-precision.json").unlink()
-    missed = measured_fidelity(tmp_path)
-    assert missed["gate_met"] is False and missed["scheme"].startswith("row-wise")  # written before `fp8.scheme`
-    assert describe_fidelity(missed).endswith("(gate missed: max |Δp| 0.200 > 0.05 and a flip at a margin of "
-                                              "0.300 > 0.05; bench/results/2026-12-01-h200-lengths-and-precision.json)")
-    # issue 38's results file carries the same keys, and the newer date wins whichever file it is
-    (tmp_path / "2026-12-05-h200-start-and-shapes.json").write_text(json.dumps(
-        {"fp8": {"max_dp": 0.06, "flips": 2, "max_flip_margin": 0.01, "questions": 240, "scheme": SCHEME}}))
-    newest = measured_fidelity(tmp_path)
-    assert newest["source"] == "bench/results/2026-12-05-h200-start-and-shapes.json" and newest["scheme"] == SCHEME
-    assert "(gate missed: max |Δp| 0.060 > 0.05; " in describe_fidelity(newest)
-
-
-def test_the_model_manager_loads_in_the_precision_chosen(tmp_path):
-    from clef_workbench.model_loader import ModelManager
-
-    calls = []
-
-    class Engine:
-        def __init__(self, precision):
-            self.precision = precision
-
-        def info(self):
-            return {"precision": self.precision}
-
-        def close(self):
-            pass
-
-    def loader(source, **options):
-        calls.append((source, options))
-        return Engine(options.get("precision", "bf16"))
-
-    manager = ModelManager(loader=loader, demo_path=lambda: tmp_path, free_memory=lambda device: 2**50)
-    folder = tmp_path / "release"
-    folder.mkdir()
-    manager._check_memory = lambda source, path: None  # no release files here: the memory check is not the point
-    manager.request(str(folder), "fp8")
-    manager.wait(30)
-    manager.add(str(tmp_path), None)
-    manager.wait(30)
-    assert calls == [(str(folder), {"precision": "fp8"}), (str(tmp_path), {})]
-    assert [m.precision for m in manager.loaded()] == ["fp8", "bf16"]
-
-
-# ---- CUDA: what the engine checks at start-up, and an FP8 backbone on the GPU ----------------------------------------
+# ---- CUDA: the kernels' checks, and an FP8 backbone on the GPU -------------------------------------------------------
 
 @cuda
 def test_scaled_mm_and_the_fused_fp8_kernels_match_their_torch_versions_on_the_gpu():
@@ -357,9 +259,9 @@ def test_the_fp8_backbone_on_the_gpu_matches_the_plain_fp8_backbone(tiny_release
     build.scale_down(config)  # every projection a multiple of 16, as _scaled_mm wants
     model = build.build_model(config, device="cuda")
     bf16_model, plain_model = copy.deepcopy(model), copy.deepcopy(model)
-    fused = PackedBackbone(model, precision="fp8")  # select_kernels: _scaled_mm and the Triton kernels, checked
-    assert fused.kernels.fp8.linear is FP8.linear_fp8_scaled_mm
-    plain = PackedBackbone(plain_model, K.Kernels(fp8=FP8.Fp8Kernels()), precision="fp8")
+    fused = FP8.fp8_backbone(PackedBackbone(model), model)  # _scaled_mm and the Triton norm, checked first
+    assert fused.fp8.linear is FP8.linear_fp8_scaled_mm
+    plain = FP8.fp8_backbone(PackedBackbone(plain_model), plain_model, FP8.Fp8Kernels())
     ids = torch.randint(0, 2000, (300,), device="cuda")
     segments = make_segments([100, 200], torch.device("cuda"))
     got, _ = fused.forward(ids, segments)
@@ -388,7 +290,7 @@ def test_the_fused_fp8_triton_norm_in_the_interpreter():
     here, at widths of whole groups, a partial last group, and less than one group."""
     code = textwrap.dedent("""
         import torch
-        from clef_engine.fast import fp8 as FP8
+        from bench import lengths_and_precision as FP8
 
         def check(got, want):
             assert got.scales.stride() == want.scales.stride(), (got.scales.stride(), want.scales.stride())
@@ -418,39 +320,3 @@ def test_the_fused_fp8_triton_norm_in_the_interpreter():
                             timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "interpreted ok" in result.stdout
-
-
-def add_model_part() -> None:
-    from workbench_ui import shell
-
-    shell.render_add_model(shell.model_manager())
-
-
-@pytest.mark.skipif(torch.cuda.is_available(), reason="on a CUDA machine of 8.9 or newer FP8 is offered")
-def test_the_sidebar_says_why_fp8_is_not_offered_when_loading_a_model_on_the_cpu(workbench):
-    from streamlit.testing.v1 import AppTest
-
-    from clef_workbench.model_loader import fp8_unavailable
-
-    assert fp8_unavailable().startswith("it needs a CUDA GPU")
-    at = AppTest.from_function(add_model_part, default_timeout=120)
-    at.run()
-    at.selectbox(key="sidebar.add_choice").set_value("Local release folder").run()
-    at.text_input(key="sidebar.add_local").input("/models/clef-flash").run()
-    captions = [caption.value for caption in at.caption]
-    assert "Precision: bf16. FP8 is not offered here: it needs a CUDA GPU and the device is cpu." in captions
-    assert "sidebar.add_precision" not in [radio.key for radio in at.radio]
-    at.selectbox(key="sidebar.add_choice").set_value("System One endpoint (URL)").run()
-    assert not [c for c in at.caption if c.value.startswith("Precision")]  # an endpoint runs its own precision
-
-
-def test_the_model_listing_describes_an_fp8_model_with_its_distance_from_float32():
-    from clef_engine.serve.server import _precision_text
-
-    assert _precision_text({"precision": "bf16"}) == "" and _precision_text({}) == ""
-    assert _precision_text({"precision": "fp8", "distance_from_float32": "not measured"}) == \
-        ", W8A8 FP8 projections (distance from float32 not measured)"
-    measured = {"max_dp": 0.031, "flips": 4, "questions": 240, "gate_met": True, "source": "bench/results/x.json"}
-    assert _precision_text({"precision": "fp8", "distance_from_float32": measured}) == (
-        ", W8A8 FP8 projections (max |Δp| 0.031 from float32, 4 of 240 answers flipped (gate met; "
-        "bench/results/x.json))")

@@ -19,7 +19,6 @@ TORCH_FREE = [
     "clef_engine.interface",
     "clef_engine.remote",
     "clef_engine.remote_http",
-    "clef_engine.fp8_fidelity",
     "clef_workbench.store",
     "clef_workbench.schemas",
     "clef_workbench.schema_diff",
@@ -207,7 +206,7 @@ LAYER_RULES = [  # (importers: path prefixes, what they must not import: module 
 
 
 def module_name(path: str) -> str:
-    """clef_engine/fast/fp8.py -> clef_engine.fast.fp8; a package's __init__.py -> the package."""
+    """clef_engine/fast/packed.py -> clef_engine.fast.packed; a package's __init__.py -> the package."""
     parts = path.removesuffix(".py").split("/")
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 

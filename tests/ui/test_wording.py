@@ -7,7 +7,7 @@ import pytest
 
 from clef_engine.errors import TokenBudgetError
 from clef_engine.explain import check_cost
-from workbench_ui import answers, links, shell, state_input
+from workbench_ui import answers, links, state_input
 from workbench_ui.state_input import MediaError
 
 
@@ -44,13 +44,6 @@ def test_token_counts_in_a_refusal_have_thousands_separators():
         check_cost(1_250, 63, 79_007, 65_536)
     assert "takes 79,007 tokens (the record, 1,250 tokens" in str(refused.value)
     assert "13,471 over the 65,536-token budget" in str(refused.value)
-
-
-def test_the_sidebar_names_one_precision_the_weights_really_have():
-    """The engine reports "bf16" for every non-FP8 engine, a float32 one on the CPU included."""
-    assert shell.precision_text({"dtype": "float32", "precision": "bf16"}) == "float32"
-    assert shell.precision_text({"dtype": "bfloat16", "precision": "bf16"}) == "bfloat16"
-    assert shell.precision_text({"precision": "bf16"}) == "bf16", "an endpoint that names no dtype"
 
 
 def test_the_budget_legend_names_every_part_whole():
