@@ -21,7 +21,6 @@ import torch
 
 from .config import EngineConfig
 from .errors import ClefError, RequestError, TokenBudgetError
-from .explain import explain as explain_request
 from .explain import submit_explanation as explanation_future
 from .fast import kernels
 from .fp8_fidelity import measured_fidelity
@@ -208,7 +207,7 @@ class Engine:
         """The request's response plus `x_explanations`: per question, the state's segments (sentences, fields,
         image regions, video frames; or only `unit`) ranked by how much removing each moves the answer. See
         explain.py."""
-        return explain_request(self, request, unit, max_length=max_length, overflow=overflow)
+        return self.submit_explanation(request, unit, max_length=max_length, overflow=overflow).result()[0]
 
     def submit_explanation(self, request: Any, unit: str | None = None, *, priority: str = "interactive",
                            max_length: int | None = None, overflow: str = "refuse",

@@ -397,11 +397,6 @@ def _explain_problem(value: Any) -> Problem:
     return Problem(("x_explain",), f'x_explain must be true, false or {{"unit": {units}}}', "value_error")
 
 
-def parse_questions(request: Any) -> list[Question]:
-    """Validate the request and return its questions in schema order. Raises RequestError listing every problem."""
-    return list(prepare(request).questions)
-
-
 @dataclass(frozen=True)
 class ValidRequest:
     """A request the contract accepted, validated once by `prepare` where it enters (the HTTP server, the job
@@ -498,37 +493,32 @@ def _span(allowed: range) -> str:
     return f"{allowed[0]}–{allowed[-1]}"
 
 
-def hosted_service_problems(request_or_questions: Any) -> list[Problem]:
-    """Where the hosted Clef service would refuse a request (or a bare questions map) that the contract accepts.
-    Locations are in the request (`("questions", id, ...)`). Shapes the contract refuses are not repeated here."""
-    is_request = isinstance(request_or_questions, dict) and "questions" in request_or_questions
-    request = request_or_questions if is_request else {"questions": request_or_questions}
+def hosted_service_problems(questions: Any) -> list[Problem]:
+    """Where the hosted Clef service would refuse a questions map that the contract accepts. Locations are in the
+    request (`("questions", id, ...)`). Shapes the contract refuses are not repeated here."""
     problems: list[Problem] = []
 
     def refuse(loc: tuple[str | int, ...], what: str) -> None:
         problems.append(Problem(loc, f"the hosted service would refuse this: {what}", "hosted_limit"))
 
-    questions = request["questions"]
-    if isinstance(questions, dict):
-        if len(questions) not in HOSTED.questions:
-            refuse(("questions",), f"it takes {_span(HOSTED.questions)} questions, this has {len(questions)}")
-        for question_id, question in questions.items():
-            loc = ("questions", question_id)
-            if isinstance(question_id, str) and not HOSTED.question_id.fullmatch(question_id):
-                refuse(loc, f"question ids must be {HOSTED.question_id_rule}")
-            kind = question.get("type") if isinstance(question, dict) else None
-            criteria = question.get("criteria") if isinstance(question, dict) else None
-            if kind == "choice" and isinstance(criteria, dict):
-                allowed, what = HOSTED.choice_options, "options"
-            elif kind == "score" and isinstance(criteria, list):
-                allowed, what = HOSTED.score_levels, "levels"
-            else:
-                continue
-            if len(criteria) not in allowed:
-                refuse((*loc, "criteria"), f"a {kind} takes {_span(allowed)} {what}, this has {len(criteria)}")
-    images = request.get("images")
-    if isinstance(images, list) and len(images) > HOSTED.max_images:
-        refuse(("images",), f"it takes at most {HOSTED.max_images} images, this has {len(images)}")
+    if not isinstance(questions, dict):
+        return problems
+    if len(questions) not in HOSTED.questions:
+        refuse(("questions",), f"it takes {_span(HOSTED.questions)} questions, this has {len(questions)}")
+    for question_id, question in questions.items():
+        loc = ("questions", question_id)
+        if isinstance(question_id, str) and not HOSTED.question_id.fullmatch(question_id):
+            refuse(loc, f"question ids must be {HOSTED.question_id_rule}")
+        kind = question.get("type") if isinstance(question, dict) else None
+        criteria = question.get("criteria") if isinstance(question, dict) else None
+        if kind == "choice" and isinstance(criteria, dict):
+            allowed, what = HOSTED.choice_options, "options"
+        elif kind == "score" and isinstance(criteria, list):
+            allowed, what = HOSTED.score_levels, "levels"
+        else:
+            continue
+        if len(criteria) not in allowed:
+            refuse((*loc, "criteria"), f"a {kind} takes {_span(allowed)} {what}, this has {len(criteria)}")
     return problems
 
 

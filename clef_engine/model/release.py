@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -159,13 +160,9 @@ def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def default_dtype(device: torch.device) -> torch.dtype:
-    return torch.bfloat16 if device.type == "cuda" else torch.float32
-
-
 def parse_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
     if dtype is None:
-        return default_dtype(device)
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
     if isinstance(dtype, torch.dtype):
         return dtype
     names = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32,
@@ -247,17 +244,10 @@ def describe(release: Release) -> dict:
         "text": {k: text.get(k) for k in ("hidden_size", "intermediate_size", "num_hidden_layers",
                                           "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size",
                                           "linear_num_key_heads", "linear_num_value_heads")},
-        "layer_types": _count(text.get("layer_types") or []),
+        "layer_types": dict(Counter(text.get("layer_types") or [])),
         "vision": {k: vision.get(k) for k in ("depth", "hidden_size", "patch_size", "spatial_merge_size",
                                               "temporal_patch_size", "out_hidden_size")},
         "weight_shards": list(release.weight_files),
         "weights_on_disk_bytes": sum((release.path / f).stat().st_size for f in release.weight_files),
         "head": asdict(release.head_config),
     }
-
-
-def _count(items: list[str]) -> dict[str, int]:
-    counts: dict[str, int] = {}
-    for item in items:
-        counts[item] = counts.get(item, 0) + 1
-    return counts

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from clef_engine.errors import RequestError, TokenBudgetError
 from clef_engine.model.encoding import PREFIX, SUFFIX, UNBOUNDED, render, schema_pieces
-from clef_engine.protocol import parse_questions
+from clef_engine.protocol import prepare
 from tests.support.bodies import REQUEST
 from tests.support.media import png_bytes
 
@@ -52,14 +52,14 @@ def test_state_renders_compact_sorted_unicode():
 
 
 def test_schema_text_option_order_and_defaults():
-    pieces, _, _ = schema_pieces(parse_questions(REQUEST))
+    pieces, _, _ = schema_pieces(list(prepare(REQUEST).questions))
     assert "".join(pieces) == GOLDEN_SCHEMA
 
 
 def test_tokens_are_pieces_tokenized_separately_and_concatenated(tiny_engine):
     encoder = tiny_engine.encoder
     record = encoder.encode(REQUEST)
-    pieces, _, _ = schema_pieces(parse_questions(REQUEST))
+    pieces, _, _ = schema_pieces(list(prepare(REQUEST).questions))
     expected = encoder.tokenize(PREFIX) + encoder.tokenize(render(REQUEST["state"]))
     for piece in pieces:
         expected += encoder.tokenize(piece)
@@ -96,7 +96,7 @@ def test_spans_cover_instruction_and_option_json(tiny_engine):
 
 def test_missing_instruction_becomes_question_id_and_noul_overrides_each_side(tiny_engine):
     request = {"state": "x", "questions": {"q.1": {"type": "noul", "criteria": {"true": "Yes, shipped."}}}}
-    pieces, _, _ = schema_pieces(parse_questions(request))
+    pieces, _, _ = schema_pieces(list(prepare(request).questions))
     joined = "".join(pieces)
     assert "INSTRUCTION: q.1\n" in joined
     assert '{"description":"Yes, shipped.","option_id":"true"}' in joined
@@ -297,7 +297,7 @@ def test_records_that_fit_encode_as_the_full_path_did(tiny_engine, seed):
     state = " ".join(rng.choice(TEXTS, size=40))
     request = dict(REQUEST, state=state, images=[png_bytes(64, 32 + 32 * seed, seed=seed)])
     record = encoder.encode(request, max_length=100_000)
-    pieces, _, _ = schema_pieces(parse_questions(request))
+    pieces, _, _ = schema_pieces(list(prepare(request).questions))
     media_length = record.token_counts["media"]
     start = len(encoder.prefix_ids)
     expected = (wrapper_ids(encoder, PREFIX) + record.input_ids[start: start + media_length]
@@ -318,7 +318,7 @@ def test_refused_states_are_not_remembered(tiny_engine):
     encoder = tiny_engine.encoder
     encoder._states.clear()
     request = dict(REQUEST, state="a state the analyst keeps " * 400)
-    pieces, _, _ = schema_pieces(parse_questions(request))
+    pieces, _, _ = schema_pieces(list(prepare(request).questions))
     total = (len(encoder.prefix_ids) + len(encoder.tokenize(request["state"]))
              + sum(map(len, encoder.tokenize_many(pieces))) + len(encoder.suffix_ids))
     for max_length in (600, total - 1):  # refused from the bound, and refused after tokenizing the state
