@@ -35,7 +35,7 @@ from .errors import Problem, RequestError, TokenBudgetError
 from .interface import DecisionEngine, ExplainingEngine, Request
 from .model import media
 from .model.encoding import MEDIA_SLOTS, EncodedRecord, render
-from .protocol import EXPLAIN_UNITS, ExplainOption, Response, ValidRequest, prepared
+from .protocol import EXPLAIN_UNITS, ExplainOption, Response, ValidRequest, explain_unit_problem, prepared
 from .runner import SharedPrefixes
 from .scheduler import JobTiming
 
@@ -258,8 +258,7 @@ def submit_explanation(engine: Engine, request: Request, unit: str | None = None
     explain_budget)."""
     started = time.perf_counter()
     if unit is not None and unit not in EXPLAIN_UNITS:
-        raise RequestError([Problem(("x_explain", "unit"), f"unit must be one of {', '.join(EXPLAIN_UNITS)}; got "
-                                                           f"{unit!r}", "literal_error")])
+        raise RequestError([explain_unit_problem({"unit": unit})])
     valid = prepared(request, max_length=max_length, overflow=overflow)
     record = engine.encode(valid)
     budget = explain_budget(engine, max_tokens)

@@ -383,13 +383,13 @@ def validate_request(request: Any, model: type[SystemOneRequest] = SystemOneRequ
         questions = request.get("questions")
         errors = exc.errors(include_url=False)
         problems = [_problem(e, questions) for e in errors if e["loc"][:1] != ("x_explain",)]
-        if len(problems) < len(errors):
-            problems.append(_explain_problem(request["x_explain"]))
+        if len(problems) < len(errors):  # one problem for a bad x_explain, not one per member of its union
+            problems.append(explain_unit_problem(request["x_explain"]))
         raise RequestError(problems) from None
 
 
-def _explain_problem(value: Any) -> Problem:
-    """One problem for a bad `x_explain` (pydantic reports one per member of its union)."""
+def explain_unit_problem(value: Any) -> Problem:
+    """The problem with a bad `x_explain`, or with a bad unit (`{"unit": value}`) given to the engine."""
     units = "|".join(f'"{u}"' for u in EXPLAIN_UNITS)
     if isinstance(value, dict) and set(value) <= {"unit"}:
         return Problem(("x_explain", "unit"), f"unit must be one of {', '.join(EXPLAIN_UNITS)}; got "
