@@ -93,7 +93,7 @@ class Engine:
         return prepare(request, max_length=max_length, overflow=overflow, questions=questions)
 
     def encode(self, request: Any, *, max_length: int | None = None, overflow: str = "refuse") -> EncodedRecord:
-        return self.encoder.encode(request, max_length=max_length, overflow=overflow)
+        return self.encoder.encode(prepared(request, max_length=max_length, overflow=overflow))
 
     def count_tokens(self, request: Any, *, max_length: int | None = None) -> dict[str, int]:
         """Token count of each part and how many state tokens would be cut at `max_length` (for a budget bar)."""

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from ..errors import Problem, RequestError, TokenBudgetError
-from ..protocol import DEFAULT_MAX_LENGTH, Question, ValidRequest, prepared
+from ..protocol import DEFAULT_MAX_LENGTH, Question, ValidRequest
 from . import media
 
 SYSTEM = ("Read the complete state and schema. Decide every field jointly. "
@@ -379,12 +379,10 @@ class Encoder:
         self.video_tokens(video)
         return video
 
-    def count_tokens(self, request: dict | ValidRequest) -> dict[str, int]:
+    def count_tokens(self, valid: ValidRequest) -> dict[str, int]:
         """The tokens of each part and their total, as `encode` with no budget counts them. An image's tokens
         follow from its header, so a request whose media are images alone is counted without decoding a pixel
-        (decoding a large photo costs far more than counting); a video's are known once its frames are sampled.
-        A plain dict is validated here; a ValidRequest is not validated again."""
-        valid = prepared(request)
+        (decoding a large photo costs far more than counting); a video's are known once its frames are sampled."""
         questions, images, videos, state_text = self.open_request(valid)
         if videos:
             return dict(self.encode(replace(valid, max_length=UNBOUNDED, overflow="refuse")).token_counts)
@@ -396,12 +394,9 @@ class Encoder:
                   "suffix": len(self.suffix_ids)}
         return {**counts, "total": sum(counts.values())}
 
-    def encode(self, request: dict | ValidRequest, *, max_length: int | None = None,
-               overflow: str = "refuse") -> EncodedRecord:
-        """Encode one request. A ValidRequest (see protocol.prepare) is not validated again and is encoded under its
-        own budget; a plain dict is validated here, once, under `max_length` / `overflow`. Raises RequestError or
+    def encode(self, valid: ValidRequest) -> EncodedRecord:
+        """Encode one request, validated before (protocol.prepare), under its own budget. Raises RequestError or
         TokenBudgetError; never anything else for bad input."""
-        valid = prepared(request, max_length=max_length, overflow=overflow)
         max_length = DEFAULT_MAX_LENGTH if valid.max_length is None else valid.max_length
         overflow = valid.overflow
         questions, images, videos, state_text = self.open_request(valid)
