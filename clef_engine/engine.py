@@ -208,7 +208,7 @@ class Engine:
 
     def sample_video_frames(self, video: bytes) -> media.Video:
         """The frames of a video file the model reads (what the video processor samples), or MediaError."""
-        return media.load_video(video, self.encoder.video_sample_indices)
+        return media.decode_video(media.video_bytes(video), self.encoder.video_sample_indices)
 
     def queue_position(self, future: Future) -> int | None:
         """Jobs ahead of `future` (from `submit`) in the GPU queue; None once it runs."""

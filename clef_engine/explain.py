@@ -194,7 +194,7 @@ def segment_counts(request: Mapping[str, Any], frame_counts: Sequence[int]) -> d
     else:
         counts = {"field": sum(1 for _ in json_leaves(state))}
     counts["region"] = sum(len(region_boxes(image.width, image.height))
-                           for image in map(media.load_image, request.get("images") or []))
+                           for image in map(media.open_image, request.get("images") or []))
     counts["frame"] = sum(frame_counts)
     return {unit: count for unit, count in counts.items() if count}
 

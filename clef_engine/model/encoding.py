@@ -368,9 +368,8 @@ class Encoder:
             return opened
 
         def video(item: Any) -> media.Video | bytes:
-            if media.video_frames(item) is None and not isinstance(item, media.Video):  # a Video is already sampled
-                return media.video_bytes(item)
-            return self._checked_video(media.load_video(item, self.video_sample_indices))
+            opened = media.open_video(item, self.video_sample_indices)
+            return opened if isinstance(opened, bytes) else self._checked_video(opened)
 
         images, videos = _each_media(request.images, image, request.videos, video)
         return list(request.questions), images, videos, render(request.state)
