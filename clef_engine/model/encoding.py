@@ -86,7 +86,6 @@ class EncodedRecord:
     option_spans: list[list[tuple[int, int]]]
     token_counts: dict[str, int]
     truncated_state_tokens: int = 0
-    media_offset: int | None = None
     media_inputs: dict[str, torch.Tensor] = field(default_factory=dict)  # pixel_values, image_grid_thw, ...
     media_digest: str = ""  # hash of the media tensors, part of a state-cache key
     state_end: int = 0  # tokens [0, state_end) are prefix + media + state: what a state cache can reuse
@@ -440,8 +439,7 @@ class Encoder:
 
         return EncodedRecord(
             input_ids=input_ids, questions=questions, question_spans=question_spans, option_spans=option_spans,
-            token_counts=counts, truncated_state_tokens=truncated,
-            media_offset=len(self.prefix_ids) if media_ids else None, media_inputs=media_inputs,
+            token_counts=counts, truncated_state_tokens=truncated, media_inputs=media_inputs,
             media_digest=_digest(media_inputs), state_end=state_end, videos=decoded_videos,
         )
 

@@ -75,7 +75,7 @@ def test_token_counts_add_up(tiny_engine):
     counts = record.token_counts
     assert counts["total"] == len(record.input_ids)
     assert counts["prefix"] + counts["media"] + counts["state"] + counts["schema"] + counts["suffix"] == counts["total"]
-    assert counts["media"] == 0 and record.media_offset is None
+    assert counts["media"] == 0 and not record.has_media
 
 
 def test_spans_cover_instruction_and_option_json(tiny_engine):
@@ -107,8 +107,8 @@ def test_media_tokens_follow_prefix_and_match_processor(tiny_engine):
     encoder = tiny_engine.encoder
     image = png_bytes(512, 320)
     record = tiny_engine.encode(dict(REQUEST, images=[image, image]))
-    assert record.media_offset == len(encoder.prefix_ids)
-    media_ids = record.input_ids[record.media_offset: record.media_offset + record.token_counts["media"]]
+    media_start = len(encoder.prefix_ids)  # the media follow the prefix
+    media_ids = record.input_ids[media_start: media_start + record.token_counts["media"]]
     tokenizer = encoder.tokenizer
     image_pad = tokenizer.convert_tokens_to_ids("<|image_pad|>")
     start = tokenizer.convert_tokens_to_ids("<|vision_start|>")
@@ -118,7 +118,7 @@ def test_media_tokens_follow_prefix_and_match_processor(tiny_engine):
     assert media_ids == per_image + per_image + encoder.tokenize("\n")
     assert record.media_inputs["image_grid_thw"].tolist() == [[1, 20, 32], [1, 20, 32]]
     # the state follows the media directly
-    state_start = record.media_offset + record.token_counts["media"]
+    state_start = media_start + record.token_counts["media"]
     assert record.input_ids[state_start: state_start + 3] == encoder.tokenize(render(REQUEST["state"]))[:3]
 
 
