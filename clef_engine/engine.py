@@ -27,7 +27,7 @@ from .fp8_fidelity import measured_fidelity
 from .model import media, release
 from .model.encoding import DEFAULT_MAX_LENGTH, EncodedRecord, Encoder
 from .model.head import JointSchemaHead, load_head
-from .protocol import Question, Response, ValidRequest, format_answer, prepare, prepared
+from .protocol import Question, Response, ValidRequest, format_answer, prepare
 from .runner import PackedRunner, PlainRunner, StateVariants
 from .scheduler import JobTiming, Scheduler, device_turn
 from .tiny import is_demo_release
@@ -93,12 +93,12 @@ class Engine:
         return prepare(request, max_length=max_length, overflow=overflow, questions=questions)
 
     def encode(self, request: Any, *, max_length: int | None = None, overflow: str = "refuse") -> EncodedRecord:
-        return self.encoder.encode(prepared(request, max_length=max_length, overflow=overflow))
+        return self.encoder.encode(prepare(request, max_length=max_length, overflow=overflow))
 
     def count_tokens(self, request: Any, *, max_length: int | None = None) -> dict[str, int]:
         """Token count of each part and how many state tokens would be cut at `max_length` (for a budget bar)."""
         limit = DEFAULT_MAX_LENGTH if max_length is None else max_length
-        counts = self.encoder.count_tokens(prepared(request))
+        counts = self.encoder.count_tokens(prepare(request))
         counts["max_length"] = limit
         fixed = counts["total"] - counts["state"]
         counts["state_tokens_over"] = max(0, min(counts["state"], counts["total"] - limit))
@@ -121,7 +121,7 @@ class Engine:
         positions: list[int] = []
         for position, request in enumerate(requests):
             try:
-                valid = prepared(request, max_length=max_length, overflow=overflow)
+                valid = prepare(request, max_length=max_length, overflow=overflow)
                 records.append(self.encoder.encode(valid))
             except ClefError as error:
                 if errors == "raise":
@@ -179,7 +179,7 @@ class Engine:
         from a state it did not compute itself. Records with media, or without the packed path, run as
         `decide_many` runs them. `probabilities`: unrounded probabilities (as `probabilities`) instead."""
         started = time.perf_counter()
-        valids = [prepared(request, max_length=max_length, overflow=overflow) for request in requests]
+        valids = [prepare(request, max_length=max_length, overflow=overflow) for request in requests]
         records = [self.encoder.encode(valid) for valid in valids]
         if isinstance(self.runner, PackedRunner) and not any(record.has_media for record in records):
             outcomes, computed = self.scheduler.submit([StateVariants(records)], priority=priority,

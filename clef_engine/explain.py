@@ -35,7 +35,7 @@ from .errors import Problem, RequestError, TokenBudgetError
 from .interface import DecisionEngine, ExplainingEngine, Request
 from .model import media
 from .model.encoding import MEDIA_SLOTS, EncodedRecord, render
-from .protocol import EXPLAIN_UNITS, ExplainOption, Response, ValidRequest, explain_unit_problem, prepared
+from .protocol import EXPLAIN_UNITS, ExplainOption, Response, ValidRequest, explain_unit_problem, prepare
 from .runner import SharedPrefixes
 from .scheduler import JobTiming
 
@@ -259,7 +259,7 @@ def submit_explanation(engine: Engine, request: Request, unit: str | None = None
     started = time.perf_counter()
     if unit is not None and unit not in EXPLAIN_UNITS:
         raise RequestError([explain_unit_problem({"unit": unit})])
-    valid = prepared(request, max_length=max_length, overflow=overflow)
+    valid = prepare(request, max_length=max_length, overflow=overflow)
     record = engine.encode(valid)
     budget = explain_budget(engine, max_tokens)
     # Cheapest first, nothing built before it is known to fit: every variant has at least the record's tokens but

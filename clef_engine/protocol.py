@@ -435,11 +435,14 @@ def prepare_questions(questions: Any) -> tuple[Question, ...]:
 
 def prepare(request: Any, *, max_length: int | None = None, overflow: str | None = None,
             questions: tuple[Question, ...] | None = None) -> ValidRequest:
-    """Validate `request` once and return it as the engine consumes it. The budget is `max_length` / `overflow`
-    when given, else the request's own `x_max_length` / `x_overflow` (the wire's fields), else the defaults.
-    `questions`: the request's questions map as `prepare_questions` returned it for the schema it was built from
-    (a batch run's cases share one schema): its questions are taken from there and the rest of the request is
-    validated. Raises RequestError listing every problem with its location."""
+    """Validate `request` once and return it as the engine consumes it; a ValidRequest is returned as it is, with
+    its own budget. The budget is `max_length` / `overflow` when given, else the request's own `x_max_length` /
+    `x_overflow` (the wire's fields), else the defaults. `questions`: the request's questions map as
+    `prepare_questions` returned it for the schema it was built from (a batch run's cases share one schema): its
+    questions are taken from there and the rest of the request is validated. Raises RequestError listing every
+    problem with its location."""
+    if isinstance(request, ValidRequest):
+        return request
     if questions is None:
         model = validate_request(request)
         questions = tuple(_to_question(qid, q) for qid, q in model.questions.items())
@@ -455,14 +458,6 @@ def prepare(request: Any, *, max_length: int | None = None, overflow: str | None
     return ValidRequest(request=request, model=model.model, state=model.state, questions=questions,
                         images=tuple(model.images or ()), videos=tuple(model.videos or ()), max_length=max_length,
                         overflow=overflow, explain=model.x_explain)  # type: ignore[arg-type]
-
-
-def prepared(request: Mapping[str, Any] | ValidRequest, *, max_length: int | None = None,
-             overflow: str | None = None) -> ValidRequest:
-    """`request` itself when it is already a ValidRequest (it carries its own budget), else `prepare(request)`."""
-    if isinstance(request, ValidRequest):
-        return request
-    return prepare(request, max_length=max_length, overflow=overflow)
 
 
 def check_schema_floor(request: Any, max_length: int) -> None:
