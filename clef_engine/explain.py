@@ -35,7 +35,7 @@ from .errors import Problem, RequestError, TokenBudgetError
 from .interface import DecisionEngine, ExplainingEngine, Request
 from .model import media
 from .model.encoding import MEDIA_SLOTS, EncodedRecord, render
-from .protocol import EXPLAIN_UNITS, ExplainOption, Response, ValidRequest, explain_unit_problem, prepare
+from .protocol import EXPLAIN_UNITS, ExplainOption, Response, explain_unit_problem, prepare
 from .runner import SharedPrefixes
 from .scheduler import JobTiming
 
@@ -278,7 +278,11 @@ def submit_explanation(engine: Engine, request: Request, unit: str | None = None
         text_records.append(engine.encode(valid.with_evidence(variant())))
         total += len(text_records[-1]) - fixed
         check_cost(len(record), len(found), total, budget, at_least=len(text_records) < text_variants)
-    media_records = _encode_in_parallel(engine, valid, [variant for _, variant in found[text_variants:]])
+    media_records: list[EncodedRecord] = []
+    if media_variants:  # built and encoded on up to MEDIA_SLOTS threads: that many variants' pixels held at most
+        with ThreadPoolExecutor(min(MEDIA_SLOTS, media_variants), thread_name_prefix="clef-explain") as pool:
+            media_records = list(pool.map(lambda segment: engine.encode(valid.with_evidence(segment[1]())),
+                                          found[text_variants:]))
     records = [record, *text_records, *media_records]
     shared = engine.config.packed and not record.has_media  # text variants of a text record: the packed runner's
 
@@ -293,15 +297,6 @@ def submit_explanation(engine: Engine, request: Request, unit: str | None = None
 
     job = [SharedPrefixes(records)] if shared else records
     return engine.scheduler.submit(job, priority=priority, finalize=respond, timed=True)
-
-
-def _encode_in_parallel(engine: Engine, valid: ValidRequest, variants: list[Callable[[], dict]]) -> list[EncodedRecord]:
-    """The request with each evidence variant, each built and encoded on one of up to MEDIA_SLOTS threads (so that
-    at most that many variants' pixels are held before they are processed)."""
-    if not variants:
-        return []
-    with ThreadPoolExecutor(max_workers=min(MEDIA_SLOTS, len(variants)), thread_name_prefix="clef-explain") as pool:
-        return list(pool.map(lambda variant: engine.encode(valid.with_evidence(variant())), variants))
 
 
 @dataclass(frozen=True)
