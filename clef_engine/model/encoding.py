@@ -248,15 +248,13 @@ class Encoder:
     # ---- media ------------------------------------------------------------------------------------------------
 
     def video_sample_indices(self, total_frames: int, fps: float | None) -> list[int]:
-        """The frames the video processor samples, as it would sample them itself (fps None: a frame array given
-        without one, for which the processor assumes its own default)."""
+        """The frames the video processor samples of a video's `total_frames` (at least one), as it would sample them
+        itself (fps None: a frame array given without one, for which the processor assumes its own default)."""
         from transformers.video_utils import VideoMetadata
 
         video_processor = self.processor.video_processor
         if not video_processor.do_sample_frames:
             return list(range(total_frames))
-        if total_frames <= 0:
-            return []
         metadata = VideoMetadata(total_num_frames=total_frames, fps=fps)
         return [int(i) for i in video_processor.sample_frames(metadata)]
 
