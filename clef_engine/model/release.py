@@ -74,25 +74,37 @@ def download_command(source: str, revision: str | None) -> str:
     return f"{hf} download {source}" + (f" --revision {revision}" if revision else "")
 
 
+def local_release(source: str, revision: str | None = None) -> Path | None:
+    """A local folder as is, a Hugging Face repo id from the local cache only (never a download); else None."""
+    path = Path(source).expanduser()
+    if path.is_dir():
+        return path
+    if source.startswith((".", "/", "~")) or source.count("/") != 1:  # not a repo id
+        return None
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(source, revision=revision, local_files_only=True))
+    except Exception:  # noqa: BLE001 — not cached (or no hub)
+        return None
+
+
 def resolve(source: str | os.PathLike, revision: str | None = None) -> Path:
     """A local folder as is; otherwise a Hugging Face repo id, from the local cache first, then the Hub."""
     source = str(source)
     source = KNOWN_MODELS.get(source.lower(), source)
+    found = local_release(source, revision)
+    if found is not None:
+        return found
     path = Path(source).expanduser()
-    if path.is_dir():
-        return path
     if path.exists():
         raise ReleaseError(f"{source} is a file; expected a release folder or a Hugging Face repo id")
     if source.startswith((".", "/", "~")) or source.count("/") != 1:
         raise ReleaseError(f"release folder {path} does not exist (want a folder or a repo id, e.g. Cloudflare/clef)")
 
     from huggingface_hub import constants, snapshot_download
-    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+    from huggingface_hub.errors import HfHubHTTPError
 
-    try:
-        return Path(snapshot_download(source, revision=revision, local_files_only=True))
-    except (LocalEntryNotFoundError, FileNotFoundError, OSError):
-        pass
     if constants.HF_HUB_OFFLINE:
         raise ReleaseError(
             f"{source}{'@' + revision if revision else ''} is not in the local Hugging Face cache "
