@@ -196,6 +196,7 @@ def fidelity(device: str | torch.device = "cuda", shape: str = "flash", records:
     import clef_engine
     from clef_engine.model.encoding import Encoder
     from clef_engine.model.release import Release, load_processor
+    from clef_engine.protocol import prepare
     from clef_engine.tiny import build_tiny_release
 
     started = time.perf_counter()
@@ -218,7 +219,7 @@ def fidelity(device: str | torch.device = "cuda", shape: str = "flash", records:
     rng = random.Random(seed)
     low, high = sizes["state_tokens"]
     requests = [varied_request(rng, rng.randint(low, high)) for _ in range(records)]
-    encoded = [encoder.encode(r, max_length=2**31 - 1) for r in requests]
+    encoded = [encoder.encode(prepare(r, max_length=2**31 - 1)) for r in requests]
 
     with _NoTF32():  # bf16 paths never use TF32; float32 ones (the truth, and all three with dtype=float32) must not
         truth = release_path(truth_model, truth_head, encoder, torch.float32, encoded)

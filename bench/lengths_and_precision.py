@@ -752,13 +752,14 @@ def fidelity_section(setup: Setup) -> None:
     head, head_config = build.build_head(sizes["hidden"], device=str(setup.device), seed=1, width=sizes["head_width"])
     from clef_engine.model.encoding import Encoder
     from clef_engine.model.release import Release, load_processor
+    from clef_engine.protocol import prepare
 
     checked = Release(path=setup.tiny, source=f"{shape}-shaped-random", revision=None, config=config_json,
                       head_config=head_config, weight_files=())
     encoder = Encoder(load_processor(checked))
     rng = random.Random(0)
     low, high = sizes["state_tokens"]
-    encoded = [encoder.encode(fidelity.varied_request(rng, rng.randint(low, high)), max_length=2**31 - 1)
+    encoded = [encoder.encode(prepare(fidelity.varied_request(rng, rng.randint(low, high)), max_length=2**31 - 1))
                for _ in range(records)]
     truth_model, truth_head = copy.deepcopy(model).float(), copy.deepcopy(head).float()
     order = sorted(range(records), key=lambda i: len(encoded[i]))  # padded batches of similar lengths: less padding

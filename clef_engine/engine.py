@@ -21,13 +21,12 @@ import torch
 
 from .config import EngineConfig
 from .errors import ClefError, RequestError, TokenBudgetError
-from .explain import explain as explain_request
 from .explain import submit_explanation as explanation_future
 from .fast import kernels
 from .model import media, release
 from .model.encoding import DEFAULT_MAX_LENGTH, EncodedRecord, Encoder
 from .model.head import JointSchemaHead, load_head
-from .protocol import Question, Response, ValidRequest, format_answer, prepare, prepared
+from .protocol import Question, Response, ValidRequest, format_answer, prepare
 from .runner import PackedRunner, PlainRunner, StateVariants
 from .scheduler import JobTiming, Scheduler, device_turn
 from .tiny import is_demo_release
@@ -86,20 +85,16 @@ class Engine:
 
     def validate(self, request: Any, *, max_length: int | None = None, overflow: str | None = None,
                  questions: tuple[Question, ...] | None = None) -> ValidRequest:
-        """`request` validated once against the System One contract (no tokenization, no media decode), as `submit`
-        and `encode` take it without validating it again; raises RequestError naming every problem. See
-        protocol.prepare for the budget."""
+        """protocol.prepare: validated once (no tokenization, no media decode), as `submit` takes it."""
         return prepare(request, max_length=max_length, overflow=overflow, questions=questions)
 
     def encode(self, request: Any, *, max_length: int | None = None, overflow: str = "refuse") -> EncodedRecord:
-        """One record: a ValidRequest as it is (its own budget), a plain dict validated here under `max_length` /
-        `overflow`."""
-        return self.encoder.encode(request, max_length=max_length, overflow=overflow)
+        return self.encoder.encode(prepare(request, max_length=max_length, overflow=overflow))
 
     def count_tokens(self, request: Any, *, max_length: int | None = None) -> dict[str, int]:
         """Token count of each part and how many state tokens would be cut at `max_length` (for a budget bar)."""
         limit = DEFAULT_MAX_LENGTH if max_length is None else max_length
-        counts = self.encoder.count_tokens(prepared(request))
+        counts = self.encoder.count_tokens(prepare(request))
         counts["max_length"] = limit
         fixed = counts["total"] - counts["state"]
         counts["state_tokens_over"] = max(0, min(counts["state"], counts["total"] - limit))
@@ -108,13 +103,11 @@ class Engine:
 
     def submit(self, requests: Sequence[Any], *, priority: str = "interactive", max_length: int | None = None,
                overflow: str = "refuse", errors: str = "raise") -> Future:
-        """Encode now, run on the GPU worker later. A request is a ValidRequest (validated where it entered, encoded
-        under its own budget) or a plain dict (validated here, once, under `max_length` / `overflow`). The future
-        resolves to one System One response per request.
-        errors="raise": a bad request (RequestError, TokenBudgetError) raises here, and a failure on the GPU fails
-        the whole future. errors="return": each request's slot holds its response or its own error (a ClefError
-        from encoding, or what its batch raised with the record alone, see Scheduler), so one bad request costs
-        the others nothing: they are encoded and batched as if it were not there."""
+        """Encode now (a plain dict validated here under `max_length` / `overflow`), run on the GPU worker later;
+        the future resolves to one System One response per request. errors="raise": a bad request raises here, and
+        a failure on the GPU fails the whole future. errors="return": each request's slot holds its response or its
+        own error (from encoding, or what its batch raised with the record alone, see Scheduler), so one bad
+        request costs the others nothing."""
         if errors not in ERROR_MODES:
             raise ValueError(f"errors must be one of {ERROR_MODES}, not {errors!r}")
         started = time.perf_counter()
@@ -124,7 +117,7 @@ class Engine:
         positions: list[int] = []
         for position, request in enumerate(requests):
             try:
-                valid = prepared(request, max_length=max_length, overflow=overflow)
+                valid = prepare(request, max_length=max_length, overflow=overflow)
                 records.append(self.encoder.encode(valid))
             except ClefError as error:
                 if errors == "raise":
@@ -175,17 +168,14 @@ class Engine:
 
     def decide_variants(self, requests: Sequence[Any], *, max_length: int | None = None, overflow: str = "refuse",
                         priority: str = "bulk", probabilities: bool = False) -> list[Any]:
-        """Responses to requests over one state with different schemas (the variants of a schema sweep), as
-        `decide_many` gives them, at the cost of one state: on the worker thread, in one call, the records that share
-        a state prefix (tokens before the schema, and media) have it prefilled once (or taken from the state cache,
-        which keeps it for a later call) and every schema continued from it (`PackedRunner.forward_variants`), whatever
-        the state's length (the cache's `min_prefix_tokens` weighs one reuse; here there are many). Each response
-        says `x_state_cached`: true when its record continued from a state it did not compute itself. Records with
-        media, and every record without the packed path, run as `decide_many` runs them. A bad request raises before
-        anything runs. `probabilities`: per request, per question, the options' probabilities in model order,
-        unrounded (as `probabilities`), instead of responses."""
+        """Responses to requests over one state with different schemas (a schema sweep's variants) at the cost of
+        one state: records sharing a state prefix have it prefilled once (or taken from the state cache) and every
+        schema continued from it (`PackedRunner.forward_variants`), whatever the state's length (the cache's
+        `min_prefix_tokens` weighs one reuse; here there are many). `x_state_cached`: true when a record continued
+        from a state it did not compute itself. Records with media, or without the packed path, run as
+        `decide_many` runs them. `probabilities`: unrounded probabilities (as `probabilities`) instead."""
         started = time.perf_counter()
-        valids = [prepared(request, max_length=max_length, overflow=overflow) for request in requests]
+        valids = [prepare(request, max_length=max_length, overflow=overflow) for request in requests]
         records = [self.encoder.encode(valid) for valid in valids]
         if isinstance(self.runner, PackedRunner) and not any(record.has_media for record in records):
             outcomes, computed = self.scheduler.submit([StateVariants(records)], priority=priority,
@@ -201,10 +191,9 @@ class Engine:
 
     def explain(self, request: Any, unit: str | None = None, *, max_length: int | None = None,
                 overflow: str = "refuse") -> Response:
-        """The request's response plus `x_explanations`: per question, the state's segments (sentences, fields,
-        image regions, video frames; or only `unit`) ranked by how much removing each moves the answer. See
-        explain.py."""
-        return explain_request(self, request, unit, max_length=max_length, overflow=overflow)
+        """The response plus `x_explanations`: segments ranked by how much removing each moves the answer
+        (explain.py)."""
+        return self.submit_explanation(request, unit, max_length=max_length, overflow=overflow).result()[0]
 
     def submit_explanation(self, request: Any, unit: str | None = None, *, priority: str = "interactive",
                            max_length: int | None = None, overflow: str = "refuse",
@@ -214,9 +203,8 @@ class Engine:
                                   max_tokens=max_tokens)
 
     def sample_video_frames(self, video: bytes) -> media.Video:
-        """The frames of a video file the video processor samples, what the model reads (T×H×W×3 uint8, fps, source
-        frame indices, source frame count). Raises MediaError when the video cannot be decoded."""
-        return media.load_video(video, self.encoder.video_sample_indices)
+        """The frames of a video file the model reads (what the video processor samples), or MediaError."""
+        return media.decode_video(media.video_bytes(video), self.encoder.video_sample_indices)
 
     def queue_position(self, future: Future) -> int | None:
         """Jobs ahead of `future` (from `submit`) in the GPU queue; None once it runs."""
@@ -224,9 +212,8 @@ class Engine:
 
     def response(self, request: ValidRequest, record: EncodedRecord, probabilities: list[list[float]],
                  latency_ms: float, *, compute_ms: float | None = None, queue_ms: float | None = None) -> Response:
-        """One System One response. Beside the answers: `x_latency_ms`, from submission to the answer (queueing
-        included); `x_compute_ms`, the record's share of the batch it ran in (by tokens); `x_queue_ms`, how long its
-        job waited before its first batch started."""
+        """One System One response: `x_latency_ms` from submission (queueing included), `x_compute_ms` the record's
+        share of its batch (by tokens), `x_queue_ms` its job's wait before its first batch."""
         response: Response = {
             "model": request.model if isinstance(request.model, str) else self.model_id,
             "answers": {q.id: format_answer(q, probs) for q, probs in zip(record.questions, probabilities)},
@@ -297,8 +284,7 @@ class Engine:
         return "warming" if self.warming else "ready"
 
     def start_warm_up(self) -> None:
-        """Warm up on a thread of its own (what `load` does): the engine answers from now on, and reads "warming"
-        until the warm-up is done."""
+        """Warm up on a thread of its own (what `load` does): the engine answers meanwhile."""
         self.warming = True
         threading.Thread(target=self._warm_up_in_background, name=f"clef-warm-up-{self.model_id}",
                          daemon=True).start()
@@ -310,10 +296,8 @@ class Engine:
             log.warning("warm-up of %s stopped", self.model_id, exc_info=True)
 
     def warm_up(self) -> float:
-        """Compile the fast kernels and switch to them (until then requests run on the plain ones, see
-        PackedRunner), then run the warm-up's steps (`warm_up_steps`) one after the other, requests answered between
-        any two; the engine reads "warming" until the last is done (a graph bucket not captured yet runs eagerly
-        meanwhile). Returns the seconds it took."""
+        """Compile the fast kernels and switch to them (until then requests run on the plain ones), then run
+        `warm_up_steps` one after the other, requests answered between any two. Returns the seconds it took."""
         started = time.perf_counter()
         self.warming = True
         self.runner.capture_on_use(False)

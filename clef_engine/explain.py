@@ -35,7 +35,7 @@ from .errors import Problem, RequestError, TokenBudgetError
 from .interface import DecisionEngine, ExplainingEngine, Request
 from .model import media
 from .model.encoding import MEDIA_SLOTS, EncodedRecord, render
-from .protocol import EXPLAIN_UNITS, ExplainOption, Response, ValidRequest, prepared
+from .protocol import EXPLAIN_UNITS, ExplainOption, Response, explain_unit_problem, prepare
 from .runner import SharedPrefixes
 from .scheduler import JobTiming
 
@@ -45,6 +45,10 @@ if TYPE_CHECKING:
 MEDIA_UNITS = ("region", "frame")
 REGION_GRID = 4  # an image is split into REGION_GRID × REGION_GRID regions
 EXPLAIN_BATCHES = 4  # an explanation may take this many interactive batches' worth of tokens
+UNIT_NEEDS = {"sentence": 'sentences need a text state; this state is JSON (use "field")',
+              "line": 'lines need a text state; this state is JSON (use "field")',
+              "field": "fields need a JSON object or list as the state", "region": "regions need at least one image",
+              "frame": "frames need at least one video"}
 
 # A sentence: from a non-space character to sentence-ending punctuation (closing quotes and brackets kept) followed by
 # a space, or to the end of its line, then the whitespace after it. Segments cover the state from its first
@@ -107,13 +111,6 @@ def without_frame(video: media.Video, index: int) -> media.Video:
     return media.Video(frames, video.fps, list(video.frame_indices), video.total_frames)
 
 
-def check_unit(unit: Any) -> str | None:
-    if unit is None or unit in EXPLAIN_UNITS:
-        return unit
-    raise RequestError([Problem(("x_explain", "unit"), f"unit must be one of {', '.join(EXPLAIN_UNITS)}; got {unit!r}",
-                                "literal_error")])
-
-
 Segment = tuple[dict, Callable[[], dict]]  # (location, the request without that segment, built when called)
 
 
@@ -122,7 +119,7 @@ def segments(request: Mapping[str, Any], record: EncodedRecord, unit: str | None
     built. `unit` None: sentences of a text state or fields of a JSON state, plus the regions of every image and the
     frames of every video; else only that kind. Text segments (sentences, lines, fields) come first, then media
     ones. Media in the variants are the decoded images and the sampled videos the record was made from, so nothing
-    is decoded more than once. `unit` is one of EXPLAIN_UNITS (see check_unit)."""
+    is decoded more than once. `unit` is one of EXPLAIN_UNITS."""
     state = request["state"]
     opened = [media.open_image(item) for item in request.get("images") or []]  # headers: sizes, no pixels
     decoded = _Decoded(opened)
@@ -132,31 +129,24 @@ def segments(request: Mapping[str, Any], record: EncodedRecord, unit: str | None
     def variant(**evidence: Any) -> dict:
         return dict(base, images=decoded.images(), **evidence) if opened else dict(base, **evidence)
     wanted = {unit} if unit is not None else {"sentence", "field", "region", "frame"}
-    if wanted & {"sentence", "line"}:
-        if not isinstance(state, str) and unit is not None:
-            raise RequestError([Problem(("x_explain", "unit"), f"{unit}s need a text state; this state is JSON "
-                                                               "(use \"field\")")])
-        if isinstance(state, str):
-            for start, end in text_spans(state, unit or "sentence"):
-                yield ({"kind": unit or "sentence", "start": start, "end": end, "text": state[start:end]},
-                       partial(lambda s, e: variant(state=state[:s] + state[e:]), start, end))
-    if "field" in wanted:
-        if not isinstance(state, (dict, list)) and unit is not None:
-            raise RequestError([Problem(("x_explain", "unit"), "fields need a JSON object or list as the state")])
-        if isinstance(state, (dict, list)):
-            for path, value in json_leaves(state):
-                yield ({"kind": "field", "path": path, "text": render(value)},
-                       partial(lambda p: variant(state=without_field(state, p)), path))
+    text, fields = isinstance(state, str), isinstance(state, (dict, list))
+    present = {"sentence": text, "line": text, "field": fields, "region": bool(opened), "frame": bool(videos)}
+    if unit is not None and not present[unit]:
+        raise RequestError([Problem(("x_explain", "unit"), UNIT_NEEDS[unit])])
+    if wanted & {"sentence", "line"} and text:
+        for start, end in text_spans(state, unit or "sentence"):
+            yield ({"kind": unit or "sentence", "start": start, "end": end, "text": state[start:end]},
+                   partial(lambda s, e: variant(state=state[:s] + state[e:]), start, end))
+    if "field" in wanted and fields:
+        for path, value in json_leaves(state):
+            yield ({"kind": "field", "path": path, "text": render(value)},
+                   partial(lambda p: variant(state=without_field(state, p)), path))
     if "region" in wanted:
-        if not opened and unit is not None:
-            raise RequestError([Problem(("x_explain", "unit"), "regions need at least one image")])
         for i, image in enumerate(opened):
             for box in region_boxes(image.width, image.height):
                 yield ({"kind": "region", "image": i, "box": list(box)},
                        partial(lambda i, box: dict(base, images=decoded.without_region(i, box)), i, box))
     if "frame" in wanted:
-        if not videos and unit is not None:
-            raise RequestError([Problem(("x_explain", "unit"), "frames need at least one video")])
         for v, video in enumerate(videos):
             for k, source_index in enumerate(video.frame_indices):
                 location: dict[str, Any] = {"kind": "frame", "video": v, "frame": source_index}
@@ -204,7 +194,7 @@ def segment_counts(request: Mapping[str, Any], frame_counts: Sequence[int]) -> d
     else:
         counts = {"field": sum(1 for _ in json_leaves(state))}
     counts["region"] = sum(len(region_boxes(image.width, image.height))
-                           for image in map(media.load_image, request.get("images") or []))
+                           for image in map(media.open_image, request.get("images") or []))
     counts["frame"] = sum(frame_counts)
     return {unit: count for unit, count in counts.items() if count}
 
@@ -267,8 +257,9 @@ def submit_explanation(engine: Engine, request: Request, unit: str | None = None
     `x_explain_tokens`, what the explanation cost). `max_tokens`: at most this many tokens in all (see
     explain_budget)."""
     started = time.perf_counter()
-    check_unit(unit)
-    valid = prepared(request, max_length=max_length, overflow=overflow)
+    if unit is not None and unit not in EXPLAIN_UNITS:
+        raise RequestError([explain_unit_problem({"unit": unit})])
+    valid = prepare(request, max_length=max_length, overflow=overflow)
     record = engine.encode(valid)
     budget = explain_budget(engine, max_tokens)
     # Cheapest first, nothing built before it is known to fit: every variant has at least the record's tokens but
@@ -287,7 +278,11 @@ def submit_explanation(engine: Engine, request: Request, unit: str | None = None
         text_records.append(engine.encode(valid.with_evidence(variant())))
         total += len(text_records[-1]) - fixed
         check_cost(len(record), len(found), total, budget, at_least=len(text_records) < text_variants)
-    media_records = _encode_in_parallel(engine, valid, [variant for _, variant in found[text_variants:]])
+    media_records: list[EncodedRecord] = []
+    if media_variants:  # built and encoded on up to MEDIA_SLOTS threads: that many variants' pixels held at most
+        with ThreadPoolExecutor(min(MEDIA_SLOTS, media_variants), thread_name_prefix="clef-explain") as pool:
+            media_records = list(pool.map(lambda segment: engine.encode(valid.with_evidence(segment[1]())),
+                                          found[text_variants:]))
     records = [record, *text_records, *media_records]
     shared = engine.config.packed and not record.has_media  # text variants of a text record: the packed runner's
 
@@ -302,21 +297,6 @@ def submit_explanation(engine: Engine, request: Request, unit: str | None = None
 
     job = [SharedPrefixes(records)] if shared else records
     return engine.scheduler.submit(job, priority=priority, finalize=respond, timed=True)
-
-
-def _encode_in_parallel(engine: Engine, valid: ValidRequest, variants: list[Callable[[], dict]]) -> list[EncodedRecord]:
-    """The request with each evidence variant, each built and encoded on one of up to MEDIA_SLOTS threads (so that
-    at most that many variants' pixels are held before they are processed)."""
-    if not variants:
-        return []
-    with ThreadPoolExecutor(max_workers=min(MEDIA_SLOTS, len(variants)), thread_name_prefix="clef-explain") as pool:
-        return list(pool.map(lambda variant: engine.encode(valid.with_evidence(variant())), variants))
-
-
-def explain(engine: Engine, request: Request, unit: str | None = None, *, max_length: int | None = None,
-            overflow: str = "refuse") -> Response:
-    """The request's System One response plus `x_explanations`: per question id, the segments ranked by effect."""
-    return submit_explanation(engine, request, unit, max_length=max_length, overflow=overflow).result()[0]
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ import torch
 
 from .config import EngineConfig
 from .errors import ReleaseError
+from .model.release import local_release
 
 GiB = 2**30
 SLACK_BYTES = {"cuda": GiB, "cpu": 64 * 2**20}
@@ -45,21 +46,6 @@ class Estimate:
         return self.weights + self.margin
 
 
-def _release_files(source: str, revision: str | None) -> Path | None:
-    """The release folder: a folder as is, a repo id from the local Hugging Face cache only (never a download)."""
-    path = Path(source).expanduser()
-    if path.is_dir():
-        return path
-    if source.count("/") != 1 or source.startswith((".", "/", "~")):
-        return None
-    try:
-        from huggingface_hub import snapshot_download
-
-        return Path(snapshot_download(source, revision=revision, local_files_only=True))
-    except Exception:  # noqa: BLE001 — not cached (or no hub): fall back to the published size
-        return None
-
-
 def _weights_on_disk(folder: Path) -> tuple[int, int, int, int]:
     """(backbone + head bytes on disk, saved item size, hidden size, FFN size) of a release folder."""
     config = json.loads((folder / "config.json").read_text())
@@ -76,7 +62,7 @@ def estimate(source: str | os.PathLike, *, revision: str | None = None,
     """What loading `source` needs on its device, or None when the release cannot be found without a download of
     something unknown (the loader then says what is wrong)."""
     config = config or EngineConfig.resolve()
-    folder = _release_files(str(source), revision)
+    folder = local_release(str(source), revision)  # not found: the published size
     if folder is not None and (folder / "config.json").exists():
         on_disk, saved_itemsize, hidden, ffn = _weights_on_disk(folder)
     elif str(source).lower() in PUBLISHED_BYTES:

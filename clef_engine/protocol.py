@@ -383,23 +383,18 @@ def validate_request(request: Any, model: type[SystemOneRequest] = SystemOneRequ
         questions = request.get("questions")
         errors = exc.errors(include_url=False)
         problems = [_problem(e, questions) for e in errors if e["loc"][:1] != ("x_explain",)]
-        if len(problems) < len(errors):
-            problems.append(_explain_problem(request["x_explain"]))
+        if len(problems) < len(errors):  # one problem for a bad x_explain, not one per member of its union
+            problems.append(explain_unit_problem(request["x_explain"]))
         raise RequestError(problems) from None
 
 
-def _explain_problem(value: Any) -> Problem:
-    """One problem for a bad `x_explain` (pydantic reports one per member of its union)."""
+def explain_unit_problem(value: Any) -> Problem:
+    """The problem with a bad `x_explain`, or with a bad unit (`{"unit": value}`) given to the engine."""
     units = "|".join(f'"{u}"' for u in EXPLAIN_UNITS)
     if isinstance(value, dict) and set(value) <= {"unit"}:
         return Problem(("x_explain", "unit"), f"unit must be one of {', '.join(EXPLAIN_UNITS)}; got "
                                               f"{json.dumps(value['unit'], ensure_ascii=False)}", "literal_error")
     return Problem(("x_explain",), f'x_explain must be true, false or {{"unit": {units}}}', "value_error")
-
-
-def parse_questions(request: Any) -> list[Question]:
-    """Validate the request and return its questions in schema order. Raises RequestError listing every problem."""
-    return list(prepare(request).questions)
 
 
 @dataclass(frozen=True)
@@ -440,11 +435,14 @@ def prepare_questions(questions: Any) -> tuple[Question, ...]:
 
 def prepare(request: Any, *, max_length: int | None = None, overflow: str | None = None,
             questions: tuple[Question, ...] | None = None) -> ValidRequest:
-    """Validate `request` once and return it as the engine consumes it. The budget is `max_length` / `overflow`
-    when given, else the request's own `x_max_length` / `x_overflow` (the wire's fields), else the defaults.
-    `questions`: the request's questions map as `prepare_questions` returned it for the schema it was built from
-    (a batch run's cases share one schema): its questions are taken from there and the rest of the request is
-    validated. Raises RequestError listing every problem with its location."""
+    """Validate `request` once and return it as the engine consumes it; a ValidRequest is returned as it is, with
+    its own budget. The budget is `max_length` / `overflow` when given, else the request's own `x_max_length` /
+    `x_overflow` (the wire's fields), else the defaults. `questions`: the request's questions map as
+    `prepare_questions` returned it for the schema it was built from (a batch run's cases share one schema): its
+    questions are taken from there and the rest of the request is validated. Raises RequestError listing every
+    problem with its location."""
+    if isinstance(request, ValidRequest):
+        return request
     if questions is None:
         model = validate_request(request)
         questions = tuple(_to_question(qid, q) for qid, q in model.questions.items())
@@ -460,14 +458,6 @@ def prepare(request: Any, *, max_length: int | None = None, overflow: str | None
     return ValidRequest(request=request, model=model.model, state=model.state, questions=questions,
                         images=tuple(model.images or ()), videos=tuple(model.videos or ()), max_length=max_length,
                         overflow=overflow, explain=model.x_explain)  # type: ignore[arg-type]
-
-
-def prepared(request: Mapping[str, Any] | ValidRequest, *, max_length: int | None = None,
-             overflow: str | None = None) -> ValidRequest:
-    """`request` itself when it is already a ValidRequest (it carries its own budget), else `prepare(request)`."""
-    if isinstance(request, ValidRequest):
-        return request
-    return prepare(request, max_length=max_length, overflow=overflow)
 
 
 def check_schema_floor(request: Any, max_length: int) -> None:
@@ -498,37 +488,32 @@ def _span(allowed: range) -> str:
     return f"{allowed[0]}–{allowed[-1]}"
 
 
-def hosted_service_problems(request_or_questions: Any) -> list[Problem]:
-    """Where the hosted Clef service would refuse a request (or a bare questions map) that the contract accepts.
-    Locations are in the request (`("questions", id, ...)`). Shapes the contract refuses are not repeated here."""
-    is_request = isinstance(request_or_questions, dict) and "questions" in request_or_questions
-    request = request_or_questions if is_request else {"questions": request_or_questions}
+def hosted_service_problems(questions: Any) -> list[Problem]:
+    """Where the hosted Clef service would refuse a questions map that the contract accepts. Locations are in the
+    request (`("questions", id, ...)`). Shapes the contract refuses are not repeated here."""
     problems: list[Problem] = []
 
     def refuse(loc: tuple[str | int, ...], what: str) -> None:
         problems.append(Problem(loc, f"the hosted service would refuse this: {what}", "hosted_limit"))
 
-    questions = request["questions"]
-    if isinstance(questions, dict):
-        if len(questions) not in HOSTED.questions:
-            refuse(("questions",), f"it takes {_span(HOSTED.questions)} questions, this has {len(questions)}")
-        for question_id, question in questions.items():
-            loc = ("questions", question_id)
-            if isinstance(question_id, str) and not HOSTED.question_id.fullmatch(question_id):
-                refuse(loc, f"question ids must be {HOSTED.question_id_rule}")
-            kind = question.get("type") if isinstance(question, dict) else None
-            criteria = question.get("criteria") if isinstance(question, dict) else None
-            if kind == "choice" and isinstance(criteria, dict):
-                allowed, what = HOSTED.choice_options, "options"
-            elif kind == "score" and isinstance(criteria, list):
-                allowed, what = HOSTED.score_levels, "levels"
-            else:
-                continue
-            if len(criteria) not in allowed:
-                refuse((*loc, "criteria"), f"a {kind} takes {_span(allowed)} {what}, this has {len(criteria)}")
-    images = request.get("images")
-    if isinstance(images, list) and len(images) > HOSTED.max_images:
-        refuse(("images",), f"it takes at most {HOSTED.max_images} images, this has {len(images)}")
+    if not isinstance(questions, dict):
+        return problems
+    if len(questions) not in HOSTED.questions:
+        refuse(("questions",), f"it takes {_span(HOSTED.questions)} questions, this has {len(questions)}")
+    for question_id, question in questions.items():
+        loc = ("questions", question_id)
+        if isinstance(question_id, str) and not HOSTED.question_id.fullmatch(question_id):
+            refuse(loc, f"question ids must be {HOSTED.question_id_rule}")
+        kind = question.get("type") if isinstance(question, dict) else None
+        criteria = question.get("criteria") if isinstance(question, dict) else None
+        if kind == "choice" and isinstance(criteria, dict):
+            allowed, what = HOSTED.choice_options, "options"
+        elif kind == "score" and isinstance(criteria, list):
+            allowed, what = HOSTED.score_levels, "levels"
+        else:
+            continue
+        if len(criteria) not in allowed:
+            refuse((*loc, "criteria"), f"a {kind} takes {_span(allowed)} {what}, this has {len(criteria)}")
     return problems
 
 

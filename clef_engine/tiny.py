@@ -14,6 +14,7 @@ import json
 import math
 import os
 import threading
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -133,15 +134,11 @@ def build_head_files(directory: Path, config: HeadConfig, seed: int, dtype: torc
     randomize_head(head, generator)
     state = {k: v.detach().to(dtype).contiguous() for k, v in head.state_dict().items()}
     save_file(state, str(directory / HEAD_WEIGHTS), metadata={"format": "pt"})
-    (directory / HEAD_CONFIG).write_text(json.dumps(
-        {"hidden_size": config.hidden_size, "width": config.width, "routing_layers": config.routing_layers,
-         "layers": config.layers, "heads": config.heads, "feedforward": config.feedforward}, indent=2) + "\n")
+    (directory / HEAD_CONFIG).write_text(json.dumps(asdict(config), indent=2) + "\n")
 
 
 def build_tiny_release(directory: str | Path, *, seed: int = 0, size: str = "tiny") -> Path:
     """Write the tiny release to `directory` (created if needed) and return its path. `size`: a key of SIZES."""
-    if size not in SIZES:
-        raise ValueError(f"size must be one of {', '.join(SIZES)}, not {size!r}")
     from transformers import (
         Qwen2VLImageProcessor,
         Qwen3_5Config,

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from ..errors import Problem, RequestError, TokenBudgetError
-from ..protocol import DEFAULT_MAX_LENGTH, Question, ValidRequest, prepared
+from ..protocol import DEFAULT_MAX_LENGTH, Question, ValidRequest
 from . import media
 
 SYSTEM = ("Read the complete state and schema. Decide every field jointly. "
@@ -86,7 +86,6 @@ class EncodedRecord:
     option_spans: list[list[tuple[int, int]]]
     token_counts: dict[str, int]
     truncated_state_tokens: int = 0
-    media_offset: int | None = None
     media_inputs: dict[str, torch.Tensor] = field(default_factory=dict)  # pixel_values, image_grid_thw, ...
     media_digest: str = ""  # hash of the media tensors, part of a state-cache key
     state_end: int = 0  # tokens [0, state_end) are prefix + media + state: what a state cache can reuse
@@ -249,15 +248,13 @@ class Encoder:
     # ---- media ------------------------------------------------------------------------------------------------
 
     def video_sample_indices(self, total_frames: int, fps: float | None) -> list[int]:
-        """The frames the video processor samples, as it would sample them itself (fps None: a frame array given
-        without one, for which the processor assumes its own default)."""
+        """The frames the video processor samples of a video's `total_frames` (at least one), as it would sample them
+        itself (fps None: a frame array given without one, for which the processor assumes its own default)."""
         from transformers.video_utils import VideoMetadata
 
         video_processor = self.processor.video_processor
         if not video_processor.do_sample_frames:
             return list(range(total_frames))
-        if total_frames <= 0:
-            return []
         metadata = VideoMetadata(total_num_frames=total_frames, fps=fps)
         return [int(i) for i in video_processor.sample_frames(metadata)]
 
@@ -368,9 +365,8 @@ class Encoder:
             return opened
 
         def video(item: Any) -> media.Video | bytes:
-            if media.video_frames(item) is None and not isinstance(item, media.Video):  # a Video is already sampled
-                return media.video_bytes(item)
-            return self._checked_video(media.load_video(item, self.video_sample_indices))
+            opened = media.open_video(item, self.video_sample_indices)
+            return opened if isinstance(opened, bytes) else self._checked_video(opened)
 
         images, videos = _each_media(request.images, image, request.videos, video)
         return list(request.questions), images, videos, render(request.state)
@@ -379,12 +375,10 @@ class Encoder:
         self.video_tokens(video)
         return video
 
-    def count_tokens(self, request: dict | ValidRequest) -> dict[str, int]:
+    def count_tokens(self, valid: ValidRequest) -> dict[str, int]:
         """The tokens of each part and their total, as `encode` with no budget counts them. An image's tokens
         follow from its header, so a request whose media are images alone is counted without decoding a pixel
-        (decoding a large photo costs far more than counting); a video's are known once its frames are sampled.
-        A plain dict is validated here; a ValidRequest is not validated again."""
-        valid = prepared(request)
+        (decoding a large photo costs far more than counting); a video's are known once its frames are sampled."""
         questions, images, videos, state_text = self.open_request(valid)
         if videos:
             return dict(self.encode(replace(valid, max_length=UNBOUNDED, overflow="refuse")).token_counts)
@@ -396,12 +390,9 @@ class Encoder:
                   "suffix": len(self.suffix_ids)}
         return {**counts, "total": sum(counts.values())}
 
-    def encode(self, request: dict | ValidRequest, *, max_length: int | None = None,
-               overflow: str = "refuse") -> EncodedRecord:
-        """Encode one request. A ValidRequest (see protocol.prepare) is not validated again and is encoded under its
-        own budget; a plain dict is validated here, once, under `max_length` / `overflow`. Raises RequestError or
+    def encode(self, valid: ValidRequest) -> EncodedRecord:
+        """Encode one request, validated before (protocol.prepare), under its own budget. Raises RequestError or
         TokenBudgetError; never anything else for bad input."""
-        valid = prepared(request, max_length=max_length, overflow=overflow)
         max_length = DEFAULT_MAX_LENGTH if valid.max_length is None else valid.max_length
         overflow = valid.overflow
         questions, images, videos, state_text = self.open_request(valid)
@@ -446,8 +437,7 @@ class Encoder:
 
         return EncodedRecord(
             input_ids=input_ids, questions=questions, question_spans=question_spans, option_spans=option_spans,
-            token_counts=counts, truncated_state_tokens=truncated,
-            media_offset=len(self.prefix_ids) if media_ids else None, media_inputs=media_inputs,
+            token_counts=counts, truncated_state_tokens=truncated, media_inputs=media_inputs,
             media_digest=_digest(media_inputs), state_end=state_end, videos=decoded_videos,
         )
 

@@ -48,11 +48,9 @@ class EvidenceRoutingLayer(nn.Module):
             nn.Linear(width, feedforward), nn.GELU(), nn.Dropout(0.0), nn.Linear(feedforward, width)
         )
 
-    def forward(self, options: torch.Tensor, memory: torch.Tensor, memory_padding: torch.Tensor | None) -> torch.Tensor:
+    def forward(self, options: torch.Tensor, memory: torch.Tensor) -> torch.Tensor:
         memory = self.memory_norm(memory)
-        attended, _ = self.attention(
-            self.query_norm(options), memory, memory, key_padding_mask=memory_padding, need_weights=False
-        )
+        attended, _ = self.attention(self.query_norm(options), memory, memory, need_weights=False)
         options = options + attended
         return options + self.feedforward(self.feedforward_norm(options))
 
@@ -176,7 +174,7 @@ def _span_grid(first: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.nd
     return rows, keep, chunk_span
 
 
-def layout(records: list, row_offsets: list[int], lengths: list[int], max_length: int | None = None) -> HeadBatch:
+def layout(records: list, row_offsets: list[int], lengths: list[int]) -> HeadBatch:
     """Index tensors for `records` (EncodedRecord-like: input_ids, question_spans, option_spans, question_types)
     whose tokens start at flat row `row_offsets[b]`. Built with numpy from the spans: no Python work per token."""
     long = np.int64
@@ -225,7 +223,7 @@ def layout(records: list, row_offsets: list[int], lengths: list[int], max_length
         question_options=question_options, question_option_padding=~question_option_keep,
     )
     if n_records > 1:  # records of different lengths and schemas: pad per record, mask the padding
-        record_rows, memory_keep = _grid(offsets, token_counts, max_length or int(token_counts.max()))
+        record_rows, memory_keep = _grid(offsets, token_counts)
         record_questions, field_keep = _grid(question_first, questions_per_record)
         record_options, _ = _grid(record_option_first, options_per_record)
         arrays.update(record_rows=record_rows, memory_padding=~memory_keep, record_questions=record_questions,

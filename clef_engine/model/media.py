@@ -185,17 +185,17 @@ def video_bytes(item: Any) -> bytes:
     return data
 
 
-def load_video(item: Any, sample_indices: SampleIndices) -> Video:
-    """Sampled frames of a video. `sample_indices(total_frames, fps or None) -> indices` is the video processor's
-    rule."""
+def open_video(item: Any, sample_indices: SampleIndices) -> Video | bytes:
+    """The sampled frames of a video given as frames (a `Video` is sampled already), else the checked bytes of its
+    file, not decoded yet (see decode_video)."""
     if isinstance(item, Video):
         return item
     given = video_frames(item)
-    if given is not None:
-        frames, fps = given
-        indices = [int(i) for i in sample_indices(len(frames), fps)] if len(frames) else []
-        return Video(frames[indices], fps, indices, len(frames))
-    return decode_video(video_bytes(item), sample_indices)
+    if given is None:
+        return video_bytes(item)
+    frames, fps = given
+    indices = [int(i) for i in sample_indices(len(frames), fps)] if len(frames) else []
+    return Video(frames[indices], fps, indices, len(frames))
 
 
 def decode_video(data: bytes, sample_indices: SampleIndices) -> Video:

@@ -41,7 +41,7 @@ def reference_logits(head: JointSchemaHead, hidden: torch.Tensor, output_embeddi
 
     routed = torch.stack(queries)[None]  # all options of the record as one sequence
     for layer in head.evidence_layers:
-        routed = layer(routed, memory, None)
+        routed = layer(routed, memory)
     routed = routed[0]
 
     fields, option_rows, cursor = [], [], 0

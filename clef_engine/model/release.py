@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -73,25 +74,37 @@ def download_command(source: str, revision: str | None) -> str:
     return f"{hf} download {source}" + (f" --revision {revision}" if revision else "")
 
 
+def local_release(source: str, revision: str | None = None) -> Path | None:
+    """A local folder as is, a Hugging Face repo id from the local cache only (never a download); else None."""
+    path = Path(source).expanduser()
+    if path.is_dir():
+        return path
+    if source.startswith((".", "/", "~")) or source.count("/") != 1:  # not a repo id
+        return None
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(source, revision=revision, local_files_only=True))
+    except Exception:  # noqa: BLE001 — not cached (or no hub)
+        return None
+
+
 def resolve(source: str | os.PathLike, revision: str | None = None) -> Path:
     """A local folder as is; otherwise a Hugging Face repo id, from the local cache first, then the Hub."""
     source = str(source)
     source = KNOWN_MODELS.get(source.lower(), source)
+    found = local_release(source, revision)
+    if found is not None:
+        return found
     path = Path(source).expanduser()
-    if path.is_dir():
-        return path
     if path.exists():
         raise ReleaseError(f"{source} is a file; expected a release folder or a Hugging Face repo id")
     if source.startswith((".", "/", "~")) or source.count("/") != 1:
         raise ReleaseError(f"release folder {path} does not exist (want a folder or a repo id, e.g. Cloudflare/clef)")
 
     from huggingface_hub import constants, snapshot_download
-    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+    from huggingface_hub.errors import HfHubHTTPError
 
-    try:
-        return Path(snapshot_download(source, revision=revision, local_files_only=True))
-    except (LocalEntryNotFoundError, FileNotFoundError, OSError):
-        pass
     if constants.HF_HUB_OFFLINE:
         raise ReleaseError(
             f"{source}{'@' + revision if revision else ''} is not in the local Hugging Face cache "
@@ -159,13 +172,9 @@ def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def default_dtype(device: torch.device) -> torch.dtype:
-    return torch.bfloat16 if device.type == "cuda" else torch.float32
-
-
 def parse_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
     if dtype is None:
-        return default_dtype(device)
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
     if isinstance(dtype, torch.dtype):
         return dtype
     names = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32,
@@ -247,17 +256,10 @@ def describe(release: Release) -> dict:
         "text": {k: text.get(k) for k in ("hidden_size", "intermediate_size", "num_hidden_layers",
                                           "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size",
                                           "linear_num_key_heads", "linear_num_value_heads")},
-        "layer_types": _count(text.get("layer_types") or []),
+        "layer_types": dict(Counter(text.get("layer_types") or [])),
         "vision": {k: vision.get(k) for k in ("depth", "hidden_size", "patch_size", "spatial_merge_size",
                                               "temporal_patch_size", "out_hidden_size")},
         "weight_shards": list(release.weight_files),
         "weights_on_disk_bytes": sum((release.path / f).stat().st_size for f in release.weight_files),
         "head": asdict(release.head_config),
     }
-
-
-def _count(items: list[str]) -> dict[str, int]:
-    counts: dict[str, int] = {}
-    for item in items:
-        counts[item] = counts.get(item, 0) + 1
-    return counts

@@ -163,7 +163,7 @@ def seeded_runs(db: Path, schemas: Path) -> list[int]:
     slug = "support-ticket-routing"
     set_id = casesets.load_example_case_sets(store, schemas)[slug]
     schema = json.loads((schemas / f"{slug}.json").read_text(encoding="utf-8"))
-    questions = protocol.parse_questions(protocol.build_request("a ticket", schema["questions"]))
+    questions = protocol.prepare_questions(schema["questions"])
     run_ids = []
     for seed in (1, 2):
         run_id = store.create_run(set_id, schema=schema, model_id="clef-demo")

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from clef_engine.errors import RequestError, TokenBudgetError
 from clef_engine.model.encoding import PREFIX, SUFFIX, UNBOUNDED, render, schema_pieces
-from clef_engine.protocol import parse_questions
+from clef_engine.protocol import prepare
 from tests.support.bodies import REQUEST
 from tests.support.media import png_bytes
 
@@ -52,14 +52,14 @@ def test_state_renders_compact_sorted_unicode():
 
 
 def test_schema_text_option_order_and_defaults():
-    pieces, _, _ = schema_pieces(parse_questions(REQUEST))
+    pieces, _, _ = schema_pieces(list(prepare(REQUEST).questions))
     assert "".join(pieces) == GOLDEN_SCHEMA
 
 
 def test_tokens_are_pieces_tokenized_separately_and_concatenated(tiny_engine):
     encoder = tiny_engine.encoder
-    record = encoder.encode(REQUEST)
-    pieces, _, _ = schema_pieces(parse_questions(REQUEST))
+    record = tiny_engine.encode(REQUEST)
+    pieces, _, _ = schema_pieces(list(prepare(REQUEST).questions))
     expected = encoder.tokenize(PREFIX) + encoder.tokenize(render(REQUEST["state"]))
     for piece in pieces:
         expected += encoder.tokenize(piece)
@@ -71,16 +71,16 @@ def test_tokens_are_pieces_tokenized_separately_and_concatenated(tiny_engine):
 
 
 def test_token_counts_add_up(tiny_engine):
-    record = tiny_engine.encoder.encode(REQUEST)
+    record = tiny_engine.encode(REQUEST)
     counts = record.token_counts
     assert counts["total"] == len(record.input_ids)
     assert counts["prefix"] + counts["media"] + counts["state"] + counts["schema"] + counts["suffix"] == counts["total"]
-    assert counts["media"] == 0 and record.media_offset is None
+    assert counts["media"] == 0 and not record.has_media
 
 
 def test_spans_cover_instruction_and_option_json(tiny_engine):
     encoder = tiny_engine.encoder
-    record = encoder.encode(REQUEST)
+    record = tiny_engine.encode(REQUEST)
 
     def text(span):
         return encoder.tokenizer.decode(record.input_ids[span[0]: span[1]])
@@ -96,7 +96,7 @@ def test_spans_cover_instruction_and_option_json(tiny_engine):
 
 def test_missing_instruction_becomes_question_id_and_noul_overrides_each_side(tiny_engine):
     request = {"state": "x", "questions": {"q.1": {"type": "noul", "criteria": {"true": "Yes, shipped."}}}}
-    pieces, _, _ = schema_pieces(parse_questions(request))
+    pieces, _, _ = schema_pieces(list(prepare(request).questions))
     joined = "".join(pieces)
     assert "INSTRUCTION: q.1\n" in joined
     assert '{"description":"Yes, shipped.","option_id":"true"}' in joined
@@ -106,9 +106,9 @@ def test_missing_instruction_becomes_question_id_and_noul_overrides_each_side(ti
 def test_media_tokens_follow_prefix_and_match_processor(tiny_engine):
     encoder = tiny_engine.encoder
     image = png_bytes(512, 320)
-    record = encoder.encode(dict(REQUEST, images=[image, image]))
-    assert record.media_offset == len(encoder.prefix_ids)
-    media_ids = record.input_ids[record.media_offset: record.media_offset + record.token_counts["media"]]
+    record = tiny_engine.encode(dict(REQUEST, images=[image, image]))
+    media_start = len(encoder.prefix_ids)  # the media follow the prefix
+    media_ids = record.input_ids[media_start: media_start + record.token_counts["media"]]
     tokenizer = encoder.tokenizer
     image_pad = tokenizer.convert_tokens_to_ids("<|image_pad|>")
     start = tokenizer.convert_tokens_to_ids("<|vision_start|>")
@@ -118,14 +118,14 @@ def test_media_tokens_follow_prefix_and_match_processor(tiny_engine):
     assert media_ids == per_image + per_image + encoder.tokenize("\n")
     assert record.media_inputs["image_grid_thw"].tolist() == [[1, 20, 32], [1, 20, 32]]
     # the state follows the media directly
-    state_start = record.media_offset + record.token_counts["media"]
+    state_start = media_start + record.token_counts["media"]
     assert record.input_ids[state_start: state_start + 3] == encoder.tokenize(render(REQUEST["state"]))[:3]
 
 
 def test_video_frames_sampled_at_two_fps(tiny_engine):
     encoder = tiny_engine.encoder
     frames = np.random.default_rng(1).integers(0, 256, (40, 64, 64, 3), dtype=np.uint8)  # 40 frames at 10 fps = 4 s
-    record = encoder.encode(dict(REQUEST, videos=[{"frames": frames, "fps": 10.0}]))
+    record = tiny_engine.encode(dict(REQUEST, videos=[{"frames": frames, "fps": 10.0}]))
     video = record.videos[0]
     assert video.frame_indices == [0, 6, 11, 17, 22, 28, 33, 39]  # 4 s × 2 fps = 8 frames, evenly spread
     assert record.media_inputs["video_grid_thw"].tolist() == [[4, 4, 4]]  # 8 frames / temporal patch 2
@@ -136,17 +136,17 @@ def test_video_frames_sampled_at_two_fps(tiny_engine):
 def test_overflow_refuse_names_part_and_amount(tiny_engine):
     long_state = "word " * 3000
     request = dict(REQUEST, state=long_state)
-    full = tiny_engine.encoder.encode(request, max_length=100_000)
+    full = tiny_engine.encode(request, max_length=100_000)
     # over by a few tokens: only the exact count shows it, and the message gives the exact amount
     max_length = full.token_counts["total"] - 7
     with pytest.raises(TokenBudgetError) as caught:
-        tiny_engine.encoder.encode(request, max_length=max_length)
+        tiny_engine.encode(request, max_length=max_length)
     assert caught.value.part == "state"
     assert caught.value.over_by == 7
     assert f"the record is {full.token_counts['total']:,} tokens, 7 over max_length {max_length:,}" in str(caught.value)
     # far over: refused from a lower bound, before tokenizing, and the message says it is one
     with pytest.raises(TokenBudgetError) as caught:
-        tiny_engine.encoder.encode(request, max_length=1000)
+        tiny_engine.encode(request, max_length=1000)
     assert caught.value.part == "state"
     assert 0 < caught.value.over_by <= full.token_counts["total"] - 1000
     assert f"at least {caught.value.over_by:,} over max_length 1,000" in str(caught.value)
@@ -155,8 +155,8 @@ def test_overflow_refuse_names_part_and_amount(tiny_engine):
 def test_overflow_truncate_cuts_the_end_of_the_state(tiny_engine):
     encoder = tiny_engine.encoder
     request = dict(REQUEST, state="alpha beta gamma " * 500)
-    full = encoder.encode(request, max_length=100_000)
-    cut = encoder.encode(request, max_length=1000, overflow="truncate_state")
+    full = tiny_engine.encode(request, max_length=100_000)
+    cut = tiny_engine.encode(request, max_length=1000, overflow="truncate_state")
     assert len(cut.input_ids) == 1000
     assert cut.truncated_state_tokens == full.token_counts["total"] - 1000
     assert cut.token_counts["state"] == full.token_counts["state"] - cut.truncated_state_tokens
@@ -168,7 +168,7 @@ def test_overflow_truncate_cuts_the_end_of_the_state(tiny_engine):
 
 def test_schema_alone_over_budget_is_refused_even_with_truncation(tiny_engine):
     with pytest.raises(TokenBudgetError) as caught:
-        tiny_engine.encoder.encode(REQUEST, max_length=50, overflow="truncate_state")
+        tiny_engine.encode(REQUEST, max_length=50, overflow="truncate_state")
     assert caught.value.part == "schema"
 
 
@@ -230,11 +230,10 @@ def test_token_bound_never_exceeds_the_tokens(tiny_engine, text):
 
 
 def test_concurrent_encodes_give_the_same_ids(tiny_engine):
-    encoder = tiny_engine.encoder
     requests = [dict(REQUEST, state=f"{i}: " + TEXTS[i % len(TEXTS)] * (1 + i % 5)) for i in range(48)]
-    expected = [encoder.encode(r, max_length=10**6) for r in requests]
+    expected = [tiny_engine.encode(r, max_length=10**6) for r in requests]
     with ThreadPoolExecutor(8) as pool:
-        got = list(pool.map(lambda r: encoder.encode(r, max_length=10**6), requests))
+        got = list(pool.map(lambda r: tiny_engine.encode(r, max_length=10**6), requests))
     assert [r.input_ids for r in got] == [r.input_ids for r in expected]
     assert [r.option_spans for r in got] == [r.option_spans for r in expected]
 
@@ -296,8 +295,8 @@ def test_records_that_fit_encode_as_the_full_path_did(tiny_engine, seed):
     encoder = tiny_engine.encoder
     state = " ".join(rng.choice(TEXTS, size=40))
     request = dict(REQUEST, state=state, images=[png_bytes(64, 32 + 32 * seed, seed=seed)])
-    record = encoder.encode(request, max_length=100_000)
-    pieces, _, _ = schema_pieces(parse_questions(request))
+    record = tiny_engine.encode(request, max_length=100_000)
+    pieces, _, _ = schema_pieces(list(prepare(request).questions))
     media_length = record.token_counts["media"]
     start = len(encoder.prefix_ids)
     expected = (wrapper_ids(encoder, PREFIX) + record.input_ids[start: start + media_length]
@@ -307,10 +306,10 @@ def test_records_that_fit_encode_as_the_full_path_did(tiny_engine, seed):
     total = len(expected)
     for max_length in (total - 1, total, total + 1):
         if max_length >= total:
-            assert encoder.encode(request, max_length=max_length).input_ids == expected
+            assert tiny_engine.encode(request, max_length=max_length).input_ids == expected
         else:
             with pytest.raises(TokenBudgetError) as caught:
-                encoder.encode(request, max_length=max_length)
+                tiny_engine.encode(request, max_length=max_length)
             assert caught.value.over_by == 1 and caught.value.token_counts["state"] == record.token_counts["state"]
 
 
@@ -318,14 +317,14 @@ def test_refused_states_are_not_remembered(tiny_engine):
     encoder = tiny_engine.encoder
     encoder._states.clear()
     request = dict(REQUEST, state="a state the analyst keeps " * 400)
-    pieces, _, _ = schema_pieces(parse_questions(request))
+    pieces, _, _ = schema_pieces(list(prepare(request).questions))
     total = (len(encoder.prefix_ids) + len(encoder.tokenize(request["state"]))
              + sum(map(len, encoder.tokenize_many(pieces))) + len(encoder.suffix_ids))
     for max_length in (600, total - 1):  # refused from the bound, and refused after tokenizing the state
         with pytest.raises(TokenBudgetError):
-            encoder.encode(request, max_length=max_length)
+            tiny_engine.encode(request, max_length=max_length)
     assert len(encoder._states) == 0
-    assert len(encoder.encode(request, max_length=total)) == total
+    assert len(tiny_engine.encode(request, max_length=total)) == total
     assert len(encoder._states) == 1
 
 
@@ -347,7 +346,7 @@ def test_a_long_encode_does_not_hold_up_a_small_request(tiny_engine, monkeypatch
 
     monkeypatch.setattr(encoder, "_encode_batch", encode_batch)
     big = dict(REQUEST, state="long evidence text, " * 60_000)  # 1.2 MB: seconds of tokenizing
-    worker = threading.Thread(target=encoder.encode, args=(big,), kwargs={"max_length": 2_000_000})
+    worker = threading.Thread(target=tiny_engine.encode, args=(big,), kwargs={"max_length": 2_000_000})
     worker.start()
     assert started.wait(30)
     response = tiny_engine.decide({"state": "hi", "questions": {"q": {"type": "noul"}}})

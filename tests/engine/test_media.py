@@ -69,7 +69,7 @@ def release_probabilities(engine, processor, request: dict, videos: list, **proc
         questions=text_only.questions,
         question_spans=[(a + shift, b + shift) for a, b in text_only.question_spans],
         option_spans=[[(a + shift, b + shift) for a, b in spans] for spans in text_only.option_spans],
-        token_counts={}, media_offset=start,
+        token_counts={},
         media_inputs={k: outputs[k] for k in ("pixel_values_videos", "video_grid_thw")})
     return reference_decide(engine.runner, [record])[0]
 

@@ -24,7 +24,7 @@ def test_processor_out_of_memory_is_a_memory_error_not_a_422(tiny_engine, monkey
 
     monkeypatch.setattr(type(encoder.processor), "__call__", out_of_memory)
     with pytest.raises(MemoryError) as caught:
-        encoder.encode(dict(REQUEST, images=[data_url("image/png", png_bytes(32, 32, seed=1))]))
+        tiny_engine.encode(dict(REQUEST, images=[data_url("image/png", png_bytes(32, 32, seed=1))]))
     assert "alloc_cpu" not in str(caught.value)
 
 

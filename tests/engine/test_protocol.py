@@ -18,7 +18,7 @@ from clef_engine.protocol import (
     ValidationErrorBody,
     format_answer,
     hosted_service_problems,
-    parse_questions,
+    prepare,
 )
 
 UNUSUAL_IDS = ["with space", "질문", "🎯", "a/b"]
@@ -26,19 +26,19 @@ UNUSUAL_IDS = ["with space", "질문", "🎯", "a/b"]
 
 def problems_of(request) -> list:
     with pytest.raises(RequestError) as caught:
-        parse_questions(request)
+        prepare(request)
     return caught.value.problems
 
 
 def test_any_non_empty_string_is_a_question_id():
     request = {"state": "x", "questions": {qid: {"type": "noul"} for qid in UNUSUAL_IDS}}
-    assert [q.id for q in parse_questions(request)] == UNUSUAL_IDS
+    assert [q.id for q in prepare(request).questions] == UNUSUAL_IDS
 
 
 def test_one_option_choice_and_one_level_score_are_accepted():
     request = {"state": "x", "questions": {"c": {"type": "choice", "criteria": {"only": "The one."}},
                                            "s": {"type": "score", "criteria": ["flat"]}}}
-    choice, score = parse_questions(request)
+    choice, score = prepare(request).questions
     assert (choice.option_ids, choice.option_descriptions) == (("only",), ("The one.",))
     assert (score.option_ids, score.option_descriptions) == (("0",), ("flat",))
 
@@ -53,7 +53,7 @@ def test_the_contract_has_no_upper_limits():
         "images": ["data:image/png;base64,AAAA"] * 9,
         "videos": ["data:video/mp4;base64,AAAA"] * 9,
     }
-    assert len(parse_questions(request)) == 72
+    assert len(prepare(request).questions) == 72
 
 
 def test_model_order_of_options_and_noul_defaults():
@@ -62,7 +62,7 @@ def test_model_order_of_options_and_noul_defaults():
         "c": {"type": "choice", "criteria": {"zeta": "Z", "alpha": None, "mid": {"tier": 2}}},
         "s": {"type": "score", "instructions": "How bad?", "criteria": ["none", "some", "high"]},
     }}
-    noul, choice, score = parse_questions(request)
+    noul, choice, score = prepare(request).questions
     assert noul.option_ids == ("true", "false")
     assert noul.option_descriptions == (NOUL_DEFAULT_DESCRIPTIONS["true"], "Still open."), "null keeps the default"
     assert choice.option_ids == ("alpha", "mid", "zeta") and choice.caller_option_ids == ("zeta", "alpha", "mid")
@@ -75,7 +75,8 @@ def test_deeply_nested_json_is_checked_without_recursion_errors():
     """json.loads accepts nesting deeper than a recursive checker can walk; NaN at the bottom is still found."""
     depth = 900
     deep = json.loads("[" * depth + '{"a": 1.5}' + "]" * depth)
-    assert [q.id for q in parse_questions({"state": deep, "questions": {"a": {"type": "noul", "instructions": deep}}})]
+    request = {"state": deep, "questions": {"a": {"type": "noul", "instructions": deep}}}
+    assert [q.id for q in prepare(request).questions]
     nan_at_bottom = json.loads("[" * depth + "NaN" + "]" * depth)
     (problem,) = problems_of({"state": nan_at_bottom, "questions": {"a": {"type": "noul"}}})
     assert problem.loc == ("state",) and "NaN" in problem.msg
@@ -84,7 +85,7 @@ def test_deeply_nested_json_is_checked_without_recursion_errors():
 def test_unknown_top_level_fields_and_any_model_name_are_accepted():
     request = {"model": "jev-latest", "state": ["any", {"json": 1}], "questions": {"a": {"type": "noul"}},
                "metadata": {"trace": "abc"}}
-    assert [q.id for q in parse_questions(request)] == ["a"]
+    assert [q.id for q in prepare(request).questions] == ["a"]
     assert protocol.validate_request(request).model == "jev-latest"
 
 
@@ -152,24 +153,22 @@ def test_an_id_with_an_unpaired_surrogate_is_refused_with_a_location_json_can_ca
 
 
 def test_hosted_service_limits_are_reported_not_enforced():
-    request = {"state": "x", "images": ["data:image/png;base64,AAAA"] * 5, "questions": {
+    request = {"state": "x", "questions": {
         "with space": {"type": "noul"},
         "one": {"type": "choice", "criteria": {"only": None}},
         "flat": {"type": "score", "criteria": ["only"]},
         "many": {"type": "score", "criteria": [str(i) for i in range(HOSTED.score_levels[-1] + 1)]},
         "fine": {"type": "choice", "criteria": {"a": None, "b": None}},
     }}
-    parse_questions(request)  # the contract accepts all of it
-    found = {p.loc: p.msg for p in hosted_service_problems(request)}
+    prepare(request)  # the contract accepts all of it
+    found = {p.loc: p.msg for p in hosted_service_problems(request["questions"])}
     prefix = "the hosted service would refuse this: "
     assert found == {
         ("questions", "with space"): prefix + "question ids must be 1–100 letters, digits, '_', '.' or '-'",
         ("questions", "one", "criteria"): prefix + "a choice takes 2–255 options, this has 1",
         ("questions", "flat", "criteria"): prefix + "a score takes 2–10 levels, this has 1",
         ("questions", "many", "criteria"): prefix + "a score takes 2–10 levels, this has 11",
-        ("images",): prefix + "it takes at most 4 images, this has 5",
     }
-    assert hosted_service_problems(request["questions"])[0].loc == ("questions", "with space"), "a bare map works"
     too_many = {f"q{i}": {"type": "noul"} for i in range(HOSTED.questions[-1] + 1)}
     assert [p.loc for p in hosted_service_problems(too_many)] == [("questions",)]
     assert hosted_service_problems({f"q{i}": {"type": "noul"} for i in range(HOSTED.questions[-1])}) == []
@@ -179,7 +178,7 @@ def test_answers_fit_the_response_model():
     request = {"state": "x", "questions": {"n": {"type": "noul"},
                                            "c": {"type": "choice", "criteria": {"b": None, "a": None}},
                                            "s": {"type": "score", "criteria": ["lo", "hi"]}}}
-    noul, choice, score = parse_questions(request)
+    noul, choice, score = prepare(request).questions
     answers = {"n": format_answer(noul, [0.25, 0.75]), "c": format_answer(choice, [0.6, 0.4]),
                "s": format_answer(score, [0.2, 0.8])}
     assert answers["c"] == {"type": "choice", "choice": "a", "confidence": 0.6, "probabilities": {"b": 0.4, "a": 0.6}}
@@ -208,7 +207,7 @@ def test_request_builder_and_data_url():
     assert protocol.build_request("s", questions) == {"model": "clef", "state": "s", "questions": questions}
     request = protocol.build_request({"k": 1}, questions, images=[url], videos=iter([url]), model="clef-flash")
     assert request["images"] == request["videos"] == [url] and request["model"] == "clef-flash"
-    parse_questions(request)
+    prepare(request)
 
 
 def test_answer_keys_in_the_callers_order():

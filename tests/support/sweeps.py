@@ -29,7 +29,7 @@ def seeded_sweep(store: Store, case_set_id: int, schema: dict[str, Any], slug: s
     for index, case_id in enumerate(store.sweep_cases_left(sweep_id)):
         answers = []
         for position, variant in enumerate(sweep["variants"]):
-            asked = protocol.parse_questions(protocol.build_request("a ticket", variant["schema"]["questions"]))
+            asked = protocol.prepare_questions(variant["schema"]["questions"])
             given = {}
             for question in asked:
                 weights = [((index + position) * 7 + k * 3) % 11 + 1 for k in range(len(question.option_ids))]

@@ -168,7 +168,7 @@ def test_the_source_id_follows_the_case_to_its_review_card(workbench):
     (case_id,) = store.add_cases(set_id, [{"state": "I was charged twice", "source_id": "T-42"}])
     run_id = store.create_run(set_id, schema=schema, model_id="clef-demo")
     answers = {q.id: protocol.format_answer(q, [1 / len(q.option_ids)] * len(q.option_ids))
-               for q in protocol.parse_questions(protocol.build_request("a ticket", schema["questions"]))}
+               for q in protocol.prepare_questions(schema["questions"])}
     store.record_results(run_id, [{"case_id": case_id, "latency_ms": 5, "input_tokens": 9, "response": {
         "model": "clef-demo", "answers": answers, "usage": {"input_tokens": 9, "output_tokens": 0}}}])
     store.set_run_status(run_id, "finished")

@@ -225,7 +225,7 @@ def test_build_request_with_media_keeps_order_and_redacts_for_display():
     assert shown["images"][0].endswith(f"… [first.png, {first.size_bytes:,} bytes]")
     assert shown["videos"][0].endswith(f"… [clip.mp4, {clip.size_bytes:,} bytes]")
     assert request["images"][0] == first.data_url(), "the request itself is not modified"
-    assert [q.id for q in protocol.parse_questions(request)] == ["spam"], "the request passes the contract"
+    assert [q.id for q in protocol.prepare(request).questions] == ["spam"], "the request passes the contract"
 
 
 def test_build_request_refuses_too_many_images():
