@@ -194,10 +194,8 @@ def accuracy_by_question(frame: pd.DataFrame) -> pd.DataFrame:
     if frame.empty:
         return pd.DataFrame(columns=["question_id", "n_expected", "n_correct", "accuracy"])
     grouped = frame.groupby("question_id", sort=False)["correct"]
-    out = pd.DataFrame({"n_expected": grouped.count(), "n_correct": grouped.sum(min_count=0)})
-    out["n_correct"] = out["n_correct"].fillna(0).astype(int)
-    out["accuracy"] = np.where(out["n_expected"] > 0, out["n_correct"] / out["n_expected"].replace(0, 1), np.nan)
-    return out.reset_index()
+    return pd.DataFrame({"n_expected": grouped.count(), "n_correct": grouped.sum().astype(int),
+                         "accuracy": grouped.mean()}).reset_index()
 
 
 def confusion_matrix(frame: pd.DataFrame, question_id: str, labels: list[str] | None = None) -> pd.DataFrame:
@@ -282,18 +280,13 @@ def calibration(frame: pd.DataFrame, question_id: str, bins: int = 10) -> dict[s
     if rows.empty:
         return {"bins": table, "ece": None, "brier": None, "n": 0}
     confidence = rows["confidence"].to_numpy(dtype=float)
-    correct = rows["correct"].to_numpy(dtype=float)
-    index = confidence_bins(confidence, bins)
-    for b in range(bins):
-        mask = index == b
-        if mask.any():
-            table.loc[b, ["count", "mean_confidence", "accuracy"]] = [int(mask.sum()), confidence[mask].mean(),
-                                                                      correct[mask].mean()]
+    grouped = rows.groupby(confidence_bins(confidence, bins))
+    table.update(pd.DataFrame({"count": grouped.size(), "mean_confidence": grouped["confidence"].mean(),
+                               "accuracy": grouped["correct"].mean()}))
     table["count"] = table["count"].astype(int)
     filled = table[table["count"] > 0]
     ece = float((filled["count"] / len(rows) * (filled["accuracy"] - filled["mean_confidence"]).abs()).sum())
-    brier = float(brier_terms(rows).mean())
-    return {"bins": table, "ece": ece, "brier": brier, "n": len(rows)}
+    return {"bins": table, "ece": ece, "brier": float(brier_terms(rows).mean()), "n": len(rows)}
 
 
 def calibration_summary(frame: pd.DataFrame, bins: int = 10) -> pd.DataFrame:

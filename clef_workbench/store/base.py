@@ -19,6 +19,7 @@ from clef_workbench.store.rows import Change, ReviewItem
 
 BUSY_TIMEOUT_MS = 30_000
 CHANGE_KINDS = ("case_set", "case", "run", "schema")
+RUN_STATUSES = ("pending", "running", "cancelled", "finished", "failed")  # a sweep's too
 
 
 class StoreError(Exception):
@@ -201,6 +202,23 @@ class StoreBase:
         for column in columns:
             item[column] = _loads(item.pop(f"{column}_json"))
         return item
+
+    def _set_status(self, table: str, row_id: int, status: str, error: str | None) -> None:
+        """Move a run or a sweep to a status: `running` clears the last error and stamps started_at (the first
+        time), `pending` changes the status only, the others stamp finished_at and keep `error`."""
+        if status not in RUN_STATUSES:
+            raise ValueError(f"status must be one of {RUN_STATUSES}, not {status!r}")
+        params: list[str | None]
+        if status == "running":
+            changes, params = ", error = NULL, finished_at = NULL, started_at = COALESCE(started_at, ?)", [now_iso()]
+        elif status == "pending":
+            changes, params = "", []
+        else:
+            changes, params = ", error = ?, finished_at = ?", [error, now_iso()]
+        with self._write() as conn:
+            if conn.execute(f"UPDATE {table} SET status = ?{changes} WHERE id = ?",
+                            [status, *params, row_id]).rowcount != 1:
+                raise NotFoundError(f"{table[:-1]} {row_id} does not exist")
 
     def schema_version(self) -> int:
         """The migration number this file is at."""

@@ -15,8 +15,6 @@ from clef_workbench.store.base import StoreBase, _dumps, _loads, filtered, inser
 from clef_workbench.store.rows import NewResult, Result, Run, RunSettings
 from clef_workbench.store.schema_versions import find_version_row
 
-RUN_STATUSES = ("pending", "running", "cancelled", "finished", "failed")
-
 
 def new_lease_owner() -> str:
     """A lease owner id: host, process id and a random part (two runners in one process are two owners)."""
@@ -96,18 +94,7 @@ class RunsMixin(StoreBase):
             conn.execute("UPDATE runs SET settings_json = ? WHERE id = ?", (_dumps(settings.to_json()), run_id))
 
     def set_run_status(self, run_id: int, status: str, *, error: str | None = None) -> None:
-        """Move a run to a status; `running` stamps started_at (first time), terminal states stamp finished_at."""
-        if status not in RUN_STATUSES:
-            raise ValueError(f"run status must be one of {RUN_STATUSES}, not {status!r}")
-        with self._write() as conn:
-            if status == "running":
-                conn.execute("""UPDATE runs SET status = ?, error = NULL, finished_at = NULL,
-                                started_at = COALESCE(started_at, ?) WHERE id = ?""", (status, now_iso(), run_id))
-            elif status == "pending":
-                conn.execute("UPDATE runs SET status = ? WHERE id = ?", (status, run_id))
-            else:
-                conn.execute("UPDATE runs SET status = ?, error = ?, finished_at = ? WHERE id = ?",
-                             (status, error, now_iso(), run_id))
+        self._set_status("runs", run_id, status, error)
 
     def delete_run(self, run_id: int, *, who: str = "") -> None:
         """Delete a run (soft: restore_run brings it back with its results); refused while a process works on it,

@@ -9,9 +9,8 @@ from __future__ import annotations
 import sqlite3
 from typing import Any, cast
 
-from clef_workbench.store.base import NotFoundError, StoreBase, StoreError, _dumps, filtered, inserted_id, now_iso
+from clef_workbench.store.base import StoreBase, StoreError, _dumps, filtered, inserted_id, now_iso
 from clef_workbench.store.rows import Response, Sweep, SweepAnswer, SweepVariant
-from clef_workbench.store.runs import RUN_STATUSES
 from clef_workbench.store.schema_versions import find_version_row
 
 
@@ -131,11 +130,4 @@ class SweepsMixin(StoreBase):
         return int(row[0])
 
     def set_sweep_status(self, sweep_id: int, status: str, *, error: str | None = None) -> None:
-        """Move a sweep to a status; `running` stamps started_at (first time), the others finished_at."""
-        if status not in RUN_STATUSES:
-            raise ValueError(f"status must be one of {RUN_STATUSES}")
-        stamp = "started_at = COALESCE(started_at, ?)" if status == "running" else "finished_at = ?"
-        with self._write() as conn:
-            if conn.execute(f"UPDATE sweeps SET status = ?, error = ?, {stamp} WHERE id = ?",
-                            (status, error, now_iso(), sweep_id)).rowcount != 1:
-                raise NotFoundError(f"sweep {sweep_id} does not exist")
+        self._set_status("sweeps", sweep_id, status, error)
