@@ -85,15 +85,13 @@ def _infer_scalar(text: str) -> Any:
     lowered = text.strip().lower()
     if lowered in ("true", "false"):
         return lowered == "true"
-    try:
-        return int(text)
-    except ValueError:
-        pass
-    try:
-        number = float(text)
+    for number_type in (int, float):
+        try:
+            number = number_type(text)
+        except ValueError:
+            continue
         return number if math.isfinite(number) else text
-    except ValueError:
-        return text
+    return text
 
 
 def _set_dotted(target: dict, dotted: str, value: Any) -> None:

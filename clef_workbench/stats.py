@@ -139,17 +139,17 @@ def latency_stats(results: Sequence[Result]) -> dict[str, Any]:
     (first chunk start to last result, ISO strings, plus its length in seconds)."""
     frame, ok = _results_frame(results)
     latency = pd.to_numeric(ok["latency_ms"], errors="coerce").dropna()
-    out: dict[str, Any] = {"count": int(latency.size), "errors": int(len(frame) - len(ok))}
-    for name, q in (("p50", 0.5), ("p95", 0.95), ("p99", 0.99)):
-        out[name] = float(np.percentile(latency, q * 100, method=PERCENTILE_METHOD)) if latency.size else None
-    out["max"] = float(latency.max()) if latency.size else None
-    out["mean"] = float(latency.mean()) if latency.size else None
     # the wait before a record's batch started (the engine's x_queue_ms), apart from its compute
     queue = pd.Series([response.get("x_queue_ms") for r in results
                        if not r.get("error") and (response := r.get("response"))], dtype=float).dropna()
-    out["queue_count"] = int(queue.size)
-    out["queue_p50"] = float(np.percentile(queue, 50, method=PERCENTILE_METHOD)) if queue.size else None
-    out["queue_max"] = float(queue.max()) if queue.size else None
+    def quantile(values: pd.Series, q: float) -> float | None:  # pandas' default is PERCENTILE_METHOD's
+        return float(values.quantile(q)) if values.size else None
+
+    out: dict[str, Any] = {
+        "count": int(latency.size), "errors": int(len(frame) - len(ok)), "p50": quantile(latency, 0.5),
+        "p95": quantile(latency, 0.95), "p99": quantile(latency, 0.99), "max": quantile(latency, 1.0),
+        "mean": float(latency.mean()) if latency.size else None, "queue_count": int(queue.size),
+        "queue_p50": quantile(queue, 0.5), "queue_max": quantile(queue, 1.0)}
     if len(frame):
         start = pd.to_datetime(frame["started_at"], utc=True, format="ISO8601").min()
         end = pd.to_datetime(frame["finished_at"], utc=True, format="ISO8601").max()
