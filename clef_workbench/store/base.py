@@ -61,13 +61,6 @@ def media_content_type(data: bytes, kind: str) -> str:
     return content_type
 
 
-def inserted_id(cursor: sqlite3.Cursor) -> int:
-    """The rowid of the row the cursor's INSERT just wrote."""
-    if cursor.lastrowid is None:
-        raise StoreError("the insert wrote no row")
-    return cursor.lastrowid
-
-
 def _writable(path: Path) -> bool:
     """Whether this process may write the file (its effective user, as SQLite's open will be)."""
     return os.access(path, os.W_OK, effective_ids=os.access in os.supports_effective_ids)
@@ -187,6 +180,15 @@ class StoreBase:
                     conn.execute(statement)
                 conn.execute(f"PRAGMA user_version={number}")
 
+    @staticmethod
+    def _insert(conn: sqlite3.Connection, table: str, **values: Any) -> int:
+        """Write one row of `table` (column=value); its id."""
+        row_id = conn.execute(f"INSERT INTO {table} ({', '.join(values)}) VALUES ({', '.join('?' * len(values))})",
+                              list(values.values())).lastrowid
+        if row_id is None:
+            raise StoreError("the insert wrote no row")
+        return row_id
+
     def _one(self, query: str, params: Sequence[Any], missing: str, conn: sqlite3.Connection | None = None
              ) -> sqlite3.Row:
         """The row `query` finds (on `conn`, else this thread's connection); NotFoundError(`missing`) if none."""
@@ -226,12 +228,10 @@ class StoreBase:
 
     # -- the change log: every delete and restore, append-only ---------------------------------------------------
 
-    @staticmethod
-    def _log_change(conn: sqlite3.Connection, action: str, kind: str, object_id: Any, label: str, *,
+    def _log_change(self, conn: sqlite3.Connection, action: str, kind: str, object_id: Any, label: str, *,
                     who: str = "", data: Any = None) -> int:
-        return inserted_id(conn.execute(
-            "INSERT INTO change_log (at, who, action, kind, object_id, label, data_json) VALUES (?, ?, ?, ?, ?, ?, ?)",
-            (now_iso(), who or "", action, kind, str(object_id), label, None if data is None else _dumps(data))))
+        return self._insert(conn, "change_log", at=now_iso(), who=who or "", action=action, kind=kind,
+                            object_id=str(object_id), label=label, data_json=None if data is None else _dumps(data))
 
     def _set_deleted(self, kind: str, object_id: int, *, deleted: bool, who: str,
                      label: Callable[[sqlite3.Row], str],

@@ -118,10 +118,8 @@ class ReviewMixin(StoreBase):
                updated_at = ? WHERE id = ?""",
             (after["status"], None if after["label"] is None else _dumps(after["label"]), after["reviewer"],
              now_iso(), item_id))
-        conn.execute(
-            """INSERT INTO review_actions (item_id, reviewer, at, action, before_json, after_json, comment,
-                                           undoes_action_id) VALUES (?, ?, ?, ?, ?, ?, ?, ?)""",
-            (item_id, reviewer, now_iso(), action, _dumps(before), _dumps(after), comment, undoes))
+        self._insert(conn, "review_actions", item_id=item_id, reviewer=reviewer, at=now_iso(), action=action,
+                     before_json=_dumps(before), after_json=_dumps(after), comment=comment, undoes_action_id=undoes)
         return self._item_row(conn.execute("SELECT * FROM review_items WHERE id = ?", (item_id,)).fetchone())
 
     def undo_last_action(self, reviewer: str, *, run_id: int | None = None) -> ReviewItem:

@@ -11,7 +11,7 @@ import uuid
 from dataclasses import replace
 from typing import Any, cast
 
-from clef_workbench.store.base import StoreBase, _dumps, _loads, filtered, inserted_id, now_iso
+from clef_workbench.store.base import StoreBase, _dumps, _loads, filtered, now_iso
 from clef_workbench.store.rows import NewResult, Result, Run, RunSettings
 from clef_workbench.store.schema_versions import find_version_row
 
@@ -54,13 +54,12 @@ class RunsMixin(StoreBase):
             version = find_version_row(conn, schema, settings.schema_slug)
             if version is not None:
                 schema = {**schema, "version": version["number"]}
-            return inserted_id(conn.execute(
-                """INSERT INTO runs (case_set_id, schema_json, schema_name, schema_version, schema_version_id,
-                                     model_id, model_revision, settings_json, created_at)
-                   VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)""",
-                (case_set_id, _dumps(schema), str(schema.get("name") or "unnamed"), str(schema.get("version") or "1"),
-                 None if version is None else version["id"], model_id, model_revision, _dumps(settings.to_json()),
-                 now_iso())))
+            return self._insert(conn, "runs", case_set_id=case_set_id, schema_json=_dumps(schema),
+                                schema_name=str(schema.get("name") or "unnamed"),
+                                schema_version=str(schema.get("version") or "1"),
+                                schema_version_id=None if version is None else version["id"], model_id=model_id,
+                                model_revision=model_revision, settings_json=_dumps(settings.to_json()),
+                                created_at=now_iso())
 
     def _run_row(self, row: sqlite3.Row) -> Run:
         run = self._decoded(row, "schema")
