@@ -724,8 +724,7 @@ def variant_run(store: Store, sweep_id: int, name: str) -> int:
 
 
 def list_sweeps(store: Store, case_set_id: int | None = None) -> list[dict[str, Any]]:
-    """Sweeps, newest first (optionally of one case set): id, case_set_id, case_set_name, schema_name, model_id,
-    status, error (why it failed), variants (count), done, total, state_prefills, created_at."""
+    """Sweeps, newest first (optionally of one case set), as a list shows them: `variants` is their count."""
     keys = ("id", "case_set_id", "case_set_name", "schema_name", "model_id", "status", "error", "done", "total",
             "state_prefills", "created_at")
     return [{**{k: v for k, v in sweep.items() if k in keys}, "variants": sweep["variant_count"]}
