@@ -22,6 +22,7 @@ import pandas as pd
 from clef_engine import protocol
 from clef_workbench.stats import answer_frame, state_text
 from clef_workbench.store import Case, NewCase, Result, Store, media_content_type
+from clef_workbench.store.review import coerce_label
 
 
 class CaseImportError(ValueError):
@@ -58,38 +59,6 @@ def option_ids(question: dict) -> list[str]:
     return list(protocol.option_ids(question["type"], question.get("criteria")))
 
 
-def coerce_expected(question_id: str, question: dict, value: Any) -> str | bool | int:
-    """Turn a raw expected answer (from CSV text or JSON) into the stored form; ValueError says what is allowed."""
-    qtype = question["type"]
-    allowed = option_ids(question)
-    if qtype == "noul":
-        if isinstance(value, bool):
-            return value
-        text = str(value).strip().lower()
-        if text in ("true", "yes", "y", "1"):
-            return True
-        if text in ("false", "no", "n", "0"):
-            return False
-        raise ValueError(f"{value!r} is not an answer to yes/no question {question_id!r} (use true/false or yes/no)")
-    if qtype == "score":
-        levels = len(allowed)
-        try:
-            number = float(value)
-            if not number.is_integer():
-                raise ValueError
-            level = int(number)
-        except (TypeError, ValueError) as exc:
-            raise ValueError(f"{value!r} is not a level number of score question {question_id!r} "
-                             f"(0 to {levels - 1})") from exc
-        if not 0 <= level < levels:
-            raise ValueError(f"level {level} is out of range for score question {question_id!r} (0 to {levels - 1})")
-        return level
-    text = str(value).strip()
-    if text not in allowed:
-        raise ValueError(f"{value!r} is not an option of question {question_id!r} (allowed: {', '.join(allowed)})")
-    return text
-
-
 # -- CSV import -------------------------------------------------------------------------------------------------
 
 @dataclass
@@ -116,15 +85,13 @@ def _infer_scalar(text: str) -> Any:
     lowered = text.strip().lower()
     if lowered in ("true", "false"):
         return lowered == "true"
-    try:
-        return int(text)
-    except ValueError:
-        pass
-    try:
-        number = float(text)
+    for number_type in (int, float):
+        try:
+            number = number_type(text)
+        except ValueError:
+            continue
         return number if math.isfinite(number) else text
-    except ValueError:
-        return text
+    return text
 
 
 def _set_dotted(target: dict, dotted: str, value: Any) -> None:
@@ -198,7 +165,8 @@ def parse_expected(answers: list[tuple[str, str, Any]], schema: dict | None, pro
             problems.append(f"{where}: the schema {schema.get('name')!r} has no such question")
         else:
             try:
-                expected[question_id] = coerce_expected(question_id, questions[question_id], value)
+                question = questions[question_id]
+                expected[question_id] = coerce_label(question_id, question["type"], option_ids(question), value)
             except ValueError as exc:
                 problems.append(f"{where}: {exc}")
     return expected

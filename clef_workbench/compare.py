@@ -366,14 +366,11 @@ def state_summary(state: Any) -> str:
     if not isinstance(state, dict):
         return _cut(json.dumps(state, ensure_ascii=False), STATE_LINE_CHARS)
     values = [value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
-              for name, value in state.items() if not _is_id(str(name)) and value not in ("", None)]
+              for name, value in state.items()
+              if not (str(name).lower() == "id" or str(name).lower().endswith(("_id", "-id", " id")))
+              and value not in ("", None)]
     share = max(24, STATE_LINE_CHARS // max(1, len(values)))
     return _cut(" · ".join(_cut(value, share) for value in values), STATE_LINE_CHARS)
-
-
-def _is_id(name: str) -> bool:
-    name = name.lower()
-    return name == "id" or name.endswith(("_id", "-id", " id"))
 
 
 def matrix_table(runs: Sequence[RunData], *, disagreements_only: bool = False

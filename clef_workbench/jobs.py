@@ -90,9 +90,6 @@ class _LiveJob(LiveThread):
     processed: int = 0  # cases finished by this thread (for the rate; earlier sessions are not counted)
     last_error: str | None = None
     lease_lost: threading.Event = field(default_factory=threading.Event)
-    # the run's questions, validated once for all of its cases (see _run_questions); () for a schema that is not
-    # valid: each case is then validated whole and reports the problem as its error
-    questions: tuple[Question, ...] | None = None
 
 
 @dataclass
@@ -266,6 +263,10 @@ class JobRunner(BackgroundThreads[_LiveJob]):
         if engine is None:
             raise ValueError("a run in this process needs a loaded model: none was given")
         run = self.store.get_run(run_id)
+        try:  # the schema validated once: its cases then validate only their evidence
+            questions: tuple[Question, ...] | None = prepare_questions(run["schema"]["questions"])
+        except ClefError:
+            questions = None  # not valid: each case is validated whole and reports the problem as its error
         fixed_size = run["settings"].chunk_size
         chunk_tokens = run["settings"].chunk_tokens or self.chunk_tokens
         pending = deque(self.store.unfinished_case_ids(run_id))
@@ -276,7 +277,7 @@ class JobRunner(BackgroundThreads[_LiveJob]):
                 size = fixed_size or (max(1, chunk_tokens * cases_seen // tokens_seen) if tokens_seen
                                       else self.chunk_size)
                 chunk = [pending.popleft() for _ in range(min(size, len(pending)))]
-                in_flight.append(self._submit_chunk(run, chunk, engine, job))
+                in_flight.append(self._submit_chunk(run, chunk, engine, questions))
                 if len(in_flight) < 2 and pending:
                     continue  # keep one chunk queued behind the one on the GPU
             elif stop:
@@ -327,13 +328,13 @@ class JobRunner(BackgroundThreads[_LiveJob]):
         except sqlite3.Error:
             pass  # the run stays `running` under a lease nobody renews: progress() reports it interrupted
 
-    def _submit_chunk(self, run: Run, case_ids: list[int], engine: DecisionEngine, job: _LiveJob) -> _Chunk:
+    def _submit_chunk(self, run: Run, case_ids: list[int], engine: DecisionEngine,
+                      questions: tuple[Question, ...] | None) -> _Chunk:
         """Build and check the chunk's requests, then queue the valid ones on the engine (encoding them here)."""
         chunk = _Chunk(run_id=run["id"], started_at=now_iso())
         requests = ((case["id"], build_request(case, run["schema"], model=run["model_id"]))
                     for case in self.store.get_cases(case_ids))
-        chunk.valid, chunk.errors = validated(engine, requests, run["settings"], chunk.started_at,
-                                              self._run_questions(run, job))
+        chunk.valid, chunk.errors = validated(engine, requests, run["settings"], chunk.started_at, questions)
         if not chunk.valid:
             return chunk
         chunk.began = time.perf_counter()
@@ -356,17 +357,6 @@ class JobRunner(BackgroundThreads[_LiveJob]):
             refused: Future = Future()
             refused.set_result([exc] * len(requests))
             return refused
-
-    @staticmethod
-    def _run_questions(run: Run, job: _LiveJob) -> tuple[Question, ...] | None:
-        """The run's schema validated once, the first time a chunk asks (its cases then validate only their
-        evidence); None while the schema is not valid, so that each case reports the problem."""
-        if job.questions is None:
-            try:
-                job.questions = prepare_questions(run["schema"]["questions"])
-            except ClefError:
-                job.questions = ()
-        return job.questions or None
 
     def _finish_chunk(self, chunk: _Chunk, engine: DecisionEngine, job: _LiveJob) -> list[NewResult]:
         """Wait for the chunk's answers; results in the form Store.record_results takes. Cases the engine was too

@@ -333,17 +333,6 @@ class ModelManager:
         self._check_memory(source, source)
         return self._loader(source, **load_options())
 
-    def _resident(self, source: str, engine: Any) -> LoadedModel:  # the lock held
-        demo, info = source == DEMO_SOURCE, reported_info(engine)
-        return LoadedModel(self._unique_name(source), source, label_of(source), engine, demo,
-                           demo or bool(info.get("random_weights")))
-
-    def _end_with(self, error: str | None, started: float) -> None:
-        """Called with the lock held when a load or an add ends: its failure is shown; its success clears only a
-        failure of a load that ended before it started (an add that failed meanwhile stays shown)."""
-        if error is not None or self._error_at <= started:
-            self._error, self._error_at = error, time.monotonic()
-
     def _try_load(self, source: str) -> tuple[Any, str | None]:
         """(its engine, None), or (None, what failed and what to do)."""
         try:
@@ -370,14 +359,19 @@ class ModelManager:
             if engine is not None:
                 if not adding and self._requested is not None:
                     old = self._models.pop(self._requested, None)
-                model = self._resident(loaded_source, engine)
+                demo, info = loaded_source == DEMO_SOURCE, reported_info(engine)
+                model = LoadedModel(self._unique_name(loaded_source), loaded_source, label_of(loaded_source), engine,
+                                    demo, demo or bool(info.get("random_weights")))
                 self._models[model.name] = model
                 if adding:
                     self._default = self._default or model.name
                 else:
                     self._default = self._requested = model.name
                     self._notice = notice
-            self._end_with(error, started)
+            # its failure is shown; its success clears only a failure of a load that ended before it started (an
+            # add that failed meanwhile stays shown)
+            if error is not None or self._error_at <= started:
+                self._error, self._error_at = error, time.monotonic()
             if adding:
                 self._adding.pop(source, None)
             else:

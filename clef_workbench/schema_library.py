@@ -166,13 +166,11 @@ class SchemaLibrary:
         path = self.path_of(slug)
         if not path.is_file():
             raise SchemaError([SchemaProblem((), f'no schema "{slug}" in {self.directory}')])
-        if self.history is not None:
-            current = self.load(slug)  # records the file's content if the history lacks it
-            path.unlink()
+        current = None if self.history is None else self.load(slug)  # records its content if the history lacks it
+        path.unlink()
+        if current is not None:
             self.history.log_change("delete", "schema", slug, f"{current.name} ({slug}.json)", who=who,
                                     data={"version": current.version})
-        else:
-            path.unlink()
 
     def deleted(self) -> builtins.list[str]:  # `list` here is the method above
         """Slugs with a history but no file: deleted schemas that `restore` brings back."""

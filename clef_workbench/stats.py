@@ -139,17 +139,17 @@ def latency_stats(results: Sequence[Result]) -> dict[str, Any]:
     (first chunk start to last result, ISO strings, plus its length in seconds)."""
     frame, ok = _results_frame(results)
     latency = pd.to_numeric(ok["latency_ms"], errors="coerce").dropna()
-    out: dict[str, Any] = {"count": int(latency.size), "errors": int(len(frame) - len(ok))}
-    for name, q in (("p50", 0.5), ("p95", 0.95), ("p99", 0.99)):
-        out[name] = float(np.percentile(latency, q * 100, method=PERCENTILE_METHOD)) if latency.size else None
-    out["max"] = float(latency.max()) if latency.size else None
-    out["mean"] = float(latency.mean()) if latency.size else None
     # the wait before a record's batch started (the engine's x_queue_ms), apart from its compute
     queue = pd.Series([response.get("x_queue_ms") for r in results
                        if not r.get("error") and (response := r.get("response"))], dtype=float).dropna()
-    out["queue_count"] = int(queue.size)
-    out["queue_p50"] = float(np.percentile(queue, 50, method=PERCENTILE_METHOD)) if queue.size else None
-    out["queue_max"] = float(queue.max()) if queue.size else None
+    def quantile(values: pd.Series, q: float) -> float | None:  # pandas' default is PERCENTILE_METHOD's
+        return float(values.quantile(q)) if values.size else None
+
+    out: dict[str, Any] = {
+        "count": int(latency.size), "errors": int(len(frame) - len(ok)), "p50": quantile(latency, 0.5),
+        "p95": quantile(latency, 0.95), "p99": quantile(latency, 0.99), "max": quantile(latency, 1.0),
+        "mean": float(latency.mean()) if latency.size else None, "queue_count": int(queue.size),
+        "queue_p50": quantile(queue, 0.5), "queue_max": quantile(queue, 1.0)}
     if len(frame):
         start = pd.to_datetime(frame["started_at"], utc=True, format="ISO8601").min()
         end = pd.to_datetime(frame["finished_at"], utc=True, format="ISO8601").max()
@@ -194,10 +194,8 @@ def accuracy_by_question(frame: pd.DataFrame) -> pd.DataFrame:
     if frame.empty:
         return pd.DataFrame(columns=["question_id", "n_expected", "n_correct", "accuracy"])
     grouped = frame.groupby("question_id", sort=False)["correct"]
-    out = pd.DataFrame({"n_expected": grouped.count(), "n_correct": grouped.sum(min_count=0)})
-    out["n_correct"] = out["n_correct"].fillna(0).astype(int)
-    out["accuracy"] = np.where(out["n_expected"] > 0, out["n_correct"] / out["n_expected"].replace(0, 1), np.nan)
-    return out.reset_index()
+    return pd.DataFrame({"n_expected": grouped.count(), "n_correct": grouped.sum().astype(int),
+                         "accuracy": grouped.mean()}).reset_index()
 
 
 def confusion_matrix(frame: pd.DataFrame, question_id: str, labels: list[str] | None = None) -> pd.DataFrame:
@@ -282,18 +280,13 @@ def calibration(frame: pd.DataFrame, question_id: str, bins: int = 10) -> dict[s
     if rows.empty:
         return {"bins": table, "ece": None, "brier": None, "n": 0}
     confidence = rows["confidence"].to_numpy(dtype=float)
-    correct = rows["correct"].to_numpy(dtype=float)
-    index = confidence_bins(confidence, bins)
-    for b in range(bins):
-        mask = index == b
-        if mask.any():
-            table.loc[b, ["count", "mean_confidence", "accuracy"]] = [int(mask.sum()), confidence[mask].mean(),
-                                                                      correct[mask].mean()]
+    grouped = rows.groupby(confidence_bins(confidence, bins))
+    table.update(pd.DataFrame({"count": grouped.size(), "mean_confidence": grouped["confidence"].mean(),
+                               "accuracy": grouped["correct"].mean()}))
     table["count"] = table["count"].astype(int)
     filled = table[table["count"] > 0]
     ece = float((filled["count"] / len(rows) * (filled["accuracy"] - filled["mean_confidence"]).abs()).sum())
-    brier = float(brier_terms(rows).mean())
-    return {"bins": table, "ece": ece, "brier": brier, "n": len(rows)}
+    return {"bins": table, "ece": ece, "brier": float(brier_terms(rows).mean()), "n": len(rows)}
 
 
 def calibration_summary(frame: pd.DataFrame, bins: int = 10) -> pd.DataFrame:

@@ -21,8 +21,8 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import asdict, dataclass, field
+from typing import Any, cast
 
 import numpy as np
 import pandas as pd
@@ -206,10 +206,6 @@ def _numbered(order: list[str]) -> dict[str, str]:
     return {f"o{position:02d}_{option}": option for position, option in enumerate(order, 1)}
 
 
-def _variant(stored: SweepVariant) -> Variant:
-    return Variant(stored["name"], stored["schema"], stored["kind"], stored["question"], stored["relabel"])
-
-
 def _question_variants(question_id: str, question: dict[str, Any], kinds: Sequence[str],
                        rng: np.random.Generator) -> list[tuple[str, dict[str, Any], dict[str, str]]]:
     """(kind, changed question, relabel) of every kind that applies to the question."""
@@ -268,8 +264,8 @@ def auto_variants(schema: dict[str, Any], kinds: Sequence[str] = AUTO_KINDS, *,
     return variants
 
 
-def changed_questions(variant: Variant, base: dict[str, Any]) -> list[str]:
-    return [q for q in base["questions"] if variant.schema["questions"].get(q) != base["questions"][q]]
+def changed_questions(schema: dict[str, Any], base: dict[str, Any]) -> list[str]:
+    return [q for q in base["questions"] if schema["questions"].get(q) != base["questions"][q]]
 
 
 def variants_from_json(text: str, base: dict[str, Any], *, source: str = "variants") -> list[Variant]:
@@ -309,7 +305,7 @@ def variants_from_json(text: str, base: dict[str, Any], *, source: str = "varian
             problems.append(f'{where}, field "questions": {", ".join(map(repr, retyped))} changes the question type; '
                             "a sweep compares answers of the same type")
             continue
-        changed = [q for q in base["questions"] if schema["questions"][q] != base["questions"][q]]
+        changed = changed_questions(schema, base)
         variants.append(Variant(entry["name"].strip(), schema, "custom", changed[0] if len(changed) == 1 else None))
     if problems:
         raise SweepError("; ".join(problems))
@@ -361,8 +357,7 @@ def start_sweep(store: Store, case_set_id: int, schema: dict[str, Any], variants
     return int(store.create_sweep(
         case_set_id, schema=schema, case_ids=case_ids, model_id=model_id, model_revision=model_revision,
         settings={**(settings or {}), "folds": folds},
-        variants=[{"name": v.name, "kind": v.kind, "question": v.question, "schema": v.schema,
-                   "relabel": v.relabel} for v in chosen]))
+        variants=[cast(SweepVariant, asdict(v)) for v in chosen]))
 
 
 def _computed(store: Store, sweep: Sweep, case_ids: list[int], schemas: Callable[[int], list[dict[str, Any]]],
@@ -616,7 +611,7 @@ def _composed(base: dict[str, Any], variants: list[Variant], frames: list[pd.Dat
     composed, choices = copy.deepcopy(base), {}
     for question_id in base["questions"]:
         candidates = [0] + [i for i, v in enumerate(variants) if i and v.kind not in NOT_CANDIDATES
-                            and question_id in changed_questions(v, base)]
+                            and question_id in changed_questions(v.schema, base)]
         chosen = max(candidates, key=lambda i: _question_accuracy(frames[i], question_id, cases))
         composed["questions"][question_id] = copy.deepcopy(variants[chosen].schema["questions"][question_id])
         choices[question_id] = variants[chosen].name
@@ -625,7 +620,7 @@ def _composed(base: dict[str, Any], variants: list[Variant], frames: list[pd.Dat
 
 def _heldout_variants(sweep: Sweep, frames: list[pd.DataFrame]) -> list[SweepVariant]:
     """Per fold, the composed schema chosen on the other folds' cases, as a variant that answers this fold's."""
-    variants = [_variant(v) for v in sweep["variants"]]
+    variants = [Variant(**v) for v in sweep["variants"]]
     fold_of = _fold_of(sweep, frames[0])
     return [{"name": f"composed:fold{fold + 1}", "kind": "composed", "question": None, "relabel": {},
              "schema": _composed(sweep["schema"], variants, frames, {c for c, f in fold_of.items() if f != fold})[0]}
@@ -653,7 +648,7 @@ def load_sweep(store: Store, sweep_id: int, *, threshold: float | None = None,
     """A stored sweep scored over the cases done so far; order sensitivity above `threshold` is flagged."""
     sweep = store.get_sweep(sweep_id)
     answers = store.list_sweep_answers(sweep_id)
-    every = [_variant(v) for v in sweep["variants"]]
+    every = [Variant(**v) for v in sweep["variants"]]
     frames = answer_frames(sweep, answers)
     own = sum(v.kind != "composed" for v in every)  # the composed ones come last: the held-out check's
     variants, frames, heldout = every[:own], frames[:own], frames[own:]
@@ -729,8 +724,7 @@ def variant_run(store: Store, sweep_id: int, name: str) -> int:
 
 
 def list_sweeps(store: Store, case_set_id: int | None = None) -> list[dict[str, Any]]:
-    """Sweeps, newest first (optionally of one case set): id, case_set_id, case_set_name, schema_name, model_id,
-    status, error (why it failed), variants (count), done, total, state_prefills, created_at."""
+    """Sweeps, newest first (optionally of one case set), as a list shows them: `variants` is their count."""
     keys = ("id", "case_set_id", "case_set_name", "schema_name", "model_id", "status", "error", "done", "total",
             "state_prefills", "created_at")
     return [{**{k: v for k, v in sweep.items() if k in keys}, "variants": sweep["variant_count"]}

@@ -19,6 +19,7 @@ from clef_workbench.store.rows import Change, ReviewItem
 
 BUSY_TIMEOUT_MS = 30_000
 CHANGE_KINDS = ("case_set", "case", "run", "schema")
+RUN_STATUSES = ("pending", "running", "cancelled", "finished", "failed")  # a sweep's too
 
 
 class StoreError(Exception):
@@ -58,13 +59,6 @@ def media_content_type(data: bytes, kind: str) -> str:
     if content_type is None or not content_type.startswith(f"{kind}/"):
         raise ValueError(f"{kind} is not {expected[kind]} (unrecognised file header)")
     return content_type
-
-
-def inserted_id(cursor: sqlite3.Cursor) -> int:
-    """The rowid of the row the cursor's INSERT just wrote."""
-    if cursor.lastrowid is None:
-        raise StoreError("the insert wrote no row")
-    return cursor.lastrowid
 
 
 def _writable(path: Path) -> bool:
@@ -186,6 +180,15 @@ class StoreBase:
                     conn.execute(statement)
                 conn.execute(f"PRAGMA user_version={number}")
 
+    @staticmethod
+    def _insert(conn: sqlite3.Connection, table: str, **values: Any) -> int:
+        """Write one row of `table` (column=value); its id."""
+        row_id = conn.execute(f"INSERT INTO {table} ({', '.join(values)}) VALUES ({', '.join('?' * len(values))})",
+                              list(values.values())).lastrowid
+        if row_id is None:
+            raise StoreError("the insert wrote no row")
+        return row_id
+
     def _one(self, query: str, params: Sequence[Any], missing: str, conn: sqlite3.Connection | None = None
              ) -> sqlite3.Row:
         """The row `query` finds (on `conn`, else this thread's connection); NotFoundError(`missing`) if none."""
@@ -202,18 +205,33 @@ class StoreBase:
             item[column] = _loads(item.pop(f"{column}_json"))
         return item
 
+    def _set_status(self, table: str, row_id: int, status: str, error: str | None) -> None:
+        """Move a run or a sweep to a status: `running` clears the last error and stamps started_at (the first
+        time), `pending` changes the status only, the others stamp finished_at and keep `error`."""
+        if status not in RUN_STATUSES:
+            raise ValueError(f"status must be one of {RUN_STATUSES}, not {status!r}")
+        params: list[str | None]
+        if status == "running":
+            changes, params = ", error = NULL, finished_at = NULL, started_at = COALESCE(started_at, ?)", [now_iso()]
+        elif status == "pending":
+            changes, params = "", []
+        else:
+            changes, params = ", error = ?, finished_at = ?", [error, now_iso()]
+        with self._write() as conn:
+            if conn.execute(f"UPDATE {table} SET status = ?{changes} WHERE id = ?",
+                            [status, *params, row_id]).rowcount != 1:
+                raise NotFoundError(f"{table[:-1]} {row_id} does not exist")
+
     def schema_version(self) -> int:
         """The migration number this file is at."""
         return self._conn().execute("PRAGMA user_version").fetchone()[0]
 
     # -- the change log: every delete and restore, append-only ---------------------------------------------------
 
-    @staticmethod
-    def _log_change(conn: sqlite3.Connection, action: str, kind: str, object_id: Any, label: str, *,
+    def _log_change(self, conn: sqlite3.Connection, action: str, kind: str, object_id: Any, label: str, *,
                     who: str = "", data: Any = None) -> int:
-        return inserted_id(conn.execute(
-            "INSERT INTO change_log (at, who, action, kind, object_id, label, data_json) VALUES (?, ?, ?, ?, ?, ?, ?)",
-            (now_iso(), who or "", action, kind, str(object_id), label, None if data is None else _dumps(data))))
+        return self._insert(conn, "change_log", at=now_iso(), who=who or "", action=action, kind=kind,
+                            object_id=str(object_id), label=label, data_json=None if data is None else _dumps(data))
 
     def _set_deleted(self, kind: str, object_id: int, *, deleted: bool, who: str,
                      label: Callable[[sqlite3.Row], str],

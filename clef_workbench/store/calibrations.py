@@ -6,7 +6,7 @@ from __future__ import annotations
 import sqlite3
 from typing import Any, cast
 
-from clef_workbench.store.base import DuplicateNameError, StoreBase, _dumps, filtered, inserted_id, now_iso
+from clef_workbench.store.base import DuplicateNameError, StoreBase, _dumps, filtered, now_iso
 from clef_workbench.store.rows import Calibration, Run
 
 
@@ -19,11 +19,9 @@ class CalibrationsMixin(StoreBase):
         with self._write() as conn:
             if conn.execute("SELECT 1 FROM calibrations WHERE name = ?", (name,)).fetchone():
                 raise DuplicateNameError(f"a calibration named {name!r} exists already")
-            return inserted_id(conn.execute(
-                """INSERT INTO calibrations (name, run_id, schema_name, schema_version_id, model_id, payload_json,
-                   created_at) VALUES (?, ?, ?, ?, ?, ?, ?)""",
-                (name, run["id"], run["schema_name"], run["schema_version_id"], run["model_id"],
-                 _dumps(payload), now_iso())))
+            return self._insert(conn, "calibrations", name=name, run_id=run["id"], schema_name=run["schema_name"],
+                                schema_version_id=run["schema_version_id"], model_id=run["model_id"],
+                                payload_json=_dumps(payload), created_at=now_iso())
 
     def get_calibration(self, calibration_id: int | None = None, *, name: str | None = None) -> Calibration:
         column, value = ("id", calibration_id) if name is None else ("name", name)

@@ -16,7 +16,6 @@ from clef_workbench.store.base import (
     StoreError,
     _dumps,
     _loads,
-    inserted_id,
     media_content_type,
     now_iso,
 )
@@ -51,9 +50,8 @@ class CaseSetsMixin(StoreBase):
             raise ValueError("case set name must not be empty")
         try:
             with self._write() as conn:
-                return inserted_id(conn.execute(
-                    "INSERT INTO case_sets (name, schema_name, description, created_at) VALUES (?, ?, ?, ?)",
-                    (name, schema_name, description, now_iso())))
+                return self._insert(conn, "case_sets", name=name, schema_name=schema_name, description=description,
+                                    created_at=now_iso())
         except sqlite3.IntegrityError as exc:
             raise self._name_taken(name) from exc
 
@@ -168,10 +166,9 @@ class CaseSetsMixin(StoreBase):
                         f"the id {source_id!r} is already case {id_holders[source_id]}'s in this case set (an id "
                         "names one case); give the new case another id, or edit or delete case "
                         f"{id_holders[source_id]} first")
-                case_id = inserted_id(conn.execute(
-                    """INSERT INTO cases (case_set_id, position, state_json, expected_json, tags_json, content_hash,
-                                          source_id, created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?)""",
-                    (case_set_id, position, state_json, expected_json, tags_json, content, source_id, now_iso())))
+                case_id = self._insert(conn, "cases", case_set_id=case_set_id, position=position, state_json=state_json,
+                                       expected_json=expected_json, tags_json=tags_json, content_hash=content,
+                                       source_id=source_id, created_at=now_iso())
                 conn.executemany(
                     "INSERT INTO case_media (case_id, kind, position, content_type, data) VALUES (?, ?, ?, ?, ?)",
                     [(case_id, kind, pos, ctype, blob) for kind, pos, ctype, blob in media])

@@ -101,17 +101,11 @@ class ReviewMixin(StoreBase):
                     f"(now {row['status']!r}) after you loaded it; your {action!r} was not applied — reload it",
                     item=self._item_row(row),
                 )
-            allowed = list(_loads(row["distribution_json"]).keys())
-            if action == "accept":
-                new_label: Label | None = _coerce_label(row["question_type"], row["predicted"])
-            elif action == "correct":
-                if label is None:
-                    raise ValueError("correct needs the right answer (an option id, a level or true/false)")
-                new_label = _coerce_label(row["question_type"], label)
-                if label_key(new_label) not in allowed:
-                    raise ValueError(f"{label!r} is not an option of question {row['question_id']!r}: {allowed}")
-            else:
-                new_label = None
+            if action == "correct" and label is None:
+                raise ValueError("correct needs the right answer (an option id, a level or true/false)")
+            new_label = None if action not in ("accept", "correct") else coerce_label(
+                row["question_id"], row["question_type"], list(_loads(row["distribution_json"])),
+                row["predicted"] if action == "accept" else label)
             after = ItemState(status=_ACTION_STATUS[action], label=new_label, reviewer=reviewer)
             return self._act(conn, item_id, reviewer, action, self._item_state(row), after,
                              comment=(comment or "").strip() or None)
@@ -124,10 +118,8 @@ class ReviewMixin(StoreBase):
                updated_at = ? WHERE id = ?""",
             (after["status"], None if after["label"] is None else _dumps(after["label"]), after["reviewer"],
              now_iso(), item_id))
-        conn.execute(
-            """INSERT INTO review_actions (item_id, reviewer, at, action, before_json, after_json, comment,
-                                           undoes_action_id) VALUES (?, ?, ?, ?, ?, ?, ?, ?)""",
-            (item_id, reviewer, now_iso(), action, _dumps(before), _dumps(after), comment, undoes))
+        self._insert(conn, "review_actions", item_id=item_id, reviewer=reviewer, at=now_iso(), action=action,
+                     before_json=_dumps(before), after_json=_dumps(after), comment=comment, undoes_action_id=undoes)
         return self._item_row(conn.execute("SELECT * FROM review_items WHERE id = ?", (item_id,)).fetchone())
 
     def undo_last_action(self, reviewer: str, *, run_id: int | None = None) -> ReviewItem:
@@ -171,20 +163,32 @@ def label_key(label: Label) -> str:
     return str(label).lower() if isinstance(label, bool) else str(label)
 
 
-def _coerce_label(question_type: str, value: Any) -> Label:
-    """A label in the type expected answers use: bool for noul, int level for score, option id str for choice."""
+def coerce_label(question_id: str, question_type: str, options: list[str], value: Any) -> Label:
+    """A raw answer (a cell's text, JSON, a reviewer's pick) in the type expected answers use: bool for noul, int
+    level for score, option id str for choice; ValueError says what the question allows."""
     if question_type == "noul":
         if isinstance(value, bool):
             return value
         text = str(value).strip().lower()
-        if text in ("true", "yes", "1"):
+        if text in ("true", "yes", "y", "1"):
             return True
-        if text in ("false", "no", "0"):
+        if text in ("false", "no", "n", "0"):
             return False
-        raise ValueError(f"{value!r} is not true or false")
+        raise ValueError(f"{value!r} is not an answer to yes/no question {question_id!r} (use true/false or yes/no)")
     if question_type == "score":
+        levels = len(options)
         try:
-            return int(value)
+            number = float(value)
+            if not number.is_integer():
+                raise ValueError
+            level = int(number)
         except (TypeError, ValueError) as exc:
-            raise ValueError(f"{value!r} is not a score level number") from exc
-    return str(value)
+            raise ValueError(f"{value!r} is not a level number of score question {question_id!r} "
+                             f"(0 to {levels - 1})") from exc
+        if not 0 <= level < levels:
+            raise ValueError(f"level {level} is out of range for score question {question_id!r} (0 to {levels - 1})")
+        return level
+    text = str(value).strip()
+    if text not in options:
+        raise ValueError(f"{value!r} is not an option of question {question_id!r} (allowed: {', '.join(options)})")
+    return text

@@ -4,7 +4,7 @@ keeps the engine's response as it came (clef_engine.protocol.Response). Rows are
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from typing import Any, NotRequired, TypedDict
 
 from clef_engine.protocol import OverflowPolicy, Response
@@ -40,8 +40,7 @@ class RunSettings:
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> RunSettings:
         """The settings as stored; keys this workbench does not know are left out."""
-        known = {f.name for f in fields(cls)}
-        return cls(**{key: value for key, value in data.items() if key in known})
+        return cls(**{key: value for key, value in data.items() if key in cls.__dataclass_fields__})
 
     def to_json(self) -> dict[str, Any]:
         """The settings to store: those set (not None)."""

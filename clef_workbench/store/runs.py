@@ -11,11 +11,9 @@ import uuid
 from dataclasses import replace
 from typing import Any, cast
 
-from clef_workbench.store.base import StoreBase, _dumps, _loads, filtered, inserted_id, now_iso
+from clef_workbench.store.base import StoreBase, _dumps, _loads, filtered, now_iso
 from clef_workbench.store.rows import NewResult, Result, Run, RunSettings
 from clef_workbench.store.schema_versions import find_version_row
-
-RUN_STATUSES = ("pending", "running", "cancelled", "finished", "failed")
 
 
 def new_lease_owner() -> str:
@@ -56,13 +54,12 @@ class RunsMixin(StoreBase):
             version = find_version_row(conn, schema, settings.schema_slug)
             if version is not None:
                 schema = {**schema, "version": version["number"]}
-            return inserted_id(conn.execute(
-                """INSERT INTO runs (case_set_id, schema_json, schema_name, schema_version, schema_version_id,
-                                     model_id, model_revision, settings_json, created_at)
-                   VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)""",
-                (case_set_id, _dumps(schema), str(schema.get("name") or "unnamed"), str(schema.get("version") or "1"),
-                 None if version is None else version["id"], model_id, model_revision, _dumps(settings.to_json()),
-                 now_iso())))
+            return self._insert(conn, "runs", case_set_id=case_set_id, schema_json=_dumps(schema),
+                                schema_name=str(schema.get("name") or "unnamed"),
+                                schema_version=str(schema.get("version") or "1"),
+                                schema_version_id=None if version is None else version["id"], model_id=model_id,
+                                model_revision=model_revision, settings_json=_dumps(settings.to_json()),
+                                created_at=now_iso())
 
     def _run_row(self, row: sqlite3.Row) -> Run:
         run = self._decoded(row, "schema")
@@ -96,18 +93,7 @@ class RunsMixin(StoreBase):
             conn.execute("UPDATE runs SET settings_json = ? WHERE id = ?", (_dumps(settings.to_json()), run_id))
 
     def set_run_status(self, run_id: int, status: str, *, error: str | None = None) -> None:
-        """Move a run to a status; `running` stamps started_at (first time), terminal states stamp finished_at."""
-        if status not in RUN_STATUSES:
-            raise ValueError(f"run status must be one of {RUN_STATUSES}, not {status!r}")
-        with self._write() as conn:
-            if status == "running":
-                conn.execute("""UPDATE runs SET status = ?, error = NULL, finished_at = NULL,
-                                started_at = COALESCE(started_at, ?) WHERE id = ?""", (status, now_iso(), run_id))
-            elif status == "pending":
-                conn.execute("UPDATE runs SET status = ? WHERE id = ?", (status, run_id))
-            else:
-                conn.execute("UPDATE runs SET status = ?, error = ?, finished_at = ? WHERE id = ?",
-                             (status, error, now_iso(), run_id))
+        self._set_status("runs", run_id, status, error)
 
     def delete_run(self, run_id: int, *, who: str = "") -> None:
         """Delete a run (soft: restore_run brings it back with its results); refused while a process works on it,

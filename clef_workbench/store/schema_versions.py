@@ -14,7 +14,7 @@ import hashlib
 import sqlite3
 from typing import Any, cast
 
-from clef_workbench.store.base import StoreBase, _dumps, inserted_id, now_iso
+from clef_workbench.store.base import StoreBase, _dumps, now_iso
 from clef_workbench.store.rows import RecordedSchemaVersion, SchemaVersion
 
 # Why a version was written: the library's operations, "adopt" for a sweep's result made the schema's new version
@@ -65,10 +65,9 @@ class SchemaVersionsMixin(StoreBase):
             number = max((latest["number"] if latest is not None else 0) + 1,
                          own if isinstance(own, int) and not isinstance(own, bool) else 1)
             numbered = {**schema, "version": number}
-            version_id = inserted_id(conn.execute(
-                """INSERT INTO schema_versions (slug, number, content_hash, run_hash, schema_json, action, who, note,
-                                                created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)""",
-                (slug, number, content_hash, run_hash, _dumps(numbered), action, who or "", note, now_iso())))
+            version_id = self._insert(conn, "schema_versions", slug=slug, number=number, content_hash=content_hash,
+                                      run_hash=run_hash, schema_json=_dumps(numbered), action=action, who=who or "",
+                                      note=note, created_at=now_iso())
         return RecordedSchemaVersion(**self.get_schema_version(version_id), new=True)
 
     def get_schema_version(self, version_id: int) -> SchemaVersion:

@@ -9,9 +9,8 @@ from __future__ import annotations
 import sqlite3
 from typing import Any, cast
 
-from clef_workbench.store.base import NotFoundError, StoreBase, StoreError, _dumps, filtered, inserted_id, now_iso
+from clef_workbench.store.base import StoreBase, StoreError, _dumps, filtered, now_iso
 from clef_workbench.store.rows import Response, Sweep, SweepAnswer, SweepVariant
-from clef_workbench.store.runs import RUN_STATUSES
 from clef_workbench.store.schema_versions import find_version_row
 
 
@@ -24,13 +23,11 @@ class SweepsMixin(StoreBase):
         self.get_case_set(case_set_id)  # type: ignore[attr-defined]  # CaseSetsMixin's
         with self._write() as conn:
             version = find_version_row(conn, schema, (settings or {}).get("schema_slug"))
-            cur = conn.execute(
-                """INSERT INTO sweeps (case_set_id, schema_json, schema_name, schema_version_id, model_id,
-                   model_revision, settings_json, created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?)""",
-                (case_set_id, _dumps(schema), str(schema.get("name") or "unnamed"),
-                 None if version is None else version["id"], model_id, model_revision, _dumps(settings or {}),
-                 now_iso()))
-            sweep_id = inserted_id(cur)
+            sweep_id = self._insert(conn, "sweeps", case_set_id=case_set_id, schema_json=_dumps(schema),
+                                    schema_name=str(schema.get("name") or "unnamed"),
+                                    schema_version_id=None if version is None else version["id"], model_id=model_id,
+                                    model_revision=model_revision, settings_json=_dumps(settings or {}),
+                                    created_at=now_iso())
             self._insert_variants(conn, sweep_id, variants)
             conn.executemany("INSERT INTO sweep_cases (sweep_id, case_id, position) VALUES (?, ?, ?)",
                              [(sweep_id, case_id, position) for position, case_id in enumerate(case_ids)])
@@ -131,11 +128,4 @@ class SweepsMixin(StoreBase):
         return int(row[0])
 
     def set_sweep_status(self, sweep_id: int, status: str, *, error: str | None = None) -> None:
-        """Move a sweep to a status; `running` stamps started_at (first time), the others finished_at."""
-        if status not in RUN_STATUSES:
-            raise ValueError(f"status must be one of {RUN_STATUSES}")
-        stamp = "started_at = COALESCE(started_at, ?)" if status == "running" else "finished_at = ?"
-        with self._write() as conn:
-            if conn.execute(f"UPDATE sweeps SET status = ?, error = ?, {stamp} WHERE id = ?",
-                            (status, error, now_iso(), sweep_id)).rowcount != 1:
-                raise NotFoundError(f"sweep {sweep_id} does not exist")
+        self._set_status("sweeps", sweep_id, status, error)

@@ -47,7 +47,7 @@ def test_auto_variants_change_one_question_each_and_order_variants_number_the_id
     assert list(variants) == ["no_descriptions:team", "no_instructions:team", "relabelled:team", "reversed:team",
                               "shuffled:team", "unknown_added:team", "no_instructions:urgent"]
     for variant in variants.values():
-        assert sweeps.changed_questions(variant, SCHEMA) == [variant.question]
+        assert sweeps.changed_questions(variant.schema, SCHEMA) == [variant.question]
     assert variants["no_descriptions:team"].schema["questions"]["team"]["criteria"] == dict.fromkeys(TEAMS)
     assert variants["unknown_added:team"].schema["questions"]["team"]["criteria"]["unknown"]
     # the model reads options sorted by id: the numbers set the order it reads them in; the relabel maps back
