@@ -447,8 +447,6 @@ class RemoteEngine:
 
     def decide_many(self, requests: Sequence[Request], *, max_length: int | None = None, overflow: str = "refuse",
                     priority: str = "bulk", errors: str = "raise") -> list[Any]:
-        if not requests:
-            return []
         return self.submit(requests, priority=priority, max_length=max_length, overflow=overflow,
                            errors=errors).result()
 
@@ -514,9 +512,6 @@ class RemoteEngine:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
-
-    def __repr__(self) -> str:
-        return f"RemoteEngine({self.endpoint!r}, model={self.model!r})"
 
 
 def is_endpoint(source: Any) -> bool:

@@ -1,7 +1,7 @@
 """The API's OpenAPI 3.1 document, built from the contract's pydantic models, and a self-contained page showing it.
 
 The request and response schemas come from `clef_engine.protocol` (the one owner of the contract); what is only
-HTTP — the error bodies, /health and /v1/models — is described here. The docs page is plain HTML with the document
+HTTP — the error bodies, /health and /v1/models — is modelled here. The docs page is plain HTML with the document
 rendered into it: no script or stylesheet from a CDN, since the server often runs on a machine without internet.
 """
 
@@ -10,39 +10,41 @@ from __future__ import annotations
 import functools
 import html
 import json
-from typing import Any
+from typing import Any, Literal
 
+from pydantic import BaseModel, ConfigDict
 from pydantic.json_schema import models_json_schema
 
 from .. import protocol
 
 _REF = "#/components/schemas/{model}"
 
-_ERROR_BODY = {
-    "title": "ErrorBody",
-    "description": "Every error that is not a validation error.",
-    "type": "object",
-    "required": ["detail"],
-    "properties": {"detail": {
-        "type": "object",
-        "required": ["error_type", "message"],
-        "properties": {
-            "error_type": {"type": "string", "enum": [
-                "authentication_error", "request_timeout", "request_too_large", "token_budget_exceeded",
-                "unsupported_media_type", "unsupported_encoding", "overloaded", "not_ready", "deadline_exceeded",
-                "shutting_down", "misdirected_request", "not_found", "method_not_allowed", "internal_error"]},
-            "message": {"type": "string"},
-        },
-        "additionalProperties": True,
-    }},
-}
-_HEALTH = {
-    "title": "Health",
-    "type": "object",
-    "properties": {"ready": {"type": "boolean"}, "model": {"type": ["string", "null"]},
-                   "models": {"type": "array", "items": {"type": "string"}},
-                   "revision": {"type": ["string", "null"]}, "device": {"type": ["string", "null"]}},
-}
+
+class ErrorDetail(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    error_type: Literal[
+        "authentication_error", "request_timeout", "request_too_large", "token_budget_exceeded",
+        "unsupported_media_type", "unsupported_encoding", "overloaded", "not_ready", "deadline_exceeded",
+        "shutting_down", "misdirected_request", "not_found", "method_not_allowed", "internal_error"]
+    message: str
+
+
+class ErrorBody(BaseModel):
+    """Every error that is not a validation error."""
+
+    detail: ErrorDetail
+
+
+class Health(BaseModel):
+    ready: bool
+    state: str
+    model: str | None
+    models: list[str]
+    revision: str | None
+    device: str | None
+
+
 _MODELS = {
     "title": "Models",
     "type": "object",
@@ -84,11 +86,11 @@ def document() -> dict:
     """The OpenAPI document (built once; the models do not change while the process runs)."""
     _, top = models_json_schema(
         [(protocol.SystemOneRequest, "validation"), (protocol.SystemOneResponse, "serialization"),
-         (protocol.ValidationErrorBody, "serialization")],
+         (protocol.ValidationErrorBody, "serialization"), (ErrorBody, "serialization"), (Health, "serialization")],
         ref_template=_REF,
     )
     schemas = dict(top.get("$defs", {}))
-    schemas.update(ErrorBody=_ERROR_BODY, Health=_HEALTH, Models=_MODELS)
+    schemas["Models"] = _MODELS
     bearer: list[dict[str, list]] = [{"bearer": []}]
     return {
         "openapi": "3.1.0",
