@@ -190,7 +190,7 @@ def _gather(futures: list[Future], *, return_errors: bool) -> Future:
                 return
             remaining[0] -= 1
             if remaining[0] == 0:
-                outer.set_result([_outcome(f) for f in futures])
+                outer.set_result([_error_of(f) or f.result() for f in futures])
 
     if not futures:
         outer.set_result([])
@@ -201,10 +201,6 @@ def _gather(futures: list[Future], *, return_errors: bool) -> Future:
 
 def _error_of(future: Future) -> BaseException | None:
     return CancelledError("the request was cancelled") if future.cancelled() else future.exception()
-
-
-def _outcome(future: Future) -> Any:
-    return _error_of(future) or future.result()
 
 
 class RemoteEngine:
