@@ -136,8 +136,7 @@ class Engine:
                     queue_ms=timing.queued_s * 1000)
             return outcomes
 
-        return self.scheduler.submit(records, priority=priority, finalize=respond, per_record=errors == "return",
-                                     timed=True)
+        return self.scheduler.submit(records, priority=priority, finalize=respond, per_record=errors == "return")
 
     def decide(self, request: Any, *, max_length: int | None = None, overflow: str = "refuse") -> Response:
         return self.submit([request], priority="interactive", max_length=max_length, overflow=overflow).result()[0]
@@ -179,7 +178,7 @@ class Engine:
         records = [self.encoder.encode(valid) for valid in valids]
         if isinstance(self.runner, PackedRunner) and not any(record.has_media for record in records):
             outcomes, computed = self.scheduler.submit([StateVariants(records)], priority=priority,
-                                                       finalize=lambda results: results[0]).result()
+                                                       finalize=lambda results, _timing: results[0]).result()
         else:
             outcomes = self.scheduler.submit(records, priority=priority).result()
             computed = set(range(len(records)))

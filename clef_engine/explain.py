@@ -296,7 +296,7 @@ def submit_explanation(engine: Engine, request: Request, unit: str | None = None
         return [response]
 
     job = [SharedPrefixes(records)] if shared else records
-    return engine.scheduler.submit(job, priority=priority, finalize=respond, timed=True)
+    return engine.scheduler.submit(job, priority=priority, finalize=respond)
 
 
 @dataclass(frozen=True)

@@ -190,7 +190,7 @@ def _gather(futures: list[Future], *, return_errors: bool) -> Future:
                 return
             remaining[0] -= 1
             if remaining[0] == 0:
-                outer.set_result([_outcome(f) for f in futures])
+                outer.set_result([_error_of(f) or f.result() for f in futures])
 
     if not futures:
         outer.set_result([])
@@ -201,10 +201,6 @@ def _gather(futures: list[Future], *, return_errors: bool) -> Future:
 
 def _error_of(future: Future) -> BaseException | None:
     return CancelledError("the request was cancelled") if future.cancelled() else future.exception()
-
-
-def _outcome(future: Future) -> Any:
-    return _error_of(future) or future.result()
 
 
 class RemoteEngine:
@@ -447,8 +443,6 @@ class RemoteEngine:
 
     def decide_many(self, requests: Sequence[Request], *, max_length: int | None = None, overflow: str = "refuse",
                     priority: str = "bulk", errors: str = "raise") -> list[Any]:
-        if not requests:
-            return []
         return self.submit(requests, priority=priority, max_length=max_length, overflow=overflow,
                            errors=errors).result()
 
@@ -514,9 +508,6 @@ class RemoteEngine:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
-
-    def __repr__(self) -> str:
-        return f"RemoteEngine({self.endpoint!r}, model={self.model!r})"
 
 
 def is_endpoint(source: Any) -> bool:

@@ -426,17 +426,26 @@ class PackedRunner(PlainRunner):
         return info
 
 
-class SharedPrefixes:
-    """A text record and its text variants (Why, explain.py), one item of a scheduler batch that the packed runner
-    decides as a whole (`PackedRunner.forward_shared`). Its length, what the scheduler budgets, is every member's
-    tokens: what the explanation is charged (see explain.explain_budget)."""
+class StateVariants:
+    """Records over one state or a few with different schemas (a schema sweep's variants, Engine.decide_variants),
+    one item of a scheduler batch that the packed runner decides as a whole (`PackedRunner.forward_variants`, its
+    result the probabilities and the indices of the records that computed a state). Its length, what the scheduler
+    budgets, is every member's tokens."""
 
     def __init__(self, records: list[EncodedRecord]) -> None:
         self.records = records
-        self.shared = [shared_prefix(records[0], variant) for variant in records[1:]]
 
     def __len__(self) -> int:
         return sum(len(r) for r in self.records)
+
+
+class SharedPrefixes(StateVariants):
+    """A text record and its text variants (Why, explain.py), decided as a whole by `PackedRunner.forward_shared`;
+    its length is what the explanation is charged (see explain.explain_budget)."""
+
+    def __init__(self, records: list[EncodedRecord]) -> None:
+        super().__init__(records)
+        self.shared = [shared_prefix(records[0], variant) for variant in records[1:]]
 
 
 def packs_after(new_tokens: list[int], tokens: int) -> list[list[int]]:
@@ -451,19 +460,6 @@ def packs_after(new_tokens: list[int], tokens: int) -> list[list[int]]:
         packs[-1].append(index)
         size += new
     return packs
-
-
-class StateVariants:
-    """Records over one state or a few with different schemas (a schema sweep's variants, Engine.decide_variants),
-    one item of a scheduler batch that the packed runner decides as a whole (`PackedRunner.forward_variants`, its
-    result the probabilities and the indices of the records that computed a state). Its length is every member's
-    tokens."""
-
-    def __init__(self, records: list[EncodedRecord]) -> None:
-        self.records = records
-
-    def __len__(self) -> int:
-        return sum(len(r) for r in self.records)
 
 
 def shared_prefix(record: EncodedRecord, variant: EncodedRecord) -> int:

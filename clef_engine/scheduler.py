@@ -92,7 +92,7 @@ class Job:
     sequence: int
     records: list = field(compare=False)
     lengths: list = field(compare=False)  # tokens of each record
-    finalize: Callable[..., Any] = field(compare=False)  # (results) or, timed, (results, JobTiming)
+    finalize: Callable[[list, JobTiming], Any] = field(compare=False)
     future: Future = field(compare=False)
     submitted: float = field(compare=False, default_factory=time.perf_counter)
     started: bool = field(compare=False, default=False)
@@ -101,7 +101,6 @@ class Job:
     results: list = field(compare=False, default_factory=list)
     done: int = field(compare=False, default=0)
     per_record: bool = field(compare=False, default=False)  # a failing record's error goes in its result slot
-    timed: bool = field(compare=False, default=False)  # finalize(results, JobTiming) instead of finalize(results)
     first_batch_at: float | None = field(compare=False, default=None)
     compute_s: dict = field(compare=False, default_factory=dict)  # record index -> its share of its batch's time
 
@@ -184,11 +183,11 @@ class Scheduler:
         self._thread.start()
 
     def submit(self, records: Sequence, *, priority: str = "interactive", tokens: float | None = None,
-               finalize: Callable[..., Any] = lambda results: results, per_record: bool = False,
-               timed: bool = False) -> Future:
-        """Queue `records`; the future resolves to finalize(results of run_batch for these records), or with
-        timed, to finalize(results, JobTiming). `per_record`: a record whose batch fails, alone, has the exception
-        as its result instead of failing the job."""
+               finalize: Callable[[list, JobTiming], Any] = lambda results, _timing: results,
+               per_record: bool = False) -> Future:
+        """Queue `records`; the future resolves to finalize(results of run_batch for these records, JobTiming).
+        `per_record`: a record whose batch fails, alone, has the exception as its result instead of failing the
+        job."""
         if priority not in PRIORITIES:
             raise ValueError(f"priority must be one of {', '.join(PRIORITIES)}")
         future: Future = Future()
@@ -196,10 +195,10 @@ class Scheduler:
         # `tokens`: the caller's count for the whole job, shared out
         lengths = [len(r) for r in records] if tokens is None else [tokens / max(1, len(records))] * len(records)
         job = Job(PRIORITIES[priority], next(self._sequence), records, lengths, finalize, future,
-                  results=[None] * len(records), per_record=per_record, timed=timed)
+                  results=[None] * len(records), per_record=per_record)
         if not records:
             future.set_running_or_notify_cancel()
-            future.set_result(finalize([], JobTiming(0.0, [])) if timed else finalize([]))
+            future.set_result(finalize([], JobTiming(0.0, [])))
             return future
         with self._condition:
             if self._closed:
@@ -220,7 +219,7 @@ class Scheduler:
         another thread would be built again for the first request that needs them. Its length is infinite: it runs
         alone in its batch. As "bulk", interactive work waiting goes first (the engine's background warm-up)."""
         return self.submit([WorkerCall(fn)], priority=priority, tokens=float("inf"),
-                           finalize=lambda results: results[0]).result()
+                           finalize=lambda results, _timing: results[0]).result()
 
     def _forget(self, future: Future) -> None:
         with self._condition:
@@ -429,13 +428,10 @@ class Scheduler:
         job.done += piece.end - piece.start
         if job.done < len(job.records):
             return
+        timing = JobTiming(queued_s=(job.first_batch_at or job.submitted) - job.submitted,
+                           compute_s=[job.compute_s.get(i, 0.0) for i in range(len(job.records))])
         try:
-            if job.timed:
-                timing = JobTiming(queued_s=(job.first_batch_at or job.submitted) - job.submitted,
-                                   compute_s=[job.compute_s.get(i, 0.0) for i in range(len(job.records))])
-                job.future.set_result(job.finalize(job.results, timing))
-            else:
-                job.future.set_result(job.finalize(job.results))
+            job.future.set_result(job.finalize(job.results, timing))
         except Exception as error:  # noqa: BLE001
             job.future.set_exception(error)
 

@@ -174,8 +174,6 @@ class _Slot:
 class ReplicaPool:
     """Replicas of one release on the cluster the driver is connected to; `start` makes one."""
 
-    source: str
-    revision: str | None
     slots: list[_Slot]
     info: dict  # device, dtype, revision and token budget of the first replica; nodes of all
     dropped: list[str] = field(default_factory=list)  # nodes of replicas dead for good
@@ -205,7 +203,7 @@ class ReplicaPool:
             raise ReplicaError(f"a replica of {source} could not start: {_cause(exc)}") from None
         slots = [_Slot(actor, info["node"]) for actor, info in zip(actors, infos)]
         info = dict(infos[0], nodes=[i["node"] for i in infos], replicas=count)
-        return cls(str(source), revision, slots, info)
+        return cls(slots, info)
 
     def close(self) -> None:
         import ray

@@ -97,7 +97,7 @@ class Turns:
     is never held back. Whoever waits longer than `timeout` for its turn gets 429."""
 
     def __init__(self, share: float):
-        self._rest_per_second = 1 / share - 1
+        self.rest_per_second = 1 / share - 1
         self._clients: dict[str, Turn] = {}
 
     async def begin(self, client: str, others_in_flight: Callable[[], bool], timeout: float | None) -> Paced:
@@ -115,20 +115,14 @@ class Turns:
         except BaseException as exc:  # timed out, or the client went away while waiting
             if acquired:
                 turn.lock.release()
-            self._leave(client, turn)
+            self.leave(client, turn)
             if isinstance(exc, TimeoutError):
                 raise api_error(429, "overloaded", "this client's earlier large requests are still being prepared; "
                                 "send large requests one at a time", retry_after=1) from None
             raise
         return Paced(self, client, turn)
 
-    def end(self, paced: Paced) -> None:
-        ended = time.monotonic()
-        paced.turn.ready_at = ended + (ended - paced.started) * self._rest_per_second
-        paced.turn.lock.release()
-        self._leave(paced.client, paced.turn)
-
-    def _leave(self, client: str, turn: Turn) -> None:
+    def leave(self, client: str, turn: Turn) -> None:
         turn.users -= 1
         if not turn.users and turn.ready_at <= time.monotonic():
             del self._clients[client]
@@ -151,7 +145,10 @@ class Paced:
     def end(self) -> None:
         if not self._ended:
             self._ended = True
-            self.turns.end(self)
+            ended = time.monotonic()
+            self.turn.ready_at = ended + (ended - self.started) * self.turns.rest_per_second
+            self.turn.lock.release()
+            self.turns.leave(self.client, self.turn)
 
 
 @dataclass

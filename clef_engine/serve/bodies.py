@@ -11,6 +11,7 @@ import math
 import re
 import zlib
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 from typing import Any
 
 from starlette.concurrency import run_in_threadpool
@@ -385,10 +386,7 @@ def _asset_bytes(asset: dict, loc: list[str | int], parts: dict[str, tuple[str |
 def request_from_json(raw: bytes | str, parts: dict[str, tuple[str | None, bytes]]) -> tuple[dict, dict[int, str]]:
     """The request object of a JSON body (or of a body spooled to a file at path `raw`: what the big-body worker
     processes run), its assets turned into images."""
-    if isinstance(raw, str):
-        with open(raw, "rb") as file:
-            raw = file.read()
-    return assets_to_images(parse_json_body(raw), parts)
+    return assets_to_images(parse_json_body(Path(raw).read_bytes() if isinstance(raw, str) else raw), parts)
 
 
 def name_assets(problems: list[dict], sources: dict[int, str]) -> list[dict]:

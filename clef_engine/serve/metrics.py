@@ -52,7 +52,8 @@ class Metrics:
         self._in_flight_lock = threading.Lock()  # the maximum is read-modify-write; a gauge alone cannot keep it
         self._in_flight_now = 0
         self._in_flight_most = 0
-        registry.register(_EngineCollector(models_or_none))
+        self._models_or_none = models_or_none
+        registry.register(self)  # as a collector: `collect` reads the engines at scrape time
 
     def count_request(self, path: str, status: int) -> None:
         self.requests.labels(path=path, status=str(status)).inc()
@@ -77,15 +78,9 @@ class Metrics:
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
 
-
-class _EngineCollector:
-    """The engines' state at scrape time: readiness; per resident model (label `model`) its queue, the scheduler's
-    counters and the memory its weights took; the device's memory once (read through the default model)."""
-
-    def __init__(self, models_or_none: Callable[[], dict[str, Any] | None]):
-        self._models_or_none = models_or_none
-
     def collect(self) -> Iterator[Metric]:
+        """The engines' state: readiness; per resident model (label `model`) its queue, the scheduler's counters
+        and the memory its weights took; the device's memory once (read through the default model)."""
         models = self._models_or_none() or {}
         yield GaugeMetricFamily("clef_engine_ready", "1 when a model is loaded and answering.",
                                 value=1 if models else 0)

@@ -1,48 +1,50 @@
 """The API's OpenAPI 3.1 document, built from the contract's pydantic models, and a self-contained page showing it.
 
 The request and response schemas come from `clef_engine.protocol` (the one owner of the contract); what is only
-HTTP — the error bodies, /health and /v1/models — is described here. The docs page is plain HTML with the document
+HTTP — the error bodies, /health and /v1/models — is modelled here. The docs page is plain HTML with the document
 rendered into it: no script or stylesheet from a CDN, since the server often runs on a machine without internet.
 """
 
 from __future__ import annotations
 
 import functools
-import html
 import json
-from typing import Any
+from html import escape
+from typing import Any, Literal
 
+from pydantic import BaseModel, ConfigDict
 from pydantic.json_schema import models_json_schema
 
 from .. import protocol
 
 _REF = "#/components/schemas/{model}"
 
-_ERROR_BODY = {
-    "title": "ErrorBody",
-    "description": "Every error that is not a validation error.",
-    "type": "object",
-    "required": ["detail"],
-    "properties": {"detail": {
-        "type": "object",
-        "required": ["error_type", "message"],
-        "properties": {
-            "error_type": {"type": "string", "enum": [
-                "authentication_error", "request_timeout", "request_too_large", "token_budget_exceeded",
-                "unsupported_media_type", "unsupported_encoding", "overloaded", "not_ready", "deadline_exceeded",
-                "shutting_down", "misdirected_request", "not_found", "method_not_allowed", "internal_error"]},
-            "message": {"type": "string"},
-        },
-        "additionalProperties": True,
-    }},
-}
-_HEALTH = {
-    "title": "Health",
-    "type": "object",
-    "properties": {"ready": {"type": "boolean"}, "model": {"type": ["string", "null"]},
-                   "models": {"type": "array", "items": {"type": "string"}},
-                   "revision": {"type": ["string", "null"]}, "device": {"type": ["string", "null"]}},
-}
+
+class ErrorDetail(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    error_type: Literal[
+        "authentication_error", "request_timeout", "request_too_large", "token_budget_exceeded",
+        "unsupported_media_type", "unsupported_encoding", "overloaded", "not_ready", "deadline_exceeded",
+        "shutting_down", "misdirected_request", "not_found", "method_not_allowed", "internal_error"]
+    message: str
+
+
+class ErrorBody(BaseModel):
+    """Every error that is not a validation error."""
+
+    detail: ErrorDetail
+
+
+class Health(BaseModel):
+    ready: bool
+    state: str
+    model: str | None
+    models: list[str]
+    revision: str | None
+    device: str | None
+
+
 _MODELS = {
     "title": "Models",
     "type": "object",
@@ -78,11 +80,11 @@ def document() -> dict:
     """The OpenAPI document (built once; the models do not change while the process runs)."""
     _, top = models_json_schema(
         [(protocol.SystemOneRequest, "validation"), (protocol.SystemOneResponse, "serialization"),
-         (protocol.ValidationErrorBody, "serialization")],
+         (protocol.ValidationErrorBody, "serialization"), (ErrorBody, "serialization"), (Health, "serialization")],
         ref_template=_REF,
     )
     schemas = dict(top.get("$defs", {}))
-    schemas.update(ErrorBody=_ERROR_BODY, Health=_HEALTH, Models=_MODELS)
+    schemas["Models"] = _MODELS
     bearer: list[dict[str, list]] = [{"bearer": []}]
     return {
         "openapi": "3.1.0",
@@ -120,33 +122,29 @@ def document() -> dict:
 
 def docs_page(doc: dict) -> str:
     """The document as one HTML page: routes with their answers, then every schema."""
-    parts = [f"<h1>{_e(doc['info']['title'])}</h1><p>{_e(doc['info']['description'])} "
+    parts = [f"<h1>{escape(doc['info']['title'])}</h1><p>{escape(doc['info']['description'])} "
              "The machine-readable document is at <a href='/openapi.json'>/openapi.json</a>.</p>"]
     for path, methods in doc["paths"].items():
         for method, operation in methods.items():
-            parts.append(f"<h2><code>{method.upper()} {_e(path)}</code></h2><p>{_e(operation['summary'])}</p>")
+            parts.append(f"<h2><code>{method.upper()} {escape(path)}</code></h2><p>{escape(operation['summary'])}</p>")
             if operation.get("description"):
-                parts.append(f"<p>{_e(operation['description'])}</p>")
+                parts.append(f"<p>{escape(operation['description'])}</p>")
             body = operation.get("requestBody", {}).get("content", {})
             if body:
-                parts.append("<p>Body: " + ", ".join(f"<code>{_e(kind)}</code>" for kind in body) + "</p>")
-            rows = "".join(f"<tr><td>{status}</td><td>{_e(answer['description'])}</td><td>{_schema_link(answer)}"
+                parts.append("<p>Body: " + ", ".join(f"<code>{escape(kind)}</code>" for kind in body) + "</p>")
+            rows = "".join(f"<tr><td>{status}</td><td>{escape(answer['description'])}</td><td>{_schema_link(answer)}"
                            "</td></tr>" for status, answer in operation["responses"].items())
             parts.append(f"<table><tr><th>Status</th><th>Meaning</th><th>Body</th></tr>{rows}</table>")
     parts.append("<h2>Schemas</h2>")
     for name, schema in doc["components"]["schemas"].items():
-        parts.append(f"<h3 id='{_e(name)}'>{_e(name)}</h3><pre>{_e(json.dumps(schema, indent=2))}</pre>")
+        parts.append(f"<h3 id='{escape(name)}'>{escape(name)}</h3><pre>{escape(json.dumps(schema, indent=2))}</pre>")
     style = ("body{font-family:system-ui,sans-serif;max-width:60rem;margin:2rem auto;padding:0 1rem}"
              "pre{background:#f5f5f5;padding:.5rem;overflow:auto}table{border-collapse:collapse}"
              "td,th{border:1px solid #ccc;padding:.2rem .5rem;text-align:left}")
-    return (f"<!doctype html><html lang='en'><head><meta charset='utf-8'><title>{_e(doc['info']['title'])}</title>"
+    return (f"<!doctype html><html lang='en'><head><meta charset='utf-8'><title>{escape(doc['info']['title'])}</title>"
             f"<style>{style}</style></head><body>{''.join(parts)}</body></html>")
 
 
 def _schema_link(answer: dict[str, Any]) -> str:
     names = [c["schema"]["$ref"].rsplit("/", 1)[-1] for c in answer.get("content", {}).values() if "schema" in c]
-    return f"<a href='#{_e(names[0])}'>{_e(names[0])}</a>" if names else ""
-
-
-def _e(text: str) -> str:
-    return html.escape(str(text), quote=True)
+    return f"<a href='#{escape(names[0])}'>{escape(names[0])}</a>" if names else ""

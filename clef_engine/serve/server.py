@@ -9,7 +9,6 @@ import asyncio
 import concurrent.futures
 import hmac
 import logging
-import re
 import time
 import uuid
 import weakref
@@ -448,15 +447,11 @@ def _check_model_name(model: Any) -> None:
 
 
 def _release_date(info: dict) -> str:
-    date = info.get("release_date")
-    if isinstance(date, str) and re.fullmatch(r"\d{4}-\d{2}-\d{2}", date):
-        return date
-    source = info.get("path") or info.get("source")
+    """When the release's config.json was written; today for an endpoint (no release folder here)."""
     try:
-        mtime = (Path(source) / "config.json").stat().st_mtime if source else None
-    except (OSError, TypeError):
-        mtime = None
-    when = datetime.fromtimestamp(mtime, UTC) if mtime else datetime.now(UTC)
+        when = datetime.fromtimestamp((Path(info["path"]) / "config.json").stat().st_mtime, UTC)
+    except (KeyError, OSError):
+        when = datetime.now(UTC)
     return when.strftime("%Y-%m-%d")
 
 
