@@ -209,10 +209,10 @@ def test_scores_flips_mcnemar_order_sensitivity_and_the_held_out_best(tmp_path, 
 # ---- on the tiny release --------------------------------------------------------------------------------------------
 
 
-def test_a_sweep_of_8_variants_over_10_cases_prefills_10_states_and_answers_as_each_variant_alone(
+def test_a_sweep_of_8_variants_over_40_cases_prefills_40_states_and_answers_as_each_variant_alone(
         tiny_engine, tmp_path, monkeypatch):
     store = Store(tmp_path / "w.db")
-    case_set_id = labelled_set(store, 10)  # two cases in each of the 5 folds
+    case_set_id = labelled_set(store, 40)  # eight cases in each of the 5 folds
     variants = sweeps.auto_variants(SCHEMA)
     sweep_id = sweeps.start_sweep(store, case_set_id, SCHEMA, variants, model_id="tiny")
     assert store.get_sweep(sweep_id)["variant_count"] == 8
@@ -224,23 +224,23 @@ def test_a_sweep_of_8_variants_over_10_cases_prefills_10_states_and_answers_as_e
     monkeypatch.setattr(tiny_engine, "decide_variants", lambda requests, **options: calls.append(len(requests))
                         or decide_variants(requests, **options))
     progress = sweeps.run_sweep(store, sweep_id, tiny_engine, progress=seen.append)
-    assert tiny_engine.runner.state_prefills - before == 10 == progress.state_prefills
-    # a case's variants in one call each; the held-out check's one request per case, every case in one call (on
-    # the H200 one call per case took ~90 ms each: 18 s of a 200-case sweep)
-    assert calls == [8] * 10 + [10]
-    assert progress.status == "finished" and [p.done for p in seen[:-1]] == list(range(1, 11))
-    assert seen[-1].eta_s == 0 and store.get_sweep(sweep_id)["state_prefills"] == 10
+    assert tiny_engine.runner.state_prefills - before == 40 == progress.state_prefills  # not 8 × 40 = 320
+    # a case's variants in one call each; the held-out check's one request per case, 32 cases to a call (on the
+    # H200 one call per case took ~90 ms each: 18 s of a 200-case sweep)
+    assert calls == [8] * 40 + [32, 8]
+    assert progress.status == "finished" and [p.done for p in seen[:-1]] == list(range(1, 41))
+    assert seen[-1].eta_s == 0 and store.get_sweep(sweep_id)["state_prefills"] == 40
 
-    # per case, its 8 variants and the held-out check's schema composed for its fold (from the state cache: the 10
-    # above are all the sweep prefilled), each decided on its own: 90 records, 90 states
+    # per case, its 8 variants and the held-out check's schema composed for its fold (from the state cache: the 40
+    # above are all the sweep prefilled), each decided on its own: 360 records, 360 states
     sweep = store.get_sweep(sweep_id)
     stored = store.list_sweep_answers(sweep_id)
-    assert len(stored) == 90 and len(sweep["variants"]) == 8 + sweeps.DEFAULT_FOLDS
+    assert len(stored) == 360 and len(sweep["variants"]) == 8 + sweeps.DEFAULT_FOLDS
     assert set(Counter(a["case_id"] for a in stored).values()) == {9}
     requests = [build_request(store.get_case(a["case_id"]), sweep["variants"][a["variant"]]["schema"]) for a in stored]
     before = tiny_engine.runner.state_prefills
     alone = tiny_engine.probabilities(requests)
-    assert tiny_engine.runner.state_prefills - before == 90
+    assert tiny_engine.runner.state_prefills - before == 360
     for answer, request, probabilities in zip(stored, requests, alone, strict=True):
         questions = tiny_engine.validate(request).questions
         for question, p in zip(questions, probabilities, strict=True):
