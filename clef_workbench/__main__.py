@@ -151,15 +151,14 @@ def find_case_set(store: Store, name: str) -> int:
 
 def load_schema(path: Path) -> dict:
     try:
-        schema = Schema.from_json(path.read_text(encoding="utf-8"), source=path.name).to_dict()
+        schema = Schema.from_json(path.read_text(encoding="utf-8"), source=path.name)
     except OSError as exc:
         raise UsageError(f"--schema: cannot read {path}: {exc.strerror or exc}") from None
     except UnicodeDecodeError:
         raise UsageError(f"--schema: {path} is not UTF-8 text") from None
     except SchemaError as exc:
         raise UsageError(f"--schema: {path} is not a valid schema: {exc}") from None
-    schema.pop("examples", None)  # as the Runs page stores it
-    return schema
+    return replace(schema, examples=[]).to_dict()  # without examples, as the Runs page stores it
 
 
 def open_store(db: Path) -> Store:
