@@ -341,22 +341,12 @@ def run_command(args: argparse.Namespace) -> int:
     return 0
 
 
-def library_schemas(library: SchemaLibrary) -> Iterator[tuple[str, Schema]]:
-    """(slug, schema) of each schema of the library (CLEF_SCHEMAS_DIR) that loads: a broken file is no match, and
-    names no questions."""
-    for slug in library.slugs():
-        try:
-            yield slug, library.load(slug)
-        except SchemaError:
-            continue
-
-
 def find_schema(text: str) -> tuple[dict, str | None]:
     """--schema: a library schema by id or name, else a file; (the schema, its library id or None)."""
     library = SchemaLibrary()
-    for slug, schema in library_schemas(library):
-        if text in (slug, schema.name):
-            return load_schema(library.path_of(slug)), slug
+    for entry in library.list():  # a file that does not load is no match
+        if entry.problem is None and text in (entry.slug, entry.name):
+            return load_schema(entry.path), entry.slug
     path = Path(text)
     if path.is_file():
         return load_schema(path), None
@@ -510,8 +500,9 @@ def import_mapping(args: argparse.Namespace, columns: list[str], schema: dict | 
     """The mapping of the flags, importing.suggest_mapping's where a flag is left out. Without --schema a column
     named like an answer is left out: its answers cannot be checked, and the model must not read them."""
     # without --schema, a column named after a question of any library schema holds answers: never evidence
+    library = SchemaLibrary()
     questions = list((schema or {}).get("questions", {})) or [
-        question for _, library_schema in library_schemas(SchemaLibrary()) for question in library_schema.questions]
+        question for entry in library.list() if not entry.problem for question in library.load(entry.slug).questions]
     mapping = importing.suggest_mapping(columns, questions)
     if schema is None or args.expected:
         mapping.expected_columns = {}
