@@ -236,11 +236,9 @@ def verdicts_text(payload: dict[str, Any]) -> str:
 
 def applied_maps(payload: dict[str, Any], *, every_question: bool = False) -> dict[str, QuestionCalibration]:
     """The maps a stored calibration applies: those whose verdict says so, or with `every_question` all of them."""
-    maps = maps_from_payload(payload)
-    if every_question:
-        return maps
     judged = verdicts(payload)
-    return {question_id: question for question_id, question in maps.items() if judged[question_id].applied}
+    return {question_id: question for question_id, question in maps_from_payload(payload).items()
+            if every_question or judged[question_id].applied}
 
 
 def summary_table(reports: list[QuestionReport]) -> pd.DataFrame:

@@ -40,12 +40,9 @@ def every_case_failed_message(errors: int, first_error: str) -> str:
 def status_label(run: Run) -> str:
     """The status as shown, from a run's row alone (its status and counts): a finished run whose every case failed
     reads `failed`, one with some failed cases `finished with errors`."""
-    status, done, errors = run["status"], run["done"], run["errors"]
-    if status == "finished" and errors and errors == done:
-        return "failed"
-    if status == "finished" and errors:
-        return FINISHED_WITH_ERRORS
-    return status
+    if run["status"] == "finished" and run["errors"]:
+        return "failed" if run["errors"] == run["done"] else FINISHED_WITH_ERRORS
+    return run["status"]
 
 
 def run_outcome(run: Run, results: Sequence[Result]) -> RunOutcome:
