@@ -51,7 +51,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     commands = parser.add_subparsers(dest="command", required=True)
     store = argparse.ArgumentParser(add_help=False)
     store.add_argument("--db", required=True, type=path_argument,
-                       help="the workbench's SQLite file (CLEF_DB of the workbench)")
+                       help="the workbench's SQLite file (CLEF_DB of the workbench; import creates it when missing)")
     model = argparse.ArgumentParser(add_help=False)  # run's and sweep's: where and how the model answers
     model.add_argument("--model", required=True,
                        help=f"a release folder, a Hugging Face repo id, or {DEMO_SOURCE!r} for the demo release")
@@ -105,10 +105,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     calibrate.add_argument("--folds", type=int, default=calibration.FOLDS, help="k of the k-fold held-out check")
     calibrate.add_argument("--export", type=path_argument, metavar="FILE",
                            help="write every stored calibration to FILE for `clef-engine serve --calibrations FILE`")
-    imp = commands.add_parser("import", help="import a CSV, tab-separated, JSONL or .xlsx file into a case set")
+    imp = commands.add_parser("import", parents=[store],
+                              help="import a CSV, tab-separated, JSONL or .xlsx file into a case set")
     imp.add_argument("file", type=path_argument, help="the file (.csv, .tsv, .txt, .jsonl, .json or .xlsx)")
-    imp.add_argument("--db", required=True, type=path_argument,
-                     help="the workbench's SQLite file (created when missing)")
     imp.add_argument("--case-set", required=True, help="name of the case set (created when missing)")
     imp.add_argument("--schema", type=path_argument,
                      help="a schema JSON file: expected answers are checked against its questions, and columns "
@@ -152,15 +151,14 @@ def find_case_set(store: Store, name: str) -> int:
 
 def load_schema(path: Path) -> dict:
     try:
-        schema = Schema.from_json(path.read_text(encoding="utf-8"), source=path.name).to_dict()
+        schema = Schema.from_json(path.read_text(encoding="utf-8"), source=path.name)
     except OSError as exc:
         raise UsageError(f"--schema: cannot read {path}: {exc.strerror or exc}") from None
     except UnicodeDecodeError:
         raise UsageError(f"--schema: {path} is not UTF-8 text") from None
     except SchemaError as exc:
         raise UsageError(f"--schema: {path} is not a valid schema: {exc}") from None
-    schema.pop("examples", None)  # as the Runs page stores it
-    return schema
+    return replace(schema, examples=[]).to_dict()  # without examples, as the Runs page stores it
 
 
 def open_store(db: Path) -> Store:
@@ -186,20 +184,21 @@ def check_model_args(args: argparse.Namespace, *ray_only: str) -> str | None:
 
 
 def start_model(args: argparse.Namespace, address: str | None) -> tuple[Any, dict[str, Any]]:
-    """The release loaded in this process, or a distributed.ReplicaPool of it on Ray; and what it says of itself."""
+    """The release loaded in this process, or a distributed.ReplicaPool of it on Ray; and what it says of itself,
+    with where it runs ("where")."""
     import clef_engine
 
     source = str(clef_engine.demo_release()) if args.model == DEMO_SOURCE else args.model
     if address is None:
         print(f"loading {args.model} in this process…", flush=True)
         engine = clef_engine.load(source, revision=args.revision, device=args.device, dtype=args.dtype)
-        return engine, engine.info()
+        return engine, {**engine.info(), "where": "in process"}
     from clef_workbench.distributed import ReplicaPool, connect
 
     connect(address)
     print(f"starting replicas of {args.model} on Ray ({address})…", flush=True)
     pool = ReplicaPool.start(source, revision=args.revision, replicas=args.replicas, dtype=args.dtype)
-    return pool, pool.info
+    return pool, {**pool.info, "where": f"Ray, {pool.info['replicas']} replicas"}
 
 
 @contextmanager
@@ -321,15 +320,12 @@ def run_command(args: argparse.Namespace) -> int:
     try:
         with stop_on_signals() as stop:
             check_engine(engine)  # a remote endpoint that does not answer: refused before a run is recorded
+            doing = "run" if run_id is None else "resuming run"
             if run_id is None:
                 run_id = store.create_run(case_set_id, schema=schema, model_id=model_id,
                                           model_revision=info.get("revision"), settings=settings)
-                doing = f"run {run_id}"
-            else:
-                doing = f"resuming run {run_id}"
-            where = f"Ray, {info['replicas']} replicas" if address else "in process"
-            print(f"{doing}: {case_set_name} · {schema['name']} v{schema['version']} · {args.model} on "
-                  f"{info.get('device')} ({where})", flush=True)
+            print(f"{doing} {run_id}: {case_set_name} · {schema['name']} v{schema['version']} · {args.model} on "
+                  f"{info.get('device')} ({info['where']})", flush=True)
             runner.start(run_id, engine, check=False)  # checked above, before the run was recorded
             progress = watch(runner, run_id, stop)
     finally:
@@ -345,24 +341,12 @@ def run_command(args: argparse.Namespace) -> int:
     return 0
 
 
-def library_schemas(library: SchemaLibrary) -> Iterator[tuple[str, Schema]]:
-    """(slug, schema) of each schema of the library (CLEF_SCHEMAS_DIR) that loads: a broken file is no match, and
-    names no questions."""
-    for slug in library.slugs():
-        try:
-            yield slug, library.load(slug)
-        except SchemaError:
-            continue
-
-
 def find_schema(text: str) -> tuple[dict, str | None]:
     """--schema: a library schema by id or name, else a file; (the schema, its library id or None)."""
     library = SchemaLibrary()
-    for slug, schema in library_schemas(library):
-        if text in (slug, schema.name):
-            data = schema.to_dict()
-            data.pop("examples", None)
-            return data, slug
+    for entry in library.list():  # a file that does not load is no match
+        if entry.problem is None and text in (entry.slug, entry.name):
+            return load_schema(entry.path), entry.slug
     path = Path(text)
     if path.is_file():
         return load_schema(path), None
@@ -441,9 +425,8 @@ def sweep_command(args: argparse.Namespace) -> int:
                     "replicas": info.get("replicas")}
         sweep_id = sweeps.start_sweep(store, case_set_id, schema, variants, model_id=model_id,
                                       model_revision=info.get("revision"), settings=settings, folds=args.folds)
-        where = f"Ray, {info['replicas']} replicas" if address else "in process"
-        print(f"sweep {sweep_id}: {len(variants)} variants over {args.case_set} on {info['device']} ({where})",
-              flush=True)
+        print(f"sweep {sweep_id}: {len(variants)} variants over {args.case_set} on {info['device']} "
+              f"({info['where']})", flush=True)
     last_print = [0.0]
 
     def show(progress: sweeps.SweepProgress) -> None:
@@ -495,13 +478,9 @@ def calibrate_command(args: argparse.Namespace) -> int:
         raise UsageError(f"--export: {str(args.export)!r} is not a file name")
     store = open_store(args.db)
     if args.run is not None:
-        try:
-            store.require_writable()  # before the fitting: its result is kept in the store
-            calibration_id, reports = calibration.calibrate_run(store, args.run, name=args.name,
-                                                                min_labelled=args.min_labelled, folds=args.folds)
-        except (calibration.CalibrationRefused, StoreError) as exc:
-            print(f"python -m clef_workbench calibrate: {exc}", file=sys.stderr)
-            return 1
+        store.require_writable()  # before the fitting: its result is kept in the store
+        calibration_id, reports = calibration.calibrate_run(store, args.run, name=args.name,
+                                                            min_labelled=args.min_labelled, folds=args.folds)
         print(calibration.summary_table(reports).to_string(index=False))
         print(f"calibration {calibration_id} '{store.get_calibration(calibration_id)['name']}' saved "
               "(ECE and Brier after: on held-out cases; [95% bootstrap interval])")
@@ -521,8 +500,9 @@ def import_mapping(args: argparse.Namespace, columns: list[str], schema: dict | 
     """The mapping of the flags, importing.suggest_mapping's where a flag is left out. Without --schema a column
     named like an answer is left out: its answers cannot be checked, and the model must not read them."""
     # without --schema, a column named after a question of any library schema holds answers: never evidence
+    library = SchemaLibrary()
     questions = list((schema or {}).get("questions", {})) or [
-        question for _, library_schema in library_schemas(SchemaLibrary()) for question in library_schema.questions]
+        question for entry in library.list() if not entry.problem for question in library.load(entry.slug).questions]
     mapping = importing.suggest_mapping(columns, questions)
     if schema is None or args.expected:
         mapping.expected_columns = {}
@@ -608,7 +588,10 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:  # before the run started (while loading); once it runs, Ctrl-C cancels it
         print("interrupted", file=sys.stderr)
         return 130
-    except (ClefError, StoreError, RuntimeError) as exc:  # a release that does not load, a replica that cannot start
+    except (StoreError, calibration.CalibrationRefused) as exc:  # the store or the labels refuse the work
+        print(f"python -m clef_workbench {args.command}: {exc}", file=sys.stderr)
+        return 1
+    except (ClefError, RuntimeError) as exc:  # a release that does not load, a replica that cannot start
         print(f"python -m clef_workbench {args.command}: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
     except sqlite3.Error as exc:  # the database cannot be read or written before the run started

@@ -26,8 +26,6 @@ MIN_LABELLED = 30
 PLATT_BOUND = 50.0  # |a|, |b| of a Platt fit
 LOG_TEMPERATURE_BOUND = 3.0  # |log T| of a temperature fit: T between 1/20.09 and 20.09
 FOLDS = 5
-BOOTSTRAP_SAMPLES = 1000
-INTERVAL = 0.95
 _EPS = 1e-12
 
 
@@ -106,8 +104,7 @@ def fit_question(rows: pd.DataFrame) -> QuestionCalibration:
 
 
 def with_distributions(rows: pd.DataFrame, distributions: list[dict[str, float]]) -> pd.DataFrame:
-    """`rows` with each distribution replaced and the predicted answer, confidence, margin and correctness
-    recomputed."""
+    """`rows` with each distribution replaced, and what follows from it (prediction, confidence, margin, correct)."""
     out = rows.copy()
     out["distribution"] = distributions
     predicted = [stats.predict(qtype, d) for qtype, d in zip(out["question_type"], distributions, strict=True)]
@@ -133,7 +130,7 @@ def _bootstrap(before: pd.DataFrame, after: pd.DataFrame, bins: int, seed: int) 
         "ece_reduction": (ece_before + ece_after, reduction)}
     out = {}
     for name, (columns, statistic) in measures.items():
-        low, high = stats.bootstrap_interval(columns, statistic, n_boot=BOOTSTRAP_SAMPLES, level=INTERVAL, seed=seed)
+        low, high = stats.bootstrap_interval(columns, statistic, seed=seed)
         out[name] = Interval(float(statistic(*columns)), low, high)
     return out
 
@@ -144,8 +141,7 @@ def calibrate(frame: pd.DataFrame, *, min_labelled: int = MIN_LABELLED, folds: i
     held-out ones (`verdict`), or refused with the reason."""
     reports = []
     for question_id in dict.fromkeys(frame["question_id"]):
-        question_rows = frame[frame["question_id"] == question_id]
-        qtype = question_rows["question_type"].iloc[0]
+        qtype = frame.loc[frame["question_id"] == question_id, "question_type"].iloc[0]
         rows = _labelled(frame, question_id)
         if len(rows) < min_labelled:
             reports.append(QuestionReport(question_id, qtype, len(rows), refused=(
@@ -217,7 +213,7 @@ def verdict(question: QuestionCalibration, reduction: Interval | None) -> Verdic
         return Verdict(False, f"not applied: {bound}") if bound else \
             Verdict(True, "applied: no held-out figures were kept with it")
     effect = (f"held-out ECE reduction {reduction.value:+.3f} [{reduction.low:+.3f}, {reduction.high:+.3f}], "
-              f"{INTERVAL:.0%} interval")
+              f"{stats.DEFAULT_LEVEL:.0%} interval")
     if bound:
         return Verdict(False, f"not applied: {bound} ({effect})")
     if reduction.low <= 0:
@@ -240,11 +236,9 @@ def verdicts_text(payload: dict[str, Any]) -> str:
 
 def applied_maps(payload: dict[str, Any], *, every_question: bool = False) -> dict[str, QuestionCalibration]:
     """The maps a stored calibration applies: those whose verdict says so, or with `every_question` all of them."""
-    maps = maps_from_payload(payload)
-    if every_question:
-        return maps
     judged = verdicts(payload)
-    return {question_id: question for question_id, question in maps.items() if judged[question_id].applied}
+    return {question_id: question for question_id, question in maps_from_payload(payload).items()
+            if every_question or judged[question_id].applied}
 
 
 def summary_table(reports: list[QuestionReport]) -> pd.DataFrame:

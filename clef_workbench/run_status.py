@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from clef_workbench.store import Result, Run
 
 FINISHED_WITH_ERRORS = "finished with errors"
+TONES = {"failed": "error", FINISHED_WITH_ERRORS: "warning", "finished": "success"}  # any other status: "info"
 
 
 @dataclass(frozen=True)
@@ -39,36 +40,31 @@ def every_case_failed_message(errors: int, first_error: str) -> str:
 def status_label(run: Run) -> str:
     """The status as shown, from a run's row alone (its status and counts): a finished run whose every case failed
     reads `failed`, one with some failed cases `finished with errors`."""
-    status, done, errors = run["status"], run["done"], run["errors"]
-    if status == "finished" and errors and errors == done:
-        return "failed"
-    if status == "finished" and errors:
-        return FINISHED_WITH_ERRORS
-    return status
+    if run["status"] == "finished" and run["errors"]:
+        return "failed" if run["errors"] == run["done"] else FINISHED_WITH_ERRORS
+    return run["status"]
 
 
 def run_outcome(run: Run, results: Sequence[Result]) -> RunOutcome:
     """The outcome of `run` (a Store.get_run row) given its results (Store.list_results rows, in case order)."""
     failed = [r for r in results if r["error"]]
     first_error = failed[0]["error"] if failed else None
-    ids = [r["case_id"] for r in failed]
-    status, done, total = run["status"], run["done"], run["total"]
+    status, done, total, message = run["status"], run["done"], run["total"], ""
     if status == "failed":
         reason = run["error"] or first_error or "no reason was recorded"
-        return RunOutcome("failed", "error", len(failed), first_error, ids,
-                          f"The run failed: {reason}. {done - len(failed)} of {total} cases have answers.")
-    if status == "finished" and failed and len(failed) == done:
-        # recorded as finished by an older workbench: no case has an answer, so it failed
-        return RunOutcome("failed", "error", len(failed), first_error, ids,
-                          f"The run failed: {every_case_failed_message(len(failed), str(first_error))}.")
-    if status == "finished" and failed:
-        return RunOutcome(FINISHED_WITH_ERRORS, "warning", len(failed), first_error, ids,
-                          f"Finished with errors: {len(failed)} of {total} cases failed; the first error: "
-                          f"{first_error}. Statistics below use the {done - len(failed)} cases with answers.")
-    if status == "finished":
-        return RunOutcome("finished", "success", 0, None, [], f"Finished: all {total} cases have answers.")
-    if status == "cancelled":
+        message = f"The run failed: {reason}. {done - len(failed)} of {total} cases have answers."
+    elif status == "finished" and failed and len(failed) == done:
+        # recorded as finished (by an older workbench, or a sweep's variant run): no case has an answer, so it failed
+        status = "failed"
+        message = f"The run failed: {every_case_failed_message(len(failed), str(first_error))}."
+    elif status == "finished" and failed:
+        status = FINISHED_WITH_ERRORS
+        message = (f"Finished with errors: {len(failed)} of {total} cases failed; the first error: {first_error}. "
+                   f"Statistics below use the {done - len(failed)} cases with answers.")
+    elif status == "finished":
+        message = f"Finished: all {total} cases have answers."
+    elif status == "cancelled":
         errors = f" {len(failed)} failed; the first error: {first_error}." if failed else ""
-        return RunOutcome("cancelled", "info", len(failed), first_error, ids,
-                          f"Cancelled with {total - done} of {total} cases left.{errors}")
-    return RunOutcome(status, "info", len(failed), first_error, ids, "")
+        message = f"Cancelled with {total - done} of {total} cases left.{errors}"
+    return RunOutcome(status, TONES.get(status, "info"), len(failed), first_error, [r["case_id"] for r in failed],
+                      message)

@@ -26,8 +26,6 @@ ENVIRONMENT = {
     "api_key": "CLEF_API_KEY",
     "ray_address": "CLEF_RAY_ADDRESS",
 }
-DEFAULT_DB = Path("data") / "workbench.sqlite3"
-DEFAULT_SCHEMAS_DIR = Path("schemas")
 
 
 class SettingsError(ValueError):
@@ -38,8 +36,8 @@ class SettingsError(ValueError):
 class WorkbenchSettings:
     model: str | None = None
     revision: str | None = None
-    db_path: Path = DEFAULT_DB
-    schemas_dir: Path = DEFAULT_SCHEMAS_DIR
+    db_path: Path = Path("data") / "workbench.sqlite3"
+    schemas_dir: Path = Path("schemas")
     host: str = "127.0.0.1"
     port: int = 8501
     status_refresh_s: float = 3.0

@@ -11,23 +11,19 @@ from dataclasses import dataclass
 from typing import Any
 
 from clef_workbench import sweeps
-from clef_workbench.jobs import BackgroundThreads, LiveThread
+from clef_workbench.jobs import BackgroundThreads, JobAlreadyRunningError, LiveThread
 from clef_workbench.sweeps import SweepProgress
 
 log = logging.getLogger(__name__)
 
 
-class SweepAlreadyRunningError(RuntimeError):
-    """The sweep already has a live thread in this process."""
-
-
 @dataclass
-class _LiveSweep(LiveThread):
+class LiveSweep(LiveThread):
     progress: SweepProgress | None = None  # the last progress run_sweep reported
     error: str | None = None  # what stopped the thread, when run_sweep raised
 
 
-class SweepRunner(BackgroundThreads[_LiveSweep]):
+class SweepRunner(BackgroundThreads[LiveSweep]):
     """Starts, cancels and reports on sweeps. Create one per process (the workbench caches it as a resource)."""
 
     def __init__(self, store: Any):
@@ -38,21 +34,15 @@ class SweepRunner(BackgroundThreads[_LiveSweep]):
         """Run (or resume) the sweep's unfinished cases in a background thread."""
         with self._lock:
             if self.is_running(sweep_id):
-                raise SweepAlreadyRunningError(f"sweep #{sweep_id} is already running")
+                raise JobAlreadyRunningError(f"sweep #{sweep_id} is already running")
             thread = threading.Thread(target=self._work, args=(sweep_id, engine), name=f"clef-sweep-{sweep_id}",
                                       daemon=True)
-            self._live[sweep_id] = _LiveSweep(thread)
+            self._live[sweep_id] = LiveSweep(thread)
         thread.start()
 
-    def live_progress(self, sweep_id: int) -> SweepProgress | None:
-        """The last progress of a sweep running here (rate and ETA included); None when none runs here."""
-        live = self._live.get(sweep_id)
-        return live.progress if live is not None and live.thread.is_alive() else None
-
-    def last_error(self, sweep_id: int) -> str | None:
-        """What stopped the sweep's last thread here, when something did."""
-        live = self._live.get(sweep_id)
-        return live.error if live is not None else None
+    def live(self, sweep_id: int) -> LiveSweep | None:
+        """The sweep's last thread here (its last progress, what stopped it); None when none was started here."""
+        return self._live.get(sweep_id)
 
     def _work(self, sweep_id: int, engine: Any) -> None:
         live = self._live[sweep_id]

@@ -13,18 +13,16 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from playwright.sync_api import expect, sync_playwright  # noqa: E402
+from playwright.sync_api import expect  # noqa: E402
 
 from tests.support import REPO  # noqa: E402
-from tests.support.browser import launch_chromium, running_workbench  # noqa: E402
+from tests.support.browser import workbench_page  # noqa: E402
 
 
 def main(output: Path) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         env = {"CLEF_DB": str(Path(tmp) / "workbench.sqlite3"), "CLEF_SCHEMAS_DIR": str(REPO / "schemas")}
-        with running_workbench(env, log_path=Path(tmp) / "streamlit.log") as url, sync_playwright() as playwright:
-            browser = launch_chromium(playwright)
-            page = browser.new_page(viewport={"width": 1440, "height": 1500}, device_scale_factor=1)
+        with workbench_page(env, Path(tmp), height=1500) as (page, url):
             page.goto(url)
             run = page.get_by_role("button", name=re.compile(r"^Run\b"))  # the name also carries its key, Ctrl+Enter
             expect(run).to_be_enabled(timeout=180_000)
@@ -38,7 +36,6 @@ def main(output: Path) -> None:
             page.wait_for_timeout(1000)  # let vega finish drawing
             output.parent.mkdir(parents=True, exist_ok=True)
             page.screenshot(path=str(output))
-            browser.close()
     print(f"wrote {output}")
 
 

@@ -12,9 +12,10 @@ import pandas as pd
 
 from clef_workbench import sweeps
 from clef_workbench.casesets import plain_label, state_text
+from clef_workbench.jobs import JobAlreadyRunningError
 from clef_workbench.schema_library import SchemaLibrary
 from clef_workbench.schemas import Schema, SchemaError
-from clef_workbench.sweep_runner import SweepAlreadyRunningError, SweepRunner
+from clef_workbench.sweep_runner import SweepRunner
 from workbench_ui import links, schema_rows, units
 
 _SCORING = threading.Lock()  # sessions run on threads of their own: one scores, the others reuse its result
@@ -166,15 +167,16 @@ class ProgressShown:
 
 def progress_shown(runner: SweepRunner, sweep: dict[str, Any]) -> ProgressShown:
     """Where a sweep (a list_sweeps row) stands: the live numbers of the thread running it here, if one does."""
-    live = runner.live_progress(sweep["id"])
+    thread = runner.live(sweep["id"])
     running_here = runner.is_running(sweep["id"])
+    live = thread.progress if thread and running_here else None
     done, total = (live.done, live.total) if live else (sweep["done"], sweep["total"])
     text = f"{done} / {total} cases · status **{'running' if running_here else sweep['status']}**"
     if running_here:
         rate = f"{live.rate_per_s:.2f} cases/s" if live and live.rate_per_s else "measuring…"
         eta = units.duration(live.eta_s * 1000) if live and live.eta_s is not None else "after the first case"
         text += f" · {rate} · ETA {eta}"
-    problem = runner.last_error(sweep["id"]) if not running_here else None
+    problem = thread.error if thread and not running_here else None
     if problem is None and not running_here and sweep["status"] in ("running", "pending", "cancelled"):
         problem = (f"Sweep #{sweep['id']} stopped with {total - done} of {total} cases left (cancelled, or the "
                    "workbench stopped while it ran): resume it to compute only those.")
@@ -190,7 +192,7 @@ def resume_sweep(runner: SweepRunner, models: Any, sweep: dict[str, Any]) -> tup
                          "add it in the sidebar (Add a model), then resume.")
     try:
         runner.start(sweep["id"], engine)
-    except SweepAlreadyRunningError as exc:
+    except JobAlreadyRunningError as exc:
         return "info", str(exc)
     return "info", f"Resumed sweep #{sweep['id']}."
 

@@ -35,12 +35,10 @@ DEFAULT_SHUTDOWN_GRACE = 5.0
 ANSWER_SECONDS = 5.0  # after the grace, for the 503s to be written before uvicorn cuts connections
 
 
-def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
-        "serve",
-        help="serve the Jev / System One HTTP API from a resident model",
-        description="Serve POST /v1/systemone, GET /v1/models, GET /health and GET /metrics from one resident model.",
-    )
+        "serve", help="serve the Jev / System One HTTP API from a resident model",
+        description="Serve POST /v1/systemone, GET /v1/models, GET /health and GET /metrics from one resident model.")
     parser.add_argument("--model", required=True, action="append",
                         help="release folder, Hugging Face repo id, or System One endpoint URL; repeat to serve "
                              "several models (the first is the default)")
@@ -84,7 +82,6 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                              "clef_workbench calibrate --export FILE` (default: none)")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     parser.set_defaults(run=run_serve)
-    return parser
 
 
 class HeaderTimeoutProtocol(H11Protocol):
@@ -177,20 +174,9 @@ class OrderlyServer(uvicorn.Server):
                 signal.signal(sig, handler)
 
 
-def _api_key_from_env(var: str | None) -> str | None:
-    if var is None:
-        return None
-    key = environment.variable(var)
-    if not key:
-        raise SystemExit(f"--api-key-env {var}: the environment variable {var} is not set or empty")
-    return key
-
-
 def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
     try:
-        return ipaddress.ip_address(host).is_loopback
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
 
@@ -229,7 +215,10 @@ def load_models(args: argparse.Namespace) -> dict:
 def run_serve(args: argparse.Namespace) -> int:
     """Load the model, then serve until interrupted. Returns the exit status."""
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    api_key = _api_key_from_env(args.api_key_env)
+    api_key = environment.variable(args.api_key_env) if args.api_key_env is not None else None
+    if args.api_key_env is not None and not api_key:
+        raise SystemExit(f"--api-key-env {args.api_key_env}: the environment variable {args.api_key_env} is not set "
+                         "or empty")
     if not _is_loopback(args.host) and api_key is None:
         print(f"warning: serving on {args.host} without an API key; anyone who can reach it can use the model",
               file=sys.stderr)
