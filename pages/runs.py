@@ -10,7 +10,7 @@ from clef_workbench.jobs import EngineUnreachableError, JobAlreadyRunningError, 
 from clef_workbench.model_loader import request_model_name
 from clef_workbench.run_status import run_outcome, status_label
 from clef_workbench.schemas import SchemaError
-from workbench_ui import run_charts, run_view, shell, units
+from workbench_ui import links, run_charts, run_view, shell, units
 from workbench_ui import why_view as why
 from workbench_ui.answers import option_table, probability_chart
 from workbench_ui.cases_view import when
@@ -270,7 +270,7 @@ def render_results(run_id: int, live: bool) -> None:
         st.info(covered["sentence"])
     render_export(run, len(results), live)
     if covered["answered"]:
-        render_compare(run, frame)
+        render_compare(run)
 
 
 def render_browse(run_id: int, browse: run_view.Browse, questions: dict) -> None:
@@ -418,8 +418,7 @@ def render_export(run: dict, result_count: int, live: bool) -> None:
                             icon=":material/download:", on_click="ignore")
 
 
-def render_compare(run: dict, frame) -> None:
-    run_id = run["id"]
+def render_compare(run: dict) -> None:
     st.subheader("Compare with another run of the same case set")
     others, without_answers = run_view.comparison_baselines(runs, run)
     if without_answers:
@@ -428,20 +427,10 @@ def render_compare(run: dict, frame) -> None:
     if not others:
         st.caption("No other run of this case set with answers yet: run it again with another schema version or "
                    "model.")
-    else:
-        other_labels = {r["id"]: run_view.run_label(r) for r in others}
-        baseline_id = st.selectbox("Baseline run (A); this run is B", list(other_labels),
-                                   format_func=lambda i: other_labels[i], key=K(f"compare.{run_id}"))
-        comparison = run_view.comparison(store, baseline_id, frame)
-        st.caption(f"{comparison['compared']} (case, question) pairs answered in both runs.")
-        cols = st.columns(2)
-        cols[0].markdown("**Accuracy change per question** (B − A)")
-        cols[0].dataframe(comparison["accuracy"], hide_index=True, width="stretch",
-                          column_config={c: st.column_config.NumberColumn(format="percent")
-                                         for c in ("accuracy_a", "accuracy_b", "change")})
-        cols[1].altair_chart(run_charts.shift_histogram(comparison["shifts"]), width="stretch")
-        st.markdown(f"**Flipped answers** — {len(comparison['flipped'])}")
-        st.dataframe(comparison["flipped"], hide_index=True, width="stretch")
+        return
+    # the Compare page shows two runs side by side: agreement, flips, metrics and each case
+    st.markdown("Open this run beside another on the Compare page:\n" + "\n".join(
+        f"- [{run_view.run_label(other)}]({links.compare_url(other['id'], run['id'])})" for other in others))
 
 
 progress_now = runner.progress(run_id)

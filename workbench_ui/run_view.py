@@ -210,7 +210,3 @@ def export(store: Any, run: dict, result_count: int, live: bool) -> ExportFiles:
                        casesets.export_results_jsonl(store, run["id"]), casesets.export_results_csv(store, run["id"]),
                        "One row per case × question; a failed case is one row with its error." + still_going)
 
-
-def comparison(store: Any, baseline_id: int, frame: pd.DataFrame) -> dict[str, Any]:
-    baseline = store.get_run(baseline_id)
-    return stats.compare_runs(stats.answer_frame(store.list_results(baseline_id), baseline["schema"]), frame)
