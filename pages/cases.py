@@ -43,7 +43,7 @@ def show_problems(problems: list[str], *, stage: str) -> None:
     st.markdown(view.problems_markdown(problems))
 
 
-shell.show_flash(K("flash"), undo_delete)
+shell.show_message(K("flash"), undo_delete)
 if deleted_sets := store.list_case_sets(deleted=True):
     with st.expander(f"Deleted case sets ({len(deleted_sets)})", icon=":material/restore_from_trash:"):
         for deleted in deleted_sets[:20]:

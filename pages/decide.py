@@ -428,15 +428,8 @@ if result:
                                          help="Which parts are removed in turn — everything: the state's "
                                               "sentences or fields, image regions and video frames. More parts "
                                               "cost more tokens.")
-            try:
-                explained = why.cached_explanation(st.session_state, K("why_result"), engine, result.request,
-                                                   unit=unit, max_length=max_length, overflow=overflow)
-            except (ClefError, ValueError) as exc:
-                st.error(f"Why could not be computed: {exc}")
-            else:
-                picked = why_cols[1].selectbox("Why this answer to", list(explained["answers"]),
-                                               key=K("why_question"))
-                why.render_why(explained, picked, result.request["state"], why.request_images(result.request))
+            why.render_explained(K("why_result"), engine, result.request, unit=unit, max_length=max_length,
+                                 overflow=overflow, picker=why_cols[1])
 
         tabs = st.tabs(["Response JSON", "Request JSON"])
         with tabs[0]:

@@ -141,7 +141,7 @@ with st.expander("Start a run", expanded=not runs or st.session_state.pop(shell.
             shell.set_widget(K("selected"), run_id)
             st.rerun()
 
-shell.show_flash(K("flash"), undo_delete_run)
+shell.show_message(K("flash"), undo_delete_run)
 
 if sweeps_listed := run_view.sweep_rows(store.list_sweeps()):
     with st.expander(f"Schema sweeps ({len(sweeps_listed)})", icon=":material/leaderboard:"):

@@ -178,7 +178,7 @@ st.caption("Many versions of a schema scored on a labelled case set at once: eac
 all_sweeps = sweeps.list_sweeps(store)
 with st.expander("Start a sweep", expanded=not all_sweeps, icon=":material/play_arrow:"):
     render_start()
-shell.show_flash(K("flash"), lambda adopted: flash("info", sv.undo_adoption(library, adopted)))
+shell.show_message(K("flash"), lambda adopted: flash("info", sv.undo_adoption(library, adopted)))
 if not all_sweeps:
     st.stop()
 sweep_id = shell.pick_id([s["id"] for s in all_sweeps], K("selected"), "Sweep",

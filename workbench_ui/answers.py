@@ -10,6 +10,7 @@ from typing import Any
 import altair as alt
 import pandas as pd
 
+from clef_engine.errors import Problem
 from clef_engine.protocol import NOUL_DEFAULT_DESCRIPTIONS
 
 CHOSEN_COLOR = "#f38020"  # highlighted bar
@@ -37,8 +38,6 @@ def option_table(question: dict[str, Any], answer: dict[str, Any]) -> pd.DataFra
         p_true = float(answer["noul"])
         return distribution_table({**question, "type": qtype}, {"true": p_true, "false": 1.0 - p_true},
                                   "true" if p_true >= 0.5 else "false")
-    if qtype not in ("choice", "score"):
-        raise ValueError(f"unknown answer type {qtype!r}")
     probabilities = answer["probabilities"]
     chosen = answer["choice"] if qtype == "choice" else max(probabilities, key=lambda o: float(probabilities[o]))
     return distribution_table({**question, "type": qtype}, probabilities, chosen, legend=answer.get("legend"))
@@ -207,12 +206,10 @@ def field_of(loc: tuple | list) -> str:
     return "request"
 
 
-def problems_by_field(problems: list[Any]) -> dict[str, list[str]]:
-    """Group RequestError problems (objects with .loc/.msg or dicts) by the page field they concern."""
+def problems_by_field(problems: list[Problem]) -> dict[str, list[str]]:
+    """Group a RequestError's problems by the page field they concern."""
     grouped: dict[str, list[str]] = {}
     for problem in problems:
-        loc = problem["loc"] if isinstance(problem, dict) else problem.loc
-        msg = problem["msg"] if isinstance(problem, dict) else problem.msg
-        where = ".".join(str(part) for part in loc)
-        grouped.setdefault(field_of(loc), []).append(f"{where}: {msg}" if where else msg)
+        where = ".".join(str(part) for part in problem.loc)
+        grouped.setdefault(field_of(problem.loc), []).append(f"{where}: {problem.msg}" if where else problem.msg)
     return grouped

@@ -93,17 +93,14 @@ def delete_refusal(case_set: dict, runs_of_set: list[dict]) -> str | None:
 
 
 def restore_deleted(store: Any, kind: str, object_id: Any) -> tuple[str, str]:
-    """Undo a delete of "cases" (ids), a "case_set" or one case: the message's kind and text."""
+    """Undo a delete of "cases" (ids) or a "case_set": the message's kind and text."""
     try:
         if kind == "cases":
             for case_id in object_id:
                 store.restore_case(case_id)
             return "success", f"Restored {len(object_id)} case(s)."
-        if kind == "case_set":
-            store.restore_case_set(object_id)
-            return "success", f"Restored case set #{object_id}."
-        store.restore_case(object_id)
-        return "success", f"Restored case #{object_id}."
+        store.restore_case_set(object_id)
+        return "success", f"Restored case set #{object_id}."
     except StoreError as exc:
         return "error", f"Not restored: {exc}"
 

@@ -143,7 +143,7 @@ class Builder:
 
     def load(self, slug: str, schema: schemas.Schema) -> None:
         """Put a library schema on screen (undoable); the state editor gets its first example unless typed in."""
-        typed = self._kept(key("state_text")).strip() not in {"", *self._example_texts()}
+        typed = self._state_typed()
         if self.uids:
             self._remember_replaced("schema", f"Loaded “{slug}” in place of the questions that were here.")
         self.set_rows(schema_rows.questions_to_rows(schema.questions))
@@ -172,7 +172,7 @@ class Builder:
         if not 0 <= index < len(self.examples):
             return
         example = state_input.state_to_text(self.examples[index]["state"])
-        if self._kept(key("state_text")).strip() not in {"", *self._example_texts()}:
+        if self._state_typed():
             name = self.examples[index].get("name") or f"Example {index + 1}"
             self._remember_replaced("state", f"Replaced the state with the example “{name}”.")
         set_kept(self.state, key("state_text"), example)
@@ -181,11 +181,10 @@ class Builder:
     REPLACEABLE = ("state_text", "schema_name", "schema_description", "library_pick")
     LOADED = ("loaded_slug", "loaded_questions", "examples")
 
-    def _example_texts(self) -> list[str]:
-        return [state_input.state_to_text(example["state"]).strip() for example in self.examples]
-
-    def _kept(self, name: str) -> str:
-        return str(kept(self.state, name) or "")
+    def _state_typed(self) -> bool:
+        """Whether the state editor holds something typed in: neither empty nor one of the examples."""
+        examples = [state_input.state_to_text(example["state"]).strip() for example in self.examples]
+        return str(kept(self.state, key("state_text")) or "").strip() not in {"", *examples}
 
     def _remember_replaced(self, place: str, message: str) -> None:
         self.state[key("replaced")] = {

@@ -118,7 +118,7 @@ def test_budget_table_shows_free_space_or_the_overflow():
 def test_problems_are_grouped_by_the_field_they_concern():
     problems = [Problem(("state",), "missing"), Problem(("questions", "team", "criteria"), "needs 2 options"),
                 Problem(("questions",), "too many"), Problem(("images", 0), "not an image"),
-                Problem(("model",), "must be a string"), {"loc": ["videos", 1], "msg": "bad video"}]
+                Problem(("model",), "must be a string"), Problem(("videos", 1), "bad video")]
     grouped = answers.problems_by_field(problems)
     assert grouped == {
         "state": ["state: missing"],

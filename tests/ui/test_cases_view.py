@@ -112,8 +112,6 @@ def test_a_delete_is_refused_while_runs_exist_and_an_undo_says_what_came_back(st
     assert view.restore_deleted(store, "case_set", set_id) == ("success", f"Restored case set #{set_id}.")
     kind, text = view.restore_deleted(store, "case_set", set_id)  # restored already: said, nothing breaks
     assert (kind, text) == ("error", f"Not restored: case set {set_id} is not deleted")
-    store.delete_case(case_ids[2])
-    assert view.restore_deleted(store, "case", case_ids[2]) == ("success", f"Restored case #{case_ids[2]}.")
 
 
 def test_an_id_column_is_the_cases_source_id_not_evidence_and_a_row_without_evidence_is_a_bad_row(store):
