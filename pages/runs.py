@@ -6,11 +6,11 @@ import streamlit as st
 
 from clef_engine import DEFAULT_MAX_LENGTH
 from clef_workbench import calibration
+from clef_workbench.compare import compare_link
 from clef_workbench.jobs import EngineUnreachableError, JobAlreadyRunningError, check_engine
-from clef_workbench.model_loader import request_model_name
 from clef_workbench.run_status import run_outcome, status_label
 from clef_workbench.schemas import SchemaError
-from workbench_ui import links, run_charts, run_view, shell, units
+from workbench_ui import run_charts, run_view, shell, units
 from workbench_ui import why_view as why
 from workbench_ui.answers import option_table, probability_chart
 from workbench_ui.cases_view import when
@@ -99,17 +99,17 @@ with st.expander("Start a run", expanded=not runs or st.session_state.pop(shell.
                                                      "requests from the Decide page go first).")
         max_length, overflow = budget_inputs(cols[1:], "start", run_view.RunSettings())
         loaded_models = {model.name: model for model in shell.model_manager().loaded()}  # the default first
-        run_model = None
+        run_model = next(iter(loaded_models), None)
         if len(loaded_models) > 1:
             shell.forget_widget(K("start.model"), unless_in=loaded_models)
             run_model = shell.pick_model(st.selectbox, K("start.model"), loaded_models,
                                          "Which loaded model runs the case set (add models in the sidebar).",
-                                         default=next(iter(loaded_models)))
-        check_engine_now = loaded_models[run_model].engine if run_model else shell.model_manager().state().engine
+                                         default=run_model)
+        engine = loaded_models[run_model].engine if run_model else None
         over_budget = None
-        if schema_slug is not None and check_engine_now is not None:
+        if schema_slug is not None and engine is not None:
             try:
-                over_budget = run_view.schema_over_budget(check_engine_now, library.load(schema_slug).questions,
+                over_budget = run_view.schema_over_budget(engine, library.load(schema_slug).questions,
                                                           int(max_length))
             except SchemaError:
                 pass  # said when Start is pressed
@@ -123,19 +123,15 @@ with st.expander("Start a run", expanded=not runs or st.session_state.pop(shell.
             except SchemaError as exc:
                 st.error(f"Schema {schema_slug!r} does not load: {exc}")
                 st.stop()
-            engine = shell.get_engine()
             if engine is None:
                 st.error("No model is loaded, so the run cannot start. Choose a model in the sidebar.")
                 st.stop()
-            model_id = shell.model_manager().default_name() or request_model_name(shell.model_manager().state().source)
-            if run_model is not None:
-                engine, model_id = loaded_models[run_model].engine, run_model
             try:
                 check_engine(engine)  # a remote endpoint that stopped: said now, not as one error per case later
             except EngineUnreachableError as exc:
                 st.error(str(exc), icon=":material/cloud_off:")
                 st.stop()
-            run_id = run_view.create_run(store, start_set, schema, schema_slug, model_id, engine.info(),
+            run_id = run_view.create_run(store, start_set, schema, schema_slug, run_model, engine.info(),
                                          chunk_size=int(chunk_size), max_length=int(max_length), overflow=overflow)
             runner.start(run_id, engine, check=False)  # checked above, before the run was recorded
             shell.set_widget(K("selected"), run_id)
@@ -428,9 +424,9 @@ def render_compare(run: dict) -> None:
         st.caption("No other run of this case set with answers yet: run it again with another schema version or "
                    "model.")
         return
-    # the Compare page shows two runs side by side: agreement, flips, metrics and each case
+    # the Compare page shows two runs side by side (agreement, flips, metrics, each case); the older is the baseline
     st.markdown("Open this run beside another on the Compare page:\n" + "\n".join(
-        f"- [{run_view.run_label(other)}]({links.compare_url(other['id'], run['id'])})" for other in others))
+        f"- [{run_view.run_label(other)}]({compare_link(sorted((other['id'], run['id'])))})" for other in others))
 
 
 progress_now = runner.progress(run_id)

@@ -61,11 +61,6 @@ def decide_url(run_id: int, case_id: int) -> str:
     return "/?" + urlencode({"run": run_id, "case": case_id})
 
 
-def compare_url(*run_ids: int) -> str:
-    """Compare with these runs, the oldest (the baseline) first."""
-    return "/compare?" + urlencode({"runs": ",".join(map(str, sorted(run_ids)))}, safe=",")
-
-
 def review_url(run_id: int, case_id: int, question_id: str) -> str:
     return "/review?" + urlencode({"run": run_id, "case": case_id, "question": question_id})
 
