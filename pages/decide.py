@@ -307,9 +307,9 @@ last_error = st.session_state.get(K("last_error"))
 if last_error and last_error["key"] != run_key:
     st.session_state.pop(K("last_error"), None)
     last_error = None
-engine_refused = bool(last_error and last_error["by_field"])
+engine_refused = bool(last_error and last_error["problems"])
 if last_error:
-    vm.route_engine_problems(last_error["by_field"], rows, messages)
+    vm.route_engine_problems(last_error["problems"], rows, messages)
 status: answers.BudgetStatus | None = None
 if engine is None:
     budget_messages.info("No model is loaded, so tokens cannot be counted and nothing can run.")
@@ -323,7 +323,7 @@ else:
         counts = st.session_state.setdefault(K("budget_cache"), vm.BudgetCache()).counts(engine, request, max_length)
     except RequestError as exc:
         engine_refused = True
-        vm.route_engine_problems(answers.problems_by_field(exc.problems), rows, messages)
+        vm.route_engine_problems(exc.problems, rows, messages)
         budget_messages.error("The engine refused this request; see the messages next to the fields above.")
     else:
         status = answers.budget_status(counts)
@@ -359,10 +359,10 @@ if run_clicked and request is not None and engine is not None:
         response = shell.run_queued(engine, [request], max_length=max_length, overflow=overflow,
                                     on_wait=lambda text: wait_line.info(text, icon=":material/hourglass_top:"))[0]
     except RequestError as exc:
-        st.session_state[K("last_error")] = {"key": run_key, "by_field": answers.problems_by_field(exc.problems)}
+        st.session_state[K("last_error")] = {"key": run_key, "problems": exc.problems}
         st.rerun()
     except TokenBudgetError as exc:
-        st.session_state[K("last_error")] = {"key": run_key, "by_field": {}, "budget": vm.in_control_words(str(exc))}
+        st.session_state[K("last_error")] = {"key": run_key, "problems": [], "budget": vm.in_control_words(str(exc))}
         st.rerun()
     except BusyError as exc:
         wait_line.error(f"The GPU queue is full: {exc}")

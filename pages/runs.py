@@ -7,7 +7,7 @@ import streamlit as st
 from clef_engine import DEFAULT_MAX_LENGTH
 from clef_workbench import calibration
 from clef_workbench.compare import compare_link
-from clef_workbench.jobs import EngineUnreachableError, JobAlreadyRunningError, check_engine
+from clef_workbench.jobs import EngineUnreachableError, JobAlreadyRunningError, check_engine, fmt_seconds
 from clef_workbench.run_status import run_outcome, status_label
 from clef_workbench.schemas import SchemaError
 from workbench_ui import run_charts, run_view, shell, units
@@ -177,7 +177,7 @@ def render_progress(run_id: int) -> None:
                      f"status **{outcome.label if outcome else progress['status']}**")
     if progress["live"]:
         cols = st.columns([3, 1])
-        eta = run_view.fmt_seconds(progress["eta_s"]) if progress["eta_s"] is not None else "after the first batch"
+        eta = fmt_seconds(progress["eta_s"]) if progress["eta_s"] is not None else "after the first batch"
         rate = f"{progress['rate_per_s']:.2f} cases/s" if progress["rate_per_s"] else "measuring…"
         cols[0].markdown(f"**Running** · {rate} · ETA {eta}"
                          + (" · cancelling after the batch in flight…" if progress["cancelling"] else ""))

@@ -10,7 +10,6 @@ from typing import Any
 import altair as alt
 import pandas as pd
 
-from clef_engine.errors import Problem
 from clef_engine.protocol import NOUL_DEFAULT_DESCRIPTIONS
 
 CHOSEN_COLOR = "#f38020"  # highlighted bar
@@ -195,21 +194,3 @@ def budget_chart(counts: dict[str, int]) -> alt.Chart:
                  alt.Tooltip("end:Q", format=",")],
     ).properties(height=BUDGET_CHART_HEIGHT)
 
-
-def field_of(loc: tuple | list) -> str:
-    """Which part of the Decide page an engine problem's loc concerns."""
-    head = loc[0] if loc else None
-    if head in ("state", "images", "videos"):
-        return head
-    if head == "questions":
-        return f"question:{loc[1]}" if len(loc) > 1 else "schema"
-    return "request"
-
-
-def problems_by_field(problems: list[Problem]) -> dict[str, list[str]]:
-    """Group a RequestError's problems by the page field they concern."""
-    grouped: dict[str, list[str]] = {}
-    for problem in problems:
-        where = ".".join(str(part) for part in problem.loc)
-        grouped.setdefault(field_of(problem.loc), []).append(f"{where}: {problem.msg}" if where else problem.msg)
-    return grouped

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
+from clef_engine.errors import Problem
 from clef_workbench import schemas
 from workbench_ui import answers, schema_rows, state_input
 
@@ -262,15 +263,19 @@ def route_schema_problems(problems: list[schemas.SchemaProblem], rows: list[dict
             messages.add("schema", problem.msg)
 
 
-def route_engine_problems(by_field: dict[str, list[str]], rows: list[dict[str, Any]], messages: Messages) -> None:
-    for place, texts in by_field.items():
-        targets: list[Any] = (question_rows(place.split(":", 1)[1], rows) or ["schema"]
-                              if place.startswith("question:") else
-                              [{"state": "state", "images": "media", "videos": "media", "schema": "schema"}.get(
-                                  place, "budget")])
+ENGINE_PLACES = {"state": "state", "images": "media", "videos": "media", "questions": "schema"}
+
+
+def route_engine_problems(problems: list[Problem], rows: list[dict[str, Any]], messages: Messages) -> None:
+    """An engine refusal's problems next to what they concern: a question (else the schema), the state, the media;
+    the rest (the model, the budget) under the budget."""
+    for problem in problems:
+        where = ".".join(str(part) for part in problem.loc)
+        head = problem.loc[0] if problem.loc else None
+        targets: list[Any] = (question_rows(str(problem.loc[1]), rows) or ["schema"]
+                              if head == "questions" and len(problem.loc) > 1 else [ENGINE_PLACES.get(head, "budget")])
         for target in targets:
-            for text in texts:
-                messages.add(target, text)
+            messages.add(target, f"{where}: {problem.msg}" if where else problem.msg)
 
 
 CONTROL_LABELS = {

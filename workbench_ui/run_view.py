@@ -10,7 +10,6 @@ import pandas as pd
 
 from clef_engine.errors import ClefError
 from clef_workbench import calibration, casesets, stats
-from clef_workbench.jobs import fmt_seconds as fmt_seconds  # the CLI's words for a duration
 from clef_workbench.run_status import FINISHED_WITH_ERRORS, status_label
 from clef_workbench.store import Run, RunSettings, StoreError, Sweep
 from workbench_ui import links, units

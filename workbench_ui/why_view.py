@@ -87,11 +87,6 @@ def cached_explanation(state: MutableMapping, key: str, engine: DecisionEngine, 
     return kept[1]
 
 
-def model_for_run(models: list, model_id: str) -> Any | None:
-    """The resident model that produced a run, else the default; None when none is loaded."""
-    return next((m for m in models if m.name == model_id), models[0] if models else None)
-
-
 def request_images(request: dict) -> list[Image.Image]:
     return [media.load_image(item) for item in request.get("images") or []]
 
@@ -290,7 +285,7 @@ def render_case_why(key: str, models: list, run: Run, case: Case, *, question_id
     """Explain a stored case with the run's model if resident (else the default, said so)."""
     import streamlit as st
 
-    model = model_for_run(models, run["model_id"])
+    model = next((m for m in models if m.name == run["model_id"]), models[0] if models else None)
     if model is None:
         st.info("Why needs a loaded model: load one in the sidebar.")
         return
