@@ -105,18 +105,9 @@ def restore_deleted(store: Any, kind: str, object_id: Any) -> tuple[str, str]:
         return "error", f"Not restored: {exc}"
 
 
-def tags_column_index(columns: list[str]) -> int:
-    return 1 + columns.index("tags") if "tags" in columns else 0
-
-
-def source_id_column_index(columns: list[str]) -> int:
-    id_like = importing.id_like_columns(columns)
-    return 1 + columns.index(id_like[0]) if id_like else 0
-
-
-def expected_column_index(columns: list[str], guessed: dict[str, str], question_id: str) -> int:
-    options = [NOT_MAPPED, *columns]
-    return options.index(guessed.get(question_id, NOT_MAPPED))
+def mapped_index(columns: list[str], column: str | None) -> int:
+    """Where `column` stands among a mapping selector's options (NOT_MAPPED, then `columns`); 0 when it is not there."""
+    return 1 + columns.index(column) if column in columns else 0
 
 
 @dataclass
