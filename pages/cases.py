@@ -43,7 +43,7 @@ def show_problems(problems: list[str], *, stage: str) -> None:
     st.markdown(view.problems_markdown(problems))
 
 
-shell.show_flash(K("flash"), undo_delete)
+shell.show_message(K("flash"), undo_delete)
 if deleted_sets := store.list_case_sets(deleted=True):
     with st.expander(f"Deleted case sets ({len(deleted_sets)})", icon=":material/restore_from_trash:"):
         for deleted in deleted_sets[:20]:
@@ -204,7 +204,7 @@ def choose_mapping(columns: list[str], schema: dict | None, file_id: str):
         cols = st.columns(min(3, len(questions)))
         for index, question_id in enumerate(questions):
             picked = cols[index % len(cols)].selectbox(
-                question_id, [NOT_MAPPED, *columns], index=view.expected_column_index(columns, guessed, question_id),
+                question_id, [NOT_MAPPED, *columns], index=view.mapped_index(columns, guessed.get(question_id)),
                 key=K(f"map.expected.{question_id}"))
             if picked != NOT_MAPPED:
                 chosen_columns.expected[picked] = question_id
@@ -212,10 +212,10 @@ def choose_mapping(columns: list[str], schema: dict | None, file_id: str):
         st.caption("This case set has no schema, so expected answers cannot be mapped (set one under Settings).")
     label_cols = st.columns(2)
     chosen_columns.tags_column = label_cols[0].selectbox("Tags column", [NOT_MAPPED, *columns], key=K("map.tags"),
-                                                         index=view.tags_column_index(columns))
+                                                         index=view.mapped_index(columns, "tags"))
     chosen_columns.id_column = label_cols[1].selectbox(
         "Source id column", [NOT_MAPPED, *columns], key=K(f"map.id.{file_id}"),
-        index=view.source_id_column_index(columns),
+        index=view.mapped_index(columns, next(iter(importing.id_like_columns(columns)), None)),
         help="Each case keeps this value as its own id (a ticket number), shown in runs, review and exports. The "
              "model does not read it.")
     return choose_state(chosen_columns, file_id)

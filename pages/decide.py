@@ -307,9 +307,9 @@ last_error = st.session_state.get(K("last_error"))
 if last_error and last_error["key"] != run_key:
     st.session_state.pop(K("last_error"), None)
     last_error = None
-engine_refused = bool(last_error and last_error["by_field"])
+engine_refused = bool(last_error and last_error["problems"])
 if last_error:
-    vm.route_engine_problems(last_error["by_field"], rows, messages)
+    vm.route_engine_problems(last_error["problems"], rows, messages)
 status: answers.BudgetStatus | None = None
 if engine is None:
     budget_messages.info("No model is loaded, so tokens cannot be counted and nothing can run.")
@@ -323,7 +323,7 @@ else:
         counts = st.session_state.setdefault(K("budget_cache"), vm.BudgetCache()).counts(engine, request, max_length)
     except RequestError as exc:
         engine_refused = True
-        vm.route_engine_problems(answers.problems_by_field(exc.problems), rows, messages)
+        vm.route_engine_problems(exc.problems, rows, messages)
         budget_messages.error("The engine refused this request; see the messages next to the fields above.")
     else:
         status = answers.budget_status(counts)
@@ -359,10 +359,10 @@ if run_clicked and request is not None and engine is not None:
         response = shell.run_queued(engine, [request], max_length=max_length, overflow=overflow,
                                     on_wait=lambda text: wait_line.info(text, icon=":material/hourglass_top:"))[0]
     except RequestError as exc:
-        st.session_state[K("last_error")] = {"key": run_key, "by_field": answers.problems_by_field(exc.problems)}
+        st.session_state[K("last_error")] = {"key": run_key, "problems": exc.problems}
         st.rerun()
     except TokenBudgetError as exc:
-        st.session_state[K("last_error")] = {"key": run_key, "by_field": {}, "budget": vm.in_control_words(str(exc))}
+        st.session_state[K("last_error")] = {"key": run_key, "problems": [], "budget": vm.in_control_words(str(exc))}
         st.rerun()
     except BusyError as exc:
         wait_line.error(f"The GPU queue is full: {exc}")
@@ -428,15 +428,8 @@ if result:
                                          help="Which parts are removed in turn — everything: the state's "
                                               "sentences or fields, image regions and video frames. More parts "
                                               "cost more tokens.")
-            try:
-                explained = why.cached_explanation(st.session_state, K("why_result"), engine, result.request,
-                                                   unit=unit, max_length=max_length, overflow=overflow)
-            except (ClefError, ValueError) as exc:
-                st.error(f"Why could not be computed: {exc}")
-            else:
-                picked = why_cols[1].selectbox("Why this answer to", list(explained["answers"]),
-                                               key=K("why_question"))
-                why.render_why(explained, picked, result.request["state"], why.request_images(result.request))
+            why.render_explained(K("why_result"), engine, result.request, unit=unit, max_length=max_length,
+                                 overflow=overflow, picker=why_cols[1])
 
         tabs = st.tabs(["Response JSON", "Request JSON"])
         with tabs[0]:

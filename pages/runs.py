@@ -6,8 +6,8 @@ import streamlit as st
 
 from clef_engine import DEFAULT_MAX_LENGTH
 from clef_workbench import calibration
-from clef_workbench.jobs import EngineUnreachableError, JobAlreadyRunningError, check_engine
-from clef_workbench.model_loader import request_model_name
+from clef_workbench.compare import compare_link
+from clef_workbench.jobs import EngineUnreachableError, JobAlreadyRunningError, check_engine, fmt_seconds
 from clef_workbench.run_status import run_outcome, status_label
 from clef_workbench.schemas import SchemaError
 from workbench_ui import run_charts, run_view, shell, units
@@ -99,17 +99,17 @@ with st.expander("Start a run", expanded=not runs or st.session_state.pop(shell.
                                                      "requests from the Decide page go first).")
         max_length, overflow = budget_inputs(cols[1:], "start", run_view.RunSettings())
         loaded_models = {model.name: model for model in shell.model_manager().loaded()}  # the default first
-        run_model = None
+        run_model = next(iter(loaded_models), None)
         if len(loaded_models) > 1:
             shell.forget_widget(K("start.model"), unless_in=loaded_models)
             run_model = shell.pick_model(st.selectbox, K("start.model"), loaded_models,
                                          "Which loaded model runs the case set (add models in the sidebar).",
-                                         default=next(iter(loaded_models)))
-        check_engine_now = loaded_models[run_model].engine if run_model else shell.model_manager().state().engine
+                                         default=run_model)
+        engine = loaded_models[run_model].engine if run_model else None
         over_budget = None
-        if schema_slug is not None and check_engine_now is not None:
+        if schema_slug is not None and engine is not None:
             try:
-                over_budget = run_view.schema_over_budget(check_engine_now, library.load(schema_slug).questions,
+                over_budget = run_view.schema_over_budget(engine, library.load(schema_slug).questions,
                                                           int(max_length))
             except SchemaError:
                 pass  # said when Start is pressed
@@ -123,25 +123,21 @@ with st.expander("Start a run", expanded=not runs or st.session_state.pop(shell.
             except SchemaError as exc:
                 st.error(f"Schema {schema_slug!r} does not load: {exc}")
                 st.stop()
-            engine = shell.get_engine()
             if engine is None:
                 st.error("No model is loaded, so the run cannot start. Choose a model in the sidebar.")
                 st.stop()
-            model_id = shell.model_manager().default_name() or request_model_name(shell.model_manager().state().source)
-            if run_model is not None:
-                engine, model_id = loaded_models[run_model].engine, run_model
             try:
                 check_engine(engine)  # a remote endpoint that stopped: said now, not as one error per case later
             except EngineUnreachableError as exc:
                 st.error(str(exc), icon=":material/cloud_off:")
                 st.stop()
-            run_id = run_view.create_run(store, start_set, schema, schema_slug, model_id, engine.info(),
+            run_id = run_view.create_run(store, start_set, schema, schema_slug, run_model, engine.info(),
                                          chunk_size=int(chunk_size), max_length=int(max_length), overflow=overflow)
             runner.start(run_id, engine, check=False)  # checked above, before the run was recorded
             shell.set_widget(K("selected"), run_id)
             st.rerun()
 
-shell.show_flash(K("flash"), undo_delete_run)
+shell.show_message(K("flash"), undo_delete_run)
 
 if sweeps_listed := run_view.sweep_rows(store.list_sweeps()):
     with st.expander(f"Schema sweeps ({len(sweeps_listed)})", icon=":material/leaderboard:"):
@@ -181,7 +177,7 @@ def render_progress(run_id: int) -> None:
                      f"status **{outcome.label if outcome else progress['status']}**")
     if progress["live"]:
         cols = st.columns([3, 1])
-        eta = run_view.fmt_seconds(progress["eta_s"]) if progress["eta_s"] is not None else "after the first batch"
+        eta = fmt_seconds(progress["eta_s"]) if progress["eta_s"] is not None else "after the first batch"
         rate = f"{progress['rate_per_s']:.2f} cases/s" if progress["rate_per_s"] else "measuring…"
         cols[0].markdown(f"**Running** · {rate} · ETA {eta}"
                          + (" · cancelling after the batch in flight…" if progress["cancelling"] else ""))
@@ -270,7 +266,7 @@ def render_results(run_id: int, live: bool) -> None:
         st.info(covered["sentence"])
     render_export(run, len(results), live)
     if covered["answered"]:
-        render_compare(run, frame)
+        render_compare(run)
 
 
 def render_browse(run_id: int, browse: run_view.Browse, questions: dict) -> None:
@@ -418,8 +414,7 @@ def render_export(run: dict, result_count: int, live: bool) -> None:
                             icon=":material/download:", on_click="ignore")
 
 
-def render_compare(run: dict, frame) -> None:
-    run_id = run["id"]
+def render_compare(run: dict) -> None:
     st.subheader("Compare with another run of the same case set")
     others, without_answers = run_view.comparison_baselines(runs, run)
     if without_answers:
@@ -428,20 +423,10 @@ def render_compare(run: dict, frame) -> None:
     if not others:
         st.caption("No other run of this case set with answers yet: run it again with another schema version or "
                    "model.")
-    else:
-        other_labels = {r["id"]: run_view.run_label(r) for r in others}
-        baseline_id = st.selectbox("Baseline run (A); this run is B", list(other_labels),
-                                   format_func=lambda i: other_labels[i], key=K(f"compare.{run_id}"))
-        comparison = run_view.comparison(store, baseline_id, frame)
-        st.caption(f"{comparison['compared']} (case, question) pairs answered in both runs.")
-        cols = st.columns(2)
-        cols[0].markdown("**Accuracy change per question** (B − A)")
-        cols[0].dataframe(comparison["accuracy"], hide_index=True, width="stretch",
-                          column_config={c: st.column_config.NumberColumn(format="percent")
-                                         for c in ("accuracy_a", "accuracy_b", "change")})
-        cols[1].altair_chart(run_charts.shift_histogram(comparison["shifts"]), width="stretch")
-        st.markdown(f"**Flipped answers** — {len(comparison['flipped'])}")
-        st.dataframe(comparison["flipped"], hide_index=True, width="stretch")
+        return
+    # the Compare page shows two runs side by side (agreement, flips, metrics, each case); the older is the baseline
+    st.markdown("Open this run beside another on the Compare page:\n" + "\n".join(
+        f"- [{run_view.run_label(other)}]({compare_link(sorted((other['id'], run['id'])))})" for other in others))
 
 
 progress_now = runner.progress(run_id)

@@ -16,8 +16,7 @@ library = shell.get_library()
 
 def flash(kind: str, message: str, place: str = "top", *, undo: str | None = None) -> None:
     """A message for the next run, next to the action that caused it (`place`), or at the top with its Undo."""
-    undo_args = None if undo is None else (undo,)
-    st.session_state[K(f"flash.{place}")] = (kind, message, undo_args) if place == "top" else (kind, message)
+    st.session_state[K(f"flash.{place}")] = (kind, message, None if undo is None else (undo,))
 
 
 def editor_key(slug: str) -> str:
@@ -108,7 +107,7 @@ st.caption(f"Folder: `{library.directory}` (set CLEF_SCHEMAS_DIR to change). One
 
 # always there: a message appearing must not move the tabs below (they would jump back to the first)
 with st.container():
-    shell.show_flash(K("flash.top"), restore_schema)
+    shell.show_message(K("flash.top"), restore_schema)
 
 shown = view.listing(library)
 if shown.entries:

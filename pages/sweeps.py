@@ -5,7 +5,6 @@ from __future__ import annotations
 import streamlit as st
 
 from clef_workbench import sweeps
-from clef_workbench.model_loader import request_model_name
 from workbench_ui import run_charts, shell
 from workbench_ui import sweeps_view as sv
 from workbench_ui.cases_view import case_set_label
@@ -55,12 +54,12 @@ def render_alternatives(slug: str, schema: dict) -> None:
 
 
 def start(set_id: int, slug: str, variants: list, folds: int) -> None:
-    engine = shell.get_engine()
-    if engine is None:
+    default = next(iter(shell.model_manager().loaded()), None)
+    if default is None:
         flash("error", "No model is loaded, so the sweep cannot start. Choose a model in the sidebar.")
         return
-    model_id = shell.model_manager().default_name() or request_model_name(shell.model_manager().state().source)
-    sweep_id, message = sv.start_sweep(store, runner, engine, model_id, set_id, slug, variants, folds=folds)
+    sweep_id, message = sv.start_sweep(store, runner, default.engine, default.name, set_id, slug, variants,
+                                       folds=folds)
     flash("success" if sweep_id else "error", message)
     if sweep_id is not None:
         shell.set_widget(K("selected"), sweep_id)
@@ -178,7 +177,7 @@ st.caption("Many versions of a schema scored on a labelled case set at once: eac
 all_sweeps = sweeps.list_sweeps(store)
 with st.expander("Start a sweep", expanded=not all_sweeps, icon=":material/play_arrow:"):
     render_start()
-shell.show_flash(K("flash"), lambda adopted: flash("info", sv.undo_adoption(library, adopted)))
+shell.show_message(K("flash"), lambda adopted: flash("info", sv.undo_adoption(library, adopted)))
 if not all_sweeps:
     st.stop()
 sweep_id = shell.pick_id([s["id"] for s in all_sweeps], K("selected"), "Sweep",

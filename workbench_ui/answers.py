@@ -37,8 +37,6 @@ def option_table(question: dict[str, Any], answer: dict[str, Any]) -> pd.DataFra
         p_true = float(answer["noul"])
         return distribution_table({**question, "type": qtype}, {"true": p_true, "false": 1.0 - p_true},
                                   "true" if p_true >= 0.5 else "false")
-    if qtype not in ("choice", "score"):
-        raise ValueError(f"unknown answer type {qtype!r}")
     probabilities = answer["probabilities"]
     chosen = answer["choice"] if qtype == "choice" else max(probabilities, key=lambda o: float(probabilities[o]))
     return distribution_table({**question, "type": qtype}, probabilities, chosen, legend=answer.get("legend"))
@@ -196,23 +194,3 @@ def budget_chart(counts: dict[str, int]) -> alt.Chart:
                  alt.Tooltip("end:Q", format=",")],
     ).properties(height=BUDGET_CHART_HEIGHT)
 
-
-def field_of(loc: tuple | list) -> str:
-    """Which part of the Decide page an engine problem's loc concerns."""
-    head = loc[0] if loc else None
-    if head in ("state", "images", "videos"):
-        return head
-    if head == "questions":
-        return f"question:{loc[1]}" if len(loc) > 1 else "schema"
-    return "request"
-
-
-def problems_by_field(problems: list[Any]) -> dict[str, list[str]]:
-    """Group RequestError problems (objects with .loc/.msg or dicts) by the page field they concern."""
-    grouped: dict[str, list[str]] = {}
-    for problem in problems:
-        loc = problem["loc"] if isinstance(problem, dict) else problem.loc
-        msg = problem["msg"] if isinstance(problem, dict) else problem.msg
-        where = ".".join(str(part) for part in loc)
-        grouped.setdefault(field_of(loc), []).append(f"{where}: {msg}" if where else msg)
-    return grouped

@@ -93,33 +93,21 @@ def delete_refusal(case_set: dict, runs_of_set: list[dict]) -> str | None:
 
 
 def restore_deleted(store: Any, kind: str, object_id: Any) -> tuple[str, str]:
-    """Undo a delete of "cases" (ids), a "case_set" or one case: the message's kind and text."""
+    """Undo a delete of "cases" (ids) or a "case_set": the message's kind and text."""
     try:
         if kind == "cases":
             for case_id in object_id:
                 store.restore_case(case_id)
             return "success", f"Restored {len(object_id)} case(s)."
-        if kind == "case_set":
-            store.restore_case_set(object_id)
-            return "success", f"Restored case set #{object_id}."
-        store.restore_case(object_id)
-        return "success", f"Restored case #{object_id}."
+        store.restore_case_set(object_id)
+        return "success", f"Restored case set #{object_id}."
     except StoreError as exc:
         return "error", f"Not restored: {exc}"
 
 
-def tags_column_index(columns: list[str]) -> int:
-    return 1 + columns.index("tags") if "tags" in columns else 0
-
-
-def source_id_column_index(columns: list[str]) -> int:
-    id_like = importing.id_like_columns(columns)
-    return 1 + columns.index(id_like[0]) if id_like else 0
-
-
-def expected_column_index(columns: list[str], guessed: dict[str, str], question_id: str) -> int:
-    options = [NOT_MAPPED, *columns]
-    return options.index(guessed.get(question_id, NOT_MAPPED))
+def mapped_index(columns: list[str], column: str | None) -> int:
+    """Where `column` stands among a mapping selector's options (NOT_MAPPED, then `columns`); 0 when it is not there."""
+    return 1 + columns.index(column) if column in columns else 0
 
 
 @dataclass

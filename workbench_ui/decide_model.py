@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
+from clef_engine.errors import Problem
 from clef_workbench import schemas
 from workbench_ui import answers, schema_rows, state_input
 
@@ -143,7 +144,7 @@ class Builder:
 
     def load(self, slug: str, schema: schemas.Schema) -> None:
         """Put a library schema on screen (undoable); the state editor gets its first example unless typed in."""
-        typed = self._kept(key("state_text")).strip() not in {"", *self._example_texts()}
+        typed = self._state_typed()
         if self.uids:
             self._remember_replaced("schema", f"Loaded “{slug}” in place of the questions that were here.")
         self.set_rows(schema_rows.questions_to_rows(schema.questions))
@@ -172,7 +173,7 @@ class Builder:
         if not 0 <= index < len(self.examples):
             return
         example = state_input.state_to_text(self.examples[index]["state"])
-        if self._kept(key("state_text")).strip() not in {"", *self._example_texts()}:
+        if self._state_typed():
             name = self.examples[index].get("name") or f"Example {index + 1}"
             self._remember_replaced("state", f"Replaced the state with the example “{name}”.")
         set_kept(self.state, key("state_text"), example)
@@ -181,11 +182,10 @@ class Builder:
     REPLACEABLE = ("state_text", "schema_name", "schema_description", "library_pick")
     LOADED = ("loaded_slug", "loaded_questions", "examples")
 
-    def _example_texts(self) -> list[str]:
-        return [state_input.state_to_text(example["state"]).strip() for example in self.examples]
-
-    def _kept(self, name: str) -> str:
-        return str(kept(self.state, name) or "")
+    def _state_typed(self) -> bool:
+        """Whether the state editor holds something typed in: neither empty nor one of the examples."""
+        examples = [state_input.state_to_text(example["state"]).strip() for example in self.examples]
+        return str(kept(self.state, key("state_text")) or "").strip() not in {"", *examples}
 
     def _remember_replaced(self, place: str, message: str) -> None:
         self.state[key("replaced")] = {
@@ -263,15 +263,19 @@ def route_schema_problems(problems: list[schemas.SchemaProblem], rows: list[dict
             messages.add("schema", problem.msg)
 
 
-def route_engine_problems(by_field: dict[str, list[str]], rows: list[dict[str, Any]], messages: Messages) -> None:
-    for place, texts in by_field.items():
-        targets: list[Any] = (question_rows(place.split(":", 1)[1], rows) or ["schema"]
-                              if place.startswith("question:") else
-                              [{"state": "state", "images": "media", "videos": "media", "schema": "schema"}.get(
-                                  place, "budget")])
+ENGINE_PLACES = {"state": "state", "images": "media", "videos": "media", "questions": "schema"}
+
+
+def route_engine_problems(problems: list[Problem], rows: list[dict[str, Any]], messages: Messages) -> None:
+    """An engine refusal's problems next to what they concern: a question (else the schema), the state, the media;
+    the rest (the model, the budget) under the budget."""
+    for problem in problems:
+        where = ".".join(str(part) for part in problem.loc)
+        head = problem.loc[0] if problem.loc else None
+        targets: list[Any] = (question_rows(str(problem.loc[1]), rows) or ["schema"]
+                              if head == "questions" and len(problem.loc) > 1 else [ENGINE_PLACES.get(head, "budget")])
         for target in targets:
-            for text in texts:
-                messages.add(target, text)
+            messages.add(target, f"{where}: {problem.msg}" if where else problem.msg)
 
 
 CONTROL_LABELS = {

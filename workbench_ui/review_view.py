@@ -140,10 +140,7 @@ def outcome(item: ReviewItem) -> str:
 
 def reviewed_note(item: ReviewItem) -> str | None:
     """Said above an item a link opened that was reviewed already; None for an item still open."""
-    if item["status"] in OPEN:
-        return None
-    return (f"This item was already reviewed: {item['status']} by {item['reviewer']}"
-            + (f" as “{review.label_key(item['label'])}”" if item["label"] is not None else "") + ".")
+    return None if item["status"] in OPEN else f"This item was already reviewed: {outcome(item)}."
 
 
 @dataclass(frozen=True)

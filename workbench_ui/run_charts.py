@@ -82,14 +82,6 @@ def reliability_diagram(question_id: str, bins: pd.DataFrame, calibrated: pd.Dat
         width=220, height=220 if calibrated is None else 240, title=f"Reliability: {question_id}")
 
 
-def shift_histogram(shifts: pd.DataFrame) -> alt.Chart:
-    data = shifts if not shifts.empty else pd.DataFrame({"shift": pd.Series(dtype=float)})
-    return alt.Chart(data).mark_bar(color="#8e6bd8").encode(
-        x=alt.X("shift:Q", bin=alt.Bin(extent=[-1, 1], step=0.05), title="p(B) − p(A) per option"),
-        y=alt.Y("count():Q", title="options"),
-    ).properties(height=220, title="Probability shift")
-
-
 LEADERBOARD_COLORS = {"base": OTHER_COLOR, "better": "#27ae60", "worse": "#d64545", "no clear difference": "#2f80ed"}
 
 

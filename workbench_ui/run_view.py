@@ -10,7 +10,6 @@ import pandas as pd
 
 from clef_engine.errors import ClefError
 from clef_workbench import calibration, casesets, stats
-from clef_workbench.jobs import fmt_seconds as fmt_seconds  # the CLI's words for a duration
 from clef_workbench.run_status import FINISHED_WITH_ERRORS, status_label
 from clef_workbench.store import Run, RunSettings, StoreError, Sweep
 from workbench_ui import links, units
@@ -210,7 +209,3 @@ def export(store: Any, run: dict, result_count: int, live: bool) -> ExportFiles:
                        casesets.export_results_jsonl(store, run["id"]), casesets.export_results_csv(store, run["id"]),
                        "One row per case × question; a failed case is one row with its error." + still_going)
 
-
-def comparison(store: Any, baseline_id: int, frame: pd.DataFrame) -> dict[str, Any]:
-    baseline = store.get_run(baseline_id)
-    return stats.compare_runs(stats.answer_frame(store.list_results(baseline_id), baseline["schema"]), frame)

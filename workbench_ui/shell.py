@@ -383,22 +383,19 @@ def declared_default(widget_name: str, value: Any, options: Any = None) -> dict[
     return {"index": choices.index(value)} if value in choices else {}
 
 
-def show_message(key: str, **kwargs: Any) -> None:
-    """The message (kind, text) an action left under `key` for the page's next run, shown once."""
-    if message := st.session_state.pop(key, None):
-        getattr(st, message[0])(message[1], **kwargs)
-
-
-def show_flash(key: str, undo: Callable[..., None]) -> None:
-    """The message (kind, text, undo arguments) an action left under `key`, shown once, with Undo."""
+def show_message(key: str, undo: Callable[..., None] | None = None, **kwargs: Any) -> None:
+    """The message (kind, text[, undo arguments]) an action left under `key` for the page's next run, shown once;
+    with undo arguments, beside an Undo button that calls `undo` with them."""
     message = st.session_state.pop(key, None)
     if not message:
         return
-    kind, text, undo_args = message
+    kind, text, undo_args = (*message, None)[:3]
+    if undo is None or undo_args is None:
+        getattr(st, kind)(text, **kwargs)
+        return
     cols = st.columns([5, 1], vertical_alignment="center")
-    getattr(cols[0], kind)(text)
-    if undo_args is not None:
-        cols[1].button("Undo", key=f"{key}.undo", icon=":material/undo:", on_click=undo, args=undo_args)
+    getattr(cols[0], kind)(text, **kwargs)
+    cols[1].button("Undo", key=f"{key}.undo", icon=":material/undo:", on_click=undo, args=undo_args)
 
 
 def url_int(name: str) -> int | None:

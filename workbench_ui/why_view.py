@@ -87,11 +87,6 @@ def cached_explanation(state: MutableMapping, key: str, engine: DecisionEngine, 
     return kept[1]
 
 
-def model_for_run(models: list, model_id: str) -> Any | None:
-    """The resident model that produced a run, else the default; None when none is loaded."""
-    return next((m for m in models if m.name == model_id), models[0] if models else None)
-
-
 def request_images(request: dict) -> list[Image.Image]:
     return [media.load_image(item) for item in request.get("images") or []]
 
@@ -265,24 +260,37 @@ def render_why(explained: dict, question_id: str, state: Any, images: list[Image
     st.markdown(top_html(segments), unsafe_allow_html=True)
 
 
+def render_explained(key: str, engine: DecisionEngine, request: dict, *, unit: str = EVERYTHING,
+                     max_length: int | None, overflow: str, question_id: str | None = None, picker: Any = None,
+                     note: str | None = None) -> None:
+    """Explain `request` (kept under `key`) and show one question's explanation: `question_id`, else the one picked
+    in `picker` (a column; the page by default); `note` goes above it."""
+    import streamlit as st
+
+    try:
+        explained = cached_explanation(st.session_state, key, engine, request, unit=unit, max_length=max_length,
+                                       overflow=overflow)
+    except (ClefError, ValueError) as exc:
+        st.error(f"Why could not be computed: {exc}")
+        return
+    if note:
+        st.caption(note)
+    if question_id is None:
+        question_id = (picker or st).selectbox("Why this answer to", list(explained["answers"]),
+                                               key=f"{key}.question")
+    render_why(explained, question_id, request["state"], request_images(request))
+
+
 def render_case_why(key: str, models: list, run: Run, case: Case, *, question_id: str | None = None) -> None:
     """Explain a stored case with the run's model if resident (else the default, said so)."""
     import streamlit as st
 
-    model = model_for_run(models, run["model_id"])
+    model = next((m for m in models if m.name == run["model_id"]), models[0] if models else None)
     if model is None:
         st.info("Why needs a loaded model: load one in the sidebar.")
         return
-    request = build_request(case, run["schema"], model=run["model_id"])
-    try:
-        explained = cached_explanation(st.session_state, key, model.engine, request,
-                                       max_length=run["settings"].max_length, overflow=run["settings"].overflow)
-    except (ClefError, ValueError) as exc:
-        st.error(f"Why could not be computed: {exc}")
-        return
-    if model.name != run["model_id"]:
-        st.caption(f"Explained by {model.label}: the run's model {run['model_id']} is not loaded here, so these "
-                   "answers may differ from the run's.")
-    if question_id is None:
-        question_id = st.selectbox("Why this answer to", list(explained["answers"]), key=f"{key}.question")
-    render_why(explained, question_id, request["state"], request_images(request))
+    note = (None if model.name == run["model_id"] else f"Explained by {model.label}: the run's model "
+            f"{run['model_id']} is not loaded here, so these answers may differ from the run's.")
+    render_explained(key, model.engine, build_request(case, run["schema"], model=run["model_id"]),
+                     max_length=run["settings"].max_length, overflow=run["settings"].overflow,
+                     question_id=question_id, note=note)

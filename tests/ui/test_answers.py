@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 
-from clef_engine.errors import Problem
 from workbench_ui import answers
 
 QUESTIONS = {
@@ -113,18 +112,3 @@ def test_budget_table_shows_free_space_or_the_overflow():
     assert list(exact["part"]) == list(answers.BUDGET_PARTS)
     spec = answers.budget_chart({**COUNTS, "max_length": 800}).to_dict()
     assert spec["encoding"]["color"]["scale"]["range"][-1] == "#d64545", "the overflow is drawn in red"
-
-
-def test_problems_are_grouped_by_the_field_they_concern():
-    problems = [Problem(("state",), "missing"), Problem(("questions", "team", "criteria"), "needs 2 options"),
-                Problem(("questions",), "too many"), Problem(("images", 0), "not an image"),
-                Problem(("model",), "must be a string"), {"loc": ["videos", 1], "msg": "bad video"}]
-    grouped = answers.problems_by_field(problems)
-    assert grouped == {
-        "state": ["state: missing"],
-        "question:team": ["questions.team.criteria: needs 2 options"],
-        "schema": ["questions: too many"],
-        "images": ["images.0: not an image"],
-        "request": ["model: must be a string"],
-        "videos": ["videos.1: bad video"],
-    }

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+from clef_engine.errors import Problem
 from clef_workbench import schemas
 from clef_workbench.store import Store
 from workbench_ui import answers, schema_rows, state_input
@@ -113,9 +114,12 @@ def test_problems_go_next_to_their_question_by_position_or_id():
     assert messages.warnings == {0: ["vague"]}
 
     engine = vm.Messages()
-    vm.route_engine_problems({"state": ["empty"], "images": ["too big"], "question:urgent": ["x"],
-                              "question:gone": ["y"], "max_length": ["z"]}, rows, engine)
-    assert engine.errors == {"state": ["empty"], "media": ["too big"], 0: ["x"], "schema": ["y"], "budget": ["z"]}
+    vm.route_engine_problems([Problem(("state",), "empty"), Problem(("images", 0), "too big"),
+                              Problem(("questions", "urgent", "criteria"), "x"), Problem(("questions", "gone"), "y"),
+                              Problem(("questions",), "too many"), Problem(("model",), "z")], rows, engine)
+    assert engine.errors == {"state": ["state: empty"], "media": ["images.0: too big"],
+                             0: ["questions.urgent.criteria: x"],
+                             "schema": ["questions.gone: y", "questions: too many"], "budget": ["model: z"]}
 
 
 def test_engine_wording_becomes_the_controls_labels():

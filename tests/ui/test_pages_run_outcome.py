@@ -119,7 +119,7 @@ def test_a_schema_over_max_length_is_said_before_the_start_and_a_retry_takes_oth
 
 
 @pytest.mark.slow  # the pages on the demo model, with its runs: tens of seconds each on a busy machine
-def test_the_runs_page_compares_with_a_run_that_has_answers_never_an_all_error_one(workbench):
+def test_the_runs_page_links_to_compare_with_a_run_that_has_answers_never_an_all_error_one(workbench):
     AppTest.from_file(APP, default_timeout=TIMEOUT).run()
     store = Store(workbench / "workbench.sqlite3")
     set_id = casesets.load_example_case_sets(store, workbench / "schemas")["support-ticket-routing"]
@@ -129,10 +129,9 @@ def test_the_runs_page_compares_with_a_run_that_has_answers_never_an_all_error_o
     newest = start_run(store, set_id, demo)
 
     at = open_page("pages/runs.py", run=str(newest))
-    baseline = at.selectbox(key=f"runs.compare.{newest}")
-    assert baseline.options == [run_view.run_label(store.get_run(answered))] and baseline.value == answered
+    assert f"- [{run_view.run_label(store.get_run(answered))}](/compare?runs={answered},{newest})" in texts(at)
+    assert texts(at).count("/compare?runs=") == 1, "no link to the run whose every case failed"
     assert "1 other run(s) of this case set have no answers" in texts(at)
-    assert "pairs answered in both runs" in texts(at)
 
 
 def run_row(**counts) -> dict:

@@ -158,7 +158,7 @@ def test_runs_page_runs_cancels_resumes_and_shows_stats(workbench, monkeypatch):
     assert len(at.get("vega_lite_chart")) >= 5  # latency, accuracy, confusion ×2, reliability
     assert len(at.get("download_button")) == 2
 
-    # a second run of the same set can be compared with the first
+    # a second run of the same set links to the Compare page with both runs chosen
     button(at, "Start run").click()
     at.run()
     second = store.list_runs()[0]["id"]
@@ -166,8 +166,7 @@ def test_runs_page_runs_cancels_resumes_and_shows_stats(workbench, monkeypatch):
     at.run()
     no_exceptions(at)
     assert at.selectbox(key="runs.selected").value == second
-    assert "pairs answered in both runs" in texts(at)
-    assert "**Flipped answers**" in texts(at)
+    assert f"(/compare?runs={run_id},{second})" in texts(at)
 
 
 def _finished_run(workbench: Path) -> tuple[Store, int]:

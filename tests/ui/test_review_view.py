@@ -107,7 +107,7 @@ def test_actions_gold_label_and_undo_say_what_happened(queue):
     assert view.saved_message(item, "correct", blind=True) == (
         f"Correct saved for case {case_ids[3]} · team. The model had answered “billing”.")
     done = store.get_review_item(item["id"])
-    assert view.reviewed_note(done) == "This item was already reviewed: corrected by ana as “tech”."
+    assert view.reviewed_note(done) == "This item was already reviewed: corrected as “tech” by ana."
     assert view.reviewed_note(items[(case_ids[1], "team")]) is None
     assert view.record_row(done, current=True, blind=False) == (
         "▶ `team` (choice)", "model: **billing** (0.80)", "corrected as “tech” by ana")

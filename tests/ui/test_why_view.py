@@ -140,7 +140,7 @@ def test_decide_why_toggle_highlights_the_sentences_and_fields(workbench):
     records_before = engine().info()["scheduler"]["records"]
     at.toggle(key="decide.why").set_value(True).run()
     no_exceptions(at)
-    question = at.selectbox(key="decide.why_question").value
+    question = at.selectbox(key="decide.why_result.question").value
     explained = at.session_state["decide.why_result"][1]
     segments = explained["x_explanations"][question]
     highlighted = next(m.value for m in at.markdown if "why-text" in m.value)
@@ -150,7 +150,7 @@ def test_decide_why_toggle_highlights_the_sentences_and_fields(workbench):
     assert engine().info()["scheduler"]["records"] == records_before + 1 + len(segments)  # one batched job
     # another question: its own explanation, from the same run (nothing decided again)
     other = [q for q in explained["answers"] if q != question][0]
-    at.selectbox(key="decide.why_question").set_value(other).run()
+    at.selectbox(key="decide.why_result.question").set_value(other).run()
     no_exceptions(at)
     assert engine().info()["scheduler"]["records"] == records_before + 1 + len(segments)
     highlighted = next(m.value for m in at.markdown if "why-text" in m.value)
