@@ -315,31 +315,6 @@ def least_confident(frame: pd.DataFrame, n: int = 10) -> pd.DataFrame:
     return frame.sort_values(["margin", "confidence"], kind="stable").head(n)[columns].reset_index(drop=True)
 
 
-def compare_runs(frame_a: pd.DataFrame, frame_b: pd.DataFrame) -> dict[str, Any]:
-    """Two runs of the same case set (A = baseline, B = new): per-question accuracy of each and the change B − A,
-    the (case, question) answers that flipped, and per (case, question, option) the shift p_b − p_a."""
-    acc_a = accuracy_by_question(frame_a)[["question_id", "accuracy"]].rename(columns={"accuracy": "accuracy_a"})
-    acc_b = accuracy_by_question(frame_b)[["question_id", "accuracy"]].rename(columns={"accuracy": "accuracy_b"})
-    accuracy = acc_a.merge(acc_b, on="question_id", how="outer")
-    accuracy["change"] = accuracy["accuracy_b"] - accuracy["accuracy_a"]
-    keys = ["case_id", "question_id"]
-    joined = frame_a.merge(frame_b, on=keys, suffixes=("_a", "_b"))
-    flipped = joined[joined["predicted_a"] != joined["predicted_b"]]
-    flipped = flipped[keys + ["position_a", "expected_a", "predicted_a", "predicted_b", "correct_a", "correct_b",
-                              "confidence_a", "confidence_b"]].rename(columns={"position_a": "position",
-                                                                                "expected_a": "expected"})
-    shift_rows = []
-    for row in joined.itertuples(index=False):
-        for option, p_a in row.distribution_a.items():
-            if option in row.distribution_b:
-                shift_rows.append({"case_id": row.case_id, "question_id": row.question_id, "option": option,
-                                   "p_a": p_a, "p_b": row.distribution_b[option],
-                                   "shift": row.distribution_b[option] - p_a})
-    shifts = pd.DataFrame(shift_rows, columns=["case_id", "question_id", "option", "p_a", "p_b", "shift"])
-    return {"accuracy": accuracy, "flipped": flipped.reset_index(drop=True), "shifts": shifts,
-            "compared": len(joined)}
-
-
 # -- browsing a run's results -------------------------------------------------------------------------------------
 
 

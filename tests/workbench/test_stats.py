@@ -155,22 +155,6 @@ def test_slowest_cases_ignore_errors():
     assert list(slow["case_id"]) == [2, 3]
 
 
-def test_compare_runs_accuracy_change_flips_and_shifts():
-    run_a = [result(1, noul=0.9, expected={"urgent": True}), result(2, noul=0.6, expected={"urgent": False})]
-    run_b = [result(1, noul=0.7, expected={"urgent": True}), result(2, noul=0.2, expected={"urgent": False})]
-    out = stats.compare_runs(stats.answer_frame(run_a, SCHEMA), stats.answer_frame(run_b, SCHEMA))
-    accuracy = out["accuracy"].set_index("question_id")
-    assert accuracy.loc["urgent", "accuracy_a"] == 0.5 and accuracy.loc["urgent", "accuracy_b"] == 1.0
-    assert accuracy.loc["urgent", "change"] == pytest.approx(0.5)
-    flipped = out["flipped"]
-    assert list(flipped["case_id"]) == [2]
-    assert flipped.loc[0, "predicted_a"] == "true" and flipped.loc[0, "predicted_b"] == "false"
-    shifts = out["shifts"].set_index(["case_id", "option"])["shift"]
-    assert shifts.loc[(1, "true")] == pytest.approx(-0.2)
-    assert shifts.loc[(2, "false")] == pytest.approx(0.4)
-    assert out["compared"] == 2
-
-
 def test_empty_run_gives_empty_stats_not_errors():
     assert stats.latency_stats([])["count"] == 0
     assert stats.throughput([], 3)["records_per_s"] is None
