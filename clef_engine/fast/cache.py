@@ -51,30 +51,16 @@ class PrefixState:
         tensors = [t for layer in self.layers for t in layer.tensors()] + [self.memory]
         return sum(t.numel() * t.element_size() for t in tensors)
 
-    @property
-    def device(self) -> torch.device:
-        return self.memory.device
-
     def to(self, device: torch.device | str, non_blocking: bool = False) -> PrefixState:
         return PrefixState(self.length, [layer.to(device, non_blocking) for layer in self.layers],
                            self.memory.to(device, non_blocking=non_blocking))
 
-    def to_host(self) -> PrefixState:
-        """A copy in host memory, made on the current stream; the calling thread waits for it. Only entries up to
-        `SPILL_MAX_BYTES` are copied (see there)."""
-        layers = [LayerState(*(t.to("cpu") if t is not None else None
-                               for t in (layer.keys, layer.values, layer.conv_tail, layer.recurrent)))
-                  for layer in self.layers]
-        return PrefixState(self.length, layers, self.memory.to("cpu"))
-
 
 def prefix_key(model_id: str, token_ids: list[int], media_digest: str = "") -> str:
     hasher = hashlib.blake2b(digest_size=20)
-    hasher.update(model_id.encode())
-    hasher.update(b"\0")
-    hasher.update(media_digest.encode())
-    hasher.update(b"\0")
-    hasher.update(torch.tensor(token_ids, dtype=torch.int64).numpy().tobytes())
+    for part in (model_id.encode(), b"\0", media_digest.encode(), b"\0",
+                 torch.tensor(token_ids, dtype=torch.int64).numpy().tobytes()):
+        hasher.update(part)
     return hasher.hexdigest()
 
 
@@ -175,7 +161,7 @@ class StateCache:
             generation, key, state, ready = self._spills.get()
             with torch.cuda.stream(stream):
                 stream.wait_event(ready)
-                moved = state.to_host()  # done when it returns: the device tensors can go
+                moved = state.to("cpu")  # blocking: done when it returns, the device tensors can go
             del state
             with self._lock:
                 self._spilling -= 1

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import importlib.util
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import torch
 import torch.nn.functional as F
@@ -130,13 +130,6 @@ def causal_conv_after_triton(x: torch.Tensor, weight: torch.Tensor, tail: torch.
 
 # ---- gated delta rule ------------------------------------------------------------------------------------------------
 
-def gdn_gates(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor):
-    """(g, beta) exactly as Qwen3_5GatedDeltaNet computes them."""
-    beta = b.sigmoid()
-    g = -A_log.float().exp() * F.softplus(a.float() + dt_bias)
-    return g, beta
-
-
 def gated_delta_torch(q, k, v, a, b, A_log, dt_bias, segments: Segments, initial_state=None,
                       output_final_state: bool = False):
     """q, k [N, H, K]; v [N, HV, V]; per record through transformers' own torch chunked rule.
@@ -144,7 +137,8 @@ def gated_delta_torch(q, k, v, a, b, A_log, dt_bias, segments: Segments, initial
     from transformers.models.qwen3_5 import modeling_qwen3_5 as qwen
 
     rule = getattr(qwen.torch_chunk_gated_delta_rule, "__wrapped__", qwen.torch_chunk_gated_delta_rule)
-    g, beta = gdn_gates(a, b, A_log, dt_bias)
+    beta = b.sigmoid()  # beta and g exactly as Qwen3_5GatedDeltaNet computes them
+    g = -A_log.float().exp() * F.softplus(a.float() + dt_bias)
     repeat = v.shape[1] // q.shape[1]
     outputs, states = [], []
     for r, (start, length) in enumerate(zip(segments.starts, segments.lengths)):
@@ -183,27 +177,18 @@ def gated_delta_fla(q, k, v, a, b, A_log, dt_bias, segments: Segments, initial_s
 
 # ---- full attention: q/k norm + RoPE, output gate -------------------------------------------------------------------
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Partial rotary on [N, H, D] with cos/sin [N, R] (R <= D), as transformers' apply_rotary_pos_emb."""
-    rotary = cos.shape[-1]
-    cos, sin = cos[:, None, :], sin[:, None, :]
-    x_rot, x_pass = x[..., :rotary], x[..., rotary:]
-    return torch.cat([x_rot * cos + rotate_half(x_rot) * sin, x_pass], dim=-1)
-
-
 def norm_rope_torch(source: torch.Tensor, offset: int, head_stride: int, heads: int, dim: int,
                     weight_plus_one: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm then RoPE of the heads read from the projection output: head h of token t is the `dim` values at
-    source[t, offset + h * head_stride:]. Returns [N, heads, dim]."""
-    n = source.shape[0]
+    source[t, offset + h * head_stride:]. Returns [N, heads, dim]. The rotary is partial (the first R of the dim
+    values, cos/sin [N, R]), as transformers' apply_rotary_pos_emb."""
+    n, rotary = source.shape[0], cos.shape[-1]
     x = source.as_strided((n, heads, dim), (source.stride(0), head_stride, 1), source.storage_offset() + offset)
     normed, _ = rms_norm_torch(x.contiguous(), weight_plus_one, eps)
-    return apply_rope(normed, cos, sin)
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    x_rot, x_pass = normed[..., :rotary], normed[..., rotary:]
+    rotated_half = torch.cat((-x_rot[..., rotary // 2:], x_rot[..., : rotary // 2]), dim=-1)
+    return torch.cat([x_rot * cos + rotated_half * sin, x_pass], dim=-1)
 
 
 def norm_rope_triton(*args, **kwargs) -> torch.Tensor:
@@ -302,17 +287,12 @@ class Kernels:
     residual_projection: Callable = residual_projection_torch
     notes: dict = field(default_factory=dict)
 
-    SLOTS = ("rms_norm", "gated_rms_norm", "causal_conv", "causal_conv_after", "gated_delta", "attention",
-             "attention_after_prefix", "attention_after_prefixes", "attention_chunk", "norm_rope",
-             "sigmoid_gate", "silu_mul", "residual_projection")
-
     def describe(self) -> dict[str, str]:
         names = {}
-        for name in self.SLOTS:
-            fn = getattr(self, name)
-            names[name] = f"{fn.__module__.rsplit('.', 1)[-1]}.{fn.__name__}"
-        names.update(self.notes)
-        return names
+        for slot in fields(self)[:-1]:  # every kernel; then the notes
+            fn = getattr(self, slot.name)
+            names[slot.name] = f"{fn.__module__.rsplit('.', 1)[-1]}.{fn.__name__}"
+        return names | self.notes
 
     @property
     def slow(self) -> list[str]:
