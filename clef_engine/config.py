@@ -103,14 +103,13 @@ class EngineConfig:
                 env: Mapping[str, str] | None = None, **given: Any) -> EngineConfig:
         """The config for these keyword arguments (None = not given), then the environment, then the defaults."""
         env = os.environ if env is None else env
-        unknown = set(given) - {f for f in cls.__dataclass_fields__}
+        unknown = set(given) - set(cls.__dataclass_fields__)
         if unknown:
             raise TypeError(f"unknown engine option(s): {', '.join(sorted(unknown))}")
         values = {key: value for key, value in given.items() if value is not None}
         for key, name in ENVIRONMENT.items():
             text = (env.get(name) or "").strip()
-            if not text or key in values or (key == "device" and device is not None) or (
-                    key == "dtype" and dtype is not None):
+            if not text or key in values:
                 continue
             if key in ("allow_slow_kernels", "cuda_graphs", "warm_up"):
                 values[key] = _flag(name, text)
@@ -118,10 +117,9 @@ class EngineConfig:
                 values[key] = text
             else:
                 values[key] = _count(name, text)
-        where = torch.device(device if device is not None else values.pop("device", None) or default_device())
-        dtype = parse_dtype(dtype if dtype is not None else values.pop("dtype", None), where)
-        values.pop("device", None)
-        values.pop("dtype", None)
+        device_set, dtype_set = values.pop("device", None), values.pop("dtype", None)
+        where = torch.device(device if device is not None else device_set or default_device())
+        dtype = parse_dtype(dtype if dtype is not None else dtype_set, where)
         cuda = where.type == "cuda"
         if cuda and not torch.cuda.is_available():
             raise ReleaseError("device cuda was asked for but no CUDA GPU is visible")

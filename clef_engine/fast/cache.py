@@ -10,11 +10,8 @@ Entries are keyed by model, the prefix token ids and the media digest, bounded i
 device, then (on CUDA, entries up to `SPILL_MAX_BYTES`) in host memory; least recently used entries move down a tier,
 then out, and a record long enough to run in chunks first moves the whole device tier down (`make_room`). The copy
 to host memory runs on its own thread and CUDA stream; an entry being copied is found in neither tier until its copy
-is done. One GPU worker thread uses the cache; a lock keeps `stats()` readers safe.
-
-`PrefixCache` (at the end) is the whole feature as the engine calls it: which records it takes, storing a state,
-continuing from one. It uses packed.py's forward (which can stop at the state's end or start after it) and
-graphs.py's continuation graphs (kept per entry object there, not inside the entry).
+is done. One GPU worker thread uses the cache; a lock keeps `stats()` readers safe. `PrefixCache` (at the end) is
+the whole feature as the engine calls it.
 """
 
 from __future__ import annotations
@@ -89,9 +86,6 @@ class StateCache:
     _spilling: int = 0
     _generation: int = 0
 
-    def eligible(self, prefix_tokens: int) -> bool:
-        return self.enabled and prefix_tokens >= self.min_prefix_tokens
-
     def get(self, key: str) -> PrefixState | None:
         with self._lock:
             entry = self._device_entries.get(key)
@@ -116,15 +110,12 @@ class StateCache:
             self._stats.stored += 1
 
     def _insert(self, key: str, state: PrefixState) -> None:
-        spill: list[tuple[str, PrefixState]] = []
         with self._lock:
             self._device_entries.pop(key, None)
             self._host_entries.pop(key, None)
             self._device_entries[key] = state
             while self._tier_bytes(self._device_entries) > self.device_bytes:  # least recently used first
-                spill.append(self._device_entries.popitem(last=False))
-            for old_key, old_state in spill:
-                self._move_down(old_key, old_state)
+                self._move_down(*self._device_entries.popitem(last=False))
 
     def make_room(self) -> None:
         """Move every entry of the device tier down a tier: called before a record long enough to run in chunks, so
@@ -132,10 +123,8 @@ class StateCache:
         instead of adding to it; what a long record may peak at is then its weights, its keys/values and a bounded
         working set, whatever was answered before it."""
         with self._lock:
-            leaving = list(self._device_entries.items())
-            self._device_entries.clear()
-            for key, state in leaving:
-                self._move_down(key, state)
+            while self._device_entries:  # least recently used first
+                self._move_down(*self._device_entries.popitem(last=False))
 
     def _move_down(self, key: str, state: PrefixState) -> None:
         """An entry leaving the device tier (called with the lock held): copied to host memory if small, else out."""
@@ -214,7 +203,7 @@ class PrefixCache:
 
     def key(self, record) -> str | None:
         """The cache key of the record's state prefix, or None when the cache does not take the record."""
-        if not self.store.eligible(record.state_end) or record.state_end >= len(record):
+        if not self.store.enabled or not self.store.min_prefix_tokens <= record.state_end < len(record):
             return None
         return prefix_key(self.model_key, record.input_ids[: record.state_end], record.media_digest)
 

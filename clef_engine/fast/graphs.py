@@ -22,6 +22,7 @@ and the eager path answers instead.
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections import OrderedDict
 from itertools import chain
@@ -31,17 +32,13 @@ import torch
 
 from .segments import Segments, make_segments
 
-_side_streams: dict[torch.device, torch.cuda.Stream] = {}
 
-
+@functools.cache
 def side_stream(device: torch.device) -> torch.cuda.Stream:
     """The one stream every capture (and the eager run before it) uses on `device`. One, not one per capture: the
     caching allocator reuses a freed block only on the stream it was allocated on, so a new stream per capture
     would give every graph its own scratch memory."""
-    device = torch.device(device)
-    if device not in _side_streams:
-        _side_streams[device] = torch.cuda.Stream(device)
-    return _side_streams[device]
+    return torch.cuda.Stream(device)
 
 
 def capture(body, device: torch.device, pool=None) -> tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]:
@@ -132,9 +129,6 @@ class PrefillGraphs:
         self.continuations.clear()
         self.pool = None
 
-    def usable(self, n: int) -> bool:
-        return self.disabled is None and n <= self.max_tokens
-
     def lengths_to_capture(self) -> list[int]:
         """Every bucket up to max_tokens, longest first (so that the pool is sized once, by the largest)."""
         return sorted(buckets(self.max_tokens), reverse=True)
@@ -162,7 +156,7 @@ class PrefillGraphs:
         it is done), or None if graphs are off for it or its bucket waits for the warm-up. The result is a view into
         the graph's output: read it before the next call."""
         n = input_ids.shape[0]
-        if not self.usable(n):
+        if self.disabled is not None or n > self.max_tokens:
             return None
         length = bucket(n)
         graph = self.prefill.get(length)
@@ -398,9 +392,6 @@ class HeadGraphs:
         self.captures = 0
         self.replays = 0
 
-    def usable(self, tokens: int) -> bool:
-        return self.disabled is None and tokens <= self.max_tokens
-
     def _body(self, entry: HeadGraph) -> torch.Tensor:
         from ..model.head import HeadBatch, key_counts, option_probabilities, pooled_sums, pooling_matrix
 
@@ -435,7 +426,7 @@ class HeadGraphs:
         """Per question, the option probabilities of `record` from its normed states and memory, or None if the
         head graphs are off."""
         tokens = normed.shape[0]
-        if not self.usable(tokens):
+        if self.disabled is not None or tokens > self.max_tokens:
             return None
         spans = _spans(record)
         shape = head_shape(spans, tokens)

@@ -9,10 +9,8 @@ modules' parameters become views of it, so the plain transformers path still wor
 The same loop continues one record after a cached prefix (`PrefixState`, see cache.py): attention reads the
 cached K/V, the conv reads the cached last W-1 inputs, the recurrence starts from the cached state. And one forward
 over a whole record can also return those states at a split point (`split_at`, the end of the record's state), so
-storing a long state costs no second pass. CUDA graphs of this forward live in graphs.py.
-
-A long record alone runs in chunks (`forward_chunked`): each chunk through every layer, continuing after the chunks
-before it as after a cached state, so that its activations are one chunk's whatever its length.
+storing a long state costs no second pass. CUDA graphs of this forward live in graphs.py. A long record alone runs
+in chunks (`forward_chunked`).
 
 Media records are not handled here (the engine sends them to the padded multimodal path).
 """
