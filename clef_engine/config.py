@@ -44,17 +44,10 @@ from .errors import ReleaseError
 from .model.release import default_device, parse_dtype
 
 GiB = 2**30
-ENVIRONMENT = {
-    "device": "CLEF_DEVICE",
-    "dtype": "CLEF_DTYPE",
-    "allow_slow_kernels": "CLEF_ALLOW_SLOW_KERNELS",
-    "cuda_graphs": "CLEF_CUDA_GRAPHS",
-    "token_budget": "CLEF_TOKEN_BUDGET",
-    "bulk_batch_tokens": "CLEF_BULK_BATCH_TOKENS",
-    "state_cache_bytes": "CLEF_STATE_CACHE_BYTES",
-    "prefill_chunk_tokens": "CLEF_PREFILL_CHUNK_TOKENS",
-    "warm_up": "CLEF_WARM_UP",
-}
+# option -> its variable, CLEF_ and the option's name in capitals (listed in the module docstring)
+ENVIRONMENT = {key: f"CLEF_{key.upper()}" for key in ("device", "dtype", "allow_slow_kernels", "cuda_graphs",
+                                                      "token_budget", "bulk_batch_tokens", "state_cache_bytes",
+                                                      "prefill_chunk_tokens", "warm_up")}
 TRUE, FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
 

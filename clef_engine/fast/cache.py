@@ -25,7 +25,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .packed import LayerState
+from .graphs import bucket
+from .packed import LayerState, chunked_head_inputs
+from .segments import make_segments
 
 GiB = 2**30
 # Entries larger than this are dropped when they leave the device tier instead of being copied to host memory.
@@ -216,9 +218,6 @@ class PrefixCache:
         """One forward over the whole record that also returns every layer's state at the end of the state, in
         chunks of `chunk_tokens` if the record is longer (0: whole): the head's inputs and the state, to put in
         the cache once the record is answered (the chunked forward's K/V buffers themselves: no copy)."""
-        from .packed import chunked_head_inputs
-        from .segments import make_segments
-
         length = record.state_end
         device = self.backbone.device
         ids = torch.tensor(record.input_ids, dtype=torch.long).to(device, non_blocking=True)
@@ -243,9 +242,6 @@ class PrefixCache:
         is causal); `graph`: it replays the state's continuation graph, captured on the state's second reuse alone,
         not its first: a capture costs about three eager runs, and a plain run over cached states reuses each once;
         off for a state used once (Why)."""
-        from .graphs import bucket
-        from .segments import make_segments
-
         device = self.backbone.device
         lengths = [len(record) - state.length for record, state in zip(records, states, strict=True)]
         ids = [token for record, state in zip(records, states) for token in record.input_ids[state.length:]]

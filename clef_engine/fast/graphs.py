@@ -69,11 +69,7 @@ def bucket(n: int) -> int:
 
 def buckets(max_tokens: int) -> list[int]:
     """Every bucket length up to `max_tokens`."""
-    out, n = [], 1
-    while n <= max_tokens:
-        out.append(bucket(n))
-        n = out[-1] + 1
-    return out
+    return sorted({bucket(n) for n in range(1, max_tokens + 1)})
 
 
 class Graph:
