@@ -23,10 +23,7 @@ def attention_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: 
     repeat = q.shape[1] // k.shape[1]
     outputs = []
     for start, length in zip(segments.starts, segments.lengths):
-        end = start + length
-        q_r = q[start:end].transpose(0, 1)[None]
-        k_r = k[start:end].transpose(0, 1)[None]
-        v_r = v[start:end].transpose(0, 1)[None]
+        q_r, k_r, v_r = (x[start: start + length].transpose(0, 1)[None] for x in (q, k, v))
         if repeat > 1:
             k_r, v_r = k_r.repeat_interleave(repeat, dim=1), v_r.repeat_interleave(repeat, dim=1)
         out = F.scaled_dot_product_attention(q_r, k_r, v_r, is_causal=True)
@@ -143,7 +140,6 @@ def attention_after_prefixes_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.T
     (copied together, a group's copies within PREFIX_COPY_ROWS rows), and the causal mask, aligned to each record's
     last key as in `attention_after_prefix_varlen`, lets its query t see the cached keys and its own up to t. One
     record at a time, a sweep's twenty variants spent more time launching than computing."""
-    records = list(zip(keys, values, segments.starts, segments.lengths))
     outputs, group, rows = [], [], 0
 
     def attend(group: list) -> torch.Tensor:
@@ -158,7 +154,7 @@ def attention_after_prefixes_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.T
         return _varlen_function()(q[first:last].contiguous(), k_all, v_all, cu_q, cu_k, max(queries),
                                   max(keys_per), **kwargs)
 
-    for record in records:
+    for record in zip(keys, values, segments.starts, segments.lengths):
         size = record[0].shape[0] + record[3]
         if group and rows + size > PREFIX_COPY_ROWS:
             outputs.append(attend(group))
