@@ -25,7 +25,7 @@ from __future__ import annotations
 import functools
 import weakref
 from collections import OrderedDict
-from itertools import chain
+from itertools import chain, islice
 
 import numpy as np
 import torch
@@ -456,9 +456,8 @@ class HeadGraphs:
             while len(self.graphs) > self.max_graphs:
                 self.graphs.popitem(last=False)
         per_question = [len(spans) for spans in record.option_spans]
-        values = flat[: sum(per_question)].cpu().tolist()  # the one host sync of the call; real options come first
-        ends = np.cumsum(per_question).tolist()
-        return [values[end - n: end] for n, end in zip(per_question, ends)]
+        values = iter(flat[: sum(per_question)].cpu().tolist())  # the one host sync of the call; real options first
+        return [list(islice(values, n)) for n in per_question]
 
     def _grow_rows(self, normed: torch.Tensor, pooled: int) -> None:
         """Size the pooled-rows buffer: first for a record of `max_tokens` (the common case never grows it), then at

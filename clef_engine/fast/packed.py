@@ -147,10 +147,6 @@ class PackedBackbone:
         variants share one state, a re-run's records each have their own; `segments.positions` go on from them).
         `split_at` (one record only, no prefix): also return each layer's state after the first `split_at` tokens,
         for the state cache; the hidden states are those of the plain forward."""
-        if split_at is not None and segments.count != 1:
-            raise ValueError("state collection works on one record at a time")
-        if split_at is not None and (prefixes is not None or not 0 < split_at <= input_ids.shape[0]):
-            raise ValueError(f"split_at={split_at} must lie within the record and cannot follow a prefix")
         collect = split_at is not None
         x = F.embedding(input_ids, self.embed)
         cos, sin = self.rope(segments.positions, x)
