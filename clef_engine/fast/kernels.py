@@ -374,51 +374,38 @@ def triton_matches_torch(device: torch.device, dtype: torch.dtype, *, heads: int
     return None
 
 
+def _adopt(kernels: Kernels, note: str, problem: str | None, **slots: Callable) -> bool:
+    """Put `slots` into `kernels` if their check found no `problem`, else keep the problem in `notes[note]`."""
+    if problem is None:
+        for name, fn in slots.items():
+            setattr(kernels, name, fn)
+    else:
+        kernels.notes[note] = problem
+    return problem is None
+
+
 def select_kernels(device: torch.device, dtype: torch.dtype, *, heads: int, kv_heads: int, head_dim: int,
                    value_head_dim: int = 128) -> Kernels:
     """The fastest set that works here (see the module docstring); `notes` say why a fallback was taken."""
     if device.type != "cuda":
         return Kernels(notes={"reason": "CPU: PyTorch reference kernels"})
     kernels = Kernels()
-    if fla_importable():
-        kernels.causal_conv = causal_conv_fla
-        kernels.gated_delta = gated_delta_fla
-    else:
-        kernels.notes["fla"] = "flash-linear-attention is not installed: per-record torch fallbacks"
-    problem = triton_matches_torch(device, dtype, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
-                                   value_head_dim=value_head_dim)
-    if problem is None:
-        kernels.rms_norm, kernels.silu_mul = rms_norm_triton, silu_mul_triton
-        kernels.causal_conv, kernels.gated_rms_norm = causal_conv_triton, gated_rms_norm_triton
-        kernels.causal_conv_after = causal_conv_after_triton
-        kernels.norm_rope, kernels.sigmoid_gate = norm_rope_triton, sigmoid_gate_triton
-    else:
-        kernels.notes["triton_fallback"] = problem
-    problem = varlen_matches_sdpa(device, dtype, heads, kv_heads, head_dim)
-    if problem is None:
-        kernels.attention = attention_varlen
-        prefix_problem = prefix_varlen_matches_sdpa(device, dtype, heads, kv_heads, head_dim)
-        if prefix_problem is None:
-            kernels.attention_after_prefix = kernels.attention_chunk = attention_after_prefix_varlen
-            kernels.attention_after_prefixes = attention_after_prefixes_varlen
-        else:
-            kernels.notes["prefix_attention_fallback"] = prefix_problem
-        chunk_problem = chunk_attention_cudnn_pays(device, dtype, heads, kv_heads, head_dim)
-        if chunk_problem is None:
-            kernels.attention_chunk = attention_chunk_cudnn
-        else:
-            kernels.notes["chunk_attention"] = chunk_problem
-        slower = cudnn_long_attention_pays(device, dtype, heads, kv_heads, head_dim)
-        if slower is None:
-            kernels.attention = attention_varlen_cudnn_long
-        else:
-            kernels.notes["long_record_attention"] = slower
-    else:
-        kernels.notes["attention_fallback"] = problem
+    fla = None if fla_importable() else "flash-linear-attention is not installed: per-record torch fallbacks"
+    _adopt(kernels, "fla", fla, causal_conv=causal_conv_fla, gated_delta=gated_delta_fla)
+    _adopt(kernels, "triton_fallback", triton_matches_torch(device, dtype, heads=heads, kv_heads=kv_heads,
+                                                            head_dim=head_dim, value_head_dim=value_head_dim),
+           rms_norm=rms_norm_triton, silu_mul=silu_mul_triton, causal_conv=causal_conv_triton,
+           gated_rms_norm=gated_rms_norm_triton, causal_conv_after=causal_conv_after_triton,
+           norm_rope=norm_rope_triton, sigmoid_gate=sigmoid_gate_triton)
+    shape = (device, dtype, heads, kv_heads, head_dim)
+    if _adopt(kernels, "attention_fallback", varlen_matches_sdpa(*shape), attention=attention_varlen):
+        _adopt(kernels, "prefix_attention_fallback", prefix_varlen_matches_sdpa(*shape),
+               attention_after_prefix=attention_after_prefix_varlen, attention_chunk=attention_after_prefix_varlen,
+               attention_after_prefixes=attention_after_prefixes_varlen)
+        _adopt(kernels, "chunk_attention", chunk_attention_cudnn_pays(*shape), attention_chunk=attention_chunk_cudnn)
+        _adopt(kernels, "long_record_attention", cudnn_long_attention_pays(*shape),
+               attention=attention_varlen_cudnn_long)
     if dtype != torch.float32:
-        problem = residual_projection_matches(device, dtype)
-        if problem is None:
-            kernels.residual_projection = residual_projection_float32
-        else:
-            kernels.notes["residual_projection"] = problem
+        _adopt(kernels, "residual_projection", residual_projection_matches(device, dtype),
+               residual_projection=residual_projection_float32)
     return kernels
