@@ -44,17 +44,10 @@ from .errors import ReleaseError
 from .model.release import default_device, parse_dtype
 
 GiB = 2**30
-ENVIRONMENT = {
-    "device": "CLEF_DEVICE",
-    "dtype": "CLEF_DTYPE",
-    "allow_slow_kernels": "CLEF_ALLOW_SLOW_KERNELS",
-    "cuda_graphs": "CLEF_CUDA_GRAPHS",
-    "token_budget": "CLEF_TOKEN_BUDGET",
-    "bulk_batch_tokens": "CLEF_BULK_BATCH_TOKENS",
-    "state_cache_bytes": "CLEF_STATE_CACHE_BYTES",
-    "prefill_chunk_tokens": "CLEF_PREFILL_CHUNK_TOKENS",
-    "warm_up": "CLEF_WARM_UP",
-}
+# option -> its variable, CLEF_ and the option's name in capitals (listed in the module docstring)
+ENVIRONMENT = {key: f"CLEF_{key.upper()}" for key in ("device", "dtype", "allow_slow_kernels", "cuda_graphs",
+                                                      "token_budget", "bulk_batch_tokens", "state_cache_bytes",
+                                                      "prefill_chunk_tokens", "warm_up")}
 TRUE, FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
 
@@ -103,14 +96,13 @@ class EngineConfig:
                 env: Mapping[str, str] | None = None, **given: Any) -> EngineConfig:
         """The config for these keyword arguments (None = not given), then the environment, then the defaults."""
         env = os.environ if env is None else env
-        unknown = set(given) - {f for f in cls.__dataclass_fields__}
+        unknown = set(given) - set(cls.__dataclass_fields__)
         if unknown:
             raise TypeError(f"unknown engine option(s): {', '.join(sorted(unknown))}")
         values = {key: value for key, value in given.items() if value is not None}
         for key, name in ENVIRONMENT.items():
             text = (env.get(name) or "").strip()
-            if not text or key in values or (key == "device" and device is not None) or (
-                    key == "dtype" and dtype is not None):
+            if not text or key in values:
                 continue
             if key in ("allow_slow_kernels", "cuda_graphs", "warm_up"):
                 values[key] = _flag(name, text)
@@ -118,10 +110,9 @@ class EngineConfig:
                 values[key] = text
             else:
                 values[key] = _count(name, text)
-        where = torch.device(device if device is not None else values.pop("device", None) or default_device())
-        dtype = parse_dtype(dtype if dtype is not None else values.pop("dtype", None), where)
-        values.pop("device", None)
-        values.pop("dtype", None)
+        device_set, dtype_set = values.pop("device", None), values.pop("dtype", None)
+        where = torch.device(device if device is not None else device_set or default_device())
+        dtype = parse_dtype(dtype if dtype is not None else dtype_set, where)
         cuda = where.type == "cuda"
         if cuda and not torch.cuda.is_available():
             raise ReleaseError("device cuda was asked for but no CUDA GPU is visible")

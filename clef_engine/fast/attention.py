@@ -23,10 +23,7 @@ def attention_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: 
     repeat = q.shape[1] // k.shape[1]
     outputs = []
     for start, length in zip(segments.starts, segments.lengths):
-        end = start + length
-        q_r = q[start:end].transpose(0, 1)[None]
-        k_r = k[start:end].transpose(0, 1)[None]
-        v_r = v[start:end].transpose(0, 1)[None]
+        q_r, k_r, v_r = (x[start: start + length].transpose(0, 1)[None] for x in (q, k, v))
         if repeat > 1:
             k_r, v_r = k_r.repeat_interleave(repeat, dim=1), v_r.repeat_interleave(repeat, dim=1)
         out = F.scaled_dot_product_attention(q_r, k_r, v_r, is_causal=True)
@@ -65,7 +62,7 @@ def _grouped_heads_match(attend: Callable, q: torch.Tensor, k: torch.Tensor, v: 
         grouped = attend(q, k, v)
         repeated = attend(q, k.repeat_interleave(repeat, dim=heads_dim).contiguous(),
                           v.repeat_interleave(repeat, dim=heads_dim).contiguous())
-        return bool((grouped.float() - repeated.float()).abs().max().item() <= 1e-2)
+        return _difference(grouped, repeated) <= 1e-2
     except Exception:  # noqa: BLE001 — refused: repeat the heads
         return False
 
@@ -143,7 +140,6 @@ def attention_after_prefixes_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.T
     (copied together, a group's copies within PREFIX_COPY_ROWS rows), and the causal mask, aligned to each record's
     last key as in `attention_after_prefix_varlen`, lets its query t see the cached keys and its own up to t. One
     record at a time, a sweep's twenty variants spent more time launching than computing."""
-    records = list(zip(keys, values, segments.starts, segments.lengths))
     outputs, group, rows = [], [], 0
 
     def attend(group: list) -> torch.Tensor:
@@ -158,7 +154,7 @@ def attention_after_prefixes_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.T
         return _varlen_function()(q[first:last].contiguous(), k_all, v_all, cu_q, cu_k, max(queries),
                                   max(keys_per), **kwargs)
 
-    for record in records:
+    for record in zip(keys, values, segments.starts, segments.lengths):
         size = record[0].shape[0] + record[3]
         if group and rows + size > PREFIX_COPY_ROWS:
             outputs.append(attend(group))
@@ -189,6 +185,14 @@ def cudnn_length(n: int) -> int:
     return -(-n // CUDNN_LENGTH_STEP) * CUDNN_LENGTH_STEP
 
 
+def _padded_heads_first(x: torch.Tensor, rows: int, offset: int, times: int) -> torch.Tensor:
+    """x [m, H, D] at rows [offset, offset + m) of zeros [rows, H * times, D], as [1, H * times, rows, D]: one copy
+    that pads (and repeats heads if asked)."""
+    out = x.new_zeros(rows, x.shape[1], times, x.shape[2])
+    out[offset: offset + x.shape[0]] = x[:, :, None, :]
+    return out.view(rows, -1, x.shape[2]).transpose(0, 1)[None]
+
+
 def attention_varlen_cudnn_long(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: Segments) -> torch.Tensor:
     """Flash varlen, except one long record: cuDNN's fused attention (Hopper wgmma kernels) at `cudnn_length`,
     K/V heads grouped natively where cuDNN takes them so, else repeated. Chosen by `select_kernels` only where it
@@ -200,16 +204,10 @@ def attention_varlen_cudnn_long(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     n, padded = q.shape[0], cudnn_length(q.shape[0])
     grouped = _cudnn_takes_grouped_heads(q.device, q.dtype)
     repeat = 1 if grouped else q.shape[1] // k.shape[1]
-
-    def padded_heads_first(x: torch.Tensor, times: int) -> torch.Tensor:
-        """x [n, H, D] as [1, H * times, padded, D]: one copy that pads (and repeats heads if asked)."""
-        out = x.new_zeros(padded, x.shape[1], times, x.shape[2])
-        out[:n] = x[:, :, None, :]
-        return out.view(padded, -1, x.shape[2]).transpose(0, 1)[None]
-
     with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
-        out = F.scaled_dot_product_attention(padded_heads_first(q, 1), padded_heads_first(k, repeat),
-                                             padded_heads_first(v, repeat), is_causal=True,
+        out = F.scaled_dot_product_attention(_padded_heads_first(q, padded, 0, 1),
+                                             _padded_heads_first(k, padded, 0, repeat),
+                                             _padded_heads_first(v, padded, 0, repeat), is_causal=True,
                                              enable_gqa=repeat == 1 and q.shape[1] != k.shape[1])
     return out[0].transpose(0, 1)[:n]
 
@@ -230,22 +228,16 @@ def attention_chunk_cudnn(q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Ten
     lets each see every earlier key and its own chunk's up to itself; the two merged by their log-sum-exp. Both
     calls' lengths are multiples of CUDNN_LENGTH_STEP, so nearby lengths share cuDNN's plans.
     q [n, Hq, D], k_all/v_all [prefix + n, Hk, D]."""
-    n, heads, dim = q.shape
+    n, heads = q.shape[:2]
     base = prefix - prefix % CUDNN_LENGTH_STEP
     lead = prefix - base
     rows = cudnn_length(lead + n)
     if grouped is None:
         grouped = _cudnn_takes_grouped_heads(q.device, q.dtype)
     repeat = 1 if grouped else heads // k_all.shape[1]
-
-    def placed(x: torch.Tensor, offset: int, times: int) -> torch.Tensor:
-        """x [m, H, D] at rows [offset, offset + m) of zeros [rows, H * times, D], as [1, H * times, rows, D]."""
-        out = x.new_zeros(rows, x.shape[1], times, dim)
-        out[offset: offset + x.shape[0]] = x[:, :, None, :]
-        return out.view(rows, -1, dim).transpose(0, 1)[None]
-
-    queries = placed(q, lead, 1)
-    out, lse = attend(queries, placed(k_all[base:], 0, repeat), placed(v_all[base:], 0, repeat), True)
+    queries = _padded_heads_first(q, rows, lead, 1)
+    out, lse = attend(queries, _padded_heads_first(k_all[base:], rows, 0, repeat),
+                      _padded_heads_first(v_all[base:], rows, 0, repeat), True)
     if base:
         earlier_k, earlier_v = (x[:base].transpose(0, 1)[None] for x in (k_all, v_all))
         if repeat > 1:
@@ -254,6 +246,11 @@ def attention_chunk_cudnn(q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Ten
         weight = torch.sigmoid(lse_earlier - lse)[..., None]  # the earlier keys' share of the softmax mass
         out = (out.float() + (out_earlier.float() - out.float()) * weight).to(q.dtype)
     return out[0].transpose(0, 1)[lead: lead + n]
+
+
+def _difference(got: torch.Tensor, want: torch.Tensor) -> float:
+    """The largest absolute difference between two answers: what the start-up checks compare with a tolerance."""
+    return (got.float() - want.float()).abs().max().item()
 
 
 def _ms_per_call(fn, device: torch.device, *args, repeats: int = 3) -> float:
@@ -280,8 +277,7 @@ def chunk_attention_cudnn_pays(device: torch.device, dtype: torch.dtype, heads: 
 
         for prefix, n in ((700, 300), (512, 256), (100, 37)):
             q, k, v = rand(n, heads), rand(prefix + n, kv_heads), rand(prefix + n, kv_heads)
-            error = (attention_chunk_cudnn(q, k, v, prefix).float()
-                     - attention_after_prefix(q, k, v, prefix).float()).abs().max().item()
+            error = _difference(attention_chunk_cudnn(q, k, v, prefix), attention_after_prefix(q, k, v, prefix))
             if not error <= 2e-2:
                 return f"cuDNN chunk attention differs from the masked SDPA by {error:.3g} (prefix {prefix})"
         q, k, v = rand(chunk, heads), rand(3 * chunk, kv_heads), rand(3 * chunk, kv_heads)
@@ -333,13 +329,11 @@ def cudnn_long_attention_pays(device: torch.device, dtype: torch.dtype, heads: i
     """None if cuDNN attention on one long record matches flash varlen and is faster here; else why not."""
     try:
         generator = torch.Generator(device=device).manual_seed(1)
-        q = torch.randn(tokens, heads, dim, device=device, dtype=dtype, generator=generator)
-        k = torch.randn(tokens, kv_heads, dim, device=device, dtype=dtype, generator=generator)
-        v = torch.randn(tokens, kv_heads, dim, device=device, dtype=dtype, generator=generator)
+        q, k, v = (torch.randn(tokens, h, dim, device=device, dtype=dtype, generator=generator)
+                   for h in (heads, kv_heads, kv_heads))
         segments = make_segments([tokens], device)
         want = attention_varlen(q, k, v, segments)
-        got = attention_varlen_cudnn_long(q, k, v, segments)
-        error = (got.float() - want.float()).abs().max().item()
+        error = _difference(attention_varlen_cudnn_long(q, k, v, segments), want)
         if not error <= 2e-2:
             return f"cuDNN attention differs from flash varlen by {error:.3g}"
         timings = [_ms_per_call(fn, device, q, k, v, segments)
@@ -359,18 +353,15 @@ def varlen_matches_sdpa(device: torch.device, dtype: torch.dtype, heads: int, kv
         generator = torch.Generator(device=device).manual_seed(0)
         lengths = [70, 130, 1]
         n = sum(lengths)
-        q = torch.randn(n, heads, dim, device=device, dtype=dtype, generator=generator)
-        k = torch.randn(n, kv_heads, dim, device=device, dtype=dtype, generator=generator)
-        v = torch.randn(n, kv_heads, dim, device=device, dtype=dtype, generator=generator)
+        q, k, v = (torch.randn(n, h, dim, device=device, dtype=dtype, generator=generator)
+                   for h in (heads, kv_heads, kv_heads))
         segments = make_segments(lengths, device)
-        got = attention_varlen(q, k, v, segments).float()
-        want = attention_sdpa(q, k, v, segments).float()
-        error = (got - want).abs().max().item()
+        error = _difference(attention_varlen(q, k, v, segments), attention_sdpa(q, k, v, segments))
         if not error <= 2e-2:
             return f"varlen attention differs from SDPA by {error:.3g}"
         single = make_segments([130], device)
-        error = (attention_varlen(q[:130], k[:130], v[:130], single).float()
-                 - attention_sdpa(q[:130], k[:130], v[:130], single).float()).abs().max().item()
+        error = _difference(attention_varlen(q[:130], k[:130], v[:130], single),
+                            attention_sdpa(q[:130], k[:130], v[:130], single))
         if not error <= 2e-2:
             return f"varlen attention (one record) differs from SDPA by {error:.3g}"
     except Exception as error:  # noqa: BLE001 — any failure means: use the fallback
@@ -385,21 +376,17 @@ def prefix_varlen_matches_sdpa(device: torch.device, dtype: torch.dtype, heads: 
     try:
         generator = torch.Generator(device=device).manual_seed(2)
         new, prefix = 37, 150
-        q = torch.randn(new, heads, dim, device=device, dtype=dtype, generator=generator)
-        k = torch.randn(prefix + new, kv_heads, dim, device=device, dtype=dtype, generator=generator)
-        v = torch.randn(prefix + new, kv_heads, dim, device=device, dtype=dtype, generator=generator)
-        got = attention_after_prefix_varlen(q, k, v, prefix).float()
-        want = attention_after_prefix(q, k, v, prefix).float()
-        error = (got - want).abs().max().item()
+        q, k, v = (torch.randn(rows, h, dim, device=device, dtype=dtype, generator=generator)
+                   for rows, h in ((new, heads), (prefix + new, kv_heads), (prefix + new, kv_heads)))
+        error = _difference(attention_after_prefix_varlen(q, k, v, prefix), attention_after_prefix(q, k, v, prefix))
         if not error <= 2e-2:
             return f"varlen attention after a prefix differs from the masked SDPA by {error:.3g}"
         segments = make_segments([new, 20], device, first_position=[prefix, 90])
         q2, k2, v2 = (torch.randn(segments.total, h, dim, device=device, dtype=dtype, generator=generator)
                       for h in (heads, kv_heads, kv_heads))
         keys, values = [k[:prefix], k[:90]], [v[:prefix], v[:90]]
-        got = attention_after_prefixes_varlen(q2, k2, v2, keys, values, segments).float()
-        want = attention_after_prefixes(q2, k2, v2, keys, values, segments).float()
-        error = (got - want).abs().max().item()
+        error = _difference(attention_after_prefixes_varlen(q2, k2, v2, keys, values, segments),
+                            attention_after_prefixes(q2, k2, v2, keys, values, segments))
         if not error <= 2e-2:
             return f"varlen attention of records after their prefixes differs from the masked SDPA by {error:.3g}"
     except Exception as error:  # noqa: BLE001 — any failure means: keep the masked SDPA

@@ -10,11 +10,8 @@ Entries are keyed by model, the prefix token ids and the media digest, bounded i
 device, then (on CUDA, entries up to `SPILL_MAX_BYTES`) in host memory; least recently used entries move down a tier,
 then out, and a record long enough to run in chunks first moves the whole device tier down (`make_room`). The copy
 to host memory runs on its own thread and CUDA stream; an entry being copied is found in neither tier until its copy
-is done. One GPU worker thread uses the cache; a lock keeps `stats()` readers safe.
-
-`PrefixCache` (at the end) is the whole feature as the engine calls it: which records it takes, storing a state,
-continuing from one. It uses packed.py's forward (which can stop at the state's end or start after it) and
-graphs.py's continuation graphs (kept per entry object there, not inside the entry).
+is done. One GPU worker thread uses the cache; a lock keeps `stats()` readers safe. `PrefixCache` (at the end) is
+the whole feature as the engine calls it.
 """
 
 from __future__ import annotations
@@ -28,7 +25,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .packed import LayerState
+from .graphs import bucket
+from .packed import LayerState, chunked_head_inputs
+from .segments import make_segments
 
 GiB = 2**30
 # Entries larger than this are dropped when they leave the device tier instead of being copied to host memory.
@@ -51,30 +50,16 @@ class PrefixState:
         tensors = [t for layer in self.layers for t in layer.tensors()] + [self.memory]
         return sum(t.numel() * t.element_size() for t in tensors)
 
-    @property
-    def device(self) -> torch.device:
-        return self.memory.device
-
     def to(self, device: torch.device | str, non_blocking: bool = False) -> PrefixState:
         return PrefixState(self.length, [layer.to(device, non_blocking) for layer in self.layers],
                            self.memory.to(device, non_blocking=non_blocking))
 
-    def to_host(self) -> PrefixState:
-        """A copy in host memory, made on the current stream; the calling thread waits for it. Only entries up to
-        `SPILL_MAX_BYTES` are copied (see there)."""
-        layers = [LayerState(*(t.to("cpu") if t is not None else None
-                               for t in (layer.keys, layer.values, layer.conv_tail, layer.recurrent)))
-                  for layer in self.layers]
-        return PrefixState(self.length, layers, self.memory.to("cpu"))
-
 
 def prefix_key(model_id: str, token_ids: list[int], media_digest: str = "") -> str:
     hasher = hashlib.blake2b(digest_size=20)
-    hasher.update(model_id.encode())
-    hasher.update(b"\0")
-    hasher.update(media_digest.encode())
-    hasher.update(b"\0")
-    hasher.update(torch.tensor(token_ids, dtype=torch.int64).numpy().tobytes())
+    for part in (model_id.encode(), b"\0", media_digest.encode(), b"\0",
+                 torch.tensor(token_ids, dtype=torch.int64).numpy().tobytes()):
+        hasher.update(part)
     return hasher.hexdigest()
 
 
@@ -103,9 +88,6 @@ class StateCache:
     _spilling: int = 0
     _generation: int = 0
 
-    def eligible(self, prefix_tokens: int) -> bool:
-        return self.enabled and prefix_tokens >= self.min_prefix_tokens
-
     def get(self, key: str) -> PrefixState | None:
         with self._lock:
             entry = self._device_entries.get(key)
@@ -130,15 +112,12 @@ class StateCache:
             self._stats.stored += 1
 
     def _insert(self, key: str, state: PrefixState) -> None:
-        spill: list[tuple[str, PrefixState]] = []
         with self._lock:
             self._device_entries.pop(key, None)
             self._host_entries.pop(key, None)
             self._device_entries[key] = state
             while self._tier_bytes(self._device_entries) > self.device_bytes:  # least recently used first
-                spill.append(self._device_entries.popitem(last=False))
-            for old_key, old_state in spill:
-                self._move_down(old_key, old_state)
+                self._move_down(*self._device_entries.popitem(last=False))
 
     def make_room(self) -> None:
         """Move every entry of the device tier down a tier: called before a record long enough to run in chunks, so
@@ -146,10 +125,8 @@ class StateCache:
         instead of adding to it; what a long record may peak at is then its weights, its keys/values and a bounded
         working set, whatever was answered before it."""
         with self._lock:
-            leaving = list(self._device_entries.items())
-            self._device_entries.clear()
-            for key, state in leaving:
-                self._move_down(key, state)
+            while self._device_entries:  # least recently used first
+                self._move_down(*self._device_entries.popitem(last=False))
 
     def _move_down(self, key: str, state: PrefixState) -> None:
         """An entry leaving the device tier (called with the lock held): copied to host memory if small, else out."""
@@ -175,7 +152,7 @@ class StateCache:
             generation, key, state, ready = self._spills.get()
             with torch.cuda.stream(stream):
                 stream.wait_event(ready)
-                moved = state.to_host()  # done when it returns: the device tensors can go
+                moved = state.to("cpu")  # blocking: done when it returns, the device tensors can go
             del state
             with self._lock:
                 self._spilling -= 1
@@ -228,7 +205,7 @@ class PrefixCache:
 
     def key(self, record) -> str | None:
         """The cache key of the record's state prefix, or None when the cache does not take the record."""
-        if not self.store.eligible(record.state_end) or record.state_end >= len(record):
+        if not self.store.enabled or not self.store.min_prefix_tokens <= record.state_end < len(record):
             return None
         return prefix_key(self.model_key, record.input_ids[: record.state_end], record.media_digest)
 
@@ -241,9 +218,6 @@ class PrefixCache:
         """One forward over the whole record that also returns every layer's state at the end of the state, in
         chunks of `chunk_tokens` if the record is longer (0: whole): the head's inputs and the state, to put in
         the cache once the record is answered (the chunked forward's K/V buffers themselves: no copy)."""
-        from .packed import chunked_head_inputs
-        from .segments import make_segments
-
         length = record.state_end
         device = self.backbone.device
         ids = torch.tensor(record.input_ids, dtype=torch.long).to(device, non_blocking=True)
@@ -268,9 +242,6 @@ class PrefixCache:
         is causal); `graph`: it replays the state's continuation graph, captured on the state's second reuse alone,
         not its first: a capture costs about three eager runs, and a plain run over cached states reuses each once;
         off for a state used once (Why)."""
-        from .graphs import bucket
-        from .segments import make_segments
-
         device = self.backbone.device
         lengths = [len(record) - state.length for record, state in zip(records, states, strict=True)]
         ids = [token for record, state in zip(records, states) for token in record.input_ids[state.length:]]

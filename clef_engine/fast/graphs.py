@@ -22,26 +22,23 @@ and the eager path answers instead.
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections import OrderedDict
-from itertools import chain
+from itertools import chain, islice
 
 import numpy as np
 import torch
 
 from .segments import Segments, make_segments
 
-_side_streams: dict[torch.device, torch.cuda.Stream] = {}
 
-
+@functools.cache
 def side_stream(device: torch.device) -> torch.cuda.Stream:
     """The one stream every capture (and the eager run before it) uses on `device`. One, not one per capture: the
     caching allocator reuses a freed block only on the stream it was allocated on, so a new stream per capture
     would give every graph its own scratch memory."""
-    device = torch.device(device)
-    if device not in _side_streams:
-        _side_streams[device] = torch.cuda.Stream(device)
-    return _side_streams[device]
+    return torch.cuda.Stream(device)
 
 
 def capture(body, device: torch.device, pool=None) -> tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]:
@@ -72,11 +69,7 @@ def bucket(n: int) -> int:
 
 def buckets(max_tokens: int) -> list[int]:
     """Every bucket length up to `max_tokens`."""
-    out, n = [], 1
-    while n <= max_tokens:
-        out.append(bucket(n))
-        n = out[-1] + 1
-    return out
+    return sorted({bucket(n) for n in range(1, max_tokens + 1)})
 
 
 class Graph:
@@ -132,9 +125,6 @@ class PrefillGraphs:
         self.continuations.clear()
         self.pool = None
 
-    def usable(self, n: int) -> bool:
-        return self.disabled is None and n <= self.max_tokens
-
     def lengths_to_capture(self) -> list[int]:
         """Every bucket up to max_tokens, longest first (so that the pool is sized once, by the largest)."""
         return sorted(buckets(self.max_tokens), reverse=True)
@@ -162,7 +152,7 @@ class PrefillGraphs:
         it is done), or None if graphs are off for it or its bucket waits for the warm-up. The result is a view into
         the graph's output: read it before the next call."""
         n = input_ids.shape[0]
-        if not self.usable(n):
+        if self.disabled is not None or n > self.max_tokens:
             return None
         length = bucket(n)
         graph = self.prefill.get(length)
@@ -398,9 +388,6 @@ class HeadGraphs:
         self.captures = 0
         self.replays = 0
 
-    def usable(self, tokens: int) -> bool:
-        return self.disabled is None and tokens <= self.max_tokens
-
     def _body(self, entry: HeadGraph) -> torch.Tensor:
         from ..model.head import HeadBatch, key_counts, option_probabilities, pooled_sums, pooling_matrix
 
@@ -435,7 +422,7 @@ class HeadGraphs:
         """Per question, the option probabilities of `record` from its normed states and memory, or None if the
         head graphs are off."""
         tokens = normed.shape[0]
-        if not self.usable(tokens):
+        if self.disabled is not None or tokens > self.max_tokens:
             return None
         spans = _spans(record)
         shape = head_shape(spans, tokens)
@@ -469,9 +456,8 @@ class HeadGraphs:
             while len(self.graphs) > self.max_graphs:
                 self.graphs.popitem(last=False)
         per_question = [len(spans) for spans in record.option_spans]
-        values = flat[: sum(per_question)].cpu().tolist()  # the one host sync of the call; real options come first
-        ends = np.cumsum(per_question).tolist()
-        return [values[end - n: end] for n, end in zip(per_question, ends)]
+        values = iter(flat[: sum(per_question)].cpu().tolist())  # the one host sync of the call; real options first
+        return [list(islice(values, n)) for n in per_question]
 
     def _grow_rows(self, normed: torch.Tensor, pooled: int) -> None:
         """Size the pooled-rows buffer: first for a record of `max_tokens` (the common case never grows it), then at

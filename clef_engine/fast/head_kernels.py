@@ -58,9 +58,8 @@ def blocks_at_once(device: torch.device) -> int:
 def partial_attention_flash(q, k, v, cu_q, cu_k, max_q, max_k, used_k):
     """Flash varlen over sequences (`cu_q`, `cu_k`), each reading its first `used_k` keys: (out [Nq, H, d],
     log-sum-exp [H, Nq] in float32). A sequence with no keys gives zeros and an infinite log-sum-exp."""
-    out, lse = torch.ops.aten._flash_attention_forward(q, k, v, cu_q, cu_k, max_q, max_k, 0.0, False, False,
-                                                       seqused_k=used_k)[:2]  # then rng state and debug outputs
-    return out, lse
+    return torch.ops.aten._flash_attention_forward(q, k, v, cu_q, cu_k, max_q, max_k, 0.0, False, False,
+                                                   seqused_k=used_k)[:2]  # then rng state and debug outputs
 
 
 def attention_split_keys(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, counts: torch.Tensor | None,

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import importlib.util
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import torch
 import torch.nn.functional as F
@@ -130,13 +130,6 @@ def causal_conv_after_triton(x: torch.Tensor, weight: torch.Tensor, tail: torch.
 
 # ---- gated delta rule ------------------------------------------------------------------------------------------------
 
-def gdn_gates(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor):
-    """(g, beta) exactly as Qwen3_5GatedDeltaNet computes them."""
-    beta = b.sigmoid()
-    g = -A_log.float().exp() * F.softplus(a.float() + dt_bias)
-    return g, beta
-
-
 def gated_delta_torch(q, k, v, a, b, A_log, dt_bias, segments: Segments, initial_state=None,
                       output_final_state: bool = False):
     """q, k [N, H, K]; v [N, HV, V]; per record through transformers' own torch chunked rule.
@@ -144,7 +137,8 @@ def gated_delta_torch(q, k, v, a, b, A_log, dt_bias, segments: Segments, initial
     from transformers.models.qwen3_5 import modeling_qwen3_5 as qwen
 
     rule = getattr(qwen.torch_chunk_gated_delta_rule, "__wrapped__", qwen.torch_chunk_gated_delta_rule)
-    g, beta = gdn_gates(a, b, A_log, dt_bias)
+    beta = b.sigmoid()  # beta and g exactly as Qwen3_5GatedDeltaNet computes them
+    g = -A_log.float().exp() * F.softplus(a.float() + dt_bias)
     repeat = v.shape[1] // q.shape[1]
     outputs, states = [], []
     for r, (start, length) in enumerate(zip(segments.starts, segments.lengths)):
@@ -183,27 +177,18 @@ def gated_delta_fla(q, k, v, a, b, A_log, dt_bias, segments: Segments, initial_s
 
 # ---- full attention: q/k norm + RoPE, output gate -------------------------------------------------------------------
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Partial rotary on [N, H, D] with cos/sin [N, R] (R <= D), as transformers' apply_rotary_pos_emb."""
-    rotary = cos.shape[-1]
-    cos, sin = cos[:, None, :], sin[:, None, :]
-    x_rot, x_pass = x[..., :rotary], x[..., rotary:]
-    return torch.cat([x_rot * cos + rotate_half(x_rot) * sin, x_pass], dim=-1)
-
-
 def norm_rope_torch(source: torch.Tensor, offset: int, head_stride: int, heads: int, dim: int,
                     weight_plus_one: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm then RoPE of the heads read from the projection output: head h of token t is the `dim` values at
-    source[t, offset + h * head_stride:]. Returns [N, heads, dim]."""
-    n = source.shape[0]
+    source[t, offset + h * head_stride:]. Returns [N, heads, dim]. The rotary is partial (the first R of the dim
+    values, cos/sin [N, R]), as transformers' apply_rotary_pos_emb."""
+    n, rotary = source.shape[0], cos.shape[-1]
     x = source.as_strided((n, heads, dim), (source.stride(0), head_stride, 1), source.storage_offset() + offset)
     normed, _ = rms_norm_torch(x.contiguous(), weight_plus_one, eps)
-    return apply_rope(normed, cos, sin)
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    x_rot, x_pass = normed[..., :rotary], normed[..., rotary:]
+    rotated_half = torch.cat((-x_rot[..., rotary // 2:], x_rot[..., : rotary // 2]), dim=-1)
+    return torch.cat([x_rot * cos + rotated_half * sin, x_pass], dim=-1)
 
 
 def norm_rope_triton(*args, **kwargs) -> torch.Tensor:
@@ -302,17 +287,12 @@ class Kernels:
     residual_projection: Callable = residual_projection_torch
     notes: dict = field(default_factory=dict)
 
-    SLOTS = ("rms_norm", "gated_rms_norm", "causal_conv", "causal_conv_after", "gated_delta", "attention",
-             "attention_after_prefix", "attention_after_prefixes", "attention_chunk", "norm_rope",
-             "sigmoid_gate", "silu_mul", "residual_projection")
-
     def describe(self) -> dict[str, str]:
         names = {}
-        for name in self.SLOTS:
-            fn = getattr(self, name)
-            names[name] = f"{fn.__module__.rsplit('.', 1)[-1]}.{fn.__name__}"
-        names.update(self.notes)
-        return names
+        for slot in fields(self)[:-1]:  # every kernel; then the notes
+            fn = getattr(self, slot.name)
+            names[slot.name] = f"{fn.__module__.rsplit('.', 1)[-1]}.{fn.__name__}"
+        return names | self.notes
 
     @property
     def slow(self) -> list[str]:
@@ -330,7 +310,7 @@ def triton_matches_torch(device: torch.device, dtype: torch.dtype, *, heads: int
     """Run each fused Triton kernel against its PyTorch function on random data (two records, so boundaries are
     exercised); None if all agree to bf16 rounding, else what failed."""
     try:
-        from . import triton_kernels  # noqa: F401 — Triton itself may be missing or broken
+        from .triton_kernels import l2norm  # Triton itself may be missing or broken
     except Exception as error:  # noqa: BLE001
         return f"Triton unavailable: {type(error).__name__}: {error}"
     try:
@@ -359,8 +339,6 @@ def triton_matches_torch(device: torch.device, dtype: torch.dtype, *, heads: int
         tail = rand(conv_weight.shape[-1] - 1, mixed.shape[1])
         checks.append(("causal_conv_after", causal_conv_after_triton(mixed, conv_weight, tail, later, key_dim),
                        causal_conv_after_torch(mixed, conv_weight, tail, later, key_dim)))
-        from .triton_kernels import l2norm
-
         heads_qk = rand(n, 2, value_head_dim)
         unit = heads_qk.float() * torch.rsqrt((heads_qk.float() ** 2).sum(-1, keepdim=True) + 1e-6)
         checks.append(("l2norm", l2norm(heads_qk), unit.to(dtype)))
@@ -394,51 +372,38 @@ def triton_matches_torch(device: torch.device, dtype: torch.dtype, *, heads: int
     return None
 
 
+def _adopt(kernels: Kernels, note: str, problem: str | None, **slots: Callable) -> bool:
+    """Put `slots` into `kernels` if their check found no `problem`, else keep the problem in `notes[note]`."""
+    if problem is None:
+        for name, fn in slots.items():
+            setattr(kernels, name, fn)
+    else:
+        kernels.notes[note] = problem
+    return problem is None
+
+
 def select_kernels(device: torch.device, dtype: torch.dtype, *, heads: int, kv_heads: int, head_dim: int,
                    value_head_dim: int = 128) -> Kernels:
     """The fastest set that works here (see the module docstring); `notes` say why a fallback was taken."""
     if device.type != "cuda":
         return Kernels(notes={"reason": "CPU: PyTorch reference kernels"})
     kernels = Kernels()
-    if fla_importable():
-        kernels.causal_conv = causal_conv_fla
-        kernels.gated_delta = gated_delta_fla
-    else:
-        kernels.notes["fla"] = "flash-linear-attention is not installed: per-record torch fallbacks"
-    problem = triton_matches_torch(device, dtype, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
-                                   value_head_dim=value_head_dim)
-    if problem is None:
-        kernels.rms_norm, kernels.silu_mul = rms_norm_triton, silu_mul_triton
-        kernels.causal_conv, kernels.gated_rms_norm = causal_conv_triton, gated_rms_norm_triton
-        kernels.causal_conv_after = causal_conv_after_triton
-        kernels.norm_rope, kernels.sigmoid_gate = norm_rope_triton, sigmoid_gate_triton
-    else:
-        kernels.notes["triton_fallback"] = problem
-    problem = varlen_matches_sdpa(device, dtype, heads, kv_heads, head_dim)
-    if problem is None:
-        kernels.attention = attention_varlen
-        prefix_problem = prefix_varlen_matches_sdpa(device, dtype, heads, kv_heads, head_dim)
-        if prefix_problem is None:
-            kernels.attention_after_prefix = kernels.attention_chunk = attention_after_prefix_varlen
-            kernels.attention_after_prefixes = attention_after_prefixes_varlen
-        else:
-            kernels.notes["prefix_attention_fallback"] = prefix_problem
-        chunk_problem = chunk_attention_cudnn_pays(device, dtype, heads, kv_heads, head_dim)
-        if chunk_problem is None:
-            kernels.attention_chunk = attention_chunk_cudnn
-        else:
-            kernels.notes["chunk_attention"] = chunk_problem
-        slower = cudnn_long_attention_pays(device, dtype, heads, kv_heads, head_dim)
-        if slower is None:
-            kernels.attention = attention_varlen_cudnn_long
-        else:
-            kernels.notes["long_record_attention"] = slower
-    else:
-        kernels.notes["attention_fallback"] = problem
+    fla = None if fla_importable() else "flash-linear-attention is not installed: per-record torch fallbacks"
+    _adopt(kernels, "fla", fla, causal_conv=causal_conv_fla, gated_delta=gated_delta_fla)
+    _adopt(kernels, "triton_fallback", triton_matches_torch(device, dtype, heads=heads, kv_heads=kv_heads,
+                                                            head_dim=head_dim, value_head_dim=value_head_dim),
+           rms_norm=rms_norm_triton, silu_mul=silu_mul_triton, causal_conv=causal_conv_triton,
+           gated_rms_norm=gated_rms_norm_triton, causal_conv_after=causal_conv_after_triton,
+           norm_rope=norm_rope_triton, sigmoid_gate=sigmoid_gate_triton)
+    shape = (device, dtype, heads, kv_heads, head_dim)
+    if _adopt(kernels, "attention_fallback", varlen_matches_sdpa(*shape), attention=attention_varlen):
+        _adopt(kernels, "prefix_attention_fallback", prefix_varlen_matches_sdpa(*shape),
+               attention_after_prefix=attention_after_prefix_varlen, attention_chunk=attention_after_prefix_varlen,
+               attention_after_prefixes=attention_after_prefixes_varlen)
+        _adopt(kernels, "chunk_attention", chunk_attention_cudnn_pays(*shape), attention_chunk=attention_chunk_cudnn)
+        _adopt(kernels, "long_record_attention", cudnn_long_attention_pays(*shape),
+               attention=attention_varlen_cudnn_long)
     if dtype != torch.float32:
-        problem = residual_projection_matches(device, dtype)
-        if problem is None:
-            kernels.residual_projection = residual_projection_float32
-        else:
-            kernels.notes["residual_projection"] = problem
+        _adopt(kernels, "residual_projection", residual_projection_matches(device, dtype),
+               residual_projection=residual_projection_float32)
     return kernels

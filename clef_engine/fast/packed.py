@@ -9,10 +9,8 @@ modules' parameters become views of it, so the plain transformers path still wor
 The same loop continues one record after a cached prefix (`PrefixState`, see cache.py): attention reads the
 cached K/V, the conv reads the cached last W-1 inputs, the recurrence starts from the cached state. And one forward
 over a whole record can also return those states at a split point (`split_at`, the end of the record's state), so
-storing a long state costs no second pass. CUDA graphs of this forward live in graphs.py.
-
-A long record alone runs in chunks (`forward_chunked`): each chunk through every layer, continuing after the chunks
-before it as after a cached state, so that its activations are one chunk's whatever its length.
+storing a long state costs no second pass. CUDA graphs of this forward live in graphs.py. A long record alone runs
+in chunks (`forward_chunked`).
 
 Media records are not handled here (the engine sends them to the padded multimodal path).
 """
@@ -130,10 +128,6 @@ class PackedBackbone:
         """A projection whose output joins the residual stream (o_proj, Gated DeltaNet out_proj, MLP down)."""
         return self.kernels.residual_projection(x, weight)
 
-    def _mlp(self, layer: FastLayer, normed) -> torch.Tensor:
-        gate_up = self._project(normed, layer.gate_up)
-        return self._project_residual(self.kernels.silu_mul(gate_up, layer.intermediate), layer.down)
-
     # ---- one forward --------------------------------------------------------------------------------------------
 
     def rope(self, positions: torch.Tensor, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -153,10 +147,6 @@ class PackedBackbone:
         variants share one state, a re-run's records each have their own; `segments.positions` go on from them).
         `split_at` (one record only, no prefix): also return each layer's state after the first `split_at` tokens,
         for the state cache; the hidden states are those of the plain forward."""
-        if split_at is not None and segments.count != 1:
-            raise ValueError("state collection works on one record at a time")
-        if split_at is not None and (prefixes is not None or not 0 < split_at <= input_ids.shape[0]):
-            raise ValueError(f"split_at={split_at} must lie within the record and cannot follow a prefix")
         collect = split_at is not None
         x = F.embedding(input_ids, self.embed)
         cos, sin = self.rope(segments.positions, x)
@@ -183,7 +173,8 @@ class PackedBackbone:
             normed, residual = self._norm(branch, layer.norm1, residual)
             branch = mix(index, layer, normed)
             normed, residual = self._norm(branch, layer.norm2, residual)
-            branch = self._mlp(layer, normed)
+            gate_up = self._project(normed, layer.gate_up)
+            branch = self._project_residual(self.kernels.silu_mul(gate_up, layer.intermediate), layer.down)
             if between_layers is not None:
                 between_layers(index)
         hidden, _ = self.kernels.rms_norm(branch, self.final_norm, self.eps, residual, self.dtype)
@@ -290,18 +281,22 @@ class PackedBackbone:
             state = LayerState(conv_tail=tail.contiguous(), recurrent=final)
         return out, state
 
+    def _queries_keys_values(self, layer: FastLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """(q, k, v, gate) of an attention layer: q and k normed and rotated, v and the output gate views."""
+        n, heads, kv_heads, dim = x.shape[0], layer.heads, layer.kv_heads, layer.head_dim
+        projected = self._project(x, layer.qkv)
+        # per head the projection holds [query | gate] (2 * dim), then all K heads, then all V heads
+        q = self.kernels.norm_rope(projected, 0, 2 * dim, heads, dim, layer.q_norm, cos, sin, self.eps)
+        k = self.kernels.norm_rope(projected, heads * dim * 2, dim, kv_heads, dim, layer.k_norm, cos, sin, self.eps)
+        v = projected[:, heads * dim * 2 + kv_heads * dim:].view(n, kv_heads, dim)
+        return q, k, v, projected[:, : heads * dim * 2].view(n, heads, 2 * dim)[..., dim:]
+
     def attention(self, layer: FastLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                   segments: Segments, before: list[LayerState] | None,
                   split_at: int | None) -> tuple[torch.Tensor, LayerState | None]:
         n = x.shape[0]
         kern = self.kernels
-        heads, kv_heads, dim = layer.heads, layer.kv_heads, layer.head_dim
-        projected = self._project(x, layer.qkv)
-        # per head the projection holds [query | gate] (2 * dim), then all K heads, then all V heads
-        q = kern.norm_rope(projected, 0, 2 * dim, heads, dim, layer.q_norm, cos, sin, self.eps)
-        k = kern.norm_rope(projected, heads * dim * 2, dim, kv_heads, dim, layer.k_norm, cos, sin, self.eps)
-        v = projected[:, heads * dim * 2 + kv_heads * dim:].view(n, kv_heads, dim)
-        gate = projected[:, : heads * dim * 2].view(n, heads, 2 * dim)[..., dim:]
+        q, k, v, gate = self._queries_keys_values(layer, x, cos, sin)
         if before is not None and segments.count == 1:  # one record after its cached keys
             out = kern.attention_after_prefix(q, torch.cat([before[0].keys, k]), torch.cat([before[0].values, v]),
                                               before[0].keys.shape[0])
@@ -310,7 +305,7 @@ class PackedBackbone:
                                                 [state.values for state in before], segments)
         else:
             out = kern.attention(q, k, v, segments)
-        out = kern.sigmoid_gate(out.reshape(n, heads, dim), gate)
+        out = kern.sigmoid_gate(out.reshape(n, layer.heads, layer.head_dim), gate)
         state = None
         if split_at is not None:  # (never after a prefix) copies: views would keep the whole projection alive
             state = LayerState(keys=k[:split_at].clone(), values=v[:split_at].clone())
@@ -323,20 +318,15 @@ class PackedBackbone:
         attention, the kernel of whole records)."""
         n = x.shape[0]
         kern = self.kernels
-        heads, kv_heads, dim = layer.heads, layer.kv_heads, layer.head_dim
-        projected = self._project(x, layer.qkv)
-        q = kern.norm_rope(projected, 0, 2 * dim, heads, dim, layer.q_norm, cos, sin, self.eps)
+        q, k, v, gate = self._queries_keys_values(layer, x, cos, sin)
         keys, values = buffers
         end = start + n
-        keys[start:end] = kern.norm_rope(projected, heads * dim * 2, dim, kv_heads, dim, layer.k_norm, cos, sin,
-                                         self.eps)
-        values[start:end] = projected[:, heads * dim * 2 + kv_heads * dim:].view(n, kv_heads, dim)
-        gate = projected[:, : heads * dim * 2].view(n, heads, 2 * dim)[..., dim:]
+        keys[start:end], values[start:end] = k, v
         if start == 0:
             out = kern.attention(q, keys[:end], values[:end], segments)
         else:
             out = kern.attention_chunk(q, keys[:end], values[:end], start)
-        out = kern.sigmoid_gate(out.reshape(n, heads, dim), gate)
+        out = kern.sigmoid_gate(out.reshape(n, layer.heads, layer.head_dim), gate)
         return self._project_residual(out, layer.o_proj)
 
 

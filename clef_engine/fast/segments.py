@@ -3,6 +3,7 @@ packed backbone (kernels.py, attention.py)."""
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 import torch
@@ -46,17 +47,15 @@ class Segments:
 def make_segments(lengths: list[int], device: torch.device, *, first_position: int | list[int] = 0) -> Segments:
     """`first_position`: each record's first position (after the cached tokens it continues), one for all or one
     per record."""
-    starts, cursor = [], 0
-    for length in lengths:
-        starts.append(cursor)
-        cursor += length
+    bounds = list(itertools.accumulate(lengths, initial=0))
+    starts = bounds[:-1]
     firsts = first_position if isinstance(first_position, list) else [first_position] * len(lengths)
     positions = torch.cat([torch.arange(first, first + n) for first, n in zip(firsts, lengths, strict=True)])
     positions = positions.to(device, non_blocking=True)
     if len(lengths) == 1:  # no varlen for fla; the attention kernel still takes [0, n]
         cu_single = torch.tensor([0, lengths[0]], dtype=torch.int32).to(device, non_blocking=True)
         return Segments(lengths, starts, positions, None, cu_single, None, lengths[0])
-    cu_host = torch.tensor([0] + [s + n for s, n in zip(starts, lengths)], dtype=torch.long)
+    cu_host = torch.tensor(bounds, dtype=torch.long)
     chunk_counts = [(n + CHUNK - 1) // CHUNK for n in lengths]
     chunk_indices = torch.tensor([[r, c] for r, count in enumerate(chunk_counts) for c in range(count)],
                                  dtype=torch.long).reshape(-1, 2)

@@ -44,8 +44,7 @@ def _add_rms_norm_kernel(x_ptr, residual_ptr, sum_ptr, out_ptr, weight_ptr, D, e
 
 def add_rms_norm(x: torch.Tensor, weight_plus_one: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
                  dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(norm(residual + x) in `dtype` (default x's), residual + x in float32), as `kernels.rms_norm_torch`, in one
-    pass."""
+    """`kernels.rms_norm_torch` in one pass."""
     shape = x.shape
     width = shape[-1]
     x2 = x.reshape(-1, width).contiguous()
