@@ -146,11 +146,14 @@ def batch_vs_alone(engine, request: dict, explained: dict) -> dict:
 
 
 def shared_prefix(engine, request: dict, unit: str) -> dict:
-    """Of the variants' tokens, how many repeat the record's own before the first token the variant changes."""
+    """Of the variants' tokens, how many repeat the record's own before the first token the variant changes; for a
+    text record, also how many tokens the engine computes (the record once, each variant after the point it
+    continues from: runner.continuation_points)."""
     from clef_engine.explain import segments
+    from clef_engine.runner import continuation_points
 
     record = engine.encode(request)
-    variant_tokens = shared = 0
+    lengths, shared = [], []
     for location, variant in segments(request, record, unit):
         ids = engine.encode(variant()).input_ids
         if location["kind"] in ("region", "frame"):
@@ -160,10 +163,15 @@ def shared_prefix(engine, request: dict, unit: str) -> dict:
         else:
             common = next((i for i, (a, b) in enumerate(zip(ids, record.input_ids)) if a != b),
                           min(len(ids), len(record.input_ids)))
-        variant_tokens, shared = variant_tokens + len(ids), shared + common
-    return {"variant_tokens": variant_tokens, "shared_prefix_tokens": shared,
-            "shared_fraction": round(shared / max(1, variant_tokens), 3),
-            "reused_by_engine": not record.has_media}  # explain.py's SharedPrefixes: text records on the packed path
+        lengths.append(len(ids))
+        shared.append(common)
+    out = {"variant_tokens": sum(lengths), "shared_prefix_tokens": sum(shared),
+           "shared_fraction": round(sum(shared) / max(1, sum(lengths)), 3),
+           "reused_by_engine": not record.has_media}  # explain.py's SharedPrefixes: text records on the packed path
+    if not record.has_media:
+        start = {i: end for end, variants in continuation_points(shared).items() for i in variants}
+        out["computed_tokens"] = len(record) + sum(n - start[i] for i, n in enumerate(lengths, start=1))
+    return out
 
 
 def build_engine(name: str, tiny: Path):

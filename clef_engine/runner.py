@@ -233,11 +233,7 @@ class PackedRunner(PlainRunner):
         pack. A chunk end at every variant's change would recompute nothing twice but run a forward of a few dozen
         tokens per variant, which on the H200 took longer than one pack of every variant whole."""
         record = item.records[0]
-        splits = sorted(set(item.shared))
-        ends = sorted({splits[i * len(splits) // SHARED_SPLITS] for i in range(SHARED_SPLITS)} if splits else ())
-        variants_at: dict[int, list[int]] = {}
-        for index, split in enumerate(item.shared, start=1):
-            variants_at.setdefault(max(end for end in ends if end <= split), []).append(index)
+        variants_at = continuation_points(item.shared)
         results: dict[int, Probabilities] = {}
         self.state_prefills += 1  # the record's; its variants continue from its states
 
@@ -280,10 +276,12 @@ class PackedRunner(PlainRunner):
         return self.head_one(normed, memory, record, steps)
 
     def start_prefill(self, record: EncodedRecord) -> None:
-        """Count a record computing its state alone; one run in chunks first makes room in the state cache (earlier
-        long states would add to its activations and state)."""
+        """Count a record computing its state alone. One longer than the token budget first makes room in the state
+        cache: the memory check at load (memory.py) sets aside the device tier and a batch of `token_budget` tokens'
+        activations, not its keys/values. A shorter one leaves the cache be: moving states to the host stalls this
+        thread's launches (fast/cache.py; the Clef-Flash 16k user path, bench/README.md)."""
         self.state_prefills += 1
-        if 0 < self.config.prefill_chunk_tokens < len(record):
+        if 0 < self.config.prefill_chunk_tokens < len(record) and len(record) > self.config.token_budget:
             self.state_cache.make_room()
 
     def prefill_and_keep(self, record: EncodedRecord, key: str,
@@ -460,6 +458,17 @@ def packs_after(new_tokens: list[int], tokens: int) -> list[list[int]]:
         packs[-1].append(index)
         size += new
     return packs
+
+
+def continuation_points(shared: list[int]) -> dict[int, list[int]]:
+    """Where Why's variants continue from the record's states: at most `SHARED_SPLITS` token positions, each with the
+    variants (numbered from 1, the record being 0) whose first change, `shared[i - 1]`, is at or after it."""
+    splits = sorted(set(shared))
+    ends = sorted({splits[i * len(splits) // SHARED_SPLITS] for i in range(SHARED_SPLITS)} if splits else ())
+    variants_at: dict[int, list[int]] = {}
+    for index, split in enumerate(shared, start=1):
+        variants_at.setdefault(max(end for end in ends if end <= split), []).append(index)
+    return variants_at
 
 
 def shared_prefix(record: EncodedRecord, variant: EncodedRecord) -> int:

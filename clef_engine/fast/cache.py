@@ -8,7 +8,7 @@ which lie in the schema and suffix.
 
 Entries are keyed by model, the prefix token ids and the media digest, bounded in bytes: first on the engine's
 device, then (on CUDA, entries up to `SPILL_MAX_BYTES`) in host memory; least recently used entries move down a tier,
-then out, and a record long enough to run in chunks first moves the whole device tier down (`make_room`). The copy
+then out, and a record longer than the token budget first moves the whole device tier down (`make_room`). The copy
 to host memory runs on its own thread and CUDA stream; an entry being copied is found in neither tier until its copy
 is done. One GPU worker thread uses the cache; a lock keeps `stats()` readers safe. `PrefixCache` (at the end) is
 the whole feature as the engine calls it.
@@ -120,7 +120,7 @@ class StateCache:
                 self._move_down(*self._device_entries.popitem(last=False))
 
     def make_room(self) -> None:
-        """Move every entry of the device tier down a tier: called before a record long enough to run in chunks, so
+        """Move every entry of the device tier down a tier: called before a record longer than the token budget, so
         that its chunks' activations and its own state (stored after its answer) take the device tier's memory
         instead of adding to it; what a long record may peak at is then its weights, its keys/values and a bounded
         working set, whatever was answered before it."""

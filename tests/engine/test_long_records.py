@@ -3,6 +3,7 @@ whole-record forward, on the CPU in float32 with the tiny release and the chunk 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import os
@@ -130,39 +131,48 @@ def test_a_long_state_stored_in_chunks_answers_a_new_schema_as_the_whole_record_
         cache.clear()
 
 
-def test_a_record_run_in_chunks_first_moves_earlier_states_out_of_the_device_tier(tiny_engine, chunked_engine,
-                                                                                  monkeypatch):
-    """Issue 25's memory bound (weights + the record's keys/values + a bounded working set, whatever came before):
-    while a long record's chunks run, no earlier state is on the device; a record short enough to run whole leaves
-    the stored states where they are. The long record's own state is stored after its answer, and it answers as the
-    whole-record forward does."""
-    cache = chunked_engine.runner.state_cache
+def test_only_a_record_longer_than_the_token_budget_first_moves_earlier_states_out_of_the_device_tier(
+        tiny_engine, chunked_engine, monkeypatch):
+    """Issue 25's memory bound (weights + the record's keys/values + a bounded working set, whatever came before)
+    for a record longer than the token budget: while its chunks run, no earlier state is on the device. A record run
+    in chunks within the budget (memory.py sets its activations aside next to the device tier) leaves the stored
+    states where they are: moving them to the host stalled the H200's 16k Clef-Flash records (issue 38). Either
+    long record's own state is stored after its answer, and it answers as the whole-record forward does."""
+    runner = chunked_engine.runner
+    cache = runner.state_cache
     cache.clear(reset_stats=True)
     monkeypatch.setattr(cache, "min_prefix_tokens", 40)
     held_during_chunks: list[int] = []
-    run_chunk = chunked_engine.runner.backbone._forward_chunk
-    monkeypatch.setattr(chunked_engine.runner.backbone, "_forward_chunk",
+    run_chunk = runner.backbone._forward_chunk
+    monkeypatch.setattr(runner.backbone, "_forward_chunk",
                         lambda *args: held_during_chunks.append(cache.stats()["device_bytes"]) or run_chunk(*args))
     words = "the invoice ticket customer payment refund amount total due date vendor alert".split()
     short, other_short = ({"state": " ".join(words[(i * 7 + seed) % 12] for i in range(n)),
                            "questions": {"paid": {"type": "noul", "instructions": "Is it paid?"}}}
                           for n, seed in ((10, 1), (12, 3)))
-    long = words_request(600, 8)
     try:
         for body in (short, other_short):
             record = chunked_engine.encode(body)
             assert record.state_end >= 40 and len(record) < CHUNK
-            chunked_engine.runner.forward([record])
+            runner.forward([record])
         assert cache.stats()["entries"] == 2 and not held_during_chunks  # two states kept; nothing ran in chunks
-        record = chunked_engine.encode(long)
-        assert len(record) > 2 * CHUNK
-        got = chunked_engine.runner.forward([record])
-        assert max_difference(got, tiny_engine.runner.forward([record])) <= TOLERANCE
+
+        within = chunked_engine.encode(words_request(600, 8))
+        assert 2 * CHUNK < len(within) <= runner.config.token_budget
+        assert max_difference(runner.forward([within]), tiny_engine.runner.forward([within])) <= TOLERANCE
+        assert held_during_chunks and min(held_during_chunks) > 0  # the short states stayed on the device
+        runner.forward([chunked_engine.encode(short)])
+        assert cache.stats()["hits"] == 1 and cache.stats()["evicted"] == 0  # and answer from there
+
+        held_during_chunks.clear()
+        beyond = chunked_engine.encode(words_request(600, 9))
+        monkeypatch.setattr(runner, "config", dataclasses.replace(runner.config, token_budget=len(beyond) - 1))
+        assert max_difference(runner.forward([beyond]), tiny_engine.runner.forward([beyond])) <= TOLERANCE
         assert held_during_chunks and set(held_during_chunks) == {0}
         stats = cache.stats()
-        assert stats["entries"] == 1 and stats["stored"] == 3 and stats["evicted"] == 2  # the long one's own state
-        chunked_engine.runner.forward([chunked_engine.encode(short)])
-        assert cache.stats()["misses"] == 4  # the short state was moved out: computed again
+        assert stats["entries"] == 1 and stats["stored"] == 4 and stats["evicted"] == 3  # the long one's own state
+        runner.forward([chunked_engine.encode(short)])
+        assert cache.stats()["misses"] == 5  # the short state was moved out: computed again
     finally:
         cache.clear()
 
