@@ -25,7 +25,11 @@ measured, freed):
   runs once in chunks ending where the variants change, each variant continues from the record's state there,
   explain.py's SharedPrefixes); the media variants of an image run whole.
 
-BENCH_MODELS (clef-flash,clef) picks the shapes.
+- variations (BENCH_VARIATIONS=1): the text record under torch.profiler; the runner's part alone (`forward_shared`,
+  no encoding or queue); then again with 2 / 4 / 8 / 16 split points (runner.SHARED_SPLITS, other than its own),
+  p50 of three calls each.
+
+BENCH_MODELS (clef-flash,clef) picks the shapes; BENCH_SKIP=image,batch_vs_alone leaves those out.
 Each measured section carries its issue-26 target (`target_s`) and whether the p50 met it (`met`). CUDA graphs are
 off (CLEF_CUDA_GRAPHS=0 unless set): an explanation runs packs and padded batches, never a graph. Writes OUT.json
 after every section.
@@ -62,6 +66,8 @@ RECORD_TOKENS = 1024
 SENTENCES = 6 if SMOKE else 32
 QUESTIONS = 2 if SMOKE else 4
 REPEATS = 1 if SMOKE else 5
+VARIATION_REPEATS = 1 if SMOKE else 3
+SKIP = set(os.environ.get("BENCH_SKIP", "").split(","))
 CHECKED_SEGMENTS = 2 if SMOKE else 4
 IMAGE_SIZE = (1024, 768)
 TARGETS_S = {"clef": {"text": 2.0, "image": 3.0}, "clef-flash": {"text": 0.6}}  # issue 38 (text), issue 26 (image)
@@ -150,7 +156,6 @@ def shared_prefix(engine, request: dict, unit: str) -> dict:
     text record, also how many tokens the engine computes (the record once, each variant after the point it
     continues from: runner.continuation_points)."""
     from clef_engine.explain import segments
-    from clef_engine.runner import continuation_points
 
     record = engine.encode(request)
     lengths, shared = [], []
@@ -169,9 +174,27 @@ def shared_prefix(engine, request: dict, unit: str) -> dict:
            "shared_fraction": round(sum(shared) / max(1, sum(lengths)), 3),
            "reused_by_engine": not record.has_media}  # explain.py's SharedPrefixes: text records on the packed path
     if not record.has_media:
-        start = {i: end for end, variants in continuation_points(shared).items() for i in variants}
-        out["computed_tokens"] = len(record) + sum(n - start[i] for i, n in enumerate(lengths, start=1))
+        out["computed_tokens"] = tokens_computed(len(record), lengths, shared)
     return out
+
+
+def tokens_computed(record_tokens: int, lengths: list[int], shared: list[int]) -> int:
+    """The record once, then each variant after the point it continues from (runner.continuation_points)."""
+    from clef_engine.runner import continuation_points
+
+    start = {i: end for end, variants in continuation_points(shared).items() for i in variants}
+    return record_tokens + sum(n - start[i] for i, n in enumerate(lengths, start=1))
+
+
+def computed_tokens(engine, request: dict, splits: int) -> int:
+    """`shared_prefix`'s computed_tokens with runner.SHARED_SPLITS set to `splits`."""
+    from clef_engine import runner
+
+    default, runner.SHARED_SPLITS = runner.SHARED_SPLITS, splits
+    try:
+        return shared_prefix(engine, request, "sentence")["computed_tokens"]
+    finally:
+        runner.SHARED_SPLITS = default
 
 
 def build_engine(name: str, tiny: Path):
@@ -196,7 +219,51 @@ def text(name: str, engine) -> None:
     results[name]["text"] = measured
     save()
     measured["shared_prefix"] = shared_prefix(engine, request, "sentence")
-    results[name]["text"]["batch_vs_alone"] = batch_vs_alone(engine, request, explained)
+    if "batch_vs_alone" not in SKIP:
+        results[name]["text"]["batch_vs_alone"] = batch_vs_alone(engine, request, explained)
+    if os.environ.get("BENCH_VARIATIONS") == "1":
+        variations(name, engine, request)
+
+
+@section("variations", needs_s=60)
+def variations(name: str, engine, request: dict) -> None:
+    """The default under the profiler (GPU busy time against wall time, kernels by category); the runner's part
+    alone (no encoding, no queue), p50 of VARIATION_REPEATS calls; then the explanation again with other split
+    counts (runner.SHARED_SPLITS), p50 of VARIATION_REPEATS calls after one untimed each."""
+    from clef_engine import runner
+    from clef_engine.explain import segments
+
+    out = results[name]["text"]["variations"] = {}
+    if DEVICE.type == "cuda":
+        out["profile"] = build.kernel_table(lambda: engine.explain(request, unit="sentence"), 2)
+    record = engine.encode(request)
+    item = runner.SharedPrefixes([record, *(engine.encode(v()) for _, v in segments(request, record, "sentence"))])
+    walls = []
+    for _ in range(VARIATION_REPEATS):
+        t0 = time.perf_counter()
+        engine.runner.forward_shared(item)
+        build.sync(DEVICE)
+        walls.append(time.perf_counter() - t0)
+    out["forward_shared_p50_s"] = build.percentile(walls, 0.5, 3)
+    save()
+    default = runner.SHARED_SPLITS
+    for splits in (2, 4, 8, 16):
+        if splits == default or left() < 30:
+            continue
+        runner.SHARED_SPLITS = splits
+        try:
+            engine.explain(request, unit="sentence")
+            walls = []
+            for _ in range(VARIATION_REPEATS):
+                t0 = time.perf_counter()
+                engine.explain(request, unit="sentence")
+                build.sync(DEVICE)
+                walls.append(time.perf_counter() - t0)
+        finally:
+            runner.SHARED_SPLITS = default
+        out[f"splits_{splits}"] = {"p50_s": build.percentile(walls, 0.5, 3), "min_s": round(min(walls), 3),
+                                   "computed_tokens": computed_tokens(engine, request, splits)}
+        save()
 
 
 @section("image", needs_s=20)
@@ -251,7 +318,7 @@ def main() -> int:
         engine = build_engine(name, tiny)
         detail[f"config_{name}"] = {k: str(v) for k, v in vars(engine.config).items()}
         text(name, engine)
-        if "image" in TARGETS_S[name]:
+        if "image" in TARGETS_S[name] and "image" not in SKIP:
             image(name, engine)
         if DEVICE.type == "cuda":
             results[name]["peak_allocated_gib"] = build.gib(torch.cuda.max_memory_allocated())

@@ -155,7 +155,8 @@ class PackedBackbone:
         def mix(index: int, layer: FastLayer, normed: torch.Tensor) -> torch.Tensor:
             before = [layers[index] for layers in prefixes] if prefixes is not None else None
             if layer.kind == "linear_attention":
-                branch, state = self.gated_delta_net(layer, normed, segments, before, split_at)
+                branch, at = self.gated_delta_net(layer, normed, segments, before, [split_at] if collect else [])
+                state = at[0] if at else None
             else:
                 branch, state = self.attention(layer, normed, cos, sin, segments, before, split_at)
             if states is not None:
@@ -188,10 +189,12 @@ class PackedBackbone:
         chunk needs: attention writes its K/V into one buffer of the record's length (no copies as it grows) and a
         chunk's queries attend to every earlier key and to their own chunk's causally; the conv and the gated-delta
         recurrence continue from the previous chunk's last inputs and final state, as after a cached state.
-        `on_chunk(start, hidden)` receives each chunk's final hidden states, in order. With `split_at`, a chunk ends
-        there and every layer's state at that point is returned, its K/V as views of the buffers (no copy); with
-        `splits`, a chunk ends at each and `on_split(end, states)` receives those states there, before the next
-        chunk runs (what Why's variants continue from, explain.py)."""
+        `on_chunk(start, hidden)` receives each chunk's final hidden states, in order. With `split_at`, every
+        layer's state at that point is returned, its K/V as views of the buffers (no copy); the chunk it falls in
+        runs whole, its recurrence in two calls: a chunk ending there would be a forward of a few tokens, its
+        attention a cuDNN shape of its own (the Clef-Flash 16k user path, docs/performance.md). With `splits`, a
+        chunk ends at each and `on_split(end, states)`
+        receives those states there, before the next chunk runs (what Why's variants continue from, explain.py)."""
         n = input_ids.shape[0]
         cuts = {*splits, *([split_at] if split_at is not None else [])}
         if not all(0 < cut <= n for cut in cuts):
@@ -201,38 +204,50 @@ class PackedBackbone:
                                 for _ in range(2))
                    for index, layer in enumerate(self.layers) if layer.kind != "linear_attention"}
         at_split = None
-        for start, end in chunk_bounds(n, chunk_tokens, cuts):
-            on_chunk(start, self._forward_chunk(input_ids[start:end], start, carried, buffers, between_layers))
-            if end in cuts:
-                states = [LayerState(keys=buffers[i][0][:end], values=buffers[i][1][:end]) if i in buffers
-                          else carried[i] for i in range(len(self.layers))]
-                if end == split_at:
-                    at_split = states
-                if end in splits:
-                    on_split(end, states)
+        for start, end in chunk_bounds(n, chunk_tokens, splits):
+            inside = split_at - start if split_at is not None and start < split_at <= end else None
+            hidden, recurrent = self._forward_chunk(input_ids[start:end], start, carried, buffers, between_layers,
+                                                    inside)
+            on_chunk(start, hidden)
+            if inside is not None:
+                at_split = [LayerState(keys=buffers[i][0][:split_at], values=buffers[i][1][:split_at]) if i in buffers
+                            else recurrent[i] for i in range(len(self.layers))]
+            if end in splits:
+                on_split(end, [LayerState(keys=buffers[i][0][:end], values=buffers[i][1][:end]) if i in buffers
+                               else carried[i] for i in range(len(self.layers))])
         return at_split
 
     def _forward_chunk(self, chunk_ids: torch.Tensor, start: int, carried: list[LayerState | None],
-                       buffers: dict[int, tuple[torch.Tensor, torch.Tensor]], between_layers) -> torch.Tensor:
+                       buffers: dict[int, tuple[torch.Tensor, torch.Tensor]], between_layers,
+                       split: int | None = None) -> tuple[torch.Tensor, dict[int, LayerState]]:
         """One chunk of `forward_chunked` (tokens from `start` on) through every layer; `carried` takes each Gated
-        DeltaNet layer's state at the chunk's end, for the next chunk."""
+        DeltaNet layer's state at the chunk's end, for the next chunk. Returns the final hidden states and, with
+        `split` (counted within the chunk), each Gated DeltaNet layer's state after that many of its tokens."""
         n = chunk_ids.shape[0]
         segments = make_segments([n], self.device, first_position=start)
         x = F.embedding(chunk_ids, self.embed)
         cos, sin = self.rope(segments.positions, x)
+        at_split: dict[int, LayerState] = {}
+        ends = sorted({n, *([split] if split is not None else [])})
 
         def mix(index: int, layer: FastLayer, normed: torch.Tensor) -> torch.Tensor:
             if layer.kind == "linear_attention":
                 before = carried[index]
-                branch, carried[index] = self.gated_delta_net(layer, normed, segments,
-                                                              None if before is None else [before], n)
+                branch, states = self.gated_delta_net(layer, normed, segments, None if before is None else [before],
+                                                      ends)
+                carried[index] = states[-1]
+                if split is not None:
+                    at_split[index] = states[0]
                 return branch
             return self.attention_chunk(layer, normed, cos, sin, segments, buffers[index], start)
 
-        return self._layers(x, mix, between_layers)
+        return self._layers(x, mix, between_layers), at_split
 
     def gated_delta_net(self, layer: FastLayer, x: torch.Tensor, segments: Segments, before: list[LayerState] | None,
-                        split_at: int | None) -> tuple[torch.Tensor, LayerState | None]:
+                        splits: Sequence[int] = ()) -> tuple[torch.Tensor, list[LayerState]]:
+        """The Gated DeltaNet token mixer over the pack; with `splits` (one record only: sorted, within it), also
+        the layer's state after each so many tokens: the recurrence runs in a call per piece, each starting from
+        the previous one's final state."""
         n = x.shape[0]
         kern = self.kernels
         projected = self._project(x, layer.in_proj)
@@ -256,30 +271,30 @@ class PackedBackbone:
         k = k.view(n, layer.k_heads, layer.k_head_dim)
         v = v.view(n, v_heads, layer.v_head_dim)
         # after cached states: each record of the pack starts from its state's recurrent state
-        initial = torch.cat([state.recurrent for state in before]) if before is not None else None
-        state = None
-        if split_at is None or split_at == n:
-            core, final = kern.gated_delta(q, k, v, a, b, layer.A_log, layer.dt_bias, segments, initial_state=initial,
-                                           output_final_state=split_at is not None)
-        else:  # the recurrence in two calls, the second starting from the first's final state: the state at the split
-            head_part = make_segments([split_at], x.device)
-            tail_part = make_segments([n - split_at], x.device, first_position=split_at)
-            first, final = kern.gated_delta(q[:split_at], k[:split_at], v[:split_at], a[:split_at], b[:split_at],
-                                            layer.A_log, layer.dt_bias, head_part, output_final_state=True)
-            second, _ = kern.gated_delta(q[split_at:], k[split_at:], v[split_at:], a[split_at:], b[split_at:],
-                                         layer.A_log, layer.dt_bias, tail_part, initial_state=final)
-            core = torch.cat([first, second])
-        core = kern.gated_rms_norm(core, z, layer.gated_norm, layer.gated_norm_eps)
+        state = torch.cat([s.recurrent for s in before]) if before is not None else None
+        ends = sorted({*splits, n})
+        finals: dict[int, torch.Tensor] = {}
+        cores = []
+        for start, end in zip([0, *ends[:-1]], ends):
+            part = segments if len(ends) == 1 else make_segments([end - start], x.device, first_position=start)
+            core, state = kern.gated_delta(q[start:end], k[start:end], v[start:end], a[start:end], b[start:end],
+                                           layer.A_log, layer.dt_bias, part, initial_state=state,
+                                           output_final_state=bool(splits))
+            finals[end] = state
+            cores.append(core)
+        core = kern.gated_rms_norm(torch.cat(cores) if len(cores) > 1 else cores[0], z, layer.gated_norm,
+                                   layer.gated_norm_eps)
         out = self._project_residual(core.view(n, value_dim), layer.out_proj)
-        if split_at is not None:
-            width = layer.conv_width - 1
-            tail = mixed[max(0, split_at - width): split_at]
+        states = []
+        width = layer.conv_width - 1
+        for split in splits:
+            tail = mixed[max(0, split - width): split]
             if tail.shape[0] < width:  # fewer inputs than the conv reads: the earlier ones come from before
                 earlier = (before[0].conv_tail.to(tail.dtype) if before is not None
                            else tail.new_zeros(width, tail.shape[1]))
                 tail = torch.cat([earlier, tail])[-width:]
-            state = LayerState(conv_tail=tail.contiguous(), recurrent=final)
-        return out, state
+            states.append(LayerState(conv_tail=tail.contiguous(), recurrent=finals[split]))
+        return out, states
 
     def _queries_keys_values(self, layer: FastLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """(q, k, v, gate) of an attention layer: q and k normed and rotated, v and the output gate views."""
@@ -330,10 +345,9 @@ class PackedBackbone:
         return self._project_residual(out, layer.o_proj)
 
 
-def chunk_bounds(n: int, chunk_tokens: int, split_at: int | Iterable[int] | None = None) -> list[tuple[int, int]]:
+def chunk_bounds(n: int, chunk_tokens: int, splits: Iterable[int] = ()) -> list[tuple[int, int]]:
     """(start, end) of the chunks of a record of `n` tokens: at multiples of `chunk_tokens` (so that most chunks
-    share one shape), and one more boundary at `split_at` (or at each of several)."""
-    splits = [split_at] if isinstance(split_at, int) else list(split_at or ())
+    share one shape), and at each of `splits`."""
     cuts = sorted({*range(chunk_tokens, n, chunk_tokens), *splits, n})
     return list(zip([0] + cuts[:-1], cuts))
 

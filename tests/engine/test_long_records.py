@@ -50,12 +50,13 @@ def test_the_chunk_size_is_a_config_knob_off_on_the_cpu_by_default():
         EngineConfig.resolve(device="cpu", env={"CLEF_PREFILL_CHUNK_TOKENS": "big"})
 
 
-def test_chunks_end_at_multiples_of_the_chunk_size_and_at_the_split():
+def test_chunks_end_at_multiples_of_the_chunk_size_and_at_each_split():
     assert chunk_bounds(130, 64) == [(0, 64), (64, 128), (128, 130)]
     assert chunk_bounds(128, 64) == [(0, 64), (64, 128)]
-    assert chunk_bounds(150, 64, split_at=100) == [(0, 64), (64, 100), (100, 128), (128, 150)]
-    assert chunk_bounds(150, 64, split_at=128) == [(0, 64), (64, 128), (128, 150)]
-    assert chunk_bounds(40, 64, split_at=40) == [(0, 40)]
+    assert chunk_bounds(150, 64, [100]) == [(0, 64), (64, 100), (100, 128), (128, 150)]
+    assert chunk_bounds(150, 64, [128]) == [(0, 64), (64, 128), (128, 150)]
+    assert chunk_bounds(40, 64, [40]) == [(0, 40)]
+    assert chunk_bounds(150, 64, [30, 100]) == [(0, 30), (30, 64), (64, 100), (100, 128), (128, 150)]
 
 
 @pytest.mark.parametrize(("length", "chunk", "split_at"), [
@@ -64,6 +65,7 @@ def test_chunks_end_at_multiples_of_the_chunk_size_and_at_the_split():
     (128, 64, None),  # a multiple
     (150, 64, 100),  # the state cache's split inside a chunk
     (67, 64, 2),  # a split two tokens in
+    (150, 64, 128),  # a split at a chunk's end
 ])
 def test_a_record_in_chunks_has_the_whole_forwards_hidden_states_and_layer_states(tiny_engine, length, chunk,
                                                                                     split_at):
@@ -73,7 +75,8 @@ def test_a_record_in_chunks_has_the_whole_forwards_hidden_states_and_layer_state
     pieces: list[tuple[int, torch.Tensor]] = []
     states = backbone.forward_chunked(ids, chunk, lambda start, hidden: pieces.append((start, hidden)),
                                       split_at=split_at)
-    assert [start for start, _ in pieces] == [start for start, _ in chunk_bounds(length, chunk, split_at)]
+    # the state's split does not cut a chunk: a chunk of a few tokens would be a forward of its own
+    assert [start for start, _ in pieces] == [start for start, _ in chunk_bounds(length, chunk)]
     assert max(hidden.shape[0] for _, hidden in pieces) <= chunk
     chunked = torch.cat([hidden for _, hidden in pieces])
     assert (chunked - whole).abs().max().item() <= TOLERANCE
@@ -107,8 +110,9 @@ def test_a_long_record_is_answered_in_chunks_as_it_is_whole(tiny_engine, chunked
 
 def test_a_long_state_stored_in_chunks_answers_a_new_schema_as_the_whole_record_does(tiny_engine, chunked_engine,
                                                                                      monkeypatch):
-    """The state cache takes the chunked forward's state at the state's end (a chunk boundary of its own), and the
-    continuation from it answers a new schema as the whole record does; the state is stored after the answer."""
+    """The state cache takes the chunked forward's state at the state's end (inside a chunk, not a chunk of its
+    own), and the continuation from it answers a new schema as the whole record does; the state is stored after the
+    answer."""
     cache = chunked_engine.runner.state_cache
     cache.clear()
     monkeypatch.setattr(cache, "min_prefix_tokens", 64)
