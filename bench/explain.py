@@ -156,6 +156,7 @@ def shared_prefix(engine, request: dict, unit: str) -> dict:
     text record, also how many tokens the engine computes (the record once, each variant after the point it
     continues from: runner.continuation_points)."""
     from clef_engine.explain import segments
+    from clef_engine.runner import continuation_points
 
     record = engine.encode(request)
     lengths, shared = [], []
@@ -174,16 +175,9 @@ def shared_prefix(engine, request: dict, unit: str) -> dict:
            "shared_fraction": round(sum(shared) / max(1, sum(lengths)), 3),
            "reused_by_engine": not record.has_media}  # explain.py's SharedPrefixes: text records on the packed path
     if not record.has_media:
-        out["computed_tokens"] = tokens_computed(len(record), lengths, shared)
+        start = {i: end for end, variants in continuation_points(shared).items() for i in variants}
+        out["computed_tokens"] = len(record) + sum(n - start[i] for i, n in enumerate(lengths, start=1))
     return out
-
-
-def tokens_computed(record_tokens: int, lengths: list[int], shared: list[int]) -> int:
-    """The record once, then each variant after the point it continues from (runner.continuation_points)."""
-    from clef_engine.runner import continuation_points
-
-    start = {i: end for end, variants in continuation_points(shared).items() for i in variants}
-    return record_tokens + sum(n - start[i] for i, n in enumerate(lengths, start=1))
 
 
 def computed_tokens(engine, request: dict, splits: int) -> int:
@@ -236,15 +230,19 @@ def variations(name: str, engine, request: dict) -> None:
     out = results[name]["text"]["variations"] = {}
     if DEVICE.type == "cuda":
         out["profile"] = build.kernel_table(lambda: engine.explain(request, unit="sentence"), 2)
+    def walls(fn) -> list[float]:
+        """Wall seconds of VARIATION_REPEATS synchronized calls of `fn`."""
+        seconds = []
+        for _ in range(VARIATION_REPEATS):
+            t0 = time.perf_counter()
+            fn()
+            build.sync(DEVICE)
+            seconds.append(time.perf_counter() - t0)
+        return seconds
+
     record = engine.encode(request)
     item = runner.SharedPrefixes([record, *(engine.encode(v()) for _, v in segments(request, record, "sentence"))])
-    walls = []
-    for _ in range(VARIATION_REPEATS):
-        t0 = time.perf_counter()
-        engine.runner.forward_shared(item)
-        build.sync(DEVICE)
-        walls.append(time.perf_counter() - t0)
-    out["forward_shared_p50_s"] = build.percentile(walls, 0.5, 3)
+    out["forward_shared_p50_s"] = build.percentile(walls(lambda: engine.runner.forward_shared(item)), 0.5, 3)
     save()
     default = runner.SHARED_SPLITS
     for splits in (2, 4, 8, 16):
@@ -253,15 +251,10 @@ def variations(name: str, engine, request: dict) -> None:
         runner.SHARED_SPLITS = splits
         try:
             engine.explain(request, unit="sentence")
-            walls = []
-            for _ in range(VARIATION_REPEATS):
-                t0 = time.perf_counter()
-                engine.explain(request, unit="sentence")
-                build.sync(DEVICE)
-                walls.append(time.perf_counter() - t0)
+            timed = walls(lambda: engine.explain(request, unit="sentence"))
         finally:
             runner.SHARED_SPLITS = default
-        out[f"splits_{splits}"] = {"p50_s": build.percentile(walls, 0.5, 3), "min_s": round(min(walls), 3),
+        out[f"splits_{splits}"] = {"p50_s": build.percentile(timed, 0.5, 3), "min_s": round(min(timed), 3),
                                    "computed_tokens": computed_tokens(engine, request, splits)}
         save()
 

@@ -193,8 +193,8 @@ class PackedBackbone:
         layer's state at that point is returned, its K/V as views of the buffers (no copy); the chunk it falls in
         runs whole, its recurrence in two calls: a chunk ending there would be a forward of a few tokens, its
         attention a cuDNN shape of its own (the Clef-Flash 16k user path, docs/performance.md). With `splits`, a
-        chunk ends at each and `on_split(end, states)`
-        receives those states there, before the next chunk runs (what Why's variants continue from, explain.py)."""
+        chunk ends at each and `on_split(end, states)` receives those states there, before the next chunk runs
+        (what Why's variants continue from, explain.py)."""
         n = input_ids.shape[0]
         cuts = {*splits, *([split_at] if split_at is not None else [])}
         if not all(0 < cut <= n for cut in cuts):
@@ -203,6 +203,12 @@ class PackedBackbone:
         buffers = {index: tuple(torch.empty(n, layer.kv_heads, layer.head_dim, device=self.device, dtype=self.dtype)
                                 for _ in range(2))
                    for index, layer in enumerate(self.layers) if layer.kind != "linear_attention"}
+
+        def states_at(point: int, recurrent: Sequence[LayerState | None]) -> list[LayerState]:
+            """Every layer's state after `point` tokens: K/V views of the buffers, the recurrence's as given."""
+            return [LayerState(keys=buffers[i][0][:point], values=buffers[i][1][:point]) if i in buffers
+                    else recurrent[i] for i in range(len(self.layers))]
+
         at_split = None
         for start, end in chunk_bounds(n, chunk_tokens, splits):
             inside = split_at - start if split_at is not None and start < split_at <= end else None
@@ -210,11 +216,9 @@ class PackedBackbone:
                                                     inside)
             on_chunk(start, hidden)
             if inside is not None:
-                at_split = [LayerState(keys=buffers[i][0][:split_at], values=buffers[i][1][:split_at]) if i in buffers
-                            else recurrent[i] for i in range(len(self.layers))]
+                at_split = states_at(split_at, [recurrent.get(i) for i in range(len(self.layers))])
             if end in splits:
-                on_split(end, [LayerState(keys=buffers[i][0][:end], values=buffers[i][1][:end]) if i in buffers
-                               else carried[i] for i in range(len(self.layers))])
+                on_split(end, states_at(end, carried))
         return at_split
 
     def _forward_chunk(self, chunk_ids: torch.Tensor, start: int, carried: list[LayerState | None],
