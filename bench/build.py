@@ -329,7 +329,8 @@ def category(name: str) -> str:
 
 
 def kernel_table(fn, iterations: int = 3) -> dict:
-    """GPU time per iteration of `fn` under torch.profiler: in total, by kernel category and the top 30 kernels."""
+    """GPU time per iteration of `fn` under torch.profiler: in total, by kernel category and the top 30 kernels; and
+    the host's 25 calls with the most self time."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
@@ -351,11 +352,32 @@ def kernel_table(fn, iterations: int = 3) -> dict:
     for name, (us, _) in per_kernel.items():
         by_category[category(name)] = by_category.get(category(name), 0.0) + us / 1000 / iterations
     top = sorted(per_kernel.items(), key=lambda kv: -kv[1][0])[:30]
+    host = sorted((e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CPU),
+                  key=lambda e: -e.self_cpu_time_total)[:25]
     return {"wall_ms_per_iteration": round(wall_ms, 2),  # under the profiler: an upper bound
             "gpu_ms_per_iteration": round(sum(v[0] for v in per_kernel.values()) / 1000 / iterations, 2),
             "kernels_per_iteration": count // iterations,
             "by_category_ms": {k: round(v, 2) for k, v in sorted(by_category.items(), key=lambda kv: -kv[1])},
-            "top": [(name[:110], round(us / 1000 / iterations, 3), n // iterations) for name, (us, n) in top]}
+            "top": [(name[:110], round(us / 1000 / iterations, 3), n // iterations) for name, (us, n) in top],
+            # where the host thread's time goes (CUDA runtime and driver calls among them: launches, syncs, copies)
+            "host_self_ms": [(e.key[:110], round(e.self_cpu_time_total / 1000 / iterations, 3), e.count // iterations)
+                             for e in host]}
+
+
+def python_profile(fn, top: int = 25) -> list:
+    """One call of `fn` under cProfile (this thread only): its `top` functions by own time, as (where, calls, own ms,
+    cumulative ms). A host sync shows as own time in the call that waits (`Tensor.cpu`, `synchronize`)."""
+    import cProfile
+    import pstats
+
+    profiler = cProfile.Profile()
+    profiler.runcall(fn)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    stats = pstats.Stats(profiler).stats  # {(file, line, name): (primitive calls, calls, own s, cumulative s, callers)}
+    rows = sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]
+    return [(f"{Path(file).name}:{line}({name})"[:110], calls, round(own * 1000, 2), round(cumulative * 1000, 2))
+            for (file, line, name), (_, calls, own, cumulative, _) in rows]
 
 
 def store_run(engine, requests: list[dict], schema: dict, db: Path) -> tuple[float, int, dict]:
@@ -381,4 +403,4 @@ def store_run(engine, requests: list[dict], schema: dict, db: Path) -> tuple[flo
 __all__ = ["clef_config", "scale_down", "build_model", "build_head", "random_engine", "write_release",
            "parameter_count", "gib",
            "floor_ms", "math", "WORDS", "schema", "sized_state", "sized_request", "sync", "percentile", "closed_loop",
-           "sections", "kernel_table", "store_run"]
+           "sections", "kernel_table", "python_profile", "store_run"]

@@ -26,8 +26,8 @@ measured, freed):
   explain.py's SharedPrefixes); the media variants of an image run whole.
 
 - variations (BENCH_VARIATIONS=1): the text record under torch.profiler; the runner's part alone (`forward_shared`,
-  no encoding or queue); then again with 2 / 4 / 8 / 16 split points (runner.SHARED_SPLITS, other than its own),
-  p50 of three calls each.
+  no encoding or queue), and once under cProfile (where the host's time goes); then again with 2 / 4 / 8 / 16
+  split points (runner.SHARED_SPLITS, other than its own), p50 of three calls each.
 
 BENCH_MODELS (clef-flash,clef) picks the shapes; BENCH_SKIP=image,batch_vs_alone leaves those out.
 Each measured section carries its issue-26 target (`target_s`) and whether the p50 met it (`met`). CUDA graphs are
@@ -243,6 +243,7 @@ def variations(name: str, engine, request: dict) -> None:
     record = engine.encode(request)
     item = runner.SharedPrefixes([record, *(engine.encode(v()) for _, v in segments(request, record, "sentence"))])
     out["forward_shared_p50_s"] = build.percentile(walls(lambda: engine.runner.forward_shared(item)), 0.5, 3)
+    out["forward_shared_python"] = build.python_profile(lambda: engine.runner.forward_shared(item))
     save()
     default = runner.SHARED_SPLITS
     for splits in (2, 4, 8, 16):

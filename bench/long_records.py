@@ -13,7 +13,8 @@ figures are not re-timed: they are its second calls on the same lengths in the s
 ../shared/measurements/2026-12-02/release-vs-engine-27b.json (`long.<length>.release_ms[1]`, copied below).
 Then `p95_over_p50_16k` over `BENCH_16K_SAMPLES` (10) records of 16,000-17,000 tokens after one untimed call, and,
 if time is left, one ~67k call with the state cache off (what storing the state costs) and a ~262k record (with a
-Clef-Flash-shaped engine resident too, if there is time to build it).
+Clef-Flash-shaped engine resident too, if there is time to build it; then once more with the state cache off, for
+its peak memory).
 
 Writes OUT.json after every step, in issue 25's layout: `long.<"32768"|"65536"|"131072">.{release_ms, ours_ms,
 ours_gpu_ms}` (medians), `long."262144".{ours_ms, peak_gib, flash_resident}`, `p95_over_p50_16k`; everything else
@@ -143,6 +144,7 @@ def one_length(engine, name: str, tokens: int, samples: int, *, profiled: bool =
     out: dict = {"tokens": None, "ours_ms_all": []}
     if DEVICE.type == "cuda":
         torch.cuda.reset_peak_memory_stats(DEVICE)
+        out["allocated_before_gib"] = build.gib(torch.cuda.memory_allocated(DEVICE))  # weights, graph pools, ...
     first, response = timed_decide(engine, fresh(base, 0))
     counts_before = allocator_counts()  # after the untimed call: what the timed ones cost
     out["tokens"] = response["usage"]["input_tokens"]
@@ -253,6 +255,14 @@ def longest(engine, tiny: Path) -> None:
                                                "weights_gib": build.gib(flash_bytes)}
     try:
         measured = one_length(engine, name, tokens, 1, profiled=False)
+        if DEVICE.type == "cuda" and left() > 1.5 * measured["first_call_ms"] / 1000:
+            # the same length once more without keeping the state: what computing the state adds to the peak
+            engine.runner.state_cache.enabled = False
+            torch.cuda.reset_peak_memory_stats(DEVICE)
+            wall, _ = timed_decide(engine, fresh(request(engine, tokens // SCALE), 9))
+            engine.runner.state_cache.enabled = True
+            measured["state_cache_off"] = {"ms": round(wall, 1),
+                                           "peak_gib": build.gib(torch.cuda.max_memory_allocated(DEVICE))}
     finally:
         if flash is not None:
             flash.close()

@@ -22,7 +22,7 @@ per-option Python-loop head): the release's own `joint_schema_model.py` is not i
 Writes OUT.json after every section: the keys issue 12 names at the top level, everything else under "detail".
 BENCH_SHAPE=clef-flash runs the same sections on the Clef-Flash shape (issue 38: both models guarded; its
 user_path p50s are copied to `flash."<bucket>".{release_ms, ours_ms}`); BENCH_PROFILE=4096 adds that length to the
-profile section (a decide with the cache on next to the forward alone). BENCH_SKIP=fidelity leaves the fidelity
+profile section (decides with the cache on and off next to the forward alone). BENCH_SKIP=fidelity leaves the fidelity
 section out; BENCH_ONLY=fidelity runs it alone (on the H200 it takes minutes
 of its own: a Flash-shaped model, its float32 copy, and 55 records three ways). BENCH_BUCKETS=4096,16384 times only
 those length buckets (the random lengths then differ from a full run's); BENCH_DEADLINE_S (560) skips the sections
@@ -333,10 +333,13 @@ def profile(engine) -> None:
                             "forward_batch": build.kernel_table(lambda: engine.runner.forward([record]), 2)}
         engine.runner.state_cache.enabled = True
         if tokens in extra:  # what decide adds around the forward: the state cache's store, the head, the answer
-            fresh = iter(request(engine, tokens, seed=61_000 + tokens + i, schema=questions(4, 3, 7))
-                         for i in range(8))
+            fresh = iter([request(engine, tokens, seed=61_000 + tokens + i, schema=questions(4, 3, 7))
+                          for i in range(5)])  # built first: writing a sized state tokenizes it several times
             engine.decide(next(fresh), **limit)
             out[str(tokens)]["decide"] = build.kernel_table(lambda: engine.decide(next(fresh), **limit), 2)
+            engine.runner.state_cache.enabled = False
+            out[str(tokens)]["decide_cache_off"] = build.kernel_table(lambda: engine.decide(next(fresh), **limit), 2)
+            engine.runner.state_cache.enabled = True
     results["detail"]["profile"] = out
 
 

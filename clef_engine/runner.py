@@ -391,18 +391,22 @@ class PackedRunner(PlainRunner):
         self.enable_graphs()
 
     def warm_up_steps(self) -> list[Callable[[], Any]]:
-        """A CUDA graph for each length bucket, one step each (longest first), and cuDNN's attention plan for every
-        padded length of a long record (on the worker thread: torch keeps cuDNN's plans per thread)."""
+        """A CUDA graph for each length bucket, one step each (longest first); cuDNN's attention plan for every
+        padded length of a long record, and those of a second chunk of every padded length, a step each (on the
+        worker thread: torch keeps cuDNN's plans per thread)."""
         steps: list[Callable[[], Any]] = []
         if self.config.cuda_graphs:
             steps += [partial(self.graphs.capture_bucket, length) for length in self.graphs.lengths_to_capture()]
+        text = self.backbone.config
+        shape = (self.device, self.dtype, text.num_attention_heads, text.num_key_value_heads, text.head_dim)
+        chunk = self.config.prefill_chunk_tokens
         if self.backbone.kernels.attention is attention.attention_varlen_cudnn_long:
-            text = self.backbone.config
             # records longer than a chunk run cuDNN's causal attention on at most a chunk and a step of tokens
-            chunk = self.config.prefill_chunk_tokens
             warm_tokens = chunk + attention.CUDNN_LENGTH_STEP if chunk else LONG_ATTENTION_WARM_TOKENS
-            steps.append(partial(attention.warm_long_attention, self.device, self.dtype, text.num_attention_heads,
-                                 text.num_key_value_heads, text.head_dim, warm_tokens))
+            steps.append(partial(attention.warm_long_attention, *shape, warm_tokens))
+        if chunk and self.backbone.kernels.attention_chunk is attention.attention_chunk_cudnn:
+            steps += [partial(attention.warm_chunk_attention, *shape, chunk, tokens)  # longest first, as above
+                      for tokens in range(chunk, 0, -attention.CUDNN_LENGTH_STEP)]
         return steps
 
     def capture_on_use(self, on: bool) -> None:

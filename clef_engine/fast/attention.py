@@ -175,8 +175,8 @@ def _boundaries(queries: int, keys: int, device: torch.device) -> tuple[torch.Te
 LONG_RECORD_TOKENS = 4097  # above the CUDA-graph limit: attention is a large share of a long record's time
 # cuDNN builds an execution plan for every new sequence length (~50 ms on the H200), and records arrive at every
 # length: one long record's attention runs padded to a multiple of this, so nearby lengths share one plan, and
-# `warm_long_attention` builds the plans of the usual lengths while the engine warms up. Zero keys after the last
-# real token change nothing before it (causal).
+# `warm_long_attention` and `warm_chunk_attention` build the plans of the usual lengths while the engine warms up.
+# Zero keys after the last real token change nothing before it (causal).
 CUDNN_LENGTH_STEP = 256
 
 
@@ -322,6 +322,19 @@ def warm_long_attention(device: torch.device, dtype: torch.dtype, heads: int, kv
     del q, k
     torch.cuda.empty_cache()
     return len(lengths)
+
+
+def warm_chunk_attention(device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int, dim: int,
+                         chunk: int, tokens: int) -> None:
+    """Build cuDNN's plans of `attention_chunk_cudnn` for a record's second chunk of `tokens` tokens (after a first
+    of `chunk`). A record a little over one chunk ends in a short chunk whose padded length is new to the process,
+    and its two plans then cost a first user more than the chunk's whole forward (the Clef-Flash 16k user path,
+    docs/performance.md)."""
+    generator = torch.Generator(device=device).manual_seed(5)
+    q = torch.randn(tokens, heads, dim, device=device, dtype=dtype, generator=generator)
+    k = torch.randn(chunk + tokens, kv_heads, dim, device=device, dtype=dtype, generator=generator)
+    attention_chunk_cudnn(q, k, k, chunk)
+    torch.cuda.synchronize(device)
 
 
 def cudnn_long_attention_pays(device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import dataclasses
 import json
 import re
 import shutil
@@ -354,16 +355,27 @@ def test_a_call_runs_alone_on_the_worker_thread_between_batches():
 
 def test_warm_up_builds_cudnns_attention_plans_on_the_thread_that_answers_requests(tiny_engine, monkeypatch):
     """torch keeps cuDNN's attention plans per thread: built on the loading thread, every first long record of a
-    new padded length paid for its plan again on the worker (+80-90 ms at 4,339 and 4,440 tokens on the H200)."""
+    new padded length paid for its plan again on the worker (+80-90 ms at 4,339 and 4,440 tokens on the H200). A
+    record a little over a prefill chunk ends in a short chunk whose plans were new too (+100-200 ms at 16,414
+    and 16,659 tokens on Clef-Flash): the warm-up builds one per padded length of a second chunk."""
     from clef_engine.fast import attention
 
-    threads = []
-    monkeypatch.setattr(attention, "warm_long_attention", lambda *args: threads.append(threading.current_thread()))
-    monkeypatch.setattr(tiny_engine.runner.backbone.kernels, "attention", attention.attention_varlen_cudnn_long)
+    built = []
+    monkeypatch.setattr(attention, "warm_long_attention",
+                        lambda *args: built.append(("long", args[-1], threading.current_thread())))
+    monkeypatch.setattr(attention, "warm_chunk_attention",
+                        lambda *args: built.append(("chunk", args[-1], threading.current_thread())))
+    kernels = tiny_engine.runner.backbone.kernels
+    monkeypatch.setattr(kernels, "attention", attention.attention_varlen_cudnn_long)
+    monkeypatch.setattr(kernels, "attention_chunk", attention.attention_chunk_cudnn)
+    monkeypatch.setattr(tiny_engine.runner, "config", dataclasses.replace(
+        tiny_engine.runner.config, prefill_chunk_tokens=4 * attention.CUDNN_LENGTH_STEP))
     monkeypatch.setattr(tiny_engine, "decide", lambda *args, **kwargs: None)  # the rest of the warm-up
     monkeypatch.setattr(tiny_engine, "decide_many", lambda *args, **kwargs: None)
     tiny_engine.warm_up()
-    assert threads == [tiny_engine.scheduler._thread]
+    worker = tiny_engine.scheduler._thread
+    step = attention.CUDNN_LENGTH_STEP
+    assert built == [("long", 5 * step, worker), *[("chunk", n * step, worker) for n in (4, 3, 2, 1)]]
 
 
 def test_concurrent_callers_share_batches(tiny_engine):
