@@ -234,6 +234,18 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+ALLOCATOR_COUNTS = ("num_alloc_retries", "num_device_alloc", "num_device_free", "num_sync_all_streams")
+
+
+def allocator_counts(device: torch.device) -> dict[str, int]:
+    """The caching allocator's cudaMalloc / cudaFree calls and its retries after a failed reservation (each retry
+    frees every cached block: a device-wide wait); none off CUDA."""
+    if device.type != "cuda":
+        return {}
+    stats = torch.cuda.memory_stats(device)
+    return {key: stats.get(key, 0) for key in ALLOCATOR_COUNTS}
+
+
 def percentile(values: list[float], q: float, digits: int = 1) -> float:
     """The value at quantile `q` of `values` (nearest rank)."""
     ordered = sorted(values)
@@ -402,5 +414,6 @@ def store_run(engine, requests: list[dict], schema: dict, db: Path) -> tuple[flo
 
 __all__ = ["clef_config", "scale_down", "build_model", "build_head", "random_engine", "write_release",
            "parameter_count", "gib",
-           "floor_ms", "math", "WORDS", "schema", "sized_state", "sized_request", "sync", "percentile", "closed_loop",
+           "floor_ms", "math", "WORDS", "schema", "sized_state", "sized_request", "sync", "allocator_counts",
+           "percentile", "closed_loop",
            "sections", "kernel_table", "python_profile", "store_run"]

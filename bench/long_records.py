@@ -117,18 +117,6 @@ def kernel_ms(engine, body: dict) -> dict:
             "cuda_runtime_over_1ms": sorted(runtime, key=lambda row: -row[1])[:12]}
 
 
-ALLOCATOR_COUNTS = ("num_alloc_retries", "num_device_alloc", "num_device_free", "num_sync_all_streams")
-
-
-def allocator_counts() -> dict[str, int]:
-    """The caching allocator's cudaMalloc / cudaFree calls and its retries after a failed reservation (each retry
-    frees every cached block: a device-wide wait)."""
-    if DEVICE.type != "cuda":
-        return {}
-    stats = torch.cuda.memory_stats(DEVICE)
-    return {key: stats.get(key, 0) for key in ALLOCATOR_COUNTS}
-
-
 def memory_allowed_gib(engine, tokens: int) -> float:
     """Issue 25's bound: weights + the record's attention K/V + 8 GiB."""
     text = engine.runner.backbone.config
@@ -146,7 +134,7 @@ def one_length(engine, name: str, tokens: int, samples: int, *, profiled: bool =
         torch.cuda.reset_peak_memory_stats(DEVICE)
         out["allocated_before_gib"] = build.gib(torch.cuda.memory_allocated(DEVICE))  # weights, graph pools, ...
     first, response = timed_decide(engine, fresh(base, 0))
-    counts_before = allocator_counts()  # after the untimed call: what the timed ones cost
+    counts_before = build.allocator_counts(DEVICE)  # after the untimed call: what the timed ones cost
     out["tokens"] = response["usage"]["input_tokens"]
     out["first_call_ms"] = round(first, 1)
     longest_s = first / 1000
@@ -158,7 +146,7 @@ def one_length(engine, name: str, tokens: int, samples: int, *, profiled: bool =
         out["ours_ms_all"].append(round(wall, 1))
         longest_s = max(longest_s, wall / 1000)
     out["allocator_during_timed_calls"] = {key: value - counts_before[key]
-                                           for key, value in allocator_counts().items()}
+                                           for key, value in build.allocator_counts(DEVICE).items()}
     if profiled and DEVICE.type == "cuda" and left() > 2 * longest_s:
         out["profile"] = kernel_ms(engine, fresh(base, samples + 1))
     if DEVICE.type == "cuda":
@@ -259,8 +247,10 @@ def longest(engine, tiny: Path) -> None:
             # the same length once more without keeping the state: what computing the state adds to the peak
             engine.runner.state_cache.enabled = False
             torch.cuda.reset_peak_memory_stats(DEVICE)
-            wall, _ = timed_decide(engine, fresh(request(engine, tokens // SCALE), 9))
-            engine.runner.state_cache.enabled = True
+            try:
+                wall, _ = timed_decide(engine, fresh(request(engine, tokens // SCALE), 9))
+            finally:
+                engine.runner.state_cache.enabled = True
             measured["state_cache_off"] = {"ms": round(wall, 1),
                                            "peak_gib": build.gib(torch.cuda.max_memory_allocated(DEVICE))}
     finally:

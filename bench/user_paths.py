@@ -127,12 +127,8 @@ from clef_engine.model.reference import reference_decide  # noqa: E402
 
 def setup_counts(engine) -> dict[str, int]:
     """What a first call at a new shape may pay for besides its GPU work: the caching allocator's cudaMalloc calls
-    (and its retries, each freeing every cached block) and the head's CUDA graph captures."""
-    counts = {"head_graph_captures": engine.runner.head_graphs.captures}
-    if DEVICE.type == "cuda":
-        stats = torch.cuda.memory_stats(DEVICE)
-        counts.update(device_allocs=stats.get("num_device_alloc", 0), alloc_retries=stats.get("num_alloc_retries", 0))
-    return counts
+    and retries (`build.allocator_counts`) and the head's CUDA graph captures."""
+    return {"head_graph_captures": engine.runner.head_graphs.captures, **build.allocator_counts(DEVICE)}
 
 
 @section("user_path", needs_s=120)

@@ -280,7 +280,7 @@ class PackedBackbone:
         finals: dict[int, torch.Tensor] = {}
         cores = []
         for start, end in zip([0, *ends[:-1]], ends):
-            part = segments if len(ends) == 1 else make_segments([end - start], x.device, first_position=start)
+            part = segments if len(ends) == 1 else segments.piece(start, end)
             core, state = kern.gated_delta(q[start:end], k[start:end], v[start:end], a[start:end], b[start:end],
                                            layer.A_log, layer.dt_bias, part, initial_state=state,
                                            output_final_state=bool(splits))

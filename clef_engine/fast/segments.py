@@ -23,6 +23,7 @@ class Segments:
     chunk_indices: torch.Tensor | None  # fla's per-chunk (record, chunk) table, precomputed on the host
     max_length: int
     behind_tails: dict[int, tuple[Segments, torch.Tensor]] = field(default_factory=dict, repr=False)
+    pieces: dict[tuple[int, int], Segments] = field(default_factory=dict, repr=False)
 
     @property
     def total(self) -> int:
@@ -42,6 +43,14 @@ class Segments:
             self.behind_tails[width] = (make_segments([width + n for n in self.lengths], self.positions.device),
                                         rows.to(self.positions.device, non_blocking=True))
         return self.behind_tails[width]
+
+
+    def piece(self, start: int, end: int) -> Segments:
+        """Rows [start, end) of a one-record pack as a pack of their own (a recurrence run in pieces, positions
+        counted from the pack's first row: it reads none); made once per pack, not once per layer."""
+        if (start, end) not in self.pieces:
+            self.pieces[(start, end)] = make_segments([end - start], self.positions.device, first_position=start)
+        return self.pieces[(start, end)]
 
 
 def make_segments(lengths: list[int], device: torch.device, *, first_position: int | list[int] = 0) -> Segments:
