@@ -351,6 +351,59 @@ def profile(engine) -> None:
     results["detail"]["profile"] = out
 
 
+@section("first_at_a_length", needs_s=90)
+def first_at_a_length(engine) -> None:
+    """Whether a record pays for its first run at an exact length (issue 38: Clef-Flash records a little over one
+    prefill chunk took 30-50 ms more on their first run than when run again with the cache off). Pairs of new
+    states with records of one exact length: the first at a length new to the process, then the second, with the
+    state cache on and off, a little over one chunk and a little under it; then such a pair under torch.profiler,
+    and one on the worker thread under cProfile (where decide's forward runs)."""
+    chunk = engine.config.prefill_chunk_tokens
+    if not chunk:
+        return
+    limit = {"max_length": 20_000}
+    schema = questions(4, 3, 7)
+
+    def same_length_pair(target: int) -> tuple[int, dict, dict]:
+        seen: dict[int, dict] = {}
+        for i in range(16):
+            r = request(engine, target, seed=63_000 + 100 * target + i, schema=schema)
+            n = len(engine.encode(r, **limit))
+            if n in seen:
+                return n, seen[n], r
+            seen[n] = r
+        raise RuntimeError(f"no two states of ~{target} tokens with records of one length")
+
+    def timed(r: dict) -> dict:
+        before = setup_counts(engine)
+        t0 = time.perf_counter()
+        engine.decide(r, **limit)
+        took = ms(t0)
+        return {"ms": round(took, 1), **{k: v - before[k] for k, v in setup_counts(engine).items() if v - before[k]}}
+
+    out: dict = {}
+    offsets = {True: (137, 421, 707), False: (181, 463, 751)}  # a new length for every pair
+    for cache in (True, False):
+        engine.runner.state_cache.enabled = cache
+        for where, sign in (("over_chunk", 1), ("under_chunk", -1)):
+            rows = []
+            for offset in offsets[cache]:
+                n, first, again = same_length_pair(chunk + sign * offset // SCALE)
+                rows.append({"tokens": n, "first": timed(first), "again": timed(again)})
+            out[f"{where}_cache_{'on' if cache else 'off'}"] = rows
+    engine.runner.state_cache.enabled = True
+    if DEVICE.type == "cuda":
+        n, first, again = same_length_pair(chunk + 555)
+        out["profiled"] = {"tokens": n, "first": build.kernel_table(lambda: engine.decide(first, **limit), 1),
+                           "again": build.kernel_table(lambda: engine.decide(again, **limit), 1)}
+    n, first, again = same_length_pair(chunk + 888 // SCALE)
+    records = [engine.encode(r, **limit) for r in (first, again)]
+    out["python_on_worker"] = {"tokens": n, **{
+        name: engine.scheduler.call(lambda: build.python_profile(lambda: engine.runner.forward([record]), 30))
+        for name, record in zip(("first", "again"), records)}}
+    results["detail"]["first_at_a_length"] = out
+
+
 @section("fidelity", needs_s=100)
 def fidelity() -> None:
     from bench.fidelity import fidelity as measure
@@ -404,6 +457,7 @@ def main() -> int:
     if only in ("user_path", "user_path,profile"):  # a follow-up run of that section (and the profile) alone
         if only.endswith("profile"):
             profile(engine)
+            first_at_a_length(engine)
         detail["kernels_after"] = engine.runner.info()["kernels"]
         detail["state_cache"] = engine.runner.state_cache.stats()
         save()
