@@ -246,6 +246,61 @@ def allocator_counts(device: torch.device) -> dict[str, int]:
     return {key: stats.get(key, 0) for key in ALLOCATOR_COUNTS}
 
 
+def live_at_peak(events: list[dict]) -> tuple[int, list[dict]]:
+    """Replay a caching-allocator trace (`torch.cuda.memory._snapshot()["device_traces"][i]`): the most bytes
+    allocated at once by the traced allocations, and the allocations live at that moment. A block counts from its
+    `alloc` to its `free_requested`, as `torch.cuda.memory_allocated` counts it."""
+    def replay(stop: int | None) -> tuple[int, int, dict[int, dict]]:
+        live: dict[int, dict] = {}
+        current = peak = peak_at = 0
+        for index, event in enumerate(events[:stop]):
+            if event["action"] == "alloc":
+                live[event["addr"]] = event
+                current += event["size"]
+                if current > peak:
+                    peak, peak_at = current, index
+            elif event["action"] == "free_requested" and event["addr"] in live:
+                current -= live.pop(event["addr"])["size"]
+        return peak, peak_at, live
+
+    peak, peak_at, _ = replay(None)
+    return peak, list(replay(peak_at + 1)[2].values()) if events else []
+
+
+def where_allocated(frames: list[dict], package: str = "clef_engine") -> str:
+    """The innermost two frames of `package` in an allocation's Python stack (else its innermost frame)."""
+    ours = [f"{Path(f['filename']).name}:{f['line']}({f['name']})" for f in frames if package in f["filename"]]
+    if ours:
+        return " < ".join(ours[:2])
+    return f"{Path(frames[0]['filename']).name}:{frames[0]['line']}({frames[0]['name']})" if frames else "?"
+
+
+def memory_at_peak(device: torch.device, fn: Callable[[], Any], top: int = 20) -> dict:
+    """Run `fn` while the caching allocator records a trace; then what was allocated at `fn`'s peak, grouped by
+    where it was allocated (GiB, blocks), over what was allocated before it began."""
+    torch.cuda.synchronize(device)
+    before = torch.cuda.memory_allocated(device)
+    entries = 2_000_000
+    torch.cuda.memory._record_memory_history(max_entries=entries, stacks="python")
+    try:
+        fn()
+        torch.cuda.synchronize(device)
+        events = torch.cuda.memory._snapshot(device)["device_traces"][device.index or 0]
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+    peak, live = live_at_peak(events)
+    groups: dict[str, list[int]] = {}
+    for block in live:
+        group = groups.setdefault(where_allocated(block.get("frames", [])), [0, 0])
+        group[0] += block["size"]
+        group[1] += 1
+    ranked = sorted(groups.items(), key=lambda kv: -kv[1][0])
+    return {"allocated_before_gib": gib(before), "peak_gib": gib(before + peak), "traced_peak_gib": gib(peak),
+            "at_peak": [(where, gib(size), blocks) for where, (size, blocks) in ranked[:top]],
+            "at_peak_rest_gib": gib(sum(size for _, (size, _) in ranked[top:])),
+            "trace_events": len(events), "trace_full": len(events) >= entries}
+
+
 def percentile(values: list[float], q: float, digits: int = 1) -> float:
     """The value at quantile `q` of `values` (nearest rank)."""
     ordered = sorted(values)

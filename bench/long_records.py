@@ -14,7 +14,7 @@ figures are not re-timed: they are its second calls on the same lengths in the s
 Then `p95_over_p50_16k` over `BENCH_16K_SAMPLES` (10) records of 16,000-17,000 tokens after one untimed call, and,
 if time is left, one ~67k call with the state cache off (what storing the state costs) and a ~262k record (with a
 Clef-Flash-shaped engine resident too, if there is time to build it; then once more with the state cache off, for
-its peak memory).
+its peak memory; then once more with the caching allocator tracing, for what its peak holds: `at_peak`).
 
 Writes OUT.json after every step, in issue 25's layout: `long.<"32768"|"65536"|"131072">.{release_ms, ours_ms,
 ours_gpu_ms}` (medians), `long."262144".{ours_ms, peak_gib, flash_resident}`, `p95_over_p50_16k`; everything else
@@ -253,6 +253,13 @@ def longest(engine, tiny: Path) -> None:
                 engine.runner.state_cache.enabled = True
             measured["state_cache_off"] = {"ms": round(wall, 1),
                                            "peak_gib": build.gib(torch.cuda.max_memory_allocated(DEVICE))}
+        if DEVICE.type == "cuda" and left() > 2 * measured["first_call_ms"] / 1000:
+            # once more as decide runs it, the allocator tracing: what the peak is made of
+            body = fresh(request(engine, tokens // SCALE), 10)
+            try:
+                measured["at_peak"] = build.memory_at_peak(DEVICE, lambda: timed_decide(engine, body))
+            except Exception as error:  # noqa: BLE001 — a diagnostic: the measured call above stays recorded
+                measured["at_peak"] = f"{type(error).__name__}: {error}"
     finally:
         if flash is not None:
             flash.close()

@@ -469,6 +469,7 @@ def main() -> int:
     interactive(engine)
     concurrent(engine)
     profile(engine)
+    first_at_a_length(engine)
     if DEVICE.type == "cuda":
         detail["memory_peak_allocated_gib"] = build.gib(torch.cuda.max_memory_allocated())
         detail["memory_peak_reserved_gib"] = build.gib(torch.cuda.max_memory_reserved())
