@@ -21,14 +21,12 @@ from typing import Any
 import torch
 
 from . import environment
-from .model.encoding import PREFIX, SUFFIX
+from .model.encoding import PREFIX, QWEN35_PRETOKENIZE, SUFFIX
 from .model.head import JointSchemaHead
 from .model.release import HEAD_CONFIG, HEAD_WEIGHTS, HeadConfig
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
                   "<|image_pad|>", "<|video_pad|>", "<think>", "</think>"]
-QWEN35_PRETOKENIZE = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}|"""
-                      r""" ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""")
 TINY_VOCAB = 1024
 # Sizes of the tiny release (`--size`): two models of different sizes in one process is what tests of several
 # resident models need; "tiny" is the default and the demo model.

@@ -9,7 +9,8 @@ bytes over the longest token's bytes for text, the processor's resize rule appli
 are checked first, then the exact counts as each part is tokenized, and media pixels are decoded last. Encoding of
 one request never waits for another's: text goes through our own copy of the Rust tokenizer (the HF wrapper
 reconfigures its tokenizer on every call, so it cannot be shared), and media through a small pool of processor
-copies that also bounds how many requests hold decoded pixels at once.
+copies that also bounds how many requests hold decoded pixels at once. A long state is tokenized in pieces at once
+(`letter_space_pieces`), on every core: its ids are the whole text's.
 """
 
 from __future__ import annotations
@@ -20,11 +21,13 @@ import ctypes
 import ctypes.util
 import hashlib
 import json
+import os
 import queue
+import re
 import threading
 import unicodedata
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -107,6 +110,10 @@ STATE_MEMO_MIN_CHARS = 4096
 STATE_MEMO_ENTRIES = 16
 SCHEMA_MEMO_ENTRIES = 16
 SCHEMA_MEMO_MAX_CHARS = 1 << 18  # larger schemas are tokenized each time rather than held
+STATE_PIECE_CHARS = 8192  # a longer state is tokenized in pieces of about this many characters, in parallel
+# the pre-tokenizer `letter_space_pieces` is exact for: Qwen3.5's (spec §1)
+QWEN35_PRETOKENIZE = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}|"""
+                      r""" ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""")
 MEDIA_SLOTS = 2  # requests whose media are decoded at once; each may hold gigabytes of pixels while it runs
 TRIM_AFTER_PIXELS = 4_000_000  # give freed memory back to the OS after media this large
 # NFC shrinks a text's UTF-8 by at most 3.5× (U+0390 from three 2-3 byte input characters is the worst case in
@@ -152,6 +159,8 @@ class Encoder:
         self._encode_batch = getattr(self._text, "encode_batch_fast", self._text.encode_batch)
         self.max_token_bytes = longest_token_bytes(self._text)
         self._normalizer = (json.loads(self._text.to_str()).get("normalizer") or {}).get("type")
+        self._added_tokens = [token.content for token in self._text.get_added_tokens_decoder().values()]
+        self._pieces_exact = cuts_at_letter_spaces_are_exact(self._text)
         self._processors: queue.Queue = queue.Queue()
         for _ in range(MEDIA_SLOTS):
             self._processors.put(copy.deepcopy(processor))
@@ -200,7 +209,7 @@ class Encoder:
             encoding = self._text.encode_batch([window], add_special_tokens=False)[0]
             if chars >= len(text):
                 return encoding.ids, 0
-            settled = settled_tokens(window, encoding.offsets, encoding.word_ids)
+            settled = settled_tokens(window, encoding.offsets, encoding.word_ids, self._added_tokens)
             if settled >= count or chars >= limit:
                 kept = max(settled, min(count, len(encoding.ids)))
                 end = encoding.offsets[kept - 1][1] if kept else 0
@@ -224,7 +233,13 @@ class Encoder:
         unchanged while an analyst iterates on a schema, and the state cache's continuation path would otherwise
         spend tens of ms of CPU per decide on it)."""
         ids = self._recall(self._states, _text_digest(text)) if len(text) >= STATE_MEMO_MIN_CHARS else None
-        return self.tokenize(text) if ids is None else ids.tolist()
+        if ids is not None:
+            return ids.tolist()
+        if not self._pieces_exact or len(text) < 2 * STATE_PIECE_CHARS:
+            return self.tokenize(text)
+        # a new long state is on the path of its first answer, the GPU waiting: its pieces on every core at once
+        pieces = letter_space_pieces(text, max(STATE_PIECE_CHARS, len(text) // (os.cpu_count() or 1)))
+        return [token for ids in self.tokenize_many(pieces) for token in ids]
 
     def remember_state(self, text: str, ids: list[int]) -> None:
         """Keep the ids of a long state of an accepted record (never of a refused one: a client sending ever new
@@ -493,15 +508,18 @@ def check_budget(counts: dict[str, int], max_length: int, overflow: str, *, at_l
     return over if not at_least else 0
 
 
-def settled_tokens(window: str, offsets: list[tuple[int, int]], word_ids: list[int | None]) -> int:
+def settled_tokens(window: str, offsets: list[tuple[int, int]], word_ids: list[int | None],
+                   added: Sequence[str] = ()) -> int:
     """How many leading tokens of a window of a text (its tokens' character offsets and pre-token numbers) are the
-    text's own whatever follows the window. The pre-tokenizer splits a text into runs of one kind of character —
-    letters and marks (with one character before them), digits, other characters (with a space before them and
-    newlines after them), whitespace — and each pre-token is tokenized alone, so only the pre-tokens of the
-    window's last run, and of the other characters before it when that run is whitespace, can change with what
-    follows; NFC composes only within that run too."""
-    tail = len(window)
-    kind = _kind(window[-1]) if window else ""
+    text's own whatever follows the window. The tokenizer first takes out the `added` tokens (`<|im_start|>`, …),
+    so the window's end may hold the start of one; before that, the pre-tokenizer splits a text into runs of one
+    kind of character — letters and marks (with one character before them), digits, other characters (with a space
+    before them and newlines after them), whitespace — and each pre-token is tokenized alone, so only the
+    pre-tokens of the window's last run, and of the other characters before it when that run is whitespace, can
+    change with what follows; NFC composes only within that run too."""
+    tail = len(window) - max((k for token in added for k in range(1, len(token)) if window.endswith(token[:k])),
+                             default=0)
+    kind = _kind(window[tail - 1]) if tail else ""
     while tail and _kind(window[tail - 1]) == kind:
         tail -= 1
     if kind == "space":
@@ -521,6 +539,44 @@ def _kind(character: str) -> str:
         return "space"
     category = unicodedata.category(character)[0]
     return {"L": "letter", "M": "letter", "N": "digit"}.get(category, "other")
+
+
+_SPACE_BETWEEN_WORD_CHARACTERS = re.compile(r"(?<=[^\W\d_]) (?=[^\W\d_])")  # \w's letters, and some numerals
+
+
+def letter_space_pieces(text: str, every: int) -> list[str]:
+    """`text` cut before a space between two letters (Unicode category L) about every `every` characters, or whole
+    where it has none. Qwen3.5's pre-tokenizer always ends a pre-token before such a space and starts the next with
+    it, whatever surrounds them, and NFC composes nothing across a space: tokenized apart, the pieces' ids are the
+    whole text's, in order."""
+    pieces, start = [], 0
+    while len(text) - start >= 2 * every:
+        found = _SPACE_BETWEEN_WORD_CHARACTERS.search(text, start + every)
+        while found is not None and not (text[found.start() - 1].isalpha() and text[found.end()].isalpha()):
+            found = _SPACE_BETWEEN_WORD_CHARACTERS.search(text, found.end())
+        if found is None:
+            break
+        pieces.append(text[start: found.start()])
+        start = found.start()
+    pieces.append(text[start:])
+    return pieces
+
+
+def cuts_at_letter_spaces_are_exact(tokenizer: Any) -> bool:
+    """Whether `letter_space_pieces` keeps this tokenizer's ids: its normalizer is NFC or none, its pre-tokenizer is
+    Qwen3.5's regex then byte-level, and no added token (matched before everything else) could span or touch a cut:
+    none holds whitespace or begins or ends with a letter."""
+    spec = json.loads(tokenizer.to_str())
+    steps = (spec.get("pre_tokenizer") or {}).get("pretokenizers") or [{}, {}]
+    split, byte_level = steps[0], steps[-1]
+    added = [token.content for token in tokenizer.get_added_tokens_decoder().values()]
+    return ((spec.get("normalizer") or {}).get("type") in (None, "NFC") and len(steps) == 2
+            and split.get("type") == "Split" and split.get("pattern") == {"Regex": QWEN35_PRETOKENIZE}
+            and split.get("behavior") == "Isolated" and not split.get("invert")
+            and byte_level.get("type") == "ByteLevel" and not byte_level.get("add_prefix_space")
+            and not byte_level.get("use_regex")
+            and not any(any(c.isspace() for c in token) or token[:1].isalpha() or token[-1:].isalpha()
+                        for token in added))
 
 
 def longest_token_bytes(tokenizer: Any) -> int:

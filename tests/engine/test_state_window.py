@@ -1,5 +1,6 @@
-"""A state cut to fit (overflow "truncate_state") is tokenized only in a window at its start, and its record is the
-release code's: the first tokens of the whole state's tokens, cut to fit (spec §2)."""
+"""A long state is tokenized in parts, and its ids are the whole text's (spec §2): a state cut to fit (overflow
+"truncate_state") only in a window at its start, its record the release code's (the first tokens of the whole state's
+tokens, cut to fit); a whole one in pieces at once, on every core."""
 
 from __future__ import annotations
 
@@ -11,8 +12,10 @@ from clef_engine.model import encoding
 from tests.support.bodies import REQUEST
 
 # pieces the pre-tokenizer treats differently: letters, marks that NFC composes, digits, contractions, punctuation
-# runs ending in newlines, whitespace runs with and without newlines, ideographic space, Hangul jamo
-PIECES = list("ab .!\n\r\t'sé\u0301=\u0338 1x\u3000\u1100\u1161\u11a8-?") + ["'s", "  ", "\n\n", "...", "é"]
+# runs ending in newlines, whitespace runs with and without newlines, ideographic space, Hangul jamo, numerals that
+# Python's \w takes for letters, special tokens
+PIECES = list("ab .!\n\r\t'sé\u0301=\u0338 1x\u3000\u1100\u1161\u11a8-?²Ⅻ") + ["'s", "  ", "\n\n", "...", "é",
+                                                                           " a", "<|im_start|>", " <|im_end|>"]
 
 
 @pytest.fixture
@@ -63,3 +66,39 @@ def test_a_state_far_over_the_budget_is_cut_as_the_release_cuts_it(tiny_engine, 
     assert cut.input_ids[start + kept:] == whole.input_ids[start + whole.token_counts["state"]:]
     # past the window the cut is counted at least: never more than were there
     assert 0 < cut.truncated_state_tokens <= whole.token_counts["state"] - kept
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=list(HealthCheck))
+@given(text=st.lists(st.sampled_from(PIECES), max_size=200).map("".join), every=st.integers(1, 12))
+def test_pieces_cut_at_letter_spaces_tokenize_as_the_whole_text(tiny_engine, text: str, every: int) -> None:
+    encoder = tiny_engine.encoder
+    pieces = encoding.letter_space_pieces(text, every)
+    assert "".join(pieces) == text
+    assert all(pieces) or text == ""
+    assert [token for piece in pieces for token in encoder.tokenize(piece)] == encoder.tokenize(text)
+
+
+def test_a_long_new_state_is_tokenized_in_pieces_at_once(tiny_engine, monkeypatch) -> None:
+    encoder = tiny_engine.encoder
+    state = " ".join(f"the word{i % 7} is alpha, then beta: {i}." for i in range(3_000))  # ~100k characters
+    batches: list[list[int]] = []  # the characters of each text, per call of the tokenizer
+    monkeypatch.setattr(encoder, "_encode_batch", lambda texts, **options: batches.append(list(map(len, texts))) or
+                        encoder._text.encode_batch(texts, **options))
+    monkeypatch.setattr(encoding.os, "cpu_count", lambda: 8)
+    record = tiny_engine.encode(dict(REQUEST, state=state), max_length=10**7)
+    pieces = next(batch for batch in batches if sum(batch) == len(state))
+    assert 6 <= len(pieces) <= 8  # one batch of about a piece per core
+    monkeypatch.undo()
+    start = len(encoder.prefix_ids)
+    assert record.input_ids[start: record.state_end] == encoder.tokenize(state)
+
+
+def test_another_pre_tokenizer_gets_its_states_tokenized_whole(tiny_release) -> None:
+    from tokenizers import Regex, Tokenizer, pre_tokenizers
+
+    tokenizer = Tokenizer.from_file(str(tiny_release / "tokenizer.json"))
+    assert encoding.cuts_at_letter_spaces_are_exact(tokenizer)
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(r"\S+\s*"), behavior="isolated"),  # a space ends a pre-token: cuts would move it
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    assert not encoding.cuts_at_letter_spaces_are_exact(tokenizer)
