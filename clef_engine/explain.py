@@ -45,6 +45,7 @@ if TYPE_CHECKING:
 MEDIA_UNITS = ("region", "frame")
 REGION_GRID = 4  # an image is split into REGION_GRID × REGION_GRID regions
 EXPLAIN_BATCHES = 4  # an explanation may take this many interactive batches' worth of tokens
+ENCODE_GROUP = 16  # text variants tokenized at once, on every core: past the budget, at most this many more
 UNIT_NEEDS = {"sentence": 'sentences need a text state; this state is JSON (use "field")',
               "line": 'lines need a text state; this state is JSON (use "field")',
               "field": "fields need a JSON object or list as the state", "region": "regions need at least one image",
@@ -264,8 +265,9 @@ def submit_explanation(engine: Engine, request: Request, unit: str | None = None
     budget = explain_budget(engine, max_tokens)
     # Cheapest first, nothing built before it is known to fit: every variant has at least the record's tokens but
     # its state's (a media variant has the record's own length), so the segments are counted only as far as that
-    # many could fit; then each text variant is built and tokenized in turn, its exact count added as it comes; the
-    # media variants, whose pixels are processed, are built last, as many at once as the encoder has processors.
+    # many could fit; then the text variants are built and tokenized, ENCODE_GROUP at once, each one's exact count
+    # added as it comes; the media variants, whose pixels are processed, are built last, as many at once as the
+    # encoder has processors.
     fixed = max(1, len(record) - record.token_counts["state"])
     found = list(itertools.islice(segments(valid.request, record, unit), budget // fixed + 1))
     media_variants = sum(location["kind"] in MEDIA_UNITS for location, _ in found)
@@ -273,11 +275,13 @@ def submit_explanation(engine: Engine, request: Request, unit: str | None = None
     total = len(record) * (1 + media_variants) + fixed * text_variants
     check_cost(len(record), len(found), total, budget, at_least=bool(text_variants),
                more_variants=len(found) > budget // fixed)
-    text_records = []
-    for _, variant in found[:text_variants]:
-        text_records.append(engine.encode(valid.with_evidence(variant())))
-        total += len(text_records[-1]) - fixed
-        check_cost(len(record), len(found), total, budget, at_least=len(text_records) < text_variants)
+    text_records: list[EncodedRecord] = []
+    for start in range(0, text_variants, ENCODE_GROUP):
+        group = found[start: min(start + ENCODE_GROUP, text_variants)]
+        for variant_record in engine.encoder.encode_many([valid.with_evidence(variant()) for _, variant in group]):
+            text_records.append(variant_record)
+            total += len(variant_record) - fixed
+            check_cost(len(record), len(found), total, budget, at_least=len(text_records) < text_variants)
     media_records: list[EncodedRecord] = []
     if media_variants:  # built and encoded on up to MEDIA_SLOTS threads: that many variants' pixels held at most
         with ThreadPoolExecutor(min(MEDIA_SLOTS, media_variants), thread_name_prefix="clef-explain") as pool:

@@ -14,7 +14,7 @@ import pytest
 from PIL import Image
 
 from clef_engine import RequestError, TokenBudgetError
-from clef_engine.explain import REGION_GRID
+from clef_engine.explain import ENCODE_GROUP, REGION_GRID
 from clef_engine.protocol import data_url
 from clef_engine.runner import SHARED_SPLITS
 from tests.support.api import TIMINGS, without_latency
@@ -189,15 +189,35 @@ def test_an_explanation_over_the_budget_is_refused_before_its_variants_are_encod
     # 400 fields: each variant carries at least the prefix, schema and suffix, which alone exceed the budget
     state = {f"field_{i}": i for i in range(400)}
     encoded = []
-    encode = tiny_engine.encode
-    monkeypatch.setattr(tiny_engine, "encode", lambda request, **options: encoded.append(1) or encode(request,
-                                                                                                        **options))
+    encode = tiny_engine.encoder.encode  # what the engine and Why's variants (encode_many) encode with
+    monkeypatch.setattr(tiny_engine.encoder, "encode", lambda *args, **options: encoded.append(1) or encode(*args,
+                                                                                                          **options))
     # counted only as far as could fit: the segments past that are never even located
     with pytest.raises(TokenBudgetError, match=r"takes at least [\d,]+ tokens .* at least [\d,]+ variants") as caught:
         tiny_engine.explain(request(state))
     assert len(encoded) == 1  # the record itself, none of its variants
     assert caught.value.part == "explanation" and caught.value.over_by > 0
     assert caught.value.max_length == 4 * tiny_engine.token_budget
+
+
+def test_why_tokenizes_its_variants_together_and_keeps_the_state_an_analyst_iterates_on(tiny_engine, monkeypatch):
+    """A Why's text variants are tokenized in batches on every core, not one call each, and are not memoized: the
+    long state an analyst decides again and again stays tokenized (20 variants of over 4,096 characters each
+    pushed it out of the encoder's 16 states)."""
+    kept = " ".join(["The customer wrote again about the same invoice."] * 100)  # long enough to be memoized
+    tiny_engine.decide(request(kept))
+    explained_state = " ".join(f"Sentence {i} says that the customer was charged twice for order {i} and asks for "
+                               f"one refund, politely, {'again and again ' * 8}today." for i in range(20))
+    encoder = tiny_engine.encoder
+    texts_per_call: list[int] = []
+    monkeypatch.setattr(encoder, "_encode_batch", lambda texts, **options: texts_per_call.append(len(texts)) or
+                        encoder._text.encode_batch(texts, **options))
+    explained = tiny_engine.explain(request(explained_state))
+    assert len(explained["x_explanations"]["angry"]) == 20
+    assert max(texts_per_call) == ENCODE_GROUP  # the first group's states in one call
+    texts_per_call.clear()
+    tiny_engine.decide(request(kept))
+    assert texts_per_call == []  # its state (and schema) from the memo
 
 
 # --- over HTTP -----------------------------------------------------------------------------------------------------
