@@ -20,6 +20,7 @@ import copy
 import ctypes
 import ctypes.util
 import hashlib
+import itertools
 import json
 import os
 import queue
@@ -554,6 +555,7 @@ def _kind(character: str) -> str:
 
 
 _SPACE_BETWEEN_WORD_CHARACTERS = re.compile(r"(?<=[^\W\d_]) (?=[^\W\d_])")  # \w's letters, and some numerals
+CUT_TRIES = 64  # candidates looked at per cut: a text of numerals that \w takes for letters costs no more
 
 
 def letter_space_pieces(text: str, every: int) -> list[str]:
@@ -563,13 +565,12 @@ def letter_space_pieces(text: str, every: int) -> list[str]:
     whole text's, in order."""
     pieces, start = [], 0
     while len(text) - start >= 2 * every:
-        found = _SPACE_BETWEEN_WORD_CHARACTERS.search(text, start + every)
-        while found is not None and not (text[found.start() - 1].isalpha() and text[found.end()].isalpha()):
-            found = _SPACE_BETWEEN_WORD_CHARACTERS.search(text, found.end())
-        if found is None:
+        found = itertools.islice(_SPACE_BETWEEN_WORD_CHARACTERS.finditer(text, start + every), CUT_TRIES)
+        cut = next((m.start() for m in found if text[m.start() - 1].isalpha() and text[m.end()].isalpha()), None)
+        if cut is None:
             break
-        pieces.append(text[start: found.start()])
-        start = found.start()
+        pieces.append(text[start:cut])
+        start = cut
     pieces.append(text[start:])
     return pieces
 
