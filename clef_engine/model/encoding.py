@@ -151,17 +151,18 @@ class Encoder:
 
         self.processor = processor
         self.tokenizer = processor.tokenizer  # for callers: ids ↔ tokens, decode (never used to encode here)
-        backend = processor.tokenizer.backend_tokenizer
+        backend = processor.tokenizer.backend_tokenizer.to_str()  # read once: a real vocabulary's is megabytes
         # our own copy, never reconfigured, so any number of threads can encode with it at once
-        self._text = tokenizers.Tokenizer.from_str(backend.to_str())
+        self._text = tokenizers.Tokenizer.from_str(backend)
         self._text.no_truncation()
         self._text.no_padding()
         # encode_batch runs without the GIL (encode holds it for the whole call); the fast variant skips offsets
         self._encode_batch = getattr(self._text, "encode_batch_fast", self._text.encode_batch)
-        self.max_token_bytes = longest_token_bytes(self._text)
-        self._normalizer = (json.loads(self._text.to_str()).get("normalizer") or {}).get("type")
-        self._added_tokens = [token.content for token in self._text.get_added_tokens_decoder().values()]
-        self._pieces_exact = cuts_at_letter_spaces_are_exact(self._text)
+        spec = json.loads(backend)
+        self.max_token_bytes = longest_token_bytes(self._text, spec)
+        self._normalizer = (spec.get("normalizer") or {}).get("type")
+        self._added_tokens = [token["content"] for token in spec.get("added_tokens") or []]
+        self._pieces_exact = cuts_at_letter_spaces_are_exact(spec)
         self._processors: queue.Queue = queue.Queue()
         for _ in range(MEDIA_SLOTS):
             self._processors.put(copy.deepcopy(processor))
@@ -411,17 +412,16 @@ class Encoder:
         record's size, a few ms of one core each). Those states are not memoized: they are not sent again."""
         texts = [render(valid.state) for valid in valids]
         whole = [i for i, (valid, text) in enumerate(zip(valids, texts))  # those whose size alone is not over budget
-                 if self.token_bound(text) <= (DEFAULT_MAX_LENGTH if valid.max_length is None else valid.max_length)]
+                 if self.token_bound(text) <= max_length_of(valid)]
         ids: list[list[int] | None] = [None] * len(valids)
         for i, state_ids in zip(whole, self.tokenize_many([texts[i] for i in whole])):
             ids[i] = state_ids
         return [self.encode(valid, state_ids) for valid, state_ids in zip(valids, ids)]
 
-    def encode(self, valid: ValidRequest, state_ids: list[int] | None = None) -> EncodedRecord:
-        """Encode one request, validated before (protocol.prepare), under its own budget (`state_ids`: its state's,
-        tokenized already). Raises RequestError or TokenBudgetError; never anything else for bad input."""
-        given = state_ids
-        max_length = DEFAULT_MAX_LENGTH if valid.max_length is None else valid.max_length
+    def encode(self, valid: ValidRequest, tokenized_state: list[int] | None = None) -> EncodedRecord:
+        """Encode one request, validated before (protocol.prepare), under its own budget (`tokenized_state`: its
+        state's ids, if known). Raises RequestError or TokenBudgetError; never anything else for bad input."""
+        max_length = max_length_of(valid)
         overflow = valid.overflow
         questions, images, videos, state_text = self.open_request(valid)
         pieces, instruction_piece, option_piece = schema_pieces(questions)
@@ -436,7 +436,7 @@ class Encoder:
         counts["schema"] = sum(map(len, piece_ids))
         check_budget(counts, max_length, overflow, at_least=media_bound + ("state",))
         if overflow == "refuse" or counts["state"] <= max_length:  # no more work than a refused state may cost
-            state_ids, after = (self.tokenize_state(state_text) if given is None else given), 0
+            state_ids, after = (self.tokenize_state(state_text) if tokenized_state is None else tokenized_state), 0
         else:  # a state far over the budget: only as much of it as fits is tokenized (its rest is counted at least)
             room = max_length - counts["prefix"] - counts["media"] - counts["schema"] - counts["suffix"]
             state_ids, after = self.leading_state_tokens(state_text, room)
@@ -460,7 +460,7 @@ class Encoder:
         input_ids.extend(self.suffix_ids)
         counts["total"] = len(input_ids)
         _check_instructions(questions, [piece_ids[piece] for piece in instruction_piece])
-        if not truncated and given is None:
+        if not truncated and tokenized_state is None:
             self.remember_state(state_text, state_ids)
 
         return EncodedRecord(
@@ -521,6 +521,10 @@ def check_budget(counts: dict[str, int], max_length: int, overflow: str, *, at_l
     return over if not at_least else 0
 
 
+def max_length_of(valid: ValidRequest) -> int:
+    return DEFAULT_MAX_LENGTH if valid.max_length is None else valid.max_length
+
+
 def settled_tokens(window: str, offsets: list[tuple[int, int]], word_ids: list[int | None],
                    added: Sequence[str] = ()) -> int:
     """How many leading tokens of a window of a text (its tokens' character offsets and pre-token numbers) are the
@@ -575,14 +579,13 @@ def letter_space_pieces(text: str, every: int) -> list[str]:
     return pieces
 
 
-def cuts_at_letter_spaces_are_exact(tokenizer: Any) -> bool:
-    """Whether `letter_space_pieces` keeps this tokenizer's ids: its normalizer is NFC or none, its pre-tokenizer is
-    Qwen3.5's regex then byte-level, and no added token (matched before everything else) could span or touch a cut:
-    none holds whitespace or begins or ends with a letter."""
-    spec = json.loads(tokenizer.to_str())
+def cuts_at_letter_spaces_are_exact(spec: dict) -> bool:
+    """Whether `letter_space_pieces` keeps the ids of the tokenizer of this tokenizer.json: its normalizer is NFC or
+    none, its pre-tokenizer is Qwen3.5's regex then byte-level, and no added token (matched before everything else)
+    could span or touch a cut: none holds whitespace or begins or ends with a letter."""
     steps = (spec.get("pre_tokenizer") or {}).get("pretokenizers") or [{}, {}]
     split, byte_level = steps[0], steps[-1]
-    added = [token.content for token in tokenizer.get_added_tokens_decoder().values()]
+    added = [token["content"] for token in spec.get("added_tokens") or []]
     return ((spec.get("normalizer") or {}).get("type") in (None, "NFC") and len(steps) == 2
             and split.get("type") == "Split" and split.get("pattern") == {"Regex": QWEN35_PRETOKENIZE}
             and split.get("behavior") == "Isolated" and not split.get("invert")
@@ -592,11 +595,11 @@ def cuts_at_letter_spaces_are_exact(tokenizer: Any) -> bool:
                         for token in added))
 
 
-def longest_token_bytes(tokenizer: Any) -> int:
-    """Bytes of text the longest token stands for. In a byte-level vocabulary each character of a token is one
-    byte; added tokens (`<|im_start|>`, …) match their UTF-8 text."""
-    added = {token.content for token in tokenizer.get_added_tokens_decoder().values()}
-    byte_level = "ByteLevel" in json.dumps(json.loads(tokenizer.to_str()).get("pre_tokenizer"))
+def longest_token_bytes(tokenizer: Any, spec: dict) -> int:
+    """Bytes of text the longest token stands for (`spec`: its tokenizer.json). In a byte-level vocabulary each
+    character of a token is one byte; added tokens (`<|im_start|>`, …) match their UTF-8 text."""
+    added = {token["content"] for token in spec.get("added_tokens") or []}
+    byte_level = "ByteLevel" in json.dumps(spec.get("pre_tokenizer"))
     longest = 1
     for token in tokenizer.get_vocab(with_added_tokens=True):
         size = len(token) if byte_level and token not in added else len(token.encode("utf-8", "surrogatepass"))
