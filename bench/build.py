@@ -269,10 +269,8 @@ def live_at_peak(events: list[dict]) -> tuple[int, list[dict]]:
 
 def where_allocated(frames: list[dict], package: str = "clef_engine") -> str:
     """The innermost two frames of `package` in an allocation's Python stack (else its innermost frame)."""
-    ours = [f"{Path(f['filename']).name}:{f['line']}({f['name']})" for f in frames if package in f["filename"]]
-    if ours:
-        return " < ".join(ours[:2])
-    return f"{Path(frames[0]['filename']).name}:{frames[0]['line']}({frames[0]['name']})" if frames else "?"
+    ours = [frame for frame in frames if package in frame["filename"]] or frames[:1]
+    return " < ".join(f"{Path(f['filename']).name}:{f['line']}({f['name']})" for f in ours[:2]) or "?"
 
 
 def memory_at_peak(device: torch.device, fn: Callable[[], Any], top: int = 20) -> dict:
