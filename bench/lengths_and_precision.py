@@ -280,11 +280,41 @@ def add_rms_norm_fp8(x: torch.Tensor, weight_plus_one: torch.Tensor, eps: float,
 
 # ---- the CUDA versions -----------------------------------------------------------------------------------------------
 
-def linear_fp8_scaled_mm(x: Fp8Blocks, weight: Fp8Weight) -> torch.Tensor:
-    """`torch._scaled_mm` with the DeepSeek recipe: scale_a [M, K/128] (stride (1, M)), scale_b [K/128, N/128]
-    (stride (1, K/128 padded to 4))."""
-    return torch._scaled_mm(x.values, weight.values.t(), scale_a=x.scales, scale_b=weight.scales.t(),
-                            out_dtype=torch.bfloat16)
+@dataclass(frozen=True)
+class ScaledMm:
+    """`torch._scaled_mm` with the DeepSeek recipe (1x128 activation scales x 128x128 weight scales, bf16 out), its
+    operands laid out one way of SCALED_MM_LAYOUTS. The layout torch documents (scale_a [M, K/128] with stride
+    (1, M), scale_b [K/128, N/128] with stride (1, K/128 padded to 4)) was refused on the H200's torch 2.11
+    ("Invalid scaling configuration", 2026-12-04), and the check's wording there does not say which stride it wants:
+    `scaled_mm_matches` tries each layout and keeps the first whose product is the plain block GEMM's."""
+
+    row_multiple: int = 1  # activations padded with zero rows to a multiple of this (scale_a's stride (1, M) with them)
+    weight_scales_row_major: bool = False  # scale_b [K/128, N/128] row-major, rows padded to 4 (not the transpose)
+
+    @property
+    def __name__(self) -> str:  # what Fp8Kernels.describe reports
+        return f"linear_fp8_scaled_mm(rows to a multiple of {self.row_multiple}, weight scales " \
+               f"{'row' if self.weight_scales_row_major else 'column'}-major)"
+
+    def __call__(self, x: Fp8Blocks, weight: Fp8Weight) -> torch.Tensor:
+        values, scale_a = x.values, x.scales
+        rows, extra = values.shape[0], -values.shape[0] % self.row_multiple
+        if extra:
+            values = F.pad(values.view(torch.uint8), (0, 0, 0, extra)).view(E4M3)  # zero bits are e4m3's 0.0
+            scale_a = scale_a.new_ones(scale_a.shape[1], rows + extra).t()
+            scale_a[:rows] = x.scales
+        scale_b = weight.scales.t()
+        if self.weight_scales_row_major:
+            groups, blocks = scale_b.shape
+            scale_b = scale_b.new_ones(groups, -(-blocks // SCALE_ROW_ALIGN) * SCALE_ROW_ALIGN)[:, :blocks]
+            scale_b.copy_(weight.scales.t())
+        out = torch._scaled_mm(values, weight.values.t(), scale_a=scale_a, scale_b=scale_b, out_dtype=torch.bfloat16)
+        return out[:rows]
+
+
+SCALED_MM_LAYOUTS = (ScaledMm(), ScaledMm(16), ScaledMm(weight_scales_row_major=True),
+                     ScaledMm(16, weight_scales_row_major=True))
+linear_fp8_scaled_mm = SCALED_MM_LAYOUTS[0]  # the layout torch documents
 
 
 def rms_norm_fp8_triton(x: torch.Tensor, weight_plus_one: torch.Tensor, eps: float,
@@ -300,7 +330,7 @@ class Fp8Kernels:
     rms_norm: Callable = rms_norm_fp8_torch  # residual add + RMSNorm -> FP8 blocks (q/k/v, in_proj, gate/up inputs)
     quantize: Callable = quantize_blocks_torch  # any activation -> FP8 blocks (the transformers modules' inputs)
     linear: Callable = linear_fp8_torch  # FP8 blocks x FP8 weight -> bf16
-    notes: dict = field(default_factory=dict)  # why a CUDA kernel was not taken
+    notes: dict = field(default_factory=dict)  # why a CUDA kernel (or _scaled_mm layout) was not taken
 
     SLOTS = ("rms_norm", "quantize", "linear")
 
@@ -340,27 +370,34 @@ def _random(device: torch.device, seed: int):
     return rand
 
 
-def scaled_mm_matches(device: torch.device) -> str | None:
-    """None if `torch._scaled_mm` with blockwise scales (e4m3, 1x128 x 128x128, bf16 out) computes the plain block
-    GEMM here; else what it did."""
-    try:
-        rand = _random(device, 8)
-        # M = 77 tokens (packs are any length), K = 384 (3 groups: the scale rows' padding to 4 is exercised),
-        # N = 224 (a partial last block of outputs); groups and blocks of very different magnitudes, so that a scale
-        # applied to the wrong block or side shows
-        x = quantize_blocks_torch(rand(77, 384) * (0.01 + 10 * rand(77, 3).abs()).repeat_interleave(BLOCK, 1))
-        weight = quantize_weight(rand(224, 384) * (0.001 + rand(2, 3).abs()).repeat_interleave(BLOCK, 0)[:224]
-                                 .repeat_interleave(BLOCK, 1))
-        want = linear_fp8_torch(x, weight).float()
-        got = linear_fp8_scaled_mm(x, weight)
-        if got.dtype != torch.bfloat16 or got.shape != want.shape:
-            return f"torch._scaled_mm returned {got.dtype} {tuple(got.shape)}, not bfloat16 {tuple(want.shape)}"
-        error = ((got.float() - want).abs().max() / want.abs().max()).item()
-        if not error <= 1e-2:
-            return f"torch._scaled_mm (blockwise scales) differs from the plain block GEMM by {error:.3g} (relative)"
-    except Exception as error:  # noqa: BLE001 — any failure means: the plain GEMM here
-        return f"torch._scaled_mm (e4m3, 1x128 x 128x128 scales) failed: {type(error).__name__}: {error}"[:500]
-    return None
+def scaled_mm_matches(device: torch.device) -> tuple[ScaledMm | None, str | None]:
+    """(the first of SCALED_MM_LAYOUTS whose `torch._scaled_mm` computes the plain block GEMM here, or None; what
+    each layout before it did, or None if the first matched)."""
+    rand = _random(device, 8)
+    # M = 77 tokens (packs are any length, and not a multiple of 4 or 16), K = 384 (3 groups: the scale rows' padding
+    # to 4 is exercised), N = 224 (a partial last block of outputs); groups and blocks of very different magnitudes,
+    # so that a scale applied to the wrong block or side shows
+    x = quantize_blocks_torch(rand(77, 384) * (0.01 + 10 * rand(77, 3).abs()).repeat_interleave(BLOCK, 1))
+    weight = quantize_weight(rand(224, 384) * (0.001 + rand(2, 3).abs()).repeat_interleave(BLOCK, 0)[:224]
+                             .repeat_interleave(BLOCK, 1))
+    want = linear_fp8_torch(x, weight).float()
+    problems: list[str] = []
+    for layout in SCALED_MM_LAYOUTS:
+        problem: str | None
+        try:
+            got = layout(x, weight)
+            if got.dtype != torch.bfloat16 or got.shape != want.shape:
+                problem = f"returned {got.dtype} {tuple(got.shape)}, not bfloat16 {tuple(want.shape)}"
+            else:
+                distance = ((got.float() - want).abs().max() / want.abs().max()).item()
+                problem = None if distance <= 1e-2 else f"is {distance:.3g} (relative) off the plain block GEMM"
+        except Exception as error:  # noqa: BLE001 — any failure means: try the next layout
+            problem = f"failed: {type(error).__name__}: {error}"
+        if problem is None:
+            return layout, "; ".join(problems) or None
+        # the first failure in full (torch's message lists what it wants), the others short
+        problems.append(f"torch._scaled_mm as {layout.__name__} {problem}"[:2000 if not problems else 300])
+    return None, "; ".join(problems)
 
 
 def triton_fp8_matches_torch(device: torch.device) -> str | None:
@@ -397,11 +434,11 @@ def select_fp8_kernels(device: torch.device) -> Fp8Kernels:
         kernels.rms_norm = rms_norm_fp8_triton
     else:
         kernels.notes["rms_norm"] = problem
-    problem = scaled_mm_matches(device)
-    if problem is None:
-        kernels.linear = linear_fp8_scaled_mm
-    else:
-        kernels.notes["linear"] = problem
+    layout, problems = scaled_mm_matches(device)
+    if layout is not None:
+        kernels.linear = layout
+    if problems is not None:  # the plain GEMM, or a layout after the documented one: what the others did
+        kernels.notes["linear"] = problems
     return kernels
 
 
@@ -506,7 +543,7 @@ def fp8_backbone(backbone: PackedBackbone, model, kernels: Fp8Kernels | None = N
     anything changes."""
     fp8 = kernels or select_fp8_kernels(backbone.device)
     layers = model.model.language_model.layers[: len(backbone.layers)]
-    if fp8.linear is linear_fp8_scaled_mm:
+    if isinstance(fp8.linear, ScaledMm):
         bad = unsupported_shapes(layers)
         if bad:
             raise ValueError(f"FP8: the blockwise torch._scaled_mm needs in features that are multiples of {BLOCK} "

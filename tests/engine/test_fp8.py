@@ -122,17 +122,49 @@ def test_blocks_differ_tells_one_rounding_step_from_a_wrong_kernel():
 
 
 def test_a_scaled_mm_that_fails_its_check_leaves_the_plain_gemm_with_the_reason(monkeypatch):
-    """On the CPU torch has no blockwise _scaled_mm: the check says so instead of raising, and on CUDA the same
-    answer keeps the plain GEMM (select_fp8_kernels), named in the FP8 kernels' description."""
-    problem = FP8.scaled_mm_matches(torch.device("cpu"))
-    assert problem is not None and "torch._scaled_mm" in problem
+    """On the CPU torch has no blockwise _scaled_mm: the check says so for every layout instead of raising, and on
+    CUDA the same answer keeps the plain GEMM (select_fp8_kernels), named in the FP8 kernels' description."""
+    layout, problems = FP8.scaled_mm_matches(torch.device("cpu"))
+    assert layout is None and problems.count("torch._scaled_mm as linear_fp8_scaled_mm") == 4
     monkeypatch.setattr(FP8, "triton_fp8_matches_torch", lambda device: None)
-    monkeypatch.setattr(FP8, "scaled_mm_matches", lambda device: "torch._scaled_mm failed: no blockwise recipe")
+    monkeypatch.setattr(FP8, "scaled_mm_matches", lambda device: (None, "torch._scaled_mm failed: no blockwise recipe"))
     kernels = FP8.select_fp8_kernels(torch.device("cuda"))
     assert kernels.rms_norm is FP8.rms_norm_fp8_triton and kernels.linear is FP8.linear_fp8_torch
     described = kernels.describe()
     assert described["fp8.linear"] == "linear_fp8_torch"
     assert described["fp8.linear_fallback"] == "torch._scaled_mm failed: no blockwise recipe"
+
+
+def test_the_check_takes_the_first_scaled_mm_layout_torch_accepts_and_it_computes_the_block_gemm(monkeypatch):
+    """A torch whose blockwise check wants what the documented layout is not (here: rows in multiples of 16 and the
+    weight scales row-major) gets the layout that passes, with the refusals noted (the first in full); that layout
+    pads a pack of any length and answers for its own rows only: the plain block GEMM's product."""
+
+    def strict_scaled_mm(a, b, scale_a, scale_b, out_dtype):
+        if a.shape[0] % 16 or scale_b.stride(1) != 1:
+            raise RuntimeError("Invalid scaling configuration. " + "For BlockWise 128x128 scaling ... " * 20)
+        groups = scale_a.repeat_interleave(FP8.BLOCK, 1)[:, :a.shape[1]]
+        blocks = scale_b.repeat_interleave(FP8.BLOCK, 0)[:b.shape[0]].repeat_interleave(FP8.BLOCK, 1)[:, :b.shape[1]]
+        return torch.mm(a.float() * groups, b.float() * blocks).to(out_dtype)
+
+    monkeypatch.setattr(torch, "_scaled_mm", strict_scaled_mm)
+    layout, problems = FP8.scaled_mm_matches(torch.device("cpu"))
+    assert layout == FP8.ScaledMm(16, weight_scales_row_major=True)
+    refusals = problems.split("; ")
+    assert len(refusals) == 3 and all("Invalid scaling configuration" in refusal for refusal in refusals)
+    assert len(refusals[0]) > 500 and max(len(refusal) for refusal in refusals[1:]) <= 300
+    monkeypatch.setattr(FP8, "triton_fp8_matches_torch", lambda device: None)
+    monkeypatch.setattr(FP8, "scaled_mm_matches", lambda device: (layout, problems))  # as on a GPU with that torch
+    kernels = FP8.select_fp8_kernels(torch.device("cuda"))
+    assert kernels.linear == layout and "rows to a multiple of 16" in kernels.describe()["fp8.linear"]
+    assert kernels.describe()["fp8.linear_fallback"] == problems
+
+    torch.manual_seed(1)
+    for rows in (1, 16, 45):
+        x = FP8.quantize_blocks_torch(groups_apart(rows, 256))
+        weight = FP8.quantize_weight(groups_apart(160, 256))  # a partial last block of outputs
+        got, want = layout(x, weight), FP8.linear_fp8_torch(x, weight)
+        assert got.shape == (rows, 160) and torch.allclose(got.float(), want.float(), rtol=1e-2, atol=1e-3)
 
 
 # ---- a loaded bf16 engine converted to FP8 on the CPU (plain kernels) ------------------------------------------------
@@ -247,7 +279,7 @@ def test_scaled_mm_shapes_are_checked_before_quantizing(bf16_engine):
 
 @cuda
 def test_scaled_mm_and_the_fused_fp8_kernels_match_their_torch_versions_on_the_gpu():
-    assert FP8.scaled_mm_matches(torch.device("cuda")) is None
+    assert FP8.scaled_mm_matches(torch.device("cuda"))[0] is not None
     assert FP8.triton_fp8_matches_torch(torch.device("cuda")) is None
 
 
@@ -260,7 +292,7 @@ def test_the_fp8_backbone_on_the_gpu_matches_the_plain_fp8_backbone(tiny_release
     model = build.build_model(config, device="cuda")
     bf16_model, plain_model = copy.deepcopy(model), copy.deepcopy(model)
     fused = FP8.fp8_backbone(PackedBackbone(model), model)  # _scaled_mm and the Triton norm, checked first
-    assert fused.fp8.linear is FP8.linear_fp8_scaled_mm
+    assert isinstance(fused.fp8.linear, FP8.ScaledMm)
     plain = FP8.fp8_backbone(PackedBackbone(plain_model), plain_model, FP8.Fp8Kernels())
     ids = torch.randint(0, 2000, (300,), device="cuda")
     segments = make_segments([100, 200], torch.device("cuda"))
