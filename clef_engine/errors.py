@@ -30,14 +30,18 @@ class RequestError(ClefError, ValueError):
 
 
 class TokenBudgetError(ClefError, ValueError):
-    """The record does not fit in max_length (HTTP 413). Says how many tokens over and which part is to blame."""
+    """The record does not fit in max_length (HTTP 413). `facts` says how many tokens over and which part is to
+    blame; `advice` what would make it fit, in a Python caller's words (the HTTP server words its own)."""
 
-    def __init__(self, message: str, *, over_by: int, part: str, token_counts: dict[str, int], max_length: int):
+    def __init__(self, facts: str, *, over_by: int, part: str, token_counts: dict[str, int], max_length: int,
+                 advice: str = ""):
+        self.facts = facts
+        self.advice = advice
         self.over_by = over_by
         self.part = part
         self.token_counts = dict(token_counts)
         self.max_length = max_length
-        super().__init__(message)
+        super().__init__(f"{facts} — {advice}" if advice else facts)
 
 
 class ReleaseError(ClefError):

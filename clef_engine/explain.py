@@ -244,10 +244,10 @@ def check_cost(record_tokens: int, variants: int, total: int, budget: int, *, at
     raise TokenBudgetError(
         f"explaining this record takes {bound}{total:,} tokens (the record, {record_tokens:,} tokens, and {counted}"
         f"{variants:,} variants of it, one per segment), {bound}{total - budget:,} over the {budget:,}-token budget of "
-        f"one explanation ({EXPLAIN_BATCHES} interactive batches); ask for fewer segments (another unit) or shorten "
-        "the record",
-        over_by=total - budget, part="explanation",
-        token_counts={"record": record_tokens, "variants": variants, "explanation": total}, max_length=budget)
+        f"one explanation ({EXPLAIN_BATCHES} interactive batches)",
+        advice="ask for fewer segments (another unit) or shorten the record", over_by=total - budget,
+        part="explanation", token_counts={"record": record_tokens, "variants": variants, "explanation": total},
+        max_length=budget)
 
 
 def submit_explanation(engine: Engine, request: Request, unit: str | None = None, *, priority: str = "interactive",

@@ -138,8 +138,8 @@ JsonValue = Annotated[Any, AfterValidator(_json_value)]
 Identifier = Annotated[str, AfterValidator(_identifier)]
 _MEDIA_ITEM_SCHEMA = {"anyOf": [
     {"type": "string", "description": "a data URL, e.g. data:image/png;base64,…"},
-    {"type": "object", "properties": {"content_type": {"type": "string"}, "base64": {"type": "string"}},
-     "required": ["content_type", "base64"]},
+    {"type": "object", "properties": {"content_type": {"type": "string", "description": "optional: the bytes decide"},
+                                      "base64": {"type": "string"}}, "required": ["base64"]},
 ]}
 # In-process callers may also pass PIL images, bytes, paths or frame arrays; model/media.py decodes each form.
 MediaList = Annotated[list[Any], WithJsonSchema({"type": "array", "items": _MEDIA_ITEM_SCHEMA})]
@@ -477,8 +477,8 @@ def check_schema_floor(request: Any, max_length: int) -> None:
         if floor > max_length:
             raise TokenBudgetError(
                 f"the {len(questions)} questions take at least {floor} tokens, over max_length {max_length} before "
-                "any state", over_by=floor - max_length, part="schema", token_counts={"schema": floor},
-                max_length=max_length)
+                "any state", advice="ask fewer questions, with fewer options, or raise max_length",
+                over_by=floor - max_length, part="schema", token_counts={"schema": floor}, max_length=max_length)
 
 
 # --- The hosted service's limits ------------------------------------------------------------------------------

@@ -493,6 +493,10 @@ def _check_instructions(questions: list[Question], instruction_ids: list[list[in
                                         "instructions encode to no tokens")])
 
 
+SHORTEN = {"schema": "shorten the schema (fewer questions or options, shorter texts)",
+           "media": "send fewer or smaller images, or shorter videos"}  # what cutting the state cannot fix
+
+
 def check_budget(counts: dict[str, int], max_length: int, overflow: str, *, at_least: tuple[str, ...]) -> int:
     """Raise TokenBudgetError when the record cannot fit; else return how many state tokens to cut (0 unless
     overflow is "truncate_state"). Parts named in `at_least` are lower bounds so far, and the message says so."""
@@ -503,11 +507,16 @@ def check_budget(counts: dict[str, int], max_length: int, overflow: str, *, at_l
     fixed = counts["prefix"] + counts["media"] + counts["schema"] + counts["suffix"]
     if fixed > max_length:
         largest = max(("media", "schema"), key=lambda part: counts[part])
+        frame = counts["prefix"] + counts["suffix"]
+        if frame >= max_length:  # no schema fits, however short: only a larger max_length helps
+            blame, advice = (f"the prompt's own text (prefix + suffix) alone takes {frame:,}", "raise max_length")
+        else:
+            blame = f"of what the request sends, the {largest} ({amount(counts[largest], largest)} tokens) is the most"
+            advice = f"{SHORTEN[largest]}, or raise max_length"
         raise TokenBudgetError(
             f"prefix + media + schema + suffix take {amount(fixed, 'media', 'schema')} tokens, "
-            f"{amount(fixed - max_length, 'media', 'schema')} over max_length {max_length:,} before any state; "
-            f"the {largest} ({amount(counts[largest], largest)} tokens) is the largest part",
-            over_by=fixed - max_length, part=largest, token_counts=counts, max_length=max_length)
+            f"{amount(fixed - max_length, 'media', 'schema')} over max_length {max_length:,} before any state; {blame}",
+            advice=advice, over_by=fixed - max_length, part=largest, token_counts=counts, max_length=max_length)
     over = fixed + counts["state"] - max_length
     if over <= 0:
         return 0
@@ -515,8 +524,8 @@ def check_budget(counts: dict[str, int], max_length: int, overflow: str, *, at_l
         every = ("media", "schema", "state")
         raise TokenBudgetError(
             f"the record is {amount(fixed + counts['state'], *every)} tokens, {amount(over, *every)} over max_length "
-            f"{max_length:,}; the state ({amount(counts['state'], 'state')} tokens) is too long — shorten it, raise "
-            f"max_length, or allow truncation (overflow='truncate_state')",
+            f"{max_length:,}; the state ({amount(counts['state'], 'state')} tokens) is too long",
+            advice="shorten it, raise max_length, or allow truncation (overflow='truncate_state')",
             over_by=over, part="state", token_counts=counts, max_length=max_length)
     return over if not at_least else 0
 

@@ -33,6 +33,7 @@ MAX_JSON_DEPTH = 64  # deeper nesting only serves to blow Python's recursion lim
 GZIP_ENCODINGS = ("gzip", "x-gzip")  # RFC 9110 §8.4.1.3: x-gzip is gzip
 MAX_MEMBERS = 256  # gzip members / zstd frames in one body; a compressor writes one, streaming ones a few
 DECOMPRESS_WINDOW = 64 * 1024  # compressed bytes fed to a decoder at once
+MAX_MULTIPART_PARTS = 64  # file parts, and text parts, of one multipart body (docs/api.md's limits table)
 MAX_NUMBER_DIGITS = 100  # a JSON number longer than this is no probability, count or score
 MAX_ECHO_CHARS = 80  # of a client's string quoted back in an error message
 JSON_MEDIA_TYPE = "application/json"
@@ -124,8 +125,9 @@ def _number(convert: Callable[[str], float], unit: str) -> Callable[[str], float
     itself, in a message about its own settings) and infinite ones."""
 
     def parse(text: str) -> float:
-        if len(text) > MAX_NUMBER_DIGITS:
-            raise ValueError(f"a number of {len(text)} {unit} is out of range")
+        length = len(text) - text.startswith("-")  # the sign is no digit
+        if length > MAX_NUMBER_DIGITS:
+            raise ValueError(f"a number of {length} {unit} is out of range")
         value = convert(text)
         if not math.isfinite(value):
             raise ValueError(f"number {text[:20]} is out of range")
@@ -251,8 +253,8 @@ async def _parse_multipart(content_type: str, raw: bytes, max_part_bytes: int) -
     async def stream() -> AsyncIterator[bytes]:
         yield raw
 
-    parser = _RawFieldsParser(Headers({"content-type": content_type}), stream(), max_files=64, max_fields=64,
-                             max_part_size=max_part_bytes)
+    parser = _RawFieldsParser(Headers({"content-type": content_type}), stream(), max_files=MAX_MULTIPART_PARTS,
+                             max_fields=MAX_MULTIPART_PARTS, max_part_size=max_part_bytes)
     try:
         form = await parser.parse()
     except MultiPartException as exc:

@@ -58,6 +58,20 @@ _MODELS = {
 }
 
 
+# Only HTTP bodies carry the TypeSafe SDK's assets: the server turns them into images before the contract's model
+# reads the request (bodies.assets_to_images).
+_ASSETS = {
+    "type": "object", "minProperties": 1,
+    "description": "The TypeSafe SDK's assets, placeholder → image: each becomes one image after `images`, and its "
+                   "placeholder `[image N]` in the request's text (never in keys, ids or types)",
+    "additionalProperties": {"type": "object", "properties": {
+        "type": {"const": "image"},
+        "format": {"type": "string", "description": "ignored: the bytes say what the image is"},
+        "data_base64": {"type": "string"},
+        "part": {"type": "string", "description": "the name of the multipart part holding the bytes"}}},
+}
+
+
 def _json(schema: str, description: str) -> dict:
     return {"description": description, "content": {"application/json": {"schema": {"$ref": _REF.format(
         model=schema)}}}}
@@ -69,6 +83,7 @@ def _errors(*statuses: int) -> dict:
         408: "The body did not arrive in time",
         413: "The body is too large, or the record is over its token budget",
         415: "Not application/json or multipart/form-data, or an unsupported Content-Encoding",
+        421: "The Host header names another server (only with an allowed-hosts list: DNS rebinding)",
         429: "The model's queue is full; retry after Retry-After seconds",
         503: "No model loaded yet, or no answer within the server's deadline",
     }
@@ -85,6 +100,7 @@ def document() -> dict:
     )
     schemas = dict(top.get("$defs", {}))
     schemas["Models"] = _MODELS
+    schemas["SystemOneRequest"]["properties"]["assets"] = _ASSETS
     bearer: list[dict[str, list]] = [{"bearer": []}]
     return {
         "openapi": "3.1.0",
@@ -104,15 +120,16 @@ def document() -> dict:
                 }},
                 "responses": {"200": _json("SystemOneResponse", "The answers"),
                               "422": _json("ValidationErrorBody", "Every problem of the request, with its location"),
-                              **_errors(401, 408, 413, 415, 429, 503)},
+                              **_errors(401, 408, 413, 415, 421, 429, 503)},
             }},
             "/v1/models": {"get": {"summary": "The resident model and its alias", "security": bearer,
-                                   "responses": {"200": _json("Models", "The models"), **_errors(401, 503)}}},
+                                   "responses": {"200": _json("Models", "The models"), **_errors(401, 421, 503)}}},
             "/health": {"get": {"summary": "Whether a model is loaded (no key needed)", "security": [],
-                                "responses": {"200": _json("Health", "Ready"), "503": _json("Health", "Loading")}}},
+                                "responses": {"200": _json("Health", "Ready"), "503": _json("Health", "Loading"),
+                                              **_errors(421)}}},
             "/metrics": {"get": {"summary": "Prometheus metrics", "security": bearer, "responses": {
                 "200": {"description": "Prometheus text exposition", "content": {"text/plain": {}}},
-                **_errors(401)}}},
+                **_errors(401, 421)}}},
         },
         "components": {"schemas": schemas,
                        "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer",

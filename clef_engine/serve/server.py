@@ -31,6 +31,7 @@ from ..calibrated import Calibration, CalibrationProvider, calibrate_answers
 from ..errors import BusyError, RequestError, TokenBudgetError
 from ..explain import Explaining, explaining
 from ..interface import DecisionEngine
+from ..model.encoding import SHORTEN
 from ..protocol import DEFAULT_MAX_LENGTH, ValidRequest, check_schema_floor, prepare
 from ..protocol import Response as SystemOneAnswer
 from . import openapi
@@ -379,14 +380,21 @@ def _invalid_request(exc: RequestError, asset_images: dict[int, str]) -> ApiErro
 
 
 def _too_many_tokens(exc: TokenBudgetError, asked: int, ceiling: int) -> ApiError:
+    """The engine's facts with advice in the API's words: only what this request could change (a schema over budget
+    is not helped by cutting the state, nor any record by a larger "x_max_length" past this server's ceiling)."""
+    larger = ", or a larger \"x_max_length\"" if exc.max_length < ceiling else ""
+    frame = exc.token_counts.get("prefix", 0) + exc.token_counts.get("suffix", 0)
     if exc.part == "explanation":  # the variants of x_explain: the message names their cost
         advice = "ask for a coarser x_explain unit or a shorter state"
-    elif asked > ceiling:  # the client asked for more than this server sells
-        advice = (f"this server answers at most {ceiling:,} tokens per request, whatever \"x_max_length\" "
-                  "asks; shorten the request or send \"x_overflow\": \"truncate_state\"")
+    elif frame >= exc.max_length:  # the prompt's own text fills "x_max_length"
+        advice = "send a larger \"x_max_length\""
+    elif exc.part == "state":
+        advice = f"send \"x_overflow\": \"truncate_state\" to cut the state{larger}"
     else:
-        advice = "send \"x_overflow\": \"truncate_state\" to cut the state instead, or a larger \"x_max_length\""
-    return api_error(413, "token_budget_exceeded", f"{exc} ({advice})", over_by=exc.over_by, part=exc.part,
+        advice = f"{SHORTEN.get(exc.part, 'shorten the request')}{larger}"
+    if asked > ceiling:  # the client asked for more than this server sells
+        advice = f"this server answers at most {ceiling:,} tokens per request, whatever \"x_max_length\" asks; {advice}"
+    return api_error(413, "token_budget_exceeded", f"{exc.facts} ({advice})", over_by=exc.over_by, part=exc.part,
                      max_length=exc.max_length, max_tokens_per_request=ceiling, token_counts=exc.token_counts)
 
 

@@ -268,6 +268,42 @@ def test_token_budget_refuses_unless_truncation_is_asked_for(client: httpx.Clien
     assert body["usage"]["input_tokens"] == budget
 
 
+def test_a_413_advises_only_what_the_request_can_change(client: httpx.Client) -> None:
+    """Truncating the state cannot shrink a schema, nor can anything shrink the prompt's own text below a tiny
+    "x_max_length"; and the advice is in the API's words (x_ fields), never the Python API's."""
+
+    def refused(request: dict) -> dict:
+        response = client.post("/v1/systemone", json=request)
+        assert response.status_code == 413, response.text
+        detail = response.json()["detail"]
+        assert detail["error_type"] == "token_budget_exceeded" and "overflow=" not in detail["message"]
+        return detail
+
+    wordy = make_request(0) | {"x_overflow": "truncate_state", "x_max_length": 300}
+    wordy["questions"]["tone"]["instructions"] = "Weigh every word of the message. " * 60
+    detail = refused(wordy)
+    assert detail["part"] == "schema" and "truncate_state" not in detail["message"]
+    assert "of what the request sends, the schema" in detail["message"]
+    assert 'shorten the schema (fewer questions or options, shorter texts), or a larger "x_max_length"' \
+        in detail["message"]
+
+    many = {"state": "x", "questions": {f"q{i}": {"type": "noul"} for i in range(400)},
+            "x_overflow": "truncate_state", "x_max_length": 600}  # refused from the schema's floor, unread
+    detail = refused(many)
+    assert detail["part"] == "schema" and "truncate_state" not in detail["message"]
+
+    tiny = make_request(0) | {"x_max_length": 10}
+    tiny["questions"] = {"angry": {"type": "noul"}}
+    detail = refused(tiny)
+    assert "the prompt's own text (prefix + suffix) alone takes" in detail["message"]
+    assert detail["message"].endswith('(send a larger "x_max_length")')
+
+    long_state = make_request(0) | {"state": "word " * 40_000}
+    detail = refused(long_state)  # at the server's ceiling: no larger x_max_length to ask for
+    assert detail["part"] == "state" and detail["max_length"] == detail["max_tokens_per_request"]
+    assert detail["message"].endswith('(send "x_overflow": "truncate_state" to cut the state)')
+
+
 def test_body_size_limit_and_compression(auth_server: ServerProcess) -> None:
     headers = {"authorization": f"Bearer {API_KEY}".encode()}
     with httpx.Client(base_url=auth_server.url, timeout=120, headers=headers) as http:

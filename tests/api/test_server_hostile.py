@@ -216,6 +216,12 @@ def test_errors_are_bounded_and_in_our_words(server: ServerProcess, client: http
     response = client.post("/v1/systemone", content=b'{"state": ' + b"7" * 5000 + b"}", headers=JSON)
     assert response.status_code == 422
     assert "digits" in response.text and "set_int_max_str_digits" not in response.text
+    questions = json.dumps(SMALL["questions"]).encode()
+    for digits, status in ((100, 200), (101, 422)):  # the limit counts digits: a minus sign is none
+        body = b'{"state": -' + b"7" * digits + b', "questions": ' + questions + b"}"
+        response = client.post("/v1/systemone", content=body, headers=JSON)
+        assert response.status_code == status, response.text[:300]
+    assert f"a number of {digits} digits" in response.text
 
     not_utf8 = b'{"state": "caf\xe9", "questions": {"q": {"type": "noul", "instructions": "ok?"}}}'
     response = client.post("/v1/systemone", files={"request": (None, not_utf8)})

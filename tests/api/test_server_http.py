@@ -329,6 +329,7 @@ def check_deadline(deadline_server: ServerProcess, slow: dict, request_timeout: 
 
 def test_openapi_document_and_docs_page(client: httpx.Client) -> None:
     from clef_engine import protocol
+    from clef_engine.serve import openapi
 
     doc = client.get("/openapi.json")
     assert doc.status_code == 200
@@ -337,11 +338,11 @@ def test_openapi_document_and_docs_page(client: httpx.Client) -> None:
     assert {"/v1/systemone", "/v1/models", "/health", "/metrics"} <= set(spec["paths"])
     schemas = spec["components"]["schemas"]
     own = protocol.SystemOneRequest.model_json_schema(ref_template="#/components/schemas/{model}")
-    assert schemas["SystemOneRequest"]["properties"] == own["properties"]
+    assert schemas["SystemOneRequest"]["properties"] == own["properties"] | {"assets": openapi._ASSETS}  # HTTP only
     assert set(schemas["SystemOneResponse"]["properties"]) >= {"model", "answers", "usage"}
     post = spec["paths"]["/v1/systemone"]["post"]
     assert post["responses"]["422"]["content"]["application/json"]["schema"]["$ref"].endswith("ValidationErrorBody")
-    for status in ("401", "413", "415", "429", "503"):
+    for status in ("401", "413", "415", "421", "429", "503"):
         assert post["responses"][status]["content"]["application/json"]["schema"]["$ref"].endswith("ErrorBody")
     # Every reference resolves inside the document.
     for ref in set(_refs(spec)):

@@ -152,6 +152,19 @@ def test_overflow_refuse_names_part_and_amount(tiny_engine):
     assert f"at least {caught.value.over_by:,} over max_length 1,000" in str(caught.value)
 
 
+def test_a_schema_over_budget_is_not_advised_to_truncate_the_state(tiny_engine):
+    request = dict(REQUEST, questions={"q": {"type": "noul", "instructions": "Weigh every word. " * 80}})
+    with pytest.raises(TokenBudgetError) as caught:
+        tiny_engine.encode(request, max_length=200, overflow="truncate_state")
+    assert caught.value.part == "schema" and "truncat" not in str(caught.value)
+    assert str(caught.value).endswith("shorten the schema (fewer questions or options, shorter texts), or raise "
+                                      "max_length")
+    with pytest.raises(TokenBudgetError) as caught:
+        tiny_engine.encode(request, max_length=5)  # not even the prompt's own text fits
+    frame = caught.value.token_counts["prefix"] + caught.value.token_counts["suffix"]
+    assert str(caught.value).endswith(f"(prefix + suffix) alone takes {frame:,} — raise max_length")
+
+
 def test_overflow_truncate_cuts_the_end_of_the_state(tiny_engine):
     encoder = tiny_engine.encoder
     request = dict(REQUEST, state="alpha beta gamma " * 500)
