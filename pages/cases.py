@@ -193,7 +193,8 @@ def read_upload(upload):
 
 
 def choose_mapping(columns: list[str], schema: dict | None, file_id: str):
-    """Which columns are the expected answers, the tags, the source id and the state."""
+    """Which columns are the expected answers, the tags, the source id and the state. Every choice is the file's own
+    (its key carries `file_id`): a file put in another's place gets its own guesses, not the other's choices."""
     st.write(f"Columns: {', '.join(f'`{c}`' for c in columns)}")
     questions = list((schema or {}).get("questions", {}))
     chosen_columns = view.ImportMapping(columns, questions,
@@ -205,14 +206,14 @@ def choose_mapping(columns: list[str], schema: dict | None, file_id: str):
         for index, question_id in enumerate(questions):
             picked = cols[index % len(cols)].selectbox(
                 question_id, [NOT_MAPPED, *columns], index=view.mapped_index(columns, guessed.get(question_id)),
-                key=K(f"map.expected.{question_id}"))
+                key=K(f"map.expected.{file_id}.{question_id}"))
             if picked != NOT_MAPPED:
                 chosen_columns.expected[picked] = question_id
     else:
         st.caption("This case set has no schema, so expected answers cannot be mapped (set one under Settings).")
     label_cols = st.columns(2)
-    chosen_columns.tags_column = label_cols[0].selectbox("Tags column", [NOT_MAPPED, *columns], key=K("map.tags"),
-                                                         index=view.mapped_index(columns, "tags"))
+    chosen_columns.tags_column = label_cols[0].selectbox(
+        "Tags column", [NOT_MAPPED, *columns], key=K(f"map.tags.{file_id}"), index=view.mapped_index(columns, "tags"))
     chosen_columns.id_column = label_cols[1].selectbox(
         "Source id column", [NOT_MAPPED, *columns], key=K(f"map.id.{file_id}"),
         index=view.mapped_index(columns, next(iter(importing.id_like_columns(columns)), None)),
@@ -224,7 +225,7 @@ def choose_mapping(columns: list[str], schema: dict | None, file_id: str):
 def choose_state(chosen_columns: view.ImportMapping, file_id: str):
     """The state: fields from chosen columns or one column's text; a warning when answers leak into it."""
     columns = chosen_columns.columns
-    state_mode = st.radio("State", view.STATE_MODES, horizontal=True, key=K("map.state_mode"))
+    state_mode = st.radio("State", view.STATE_MODES, horizontal=True, key=K(f"map.state_mode.{file_id}"))
     if state_mode == view.FIELDS_FROM_COLUMNS:
         candidates = chosen_columns.suggested_state()
         state_key = K(f"map.state.{file_id}")
@@ -232,13 +233,13 @@ def choose_state(chosen_columns: view.ImportMapping, file_id: str):
                                 placeholder="Choose the columns the model reads",
                                 help="Only the columns chosen here are sent to the model.")
         if candidates and not chosen:
-            st.button(view.suggest_button_label(candidates), key=K("map.state_suggest"),
+            st.button(view.suggest_button_label(candidates), key=K(f"map.state_suggest.{file_id}"),
                       on_click=st.session_state.update, args=({state_key: candidates},))
         mapping = chosen_columns.mapping(state_columns=chosen)
         if not chosen:
             st.info(view.state_choice_advice(candidates), icon=":material/arrow_upward:")
     else:
-        state_column = st.selectbox("State column", columns, key=K("map.state_text"))
+        state_column = st.selectbox("State column", columns, key=K(f"map.state_text.{file_id}"))
         mapping = chosen_columns.mapping(state_text_column=state_column)
         chosen = [state_column]
     state_warning = chosen_columns.state_warning(chosen)

@@ -57,6 +57,10 @@ def render_delete(run: dict) -> None:
     if not st.session_state.get(confirm_key):
         if st.button("Delete this run…", key=K(f"delete.{run['id']}"), icon=":material/delete:",
                      disabled=runner.is_running(run["id"])):
+            refusal = store.delete_run_refusal(run["id"])
+            if refusal:  # refused anyway: say why at once rather than ask first
+                st.error(refusal)
+                return
             st.session_state[confirm_key] = True
             st.rerun()
         return

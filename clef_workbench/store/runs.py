@@ -98,14 +98,22 @@ class RunsMixin(StoreBase):
     def delete_run(self, run_id: int, *, who: str = "") -> None:
         """Delete a run (soft: restore_run brings it back with its results); refused while a process works on it,
         and once reviewers have acted on it (the audit log is permanent)."""
-        def busy(conn: sqlite3.Connection, row: sqlite3.Row) -> str | None:
-            acted = conn.execute("""SELECT COUNT(*) FROM review_actions a JOIN review_items i ON i.id = a.item_id
-                                    WHERE i.run_id = ?""", (run_id,)).fetchone()[0]
-            if acted:
-                return f"run {run_id} has {acted} review action(s) in the audit log; it cannot be deleted"
-            return f"run {run_id} is running; cancel it first" if self._live_owner(row) is not None else None
+        self._set_deleted("run", run_id, deleted=True, who=who, label=_run_label, refuse=self._delete_run_refusal)
 
-        self._set_deleted("run", run_id, deleted=True, who=who, label=_run_label, refuse=busy)
+    def delete_run_refusal(self, run_id: int) -> str | None:
+        """Why delete_run would refuse the run now, or None: what a page says before it asks to confirm."""
+        with self._read() as conn:
+            row = self._one("SELECT * FROM runs WHERE id = ? AND deleted_at IS NULL", (run_id,),
+                            f"run {run_id} does not exist", conn)
+            return self._delete_run_refusal(conn, row)
+
+    def _delete_run_refusal(self, conn: sqlite3.Connection, row: sqlite3.Row) -> str | None:
+        acted = conn.execute("""SELECT COUNT(*) FROM review_actions a JOIN review_items i ON i.id = a.item_id
+                                WHERE i.run_id = ?""", (row["id"],)).fetchone()[0]
+        if acted:
+            return (f"run {row['id']} cannot be deleted: reviewers have acted on it ({acted} review action(s), undone "
+                    "ones included, in the audit log, which is kept)")
+        return f"run {row['id']} is running; cancel it first" if self._live_owner(row) is not None else None
 
     def restore_run(self, run_id: int, *, who: str = "") -> None:
         """Undo delete_run."""

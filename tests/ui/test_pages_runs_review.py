@@ -29,6 +29,7 @@ from tests.support.apptest import (
 )
 from tests.support.media import mp4_bytes
 from workbench_ui import shell, state_input
+from workbench_ui.cases_view import NOT_MAPPED
 
 pytestmark = pytest.mark.slow  # the Runs and Review pages run real batch runs: minutes in all
 
@@ -268,6 +269,9 @@ def test_review_page_queue_actions_conflict_undo_and_golden_set(workbench):
 TICKETS_CSV = ("subject,body,expected_team,priority\n"
                + "".join(f"Ticket {i},My invoice {i} is wrong,billing,{i % 4}\n" for i in range(10))).encode()
 
+TAGGED_CSV = ("subject,body,expected_team,priority,tags\n"
+              + "".join(f"Ticket {i},My invoice {i} is wrong,billing,{i % 4},urgent\n" for i in range(10))).encode()
+
 
 def upload_csv(at: AppTest, content: bytes) -> AppTest:
     case_uploader(at).set_value(("tickets.csv", content, "text/csv"))
@@ -276,13 +280,42 @@ def upload_csv(at: AppTest, content: bytes) -> AppTest:
     return at
 
 
+def expected_column(at: AppTest, question_id: str):
+    """The Import tab's picker of the column holding `question_id`'s expected answers (one per file)."""
+    (picker,) = [s for s in at.selectbox if (s.key or "").startswith("cases.map.expected.")
+                 and s.key.endswith(f".{question_id}")]
+    return picker
+
+
+def test_a_file_replacing_another_gets_its_own_mapping(workbench):
+    """A wrong file first (no answer or tags columns), then the right one in its place: the right one's answer and
+    tags columns are mapped as if it had come first, not left "(not mapped)" from the wrong one, which imported
+    every case without its expected answers and with its tags in the state."""
+    store = Store(workbench / "workbench.sqlite3")
+    at = open_page("pages/cases.py")
+    set_id = new_case_set(at, "Replaced")
+    upload_csv(at, b"subject,body\nHello,My invoice is wrong\n")
+    assert expected_column(at, "team").value == NOT_MAPPED
+    upload_csv(at, TAGGED_CSV)
+    assert expected_column(at, "team").value == "expected_team"
+    assert next(s for s in at.selectbox if s.key.startswith("cases.map.tags")).value == "tags"
+    button(at, "Use the 2 column(s)", startswith=True).click()
+    at.run()
+    button(at, "Import 10 cases").click()
+    at.run()
+    no_exceptions(at)
+    case = store.list_cases(set_id)[0]
+    assert case["state"] == {"subject": "Ticket 0", "body": "My invoice 0 is wrong"}
+    assert case["expected"] == {"team": "billing", "priority": 0} and case["tags"] == ["urgent"]
+
+
 def test_csv_import_uses_only_chosen_columns_refreshes_and_is_idempotent(workbench):
     store = Store(workbench / "workbench.sqlite3")
     at = open_page("pages/cases.py")
     set_id = new_case_set(at, "Tickets")
     upload_csv(at, TICKETS_CSV)
     # the label column is mapped to its question by name, and never offered as state
-    assert at.selectbox(key="cases.map.expected.team").value == "expected_team"
+    assert expected_column(at, "team").value == "expected_team"
     state_pick = next(m for m in at.multiselect if m.key.startswith("cases.map.state"))
     assert state_pick.value == [], "no column goes into the state unless chosen"
     assert "Choose the columns the model reads in “Columns that become state fields” above" in texts(at)
@@ -457,6 +490,25 @@ def test_delete_a_run_asks_first_and_can_be_undone(workbench):
     assert [r["id"] for r in store.list_runs()] == [run_id]
     assert at.selectbox(key="runs.selected").value == run_id
     assert [(c["action"], c["kind"]) for c in store.list_changes()] == [("restore", "run"), ("delete", "run")]
+
+
+def test_a_run_reviewers_acted_on_is_refused_before_the_question(workbench):
+    """Deleting is refused once the audit log holds a review of the run: the page says so at the click, instead of
+    asking "You can undo this." and refusing after the Yes."""
+    store, run_id = _finished_run(workbench)
+    review.apply_rules(store, run_id, ReviewRules(margin_below=1.0, unknown_option=False,
+                                                  disagree_with_expected=False))
+    item = store.list_review_items(run_id)[0]
+    store.apply_review_action(item["id"], reviewer="ana", action="accept", expected_version=0)
+    at = open_page("pages/runs.py")
+    button(at, "Delete this run…").click()
+    at.run()
+    no_exceptions(at)
+    assert [e.value for e in at.error] == [
+        f"run {run_id} cannot be deleted: reviewers have acted on it (1 review action(s), undone ones included, in "
+        "the audit log, which is kept)"]
+    assert "You can undo this" not in texts(at) and not [b for b in at.button if b.label == "Yes, delete it"]
+    assert store.get_run(run_id)["id"] == run_id
 
 
 def test_review_a_whole_record_on_one_screen_with_the_name_kept_in_the_link(workbench):
