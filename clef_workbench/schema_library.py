@@ -144,11 +144,18 @@ class SchemaLibrary:
         self._write(slug, schema, action)
         return slug
 
-    def update(self, slug: str, schema: Schema, *, action: str = "update", note: str = "") -> Schema:
+    def update(self, slug: str, schema: Schema, *, action: str = "update", note: str = "",
+               expected_version: int | None = None) -> Schema:
         """Overwrite an existing schema. The version goes up by one when anything but the version changed (each
         save is a version, `note` kept with it in the history); returns what was saved. The slug (file name) stays,
-        even if the name changed, so references to it keep working."""
+        even if the name changed, so references to it keep working. With `expected_version` (the version an
+        editor loaded), refused when the file has moved on since: the update would silently undo that change."""
         current = self.load(slug)
+        if expected_version is not None and current.version != expected_version:
+            raise SchemaError([SchemaProblem((), (
+                f"{slug}.json changed since these questions were loaded from it (version {expected_version}; it is "
+                f"at version {current.version} now): updating would undo that change. Save as a new schema, or load "
+                "it again (Undo brings these questions back)"))])
         saved = dataclasses.replace(schema, questions=plain_json(schema.questions), version=current.version,
                                     examples=plain_json(list(schema.examples)))
         saved.version = current.version + 1 if _content(saved) != _content(current) else max(schema.version,

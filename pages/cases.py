@@ -296,6 +296,6 @@ with tab_settings:
             if refused:
                 st.error(refused)
             else:
-                shell.forget_widget(K("selected"))
+                shell.forget_pick(K("selected"), "set")
                 flash("success", f"Deleted case set “{case_set['name']}”.", undo=("case_set", case_set_id))
                 st.rerun()

@@ -113,7 +113,7 @@ engine = shell.get_engine()
 library = shell.get_library()
 messages = vm.Messages()
 if (asked := st.query_params.get(SCHEMA_PARAM)) and not builder().loaded_slug and asked not in library.slugs():
-    st.error(links.missing_schema(asked, library.slugs()), icon=":material/link_off:")
+    st.error(links.missing_schema(asked, library.slugs(), "the Library picker"), icon=":material/link_off:")
 
 left, right = st.columns([1, 1], gap="large")
 with right:

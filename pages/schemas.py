@@ -24,7 +24,9 @@ def editor_key(slug: str) -> str:
 
 
 def reset_editor(slug: str) -> None:
-    st.session_state.pop(editor_key(slug), None)
+    """The editor back to the file as it is, and its last save's problems gone."""
+    shell.forget_widget(editor_key(slug))
+    st.session_state.pop(K("edit_problems"), None)
 
 
 def open_schema(slug: str, message: str, place: str = "top") -> None:
@@ -51,7 +53,6 @@ def save_json(slug: str) -> None:
     except schemas.SchemaError as exc:
         st.session_state[K("edit_problems")] = (slug, [p.msg for p in exc.problems])
         return
-    st.session_state.pop(K("edit_problems"), None)
     reset_editor(slug)
     flash("success", f"Saved {slug}.json (version {saved.version}).", "edit")
 
@@ -74,7 +75,7 @@ def delete_schema(slug: str) -> None:
     if refused:
         flash("error", refused, "delete")
         return
-    shell.forget_widget(K("selected"))
+    shell.forget_pick(K("selected"), SCHEMA_PARAM)
     reset_editor(slug)
     flash("success", f"Deleted {slug}.json.", undo=slug)
 
@@ -146,8 +147,11 @@ slugs = shown.slugs
 # a session's first visit opens the one its link names (?schema=), else the last edited
 first_visit = "_keep." + K("selected") not in st.session_state
 linked = st.query_params.get(SCHEMA_PARAM) if first_visit else None
-if linked is not None and linked not in slugs:
-    st.error(links.missing_schema(linked, slugs), icon=":material/link_off:")
+if linked is not None and linked not in slugs:  # no other schema in its place: one edited by mistake
+    st.error(links.missing_schema(linked, slugs, "the button below"), icon=":material/link_off:")
+    if st.button("Open the library", key=K("not_found_open"), icon=":material/arrow_forward:"):
+        st.query_params.pop(SCHEMA_PARAM, None)
+        st.rerun()
     st.stop()
 shell.set_widget(K("selected"), view.shown_schema(
     slugs, linked=linked, kept=st.session_state.get(K("selected"), st.session_state.get("_keep." + K("selected"))),
@@ -179,10 +183,10 @@ with tabs[0]:
             st.switch_page("pages/decide.py")
 
 with tabs[1]:
-    if editor_key(slug) not in st.session_state:
-        st.session_state[editor_key(slug)] = (library.path_of(slug).read_text(encoding="utf-8")
-                                              if entry.problem else library.export_json(slug))
-    st.text_area("Schema file", key=editor_key(slug), height=480, label_visibility="collapsed")
+    # kept: an edit survives opening another schema and coming back, until saved or discarded
+    shell.kept_widget(st.text_area, "Schema file", editor_key(slug), height=480, label_visibility="collapsed",
+                      default=library.path_of(slug).read_text(encoding="utf-8") if entry.problem
+                      else library.export_json(slug))
     edit_problems = st.session_state.get(K("edit_problems"))
     if edit_problems and edit_problems[0] == slug:
         for msg in edit_problems[1]:

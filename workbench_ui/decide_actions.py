@@ -105,7 +105,7 @@ def save_schema(update: bool) -> None:
                                       st.session_state.get(K("schema_description"), ""), update=update)
     try:
         if slug:
-            schema = library.update(slug, schema)
+            schema = library.update(slug, schema, expected_version=builder().loaded_version)
             flash = ("success", f"Updated {slug}.json (version {schema.version}).")
         else:
             slug = library.create(schema)

@@ -70,6 +70,10 @@ class Builder:
         return self.state.get(key("loaded_slug"))
 
     @property
+    def loaded_version(self) -> int | None:
+        return self.state.get(key("loaded_version"))
+
+    @property
     def examples(self) -> list[dict]:
         return self.state.get(key("examples")) or []
 
@@ -166,6 +170,7 @@ class Builder:
     def saved_as(self, slug: str, schema: schemas.Schema) -> None:
         self.state[key("loaded_slug")] = slug
         self.state[key("loaded_questions")] = schema.questions
+        self.state[key("loaded_version")] = schema.version  # an Update is refused if the library moved on
         set_kept(self.state, key("library_pick"), slug)
 
     def use_example(self, index: int) -> None:
@@ -180,7 +185,7 @@ class Builder:
 
     # Undo of Load and Use example: what they replaced, kept until the next replacement or its undo.
     REPLACEABLE = ("state_text", "schema_name", "schema_description", "library_pick")
-    LOADED = ("loaded_slug", "loaded_questions", "examples")
+    LOADED = ("loaded_slug", "loaded_questions", "loaded_version", "examples")
 
     def _state_typed(self) -> bool:
         """Whether the state editor holds something typed in: neither empty nor one of the examples."""
@@ -430,7 +435,8 @@ def draft_of(state: MutableMapping) -> dict[str, Any]:
     values = {name: kept(state, key(name)) for name in DRAFT_FIELDS}
     media = state.get(key("media"), state.get(key("restored_media"))) or []
     return {**values, "rows": builder.rows(), "loaded_slug": builder.loaded_slug,
-            "loaded_questions": state.get(key("loaded_questions")), "examples": builder.examples,
+            "loaded_questions": state.get(key("loaded_questions")), "loaded_version": builder.loaded_version,
+            "examples": builder.examples,
             "media": [_media_entry(m) for m in media], "result": result_entry(state.get(key("result")))}
 
 

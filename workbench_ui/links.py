@@ -49,9 +49,10 @@ def missing_review_item(run_id: int, case_id: Any, question_id: str | None, item
                    max(0, len(items) - MISSING_LINKS_SHOWN))
 
 
-def missing_schema(asked: str, slugs: list[str]) -> str:
-    """The "not found" of a Decide link to a library schema (?schema=) that is not in the library."""
-    there = ("The library has: " + ", ".join(f"“{s}”" for s in slugs) + " (open one with the Library picker)."
+def missing_schema(asked: str, slugs: list[str], picker: str) -> str:
+    """The "not found" of a link to a library schema (?schema=) that is not in the library; `picker` names where the
+    page lets a person open another."""
+    there = ("The library has: " + ", ".join(f"“{s}”" for s in slugs) + f" (open one with {picker})."
              if slugs else "The library is empty.")
     return f"Not found: the link asks for the schema “{asked}”, which is not in the library. {there}"
 

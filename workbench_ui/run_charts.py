@@ -82,6 +82,7 @@ def reliability_diagram(question_id: str, bins: pd.DataFrame, calibrated: pd.Dat
         width=220, height=220 if calibrated is None else 240, title=f"Reliability: {question_id}")
 
 
+ROW_PX = 22  # a leaderboard row: room for the theme's label font
 LEADERBOARD_COLORS = {"base": OTHER_COLOR, "better": "#27ae60", "worse": "#d64545", "no clear difference": "#2f80ed"}
 
 
@@ -91,13 +92,14 @@ def leaderboard_chart(data: pd.DataFrame) -> alt.FacetChart:
     color = alt.Color("against the base:N", scale=alt.Scale(domain=list(LEADERBOARD_COLORS),
                                                            range=list(LEADERBOARD_COLORS.values())),
                       legend=alt.Legend(orient="bottom", title=None))
-    base = alt.Chart().encode(y=alt.Y("variant:N", sort=variants, title=None, axis=alt.Axis(labelLimit=240)),
-                              color=color)
+    # every variant named: at the theme's font size Vega hid every other label of a tight axis (labelOverlap)
+    base = alt.Chart().encode(y=alt.Y("variant:N", sort=variants, title=None,
+                                      axis=alt.Axis(labelLimit=240, labelOverlap=False)), color=color)
     interval = base.mark_rule(strokeWidth=2).encode(
         x=alt.X("low:Q", scale=alt.Scale(domain=[0, 1]), axis=alt.Axis(format="%"), title="accuracy"), x2="high:Q")
     point = base.mark_point(filled=True, size=60).encode(
         x="accuracy:Q", tooltip=["variant", "scope", alt.Tooltip("accuracy:Q", format=".3f"),
                                  alt.Tooltip("low:Q", format=".3f"), alt.Tooltip("high:Q", format=".3f"),
                                  "against the base"])
-    return alt.layer(interval, point, data=data).properties(width=240, height=18 * len(variants) + 10).facet(
+    return alt.layer(interval, point, data=data).properties(width=240, height=ROW_PX * len(variants) + 10).facet(
         facet=alt.Facet("scope:N", sort=list(dict.fromkeys(data["scope"])), title=None), columns=3)

@@ -453,6 +453,13 @@ def forget_widget(key: str, unless_in: Any = ()) -> None:
     forget_kept(st.session_state, key, unless_in)
 
 
+def forget_pick(key: str, param: str) -> None:
+    """Forget what a picker (pick_id's, or one like it) shows and the URL parameter linking to it: what it showed
+    was deleted, and the page opens another rather than a "Not found" for its own stale link."""
+    forget_widget(key)
+    st.query_params.pop(param, None)
+
+
 def set_widget(key: str, value: Any) -> None:
     set_kept(st.session_state, key, value)
 

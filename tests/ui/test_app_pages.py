@@ -3,6 +3,7 @@ SQLite store and schema folder (temporary)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 
@@ -246,6 +247,17 @@ def test_schemas_page_create_edit_duplicate_delete(workbench):
     button(at, "Save changes").click().run()
     assert any("not valid JSON: Expecting ',' delimiter at line 4, column 3" in e.value for e in at.error)
     assert (workbench / "schemas" / "refund-triage.json").read_text() == before
+    # Discard: the file again, and the error of the discarded text gone with it
+    button(at, "Discard changes").click().run()
+    assert at.text_area(key="schemas.json.refund-triage").value == before
+    assert not [e.value for e in at.error]
+
+    # An unsaved edit survives opening another schema and coming back
+    at.text_area(key="schemas.json.refund-triage").input(before.replace("Refund triage", "Refund triage, draft")).run()
+    at.selectbox(key="schemas.selected").select("invoice-triage").run()
+    at.selectbox(key="schemas.selected").select("refund-triage").run()
+    assert "Refund triage, draft" in at.text_area(key="schemas.json.refund-triage").value
+    button(at, "Discard changes").click().run()
 
     # A valid edit that changes the questions bumps the version.
     data = json.loads(before)
@@ -268,6 +280,9 @@ def test_schemas_page_create_edit_duplicate_delete(workbench):
     button(at, "Delete").click().run()
     no_exceptions(at)
     assert not library.exists("refund-triage-eu") and library.exists("refund-triage")
+    # another schema opens: not a "Not found" for the page's own link to the deleted one
+    assert not [e.value for e in at.error] and at.selectbox(key="schemas.selected").value != "refund-triage-eu"
+    assert at.query_params.get("schema") != "refund-triage-eu"
     button(at, "Undo").click().run()  # the file comes back from the change log
     no_exceptions(at)
     assert library.load("refund-triage-eu").name == "Refund triage EU"
@@ -456,6 +471,29 @@ def test_new_schema_drops_the_old_identity(workbench):
     button(at, "Run").click().run()
     assert at.selectbox(key="decide.case_set_pick").value == "New case set…"
     assert at.text_input(key="decide.case_set_new").value == "Refunds cases"
+
+
+def test_update_refuses_to_undo_a_change_made_to_the_file_since_it_was_loaded(workbench):
+    """Decide loaded support-ticket-routing; the Schemas page (another tab) then saved a new version of it. Updating
+    from Decide would write the old questions over that version: it is refused, and nothing is written."""
+    library = SchemaLibrary(workbench / "schemas")
+    at = start()
+    button(at, "Update “support-ticket-routing”").click().run()  # nothing moved: the update goes through
+    no_exceptions(at)
+    loaded = library.load("support-ticket-routing")
+    assert any(s.value == f"Updated support-ticket-routing.json (version {loaded.version})." for s in at.success)
+
+    questions = json.loads(json.dumps(loaded.questions))
+    first = next(iter(questions))
+    questions[first]["instructions"] = "Edited on the Schemas page"
+    newer = library.update("support-ticket-routing", dataclasses.replace(loaded, questions=questions))
+    assert newer.version == loaded.version + 1
+    button(at, "Update “support-ticket-routing”").click().run()
+    no_exceptions(at)
+    assert any("changed since these questions were loaded from it" in e.value and f"version {newer.version} now"
+               in e.value for e in at.error)
+    assert library.load("support-ticket-routing").questions[first]["instructions"] == "Edited on the Schemas page"
+    assert library.load("support-ticket-routing").version == newer.version
 
 
 def test_a_run_error_names_the_control_and_goes_when_the_control_changes(workbench):
@@ -748,6 +786,9 @@ def test_the_schemas_page_opens_the_linked_or_the_last_edited_schema(workbench):
     open_schemas(missing)
     assert any("Not found: the link asks for the schema “no-such-schema”" in e.value for e in missing.error)
     assert not [s for s in missing.selectbox if s.key == "schemas.selected"], "no other schema in its place"
+    button(missing, "Open the library").click().run()  # not a dead end: the page's own choice opens
+    no_exceptions(missing)
+    assert missing.selectbox(key="schemas.selected").value in library.slugs() and not missing.error
 
     at.switch_page("pages/decide.py")
     at.run()

@@ -396,6 +396,22 @@ def test_delete_a_case_set_asks_first_and_can_be_undone(workbench):
     assert [c["action"] for c in store.list_changes()] == ["restore", "delete"]
 
 
+def test_deleting_one_of_two_case_sets_opens_the_other(workbench):
+    """Not a "Not found" for the page's own link (?set=) to the set just deleted."""
+    store = Store(workbench / "workbench.sqlite3")
+    at = open_page("pages/cases.py")
+    kept = new_case_set(at, "Kept")
+    doomed = new_case_set(at, "Doomed")
+    assert at.query_params["set"] == str(doomed)
+    button(at, "Delete this case set").click()
+    at.run()
+    button(at, "Yes, delete it").click()
+    at.run()
+    no_exceptions(at)
+    assert "Deleted case set “Doomed”." in texts(at) and not [e.value for e in at.error]
+    assert at.selectbox(key="cases.selected").value == kept and [s["id"] for s in store.list_case_sets()] == [kept]
+
+
 def test_review_in_blind_mode_and_keeping_the_gold_label(workbench):
     AppTest.from_file(APP, default_timeout=TIMEOUT).run()
     store, run_id = _finished_run(workbench)
