@@ -18,7 +18,11 @@ if TYPE_CHECKING:
 def cmd_tiny(args: argparse.Namespace) -> int:
     from .tiny import build_tiny_release
 
-    path = build_tiny_release(args.directory, seed=args.seed, size=args.size)
+    try:
+        path = build_tiny_release(args.directory, seed=args.seed, size=args.size)
+    except OSError as exc:  # a file where the folder should be, a folder that cannot be made
+        print(f"error: cannot write the release to {args.directory}: {exc.strerror or exc}", file=sys.stderr)
+        return 2
     print(f"wrote a tiny Clef-format release (random weights, seed {args.seed}, size {args.size}) to {path}")
     return 0
 

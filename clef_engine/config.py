@@ -41,7 +41,7 @@ import torch
 
 from . import environment
 from .errors import ReleaseError
-from .model.release import default_device, parse_dtype
+from .model.release import default_device, parse_device, parse_dtype
 
 GiB = 2**30
 # option -> its variable, CLEF_ and the option's name in capitals (listed in the module docstring)
@@ -111,7 +111,7 @@ class EngineConfig:
             else:
                 values[key] = _count(name, text)
         device_set, dtype_set = values.pop("device", None), values.pop("dtype", None)
-        where = torch.device(device if device is not None else device_set or default_device())
+        where = parse_device(device if device is not None else device_set or default_device())
         dtype = parse_dtype(dtype if dtype is not None else dtype_set, where)
         cuda = where.type == "cuda"
         if cuda and not torch.cuda.is_available():

@@ -22,7 +22,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from clef_engine import DEFAULT_MAX_LENGTH, ClefError
+from clef_engine import DEFAULT_MAX_LENGTH, ClefError, ReleaseError
 from clef_workbench import calibration, importing, sweeps
 from clef_workbench.casesets import CaseImportError, CsvMapping, import_cases
 from clef_workbench.jobs import DEFAULT_CHUNK_SIZE, JobRunner, RunProgress, check_engine, fmt_seconds
@@ -56,9 +56,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     model.add_argument("--model", required=True,
                        help=f"a release folder, a Hugging Face repo id, or {DEMO_SOURCE!r} for the demo release")
     model.add_argument("--revision", help="Hub revision of the release")
-    model.add_argument("--max-length", type=int, default=DEFAULT_MAX_LENGTH, help="token budget of one record")
-    model.add_argument("--overflow", choices=["refuse", "truncate_state"], default="refuse",
-                       help="a state over max_length: an error answer (refuse) or its end cut off")
+    # None until defaulted in main: a resumed run changes only the settings given
+    model.add_argument("--max-length", type=int, help=f"token budget of one record (default {DEFAULT_MAX_LENGTH})")
+    model.add_argument("--overflow", choices=["refuse", "truncate_state"],
+                       help="a state over max_length: an error answer (refuse, the default) or its end cut off")
     model.add_argument("--ray", metavar="ADDRESS",
                        help="run on this Ray cluster ('auto' or the head's host:6379); default CLEF_RAY_ADDRESS, "
                             "none: in this process")
@@ -71,13 +72,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     run.add_argument("--schema", type=path_argument, help="a schema JSON file (as in the schema library)")
     run.add_argument("--resume", type=int, metavar="RUN_ID",
                      help="go on with a run that stopped (failed, cancelled, its process killed): only the cases "
-                          "without a result are computed, with the run's case set, schema and settings")
+                          "without a result are computed, with the run's case set, schema and settings (those of "
+                          "--max-length, --overflow and --chunk-size given here replace the run's)")
+    run.add_argument("--retry-failed", action="store_true",
+                     help="with --resume: compute the cases whose result is an error again too, into the same run "
+                          "(change what made them fail first, e.g. --max-length)")
     run.add_argument("--new", action="store_true",
                      help="start a new run even though one of the same case set, schema and model exists")
     run.add_argument("--chunk-tokens", type=int,
                      help="on Ray, cases are sent in chunks of about this many tokens (default: the replica's "
                           "token budget)")
-    run.add_argument("--chunk-size", type=int, default=DEFAULT_CHUNK_SIZE, help="records per batch, in process")
+    run.add_argument("--chunk-size", type=int, help=f"records per batch, in process (default {DEFAULT_CHUNK_SIZE})")
     sweep = commands.add_parser("sweep", parents=[store, model],
                                 help="score variants of a schema on a labelled case set, one state per case")
     sweep.add_argument("--case-set", required=True, help="name of a case set in the database, with expected answers")
@@ -191,7 +196,10 @@ def start_model(args: argparse.Namespace, address: str | None) -> tuple[Any, dic
     source = str(clef_engine.demo_release()) if args.model == DEMO_SOURCE else args.model
     if address is None:
         print(f"loading {args.model} in this process…", flush=True)
-        engine = clef_engine.load(source, revision=args.revision, device=args.device, dtype=args.dtype)
+        try:
+            engine = clef_engine.load(source, revision=args.revision, device=args.device, dtype=args.dtype)
+        except ReleaseError as exc:  # no such release, device or dtype
+            raise UsageError(f"--model {args.model}: {exc}") from None
         return engine, {**engine.info(), "where": "in process"}
     from clef_workbench.distributed import ReplicaPool, connect
 
@@ -283,6 +291,8 @@ def run_command(args: argparse.Namespace) -> int:
     store = open_store(args.db)
     store.require_writable()  # before the model loads: a run writes its results
     model_id = request_model_name(args.model)
+    if args.retry_failed and args.resume is None:
+        raise UsageError("--retry-failed goes with --resume RUN_ID: it computes that run's failed cases again")
     if args.resume is not None:
         if args.case_set or args.schema or args.new:
             raise UsageError("--resume goes on with the run's own case set and schema: leave out --case-set, "
@@ -294,16 +304,25 @@ def run_command(args: argparse.Namespace) -> int:
         if run["model_id"] != model_id:
             raise UsageError(f"--model: run {run['id']} runs model {run['model_id']!r}, not {model_id!r}; give "
                              "--model for that model")
-        if run["done"] == run["total"]:
-            print(f"run {run['id']} has a result for every case: nothing to resume")
+        to_compute = run["total"] - run["done"] + (run["errors"] if args.retry_failed else 0)
+        if not to_compute:
+            failed = (f"; its {run['errors']} failed case(s) are computed again with --retry-failed"
+                      if run["errors"] else "")
+            print(f"run {run['id']} has a result for every case: nothing to resume{failed}")
             return 0
+        changed = {name: getattr(args, name) for name in ("max_length", "overflow", "chunk_size")
+                   if name in args.given}
+        if changed:  # the cases computed from now on use them; the answered ones keep theirs
+            store.update_run_settings(run["id"], **changed)
         run_id: int | None = run["id"]
-        settings = run["settings"]
+        settings = store.get_run(run["id"])["settings"]
         schema, case_set_name = run["schema"], run["case_set_name"]
     else:
         if not args.case_set or not args.schema:
             raise UsageError("--case-set and --schema are required (or --resume RUN_ID)")
         case_set_id = find_case_set(store, args.case_set)
+        if not store.get_case_set(case_set_id)["case_count"]:
+            raise UsageError(f"--case-set: {args.case_set!r} has no cases; import some first")
         schema = load_schema(args.schema)
         case_set_name = args.case_set
         settings = RunSettings(chunk_size=args.chunk_size, max_length=args.max_length, overflow=args.overflow,
@@ -326,7 +345,7 @@ def run_command(args: argparse.Namespace) -> int:
                                           model_revision=info.get("revision"), settings=settings)
             print(f"{doing} {run_id}: {case_set_name} · {schema['name']} v{schema['version']} · {args.model} on "
                   f"{info.get('device')} ({info['where']})", flush=True)
-            runner.start(run_id, engine, check=False)  # checked above, before the run was recorded
+            runner.start(run_id, engine, check=False, retry_failed=args.retry_failed)  # checked above
             progress = watch(runner, run_id, stop)
     finally:
         model.close()
@@ -334,8 +353,10 @@ def run_command(args: argparse.Namespace) -> int:
         # a run whose failure could not be written to the store still reads `running` there
         status = "failed" if progress["error"] and progress["status"] == "running" else progress["status"]
         reason = f": {progress['error']}" if progress["error"] else ""
-        print(f"run {run_id} {status}{reason} (to resume: python -m clef_workbench run --db {args.db} "
-              f"--resume {run_id} --model {args.model})", file=sys.stderr)
+        again = f"python -m clef_workbench run --db {args.db} --resume {run_id} --model {args.model}"
+        hint = (f"to resume and compute its failed cases again: {again} --retry-failed, with what made them fail "
+                "changed" if progress["errors"] else f"to resume: {again}")
+        print(f"run {run_id} {status}{reason} ({hint})", file=sys.stderr)
         return 1
     print(f"run {run_id} finished: {progress['done']}/{progress['total']} cases, {progress['errors']} errors")
     return 0
@@ -350,6 +371,9 @@ def find_schema(text: str) -> tuple[dict, str | None]:
     path = Path(text)
     if path.is_file():
         return load_schema(path), None
+    for entry in library.list():
+        if entry.problem is not None and text == entry.slug:
+            raise UsageError(f"--schema: {entry.path} in the library is not a valid schema: {entry.problem}")
     known = ", ".join(repr(s) for s in library.slugs()) or "none"
     raise UsageError(f"--schema: {text!r} is neither a schema of the library {library.directory} (there: {known}) "
                      "nor a file")
@@ -476,9 +500,15 @@ def calibrate_command(args: argparse.Namespace) -> int:
         raise UsageError("name the run to fit on (--run) or a file to export to (--export)")
     if args.export is not None and (args.export.is_dir() or not args.export.name):
         raise UsageError(f"--export: {str(args.export)!r} is not a file name")
+    if args.folds < 2 or args.min_labelled < 1:
+        raise UsageError("--folds must be at least 2 and --min-labelled at least 1")
     store = open_store(args.db)
     if args.run is not None:
         store.require_writable()  # before the fitting: its result is kept in the store
+        try:
+            store.get_run(args.run)
+        except NotFoundError:
+            raise UsageError(f"--run: there is no run {args.run} in {args.db}") from None
         calibration_id, reports = calibration.calibrate_run(store, args.run, name=args.name,
                                                             min_labelled=args.min_labelled, folds=args.folds)
         print(calibration.summary_table(reports).to_string(index=False))
@@ -523,7 +553,7 @@ def import_mapping(args: argparse.Namespace, columns: list[str], schema: dict | 
     return mapping
 
 
-def describe_mapping(mapping: CsvMapping, columns: list[str]) -> str:
+def describe_mapping(mapping: CsvMapping, columns: list[str], chosen_state: bool) -> str:
     """Which column was taken as what, in words."""
     state = [mapping.state_text_column] if mapping.state_text_column else mapping.state_columns
     parts = [("case id", [mapping.id_column] if mapping.id_column else []), ("evidence (the state)", state),
@@ -534,13 +564,20 @@ def describe_mapping(mapping: CsvMapping, columns: list[str]) -> str:
             *mapping.video_columns}
     left_out = [c for c in columns if c.strip() and c not in used]
     words = [f"{what}: {', '.join(names)}" for what, names in parts if names]
-    if left_out:
+    if left_out and chosen_state:
+        words.append(f"left out: {', '.join(left_out)} (not chosen as state: --state-column COLUMN makes one evidence)")
+    elif left_out:
         words.append(f"left out: {', '.join(left_out)} (named like answers: --schema imports them as expected "
                      "answers, --state-column COLUMN makes one evidence)")
     return "columns: " + " · ".join(words)
 
 
 def import_command(args: argparse.Namespace) -> int:
+    if args.file.suffix.lower() not in importing.FILE_SUFFIXES:
+        raise UsageError(f"{args.file.name}: not a file import reads; use {', '.join(importing.FILE_SUFFIXES)}")
+    if args.state_text_column and args.state_column:
+        raise UsageError("--state-text-column makes one column's text the whole state; --state-column makes "
+                         "columns state fields: give one of them")
     try:
         data = args.file.read_bytes()
     except OSError as exc:
@@ -553,7 +590,8 @@ def import_command(args: argparse.Namespace) -> int:
         mapping = None
         if source.kind != "jsonl":
             mapping = import_mapping(args, source.columns, schema)
-            print(describe_mapping(mapping, source.columns), flush=True)
+            print(describe_mapping(mapping, source.columns, bool(args.state_column or args.state_text_column)),
+                  flush=True)
         cases = importing.parse_cases(source, mapping, schema, skip_bad_rows=args.skip_bad_rows,
                                       base_dir=args.file.resolve().parent)
     except importing.BadRowsError as exc:
@@ -578,17 +616,22 @@ def import_command(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     args.argv = sys.argv[1:] if argv is None else argv
+    defaults = {"max_length": DEFAULT_MAX_LENGTH, "overflow": "refuse", "chunk_size": DEFAULT_CHUNK_SIZE}
+    args.given = {name for name in defaults if getattr(args, name, None) is not None}
+    for name, value in defaults.items():
+        if hasattr(args, name) and getattr(args, name) is None:
+            setattr(args, name, value)
     command = {"run": run_command, "import": import_command, "calibrate": calibrate_command,
                "sweep": sweep_command}[args.command]
     try:
         return command(args)
-    except UsageError as exc:
+    except (UsageError, calibration.CalibrationRefused) as exc:  # nothing stored: the input cannot be used
         print(f"python -m clef_workbench {args.command}: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # before the run started (while loading); once it runs, Ctrl-C cancels it
         print("interrupted", file=sys.stderr)
         return 130
-    except (StoreError, calibration.CalibrationRefused) as exc:  # the store or the labels refuse the work
+    except StoreError as exc:  # the store refuses the work
         print(f"python -m clef_workbench {args.command}: {exc}", file=sys.stderr)
         return 1
     except (ClefError, RuntimeError) as exc:  # a release that does not load, a replica that cannot start

@@ -89,6 +89,9 @@ class SourceFile:
         return ", ".join(parts)
 
 
+FILE_SUFFIXES = (".csv", ".tsv", ".txt", ".jsonl", ".json", ".xlsx")  # what the Import tab and `import` take
+
+
 def file_kind(name: str) -> str:
     suffix = Path(name).suffix.lower()
     if suffix == ".xlsx":

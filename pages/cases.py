@@ -137,7 +137,7 @@ def import_file(case_set_id: int, case_set: dict, schema: dict | None) -> None:
     # a new uploader after each import: replacing a file raced the page's rerun in the browser
     imports_done = st.session_state.get(K("imports_done"), 0)
     upload = st.file_uploader("CSV, tab-separated text, JSONL or Excel file",
-                              type=["csv", "tsv", "txt", "jsonl", "json", "xlsx"], key=K(f"upload.{imports_done}"),
+                              type=[suffix[1:] for suffix in importing.FILE_SUFFIXES], key=K(f"upload.{imports_done}"),
                               help="JSONL: one object per line with state, and optionally expected, tags, images and "
                                    "videos (data URLs). CSV, text and Excel: map the columns below. Rows already "
                                    "in the case set are skipped.")

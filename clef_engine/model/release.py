@@ -172,6 +172,13 @@ def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
+def parse_device(device: str | torch.device) -> torch.device:
+    try:
+        return torch.device(device)
+    except RuntimeError:  # torch's message lists its every backend; ours the two an engine runs on
+        raise ReleaseError(f"unknown device {str(device)!r}; use cpu, cuda or cuda:N") from None
+
+
 def parse_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
     if dtype is None:
         return torch.bfloat16 if device.type == "cuda" else torch.float32

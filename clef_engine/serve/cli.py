@@ -44,7 +44,7 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
                              "several models (the first is the default)")
     parser.add_argument("--revision", default=None, help="revision of a Hugging Face repo id")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
-    parser.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
+    parser.add_argument("--port", type=_port, default=8000, help="port to listen on (default 8000)")
     parser.add_argument("--api-key-env", default=None, metavar="VAR",
                         help="name of an environment variable holding the API key; clients then must send "
                              "'Authorization: Bearer <key>'")
@@ -172,6 +172,12 @@ class OrderlyServer(uvicorn.Server):
         finally:
             for sig, handler in handled.items():
                 signal.signal(sig, handler)
+
+
+def _port(text: str) -> int:
+    if not text.isdigit() or not 0 <= int(text) <= 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port (0 to 65535)")
+    return int(text)
 
 
 def _is_loopback(host: str) -> bool:

@@ -273,6 +273,13 @@ def test_cli_tiny_and_info(tmp_path):
     missing = subprocess.run([sys.executable, "-m", "clef_engine", "info", str(tmp_path / "nope")],
                              capture_output=True, text=True, timeout=120)
     assert missing.returncode == 2 and "does not exist" in missing.stderr
+    onto_a_file = subprocess.run([sys.executable, "-m", "clef_engine", "tiny", str(target / "config.json")],
+                                 capture_output=True, text=True, timeout=300)
+    assert onto_a_file.returncode == 2 and "Traceback" not in onto_a_file.stderr
+    assert f"cannot write the release to {target / 'config.json'}" in onto_a_file.stderr
+    bad_port = subprocess.run([sys.executable, "-m", "clef_engine", "serve", "--model", str(target), "--port",
+                               "99999"], capture_output=True, text=True, timeout=120)
+    assert bad_port.returncode == 2 and "'99999' is not a port (0 to 65535)" in bad_port.stderr
 
 
 def test_tiny_release_processor_has_both_blocks(tiny_release):
@@ -474,6 +481,8 @@ def test_engine_config_reads_every_knob_from_arguments_then_environment_then_def
         EngineConfig.resolve(device="cpu", env={"CLEF_CUDA_GRAPHS": "maybe"})
     with pytest.raises(TypeError, match="tokens_budget"):
         EngineConfig.resolve(device="cpu", env={}, tokens_budget=1)
+    with pytest.raises(ReleaseError, match="unknown device 'tpu'; use cpu, cuda or cuda:N"):  # serve: exit 2
+        EngineConfig.resolve(device="tpu", env={})
 
 
 def test_load_takes_its_config_from_the_environment(tiny_release, monkeypatch):

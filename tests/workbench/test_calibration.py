@@ -139,7 +139,7 @@ def test_calibrate_from_the_command_line_on_a_real_run(tmp_path, tiny_engine):
     assert priority["n"] == 60 and priority["ece_after"]["value"] < priority["ece_before"]["value"]
     assert stored["payload"]["questions"]["priority"]["temperature"] > 1
 
-    # a second calibration of a run without labels is refused with the reason, exit 1
+    # a second calibration of a run without labels is refused with the reason, exit 2 (wrong input, as sweep's)
     bare = store.create_case_set("bare")
     store.add_cases(bare, [{"state": "no labels here"}])
     bare_run = store.create_run(bare, schema=schema, model_id="tiny")
@@ -147,7 +147,12 @@ def test_calibrate_from_the_command_line_on_a_real_run(tmp_path, tiny_engine):
     assert runner.wait(bare_run, timeout=300)
     refused = subprocess.run([sys.executable, "-m", "clef_workbench", "calibrate", "--db", str(db), "--run",
                               str(bare_run)], cwd=root, capture_output=True, text=True, timeout=300)
-    assert refused.returncode == 1 and "calibrating needs at least 30" in refused.stderr
+    assert refused.returncode == 2 and "calibrating needs at least 30" in refused.stderr
+    for numbers in (["--folds", "1"], ["--folds", "0"], ["--min-labelled", "-3"], ["--run", "99"]):
+        wrong = subprocess.run([sys.executable, "-m", "clef_workbench", "calibrate", "--db", str(db), "--run",
+                                str(bare_run), *numbers], cwd=root, capture_output=True, text=True, timeout=300)
+        assert wrong.returncode == 2 and "Traceback" not in wrong.stderr, (numbers, wrong.stderr[-2000:])
+        assert numbers[0] in wrong.stderr
 
 
 def _store_with_two_runs(tmp_path):

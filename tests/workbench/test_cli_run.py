@@ -101,9 +101,18 @@ def test_wrong_input_is_a_message_naming_the_argument_and_exit_code_2(tmp_path, 
     assert "--chunk-size must be at least 1" in capsys.readouterr().err
 
     assert main([*common[:-1], str(tmp_path / "no-release"), "--case-set", "tickets", "--schema",
-                 str(SCHEMA_FILE)]) == 1
+                 str(SCHEMA_FILE)]) == 2
     err = capsys.readouterr().err
-    assert "ReleaseError" in err and "no-release" in err and "Traceback" not in err
+    assert "--model" in err and "no-release" in err and "Traceback" not in err
+    assert main([*common, "--case-set", "tickets", "--schema", str(SCHEMA_FILE), "--device", "tpu"]) == 2
+    assert "unknown device 'tpu'; use cpu, cuda or cuda:N" in capsys.readouterr().err
+    assert main([*common, "--case-set", "tickets", "--schema", str(SCHEMA_FILE), "--dtype", "int3"]) == 2
+    assert "unknown dtype 'int3'" in capsys.readouterr().err
+    assert main([*common, "--case-set", "tickets", "--schema", str(SCHEMA_FILE), "--retry-failed"]) == 2
+    assert "--retry-failed goes with --resume" in capsys.readouterr().err
+    store.create_case_set("empty")
+    assert main([*common, "--case-set", "empty", "--schema", str(SCHEMA_FILE)]) == 2
+    assert "'empty' has no cases" in capsys.readouterr().err
     assert store.list_runs() == []  # nothing half-created
 
 
@@ -128,6 +137,26 @@ def run_cli(*args: str, module: tuple[str, ...] = ("clef_workbench", "run")) -> 
     """The command line without a terminal (stdin closed), as in a script or CI."""
     return subprocess.run([sys.executable, "-m", *module, *args], cwd=REPO, capture_output=True, text=True,
                           stdin=subprocess.DEVNULL, timeout=300)
+
+
+@pytest.mark.slow
+def test_a_run_whose_budget_failed_every_case_is_retried_as_its_message_says(tmp_path, tiny_release):
+    """Every case over --max-length fails the run; the command it prints (--resume … --retry-failed, with a larger
+    --max-length) computes them again into the same run, which ends with every case answered once."""
+    db, schema_file, store = small_run(tmp_path, 6)
+    common = ("--db", str(db), "--model", str(tiny_release), "--device", "cpu")
+    failed = run_cli(*common, "--case-set", "tickets", "--schema", str(schema_file), "--max-length", "10")
+    assert failed.returncode == 1, failed.stderr[-2000:]
+    assert f"--resume 1 --model {tiny_release} --retry-failed" in failed.stderr
+    assert (store.get_run(1)["done"], store.get_run(1)["errors"]) == (6, 6)
+
+    plain = run_cli(*common, "--resume", "1")  # nothing without a result: it says how to retry
+    assert plain.returncode == 0 and "failed case(s) are computed again with --retry-failed" in plain.stdout
+    retried = run_cli(*common, "--resume", "1", "--retry-failed", "--max-length", "4096")
+    assert retried.returncode == 0, retried.stderr[-2000:]
+    run = store.get_run(1)
+    assert (run["status"], run["done"], run["errors"], run["settings"].max_length) == ("finished", 6, 0, 4096)
+    assert sorted(r["case_id"] for r in store.list_results(1)) == sorted(c["id"] for c in store.list_cases(1))
 
 
 @pytest.mark.slow

@@ -129,6 +129,11 @@ def test_a_file_that_is_not_text_or_not_a_workbook_gets_a_message_not_a_tracebac
     path.write_bytes(b"subject,body\n")
     assert main(["import", "--db", str(tmp_path / "w.db"), "--case-set", "t", str(path)]) == 2
     assert "is not an Excel .xlsx workbook" in capsys.readouterr().err
+    pdf = tmp_path / "tickets.pdf"  # not read as comma-separated text because it is no other kind
+    pdf.write_bytes(b"%PDF-1.4 subject,body\nRefund,Charged twice\n")
+    assert main(["import", "--db", str(tmp_path / "w.db"), "--case-set", "t", str(pdf)]) == 2
+    assert "tickets.pdf: not a file import reads; use .csv, .tsv" in capsys.readouterr().err
+    assert not (tmp_path / "w.db").exists()
 
 
 def readme_batch_example() -> list[str]:
@@ -263,6 +268,14 @@ def test_import_without_schema_leaves_answers_out_of_the_evidence_and_says_what_
                  "team", str(REPO / "examples" / "tickets.csv")]) == 0  # what the user asks for, they get
     asked = next(s for s in store.list_case_sets() if s["name"] == "asked")
     assert all(set(store.get_case(c["id"])["state"]) == {"subject", "team"} for c in store.list_cases(asked["id"]))
+    out = capsys.readouterr().out
+    assert "left out: from, plan, body, priority, customer_mood, churn_threat, needs_human_agent (not chosen as state" \
+        in out
+
+    assert main(["import", "--db", str(db), "--case-set", "both", "--state-column", "subject", "--state-text-column",
+                 "body", str(REPO / "examples" / "tickets.csv")]) == 2
+    assert "give one of them" in capsys.readouterr().err
+    assert "both" not in [s["name"] for s in store.list_case_sets()]
 
 
 def test_an_id_column_is_the_case_id_and_a_row_without_evidence_is_a_bad_row(tmp_path, capsys):
