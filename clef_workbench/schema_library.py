@@ -185,9 +185,10 @@ class SchemaLibrary:
             return []
         return [slug for slug in self.history.schema_history_slugs() if not self.exists(slug)]
 
-    def restore(self, slug: str, number: int | None = None, *, who: str = "") -> Schema:
-        """Make version `number` of the schema its current content again, as a new version (nothing is lost), or
-        bring a deleted schema back (number None: its latest version). Needs a history."""
+    def restore(self, slug: str, number: int | None = None, *, who: str = "", note: str = "") -> Schema:
+        """Make version `number` of the schema its current content again, as a new version (nothing is lost; its
+        history note says which version, or `note`), or bring a deleted schema back (number None: its latest
+        version). Needs a history."""
         if self.history is None:
             raise SchemaError([SchemaProblem((), "this library keeps no history to restore from")])
         from clef_workbench.store import NotFoundError
@@ -206,7 +207,7 @@ class SchemaLibrary:
             self.history.log_change("restore", "schema", slug, f"{saved.name} ({slug}.json)", who=who,
                                     data={"version": saved.version})
             return saved
-        return self.update(slug, schema, action="restore")
+        return self.update(slug, schema, action="restore", note=note or f"version {version['number']} restored")
 
     def import_json(self, data: bytes | str, *, filename: str | None = None, overwrite: bool = False) -> str:
         """Add a schema from uploaded JSON. The file name the user gave is used only in messages (never as a path);

@@ -382,7 +382,9 @@ def adopt(library: SchemaLibrary, result: sweeps.SweepResult, choice: str) -> tu
 def undo_adoption(library: SchemaLibrary, adopted: Adopted) -> str:
     """Undo an adoption: the version it replaced becomes the current one again, as a new version (nothing lost)."""
     try:
-        restored = library.restore(adopted.slug, adopted.previous)
+        restored = library.restore(adopted.slug, adopted.previous,
+                                   note=f"undid the adoption of version {adopted.number}: version {adopted.previous} "
+                                        "restored")
     except SchemaError as exc:
         return f"Not undone: {exc}"
     return (f"Undone: version {adopted.previous} of {adopted.slug}.json is current again (as version "

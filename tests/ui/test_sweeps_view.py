@@ -166,6 +166,7 @@ def test_adopt_asks_then_writes_a_version_whose_history_names_the_sweep_and_undo
     assert library.load(SLUG).questions == before.questions
     assert [(v["number"], v["action"]) for v in store.list_schema_versions(SLUG)] == [
         (3, "restore"), (2, "adopt"), (1, "on disk")]
+    assert store.list_schema_versions(SLUG)[0]["note"] == "undid the adoption of version 2: version 1 restored"
 
     variant, _ = sv.adopt(library, result, "written:team")
     assert variant is not None and library.load(SLUG).questions["team"]["instructions"] == "Which queue owns it?"

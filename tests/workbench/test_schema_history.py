@@ -119,6 +119,7 @@ def test_restore_makes_a_new_version_and_loses_nothing(empty_library, store):
     assert restored.version == 3 and empty_library.load(slug).questions == QUESTIONS
     assert [(v["number"], v["action"]) for v in store.list_schema_versions(slug)] == [
         (3, "restore"), (2, "update"), (1, "create")]
+    assert store.list_schema_versions(slug)[0]["note"] == "version 1 restored"  # the History tab says which
     assert diff_schemas(store.get_schema_version_number(slug, 1)["schema"], empty_library.load(slug).to_dict()) == []
     with pytest.raises(SchemaError, match='schema "tickets" has no version 9'):
         empty_library.restore(slug, 9)
