@@ -365,15 +365,17 @@ def run_command(args: argparse.Namespace) -> int:
 def find_schema(text: str) -> tuple[dict, str | None]:
     """--schema: a library schema by id or name, else a file; (the schema, its library id or None)."""
     library = SchemaLibrary()
-    for entry in library.list():  # a file that does not load is no match
+    broken = None  # a library file of that name that does not load: no match, but said if nothing else matches
+    for entry in library.list():
         if entry.problem is None and text in (entry.slug, entry.name):
             return load_schema(entry.path), entry.slug
+        if entry.problem is not None and text == entry.slug:
+            broken = entry
     path = Path(text)
     if path.is_file():
         return load_schema(path), None
-    for entry in library.list():
-        if entry.problem is not None and text == entry.slug:
-            raise UsageError(f"--schema: {entry.path} in the library is not a valid schema: {entry.problem}")
+    if broken is not None:
+        raise UsageError(f"--schema: {broken.path} in the library is not a valid schema: {broken.problem}")
     known = ", ".join(repr(s) for s in library.slugs()) or "none"
     raise UsageError(f"--schema: {text!r} is neither a schema of the library {library.directory} (there: {known}) "
                      "nor a file")

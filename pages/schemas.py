@@ -145,7 +145,7 @@ if not shown.entries:
 
 slugs = shown.slugs
 # a session's first visit opens the one its link names (?schema=), else the last edited
-first_visit = "_keep." + K("selected") not in st.session_state
+first_visit = shell.kept_value(K("selected")) is None
 linked = st.query_params.get(SCHEMA_PARAM) if first_visit else None
 if linked is not None and linked not in slugs:  # no other schema in its place: one edited by mistake
     st.error(links.missing_schema(linked, slugs, "the button below"), icon=":material/link_off:")
@@ -154,7 +154,7 @@ if linked is not None and linked not in slugs:  # no other schema in its place: 
         st.rerun()
     st.stop()
 shell.set_widget(K("selected"), view.shown_schema(
-    slugs, linked=linked, kept=st.session_state.get(K("selected"), st.session_state.get("_keep." + K("selected"))),
+    slugs, linked=linked, kept=shell.kept_value(K("selected")),
     last_edited=view.last_edited(library, slugs)))
 slug = shell.kept_widget(st.selectbox, "Schema", K("selected"), slugs[0], options=slugs,
                          format_func=shown.label)
@@ -183,10 +183,12 @@ with tabs[0]:
             st.switch_page("pages/decide.py")
 
 with tabs[1]:
-    # kept: an edit survives opening another schema and coming back, until saved or discarded
-    shell.kept_widget(st.text_area, "Schema file", editor_key(slug), height=480, label_visibility="collapsed",
-                      default=library.path_of(slug).read_text(encoding="utf-8") if entry.problem
-                      else library.export_json(slug))
+    # kept: an edit survives opening another schema and coming back, until saved or discarded; the file is read
+    # only when the editor holds nothing of this schema
+    if shell.kept_value(editor_key(slug)) is None:
+        shell.set_widget(editor_key(slug), library.path_of(slug).read_text(encoding="utf-8") if entry.problem
+                         else library.export_json(slug))
+    shell.kept_widget(st.text_area, "Schema file", editor_key(slug), height=480, label_visibility="collapsed")
     edit_problems = st.session_state.get(K("edit_problems"))
     if edit_problems and edit_problems[0] == slug:
         for msg in edit_problems[1]:

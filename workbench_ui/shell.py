@@ -460,6 +460,11 @@ def forget_pick(key: str, param: str) -> None:
     st.query_params.pop(param, None)
 
 
+def kept_value(key: str) -> Any:
+    """A kept widget's value (None before it was ever set)."""
+    return kept(st.session_state, key)
+
+
 def set_widget(key: str, value: Any) -> None:
     set_kept(st.session_state, key, value)
 

@@ -161,7 +161,7 @@ class Encoder:
         spec = json.loads(backend)
         self.max_token_bytes = longest_token_bytes(self._text, spec)
         self._normalizer = (spec.get("normalizer") or {}).get("type")
-        self._added_tokens = [token["content"] for token in spec.get("added_tokens") or []]
+        self._added_tokens = added_token_texts(spec)
         self._pieces_exact = cuts_at_letter_spaces_are_exact(spec)
         self._processors: queue.Queue = queue.Queue()
         for _ in range(MEDIA_SLOTS):
@@ -588,13 +588,18 @@ def letter_space_pieces(text: str, every: int) -> list[str]:
     return pieces
 
 
+def added_token_texts(spec: dict) -> list[str]:
+    """The texts of a tokenizer.json's added tokens (`<|im_start|>`, …), which match before anything else."""
+    return [token["content"] for token in spec.get("added_tokens") or []]
+
+
 def cuts_at_letter_spaces_are_exact(spec: dict) -> bool:
     """Whether `letter_space_pieces` keeps the ids of the tokenizer of this tokenizer.json: its normalizer is NFC or
     none, its pre-tokenizer is Qwen3.5's regex then byte-level, and no added token (matched before everything else)
     could span or touch a cut: none holds whitespace or begins or ends with a letter."""
     steps = (spec.get("pre_tokenizer") or {}).get("pretokenizers") or [{}, {}]
     split, byte_level = steps[0], steps[-1]
-    added = [token["content"] for token in spec.get("added_tokens") or []]
+    added = added_token_texts(spec)
     return ((spec.get("normalizer") or {}).get("type") in (None, "NFC") and len(steps) == 2
             and split.get("type") == "Split" and split.get("pattern") == {"Regex": QWEN35_PRETOKENIZE}
             and split.get("behavior") == "Isolated" and not split.get("invert")
@@ -607,7 +612,7 @@ def cuts_at_letter_spaces_are_exact(spec: dict) -> bool:
 def longest_token_bytes(tokenizer: Any, spec: dict) -> int:
     """Bytes of text the longest token stands for (`spec`: its tokenizer.json). In a byte-level vocabulary each
     character of a token is one byte; added tokens (`<|im_start|>`, …) match their UTF-8 text."""
-    added = {token["content"] for token in spec.get("added_tokens") or []}
+    added = set(added_token_texts(spec))
     byte_level = "ByteLevel" in json.dumps(spec.get("pre_tokenizer"))
     longest = 1
     for token in tokenizer.get_vocab(with_added_tokens=True):
