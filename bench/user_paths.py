@@ -355,57 +355,48 @@ def profile(engine) -> None:
     results["detail"]["profile"] = out
 
 
-@section("first_at_a_length", needs_s=90)
-def first_at_a_length(engine) -> None:
-    """Whether a record pays for its first run at an exact length (issue 38: Clef-Flash records a little over one
-    prefill chunk took 30-50 ms more on their first run than when run again with the cache off). Pairs of new
-    states with records of one exact length: the first at a length new to the process, then the second, with the
-    state cache on and off, a little over one chunk and a little under it; then such a pair under torch.profiler,
-    and one on the worker thread under cProfile (where decide's forward runs)."""
+@section("over_a_chunk", needs_s=90)
+def over_a_chunk(engine) -> None:
+    """What a record a little over one prefill chunk pays for a short last chunk (issue 38: the Clef-Flash ~16.9k
+    bucket straddles the 16,384-token chunk, and its records over it took 20-45 ms more than linear in their
+    length). New states of lengths under, a little over and well over the chunk, decided as users do, with a last
+    chunk shorter than an eighth of one joining the chunk before it (the default, `chunk_bounds`) and run as a
+    chunk of its own (as before), the two alternating; then the GPU time of one record ~550 tokens over, both ways."""
+    from clef_engine.fast import packed
+
     chunk = engine.config.prefill_chunk_tokens
     if not chunk:
         return
-    limit = {"max_length": 20_000}
+    limit = {"max_length": 24_000}
     schema = questions(4, 3, 7)
+    ways = {"short_chunk_joins": packed.SHORT_LAST_CHUNK, "short_chunk_alone": 2**62}  # 2**62: nothing joins
 
-    def same_length_pair(target: int) -> tuple[int, dict, dict]:
-        seen: dict[int, dict] = {}
-        for i in range(16):
-            r = request(engine, target, seed=63_000 + 100 * target + i, schema=schema)
-            n = engine.count_tokens(r)["total"]  # not encode: its memo would spare the timed call the tokenizing
-            if n in seen:
-                return n, seen[n], r
-            seen[n] = r
-        raise RuntimeError(f"no two states of ~{target} tokens with records of one length")
-
-    def timed(r: dict) -> dict:
-        before = setup_counts(engine)
+    def decide(way: str, r: dict) -> float:
+        packed.SHORT_LAST_CHUNK = ways[way]
         t0 = time.perf_counter()
         engine.decide(r, **limit)
-        took = ms(t0)
-        return {"ms": round(took, 1), **{k: v - before[k] for k, v in setup_counts(engine).items() if v - before[k]}}
+        return ms(t0)
 
-    out: dict = {}
-    offsets = {True: (137, 421, 707), False: (181, 463, 751)}  # a new length for every pair
-    for cache in (True, False):
-        engine.runner.state_cache.enabled = cache
-        for where, sign in (("over_chunk", 1), ("under_chunk", -1)):
-            rows = []
-            for offset in offsets[cache]:
-                n, first, again = same_length_pair(chunk + sign * offset // SCALE)
-                rows.append({"tokens": n, "first": timed(first), "again": timed(again)})
-            out[f"{where}_cache_{'on' if cache else 'off'}"] = rows
-    engine.runner.state_cache.enabled = True
-    if DEVICE.type == "cuda":
-        n, first, again = same_length_pair(chunk + 555)
-        out["profiled"] = {"tokens": n, "first": build.kernel_table(lambda: engine.decide(first, **limit), 1),
-                           "again": build.kernel_table(lambda: engine.decide(again, **limit), 1)}
-    n, first, again = same_length_pair(chunk + 888 // SCALE)
-    records = [engine.encode(r, **limit) for r in (first, again)]
-    out["python_on_worker"] = {"tokens": n, **{
-        name: engine.scheduler.call(lambda: build.python_profile(lambda: engine.runner.forward([record]), 30))
-        for name, record in zip(("first", "again"), records)}}
-    results["detail"]["first_at_a_length"] = out
+    out: dict = {way: [] for way in ways}
+    try:
+        for over in (-300, 150, 550, 1200, 1900, 2600):
+            target = chunk + over // SCALE
+            for way in ways:
+                out[way].append({"target": target, "tokens": [], "ms": []})
+            for i in range(4):
+                for way in ways:  # alternating, a new state each call
+                    r = request(engine, target, seed=64_000 + 10 * over + 2 * i + (way == "short_chunk_alone"),
+                                schema=schema)
+                    out[way][-1]["tokens"].append(engine.count_tokens(r)["total"])
+                    out[way][-1]["ms"].append(round(decide(way, r), 1))
+            for way in ways:
+                out[way][-1]["p50_ms"] = p(out[way][-1]["ms"], 0.5)
+        if DEVICE.type == "cuda":
+            fresh = iter([request(engine, chunk + 550, seed=65_000 + i, schema=schema) for i in range(4)])
+            out["profiled"] = {way: build.kernel_table(lambda: decide(way, next(fresh)), 1) for way in ways}
+    finally:
+        packed.SHORT_LAST_CHUNK = ways["short_chunk_joins"]
+    results["detail"]["over_a_chunk"] = out
 
 
 @section("fidelity", needs_s=100)
@@ -461,7 +452,7 @@ def main() -> int:
     if only in ("user_path", "user_path,profile"):  # a follow-up run of that section (and the profile) alone
         if only.endswith("profile"):
             profile(engine)
-            first_at_a_length(engine)
+            over_a_chunk(engine)
         detail["kernels_after"] = engine.runner.info()["kernels"]
         detail["state_cache"] = engine.runner.state_cache.stats()
         save()
@@ -473,7 +464,7 @@ def main() -> int:
     interactive(engine)
     concurrent(engine)
     profile(engine)
-    first_at_a_length(engine)
+    over_a_chunk(engine)
     if DEVICE.type == "cuda":
         detail["memory_peak_allocated_gib"] = build.gib(torch.cuda.max_memory_allocated())
         detail["memory_peak_reserved_gib"] = build.gib(torch.cuda.max_memory_reserved())

@@ -16,8 +16,9 @@ the environment, then from defaults that depend on the device, and returns a fro
 - CLEF_STATE_CACHE_BYTES (state_cache_bytes): device tier of the long-state cache, 0 = off; 8 GiB on CUDA (plus a
   host tier of 4x), 256 MiB on the CPU.
 - CLEF_PREFILL_CHUNK_TOKENS (prefill_chunk_tokens): one record longer than this runs through the backbone in chunks
-  of at most this many tokens, so that its activations stay bounded whatever its length (fast/packed.py); 0 = whole
-  records. 16,384 on CUDA, 0 on the CPU.
+  of this many tokens, so that its activations stay bounded whatever its length; a last chunk shorter than an eighth
+  of one joins the chunk before it (`chunk_bounds` in fast/packed.py); 0 = whole records. 16,384 on CUDA, 0 on the
+  CPU.
 - CLEF_WARM_UP (warm_up): after loading, compile, autotune and capture in the background while the engine answers
   (the engine reads "warming" until done; `Engine.warm_up_steps`); on with CUDA, off on the CPU.
 
@@ -83,7 +84,7 @@ class EngineConfig:
     state_cache_bytes: int = GiB // 4
     state_cache_host_bytes: int = 0
     min_prefix_tokens: int = 2048  # shorter state prefixes are cheaper to recompute than to store
-    prefill_chunk_tokens: int = 0  # one record longer than this runs in chunks of at most this many tokens; 0: whole
+    prefill_chunk_tokens: int = 0  # records longer than this run in chunks of this many tokens (CLEF_PREFILL_...)
     max_queued_records: int = 4096
     warm_up: bool = False  # compile, autotune and capture after loading, in the background, not in users' requests
 

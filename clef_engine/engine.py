@@ -23,6 +23,7 @@ from .config import EngineConfig
 from .errors import ClefError, RequestError, TokenBudgetError
 from .explain import submit_explanation as explanation_future
 from .fast import kernels
+from .fast.packed import longest_chunk
 from .model import media, release
 from .model.encoding import DEFAULT_MAX_LENGTH, EncodedRecord, Encoder
 from .model.head import JointSchemaHead, load_head
@@ -336,8 +337,9 @@ class Engine:
         caching = self.config.packed and self.config.state_cache_bytes > 0
         if self.config.cuda or caching:  # on the CPU without a cache it would warm nothing
             least = self.config.min_prefix_tokens + 64
-            if self.config.cuda:  # and past one chunk, so that the chunked path has run too
-                least = max(least, self.config.bulk_batch_tokens - 256, self.config.prefill_chunk_tokens + 256)
+            if self.config.cuda:  # and past the longest chunk, so that the chunked path has run too
+                least = max(least, self.config.bulk_batch_tokens - 256,
+                            longest_chunk(self.config.prefill_chunk_tokens) + 256)
             long_state = "warm " * least
             steps += [answer([dict(request, state=long_state, questions=questions)], overflow="truncate_state",
                              max_length=max(DEFAULT_MAX_LENGTH, least + 1024))

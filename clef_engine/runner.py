@@ -22,7 +22,7 @@ from .fast import attention, kernels
 from .fast.cache import PrefixCache, PrefixState, StateCache, prefix_key
 from .fast.graphs import HeadGraphs, PrefillGraphs
 from .fast.head_kernels import head_attention_kernel
-from .fast.packed import PackedBackbone, chunked_head_inputs, pack_ids
+from .fast.packed import PackedBackbone, chunked_head_inputs, longest_chunk, pack_ids, runs_in_chunks
 from .fast.segments import make_segments
 from .model import backbone
 from .model.encoding import DEFAULT_MAX_LENGTH, EncodedRecord
@@ -138,7 +138,7 @@ class PackedRunner(PlainRunner):
     graph of its length bucket (fast/graphs.py; with CUDA graphs off they hold no bucket), or, when its state is long
     enough to keep, runs once over the whole record and keeps the state's layer states (fast/cache.py) so that a new
     schema on the same state later runs only the schema's tokens (`continue_from`). A record alone longer than
-    `prefill_chunk_tokens` runs in chunks of that many tokens (bounded activations)."""
+    `prefill_chunk_tokens` runs in chunks of about that many tokens (bounded activations, `chunk_bounds`)."""
 
     path = "forward_packed"
 
@@ -245,7 +245,7 @@ class PackedRunner(PlainRunner):
 
         ids = torch.tensor(record.input_ids, dtype=torch.long).to(self.device, non_blocking=True)
         normed, memory, _ = chunked_head_inputs(self.backbone, ids, self.head.token_memory, self.dtype,
-                                                self.config.prefill_chunk_tokens or len(record),
+                                                self.config.prefill_chunk_tokens,
                                                 splits=sorted(variants_at), on_split=continue_variants,
                                                 between_layers=self.between_layers(steps))
         results[0] = self.head_one(normed, memory, record, steps)
@@ -264,7 +264,7 @@ class PackedRunner(PlainRunner):
             return self.prefill_and_keep(record, key, steps)[0]
         self.start_prefill(record)
         ids = torch.tensor(record.input_ids, dtype=torch.long).to(self.device, non_blocking=True)
-        if 0 < chunk < len(record):
+        if runs_in_chunks(len(record), chunk):
             normed, memory, _ = chunked_head_inputs(self.backbone, ids, self.head.token_memory, self.dtype, chunk,
                                                     between_layers=self.between_layers(steps))
             return self.head_one(normed, memory, record, steps)
@@ -281,7 +281,7 @@ class PackedRunner(PlainRunner):
         activations, not its keys/values. A shorter one leaves the cache be: moving states to the host stalls this
         thread's launches (fast/cache.py; the Clef-Flash 16k user path, bench/README.md)."""
         self.state_prefills += 1
-        if 0 < self.config.prefill_chunk_tokens < len(record) and len(record) > self.config.token_budget:
+        if runs_in_chunks(len(record), self.config.prefill_chunk_tokens) and len(record) > self.config.token_budget:
             self.state_cache.make_room()
 
     def prefill_and_keep(self, record: EncodedRecord, key: str,
@@ -400,13 +400,14 @@ class PackedRunner(PlainRunner):
         text = self.backbone.config
         shape = (self.device, self.dtype, text.num_attention_heads, text.num_key_value_heads, text.head_dim)
         chunk = self.config.prefill_chunk_tokens
+        longest = attention.cudnn_length(longest_chunk(chunk))  # a record's longest chunk, padded
         if self.backbone.kernels.attention is attention.attention_varlen_cudnn_long:
-            # records longer than a chunk run cuDNN's causal attention on at most a chunk and a step of tokens
-            warm_tokens = chunk + attention.CUDNN_LENGTH_STEP if chunk else LONG_ATTENTION_WARM_TOKENS
+            # records longer than a chunk run cuDNN's causal attention on at most its longest chunk and a step
+            warm_tokens = longest + attention.CUDNN_LENGTH_STEP if chunk else LONG_ATTENTION_WARM_TOKENS
             steps.append(partial(attention.warm_long_attention, *shape, warm_tokens))
         if chunk and self.backbone.kernels.attention_chunk is attention.attention_chunk_cudnn:
             steps += [partial(attention.warm_chunk_attention, *shape, chunk, tokens)  # longest first, as above
-                      for tokens in range(chunk, 0, -attention.CUDNN_LENGTH_STEP)]
+                      for tokens in range(longest, 0, -attention.CUDNN_LENGTH_STEP)]
         return steps
 
     def capture_on_use(self, on: bool) -> None:

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .graphs import bucket
-from .packed import LayerState, chunked_head_inputs
+from .packed import LayerState, chunked_head_inputs, runs_in_chunks
 from .segments import make_segments
 
 GiB = 2**30
@@ -221,7 +221,7 @@ class PrefixCache:
         length = record.state_end
         device = self.backbone.device
         ids = torch.tensor(record.input_ids, dtype=torch.long).to(device, non_blocking=True)
-        if 0 < chunk_tokens < len(record):
+        if runs_in_chunks(len(record), chunk_tokens):
             normed, memory, layers = chunked_head_inputs(self.backbone, ids, self.head.token_memory, self.dtype,
                                                          chunk_tokens, split_at=length, between_layers=between_layers)
         else:

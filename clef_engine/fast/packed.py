@@ -349,11 +349,30 @@ class PackedBackbone:
         return self._project_residual(out, layer.o_proj)
 
 
+SHORT_LAST_CHUNK = 8  # a last chunk shorter than 1/8 of a chunk joins the chunk before it (see chunk_bounds)
+
+
 def chunk_bounds(n: int, chunk_tokens: int, splits: Iterable[int] = ()) -> list[tuple[int, int]]:
-    """(start, end) of the chunks of a record of `n` tokens: at multiples of `chunk_tokens` (so that most chunks
-    share one shape), and at each of `splits`."""
-    cuts = sorted({*range(chunk_tokens, n, chunk_tokens), *splits, n})
+    """(start, end) of the chunks of a record of `n` tokens: at multiples of `chunk_tokens` (0: none; so that most
+    chunks share one shape), except that a last chunk shorter than 1/`SHORT_LAST_CHUNK` of one joins the chunk
+    before it: a short chunk's forward waits on its launches of every layer's kernels, not on the GPU (Clef-Flash
+    records a little over 16,384 tokens, `over_a_chunk` in bench/results/2026-12-05-h200-over-a-chunk.json); and
+    at each of `splits`."""
+    cuts = list(range(chunk_tokens, n, chunk_tokens)) if chunk_tokens else []
+    if cuts and n - cuts[-1] < chunk_tokens // SHORT_LAST_CHUNK:
+        cuts.pop()
+    cuts = sorted({*cuts, *splits, n})
     return list(zip([0] + cuts[:-1], cuts))
+
+
+def runs_in_chunks(n: int, chunk_tokens: int) -> bool:
+    """Whether a record of `n` tokens runs in chunks of `chunk_tokens` (0: never)."""
+    return len(chunk_bounds(n, chunk_tokens)) > 1
+
+
+def longest_chunk(chunk_tokens: int) -> int:
+    """The most tokens one chunk of `chunk_tokens` runs: what the activations and cuDNN's plans are sized for."""
+    return chunk_tokens + max(chunk_tokens // SHORT_LAST_CHUNK - 1, 0)
 
 
 def chunked_head_inputs(backbone: PackedBackbone, input_ids: torch.Tensor, token_memory, dtype: torch.dtype,

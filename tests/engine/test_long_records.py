@@ -17,7 +17,7 @@ import clef_engine
 from clef_engine.config import EngineConfig
 from clef_engine.errors import ReleaseError
 from clef_engine.fast import attention
-from clef_engine.fast.packed import chunk_bounds
+from clef_engine.fast.packed import chunk_bounds, longest_chunk, runs_in_chunks
 from clef_engine.fast.segments import make_segments
 from tests.support import REPO
 from tests.support.engine_paths import (
@@ -51,17 +51,32 @@ def test_the_chunk_size_is_a_config_knob_off_on_the_cpu_by_default():
 
 
 def test_chunks_end_at_multiples_of_the_chunk_size_and_at_each_split():
-    assert chunk_bounds(130, 64) == [(0, 64), (64, 128), (128, 130)]
+    assert chunk_bounds(136, 64) == [(0, 64), (64, 128), (128, 136)]
     assert chunk_bounds(128, 64) == [(0, 64), (64, 128)]
     assert chunk_bounds(150, 64, [100]) == [(0, 64), (64, 100), (100, 128), (128, 150)]
     assert chunk_bounds(150, 64, [128]) == [(0, 64), (64, 128), (128, 150)]
     assert chunk_bounds(40, 64, [40]) == [(0, 40)]
     assert chunk_bounds(150, 64, [30, 100]) == [(0, 30), (30, 64), (64, 100), (100, 128), (128, 150)]
+    assert chunk_bounds(40, 0) == [(0, 40)] and not runs_in_chunks(40, 0)  # 0: whole records
+
+
+def test_a_last_chunk_shorter_than_an_eighth_of_one_joins_the_chunk_before_it():
+    """A chunk of a few tokens is a forward of every layer whose kernel launches, not the GPU, set its time (a
+    Clef-Flash record of 16,414 tokens took ~45 ms more than one of 16,317)."""
+    assert chunk_bounds(135, 64) == [(0, 64), (64, 135)]
+    assert chunk_bounds(71, 64) == [(0, 71)] and not runs_in_chunks(71, 64) and runs_in_chunks(72, 64)
+    assert longest_chunk(64) == 71 and longest_chunk(16_384) == 18_431
+    assert chunk_bounds(135, 64, [130]) == [(0, 64), (64, 130), (130, 135)]  # a split still ends a chunk
+    for n in range(1, 600):
+        bounds = chunk_bounds(n, 64)
+        assert bounds[0][0] == 0 and bounds[-1][1] == n and max(end - start for start, end in bounds) <= 71
+        assert all(end - start >= 8 for start, end in bounds[1:])
 
 
 @pytest.mark.parametrize(("length", "chunk", "split_at"), [
     (9, 2, None),  # chunks shorter than the conv's history: its last inputs come from two chunks back
-    (130, 64, None),  # not a multiple of the chunk
+    (136, 64, None),  # not a multiple of the chunk
+    (133, 64, None),  # a last piece of 5 tokens: it joins the chunk before it
     (128, 64, None),  # a multiple
     (150, 64, 100),  # the state cache's split inside a chunk
     (67, 64, 2),  # a split two tokens in
@@ -77,7 +92,7 @@ def test_a_record_in_chunks_has_the_whole_forwards_hidden_states_and_layer_state
                                       split_at=split_at)
     # the state's split does not cut a chunk: a chunk of a few tokens would be a forward of its own
     assert [start for start, _ in pieces] == [start for start, _ in chunk_bounds(length, chunk)]
-    assert max(hidden.shape[0] for _, hidden in pieces) <= chunk
+    assert max(hidden.shape[0] for _, hidden in pieces) <= longest_chunk(chunk)
     chunked = torch.cat([hidden for _, hidden in pieces])
     assert (chunked - whole).abs().max().item() <= TOLERANCE
     if split_at is None:
@@ -105,7 +120,32 @@ def test_a_long_record_is_answered_in_chunks_as_it_is_whole(tiny_engine, chunked
         whole = tiny_engine.runner.forward([record])
         chunked = chunked_engine.runner.forward([record])
         assert max_difference(chunked, whole) <= TOLERANCE
-    assert max(rows) == CHUNK and len(rows) == sum(-(-n // CHUNK) for n in lengths if n > CHUNK)
+    assert max(rows) <= longest_chunk(CHUNK)
+    assert len(rows) == sum(len(chunk_bounds(n, CHUNK)) for n in lengths if runs_in_chunks(n, CHUNK))
+
+
+def test_a_record_a_little_over_two_chunks_ends_in_a_longer_chunk_not_a_short_one(tiny_engine, chunked_engine,
+                                                                                 monkeypatch):
+    """Through `decide`, as a user sends it: the few tokens past a multiple of the chunk are not a chunk of their
+    own; an eighth of a chunk or more are."""
+    rows: list[int] = []
+    run_chunk = chunked_engine.runner.backbone._forward_chunk
+    monkeypatch.setattr(chunked_engine.runner.backbone, "_forward_chunk",
+                        lambda ids, *rest: rows.append(ids.shape[0]) or run_chunk(ids, *rest))
+    words_at = {len(chunked_engine.encode(words_request(words, 3))): words for words in range(1, 90)}
+    little = min(n for n in words_at if 2 * CHUNK < n < 2 * CHUNK + CHUNK // 8)
+    more = min(n for n in words_at if n > 2 * CHUNK + CHUNK // 8)
+    cases = ((little, [CHUNK, little - CHUNK]), (more, [CHUNK, CHUNK, more - 2 * CHUNK]))
+    for n, want_rows in cases:
+        rows.clear()
+        body = words_request(words_at[n], 3)
+        answers = chunked_engine.decide(body)["answers"]
+        assert rows == want_rows, n
+        want = tiny_engine.decide(body)["answers"]
+        assert abs(answers["paid"]["noul"] - want["paid"]["noul"]) <= TOLERANCE
+        for question in ("priority", "severity"):
+            for option, probability in want[question]["probabilities"].items():
+                assert abs(answers[question]["probabilities"][option] - probability) <= TOLERANCE
 
 
 def test_a_long_state_stored_in_chunks_answers_a_new_schema_as_the_whole_record_does(tiny_engine, chunked_engine,
