@@ -119,11 +119,13 @@ left, right = st.columns([1, 1], gap="large")
 with right:
     run_box, answers_box, budget_box = st.container(), st.container(), st.container()
 loaded_models = {model.name: model for model in shell.model_manager().loaded()}
-model_name = vm.model_for_run(st.session_state, list(loaded_models), shell.model_manager().default_name()) \
-    or request_model_name(shell.model_manager().state().source)
+model_name, model_note = vm.model_for_run(st.session_state, list(loaded_models), shell.model_manager().default_name())
+model_name = model_name or request_model_name(shell.model_manager().state().source)
 if engine is not None and len(loaded_models) > 1:
     model_name = shell.pick_model(run_box.selectbox, K("model"), loaded_models,
                                   "Which loaded model answers this page's runs (add models in the sidebar).")
+if model_note:
+    run_box.info(model_note, icon=":material/swap_horiz:")
 if model_name in loaded_models:
     engine = loaded_models[model_name].engine
 local_engine = engine is not None and not engine.info().get("remote")  # a remote endpoint counts on its side
@@ -326,7 +328,7 @@ else:
         vm.route_engine_problems(exc.problems, rows, messages)
         budget_messages.error("The engine refused this request; see the messages next to the fields above.")
     else:
-        status = answers.budget_status(counts)
+        status = answers.budget_status(counts, overflow)
         budget_messages.altair_chart(answers.budget_chart(counts), width="stretch", height=answers.BUDGET_CHART_HEIGHT)
         parts = " · ".join(f"{part} {counts.get(part, 0):,}" for part in answers.BUDGET_PARTS)
         budget_messages.caption(f"{parts} = {counts['total']:,} tokens; max_length {max_length:,}")
@@ -375,7 +377,7 @@ if run_clicked and request is not None and engine is not None:
             request=request, response=response, questions=questions, state=state_value,
             images=tuple(images), videos=tuple(videos), schema_name=schema_name.strip() or (loaded_slug or ""),
             model_label=model_name, device=engine.info().get("device", ""), schema_slug=loaded_slug,
-            random_weights=shell.model_manager().random_weights(model_name),
+            random_weights=shell.model_manager().random_weights(model_name), max_length=max_length, overflow=overflow,
         ))
 
 result: vm.DecideResult | None = st.session_state.get(K("result"))
@@ -419,17 +421,23 @@ if result:
         for qid, answer in shown.items():  # one card per row: half a page is one card wide
             render_answer_card(qid, result.questions.get(qid, {}), answer, result.model_label,
                                calibrated=calibration_note if answer is not response["answers"][qid] else None)
-        if engine is not None and st.toggle("Why", key=K("why"), help="Which sentences, fields, image regions and "
-                                            "frames moved each answer: each is removed in turn and the record "
-                                            "decided again, in one batched run"):
+        # Why explains the answers shown: with the model that gave them while it is loaded, and their budget
+        explainer = loaded_models.get(result.model_label)
+        why_engine = explainer.engine if explainer else engine
+        if why_engine is not None and st.toggle("Why", key=K("why"), help="Which sentences, fields, image regions "
+                                                "and frames moved each answer: each is removed in turn and the "
+                                                "record decided again, in one batched run"):
             why_cols = st.columns(2)
             unit = why_cols[0].selectbox("Explain by", why.units_for(result.request), key=K("why_unit"),
                                          format_func=why.UNIT_LABELS.get,
                                          help="Which parts are removed in turn — everything: the state's "
                                               "sentences or fields, image regions and video frames. More parts "
                                               "cost more tokens.")
-            why.render_explained(K("why_result"), engine, result.request, unit=unit, max_length=max_length,
-                                 overflow=overflow, picker=why_cols[1])
+            why.render_explained(K("why_result"), why_engine, result.request, unit=unit,
+                                 max_length=result.max_length or max_length, overflow=result.overflow or overflow,
+                                 picker=why_cols[1], note=why.explained_by_note(
+                                     explainer.name if explainer else model_name, result.model_label,
+                                     model_name, "the answers above"))
 
         tabs = st.tabs(["Response JSON", "Request JSON"])
         with tabs[0]:

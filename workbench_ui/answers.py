@@ -143,26 +143,30 @@ class BudgetStatus:
     max_length: int
     state_tokens_over: int  # state tokens that would be cut (from the end) with overflow="truncate_state"
     fixed_tokens_over: int  # prefix + media + schema + suffix over max_length: cannot run at all
+    overflow: str = "refuse"  # what the run does with a state that does not fit
 
     @property
     def message(self) -> str:
         if self.fixed_tokens_over:
             return (f"Even without the state, this record is {self.fixed_tokens_over:,} tokens over max_length "
                     f"{self.max_length:,}: shorten the schema, attach fewer or smaller media, or raise max_length.")
-        if self.state_tokens_over:
+        if self.state_tokens_over and self.overflow == "truncate_state":
             return (f"The record is {self.total:,} tokens; max_length is {self.max_length:,}. The last "
-                    f"{self.state_tokens_over:,} tokens of the state would be cut. Choose: refuse (the run fails "
-                    "with an error) or truncate the state.")
+                    f"{self.state_tokens_over:,} tokens of the state will be cut: the model will not read them.")
+        if self.state_tokens_over:
+            return (f"The record is {self.total:,} tokens; max_length is {self.max_length:,}, so Run will be "
+                    f"refused: choose to truncate the state (its last {self.state_tokens_over:,} tokens are cut) "
+                    "or raise max_length.")
         return f"{self.total:,} of {self.max_length:,} tokens used."
 
 
-def budget_status(counts: dict[str, int]) -> BudgetStatus:
+def budget_status(counts: dict[str, int], overflow: str = "refuse") -> BudgetStatus:
     total = int(counts["total"])
     limit = int(counts["max_length"])
     fixed = total - int(counts["state"])
     state_over = int(counts.get("state_tokens_over", max(0, min(counts["state"], total - limit))))
     fixed_over = int(counts.get("fixed_tokens_over", max(0, fixed - limit)))
-    return BudgetStatus(total, limit, state_over, fixed_over)
+    return BudgetStatus(total, limit, state_over, fixed_over, overflow)
 
 
 def budget_table(counts: dict[str, int]) -> pd.DataFrame:

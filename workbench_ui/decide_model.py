@@ -26,7 +26,7 @@ ROW_FIELDS = ("id", "type", "instructions", "options", "levels", "true", "false"
 NEW_OPTIONS = [{"id": "option_a", "description": ""}, {"id": "option_b", "description": ""},
                {"id": "unknown", "description": "None of these fits."}]
 NEW_LEVELS = ["Low", "Medium", "High"]
-DRAFT_FIELDS = ("state_text", "state_mode", "schema_name", "schema_description", "max_length", "overflow")
+DRAFT_FIELDS = ("state_text", "state_mode", "schema_name", "schema_description", "max_length", "overflow", "model")
 
 
 def key(name: str) -> str:
@@ -330,6 +330,8 @@ class DecideResult:
     device: str
     schema_slug: str | None = None  # the library schema the questions came from (its identity), if any
     random_weights: bool = False  # the model that answered has random weights: the page says so next to them
+    max_length: int | None = None  # the budget it ran with (None: not known, a draft kept before they were)
+    overflow: str | None = None
 
     def default_case_set(self) -> str:
         return f"{self.schema_name or 'Decide'} cases"
@@ -364,11 +366,12 @@ def answer_text(summary: answers.AnswerSummary, answer: dict[str, Any]) -> str:
 
 
 def stale_message(causes: list[str]) -> str:
-    """The warning over answers whose inputs changed since Run, naming what changed."""
+    """The warning over answers whose inputs changed since they were computed (Run, or the run a link opened),
+    naming what changed."""
     what = causes[0] if len(causes) == 1 else ", ".join(causes[:-1]) + " and " + causes[-1]
     verb = "has" if len(causes) == 1 else "have"
-    return (f"**Outdated:** {what} {verb} changed since you pressed Run. These answers are for the request as it "
-            "was then; press Run for answers to what is on screen.")
+    return (f"**Outdated:** {what} {verb} changed since these answers were computed. They are for the request as "
+            "it was then; press Run for answers to what is on screen.")
 
 
 # Save as case's fields, proposed afresh from each new result
@@ -426,7 +429,8 @@ def result_entry(result: DecideResult | None) -> dict[str, Any] | None:
             "response": result.response, "questions": result.questions, "state": result.state,
             "media": [_media_entry(m) for m in (*result.images, *result.videos)],
             "schema_name": result.schema_name, "model_label": result.model_label, "device": result.device,
-            "schema_slug": result.schema_slug, "random_weights": result.random_weights}
+            "schema_slug": result.schema_slug, "random_weights": result.random_weights,
+            "max_length": result.max_length, "overflow": result.overflow}
 
 
 def draft_of(state: MutableMapping) -> dict[str, Any]:
@@ -479,7 +483,8 @@ def _restored_result(entry: dict[str, Any], on_screen: dict[str, bytes]) -> Deci
     return DecideResult(request={**entry["request"], **request}, response=entry["response"],
                         questions=entry["questions"], state=entry["state"], images=images, videos=videos,
                         schema_name=entry["schema_name"], model_label=entry["model_label"], device=entry["device"],
-                        schema_slug=entry.get("schema_slug"), random_weights=bool(entry.get("random_weights")))
+                        schema_slug=entry.get("schema_slug"), random_weights=bool(entry.get("random_weights")),
+                        max_length=entry.get("max_length"), overflow=entry.get("overflow"))
 
 
 def restore_draft(state: MutableMapping, draft: dict[str, Any]) -> None:
@@ -531,14 +536,20 @@ def frame_thumbnail(frame: np.ndarray, width: int = FRAME_THUMBNAIL_PX) -> Image
     return image.resize((image.width * factor, image.height * factor), Image.Resampling.NEAREST)
 
 
-def model_for_run(state: MutableMapping, names: list[str], default: str | None) -> str | None:
-    """The model this page's next run uses: the one picked here while loaded, until the default changes."""
-    if state.get(key("model_default_seen")) != default:
+def model_for_run(state: MutableMapping, names: list[str], default: str | None) -> tuple[str | None, str | None]:
+    """The model this page's next run uses: the one picked here (or by the draft or link the page opened with)
+    while loaded, until the default changes; and, when the pick is not loaded, a note saying which is used."""
+    seen = state.get(key("model_default_seen"))
+    if seen != default:
         state[key("model_default_seen")] = default
-        forget_kept(state, key("model"))
-    chosen = chosen_model(names, kept(state, key("model")))
+        if seen is not None:  # the default changed: follow it
+            forget_kept(state, key("model"))
+    picked = kept(state, key("model"))
+    chosen = chosen_model(names, picked)
     set_kept(state, key("model"), chosen)
-    return chosen
+    if picked is None or picked == chosen or chosen is None:
+        return chosen, None
+    return chosen, f"{picked} is not loaded, so this page's runs use {chosen}: add {picked} in the sidebar to use it."
 
 
 def chosen_model(names: list[str], picked: str | None) -> str | None:

@@ -104,6 +104,7 @@ def case_draft(store: Any, library: SchemaLibrary, run_id: int, case_id: int, *,
     draft = _draft(library, case, frozen, slug)
     same = draft["loaded_slug"] is not None
     draft["overflow"] = settings.overflow
+    draft["model"] = run["model_id"]  # Decide runs it again on the run's model while that is loaded
     if settings.max_length in DECIDE_MAX_LENGTHS:
         draft["max_length"] = settings.max_length
     answered = next((r["response"] for r in store.list_results(run_id) if r["case_id"] == case_id
@@ -113,7 +114,8 @@ def case_draft(store: Any, library: SchemaLibrary, run_id: int, case_id: int, *,
             request={"questions": frozen["questions"], "model": run["model_id"]}, response=answered,
             questions=frozen["questions"], state=case["state"], images=(), videos=(),
             schema_name=frozen.get("name", ""), model_label=run["model_id"], device=settings.device or "",
-            schema_slug=slug if same else None, random_weights=random_weights(run["model_id"])))
+            schema_slug=slug if same else None, random_weights=random_weights(run["model_id"]),
+            max_length=settings.max_length, overflow=settings.overflow))
     where = (f"the schema “{slug}”" if same else
              f"the questions run #{run_id} used ({frozen.get('name', '?')} v{frozen.get('version', '?')}, "
              "not saved in the library as they are)")

@@ -281,6 +281,14 @@ def render_explained(key: str, engine: DecisionEngine, request: dict, *, unit: s
     render_why(explained, question_id, request["state"], request_images(request))
 
 
+def explained_by_note(used: str, answered: str, label: str, differ_from: str) -> str | None:
+    """What Why says when the model that answered is not loaded and `used` explains instead; None when it is."""
+    if used == answered:
+        return None
+    return (f"Explained by {label}: the model that answered, {answered}, is not loaded here, so these answers may "
+            f"differ from {differ_from}.")
+
+
 def render_case_why(key: str, models: list, run: Run, case: Case, *, question_id: str | None = None) -> None:
     """Explain a stored case with the run's model if resident (else the default, said so)."""
     import streamlit as st
@@ -289,8 +297,7 @@ def render_case_why(key: str, models: list, run: Run, case: Case, *, question_id
     if model is None:
         st.info("Why needs a loaded model: load one in the sidebar.")
         return
-    note = (None if model.name == run["model_id"] else f"Explained by {model.label}: the run's model "
-            f"{run['model_id']} is not loaded here, so these answers may differ from the run's.")
+    note = explained_by_note(model.name, run["model_id"], model.label, "the run's")
     render_explained(key, model.engine, build_request(case, run["schema"], model=run["model_id"]),
                      max_length=run["settings"].max_length, overflow=run["settings"].overflow,
                      question_id=question_id, note=note)

@@ -93,7 +93,11 @@ def test_budget_fits():
 def test_budget_state_would_be_cut():
     status = answers.budget_status({**COUNTS, "max_length": 800})
     assert status.state_tokens_over == 49 and status.fixed_tokens_over == 0
-    assert "The last 49 tokens of the state would be cut" in status.message
+    assert status.message == ("The record is 849 tokens; max_length is 800, so Run will be refused: choose to "
+                              "truncate the state (its last 49 tokens are cut) or raise max_length.")
+    truncating = answers.budget_status({**COUNTS, "max_length": 800}, "truncate_state")
+    assert truncating.message == ("The record is 849 tokens; max_length is 800. The last 49 tokens of the state will "
+                                  "be cut: the model will not read them.")
 
 
 def test_budget_fixed_parts_over():

@@ -165,13 +165,14 @@ def test_token_budget_refuse_then_truncate(workbench):
     at.selectbox(key="decide.max_length").select(2048).run()
     no_exceptions(at)
     warnings = [w.value for w in at.warning]
-    assert any("tokens of the state would be cut" in w for w in warnings), warnings
+    assert any("so Run will be refused: choose to truncate the state" in w for w in warnings), warnings
     button(at, "Run").click().run()
     no_exceptions(at)
     errors = [e.value for e in at.error]
     assert any("over max_length 2,048" in e and "allow truncation" in e for e in errors), errors
     assert not [m for m in at.metric if m.label == "Answer"], "a refused request has no answers"
     at.radio(key="decide.overflow").set_value("truncate_state").run()
+    assert any("tokens of the state will be cut: the model will not read them" in w.value for w in at.warning)
     button(at, "Run").click().run()
     no_exceptions(at)
     truncated = next(m for m in at.metric if m.label == "Truncated state tokens")

@@ -210,20 +210,36 @@ def test_stale_causes_name_what_changed_since_run():
     assert result.stale_causes(**{**same, "model": "clef-flash"}) == ["the model"]
     assert result.stale_causes(**{**same, "images": []}) == ["the media"]
     assert result.stale_causes(**{**same, "state": "t", "questions": {}}) == ["the schema", "the state"]
-    assert vm.stale_message(["the model"]).startswith("**Outdated:** the model has changed since you pressed Run")
+    assert vm.stale_message(["the model"]).startswith(
+        "**Outdated:** the model has changed since these answers were computed")
     assert "the schema, the state and the model have changed" in vm.stale_message(
         ["the schema", "the state", "the model"])
 
 
 def test_model_for_run_follows_a_new_default_but_keeps_a_pick_meanwhile():
     state: dict = {}
-    assert vm.model_for_run(state, ["clef-demo", "small"], "clef-demo") == "clef-demo"
+    assert vm.model_for_run(state, ["clef-demo", "small"], "clef-demo") == ("clef-demo", None)
     vm.set_kept(state, vm.key("model"), "small")  # picked on the page
-    assert vm.model_for_run(state, ["clef-demo", "small"], "clef-demo") == "small"
-    assert vm.model_for_run(state, ["flash", "clef-demo", "small"], "flash") == "flash", "Make default switches"
-    assert vm.model_for_run(state, ["flash", "clef-demo"], "flash") == "flash"
+    assert vm.model_for_run(state, ["clef-demo", "small"], "clef-demo") == ("small", None)
+    assert vm.model_for_run(state, ["flash", "clef-demo", "small"], "flash") == ("flash", None), "Make default"
+    assert vm.model_for_run(state, ["flash", "clef-demo"], "flash") == ("flash", None)
     vm.set_kept(state, vm.key("model"), "clef-demo")
-    assert vm.model_for_run(state, ["flash"], "flash") == "flash", "a picked model unloaded since"
+    chosen, note = vm.model_for_run(state, ["flash"], "flash")  # a picked model unloaded since
+    assert chosen == "flash" and note == ("clef-demo is not loaded, so this page's runs use flash: add clef-demo in "
+                                          "the sidebar to use it.")
+    assert vm.model_for_run(state, ["flash"], "flash") == ("flash", None), "said once"
+
+
+def test_a_reload_keeps_the_model_picked_before_it():
+    """The draft a reload restores (F5, or a link to a run's case) names the model; a new session keeps it while it
+    is loaded, where it used to fall back to the default and mark the restored answers outdated."""
+    state: dict = {}
+    assert vm.model_for_run(state, ["clef-demo", "small"], "clef-demo") == ("clef-demo", None)
+    vm.set_kept(state, vm.key("model"), "small")
+    assert vm.draft_of(state)["model"] == "small"
+    reloaded: dict = {}
+    vm.restore_draft(reloaded, vm.draft_of(state))
+    assert vm.model_for_run(reloaded, ["clef-demo", "small"], "clef-demo") == ("small", None)
 
 
 def test_a_removed_question_comes_back_where_it_was_with_what_it_held(library):

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import sqlite3
 import threading
 import time
 from pathlib import Path
@@ -677,6 +678,22 @@ def test_a_results_row_opens_its_case_in_decide_with_the_runs_questions(workbenc
     assert shown.response == answered and shown.model_label == run["model_id"] and shown.random_weights
     assert "the answers below are the run's" in "\n".join(i.value for i in decide.info)
     assert [h.value for h in decide.subheader].count("Answers") == 1
+    assert not [w.value for w in decide.warning if "Outdated" in w.value], "the run's answers to what is on screen"
+
+    # a run made by a model not loaded here (another machine's): Decide says which model its Run uses now, and Why
+    # says which model explains the run's answers (it used to explain them with the page's model and say nothing)
+    with sqlite3.connect(store.path) as conn:
+        conn.execute("UPDATE runs SET model_id = 'clef-flash' WHERE id = ?", (run_id,))
+    try:
+        decide = open_decide_link(run=str(run_id), case=str(row["case"]))
+        assert "clef-flash is not loaded, so this page's runs use clef-demo" in "\n".join(i.value for i in decide.info)
+        decide.toggle(key="decide.why").set_value(True).run()
+        no_exceptions(decide)
+        assert ("Explained by clef-demo: the model that answered, clef-flash, is not loaded here, so these answers "
+                "may differ from the answers above.") in [c.value for c in decide.caption]
+    finally:
+        with sqlite3.connect(store.path) as conn:
+            conn.execute("UPDATE runs SET model_id = 'clef-demo' WHERE id = ?", (run_id,))
 
     # the library schema changed since the run: the run's own questions, without the library's identity
     library = shell.get_library()
