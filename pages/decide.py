@@ -356,10 +356,14 @@ run_clicked = run_box.button("Run", type="primary", key=K("run"), disabled=not c
                              help="Runs the state and schema on screen (Ctrl+Enter).")
 wait_line = run_box.empty()
 random_weights_line = run_box.empty()  # filled once this run's result is known: one notice, not two
+if shell.was_stopped(K("running")) and not run_clicked:
+    wait_line.info("The last Run stopped when the page changed before its answers came (a field or the model "
+                   "picker changed); press Run again.", icon=":material/info:")
 if run_clicked and request is not None and engine is not None:
     try:
         response = shell.run_queued(engine, [request], max_length=max_length, overflow=overflow,
-                                    on_wait=lambda text: wait_line.info(text, icon=":material/hourglass_top:"))[0]
+                                    on_wait=lambda text: wait_line.info(text, icon=":material/hourglass_top:"),
+                                    stopped_key=K("running"))[0]
     except RequestError as exc:
         st.session_state[K("last_error")] = {"key": run_key, "problems": exc.problems}
         st.rerun()
@@ -391,7 +395,7 @@ if result:
         if result.random_weights:
             st.warning(shell.random_weights_text(result.model_label), icon=":material/casino:")
         if causes := result.stale_causes(questions=questions, state=state_value, images=images, videos=videos,
-                                         model=model_name):
+                                         model=model_name, cut_now=vm.cut_now(status)):
             st.warning(vm.stale_message(causes), icon=":material/history:")
         counts = response.get("x_token_counts", {})
         top = st.columns(2) + st.columns(2)  # two rows: the model name does not fit a quarter of half a page
@@ -450,6 +454,7 @@ if result:
                                file_name="request.json", mime="application/json", key=K("download_request"))
 
         with st.expander("Save as case", icon=":material/bookmark_add:"):
+            st.caption(f"The expected labels proposed below are {result.model_label}'s answers above.")
             store = shell.get_store()
             existing = [s["name"] for s in store.list_case_sets()]
             default_set = result.default_case_set()

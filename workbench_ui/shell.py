@@ -328,22 +328,38 @@ def running_runs_text() -> str:
 
 
 def run_queued(engine, requests: list[dict], *, max_length: int | None = None, overflow: str = "refuse",
-               on_wait: Callable[[str], None] | None = None) -> list[dict]:
-    """Run requests at interactive priority, showing "queued, n ahead" while waiting."""
+               on_wait: Callable[[str], None] | None = None, stopped_key: str | None = None) -> list[dict]:
+    """Run requests at interactive priority, showing "queued, n ahead" while waiting. A widget changed meanwhile
+    makes Streamlit stop the script while it waits: the engine then drops the job (`abandon`), and `stopped_key`
+    is left set in the session for the page's next run to say so (`was_stopped`)."""
     prepared = [engine.validate(request, max_length=max_length, overflow=overflow) for request in requests]
     future = engine.submit(prepared, priority="interactive")  # validated once, above: carries its budget
+    if stopped_key:
+        st.session_state[stopped_key] = True
     started = time.monotonic()
-    while not future.done():
-        if on_wait is not None:
-            waited = time.monotonic() - started
-            position = engine.queue_position(future)
-            on_wait(f"Queued, {position} ahead (queue depth {engine.queue_depth()}) — {waited:.0f} s" if position
-                    else f"Running on {engine.info().get('device', 'the device')}… {waited:.1f} s")
-        try:
-            return future.result(timeout=POLL_SECONDS)
-        except TimeoutError:
-            continue
-    return future.result()
+    try:
+        while not future.done():
+            if on_wait is not None:
+                waited = time.monotonic() - started
+                position = engine.queue_position(future)
+                on_wait(f"Queued, {position} ahead (queue depth {engine.queue_depth()}) — {waited:.0f} s" if position
+                        else f"Running on {engine.info().get('device', 'the device')}… {waited:.1f} s")
+            with contextlib.suppress(TimeoutError):
+                future.result(timeout=POLL_SECONDS)
+        answers = future.result()
+    except Exception:  # the run's own failure: the page shows it
+        was_stopped(stopped_key)
+        raise
+    except BaseException:  # Streamlit stopped the script (its rerun exceptions are BaseExceptions)
+        engine.abandon(future)
+        raise
+    was_stopped(stopped_key)
+    return answers
+
+
+def was_stopped(stopped_key: str | None) -> bool:
+    """Whether the last run_queued under `stopped_key` was stopped by a rerun before its answers came (once)."""
+    return bool(stopped_key) and bool(st.session_state.pop(stopped_key, None))
 
 
 def ended_since_last_poll(key: str, live: bool) -> bool:

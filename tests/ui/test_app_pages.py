@@ -342,6 +342,49 @@ def test_run_queued_reports_queue_position_then_running():
     assert seen[-1].startswith("Running on cuda:0")
 
 
+def test_a_run_a_widget_change_stops_is_dropped_by_the_engine_and_said_on_the_next_run():
+    """Changing the model picker (or any field) while Run waits makes Streamlit stop the script inside run_queued:
+    the run used to vanish without a word while the engine computed it anyway."""
+    from concurrent.futures import Future
+
+    from streamlit.runtime.scriptrunner_utils.exceptions import RerunException
+
+    class WaitingEngine:
+        def __init__(self):
+            self.future, self.abandoned = Future(), []
+
+        def validate(self, request, **budget):
+            return request
+
+        def submit(self, requests, **kwargs):
+            return self.future
+
+        def queue_position(self, future):
+            return None
+
+        def queue_depth(self):
+            return 1
+
+        def info(self):
+            return {"device": "cpu"}
+
+        def abandon(self, future):
+            self.abandoned.append(future)
+
+    def widget_changed(text: str) -> None:  # what Streamlit raises at the page's next call while it waits
+        raise RerunException(None)
+
+    engine = WaitingEngine()
+    with pytest.raises(RerunException):
+        shell.run_queued(engine, [{"state": "x"}], on_wait=widget_changed, stopped_key="decide.running")
+    assert engine.abandoned == [engine.future]
+    assert shell.was_stopped("decide.running") and not shell.was_stopped("decide.running"), "said once"
+    done = WaitingEngine()
+    done.future.set_result([{"answers": {}}])
+    assert shell.run_queued(done, [{"state": "x"}], stopped_key="decide.running") == [{"answers": {}}]
+    assert not shell.was_stopped("decide.running") and not done.abandoned
+
+
 # --- Decide: drafts, identity, confirmations (issue 13) ---------------------------------------------------------
 
 

@@ -230,6 +230,24 @@ def test_model_for_run_follows_a_new_default_but_keeps_a_pick_meanwhile():
     assert vm.model_for_run(state, ["flash"], "flash") == ("flash", None), "said once"
 
 
+def test_a_changed_max_length_or_overflow_marks_the_answers_outdated_only_when_it_changes_the_cut():
+    """The budget settings changed after Run: the same record is cut otherwise (or refused), so the answers on
+    screen no longer answer what Run would send; a change that cuts the same tokens changes nothing."""
+    result = vm.DecideResult(request={}, response={"answers": {}, "x_truncated_state_tokens": 0}, questions={},
+                             state="s", images=(), videos=(), schema_name="", model_label="m", device="cpu",
+                             max_length=16_384, overflow="refuse")
+    same = {"questions": {}, "state": "s", "images": [], "videos": [], "model": "m"}
+    fits = answers.BudgetStatus(849, 8192, 0, 0, "refuse")
+    cut = answers.BudgetStatus(849, 800, 49, 0, "truncate_state")
+    refused = answers.BudgetStatus(849, 800, 49, 0, "refuse")
+    assert result.stale_causes(**same, cut_now=vm.cut_now(fits)) == []
+    assert result.stale_causes(**same, cut_now=vm.cut_now(cut)) == ["the token budget"]
+    assert result.stale_causes(**same, cut_now=vm.cut_now(refused)) == ["the token budget"]
+    assert result.stale_causes(**same, cut_now=vm.cut_now(None)) == [], "not counted (a remote endpoint)"
+    assert result.stale_causes(**{**same, "state": "t"}, cut_now=vm.cut_now(cut)) == ["the state"]
+    assert vm.stale_message(["the token budget"]).startswith("**Outdated:** the token budget has changed")
+
+
 def test_a_reload_keeps_the_model_picked_before_it():
     """The draft a reload restores (F5, or a link to a run's case) names the model; a new session keeps it while it
     is loaded, where it used to fall back to the default and mark the restored answers outdated."""
