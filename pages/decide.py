@@ -395,7 +395,7 @@ if result:
         if result.random_weights:
             st.warning(shell.random_weights_text(result.model_label), icon=":material/casino:")
         if causes := result.stale_causes(questions=questions, state=state_value, images=images, videos=videos,
-                                         model=model_name, cut_now=vm.cut_now(status)):
+                                         model=model_name, budget=status):
             st.warning(vm.stale_message(causes), icon=":material/history:")
         counts = response.get("x_token_counts", {})
         top = st.columns(2) + st.columns(2)  # two rows: the model name does not fit a quarter of half a page
@@ -427,7 +427,8 @@ if result:
                                calibrated=calibration_note if answer is not response["answers"][qid] else None)
         # Why explains the answers shown: with the model that gave them while it is loaded, and their budget
         explainer = loaded_models.get(result.model_label)
-        why_engine = explainer.engine if explainer else engine
+        why_engine, why_note = (explainer.engine, None) if explainer else (engine, why.explained_by_note(
+            model_name, result.model_label, model_name, "the answers above"))
         if why_engine is not None and st.toggle("Why", key=K("why"), help="Which sentences, fields, image regions "
                                                 "and frames moved each answer: each is removed in turn and the "
                                                 "record decided again, in one batched run"):
@@ -439,9 +440,7 @@ if result:
                                               "cost more tokens.")
             why.render_explained(K("why_result"), why_engine, result.request, unit=unit,
                                  max_length=result.max_length or max_length, overflow=result.overflow or overflow,
-                                 picker=why_cols[1], note=why.explained_by_note(
-                                     explainer.name if explainer else model_name, result.model_label,
-                                     model_name, "the answers above"))
+                                 picker=why_cols[1], note=why_note)
 
         tabs = st.tabs(["Response JSON", "Request JSON"])
         with tabs[0]:

@@ -159,6 +159,13 @@ class BudgetStatus:
                     "or raise max_length.")
         return f"{self.total:,} of {self.max_length:,} tokens used."
 
+    @property
+    def state_tokens_cut(self) -> int | None:
+        """How many of the state's tokens a Run with this budget cuts; None: it is refused."""
+        if self.state_tokens_over and self.overflow != "truncate_state":
+            return None
+        return self.state_tokens_over
+
 
 def budget_status(counts: dict[str, int], overflow: str = "refuse") -> BudgetStatus:
     total = int(counts["total"])

@@ -338,9 +338,9 @@ class DecideResult:
 
     def stale_causes(self, *, questions: dict[str, Any], state: Any, images: list[state_input.Media],
                      videos: list[state_input.Media], model: str | None,
-                     cut_now: int | None | str = "unknown") -> list[str]:
-        """What changed on screen since Run, in words; empty when the answers still match the inputs. `cut_now`:
-        how many of the state's tokens a Run now would cut (None: it would be refused; "unknown": not counted)."""
+                     budget: answers.BudgetStatus | None = None) -> list[str]:
+        """What changed on screen since Run, in words; empty when the answers still match the inputs. `budget`:
+        the token budget on screen, when it is counted."""
         causes = []
         if json.dumps(questions, sort_keys=True) != json.dumps(self.questions, sort_keys=True):
             causes.append("the schema")
@@ -351,7 +351,8 @@ class DecideResult:
         if model != self.model_label:
             causes.append("the model")
         cut_then = self.response.get("x_truncated_state_tokens", 0)
-        if not {"the schema", "the state", "the media"} & set(causes) and cut_now not in ("unknown", cut_then):
+        if (budget is not None and not {"the schema", "the state", "the media"} & set(causes)
+                and budget.state_tokens_cut != cut_then):
             causes.append("the token budget")  # the same record, cut otherwise: max_length or overflow changed
         return causes
 
@@ -368,15 +369,6 @@ def answer_text(summary: answers.AnswerSummary, answer: dict[str, Any]) -> str:
         return summary.top_option
     label = (answer.get("legend") or {}).get(summary.top_option)
     return f"level {summary.top_option}" + (f" · {label}" if label else "")
-
-
-def cut_now(status: answers.BudgetStatus | None) -> int | None | str:
-    """How many of the state's tokens a Run with this budget would cut (None: refused; "unknown": not counted)."""
-    if status is None:
-        return "unknown"
-    if status.state_tokens_over and status.overflow != "truncate_state":
-        return None
-    return status.state_tokens_over
 
 
 def stale_message(causes: list[str]) -> str:

@@ -347,13 +347,13 @@ def run_queued(engine, requests: list[dict], *, max_length: int | None = None, o
             with contextlib.suppress(TimeoutError):
                 future.result(timeout=POLL_SECONDS)
         answers = future.result()
-    except Exception:  # the run's own failure: the page shows it
-        was_stopped(stopped_key)
+    except Exception:  # the run's own failure, which the page shows: not a stopped run
+        was_stopped(stopped_key)  # clears the mark
         raise
     except BaseException:  # Streamlit stopped the script (its rerun exceptions are BaseExceptions)
         engine.abandon(future)
         raise
-    was_stopped(stopped_key)
+    was_stopped(stopped_key)  # clears the mark
     return answers
 
 

@@ -240,11 +240,11 @@ def test_a_changed_max_length_or_overflow_marks_the_answers_outdated_only_when_i
     fits = answers.BudgetStatus(849, 8192, 0, 0, "refuse")
     cut = answers.BudgetStatus(849, 800, 49, 0, "truncate_state")
     refused = answers.BudgetStatus(849, 800, 49, 0, "refuse")
-    assert result.stale_causes(**same, cut_now=vm.cut_now(fits)) == []
-    assert result.stale_causes(**same, cut_now=vm.cut_now(cut)) == ["the token budget"]
-    assert result.stale_causes(**same, cut_now=vm.cut_now(refused)) == ["the token budget"]
-    assert result.stale_causes(**same, cut_now=vm.cut_now(None)) == [], "not counted (a remote endpoint)"
-    assert result.stale_causes(**{**same, "state": "t"}, cut_now=vm.cut_now(cut)) == ["the state"]
+    assert result.stale_causes(**same, budget=fits) == []
+    assert result.stale_causes(**same, budget=cut) == ["the token budget"]
+    assert result.stale_causes(**same, budget=refused) == ["the token budget"]
+    assert result.stale_causes(**same, budget=None) == [], "not counted (a remote endpoint)"
+    assert result.stale_causes(**{**same, "state": "t"}, budget=cut) == ["the state"]
     assert vm.stale_message(["the token budget"]).startswith("**Outdated:** the token budget has changed")
 
 
